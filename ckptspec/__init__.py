@@ -1,0 +1,24 @@
+"""ckptspec: self-describing manifests for sharded training checkpoints.
+
+The core (models, schema, validation) needs neither torch nor DeepSpeed;
+``ckptspec.deepspeed`` and ``ckptspec.torch`` import them on use.
+"""
+
+from .findings import Finding
+from .models import FORMAT_NAME, FORMAT_VERSION, Manifest
+from .validate import InvalidManifest, Report, load_manifest, validate_document, validate_file
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "Finding",
+    "InvalidManifest",
+    "Manifest",
+    "Report",
+    "load_manifest",
+    "validate_document",
+    "validate_file",
+    "__version__",
+]

@@ -1,0 +1,116 @@
+"""Read a manifest document (JSON or msgpack) into plain Python data, safely.
+
+Every way the bytes can be unusable becomes a ``CkptspecError`` with a code:
+the size is capped *before* reading, text must be UTF-8, JSON may not hold
+NaN/Infinity or duplicate keys, and pathological nesting or integers become
+errors instead of tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import msgpack
+
+from .errors import CkptspecError
+
+Encoding = Literal["json", "msgpack"]
+DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+MSGPACK_SUFFIXES = {".msgpack", ".mpk"}
+
+
+class InvalidDocument(CkptspecError):
+    """The bytes decode, but not to something a manifest can be (exit 1)."""
+
+    exit_code = 1
+
+
+def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding:
+    """By extension first; otherwise sniff: msgpack maps start with 0x80-0x8f/0xde/0xdf."""
+    suffix = Path(path).suffix.lower()
+    if suffix in MSGPACK_SUFFIXES:
+        return "msgpack"
+    if suffix == ".json" or not data:
+        return "json"
+    first = data[0]
+    return "msgpack" if (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)) else "json"
+
+
+def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    name = str(path)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise CkptspecError("CK901", "file not found", "check the path", name) from None
+    except OSError as exc:
+        raise CkptspecError("CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name) from None
+    if os.path.isdir(path):
+        raise CkptspecError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
+    if size > max_bytes:
+        raise CkptspecError(
+            "CK902",
+            f"file is {size} bytes, over the {max_bytes}-byte limit",
+            "raise the limit with --max-size if this file is really a manifest",
+            name,
+        )
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise CkptspecError("CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name) from None
+
+
+def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _Duplicate(dup)
+    return obj
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _refuse_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not allowed in a manifest")
+
+
+def decode(data: bytes, encoding: Encoding, name: str = "<input>") -> Any:
+    """Decode bytes to Python data; never raises anything but ``CkptspecError``."""
+    try:
+        if encoding == "msgpack":
+            return msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=_string_keys)
+        text = data.decode("utf-8")
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant)
+    except _Duplicate as dup:
+        raise InvalidDocument("CK904", f"duplicate key {dup.args[0]!r}", "every key may appear once per object", name) from None
+    except UnicodeDecodeError as exc:
+        raise CkptspecError("CK903", f"not UTF-8 text (byte {exc.start})", "save the manifest as UTF-8 JSON or msgpack", name) from None
+    except RecursionError:
+        raise CkptspecError("CK903", "nesting is too deep to be a manifest", "check that this is a ckptspec manifest", name) from None
+    except (ValueError, msgpack.UnpackException, msgpack.ExtraData, TypeError, OverflowError) as exc:
+        what = "msgpack" if encoding == "msgpack" else "JSON"
+        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise CkptspecError("CK903", f"not valid {what}: {detail}", f"check that this is a {what} manifest", name) from None
+
+
+def _string_keys(pairs: list[tuple[Any, Any]]) -> dict:
+    for key, _ in pairs:
+        if not isinstance(key, str):
+            raise ValueError(f"map key {key!r} is not a string")
+    return _no_duplicates(pairs)
+
+
+def load_document(
+    path: str | os.PathLike,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    encoding: Encoding | None = None,
+) -> Any:
+    """Read and decode one manifest file into plain Python data (not yet validated)."""
+    data = read_bytes(path, max_bytes)
+    return decode(data, encoding or encoding_for(path, data), str(path))

@@ -1,0 +1,38 @@
+"""The shipped JSON Schemas, loaded from package data (``ckptspec/schemas`` is ``schema/``)."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+
+from jsonschema import Draft202012Validator
+
+# format minor version -> schema file; a released file is never edited.
+MANIFEST_SCHEMAS = {"1.0": "manifest-1.0.schema.json"}
+LATEST_MANIFEST = "1.0"
+REPORT_SCHEMA = "report-1.0.schema.json"
+
+
+def schema_text(filename: str) -> str:
+    return resources.files("ckptspec").joinpath("schemas", filename).read_text("utf-8")
+
+
+@lru_cache(maxsize=None)
+def schema(filename: str) -> dict:
+    return json.loads(schema_text(filename))
+
+
+@lru_cache(maxsize=None)
+def validator(filename: str) -> Draft202012Validator:
+    return Draft202012Validator(schema(filename))
+
+
+def manifest_schema_file(version: str = LATEST_MANIFEST) -> str:
+    """``version`` is ``MAJOR.MINOR`` (``1.0``) or a full ``1.0.0``."""
+    key = ".".join(version.split(".")[:2])
+    try:
+        return MANIFEST_SCHEMAS[key]
+    except KeyError:
+        known = ", ".join(sorted(MANIFEST_SCHEMAS))
+        raise KeyError(f"no schema for format version {version} (known: {known})") from None

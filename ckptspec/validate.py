@@ -1,0 +1,138 @@
+"""Validate a manifest document: version gate, JSON Schema, models, semantic rules.
+
+The JSON Schema is the reference: when it rejects a document, its errors are the
+findings and the semantic rules do not run (they need well-typed data).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from .findings import Finding, has_errors, json_path
+from .loader import DEFAULT_MAX_BYTES, Encoding, load_document
+from .models import FORMAT_NAME, FORMAT_VERSION, Manifest
+from .rules import check_manifest
+from .schemas_registry import LATEST_MANIFEST, manifest_schema_file, validator
+
+SUPPORTED_MAJOR, SUPPORTED_MINOR = (int(x) for x in FORMAT_VERSION.split(".")[:2])
+_MAX_MESSAGE = 300
+
+
+@dataclass
+class Report:
+    """The outcome of validating one document."""
+
+    findings: list[Finding] = field(default_factory=list)
+    manifest: Manifest | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not has_errors(self.findings)
+
+
+def _version_findings(doc: dict) -> tuple[list[Finding], bool]:
+    """Gate on the format version before anything else.
+
+    Returns (findings, stop): an unknown major stops validation; a newer minor is
+    read with a warning, keeping fields this reader does not know.
+    """
+    version = doc.get("format_version")
+    if not isinstance(version, str):
+        return [], False
+    parts = version.split(".")
+    if len(parts) != 3 or not all(p.isdigit() and len(p) <= 6 for p in parts):
+        return [], False  # the schema reports the malformed version
+    major, minor = int(parts[0]), int(parts[1])
+    if major != SUPPORTED_MAJOR:
+        return [Finding(
+            "CK003", "format-major", json_path("format_version"),
+            f"format version {version} has major {major}; this reader understands major {SUPPORTED_MAJOR} only",
+            "upgrade ckptspec, or migrate the manifest with `ckptspec migrate`",
+        )], True
+    if minor > SUPPORTED_MINOR:
+        return [Finding(
+            "CK004", "format-minor-newer", json_path("format_version"),
+            f"format version {version} is newer than {FORMAT_VERSION}; fields this reader does not know are kept unchecked",
+            "upgrade ckptspec to check every field", severity="warning",
+        )], False
+    return [], False
+
+
+def _schema_path(error) -> str:
+    return json_path(*error.absolute_path)
+
+
+def _schema_message(error) -> str:
+    message = error.message
+    return message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 3] + "..."
+
+
+def schema_findings(doc: Any, allow_unknown: bool = False) -> list[Finding]:
+    """Findings from the normative JSON Schema (``jsonschema``, draft 2020-12)."""
+    found = []
+    for error in validator(manifest_schema_file(LATEST_MANIFEST)).iter_errors(doc):
+        if allow_unknown and error.validator == "additionalProperties":
+            continue
+        found.append(Finding(
+            "CK001", "schema", _schema_path(error), _schema_message(error),
+            f"the document breaks the JSON Schema rule '{error.validator}' (see docs/spec.md)",
+        ))
+    found.sort(key=lambda f: f.path)
+    return found
+
+
+def validate_document(doc: Any) -> Report:
+    """Validate already-decoded manifest data."""
+    findings: list[Finding] = []
+    allow_unknown = False
+    if isinstance(doc, dict):
+        version_findings, stop = _version_findings(doc)
+        findings += version_findings
+        if stop:
+            return Report(findings)
+        allow_unknown = any(f.code == "CK004" for f in version_findings)
+    findings += schema_findings(doc, allow_unknown)
+    if has_errors(findings):
+        return Report(findings)
+    try:
+        manifest = Manifest.model_validate(doc, context={"allow_unknown": allow_unknown})
+    except ValidationError as exc:
+        # The schema accepted what the models refuse: a bug in ckptspec, not the input.
+        first = exc.errors()[0]
+        findings.append(Finding(
+            "CK002", "model-disagreement", json_path(*first["loc"]),
+            f"the schema accepts this document but the models refuse it: {first['msg']}",
+            "please report this ckptspec bug with the manifest attached",
+        ))
+        return Report(findings)
+    findings += check_manifest(manifest)
+    return Report(findings, manifest)
+
+
+def validate_file(
+    path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, encoding: Encoding | None = None
+) -> Report:
+    """Load and validate a manifest file. Raises ``CkptspecError`` when it cannot be read."""
+    return validate_document(load_document(path, max_bytes, encoding))
+
+
+def load_manifest(path: str | os.PathLike, **kwargs) -> Manifest:
+    """Load a manifest that must be valid; raises ``InvalidManifest`` listing the findings."""
+    report = validate_file(path, **kwargs)
+    if not report.ok or report.manifest is None:
+        raise InvalidManifest(str(path), report.findings)
+    return report.manifest
+
+
+class InvalidManifest(Exception):
+    def __init__(self, name: str, findings: list[Finding]):
+        self.findings = findings
+        errors = [f for f in findings if f.severity == "error"]
+        super().__init__(f"{name}: invalid manifest ({len(errors)} finding(s)); first: {errors[0].to_line() if errors else ''}")
+
+
+__all__ = ["Report", "validate_document", "validate_file", "load_manifest", "InvalidManifest", "FORMAT_NAME"]

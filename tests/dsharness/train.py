@@ -1,0 +1,261 @@
+"""Train a tiny model for a few steps with real DeepSpeed and save a checkpoint.
+
+Run under torchrun (see build.py, which also caches results):
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/dsharness/train.py --spec '{"stage": 2}' --out DIR
+
+Besides the DeepSpeed checkpoint, rank 0 writes into DIR:
+  live_fp32.pt   name -> fp32 master weight, read from the live engine just before saving
+                 (trainable params only, tied aliases included under every name)
+  harness.json   the normalized spec, world size, versions and optimizer class
+
+Spec keys (JSON object) are listed in DEFAULTS; unknown keys are an error so typos do not
+silently build the wrong checkpoint.
+"""
+import argparse
+import copy
+import importlib
+import json
+import os
+from pathlib import Path
+
+DEFAULTS = {
+    "stage": 2,                   # ZeRO stage 0..3
+    "dtype": "bf16",              # bf16 | fp16 | fp32
+    "tied": False,                # head.weight = emb.weight
+    "frozen": False,              # extra Linear with requires_grad=False
+    "buffers": False,             # persistent buffers step_count/running + non-persistent scratch
+    "two_groups": False,          # biases in a second param group with weight_decay 0
+    "round_robin": False,         # zero_optimization.round_robin_gradients
+    "parameter_alignment": False, # zero_optimization.parameter_alignment (stage 1/2)
+    "sub_group_size": None,       # zero_optimization.sub_group_size (stage 3)
+    "exclude_frozen": False,      # save_checkpoint(exclude_frozen_parameters=True)
+    "zero_elem": False,           # nn.Linear(8, 0, bias=False) and nn.Parameter(torch.zeros(0))
+    "grad_accum_dtype": None,     # "fp32" with bf16 + stage 1 selects BF16_Optimizer
+    "steps": 2,
+    "seed": 1234,
+    "micro_batch": 4,
+    "hook": None,                 # "module.path:function", called as function(engine, out_dir, spec)
+    "zero": {},                   # extra zero_optimization keys (override)
+    "config": {},                 # extra top-level DeepSpeed config keys (override)
+}
+
+VOCAB, DIM, HIDDEN, SEQ = 50, 16, 33, 8  # odd sizes so that partitions need padding
+
+
+def normalize_spec(spec):
+    unknown = set(spec) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown spec keys: {sorted(unknown)}")
+    out = copy.deepcopy(DEFAULTS)
+    out.update(copy.deepcopy(spec))
+    if out["stage"] not in (0, 1, 2, 3) or out["dtype"] not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"bad stage/dtype in spec: {spec}")
+    if out["stage"] == 3 and out["zero_elem"]:
+        # DeepSpeed 0.19.8 stage 3 crashes during training on CPU with zero-element params.
+        raise ValueError("zero_elem is not supported with stage 3")
+    return out
+
+
+def build_model(spec):
+    import torch
+    from torch import nn
+
+    class TinyModel(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, DIM)
+            self.l1 = nn.Linear(DIM, HIDDEN)
+            self.l2 = nn.Linear(HIDDEN, DIM)
+            self.head = nn.Linear(DIM, VOCAB, bias=False)
+            if spec["tied"]:
+                self.head.weight = self.emb.weight
+            if spec["frozen"]:
+                self.frozen = nn.Linear(DIM, DIM)
+                self.frozen.requires_grad_(False)
+            if spec["buffers"]:
+                self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
+                self.register_buffer("running", torch.zeros(DIM))
+                self.register_buffer("scratch", torch.zeros(4), persistent=False)
+            if spec["zero_elem"]:
+                self.z1 = nn.Linear(8, 0, bias=False)
+                self.z2 = nn.Parameter(torch.zeros(0))
+
+        def forward(self, tokens, targets):
+            h = self.emb(tokens)
+            if spec["frozen"]:
+                h = h + self.frozen(h)
+            h = self.l2(torch.relu(self.l1(h)))
+            if spec["buffers"]:
+                # Rank-independent updates, so every rank's copy of the buffers agrees.
+                with torch.no_grad():
+                    self.step_count += 1
+                    self.running.add_(0.5)
+                    self.scratch.add_(1.0)
+            logits = self.head(h).float()
+            return nn.functional.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+    return TinyModel()
+
+
+def ds_config(spec):
+    zero = {"stage": spec["stage"]}
+    if spec["round_robin"]:
+        zero["round_robin_gradients"] = True
+    if spec["parameter_alignment"]:
+        zero["parameter_alignment"] = True
+    if spec["sub_group_size"] is not None:
+        zero["sub_group_size"] = spec["sub_group_size"]
+    zero.update(spec["zero"])
+    cfg = {
+        "train_micro_batch_size_per_gpu": spec["micro_batch"],
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**6,
+        "zero_optimization": zero,
+    }
+    if spec["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif spec["dtype"] == "fp16":
+        # Small initial scale: overflow-skipped steps would leave the weights untouched.
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 4}
+    if spec["grad_accum_dtype"]:
+        cfg["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
+    cfg.update(spec["config"])
+    return cfg
+
+
+def param_groups(model, spec):
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not spec["two_groups"]:
+        return [{"params": [p for _, p in named]}]
+    return [
+        {"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.01},
+        {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0},
+    ]
+
+
+def live_fp32(engine, model, stage):
+    """Full fp32 master weights from the live engine (collective: call on every rank).
+
+    Stage 0-2 use the optimizer's own buffers: a low-precision param is a view into the flat
+    bit16 buffer, so its offset there is data_ptr arithmetic, independent of any checkpoint
+    metadata. (safe_get_full_fp32_param is not used for stage 1/2 because its _hp_mapping
+    ignores round_robin_gradients ordering.) Stage 3 has no flat lp buffer, so it uses
+    DeepSpeed's per-param allgather.
+    """
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    names = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    found = {}  # id(param) -> fp32 tensor
+
+    opt = engine.optimizer
+    if stage == 3:
+        for _, p in model.named_parameters():
+            if p.requires_grad:
+                found[id(p)] = safe_get_full_fp32_param(p).detach().clone()
+    elif hasattr(opt, "bit16_groups_flat") or hasattr(opt, "bf16_groups_flat"):
+        if hasattr(opt, "bit16_groups_flat"):  # DeepSpeedZeroOptimizer (stage 1/2)
+            groups, flats, parts = opt.bit16_groups, opt.bit16_groups_flat, opt.single_partition_of_fp32_groups
+        else:  # BF16_Optimizer
+            groups, flats, parts = opt.bf16_groups, opt.bf16_groups_flat, opt.fp32_groups_flat_partition
+        for i, (group, flat, part) in enumerate(zip(groups, flats, parts)):
+            pg = opt.real_dp_process_group[i]
+            chunks = [torch.empty_like(part) for _ in range(dist.get_world_size(group=pg))]
+            dist.all_gather(chunks, part.detach().contiguous(), group=pg)
+            full = torch.cat(chunks)
+            for p in group:
+                off = (p.data_ptr() - flat.data_ptr()) // p.element_size()
+                found[id(p)] = full[off:off + p.numel()].view(p.shape).clone()
+    elif hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):  # stage 0 fp16/bf16 (unfused)
+        for lp_group, fp32_group in zip(opt.fp16_groups, opt.fp32_groups):
+            for p, m in zip(lp_group, fp32_group):
+                found[id(p)] = m.detach().clone().view(p.shape)
+    else:  # stage 0 fp32: the params are the master weights
+        for p in model.parameters():
+            if p.requires_grad:
+                found[id(p)] = p.detach().clone()
+
+    return {n: t for pid, t in found.items() if t.numel() > 0 for n in names[pid]}
+
+
+def safe_get_mismatches(model, live, stage):
+    """Names where DeepSpeed's safe_get_full_fp32_param disagrees with `live` (stage 1/2 only)."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+    if stage not in (1, 2):
+        return []
+    bad = []
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if n in live:
+            t = safe_get_full_fp32_param(p)  # collective: same order on every rank
+            if t is None or not torch.equal(t.float(), live[n]):
+                bad.append(n)
+    return bad
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", required=True, help="JSON object, see DEFAULTS")
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args()
+    spec = normalize_spec(json.loads(args.spec))
+
+    import torch
+    import torch.distributed as dist
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if spec["dtype"] == "fp16":
+        # The CPU accelerator reports no fp16 support; its kernels work anyway for this tiny model.
+        get_accelerator().is_fp16_supported = lambda: True
+
+    torch.manual_seed(spec["seed"])
+    torch.use_deterministic_algorithms(True)
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    model = build_model(spec)  # same seed on every rank -> identical initial weights
+    optimizer = torch.optim.AdamW(param_groups(model, spec), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(spec))
+
+    for step in range(spec["steps"]):
+        g = torch.Generator().manual_seed(spec["seed"] + 1000 * rank + step)  # per-rank data
+        tokens = torch.randint(0, VOCAB, (spec["micro_batch"], SEQ), generator=g)
+        targets = torch.randint(0, VOCAB, (spec["micro_batch"], SEQ), generator=g)
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()
+
+    live = live_fp32(engine, model, spec["stage"])
+    mismatches = safe_get_mismatches(model, live, spec["stage"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        torch.save(live, args.out / "live_fp32.pt")
+        info = {
+            "spec": spec,
+            "world_size": world,
+            "deepspeed_version": deepspeed.__version__,
+            "torch_version": torch.__version__,
+            "optimizer_class": type(engine.optimizer).__name__,
+            "tag": f"global_step{engine.global_steps}",
+            "safe_get_full_fp32_param_mismatches": mismatches,
+        }
+        (args.out / "harness.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+
+    engine.save_checkpoint(str(args.out), exclude_frozen_parameters=spec["exclude_frozen"])
+
+    if spec["hook"]:
+        mod_name, fn_name = spec["hook"].split(":")
+        getattr(importlib.import_module(mod_name), fn_name)(engine, args.out, spec)
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
