@@ -98,6 +98,29 @@ def _emit(output_format: str, target: str, findings: list[Finding], error: Ckpts
         click.echo(f"{target}: valid")
 
 
+@cli.command()
+@click.argument("checkpoint", metavar="CHECKPOINT")
+@click.option("--tag", default=None, help="Tag directory to describe (default: the one named by 'latest').")
+@click.option("-o", "--output", default="-", show_default="stdout", help="Write the manifest here (.json or .msgpack).")
+@click.option("--hash", "hash_algorithm", flag_value="sha256", default=None,
+              help="Record a SHA-256 content hash of every shard file (reads every byte).")
+def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str | None) -> None:
+    """Describe a saved DeepSpeed checkpoint directory in a manifest.
+
+    Reads only metadata (no tensor data unless --hash), needs neither DeepSpeed nor
+    torch, and never executes pickled code.
+    """
+    from .ds_checkpoint import manifest_from_checkpoint
+    from .encoding import write_manifest
+
+    try:
+        manifest = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm)
+        write_manifest(manifest, output)
+    except CkptspecError as exc:
+        click.echo(exc.to_line(), err=True)
+        sys.exit(exc.exit_code)
+
+
 @cli.command("schema")
 @click.option("--version", "version", default=None, metavar="V",
               help=f"Format version (known: {', '.join(sorted(MANIFEST_SCHEMAS))}); default the latest.")

@@ -1,0 +1,222 @@
+"""Manifests from a live DeepSpeed engine.
+
+The layout is read from the optimizer objects themselves (flat-buffer offsets,
+alignment paddings, round-robin order, partition sizes, stage-3 sub-groups), not
+re-derived from the config. No collective call is made: every value read here is
+already present on each rank, so ``manifest_from_engine`` may be called on any
+subset of ranks without deadlock.
+
+Imports torch and DeepSpeed only when called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .layout import ParamSpec, flat_group, per_param_group
+from .models import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    Alias,
+    Buffer,
+    ExcludedParam,
+    FrozenParam,
+    Group,
+    Layout,
+    Manifest,
+    Producer,
+)
+from .torch_dtypes import dtype_name
+
+
+class UnsupportedEngine(ValueError):
+    """The engine uses a layout that format 1.0 cannot describe (MoE, pipeline, TP)."""
+
+
+def _param_names(engine) -> dict[int, str]:
+    # A tied param is named by its first name, as DeepSpeed names it (its other names are aliases).
+    return {id(p): name for name, p in engine.module.named_parameters()}
+
+
+def _shape(param) -> tuple[int, ...]:
+    return tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
+
+
+def _spec(param, names: dict[int, str]) -> ParamSpec:
+    return ParamSpec(names[id(param)], _shape(param), dtype_name(param.dtype))
+
+
+def _flat_groups_stage12(engine, names) -> list[Group]:
+    opt = engine.optimizer
+    groups = []
+    for i, params in enumerate(opt.round_robin_bit16_groups):
+        count = opt.partition_count[i]
+        group = flat_group(
+            [_spec(p, names) for p in params], optimizer_group=i, partition_count=count,
+            zero_stage=engine.zero_optimization_stage(), paddings=opt.round_robin_bit16_padding[i],
+        )
+        # Cross-check with the optimizer's own numbers: the flat buffer and this rank's saved tail.
+        if group.padded_numel != opt.bit16_groups_flat[i].numel():
+            raise AssertionError(f"group {i}: computed padded numel {group.padded_numel}, "
+                                 f"live flat buffer has {opt.bit16_groups_flat[i].numel()}")
+        if [p.offset for p in group.params] != list(opt.round_robin_bit16_offsets[i]):
+            raise AssertionError(f"group {i}: computed offsets differ from the live optimizer's")
+        groups.append(group)
+    return groups
+
+
+def _flat_groups_bf16_optimizer(engine, names) -> list[Group]:
+    # BF16_Optimizer saves each rank's fp32 partition *with* its tail padding.
+    opt = engine.optimizer
+    groups = []
+    for i, params in enumerate(opt.bf16_groups):
+        group = flat_group(
+            [_spec(p, names) for p in params], optimizer_group=i, partition_count=opt.partition_count[i],
+            zero_stage=1, tail_padding_saved=True,
+        )
+        if group.padded_numel != opt.bf16_groups_flat[i].numel():
+            raise AssertionError(f"group {i}: computed padded numel {group.padded_numel}, "
+                                 f"live flat buffer has {opt.bf16_groups_flat[i].numel()}")
+        groups.append(group)
+    return groups
+
+
+def _per_param_groups_stage3(engine, names) -> list[Group]:
+    opt = engine.optimizer
+    groups = []
+    for j, sub_group in enumerate(opt.fp16_groups):
+        group = per_param_group(
+            [_spec(p, names) for p in sub_group], optimizer_group=int(opt.sub_group_to_group_id[j]),
+            partition_count=opt.sub_group_partition_counts[j] if hasattr(opt, "sub_group_partition_counts") else engine.dp_world_size,
+        )
+        if group.partition_numel != int(opt.fp16_partitioned_groups_flat_numel[j]):
+            raise AssertionError(f"sub-group {j}: computed partition numel {group.partition_numel}, "
+                                 f"live optimizer has {opt.fp16_partitioned_groups_flat_numel[j]}")
+        groups.append(group)
+    return groups
+
+
+def _is_bf16_optimizer(opt) -> bool:
+    return type(opt).__name__ == "BF16_Optimizer"
+
+
+def _frozen(engine, names, trainable: set[str], stage: int, excluded: bool) -> list[FrozenParam]:
+    if excluded:
+        return []
+    stored_in = {0: "module", 1: "module", 2: "fragments", 3: "partitioned_fragments"}[stage]
+    frozen, seen = [], set()
+    for param in engine.module.parameters():
+        name = names[id(param)]
+        if name in trainable or id(param) in seen:
+            continue
+        seen.add(id(param))
+        shape = _shape(param)
+        frozen.append(FrozenParam(name=name, shape=list(shape), numel=ParamSpec(name, shape, "").numel,
+                                  dtype=dtype_name(param.dtype), stored_in=stored_in))
+    return frozen
+
+
+def _aliases(engine, shapes: dict[str, tuple[int, ...]]) -> list[Alias]:
+    """Tied parameters by object identity (``ds_id`` under stage 3).
+
+    DeepSpeed uses ``data_ptr()`` outside stage 3, which ties every zero-element
+    param together (they all report 0); identity does not.
+    """
+    owner_of: dict[Any, str] = {}
+    aliases = []
+    for module_name, module in engine.module.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            key = param.ds_id if hasattr(param, "ds_id") else id(param)
+            full = f"{module_name}.{name}" if module_name else name
+            if key in owner_of:
+                owner = owner_of[key]
+                aliases.append(Alias(name=full, owner=owner, shape=list(shapes.get(owner, _shape(param)))))
+            else:
+                owner_of[key] = full
+    return aliases
+
+
+def _buffers(engine) -> list[Buffer]:
+    persistent = set(engine._get_buffer_names())
+    return [Buffer(name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
+            for name, buf in engine.module.named_buffers() if name in persistent]
+
+
+def _check_supported(engine) -> None:
+    if getattr(engine, "has_moe_layers", False):
+        raise UnsupportedEngine("MoE engines are not described by manifest format 1.0")
+    if engine.mp_world_size > 1 or type(engine).__name__ == "PipelineEngine":
+        raise UnsupportedEngine("tensor- or pipeline-parallel engines are not described by manifest format 1.0")
+
+
+def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> Manifest:
+    """Describe ``engine``'s checkpoint layout (no ``files``: see ``describe_files``).
+
+    Arguments:
+        engine: a ``deepspeed.DeepSpeedEngine`` after ``deepspeed.initialize``.
+        exclude_frozen_parameters: the value passed to ``engine.save_checkpoint``.
+
+    Returns:
+        The manifest; identical on every rank. Makes no collective call.
+
+    Raises:
+        UnsupportedEngine: MoE, tensor or pipeline parallelism, ZeRO stage 0.
+    """
+    import deepspeed
+
+    _check_supported(engine)
+    stage = engine.zero_optimization_stage()
+    opt = engine.optimizer
+    names = _param_names(engine)
+    if stage == 3:
+        groups = _per_param_groups_stage3(engine, names)
+    elif _is_bf16_optimizer(opt):
+        groups = _flat_groups_bf16_optimizer(engine, names)
+    elif stage in (1, 2):
+        groups = _flat_groups_stage12(engine, names)
+    else:
+        raise UnsupportedEngine(f"ZeRO stage 0 with {type(opt).__name__} is not described by manifest format 1.0")
+    trainable = {p.name for g in groups for p in g.params}
+    shapes = {p.name: tuple(p.shape) for g in groups for p in g.params}
+    frozen_stage = 1 if _is_bf16_optimizer(opt) else stage
+    aliases = _aliases(engine, shapes)
+    alias_names = {a.name for a in aliases}
+    frozen = [f for f in _frozen(engine, names, trainable, frozen_stage, exclude_frozen_parameters) if f.name not in alias_names]
+    excluded = []
+    if exclude_frozen_parameters:
+        excluded = [ExcludedParam(name=names[id(p)], reason="exclude_frozen_parameters")
+                    for p in engine.module.parameters() if names[id(p)] not in trainable]
+    model_dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
+    master = _master_dtype(engine, stage)
+    zero_cfg = engine._config.zero_config
+    layout = Layout(
+        zero_stage=stage, world_size=engine.dp_world_size, tensor_parallel_size=1, pipeline_parallel_size=1,
+        model_parallel_size=engine.mp_world_size, model_dtype=model_dtype, master_dtype=master,
+        round_robin=bool(getattr(opt, "round_robin_gradients", False)),
+        parameter_alignment=bool(getattr(opt, "parameter_alignment", False)),
+        tail_padding_saved=_is_bf16_optimizer(opt), optimizer=type(opt).__name__,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+    )
+    if stage == 3:
+        layout.sub_group_size = int(zero_cfg.sub_group_size)
+    return Manifest(
+        format=FORMAT_NAME, format_version=FORMAT_VERSION,
+        producer=Producer(tool="ckptspec", tool_version=_version(), framework="deepspeed",
+                          framework_version=deepspeed.__version__),
+        layout=layout, groups=groups, frozen=frozen, buffers=_buffers(engine), aliases=aliases,
+        excluded=excluded, files=[],
+    )
+
+
+def _master_dtype(engine, stage: int) -> str:
+    opt = engine.optimizer
+    if stage == 3:
+        return dtype_name(opt.fp32_partitioned_groups_flat[0].dtype)
+    return dtype_name(opt.single_partition_of_fp32_groups[0].dtype) if hasattr(opt, "single_partition_of_fp32_groups") \
+        else dtype_name(opt.fp32_groups_flat_partition[0].dtype)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
