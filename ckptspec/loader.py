@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,6 +77,27 @@ class _Duplicate(Exception):
     pass
 
 
+# A \uD800-\uDFFF escape may leave a lone surrogate: not Unicode text, so no manifest
+# string can hold it (msgpack's strict UTF-8 decoding already refuses them).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(value: Any) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone UTF-16 surrogate escape") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def _refuse_constant(token: str) -> Any:
     raise ValueError(f"{token} is not allowed in a manifest")
 
@@ -86,7 +108,10 @@ def decode(data: bytes, encoding: Encoding, name: str = "<input>") -> Any:
         if encoding == "msgpack":
             return msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=_string_keys)
         text = data.decode("utf-8")
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant)
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant)
+        if _SURROGATE_ESCAPE.search(text):
+            _refuse_lone_surrogates(doc)
+        return doc
     except _Duplicate as dup:
         raise InvalidDocument("CK904", f"duplicate key {dup.args[0]!r}", "every key may appear once per object", name) from None
     except UnicodeDecodeError as exc:

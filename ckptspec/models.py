@@ -3,7 +3,7 @@
 The JSON Schema is normative; these models are the Python view of it and
 ``tests/test_agreement.py`` proves both give the same verdict. Optional fields
 are absent rather than null, exactly as in the schema, so they are typed
-without ``None`` and dumped with ``exclude_none``.
+without ``None`` and dumped with ``exclude_unset`` (unknown fields, even null ones, are kept).
 """
 
 from __future__ import annotations
@@ -197,4 +197,4 @@ class Manifest(_Model):
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready document: optional fields absent, unknown fields kept."""
-        return self.model_dump(mode="json", exclude_none=True)
+        return self.model_dump(mode="json", exclude_unset=True)

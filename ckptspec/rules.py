@@ -53,7 +53,7 @@ def check_manifest(manifest: Manifest) -> list[Finding]:
     return [finding for r in RULES for finding in r.check(manifest)]
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
@@ -158,10 +158,9 @@ def partitioning_matches_stage(m: Manifest) -> Iterator[Finding]:
 
 @rule("CK112", "partition-count")
 def partition_count_matches_world(m: Manifest) -> Iterator[Finding]:
-    if m.layout.zero_stage == 0:
-        return
     for g, grp in enumerate(m.groups):
-        if grp.partition_count != m.layout.world_size:
+        # Stage 0 does not partition (CK111 checks partition_count 1 there).
+        if m.layout.zero_stage != 0 and grp.partition_count != m.layout.world_size:
             yield _finding("CK112", json_path("groups", g, "partition_count"),
                            f"group is split over {grp.partition_count} ranks but world_size is {m.layout.world_size}",
                            "a data-parallel group is partitioned over every rank")
@@ -228,7 +227,7 @@ def group_total(m: Manifest) -> Iterator[Finding]:
                                f"partition_numel {grp.partition_numel}, but the params' partitions add up to {expected_partition}",
                                "per_param: partition_numel is the sum of ceil(numel / partition_count)")
         else:
-            expected_padded = _round_up(_flat_end(grp.params), grp.alignment)
+            expected_padded = round_up(_flat_end(grp.params), grp.alignment)
             if grp.padded_numel != expected_padded:
                 yield _finding("CK107", json_path("groups", g, "padded_numel"),
                                f"padded_numel {grp.padded_numel}, but the params end at {_flat_end(grp.params)}, which aligns to {expected_padded}",

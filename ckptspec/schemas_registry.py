@@ -6,7 +6,9 @@ import json
 from functools import lru_cache
 from importlib import resources
 
-from jsonschema import Draft202012Validator
+import re
+
+from jsonschema import Draft202012Validator, ValidationError, validators
 
 # format minor version -> schema file; a released file is never edited.
 MANIFEST_SCHEMAS = {"1.0": "manifest-1.0.schema.json"}
@@ -24,8 +26,24 @@ def schema(filename: str) -> dict:
 
 
 @lru_cache(maxsize=None)
+def _ecma_regex(pattern: str) -> re.Pattern:
+    # JSON Schema patterns are ECMA-262: '$' matches only at the very end. Python's
+    # '$' also matches before a final newline, so "1.0.0\n" would pass; use \Z.
+    return re.compile(re.sub(r"(?<!\\)\$", r"\\Z", pattern))
+
+
+def _pattern(validator, pattern, instance, schema):
+    if validator.is_type(instance, "string") and not _ecma_regex(pattern).search(instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_Validator = validators.extend(Draft202012Validator, {"pattern": _pattern})
+
+
+@lru_cache(maxsize=None)
 def validator(filename: str) -> Draft202012Validator:
-    return Draft202012Validator(schema(filename))
+    """The reference validator: draft 2020-12 with ECMA-262 pattern anchors."""
+    return _Validator(schema(filename))
 
 
 def manifest_schema_file(version: str = LATEST_MANIFEST) -> str:

@@ -1,0 +1,203 @@
+"""The format 1.0 conformance corpus (tests/conformance/1.0) against ckptspec.
+
+Every corpus file is validated in-process (``validate_file``) and through the CLI
+(click's runner for all, a real ``python -m ckptspec`` subprocess for a handful);
+the verdict, the exit code and the exact set of error and warning codes must match
+``expected.json``, and every JSON report must match ``schema/report-1.0.schema.json``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from jsonschema import Draft202012Validator
+
+from ckptspec.cli import cli
+from ckptspec.loader import load_document
+from ckptspec.rules import RULES
+from ckptspec.validate import validate_file
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFORMANCE = ROOT / "tests" / "conformance"
+CORPUS = CONFORMANCE / "1.0"
+EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text("utf-8"))
+FILES = sorted(
+    p.relative_to(CORPUS).as_posix() for p in CORPUS.glob("*/*") if p.suffix in (".json", ".msgpack")
+)
+REPORT_VALIDATOR = Draft202012Validator(json.loads((ROOT / "schema" / "report-1.0.schema.json").read_text("utf-8")))
+
+# Corpus files whose expectation is right but ckptspec currently gets wrong. Strict:
+# once the bug is fixed the test XPASSes, which fails, and the entry must go.
+KNOWN_BUGS: dict[str, str] = {}
+
+# A handful of files run through a real subprocess: one of each kind.
+SUBPROCESS_FILES = [
+    "valid/deepspeed-zero2-bf16-2ranks.json",
+    "valid/newer-minor-1.4.0-unknown-fields.json",
+    "valid/stage3-per-param-two-subgroups-ws3.msgpack",
+    "invalid/CK001-schema-top-level-array.json",
+    "invalid/CK001-schema-numel-above-int64.msgpack",
+    "invalid/CK003-format-major-2.json",
+    "invalid/CK113-unsafe-path-windows-drive.json",
+    "invalid/CK117-locator-numel-mismatch.msgpack",
+]
+
+
+def _params(names):
+    return [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[n])) if n in KNOWN_BUGS else n
+        for n in names
+    ]
+
+
+def _expected_exit(name: str) -> int:
+    return 0 if EXPECTED[name]["valid"] else 1
+
+
+def _codes(findings: list[dict], severity: str) -> set[str]:
+    return {f["code"] for f in findings if f["severity"] == severity}
+
+
+# --------------------------------------------------------------------------- the corpus itself
+
+
+def test_index_lists_exactly_the_corpus_files():
+    assert set(EXPECTED) == set(FILES)
+
+
+def test_corpus_size():
+    valid = [n for n in FILES if EXPECTED[n]["valid"]]
+    assert len(FILES) >= 40
+    assert len(valid) >= 12
+    assert len(FILES) - len(valid) >= 30
+    assert any(n.endswith(".msgpack") for n in valid) and any(n.endswith(".msgpack") for n in FILES if n not in valid)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_index_entry_is_well_formed(name):
+    entry = EXPECTED[name]
+    assert {"valid", "codes", "warnings"} <= entry.keys()
+    assert isinstance(entry["valid"], bool)
+    assert entry["valid"] == (not entry["codes"])
+    assert entry["valid"] == name.startswith("valid/")
+    for code in entry["codes"] + entry["warnings"]:
+        assert code.startswith("CK") and len(code) == 5 and code[2:].isdigit()
+    if not entry["valid"]:
+        # invalid files are named for the rule they break: CK105-alias-shape-transposed.json
+        assert Path(name).name[:5] in entry["codes"]
+
+
+def test_every_code_is_covered():
+    covered = {code for e in EXPECTED.values() for code in e["codes"] + e["warnings"]}
+    wanted = {r.code for r in RULES} | {"CK001", "CK003", "CK004"}
+    assert not wanted - covered, f"codes without a corpus file: {sorted(wanted - covered)}"
+    # CK002 (schema and models disagree) is a ckptspec bug, never an expectation.
+    assert "CK002" not in covered
+
+
+def test_corpus_json_is_plain_json():
+    """Corpus JSON files decode with the standard library alone (no NaN, no duplicate keys)."""
+
+    def strict_pairs(pairs):
+        keys = [k for k, _ in pairs]
+        assert len(keys) == len(set(keys)), f"duplicate key in {keys}"
+        return dict(pairs)
+
+    def refuse(token):
+        raise AssertionError(f"{token} in a corpus file")
+
+    for name in FILES:
+        if name.endswith(".json"):
+            json.loads((CORPUS / name).read_text("utf-8"), object_pairs_hook=strict_pairs, parse_constant=refuse)
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_conformance_{name}", CONFORMANCE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", ["make_corpus", "make_msgpack"])
+def test_generated_files_are_reproducible(script, capsys):
+    assert _load_script(script).main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_msgpack_files_decode_to_their_json_siblings():
+    for name in FILES:
+        if name.endswith(".msgpack"):
+            sibling = name[: -len(".msgpack")] + ".json"
+            assert sibling in EXPECTED
+            assert load_document(CORPUS / name) == load_document(CORPUS / sibling)
+            assert {k: v for k, v in EXPECTED[name].items() if k != "description"} == {
+                k: v for k, v in EXPECTED[sibling].items() if k != "description"
+            }
+
+
+# --------------------------------------------------------------------------- ckptspec on the corpus
+
+
+@pytest.mark.parametrize("name", _params(FILES))
+def test_validate_file(name):
+    expected = EXPECTED[name]
+    report = validate_file(CORPUS / name)
+    errors = {f.code for f in report.findings if f.severity == "error"}
+    warnings = {f.code for f in report.findings if f.severity == "warning"}
+    assert (errors, warnings) == (set(expected["codes"]), set(expected["warnings"]))
+    assert report.ok == expected["valid"]
+    for finding in report.findings:
+        assert finding.path.startswith("$") and finding.message and finding.hint
+    if expected["valid"]:
+        assert report.manifest is not None
+        # a valid document dumps back to itself (integral floats compare equal to ints)
+        assert report.manifest.to_dict() == load_document(CORPUS / name)
+
+
+@pytest.mark.parametrize("name", _params(FILES))
+def test_cli_json_report(name):
+    result = CliRunner().invoke(cli, ["validate", str(CORPUS / name), "--format", "json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    assert result.exit_code == _expected_exit(name)
+    report = json.loads(result.stdout)
+    REPORT_VALIDATOR.validate(report)
+    assert report["valid"] == EXPECTED[name]["valid"]
+    assert "error" not in report
+    assert _codes(report["findings"], "error") == set(EXPECTED[name]["codes"])
+    assert _codes(report["findings"], "warning") == set(EXPECTED[name]["warnings"])
+
+
+@pytest.mark.parametrize("name", _params(FILES))
+def test_cli_text_output(name):
+    result = CliRunner().invoke(cli, ["validate", str(CORPUS / name)])
+    assert "Traceback" not in result.output
+    assert result.exit_code == _expected_exit(name)
+    lines = result.stdout.splitlines()
+    if EXPECTED[name]["valid"]:
+        assert lines[-1].endswith(": valid")
+    for code in EXPECTED[name]["codes"] + EXPECTED[name]["warnings"]:
+        assert any(f" {code} " in line for line in lines), (code, lines)
+
+
+@pytest.mark.parametrize("name", SUBPROCESS_FILES)
+def test_cli_subprocess(name):
+    assert name in EXPECTED
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "validate", str(CORPUS / name), "--format", "json"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr == ""
+    assert proc.returncode == _expected_exit(name)
+    report = json.loads(proc.stdout)
+    REPORT_VALIDATOR.validate(report)
+    assert report["valid"] == EXPECTED[name]["valid"]
+    assert report["target"] == str(CORPUS / name)
+    assert _codes(report["findings"], "error") == set(EXPECTED[name]["codes"])
+    assert _codes(report["findings"], "warning") == set(EXPECTED[name]["warnings"])
