@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job on an embedded default: validate the bundled manifests,
-# then show a corrupted copy being refused.
+# The main job on an embedded default: make a real DeepSpeed checkpoint,
+# describe it, validate it, and show corrupted copies being refused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/env.sh
-exec .venv/bin/python -m ckptspec.demo "$@"
+export DS_ACCELERATOR=cpu
+exec .venv/bin/python examples/demo.py "$@"

@@ -10,11 +10,14 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 stamp=".venv/.ckptspec-installed"
+log=".venv/install.log"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-    .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
-    .venv/bin/python -m pip install -q -e ".[deepspeed,test]" 2>&1 | grep -v "is ignored" || true
-    .venv/bin/python -c "import torch, deepspeed, ckptspec" 2>/dev/null \
-        || { echo "environment setup failed" >&2; exit 2; }
+    echo "setting up .venv (log: $log) ..." >&2
+    {
+        .venv/bin/python -m pip install --upgrade pip &&
+        .venv/bin/python -m pip install "torch==2.13.0" &&
+        .venv/bin/python -m pip install -e ".[deepspeed,test]" &&
+        .venv/bin/python -c "import torch, deepspeed, ckptspec"
+    } >"$log" 2>&1 || { tail -30 "$log" >&2; echo "environment setup failed; see $log" >&2; exit 2; }
     touch "$stamp"
 fi
