@@ -31,7 +31,7 @@ def _parse_size(text: str) -> int:
     number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in units else (raw, "")
     try:
         value = int(float(number) * units[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # "abc", "inf", "1e400"
         raise click.BadParameter(f"{text!r} is not a size such as 512M or 2G") from None
     if value <= 0:
         raise click.BadParameter("the size must be positive")
@@ -90,8 +90,7 @@ def _emit(output_format: str, target: str, findings: list[Finding], error: Ckpts
         click.echo(json.dumps(_report(target, findings, error), indent=2, sort_keys=True))
         return
     for finding in findings:
-        line = finding.to_line()
-        click.echo(f"{target}: {line}" if finding.file is None else line)
+        click.echo(f"{target}: {finding.to_line()}")
     if error is not None:
         click.echo(error.to_line() if error.file else f"{target}: {error.to_line()}", err=True)
     elif not any(f.severity == "error" for f in findings):

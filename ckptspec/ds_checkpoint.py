@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CkptspecError
+from .errors import CkptspecError, InvalidCheckpoint
 from .layout import ParamSpec, flat_group, per_param_group
 from .models import (
     FORMAT_NAME,
@@ -36,12 +36,11 @@ MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$
 EXPERT_RE = re.compile(r"^(layer_\d+_expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
 PIPE_LAYER_RE = re.compile(r"^layer_\d+-model_states\.pt$")
 MAX_TAG_BYTES = 4096
+DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 10**9  # deepspeed/runtime/zero/config.py (0.15-0.19)
 
 
-class UnsupportedCheckpoint(CkptspecError):
+class UnsupportedCheckpoint(InvalidCheckpoint):
     """A checkpoint format 1.0 cannot describe (exit 1)."""
-
-    exit_code = 1
 
     def __init__(self, message: str, hint: str, file: str | None = None):
         super().__init__("CK202", message, hint, file)
@@ -57,25 +56,25 @@ def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Pa
     if tag is not None:
         tag_dir = root / tag
         if not tag_dir.is_dir():
-            raise CkptspecError("CK201", f"tag {tag!r} has no directory", "list the save directory for the tags it holds", str(root))
+            raise InvalidCheckpoint("CK201", f"tag {tag!r} has no directory", "list the save directory for the tags it holds", str(root))
         return tag_dir
     if any(MODEL_RE.match(p.name) or OPTIM_RE.match(p.name) for p in root.iterdir()):
         return root
     latest = root / "latest"
     if not latest.is_file():
-        raise CkptspecError("CK201", "no 'latest' file and no model or optimizer states here",
+        raise InvalidCheckpoint("CK201", "no 'latest' file and no model or optimizer states here",
                             "pass --tag TAG, or the tag directory itself", str(root))
     if latest.stat().st_size > MAX_TAG_BYTES:
-        raise CkptspecError("CK201", "'latest' is too large to hold a tag", "write the tag name into 'latest'", str(latest))
+        raise InvalidCheckpoint("CK201", "'latest' is too large to hold a tag", "write the tag name into 'latest'", str(latest))
     try:
         name = latest.read_text("utf-8").strip()
     except (UnicodeDecodeError, OSError) as exc:
-        raise CkptspecError("CK201", f"'latest' cannot be read: {exc}", "write the tag name into 'latest'", str(latest)) from None
+        raise InvalidCheckpoint("CK201", f"'latest' cannot be read: {exc}", "write the tag name into 'latest'", str(latest)) from None
     if not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise CkptspecError("CK201", f"'latest' names {name!r}, which is not a tag", "write the tag name into 'latest'", str(latest))
+        raise InvalidCheckpoint("CK201", f"'latest' names {name!r}, which is not a tag", "write the tag name into 'latest'", str(latest))
     tag_dir = root / name
     if not tag_dir.is_dir():
-        raise CkptspecError("CK201", f"'latest' names tag {name!r}, which has no directory",
+        raise InvalidCheckpoint("CK201", f"'latest' names tag {name!r}, which has no directory",
                             "point 'latest' at a saved tag, or pass --tag", str(latest))
     return tag_dir
 
@@ -111,7 +110,7 @@ def scan_tag_dir(tag_dir: Path) -> ShardSet:
         elif not name.startswith("ckptspec."):
             shards.other_files.append(path)
     if not shards.model_files:
-        raise CkptspecError("CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir))
+        raise InvalidCheckpoint("CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir))
     return shards
 
 
@@ -119,9 +118,14 @@ def _load(path: Path) -> Any:
     try:
         return torchfile.read_pt_metadata(path)
     except torchfile.UnsafePickleError as exc:
-        raise CkptspecError("CK204", str(exc), "this file wants to run code on load; ckptspec refuses it", str(path)) from None
+        raise InvalidCheckpoint("CK204", _without_path(exc, path), "this file wants to run code on load; ckptspec refuses it", str(path)) from None
     except torchfile.TorchFileError as exc:
-        raise CkptspecError("CK205", str(exc), "the file is damaged or not a torch checkpoint", str(path)) from None
+        raise InvalidCheckpoint("CK205", _without_path(exc, path), "the file is damaged or not a torch checkpoint", str(path)) from None
+
+
+def _without_path(exc: Exception, path: Path) -> str:
+    # The error line names the file already.
+    return str(exc).replace(f"{path}: ", "")
 
 
 def _numel(shape) -> int:
@@ -147,6 +151,13 @@ def manifest_from_checkpoint(checkpoint: str | os.PathLike, tag: str | None = No
     shards = scan_tag_dir(tag_dir)
     model_states = {rank: _load(path) for rank, path in shards.model_files.items()}
     optim_states = {rank: _load(path) for rank, path in shards.optim_files.items()}
+    return manifest_from_states(shards, model_states, optim_states, hash_algorithm=hash_algorithm)
+
+
+def manifest_from_states(shards: ShardSet, model_states: dict, optim_states: dict, *, hash_algorithm: str | None = None) -> Manifest:
+    """The manifest from already-read metadata: ``read_pt_metadata`` results keyed by dp rank,
+    for the files of ``shards`` (``ckptspec.shards`` leaves unreadable files out)."""
+    tag_dir = shards.tag_dir
     first_model = model_states[min(model_states)]
     if not isinstance(first_model, dict) or "param_shapes" not in first_model:
         raise UnsupportedCheckpoint("model states have no 'param_shapes'", "is this a DeepSpeed checkpoint?", str(shards.model_files[min(model_states)]))
@@ -231,8 +242,8 @@ def manifest_from_checkpoint(checkpoint: str | os.PathLike, tag: str | None = No
         optimizer="BF16_Optimizer" if bf16_optimizer else ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"),
         exclude_frozen_parameters=excluded_flag,
     )
-    if stage == 3 and "sub_group_size" in zero_cfg:
-        layout.sub_group_size = int(zero_cfg["sub_group_size"])
+    if stage == 3:
+        layout.sub_group_size = int(zero_cfg.get("sub_group_size", DEEPSPEED_DEFAULT_SUB_GROUP_SIZE))
     files = describe_files(shards, model_states, optim_states, stage, hash_algorithm)
     return Manifest(
         format=FORMAT_NAME, format_version=FORMAT_VERSION,

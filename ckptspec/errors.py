@@ -21,3 +21,10 @@ class CkptspecError(Exception):
     def to_line(self) -> str:
         where = f"{self.file}: " if self.file else ""
         return f"{where}{self.code} {self.message} (hint: {self.hint})"
+
+
+class InvalidCheckpoint(CkptspecError):
+    """The checkpoint itself is wrong or unsafe (exit 1): a bad 'latest', a damaged
+    or code-running file, a layout format 1.0 cannot describe."""
+
+    exit_code = 1

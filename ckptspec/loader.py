@@ -59,9 +59,13 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
         )
     try:
         with open(path, "rb") as fh:
-            return fh.read(max_bytes + 1)
+            data = fh.read(max_bytes + 1)
     except OSError as exc:
         raise CkptspecError("CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name) from None
+    if len(data) > max_bytes:  # a device, FIFO or /proc file reports size 0
+        raise CkptspecError("CK902", f"file holds more than the {max_bytes}-byte limit",
+                            "raise the limit with --max-size if this file is really a manifest", name)
+    return data
 
 
 def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict:

@@ -7,6 +7,7 @@ findings and the semantic rules do not run (they need well-typed data).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,8 @@ from .schemas_registry import LATEST_MANIFEST, manifest_schema_file, validator
 
 SUPPORTED_MAJOR, SUPPORTED_MINOR = (int(x) for x in FORMAT_VERSION.split(".")[:2])
 _MAX_MESSAGE = 300
+# The schema's semver pattern, ASCII digits only (str.isdigit() accepts '²').
+_SEMVER = re.compile(r"(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\Z", re.ASCII)
 
 
 @dataclass
@@ -43,10 +46,9 @@ def _version_findings(doc: dict) -> tuple[list[Finding], bool]:
     version = doc.get("format_version")
     if not isinstance(version, str):
         return [], False
-    parts = version.split(".")
-    if len(parts) != 3 or not all(p.isdigit() and len(p) <= 6 for p in parts):
+    if not _SEMVER.match(version):
         return [], False  # the schema reports the malformed version
-    major, minor = int(parts[0]), int(parts[1])
+    major, minor = (int(part) for part in version.split(".")[:2])
     if major != SUPPORTED_MAJOR:
         return [Finding(
             "CK003", "format-major", json_path("format_version"),
@@ -67,20 +69,27 @@ def _schema_path(error) -> str:
 
 
 def _schema_message(error) -> str:
-    message = error.message
+    try:
+        message = error.message
+    except RecursionError:  # jsonschema repr()s the offending value; junk can nest deeply
+        return f"value breaks the schema rule '{error.validator}' (too deeply nested to print)"
     return message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 3] + "..."
 
 
 def schema_findings(doc: Any, allow_unknown: bool = False) -> list[Finding]:
     """Findings from the normative JSON Schema (``jsonschema``, draft 2020-12)."""
     found = []
-    for error in validator(manifest_schema_file(LATEST_MANIFEST)).iter_errors(doc):
-        if allow_unknown and error.validator == "additionalProperties":
-            continue
-        found.append(Finding(
-            "CK001", "schema", _schema_path(error), _schema_message(error),
-            f"the document breaks the JSON Schema rule '{error.validator}' (see docs/spec.md)",
-        ))
+    try:
+        for error in validator(manifest_schema_file(LATEST_MANIFEST)).iter_errors(doc):
+            if allow_unknown and error.validator == "additionalProperties":
+                continue
+            found.append(Finding(
+                "CK001", "schema", _schema_path(error), _schema_message(error),
+                f"the document breaks the JSON Schema rule '{error.validator}' (see docs/spec.md)",
+            ))
+    except RecursionError:  # jsonschema repr()s offending values; junk can nest ~1000 deep
+        found.append(Finding("CK001", "schema", "$", "the document nests too deeply to be a manifest",
+                             "a manifest nests at most a few levels"))
     found.sort(key=lambda f: f.path)
     return found
 
@@ -101,8 +110,15 @@ def validate_document(doc: Any) -> Report:
     try:
         manifest = Manifest.model_validate(doc, context={"allow_unknown": allow_unknown})
     except ValidationError as exc:
-        # The schema accepted what the models refuse: a bug in ckptspec, not the input.
         first = exc.errors()[0]
+        if first["type"] == "string_unicode":
+            # Decoded data (not from our loader) may hold a lone surrogate: not Unicode text.
+            findings.append(Finding(
+                "CK001", "schema", json_path(*first["loc"]), "string is not valid Unicode (a lone surrogate)",
+                "manifest strings must be Unicode text",
+            ))
+            return Report(findings)
+        # The schema accepted what the models refuse: a bug in ckptspec, not the input.
         findings.append(Finding(
             "CK002", "model-disagreement", json_path(*first["loc"]),
             f"the schema accepts this document but the models refuse it: {first['msg']}",

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -44,8 +45,17 @@ def cache_key(spec: dict, world_size: int) -> str:
         "world_size": world_size,
         "deepspeed": DEEPSPEED_VERSION,
         "train_py": hashlib.sha256(TRAIN_SCRIPT.read_bytes()).hexdigest(),
+        # A hook writes ckptspec output into the entry: rebuild when ckptspec changes.
+        "hook_sources": _hook_sources_digest() if normalize_spec(spec)["hook"] else None,
     }, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _hook_sources_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted([*(REPO_ROOT / "ckptspec").glob("*.py"), *(REPO_ROOT / "tests").glob("ds_*.py")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def _free_port() -> int:
@@ -64,13 +74,20 @@ def _run(spec: dict, world_size: int, out: Path) -> str:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
                str(TRAIN_SCRIPT), "--spec", json.dumps(spec), "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT)
+        # Own session, so a timeout can kill torchrun together with its worker processes.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, cwd=REPO_ROOT, start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            raise HarnessError(f"DeepSpeed run timed out after {TIMEOUT_S}s for spec={spec}:\n{log[-20000:]}")
         if proc.returncode == 0:
-            return proc.stdout
-        if "address already in use" not in proc.stdout.lower() or attempt == 2:
+            return log
+        if "address already in use" not in log.lower() or attempt == 2:
             raise HarnessError(f"DeepSpeed run failed (exit {proc.returncode}) for spec={spec} "
-                               f"world_size={world_size}:\n{proc.stdout[-20000:]}")
+                               f"world_size={world_size}:\n{log[-20000:]}")
         shutil.rmtree(out, ignore_errors=True)
 
 

@@ -16,7 +16,6 @@ import argparse
 import copy
 import importlib
 import json
-import os
 from pathlib import Path
 
 DEFAULTS = {
@@ -36,6 +35,8 @@ DEFAULTS = {
     "seed": 1234,
     "micro_batch": 4,
     "hook": None,                 # "module.path:function", called as function(engine, out_dir, spec)
+    "save_with": "deepspeed",     # "ckptspec": save through ckptspec.deepspeed.save_checkpoint (each rank
+                                  # also writes the manifest it returned to saved_manifest.rank<N>.json)
     "zero": {},                   # extra zero_optimization keys (override)
     "config": {},                 # extra top-level DeepSpeed config keys (override)
 }
@@ -51,8 +52,11 @@ def normalize_spec(spec):
     out.update(copy.deepcopy(spec))
     if out["stage"] not in (0, 1, 2, 3) or out["dtype"] not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"bad stage/dtype in spec: {spec}")
+    if out["save_with"] not in ("deepspeed", "ckptspec"):
+        raise ValueError(f"bad save_with in spec: {spec}")
     if out["stage"] == 3 and out["zero_elem"]:
-        # DeepSpeed 0.19.8 stage 3 crashes during training on CPU with zero-element params.
+        # DeepSpeed 0.19.8 stage 3 fails in the first forward with zero-element params (AssertionError
+        # in partitioned_param_coordinator._fetch_sub_module_impl: param status NOT_AVAILABLE).
         raise ValueError("zero_elem is not supported with stage 3")
     return out
 
@@ -247,7 +251,12 @@ def main():
         }
         (args.out / "harness.json").write_text(json.dumps(info, indent=1, sort_keys=True))
 
-    engine.save_checkpoint(str(args.out), exclude_frozen_parameters=spec["exclude_frozen"])
+    if spec["save_with"] == "ckptspec":
+        from ckptspec.deepspeed import save_checkpoint
+        saved = save_checkpoint(engine, str(args.out), exclude_frozen_parameters=spec["exclude_frozen"])
+        (args.out / f"saved_manifest.rank{rank}.json").write_text(json.dumps(saved.to_dict(), sort_keys=True))
+    else:
+        engine.save_checkpoint(str(args.out), exclude_frozen_parameters=spec["exclude_frozen"])
 
     if spec["hook"]:
         mod_name, fn_name = spec["hook"].split(":")

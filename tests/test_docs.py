@@ -1,0 +1,492 @@
+"""The documentation is tested like code.
+
+Fenced blocks in docs/*.md and README.md follow these conventions:
+
+* ```` ```json ````: a complete manifest; it must validate without any error.
+* ```` ```json fragment ````: part of a manifest; it must parse.
+  With ``at=JSONPATH`` (docs/errors.md), it is also applied to
+  examples/manifests/zero2-bf16-2ranks.json (the value at JSONPATH is replaced; ``at=$``
+  replaces the fragment's top-level keys) and the result must produce the code of the
+  enclosing ``## CKnnn`` heading; the ```` ```text findings ```` block right after it
+  must list exactly the finding lines ``ckptspec validate`` prints (without ``MANIFEST: ``).
+* ```` ```json report ````: a `validate --format json` report; it must match the report schema.
+* ```` ```console ```` (docs/ only): ``$ command`` lines and their output; every command is run with
+  bash in a scratch directory (where ``examples/`` and ``tests/`` link to the repository)
+  and its combined stdout/stderr must be the lines shown.
+
+Besides the blocks: every error code has a ``## CKnnn name`` heading in docs/errors.md, every
+such heading is a code that ckptspec really emits, the schemas' ``$comment`` anchors exist, and
+every field of the manifest schema has a ``- **`field`**`` bullet in its section of docs/spec.md,
+saying REQUIRED exactly when the schema requires it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from ckptspec.rules import RULES
+from ckptspec.validate import validate_document
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+SCHEMA_DIR = ROOT / "schema"
+MANIFEST_SCHEMA = SCHEMA_DIR / "manifest-1.0.schema.json"
+REPORT_SCHEMA = SCHEMA_DIR / "report-1.0.schema.json"
+EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
+
+# Codes the validator and CLI emit outside ckptspec.rules.RULES.
+OTHER_CODES = ["CK001", "CK002", "CK003", "CK004", "CK901", "CK902", "CK903", "CK904", "CK905", "CK999"]
+CODE_RE = re.compile(r"\bCK\d{3}\b")
+
+
+def doc_files() -> list[Path]:
+    files = sorted(DOCS.glob("*.md"))
+    readme = ROOT / "README.md"
+    if readme.exists():
+        files.append(readme)
+    return files
+
+
+# --------------------------------------------------------------------------- markdown parsing
+
+
+@dataclass
+class Block:
+    file: Path
+    line: int  # 1-based line of the opening fence
+    info: str
+    text: str
+    heading: str  # the nearest ``##`` heading above the block
+
+    @property
+    def words(self) -> list[str]:
+        return self.info.split()
+
+    def where(self) -> str:
+        return f"{self.file.relative_to(ROOT)}:{self.line}"
+
+
+FENCE = re.compile(r"^(```+)(.*)$")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    blocks, heading = [], ""
+    lines = path.read_text("utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        fence = FENCE.match(line)
+        if fence:
+            ticks, info = fence.group(1), fence.group(2).strip()
+            body, j = [], i + 1
+            while j < len(lines) and lines[j].strip() != ticks:
+                body.append(lines[j])
+                j += 1
+            assert j < len(lines), f"{path}:{i + 1}: unclosed code fence"
+            blocks.append(Block(path, i + 1, info, "\n".join(body) + "\n", heading))
+            i = j + 1
+            continue
+        h = HEADING.match(line)
+        if h and len(h.group(1)) == 2:
+            heading = h.group(2)
+        i += 1
+    return blocks
+
+
+def all_blocks() -> list[Block]:
+    return [b for f in doc_files() for b in parse_blocks(f)]
+
+
+def slug(heading: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"<[^>]+>", "", heading).strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+@dataclass
+class Section:
+    anchor: str
+    level: int
+    start: int  # index of the heading line
+    end: int  # index one past the section's last line
+
+
+def sections(path: Path) -> dict[str, Section]:
+    """Anchor -> section; explicit ``<a id="x"></a>`` anchors belong to the next heading."""
+    lines = path.read_text("utf-8").splitlines()
+    headings, pending, in_fence = [], [], False
+    for i, line in enumerate(lines):
+        if FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        pending += re.findall(r'<a id="([^"]+)"></a>', line)
+        h = HEADING.match(line)
+        if h:
+            headings.append((i, len(h.group(1)), [slug(h.group(2))] + pending))
+            pending = []
+    out: dict[str, Section] = {}
+    for k, (i, level, anchors) in enumerate(headings):
+        end = next((j for j, lv, _ in headings[k + 1:] if lv <= level), len(lines))
+        for anchor in dict.fromkeys(anchors):
+            assert anchor not in out, f"{path}: anchor #{anchor} defined twice"
+            out[anchor] = Section(anchor, level, i, end)
+    return out
+
+
+# --------------------------------------------------------------------------- JSON blocks
+
+
+def json_blocks() -> list[Block]:
+    return [b for b in all_blocks() if b.words and b.words[0] == "json"]
+
+
+@pytest.mark.parametrize("block", json_blocks(), ids=lambda b: b.where())
+def test_json_block(block: Block):
+    try:
+        value = json.loads(block.text)
+    except json.JSONDecodeError as exc:
+        pytest.fail(f"{block.where()}: does not parse: {exc}")
+    kind = block.words[1] if len(block.words) > 1 else "manifest"
+    if kind == "manifest":
+        report = validate_document(value)
+        errors = [f.to_line() for f in report.findings if f.severity == "error"]
+        assert report.ok and not errors, f"{block.where()}: a complete manifest must be valid:\n" + "\n".join(errors)
+    elif kind == "report":
+        jsonschema.validate(value, json.loads(REPORT_SCHEMA.read_text("utf-8")))
+    else:
+        assert kind == "fragment", f"{block.where()}: unknown json block kind {kind!r}"
+
+
+def test_docs_have_complete_examples():
+    """The spec shows at least one complete manifest of each partitioning."""
+    full = [json.loads(b.text) for b in json_blocks() if b.words == ["json"] and b.file.name == "spec.md"]
+    kinds = {g["partitioning"] for doc in full for g in doc["groups"]}
+    assert kinds == {"flat", "per_param"}
+
+
+# --------------------------------------------------------------------------- errors.md examples
+
+PATH_TOKEN = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+
+
+def apply_at(doc: dict, path: str, value) -> dict:
+    doc = copy.deepcopy(doc)
+    if path == "$":
+        assert isinstance(value, dict), "at=$ takes an object of top-level keys"
+        doc.update(value)
+        return doc
+    assert path.startswith("$"), path
+    tokens = PATH_TOKEN.findall(path[1:])
+    assert "".join(f".{a}" if a else f"[{b}]" for a, b in tokens) == path[1:], f"cannot parse path {path}"
+    keys = [a if a else int(b) for a, b in tokens]
+    target = doc
+    for key in keys[:-1]:
+        target = target[key]
+    if isinstance(keys[-1], str):
+        assert keys[-1] in target, f"{path} does not exist in the example"
+    target[keys[-1]] = value
+    return doc
+
+
+def error_examples() -> list[tuple[Block, Block | None]]:
+    blocks = parse_blocks(DOCS / "errors.md")
+    out = []
+    for i, b in enumerate(blocks):
+        if b.words[:2] == ["json", "fragment"] and any(w.startswith("at=") for w in b.words):
+            following = blocks[i + 1] if i + 1 < len(blocks) else None
+            out.append((b, following))
+    return out
+
+
+@pytest.mark.parametrize("block,expected", error_examples(), ids=lambda x: x.where() if isinstance(x, Block) else "")
+def test_error_example(block: Block, expected: Block | None):
+    code = block.heading.split()[0]
+    path = next(w[3:] for w in block.words if w.startswith("at="))
+    doc = apply_at(json.loads(EXAMPLE.read_text("utf-8")), path, json.loads(block.text))
+    report = validate_document(doc)
+    codes = {f.code for f in report.findings}
+    assert code in codes, f"{block.where()}: the example under '## {block.heading}' gives {sorted(codes)}"
+    assert expected is not None and expected.words == ["text", "findings"], (
+        f"{block.where()}: a ```text findings block must follow the example")
+    assert [f.to_line() for f in report.findings] == expected.text.splitlines(), (
+        f"{expected.where()}: the findings shown are not what ckptspec prints")
+
+
+def test_every_rule_has_an_example():
+    shown = {b.heading.split()[0] for b, _ in error_examples()}
+    assert {r.code for r in RULES} <= shown
+
+
+def test_corpus_pointers_exist():
+    """Every tests/conformance path named in the docs exists."""
+    missing = []
+    for path in doc_files():
+        for ref in re.findall(r"tests/conformance/[\w./-]+\.(?:json|msgpack)", path.read_text("utf-8")):
+            if not (ROOT / ref).exists():
+                missing.append(f"{path.name}: {ref}")
+    assert not missing, "\n".join(missing)
+
+
+# --------------------------------------------------------------------------- console blocks
+
+
+def console_blocks() -> list[Block]:
+    """The console sessions of docs/ (README's are illustrations, not transcripts)."""
+    return [b for f in sorted(DOCS.glob("*.md")) for b in parse_blocks(f) if b.words[:1] == ["console"]]
+
+
+def parse_console(block: Block) -> list[tuple[str, list[str]]]:
+    steps: list[tuple[str, list[str]]] = []
+    for line in block.text.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        else:
+            assert steps, f"{block.where()}: output before the first '$ ' command"
+            steps[-1][1].append(line)
+    return steps
+
+
+def _normalize(text: str) -> str:
+    text = re.sub(r'"tool_version": "[^"]*"', '"tool_version": "*"', text)
+    return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
+
+
+@pytest.fixture(scope="module")
+def console_env(tmp_path_factory):
+    """PATH with a `ckptspec` that runs this interpreter's ckptspec."""
+    bindir = tmp_path_factory.mktemp("bin")
+    shim = bindir / "ckptspec"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ckptspec "$@"\n')
+    shim.chmod(shim.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    env = {k: v for k, v in os.environ.items() if k != "CKPTSPEC_DEBUG"}
+    env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
+    env["LC_ALL"] = "C.UTF-8"
+    env["PYTHONIOENCODING"] = "utf-8"
+    return env
+
+
+def _console_script(block: Block) -> str:
+    script = ["__s=0"]
+    for i, (command, _) in enumerate(parse_console(block)):
+        # The marker goes to stdout; `(exit $__s)` restores $? for a following `echo $?`.
+        script += [f"printf '\\n@@@ {i} @@@\\n'", "(exit $__s)", f"{{ {command} ; }} 2>&1", "__s=$?"]
+    return "\n".join(script)
+
+
+@pytest.fixture(scope="module")
+def console_runs(tmp_path_factory, console_env) -> dict[str, tuple[str, str]]:
+    """Every console block, run concurrently (each in its own scratch directory): where -> (stdout, stderr)."""
+    procs = {}
+    for block in console_blocks():
+        scratch = tmp_path_factory.mktemp("console")
+        for name in ("examples", "tests"):
+            (scratch / name).symlink_to(ROOT / name, target_is_directory=True)
+        procs[block.where()] = subprocess.Popen(["bash", "-c", _console_script(block)], cwd=scratch, env=console_env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return {where: proc.communicate(timeout=300) for where, proc in procs.items()}
+
+
+@pytest.mark.parametrize("block", console_blocks(), ids=lambda b: b.where())
+def test_console_block(block: Block, console_runs):
+    stdout, stderr = console_runs[block.where()]
+    assert stderr == "", stderr
+    chunks = re.split(r"\n?@@@ (\d+) @@@\n", stdout)[1:]
+    outputs = {int(chunks[k]): chunks[k + 1] for k in range(0, len(chunks), 2)}
+    for i, (command, expected) in enumerate(parse_console(block)):
+        assert _normalize(outputs.get(i, "")) == _normalize("\n".join(expected)), (
+            f"{block.where()}: `$ {command}` printed:\n{outputs.get(i, '')}")
+
+
+# --------------------------------------------------------------------------- error codes
+
+
+def error_headings() -> dict[str, str]:
+    """``## CK105 alias-shape`` -> {"CK105": "alias-shape"}."""
+    out = {}
+    for line in (DOCS / "errors.md").read_text("utf-8").splitlines():
+        m = re.match(r"^## (CK\d{3})(?:\s+(\S+))?\s*$", line)
+        if m:
+            assert m.group(1) not in out, f"two headings for {m.group(1)}"
+            out[m.group(1)] = m.group(2) or ""
+        else:
+            assert not re.match(r"^#+ CK\d", line), f"malformed code heading: {line!r}"
+    return out
+
+
+def codes_in_source() -> set[str]:
+    return {c for path in (ROOT / "ckptspec").glob("*.py") for c in CODE_RE.findall(path.read_text("utf-8"))}
+
+
+def test_every_code_has_a_heading():
+    headings = error_headings()
+    required = [r.code for r in RULES] + OTHER_CODES
+    missing = [c for c in required if c not in headings]
+    assert not missing, f"docs/errors.md lacks a '## CODE name' heading for {missing}"
+
+
+def _registered_checks() -> list[tuple[str, str]]:
+    """(code, name) of every registered rule: manifest rules, and shard checks when present."""
+    checks = [(r.code, r.name) for r in RULES]
+    try:
+        from ckptspec.shards import CHECKS
+    except ImportError:
+        return checks
+    return checks + [(c.code, c.name) for c in CHECKS]
+
+
+def test_rule_headings_name_the_rule():
+    headings = error_headings()
+    wrong = {code: (headings.get(code), name) for code, name in _registered_checks() if headings.get(code) != name}
+    assert not wrong, f"heading name differs from the rule name (heading, rule): {wrong}"
+
+
+def test_every_heading_is_a_real_code():
+    fake = sorted(set(error_headings()) - codes_in_source())
+    assert not fake, f"docs/errors.md documents codes that ckptspec never emits: {fake}"
+
+
+# Code families docs/errors.md covers. CK3xx (reconstruction) is still being written; add
+# "CK3" here once docs/errors.md documents those codes.
+DOCUMENTED_FAMILIES = ("CK0", "CK1", "CK2", "CK9")
+
+
+def test_every_emitted_code_is_documented():
+    emitted = {c for c in codes_in_source() if c.startswith(DOCUMENTED_FAMILIES)}
+    undocumented = sorted(emitted - set(error_headings()))
+    assert not undocumented, f"ckptspec emits codes that docs/errors.md does not document: {undocumented}"
+
+
+def test_error_codes_in_order():
+    codes = list(error_headings())
+    assert codes == sorted(codes)
+
+
+# --------------------------------------------------------------------------- schema <-> spec
+
+
+def _comments(node, found: list[str]) -> list[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$comment" and isinstance(value, str):
+                found.append(value)
+            else:
+                _comments(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            _comments(value, found)
+    return found
+
+
+@pytest.mark.parametrize("schema_file", sorted(SCHEMA_DIR.glob("*.schema.json")), ids=lambda p: p.name)
+def test_schema_comment_anchors_exist(schema_file: Path):
+    refs = [m for c in _comments(json.loads(schema_file.read_text("utf-8")), [])
+            for m in re.findall(r"(?:docs/)?([\w-]+\.md)#([\w-]+)", c)]
+    assert refs or schema_file.name.startswith("report"), f"{schema_file.name} links no spec section"
+    missing = [f"{doc}#{anchor}" for doc, anchor in refs if anchor not in sections(DOCS / doc)]
+    assert not missing, f"{schema_file.name} points to anchors that do not exist: {missing}"
+
+
+def _anchor_of(definition: dict) -> str:
+    m = re.search(r"spec\.md#([\w-]+)", definition.get("$comment", ""))
+    assert m, f"$def without a spec.md anchor: {definition}"
+    return m.group(1)
+
+
+def schema_objects() -> list[tuple[str, str, dict]]:
+    """(label, spec anchor, object schema) for the document and every $def with properties."""
+    schema = json.loads(MANIFEST_SCHEMA.read_text("utf-8"))
+    out = [("document", "document", schema)]
+    out += [(name, _anchor_of(d), d) for name, d in schema["$defs"].items() if "properties" in d]
+    return out
+
+
+BULLET = re.compile(r"^- \*\*`([^`]+)`\*\*")
+
+
+def spec_bullets(anchor: str) -> dict[str, str]:
+    """Field bullets of one spec section: name -> the bullet's text."""
+    spec = DOCS / "spec.md"
+    section = sections(spec)[anchor]
+    lines = spec.read_text("utf-8").splitlines()[section.start:section.end]
+    bullets: dict[str, str] = {}
+    current = None
+    for line in lines:
+        m = BULLET.match(line)
+        if m:
+            current = m.group(1)
+            assert current not in bullets, f"spec.md#{anchor}: two bullets for {current}"
+            bullets[current] = line
+        elif current and (line.startswith("#") or (line and not line.startswith(" "))):
+            current = None
+        elif current:
+            bullets[current] += "\n" + line
+    return bullets
+
+
+@pytest.mark.parametrize("label,anchor,obj", schema_objects(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_schema_field_has_a_bullet(label: str, anchor: str, obj: dict):
+    bullets = spec_bullets(anchor)
+    fields = obj["properties"]
+    missing = [f for f in fields if f not in bullets]
+    assert not missing, f"spec.md#{anchor} ({label}) has no '- **`field`**' bullet for {missing}"
+    extra = [b for b in bullets if b not in fields]
+    assert not extra, f"spec.md#{anchor} ({label}) has bullets for fields the schema lacks: {extra}"
+    required = set(obj.get("required", []))
+    for name, text in bullets.items():
+        said = re.findall(r"This (REQUIRED|OPTIONAL) property", text)
+        assert len(said) == 1, f"spec.md#{anchor}: the bullet for {name} must say 'This REQUIRED/OPTIONAL property' once"
+        assert (said[0] == "REQUIRED") == (name in required), (
+            f"spec.md#{anchor}: {name} is {said[0]} in the spec but {'required' if name in required else 'optional'} in the schema")
+
+
+def test_every_field_bullet_has_a_type():
+    for _, anchor, _ in schema_objects():
+        for name, text in spec_bullets(anchor).items():
+            assert re.match(r"^- \*\*`[^`]+`\*\* \*[^*]+\*$", text.splitlines()[0]), (
+                f"spec.md#{anchor}: the bullet for {name} must be '- **`{name}`** *type*'")
+
+
+def test_spec_dtype_table_matches_schema_and_rules():
+    from ckptspec.rules import ITEMSIZE
+
+    schema = json.loads(MANIFEST_SCHEMA.read_text("utf-8"))
+    text = (DOCS / "spec.md").read_text("utf-8")
+    table = {m.group(1): int(m.group(2)) for m in re.finditer(r"^\| `(\w+)` \| (\d+) \|", text, re.M)}
+    assert table == ITEMSIZE
+    assert sorted(table) == sorted(schema["$defs"]["dtype"]["enum"])
+
+
+# --------------------------------------------------------------------------- links
+
+
+def test_relative_links_resolve():
+    """Links to files exist; links to #anchors (here or in another .md) exist."""
+    broken = []
+    for path in doc_files():
+        text = path.read_text("utf-8")
+        text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # not inside code blocks
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+://", target):
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            if not dest.exists():
+                broken.append(f"{path.name}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in sections(dest):
+                broken.append(f"{path.name}: {target} (no such anchor)")
+    assert not broken, "\n".join(broken)
