@@ -11,6 +11,7 @@ Imports torch and DeepSpeed only when called.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from .layout import ParamSpec, flat_group, per_param_group
@@ -25,6 +26,7 @@ from .models import (
     Layout,
     Manifest,
     Producer,
+    ShardFile,
 )
 from .torch_dtypes import dtype_name
 
@@ -46,20 +48,34 @@ def _spec(param, names: dict[int, str]) -> ParamSpec:
     return ParamSpec(names[id(param)], _shape(param), dtype_name(param.dtype))
 
 
+def _live_paddings(params, flat) -> list[int]:
+    """Alignment padding after each param, from where the params really sit in the flat buffer.
+
+    DeepSpeed before 0.19.6 keeps no ``round_robin_bit16_padding``; its params are views
+    into ``bit16_groups_flat``, so their storage positions give the layout.
+    """
+    size = flat.element_size()
+    offsets = [(p.data_ptr() - flat.data_ptr()) // size for p in params]
+    ends = [o + p.numel() for o, p in zip(offsets, params)]
+    return [nxt - end for end, nxt in zip(ends, offsets[1:])] + [0]
+
+
 def _flat_groups_stage12(engine, names) -> list[Group]:
     opt = engine.optimizer
     groups = []
     for i, params in enumerate(opt.round_robin_bit16_groups):
         count = opt.partition_count[i]
+        paddings = (opt.round_robin_bit16_padding[i] if hasattr(opt, "round_robin_bit16_padding")
+                    else _live_paddings(params, opt.bit16_groups_flat[i]))
         group = flat_group(
             [_spec(p, names) for p in params], optimizer_group=i, partition_count=count,
-            zero_stage=engine.zero_optimization_stage(), paddings=opt.round_robin_bit16_padding[i],
+            zero_stage=engine.zero_optimization_stage(), paddings=paddings,
         )
         # Cross-check with the optimizer's own numbers: the flat buffer and this rank's saved tail.
         if group.padded_numel != opt.bit16_groups_flat[i].numel():
             raise AssertionError(f"group {i}: computed padded numel {group.padded_numel}, "
                                  f"live flat buffer has {opt.bit16_groups_flat[i].numel()}")
-        if [p.offset for p in group.params] != list(opt.round_robin_bit16_offsets[i]):
+        if hasattr(opt, "round_robin_bit16_offsets") and [p.offset for p in group.params] != list(opt.round_robin_bit16_offsets[i]):
             raise AssertionError(f"group {i}: computed offsets differ from the live optimizer's")
         groups.append(group)
     return groups
@@ -220,3 +236,116 @@ def _version() -> str:
     from . import __version__
 
     return __version__
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False, sidecar_encoding: str = "json") -> Manifest:
+    """``engine.save_checkpoint`` plus the manifest, embedded where it travels with the files.
+
+    Call it on every rank, exactly where ``engine.save_checkpoint`` would be called. It:
+
+    1. describes the layout from the live engine (``manifest_from_engine``: the exact
+       partition layout of the optimizer) and refuses unsupported engines before
+       anything is written;
+    2. calls ``engine.save_checkpoint`` with the layout manifest (``files: []``) added to
+       ``client_state`` under ``"ckptspec_manifest"`` as a JSON string, so it is inside
+       the model-states file(s) and survives when only the ``.pt`` files are copied;
+    3. after every rank has written its files (DeepSpeed's closing barrier), has each
+       rank describe the files it wrote (size, locators, ``sha256`` when ``hash``) and
+       gathers the descriptions (one ``all_gather_object``);
+    4. on rank 0, validates the complete manifest and writes it last, atomically, as
+       ``<save_dir>/<tag>/ckptspec.json`` (``sidecar_encoding="msgpack"``:
+       ``ckptspec.msgpack``), then writes ``latest`` (atomically, after the sidecar, so
+       ``latest`` never names a checkpoint without its manifest).
+
+    Arguments are those of ``engine.save_checkpoint`` (``client_state`` may not use
+    the ``"ckptspec_manifest"`` key); ``hash`` records a SHA-256 of every file (each
+    rank hashes its own files, in parallel).
+
+    Returns:
+        The complete manifest, identical on every rank.
+
+    Raises:
+        UnsupportedEngine: before saving, for engines format 1.0 cannot describe (and
+            decoupled/asynchronous checkpoint engines, whose files are not final on return).
+        ValueError: ``client_state`` already holds ``"ckptspec_manifest"``.
+        RuntimeError: describing or writing failed on some rank; raised on every rank
+            (no rank is left waiting), and neither the sidecar nor ``latest`` is written.
+    """
+    import torch.distributed as dist
+
+    from .embed import CLIENT_STATE_KEY, client_state_value, write_sidecar
+    from .encoding import write_atomic
+    from .validate import validate_document
+
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    if checkpoint_engine is not None and getattr(checkpoint_engine, "is_decoupled", lambda: False)():
+        raise UnsupportedEngine("a decoupled checkpoint engine writes files after save_checkpoint returns; "
+                                "ckptspec cannot describe them then")
+    if sidecar_encoding not in ("json", "msgpack"):
+        raise ValueError(f"sidecar_encoding must be 'json' or 'msgpack', not {sidecar_encoding!r}")
+    layout = manifest_from_engine(engine, exclude_frozen_parameters=exclude_frozen_parameters)
+    state = dict(client_state or {})
+    if CLIENT_STATE_KEY in state:
+        raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for the ckptspec manifest")
+    state[CLIENT_STATE_KEY] = client_state_value(layout)
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default tag
+    engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
+                           exclude_frozen_parameters=exclude_frozen_parameters)
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    tag_dir = Path(save_dir) / tag
+    try:
+        mine, error = _describe_own_files(tag_dir, rank, layout.layout.zero_stage, "sha256" if hash else None), None
+    except Exception as exc:  # reported on every rank below, never left hanging in a collective
+        mine, error = [], f"rank {rank}: {type(exc).__name__}: {exc}"
+    gathered: list = [None] * world
+    if distributed:
+        dist.all_gather_object(gathered, (mine, error))
+    else:
+        gathered = [(mine, error)]
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise RuntimeError("ckptspec could not describe the saved files (no sidecar written): " + "; ".join(errors))
+    complete = layout.model_copy(deep=True)
+    complete.files = _ordered_files([ShardFile.model_validate(d) for files, _ in gathered for d in files])
+
+    status = None
+    if rank == 0:
+        try:
+            report = validate_document(complete.to_dict())
+            if not report.ok:
+                first = next(f for f in report.findings if f.severity == "error")
+                raise AssertionError(f"the manifest is not valid: {first.to_line()}")
+            write_sidecar(tag_dir, complete, sidecar_encoding)
+            if save_latest:
+                write_atomic(Path(save_dir) / "latest", tag.encode("utf-8"))
+        except Exception as exc:
+            status = f"rank 0: {type(exc).__name__}: {exc}"
+    if distributed:
+        box = [status]
+        dist.broadcast_object_list(box, src=0)
+        status = box[0]
+    if status:
+        raise RuntimeError("ckptspec could not write the manifest sidecar: " + status)
+    return complete
+
+
+def _describe_own_files(tag_dir: Path, rank: int, stage: int, hash_algorithm: str | None) -> list[dict]:
+    """This rank's files of the tag directory (rank 0 also takes the rank-less ones), described."""
+    from .ds_checkpoint import ShardSet, _load, describe_files, scan_tag_dir
+
+    every = scan_tag_dir(tag_dir)
+    own = ShardSet(tag_dir)
+    own.model_files = {r: p for r, p in every.model_files.items() if r == rank}
+    own.optim_files = {r: p for r, p in every.optim_files.items() if r == rank}
+    own.other_files = list(every.other_files) if rank == 0 else []
+    optim_states = {r: _load(p) for r, p in own.optim_files.items()}
+    return [f.model_dump(mode="json", exclude_unset=True) for f in describe_files(own, {}, optim_states, stage, hash_algorithm)]
+
+
+def _ordered_files(files: list[ShardFile]) -> list[ShardFile]:
+    # The order ``manifest_from_checkpoint`` uses: model states, optimizer states (by rank), others.
+    role_order = {"model_states": 0, "optimizer_states": 1, "other": 2}
+    return sorted(files, key=lambda f: (role_order[f.role], f.ranks[:1] if f.role != "other" else [], f.path))

@@ -1,0 +1,581 @@
+"""Embedding (issue #6): sidecar, model-states client state, safetensors metadata, the DeepSpeed save hook.
+
+The first part needs neither DeepSpeed nor a real checkpoint (synthetic torch and
+safetensors files). The second part (marked ``deepspeed``) saves three real DeepSpeed
+checkpoints through ``ckptspec.deepspeed.save_checkpoint`` (stages 1, 2 and 3, two and
+three ranks), loads each back with ``engine.load_checkpoint`` inside the job, and
+checks every copy of the manifest.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ckptspec import torchfile
+from ckptspec.embed import (
+    CLIENT_STATE_KEY, SAFETENSORS_KEY, SAFETENSORS_SHA256_KEY, EmbeddedCopy, EmbedError, agreement_findings,
+    client_state_value, embedded_findings, first_difference, layout_document, read_client_state_copy,
+    rewrite_pt_with_item, safetensors_metadata, write_sidecar,
+)
+from ckptspec.encoding import dumps
+from ckptspec.loader import load_document
+from ckptspec.validate import validate_document
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
+
+
+def example() -> dict:
+    return json.loads(EXAMPLE.read_text("utf-8"))
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptspec", *args], capture_output=True, text=True)
+
+
+# --------------------------------------------------------------------------- client state in a torch file
+
+
+@pytest.fixture
+def pt_file(tmp_path):
+    import torch
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    state = {
+        "module": collections.OrderedDict(w=torch.arange(10, dtype=torch.float32).view(2, 5),
+                                          b=torch.ones(3, dtype=torch.bfloat16), s=torch.tensor(7, dtype=torch.int64)),
+        "param_shapes": [collections.OrderedDict(w=torch.Size([2, 5]))],
+        "global_steps": 2,
+        "ds_version": "0.19.8",
+    }
+    torch.save(state, path)
+    return path
+
+
+def _entries(path: Path) -> list[tuple[str, int, int]]:
+    with zipfile.ZipFile(path) as zf:
+        return [(i.filename, i.file_size, i.CRC) for i in zf.infolist()]
+
+
+def test_client_state_item_is_added_and_everything_else_kept(pt_file):
+    import torch
+
+    before = torch.load(pt_file, weights_only=False)
+    old_entries = _entries(pt_file)
+    value = client_state_value(example())
+    rewrite_pt_with_item(pt_file, CLIENT_STATE_KEY, value)
+    after = torch.load(pt_file, weights_only=False)
+    assert list(after) == list(before) + [CLIENT_STATE_KEY]
+    assert after[CLIENT_STATE_KEY] == value
+    for name, tensor in before["module"].items():
+        assert torch.equal(after["module"][name], tensor) and after["module"][name].dtype == tensor.dtype
+    assert after["param_shapes"] == before["param_shapes"]
+    # torch.load's safe mode and mmap (which needs the 64-byte alignment) read it too.
+    assert torch.load(pt_file, weights_only=True, mmap=True)[CLIENT_STATE_KEY] == value
+    # Only data.pkl changed; every other record (name, size, CRC, order) is the same.
+    new_entries = _entries(pt_file)
+    assert [e for e in new_entries if not e[0].endswith("data.pkl")] == [e for e in old_entries if not e[0].endswith("data.pkl")]
+    assert all(offset % 64 == 0 for member, (offset, _) in torchfile.zip_member_locations(pt_file).items() if "/data/" in member)
+    # The restricted unpickler reads the manifest as a plain str.
+    copy_ = read_client_state_copy(pt_file)
+    assert copy_.kind == "client_state" and copy_.document == layout_document(example())
+    assert [p.name for p in pt_file.parent.iterdir()] == [pt_file.name]
+
+
+def test_embedding_the_same_value_again_changes_nothing(pt_file):
+    value = client_state_value(example())
+    rewrite_pt_with_item(pt_file, CLIENT_STATE_KEY, value)
+    once = pt_file.read_bytes()
+    rewrite_pt_with_item(pt_file, CLIENT_STATE_KEY, value)
+    assert pt_file.read_bytes() == once
+    other = example()
+    other["layout"]["world_size"] = 4
+    rewrite_pt_with_item(pt_file, CLIENT_STATE_KEY, client_state_value(other))
+    assert read_client_state_copy(pt_file).document["layout"]["world_size"] == 4
+
+
+@pytest.mark.parametrize("case", ["list", "protocol4", "compressed"])
+def test_files_that_cannot_carry_the_manifest_are_left_untouched(tmp_path, case):
+    import torch
+
+    path = tmp_path / "x.pt"
+    if case == "list":
+        torch.save([torch.zeros(2)], path)
+    elif case == "protocol4":
+        torch.save({"a": torch.zeros(2)}, path, pickle_protocol=4)
+    else:
+        torch.save({"a": torch.zeros(2)}, tmp_path / "plain.pt")
+        with zipfile.ZipFile(tmp_path / "plain.pt") as zin, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zout:
+            for info in zin.infolist():
+                zout.writestr(info.filename, zin.read(info.filename))
+        (tmp_path / "plain.pt").unlink()
+    original = path.read_bytes()
+    with pytest.raises(EmbedError) as info:
+        rewrite_pt_with_item(path, CLIENT_STATE_KEY, "{}")
+    assert info.value.code in ("CK305", "CK205") and info.value.exit_code == 1
+    assert path.read_bytes() == original
+    assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]
+
+
+def test_unreadable_client_state_is_ck302(tmp_path):
+    import torch
+
+    for name, value in [("notstr.pt", {"a": 1}), ("garbage.pt", "{not json"), ("array.pt", "[1, 2]")]:
+        torch.save({CLIENT_STATE_KEY: value}, tmp_path / name)
+        with pytest.raises(EmbedError) as info:
+            read_client_state_copy(tmp_path / name)
+        assert info.value.code == "CK302", name
+        result = run("extract", str(tmp_path / name))
+        assert result.returncode == 1 and "CK302" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_extract_from_a_pt_without_manifest_is_ck303(pt_file):
+    result = run("extract", str(pt_file))
+    assert result.returncode == 1
+    assert result.stderr == f"{pt_file}: CK303 no embedded manifest found (hint: add one with `ckptspec embed CHECKPOINT`, " \
+                            "or save with ckptspec.deepspeed.save_checkpoint)\n"
+
+
+def test_hostile_pickle_is_refused_not_run(tmp_path):
+    import torch
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    torch.save({"module": {}, "x": Evil()}, tmp_path / "evil.pt")
+    for action in (lambda: read_client_state_copy(tmp_path / "evil.pt"),
+                   lambda: rewrite_pt_with_item(tmp_path / "evil.pt", CLIENT_STATE_KEY, "{}")):
+        with pytest.raises(Exception) as info:
+            action()
+        assert getattr(info.value, "code", None) == "CK204"
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- safetensors __metadata__
+
+
+def write_safetensors(path: Path, metadata: dict[str, str] | None) -> None:
+    header = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + struct.pack("<2f", 1.0, 2.0))
+
+
+def test_safetensors_metadata_value_is_the_canonical_json():
+    meta = safetensors_metadata(example())
+    assert meta[SAFETENSORS_KEY].encode() == dumps(example(), "json")
+    assert meta[SAFETENSORS_SHA256_KEY] == hashlib.sha256(dumps(example(), "json")).hexdigest()
+
+
+def test_extract_from_safetensors(tmp_path):
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, {"format": "pt", **safetensors_metadata(example())})
+    result = run("extract", str(path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.encode() == dumps(example(), "json")
+    # The safetensors library agrees the file is fine.
+    safetensors = pytest.importorskip("safetensors")
+    with safetensors.safe_open(str(path), "np") as fh:
+        assert fh.metadata()[SAFETENSORS_KEY] == dumps(example(), "json").decode()
+
+
+def test_safetensors_problems(tmp_path):
+    meta = safetensors_metadata(example())
+    tampered = dict(meta, **{SAFETENSORS_KEY: meta[SAFETENSORS_KEY].replace('"world_size": 2', '"world_size": 3')})
+    write_safetensors(tmp_path / "tampered.safetensors", tampered)
+    write_safetensors(tmp_path / "none.safetensors", {"format": "pt"})
+    write_safetensors(tmp_path / "nometa.safetensors", None)
+    (tmp_path / "short.safetensors").write_bytes(b"\x01\x02")
+    (tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", 2**40) + b"{}")
+    expect = {"tampered": (1, "CK302 'ckptspec.manifest' does not match"), "none": (1, "CK303"), "nometa": (1, "CK303"),
+              "short": (1, "CK302 not a safetensors file"), "huge": (1, "CK302 not a safetensors file")}
+    for stem, (code, text) in expect.items():
+        result = run("extract", str(tmp_path / f"{stem}.safetensors"))
+        assert result.returncode == code and text in result.stderr, (stem, result.stderr)
+
+
+def test_directory_of_safetensors_shards(tmp_path):
+    for i in (1, 2):
+        write_safetensors(tmp_path / f"model-0000{i}-of-00002.safetensors", safetensors_metadata(example()))
+    listed = run("extract", str(tmp_path), "--list")
+    assert listed.returncode == 0 and listed.stdout.endswith(f"{tmp_path}: 2 copies agree\n")
+    other = example()
+    other["groups"][0]["params"][0]["name"] = "embedding.weight"
+    other["aliases"][0]["owner"] = "embedding.weight"
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", safetensors_metadata(other))
+    result = run("extract", str(tmp_path))
+    assert result.returncode == 1 and result.stdout == ""
+    assert "model-00002-of-00002.safetensors: $.aliases[0].owner: CK301 embedded copies disagree" in result.stderr
+
+
+# --------------------------------------------------------------------------- agreement
+
+
+def _copy(doc, kind="client_state", source="x.pt"):
+    return EmbeddedCopy(source, kind, doc)
+
+
+def test_copies_agree_when_only_producer_and_files_differ():
+    full = example()
+    layout_only = layout_document(full)
+    layout_only["producer"]["tool"] = "someone-else"
+    assert agreement_findings([_copy(full, "sidecar", "ckptspec.json"), _copy(layout_only)]) == []
+
+
+def test_disagreement_names_the_copy_and_the_first_difference():
+    full = example()
+    other = layout_document(full)
+    other["layout"]["world_size"] = 3
+    findings = agreement_findings([_copy(other, source="tag/zero_pp_rank_1_mp_rank_00_model_states.pt"),
+                                   _copy(full, "sidecar", "tag/ckptspec.json")])
+    assert [f.to_line() for f in findings] == [
+        "tag/zero_pp_rank_1_mp_rank_00_model_states.pt: $.layout.world_size: CK301 embedded copies disagree: this "
+        "client-state copy says 3, the sidecar ckptspec.json says 2 (hint: copies of a manifest must describe the same "
+        "layout; re-embed one manifest everywhere with `ckptspec embed CHECKPOINT --manifest M`)"]
+
+
+def test_first_difference():
+    assert first_difference({"a": [1, 2]}, {"a": [1, 2.0]}) is None  # 2 and 2.0: the same count
+    assert first_difference({"a": True}, {"a": 1}) == ("$.a", "true", "1")
+    assert first_difference({"a": [1]}, {"a": [1, 2]}) == ("$.a", "1 entries", "2 entries")
+    assert first_difference({"a": 1}, {"b": 1}) == ("$.a", "1", "<absent>")
+    assert first_difference({"a": 1, "opt": 2}, {"a": 1}, lenient=True) is None
+
+
+def test_sidecar_of_one_encoding_replaces_the_other(tmp_path):
+    write_sidecar(tmp_path, example(), "msgpack")
+    write_sidecar(tmp_path, example(), "json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckptspec.json"]
+    assert (tmp_path / "ckptspec.json").read_bytes() == dumps(example(), "json")
+    write_sidecar(tmp_path, example(), "msgpack")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckptspec.msgpack"]
+
+
+def test_extract_of_a_manifest_file_applies_the_version_gate(tmp_path):
+    corpus = ROOT / "tests" / "conformance" / "1.0"
+    newer = run("extract", str(corpus / "valid" / "newer-minor-1.4.0-unknown-fields.json"))
+    assert newer.returncode == 0 and "CK004 warning:" in newer.stderr and '"format_version": "1.4.0"' in newer.stdout
+    major = run("extract", str(corpus / "invalid" / "CK003-format-major-2.json"))
+    assert major.returncode == 1 and "CK003" in major.stderr and major.stdout == ""
+    assert run("extract", str(tmp_path / "missing")).returncode == 2
+
+
+# --------------------------------------------------------------------------- real DeepSpeed: save_checkpoint
+
+
+LOAD_BACK = "ds_embed_hooks:load_back"
+FEATURES = {"tied": True, "frozen": True, "buffers": True, "save_with": "ckptspec", "hook": LOAD_BACK}
+EMBED_MATRIX = {
+    "s1-fp16-ws2": ({"stage": 1, "dtype": "fp16", **FEATURES}, 2),
+    "s2-bf16-ws3-rr-exclude": ({"stage": 2, "dtype": "bf16", "round_robin": True, "exclude_frozen": True, **FEATURES}, 3),
+    "s3-fp16-ws2-groups-sub": ({"stage": 3, "dtype": "fp16", "two_groups": True, "sub_group_size": 300, **FEATURES}, 2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(EMBED_MATRIX))
+def saved(request, ds_root):
+    from dsharness.build import build_checkpoint
+
+    spec, world_size = EMBED_MATRIX[request.param]
+    save_dir = build_checkpoint(spec, world_size, ds_root)
+    tag_dir = save_dir / (save_dir / "latest").read_text()
+    returned = [json.loads((save_dir / f"saved_manifest.rank{r}.json").read_text()) for r in range(world_size)]
+    return SimpleNamespace(name=request.param, save_dir=save_dir, tag_dir=tag_dir, world_size=world_size, spec=spec,
+                           returned=returned, sidecar=tag_dir / "ckptspec.json")
+
+
+def _model_files(tag_dir: Path) -> list[Path]:
+    return sorted(p for p in tag_dir.iterdir() if p.name.endswith("model_states.pt"))
+
+
+def _without(doc: dict, *keys: str) -> dict:
+    return {k: v for k, v in doc.items() if k not in keys}
+
+
+@pytest.mark.deepspeed
+def test_every_rank_returns_the_same_complete_valid_manifest(saved):
+    assert all(doc == saved.returned[0] for doc in saved.returned)
+    manifest = saved.returned[0]
+    assert validate_document(manifest).findings == []
+    assert {f["path"] for f in manifest["files"]} == {p.name for p in saved.tag_dir.iterdir() if p.name != "ckptspec.json"}
+    assert all(f["hash"]["algorithm"] == "sha256" for f in manifest["files"])
+    if saved.spec.get("exclude_frozen"):
+        assert manifest["excluded"] and manifest["frozen"] == []
+
+
+@pytest.mark.deepspeed
+def test_sidecar_is_written_last_and_latest_after_it(saved):
+    assert saved.sidecar.read_bytes() == dumps(saved.returned[0], "json")
+    sidecar_time = saved.sidecar.stat().st_mtime_ns
+    assert all(p.stat().st_mtime_ns <= sidecar_time for p in saved.tag_dir.iterdir())
+    assert (saved.save_dir / "latest").stat().st_mtime_ns >= sidecar_time
+    leftovers = [p for d in (saved.save_dir, saved.tag_dir) for p in d.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+@pytest.mark.deepspeed
+def test_sidecar_files_are_the_files_on_disk(saved):
+    """Sizes, hashes and locators gathered from the ranks equal what the saved directory says
+    (so the model-states files were described with their client state inside)."""
+    from ckptspec.ds_checkpoint import manifest_from_checkpoint
+
+    from_dir = manifest_from_checkpoint(saved.save_dir, hash_algorithm="sha256").to_dict()
+    sidecar = json.loads(saved.sidecar.read_text())
+    assert from_dir["files"] == sidecar["files"]
+    # The directory producer ignores the ckptspec_manifest client key and agrees on the layout.
+    assert _without(from_dir, "producer", "files", "excluded") == _without(sidecar, "producer", "files", "excluded")
+    checked = run("validate", str(saved.save_dir))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.deepspeed
+def test_model_states_carry_the_layout_manifest(saved):
+    sidecar = json.loads(saved.sidecar.read_text())
+    files = _model_files(saved.tag_dir)
+    assert len(files) == (saved.world_size if saved.spec["stage"] == 3 else 1)
+    for path in files:
+        state = torchfile.read_pt_metadata(path)
+        assert type(state[CLIENT_STATE_KEY]) is str
+        assert json.loads(state[CLIENT_STATE_KEY]) == layout_document(sidecar)
+    assert embedded_findings(saved.save_dir) == []
+
+
+@pytest.mark.deepspeed
+def test_engine_load_checkpoint_still_works(saved):
+    sidecar = json.loads(saved.sidecar.read_text())
+    for rank in range(saved.world_size):
+        result = json.loads((saved.save_dir / f"load_back.rank{rank}.json").read_text())
+        assert result["moved_before_load"], "the extra step did not change the weights: the test proves nothing"
+        assert result["restored"], f"rank {rank}: weights after load_checkpoint differ from the saved ones"
+        assert result["embedded_type"] == "str" and result["embedded"] == layout_document(sidecar)
+
+
+@pytest.mark.deepspeed
+def test_manifest_survives_when_only_pt_files_are_copied(saved, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for path in saved.tag_dir.glob("*.pt"):
+        shutil.copy2(path, bare / path.name)
+    sidecar = json.loads(saved.sidecar.read_text())
+    result = run("extract", str(bare))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == layout_document(sidecar)
+    one = run("extract", str(_model_files(bare)[-1]))
+    assert json.loads(one.stdout) == layout_document(sidecar)
+    # embed restores the complete sidecar from the copies: the engine's layout, files described anew.
+    restored = run("embed", str(bare))
+    assert restored.returncode == 0, restored.stderr
+    assert json.loads((bare / "ckptspec.json").read_text()) == sidecar
+
+
+@pytest.mark.deepspeed
+def test_extract_prints_the_sidecar_and_lists_agreeing_copies(saved):
+    result = run("extract", str(saved.save_dir))
+    assert result.returncode == 0 and result.stdout.encode() == saved.sidecar.read_bytes()
+    listed = run("extract", str(saved.save_dir), "--list")
+    n = len(_model_files(saved.tag_dir)) + 1
+    assert listed.returncode == 0 and listed.stdout.endswith(f"{saved.save_dir}: {n} copies agree\n")
+
+
+@pytest.mark.deepspeed
+def test_disagreeing_copy_is_reported(saved, tmp_path):
+    copy_dir = tmp_path / "ckpt"
+    shutil.copytree(saved.save_dir, copy_dir)
+    tag_dir = copy_dir / saved.tag_dir.name
+    victim = _model_files(tag_dir)[-1]
+    doc = json.loads(saved.sidecar.read_text())
+    doc["groups"][0]["params"][0]["shape"] = list(reversed(doc["groups"][0]["params"][0]["shape"]))
+    rewrite_pt_with_item(victim, CLIENT_STATE_KEY, client_state_value(doc))
+    result = run("extract", str(copy_dir))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"{victim}: $.groups[0].params[0].shape" in result.stderr and "CK301" in result.stderr
+    assert [f.code for f in embedded_findings(copy_dir)] == ["CK301"]
+
+
+@pytest.mark.deepspeed
+def test_embed_into_a_plain_deepspeed_checkpoint(saved, tmp_path):
+    """Strip every copy, then `ckptspec embed` puts them back: client state first, sidecar last."""
+    import torch
+
+    copy_dir = tmp_path / "ckpt"
+    shutil.copytree(saved.save_dir, copy_dir)
+    tag_dir = copy_dir / saved.tag_dir.name
+    (tag_dir / "ckptspec.json").unlink()
+    for path in _model_files(tag_dir):
+        state = torch.load(path, weights_only=False)
+        del state[CLIENT_STATE_KEY]
+        torch.save(state, path)
+    assert run("extract", str(copy_dir)).returncode == 1  # CK303: nothing left
+
+    result = run("embed", str(copy_dir))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == f"{tag_dir / 'ckptspec.json'}: written ({len(saved.returned[0]['files'])} files)"
+    sidecar, original = json.loads((tag_dir / "ckptspec.json").read_text()), saved.returned[0]
+    # The directory cannot know the names exclude_frozen_parameters dropped; the rest is the engine's layout.
+    assert _without(sidecar, "producer", "files", "excluded") == _without(original, "producer", "files", "excluded")
+    assert run("validate", str(copy_dir)).returncode == 0
+    assert embedded_findings(copy_dir) == []
+
+    # --manifest with the engine's manifest: accepted (it describes this checkpoint) and kept as given.
+    given = tmp_path / "engine.json"
+    given.write_bytes(saved.sidecar.read_bytes())
+    again = run("embed", str(copy_dir), "--manifest", str(given), "--encoding", "msgpack")
+    assert again.returncode == 0, again.stderr
+    assert not (tag_dir / "ckptspec.json").exists()
+    assert _without(load_document(tag_dir / "ckptspec.msgpack"), "files") == _without(original, "files")
+    assert run("validate", str(copy_dir)).returncode == 0
+
+
+@pytest.mark.deepspeed
+def test_embed_refuses_a_manifest_of_another_checkpoint(saved, tmp_path):
+    copy_dir = tmp_path / "ckpt"
+    shutil.copytree(saved.save_dir, copy_dir)
+    before = {p.name: p.read_bytes() for p in (copy_dir / saved.tag_dir.name).iterdir()}
+    wrong = json.loads(saved.sidecar.read_text())
+    wrong["layout"]["world_size"] += 1
+    for group in wrong["groups"]:
+        group["partition_count"] += 1
+    path = tmp_path / "wrong.json"
+    path.write_text(json.dumps(wrong))
+    result = run("embed", str(copy_dir), "--manifest", str(path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "CK" in result.stderr
+    assert {p.name: p.read_bytes() for p in (copy_dir / saved.tag_dir.name).iterdir()} == before
+
+
+# --------------------------------------------------------------------------- save_checkpoint's failure paths (no job)
+
+
+class _FakeDist:
+    """torch.distributed for rank 0 of a job whose other ranks are simulated in-process."""
+
+    def __init__(self, world: int, others):
+        self.world, self.others = world, others
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def get_rank(self):
+        return 0
+
+    def get_world_size(self):
+        return self.world
+
+    def all_gather_object(self, out, obj):
+        out[:] = [obj] + [self.others(r) for r in range(1, self.world)]
+
+    def broadcast_object_list(self, box, src=0):
+        pass
+
+
+class _FakeEngine:
+    """Saves by copying a real saved tag directory (and storing the client state like DeepSpeed)."""
+
+    global_steps = 2
+
+    def __init__(self, template: Path, decoupled: bool = False):
+        self.template, self.calls = template, []
+        self.checkpoint_engine = SimpleNamespace(is_decoupled=lambda: decoupled)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        self.calls.append(dict(tag=tag, save_latest=save_latest, keys=sorted(client_state)))
+        target = Path(save_dir) / tag
+        shutil.copytree(self.template, target)
+        (target / "ckptspec.json").unlink()
+        for path in _model_files(target):
+            rewrite_pt_with_item(path, CLIENT_STATE_KEY, client_state[CLIENT_STATE_KEY])
+
+
+@pytest.fixture
+def fake_job(saved, monkeypatch):
+    import torch.distributed
+
+    import ckptspec.deepspeed as ds
+    from ckptspec.models import Manifest
+
+    layout = Manifest.model_validate(layout_document(json.loads(saved.sidecar.read_text())))
+    monkeypatch.setattr(ds, "manifest_from_engine", lambda engine, exclude_frozen_parameters=False: layout.model_copy(deep=True))
+    stage = layout.layout.zero_stage
+
+    def install(other=None, hash_algorithm="sha256"):
+        def others(rank):
+            if other is not None:
+                return other(rank)
+            return ds._describe_own_files(state["tag_dir"], rank, stage, hash_algorithm), None
+        state = {}
+        fake = _FakeDist(saved.world_size, others)
+        for name in ("is_available", "is_initialized", "get_rank", "get_world_size", "all_gather_object", "broadcast_object_list"):
+            monkeypatch.setattr(torch.distributed, name, getattr(fake, name))
+        return state
+
+    return SimpleNamespace(install=install, ds=ds, engine=lambda **kw: _FakeEngine(saved.tag_dir, **kw))
+
+
+@pytest.mark.deepspeed
+def test_fake_job_reproduces_the_real_sidecar(fake_job, saved, tmp_path):
+    state = fake_job.install()
+    state["tag_dir"] = tmp_path / "global_step2"
+    engine = fake_job.engine()
+    manifest = fake_job.ds.save_checkpoint(engine, tmp_path, client_state={"mine": 1})
+    assert engine.calls == [dict(tag="global_step2", save_latest=False, keys=[CLIENT_STATE_KEY, "mine"])]
+    assert manifest.to_dict() == saved.returned[0]
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert (tmp_path / "global_step2" / "ckptspec.json").read_bytes() == saved.sidecar.read_bytes()
+
+
+@pytest.mark.deepspeed
+def test_save_options(fake_job, saved, tmp_path):
+    state = fake_job.install(hash_algorithm=None)
+    state["tag_dir"] = tmp_path / "mytag"
+    manifest = fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path, tag="mytag", hash=False, save_latest=False,
+                                           sidecar_encoding="msgpack")
+    assert not (tmp_path / "latest").exists()
+    assert sorted(p.name for p in (tmp_path / "mytag").iterdir() if p.name.startswith("ckptspec")) == ["ckptspec.msgpack"]
+    assert all(f.hash is None for f in manifest.files) and "hash" not in json.dumps(load_document(tmp_path / "mytag" / "ckptspec.msgpack")["files"])
+
+
+@pytest.mark.deepspeed
+def test_refusals_before_anything_is_saved(fake_job, tmp_path):
+    fake_job.install()
+    with pytest.raises(ValueError, match="reserved"):
+        fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path, client_state={CLIENT_STATE_KEY: "mine"})
+    with pytest.raises(fake_job.ds.UnsupportedEngine, match="decoupled"):
+        fake_job.ds.save_checkpoint(fake_job.engine(decoupled=True), tmp_path)
+    with pytest.raises(ValueError, match="sidecar_encoding"):
+        fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path, sidecar_encoding="yaml")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.deepspeed
+def test_a_rank_that_cannot_describe_its_files_fails_every_rank(fake_job, tmp_path):
+    fake_job.install(other=lambda rank: ([], f"rank {rank}: OSError: disk gone"))
+    with pytest.raises(RuntimeError, match="rank 1: OSError: disk gone"):
+        fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path)
+    assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2" / "ckptspec.json").exists()
+
+
+@pytest.mark.deepspeed
+def test_an_incomplete_checkpoint_gets_no_sidecar_and_no_latest(fake_job, tmp_path):
+    fake_job.install(other=lambda rank: ([], None))  # the other ranks' files are missing from the manifest
+    with pytest.raises(RuntimeError, match="could not write the manifest sidecar"):
+        fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path)
+    assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2" / "ckptspec.json").exists()

@@ -1,0 +1,259 @@
+"""Version gating and migrations (issue #6), exercised with the test-only 1.1 draft.
+
+``tests/schema_drafts/manifest-1.1.schema.json`` is format 1.0 plus one OPTIONAL
+top-level field, ``tag``. It is registered only inside these tests, with a 1.0 -> 1.1
+and a 1.1 -> 1.0 migration; the released registry stays empty.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckptspec import migrate as mig
+from ckptspec.cli import cli
+from ckptspec.loader import load_document
+from ckptspec.migrate import (
+    InvalidInput, MigrationError, check_document, migrate_document, migration_path, registered, version_key,
+)
+from ckptspec.validate import validate_document
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFT = ROOT / "tests" / "schema_drafts" / "manifest-1.1.schema.json"
+RELEASED = ROOT / "schema" / "manifest-1.0.schema.json"
+EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
+CORPUS = ROOT / "tests" / "conformance" / "1.0"
+
+
+def up_1_0_to_1_1(doc: dict) -> dict:
+    # A newer minor only adds OPTIONAL fields: going up is a version bump.
+    doc["format_version"] = "1.1.0"
+    return doc
+
+
+def down_1_1_to_1_0(doc: dict) -> dict:
+    doc.pop("tag", None)
+    doc["format_version"] = "1.0.0"
+    return doc
+
+
+@pytest.fixture
+def draft():
+    with registered({("1.0", "1.1"): up_1_0_to_1_1, ("1.1", "1.0"): down_1_1_to_1_0}, {"1.1": DRAFT}):
+        yield
+
+
+def example() -> dict:
+    return json.loads(EXAMPLE.read_text("utf-8"))
+
+
+def tagged() -> dict:
+    doc = example()
+    doc["format_version"] = "1.1.0"
+    doc["tag"] = "global_step2"
+    return doc
+
+
+# --------------------------------------------------------------------------- the draft itself
+
+
+def test_draft_is_release_plus_one_optional_field():
+    draft, released = json.loads(DRAFT.read_text("utf-8")), json.loads(RELEASED.read_text("utf-8"))
+    added = draft["properties"].pop("tag")
+    assert added["type"] == "string" and "tag" not in draft["required"]
+    for key in ("$id", "title", "$comment"):
+        assert draft.pop(key) != released.pop(key)
+    assert draft == released
+    # Never shipped: the package knows only the released versions.
+    assert not (ROOT / "schema" / DRAFT.name).exists()
+
+
+def test_registry_is_empty_outside_the_fixture():
+    assert mig.known_migrations() == [] and mig._SCHEMAS == {}
+    with registered({("1.0", "1.1"): up_1_0_to_1_1}, {"1.1": DRAFT}):
+        assert mig.known_migrations() == [("1.0", "1.1")]
+    assert mig.known_migrations() == [] and mig._SCHEMAS == {}
+
+
+# --------------------------------------------------------------------------- readers: version first
+
+
+def test_newer_minor_is_read_with_a_warning_and_unknown_fields_kept():
+    report = validate_document(tagged())
+    assert report.ok
+    assert [f.code for f in report.findings] == ["CK004"]
+    assert report.manifest.to_dict()["tag"] == "global_step2"
+
+
+def test_unknown_major_stops_before_anything_else():
+    doc = example()
+    doc["format_version"] = "2.0.0"
+    doc["layout"] = "anything goes in another major"
+    findings = validate_document(doc).findings
+    assert [f.code for f in findings] == ["CK003"]
+    assert "this reader understands major 1 only" in findings[0].message
+
+
+def test_registered_draft_schema_checks_the_new_field(draft):
+    assert check_document(tagged()) == []  # the draft's own schema: no CK004, every field checked
+    bad = tagged()
+    bad["tag"] = ""
+    assert [f.code for f in check_document(bad)] == ["CK001"]
+    # Patterns keep ECMA-262 anchors: "$" does not match before a final newline.
+    newline = tagged()
+    newline["files"][0]["hash"] = {"algorithm": "sha256", "digest": "0" * 64 + "\n"}
+    assert "CK001" in {f.code for f in check_document(newline)}
+    # Semantic rules still run for a draft of the supported major.
+    broken = tagged()
+    broken["groups"][0]["params"][0]["numel"] = 1
+    assert "CK101" in {f.code for f in check_document(broken)}
+
+
+# --------------------------------------------------------------------------- migrations
+
+
+def test_up_then_down_is_identity(draft):
+    up = migrate_document(example(), "1.1")
+    assert up.steps == [("1.0", "1.1")]
+    assert up.document["format_version"] == "1.1.0"
+    assert {k: v for k, v in up.document.items() if k != "format_version"} == \
+        {k: v for k, v in example().items() if k != "format_version"}
+    assert up.findings == []
+    down = migrate_document(up.document, "1.0.0")
+    assert down.document == example() and down.findings == []
+
+
+def test_down_migration_reports_the_dropped_field(draft):
+    result = migrate_document(tagged(), "1.0")
+    assert "tag" not in result.document and result.document["format_version"] == "1.0.0"
+    assert [(f.code, f.path, f.severity) for f in result.findings] == [("CK313", "$.tag", "warning")]
+    assert validate_document(result.document).findings == []
+
+
+def test_input_is_not_modified(draft):
+    doc = tagged()
+    before = copy.deepcopy(doc)
+    migrate_document(doc, "1.0")
+    assert doc == before
+
+
+def test_shortest_path_through_several_steps(draft):
+    draft12 = json.loads(DRAFT.read_text("utf-8"))
+    draft12["properties"]["note"] = {"type": "string"}
+
+    def up_1_1_to_1_2(doc):
+        doc["format_version"] = "1.2.0"
+        return doc
+
+    with registered({("1.1", "1.2"): up_1_1_to_1_2}, {"1.2": draft12}):
+        assert migration_path("1.0", "1.2") == [("1.0", "1.1"), ("1.1", "1.2")]
+        assert migration_path("1.2", "1.0") is None
+        result = migrate_document(example(), "1.2")
+        assert result.steps == [("1.0", "1.1"), ("1.1", "1.2")] and result.document["format_version"] == "1.2.0"
+    assert migration_path("1.0", "1.0") == []
+
+
+def test_no_path_is_ck311():
+    with pytest.raises(MigrationError) as info:
+        migrate_document(example(), "1.1", "m.json")
+    assert info.value.code == "CK311" and info.value.exit_code == 1
+    assert "no migration from format 1.0 to 1.1 (registered: none)" in info.value.message
+
+
+def test_invalid_input_is_refused(draft):
+    doc = example()
+    doc["groups"][0]["params"][0]["numel"] = 1
+    with pytest.raises(InvalidInput) as info:
+        migrate_document(doc, "1.1")
+    assert "CK101" in {f.code for f in info.value.findings}
+
+
+def test_a_migration_producing_an_invalid_document_is_ck312():
+    def broken(doc):
+        doc["format_version"] = "1.1.0"
+        doc["tag"] = 42  # the draft says string
+        return doc
+
+    with registered({("1.0", "1.1"): broken}, {"1.1": DRAFT}):
+        with pytest.raises(MigrationError) as info:
+            migrate_document(example(), "1.1")
+    assert info.value.code == "CK312" and "$.tag" in info.value.message
+
+
+def test_migration_must_return_an_object():
+    with registered({("1.0", "1.1"): lambda doc: None}, {"1.1": DRAFT}):
+        with pytest.raises(MigrationError, match="returned NoneType"):
+            migrate_document(example(), "1.1")
+
+
+def test_version_set_when_a_migration_forgets_it():
+    with registered({("1.0", "1.1"): lambda doc: doc}, {"1.1": DRAFT}):
+        assert migrate_document(example(), "1.1").document["format_version"] == "1.1.0"
+
+
+def test_registry_guards():
+    with pytest.raises(ValueError):
+        mig.register_migration("1.0", "1.0.0", lambda d: d)
+    with registered({("1.0", "1.1"): up_1_0_to_1_1}):
+        with pytest.raises(ValueError, match="already registered"):
+            mig.register_migration("1.0", "1.1", down_1_1_to_1_0)
+    for bad in ("1", "1.0.0.0", "01.0", "a.b", "1.-1"):
+        with pytest.raises(ValueError):
+            version_key(bad)
+    assert version_key("1.10.3") == "1.10" and mig.full_version("1.2") == "1.2.0"
+
+
+# --------------------------------------------------------------------------- ckptspec migrate
+
+
+def test_cli_migrate_up_and_the_older_reader_accepts_it(draft, tmp_path):
+    out = tmp_path / "m11.msgpack"
+    result = CliRunner().invoke(cli, ["migrate", str(EXAMPLE), str(out), "--to", "1.1"])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"{out}: format 1.1.0 (1.0 -> 1.1)\n"
+    doc = load_document(out)
+    assert doc["format_version"] == "1.1.0"
+    # A 1.0 reader (subprocess: the draft is not registered there) reads 1.1 with a warning.
+    checked = subprocess.run([sys.executable, "-m", "ckptspec", "validate", str(out)], capture_output=True, text=True)
+    assert checked.returncode == 0 and "CK004 warning:" in checked.stdout
+
+
+def test_cli_migrate_down_warns_about_dropped_fields(draft, tmp_path):
+    source, out = tmp_path / "m11.json", tmp_path / "m10.json"
+    source.write_text(json.dumps(tagged()), "utf-8")
+    result = CliRunner().invoke(cli, ["migrate", str(source), str(out), "--to", "1.0.0"])
+    assert result.exit_code == 0, result.output
+    assert f"{source}: $.tag: CK313 warning: format 1.0 has no place for this field" in result.output
+    assert json.loads(out.read_text("utf-8")) == example()
+
+
+def test_cli_migrate_failures_write_nothing(tmp_path):
+    out = tmp_path / "out.json"
+    no_path = subprocess.run([sys.executable, "-m", "ckptspec", "migrate", str(EXAMPLE), str(out), "--to", "2.0"],
+                             capture_output=True, text=True)
+    assert no_path.returncode == 1 and "CK311 no migration from format 1.0 to 2.0" in no_path.stderr
+    assert "Traceback" not in no_path.stderr
+    bad_version = subprocess.run([sys.executable, "-m", "ckptspec", "migrate", str(EXAMPLE), str(out), "--to", "two"],
+                                 capture_output=True, text=True)
+    assert bad_version.returncode == 2 and "--to" in bad_version.stderr
+    invalid = subprocess.run([sys.executable, "-m", "ckptspec", "migrate", str(CORPUS / "invalid" / "CK106-offset-gap.json"),
+                              str(out), "--to", "1.0"], capture_output=True, text=True)
+    assert invalid.returncode == 1 and "CK106" in invalid.stderr
+    major = subprocess.run([sys.executable, "-m", "ckptspec", "migrate", str(CORPUS / "invalid" / "CK003-format-major-2.json"),
+                            str(out), "--to", "1.0"], capture_output=True, text=True)
+    assert major.returncode == 1 and "CK311 no migration from format 2.0 to 1.0" in major.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cli_migrate_same_version_rewrites_canonically(tmp_path):
+    out = tmp_path / "same.msgpack"
+    result = subprocess.run([sys.executable, "-m", "ckptspec", "migrate", str(EXAMPLE), str(out), "--to", "1.0"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout == f"{out}: format 1.0.0 (no change)\n"
+    assert load_document(out) == example()
