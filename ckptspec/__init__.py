@@ -18,7 +18,17 @@ __all__ = [
     "Manifest",
     "Report",
     "load_manifest",
+    "load_state_dict",
     "validate_document",
     "validate_file",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # Lazy, so `import ckptspec` stays light: reconstruction loads numpy on use.
+    if name == "load_state_dict":
+        from .reconstruct import load_state_dict
+
+        return load_state_dict
+    raise AttributeError(f"module 'ckptspec' has no attribute {name!r}")

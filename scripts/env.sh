@@ -16,7 +16,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     {
         .venv/bin/python -m pip install --upgrade pip &&
         .venv/bin/python -m pip install "torch==2.13.0" &&
-        .venv/bin/python -m pip install -e ".[deepspeed,test]" &&
+        .venv/bin/python -m pip install -e ".[deepspeed,reconstruct,test]" &&
         .venv/bin/python -c "import torch, deepspeed, ckptspec"
     } >"$log" 2>&1 || { tail -30 "$log" >&2; echo "environment setup failed; see $log" >&2; exit 2; }
     touch "$stamp"

@@ -1,0 +1,77 @@
+"""Build (once, cached) real ~100M-parameter DeepSpeed ZeRO checkpoints for the benchmarks.
+
+    .venv/bin/python benchmarks/make_big_checkpoint.py            # ZeRO-2 and ZeRO-3, 2 ranks, bf16
+    .venv/bin/python benchmarks/make_big_checkpoint.py --stage 2
+
+Each checkpoint is ~1.4 GB on disk (bf16 weights + fp32 masters + two Adam moments).
+They go to $CKPTSPEC_BENCH_CACHE or benchmarks/.cache/ (git-ignored; never commit it),
+built in a temporary directory and renamed into place when complete.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORLD_SIZE = 2
+NEEDED_BYTES = 4 * 1024**3  # one checkpoint plus headroom for the outputs
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CKPTSPEC_BENCH_CACHE", HERE / ".cache"))
+
+
+def checkpoint_dir(stage: int) -> Path:
+    return cache_root() / f"big-zero{stage}-ws{WORLD_SIZE}-bf16"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(stage: int, quiet: bool = False) -> Path:
+    final = checkpoint_dir(stage)
+    if (final / "bench.json").exists():
+        return final
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    if free < NEEDED_BYTES:
+        sys.exit(f"only {free / 2**30:.1f} GiB free under {root}; the benchmark needs ~{NEEDED_BYTES / 2**30:.0f} GiB per stage")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(HERE / "train_big.py"), "--stage", str(stage), "--out", str(tmp / "ckpt")]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"DeepSpeed run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-8000:]}")
+        os.rename(tmp / "ckpt", final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not quiet:
+        print(f"built {final} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return final
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", type=int, choices=[2, 3], action="append", help="default: 2 and 3")
+    args = ap.parse_args()
+    for stage in args.stage or [2, 3]:
+        print(build(stage))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""``ckptspec reconstruct``: consolidated weights from a ZeRO checkpoint (see docs/reconstruct.md)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .errors import CkptspecError
+
+EXIT_INVALID, EXIT_USAGE = 1, 2
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+class _Size(click.ParamType):
+    """512M, 2G, 5GB, 1048576 (binary units, like `validate --max-size`)."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        raw = str(value).strip().upper().removesuffix("B").removesuffix("I")
+        number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in _UNITS else (raw, "")
+        try:
+            size = int(float(number) * _UNITS[unit])
+        except ValueError:
+            self.fail(f"{value!r} is not a size such as 512M or 2G", param, ctx)
+        if size <= 0:
+            self.fail("the size must be positive", param, ctx)
+        return size
+
+
+@click.command()
+@click.argument("checkpoint", metavar="CHECKPOINT")
+@click.argument("output_dir", metavar="OUTPUT_DIR")
+@click.option("--manifest", default=None, metavar="M",
+              help="Reconstruct as this manifest describes (checked against the files first). Default: generate it from CHECKPOINT.")
+@click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="Dtype of floating tensors in the output (integer buffers keep theirs).")
+@click.option("--max-shard-size", type=_Size(), default="5G", show_default=True,
+              help="Split the output into shards of at most this size, plus an index (Hugging Face layout).")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors", show_default=True,
+              help="safetensors (no torch needed), or torch.save files (needs torch).")
+@click.option("--untie", is_flag=True,
+              help="Write tied weights as separate copies instead of once with the tie recorded in the metadata.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+def reconstruct(checkpoint: str, output_dir: str, manifest: str | None, tag: str | None, dtype: str,
+                max_shard_size: int, fmt: str, untie: bool, quiet: bool) -> None:
+    """Write the full weights of a DeepSpeed ZeRO CHECKPOINT into OUTPUT_DIR.
+
+    The checkpoint is validated first: on any error finding nothing is written and
+    the exit code is 1. Trainable parameters come from the fp32 master weights,
+    frozen parameters from the model weights (any stage), plus persistent buffers
+    and tied aliases. Needs neither DeepSpeed nor torch (except --format torch)
+    and never executes pickled code.
+    """
+    from .findings import has_errors
+    from .reconstruct import plan_reconstruction, progress_printer, validate_checkpoint, write_consolidated
+
+    if fmt == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--format torch needs torch (pip install torch); --format safetensors does not") from None
+    try:
+        found, findings = validate_checkpoint(checkpoint, manifest=manifest, tag=tag)
+        for finding in findings:
+            line = finding.to_line()
+            click.echo(line if finding.file else f"{manifest or checkpoint}: {line}", err=True)
+        if found is None or has_errors(findings):
+            click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)
+            sys.exit(EXIT_INVALID)
+        plan = plan_reconstruction(checkpoint, found, tag)
+        total = sum(s.numel for s in plan.sources.values())  # elements; the bar counts output bytes
+        total_bytes = sum(
+            plan.sources[plan.aliases.get(n, n)].numel * _itemsize(plan.output_dtype(n, _dtype(dtype)))
+            for n in plan.order if untie or n not in plan.aliases
+        )
+        update, close = progress_printer(total_bytes, enabled=not quiet and sys.stderr.isatty())
+        try:
+            result = write_consolidated(plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt,
+                                        untie=untie, progress=update)
+        finally:
+            close()
+    except CkptspecError as exc:
+        click.echo(exc.to_line(), err=True)
+        sys.exit(exc.exit_code)
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else f"{output_dir}: "
+        click.echo(f"{where}CK906 cannot write: {exc.strerror or exc} (hint: check the output directory is writable and has space)", err=True)
+        sys.exit(EXIT_USAGE)
+    if not quiet:
+        files = ", ".join(result.files + ([result.index] if result.index else []))
+        click.echo(f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, {total} elements) "
+                   f"to {files}")
+
+
+def _dtype(name: str) -> str:
+    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[name]
+
+
+def _itemsize(dtype: str) -> int:
+    from .rules import ITEMSIZE
+
+    return ITEMSIZE[dtype]

@@ -1,0 +1,459 @@
+"""Reconstruction of full weights (issue #5) against real DeepSpeed checkpoints.
+
+For every matrix point the output of ``ckptspec reconstruct`` is compared bit for bit
+with DeepSpeed's own ``zero_to_fp32`` (every key it returns) and with the fp32 master
+weights read from the live engine before saving (``live_fp32.pt``). Frozen params,
+buffers and aliases are checked against the model-states file, and the output
+options (dtype, shards, --untie, --format torch), the metadata, the refusal of a
+damaged checkpoint and the bytes actually read are tested on a few points.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptspec.ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
+from ds_matrix import MATRIX
+from dsharness.build import build_checkpoint, run_zero_to_fp32
+
+pytestmark = pytest.mark.deepspeed
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "ckptspec", *args], capture_output=True, text=True)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def _bits(tensor):
+    """The raw bytes of a tensor, for exact comparison (NaN == NaN, -0.0 != 0.0)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same_bits(ours, theirs) -> bool:
+    if theirs.is_floating_point() and theirs.dtype != ours.dtype:
+        theirs = theirs.to(ours.dtype)  # only ever a widening here (bf16/fp16 -> fp32): exact
+    return ours.dtype == theirs.dtype and torch.equal(_bits(ours), _bits(theirs))
+
+
+def _quiet_zero_to_fp32(save_dir):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return run_zero_to_fp32(save_dir)
+
+
+def _model_states(save_dir) -> dict:
+    tag_dir = resolve_tag_dir(save_dir)
+    first = sorted(tag_dir.glob("*model_states.pt"))[0]
+    return torch.load(first, map_location="cpu", weights_only=False)
+
+
+def _roles(save_dir) -> dict[str, str]:
+    m = manifest_from_checkpoint(save_dir)
+    roles = {p.name: "trainable" for g in m.groups for p in g.params}
+    roles |= {f.name: "frozen" for f in m.frozen} | {b.name: "buffer" for b in m.buffers}
+    return roles | {a.name: "alias" for a in m.aliases}
+
+
+@pytest.fixture(scope="module", params=sorted(MATRIX))
+def checkpoint(request, ds_root):
+    spec, world_size = MATRIX[request.param]
+    return request.param, build_checkpoint(spec, world_size, ds_root), spec, world_size
+
+
+@pytest.fixture(scope="module")
+def point(ds_root):
+    """A matrix point by name, built on first use."""
+    def get(name):
+        spec, world_size = MATRIX[name]
+        return build_checkpoint(spec, world_size, ds_root)
+    return get
+
+
+def test_bit_exact_against_zero_to_fp32_and_live_engine(checkpoint, tmp_path):
+    from ckptspec.reconstruct import load_consolidated
+
+    name, save_dir, spec, world_size = checkpoint
+    out = tmp_path / "out"
+    _cli("reconstruct", str(save_dir), str(out), "--quiet")
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    stored = safetensors_torch.load_file(out / "model.safetensors")
+    full = load_consolidated(out)  # aliases re-tied from the metadata
+
+    roles = _roles(save_dir)
+    assert sorted(full) == sorted(roles), "every module key (trainable, frozen, buffer, alias) is in the output"
+    assert sorted(stored) == sorted(n for n, r in roles.items() if r != "alias"), "tied weights are stored once"
+
+    try:
+        reference = _quiet_zero_to_fp32(save_dir)
+    except ValueError as exc:
+        # DeepSpeed's zero_to_fp32 cannot read BF16_Optimizer checkpoints at all.
+        assert spec.get("grad_accum_dtype") == "fp32" and "is not a zero checkpoint" in str(exc)
+        reference = {}
+    for key, theirs in reference.items():
+        ours = full[key]
+        if theirs.numel() == 0:
+            # zero_to_fp32 gives zero-element params the shape (0,) (false tie through data_ptr 0).
+            assert ours.numel() == 0
+            continue
+        assert ours.shape == theirs.shape, key
+        assert _same_bits(ours, theirs), f"{key} differs from zero_to_fp32"
+        if theirs.is_floating_point():
+            assert ours.dtype == torch.float32
+
+    live = torch.load(save_dir / "live_fp32.pt", weights_only=True)
+    assert live, "the harness recorded the live fp32 masters"
+    for key, theirs in live.items():
+        assert roles[key] in ("trainable", "alias")
+        assert _same_bits(full[key], theirs), f"{key} differs from the live engine's fp32 master"
+
+    # Frozen params and buffers: exactly the model-states values (widened to fp32).
+    tag_dir = resolve_tag_dir(save_dir)
+    model_files = [torch.load(p, map_location="cpu", weights_only=False)
+                   for p in sorted(tag_dir.glob("*model_states.pt"))]
+    module = model_files[0]["module"]
+    for key, role in roles.items():
+        if role == "buffer" or (role == "frozen" and spec["stage"] < 3):
+            assert _same_bits(full[key], module[key].view(full[key].shape)), key
+        elif role == "frozen":  # stage 3: each rank's fragment, concatenated and trimmed
+            whole = torch.cat([states["frozen_param_fragments"][key] for states in model_files])
+            assert _same_bits(full[key], whole[: full[key].numel()].view(full[key].shape)), key
+
+
+@pytest.mark.parametrize("name", ["s1-bf16-ws2", "s1-fp16-ws2", "s1-fp32-ws3-rr", "s1-bf16-ws2-bf16opt"])
+def test_stage1_keeps_frozen_params(point, name, tmp_path):
+    """zero_to_fp32 drops them (DeepSpeed #5439); they are in `module`, in the model dtype."""
+    save_dir = point(name)
+    out = tmp_path / "out"
+    _cli("reconstruct", str(save_dir), str(out), "--quiet")
+    stored = safetensors_torch.load_file(out / "model.safetensors")
+    module = _model_states(save_dir)["module"]
+    for key in ("frozen.weight", "frozen.bias"):
+        assert _same_bits(stored[key], module[key])
+    with safetensors_open(out / "model.safetensors") as f:
+        frozen_source = json.loads(f.metadata()["ckptspec.frozen_source"])
+    model_dtype = str(module["frozen.weight"].dtype).removeprefix("torch.")
+    assert frozen_source == {"frozen.weight": model_dtype, "frozen.bias": model_dtype}
+
+
+def safetensors_open(path):
+    from safetensors import safe_open
+
+    return safe_open(path, framework="pt")
+
+
+def test_metadata_traces_the_checkpoint(point, tmp_path):
+    save_dir = point("s3-bf16-ws2-sub")
+    out = tmp_path / "out"
+    _cli("reconstruct", str(save_dir), str(out), "--quiet")
+    manifest = tmp_path / "manifest.json"
+    _cli("generate", str(save_dir), "-o", str(manifest))
+    with safetensors_open(out / "model.safetensors") as f:
+        meta = f.metadata()
+    assert meta["format"] == "pt"
+    assert meta["ckptspec.manifest_sha256"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
+    assert meta["ckptspec.format_version"] == json.loads(manifest.read_text())["format_version"]
+    assert json.loads(meta["ckptspec.aliases"]) == {"head.weight": "emb.weight"}
+    assert meta["ckptspec.untied"] == "false"
+    assert sorted(json.loads(meta["ckptspec.frozen_source"])) == ["frozen.bias", "frozen.weight"]
+    assert meta["ckptspec.dtype"] == "float32"
+
+
+def test_untie_and_both_layouts_load_into_the_model(point, tmp_path):
+    from dsharness.train import build_model, normalize_spec
+    from safetensors.torch import load_model
+
+    from ckptspec.reconstruct import load_consolidated
+
+    save_dir = point("s2-bf16-ws2")
+    spec = normalize_spec(MATRIX["s2-bf16-ws2"][0])
+    tied, untied = tmp_path / "tied", tmp_path / "untied"
+    _cli("reconstruct", str(save_dir), str(tied), "--quiet")
+    _cli("reconstruct", str(save_dir), str(untied), "--quiet", "--untie")
+
+    copies = safetensors_torch.load_file(untied / "model.safetensors")
+    assert torch.equal(_bits(copies["head.weight"]), _bits(copies["emb.weight"]))
+    model = build_model(spec)
+    model.load_state_dict(copies)  # strict: every key, nothing extra
+    assert model.head.weight is model.emb.weight
+
+    once = safetensors_torch.load_file(tied / "model.safetensors")
+    assert "head.weight" not in once
+    model = build_model(spec)
+    missing, unexpected = load_model(model, tied / "model.safetensors")  # safetensors' tied-weights loader
+    assert not missing and not unexpected
+    model = build_model(spec)
+    state = load_consolidated(tied)
+    assert state["head.weight"] is state["emb.weight"]
+    model.load_state_dict(state)
+    for key, value in model.state_dict().items():
+        assert torch.equal(_bits(value), _bits(copies[key].to(value.dtype))), key
+
+
+def test_sharded_output_has_the_hugging_face_index(point, tmp_path):
+    save_dir = point("s2-fp16-ws2-groups")
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    _cli("reconstruct", str(save_dir), str(single), "--quiet")
+    _cli("reconstruct", str(save_dir), str(sharded), "--quiet", "--max-shard-size", "1K")
+    files = sorted(p.name for p in sharded.iterdir())
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert files == sorted(shards + ["model.safetensors.index.json"])
+    assert len(shards) > 2 and all(s.endswith(f"-of-{len(shards):05d}.safetensors") for s in shards)
+    whole = safetensors_torch.load_file(single / "model.safetensors")
+    merged = {}
+    for shard in shards:
+        part = safetensors_torch.load_file(sharded / shard)
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 1024 or len(part) == 1
+        assert all(index["weight_map"][k] == shard for k in part)
+        merged |= part
+    assert sorted(merged) == sorted(whole)
+    assert all(torch.equal(_bits(merged[k]), _bits(whole[k])) for k in whole)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in whole.values())
+    with safetensors_open(single / "model.safetensors") as f:
+        meta = f.metadata()
+    assert {k: v for k, v in index["metadata"].items() if k != "total_size"} == meta
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["s2-fp32-ws3-rr", "s3-fp16-ws3-groups"])
+def test_output_dtype_rounds_like_torch(point, name, dtype, tmp_path):
+    save_dir = point(name)
+    out = tmp_path / "out"
+    _cli("reconstruct", str(save_dir), str(out), "--quiet", "--untie", "--dtype", dtype)
+    stored = safetensors_torch.load_file(out / "model.safetensors")
+    target = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    reference = _quiet_zero_to_fp32(save_dir)
+    for key, theirs in reference.items():
+        expected = theirs.to(target) if theirs.is_floating_point() else theirs
+        assert stored[key].dtype == expected.dtype, key
+        assert torch.equal(_bits(stored[key]), _bits(expected)), key
+
+
+def test_torch_format(point, tmp_path):
+    save_dir = point("s3-bf16-ws2-sub")
+    out = tmp_path / "out"
+    _cli("reconstruct", str(save_dir), str(out), "--quiet", "--format", "torch")
+    assert sorted(p.name for p in out.iterdir()) == ["pytorch_model.bin", "pytorch_model.bin.index.json"]
+    state = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert state["head.weight"].data_ptr() == state["emb.weight"].data_ptr(), "the tie is kept as shared storage"
+    reference = _quiet_zero_to_fp32(save_dir)
+    assert sorted(state) == sorted(reference)
+    assert all(_same_bits(state[k], reference[k]) for k in reference)
+    index = json.loads((out / "pytorch_model.bin.index.json").read_text())
+    assert set(index["weight_map"]) == set(state)
+    assert len(index["metadata"]["ckptspec.manifest_sha256"]) == 64
+
+
+def test_python_api_torch_and_numpy_agree(point):
+    import numpy as np
+
+    import ckptspec
+
+    save_dir = point("s2-bf16-ws2-align")
+    as_torch = ckptspec.load_state_dict(save_dir)
+    as_numpy = ckptspec.load_state_dict(save_dir, framework="numpy")
+    assert list(as_torch) == list(as_numpy)
+    assert as_torch["head.weight"] is as_torch["emb.weight"]
+    for key, tensor in as_torch.items():
+        assert isinstance(as_numpy[key], np.ndarray)
+        assert tuple(tensor.shape) == as_numpy[key].shape
+        assert tensor.contiguous().numpy().tobytes() == as_numpy[key].tobytes(), key
+    reference = _quiet_zero_to_fp32(save_dir)
+    assert all(_same_bits(as_torch[k], v) for k, v in reference.items())
+
+
+def test_manifest_option_gives_the_same_output(point, tmp_path):
+    """--manifest with a generated manifest, and with the live engine's one (it lists no files)."""
+    save_dir = point("s2-fp16-ws3-align")
+    plain = tmp_path / "plain"
+    _cli("reconstruct", str(save_dir), str(plain), "--quiet")
+    generated = tmp_path / "m.json"
+    _cli("generate", str(save_dir), "-o", str(generated), "--hash")
+    via_manifest = tmp_path / "via-manifest"
+    _cli("reconstruct", str(save_dir), str(via_manifest), "--quiet", "--manifest", str(generated))
+    ours = safetensors_torch.load_file(via_manifest / "model.safetensors")
+    base = safetensors_torch.load_file(plain / "model.safetensors")
+    assert sorted(ours) == sorted(base) and all(torch.equal(_bits(ours[k]), _bits(base[k])) for k in base)
+    with safetensors_open(via_manifest / "model.safetensors") as f:
+        assert f.metadata()["ckptspec.manifest_sha256"] == hashlib.sha256(generated.read_bytes()).hexdigest()
+    engine = save_dir / "engine_manifest.rank0.json"  # written by the live engine: no files, no locators
+    via_engine = tmp_path / "via-engine"
+    _cli("reconstruct", str(save_dir), str(via_engine), "--quiet", "--manifest", str(engine))
+    ours = safetensors_torch.load_file(via_engine / "model.safetensors")
+    assert sorted(ours) == sorted(base) and all(torch.equal(_bits(ours[k]), _bits(base[k])) for k in base)
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_damaged_checkpoint_exits_1_and_writes_nothing(point, tmp_path, existing):
+    save_dir = point("s2-bf16-ws2")
+    copy = tmp_path / "ckpt"
+    shutil.copytree(save_dir, copy)
+    _truncate(sorted(resolve_tag_dir(copy).glob("*optim_states.pt"))[1])
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"previous run")
+    result = _cli("reconstruct", str(copy), str(out), check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert "optim_states.pt" in result.stderr
+    if existing:
+        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+        assert (out / "model.safetensors").read_bytes() == b"previous run"
+    else:
+        assert not out.exists()
+
+
+def test_no_progress_bar_without_a_terminal(point, tmp_path):
+    save_dir = point("s2-bf16-ws1")
+    result = _cli("reconstruct", str(save_dir), str(tmp_path / "out"))
+    assert result.stderr == ""
+    assert "wrote" in result.stdout and "model.safetensors" in result.stdout
+    quiet = _cli("reconstruct", str(save_dir), str(tmp_path / "out2"), "--quiet")
+    assert quiet.stdout == quiet.stderr == ""
+
+
+def test_rerun_replaces_stale_shards(point, tmp_path):
+    save_dir = point("s2-bf16-ws1")
+    out = tmp_path / "out"
+    _cli("reconstruct", str(save_dir), str(out), "--quiet", "--max-shard-size", "1K")
+    (out / "notes.txt").write_text("mine")
+    _cli("reconstruct", str(save_dir), str(out), "--quiet")
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "notes.txt"]
+
+
+@pytest.mark.parametrize("name", ["s2-bf16-ws2", "s3-fp16-ws3-groups"])
+def test_reads_only_fp32_partitions_and_needed_module_tensors(point, name, tmp_path, monkeypatch):
+    """No byte of the Adam moments (exp_avg, exp_avg_sq) is read, and no byte twice."""
+    from ckptspec import reconstruct as rc
+    from ckptspec import torchfile
+
+    save_dir = point(name)
+    reads: list[tuple[str, int, int]] = []
+
+    def path_of(fd):
+        return os.readlink(f"/proc/self/fd/{fd}")
+
+    real_preadv, real_copy = os.preadv, os.copy_file_range
+
+    def preadv(fd, buffers, offset, *args):
+        n = real_preadv(fd, buffers, offset, *args)
+        reads.append((path_of(fd), offset, n))
+        return n
+
+    def copy_file_range(src, dst, count, offset_src=None, offset_dst=None):
+        n = real_copy(src, dst, count, offset_src, offset_dst)
+        reads.append((path_of(src), offset_src, n))
+        return n
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
+    runs = []
+    for dtype in ("fp32", "bf16"):  # a kernel copy, and the chunked-cast path
+        reads.clear()
+        rc.reconstruct(save_dir, tmp_path / dtype, dtype=dtype)
+        runs.append(list(reads))
+
+    moments = []  # (path, start, end) of every Adam moment's bytes
+    for optim in resolve_tag_dir(save_dir).glob("*optim_states.pt"):
+        members = torchfile.zip_member_locations(optim)
+        state = torchfile.read_pt_metadata(optim)
+        for key_path, ref in torchfile.iter_tensor_refs(state["optimizer_state_dict"]):
+            if "exp_avg" in key_path or "exp_avg_sq" in key_path:
+                start, size = members[ref.storage.member]
+                moments.append((str(optim.resolve()), start, start + size))
+    assert moments
+    manifest = manifest_from_checkpoint(save_dir)
+    expected = sum(p.numel for g in manifest.groups for p in g.params) * 4  # the fp32 masters, once
+    for run in runs:
+        assert run
+        for path, offset, n in run:
+            for m_path, start, end in moments:
+                assert not (path == m_path and offset < end and start < offset + n), f"read Adam moment bytes in {path}"
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for path, offset, n in run:
+            by_file.setdefault(path, []).append((offset, offset + n))
+        for path, ranges in by_file.items():
+            ranges.sort()
+            assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:])), f"{path}: a byte read twice"
+        optim_bytes = sum(n for path, _, n in run if path.endswith("optim_states.pt"))
+        assert optim_bytes == expected
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal test")
+def test_progress_bar_on_a_terminal(point, tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    save_dir = point("s2-bf16-ws1")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a 100-column terminal, as tqdm sizes its bar to it
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        os.execv(sys.executable, [sys.executable, "-m", "ckptspec", "reconstruct", str(save_dir), str(tmp_path / "out")])
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    _, status = os.waitpid(pid, 0)
+    text = b"".join(chunks).decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "reconstruct" in text and "%" in text and "wrote" in text
+    quiet = _cli("reconstruct", str(save_dir), str(tmp_path / "quiet"), "--quiet")
+    assert quiet.stdout == quiet.stderr == ""
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_failed_write_leaves_the_output_directory_as_it_was(point, tmp_path, monkeypatch, existing):
+    import errno
+
+    from ckptspec import reconstruct as rc
+    from ckptspec.safetensors_writer import SafetensorsWriter
+
+    save_dir = point("s2-fp16-ws2-groups")
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"previous run")
+    calls = []
+
+    def full_disk(self, fd, offset, nbytes):
+        calls.append(nbytes)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, fd, offset, nbytes)
+
+    real = SafetensorsWriter.copy_range
+    monkeypatch.setattr(SafetensorsWriter, "copy_range", full_disk)
+    with pytest.raises(OSError):
+        rc.reconstruct(save_dir, out, max_shard_size=1024)
+    if existing:
+        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+        assert (out / "model.safetensors").read_bytes() == b"previous run"
+    else:
+        assert not out.exists()
