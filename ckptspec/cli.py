@@ -19,7 +19,6 @@ from .errors import CkptspecError
 from .findings import Finding
 from .loader import DEFAULT_MAX_BYTES
 from .schemas_registry import MANIFEST_SCHEMAS, REPORT_SCHEMA, manifest_schema_file, schema_text
-from .validate import validate_file
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 REPORT_VERSION = "1.0"
@@ -67,22 +66,58 @@ def cli() -> None:
 
 
 @cli.command()
-@click.argument("manifest", metavar="MANIFEST")
+@click.argument("target", metavar="MANIFEST|DIR")
+@click.option("--checkpoint", "checkpoint", default=None, metavar="DIR",
+              help="Also check the files of this DeepSpeed checkpoint directory against MANIFEST.")
+@click.option("--tag", default=None, help="With a checkpoint: the tag directory to check (default: the one named by 'latest').")
+@click.option("--no-hash", "no_hash", is_flag=True, help="With a checkpoint: skip verifying the recorded content hashes.")
 @click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="Text: one line per finding. JSON: one report object (schema/report-1.0.schema.json).")
 @click.option("--max-size", type=_Size(), default=DEFAULT_MAX_BYTES, show_default="512M",
               help="Refuse manifest files larger than this before reading them.")
 @click.option("--encoding", type=click.Choice(["json", "msgpack"]), default=None,
               help="Override the encoding guessed from the file extension and first byte.")
-def validate(manifest: str, output_format: str, max_size: int, encoding: str | None) -> None:
-    """Check MANIFEST against the schema and every semantic rule."""
+def validate(target: str, checkpoint: str | None, tag: str | None, no_hash: bool, output_format: str,
+             max_size: int, encoding: str | None) -> None:
+    """Check a manifest, or a checkpoint's files against its manifest.
+
+    \b
+    validate MANIFEST                   the manifest alone: schema and every semantic rule
+    validate MANIFEST --checkpoint DIR  then the files of DIR against MANIFEST
+    validate DIR                        DIR against its sidecar ckptspec.json/.msgpack, or
+                                        against a manifest generated from DeepSpeed's metadata
+    """
+    from .validate import validate_file
+
+    is_dir = checkpoint is None and os.path.isdir(target)
+    if checkpoint is None and not is_dir and (tag is not None or no_hash):
+        raise click.UsageError("--tag and --no-hash need a checkpoint: validate DIR, or validate MANIFEST --checkpoint DIR")
+    if checkpoint is None and not is_dir:
+        try:
+            report = validate_file(target, max_bytes=max_size, encoding=encoding)
+        except CkptspecError as exc:
+            _emit(output_format, target, [], exc)
+            sys.exit(exc.exit_code)
+        _emit(output_format, target, report.findings)
+        sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
+
+    from .shards import validate_checkpoint
+
+    shown = checkpoint if checkpoint is not None else target
     try:
-        report = validate_file(manifest, max_bytes=max_size, encoding=encoding)
+        manifest = None
+        if checkpoint is not None:
+            report = validate_file(target, max_bytes=max_size, encoding=encoding)
+            if not report.ok or report.manifest is None:
+                _emit(output_format, target, report.findings)
+                sys.exit(EXIT_INVALID)
+            manifest = report.manifest
+        _, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
     except CkptspecError as exc:
-        _emit(output_format, manifest, [], exc)
+        _emit(output_format, shown, [], exc)
         sys.exit(exc.exit_code)
-    _emit(output_format, manifest, report.findings)
-    sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
+    _emit(output_format, shown, findings)
+    sys.exit(EXIT_INVALID if any(f.severity == "error" for f in findings) else EXIT_OK)
 
 
 def _emit(output_format: str, target: str, findings: list[Finding], error: CkptspecError | None = None) -> None:
@@ -151,3 +186,15 @@ def main() -> None:
         click.echo(f"CK999 internal error: {type(exc).__name__}: {exc} "
                    "(hint: this is a ckptspec bug; rerun with CKPTSPEC_DEBUG=1 and report it)", err=True)
         sys.exit(EXIT_USAGE)
+
+
+from .cli_reconstruct import reconstruct  # noqa: E402  (registered last; see cli_reconstruct.py)
+
+cli.add_command(reconstruct)
+
+from .cli_embed import convert, embed, extract, migrate  # noqa: E402  (registered last; see cli_embed.py)
+
+cli.add_command(convert)
+cli.add_command(embed)
+cli.add_command(extract)
+cli.add_command(migrate)

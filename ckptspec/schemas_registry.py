@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from importlib import resources
-
-import re
-
-from jsonschema import Draft202012Validator, ValidationError, validators
 
 # format minor version -> schema file; a released file is never edited.
 MANIFEST_SCHEMAS = {"1.0": "manifest-1.0.schema.json"}
@@ -32,18 +29,20 @@ def _ecma_regex(pattern: str) -> re.Pattern:
     return re.compile(re.sub(r"(?<!\\)\$", r"\\Z", pattern))
 
 
-def _pattern(validator, pattern, instance, schema):
-    if validator.is_type(instance, "string") and not _ecma_regex(pattern).search(instance):
-        yield ValidationError(f"{instance!r} does not match {pattern!r}")
-
-
-_Validator = validators.extend(Draft202012Validator, {"pattern": _pattern})
-
-
 @lru_cache(maxsize=None)
-def validator(filename: str) -> Draft202012Validator:
-    """The reference validator: draft 2020-12 with ECMA-262 pattern anchors."""
-    return _Validator(schema(filename))
+def validator(filename: str):
+    """The reference validator: draft 2020-12 with ECMA-262 pattern anchors.
+
+    jsonschema is imported here, on first use: commands that never validate against the
+    schema (generate, reconstruct) start faster.
+    """
+    from jsonschema import Draft202012Validator, ValidationError, validators
+
+    def pattern(validator, pattern, instance, schema):
+        if validator.is_type(instance, "string") and not _ecma_regex(pattern).search(instance):
+            yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+    return validators.extend(Draft202012Validator, {"pattern": pattern})(schema(filename))
 
 
 def manifest_schema_file(version: str = LATEST_MANIFEST) -> str:

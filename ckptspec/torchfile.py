@@ -237,6 +237,10 @@ _ALLOWED = {
     ("torch", "Tensor"): _TensorClass,
     ("torch", "Size"): _size,
     ("collections", "OrderedDict"): collections.OrderedDict,
+    # Plain containers; protocol-2 pickles (torch.save) name builtins "__builtin__". Older
+    # DeepSpeed (0.15) pickles a set in the model states.
+    **{(module, name): container for module in ("builtins", "__builtin__")
+       for name, container in (("set", set), ("frozenset", frozenset))},
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): ZeroStage,
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScalerState,
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): DynamicLossScalerState,

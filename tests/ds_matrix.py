@@ -29,3 +29,11 @@ MATRIX = {
 UNSUPPORTED = {
     "s0-bf16-ws1": ({"stage": 0, "dtype": "bf16", "tied": True}, 1),
 }
+
+# Written by an older DeepSpeed (tests/dsharness/build.py OLD_DEEPSPEED_VERSION): no
+# param_alignment_paddings, a pickled set in the model states.
+OLD_DEEPSPEED = {
+    "old-s1-bf16-ws2": ({"stage": 1, "dtype": "bf16", **FEATURES}, 2),
+    "old-s2-fp32-ws2-groups": ({"stage": 2, "dtype": "fp32", "two_groups": True, **FEATURES}, 2),
+    "old-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16", **FEATURES}, 2),
+}

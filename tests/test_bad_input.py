@@ -130,7 +130,7 @@ CASES = [
     ("infinity", "pinf.json", EXAMPLE_TEXT.replace('"numel": 800', '"numel": Infinity', 1), [], 2, "CK903"),
     ("minus-infinity", "minf.json", '[-Infinity]', [], 2, "CK903"),
     ("duplicate-top-level-key", "dup.json", '{"format": "a", "format": "b"}', [], 1, "CK904"),
-    ("duplicate-nested-key", "dup2.json", EXAMPLE_TEXT.replace('"zero_stage": 2,', '"zero_stage": 2, "zero_stage": 3,', 1), [], 1, "CK904"),
+    ("duplicate-nested-key", "dup2.json", EXAMPLE_TEXT.replace('"world_size": 2,', '"world_size": 2, "world_size": 3,', 1), [], 1, "CK904"),
     ("bad-msgpack-truncated", "b.msgpack", b"\x82\xa1a\x01", [], 2, "CK903"),
     ("bad-msgpack-reserved-byte", "r.msgpack", b"\xc1", [], 2, "CK903"),
     ("msgpack-extra-data", "x.msgpack", msgpack.packb({"a": 1}) + b"\x01", [], 2, "CK903"),

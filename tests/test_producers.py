@@ -16,8 +16,8 @@ import pytest
 
 from ckptspec.ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
 from ckptspec.validate import validate_document
-from ds_matrix import MATRIX, UNSUPPORTED
-from dsharness.build import build_checkpoint
+from ds_matrix import MATRIX, OLD_DEEPSPEED, UNSUPPORTED
+from dsharness.build import OLD_DEEPSPEED_VERSION, build_checkpoint
 
 pytestmark = pytest.mark.deepspeed
 
@@ -143,3 +143,38 @@ def test_malicious_pickle_is_refused_and_never_runs(ds_root, tmp_path):
     assert "CK204" in result.stderr and "not allowlisted" in result.stderr and victim.name in result.stderr
     assert "Traceback" not in result.stderr
     assert not marker.exists()
+
+
+@pytest.fixture(scope="module", params=sorted(OLD_DEEPSPEED))
+def old_checkpoint(request, ds_root):
+    spec, world_size = OLD_DEEPSPEED[request.param]
+    return build_checkpoint(spec, world_size, ds_root, deepspeed_version=OLD_DEEPSPEED_VERSION), world_size
+
+
+def test_older_deepspeed_checkpoints(old_checkpoint):
+    """Checkpoints from DeepSpeed 0.15 (no param_alignment_paddings): same manifest from both producers."""
+    save_dir, world_size = old_checkpoint
+    engine_doc = json.loads((save_dir / "engine_manifest.rank0.json").read_text())
+    assert engine_doc["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
+    from_dir = manifest_from_checkpoint(save_dir).to_dict()
+    assert from_dir["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
+    assert _without(from_dir, PRODUCER_ONLY) == _without(engine_doc, PRODUCER_ONLY)
+    assert validate_document(from_dir).findings == []
+
+
+@pytest.mark.parametrize("extra", ["layer_0_expert_0_mp_rank_00_model_states.pt", "layer_01-model_states.pt",
+                                   "zero_pp_rank_0_mp_rank_01_optim_states.pt"])
+def test_moe_pipeline_and_tensor_parallel_files_are_refused(extra, ds_root, tmp_path):
+    """MoE expert, pipeline layer and model-parallel files: refused by name, never misdescribed.
+
+    The files are copies of a real shard under the names DeepSpeed gives them; a real MoE or
+    pipeline run is not part of the matrix.
+    """
+    spec, world_size = MATRIX["s2-bf16-ws2"]
+    copy = tmp_path / "ckpt"
+    shutil.copytree(build_checkpoint(spec, world_size, ds_root), copy)
+    tag_dir = resolve_tag_dir(copy)
+    shutil.copy(tag_dir / "mp_rank_00_model_states.pt", tag_dir / extra)
+    result = subprocess.run([sys.executable, "-m", "ckptspec", "generate", str(copy)], capture_output=True, text=True)
+    assert result.returncode == 1 and "CK202" in result.stderr and extra in result.stderr
+    assert "Traceback" not in result.stderr

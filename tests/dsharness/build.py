@@ -46,14 +46,22 @@ def cache_key(spec: dict, world_size: int) -> str:
         "deepspeed": DEEPSPEED_VERSION,
         "train_py": hashlib.sha256(TRAIN_SCRIPT.read_bytes()).hexdigest(),
         # A hook writes ckptspec output into the entry: rebuild when ckptspec changes.
-        "hook_sources": _hook_sources_digest() if normalize_spec(spec)["hook"] else None,
+        "hook_sources": _hook_sources_digest() if _runs_ckptspec(spec) else None,
     }, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _runs_ckptspec(spec: dict) -> bool:
+    full = normalize_spec(spec)
+    return bool(full["hook"]) or full["save_with"] == "ckptspec"
+
+
 def _hook_sources_digest() -> str:
     digest = hashlib.sha256()
-    for path in sorted([*(REPO_ROOT / "ckptspec").glob("*.py"), *(REPO_ROOT / "tests").glob("ds_*.py")]):
+    # Only what the hooks and ckptspec.deepspeed.save_checkpoint run inside the job.
+    hooked = ["deepspeed", "layout", "models", "rules", "findings", "torch_dtypes", "embed", "encoding", "hashing"]
+    sources = [REPO_ROOT / "ckptspec" / f"{name}.py" for name in hooked]
+    for path in sorted([*(p for p in sources if p.exists()), *(REPO_ROOT / "tests").glob("ds_*.py")]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
@@ -65,13 +73,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(spec: dict, world_size: int, out: Path) -> str:
+def _run(spec: dict, world_size: int, out: Path, python: str = sys.executable) -> str:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+    # DeepSpeed JIT-builds its shm comm op into the torch-extensions cache; two DeepSpeed
+    # versions sharing one cache dir break each other's builds, so each python gets its own.
+    tag = hashlib.sha256(str(python).encode()).hexdigest()[:8]
+    env["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions" / f"ckptspec-{tag}")
     # Hooks named in the spec may live in ckptspec or in tests/.
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT), str(REPO_ROOT / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     for attempt in range(3):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+        cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
                str(TRAIN_SCRIPT), "--spec", json.dumps(spec), "--out", str(out)]
         # Own session, so a timeout can kill torchrun together with its worker processes.
@@ -91,12 +103,17 @@ def _run(spec: dict, world_size: int, out: Path) -> str:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def build_checkpoint(spec: dict, world_size: int, root: Path) -> Path:
-    """Return a save dir (contains `latest`, the tag dir, live_fp32.pt, harness.json, train.log)."""
+def build_checkpoint(spec: dict, world_size: int, root: Path, deepspeed_version: str = DEEPSPEED_VERSION) -> Path:
+    """Return a save dir (contains `latest`, the tag dir, live_fp32.pt, harness.json, train.log).
+
+    ``deepspeed_version`` OLD_DEEPSPEED_VERSION writes the checkpoint with that older DeepSpeed
+    (a separate virtualenv, made on first use by ``old_deepspeed_python``).
+    """
     _check_version()
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    key = cache_key(spec, world_size)
+    python = sys.executable if deepspeed_version == DEEPSPEED_VERSION else old_deepspeed_python(root)
+    key = cache_key(spec, world_size) + ("" if deepspeed_version == DEEPSPEED_VERSION else f"-ds{deepspeed_version}")
     final = root / key
     with open(root / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -105,13 +122,34 @@ def build_checkpoint(spec: dict, world_size: int, root: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         try:
             t0 = time.monotonic()
-            log = _run(spec, world_size, tmp / "ckpt")
+            log = _run(spec, world_size, tmp / "ckpt", python)
             (tmp / "ckpt" / "train.log").write_text(log)
             (tmp / "ckpt" / "build_seconds").write_text(f"{time.monotonic() - t0:.1f}")
             os.rename(tmp / "ckpt", final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+OLD_DEEPSPEED_VERSION = "0.15.4"  # before param_alignment_paddings; stage 3 on CPU needs numactl
+OLD_VENV = REPO_ROOT / ".venv-ds015"
+
+
+def old_deepspeed_python(root: Path) -> str:
+    """A virtualenv with DeepSpeed OLD_DEEPSPEED_VERSION (and ckptspec, for the hooks), made once."""
+    python = OLD_VENV / "bin" / "python"
+    with open(Path(root) / "old-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stamp = OLD_VENV / ".ready"
+        if not stamp.exists():
+            subprocess.run([sys.executable, "-m", "venv", "--clear", str(OLD_VENV)], check=True)
+            # torch first: it is the CPU wheel on this machine's disk (see README).
+            for args in (["torch==2.13.0"], [f"deepspeed=={OLD_DEEPSPEED_VERSION}", "-e", str(REPO_ROOT)]):
+                done = subprocess.run([str(python), "-m", "pip", "install", "-q", *args], capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise HarnessError(f"installing {args} for the old-DeepSpeed venv failed:\n{done.stderr[-5000:]}")
+            stamp.touch()
+    return str(python)
 
 
 def run_zero_to_fp32(save_dir) -> dict:

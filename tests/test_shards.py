@@ -1,0 +1,217 @@
+"""Shard validation against real DeepSpeed checkpoints (issue #4).
+
+Every clean checkpoint of the matrix validates with zero findings; every corruption of
+tests/faults.py is reported with its own code, naming the file and rank, with exit 1, no
+traceback, nothing written and no pickled code run.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckptspec.cli import cli
+from ckptspec.ds_checkpoint import manifest_from_checkpoint
+from ckptspec.errors import CkptspecError, InvalidCheckpoint
+from ckptspec.models import Manifest
+from ckptspec.shards import CHECKS, _natural_order, check_checkpoint, validate_checkpoint
+from ckptspec import torchfile
+from ds_matrix import MATRIX
+from dsharness.build import build_checkpoint
+from faults import FAULTS, FaultEnv, snapshot, tag_dir
+
+pytestmark = pytest.mark.deepspeed
+
+
+@pytest.fixture(scope="module")
+def built(ds_root):
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            spec, world_size = MATRIX[name]
+            cache[name] = build_checkpoint(spec, world_size, ds_root)
+        return cache[name]
+
+    return get
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """The real command, in a subprocess: exit code, no traceback, nothing run."""
+    return subprocess.run([sys.executable, "-m", "ckptspec", *args], capture_output=True, text=True)
+
+
+def _run(*args: str):
+    """The same command in-process (no interpreter start-up): for the cheaper assertions."""
+    return CliRunner().invoke(cli, list(args))
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dest = tmp_path / "ckpt"
+    shutil.copytree(src, dest)
+    return dest
+
+
+# --------------------------------------------------------------------------- clean checkpoints
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_clean_checkpoint_has_no_findings(name, built, tmp_path):
+    save_dir = built(name)
+    before = snapshot(save_dir)
+    result = _cli("validate", str(save_dir), "--format", "json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["valid"] and report["findings"] == []
+
+    manifest = tmp_path / "manifest.json"
+    assert _run("generate", str(save_dir), "--hash", "-o", str(manifest)).exit_code == 0
+    result = _run("validate", str(manifest), "--checkpoint", str(save_dir), "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["findings"] == []
+
+    # The live engine's manifest describes the layout only (no files): the files come from the directory.
+    engine = Manifest.model_validate(json.loads((save_dir / "engine_manifest.rank0.json").read_text()))
+    _, findings = validate_checkpoint(save_dir, engine)
+    assert findings == [], [f.to_line() for f in findings]
+    assert snapshot(save_dir) == before
+
+
+# --------------------------------------------------------------------------- the fault suite
+
+
+def test_suite_covers_every_check():
+    covered = {f.code for f in FAULTS}
+    assert {c.code for c in CHECKS} <= covered, sorted({c.code for c in CHECKS} - covered)
+    assert len({f.name for f in FAULTS}) == len(FAULTS) >= 15
+    assert {"transposed-shape", "emptied-shared-params-s3", "reordered-param-shapes", "missing-rank", "stale-extra-rank",
+            "truncated-shard", "empty-shard", "foreign-shard", "missing-stage3-model-states", "bad-latest",
+            "swapped-rank-files", "malicious-pickle"} <= {f.name for f in FAULTS}
+
+
+def _rank_of(name: str | None) -> int | None:
+    import re
+
+    match = re.search(r"zero_pp_rank_(\d+)_", name or "")
+    return int(match.group(1)) if match else (0 if name == "mp_rank_00_model_states.pt" else None)
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
+def test_fault_is_reported(fault, built, tmp_path):
+    save_dir = _copy(built(fault.base), tmp_path)
+    args = ["validate", str(save_dir)]
+    if fault.hashed_manifest:
+        manifest = tmp_path / "manifest.json"
+        assert _run("generate", str(save_dir), "--hash", "-o", str(manifest)).exit_code == 0
+        args = ["validate", str(manifest), "--checkpoint", str(save_dir)]
+    env = FaultEnv(built(fault.donor) if fault.donor else None, tmp_path / "pwned")
+    fault.mutate(save_dir, env)
+    assert not env.marker.exists()
+    before = snapshot(tmp_path)
+
+    result = _cli(*args, "--format", "json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["valid"] is False
+    if "error" in report:  # the checkpoint cannot be checked at all (bad latest, no model states)
+        assert fault.file is None and report["error"]["code"] == fault.code
+    else:
+        hits = [f for f in report["findings"] if f["code"] == fault.code]
+        assert hits, f"expected {fault.code}, got {[(f['code'], f.get('file')) for f in report['findings']]}"
+        named = [f for f in hits if f.get("file") == fault.file]
+        assert named, f"{fault.code} does not name {fault.file}: {hits}"
+        assert named[0].get("rank") == _rank_of(fault.file)
+        assert all(f["hint"] and f["message"] for f in report["findings"])
+
+    text = _run(*args)
+    assert text.exit_code == 1 and (text.exception is None or isinstance(text.exception, SystemExit))
+    assert fault.code in text.output
+    if fault.file:
+        assert fault.file in text.stdout
+
+    assert snapshot(tmp_path) == before, "validation wrote or changed a file"
+    assert not env.marker.exists(), "pickled code ran"
+
+
+# --------------------------------------------------------------------------- sidecar, hashes, API
+
+
+def _flip_a_tensor_byte(path: Path) -> None:
+    """Bit rot inside the fp32 partition: metadata unchanged, only a content hash can tell."""
+    state = torchfile.read_pt_metadata(path)
+    ref = state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    offset, _ = torchfile.tensor_byte_range(ref, torchfile.zip_member_locations(path))
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 5)
+        byte = fh.read(1)
+        fh.seek(offset + 5)
+        fh.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_sidecar_manifest_is_used_and_hashes_catch_bit_rot(built, tmp_path):
+    save_dir = _copy(built("s2-bf16-ws2"), tmp_path)
+    tag = tag_dir(save_dir)
+    sidecar = tag / "ckptspec.json"
+    sidecar.write_text(json.dumps(manifest_from_checkpoint(save_dir, hash_algorithm="sha256").to_dict()))
+    assert _run("validate", str(save_dir)).exit_code == 0
+    victim = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _flip_a_tensor_byte(victim)
+
+    result = _cli("validate", str(save_dir), "--format", "json")
+    assert result.returncode == 1
+    findings = json.loads(result.stdout)["findings"]
+    assert [(f["code"], f["file"], f["rank"]) for f in findings] == [("CK209", victim.name, 1)]
+    assert _run("validate", str(save_dir), "--no-hash").exit_code == 0
+    sidecar.unlink()  # without the recorded hash, the metadata alone cannot see bit rot
+    assert _run("validate", str(save_dir)).exit_code == 0
+
+
+def test_invalid_sidecar_is_reported(built, tmp_path):
+    save_dir = _copy(built("s2-bf16-ws2"), tmp_path)
+    doc = manifest_from_checkpoint(save_dir).to_dict()
+    doc["layout"]["world_size"] = 0
+    (tag_dir(save_dir) / "ckptspec.json").write_text(json.dumps(doc))
+    result = _run("validate", str(save_dir), "--format", "json")
+    assert result.exit_code == 1
+    findings = json.loads(result.stdout)["findings"]
+    assert findings and all(f["file"] == "ckptspec.json" for f in findings)
+    assert {f["code"] for f in findings} == {"CK001"}
+
+
+def test_api(built, tmp_path):
+    save_dir = built("s3-bf16-ws2-sub")
+    manifest, findings = validate_checkpoint(save_dir)
+    assert manifest is not None and findings == []
+    assert check_checkpoint(manifest, tag_dir(save_dir)) == []
+    assert validate_checkpoint(save_dir, tag="global_step2")[1] == []
+
+    copy = _copy(save_dir, tmp_path)
+    (copy / "latest").write_text("nope")
+    with pytest.raises(InvalidCheckpoint) as info:
+        validate_checkpoint(copy)
+    assert info.value.code == "CK201" and info.value.exit_code == 1
+    with pytest.raises(CkptspecError) as info:
+        validate_checkpoint(tmp_path / "absent")
+    assert info.value.code == "CK901" and info.value.exit_code == 2
+
+
+def test_usage(built, tmp_path):
+    manifest = tmp_path / "m.json"
+    manifest.write_text(json.dumps(manifest_from_checkpoint(built("s2-bf16-ws2")).to_dict()))
+    assert _run("validate", str(manifest), "--tag", "global_step2").exit_code == 2
+    result = _run("validate", str(manifest), "--checkpoint", str(tmp_path / "absent"), "--format", "json")
+    assert result.exit_code == 2 and json.loads(result.stdout)["error"]["code"] == "CK901"
+    result = _cli("validate", str(manifest), "--checkpoint", str(built("s2-bf16-ws2")), "--tag", "global_step7")
+    assert result.returncode == 1 and "CK201" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_round_robin_inverse():
+    # DeepSpeed's _round_robin_reorder with dp=3: [emb, l1.w, l1.b, l2.w, l2.b] -> [emb, l2.w, l1.w, l2.b, l1.b]
+    assert _natural_order(["emb", "l2.w", "l1.w", "l2.b", "l1.b"], 3) == ["emb", "l1.w", "l1.b", "l2.w", "l2.b"]
+    assert _natural_order(list("abcdefg"), 1) == list("abcdefg")
+    assert _natural_order(["a", "c", "b"], 2) == ["a", "b", "c"]
