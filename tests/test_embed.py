@@ -579,3 +579,18 @@ def test_an_incomplete_checkpoint_gets_no_sidecar_and_no_latest(fake_job, tmp_pa
     with pytest.raises(RuntimeError, match="could not write the manifest sidecar"):
         fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path)
     assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2" / "ckptspec.json").exists()
+
+
+@pytest.mark.deepspeed
+def test_validate_dir_reports_a_disagreeing_copy(saved, tmp_path):
+    """`ckptspec validate DIR` checks the embedded copies too (CK301), file named."""
+    copy_dir = tmp_path / "ckpt"
+    shutil.copytree(saved.save_dir, copy_dir)
+    tag_dir = copy_dir / saved.tag_dir.name
+    victim = _model_files(tag_dir)[0]
+    doc = json.loads(saved.sidecar.read_text())
+    doc["layout"]["world_size"] += 1
+    rewrite_pt_with_item(victim, CLIENT_STATE_KEY, client_state_value(doc))
+    result = run("validate", str(copy_dir), "--no-hash")
+    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr
+    assert "CK301" in result.stdout and victim.name in result.stdout
