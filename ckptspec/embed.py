@@ -354,10 +354,14 @@ def write_sidecar(tag_dir: str | os.PathLike, manifest: Manifest | dict, encodin
     tag_dir = Path(tag_dir)
     target = tag_dir / SIDECAR_NAMES[encoding]
     data = dumps(manifest, encoding)
-    for other in SIDECAR_NAMES.values():
-        if other != target.name:
-            (tag_dir / other).unlink(missing_ok=True)
-    write_atomic(target, data)
+    try:
+        for other in SIDECAR_NAMES.values():
+            if other != target.name:
+                (tag_dir / other).unlink(missing_ok=True)
+        write_atomic(target, data)
+    except OSError as exc:
+        raise CkptspecError("CK906", f"cannot write the sidecar: {exc.strerror}",
+                            "check that the tag directory is writable and the sidecar name is free", str(target)) from None
     return target
 
 
@@ -505,7 +509,11 @@ def embed_checkpoint(checkpoint: str | os.PathLike, manifest: Manifest | dict | 
                              str(tag_dir))
     written = []
     for sidecar in find_sidecars(tag_dir):
-        sidecar.unlink()
+        try:
+            sidecar.unlink()
+        except OSError as exc:
+            raise CkptspecError("CK906", f"cannot replace the sidecar: {exc.strerror}",
+                                "check that the tag directory is writable", str(sidecar)) from None
     if model_states:
         value = client_state_value(doc)
         for _, path in sorted(shards.model_files.items()):
