@@ -229,10 +229,13 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
     path = migration_path(source, target)
     if path is None:
         known = ", ".join(f"{a} -> {b}" for a, b in known_migrations()) or "none"
-        raise MigrationError(
-            "CK311", f"no migration from format {source} to {target} (registered: {known})",
-            f"this ckptspec reads and writes format {version_key(FORMAT_VERSION)}; a ckptspec release that "
-            f"knows format {target} can migrate to it", name)
+        if target == version_key(FORMAT_VERSION):
+            hint = (f"format {source} is newer than this ckptspec's {target}; a release that knows {source} "
+                    f"can migrate it down, or read it here as is (unknown fields are kept with a warning)")
+        else:
+            hint = (f"this ckptspec reads and writes format {version_key(FORMAT_VERSION)}; a ckptspec release "
+                    f"that knows format {target} can migrate to it")
+        raise MigrationError("CK311", f"no migration from format {source} to {target} (registered: {known})", hint, name)
     findings = check_document(doc)
     if has_errors(findings):
         raise InvalidInput(name, findings)
