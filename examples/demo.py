@@ -4,8 +4,12 @@
    embedding, a frozen layer, a buffer) and save a checkpoint;
 2. describe it: ``ckptspec generate`` (metadata only, no pickle execution);
 3. validate the manifest;
-4. corrupt copies and show the refusals: a tampered manifest, a truncated shard,
-   a shard that would run code on load;
+4. check the checkpoint's files against the manifest;
+5. corrupt copies and show the refusals: a tampered manifest, a transposed shape
+   (which DeepSpeed's zero_to_fp32 accepts silently), a truncated shard, a shard that
+   would run code on load;
+6. reconstruct the full weights (safetensors, no DeepSpeed needed) and refuse to
+   reconstruct the corrupt copy.
 
 Run: ``./scripts/demo.sh [--out DIR]`` (default: a fresh temporary directory).
 """
@@ -68,7 +72,10 @@ def main() -> None:
     print("\n== 3. validate the manifest")
     run("validate", str(manifest), expect=0)
 
-    print("\n== 4. corrupted copies are refused")
+    print("\n== 4. check the files against the manifest (sizes, hashes, headers, layout)")
+    run("validate", str(manifest), "--checkpoint", str(save_dir), expect=0)
+
+    print("\n== 5. corrupted copies are refused")
     tampered = work / "tampered.json"
     bad = json.loads(manifest.read_text())
     first = bad["groups"][0]["params"][0]
@@ -77,25 +84,46 @@ def main() -> None:
     tampered.write_text(json.dumps(bad, indent=2))
     run("validate", str(tampered), expect=1)
 
+    import torch
+
+    transposed = work / "transposed"
+    shutil.copytree(save_dir, transposed)
+    model_file = transposed / tag / "mp_rank_00_model_states.pt"
+    state = torch.load(model_file, weights_only=False)
+    shapes = state["param_shapes"][0]
+    shapes["l2.weight"] = torch.Size(reversed(shapes["l2.weight"]))  # zero_to_fp32 returns it silently
+    torch.save(state, model_file)
+    run("validate", str(transposed), expect=1)
+
     truncated = work / "truncated"
     shutil.copytree(save_dir, truncated)
     victim = sorted((truncated / tag).glob("*optim_states.pt"))[-1]
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    run("generate", str(truncated), expect=1)
+    run("validate", str(manifest), "--checkpoint", str(truncated), expect=1)
 
     evil = work / "evil"
     shutil.copytree(save_dir, evil)
     marker = work / "PWNED"
-    import torch
-
     victim = sorted((evil / tag).glob("*optim_states.pt"))[0]
     state = torch.load(victim, weights_only=False)
     state["client_state"] = _Payload(str(marker))
     torch.save(state, victim)
-    run("generate", str(evil), expect=1)
+    run("validate", str(evil), expect=1)
     print(f"  payload executed: {marker.exists()}")
     if marker.exists():
         sys.exit("demo failed: the payload ran")
+
+    print("\n== 6. reconstruct the full weights (validated first; no DeepSpeed, no pickle execution)")
+    weights = work / "weights"
+    run("reconstruct", str(save_dir), str(weights), "--quiet", expect=0)
+    from safetensors.numpy import load_file
+
+    tensors = load_file(weights / "model.safetensors")
+    print(f"  {weights / 'model.safetensors'}: {len(tensors)} tensors, "
+          f"{sum(t.size for t in tensors.values())} elements")
+    refused = work / "weights-from-truncated"
+    run("reconstruct", str(truncated), str(refused), "--quiet", expect=1)
+    print(f"  written from the corrupt copy: {sorted(p.name for p in refused.glob('*')) if refused.exists() else 'nothing'}")
     print(f"\nall done; files are in {work}")
 
 
