@@ -9,4 +9,5 @@ if ! command -v numactl >/dev/null; then
         || { echo "numactl is missing and could not be installed (apt-get install numactl)" >&2; exit 2; }
 fi
 export DS_ACCELERATOR=cpu
-exec .venv/bin/python -m pytest "$@"
+# Two workers, whole files each: module-scoped real-DeepSpeed fixtures stay on one worker.
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"

@@ -76,9 +76,10 @@ def _free_port() -> int:
 def _run(spec: dict, world_size: int, out: Path, python: str = sys.executable) -> str:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     # DeepSpeed JIT-builds its shm comm op into the torch-extensions cache; two DeepSpeed
-    # versions sharing one cache dir break each other's builds, so each python gets its own.
-    tag = hashlib.sha256(str(python).encode()).hexdigest()[:8]
-    env["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions" / f"ckptspec-{tag}")
+    # versions sharing one cache dir break each other's builds, so each version gets its own
+    # (shared by every checkout on the machine: the op is built once per version).
+    version = DEEPSPEED_VERSION if python == sys.executable else OLD_DEEPSPEED_VERSION
+    env["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions" / f"ckptspec-deepspeed-{version}")
     # Hooks named in the spec may live in ckptspec or in tests/.
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT), str(REPO_ROOT / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
