@@ -11,9 +11,11 @@ Imports torch and DeepSpeed only when called.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .layout import ParamSpec, flat_group, per_param_group
 from .models import (
     FORMAT_NAME,
@@ -127,7 +129,7 @@ def _frozen(engine, names, trainable: set[str], stage: int, excluded: bool) -> l
             continue
         seen.add(id(param))
         shape = _shape(param)
-        frozen.append(FrozenParam(name=name, shape=list(shape), numel=ParamSpec(name, shape, "").numel,
+        frozen.append(FrozenParam(name=name, shape=list(shape), numel=math.prod(shape),
                                   dtype=dtype_name(param.dtype), stored_in=stored_in))
     return frozen
 
@@ -217,7 +219,7 @@ def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> 
         layout.sub_group_size = int(zero_cfg.sub_group_size)
     return Manifest(
         format=FORMAT_NAME, format_version=FORMAT_VERSION,
-        producer=Producer(tool="ckptspec", tool_version=_version(), framework="deepspeed",
+        producer=Producer(tool="ckptspec", tool_version=__version__, framework="deepspeed",
                           framework_version=deepspeed.__version__),
         layout=layout, groups=groups, frozen=frozen, buffers=_buffers(engine), aliases=aliases,
         excluded=excluded, files=[],
@@ -231,11 +233,6 @@ def _master_dtype(engine, stage: int) -> str:
     return dtype_name(opt.single_partition_of_fp32_groups[0].dtype) if hasattr(opt, "single_partition_of_fp32_groups") \
         else dtype_name(opt.fp32_groups_flat_partition[0].dtype)
 
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *, save_latest: bool = True,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .errors import CkptspecError, InvalidCheckpoint
 from .layout import ParamSpec, flat_group, per_param_group
 from .models import (
@@ -247,7 +248,7 @@ def manifest_from_states(shards: ShardSet, model_states: dict, optim_states: dic
     files = describe_files(shards, model_states, optim_states, stage, hash_algorithm)
     return Manifest(
         format=FORMAT_NAME, format_version=FORMAT_VERSION,
-        producer=Producer(tool="ckptspec", tool_version=_version(), framework="deepspeed",
+        producer=Producer(tool="ckptspec", tool_version=__version__, framework="deepspeed",
                           framework_version=str(first_model.get("ds_version", "unknown"))),
         layout=layout, groups=groups, frozen=frozen, buffers=buffers, aliases=aliases,
         excluded=[],  # DeepSpeed does not record which names exclude_frozen_parameters dropped
@@ -330,9 +331,3 @@ def describe_files(shards: ShardSet, model_states: dict, optim_states: dict, sta
     for path in shards.other_files:
         files.append(entry(path, "other", [], []))
     return files
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__

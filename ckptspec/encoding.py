@@ -93,7 +93,7 @@ def convert_bytes(data: bytes, source: Encoding, target: Encoding, name: str = "
     return dumps(loads(data, source, name), target)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     # Makes the rename itself durable; not every platform/file system can open a directory.
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -139,7 +139,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:

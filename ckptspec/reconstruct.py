@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import torchfile
-from .encoding import dumps, write_atomic
+from .encoding import dumps, fsync_dir, write_atomic
 from .errors import CkptspecError, InvalidCheckpoint
 from .findings import Finding, has_errors
 from .models import Manifest
@@ -629,21 +629,8 @@ def write_consolidated(plan: ReconstructionPlan, output_dir: str | os.PathLike, 
     for tmp, final in pending:
         os.replace(tmp, final)
     _remove_stale(out, fmt, {s.filename for s in shards}, index_name)
-    _fsync_directory(out)  # make the renames durable too
+    fsync_dir(out)  # make the renames durable too
     return WriteResult(out, [s.filename for s in shards], len({n for s in shards for n in s.names}), total, index_name)
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot fsync a directory
-    finally:
-        os.close(fd)
 
 
 def _remove_stale(out: Path, fmt: str, written: set[str], index_name: str | None) -> None:

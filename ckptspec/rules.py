@@ -35,19 +35,20 @@ class Rule:
 
 
 RULES: list[Rule] = []
+_NAMES: dict[str, str] = {}  # code -> rule name
 
 
 def rule(code: str, name: str) -> Callable[[RuleFn], RuleFn]:
     def register(fn: RuleFn) -> RuleFn:
         RULES.append(Rule(code, name, fn))
+        _NAMES[code] = name
         return fn
 
     return register
 
 
 def _finding(code: str, path: str, message: str, hint: str, **extra) -> Finding:
-    name = next(r.name for r in RULES if r.code == code)
-    return Finding(code=code, rule=name, path=path, message=message, hint=hint, **extra)
+    return Finding(code=code, rule=_NAMES[code], path=path, message=message, hint=hint, **extra)
 
 
 def check_manifest(manifest: Manifest) -> list[Finding]:
