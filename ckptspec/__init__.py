@@ -5,7 +5,7 @@ The core (models, schema, validation) needs neither torch nor DeepSpeed;
 """
 
 from .findings import Finding
-from .models import FORMAT_NAME, FORMAT_VERSION, Manifest
+from .format_version import FORMAT_NAME, FORMAT_VERSION
 from .validate import InvalidManifest, Report, load_manifest, validate_document, validate_file
 
 __version__ = "0.1.0.dev0"
@@ -26,7 +26,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Lazy, so `import ckptspec` stays light: reconstruction loads numpy on use.
+    # Lazy, so `import ckptspec` stays light: the models load pydantic (about 0.2 s),
+    # which `ckptspec validate MANIFEST` does not need; reconstruction loads numpy.
+    if name == "Manifest":
+        from .models import Manifest
+
+        return Manifest
     if name == "load_state_dict":
         from .reconstruct import load_state_dict
 

@@ -93,8 +93,8 @@ def validate(target: str, checkpoint: str | None, tag: str | None, no_hash: bool
     if checkpoint is None and not is_dir and (tag is not None or no_hash):
         raise click.UsageError("--tag and --no-hash need a checkpoint: validate DIR, or validate MANIFEST --checkpoint DIR")
     if checkpoint is None and not is_dir:
-        try:
-            report = validate_file(target, max_bytes=max_size, encoding=encoding)
+        try:  # the verdict only: no models to build (they cost more than the rules)
+            report = validate_file(target, max_bytes=max_size, encoding=encoding, build_model=False)
         except CkptspecError as exc:
             _emit(output_format, target, [], exc)
             sys.exit(exc.exit_code)

@@ -20,8 +20,8 @@ from pydantic import (
     model_validator,
 )
 
-FORMAT_NAME = "ckptspec.manifest"
-FORMAT_VERSION = "1.0.0"
+from .format_version import FORMAT_NAME, FORMAT_VERSION  # noqa: F401  (re-exported)
+
 INT64_MAX = 2**63 - 1
 
 

@@ -3,6 +3,12 @@
 One rule = one function = one stable code. Each rule yields every finding it
 sees (not just the first) and assumes the document already passed the schema.
 ``docs/errors.md`` documents each code; ``tests/conformance`` has a fixture for each.
+
+Rules read the plain JSON document (dicts and lists, as decoded), not the Pydantic
+models: that is what another implementation sees, and it lets ``ckptspec validate``
+check a million-parameter manifest without building a million model objects.
+Integers must be ``int`` (the loader turns an integral ``3.0`` into ``3``), and JSON
+paths are only rendered for findings, never for every parameter.
 """
 
 from __future__ import annotations
@@ -12,12 +18,15 @@ import re
 from collections import Counter
 from itertools import islice
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .findings import Finding, json_path
-from .models import Manifest
 
-RuleFn = Callable[[Manifest], Iterator[Finding]]
+if TYPE_CHECKING:
+    from .models import Manifest
+
+Document = dict[str, Any]
+RuleFn = Callable[[Document], Iterator[Finding]]
 
 ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -51,46 +60,75 @@ def _finding(code: str, path: str, message: str, hint: str, **extra) -> Finding:
     return Finding(code=code, rule=_NAMES[code], path=path, message=message, hint=hint, **extra)
 
 
+def check_document(doc: Document) -> list[Finding]:
+    """Run every semantic rule on a schema-valid document; findings in rule order."""
+    return [finding for r in RULES for finding in r.check(doc)]
+
+
 def check_manifest(manifest: Manifest) -> list[Finding]:
-    """Run every semantic rule; findings in rule order."""
-    return [finding for r in RULES for finding in r.check(manifest)]
+    """``check_document`` for a model (dumped first)."""
+    return check_document(manifest.to_dict())
 
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _flat_end(params) -> int:
-    last = params[-1] if params else None
-    return last.offset + last.numel + last.padding if last else 0
+def _flat_end(params: list[dict]) -> int:
+    if not params:
+        return 0
+    last = params[-1]
+    return last["offset"] + last["numel"] + last["padding"]
+
+
+def _params(doc: Document) -> Iterator[tuple[int, int, dict]]:
+    for g, grp in enumerate(doc["groups"]):
+        for p, t in enumerate(grp["params"]):
+            yield g, p, t
 
 
 # --------------------------------------------------------------------------- tensors
 
 
 @rule("CK101", "numel-shape")
-def numel_matches_shape(m: Manifest) -> Iterator[Finding]:
+def numel_matches_shape(doc: Document) -> Iterator[Finding]:
     """numel == product(shape); [] is a 0-d tensor (numel 1), a 0 in the shape gives 0."""
-    tensors = [("groups", g, "params", p, t) for g, grp in enumerate(m.groups) for p, t in enumerate(grp.params)]
-    tensors += [("frozen", f, t) for f, t in enumerate(m.frozen)]
-    for *where, t in tensors:
-        expected = math.prod(t.shape)
-        if t.numel != expected:
-            yield _finding(
-                "CK101", json_path(*where, "numel"),
-                f"{t.name}: numel {t.numel} but shape {list(t.shape)} holds {expected} elements",
-                "numel must be the product of the shape ([] is a scalar: 1)",
-            )
+    prod = math.prod
+    sections = [(("groups", g, "params"), grp["params"]) for g, grp in enumerate(doc["groups"])]
+    sections.append((("frozen",), doc["frozen"]))
+    for where, tensors in sections:
+        for i, t in enumerate(tensors):
+            expected = prod(t["shape"])
+            if t["numel"] != expected:
+                yield _finding(
+                    "CK101", json_path(*where, i, "numel"),
+                    f"{t['name']}: numel {t['numel']} but shape {t['shape']} holds {expected} elements",
+                    "numel must be the product of the shape ([] is a scalar: 1)",
+                )
+
+
+_NAMED_SECTIONS = ("frozen", "buffers", "aliases", "excluded")
+
+
+def _name_entries(doc: Document) -> Iterator[tuple[tuple, str]]:
+    """(JSON path parts, name) of every declared state-dict key, in document order."""
+    for g, p, t in _params(doc):
+        yield ("groups", g, "params", p), t["name"]
+    for section in _NAMED_SECTIONS:
+        for i, t in enumerate(doc[section]):
+            yield (section, i), t["name"]
 
 
 @rule("CK102", "duplicate-name")
-def names_are_unique(m: Manifest) -> Iterator[Finding]:
+def names_are_unique(doc: Document) -> Iterator[Finding]:
     """A state-dict key has exactly one role: trainable, frozen, buffer, alias or excluded."""
+    names = [t["name"] for grp in doc["groups"] for t in grp["params"]]
+    names += [t["name"] for section in _NAMED_SECTIONS for t in doc[section]]
+    if len(set(names)) == len(names):
+        return  # the common case: no paths to render
     seen: dict[str, str] = {}
-    entries = [(json_path("groups", g, "params", p, "name"), t.name) for g, grp in enumerate(m.groups) for p, t in enumerate(grp.params)]
-    for section in ("frozen", "buffers", "aliases", "excluded"):
-        entries += [(json_path(section, i, "name"), t.name) for i, t in enumerate(getattr(m, section))]
-    for path, name in entries:
+    for where, name in _name_entries(doc):
+        path = json_path(*where, "name")
         if name in seen:
             yield _finding("CK102", path, f"{name!r} is already declared at {seen[name]}",
                            "each name may appear once across params, frozen, buffers, aliases and excluded")
@@ -101,43 +139,47 @@ def names_are_unique(m: Manifest) -> Iterator[Finding]:
 # --------------------------------------------------------------------------- aliases
 
 
-def _shapes_by_name(m: Manifest) -> dict[str, list[int]]:
-    shapes = {p.name: list(p.shape) for grp in m.groups for p in grp.params}
-    shapes.update({f.name: list(f.shape) for f in m.frozen})
-    shapes.update({b.name: list(b.shape) for b in m.buffers})
-    return shapes
+def _owner_shapes(doc: Document) -> dict[str, list[int]]:
+    """Shapes of the declared tensors (params, frozen, buffers) that aliases point at."""
+    wanted = {a["owner"] for a in doc["aliases"]}
+    tensors = [t for grp in doc["groups"] for t in grp["params"]] + doc["frozen"] + doc["buffers"]
+    return {t["name"]: t["shape"] for t in tensors if t["name"] in wanted}
 
 
 @rule("CK103", "alias-owner-missing")
-def alias_owner_exists(m: Manifest) -> Iterator[Finding]:
-    owners = _shapes_by_name(m).keys() | {a.name for a in m.aliases}
-    for i, alias in enumerate(m.aliases):
-        if alias.owner not in owners:
+def alias_owner_exists(doc: Document) -> Iterator[Finding]:
+    if not doc["aliases"]:
+        return
+    owners = _owner_shapes(doc).keys() | {a["name"] for a in doc["aliases"]}
+    for i, alias in enumerate(doc["aliases"]):
+        if alias["owner"] not in owners:
             yield _finding("CK103", json_path("aliases", i, "owner"),
-                           f"alias {alias.name!r} points to {alias.owner!r}, which is not declared",
+                           f"alias {alias['name']!r} points to {alias['owner']!r}, which is not declared",
                            "the owner must be a trainable or frozen parameter (or buffer) of this manifest")
 
 
 @rule("CK104", "alias-chain")
-def alias_owner_is_not_alias(m: Manifest) -> Iterator[Finding]:
+def alias_owner_is_not_alias(doc: Document) -> Iterator[Finding]:
     """Aliases point straight at an owner: no chains, no cycles, no self-alias."""
-    alias_names = {a.name for a in m.aliases}
-    for i, alias in enumerate(m.aliases):
-        if alias.owner in alias_names or alias.owner == alias.name:
+    alias_names = {a["name"] for a in doc["aliases"]}
+    for i, alias in enumerate(doc["aliases"]):
+        if alias["owner"] in alias_names or alias["owner"] == alias["name"]:
             yield _finding("CK104", json_path("aliases", i, "owner"),
-                           f"alias {alias.name!r} points to {alias.owner!r}, which is itself an alias",
+                           f"alias {alias['name']!r} points to {alias['owner']!r}, which is itself an alias",
                            "point every alias directly at the tensor that owns the storage")
 
 
 @rule("CK105", "alias-shape")
-def alias_shape_matches_owner(m: Manifest) -> Iterator[Finding]:
+def alias_shape_matches_owner(doc: Document) -> Iterator[Finding]:
     """Catches zero-element params 'tied' through a shared data_ptr() of 0."""
-    shapes = _shapes_by_name(m)
-    for i, alias in enumerate(m.aliases):
-        owner_shape = shapes.get(alias.owner)
-        if owner_shape is not None and owner_shape != list(alias.shape):
+    if not doc["aliases"]:
+        return
+    shapes = _owner_shapes(doc)
+    for i, alias in enumerate(doc["aliases"]):
+        owner_shape = shapes.get(alias["owner"])
+        if owner_shape is not None and owner_shape != alias["shape"]:
             yield _finding("CK105", json_path("aliases", i, "shape"),
-                           f"alias {alias.name!r} has shape {list(alias.shape)} but its owner {alias.owner!r} has {owner_shape}",
+                           f"alias {alias['name']!r} has shape {alias['shape']} but its owner {alias['owner']!r} has {owner_shape}",
                            "a tied tensor has its owner's shape; a mismatch means the tie was inferred wrongly")
 
 
@@ -145,115 +187,121 @@ def alias_shape_matches_owner(m: Manifest) -> Iterator[Finding]:
 
 
 @rule("CK111", "partitioning-stage")
-def partitioning_matches_stage(m: Manifest) -> Iterator[Finding]:
+def partitioning_matches_stage(doc: Document) -> Iterator[Finding]:
     """Stage 3 partitions each param; stages 0-2 split one flat buffer; stage 0 does not split."""
-    expected = "per_param" if m.layout.zero_stage == 3 else "flat"
-    for g, grp in enumerate(m.groups):
-        if grp.partitioning != expected:
+    stage = doc["layout"]["zero_stage"]
+    expected = "per_param" if stage == 3 else "flat"
+    for g, grp in enumerate(doc["groups"]):
+        if grp["partitioning"] != expected:
             yield _finding("CK111", json_path("groups", g, "partitioning"),
-                           f"ZeRO stage {m.layout.zero_stage} uses {expected!r} partitioning, not {grp.partitioning!r}",
+                           f"ZeRO stage {stage} uses {expected!r} partitioning, not {grp['partitioning']!r}",
                            "stage 3 is per_param; stages 0, 1 and 2 are flat")
-        if m.layout.zero_stage == 0 and grp.partition_count != 1:
+        if stage == 0 and grp["partition_count"] != 1:
             yield _finding("CK111", json_path("groups", g, "partition_count"),
-                           f"ZeRO stage 0 does not partition, but partition_count is {grp.partition_count}",
+                           f"ZeRO stage 0 does not partition, but partition_count is {grp['partition_count']}",
                            "use partition_count 1 at stage 0")
 
 
 @rule("CK112", "partition-count")
-def partition_count_matches_world(m: Manifest) -> Iterator[Finding]:
-    for g, grp in enumerate(m.groups):
+def partition_count_matches_world(doc: Document) -> Iterator[Finding]:
+    layout = doc["layout"]
+    for g, grp in enumerate(doc["groups"]):
         # Stage 0 does not partition (CK111 checks partition_count 1 there).
-        if m.layout.zero_stage != 0 and grp.partition_count != m.layout.world_size:
+        if layout["zero_stage"] != 0 and grp["partition_count"] != layout["world_size"]:
             yield _finding("CK112", json_path("groups", g, "partition_count"),
-                           f"group is split over {grp.partition_count} ranks but world_size is {m.layout.world_size}",
+                           f"group is split over {grp['partition_count']} ranks but world_size is {layout['world_size']}",
                            "a data-parallel group is partitioned over every rank")
-        if len(grp.saved_numels) != grp.partition_count:
+        if len(grp["saved_numels"]) != grp["partition_count"]:
             yield _finding("CK112", json_path("groups", g, "saved_numels"),
-                           f"{len(grp.saved_numels)} saved_numels for {grp.partition_count} partitions",
+                           f"{len(grp['saved_numels'])} saved_numels for {grp['partition_count']} partitions",
                            "give one saved numel per rank")
 
 
 @rule("CK110", "group-alignment")
-def group_alignment(m: Manifest) -> Iterator[Finding]:
-    for g, grp in enumerate(m.groups):
-        if grp.partitioning == "flat":
-            expected = NCCL_START_ALIGNMENT_FACTOR * grp.partition_count if m.layout.zero_stage in (1, 2) else 1
+def group_alignment(doc: Document) -> Iterator[Finding]:
+    stage = doc["layout"]["zero_stage"]
+    for g, grp in enumerate(doc["groups"]):
+        if grp["partitioning"] == "flat":
+            expected = NCCL_START_ALIGNMENT_FACTOR * grp["partition_count"] if stage in (1, 2) else 1
         else:
             expected = 1
-        if grp.alignment != expected:
+        if grp["alignment"] != expected:
             yield _finding("CK110", json_path("groups", g, "alignment"),
-                           f"alignment is {grp.alignment}, expected {expected}",
+                           f"alignment is {grp['alignment']}, expected {expected}",
                            "stage 1/2 flat groups align to 2 x partition_count; other groups use 1")
 
 
 @rule("CK109", "param-padding")
-def param_padding(m: Manifest) -> Iterator[Finding]:
+def param_padding(doc: Document) -> Iterator[Finding]:
     """Per-param padding: the ceil rule at stage 3; only with parameter_alignment at stage 1/2."""
-    for g, grp in enumerate(m.groups):
-        for p, t in enumerate(grp.params):
-            path = json_path("groups", g, "params", p, "padding")
-            if grp.partitioning == "per_param":
-                expected = (-t.numel) % grp.partition_count
-                if t.padding != expected:
-                    yield _finding("CK109", path,
-                                   f"{t.name}: padding {t.padding}, but {t.numel} elements over {grp.partition_count} ranks need {expected}",
+    aligned = doc["layout"]["parameter_alignment"]
+    for g, grp in enumerate(doc["groups"]):
+        count = grp["partition_count"]
+        per_param = grp["partitioning"] == "per_param"
+        for p, t in enumerate(grp["params"]):
+            if per_param:
+                expected = (-t["numel"]) % count
+                if t["padding"] != expected:
+                    yield _finding("CK109", json_path("groups", g, "params", p, "padding"),
+                                   f"{t['name']}: padding {t['padding']}, but {t['numel']} elements over {count} ranks need {expected}",
                                    "per_param padding is ceil(numel / partition_count) * partition_count - numel")
-            elif t.padding and not m.layout.parameter_alignment:
-                yield _finding("CK109", path,
-                               f"{t.name}: padding {t.padding} without layout.parameter_alignment",
+            elif t["padding"] and not aligned:
+                yield _finding("CK109", json_path("groups", g, "params", p, "padding"),
+                               f"{t['name']}: padding {t['padding']} without layout.parameter_alignment",
                                "set layout.parameter_alignment, or record padding 0")
 
 
 @rule("CK106", "group-offsets")
-def group_offsets(m: Manifest) -> Iterator[Finding]:
+def group_offsets(doc: Document) -> Iterator[Finding]:
     """Params are laid out back to back in the declared order, with their paddings."""
-    for g, grp in enumerate(m.groups):
+    for g, grp in enumerate(doc["groups"]):
+        divisor = grp["partition_count"] if grp["partitioning"] == "per_param" else 1
         expected = 0
-        for p, t in enumerate(grp.params):
-            if t.offset != expected:
+        for p, t in enumerate(grp["params"]):
+            offset = t["offset"]
+            if offset != expected:
                 yield _finding("CK106", json_path("groups", g, "params", p, "offset"),
-                               f"{t.name}: offset {t.offset}, expected {expected} after the previous param and its padding",
+                               f"{t['name']}: offset {offset}, expected {expected} after the previous param and its padding",
                                "offsets follow the declared order: previous offset + numel + padding (per_param: divided by partition_count)")
-            step = t.numel + t.padding
-            expected = t.offset + (step // grp.partition_count if grp.partitioning == "per_param" else step)
+            expected = offset + (t["numel"] + t["padding"]) // divisor
 
 
 @rule("CK107", "group-total")
-def group_total(m: Manifest) -> Iterator[Finding]:
+def group_total(doc: Document) -> Iterator[Finding]:
     """padded_numel = partition_numel x partition_count = the params' end rounded up to alignment."""
-    for g, grp in enumerate(m.groups):
-        path = json_path("groups", g)
-        if grp.partitioning == "per_param":
-            expected_partition = sum((t.numel + t.padding) // grp.partition_count for t in grp.params)
-            if grp.partition_numel != expected_partition:
+    for g, grp in enumerate(doc["groups"]):
+        count, padded, partition = grp["partition_count"], grp["padded_numel"], grp["partition_numel"]
+        if grp["partitioning"] == "per_param":
+            expected_partition = sum((t["numel"] + t["padding"]) // count for t in grp["params"])
+            if partition != expected_partition:
                 yield _finding("CK107", json_path("groups", g, "partition_numel"),
-                               f"partition_numel {grp.partition_numel}, but the params' partitions add up to {expected_partition}",
+                               f"partition_numel {partition}, but the params' partitions add up to {expected_partition}",
                                "per_param: partition_numel is the sum of ceil(numel / partition_count)")
         else:
-            expected_padded = round_up(_flat_end(grp.params), grp.alignment)
-            if grp.padded_numel != expected_padded:
+            end = _flat_end(grp["params"])
+            expected_padded = round_up(end, grp["alignment"])
+            if padded != expected_padded:
                 yield _finding("CK107", json_path("groups", g, "padded_numel"),
-                               f"padded_numel {grp.padded_numel}, but the params end at {_flat_end(grp.params)}, which aligns to {expected_padded}",
+                               f"padded_numel {padded}, but the params end at {end}, which aligns to {expected_padded}",
                                "padded_numel is the end of the last param rounded up to the group alignment")
-        if grp.partition_numel * grp.partition_count != grp.padded_numel:
-            yield _finding("CK107", path,
-                           f"partition_numel {grp.partition_numel} x partition_count {grp.partition_count} != padded_numel {grp.padded_numel}",
+        if partition * count != padded:
+            yield _finding("CK107", json_path("groups", g),
+                           f"partition_numel {partition} x partition_count {count} != padded_numel {padded}",
                            "every rank holds an equal share of the padded group")
 
 
 @rule("CK108", "saved-numels")
-def saved_numels(m: Manifest) -> Iterator[Finding]:
+def saved_numels(doc: Document) -> Iterator[Finding]:
     """What each rank saved: the full partition, or (flat, stripped) its real part only."""
-    for g, grp in enumerate(m.groups):
-        if len(grp.saved_numels) != grp.partition_count:
+    tail_saved = doc["layout"]["tail_padding_saved"]
+    for g, grp in enumerate(doc["groups"]):
+        if len(grp["saved_numels"]) != grp["partition_count"]:
             continue  # CK112 reports it
-        end = _flat_end(grp.params) if grp.partitioning == "flat" else grp.padded_numel
-        for r, saved in enumerate(grp.saved_numels):
-            full = grp.partition_numel
-            if grp.partitioning == "per_param" or m.layout.tail_padding_saved:
-                expected = full
-            else:
-                expected = min(full, max(0, end - r * full))
+        flat = grp["partitioning"] == "flat"
+        end = _flat_end(grp["params"]) if flat else grp["padded_numel"]
+        full = grp["partition_numel"]
+        for r, saved in enumerate(grp["saved_numels"]):
+            expected = full if not flat or tail_saved else min(full, max(0, end - r * full))
             if saved != expected:
                 yield _finding("CK108", json_path("groups", g, "saved_numels", r),
                                f"rank {r} saved {saved} elements, expected {expected}",
@@ -267,81 +315,86 @@ _DRIVE = re.compile(r"^[A-Za-z]:")
 
 
 @rule("CK113", "unsafe-path")
-def paths_stay_inside(m: Manifest) -> Iterator[Finding]:
-    for i, f in enumerate(m.files):
-        parts = f.path.replace("\\", "/").split("/")
+def paths_stay_inside(doc: Document) -> Iterator[Finding]:
+    for i, f in enumerate(doc["files"]):
+        path = f["path"]
+        parts = path.replace("\\", "/").split("/")
         bad = (
-            f.path.startswith(("/", "\\")) or _DRIVE.match(f.path) or ".." in parts
-            or "" in parts or "." in parts or "\x00" in f.path
+            path.startswith(("/", "\\")) or _DRIVE.match(path) or ".." in parts
+            or "" in parts or "." in parts or "\x00" in path
         )
         if bad:
             yield _finding("CK113", json_path("files", i, "path"),
-                           f"path {f.path!r} is not a plain relative path inside the checkpoint",
+                           f"path {path!r} is not a plain relative path inside the checkpoint",
                            "use forward-slash paths relative to the checkpoint directory, without '..', '.', empty parts or a drive")
 
 
 @rule("CK114", "duplicate-path")
-def paths_unique(m: Manifest) -> Iterator[Finding]:
+def paths_unique(doc: Document) -> Iterator[Finding]:
     seen: dict[str, int] = {}
-    for i, f in enumerate(m.files):
-        if f.path in seen:
+    for i, f in enumerate(doc["files"]):
+        if f["path"] in seen:
             yield _finding("CK114", json_path("files", i, "path"),
-                           f"{f.path!r} is already listed at $.files[{seen[f.path]}]", "list each file once")
-        seen.setdefault(f.path, i)
+                           f"{f['path']!r} is already listed at $.files[{seen[f['path']]}]", "list each file once")
+        seen.setdefault(f["path"], i)
 
 
 @rule("CK115", "rank-range")
-def ranks_in_range(m: Manifest) -> Iterator[Finding]:
-    for i, f in enumerate(m.files):
-        for j, rank in enumerate(f.ranks):
-            if rank >= m.layout.world_size:
+def ranks_in_range(doc: Document) -> Iterator[Finding]:
+    world, groups = doc["layout"]["world_size"], doc["groups"]
+    for i, f in enumerate(doc["files"]):
+        for j, rank in enumerate(f["ranks"]):
+            if rank >= world:
                 yield _finding("CK115", json_path("files", i, "ranks", j),
-                               f"rank {rank} is outside world_size {m.layout.world_size}",
-                               "ranks count from 0 to world_size - 1", file=f.path, rank=rank)
-        for k, loc in enumerate(f.partitions):
+                               f"rank {rank} is outside world_size {world}",
+                               "ranks count from 0 to world_size - 1", file=f["path"], rank=rank)
+        for k, loc in enumerate(f["partitions"]):
             path = json_path("files", i, "partitions", k)
-            if loc.group >= len(m.groups):
-                yield _finding("CK115", path + ".group", f"group {loc.group} does not exist ({len(m.groups)} groups)",
-                               "group is an index into $.groups", file=f.path)
-            elif loc.rank >= m.groups[loc.group].partition_count:
+            group, rank = loc["group"], loc["rank"]
+            if group >= len(groups):
+                yield _finding("CK115", path + ".group", f"group {group} does not exist ({len(groups)} groups)",
+                               "group is an index into $.groups", file=f["path"])
+            elif rank >= groups[group]["partition_count"]:
                 yield _finding("CK115", path + ".rank",
-                               f"rank {loc.rank} is outside group {loc.group}'s {m.groups[loc.group].partition_count} partitions",
-                               "rank counts from 0 to partition_count - 1", file=f.path, rank=loc.rank)
-            elif loc.rank not in f.ranks:
-                yield _finding("CK115", path + ".rank", f"locator for rank {loc.rank} in a file of ranks {list(f.ranks)}",
-                               "a file holds partitions of its own ranks only", file=f.path, rank=loc.rank)
+                               f"rank {rank} is outside group {group}'s {groups[group]['partition_count']} partitions",
+                               "rank counts from 0 to partition_count - 1", file=f["path"], rank=rank)
+            elif rank not in f["ranks"]:
+                yield _finding("CK115", path + ".rank", f"locator for rank {rank} in a file of ranks {f['ranks']}",
+                               "a file holds partitions of its own ranks only", file=f["path"], rank=rank)
 
 
-def _valid_locators(m: Manifest):
-    for i, f in enumerate(m.files):
-        for k, loc in enumerate(f.partitions):
-            if loc.group < len(m.groups) and loc.rank < m.groups[loc.group].partition_count:
+def _valid_locators(doc: Document) -> Iterator[tuple[int, int, dict, dict]]:
+    groups = doc["groups"]
+    for i, f in enumerate(doc["files"]):
+        for k, loc in enumerate(f["partitions"]):
+            if loc["group"] < len(groups) and loc["rank"] < groups[loc["group"]]["partition_count"]:
                 yield i, k, f, loc
 
 
 @rule("CK116", "locator-coverage")
-def locators_cover_every_partition(m: Manifest) -> Iterator[Finding]:
+def locators_cover_every_partition(doc: Document) -> Iterator[Finding]:
     """If any partition is located, every (group, rank) partition is located exactly once."""
     located: dict[tuple[int, int], str] = {}
     any_locator = False
-    for i, k, f, loc in _valid_locators(m):
+    for i, k, f, loc in _valid_locators(doc):
         any_locator = True
-        key = (loc.group, loc.rank)
+        key = (loc["group"], loc["rank"])
         path = json_path("files", i, "partitions", k)
         if key in located:
-            yield _finding("CK116", path, f"group {loc.group} rank {loc.rank} is already located at {located[key]}",
-                           "locate each partition once", file=f.path, rank=loc.rank)
+            yield _finding("CK116", path, f"group {loc['group']} rank {loc['rank']} is already located at {located[key]}",
+                           "locate each partition once", file=f["path"], rank=loc["rank"])
         located.setdefault(key, path)
     if not any_locator:
         return
     per_group = Counter(g for g, _ in located)
-    for g, grp in enumerate(m.groups):
+    for g, grp in enumerate(doc["groups"]):
+        count = grp["partition_count"]
         located_here = per_group[g]
-        if located_here == grp.partition_count:
+        if located_here == count:
             continue
         # One finding per group: a bogus partition_count must not yield millions of them.
-        missing = list(islice((r for r in range(grp.partition_count) if (g, r) not in located), 5))
-        more = grp.partition_count - located_here - len(missing)
+        missing = list(islice((r for r in range(count) if (g, r) not in located), 5))
+        more = count - located_here - len(missing)
         ranks = ", ".join(map(str, missing)) + (f" and {more} more" if more > 0 else "")
         yield _finding("CK116", json_path("groups", g), f"no locator for group {g} rank(s) {ranks}",
                        "every rank's partition of every group needs a locator in $.files[*].partitions",
@@ -349,35 +402,39 @@ def locators_cover_every_partition(m: Manifest) -> Iterator[Finding]:
 
 
 @rule("CK117", "locator-numel")
-def locator_matches_group(m: Manifest) -> Iterator[Finding]:
-    for i, k, f, loc in _valid_locators(m):
-        grp = m.groups[loc.group]
+def locator_matches_group(doc: Document) -> Iterator[Finding]:
+    master_dtype = doc["layout"]["master_dtype"]
+    for i, k, f, loc in _valid_locators(doc):
+        grp = doc["groups"][loc["group"]]
         path = json_path("files", i, "partitions", k)
-        if loc.rank < len(grp.saved_numels) and loc.numel != grp.saved_numels[loc.rank]:
+        rank, saved = loc["rank"], grp["saved_numels"]
+        if rank < len(saved) and loc["numel"] != saved[rank]:
             yield _finding("CK117", path + ".numel",
-                           f"locator holds {loc.numel} elements but group {loc.group} rank {loc.rank} saved {grp.saved_numels[loc.rank]}",
-                           "a locator's numel is the group's saved numel for that rank", file=f.path, rank=loc.rank)
-        if loc.dtype != m.layout.master_dtype:
-            yield _finding("CK117", path + ".dtype", f"locator dtype {loc.dtype} but master_dtype is {m.layout.master_dtype}",
-                           "flat partitions hold master weights", file=f.path, rank=loc.rank)
+                           f"locator holds {loc['numel']} elements but group {loc['group']} rank {rank} saved {saved[rank]}",
+                           "a locator's numel is the group's saved numel for that rank", file=f["path"], rank=rank)
+        if loc["dtype"] != master_dtype:
+            yield _finding("CK117", path + ".dtype", f"locator dtype {loc['dtype']} but master_dtype is {master_dtype}",
+                           "flat partitions hold master weights", file=f["path"], rank=rank)
 
 
 @rule("CK118", "locator-member-bounds")
-def locator_fits_member(m: Manifest) -> Iterator[Finding]:
-    for i, f in enumerate(m.files):
-        for k, loc in enumerate(f.partitions):
-            end = (loc.element_offset + loc.numel) * ITEMSIZE[loc.dtype]
-            if end > loc.member_size:
+def locator_fits_member(doc: Document) -> Iterator[Finding]:
+    for i, f in enumerate(doc["files"]):
+        for k, loc in enumerate(f["partitions"]):
+            start, stop = loc["element_offset"], loc["element_offset"] + loc["numel"]
+            end = stop * ITEMSIZE[loc["dtype"]]
+            if end > loc["member_size"]:
                 yield _finding("CK118", json_path("files", i, "partitions", k),
-                               f"elements [{loc.element_offset}, {loc.element_offset + loc.numel}) of {loc.dtype} end at byte {end}, past the {loc.member_size}-byte member {loc.member!r}",
-                               "element_offset + numel must fit in the member", file=f.path, rank=loc.rank)
+                               f"elements [{start}, {stop}) of {loc['dtype']} end at byte {end}, past the {loc['member_size']}-byte member {loc['member']!r}",
+                               "element_offset + numel must fit in the member", file=f["path"], rank=loc["rank"])
 
 
 @rule("CK119", "locator-file-bounds")
-def locator_fits_file(m: Manifest) -> Iterator[Finding]:
-    for i, f in enumerate(m.files):
-        for k, loc in enumerate(f.partitions):
-            if loc.data_offset + loc.member_size > f.size:
+def locator_fits_file(doc: Document) -> Iterator[Finding]:
+    for i, f in enumerate(doc["files"]):
+        for k, loc in enumerate(f["partitions"]):
+            end = loc["data_offset"] + loc["member_size"]
+            if end > f["size"]:
                 yield _finding("CK119", json_path("files", i, "partitions", k),
-                               f"member {loc.member!r} at bytes [{loc.data_offset}, {loc.data_offset + loc.member_size}) ends past the {f.size}-byte file",
-                               "data_offset + member_size must fit in the file's size", file=f.path, rank=loc.rank)
+                               f"member {loc['member']!r} at bytes [{loc['data_offset']}, {end}) ends past the {f['size']}-byte file",
+                               "data_offset + member_size must fit in the file's size", file=f["path"], rank=loc["rank"])

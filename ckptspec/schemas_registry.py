@@ -45,6 +45,21 @@ def validator(filename: str):
     return validators.extend(Draft202012Validator, {"pattern": pattern})(schema(filename))
 
 
+@lru_cache(maxsize=None)
+def fast_validator(filename: str):
+    """A compiled validator (``jsonschema-rs``, Rust) for the fast path, or None.
+
+    It only answers valid/invalid; findings always come from ``validator`` (the
+    reference). Its regexes follow ECMA-262 like the reference's. None when the
+    package is not installed: everything then goes through the reference.
+    """
+    try:
+        import jsonschema_rs
+    except ImportError:
+        return None
+    return jsonschema_rs.validator_for(schema(filename))
+
+
 def manifest_schema_file(version: str = LATEST_MANIFEST) -> str:
     """``version`` is ``MAJOR.MINOR`` (``1.0``) or a full ``1.0.0``."""
     key = ".".join(version.split(".")[:2])

@@ -1,0 +1,126 @@
+"""The fast validation path and the reference path give the same verdict.
+
+``validate.py`` first asks a compiled validator (jsonschema-rs) whether the document
+is schema-valid, then runs the semantic rules on the decoded document without building
+the models. The reference path is ``jsonschema`` plus the Pydantic models. Checked here:
+
+* every conformance-corpus file, JSON and msgpack: identical findings (code, path,
+  message, hint), read from the file and as already-decoded data;
+* the compiled validator's verdict equals ``jsonschema``'s on every corpus file, on
+  hundreds of mutations of a valid manifest (format 1.0 and a newer minor) and on
+  generated documents;
+* data the compiled validator cannot take (integers past 64 bits, lone surrogates,
+  integral floats) and a machine without jsonschema-rs fall back to the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from ckptspec import schemas_registry
+from ckptspec.loader import decode_document, load_document
+from ckptspec.validate import fast_schema_accepts, validate_document, validate_file
+from test_agreement import (
+    BASE, MUTATIONS_1_0, MUTATIONS_NEWER, VALIDATOR, _set, bounded_schema, schema_strategy,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "tests" / "conformance" / "1.0"
+CORPUS_FILES = sorted(p for p in CORPUS.glob("*/*") if p.suffix in (".json", ".msgpack"))
+
+
+def lines(report) -> list[dict]:
+    return [f.to_dict() for f in report.findings]
+
+
+def test_the_compiled_validator_is_installed():
+    # It is a dependency: without it every document takes the slow reference path.
+    assert schemas_registry.fast_validator("manifest-1.0.schema.json") is not None
+
+
+@pytest.mark.parametrize("path", CORPUS_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_corpus_file_same_findings_on_both_paths(path):
+    fast = validate_file(path, build_model=False)
+    reference = validate_file(path, reference=True)
+    assert lines(fast) == lines(reference)
+    assert fast.ok == reference.ok
+    # As decoded data through the public API (models built): the same findings again.
+    assert lines(validate_document(load_document(path))) == lines(reference)
+
+
+@pytest.mark.parametrize("path", CORPUS_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_corpus_file_compiled_verdict_is_the_reference_verdict(path):
+    doc = load_document(path)
+    assert fast_schema_accepts(doc) == VALIDATOR.is_valid(doc)
+
+
+def test_the_corpus_exercises_both_verdicts():
+    verdicts = {fast_schema_accepts(load_document(p)) for p in CORPUS_FILES}
+    assert verdicts == {True, False}
+
+
+@pytest.mark.parametrize("label,doc", MUTATIONS_1_0 + MUTATIONS_NEWER,
+                         ids=[m[0] for m in MUTATIONS_1_0] + [f"newer-{m[0]}" for m in MUTATIONS_NEWER])
+def test_mutation_compiled_verdict_is_the_reference_verdict(label, doc):
+    assert fast_schema_accepts(doc) == VALIDATOR.is_valid(doc)
+    assert lines(validate_document(doc, build_model=False)) == lines(validate_document(doc, reference=True))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(schema_strategy(bounded_schema()))
+def test_generated_documents_same_findings_on_both_paths(doc):
+    assert fast_schema_accepts(doc)
+    assert lines(validate_document(doc, build_model=False)) == lines(validate_document(doc, reference=True))
+
+
+@pytest.mark.parametrize("where,value", [
+    (("groups", 0, "params", 0, "numel"), 2**70),        # past 64 bits
+    (("groups", 0, "params", 0, "name"), "emb\ud800"),   # lone surrogate (data not from the loader)
+    (("producer", "metadata"), {"k": "\udc00"}),
+])
+def test_data_the_compiled_validator_cannot_take_goes_to_the_reference(where, value):
+    doc = copy.deepcopy(BASE)
+    _set(doc, where, value)
+    reference = validate_document(doc, reference=True)
+    assert not reference.ok
+    assert lines(validate_document(doc)) == lines(reference)
+    assert lines(validate_document(doc, build_model=False)) == lines(reference)
+
+
+def _with_integral_floats(doc: dict) -> dict:
+    doc = copy.deepcopy(doc)
+    doc["layout"]["world_size"] = float(doc["layout"]["world_size"])
+    doc["groups"][0]["params"][1]["offset"] = float(doc["groups"][0]["params"][1]["offset"] + 1)  # breaks CK106
+    return doc
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_integral_floats_are_read_like_integers(tmp_path, encoding):
+    doc = _with_integral_floats(BASE)
+    path = tmp_path / f"m.{encoding}"
+    path.write_bytes(json.dumps(doc).encode() if encoding == "json" else msgpack.packb(doc))
+    decoded, floats = decode_document(path.read_bytes(), encoding)
+    assert floats and decoded == doc  # noticed, and decoding stayed lossless
+    reference = validate_file(path, reference=True)
+    assert {f.code for f in reference.findings} == {"CK106"}
+    assert reference.findings[0].path == "$.groups[0].params[1].offset"
+    assert ".0" not in reference.findings[0].message  # read as integers
+    assert lines(validate_file(path, build_model=False)) == lines(reference)
+
+
+def test_without_the_compiled_validator_the_reference_decides(monkeypatch):
+    bad = copy.deepcopy(BASE)
+    bad["layout"]["world_size"] = "2"
+    monkeypatch.setattr(schemas_registry, "fast_validator", lambda filename: None)
+    import ckptspec.validate as validate_module
+
+    monkeypatch.setattr(validate_module, "fast_validator", lambda filename: None)
+    assert not fast_schema_accepts(BASE)
+    assert validate_document(BASE, build_model=False).ok
+    assert [f.code for f in validate_document(bad).findings] == ["CK001"]
