@@ -178,6 +178,19 @@ def validate_document(doc: Any, *, build_model: bool = True, reference: bool = F
         return _validate(doc, plain=False, build_model=build_model, reference=reference)
 
 
+def validate_manifest(manifest: Manifest, doc: dict | None = None) -> Report:
+    """Validate a model, e.g. a producer's output, without building it a second time.
+
+    ``doc`` is the document to check, by default ``manifest.to_dict()``: a model's dump
+    holds plain ints and Unicode text only, so the rules read it as it is.
+    ``Report.manifest`` is ``manifest`` unless the schema refuses the document.
+    """
+    with gc_paused():
+        report = _validate(manifest.to_dict() if doc is None else doc, plain=True, build_model=False, reference=False)
+    schema_refused = any(f.code in ("CK001", "CK002", "CK003") for f in report.findings)
+    return Report(report.findings, None if schema_refused else manifest)
+
+
 def validate_file(
     path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, encoding: Encoding | None = None,
     *, build_model: bool = True, reference: bool = False,
@@ -203,4 +216,4 @@ class InvalidManifest(Exception):
         super().__init__(f"{name}: invalid manifest ({len(errors)} finding(s)); first: {errors[0].to_line() if errors else ''}")
 
 
-__all__ = ["Report", "validate_document", "validate_file", "load_manifest", "InvalidManifest", "FORMAT_NAME"]
+__all__ = ["Report", "validate_document", "validate_manifest", "validate_file", "load_manifest", "InvalidManifest", "FORMAT_NAME"]
