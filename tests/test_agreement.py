@@ -26,7 +26,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jsonschema import Draft202012Validator
 from pydantic import BaseModel, ValidationError
 
 from ckptspec import models

@@ -12,7 +12,21 @@ Fenced blocks in docs/*.md and README.md follow these conventions:
 * ```` ```json report ````: a `validate --format json` report; it must match the report schema.
 * ```` ```console ```` (docs/ only): ``$ command`` lines and their output; every command is run with
   bash in a scratch directory (where ``examples/`` and ``tests/`` link to the repository)
-  and its combined stdout/stderr must be the lines shown.
+  and its combined stdout/stderr must be the lines shown. An expected line that is exactly
+  ``...`` matches any number of lines (for output that legitimately varies; keep it rare).
+  With ``checkpoint=NAME`` (a key of tests/ds_matrix.py MATRIX), a real DeepSpeed checkpoint
+  (``latest``, the tag directory, DeepSpeed's scripts; not the harness's own files) is first
+  *copied* to ``./checkpoint/``, so a block may corrupt it.
+* ```` ```python run ```` (docs/ only, optionally ``checkpoint=NAME`` as above): run with this
+  interpreter in such a scratch directory; it must exit 0 with nothing on stderr. Make it
+  ``assert`` what it claims.
+* ```` ```python excerpt=examples/PATH ```` (or any other language, ```` ```js excerpt=... ````):
+  consecutive lines of that file (compared after removing their common indentation), and the
+  file (or its directory below examples/) must be named in a tests/test_*.py other than this
+  one, which runs it. Every other ```` ```python ```` block in docs/ is an error: nothing shown
+  goes untested.
+* A ``$ `` line in any other block of docs/ is an error too: a concrete command belongs in a
+  ```` ```console ```` block; usage synopses (``ckptspec validate MANIFEST ...``) have no ``$ ``.
 
 Besides the blocks: every error code has a ``## CKnnn name`` heading in docs/errors.md, every
 such heading is a code that ckptspec really emits, the schemas' ``$comment`` anchors exist, and
@@ -23,10 +37,15 @@ saying REQUIRED exactly when the schema requires it.
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
 import json
+import operator
 import os
 import re
+import shutil
 import stat
+import textwrap
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -46,7 +65,7 @@ REPORT_SCHEMA = SCHEMA_DIR / "report-1.0.schema.json"
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
 
 # Codes the validator and CLI emit outside ckptspec.rules.RULES.
-OTHER_CODES = ["CK001", "CK002", "CK003", "CK004", "CK901", "CK902", "CK903", "CK904", "CK905", "CK999"]
+OTHER_CODES = ["CK001", "CK002", "CK003", "CK004", "CK501", "CK502", "CK503", "CK504", "CK505", "CK506", "CK507", "CK901", "CK902", "CK903", "CK904", "CK905", "CK999"]
 CODE_RE = re.compile(r"\bCK\d{3}\b")
 
 
@@ -72,6 +91,11 @@ class Block:
     @property
     def words(self) -> list[str]:
         return self.info.split()
+
+    @property
+    def options(self) -> dict[str, str]:
+        """``key=value`` words of the info string."""
+        return dict(w.split("=", 1) for w in self.words[1:] if "=" in w)
 
     def where(self) -> str:
         return f"{self.file.relative_to(ROOT)}:{self.line}"
@@ -242,12 +266,18 @@ def test_corpus_pointers_exist():
     assert not missing, "\n".join(missing)
 
 
-# --------------------------------------------------------------------------- console blocks
+# --------------------------------------------------------------------------- console and python blocks
 
 
+@functools.cache  # parsed once: a doc edited during the run must not change what the fixtures run
 def console_blocks() -> list[Block]:
     """The console sessions of docs/ (README's are illustrations, not transcripts)."""
     return [b for f in sorted(DOCS.glob("*.md")) for b in parse_blocks(f) if b.words[:1] == ["console"]]
+
+
+@functools.cache
+def python_run_blocks() -> list[Block]:
+    return [b for f in sorted(DOCS.glob("*.md")) for b in parse_blocks(f) if b.words[:2] == ["python", "run"]]
 
 
 def parse_console(block: Block) -> list[tuple[str, list[str]]]:
@@ -266,17 +296,39 @@ def _normalize(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
 
 
+def _lines_match(expected: list[str], actual: list[str]) -> bool:
+    """Line by line equality, where an expected ``...`` line matches any number of lines."""
+    reach = [True] + [False] * len(actual)  # reach[j]: actual[:j] is matched by the expected lines so far
+    for line in expected:
+        if line == "...":
+            reach = list(itertools.accumulate(reach, operator.or_))
+        else:
+            reach = [False] + [reach[j] and actual[j] == line for j in range(len(actual))]
+    return reach[-1]
+
+
+def test_lines_match():
+    assert _lines_match(["a", "...", "d"], ["a", "b", "c", "d"])
+    assert _lines_match(["a", "...", "b"], ["a", "b"])
+    assert _lines_match(["..."], [])
+    assert not _lines_match(["a", "...", "d"], ["a", "b", "c"])
+    assert not _lines_match(["a", "b"], ["a", "x", "b"])
+    assert not _lines_match(["a"], ["a", "b"])
+
+
 @pytest.fixture(scope="module")
 def console_env(tmp_path_factory):
-    """PATH with a `ckptspec` that runs this interpreter's ckptspec."""
+    """PATH with a `ckptspec` and a `python` that run this interpreter."""
     bindir = tmp_path_factory.mktemp("bin")
-    shim = bindir / "ckptspec"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ckptspec "$@"\n')
-    shim.chmod(shim.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    for name, command in (("ckptspec", f'"{sys.executable}" -m ckptspec'), ("python", f'"{sys.executable}"')):
+        shim = bindir / name
+        shim.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
+        shim.chmod(shim.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     env = {k: v for k, v in os.environ.items() if k != "CKPTSPEC_DEBUG"}
     env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
     env["LC_ALL"] = "C.UTF-8"
     env["PYTHONIOENCODING"] = "utf-8"
+    env["DS_ACCELERATOR"] = "cpu"
     return env
 
 
@@ -288,28 +340,132 @@ def _console_script(block: Block) -> str:
     return "\n".join(script)
 
 
+# What tests/dsharness/build.py adds to a DeepSpeed save directory; a doc's reader never has these.
+HARNESS_FILES = ("build_seconds", "harness.json", "live_fp32.pt", "train.log", "engine_manifest.*",
+                 "saved_manifest.*")
+
+
 @pytest.fixture(scope="module")
-def console_runs(tmp_path_factory, console_env) -> dict[str, tuple[str, str]]:
-    """Every console block, run concurrently (each in its own scratch directory): where -> (stdout, stderr)."""
+def doc_checkpoints(request) -> dict[str, Path]:
+    """MATRIX name -> cached real DeepSpeed save directory, for every checkpoint= the docs name."""
+    blocks = console_blocks() + python_run_blocks()
+    names = sorted({b.options["checkpoint"] for b in blocks if "checkpoint" in b.options})
+    if not names:
+        return {}
+    from ds_matrix import MATRIX
+    from dsharness.build import build_checkpoint
+
+    unknown = [n for n in names if n not in MATRIX]
+    assert not unknown, f"checkpoint= names that tests/ds_matrix.py MATRIX lacks: {unknown}"
+    root = request.getfixturevalue("ds_root")
+    return {name: build_checkpoint(*MATRIX[name], root=root) for name in names}
+
+
+def _scratch(tmp_path_factory, block: Block, checkpoints: dict[str, Path]) -> Path:
+    scratch = tmp_path_factory.mktemp("doc")
+    for name in ("examples", "tests"):
+        (scratch / name).symlink_to(ROOT / name, target_is_directory=True)
+    if "checkpoint" in block.options:
+        # A copy, not a link: a block may corrupt its checkpoint.
+        shutil.copytree(checkpoints[block.options["checkpoint"]], scratch / "checkpoint",
+                        ignore=shutil.ignore_patterns(*HARNESS_FILES))
+    return scratch
+
+
+@pytest.fixture(scope="module")
+def doc_runs(tmp_path_factory, console_env, doc_checkpoints) -> dict[str, tuple[int, str, str]]:
+    """Every console and `python run` block, run concurrently, each in its own scratch directory:
+    where -> (exit code, stdout, stderr)."""
     procs = {}
-    for block in console_blocks():
-        scratch = tmp_path_factory.mktemp("console")
-        for name in ("examples", "tests"):
-            (scratch / name).symlink_to(ROOT / name, target_is_directory=True)
-        procs[block.where()] = subprocess.Popen(["bash", "-c", _console_script(block)], cwd=scratch, env=console_env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return {where: proc.communicate(timeout=300) for where, proc in procs.items()}
+    for block in console_blocks() + python_run_blocks():
+        cwd = _scratch(tmp_path_factory, block, doc_checkpoints)
+        argv = ["bash", "-c", _console_script(block)] if block.words[0] == "console" else [sys.executable, "-c", block.text]
+        procs[block.where()] = subprocess.Popen(argv, cwd=cwd, env=console_env, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE, text=True)
+    out = {}
+    for where, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        out[where] = (proc.returncode, stdout, stderr)
+    return out
 
 
 @pytest.mark.parametrize("block", console_blocks(), ids=lambda b: b.where())
-def test_console_block(block: Block, console_runs):
-    stdout, stderr = console_runs[block.where()]
+def test_console_block(block: Block, doc_runs):
+    _, stdout, stderr = doc_runs[block.where()]
     assert stderr == "", stderr
     chunks = re.split(r"\n?@@@ (\d+) @@@\n", stdout)[1:]
     outputs = {int(chunks[k]): chunks[k + 1] for k in range(0, len(chunks), 2)}
     for i, (command, expected) in enumerate(parse_console(block)):
-        assert _normalize(outputs.get(i, "")) == _normalize("\n".join(expected)), (
+        actual = _normalize(outputs.get(i, ""))
+        assert _lines_match(_normalize("\n".join(expected)).splitlines(), actual.splitlines()), (
             f"{block.where()}: `$ {command}` printed:\n{outputs.get(i, '')}")
+
+
+@pytest.mark.parametrize("block", python_run_blocks(), ids=lambda b: b.where())
+def test_python_run_block(block: Block, doc_runs):
+    code, stdout, stderr = doc_runs[block.where()]
+    assert code == 0 and stderr == "", f"{block.where()}: exit {code}\n{stdout}{stderr}"
+
+
+def python_blocks() -> list[Block]:
+    return [b for f in sorted(DOCS.glob("*.md")) for b in parse_blocks(f) if b.words[:1] == ["python"]]
+
+
+def excerpt_blocks() -> list[Block]:
+    """Blocks of any language shown as an excerpt of an example (```js excerpt=examples/...)."""
+    return [b for f in sorted(DOCS.glob("*.md")) for b in parse_blocks(f) if "excerpt" in b.options]
+
+
+def _tests_text() -> str:
+    """The test modules that may run examples (this one only reads them)."""
+    tests = sorted(p for p in (ROOT / "tests").glob("test_*.py") if p.name != Path(__file__).name)
+    return "\n".join(p.read_text("utf-8") for p in tests)
+
+
+@pytest.mark.parametrize("block", python_blocks(), ids=lambda b: b.where())
+def test_python_block_is_run(block: Block):
+    """A python block is run here (`python run`) or is an excerpt of an example a test runs."""
+    if block.words[1:2] == ["run"]:
+        return  # test_python_run_block runs it
+    assert "excerpt" in block.options and len(block.words) == 2, (
+        f"{block.where()}: a ```python block must be `python run [checkpoint=NAME]` or `python excerpt=examples/PATH`")
+    check_excerpt(block)
+
+
+@pytest.mark.parametrize("block", excerpt_blocks(), ids=lambda b: b.where())
+def test_excerpt_block(block: Block):
+    check_excerpt(block)
+
+
+def check_excerpt(block: Block):
+    """The block is consecutive lines (less their common indentation) of an example that a test runs."""
+    source = block.options["excerpt"]
+    path = ROOT / source
+    assert source.startswith("examples/") and path.is_file(), f"{block.where()}: {source} is not a file in examples/"
+    # Named by a test, itself or its example directory (whose program imports it).
+    names = [source] + ([str(Path(source).parent)] if Path(source).parent != Path("examples") else [])
+    assert any(n in _tests_text() for n in names), f"{block.where()}: no tests/test_*.py names {source}, so nothing runs it"
+    lines, want = path.read_text("utf-8").splitlines(), block.text.splitlines()
+    windows = ("\n".join(lines[i:i + len(want)]) + "\n" for i in range(len(lines) - len(want) + 1))
+    assert any(textwrap.dedent(w) == block.text for w in windows), f"{block.where()}: not an excerpt of {source}"
+
+
+@pytest.mark.parametrize("info,text,complaint", [
+    ("python", "print(1)\n", "must be `python run"),
+    ("python excerpt=examples/hf_gpt2/train.py", "engine = None\n", "not an excerpt of"),
+    ("python excerpt=examples/demo.py", "import argparse\n", "so nothing runs it"),
+    ("python excerpt=tests/conftest.py", "import os\n", "not a file in examples/"),
+])
+def test_untested_python_blocks_are_refused(info: str, text: str, complaint: str):
+    with pytest.raises(AssertionError, match=re.escape(complaint)):
+        test_python_block_is_run(Block(DOCS / "made-up.md", 1, info, text, ""))
+
+
+def test_commands_only_in_console_blocks():
+    """A `$ command` outside a console block would be shown but never run."""
+    stray = [f"{b.where()}: {line}" for f in sorted(DOCS.glob("*.md")) for b in parse_blocks(f)
+             if b.words[:1] != ["console"] for line in b.text.splitlines() if line.startswith("$ ")]
+    assert not stray, "\n".join(stray)
 
 
 # --------------------------------------------------------------------------- error codes
@@ -361,7 +517,7 @@ def test_every_heading_is_a_real_code():
 
 
 # Code families docs/errors.md covers: every code ckptspec emits in them needs a heading.
-DOCUMENTED_FAMILIES = ("CK0", "CK1", "CK2", "CK3", "CK4", "CK9")
+DOCUMENTED_FAMILIES = ("CK0", "CK1", "CK2", "CK3", "CK4", "CK5", "CK9")
 
 
 def test_every_emitted_code_is_documented():

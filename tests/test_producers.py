@@ -6,7 +6,6 @@ validates, and its numbers match what is really in the shard files.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -73,13 +73,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def torch_extensions_dir(python: str = sys.executable) -> str:
+    """Where DeepSpeed JIT-builds its shm comm op for the environment of ``python``.
+
+    One directory per environment (DeepSpeed version and interpreter prefix): two
+    versions sharing one break each other's builds, and two virtualenvs of the same
+    version compile with different include paths, so they would rebuild it in turns.
+    Every DeepSpeed job the tests start (harness, resume, examples) uses this.
+    """
+    version = DEEPSPEED_VERSION if python == sys.executable else OLD_DEEPSPEED_VERSION
+    prefix = hashlib.sha256(os.path.abspath(python).encode()).hexdigest()[:8]  # not resolved: a venv links its python
+    return str(Path.home() / ".cache" / "torch_extensions" / f"ckptspec-deepspeed-{version}-{prefix}")
+
+
 def _run(spec: dict, world_size: int, out: Path, python: str = sys.executable) -> str:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-    # DeepSpeed JIT-builds its shm comm op into the torch-extensions cache; two DeepSpeed
-    # versions sharing one cache dir break each other's builds, so each version gets its own
-    # (shared by every checkout on the machine: the op is built once per version).
-    version = DEEPSPEED_VERSION if python == sys.executable else OLD_DEEPSPEED_VERSION
-    env["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions" / f"ckptspec-deepspeed-{version}")
+    env["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir(python)
     # Hooks named in the spec may live in ckptspec or in tests/.
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT), str(REPO_ROOT / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
