@@ -198,3 +198,8 @@ cli.add_command(convert)
 cli.add_command(embed)
 cli.add_command(extract)
 cli.add_command(migrate)
+
+from .cli_inspect import diff, inspect  # noqa: E402  (registered last; see cli_inspect.py)
+
+cli.add_command(diff)
+cli.add_command(inspect)
