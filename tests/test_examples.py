@@ -1,0 +1,148 @@
+"""The examples in examples/ run end to end and give what they claim, on real DeepSpeed output.
+
+* examples/hf_gpt2/run.sh: trains a tiny transformers GPT-2 with DeepSpeed ZeRO-2 (bf16, 2 ranks),
+  saving with ckptspec's hook (examples/hf_gpt2/train.py), then validates, reconstructs and loads
+  the weights with ``from_pretrained`` (examples/hf_gpt2/load.py). One DeepSpeed run.
+* examples/load_numpy.py: reads reconstructions of a cached matrix checkpoint with numpy alone.
+
+Both are checked against the live engine's fp32 master weights, not against ckptspec.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds_matrix import MATRIX
+from dsharness.build import build_checkpoint, torch_extensions_dir
+
+pytestmark = pytest.mark.deepspeed
+
+ROOT = Path(__file__).resolve().parents[1]
+torch = pytest.importorskip("torch")
+
+
+def _env() -> dict:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # run.sh's python, torchrun, ckptspec
+    # DeepSpeed's shm comm op, JIT-built once by the harness (tests/dsharness/build.py), not per run.
+    env["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
+    return env
+
+
+def _example_module(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bits(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array).tobytes()
+
+
+# --------------------------------------------------------------------------- Hugging Face GPT-2
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_gpt2") / "run"
+    result = subprocess.run(["bash", str(ROOT / "examples/hf_gpt2/run.sh"), str(out)], env=_env(),
+                            capture_output=True, text=True, timeout=1200)
+    return out, result
+
+
+def test_hf_gpt2_runs_and_loads_bit_exact(hf_run):
+    out, result = hf_run
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        f"saved {out}/checkpoint: ZeRO-2, 3 files described",
+        f"{out}/checkpoint: valid",
+        f"{out}/hf: 29 tensors bit-identical to the live engine's fp32 masters "
+        "(aliases {'lm_head.weight': 'transformer.wte.weight'}); logits equal",
+    ], result.stdout + result.stderr
+
+
+def test_hf_gpt2_checkpoint_carries_its_manifest_and_the_tie(hf_run):
+    from safetensors import safe_open
+
+    out, _ = hf_run
+    sidecar = json.loads((out / "checkpoint" / "global_step2" / "ckptspec.json").read_text())
+    assert sidecar["layout"]["zero_stage"] == 2 and sidecar["layout"]["model_dtype"] == "bfloat16"
+    assert sidecar["aliases"] == [{"name": "lm_head.weight", "owner": "transformer.wte.weight", "shape": [64, 16]}]
+
+    # Independently of load.py: the file holds the live engine's masters, the tie stored once.
+    reference = {}
+    with safe_open(out / "reference.safetensors", framework="numpy") as f:
+        reference = {k.removeprefix("master."): f.get_tensor(k) for k in f.keys() if k.startswith("master.")}
+    with safe_open(out / "hf" / "model.safetensors", framework="numpy") as f:
+        assert json.loads(f.metadata()["ckptspec.aliases"]) == {"lm_head.weight": "transformer.wte.weight"}
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert sorted(stored) == sorted(reference) and len(stored) == 28
+    differ = [k for k in reference if stored[k].dtype != np.float32 or _bits(stored[k]) != _bits(reference[k])]
+    assert not differ
+
+
+def test_hf_gpt2_load_refuses_a_changed_weight(hf_run, tmp_path, capsys):
+    """load.py's comparison can fail: one changed element in a copy of the output is reported."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    out, _ = hf_run
+    copy = tmp_path / "hf"
+    shutil.copytree(out / "hf", copy)
+    with safe_open(copy / "model.safetensors", framework="numpy") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k).copy() for k in f.keys()}
+    bias = tensors["transformer.h.1.mlp.c_fc.bias"]
+    bias[3] = np.nextafter(bias[3], np.float32(1))  # one ulp
+    save_file(tensors, str(copy / "model.safetensors"), metadata=metadata)
+    # In this process: a second `import transformers` in a fresh one would cost more than the check.
+    load = _example_module("examples/hf_gpt2/load.py")
+    assert load.main(str(copy), str(out / "reference.safetensors")) == 1
+    assert capsys.readouterr().out.splitlines() == [f"{copy}: differs from the live engine: ['transformer.h.1.mlp.c_fc.bias']"]
+
+
+# --------------------------------------------------------------------------- numpy
+
+
+@pytest.fixture(scope="module")
+def matrix_point(ds_root):
+    save_dir = build_checkpoint(*MATRIX["s2-bf16-ws2"], root=ds_root)
+    return save_dir, torch.load(save_dir / "live_fp32.pt", weights_only=True)
+
+
+def _reconstruct(save_dir: Path, out: Path, *options: str) -> Path:
+    done = subprocess.run([sys.executable, "-m", "ckptspec", "reconstruct", "-q", str(save_dir), str(out), *options],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+@pytest.mark.parametrize("dtype,shards", [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_load_numpy_gives_the_live_masters(matrix_point, tmp_path, dtype, shards):
+    save_dir, live = matrix_point
+    out = _reconstruct(save_dir, tmp_path / "out", "--dtype", dtype, *(["--max-shard-size", "2K"] if shards else []))
+    assert (out / "model.safetensors.index.json").exists() == shards
+
+    arrays, metadata = _example_module("examples/load_numpy.py").load_arrays(out)
+    assert arrays["head.weight"] is arrays["emb.weight"]  # the alias, restored as its owner
+    assert arrays["step_count"].dtype == np.int64
+    for name, master in live.items():  # trainable parameters, aliases included
+        want = master if dtype == "fp32" else master.to(torch.bfloat16).float()  # bf16: rounded, then widened
+        assert arrays[name].dtype == np.float32 and _bits(arrays[name]) == _bits(want.numpy()), name
+
+    shown = subprocess.run([sys.executable, str(ROOT / "examples/load_numpy.py"), str(out)],
+                           capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    saved_as = "float32" if dtype == "fp32" else "bfloat16 (numpy has no bfloat16: widened exactly to float32)"
+    assert lines[0] == f"{out}: 10 arrays from ZeRO-2 global_step2, saved as {saved_as}"
+    assert "  head.weight: float32 [50, 16] (alias of emb.weight)" in lines
