@@ -21,3 +21,15 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     } >"$log" 2>&1 || { tail -30 "$log" >&2; echo "environment setup failed; see $log" >&2; exit 2; }
     touch "$stamp"
 fi
+# The Node.js example reader (examples/node-reader) and its ajv, for the tests that run them:
+# `npm ci` from the committed lockfile when node_modules is missing or older than the lockfile.
+node_dir="examples/node-reader"
+if [ ! -f "$node_dir/node_modules/.package-lock.json" ] || [ "$node_dir/package-lock.json" -nt "$node_dir/node_modules/.package-lock.json" ]; then
+    if ! command -v npm >/dev/null; then
+        { apt-get update -qq && apt-get install -y -qq nodejs npm; } >/dev/null 2>&1 \
+            || { echo "npm is missing and could not be installed (apt-get install nodejs npm)" >&2; exit 2; }
+    fi
+    echo "installing $node_dir/node_modules (npm ci) ..." >&2
+    (cd "$node_dir" && npm ci --no-audit --no-fund) >.venv/npm-install.log 2>&1 \
+        || { tail -30 .venv/npm-install.log >&2; echo "npm ci failed; see .venv/npm-install.log" >&2; exit 2; }
+fi

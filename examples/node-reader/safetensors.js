@@ -1,0 +1,49 @@
+'use strict';
+// Write a safetensors file (https://github.com/huggingface/safetensors): an 8-byte little-endian
+// header length N, N bytes of JSON header padded with spaces to a multiple of 8, then the tensors'
+// bytes back to back. All shapes are known up front, so the header goes first and each tensor is
+// written as soon as it is read. The file appears under its name only once complete (rename).
+const fs = require('fs');
+const path = require('path');
+
+// tensors: [{name, shape, nbytes}] in write order; metadata: {string: string}.
+function header(tensors, metadata) {
+  const table = { __metadata__: metadata };
+  let offset = 0;
+  for (const t of tensors) {
+    table[t.name] = { dtype: 'F32', shape: t.shape, data_offsets: [offset, offset + t.nbytes] };
+    offset += t.nbytes;
+  }
+  let json = Buffer.from(JSON.stringify(table), 'utf8');
+  json = Buffer.concat([json, Buffer.alloc((8 - (json.length % 8)) % 8, ' ')]);
+  const length = Buffer.alloc(8);
+  length.writeBigUInt64LE(BigInt(json.length));
+  return Buffer.concat([length, json]);
+}
+
+function writeAll(fd, bytes) {
+  for (let done = 0; done < bytes.length;) done += fs.writeSync(fd, bytes, done, bytes.length - done);
+}
+
+// Calls fill(tensor) for each tensor, in order; fill returns that tensor's bytes.
+function writeSafetensors(file, tensors, metadata, fill) {
+  const tmp = path.join(path.dirname(file), `.${path.basename(file)}.${process.pid}.tmp`);
+  const fd = fs.openSync(tmp, 'w');
+  try {
+    writeAll(fd, header(tensors, metadata));
+    for (const t of tensors) {
+      const bytes = fill(t);
+      if (bytes.length !== t.nbytes) throw new Error(`${t.name}: ${bytes.length} bytes, expected ${t.nbytes}`);
+      writeAll(fd, bytes);
+    }
+    fs.fsyncSync(fd);
+    fs.closeSync(fd);
+    fs.renameSync(tmp, file);
+  } catch (err) {
+    try { fs.closeSync(fd); } catch { /* already closed */ }
+    fs.rmSync(tmp, { force: true });
+    throw err;
+  }
+}
+
+module.exports = { writeSafetensors };

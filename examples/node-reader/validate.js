@@ -1,0 +1,53 @@
+#!/usr/bin/env node
+'use strict';
+// Validate many JSON manifests in one process; print one JSON object per file on stdout:
+//   {"file", "raw_valid", "raw_errors", "codes", "warnings"}
+// raw_*: the JSON Schema alone (ajv), nothing else. codes/warnings: the full check of check.js
+// (version gate, schema, semantic rules), as `ckptspec validate` reports them.
+// Usage: node validate.js [--schema FILE] MANIFEST.json...   (exit 0 all valid, 1 some invalid, 2 usage)
+const fs = require('fs');
+const { SCHEMA_FILE, compileSchema, checkManifest } = require('./check');
+
+function main(argv) {
+  let schemaFile = SCHEMA_FILE;
+  if (argv[0] === '--schema') { schemaFile = argv[1]; argv = argv.slice(2); }
+  if (!argv.length) {
+    process.stderr.write('usage: node validate.js [--schema FILE] MANIFEST.json...\n');
+    return 2;
+  }
+  const warnings = [];
+  let validate;
+  try {
+    validate = compileSchema(schemaFile, warnings);
+  } catch (err) { // strict mode refuses unknown keywords and formats, ambiguous types...
+    process.stderr.write(`${schemaFile}: ajv cannot compile the schema: ${err.message}\n`);
+    return 2;
+  }
+  for (const w of warnings) process.stderr.write(`${schemaFile}: ajv warning: ${w}\n`);
+  let status = 0;
+  for (const file of argv) {
+    let doc;
+    try {
+      doc = JSON.parse(fs.readFileSync(file, 'utf8'));
+    } catch (err) {
+      process.stdout.write(JSON.stringify({ file, error: err.message }) + '\n');
+      status = 2;
+      continue;
+    }
+    const raw = validate(doc);
+    const findings = checkManifest(validate, doc);
+    const codes = (severity) => [...new Set(findings.filter((f) => f.severity === severity).map((f) => f.code))].sort();
+    const verdict = {
+      file,
+      raw_valid: raw,
+      raw_errors: raw ? [] : validate.errors.map((e) => ({ path: e.instancePath, keyword: e.keyword, message: e.message })),
+      codes: codes('error'),
+      warnings: codes('warning'),
+    };
+    if (verdict.codes.length) status = Math.max(status, 1);
+    process.stdout.write(JSON.stringify(verdict) + '\n');
+  }
+  return status;
+}
+
+process.exitCode = main(process.argv.slice(2));
