@@ -92,13 +92,8 @@ def verify(ours: Path, theirs: Path) -> str:
     return done.stdout.strip() or done.stderr.strip()[-500:]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--stage", type=int, choices=[2, 3], action="append")
-    ap.add_argument("--no-verify", action="store_true")
-    args = ap.parse_args()
-    stages = args.stage or [2, 3]
+def measure(stages: list[int], runs: int, check_bits: bool = True) -> tuple[list[Row], list[str], list[float]]:
+    """Run every tool ``runs`` times on each stage's checkpoint: (rows, notes, load averages seen)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     env.pop("CKPTSPEC_DEBUG", None)
     scratch = Path(tempfile.mkdtemp(prefix="ckptspec-bench-"))
@@ -127,14 +122,14 @@ def main() -> None:
                              [PY, "-m", "ckptspec", "generate", str(ckpt), "-o", str(manifest), "--hash"], None, ""))
         # Round-robin over the tools, so that every tool meets the same background load.
         results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-        for _ in range(args.runs):
+        for _ in range(runs):
             for tool, label, cmd, out, _note in jobs:
                 results.setdefault((tool, label), []).append(run_once(cmd, env, out))
                 loads.append(os.getloadavg()[0])
         rows = []
         for tool, label, _cmd, _out, note in jobs:
-            runs = results[(tool, label)]
-            wall, rss = min(w for w, _ in runs), max(r for _, r in runs)
+            timings = results[(tool, label)]
+            wall, rss = min(w for w, _ in timings), max(r for _, r in timings)
             if tool == "ckptspec generate --hash":
                 note = f"{sizes[label] / 1e6 / wall:.0f} MB/s hashed (from the page cache)"
             rows.append(Row(tool, label, wall, rss, note))
@@ -143,7 +138,7 @@ def main() -> None:
             label = f"ZeRO-{stage}"
             out = scratch / f"ckptspec-{stage}"
             notes.append(f"{label}: output {sum(p.stat().st_size for p in out.iterdir()) / 2**20:.0f} MiB (fp32)")
-            if not args.no_verify:
+            if check_bits:
                 result = verify(out / "model.safetensors", scratch / f"z2f-safetensors-{stage}" / "model.safetensors")
                 notes.append(f"{label}: ckptspec output vs zero_to_fp32 safetensors output: {result}")
             ours = by[("ckptspec reconstruct (safetensors)", label)]
@@ -153,13 +148,25 @@ def main() -> None:
                              f"{ours.rss_mib / ref.rss_mib:.2f} of its peak RSS (goal: >= 3x, <= 0.25)")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return rows, notes, loads
 
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| tool | checkpoint | wall s | peak RSS MiB | note |", "|---|---|---:|---:|---|"]
+    lines += [f"| {r.tool} | {r.stage} | {r.wall:.2f} | {r.rss_mib:.0f} | {r.note} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--stage", type=int, choices=[2, 3], action="append")
+    ap.add_argument("--no-verify", action="store_true")
+    args = ap.parse_args()
+    rows, notes, loads = measure(args.stage or [2, 3], args.runs, check_bits=not args.no_verify)
     print(f"\n{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} during the runs; "
           f"fastest of {args.runs} interleaved runs, largest peak RSS\n")
-    print("| tool | checkpoint | wall s | peak RSS MiB | note |")
-    print("|---|---|---:|---:|---|")
-    for r in rows:
-        print(f"| {r.tool} | {r.stage} | {r.wall:.2f} | {r.rss_mib:.0f} | {r.note} |")
+    print(markdown(rows))
     print()
     for note in notes:
         print(f"- {note}")

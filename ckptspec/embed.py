@@ -278,12 +278,13 @@ def find_sidecars(tag_dir: Path) -> list[Path]:
 
 
 def copies_in_dir(directory: str | os.PathLike, tag: str | None = None,
-                  errors: list[CkptspecError] | None = None) -> list[EmbeddedCopy]:
+                  errors: list[CkptspecError] | None = None, states: dict[str, Any] | None = None) -> list[EmbeddedCopy]:
     """Every manifest copy of a checkpoint directory (or of a directory of safetensors files).
 
     A DeepSpeed save or tag directory: its sidecar(s) and each model-states file's client
     state. Any other directory: its sidecar(s) and the ``__metadata__`` of its ``*.safetensors``.
     With ``errors``, a file that cannot be read is appended there and skipped instead of raising.
+    ``states``: model states already read (file name -> ``read_pt_metadata`` result), not read again.
     """
     from .ds_checkpoint import MODEL_RE, resolve_tag_dir
 
@@ -299,7 +300,8 @@ def copies_in_dir(directory: str | os.PathLike, tag: str | None = None,
                                           for p in find_sidecars(where)]
     if tag_dir is not None:
         models = sorted((p for p in tag_dir.iterdir() if p.is_file() and MODEL_RE.match(p.name)), key=lambda p: _rank_order(p.name))
-        candidates += [(p, lambda p: [c for c in [read_client_state_copy(p)] if c]) for p in models]
+        known = states or {}
+        candidates += [(p, lambda p: [c for c in [read_client_state_copy(p, known.get(p.name))] if c]) for p in models]
     else:
         candidates += [(p, lambda p: [c for c in [read_safetensors_copy(p)] if c]) for p in sorted(root.glob("*.safetensors"))]
     copies: list[EmbeddedCopy] = []
@@ -332,14 +334,15 @@ def best_copy(copies: list[EmbeddedCopy]) -> EmbeddedCopy:
     return min(copies, key=lambda c: (_PREFERENCE[c.kind], not c.complete))
 
 
-def embedded_findings(checkpoint: str | os.PathLike, tag: str | None = None) -> list[Finding]:
+def embedded_findings(checkpoint: str | os.PathLike, tag: str | None = None,
+                      states: dict[str, Any] | None = None) -> list[Finding]:
     """For validation: CK302 for an embedded copy that cannot be read, CK301 for copies that disagree.
 
     Files that cannot be read at all (CK204, CK205, CK9xx) are skipped: the shard checks
-    report them.
+    report them. ``states`` as for ``copies_in_dir``.
     """
     errors: list[CkptspecError] = []
-    copies = copies_in_dir(checkpoint, tag, errors) if Path(checkpoint).is_dir() else find_copies(checkpoint, tag)
+    copies = copies_in_dir(checkpoint, tag, errors, states) if Path(checkpoint).is_dir() else find_copies(checkpoint, tag)
     findings = [Finding(e.code, "embedded-manifest-unreadable", "$", e.message, e.hint, file=e.file)
                 for e in errors if e.code == "CK302"]
     return findings + agreement_findings(copies)

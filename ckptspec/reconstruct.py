@@ -119,11 +119,11 @@ def validate_checkpoint(checkpoint: str | os.PathLike, manifest: Any = None, tag
 
 def _fallback_validate(checkpoint, manifest, tag) -> tuple[Manifest | None, list[Finding]]:
     from .ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
-    from .validate import validate_document
+    from .validate import validate_manifest
 
     if manifest is None:
         manifest = manifest_from_checkpoint(checkpoint, tag)
-    report = validate_document(manifest.to_dict())
+    report = validate_manifest(manifest)
     findings = list(report.findings)
     if not report.ok or report.manifest is None:
         return None, findings
@@ -168,7 +168,6 @@ class TensorSource:
 @dataclass
 class ReconstructionPlan:
     manifest: Manifest
-    manifest_sha256: str
     tag_dir: Path
     sources: dict[str, TensorSource]  # owners: trainable, frozen, buffers
     aliases: dict[str, str]  # alias -> owner
@@ -179,6 +178,11 @@ class ReconstructionPlan:
         src = self.sources[self.aliases.get(name, name)].dtype
         return dtype if src in FLOATING else src
 
+    @property
+    def manifest_sha256(self) -> str:
+        # On demand: encoding a 100k-param manifest takes seconds, and metadata() encodes it anyway.
+        return manifest_digest(self.manifest)
+
     def metadata(self, dtype: str, untied: bool) -> dict[str, str]:
         """The string map written to ``__metadata__`` and to the index's ``metadata``."""
         from . import __version__
@@ -187,11 +191,11 @@ class ReconstructionPlan:
 
         frozen = {s.name: s.dtype for s in self.sources.values() if s.role == "frozen"}
         return {
-            # The manifest itself travels with the weights (`ckptspec extract` prints it).
+            # The manifest itself travels with the weights (`ckptspec extract` prints it), with
+            # "ckptspec.manifest_sha256", the SHA-256 of those canonical bytes.
             **safetensors_metadata(self.manifest),
             "format": "pt",
             "ckptspec.format_version": self.manifest.format_version,
-            "ckptspec.manifest_sha256": self.manifest_sha256,
             "ckptspec.tool_version": __version__,
             "ckptspec.zero_stage": str(self.manifest.layout.zero_stage),
             "ckptspec.tag": self.tag_dir.name,
@@ -234,8 +238,10 @@ def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: 
     sources: dict[str, TensorSource] = {}
     locators = _locators(manifest, tag_dir, checkpoint, tag)
     for g, group in enumerate(manifest.groups):
+        group_dtype = None  # one scan of the locators per group, not one per param
         for param in group.params:
-            sources[param.name] = TensorSource(param.name, tuple(param.shape), _group_dtype(locators, g, param.name),
+            group_dtype = group_dtype or _group_dtype(locators, g, param.name)
+            sources[param.name] = TensorSource(param.name, tuple(param.shape), group_dtype,
                                                _param_segments(group, g, param, locators), "trainable")
 
     for frozen in manifest.frozen:
@@ -277,7 +283,7 @@ def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: 
     in_module = [name for name in module if name in sources or name in aliases]
     seen = set(in_module)
     order = in_module + [name for name in [*sources, *aliases] if name not in seen]
-    return ReconstructionPlan(manifest, manifest_digest(manifest), tag_dir, sources, aliases, order)
+    return ReconstructionPlan(manifest, tag_dir, sources, aliases, order)
 
 
 def _read_metadata(path: Path) -> Any:

@@ -29,9 +29,8 @@ from .ds_checkpoint import MODEL_RE, OPTIM_RE, ShardSet, _real_ties, manifest_fr
 from .errors import CkptspecError
 from .findings import Finding, has_errors, json_path
 from .hashing import file_digest
-from .loader import load_document
 from .models import Manifest, ShardFile
-from .validate import validate_document
+from .validate import validate_file, validate_manifest
 
 SIDECARS = ("ckptspec.json", "ckptspec.msgpack")
 
@@ -190,7 +189,9 @@ def _context(manifest: Manifest, tag_dir: Path, verify_hashes: bool, cache: dict
         on_disk = path is not None and path.is_file()
         f = _File(i, entry, path, on_disk)
         if on_disk and entry.role in ("model_states", "optimizer_states"):
-            f.loaded = cache.get(entry.path) or _read(path, entry.role)
+            if entry.path not in cache:  # kept, so the embedded-copy check reuses it
+                cache[entry.path] = _read(path, entry.role)
+            f.loaded = cache[entry.path]
         files.append(f)
     ctx = _Context(manifest, tag_dir, verify_hashes, files, _disk_files(tag_dir))
     for g, grp in enumerate(manifest.groups):
@@ -212,7 +213,7 @@ def check_checkpoint(manifest: Manifest, tag_dir: str | os.PathLike, *, verify_h
     tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
         raise CkptspecError("CK901", "checkpoint tag directory not found", "check the path", str(tag_dir))
-    ctx = _context(manifest, tag_dir, verify_hashes, _cache or {})
+    ctx = _context(manifest, tag_dir, verify_hashes, _cache if _cache is not None else {})
     return [finding for c in CHECKS for finding in c.check(ctx)]
 
 
@@ -904,11 +905,11 @@ def validate_checkpoint(checkpoint_dir: str | os.PathLike, manifest: Manifest | 
     tag_dir = resolve_tag_dir(checkpoint_dir, tag)
     cache: dict[str, _Loaded] = {}
     if manifest is not None:
-        findings = validate_document(manifest.to_dict()).findings
+        findings = validate_manifest(manifest).findings
         if has_errors(findings):
             return manifest, findings
     elif (sidecar := find_sidecar(tag_dir)) is not None:
-        report = validate_document(load_document(sidecar))
+        report = validate_file(sidecar)
         findings = [_in_file(f, sidecar.name) for f in report.findings]
         if report.manifest is None or has_errors(findings):
             return report.manifest, findings
@@ -920,7 +921,7 @@ def validate_checkpoint(checkpoint_dir: str | os.PathLike, manifest: Manifest | 
         # Rules on the file list would only repeat what the shard checks say better.
         doc = manifest.to_dict()
         doc["files"] = []
-        findings = validate_document(doc).findings
+        findings = validate_manifest(manifest, doc).findings
     if not manifest.files:
         # A manifest of the layout only (e.g. from the live engine): take the files from the directory.
         described, unreadable, cache = _generate(tag_dir)
@@ -931,7 +932,9 @@ def validate_checkpoint(checkpoint_dir: str | os.PathLike, manifest: Manifest | 
     # Copies embedded in the model states (client_state) must agree with each other and the sidecar.
     from .embed import embedded_findings
 
-    findings += embedded_findings(tag_dir)
+    # The model states were read above: a second unpickling costs as much as the first.
+    states = {rel: loaded.state for rel, loaded in cache.items() if loaded.error is None}
+    findings += embedded_findings(tag_dir, states=states)
     return manifest, findings
 
 

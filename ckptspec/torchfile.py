@@ -271,9 +271,14 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 and isinstance(pid[3], str) and type(pid[4]) is int and pid[4] >= 0):
             raise UnsafePickleError(f"{self._path}: unsupported persistent id {pid!r}")
         _, stype, key, location, numel = pid
-        ref = StorageRef(f"{self._prefix}/data/{key}", key, stype.dtype, stype.itemsize, numel, location)
-        if self._storages.setdefault(key, ref) != ref:
-            raise TorchFileError(f"{self._path}: storage {key} referenced with conflicting types")
+        # Views of one flat buffer (ZeRO stage 1/2 modules) name the same storage once per
+        # tensor: reuse the first StorageRef rather than build and compare a new one each time.
+        known = self._storages.get(key)
+        if known is not None:
+            if (known.dtype, known.numel, known.location) != (stype.dtype, numel, location):
+                raise TorchFileError(f"{self._path}: storage {key} referenced with conflicting types")
+            return known
+        ref = self._storages[key] = StorageRef(f"{self._prefix}/data/{key}", key, stype.dtype, stype.itemsize, numel, location)
         return ref
 
 
