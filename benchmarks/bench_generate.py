@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,25 +30,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from child import run_child as run_once  # noqa: E402
 from make_many_tensors import SIZES, BuildTimeout, build, build_info
 
 PY = sys.executable
 CLI = [PY, "-m", "ckptspec"]
-
-
-def run_once(cmd: list[str], env: dict | None = None, ok_codes=(0,)) -> dict:
-    """Wall seconds, CPU seconds, peak RSS (MiB), exit code and output tail of one child process."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = proc.stdout.read().decode(errors="replace")
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.stdout.close()
-    code = os.waitstatus_to_exitcode(status)
-    if code not in ok_codes:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{out[-3000:]}")
-    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss_mib": usage.ru_maxrss / 1024,
-            "code": code, "out": out[-2000:]}
 
 
 def best_of(cmd: list[str], runs: int, env: dict | None = None, before=None) -> dict:

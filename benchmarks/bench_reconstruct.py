@@ -25,11 +25,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child import run_child  # noqa: E402
 from make_big_checkpoint import build  # noqa: E402
 
 PY = sys.executable
@@ -50,16 +50,8 @@ def run_once(cmd: list[str], env: dict, out: Path | None) -> tuple[float, float]
     """(wall seconds, peak RSS MiB) of ``cmd`` as a child process; ``out`` is removed first."""
     if out is not None:
         shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    err = proc.stderr.read().decode(errors="replace")
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.stderr.close()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{err[-4000:]}")
-    return wall, usage.ru_maxrss / 1024  # KiB on Linux
+    result = run_child(cmd, env)
+    return result["wall"], result["rss_mib"]
 
 
 def warm(checkpoint: Path) -> int:

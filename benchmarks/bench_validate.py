@@ -19,13 +19,13 @@ machine). This script imports nothing heavy, so the children's ``ru_maxrss`` is 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from child import run_child  # noqa: E402
 
 PY = sys.executable
 CKPTSPEC = [PY, "-m", "ckptspec"]
@@ -34,23 +34,10 @@ MSGPACK_LOAD = [PY, "-c", "import msgpack,sys; msgpack.unpackb(open(sys.argv[1],
 SIZES = (10_000, 100_000, 1_000_000)
 
 
-def run(cmd: list[str]) -> tuple[float, float, float]:
-    """(wall s, user+sys CPU s, peak RSS MiB) of one child process that must succeed."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    err = proc.stderr.read().decode(errors="replace")
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.stderr.close()
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
-
-
 def best(cmd: list[str], runs: int) -> dict:
-    results = [run(cmd) for _ in range(runs)]
-    wall, cpu, _ = min(results)
-    return {"wall_s": wall, "cpu_s": cpu, "rss_mib": max(r[2] for r in results)}
+    results = [run_child(cmd) for _ in range(runs)]
+    fastest = min(results, key=lambda r: r["wall"])
+    return {"wall_s": fastest["wall"], "cpu_s": fastest["cpu"], "rss_mib": max(r["rss_mib"] for r in results)}
 
 
 def manifest_file(n_params: int, encoding: str) -> Path:
