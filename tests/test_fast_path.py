@@ -119,7 +119,6 @@ def test_integral_floats_are_read_like_integers(tmp_path, encoding):
 def test_without_the_compiled_validator_the_reference_decides(monkeypatch):
     bad = copy.deepcopy(BASE)
     bad["layout"]["world_size"] = "2"
-    monkeypatch.setattr(schemas_registry, "fast_validator", lambda filename: None)
     import ckptspec.validate as validate_module
 
     monkeypatch.setattr(validate_module, "fast_validator", lambda filename: None)

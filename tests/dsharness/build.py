@@ -86,16 +86,21 @@ def torch_extensions_dir(python: str = sys.executable) -> str:
     return str(Path.home() / ".cache" / "torch_extensions" / f"ckptspec-deepspeed-{version}-{prefix}")
 
 
-def _run(spec: dict, world_size: int, out: Path, python: str = sys.executable) -> str:
+def run_torchrun(script: Path, args: list[str], world_size: int, out: Path, python: str = sys.executable,
+                 what: str = "DeepSpeed run") -> str:
+    """Run ``script`` under torchrun on the CPU; returns its log, raises ``HarnessError``.
+
+    Every DeepSpeed job of the tests (train.py, resume.py) starts here: same environment,
+    same timeout, and a retry when torchrun lost the race for its free port.
+    """
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     env["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir(python)
-    # Hooks named in the spec may live in ckptspec or in tests/.
+    # Hooks named in a spec may live in ckptspec or in tests/.
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT), str(REPO_ROOT / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     for attempt in range(3):
         cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-               str(TRAIN_SCRIPT), "--spec", json.dumps(spec), "--out", str(out)]
+               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script), *args]
         # Own session, so a timeout can kill torchrun together with its worker processes.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, cwd=REPO_ROOT, start_new_session=True)
@@ -104,13 +109,17 @@ def _run(spec: dict, world_size: int, out: Path, python: str = sys.executable) -
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             log, _ = proc.communicate()
-            raise HarnessError(f"DeepSpeed run timed out after {TIMEOUT_S}s for spec={spec}:\n{log[-20000:]}")
+            raise HarnessError(f"{what} timed out after {TIMEOUT_S}s ({' '.join(args)}):\n{log[-20000:]}")
         if proc.returncode == 0:
             return log
         if "address already in use" not in log.lower() or attempt == 2:
-            raise HarnessError(f"DeepSpeed run failed (exit {proc.returncode}) for spec={spec} "
-                               f"world_size={world_size}:\n{log[-20000:]}")
+            raise HarnessError(f"{what} failed (exit {proc.returncode}, world_size={world_size}, "
+                               f"{' '.join(args)}):\n{log[-20000:]}")
         shutil.rmtree(out, ignore_errors=True)
+
+
+def _run(spec: dict, world_size: int, out: Path, python: str = sys.executable) -> str:
+    return run_torchrun(TRAIN_SCRIPT, ["--spec", json.dumps(spec), "--out", str(out)], world_size, out, python)
 
 
 def build_checkpoint(spec: dict, world_size: int, root: Path, deepspeed_version: str = DEEPSPEED_VERSION) -> Path:

@@ -24,8 +24,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +37,6 @@ else:
 RESUME_SCRIPT = Path(__file__).resolve()
 TRAIN_SCRIPT = RESUME_SCRIPT.with_name("train.py")
 REPO_ROOT = RESUME_SCRIPT.parents[2]
-TIMEOUT_S = 600
 CHANGES = ("add_param", "widen_l2")
 
 
@@ -113,10 +110,6 @@ def main():
 # --------------------------------------------------------------------------- runner (pytest side)
 
 
-class ResumeError(RuntimeError):
-    pass
-
-
 def _saved_identity(save_dir: Path) -> dict:
     """What the saved checkpoint's DeepSpeed state depends on (train.py's hooks write only extra files)."""
     info = json.loads((save_dir / "harness.json").read_text())
@@ -133,28 +126,10 @@ def resume_key(save_dir: Path, spec: dict, world_size: int, change: dict) -> str
 
 
 def _run(save_dir: Path, spec: dict, world_size: int, change: dict, out: Path) -> str:
-    from .build import _free_port, torch_extensions_dir
+    from .build import run_torchrun
 
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-    env["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    for attempt in range(3):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(RESUME_SCRIPT),
-               "--spec", json.dumps(spec), "--load", str(save_dir), "--out", str(out), "--change", json.dumps(change)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=REPO_ROOT, start_new_session=True)
-        try:
-            log, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            raise ResumeError(f"resume run timed out after {TIMEOUT_S}s:\n{log[-20000:]}")
-        if proc.returncode == 0:
-            return log
-        if "address already in use" not in log.lower() or attempt == 2:
-            raise ResumeError(f"resume run failed (exit {proc.returncode}) for spec={spec} ws={world_size}:\n{log[-20000:]}")
-        shutil.rmtree(out, ignore_errors=True)
+    args = ["--spec", json.dumps(spec), "--load", str(save_dir), "--out", str(out), "--change", json.dumps(change)]
+    return run_torchrun(RESUME_SCRIPT, args, world_size, out, what="resume run")
 
 
 def resume_checkpoint(save_dir, spec: dict, world_size: int, root, change: dict | None = None) -> dict:
