@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -71,11 +70,8 @@ def build(n_tensors: int, stage: int = 2, steps: int = 1, timeout: float = DEFAU
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    # The torch-extensions cache the test harness uses (tests/dsharness/build.py): DeepSpeed's
-    # shm op is already built there, once per DeepSpeed version.
-    # (importlib.metadata, not `import deepspeed`: this process must not grow; see bench_generate.py)
-    ds_version = importlib.metadata.version("deepspeed")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions" / f"ckptspec-deepspeed-{ds_version}"))
+    # The test harness's sitecustomize: no JIT compile of DeepSpeed's shm comm op (unused by training and saving).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / "_harness" / "site"), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", str(HERE / "train_many.py"), "--tensors", str(n_tensors),
            "--stage", str(stage), "--steps", str(steps), "--out", str(tmp / "ckpt")]

@@ -36,9 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from ds_matrix import MATRIX  # noqa: E402
-from dsharness.build import build_checkpoint  # noqa: E402
-from faults import FAULTS, FaultEnv  # noqa: E402
+from _harness import tasks  # noqa: E402
+from _harness.faults import FAULTS, FaultEnv  # noqa: E402
 
 DOC = ROOT / "docs" / "validation.md"
 BEGIN, END = "<!-- zero_to_fp32-vs-ckptspec:begin -->", "<!-- zero_to_fp32-vs-ckptspec:end -->"
@@ -213,8 +212,6 @@ def replace_block(text: str, begin: str, end: str, block: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", default=os.environ.get("CKPTSPEC_DS_CACHE", "/tmp/ckptspec-ds-cache"),
-                        help="cache of built DeepSpeed checkpoints (tests/dsharness)")
     parser.add_argument("--no-write", action="store_true", help="print the table instead of updating docs/validation.md")
     parser.add_argument("--timing-only", action="store_true", help="only time validation of the ~1.4 GB benchmark checkpoints")
     args = parser.parse_args()
@@ -232,8 +229,7 @@ def main() -> int:
 
     bases: dict[str, Path] = {}
     for name in sorted({f.base for f in FAULTS} | {f.donor for f in FAULTS if f.donor}):
-        spec, world_size = MATRIX[name]
-        bases[name] = build_checkpoint(spec, world_size, Path(args.cache))
+        bases[name] = tasks.path(name)  # the test suite's cache (tests/_harness/cache.py)
 
     rows = []
     tally: dict[str, int] = {}
@@ -275,7 +271,7 @@ def main() -> int:
     table = "\n".join([
         BEGIN,
         f"Measured by `benchmarks/zero_to_fp32_vs_ckptspec.py` with DeepSpeed {deepspeed.__version__} and torch "
-        f"{torch.__version__} on checkpoints built by `tests/dsharness` ({len(FAULTS)} corruptions; zero_to_fp32: {summary}).",
+        f"{torch.__version__} on checkpoints built by `tests/_harness` ({len(FAULTS)} corruptions; zero_to_fp32: {summary}).",
         "",
         "| # | corruption | DeepSpeed `zero_to_fp32` | `ckptspec validate` |",
         "|---|---|---|---|",

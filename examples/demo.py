@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the real-DeepSpeed harness lives with the tests
 
-from ds_matrix import MATRIX  # noqa: E402
-from dsharness.build import build_checkpoint  # noqa: E402
+from _harness.launch import run_tasks  # noqa: E402
+from _harness.scenarios import MATRIX_SPECS  # noqa: E402
 
 
 def run(*args: str, expect: int) -> subprocess.CompletedProcess:
@@ -53,8 +53,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
 
     print("== 1. a real DeepSpeed ZeRO-2 checkpoint (bf16, 2 ranks, tied + frozen + buffer)")
-    spec, world_size = MATRIX["s2-bf16-ws2"]
-    save_dir = build_checkpoint(spec, world_size, work / "deepspeed")
+    spec, world_size = MATRIX_SPECS["s2-bf16-ws2"]
+    save_dir = work / "deepspeed"
+    print(f"  training and saving with {world_size} ranks (torchrun, about 30 s) ...")
+    run_tasks([{"kind": "train", "args": spec, "out": str(save_dir)}], world_size, work)
     tag = (save_dir / "latest").read_text().strip()
     for path in sorted((save_dir / tag).iterdir()):
         print(f"  {tag}/{path.name}  {path.stat().st_size} bytes")

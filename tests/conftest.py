@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -9,17 +8,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @pytest.fixture(scope="session")
-def ds_root(tmp_path_factory):
-    """Cache dir for real DeepSpeed checkpoints (see tests/dsharness/build.py).
+def ds():
+    """Real DeepSpeed job results by name: ``ds.path("s2-bf16-ws2")`` (tests/_harness/tasks.py).
 
-    Set CKPTSPEC_DS_CACHE to keep the cache across pytest runs. Under pytest-xdist the
-    workers share one dir; build_checkpoint locks per entry, so each spec is built once.
+    Entries are cached in ``.cache/ds`` (or ``$CKPTSPEC_DS_CACHE``) and keyed on everything that
+    runs inside the job; the first request builds every missing registered entry in batches.
     """
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skip DeepSpeed's accelerator probing
-    import deepspeed  # noqa: F401  (a missing DeepSpeed is a broken environment, not a skip)
-    if os.environ.get("CKPTSPEC_DS_CACHE"):
-        return Path(os.environ["CKPTSPEC_DS_CACHE"])
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent
-    return base / "ds-cache"
+    from _harness import oracles, tasks
+
+    oracles.check_deepspeed_version()  # a missing or other DeepSpeed is a broken environment, not a skip
+    return tasks

@@ -1,6 +1,6 @@
 """`ckptspec diff`: its resume verdict against real DeepSpeed, each rule alone, bad input.
 
-The ground truth is tests/dsharness/resume.py: a job configured like B (spec, world size,
+The ground truth is tests/_harness/job/resume.py: a job configured like B (spec, world size,
 model change) calls ``engine.load_checkpoint`` on a real checkpoint A and reports whether it
 loaded and whether its fp32 masters then equal A's. B's manifest is that job's own layout
 (``manifest_from_engine``), so the verdict is computed from what DeepSpeed really built.
@@ -18,9 +18,7 @@ from click.testing import CliRunner
 from ckptspec.cli import cli
 from ckptspec.diff import RULES, diff_manifests, resume_reasons
 from ckptspec.models import Manifest
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint
-from dsharness.resume import resume_checkpoint
+from _harness import scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
@@ -39,33 +37,35 @@ def diff_json(*args) -> tuple[int, dict]:
 
 # --------------------------------------------------------------------------- real DeepSpeed
 
-# name: (saved matrix entry, B's spec changes, B's world size, B's model change, expected codes)
+# case: expected codes; the resume itself is tests/_harness/scenarios.py RESUME_CASES["resume-<case>"]
 CASES = {
-    "same-layout": ("s2-bf16-ws2", {}, 2, {}, set()),
-    "world-size-2-to-3-stage2": ("s2-bf16-ws2", {}, 3, {}, {"CK501"}),
-    "world-size-2-to-3-stage3": ("s3-bf16-ws2-sub", {}, 3, {}, {"CK501"}),
-    "stage-2-to-3": ("s2-bf16-ws2", {"stage": 3}, 2, {}, {"CK502"}),
-    "bf16-to-fp16": ("s2-bf16-ws2", {"dtype": "fp16"}, 2, {}, {"CK503"}),
-    "added-param": ("s2-bf16-ws2", {}, 2, {"add_param": True}, {"CK504"}),
-    "changed-shape": ("s2-bf16-ws2", {}, 2, {"widen_l2": True}, {"CK505"}),
-    "round-robin-on": ("s2-bf16-ws2", {"round_robin": True}, 2, {}, {"CK507"}),
+    "same-layout": set(),
+    "world-size-2-to-3-stage2": {"CK501"},
+    "world-size-2-to-3-stage3": {"CK501"},
+    "stage-2-to-3": {"CK502"},
+    "bf16-to-fp16": {"CK503"},
+    "added-param": {"CK504"},
+    "changed-shape": {"CK505"},
+    "round-robin-on": {"CK507"},
 }
 
 
-def _b_spec(entry: str, changes: dict) -> dict:
-    spec = {k: v for k, v in MATRIX[entry][0].items() if k != "hook"}  # hooks do not change the layout
-    return {**spec, **changes}
+def _resume(ds, case: str) -> tuple:
+    """(A's save directory, B's manifest path, the resume outcome) of a real resume."""
+    name = f"resume-{case}"
+    saved = ds.path(scenarios.REGISTRY[name].load)
+    outcome = ds.read_json(name, "resume.json")
+    return saved, ds.path(name) / "manifest.json", outcome
 
 
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("case", list(CASES))
-def test_verdict_matches_deepspeed(case, ds_root):
-    entry, changes, world_size, model_change, codes = CASES[case]
-    saved = build_checkpoint(*MATRIX[entry], ds_root)
-    outcome = resume_checkpoint(saved, _b_spec(entry, changes), world_size, ds_root, model_change)
+def test_verdict_matches_deepspeed(case, ds):
+    codes = CASES[case]
+    saved, manifest_b, outcome = _resume(ds, case)
     resumed = outcome["loaded"] and outcome["consistent"]
 
-    exit_code, result = diff_json(saved, outcome["manifest_path"])
+    exit_code, result = diff_json(saved, manifest_b)
     assert exit_code == (0 if resumed else 1), (outcome, result["resume"])
     assert result["resume"]["ok"] is resumed
     assert {r["code"] for r in result["resume"]["reasons"]} == codes, outcome
@@ -79,10 +79,9 @@ def test_verdict_matches_deepspeed(case, ds_root):
 
 
 @pytest.mark.deepspeed
-def test_text_report_of_a_real_pair(ds_root):
-    saved = build_checkpoint(*MATRIX["s2-bf16-ws2"], ds_root)
-    outcome = resume_checkpoint(saved, _b_spec("s2-bf16-ws2", {}), 3, ds_root)
-    result = run("diff", saved, outcome["manifest_path"])
+def test_text_report_of_a_real_pair(ds):
+    saved, manifest_b, _ = _resume(ds, "world-size-2-to-3-stage2")
+    result = run("diff", saved, manifest_b)
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     assert any(line.split() == ["layout", "world_size", "2", "3"] for line in lines)

@@ -14,7 +14,7 @@ Fenced blocks in docs/*.md and README.md follow these conventions:
   bash in a scratch directory (where ``examples/`` and ``tests/`` link to the repository)
   and its combined stdout/stderr must be the lines shown. An expected line that is exactly
   ``...`` matches any number of lines (for output that legitimately varies; keep it rare).
-  With ``checkpoint=NAME`` (a key of tests/ds_matrix.py MATRIX), a real DeepSpeed checkpoint
+  With ``checkpoint=NAME`` (a MATRIX name of tests/_harness/scenarios.py), a real DeepSpeed checkpoint
   (``latest``, the tag directory, DeepSpeed's scripts; not the harness's own files) is first
   *copied* to ``./checkpoint/``, so a block may corrupt it.
 * ```` ```python run ```` (docs/ only, optionally ``checkpoint=NAME`` as above): run with this
@@ -340,9 +340,9 @@ def _console_script(block: Block) -> str:
     return "\n".join(script)
 
 
-# What tests/dsharness/build.py adds to a DeepSpeed save directory; a doc's reader never has these.
-HARNESS_FILES = ("build_seconds", "harness.json", "live_fp32.pt", "train.log", "engine_manifest.*",
-                 "saved_manifest.*")
+# What the harness (tests/_harness/job/train.py, cache.py) adds to a DeepSpeed save directory;
+# a doc's reader never has these.
+HARNESS_FILES = ("harness.json", "live_fp32.pt", "job.log", "task.json", "saved_manifest.*", "load_back.*")
 
 
 @pytest.fixture(scope="module")
@@ -352,13 +352,12 @@ def doc_checkpoints(request) -> dict[str, Path]:
     names = sorted({b.options["checkpoint"] for b in blocks if "checkpoint" in b.options})
     if not names:
         return {}
-    from ds_matrix import MATRIX
-    from dsharness.build import build_checkpoint
+    from _harness.scenarios import MATRIX
 
     unknown = [n for n in names if n not in MATRIX]
-    assert not unknown, f"checkpoint= names that tests/ds_matrix.py MATRIX lacks: {unknown}"
-    root = request.getfixturevalue("ds_root")
-    return {name: build_checkpoint(*MATRIX[name], root=root) for name in names}
+    assert not unknown, f"checkpoint= names that tests/_harness/scenarios.py MATRIX lacks: {unknown}"
+    ds = request.getfixturevalue("ds")
+    return {name: ds.path(name) for name in names}
 
 
 def _scratch(tmp_path_factory, block: Block, checkpoints: dict[str, Path]) -> Path:

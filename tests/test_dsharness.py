@@ -1,19 +1,27 @@
+"""The real-DeepSpeed harness itself: its oracles agree with DeepSpeed's, and its cache is sound."""
+
 import json
 
 import pytest
 
-from ds_matrix import MATRIX
-from dsharness.build import DEEPSPEED_VERSION, build_checkpoint, run_zero_to_fp32
+from _harness import cache, scenarios
+from _harness.oracles import DEEPSPEED_VERSION, zero_to_fp32
+from _harness.tasks import Task, task_key
 
 pytestmark = pytest.mark.deepspeed
 
-STAGE2_SPEC = MATRIX["s2-bf16-ws2"][0]  # shared with the other suites: built once
 
-
-def test_stage2_checkpoint_matches_live_engine(ds_root):
+def _bits_equal(a, b) -> bool:
     import torch
-    save_dir = build_checkpoint(STAGE2_SPEC, 2, ds_root)
 
+    # Raw bits, so -0.0 vs 0.0 or NaN payloads would count as different.
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_stage2_checkpoint_matches_live_engine(ds):
+    import torch
+
+    save_dir = ds.path("s2-bf16-ws2")
     info = json.loads((save_dir / "harness.json").read_text())
     assert info["deepspeed_version"] == DEEPSPEED_VERSION
     assert (save_dir / "latest").read_text() == info["tag"] == "global_step2"
@@ -22,18 +30,52 @@ def test_stage2_checkpoint_matches_live_engine(ds_root):
         "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
         "mp_rank_00_model_states.pt",
     ]
-
     live = torch.load(save_dir / "live_fp32.pt", weights_only=True)
-    ref = run_zero_to_fp32(save_dir)
+    ref = zero_to_fp32(save_dir)
     # Trainable params only (frozen.* and buffers are not in live_fp32.pt), tied alias included.
     assert sorted(live) == ["emb.weight", "head.weight", "l1.bias", "l1.weight", "l2.bias", "l2.weight"]
     for name, tensor in live.items():
-        assert tensor.dtype == ref[name].dtype == torch.float32, name
-        # Bit-exact: compare the raw bits, so -0.0 vs 0.0 or NaN payloads would count as different.
-        assert torch.equal(tensor.view(torch.int32), ref[name].view(torch.int32)), name
+        assert tensor.dtype == torch.float32 and _bits_equal(tensor, ref[name]), name
 
 
-def test_cache_hit_returns_same_dir(ds_root):
-    first = build_checkpoint(STAGE2_SPEC, 2, ds_root)
-    # Spelling out a default value must not change the cache key.
-    assert build_checkpoint(dict(STAGE2_SPEC, steps=2), 2, ds_root) == first
+def test_live_masters_agree_with_deepspeeds_own_getter(ds):
+    """The harness reads stage 1/2 masters from the flat buffers; DeepSpeed's safe_get_full_fp32_param agrees,
+    except with round robin, where its mapping ignores the reordering (why the harness does not use it)."""
+    for name in scenarios.MATRIX:
+        info = json.loads((ds.path(name) / "harness.json").read_text())
+        spec = info["spec"]
+        mismatches = info["safe_get_full_fp32_param_mismatches"]
+        if spec["stage"] in (1, 2) and spec["round_robin"]:
+            assert mismatches, name
+        else:
+            assert mismatches == [], name
+
+
+@pytest.mark.parametrize("name", scenarios.MATRIX)
+def test_a_job_gives_the_same_masters_in_any_launch(ds, name):
+    """The ``+engine`` entry re-trains the job in another launch, among other tasks: same bits."""
+    import torch
+
+    first = torch.load(ds.path(name) / "live_fp32.pt", weights_only=True)
+    again = torch.load(ds.path(scenarios.engine_name(name)) / "live_fp32.pt", weights_only=True)
+    assert sorted(first) == sorted(again)
+    assert all(_bits_equal(first[n], again[n]) for n in first)
+
+
+def test_cache_key_ignores_spelled_out_defaults_and_follows_real_changes():
+    spec, world_size = scenarios.MATRIX_SPECS["s2-bf16-ws2"]
+    base = task_key("x", Task("train", spec, world_size))
+    assert task_key("x", Task("train", dict(spec, steps=2, hooks=[]), world_size)) == base
+    assert task_key("x", Task("train", dict(spec, steps=3), world_size)) != base
+    assert task_key("x", Task("train", spec, world_size + 1)) != base
+    # ckptspec's sources are in the key of exactly the tasks that run ckptspec inside the job.
+    assert not Task("train", spec, world_size).runs_ckptspec
+    assert Task("train", dict(spec, hooks=["engine_manifest"]), world_size).runs_ckptspec
+    assert Task("train", dict(spec, save_with="ckptspec"), world_size).runs_ckptspec
+
+
+def test_entries_are_complete_and_named_for_their_task(ds):
+    path = ds.path("s2-bf16-ws2")
+    assert path.parent == cache.root() and cache.is_done(path)
+    description = json.loads((path / cache.DONE).read_text())
+    assert description["name"] == "s2-bf16-ws2" and description["world_size"] == 2

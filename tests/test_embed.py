@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from _harness import scenarios
 from ckptspec import torchfile
 from ckptspec.embed import (
     CLIENT_STATE_KEY, SAFETENSORS_KEY, SAFETENSORS_SHA256_KEY, EmbeddedCopy, EmbedError, agreement_findings,
@@ -279,21 +280,11 @@ def test_extract_of_a_manifest_file_applies_the_version_gate(tmp_path):
 # --------------------------------------------------------------------------- real DeepSpeed: save_checkpoint
 
 
-LOAD_BACK = "ds_embed_hooks:load_back"
-FEATURES = {"tied": True, "frozen": True, "buffers": True, "save_with": "ckptspec", "hook": LOAD_BACK}
-EMBED_MATRIX = {
-    "s1-fp16-ws2": ({"stage": 1, "dtype": "fp16", **FEATURES}, 2),
-    "s2-bf16-ws3-rr-exclude": ({"stage": 2, "dtype": "bf16", "round_robin": True, "exclude_frozen": True, **FEATURES}, 3),
-    "s3-fp16-ws2-groups-sub": ({"stage": 3, "dtype": "fp16", "two_groups": True, "sub_group_size": 300, **FEATURES}, 2),
-}
-
-
-@pytest.fixture(scope="module", params=sorted(EMBED_MATRIX))
-def saved(request, ds_root):
-    from dsharness.build import build_checkpoint
-
-    spec, world_size = EMBED_MATRIX[request.param]
-    save_dir = build_checkpoint(spec, world_size, ds_root)
+@pytest.fixture(scope="module", params=scenarios.EMBED)
+def saved(request, ds):
+    save_dir = ds.path(request.param)
+    info = json.loads((save_dir / "harness.json").read_text())
+    spec, world_size = info["spec"], info["world_size"]
     tag_dir = save_dir / (save_dir / "latest").read_text()
     returned = [json.loads((save_dir / f"saved_manifest.rank{r}.json").read_text()) for r in range(world_size)]
     return SimpleNamespace(name=request.param, save_dir=save_dir, tag_dir=tag_dir, world_size=world_size, spec=spec,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,22 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint, torch_extensions_dir
+from _harness import cache
+from _harness.launch import job_env
 
 pytestmark = pytest.mark.deepspeed
 
 ROOT = Path(__file__).resolve().parents[1]
-torch = pytest.importorskip("torch")
-
-
-def _env() -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # run.sh's python, torchrun, ckptspec
-    # DeepSpeed's shm comm op, JIT-built once by the harness (tests/dsharness/build.py), not per run.
-    env["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
-    return env
 
 
 def _example_module(path: str):
@@ -52,23 +43,38 @@ def _bits(array: np.ndarray) -> bytes:
 # --------------------------------------------------------------------------- Hugging Face GPT-2
 
 
-@pytest.fixture(scope="module")
-def hf_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_gpt2") / "run"
-    result = subprocess.run(["bash", str(ROOT / "examples/hf_gpt2/run.sh"), str(out)], env=_env(),
+def _run_hf_example(directory: Path) -> None:
+    out = directory / "run"
+    # run.sh's python, torchrun and ckptspec come first on PATH (job_env).
+    result = subprocess.run(["bash", str(ROOT / "examples/hf_gpt2/run.sh"), str(out)], env=job_env(),
                             capture_output=True, text=True, timeout=1200)
-    return out, result
+    if result.returncode != 0:
+        raise RuntimeError(f"examples/hf_gpt2/run.sh failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    # The run's own output directory is named in its output; the cached copy lives elsewhere.
+    (directory / "stdout.txt").write_text(result.stdout.replace(str(out), "{out}"))
+
+
+@pytest.fixture(scope="module")
+def hf_run(ds):
+    """examples/hf_gpt2/run.sh end to end (train, save, validate, reconstruct, load), cached on what it runs."""
+    from importlib.metadata import version
+
+    identity = {"example": cache.tree_digest(ROOT / "examples" / "hf_gpt2"),
+                "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES), "site": cache.tree_digest(*cache.JOB_SOURCES),
+                "versions": {**cache.versions(), "transformers": version("transformers")}}
+    entry = ds.cached("hf_gpt2", identity, _run_hf_example)
+    out = entry / "run"
+    return out, (entry / "stdout.txt").read_text().replace("{out}", str(out))
 
 
 def test_hf_gpt2_runs_and_loads_bit_exact(hf_run):
-    out, result = hf_run
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.splitlines() == [
+    out, stdout = hf_run
+    assert stdout.splitlines() == [
         f"saved {out}/checkpoint: ZeRO-2, 3 files described",
         f"{out}/checkpoint: valid",
         f"{out}/hf: 29 tensors bit-identical to the live engine's fp32 masters "
         "(aliases {'lm_head.weight': 'transformer.wte.weight'}); logits equal",
-    ], result.stdout + result.stderr
+    ], stdout
 
 
 def test_hf_gpt2_checkpoint_carries_its_manifest_and_the_tie(hf_run):
@@ -114,8 +120,8 @@ def test_hf_gpt2_load_refuses_a_changed_weight(hf_run, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def matrix_point(ds_root):
-    save_dir = build_checkpoint(*MATRIX["s2-bf16-ws2"], root=ds_root)
+def matrix_point(ds):
+    save_dir = ds.path("s2-bf16-ws2")
     return save_dir, torch.load(save_dir / "live_fp32.pt", weights_only=True)
 
 

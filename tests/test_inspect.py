@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint, run_zero_to_fp32
-from dsharness.train import build_model, normalize_spec
+from _harness.job.model import build_model, normalize_spec
+from _harness.oracles import zero_to_fp32
+from _harness.scenarios import MATRIX_SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
@@ -50,9 +50,9 @@ def model_facts(spec: dict) -> dict:
 
 
 @pytest.fixture(scope="module", params=["s2-bf16-ws2", "s3-bf16-ws2-sub"])
-def checkpoint(request, ds_root):
-    spec, world_size = MATRIX[request.param]
-    return build_checkpoint(spec, world_size, ds_root), spec, world_size
+def checkpoint(request, ds):
+    spec, world_size = MATRIX_SPECS[request.param]
+    return ds.path(request.param), spec, world_size
 
 
 @pytest.mark.deepspeed
@@ -63,7 +63,7 @@ def test_totals_match_deepspeed_and_the_model(checkpoint):
     assert summary["layout"]["zero_stage"] == spec["stage"] and summary["layout"]["world_size"] == world_size
 
     # DeepSpeed's own reconstruction: every tensor it returns is in the summary, with its numel.
-    reference = run_zero_to_fp32(save_dir)
+    reference = zero_to_fp32(save_dir)
     totals = summary["totals"]
     assert totals["tensors"] == len(reference)
     assert totals["tensor_numel"] == sum(t.numel() for t in reference.values())

@@ -1,6 +1,6 @@
 """examples/node-reader (plain Node.js) rebuilds what `ckptspec reconstruct` rebuilds, bit for bit.
 
-For real DeepSpeed checkpoints of tests/ds_matrix.py: `ckptspec generate --hash`, then
+For real DeepSpeed checkpoints of tests/_harness/scenarios.py: `ckptspec generate --hash`, then
 `node examples/node-reader/reader.js MANIFEST CHECKPOINT OUT.safetensors` (the command line of
 examples/node-reader/README.md and docs/loaders.md), then `ckptspec reconstruct`; the tensors
 must match in names, shapes, dtypes and bytes. The node reader writes the trainable parameters
@@ -24,8 +24,6 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from ckptspec.cli import cli
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "examples" / "node-reader"
@@ -53,8 +51,8 @@ def load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(ds_root) -> dict[str, Path]:
-    return {name: build_checkpoint(*MATRIX[name], ds_root) for name in POINTS}
+def checkpoints(ds) -> dict[str, Path]:
+    return {name: ds.path(name) for name in POINTS}
 
 
 @pytest.mark.parametrize("point", POINTS)

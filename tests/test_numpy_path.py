@@ -19,8 +19,8 @@ import textwrap
 
 import pytest
 
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint, run_zero_to_fp32
+from _harness.oracles import zero_to_fp32
+from _harness.scenarios import MATRIX, MATRIX_SPECS
 
 pytestmark = pytest.mark.deepspeed
 
@@ -63,15 +63,14 @@ TORCH_FREE_RUN = textwrap.dedent("""
 """).format(blocked=BLOCKED)
 
 
-@pytest.fixture(scope="module", params=sorted(MATRIX))
-def checkpoint(request, ds_root):
-    spec, world_size = MATRIX[request.param]
-    return request.param, build_checkpoint(spec, world_size, ds_root), spec
+@pytest.fixture(scope="module", params=MATRIX)
+def checkpoint(request, ds):
+    return request.param, ds.path(request.param), MATRIX_SPECS[request.param][0]
 
 
 def _quiet_zero_to_fp32(save_dir):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return run_zero_to_fp32(save_dir)
+        return zero_to_fp32(save_dir)
 
 
 def test_numpy_only_gives_the_same_bits(checkpoint, tmp_path):

@@ -1,4 +1,4 @@
-"""Producers against real DeepSpeed checkpoints (issue #3).
+"""Producers against real DeepSpeed checkpoints.
 
 For every matrix point: the live engine's manifest (written by every rank from
 inside the job) equals the manifest generated from the saved directory, it
@@ -15,8 +15,7 @@ import pytest
 
 from ckptspec.ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
 from ckptspec.validate import validate_document
-from ds_matrix import MATRIX, OLD_DEEPSPEED, UNSUPPORTED
-from dsharness.build import OLD_DEEPSPEED_VERSION, build_checkpoint
+from _harness.scenarios import MATRIX, MATRIX_SPECS, UNSUPPORTED, engine_name
 
 pytestmark = pytest.mark.deepspeed
 
@@ -26,27 +25,32 @@ pytestmark = pytest.mark.deepspeed
 PRODUCER_ONLY = ("producer", "files", "excluded")
 
 
-@pytest.fixture(scope="module", params=sorted(MATRIX))
-def checkpoint(request, ds_root):
-    spec, world_size = MATRIX[request.param]
-    return request.param, build_checkpoint(spec, world_size, ds_root), spec, world_size
+@pytest.fixture(scope="module", params=MATRIX)
+def checkpoint(request, ds):
+    spec, world_size = MATRIX_SPECS[request.param]
+    return request.param, ds.path(request.param), spec, world_size
+
+
+def _engine_docs(ds, name: str, world_size: int) -> list[dict]:
+    """The live engine's manifest, as every rank wrote it inside the job."""
+    return [ds.read_json(engine_name(name), f"engine_manifest.rank{r}.json") for r in range(world_size)]
 
 
 def _without(doc: dict, keys) -> dict:
     return {k: v for k, v in doc.items() if k not in keys}
 
 
-def test_engine_manifest_equals_directory_manifest(checkpoint):
+def test_engine_manifest_equals_directory_manifest(checkpoint, ds):
     name, save_dir, spec, world_size = checkpoint
-    engine_docs = [json.loads((save_dir / f"engine_manifest.rank{r}.json").read_text()) for r in range(world_size)]
+    engine_docs = _engine_docs(ds, name, world_size)
     assert all(doc == engine_docs[0] for doc in engine_docs), "ranks disagree on the engine manifest"
     from_dir = manifest_from_checkpoint(save_dir).to_dict()
     assert _without(from_dir, PRODUCER_ONLY) == _without(engine_docs[0], PRODUCER_ONLY)
 
 
-def test_manifests_validate(checkpoint):
+def test_manifests_validate(checkpoint, ds):
     name, save_dir, spec, world_size = checkpoint
-    engine_doc = json.loads((save_dir / "engine_manifest.rank0.json").read_text())
+    engine_doc = _engine_docs(ds, name, 1)[0]
     for doc in (manifest_from_checkpoint(save_dir).to_dict(), engine_doc):
         report = validate_document(doc)
         assert report.findings == [], [f.to_line() for f in report.findings]
@@ -106,10 +110,9 @@ def test_cli_generate_then_validate(checkpoint, tmp_path):
     assert all(f["hash"]["algorithm"] == "sha256" for f in doc["files"])
 
 
-@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
-def test_unsupported_checkpoints_are_refused_clearly(name, ds_root):
-    spec, world_size = UNSUPPORTED[name]
-    save_dir = build_checkpoint(spec, world_size, ds_root)
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_unsupported_checkpoints_are_refused_clearly(name, ds):
+    save_dir = ds.path(name)
     result = subprocess.run([sys.executable, "-m", "ckptspec", "generate", str(save_dir)], capture_output=True, text=True)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
@@ -124,11 +127,10 @@ class _Evil:
         return (Path.touch, (Path(self.marker),))
 
 
-def test_malicious_pickle_is_refused_and_never_runs(ds_root, tmp_path):
+def test_malicious_pickle_is_refused_and_never_runs(ds, tmp_path):
     import torch
 
-    spec, world_size = MATRIX["s2-bf16-ws2-groups"] if "s2-bf16-ws2-groups" in MATRIX else MATRIX["s2-fp16-ws2-groups"]
-    save_dir = build_checkpoint(spec, world_size, ds_root)
+    save_dir = ds.path("s2-fp16-ws2-groups")
     copy = tmp_path / "ckpt"
     shutil.copytree(save_dir, copy)
     tag_dir = resolve_tag_dir(copy)
@@ -144,34 +146,16 @@ def test_malicious_pickle_is_refused_and_never_runs(ds_root, tmp_path):
     assert not marker.exists()
 
 
-@pytest.fixture(scope="module", params=sorted(OLD_DEEPSPEED))
-def old_checkpoint(request, ds_root):
-    spec, world_size = OLD_DEEPSPEED[request.param]
-    return build_checkpoint(spec, world_size, ds_root, deepspeed_version=OLD_DEEPSPEED_VERSION), world_size
-
-
-def test_older_deepspeed_checkpoints(old_checkpoint):
-    """Checkpoints from DeepSpeed 0.15 (no param_alignment_paddings): same manifest from both producers."""
-    save_dir, world_size = old_checkpoint
-    engine_doc = json.loads((save_dir / "engine_manifest.rank0.json").read_text())
-    assert engine_doc["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
-    from_dir = manifest_from_checkpoint(save_dir).to_dict()
-    assert from_dir["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
-    assert _without(from_dir, PRODUCER_ONLY) == _without(engine_doc, PRODUCER_ONLY)
-    assert validate_document(from_dir).findings == []
-
-
 @pytest.mark.parametrize("extra", ["layer_0_expert_0_mp_rank_00_model_states.pt", "layer_01-model_states.pt",
                                    "zero_pp_rank_0_mp_rank_01_optim_states.pt"])
-def test_moe_pipeline_and_tensor_parallel_files_are_refused(extra, ds_root, tmp_path):
+def test_moe_pipeline_and_tensor_parallel_files_are_refused(extra, ds, tmp_path):
     """MoE expert, pipeline layer and model-parallel files: refused by name, never misdescribed.
 
     The files are copies of a real shard under the names DeepSpeed gives them; a real MoE or
     pipeline run is not part of the matrix.
     """
-    spec, world_size = MATRIX["s2-bf16-ws2"]
     copy = tmp_path / "ckpt"
-    shutil.copytree(build_checkpoint(spec, world_size, ds_root), copy)
+    shutil.copytree(ds.path("s2-bf16-ws2"), copy)
     tag_dir = resolve_tag_dir(copy)
     shutil.copy(tag_dir / "mp_rank_00_model_states.pt", tag_dir / extra)
     result = subprocess.run([sys.executable, "-m", "ckptspec", "generate", str(copy)], capture_output=True, text=True)

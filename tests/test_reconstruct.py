@@ -1,4 +1,4 @@
-"""Reconstruction of full weights (issue #5) against real DeepSpeed checkpoints.
+"""Reconstruction of full weights against real DeepSpeed checkpoints.
 
 For every matrix point the output of ``ckptspec reconstruct`` is compared bit for bit
 with DeepSpeed's own ``zero_to_fp32`` (every key it returns) and with the fp32 master
@@ -21,15 +21,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch as safetensors_torch
+import torch
 
+from _harness.oracles import zero_to_fp32
+from _harness.scenarios import MATRIX, MATRIX_SPECS, engine_name
 from ckptspec.ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint, run_zero_to_fp32
 
 pytestmark = pytest.mark.deepspeed
-
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -52,7 +51,7 @@ def _same_bits(ours, theirs) -> bool:
 
 def _quiet_zero_to_fp32(save_dir):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return run_zero_to_fp32(save_dir)
+        return zero_to_fp32(save_dir)
 
 
 def _model_states(save_dir) -> dict:
@@ -68,19 +67,16 @@ def _roles(save_dir) -> dict[str, str]:
     return roles | {a.name: "alias" for a in m.aliases}
 
 
-@pytest.fixture(scope="module", params=sorted(MATRIX))
-def checkpoint(request, ds_root):
-    spec, world_size = MATRIX[request.param]
-    return request.param, build_checkpoint(spec, world_size, ds_root), spec, world_size
+@pytest.fixture(scope="module", params=MATRIX)
+def checkpoint(request, ds):
+    spec, world_size = MATRIX_SPECS[request.param]
+    return request.param, ds.path(request.param), spec, world_size
 
 
 @pytest.fixture(scope="module")
-def point(ds_root):
-    """A matrix point by name, built on first use."""
-    def get(name):
-        spec, world_size = MATRIX[name]
-        return build_checkpoint(spec, world_size, ds_root)
-    return get
+def point(ds):
+    """A matrix point by name."""
+    return ds.path
 
 
 def test_bit_exact_against_zero_to_fp32_and_live_engine(checkpoint, tmp_path):
@@ -173,13 +169,14 @@ def test_metadata_traces_the_checkpoint(point, tmp_path):
 
 
 def test_untie_and_both_layouts_load_into_the_model(point, tmp_path):
-    from dsharness.train import build_model, normalize_spec
     from safetensors.torch import load_model
+
+    from _harness.job.model import build_model, normalize_spec
 
     from ckptspec.reconstruct import load_consolidated
 
     save_dir = point("s2-bf16-ws2")
-    spec = normalize_spec(MATRIX["s2-bf16-ws2"][0])
+    spec = normalize_spec(MATRIX_SPECS["s2-bf16-ws2"][0])
     tied, untied = tmp_path / "tied", tmp_path / "untied"
     _cli("reconstruct", str(save_dir), str(tied), "--quiet")
     _cli("reconstruct", str(save_dir), str(untied), "--quiet", "--untie")
@@ -290,7 +287,7 @@ def test_manifest_option_gives_the_same_output(point, tmp_path):
     assert sorted(ours) == sorted(base) and all(torch.equal(_bits(ours[k]), _bits(base[k])) for k in base)
     with safetensors_open(via_manifest / "model.safetensors") as f:
         assert f.metadata()["ckptspec.manifest_sha256"] == hashlib.sha256(generated.read_bytes()).hexdigest()
-    engine = save_dir / "engine_manifest.rank0.json"  # written by the live engine: no files, no locators
+    engine = point(engine_name("s2-fp16-ws3-align")) / "engine_manifest.rank0.json"  # the live engine's: no files
     via_engine = tmp_path / "via-engine"
     _cli("reconstruct", str(save_dir), str(via_engine), "--quiet", "--manifest", str(engine))
     ours = safetensors_torch.load_file(via_engine / "model.safetensors")

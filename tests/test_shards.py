@@ -1,7 +1,7 @@
-"""Shard validation against real DeepSpeed checkpoints (issue #4).
+"""Shard validation against real DeepSpeed checkpoints.
 
 Every clean checkpoint of the matrix validates with zero findings; every corruption of
-tests/faults.py is reported with its own code, naming the file and rank, with exit 1, no
+tests/_harness/faults.py is reported with its own code, naming the file and rank, with exit 1, no
 traceback, nothing written and no pickled code run.
 """
 
@@ -20,24 +20,15 @@ from ckptspec.errors import CkptspecError, InvalidCheckpoint
 from ckptspec.models import Manifest
 from ckptspec.shards import CHECKS, _natural_order, check_checkpoint, validate_checkpoint
 from ckptspec import torchfile
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint
-from faults import FAULTS, FaultEnv, snapshot, tag_dir
+from _harness.faults import FAULTS, FaultEnv, snapshot, tag_dir
+from _harness.scenarios import MATRIX, engine_name
 
 pytestmark = pytest.mark.deepspeed
 
 
 @pytest.fixture(scope="module")
-def built(ds_root):
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            spec, world_size = MATRIX[name]
-            cache[name] = build_checkpoint(spec, world_size, ds_root)
-        return cache[name]
-
-    return get
+def built(ds):
+    return ds.path
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -59,7 +50,7 @@ def _copy(src: Path, tmp_path: Path) -> Path:
 # --------------------------------------------------------------------------- clean checkpoints
 
 
-@pytest.mark.parametrize("name", sorted(MATRIX))
+@pytest.mark.parametrize("name", MATRIX)
 def test_clean_checkpoint_has_no_findings(name, built, tmp_path):
     save_dir = built(name)
     before = snapshot(save_dir)
@@ -75,7 +66,7 @@ def test_clean_checkpoint_has_no_findings(name, built, tmp_path):
     assert json.loads(result.stdout)["findings"] == []
 
     # The live engine's manifest describes the layout only (no files): the files come from the directory.
-    engine = Manifest.model_validate(json.loads((save_dir / "engine_manifest.rank0.json").read_text()))
+    engine = Manifest.model_validate(json.loads((built(engine_name(name)) / "engine_manifest.rank0.json").read_text()))
     _, findings = validate_checkpoint(save_dir, engine)
     assert findings == [], [f.to_line() for f in findings]
     assert snapshot(save_dir) == before

@@ -47,13 +47,14 @@ def _save_zip(path, members, compression=zipfile.ZIP_STORED):
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("name", ["s1-bf16-ws2", "s1-fp16-ws2", "s1-fp32-ws3-rr", "s2-bf16-ws2", "s2-fp16-ws2-groups",
                                   "s2-fp32-ws3-rr", "s3-bf16-ws2-sub", "s3-fp16-ws3-groups", "s3-fp32-ws2-exclude"])
-def test_real_checkpoint_files(ds_root, name):
+def test_real_checkpoint_files(ds, name):
     import torch
-    from dsharness.build import build_checkpoint
-    from ds_matrix import MATRIX
-    spec, world_size = MATRIX[name]  # stages 1-3 x bf16/fp16/fp32, shared with the other suites
+
+    from _harness.scenarios import MATRIX_SPECS
+
+    spec, world_size = MATRIX_SPECS[name]  # stages 1-3 x bf16/fp16/fp32, shared with the other suites
     stage, dtype = spec["stage"], spec["dtype"]
-    save_dir = build_checkpoint(spec, world_size, ds_root)
+    save_dir = ds.path(name)
     tag = json.loads((save_dir / "harness.json").read_text())["tag"]
     files = sorted((save_dir / tag).glob("*.pt")) + [save_dir / "live_fp32.pt"]
     assert len(files) >= 3

@@ -1,22 +1,13 @@
-"""Train a tiny model for a few steps with real DeepSpeed and save a checkpoint.
+"""The tiny model every real-DeepSpeed job of the tests trains, its DeepSpeed config, and the oracle
+that reads the live engine's fp32 masters.
 
-Run under torchrun (see build.py, which also caches results):
-
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/dsharness/train.py --spec '{"stage": 2}' --out DIR
-
-Besides the DeepSpeed checkpoint, rank 0 writes into DIR:
-  live_fp32.pt   name -> fp32 master weight, read from the live engine just before saving
-                 (trainable params only, tied aliases included under every name)
-  harness.json   the normalized spec, world size, versions and optimizer class
+Runs inside the job (under torchrun): everything in this folder is part of the cache key of
+every job (tests/_harness/cache.py).
 
 Spec keys (JSON object) are listed in DEFAULTS; unknown keys are an error so typos do not
 silently build the wrong checkpoint.
 """
-import argparse
 import copy
-import importlib
-import json
-from pathlib import Path
 
 DEFAULTS = {
     "stage": 2,                   # ZeRO stage 0..3
@@ -34,9 +25,10 @@ DEFAULTS = {
     "steps": 2,
     "seed": 1234,
     "micro_batch": 4,
-    "hook": None,                 # "module.path:function", called as function(engine, out_dir, spec)
+    "save": True,                 # False: train and run the hooks, but write no checkpoint
     "save_with": "deepspeed",     # "ckptspec": save through ckptspec.deepspeed.save_checkpoint (each rank
                                   # also writes the manifest it returned to saved_manifest.rank<N>.json)
+    "hooks": [],                  # names of functions in hooks.py, called as hook(engine, out_dir, spec) after saving
     "zero": {},                   # extra zero_optimization keys (override)
     "config": {},                 # extra top-level DeepSpeed config keys (override)
 }
@@ -54,6 +46,8 @@ def normalize_spec(spec):
         raise ValueError(f"bad stage/dtype in spec: {spec}")
     if out["save_with"] not in ("deepspeed", "ckptspec"):
         raise ValueError(f"bad save_with in spec: {spec}")
+    if out["save_with"] == "ckptspec" and not out["save"]:
+        raise ValueError(f"save_with ckptspec needs save: {spec}")
     if out["stage"] == 3 and out["zero_elem"]:
         # DeepSpeed 0.19.8 stage 3 fails in the first forward with zero-element params (AssertionError
         # in partitioned_param_coordinator._fetch_sub_module_impl: param status NOT_AVAILABLE).
@@ -200,71 +194,3 @@ def safe_get_mismatches(model, live, stage):
             if t is None or not torch.equal(t.float(), live[n]):
                 bad.append(n)
     return bad
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", required=True, help="JSON object, see DEFAULTS")
-    ap.add_argument("--out", required=True, type=Path)
-    args = ap.parse_args()
-    spec = normalize_spec(json.loads(args.spec))
-
-    import torch
-    import torch.distributed as dist
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    if spec["dtype"] == "fp16":
-        # The CPU accelerator reports no fp16 support; its kernels work anyway for this tiny model.
-        get_accelerator().is_fp16_supported = lambda: True
-
-    torch.manual_seed(spec["seed"])
-    torch.use_deterministic_algorithms(True)
-    deepspeed.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    model = build_model(spec)  # same seed on every rank -> identical initial weights
-    optimizer = torch.optim.AdamW(param_groups(model, spec), lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(spec))
-
-    for step in range(spec["steps"]):
-        g = torch.Generator().manual_seed(spec["seed"] + 1000 * rank + step)  # per-rank data
-        tokens = torch.randint(0, VOCAB, (spec["micro_batch"], SEQ), generator=g)
-        targets = torch.randint(0, VOCAB, (spec["micro_batch"], SEQ), generator=g)
-        loss = engine(tokens, targets)
-        engine.backward(loss)
-        engine.step()
-
-    live = live_fp32(engine, model, spec["stage"])
-    mismatches = safe_get_mismatches(model, live, spec["stage"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        torch.save(live, args.out / "live_fp32.pt")
-        info = {
-            "spec": spec,
-            "world_size": world,
-            "deepspeed_version": deepspeed.__version__,
-            "torch_version": torch.__version__,
-            "optimizer_class": type(engine.optimizer).__name__,
-            "tag": f"global_step{engine.global_steps}",
-            "safe_get_full_fp32_param_mismatches": mismatches,
-        }
-        (args.out / "harness.json").write_text(json.dumps(info, indent=1, sort_keys=True))
-
-    if spec["save_with"] == "ckptspec":
-        from ckptspec.deepspeed import save_checkpoint
-        saved = save_checkpoint(engine, str(args.out), exclude_frozen_parameters=spec["exclude_frozen"])
-        (args.out / f"saved_manifest.rank{rank}.json").write_text(json.dumps(saved.to_dict(), sort_keys=True))
-    else:
-        engine.save_checkpoint(str(args.out), exclude_frozen_parameters=spec["exclude_frozen"])
-
-    if spec["hook"]:
-        mod_name, fn_name = spec["hook"].split(":")
-        getattr(importlib.import_module(mod_name), fn_name)(engine, args.out, spec)
-
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

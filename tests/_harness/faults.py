@@ -1,7 +1,7 @@
 """Corruptions of real DeepSpeed checkpoints, built programmatically.
 
 Each fault takes a *copy* of a saved checkpoint (a save directory with ``latest`` and the
-tag directory, from tests/dsharness) and mutates it in place. Pickles are edited with
+tag directory, from tests/_harness) and mutates it in place. Pickles are edited with
 ``torch.load(weights_only=False)`` + ``torch.save`` here, in test code only; ckptspec itself
 never unpickles with torch.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-# The model of tests/dsharness/train.py, in its natural parameter order.
+# The model of tests/_harness/job/model.py, in its natural parameter order.
 NATURAL_ORDER = ["emb.weight", "l1.weight", "l1.bias", "l2.weight", "l2.bias"]
 
 
@@ -31,7 +31,7 @@ class FaultEnv:
 @dataclass(frozen=True)
 class Fault:
     name: str
-    base: str           # tests/ds_matrix.py MATRIX key of the checkpoint to corrupt
+    base: str           # tests/_harness/scenarios.py MATRIX key of the checkpoint to corrupt
     description: str    # one line for docs/validation.md
     code: str           # the code ckptspec must report
     file: str | None    # the file that finding must name (relative to the tag directory)

@@ -1,12 +1,20 @@
-"""Hooks for real DeepSpeed jobs of tests/test_embed.py (run on every rank by tests/dsharness/train.py).
+"""Hooks a "train" task runs after saving (spec ``"hooks": [name, ...]``), on every rank.
 
-A ``ds_*.py`` file, so the harness cache key changes with it (tests/dsharness/build.py).
+Each is called as ``hook(engine, out_dir, spec)``. Hooks run ckptspec code inside the job, so a
+task with hooks is keyed on ckptspec's sources too (tests/_harness/cache.py).
 """
 
 import json
 
-import torch
-import torch.distributed as dist
+
+def engine_manifest(engine, out_dir, spec):
+    """The live engine's manifest from every rank (``engine_manifest.rank<N>.json``), to prove all ranks agree."""
+    import torch.distributed as dist
+
+    from ckptspec.deepspeed import manifest_from_engine
+
+    manifest = manifest_from_engine(engine, exclude_frozen_parameters=spec["exclude_frozen"])
+    (out_dir / f"engine_manifest.rank{dist.get_rank()}.json").write_text(json.dumps(manifest.to_dict(), sort_keys=True))
 
 
 def load_back(engine, out_dir, spec):
@@ -16,7 +24,10 @@ def load_back(engine, out_dir, spec):
     records (per rank, in ``load_back.rank<N>.json``) whether the fp32 master weights
     are again exactly those saved (``live_fp32.pt``), and what client state came back.
     """
-    from dsharness.train import SEQ, VOCAB, live_fp32
+    import torch
+    import torch.distributed as dist
+
+    from _harness.job.model import SEQ, VOCAB, live_fp32
 
     rank = dist.get_rank()
     saved = torch.load(out_dir / "live_fp32.pt", weights_only=True)

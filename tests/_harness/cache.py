@@ -1,0 +1,110 @@
+"""Where real-DeepSpeed job results are kept, and what their keys hash.
+
+An entry is ``ROOT/<name>-<key>/``; it appears only complete (built in a temporary directory of
+ROOT, then renamed), so a killed run leaves at most a ``.tmp-*`` directory that the next prune
+removes. The key hashes everything that runs inside the job and can change its output:
+
+* the task (kind and arguments, normalized) and its world size;
+* DeepSpeed's and torch's versions;
+* every file of ``tests/_harness/job/`` and ``tests/_harness/site/`` (the job's code);
+* for tasks that run ckptspec inside the job (hooks, ``save_with: ckptspec``, resumes), every
+  file of ``ckptspec/`` and ``schema/``;
+* the keys of the entries a task reads (a resume reads a saved checkpoint).
+
+So an edit invalidates exactly the entries it can affect, and a warm run rebuilds nothing;
+superseded entries are pruned after an hour.
+ROOT is ``$CKPTSPEC_DS_CACHE`` or ``.cache/ds`` in the repository (ignored by git); entries
+are content-keyed, so several checkouts may share one ROOT.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HARNESS = Path(__file__).resolve().parent
+JOB_SOURCES = (HARNESS / "job", HARNESS / "site")
+CKPTSPEC_SOURCES = (REPO_ROOT / "ckptspec", REPO_ROOT / "schema")
+DONE = "task.json"  # written last into an entry: its presence marks it complete
+
+
+def root() -> Path:
+    configured = os.environ.get("CKPTSPEC_DS_CACHE")
+    path = Path(configured) if configured else REPO_ROOT / ".cache" / "ds"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@lru_cache(maxsize=None)
+def tree_digest(*folders: Path) -> str:
+    """SHA-256 over the relative names and bytes of every file under ``folders`` (caches excluded)."""
+    digest = hashlib.sha256()
+    for folder in folders:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and not path.name.endswith(".pyc"):
+                digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@lru_cache(maxsize=None)
+def versions() -> dict:
+    """DeepSpeed's and torch's versions, read from their metadata (importing them costs seconds)."""
+    from importlib.metadata import version
+
+    return {"deepspeed": version("deepspeed"), "torch": version("torch")}
+
+
+def key(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def entry(name: str, task_key: str) -> Path:
+    return root() / f"{name}-{task_key}"
+
+
+def is_done(path: Path) -> bool:
+    return (path / DONE).is_file()
+
+
+@contextmanager
+def locked(path: Path):
+    """An exclusive lock on ``path`` (an entry, built or not), across processes and checkouts."""
+    with open(path.parent / f".{path.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def staging(path: Path) -> Path:
+    """A fresh temporary directory beside ``path`` to build it in."""
+    return Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+
+
+def publish(built: Path, path: Path, description: dict) -> None:
+    """Mark ``built`` complete and move it to ``path`` in one rename."""
+    (built / DONE).write_text(json.dumps(description, indent=1, sort_keys=True))
+    os.rename(built, path)
+
+
+def prune(current: dict[str, Path]) -> None:
+    """Remove superseded entries of the tasks in ``current`` (name -> current entry) and leftovers
+    of killed builds, when nobody touched them for an hour (another checkout may still use them)."""
+    now, names, keep = time.time(), set(current), {p.name for p in current.values()}
+    for path in root().iterdir():
+        try:
+            if path.name in keep or now - path.stat().st_mtime < 3600:
+                continue
+            if path.name.startswith(".tmp-"):
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.is_dir() and json.loads((path / DONE).read_text()).get("name") in names:
+                shutil.rmtree(path, ignore_errors=True)
+        except (OSError, ValueError):
+            continue

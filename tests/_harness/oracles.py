@@ -1,0 +1,24 @@
+"""DeepSpeed's own answers, computed in the test process: the ground truth ckptspec is compared with."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEEPSPEED_VERSION = "0.19.8"  # the tests are pinned to it (pyproject.toml extra "deepspeed")
+
+
+def check_deepspeed_version() -> None:
+    import deepspeed
+
+    if deepspeed.__version__ != DEEPSPEED_VERSION:
+        raise RuntimeError(f"the tests are pinned to deepspeed {DEEPSPEED_VERSION}, found {deepspeed.__version__}")
+
+
+def zero_to_fp32(save_dir: str | Path) -> dict:
+    """DeepSpeed's own zero_to_fp32 reconstruction, in-process."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    check_deepspeed_version()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(save_dir))

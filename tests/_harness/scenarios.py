@@ -1,0 +1,83 @@
+"""Every real-DeepSpeed job result the suite uses, by name (built by tests/_harness/tasks.py).
+
+* MATRIX: checkpoints saved by DeepSpeed itself (spec keys: tests/_harness/job/model.py DEFAULTS).
+  Each also has an ``<name>+engine`` entry: the same job re-trained in another launch, with the
+  live engine's manifest recorded on every rank and no checkpoint saved (its ``live_fp32.pt``
+  must equal the checkpoint's: the job is deterministic, whatever launch it runs in).
+* UNSUPPORTED: refused with a clear message, never described wrongly.
+* EMBED: saved through ``ckptspec.deepspeed.save_checkpoint``, then loaded back in the same job.
+* RESUMES: ``engine.load_checkpoint`` of a MATRIX checkpoint by a job of another layout.
+"""
+
+from __future__ import annotations
+
+from .tasks import Task
+
+FEATURES = {"tied": True, "frozen": True, "buffers": True}
+
+MATRIX_SPECS = {
+    "s2-bf16-ws2": ({"stage": 2, "dtype": "bf16", **FEATURES}, 2),
+    "s1-fp16-ws2": ({"stage": 1, "dtype": "fp16", **FEATURES}, 2),
+    "s1-bf16-ws2": ({"stage": 1, "dtype": "bf16", **FEATURES}, 2),
+    "s1-fp32-ws3-rr": ({"stage": 1, "dtype": "fp32", "round_robin": True, **FEATURES}, 3),
+    "s2-fp16-ws2-groups": ({"stage": 2, "dtype": "fp16", "two_groups": True, **FEATURES}, 2),
+    "s2-fp32-ws3-rr": ({"stage": 2, "dtype": "fp32", "round_robin": True, **FEATURES}, 3),
+    "s2-bf16-ws2-align": ({"stage": 2, "dtype": "bf16", "parameter_alignment": True, **FEATURES}, 2),
+    "s2-fp16-ws3-align": ({"stage": 2, "dtype": "fp16", "parameter_alignment": True, **FEATURES}, 3),
+    "s2-bf16-ws2-exclude": ({"stage": 2, "dtype": "bf16", "exclude_frozen": True, **FEATURES}, 2),
+    "s2-bf16-ws2-zero-elem": ({"stage": 2, "dtype": "bf16", "zero_elem": True, **FEATURES}, 2),
+    "s2-bf16-ws1": ({"stage": 2, "dtype": "bf16", **FEATURES}, 1),
+    "s2-bf16-ws4": ({"stage": 2, "dtype": "bf16", **FEATURES}, 4),
+    "s3-bf16-ws2-sub": ({"stage": 3, "dtype": "bf16", "sub_group_size": 300, **FEATURES}, 2),
+    "s3-fp16-ws3-groups": ({"stage": 3, "dtype": "fp16", "two_groups": True, **FEATURES}, 3),
+    "s3-fp32-ws2-exclude": ({"stage": 3, "dtype": "fp32", "exclude_frozen": True, **FEATURES}, 2),
+    "s1-bf16-ws2-bf16opt": ({"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32", **FEATURES}, 2),
+}
+MATRIX = sorted(MATRIX_SPECS)
+
+UNSUPPORTED_SPECS = {
+    "s0-bf16-ws1": ({"stage": 0, "dtype": "bf16", "tied": True}, 1),
+}
+UNSUPPORTED = sorted(UNSUPPORTED_SPECS)
+
+EMBED_FEATURES = {**FEATURES, "save_with": "ckptspec", "hooks": ["load_back"]}
+EMBED_SPECS = {
+    "embed-s1-fp16-ws2": ({"stage": 1, "dtype": "fp16", **EMBED_FEATURES}, 2),
+    "embed-s2-bf16-ws3-rr-exclude": ({"stage": 2, "dtype": "bf16", "round_robin": True, "exclude_frozen": True,
+                                      **EMBED_FEATURES}, 3),
+    "embed-s3-fp16-ws2-groups-sub": ({"stage": 3, "dtype": "fp16", "two_groups": True, "sub_group_size": 300,
+                                      **EMBED_FEATURES}, 2),
+}
+EMBED = sorted(EMBED_SPECS)
+
+# name: (saved MATRIX entry, B's spec changes, B's world size, B's model change)
+RESUME_CASES = {
+    "resume-same-layout": ("s2-bf16-ws2", {}, 2, {}),
+    "resume-world-size-2-to-3-stage2": ("s2-bf16-ws2", {}, 3, {}),
+    "resume-world-size-2-to-3-stage3": ("s3-bf16-ws2-sub", {}, 3, {}),
+    "resume-stage-2-to-3": ("s2-bf16-ws2", {"stage": 3}, 2, {}),
+    "resume-bf16-to-fp16": ("s2-bf16-ws2", {"dtype": "fp16"}, 2, {}),
+    "resume-added-param": ("s2-bf16-ws2", {}, 2, {"add_param": True}),
+    "resume-changed-shape": ("s2-bf16-ws2", {}, 2, {"widen_l2": True}),
+    "resume-round-robin-on": ("s2-bf16-ws2", {"round_robin": True}, 2, {}),
+}
+
+
+def engine_name(name: str) -> str:
+    """The entry holding the live engine's manifests of MATRIX checkpoint ``name``."""
+    return f"{name}+engine"
+
+
+def _registry() -> dict[str, Task]:
+    out: dict[str, Task] = {}
+    for specs in (MATRIX_SPECS, UNSUPPORTED_SPECS, EMBED_SPECS):
+        out.update({name: Task("train", spec, ws) for name, (spec, ws) in specs.items()})
+    for name, (spec, ws) in MATRIX_SPECS.items():
+        out[engine_name(name)] = Task("train", {**spec, "save": False, "hooks": ["engine_manifest"]}, ws)
+    for name, (source, changes, ws, change) in RESUME_CASES.items():
+        spec = {**MATRIX_SPECS[source][0], **changes}
+        out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)
+    return out
+
+
+REGISTRY = _registry()

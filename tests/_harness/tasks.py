@@ -1,0 +1,197 @@
+"""Real-DeepSpeed job results for the tests: built on first use, many per launch, cached.
+
+    from _harness import tasks
+    save_dir = tasks.path("s2-bf16-ws2")          # a registered task (tests/_harness/scenarios.py)
+
+The first request of any registered entry builds every registered entry that is missing, in
+as few torchrun launches as possible (one per world size, ZeRO-3 or not, and wave; a resume
+runs in the wave after the checkpoint it loads), under one lock: the other xdist worker waits for it, then finds
+its entries built. A task that is not registered is built alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import cache
+from .job.model import normalize_spec
+from .launch import HarnessError, run_tasks
+
+KINDS = ("train", "resume")
+_FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
+
+
+@dataclass(frozen=True)
+class Task:
+    """One job result: ``kind`` (job/main.py KINDS) run with ``args`` at ``world_size``.
+
+    ``load`` names the registered task whose entry a resume loads.
+    """
+
+    kind: str
+    args: dict = field(hash=False)
+    world_size: int
+    load: str | None = None
+
+    def normalized(self) -> dict:
+        if self.kind == "train":
+            return normalize_spec(self.args)
+        return {**self.args, "spec": normalize_spec(self.args["spec"])}
+
+    @property
+    def launch_group(self) -> tuple[int, bool]:
+        """Tasks of one group may share a launch. ZeRO-3 leaves global state behind (tensor and
+        module patches) that changes how a later stage-1/2 engine of the same process trains, so
+        stage-3 jobs get launches of their own."""
+        spec = self.normalized() if self.kind == "train" else self.normalized()["spec"]
+        return self.world_size, spec["stage"] == 3
+
+    @property
+    def runs_ckptspec(self) -> bool:
+        spec = self.normalized() if self.kind == "train" else None
+        return self.kind == "resume" or bool(spec["hooks"]) or spec["save_with"] == "ckptspec"
+
+
+def _registry() -> dict[str, Task]:
+    from .scenarios import REGISTRY
+
+    return REGISTRY
+
+
+def task_key(name: str, task: Task) -> str:
+    identity = {
+        "kind": task.kind,
+        "args": task.normalized(),
+        "world_size": task.world_size,
+        "versions": cache.versions(),
+        "job": cache.tree_digest(*cache.JOB_SOURCES),
+        "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES) if task.runs_ckptspec else None,
+        "load": task_key(task.load, _registry()[task.load]) if task.load else None,
+    }
+    return cache.key(identity)
+
+
+def entry(name: str, task: Task | None = None) -> Path:
+    task = task or _registry()[name]
+    return cache.entry(name, task_key(name, task))
+
+
+def path(name: str, task: Task | None = None) -> Path:
+    """The complete entry of ``name`` (a registered task, or ``task`` under that name), built if needed."""
+    registered = task is None
+    task = task or _registry()[name]
+    target = entry(name, task)
+    if cache.is_done(target):
+        return target
+    if registered:
+        with cache.locked(cache.root() / "batch"):
+            if not cache.is_done(target):
+                build_missing()
+        if cache.is_done(target):
+            return target
+    # Not registered, or its batch failed: alone, so that the error is this task's own.
+    _FAILED.pop(name, None)
+    with cache.locked(target):
+        if not cache.is_done(target):
+            _launch([(name, task)])
+    return target
+
+
+def build_missing(names: list[str] | None = None, jobs: int | None = None) -> dict[str, str]:
+    """Build every registered (or named) entry that is missing; returns name -> error for failures."""
+    registry = _registry()
+    todo = {n: registry[n] for n in (names or registry) if n not in _FAILED and not cache.is_done(entry(n))}
+    jobs = jobs or int(os.environ.get("CKPTSPEC_DS_JOBS", "2"))
+    failed: dict[str, str] = {}
+    t0 = time.monotonic()
+    while todo:
+        wave = {n: t for n, t in todo.items() if not t.load or t.load not in todo}
+        if not wave:
+            raise HarnessError(f"circular loads among {sorted(todo)}")
+        for n in wave:
+            del todo[n]
+        launches: dict[tuple, list] = {}
+        for n, t in wave.items():
+            if t.load and t.load in failed:
+                failed[n] = f"its checkpoint {t.load} failed"
+                continue
+            launches.setdefault(t.launch_group, []).append((n, t))
+        # Largest world sizes first: they take longest, so the pool finishes together.
+        ordered = [launches[group] for group in sorted(launches, reverse=True)]
+        with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+            for batch, error in zip(ordered, pool.map(_try_launch, ordered)):
+                if error:
+                    failed.update({n: error for n, _ in batch})
+    _FAILED.update(failed)
+    if names is None:
+        cache.prune({n: entry(n) for n in registry})
+        print(f"[harness] built missing DeepSpeed entries in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+    return failed
+
+
+def _try_launch(batch) -> str | None:
+    try:
+        _launch(batch)
+    except HarnessError as exc:
+        return str(exc)
+    return None
+
+
+def _launch(batch: list[tuple[str, Task]], python: str = sys.executable) -> None:
+    """One torchrun launch for ``batch`` (all of one world size); each entry published on success."""
+    world_size = batch[0][1].world_size
+    assert len({t.launch_group for _, t in batch}) == 1
+    targets = [entry(n, t) for n, t in batch]
+    staged = [cache.staging(target) for target in targets]
+    try:
+        tasks = [{"kind": t.kind, "args": _job_args(t), "out": str(stage / "out")} for (_, t), stage in zip(batch, staged)]
+        t0 = time.monotonic()
+        log = run_tasks(tasks, world_size, staged[0], python)
+        seconds = round(time.monotonic() - t0, 1)
+        for (name, task), target, stage in zip(batch, targets, staged):
+            out = stage / "out"
+            (out / "job.log").write_text(log)
+            cache.publish(out, target, {"name": name, "kind": task.kind, "args": task.normalized(),
+                                        "world_size": task.world_size, "launch_seconds": seconds,
+                                        "launch_tasks": len(batch)})
+    finally:
+        for stage in staged:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _job_args(task: Task) -> dict:
+    args = task.normalized()
+    if task.load:
+        args = {**args, "load": str(path(task.load))}
+    return args
+
+
+def read_json(name: str, filename: str) -> dict:
+    return json.loads((path(name) / filename).read_text())
+
+
+def cached(name: str, identity: dict, build) -> Path:
+    """An entry made by ``build(directory)`` in the test process (e.g. an example run end to end).
+
+    ``identity`` must hash everything the result depends on; ``build`` raises on failure, and a
+    failed build leaves nothing in the cache.
+    """
+    target = cache.entry(name, cache.key(identity))
+    if cache.is_done(target):
+        return target
+    with cache.locked(target):
+        if not cache.is_done(target):
+            stage = cache.staging(target)
+            try:
+                build(stage / "out")
+                cache.publish(stage / "out", target, {"name": name, "identity": identity})
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+    return target
