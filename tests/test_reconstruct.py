@@ -10,9 +10,7 @@ damaged checkpoint and the bytes actually read are tested on a few points.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -25,6 +23,7 @@ import safetensors.torch as safetensors_torch
 import torch
 
 from _harness.oracles import zero_to_fp32
+from _harness.reconstruction import bits, check_reconstruction, roles, same_bits
 from _harness.scenarios import MATRIX, MATRIX_SPECS, engine_name
 from ckptspec.ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
 
@@ -38,33 +37,10 @@ def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
-def _bits(tensor):
-    """The raw bytes of a tensor, for exact comparison (NaN == NaN, -0.0 != 0.0)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _same_bits(ours, theirs) -> bool:
-    if theirs.is_floating_point() and theirs.dtype != ours.dtype:
-        theirs = theirs.to(ours.dtype)  # only ever a widening here (bf16/fp16 -> fp32): exact
-    return ours.dtype == theirs.dtype and torch.equal(_bits(ours), _bits(theirs))
-
-
-def _quiet_zero_to_fp32(save_dir):
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return zero_to_fp32(save_dir)
-
-
 def _model_states(save_dir) -> dict:
     tag_dir = resolve_tag_dir(save_dir)
     first = sorted(tag_dir.glob("*model_states.pt"))[0]
     return torch.load(first, map_location="cpu", weights_only=False)
-
-
-def _roles(save_dir) -> dict[str, str]:
-    m = manifest_from_checkpoint(save_dir)
-    roles = {p.name: "trainable" for g in m.groups for p in g.params}
-    roles |= {f.name: "frozen" for f in m.frozen} | {b.name: "buffer" for b in m.buffers}
-    return roles | {a.name: "alias" for a in m.aliases}
 
 
 @pytest.fixture(scope="module", params=MATRIX)
@@ -80,53 +56,10 @@ def point(ds):
 
 
 def test_bit_exact_against_zero_to_fp32_and_live_engine(checkpoint, tmp_path):
-    from ckptspec.reconstruct import load_consolidated
-
     name, save_dir, spec, world_size = checkpoint
-    out = tmp_path / "out"
-    _cli("reconstruct", str(save_dir), str(out), "--quiet")
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
-    stored = safetensors_torch.load_file(out / "model.safetensors")
-    full = load_consolidated(out)  # aliases re-tied from the metadata
-
-    roles = _roles(save_dir)
-    assert sorted(full) == sorted(roles), "every module key (trainable, frozen, buffer, alias) is in the output"
-    assert sorted(stored) == sorted(n for n, r in roles.items() if r != "alias"), "tied weights are stored once"
-
-    try:
-        reference = _quiet_zero_to_fp32(save_dir)
-    except ValueError as exc:
-        # DeepSpeed's zero_to_fp32 cannot read BF16_Optimizer checkpoints at all.
-        assert spec.get("grad_accum_dtype") == "fp32" and "is not a zero checkpoint" in str(exc)
-        reference = {}
-    for key, theirs in reference.items():
-        ours = full[key]
-        if theirs.numel() == 0:
-            # zero_to_fp32 gives zero-element params the shape (0,) (false tie through data_ptr 0).
-            assert ours.numel() == 0
-            continue
-        assert ours.shape == theirs.shape, key
-        assert _same_bits(ours, theirs), f"{key} differs from zero_to_fp32"
-        if theirs.is_floating_point():
-            assert ours.dtype == torch.float32
-
-    live = torch.load(save_dir / "live_fp32.pt", weights_only=True)
-    assert live, "the harness recorded the live fp32 masters"
-    for key, theirs in live.items():
-        assert roles[key] in ("trainable", "alias")
-        assert _same_bits(full[key], theirs), f"{key} differs from the live engine's fp32 master"
-
-    # Frozen params and buffers: exactly the model-states values (widened to fp32).
-    tag_dir = resolve_tag_dir(save_dir)
-    model_files = [torch.load(p, map_location="cpu", weights_only=False)
-                   for p in sorted(tag_dir.glob("*model_states.pt"))]
-    module = model_files[0]["module"]
-    for key, role in roles.items():
-        if role == "buffer" or (role == "frozen" and spec["stage"] < 3):
-            assert _same_bits(full[key], module[key].view(full[key].shape)), key
-        elif role == "frozen":  # stage 3: each rank's fragment, concatenated and trimmed
-            whole = torch.cat([states["frozen_param_fragments"][key] for states in model_files])
-            assert _same_bits(full[key], whole[: full[key].numel()].view(full[key].shape)), key
+    # DeepSpeed's zero_to_fp32 cannot read BF16_Optimizer checkpoints (grad_accum_dtype fp32).
+    check_reconstruction(save_dir, tmp_path / "out", stage=spec["stage"],
+                         zero_to_fp32_reads_it=spec.get("grad_accum_dtype") != "fp32")
 
 
 @pytest.mark.parametrize("name", ["s1-bf16-ws2", "s1-fp16-ws2", "s1-fp32-ws3-rr", "s1-bf16-ws2-bf16opt"])
@@ -138,7 +71,7 @@ def test_stage1_keeps_frozen_params(point, name, tmp_path):
     stored = safetensors_torch.load_file(out / "model.safetensors")
     module = _model_states(save_dir)["module"]
     for key in ("frozen.weight", "frozen.bias"):
-        assert _same_bits(stored[key], module[key])
+        assert same_bits(stored[key], module[key])
     with safetensors_open(out / "model.safetensors") as f:
         frozen_source = json.loads(f.metadata()["ckptspec.frozen_source"])
     model_dtype = str(module["frozen.weight"].dtype).removeprefix("torch.")
@@ -182,7 +115,7 @@ def test_untie_and_both_layouts_load_into_the_model(point, tmp_path):
     _cli("reconstruct", str(save_dir), str(untied), "--quiet", "--untie")
 
     copies = safetensors_torch.load_file(untied / "model.safetensors")
-    assert torch.equal(_bits(copies["head.weight"]), _bits(copies["emb.weight"]))
+    assert torch.equal(bits(copies["head.weight"]), bits(copies["emb.weight"]))
     model = build_model(spec)
     model.load_state_dict(copies)  # strict: every key, nothing extra
     assert model.head.weight is model.emb.weight
@@ -197,7 +130,7 @@ def test_untie_and_both_layouts_load_into_the_model(point, tmp_path):
     assert state["head.weight"] is state["emb.weight"]
     model.load_state_dict(state)
     for key, value in model.state_dict().items():
-        assert torch.equal(_bits(value), _bits(copies[key].to(value.dtype))), key
+        assert torch.equal(bits(value), bits(copies[key].to(value.dtype))), key
 
 
 def test_sharded_output_has_the_hugging_face_index(point, tmp_path):
@@ -218,7 +151,7 @@ def test_sharded_output_has_the_hugging_face_index(point, tmp_path):
         assert all(index["weight_map"][k] == shard for k in part)
         merged |= part
     assert sorted(merged) == sorted(whole)
-    assert all(torch.equal(_bits(merged[k]), _bits(whole[k])) for k in whole)
+    assert all(torch.equal(bits(merged[k]), bits(whole[k])) for k in whole)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in whole.values())
     with safetensors_open(single / "model.safetensors") as f:
         meta = f.metadata()
@@ -233,11 +166,11 @@ def test_output_dtype_rounds_like_torch(point, name, dtype, tmp_path):
     _cli("reconstruct", str(save_dir), str(out), "--quiet", "--untie", "--dtype", dtype)
     stored = safetensors_torch.load_file(out / "model.safetensors")
     target = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    reference = _quiet_zero_to_fp32(save_dir)
+    reference = zero_to_fp32(save_dir)
     for key, theirs in reference.items():
         expected = theirs.to(target) if theirs.is_floating_point() else theirs
         assert stored[key].dtype == expected.dtype, key
-        assert torch.equal(_bits(stored[key]), _bits(expected)), key
+        assert torch.equal(bits(stored[key]), bits(expected)), key
 
 
 def test_torch_format(point, tmp_path):
@@ -247,9 +180,9 @@ def test_torch_format(point, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["pytorch_model.bin", "pytorch_model.bin.index.json"]
     state = torch.load(out / "pytorch_model.bin", weights_only=True)
     assert state["head.weight"].data_ptr() == state["emb.weight"].data_ptr(), "the tie is kept as shared storage"
-    reference = _quiet_zero_to_fp32(save_dir)
+    reference = zero_to_fp32(save_dir)
     assert sorted(state) == sorted(reference)
-    assert all(_same_bits(state[k], reference[k]) for k in reference)
+    assert all(same_bits(state[k], reference[k]) for k in reference)
     index = json.loads((out / "pytorch_model.bin.index.json").read_text())
     assert set(index["weight_map"]) == set(state)
     assert len(index["metadata"]["ckptspec.manifest_sha256"]) == 64
@@ -269,8 +202,8 @@ def test_python_api_torch_and_numpy_agree(point):
         assert isinstance(as_numpy[key], np.ndarray)
         assert tuple(tensor.shape) == as_numpy[key].shape
         assert tensor.contiguous().numpy().tobytes() == as_numpy[key].tobytes(), key
-    reference = _quiet_zero_to_fp32(save_dir)
-    assert all(_same_bits(as_torch[k], v) for k, v in reference.items())
+    reference = zero_to_fp32(save_dir)
+    assert all(same_bits(as_torch[k], v) for k, v in reference.items())
 
 
 def test_manifest_option_gives_the_same_output(point, tmp_path):
@@ -284,14 +217,14 @@ def test_manifest_option_gives_the_same_output(point, tmp_path):
     _cli("reconstruct", str(save_dir), str(via_manifest), "--quiet", "--manifest", str(generated))
     ours = safetensors_torch.load_file(via_manifest / "model.safetensors")
     base = safetensors_torch.load_file(plain / "model.safetensors")
-    assert sorted(ours) == sorted(base) and all(torch.equal(_bits(ours[k]), _bits(base[k])) for k in base)
+    assert sorted(ours) == sorted(base) and all(torch.equal(bits(ours[k]), bits(base[k])) for k in base)
     with safetensors_open(via_manifest / "model.safetensors") as f:
         assert f.metadata()["ckptspec.manifest_sha256"] == hashlib.sha256(generated.read_bytes()).hexdigest()
     engine = point(engine_name("s2-fp16-ws3-align")) / "engine_manifest.rank0.json"  # the live engine's: no files
     via_engine = tmp_path / "via-engine"
     _cli("reconstruct", str(save_dir), str(via_engine), "--quiet", "--manifest", str(engine))
     ours = safetensors_torch.load_file(via_engine / "model.safetensors")
-    assert sorted(ours) == sorted(base) and all(torch.equal(_bits(ours[k]), _bits(base[k])) for k in base)
+    assert sorted(ours) == sorted(base) and all(torch.equal(bits(ours[k]), bits(base[k])) for k in base)
 
 
 def _truncate(path: Path) -> None:

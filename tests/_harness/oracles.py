@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from pathlib import Path
 
@@ -16,9 +18,10 @@ def check_deepspeed_version() -> None:
 
 
 def zero_to_fp32(save_dir: str | Path) -> dict:
-    """DeepSpeed's own zero_to_fp32 reconstruction, in-process."""
+    """DeepSpeed's own zero_to_fp32 reconstruction, in-process (its progress output discarded)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     check_deepspeed_version()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(save_dir))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return get_fp32_state_dict_from_zero_checkpoint(str(save_dir))

@@ -7,6 +7,8 @@
 * UNSUPPORTED: refused with a clear message, never described wrongly.
 * EMBED: saved through ``ckptspec.deepspeed.save_checkpoint``, then loaded back in the same job.
 * RESUMES: ``engine.load_checkpoint`` of a MATRIX checkpoint by a job of another layout.
+* OLD_DEEPSPEED: checkpoints of an older DeepSpeed (tests/_harness/compat.py), with the live
+  engine's manifests; built only by the compat tier (the default run reads committed copies).
 """
 
 from __future__ import annotations
@@ -63,6 +65,14 @@ RESUME_CASES = {
 }
 
 
+OLD_DEEPSPEED_SPECS = {
+    "old-s1-bf16-ws2": ({"stage": 1, "dtype": "bf16", **FEATURES}, 2),
+    "old-s2-fp32-ws2-groups": ({"stage": 2, "dtype": "fp32", "two_groups": True, **FEATURES}, 2),
+    "old-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16", **FEATURES}, 2),
+}
+OLD_DEEPSPEED = sorted(OLD_DEEPSPEED_SPECS)
+
+
 def engine_name(name: str) -> str:
     """The entry holding the live engine's manifests of MATRIX checkpoint ``name``."""
     return f"{name}+engine"
@@ -77,6 +87,10 @@ def _registry() -> dict[str, Task]:
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**MATRIX_SPECS[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)
+    from .compat import OLD_DEEPSPEED_VERSION
+
+    for name, (spec, ws) in OLD_DEEPSPEED_SPECS.items():
+        out[name] = Task("train", {**spec, "hooks": ["engine_manifest"]}, ws, deepspeed=OLD_DEEPSPEED_VERSION)
     return out
 
 

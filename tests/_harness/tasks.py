@@ -32,13 +32,33 @@ _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a
 class Task:
     """One job result: ``kind`` (job/main.py KINDS) run with ``args`` at ``world_size``.
 
-    ``load`` names the registered task whose entry a resume loads.
+    ``load`` names the registered task whose entry a resume loads. ``deepspeed`` is the version
+    of an older DeepSpeed (tests/_harness/compat.py) to run it with; such tasks are built only
+    when asked for by name, never in the default batch.
     """
 
     kind: str
     args: dict = field(hash=False)
     world_size: int
     load: str | None = None
+    deepspeed: str | None = None
+
+    @property
+    def python(self) -> str:
+        if self.deepspeed is None:
+            return sys.executable
+        from .compat import OLD_DEEPSPEED_VERSION, old_python
+
+        if self.deepspeed != OLD_DEEPSPEED_VERSION:
+            raise HarnessError(f"no virtualenv for DeepSpeed {self.deepspeed}")
+        return old_python()
+
+    def versions(self) -> dict:
+        if self.deepspeed is None:
+            return cache.versions()
+        from .compat import TORCH_VERSION
+
+        return {"deepspeed": self.deepspeed, "torch": TORCH_VERSION}
 
     def normalized(self) -> dict:
         if self.kind == "train":
@@ -51,7 +71,7 @@ class Task:
         module patches) that changes how a later stage-1/2 engine of the same process trains, so
         stage-3 jobs get launches of their own."""
         spec = self.normalized() if self.kind == "train" else self.normalized()["spec"]
-        return self.world_size, spec["stage"] == 3
+        return self.world_size, spec["stage"] == 3, self.deepspeed or ""
 
     @property
     def runs_ckptspec(self) -> bool:
@@ -70,7 +90,7 @@ def task_key(name: str, task: Task) -> str:
         "kind": task.kind,
         "args": task.normalized(),
         "world_size": task.world_size,
-        "versions": cache.versions(),
+        "versions": task.versions(),
         "job": cache.tree_digest(*cache.JOB_SOURCES),
         "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES) if task.runs_ckptspec else None,
         "load": task_key(task.load, _registry()[task.load]) if task.load else None,
@@ -93,7 +113,9 @@ def path(name: str, task: Task | None = None) -> Path:
     if registered:
         with cache.locked(cache.root() / "batch"):
             if not cache.is_done(target):
-                build_missing()
+                # The default batch, or every registered task of the same older DeepSpeed.
+                same = None if task.deepspeed is None else [n for n, t in _registry().items() if t.deepspeed == task.deepspeed]
+                build_missing(same)
         if cache.is_done(target):
             return target
     # Not registered, or its batch failed: alone, so that the error is this task's own.
@@ -107,7 +129,8 @@ def path(name: str, task: Task | None = None) -> Path:
 def build_missing(names: list[str] | None = None, jobs: int | None = None) -> dict[str, str]:
     """Build every registered (or named) entry that is missing; returns name -> error for failures."""
     registry = _registry()
-    todo = {n: registry[n] for n in (names or registry) if n not in _FAILED and not cache.is_done(entry(n))}
+    wanted = names or [n for n, t in registry.items() if t.deepspeed is None]
+    todo = {n: registry[n] for n in wanted if n not in _FAILED and not cache.is_done(entry(n))}
     jobs = jobs or int(os.environ.get("CKPTSPEC_DS_JOBS", "2"))
     failed: dict[str, str] = {}
     t0 = time.monotonic()
@@ -144,7 +167,7 @@ def _try_launch(batch) -> str | None:
     return None
 
 
-def _launch(batch: list[tuple[str, Task]], python: str = sys.executable) -> None:
+def _launch(batch: list[tuple[str, Task]]) -> None:
     """One torchrun launch for ``batch`` (all of one world size); each entry published on success."""
     world_size = batch[0][1].world_size
     assert len({t.launch_group for _, t in batch}) == 1
@@ -153,7 +176,7 @@ def _launch(batch: list[tuple[str, Task]], python: str = sys.executable) -> None
     try:
         tasks = [{"kind": t.kind, "args": _job_args(t), "out": str(stage / "out")} for (_, t), stage in zip(batch, staged)]
         t0 = time.monotonic()
-        log = run_tasks(tasks, world_size, staged[0], python)
+        log = run_tasks(tasks, world_size, staged[0], batch[0][1].python)
         seconds = round(time.monotonic() - t0, 1)
         for (name, task), target, stage in zip(batch, targets, staged):
             out = stage / "out"

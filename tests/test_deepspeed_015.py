@@ -1,0 +1,83 @@
+"""Checkpoints written by an older DeepSpeed (0.15.4: no ``param_alignment_paddings``, a pickled
+``set`` in the model states).
+
+Default run: the committed checkpoints of ``tests/data/deepspeed-0.15.4/`` (made by
+``./scripts/compat.sh --refresh``, each with the fp32 masters read from the live 0.15.4 engine in
+the job) validate clean and reconstruct bit-exact against those masters, DeepSpeed 0.19.8's
+``zero_to_fp32`` and the model-states files.
+
+Compat tier (``./scripts/compat.sh``, marker ``compat``): the same jobs run again with DeepSpeed
+0.15.4 in its own virtualenv; the live engine's manifest equals the directory's, and the
+committed checkpoints are what the jobs write.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _harness.compat import FIXTURES, OLD_DEEPSPEED_VERSION
+from _harness.reconstruction import check_reconstruction, cli
+from _harness.scenarios import OLD_DEEPSPEED, OLD_DEEPSPEED_SPECS
+from ckptspec.ds_checkpoint import manifest_from_checkpoint
+from ckptspec.validate import validate_document
+
+# Fields only one producer can know (see test_producers.py).
+PRODUCER_ONLY = ("producer", "files", "excluded")
+
+
+def _without(doc: dict, keys) -> dict:
+    return {k: v for k, v in doc.items() if k not in keys}
+
+
+def test_every_old_checkpoint_is_committed():
+    assert sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()) == OLD_DEEPSPEED
+
+
+@pytest.mark.parametrize("name", OLD_DEEPSPEED)
+def test_committed_checkpoint_validates_and_reconstructs_bit_exact(name, tmp_path):
+    save_dir = FIXTURES / name
+    info = json.loads((save_dir / "harness.json").read_text())
+    assert info["deepspeed_version"] == OLD_DEEPSPEED_VERSION
+
+    report = json.loads(cli("validate", save_dir, "--format", "json").stdout)
+    assert report["valid"] and report["findings"] == []
+    doc = manifest_from_checkpoint(save_dir).to_dict()
+    assert doc["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
+    assert validate_document(doc).findings == []
+    assert "param_alignment_paddings" not in _optimizer_state_keys(save_dir)  # what makes 0.15 different
+
+    check_reconstruction(save_dir, tmp_path / "out", stage=OLD_DEEPSPEED_SPECS[name][0]["stage"])
+
+
+def _optimizer_state_keys(save_dir: Path) -> set:
+    tag_dir = save_dir / (save_dir / "latest").read_text().strip()
+    first = sorted(tag_dir.glob("*optim_states.pt"))[0]
+    return set(torch.load(first, map_location="cpu", weights_only=False)["optimizer_state_dict"])
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("name", OLD_DEEPSPEED)
+def test_old_engine_manifest_equals_directory_manifest(name, ds):
+    save_dir = ds.path(name)
+    world_size = OLD_DEEPSPEED_SPECS[name][1]
+    engine_docs = [ds.read_json(name, f"engine_manifest.rank{r}.json") for r in range(world_size)]
+    assert all(doc == engine_docs[0] for doc in engine_docs)
+    assert engine_docs[0]["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
+    from_dir = manifest_from_checkpoint(save_dir).to_dict()
+    assert _without(from_dir, PRODUCER_ONLY) == _without(engine_docs[0], PRODUCER_ONLY)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("name", OLD_DEEPSPEED)
+def test_committed_checkpoint_is_what_the_job_writes(name, ds):
+    built, committed = ds.path(name), FIXTURES / name
+    fresh = torch.load(built / "live_fp32.pt", weights_only=True)
+    kept = torch.load(committed / "live_fp32.pt", weights_only=True)
+    assert sorted(fresh) == sorted(kept) and all(torch.equal(fresh[k], kept[k]) for k in kept)
+    layout = [_without(manifest_from_checkpoint(d).to_dict(), ("producer", "files")) for d in (built, committed)]
+    assert layout[0] == layout[1]
+
