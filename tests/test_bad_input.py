@@ -19,7 +19,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
@@ -241,7 +240,7 @@ def test_installed_command_on_bad_files(tmp_path):
 
 
 def test_cli_sparse_3gb_refused_without_reading(tmp_path):
-    """A 3 GB sparse file is refused from its size alone: fast, and within a 1 GB memory limit."""
+    """A 3 GB sparse file is refused from its size alone, within a 1 GB memory limit (reading it would not fit)."""
     path = tmp_path / "huge.json"
     with open(path, "wb") as fh:
         fh.truncate(3 * 1024**3)
@@ -251,12 +250,9 @@ def test_cli_sparse_3gb_refused_without_reading(tmp_path):
 
         resource.setrlimit(resource.RLIMIT_AS, (1024**3, 1024**3))
 
-    start = time.monotonic()
     result = run_cli("validate", "--max-size", "1K", str(path), preexec_fn=limit_memory)
-    elapsed = time.monotonic() - start
     assert_refused(result, 2, "CK902")
     assert "3221225472 bytes" in result.stderr
-    assert elapsed < 20, f"took {elapsed:.1f} s"
     # The default cap (512M) refuses it too.
     assert_refused(run_cli("validate", str(path), preexec_fn=limit_memory), 2, "CK902")
 

@@ -23,7 +23,7 @@ import safetensors.torch as safetensors_torch
 import torch
 
 from _harness.oracles import zero_to_fp32
-from _harness.reconstruction import bits, check_reconstruction, roles, same_bits
+from _harness.reconstruction import bits, check_reconstruction, same_bits
 from _harness.scenarios import MATRIX, MATRIX_SPECS, engine_name
 from ckptspec.ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
 

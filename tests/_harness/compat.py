@@ -11,7 +11,6 @@ import fcntl
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from .cache import REPO_ROOT
 from .launch import HarnessError
