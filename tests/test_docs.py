@@ -6,9 +6,16 @@ Fenced blocks in docs/*.md and README.md follow these conventions:
 * ```` ```json fragment ````: part of a manifest; it must parse.
   With ``at=JSONPATH`` (docs/errors.md), it is also applied to
   examples/manifests/zero2-bf16-2ranks.json (the value at JSONPATH is replaced; ``at=$``
-  replaces the fragment's top-level keys) and the result must produce the code of the
-  enclosing ``## CKnnn`` heading; the ```` ```text findings ```` block right after it
-  must list exactly the finding lines ``ckptspec validate`` prints (without ``MANIFEST: ``).
+  replaces the fragment's top-level keys). Right after it comes its oracle, a
+  ```` ```text expect ```` block written by hand from the example's prose: one
+  ``CODE PATH [(rank N)] [in FILE]`` line per finding the example must produce. It must
+  include the code of the enclosing ``## CKnnn`` heading, and the findings ckptspec
+  produces must be exactly these (as a multiset of code, path, rank and file: none
+  missing, none extra); any other code in it must be named in the section's prose (a
+  cascade the prose explains). After that, a ```` ```text findings ```` block shows
+  readers the finding lines ``ckptspec validate`` prints (without ``MANIFEST: ``); it is
+  compared line for line only to keep the docs current: it is documentation, not the oracle.
+* ```` ```text expect ````: only right after a ```` ```json fragment at=... ```` block.
 * ```` ```json report ````: a `validate --format json` report; it must match the report schema.
 * ```` ```console ```` (docs/ only): ``$ command`` lines and their output; every command is run with
   bash in a scratch directory (where ``examples/`` and ``tests/`` link to the repository)
@@ -48,6 +55,7 @@ import stat
 import textwrap
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,32 +235,176 @@ def apply_at(doc: dict, path: str, value) -> dict:
     return doc
 
 
-def error_examples() -> list[tuple[Block, Block | None]]:
-    blocks = parse_blocks(DOCS / "errors.md")
+def is_example(block: Block) -> bool:
+    """A ```json fragment at=JSONPATH block: an example applied to the example manifest."""
+    return block.words[:2] == ["json", "fragment"] and any(w.startswith("at=") for w in block.words)
+
+
+def is_expectation(block: Block) -> bool:
+    return block.words == ["text", "expect"]
+
+
+@dataclass
+class ErrorExample:
+    fragment: Block
+    expect: Block | None  # the block right after the fragment, if it is a ```text expect: the oracle
+    findings: Block | None  # the block after that, if it is a ```text findings: what ckptspec prints
+
+    @property
+    def code(self) -> str:
+        return self.fragment.heading.split()[0]
+
+    def where(self) -> str:
+        return self.fragment.where()
+
+
+def error_examples(blocks: list[Block] | None = None) -> list[ErrorExample]:
+    blocks = parse_blocks(DOCS / "errors.md") if blocks is None else blocks
     out = []
     for i, b in enumerate(blocks):
-        if b.words[:2] == ["json", "fragment"] and any(w.startswith("at=") for w in b.words):
-            following = blocks[i + 1] if i + 1 < len(blocks) else None
-            out.append((b, following))
+        if is_example(b):
+            expect = blocks[i + 1] if i + 1 < len(blocks) and is_expectation(blocks[i + 1]) else None
+            k = i + 2 if expect is not None else i + 1
+            findings = blocks[k] if k < len(blocks) and blocks[k].words == ["text", "findings"] else None
+            out.append(ErrorExample(b, expect, findings))
     return out
 
 
-@pytest.mark.parametrize("block,expected", error_examples(), ids=lambda x: x.where() if isinstance(x, Block) else "")
-def test_error_example(block: Block, expected: Block | None):
-    code = block.heading.split()[0]
-    path = next(w[3:] for w in block.words if w.startswith("at="))
-    doc = apply_at(json.loads(EXAMPLE.read_text("utf-8")), path, json.loads(block.text))
-    report = validate_document(doc)
-    codes = {f.code for f in report.findings}
-    assert code in codes, f"{block.where()}: the example under '## {block.heading}' gives {sorted(codes)}"
-    assert expected is not None and expected.words == ["text", "findings"], (
-        f"{block.where()}: a ```text findings block must follow the example")
-    assert [f.to_line() for f in report.findings] == expected.text.splitlines(), (
-        f"{expected.where()}: the findings shown are not what ckptspec prints")
+def example_findings(fragment: Block) -> list:
+    """The findings of the example manifest with the fragment applied."""
+    path = next(w[3:] for w in fragment.words if w.startswith("at="))
+    doc = apply_at(json.loads(EXAMPLE.read_text("utf-8")), path, json.loads(fragment.text))
+    return validate_document(doc).findings
+
+
+# One finding as an expectation writes it: code, JSON path, then its rank and file when it has them.
+EXPECT_LINE = re.compile(r"^(CK\d{3}) (\$\S*)(?: \(rank (\d+)\))?(?: in (\S+))?$")
+Expected = tuple[str, str, "int | None", "str | None"]  # code, path, rank, file
+
+
+def parse_expectation(block: Block) -> list[Expected]:
+    out = []
+    for n, line in enumerate(block.text.splitlines(), start=block.line + 1):
+        m = EXPECT_LINE.match(line)
+        assert m, f"{block.file.relative_to(ROOT)}:{n}: not a `CODE PATH [(rank N)] [in FILE]` line: {line!r}"
+        out.append((m.group(1), m.group(2), None if m.group(3) is None else int(m.group(3)), m.group(4)))
+    assert out, f"{block.where()}: an empty expectation (an example must produce its code)"
+    return out
+
+
+def _expected_line(item: Expected) -> str:
+    code, path, rank, file = item
+    return f"{code} {path}" + ("" if rank is None else f" (rank {rank})") + ("" if file is None else f" in {file}")
+
+
+def check_expectation(example: ErrorExample) -> None:
+    """The oracle: the example's findings are exactly the hand-written expectation."""
+    assert example.expect is not None, f"{example.where()}: a ```text expect block must follow the example"
+    expected = parse_expectation(example.expect)
+    assert example.code in {item[0] for item in expected}, (
+        f"{example.expect.where()}: the expectation must include {example.code}, the code the example shows")
+    actual = [(f.code, f.path, f.rank, f.file) for f in example_findings(example.fragment)]
+    missing = list((Counter(expected) - Counter(actual)).elements())
+    extra = list((Counter(actual) - Counter(expected)).elements())
+    assert not missing and not extra, (
+        f"{example.expect.where()}: ckptspec's findings differ from the expectation"
+        + "".join(f"\n  missing:    {_expected_line(i)}" for i in missing)
+        + "".join(f"\n  unexpected: {_expected_line(i)}" for i in extra))
+
+
+@pytest.mark.parametrize("example", error_examples(), ids=lambda e: e.where())
+def test_error_example(example: ErrorExample):
+    check_expectation(example)
+
+
+@pytest.mark.parametrize("example", error_examples(), ids=lambda e: e.where())
+def test_error_example_printed_findings_are_current(example: ErrorExample):
+    """The ```text findings block is documentation (what ckptspec prints), kept current; not the oracle."""
+    assert example.findings is not None, (
+        f"{example.where()}: a ```text findings block must follow the example's ```text expect block")
+    lines = [f.to_line() for f in example_findings(example.fragment)]
+    assert lines == example.findings.text.splitlines(), (
+        f"{example.findings.where()}: the findings shown are not what ckptspec prints now:\n" + "\n".join(lines))
+
+
+def test_every_example_has_one_expectation():
+    """Every example is followed by exactly one expectation, and no expectation stands alone."""
+    problems = []
+    for path in doc_files():
+        blocks = parse_blocks(path)
+        for i, b in enumerate(blocks):
+            if is_example(b) and not (i + 1 < len(blocks) and is_expectation(blocks[i + 1])):
+                problems.append(f"{b.where()}: the example is not followed by a ```text expect block")
+            if is_expectation(b) and not (i > 0 and is_example(blocks[i - 1])):
+                problems.append(f"{b.where()}: a ```text expect block that does not follow a ```json fragment at=... block")
+            if is_example(b) and path.name != "errors.md":
+                problems.append(f"{b.where()}: examples applied to the example manifest belong in docs/errors.md")
+    assert not problems, "\n".join(problems)
+
+
+def test_expectations_name_known_codes():
+    known = {r.code for r in RULES} | set(OTHER_CODES)
+    documented = set(error_headings())
+    for example in error_examples():
+        assert example.expect is not None, f"{example.where()}: no ```text expect block"
+        for code, *_ in parse_expectation(example.expect):
+            assert code in known and code in documented, f"{example.expect.where()}: {code} is not a known code"
+
+
+def _section_prose(code: str) -> str:
+    """The text of the ``## CODE`` section of docs/errors.md, without its fenced blocks."""
+    text = (DOCS / "errors.md").read_text("utf-8")
+    m = re.search(rf"^## {code}\b.*?(?=^## |\Z)", text, re.S | re.M)
+    assert m, f"no ## {code} section"
+    return re.sub(r"^```.*?^```", "", m.group(0), flags=re.S | re.M)
+
+
+def test_cascades_are_named_in_prose():
+    """A finding of another code than the section's is a cascade, which the prose must explain."""
+    unexplained = []
+    for example in error_examples():
+        assert example.expect is not None, f"{example.where()}: no ```text expect block"
+        prose = _section_prose(example.code)
+        for code in sorted({c for c, *_ in parse_expectation(example.expect)} - {example.code}):
+            if not re.search(rf"\b{code}\b", prose):
+                unexplained.append(f"{example.expect.where()}: {code} is expected but the {example.code} prose never names it")
+    assert not unexplained, "\n".join(unexplained)
+
+
+# The oracle must notice what a pasted snapshot cannot: the audited CK106 example (l2 reshaped
+# to [7, 33] without a word, so its findings also held CK107 and CK108), a missing finding, a
+# wrong rank or file, and an expectation that does not show its own code.
+_OLD_CK106 = """[
+  {"name": "emb.weight", "shape": [50, 16], "numel": 800, "dtype": "bfloat16", "offset": 0, "padding": 0},
+  {"name": "l1.bias", "shape": [33], "numel": 33, "dtype": "bfloat16", "offset": 1328, "padding": 0},
+  {"name": "l1.weight", "shape": [33, 16], "numel": 528, "dtype": "bfloat16", "offset": 800, "padding": 0},
+  {"name": "l2.weight", "shape": [7, 33], "numel": 231, "dtype": "bfloat16", "offset": 1361, "padding": 0},
+  {"name": "l2.bias", "shape": [7], "numel": 7, "dtype": "bfloat16", "offset": 1592, "padding": 0}
+]
+"""
+_CK106_OFFSETS = "".join(f"CK106 $.groups[0].params[{k}].offset\n" for k in (1, 2, 3))
+_RANK1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+@pytest.mark.parametrize("heading,at,fragment,expect,complaint", [
+    ("CK106 group-offsets", "$.groups[0].params", _OLD_CK106, _CK106_OFFSETS, "unexpected: CK107 $.groups[0].padded_numel"),
+    ("CK106 group-offsets", "$.groups[0].params", _OLD_CK106, _CK106_OFFSETS, "unexpected: CK108 $.groups[0].saved_numels[1] (rank 1)"),
+    ("CK119 locator-file-bounds", "$.files[2].size", "12000\n", "CK119 $.files[2].partitions[0] (rank 1)\n", "missing:    CK119 $.files[2].partitions[0] (rank 1)\n"),
+    ("CK119 locator-file-bounds", "$.files[2].size", "12000\n", f"CK119 $.files[2].partitions[0] (rank 0) in {_RANK1}\n", "missing:    CK119"),
+    ("CK117 locator-numel", "$.files[2].size", "12000\n", f"CK119 $.files[2].partitions[0] (rank 1) in {_RANK1}\n", "must include CK117"),
+    ("CK113 unsafe-path", "$.files[0].path", '"../x.pt"\n', "CK113 $.files[0].path\nCK113 $.files[0].path\n", "missing:    CK113 $.files[0].path"),
+    ("CK113 unsafe-path", "$.files[0].path", '"../x.pt"\n', "CK113 $.files[0].path (rank 0)\n", "missing:    CK113 $.files[0].path (rank 0)"),
+    ("CK113 unsafe-path", "$.files[0].path", '"../x.pt"\n', "CK113 files[0].path\n", "not a `CODE PATH"),
+])
+def test_expectation_catches_a_wrong_example(heading, at, fragment, expect, complaint):
+    example = ErrorExample(Block(DOCS / "made-up.md", 1, f"json fragment at={at}", fragment, heading),
+                           Block(DOCS / "made-up.md", 10, "text expect", expect, heading), None)
+    with pytest.raises(AssertionError, match=re.escape(complaint)):
+        check_expectation(example)
 
 
 def test_every_rule_has_an_example():
-    shown = {b.heading.split()[0] for b, _ in error_examples()}
+    shown = {e.code for e in error_examples()}
     assert {r.code for r in RULES} <= shown
 
 
