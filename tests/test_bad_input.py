@@ -27,10 +27,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptspec import loader
+from ckptspec.format import loader
 from ckptspec.cli import main as cli_main
 from ckptspec.errors import CkptspecError
-from ckptspec.validate import Report, validate_document
+from ckptspec.format.validate import Report, validate_document
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"

@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
-from ckptspec.diff import RULES, diff_manifests, resume_reasons
-from ckptspec.models import Manifest
+from ckptspec.report.diff import RULES, diff_manifests, resume_reasons
+from ckptspec.format.models import Manifest
 from ds_matrix import MATRIX
 from dsharness.build import build_checkpoint
 from dsharness.resume import resume_checkpoint

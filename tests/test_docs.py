@@ -54,8 +54,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from ckptspec.rules import RULES
-from ckptspec.validate import validate_document
+from ckptspec.format.rules import RULES
+from ckptspec.format.validate import validate_document
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -485,7 +485,7 @@ def error_headings() -> dict[str, str]:
 
 
 def codes_in_source() -> set[str]:
-    return {c for path in (ROOT / "ckptspec").glob("*.py") for c in CODE_RE.findall(path.read_text("utf-8"))}
+    return {c for path in (ROOT / "ckptspec").rglob("*.py") for c in CODE_RE.findall(path.read_text("utf-8"))}
 
 
 def test_every_code_has_a_heading():
@@ -499,7 +499,7 @@ def _registered_checks() -> list[tuple[str, str]]:
     """(code, name) of every registered rule: manifest rules, and shard checks when present."""
     checks = [(r.code, r.name) for r in RULES]
     try:
-        from ckptspec.shards import CHECKS
+        from ckptspec.deepspeed.validate import CHECKS
     except ImportError:
         return checks
     return checks + [(c.code, c.name) for c in CHECKS]
@@ -617,7 +617,7 @@ def test_every_field_bullet_has_a_type():
 
 
 def test_spec_dtype_table_matches_schema_and_rules():
-    from ckptspec.rules import ITEMSIZE
+    from ckptspec.format.rules import ITEMSIZE
 
     schema = json.loads(MANIFEST_SCHEMA.read_text("utf-8"))
     text = (DOCS / "spec.md").read_text("utf-8")

@@ -22,15 +22,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from ckptspec import torchfile
-from ckptspec.embed import (
+from ckptspec.checkpoint import torchfile
+from ckptspec.checkpoint.embedded import (
     CLIENT_STATE_KEY, SAFETENSORS_KEY, SAFETENSORS_SHA256_KEY, EmbeddedCopy, EmbedError, agreement_findings,
     client_state_value, embedded_findings, first_difference, layout_document, read_client_state_copy,
     rewrite_pt_with_item, safetensors_metadata, write_sidecar,
 )
-from ckptspec.encoding import dumps
-from ckptspec.loader import load_document
-from ckptspec.validate import validate_document
+from ckptspec.format.encoding import dumps
+from ckptspec.format.loader import load_document
+from ckptspec.format.validate import validate_document
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
@@ -333,7 +333,7 @@ def test_sidecar_is_written_last_and_latest_after_it(saved):
 def test_sidecar_files_are_the_files_on_disk(saved):
     """Sizes, hashes and locators gathered from the ranks equal what the saved directory says
     (so the model-states files were described with their client state inside)."""
-    from ckptspec.ds_checkpoint import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe import manifest_from_checkpoint
 
     from_dir = manifest_from_checkpoint(saved.save_dir, hash_algorithm="sha256").to_dict()
     sidecar = json.loads(saved.sidecar.read_text())
@@ -509,8 +509,8 @@ class _FakeEngine:
 def fake_job(saved, monkeypatch):
     import torch.distributed
 
-    import ckptspec.deepspeed as ds
-    from ckptspec.models import Manifest
+    import ckptspec.deepspeed.engine as ds
+    from ckptspec.format.models import Manifest
 
     layout = Manifest.model_validate(layout_document(json.loads(saved.sidecar.read_text())))
     monkeypatch.setattr(ds, "manifest_from_engine", lambda engine, exclude_frozen_parameters=False: layout.model_copy(deep=True))

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptspec.cli import cli
-from ckptspec.encoding import NotEncodable, atomic_output, dumps, encoding_for_output, write_atomic
-from ckptspec.loader import decode, load_document
-from ckptspec.models import Manifest
-from ckptspec.validate import validate_document
+from ckptspec.format.encoding import NotEncodable, atomic_output, dumps, encoding_for_output, write_atomic
+from ckptspec.format.loader import decode, load_document
+from ckptspec.format.models import Manifest
+from ckptspec.format.validate import validate_document
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "conformance" / "1.0"

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ckptspec import migrate as mig
+from ckptspec.format import migrate as mig
 from ckptspec.cli import cli
-from ckptspec.loader import load_document
-from ckptspec.migrate import (
+from ckptspec.format.loader import load_document
+from ckptspec.format.migrate import (
     InvalidInput, MigrationError, check_document, migrate_document, migration_path, registered, version_key,
 )
-from ckptspec.validate import validate_document
+from ckptspec.format.validate import validate_document
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT = ROOT / "tests" / "schema_drafts" / "manifest-1.1.schema.json"

@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
-from ckptspec.ds_checkpoint import manifest_from_checkpoint
+from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.errors import CkptspecError, InvalidCheckpoint
-from ckptspec.models import Manifest
-from ckptspec.shards import CHECKS, _natural_order, check_checkpoint, validate_checkpoint
-from ckptspec import torchfile
+from ckptspec.format.models import Manifest
+from ckptspec.deepspeed.validate import CHECKS, _natural_order, check_checkpoint, validate_checkpoint
+from ckptspec.checkpoint import torchfile
 from ds_matrix import MATRIX
 from dsharness.build import build_checkpoint
 from faults import FAULTS, FaultEnv, snapshot, tag_dir

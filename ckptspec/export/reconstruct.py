@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import torchfile
-from .encoding import dumps, fsync_dir, write_atomic
-from .errors import CkptspecError, InvalidCheckpoint
-from .findings import Finding, has_errors
-from .models import Manifest
-from .rules import ITEMSIZE
+from ..checkpoint import torchfile
+from ..format.encoding import dumps, fsync_dir, write_atomic
+from ..errors import CkptspecError, InvalidCheckpoint
+from ..findings import Finding, has_errors
+from ..format.models import Manifest
+from ..format.rules import ITEMSIZE
 from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter, TensorEntry, _umask
 
 __all__ = [
@@ -101,14 +101,14 @@ def validate_checkpoint(checkpoint: str | os.PathLike, manifest: Any = None, tag
     Raises ``CkptspecError`` when the checkpoint or manifest cannot be read at all.
     """
     if manifest is not None and not isinstance(manifest, Manifest):
-        from .validate import validate_file
+        from ..format.validate import validate_file
 
         report = validate_file(manifest)
         if not report.ok or report.manifest is None:
             return None, list(report.findings)
         manifest = report.manifest
     try:
-        from .shards import validate_checkpoint as validate_shards  # shard-validation issue
+        from ..deepspeed.validate import validate_checkpoint as validate_shards  # shard-validation issue
     except ImportError:
         validate_shards = None
     if validate_shards is not None:
@@ -118,8 +118,8 @@ def validate_checkpoint(checkpoint: str | os.PathLike, manifest: Any = None, tag
 
 
 def _fallback_validate(checkpoint, manifest, tag) -> tuple[Manifest | None, list[Finding]]:
-    from .ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
-    from .validate import validate_manifest
+    from ..deepspeed.describe import manifest_from_checkpoint, resolve_tag_dir
+    from ..format.validate import validate_manifest
 
     if manifest is None:
         manifest = manifest_from_checkpoint(checkpoint, tag)
@@ -185,9 +185,9 @@ class ReconstructionPlan:
 
     def metadata(self, dtype: str, untied: bool) -> dict[str, str]:
         """The string map written to ``__metadata__`` and to the index's ``metadata``."""
-        from . import __version__
+        from .._version import __version__
 
-        from .embed import safetensors_metadata
+        from ..checkpoint.embedded import safetensors_metadata
 
         frozen = {s.name: s.dtype for s in self.sources.values() if s.role == "frozen"}
         return {
@@ -213,7 +213,7 @@ def manifest_digest(manifest: Manifest) -> str:
 
 def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: str | None = None) -> ReconstructionPlan:
     """Byte ranges of every output tensor. Reads only zip directories and ``data.pkl`` records."""
-    from .ds_checkpoint import resolve_tag_dir, scan_tag_dir
+    from ..deepspeed.describe import resolve_tag_dir, scan_tag_dir
 
     tag_dir = resolve_tag_dir(checkpoint, tag)
     model_files = _model_files(manifest, tag_dir, scan_tag_dir)
@@ -324,7 +324,7 @@ def _locators(manifest: Manifest, tag_dir: Path, checkpoint, tag) -> dict[tuple[
              for shard in manifest.files if shard.role == "optimizer_states" for loc in shard.partitions}
     needed = {(g, r) for g, group in enumerate(manifest.groups) for r in range(group.partition_count)}
     if needed - found.keys():
-        from .ds_checkpoint import manifest_from_checkpoint
+        from ..deepspeed.describe import manifest_from_checkpoint
 
         disk = manifest_from_checkpoint(checkpoint, tag)
         for shard in disk.files:

@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from .format_version import FORMAT_NAME, FORMAT_VERSION  # noqa: F401  (re-exported)
+from .version import FORMAT_NAME, FORMAT_VERSION  # noqa: F401  (re-exported)
 
 INT64_MAX = 2**63 - 1
 

@@ -12,9 +12,9 @@ import sys
 
 import click
 
-from .errors import CkptspecError
-from .findings import Finding, has_errors
-from .loader import DEFAULT_MAX_BYTES, load_document
+from ..errors import CkptspecError
+from ..findings import Finding, has_errors
+from ..format.loader import DEFAULT_MAX_BYTES, load_document
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 ENCODING_CHOICE = click.Choice(["json", "msgpack"])
@@ -34,7 +34,7 @@ def _show(target: str, findings: list[Finding], err: bool = True) -> None:
 
 def _check_input(name: str, doc) -> None:
     """The reader's gate for every command here: version first, then schema and rules."""
-    from .migrate import check_document
+    from ..format.migrate import check_document
 
     findings = check_document(doc)
     _show(name, findings)
@@ -43,7 +43,7 @@ def _check_input(name: str, doc) -> None:
 
 
 def _write(doc, output: str, encoding: str | None) -> int:
-    from .encoding import dumps, encoding_for_output, write_manifest
+    from ..format.encoding import dumps, encoding_for_output, write_manifest
 
     write_manifest(doc, output, encoding)
     return len(dumps(doc, encoding_for_output(output, encoding))) if output != "-" else 0
@@ -70,7 +70,7 @@ def convert(source: str, output: str, encoding: str | None, input_encoding: str 
     except CkptspecError as exc:
         _fail(exc, source)
     if output != "-":
-        from .encoding import encoding_for_output
+        from ..format.encoding import encoding_for_output
 
         click.echo(f"{output}: written ({encoding_for_output(output, encoding)}, {size} bytes)")
 
@@ -92,7 +92,7 @@ def embed(checkpoint: str, manifest_path: str | None, tag: str | None, encoding:
     manifest (files, sizes, hashes, locators) is written last, atomically, as the
     sidecar ckptspec.json of the tag directory. Reads no tensor data except to hash.
     """
-    from .embed import embed_checkpoint
+    from ..checkpoint.embedded import embed_checkpoint
 
     try:
         manifest = None
@@ -127,8 +127,8 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     The most complete copy is printed (the sidecar when there is one). When several
     copies exist they must agree (CK301, exit 1, otherwise).
     """
-    from .embed import EmbedError, agreement_findings, best_copy, find_copies
-    from .validate import _version_findings
+    from ..checkpoint.embedded import EmbedError, agreement_findings, best_copy, find_copies
+    from ..format.validate import _version_findings
 
     try:
         copies = find_copies(target, tag)
@@ -175,7 +175,7 @@ def migrate(source: str, output: str, to_version: str, encoding: str | None) -> 
     own version first and OUT against the target version before it is written; a
     field the target version has no place for is reported (CK313 warning).
     """
-    from .migrate import InvalidInput, migrate_document, version_key
+    from ..format.migrate import InvalidInput, migrate_document, version_key
 
     try:
         target = version_key(to_version)

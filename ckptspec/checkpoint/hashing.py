@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from .models import Hash
+from ..format.models import Hash
 
 ALGORITHMS = ("sha256", "blake2b")
 _CHUNK = 1 << 20

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Literal
 
 import msgpack
 
-from .errors import CkptspecError
+from ..errors import CkptspecError
 
 Encoding = Literal["json", "msgpack"]
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024

@@ -15,9 +15,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .layout import ParamSpec, flat_group, per_param_group
-from .models import (
+from .._version import __version__
+from ..format.partition import ParamSpec, flat_group, per_param_group
+from ..format.models import (
     FORMAT_NAME,
     FORMAT_VERSION,
     Alias,
@@ -30,7 +30,7 @@ from .models import (
     Producer,
     ShardFile,
 )
-from .torch_dtypes import dtype_name
+from ..format.dtypes import dtype_name
 
 
 class UnsupportedEngine(ValueError):
@@ -271,9 +271,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *,
     """
     import torch.distributed as dist
 
-    from .embed import CLIENT_STATE_KEY, client_state_value, write_sidecar
-    from .encoding import write_atomic
-    from .validate import validate_document
+    from ..checkpoint.embedded import CLIENT_STATE_KEY, client_state_value, write_sidecar
+    from ..format.encoding import write_atomic
+    from ..format.validate import validate_document
 
     checkpoint_engine = getattr(engine, "checkpoint_engine", None)
     if checkpoint_engine is not None and getattr(checkpoint_engine, "is_decoupled", lambda: False)():
@@ -331,7 +331,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *,
 
 def _describe_own_files(tag_dir: Path, rank: int, stage: int, hash_algorithm: str | None) -> list[dict]:
     """This rank's files of the tag directory (rank 0 also takes the rank-less ones), described."""
-    from .ds_checkpoint import ShardSet, _load, describe_files, scan_tag_dir
+    from .describe import ShardSet, _load, describe_files, scan_tag_dir
 
     every = scan_tag_dir(tag_dir)
     own = ShardSet(tag_dir)

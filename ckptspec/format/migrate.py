@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterator, Mapping
 
-from .errors import CkptspecError
-from .findings import Finding, has_errors, json_path
+from ..errors import CkptspecError
+from ..findings import Finding, has_errors, json_path
 from .models import FORMAT_VERSION
 from .validate import SUPPORTED_MAJOR, validate_document
 
@@ -139,7 +139,7 @@ def _validator_class():
     """Draft 2020-12 with ECMA-262 pattern anchors, as for the shipped schemas (schemas_registry)."""
     from jsonschema import Draft202012Validator, ValidationError, validators
 
-    from .schemas_registry import _ecma_regex
+    from .schemas import _ecma_regex
 
     def pattern(validator, value, instance, schema):
         if validator.is_type(instance, "string") and not _ecma_regex(value).search(instance):

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 from . import torchfile
-from .encoding import Encoding, atomic_output, dumps, write_atomic
-from .errors import CkptspecError, InvalidCheckpoint
-from .findings import Finding, json_path
-from .loader import decode, load_document
-from .models import Manifest
+from ..format.encoding import Encoding, atomic_output, dumps, write_atomic
+from ..errors import CkptspecError, InvalidCheckpoint
+from ..findings import Finding, json_path
+from ..format.loader import decode, load_document
+from ..format.models import Manifest
 
 SIDECAR_NAMES: dict[str, str] = {"json": "ckptspec.json", "msgpack": "ckptspec.msgpack"}
 CLIENT_STATE_KEY = "ckptspec_manifest"
@@ -286,7 +286,7 @@ def copies_in_dir(directory: str | os.PathLike, tag: str | None = None,
     With ``errors``, a file that cannot be read is appended there and skipped instead of raising.
     ``states``: model states already read (file name -> ``read_pt_metadata`` result), not read again.
     """
-    from .ds_checkpoint import MODEL_RE, resolve_tag_dir
+    from ..deepspeed.describe import MODEL_RE, resolve_tag_dir
 
     root = Path(directory)
     try:
@@ -316,7 +316,7 @@ def copies_in_dir(directory: str | os.PathLike, tag: str | None = None,
 
 
 def _rank_order(name: str) -> tuple:
-    from .ds_checkpoint import MODEL_RE
+    from ..deepspeed.describe import MODEL_RE
 
     m = MODEL_RE.match(name)
     return (0, int(m.group(1) or 0)) if m else (1, name)
@@ -480,7 +480,7 @@ def embed_checkpoint(checkpoint: str | os.PathLike, manifest: Manifest | dict | 
     directory. The old sidecar is removed first and the new one written last, so the
     checkpoint is marked complete only once every file is final.
     """
-    from .ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir, scan_tag_dir
+    from ..deepspeed.describe import manifest_from_checkpoint, resolve_tag_dir, scan_tag_dir
 
     tag_dir = resolve_tag_dir(checkpoint, tag)
     shards = scan_tag_dir(tag_dir)
@@ -524,7 +524,7 @@ def embed_checkpoint(checkpoint: str | os.PathLike, manifest: Manifest | dict | 
             written.append(path)
     complete = dict(doc)
     complete["files"] = [f.model_dump(mode="json", exclude_unset=True) for f in manifest_from_checkpoint(tag_dir, hash_algorithm=hash_algorithm).files]
-    from .validate import validate_document
+    from ..format.validate import validate_document
 
     report = validate_document(complete)
     if not report.ok:

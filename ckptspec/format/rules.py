@@ -20,7 +20,7 @@ from itertools import islice
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .findings import Finding, json_path
+from ..findings import Finding, json_path
 
 if TYPE_CHECKING:
     from .models import Manifest

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .errors import CkptspecError, InvalidCheckpoint
-from .layout import ParamSpec, flat_group, per_param_group
-from .models import (
+from .._version import __version__
+from ..errors import CkptspecError, InvalidCheckpoint
+from ..format.partition import ParamSpec, flat_group, per_param_group
+from ..format.models import (
     FORMAT_NAME,
     FORMAT_VERSION,
     Alias,
@@ -30,7 +30,7 @@ from .models import (
     Producer,
     ShardFile,
 )
-from . import torchfile
+from ..checkpoint import torchfile
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -305,7 +305,7 @@ def _stage3_sub_group_owners(osd: dict, n_sub_groups: int) -> list[int]:
 
 def describe_files(shards: ShardSet, model_states: dict, optim_states: dict, stage: int, hash_algorithm: str | None) -> list[ShardFile]:
     """Every file of the tag directory, with the byte locators of the flat master partitions."""
-    from .hashing import file_digest
+    from ..checkpoint.hashing import file_digest
 
     files = []
 

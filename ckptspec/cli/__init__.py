@@ -14,11 +14,11 @@ from typing import Any
 
 import click
 
-from . import __version__
-from .errors import CkptspecError
-from .findings import Finding
-from .loader import DEFAULT_MAX_BYTES
-from .schemas_registry import MANIFEST_SCHEMAS, REPORT_SCHEMA, manifest_schema_file, schema_text
+from .._version import __version__
+from ..errors import CkptspecError
+from ..findings import Finding
+from ..format.loader import DEFAULT_MAX_BYTES
+from ..format.schemas import MANIFEST_SCHEMAS, REPORT_SCHEMA, manifest_schema_file, schema_text
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 REPORT_VERSION = "1.0"
@@ -87,7 +87,7 @@ def validate(target: str, checkpoint: str | None, tag: str | None, no_hash: bool
     validate DIR                        DIR against its sidecar ckptspec.json/.msgpack, or
                                         against a manifest generated from DeepSpeed's metadata
     """
-    from .validate import validate_file
+    from ..format.validate import validate_file
 
     is_dir = checkpoint is None and os.path.isdir(target)
     if checkpoint is None and not is_dir and (tag is not None or no_hash):
@@ -101,7 +101,7 @@ def validate(target: str, checkpoint: str | None, tag: str | None, no_hash: bool
         _emit(output_format, target, report.findings)
         sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
 
-    from .shards import validate_checkpoint
+    from ..deepspeed.validate import validate_checkpoint
 
     shown = checkpoint if checkpoint is not None else target
     try:
@@ -144,8 +144,8 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     Reads only metadata (no tensor data unless --hash), needs neither DeepSpeed nor
     torch, and never executes pickled code.
     """
-    from .ds_checkpoint import manifest_from_checkpoint
-    from .encoding import write_manifest
+    from ..deepspeed.describe import manifest_from_checkpoint
+    from ..format.encoding import write_manifest
 
     try:
         manifest = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm)
@@ -188,18 +188,18 @@ def main() -> None:
         sys.exit(EXIT_USAGE)
 
 
-from .cli_reconstruct import reconstruct  # noqa: E402  (registered last; see cli_reconstruct.py)
+from .reconstruct import reconstruct  # noqa: E402  (registered last; see cli_reconstruct.py)
 
 cli.add_command(reconstruct)
 
-from .cli_embed import convert, embed, extract, migrate  # noqa: E402  (registered last; see cli_embed.py)
+from .embed import convert, embed, extract, migrate  # noqa: E402  (registered last; see cli_embed.py)
 
 cli.add_command(convert)
 cli.add_command(embed)
 cli.add_command(extract)
 cli.add_command(migrate)
 
-from .cli_inspect import diff, inspect  # noqa: E402  (registered last; see cli_inspect.py)
+from .inspect import diff, inspect  # noqa: E402  (registered last; see cli_inspect.py)
 
 cli.add_command(diff)
 cli.add_command(inspect)

@@ -21,11 +21,11 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .findings import Finding, has_errors, json_path
-from .format_version import FORMAT_NAME, FORMAT_VERSION
+from ..findings import Finding, has_errors, json_path
+from .version import FORMAT_NAME, FORMAT_VERSION
 from .loader import DEFAULT_MAX_BYTES, Encoding, gc_paused, read_document
 from .rules import check_document
-from .schemas_registry import LATEST_MANIFEST, fast_validator, manifest_schema_file, validator
+from .schemas import LATEST_MANIFEST, fast_validator, manifest_schema_file, validator
 
 if TYPE_CHECKING:
     from .models import Manifest

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from . import torchfile
-from .ds_checkpoint import MODEL_RE, OPTIM_RE, ShardSet, _real_ties, manifest_from_states, resolve_tag_dir, scan_tag_dir
-from .errors import CkptspecError
-from .findings import Finding, has_errors, json_path
-from .hashing import file_digest
-from .models import Manifest, ShardFile
-from .validate import validate_file, validate_manifest
+from ..checkpoint import torchfile
+from .describe import MODEL_RE, OPTIM_RE, ShardSet, _real_ties, manifest_from_states, resolve_tag_dir, scan_tag_dir
+from ..errors import CkptspecError
+from ..findings import Finding, has_errors, json_path
+from ..checkpoint.hashing import file_digest
+from ..format.models import Manifest, ShardFile
+from ..format.validate import validate_file, validate_manifest
 
 SIDECARS = ("ckptspec.json", "ckptspec.msgpack")
 
@@ -930,7 +930,7 @@ def validate_checkpoint(checkpoint_dir: str | os.PathLike, manifest: Manifest | 
         manifest = manifest.model_copy(update={"files": described.files})
     findings += check_checkpoint(manifest, tag_dir, verify_hashes=verify_hashes, _cache=cache)
     # Copies embedded in the model states (client_state) must agree with each other and the sidecar.
-    from .embed import embedded_findings
+    from ..checkpoint.embedded import embedded_findings
 
     # The model states were read above: a second unpickling costs as much as the first.
     states = {rel: loaded.state for rel, loaded in cache.items() if loaded.error is None}

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from .findings import Finding, json_path
-from .models import Manifest
+from ..findings import Finding, json_path
+from ..format.models import Manifest
 
 DIFF_VERSION = "1.0"
 LAYOUT_FIELDS = ("zero_stage", "world_size", "model_dtype", "master_dtype", "optimizer", "round_robin",

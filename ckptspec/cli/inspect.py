@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .errors import CkptspecError
-from .findings import Finding, has_errors
-from .loader import DEFAULT_MAX_BYTES
+from ..errors import CkptspecError
+from ..findings import Finding, has_errors
+from ..format.loader import DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:  # the models load pydantic; `ckptspec validate` must not pay for it
-    from .models import Manifest
+    from ..format.models import Manifest
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 FORMAT_CHOICE = click.Choice(["text", "json"])
@@ -42,7 +42,7 @@ class Target:
 
 def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Target:
     """Read and validate the manifest of ``name`` (a file, or a checkpoint directory)."""
-    from .validate import validate_file, validate_manifest
+    from ..format.validate import validate_file, validate_manifest
 
     if not os.path.isdir(name):
         if tag is not None:
@@ -50,8 +50,8 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
         report = validate_file(name, max_bytes=max_bytes)
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
-    from .ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
-    from .shards import find_sidecar
+    from ..deepspeed.describe import manifest_from_checkpoint, resolve_tag_dir
+    from ..deepspeed.validate import find_sidecar
 
     tag_dir = resolve_tag_dir(name, tag)
     sidecar = find_sidecar(tag_dir)
@@ -126,7 +126,7 @@ def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
     else one generated from DeepSpeed's metadata); its files are not checked against
     the manifest (that is `ckptspec validate DIR`).
     """
-    from .inspect import summarize
+    from ..report.summary import summarize
 
     try:
         loaded = load_target(target, tag)
@@ -162,7 +162,7 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
          or A or B is not a valid manifest
       2  usage or I/O error
     """
-    from .diff import diff_manifests
+    from ..report.diff import diff_manifests
 
     targets = []
     for name, tag in ((a, tag_a), (b, tag_b)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .models import Manifest
+from ..format.models import Manifest
 
 SUMMARY_VERSION = "1.0"
 DEFAULT_TOP = 10

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .errors import CkptspecError
+from ..errors import CkptspecError
 
 EXIT_INVALID, EXIT_USAGE = 1, 2
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
@@ -56,8 +56,8 @@ def reconstruct(checkpoint: str, output_dir: str, manifest: str | None, tag: str
     and tied aliases. Needs neither DeepSpeed nor torch (except --format torch)
     and never executes pickled code.
     """
-    from .findings import has_errors
-    from .reconstruct import plan_reconstruction, progress_printer, validate_checkpoint, write_consolidated
+    from ..findings import has_errors
+    from ..export.reconstruct import plan_reconstruction, progress_printer, validate_checkpoint, write_consolidated
 
     if fmt == "torch":
         try:
@@ -102,6 +102,6 @@ def _dtype(name: str) -> str:
 
 
 def _itemsize(dtype: str) -> int:
-    from .rules import ITEMSIZE
+    from ..format.rules import ITEMSIZE
 
     return ITEMSIZE[dtype]

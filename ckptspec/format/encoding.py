@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Iterator
 
 import msgpack
 
-from .errors import CkptspecError
+from ..errors import CkptspecError
 from .loader import MSGPACK_SUFFIXES, Encoding, decode
 from .models import Manifest
 
