@@ -24,10 +24,11 @@ import pytest
 
 from ckptspec.checkpoint import torchfile
 from ckptspec.checkpoint.embedded import (
-    CLIENT_STATE_KEY, SAFETENSORS_KEY, SAFETENSORS_SHA256_KEY, EmbeddedCopy, EmbedError, agreement_findings,
+    CLIENT_STATE_KEY, SAFETENSORS_KEY, SAFETENSORS_SHA256_KEY, EmbeddedCopy, agreement_findings,
     client_state_value, embedded_findings, first_difference, layout_document, read_client_state_copy,
     rewrite_pt_with_item, safetensors_metadata, write_sidecar,
 )
+from ckptspec.errors import EmbedError, UnsupportedEngine
 from ckptspec.format.encoding import dumps
 from ckptspec.format.loader import load_document
 from ckptspec.format.validate import validate_document
@@ -558,7 +559,7 @@ def test_refusals_before_anything_is_saved(fake_job, tmp_path):
     fake_job.install()
     with pytest.raises(ValueError, match="reserved"):
         fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path, client_state={CLIENT_STATE_KEY: "mine"})
-    with pytest.raises(fake_job.ds.UnsupportedEngine, match="decoupled"):
+    with pytest.raises(UnsupportedEngine, match="decoupled"):
         fake_job.ds.save_checkpoint(fake_job.engine(decoupled=True), tmp_path)
     with pytest.raises(ValueError, match="sidecar_encoding"):
         fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path, sidecar_encoding="yaml")

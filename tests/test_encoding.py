@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptspec.cli import cli
-from ckptspec.format.encoding import NotEncodable, atomic_output, dumps, encoding_for_output, write_atomic
+from ckptspec.errors import NotEncodable
+from ckptspec.format.encoding import atomic_output, dumps, encoding_for_output, write_atomic
 from ckptspec.format.loader import decode, load_document
 from ckptspec.format.models import Manifest
 from ckptspec.format.validate import validate_document

@@ -18,9 +18,10 @@ from click.testing import CliRunner
 
 from ckptspec.format import migrate as mig
 from ckptspec.cli import cli
+from ckptspec.errors import InvalidInput, MigrationError
 from ckptspec.format.loader import load_document
 from ckptspec.format.migrate import (
-    InvalidInput, MigrationError, check_document, migrate_document, migration_path, registered, version_key,
+    check_document, migrate_document, migration_path, registered, version_key,
 )
 from ckptspec.format.validate import validate_document
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from ckptspec.checkpoint.torchfile import (
-    DynamicLossScalerState, FragmentAddress, LossScalerState, NotATorchFile, TensorRef, TorchFileError,
-    TruncatedFile, UnsafePickleError, ZeroStage, iter_tensor_refs, read_pt_metadata, tensor_byte_range,
-    zip_member_locations)
+    DynamicLossScalerState, FragmentAddress, LossScalerState, TensorRef, ZeroStage, iter_tensor_refs, read_pt_metadata,
+    tensor_byte_range, zip_member_locations)
+from ckptspec.errors import NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
 
 REPO = Path(__file__).resolve().parents[1]
 

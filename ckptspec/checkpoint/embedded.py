@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from . import torchfile
+from .states import StateCache, read_state
 from ..format.encoding import Encoding, atomic_output, dumps, write_atomic
-from ..errors import CkptspecError, InvalidCheckpoint
+from ..errors import CkptspecError, EmbedError, InvalidCheckpoint
 from ..findings import Finding, json_path
 from ..format.loader import decode, load_document
 from ..format.models import Manifest
@@ -49,10 +49,6 @@ Kind = Literal["sidecar", "client_state", "safetensors", "manifest_file"]
 _PREFERENCE = {"sidecar": 0, "manifest_file": 1, "safetensors": 2, "client_state": 3}
 _KIND_NAMES = {"sidecar": "sidecar", "manifest_file": "manifest file", "safetensors": "safetensors __metadata__ copy",
                "client_state": "client-state copy"}
-
-
-class EmbedError(InvalidCheckpoint):
-    """A manifest cannot be embedded in, or read from, this file (exit 1)."""
 
 
 @dataclass
@@ -186,22 +182,10 @@ def _decode_embedded(value: Any, source: str, what: str) -> Any:
     return doc
 
 
-def read_pt_state(path: str | os.PathLike) -> Any:
-    """The top-level object of a torch file, read safely (tensors as ``TensorRef``)."""
-    try:
-        return torchfile.read_pt_metadata(path)
-    except torchfile.UnsafePickleError as exc:
-        raise InvalidCheckpoint("CK204", str(exc).replace(f"{path}: ", ""),
-                                "this file wants to run code on load; ckptspec refuses it", str(path)) from None
-    except torchfile.TorchFileError as exc:
-        raise InvalidCheckpoint("CK205", str(exc).replace(f"{path}: ", ""),
-                                "the file is damaged or not a torch checkpoint", str(path)) from None
-
-
 def read_client_state_copy(path: str | os.PathLike, state: Any = None) -> EmbeddedCopy | None:
     """The manifest in a model-states file's client state, or None when it holds none."""
     if state is None:
-        state = read_pt_state(path)
+        state = read_state(path)
     if not isinstance(state, dict) or CLIENT_STATE_KEY not in state:
         return None
     doc = _decode_embedded(state[CLIENT_STATE_KEY], str(path), f"client state '{CLIENT_STATE_KEY}'")
@@ -278,13 +262,13 @@ def find_sidecars(tag_dir: Path) -> list[Path]:
 
 
 def copies_in_dir(directory: str | os.PathLike, tag: str | None = None,
-                  errors: list[CkptspecError] | None = None, states: dict[str, Any] | None = None) -> list[EmbeddedCopy]:
+                  errors: list[CkptspecError] | None = None, states: StateCache | None = None) -> list[EmbeddedCopy]:
     """Every manifest copy of a checkpoint directory (or of a directory of safetensors files).
 
     A DeepSpeed save or tag directory: its sidecar(s) and each model-states file's client
     state. Any other directory: its sidecar(s) and the ``__metadata__`` of its ``*.safetensors``.
     With ``errors``, a file that cannot be read is appended there and skipped instead of raising.
-    ``states``: model states already read (file name -> ``read_pt_metadata`` result), not read again.
+    ``states``: model states already read (and where the ones read here are kept).
     """
     from ..deepspeed.describe import MODEL_RE, resolve_tag_dir
 
@@ -300,8 +284,8 @@ def copies_in_dir(directory: str | os.PathLike, tag: str | None = None,
                                           for p in find_sidecars(where)]
     if tag_dir is not None:
         models = sorted((p for p in tag_dir.iterdir() if p.is_file() and MODEL_RE.match(p.name)), key=lambda p: _rank_order(p.name))
-        known = states or {}
-        candidates += [(p, lambda p: [c for c in [read_client_state_copy(p, known.get(p.name))] if c]) for p in models]
+        cache = states if states is not None else StateCache()
+        candidates += [(p, lambda p: [c for c in [read_client_state_copy(p, cache.state(p))] if c]) for p in models]
     else:
         candidates += [(p, lambda p: [c for c in [read_safetensors_copy(p)] if c]) for p in sorted(root.glob("*.safetensors"))]
     copies: list[EmbeddedCopy] = []
@@ -335,7 +319,7 @@ def best_copy(copies: list[EmbeddedCopy]) -> EmbeddedCopy:
 
 
 def embedded_findings(checkpoint: str | os.PathLike, tag: str | None = None,
-                      states: dict[str, Any] | None = None) -> list[Finding]:
+                      states: StateCache | None = None) -> list[Finding]:
     """For validation: CK302 for an embedded copy that cannot be read, CK301 for copies that disagree.
 
     Files that cannot be read at all (CK204, CK205, CK9xx) are skipped: the shard checks
@@ -409,7 +393,7 @@ def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str) -> None:
     """
     path = Path(path)
     source = str(path)
-    state = read_pt_state(path)
+    state = read_state(path)
     if not isinstance(state, dict):
         raise EmbedError("CK305", f"the file holds a {type(state).__name__}, not a dict", "only DeepSpeed model states can carry a manifest", source)
     if state.get(key) == value:
@@ -448,12 +432,15 @@ def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str) -> None:
 
 def _check_rewritten(fh, before: dict, key: str, value: str, source: str) -> None:
     path = Path(fh.name)
-    after = torchfile.read_pt_metadata(path)
+    read_back = StateCache()
+    try:
+        after, locations = read_back.state(path), read_back.members(path)
+    except InvalidCheckpoint:
+        after = locations = None
     expected_keys = list(before) + ([key] if key not in before else [])
     if not isinstance(after, dict) or list(after) != expected_keys or after.get(key) != value:
         raise EmbedError("CK305", "the rewritten file does not read back as the original plus the manifest",
                          "please report this ckptspec bug; the original file was left untouched", source)
-    locations = torchfile.zip_member_locations(path)
     misaligned = [m for m, (offset, _) in locations.items() if "/data/" in m and offset % ZIP_ALIGNMENT]
     if misaligned:
         raise EmbedError("CK305", f"record {misaligned[0]} is not {ZIP_ALIGNMENT}-byte aligned after rewriting",

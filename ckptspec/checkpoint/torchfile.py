@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..errors import NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
+
 __all__ = [
-    "TorchFileError", "NotATorchFile", "UnsafePickleError", "TruncatedFile",
     "StorageRef", "TensorRef", "ZeroStage", "LossScalerState", "DynamicLossScalerState",
     "FragmentAddress", "DType",
     "read_pt_metadata", "zip_member_locations", "iter_tensor_refs", "tensor_byte_range",
@@ -31,24 +32,6 @@ DEFAULT_MAX_PICKLE_BYTES = 64 * 1024 * 1024  # data.pkl holds names/shapes only;
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, skip to name length + extra length
 _LOCAL_HEADER_SIG = b"PK\x03\x04"
-
-
-# --- errors -------------------------------------------------------------------------------
-
-class TorchFileError(Exception):
-    """Base class: the file cannot be read as a (safe) torch zip file."""
-
-
-class NotATorchFile(TorchFileError):
-    """Not a zip archive, or a zip without ``<prefix>/data.pkl`` (e.g. legacy torch format)."""
-
-
-class UnsafePickleError(TorchFileError):
-    """data.pkl refers to a global that is not on the allowlist."""
-
-
-class TruncatedFile(TorchFileError):
-    """The file ends before the data its zip structures promise."""
 
 
 # --- stand-ins for allowlisted globals ----------------------------------------------------
@@ -262,21 +245,21 @@ class _RestrictedUnpickler(pickle.Unpickler):
         try:
             return _ALLOWED[(module, name)]
         except KeyError:
-            raise UnsafePickleError(
-                f"{self._path}: data.pkl references global {module}.{name}, which is not allowlisted") from None
+            raise UnsafePickleError(self._path,
+                f"data.pkl references global {module}.{name}, which is not allowlisted") from None
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
                 and isinstance(pid[3], str) and type(pid[4]) is int and pid[4] >= 0):
-            raise UnsafePickleError(f"{self._path}: unsupported persistent id {pid!r}")
+            raise UnsafePickleError(self._path, f"unsupported persistent id {pid!r}")
         _, stype, key, location, numel = pid
         # Views of one flat buffer (ZeRO stage 1/2 modules) name the same storage once per
         # tensor: reuse the first StorageRef rather than build and compare a new one each time.
         known = self._storages.get(key)
         if known is not None:
             if (known.dtype, known.numel, known.location) != (stype.dtype, numel, location):
-                raise TorchFileError(f"{self._path}: storage {key} referenced with conflicting types")
+                raise TorchFileError(self._path, f"storage {key} referenced with conflicting types")
             return known
         ref = self._storages[key] = StorageRef(f"{self._prefix}/data/{key}", key, stype.dtype, stype.itemsize, numel, location)
         return ref
@@ -290,17 +273,17 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError as e:
-        raise TorchFileError(f"{path}: cannot read: {e}") from e
+        raise TorchFileError(path, f"cannot read: {e}") from e
     if size == 0:
-        raise TruncatedFile(f"{path}: file is empty")
+        raise TruncatedFile(path, "file is empty")
     if not magic.startswith(b"PK"):
         hint = " (legacy non-zip torch format?)" if magic[:1] == b"\x80" else ""
-        raise NotATorchFile(f"{path}: not a zip archive{hint}")
+        raise NotATorchFile(path, f"not a zip archive{hint}")
     try:
         return zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError) as e:
         # A zip's directory is at its end: a cut-off file starts like a zip but has none.
-        raise TruncatedFile(f"{path}: zip directory unreadable, file truncated or corrupt ({e})") from e
+        raise TruncatedFile(path, f"zip directory unreadable, file truncated or corrupt ({e})") from e
 
 
 def _archive_prefix(zf: zipfile.ZipFile, path: Path) -> str:
@@ -308,7 +291,7 @@ def _archive_prefix(zf: zipfile.ZipFile, path: Path) -> str:
     names = zf.namelist()
     prefix = names[0].split("/", 1)[0] if names and "/" in names[0] else None
     if prefix is None or f"{prefix}/data.pkl" not in names:
-        raise NotATorchFile(f"{path}: zip has no <prefix>/data.pkl record")
+        raise NotATorchFile(path, "zip has no <prefix>/data.pkl record")
     return prefix
 
 
@@ -319,24 +302,24 @@ def read_pt_metadata(path, max_pickle_bytes: int = DEFAULT_MAX_PICKLE_BYTES) -> 
         prefix = _archive_prefix(zf, path)
         info = zf.getinfo(f"{prefix}/data.pkl")
         if info.file_size > max_pickle_bytes:
-            raise TorchFileError(f"{path}: data.pkl is {info.file_size} bytes, over the {max_pickle_bytes} cap")
+            raise TorchFileError(path, f"data.pkl is {info.file_size} bytes, over the {max_pickle_bytes} cap")
         byteorder = f"{prefix}/byteorder"
         if byteorder in zf.namelist() and zf.read(byteorder) != b"little":
-            raise TorchFileError(f"{path}: only little-endian archives are supported")
+            raise TorchFileError(path, "only little-endian archives are supported")
         try:
             data = zf.open(info).read(max_pickle_bytes + 1)
         except EOFError as e:
-            raise TruncatedFile(f"{path}: data.pkl is cut off ({e})") from e
+            raise TruncatedFile(path, f"data.pkl is cut off ({e})") from e
         except (zipfile.BadZipFile, OSError) as e:
-            raise TorchFileError(f"{path}: cannot read data.pkl ({e})") from e
+            raise TorchFileError(path, f"cannot read data.pkl ({e})") from e
     if len(data) > max_pickle_bytes:
-        raise TorchFileError(f"{path}: data.pkl exceeds the {max_pickle_bytes} byte cap")
+        raise TorchFileError(path, f"data.pkl exceeds the {max_pickle_bytes} byte cap")
     try:
         return _RestrictedUnpickler(data, prefix, path).load()
     except TorchFileError:
         raise
     except Exception as e:  # malformed or hostile pickle: stand-ins raise ValueError/TypeError
-        raise TorchFileError(f"{path}: malformed data.pkl: {type(e).__name__}: {e}") from e
+        raise TorchFileError(path, f"malformed data.pkl: {type(e).__name__}: {e}") from e
 
 
 def zip_member_locations(path) -> dict[str, tuple[int, int]]:
@@ -347,18 +330,18 @@ def zip_member_locations(path) -> dict[str, tuple[int, int]]:
     with _open_zip(path) as zf, open(path, "rb") as f:
         for info in zf.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
-                raise TorchFileError(f"{path}: member {info.filename} is compressed "
+                raise TorchFileError(path, f"member {info.filename} is compressed "
                                      f"(method {info.compress_type}); torch writes stored members")
             f.seek(info.header_offset)
             header = f.read(_LOCAL_HEADER.size)
             if len(header) < _LOCAL_HEADER.size:
-                raise TruncatedFile(f"{path}: local header of {info.filename} is cut off")
+                raise TruncatedFile(path, f"local header of {info.filename} is cut off")
             sig, name_len, extra_len = _LOCAL_HEADER.unpack(header)
             if sig != _LOCAL_HEADER_SIG:
-                raise TorchFileError(f"{path}: bad local header signature for {info.filename}")
+                raise TorchFileError(path, f"bad local header signature for {info.filename}")
             offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
             if offset + info.file_size > file_size:
-                raise TruncatedFile(f"{path}: member {info.filename} ends at byte "
+                raise TruncatedFile(path, f"member {info.filename} ends at byte "
                                     f"{offset + info.file_size}, file has {file_size}")
             out[info.filename] = (offset, info.file_size)
     return out
@@ -384,5 +367,5 @@ def tensor_byte_range(ref: TensorRef, locations: dict[str, tuple[int, int]]) -> 
         raise ValueError("tensor is not contiguous; its bytes are not one range")
     base, size = locations[ref.storage.member]
     if size < ref.storage.nbytes:
-        raise TruncatedFile(f"storage {ref.storage.member} has {size} bytes, expected {ref.storage.nbytes}")
+        raise TruncatedFile(None, f"storage {ref.storage.member} has {size} bytes, expected {ref.storage.nbytes}")
     return base + ref.storage_offset * ref.storage.itemsize, ref.numel * ref.storage.itemsize

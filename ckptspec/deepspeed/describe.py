@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..errors import CkptspecError, InvalidCheckpoint
+from ..errors import CkptspecError, InvalidCheckpoint, UnsupportedCheckpoint
 from ..format.partition import ParamSpec, flat_group, per_param_group
 from ..format.models import (
     FORMAT_NAME,
@@ -31,6 +31,7 @@ from ..format.models import (
     ShardFile,
 )
 from ..checkpoint import torchfile
+from ..checkpoint.states import StateCache
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -38,13 +39,6 @@ EXPERT_RE = re.compile(r"^(layer_\d+_expert_\d+_mp_rank_\d+_model_states|expp_ra
 PIPE_LAYER_RE = re.compile(r"^layer_\d+-model_states\.pt$")
 MAX_TAG_BYTES = 4096
 DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 10**9  # deepspeed/runtime/zero/config.py (0.15-0.19)
-
-
-class UnsupportedCheckpoint(InvalidCheckpoint):
-    """A checkpoint format 1.0 cannot describe (exit 1)."""
-
-    def __init__(self, message: str, hint: str, file: str | None = None):
-        super().__init__("CK202", message, hint, file)
 
 
 def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Path:
@@ -115,20 +109,6 @@ def scan_tag_dir(tag_dir: Path) -> ShardSet:
     return shards
 
 
-def _load(path: Path) -> Any:
-    try:
-        return torchfile.read_pt_metadata(path)
-    except torchfile.UnsafePickleError as exc:
-        raise InvalidCheckpoint("CK204", _without_path(exc, path), "this file wants to run code on load; ckptspec refuses it", str(path)) from None
-    except torchfile.TorchFileError as exc:
-        raise InvalidCheckpoint("CK205", _without_path(exc, path), "the file is damaged or not a torch checkpoint", str(path)) from None
-
-
-def _without_path(exc: Exception, path: Path) -> str:
-    # The error line names the file already.
-    return str(exc).replace(f"{path}: ", "")
-
-
 def _numel(shape) -> int:
     return math.prod(int(d) for d in shape)
 
@@ -146,19 +126,22 @@ def _module_dtype(module: dict, name: str, default: str) -> str:
     return ref.dtype if isinstance(ref, torchfile.TensorRef) else default
 
 
-def manifest_from_checkpoint(checkpoint: str | os.PathLike, tag: str | None = None, *, hash_algorithm: str | None = None) -> Manifest:
-    """Describe a saved DeepSpeed ZeRO checkpoint (stage 1-3) from its metadata alone."""
-    tag_dir = resolve_tag_dir(checkpoint, tag)
-    shards = scan_tag_dir(tag_dir)
-    model_states = {rank: _load(path) for rank, path in shards.model_files.items()}
-    optim_states = {rank: _load(path) for rank, path in shards.optim_files.items()}
-    return manifest_from_states(shards, model_states, optim_states, hash_algorithm=hash_algorithm)
+def manifest_from_checkpoint(checkpoint: str | os.PathLike, tag: str | None = None, *, hash_algorithm: str | None = None,
+                             states: StateCache | None = None) -> Manifest:
+    """Describe a saved DeepSpeed ZeRO checkpoint (stage 1-3) from its metadata alone.
+
+    ``states``: files already read (and where this call leaves what it reads)."""
+    shards = scan_tag_dir(resolve_tag_dir(checkpoint, tag))
+    return manifest_from_states(shards, states if states is not None else StateCache(), hash_algorithm=hash_algorithm)
 
 
-def manifest_from_states(shards: ShardSet, model_states: dict, optim_states: dict, *, hash_algorithm: str | None = None) -> Manifest:
-    """The manifest from already-read metadata: ``read_pt_metadata`` results keyed by dp rank,
-    for the files of ``shards`` (``ckptspec.shards`` leaves unreadable files out)."""
+def manifest_from_states(shards: ShardSet, states: StateCache, *, hash_algorithm: str | None = None) -> Manifest:
+    """The manifest of the files of ``shards``, read through ``states`` (each file once).
+
+    The tolerant generation of ``validate DIR`` passes only the files it could read."""
     tag_dir = shards.tag_dir
+    model_states = {rank: states.state(path) for rank, path in shards.model_files.items()}
+    optim_states = {rank: states.state(path) for rank, path in shards.optim_files.items()}
     first_model = model_states[min(model_states)]
     if not isinstance(first_model, dict) or "param_shapes" not in first_model:
         raise UnsupportedCheckpoint("model states have no 'param_shapes'", "is this a DeepSpeed checkpoint?", str(shards.model_files[min(model_states)]))
@@ -245,7 +228,7 @@ def manifest_from_states(shards: ShardSet, model_states: dict, optim_states: dic
     )
     if stage == 3:
         layout.sub_group_size = int(zero_cfg.get("sub_group_size", DEEPSPEED_DEFAULT_SUB_GROUP_SIZE))
-    files = describe_files(shards, model_states, optim_states, stage, hash_algorithm)
+    files = describe_files(shards, stage, hash_algorithm, states)
     return Manifest(
         format=FORMAT_NAME, format_version=FORMAT_VERSION,
         producer=Producer(tool="ckptspec", tool_version=__version__, framework="deepspeed",
@@ -303,8 +286,8 @@ def _stage3_sub_group_owners(osd: dict, n_sub_groups: int) -> list[int]:
     return owners
 
 
-def describe_files(shards: ShardSet, model_states: dict, optim_states: dict, stage: int, hash_algorithm: str | None) -> list[ShardFile]:
-    """Every file of the tag directory, with the byte locators of the flat master partitions."""
+def describe_files(shards: ShardSet, stage: int, hash_algorithm: str | None, states: StateCache) -> list[ShardFile]:
+    """Every file of ``shards``, with the byte locators of the flat master partitions."""
     from ..checkpoint.hashing import file_digest
 
     files = []
@@ -319,9 +302,9 @@ def describe_files(shards: ShardSet, model_states: dict, optim_states: dict, sta
     for rank, path in sorted(shards.model_files.items()):
         files.append(entry(path, "model_states", [rank], []))
     for rank, path in sorted(shards.optim_files.items()):
-        members = torchfile.zip_member_locations(path)
+        members = states.members(path)
         locators = []
-        for g, ref in enumerate(_flat_partitions(optim_states[rank], stage)):
+        for g, ref in enumerate(_flat_partitions(states.state(path), stage)):
             if not isinstance(ref, torchfile.TensorRef):
                 continue
             data_offset, member_size = members[ref.storage.member]

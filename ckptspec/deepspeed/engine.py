@@ -16,6 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
+from ..checkpoint.embedded import CLIENT_STATE_KEY, SIDECAR_NAMES, client_state_value, write_sidecar
+from ..checkpoint.states import StateCache
+from ..errors import EngineLayoutMismatch, InvalidManifest, UnsupportedEngine
+from ..format.encoding import write_atomic
+from ..format.validate import validate_document
 from ..format.partition import ParamSpec, flat_group, per_param_group
 from ..format.models import (
     FORMAT_NAME,
@@ -31,10 +36,7 @@ from ..format.models import (
     ShardFile,
 )
 from ..format.dtypes import dtype_name
-
-
-class UnsupportedEngine(ValueError):
-    """The engine uses a layout that format 1.0 cannot describe (MoE, pipeline, TP)."""
+from .describe import ShardSet, describe_files, scan_tag_dir
 
 
 def _param_names(engine) -> dict[int, str]:
@@ -75,10 +77,10 @@ def _flat_groups_stage12(engine, names) -> list[Group]:
         )
         # Cross-check with the optimizer's own numbers: the flat buffer and this rank's saved tail.
         if group.padded_numel != opt.bit16_groups_flat[i].numel():
-            raise AssertionError(f"group {i}: computed padded numel {group.padded_numel}, "
+            raise EngineLayoutMismatch(f"group {i}: computed padded numel {group.padded_numel}, "
                                  f"live flat buffer has {opt.bit16_groups_flat[i].numel()}")
         if hasattr(opt, "round_robin_bit16_offsets") and [p.offset for p in group.params] != list(opt.round_robin_bit16_offsets[i]):
-            raise AssertionError(f"group {i}: computed offsets differ from the live optimizer's")
+            raise EngineLayoutMismatch(f"group {i}: computed offsets differ from the live optimizer's")
         groups.append(group)
     return groups
 
@@ -93,7 +95,7 @@ def _flat_groups_bf16_optimizer(engine, names) -> list[Group]:
             zero_stage=1, tail_padding_saved=True,
         )
         if group.padded_numel != opt.bf16_groups_flat[i].numel():
-            raise AssertionError(f"group {i}: computed padded numel {group.padded_numel}, "
+            raise EngineLayoutMismatch(f"group {i}: computed padded numel {group.padded_numel}, "
                                  f"live flat buffer has {opt.bf16_groups_flat[i].numel()}")
         groups.append(group)
     return groups
@@ -108,7 +110,7 @@ def _per_param_groups_stage3(engine, names) -> list[Group]:
             partition_count=opt.sub_group_partition_counts[j] if hasattr(opt, "sub_group_partition_counts") else engine.dp_world_size,
         )
         if group.partition_numel != int(opt.fp16_partitioned_groups_flat_numel[j]):
-            raise AssertionError(f"sub-group {j}: computed partition numel {group.partition_numel}, "
+            raise EngineLayoutMismatch(f"sub-group {j}: computed partition numel {group.partition_numel}, "
                                  f"live optimizer has {opt.fp16_partitioned_groups_flat_numel[j]}")
         groups.append(group)
     return groups
@@ -271,10 +273,6 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *,
     """
     import torch.distributed as dist
 
-    from ..checkpoint.embedded import CLIENT_STATE_KEY, client_state_value, write_sidecar
-    from ..format.encoding import write_atomic
-    from ..format.validate import validate_document
-
     checkpoint_engine = getattr(engine, "checkpoint_engine", None)
     if checkpoint_engine is not None and getattr(checkpoint_engine, "is_decoupled", lambda: False)():
         raise UnsupportedEngine("a decoupled checkpoint engine writes files after save_checkpoint returns; "
@@ -313,8 +311,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *,
         try:
             report = validate_document(complete.to_dict())
             if not report.ok:
-                first = next(f for f in report.findings if f.severity == "error")
-                raise AssertionError(f"the manifest is not valid: {first.to_line()}")
+                raise InvalidManifest(str(tag_dir / SIDECAR_NAMES[sidecar_encoding]), report.findings)
             write_sidecar(tag_dir, complete, sidecar_encoding)
             if save_latest:
                 write_atomic(Path(save_dir) / "latest", tag.encode("utf-8"))
@@ -331,15 +328,12 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *,
 
 def _describe_own_files(tag_dir: Path, rank: int, stage: int, hash_algorithm: str | None) -> list[dict]:
     """This rank's files of the tag directory (rank 0 also takes the rank-less ones), described."""
-    from .describe import ShardSet, _load, describe_files, scan_tag_dir
-
     every = scan_tag_dir(tag_dir)
     own = ShardSet(tag_dir)
     own.model_files = {r: p for r, p in every.model_files.items() if r == rank}
     own.optim_files = {r: p for r, p in every.optim_files.items() if r == rank}
     own.other_files = list(every.other_files) if rank == 0 else []
-    optim_states = {r: _load(p) for r, p in own.optim_files.items()}
-    return [f.model_dump(mode="json", exclude_unset=True) for f in describe_files(own, {}, optim_states, stage, hash_algorithm)]
+    return [f.model_dump(mode="json", exclude_unset=True) for f in describe_files(own, stage, hash_algorithm, StateCache())]
 
 
 def _ordered_files(files: list[ShardFile]) -> list[ShardFile]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..checkpoint import torchfile
+from ..checkpoint.states import Loaded, StateCache, code_and_hint
 from .describe import MODEL_RE, OPTIM_RE, ShardSet, _real_ties, manifest_from_states, resolve_tag_dir, scan_tag_dir
 from ..errors import CkptspecError
 from ..findings import Finding, has_errors, json_path
@@ -66,21 +67,12 @@ def _finding(code: str, message: str, hint: str, *, path: str = "$", file: str |
 
 
 @dataclass
-class _Loaded:
-    """What reading one shard file gave: its metadata (and zip members), or the error."""
-
-    state: Any = None
-    members: dict[str, tuple[int, int]] | None = None
-    error: torchfile.TorchFileError | None = None
-
-
-@dataclass
 class _File:
     index: int  # position in manifest.files
     entry: ShardFile
     path: Path
     on_disk: bool
-    loaded: _Loaded | None = None
+    loaded: Loaded | None = None
 
     @property
     def name(self) -> str:
@@ -171,27 +163,14 @@ def _disk_files(tag_dir: Path) -> dict[str, Path]:
     return out
 
 
-def _read(path: Path, role: str) -> _Loaded:
-    try:
-        state = torchfile.read_pt_metadata(path)
-        members = torchfile.zip_member_locations(path) if role == "optimizer_states" else None
-    except torchfile.TorchFileError as exc:
-        return _Loaded(error=exc)
-    except OSError as exc:
-        return _Loaded(error=torchfile.TorchFileError(f"{path}: cannot read: {exc}"))
-    return _Loaded(state=state, members=members)
-
-
-def _context(manifest: Manifest, tag_dir: Path, verify_hashes: bool, cache: dict[str, _Loaded]) -> _Context:
+def _context(manifest: Manifest, tag_dir: Path, verify_hashes: bool, states: StateCache) -> _Context:
     files = []
     for i, entry in enumerate(manifest.files):
         path = _safe_join(tag_dir, entry.path)
         on_disk = path is not None and path.is_file()
         f = _File(i, entry, path, on_disk)
         if on_disk and entry.role in ("model_states", "optimizer_states"):
-            if entry.path not in cache:  # kept, so the embedded-copy check reuses it
-                cache[entry.path] = _read(path, entry.role)
-            f.loaded = cache[entry.path]
+            f.loaded = states.load(path, members=entry.role == "optimizer_states")
         files.append(f)
     ctx = _Context(manifest, tag_dir, verify_hashes, files, _disk_files(tag_dir))
     for g, grp in enumerate(manifest.groups):
@@ -204,16 +183,17 @@ def _context(manifest: Manifest, tag_dir: Path, verify_hashes: bool, cache: dict
 
 
 def check_checkpoint(manifest: Manifest, tag_dir: str | os.PathLike, *, verify_hashes: bool = True,
-                     _cache: dict[str, _Loaded] | None = None) -> list[Finding]:
+                     states: StateCache | None = None) -> list[Finding]:
     """Check the files of ``tag_dir`` against ``manifest`` (which should already be valid).
 
     Reads only metadata, plus every file's bytes when ``verify_hashes`` and the manifest
-    records hashes. Returns the findings of every check, in check order.
+    records hashes. Returns the findings of every check, in check order. ``states``: files
+    already read, and where the files read here are kept.
     """
     tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
         raise CkptspecError("CK901", "checkpoint tag directory not found", "check the path", str(tag_dir))
-    ctx = _context(manifest, tag_dir, verify_hashes, _cache if _cache is not None else {})
+    ctx = _context(manifest, tag_dir, verify_hashes, states if states is not None else StateCache())
     return [finding for c in CHECKS for finding in c.check(ctx)]
 
 
@@ -318,26 +298,20 @@ def shard_hash(ctx: _Context) -> Iterator[Finding]:
                                path=f.at("hash"), file=f.name, rank=f.rank)
 
 
+def _unreadable(ctx: _Context, code: str) -> Iterator[Finding]:
+    for f in ctx.files:
+        if f.loaded is not None and f.loaded.error is not None and code_and_hint(f.loaded.error)[0] == code:
+            yield _finding(code, f.loaded.error.reason, code_and_hint(f.loaded.error)[1], path=f.at(), file=f.name, rank=f.rank)
+
+
 @check("CK204", "unsafe-pickle")
 def unsafe_pickle(ctx: _Context) -> Iterator[Finding]:
-    for f in ctx.files:
-        if f.loaded is not None and isinstance(f.loaded.error, torchfile.UnsafePickleError):
-            yield _finding("CK204", _message(f.loaded.error, f.path),
-                           "this file wants to run code on load; ckptspec refuses it (torch.load(weights_only=False) would run it)",
-                           path=f.at(), file=f.name, rank=f.rank)
+    yield from _unreadable(ctx, "CK204")
 
 
 @check("CK205", "damaged-file")
 def damaged_file(ctx: _Context) -> Iterator[Finding]:
-    for f in ctx.files:
-        if f.loaded is not None and f.loaded.error is not None and not isinstance(f.loaded.error, torchfile.UnsafePickleError):
-            yield _finding("CK205", _message(f.loaded.error, f.path),
-                           "the file is empty, truncated or not a torch checkpoint; restore it",
-                           path=f.at(), file=f.name, rank=f.rank)
-
-
-def _message(exc: Exception, path: Path | None) -> str:
-    return str(exc).replace(f"{path}: ", "") if path is not None else str(exc)
+    yield from _unreadable(ctx, "CK205")
 
 
 def _archive_name(state: Any) -> str | None:
@@ -830,15 +804,12 @@ def _role_of(name: str) -> tuple[str, list[int]]:
     return "other", []
 
 
-def _read_finding(rel: str, loaded: _Loaded, tag_dir: Path) -> Finding:
-    if isinstance(loaded.error, torchfile.UnsafePickleError):
-        code, hint = "CK204", "this file wants to run code on load; ckptspec refuses it"
-    else:
-        code, hint = "CK205", "the file is empty, truncated or not a torch checkpoint; restore it"
-    return _finding(code, _message(loaded.error, tag_dir / rel), hint, file=rel, rank=_rank_from_name(rel))
+def _read_finding(rel: str, loaded: Loaded) -> Finding:
+    code, hint = code_and_hint(loaded.error)
+    return _finding(code, loaded.error.reason, hint, file=rel, rank=_rank_from_name(rel))
 
 
-def _generate(tag_dir: Path) -> tuple[Manifest | None, list[Finding], dict[str, _Loaded]]:
+def _generate(tag_dir: Path) -> tuple[Manifest | None, list[Finding], StateCache]:
     """A manifest from DeepSpeed's own metadata, tolerant of unreadable files.
 
     Files that cannot be read are left out of the derivation but listed (without
@@ -847,22 +818,22 @@ def _generate(tag_dir: Path) -> tuple[Manifest | None, list[Finding], dict[str, 
     Returns (None, findings, cache) when no manifest can be derived.
     """
     shards = scan_tag_dir(tag_dir)  # raises CK202 / CK203
-    cache: dict[str, _Loaded] = {}
+    cache = StateCache()
     readable = ShardSet(tag_dir, other_files=list(shards.other_files))
-    states: dict[str, dict[int, Any]] = {"model_states": {}, "optimizer_states": {}}
+    unreadable: dict[str, Loaded] = {}
     for role, mapping, target in (("model_states", shards.model_files, readable.model_files),
                                   ("optimizer_states", shards.optim_files, readable.optim_files)):
         for rank, path in mapping.items():
-            loaded = cache[path.relative_to(tag_dir).as_posix()] = _read(path, role)
+            loaded = cache.load(path, members=role == "optimizer_states")
             if loaded.error is None:
                 target[rank] = path
-                states[role][rank] = loaded.state
-    unreadable = [rel for rel, loaded in cache.items() if loaded.error is not None]
-    read_findings = [_read_finding(rel, cache[rel], tag_dir) for rel in unreadable]
+            else:
+                unreadable[path.relative_to(tag_dir).as_posix()] = loaded
+    read_findings = [_read_finding(rel, loaded) for rel, loaded in unreadable.items()]
     if unreadable and (not readable.model_files or (shards.optim_files and not readable.optim_files)):
         return None, read_findings, cache
     try:
-        manifest = manifest_from_states(readable, states["model_states"], states["optimizer_states"])
+        manifest = manifest_from_states(readable, cache)
     except CkptspecError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as exc:
@@ -903,7 +874,7 @@ def validate_checkpoint(checkpoint_dir: str | os.PathLike, manifest: Manifest | 
     (exit 2) when the directory or sidecar cannot be read.
     """
     tag_dir = resolve_tag_dir(checkpoint_dir, tag)
-    cache: dict[str, _Loaded] = {}
+    cache = StateCache()
     if manifest is not None:
         findings = validate_manifest(manifest).findings
         if has_errors(findings):
@@ -928,13 +899,12 @@ def validate_checkpoint(checkpoint_dir: str | os.PathLike, manifest: Manifest | 
         if described is None:
             return manifest, findings + unreadable
         manifest = manifest.model_copy(update={"files": described.files})
-    findings += check_checkpoint(manifest, tag_dir, verify_hashes=verify_hashes, _cache=cache)
+    findings += check_checkpoint(manifest, tag_dir, verify_hashes=verify_hashes, states=cache)
     # Copies embedded in the model states (client_state) must agree with each other and the sidecar.
     from ..checkpoint.embedded import embedded_findings
 
     # The model states were read above: a second unpickling costs as much as the first.
-    states = {rel: loaded.state for rel, loaded in cache.items() if loaded.error is None}
-    findings += embedded_findings(tag_dir, states=states)
+    findings += embedded_findings(tag_dir, states=cache)
     return manifest, findings
 
 

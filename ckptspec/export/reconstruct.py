@@ -37,7 +37,12 @@ from typing import Any, Callable
 
 from ..checkpoint import torchfile
 from ..format.encoding import dumps, fsync_dir, write_atomic
-from ..errors import CkptspecError, InvalidCheckpoint
+from ..checkpoint.states import StateCache, unreadable
+from ..deepspeed.validate import validate_checkpoint as validate_shards
+from ..errors import (
+    CheckpointInvalid, CkptspecError, InvalidCheckpoint, ReconstructMismatch, ReconstructUnsupported, TorchFileError,
+    TruncatedFile,
+)
 from ..findings import Finding, has_errors
 from ..format.models import Manifest
 from ..format.rules import ITEMSIZE
@@ -65,32 +70,6 @@ _SHARD_RE = {
 }
 
 
-class CheckpointInvalid(InvalidCheckpoint):
-    """Validation found errors; nothing was read or written. ``findings`` lists them."""
-
-    def __init__(self, findings: list[Finding], checkpoint: str):
-        self.findings = findings
-        errors = [f for f in findings if f.severity == "error"]
-        first = errors[0] if errors else None
-        super().__init__(first.code if first else "CK205",
-                         f"checkpoint failed validation with {len(errors)} error(s)"
-                         + (f"; first: {first.to_line()}" if first else ""),
-                         "fix or regenerate the checkpoint; `ckptspec validate` lists every finding", checkpoint)
-
-
-MISMATCH_HINT = "the files changed since validation, or the manifest does not describe them; run `ckptspec validate`"
-
-
-def _mismatch(message: str, file: str | os.PathLike | None = None) -> InvalidCheckpoint:
-    """CK401: the files do not hold what the validated manifest says (exit 1)."""
-    return InvalidCheckpoint("CK401", message, MISMATCH_HINT, None if file is None else str(file))
-
-
-def _unsupported(message: str, hint: str, file: str | os.PathLike | None = None) -> InvalidCheckpoint:
-    """CK402: a tensor this reconstruction cannot read or write (exit 1)."""
-    return InvalidCheckpoint("CK402", message, hint, None if file is None else str(file))
-
-
 # --------------------------------------------------------------------------- validation
 
 
@@ -107,35 +86,7 @@ def validate_checkpoint(checkpoint: str | os.PathLike, manifest: Any = None, tag
         if not report.ok or report.manifest is None:
             return None, list(report.findings)
         manifest = report.manifest
-    try:
-        from ..deepspeed.validate import validate_checkpoint as validate_shards  # shard-validation issue
-    except ImportError:
-        validate_shards = None
-    if validate_shards is not None:
-        return validate_shards(checkpoint, manifest=manifest, tag=tag)
-    # TODO(lead): drop this fallback once ckptspec.shards.validate_checkpoint is merged.
-    return _fallback_validate(checkpoint, manifest, tag)
-
-
-def _fallback_validate(checkpoint, manifest, tag) -> tuple[Manifest | None, list[Finding]]:
-    from ..deepspeed.describe import manifest_from_checkpoint, resolve_tag_dir
-    from ..format.validate import validate_manifest
-
-    if manifest is None:
-        manifest = manifest_from_checkpoint(checkpoint, tag)
-    report = validate_manifest(manifest)
-    findings = list(report.findings)
-    if not report.ok or report.manifest is None:
-        return None, findings
-    tag_dir = resolve_tag_dir(checkpoint, tag)
-    for i, shard in enumerate(report.manifest.files):
-        path = tag_dir / shard.path
-        size = path.stat().st_size if path.is_file() else None
-        if size != shard.size:
-            findings.append(Finding("CK205", "damaged-file", f"$.files[{i}].size",
-                                    "file is missing" if size is None else f"file has {size} bytes, the manifest says {shard.size}",
-                                    "the file is damaged or not a torch checkpoint", file=shard.path))
-    return report.manifest, findings
+    return validate_shards(checkpoint, manifest=manifest, tag=tag)
 
 
 # --------------------------------------------------------------------------- plan
@@ -218,18 +169,8 @@ def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: 
     tag_dir = resolve_tag_dir(checkpoint, tag)
     model_files = _model_files(manifest, tag_dir, scan_tag_dir)
     first_rank = min(model_files)
-    meta_cache: dict[Path, Any] = {}
-    zip_cache: dict[Path, dict] = {}
-
-    def metadata(path: Path) -> Any:
-        if path not in meta_cache:
-            meta_cache[path] = _read_metadata(path)
-        return meta_cache[path]
-
-    def members(path: Path) -> dict:
-        if path not in zip_cache:
-            zip_cache[path] = _zip_members(path)
-        return zip_cache[path]
+    states = StateCache()
+    metadata, members = states.state, states.members
 
     first_model = metadata(model_files[first_rank])
     module = first_model.get("module") if isinstance(first_model, dict) else None
@@ -256,7 +197,7 @@ def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: 
                 dtypes.add(ref.dtype)
                 segments += _ref_segments(ref, path, members(path), take, frozen.name, exact=False)
             if len(dtypes) != 1:
-                raise _mismatch(f"the fragments of {frozen.name!r} have dtypes {sorted(dtypes)}", tag_dir)
+                raise ReconstructMismatch(f"the fragments of {frozen.name!r} have dtypes {sorted(dtypes)}", tag_dir)
             dtype = dtypes.pop()
         else:
             path = model_files[first_rank]
@@ -270,7 +211,7 @@ def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: 
         path = model_files[first_rank]
         ref = _tensor(metadata(path), "module", buffer.name, path)
         if ref.dtype != buffer.dtype:
-            raise _mismatch(f"buffer {buffer.name!r} is {ref.dtype}, the manifest says {buffer.dtype}", path)
+            raise ReconstructMismatch(f"buffer {buffer.name!r} is {ref.dtype}, the manifest says {buffer.dtype}", path)
         sources[buffer.name] = TensorSource(buffer.name, tuple(buffer.shape), ref.dtype,
                                             _ref_segments(ref, path, members(path), math.prod(buffer.shape), buffer.name), "buffer")
 
@@ -278,28 +219,12 @@ def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: 
     for alias in manifest.aliases:
         owner = sources.get(alias.owner)
         if owner is None or list(owner.shape) != list(alias.shape):
-            raise _mismatch(f"alias {alias.name!r} has no owner {alias.owner!r} of shape {list(alias.shape)}", tag_dir)
+            raise ReconstructMismatch(f"alias {alias.name!r} has no owner {alias.owner!r} of shape {list(alias.shape)}", tag_dir)
 
     in_module = [name for name in module if name in sources or name in aliases]
     seen = set(in_module)
     order = in_module + [name for name in [*sources, *aliases] if name not in seen]
     return ReconstructionPlan(manifest, tag_dir, sources, aliases, order)
-
-
-def _read_metadata(path: Path) -> Any:
-    try:
-        return torchfile.read_pt_metadata(path)
-    except torchfile.UnsafePickleError as exc:
-        raise InvalidCheckpoint("CK204", str(exc).replace(f"{path}: ", ""), "this file wants to run code on load; ckptspec refuses it", str(path)) from None
-    except torchfile.TorchFileError as exc:
-        raise InvalidCheckpoint("CK205", str(exc).replace(f"{path}: ", ""), "the file is damaged or not a torch checkpoint", str(path)) from None
-
-
-def _zip_members(path: Path) -> dict:
-    try:
-        return torchfile.zip_member_locations(path)
-    except torchfile.TorchFileError as exc:
-        raise InvalidCheckpoint("CK205", str(exc).replace(f"{path}: ", ""), "the file is damaged or not a torch checkpoint", str(path)) from None
 
 
 def _inside(tag_dir: Path, relative: str) -> Path:
@@ -334,14 +259,14 @@ def _locators(manifest: Manifest, tag_dir: Path, checkpoint, tag) -> dict[tuple[
     missing = sorted(needed - found.keys())
     if missing:
         g, r = missing[0]
-        raise _mismatch(f"no fp32 partition for group {g} on rank {r} ({len(missing)} missing)", tag_dir)
+        raise ReconstructMismatch(f"no fp32 partition for group {g} on rank {r} ({len(missing)} missing)", tag_dir)
     return found
 
 
 def _group_dtype(locators, g: int, name: str) -> str:
     dtypes = {loc.dtype for (group, _), (_, loc) in locators.items() if group == g}
     if len(dtypes) != 1:
-        raise _mismatch(f"{name}: the partitions of group {g} have dtypes {sorted(dtypes)}")
+        raise ReconstructMismatch(f"{name}: the partitions of group {g} have dtypes {sorted(dtypes)}")
     return dtypes.pop()
 
 
@@ -349,7 +274,7 @@ def _locator_segment(path: Path, loc, start: int, count: int) -> Segment:
     """``count`` elements from element ``start`` of the locator's partition."""
     item = ITEMSIZE[loc.dtype]
     if start < 0 or start + count > loc.numel:
-        raise _mismatch(f"elements [{start}, {start + count}) fall outside rank {loc.rank}'s "
+        raise ReconstructMismatch(f"elements [{start}, {start + count}) fall outside rank {loc.rank}'s "
                         f"{loc.numel}-element partition of group {loc.group}", path)
     return Segment(path, loc.data_offset + (loc.element_offset + start) * item, count * item)
 
@@ -380,7 +305,7 @@ def _param_segments(group, g: int, param, locators) -> list[Segment]:
                 segments.append(_locator_segment(path, loc, param.offset, take))
     got = sum(s.nbytes for s in segments) // ITEMSIZE[locators[(g, 0)][1].dtype]
     if got != param.numel:
-        raise _mismatch(f"{param.name}: the partitions hold {got} of its {param.numel} elements")
+        raise ReconstructMismatch(f"{param.name}: the partitions hold {got} of its {param.numel} elements")
     return segments
 
 
@@ -388,24 +313,24 @@ def _tensor(state: Any, holder: str, name: str, path: Path) -> torchfile.TensorR
     table = state.get(holder) if isinstance(state, dict) else None
     ref = table.get(name) if isinstance(table, dict) else None
     if not isinstance(ref, torchfile.TensorRef):
-        raise _mismatch(f"{name!r} is not a tensor in '{holder}'", path)
+        raise ReconstructMismatch(f"{name!r} is not a tensor in '{holder}'", path)
     return ref
 
 
 def _ref_segments(ref: torchfile.TensorRef, path: Path, members: dict, numel: int, name: str, exact: bool = True) -> list[Segment]:
     """The ``numel`` elements of a contiguous tensor in a torch zip file (its first ``numel`` if not ``exact``)."""
     if (ref.numel != numel) if exact else (ref.numel < numel):
-        raise _mismatch(f"{name!r} holds {ref.numel} elements, {numel} expected", path)
+        raise ReconstructMismatch(f"{name!r} holds {ref.numel} elements, {numel} expected", path)
     if numel == 0:
         return []
     if not ref.is_contiguous():
-        raise _unsupported(f"{name!r} is stored as a non-contiguous view", "save the model with contiguous tensors", path)
+        raise ReconstructUnsupported(f"{name!r} is stored as a non-contiguous view", "save the model with contiguous tensors", path)
     if ref.storage.member not in members:
-        raise _mismatch(f"storage {ref.storage.member} of {name!r} is missing", path)
+        raise ReconstructMismatch(f"storage {ref.storage.member} of {name!r} is missing", path)
     try:
         offset, _ = torchfile.tensor_byte_range(ref, members)
-    except torchfile.TorchFileError as exc:
-        raise InvalidCheckpoint("CK205", f"{name!r}: {exc}", "the file is damaged or not a torch checkpoint", str(path)) from None
+    except TorchFileError as exc:
+        raise unreadable(TruncatedFile(path, f"{name!r}: {exc.reason}")) from None
     return [Segment(path, offset, numel * ref.storage.itemsize)]
 
 
@@ -416,7 +341,7 @@ def _np():
     try:
         import numpy
     except ImportError:  # pragma: no cover - environment problem
-        raise _unsupported("converting dtypes needs numpy", "pip install numpy") from None
+        raise ReconstructUnsupported("converting dtypes needs numpy", "pip install numpy") from None
     return numpy
 
 
@@ -426,7 +351,7 @@ def _np_dtype(dtype: str):
              "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
              "bool": np.bool_, "complex64": np.complex64, "complex128": np.complex128}
     if dtype not in table:
-        raise _unsupported(f"tensors of dtype {dtype} cannot be converted without torch",
+        raise ReconstructUnsupported(f"tensors of dtype {dtype} cannot be converted without torch",
                            "use --dtype matching the stored dtype, or a float, integer or bool dtype")
     return np.dtype(table[dtype]).newbyteorder("<")
 
@@ -481,8 +406,7 @@ class _Files:
         while done < segment.nbytes:
             n = os.preadv(fd, [out[done:segment.nbytes]], segment.offset + done)
             if n <= 0:
-                raise InvalidCheckpoint("CK205", f"file ends before byte {segment.offset + segment.nbytes}",
-                                        "the file is damaged (truncated?)", str(segment.path))
+                raise unreadable(TruncatedFile(segment.path, f"file ends before byte {segment.offset + segment.nbytes}"))
             done += n
 
     def close(self) -> None:
@@ -591,7 +515,7 @@ def write_consolidated(plan: ReconstructionPlan, output_dir: str | os.PathLike, 
     if fmt == "safetensors":
         for name in stored:
             if plan.output_dtype(name, dtype) not in SAFETENSORS_DTYPES:
-                raise _unsupported(f"{name!r} has dtype {plan.output_dtype(name, dtype)}, which safetensors cannot hold",
+                raise ReconstructUnsupported(f"{name!r} has dtype {plan.output_dtype(name, dtype)}, which safetensors cannot hold",
                                    "use --format torch")
     groups = _split([(n, size_of[n]) for n in stored], max_shard_size)
     if fmt == "torch" and not untie:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ..errors import SafetensorsWriteError
+
 # Manifest dtype name -> safetensors dtype code (safetensors 0.4+).
 SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -36,10 +38,6 @@ ITEMSIZE = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
 }
 _COPY_CHUNK = 64 << 20  # bytes per copy_file_range call
-
-
-class SafetensorsWriteError(ValueError):
-    """A tensor cannot be written (unknown dtype, wrong byte count, write out of order)."""
 
 
 @dataclass(frozen=True)

@@ -26,21 +26,11 @@ from typing import Any, BinaryIO, Iterator
 
 import msgpack
 
-from ..errors import CkptspecError
+from ..errors import CkptspecError, NotEncodable
 from .loader import MSGPACK_SUFFIXES, Encoding, decode
 from .models import Manifest
 
 ENCODINGS: tuple[Encoding, ...] = ("json", "msgpack")
-
-
-class NotEncodable(CkptspecError):
-    """The document holds a value the chosen encoding cannot represent (exit 1)."""
-
-    exit_code = 1
-
-    def __init__(self, message: str, file: str | None = None):
-        super().__init__("CK907", message, "keep manifest values to strings, integers in [-2**63, 2**64), "
-                         "finite floats, booleans, null, arrays and objects", file)
 
 
 def _sorted_maps(value: Any) -> Any:

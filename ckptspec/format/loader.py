@@ -18,17 +18,11 @@ from typing import Any, Iterator, Literal
 
 import msgpack
 
-from ..errors import CkptspecError
+from ..errors import CkptspecError, InvalidDocument
 
 Encoding = Literal["json", "msgpack"]
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
 MSGPACK_SUFFIXES = {".msgpack", ".mpk"}
-
-
-class InvalidDocument(CkptspecError):
-    """The bytes decode, but not to something a manifest can be (exit 1)."""
-
-    exit_code = 1
 
 
 def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding:

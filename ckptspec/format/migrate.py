@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterator, Mapping
 
-from ..errors import CkptspecError
+from ..errors import InvalidInput, MigrationError
 from ..findings import Finding, has_errors, json_path
 from .models import FORMAT_VERSION
 from .validate import SUPPORTED_MAJOR, validate_document
@@ -34,12 +34,6 @@ _MIGRATIONS: dict[tuple[str, str], Migration] = {}
 # Schemas of versions this release does not ship (drafts, or older/newer majors a
 # registered migration reads or writes): "MAJOR.MINOR" -> JSON Schema document.
 _SCHEMAS: dict[str, dict] = {}
-
-
-class MigrationError(CkptspecError):
-    """No way to migrate, or the migration went wrong (exit 1)."""
-
-    exit_code = 1
 
 
 def version_key(version: str) -> str:
@@ -265,11 +259,3 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
                              "this is a bug in a registered migration; the output was not written", name)
     return MigrationResult(result, path, warnings + [f for f in out_findings if f.severity == "warning" and f not in warnings])
 
-
-class InvalidInput(Exception):
-    """The document to migrate is not valid at its own version."""
-
-    def __init__(self, name: str, findings: list[Finding]):
-        self.name = name
-        self.findings = findings
-        super().__init__(f"{name}: invalid manifest")

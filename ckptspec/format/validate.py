@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import InvalidManifest
 from ..findings import Finding, has_errors, json_path
 from .version import FORMAT_NAME, FORMAT_VERSION
 from .loader import DEFAULT_MAX_BYTES, Encoding, gc_paused, read_document
@@ -209,11 +210,4 @@ def load_manifest(path: str | os.PathLike, **kwargs) -> Manifest:
     return report.manifest
 
 
-class InvalidManifest(Exception):
-    def __init__(self, name: str, findings: list[Finding]):
-        self.findings = findings
-        errors = [f for f in findings if f.severity == "error"]
-        super().__init__(f"{name}: invalid manifest ({len(errors)} finding(s)); first: {errors[0].to_line() if errors else ''}")
-
-
-__all__ = ["Report", "validate_document", "validate_manifest", "validate_file", "load_manifest", "InvalidManifest", "FORMAT_NAME"]
+__all__ = ["Report", "validate_document", "validate_manifest", "validate_file", "load_manifest"]
