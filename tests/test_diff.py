@@ -193,7 +193,7 @@ def test_changes_name_what_moved():
 
 def test_every_rule_has_a_test_here():
     source = Path(__file__).read_text()
-    assert all(f"test_{code.lower()}" in source for code, _ in RULES)
+    assert all(f"test_{r.code.lower()}" in source for r in RULES)
 
 
 # --------------------------------------------------------------------------- bad input

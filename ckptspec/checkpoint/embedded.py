@@ -33,7 +33,7 @@ from typing import Any, Iterable, Literal
 from .states import StateCache, read_state
 from ..format.encoding import Encoding, atomic_output, dumps, write_atomic
 from ..errors import CkptspecError, EmbedError, InvalidCheckpoint
-from ..findings import Finding, json_path
+from ..findings import Finding, finding, json_path
 from ..format.loader import decode, load_document
 from ..format.models import Manifest
 
@@ -152,8 +152,8 @@ def agreement_findings(copies: Iterable[EmbeddedCopy]) -> list[Finding]:
         diff = first_difference(layout_part(reference.document), layout_part(copy_.document))
         if diff:
             path, ours, theirs = diff
-            findings.append(Finding(
-                "CK301", "embedded-copies-disagree", path,
+            findings.append(finding(
+                "CK301", path,
                 f"embedded copies disagree: this {_KIND_NAMES[copy_.kind]} says {theirs}, "
                 f"the {_KIND_NAMES[reference.kind]} {Path(reference.source).name} says {ours}",
                 "copies of a manifest must describe the same layout; re-embed one manifest everywhere with "
@@ -327,7 +327,7 @@ def embedded_findings(checkpoint: str | os.PathLike, tag: str | None = None,
     """
     errors: list[CkptspecError] = []
     copies = copies_in_dir(checkpoint, tag, errors, states) if Path(checkpoint).is_dir() else find_copies(checkpoint, tag)
-    findings = [Finding(e.code, "embedded-manifest-unreadable", "$", e.message, e.hint, file=e.file)
+    findings = [finding(e.code, "$", e.message, e.hint, file=e.file)
                 for e in errors if e.code == "CK302"]
     return findings + agreement_findings(copies)
 

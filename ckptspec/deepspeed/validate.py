@@ -28,7 +28,7 @@ from ..checkpoint import torchfile
 from ..checkpoint.states import Loaded, StateCache, code_and_hint
 from .describe import MODEL_RE, OPTIM_RE, ShardSet, _real_ties, manifest_from_states, resolve_tag_dir, scan_tag_dir
 from ..errors import CkptspecError
-from ..findings import Finding, has_errors, json_path
+from ..findings import Finding, RuleSet, finding, has_errors, json_path
 from ..checkpoint.hashing import file_digest
 from ..format.models import Manifest, ShardFile
 from ..format.validate import validate_file, validate_manifest
@@ -39,28 +39,8 @@ SIDECARS = ("ckptspec.json", "ckptspec.msgpack")
 # --------------------------------------------------------------------------- registry
 
 
-@dataclass(frozen=True)
-class Check:
-    code: str
-    name: str
-    check: Callable[["_Context"], Iterator[Finding]]
-
-
-CHECKS: list[Check] = []
-
-
-def check(code: str, name: str):
-    def register(fn):
-        CHECKS.append(Check(code, name, fn))
-        return fn
-
-    return register
-
-
-def _finding(code: str, message: str, hint: str, *, path: str = "$", file: str | None = None,
-             rank: int | None = None, severity: str = "error") -> Finding:
-    name = next(c.name for c in CHECKS if c.code == code)
-    return Finding(code=code, rule=name, path=path, message=message, hint=hint, severity=severity, file=file, rank=rank)
+CHECKS: RuleSet[Callable[["_Context"], Iterator[Finding]]] = RuleSet()
+check = CHECKS.register
 
 
 # --------------------------------------------------------------------------- context
@@ -236,23 +216,21 @@ def _expected_roles(ctx: _Context) -> list[tuple[str, int]]:
 # --------------------------------------------------------------------------- files
 
 
-@check("CK206", "shard-missing")
+@check("CK206")
 def shard_missing(ctx: _Context) -> Iterator[Finding]:
     """Every file the manifest lists exists, and the manifest lists every file the layout needs."""
     for f in ctx.files:
         if not f.on_disk:
-            yield _finding("CK206", f"{f.role.replace('_', ' ')} file is missing", "restore the file from the run that wrote this checkpoint; "
-                           "without it the weights of this rank are lost", path=f.at("path"), file=f.name, rank=f.rank)
+            yield finding("CK206", f.at("path"), f"{f.role.replace('_', ' ')} file is missing", "restore the file from the run that wrote this checkpoint; "
+                           "without it the weights of this rank are lost", file=f.name, rank=f.rank)
     listed = {(f.role, r) for f in ctx.files for r in f.entry.ranks}
     for role, rank in _expected_roles(ctx):
         if (role, rank) not in listed:
             name = _expected_name(ctx, role, rank)
-            yield _finding("CK206", f"no {role.replace('_', ' ')} file for rank {rank} of {ctx.world_size}",
-                           "a ZeRO checkpoint has one such file per data-parallel rank; restore it from the run that wrote the checkpoint",
-                           path=json_path("files"), file=name, rank=rank)
+            yield finding("CK206", json_path("files"), f"no {role.replace('_', ' ')} file for rank {rank} of {ctx.world_size}", "a ZeRO checkpoint has one such file per data-parallel rank; restore it from the run that wrote the checkpoint", file=name, rank=rank)
 
 
-@check("CK207", "shard-unexpected")
+@check("CK207")
 def shard_unexpected(ctx: _Context) -> Iterator[Finding]:
     """Nothing is present that the manifest does not list (a stale rank from a larger run, a stray copy)."""
     listed = {f.name for f in ctx.files}
@@ -261,30 +239,25 @@ def shard_unexpected(ctx: _Context) -> Iterator[Finding]:
             rank = _rank_from_name(rel)
             why = (f"; rank {rank} is outside world size {ctx.world_size} (left over from a larger run?)"
                    if rank is not None and rank >= ctx.world_size else "")
-            yield _finding("CK207", f"file is not part of this checkpoint's manifest{why}",
-                           "remove it, or regenerate the manifest if it belongs to the checkpoint; DeepSpeed's loaders glob "
+            yield finding("CK207", "$", f"file is not part of this checkpoint's manifest{why}", "remove it, or regenerate the manifest if it belongs to the checkpoint; DeepSpeed's loaders glob "
                            "'*_optim_states.pt' and would pick it up", file=rel, rank=rank)
     for f in ctx.files:
         base = Path(f.name).name
         if f.role == "other" and base.endswith(("_optim_states.pt", "_model_states.pt")):
-            yield _finding("CK207", "file looks like a DeepSpeed shard but is not one of this checkpoint's shards",
-                           "remove it: DeepSpeed's loaders glob '*_optim_states.pt' / '*_model_states.pt' and would read it",
-                           path=f.at("path"), file=f.name)
+            yield finding("CK207", f.at("path"), "file looks like a DeepSpeed shard but is not one of this checkpoint's shards", "remove it: DeepSpeed's loaders glob '*_optim_states.pt' / '*_model_states.pt' and would read it", file=f.name)
 
 
-@check("CK208", "shard-size")
+@check("CK208")
 def shard_size(ctx: _Context) -> Iterator[Finding]:
     for f in ctx.files:
         if f.on_disk:
             size = f.path.stat().st_size
             if size != f.entry.size:
                 what = "truncated" if size < f.entry.size else "longer than recorded"
-                yield _finding("CK208", f"file is {size} bytes, the manifest records {f.entry.size} ({what})",
-                               "the file was cut off or replaced after the manifest was written; restore it",
-                               path=f.at("size"), file=f.name, rank=f.rank)
+                yield finding("CK208", f.at("size"), f"file is {size} bytes, the manifest records {f.entry.size} ({what})", "the file was cut off or replaced after the manifest was written; restore it", file=f.name, rank=f.rank)
 
 
-@check("CK209", "shard-hash")
+@check("CK209")
 def shard_hash(ctx: _Context) -> Iterator[Finding]:
     if not ctx.verify_hashes:
         return
@@ -292,24 +265,22 @@ def shard_hash(ctx: _Context) -> Iterator[Finding]:
         if f.on_disk and f.entry.hash is not None and f.path.stat().st_size == f.entry.size:
             actual = file_digest(f.path, f.entry.hash.algorithm)
             if actual.digest != f.entry.hash.digest:
-                yield _finding("CK209", f"{f.entry.hash.algorithm} of the file is {actual.digest[:16]}..., the manifest records "
-                               f"{f.entry.hash.digest[:16]}...",
-                               "the content changed after the manifest was written (swapped rank files, a re-save, bit rot); restore it",
-                               path=f.at("hash"), file=f.name, rank=f.rank)
+                yield finding("CK209", f.at("hash"), f"{f.entry.hash.algorithm} of the file is {actual.digest[:16]}..., the manifest records "
+                               f"{f.entry.hash.digest[:16]}...", "the content changed after the manifest was written (swapped rank files, a re-save, bit rot); restore it", file=f.name, rank=f.rank)
 
 
 def _unreadable(ctx: _Context, code: str) -> Iterator[Finding]:
     for f in ctx.files:
         if f.loaded is not None and f.loaded.error is not None and code_and_hint(f.loaded.error)[0] == code:
-            yield _finding(code, f.loaded.error.reason, code_and_hint(f.loaded.error)[1], path=f.at(), file=f.name, rank=f.rank)
+            yield finding(code, f.at(), f.loaded.error.reason, code_and_hint(f.loaded.error)[1], file=f.name, rank=f.rank)
 
 
-@check("CK204", "unsafe-pickle")
+@check("CK204")
 def unsafe_pickle(ctx: _Context) -> Iterator[Finding]:
     yield from _unreadable(ctx, "CK204")
 
 
-@check("CK205", "damaged-file")
+@check("CK205")
 def damaged_file(ctx: _Context) -> Iterator[Finding]:
     yield from _unreadable(ctx, "CK205")
 
@@ -320,7 +291,7 @@ def _archive_name(state: Any) -> str | None:
     return None
 
 
-@check("CK210", "shard-identity")
+@check("CK210")
 def shard_identity(ctx: _Context) -> Iterator[Finding]:
     """torch.save records the file name inside the zip: a DeepSpeed shard saved as another rank's file was moved."""
     for f in ctx.files:
@@ -331,9 +302,7 @@ def shard_identity(ctx: _Context) -> Iterator[Finding]:
         if archive is None or archive == base.removesuffix(".pt"):
             continue
         if OPTIM_RE.match(archive + ".pt") or MODEL_RE.match(archive + ".pt"):
-            yield _finding("CK210", f"the file was saved as {archive}.pt (the name recorded inside it), not as {base}",
-                           "rank files were swapped or renamed; put each file back under the name it was saved as",
-                           path=f.at("path"), file=f.name, rank=f.rank)
+            yield finding("CK210", f.at("path"), f"the file was saved as {archive}.pt (the name recorded inside it), not as {base}", "rank files were swapped or renamed; put each file back under the name it was saved as", file=f.name, rank=f.rank)
 
 
 # --------------------------------------------------------------------------- headers
@@ -346,7 +315,7 @@ def _versions(state: dict, osd: dict | None = None) -> list[str]:
     return [str(v) for v in out if v is not None]
 
 
-@check("CK211", "optimizer-header")
+@check("CK211")
 def optimizer_header(ctx: _Context) -> Iterator[Finding]:
     """Every optimizer file agrees with the manifest (not only file 0): stage, partition count, group count, version."""
     layout, groups = ctx.layout, ctx.manifest.groups
@@ -356,8 +325,7 @@ def optimizer_header(ctx: _Context) -> Iterator[Finding]:
         state = f.state
         osd = state.get("optimizer_state_dict") if isinstance(state, dict) else None
         if not isinstance(osd, dict):
-            yield _finding("CK211", "no 'optimizer_state_dict' in the file: not a DeepSpeed optimizer states file",
-                           hint, path=f.at(), file=f.name, rank=f.rank)
+            yield finding("CK211", f.at(), "no 'optimizer_state_dict' in the file: not a DeepSpeed optimizer states file", hint, file=f.name, rank=f.rank)
             continue
         if "zero_stage" in osd:
             try:
@@ -365,30 +333,25 @@ def optimizer_header(ctx: _Context) -> Iterator[Finding]:
             except (TypeError, ValueError):
                 stage = None
             if stage != layout.zero_stage:
-                yield _finding("CK211", f"file says ZeRO stage {osd['zero_stage']!r}, the checkpoint is stage {layout.zero_stage}",
-                               hint, path=json_path("layout", "zero_stage"), file=f.name, rank=f.rank)
+                yield finding("CK211", json_path("layout", "zero_stage"), f"file says ZeRO stage {osd['zero_stage']!r}, the checkpoint is stage {layout.zero_stage}", hint, file=f.name, rank=f.rank)
         elif not bf16_opt:
-            yield _finding("CK211", "file records no ZeRO stage", hint, path=json_path("layout", "zero_stage"), file=f.name, rank=f.rank)
+            yield finding("CK211", json_path("layout", "zero_stage"), "file records no ZeRO stage", hint, file=f.name, rank=f.rank)
         counts = osd.get("partition_count")
         if layout.zero_stage == 3:
             if counts != layout.world_size or isinstance(counts, bool):
-                yield _finding("CK211", f"file says partition count {counts!r}, the checkpoint has {layout.world_size} ranks",
-                               hint, path=json_path("layout", "world_size"), file=f.name, rank=f.rank)
+                yield finding("CK211", json_path("layout", "world_size"), f"file says partition count {counts!r}, the checkpoint has {layout.world_size} ranks", hint, file=f.name, rank=f.rank)
         else:
             expected = [g.partition_count for g in groups]
             if not isinstance(counts, list) or counts != expected:
-                yield _finding("CK211", f"file says partition counts {counts!r}, the manifest has {expected}",
-                               hint, path=json_path("groups"), file=f.name, rank=f.rank)
+                yield finding("CK211", json_path("groups"), f"file says partition counts {counts!r}, the manifest has {expected}", hint, file=f.name, rank=f.rank)
         flat = osd.get(ctx.flat_key)
         n = len(flat) if isinstance(flat, list) else None
         if n != len(groups):
-            yield _finding("CK211", f"file holds {n if n is not None else 'no'} flat groups ({ctx.flat_key}), the manifest has {len(groups)}",
-                           hint, path=json_path("groups"), file=f.name, rank=f.rank)
+            yield finding("CK211", json_path("groups"), f"file holds {n if n is not None else 'no'} flat groups ({ctx.flat_key}), the manifest has {len(groups)}", hint, file=f.name, rank=f.rank)
         expected_version = ctx.expected_version
         for version in set(_versions(state, osd)):
             if expected_version is not None and version != expected_version:
-                yield _finding("CK211", f"file was written by DeepSpeed {version}, the checkpoint by {expected_version}",
-                               hint, path=json_path("producer", "framework_version"), file=f.name, rank=f.rank)
+                yield finding("CK211", json_path("producer", "framework_version"), f"file was written by DeepSpeed {version}, the checkpoint by {expected_version}", hint, file=f.name, rank=f.rank)
 
 
 def _param_shapes(ctx: _Context) -> list[list[tuple[str, list[int]]]]:
@@ -402,7 +365,7 @@ def _as_shape(value) -> list[int] | None:
         return None
 
 
-@check("CK212", "model-header")
+@check("CK212")
 def model_header(ctx: _Context) -> Iterator[Finding]:
     """Every model states file agrees with the manifest: param_shapes (names, order, shapes), frozen shapes, ties, buffers, world size, version."""
     hint = "the model states disagree with the manifest; restore the files of one save (or regenerate the manifest if it is stale)"
@@ -413,43 +376,36 @@ def model_header(ctx: _Context) -> Iterator[Finding]:
     for f in ctx.readable("model_states"):
         state = f.state
         if not isinstance(state, dict) or not isinstance(state.get("module"), dict) or not isinstance(state.get("param_shapes"), list):
-            yield _finding("CK212", "not a DeepSpeed model states file (no 'module' dict or no 'param_shapes' list)",
-                           hint, path=f.at(), file=f.name, rank=f.rank)
+            yield finding("CK212", f.at(), "not a DeepSpeed model states file (no 'module' dict or no 'param_shapes' list)", hint, file=f.name, rank=f.rank)
             continue
         actual = []
         for group in state["param_shapes"]:
             items = group.items() if isinstance(group, dict) else []
             actual.append([(str(n), _as_shape(s)) for n, s in items])
         if actual != expected_shapes:
-            yield _finding("CK212", "param_shapes " + _first_difference(actual, expected_shapes),
-                           hint, path=json_path("groups"), file=f.name, rank=f.rank)
+            yield finding("CK212", json_path("groups"), "param_shapes " + _first_difference(actual, expected_shapes), hint, file=f.name, rank=f.rank)
         ws = state.get("dp_world_size")
         if ws is not None and ws != ctx.world_size:
-            yield _finding("CK212", f"file says data-parallel world size {ws!r}, the manifest {ctx.world_size}",
-                           hint, path=json_path("layout", "world_size"), file=f.name, rank=f.rank)
+            yield finding("CK212", json_path("layout", "world_size"), f"file says data-parallel world size {ws!r}, the manifest {ctx.world_size}", hint, file=f.name, rank=f.rank)
         expected_version = ctx.expected_version
         version = state.get("ds_version")
         if expected_version is not None and version is not None and str(version) != expected_version:
-            yield _finding("CK212", f"file was written by DeepSpeed {version}, the checkpoint by {expected_version}",
-                           hint, path=json_path("producer", "framework_version"), file=f.name, rank=f.rank)
+            yield finding("CK212", json_path("producer", "framework_version"), f"file was written by DeepSpeed {version}, the checkpoint by {expected_version}", hint, file=f.name, rank=f.rank)
         frozen_shapes = state.get("frozen_param_shapes")
         if fragment_frozen or frozen_shapes:
             recorded = {str(n): _as_shape(s) for n, s in frozen_shapes.items()} if isinstance(frozen_shapes, dict) else {}
             recorded = {n: s for n, s in recorded.items() if n not in aliases}
             if recorded != fragment_frozen:
-                yield _finding("CK212", "frozen_param_shapes " + _dict_difference(recorded, fragment_frozen),
-                               hint, path=json_path("frozen"), file=f.name, rank=f.rank)
+                yield finding("CK212", json_path("frozen"), "frozen_param_shapes " + _dict_difference(recorded, fragment_frozen), hint, file=f.name, rank=f.rank)
         shared = state.get("shared_params")
         if isinstance(shared, dict) and (f.rank in (0, None) or shared):
             # DeepSpeed computes the ties on global rank 0 only; the other ranks' files hold {}.
             real = _real_ties({str(k): str(v) for k, v in shared.items()}, state["module"], ctx.layout.zero_stage)
             if real != aliases:
-                yield _finding("CK212", "shared_params " + _dict_difference(real, aliases),
-                               hint, path=json_path("aliases"), file=f.name, rank=f.rank)
+                yield finding("CK212", json_path("aliases"), "shared_params " + _dict_difference(real, aliases), hint, file=f.name, rank=f.rank)
         names = state.get("buffer_names")
         if isinstance(names, list) and set(map(str, names)) != buffers:
-            yield _finding("CK212", "buffer_names " + _dict_difference(dict.fromkeys(map(str, names)), dict.fromkeys(buffers)),
-                           hint, path=json_path("buffers"), file=f.name, rank=f.rank)
+            yield finding("CK212", json_path("buffers"), "buffer_names " + _dict_difference(dict.fromkeys(map(str, names)), dict.fromkeys(buffers)), hint, file=f.name, rank=f.rank)
 
 
 def _first_difference(actual: list[list], expected: list[list]) -> str:
@@ -487,7 +443,7 @@ def _dict_difference(actual: dict, expected: dict) -> str:
 # --------------------------------------------------------------------------- partitions
 
 
-@check("CK213", "partition-numel")
+@check("CK213")
 def partition_numel(ctx: _Context) -> Iterator[Finding]:
     """Each rank's flat master partition holds exactly the manifest's saved numel.
 
@@ -503,22 +459,19 @@ def partition_numel(ctx: _Context) -> Iterator[Finding]:
         for g, (ref, grp) in enumerate(zip(flat, ctx.manifest.groups)):
             path = json_path("groups", g, "saved_numels", f.rank) if f.rank < len(grp.saved_numels) else json_path("groups", g)
             if not isinstance(ref, torchfile.TensorRef):
-                yield _finding("CK213", f"{ctx.flat_key}[{g}] is not a tensor", "restore the file", path=path, file=f.name, rank=f.rank)
+                yield finding("CK213", path, f"{ctx.flat_key}[{g}] is not a tensor", "restore the file", file=f.name, rank=f.rank)
                 continue
             expected = grp.saved_numels[f.rank] if f.rank < len(grp.saved_numels) else None
             if len(ref.shape) != 1 or ref.numel != expected:
                 rule = ("ceil(numel / world size) per param" if grp.partitioning == "per_param"
                         else f"the group padded to {grp.alignment} and split {grp.partition_count} ways")
-                yield _finding("CK213", f"group {g}: the flat partition holds {ref.numel} elements (shape {list(ref.shape)}), "
-                               f"the manifest arithmetic ({rule}) gives {expected}",
-                               "the file belongs to another run or layout, or param_shapes is corrupt; a reconstruction would shift weights",
-                               path=path, file=f.name, rank=f.rank)
+                yield finding("CK213", path, f"group {g}: the flat partition holds {ref.numel} elements (shape {list(ref.shape)}), "
+                               f"the manifest arithmetic ({rule}) gives {expected}", "the file belongs to another run or layout, or param_shapes is corrupt; a reconstruction would shift weights", file=f.name, rank=f.rank)
             if ref.dtype != master:
-                yield _finding("CK213", f"group {g}: the flat partition is {ref.dtype}, the manifest's master dtype is {master}",
-                               "the file belongs to another run or layout", path=json_path("layout", "master_dtype"), file=f.name, rank=f.rank)
+                yield finding("CK213", json_path("layout", "master_dtype"), f"group {g}: the flat partition is {ref.dtype}, the manifest's master dtype is {master}", "the file belongs to another run or layout", file=f.name, rank=f.rank)
 
 
-@check("CK214", "partition-locator")
+@check("CK214")
 def partition_locator(ctx: _Context) -> Iterator[Finding]:
     """The manifest's byte locators point at the flat partitions' real bytes."""
     for f, osd in ctx.optim_files():
@@ -535,15 +488,13 @@ def partition_locator(ctx: _Context) -> Iterator[Finding]:
             if real != recorded or loc.rank != f.rank:
                 fields = ("member", "data_offset", "member_size", "dtype", "element_offset", "numel")
                 diff = ", ".join(f"{n} {r!r} (manifest {m!r})" for n, r, m in zip(fields, real, recorded) if r != m)
-                yield _finding("CK214", f"group {loc.group}: the locator does not match the partition in the file: {diff or f'rank {loc.rank}'}",
-                               "a reader following this locator would read the wrong bytes; regenerate the manifest or restore the file",
-                               path=f.at("partitions", k), file=f.name, rank=f.rank)
+                yield finding("CK214", f.at("partitions", k), f"group {loc.group}: the locator does not match the partition in the file: {diff or f'rank {loc.rank}'}", "a reader following this locator would read the wrong bytes; regenerate the manifest or restore the file", file=f.name, rank=f.rank)
 
 
 # --------------------------------------------------------------------------- module
 
 
-@check("CK215", "module-role")
+@check("CK215")
 def module_role(ctx: _Context) -> Iterator[Finding]:
     """Every 'module' key has exactly one role (trainable, frozen, alias, buffer), so nothing is silently dropped."""
     declared = {n: role for n, (role, _, _) in ctx.names.items() if role != "excluded"}
@@ -552,14 +503,11 @@ def module_role(ctx: _Context) -> Iterator[Finding]:
             role = ctx.names.get(key, (None,))[0]
             if role is None or role == "excluded":
                 why = "is declared excluded" if role == "excluded" else "has no role in the manifest"
-                yield _finding("CK215", f"module key {key!r} {why} (not trainable, frozen, alias or buffer)",
-                               "a reconstruction would silently drop this tensor; zero_to_fp32 drops it too. Is a tie "
-                               "(shared_params) or frozen_param_shapes missing?", path=json_path(), file=f.name, rank=f.rank)
+                yield finding("CK215", json_path(), f"module key {key!r} {why} (not trainable, frozen, alias or buffer)", "a reconstruction would silently drop this tensor; zero_to_fp32 drops it too. Is a tie "
+                               "(shared_params) or frozen_param_shapes missing?", file=f.name, rank=f.rank)
         for name, role in declared.items():
             if name not in module:
-                yield _finding("CK215", f"{role} {name!r} is declared but not in the saved module",
-                               "the manifest describes a different model than this checkpoint", path=_name_path(ctx, name),
-                               file=f.name, rank=f.rank)
+                yield finding("CK215", _name_path(ctx, name), f"{role} {name!r} is declared but not in the saved module", "the manifest describes a different model than this checkpoint", file=f.name, rank=f.rank)
 
 
 def _name_path(ctx: _Context, name: str, *suffix) -> str:
@@ -570,7 +518,7 @@ def _name_path(ctx: _Context, name: str, *suffix) -> str:
     return json_path(section, i, *suffix)
 
 
-@check("CK216", "module-shape")
+@check("CK216")
 def module_shape(ctx: _Context) -> Iterator[Finding]:
     """The saved module tensors have the recorded shapes (catches a transposed shape in param_shapes)."""
     stage3 = ctx.layout.zero_stage == 3
@@ -591,15 +539,12 @@ def module_shape(ctx: _Context) -> Iterator[Finding]:
             if not isinstance(ref, torchfile.TensorRef):
                 continue  # CK215 reports missing keys
             if list(ref.shape) != shape:
-                yield _finding("CK216", f"{name}: the saved tensor has shape {list(ref.shape)}, the manifest records {shape}",
-                               "param_shapes (or the manifest) records a wrong shape; a reconstruction would return a wrongly shaped tensor",
-                               path=_name_path(ctx, name, "shape"), file=f.name, rank=f.rank)
+                yield finding("CK216", _name_path(ctx, name, "shape"), f"{name}: the saved tensor has shape {list(ref.shape)}, the manifest records {shape}", "param_shapes (or the manifest) records a wrong shape; a reconstruction would return a wrongly shaped tensor", file=f.name, rank=f.rank)
             elif dtype is not None and ref.dtype != dtype:
-                yield _finding("CK216", f"{name}: the saved tensor is {ref.dtype}, the manifest records {dtype}",
-                               "the manifest describes a different run", path=_name_path(ctx, name, "dtype"), file=f.name, rank=f.rank)
+                yield finding("CK216", _name_path(ctx, name, "dtype"), f"{name}: the saved tensor is {ref.dtype}, the manifest records {dtype}", "the manifest describes a different run", file=f.name, rank=f.rank)
 
 
-@check("CK217", "module-layout")
+@check("CK217")
 def module_layout(ctx: _Context) -> Iterator[Finding]:
     """Stage 1/2 save the module's trainable tensors as views into the flat buffer: their offsets are the real layout.
 
@@ -618,19 +563,13 @@ def module_layout(ctx: _Context) -> Iterator[Finding]:
             flat_key = counts.most_common(1)[0][0]
             flat_numel = next(r.storage.numel for _, _, r in refs if r.storage.key == flat_key)
             if flat_numel != grp.padded_numel:
-                yield _finding("CK217", f"group {g}: the module's flat buffer holds {flat_numel} elements, the manifest's padded group {grp.padded_numel}",
-                               "param_shapes does not describe this flat buffer (wrong shapes, paddings or world size)",
-                               path=json_path("groups", g, "padded_numel"), file=f.name, rank=f.rank)
+                yield finding("CK217", json_path("groups", g, "padded_numel"), f"group {g}: the module's flat buffer holds {flat_numel} elements, the manifest's padded group {grp.padded_numel}", "param_shapes does not describe this flat buffer (wrong shapes, paddings or world size)", file=f.name, rank=f.rank)
             for j, p, r in refs:
                 if r.storage.key != flat_key:
-                    yield _finding("CK217", f"{p.name} is not a view into group {g}'s flat buffer",
-                                   "the module tensors do not come from this group", path=json_path("groups", g, "params", j),
-                                   file=f.name, rank=f.rank)
+                    yield finding("CK217", json_path("groups", g, "params", j), f"{p.name} is not a view into group {g}'s flat buffer", "the module tensors do not come from this group", file=f.name, rank=f.rank)
                 elif r.storage_offset != p.offset or not r.is_contiguous():
-                    yield _finding("CK217", f"{p.name} sits at element {r.storage_offset} of group {g}'s flat buffer, the manifest says {p.offset}",
-                                   "the recorded parameter order or paddings differ from the real flat layout; a reconstruction "
-                                   "would return other parameters' values under these names",
-                                   path=json_path("groups", g, "params", j, "offset"), file=f.name, rank=f.rank)
+                    yield finding("CK217", json_path("groups", g, "params", j, "offset"), f"{p.name} sits at element {r.storage_offset} of group {g}'s flat buffer, the manifest says {p.offset}", "the recorded parameter order or paddings differ from the real flat layout; a reconstruction "
+                                   "would return other parameters' values under these names", file=f.name, rank=f.rank)
 
 
 def _natural_order(params: list, partition_count: int) -> list:
@@ -669,7 +608,7 @@ def expected_slice_mappings(manifest: Manifest, g: int, rank: int) -> list[tuple
     return out
 
 
-@check("CK218", "slice-mappings")
+@check("CK218")
 def slice_mappings(ctx: _Context) -> Iterator[Finding]:
     """Each rank's param_slice_mappings agree with the recorded order and offsets (stage 1/2).
 
@@ -684,8 +623,7 @@ def slice_mappings(ctx: _Context) -> Iterator[Finding]:
             continue
         if not isinstance(mappings, list) or len(mappings) != len(ctx.manifest.groups):
             n = len(mappings) if isinstance(mappings, list) else type(mappings).__name__
-            yield _finding("CK218", f"param_slice_mappings has {n} groups, the manifest {len(ctx.manifest.groups)}",
-                           "the file belongs to another run or layout", path=json_path("groups"), file=f.name, rank=f.rank)
+            yield finding("CK218", json_path("groups"), f"param_slice_mappings has {n} groups, the manifest {len(ctx.manifest.groups)}", "the file belongs to another run or layout", file=f.name, rank=f.rank)
             continue
         for g, mapping in enumerate(mappings):
             if f.rank >= ctx.manifest.groups[g].partition_count:
@@ -695,10 +633,8 @@ def slice_mappings(ctx: _Context) -> Iterator[Finding]:
                 actual.append((str(name), getattr(addr, "numel", None), getattr(addr, "start", None)))
             expected = expected_slice_mappings(ctx.manifest, g, f.rank)
             if actual != expected:
-                yield _finding("CK218", f"group {g}: param_slice_mappings " + _mapping_difference(actual, expected),
-                               "the recorded parameter order or offsets differ from the file's own mapping; a reconstruction "
-                               "(or ds_to_universal) would read the wrong slices",
-                               path=json_path("groups", g, "params"), file=f.name, rank=f.rank)
+                yield finding("CK218", json_path("groups", g, "params"), f"group {g}: param_slice_mappings " + _mapping_difference(actual, expected), "the recorded parameter order or offsets differ from the file's own mapping; a reconstruction "
+                               "(or ds_to_universal) would read the wrong slices", file=f.name, rank=f.rank)
 
 
 def _mapping_difference(actual: list, expected: list) -> str:
@@ -717,7 +653,7 @@ def _same_view(a: torchfile.TensorRef, b: torchfile.TensorRef, stage3: bool) -> 
     return (a.storage.key, a.storage_offset, a.shape, a.stride) == (b.storage.key, b.storage_offset, b.shape, b.stride)
 
 
-@check("CK219", "alias-tie")
+@check("CK219")
 def alias_tie(ctx: _Context) -> Iterator[Finding]:
     """An alias's owner exists and the saved tensors really are one tensor; no tie goes undeclared."""
     stage3 = ctx.layout.zero_stage == 3
@@ -726,17 +662,13 @@ def alias_tie(ctx: _Context) -> Iterator[Finding]:
         for i, a in enumerate(ctx.manifest.aliases):
             ref, owner = module.get(a.name), module.get(a.owner)
             if a.owner not in ctx.names or ctx.names[a.owner][0] in ("alias", "excluded"):
-                yield _finding("CK219", f"alias {a.name!r} points to {a.owner!r}, which is not a parameter or buffer of the checkpoint",
-                               "the tie cannot be restored; check shared_params", path=json_path("aliases", i, "owner"), file=f.name, rank=f.rank)
+                yield finding("CK219", json_path("aliases", i, "owner"), f"alias {a.name!r} points to {a.owner!r}, which is not a parameter or buffer of the checkpoint", "the tie cannot be restored; check shared_params", file=f.name, rank=f.rank)
             elif not isinstance(owner, torchfile.TensorRef):
-                yield _finding("CK219", f"alias {a.name!r}: its owner {a.owner!r} is not in the saved module",
-                               "the tie cannot be restored; check shared_params", path=json_path("aliases", i, "owner"), file=f.name, rank=f.rank)
+                yield finding("CK219", json_path("aliases", i, "owner"), f"alias {a.name!r}: its owner {a.owner!r} is not in the saved module", "the tie cannot be restored; check shared_params", file=f.name, rank=f.rank)
             elif not stage3 and isinstance(ref, torchfile.TensorRef) and ref.numel > 0 and not _same_view(ref, owner, stage3):
                 # (Stage 3 placeholders of tied params share a storage only as DeepSpeed saved them; a
                 # re-save by torch splits empty storages, so a missing share is no evidence there.)
-                yield _finding("CK219", f"alias {a.name!r} is not the same tensor as its owner {a.owner!r} in the saved module",
-                               "shared_params names the wrong owner; a reconstruction would copy another tensor's values",
-                               path=json_path("aliases", i, "owner"), file=f.name, rank=f.rank)
+                yield finding("CK219", json_path("aliases", i, "owner"), f"alias {a.name!r} is not the same tensor as its owner {a.owner!r} in the saved module", "shared_params names the wrong owner; a reconstruction would copy another tensor's values", file=f.name, rank=f.rank)
         # Undeclared ties: tensors that are one tensor in the module but not declared aliases.
         params = {n for n, (role, _, _) in ctx.names.items() if role in ("trainable", "frozen", "alias")}
         params |= {n for n in module if n not in ctx.names}
@@ -748,12 +680,10 @@ def alias_tie(ctx: _Context) -> Iterator[Finding]:
             key = ref.storage.key if stage3 else (ref.storage.key, ref.storage_offset, ref.shape, ref.stride)
             first = seen.setdefault(key, name)
             if first != name and owners.get(name, name) != owners.get(first, first):
-                yield _finding("CK219", f"{name!r} is the same tensor as {first!r} in the saved module, but no alias declares the tie",
-                               f"declare {name!r} an alias of {first!r} (was shared_params emptied?)", path=json_path("aliases"),
-                               file=f.name, rank=f.rank)
+                yield finding("CK219", json_path("aliases"), f"{name!r} is the same tensor as {first!r} in the saved module, but no alias declares the tie", f"declare {name!r} an alias of {first!r} (was shared_params emptied?)", file=f.name, rank=f.rank)
 
 
-@check("CK220", "frozen-fragments")
+@check("CK220")
 def frozen_fragments(ctx: _Context) -> Iterator[Finding]:
     """Frozen parameters are saved where the manifest says: full fragments (stage 2), a partition per rank (stage 3)."""
     ws = ctx.world_size
@@ -766,22 +696,17 @@ def frozen_fragments(ctx: _Context) -> Iterator[Finding]:
             ref = fragments.get(fr.name)
             path = json_path("frozen", i)
             if not isinstance(ref, torchfile.TensorRef):
-                yield _finding("CK220", f"frozen parameter {fr.name!r} has no fragment in frozen_param_fragments",
-                               "the frozen weight is not in this file; a reconstruction would fail or drop it",
-                               path=path, file=f.name, rank=f.rank)
+                yield finding("CK220", path, f"frozen parameter {fr.name!r} has no fragment in frozen_param_fragments", "the frozen weight is not in this file; a reconstruction would fail or drop it", file=f.name, rank=f.rank)
                 continue
             if fr.stored_in == "partitioned_fragments":
                 share = -(-fr.numel // ws)
                 if ref.numel != share or len(ref.shape) != 1:
-                    yield _finding("CK220", f"frozen {fr.name!r}: this rank's fragment has shape {list(ref.shape)}, "
-                                   f"ceil({fr.numel} / {ws}) gives ({share},)",
-                                   "the fragment belongs to another run or layout", path=path, file=f.name, rank=f.rank)
+                    yield finding("CK220", path, f"frozen {fr.name!r}: this rank's fragment has shape {list(ref.shape)}, "
+                                   f"ceil({fr.numel} / {ws}) gives ({share},)", "the fragment belongs to another run or layout", file=f.name, rank=f.rank)
             elif list(ref.shape) != list(fr.shape):
-                yield _finding("CK220", f"frozen {fr.name!r}: the fragment has shape {list(ref.shape)}, the manifest records {list(fr.shape)}",
-                               "the fragment belongs to another run, or the manifest is wrong", path=path + ".shape", file=f.name, rank=f.rank)
+                yield finding("CK220", path + ".shape", f"frozen {fr.name!r}: the fragment has shape {list(ref.shape)}, the manifest records {list(fr.shape)}", "the fragment belongs to another run, or the manifest is wrong", file=f.name, rank=f.rank)
             if ref.dtype != fr.dtype:
-                yield _finding("CK220", f"frozen {fr.name!r}: the fragment is {ref.dtype}, the manifest records {fr.dtype}",
-                               "the fragment belongs to another run", path=path + ".dtype", file=f.name, rank=f.rank)
+                yield finding("CK220", path + ".dtype", f"frozen {fr.name!r}: the fragment is {ref.dtype}, the manifest records {fr.dtype}", "the fragment belongs to another run", file=f.name, rank=f.rank)
 
 
 # --------------------------------------------------------------------------- the whole flow
@@ -806,7 +731,7 @@ def _role_of(name: str) -> tuple[str, list[int]]:
 
 def _read_finding(rel: str, loaded: Loaded) -> Finding:
     code, hint = code_and_hint(loaded.error)
-    return _finding(code, loaded.error.reason, hint, file=rel, rank=_rank_from_name(rel))
+    return finding(code, "$", loaded.error.reason, hint, file=rel, rank=_rank_from_name(rel))
 
 
 def _generate(tag_dir: Path) -> tuple[Manifest | None, list[Finding], StateCache]:
@@ -838,9 +763,7 @@ def _generate(tag_dir: Path) -> tuple[Manifest | None, list[Finding], StateCache
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as exc:
         rel = readable.model_files[min(readable.model_files)].relative_to(tag_dir).as_posix()
-        return None, read_findings + [_finding(
-            "CK212", f"cannot derive the layout from DeepSpeed's metadata ({type(exc).__name__}: {str(exc)[:200]})",
-            "the model or optimizer states are corrupt; restore the files of one save", file=rel, rank=_rank_from_name(rel))], cache
+        return None, read_findings + [finding("CK212", "$", f"cannot derive the layout from DeepSpeed's metadata ({type(exc).__name__}: {str(exc)[:200]})", "the model or optimizer states are corrupt; restore the files of one save", file=rel, rank=_rank_from_name(rel))], cache
     ws, stage = manifest.layout.world_size, manifest.layout.zero_stage
     kept = []
     for entry in manifest.files:
@@ -912,4 +835,4 @@ def _in_file(finding: Finding, name: str) -> Finding:
     return finding if finding.file is not None else dataclasses.replace(finding, file=name)
 
 
-__all__ = ["CHECKS", "Check", "check_checkpoint", "validate_checkpoint", "find_sidecar", "expected_slice_mappings", "SIDECARS"]
+__all__ = ["CHECKS", "check_checkpoint", "validate_checkpoint", "find_sidecar", "expected_slice_mappings", "SIDECARS"]

@@ -24,7 +24,7 @@ from functools import lru_cache
 from typing import Any, Callable, Iterator, Mapping
 
 from ..errors import InvalidInput, MigrationError
-from ..findings import Finding, has_errors, json_path
+from ..findings import Finding, finding, has_errors, json_path
 from .models import FORMAT_VERSION
 from .validate import SUPPORTED_MAJOR, validate_document
 
@@ -144,7 +144,7 @@ def _validator_class():
 
 def _schema_findings(doc: Any, schema: dict) -> list[Finding]:
     found = [
-        Finding("CK001", "schema", json_path(*error.absolute_path), error.message[:300],
+        finding("CK001", json_path(*error.absolute_path), error.message[:300],
                 f"the document breaks the JSON Schema rule '{error.validator}' of its format version")
         for error in _validator_class()(schema).iter_errors(doc)
     ]
@@ -248,7 +248,7 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
         if reached != step[1]:
             result["format_version"] = f"{step[1]}.0"
     if path:
-        warnings += [Finding("CK313", "migration-dropped-field", where,
+        warnings += [finding("CK313", where,
                              f"format {target} has no place for this field; the migration dropped it",
                              "keep the original document if you need the field", severity="warning")
                      for where in _outermost(before - _key_paths(result))]

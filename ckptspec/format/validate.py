@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidManifest
-from ..findings import Finding, has_errors, json_path
+from ..findings import Finding, finding, has_errors, json_path
 from .version import FORMAT_NAME, FORMAT_VERSION
 from .loader import DEFAULT_MAX_BYTES, Encoding, gc_paused, read_document
 from .rules import check_document
@@ -62,14 +62,14 @@ def _version_findings(doc: dict) -> tuple[list[Finding], bool]:
         return [], False  # the schema reports the malformed version
     major, minor = (int(part) for part in version.split(".")[:2])
     if major != SUPPORTED_MAJOR:
-        return [Finding(
-            "CK003", "format-major", json_path("format_version"),
+        return [finding(
+            "CK003", json_path("format_version"),
             f"format version {version} has major {major}; this reader understands major {SUPPORTED_MAJOR} only",
             "upgrade ckptspec, or migrate the manifest with `ckptspec migrate`",
         )], True
     if minor > SUPPORTED_MINOR:
-        return [Finding(
-            "CK004", "format-minor-newer", json_path("format_version"),
+        return [finding(
+            "CK004", json_path("format_version"),
             f"format version {version} is newer than {FORMAT_VERSION}; fields this reader does not know are kept unchecked",
             "upgrade ckptspec to check every field", severity="warning",
         )], False
@@ -95,12 +95,12 @@ def schema_findings(doc: Any, allow_unknown: bool = False) -> list[Finding]:
         for error in validator(manifest_schema_file(LATEST_MANIFEST)).iter_errors(doc):
             if allow_unknown and error.validator == "additionalProperties":
                 continue
-            found.append(Finding(
-                "CK001", "schema", _schema_path(error), _schema_message(error),
+            found.append(finding(
+                "CK001", _schema_path(error), _schema_message(error),
                 f"the document breaks the JSON Schema rule '{error.validator}' (see docs/spec.md)",
             ))
     except RecursionError:  # jsonschema repr()s offending values; junk can nest ~1000 deep
-        found.append(Finding("CK001", "schema", "$", "the document nests too deeply to be a manifest",
+        found.append(finding("CK001", "$", "the document nests too deeply to be a manifest",
                              "a manifest nests at most a few levels"))
     found.sort(key=lambda f: f.path)
     return found
@@ -129,13 +129,13 @@ def _build_model(doc: Any, allow_unknown: bool) -> tuple[Manifest | None, Findin
         first = exc.errors()[0]
         if first["type"] == "string_unicode":
             # Decoded data (not from our loader) may hold a lone surrogate: not Unicode text.
-            return None, Finding(
-                "CK001", "schema", json_path(*first["loc"]), "string is not valid Unicode (a lone surrogate)",
+            return None, finding(
+                "CK001", json_path(*first["loc"]), "string is not valid Unicode (a lone surrogate)",
                 "manifest strings must be Unicode text",
             )
         # The schema accepted what the models refuse: a bug in ckptspec, not the input.
-        return None, Finding(
-            "CK002", "model-disagreement", json_path(*first["loc"]),
+        return None, finding(
+            "CK002", json_path(*first["loc"]),
             f"the schema accepts this document but the models refuse it: {first['msg']}",
             "please report this ckptspec bug with the manifest attached",
         )

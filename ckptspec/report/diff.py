@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from ..findings import Finding, json_path
+from ..findings import Finding, RuleSet, finding, json_path
 from ..format.models import Manifest
 
 DIFF_VERSION = "1.0"
@@ -170,18 +170,8 @@ def group_changes(a: Manifest, b: Manifest) -> list[Change]:
 
 # --------------------------------------------------------------------------- resume rules
 
-_RULES: list[tuple[str, str, Callable[..., Iterator[Finding]]]] = []
-
-
-def rule(code: str, name: str):
-    def register(fn):
-        _RULES.append((code, name, fn))
-        return fn
-    return register
-
-
-def _finding(code: str, name: str, path: str, message: str, hint: str) -> Finding:
-    return Finding(code, name, path, message, hint)
+RULES: RuleSet[Callable[..., Iterator[Finding]]] = RuleSet()
+rule = RULES.register
 
 
 def _names(names: list[str]) -> str:
@@ -193,42 +183,36 @@ def _zero(m: Manifest) -> bool:
     return m.layout.zero_stage >= 1
 
 
-@rule("CK501", "resume-world-size")
+@rule("CK501")
 def resume_world_size(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     """engine._load_zero_checkpoint raises ZeRORuntimeException when the DP world size differs."""
     if _zero(a) and _zero(b) and a.layout.world_size != b.layout.world_size:
-        yield _finding("CK501", "resume-world-size", json_path("layout", "world_size"),
-                       f"the data-parallel world size changes from {a.layout.world_size} to {b.layout.world_size}; "
-                       "DeepSpeed refuses ZeRO optimizer state saved at another world size",
-                       f"resume on {a.layout.world_size} ranks, or convert the checkpoint with DeepSpeed's ds_to_universal "
+        yield finding("CK501", json_path("layout", "world_size"), f"the data-parallel world size changes from {a.layout.world_size} to {b.layout.world_size}; "
+                       "DeepSpeed refuses ZeRO optimizer state saved at another world size", f"resume on {a.layout.world_size} ranks, or convert the checkpoint with DeepSpeed's ds_to_universal "
                        "and load it with checkpoint.load_universal")
 
 
-@rule("CK502", "resume-zero-stage")
+@rule("CK502")
 def resume_zero_stage(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     """Stages 1 and 2 share one flat layout and file set; stage 3 (and 0) do not."""
     sa, sb = a.layout.zero_stage, b.layout.zero_stage
     if sa != sb and not {sa, sb} <= {1, 2}:
-        yield _finding("CK502", "resume-zero-stage", json_path("layout", "zero_stage"),
-                       f"the ZeRO stage changes from {sa} to {sb}; a stage-{sb} job reads other files and another "
-                       f"partitioning than stage {sa} saved",
-                       f"resume with ZeRO stage {sa} (stages 1 and 2 are interchangeable), or convert the checkpoint "
+        yield finding("CK502", json_path("layout", "zero_stage"), f"the ZeRO stage changes from {sa} to {sb}; a stage-{sb} job reads other files and another "
+                       f"partitioning than stage {sa} saved", f"resume with ZeRO stage {sa} (stages 1 and 2 are interchangeable), or convert the checkpoint "
                        "with DeepSpeed's ds_to_universal")
 
 
-@rule("CK503", "resume-precision")
+@rule("CK503")
 def resume_precision(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     """The optimizer-states file names carry a ``bf16_`` prefix only in bf16 jobs (engine.py)."""
     bf_a, bf_b = a.layout.model_dtype == "bfloat16", b.layout.model_dtype == "bfloat16"
     if _zero(a) and _zero(b) and bf_a != bf_b:
-        yield _finding("CK503", "resume-precision", json_path("layout", "model_dtype"),
-                       f"the model dtype changes from {a.layout.model_dtype} to {b.layout.model_dtype}; a "
+        yield finding("CK503", json_path("layout", "model_dtype"), f"the model dtype changes from {a.layout.model_dtype} to {b.layout.model_dtype}; a "
                        f"{'bf16' if bf_b else 'non-bf16'} job opens optimizer files named "
-                       f"{'bf16_zero_pp_rank_*' if bf_b else 'zero_pp_rank_*'}, which this checkpoint does not have",
-                       f"resume in {a.layout.model_dtype}, or load the weights only (load_module_only=True)")
+                       f"{'bf16_zero_pp_rank_*' if bf_b else 'zero_pp_rank_*'}, which this checkpoint does not have", f"resume in {a.layout.model_dtype}, or load the weights only (load_module_only=True)")
 
 
-@rule("CK504", "resume-module-keys")
+@rule("CK504")
 def resume_module_keys(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     """load_module_strict=True: the saved module's keys must be exactly B's state-dict keys."""
     saved = {n for n, t in ta.items() if t.saved}
@@ -237,36 +221,28 @@ def resume_module_keys(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     if missing:
         excluded = [n for n in missing if n in ta and not ta[n].saved]
         why = " (saved with exclude_frozen_parameters)" if excluded else ""
-        yield _finding("CK504", "resume-module-keys", tb[missing[0]].path,
-                       f"{len(missing)} name(s) of B are not in A's saved module{why}: {_names(missing)}",
-                       "a strict module load fails on missing keys; add them to the checkpoint's model or resume "
+        yield finding("CK504", tb[missing[0]].path, f"{len(missing)} name(s) of B are not in A's saved module{why}: {_names(missing)}", "a strict module load fails on missing keys; add them to the checkpoint's model or resume "
                        "with the model that saved it")
     if unexpected:
-        yield _finding("CK504", "resume-module-keys", "$",
-                       f"{len(unexpected)} name(s) saved in A are not in B: {_names(unexpected)}",
-                       "a strict module load fails on unexpected keys; resume with the model that saved the checkpoint")
+        yield finding("CK504", "$", f"{len(unexpected)} name(s) saved in A are not in B: {_names(unexpected)}", "a strict module load fails on unexpected keys; resume with the model that saved the checkpoint")
 
 
-@rule("CK505", "resume-shape")
+@rule("CK505")
 def resume_shape(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     for name, t in tb.items():
         old = ta.get(name)
         if old is not None and old.shape is not None and t.shape is not None and old.shape != t.shape:
-            yield _finding("CK505", "resume-shape", t.path + ".shape",
-                           f"{name!r} has shape {list(old.shape)} in A but {list(t.shape)} in B",
-                           "resume with the shapes the checkpoint was saved with; a changed model needs a fresh "
+            yield finding("CK505", t.path + ".shape", f"{name!r} has shape {list(old.shape)} in A but {list(t.shape)} in B", "resume with the shapes the checkpoint was saved with; a changed model needs a fresh "
                            "optimizer (load_module_only cannot load it either)")
 
 
-@rule("CK506", "resume-trainable-set")
+@rule("CK506")
 def resume_trainable_set(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     for name, t in tb.items():
         old = ta.get(name)
         if old is not None and (old.role == "trainable") != (t.role == "trainable"):
-            yield _finding("CK506", "resume-trainable-set", t.path,
-                           f"{name!r} is {old.role} in A but {t.role} in B; the optimizer holds another set of "
-                           "tensors, so A's optimizer partitions do not fit B's",
-                           "resume with the same frozen parameters and ties, or load the weights only "
+            yield finding("CK506", t.path, f"{name!r} is {old.role} in A but {t.role} in B; the optimizer holds another set of "
+                           "tensors, so A's optimizer partitions do not fit B's", "resume with the same frozen parameters and ties, or load the weights only "
                            "(load_module_only=True) and start a fresh optimizer")
 
 
@@ -280,14 +256,12 @@ def _group_reason(a: Manifest, b: Manifest) -> Finding | None:
             else f"A has {first.a} here, B has {first.b}")
     flags = [c for c in layout_changes(a, b) if c.name in ("round_robin", "parameter_alignment", "sub_group_size")]
     cause = "".join(f"; {c.name} changes from {c.a} to {c.b}" for c in flags)
-    return _finding("CK507", "resume-group-layout", first.path,
-                    f"the optimizer's flat layout differs ({what}{cause}); DeepSpeed would copy A's partitions "
-                    "into B's positions without checking them",
-                    "resume with the same parameter groups, order, round_robin_gradients, parameter_alignment and "
+    return finding("CK507", first.path, f"the optimizer's flat layout differs ({what}{cause}); DeepSpeed would copy A's partitions "
+                    "into B's positions without checking them", "resume with the same parameter groups, order, round_robin_gradients, parameter_alignment and "
                     "sub_group_size as the run that saved the checkpoint")
 
 
-@rule("CK507", "resume-group-layout")
+@rule("CK507")
 def resume_group_layout(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     """Same names, shapes and trainable set, but another flat layout: the silent case."""
     if (first := _group_reason(a, b)) is not None:
@@ -300,11 +274,11 @@ ROOT_CAUSES = ("CK501", "CK502", "CK504", "CK505", "CK506")
 def resume_reasons(a: Manifest, b: Manifest) -> list[Finding]:
     ta, tb = tensors(a), tensors(b)
     reasons: list[Finding] = []
-    for code, _, fn in _RULES:
+    for r in RULES:
         # A layout difference that another reason already explains would only repeat it.
-        if code == "CK507" and any(r.code in ROOT_CAUSES for r in reasons):
+        if r.code == "CK507" and any(found.code in ROOT_CAUSES for found in reasons):
             continue
-        reasons += fn(a, b, ta, tb)
+        reasons += r.check(a, b, ta, tb)
     return reasons
 
 
@@ -313,7 +287,5 @@ def diff_manifests(a: Manifest, b: Manifest) -> Diff:
     changes = layout_changes(a, b) + tensor_changes(tensors(a), tensors(b)) + group_changes(a, b)
     return Diff(changes, resume_reasons(a, b))
 
-
-RULES = [(code, name) for code, name, _ in _RULES]
 
 __all__ = ["Diff", "Change", "diff_manifests", "resume_reasons", "RULES", "DIFF_VERSION"]
