@@ -70,7 +70,8 @@ def breakdown(checkpoint: str, out: str) -> dict:
     t = (time.perf_counter(), time.process_time())
     from ckptspec.deepspeed import describe as ds_checkpoint
     from ckptspec.checkpoint import torchfile  # noqa: F401
-    from ckptspec.format.encoding import dumps, write_atomic
+    from ckptspec._fs import write_atomic
+    from ckptspec.format.codec import dumps
     t = step("import", t)
     tag_dir = ds_checkpoint.resolve_tag_dir(checkpoint)
     shards = ds_checkpoint.scan_tag_dir(tag_dir)
@@ -99,7 +100,7 @@ def profile(checkpoint: str, top: int = 25) -> None:
     import pstats
 
     from ckptspec.deepspeed.describe import manifest_from_checkpoint
-    from ckptspec.format.encoding import dumps
+    from ckptspec.format.codec import dumps
 
     prof = cProfile.Profile()
     prof.enable()

@@ -158,7 +158,7 @@ def timing(work: Path) -> str | None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from make_big_checkpoint import checkpoint_dir
 
-    from ckptspec.format.encoding import write_manifest
+    from ckptspec.format.codec import write_manifest
     from ckptspec.deepspeed.describe import manifest_from_checkpoint
     from ckptspec.deepspeed.validate import validate_checkpoint
     from ckptspec.format.validate import load_manifest

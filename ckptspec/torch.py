@@ -6,8 +6,9 @@ Imports torch only through the objects it is given.
 from __future__ import annotations
 
 from .format.partition import ParamSpec, flat_group
-from .format.models import FORMAT_NAME, FORMAT_VERSION, Alias, Buffer, FrozenParam, Layout, Manifest, Producer
+from .format.models import Alias, Buffer, FrozenParam, Layout, Manifest, Producer
 from .format.dtypes import dtype_name
+from .format.version import FORMAT_NAME, FORMAT_VERSION
 
 
 def manifest_from_module(module, optimizer=None) -> Manifest:

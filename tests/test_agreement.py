@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from ckptspec.format import models
-from ckptspec.format.loader import load_document
+from ckptspec.format.codec import load_document
 from ckptspec.format.models import Manifest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -285,7 +285,7 @@ def test_pattern_anchors_are_ecma(where, value):
 def test_lone_surrogates_are_refused_by_the_loader(where, value):
     """A lone surrogate escape is not Unicode text: the loader refuses the document (CK903)."""
     from ckptspec.errors import CkptspecError
-    from ckptspec.format.loader import decode
+    from ckptspec.format.codec import decode
 
     doc = copy.deepcopy(BASE)
     _set(doc, where, value)

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
 from ckptspec.cli import cli
-from ckptspec.format.loader import load_document
+from ckptspec.format.codec import load_document
 from ckptspec.format.rules import RULES
 from ckptspec.format.validate import validate_file
 

@@ -608,7 +608,7 @@ def test_every_field_bullet_has_a_type():
 
 
 def test_spec_dtype_table_matches_schema_and_rules():
-    from ckptspec.format.rules import ITEMSIZE
+    from ckptspec.format.dtypes import ITEMSIZE
 
     schema = json.loads(MANIFEST_SCHEMA.read_text("utf-8"))
     text = (DOCS / "spec.md").read_text("utf-8")

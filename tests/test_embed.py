@@ -29,8 +29,8 @@ from ckptspec.checkpoint.embedded import (
     rewrite_pt_with_item, safetensors_metadata, write_sidecar,
 )
 from ckptspec.errors import EmbedError, UnsupportedEngine
-from ckptspec.format.encoding import dumps
-from ckptspec.format.loader import load_document
+from ckptspec.format.codec import dumps
+from ckptspec.format.codec import load_document
 from ckptspec.format.validate import validate_document
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from ckptspec.cli import cli
 from ckptspec.errors import NotEncodable
-from ckptspec.format.encoding import atomic_output, dumps, encoding_for_output, write_atomic
-from ckptspec.format.loader import decode, load_document
+from ckptspec._fs import atomic_output, write_atomic
+from ckptspec.format.codec import dumps, encoding_for_output
+from ckptspec.format.codec import decode, load_document
 from ckptspec.format.models import Manifest
 from ckptspec.format.validate import validate_document
 

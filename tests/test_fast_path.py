@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from ckptspec.format import schemas as schemas_registry
-from ckptspec.format.loader import decode_document, load_document
+from ckptspec.format.codec import decode_document, load_document
 from ckptspec.format.validate import fast_schema_accepts, validate_document, validate_file
 from test_agreement import (
     BASE, MUTATIONS_1_0, MUTATIONS_NEWER, VALIDATOR, _set, bounded_schema, schema_strategy,

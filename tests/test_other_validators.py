@@ -33,7 +33,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from ckptspec.format.loader import load_document
+from ckptspec.format.codec import load_document
 from ckptspec.format.validate import schema_findings, validate_document
 
 ROOT = Path(__file__).resolve().parent.parent

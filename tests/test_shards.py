@@ -18,7 +18,8 @@ from ckptspec.cli import cli
 from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.errors import CkptspecError, InvalidCheckpoint
 from ckptspec.format.models import Manifest
-from ckptspec.deepspeed.validate import CHECKS, _natural_order, check_checkpoint, validate_checkpoint
+from ckptspec.deepspeed.validate import CHECKS, check_checkpoint, validate_checkpoint
+from ckptspec.format.partition import natural_order
 from ckptspec.checkpoint import torchfile
 from ds_matrix import MATRIX
 from dsharness.build import build_checkpoint
@@ -212,6 +213,6 @@ def test_usage(built, tmp_path):
 
 def test_round_robin_inverse():
     # DeepSpeed's _round_robin_reorder with dp=3: [emb, l1.w, l1.b, l2.w, l2.b] -> [emb, l2.w, l1.w, l2.b, l1.b]
-    assert _natural_order(["emb", "l2.w", "l1.w", "l2.b", "l1.b"], 3) == ["emb", "l1.w", "l1.b", "l2.w", "l2.b"]
-    assert _natural_order(list("abcdefg"), 1) == list("abcdefg")
-    assert _natural_order(["a", "c", "b"], 2) == ["a", "b", "c"]
+    assert natural_order(["emb", "l2.w", "l1.w", "l2.b", "l1.b"], 3) == ["emb", "l1.w", "l1.b", "l2.w", "l2.b"]
+    assert natural_order(list("abcdefg"), 1) == list("abcdefg")
+    assert natural_order(["a", "c", "b"], 2) == ["a", "b", "c"]

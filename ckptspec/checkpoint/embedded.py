@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 from .states import StateCache, read_state
-from ..format.encoding import Encoding, atomic_output, dumps, write_atomic
+from .._fs import atomic_output, write_atomic
+from ..format.codec import Encoding, dumps
 from ..errors import CkptspecError, EmbedError, InvalidCheckpoint
 from ..findings import Finding, finding, json_path
-from ..format.loader import decode, load_document
+from ..format.codec import decode, load_document
 from ..format.models import Manifest
 
 SIDECAR_NAMES: dict[str, str] = {"json": "ckptspec.json", "msgpack": "ckptspec.msgpack"}

@@ -17,7 +17,7 @@ import click
 from .._version import __version__
 from ..errors import CkptspecError
 from ..findings import Finding
-from ..format.loader import DEFAULT_MAX_BYTES
+from ..format.codec import DEFAULT_MAX_BYTES
 from ..format.schemas import MANIFEST_SCHEMAS, REPORT_SCHEMA, manifest_schema_file, schema_text
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -145,7 +145,7 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     torch, and never executes pickled code.
     """
     from ..deepspeed.describe import manifest_from_checkpoint
-    from ..format.encoding import write_manifest
+    from ..format.codec import write_manifest
 
     try:
         manifest = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm)

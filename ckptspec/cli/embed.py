@@ -14,7 +14,7 @@ import click
 
 from ..errors import CkptspecError
 from ..findings import Finding, has_errors
-from ..format.loader import DEFAULT_MAX_BYTES, load_document
+from ..format.codec import DEFAULT_MAX_BYTES, load_document
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 ENCODING_CHOICE = click.Choice(["json", "msgpack"])
@@ -34,16 +34,16 @@ def _show(target: str, findings: list[Finding], err: bool = True) -> None:
 
 def _check_input(name: str, doc) -> None:
     """The reader's gate for every command here: version first, then schema and rules."""
-    from ..format.migrate import check_document
+    from ..format.migrate import validate_own_version
 
-    findings = check_document(doc)
+    findings = validate_own_version(doc)
     _show(name, findings)
     if has_errors(findings):
         sys.exit(EXIT_INVALID)
 
 
 def _write(doc, output: str, encoding: str | None) -> int:
-    from ..format.encoding import dumps, encoding_for_output, write_manifest
+    from ..format.codec import dumps, encoding_for_output, write_manifest
 
     write_manifest(doc, output, encoding)
     return len(dumps(doc, encoding_for_output(output, encoding))) if output != "-" else 0
@@ -70,7 +70,7 @@ def convert(source: str, output: str, encoding: str | None, input_encoding: str 
     except CkptspecError as exc:
         _fail(exc, source)
     if output != "-":
-        from ..format.encoding import encoding_for_output
+        from ..format.codec import encoding_for_output
 
         click.echo(f"{output}: written ({encoding_for_output(output, encoding)}, {size} bytes)")
 
@@ -128,7 +128,7 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     copies exist they must agree (CK301, exit 1, otherwise).
     """
     from ..checkpoint.embedded import EmbedError, agreement_findings, best_copy, find_copies
-    from ..format.validate import _version_findings
+    from ..format.version import version_findings
 
     try:
         copies = find_copies(target, tag)
@@ -153,7 +153,7 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
         sys.exit(EXIT_INVALID)
     chosen = best_copy(copies)
     doc = chosen.document
-    gate, stop = _version_findings(doc) if isinstance(doc, dict) else ([], False)
+    gate, stop = version_findings(doc) if isinstance(doc, dict) else ([], False)
     _show(chosen.source, gate)
     if stop:
         sys.exit(EXIT_INVALID)
@@ -175,7 +175,9 @@ def migrate(source: str, output: str, to_version: str, encoding: str | None) -> 
     own version first and OUT against the target version before it is written; a
     field the target version has no place for is reported (CK313 warning).
     """
-    from ..format.migrate import InvalidInput, migrate_document, version_key
+    from ..errors import InvalidInput
+    from ..format.migrate import migrate_document
+    from ..format.version import version_key
 
     try:
         target = version_key(to_version)
@@ -198,5 +200,3 @@ def migrate(source: str, output: str, to_version: str, encoding: str | None) -> 
         steps = " -> ".join([result.steps[0][0]] + [b for _, b in result.steps]) if result.steps else "no change"
         click.echo(f"{output}: format {result.document['format_version']} ({steps})")
 
-
-COMMANDS = [convert, embed, extract, migrate]

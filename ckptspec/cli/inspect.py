@@ -20,7 +20,7 @@ import click
 
 from ..errors import CkptspecError
 from ..findings import Finding, has_errors
-from ..format.loader import DEFAULT_MAX_BYTES
+from ..format.codec import DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:  # the models load pydantic; `ckptspec validate` must not pay for it
     from ..format.models import Manifest
@@ -198,5 +198,3 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
                    else f"resume: B cannot resume from A ({len(result.reasons)} reason{'s' if len(result.reasons) != 1 else ''})")
     sys.exit(EXIT_OK if result.resumable else EXIT_INVALID)
 
-
-COMMANDS = [inspect, diff]

@@ -57,6 +57,7 @@ def reconstruct(checkpoint: str, output_dir: str, manifest: str | None, tag: str
     and never executes pickled code.
     """
     from ..findings import has_errors
+    from ..format.dtypes import output_dtype
     from ..export.reconstruct import plan_reconstruction, progress_printer, validate_checkpoint, write_consolidated
 
     if fmt == "torch":
@@ -74,11 +75,7 @@ def reconstruct(checkpoint: str, output_dir: str, manifest: str | None, tag: str
             sys.exit(EXIT_INVALID)
         plan = plan_reconstruction(checkpoint, found, tag)
         total = sum(s.numel for s in plan.sources.values())  # elements; the bar counts output bytes
-        total_bytes = sum(
-            plan.sources[plan.aliases.get(n, n)].numel * _itemsize(plan.output_dtype(n, _dtype(dtype)))
-            for n in plan.order if untie or n not in plan.aliases
-        )
-        update, close = progress_printer(total_bytes, enabled=not quiet and sys.stderr.isatty())
+        update, close = progress_printer(plan.total_nbytes(output_dtype(dtype), untie), enabled=not quiet and sys.stderr.isatty())
         try:
             result = write_consolidated(plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt,
                                         untie=untie, progress=update)
@@ -96,12 +93,3 @@ def reconstruct(checkpoint: str, output_dir: str, manifest: str | None, tag: str
         click.echo(f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, {total} elements) "
                    f"to {files}")
 
-
-def _dtype(name: str) -> str:
-    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[name]
-
-
-def _itemsize(dtype: str) -> int:
-    from ..format.rules import ITEMSIZE
-
-    return ITEMSIZE[dtype]

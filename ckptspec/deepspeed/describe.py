@@ -16,10 +16,9 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CkptspecError, InvalidCheckpoint, UnsupportedCheckpoint
+from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from ..format.partition import ParamSpec, flat_group, per_param_group
 from ..format.models import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     Alias,
     Buffer,
         FrozenParam,

@@ -19,12 +19,11 @@ from .._version import __version__
 from ..checkpoint.embedded import CLIENT_STATE_KEY, SIDECAR_NAMES, client_state_value, write_sidecar
 from ..checkpoint.states import StateCache
 from ..errors import EngineLayoutMismatch, InvalidManifest, UnsupportedEngine
-from ..format.encoding import write_atomic
+from .._fs import write_atomic
 from ..format.validate import validate_document
+from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from ..format.partition import ParamSpec, flat_group, per_param_group
 from ..format.models import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     Alias,
     Buffer,
     ExcludedParam,

@@ -31,6 +31,7 @@ from ..errors import CkptspecError
 from ..findings import Finding, RuleSet, finding, has_errors, json_path
 from ..checkpoint.hashing import file_digest
 from ..format.models import Manifest, ShardFile
+from ..format.partition import natural_order
 from ..format.validate import validate_file, validate_manifest
 
 SIDECARS = ("ckptspec.json", "ckptspec.msgpack")
@@ -572,17 +573,6 @@ def module_layout(ctx: _Context) -> Iterator[Finding]:
                                    "would return other parameters' values under these names", file=f.name, rank=f.rank)
 
 
-def _natural_order(params: list, partition_count: int) -> list:
-    """Undo DeepSpeed's round-robin reorder (param k went to bucket k % dp, buckets concatenated)."""
-    n = len(params)
-    sizes = [len(range(b, n, partition_count)) for b in range(partition_count)]
-    buckets, start = [], 0
-    for size in sizes:
-        buckets.append(params[start:start + size])
-        start += size
-    return [buckets[k % partition_count][k // partition_count] for k in range(n)]
-
-
 def expected_slice_mappings(manifest: Manifest, g: int, rank: int) -> list[tuple[str, int, int]]:
     """``param_slice_mappings[g]`` as DeepSpeed 0.19 writes it for ``rank``: (name, numel, start).
 
@@ -595,7 +585,7 @@ def expected_slice_mappings(manifest: Manifest, g: int, rank: int) -> list[tuple
     start, end = rank * grp.partition_numel, (rank + 1) * grp.partition_numel
     params = list(grp.params)
     if manifest.layout.round_robin:
-        params = _natural_order(params, grp.partition_count)
+        params = natural_order(params, grp.partition_count)
     real_offsets = any(p.padding for p in grp.params) or not manifest.layout.round_robin
     out, cursor = [], 0
     for p in params:

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..checkpoint import torchfile
-from ..format.encoding import dumps, fsync_dir, write_atomic
+from .._fs import fsync_dir, new_file_mode, temp_file, write_atomic
+from ..format.codec import dumps
 from ..checkpoint.states import StateCache, unreadable
 from ..deepspeed.validate import validate_checkpoint as validate_shards
 from ..errors import (
@@ -45,8 +46,8 @@ from ..errors import (
 )
 from ..findings import Finding, has_errors
 from ..format.models import Manifest
-from ..format.rules import ITEMSIZE
-from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter, TensorEntry, _umask
+from ..format.dtypes import FLOATING, ITEMSIZE, output_dtype
+from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter, TensorEntry
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE", "Segment", "TensorSource", "ReconstructionPlan", "CheckpointInvalid",
@@ -56,12 +57,6 @@ __all__ = [
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 CHUNK_BYTES = 16 << 20  # dtype conversion works on at most this many source bytes at once
-FLOATING = ("float64", "float32", "float16", "bfloat16")
-TARGET_DTYPES = {
-    "fp32": "float32", "float32": "float32", "float": "float32",
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16", "half": "float16",
-}
 SAFETENSORS_SINGLE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_SINGLE, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 _SHARD_RE = {
@@ -128,6 +123,14 @@ class ReconstructionPlan:
         """Floating tensors are cast to ``dtype``; integer and bool buffers keep theirs."""
         src = self.sources[self.aliases.get(name, name)].dtype
         return dtype if src in FLOATING else src
+
+    def output_nbytes(self, name: str, dtype: str) -> int:
+        """Bytes of ``name`` in the output when floating tensors are written as ``dtype``."""
+        return self.sources[self.aliases.get(name, name)].numel * ITEMSIZE[self.output_dtype(name, dtype)]
+
+    def total_nbytes(self, dtype: str, untie: bool) -> int:
+        """Bytes of tensor data in the output (a tied alias is stored once unless ``untie``)."""
+        return sum(self.output_nbytes(n, dtype) for n in self.order if untie or n not in self.aliases)
 
     @property
     def manifest_sha256(self) -> str:
@@ -456,13 +459,6 @@ def _stream(source: TensorSource, dtype: str, writer: SafetensorsWriter, files: 
 # --------------------------------------------------------------------------- output
 
 
-def _normalize_dtype(dtype: Any) -> str:
-    key = str(dtype).removeprefix("torch.").lower()
-    if key not in TARGET_DTYPES:
-        raise ValueError(f"unsupported output dtype {dtype!r}; use fp32, bf16 or fp16")
-    return TARGET_DTYPES[key]
-
-
 @dataclass
 class _Shard:
     filename: str
@@ -503,7 +499,7 @@ def write_consolidated(plan: ReconstructionPlan, output_dir: str | os.PathLike, 
                        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, fmt: str = "safetensors", untie: bool = False,
                        progress: Callable[[int], None] | None = None) -> WriteResult:
     """Write the consolidated state dict; every file appears (by rename) only once all are complete."""
-    dtype = _normalize_dtype(dtype)
+    dtype = output_dtype(dtype)
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"unknown output format {fmt!r}")
     out = Path(output_dir)
@@ -511,7 +507,7 @@ def write_consolidated(plan: ReconstructionPlan, output_dir: str | os.PathLike, 
     # Tied aliases: safetensors stores the owner once (the tie is in the metadata); torch files
     # keep every name, an alias sharing its owner's storage. --untie writes copies in both.
     stored = [n for n in plan.order if untie or n not in plan.aliases]
-    size_of = {n: math.prod(plan.sources[plan.aliases.get(n, n)].shape) * ITEMSIZE[plan.output_dtype(n, dtype)] for n in plan.order}
+    size_of = {n: plan.output_nbytes(n, dtype) for n in plan.order}
     if fmt == "safetensors":
         for name in stored:
             if plan.output_dtype(name, dtype) not in SAFETENSORS_DTYPES:
@@ -547,7 +543,7 @@ def write_consolidated(plan: ReconstructionPlan, output_dir: str | os.PathLike, 
             index = {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}
             tmp_index = out / f".{index_name}.pending"
             write_atomic(tmp_index, (json.dumps(index, indent=2, sort_keys=False) + "\n").encode("utf-8"))
-            os.chmod(tmp_index, 0o666 & ~_umask())
+            os.chmod(tmp_index, new_file_mode())
             pending.append((tmp_index, out / index_name))
     except BaseException:
         for tmp, _ in pending:
@@ -592,8 +588,6 @@ def _write_safetensors_shard(plan, shard: _Shard, target: Path, dtype: str, meta
 
 
 def _write_torch_shard(plan, shard: _Shard, target: Path, dtype: str, untie: bool, files: _Files, progress) -> Path:
-    import tempfile
-
     import torch
 
     tensors: dict[str, Any] = {}
@@ -606,17 +600,16 @@ def _write_torch_shard(plan, shard: _Shard, target: Path, dtype: str, untie: boo
         array = read_array(plan.sources[owner], out_dtype, files)
         tensors[name] = _to_torch(array, out_dtype)
         progress(array.nbytes)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.fchmod(fd, 0o666 & ~_umask())
+    fd, tmp = temp_file(target)
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(tensors, fh)
             fh.flush()
             os.fsync(fh.fileno())
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    return Path(tmp)
+    return tmp
 
 
 def _to_torch(array, dtype: str):
@@ -648,7 +641,7 @@ def load_state_dict(checkpoint: str | os.PathLike, framework: str = "torch", *, 
     """
     if framework not in ("torch", "numpy"):
         raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
-    dtype = _normalize_dtype(dtype)
+    dtype = output_dtype(dtype)
     plan = plan_reconstruction(checkpoint, _checked_manifest(checkpoint, manifest, tag), tag)
     bf16_view = None
     if framework == "numpy" and dtype == "bfloat16":

@@ -9,8 +9,8 @@ written, so the header goes first and each tensor's bytes are streamed after it:
 nothing needs to be held in memory at once (``safetensors.*.save_file`` needs
 every tensor in memory).
 
-The file is written under a temporary name in the target directory and only
-renamed to its final name by ``commit()``. Standard library only.
+The file is written under a temporary name in the target directory (``tmp_path``); the
+caller renames it once every file of its output is complete. Standard library only.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import errno
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .._fs import temp_file
 from ..errors import SafetensorsWriteError
+from ..format.dtypes import ITEMSIZE
 
 # Manifest dtype name -> safetensors dtype code (safetensors 0.4+).
 SAFETENSORS_DTYPES = {
@@ -32,10 +33,6 @@ SAFETENSORS_DTYPES = {
     "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
     "complex64": "C64",
-}
-ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
 }
 _COPY_CHUNK = 64 << 20  # bytes per copy_file_range call
 
@@ -81,9 +78,7 @@ class SafetensorsWriter:
     """Stream one safetensors file: ``begin(name)``, then ``write``/``copy_range`` its bytes.
 
     Tensors must be written in the order given. ``finish()`` checks every byte was
-    written and fsyncs; ``commit()`` renames the temporary file to ``path``;
-    ``abort()`` removes it. Also usable as a context manager (finish + commit on
-    success, abort on error).
+    written, fsyncs and closes ``tmp_path``; ``abort()`` removes it.
     """
 
     def __init__(self, path: str | os.PathLike, entries: Sequence[TensorEntry], metadata: Mapping[str, str] | None = None):
@@ -92,14 +87,11 @@ class SafetensorsWriter:
         header = build_header(self.entries, metadata)
         self.data_start = len(header)
         self.nbytes = self.data_start + sum(e.nbytes for e in self.entries)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self.tmp_path = Path(tmp)
+        fd, self.tmp_path = temp_file(self.path)
         self._fd: int | None = fd
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the final file gets the usual mode
         self._pos = 0
         self._index = -1  # entry being written
         self._entry_end = self.data_start
-        self._finished = False
         try:
             self._write_all(header)
         except BaseException:
@@ -164,33 +156,12 @@ class SafetensorsWriter:
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = None
-        self._finished = True
-
-    def commit(self) -> None:
-        """Rename the finished temporary file to its final name."""
-        if not self._finished:
-            raise SafetensorsWriteError("commit() before finish()")
-        os.replace(self.tmp_path, self.path)
 
     def abort(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         self.tmp_path.unlink(missing_ok=True)
-
-    def __enter__(self) -> "SafetensorsWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            try:
-                self.finish()
-                self.commit()
-            except BaseException:
-                self.abort()
-                raise
-        else:
-            self.abort()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -207,18 +178,3 @@ class SafetensorsWriter:
             self._pos += n
             view = view[n:]
 
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_file(path: str | os.PathLike, tensors: Mapping[str, tuple[str, tuple[int, ...], bytes]],
-               metadata: Mapping[str, str] | None = None) -> None:
-    """Convenience: ``{name: (dtype, shape, raw bytes)}`` -> one safetensors file."""
-    entries = [TensorEntry(name, dtype, tuple(shape)) for name, (dtype, shape, _) in tensors.items()]
-    with SafetensorsWriter(path, entries, metadata) as writer:
-        for name, (_, _, data) in tensors.items():
-            writer.begin(name)
-            writer.write(data)

@@ -20,13 +20,13 @@ import json
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Callable, Iterator, Mapping
 
 from ..errors import InvalidInput, MigrationError
 from ..findings import Finding, finding, has_errors, json_path
-from .models import FORMAT_VERSION
-from .validate import SUPPORTED_MAJOR, validate_document
+from .schemas import schema_findings
+from .validate import validate_document
+from .version import FORMAT_VERSION, SUPPORTED_MAJOR, version_key
 
 Migration = Callable[[dict], dict]
 
@@ -34,20 +34,6 @@ _MIGRATIONS: dict[tuple[str, str], Migration] = {}
 # Schemas of versions this release does not ship (drafts, or older/newer majors a
 # registered migration reads or writes): "MAJOR.MINOR" -> JSON Schema document.
 _SCHEMAS: dict[str, dict] = {}
-
-
-def version_key(version: str) -> str:
-    """``"1.1.0"`` or ``"1.1"`` -> ``"1.1"``; anything else raises ``ValueError``."""
-    parts = str(version).split(".")
-    if len(parts) not in (2, 3) or not all(p.isdigit() and (p == "0" or not p.startswith("0")) and len(p) <= 6 for p in parts):
-        raise ValueError(f"{version!r} is not a format version such as 1.0 or 1.0.0")
-    return f"{int(parts[0])}.{int(parts[1])}"
-
-
-def full_version(version: str) -> str:
-    """``"1.1"`` -> ``"1.1.0"`` (a full version is returned unchanged)."""
-    key = version_key(version)
-    return version if str(version).count(".") == 2 else f"{key}.0"
 
 
 def register_migration(from_version: str, to_version: str, fn: Migration | None = None):
@@ -128,30 +114,7 @@ def migration_path(from_version: str, to_version: str) -> list[tuple[str, str]] 
     return None
 
 
-@lru_cache(maxsize=None)
-def _validator_class():
-    """Draft 2020-12 with ECMA-262 pattern anchors, as for the shipped schemas (schemas_registry)."""
-    from jsonschema import Draft202012Validator, ValidationError, validators
-
-    from .schemas import _ecma_regex
-
-    def pattern(validator, value, instance, schema):
-        if validator.is_type(instance, "string") and not _ecma_regex(value).search(instance):
-            yield ValidationError(f"{instance!r} does not match {value!r}")
-
-    return validators.extend(Draft202012Validator, {"pattern": pattern})
-
-
-def _schema_findings(doc: Any, schema: dict) -> list[Finding]:
-    found = [
-        finding("CK001", json_path(*error.absolute_path), error.message[:300],
-                f"the document breaks the JSON Schema rule '{error.validator}' of its format version")
-        for error in _validator_class()(schema).iter_errors(doc)
-    ]
-    return sorted(found, key=lambda f: f.path)
-
-
-def check_document(doc: Any) -> list[Finding]:
+def validate_own_version(doc: Any) -> list[Finding]:
     """Validate a document against its own format version, as far as this release knows it.
 
     A version with a registered schema (a draft, another major) is checked against that
@@ -166,7 +129,7 @@ def check_document(doc: Any) -> list[Finding]:
         key = None
     if key is None or key not in _SCHEMAS:
         return validate_document(doc).findings
-    findings = _schema_findings(doc, _SCHEMAS[key])
+    findings = schema_findings(doc, _SCHEMAS[key], rules_of="of its format version")
     if has_errors(findings) or int(key.split(".")[0]) != SUPPORTED_MAJOR:
         return findings
     # The registered schema checked every field; the rules check the arithmetic.
@@ -219,7 +182,7 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
     except ValueError:
         source = None
     if source is None:
-        raise InvalidInput(name, check_document(doc))
+        raise InvalidInput(name, validate_own_version(doc))
     path = migration_path(source, target)
     if path is None:
         known = ", ".join(f"{a} -> {b}" for a, b in known_migrations()) or "none"
@@ -230,7 +193,7 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
             hint = (f"this ckptspec reads and writes format {version_key(FORMAT_VERSION)}; a ckptspec release "
                     f"that knows format {target} can migrate to it")
         raise MigrationError("CK311", f"no migration from format {source} to {target} (registered: {known})", hint, name)
-    findings = check_document(doc)
+    findings = validate_own_version(doc)
     if has_errors(findings):
         raise InvalidInput(name, findings)
     warnings = [f for f in findings if f.severity == "warning"]
@@ -252,7 +215,7 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
                              f"format {target} has no place for this field; the migration dropped it",
                              "keep the original document if you need the field", severity="warning")
                      for where in _outermost(before - _key_paths(result))]
-    out_findings = check_document(result)
+    out_findings = validate_own_version(result)
     if has_errors(out_findings):
         first = next(f for f in out_findings if f.severity == "error")
         raise MigrationError("CK312", f"the migrated document is not valid format {target}: {first.path}: {first.code} {first.message}",

@@ -20,8 +20,6 @@ from pydantic import (
     model_validator,
 )
 
-from .version import FORMAT_NAME, FORMAT_VERSION  # noqa: F401  (re-exported)
-
 INT64_MAX = 2**63 - 1
 
 

@@ -79,9 +79,12 @@ def per_param_group(params: Sequence[ParamSpec], *, optimizer_group: int, partit
     )
 
 
-def round_robin_order(params: Sequence[ParamSpec], partition_count: int) -> list[ParamSpec]:
-    """DeepSpeed's ``round_robin_gradients`` order: param k goes to bucket k % dp, buckets concatenated."""
-    buckets: list[list[ParamSpec]] = [[] for _ in range(partition_count)]
-    for k, spec in enumerate(params):
-        buckets[k % partition_count].append(spec)
-    return [spec for bucket in buckets for spec in bucket]
+def natural_order(params: list, partition_count: int) -> list:
+    """Undo DeepSpeed's ``round_robin_gradients`` reorder (param k went to bucket k % dp, buckets concatenated)."""
+    n = len(params)
+    sizes = [len(range(b, n, partition_count)) for b in range(partition_count)]
+    buckets, start = [], 0
+    for size in sizes:
+        buckets.append(params[start:start + size])
+        start += size
+    return [buckets[k % partition_count][k // partition_count] for k in range(n)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..findings import Finding, RuleSet, finding, json_path
+from .dtypes import ITEMSIZE
 
 if TYPE_CHECKING:
     from .models import Manifest
@@ -28,10 +29,6 @@ if TYPE_CHECKING:
 Document = dict[str, Any]
 RuleFn = Callable[[Document], Iterator[Finding]]
 
-ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
-}
 # DeepSpeed pads each stage 1/2 flat group to nccl_start_alignment_factor (2) x world size.
 NCCL_START_ALIGNMENT_FACTOR = 2
 

@@ -17,25 +17,18 @@ conformance corpus):
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidManifest
 from ..findings import Finding, finding, has_errors, json_path
-from .version import FORMAT_NAME, FORMAT_VERSION
-from .loader import DEFAULT_MAX_BYTES, Encoding, gc_paused, read_document
+from .codec import DEFAULT_MAX_BYTES, Encoding, gc_paused, read_document
 from .rules import check_document
-from .schemas import LATEST_MANIFEST, fast_validator, manifest_schema_file, validator
+from .schemas import LATEST_MANIFEST, fast_validator, manifest_schema_file, schema_findings
+from .version import version_findings
 
 if TYPE_CHECKING:
     from .models import Manifest
-
-SUPPORTED_MAJOR, SUPPORTED_MINOR = (int(x) for x in FORMAT_VERSION.split(".")[:2])
-_MAX_MESSAGE = 300
-# The schema's semver pattern, ASCII digits only (str.isdigit() accepts '²').
-_SEMVER = re.compile(r"(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\Z", re.ASCII)
-
 
 @dataclass
 class Report:
@@ -47,63 +40,6 @@ class Report:
     @property
     def ok(self) -> bool:
         return not has_errors(self.findings)
-
-
-def _version_findings(doc: dict) -> tuple[list[Finding], bool]:
-    """Gate on the format version before anything else.
-
-    Returns (findings, stop): an unknown major stops validation; a newer minor is
-    read with a warning, keeping fields this reader does not know.
-    """
-    version = doc.get("format_version")
-    if not isinstance(version, str):
-        return [], False
-    if not _SEMVER.match(version):
-        return [], False  # the schema reports the malformed version
-    major, minor = (int(part) for part in version.split(".")[:2])
-    if major != SUPPORTED_MAJOR:
-        return [finding(
-            "CK003", json_path("format_version"),
-            f"format version {version} has major {major}; this reader understands major {SUPPORTED_MAJOR} only",
-            "upgrade ckptspec, or migrate the manifest with `ckptspec migrate`",
-        )], True
-    if minor > SUPPORTED_MINOR:
-        return [finding(
-            "CK004", json_path("format_version"),
-            f"format version {version} is newer than {FORMAT_VERSION}; fields this reader does not know are kept unchecked",
-            "upgrade ckptspec to check every field", severity="warning",
-        )], False
-    return [], False
-
-
-def _schema_path(error) -> str:
-    return json_path(*error.absolute_path)
-
-
-def _schema_message(error) -> str:
-    try:
-        message = error.message
-    except RecursionError:  # jsonschema repr()s the offending value; junk can nest deeply
-        return f"value breaks the schema rule '{error.validator}' (too deeply nested to print)"
-    return message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 3] + "..."
-
-
-def schema_findings(doc: Any, allow_unknown: bool = False) -> list[Finding]:
-    """Findings from the normative JSON Schema (``jsonschema``, draft 2020-12)."""
-    found = []
-    try:
-        for error in validator(manifest_schema_file(LATEST_MANIFEST)).iter_errors(doc):
-            if allow_unknown and error.validator == "additionalProperties":
-                continue
-            found.append(finding(
-                "CK001", _schema_path(error), _schema_message(error),
-                f"the document breaks the JSON Schema rule '{error.validator}' (see docs/spec.md)",
-            ))
-    except RecursionError:  # jsonschema repr()s offending values; junk can nest ~1000 deep
-        found.append(finding("CK001", "$", "the document nests too deeply to be a manifest",
-                             "a manifest nests at most a few levels"))
-    found.sort(key=lambda f: f.path)
-    return found
 
 
 def fast_schema_accepts(doc: Any) -> bool:
@@ -145,14 +81,14 @@ def _validate(doc: Any, *, plain: bool, build_model: bool, reference: bool) -> R
     findings: list[Finding] = []
     allow_unknown = False
     if isinstance(doc, dict):
-        version_findings, stop = _version_findings(doc)
-        findings += version_findings
+        gate, stop = version_findings(doc)
+        findings += gate
         if stop:
             return Report(findings)
-        allow_unknown = any(f.code == "CK004" for f in version_findings)
+        allow_unknown = any(f.code == "CK004" for f in gate)
     # A newer minor's unknown fields fail the compiled check: the reference skips them.
     if reference or allow_unknown or not fast_schema_accepts(doc):
-        findings += schema_findings(doc, allow_unknown)
+        findings += schema_findings(doc, allow_unknown=allow_unknown)
         if has_errors(findings):
             return Report(findings)
     # A document from the loader holds Unicode strings only; without floats its numbers

@@ -1,9 +1,23 @@
-"""Read a manifest document (JSON or msgpack) into plain Python data, safely.
+"""Manifest documents as bytes: read (JSON or msgpack, safely) and write (canonical, atomically).
 
-Every way the bytes can be unusable becomes a ``CkptspecError`` with a code:
-the size is capped *before* reading, text must be UTF-8, JSON may not hold
-NaN/Infinity or duplicate keys, and pathological nesting or integers become
-errors instead of tracebacks.
+Reading: every way the bytes can be unusable becomes a ``CkptspecError`` with a code: the
+size is capped *before* reading, text must be UTF-8, JSON may not hold NaN/Infinity or
+duplicate keys, and pathological nesting or integers become errors instead of tracebacks.
+
+Writing: canonical forms (the same document always gives the same bytes):
+
+* JSON: UTF-8 (no ``\\u`` escapes for non-ASCII), keys sorted at every level, two-space
+  indent, a final newline, no ``NaN``/``Infinity`` (``compact=True``: no whitespace at all).
+* msgpack: maps with keys sorted the same way, strings as msgpack ``str``, integers in
+  their smallest msgpack type, floats as float64.
+
+The two are lossless for every manifest: decoding either gives the same Python data,
+types included (``3`` stays an int, ``3.0`` a float, ``null`` stays ``None``), so
+``JSON -> msgpack -> JSON`` reproduces the canonical JSON bytes exactly. A value that
+one encoding cannot hold (an integer outside [-2**63, 2**64), bytes, NaN) is refused
+with ``CK907`` instead of being altered.
+
+No pydantic here: ``ckptspec validate MANIFEST`` reads through this module without the models.
 """
 
 from __future__ import annotations
@@ -13,12 +27,17 @@ import gc
 import json
 import os
 import re
+import sys
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Iterator, Literal
 
 import msgpack
 
-from ..errors import CkptspecError, InvalidDocument
+from .._fs import write_atomic
+from ..errors import CkptspecError, InvalidDocument, NotEncodable
+
+if TYPE_CHECKING:
+    from .models import Manifest
 
 Encoding = Literal["json", "msgpack"]
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
@@ -195,3 +214,63 @@ def read_document(
     """``load_document``, also telling whether the document holds floats."""
     data = read_bytes(path, max_bytes)
     return decode_document(data, encoding or encoding_for(path, data), str(path))
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _sorted_maps(value: Any) -> Any:
+    """The same data with every map's keys in sorted order (msgpack keeps insertion order)."""
+    if isinstance(value, dict):
+        return {k: _sorted_maps(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_maps(v) for v in value]
+    return value
+
+
+def dumps(manifest: Manifest | dict, encoding: Encoding = "json", *, compact: bool = False) -> bytes:
+    """Canonical bytes of a manifest (a model, or a plain decoded document)."""
+    doc = manifest if isinstance(manifest, dict) else manifest.to_dict()
+    if encoding == "msgpack":
+        try:
+            return msgpack.packb(_sorted_maps(doc), use_bin_type=True)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise NotEncodable(f"cannot be written as msgpack: {exc}") from None
+    if encoding != "json":
+        raise ValueError(f"unknown encoding {encoding!r}; use json or msgpack")
+    try:
+        if compact:
+            text = json.dumps(doc, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
+        else:
+            text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
+        return text.encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise NotEncodable(f"cannot be written as JSON: {exc}") from None
+    except UnicodeEncodeError:
+        raise NotEncodable("cannot be written as UTF-8: a string holds a lone surrogate") from None
+
+
+def encoding_for_output(path: str | os.PathLike, override: Encoding | None = None) -> Encoding:
+    """``override``, else by extension: ``.msgpack``/``.mpk`` is msgpack, anything else JSON."""
+    if override:
+        return override
+    if str(path) == "-":
+        return "json"
+    return "msgpack" if Path(path).suffix.lower() in MSGPACK_SUFFIXES else "json"
+
+
+def write_manifest(manifest: Manifest | dict, output: str, encoding: Encoding | None = None) -> None:
+    """``output`` '-' is stdout (JSON unless ``encoding`` says msgpack)."""
+    try:
+        data = dumps(manifest, encoding_for_output(output, encoding))
+    except NotEncodable as exc:
+        exc.file = output
+        raise
+    if output == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        return
+    try:
+        write_atomic(output, data)
+    except OSError as exc:
+        raise CkptspecError("CK906", f"cannot write: {exc.strerror}", "check the output directory exists and is writable", output) from None
