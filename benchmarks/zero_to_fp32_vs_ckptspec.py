@@ -130,7 +130,7 @@ def run_ckptspec(args: list[str]) -> tuple[int, list[tuple[str, str | None]], st
 
 
 def ckptspec_cell(fault, exit_code: int, found: list[tuple[str, str | None]]) -> str:
-    from ckptspec.deepspeed.validate import CHECKS
+    from ckptspec.deepspeed.checks import CHECKS
 
     names = {c.code: c.name for c in CHECKS} | {"CK201": "no-tag", "CK203": "no-model-states", "CK105": "alias-shape"}
     codes = list(dict.fromkeys(code for code, _ in found))

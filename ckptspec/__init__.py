@@ -34,7 +34,7 @@ def __getattr__(name: str):
 
         return Manifest
     if name == "load_state_dict":
-        from .export.reconstruct import load_state_dict
+        from .export.api import load_state_dict
 
         return load_state_dict
     raise AttributeError(f"module 'ckptspec' has no attribute {name!r}")

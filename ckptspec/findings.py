@@ -159,8 +159,9 @@ class Rule(Generic[Check]):
 class RuleSet(Generic[Check]):
     """Check functions of one family, one code each, in the order they run (registration order)."""
 
-    def __init__(self) -> None:
-        self._rules: list[Rule[Check]] = []
+    def __init__(self, *parts: RuleSet[Check]) -> None:
+        """An empty set, or the rules of ``parts`` one after the other."""
+        self._rules: list[Rule[Check]] = [rule for part in parts for rule in part]
 
     def register(self, code: str) -> Callable[[Check], Check]:
         """Decorator: ``@RULES.register("CK101")``; the code must be in ``CODES``."""

@@ -25,9 +25,11 @@ import pytest
 from ckptspec.checkpoint import torchfile
 from ckptspec.checkpoint.embedded import (
     CLIENT_STATE_KEY, SAFETENSORS_KEY, SAFETENSORS_SHA256_KEY, EmbeddedCopy, agreement_findings,
-    client_state_value, embedded_findings, first_difference, layout_document, read_client_state_copy,
-    rewrite_pt_with_item, safetensors_metadata, write_sidecar,
+    client_state_value, first_difference, layout_document, read_client_state_copy, safetensors_metadata,
+    write_sidecar,
 )
+from ckptspec.checkpoint.pt_rewrite import rewrite_pt_with_item
+from ckptspec.deepspeed.embed import embedded_findings
 from ckptspec.errors import EmbedError, UnsupportedEngine
 from ckptspec.format.codec import dumps
 from ckptspec.format.codec import load_document

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptspec.deepspeed.describe import manifest_from_checkpoint, resolve_tag_dir
+from ckptspec.deepspeed.describe import manifest_from_checkpoint
+from ckptspec.deepspeed.directory import resolve_tag_dir
 from ds_matrix import MATRIX
 from dsharness.build import build_checkpoint, run_zero_to_fp32
 
@@ -84,7 +85,7 @@ def point(ds_root):
 
 
 def test_bit_exact_against_zero_to_fp32_and_live_engine(checkpoint, tmp_path):
-    from ckptspec.export.reconstruct import load_consolidated
+    from ckptspec.export.api import load_consolidated
 
     name, save_dir, spec, world_size = checkpoint
     out = tmp_path / "out"
@@ -176,7 +177,7 @@ def test_untie_and_both_layouts_load_into_the_model(point, tmp_path):
     from dsharness.train import build_model, normalize_spec
     from safetensors.torch import load_model
 
-    from ckptspec.export.reconstruct import load_consolidated
+    from ckptspec.export.api import load_consolidated
 
     save_dir = point("s2-bf16-ws2")
     spec = normalize_spec(MATRIX["s2-bf16-ws2"][0])
@@ -344,7 +345,7 @@ def test_rerun_replaces_stale_shards(point, tmp_path):
 @pytest.mark.parametrize("name", ["s2-bf16-ws2", "s3-fp16-ws3-groups"])
 def test_reads_only_fp32_partitions_and_needed_module_tensors(point, name, tmp_path, monkeypatch):
     """No byte of the Adam moments (exp_avg, exp_avg_sq) is read, and no byte twice."""
-    from ckptspec.export import reconstruct as rc
+    from ckptspec.export import api as rc
     from ckptspec.checkpoint import torchfile
 
     save_dir = point(name)
@@ -432,7 +433,7 @@ def test_progress_bar_on_a_terminal(point, tmp_path):
 def test_failed_write_leaves_the_output_directory_as_it_was(point, tmp_path, monkeypatch, existing):
     import errno
 
-    from ckptspec.export import reconstruct as rc
+    from ckptspec.export import api as rc
     from ckptspec.export.safetensors_writer import SafetensorsWriter
 
     save_dir = point("s2-fp16-ws2-groups")

@@ -18,7 +18,8 @@ from ckptspec.cli import cli
 from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.errors import CkptspecError, InvalidCheckpoint
 from ckptspec.format.models import Manifest
-from ckptspec.deepspeed.validate import CHECKS, check_checkpoint, validate_checkpoint
+from ckptspec.deepspeed.checks import CHECKS, check_checkpoint
+from ckptspec.deepspeed.validate import validate_checkpoint
 from ckptspec.format.partition import natural_order
 from ckptspec.checkpoint import torchfile
 from ds_matrix import MATRIX

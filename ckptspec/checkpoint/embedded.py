@@ -25,18 +25,18 @@ import hashlib
 import json
 import os
 import struct
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Iterable, Literal
 
-from .states import StateCache, read_state
-from .._fs import atomic_output, write_atomic
-from ..format.codec import Encoding, dumps
-from ..errors import CkptspecError, EmbedError, InvalidCheckpoint
+from .._fs import write_atomic
+from ..errors import CkptspecError, EmbedError
 from ..findings import Finding, finding, json_path
-from ..format.codec import decode, load_document
-from ..format.models import Manifest
+from ..format.codec import Encoding, decode, dumps, load_document
+from .states import read_state
+
+if TYPE_CHECKING:
+    from ..format.models import Manifest
 
 SIDECAR_NAMES: dict[str, str] = {"json": "ckptspec.json", "msgpack": "ckptspec.msgpack"}
 CLIENT_STATE_KEY = "ckptspec_manifest"
@@ -44,7 +44,6 @@ SAFETENSORS_KEY = "ckptspec.manifest"
 SAFETENSORS_SHA256_KEY = "ckptspec.manifest_sha256"
 NOT_LAYOUT = ("producer", "files")  # the parts of a manifest copies may differ in
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
-ZIP_ALIGNMENT = 64  # torch.save aligns every record's data to 64 bytes
 
 Kind = Literal["sidecar", "client_state", "safetensors", "manifest_file"]
 _PREFERENCE = {"sidecar": 0, "manifest_file": 1, "safetensors": 2, "client_state": 3}
@@ -68,13 +67,14 @@ class EmbeddedCopy:
 # --------------------------------------------------------------------------- the values written
 
 
-def _as_doc(manifest: Manifest | dict) -> dict:
-    return manifest.to_dict() if isinstance(manifest, Manifest) else copy.deepcopy(manifest)
+def as_document(manifest: Manifest | dict) -> dict:
+    """A manifest as a plain document (a copy: the caller may change it)."""
+    return copy.deepcopy(manifest) if isinstance(manifest, dict) else manifest.to_dict()
 
 
 def layout_document(manifest: Manifest | dict) -> dict:
     """The manifest without its file list (``files: []``): what a file can carry inside itself."""
-    doc = _as_doc(manifest)
+    doc = as_document(manifest)
     doc["files"] = []
     return doc
 
@@ -258,82 +258,18 @@ def copies_in_file(path: str | os.PathLike) -> list[EmbeddedCopy]:
     return [found] if found else []
 
 
-def find_sidecars(tag_dir: Path) -> list[Path]:
+# --------------------------------------------------------------------------- sidecars
+
+
+def find_sidecars(tag_dir: str | os.PathLike) -> list[Path]:
+    """The sidecars present in a directory (normally none or one)."""
+    tag_dir = Path(tag_dir)
     return [tag_dir / name for name in SIDECAR_NAMES.values() if (tag_dir / name).is_file()]
 
 
-def copies_in_dir(directory: str | os.PathLike, tag: str | None = None,
-                  errors: list[CkptspecError] | None = None, states: StateCache | None = None) -> list[EmbeddedCopy]:
-    """Every manifest copy of a checkpoint directory (or of a directory of safetensors files).
-
-    A DeepSpeed save or tag directory: its sidecar(s) and each model-states file's client
-    state. Any other directory: its sidecar(s) and the ``__metadata__`` of its ``*.safetensors``.
-    With ``errors``, a file that cannot be read is appended there and skipped instead of raising.
-    ``states``: model states already read (and where the ones read here are kept).
-    """
-    from ..deepspeed.describe import MODEL_RE, resolve_tag_dir
-
-    root = Path(directory)
-    try:
-        tag_dir = resolve_tag_dir(root, tag)
-    except InvalidCheckpoint:
-        if tag is not None or not root.is_dir():
-            raise
-        tag_dir = None
-    where = tag_dir or root
-    candidates: list[tuple[Path, Any]] = [(p, lambda p: [EmbeddedCopy(str(p), "sidecar", load_document(p))])
-                                          for p in find_sidecars(where)]
-    if tag_dir is not None:
-        models = sorted((p for p in tag_dir.iterdir() if p.is_file() and MODEL_RE.match(p.name)), key=lambda p: _rank_order(p.name))
-        cache = states if states is not None else StateCache()
-        candidates += [(p, lambda p: [c for c in [read_client_state_copy(p, cache.state(p))] if c]) for p in models]
-    else:
-        candidates += [(p, lambda p: [c for c in [read_safetensors_copy(p)] if c]) for p in sorted(root.glob("*.safetensors"))]
-    copies: list[EmbeddedCopy] = []
-    for path, read in candidates:
-        try:
-            copies += read(path)
-        except CkptspecError as exc:
-            if errors is None:
-                raise
-            errors.append(exc)
-    return copies
-
-
-def _rank_order(name: str) -> tuple:
-    from ..deepspeed.describe import MODEL_RE
-
-    m = MODEL_RE.match(name)
-    return (0, int(m.group(1) or 0)) if m else (1, name)
-
-
-def find_copies(target: str | os.PathLike, tag: str | None = None) -> list[EmbeddedCopy]:
-    p = Path(target)
-    if not p.exists():
-        raise CkptspecError("CK901", "file or directory not found", "check the path", str(p))
-    return copies_in_dir(p, tag) if p.is_dir() else copies_in_file(p)
-
-
-def best_copy(copies: list[EmbeddedCopy]) -> EmbeddedCopy:
-    """The most complete copy: a sidecar, then a manifest file, a safetensors copy, a client state."""
-    return min(copies, key=lambda c: (_PREFERENCE[c.kind], not c.complete))
-
-
-def embedded_findings(checkpoint: str | os.PathLike, tag: str | None = None,
-                      states: StateCache | None = None) -> list[Finding]:
-    """For validation: CK302 for an embedded copy that cannot be read, CK301 for copies that disagree.
-
-    Files that cannot be read at all (CK204, CK205, CK9xx) are skipped: the shard checks
-    report them. ``states`` as for ``copies_in_dir``.
-    """
-    errors: list[CkptspecError] = []
-    copies = copies_in_dir(checkpoint, tag, errors, states) if Path(checkpoint).is_dir() else find_copies(checkpoint, tag)
-    findings = [finding(e.code, "$", e.message, e.hint, file=e.file)
-                for e in errors if e.code == "CK302"]
-    return findings + agreement_findings(copies)
-
-
-# --------------------------------------------------------------------------- writing copies
+def find_sidecar(tag_dir: str | os.PathLike) -> Path | None:
+    """The sidecar of a tag directory (``ckptspec.json`` before ``ckptspec.msgpack``), or None."""
+    return next(iter(find_sidecars(tag_dir)), None)
 
 
 def write_sidecar(tag_dir: str | os.PathLike, manifest: Manifest | dict, encoding: Encoding = "json") -> Path:
@@ -353,180 +289,6 @@ def write_sidecar(tag_dir: str | os.PathLike, manifest: Manifest | dict, encodin
     return target
 
 
-# A torch.save pickle (protocol 2) of a dict ends with the dict on the stack and STOP.
-_PROTO, _STOP, _SETITEM, _BINUNICODE = 0x80, b".", b"s", b"X"
-
-
-def _binunicode(text: str) -> bytes:
-    data = text.encode("utf-8")
-    return _BINUNICODE + struct.pack("<I", len(data)) + data
-
-
-def _pickle_with_item(data: bytes, key: str, value: str, source: str) -> bytes:
-    """``data`` (a pickled dict) with ``dict[key] = value`` appended before STOP.
-
-    Nothing is unpickled or re-pickled: the original bytes stay as they are, so objects
-    ckptspec does not know are preserved exactly. Protocols 4+ use framing, which this
-    simple append would break; torch.save writes protocol 2.
-    """
-    if len(data) < 3 or data[0] != _PROTO or data[1] not in (2, 3) or data[-1:] != _STOP:
-        raise EmbedError("CK305", f"data.pkl is not a protocol-2/3 pickle ending in STOP (starts {data[:2].hex()})",
-                         "ckptspec embeds only into files written by torch.save with its default protocol", source)
-    if len(value.encode("utf-8")) >= 2**32:
-        raise EmbedError("CK305", "the manifest is too large for a pickle string", "embed the sidecar only", source)
-    return data[:-1] + _binunicode(key) + _binunicode(value) + _SETITEM + _STOP
-
-
-def _padding_extra(offset_of_header: int, name: bytes, zip64: bool) -> bytes:
-    """An 'FB' extra field (as torch.save writes it) that puts the member's data at a
-    multiple of ZIP_ALIGNMENT."""
-    start = offset_of_header + 30 + len(name) + 4 + (20 if zip64 else 0)
-    pad = -start % ZIP_ALIGNMENT
-    return b"FB" + struct.pack("<H", pad) + b"Z" * pad
-
-
-def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str) -> None:
-    """Add ``key: value`` to the top-level dict of a torch zip file, atomically.
-
-    Every other record is copied byte for byte (stored, 64-byte aligned like torch.save
-    writes them), in its order and with its archive name; only ``data.pkl`` changes.
-    The result is read back with the restricted unpickler before it replaces ``path``.
-    """
-    path = Path(path)
-    source = str(path)
-    state = read_state(path)
-    if not isinstance(state, dict):
-        raise EmbedError("CK305", f"the file holds a {type(state).__name__}, not a dict", "only DeepSpeed model states can carry a manifest", source)
-    if state.get(key) == value:
-        return  # already there
-    with zipfile.ZipFile(path) as zin:
-        infos = zin.infolist()
-        prefix = infos[0].filename.split("/", 1)[0]
-        pkl_name = f"{prefix}/data.pkl"
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise EmbedError("CK305", f"record {info.filename} is compressed", "torch.save writes stored records only", source)
-        new_pkl = _pickle_with_item(zin.read(pkl_name), key, value, source)
-        try:
-            with atomic_output(path) as fh:
-                with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zout:
-                    for info in infos:
-                        size = len(new_pkl) if info.filename == pkl_name else info.file_size
-                        out = zipfile.ZipInfo(info.filename, date_time=info.date_time)
-                        out.compress_type = zipfile.ZIP_STORED
-                        out.file_size = size
-                        out.external_attr = info.external_attr
-                        zip64 = size * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule when the size is known
-                        out.extra = _padding_extra(fh.tell(), out.filename.encode("utf-8"), zip64)
-                        with zout.open(out, "w", force_zip64=zip64) as writer:
-                            if info.filename == pkl_name:
-                                writer.write(new_pkl)
-                            else:
-                                with zin.open(info) as reader:
-                                    while chunk := reader.read(1 << 20):
-                                        writer.write(chunk)
-                fh.flush()
-                _check_rewritten(fh, state, key, value, source)
-        except OSError as exc:
-            raise CkptspecError("CK906", f"cannot write: {exc.strerror}", "check free space and permissions", source) from None
-
-
-def _check_rewritten(fh, before: dict, key: str, value: str, source: str) -> None:
-    path = Path(fh.name)
-    read_back = StateCache()
-    try:
-        after, locations = read_back.state(path), read_back.members(path)
-    except InvalidCheckpoint:
-        after = locations = None
-    expected_keys = list(before) + ([key] if key not in before else [])
-    if not isinstance(after, dict) or list(after) != expected_keys or after.get(key) != value:
-        raise EmbedError("CK305", "the rewritten file does not read back as the original plus the manifest",
-                         "please report this ckptspec bug; the original file was left untouched", source)
-    misaligned = [m for m, (offset, _) in locations.items() if "/data/" in m and offset % ZIP_ALIGNMENT]
-    if misaligned:
-        raise EmbedError("CK305", f"record {misaligned[0]} is not {ZIP_ALIGNMENT}-byte aligned after rewriting",
-                         "please report this ckptspec bug; the original file was left untouched", source)
-
-
-# --------------------------------------------------------------------------- embedding into a checkpoint
-
-
-@dataclass
-class EmbedResult:
-    manifest: dict  # the complete manifest written as the sidecar
-    sidecar: Path
-    model_states: list[Path]  # files whose client state now holds the layout manifest
-
-
-def embed_checkpoint(checkpoint: str | os.PathLike, manifest: Manifest | dict | None = None, *, tag: str | None = None,
-                     hash_algorithm: str | None = "sha256", encoding: Encoding = "json",
-                     model_states: bool = True) -> EmbedResult:
-    """Add a manifest to an existing DeepSpeed checkpoint: model-states client state, then the sidecar.
-
-    ``manifest`` (valid, already checked by the caller) is used when given; it must describe
-    this checkpoint's layout (CK304 otherwise). Without it the manifest is generated from the
-    directory. The old sidecar is removed first and the new one written last, so the
-    checkpoint is marked complete only once every file is final.
-    """
-    from ..deepspeed.describe import manifest_from_checkpoint, resolve_tag_dir, scan_tag_dir
-
-    tag_dir = resolve_tag_dir(checkpoint, tag)
-    shards = scan_tag_dir(tag_dir)
-    derived = manifest_from_checkpoint(tag_dir).to_dict()
-    if manifest is None:
-        # A layout the live engine embedded (save_checkpoint) is more exact than what the
-        # directory tells (it knows the excluded names): keep it, e.g. to restore a sidecar
-        # lost when only the .pt files were copied.
-        embedded = [read_client_state_copy(path) for _, path in sorted(shards.model_files.items())]
-        embedded = [c for c in embedded if c is not None]
-        disagree = agreement_findings(embedded)
-        if disagree:
-            first = disagree[0]
-            raise EmbedError("CK301", f"{Path(first.file).name}: {first.path}: {first.message}", first.hint, str(tag_dir))
-        if embedded:
-            manifest = embedded[0].document
-    if manifest is None:
-        doc = derived
-    else:
-        doc = _as_doc(manifest)
-        # The directory cannot know the names exclude_frozen_parameters dropped, nor who produced it.
-        ignore = NOT_LAYOUT + ("excluded",)
-        diff = first_difference({k: v for k, v in derived.items() if k not in ignore},
-                                {k: v for k, v in doc.items() if k not in ignore}, lenient=True)
-        if diff:
-            path, on_disk, given = diff
-            raise EmbedError("CK304", f"the manifest does not describe this checkpoint: at {path} the files say {on_disk}, "
-                             f"the manifest {given}", "embed the manifest of this checkpoint, or omit --manifest to generate it",
-                             str(tag_dir))
-    written = []
-    for sidecar in find_sidecars(tag_dir):
-        try:
-            sidecar.unlink()
-        except OSError as exc:
-            raise CkptspecError("CK906", f"cannot replace the sidecar: {exc.strerror}",
-                                "check that the tag directory is writable", str(sidecar)) from None
-    if model_states:
-        value = client_state_value(doc)
-        for _, path in sorted(shards.model_files.items()):
-            rewrite_pt_with_item(path, CLIENT_STATE_KEY, value)
-            written.append(path)
-    complete = dict(doc)
-    complete["files"] = [f.model_dump(mode="json", exclude_unset=True) for f in manifest_from_checkpoint(tag_dir, hash_algorithm=hash_algorithm).files]
-    from ..format.validate import validate_document
-
-    report = validate_document(complete)
-    if not report.ok:
-        first = next(f for f in report.findings if f.severity == "error")
-        raise EmbedError("CK304", f"the completed manifest is not valid: {first.path}: {first.code} {first.message}",
-                         "check the manifest with `ckptspec validate`", str(tag_dir))
-    sidecar = write_sidecar(tag_dir, complete, encoding)
-    return EmbedResult(complete, sidecar, written)
-
-
-__all__ = [
-    "CLIENT_STATE_KEY", "SAFETENSORS_KEY", "SAFETENSORS_SHA256_KEY", "SIDECAR_NAMES", "EmbeddedCopy", "EmbedError",
-    "EmbedResult", "agreement_findings", "best_copy", "client_state_value", "copies_in_dir", "copies_in_file",
-    "embed_checkpoint", "embedded_findings", "find_copies", "first_difference", "layout_document", "layout_part",
-    "read_client_state_copy", "read_safetensors_metadata", "rewrite_pt_with_item", "safetensors_metadata",
-    "write_sidecar",
-]
+def best_copy(copies: list[EmbeddedCopy]) -> EmbeddedCopy:
+    """The most complete copy: a sidecar, then a manifest file, a safetensors copy, a client state."""
+    return min(copies, key=lambda c: (_PREFERENCE[c.kind], not c.complete))

@@ -1,9 +1,7 @@
 """``ckptspec convert``, ``embed``, ``extract`` and ``migrate``: manifests that travel with checkpoints.
 
-Registered on the ``ckptspec`` group at the end of ``ckptspec/cli.py``. Same conventions
-as ``validate``: exit 0 success (warnings allowed), 1 invalid input or checkpoint, 2 usage
-or I/O error; problems are one line each, ``file: CODE message (hint: ...)``, on stderr
-(stdout carries the document when one is printed).
+Problems are one line each, ``file: CODE message (hint: ...)``, on stderr (stdout carries
+the document when one is printed); exit codes as for every command (``_common``).
 """
 
 from __future__ import annotations
@@ -15,21 +13,11 @@ import click
 from ..errors import CkptspecError
 from ..findings import Finding, has_errors
 from ..format.codec import DEFAULT_MAX_BYTES, load_document
-
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
-ENCODING_CHOICE = click.Choice(["json", "msgpack"])
-
-
-def _fail(exc: CkptspecError, target: str | None = None) -> None:
-    line = exc.to_line()
-    click.echo(line if exc.file or not target else f"{target}: {line}", err=True)
-    sys.exit(exc.exit_code)
+from ._common import ENCODING_CHOICE, EXIT_INVALID, EXIT_OK, echo_findings, fail
 
 
 def _show(target: str, findings: list[Finding], err: bool = True) -> None:
-    for finding in findings:
-        line = finding.to_line()
-        click.echo(f"{target}: {line}" if finding.file is None else line, err=err)
+    echo_findings(findings, target, err=err, always_name_target=False)
 
 
 def _check_input(name: str, doc) -> None:
@@ -68,7 +56,7 @@ def convert(source: str, output: str, encoding: str | None, input_encoding: str 
         _check_input(source, doc)
         size = _write(doc, output, encoding)
     except CkptspecError as exc:
-        _fail(exc, source)
+        fail(exc, source)
     if output != "-":
         from ..format.codec import encoding_for_output
 
@@ -92,7 +80,7 @@ def embed(checkpoint: str, manifest_path: str | None, tag: str | None, encoding:
     manifest (files, sizes, hashes, locators) is written last, atomically, as the
     sidecar ckptspec.json of the tag directory. Reads no tensor data except to hash.
     """
-    from ..checkpoint.embedded import embed_checkpoint
+    from ..deepspeed.embed import embed_checkpoint
 
     try:
         manifest = None
@@ -102,7 +90,7 @@ def embed(checkpoint: str, manifest_path: str | None, tag: str | None, encoding:
         result = embed_checkpoint(checkpoint, manifest, tag=tag, hash_algorithm=None if no_hash else "sha256",
                                   encoding=encoding, model_states=not sidecar_only)
     except CkptspecError as exc:
-        _fail(exc, checkpoint)
+        fail(exc, checkpoint)
     for path in result.model_states:
         click.echo(f"{path}: manifest embedded in the client state")
     click.echo(f"{result.sidecar}: written ({len(result.manifest['files'])} files)")
@@ -127,15 +115,17 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     The most complete copy is printed (the sidecar when there is one). When several
     copies exist they must agree (CK301, exit 1, otherwise).
     """
-    from ..checkpoint.embedded import EmbedError, agreement_findings, best_copy, find_copies
+    from ..checkpoint.embedded import agreement_findings, best_copy
+    from ..deepspeed.embed import find_copies
+    from ..errors import EmbedError
     from ..format.version import version_findings
 
     try:
         copies = find_copies(target, tag)
     except CkptspecError as exc:
-        _fail(exc, target)
+        fail(exc, target)
     if not copies:
-        _fail(EmbedError("CK303", "no embedded manifest found",
+        fail(EmbedError("CK303", "no embedded manifest found",
                             "add one with `ckptspec embed CHECKPOINT`, or save with ckptspec.deepspeed.save_checkpoint", target))
     disagree = agreement_findings(copies)
     if list_copies:
@@ -160,7 +150,7 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     try:
         _write(doc, output, encoding)
     except CkptspecError as exc:
-        _fail(exc, chosen.source)
+        fail(exc, chosen.source)
 
 
 @click.command()
@@ -190,12 +180,12 @@ def migrate(source: str, output: str, to_version: str, encoding: str | None) -> 
         _show(source, exc.findings)
         sys.exit(EXIT_INVALID)
     except CkptspecError as exc:
-        _fail(exc, source)
+        fail(exc, source)
     _show(source, result.findings)
     try:
         _write(result.document, output, encoding)
     except CkptspecError as exc:
-        _fail(exc, output)
+        fail(exc, output)
     if output != "-":
         steps = " -> ".join([result.steps[0][0]] + [b for _, b in result.steps]) if result.steps else "no change"
         click.echo(f"{output}: format {result.document['format_version']} ({steps})")

@@ -1,16 +1,15 @@
 """``ckptspec inspect`` and ``ckptspec diff``: read a manifest or checkpoint, summarize or compare.
 
-Registered on the ``ckptspec`` group at the end of ``ckptspec/cli.py``. A target is a
-manifest file (JSON or msgpack) or a DeepSpeed checkpoint directory; a directory's
-manifest is chosen as ``validate DIR`` chooses it: the tag directory's sidecar
-(``ckptspec.json``/``.msgpack``) if there is one, else one generated from DeepSpeed's
-own metadata (no pickled code runs). Either way it is validated first; an invalid one
-is reported like ``validate`` reports it (exit 1) and not summarized.
+A target is a manifest file (JSON or msgpack) or a DeepSpeed checkpoint directory; a
+directory's manifest is the one ``validate DIR`` chooses (``choose_manifest``): the tag
+directory's sidecar (``ckptspec.json``/``.msgpack``) if there is one, else one generated
+from DeepSpeed's own metadata (no pickled code runs). Either way it is validated first; an
+invalid one, or a file that cannot be read while generating it, is reported like
+``validate`` reports it (exit 1) and not summarized.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -21,13 +20,10 @@ import click
 from ..errors import CkptspecError
 from ..findings import Finding, has_errors
 from ..format.codec import DEFAULT_MAX_BYTES
+from ._common import EXIT_INVALID, EXIT_OK, FORMAT_CHOICE, echo_findings, echo_json, error_dict, error_line
 
 if TYPE_CHECKING:  # the models load pydantic; `ckptspec validate` must not pay for it
     from ..format.models import Manifest
-
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
-FORMAT_CHOICE = click.Choice(["text", "json"])
-
 
 @dataclass
 class Target:
@@ -41,8 +37,12 @@ class Target:
 
 
 def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Target:
-    """Read and validate the manifest of ``name`` (a file, or a checkpoint directory)."""
-    from ..format.validate import validate_file, validate_manifest
+    """Read and validate the manifest of ``name`` (a file, or a checkpoint directory).
+
+    A directory's manifest is the one ``validate DIR`` would check the files against
+    (``choose_manifest``); files that could not be read while generating it are findings.
+    """
+    from ..format.validate import validate_file
 
     if not os.path.isdir(name):
         if tag is not None:
@@ -50,21 +50,14 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
         report = validate_file(name, max_bytes=max_bytes)
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
-    from ..deepspeed.describe import manifest_from_checkpoint, resolve_tag_dir
-    from ..deepspeed.validate import find_sidecar
+    from ..deepspeed.directory import resolve_tag_dir
+    from ..deepspeed.validate import choose_manifest
 
-    tag_dir = resolve_tag_dir(name, tag)
-    sidecar = find_sidecar(tag_dir)
-    if sidecar is not None:
-        report = validate_file(sidecar, max_bytes=max_bytes)
-        target = Target(name, "sidecar", report.manifest if report.ok else None, report.findings, str(sidecar))
-    else:
-        report = validate_manifest(manifest_from_checkpoint(tag_dir))
-        target = Target(name, "generated", report.manifest if report.ok else None, report.findings)
-    if target.manifest is not None and not target.manifest.files:
-        # A layout-only sidecar (written from a live engine): the files are the directory's.
-        target.manifest = target.manifest.model_copy(update={"files": manifest_from_checkpoint(tag_dir).files})
-    return target
+    chosen = choose_manifest(resolve_tag_dir(name, tag))
+    findings = chosen.findings if chosen.manifest is None else chosen.findings + chosen.unreadable
+    manifest = chosen.manifest if not has_errors(findings) else None
+    where = str(chosen.sidecar) if chosen.sidecar is not None else None
+    return Target(name, chosen.source, manifest, findings, where)
 
 
 def _source_dict(target: Target) -> dict:
@@ -80,26 +73,18 @@ def _label(target: Target) -> str:
 
 
 def _show_findings(target: Target, findings: list[Finding], err: bool) -> None:
-    prefix = target.where or target.name
-    for finding in findings:
-        click.echo(f"{prefix}: {finding.to_line()}", err=err)
+    echo_findings(findings, target.where or target.name, err=err)
 
 
 def _tty() -> bool:
     return sys.stdout.isatty()
 
 
-def _error_dict(exc: CkptspecError) -> dict:
-    return {"code": exc.code, "message": exc.message, "hint": exc.hint}
-
-
 def _fail(exc: CkptspecError, name: str, output_format: str, extra: dict | None = None) -> None:
     if output_format == "json":
-        doc = {**(extra or {}), "valid": False, "findings": [], "error": _error_dict(exc)}
-        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        echo_json({**(extra or {}), "valid": False, "findings": [], "error": error_dict(exc)})
     else:
-        line = exc.to_line()
-        click.echo(line if exc.file else f"{name}: {line}", err=True)
+        click.echo(error_line(exc, name), err=True)
     sys.exit(exc.exit_code)
 
 
@@ -107,7 +92,7 @@ def _invalid(target: Target, output_format: str, extra: dict | None = None) -> N
     """An input that is not a valid manifest: its findings, exit 1."""
     if output_format == "json":
         doc = {**(extra or {}), **_source_dict(target), "valid": False, "findings": [f.to_dict() for f in target.findings]}
-        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        echo_json(doc)
     else:
         _show_findings(target, target.findings, err=False)
     sys.exit(EXIT_INVALID)
@@ -137,7 +122,7 @@ def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
     summary = summarize(loaded.manifest, top=top)
     if output_format == "json":
         doc = {**_source_dict(loaded), "valid": True, "findings": [f.to_dict() for f in loaded.findings], **summary}
-        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        echo_json(doc)
         return
     _show_findings(loaded, loaded.findings, err=True)  # warnings such as CK004
     from .render import render_summary
@@ -175,7 +160,7 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
         if output_format == "json":
             doc = {"a": _source_dict(targets[0]), "b": _source_dict(targets[1]), "valid": False,
                    "findings": [{**f.to_dict(), "target": t.name} for t in bad for f in t.findings]}
-            click.echo(json.dumps(doc, indent=2, sort_keys=True))
+            echo_json(doc)
         else:
             for t in bad:
                 _show_findings(t, t.findings, err=False)
@@ -184,7 +169,7 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
     result = diff_manifests(ta.manifest, tb.manifest)
     if output_format == "json":
         doc = {"a": _source_dict(ta), "b": _source_dict(tb), "valid": True, **result.to_dict()}
-        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        echo_json(doc)
     else:
         for t in targets:
             _show_findings(t, t.findings, err=True)

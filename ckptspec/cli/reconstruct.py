@@ -7,29 +7,7 @@ import sys
 import click
 
 from ..errors import CkptspecError
-
-EXIT_INVALID, EXIT_USAGE = 1, 2
-_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-
-
-class _Size(click.ParamType):
-    """512M, 2G, 5GB, 1048576 (binary units, like `validate --max-size`)."""
-
-    name = "SIZE"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
-        raw = str(value).strip().upper().removesuffix("B").removesuffix("I")
-        number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in _UNITS else (raw, "")
-        try:
-            size = int(float(number) * _UNITS[unit])
-        except ValueError:
-            self.fail(f"{value!r} is not a size such as 512M or 2G", param, ctx)
-        if size <= 0:
-            self.fail("the size must be positive", param, ctx)
-        return size
-
+from ._common import EXIT_INVALID, EXIT_USAGE, SIZE, echo_findings, fail
 
 @click.command()
 @click.argument("checkpoint", metavar="CHECKPOINT")
@@ -39,7 +17,7 @@ class _Size(click.ParamType):
 @click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
               help="Dtype of floating tensors in the output (integer buffers keep theirs).")
-@click.option("--max-shard-size", type=_Size(), default="5G", show_default=True,
+@click.option("--max-shard-size", type=SIZE, default="5G", show_default=True,
               help="Split the output into shards of at most this size, plus an index (Hugging Face layout).")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors", show_default=True,
               help="safetensors (no torch needed), or torch.save files (needs torch).")
@@ -56,37 +34,38 @@ def reconstruct(checkpoint: str, output_dir: str, manifest: str | None, tag: str
     and tied aliases. Needs neither DeepSpeed nor torch (except --format torch)
     and never executes pickled code.
     """
+    from ..checkpoint.states import StateCache
+    from ..deepspeed.validate import validate_checkpoint
+    from ..export.plan import plan_reconstruction
+    from ..export.progress import progress_printer
+    from ..export.writers import torch_available, write_consolidated
     from ..findings import has_errors
     from ..format.dtypes import output_dtype
-    from ..export.reconstruct import plan_reconstruction, progress_printer, validate_checkpoint, write_consolidated
 
-    if fmt == "torch":
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            raise click.UsageError("--format torch needs torch (pip install torch); --format safetensors does not") from None
+    if fmt == "torch" and not torch_available():
+        raise click.UsageError("--format torch needs torch (pip install torch); --format safetensors does not")
     try:
-        found, findings = validate_checkpoint(checkpoint, manifest=manifest, tag=tag)
-        for finding in findings:
-            line = finding.to_line()
-            click.echo(line if finding.file else f"{manifest or checkpoint}: {line}", err=True)
+        states = StateCache()  # what validation reads, the plan reuses
+        found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states)
+        echo_findings(findings, manifest or checkpoint, err=True, always_name_target=False)
         if found is None or has_errors(findings):
             click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)
             sys.exit(EXIT_INVALID)
-        plan = plan_reconstruction(checkpoint, found, tag)
+        plan = plan_reconstruction(checkpoint, found, tag, states=states)
         total = sum(s.numel for s in plan.sources.values())  # elements; the bar counts output bytes
-        update, close = progress_printer(plan.total_nbytes(output_dtype(dtype), untie), enabled=not quiet and sys.stderr.isatty())
+        update, close = progress_printer(plan.total_nbytes(output_dtype(dtype), untie),
+                                         enabled=not quiet and sys.stderr.isatty())
         try:
             result = write_consolidated(plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt,
                                         untie=untie, progress=update)
         finally:
             close()
     except CkptspecError as exc:
-        click.echo(exc.to_line(), err=True)
-        sys.exit(exc.exit_code)
+        fail(exc)
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else f"{output_dir}: "
-        click.echo(f"{where}CK906 cannot write: {exc.strerror or exc} (hint: check the output directory is writable and has space)", err=True)
+        click.echo(f"{where}CK906 cannot write: {exc.strerror or exc} "
+                   "(hint: check the output directory is writable and has space)", err=True)
         sys.exit(EXIT_USAGE)
     if not quiet:
         files = ", ".join(result.files + ([result.index] if result.index else []))

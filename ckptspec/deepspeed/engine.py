@@ -35,7 +35,9 @@ from ..format.models import (
     ShardFile,
 )
 from ..format.dtypes import dtype_name
-from .describe import ShardSet, describe_files, scan_tag_dir
+from .describe import describe_files
+from .directory import ShardSet, scan_tag_dir
+from .names import file_order
 
 
 def _param_names(engine) -> dict[int, str]:
@@ -303,7 +305,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *,
     if errors:
         raise RuntimeError("ckptspec could not describe the saved files (no sidecar written): " + "; ".join(errors))
     complete = layout.model_copy(deep=True)
-    complete.files = _ordered_files([ShardFile.model_validate(d) for files, _ in gathered for d in files])
+    gathered_files = [ShardFile.model_validate(d) for files, _ in gathered for d in files]
+    complete.files = sorted(gathered_files, key=lambda f: file_order(f.role, f.ranks, f.path))
 
     status = None
     if rank == 0:
@@ -334,8 +337,3 @@ def _describe_own_files(tag_dir: Path, rank: int, stage: int, hash_algorithm: st
     own.other_files = list(every.other_files) if rank == 0 else []
     return [f.model_dump(mode="json", exclude_unset=True) for f in describe_files(own, stage, hash_algorithm, StateCache())]
 
-
-def _ordered_files(files: list[ShardFile]) -> list[ShardFile]:
-    # The order ``manifest_from_checkpoint`` uses: model states, optimizer states (by rank), others.
-    role_order = {"model_states": 0, "optimizer_states": 1, "other": 2}
-    return sorted(files, key=lambda f: (role_order[f.role], f.ranks[:1] if f.role != "other" else [], f.path))
