@@ -12,7 +12,7 @@ import click
 
 from ..errors import CkptspecError
 from ..findings import Finding, has_errors
-from ..format.codec import DEFAULT_MAX_BYTES, load_document
+from ..format.codec import DEFAULT_MAX_BYTES, dumps, encoding_for_output, load_document, write_manifest
 from ._common import ENCODING_CHOICE, EXIT_INVALID, EXIT_OK, echo_findings, fail
 
 
@@ -31,8 +31,6 @@ def _check_input(name: str, doc) -> None:
 
 
 def _write(doc, output: str, encoding: str | None) -> int:
-    from ..format.codec import dumps, encoding_for_output, write_manifest
-
     write_manifest(doc, output, encoding)
     return len(dumps(doc, encoding_for_output(output, encoding))) if output != "-" else 0
 
@@ -58,8 +56,6 @@ def convert(source: str, output: str, encoding: str | None, input_encoding: str 
     except CkptspecError as exc:
         fail(exc, source)
     if output != "-":
-        from ..format.codec import encoding_for_output
-
         click.echo(f"{output}: written ({encoding_for_output(output, encoding)}, {size} bytes)")
 
 

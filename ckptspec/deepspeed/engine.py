@@ -65,6 +65,13 @@ def _live_paddings(params, flat) -> list[int]:
     return [nxt - end for end, nxt in zip(ends, offsets[1:])] + [0]
 
 
+def _check_padded_numel(group: Group, i: int, flat) -> None:
+    """Cross-check with the optimizer's own numbers: the computed group fills its live flat buffer."""
+    if group.padded_numel != flat.numel():
+        raise EngineLayoutMismatch(f"group {i}: computed padded numel {group.padded_numel}, "
+                                   f"live flat buffer has {flat.numel()}")
+
+
 def _flat_groups_stage12(engine, names) -> list[Group]:
     opt = engine.optimizer
     groups = []
@@ -76,10 +83,7 @@ def _flat_groups_stage12(engine, names) -> list[Group]:
             [_spec(p, names) for p in params], optimizer_group=i, partition_count=count,
             zero_stage=engine.zero_optimization_stage(), paddings=paddings,
         )
-        # Cross-check with the optimizer's own numbers: the flat buffer and this rank's saved tail.
-        if group.padded_numel != opt.bit16_groups_flat[i].numel():
-            raise EngineLayoutMismatch(f"group {i}: computed padded numel {group.padded_numel}, "
-                                 f"live flat buffer has {opt.bit16_groups_flat[i].numel()}")
+        _check_padded_numel(group, i, opt.bit16_groups_flat[i])
         if hasattr(opt, "round_robin_bit16_offsets") and [p.offset for p in group.params] != list(opt.round_robin_bit16_offsets[i]):
             raise EngineLayoutMismatch(f"group {i}: computed offsets differ from the live optimizer's")
         groups.append(group)
@@ -95,9 +99,7 @@ def _flat_groups_bf16_optimizer(engine, names) -> list[Group]:
             [_spec(p, names) for p in params], optimizer_group=i, partition_count=opt.partition_count[i],
             zero_stage=1, tail_padding_saved=True,
         )
-        if group.padded_numel != opt.bf16_groups_flat[i].numel():
-            raise EngineLayoutMismatch(f"group {i}: computed padded numel {group.padded_numel}, "
-                                 f"live flat buffer has {opt.bf16_groups_flat[i].numel()}")
+        _check_padded_numel(group, i, opt.bf16_groups_flat[i])
         groups.append(group)
     return groups
 
