@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ckptspec.encoding import dumps  # noqa: E402
-from ckptspec.loader import decode  # noqa: E402
-from ckptspec.validate import validate_document  # noqa: E402
+from ckptspec.format.codec import dumps  # noqa: E402
+from ckptspec.format.codec import decode  # noqa: E402
+from ckptspec.format.validate import validate_document  # noqa: E402
 from synthetic import WORLD, synthetic_manifest  # noqa: E402
 
 

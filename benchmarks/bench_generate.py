@@ -68,8 +68,10 @@ def breakdown(checkpoint: str, out: str) -> dict:
         return now
 
     t = (time.perf_counter(), time.process_time())
-    from ckptspec import ds_checkpoint, torchfile  # noqa: F401
-    from ckptspec.encoding import dumps, write_atomic
+    from ckptspec.deepspeed import describe as ds_checkpoint
+    from ckptspec.checkpoint import torchfile  # noqa: F401
+    from ckptspec._fs import write_atomic
+    from ckptspec.format.codec import dumps
     t = step("import", t)
     tag_dir = ds_checkpoint.resolve_tag_dir(checkpoint)
     shards = ds_checkpoint.scan_tag_dir(tag_dir)
@@ -84,7 +86,7 @@ def breakdown(checkpoint: str, out: str) -> dict:
     t = step("encode json", t)
     write_atomic(out, data)
     t = step("write", t)
-    from ckptspec.validate import validate_document
+    from ckptspec.format.validate import validate_document
     t = step("(import validate)", t)
     report = validate_document(doc)
     step("(validate manifest)", t)
@@ -97,8 +99,8 @@ def profile(checkpoint: str, top: int = 25) -> None:
     import cProfile
     import pstats
 
-    from ckptspec.ds_checkpoint import manifest_from_checkpoint
-    from ckptspec.encoding import dumps
+    from ckptspec.deepspeed.describe import manifest_from_checkpoint
+    from ckptspec.format.codec import dumps
 
     prof = cProfile.Profile()
     prof.enable()

@@ -29,7 +29,7 @@ import bench_validate  # noqa: E402
 PY = sys.executable
 HASH_CODE = """
 import sys, time
-from ckptspec.hashing import file_digest
+from ckptspec.checkpoint.hashing import file_digest
 paths = sys.argv[2:]
 total = 0
 t0 = time.perf_counter()

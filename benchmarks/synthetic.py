@@ -15,11 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckptspec.encoding import dumps, encoding_for_output  # noqa: E402
-from ckptspec.layout import ParamSpec, flat_group  # noqa: E402
-from ckptspec.models import (  # noqa: E402
-    FORMAT_NAME, FORMAT_VERSION, Alias, Buffer, FrozenParam, Hash, Layout, Locator, Manifest, Producer, ShardFile,
+from ckptspec.format.codec import dumps, encoding_for_output  # noqa: E402
+from ckptspec.format.partition import ParamSpec, flat_group  # noqa: E402
+from ckptspec.format.models import (  # noqa: E402
+    Alias, Buffer, FrozenParam, Hash, Layout, Locator, Manifest, Producer, ShardFile,
 )
+from ckptspec.format.version import FORMAT_NAME, FORMAT_VERSION  # noqa: E402
 
 WORLD = 8
 CACHE = Path(__file__).resolve().parent / ".cache" / "manifests"

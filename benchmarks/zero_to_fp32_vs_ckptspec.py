@@ -129,7 +129,7 @@ def run_ckptspec(args: list[str]) -> tuple[int, list[tuple[str, str | None]], st
 
 
 def ckptspec_cell(fault, exit_code: int, found: list[tuple[str, str | None]]) -> str:
-    from ckptspec.shards import CHECKS
+    from ckptspec.deepspeed.checks import CHECKS
 
     names = {c.code: c.name for c in CHECKS} | {"CK201": "no-tag", "CK203": "no-model-states", "CK105": "alias-shape"}
     codes = list(dict.fromkeys(code for code, _ in found))
@@ -157,10 +157,10 @@ def timing(work: Path) -> str | None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from make_big_checkpoint import checkpoint_dir
 
-    from ckptspec.encoding import write_manifest
-    from ckptspec.ds_checkpoint import manifest_from_checkpoint
-    from ckptspec.shards import validate_checkpoint
-    from ckptspec.validate import load_manifest
+    from ckptspec.format.codec import write_manifest
+    from ckptspec.deepspeed.describe import manifest_from_checkpoint
+    from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.format.validate import load_manifest
 
     rows = []
     for stage in (2, 3):

@@ -1,10 +1,24 @@
-"""Errors that stop a command before any finding can be made (exit code 2)."""
+"""Every exception ckptspec raises.
+
+``CkptspecError`` and its subclasses stop a command before (or instead of) findings: each
+carries a stable ``code`` and a ``hint`` like a finding, and names the file; its
+``exit_code`` is the CLI's exit status. The others are raised by the library layers:
+``TorchFileError`` by the torch-file reader (mapped to CK204/CK205 in one place,
+``ckptspec.checkpoint.states``), ``InvalidManifest``/``InvalidInput`` carry findings,
+``UnsupportedEngine`` refuses a live engine, ``SafetensorsWriteError`` a bad write.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .findings import Finding
+
 
 class CkptspecError(Exception):
-    """A usage or I/O problem: the input could not be read at all.
+    """A usage or I/O problem: the input could not be read at all (exit 2).
 
     Carries a stable ``code`` and a ``hint`` like a finding, and names the file.
     """
@@ -23,8 +37,150 @@ class CkptspecError(Exception):
         return f"{where}{self.code} {self.message} (hint: {self.hint})"
 
 
+# --------------------------------------------------------------------------- manifests
+
+
+class InvalidDocument(CkptspecError):
+    """The bytes decode, but not to something a manifest can be (exit 1)."""
+
+    exit_code = 1
+
+
+class NotEncodable(CkptspecError):
+    """The document holds a value the chosen encoding cannot represent (exit 1)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, file: str | None = None):
+        super().__init__(
+            "CK907",
+            message,
+            "keep manifest values to strings, integers in [-2**63, 2**64), "
+            "finite floats, booleans, null, arrays and objects",
+            file,
+        )
+
+
+class MigrationError(CkptspecError):
+    """No way to migrate, or the migration went wrong (exit 1)."""
+
+    exit_code = 1
+
+
+class InvalidManifest(Exception):
+    """A manifest that must be valid is not; ``findings`` lists why."""
+
+    def __init__(self, name: str, findings: list[Finding]):
+        self.findings = findings
+        errors = [f for f in findings if f.severity == "error"]
+        first = errors[0].to_line() if errors else ""
+        super().__init__(f"{name}: invalid manifest ({len(errors)} finding(s)); first: {first}")
+
+
+class InvalidInput(Exception):
+    """The document to migrate is not valid at its own version; ``findings`` lists why."""
+
+    def __init__(self, name: str, findings: list[Finding]):
+        self.name = name
+        self.findings = findings
+        super().__init__(f"{name}: invalid manifest")
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
 class InvalidCheckpoint(CkptspecError):
     """The checkpoint itself is wrong or unsafe (exit 1): a bad 'latest', a damaged
     or code-running file, a layout format 1.0 cannot describe."""
 
     exit_code = 1
+
+
+class UnsupportedCheckpoint(InvalidCheckpoint):
+    """A checkpoint format 1.0 cannot describe (exit 1)."""
+
+    def __init__(self, message: str, hint: str, file: str | None = None):
+        super().__init__("CK202", message, hint, file)
+
+
+class EmbedError(InvalidCheckpoint):
+    """A manifest cannot be embedded in, or read from, this file (exit 1)."""
+
+
+class CheckpointInvalid(InvalidCheckpoint):
+    """Validation found errors; nothing was read or written. ``findings`` lists them."""
+
+    def __init__(self, findings: list[Finding], checkpoint: str):
+        self.findings = findings
+        errors = [f for f in findings if f.severity == "error"]
+        first = errors[0] if errors else None
+        super().__init__(
+            first.code if first else "CK205",
+            f"checkpoint failed validation with {len(errors)} error(s)"
+            + (f"; first: {first.to_line()}" if first else ""),
+            "fix or regenerate the checkpoint; `ckptspec validate` lists every finding",
+            checkpoint,
+        )
+
+
+class ReconstructMismatch(InvalidCheckpoint):
+    """CK401: the files do not hold what the validated manifest says (exit 1)."""
+
+    def __init__(self, message: str, file: str | Path | None = None):
+        super().__init__(
+            "CK401",
+            message,
+            "the files changed since validation, or the manifest does not describe them; run `ckptspec validate`",
+            None if file is None else str(file),
+        )
+
+
+class ReconstructUnsupported(InvalidCheckpoint):
+    """CK402: a tensor this reconstruction cannot read or write (exit 1)."""
+
+    def __init__(self, message: str, hint: str, file: str | Path | None = None):
+        super().__init__("CK402", message, hint, None if file is None else str(file))
+
+
+class TorchFileError(Exception):
+    """A file cannot be read as a (safe) torch zip file.
+
+    ``path`` is the file (None when the caller knows it) and ``reason`` says what is wrong
+    without naming it, so callers can name the file their own way.
+    """
+
+    def __init__(self, path: str | Path | None, reason: str):
+        super().__init__(path, reason)
+        self.path = None if path is None else Path(path)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}" if self.path is not None else self.reason
+
+
+class NotATorchFile(TorchFileError):
+    """Not a zip archive, or a zip without ``<prefix>/data.pkl`` (e.g. legacy torch format)."""
+
+
+class UnsafePickleError(TorchFileError):
+    """data.pkl refers to a global that is not on the allowlist."""
+
+
+class TruncatedFile(TorchFileError):
+    """The file ends before the data its zip structures promise."""
+
+
+# --------------------------------------------------------------------------- producers and writers
+
+
+class UnsupportedEngine(ValueError):
+    """The engine uses a layout that format 1.0 cannot describe (MoE, pipeline, TP)."""
+
+
+class EngineLayoutMismatch(UnsupportedEngine):
+    """The layout computed from the engine's parameters disagrees with the live optimizer's
+    own numbers: a DeepSpeed version whose layout ckptspec does not know (or a ckptspec bug)."""
+
+
+class SafetensorsWriteError(ValueError):
+    """A tensor cannot be written (unknown dtype, wrong byte count, write out of order)."""

@@ -1,11 +1,96 @@
-"""The one result type every check produces: a finding with a stable code."""
+"""The one result type every check produces, and the one table of codes.
+
+``CODES`` names every stable code ckptspec uses, findings and errors alike, in the
+order and with the names of the ``## CKnnn name`` headings of docs/errors.md.
+``RuleSet`` is the registry each family of checks uses (CK1xx manifest rules, CK2xx
+checks of a checkpoint's files, CK5xx resume rules): one function per code, run in
+registration order, named from ``CODES``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable, Literal
+from typing import Callable, Generic, Iterable, Iterator, Literal, TypeVar
 
 Severity = Literal["error", "warning"]
+
+CODES: dict[str, str] = {
+    # CK0xx: format version and schema (format/validate.py)
+    "CK001": "schema",
+    "CK002": "model-disagreement",
+    "CK003": "format-major",
+    "CK004": "format-minor-newer",
+    # CK1xx: semantic rules of a manifest (format/rules.py)
+    "CK101": "numel-shape",
+    "CK102": "duplicate-name",
+    "CK103": "alias-owner-missing",
+    "CK104": "alias-chain",
+    "CK105": "alias-shape",
+    "CK106": "group-offsets",
+    "CK107": "group-total",
+    "CK108": "saved-numels",
+    "CK109": "param-padding",
+    "CK110": "group-alignment",
+    "CK111": "partitioning-stage",
+    "CK112": "partition-count",
+    "CK113": "unsafe-path",
+    "CK114": "duplicate-path",
+    "CK115": "rank-range",
+    "CK116": "locator-coverage",
+    "CK117": "locator-numel",
+    "CK118": "locator-member-bounds",
+    "CK119": "locator-file-bounds",
+    # CK2xx: a DeepSpeed checkpoint's directory and files (deepspeed/)
+    "CK201": "no-tag",
+    "CK202": "unsupported-checkpoint",
+    "CK203": "no-model-states",
+    "CK204": "unsafe-pickle",
+    "CK205": "damaged-file",
+    "CK206": "shard-missing",
+    "CK207": "shard-unexpected",
+    "CK208": "shard-size",
+    "CK209": "shard-hash",
+    "CK210": "shard-identity",
+    "CK211": "optimizer-header",
+    "CK212": "model-header",
+    "CK213": "partition-numel",
+    "CK214": "partition-locator",
+    "CK215": "module-role",
+    "CK216": "module-shape",
+    "CK217": "module-layout",
+    "CK218": "slice-mappings",
+    "CK219": "alias-tie",
+    "CK220": "frozen-fragments",
+    # CK3xx: embedded copies and migrations (checkpoint/embedded.py, deepspeed/embed.py, format/migrate.py)
+    "CK301": "embedded-copies-disagree",
+    "CK302": "embedded-manifest-unreadable",
+    "CK303": "no-embedded-manifest",
+    "CK304": "manifest-mismatch",
+    "CK305": "cannot-embed",
+    "CK311": "no-migration",
+    "CK312": "migration-failed",
+    "CK313": "migration-dropped-field",
+    # CK4xx: reconstruction (export/)
+    "CK401": "reconstruct-mismatch",
+    "CK402": "reconstruct-unsupported",
+    # CK5xx: resuming B from A (report/diff.py)
+    "CK501": "resume-world-size",
+    "CK502": "resume-zero-stage",
+    "CK503": "resume-precision",
+    "CK504": "resume-module-keys",
+    "CK505": "resume-shape",
+    "CK506": "resume-trainable-set",
+    "CK507": "resume-group-layout",
+    # CK9xx: input and output (format/codec.py, the CLI)
+    "CK901": "file-unreadable",
+    "CK902": "file-too-large",
+    "CK903": "not-decodable",
+    "CK904": "duplicate-key",
+    "CK905": "unknown-schema-version",
+    "CK906": "write-failed",
+    "CK907": "not-encodable",
+    "CK999": "internal-error",
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +123,12 @@ class Finding:
         return f"{where}: {label} {self.message} (hint: {self.hint})"
 
 
+def finding(code: str, path: str, message: str, hint: str, *, severity: Severity = "error",
+            file: str | None = None, rank: int | None = None) -> Finding:
+    """A finding of ``code``, named from ``CODES``."""
+    return Finding(code, CODES[code], path, message, hint, severity, file, rank)
+
+
 def has_errors(findings: Iterable[Finding]) -> bool:
     return any(f.severity == "error" for f in findings)
 
@@ -53,3 +144,37 @@ def json_path(*parts: str | int) -> str:
         else:
             out += "[" + repr(part) + "]"
     return out
+
+
+Check = TypeVar("Check", bound=Callable[..., Iterator[Finding]])
+
+
+@dataclass(frozen=True)
+class Rule(Generic[Check]):
+    code: str
+    name: str
+    check: Check
+
+
+class RuleSet(Generic[Check]):
+    """Check functions of one family, one code each, in the order they run (registration order)."""
+
+    def __init__(self, *parts: RuleSet[Check]) -> None:
+        """An empty set, or the rules of ``parts`` one after the other."""
+        self._rules: list[Rule[Check]] = [rule for part in parts for rule in part]
+
+    def register(self, code: str) -> Callable[[Check], Check]:
+        """Decorator: ``@RULES.register("CK101")``; the code must be in ``CODES``."""
+        name = CODES[code]
+
+        def add(fn: Check) -> Check:
+            self._rules.append(Rule(code, name, fn))
+            return fn
+
+        return add
+
+    def __iter__(self) -> Iterator[Rule[Check]]:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)

@@ -5,9 +5,11 @@ Imports torch only through the objects it is given.
 
 from __future__ import annotations
 
-from .layout import ParamSpec, flat_group
-from .models import FORMAT_NAME, FORMAT_VERSION, Alias, Buffer, FrozenParam, Layout, Manifest, Producer
-from .torch_dtypes import dtype_name
+from ._version import __version__
+from .format.partition import ParamSpec, flat_group
+from .format.models import Alias, Buffer, FrozenParam, Layout, Manifest, Producer
+from .format.dtypes import dtype_name
+from .format.version import FORMAT_NAME, FORMAT_VERSION
 
 
 def manifest_from_module(module, optimizer=None) -> Manifest:
@@ -53,8 +55,6 @@ def manifest_from_module(module, optimizer=None) -> Manifest:
                for name, b in module.named_buffers() if name in persistent]
     first = next((p for _, p in named), None)
     dtype = dtype_name(first.dtype) if first is not None else "float32"
-    from . import __version__
-
     layout = Layout(zero_stage=0, world_size=1, tensor_parallel_size=1, pipeline_parallel_size=1, model_dtype=dtype,
                     master_dtype=dtype, round_robin=False, parameter_alignment=False, tail_padding_saved=False)
     if optimizer is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import json
 
-from ckptspec.schemas_registry import validator as reference_validator
+from ckptspec.format.schemas import validator as reference_validator
 import typing
 from pathlib import Path
 from typing import Any
@@ -28,9 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from ckptspec import models
-from ckptspec.loader import load_document
-from ckptspec.models import Manifest
+from ckptspec.format import models
+from ckptspec.format.codec import load_document
+from ckptspec.format.models import Manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA: dict = json.loads((ROOT / "schema" / "manifest-1.0.schema.json").read_text("utf-8"))
@@ -285,7 +285,7 @@ def test_pattern_anchors_are_ecma(where, value):
 def test_lone_surrogates_are_refused_by_the_loader(where, value):
     """A lone surrogate escape is not Unicode text: the loader refuses the document (CK903)."""
     from ckptspec.errors import CkptspecError
-    from ckptspec.loader import decode
+    from ckptspec.format.codec import decode
 
     doc = copy.deepcopy(BASE)
     _set(doc, where, value)

@@ -4,7 +4,7 @@ The CLI cases call ``ckptspec.cli.main`` (the console-script entry point, which 
 unexpected exception into CK999) in-process, and check the exit status, the code, and that
 no exception escapes and no CK999 appears; a few cases also run the installed ``ckptspec``
 command in a subprocess (the sparse 3 GB file under a 1 GB memory limit, for one). The fuzz tests feed random bytes, random JSON
-values and randomly mutated real manifests to ``loader.decode`` + ``validate_document``:
+values and randomly mutated real manifests to ``codec.decode`` + ``validate_document``:
 they may only raise ``CkptspecError`` or return a ``Report``, and a ``CK002`` finding
 (schema and models disagree, a ckptspec bug) must never appear.
 
@@ -26,10 +26,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptspec import loader
+from ckptspec.format import codec
 from ckptspec.cli import main as cli_main
 from ckptspec.errors import CkptspecError
-from ckptspec.validate import Report, validate_document
+from ckptspec.format.validate import Report, validate_document
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
@@ -168,7 +168,7 @@ def test_cli_directory(cli, tmp_path):
     # A directory where the manifest file should be is CK901.
     assert_refused(cli("validate", str(tmp_path), "--checkpoint", str(tmp_path)), 2, "CK901")
     with pytest.raises(CkptspecError) as exc:
-        loader.read_bytes(tmp_path)
+        codec.read_bytes(tmp_path)
     assert exc.value.code == "CK901"
 
 
@@ -200,9 +200,9 @@ def test_cap_applies_before_opening(tmp_path, monkeypatch):
     def no_open(*args, **kwargs):
         raise AssertionError("the file was opened")
 
-    monkeypatch.setattr(loader, "open", no_open, raising=False)
+    monkeypatch.setattr(codec, "open", no_open, raising=False)
     with pytest.raises(CkptspecError) as exc:
-        loader.read_bytes(path, max_bytes=1024)
+        codec.read_bytes(path, max_bytes=1024)
     assert exc.value.code == "CK902"
 
 
@@ -326,7 +326,7 @@ def test_bug_ck116_finding_explosion():
 
 def _decode_and_validate(data: bytes, encoding: str):
     try:
-        doc = loader.decode(data, encoding, "<fuzz>")
+        doc = codec.decode(data, encoding, "<fuzz>")
     except CkptspecError as exc:
         assert exc.code in {"CK903", "CK904"}, exc.code
         return None
@@ -340,7 +340,7 @@ def _decode_and_validate(data: bytes, encoding: str):
 @given(st.binary(max_size=512), st.sampled_from(["json", "msgpack"]))
 def test_fuzz_random_bytes(data, encoding):
     _decode_and_validate(data, encoding)
-    loader.encoding_for("x", data)
+    codec.encoding_for("x", data)
 
 
 # Text without lone surrogates: those are a known bug (test_bug_lone_surrogate), kept out of

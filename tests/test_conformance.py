@@ -19,9 +19,9 @@ from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
 from ckptspec.cli import cli
-from ckptspec.loader import load_document
-from ckptspec.rules import RULES
-from ckptspec.validate import validate_file
+from ckptspec.format.codec import load_document
+from ckptspec.format.rules import RULES
+from ckptspec.format.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFORMANCE = ROOT / "tests" / "conformance"

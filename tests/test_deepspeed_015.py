@@ -22,8 +22,8 @@ import torch
 from _harness.compat import FIXTURES, OLD_DEEPSPEED_VERSION
 from _harness.reconstruction import check_reconstruction, cli
 from _harness.scenarios import OLD_DEEPSPEED, OLD_DEEPSPEED_SPECS
-from ckptspec.ds_checkpoint import manifest_from_checkpoint
-from ckptspec.validate import validate_document
+from ckptspec.deepspeed.describe import manifest_from_checkpoint
+from ckptspec.format.validate import validate_document
 
 # Fields only one producer can know (see test_producers.py).
 PRODUCER_ONLY = ("producer", "files", "excluded")

@@ -23,15 +23,18 @@ from types import SimpleNamespace
 import pytest
 
 from _harness import scenarios
-from ckptspec import torchfile
-from ckptspec.embed import (
-    CLIENT_STATE_KEY, SAFETENSORS_KEY, SAFETENSORS_SHA256_KEY, EmbeddedCopy, EmbedError, agreement_findings,
-    client_state_value, embedded_findings, first_difference, layout_document, read_client_state_copy,
-    rewrite_pt_with_item, safetensors_metadata, write_sidecar,
+from ckptspec.checkpoint import torchfile
+from ckptspec.checkpoint.embedded import (
+    CLIENT_STATE_KEY, SAFETENSORS_KEY, SAFETENSORS_SHA256_KEY, EmbeddedCopy, agreement_findings,
+    client_state_value, first_difference, layout_document, read_client_state_copy, safetensors_metadata,
+    write_sidecar,
 )
-from ckptspec.encoding import dumps
-from ckptspec.loader import load_document
-from ckptspec.validate import validate_document
+from ckptspec.checkpoint.pt_rewrite import rewrite_pt_with_item
+from ckptspec.deepspeed.embed import embedded_findings
+from ckptspec.errors import EmbedError, UnsupportedEngine
+from ckptspec.format.codec import dumps
+from ckptspec.format.codec import load_document
+from ckptspec.format.validate import validate_document
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
@@ -325,7 +328,7 @@ def test_sidecar_is_written_last_and_latest_after_it(saved):
 def test_sidecar_files_are_the_files_on_disk(saved):
     """Sizes, hashes and locators gathered from the ranks equal what the saved directory says
     (so the model-states files were described with their client state inside)."""
-    from ckptspec.ds_checkpoint import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe import manifest_from_checkpoint
 
     from_dir = manifest_from_checkpoint(saved.save_dir, hash_algorithm="sha256").to_dict()
     sidecar = json.loads(saved.sidecar.read_text())
@@ -499,8 +502,8 @@ class _FakeEngine:
 def fake_job(saved, monkeypatch):
     import torch.distributed
 
-    import ckptspec.deepspeed as ds
-    from ckptspec.models import Manifest
+    import ckptspec.deepspeed.engine as ds
+    from ckptspec.format.models import Manifest
 
     layout = Manifest.model_validate(layout_document(json.loads(saved.sidecar.read_text())))
     monkeypatch.setattr(ds, "manifest_from_engine", lambda engine, exclude_frozen_parameters=False: layout.model_copy(deep=True))
@@ -548,7 +551,7 @@ def test_refusals_before_anything_is_saved(fake_job, tmp_path):
     fake_job.install()
     with pytest.raises(ValueError, match="reserved"):
         fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path, client_state={CLIENT_STATE_KEY: "mine"})
-    with pytest.raises(fake_job.ds.UnsupportedEngine, match="decoupled"):
+    with pytest.raises(UnsupportedEngine, match="decoupled"):
         fake_job.ds.save_checkpoint(fake_job.engine(decoupled=True), tmp_path)
     with pytest.raises(ValueError, match="sidecar_encoding"):
         fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path, sidecar_encoding="yaml")

@@ -18,10 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptspec.cli import cli
-from ckptspec.encoding import NotEncodable, atomic_output, dumps, encoding_for_output, write_atomic
-from ckptspec.loader import decode, load_document
-from ckptspec.models import Manifest
-from ckptspec.validate import validate_document
+from ckptspec.errors import NotEncodable
+from ckptspec._fs import atomic_output, write_atomic
+from ckptspec.format.codec import dumps, encoding_for_output
+from ckptspec.format.codec import decode, load_document
+from ckptspec.format.models import Manifest
+from ckptspec.format.validate import validate_document
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "conformance" / "1.0"

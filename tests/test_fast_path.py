@@ -23,9 +23,9 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from ckptspec import schemas_registry
-from ckptspec.loader import decode_document, load_document
-from ckptspec.validate import fast_schema_accepts, validate_document, validate_file
+from ckptspec.format import schemas as schemas_registry
+from ckptspec.format.codec import decode_document, load_document
+from ckptspec.format.validate import fast_schema_accepts, validate_document, validate_file
 from test_agreement import (
     BASE, MUTATIONS_1_0, MUTATIONS_NEWER, VALIDATOR, _set, bounded_schema, schema_strategy,
 )
@@ -119,7 +119,7 @@ def test_integral_floats_are_read_like_integers(tmp_path, encoding):
 def test_without_the_compiled_validator_the_reference_decides(monkeypatch):
     bad = copy.deepcopy(BASE)
     bad["layout"]["world_size"] = "2"
-    import ckptspec.validate as validate_module
+    import ckptspec.format.validate as validate_module
 
     monkeypatch.setattr(validate_module, "fast_validator", lambda filename: None)
     assert not fast_schema_accepts(BASE)

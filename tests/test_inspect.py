@@ -132,7 +132,7 @@ def test_manifest_summary_and_top():
 
 def test_msgpack_manifest():
     path = ROOT / "tests" / "conformance" / "1.0" / "valid" / "stage3-per-param-two-subgroups-ws3.msgpack"
-    from ckptspec.loader import load_document
+    from ckptspec.format.codec import load_document
 
     doc = load_document(path)
     summary = inspect_json(path)

@@ -16,13 +16,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ckptspec import migrate as mig
+from ckptspec.format import migrate as mig
 from ckptspec.cli import cli
-from ckptspec.loader import load_document
-from ckptspec.migrate import (
-    InvalidInput, MigrationError, check_document, migrate_document, migration_path, registered, version_key,
+from ckptspec.errors import InvalidInput, MigrationError
+from ckptspec.format.codec import load_document
+from ckptspec.format.migrate import (
+    migrate_document, migration_path, registered, validate_own_version,
 )
-from ckptspec.validate import validate_document
+from ckptspec.format.validate import validate_document
+from ckptspec.format.version import full_version, version_key
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT = ROOT / "tests" / "schema_drafts" / "manifest-1.1.schema.json"
@@ -101,18 +103,18 @@ def test_unknown_major_stops_before_anything_else():
 
 
 def test_registered_draft_schema_checks_the_new_field(draft):
-    assert check_document(tagged()) == []  # the draft's own schema: no CK004, every field checked
+    assert validate_own_version(tagged()) == []  # the draft's own schema: no CK004, every field checked
     bad = tagged()
     bad["tag"] = ""
-    assert [f.code for f in check_document(bad)] == ["CK001"]
+    assert [f.code for f in validate_own_version(bad)] == ["CK001"]
     # Patterns keep ECMA-262 anchors: "$" does not match before a final newline.
     newline = tagged()
     newline["files"][0]["hash"] = {"algorithm": "sha256", "digest": "0" * 64 + "\n"}
-    assert "CK001" in {f.code for f in check_document(newline)}
+    assert "CK001" in {f.code for f in validate_own_version(newline)}
     # Semantic rules still run for a draft of the supported major.
     broken = tagged()
     broken["groups"][0]["params"][0]["numel"] = 1
-    assert "CK101" in {f.code for f in check_document(broken)}
+    assert "CK101" in {f.code for f in validate_own_version(broken)}
 
 
 # --------------------------------------------------------------------------- migrations
@@ -206,7 +208,7 @@ def test_registry_guards():
     for bad in ("1", "1.0.0.0", "01.0", "a.b", "1.-1"):
         with pytest.raises(ValueError):
             version_key(bad)
-    assert version_key("1.10.3") == "1.10" and mig.full_version("1.2") == "1.2.0"
+    assert version_key("1.10.3") == "1.10" and full_version("1.2") == "1.2.0"
 
 
 # --------------------------------------------------------------------------- ckptspec migrate

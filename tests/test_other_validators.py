@@ -33,8 +33,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from ckptspec.loader import load_document
-from ckptspec.validate import schema_findings, validate_document
+from ckptspec.format.codec import load_document
+from ckptspec.format.validate import schema_findings, validate_document
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "schema" / "manifest-1.0.schema.json"

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptspec.ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
-from ckptspec.validate import validate_document
 from _harness.scenarios import MATRIX, MATRIX_SPECS, UNSUPPORTED, engine_name
+from ckptspec.deepspeed.describe import manifest_from_checkpoint
+from ckptspec.deepspeed.directory import resolve_tag_dir
+from ckptspec.format.validate import validate_document
 
 pytestmark = pytest.mark.deepspeed
 

@@ -25,7 +25,8 @@ import torch
 from _harness.oracles import zero_to_fp32
 from _harness.reconstruction import bits, check_reconstruction, same_bits
 from _harness.scenarios import MATRIX, MATRIX_SPECS, engine_name
-from ckptspec.ds_checkpoint import manifest_from_checkpoint, resolve_tag_dir
+from ckptspec.deepspeed.describe import manifest_from_checkpoint
+from ckptspec.deepspeed.directory import resolve_tag_dir
 
 pytestmark = pytest.mark.deepspeed
 
@@ -105,8 +106,7 @@ def test_untie_and_both_layouts_load_into_the_model(point, tmp_path):
     from safetensors.torch import load_model
 
     from _harness.job.model import build_model, normalize_spec
-
-    from ckptspec.reconstruct import load_consolidated
+    from ckptspec.export.api import load_consolidated
 
     save_dir = point("s2-bf16-ws2")
     spec = normalize_spec(MATRIX_SPECS["s2-bf16-ws2"][0])
@@ -274,8 +274,8 @@ def test_rerun_replaces_stale_shards(point, tmp_path):
 @pytest.mark.parametrize("name", ["s2-bf16-ws2", "s3-fp16-ws3-groups"])
 def test_reads_only_fp32_partitions_and_needed_module_tensors(point, name, tmp_path, monkeypatch):
     """No byte of the Adam moments (exp_avg, exp_avg_sq) is read, and no byte twice."""
-    from ckptspec import reconstruct as rc
-    from ckptspec import torchfile
+    from ckptspec.export import api as rc
+    from ckptspec.checkpoint import torchfile
 
     save_dir = point(name)
     reads: list[tuple[str, int, int]] = []
@@ -362,8 +362,8 @@ def test_progress_bar_on_a_terminal(point, tmp_path):
 def test_failed_write_leaves_the_output_directory_as_it_was(point, tmp_path, monkeypatch, existing):
     import errno
 
-    from ckptspec import reconstruct as rc
-    from ckptspec.safetensors_writer import SafetensorsWriter
+    from ckptspec.export import api as rc
+    from ckptspec.export.safetensors_writer import SafetensorsWriter
 
     save_dir = point("s2-fp16-ws2-groups")
     out = tmp_path / "out"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
-from ckptspec.schemas_registry import MANIFEST_SCHEMAS, REPORT_SCHEMA, schema
+from ckptspec.format.schemas import MANIFEST_SCHEMAS, REPORT_SCHEMA, schema
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_DIR = ROOT / "schema"

@@ -15,13 +15,15 @@ import pytest
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
-from ckptspec.ds_checkpoint import manifest_from_checkpoint
+from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.errors import CkptspecError, InvalidCheckpoint
-from ckptspec.models import Manifest
-from ckptspec.shards import CHECKS, _natural_order, check_checkpoint, validate_checkpoint
-from ckptspec import torchfile
 from _harness.faults import FAULTS, FaultEnv, snapshot, tag_dir
 from _harness.scenarios import MATRIX, engine_name
+from ckptspec.checkpoint import torchfile
+from ckptspec.deepspeed.checks import CHECKS, check_checkpoint
+from ckptspec.deepspeed.validate import validate_checkpoint
+from ckptspec.format.models import Manifest
+from ckptspec.format.partition import natural_order
 
 pytestmark = pytest.mark.deepspeed
 
@@ -203,6 +205,6 @@ def test_usage(built, tmp_path):
 
 def test_round_robin_inverse():
     # DeepSpeed's _round_robin_reorder with dp=3: [emb, l1.w, l1.b, l2.w, l2.b] -> [emb, l2.w, l1.w, l2.b, l1.b]
-    assert _natural_order(["emb", "l2.w", "l1.w", "l2.b", "l1.b"], 3) == ["emb", "l1.w", "l1.b", "l2.w", "l2.b"]
-    assert _natural_order(list("abcdefg"), 1) == list("abcdefg")
-    assert _natural_order(["a", "c", "b"], 2) == ["a", "b", "c"]
+    assert natural_order(["emb", "l2.w", "l1.w", "l2.b", "l1.b"], 3) == ["emb", "l1.w", "l1.b", "l2.w", "l2.b"]
+    assert natural_order(list("abcdefg"), 1) == list("abcdefg")
+    assert natural_order(["a", "c", "b"], 2) == ["a", "b", "c"]

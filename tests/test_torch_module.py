@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 from ckptspec.torch import manifest_from_module
-from ckptspec.validate import validate_document
+from ckptspec.format.validate import validate_document
 
 
 class TinyLM(nn.Module):

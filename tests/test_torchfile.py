@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptspec.torchfile import (
-    DynamicLossScalerState, FragmentAddress, LossScalerState, NotATorchFile, TensorRef, TorchFileError,
-    TruncatedFile, UnsafePickleError, ZeroStage, iter_tensor_refs, read_pt_metadata, tensor_byte_range,
-    zip_member_locations)
+from ckptspec.checkpoint.torchfile import (
+    DynamicLossScalerState, FragmentAddress, LossScalerState, TensorRef, ZeroStage, iter_tensor_refs, read_pt_metadata,
+    tensor_byte_range, zip_member_locations)
+from ckptspec.errors import NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -205,7 +205,7 @@ def test_module_imports_neither_torch_nor_deepspeed(tmp_path):
     f = tmp_path / "t.pt"
     torch.save({"w": torch.ones(4)}, f)
     code = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
-            "from ckptspec.torchfile import read_pt_metadata\n"
+            "from ckptspec.checkpoint.torchfile import read_pt_metadata\n"
             f"print(read_pt_metadata({str(f)!r})['w'].shape)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(REPO)))

@@ -36,7 +36,7 @@ def cli(*args: str):
 
 
 def roles(save_dir: Path) -> dict[str, str]:
-    from ckptspec.ds_checkpoint import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe import manifest_from_checkpoint
 
     m = manifest_from_checkpoint(save_dir)
     out = {p.name: "trainable" for g in m.groups for p in g.params}
@@ -53,8 +53,8 @@ def check_reconstruction(save_dir: Path, out: Path, *, stage: int, zero_to_fp32_
     import torch
     import safetensors.torch
 
-    from ckptspec.ds_checkpoint import resolve_tag_dir
-    from ckptspec.reconstruct import load_consolidated
+    from ckptspec.deepspeed.directory import resolve_tag_dir
+    from ckptspec.export.api import load_consolidated
 
     cli("reconstruct", save_dir, out, "--quiet")
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]

@@ -1,0 +1,294 @@
+"""Manifests that travel with their checkpoint: where copies live, how to read and write them.
+
+A checkpoint can carry its manifest in three places (docs/embedding.md):
+
+* the **sidecar** ``ckptspec.json`` (or ``ckptspec.msgpack``) in the tag directory: the
+  complete manifest, ``files`` included (sizes, hashes, locators). It is written last
+  and atomically, so its presence marks a complete checkpoint;
+* the **client state** of DeepSpeed's model-states file(s): key ``ckptspec_manifest``,
+  a JSON string holding the layout manifest (``files`` is ``[]``: a file cannot record
+  its own size or hash). It survives when only the ``.pt`` files are copied, and the
+  restricted unpickler reads it as a plain ``str``;
+* the ``__metadata__`` of safetensors files written by ``ckptspec reconstruct``: key
+  ``ckptspec.manifest``, the canonical JSON text of the source checkpoint's manifest
+  (the exact bytes of its ``ckptspec.json``), next to ``ckptspec.manifest_sha256``,
+  the SHA-256 of those bytes.
+
+Copies **agree** when their layout parts are equal: everything except ``producer``
+and ``files``. Disagreeing copies are ``CK301``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Literal
+
+from .._fs import write_atomic
+from ..errors import CkptspecError, EmbedError
+from ..findings import Finding, finding, json_path
+from ..format.codec import Encoding, decode, dumps, load_document
+from .states import read_state
+
+if TYPE_CHECKING:
+    from ..format.models import Manifest
+
+SIDECAR_NAMES: dict[str, str] = {"json": "ckptspec.json", "msgpack": "ckptspec.msgpack"}
+CLIENT_STATE_KEY = "ckptspec_manifest"
+SAFETENSORS_KEY = "ckptspec.manifest"
+SAFETENSORS_SHA256_KEY = "ckptspec.manifest_sha256"
+NOT_LAYOUT = ("producer", "files")  # the parts of a manifest copies may differ in
+SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+
+Kind = Literal["sidecar", "client_state", "safetensors", "manifest_file"]
+_PREFERENCE = {"sidecar": 0, "manifest_file": 1, "safetensors": 2, "client_state": 3}
+_KIND_NAMES = {"sidecar": "sidecar", "manifest_file": "manifest file", "safetensors": "safetensors __metadata__ copy",
+               "client_state": "client-state copy"}
+
+
+@dataclass
+class EmbeddedCopy:
+    """One copy of a manifest found in or next to a checkpoint."""
+
+    source: str  # the file it was read from
+    kind: Kind
+    document: Any  # the decoded manifest (plain data, not validated)
+
+    @property
+    def complete(self) -> bool:
+        return isinstance(self.document, dict) and bool(self.document.get("files"))
+
+
+# --------------------------------------------------------------------------- the values written
+
+
+def as_document(manifest: Manifest | dict) -> dict:
+    """A manifest as a plain document (a copy: the caller may change it)."""
+    return copy.deepcopy(manifest) if isinstance(manifest, dict) else manifest.to_dict()
+
+
+def layout_document(manifest: Manifest | dict) -> dict:
+    """The manifest without its file list (``files: []``): what a file can carry inside itself."""
+    doc = as_document(manifest)
+    doc["files"] = []
+    return doc
+
+
+def client_state_value(manifest: Manifest | dict) -> str:
+    """The ``client_state[CLIENT_STATE_KEY]`` string: compact canonical JSON of the layout manifest."""
+    return dumps(layout_document(manifest), "json", compact=True).decode("utf-8")
+
+
+def safetensors_metadata(manifest: Manifest | dict) -> dict[str, str]:
+    """``__metadata__`` entries that embed ``manifest`` in a safetensors file.
+
+    ``ckptspec.manifest`` is the canonical JSON text (``ckptspec generate``'s bytes) and
+    ``ckptspec.manifest_sha256`` its SHA-256, so either can be checked against the other.
+    """
+    data = dumps(manifest, "json")
+    return {SAFETENSORS_KEY: data.decode("utf-8"), SAFETENSORS_SHA256_KEY: hashlib.sha256(data).hexdigest()}
+
+
+# --------------------------------------------------------------------------- agreement
+
+
+def layout_part(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if k not in NOT_LAYOUT}
+
+
+def _describe(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def first_difference(a: Any, b: Any, where: tuple = (), *, lenient: bool = False) -> tuple[str, str, str] | None:
+    """The first place two documents differ: (JSON path, value in a, value in b), or None.
+
+    ``lenient`` ignores object keys present on one side only (optional fields one
+    producer writes and another does not).
+    """
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(a.keys() & b.keys()) if lenient else sorted(a.keys() | b.keys())
+        for key in keys:
+            if key not in a:
+                return json_path(*where, key), "<absent>", _describe(b[key])
+            if key not in b:
+                return json_path(*where, key), _describe(a[key]), "<absent>"
+            found = first_difference(a[key], b[key], where + (key,), lenient=lenient)
+            if found:
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = first_difference(x, y, where + (i,), lenient=lenient)
+            if found:
+                return found
+        if len(a) != len(b):
+            return json_path(*where), f"{len(a)} entries", f"{len(b)} entries"
+        return None
+    numbers = (int, float)
+    if a == b and (type(a) is type(b) or (type(a) in numbers and type(b) in numbers)):
+        return None  # 3 and 3.0 are the same count (JSON Schema agrees); True and 1 are not
+    return json_path(*where), _describe(a), _describe(b)
+
+
+def agreement_findings(copies: Iterable[EmbeddedCopy]) -> list[Finding]:
+    """CK301 for every copy whose layout part differs from the reference copy's.
+
+    The reference is the most complete copy (the sidecar when there is one).
+    """
+    usable = [c for c in copies if isinstance(c.document, dict)]
+    if len(usable) < 2:
+        return []
+    reference = min(usable, key=lambda c: _PREFERENCE[c.kind])
+    findings = []
+    for copy_ in usable:
+        if copy_ is reference:
+            continue
+        diff = first_difference(layout_part(reference.document), layout_part(copy_.document))
+        if diff:
+            path, ours, theirs = diff
+            findings.append(finding(
+                "CK301", path,
+                f"embedded copies disagree: this {_KIND_NAMES[copy_.kind]} says {theirs}, "
+                f"the {_KIND_NAMES[reference.kind]} {Path(reference.source).name} says {ours}",
+                "copies of a manifest must describe the same layout; re-embed one manifest everywhere with "
+                "`ckptspec embed CHECKPOINT --manifest M`",
+                file=copy_.source,
+            ))
+    return findings
+
+
+# --------------------------------------------------------------------------- reading copies
+
+
+def _decode_embedded(value: Any, source: str, what: str) -> Any:
+    if not isinstance(value, str):
+        raise EmbedError("CK302", f"{what} is a {type(value).__name__}, not a JSON string",
+                         "the key is reserved for ckptspec's manifest; re-embed it with `ckptspec embed`", source)
+    try:
+        doc = decode(value.encode("utf-8"), "json", source)
+    except (CkptspecError, UnicodeEncodeError) as exc:
+        detail = exc.message if isinstance(exc, CkptspecError) else "not UTF-8 text"
+        raise EmbedError("CK302", f"{what} is not a manifest document: {detail}",
+                         "re-embed the manifest with `ckptspec embed`", source) from None
+    if not isinstance(doc, dict):
+        raise EmbedError("CK302", f"{what} holds a JSON {type(doc).__name__}, not an object",
+                         "re-embed the manifest with `ckptspec embed`", source)
+    return doc
+
+
+def read_client_state_copy(path: str | os.PathLike, state: Any = None) -> EmbeddedCopy | None:
+    """The manifest in a model-states file's client state, or None when it holds none."""
+    if state is None:
+        state = read_state(path)
+    if not isinstance(state, dict) or CLIENT_STATE_KEY not in state:
+        return None
+    doc = _decode_embedded(state[CLIENT_STATE_KEY], str(path), f"client state '{CLIENT_STATE_KEY}'")
+    return EmbeddedCopy(str(path), "client_state", doc)
+
+
+def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The ``__metadata__`` string map of a safetensors file (only the header is read)."""
+    name = str(path)
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise EmbedError("CK302", "not a safetensors file: shorter than its 8-byte header length",
+                                 "pass a .safetensors file", name)
+            (length,) = struct.unpack("<Q", head)
+            if length > SAFETENSORS_MAX_HEADER or length > os.fstat(fh.fileno()).st_size - 8:
+                raise EmbedError("CK302", f"not a safetensors file: header length {length} is impossible",
+                                 "pass a .safetensors file", name)
+            raw = fh.read(length)
+    except OSError as exc:
+        raise CkptspecError("CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name) from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise EmbedError("CK302", "not a safetensors file: the header is not JSON", "pass a .safetensors file", name) from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise EmbedError("CK302", "__metadata__ is not a map of strings", "the file breaks the safetensors format", name)
+    return meta
+
+
+def read_safetensors_copy(path: str | os.PathLike) -> EmbeddedCopy | None:
+    meta = read_safetensors_metadata(path)
+    if SAFETENSORS_KEY not in meta:
+        return None
+    value = meta[SAFETENSORS_KEY]
+    expected = meta.get(SAFETENSORS_SHA256_KEY)
+    if expected is not None and hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest() != expected:
+        raise EmbedError("CK302", f"'{SAFETENSORS_KEY}' does not match its '{SAFETENSORS_SHA256_KEY}'",
+                         "the embedded manifest was altered after it was written; regenerate the file", str(path))
+    return EmbeddedCopy(str(path), "safetensors", _decode_embedded(value, str(path), f"__metadata__ '{SAFETENSORS_KEY}'"))
+
+
+def _is_zip(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(2) == b"PK"
+    except OSError:
+        return False
+
+
+def copies_in_file(path: str | os.PathLike) -> list[EmbeddedCopy]:
+    """The manifest copies one file holds: a .pt's client state, a safetensors ``__metadata__``,
+    or the file itself when it is a manifest (JSON or msgpack)."""
+    p = Path(path)
+    if not p.exists():
+        raise CkptspecError("CK901", "file not found", "check the path", str(p))
+    suffix = p.suffix.lower()
+    if suffix == ".safetensors":
+        found = read_safetensors_copy(p)
+    elif suffix in (".pt", ".bin", ".pth") or _is_zip(p):
+        found = read_client_state_copy(p)
+    else:
+        kind: Kind = "sidecar" if p.name in SIDECAR_NAMES.values() else "manifest_file"
+        found = EmbeddedCopy(str(p), kind, load_document(p))
+    return [found] if found else []
+
+
+# --------------------------------------------------------------------------- sidecars
+
+
+def find_sidecars(tag_dir: str | os.PathLike) -> list[Path]:
+    """The sidecars present in a directory (normally none or one)."""
+    tag_dir = Path(tag_dir)
+    return [tag_dir / name for name in SIDECAR_NAMES.values() if (tag_dir / name).is_file()]
+
+
+def find_sidecar(tag_dir: str | os.PathLike) -> Path | None:
+    """The sidecar of a tag directory (``ckptspec.json`` before ``ckptspec.msgpack``), or None."""
+    return next(iter(find_sidecars(tag_dir)), None)
+
+
+def write_sidecar(tag_dir: str | os.PathLike, manifest: Manifest | dict, encoding: Encoding = "json") -> Path:
+    """Write the complete manifest next to the shards, atomically; remove a sidecar of the
+    other encoding first so that no stale copy remains."""
+    tag_dir = Path(tag_dir)
+    target = tag_dir / SIDECAR_NAMES[encoding]
+    data = dumps(manifest, encoding)
+    try:
+        for other in SIDECAR_NAMES.values():
+            if other != target.name:
+                (tag_dir / other).unlink(missing_ok=True)
+        write_atomic(target, data)
+    except OSError as exc:
+        raise CkptspecError("CK906", f"cannot write the sidecar: {exc.strerror}",
+                            "check that the tag directory is writable and the sidecar name is free", str(target)) from None
+    return target
+
+
+def best_copy(copies: list[EmbeddedCopy]) -> EmbeddedCopy:
+    """The most complete copy: a sidecar, then a manifest file, a safetensors copy, a client state."""
+    return min(copies, key=lambda c: (_PREFERENCE[c.kind], not c.complete))

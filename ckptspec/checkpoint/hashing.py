@@ -1,0 +1,20 @@
+"""Streaming content hashes of shard files."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ..format.models import Hash
+
+ALGORITHMS = ("sha256", "blake2b")
+_CHUNK = 1 << 20
+
+
+def file_digest(path: str | Path, algorithm: str = "sha256") -> Hash:
+    """Hash a file in 1 MiB chunks (constant memory)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown hash algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+    with open(path, "rb") as fh:
+        digest = hashlib.file_digest(fh, algorithm)
+    return Hash(algorithm=algorithm, digest=digest.hexdigest())

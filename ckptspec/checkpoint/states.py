@@ -1,0 +1,95 @@
+"""Decoded torch files, each read once: the one caller of ``read_pt_metadata``.
+
+One command reads a tag directory's ``.pt`` files in several steps: describing the
+directory, the CK2xx checks, the embedded-copy check, the reconstruction plan, embedding.
+A ``StateCache`` keeps each file's decoded ``data.pkl`` and zip member map, so every step
+after the first reuses them. A file that cannot be read is CK204 (its pickle wants to run
+code) or CK205 (empty, truncated, not a torch file), with one hint each, here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidCheckpoint, TorchFileError, UnsafePickleError
+from . import torchfile
+
+UNSAFE_HINT = "this file wants to run code on load; ckptspec refuses it (torch.load(weights_only=False) would run it)"
+DAMAGED_HINT = "the file is empty, truncated or not a torch checkpoint; restore it"
+
+
+def code_and_hint(error: TorchFileError) -> tuple[str, str]:
+    """CK204 for a pickle that wants to run code, CK205 for anything else unreadable."""
+    if isinstance(error, UnsafePickleError):
+        return "CK204", UNSAFE_HINT
+    return "CK205", DAMAGED_HINT
+
+
+def unreadable(error: TorchFileError, file: str | os.PathLike | None = None) -> InvalidCheckpoint:
+    """The exception for a file that cannot be read (exit 1), naming ``file`` (default: the error's)."""
+    code, hint = code_and_hint(error)
+    where = file if file is not None else error.path
+    return InvalidCheckpoint(code, error.reason, hint, None if where is None else str(where))
+
+
+@dataclass
+class Loaded:
+    """What reading one file gave: its decoded state (and zip members when asked), or the error."""
+
+    state: Any = None
+    members: dict[str, tuple[int, int]] | None = None
+    error: TorchFileError | None = None
+
+
+class StateCache:
+    """Decoded ``data.pkl`` and zip member maps by file, each read at most once.
+
+    ``load`` never raises (a file that cannot be read gives a ``Loaded`` with its error);
+    ``state`` and ``members`` raise CK204/CK205 (``InvalidCheckpoint``) instead.
+    """
+
+    def __init__(self) -> None:
+        self._files: dict[Path, Loaded] = {}
+
+    def load(self, path: str | os.PathLike, *, members: bool = False) -> Loaded:
+        """The file's state, and its zip members when ``members`` (an error in either makes it unreadable)."""
+        key = Path(path).resolve()
+        loaded = self._files.get(key)
+        if loaded is None:
+            try:
+                loaded = Loaded(state=torchfile.read_pt_metadata(path))
+            except TorchFileError as exc:
+                loaded = Loaded(error=exc)
+            except OSError as exc:
+                loaded = Loaded(error=TorchFileError(path, f"cannot read: {exc}"))
+            self._files[key] = loaded
+        if members and loaded.error is None and loaded.members is None:
+            try:
+                loaded.members = torchfile.zip_member_locations(path)
+            except TorchFileError as exc:
+                loaded.state, loaded.error = None, exc
+            except OSError as exc:
+                loaded.state, loaded.error = None, TorchFileError(path, f"cannot read: {exc}")
+        return loaded
+
+    def state(self, path: str | os.PathLike) -> Any:
+        """The decoded top-level object (tensors as ``TensorRef``); raises CK204/CK205."""
+        loaded = self.load(path)
+        if loaded.error is not None:
+            raise unreadable(loaded.error, path)
+        return loaded.state
+
+    def members(self, path: str | os.PathLike) -> dict[str, tuple[int, int]]:
+        """Zip member name -> (data offset, size); raises CK204/CK205."""
+        loaded = self.load(path, members=True)
+        if loaded.error is not None:
+            raise unreadable(loaded.error, path)
+        return loaded.members
+
+
+def read_state(path: str | os.PathLike) -> Any:
+    """One file's decoded state, read now (no cache); raises CK204/CK205."""
+    return StateCache().state(path)

@@ -1,0 +1,89 @@
+"""What the ckptspec commands share: exit codes, the SIZE parameter, finding and error lines, JSON output.
+
+Exit codes: 0 success (warnings allowed), 1 invalid input or checkpoint, 2 usage or I/O
+error. A problem is one line, ``[TARGET: ]CODE message (hint: ...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Iterable, NoReturn
+
+import click
+
+from .._version import __version__
+from ..errors import CkptspecError
+from ..findings import Finding, has_errors
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+REPORT_VERSION = "1.0"
+ENCODING_CHOICE = click.Choice(["json", "msgpack"])
+FORMAT_CHOICE = click.Choice(["text", "json"])
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+class SizeParam(click.ParamType):
+    """512M, 2G, 5GB, 1048576: a positive byte count in binary units."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        raw = str(value).strip().upper().removesuffix("B").removesuffix("I")
+        number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in _UNITS else (raw, "")
+        try:
+            size = int(float(number) * _UNITS[unit])
+        except (ValueError, OverflowError):  # "abc", "inf", "1e400"
+            self.fail(f"{value!r} is not a size such as 512M or 2G", param, ctx)
+        if size <= 0:
+            self.fail("the size must be positive", param, ctx)
+        return size
+
+
+SIZE = SizeParam()
+
+
+def echo_findings(findings: Iterable[Finding], target: str, *, err: bool = False, always_name_target: bool = True) -> None:
+    """One line per finding, ``TARGET: <finding>``. With ``always_name_target=False`` a finding
+    that names its own file is printed without the target."""
+    for finding in findings:
+        line = finding.to_line()
+        named = always_name_target or finding.file is None
+        click.echo(f"{target}: {line}" if named else line, err=err)
+
+
+def error_line(exc: CkptspecError, target: str | None = None) -> str:
+    """The error's line, prefixed with ``target`` when the error names no file itself."""
+    line = exc.to_line()
+    return line if exc.file or not target else f"{target}: {line}"
+
+
+def fail(exc: CkptspecError, target: str | None = None) -> NoReturn:
+    """Print the error on stderr and exit with its status."""
+    click.echo(error_line(exc, target), err=True)
+    sys.exit(exc.exit_code)
+
+
+def echo_json(doc: dict[str, Any]) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=True))
+
+
+def error_dict(exc: CkptspecError) -> dict[str, str]:
+    return {"code": exc.code, "message": exc.message, "hint": exc.hint}
+
+
+def validation_report(target: str, findings: list[Finding], error: CkptspecError | None = None) -> dict[str, Any]:
+    """The ``validate --format json`` report, defined by ``schema/report-1.0.schema.json``."""
+    report: dict[str, Any] = {
+        "report_version": REPORT_VERSION,
+        "tool": "ckptspec",
+        "tool_version": __version__,
+        "target": target,
+        "valid": error is None and not has_errors(findings),
+        "findings": [f.to_dict() for f in findings],
+    }
+    if error is not None:
+        report["error"] = error_dict(error)
+    return report

@@ -1,0 +1,188 @@
+"""``ckptspec convert``, ``embed``, ``extract`` and ``migrate``: manifests that travel with checkpoints.
+
+Problems are one line each, ``file: CODE message (hint: ...)``, on stderr (stdout carries
+the document when one is printed); exit codes as for every command (``_common``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..errors import CkptspecError
+from ..findings import Finding, has_errors
+from ..format.codec import DEFAULT_MAX_BYTES, dumps, encoding_for_output, load_document, write_manifest
+from ._common import ENCODING_CHOICE, EXIT_INVALID, EXIT_OK, echo_findings, fail
+
+
+def _show(target: str, findings: list[Finding], err: bool = True) -> None:
+    echo_findings(findings, target, err=err, always_name_target=False)
+
+
+def _check_input(name: str, doc) -> None:
+    """The reader's gate for every command here: version first, then schema and rules."""
+    from ..format.migrate import validate_own_version
+
+    findings = validate_own_version(doc)
+    _show(name, findings)
+    if has_errors(findings):
+        sys.exit(EXIT_INVALID)
+
+
+def _write(doc, output: str, encoding: str | None) -> int:
+    write_manifest(doc, output, encoding)
+    return len(dumps(doc, encoding_for_output(output, encoding))) if output != "-" else 0
+
+
+@click.command()
+@click.argument("source", metavar="IN")
+@click.argument("output", metavar="OUT")
+@click.option("--encoding", type=ENCODING_CHOICE, default=None,
+              help="Encoding of OUT (default: by its extension, .msgpack/.mpk or JSON; '-' is stdout).")
+@click.option("--input-encoding", type=ENCODING_CHOICE, default=None,
+              help="Override the encoding guessed from IN's extension and first byte.")
+def convert(source: str, output: str, encoding: str | None, input_encoding: str | None) -> None:
+    """Re-encode a manifest, JSON <-> msgpack, losslessly.
+
+    IN is validated first (an invalid manifest is not converted); OUT is canonical
+    (sorted keys; JSON is UTF-8 with a two-space indent) and written atomically.
+    Fields a newer minor version added are kept as they are.
+    """
+    try:
+        doc = load_document(source, DEFAULT_MAX_BYTES, input_encoding)
+        _check_input(source, doc)
+        size = _write(doc, output, encoding)
+    except CkptspecError as exc:
+        fail(exc, source)
+    if output != "-":
+        click.echo(f"{output}: written ({encoding_for_output(output, encoding)}, {size} bytes)")
+
+
+@click.command()
+@click.argument("checkpoint", metavar="CHECKPOINT")
+@click.option("--manifest", "manifest_path", default=None, metavar="M",
+              help="Embed this manifest (it must describe the checkpoint) instead of generating one.")
+@click.option("--tag", default=None, help="Tag directory (default: the one named by 'latest').")
+@click.option("--encoding", type=ENCODING_CHOICE, default="json", show_default=True,
+              help="Sidecar encoding: ckptspec.json or ckptspec.msgpack.")
+@click.option("--no-hash", is_flag=True, help="Do not record SHA-256 hashes of the files (faster).")
+@click.option("--sidecar-only", is_flag=True, help="Write the sidecar only; leave the model-states files untouched.")
+def embed(checkpoint: str, manifest_path: str | None, tag: str | None, encoding: str, no_hash: bool, sidecar_only: bool) -> None:
+    """Add a manifest to an existing DeepSpeed checkpoint.
+
+    The layout manifest goes into each model-states file's client state (key
+    'ckptspec_manifest'; every other byte of the file is kept), then the complete
+    manifest (files, sizes, hashes, locators) is written last, atomically, as the
+    sidecar ckptspec.json of the tag directory. Reads no tensor data except to hash.
+    """
+    from ..deepspeed.embed import embed_checkpoint
+
+    try:
+        manifest = None
+        if manifest_path is not None:
+            manifest = load_document(manifest_path)
+            _check_input(manifest_path, manifest)
+        result = embed_checkpoint(checkpoint, manifest, tag=tag, hash_algorithm=None if no_hash else "sha256",
+                                  encoding=encoding, model_states=not sidecar_only)
+    except CkptspecError as exc:
+        fail(exc, checkpoint)
+    for path in result.model_states:
+        click.echo(f"{path}: manifest embedded in the client state")
+    click.echo(f"{result.sidecar}: written ({len(result.manifest['files'])} files)")
+
+
+@click.command()
+@click.argument("target", metavar="FILE_OR_DIR")
+@click.option("--tag", default=None, help="With a DeepSpeed save directory: the tag directory (default: 'latest').")
+@click.option("-o", "--output", default="-", show_default="stdout", help="Write the manifest here (.json or .msgpack).")
+@click.option("--encoding", type=ENCODING_CHOICE, default=None, help="Output encoding (default: by extension; stdout is JSON).")
+@click.option("--list", "list_copies", is_flag=True, help="List every copy found and whether they agree, instead.")
+def extract(target: str, tag: str | None, output: str, encoding: str | None, list_copies: bool) -> None:
+    """Print the manifest embedded in a checkpoint or file.
+
+    \b
+    FILE_OR_DIR is one of:
+      a DeepSpeed save or tag directory  sidecar and model-states client state(s)
+      a *_model_states.pt file           its client state
+      a .safetensors file                its __metadata__ (key ckptspec.manifest)
+      a directory of .safetensors files  their __metadata__ (and a sidecar, if any)
+
+    The most complete copy is printed (the sidecar when there is one). When several
+    copies exist they must agree (CK301, exit 1, otherwise).
+    """
+    from ..checkpoint.embedded import agreement_findings, best_copy
+    from ..deepspeed.embed import find_copies
+    from ..errors import EmbedError
+    from ..format.version import version_findings
+
+    try:
+        copies = find_copies(target, tag)
+    except CkptspecError as exc:
+        fail(exc, target)
+    if not copies:
+        fail(EmbedError("CK303", "no embedded manifest found",
+                            "add one with `ckptspec embed CHECKPOINT`, or save with ckptspec.deepspeed.save_checkpoint", target))
+    disagree = agreement_findings(copies)
+    if list_copies:
+        for found in copies:
+            doc = found.document if isinstance(found.document, dict) else {}
+            files = doc.get("files")
+            click.echo(f"{found.source}: {found.kind}, format {doc.get('format_version', '?')}, "
+                       f"{len(files) if isinstance(files, list) else '?'} files")
+        _show(target, disagree, err=False)
+        if not disagree:
+            click.echo(f"{target}: {len(copies)} cop{'y' if len(copies) == 1 else 'ies agree'}")
+        sys.exit(EXIT_INVALID if disagree else EXIT_OK)
+    if disagree:
+        _show(target, disagree)
+        sys.exit(EXIT_INVALID)
+    chosen = best_copy(copies)
+    doc = chosen.document
+    gate, stop = version_findings(doc) if isinstance(doc, dict) else ([], False)
+    _show(chosen.source, gate)
+    if stop:
+        sys.exit(EXIT_INVALID)
+    try:
+        _write(doc, output, encoding)
+    except CkptspecError as exc:
+        fail(exc, chosen.source)
+
+
+@click.command()
+@click.argument("source", metavar="IN")
+@click.argument("output", metavar="OUT")
+@click.option("--to", "to_version", required=True, metavar="VERSION", help="Target format version, e.g. 1.0 or 1.0.0.")
+@click.option("--encoding", type=ENCODING_CHOICE, default=None, help="Encoding of OUT (default: by its extension).")
+def migrate(source: str, output: str, to_version: str, encoding: str | None) -> None:
+    """Rewrite a manifest in another format version.
+
+    Follows the registered migrations (docs/versioning.md). IN is checked against its
+    own version first and OUT against the target version before it is written; a
+    field the target version has no place for is reported (CK313 warning).
+    """
+    from ..errors import InvalidInput
+    from ..format.migrate import migrate_document
+    from ..format.version import version_key
+
+    try:
+        target = version_key(to_version)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--to") from None
+    try:
+        doc = load_document(source)
+        result = migrate_document(doc, target, source)
+    except InvalidInput as exc:
+        _show(source, exc.findings)
+        sys.exit(EXIT_INVALID)
+    except CkptspecError as exc:
+        fail(exc, source)
+    _show(source, result.findings)
+    try:
+        _write(result.document, output, encoding)
+    except CkptspecError as exc:
+        fail(exc, output)
+    if output != "-":
+        steps = " -> ".join([result.steps[0][0]] + [b for _, b in result.steps]) if result.steps else "no change"
+        click.echo(f"{output}: format {result.document['format_version']} ({steps})")
+

@@ -1,0 +1,30 @@
+"""``ckptspec generate``: a manifest describing a saved DeepSpeed checkpoint directory."""
+
+from __future__ import annotations
+
+import click
+
+from ..errors import CkptspecError
+from ._common import fail
+
+
+@click.command()
+@click.argument("checkpoint", metavar="CHECKPOINT")
+@click.option("--tag", default=None, help="Tag directory to describe (default: the one named by 'latest').")
+@click.option("-o", "--output", default="-", show_default="stdout", help="Write the manifest here (.json or .msgpack).")
+@click.option("--hash", "hash_algorithm", flag_value="sha256", default=None,
+              help="Record a SHA-256 content hash of every shard file (reads every byte).")
+def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str | None) -> None:
+    """Describe a saved DeepSpeed checkpoint directory in a manifest.
+
+    Reads only metadata (no tensor data unless --hash), needs neither DeepSpeed nor
+    torch, and never executes pickled code.
+    """
+    from ..deepspeed.describe import manifest_from_checkpoint
+    from ..format.codec import write_manifest
+
+    try:
+        manifest = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm)
+        write_manifest(manifest, output)
+    except CkptspecError as exc:
+        fail(exc)

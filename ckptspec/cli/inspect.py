@@ -1,0 +1,185 @@
+"""``ckptspec inspect`` and ``ckptspec diff``: read a manifest or checkpoint, summarize or compare.
+
+A target is a manifest file (JSON or msgpack) or a DeepSpeed checkpoint directory; a
+directory's manifest is the one ``validate DIR`` chooses (``choose_manifest``): the tag
+directory's sidecar (``ckptspec.json``/``.msgpack``) if there is one, else one generated
+from DeepSpeed's own metadata (no pickled code runs). Either way it is validated first; an
+invalid one, or a file that cannot be read while generating it, is reported like
+``validate`` reports it (exit 1) and not summarized.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import click
+
+from ..errors import CkptspecError
+from ..findings import Finding, has_errors
+from ..format.codec import DEFAULT_MAX_BYTES
+from ._common import EXIT_INVALID, EXIT_OK, FORMAT_CHOICE, echo_findings, echo_json, error_dict, error_line
+
+if TYPE_CHECKING:  # the models load pydantic; `ckptspec validate` must not pay for it
+    from ..format.models import Manifest
+
+@dataclass
+class Target:
+    """A manifest read for inspect or diff, or the findings that stop it."""
+
+    name: str  # as given on the command line
+    source: str  # manifest | sidecar | generated
+    manifest: Manifest | None
+    findings: list[Finding]
+    where: str | None = None  # the sidecar file, when the manifest comes from one
+
+
+def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Target:
+    """Read and validate the manifest of ``name`` (a file, or a checkpoint directory).
+
+    A directory's manifest is the one ``validate DIR`` would check the files against
+    (``choose_manifest``); files that could not be read while generating it are findings.
+    """
+    from ..format.validate import validate_file
+
+    if not os.path.isdir(name):
+        if tag is not None:
+            raise click.UsageError(f"--tag needs a checkpoint directory, and {name} is not one")
+        report = validate_file(name, max_bytes=max_bytes)
+        return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
+
+    from ..deepspeed.directory import resolve_tag_dir
+    from ..deepspeed.validate import choose_manifest
+
+    chosen = choose_manifest(resolve_tag_dir(name, tag))
+    findings = chosen.findings if chosen.manifest is None else chosen.findings + chosen.unreadable
+    manifest = chosen.manifest if not has_errors(findings) else None
+    where = str(chosen.sidecar) if chosen.sidecar is not None else None
+    return Target(name, chosen.source, manifest, findings, where)
+
+
+def _source_dict(target: Target) -> dict:
+    out = {"target": target.name, "source": target.source}
+    if target.where is not None:
+        out["manifest"] = target.where
+    return out
+
+
+def _label(target: Target) -> str:
+    return {"manifest": target.name, "sidecar": f"{target.name} (sidecar {os.path.basename(target.where or '')})",
+            "generated": f"{target.name} (manifest generated from DeepSpeed's metadata)"}[target.source]
+
+
+def _show_findings(target: Target, findings: list[Finding], err: bool) -> None:
+    echo_findings(findings, target.where or target.name, err=err)
+
+
+def _tty() -> bool:
+    return sys.stdout.isatty()
+
+
+def _fail(exc: CkptspecError, name: str, output_format: str, extra: dict | None = None) -> None:
+    if output_format == "json":
+        echo_json({**(extra or {}), "valid": False, "findings": [], "error": error_dict(exc)})
+    else:
+        click.echo(error_line(exc, name), err=True)
+    sys.exit(exc.exit_code)
+
+
+def _invalid(target: Target, output_format: str, extra: dict | None = None) -> None:
+    """An input that is not a valid manifest: its findings, exit 1."""
+    if output_format == "json":
+        doc = {**(extra or {}), **_source_dict(target), "valid": False, "findings": [f.to_dict() for f in target.findings]}
+        echo_json(doc)
+    else:
+        _show_findings(target, target.findings, err=False)
+    sys.exit(EXIT_INVALID)
+
+
+@click.command()
+@click.argument("target", metavar="MANIFEST|CHECKPOINT")
+@click.option("--tag", default=None, help="With a checkpoint directory: the tag directory (default: the one named by 'latest').")
+@click.option("--format", "output_format", type=FORMAT_CHOICE, default="text", show_default=True,
+              help="Text: rich tables. JSON: one summary object (docs/cli.md).")
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="How many of the largest tensors to list.")
+def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
+    """Summarize a manifest or checkpoint: layout, groups, largest tensors, ties, files.
+
+    A checkpoint directory is read like `validate DIR` reads it (its sidecar manifest,
+    else one generated from DeepSpeed's metadata); its files are not checked against
+    the manifest (that is `ckptspec validate DIR`).
+    """
+    from ..report.summary import summarize
+
+    try:
+        loaded = load_target(target, tag)
+    except CkptspecError as exc:
+        _fail(exc, target, output_format, {"target": target})
+    if loaded.manifest is None or has_errors(loaded.findings):
+        _invalid(loaded, output_format)
+    summary = summarize(loaded.manifest, top=top)
+    if output_format == "json":
+        doc = {**_source_dict(loaded), "valid": True, "findings": [f.to_dict() for f in loaded.findings], **summary}
+        echo_json(doc)
+        return
+    _show_findings(loaded, loaded.findings, err=True)  # warnings such as CK004
+    from .render import render_summary
+
+    click.echo(render_summary(_label(loaded), summary, color=_tty()), nl=False)
+
+
+@click.command()
+@click.argument("a", metavar="A")
+@click.argument("b", metavar="B")
+@click.option("--tag-a", default=None, help="With a checkpoint directory A: its tag directory (default: 'latest').")
+@click.option("--tag-b", default=None, help="With a checkpoint directory B: its tag directory (default: 'latest').")
+@click.option("--format", "output_format", type=FORMAT_CHOICE, default="text", show_default=True,
+              help="Text: a table of changes and the verdict. JSON: one object (docs/cli.md).")
+def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: str) -> None:
+    """What changed from A to B, and can a job laid out like B resume from checkpoint A.
+
+    \b
+    A and B are manifests or checkpoint directories. Exit codes:
+      0  B can resume from A's optimizer state (changes may still be listed)
+      1  it cannot: every reason is printed with its code (CK501-CK507);
+         or A or B is not a valid manifest
+      2  usage or I/O error
+    """
+    from ..report.diff import diff_manifests
+
+    targets = []
+    for name, tag in ((a, tag_a), (b, tag_b)):
+        try:
+            targets.append(load_target(name, tag))
+        except CkptspecError as exc:
+            _fail(exc, name, output_format, {"a": a, "b": b})
+    bad = [t for t in targets if t.manifest is None or has_errors(t.findings)]
+    if bad:
+        if output_format == "json":
+            doc = {"a": _source_dict(targets[0]), "b": _source_dict(targets[1]), "valid": False,
+                   "findings": [{**f.to_dict(), "target": t.name} for t in bad for f in t.findings]}
+            echo_json(doc)
+        else:
+            for t in bad:
+                _show_findings(t, t.findings, err=False)
+        sys.exit(EXIT_INVALID)
+    ta, tb = targets
+    result = diff_manifests(ta.manifest, tb.manifest)
+    if output_format == "json":
+        doc = {"a": _source_dict(ta), "b": _source_dict(tb), "valid": True, **result.to_dict()}
+        echo_json(doc)
+    else:
+        for t in targets:
+            _show_findings(t, t.findings, err=True)
+        from .render import render_diff
+
+        click.echo(render_diff(_label(ta), _label(tb), result.to_dict(), color=_tty()), nl=False)
+        click.echo("")
+        for reason in result.reasons:
+            click.echo(f"B: {reason.to_line()}")
+        click.echo("resume: B can resume from A's optimizer state" if result.resumable
+                   else f"resume: B cannot resume from A ({len(result.reasons)} reason{'s' if len(result.reasons) != 1 else ''})")
+    sys.exit(EXIT_OK if result.resumable else EXIT_INVALID)
+

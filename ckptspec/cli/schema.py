@@ -1,0 +1,27 @@
+"""``ckptspec schema``: print a shipped JSON Schema."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..format.schemas import MANIFEST_SCHEMAS, REPORT_SCHEMA, manifest_schema_file, schema_text
+from ._common import EXIT_USAGE
+
+
+@click.command("schema")
+@click.option("--version", "version", default=None, metavar="V",
+              help=f"Format version (known: {', '.join(sorted(MANIFEST_SCHEMAS))}); default the latest.")
+@click.option("--report", is_flag=True, help="Print the schema of `validate --format json` reports instead.")
+def schema_command(version: str | None, report: bool) -> None:
+    """Print the manifest JSON Schema."""
+    if report:
+        click.echo(schema_text(REPORT_SCHEMA), nl=False)
+        return
+    try:
+        filename = manifest_schema_file(version) if version else manifest_schema_file()
+    except KeyError as exc:
+        click.echo(f"CK905 {exc.args[0]} (hint: run `ckptspec schema` for the latest)", err=True)
+        sys.exit(EXIT_USAGE)
+    click.echo(schema_text(filename), nl=False)

@@ -1,0 +1,79 @@
+"""``ckptspec validate``: a manifest, or a checkpoint's files against its manifest (docs/cli.md)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from ..errors import CkptspecError
+from ..findings import Finding, has_errors
+from ..format.codec import DEFAULT_MAX_BYTES
+from ._common import EXIT_INVALID, EXIT_OK, SIZE, echo_findings, echo_json, error_line, validation_report
+
+
+@click.command()
+@click.argument("target", metavar="MANIFEST|DIR")
+@click.option("--checkpoint", "checkpoint", default=None, metavar="DIR",
+              help="Also check the files of this DeepSpeed checkpoint directory against MANIFEST.")
+@click.option("--tag", default=None, help="With a checkpoint: the tag directory to check (default: the one named by 'latest').")
+@click.option("--no-hash", "no_hash", is_flag=True, help="With a checkpoint: skip verifying the recorded content hashes.")
+@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="Text: one line per finding. JSON: one report object (schema/report-1.0.schema.json).")
+@click.option("--max-size", type=SIZE, default=DEFAULT_MAX_BYTES, show_default="512M",
+              help="Refuse manifest files larger than this before reading them.")
+@click.option("--encoding", type=click.Choice(["json", "msgpack"]), default=None,
+              help="Override the encoding guessed from the file extension and first byte.")
+def validate(target: str, checkpoint: str | None, tag: str | None, no_hash: bool, output_format: str,
+             max_size: int, encoding: str | None) -> None:
+    """Check a manifest, or a checkpoint's files against its manifest.
+
+    \b
+    validate MANIFEST                   the manifest alone: schema and every semantic rule
+    validate MANIFEST --checkpoint DIR  then the files of DIR against MANIFEST
+    validate DIR                        DIR against its sidecar ckptspec.json/.msgpack, or
+                                        against a manifest generated from DeepSpeed's metadata
+    """
+    from ..format.validate import validate_file
+
+    is_dir = checkpoint is None and os.path.isdir(target)
+    if checkpoint is None and not is_dir and (tag is not None or no_hash):
+        raise click.UsageError("--tag and --no-hash need a checkpoint: validate DIR, or validate MANIFEST --checkpoint DIR")
+    if checkpoint is None and not is_dir:
+        try:  # the verdict only: no models to build (they cost more than the rules)
+            report = validate_file(target, max_bytes=max_size, encoding=encoding, build_model=False)
+        except CkptspecError as exc:
+            _emit(output_format, target, [], exc)
+            sys.exit(exc.exit_code)
+        _emit(output_format, target, report.findings)
+        sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
+
+    from ..deepspeed.validate import validate_checkpoint
+
+    shown = checkpoint if checkpoint is not None else target
+    try:
+        manifest = None
+        if checkpoint is not None:
+            manifest = validate_file(target, max_bytes=max_size, encoding=encoding)
+            if not manifest.ok or manifest.manifest is None:
+                _emit(output_format, target, manifest.findings)
+                sys.exit(EXIT_INVALID)
+        # The report is handed over: the manifest is not validated a second time.
+        _, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
+    except CkptspecError as exc:
+        _emit(output_format, shown, [], exc)
+        sys.exit(exc.exit_code)
+    _emit(output_format, shown, findings)
+    sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
+
+
+def _emit(output_format: str, target: str, findings: list[Finding], error: CkptspecError | None = None) -> None:
+    if output_format == "json":
+        echo_json(validation_report(target, findings, error))
+        return
+    echo_findings(findings, target)
+    if error is not None:
+        click.echo(error_line(error, target), err=True)
+    elif not has_errors(findings):
+        click.echo(f"{target}: valid")

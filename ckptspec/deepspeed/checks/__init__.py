@@ -1,0 +1,52 @@
+"""The CK2xx checks: a checkpoint's files against its manifest, before any reconstruction.
+
+One check = one function = one stable code, as in ``ckptspec.format.rules``; each check
+yields every finding it sees, with ``file`` (relative to the tag directory) and ``rank``
+set and a JSON path into the manifest when one applies. ``docs/validation.md`` documents
+every check. The checks are grouped by what they read: the files themselves (``files``),
+their headers (``headers``), the flat master partitions (``partitions``) and the saved
+module (``module``).
+
+Only metadata is read: each ``.pt`` file's ``data.pkl`` through the restricted unpickler
+(never ``torch.load``, so no pickled code runs) and the zip directory, once per file
+through a ``StateCache``. Tensor bytes are read only to verify recorded hashes. A file
+that cannot be read becomes a finding naming it; the other files are still checked.
+
+When the manifest is generated from the same files (``validate DIR`` without a sidecar),
+its arithmetic comes from DeepSpeed's ``param_shapes``; the checks compare it with what the
+shard files really hold (partition numels, module tensor shapes and flat-buffer offsets,
+``param_slice_mappings``, per-file headers), so a corrupt ``param_shapes`` is still caught.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ...checkpoint.states import StateCache
+from ...errors import CkptspecError
+from ...findings import Finding, RuleSet
+from ...format.models import Manifest
+from . import files, headers, module, partitions
+from .context import Check, build_context
+
+# The order the checks run in, and so the order of their findings.
+CHECKS: RuleSet[Check] = RuleSet(files.CHECKS, headers.CHECKS, partitions.CHECKS, module.CHECKS)
+
+
+def check_checkpoint(manifest: Manifest, tag_dir: str | os.PathLike, *, verify_hashes: bool = True,
+                     states: StateCache | None = None) -> list[Finding]:
+    """Check the files of ``tag_dir`` against ``manifest`` (which should already be valid).
+
+    Reads only metadata, plus every file's bytes when ``verify_hashes`` and the manifest
+    records hashes. Returns the findings of every check, in check order. ``states``: files
+    already read, and where the files read here are kept.
+    """
+    tag_dir = Path(tag_dir)
+    if not tag_dir.is_dir():
+        raise CkptspecError("CK901", "checkpoint tag directory not found", "check the path", str(tag_dir))
+    ctx = build_context(manifest, tag_dir, verify_hashes, states if states is not None else StateCache())
+    return [found for check in CHECKS for found in check.check(ctx)]
+
+
+__all__ = ["CHECKS", "check_checkpoint"]

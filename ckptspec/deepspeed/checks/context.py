@@ -1,0 +1,156 @@
+"""What every CK2xx check reads: the manifest, its files as found on disk and as decoded."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ...checkpoint.embedded import SIDECAR_NAMES
+from ...checkpoint.states import Loaded, StateCache
+from ...findings import Finding, json_path
+from ...format.models import Manifest, ShardFile
+from ..names import expected_name, optim_prefix
+
+Check = Callable[["Context"], Iterator[Finding]]
+
+
+@dataclass
+class File:
+    """One file the manifest lists: where it is, and what reading it gave (model and optimizer states)."""
+
+    index: int  # position in manifest.files
+    entry: ShardFile
+    path: Path | None  # None when the manifest path would leave the tag directory
+    on_disk: bool
+    loaded: Loaded | None = None
+
+    @property
+    def name(self) -> str:
+        return self.entry.path
+
+    @property
+    def rank(self) -> int | None:
+        return self.entry.ranks[0] if len(self.entry.ranks) == 1 else None
+
+    @property
+    def role(self) -> str:
+        return self.entry.role
+
+    @property
+    def state(self) -> Any:
+        return self.loaded.state if self.loaded is not None and self.loaded.error is None else None
+
+    def at(self, *parts) -> str:
+        return json_path("files", self.index, *parts)
+
+
+@dataclass
+class Context:
+    manifest: Manifest
+    tag_dir: Path
+    verify_hashes: bool
+    files: list[File]
+    disk: dict[str, Path]  # relative posix path -> file, sidecars excluded
+    names: dict[str, tuple[str, int, int | None]] = field(default_factory=dict)  # name -> (role, index, param index)
+
+    @property
+    def layout(self):
+        return self.manifest.layout
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest.layout.world_size
+
+    def readable(self, role: str) -> list[File]:
+        """Files of ``role`` that were read, by rank."""
+        out = [f for f in self.files if f.role == role and f.state is not None]
+        return sorted(out, key=lambda f: (f.rank if f.rank is not None else -1, f.name))
+
+    def model_files(self) -> list[tuple[File, dict]]:
+        return [(f, f.state) for f in self.readable("model_states") if isinstance(f.state, dict)]
+
+    def modules(self) -> list[tuple[File, dict]]:
+        return [(f, s["module"]) for f, s in self.model_files() if isinstance(s.get("module"), dict)]
+
+    def optim_files(self) -> list[tuple[File, dict]]:
+        out = []
+        for f in self.readable("optimizer_states"):
+            osd = f.state.get("optimizer_state_dict") if isinstance(f.state, dict) else None
+            if isinstance(osd, dict):
+                out.append((f, osd))
+        return out
+
+    @property
+    def flat_key(self) -> str:
+        return "fp32_flat_groups" if self.layout.zero_stage == 3 else "single_partition_of_fp32_groups"
+
+    @property
+    def expected_version(self) -> str | None:
+        producer = self.manifest.producer
+        if producer.framework == "deepspeed" and producer.framework_version not in ("", "unknown"):
+            return producer.framework_version
+        return None
+
+    def needed_files(self) -> list[tuple[str, int]]:
+        """(role, rank) of every shard file the layout needs."""
+        ws, stage = self.world_size, self.layout.zero_stage
+        needed = [("model_states", r) for r in (range(ws) if stage == 3 else [0])]
+        if stage >= 1:
+            needed += [("optimizer_states", r) for r in range(ws)]
+        return needed
+
+    def expected_name(self, role: str, rank: int) -> str:
+        """The name DeepSpeed gives the missing ``role`` file of ``rank`` in this checkpoint."""
+        prefix = optim_prefix((f.name for f in self.files if f.role == "optimizer_states"), self.layout.model_dtype)
+        return expected_name(role, rank, self.layout.zero_stage, prefix)
+
+    def name_path(self, name: str, *suffix) -> str:
+        """The JSON path of the manifest entry that declares ``name``."""
+        role, i, j = self.names[name]
+        if role == "trainable":
+            return json_path("groups", i, "params", j, *suffix)
+        section = {"frozen": "frozen", "alias": "aliases", "buffer": "buffers", "excluded": "excluded"}[role]
+        return json_path(section, i, *suffix)
+
+
+def safe_join(tag_dir: Path, rel: str) -> Path | None:
+    """The file a manifest path names, or None when it would leave the tag directory."""
+    parts = rel.replace("\\", "/").split("/")
+    if rel.startswith(("/", "\\")) or any(p in ("", ".", "..") for p in parts) or "\x00" in rel or ":" in parts[0]:
+        return None
+    return tag_dir.joinpath(*parts)
+
+
+def disk_files(tag_dir: Path) -> dict[str, Path]:
+    """Every file below ``tag_dir`` but the sidecar, by relative posix path, sorted."""
+    out = {}
+    for root, dirs, files in os.walk(tag_dir):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(root) / name
+            rel = path.relative_to(tag_dir).as_posix()
+            if rel in SIDECAR_NAMES.values() or not path.is_file():
+                continue
+            out[rel] = path
+    return out
+
+
+def build_context(manifest: Manifest, tag_dir: Path, verify_hashes: bool, states: StateCache) -> Context:
+    files = []
+    for i, entry in enumerate(manifest.files):
+        path = safe_join(tag_dir, entry.path)
+        on_disk = path is not None and path.is_file()
+        f = File(i, entry, path, on_disk)
+        if on_disk and entry.role in ("model_states", "optimizer_states"):
+            f.loaded = states.load(path, members=entry.role == "optimizer_states")
+        files.append(f)
+    ctx = Context(manifest, tag_dir, verify_hashes, files, disk_files(tag_dir))
+    for g, grp in enumerate(manifest.groups):
+        for p, param in enumerate(grp.params):
+            ctx.names[param.name] = ("trainable", g, p)
+    for section, role in (("frozen", "frozen"), ("aliases", "alias"), ("buffers", "buffer"), ("excluded", "excluded")):
+        for i, item in enumerate(getattr(manifest, section)):
+            ctx.names.setdefault(item.name, (role, i, None))
+    return ctx

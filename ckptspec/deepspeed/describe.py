@@ -1,0 +1,272 @@
+"""Manifests from a saved DeepSpeed checkpoint directory, without DeepSpeed or torch.
+
+Reads only metadata: each ``.pt`` file's ``data.pkl`` through the restricted unpickler of
+``ckptspec.checkpoint.torchfile`` (no tensor bytes are read) and the zip directory for byte
+locators, each file once through a ``StateCache``. Never executes pickled code.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from ..checkpoint.hashing import file_digest
+from ..checkpoint.states import StateCache
+from ..checkpoint.torchfile import TensorRef
+from ..errors import UnsupportedCheckpoint
+from ..format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
+from ..format.partition import ParamSpec, flat_group, per_param_group
+from ..format.version import FORMAT_NAME, FORMAT_VERSION
+from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
+
+DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 10**9  # deepspeed/runtime/zero/config.py (0.15-0.19)
+
+
+def manifest_from_checkpoint(checkpoint: str | os.PathLike, tag: str | None = None, *,
+                             hash_algorithm: str | None = None, states: StateCache | None = None) -> Manifest:
+    """Describe a saved DeepSpeed ZeRO checkpoint (stage 1-3) from its metadata alone.
+
+    ``states``: files already read (and where the files read here are kept).
+    """
+    shards = scan_tag_dir(resolve_tag_dir(checkpoint, tag))
+    return manifest_from_states(shards, states if states is not None else StateCache(), hash_algorithm=hash_algorithm)
+
+
+def manifest_from_states(shards: ShardSet, states: StateCache, *, hash_algorithm: str | None = None) -> Manifest:
+    """The manifest of the files of ``shards``, read through ``states``.
+
+    The tolerant generation of ``validate DIR`` passes only the files it could read.
+    """
+    model_states = {rank: states.state(path) for rank, path in shards.model_files.items()}
+    optim_states = {rank: states.state(path) for rank, path in shards.optim_files.items()}
+    first_model = model_states[min(model_states)]
+    if not isinstance(first_model, dict) or "param_shapes" not in first_model:
+        raise UnsupportedCheckpoint("model states have no 'param_shapes'", "is this a DeepSpeed checkpoint?",
+                                    str(shards.model_files[min(model_states)]))
+    if first_model.get("module") is None:
+        raise UnsupportedCheckpoint("model states hold no 'module' (pipeline-parallel checkpoint)",
+                                    "pipeline-parallel checkpoints are not described by format 1.0",
+                                    str(shards.model_files[min(model_states)]))
+    if not optim_states:
+        raise UnsupportedCheckpoint("no ZeRO optimizer states (*_optim_states.pt)",
+                                    "ZeRO stage 0 checkpoints are not described by format 1.0", str(shards.tag_dir))
+    first_optim = optim_states[min(optim_states)]
+    osd = first_optim.get("optimizer_state_dict") if isinstance(first_optim, dict) else None
+    if not isinstance(osd, dict):
+        raise UnsupportedCheckpoint("optimizer states hold no 'optimizer_state_dict'", "is this a DeepSpeed checkpoint?",
+                                    str(shards.optim_files[min(optim_states)]))
+
+    ds_config = first_model.get("ds_config") or {}
+    zero_cfg = ds_config.get("zero_optimization") or {}
+    bf16_optimizer = "zero_stage" not in osd  # BF16_Optimizer records no stage
+    stage = int(zero_cfg.get("stage", 1)) if bf16_optimizer else int(osd["zero_stage"])
+    module = first_model.get("module") or {}
+
+    groups = _groups(first_model, osd, stage, bf16_optimizer)
+    shared = real_ties(first_model.get("shared_params") or {}, module, stage)
+    frozen = _frozen(first_model, groups, shared, stage)
+    aliases = _aliases(module, groups, frozen, shared, stage)
+    buffers = _buffers(first_model)
+    layout = _layout(first_model, osd, first_optim, stage, bf16_optimizer, excluded_flag=(
+        stage >= 2 and first_model.get("frozen_param_shapes") is None and not bf16_optimizer))
+    return Manifest(
+        format=FORMAT_NAME, format_version=FORMAT_VERSION,
+        producer=Producer(tool="ckptspec", tool_version=__version__, framework="deepspeed",
+                          framework_version=str(first_model.get("ds_version", "unknown"))),
+        layout=layout, groups=groups, frozen=frozen, buffers=buffers, aliases=aliases,
+        excluded=[],  # DeepSpeed does not record which names exclude_frozen_parameters dropped
+        files=describe_files(shards, stage, hash_algorithm, states),
+    )
+
+
+def _dtype_of_config(ds_config: dict) -> str:
+    if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
+        return "bfloat16"
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return "float16"
+    return "float32"
+
+
+def _world_size(osd: dict) -> int:
+    counts = osd.get("partition_count")
+    return max(counts) if isinstance(counts, list) else int(counts)
+
+
+def _groups(first_model: dict, osd: dict, stage: int, bf16_optimizer: bool) -> list[Group]:
+    """The flat groups (stage 1/2) or stage-3 sub-groups, from ``param_shapes`` and the optimizer header."""
+    model_dtype = _dtype_of_config(first_model.get("ds_config") or {})
+    module = first_model.get("module") or {}
+    counts, world_size = osd.get("partition_count"), _world_size(osd)
+    groups: list[Group] = []
+    if stage == 3:
+        sub_to_group = _stage3_sub_group_owners(osd, len(first_model["param_shapes"]))
+        for j, shapes in enumerate(first_model["param_shapes"]):
+            specs = [ParamSpec(n, tuple(int(d) for d in s), model_dtype) for n, s in shapes.items()]
+            groups.append(per_param_group(specs, optimizer_group=sub_to_group[j], partition_count=world_size))
+        return groups
+    paddings = osd.get("param_alignment_paddings")
+    for g, shapes in enumerate(first_model["param_shapes"]):
+        specs = [ParamSpec(n, tuple(int(d) for d in s), _module_dtype(module, n, model_dtype)) for n, s in shapes.items()]
+        groups.append(flat_group(
+            specs, optimizer_group=g, partition_count=counts[g] if isinstance(counts, list) else world_size,
+            zero_stage=stage, paddings=paddings[g] if paddings else None, tail_padding_saved=bf16_optimizer,
+        ))
+    return groups
+
+
+def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) -> list[FrozenParam]:
+    module = first_model.get("module") or {}
+    model_dtype = _dtype_of_config(first_model.get("ds_config") or {})
+    frozen_shapes = first_model.get("frozen_param_shapes")
+    frozen: list[FrozenParam] = []
+    if frozen_shapes is not None:
+        stored_in = "partitioned_fragments" if stage == 3 else "fragments"
+        for name, shape in frozen_shapes.items():
+            if name in shared:
+                continue  # DeepSpeed lists tied zero-element params here too; the alias wins
+            frozen.append(FrozenParam(name=name, shape=[int(d) for d in shape], numel=_numel(shape),
+                                      dtype=_fragment_dtype(first_model, name, model_dtype), stored_in=stored_in))
+    elif stage < 3:
+        # Stage 1 (and BF16_Optimizer) save no frozen_param_shapes: the frozen weights
+        # are the module entries that have no other role.
+        trainable = {p.name for g in groups for p in g.params}
+        taken = trainable | set(shared) | set(first_model.get("buffer_names") or [])
+        for name, ref in module.items():
+            if name not in taken and isinstance(ref, TensorRef):
+                frozen.append(FrozenParam(name=name, shape=list(ref.shape), numel=_numel(ref.shape), dtype=ref.dtype,
+                                          stored_in="module"))
+    return frozen
+
+
+def _aliases(module: dict, groups: list[Group], frozen: list[FrozenParam], shared: dict, stage: int) -> list[Alias]:
+    shapes = {p.name: list(p.shape) for g in groups for p in g.params} | {f.name: list(f.shape) for f in frozen}
+    aliases = []
+    for alias, owner in shared.items():
+        ref = module.get(alias)
+        own_shape = list(ref.shape) if isinstance(ref, TensorRef) and stage < 3 else shapes.get(owner, [])
+        aliases.append(Alias(name=alias, owner=owner, shape=own_shape))
+    return aliases
+
+
+def _buffers(first_model: dict) -> list[Buffer]:
+    module = first_model.get("module") or {}
+    buffers = []
+    for name in list(first_model.get("buffer_names") or []):
+        ref = module.get(name)
+        if isinstance(ref, TensorRef):
+            buffers.append(Buffer(name=name, shape=list(ref.shape), dtype=ref.dtype))
+    return buffers
+
+
+def _layout(first_model: dict, osd: dict, first_optim: dict, stage: int, bf16_optimizer: bool, *,
+            excluded_flag: bool) -> Layout:
+    ds_config = first_model.get("ds_config") or {}
+    zero_cfg = ds_config.get("zero_optimization") or {}
+    dimensions = first_model.get("checkpoint_parallel_dimensions") or {}
+    layout = Layout(
+        zero_stage=stage, world_size=_world_size(osd),
+        tensor_parallel_size=int(dimensions.get("tp_degree", 1) or 1),
+        pipeline_parallel_size=int(dimensions.get("pp_degree", 1) or 1),
+        model_parallel_size=int(first_model.get("mp_world_size", 1) or 1),
+        model_dtype=_dtype_of_config(ds_config), master_dtype=_master_dtype(first_optim, stage),
+        round_robin=bool(zero_cfg.get("round_robin_gradients", False)) and stage in (1, 2),
+        parameter_alignment=bool(zero_cfg.get("parameter_alignment", False)) and stage in (1, 2),
+        tail_padding_saved=bf16_optimizer,
+        optimizer="BF16_Optimizer" if bf16_optimizer else (
+            "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"),
+        exclude_frozen_parameters=excluded_flag,
+    )
+    if stage == 3:
+        layout.sub_group_size = int(zero_cfg.get("sub_group_size", DEEPSPEED_DEFAULT_SUB_GROUP_SIZE))
+    return layout
+
+
+def real_ties(shared: dict, module: dict, stage: int) -> dict:
+    """Drop DeepSpeed's false ties between zero-element params.
+
+    Outside stage 3 DeepSpeed ties params by ``data_ptr()``, which is 0 for every
+    zero-element tensor, so unrelated empty params come out "shared". An empty
+    tensor shares nothing; those names stay frozen params of their own.
+    """
+    if stage == 3:
+        return dict(shared)  # ties by ds_id there
+    real = {}
+    for alias, owner in shared.items():
+        ref = module.get(alias)
+        if isinstance(ref, TensorRef) and ref.numel == 0:
+            continue
+        real[alias] = owner
+    return real
+
+
+def _numel(shape) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def _module_dtype(module: dict, name: str, default: str) -> str:
+    ref = module.get(name) if isinstance(module, dict) else None
+    return ref.dtype if isinstance(ref, TensorRef) else default
+
+
+def _fragment_dtype(model_state: dict, name: str, default: str) -> str:
+    fragments = model_state.get("frozen_param_fragments") or {}
+    ref = fragments.get(name)
+    return ref.dtype if isinstance(ref, TensorRef) else default
+
+
+def flat_partitions(optim_state: Any, stage: int) -> list:
+    """The optimizer file's flat fp32 master partitions, one per group (``TensorRef`` each)."""
+    osd = optim_state["optimizer_state_dict"]
+    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    parts = osd.get(key)
+    return list(parts) if isinstance(parts, list) else []
+
+
+def _master_dtype(optim_state: dict, stage: int) -> str:
+    parts = flat_partitions(optim_state, stage)
+    return parts[0].dtype if parts and isinstance(parts[0], TensorRef) else "float32"
+
+
+def _stage3_sub_group_owners(osd: dict, n_sub_groups: int) -> list[int]:
+    """Sub-group j belongs to the optimizer param group whose 'params' lists j."""
+    owners = [0] * n_sub_groups
+    inner = osd.get("optimizer_state_dict") or {}
+    for g, group in enumerate(inner.get("param_groups") or []):
+        for j in group.get("params") or []:
+            if isinstance(j, int) and 0 <= j < n_sub_groups:
+                owners[j] = g
+    return owners
+
+
+def partition_locators(path: Path, rank: int, stage: int, states: StateCache) -> list[Locator]:
+    """The byte locators of the flat master partitions in one optimizer-states file."""
+    members = states.members(path)
+    locators = []
+    for g, ref in enumerate(flat_partitions(states.state(path), stage)):
+        if not isinstance(ref, TensorRef):
+            continue
+        data_offset, member_size = members[ref.storage.member]
+        locators.append(Locator(group=g, rank=rank, member=ref.storage.member, data_offset=data_offset,
+                                member_size=member_size, dtype=ref.dtype, element_offset=ref.storage_offset,
+                                numel=ref.numel))
+    return locators
+
+
+def describe_files(shards: ShardSet, stage: int, hash_algorithm: str | None, states: StateCache) -> list[ShardFile]:
+    """Every file of ``shards`` (sizes as they are now), with the locators of the flat master partitions."""
+
+    def entry(path: Path, role: str, ranks: list[int], partitions: list[Locator]) -> ShardFile:
+        shard = ShardFile(path=path.relative_to(shards.tag_dir).as_posix(), role=role, ranks=ranks,
+                          size=path.stat().st_size, partitions=partitions)
+        if hash_algorithm:
+            shard.hash = file_digest(path, hash_algorithm)
+        return shard
+
+    files = [entry(path, "model_states", [rank], []) for rank, path in sorted(shards.model_files.items())]
+    files += [entry(path, "optimizer_states", [rank], partition_locators(path, rank, stage, states))
+              for rank, path in sorted(shards.optim_files.items())]
+    files += [entry(path, "other", [], []) for path in shards.other_files]
+    return files

@@ -1,0 +1,80 @@
+"""A DeepSpeed save directory: which tag directory to read, and its files sorted by role and rank."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CkptspecError, InvalidCheckpoint, UnsupportedCheckpoint
+from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
+
+MAX_TAG_BYTES = 4096
+
+
+def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Path:
+    """A save directory (with ``latest``) or a tag directory -> the tag directory."""
+    root = Path(checkpoint)
+    if not root.exists():
+        raise CkptspecError("CK901", "checkpoint directory not found", "check the path", str(root))
+    if not root.is_dir():
+        raise CkptspecError("CK901", "not a directory", "pass a DeepSpeed save directory or a tag directory", str(root))
+    if tag is not None:
+        tag_dir = root / tag
+        if not tag_dir.is_dir():
+            raise InvalidCheckpoint("CK201", f"tag {tag!r} has no directory", "list the save directory for the tags it holds", str(root))
+        return tag_dir
+    if any(MODEL_RE.match(p.name) or OPTIM_RE.match(p.name) for p in root.iterdir()):
+        return root
+    latest = root / "latest"
+    if not latest.is_file():
+        raise InvalidCheckpoint("CK201", "no 'latest' file and no model or optimizer states here",
+                            "pass --tag TAG, or the tag directory itself", str(root))
+    if latest.stat().st_size > MAX_TAG_BYTES:
+        raise InvalidCheckpoint("CK201", "'latest' is too large to hold a tag", "write the tag name into 'latest'", str(latest))
+    try:
+        name = latest.read_text("utf-8").strip()
+    except (UnicodeDecodeError, OSError) as exc:
+        raise InvalidCheckpoint("CK201", f"'latest' cannot be read: {exc}", "write the tag name into 'latest'", str(latest)) from None
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise InvalidCheckpoint("CK201", f"'latest' names {name!r}, which is not a tag", "write the tag name into 'latest'", str(latest))
+    tag_dir = root / name
+    if not tag_dir.is_dir():
+        raise InvalidCheckpoint("CK201", f"'latest' names tag {name!r}, which has no directory",
+                            "point 'latest' at a saved tag, or pass --tag", str(latest))
+    return tag_dir
+
+
+@dataclass
+class ShardSet:
+    """The files of one tag directory, sorted by rank (never by string order)."""
+
+    tag_dir: Path
+    model_files: dict[int, Path] = field(default_factory=dict)  # dp rank -> file (stage 3: one per rank)
+    optim_files: dict[int, Path] = field(default_factory=dict)  # dp rank -> file
+    other_files: list[Path] = field(default_factory=list)
+
+
+def scan_tag_dir(tag_dir: Path) -> ShardSet:
+    shards = ShardSet(tag_dir)
+    for path in sorted(tag_dir.iterdir()):
+        if not path.is_file():
+            continue
+        name = path.name
+        if EXPERT_RE.match(name):
+            raise UnsupportedCheckpoint(f"MoE expert file {name}", "MoE checkpoints are not described by format 1.0", str(path))
+        if PIPE_LAYER_RE.match(name):
+            raise UnsupportedCheckpoint(f"pipeline layer file {name}", "pipeline-parallel checkpoints are not described by format 1.0", str(path))
+        if (m := OPTIM_RE.match(name)):
+            if int(m.group(2)) != 0:
+                raise UnsupportedCheckpoint(f"model-parallel rank {int(m.group(2))} in {name}", "tensor/pipeline parallelism is not described by format 1.0", str(path))
+            shards.optim_files[int(m.group(1))] = path
+        elif (m := MODEL_RE.match(name)):
+            if int(m.group(2)) != 0:
+                raise UnsupportedCheckpoint(f"model-parallel rank {int(m.group(2))} in {name}", "tensor/pipeline parallelism is not described by format 1.0", str(path))
+            shards.model_files[int(m.group(1) or 0)] = path
+        elif not name.startswith("ckptspec."):  # ckptspec's own files (the sidecar) describe the others
+            shards.other_files.append(path)
+    if not shards.model_files:
+        raise InvalidCheckpoint("CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir))
+    return shards

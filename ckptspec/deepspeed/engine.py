@@ -1,0 +1,341 @@
+"""Manifests from a live DeepSpeed engine.
+
+The layout is read from the optimizer objects themselves (flat-buffer offsets,
+alignment paddings, round-robin order, partition sizes, stage-3 sub-groups), not
+re-derived from the config. No collective call is made: every value read here is
+already present on each rank, so ``manifest_from_engine`` may be called on any
+subset of ranks without deadlock.
+
+Imports torch and DeepSpeed only when called.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from ..checkpoint.embedded import CLIENT_STATE_KEY, SIDECAR_NAMES, client_state_value, write_sidecar
+from ..checkpoint.states import StateCache
+from ..errors import EngineLayoutMismatch, InvalidManifest, UnsupportedEngine
+from .._fs import write_atomic
+from ..format.validate import validate_document
+from ..format.version import FORMAT_NAME, FORMAT_VERSION
+from ..format.partition import ParamSpec, flat_group, per_param_group
+from ..format.models import (
+    Alias,
+    Buffer,
+    ExcludedParam,
+    FrozenParam,
+    Group,
+    Layout,
+    Manifest,
+    Producer,
+    ShardFile,
+)
+from ..format.dtypes import dtype_name
+from .describe import describe_files
+from .directory import ShardSet, scan_tag_dir
+from .names import file_order
+
+
+def _param_names(engine) -> dict[int, str]:
+    # A tied param is named by its first name, as DeepSpeed names it (its other names are aliases).
+    return {id(p): name for name, p in engine.module.named_parameters()}
+
+
+def _shape(param) -> tuple[int, ...]:
+    return tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
+
+
+def _spec(param, names: dict[int, str]) -> ParamSpec:
+    return ParamSpec(names[id(param)], _shape(param), dtype_name(param.dtype))
+
+
+def _live_paddings(params, flat) -> list[int]:
+    """Alignment padding after each param, from where the params really sit in the flat buffer.
+
+    DeepSpeed before 0.19.6 keeps no ``round_robin_bit16_padding``; its params are views
+    into ``bit16_groups_flat``, so their storage positions give the layout.
+    """
+    size = flat.element_size()
+    offsets = [(p.data_ptr() - flat.data_ptr()) // size for p in params]
+    ends = [o + p.numel() for o, p in zip(offsets, params)]
+    return [nxt - end for end, nxt in zip(ends, offsets[1:])] + [0]
+
+
+def _check_padded_numel(group: Group, i: int, flat) -> None:
+    """Cross-check with the optimizer's own numbers: the computed group fills its live flat buffer."""
+    if group.padded_numel != flat.numel():
+        raise EngineLayoutMismatch(f"group {i}: computed padded numel {group.padded_numel}, "
+                                   f"live flat buffer has {flat.numel()}")
+
+
+def _flat_groups_stage12(engine, names) -> list[Group]:
+    opt = engine.optimizer
+    groups = []
+    for i, params in enumerate(opt.round_robin_bit16_groups):
+        count = opt.partition_count[i]
+        paddings = (opt.round_robin_bit16_padding[i] if hasattr(opt, "round_robin_bit16_padding")
+                    else _live_paddings(params, opt.bit16_groups_flat[i]))
+        group = flat_group(
+            [_spec(p, names) for p in params], optimizer_group=i, partition_count=count,
+            zero_stage=engine.zero_optimization_stage(), paddings=paddings,
+        )
+        _check_padded_numel(group, i, opt.bit16_groups_flat[i])
+        if hasattr(opt, "round_robin_bit16_offsets") and [p.offset for p in group.params] != list(opt.round_robin_bit16_offsets[i]):
+            raise EngineLayoutMismatch(f"group {i}: computed offsets differ from the live optimizer's")
+        groups.append(group)
+    return groups
+
+
+def _flat_groups_bf16_optimizer(engine, names) -> list[Group]:
+    # BF16_Optimizer saves each rank's fp32 partition *with* its tail padding.
+    opt = engine.optimizer
+    groups = []
+    for i, params in enumerate(opt.bf16_groups):
+        group = flat_group(
+            [_spec(p, names) for p in params], optimizer_group=i, partition_count=opt.partition_count[i],
+            zero_stage=1, tail_padding_saved=True,
+        )
+        _check_padded_numel(group, i, opt.bf16_groups_flat[i])
+        groups.append(group)
+    return groups
+
+
+def _per_param_groups_stage3(engine, names) -> list[Group]:
+    opt = engine.optimizer
+    groups = []
+    for j, sub_group in enumerate(opt.fp16_groups):
+        group = per_param_group(
+            [_spec(p, names) for p in sub_group], optimizer_group=int(opt.sub_group_to_group_id[j]),
+            partition_count=opt.sub_group_partition_counts[j] if hasattr(opt, "sub_group_partition_counts") else engine.dp_world_size,
+        )
+        if group.partition_numel != int(opt.fp16_partitioned_groups_flat_numel[j]):
+            raise EngineLayoutMismatch(f"sub-group {j}: computed partition numel {group.partition_numel}, "
+                                 f"live optimizer has {opt.fp16_partitioned_groups_flat_numel[j]}")
+        groups.append(group)
+    return groups
+
+
+def _is_bf16_optimizer(opt) -> bool:
+    return type(opt).__name__ == "BF16_Optimizer"
+
+
+def _frozen(engine, names, trainable: set[str], stage: int, excluded: bool) -> list[FrozenParam]:
+    if excluded:
+        return []
+    stored_in = {0: "module", 1: "module", 2: "fragments", 3: "partitioned_fragments"}[stage]
+    frozen, seen = [], set()
+    for param in engine.module.parameters():
+        name = names[id(param)]
+        if name in trainable or id(param) in seen:
+            continue
+        seen.add(id(param))
+        shape = _shape(param)
+        frozen.append(FrozenParam(name=name, shape=list(shape), numel=math.prod(shape),
+                                  dtype=dtype_name(param.dtype), stored_in=stored_in))
+    return frozen
+
+
+def _aliases(engine, shapes: dict[str, tuple[int, ...]]) -> list[Alias]:
+    """Tied parameters by object identity (``ds_id`` under stage 3).
+
+    DeepSpeed uses ``data_ptr()`` outside stage 3, which ties every zero-element
+    param together (they all report 0); identity does not.
+    """
+    owner_of: dict[Any, str] = {}
+    aliases = []
+    for module_name, module in engine.module.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            key = param.ds_id if hasattr(param, "ds_id") else id(param)
+            full = f"{module_name}.{name}" if module_name else name
+            if key in owner_of:
+                owner = owner_of[key]
+                aliases.append(Alias(name=full, owner=owner, shape=list(shapes.get(owner, _shape(param)))))
+            else:
+                owner_of[key] = full
+    return aliases
+
+
+def _buffers(engine) -> list[Buffer]:
+    persistent = set(engine._get_buffer_names())
+    return [Buffer(name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
+            for name, buf in engine.module.named_buffers() if name in persistent]
+
+
+def _check_supported(engine) -> None:
+    if getattr(engine, "has_moe_layers", False):
+        raise UnsupportedEngine("MoE engines are not described by manifest format 1.0")
+    if engine.mp_world_size > 1 or type(engine).__name__ == "PipelineEngine":
+        raise UnsupportedEngine("tensor- or pipeline-parallel engines are not described by manifest format 1.0")
+
+
+def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> Manifest:
+    """Describe ``engine``'s checkpoint layout (no ``files``: see ``describe_files``).
+
+    Arguments:
+        engine: a ``deepspeed.DeepSpeedEngine`` after ``deepspeed.initialize``.
+        exclude_frozen_parameters: the value passed to ``engine.save_checkpoint``.
+
+    Returns:
+        The manifest; identical on every rank. Makes no collective call.
+
+    Raises:
+        UnsupportedEngine: MoE, tensor or pipeline parallelism, ZeRO stage 0.
+    """
+    import deepspeed
+
+    _check_supported(engine)
+    stage = engine.zero_optimization_stage()
+    opt = engine.optimizer
+    names = _param_names(engine)
+    if stage == 3:
+        groups = _per_param_groups_stage3(engine, names)
+    elif _is_bf16_optimizer(opt):
+        groups = _flat_groups_bf16_optimizer(engine, names)
+    elif stage in (1, 2):
+        groups = _flat_groups_stage12(engine, names)
+    else:
+        raise UnsupportedEngine(f"ZeRO stage 0 with {type(opt).__name__} is not described by manifest format 1.0")
+    trainable = {p.name for g in groups for p in g.params}
+    shapes = {p.name: tuple(p.shape) for g in groups for p in g.params}
+    frozen_stage = 1 if _is_bf16_optimizer(opt) else stage
+    aliases = _aliases(engine, shapes)
+    alias_names = {a.name for a in aliases}
+    frozen = [f for f in _frozen(engine, names, trainable, frozen_stage, exclude_frozen_parameters) if f.name not in alias_names]
+    excluded = []
+    if exclude_frozen_parameters:
+        excluded = [ExcludedParam(name=names[id(p)], reason="exclude_frozen_parameters")
+                    for p in engine.module.parameters() if names[id(p)] not in trainable]
+    model_dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
+    master = _master_dtype(engine, stage)
+    zero_cfg = engine._config.zero_config
+    layout = Layout(
+        zero_stage=stage, world_size=engine.dp_world_size, tensor_parallel_size=1, pipeline_parallel_size=1,
+        model_parallel_size=engine.mp_world_size, model_dtype=model_dtype, master_dtype=master,
+        round_robin=bool(getattr(opt, "round_robin_gradients", False)),
+        parameter_alignment=bool(getattr(opt, "parameter_alignment", False)),
+        tail_padding_saved=_is_bf16_optimizer(opt), optimizer=type(opt).__name__,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+    )
+    if stage == 3:
+        layout.sub_group_size = int(zero_cfg.sub_group_size)
+    return Manifest(
+        format=FORMAT_NAME, format_version=FORMAT_VERSION,
+        producer=Producer(tool="ckptspec", tool_version=__version__, framework="deepspeed",
+                          framework_version=deepspeed.__version__),
+        layout=layout, groups=groups, frozen=frozen, buffers=_buffers(engine), aliases=aliases,
+        excluded=excluded, files=[],
+    )
+
+
+def _master_dtype(engine, stage: int) -> str:
+    opt = engine.optimizer
+    if stage == 3:
+        return dtype_name(opt.fp32_partitioned_groups_flat[0].dtype)
+    return dtype_name(opt.single_partition_of_fp32_groups[0].dtype) if hasattr(opt, "single_partition_of_fp32_groups") \
+        else dtype_name(opt.fp32_groups_flat_partition[0].dtype)
+
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False, sidecar_encoding: str = "json") -> Manifest:
+    """``engine.save_checkpoint`` plus the manifest, embedded where it travels with the files.
+
+    Call it on every rank, exactly where ``engine.save_checkpoint`` would be called. It:
+
+    1. describes the layout from the live engine (``manifest_from_engine``: the exact
+       partition layout of the optimizer) and refuses unsupported engines before
+       anything is written;
+    2. calls ``engine.save_checkpoint`` with the layout manifest (``files: []``) added to
+       ``client_state`` under ``"ckptspec_manifest"`` as a JSON string, so it is inside
+       the model-states file(s) and survives when only the ``.pt`` files are copied;
+    3. after every rank has written its files (DeepSpeed's closing barrier), has each
+       rank describe the files it wrote (size, locators, ``sha256`` when ``hash``) and
+       gathers the descriptions (one ``all_gather_object``);
+    4. on rank 0, validates the complete manifest and writes it last, atomically, as
+       ``<save_dir>/<tag>/ckptspec.json`` (``sidecar_encoding="msgpack"``:
+       ``ckptspec.msgpack``), then writes ``latest`` (atomically, after the sidecar, so
+       ``latest`` never names a checkpoint without its manifest).
+
+    Arguments are those of ``engine.save_checkpoint`` (``client_state`` may not use
+    the ``"ckptspec_manifest"`` key); ``hash`` records a SHA-256 of every file (each
+    rank hashes its own files, in parallel).
+
+    Returns:
+        The complete manifest, identical on every rank.
+
+    Raises:
+        UnsupportedEngine: before saving, for engines format 1.0 cannot describe (and
+            decoupled/asynchronous checkpoint engines, whose files are not final on return).
+        ValueError: ``client_state`` already holds ``"ckptspec_manifest"``.
+        RuntimeError: describing or writing failed on some rank; raised on every rank
+            (no rank is left waiting), and neither the sidecar nor ``latest`` is written.
+    """
+    import torch.distributed as dist
+
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    if checkpoint_engine is not None and getattr(checkpoint_engine, "is_decoupled", lambda: False)():
+        raise UnsupportedEngine("a decoupled checkpoint engine writes files after save_checkpoint returns; "
+                                "ckptspec cannot describe them then")
+    if sidecar_encoding not in ("json", "msgpack"):
+        raise ValueError(f"sidecar_encoding must be 'json' or 'msgpack', not {sidecar_encoding!r}")
+    layout = manifest_from_engine(engine, exclude_frozen_parameters=exclude_frozen_parameters)
+    state = dict(client_state or {})
+    if CLIENT_STATE_KEY in state:
+        raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for the ckptspec manifest")
+    state[CLIENT_STATE_KEY] = client_state_value(layout)
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default tag
+    engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
+                           exclude_frozen_parameters=exclude_frozen_parameters)
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    tag_dir = Path(save_dir) / tag
+    try:
+        mine, error = _describe_own_files(tag_dir, rank, layout.layout.zero_stage, "sha256" if hash else None), None
+    except Exception as exc:  # reported on every rank below, never left hanging in a collective
+        mine, error = [], f"rank {rank}: {type(exc).__name__}: {exc}"
+    gathered: list = [None] * world
+    if distributed:
+        dist.all_gather_object(gathered, (mine, error))
+    else:
+        gathered = [(mine, error)]
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise RuntimeError("ckptspec could not describe the saved files (no sidecar written): " + "; ".join(errors))
+    complete = layout.model_copy(deep=True)
+    gathered_files = [ShardFile.model_validate(d) for files, _ in gathered for d in files]
+    complete.files = sorted(gathered_files, key=lambda f: file_order(f.role, f.ranks, f.path))
+
+    status = None
+    if rank == 0:
+        try:
+            report = validate_document(complete.to_dict())
+            if not report.ok:
+                raise InvalidManifest(str(tag_dir / SIDECAR_NAMES[sidecar_encoding]), report.findings)
+            write_sidecar(tag_dir, complete, sidecar_encoding)
+            if save_latest:
+                write_atomic(Path(save_dir) / "latest", tag.encode("utf-8"))
+        except Exception as exc:
+            status = f"rank 0: {type(exc).__name__}: {exc}"
+    if distributed:
+        box = [status]
+        dist.broadcast_object_list(box, src=0)
+        status = box[0]
+    if status:
+        raise RuntimeError("ckptspec could not write the manifest sidecar: " + status)
+    return complete
+
+
+def _describe_own_files(tag_dir: Path, rank: int, stage: int, hash_algorithm: str | None) -> list[dict]:
+    """This rank's files of the tag directory (rank 0 also takes the rank-less ones), described."""
+    every = scan_tag_dir(tag_dir)
+    own = ShardSet(tag_dir)
+    own.model_files = {r: p for r, p in every.model_files.items() if r == rank}
+    own.optim_files = {r: p for r, p in every.optim_files.items() if r == rank}
+    own.other_files = list(every.other_files) if rank == 0 else []
+    return [f.model_dump(mode="json", exclude_unset=True) for f in describe_files(own, stage, hash_algorithm, StateCache())]
+

@@ -1,0 +1,105 @@
+"""Loading a ZeRO checkpoint's weights: the public API (``ckptspec.load_state_dict`` and friends).
+
+Torch-free by default: torch ``.pt`` zip members are stored uncompressed, so numpy (only
+for dtype conversion) and the standard library suffice. ``framework="torch"`` wraps the
+same arrays with ``torch.from_numpy``, so both frameworks give the same bits.
+
+Each call validates the checkpoint first, reading and validating every file and the
+manifest once; the plan then reuses what validation read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from ..checkpoint.states import StateCache
+from ..deepspeed.validate import validate_checkpoint
+from ..errors import CheckpointInvalid
+from ..findings import has_errors
+from ..format.dtypes import output_dtype
+from ..format.models import Manifest
+from ..format.validate import Report
+from .arrays import ShardReader, read_array
+from .plan import ReconstructionPlan, plan_reconstruction
+from .writers import DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, WriteResult, to_torch, write_consolidated
+
+
+def validated_plan(checkpoint: str | os.PathLike, manifest: Manifest | Report | str | os.PathLike | None = None,
+                   tag: str | None = None) -> ReconstructionPlan:
+    """Validate the checkpoint (against ``manifest``: a model, the report of a validated one, or a
+    file), then plan from the files validation read. Raises ``CheckpointInvalid`` with the findings."""
+    states = StateCache()
+    found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states)
+    if found is None or has_errors(findings):
+        raise CheckpointInvalid(findings, str(checkpoint))
+    return plan_reconstruction(checkpoint, found, tag, states=states)
+
+
+def load_state_dict(checkpoint: str | os.PathLike, framework: str = "torch", *, dtype: Any = "fp32",
+                    manifest: Manifest | str | os.PathLike | None = None, tag: str | None = None) -> dict[str, Any]:
+    """The full state dict of a ZeRO checkpoint: trainable (fp32 masters), frozen, buffers, aliases.
+
+    Validates the checkpoint first (raises ``CheckpointInvalid`` with the findings).
+    ``framework="numpy"`` needs only numpy; bfloat16 arrays are then returned as
+    ``ml_dtypes.bfloat16`` when ``ml_dtypes`` is installed and refused otherwise.
+    Aliases are the same object as their owner, as in the model.
+    """
+    if framework not in ("torch", "numpy"):
+        raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
+    dtype = output_dtype(dtype)
+    plan = validated_plan(checkpoint, manifest, tag)
+    bf16_view = None
+    if framework == "numpy" and dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ValueError("numpy has no bfloat16: install ml_dtypes, or use dtype='fp32'") from None
+        bf16_view = ml_dtypes.bfloat16
+    out: dict[str, Any] = {}
+    with ShardReader() as files:
+        for name in plan.order:
+            if name in plan.aliases:
+                continue
+            out_dtype = plan.output_dtype(name, dtype)
+            array = read_array(plan.sources[name], out_dtype, files)
+            if framework == "torch":
+                out[name] = to_torch(array, out_dtype)
+            else:
+                out[name] = array.view(bf16_view) if out_dtype == "bfloat16" else array
+    return {name: out[plan.aliases.get(name, name)] for name in plan.order}
+
+
+def reconstruct(checkpoint: str | os.PathLike, output_dir: str | os.PathLike, *,
+                manifest: Manifest | str | os.PathLike | None = None,
+                tag: str | None = None, dtype: str = "fp32", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                fmt: str = "safetensors", untie: bool = False, progress: Callable[[int], None] | None = None) -> WriteResult:
+    """Validate, then write the consolidated weights to ``output_dir`` (see ``write_consolidated``)."""
+    plan = validated_plan(checkpoint, manifest, tag)
+    return write_consolidated(plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt,
+                              untie=untie, progress=progress)
+
+
+def load_consolidated(output_dir: str | os.PathLike, framework: str = "torch") -> dict[str, Any]:
+    """Read ``reconstruct`` safetensors output back, re-tying aliases recorded in the metadata.
+
+    The result is a state dict that ``module.load_state_dict`` accepts (tied names
+    share one tensor), whether or not the output was written with ``--untie``.
+    """
+    from safetensors import safe_open
+
+    out = Path(output_dir)
+    index = out / SAFETENSORS_INDEX
+    files = sorted(set(json.loads(index.read_text("utf-8"))["weight_map"].values())) if index.exists() else [SAFETENSORS_SINGLE]
+    state: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    for filename in files:
+        with safe_open(out / filename, framework="pt" if framework == "torch" else "np") as f:
+            aliases.update(json.loads((f.metadata() or {}).get("ckptspec.aliases", "{}")))
+            for key in f.keys():
+                state[key] = f.get_tensor(key)
+    for alias, owner in aliases.items():
+        state.setdefault(alias, state[owner])
+    return state

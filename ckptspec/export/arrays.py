@@ -1,0 +1,135 @@
+"""Tensor bytes out of the shard files, and dtype conversion with numpy (torch's rounding, bit for bit).
+
+Files are read with ``pread`` through one descriptor each (no mmap: RSS stays flat), tensor
+by tensor, in chunks; a copy without dtype change goes file-to-file in the kernel
+(``copy_file_range``). numpy is imported on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..checkpoint.states import unreadable
+from ..errors import CkptspecError, ReconstructUnsupported, TruncatedFile
+from ..format.dtypes import ITEMSIZE
+from .plan import Segment, TensorSource
+from .safetensors_writer import SafetensorsWriter
+
+CHUNK_BYTES = 16 << 20  # dtype conversion works on at most this many source bytes at once
+
+
+def _np():
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - environment problem
+        raise ReconstructUnsupported("converting dtypes needs numpy", "pip install numpy") from None
+    return numpy
+
+
+def _np_dtype(dtype: str):
+    np = _np()
+    table = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+             "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
+             "bool": np.bool_, "complex64": np.complex64, "complex128": np.complex128}
+    if dtype not in table:
+        raise ReconstructUnsupported(f"tensors of dtype {dtype} cannot be converted without torch",
+                           "use --dtype matching the stored dtype, or a float, integer or bool dtype")
+    return np.dtype(table[dtype]).newbyteorder("<")
+
+
+def convert(array, src: str, dst: str):
+    """Cast a flat little-endian array of manifest dtype ``src`` to ``dst`` like torch's ``.to()``.
+
+    bfloat16 is carried as uint16 bit patterns (numpy has no bfloat16): widening is
+    ``bits << 16``; narrowing rounds to nearest even (NaN -> 0x7FC0, as c10::BFloat16).
+    """
+    np = _np()
+    if src == dst:
+        return array
+    if src == "bfloat16":
+        array = (array.astype(np.uint32) << 16).view(np.float32)
+        src = "float32"
+        if dst == "float32":
+            return array
+    if dst == "bfloat16":
+        f32 = array if src == "float32" else array.astype(np.float32)
+        bits = f32.view(np.uint32)
+        rounded = bits >> 16  # in place from here on: one temporary per chunk
+        rounded &= 1
+        rounded += 0x7FFF
+        rounded += bits
+        rounded >>= 16
+        out = rounded.astype(np.uint16)
+        nan = np.isnan(f32)
+        if nan.any():
+            out[nan] = 0x7FC0
+        return out
+    with np.errstate(over="ignore"):  # out-of-range values become inf, as in torch
+        return array.astype(_np_dtype(dst))
+
+
+class ShardReader:
+    """Open file descriptors, one per shard file, read with pread (no mmap: RSS stays flat)."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self._fds:
+            try:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise CkptspecError("CK901", f"cannot read: {exc.strerror}", "check the file exists and is readable", str(path)) from None
+        return self._fds[path]
+
+    def read_into(self, segment: Segment, out: memoryview) -> None:
+        fd, done = self.fd(segment.path), 0
+        while done < segment.nbytes:
+            n = os.preadv(fd, [out[done:segment.nbytes]], segment.offset + done)
+            if n <= 0:
+                raise unreadable(TruncatedFile(segment.path, f"file ends before byte {segment.offset + segment.nbytes}"))
+            done += n
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_array(source: TensorSource, dtype: str, files: ShardReader):
+    """The whole tensor as a numpy array of ``dtype`` (bfloat16 as uint16 bits), in its shape."""
+    np = _np()
+    raw = np.empty(source.numel, dtype=_np_dtype(source.dtype))
+    view, pos = memoryview(raw).cast("B"), 0
+    for segment in source.segments:
+        files.read_into(segment, view[pos:pos + segment.nbytes])
+        pos += segment.nbytes
+    return convert(raw, source.dtype, dtype).reshape(source.shape)
+
+
+def stream(source: TensorSource, dtype: str, writer: SafetensorsWriter, files: ShardReader, progress) -> None:
+    """Append the tensor to ``writer``: a kernel copy when no cast is needed, else chunked casts."""
+    if source.dtype == dtype:
+        for segment in source.segments:
+            writer.copy_range(files.fd(segment.path), segment.offset, segment.nbytes)
+            progress(segment.nbytes)
+        return
+    np = _np()
+    item = ITEMSIZE[source.dtype]
+    chunk = max(item, CHUNK_BYTES // item * item)
+    buffer = np.empty(chunk // item, dtype=_np_dtype(source.dtype))
+    view = memoryview(buffer).cast("B")
+    for segment in source.segments:
+        for start in range(0, segment.nbytes, chunk):
+            n = min(chunk, segment.nbytes - start)
+            files.read_into(Segment(segment.path, segment.offset + start, n), view[:n])
+            out = convert(buffer[: n // item], source.dtype, dtype)
+            writer.write(np.ascontiguousarray(out))
+            progress(n // item * ITEMSIZE[dtype])

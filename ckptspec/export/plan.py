@@ -1,0 +1,283 @@
+"""The reconstruction plan: where every output tensor's bytes are in a validated checkpoint's files.
+
+The manifest drives everything: every output tensor is described as a list of byte ranges
+(``Segment``) in the shard files:
+
+* trainable parameters (fp32 masters) through the manifest's locators: stage 1/2
+  concatenate the ranks' saved partitions of a group *virtually* (a parameter's
+  slice ``[offset, offset + numel)`` maps to one or two ranks' bytes), stage 3 takes
+  ``[offset, offset + ceil(numel / ws))`` from every rank and trims to ``numel``;
+* frozen parameters, buffers and aliases from the model-states files: the
+  ``TensorRef`` of ``module`` / ``frozen_param_fragments`` gives the storage member
+  and, through the zip directory, the byte range (stage-3 frozen fragments are
+  concatenated over ranks and trimmed).
+
+Only ``data.pkl`` records and zip directories are read here, through the ``StateCache``
+validation filled; the bytes are read by ``arrays``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from ..checkpoint.embedded import safetensors_metadata
+from ..checkpoint.states import StateCache, unreadable
+from ..checkpoint.torchfile import TensorRef, tensor_byte_range
+from ..deepspeed.describe import partition_locators
+from ..deepspeed.directory import resolve_tag_dir, scan_tag_dir
+from ..errors import InvalidCheckpoint, ReconstructMismatch, ReconstructUnsupported, TorchFileError, TruncatedFile
+from ..format.codec import dumps
+from ..format.dtypes import FLOATING, ITEMSIZE
+from ..format.models import Manifest
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``nbytes`` bytes at absolute ``offset`` of ``path``."""
+
+    path: Path
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class TensorSource:
+    """Where one output tensor's bytes are: its segments, concatenated, are the flat tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # dtype of the bytes on disk
+    segments: list[Segment]
+    role: str  # "trainable" (fp32 master), "frozen" (model dtype), "buffer"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class ReconstructionPlan:
+    manifest: Manifest
+    tag_dir: Path
+    sources: dict[str, TensorSource]  # owners: trainable, frozen, buffers
+    aliases: dict[str, str]  # alias -> owner
+    order: list[str]  # every output name (owners and aliases), in the model's state_dict order
+
+    def output_dtype(self, name: str, dtype: str) -> str:
+        """Floating tensors are cast to ``dtype``; integer and bool buffers keep theirs."""
+        src = self.sources[self.aliases.get(name, name)].dtype
+        return dtype if src in FLOATING else src
+
+    def output_nbytes(self, name: str, dtype: str) -> int:
+        """Bytes of ``name`` in the output when floating tensors are written as ``dtype``."""
+        return self.sources[self.aliases.get(name, name)].numel * ITEMSIZE[self.output_dtype(name, dtype)]
+
+    def total_nbytes(self, dtype: str, untie: bool) -> int:
+        """Bytes of tensor data in the output (a tied alias is stored once unless ``untie``)."""
+        return sum(self.output_nbytes(n, dtype) for n in self.order if untie or n not in self.aliases)
+
+    @property
+    def manifest_sha256(self) -> str:
+        # On demand: encoding a 100k-param manifest takes seconds, and metadata() encodes it anyway.
+        return manifest_digest(self.manifest)
+
+    def metadata(self, dtype: str, untied: bool) -> dict[str, str]:
+        """The string map written to ``__metadata__`` and to the index's ``metadata``."""
+        frozen = {s.name: s.dtype for s in self.sources.values() if s.role == "frozen"}
+        return {
+            # The manifest itself travels with the weights (`ckptspec extract` prints it), with
+            # "ckptspec.manifest_sha256", the SHA-256 of those canonical bytes.
+            **safetensors_metadata(self.manifest),
+            "format": "pt",
+            "ckptspec.format_version": self.manifest.format_version,
+            "ckptspec.tool_version": __version__,
+            "ckptspec.zero_stage": str(self.manifest.layout.zero_stage),
+            "ckptspec.tag": self.tag_dir.name,
+            "ckptspec.dtype": dtype,
+            "ckptspec.aliases": json.dumps(self.aliases, sort_keys=True),
+            "ckptspec.untied": "true" if untied else "false",
+            "ckptspec.frozen_source": json.dumps(frozen, sort_keys=True),
+        }
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """SHA-256 of the canonical JSON bytes (``ckptspec generate`` output for the same manifest)."""
+    return hashlib.sha256(dumps(manifest)).hexdigest()
+
+
+def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: str | None = None, *,
+                        states: StateCache | None = None) -> ReconstructionPlan:
+    """Byte ranges of every output tensor. Reads only zip directories and ``data.pkl`` records.
+
+    ``states``: the files validation already read (``validate_checkpoint(..., states=)``);
+    a file not read yet is read here, once.
+    """
+    tag_dir = resolve_tag_dir(checkpoint, tag)
+    model_files = _model_files(manifest, tag_dir)
+    first_rank = min(model_files)
+    states = states if states is not None else StateCache()
+    metadata, members = states.state, states.members
+
+    first_model = metadata(model_files[first_rank])
+    module = first_model.get("module") if isinstance(first_model, dict) else None
+    module = module if isinstance(module, dict) else {}
+
+    sources: dict[str, TensorSource] = {}
+    locators = _locators(manifest, tag_dir, states)
+    for g, group in enumerate(manifest.groups):
+        group_dtype = None  # one scan of the locators per group, not one per param
+        for param in group.params:
+            group_dtype = group_dtype or _group_dtype(locators, g, param.name)
+            sources[param.name] = TensorSource(param.name, tuple(param.shape), group_dtype,
+                                               _param_segments(group, g, param, locators), "trainable")
+
+    for frozen in manifest.frozen:
+        if frozen.stored_in == "partitioned_fragments":
+            # Stage 3: rank r's fragment is [r * share, (r + 1) * share) of the flat param;
+            # concatenated over ranks and trimmed to numel (the tail padding is garbage).
+            share = -(-frozen.numel // len(model_files))
+            segments, dtypes = [], set()
+            for r, path in sorted(model_files.items()):
+                take = max(0, min(share, frozen.numel - r * share))
+                ref = _tensor(metadata(path), "frozen_param_fragments", frozen.name, path)
+                dtypes.add(ref.dtype)
+                segments += _ref_segments(ref, path, members(path), take, frozen.name, exact=False)
+            if len(dtypes) != 1:
+                raise ReconstructMismatch(f"the fragments of {frozen.name!r} have dtypes {sorted(dtypes)}", tag_dir)
+            dtype = dtypes.pop()
+        else:
+            path = model_files[first_rank]
+            holder = "module" if frozen.stored_in == "module" else "frozen_param_fragments"
+            ref = _tensor(metadata(path), holder, frozen.name, path)
+            dtype = ref.dtype
+            segments = _ref_segments(ref, path, members(path), frozen.numel, frozen.name)
+        sources[frozen.name] = TensorSource(frozen.name, tuple(frozen.shape), dtype, segments, "frozen")
+
+    for buffer in manifest.buffers:
+        path = model_files[first_rank]
+        ref = _tensor(metadata(path), "module", buffer.name, path)
+        if ref.dtype != buffer.dtype:
+            raise ReconstructMismatch(f"buffer {buffer.name!r} is {ref.dtype}, the manifest says {buffer.dtype}", path)
+        sources[buffer.name] = TensorSource(buffer.name, tuple(buffer.shape), ref.dtype,
+                                            _ref_segments(ref, path, members(path), math.prod(buffer.shape), buffer.name), "buffer")
+
+    aliases = {a.name: a.owner for a in manifest.aliases}
+    for alias in manifest.aliases:
+        owner = sources.get(alias.owner)
+        if owner is None or list(owner.shape) != list(alias.shape):
+            raise ReconstructMismatch(f"alias {alias.name!r} has no owner {alias.owner!r} of shape {list(alias.shape)}", tag_dir)
+
+    in_module = [name for name in module if name in sources or name in aliases]
+    seen = set(in_module)
+    order = in_module + [name for name in [*sources, *aliases] if name not in seen]
+    return ReconstructionPlan(manifest, tag_dir, sources, aliases, order)
+
+
+def _inside(tag_dir: Path, relative: str) -> Path:
+    path = (tag_dir / relative).resolve()
+    if not path.is_relative_to(tag_dir.resolve()):
+        raise InvalidCheckpoint("CK113", f"file path {relative!r} leaves the checkpoint directory",
+                                "use paths relative to the tag directory", relative)
+    return path
+
+
+def _model_files(manifest: Manifest, tag_dir: Path) -> dict[int, Path]:
+    files = {shard.ranks[0] if shard.ranks else 0: _inside(tag_dir, shard.path)
+             for shard in manifest.files if shard.role == "model_states"}
+    if not files:  # a manifest without files (e.g. from the live engine): find them on disk
+        files = dict(scan_tag_dir(tag_dir).model_files)
+    return files
+
+
+def _locators(manifest: Manifest, tag_dir: Path, states: StateCache) -> dict[tuple[int, int], tuple[Path, Any]]:
+    """(group, rank) -> (file, locator); from the manifest, or the optimizer files when it has none."""
+    found = {(loc.group, loc.rank): (_inside(tag_dir, shard.path), loc)
+             for shard in manifest.files if shard.role == "optimizer_states" for loc in shard.partitions}
+    needed = {(g, r) for g, group in enumerate(manifest.groups) for r in range(group.partition_count)}
+    if needed - found.keys():
+        for rank, path in scan_tag_dir(tag_dir).optim_files.items():
+            for loc in partition_locators(path, rank, manifest.layout.zero_stage, states):
+                found.setdefault((loc.group, loc.rank), (_inside(tag_dir, path.name), loc))
+    missing = sorted(needed - found.keys())
+    if missing:
+        g, r = missing[0]
+        raise ReconstructMismatch(f"no fp32 partition for group {g} on rank {r} ({len(missing)} missing)", tag_dir)
+    return found
+
+
+def _group_dtype(locators, g: int, name: str) -> str:
+    dtypes = {loc.dtype for (group, _), (_, loc) in locators.items() if group == g}
+    if len(dtypes) != 1:
+        raise ReconstructMismatch(f"{name}: the partitions of group {g} have dtypes {sorted(dtypes)}")
+    return dtypes.pop()
+
+
+def _locator_segment(path: Path, loc, start: int, count: int) -> Segment:
+    """``count`` elements from element ``start`` of the locator's partition."""
+    item = ITEMSIZE[loc.dtype]
+    if start < 0 or start + count > loc.numel:
+        raise ReconstructMismatch(f"elements [{start}, {start + count}) fall outside rank {loc.rank}'s "
+                        f"{loc.numel}-element partition of group {loc.group}", path)
+    return Segment(path, loc.data_offset + (loc.element_offset + start) * item, count * item)
+
+
+def _param_segments(group, g: int, param, locators) -> list[Segment]:
+    segments: list[Segment] = []
+    if param.numel == 0:
+        return segments
+    if group.partitioning == "flat":
+        # Virtual concatenation of the ranks' saved partitions: rank r holds the flat
+        # range [r * partition_numel, r * partition_numel + saved).
+        start, end = param.offset, param.offset + param.numel
+        for r in range(group.partition_count):
+            path, loc = locators[(g, r)]
+            lo = r * group.partition_numel
+            hi = lo + loc.numel
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                segments.append(_locator_segment(path, loc, a - lo, b - a))
+    else:
+        # Per-param partitioning: rank r holds [r * share, (r + 1) * share) of the param at
+        # `offset` in its flat group; the last shares hold padding, trimmed here.
+        share = (param.numel + param.padding) // group.partition_count
+        for r in range(group.partition_count):
+            take = max(0, min(share, param.numel - r * share))
+            if take:
+                path, loc = locators[(g, r)]
+                segments.append(_locator_segment(path, loc, param.offset, take))
+    got = sum(s.nbytes for s in segments) // ITEMSIZE[locators[(g, 0)][1].dtype]
+    if got != param.numel:
+        raise ReconstructMismatch(f"{param.name}: the partitions hold {got} of its {param.numel} elements")
+    return segments
+
+
+def _tensor(state: Any, holder: str, name: str, path: Path) -> TensorRef:
+    table = state.get(holder) if isinstance(state, dict) else None
+    ref = table.get(name) if isinstance(table, dict) else None
+    if not isinstance(ref, TensorRef):
+        raise ReconstructMismatch(f"{name!r} is not a tensor in '{holder}'", path)
+    return ref
+
+
+def _ref_segments(ref: TensorRef, path: Path, members: dict, numel: int, name: str, exact: bool = True) -> list[Segment]:
+    """The ``numel`` elements of a contiguous tensor in a torch zip file (its first ``numel`` if not ``exact``)."""
+    if (ref.numel != numel) if exact else (ref.numel < numel):
+        raise ReconstructMismatch(f"{name!r} holds {ref.numel} elements, {numel} expected", path)
+    if numel == 0:
+        return []
+    if not ref.is_contiguous():
+        raise ReconstructUnsupported(f"{name!r} is stored as a non-contiguous view", "save the model with contiguous tensors", path)
+    if ref.storage.member not in members:
+        raise ReconstructMismatch(f"storage {ref.storage.member} of {name!r} is missing", path)
+    try:
+        offset, _ = tensor_byte_range(ref, members)
+    except TorchFileError as exc:
+        raise unreadable(TruncatedFile(path, f"{name!r}: {exc.reason}")) from None
+    return [Segment(path, offset, numel * ref.storage.itemsize)]

@@ -1,0 +1,180 @@
+"""Write safetensors files tensor by tensor, in bounded memory, atomically.
+
+The format (https://github.com/huggingface/safetensors) is an 8-byte little-endian
+header length N, N bytes of JSON header (``{"__metadata__": {str: str}, name:
+{"dtype", "shape", "data_offsets": [begin, end]}}``, padded with spaces to a
+multiple of 8), then the raw little-endian tensor bytes back to back, in the
+order of their offsets. All shapes and dtypes are known before any data is
+written, so the header goes first and each tensor's bytes are streamed after it:
+nothing needs to be held in memory at once (``safetensors.*.save_file`` needs
+every tensor in memory).
+
+The file is written under a temporary name in the target directory (``tmp_path``); the
+caller renames it once every file of its output is complete. Standard library only.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from .._fs import temp_file
+from ..errors import SafetensorsWriteError
+from ..format.dtypes import ITEMSIZE
+
+# Manifest dtype name -> safetensors dtype code (safetensors 0.4+).
+SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "complex64": "C64",
+}
+_COPY_CHUNK = 64 << 20  # bytes per copy_file_range call
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str  # manifest dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = ITEMSIZE[self.dtype]
+        for dim in self.shape:
+            n *= dim
+        return n
+
+
+def build_header(entries: Sequence[TensorEntry], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The 8-byte length prefix plus the padded JSON header for ``entries`` in this order."""
+    header: dict = {}
+    if metadata:
+        bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise SafetensorsWriteError(f"metadata must map strings to strings; bad keys {bad}")
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for entry in entries:
+        if entry.dtype not in SAFETENSORS_DTYPES:
+            raise SafetensorsWriteError(f"{entry.name}: dtype {entry.dtype} has no safetensors code")
+        if entry.name in header or entry.name == "__metadata__":
+            raise SafetensorsWriteError(f"duplicate tensor name {entry.name!r}")
+        end = offset + entry.nbytes
+        header[entry.name] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+                              "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(text)) + text
+
+
+class SafetensorsWriter:
+    """Stream one safetensors file: ``begin(name)``, then ``write``/``copy_range`` its bytes.
+
+    Tensors must be written in the order given. ``finish()`` checks every byte was
+    written, fsyncs and closes ``tmp_path``; ``abort()`` removes it.
+    """
+
+    def __init__(self, path: str | os.PathLike, entries: Sequence[TensorEntry], metadata: Mapping[str, str] | None = None):
+        self.path = Path(path)
+        self.entries = list(entries)
+        header = build_header(self.entries, metadata)
+        self.data_start = len(header)
+        self.nbytes = self.data_start + sum(e.nbytes for e in self.entries)
+        fd, self.tmp_path = temp_file(self.path)
+        self._fd: int | None = fd
+        self._pos = 0
+        self._index = -1  # entry being written
+        self._entry_end = self.data_start
+        try:
+            self._write_all(header)
+        except BaseException:
+            self.abort()
+            raise
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def begin(self, name: str) -> TensorEntry:
+        """Start the next tensor; the previous one must be complete."""
+        if self._pos != self._entry_end:
+            current = self.entries[self._index].name
+            raise SafetensorsWriteError(f"{current}: {self._entry_end - self._pos} bytes missing")
+        self._index += 1
+        if self._index >= len(self.entries) or self.entries[self._index].name != name:
+            expected = self.entries[self._index].name if self._index < len(self.entries) else None
+            raise SafetensorsWriteError(f"tensor {name!r} written out of order (expected {expected!r})")
+        entry = self.entries[self._index]
+        self._entry_end = self._pos + entry.nbytes
+        return entry
+
+    def write(self, data) -> None:
+        """Append bytes (any buffer: bytes, memoryview, contiguous numpy array) to the current tensor."""
+        view = memoryview(data).cast("B")
+        self._check_room(len(view))
+        self._write_all(view)
+
+    def copy_range(self, src_fd: int, offset: int, nbytes: int) -> None:
+        """Append ``nbytes`` read from ``src_fd`` at ``offset``, in the kernel when possible."""
+        self._check_room(nbytes)
+        done = 0
+        use_kernel = hasattr(os, "copy_file_range")
+        while done < nbytes:
+            count = min(_COPY_CHUNK, nbytes - done)
+            if use_kernel:
+                try:
+                    n = os.copy_file_range(src_fd, self._fd, count, offset + done, self._pos)
+                except OSError as exc:
+                    if exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF):
+                        use_kernel = False
+                        continue
+                    raise
+                if n == 0:
+                    raise SafetensorsWriteError(f"source ended {nbytes - done} bytes early at offset {offset + done}")
+            else:
+                chunk = os.pread(src_fd, min(count, 8 << 20), offset + done)
+                if not chunk:
+                    raise SafetensorsWriteError(f"source ended {nbytes - done} bytes early at offset {offset + done}")
+                n = os.pwrite(self._fd, chunk, self._pos)
+            self._pos += n
+            done += n
+
+    # -- completion ------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Check completeness, fsync and close (the file keeps its temporary name)."""
+        if self._pos != self._entry_end or self._index != len(self.entries) - 1:
+            written = max(self._index, 0)
+            raise SafetensorsWriteError(f"{self.path.name}: only {written} of {len(self.entries)} tensors written")
+        if self._pos != self.nbytes:
+            raise SafetensorsWriteError(f"{self.path.name}: wrote {self._pos} bytes, expected {self.nbytes}")
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.tmp_path.unlink(missing_ok=True)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_room(self, nbytes: int) -> None:
+        if self._index < 0:
+            raise SafetensorsWriteError("write before begin()")
+        if self._pos + nbytes > self._entry_end:
+            raise SafetensorsWriteError(f"{self.entries[self._index].name}: {self._pos + nbytes - self._entry_end} bytes too many")
+
+    def _write_all(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.pwrite(self._fd, view, self._pos)
+            self._pos += n
+            view = view[n:]
+

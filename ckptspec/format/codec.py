@@ -1,0 +1,276 @@
+"""Manifest documents as bytes: read (JSON or msgpack, safely) and write (canonical, atomically).
+
+Reading: every way the bytes can be unusable becomes a ``CkptspecError`` with a code: the
+size is capped *before* reading, text must be UTF-8, JSON may not hold NaN/Infinity or
+duplicate keys, and pathological nesting or integers become errors instead of tracebacks.
+
+Writing: canonical forms (the same document always gives the same bytes):
+
+* JSON: UTF-8 (no ``\\u`` escapes for non-ASCII), keys sorted at every level, two-space
+  indent, a final newline, no ``NaN``/``Infinity`` (``compact=True``: no whitespace at all).
+* msgpack: maps with keys sorted the same way, strings as msgpack ``str``, integers in
+  their smallest msgpack type, floats as float64.
+
+The two are lossless for every manifest: decoding either gives the same Python data,
+types included (``3`` stays an int, ``3.0`` a float, ``null`` stays ``None``), so
+``JSON -> msgpack -> JSON`` reproduces the canonical JSON bytes exactly. A value that
+one encoding cannot hold (an integer outside [-2**63, 2**64), bytes, NaN) is refused
+with ``CK907`` instead of being altered.
+
+No pydantic here: ``ckptspec validate MANIFEST`` reads through this module without the models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Literal
+
+import msgpack
+
+from .._fs import write_atomic
+from ..errors import CkptspecError, InvalidDocument, NotEncodable
+
+if TYPE_CHECKING:
+    from .models import Manifest
+
+Encoding = Literal["json", "msgpack"]
+DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+MSGPACK_SUFFIXES = {".msgpack", ".mpk"}
+
+
+def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding:
+    """By extension first; otherwise sniff: msgpack maps start with 0x80-0x8f/0xde/0xdf."""
+    suffix = Path(path).suffix.lower()
+    if suffix in MSGPACK_SUFFIXES:
+        return "msgpack"
+    if suffix == ".json" or not data:
+        return "json"
+    first = data[0]
+    return "msgpack" if (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)) else "json"
+
+
+def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    name = str(path)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise CkptspecError("CK901", "file not found", "check the path", name) from None
+    except OSError as exc:
+        raise CkptspecError("CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name) from None
+    if os.path.isdir(path):
+        raise CkptspecError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
+    if size > max_bytes:
+        raise CkptspecError(
+            "CK902",
+            f"file is {size} bytes, over the {max_bytes}-byte limit",
+            "raise the limit with --max-size if this file is really a manifest",
+            name,
+        )
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise CkptspecError("CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name) from None
+    if len(data) > max_bytes:  # a device, FIFO or /proc file reports size 0
+        raise CkptspecError("CK902", f"file holds more than the {max_bytes}-byte limit",
+                            "raise the limit with --max-size if this file is really a manifest", name)
+    return data
+
+
+def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _Duplicate(dup)
+    return obj
+
+
+class _Duplicate(Exception):
+    pass
+
+
+# A \uD800-\uDFFF escape may leave a lone surrogate: not Unicode text, so no manifest
+# string can hold it (msgpack's strict UTF-8 decoding already refuses them).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(value: Any) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone UTF-16 surrogate escape") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a large document is decoded and checked.
+
+    Decoding allocates millions of containers and none of them form cycles; without
+    the pause the collector rescans them over and over (about half the decode time
+    of a 100k-parameter manifest).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _refuse_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not allowed in a manifest")
+
+
+class _FloatSpotter:
+    """Decoding hooks that note whether the document holds any float.
+
+    The semantic rules read decoded documents as they are and need plain ints; a
+    float (even 3.0, which JSON Schema counts as an integer) sends the document
+    through the models, which normalize it. Nothing is changed here: decoding stays
+    lossless.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def json_float(self, token: str) -> float:
+        self.seen = True
+        return float(token)
+
+    def msgpack_map(self, pairs: list[tuple[Any, Any]]) -> dict:
+        # msgpack has no float hook: look at map values and at arrays held by maps,
+        # which is everywhere the schema has integers.
+        for key, value in pairs:
+            if type(key) is not str:
+                raise ValueError(f"map key {key!r} is not a string")
+            kind = type(value)
+            if kind is float or (kind is list and float in map(type, value)):
+                self.seen = True
+        return _no_duplicates(pairs)
+
+
+def decode_document(data: bytes, encoding: Encoding, name: str = "<input>") -> tuple[Any, bool]:
+    """``decode``, also telling whether the document holds floats."""
+    floats = _FloatSpotter()
+    try:
+        if encoding == "msgpack":
+            doc = msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=floats.msgpack_map)
+            return doc, floats.seen or type(doc) is float
+        text = data.decode("utf-8")
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant,
+                         parse_float=floats.json_float)
+        if _SURROGATE_ESCAPE.search(text):
+            _refuse_lone_surrogates(doc)
+        return doc, floats.seen
+    except _Duplicate as dup:
+        raise InvalidDocument("CK904", f"duplicate key {dup.args[0]!r}", "every key may appear once per object", name) from None
+    except UnicodeDecodeError as exc:
+        raise CkptspecError("CK903", f"not UTF-8 text (byte {exc.start})", "save the manifest as UTF-8 JSON or msgpack", name) from None
+    except RecursionError:
+        raise CkptspecError("CK903", "nesting is too deep to be a manifest", "check that this is a ckptspec manifest", name) from None
+    except (ValueError, msgpack.UnpackException, msgpack.ExtraData, TypeError, OverflowError) as exc:
+        what = "msgpack" if encoding == "msgpack" else "JSON"
+        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise CkptspecError("CK903", f"not valid {what}: {detail}", f"check that this is a {what} manifest", name) from None
+
+
+def decode(data: bytes, encoding: Encoding, name: str = "<input>") -> Any:
+    """Decode bytes to Python data; never raises anything but ``CkptspecError``.
+
+    The result holds no duplicate keys and no lone surrogates.
+    """
+    return decode_document(data, encoding, name)[0]
+
+
+def load_document(
+    path: str | os.PathLike,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    encoding: Encoding | None = None,
+) -> Any:
+    """Read and decode one manifest file into plain Python data (not yet validated)."""
+    return read_document(path, max_bytes, encoding)[0]
+
+
+def read_document(
+    path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, encoding: Encoding | None = None,
+) -> tuple[Any, bool]:
+    """``load_document``, also telling whether the document holds floats."""
+    data = read_bytes(path, max_bytes)
+    return decode_document(data, encoding or encoding_for(path, data), str(path))
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _sorted_maps(value: Any) -> Any:
+    """The same data with every map's keys in sorted order (msgpack keeps insertion order)."""
+    if isinstance(value, dict):
+        return {k: _sorted_maps(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_maps(v) for v in value]
+    return value
+
+
+def dumps(manifest: Manifest | dict, encoding: Encoding = "json", *, compact: bool = False) -> bytes:
+    """Canonical bytes of a manifest (a model, or a plain decoded document)."""
+    doc = manifest if isinstance(manifest, dict) else manifest.to_dict()
+    if encoding == "msgpack":
+        try:
+            return msgpack.packb(_sorted_maps(doc), use_bin_type=True)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise NotEncodable(f"cannot be written as msgpack: {exc}") from None
+    if encoding != "json":
+        raise ValueError(f"unknown encoding {encoding!r}; use json or msgpack")
+    try:
+        if compact:
+            text = json.dumps(doc, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
+        else:
+            text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
+        return text.encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise NotEncodable(f"cannot be written as JSON: {exc}") from None
+    except UnicodeEncodeError:
+        raise NotEncodable("cannot be written as UTF-8: a string holds a lone surrogate") from None
+
+
+def encoding_for_output(path: str | os.PathLike, override: Encoding | None = None) -> Encoding:
+    """``override``, else by extension: ``.msgpack``/``.mpk`` is msgpack, anything else JSON."""
+    if override:
+        return override
+    if str(path) == "-":
+        return "json"
+    return "msgpack" if Path(path).suffix.lower() in MSGPACK_SUFFIXES else "json"
+
+
+def write_manifest(manifest: Manifest | dict, output: str, encoding: Encoding | None = None) -> None:
+    """``output`` '-' is stdout (JSON unless ``encoding`` says msgpack)."""
+    try:
+        data = dumps(manifest, encoding_for_output(output, encoding))
+    except NotEncodable as exc:
+        exc.file = output
+        raise
+    if output == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        return
+    try:
+        write_atomic(output, data)
+    except OSError as exc:
+        raise CkptspecError("CK906", f"cannot write: {exc.strerror}", "check the output directory exists and is writable", output) from None

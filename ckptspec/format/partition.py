@@ -1,0 +1,90 @@
+"""Partition arithmetic shared by every producer: params in, manifest groups out.
+
+The producers (live engine, saved directory, plain module) differ in where they
+find the ordered params and paddings; the arithmetic that turns those into
+offsets, padded totals and per-rank numels is the one written here, and
+``ckptspec.rules`` checks the same arithmetic from the other side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .models import Group, Param
+from .rules import NCCL_START_ALIGNMENT_FACTOR, round_up
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as a producer sees it, before layout."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def flat_group(
+    params: Sequence[ParamSpec],
+    *,
+    optimizer_group: int,
+    partition_count: int,
+    zero_stage: int,
+    paddings: Sequence[int] | None = None,
+    tail_padding_saved: bool = False,
+) -> Group:
+    """Stage 0/1/2: params back to back (plus alignment paddings) in one flat buffer.
+
+    Stage 1/2 pad the buffer to 2 x partition_count (DeepSpeed's
+    nccl_start_alignment_factor) and split it evenly; the last rank(s) drop the
+    tail padding when saving unless ``tail_padding_saved``.
+    """
+    paddings = list(paddings) if paddings is not None else [0] * len(params)
+    if len(paddings) != len(params):
+        raise ValueError(f"{len(paddings)} paddings for {len(params)} params")
+    entries, offset = [], 0
+    for spec, pad in zip(params, paddings):
+        entries.append(Param(name=spec.name, shape=list(spec.shape), numel=spec.numel, dtype=spec.dtype, offset=offset, padding=pad))
+        offset += spec.numel + pad
+    alignment = NCCL_START_ALIGNMENT_FACTOR * partition_count if zero_stage in (1, 2) else 1
+    padded = round_up(offset, alignment)
+    partition = padded // partition_count
+    if tail_padding_saved:
+        saved = [partition] * partition_count
+    else:
+        saved = [min(partition, max(0, offset - r * partition)) for r in range(partition_count)]
+    return Group(
+        optimizer_group=optimizer_group, partitioning="flat", partition_count=partition_count,
+        alignment=alignment, padded_numel=padded, partition_numel=partition, saved_numels=saved, params=entries,
+    )
+
+
+def per_param_group(params: Sequence[ParamSpec], *, optimizer_group: int, partition_count: int) -> Group:
+    """Stage 3 (one sub-group): each param split on its own into ceil(numel / ws) per rank."""
+    entries, offset = [], 0
+    for spec in params:
+        share = -(-spec.numel // partition_count)
+        pad = share * partition_count - spec.numel
+        entries.append(Param(name=spec.name, shape=list(spec.shape), numel=spec.numel, dtype=spec.dtype, offset=offset, padding=pad))
+        offset += share
+    return Group(
+        optimizer_group=optimizer_group, partitioning="per_param", partition_count=partition_count,
+        alignment=1, padded_numel=offset * partition_count, partition_numel=offset,
+        saved_numels=[offset] * partition_count, params=entries,
+    )
+
+
+def natural_order(params: list, partition_count: int) -> list:
+    """Undo DeepSpeed's ``round_robin_gradients`` reorder (param k went to bucket k % dp, buckets concatenated)."""
+    n = len(params)
+    sizes = [len(range(b, n, partition_count)) for b in range(partition_count)]
+    buckets, start = [], 0
+    for size in sizes:
+        buckets.append(params[start:start + size])
+        start += size
+    return [buckets[k % partition_count][k // partition_count] for k in range(n)]
