@@ -21,26 +21,19 @@ from ckptspec.checkpoint import torchfile
 from ckptspec.cli import cli
 from ckptspec.deepspeed.embed import embed_checkpoint
 from ckptspec.format import validate as validate_module
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint
 
 pytestmark = pytest.mark.deepspeed
 
-# A checkpoint saved by ckptspec.deepspeed.save_checkpoint (sidecar and client-state copies);
-# the spec of tests/test_embed.py's "s1-fp16-ws2", so the harness cache holds it already.
-SAVED_WITH_CKPTSPEC = ({"stage": 1, "dtype": "fp16", "tied": True, "frozen": True, "buffers": True,
-                        "save_with": "ckptspec", "hook": "ds_embed_hooks:load_back"}, 2)
-CHECKPOINTS = {
-    "s2-bf16-ws2": MATRIX["s2-bf16-ws2"],  # no sidecar: the manifest is generated
-    "s3-bf16-ws2-sub": MATRIX["s3-bf16-ws2-sub"],  # stage 3: a model-states file per rank
-    "sidecar-s1-fp16-ws2": SAVED_WITH_CKPTSPEC,
-}
+CHECKPOINTS = [
+    "s2-bf16-ws2",  # no sidecar: the manifest is generated
+    "s3-bf16-ws2-sub",  # stage 3: a model-states file per rank
+    "embed-s1-fp16-ws2",  # saved by ckptspec.deepspeed.save_checkpoint: sidecar and client-state copies
+]
 
 
-@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
-def save_dir(request, ds_root) -> Path:
-    spec, world_size = CHECKPOINTS[request.param]
-    return build_checkpoint(spec, world_size, ds_root)
+@pytest.fixture(scope="module", params=CHECKPOINTS)
+def save_dir(request, ds) -> Path:
+    return ds.path(request.param)
 
 
 @pytest.fixture
@@ -128,11 +121,10 @@ def test_embed_describes_the_directory_once(save_dir, reads, tmp_path):
 
 
 @pytest.mark.parametrize("damaged", [1, 2])
-def test_inspect_lists_unreadable_shards(damaged, ds_root, tmp_path):
+def test_inspect_lists_unreadable_shards(damaged, ds, tmp_path):
     """Like `validate DIR`: every unreadable file is a finding naming it, exit 1, no traceback."""
-    spec, world_size = MATRIX["s2-bf16-ws2"]
     copy = tmp_path / "ckpt"
-    shutil.copytree(build_checkpoint(spec, world_size, ds_root), copy)
+    shutil.copytree(ds.path("s2-bf16-ws2"), copy)
     victims = sorted(_tag_dir(copy).glob("*_optim_states.pt"))[:damaged]
     for victim in victims:
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
