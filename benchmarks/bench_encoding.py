@@ -46,11 +46,17 @@ def measure(n_params: int, repeat: int, validate: bool = True) -> list[dict]:
     for encoding in ("json", "msgpack"):
         data = dumps(doc, encoding)
         assert decode(data, encoding) == doc
-        row = {"encoding": encoding, "bytes": len(data), "decode_s": _median_seconds(lambda: decode(data, encoding), repeat)}
+        row = {
+            "encoding": encoding,
+            "bytes": len(data),
+            "decode_s": _median_seconds(lambda: decode(data, encoding), repeat),
+        }
         if validate:
+
             def load_and_validate():
                 report = validate_document(decode(data, encoding))
                 assert report.ok, [f.to_line() for f in report.findings][:3]
+
             row["decode_validate_s"] = _median_seconds(load_and_validate, repeat)
         rows.append(row)
     return rows
@@ -58,15 +64,19 @@ def measure(n_params: int, repeat: int, validate: bool = True) -> list[dict]:
 
 def markdown(rows: list[dict], n_params: int) -> str:
     json_row = rows[0]
-    lines = [f"Manifest with {n_params:,} parameters ({WORLD} ranks, ZeRO-2), median CPU seconds of the runs:", "",
-             "| encoding | size (bytes) | size vs JSON | decode (s) | decode vs JSON | decode + validate (s) | vs JSON |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Manifest with {n_params:,} parameters ({WORLD} ranks, ZeRO-2), median CPU seconds of the runs:",
+        "",
+        "| encoding | size (bytes) | size vs JSON | decode (s) | decode vs JSON | decode + validate (s) | vs JSON |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         validate = row.get("decode_validate_s")
         lines.append(
             f"| {row['encoding']} | {row['bytes']:,} | {row['bytes'] / json_row['bytes']:.2f} | {row['decode_s']:.3f} | "
             f"{row['decode_s'] / json_row['decode_s']:.2f} | "
-            + (f"{validate:.3f} | {validate / json_row['decode_validate_s']:.2f} |" if validate else "- | - |"))
+            + (f"{validate:.3f} | {validate / json_row['decode_validate_s']:.2f} |" if validate else "- | - |")
+        )
     return "\n".join(lines)
 
 

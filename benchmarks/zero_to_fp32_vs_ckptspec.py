@@ -68,10 +68,21 @@ def run_zero_to_fp32(save_dir: Path, work: Path) -> dict:
     for p in (out, result):
         p.unlink(missing_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(save_dir), str(out), str(result)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(save_dir), str(out), str(result)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if not result.exists():  # the interpreter itself died
-        return {"outcome": "exception", "type": f"exit {proc.returncode}", "message": proc.stderr[-300:], "file": "", "source": ""}
+        return {
+            "outcome": "exception",
+            "type": f"exit {proc.returncode}",
+            "message": proc.stderr[-300:],
+            "file": "",
+            "source": "",
+        }
     status = json.loads(result.read_text())
     status["output"] = out if status["outcome"] == "ok" else None
     return status
@@ -120,8 +131,12 @@ def classify(status: dict, reference: Path, marker: Path, save_dir: Path) -> tup
 
 
 def run_ckptspec(args: list[str]) -> tuple[int, list[tuple[str, str | None]], str]:
-    proc = subprocess.run([sys.executable, "-m", "ckptspec", "validate", *args, "--format", "json"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "validate", *args, "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     report = json.loads(proc.stdout)
     found = [(f["code"], f.get("file")) for f in report["findings"]]
     if "error" in report:
@@ -187,20 +202,24 @@ def timing(work: Path) -> str | None:
         _, findings = validate_checkpoint(save_dir, recorded)
         with_hash = time.perf_counter() - t0
         assert findings == [], findings
-        rows.append(f"| ZeRO-{stage}, 2 ranks, bf16 | {size / 1e9:.2f} GB | {seconds * 1000:.0f} ms, {read / 1024:.0f} KiB read "
-                    f"| {cli:.2f} s (interpreter start-up alone: {startup:.2f} s) | {with_hash:.2f} s "
-                    f"({size / with_hash / 1e6:.0f} MB/s) |")
+        rows.append(
+            f"| ZeRO-{stage}, 2 ranks, bf16 | {size / 1e9:.2f} GB | {seconds * 1000:.0f} ms, {read / 1024:.0f} KiB read "
+            f"| {cli:.2f} s (interpreter start-up alone: {startup:.2f} s) | {with_hash:.2f} s "
+            f"({size / with_hash / 1e6:.0f} MB/s) |"
+        )
         print(rows[-1], flush=True)
     if not rows:
         return None
-    return "\n".join([
-        TIMING_BEGIN,
-        "| checkpoint | size | `validate_checkpoint`, no hashes (median of 5) | `ckptspec validate DIR` wall time | "
-        "with SHA-256 verification (throughput) |",
-        "|---|---|---|---|---|",
-        *rows,
-        TIMING_END,
-    ])
+    return "\n".join(
+        [
+            TIMING_BEGIN,
+            "| checkpoint | size | `validate_checkpoint`, no hashes (median of 5) | `ckptspec validate DIR` wall time | "
+            "with SHA-256 verification (throughput) |",
+            "|---|---|---|---|---|",
+            *rows,
+            TIMING_END,
+        ]
+    )
 
 
 def replace_block(text: str, begin: str, end: str, block: str) -> str:
@@ -213,10 +232,17 @@ def replace_block(text: str, begin: str, end: str, block: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", default=os.environ.get("CKPTSPEC_DS_CACHE", "/tmp/ckptspec-ds-cache"),
-                        help="cache of built DeepSpeed checkpoints (tests/dsharness)")
-    parser.add_argument("--no-write", action="store_true", help="print the table instead of updating docs/validation.md")
-    parser.add_argument("--timing-only", action="store_true", help="only time validation of the ~1.4 GB benchmark checkpoints")
+    parser.add_argument(
+        "--cache",
+        default=os.environ.get("CKPTSPEC_DS_CACHE", "/tmp/ckptspec-ds-cache"),
+        help="cache of built DeepSpeed checkpoints (tests/dsharness)",
+    )
+    parser.add_argument(
+        "--no-write", action="store_true", help="print the table instead of updating docs/validation.md"
+    )
+    parser.add_argument(
+        "--timing-only", action="store_true", help="only time validation of the ~1.4 GB benchmark checkpoints"
+    )
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -253,8 +279,11 @@ def main() -> int:
             cli_args = [str(save_dir)]
             if fault.hashed_manifest:
                 manifest = case / "manifest.json"
-                subprocess.run([sys.executable, "-m", "ckptspec", "generate", str(save_dir), "--hash", "-o", str(manifest)],
-                               check=True, cwd=ROOT)
+                subprocess.run(
+                    [sys.executable, "-m", "ckptspec", "generate", str(save_dir), "--hash", "-o", str(manifest)],
+                    check=True,
+                    cwd=ROOT,
+                )
                 cli_args = [str(manifest), "--checkpoint", str(save_dir)]
             marker = case / "pwned"
             fault.mutate(save_dir, FaultEnv(bases.get(fault.donor) if fault.donor else None, marker))
@@ -267,21 +296,28 @@ def main() -> int:
             kind, detail = classify(status, references[fault.base], marker, save_dir)
             tally[kind] = tally.get(kind, 0) + 1
             z2f = f"**{kind}**" + (f": {detail}" if detail else "")
-            rows.append(f"| {i} | {cell(fault.description)} | {cell(z2f)} | {cell(ckptspec_cell(fault, exit_code, found))} |")
-            print(f"{fault.name:34s} zero_to_fp32: {kind:28s} ckptspec: exit {exit_code} {sorted({c for c, _ in found})} "
-                  f"({elapsed:.2f}s)", flush=True)
+            rows.append(
+                f"| {i} | {cell(fault.description)} | {cell(z2f)} | {cell(ckptspec_cell(fault, exit_code, found))} |"
+            )
+            print(
+                f"{fault.name:34s} zero_to_fp32: {kind:28s} ckptspec: exit {exit_code} {sorted({c for c, _ in found})} "
+                f"({elapsed:.2f}s)",
+                flush=True,
+            )
 
     summary = ", ".join(f"{n} {k}" for k, n in sorted(tally.items(), key=lambda kv: -kv[1]))
-    table = "\n".join([
-        BEGIN,
-        f"Measured by `benchmarks/zero_to_fp32_vs_ckptspec.py` with DeepSpeed {deepspeed.__version__} and torch "
-        f"{torch.__version__} on checkpoints built by `tests/dsharness` ({len(FAULTS)} corruptions; zero_to_fp32: {summary}).",
-        "",
-        "| # | corruption | DeepSpeed `zero_to_fp32` | `ckptspec validate` |",
-        "|---|---|---|---|",
-        *rows,
-        END,
-    ])
+    table = "\n".join(
+        [
+            BEGIN,
+            f"Measured by `benchmarks/zero_to_fp32_vs_ckptspec.py` with DeepSpeed {deepspeed.__version__} and torch "
+            f"{torch.__version__} on checkpoints built by `tests/dsharness` ({len(FAULTS)} corruptions; zero_to_fp32: {summary}).",
+            "",
+            "| # | corruption | DeepSpeed `zero_to_fp32` | `ckptspec validate` |",
+            "|---|---|---|---|",
+            *rows,
+            END,
+        ]
+    )
     with tempfile.TemporaryDirectory() as tmp:
         timing_block = timing(Path(tmp))
     if args.no_write:

@@ -123,8 +123,16 @@ class Finding:
         return f"{where}: {label} {self.message} (hint: {self.hint})"
 
 
-def finding(code: str, path: str, message: str, hint: str, *, severity: Severity = "error",
-            file: str | None = None, rank: int | None = None) -> Finding:
+def finding(
+    code: str,
+    path: str,
+    message: str,
+    hint: str,
+    *,
+    severity: Severity = "error",
+    file: str | None = None,
+    rank: int | None = None,
+) -> Finding:
     """A finding of ``code``, named from ``CODES``."""
     return Finding(code, CODES[code], path, message, hint, severity, file, rank)
 

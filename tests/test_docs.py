@@ -164,7 +164,7 @@ def sections(path: Path) -> dict[str, Section]:
             pending = []
     out: dict[str, Section] = {}
     for k, (i, level, anchors) in enumerate(headings):
-        end = next((j for j, lv, _ in headings[k + 1:] if lv <= level), len(lines))
+        end = next((j for j, lv, _ in headings[k + 1 :] if lv <= level), len(lines))
         for anchor in dict.fromkeys(anchors):
             assert anchor not in out, f"{path}: anchor #{anchor} defined twice"
             out[anchor] = Section(anchor, level, i, end)
@@ -245,9 +245,11 @@ def test_error_example(block: Block, expected: Block | None):
     codes = {f.code for f in report.findings}
     assert code in codes, f"{block.where()}: the example under '## {block.heading}' gives {sorted(codes)}"
     assert expected is not None and expected.words == ["text", "findings"], (
-        f"{block.where()}: a ```text findings block must follow the example")
+        f"{block.where()}: a ```text findings block must follow the example"
+    )
     assert [f.to_line() for f in report.findings] == expected.text.splitlines(), (
-        f"{expected.where()}: the findings shown are not what ckptspec prints")
+        f"{expected.where()}: the findings shown are not what ckptspec prints"
+    )
 
 
 def test_every_rule_has_an_example():
@@ -340,8 +342,7 @@ def _console_script(block: Block) -> str:
 
 
 # What tests/dsharness/build.py adds to a DeepSpeed save directory; a doc's reader never has these.
-HARNESS_FILES = ("build_seconds", "harness.json", "live_fp32.pt", "train.log", "engine_manifest.*",
-                 "saved_manifest.*")
+HARNESS_FILES = ("build_seconds", "harness.json", "live_fp32.pt", "train.log", "engine_manifest.*", "saved_manifest.*")
 
 
 @pytest.fixture(scope="module")
@@ -366,8 +367,11 @@ def _scratch(tmp_path_factory, block: Block, checkpoints: dict[str, Path]) -> Pa
         (scratch / name).symlink_to(ROOT / name, target_is_directory=True)
     if "checkpoint" in block.options:
         # A copy, not a link: a block may corrupt its checkpoint.
-        shutil.copytree(checkpoints[block.options["checkpoint"]], scratch / "checkpoint",
-                        ignore=shutil.ignore_patterns(*HARNESS_FILES))
+        shutil.copytree(
+            checkpoints[block.options["checkpoint"]],
+            scratch / "checkpoint",
+            ignore=shutil.ignore_patterns(*HARNESS_FILES),
+        )
     return scratch
 
 
@@ -378,9 +382,14 @@ def doc_runs(tmp_path_factory, console_env, doc_checkpoints) -> dict[str, tuple[
     procs = {}
     for block in console_blocks() + python_run_blocks():
         cwd = _scratch(tmp_path_factory, block, doc_checkpoints)
-        argv = ["bash", "-c", _console_script(block)] if block.words[0] == "console" else [sys.executable, "-c", block.text]
-        procs[block.where()] = subprocess.Popen(argv, cwd=cwd, env=console_env, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, text=True)
+        argv = (
+            ["bash", "-c", _console_script(block)]
+            if block.words[0] == "console"
+            else [sys.executable, "-c", block.text]
+        )
+        procs[block.where()] = subprocess.Popen(
+            argv, cwd=cwd, env=console_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     out = {}
     for where, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
@@ -397,7 +406,8 @@ def test_console_block(block: Block, doc_runs):
     for i, (command, expected) in enumerate(parse_console(block)):
         actual = _normalize(outputs.get(i, ""))
         assert _lines_match(_normalize("\n".join(expected)).splitlines(), actual.splitlines()), (
-            f"{block.where()}: `$ {command}` printed:\n{outputs.get(i, '')}")
+            f"{block.where()}: `$ {command}` printed:\n{outputs.get(i, '')}"
+        )
 
 
 @pytest.mark.parametrize("block", python_run_blocks(), ids=lambda b: b.where())
@@ -427,7 +437,8 @@ def test_python_block_is_run(block: Block):
     if block.words[1:2] == ["run"]:
         return  # test_python_run_block runs it
     assert "excerpt" in block.options and len(block.words) == 2, (
-        f"{block.where()}: a ```python block must be `python run [checkpoint=NAME]` or `python excerpt=examples/PATH`")
+        f"{block.where()}: a ```python block must be `python run [checkpoint=NAME]` or `python excerpt=examples/PATH`"
+    )
     check_excerpt(block)
 
 
@@ -443,18 +454,23 @@ def check_excerpt(block: Block):
     assert source.startswith("examples/") and path.is_file(), f"{block.where()}: {source} is not a file in examples/"
     # Named by a test, itself or its example directory (whose program imports it).
     names = [source] + ([str(Path(source).parent)] if Path(source).parent != Path("examples") else [])
-    assert any(n in _tests_text() for n in names), f"{block.where()}: no tests/test_*.py names {source}, so nothing runs it"
+    assert any(n in _tests_text() for n in names), (
+        f"{block.where()}: no tests/test_*.py names {source}, so nothing runs it"
+    )
     lines, want = path.read_text("utf-8").splitlines(), block.text.splitlines()
-    windows = ("\n".join(lines[i:i + len(want)]) + "\n" for i in range(len(lines) - len(want) + 1))
+    windows = ("\n".join(lines[i : i + len(want)]) + "\n" for i in range(len(lines) - len(want) + 1))
     assert any(textwrap.dedent(w) == block.text for w in windows), f"{block.where()}: not an excerpt of {source}"
 
 
-@pytest.mark.parametrize("info,text,complaint", [
-    ("python", "print(1)\n", "must be `python run"),
-    ("python excerpt=examples/hf_gpt2/train.py", "engine = None\n", "not an excerpt of"),
-    ("python excerpt=examples/demo.py", "import argparse\n", "so nothing runs it"),
-    ("python excerpt=tests/conftest.py", "import os\n", "not a file in examples/"),
-])
+@pytest.mark.parametrize(
+    "info,text,complaint",
+    [
+        ("python", "print(1)\n", "must be `python run"),
+        ("python excerpt=examples/hf_gpt2/train.py", "engine = None\n", "not an excerpt of"),
+        ("python excerpt=examples/demo.py", "import argparse\n", "so nothing runs it"),
+        ("python excerpt=tests/conftest.py", "import os\n", "not a file in examples/"),
+    ],
+)
 def test_untested_python_blocks_are_refused(info: str, text: str, complaint: str):
     with pytest.raises(AssertionError, match=re.escape(complaint)):
         test_python_block_is_run(Block(DOCS / "made-up.md", 1, info, text, ""))
@@ -462,8 +478,14 @@ def test_untested_python_blocks_are_refused(info: str, text: str, complaint: str
 
 def test_commands_only_in_console_blocks():
     """A `$ command` outside a console block would be shown but never run."""
-    stray = [f"{b.where()}: {line}" for f in sorted(DOCS.glob("*.md")) for b in parse_blocks(f)
-             if b.words[:1] != ["console"] for line in b.text.splitlines() if line.startswith("$ ")]
+    stray = [
+        f"{b.where()}: {line}"
+        for f in sorted(DOCS.glob("*.md"))
+        for b in parse_blocks(f)
+        if b.words[:1] != ["console"]
+        for line in b.text.splitlines()
+        if line.startswith("$ ")
+    ]
     assert not stray, "\n".join(stray)
 
 
@@ -540,8 +562,11 @@ def _comments(node, found: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("schema_file", sorted(SCHEMA_DIR.glob("*.schema.json")), ids=lambda p: p.name)
 def test_schema_comment_anchors_exist(schema_file: Path):
-    refs = [m for c in _comments(json.loads(schema_file.read_text("utf-8")), [])
-            for m in re.findall(r"(?:docs/)?([\w-]+\.md)#([\w-]+)", c)]
+    refs = [
+        m
+        for c in _comments(json.loads(schema_file.read_text("utf-8")), [])
+        for m in re.findall(r"(?:docs/)?([\w-]+\.md)#([\w-]+)", c)
+    ]
     assert refs or schema_file.name.startswith("report"), f"{schema_file.name} links no spec section"
     missing = [f"{doc}#{anchor}" for doc, anchor in refs if anchor not in sections(DOCS / doc)]
     assert not missing, f"{schema_file.name} points to anchors that do not exist: {missing}"
@@ -568,7 +593,7 @@ def spec_bullets(anchor: str) -> dict[str, str]:
     """Field bullets of one spec section: name -> the bullet's text."""
     spec = DOCS / "spec.md"
     section = sections(spec)[anchor]
-    lines = spec.read_text("utf-8").splitlines()[section.start:section.end]
+    lines = spec.read_text("utf-8").splitlines()[section.start : section.end]
     bullets: dict[str, str] = {}
     current = None
     for line in lines:
@@ -595,16 +620,20 @@ def test_every_schema_field_has_a_bullet(label: str, anchor: str, obj: dict):
     required = set(obj.get("required", []))
     for name, text in bullets.items():
         said = re.findall(r"This (REQUIRED|OPTIONAL) property", text)
-        assert len(said) == 1, f"spec.md#{anchor}: the bullet for {name} must say 'This REQUIRED/OPTIONAL property' once"
+        assert len(said) == 1, (
+            f"spec.md#{anchor}: the bullet for {name} must say 'This REQUIRED/OPTIONAL property' once"
+        )
         assert (said[0] == "REQUIRED") == (name in required), (
-            f"spec.md#{anchor}: {name} is {said[0]} in the spec but {'required' if name in required else 'optional'} in the schema")
+            f"spec.md#{anchor}: {name} is {said[0]} in the spec but {'required' if name in required else 'optional'} in the schema"
+        )
 
 
 def test_every_field_bullet_has_a_type():
     for _, anchor, _ in schema_objects():
         for name, text in spec_bullets(anchor).items():
             assert re.match(r"^- \*\*`[^`]+`\*\* \*[^*]+\*$", text.splitlines()[0]), (
-                f"spec.md#{anchor}: the bullet for {name} must be '- **`{name}`** *type*'")
+                f"spec.md#{anchor}: the bullet for {name} must be '- **`{name}`** *type*'"
+            )
 
 
 def test_spec_dtype_table_matches_schema_and_rules():

@@ -12,6 +12,7 @@ STAGE2_SPEC = MATRIX["s2-bf16-ws2"][0]  # shared with the other suites: built on
 
 def test_stage2_checkpoint_matches_live_engine(ds_root):
     import torch
+
     save_dir = build_checkpoint(STAGE2_SPEC, 2, ds_root)
 
     info = json.loads((save_dir / "harness.json").read_text())

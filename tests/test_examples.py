@@ -55,8 +55,13 @@ def _bits(array: np.ndarray) -> bytes:
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_gpt2") / "run"
-    result = subprocess.run(["bash", str(ROOT / "examples/hf_gpt2/run.sh"), str(out)], env=_env(),
-                            capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(
+        ["bash", str(ROOT / "examples/hf_gpt2/run.sh"), str(out)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     return out, result
 
 
@@ -107,7 +112,9 @@ def test_hf_gpt2_load_refuses_a_changed_weight(hf_run, tmp_path, capsys):
     # In this process: a second `import transformers` in a fresh one would cost more than the check.
     load = _example_module("examples/hf_gpt2/load.py")
     assert load.main(str(copy), str(out / "reference.safetensors")) == 1
-    assert capsys.readouterr().out.splitlines() == [f"{copy}: differs from the live engine: ['transformer.h.1.mlp.c_fc.bias']"]
+    assert capsys.readouterr().out.splitlines() == [
+        f"{copy}: differs from the live engine: ['transformer.h.1.mlp.c_fc.bias']"
+    ]
 
 
 # --------------------------------------------------------------------------- numpy
@@ -120,8 +127,11 @@ def matrix_point(ds_root):
 
 
 def _reconstruct(save_dir: Path, out: Path, *options: str) -> Path:
-    done = subprocess.run([sys.executable, "-m", "ckptspec", "reconstruct", "-q", str(save_dir), str(out), *options],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "reconstruct", "-q", str(save_dir), str(out), *options],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 
@@ -139,8 +149,9 @@ def test_load_numpy_gives_the_live_masters(matrix_point, tmp_path, dtype, shards
         want = master if dtype == "fp32" else master.to(torch.bfloat16).float()  # bf16: rounded, then widened
         assert arrays[name].dtype == np.float32 and _bits(arrays[name]) == _bits(want.numpy()), name
 
-    shown = subprocess.run([sys.executable, str(ROOT / "examples/load_numpy.py"), str(out)],
-                           capture_output=True, text=True)
+    shown = subprocess.run(
+        [sys.executable, str(ROOT / "examples/load_numpy.py"), str(out)], capture_output=True, text=True
+    )
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     saved_as = "float32" if dtype == "fp32" else "bfloat16 (numpy has no bfloat16: widened exactly to float32)"

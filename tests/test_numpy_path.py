@@ -83,8 +83,9 @@ def test_numpy_only_gives_the_same_bits(checkpoint, tmp_path):
     name, save_dir, spec = checkpoint
     blocked = tmp_path / "blocked"
     blocked.mkdir()
-    result = subprocess.run([sys.executable, "-c", TORCH_FREE_RUN, str(save_dir), str(blocked)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_RUN, str(save_dir), str(blocked)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     run = json.loads((blocked / "run.json").read_text())
     assert run["modules"] == [], "nothing imported torch, deepspeed or safetensors"
@@ -92,8 +93,21 @@ def test_numpy_only_gives_the_same_bits(checkpoint, tmp_path):
     # Byte-identical files to a normal run (where torch is importable).
     normal = tmp_path / "normal"
     for dtype in ("fp32", "bf16"):
-        done = subprocess.run([sys.executable, "-m", "ckptspec", "reconstruct", str(save_dir), str(normal / dtype),
-                               "--quiet", "--dtype", dtype], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ckptspec",
+                "reconstruct",
+                str(save_dir),
+                str(normal / dtype),
+                "--quiet",
+                "--dtype",
+                dtype,
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 0, done.stderr
         assert sorted(p.name for p in (blocked / dtype).iterdir()) == sorted(p.name for p in (normal / dtype).iterdir())
         for path in (normal / dtype).iterdir():
@@ -128,4 +142,6 @@ def test_numpy_only_gives_the_same_bits(checkpoint, tmp_path):
         assert fp32[key].tobytes() == wide.contiguous().numpy().tobytes(), key
         narrow = theirs.to(torch.bfloat16) if theirs.is_floating_point() else theirs
         assert bf16[key].dtype == narrow.dtype, key
-        assert torch.equal(bf16[key].reshape(-1).view(torch.uint8), narrow.contiguous().reshape(-1).view(torch.uint8)), key
+        assert torch.equal(
+            bf16[key].reshape(-1).view(torch.uint8), narrow.contiguous().reshape(-1).view(torch.uint8)
+        ), key

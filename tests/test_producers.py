@@ -98,8 +98,11 @@ def test_every_module_key_has_one_role(checkpoint):
 def test_cli_generate_then_validate(checkpoint, tmp_path):
     name, save_dir, spec, world_size = checkpoint
     out = tmp_path / "manifest.json"
-    gen = subprocess.run([sys.executable, "-m", "ckptspec", "generate", str(save_dir), "-o", str(out), "--hash"],
-                         capture_output=True, text=True)
+    gen = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "generate", str(save_dir), "-o", str(out), "--hash"],
+        capture_output=True,
+        text=True,
+    )
     assert gen.returncode == 0, gen.stderr
     val = subprocess.run([sys.executable, "-m", "ckptspec", "validate", str(out)], capture_output=True, text=True)
     assert val.returncode == 0, val.stdout + val.stderr
@@ -111,7 +114,9 @@ def test_cli_generate_then_validate(checkpoint, tmp_path):
 def test_unsupported_checkpoints_are_refused_clearly(name, ds_root):
     spec, world_size = UNSUPPORTED[name]
     save_dir = build_checkpoint(spec, world_size, ds_root)
-    result = subprocess.run([sys.executable, "-m", "ckptspec", "generate", str(save_dir)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "generate", str(save_dir)], capture_output=True, text=True
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "CK202" in result.stderr and "stage 0" in result.stderr
@@ -162,8 +167,14 @@ def test_older_deepspeed_checkpoints(old_checkpoint):
     assert validate_document(from_dir).findings == []
 
 
-@pytest.mark.parametrize("extra", ["layer_0_expert_0_mp_rank_00_model_states.pt", "layer_01-model_states.pt",
-                                   "zero_pp_rank_0_mp_rank_01_optim_states.pt"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "layer_0_expert_0_mp_rank_00_model_states.pt",
+        "layer_01-model_states.pt",
+        "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+    ],
+)
 def test_moe_pipeline_and_tensor_parallel_files_are_refused(extra, ds_root, tmp_path):
     """MoE expert, pipeline layer and model-parallel files: refused by name, never misdescribed.
 

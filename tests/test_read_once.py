@@ -28,8 +28,18 @@ pytestmark = pytest.mark.deepspeed
 
 # A checkpoint saved by ckptspec.deepspeed.save_checkpoint (sidecar and client-state copies);
 # the spec of tests/test_embed.py's "s1-fp16-ws2", so the harness cache holds it already.
-SAVED_WITH_CKPTSPEC = ({"stage": 1, "dtype": "fp16", "tied": True, "frozen": True, "buffers": True,
-                        "save_with": "ckptspec", "hook": "ds_embed_hooks:load_back"}, 2)
+SAVED_WITH_CKPTSPEC = (
+    {
+        "stage": 1,
+        "dtype": "fp16",
+        "tied": True,
+        "frozen": True,
+        "buffers": True,
+        "save_with": "ckptspec",
+        "hook": "ds_embed_hooks:load_back",
+    },
+    2,
+)
 CHECKPOINTS = {
     "s2-bf16-ws2": MATRIX["s2-bf16-ws2"],  # no sidecar: the manifest is generated
     "s3-bf16-ws2-sub": MATRIX["s3-bf16-ws2-sub"],  # stage 3: a model-states file per rank

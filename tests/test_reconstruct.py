@@ -78,9 +78,11 @@ def checkpoint(request, ds_root):
 @pytest.fixture(scope="module")
 def point(ds_root):
     """A matrix point by name, built on first use."""
+
     def get(name):
         spec, world_size = MATRIX[name]
         return build_checkpoint(spec, world_size, ds_root)
+
     return get
 
 
@@ -123,8 +125,9 @@ def test_bit_exact_against_zero_to_fp32_and_live_engine(checkpoint, tmp_path):
 
     # Frozen params and buffers: exactly the model-states values (widened to fp32).
     tag_dir = resolve_tag_dir(save_dir)
-    model_files = [torch.load(p, map_location="cpu", weights_only=False)
-                   for p in sorted(tag_dir.glob("*model_states.pt"))]
+    model_files = [
+        torch.load(p, map_location="cpu", weights_only=False) for p in sorted(tag_dir.glob("*model_states.pt"))
+    ]
     module = model_files[0]["module"]
     for key, role in roles.items():
         if role == "buffer" or (role == "frozen" and spec["stage"] < 3):
@@ -395,7 +398,9 @@ def test_reads_only_fp32_partitions_and_needed_module_tensors(point, name, tmp_p
             by_file.setdefault(path, []).append((offset, offset + n))
         for path, ranges in by_file.items():
             ranges.sort()
-            assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:])), f"{path}: a byte read twice"
+            assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:])), (
+                f"{path}: a byte read twice"
+            )
         optim_bytes = sum(n for path, _, n in run if path.endswith("optim_states.pt"))
         assert optim_bytes == expected
 
@@ -411,7 +416,9 @@ def test_progress_bar_on_a_terminal(point, tmp_path):
     pid, fd = pty.fork()
     if pid == 0:  # the child: a 100-column terminal, as tqdm sizes its bar to it
         fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-        os.execv(sys.executable, [sys.executable, "-m", "ckptspec", "reconstruct", str(save_dir), str(tmp_path / "out")])
+        os.execv(
+            sys.executable, [sys.executable, "-m", "ckptspec", "reconstruct", str(save_dir), str(tmp_path / "out")]
+        )
     chunks = []
     while True:
         try:

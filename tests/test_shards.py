@@ -90,9 +90,20 @@ def test_suite_covers_every_check():
     covered = {f.code for f in FAULTS}
     assert {c.code for c in CHECKS} <= covered, sorted({c.code for c in CHECKS} - covered)
     assert len({f.name for f in FAULTS}) == len(FAULTS) >= 15
-    assert {"transposed-shape", "emptied-shared-params-s3", "reordered-param-shapes", "missing-rank", "stale-extra-rank",
-            "truncated-shard", "empty-shard", "foreign-shard", "missing-stage3-model-states", "bad-latest",
-            "swapped-rank-files", "malicious-pickle"} <= {f.name for f in FAULTS}
+    assert {
+        "transposed-shape",
+        "emptied-shared-params-s3",
+        "reordered-param-shapes",
+        "missing-rank",
+        "stale-extra-rank",
+        "truncated-shard",
+        "empty-shard",
+        "foreign-shard",
+        "missing-stage3-model-states",
+        "bad-latest",
+        "swapped-rank-files",
+        "malicious-pickle",
+    } <= {f.name for f in FAULTS}
 
 
 def _rank_of(name: str | None) -> int | None:

@@ -45,7 +45,9 @@ class SizeParam(click.ParamType):
 SIZE = SizeParam()
 
 
-def echo_findings(findings: Iterable[Finding], target: str, *, err: bool = False, always_name_target: bool = True) -> None:
+def echo_findings(
+    findings: Iterable[Finding], target: str, *, err: bool = False, always_name_target: bool = True
+) -> None:
     """One line per finding, ``TARGET: <finding>``. With ``always_name_target=False`` a finding
     that names its own file is printed without the target."""
     for finding in findings:

@@ -49,7 +49,11 @@ def flat_group(
         raise ValueError(f"{len(paddings)} paddings for {len(params)} params")
     entries, offset = [], 0
     for spec, pad in zip(params, paddings):
-        entries.append(Param(name=spec.name, shape=list(spec.shape), numel=spec.numel, dtype=spec.dtype, offset=offset, padding=pad))
+        entries.append(
+            Param(
+                name=spec.name, shape=list(spec.shape), numel=spec.numel, dtype=spec.dtype, offset=offset, padding=pad
+            )
+        )
         offset += spec.numel + pad
     alignment = NCCL_START_ALIGNMENT_FACTOR * partition_count if zero_stage in (1, 2) else 1
     padded = round_up(offset, alignment)
@@ -59,8 +63,14 @@ def flat_group(
     else:
         saved = [min(partition, max(0, offset - r * partition)) for r in range(partition_count)]
     return Group(
-        optimizer_group=optimizer_group, partitioning="flat", partition_count=partition_count,
-        alignment=alignment, padded_numel=padded, partition_numel=partition, saved_numels=saved, params=entries,
+        optimizer_group=optimizer_group,
+        partitioning="flat",
+        partition_count=partition_count,
+        alignment=alignment,
+        padded_numel=padded,
+        partition_numel=partition,
+        saved_numels=saved,
+        params=entries,
     )
 
 
@@ -70,12 +80,21 @@ def per_param_group(params: Sequence[ParamSpec], *, optimizer_group: int, partit
     for spec in params:
         share = -(-spec.numel // partition_count)
         pad = share * partition_count - spec.numel
-        entries.append(Param(name=spec.name, shape=list(spec.shape), numel=spec.numel, dtype=spec.dtype, offset=offset, padding=pad))
+        entries.append(
+            Param(
+                name=spec.name, shape=list(spec.shape), numel=spec.numel, dtype=spec.dtype, offset=offset, padding=pad
+            )
+        )
         offset += share
     return Group(
-        optimizer_group=optimizer_group, partitioning="per_param", partition_count=partition_count,
-        alignment=1, padded_numel=offset * partition_count, partition_numel=offset,
-        saved_numels=[offset] * partition_count, params=entries,
+        optimizer_group=optimizer_group,
+        partitioning="per_param",
+        partition_count=partition_count,
+        alignment=1,
+        padded_numel=offset * partition_count,
+        partition_numel=offset,
+        saved_numels=[offset] * partition_count,
+        params=entries,
     )
 
 
@@ -85,6 +104,6 @@ def natural_order(params: list, partition_count: int) -> list:
     sizes = [len(range(b, n, partition_count)) for b in range(partition_count)]
     buckets, start = [], 0
     for size in sizes:
-        buckets.append(params[start:start + size])
+        buckets.append(params[start : start + size])
         start += size
     return [buckets[k % partition_count][k // partition_count] for k in range(n)]

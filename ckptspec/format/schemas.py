@@ -89,8 +89,9 @@ def _message(error) -> str:
     return message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 3] + "..."
 
 
-def schema_findings(doc: Any, schema: dict | None = None, *, allow_unknown: bool = False,
-                    rules_of: str = "(see docs/spec.md)") -> list[Finding]:
+def schema_findings(
+    doc: Any, schema: dict | None = None, *, allow_unknown: bool = False, rules_of: str = "(see docs/spec.md)"
+) -> list[Finding]:
     """CK001 findings of the reference validator, sorted by path.
 
     ``schema``: a schema document (a registered draft); default the latest shipped manifest
@@ -103,10 +104,19 @@ def schema_findings(doc: Any, schema: dict | None = None, *, allow_unknown: bool
         for error in check.iter_errors(doc):
             if allow_unknown and error.validator == "additionalProperties":
                 continue
-            found.append(finding("CK001", json_path(*error.absolute_path), _message(error),
-                                 f"the document breaks the JSON Schema rule '{error.validator}' {rules_of}"))
+            found.append(
+                finding(
+                    "CK001",
+                    json_path(*error.absolute_path),
+                    _message(error),
+                    f"the document breaks the JSON Schema rule '{error.validator}' {rules_of}",
+                )
+            )
     except RecursionError:  # jsonschema repr()s offending values; junk can nest ~1000 deep
-        found.append(finding("CK001", "$", "the document nests too deeply to be a manifest",
-                             "a manifest nests at most a few levels"))
+        found.append(
+            finding(
+                "CK001", "$", "the document nests too deeply to be a manifest", "a manifest nests at most a few levels"
+            )
+        )
     found.sort(key=lambda f: f.path)
     return found
