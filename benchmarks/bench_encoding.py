@@ -25,10 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ckptspec.format.codec import dumps  # noqa: E402
-from ckptspec.format.codec import decode  # noqa: E402
-from ckptspec.format.validate import validate_document  # noqa: E402
-from synthetic import WORLD, synthetic_manifest  # noqa: E402
+from synthetic import WORLD, synthetic_manifest
+
+from ckptspec.format.codec import (
+    decode,
+    dumps,
+)
+from ckptspec.format.validate import validate_document
 
 
 def _median_seconds(fn, repeat: int) -> float:
@@ -49,11 +52,11 @@ def measure(n_params: int, repeat: int, validate: bool = True) -> list[dict]:
         row = {
             "encoding": encoding,
             "bytes": len(data),
-            "decode_s": _median_seconds(lambda: decode(data, encoding), repeat),
+            "decode_s": _median_seconds(lambda data=data, encoding=encoding: decode(data, encoding), repeat),
         }
         if validate:
 
-            def load_and_validate():
+            def load_and_validate(data=data, encoding=encoding):
                 report = validate_document(decode(data, encoding))
                 assert report.ok, [f.to_line() for f in report.findings][:3]
 
@@ -73,7 +76,8 @@ def markdown(rows: list[dict], n_params: int) -> str:
     for row in rows:
         validate = row.get("decode_validate_s")
         lines.append(
-            f"| {row['encoding']} | {row['bytes']:,} | {row['bytes'] / json_row['bytes']:.2f} | {row['decode_s']:.3f} | "
+            f"| {row['encoding']} | {row['bytes']:,} | {row['bytes'] / json_row['bytes']:.2f} | "
+            f"{row['decode_s']:.3f} | "
             f"{row['decode_s'] / json_row['decode_s']:.2f} | "
             + (f"{validate:.3f} | {validate / json_row['decode_validate_s']:.2f} |" if validate else "- | - |")
         )

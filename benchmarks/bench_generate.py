@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from child import run_child as run_once  # noqa: E402
+from child import run_child as run_once
 from make_many_tensors import SIZES, BuildTimeout, build, build_info
 
 PY = sys.executable
@@ -69,9 +69,9 @@ def breakdown(checkpoint: str, out: str) -> dict:
         return now
 
     t = (time.perf_counter(), time.process_time())
-    from ckptspec.deepspeed import describe as ds_checkpoint
-    from ckptspec.checkpoint import torchfile  # noqa: F401
     from ckptspec._fs import write_atomic
+    from ckptspec.checkpoint import torchfile  # noqa: F401
+    from ckptspec.deepspeed import describe as ds_checkpoint
     from ckptspec.format.codec import dumps
 
     t = step("import", t)
@@ -267,7 +267,8 @@ def markdown(rows_: list[dict]) -> str:
             "",
             "DeepSpeed itself (2 ranks, gloo, CPU; from bench.json):",
             "",
-            "| N tensors | stage | frozen | tied | shard MB | build_model s | initialize s | 1 step s | save_checkpoint s |",
+            "| N tensors | stage | frozen | tied | shard MB | build_model s | initialize s | 1 step s | "
+            "save_checkpoint s |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in done:

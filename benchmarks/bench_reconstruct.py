@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from child import run_child  # noqa: E402
-from make_big_checkpoint import build  # noqa: E402
+from child import run_child
+from make_big_checkpoint import build
 
 PY = sys.executable
 Z2F = (

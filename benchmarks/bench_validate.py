@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from child import run_child  # noqa: E402
+from child import run_child
 
 PY = sys.executable
 CKPTSPEC = [PY, "-m", "ckptspec"]

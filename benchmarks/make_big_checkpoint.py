@@ -49,7 +49,8 @@ def build(stage: int, quiet: bool = False) -> Path:
     free = shutil.disk_usage(root).free
     if free < NEEDED_BYTES:
         sys.exit(
-            f"only {free / 2**30:.1f} GiB free under {root}; the benchmark needs ~{NEEDED_BYTES / 2**30:.0f} GiB per stage"
+            f"only {free / 2**30:.1f} GiB free under {root}; the benchmark needs ~{NEEDED_BYTES / 2**30:.0f} GiB "
+            "per stage"
         )
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")

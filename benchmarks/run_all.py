@@ -22,9 +22,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import bench_generate  # noqa: E402
-import bench_reconstruct  # noqa: E402
-import bench_validate  # noqa: E402
+import bench_generate
+import bench_reconstruct
+import bench_validate
 
 PY = sys.executable
 HASH_CODE = """

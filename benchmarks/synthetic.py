@@ -15,9 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckptspec.format.codec import dumps, encoding_for_output  # noqa: E402
-from ckptspec.format.partition import ParamSpec, flat_group  # noqa: E402
-from ckptspec.format.models import (  # noqa: E402
+from ckptspec.format.codec import dumps, encoding_for_output
+from ckptspec.format.models import (
     Alias,
     Buffer,
     FrozenParam,
@@ -28,7 +27,8 @@ from ckptspec.format.models import (  # noqa: E402
     Producer,
     ShardFile,
 )
-from ckptspec.format.version import FORMAT_NAME, FORMAT_VERSION  # noqa: E402
+from ckptspec.format.partition import ParamSpec, flat_group
+from ckptspec.format.version import FORMAT_NAME, FORMAT_VERSION
 
 WORLD = 8
 CACHE = Path(__file__).resolve().parent / ".cache" / "manifests"

@@ -15,7 +15,8 @@ For every fault of tests/faults.py: copy the clean checkpoint, corrupt it, then
 
 The markdown table is written into docs/validation.md between the marker comments.
 
-    DS_ACCELERATOR=cpu CKPTSPEC_DS_CACHE=/tmp/dscache python benchmarks/zero_to_fp32_vs_ckptspec.py [--no-write] [--timing-only]
+    DS_ACCELERATOR=cpu CKPTSPEC_DS_CACHE=/tmp/dscache \
+        python benchmarks/zero_to_fp32_vs_ckptspec.py [--no-write] [--timing-only]
 
 It also times validation of the ~1.4 GB checkpoints of benchmarks/make_big_checkpoint.py when they
 have been built (it never builds them) and writes that table between its own markers.
@@ -36,9 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from ds_matrix import MATRIX  # noqa: E402
-from dsharness.build import build_checkpoint  # noqa: E402
-from faults import FAULTS, FaultEnv  # noqa: E402
+from ds_matrix import MATRIX
+from dsharness.build import build_checkpoint
+from faults import FAULTS, FaultEnv
 
 DOC = ROOT / "docs" / "validation.md"
 BEGIN, END = "<!-- zero_to_fp32-vs-ckptspec:begin -->", "<!-- zero_to_fp32-vs-ckptspec:end -->"
@@ -173,9 +174,9 @@ def timing(work: Path) -> str | None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from make_big_checkpoint import checkpoint_dir
 
-    from ckptspec.format.codec import write_manifest
     from ckptspec.deepspeed.describe import manifest_from_checkpoint
     from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.format.codec import write_manifest
     from ckptspec.format.validate import load_manifest
 
     rows = []
@@ -203,7 +204,8 @@ def timing(work: Path) -> str | None:
         with_hash = time.perf_counter() - t0
         assert findings == [], findings
         rows.append(
-            f"| ZeRO-{stage}, 2 ranks, bf16 | {size / 1e9:.2f} GB | {seconds * 1000:.0f} ms, {read / 1024:.0f} KiB read "
+            f"| ZeRO-{stage}, 2 ranks, bf16 | {size / 1e9:.2f} GB | {seconds * 1000:.0f} ms, {read / 1024:.0f} KiB "
+            "read "
             f"| {cli:.2f} s (interpreter start-up alone: {startup:.2f} s) | {with_hash:.2f} s "
             f"({size / with_hash / 1e6:.0f} MB/s) |"
         )
@@ -213,7 +215,8 @@ def timing(work: Path) -> str | None:
     return "\n".join(
         [
             TIMING_BEGIN,
-            "| checkpoint | size | `validate_checkpoint`, no hashes (median of 5) | `ckptspec validate DIR` wall time | "
+            "| checkpoint | size | `validate_checkpoint`, no hashes (median of 5) | `ckptspec validate DIR` wall "
+            "time | "
             "with SHA-256 verification (throughput) |",
             "|---|---|---|---|---|",
             *rows,
@@ -310,7 +313,8 @@ def main() -> int:
         [
             BEGIN,
             f"Measured by `benchmarks/zero_to_fp32_vs_ckptspec.py` with DeepSpeed {deepspeed.__version__} and torch "
-            f"{torch.__version__} on checkpoints built by `tests/dsharness` ({len(FAULTS)} corruptions; zero_to_fp32: {summary}).",
+            f"{torch.__version__} on checkpoints built by `tests/dsharness` ({len(FAULTS)} corruptions; "
+            f"zero_to_fp32: {summary}).",
             "",
             "| # | corruption | DeepSpeed `zero_to_fp32` | `ckptspec validate` |",
             "|---|---|---|---|",

@@ -9,8 +9,9 @@ registration order, named from ``CODES``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Callable, Generic, Iterable, Iterator, Literal, TypeVar
+from typing import Generic, Literal, TypeVar
 
 Severity = Literal["error", "warning"]
 

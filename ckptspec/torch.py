@@ -6,9 +6,9 @@ Imports torch only through the objects it is given.
 from __future__ import annotations
 
 from ._version import __version__
-from .format.partition import ParamSpec, flat_group
-from .format.models import Alias, Buffer, FrozenParam, Layout, Manifest, Producer
 from .format.dtypes import dtype_name
+from .format.models import Alias, Buffer, FrozenParam, Layout, Manifest, Producer
+from .format.partition import ParamSpec, flat_group
 from .format.version import FORMAT_NAME, FORMAT_VERSION
 
 

@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the real-DeepSpeed harness lives with the tests
 
-from ds_matrix import MATRIX  # noqa: E402
-from dsharness.build import build_checkpoint  # noqa: E402
+from ds_matrix import MATRIX
+from dsharness.build import build_checkpoint
 
 
 def run(*args: str, expect: int) -> subprocess.CompletedProcess:
@@ -127,7 +127,8 @@ def main() -> None:
     refused = work / "weights-from-truncated"
     run("reconstruct", str(truncated), str(refused), "--quiet", expect=1)
     print(
-        f"  written from the corrupt copy: {sorted(p.name for p in refused.glob('*')) if refused.exists() else 'nothing'}"
+        "  written from the corrupt copy: "
+        f"{sorted(p.name for p in refused.glob('*')) if refused.exists() else 'nothing'}"
     )
     print(f"\nall done; files are in {work}")
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-
-from ckptspec.format.schemas import validator as reference_validator
 import typing
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from ckptspec.format import models
 from ckptspec.format.codec import load_document
 from ckptspec.format.models import Manifest
+from ckptspec.format.schemas import validator as reference_validator
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA: dict = json.loads((ROOT / "schema" / "manifest-1.0.schema.json").read_text("utf-8"))

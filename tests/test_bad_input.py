@@ -3,8 +3,9 @@
 The CLI cases call ``ckptspec.cli.main`` (the console-script entry point, which turns any
 unexpected exception into CK999) in-process, and check the exit status, the code, and that
 no exception escapes and no CK999 appears; a few cases also run the installed ``ckptspec``
-command in a subprocess (the sparse 3 GB file under a 1 GB memory limit, for one). The fuzz tests feed random bytes, random JSON
-values and randomly mutated real manifests to ``codec.decode`` + ``validate_document``:
+command in a subprocess (the sparse 3 GB file under a 1 GB memory limit, for one). The fuzz
+tests feed random bytes, random JSON values and randomly mutated real manifests to
+``codec.decode`` + ``validate_document``:
 they may only raise ``CkptspecError`` or return a ``Report``, and a ``CK002`` finding
 (schema and models disagree, a ckptspec bug) must never appear.
 
@@ -27,9 +28,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptspec.format import codec
 from ckptspec.cli import main as cli_main
 from ckptspec.errors import CkptspecError
+from ckptspec.format import codec
 from ckptspec.format.validate import Report, validate_document
 
 ROOT = Path(__file__).resolve().parents[1]

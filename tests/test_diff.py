@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from ckptspec.cli import cli
-from ckptspec.report.diff import RULES, diff_manifests, resume_reasons
-from ckptspec.format.models import Manifest
 from ds_matrix import MATRIX
 from dsharness.build import build_checkpoint
 from dsharness.resume import resume_checkpoint
+
+from ckptspec.cli import cli
+from ckptspec.format.models import Manifest
+from ckptspec.report.diff import RULES, diff_manifests, resume_reasons
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"

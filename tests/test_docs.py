@@ -45,9 +45,9 @@ import os
 import re
 import shutil
 import stat
-import textwrap
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -624,7 +624,8 @@ def test_every_schema_field_has_a_bullet(label: str, anchor: str, obj: dict):
             f"spec.md#{anchor}: the bullet for {name} must say 'This REQUIRED/OPTIONAL property' once"
         )
         assert (said[0] == "REQUIRED") == (name in required), (
-            f"spec.md#{anchor}: {name} is {said[0]} in the spec but {'required' if name in required else 'optional'} in the schema"
+            f"spec.md#{anchor}: {name} is {said[0]} in the spec but "
+            f"{'required' if name in required else 'optional'} in the schema"
         )
 
 

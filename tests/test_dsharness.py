@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from ds_matrix import MATRIX
 from dsharness.build import DEEPSPEED_VERSION, build_checkpoint, run_zero_to_fp32
 

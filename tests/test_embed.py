@@ -39,8 +39,7 @@ from ckptspec.checkpoint.embedded import (
 from ckptspec.checkpoint.pt_rewrite import rewrite_pt_with_item
 from ckptspec.deepspeed.embed import embedded_findings
 from ckptspec.errors import EmbedError, UnsupportedEngine
-from ckptspec.format.codec import dumps
-from ckptspec.format.codec import load_document
+from ckptspec.format.codec import dumps, load_document
 from ckptspec.format.validate import validate_document
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,11 +17,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptspec._fs import atomic_output, write_atomic
 from ckptspec.cli import cli
 from ckptspec.errors import NotEncodable
-from ckptspec._fs import atomic_output, write_atomic
-from ckptspec.format.codec import dumps, encoding_for_output
-from ckptspec.format.codec import decode, load_document
+from ckptspec.format.codec import decode, dumps, encoding_for_output, load_document
 from ckptspec.format.models import Manifest
 from ckptspec.format.validate import validate_document
 
@@ -66,9 +65,9 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_canonical_json_is_sorted_utf8_indented():
     doc = {"b": 1, "a": {"z": "é€😀", "y": [3, 2.5, None, True]}}
     text = dumps(doc, "json").decode("utf-8")
-    assert (
-        text
-        == '{\n  "a": {\n    "y": [\n      3,\n      2.5,\n      null,\n      true\n    ],\n    "z": "é€😀"\n  },\n  "b": 1\n}\n'
+    assert text == (
+        '{\n  "a": {\n    "y": [\n      3,\n      2.5,\n      null,\n      true\n    ],\n'
+        '    "z": "é€😀"\n  },\n  "b": 1\n}\n'
     )
     assert dumps(doc, "json", compact=True) == '{"a":{"y":[3,2.5,null,true],"z":"é€😀"},"b":1}'.encode()
 
@@ -307,7 +306,7 @@ def test_convert_in_process_matches_subprocess(tmp_path):
     assert out.read_bytes() == dumps(json.loads(EXAMPLE.read_text("utf-8")), "msgpack")
 
 
-# --------------------------------------------------------------------------- size and speed (benchmarks/bench_encoding.py)
+# ------------------------------------------------------------------ size and speed (benchmarks/bench_encoding.py)
 
 
 def test_benchmark_manifest_is_valid_and_msgpack_is_smaller():

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from ds_matrix import MATRIX
 from dsharness.build import build_checkpoint, torch_extensions_dir
 

@@ -22,10 +22,6 @@ from pathlib import Path
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
-
-from ckptspec.format import schemas as schemas_registry
-from ckptspec.format.codec import decode_document, load_document
-from ckptspec.format.validate import fast_schema_accepts, validate_document, validate_file
 from test_agreement import (
     BASE,
     MUTATIONS_1_0,
@@ -35,6 +31,10 @@ from test_agreement import (
     bounded_schema,
     schema_strategy,
 )
+
+from ckptspec.format import schemas as schemas_registry
+from ckptspec.format.codec import decode_document, load_document
+from ckptspec.format.validate import fast_schema_accepts, validate_document, validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "conformance" / "1.0"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from ckptspec.cli import cli
 from ds_matrix import MATRIX
 from dsharness.build import build_checkpoint, run_zero_to_fp32
 from dsharness.train import build_model, normalize_spec
+
+from ckptspec.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"

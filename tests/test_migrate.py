@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ckptspec.format import migrate as mig
 from ckptspec.cli import cli
 from ckptspec.errors import InvalidInput, MigrationError
+from ckptspec.format import migrate as mig
 from ckptspec.format.codec import load_document
 from ckptspec.format.migrate import (
     migrate_document,

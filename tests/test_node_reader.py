@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from ds_matrix import MATRIX
+from dsharness.build import build_checkpoint
 from safetensors import safe_open
 
 from ckptspec.cli import cli
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "examples" / "node-reader"
@@ -183,7 +183,8 @@ def test_blake2b_hashes_are_verified(damaged, tmp_path):
         node(READER, manifest, tag, out),
         out,
         1,
-        f"{doc['files'][0]['path']}: CK209 blake2b differs from the manifest (hint: restore the file the manifest describes)",
+        f"{doc['files'][0]['path']}: CK209 blake2b differs from the manifest (hint: restore the file the manifest "
+        "describes)",
     )
 
 

@@ -18,7 +18,6 @@ import sys
 import textwrap
 
 import pytest
-
 from ds_matrix import MATRIX
 from dsharness.build import build_checkpoint, run_zero_to_fp32
 

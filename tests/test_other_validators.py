@@ -225,7 +225,7 @@ def test_node_checker_reports_the_expected_codes(name, ajv, ckptspec_verdicts):
 
 
 def test_divergences_are_the_js_double_rounding(ajv):
-    for engine, name in DIVERGENCES:
+    for _engine, name in DIVERGENCES:
         assert ajv[name]["raw_valid"] is True  # ajv alone accepts 2**63 ...
         assert ajv[name]["codes"] == ["CK001"]  # ... the node checker's 2**53 guard refuses it
         big = [v for v in iter_numbers(load_document(CORPUS / name)) if v > 2**53 - 1]

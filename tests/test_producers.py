@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from ds_matrix import MATRIX, OLD_DEEPSPEED, UNSUPPORTED
+from dsharness.build import OLD_DEEPSPEED_VERSION, build_checkpoint
 
 from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.deepspeed.directory import resolve_tag_dir
 from ckptspec.format.validate import validate_document
-from ds_matrix import MATRIX, OLD_DEEPSPEED, UNSUPPORTED
-from dsharness.build import OLD_DEEPSPEED_VERSION, build_checkpoint
 
 pytestmark = pytest.mark.deepspeed
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from ds_matrix import MATRIX
+from dsharness.build import build_checkpoint
 
 from ckptspec.checkpoint import torchfile
 from ckptspec.cli import cli
 from ckptspec.deepspeed.embed import embed_checkpoint
 from ckptspec.format import validate as validate_module
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint
 
 pytestmark = pytest.mark.deepspeed
 

@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from ds_matrix import MATRIX
+from dsharness.build import build_checkpoint, run_zero_to_fp32
 
 from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.deepspeed.directory import resolve_tag_dir
-from ds_matrix import MATRIX
-from dsharness.build import build_checkpoint, run_zero_to_fp32
 
 pytestmark = pytest.mark.deepspeed
 
@@ -348,8 +348,8 @@ def test_rerun_replaces_stale_shards(point, tmp_path):
 @pytest.mark.parametrize("name", ["s2-bf16-ws2", "s3-fp16-ws3-groups"])
 def test_reads_only_fp32_partitions_and_needed_module_tensors(point, name, tmp_path, monkeypatch):
     """No byte of the Adam moments (exp_avg, exp_avg_sq) is read, and no byte twice."""
-    from ckptspec.export import api as rc
     from ckptspec.checkpoint import torchfile
+    from ckptspec.export import api as rc
 
     save_dir = point(name)
     reads: list[tuple[str, int, int]] = []

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from ckptspec.cli import cli
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
-from ckptspec.errors import CkptspecError, InvalidCheckpoint
-from ckptspec.format.models import Manifest
-from ckptspec.deepspeed.checks import CHECKS, check_checkpoint
-from ckptspec.deepspeed.validate import validate_checkpoint
-from ckptspec.format.partition import natural_order
-from ckptspec.checkpoint import torchfile
 from ds_matrix import MATRIX
 from dsharness.build import build_checkpoint
 from faults import FAULTS, FaultEnv, snapshot, tag_dir
+
+from ckptspec.checkpoint import torchfile
+from ckptspec.cli import cli
+from ckptspec.deepspeed.checks import CHECKS, check_checkpoint
+from ckptspec.deepspeed.describe import manifest_from_checkpoint
+from ckptspec.deepspeed.validate import validate_checkpoint
+from ckptspec.errors import CkptspecError, InvalidCheckpoint
+from ckptspec.format.models import Manifest
+from ckptspec.format.partition import natural_order
 
 pytestmark = pytest.mark.deepspeed
 

@@ -3,8 +3,8 @@
 import torch
 import torch.nn as nn
 
-from ckptspec.torch import manifest_from_module
 from ckptspec.format.validate import validate_document
+from ckptspec.torch import manifest_from_module
 
 
 class TinyLM(nn.Module):

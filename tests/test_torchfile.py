@@ -72,8 +72,8 @@ def _save_zip(path, members, compression=zipfile.ZIP_STORED):
 )
 def test_real_checkpoint_files(ds_root, name):
     import torch
-    from dsharness.build import build_checkpoint
     from ds_matrix import MATRIX
+    from dsharness.build import build_checkpoint
 
     spec, world_size = MATRIX[name]  # stages 1-3 x bf16/fp16/fp32, shared with the other suites
     stage, dtype = spec["stage"], spec["dtype"]

@@ -25,9 +25,10 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._fs import write_atomic
 from ..errors import CkptspecError, EmbedError

@@ -7,7 +7,8 @@ come from a fixed allowlist and are replaced by inert local stand-ins (``TensorR
 No tensor bytes are read. ``zip_member_locations`` gives the byte range of each member, so a
 tensor's bytes can later be read (or hashed) directly from the file.
 
-Standard library only: this module must stay importable where torch is not installed.
+Standard library only (plus ckptspec's own dtype table): this module must stay importable where
+torch is not installed.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import io
 import pickle
 import struct
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
+from ..format.dtypes import ITEMSIZE
 
 __all__ = [
     "StorageRef",
@@ -163,23 +166,14 @@ class _TensorClass:
     """What ``torch.Tensor`` resolves to; only usable as _rebuild_from_type_v2's new_type."""
 
 
-_STORAGE_TYPES = {
-    name: _StorageType(name, dtype, itemsize)
-    for name, dtype, itemsize in [
-        ("DoubleStorage", "float64", 8),
-        ("FloatStorage", "float32", 4),
-        ("HalfStorage", "float16", 2),
-        ("BFloat16Storage", "bfloat16", 2),
-        ("LongStorage", "int64", 8),
-        ("IntStorage", "int32", 4),
-        ("ShortStorage", "int16", 2),
-        ("CharStorage", "int8", 1),
-        ("ByteStorage", "uint8", 1),
-        ("BoolStorage", "bool", 1),
-        ("ComplexFloatStorage", "complex64", 8),
-        ("ComplexDoubleStorage", "complex128", 16),
-    ]
-}
+# torch's typed storage classes (what protocol-2 pickles name) and the dtype each holds.
+_STORAGE_DTYPES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+}  # fmt: skip
+_STORAGE_TYPES = {name: _StorageType(name, dtype, ITEMSIZE[dtype]) for name, dtype in _STORAGE_DTYPES.items()}
 _DTYPES = {t.dtype for t in _STORAGE_TYPES.values()}
 
 

@@ -211,6 +211,7 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
         click.echo(
             "resume: B can resume from A's optimizer state"
             if result.resumable
-            else f"resume: B cannot resume from A ({len(result.reasons)} reason{'s' if len(result.reasons) != 1 else ''})"
+            else f"resume: B cannot resume from A ({len(result.reasons)} "
+            f"reason{'s' if len(result.reasons) != 1 else ''})"
         )
     sys.exit(EXIT_OK if result.resumable else EXIT_INVALID)

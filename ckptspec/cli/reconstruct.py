@@ -17,7 +17,8 @@ from ._common import EXIT_INVALID, EXIT_USAGE, SIZE, echo_findings, fail
     "--manifest",
     default=None,
     metavar="M",
-    help="Reconstruct as this manifest describes (checked against the files first). Default: generate it from CHECKPOINT.",
+    help="Reconstruct as this manifest describes (checked against the files first). "
+    "Default: generate it from CHECKPOINT.",
 )
 @click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
 @click.option(

@@ -73,14 +73,17 @@ def render_summary(target: str, summary: dict[str, Any], *, color: bool = False,
         flags.append("exclude_frozen_parameters")
     lines = [
         target,
-        f"  format {summary['format_version']}, produced by {prod['tool']} from {prod['framework']} {prod['framework_version']}",
+        f"  format {summary['format_version']}, produced by {prod['tool']} from {prod['framework']} "
+        f"{prod['framework_version']}",
         f"  ZeRO stage {lay['zero_stage']}, world size {lay['world_size']}, {lay['model_dtype']} model, "
         f"{lay['master_dtype']} masters"
         + (f", {lay['optimizer']}" if lay["optimizer"] else "")
         + (f" ({', '.join(flags)})" if flags else ""),
-        f"  {tot['trainable']} trainable ({_n(tot['trainable_numel'])} elements, {_n(tot['padded_numel'])} with padding), "
+        f"  {tot['trainable']} trainable ({_n(tot['trainable_numel'])} elements, {_n(tot['padded_numel'])} with "
+        "padding), "
         f"{tot['frozen']} frozen ({_n(tot['frozen_numel'])}), {_plural(tot['aliases'], 'alias')}, "
-        f"{tot['buffers']} buffer{'s' if tot['buffers'] != 1 else ''} ({_n(tot['buffer_numel'])}), {tot['excluded']} excluded",
+        f"{tot['buffers']} buffer{'s' if tot['buffers'] != 1 else ''} ({_n(tot['buffer_numel'])}), "
+        f"{tot['excluded']} excluded",
         f"  {_plural(tot['files'], 'file')}, {_n(tot['file_bytes'])} bytes",
     ]
     for line in lines:

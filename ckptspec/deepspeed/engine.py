@@ -15,14 +15,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .._fs import write_atomic
 from .._version import __version__
 from ..checkpoint.embedded import CLIENT_STATE_KEY, SIDECAR_NAMES, client_state_value, write_sidecar
 from ..checkpoint.states import StateCache
 from ..errors import EngineLayoutMismatch, InvalidManifest, UnsupportedEngine
-from .._fs import write_atomic
-from ..format.validate import validate_document
-from ..format.version import FORMAT_NAME, FORMAT_VERSION
-from ..format.partition import ParamSpec, flat_group, per_param_group
+from ..format.dtypes import dtype_name
 from ..format.models import (
     Alias,
     Buffer,
@@ -34,7 +32,9 @@ from ..format.models import (
     Producer,
     ShardFile,
 )
-from ..format.dtypes import dtype_name
+from ..format.partition import ParamSpec, flat_group, per_param_group
+from ..format.validate import validate_document
+from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from .describe import describe_files
 from .directory import ShardSet, scan_tag_dir
 from .names import file_order

@@ -113,7 +113,7 @@ class ShardReader:
             os.close(fd)
         self._fds.clear()
 
-    def __enter__(self) -> "ShardReader":
+    def __enter__(self) -> ShardReader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 def progress_printer(total: int, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:

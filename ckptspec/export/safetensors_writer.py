@@ -19,9 +19,9 @@ import errno
 import json
 import os
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from .._fs import temp_file
 from ..errors import SafetensorsWriteError

@@ -11,9 +11,10 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .._fs import fsync_dir, new_file_mode, temp_file, write_atomic
 from ..errors import ReconstructUnsupported

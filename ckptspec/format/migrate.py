@@ -19,8 +19,9 @@ import copy
 import json
 import os
 from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from ..errors import InvalidInput, MigrationError
 from ..findings import Finding, finding, has_errors, json_path

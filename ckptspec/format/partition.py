@@ -3,17 +3,26 @@
 The producers (live engine, saved directory, plain module) differ in where they
 find the ordered params and paddings; the arithmetic that turns those into
 offsets, padded totals and per-rank numels is the one written here, and
-``ckptspec.rules`` checks the same arithmetic from the other side.
+``ckptspec.format.rules`` checks the same arithmetic from the other side (it uses
+the constants here, without the models: the group builders import them when called).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING
 
-from .models import Group, Param
-from .rules import NCCL_START_ALIGNMENT_FACTOR, round_up
+if TYPE_CHECKING:
+    from .models import Group
+
+# DeepSpeed pads each stage 1/2 flat group to nccl_start_alignment_factor (2) x world size.
+NCCL_START_ALIGNMENT_FACTOR = 2
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,8 @@ def flat_group(
     nccl_start_alignment_factor) and split it evenly; the last rank(s) drop the
     tail padding when saving unless ``tail_padding_saved``.
     """
+    from .models import Group, Param  # on use: the rules import this module without pydantic
+
     paddings = list(paddings) if paddings is not None else [0] * len(params)
     if len(paddings) != len(params):
         raise ValueError(f"{len(paddings)} paddings for {len(params)} params")
@@ -76,6 +87,8 @@ def flat_group(
 
 def per_param_group(params: Sequence[ParamSpec], *, optimizer_group: int, partition_count: int) -> Group:
     """Stage 3 (one sub-group): each param split on its own into ceil(numel / ws) per rank."""
+    from .models import Group, Param  # on use: the rules import this module without pydantic
+
     entries, offset = [], 0
     for spec in params:
         share = -(-spec.numel // partition_count)

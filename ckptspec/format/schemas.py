@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -27,7 +27,7 @@ def schema_text(filename: str) -> str:
     return resources.files("ckptspec").joinpath("schemas", filename).read_text("utf-8")
 
 
-@lru_cache(maxsize=None)
+@cache
 def schema(filename: str) -> dict:
     return json.loads(schema_text(filename))
 
@@ -41,14 +41,14 @@ def manifest_schema_file(version: str = LATEST_MANIFEST) -> str:
         raise KeyError(f"no schema for format version {version} (known: {known})") from None
 
 
-@lru_cache(maxsize=None)
+@cache
 def ecma_regex(pattern: str) -> re.Pattern:
     # JSON Schema patterns are ECMA-262: '$' matches only at the very end. Python's
     # '$' also matches before a final newline, so "1.0.0\n" would pass; use \Z.
     return re.compile(re.sub(r"(?<!\\)\$", r"\\Z", pattern))
 
 
-@lru_cache(maxsize=None)
+@cache
 def validator_class():
     """The reference validator class: draft 2020-12 with ECMA-262 pattern anchors."""
     from jsonschema import Draft202012Validator, ValidationError, validators
@@ -60,13 +60,13 @@ def validator_class():
     return validators.extend(Draft202012Validator, {"pattern": pattern})
 
 
-@lru_cache(maxsize=None)
+@cache
 def validator(filename: str):
     """The reference validator of a shipped schema."""
     return validator_class()(schema(filename))
 
 
-@lru_cache(maxsize=None)
+@cache
 def fast_validator(filename: str):
     """A compiled validator (``jsonschema-rs``, Rust) for the fast path, or None.
 

@@ -11,8 +11,9 @@ real DeepSpeed runs (``tests/dsharness/resume.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..findings import Finding, RuleSet, finding, json_path
 from ..format.models import Manifest

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ...checkpoint.hashing import file_digest
 from ...checkpoint.states import code_and_hint
@@ -38,7 +39,8 @@ def shard_missing(ctx: Context) -> Iterator[Finding]:
                 "CK206",
                 json_path("files"),
                 f"no {role.replace('_', ' ')} file for rank {rank} of {ctx.world_size}",
-                "a ZeRO checkpoint has one such file per data-parallel rank; restore it from the run that wrote the checkpoint",
+                "a ZeRO checkpoint has one such file per data-parallel rank; restore it from the run that wrote "
+                "the checkpoint",
                 file=name,
                 rank=rank,
             )
@@ -107,7 +109,8 @@ def shard_hash(ctx: Context) -> Iterator[Finding]:
                     f.at("hash"),
                     f"{f.entry.hash.algorithm} of the file is {actual.digest[:16]}..., the manifest records "
                     f"{f.entry.hash.digest[:16]}...",
-                    "the content changed after the manifest was written (swapped rank files, a re-save, bit rot); restore it",
+                    "the content changed after the manifest was written (swapped rank files, a re-save, bit rot); "
+                    "restore it",
                     file=f.name,
                     rank=f.rank,
                 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from ...findings import Finding, RuleSet, finding, json_path
 from ..describe import real_ties
@@ -84,7 +84,8 @@ def optimizer_header(ctx: Context) -> Iterator[Finding]:
             yield finding(
                 "CK211",
                 json_path("groups"),
-                f"file holds {n if n is not None else 'no'} flat groups ({ctx.flat_key}), the manifest has {len(groups)}",
+                f"file holds {n if n is not None else 'no'} flat groups ({ctx.flat_key}), the manifest has "
+                f"{len(groups)}",
                 hint,
                 file=f.name,
                 rank=f.rank,
@@ -115,8 +116,12 @@ def _as_shape(value) -> list[int] | None:
 
 @check("CK212")
 def model_header(ctx: Context) -> Iterator[Finding]:
-    """Every model states file agrees with the manifest: param_shapes (names, order, shapes), frozen shapes, ties, buffers, world size, version."""
-    hint = "the model states disagree with the manifest; restore the files of one save (or regenerate the manifest if it is stale)"
+    """Every model states file agrees with the manifest: param_shapes (names, order, shapes),
+    frozen shapes, ties, buffers, world size, version."""
+    hint = (
+        "the model states disagree with the manifest; restore the files of one save "
+        "(or regenerate the manifest if it is stale)"
+    )
     expected_shapes = _param_shapes(ctx)
     fragment_frozen = {f.name: list(f.shape) for f in ctx.manifest.frozen if f.stored_in != "module"}
     aliases = {a.name: a.owner for a in ctx.manifest.aliases}

@@ -4,7 +4,8 @@ flat offsets, slice mappings and ties."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ...checkpoint.torchfile import TensorRef
 from ...findings import Finding, RuleSet, finding, json_path
@@ -71,7 +72,8 @@ def module_shape(ctx: Context) -> Iterator[Finding]:
                     "CK216",
                     ctx.name_path(name, "shape"),
                     f"{name}: the saved tensor has shape {list(ref.shape)}, the manifest records {shape}",
-                    "param_shapes (or the manifest) records a wrong shape; a reconstruction would return a wrongly shaped tensor",
+                    "param_shapes (or the manifest) records a wrong shape; a reconstruction would return a wrongly "
+                    "shaped tensor",
                     file=f.name,
                     rank=f.rank,
                 )
@@ -108,7 +110,8 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
                 yield finding(
                     "CK217",
                     json_path("groups", g, "padded_numel"),
-                    f"group {g}: the module's flat buffer holds {flat_numel} elements, the manifest's padded group {grp.padded_numel}",
+                    f"group {g}: the module's flat buffer holds {flat_numel} elements, the manifest's padded group "
+                    f"{grp.padded_numel}",
                     "param_shapes does not describe this flat buffer (wrong shapes, paddings or world size)",
                     file=f.name,
                     rank=f.rank,
@@ -127,7 +130,8 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
                     yield finding(
                         "CK217",
                         json_path("groups", g, "params", j, "offset"),
-                        f"{p.name} sits at element {r.storage_offset} of group {g}'s flat buffer, the manifest says {p.offset}",
+                        f"{p.name} sits at element {r.storage_offset} of group {g}'s flat buffer, the manifest "
+                        f"says {p.offset}",
                         "the recorded parameter order or paddings differ from the real flat layout; a reconstruction "
                         "would return other parameters' values under these names",
                         file=f.name,
@@ -317,7 +321,8 @@ def frozen_fragments(ctx: Context) -> Iterator[Finding]:
                 yield finding(
                     "CK220",
                     path + ".shape",
-                    f"frozen {fr.name!r}: the fragment has shape {list(ref.shape)}, the manifest records {list(fr.shape)}",
+                    f"frozen {fr.name!r}: the fragment has shape {list(ref.shape)}, the manifest records "
+                    f"{list(fr.shape)}",
                     "the fragment belongs to another run, or the manifest is wrong",
                     file=f.name,
                     rank=f.rank,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from ...checkpoint.torchfile import TensorRef
 from ...findings import Finding, RuleSet, finding, json_path
@@ -48,7 +48,8 @@ def partition_numel(ctx: Context) -> Iterator[Finding]:
                     path,
                     f"group {g}: the flat partition holds {ref.numel} elements (shape {list(ref.shape)}), "
                     f"the manifest arithmetic ({rule}) gives {expected}",
-                    "the file belongs to another run or layout, or param_shapes is corrupt; a reconstruction would shift weights",
+                    "the file belongs to another run or layout, or param_shapes is corrupt; a reconstruction would "
+                    "shift weights",
                     file=f.name,
                     rank=f.rank,
                 )
@@ -89,8 +90,10 @@ def partition_locator(ctx: Context) -> Iterator[Finding]:
                 yield finding(
                     "CK214",
                     f.at("partitions", k),
-                    f"group {loc.group}: the locator does not match the partition in the file: {diff or f'rank {loc.rank}'}",
-                    "a reader following this locator would read the wrong bytes; regenerate the manifest or restore the file",
+                    f"group {loc.group}: the locator does not match the partition in the file: "
+                    f"{diff or f'rank {loc.rank}'}",
+                    "a reader following this locator would read the wrong bytes; regenerate the manifest or "
+                    "restore the file",
                     file=f.name,
                     rank=f.rank,
                 )
