@@ -6,8 +6,8 @@
 The manifest is synthetic but valid: a ZeRO-2 layout of ``--params`` parameters in
 two flat groups over 8 ranks (with frozen parameters, buffers, aliases and one
 optimizer-states file per rank with its locators). Each encoding is its canonical
-form (``ckptspec.encoding.dumps``); "decode" is reading the bytes with the
-validator's own loader (``ckptspec.loader.decode``: UTF-8, duplicate-key and NaN
+form (``ckptspec.format.codec.dumps``); "decode" is reading the bytes with the
+validator's own loader (``ckptspec.format.codec.decode``: UTF-8, duplicate-key and NaN
 checks included), "+ validate" adds ``ckptspec.validate_document`` (schema, models,
 semantic rules). Times are CPU seconds of this process (``time.process_time``: steadier
 than wall time on a shared machine), the median of ``--repeat`` runs, printed as a

@@ -2,7 +2,7 @@
 
 A ZeRO-2 bf16 layout of ``n_params`` trainable parameters in two flat groups over
 ``world_size`` ranks, with frozen parameters, buffers, an alias and one optimizer-states
-file per rank with its locators. The group arithmetic comes from ``ckptspec.layout``
+file per rank with its locators. The group arithmetic comes from ``ckptspec.format.partition``
 (the producers' own code), so the documents pass every semantic rule.
 
     .venv/bin/python benchmarks/synthetic.py 100000 out.json    # or out.msgpack

@@ -9,7 +9,7 @@
 "Schema-level verdict", file by file (see also tests/conformance/README.md):
 
 * raw: does ``schema/manifest-1.0.schema.json`` accept the document? For every file, each engine
-  must agree with ``ckptspec.validate.schema_findings(doc)`` (no version gate, no tolerance).
+  must agree with ``ckptspec.format.schemas.schema_findings(doc)`` (no version gate, no tolerance).
 * as a reader applies it: the version gate runs first. A CK003 file (another major) never reaches
   the schema, so only its raw verdict is compared. A CK004 file (newer minor) is checked with
   ``additionalProperties`` failures ignored, as ``schema_findings(doc, allow_unknown=True)`` does.

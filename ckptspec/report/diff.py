@@ -1,7 +1,7 @@
 """What changed between two manifests, and whether B's layout can resume from A's state.
 
 Pure computation: two validated ``Manifest`` objects in, a ``Diff`` out (rendering
-lives in ``ckptspec.render``). "Resume" means what ``engine.load_checkpoint(dir)``
+lives in ``ckptspec.cli.render``). "Resume" means what ``engine.load_checkpoint(dir)``
 does with its defaults in DeepSpeed 0.19.8 (strict module load, optimizer states
 loaded, fp32 masters taken from the checkpoint) when the job is configured like B
 and the checkpoint is A. Each rule that blocks it is one function and one code

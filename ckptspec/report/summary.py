@@ -1,8 +1,8 @@
 """A readable summary of a validated manifest (``ckptspec inspect``).
 
 Pure computation: a ``Manifest`` in, a plain JSON-ready dict out. Rendering (rich
-tables) lives in ``ckptspec.render``; loading a manifest or checkpoint in
-``ckptspec.cli_inspect``. The dict's shape is the ``--format json`` output and is
+tables) lives in ``ckptspec.cli.render``; loading a manifest or checkpoint in
+``ckptspec.cli.inspect``. The dict's shape is the ``--format json`` output and is
 documented in docs/cli.md; ``SUMMARY_VERSION`` changes when it does.
 """
 
