@@ -98,13 +98,13 @@ def _validate(doc: Any, *, plain: bool, build_model: bool, reference: bool) -> R
     # A document from the loader holds Unicode strings only; without floats its numbers
     # are plain ints and the rules read it as it is. Anything else (3.0 for a count, a
     # lone surrogate in data from elsewhere) is normalized by the models first.
-    plain = plain and not reference
+    rules_read_doc = plain and not reference
     manifest = None
-    if build_model or not plain:
+    if build_model or not rules_read_doc:
         manifest, failure = _build_model(doc, allow_unknown)
         if failure is not None:
             return Report(findings + [failure])
-    findings += check_document(doc if plain else manifest.to_dict())
+    findings += check_document(doc if rules_read_doc else manifest.to_dict())
     return Report(findings, manifest)
 
 

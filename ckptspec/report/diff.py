@@ -205,14 +205,14 @@ def _names(names: list[str]) -> str:
     return shown + (f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else "")
 
 
-def _zero(m: Manifest) -> bool:
+def _partitioned(m: Manifest) -> bool:
     return m.layout.zero_stage >= 1
 
 
 @rule("CK501")
 def resume_world_size(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     """engine._load_zero_checkpoint raises ZeRORuntimeException when the DP world size differs."""
-    if _zero(a) and _zero(b) and a.layout.world_size != b.layout.world_size:
+    if _partitioned(a) and _partitioned(b) and a.layout.world_size != b.layout.world_size:
         yield finding(
             "CK501",
             json_path("layout", "world_size"),
@@ -242,7 +242,7 @@ def resume_zero_stage(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
 def resume_precision(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     """The optimizer-states file names carry a ``bf16_`` prefix only in bf16 jobs (engine.py)."""
     bf_a, bf_b = a.layout.model_dtype == "bfloat16", b.layout.model_dtype == "bfloat16"
-    if _zero(a) and _zero(b) and bf_a != bf_b:
+    if _partitioned(a) and _partitioned(b) and bf_a != bf_b:
         yield finding(
             "CK503",
             json_path("layout", "model_dtype"),

@@ -144,7 +144,7 @@ def expected_slice_mappings(manifest: Manifest, g: int, rank: int) -> list[tuple
 
     DeepSpeed walks the params in their natural (optimizer) order. Without alignment
     paddings it counts offsets sequentially in that order, so for round-robin checkpoints
-    the mappings do not describe the flat buffer (notes §4 #10); with paddings it uses the
+    the mappings do not describe the flat buffer (docs/validation.md); with paddings it uses the
     real offsets.
     """
     grp = manifest.groups[g]
