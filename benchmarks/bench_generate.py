@@ -17,6 +17,7 @@ between sizes (the "slope" columns of the second table, from consecutive sizes).
 
 Other scripts use ``rows(sizes)`` (one dict per N) and ``markdown(rows)``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from child import run_child as run_once  # noqa: E402
+from child import run_child as run_once
 from make_many_tensors import SIZES, BuildTimeout, build, build_info
 
 PY = sys.executable
@@ -68,10 +69,11 @@ def breakdown(checkpoint: str, out: str) -> dict:
         return now
 
     t = (time.perf_counter(), time.process_time())
-    from ckptspec.deepspeed import describe as ds_checkpoint
-    from ckptspec.checkpoint import torchfile  # noqa: F401
     from ckptspec._fs import write_atomic
+    from ckptspec.checkpoint import torchfile  # noqa: F401
+    from ckptspec.deepspeed import describe as ds_checkpoint
     from ckptspec.format.codec import dumps
+
     t = step("import", t)
     tag_dir = ds_checkpoint.resolve_tag_dir(checkpoint)
     shards = ds_checkpoint.scan_tag_dir(tag_dir)
@@ -87,11 +89,18 @@ def breakdown(checkpoint: str, out: str) -> dict:
     write_atomic(out, data)
     t = step("write", t)
     from ckptspec.format.validate import validate_document
+
     t = step("(import validate)", t)
     report = validate_document(doc)
     step("(validate manifest)", t)
-    return {"steps": steps, "valid": report.ok, "params": sum(len(g.params) for g in manifest.groups),
-            "frozen": len(manifest.frozen), "aliases": len(manifest.aliases), "bytes": len(data)}
+    return {
+        "steps": steps,
+        "valid": report.ok,
+        "params": sum(len(g.params) for g in manifest.groups),
+        "frozen": len(manifest.frozen),
+        "aliases": len(manifest.aliases),
+        "bytes": len(data),
+    }
 
 
 def profile(checkpoint: str, top: int = 25) -> None:
@@ -131,8 +140,15 @@ def _warm(checkpoint: Path) -> None:
                 pass
 
 
-def rows(sizes=SIZES, *, stage: int = 2, runs: int = 3, commands=("generate", "validate", "reconstruct"),
-         build_timeout: float | None = None, log=print) -> list[dict]:
+def rows(
+    sizes=SIZES,
+    *,
+    stage: int = 2,
+    runs: int = 3,
+    commands=("generate", "validate", "reconstruct"),
+    build_timeout: float | None = None,
+    log=print,
+) -> list[dict]:
     """One dict per N: DeepSpeed's times, then every ckptspec command's best wall s, CPU s and peak MiB.
 
     Sizes whose checkpoint DeepSpeed cannot build within ``build_timeout`` give a row
@@ -152,10 +168,19 @@ def rows(sizes=SIZES, *, stage: int = 2, runs: int = 3, commands=("generate", "v
                 continue
             info = build_info(ckpt)
             _warm(ckpt)
-            row: dict = {"tensors": n, "stage": stage, "checkpoint": str(ckpt), "loadavg": [], "floor_s": floor["wall"],
-                         "cli_floor_s": cli_floor["wall"], "cli_floor_mib": cli_floor["rss_mib"], "deepspeed_times": info["deepspeed_times"],
-                         "frozen_tensors": info["frozen_tensors"], "tied_aliases": info["tied_aliases"],
-                         "shard_bytes": sum(p.stat().st_size for p in ckpt.rglob("*.pt"))}
+            row: dict = {
+                "tensors": n,
+                "stage": stage,
+                "checkpoint": str(ckpt),
+                "loadavg": [],
+                "floor_s": floor["wall"],
+                "cli_floor_s": cli_floor["wall"],
+                "cli_floor_mib": cli_floor["rss_mib"],
+                "deepspeed_times": info["deepspeed_times"],
+                "frozen_tensors": info["frozen_tensors"],
+                "tied_aliases": info["tied_aliases"],
+                "shard_bytes": sum(p.stat().st_size for p in ckpt.rglob("*.pt")),
+            }
             manifest, hashed = scratch / f"m-{n}.json", scratch / f"m-{n}-hash.json"  # per N: never a stale one
             recon = scratch / "recon"
 
@@ -167,12 +192,19 @@ def rows(sizes=SIZES, *, stage: int = 2, runs: int = 3, commands=("generate", "v
 
             jobs = []
             if "generate" in commands:
-                jobs += [("generate", CLI + ["generate", str(ckpt), "-o", str(manifest)], None),
-                         ("generate --hash", CLI + ["generate", str(ckpt), "-o", str(hashed), "--hash"], None)]
+                jobs += [
+                    ("generate", CLI + ["generate", str(ckpt), "-o", str(manifest)], None),
+                    ("generate --hash", CLI + ["generate", str(ckpt), "-o", str(hashed), "--hash"], None),
+                ]
             if "validate" in commands:
                 jobs += [("validate DIR --no-hash", CLI + ["validate", str(ckpt), "--no-hash"], None)]
-                jobs += [("validate M --checkpoint DIR", CLI + ["validate", str(hashed), "--checkpoint", str(ckpt)],
-                          hashed_manifest)]
+                jobs += [
+                    (
+                        "validate M --checkpoint DIR",
+                        CLI + ["validate", str(hashed), "--checkpoint", str(ckpt)],
+                        hashed_manifest,
+                    )
+                ]
                 jobs += [("validate M", CLI + ["validate", str(hashed)], None)]
             if "reconstruct" in commands:
                 jobs += [("reconstruct", CLI + ["reconstruct", str(ckpt), str(recon), "--quiet"], clear_output)]
@@ -208,8 +240,10 @@ def _cmds(rows_: list[dict]) -> list[str]:
 def markdown(rows_: list[dict]) -> str:
     """Markdown tables: one row per (N, command), a linearity summary, the generate breakdown."""
     done = [r for r in rows_ if "skipped" not in r]
-    lines = ["| N tensors | stage | command | wall s | CPU s | s/10k | marginal s/10k | peak MiB | manifest KiB |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| N tensors | stage | command | wall s | CPU s | s/10k | marginal s/10k | peak MiB | manifest KiB |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for cmd in _cmds(done):
         by_stage: dict[int, list[dict]] = {}
         for r in done:
@@ -221,33 +255,52 @@ def markdown(rows_: list[dict]) -> str:
             for r in rs:
                 v = r[cmd]
                 kib = f"{r['manifest_bytes'] / 1024:.0f}" if cmd == "generate" and "manifest_bytes" in r else ""
-                lines.append(f"| {r['tensors']:,} | {stage} | {cmd} | {v['wall']:.2f} | {v['cpu']:.2f} | "
-                             f"{v['wall'] / (r['tensors'] / 1e4):.2f} | {marginal} | {v['rss_mib']:.0f} | {kib} |")
+                lines.append(
+                    f"| {r['tensors']:,} | {stage} | {cmd} | {v['wall']:.2f} | {v['cpu']:.2f} | "
+                    f"{v['wall'] / (r['tensors'] / 1e4):.2f} | {marginal} | {v['rss_mib']:.0f} | {kib} |"
+                )
     for r in rows_:
         if "skipped" in r:
             lines.append(f"| {r['tensors']:,} | {r['stage']} | (skipped) | | | | | | {r['skipped']} |")
     if done:
-        lines += ["", "DeepSpeed itself (2 ranks, gloo, CPU; from bench.json):", "",
-                  "| N tensors | stage | frozen | tied | shard MB | build_model s | initialize s | 1 step s | save_checkpoint s |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "DeepSpeed itself (2 ranks, gloo, CPU; from bench.json):",
+            "",
+            "| N tensors | stage | frozen | tied | shard MB | build_model s | initialize s | 1 step s | "
+            "save_checkpoint s |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in done:
             t = r["deepspeed_times"]
-            lines.append(f"| {r['tensors']:,} | {r['stage']} | {r['frozen_tensors']} | {r['tied_aliases']} | "
-                         f"{r['shard_bytes'] / 1e6:.1f} | {t['build_model_s']} | {t['initialize_s']} | {t['train_steps_s']} | "
-                         f"{t['save_checkpoint_s']} |")
+            lines.append(
+                f"| {r['tensors']:,} | {r['stage']} | {r['frozen_tensors']} | {r['tied_aliases']} | "
+                f"{r['shard_bytes'] / 1e6:.1f} | {t['build_model_s']} | {t['initialize_s']} | {t['train_steps_s']} | "
+                f"{t['save_checkpoint_s']} |"
+            )
     with_b = [r for r in done if "breakdown" in r]
     if with_b:
         names = list(with_b[0]["breakdown"]["steps"])
-        lines += ["", "`generate` in one process, CPU s per step (validation is not part of generate):", "",
-                  "| N tensors | stage | " + " | ".join(names) + " |", "|---:|---:|" + "---:|" * len(names)]
+        lines += [
+            "",
+            "`generate` in one process, CPU s per step (validation is not part of generate):",
+            "",
+            "| N tensors | stage | " + " | ".join(names) + " |",
+            "|---:|---:|" + "---:|" * len(names),
+        ]
         for r in with_b:
             s = r["breakdown"]["steps"]
             lines.append(f"| {r['tensors']:,} | {r['stage']} | " + " | ".join(f"{s[k][1]:.2f}" for k in names) + " |")
     loads = [x for r in done for x in r["loadavg"]]
     if loads:
-        lines += ["", (f"{os.cpu_count()} CPUs, 1-min load average {min(loads):.1f}-{max(loads):.1f} during the runs; "
-                       f"`python -c pass` {done[0]['floor_s']:.2f} s, `ckptspec --version` {done[0]['cli_floor_s']:.2f} s "
-                       f"and {done[0]['cli_floor_mib']:.0f} MiB (the fixed cost in every row).")]
+        lines += [
+            "",
+            (
+                f"{os.cpu_count()} CPUs, 1-min load average {min(loads):.1f}-{max(loads):.1f} during the runs; "
+                f"`python -c pass` {done[0]['floor_s']:.2f} s, `ckptspec --version` {done[0]['cli_floor_s']:.2f} s "
+                f"and {done[0]['cli_floor_mib']:.0f} MiB (the fixed cost in every row)."
+            ),
+        ]
     return "\n".join(lines)
 
 
@@ -256,8 +309,12 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, action="append", help=f"default: {' '.join(map(str, SIZES))}")
     ap.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=["generate", "validate", "reconstruct"], action="append",
-                    help="commands to time (default: all)")
+    ap.add_argument(
+        "--only",
+        choices=["generate", "validate", "reconstruct"],
+        action="append",
+        help="commands to time (default: all)",
+    )
     ap.add_argument("--build-timeout", type=float, default=None, help="seconds DeepSpeed may take per checkpoint")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--breakdown", nargs=2, metavar=("CKPT", "OUT"), help=argparse.SUPPRESS)
@@ -269,9 +326,14 @@ def main() -> None:
     if args.profile:
         profile(str(build(args.profile, args.stage)))
         return
-    result = rows(args.tensors or SIZES, stage=args.stage, runs=args.runs,
-                  commands=tuple(args.only or ("generate", "validate", "reconstruct")),
-                  build_timeout=args.build_timeout, log=lambda m: print(m, file=sys.stderr))
+    result = rows(
+        args.tensors or SIZES,
+        stage=args.stage,
+        runs=args.runs,
+        commands=tuple(args.only or ("generate", "validate", "reconstruct")),
+        build_timeout=args.build_timeout,
+        log=lambda m: print(m, file=sys.stderr),
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(markdown(result))

@@ -17,6 +17,7 @@ safetensors (``--safe_serialization``). ckptspec writes safetensors, fp32, and v
 the checkpoint first. With ``--verify`` (default) the safetensors outputs of both tools
 are compared bit for bit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,12 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from child import run_child  # noqa: E402
-from make_big_checkpoint import build  # noqa: E402
+from child import run_child
+from make_big_checkpoint import build
 
 PY = sys.executable
-Z2F = "from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict as c; import sys; " \
-      "c(sys.argv[1], sys.argv[2], max_shard_size=None, safe_serialization=sys.argv[3] == 'safetensors')"
+Z2F = (
+    "from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict as c; import sys; "
+    "c(sys.argv[1], sys.argv[2], max_shard_size=None, safe_serialization=sys.argv[3] == 'safetensors')"
+)
 
 
 @dataclass
@@ -93,7 +96,9 @@ def measure(stages: list[int], runs: int, check_bits: bool = True) -> tuple[list
     loads: list[float] = []
     try:
         # (tool, checkpoint label, command, output dir to clear, note)
-        jobs: list[tuple[str, str, list[str], Path | None, str]] = [("python -c pass (floor)", "-", [PY, "-c", "pass"], None, "")]
+        jobs: list[tuple[str, str, list[str], Path | None, str]] = [
+            ("python -c pass (floor)", "-", [PY, "-c", "pass"], None, "")
+        ]
         sizes: dict[str, int] = {}
         for stage in stages:
             ckpt = build(stage)
@@ -104,14 +109,35 @@ def measure(stages: list[int], runs: int, check_bits: bool = True) -> tuple[list
                 out = scratch / f"z2f-{fmt}-{stage}"
                 jobs.append((f"zero_to_fp32 ({name})", label, [PY, "-c", Z2F, str(ckpt), str(out), fmt], out, ""))
             out = scratch / f"ckptspec-{stage}"
-            jobs.append(("ckptspec reconstruct (safetensors)", label,
-                         [PY, "-m", "ckptspec", "reconstruct", str(ckpt), str(out), "--quiet"], out, ""))
+            jobs.append(
+                (
+                    "ckptspec reconstruct (safetensors)",
+                    label,
+                    [PY, "-m", "ckptspec", "reconstruct", str(ckpt), str(out), "--quiet"],
+                    out,
+                    "",
+                )
+            )
             if stage == 2:
                 manifest = scratch / "manifest.json"
-                jobs.append(("ckptspec generate", label, [PY, "-m", "ckptspec", "generate", str(ckpt), "-o", str(manifest)],
-                             None, "goal: < 1 s, < 200 MB"))
-                jobs.append(("ckptspec generate --hash", label,
-                             [PY, "-m", "ckptspec", "generate", str(ckpt), "-o", str(manifest), "--hash"], None, ""))
+                jobs.append(
+                    (
+                        "ckptspec generate",
+                        label,
+                        [PY, "-m", "ckptspec", "generate", str(ckpt), "-o", str(manifest)],
+                        None,
+                        "goal: < 1 s, < 200 MB",
+                    )
+                )
+                jobs.append(
+                    (
+                        "ckptspec generate --hash",
+                        label,
+                        [PY, "-m", "ckptspec", "generate", str(ckpt), "-o", str(manifest), "--hash"],
+                        None,
+                        "",
+                    )
+                )
         # Round-robin over the tools, so that every tool meets the same background load.
         results: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for _ in range(runs):
@@ -136,8 +162,10 @@ def measure(stages: list[int], runs: int, check_bits: bool = True) -> tuple[list
             ours = by[("ckptspec reconstruct (safetensors)", label)]
             for name in ("zero_to_fp32 (torch.save)", "zero_to_fp32 (safetensors)"):
                 ref = by[(name, label)]
-                notes.append(f"{label}: vs {name}: {ref.wall / ours.wall:.1f}x faster, "
-                             f"{ours.rss_mib / ref.rss_mib:.2f} of its peak RSS (goal: >= 3x, <= 0.25)")
+                notes.append(
+                    f"{label}: vs {name}: {ref.wall / ours.wall:.1f}x faster, "
+                    f"{ours.rss_mib / ref.rss_mib:.2f} of its peak RSS (goal: >= 3x, <= 0.25)"
+                )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return rows, notes, loads
@@ -156,8 +184,10 @@ def main() -> None:
     ap.add_argument("--no-verify", action="store_true")
     args = ap.parse_args()
     rows, notes, loads = measure(args.stage or [2, 3], args.runs, check_bits=not args.no_verify)
-    print(f"\n{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} during the runs; "
-          f"fastest of {args.runs} interleaved runs, largest peak RSS\n")
+    print(
+        f"\n{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} during the runs; "
+        f"fastest of {args.runs} interleaved runs, largest peak RSS\n"
+    )
     print(markdown(rows))
     print()
     for note in notes:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from child import run_child  # noqa: E402
+from child import run_child
 
 PY = sys.executable
 CKPTSPEC = [PY, "-m", "ckptspec"]
@@ -44,8 +44,13 @@ def manifest_file(n_params: int, encoding: str) -> Path:
     # In a child: building a million-parameter manifest takes gigabytes, and a child's
     # ru_maxrss starts at its parent's peak.
     code = "import sys; from synthetic import cached_manifest; print(cached_manifest(int(sys.argv[1]), sys.argv[2]))"
-    done = subprocess.run([PY, "-c", code, str(n_params), encoding], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent, check=True)
+    done = subprocess.run(
+        [PY, "-c", code, str(n_params), encoding],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent,
+        check=True,
+    )
     return Path(done.stdout.strip())
 
 
@@ -54,9 +59,17 @@ def rows(sizes=SIZES, runs: int = 3) -> list[dict]:
     for n in sizes:
         json_file, msgpack_file = manifest_file(n, "json"), manifest_file(n, "msgpack")
         baseline = best(JSON_LOAD + [str(json_file)], runs)
-        out.append({"params": n, "command": "json.load (yardstick)", "file_mb": json_file.stat().st_size / 1e6, **baseline})
-        out.append({"params": n, "command": "msgpack.unpackb", "file_mb": msgpack_file.stat().st_size / 1e6,
-                    **best(MSGPACK_LOAD + [str(msgpack_file)], runs)})
+        out.append(
+            {"params": n, "command": "json.load (yardstick)", "file_mb": json_file.stat().st_size / 1e6, **baseline}
+        )
+        out.append(
+            {
+                "params": n,
+                "command": "msgpack.unpackb",
+                "file_mb": msgpack_file.stat().st_size / 1e6,
+                **best(MSGPACK_LOAD + [str(msgpack_file)], runs),
+            }
+        )
         for label, path in (("ckptspec validate (JSON)", json_file), ("ckptspec validate (msgpack)", msgpack_file)):
             row = best(CKPTSPEC + ["validate", str(path)], runs)
             row["vs_json_load"] = row["wall_s"] / baseline["wall_s"]
@@ -65,12 +78,16 @@ def rows(sizes=SIZES, runs: int = 3) -> list[dict]:
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| parameters | command | file (MB) | wall (s) | CPU (s) | peak RSS (MiB) | wall vs json.load |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| parameters | command | file (MB) | wall (s) | CPU (s) | peak RSS (MiB) | wall vs json.load |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for r in table:
         ratio = f"{r['vs_json_load']:.2f}x" if "vs_json_load" in r else ""
-        lines.append(f"| {r['params']:,} | {r['command']} | {r['file_mb']:.1f} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | "
-                     f"{r['rss_mib']:.0f} | {ratio} |")
+        lines.append(
+            f"| {r['params']:,} | {r['command']} | {r['file_mb']:.1f} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | "
+            f"{r['rss_mib']:.0f} | {ratio} |"
+        )
     return "\n".join(lines)
 
 

@@ -22,5 +22,10 @@ def run_child(cmd: list[str], env: dict | None = None, ok_codes=(0,)) -> dict:
     code = os.waitstatus_to_exitcode(status)
     if code not in ok_codes:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{out[-3000:]}")
-    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss_mib": usage.ru_maxrss / 1024,
-            "code": code, "out": out[-2000:]}
+    return {
+        "wall": wall,
+        "cpu": usage.ru_utime + usage.ru_stime,
+        "rss_mib": usage.ru_maxrss / 1024,
+        "code": code,
+        "out": out[-2000:],
+    }

@@ -7,6 +7,7 @@ Each checkpoint is ~1.4 GB on disk (bf16 weights + fp32 masters + two Adam momen
 They go to $CKPTSPEC_BENCH_CACHE or benchmarks/.cache/ (git-ignored; never commit it),
 built in a temporary directory and renamed into place when complete.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,13 +48,29 @@ def build(stage: int, quiet: bool = False) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
     if free < NEEDED_BYTES:
-        sys.exit(f"only {free / 2**30:.1f} GiB free under {root}; the benchmark needs ~{NEEDED_BYTES / 2**30:.0f} GiB per stage")
+        sys.exit(
+            f"only {free / 2**30:.1f} GiB free under {root}; the benchmark needs ~{NEEDED_BYTES / 2**30:.0f} GiB "
+            "per stage"
+        )
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     # The test harness's sitecustomize: no JIT compile of DeepSpeed's shm comm op (unused by training and saving).
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / "_harness" / "site"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(HERE / "train_big.py"), "--stage", str(stage), "--out", str(tmp / "ckpt")]
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO / "tests" / "_harness" / "site"), env.get("PYTHONPATH")])
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={WORLD_SIZE}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(HERE / "train_big.py"),
+        "--stage",
+        str(stage),
+        "--out",
+        str(tmp / "ckpt"),
+    ]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)

@@ -10,6 +10,7 @@ They go to $CKPTSPEC_BENCH_CACHE or benchmarks/.cache/ (git-ignored), keyed by a
 train_many.py, built in a temporary directory and renamed into place when complete.
 ``bench.json`` in each records DeepSpeed's own init/step/save times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build(n_tensors: int, stage: int = 2, steps: int = 1, timeout: float = DEFAULT_TIMEOUT_S,
-          quiet: bool = False, quadratic_duplicate_check: bool = False) -> Path:
+def build(
+    n_tensors: int,
+    stage: int = 2,
+    steps: int = 1,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    quiet: bool = False,
+    quadratic_duplicate_check: bool = False,
+) -> Path:
     """The save directory of a cached checkpoint with ``n_tensors`` parameter tensors (built if missing).
 
     Raises ``BuildTimeout`` if DeepSpeed takes longer than ``timeout`` seconds.
@@ -71,18 +78,35 @@ def build(n_tensors: int, stage: int = 2, steps: int = 1, timeout: float = DEFAU
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     # The test harness's sitecustomize: no JIT compile of DeepSpeed's shm comm op (unused by training and saving).
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / "_harness" / "site"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD_SIZE}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(HERE / "train_many.py"), "--tensors", str(n_tensors),
-           "--stage", str(stage), "--steps", str(steps), "--out", str(tmp / "ckpt")]
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO / "tests" / "_harness" / "site"), env.get("PYTHONPATH")])
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={WORLD_SIZE}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(HERE / "train_many.py"),
+        "--tensors",
+        str(n_tensors),
+        "--stage",
+        str(stage),
+        "--steps",
+        str(steps),
+        "--out",
+        str(tmp / "ckpt"),
+    ]
     cmd += ["--quadratic-duplicate-check"] if quadratic_duplicate_check else []
     if not quiet:
         print(f"building {final.name} (DeepSpeed, {WORLD_SIZE} ranks) ...", file=sys.stderr)
     t0 = time.monotonic()
     try:
         # Own session, so a timeout can end torchrun and both ranks together.
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -113,13 +137,18 @@ def main() -> None:
     ap.add_argument("--stage", type=int, choices=[1, 2, 3], action="append", help="default: 2")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per DeepSpeed run")
-    ap.add_argument("--quadratic-duplicate-check", action="store_true",
-                    help="keep DeepSpeed's O(N^2) duplicate-param check in initialize (see train_many.py)")
+    ap.add_argument(
+        "--quadratic-duplicate-check",
+        action="store_true",
+        help="keep DeepSpeed's O(N^2) duplicate-param check in initialize (see train_many.py)",
+    )
     args = ap.parse_args()
     for stage in args.stage or [2]:
         for n in args.tensors or SIZES:
             try:
-                path = build(n, stage, args.steps, args.timeout, quadratic_duplicate_check=args.quadratic_duplicate_check)
+                path = build(
+                    n, stage, args.steps, args.timeout, quadratic_duplicate_check=args.quadratic_duplicate_check
+                )
             except BuildTimeout as exc:
                 print(f"skipped: {exc}", file=sys.stderr)
                 continue

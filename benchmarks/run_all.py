@@ -22,9 +22,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import bench_generate  # noqa: E402
-import bench_reconstruct  # noqa: E402
-import bench_validate  # noqa: E402
+import bench_generate
+import bench_reconstruct
+import bench_validate
 
 PY = sys.executable
 HASH_CODE = """
@@ -41,15 +41,33 @@ print(total, time.perf_counter() - t0)
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown CPU")
-    mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
-    versions = subprocess.run([PY, "-c", "import deepspeed, torch, pydantic, jsonschema_rs, jsonschema, msgpack;"
-                               "print(f'torch {torch.__version__}, deepspeed {deepspeed.__version__}, pydantic {pydantic.__version__}, '"
-                               "f'jsonschema {jsonschema.__version__}, msgpack {msgpack.version}')"],
-                              capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu")).stdout.strip()
-    return (f"{cpu}, {os.cpu_count()} CPUs, {mem_kb / 2**20:.0f} GiB RAM, Linux {platform.release()}, "
-            f"Python {platform.python_version()}; {versions}")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown CPU",
+    )
+    mem_kb = next(
+        int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+    )
+    versions = subprocess.run(
+        [
+            PY,
+            "-c",
+            "import deepspeed, torch, pydantic, jsonschema_rs, jsonschema, msgpack;"
+            "print(f'torch {torch.__version__}, deepspeed {deepspeed.__version__}, pydantic {pydantic.__version__}, '"
+            "f'jsonschema {jsonschema.__version__}, msgpack {msgpack.version}')",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, DS_ACCELERATOR="cpu"),
+    ).stdout.strip()
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs, {mem_kb / 2**20:.0f} GiB RAM, Linux {platform.release()}, "
+        f"Python {platform.python_version()}; {versions}"
+    )
 
 
 def hashing_rows(runs: int) -> list[str]:
@@ -58,7 +76,9 @@ def hashing_rows(runs: int) -> list[str]:
     for algorithm in ("sha256", "blake2b"):
         timings = []
         for _ in range(runs):
-            out = subprocess.run([PY, "-c", HASH_CODE, algorithm, *files], capture_output=True, text=True, check=True).stdout.split()
+            out = subprocess.run(
+                [PY, "-c", HASH_CODE, algorithm, *files], capture_output=True, text=True, check=True
+            ).stdout.split()
             timings.append((float(out[1]), int(out[0])))
         seconds, size = min(timings)
         lines.append(f"| {algorithm} | {size / 1e9:.2f} | {seconds:.2f} | {size / 1e6 / seconds:.0f} |")
@@ -77,16 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     out += ["### Validating a manifest", "", bench_validate.markdown(bench_validate.rows(sizes, args.runs)), ""]
 
     tensors = bench_generate.SIZES[:2] if args.quick else bench_generate.SIZES
-    out += ["### Generating a manifest from a checkpoint with many tensors", "",
-            bench_generate.markdown(bench_generate.rows(tensors, runs=args.runs, log=lambda m: print(m, file=sys.stderr))), ""]
+    out += [
+        "### Generating a manifest from a checkpoint with many tensors",
+        "",
+        bench_generate.markdown(bench_generate.rows(tensors, runs=args.runs, log=lambda m: print(m, file=sys.stderr))),
+        "",
+    ]
 
     rows, notes, _ = bench_reconstruct.measure([2, 3], args.runs)
     out += ["### Reconstructing 100M parameters (2 ranks, bf16)", "", bench_reconstruct.markdown(rows), ""]
     out += [f"- {note}" for note in notes] + [""]
 
     out += ["### Hashing shard files (ZeRO-2 checkpoint above, from the page cache)", "", *hashing_rows(args.runs), ""]
-    out.append(f"Load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the runs; "
-               f"each row is the fastest of {args.runs} runs.")
+    out.append(
+        f"Load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the runs; "
+        f"each row is the fastest of {args.runs} runs."
+    )
     print("\n".join(out))
     return 0
 

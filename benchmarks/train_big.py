@@ -4,6 +4,7 @@ Run under torchrun by make_big_checkpoint.py:
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 benchmarks/train_big.py --stage 2 --out DIR
 """
+
 import argparse
 import json
 from pathlib import Path
@@ -20,7 +21,8 @@ def build_model():
             super().__init__()
             self.emb = nn.Embedding(VOCAB, DIM)
             self.layers = nn.ModuleList(
-                nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)) for _ in range(LAYERS))
+                nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)) for _ in range(LAYERS)
+            )
             self.norm = nn.LayerNorm(DIM)
             self.head = nn.Linear(DIM, VOCAB, bias=False)
             self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
@@ -66,9 +68,21 @@ def main():
     engine.step()
     engine.save_checkpoint(str(args.out))
     if dist.get_rank() == 0:
-        params = sum(p.numel() for p in model.parameters()) if args.stage < 3 else sum(p.ds_numel for p in model.parameters())
-        (args.out / "bench.json").write_text(json.dumps({"stage": args.stage, "world_size": dist.get_world_size(),
-                                                          "params": params, "deepspeed": deepspeed.__version__}))
+        params = (
+            sum(p.numel() for p in model.parameters())
+            if args.stage < 3
+            else sum(p.ds_numel for p in model.parameters())
+        )
+        (args.out / "bench.json").write_text(
+            json.dumps(
+                {
+                    "stage": args.stage,
+                    "world_size": dist.get_world_size(),
+                    "params": params,
+                    "deepspeed": deepspeed.__version__,
+                }
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 

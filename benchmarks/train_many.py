@@ -21,14 +21,15 @@ O(N^2), 72 s at 10k tensors and 736 s at 25k here, hours at 100k. Unless
 pass (it only checks that no param is listed twice; the checkpoint is unaffected), and
 bench.json records that.
 """
+
 import argparse
 import collections
 import json
 import time
 from pathlib import Path
 
-DIM = 8                 # every cell maps DIM -> DIM; small, so 100k tensors stay ~2M elements
-CELL_TENSORS = 5        # lin.weight, lin.bias, norm.weight, norm.bias, gate
+DIM = 8  # every cell maps DIM -> DIM; small, so 100k tensors stay ~2M elements
+CELL_TENSORS = 5  # lin.weight, lin.bias, norm.weight, norm.bias, gate
 FROZEN_EVERY, TIED_EVERY = 10, 50
 
 
@@ -74,8 +75,9 @@ def build_model(n_tensors: int):
                     cell.lin.weight = self.cells[i - 2].lin.weight
             # Leftover tensors, in a few odd shapes (3-D included), used by a cheap reduction.
             shapes = [(3,), (2, 5), (2, 3, 4), (7,)]
-            self.extras = nn.ParameterList(nn.Parameter(torch.randn(shapes[k % len(shapes)]) * 0.01)
-                                           for k in range(extra))
+            self.extras = nn.ParameterList(
+                nn.Parameter(torch.randn(shapes[k % len(shapes)]) * 0.01) for k in range(extra)
+            )
             self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
             self.register_buffer("running", torch.zeros(DIM))
 
@@ -104,8 +106,9 @@ def use_linear_duplicate_check() -> None:
     def check_for_duplicates(self, optimizer):
         counts = collections.Counter(id(p) for group in optimizer.param_groups for p in group["params"])
         for name, param in self.module.named_parameters():
-            assert counts[id(param)] <= 1, (f"Parameter with name: {name} occurs multiple times in "
-                                            "optimizer.param_groups.")
+            assert counts[id(param)] <= 1, (
+                f"Parameter with name: {name} occurs multiple times in optimizer.param_groups."
+            )
 
     DeepSpeedEngine._check_for_duplicates = check_for_duplicates
 
@@ -168,13 +171,24 @@ def main():
         numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
         frozen = sum(not p.requires_grad for p in params)
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-        (args.out / "bench.json").write_text(json.dumps({
-            "stage": args.stage, "world_size": dist.get_world_size(), "tensors": len(params),
-            "frozen_tensors": frozen, "tied_aliases": len(names) - len(params), "params": numel,
-            "steps": args.steps, "deepspeed": deepspeed.__version__, "torch": torch.__version__,
-            "linear_duplicate_check": not args.quadratic_duplicate_check,
-            "deepspeed_times": times,
-        }, indent=1))
+        (args.out / "bench.json").write_text(
+            json.dumps(
+                {
+                    "stage": args.stage,
+                    "world_size": dist.get_world_size(),
+                    "tensors": len(params),
+                    "frozen_tensors": frozen,
+                    "tied_aliases": len(names) - len(params),
+                    "params": numel,
+                    "steps": args.steps,
+                    "deepspeed": deepspeed.__version__,
+                    "torch": torch.__version__,
+                    "linear_duplicate_check": not args.quadratic_duplicate_check,
+                    "deepspeed_times": times,
+                },
+                indent=1,
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -15,7 +15,8 @@ For every fault of tests/faults.py: copy the clean checkpoint, corrupt it, then
 
 The markdown table is written into docs/validation.md between the marker comments.
 
-    DS_ACCELERATOR=cpu CKPTSPEC_DS_CACHE=/tmp/dscache python benchmarks/zero_to_fp32_vs_ckptspec.py [--no-write] [--timing-only]
+    DS_ACCELERATOR=cpu CKPTSPEC_DS_CACHE=/tmp/dscache \
+        python benchmarks/zero_to_fp32_vs_ckptspec.py [--no-write] [--timing-only]
 
 It also times validation of the ~1.4 GB checkpoints of benchmarks/make_big_checkpoint.py when they
 have been built (it never builds them) and writes that table between its own markers.
@@ -36,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from _harness import tasks  # noqa: E402
-from _harness.faults import FAULTS, FaultEnv  # noqa: E402
+from _harness import tasks
+from _harness.faults import FAULTS, FaultEnv
 
 DOC = ROOT / "docs" / "validation.md"
 BEGIN, END = "<!-- zero_to_fp32-vs-ckptspec:begin -->", "<!-- zero_to_fp32-vs-ckptspec:end -->"
@@ -67,10 +68,21 @@ def run_zero_to_fp32(save_dir: Path, work: Path) -> dict:
     for p in (out, result):
         p.unlink(missing_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(save_dir), str(out), str(result)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(save_dir), str(out), str(result)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if not result.exists():  # the interpreter itself died
-        return {"outcome": "exception", "type": f"exit {proc.returncode}", "message": proc.stderr[-300:], "file": "", "source": ""}
+        return {
+            "outcome": "exception",
+            "type": f"exit {proc.returncode}",
+            "message": proc.stderr[-300:],
+            "file": "",
+            "source": "",
+        }
     status = json.loads(result.read_text())
     status["output"] = out if status["outcome"] == "ok" else None
     return status
@@ -119,8 +131,12 @@ def classify(status: dict, reference: Path, marker: Path, save_dir: Path) -> tup
 
 
 def run_ckptspec(args: list[str]) -> tuple[int, list[tuple[str, str | None]], str]:
-    proc = subprocess.run([sys.executable, "-m", "ckptspec", "validate", *args, "--format", "json"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "validate", *args, "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     report = json.loads(proc.stdout)
     found = [(f["code"], f.get("file")) for f in report["findings"]]
     if "error" in report:
@@ -157,9 +173,9 @@ def timing(work: Path) -> str | None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from make_big_checkpoint import checkpoint_dir
 
-    from ckptspec.format.codec import write_manifest
     from ckptspec.deepspeed.describe import manifest_from_checkpoint
     from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.format.codec import write_manifest
     from ckptspec.format.validate import load_manifest
 
     rows = []
@@ -186,20 +202,26 @@ def timing(work: Path) -> str | None:
         _, findings = validate_checkpoint(save_dir, recorded)
         with_hash = time.perf_counter() - t0
         assert findings == [], findings
-        rows.append(f"| ZeRO-{stage}, 2 ranks, bf16 | {size / 1e9:.2f} GB | {seconds * 1000:.0f} ms, {read / 1024:.0f} KiB read "
-                    f"| {cli:.2f} s (interpreter start-up alone: {startup:.2f} s) | {with_hash:.2f} s "
-                    f"({size / with_hash / 1e6:.0f} MB/s) |")
+        rows.append(
+            f"| ZeRO-{stage}, 2 ranks, bf16 | {size / 1e9:.2f} GB | {seconds * 1000:.0f} ms, {read / 1024:.0f} KiB "
+            "read "
+            f"| {cli:.2f} s (interpreter start-up alone: {startup:.2f} s) | {with_hash:.2f} s "
+            f"({size / with_hash / 1e6:.0f} MB/s) |"
+        )
         print(rows[-1], flush=True)
     if not rows:
         return None
-    return "\n".join([
-        TIMING_BEGIN,
-        "| checkpoint | size | `validate_checkpoint`, no hashes (median of 5) | `ckptspec validate DIR` wall time | "
-        "with SHA-256 verification (throughput) |",
-        "|---|---|---|---|---|",
-        *rows,
-        TIMING_END,
-    ])
+    return "\n".join(
+        [
+            TIMING_BEGIN,
+            "| checkpoint | size | `validate_checkpoint`, no hashes (median of 5) | `ckptspec validate DIR` wall "
+            "time | "
+            "with SHA-256 verification (throughput) |",
+            "|---|---|---|---|---|",
+            *rows,
+            TIMING_END,
+        ]
+    )
 
 
 def replace_block(text: str, begin: str, end: str, block: str) -> str:
@@ -212,8 +234,12 @@ def replace_block(text: str, begin: str, end: str, block: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--no-write", action="store_true", help="print the table instead of updating docs/validation.md")
-    parser.add_argument("--timing-only", action="store_true", help="only time validation of the ~1.4 GB benchmark checkpoints")
+    parser.add_argument(
+        "--no-write", action="store_true", help="print the table instead of updating docs/validation.md"
+    )
+    parser.add_argument(
+        "--timing-only", action="store_true", help="only time validation of the ~1.4 GB benchmark checkpoints"
+    )
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -249,8 +275,11 @@ def main() -> int:
             cli_args = [str(save_dir)]
             if fault.hashed_manifest:
                 manifest = case / "manifest.json"
-                subprocess.run([sys.executable, "-m", "ckptspec", "generate", str(save_dir), "--hash", "-o", str(manifest)],
-                               check=True, cwd=ROOT)
+                subprocess.run(
+                    [sys.executable, "-m", "ckptspec", "generate", str(save_dir), "--hash", "-o", str(manifest)],
+                    check=True,
+                    cwd=ROOT,
+                )
                 cli_args = [str(manifest), "--checkpoint", str(save_dir)]
             marker = case / "pwned"
             fault.mutate(save_dir, FaultEnv(bases.get(fault.donor) if fault.donor else None, marker))
@@ -263,21 +292,29 @@ def main() -> int:
             kind, detail = classify(status, references[fault.base], marker, save_dir)
             tally[kind] = tally.get(kind, 0) + 1
             z2f = f"**{kind}**" + (f": {detail}" if detail else "")
-            rows.append(f"| {i} | {cell(fault.description)} | {cell(z2f)} | {cell(ckptspec_cell(fault, exit_code, found))} |")
-            print(f"{fault.name:34s} zero_to_fp32: {kind:28s} ckptspec: exit {exit_code} {sorted({c for c, _ in found})} "
-                  f"({elapsed:.2f}s)", flush=True)
+            rows.append(
+                f"| {i} | {cell(fault.description)} | {cell(z2f)} | {cell(ckptspec_cell(fault, exit_code, found))} |"
+            )
+            print(
+                f"{fault.name:34s} zero_to_fp32: {kind:28s} ckptspec: exit {exit_code} {sorted({c for c, _ in found})} "
+                f"({elapsed:.2f}s)",
+                flush=True,
+            )
 
     summary = ", ".join(f"{n} {k}" for k, n in sorted(tally.items(), key=lambda kv: -kv[1]))
-    table = "\n".join([
-        BEGIN,
-        f"Measured by `benchmarks/zero_to_fp32_vs_ckptspec.py` with DeepSpeed {deepspeed.__version__} and torch "
-        f"{torch.__version__} on checkpoints built by `tests/_harness` ({len(FAULTS)} corruptions; zero_to_fp32: {summary}).",
-        "",
-        "| # | corruption | DeepSpeed `zero_to_fp32` | `ckptspec validate` |",
-        "|---|---|---|---|",
-        *rows,
-        END,
-    ])
+    table = "\n".join(
+        [
+            BEGIN,
+            f"Measured by `benchmarks/zero_to_fp32_vs_ckptspec.py` with DeepSpeed {deepspeed.__version__} and torch "
+            f"{torch.__version__} on checkpoints built by `tests/_harness` ({len(FAULTS)} corruptions; "
+            f"zero_to_fp32: {summary}).",
+            "",
+            "| # | corruption | DeepSpeed `zero_to_fp32` | `ckptspec validate` |",
+            "|---|---|---|---|",
+            *rows,
+            END,
+        ]
+    )
     with tempfile.TemporaryDirectory() as tmp:
         timing_block = timing(Path(tmp))
     if args.no_write:

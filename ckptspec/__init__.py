@@ -7,9 +7,8 @@ The core (models, schema, validation) needs neither torch nor DeepSpeed;
 from ._version import __version__
 from .errors import InvalidManifest
 from .findings import Finding
-from .format.version import FORMAT_NAME, FORMAT_VERSION
 from .format.validate import Report, load_manifest, validate_document, validate_file
-
+from .format.version import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
     "FORMAT_NAME",

@@ -9,8 +9,9 @@ registration order, named from ``CODES``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Callable, Generic, Iterable, Iterator, Literal, TypeVar
+from typing import Generic, Literal, TypeVar
 
 Severity = Literal["error", "warning"]
 
@@ -123,8 +124,16 @@ class Finding:
         return f"{where}: {label} {self.message} (hint: {self.hint})"
 
 
-def finding(code: str, path: str, message: str, hint: str, *, severity: Severity = "error",
-            file: str | None = None, rank: int | None = None) -> Finding:
+def finding(
+    code: str,
+    path: str,
+    message: str,
+    hint: str,
+    *,
+    severity: Severity = "error",
+    file: str | None = None,
+    rank: int | None = None,
+) -> Finding:
     """A finding of ``code``, named from ``CODES``."""
     return Finding(code, CODES[code], path, message, hint, severity, file, rank)
 

@@ -6,9 +6,9 @@ Imports torch only through the objects it is given.
 from __future__ import annotations
 
 from ._version import __version__
-from .format.partition import ParamSpec, flat_group
-from .format.models import Alias, Buffer, FrozenParam, Layout, Manifest, Producer
 from .format.dtypes import dtype_name
+from .format.models import Alias, Buffer, FrozenParam, Layout, Manifest, Producer
+from .format.partition import ParamSpec, flat_group
 from .format.version import FORMAT_NAME, FORMAT_VERSION
 
 
@@ -48,19 +48,41 @@ def manifest_from_module(module, optimizer=None) -> Manifest:
 
     frozen = [
         FrozenParam(name=name, shape=list(p.shape), numel=p.numel(), dtype=dtype_name(p.dtype), stored_in="module")
-        for name, p in module.named_parameters() if id(p) not in trainable
+        for name, p in module.named_parameters()
+        if id(p) not in trainable
     ]
     persistent = module.state_dict(keep_vars=True).keys()
-    buffers = [Buffer(name=name, shape=list(b.shape), dtype=dtype_name(b.dtype))
-               for name, b in module.named_buffers() if name in persistent]
+    buffers = [
+        Buffer(name=name, shape=list(b.shape), dtype=dtype_name(b.dtype))
+        for name, b in module.named_buffers()
+        if name in persistent
+    ]
     first = next((p for _, p in named), None)
     dtype = dtype_name(first.dtype) if first is not None else "float32"
-    layout = Layout(zero_stage=0, world_size=1, tensor_parallel_size=1, pipeline_parallel_size=1, model_dtype=dtype,
-                    master_dtype=dtype, round_robin=False, parameter_alignment=False, tail_padding_saved=False)
+    layout = Layout(
+        zero_stage=0,
+        world_size=1,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        model_dtype=dtype,
+        master_dtype=dtype,
+        round_robin=False,
+        parameter_alignment=False,
+        tail_padding_saved=False,
+    )
     if optimizer is not None:
         layout.optimizer = type(optimizer).__name__
     return Manifest(
-        format=FORMAT_NAME, format_version=FORMAT_VERSION,
-        producer=Producer(tool="ckptspec", tool_version=__version__, framework="torch", framework_version=torch.__version__),
-        layout=layout, groups=groups, frozen=frozen, buffers=buffers, aliases=aliases, excluded=[], files=[],
+        format=FORMAT_NAME,
+        format_version=FORMAT_VERSION,
+        producer=Producer(
+            tool="ckptspec", tool_version=__version__, framework="torch", framework_version=torch.__version__
+        ),
+        layout=layout,
+        groups=groups,
+        frozen=frozen,
+        buffers=buffers,
+        aliases=aliases,
+        excluded=[],
+        files=[],
     )

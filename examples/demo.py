@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the real-DeepSpeed harness lives with the tests
 
-from _harness.launch import run_tasks  # noqa: E402
-from _harness.scenarios import MATRIX_SPECS  # noqa: E402
+from _harness.launch import run_tasks
+from _harness.scenarios import MATRIX_SPECS
 
 
 def run(*args: str, expect: int) -> subprocess.CompletedProcess:
@@ -66,10 +66,12 @@ def main() -> None:
     run("generate", str(save_dir), "-o", str(manifest), "--hash", expect=0)
     doc = json.loads(manifest.read_text())
     layout = doc["layout"]
-    print(f"  stage {layout['zero_stage']}, world size {layout['world_size']}, {layout['model_dtype']} model, "
-          f"{layout['master_dtype']} masters; {sum(len(g['params']) for g in doc['groups'])} trainable, "
-          f"{len(doc['frozen'])} frozen, {len(doc['aliases'])} alias, {len(doc['buffers'])} buffer; "
-          f"{len(doc['files'])} files")
+    print(
+        f"  stage {layout['zero_stage']}, world size {layout['world_size']}, {layout['model_dtype']} model, "
+        f"{layout['master_dtype']} masters; {sum(len(g['params']) for g in doc['groups'])} trainable, "
+        f"{len(doc['frozen'])} frozen, {len(doc['aliases'])} alias, {len(doc['buffers'])} buffer; "
+        f"{len(doc['files'])} files"
+    )
 
     print("\n== 3. validate the manifest")
     run("validate", str(manifest), expect=0)
@@ -121,11 +123,15 @@ def main() -> None:
     from safetensors.numpy import load_file
 
     tensors = load_file(weights / "model.safetensors")
-    print(f"  {weights / 'model.safetensors'}: {len(tensors)} tensors, "
-          f"{sum(t.size for t in tensors.values())} elements")
+    print(
+        f"  {weights / 'model.safetensors'}: {len(tensors)} tensors, {sum(t.size for t in tensors.values())} elements"
+    )
     refused = work / "weights-from-truncated"
     run("reconstruct", str(truncated), str(refused), "--quiet", expect=1)
-    print(f"  written from the corrupt copy: {sorted(p.name for p in refused.glob('*')) if refused.exists() else 'nothing'}")
+    print(
+        "  written from the corrupt copy: "
+        f"{sorted(p.name for p in refused.glob('*')) if refused.exists() else 'nothing'}"
+    )
     print(f"\nall done; files are in {work}")
 
 

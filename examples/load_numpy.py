@@ -63,8 +63,10 @@ def main(output_dir: str) -> None:
     aliases = json.loads(metadata.get("ckptspec.aliases", "{}"))
     saved_as = metadata.get("ckptspec.dtype")
     widened = " (numpy has no bfloat16: widened exactly to float32)" if saved_as == "bfloat16" else ""
-    print(f"{output_dir}: {len(arrays)} arrays from ZeRO-{metadata.get('ckptspec.zero_stage')} "
-          f"{metadata.get('ckptspec.tag')}, saved as {saved_as}{widened}")
+    print(
+        f"{output_dir}: {len(arrays)} arrays from ZeRO-{metadata.get('ckptspec.zero_stage')} "
+        f"{metadata.get('ckptspec.tag')}, saved as {saved_as}{widened}"
+    )
     for name, array in arrays.items():
         note = f" (alias of {aliases[name]})" if name in aliases else ""
         print(f"  {name}: {array.dtype} {list(array.shape)}{note}")

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-
-from ckptspec.format.schemas import validator as reference_validator
 import typing
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from ckptspec.format import models
 from ckptspec.format.codec import load_document
 from ckptspec.format.models import Manifest
+from ckptspec.format.schemas import validator as reference_validator
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA: dict = json.loads((ROOT / "schema" / "manifest-1.0.schema.json").read_text("utf-8"))
@@ -82,10 +81,13 @@ def assert_agree(doc: Any, allow_unknown: bool = False) -> None:
 CORPUS_KNOWN: dict[str, str] = {}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=CORPUS_KNOWN[n])) if n in CORPUS_KNOWN else n
-    for n in sorted(EXPECTED)
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=CORPUS_KNOWN[n])) if n in CORPUS_KNOWN else n
+        for n in sorted(EXPECTED)
+    ],
+)
 def test_corpus_document(name):
     doc = load_document(CORPUS / name)
     allow_unknown = is_newer_minor(doc)
@@ -144,8 +146,14 @@ def type_variants(value: Any) -> list[tuple[str, Any]]:
     if isinstance(value, bool):
         out += [("int", 1), ("string", "true")]
     elif isinstance(value, int):
-        out += [("bool", True), ("string", str(value)), ("fraction", value + 0.5), ("integral-float", float(value)),
-                ("negative", -1), ("array", [value])]
+        out += [
+            ("bool", True),
+            ("string", str(value)),
+            ("fraction", value + 0.5),
+            ("integral-float", float(value)),
+            ("negative", -1),
+            ("array", [value]),
+        ]
     elif isinstance(value, str):
         out += [("int", 7), ("empty", ""), ("array", [value])]
     elif isinstance(value, list):
@@ -367,9 +375,28 @@ def test_hypothesis_jsonschema_documents_round_trip():
 # A small generator for exactly the JSON Schema vocabulary the manifest schema uses; a
 # keyword it does not know fails loudly, so a future schema cannot be half-generated.
 _KNOWN_KEYWORDS = {
-    "$schema", "$id", "$comment", "$defs", "$ref", "title", "type", "properties", "required",
-    "additionalProperties", "propertyNames", "maxProperties", "items", "minItems", "maxItems",
-    "minLength", "maxLength", "pattern", "minimum", "maximum", "enum", "const",
+    "$schema",
+    "$id",
+    "$comment",
+    "$defs",
+    "$ref",
+    "title",
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "propertyNames",
+    "maxProperties",
+    "items",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minimum",
+    "maximum",
+    "enum",
+    "const",
 }
 
 
@@ -392,8 +419,7 @@ def schema_strategy(node: dict) -> st.SearchStrategy:
                 optional={k: s for k, s in props.items() if k not in required},
             )
         keys = schema_strategy({"type": "string", **node.get("propertyNames", {})})
-        return st.dictionaries(keys, schema_strategy(node["additionalProperties"]),
-                               max_size=node.get("maxProperties"))
+        return st.dictionaries(keys, schema_strategy(node["additionalProperties"]), max_size=node.get("maxProperties"))
     if kind == "array":
         return st.lists(schema_strategy(node["items"]), min_size=node.get("minItems", 0), max_size=node.get("maxItems"))
     if kind == "string":

@@ -3,8 +3,9 @@
 The CLI cases call ``ckptspec.cli.main`` (the console-script entry point, which turns any
 unexpected exception into CK999) in-process, and check the exit status, the code, and that
 no exception escapes and no CK999 appears; a few cases also run the installed ``ckptspec``
-command in a subprocess (the sparse 3 GB file under a 1 GB memory limit, for one). The fuzz tests feed random bytes, random JSON
-values and randomly mutated real manifests to ``codec.decode`` + ``validate_document``:
+command in a subprocess (the sparse 3 GB file under a 1 GB memory limit, for one). The fuzz
+tests feed random bytes, random JSON values and randomly mutated real manifests to
+``codec.decode`` + ``validate_document``:
 they may only raise ``CkptspecError`` or return a ``Report``, and a ``CK002`` finding
 (schema and models disagree, a ckptspec bug) must never appear.
 
@@ -26,17 +27,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptspec.format import codec
 from ckptspec.cli import main as cli_main
 from ckptspec.errors import CkptspecError
+from ckptspec.format import codec
 from ckptspec.format.validate import Report, validate_document
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
 BASE = json.loads(EXAMPLE.read_text("utf-8"))
 FUZZ_EXAMPLES = int(os.environ.get("CKPTSPEC_FUZZ_EXAMPLES", "300"))
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=FUZZ_EXAMPLES <= 300,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    derandomize=FUZZ_EXAMPLES <= 300,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _command() -> list[str]:
@@ -46,8 +51,9 @@ def _command() -> list[str]:
 
 def run_cli(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "CKPTSPEC_DEBUG"}
-    return subprocess.run([*_command(), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, errors="replace", **kwargs)
+    return subprocess.run(
+        [*_command(), *args], capture_output=True, text=True, timeout=timeout, env=env, errors="replace", **kwargs
+    )
 
 
 @pytest.fixture
@@ -106,12 +112,33 @@ CASES = [
     ("malformed-json", "m.json", '{"format": }', [], 2, "CK903"),
     ("truncated-json", "t.json", EXAMPLE_TEXT[: len(EXAMPLE_TEXT) // 2], [], 2, "CK903"),
     ("trailing-garbage", "g.json", EXAMPLE_TEXT + "}", [], 2, "CK903"),
-    ("wrong-types", "w.json", json.dumps(manifest_with(groups__0__params__0__numel="800", layout__round_robin=0)), [], 1, "CK001"),
+    (
+        "wrong-types",
+        "w.json",
+        json.dumps(manifest_with(groups__0__params__0__numel="800", layout__round_robin=0)),
+        [],
+        1,
+        "CK001",
+    ),
     ("giant-integer", "i.json", '{"format": "ckptspec.manifest", "n": 1' + "0" * 5000 + "}", [], 2, "CK903"),
-    ("giant-integer-as-numel", "i2.json", EXAMPLE_TEXT.replace('"numel": 800', '"numel": 1' + "0" * 5000, 1), [], 2, "CK903"),
+    (
+        "giant-integer-as-numel",
+        "i2.json",
+        EXAMPLE_TEXT.replace('"numel": 800', '"numel": 1' + "0" * 5000, 1),
+        [],
+        2,
+        "CK903",
+    ),
     ("numel-1e30", "n.json", json.dumps(manifest_with(groups__0__params__0__numel=10**30)), [], 1, "CK001"),
     ("numel-float-1e30", "nf.json", EXAMPLE_TEXT.replace('"numel": 800', '"numel": 1e30', 1), [], 1, "CK001"),
-    ("numel-1e400-overflows-to-inf", "inf.json", EXAMPLE_TEXT.replace('"numel": 800', '"numel": 1e400', 1), [], 1, "CK001"),
+    (
+        "numel-1e400-overflows-to-inf",
+        "inf.json",
+        EXAMPLE_TEXT.replace('"numel": 800', '"numel": 1e400', 1),
+        [],
+        1,
+        "CK001",
+    ),
     ("deep-arrays-100000", "d.json", "[" * 100_000 + "]" * 100_000, [], 2, "CK903"),
     ("deep-objects-100000", "o.json", '{"a":' * 100_000 + "1" + "}" * 100_000, [], 2, "CK903"),
     ("deep-unclosed", "u.json", "[" * 100_000, [], 2, "CK903"),
@@ -127,9 +154,16 @@ CASES = [
     ("top-level-null", "null.json", "null", [], 1, "CK001"),
     ("nan", "nan.json", '{"format_version": NaN}', [], 2, "CK903"),
     ("infinity", "pinf.json", EXAMPLE_TEXT.replace('"numel": 800', '"numel": Infinity', 1), [], 2, "CK903"),
-    ("minus-infinity", "minf.json", '[-Infinity]', [], 2, "CK903"),
+    ("minus-infinity", "minf.json", "[-Infinity]", [], 2, "CK903"),
     ("duplicate-top-level-key", "dup.json", '{"format": "a", "format": "b"}', [], 1, "CK904"),
-    ("duplicate-nested-key", "dup2.json", EXAMPLE_TEXT.replace('"world_size": 2,', '"world_size": 2, "world_size": 3,', 1), [], 1, "CK904"),
+    (
+        "duplicate-nested-key",
+        "dup2.json",
+        EXAMPLE_TEXT.replace('"world_size": 2,', '"world_size": 2, "world_size": 3,', 1),
+        [],
+        1,
+        "CK904",
+    ),
     ("bad-msgpack-truncated", "b.msgpack", b"\x82\xa1a\x01", [], 2, "CK903"),
     ("bad-msgpack-reserved-byte", "r.msgpack", b"\xc1", [], 2, "CK903"),
     ("msgpack-extra-data", "x.msgpack", msgpack.packb({"a": 1}) + b"\x01", [], 2, "CK903"),
@@ -214,8 +248,16 @@ def test_cli_bad_max_size_is_a_usage_error(cli, size):
     assert "--max-size" in result.stderr
 
 
-@pytest.mark.parametrize("args", [["validate"], ["validate", "--format", "xml", "x.json"], ["nosuchcommand"],
-                                  ["validate", "--encoding", "yaml", "x.json"], ["schema", "--version"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["validate"],
+        ["validate", "--format", "xml", "x.json"],
+        ["nosuchcommand"],
+        ["validate", "--encoding", "yaml", "x.json"],
+        ["schema", "--version"],
+    ],
+)
 def test_cli_usage_errors(cli, args):
     result = cli(*args)
     assert result.returncode == 2
@@ -232,8 +274,11 @@ def test_cli_unknown_schema_version(cli):
 
 def test_installed_command_on_bad_files(tmp_path):
     """The console script itself (its own process and stack): no traceback, right codes."""
-    cases = [("l.json", b"\xff", 2, "CK903"), ("d.json", b"[" * 100_000, 2, "CK903"),
-             ("dup.json", b'{"a": 1, "a": 2}', 1, "CK904")]
+    cases = [
+        ("l.json", b"\xff", 2, "CK903"),
+        ("d.json", b"[" * 100_000, 2, "CK903"),
+        ("dup.json", b'{"a": 1, "a": 2}', 1, "CK904"),
+    ]
     for name, data, exit_code, code in cases:
         assert_refused(run_cli("validate", str(write(tmp_path, name, data))), exit_code, code)
     assert_refused(run_cli("validate", str(tmp_path / "missing.json")), 2, "CK901")
@@ -299,11 +344,14 @@ def test_lone_surrogate_escape_refused_by_the_loader(cli, tmp_path):
     assert cli("validate", str(write(tmp_path, "ok.json", text))).returncode == 0
 
 
-@pytest.mark.parametrize("field,value", [
-    ("format_version", "1.0.0\n"),
-    ("producer__created", "2026-11-29T20:43:00Z\n"),
-    ("files__0__hash", {"algorithm": "sha256", "digest": "0" * 64 + "\n"}),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("format_version", "1.0.0\n"),
+        ("producer__created", "2026-11-29T20:43:00Z\n"),
+        ("files__0__hash", {"algorithm": "sha256", "digest": "0" * 64 + "\n"}),
+    ],
+)
 def test_trailing_newline_in_patterned_string(field, value):
     """ECMA-262 '$' (JSON Schema) does not match before a final newline; Python's does."""
     codes = [f.code for f in validate_document(manifest_with(**{field: value})).findings]
@@ -317,12 +365,23 @@ def test_bug_superscript_digit_in_version():
 
 def test_bug_ck116_finding_explosion():
     doc = copy.deepcopy(BASE)
-    doc["groups"] = [{"optimizer_group": 0, "partitioning": "flat", "partition_count": 20_000, "alignment": 1,
-                      "padded_numel": 0, "partition_numel": 0, "saved_numels": [0], "params": []}]
+    doc["groups"] = [
+        {
+            "optimizer_group": 0,
+            "partitioning": "flat",
+            "partition_count": 20_000,
+            "alignment": 1,
+            "padded_numel": 0,
+            "partition_numel": 0,
+            "saved_numels": [0],
+            "params": [],
+        }
+    ]
     assert len(validate_document(doc).findings) < 1_000
 
 
 # --------------------------------------------------------------------------- fuzz: decode + validate
+
 
 def _decode_and_validate(data: bytes, encoding: str):
     try:
@@ -346,10 +405,19 @@ def test_fuzz_random_bytes(data, encoding):
 # Text without lone surrogates: those are a known bug (test_bug_lone_surrogate), kept out of
 # the fuzz so that it keeps looking for new ones.
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)
-SCALARS = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-2**70, max_value=2**70)
-           | st.floats(allow_nan=True, allow_infinity=True) | TEXT)
-JSON_VALUES = st.recursive(SCALARS, lambda children: st.lists(children, max_size=5)
-                           | st.dictionaries(TEXT, children, max_size=5), max_leaves=30)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | TEXT
+)
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(TEXT, children, max_size=5),
+    max_leaves=30,
+)
 
 
 @FUZZ
@@ -391,12 +459,41 @@ def _get(doc, path):
     return doc
 
 
-INTERESTING_INTS = st.sampled_from([0, 1, 2, 3, 4, 799, 800, 1599, 1600, 2**20, 2**20 + 1, 2**31, 2**63 - 1, 2**63,
-                                    -1, -(2**63)])
-MUTATION_VALUES = (JSON_VALUES | INTERESTING_INTS | st.sampled_from([
-    "flat", "per_param", "float32", "bfloat16", "module", "fragments", "emb.weight", "head.weight", "l1.bias",
-    "1.0.0", "1.1.0", "2.0.0", "0.9.0", "../x", "/abs", "C:x", "a//b", 3.0, -0.0, 1e30, [], {}, [0], [0, 8],
-]))
+INTERESTING_INTS = st.sampled_from(
+    [0, 1, 2, 3, 4, 799, 800, 1599, 1600, 2**20, 2**20 + 1, 2**31, 2**63 - 1, 2**63, -1, -(2**63)]
+)
+MUTATION_VALUES = (
+    JSON_VALUES
+    | INTERESTING_INTS
+    | st.sampled_from(
+        [
+            "flat",
+            "per_param",
+            "float32",
+            "bfloat16",
+            "module",
+            "fragments",
+            "emb.weight",
+            "head.weight",
+            "l1.bias",
+            "1.0.0",
+            "1.1.0",
+            "2.0.0",
+            "0.9.0",
+            "../x",
+            "/abs",
+            "C:x",
+            "a//b",
+            3.0,
+            -0.0,
+            1e30,
+            [],
+            {},
+            [0],
+            [0, 8],
+        ]
+    )
+)
 
 
 @st.composite

@@ -18,8 +18,17 @@ from ckptspec.cli._common import SizeParam
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "manifests" / "zero2-bf16-2ranks.json")
 
 
-@pytest.mark.parametrize("text,size", [("512M", 512 * 2**20), ("2G", 2 * 2**30), ("5GB", 5 * 2**30), ("1KiB", 1024),
-                                       ("1048576", 2**20), (" 1.5k ", 1536)])
+@pytest.mark.parametrize(
+    "text,size",
+    [
+        ("512M", 512 * 2**20),
+        ("2G", 2 * 2**30),
+        ("5GB", 5 * 2**30),
+        ("1KiB", 1024),
+        ("1048576", 2**20),
+        (" 1.5k ", 1536),
+    ],
+)
 def test_sizes(text, size):
     assert SizeParam().convert(text, None, None) == size
 

@@ -27,9 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFORMANCE = ROOT / "tests" / "conformance"
 CORPUS = CONFORMANCE / "1.0"
 EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text("utf-8"))
-FILES = sorted(
-    p.relative_to(CORPUS).as_posix() for p in CORPUS.glob("*/*") if p.suffix in (".json", ".msgpack")
-)
+FILES = sorted(p.relative_to(CORPUS).as_posix() for p in CORPUS.glob("*/*") if p.suffix in (".json", ".msgpack"))
 REPORT_VALIDATOR = Draft202012Validator(json.loads((ROOT / "schema" / "report-1.0.schema.json").read_text("utf-8")))
 
 # Corpus files whose expectation is right but ckptspec currently gets wrong. Strict:
@@ -190,7 +188,10 @@ def test_cli_subprocess(name):
     assert name in EXPECTED
     proc = subprocess.run(
         [sys.executable, "-m", "ckptspec", "validate", str(CORPUS / name), "--format", "json"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert "Traceback" not in proc.stdout + proc.stderr
     assert proc.stderr == ""

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _harness.compat import FIXTURES, OLD_DEEPSPEED_VERSION
 from _harness.reconstruction import check_reconstruction, cli
 from _harness.scenarios import OLD_DEEPSPEED, OLD_DEEPSPEED_SPECS
+
 from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.format.validate import validate_document
 
@@ -80,4 +80,3 @@ def test_committed_checkpoint_is_what_the_job_writes(name, ds):
     assert sorted(fresh) == sorted(kept) and all(torch.equal(fresh[k], kept[k]) for k in kept)
     layout = [_without(manifest_from_checkpoint(d).to_dict(), ("producer", "files")) for d in (built, committed)]
     assert layout[0] == layout[1]
-

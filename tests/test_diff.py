@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
+from _harness import scenarios
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
-from _harness import scenarios
 from ckptspec.format.models import Manifest
 from ckptspec.report.diff import RULES, diff_manifests, resume_reasons
 
@@ -73,7 +73,9 @@ def test_verdict_matches_deepspeed(case, ds):
         # DeepSpeed loads without a word, and the masters are scrambled: why CK507 exists.
         assert outcome["loaded"] and not outcome["consistent"] and outcome["mismatched"]
     if case == "world-size-2-to-3-stage2":
-        assert outcome["error"].startswith("ZeRORuntimeException: The checkpoint being loaded used a DP world size of 2")
+        assert outcome["error"].startswith(
+            "ZeRORuntimeException: The checkpoint being loaded used a DP world size of 2"
+        )
     if case == "world-size-2-to-3-stage3":  # fails before the world-size check, but fails
         assert outcome["error"].startswith("RuntimeError: The size of tensor")
 
@@ -142,8 +144,10 @@ def test_ck504_missing_and_unexpected_keys():
 def test_ck504_frozen_parameters_excluded_at_save():
     a, b = example(), example()
     a["frozen"] = []
-    a["excluded"] = [{"name": "frozen.weight", "reason": "exclude_frozen_parameters"},
-                     {"name": "frozen.bias", "reason": "exclude_frozen_parameters"}]
+    a["excluded"] = [
+        {"name": "frozen.weight", "reason": "exclude_frozen_parameters"},
+        {"name": "frozen.bias", "reason": "exclude_frozen_parameters"},
+    ]
     found = resume_reasons(Manifest.model_validate(a), Manifest.model_validate(b))
     assert [r.code for r in found] == ["CK504"] and "exclude_frozen_parameters" in found[0].message
 
@@ -158,8 +162,9 @@ def test_ck505_shape():
 def test_ck506_frozen_becomes_trainable():
     a, b = example(), example()
     bias = b["frozen"].pop()
-    b["groups"][0]["params"].append({"name": bias["name"], "shape": bias["shape"], "numel": 16, "dtype": "bfloat16",
-                                     "offset": 1905, "padding": 0})
+    b["groups"][0]["params"].append(
+        {"name": bias["name"], "shape": bias["shape"], "numel": 16, "dtype": "bfloat16", "offset": 1905, "padding": 0}
+    )
     assert reasons(a, b) == ["CK506"]
     changes = diff_manifests(Manifest.model_validate(a), Manifest.model_validate(b)).changes
     assert ("unfrozen", "frozen.bias") in {(c.kind, c.name) for c in changes}
@@ -207,7 +212,9 @@ def test_invalid_input_is_reported_like_validate():
 
 def test_missing_input_is_an_io_error():
     result = run("diff", EXAMPLE, "missing.json")
-    assert result.exit_code == 2 and result.output.strip() == "missing.json: CK901 file not found (hint: check the path)"
+    assert (
+        result.exit_code == 2 and result.output.strip() == "missing.json: CK901 file not found (hint: check the path)"
+    )
     exit_code, doc = diff_json("missing.json", EXAMPLE)
     assert exit_code == 2 and doc["error"]["code"] == "CK901"
 

@@ -52,9 +52,9 @@ import os
 import re
 import shutil
 import stat
-import textwrap
 import subprocess
 import sys
+import textwrap
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +172,7 @@ def sections(path: Path) -> dict[str, Section]:
             pending = []
     out: dict[str, Section] = {}
     for k, (i, level, anchors) in enumerate(headings):
-        end = next((j for j, lv, _ in headings[k + 1:] if lv <= level), len(lines))
+        end = next((j for j, lv, _ in headings[k + 1 :] if lv <= level), len(lines))
         for anchor in dict.fromkeys(anchors):
             assert anchor not in out, f"{path}: anchor #{anchor} defined twice"
             out[anchor] = Section(anchor, level, i, end)
@@ -301,14 +301,16 @@ def check_expectation(example: ErrorExample) -> None:
     assert example.expect is not None, f"{example.where()}: a ```text expect block must follow the example"
     expected = parse_expectation(example.expect)
     assert example.code in {item[0] for item in expected}, (
-        f"{example.expect.where()}: the expectation must include {example.code}, the code the example shows")
+        f"{example.expect.where()}: the expectation must include {example.code}, the code the example shows"
+    )
     actual = [(f.code, f.path, f.rank, f.file) for f in example_findings(example.fragment)]
     missing = list((Counter(expected) - Counter(actual)).elements())
     extra = list((Counter(actual) - Counter(expected)).elements())
     assert not missing and not extra, (
         f"{example.expect.where()}: ckptspec's findings differ from the expectation"
         + "".join(f"\n  missing:    {_expected_line(i)}" for i in missing)
-        + "".join(f"\n  unexpected: {_expected_line(i)}" for i in extra))
+        + "".join(f"\n  unexpected: {_expected_line(i)}" for i in extra)
+    )
 
 
 @pytest.mark.parametrize("example", error_examples(), ids=lambda e: e.where())
@@ -320,10 +322,12 @@ def test_error_example(example: ErrorExample):
 def test_error_example_printed_findings_are_current(example: ErrorExample):
     """The ```text findings block is documentation (what ckptspec prints), kept current; not the oracle."""
     assert example.findings is not None, (
-        f"{example.where()}: a ```text findings block must follow the example's ```text expect block")
+        f"{example.where()}: a ```text findings block must follow the example's ```text expect block"
+    )
     lines = [f.to_line() for f in example_findings(example.fragment)]
     assert lines == example.findings.text.splitlines(), (
-        f"{example.findings.where()}: the findings shown are not what ckptspec prints now:\n" + "\n".join(lines))
+        f"{example.findings.where()}: the findings shown are not what ckptspec prints now:\n" + "\n".join(lines)
+    )
 
 
 def test_every_example_has_one_expectation():
@@ -335,7 +339,9 @@ def test_every_example_has_one_expectation():
             if is_example(b) and not (i + 1 < len(blocks) and is_expectation(blocks[i + 1])):
                 problems.append(f"{b.where()}: the example is not followed by a ```text expect block")
             if is_expectation(b) and not (i > 0 and is_example(blocks[i - 1])):
-                problems.append(f"{b.where()}: a ```text expect block that does not follow a ```json fragment at=... block")
+                problems.append(
+                    f"{b.where()}: a ```text expect block that does not follow a ```json fragment at=... block"
+                )
             if is_example(b) and path.name != "errors.md":
                 problems.append(f"{b.where()}: examples applied to the example manifest belong in docs/errors.md")
     assert not problems, "\n".join(problems)
@@ -366,7 +372,9 @@ def test_cascades_are_named_in_prose():
         prose = _section_prose(example.code)
         for code in sorted({c for c, *_ in parse_expectation(example.expect)} - {example.code}):
             if not re.search(rf"\b{code}\b", prose):
-                unexplained.append(f"{example.expect.where()}: {code} is expected but the {example.code} prose never names it")
+                unexplained.append(
+                    f"{example.expect.where()}: {code} is expected but the {example.code} prose never names it"
+                )
     assert not unexplained, "\n".join(unexplained)
 
 
@@ -385,19 +393,67 @@ _CK106_OFFSETS = "".join(f"CK106 $.groups[0].params[{k}].offset\n" for k in (1, 
 _RANK1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 
-@pytest.mark.parametrize("heading,at,fragment,expect,complaint", [
-    ("CK106 group-offsets", "$.groups[0].params", _OLD_CK106, _CK106_OFFSETS, "unexpected: CK107 $.groups[0].padded_numel"),
-    ("CK106 group-offsets", "$.groups[0].params", _OLD_CK106, _CK106_OFFSETS, "unexpected: CK108 $.groups[0].saved_numels[1] (rank 1)"),
-    ("CK119 locator-file-bounds", "$.files[2].size", "12000\n", "CK119 $.files[2].partitions[0] (rank 1)\n", "missing:    CK119 $.files[2].partitions[0] (rank 1)\n"),
-    ("CK119 locator-file-bounds", "$.files[2].size", "12000\n", f"CK119 $.files[2].partitions[0] (rank 0) in {_RANK1}\n", "missing:    CK119"),
-    ("CK117 locator-numel", "$.files[2].size", "12000\n", f"CK119 $.files[2].partitions[0] (rank 1) in {_RANK1}\n", "must include CK117"),
-    ("CK113 unsafe-path", "$.files[0].path", '"../x.pt"\n', "CK113 $.files[0].path\nCK113 $.files[0].path\n", "missing:    CK113 $.files[0].path"),
-    ("CK113 unsafe-path", "$.files[0].path", '"../x.pt"\n', "CK113 $.files[0].path (rank 0)\n", "missing:    CK113 $.files[0].path (rank 0)"),
-    ("CK113 unsafe-path", "$.files[0].path", '"../x.pt"\n', "CK113 files[0].path\n", "not a `CODE PATH"),
-])
+@pytest.mark.parametrize(
+    "heading,at,fragment,expect,complaint",
+    [
+        (
+            "CK106 group-offsets",
+            "$.groups[0].params",
+            _OLD_CK106,
+            _CK106_OFFSETS,
+            "unexpected: CK107 $.groups[0].padded_numel",
+        ),
+        (
+            "CK106 group-offsets",
+            "$.groups[0].params",
+            _OLD_CK106,
+            _CK106_OFFSETS,
+            "unexpected: CK108 $.groups[0].saved_numels[1] (rank 1)",
+        ),
+        (
+            "CK119 locator-file-bounds",
+            "$.files[2].size",
+            "12000\n",
+            "CK119 $.files[2].partitions[0] (rank 1)\n",
+            "missing:    CK119 $.files[2].partitions[0] (rank 1)\n",
+        ),
+        (
+            "CK119 locator-file-bounds",
+            "$.files[2].size",
+            "12000\n",
+            f"CK119 $.files[2].partitions[0] (rank 0) in {_RANK1}\n",
+            "missing:    CK119",
+        ),
+        (
+            "CK117 locator-numel",
+            "$.files[2].size",
+            "12000\n",
+            f"CK119 $.files[2].partitions[0] (rank 1) in {_RANK1}\n",
+            "must include CK117",
+        ),
+        (
+            "CK113 unsafe-path",
+            "$.files[0].path",
+            '"../x.pt"\n',
+            "CK113 $.files[0].path\nCK113 $.files[0].path\n",
+            "missing:    CK113 $.files[0].path",
+        ),
+        (
+            "CK113 unsafe-path",
+            "$.files[0].path",
+            '"../x.pt"\n',
+            "CK113 $.files[0].path (rank 0)\n",
+            "missing:    CK113 $.files[0].path (rank 0)",
+        ),
+        ("CK113 unsafe-path", "$.files[0].path", '"../x.pt"\n', "CK113 files[0].path\n", "not a `CODE PATH"),
+    ],
+)
 def test_expectation_catches_a_wrong_example(heading, at, fragment, expect, complaint):
-    example = ErrorExample(Block(DOCS / "made-up.md", 1, f"json fragment at={at}", fragment, heading),
-                           Block(DOCS / "made-up.md", 10, "text expect", expect, heading), None)
+    example = ErrorExample(
+        Block(DOCS / "made-up.md", 1, f"json fragment at={at}", fragment, heading),
+        Block(DOCS / "made-up.md", 10, "text expect", expect, heading),
+        None,
+    )
     with pytest.raises(AssertionError, match=re.escape(complaint)):
         check_expectation(example)
 
@@ -517,8 +573,11 @@ def _scratch(tmp_path_factory, block: Block, checkpoints: dict[str, Path]) -> Pa
         (scratch / name).symlink_to(ROOT / name, target_is_directory=True)
     if "checkpoint" in block.options:
         # A copy, not a link: a block may corrupt its checkpoint.
-        shutil.copytree(checkpoints[block.options["checkpoint"]], scratch / "checkpoint",
-                        ignore=shutil.ignore_patterns(*HARNESS_FILES))
+        shutil.copytree(
+            checkpoints[block.options["checkpoint"]],
+            scratch / "checkpoint",
+            ignore=shutil.ignore_patterns(*HARNESS_FILES),
+        )
     return scratch
 
 
@@ -529,9 +588,14 @@ def doc_runs(tmp_path_factory, console_env, doc_checkpoints) -> dict[str, tuple[
     procs = {}
     for block in console_blocks() + python_run_blocks():
         cwd = _scratch(tmp_path_factory, block, doc_checkpoints)
-        argv = ["bash", "-c", _console_script(block)] if block.words[0] == "console" else [sys.executable, "-c", block.text]
-        procs[block.where()] = subprocess.Popen(argv, cwd=cwd, env=console_env, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, text=True)
+        argv = (
+            ["bash", "-c", _console_script(block)]
+            if block.words[0] == "console"
+            else [sys.executable, "-c", block.text]
+        )
+        procs[block.where()] = subprocess.Popen(
+            argv, cwd=cwd, env=console_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     out = {}
     for where, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
@@ -548,7 +612,8 @@ def test_console_block(block: Block, doc_runs):
     for i, (command, expected) in enumerate(parse_console(block)):
         actual = _normalize(outputs.get(i, ""))
         assert _lines_match(_normalize("\n".join(expected)).splitlines(), actual.splitlines()), (
-            f"{block.where()}: `$ {command}` printed:\n{outputs.get(i, '')}")
+            f"{block.where()}: `$ {command}` printed:\n{outputs.get(i, '')}"
+        )
 
 
 @pytest.mark.parametrize("block", python_run_blocks(), ids=lambda b: b.where())
@@ -578,7 +643,8 @@ def test_python_block_is_run(block: Block):
     if block.words[1:2] == ["run"]:
         return  # test_python_run_block runs it
     assert "excerpt" in block.options and len(block.words) == 2, (
-        f"{block.where()}: a ```python block must be `python run [checkpoint=NAME]` or `python excerpt=examples/PATH`")
+        f"{block.where()}: a ```python block must be `python run [checkpoint=NAME]` or `python excerpt=examples/PATH`"
+    )
     check_excerpt(block)
 
 
@@ -594,18 +660,23 @@ def check_excerpt(block: Block):
     assert source.startswith("examples/") and path.is_file(), f"{block.where()}: {source} is not a file in examples/"
     # Named by a test, itself or its example directory (whose program imports it).
     names = [source] + ([str(Path(source).parent)] if Path(source).parent != Path("examples") else [])
-    assert any(n in _tests_text() for n in names), f"{block.where()}: no tests/test_*.py names {source}, so nothing runs it"
+    assert any(n in _tests_text() for n in names), (
+        f"{block.where()}: no tests/test_*.py names {source}, so nothing runs it"
+    )
     lines, want = path.read_text("utf-8").splitlines(), block.text.splitlines()
-    windows = ("\n".join(lines[i:i + len(want)]) + "\n" for i in range(len(lines) - len(want) + 1))
+    windows = ("\n".join(lines[i : i + len(want)]) + "\n" for i in range(len(lines) - len(want) + 1))
     assert any(textwrap.dedent(w) == block.text for w in windows), f"{block.where()}: not an excerpt of {source}"
 
 
-@pytest.mark.parametrize("info,text,complaint", [
-    ("python", "print(1)\n", "must be `python run"),
-    ("python excerpt=examples/hf_gpt2/train.py", "engine = None\n", "not an excerpt of"),
-    ("python excerpt=examples/demo.py", "import argparse\n", "so nothing runs it"),
-    ("python excerpt=tests/conftest.py", "import os\n", "not a file in examples/"),
-])
+@pytest.mark.parametrize(
+    "info,text,complaint",
+    [
+        ("python", "print(1)\n", "must be `python run"),
+        ("python excerpt=examples/hf_gpt2/train.py", "engine = None\n", "not an excerpt of"),
+        ("python excerpt=examples/demo.py", "import argparse\n", "so nothing runs it"),
+        ("python excerpt=tests/conftest.py", "import os\n", "not a file in examples/"),
+    ],
+)
 def test_untested_python_blocks_are_refused(info: str, text: str, complaint: str):
     with pytest.raises(AssertionError, match=re.escape(complaint)):
         test_python_block_is_run(Block(DOCS / "made-up.md", 1, info, text, ""))
@@ -613,8 +684,14 @@ def test_untested_python_blocks_are_refused(info: str, text: str, complaint: str
 
 def test_commands_only_in_console_blocks():
     """A `$ command` outside a console block would be shown but never run."""
-    stray = [f"{b.where()}: {line}" for f in sorted(DOCS.glob("*.md")) for b in parse_blocks(f)
-             if b.words[:1] != ["console"] for line in b.text.splitlines() if line.startswith("$ ")]
+    stray = [
+        f"{b.where()}: {line}"
+        for f in sorted(DOCS.glob("*.md"))
+        for b in parse_blocks(f)
+        if b.words[:1] != ["console"]
+        for line in b.text.splitlines()
+        if line.startswith("$ ")
+    ]
     assert not stray, "\n".join(stray)
 
 
@@ -691,8 +768,11 @@ def _comments(node, found: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("schema_file", sorted(SCHEMA_DIR.glob("*.schema.json")), ids=lambda p: p.name)
 def test_schema_comment_anchors_exist(schema_file: Path):
-    refs = [m for c in _comments(json.loads(schema_file.read_text("utf-8")), [])
-            for m in re.findall(r"(?:docs/)?([\w-]+\.md)#([\w-]+)", c)]
+    refs = [
+        m
+        for c in _comments(json.loads(schema_file.read_text("utf-8")), [])
+        for m in re.findall(r"(?:docs/)?([\w-]+\.md)#([\w-]+)", c)
+    ]
     assert refs or schema_file.name.startswith("report"), f"{schema_file.name} links no spec section"
     missing = [f"{doc}#{anchor}" for doc, anchor in refs if anchor not in sections(DOCS / doc)]
     assert not missing, f"{schema_file.name} points to anchors that do not exist: {missing}"
@@ -719,7 +799,7 @@ def spec_bullets(anchor: str) -> dict[str, str]:
     """Field bullets of one spec section: name -> the bullet's text."""
     spec = DOCS / "spec.md"
     section = sections(spec)[anchor]
-    lines = spec.read_text("utf-8").splitlines()[section.start:section.end]
+    lines = spec.read_text("utf-8").splitlines()[section.start : section.end]
     bullets: dict[str, str] = {}
     current = None
     for line in lines:
@@ -746,16 +826,21 @@ def test_every_schema_field_has_a_bullet(label: str, anchor: str, obj: dict):
     required = set(obj.get("required", []))
     for name, text in bullets.items():
         said = re.findall(r"This (REQUIRED|OPTIONAL) property", text)
-        assert len(said) == 1, f"spec.md#{anchor}: the bullet for {name} must say 'This REQUIRED/OPTIONAL property' once"
+        assert len(said) == 1, (
+            f"spec.md#{anchor}: the bullet for {name} must say 'This REQUIRED/OPTIONAL property' once"
+        )
         assert (said[0] == "REQUIRED") == (name in required), (
-            f"spec.md#{anchor}: {name} is {said[0]} in the spec but {'required' if name in required else 'optional'} in the schema")
+            f"spec.md#{anchor}: {name} is {said[0]} in the spec but "
+            f"{'required' if name in required else 'optional'} in the schema"
+        )
 
 
 def test_every_field_bullet_has_a_type():
     for _, anchor, _ in schema_objects():
         for name, text in spec_bullets(anchor).items():
             assert re.match(r"^- \*\*`[^`]+`\*\* \*[^*]+\*$", text.splitlines()[0]), (
-                f"spec.md#{anchor}: the bullet for {name} must be '- **`{name}`** *type*'")
+                f"spec.md#{anchor}: the bullet for {name} must be '- **`{name}`** *type*'"
+            )
 
 
 def test_spec_dtype_table_matches_schema_and_rules():

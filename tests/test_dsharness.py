@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from _harness import cache, scenarios
 from _harness.oracles import DEEPSPEED_VERSION, zero_to_fp32
 from _harness.tasks import Task, task_key

@@ -21,19 +21,26 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from _harness import scenarios
+
 from ckptspec.checkpoint import torchfile
 from ckptspec.checkpoint.embedded import (
-    CLIENT_STATE_KEY, SAFETENSORS_KEY, SAFETENSORS_SHA256_KEY, EmbeddedCopy, agreement_findings,
-    client_state_value, first_difference, layout_document, read_client_state_copy, safetensors_metadata,
+    CLIENT_STATE_KEY,
+    SAFETENSORS_KEY,
+    SAFETENSORS_SHA256_KEY,
+    EmbeddedCopy,
+    agreement_findings,
+    client_state_value,
+    first_difference,
+    layout_document,
+    read_client_state_copy,
+    safetensors_metadata,
     write_sidecar,
 )
 from ckptspec.checkpoint.pt_rewrite import rewrite_pt_with_item
 from ckptspec.deepspeed.embed import embedded_findings
 from ckptspec.errors import EmbedError, UnsupportedEngine
-from ckptspec.format.codec import dumps
-from ckptspec.format.codec import load_document
+from ckptspec.format.codec import dumps, load_document
 from ckptspec.format.validate import validate_document
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,8 +64,11 @@ def pt_file(tmp_path):
 
     path = tmp_path / "mp_rank_00_model_states.pt"
     state = {
-        "module": collections.OrderedDict(w=torch.arange(10, dtype=torch.float32).view(2, 5),
-                                          b=torch.ones(3, dtype=torch.bfloat16), s=torch.tensor(7, dtype=torch.int64)),
+        "module": collections.OrderedDict(
+            w=torch.arange(10, dtype=torch.float32).view(2, 5),
+            b=torch.ones(3, dtype=torch.bfloat16),
+            s=torch.tensor(7, dtype=torch.int64),
+        ),
         "param_shapes": [collections.OrderedDict(w=torch.Size([2, 5]))],
         "global_steps": 2,
         "ds_version": "0.19.8",
@@ -89,8 +99,14 @@ def test_client_state_item_is_added_and_everything_else_kept(pt_file):
     assert torch.load(pt_file, weights_only=True, mmap=True)[CLIENT_STATE_KEY] == value
     # Only data.pkl changed; every other record (name, size, CRC, order) is the same.
     new_entries = _entries(pt_file)
-    assert [e for e in new_entries if not e[0].endswith("data.pkl")] == [e for e in old_entries if not e[0].endswith("data.pkl")]
-    assert all(offset % 64 == 0 for member, (offset, _) in torchfile.zip_member_locations(pt_file).items() if "/data/" in member)
+    assert [e for e in new_entries if not e[0].endswith("data.pkl")] == [
+        e for e in old_entries if not e[0].endswith("data.pkl")
+    ]
+    assert all(
+        offset % 64 == 0
+        for member, (offset, _) in torchfile.zip_member_locations(pt_file).items()
+        if "/data/" in member
+    )
     # The restricted unpickler reads the manifest as a plain str.
     copy_ = read_client_state_copy(pt_file)
     assert copy_.kind == "client_state" and copy_.document == layout_document(example())
@@ -147,8 +163,11 @@ def test_unreadable_client_state_is_ck302(tmp_path):
 def test_extract_from_a_pt_without_manifest_is_ck303(pt_file):
     result = run("extract", str(pt_file))
     assert result.returncode == 1
-    assert result.stderr == f"{pt_file}: CK303 no embedded manifest found (hint: add one with `ckptspec embed CHECKPOINT`, " \
-                            "or save with ckptspec.deepspeed.save_checkpoint)\n"
+    assert (
+        result.stderr
+        == f"{pt_file}: CK303 no embedded manifest found (hint: add one with `ckptspec embed CHECKPOINT`, "
+        "or save with ckptspec.deepspeed.save_checkpoint)\n"
+    )
 
 
 def test_hostile_pickle_is_refused_not_run(tmp_path):
@@ -161,8 +180,10 @@ def test_hostile_pickle_is_refused_not_run(tmp_path):
             return (Path.touch, (marker,))
 
     torch.save({"module": {}, "x": Evil()}, tmp_path / "evil.pt")
-    for action in (lambda: read_client_state_copy(tmp_path / "evil.pt"),
-                   lambda: rewrite_pt_with_item(tmp_path / "evil.pt", CLIENT_STATE_KEY, "{}")):
+    for action in (
+        lambda: read_client_state_copy(tmp_path / "evil.pt"),
+        lambda: rewrite_pt_with_item(tmp_path / "evil.pt", CLIENT_STATE_KEY, "{}"),
+    ):
         with pytest.raises(Exception) as info:
             action()
         assert getattr(info.value, "code", None) == "CK204"
@@ -208,8 +229,13 @@ def test_safetensors_problems(tmp_path):
     write_safetensors(tmp_path / "nometa.safetensors", None)
     (tmp_path / "short.safetensors").write_bytes(b"\x01\x02")
     (tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", 2**40) + b"{}")
-    expect = {"tampered": (1, "CK302 'ckptspec.manifest' does not match"), "none": (1, "CK303"), "nometa": (1, "CK303"),
-              "short": (1, "CK302 not a safetensors file"), "huge": (1, "CK302 not a safetensors file")}
+    expect = {
+        "tampered": (1, "CK302 'ckptspec.manifest' does not match"),
+        "none": (1, "CK303"),
+        "nometa": (1, "CK303"),
+        "short": (1, "CK302 not a safetensors file"),
+        "huge": (1, "CK302 not a safetensors file"),
+    }
     for stem, (code, text) in expect.items():
         result = run("extract", str(tmp_path / f"{stem}.safetensors"))
         assert result.returncode == code and text in result.stderr, (stem, result.stderr)
@@ -247,12 +273,17 @@ def test_disagreement_names_the_copy_and_the_first_difference():
     full = example()
     other = layout_document(full)
     other["layout"]["world_size"] = 3
-    findings = agreement_findings([_copy(other, source="tag/zero_pp_rank_1_mp_rank_00_model_states.pt"),
-                                   _copy(full, "sidecar", "tag/ckptspec.json")])
+    findings = agreement_findings(
+        [
+            _copy(other, source="tag/zero_pp_rank_1_mp_rank_00_model_states.pt"),
+            _copy(full, "sidecar", "tag/ckptspec.json"),
+        ]
+    )
     assert [f.to_line() for f in findings] == [
         "tag/zero_pp_rank_1_mp_rank_00_model_states.pt: $.layout.world_size: CK301 embedded copies disagree: this "
         "client-state copy says 3, the sidecar ckptspec.json says 2 (hint: copies of a manifest must describe the same "
-        "layout; re-embed one manifest everywhere with `ckptspec embed CHECKPOINT --manifest M`)"]
+        "layout; re-embed one manifest everywhere with `ckptspec embed CHECKPOINT --manifest M`)"
+    ]
 
 
 def test_first_difference():
@@ -291,8 +322,15 @@ def saved(request, ds):
     spec, world_size = info["spec"], info["world_size"]
     tag_dir = save_dir / (save_dir / "latest").read_text()
     returned = [json.loads((save_dir / f"saved_manifest.rank{r}.json").read_text()) for r in range(world_size)]
-    return SimpleNamespace(name=request.param, save_dir=save_dir, tag_dir=tag_dir, world_size=world_size, spec=spec,
-                           returned=returned, sidecar=tag_dir / "ckptspec.json")
+    return SimpleNamespace(
+        name=request.param,
+        save_dir=save_dir,
+        tag_dir=tag_dir,
+        world_size=world_size,
+        spec=spec,
+        returned=returned,
+        sidecar=tag_dir / "ckptspec.json",
+    )
 
 
 def _model_files(tag_dir: Path) -> list[Path]:
@@ -308,7 +346,9 @@ def test_every_rank_returns_the_same_complete_valid_manifest(saved):
     assert all(doc == saved.returned[0] for doc in saved.returned)
     manifest = saved.returned[0]
     assert validate_document(manifest).findings == []
-    assert {f["path"] for f in manifest["files"]} == {p.name for p in saved.tag_dir.iterdir() if p.name != "ckptspec.json"}
+    assert {f["path"] for f in manifest["files"]} == {
+        p.name for p in saved.tag_dir.iterdir() if p.name != "ckptspec.json"
+    }
     assert all(f["hash"]["algorithm"] == "sha256" for f in manifest["files"])
     if saved.spec.get("exclude_frozen"):
         assert manifest["excluded"] and manifest["frozen"] == []
@@ -420,7 +460,10 @@ def test_embed_into_a_plain_deepspeed_checkpoint(saved, tmp_path):
 
     result = run("embed", str(copy_dir))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == f"{tag_dir / 'ckptspec.json'}: written ({len(saved.returned[0]['files'])} files)"
+    assert (
+        result.stdout.splitlines()[-1]
+        == f"{tag_dir / 'ckptspec.json'}: written ({len(saved.returned[0]['files'])} files)"
+    )
     sidecar, original = json.loads((tag_dir / "ckptspec.json").read_text()), saved.returned[0]
     # The directory cannot know the names exclude_frozen_parameters dropped; the rest is the engine's layout.
     assert _without(sidecar, "producer", "files", "excluded") == _without(original, "producer", "files", "excluded")
@@ -448,7 +491,9 @@ def test_embed_refuses_a_manifest_of_another_checkpoint(saved, ds, tmp_path):
     assert run("generate", str(ds.path(other)), "-o", str(path)).returncode == 0
     result = run("embed", str(copy_dir), "--manifest", str(path))
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.splitlines()[0].startswith(f"{copy_dir / saved.tag_dir.name}: CK304 the manifest does not describe"), result.stderr
+    assert result.stderr.splitlines()[0].startswith(
+        f"{copy_dir / saved.tag_dir.name}: CK304 the manifest does not describe"
+    ), result.stderr
     assert {p.name: p.read_bytes() for p in (copy_dir / saved.tag_dir.name).iterdir()} == before
 
 
@@ -506,7 +551,9 @@ def fake_job(saved, monkeypatch):
     from ckptspec.format.models import Manifest
 
     layout = Manifest.model_validate(layout_document(json.loads(saved.sidecar.read_text())))
-    monkeypatch.setattr(ds, "manifest_from_engine", lambda engine, exclude_frozen_parameters=False: layout.model_copy(deep=True))
+    monkeypatch.setattr(
+        ds, "manifest_from_engine", lambda engine, exclude_frozen_parameters=False: layout.model_copy(deep=True)
+    )
     stage = layout.layout.zero_stage
 
     def install(other=None, hash_algorithm="sha256"):
@@ -514,9 +561,17 @@ def fake_job(saved, monkeypatch):
             if other is not None:
                 return other(rank)
             return ds._describe_own_files(state["tag_dir"], rank, stage, hash_algorithm), None
+
         state = {}
         fake = _FakeDist(saved.world_size, others)
-        for name in ("is_available", "is_initialized", "get_rank", "get_world_size", "all_gather_object", "broadcast_object_list"):
+        for name in (
+            "is_available",
+            "is_initialized",
+            "get_rank",
+            "get_world_size",
+            "all_gather_object",
+            "broadcast_object_list",
+        ):
             monkeypatch.setattr(torch.distributed, name, getattr(fake, name))
         return state
 
@@ -539,11 +594,16 @@ def test_fake_job_reproduces_the_real_sidecar(fake_job, saved, tmp_path):
 def test_save_options(fake_job, saved, tmp_path):
     state = fake_job.install(hash_algorithm=None)
     state["tag_dir"] = tmp_path / "mytag"
-    manifest = fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path, tag="mytag", hash=False, save_latest=False,
-                                           sidecar_encoding="msgpack")
+    manifest = fake_job.ds.save_checkpoint(
+        fake_job.engine(), tmp_path, tag="mytag", hash=False, save_latest=False, sidecar_encoding="msgpack"
+    )
     assert not (tmp_path / "latest").exists()
-    assert sorted(p.name for p in (tmp_path / "mytag").iterdir() if p.name.startswith("ckptspec")) == ["ckptspec.msgpack"]
-    assert all(f.hash is None for f in manifest.files) and "hash" not in json.dumps(load_document(tmp_path / "mytag" / "ckptspec.msgpack")["files"])
+    assert sorted(p.name for p in (tmp_path / "mytag").iterdir() if p.name.startswith("ckptspec")) == [
+        "ckptspec.msgpack"
+    ]
+    assert all(f.hash is None for f in manifest.files) and "hash" not in json.dumps(
+        load_document(tmp_path / "mytag" / "ckptspec.msgpack")["files"]
+    )
 
 
 @pytest.mark.deepspeed

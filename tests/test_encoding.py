@@ -17,11 +17,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptspec._fs import atomic_output, write_atomic
 from ckptspec.cli import cli
 from ckptspec.errors import NotEncodable
-from ckptspec._fs import atomic_output, write_atomic
-from ckptspec.format.codec import dumps, encoding_for_output
-from ckptspec.format.codec import decode, load_document
+from ckptspec.format.codec import decode, dumps, encoding_for_output, load_document
 from ckptspec.format.models import Manifest
 from ckptspec.format.validate import validate_document
 
@@ -29,7 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "conformance" / "1.0"
 VALID = sorted((CORPUS / "valid").glob("*.json")) + sorted((CORPUS / "valid").glob("*.msgpack"))
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
-KNOWN_TOP = {"format", "format_version", "producer", "layout", "groups", "frozen", "buffers", "aliases", "excluded", "files"}
+KNOWN_TOP = {
+    "format",
+    "format_version",
+    "producer",
+    "layout",
+    "groups",
+    "frozen",
+    "buffers",
+    "aliases",
+    "excluded",
+    "files",
+}
 
 
 def same(a, b) -> bool:
@@ -55,7 +65,10 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_canonical_json_is_sorted_utf8_indented():
     doc = {"b": 1, "a": {"z": "é€😀", "y": [3, 2.5, None, True]}}
     text = dumps(doc, "json").decode("utf-8")
-    assert text == '{\n  "a": {\n    "y": [\n      3,\n      2.5,\n      null,\n      true\n    ],\n    "z": "é€😀"\n  },\n  "b": 1\n}\n'
+    assert text == (
+        '{\n  "a": {\n    "y": [\n      3,\n      2.5,\n      null,\n      true\n    ],\n'
+        '    "z": "é€😀"\n  },\n  "b": 1\n}\n'
+    )
     assert dumps(doc, "json", compact=True) == '{"a":{"y":[3,2.5,null,true],"z":"é€😀"},"b":1}'.encode()
 
 
@@ -73,10 +86,18 @@ def test_model_and_plain_document_give_the_same_bytes():
         assert dumps(manifest, encoding) == dumps(doc, encoding)
 
 
-@pytest.mark.parametrize("value,encoding", [
-    (float("nan"), "json"), (float("inf"), "json"), (b"bytes", "json"), ("\ud800", "json"),
-    (2**64, "msgpack"), (-(2**63) - 1, "msgpack"), (object(), "msgpack"),
-])
+@pytest.mark.parametrize(
+    "value,encoding",
+    [
+        (float("nan"), "json"),
+        (float("inf"), "json"),
+        (b"bytes", "json"),
+        ("\ud800", "json"),
+        (2**64, "msgpack"),
+        (-(2**63) - 1, "msgpack"),
+        (object(), "msgpack"),
+    ],
+)
 def test_unrepresentable_values_are_refused_not_altered(value, encoding):
     with pytest.raises(NotEncodable) as info:
         dumps({"x": value}, encoding)
@@ -105,11 +126,21 @@ def _corpus_docs() -> list[tuple[str, dict]]:
 
 CORPUS_DOCS = _corpus_docs()
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=30)
-JSON_SCALARS = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
-                | st.floats(allow_nan=False, allow_infinity=False) | st.text(st.characters(blacklist_categories=("Cs",)), max_size=20))
-JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(st.characters(blacklist_categories=("Cs",)), max_size=10), inner, max_size=4),
-                           max_leaves=12)
+JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(st.characters(blacklist_categories=("Cs",)), max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 @st.composite
@@ -122,8 +153,13 @@ def valid_manifests(draw) -> dict:
         if draw(st.booleans()):
             producer[field] = draw(TEXT)
     if draw(st.booleans()):
-        producer["metadata"] = draw(st.dictionaries(st.text(st.characters(blacklist_categories=("Cs",)), max_size=12),
-                                                    st.text(st.characters(blacklist_categories=("Cs",)), max_size=40), max_size=4))
+        producer["metadata"] = draw(
+            st.dictionaries(
+                st.text(st.characters(blacklist_categories=("Cs",)), max_size=12),
+                st.text(st.characters(blacklist_categories=("Cs",)), max_size=40),
+                max_size=4,
+            )
+        )
     if draw(st.booleans()):
         # A count written as an integral float is valid (JSON Schema counts 2.0 as an integer).
         doc["layout"]["world_size"] = float(doc["layout"]["world_size"])
@@ -208,8 +244,9 @@ def test_convert_json_msgpack_json_reproduces_canonical_bytes(tmp_path):
 
 
 def test_convert_to_stdout_and_explicit_encoding(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "ckptspec", "convert", str(EXAMPLE), "-", "--encoding", "msgpack"],
-                            capture_output=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "convert", str(EXAMPLE), "-", "--encoding", "msgpack"], capture_output=True
+    )
     assert result.returncode == 0
     assert result.stdout == dumps(json.loads(EXAMPLE.read_text("utf-8")), "msgpack")
     weird = tmp_path / "manifest.bin"
@@ -269,7 +306,7 @@ def test_convert_in_process_matches_subprocess(tmp_path):
     assert out.read_bytes() == dumps(json.loads(EXAMPLE.read_text("utf-8")), "msgpack")
 
 
-# --------------------------------------------------------------------------- size and speed (benchmarks/bench_encoding.py)
+# ------------------------------------------------------------------ size and speed (benchmarks/bench_encoding.py)
 
 
 def test_benchmark_manifest_is_valid_and_msgpack_is_smaller():

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from _harness import cache
 from _harness.launch import job_env
 
@@ -46,8 +45,13 @@ def _bits(array: np.ndarray) -> bytes:
 def _run_hf_example(directory: Path) -> None:
     out = directory / "run"
     # run.sh's python, torchrun and ckptspec come first on PATH (job_env).
-    result = subprocess.run(["bash", str(ROOT / "examples/hf_gpt2/run.sh"), str(out)], env=job_env(),
-                            capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(
+        ["bash", str(ROOT / "examples/hf_gpt2/run.sh"), str(out)],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"examples/hf_gpt2/run.sh failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     # The run's own output directory is named in its output; the cached copy lives elsewhere.
@@ -59,9 +63,12 @@ def hf_run(ds):
     """examples/hf_gpt2/run.sh end to end (train, save, validate, reconstruct, load), cached on what it runs."""
     from importlib.metadata import version
 
-    identity = {"example": cache.tree_digest(ROOT / "examples" / "hf_gpt2"),
-                "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES), "site": cache.tree_digest(*cache.JOB_SOURCES),
-                "versions": {**cache.versions(), "transformers": version("transformers")}}
+    identity = {
+        "example": cache.tree_digest(ROOT / "examples" / "hf_gpt2"),
+        "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES),
+        "site": cache.tree_digest(*cache.JOB_SOURCES),
+        "versions": {**cache.versions(), "transformers": version("transformers")},
+    }
     entry = ds.cached("hf_gpt2", identity, _run_hf_example)
     out = entry / "run"
     return out, (entry / "stdout.txt").read_text().replace("{out}", str(out))
@@ -113,7 +120,9 @@ def test_hf_gpt2_load_refuses_a_changed_weight(hf_run, tmp_path, capsys):
     # In this process: a second `import transformers` in a fresh one would cost more than the check.
     load = _example_module("examples/hf_gpt2/load.py")
     assert load.main(str(copy), str(out / "reference.safetensors")) == 1
-    assert capsys.readouterr().out.splitlines() == [f"{copy}: differs from the live engine: ['transformer.h.1.mlp.c_fc.bias']"]
+    assert capsys.readouterr().out.splitlines() == [
+        f"{copy}: differs from the live engine: ['transformer.h.1.mlp.c_fc.bias']"
+    ]
 
 
 # --------------------------------------------------------------------------- numpy
@@ -126,8 +135,11 @@ def matrix_point(ds):
 
 
 def _reconstruct(save_dir: Path, out: Path, *options: str) -> Path:
-    done = subprocess.run([sys.executable, "-m", "ckptspec", "reconstruct", "-q", str(save_dir), str(out), *options],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "reconstruct", "-q", str(save_dir), str(out), *options],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 
@@ -145,8 +157,9 @@ def test_load_numpy_gives_the_live_masters(matrix_point, tmp_path, dtype, shards
         want = master if dtype == "fp32" else master.to(torch.bfloat16).float()  # bf16: rounded, then widened
         assert arrays[name].dtype == np.float32 and _bits(arrays[name]) == _bits(want.numpy()), name
 
-    shown = subprocess.run([sys.executable, str(ROOT / "examples/load_numpy.py"), str(out)],
-                           capture_output=True, text=True)
+    shown = subprocess.run(
+        [sys.executable, str(ROOT / "examples/load_numpy.py"), str(out)], capture_output=True, text=True
+    )
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     saved_as = "float32" if dtype == "fp32" else "bfloat16 (numpy has no bfloat16: widened exactly to float32)"

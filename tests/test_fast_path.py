@@ -22,13 +22,19 @@ from pathlib import Path
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
+from test_agreement import (
+    BASE,
+    MUTATIONS_1_0,
+    MUTATIONS_NEWER,
+    VALIDATOR,
+    _set,
+    bounded_schema,
+    schema_strategy,
+)
 
 from ckptspec.format import schemas as schemas_registry
 from ckptspec.format.codec import decode_document, load_document
 from ckptspec.format.validate import fast_schema_accepts, validate_document, validate_file
-from test_agreement import (
-    BASE, MUTATIONS_1_0, MUTATIONS_NEWER, VALIDATOR, _set, bounded_schema, schema_strategy,
-)
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "conformance" / "1.0"
@@ -65,8 +71,11 @@ def test_the_corpus_exercises_both_verdicts():
     assert verdicts == {True, False}
 
 
-@pytest.mark.parametrize("label,doc", MUTATIONS_1_0 + MUTATIONS_NEWER,
-                         ids=[m[0] for m in MUTATIONS_1_0] + [f"newer-{m[0]}" for m in MUTATIONS_NEWER])
+@pytest.mark.parametrize(
+    "label,doc",
+    MUTATIONS_1_0 + MUTATIONS_NEWER,
+    ids=[m[0] for m in MUTATIONS_1_0] + [f"newer-{m[0]}" for m in MUTATIONS_NEWER],
+)
 def test_mutation_compiled_verdict_is_the_reference_verdict(label, doc):
     accepted = fast_schema_accepts(doc)
     assert accepted == VALIDATOR.is_valid(doc)
@@ -81,11 +90,14 @@ def test_generated_documents_same_findings_on_both_paths(doc):
     assert lines(validate_document(doc, build_model=False)) == lines(validate_document(doc, reference=True))
 
 
-@pytest.mark.parametrize("where,value", [
-    (("groups", 0, "params", 0, "numel"), 2**70),        # past 64 bits
-    (("groups", 0, "params", 0, "name"), "emb\ud800"),   # lone surrogate (data not from the loader)
-    (("producer", "metadata"), {"k": "\udc00"}),
-])
+@pytest.mark.parametrize(
+    "where,value",
+    [
+        (("groups", 0, "params", 0, "numel"), 2**70),  # past 64 bits
+        (("groups", 0, "params", 0, "name"), "emb\ud800"),  # lone surrogate (data not from the loader)
+        (("producer", "metadata"), {"k": "\udc00"}),
+    ],
+)
 def test_data_the_compiled_validator_cannot_take_goes_to_the_reference(where, value):
     doc = copy.deepcopy(BASE)
     _set(doc, where, value)

@@ -9,12 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from ckptspec.cli import cli
 from _harness.job.model import build_model, normalize_spec
 from _harness.oracles import zero_to_fp32
 from _harness.scenarios import MATRIX_SPECS
+from click.testing import CliRunner
+
+from ckptspec.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
@@ -97,7 +97,15 @@ def test_text_output_is_plain_and_stable(checkpoint):
     assert "\x1b[" not in first.stdout  # no colour without a terminal
     tables = first.stdout.split("\n\n", 1)[1]  # after the header, whose first line is the path
     assert max(len(line) for line in tables.splitlines()) <= 100
-    for title in ("Groups", "Largest tensors", "Aliases (tied parameters)", "Frozen parameters", "Buffers", "Files", "Ranks"):
+    for title in (
+        "Groups",
+        "Largest tensors",
+        "Aliases (tied parameters)",
+        "Frozen parameters",
+        "Buffers",
+        "Files",
+        "Ranks",
+    ):
         assert title in first.stdout
     assert "head.weight   emb.weight" in first.stdout
 
@@ -140,12 +148,15 @@ def test_msgpack_manifest():
     assert [g["params"] for g in summary["groups"]] == [len(g["params"]) for g in doc["groups"]]
 
 
-@pytest.mark.parametrize("args,code,exit_code", [
-    (["missing.json"], "CK901", 2),
-    ([str(EXAMPLE), "--tag", "global_step2"], None, 2),  # --tag needs a directory
-    ([str(INVALID / "CK105-alias-zero-size-tie.json")], "CK105", 1),
-    ([str(ROOT / "examples")], "CK201", 1),  # a directory that is no checkpoint
-])
+@pytest.mark.parametrize(
+    "args,code,exit_code",
+    [
+        (["missing.json"], "CK901", 2),
+        ([str(EXAMPLE), "--tag", "global_step2"], None, 2),  # --tag needs a directory
+        ([str(INVALID / "CK105-alias-zero-size-tie.json")], "CK105", 1),
+        ([str(ROOT / "examples")], "CK201", 1),  # a directory that is no checkpoint
+    ],
+)
 def test_bad_input_gives_a_code(args, code, exit_code, tmp_path):
     result = run("inspect", *args)
     assert result.exit_code == exit_code, result.output
@@ -177,9 +188,16 @@ def test_rich_is_imported_only_for_text():
     import subprocess
     import sys
 
-    code = ("import sys; from click.testing import CliRunner; from ckptspec.cli import cli; "
-            f"r = CliRunner().invoke(cli, ['inspect', {str(EXAMPLE)!r}, '--format', 'json']); "
-            "assert r.exit_code == 0; print('rich' in sys.modules, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import sys; from click.testing import CliRunner; from ckptspec.cli import cli; "
+        f"r = CliRunner().invoke(cli, ['inspect', {str(EXAMPLE)!r}, '--format', 'json']); "
+        "assert r.exit_code == 0; print('rich' in sys.modules, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.stdout.split() == ["False", "False"], out.stderr

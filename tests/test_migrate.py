@@ -16,12 +16,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ckptspec.format import migrate as mig
 from ckptspec.cli import cli
 from ckptspec.errors import InvalidInput, MigrationError
+from ckptspec.format import migrate as mig
 from ckptspec.format.codec import load_document
 from ckptspec.format.migrate import (
-    migrate_document, migration_path, registered, validate_own_version,
+    migrate_document,
+    migration_path,
+    registered,
+    validate_own_version,
 )
 from ckptspec.format.validate import validate_document
 from ckptspec.format.version import full_version, version_key
@@ -124,8 +127,9 @@ def test_up_then_down_is_identity(draft):
     up = migrate_document(example(), "1.1")
     assert up.steps == [("1.0", "1.1")]
     assert up.document["format_version"] == "1.1.0"
-    assert {k: v for k, v in up.document.items() if k != "format_version"} == \
-        {k: v for k, v in example().items() if k != "format_version"}
+    assert {k: v for k, v in up.document.items() if k != "format_version"} == {
+        k: v for k, v in example().items() if k != "format_version"
+    }
     assert up.findings == []
     down = migrate_document(up.document, "1.0.0")
     assert down.document == example() and down.findings == []
@@ -237,25 +241,58 @@ def test_cli_migrate_down_warns_about_dropped_fields(draft, tmp_path):
 
 def test_cli_migrate_failures_write_nothing(tmp_path):
     out = tmp_path / "out.json"
-    no_path = subprocess.run([sys.executable, "-m", "ckptspec", "migrate", str(EXAMPLE), str(out), "--to", "2.0"],
-                             capture_output=True, text=True)
+    no_path = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "migrate", str(EXAMPLE), str(out), "--to", "2.0"],
+        capture_output=True,
+        text=True,
+    )
     assert no_path.returncode == 1 and "CK311 no migration from format 1.0 to 2.0" in no_path.stderr
     assert "Traceback" not in no_path.stderr
-    bad_version = subprocess.run([sys.executable, "-m", "ckptspec", "migrate", str(EXAMPLE), str(out), "--to", "two"],
-                                 capture_output=True, text=True)
+    bad_version = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "migrate", str(EXAMPLE), str(out), "--to", "two"],
+        capture_output=True,
+        text=True,
+    )
     assert bad_version.returncode == 2 and "--to" in bad_version.stderr
-    invalid = subprocess.run([sys.executable, "-m", "ckptspec", "migrate", str(CORPUS / "invalid" / "CK106-offset-gap.json"),
-                              str(out), "--to", "1.0"], capture_output=True, text=True)
+    invalid = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptspec",
+            "migrate",
+            str(CORPUS / "invalid" / "CK106-offset-gap.json"),
+            str(out),
+            "--to",
+            "1.0",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert invalid.returncode == 1 and "CK106" in invalid.stderr
-    major = subprocess.run([sys.executable, "-m", "ckptspec", "migrate", str(CORPUS / "invalid" / "CK003-format-major-2.json"),
-                            str(out), "--to", "1.0"], capture_output=True, text=True)
+    major = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptspec",
+            "migrate",
+            str(CORPUS / "invalid" / "CK003-format-major-2.json"),
+            str(out),
+            "--to",
+            "1.0",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert major.returncode == 1 and "CK311 no migration from format 2.0 to 1.0" in major.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_cli_migrate_same_version_rewrites_canonically(tmp_path):
     out = tmp_path / "same.msgpack"
-    result = subprocess.run([sys.executable, "-m", "ckptspec", "migrate", str(EXAMPLE), str(out), "--to", "1.0"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "migrate", str(EXAMPLE), str(out), "--to", "1.0"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0 and result.stdout == f"{out}: format 1.0.0 (no change)\n"
     assert load_document(out) == example()

@@ -31,8 +31,15 @@ READER = NODE_DIR / "reader.js"
 
 # stage 1/2/3; bf16, fp16, fp32; world size 1-3; tied and frozen everywhere; two groups, round
 # robin, sub-groups, tail padding saved (BF16_Optimizer), parameter-alignment padding.
-POINTS = ["s2-bf16-ws2", "s1-fp16-ws2", "s2-fp32-ws3-rr", "s3-fp16-ws3-groups", "s3-bf16-ws2-sub",
-          "s1-bf16-ws2-bf16opt", "s2-bf16-ws2-align"]
+POINTS = [
+    "s2-bf16-ws2",
+    "s1-fp16-ws2",
+    "s2-fp32-ws3-rr",
+    "s3-fp16-ws3-groups",
+    "s3-bf16-ws2-sub",
+    "s1-bf16-ws2-bf16opt",
+    "s2-bf16-ws2-align",
+]
 
 
 def node(*args: str | Path, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -121,18 +128,26 @@ def test_truncated_shard(damaged, tmp_path):
     with open(tag / shard["path"], "r+b") as f:
         f.truncate(shard["size"] - 100)
     out = tmp_path / "out.safetensors"
-    refused(node(READER, manifest, tag, out), out, 1,
-            f"{shard['path']}: CK208 is {shard['size'] - 100} bytes, the manifest says {shard['size']} "
-            "(hint: the file was cut off or replaced; restore it)")
+    refused(
+        node(READER, manifest, tag, out),
+        out,
+        1,
+        f"{shard['path']}: CK208 is {shard['size'] - 100} bytes, the manifest says {shard['size']} "
+        "(hint: the file was cut off or replaced; restore it)",
+    )
 
 
 def test_missing_shard(damaged, tmp_path):
     tag, manifest, doc = damaged
     (tag / optim_file(doc)["path"]).unlink()
     out = tmp_path / "out.safetensors"
-    refused(node(READER, manifest, tag, out), out, 1,
-            f"{optim_file(doc)['path']}: CK206 is missing from the checkpoint directory "
-            "(hint: restore the file from the run that wrote it)")
+    refused(
+        node(READER, manifest, tag, out),
+        out,
+        1,
+        f"{optim_file(doc)['path']}: CK206 is missing from the checkpoint directory "
+        "(hint: restore the file from the run that wrote it)",
+    )
 
 
 def test_flipped_byte_fails_the_hash(damaged, tmp_path):
@@ -142,8 +157,12 @@ def test_flipped_byte_fails_the_hash(damaged, tmp_path):
     data[shard["partitions"][0]["data_offset"]] ^= 0x40
     (tag / shard["path"]).write_bytes(bytes(data))
     out = tmp_path / "out.safetensors"
-    refused(node(READER, manifest, tag, out), out, 1,
-            f"{shard['path']}: CK209 sha256 differs from the manifest (hint: restore the file the manifest describes)")
+    refused(
+        node(READER, manifest, tag, out),
+        out,
+        1,
+        f"{shard['path']}: CK209 sha256 differs from the manifest (hint: restore the file the manifest describes)",
+    )
     # --no-hash reads it anyway: the sizes and the zip header still check out
     assert node(READER, "--no-hash", manifest, tag, out).returncode == 0
 
@@ -158,8 +177,13 @@ def test_blake2b_hashes_are_verified(damaged, tmp_path):
     doc["files"][0]["hash"]["digest"] = "0" * 128
     manifest.write_text(json.dumps(doc), "utf-8")
     out.unlink()
-    refused(node(READER, manifest, tag, out), out, 1,
-            f"{doc['files'][0]['path']}: CK209 blake2b differs from the manifest (hint: restore the file the manifest describes)")
+    refused(
+        node(READER, manifest, tag, out),
+        out,
+        1,
+        f"{doc['files'][0]['path']}: CK209 blake2b differs from the manifest (hint: restore the file the manifest "
+        "describes)",
+    )
 
 
 def test_locator_off_its_member(damaged, tmp_path):
@@ -169,9 +193,13 @@ def test_locator_off_its_member(damaged, tmp_path):
     loc["data_offset"] -= 64
     manifest.write_text(json.dumps(doc), "utf-8")
     out = tmp_path / "out.safetensors"
-    refused(node(READER, "--no-hash", manifest, tag, out), out, 1,
-            f"{optim_file(doc)['path']}: CK214 no zip entry {loc['member']} ends at byte {loc['data_offset']} "
-            "(hint: regenerate the manifest from these files)")
+    refused(
+        node(READER, "--no-hash", manifest, tag, out),
+        out,
+        1,
+        f"{optim_file(doc)['path']}: CK214 no zip entry {loc['member']} ends at byte {loc['data_offset']} "
+        "(hint: regenerate the manifest from these files)",
+    )
 
 
 def test_invalid_manifest_is_refused_before_any_file_is_read(damaged, tmp_path):
@@ -180,22 +208,39 @@ def test_invalid_manifest_is_refused_before_any_file_is_read(damaged, tmp_path):
     doc["groups"][0]["params"][0]["numel"] = "800"
     manifest.write_text(json.dumps(doc), "utf-8")
     out = tmp_path / "out.safetensors"
-    refused(node(READER, manifest, tmp_path / "nowhere", out), out, 1,
-            f"{manifest}: $.groups[0].params[0].numel: CK001 must be integer "
-            "(hint: the document breaks the JSON Schema rule 'type')")
+    refused(
+        node(READER, manifest, tmp_path / "nowhere", out),
+        out,
+        1,
+        f"{manifest}: $.groups[0].params[0].numel: CK001 must be integer "
+        "(hint: the document breaks the JSON Schema rule 'type')",
+    )
     doc["groups"][0]["params"][0]["numel"] = 800
     manifest.write_text(json.dumps(doc), "utf-8")
-    refused(node(READER, manifest, tmp_path / "nowhere", out), out, 1,
-            f"{manifest}: $.aliases[0].shape: CK105 alias head.weight has shape [16,50], its owner [50,16] "
-            "(hint: a tied tensor has its owner's shape)")
+    refused(
+        node(READER, manifest, tmp_path / "nowhere", out),
+        out,
+        1,
+        f"{manifest}: $.aliases[0].shape: CK105 alias head.weight has shape [16,50], its owner [50,16] "
+        "(hint: a tied tensor has its owner's shape)",
+    )
 
 
-@pytest.mark.parametrize("edit,line", [
-    ({"tensor_parallel_size": 2}, "$.layout: CK402 the manifest describes one model-parallel rank, not the whole model "
-     "(hint: this reader handles data parallelism only)"),
-    ({"partitions": []}, "$.files: CK402 the manifest locates no partition "
-     "(hint: generate the manifest from the checkpoint: `ckptspec generate CHECKPOINT`)"),
-])
+@pytest.mark.parametrize(
+    "edit,line",
+    [
+        (
+            {"tensor_parallel_size": 2},
+            "$.layout: CK402 the manifest describes one model-parallel rank, not the whole model "
+            "(hint: this reader handles data parallelism only)",
+        ),
+        (
+            {"partitions": []},
+            "$.files: CK402 the manifest locates no partition "
+            "(hint: generate the manifest from the checkpoint: `ckptspec generate CHECKPOINT`)",
+        ),
+    ],
+)
 def test_valid_manifests_this_reader_cannot_use(edit, line, damaged, tmp_path):
     """Valid for ckptspec, but not something the example can rebuild: refused, never half-read."""
     tag, manifest, doc = damaged
@@ -219,12 +264,20 @@ def test_usage_and_io_errors_exit_2(case, damaged, tmp_path):
     latin1.write_bytes(b'{"format": "caf\xe9"}')
     args, line = {
         "usage": ([manifest, tag], "usage: node reader.js [--no-hash] MANIFEST.json CHECKPOINT OUT.safetensors"),
-        "no-manifest": ([tmp_path / "none.json", tag, out], f"{tmp_path / 'none.json'}: CK901 file not found (hint: check the path)"),
-        "not-json": ([garbage, tag, out], f"{garbage}: CK903 not valid JSON: Expected property name or '}}' in JSON at position 1 "
-                     "(hint: pass a JSON manifest (`ckptspec convert` makes one from msgpack))"),
+        "no-manifest": (
+            [tmp_path / "none.json", tag, out],
+            f"{tmp_path / 'none.json'}: CK901 file not found (hint: check the path)",
+        ),
+        "not-json": (
+            [garbage, tag, out],
+            f"{garbage}: CK903 not valid JSON: Expected property name or '}}' in JSON at position 1 "
+            "(hint: pass a JSON manifest (`ckptspec convert` makes one from msgpack))",
+        ),
         "not-utf8": ([latin1, tag, out], f"{latin1}: CK903 not UTF-8 text (hint: save the manifest as UTF-8 JSON)"),
-        "no-checkpoint": ([manifest, tmp_path / "none", out], f"{tmp_path / 'none'}: CK901 is not a directory "
-                          "(hint: pass the checkpoint (save or tag) directory)"),
+        "no-checkpoint": (
+            [manifest, tmp_path / "none", out],
+            f"{tmp_path / 'none'}: CK901 is not a directory (hint: pass the checkpoint (save or tag) directory)",
+        ),
         "unwritable": ([manifest, tag, tmp_path / "no" / "out.safetensors"], None),
     }[case]
     run = node(READER, *args)
@@ -245,9 +298,11 @@ def test_widening_is_exact_for_every_16_bit_pattern(tmp_path):
 
     bits = np.arange(65536, dtype=np.uint16)
     (tmp_path / "in.bin").write_bytes(bits.astype("<u2").tobytes())
-    script = ("const fs = require('fs'); const { toFloat32 } = require(process.argv[1]);"
-              "const raw = fs.readFileSync(process.argv[2]);"
-              "for (const d of ['float16', 'bfloat16']) fs.writeFileSync(`${process.argv[3]}/${d}.bin`, toFloat32(raw, d));")
+    script = (
+        "const fs = require('fs'); const { toFloat32 } = require(process.argv[1]);"
+        "const raw = fs.readFileSync(process.argv[2]);"
+        "for (const d of ['float16', 'bfloat16']) fs.writeFileSync(`${process.argv[3]}/${d}.bin`, toFloat32(raw, d));"
+    )
     run = node("-e", script, NODE_DIR / "dtypes.js", tmp_path / "in.bin", tmp_path)
     assert run.returncode == 0, run.stderr
     widened = {d: np.frombuffer((tmp_path / f"{d}.bin").read_bytes(), "<u4") for d in ("float16", "bfloat16")}
@@ -265,12 +320,17 @@ def test_widening_is_exact_for_every_16_bit_pattern(tmp_path):
 
 def test_js_blocks_in_docs_are_excerpts_of_the_example():
     """Like test_docs' ```python excerpt=...: a ```js block is consecutive lines of a file this test runs."""
-    fences = [(path, m) for path in sorted((ROOT / "docs").glob("*.md"))
-              for m in re.finditer(r"^```js(?=[ \n])([^\n]*)\n(.*?)^```$", path.read_text("utf-8"), re.M | re.S)]
+    fences = [
+        (path, m)
+        for path in sorted((ROOT / "docs").glob("*.md"))
+        for m in re.finditer(r"^```js(?=[ \n])([^\n]*)\n(.*?)^```$", path.read_text("utf-8"), re.M | re.S)
+    ]
     assert fences, "docs/loaders.md shows the reader's code"
     for path, m in fences:
         source = m.group(1).strip().removeprefix("excerpt=")
-        assert source.startswith("examples/node-reader/"), f"{path.name}: ```js{m.group(1)} is not `js excerpt=examples/node-reader/...`"
+        assert source.startswith("examples/node-reader/"), (
+            f"{path.name}: ```js{m.group(1)} is not `js excerpt=examples/node-reader/...`"
+        )
         lines, want = (ROOT / source).read_text("utf-8").splitlines(), m.group(2).splitlines()
-        windows = ("\n".join(lines[i:i + len(want)]) + "\n" for i in range(len(lines) - len(want) + 1))
+        windows = ("\n".join(lines[i : i + len(want)]) + "\n" for i in range(len(lines) - len(want) + 1))
         assert any(textwrap.dedent(w) == m.group(2) for w in windows), f"{path.name}: not an excerpt of {source}"

@@ -17,7 +17,6 @@ import sys
 import textwrap
 
 import pytest
-
 from _harness.oracles import zero_to_fp32
 from _harness.reconstruction import cli
 from _harness.scenarios import MATRIX, MATRIX_SPECS
@@ -77,8 +76,9 @@ def test_numpy_only_gives_the_same_bits(checkpoint, tmp_path):
     name, save_dir, spec = checkpoint
     blocked = tmp_path / "blocked"
     blocked.mkdir()
-    result = subprocess.run([sys.executable, "-c", TORCH_FREE_RUN, str(save_dir), str(blocked)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_RUN, str(save_dir), str(blocked)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     run = json.loads((blocked / "run.json").read_text())
     assert run["modules"] == [], "nothing imported torch, deepspeed or safetensors"
@@ -127,4 +127,6 @@ def test_numpy_only_gives_the_same_bits(checkpoint, tmp_path):
         assert fp32[key].tobytes() == wide.contiguous().numpy().tobytes(), key
         narrow = theirs.to(torch.bfloat16) if theirs.is_floating_point() else theirs
         assert bf16[key].dtype == narrow.dtype, key
-        assert torch.equal(bf16[key].reshape(-1).view(torch.uint8), narrow.contiguous().reshape(-1).view(torch.uint8)), key
+        assert torch.equal(
+            bf16[key].reshape(-1).view(torch.uint8), narrow.contiguous().reshape(-1).view(torch.uint8)
+        ), key

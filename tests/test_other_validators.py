@@ -9,7 +9,7 @@
 "Schema-level verdict", file by file (see also tests/conformance/README.md):
 
 * raw: does ``schema/manifest-1.0.schema.json`` accept the document? For every file, each engine
-  must agree with ``ckptspec.validate.schema_findings(doc)`` (no version gate, no tolerance).
+  must agree with ``ckptspec.format.schemas.schema_findings(doc)`` (no version gate, no tolerance).
 * as a reader applies it: the version gate runs first. A CK003 file (another major) never reaches
   the schema, so only its raw verdict is compared. A CK004 file (newer minor) is checked with
   ``additionalProperties`` failures ignored, as ``schema_findings(doc, allow_unknown=True)`` does.
@@ -60,14 +60,19 @@ def node_modules() -> Path:
 
 def run_node_validate(files: list[Path], *extra: str) -> subprocess.CompletedProcess:
     node_modules()
-    return subprocess.run(["node", str(NODE_DIR / "validate.js"), *extra, *map(str, files)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["node", str(NODE_DIR / "validate.js"), *extra, *map(str, files)], capture_output=True, text=True, timeout=120
+    )
 
 
 def run_check_jsonschema(files: list[Path], *extra: str) -> dict[str, list[dict]]:
     """File -> its errors, from one check-jsonschema process."""
-    proc = subprocess.run([sys.executable, "-m", "check_jsonschema", "--schemafile", str(SCHEMA), "-o", "json",
-                           *extra, *map(str, files)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--schemafile", str(SCHEMA), "-o", "json", *extra, *map(str, files)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode in (0, 1), proc.stderr
     report = json.loads(proc.stdout)
     assert report.get("parse_errors", []) == [], report["parse_errors"]
@@ -157,10 +162,13 @@ def test_ajv_compiles_schema_in_strict_mode_without_warnings(as_json):
     assert json.loads(proc.stdout)["raw_valid"] is True
 
 
-@pytest.mark.parametrize("edit,message", [
-    (("count", "minimun", 0), 'strict mode: unknown keyword: "minimun"'),
-    (("semver", "format", "semver"), 'unknown format "semver" ignored in schema'),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (("count", "minimun", 0), 'strict mode: unknown keyword: "minimun"'),
+        (("semver", "format", "semver"), 'unknown format "semver" ignored in schema'),
+    ],
+)
 def test_ajv_strict_mode_refuses_a_sloppy_schema(tmp_path, as_json, edit, message):
     """The strict check above can fail: a typo'd keyword or an unknown format stop the compile."""
     schema = json.loads(SCHEMA.read_text("utf-8"))
@@ -171,7 +179,8 @@ def test_ajv_strict_mode_refuses_a_sloppy_schema(tmp_path, as_json, edit, messag
     proc = run_node_validate([as_json["valid/no-files.json"]], "--schema", str(sloppy))
     assert proc.returncode == 2
     assert proc.stderr == f"{sloppy}: ajv cannot compile the schema: {message}" + (
-        ' at path "#/$defs/semver"\n' if "format" in message else "\n")
+        ' at path "#/$defs/semver"\n' if "format" in message else "\n"
+    )
 
 
 # --------------------------------------------------------------------------- verdicts, file by file
@@ -187,7 +196,8 @@ def test_raw_schema_verdicts_agree(name, ajv, check_jsonschema, ckptspec_verdict
         else:
             assert accepts == reference, (
                 f"{engine} {'accepts' if accepts else 'refuses'} {name}, ckptspec "
-                f"{'accepts' if reference else 'refuses'} it: {ajv[name]['raw_errors'] or check_jsonschema[name]}")
+                f"{'accepts' if reference else 'refuses'} it: {ajv[name]['raw_errors'] or check_jsonschema[name]}"
+            )
 
 
 @pytest.mark.parametrize("name", [n for n in FILES if "CK003" not in EXPECTED[n]["codes"]])
@@ -197,8 +207,11 @@ def test_schema_level_verdict_as_a_reader_applies_it(name, ajv, check_jsonschema
     assert ckptspec_verdicts[name]["tolerant"] == expected
     ajv_errors = [e for e in ajv[name]["raw_errors"] if not (tolerant and e["keyword"] == "additionalProperties")]
     # check-jsonschema's JSON report has no keyword: jsonschema's additionalProperties message it is.
-    cj_errors = [e for e in check_jsonschema[name]
-                 if not (tolerant and e["message"].startswith("Additional properties are not allowed"))]
+    cj_errors = [
+        e
+        for e in check_jsonschema[name]
+        if not (tolerant and e["message"].startswith("Additional properties are not allowed"))
+    ]
     if ("ajv", name) not in DIVERGENCES:
         assert (not ajv_errors) == expected, ajv_errors
     assert (not cj_errors) == expected, cj_errors
@@ -212,7 +225,7 @@ def test_node_checker_reports_the_expected_codes(name, ajv, ckptspec_verdicts):
 
 
 def test_divergences_are_the_js_double_rounding(ajv):
-    for engine, name in DIVERGENCES:
+    for _engine, name in DIVERGENCES:
         assert ajv[name]["raw_valid"] is True  # ajv alone accepts 2**63 ...
         assert ajv[name]["codes"] == ["CK001"]  # ... the node checker's 2**53 guard refuses it
         big = [v for v in iter_numbers(load_document(CORPUS / name)) if v > 2**53 - 1]

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _harness.scenarios import MATRIX, MATRIX_SPECS, UNSUPPORTED, engine_name
+
 from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.deepspeed.directory import resolve_tag_dir
 from ckptspec.format.validate import validate_document
@@ -102,8 +102,11 @@ def test_every_module_key_has_one_role(checkpoint):
 def test_cli_generate_then_validate(checkpoint, tmp_path):
     name, save_dir, spec, world_size = checkpoint
     out = tmp_path / "manifest.json"
-    gen = subprocess.run([sys.executable, "-m", "ckptspec", "generate", str(save_dir), "-o", str(out), "--hash"],
-                         capture_output=True, text=True)
+    gen = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "generate", str(save_dir), "-o", str(out), "--hash"],
+        capture_output=True,
+        text=True,
+    )
     assert gen.returncode == 0, gen.stderr
     val = subprocess.run([sys.executable, "-m", "ckptspec", "validate", str(out)], capture_output=True, text=True)
     assert val.returncode == 0, val.stdout + val.stderr
@@ -114,7 +117,9 @@ def test_cli_generate_then_validate(checkpoint, tmp_path):
 @pytest.mark.parametrize("name", UNSUPPORTED)
 def test_unsupported_checkpoints_are_refused_clearly(name, ds):
     save_dir = ds.path(name)
-    result = subprocess.run([sys.executable, "-m", "ckptspec", "generate", str(save_dir)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "generate", str(save_dir)], capture_output=True, text=True
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "CK202" in result.stderr and "stage 0" in result.stderr
@@ -147,8 +152,14 @@ def test_malicious_pickle_is_refused_and_never_runs(ds, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("extra", ["layer_0_expert_0_mp_rank_00_model_states.pt", "layer_01-model_states.pt",
-                                   "zero_pp_rank_0_mp_rank_01_optim_states.pt"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "layer_0_expert_0_mp_rank_00_model_states.pt",
+        "layer_01-model_states.pt",
+        "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+    ],
+)
 def test_moe_pipeline_and_tensor_parallel_files_are_refused(extra, ds, tmp_path):
     """MoE expert, pipeline layer and model-parallel files: refused by name, never misdescribed.
 

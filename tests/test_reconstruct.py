@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import safetensors.torch as safetensors_torch
 import torch
-
 from _harness.oracles import zero_to_fp32
 from _harness.reconstruction import bits, check_reconstruction, same_bits
 from _harness.scenarios import MATRIX, MATRIX_SPECS, engine_name
+
 from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.deepspeed.directory import resolve_tag_dir
 
@@ -59,8 +59,9 @@ def point(ds):
 def test_bit_exact_against_zero_to_fp32_and_live_engine(checkpoint, tmp_path):
     name, save_dir, spec, world_size = checkpoint
     # DeepSpeed's zero_to_fp32 cannot read BF16_Optimizer checkpoints (grad_accum_dtype fp32).
-    check_reconstruction(save_dir, tmp_path / "out", stage=spec["stage"],
-                         zero_to_fp32_reads_it=spec.get("grad_accum_dtype") != "fp32")
+    check_reconstruction(
+        save_dir, tmp_path / "out", stage=spec["stage"], zero_to_fp32_reads_it=spec.get("grad_accum_dtype") != "fp32"
+    )
 
 
 @pytest.mark.parametrize("name", ["s1-bf16-ws2", "s1-fp16-ws2", "s1-fp32-ws3-rr", "s1-bf16-ws2-bf16opt"])
@@ -103,9 +104,9 @@ def test_metadata_traces_the_checkpoint(point, tmp_path):
 
 
 def test_untie_and_both_layouts_load_into_the_model(point, tmp_path):
+    from _harness.job.model import build_model, normalize_spec
     from safetensors.torch import load_model
 
-    from _harness.job.model import build_model, normalize_spec
     from ckptspec.export.api import load_consolidated
 
     save_dir = point("s2-bf16-ws2")
@@ -274,8 +275,8 @@ def test_rerun_replaces_stale_shards(point, tmp_path):
 @pytest.mark.parametrize("name", ["s2-bf16-ws2", "s3-fp16-ws3-groups"])
 def test_reads_only_fp32_partitions_and_needed_module_tensors(point, name, tmp_path, monkeypatch):
     """No byte of the Adam moments (exp_avg, exp_avg_sq) is read, and no byte twice."""
-    from ckptspec.export import api as rc
     from ckptspec.checkpoint import torchfile
+    from ckptspec.export import api as rc
 
     save_dir = point(name)
     reads: list[tuple[str, int, int]] = []
@@ -324,7 +325,9 @@ def test_reads_only_fp32_partitions_and_needed_module_tensors(point, name, tmp_p
             by_file.setdefault(path, []).append((offset, offset + n))
         for path, ranges in by_file.items():
             ranges.sort()
-            assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:])), f"{path}: a byte read twice"
+            assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:])), (
+                f"{path}: a byte read twice"
+            )
         optim_bytes = sum(n for path, _, n in run if path.endswith("optim_states.pt"))
         assert optim_bytes == expected
 
@@ -340,7 +343,9 @@ def test_progress_bar_on_a_terminal(point, tmp_path):
     pid, fd = pty.fork()
     if pid == 0:  # the child: a 100-column terminal, as tqdm sizes its bar to it
         fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-        os.execv(sys.executable, [sys.executable, "-m", "ckptspec", "reconstruct", str(save_dir), str(tmp_path / "out")])
+        os.execv(
+            sys.executable, [sys.executable, "-m", "ckptspec", "reconstruct", str(save_dir), str(tmp_path / "out")]
+        )
     chunks = []
     while True:
         try:

@@ -12,16 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from ckptspec.cli import cli
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
-from ckptspec.errors import CkptspecError, InvalidCheckpoint
 from _harness.faults import FAULTS, FaultEnv, snapshot, tag_dir
 from _harness.scenarios import MATRIX, engine_name
+from click.testing import CliRunner
+
 from ckptspec.checkpoint import torchfile
+from ckptspec.cli import cli
 from ckptspec.deepspeed.checks import CHECKS, check_checkpoint
+from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.deepspeed.validate import validate_checkpoint
+from ckptspec.errors import CkptspecError, InvalidCheckpoint
 from ckptspec.format.models import Manifest
 from ckptspec.format.partition import natural_order
 
@@ -81,9 +81,20 @@ def test_suite_covers_every_check():
     covered = {f.code for f in FAULTS}
     assert {c.code for c in CHECKS} <= covered, sorted({c.code for c in CHECKS} - covered)
     assert len({f.name for f in FAULTS}) == len(FAULTS) >= 15
-    assert {"transposed-shape", "emptied-shared-params-s3", "reordered-param-shapes", "missing-rank", "stale-extra-rank",
-            "truncated-shard", "empty-shard", "foreign-shard", "missing-stage3-model-states", "bad-latest",
-            "swapped-rank-files", "malicious-pickle"} <= {f.name for f in FAULTS}
+    assert {
+        "transposed-shape",
+        "emptied-shared-params-s3",
+        "reordered-param-shapes",
+        "missing-rank",
+        "stale-extra-rank",
+        "truncated-shard",
+        "empty-shard",
+        "foreign-shard",
+        "missing-stage3-model-states",
+        "bad-latest",
+        "swapped-rank-files",
+        "malicious-pickle",
+    } <= {f.name for f in FAULTS}
 
 
 def _rank_of(name: str | None) -> int | None:

@@ -3,8 +3,8 @@
 import torch
 import torch.nn as nn
 
-from ckptspec.torch import manifest_from_module
 from ckptspec.format.validate import validate_document
+from ckptspec.torch import manifest_from_module
 
 
 class TinyLM(nn.Module):
@@ -41,7 +41,9 @@ def test_module_without_optimizer():
     }
     # Every key of the real state dict has exactly one role.
     roles = _roles(manifest)
-    named = [n for group in roles["trainable"] for n in group] + roles["frozen"] + list(roles["aliases"]) + roles["buffers"]
+    named = (
+        [n for group in roles["trainable"] for n in group] + roles["frozen"] + list(roles["aliases"]) + roles["buffers"]
+    )
     assert sorted(named) == sorted(model.state_dict())
     group = manifest.groups[0]
     assert group.padded_numel == sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -50,10 +52,12 @@ def test_module_without_optimizer():
 
 def test_groups_follow_the_optimizer():
     model = TinyLM()
-    optimizer = torch.optim.AdamW([
-        {"params": [model.body.bias], "weight_decay": 0.0},
-        {"params": [model.emb.weight, model.body.weight]},
-    ])
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [model.body.bias], "weight_decay": 0.0},
+            {"params": [model.emb.weight, model.body.weight]},
+        ]
+    )
     manifest = manifest_from_module(model, optimizer)
     assert validate_document(manifest.to_dict()).findings == []
     assert _roles(manifest)["trainable"] == [["body.bias"], ["emb.weight", "body.weight"]]

@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 
 from ckptspec.checkpoint.torchfile import (
-    DynamicLossScalerState, FragmentAddress, LossScalerState, TensorRef, ZeroStage, iter_tensor_refs, read_pt_metadata,
-    tensor_byte_range, zip_member_locations)
+    DynamicLossScalerState,
+    FragmentAddress,
+    LossScalerState,
+    TensorRef,
+    ZeroStage,
+    iter_tensor_refs,
+    read_pt_metadata,
+    tensor_byte_range,
+    zip_member_locations,
+)
 from ckptspec.errors import NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _torch_tensors(obj, path=()):
     """Mirror of iter_tensor_refs over a real torch.load result."""
     import torch
+
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, dict):
@@ -31,6 +40,7 @@ def _torch_tensors(obj, path=()):
 
 def _raw_bytes(path, ref, locations):
     import numpy as np
+
     offset, nbytes = tensor_byte_range(ref, locations)
     return np.fromfile(path, dtype=np.uint8, count=nbytes, offset=offset).tobytes()
 
@@ -44,12 +54,24 @@ def _save_zip(path, members, compression=zipfile.ZIP_STORED):
 
 # --- real DeepSpeed checkpoints ------------------------------------------------------------
 
+
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("name", ["s1-bf16-ws2", "s1-fp16-ws2", "s1-fp32-ws3-rr", "s2-bf16-ws2", "s2-fp16-ws2-groups",
-                                  "s2-fp32-ws3-rr", "s3-bf16-ws2-sub", "s3-fp16-ws3-groups", "s3-fp32-ws2-exclude"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "s1-bf16-ws2",
+        "s1-fp16-ws2",
+        "s1-fp32-ws3-rr",
+        "s2-bf16-ws2",
+        "s2-fp16-ws2-groups",
+        "s2-fp32-ws3-rr",
+        "s3-bf16-ws2-sub",
+        "s3-fp16-ws3-groups",
+        "s3-fp32-ws2-exclude",
+    ],
+)
 def test_real_checkpoint_files(ds, name):
     import torch
-
     from _harness.scenarios import MATRIX_SPECS
 
     spec, world_size = MATRIX_SPECS[name]  # stages 1-3 x bf16/fp16/fp32, shared with the other suites
@@ -93,6 +115,7 @@ def test_real_checkpoint_files(ds, name):
 
 # --- hostile and broken files --------------------------------------------------------------
 
+
 class _Evil:
     def __init__(self, target):
         self.target = target
@@ -103,6 +126,7 @@ class _Evil:
 
 def test_malicious_pickle_is_refused(tmp_path):
     import torch
+
     target = tmp_path / "pwned"
     evil = tmp_path / "evil.pt"
     torch.save({"w": torch.ones(3), "x": _Evil(str(target))}, evil)
@@ -139,6 +163,7 @@ def test_allowlisted_callable_with_bad_arguments(tmp_path):
 
 def test_truncated_file(tmp_path):
     import torch
+
     good = tmp_path / "good.pt"
     torch.save({"w": torch.arange(10000, dtype=torch.float32)}, good)
     data = good.read_bytes()
@@ -165,6 +190,7 @@ def test_not_a_torch_file(tmp_path):
 
 def test_legacy_torch_format_is_not_a_torch_zip(tmp_path):
     import torch
+
     legacy = tmp_path / "legacy.pt"
     torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
     with pytest.raises(NotATorchFile, match="legacy"):
@@ -176,14 +202,16 @@ def test_pickle_size_cap_and_compressed_members(tmp_path):
     assert read_pt_metadata(f) == {"k": 1}
     with pytest.raises(TorchFileError, match="cap"):
         read_pt_metadata(f, max_pickle_bytes=5)
-    z = _save_zip(tmp_path / "z.pt", {"a/data.pkl": pickle.dumps({}), "a/data/0": b"\0" * 64},
-                  compression=zipfile.ZIP_DEFLATED)
+    z = _save_zip(
+        tmp_path / "z.pt", {"a/data.pkl": pickle.dumps({}), "a/data/0": b"\0" * 64}, compression=zipfile.ZIP_DEFLATED
+    )
     with pytest.raises(TorchFileError, match="compressed"):
         zip_member_locations(z)
 
 
 def test_tensor_refs_and_offsets(tmp_path):
     import torch
+
     base = torch.arange(12, dtype=torch.bfloat16)
     obj = {"view": base[2:10].view(2, 4), "p": torch.nn.Parameter(torch.ones(3)), "size": torch.Size([2, 3])}
     f = tmp_path / "t.pt"
@@ -202,13 +230,21 @@ def test_tensor_refs_and_offsets(tmp_path):
 def test_module_imports_neither_torch_nor_deepspeed(tmp_path):
     # A real torch file is read in a fresh interpreter where torch/deepspeed cannot be imported.
     import torch
+
     f = tmp_path / "t.pt"
     torch.save({"w": torch.ones(4)}, f)
-    code = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
-            "from ckptspec.checkpoint.torchfile import read_pt_metadata\n"
-            f"print(read_pt_metadata({str(f)!r})['w'].shape)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
+        "from ckptspec.checkpoint.torchfile import read_pt_metadata\n"
+        f"print(read_pt_metadata({str(f)!r})['w'].shape)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "(4,)"
 
@@ -216,6 +252,7 @@ def test_module_imports_neither_torch_nor_deepspeed(tmp_path):
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
 def test_metadata_read_skips_tensor_data(tmp_path):
     import torch
+
     f = tmp_path / "big.pt"
     torch.save({"a": torch.zeros(4 * 1024 * 1024), "b": torch.zeros(1024, 1024)}, f)  # ~20 MB
 

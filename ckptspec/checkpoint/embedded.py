@@ -25,9 +25,10 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._fs import write_atomic
 from ..errors import CkptspecError, EmbedError
@@ -47,8 +48,12 @@ SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limi
 
 Kind = Literal["sidecar", "client_state", "safetensors", "manifest_file"]
 _PREFERENCE = {"sidecar": 0, "manifest_file": 1, "safetensors": 2, "client_state": 3}
-_KIND_NAMES = {"sidecar": "sidecar", "manifest_file": "manifest file", "safetensors": "safetensors __metadata__ copy",
-               "client_state": "client-state copy"}
+_KIND_NAMES = {
+    "sidecar": "sidecar",
+    "manifest_file": "manifest file",
+    "safetensors": "safetensors __metadata__ copy",
+    "client_state": "client-state copy",
+}
 
 
 @dataclass
@@ -153,14 +158,17 @@ def agreement_findings(copies: Iterable[EmbeddedCopy]) -> list[Finding]:
         diff = first_difference(layout_part(reference.document), layout_part(copy_.document))
         if diff:
             path, ours, theirs = diff
-            findings.append(finding(
-                "CK301", path,
-                f"embedded copies disagree: this {_KIND_NAMES[copy_.kind]} says {theirs}, "
-                f"the {_KIND_NAMES[reference.kind]} {Path(reference.source).name} says {ours}",
-                "copies of a manifest must describe the same layout; re-embed one manifest everywhere with "
-                "`ckptspec embed CHECKPOINT --manifest M`",
-                file=copy_.source,
-            ))
+            findings.append(
+                finding(
+                    "CK301",
+                    path,
+                    f"embedded copies disagree: this {_KIND_NAMES[copy_.kind]} says {theirs}, "
+                    f"the {_KIND_NAMES[reference.kind]} {Path(reference.source).name} says {ours}",
+                    "copies of a manifest must describe the same layout; re-embed one manifest everywhere with "
+                    "`ckptspec embed CHECKPOINT --manifest M`",
+                    file=copy_.source,
+                )
+            )
     return findings
 
 
@@ -169,17 +177,29 @@ def agreement_findings(copies: Iterable[EmbeddedCopy]) -> list[Finding]:
 
 def _decode_embedded(value: Any, source: str, what: str) -> Any:
     if not isinstance(value, str):
-        raise EmbedError("CK302", f"{what} is a {type(value).__name__}, not a JSON string",
-                         "the key is reserved for ckptspec's manifest; re-embed it with `ckptspec embed`", source)
+        raise EmbedError(
+            "CK302",
+            f"{what} is a {type(value).__name__}, not a JSON string",
+            "the key is reserved for ckptspec's manifest; re-embed it with `ckptspec embed`",
+            source,
+        )
     try:
         doc = decode(value.encode("utf-8"), "json", source)
     except (CkptspecError, UnicodeEncodeError) as exc:
         detail = exc.message if isinstance(exc, CkptspecError) else "not UTF-8 text"
-        raise EmbedError("CK302", f"{what} is not a manifest document: {detail}",
-                         "re-embed the manifest with `ckptspec embed`", source) from None
+        raise EmbedError(
+            "CK302",
+            f"{what} is not a manifest document: {detail}",
+            "re-embed the manifest with `ckptspec embed`",
+            source,
+        ) from None
     if not isinstance(doc, dict):
-        raise EmbedError("CK302", f"{what} holds a JSON {type(doc).__name__}, not an object",
-                         "re-embed the manifest with `ckptspec embed`", source)
+        raise EmbedError(
+            "CK302",
+            f"{what} holds a JSON {type(doc).__name__}, not an object",
+            "re-embed the manifest with `ckptspec embed`",
+            source,
+        )
     return doc
 
 
@@ -200,24 +220,38 @@ def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
         with open(path, "rb") as fh:
             head = fh.read(8)
             if len(head) < 8:
-                raise EmbedError("CK302", "not a safetensors file: shorter than its 8-byte header length",
-                                 "pass a .safetensors file", name)
+                raise EmbedError(
+                    "CK302",
+                    "not a safetensors file: shorter than its 8-byte header length",
+                    "pass a .safetensors file",
+                    name,
+                )
             (length,) = struct.unpack("<Q", head)
             if length > SAFETENSORS_MAX_HEADER or length > os.fstat(fh.fileno()).st_size - 8:
-                raise EmbedError("CK302", f"not a safetensors file: header length {length} is impossible",
-                                 "pass a .safetensors file", name)
+                raise EmbedError(
+                    "CK302",
+                    f"not a safetensors file: header length {length} is impossible",
+                    "pass a .safetensors file",
+                    name,
+                )
             raw = fh.read(length)
     except OSError as exc:
-        raise CkptspecError("CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name) from None
+        raise CkptspecError(
+            "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
+        ) from None
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise EmbedError("CK302", "not a safetensors file: the header is not JSON", "pass a .safetensors file", name) from None
+        raise EmbedError(
+            "CK302", "not a safetensors file: the header is not JSON", "pass a .safetensors file", name
+        ) from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if meta is None:
         return {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise EmbedError("CK302", "__metadata__ is not a map of strings", "the file breaks the safetensors format", name)
+        raise EmbedError(
+            "CK302", "__metadata__ is not a map of strings", "the file breaks the safetensors format", name
+        )
     return meta
 
 
@@ -228,9 +262,15 @@ def read_safetensors_copy(path: str | os.PathLike) -> EmbeddedCopy | None:
     value = meta[SAFETENSORS_KEY]
     expected = meta.get(SAFETENSORS_SHA256_KEY)
     if expected is not None and hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest() != expected:
-        raise EmbedError("CK302", f"'{SAFETENSORS_KEY}' does not match its '{SAFETENSORS_SHA256_KEY}'",
-                         "the embedded manifest was altered after it was written; regenerate the file", str(path))
-    return EmbeddedCopy(str(path), "safetensors", _decode_embedded(value, str(path), f"__metadata__ '{SAFETENSORS_KEY}'"))
+        raise EmbedError(
+            "CK302",
+            f"'{SAFETENSORS_KEY}' does not match its '{SAFETENSORS_SHA256_KEY}'",
+            "the embedded manifest was altered after it was written; regenerate the file",
+            str(path),
+        )
+    return EmbeddedCopy(
+        str(path), "safetensors", _decode_embedded(value, str(path), f"__metadata__ '{SAFETENSORS_KEY}'")
+    )
 
 
 def _is_zip(path: Path) -> bool:
@@ -284,8 +324,12 @@ def write_sidecar(tag_dir: str | os.PathLike, manifest: Manifest | dict, encodin
                 (tag_dir / other).unlink(missing_ok=True)
         write_atomic(target, data)
     except OSError as exc:
-        raise CkptspecError("CK906", f"cannot write the sidecar: {exc.strerror}",
-                            "check that the tag directory is writable and the sidecar name is free", str(target)) from None
+        raise CkptspecError(
+            "CK906",
+            f"cannot write the sidecar: {exc.strerror}",
+            "check that the tag directory is writable and the sidecar name is free",
+            str(target),
+        ) from None
     return target
 
 

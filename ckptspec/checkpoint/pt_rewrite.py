@@ -38,8 +38,12 @@ def _pickle_with_item(data: bytes, key: str, value: str, source: str) -> bytes:
     simple append would break; torch.save writes protocol 2.
     """
     if len(data) < 3 or data[0] != _PROTO or data[1] not in (2, 3) or data[-1:] != _STOP:
-        raise EmbedError("CK305", f"data.pkl is not a protocol-2/3 pickle ending in STOP (starts {data[:2].hex()})",
-                         "ckptspec embeds only into files written by torch.save with its default protocol", source)
+        raise EmbedError(
+            "CK305",
+            f"data.pkl is not a protocol-2/3 pickle ending in STOP (starts {data[:2].hex()})",
+            "ckptspec embeds only into files written by torch.save with its default protocol",
+            source,
+        )
     if len(value.encode("utf-8")) >= 2**32:
         raise EmbedError("CK305", "the manifest is too large for a pickle string", "embed the sidecar only", source)
     return data[:-1] + _binunicode(key) + _binunicode(value) + _SETITEM + _STOP
@@ -65,7 +69,12 @@ def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str, *, state
     if state is None:
         state = read_state(path)
     if not isinstance(state, dict):
-        raise EmbedError("CK305", f"the file holds a {type(state).__name__}, not a dict", "only DeepSpeed model states can carry a manifest", source)
+        raise EmbedError(
+            "CK305",
+            f"the file holds a {type(state).__name__}, not a dict",
+            "only DeepSpeed model states can carry a manifest",
+            source,
+        )
     if state.get(key) == value:
         return  # already there
     with zipfile.ZipFile(path) as zin:
@@ -74,7 +83,9 @@ def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str, *, state
         pkl_name = f"{prefix}/data.pkl"
         for info in infos:
             if info.compress_type != zipfile.ZIP_STORED:
-                raise EmbedError("CK305", f"record {info.filename} is compressed", "torch.save writes stored records only", source)
+                raise EmbedError(
+                    "CK305", f"record {info.filename} is compressed", "torch.save writes stored records only", source
+                )
         new_pkl = _pickle_with_item(zin.read(pkl_name), key, value, source)
         try:
             with atomic_output(path) as fh:
@@ -97,7 +108,9 @@ def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str, *, state
                 fh.flush()
                 _check_rewritten(fh, state, key, value, source)
         except OSError as exc:
-            raise CkptspecError("CK906", f"cannot write: {exc.strerror}", "check free space and permissions", source) from None
+            raise CkptspecError(
+                "CK906", f"cannot write: {exc.strerror}", "check free space and permissions", source
+            ) from None
 
 
 def _check_rewritten(fh, before: dict, key: str, value: str, source: str) -> None:
@@ -109,9 +122,17 @@ def _check_rewritten(fh, before: dict, key: str, value: str, source: str) -> Non
         after = locations = None
     expected_keys = list(before) + ([key] if key not in before else [])
     if not isinstance(after, dict) or list(after) != expected_keys or after.get(key) != value:
-        raise EmbedError("CK305", "the rewritten file does not read back as the original plus the manifest",
-                         "please report this ckptspec bug; the original file was left untouched", source)
+        raise EmbedError(
+            "CK305",
+            "the rewritten file does not read back as the original plus the manifest",
+            "please report this ckptspec bug; the original file was left untouched",
+            source,
+        )
     misaligned = [m for m, (offset, _) in locations.items() if "/data/" in m and offset % ZIP_ALIGNMENT]
     if misaligned:
-        raise EmbedError("CK305", f"record {misaligned[0]} is not {ZIP_ALIGNMENT}-byte aligned after rewriting",
-                         "please report this ckptspec bug; the original file was left untouched", source)
+        raise EmbedError(
+            "CK305",
+            f"record {misaligned[0]} is not {ZIP_ALIGNMENT}-byte aligned after rewriting",
+            "please report this ckptspec bug; the original file was left untouched",
+            source,
+        )

@@ -7,8 +7,10 @@ come from a fixed allowlist and are replaced by inert local stand-ins (``TensorR
 No tensor bytes are read. ``zip_member_locations`` gives the byte range of each member, so a
 tensor's bytes can later be read (or hashed) directly from the file.
 
-Standard library only: this module must stay importable where torch is not installed.
+Standard library only (plus ckptspec's own dtype table): this module must stay importable where
+torch is not installed.
 """
+
 from __future__ import annotations
 
 import collections
@@ -16,16 +18,26 @@ import io
 import pickle
 import struct
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
+from ..format.dtypes import ITEMSIZE
 
 __all__ = [
-    "StorageRef", "TensorRef", "ZeroStage", "LossScalerState", "DynamicLossScalerState",
-    "FragmentAddress", "DType",
-    "read_pt_metadata", "zip_member_locations", "iter_tensor_refs", "tensor_byte_range",
+    "StorageRef",
+    "TensorRef",
+    "ZeroStage",
+    "LossScalerState",
+    "DynamicLossScalerState",
+    "FragmentAddress",
+    "DType",
+    "read_pt_metadata",
+    "zip_member_locations",
+    "iter_tensor_refs",
+    "tensor_byte_range",
 ]
 
 DEFAULT_MAX_PICKLE_BYTES = 64 * 1024 * 1024  # data.pkl holds names/shapes only; huge means hostile
@@ -36,14 +48,15 @@ _LOCAL_HEADER_SIG = b"PK\x03\x04"
 
 # --- stand-ins for allowlisted globals ----------------------------------------------------
 
+
 @dataclass(frozen=True)
 class StorageRef:
-    member: str        # zip member holding the raw bytes: "<prefix>/data/<key>"
+    member: str  # zip member holding the raw bytes: "<prefix>/data/<key>"
     key: str
-    dtype: str         # torch dtype name without "torch.", e.g. "bfloat16"
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     itemsize: int
-    numel: int         # elements in the whole storage (a view may use fewer)
-    location: str      # device it was saved from, e.g. "cpu"
+    numel: int  # elements in the whole storage (a view may use fewer)
+    location: str  # device it was saved from, e.g. "cpu"
 
     @property
     def nbytes(self) -> int:
@@ -53,7 +66,7 @@ class StorageRef:
 @dataclass
 class TensorRef:
     storage: StorageRef
-    storage_offset: int            # in elements
+    storage_offset: int  # in elements
     shape: tuple
     stride: tuple
     requires_grad: bool = False
@@ -82,6 +95,7 @@ class TensorRef:
 
 class ZeroStage(int):
     """Stand-in for deepspeed.runtime.zero.config.ZeroStageEnum (an int enum)."""
+
     _NAMES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights"}
 
     def __new__(cls, value):
@@ -99,6 +113,7 @@ class ZeroStage(int):
 
 class LossScalerState:
     """Stand-in for deepspeed LossScaler: keeps the pickled ``__dict__`` as ``state``."""
+
     kind = "LossScaler"
 
     def __init__(self, state=None):
@@ -120,6 +135,7 @@ class DynamicLossScalerState(LossScalerState):
 @dataclass
 class FragmentAddress:
     """Stand-in for deepspeed.utils.tensor_fragment.fragment_address (a dataclass)."""
+
     numel: int = 0
     start: int = 0
 
@@ -150,15 +166,14 @@ class _TensorClass:
     """What ``torch.Tensor`` resolves to; only usable as _rebuild_from_type_v2's new_type."""
 
 
-_STORAGE_TYPES = {
-    name: _StorageType(name, dtype, itemsize) for name, dtype, itemsize in [
-        ("DoubleStorage", "float64", 8), ("FloatStorage", "float32", 4), ("HalfStorage", "float16", 2),
-        ("BFloat16Storage", "bfloat16", 2), ("LongStorage", "int64", 8), ("IntStorage", "int32", 4),
-        ("ShortStorage", "int16", 2), ("CharStorage", "int8", 1), ("ByteStorage", "uint8", 1),
-        ("BoolStorage", "bool", 1), ("ComplexFloatStorage", "complex64", 8),
-        ("ComplexDoubleStorage", "complex128", 16),
-    ]
-}
+# torch's typed storage classes (what protocol-2 pickles name) and the dtype each holds.
+_STORAGE_DTYPES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+}  # fmt: skip
+_STORAGE_TYPES = {name: _StorageType(name, dtype, ITEMSIZE[dtype]) for name, dtype in _STORAGE_DTYPES.items()}
 _DTYPES = {t.dtype for t in _STORAGE_TYPES.values()}
 
 
@@ -171,8 +186,9 @@ def _as_int_tuple(value, what):
 def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False):
     if not isinstance(storage, StorageRef) or type(storage_offset) is not int or storage_offset < 0:
         raise ValueError("tensor must reference a storage at a non-negative offset")
-    ref = TensorRef(storage, storage_offset, _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride"),
-                    bool(requires_grad))
+    ref = TensorRef(
+        storage, storage_offset, _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride"), bool(requires_grad)
+    )
     if len(ref.shape) != len(ref.stride) or any(s < 0 for s in ref.shape + ref.stride):
         raise ValueError(f"bad size/stride {ref.shape}/{ref.stride}")
     # Bounds check, so byte offsets computed from this ref always stay inside the storage.
@@ -222,8 +238,11 @@ _ALLOWED = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     # Plain containers; protocol-2 pickles (torch.save) name builtins "__builtin__". Older
     # DeepSpeed (0.15) pickles a set in the model states.
-    **{(module, name): container for module in ("builtins", "__builtin__")
-       for name, container in (("set", set), ("frozenset", frozenset))},
+    **{
+        (module, name): container
+        for module in ("builtins", "__builtin__")
+        for name, container in (("set", set), ("frozenset", frozenset))
+    },
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): ZeroStage,
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScalerState,
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): DynamicLossScalerState,
@@ -245,13 +264,21 @@ class _RestrictedUnpickler(pickle.Unpickler):
         try:
             return _ALLOWED[(module, name)]
         except KeyError:
-            raise UnsafePickleError(self._path,
-                f"data.pkl references global {module}.{name}, which is not allowlisted") from None
+            raise UnsafePickleError(
+                self._path, f"data.pkl references global {module}.{name}, which is not allowlisted"
+            ) from None
 
     def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
-                and isinstance(pid[3], str) and type(pid[4]) is int and pid[4] >= 0):
+        if not (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], _StorageType)
+            and isinstance(pid[2], str)
+            and isinstance(pid[3], str)
+            and type(pid[4]) is int
+            and pid[4] >= 0
+        ):
             raise UnsafePickleError(self._path, f"unsupported persistent id {pid!r}")
         _, stype, key, location, numel = pid
         # Views of one flat buffer (ZeRO stage 1/2 modules) name the same storage once per
@@ -261,11 +288,14 @@ class _RestrictedUnpickler(pickle.Unpickler):
             if (known.dtype, known.numel, known.location) != (stype.dtype, numel, location):
                 raise TorchFileError(self._path, f"storage {key} referenced with conflicting types")
             return known
-        ref = self._storages[key] = StorageRef(f"{self._prefix}/data/{key}", key, stype.dtype, stype.itemsize, numel, location)
+        ref = self._storages[key] = StorageRef(
+            f"{self._prefix}/data/{key}", key, stype.dtype, stype.itemsize, numel, location
+        )
         return ref
 
 
 # --- zip handling ------------------------------------------------------------------------
+
 
 def _open_zip(path: Path) -> zipfile.ZipFile:
     try:
@@ -330,8 +360,10 @@ def zip_member_locations(path) -> dict[str, tuple[int, int]]:
     with _open_zip(path) as zf, open(path, "rb") as f:
         for info in zf.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
-                raise TorchFileError(path, f"member {info.filename} is compressed "
-                                     f"(method {info.compress_type}); torch writes stored members")
+                raise TorchFileError(
+                    path,
+                    f"member {info.filename} is compressed (method {info.compress_type}); torch writes stored members",
+                )
             f.seek(info.header_offset)
             header = f.read(_LOCAL_HEADER.size)
             if len(header) < _LOCAL_HEADER.size:
@@ -341,13 +373,15 @@ def zip_member_locations(path) -> dict[str, tuple[int, int]]:
                 raise TorchFileError(path, f"bad local header signature for {info.filename}")
             offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
             if offset + info.file_size > file_size:
-                raise TruncatedFile(path, f"member {info.filename} ends at byte "
-                                    f"{offset + info.file_size}, file has {file_size}")
+                raise TruncatedFile(
+                    path, f"member {info.filename} ends at byte {offset + info.file_size}, file has {file_size}"
+                )
             out[info.filename] = (offset, info.file_size)
     return out
 
 
 # --- helpers -----------------------------------------------------------------------------
+
 
 def iter_tensor_refs(obj, path=()) -> Iterator[tuple[tuple, TensorRef]]:
     """Yield (key path, TensorRef) for every tensor in dicts/lists/tuples, depth first."""

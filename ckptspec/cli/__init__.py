@@ -47,6 +47,9 @@ def main() -> None:
     except Exception as exc:  # never a traceback for user input
         if os.environ.get("CKPTSPEC_DEBUG"):
             raise
-        click.echo(f"CK999 internal error: {type(exc).__name__}: {exc} "
-                   "(hint: this is a ckptspec bug; rerun with CKPTSPEC_DEBUG=1 and report it)", err=True)
+        click.echo(
+            f"CK999 internal error: {type(exc).__name__}: {exc} "
+            "(hint: this is a ckptspec bug; rerun with CKPTSPEC_DEBUG=1 and report it)",
+            err=True,
+        )
         sys.exit(EXIT_USAGE)

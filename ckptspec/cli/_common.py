@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Iterable, NoReturn
+from collections.abc import Iterable
+from typing import Any, NoReturn
 
 import click
 
@@ -45,7 +46,9 @@ class SizeParam(click.ParamType):
 SIZE = SizeParam()
 
 
-def echo_findings(findings: Iterable[Finding], target: str, *, err: bool = False, always_name_target: bool = True) -> None:
+def echo_findings(
+    findings: Iterable[Finding], target: str, *, err: bool = False, always_name_target: bool = True
+) -> None:
     """One line per finding, ``TARGET: <finding>``. With ``always_name_target=False`` a finding
     that names its own file is printed without the target."""
     for finding in findings:

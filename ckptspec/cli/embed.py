@@ -38,10 +38,18 @@ def _write(doc, output: str, encoding: str | None) -> int:
 @click.command()
 @click.argument("source", metavar="IN")
 @click.argument("output", metavar="OUT")
-@click.option("--encoding", type=ENCODING_CHOICE, default=None,
-              help="Encoding of OUT (default: by its extension, .msgpack/.mpk or JSON; '-' is stdout).")
-@click.option("--input-encoding", type=ENCODING_CHOICE, default=None,
-              help="Override the encoding guessed from IN's extension and first byte.")
+@click.option(
+    "--encoding",
+    type=ENCODING_CHOICE,
+    default=None,
+    help="Encoding of OUT (default: by its extension, .msgpack/.mpk or JSON; '-' is stdout).",
+)
+@click.option(
+    "--input-encoding",
+    type=ENCODING_CHOICE,
+    default=None,
+    help="Override the encoding guessed from IN's extension and first byte.",
+)
 def convert(source: str, output: str, encoding: str | None, input_encoding: str | None) -> None:
     """Re-encode a manifest, JSON <-> msgpack, losslessly.
 
@@ -61,14 +69,26 @@ def convert(source: str, output: str, encoding: str | None, input_encoding: str 
 
 @click.command()
 @click.argument("checkpoint", metavar="CHECKPOINT")
-@click.option("--manifest", "manifest_path", default=None, metavar="M",
-              help="Embed this manifest (it must describe the checkpoint) instead of generating one.")
+@click.option(
+    "--manifest",
+    "manifest_path",
+    default=None,
+    metavar="M",
+    help="Embed this manifest (it must describe the checkpoint) instead of generating one.",
+)
 @click.option("--tag", default=None, help="Tag directory (default: the one named by 'latest').")
-@click.option("--encoding", type=ENCODING_CHOICE, default="json", show_default=True,
-              help="Sidecar encoding: ckptspec.json or ckptspec.msgpack.")
+@click.option(
+    "--encoding",
+    type=ENCODING_CHOICE,
+    default="json",
+    show_default=True,
+    help="Sidecar encoding: ckptspec.json or ckptspec.msgpack.",
+)
 @click.option("--no-hash", is_flag=True, help="Do not record SHA-256 hashes of the files (faster).")
 @click.option("--sidecar-only", is_flag=True, help="Write the sidecar only; leave the model-states files untouched.")
-def embed(checkpoint: str, manifest_path: str | None, tag: str | None, encoding: str, no_hash: bool, sidecar_only: bool) -> None:
+def embed(
+    checkpoint: str, manifest_path: str | None, tag: str | None, encoding: str, no_hash: bool, sidecar_only: bool
+) -> None:
     """Add a manifest to an existing DeepSpeed checkpoint.
 
     The layout manifest goes into each model-states file's client state (key
@@ -83,8 +103,14 @@ def embed(checkpoint: str, manifest_path: str | None, tag: str | None, encoding:
         if manifest_path is not None:
             manifest = load_document(manifest_path)
             _check_input(manifest_path, manifest)
-        result = embed_checkpoint(checkpoint, manifest, tag=tag, hash_algorithm=None if no_hash else "sha256",
-                                  encoding=encoding, model_states=not sidecar_only)
+        result = embed_checkpoint(
+            checkpoint,
+            manifest,
+            tag=tag,
+            hash_algorithm=None if no_hash else "sha256",
+            encoding=encoding,
+            model_states=not sidecar_only,
+        )
     except CkptspecError as exc:
         fail(exc, checkpoint)
     for path in result.model_states:
@@ -96,7 +122,9 @@ def embed(checkpoint: str, manifest_path: str | None, tag: str | None, encoding:
 @click.argument("target", metavar="FILE_OR_DIR")
 @click.option("--tag", default=None, help="With a DeepSpeed save directory: the tag directory (default: 'latest').")
 @click.option("-o", "--output", default="-", show_default="stdout", help="Write the manifest here (.json or .msgpack).")
-@click.option("--encoding", type=ENCODING_CHOICE, default=None, help="Output encoding (default: by extension; stdout is JSON).")
+@click.option(
+    "--encoding", type=ENCODING_CHOICE, default=None, help="Output encoding (default: by extension; stdout is JSON)."
+)
 @click.option("--list", "list_copies", is_flag=True, help="List every copy found and whether they agree, instead.")
 def extract(target: str, tag: str | None, output: str, encoding: str | None, list_copies: bool) -> None:
     """Print the manifest embedded in a checkpoint or file.
@@ -121,15 +149,23 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     except CkptspecError as exc:
         fail(exc, target)
     if not copies:
-        fail(EmbedError("CK303", "no embedded manifest found",
-                            "add one with `ckptspec embed CHECKPOINT`, or save with ckptspec.deepspeed.save_checkpoint", target))
+        fail(
+            EmbedError(
+                "CK303",
+                "no embedded manifest found",
+                "add one with `ckptspec embed CHECKPOINT`, or save with ckptspec.deepspeed.save_checkpoint",
+                target,
+            )
+        )
     disagree = agreement_findings(copies)
     if list_copies:
         for found in copies:
             doc = found.document if isinstance(found.document, dict) else {}
             files = doc.get("files")
-            click.echo(f"{found.source}: {found.kind}, format {doc.get('format_version', '?')}, "
-                       f"{len(files) if isinstance(files, list) else '?'} files")
+            click.echo(
+                f"{found.source}: {found.kind}, format {doc.get('format_version', '?')}, "
+                f"{len(files) if isinstance(files, list) else '?'} files"
+            )
         _show(target, disagree, err=False)
         if not disagree:
             click.echo(f"{target}: {len(copies)} cop{'y' if len(copies) == 1 else 'ies agree'}")
@@ -185,4 +221,3 @@ def migrate(source: str, output: str, to_version: str, encoding: str | None) -> 
     if output != "-":
         steps = " -> ".join([result.steps[0][0]] + [b for _, b in result.steps]) if result.steps else "no change"
         click.echo(f"{output}: format {result.document['format_version']} ({steps})")
-

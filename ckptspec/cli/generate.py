@@ -12,8 +12,13 @@ from ._common import fail
 @click.argument("checkpoint", metavar="CHECKPOINT")
 @click.option("--tag", default=None, help="Tag directory to describe (default: the one named by 'latest').")
 @click.option("-o", "--output", default="-", show_default="stdout", help="Write the manifest here (.json or .msgpack).")
-@click.option("--hash", "hash_algorithm", flag_value="sha256", default=None,
-              help="Record a SHA-256 content hash of every shard file (reads every byte).")
+@click.option(
+    "--hash",
+    "hash_algorithm",
+    flag_value="sha256",
+    default=None,
+    help="Record a SHA-256 content hash of every shard file (reads every byte).",
+)
 def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str | None) -> None:
     """Describe a saved DeepSpeed checkpoint directory in a manifest.
 

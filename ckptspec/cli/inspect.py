@@ -25,6 +25,7 @@ from ._common import EXIT_INVALID, EXIT_OK, FORMAT_CHOICE, echo_findings, echo_j
 if TYPE_CHECKING:  # the models load pydantic; `ckptspec validate` must not pay for it
     from ..format.models import Manifest
 
+
 @dataclass
 class Target:
     """A manifest read for inspect or diff, or the findings that stop it."""
@@ -68,8 +69,11 @@ def _source_dict(target: Target) -> dict:
 
 
 def _label(target: Target) -> str:
-    return {"manifest": target.name, "sidecar": f"{target.name} (sidecar {os.path.basename(target.where or '')})",
-            "generated": f"{target.name} (manifest generated from DeepSpeed's metadata)"}[target.source]
+    return {
+        "manifest": target.name,
+        "sidecar": f"{target.name} (sidecar {os.path.basename(target.where or '')})",
+        "generated": f"{target.name} (manifest generated from DeepSpeed's metadata)",
+    }[target.source]
 
 
 def _show_findings(target: Target, findings: list[Finding], err: bool) -> None:
@@ -91,7 +95,12 @@ def _fail(exc: CkptspecError, name: str, output_format: str, extra: dict | None 
 def _invalid(target: Target, output_format: str, extra: dict | None = None) -> None:
     """An input that is not a valid manifest: its findings, exit 1."""
     if output_format == "json":
-        doc = {**(extra or {}), **_source_dict(target), "valid": False, "findings": [f.to_dict() for f in target.findings]}
+        doc = {
+            **(extra or {}),
+            **_source_dict(target),
+            "valid": False,
+            "findings": [f.to_dict() for f in target.findings],
+        }
         echo_json(doc)
     else:
         _show_findings(target, target.findings, err=False)
@@ -100,10 +109,20 @@ def _invalid(target: Target, output_format: str, extra: dict | None = None) -> N
 
 @click.command()
 @click.argument("target", metavar="MANIFEST|CHECKPOINT")
-@click.option("--tag", default=None, help="With a checkpoint directory: the tag directory (default: the one named by 'latest').")
-@click.option("--format", "output_format", type=FORMAT_CHOICE, default="text", show_default=True,
-              help="Text: rich tables. JSON: one summary object (docs/cli.md).")
-@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="How many of the largest tensors to list.")
+@click.option(
+    "--tag", default=None, help="With a checkpoint directory: the tag directory (default: the one named by 'latest')."
+)
+@click.option(
+    "--format",
+    "output_format",
+    type=FORMAT_CHOICE,
+    default="text",
+    show_default=True,
+    help="Text: rich tables. JSON: one summary object (docs/cli.md).",
+)
+@click.option(
+    "--top", type=click.IntRange(min=0), default=10, show_default=True, help="How many of the largest tensors to list."
+)
 def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
     """Summarize a manifest or checkpoint: layout, groups, largest tensors, ties, files.
 
@@ -135,8 +154,14 @@ def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
 @click.argument("b", metavar="B")
 @click.option("--tag-a", default=None, help="With a checkpoint directory A: its tag directory (default: 'latest').")
 @click.option("--tag-b", default=None, help="With a checkpoint directory B: its tag directory (default: 'latest').")
-@click.option("--format", "output_format", type=FORMAT_CHOICE, default="text", show_default=True,
-              help="Text: a table of changes and the verdict. JSON: one object (docs/cli.md).")
+@click.option(
+    "--format",
+    "output_format",
+    type=FORMAT_CHOICE,
+    default="text",
+    show_default=True,
+    help="Text: a table of changes and the verdict. JSON: one object (docs/cli.md).",
+)
 def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: str) -> None:
     """What changed from A to B, and can a job laid out like B resume from checkpoint A.
 
@@ -158,8 +183,12 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
     bad = [t for t in targets if t.manifest is None or has_errors(t.findings)]
     if bad:
         if output_format == "json":
-            doc = {"a": _source_dict(targets[0]), "b": _source_dict(targets[1]), "valid": False,
-                   "findings": [{**f.to_dict(), "target": t.name} for t in bad for f in t.findings]}
+            doc = {
+                "a": _source_dict(targets[0]),
+                "b": _source_dict(targets[1]),
+                "valid": False,
+                "findings": [{**f.to_dict(), "target": t.name} for t in bad for f in t.findings],
+            }
             echo_json(doc)
         else:
             for t in bad:
@@ -179,7 +208,10 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
         click.echo("")
         for reason in result.reasons:
             click.echo(f"B: {reason.to_line()}")
-        click.echo("resume: B can resume from A's optimizer state" if result.resumable
-                   else f"resume: B cannot resume from A ({len(result.reasons)} reason{'s' if len(result.reasons) != 1 else ''})")
+        click.echo(
+            "resume: B can resume from A's optimizer state"
+            if result.resumable
+            else f"resume: B cannot resume from A ({len(result.reasons)} "
+            f"reason{'s' if len(result.reasons) != 1 else ''})"
+        )
     sys.exit(EXIT_OK if result.resumable else EXIT_INVALID)
-

@@ -9,23 +9,57 @@ import click
 from ..errors import CkptspecError
 from ._common import EXIT_INVALID, EXIT_USAGE, SIZE, echo_findings, fail
 
+
 @click.command()
 @click.argument("checkpoint", metavar="CHECKPOINT")
 @click.argument("output_dir", metavar="OUTPUT_DIR")
-@click.option("--manifest", default=None, metavar="M",
-              help="Reconstruct as this manifest describes (checked against the files first). Default: generate it from CHECKPOINT.")
+@click.option(
+    "--manifest",
+    default=None,
+    metavar="M",
+    help="Reconstruct as this manifest describes (checked against the files first). "
+    "Default: generate it from CHECKPOINT.",
+)
 @click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
-              help="Dtype of floating tensors in the output (integer buffers keep theirs).")
-@click.option("--max-shard-size", type=SIZE, default="5G", show_default=True,
-              help="Split the output into shards of at most this size, plus an index (Hugging Face layout).")
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors", show_default=True,
-              help="safetensors (no torch needed), or torch.save files (needs torch).")
-@click.option("--untie", is_flag=True,
-              help="Write tied weights as separate copies instead of once with the tie recorded in the metadata.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default="fp32",
+    show_default=True,
+    help="Dtype of floating tensors in the output (integer buffers keep theirs).",
+)
+@click.option(
+    "--max-shard-size",
+    type=SIZE,
+    default="5G",
+    show_default=True,
+    help="Split the output into shards of at most this size, plus an index (Hugging Face layout).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["safetensors", "torch"]),
+    default="safetensors",
+    show_default=True,
+    help="safetensors (no torch needed), or torch.save files (needs torch).",
+)
+@click.option(
+    "--untie",
+    is_flag=True,
+    help="Write tied weights as separate copies instead of once with the tie recorded in the metadata.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
-def reconstruct(checkpoint: str, output_dir: str, manifest: str | None, tag: str | None, dtype: str,
-                max_shard_size: int, fmt: str, untie: bool, quiet: bool) -> None:
+def reconstruct(
+    checkpoint: str,
+    output_dir: str,
+    manifest: str | None,
+    tag: str | None,
+    dtype: str,
+    max_shard_size: int,
+    fmt: str,
+    untie: bool,
+    quiet: bool,
+) -> None:
     """Write the full weights of a DeepSpeed ZeRO CHECKPOINT into OUTPUT_DIR.
 
     The checkpoint is validated first: on any error finding nothing is written and
@@ -53,22 +87,28 @@ def reconstruct(checkpoint: str, output_dir: str, manifest: str | None, tag: str
             sys.exit(EXIT_INVALID)
         plan = plan_reconstruction(checkpoint, found, tag, states=states)
         total = sum(s.numel for s in plan.sources.values())  # elements; the bar counts output bytes
-        update, close = progress_printer(plan.total_nbytes(output_dtype(dtype), untie),
-                                         enabled=not quiet and sys.stderr.isatty())
+        update, close = progress_printer(
+            plan.total_nbytes(output_dtype(dtype), untie), enabled=not quiet and sys.stderr.isatty()
+        )
         try:
-            result = write_consolidated(plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt,
-                                        untie=untie, progress=update)
+            result = write_consolidated(
+                plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt, untie=untie, progress=update
+            )
         finally:
             close()
     except CkptspecError as exc:
         fail(exc)
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else f"{output_dir}: "
-        click.echo(f"{where}CK906 cannot write: {exc.strerror or exc} "
-                   "(hint: check the output directory is writable and has space)", err=True)
+        click.echo(
+            f"{where}CK906 cannot write: {exc.strerror or exc} "
+            "(hint: check the output directory is writable and has space)",
+            err=True,
+        )
         sys.exit(EXIT_USAGE)
     if not quiet:
         files = ", ".join(result.files + ([result.index] if result.index else []))
-        click.echo(f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, {total} elements) "
-                   f"to {files}")
-
+        click.echo(
+            f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, {total} elements) "
+            f"to {files}"
+        )

@@ -16,9 +16,17 @@ PLAIN_WIDTH = 100
 def _console(color: bool, width: int | None):
     from rich.console import Console
 
-    return Console(file=io.StringIO(), width=width or PLAIN_WIDTH, color_system="standard" if color else None,
-                   force_terminal=color, no_color=not color, markup=False, highlight=False, emoji=False,
-                   legacy_windows=False)
+    return Console(
+        file=io.StringIO(),
+        width=width or PLAIN_WIDTH,
+        color_system="standard" if color else None,
+        force_terminal=color,
+        no_color=not color,
+        markup=False,
+        highlight=False,
+        emoji=False,
+        legacy_windows=False,
+    )
 
 
 def _table(title: str, *columns: str, right: tuple[str, ...] = (), no_wrap: tuple[str, ...] = ()):
@@ -27,11 +35,13 @@ def _table(title: str, *columns: str, right: tuple[str, ...] = (), no_wrap: tupl
 
     # rich's SIMPLE_HEAD drawn with '-': readable in any locale and encoding.
     ascii_head = Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
-    table = Table(title=title, title_justify="left", box=ascii_head, show_edge=False, pad_edge=False,
-                  title_style="bold")
+    table = Table(
+        title=title, title_justify="left", box=ascii_head, show_edge=False, pad_edge=False, title_style="bold"
+    )
     for column in columns:
-        table.add_column(column, justify="right" if column in right else "left", overflow="fold",
-                         no_wrap=column in no_wrap)
+        table.add_column(
+            column, justify="right" if column in right else "left", overflow="fold", no_wrap=column in no_wrap
+        )
     return table
 
 
@@ -63,29 +73,63 @@ def render_summary(target: str, summary: dict[str, Any], *, color: bool = False,
         flags.append("exclude_frozen_parameters")
     lines = [
         target,
-        f"  format {summary['format_version']}, produced by {prod['tool']} from {prod['framework']} {prod['framework_version']}",
+        f"  format {summary['format_version']}, produced by {prod['tool']} from {prod['framework']} "
+        f"{prod['framework_version']}",
         f"  ZeRO stage {lay['zero_stage']}, world size {lay['world_size']}, {lay['model_dtype']} model, "
-        f"{lay['master_dtype']} masters" + (f", {lay['optimizer']}" if lay["optimizer"] else "")
+        f"{lay['master_dtype']} masters"
+        + (f", {lay['optimizer']}" if lay["optimizer"] else "")
         + (f" ({', '.join(flags)})" if flags else ""),
-        f"  {tot['trainable']} trainable ({_n(tot['trainable_numel'])} elements, {_n(tot['padded_numel'])} with padding), "
+        f"  {tot['trainable']} trainable ({_n(tot['trainable_numel'])} elements, {_n(tot['padded_numel'])} with "
+        "padding), "
         f"{tot['frozen']} frozen ({_n(tot['frozen_numel'])}), {_plural(tot['aliases'], 'alias')}, "
-        f"{tot['buffers']} buffer{'s' if tot['buffers'] != 1 else ''} ({_n(tot['buffer_numel'])}), {tot['excluded']} excluded",
+        f"{tot['buffers']} buffer{'s' if tot['buffers'] != 1 else ''} ({_n(tot['buffer_numel'])}), "
+        f"{tot['excluded']} excluded",
         f"  {_plural(tot['files'], 'file')}, {_n(tot['file_bytes'])} bytes",
     ]
     for line in lines:
         console.print(line, soft_wrap=True)
 
-    groups = _table("Groups", "group", "optimizer group", "partitioning", "params", "elements", "padded", "ranks",
-                    "per rank", right=("group", "optimizer group", "params", "elements", "padded", "ranks", "per rank"))
+    groups = _table(
+        "Groups",
+        "group",
+        "optimizer group",
+        "partitioning",
+        "params",
+        "elements",
+        "padded",
+        "ranks",
+        "per rank",
+        right=("group", "optimizer group", "params", "elements", "padded", "ranks", "per rank"),
+    )
     for g in summary["groups"]:
-        groups.add_row(*_cells(g["index"], g["optimizer_group"], g["partitioning"], g["params"], _n(g["numel"]),
-                               _n(g["padded_numel"]), g["partition_count"], _n(g["partition_numel"])))
+        groups.add_row(
+            *_cells(
+                g["index"],
+                g["optimizer_group"],
+                g["partitioning"],
+                g["params"],
+                _n(g["numel"]),
+                _n(g["padded_numel"]),
+                g["partition_count"],
+                _n(g["partition_numel"]),
+            )
+        )
     tables = [groups]
 
-    largest = _table(f"Largest tensors (top {len(summary['largest'])})", "name", "role", "shape", "dtype", "elements",
-                     "group", right=("elements", "group"))
+    largest = _table(
+        f"Largest tensors (top {len(summary['largest'])})",
+        "name",
+        "role",
+        "shape",
+        "dtype",
+        "elements",
+        "group",
+        right=("elements", "group"),
+    )
     for t in summary["largest"]:
-        largest.add_row(*_cells(t["name"], t["role"], _shape(t["shape"]), t["dtype"], _n(t["numel"]), t.get("group", "")))
+        largest.add_row(
+            *_cells(t["name"], t["role"], _shape(t["shape"]), t["dtype"], _n(t["numel"]), t.get("group", ""))
+        )
     tables.append(largest)
     if summary["aliases"]:
         aliases = _table("Aliases (tied parameters)", "name", "owner", "shape")
@@ -110,9 +154,13 @@ def render_summary(target: str, summary: dict[str, Any], *, color: bool = False,
     if summary["files"]:
         files = _table("Files", "path", "role", "ranks", "bytes", "hash", right=("bytes",))
         for f in summary["files"]:
-            files.add_row(*_cells(f["path"], f["role"], ",".join(map(str, f["ranks"])), _n(f["size"]), f["hash"] or "-"))
+            files.add_row(
+                *_cells(f["path"], f["role"], ",".join(map(str, f["ranks"])), _n(f["size"]), f["hash"] or "-")
+            )
         tables.append(files)
-    ranks = _table("Ranks", "rank", "master elements", "files", "bytes", right=("rank", "master elements", "files", "bytes"))
+    ranks = _table(
+        "Ranks", "rank", "master elements", "files", "bytes", right=("rank", "master elements", "files", "bytes")
+    )
     for r in summary["ranks"]:
         ranks.add_row(*_cells(r["rank"], _n(r["master_numel"]), r["files"], _n(r["bytes"])))
     tables.append(ranks)
@@ -129,19 +177,28 @@ def _value(value: Any) -> str:
         return _shape(value)
     if isinstance(value, dict) and "name" in value:  # a param's place in a group
         return f"{value['name']} {_shape(value['shape'])} at {value['offset']}" + (
-            f" +{value['padding']}" if value["padding"] else "")
+            f" +{value['padding']}" if value["padding"] else ""
+        )
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def render_diff(label_a: str, label_b: str, result: dict[str, Any], *, color: bool = False, width: int | None = None) -> str:
+def render_diff(
+    label_a: str, label_b: str, result: dict[str, Any], *, color: bool = False, width: int | None = None
+) -> str:
     console = _console(color, width)
     console.print(f"A: {label_a}", soft_wrap=True)
     console.print(f"B: {label_b}", soft_wrap=True)
     if result["identical"]:
         console.print("no changes", soft_wrap=True)
     else:
-        changes = _table(f"{len(result['changes'])} change{'s' if len(result['changes']) != 1 else ''}",
-                         "change", "what", "A", "B", no_wrap=("change", "what"))
+        changes = _table(
+            f"{len(result['changes'])} change{'s' if len(result['changes']) != 1 else ''}",
+            "change",
+            "what",
+            "A",
+            "B",
+            no_wrap=("change", "what"),
+        )
         for c in result["changes"]:
             what = c["path"] if c["kind"] == "group" else c.get("name") or c["path"]
             if c.get("role") and c["kind"] not in ("layout", "group"):

@@ -11,8 +11,13 @@ from ._common import EXIT_USAGE
 
 
 @click.command("schema")
-@click.option("--version", "version", default=None, metavar="V",
-              help=f"Format version (known: {', '.join(sorted(MANIFEST_SCHEMAS))}); default the latest.")
+@click.option(
+    "--version",
+    "version",
+    default=None,
+    metavar="V",
+    help=f"Format version (known: {', '.join(sorted(MANIFEST_SCHEMAS))}); default the latest.",
+)
 @click.option("--report", is_flag=True, help="Print the schema of `validate --format json` reports instead.")
 def schema_command(version: str | None, report: bool) -> None:
     """Print the manifest JSON Schema."""

@@ -15,18 +15,49 @@ from ._common import EXIT_INVALID, EXIT_OK, SIZE, echo_findings, echo_json, erro
 
 @click.command()
 @click.argument("target", metavar="MANIFEST|DIR")
-@click.option("--checkpoint", "checkpoint", default=None, metavar="DIR",
-              help="Also check the files of this DeepSpeed checkpoint directory against MANIFEST.")
-@click.option("--tag", default=None, help="With a checkpoint: the tag directory to check (default: the one named by 'latest').")
-@click.option("--no-hash", "no_hash", is_flag=True, help="With a checkpoint: skip verifying the recorded content hashes.")
-@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="Text: one line per finding. JSON: one report object (schema/report-1.0.schema.json).")
-@click.option("--max-size", type=SIZE, default=DEFAULT_MAX_BYTES, show_default="512M",
-              help="Refuse manifest files larger than this before reading them.")
-@click.option("--encoding", type=click.Choice(["json", "msgpack"]), default=None,
-              help="Override the encoding guessed from the file extension and first byte.")
-def validate(target: str, checkpoint: str | None, tag: str | None, no_hash: bool, output_format: str,
-             max_size: int, encoding: str | None) -> None:
+@click.option(
+    "--checkpoint",
+    "checkpoint",
+    default=None,
+    metavar="DIR",
+    help="Also check the files of this DeepSpeed checkpoint directory against MANIFEST.",
+)
+@click.option(
+    "--tag", default=None, help="With a checkpoint: the tag directory to check (default: the one named by 'latest')."
+)
+@click.option(
+    "--no-hash", "no_hash", is_flag=True, help="With a checkpoint: skip verifying the recorded content hashes."
+)
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Text: one line per finding. JSON: one report object (schema/report-1.0.schema.json).",
+)
+@click.option(
+    "--max-size",
+    type=SIZE,
+    default=DEFAULT_MAX_BYTES,
+    show_default="512M",
+    help="Refuse manifest files larger than this before reading them.",
+)
+@click.option(
+    "--encoding",
+    type=click.Choice(["json", "msgpack"]),
+    default=None,
+    help="Override the encoding guessed from the file extension and first byte.",
+)
+def validate(
+    target: str,
+    checkpoint: str | None,
+    tag: str | None,
+    no_hash: bool,
+    output_format: str,
+    max_size: int,
+    encoding: str | None,
+) -> None:
     """Check a manifest, or a checkpoint's files against its manifest.
 
     \b
@@ -39,7 +70,9 @@ def validate(target: str, checkpoint: str | None, tag: str | None, no_hash: bool
 
     is_dir = checkpoint is None and os.path.isdir(target)
     if checkpoint is None and not is_dir and (tag is not None or no_hash):
-        raise click.UsageError("--tag and --no-hash need a checkpoint: validate DIR, or validate MANIFEST --checkpoint DIR")
+        raise click.UsageError(
+            "--tag and --no-hash need a checkpoint: validate DIR, or validate MANIFEST --checkpoint DIR"
+        )
     if checkpoint is None and not is_dir:
         try:  # the verdict only: no models to build (they cost more than the rules)
             report = validate_file(target, max_bytes=max_size, encoding=encoding, build_model=False)

@@ -5,6 +5,7 @@ live engine, the CK2xx checks of a checkpoint's files, and embedding manifests i
 so importing this package needs neither.
 """
 
+from ..errors import UnsupportedEngine
 from .engine import manifest_from_engine, save_checkpoint
 
-__all__ = ["manifest_from_engine", "save_checkpoint"]
+__all__ = ["UnsupportedEngine", "manifest_from_engine", "save_checkpoint"]

@@ -25,8 +25,13 @@ from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
 DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 10**9  # deepspeed/runtime/zero/config.py (0.15-0.19)
 
 
-def manifest_from_checkpoint(checkpoint: str | os.PathLike, tag: str | None = None, *,
-                             hash_algorithm: str | None = None, states: StateCache | None = None) -> Manifest:
+def manifest_from_checkpoint(
+    checkpoint: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    hash_algorithm: str | None = None,
+    states: StateCache | None = None,
+) -> Manifest:
     """Describe a saved DeepSpeed ZeRO checkpoint (stage 1-3) from its metadata alone.
 
     ``states``: files already read (and where the files read here are kept).
@@ -44,20 +49,31 @@ def manifest_from_states(shards: ShardSet, states: StateCache, *, hash_algorithm
     optim_states = {rank: states.state(path) for rank, path in shards.optim_files.items()}
     first_model = model_states[min(model_states)]
     if not isinstance(first_model, dict) or "param_shapes" not in first_model:
-        raise UnsupportedCheckpoint("model states have no 'param_shapes'", "is this a DeepSpeed checkpoint?",
-                                    str(shards.model_files[min(model_states)]))
+        raise UnsupportedCheckpoint(
+            "model states have no 'param_shapes'",
+            "is this a DeepSpeed checkpoint?",
+            str(shards.model_files[min(model_states)]),
+        )
     if first_model.get("module") is None:
-        raise UnsupportedCheckpoint("model states hold no 'module' (pipeline-parallel checkpoint)",
-                                    "pipeline-parallel checkpoints are not described by format 1.0",
-                                    str(shards.model_files[min(model_states)]))
+        raise UnsupportedCheckpoint(
+            "model states hold no 'module' (pipeline-parallel checkpoint)",
+            "pipeline-parallel checkpoints are not described by format 1.0",
+            str(shards.model_files[min(model_states)]),
+        )
     if not optim_states:
-        raise UnsupportedCheckpoint("no ZeRO optimizer states (*_optim_states.pt)",
-                                    "ZeRO stage 0 checkpoints are not described by format 1.0", str(shards.tag_dir))
+        raise UnsupportedCheckpoint(
+            "no ZeRO optimizer states (*_optim_states.pt)",
+            "ZeRO stage 0 checkpoints are not described by format 1.0",
+            str(shards.tag_dir),
+        )
     first_optim = optim_states[min(optim_states)]
     osd = first_optim.get("optimizer_state_dict") if isinstance(first_optim, dict) else None
     if not isinstance(osd, dict):
-        raise UnsupportedCheckpoint("optimizer states hold no 'optimizer_state_dict'", "is this a DeepSpeed checkpoint?",
-                                    str(shards.optim_files[min(optim_states)]))
+        raise UnsupportedCheckpoint(
+            "optimizer states hold no 'optimizer_state_dict'",
+            "is this a DeepSpeed checkpoint?",
+            str(shards.optim_files[min(optim_states)]),
+        )
 
     ds_config = first_model.get("ds_config") or {}
     zero_cfg = ds_config.get("zero_optimization") or {}
@@ -70,13 +86,28 @@ def manifest_from_states(shards: ShardSet, states: StateCache, *, hash_algorithm
     frozen = _frozen(first_model, groups, shared, stage)
     aliases = _aliases(module, groups, frozen, shared, stage)
     buffers = _buffers(first_model)
-    layout = _layout(first_model, osd, first_optim, stage, bf16_optimizer, excluded_flag=(
-        stage >= 2 and first_model.get("frozen_param_shapes") is None and not bf16_optimizer))
+    layout = _layout(
+        first_model,
+        osd,
+        first_optim,
+        stage,
+        bf16_optimizer,
+        excluded_flag=(stage >= 2 and first_model.get("frozen_param_shapes") is None and not bf16_optimizer),
+    )
     return Manifest(
-        format=FORMAT_NAME, format_version=FORMAT_VERSION,
-        producer=Producer(tool="ckptspec", tool_version=__version__, framework="deepspeed",
-                          framework_version=str(first_model.get("ds_version", "unknown"))),
-        layout=layout, groups=groups, frozen=frozen, buffers=buffers, aliases=aliases,
+        format=FORMAT_NAME,
+        format_version=FORMAT_VERSION,
+        producer=Producer(
+            tool="ckptspec",
+            tool_version=__version__,
+            framework="deepspeed",
+            framework_version=str(first_model.get("ds_version", "unknown")),
+        ),
+        layout=layout,
+        groups=groups,
+        frozen=frozen,
+        buffers=buffers,
+        aliases=aliases,
         excluded=[],  # DeepSpeed does not record which names exclude_frozen_parameters dropped
         files=describe_files(shards, stage, hash_algorithm, states),
     )
@@ -109,11 +140,19 @@ def _groups(first_model: dict, osd: dict, stage: int, bf16_optimizer: bool) -> l
         return groups
     paddings = osd.get("param_alignment_paddings")
     for g, shapes in enumerate(first_model["param_shapes"]):
-        specs = [ParamSpec(n, tuple(int(d) for d in s), _module_dtype(module, n, model_dtype)) for n, s in shapes.items()]
-        groups.append(flat_group(
-            specs, optimizer_group=g, partition_count=counts[g] if isinstance(counts, list) else world_size,
-            zero_stage=stage, paddings=paddings[g] if paddings else None, tail_padding_saved=bf16_optimizer,
-        ))
+        specs = [
+            ParamSpec(n, tuple(int(d) for d in s), _module_dtype(module, n, model_dtype)) for n, s in shapes.items()
+        ]
+        groups.append(
+            flat_group(
+                specs,
+                optimizer_group=g,
+                partition_count=counts[g] if isinstance(counts, list) else world_size,
+                zero_stage=stage,
+                paddings=paddings[g] if paddings else None,
+                tail_padding_saved=bf16_optimizer,
+            )
+        )
     return groups
 
 
@@ -127,8 +166,15 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
         for name, shape in frozen_shapes.items():
             if name in shared:
                 continue  # DeepSpeed lists tied zero-element params here too; the alias wins
-            frozen.append(FrozenParam(name=name, shape=[int(d) for d in shape], numel=_numel(shape),
-                                      dtype=_fragment_dtype(first_model, name, model_dtype), stored_in=stored_in))
+            frozen.append(
+                FrozenParam(
+                    name=name,
+                    shape=[int(d) for d in shape],
+                    numel=_numel(shape),
+                    dtype=_fragment_dtype(first_model, name, model_dtype),
+                    stored_in=stored_in,
+                )
+            )
     elif stage < 3:
         # Stage 1 (and BF16_Optimizer) save no frozen_param_shapes: the frozen weights
         # are the module entries that have no other role.
@@ -136,8 +182,11 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
         taken = trainable | set(shared) | set(first_model.get("buffer_names") or [])
         for name, ref in module.items():
             if name not in taken and isinstance(ref, TensorRef):
-                frozen.append(FrozenParam(name=name, shape=list(ref.shape), numel=_numel(ref.shape), dtype=ref.dtype,
-                                          stored_in="module"))
+                frozen.append(
+                    FrozenParam(
+                        name=name, shape=list(ref.shape), numel=_numel(ref.shape), dtype=ref.dtype, stored_in="module"
+                    )
+                )
     return frozen
 
 
@@ -161,22 +210,26 @@ def _buffers(first_model: dict) -> list[Buffer]:
     return buffers
 
 
-def _layout(first_model: dict, osd: dict, first_optim: dict, stage: int, bf16_optimizer: bool, *,
-            excluded_flag: bool) -> Layout:
+def _layout(
+    first_model: dict, osd: dict, first_optim: dict, stage: int, bf16_optimizer: bool, *, excluded_flag: bool
+) -> Layout:
     ds_config = first_model.get("ds_config") or {}
     zero_cfg = ds_config.get("zero_optimization") or {}
     dimensions = first_model.get("checkpoint_parallel_dimensions") or {}
     layout = Layout(
-        zero_stage=stage, world_size=_world_size(osd),
+        zero_stage=stage,
+        world_size=_world_size(osd),
         tensor_parallel_size=int(dimensions.get("tp_degree", 1) or 1),
         pipeline_parallel_size=int(dimensions.get("pp_degree", 1) or 1),
         model_parallel_size=int(first_model.get("mp_world_size", 1) or 1),
-        model_dtype=_dtype_of_config(ds_config), master_dtype=_master_dtype(first_optim, stage),
+        model_dtype=_dtype_of_config(ds_config),
+        master_dtype=_master_dtype(first_optim, stage),
         round_robin=bool(zero_cfg.get("round_robin_gradients", False)) and stage in (1, 2),
         parameter_alignment=bool(zero_cfg.get("parameter_alignment", False)) and stage in (1, 2),
         tail_padding_saved=bf16_optimizer,
-        optimizer="BF16_Optimizer" if bf16_optimizer else (
-            "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"),
+        optimizer="BF16_Optimizer"
+        if bf16_optimizer
+        else ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"),
         exclude_frozen_parameters=excluded_flag,
     )
     if stage == 3:
@@ -249,9 +302,18 @@ def partition_locators(path: Path, rank: int, stage: int, states: StateCache) ->
         if not isinstance(ref, TensorRef):
             continue
         data_offset, member_size = members[ref.storage.member]
-        locators.append(Locator(group=g, rank=rank, member=ref.storage.member, data_offset=data_offset,
-                                member_size=member_size, dtype=ref.dtype, element_offset=ref.storage_offset,
-                                numel=ref.numel))
+        locators.append(
+            Locator(
+                group=g,
+                rank=rank,
+                member=ref.storage.member,
+                data_offset=data_offset,
+                member_size=member_size,
+                dtype=ref.dtype,
+                element_offset=ref.storage_offset,
+                numel=ref.numel,
+            )
+        )
     return locators
 
 
@@ -259,14 +321,21 @@ def describe_files(shards: ShardSet, stage: int, hash_algorithm: str | None, sta
     """Every file of ``shards`` (sizes as they are now), with the locators of the flat master partitions."""
 
     def entry(path: Path, role: str, ranks: list[int], partitions: list[Locator]) -> ShardFile:
-        shard = ShardFile(path=path.relative_to(shards.tag_dir).as_posix(), role=role, ranks=ranks,
-                          size=path.stat().st_size, partitions=partitions)
+        shard = ShardFile(
+            path=path.relative_to(shards.tag_dir).as_posix(),
+            role=role,
+            ranks=ranks,
+            size=path.stat().st_size,
+            partitions=partitions,
+        )
         if hash_algorithm:
             shard.hash = file_digest(path, hash_algorithm)
         return shard
 
     files = [entry(path, "model_states", [rank], []) for rank, path in sorted(shards.model_files.items())]
-    files += [entry(path, "optimizer_states", [rank], partition_locators(path, rank, stage, states))
-              for rank, path in sorted(shards.optim_files.items())]
+    files += [
+        entry(path, "optimizer_states", [rank], partition_locators(path, rank, stage, states))
+        for rank, path in sorted(shards.optim_files.items())
+    ]
     files += [entry(path, "other", [], []) for path in shards.other_files]
     return files

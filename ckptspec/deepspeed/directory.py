@@ -22,26 +22,42 @@ def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Pa
     if tag is not None:
         tag_dir = root / tag
         if not tag_dir.is_dir():
-            raise InvalidCheckpoint("CK201", f"tag {tag!r} has no directory", "list the save directory for the tags it holds", str(root))
+            raise InvalidCheckpoint(
+                "CK201", f"tag {tag!r} has no directory", "list the save directory for the tags it holds", str(root)
+            )
         return tag_dir
     if any(MODEL_RE.match(p.name) or OPTIM_RE.match(p.name) for p in root.iterdir()):
         return root
     latest = root / "latest"
     if not latest.is_file():
-        raise InvalidCheckpoint("CK201", "no 'latest' file and no model or optimizer states here",
-                            "pass --tag TAG, or the tag directory itself", str(root))
+        raise InvalidCheckpoint(
+            "CK201",
+            "no 'latest' file and no model or optimizer states here",
+            "pass --tag TAG, or the tag directory itself",
+            str(root),
+        )
     if latest.stat().st_size > MAX_TAG_BYTES:
-        raise InvalidCheckpoint("CK201", "'latest' is too large to hold a tag", "write the tag name into 'latest'", str(latest))
+        raise InvalidCheckpoint(
+            "CK201", "'latest' is too large to hold a tag", "write the tag name into 'latest'", str(latest)
+        )
     try:
         name = latest.read_text("utf-8").strip()
     except (UnicodeDecodeError, OSError) as exc:
-        raise InvalidCheckpoint("CK201", f"'latest' cannot be read: {exc}", "write the tag name into 'latest'", str(latest)) from None
+        raise InvalidCheckpoint(
+            "CK201", f"'latest' cannot be read: {exc}", "write the tag name into 'latest'", str(latest)
+        ) from None
     if not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise InvalidCheckpoint("CK201", f"'latest' names {name!r}, which is not a tag", "write the tag name into 'latest'", str(latest))
+        raise InvalidCheckpoint(
+            "CK201", f"'latest' names {name!r}, which is not a tag", "write the tag name into 'latest'", str(latest)
+        )
     tag_dir = root / name
     if not tag_dir.is_dir():
-        raise InvalidCheckpoint("CK201", f"'latest' names tag {name!r}, which has no directory",
-                            "point 'latest' at a saved tag, or pass --tag", str(latest))
+        raise InvalidCheckpoint(
+            "CK201",
+            f"'latest' names tag {name!r}, which has no directory",
+            "point 'latest' at a saved tag, or pass --tag",
+            str(latest),
+        )
     return tag_dir
 
 
@@ -62,19 +78,35 @@ def scan_tag_dir(tag_dir: Path) -> ShardSet:
             continue
         name = path.name
         if EXPERT_RE.match(name):
-            raise UnsupportedCheckpoint(f"MoE expert file {name}", "MoE checkpoints are not described by format 1.0", str(path))
+            raise UnsupportedCheckpoint(
+                f"MoE expert file {name}", "MoE checkpoints are not described by format 1.0", str(path)
+            )
         if PIPE_LAYER_RE.match(name):
-            raise UnsupportedCheckpoint(f"pipeline layer file {name}", "pipeline-parallel checkpoints are not described by format 1.0", str(path))
-        if (m := OPTIM_RE.match(name)):
+            raise UnsupportedCheckpoint(
+                f"pipeline layer file {name}",
+                "pipeline-parallel checkpoints are not described by format 1.0",
+                str(path),
+            )
+        if m := OPTIM_RE.match(name):
             if int(m.group(2)) != 0:
-                raise UnsupportedCheckpoint(f"model-parallel rank {int(m.group(2))} in {name}", "tensor/pipeline parallelism is not described by format 1.0", str(path))
+                raise UnsupportedCheckpoint(
+                    f"model-parallel rank {int(m.group(2))} in {name}",
+                    "tensor/pipeline parallelism is not described by format 1.0",
+                    str(path),
+                )
             shards.optim_files[int(m.group(1))] = path
-        elif (m := MODEL_RE.match(name)):
+        elif m := MODEL_RE.match(name):
             if int(m.group(2)) != 0:
-                raise UnsupportedCheckpoint(f"model-parallel rank {int(m.group(2))} in {name}", "tensor/pipeline parallelism is not described by format 1.0", str(path))
+                raise UnsupportedCheckpoint(
+                    f"model-parallel rank {int(m.group(2))} in {name}",
+                    "tensor/pipeline parallelism is not described by format 1.0",
+                    str(path),
+                )
             shards.model_files[int(m.group(1) or 0)] = path
         elif not name.startswith("ckptspec."):  # ckptspec's own files (the sidecar) describe the others
             shards.other_files.append(path)
     if not shards.model_files:
-        raise InvalidCheckpoint("CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir))
+        raise InvalidCheckpoint(
+            "CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir)
+        )
     return shards

@@ -13,8 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.embedded import (
-    CLIENT_STATE_KEY, NOT_LAYOUT, EmbeddedCopy, agreement_findings, as_document, client_state_value, copies_in_file,
-    find_sidecars, first_difference, read_client_state_copy, read_safetensors_copy, write_sidecar,
+    CLIENT_STATE_KEY,
+    NOT_LAYOUT,
+    EmbeddedCopy,
+    agreement_findings,
+    as_document,
+    client_state_value,
+    copies_in_file,
+    find_sidecars,
+    first_difference,
+    read_client_state_copy,
+    read_safetensors_copy,
+    write_sidecar,
 )
 from ..checkpoint.pt_rewrite import rewrite_pt_with_item
 from ..checkpoint.states import StateCache
@@ -28,8 +38,12 @@ from .directory import resolve_tag_dir, scan_tag_dir
 from .names import MODEL_RE, file_order, role_of
 
 
-def copies_in_dir(directory: str | os.PathLike, tag: str | None = None,
-                  errors: list[CkptspecError] | None = None, states: StateCache | None = None) -> list[EmbeddedCopy]:
+def copies_in_dir(
+    directory: str | os.PathLike,
+    tag: str | None = None,
+    errors: list[CkptspecError] | None = None,
+    states: StateCache | None = None,
+) -> list[EmbeddedCopy]:
     """Every manifest copy of a checkpoint directory (or of a directory of safetensors files).
 
     A DeepSpeed save or tag directory: its sidecar(s) and each model-states file's client
@@ -45,15 +59,18 @@ def copies_in_dir(directory: str | os.PathLike, tag: str | None = None,
             raise
         tag_dir = None
     where = tag_dir or root
-    candidates: list[tuple[Path, Any]] = [(p, lambda p: [EmbeddedCopy(str(p), "sidecar", load_document(p))])
-                                          for p in find_sidecars(where)]
+    candidates: list[tuple[Path, Any]] = [
+        (p, lambda p: [EmbeddedCopy(str(p), "sidecar", load_document(p))]) for p in find_sidecars(where)
+    ]
     if tag_dir is not None:
         models = [p for p in tag_dir.iterdir() if p.is_file() and MODEL_RE.match(p.name)]
         models.sort(key=lambda p: file_order(*role_of(p.name), p.name))
         cache = states if states is not None else StateCache()
         candidates += [(p, lambda p: [c for c in [read_client_state_copy(p, cache.state(p))] if c]) for p in models]
     else:
-        candidates += [(p, lambda p: [c for c in [read_safetensors_copy(p)] if c]) for p in sorted(root.glob("*.safetensors"))]
+        candidates += [
+            (p, lambda p: [c for c in [read_safetensors_copy(p)] if c]) for p in sorted(root.glob("*.safetensors"))
+        ]
     copies: list[EmbeddedCopy] = []
     for path, read in candidates:
         try:
@@ -72,17 +89,19 @@ def find_copies(target: str | os.PathLike, tag: str | None = None) -> list[Embed
     return copies_in_dir(p, tag) if p.is_dir() else copies_in_file(p)
 
 
-def embedded_findings(checkpoint: str | os.PathLike, tag: str | None = None,
-                      states: StateCache | None = None) -> list[Finding]:
+def embedded_findings(
+    checkpoint: str | os.PathLike, tag: str | None = None, states: StateCache | None = None
+) -> list[Finding]:
     """For validation: CK302 for an embedded copy that cannot be read, CK301 for copies that disagree.
 
     Files that cannot be read at all (CK204, CK205, CK9xx) are skipped: the shard checks
     report them. ``states`` as for ``copies_in_dir``.
     """
     errors: list[CkptspecError] = []
-    copies = copies_in_dir(checkpoint, tag, errors, states) if Path(checkpoint).is_dir() else find_copies(checkpoint, tag)
-    findings = [finding(e.code, "$", e.message, e.hint, file=e.file)
-                for e in errors if e.code == "CK302"]
+    copies = (
+        copies_in_dir(checkpoint, tag, errors, states) if Path(checkpoint).is_dir() else find_copies(checkpoint, tag)
+    )
+    findings = [finding(e.code, "$", e.message, e.hint, file=e.file) for e in errors if e.code == "CK302"]
     return findings + agreement_findings(copies)
 
 
@@ -93,9 +112,15 @@ class EmbedResult:
     model_states: list[Path]  # files whose client state now holds the layout manifest
 
 
-def embed_checkpoint(checkpoint: str | os.PathLike, manifest: Manifest | dict | None = None, *, tag: str | None = None,
-                     hash_algorithm: str | None = "sha256", encoding: Encoding = "json",
-                     model_states: bool = True) -> EmbedResult:
+def embed_checkpoint(
+    checkpoint: str | os.PathLike,
+    manifest: Manifest | dict | None = None,
+    *,
+    tag: str | None = None,
+    hash_algorithm: str | None = "sha256",
+    encoding: Encoding = "json",
+    model_states: bool = True,
+) -> EmbedResult:
     """Add a manifest to an existing DeepSpeed checkpoint: model-states client state, then the sidecar.
 
     ``manifest`` (valid, already checked by the caller) is used when given; it must describe
@@ -117,7 +142,9 @@ def embed_checkpoint(checkpoint: str | os.PathLike, manifest: Manifest | dict | 
         disagree = agreement_findings(embedded)
         if disagree:
             first = disagree[0]
-            raise EmbedError("CK301", f"{Path(first.file).name}: {first.path}: {first.message}", first.hint, str(tag_dir))
+            raise EmbedError(
+                "CK301", f"{Path(first.file).name}: {first.path}: {first.message}", first.hint, str(tag_dir)
+            )
         if embedded:
             manifest = embedded[0].document
     if manifest is None:
@@ -126,20 +153,31 @@ def embed_checkpoint(checkpoint: str | os.PathLike, manifest: Manifest | dict | 
         doc = as_document(manifest)
         # The directory cannot know the names exclude_frozen_parameters dropped, nor who produced it.
         ignore = NOT_LAYOUT + ("excluded",)
-        diff = first_difference({k: v for k, v in derived.items() if k not in ignore},
-                                {k: v for k, v in doc.items() if k not in ignore}, lenient=True)
+        diff = first_difference(
+            {k: v for k, v in derived.items() if k not in ignore},
+            {k: v for k, v in doc.items() if k not in ignore},
+            lenient=True,
+        )
         if diff:
             path, on_disk, given = diff
-            raise EmbedError("CK304", f"the manifest does not describe this checkpoint: at {path} the files say {on_disk}, "
-                             f"the manifest {given}", "embed the manifest of this checkpoint, or omit --manifest to generate it",
-                             str(tag_dir))
+            raise EmbedError(
+                "CK304",
+                f"the manifest does not describe this checkpoint: at {path} the files say {on_disk}, "
+                f"the manifest {given}",
+                "embed the manifest of this checkpoint, or omit --manifest to generate it",
+                str(tag_dir),
+            )
     written = []
     for sidecar in find_sidecars(tag_dir):
         try:
             sidecar.unlink()
         except OSError as exc:
-            raise CkptspecError("CK906", f"cannot replace the sidecar: {exc.strerror}",
-                                "check that the tag directory is writable", str(sidecar)) from None
+            raise CkptspecError(
+                "CK906",
+                f"cannot replace the sidecar: {exc.strerror}",
+                "check that the tag directory is writable",
+                str(sidecar),
+            ) from None
     if model_states:
         value = client_state_value(doc)
         for _, path in sorted(shards.model_files.items()):
@@ -153,9 +191,11 @@ def embed_checkpoint(checkpoint: str | os.PathLike, manifest: Manifest | dict | 
     report = validate_document(complete)
     if not report.ok:
         first = next(f for f in report.findings if f.severity == "error")
-        raise EmbedError("CK304", f"the completed manifest is not valid: {first.path}: {first.code} {first.message}",
-                         "check the manifest with `ckptspec validate`", str(tag_dir))
+        raise EmbedError(
+            "CK304",
+            f"the completed manifest is not valid: {first.path}: {first.code} {first.message}",
+            "check the manifest with `ckptspec validate`",
+            str(tag_dir),
+        )
     sidecar = write_sidecar(tag_dir, complete, encoding)
     return EmbedResult(complete, sidecar, written)
-
-

@@ -15,14 +15,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .._fs import write_atomic
 from .._version import __version__
 from ..checkpoint.embedded import CLIENT_STATE_KEY, SIDECAR_NAMES, client_state_value, write_sidecar
 from ..checkpoint.states import StateCache
 from ..errors import EngineLayoutMismatch, InvalidManifest, UnsupportedEngine
-from .._fs import write_atomic
-from ..format.validate import validate_document
-from ..format.version import FORMAT_NAME, FORMAT_VERSION
-from ..format.partition import ParamSpec, flat_group, per_param_group
+from ..format.dtypes import dtype_name
 from ..format.models import (
     Alias,
     Buffer,
@@ -34,7 +32,9 @@ from ..format.models import (
     Producer,
     ShardFile,
 )
-from ..format.dtypes import dtype_name
+from ..format.partition import ParamSpec, flat_group, per_param_group
+from ..format.validate import validate_document
+from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from .describe import describe_files
 from .directory import ShardSet, scan_tag_dir
 from .names import file_order
@@ -68,8 +68,9 @@ def _live_paddings(params, flat) -> list[int]:
 def _check_padded_numel(group: Group, i: int, flat) -> None:
     """Cross-check with the optimizer's own numbers: the computed group fills its live flat buffer."""
     if group.padded_numel != flat.numel():
-        raise EngineLayoutMismatch(f"group {i}: computed padded numel {group.padded_numel}, "
-                                   f"live flat buffer has {flat.numel()}")
+        raise EngineLayoutMismatch(
+            f"group {i}: computed padded numel {group.padded_numel}, live flat buffer has {flat.numel()}"
+        )
 
 
 def _flat_groups_stage12(engine, names) -> list[Group]:
@@ -77,14 +78,22 @@ def _flat_groups_stage12(engine, names) -> list[Group]:
     groups = []
     for i, params in enumerate(opt.round_robin_bit16_groups):
         count = opt.partition_count[i]
-        paddings = (opt.round_robin_bit16_padding[i] if hasattr(opt, "round_robin_bit16_padding")
-                    else _live_paddings(params, opt.bit16_groups_flat[i]))
+        paddings = (
+            opt.round_robin_bit16_padding[i]
+            if hasattr(opt, "round_robin_bit16_padding")
+            else _live_paddings(params, opt.bit16_groups_flat[i])
+        )
         group = flat_group(
-            [_spec(p, names) for p in params], optimizer_group=i, partition_count=count,
-            zero_stage=engine.zero_optimization_stage(), paddings=paddings,
+            [_spec(p, names) for p in params],
+            optimizer_group=i,
+            partition_count=count,
+            zero_stage=engine.zero_optimization_stage(),
+            paddings=paddings,
         )
         _check_padded_numel(group, i, opt.bit16_groups_flat[i])
-        if hasattr(opt, "round_robin_bit16_offsets") and [p.offset for p in group.params] != list(opt.round_robin_bit16_offsets[i]):
+        if hasattr(opt, "round_robin_bit16_offsets") and [p.offset for p in group.params] != list(
+            opt.round_robin_bit16_offsets[i]
+        ):
             raise EngineLayoutMismatch(f"group {i}: computed offsets differ from the live optimizer's")
         groups.append(group)
     return groups
@@ -96,8 +105,11 @@ def _flat_groups_bf16_optimizer(engine, names) -> list[Group]:
     groups = []
     for i, params in enumerate(opt.bf16_groups):
         group = flat_group(
-            [_spec(p, names) for p in params], optimizer_group=i, partition_count=opt.partition_count[i],
-            zero_stage=1, tail_padding_saved=True,
+            [_spec(p, names) for p in params],
+            optimizer_group=i,
+            partition_count=opt.partition_count[i],
+            zero_stage=1,
+            tail_padding_saved=True,
         )
         _check_padded_numel(group, i, opt.bf16_groups_flat[i])
         groups.append(group)
@@ -109,12 +121,17 @@ def _per_param_groups_stage3(engine, names) -> list[Group]:
     groups = []
     for j, sub_group in enumerate(opt.fp16_groups):
         group = per_param_group(
-            [_spec(p, names) for p in sub_group], optimizer_group=int(opt.sub_group_to_group_id[j]),
-            partition_count=opt.sub_group_partition_counts[j] if hasattr(opt, "sub_group_partition_counts") else engine.dp_world_size,
+            [_spec(p, names) for p in sub_group],
+            optimizer_group=int(opt.sub_group_to_group_id[j]),
+            partition_count=opt.sub_group_partition_counts[j]
+            if hasattr(opt, "sub_group_partition_counts")
+            else engine.dp_world_size,
         )
         if group.partition_numel != int(opt.fp16_partitioned_groups_flat_numel[j]):
-            raise EngineLayoutMismatch(f"sub-group {j}: computed partition numel {group.partition_numel}, "
-                                 f"live optimizer has {opt.fp16_partitioned_groups_flat_numel[j]}")
+            raise EngineLayoutMismatch(
+                f"sub-group {j}: computed partition numel {group.partition_numel}, "
+                f"live optimizer has {opt.fp16_partitioned_groups_flat_numel[j]}"
+            )
         groups.append(group)
     return groups
 
@@ -134,8 +151,11 @@ def _frozen(engine, names, trainable: set[str], stage: int, excluded: bool) -> l
             continue
         seen.add(id(param))
         shape = _shape(param)
-        frozen.append(FrozenParam(name=name, shape=list(shape), numel=math.prod(shape),
-                                  dtype=dtype_name(param.dtype), stored_in=stored_in))
+        frozen.append(
+            FrozenParam(
+                name=name, shape=list(shape), numel=math.prod(shape), dtype=dtype_name(param.dtype), stored_in=stored_in
+            )
+        )
     return frozen
 
 
@@ -161,8 +181,11 @@ def _aliases(engine, shapes: dict[str, tuple[int, ...]]) -> list[Alias]:
 
 def _buffers(engine) -> list[Buffer]:
     persistent = set(engine._get_buffer_names())
-    return [Buffer(name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
-            for name, buf in engine.module.named_buffers() if name in persistent]
+    return [
+        Buffer(name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
+        for name, buf in engine.module.named_buffers()
+        if name in persistent
+    ]
 
 
 def _check_supported(engine) -> None:
@@ -204,30 +227,50 @@ def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> 
     frozen_stage = 1 if _is_bf16_optimizer(opt) else stage
     aliases = _aliases(engine, shapes)
     alias_names = {a.name for a in aliases}
-    frozen = [f for f in _frozen(engine, names, trainable, frozen_stage, exclude_frozen_parameters) if f.name not in alias_names]
+    frozen = [
+        f
+        for f in _frozen(engine, names, trainable, frozen_stage, exclude_frozen_parameters)
+        if f.name not in alias_names
+    ]
     excluded = []
     if exclude_frozen_parameters:
-        excluded = [ExcludedParam(name=names[id(p)], reason="exclude_frozen_parameters")
-                    for p in engine.module.parameters() if names[id(p)] not in trainable]
+        excluded = [
+            ExcludedParam(name=names[id(p)], reason="exclude_frozen_parameters")
+            for p in engine.module.parameters()
+            if names[id(p)] not in trainable
+        ]
     model_dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
     master = _master_dtype(engine, stage)
     zero_cfg = engine._config.zero_config
     layout = Layout(
-        zero_stage=stage, world_size=engine.dp_world_size, tensor_parallel_size=1, pipeline_parallel_size=1,
-        model_parallel_size=engine.mp_world_size, model_dtype=model_dtype, master_dtype=master,
+        zero_stage=stage,
+        world_size=engine.dp_world_size,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        model_parallel_size=engine.mp_world_size,
+        model_dtype=model_dtype,
+        master_dtype=master,
         round_robin=bool(getattr(opt, "round_robin_gradients", False)),
         parameter_alignment=bool(getattr(opt, "parameter_alignment", False)),
-        tail_padding_saved=_is_bf16_optimizer(opt), optimizer=type(opt).__name__,
+        tail_padding_saved=_is_bf16_optimizer(opt),
+        optimizer=type(opt).__name__,
         exclude_frozen_parameters=exclude_frozen_parameters,
     )
     if stage == 3:
         layout.sub_group_size = int(zero_cfg.sub_group_size)
     return Manifest(
-        format=FORMAT_NAME, format_version=FORMAT_VERSION,
-        producer=Producer(tool="ckptspec", tool_version=__version__, framework="deepspeed",
-                          framework_version=deepspeed.__version__),
-        layout=layout, groups=groups, frozen=frozen, buffers=_buffers(engine), aliases=aliases,
-        excluded=excluded, files=[],
+        format=FORMAT_NAME,
+        format_version=FORMAT_VERSION,
+        producer=Producer(
+            tool="ckptspec", tool_version=__version__, framework="deepspeed", framework_version=deepspeed.__version__
+        ),
+        layout=layout,
+        groups=groups,
+        frozen=frozen,
+        buffers=_buffers(engine),
+        aliases=aliases,
+        excluded=excluded,
+        files=[],
     )
 
 
@@ -235,13 +278,24 @@ def _master_dtype(engine, stage: int) -> str:
     opt = engine.optimizer
     if stage == 3:
         return dtype_name(opt.fp32_partitioned_groups_flat[0].dtype)
-    return dtype_name(opt.single_partition_of_fp32_groups[0].dtype) if hasattr(opt, "single_partition_of_fp32_groups") \
+    return (
+        dtype_name(opt.single_partition_of_fp32_groups[0].dtype)
+        if hasattr(opt, "single_partition_of_fp32_groups")
         else dtype_name(opt.fp32_groups_flat_partition[0].dtype)
+    )
 
 
-
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *, save_latest: bool = True,
-                    exclude_frozen_parameters: bool = False, sidecar_encoding: str = "json") -> Manifest:
+def save_checkpoint(
+    engine,
+    save_dir,
+    tag=None,
+    client_state=None,
+    hash=True,
+    *,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+    sidecar_encoding: str = "json",
+) -> Manifest:
     """``engine.save_checkpoint`` plus the manifest, embedded where it travels with the files.
 
     Call it on every rank, exactly where ``engine.save_checkpoint`` would be called. It:
@@ -278,8 +332,10 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *,
 
     checkpoint_engine = getattr(engine, "checkpoint_engine", None)
     if checkpoint_engine is not None and getattr(checkpoint_engine, "is_decoupled", lambda: False)():
-        raise UnsupportedEngine("a decoupled checkpoint engine writes files after save_checkpoint returns; "
-                                "ckptspec cannot describe them then")
+        raise UnsupportedEngine(
+            "a decoupled checkpoint engine writes files after save_checkpoint returns; "
+            "ckptspec cannot describe them then"
+        )
     if sidecar_encoding not in ("json", "msgpack"):
         raise ValueError(f"sidecar_encoding must be 'json' or 'msgpack', not {sidecar_encoding!r}")
     layout = manifest_from_engine(engine, exclude_frozen_parameters=exclude_frozen_parameters)
@@ -288,8 +344,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, hash=True, *,
         raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for the ckptspec manifest")
     state[CLIENT_STATE_KEY] = client_state_value(layout)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default tag
-    engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
-                           exclude_frozen_parameters=exclude_frozen_parameters)
+    engine.save_checkpoint(
+        save_dir, tag=tag, client_state=state, save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters
+    )
 
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -337,5 +394,6 @@ def _describe_own_files(tag_dir: Path, rank: int, stage: int, hash_algorithm: st
     own.model_files = {r: p for r, p in every.model_files.items() if r == rank}
     own.optim_files = {r: p for r, p in every.optim_files.items() if r == rank}
     own.other_files = list(every.other_files) if rank == 0 else []
-    return [f.model_dump(mode="json", exclude_unset=True) for f in describe_files(own, stage, hash_algorithm, StateCache())]
-
+    return [
+        f.model_dump(mode="json", exclude_unset=True) for f in describe_files(own, stage, hash_algorithm, StateCache())
+    ]

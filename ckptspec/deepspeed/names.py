@@ -12,8 +12,8 @@ MoE expert files and pipeline layer files are recognized only to be refused.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import PurePosixPath
-from typing import Iterable
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")

@@ -50,8 +50,9 @@ class Chosen:
         return self.manifest is not None and (self.source == "generated" or not has_errors(self.findings))
 
 
-def choose_manifest(tag_dir: Path, manifest: Manifest | Report | None = None, *,
-                    states: StateCache | None = None) -> Chosen:
+def choose_manifest(
+    tag_dir: Path, manifest: Manifest | Report | None = None, *, states: StateCache | None = None
+) -> Chosen:
     """Which manifest describes ``tag_dir``, validated exactly once.
 
     ``manifest``: a ``Manifest`` (validated here) or the ``Report`` of one the caller
@@ -84,9 +85,14 @@ def choose_manifest(tag_dir: Path, manifest: Manifest | Report | None = None, *,
     return chosen
 
 
-def validate_checkpoint(checkpoint_dir: str | os.PathLike, manifest: Manifest | Report | str | os.PathLike | None = None,
-                        tag: str | None = None, *, verify_hashes: bool = True,
-                        states: StateCache | None = None) -> tuple[Manifest | None, list[Finding]]:
+def validate_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    manifest: Manifest | Report | str | os.PathLike | None = None,
+    tag: str | None = None,
+    *,
+    verify_hashes: bool = True,
+    states: StateCache | None = None,
+) -> tuple[Manifest | None, list[Finding]]:
     """Validate a DeepSpeed checkpoint directory: the whole flow.
 
     Resolves the tag (``tag``, else ``latest``, else the directory itself), takes
@@ -112,8 +118,7 @@ def validate_checkpoint(checkpoint_dir: str | os.PathLike, manifest: Manifest | 
         findings = [f if f.file is not None else dataclasses.replace(f, file=chosen.sidecar.name) for f in findings]
     if not chosen.checkable:
         return chosen.manifest, findings
-    findings = findings + check_checkpoint(chosen.manifest, tag_dir, verify_hashes=verify_hashes,
-                                                  states=chosen.states)
+    findings = findings + check_checkpoint(chosen.manifest, tag_dir, verify_hashes=verify_hashes, states=chosen.states)
     # Copies embedded in the model states (client_state) must agree with each other and the sidecar.
     findings += embedded_findings(tag_dir, states=chosen.states)
     return chosen.manifest, findings
@@ -130,8 +135,10 @@ def describe_tolerantly(tag_dir: Path, states: StateCache) -> tuple[Manifest | N
     shards = scan_tag_dir(tag_dir)  # raises CK202 / CK203
     readable = ShardSet(tag_dir, other_files=list(shards.other_files))
     unreadable: dict[str, Loaded] = {}
-    for role, mapping, target in (("model_states", shards.model_files, readable.model_files),
-                                  ("optimizer_states", shards.optim_files, readable.optim_files)):
+    for role, mapping, target in (
+        ("model_states", shards.model_files, readable.model_files),
+        ("optimizer_states", shards.optim_files, readable.optim_files),
+    ):
         for rank, path in mapping.items():
             loaded = states.load(path, members=role == "optimizer_states")
             if loaded.error is None:
@@ -147,16 +154,25 @@ def describe_tolerantly(tag_dir: Path, states: StateCache) -> tuple[Manifest | N
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as exc:
         rel = readable.model_files[min(readable.model_files)].relative_to(tag_dir).as_posix()
-        return None, read_findings + [finding(
-            "CK212", "$", f"cannot derive the layout from DeepSpeed's metadata ({type(exc).__name__}: {str(exc)[:200]})",
-            "the model or optimizer states are corrupt; restore the files of one save", file=rel, rank=rank_of(rel))]
+        return None, read_findings + [
+            finding(
+                "CK212",
+                "$",
+                f"cannot derive the layout from DeepSpeed's metadata ({type(exc).__name__}: {str(exc)[:200]})",
+                "the model or optimizer states are corrupt; restore the files of one save",
+                file=rel,
+                rank=rank_of(rel),
+            )
+        ]
     ws, stage = manifest.layout.world_size, manifest.layout.zero_stage
     kept = []
     for entry in manifest.files:
         if entry.role == "optimizer_states" and entry.ranks[0] >= ws:
             continue
-        if entry.role == "model_states" and (entry.ranks[0] >= (ws if stage == 3 else 1)
-                                             or (stage == 3) != Path(entry.path).name.startswith("zero_pp_rank_")):
+        if entry.role == "model_states" and (
+            entry.ranks[0] >= (ws if stage == 3 else 1)
+            or (stage == 3) != Path(entry.path).name.startswith("zero_pp_rank_")
+        ):
             continue
         kept.append(entry)
     for rel in unreadable:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..checkpoint.states import StateCache
 from ..deepspeed.validate import validate_checkpoint
@@ -24,11 +25,19 @@ from ..format.models import Manifest
 from ..format.validate import Report
 from .arrays import ShardReader, read_array
 from .plan import ReconstructionPlan, plan_reconstruction
-from .writers import DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, WriteResult, to_torch, write_consolidated
+from .writers import (
+    DEFAULT_MAX_SHARD_SIZE,
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SINGLE,
+    WriteResult,
+    to_torch,
+    write_consolidated,
+)
 
 
-def validated_plan(checkpoint: str | os.PathLike, manifest: Manifest | Report | str | os.PathLike | None = None,
-                   tag: str | None = None) -> ReconstructionPlan:
+def validated_plan(
+    checkpoint: str | os.PathLike, manifest: Manifest | Report | str | os.PathLike | None = None, tag: str | None = None
+) -> ReconstructionPlan:
     """Validate the checkpoint (against ``manifest``: a model, the report of a validated one, or a
     file), then plan from the files validation read. Raises ``CheckpointInvalid`` with the findings."""
     states = StateCache()
@@ -38,8 +47,14 @@ def validated_plan(checkpoint: str | os.PathLike, manifest: Manifest | Report | 
     return plan_reconstruction(checkpoint, found, tag, states=states)
 
 
-def load_state_dict(checkpoint: str | os.PathLike, framework: str = "torch", *, dtype: Any = "fp32",
-                    manifest: Manifest | str | os.PathLike | None = None, tag: str | None = None) -> dict[str, Any]:
+def load_state_dict(
+    checkpoint: str | os.PathLike,
+    framework: str = "torch",
+    *,
+    dtype: Any = "fp32",
+    manifest: Manifest | str | os.PathLike | None = None,
+    tag: str | None = None,
+) -> dict[str, Any]:
     """The full state dict of a ZeRO checkpoint: trainable (fp32 masters), frozen, buffers, aliases.
 
     Validates the checkpoint first (raises ``CheckpointInvalid`` with the findings).
@@ -72,14 +87,23 @@ def load_state_dict(checkpoint: str | os.PathLike, framework: str = "torch", *, 
     return {name: out[plan.aliases.get(name, name)] for name in plan.order}
 
 
-def reconstruct(checkpoint: str | os.PathLike, output_dir: str | os.PathLike, *,
-                manifest: Manifest | str | os.PathLike | None = None,
-                tag: str | None = None, dtype: str = "fp32", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                fmt: str = "safetensors", untie: bool = False, progress: Callable[[int], None] | None = None) -> WriteResult:
+def reconstruct(
+    checkpoint: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    manifest: Manifest | str | os.PathLike | None = None,
+    tag: str | None = None,
+    dtype: str = "fp32",
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    fmt: str = "safetensors",
+    untie: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> WriteResult:
     """Validate, then write the consolidated weights to ``output_dir`` (see ``write_consolidated``)."""
     plan = validated_plan(checkpoint, manifest, tag)
-    return write_consolidated(plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt,
-                              untie=untie, progress=progress)
+    return write_consolidated(
+        plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt, untie=untie, progress=progress
+    )
 
 
 def load_consolidated(output_dir: str | os.PathLike, framework: str = "torch") -> dict[str, Any]:
@@ -92,7 +116,11 @@ def load_consolidated(output_dir: str | os.PathLike, framework: str = "torch") -
 
     out = Path(output_dir)
     index = out / SAFETENSORS_INDEX
-    files = sorted(set(json.loads(index.read_text("utf-8"))["weight_map"].values())) if index.exists() else [SAFETENSORS_SINGLE]
+    files = (
+        sorted(set(json.loads(index.read_text("utf-8"))["weight_map"].values()))
+        if index.exists()
+        else [SAFETENSORS_SINGLE]
+    )
     state: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     for filename in files:

@@ -29,12 +29,25 @@ def _np():
 
 def _np_dtype(dtype: str):
     np = _np()
-    table = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
-             "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
-             "bool": np.bool_, "complex64": np.complex64, "complex128": np.complex128}
+    table = {
+        "float64": np.float64,
+        "float32": np.float32,
+        "float16": np.float16,
+        "bfloat16": np.uint16,
+        "int64": np.int64,
+        "int32": np.int32,
+        "int16": np.int16,
+        "int8": np.int8,
+        "uint8": np.uint8,
+        "bool": np.bool_,
+        "complex64": np.complex64,
+        "complex128": np.complex128,
+    }
     if dtype not in table:
-        raise ReconstructUnsupported(f"tensors of dtype {dtype} cannot be converted without torch",
-                           "use --dtype matching the stored dtype, or a float, integer or bool dtype")
+        raise ReconstructUnsupported(
+            f"tensors of dtype {dtype} cannot be converted without torch",
+            "use --dtype matching the stored dtype, or a float, integer or bool dtype",
+        )
     return np.dtype(table[dtype]).newbyteorder("<")
 
 
@@ -80,15 +93,19 @@ class ShardReader:
             try:
                 self._fds[path] = os.open(path, os.O_RDONLY)
             except OSError as exc:
-                raise CkptspecError("CK901", f"cannot read: {exc.strerror}", "check the file exists and is readable", str(path)) from None
+                raise CkptspecError(
+                    "CK901", f"cannot read: {exc.strerror}", "check the file exists and is readable", str(path)
+                ) from None
         return self._fds[path]
 
     def read_into(self, segment: Segment, out: memoryview) -> None:
         fd, done = self.fd(segment.path), 0
         while done < segment.nbytes:
-            n = os.preadv(fd, [out[done:segment.nbytes]], segment.offset + done)
+            n = os.preadv(fd, [out[done : segment.nbytes]], segment.offset + done)
             if n <= 0:
-                raise unreadable(TruncatedFile(segment.path, f"file ends before byte {segment.offset + segment.nbytes}"))
+                raise unreadable(
+                    TruncatedFile(segment.path, f"file ends before byte {segment.offset + segment.nbytes}")
+                )
             done += n
 
     def close(self) -> None:
@@ -96,7 +113,7 @@ class ShardReader:
             os.close(fd)
         self._fds.clear()
 
-    def __enter__(self) -> "ShardReader":
+    def __enter__(self) -> ShardReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -109,7 +126,7 @@ def read_array(source: TensorSource, dtype: str, files: ShardReader):
     raw = np.empty(source.numel, dtype=_np_dtype(source.dtype))
     view, pos = memoryview(raw).cast("B"), 0
     for segment in source.segments:
-        files.read_into(segment, view[pos:pos + segment.nbytes])
+        files.read_into(segment, view[pos : pos + segment.nbytes])
         pos += segment.nbytes
     return convert(raw, source.dtype, dtype).reshape(source.shape)
 

@@ -112,8 +112,9 @@ def manifest_digest(manifest: Manifest) -> str:
     return hashlib.sha256(dumps(manifest)).hexdigest()
 
 
-def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: str | None = None, *,
-                        states: StateCache | None = None) -> ReconstructionPlan:
+def plan_reconstruction(
+    checkpoint: str | os.PathLike, manifest: Manifest, tag: str | None = None, *, states: StateCache | None = None
+) -> ReconstructionPlan:
     """Byte ranges of every output tensor. Reads only zip directories and ``data.pkl`` records.
 
     ``states``: the files validation already read (``validate_checkpoint(..., states=)``);
@@ -135,8 +136,9 @@ def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: 
         group_dtype = None  # one scan of the locators per group, not one per param
         for param in group.params:
             group_dtype = group_dtype or _group_dtype(locators, g, param.name)
-            sources[param.name] = TensorSource(param.name, tuple(param.shape), group_dtype,
-                                               _param_segments(group, g, param, locators), "trainable")
+            sources[param.name] = TensorSource(
+                param.name, tuple(param.shape), group_dtype, _param_segments(group, g, param, locators), "trainable"
+            )
 
     for frozen in manifest.frozen:
         if frozen.stored_in == "partitioned_fragments":
@@ -165,14 +167,21 @@ def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: 
         ref = _tensor(metadata(path), "module", buffer.name, path)
         if ref.dtype != buffer.dtype:
             raise ReconstructMismatch(f"buffer {buffer.name!r} is {ref.dtype}, the manifest says {buffer.dtype}", path)
-        sources[buffer.name] = TensorSource(buffer.name, tuple(buffer.shape), ref.dtype,
-                                            _ref_segments(ref, path, members(path), math.prod(buffer.shape), buffer.name), "buffer")
+        sources[buffer.name] = TensorSource(
+            buffer.name,
+            tuple(buffer.shape),
+            ref.dtype,
+            _ref_segments(ref, path, members(path), math.prod(buffer.shape), buffer.name),
+            "buffer",
+        )
 
     aliases = {a.name: a.owner for a in manifest.aliases}
     for alias in manifest.aliases:
         owner = sources.get(alias.owner)
         if owner is None or list(owner.shape) != list(alias.shape):
-            raise ReconstructMismatch(f"alias {alias.name!r} has no owner {alias.owner!r} of shape {list(alias.shape)}", tag_dir)
+            raise ReconstructMismatch(
+                f"alias {alias.name!r} has no owner {alias.owner!r} of shape {list(alias.shape)}", tag_dir
+            )
 
     in_module = [name for name in module if name in sources or name in aliases]
     seen = set(in_module)
@@ -183,14 +192,21 @@ def plan_reconstruction(checkpoint: str | os.PathLike, manifest: Manifest, tag: 
 def _inside(tag_dir: Path, relative: str) -> Path:
     path = (tag_dir / relative).resolve()
     if not path.is_relative_to(tag_dir.resolve()):
-        raise InvalidCheckpoint("CK113", f"file path {relative!r} leaves the checkpoint directory",
-                                "use paths relative to the tag directory", relative)
+        raise InvalidCheckpoint(
+            "CK113",
+            f"file path {relative!r} leaves the checkpoint directory",
+            "use paths relative to the tag directory",
+            relative,
+        )
     return path
 
 
 def _model_files(manifest: Manifest, tag_dir: Path) -> dict[int, Path]:
-    files = {shard.ranks[0] if shard.ranks else 0: _inside(tag_dir, shard.path)
-             for shard in manifest.files if shard.role == "model_states"}
+    files = {
+        shard.ranks[0] if shard.ranks else 0: _inside(tag_dir, shard.path)
+        for shard in manifest.files
+        if shard.role == "model_states"
+    }
     if not files:  # a manifest without files (e.g. from the live engine): find them on disk
         files = dict(scan_tag_dir(tag_dir).model_files)
     return files
@@ -198,8 +214,12 @@ def _model_files(manifest: Manifest, tag_dir: Path) -> dict[int, Path]:
 
 def _locators(manifest: Manifest, tag_dir: Path, states: StateCache) -> dict[tuple[int, int], tuple[Path, Any]]:
     """(group, rank) -> (file, locator); from the manifest, or the optimizer files when it has none."""
-    found = {(loc.group, loc.rank): (_inside(tag_dir, shard.path), loc)
-             for shard in manifest.files if shard.role == "optimizer_states" for loc in shard.partitions}
+    found = {
+        (loc.group, loc.rank): (_inside(tag_dir, shard.path), loc)
+        for shard in manifest.files
+        if shard.role == "optimizer_states"
+        for loc in shard.partitions
+    }
     needed = {(g, r) for g, group in enumerate(manifest.groups) for r in range(group.partition_count)}
     if needed - found.keys():
         for rank, path in scan_tag_dir(tag_dir).optim_files.items():
@@ -223,8 +243,11 @@ def _locator_segment(path: Path, loc, start: int, count: int) -> Segment:
     """``count`` elements from element ``start`` of the locator's partition."""
     item = ITEMSIZE[loc.dtype]
     if start < 0 or start + count > loc.numel:
-        raise ReconstructMismatch(f"elements [{start}, {start + count}) fall outside rank {loc.rank}'s "
-                        f"{loc.numel}-element partition of group {loc.group}", path)
+        raise ReconstructMismatch(
+            f"elements [{start}, {start + count}) fall outside rank {loc.rank}'s "
+            f"{loc.numel}-element partition of group {loc.group}",
+            path,
+        )
     return Segment(path, loc.data_offset + (loc.element_offset + start) * item, count * item)
 
 
@@ -266,14 +289,18 @@ def _tensor(state: Any, holder: str, name: str, path: Path) -> TensorRef:
     return ref
 
 
-def _ref_segments(ref: TensorRef, path: Path, members: dict, numel: int, name: str, exact: bool = True) -> list[Segment]:
+def _ref_segments(
+    ref: TensorRef, path: Path, members: dict, numel: int, name: str, exact: bool = True
+) -> list[Segment]:
     """The ``numel`` elements of a contiguous tensor in a torch zip file (its first ``numel`` if not ``exact``)."""
     if (ref.numel != numel) if exact else (ref.numel < numel):
         raise ReconstructMismatch(f"{name!r} holds {ref.numel} elements, {numel} expected", path)
     if numel == 0:
         return []
     if not ref.is_contiguous():
-        raise ReconstructUnsupported(f"{name!r} is stored as a non-contiguous view", "save the model with contiguous tensors", path)
+        raise ReconstructUnsupported(
+            f"{name!r} is stored as a non-contiguous view", "save the model with contiguous tensors", path
+        )
     if ref.storage.member not in members:
         raise ReconstructMismatch(f"storage {ref.storage.member} of {name!r} is missing", path)
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 def progress_printer(total: int, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -15,7 +15,9 @@ def progress_printer(total: int, enabled: bool) -> tuple[Callable[[int], None], 
     except ImportError:
         tqdm = None
     if tqdm is not None:
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reconstruct", file=sys.stderr, leave=False)
+        bar = tqdm(
+            total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reconstruct", file=sys.stderr, leave=False
+        )
         return bar.update, bar.close
     state = {"done": 0, "shown": -1}
 

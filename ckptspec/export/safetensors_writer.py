@@ -19,9 +19,9 @@ import errno
 import json
 import os
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from .._fs import temp_file
 from ..errors import SafetensorsWriteError
@@ -29,9 +29,18 @@ from ..format.dtypes import ITEMSIZE
 
 # Manifest dtype name -> safetensors dtype code (safetensors 0.4+).
 SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
     "complex64": "C64",
 }
 _COPY_CHUNK = 64 << 20  # bytes per copy_file_range call
@@ -66,8 +75,11 @@ def build_header(entries: Sequence[TensorEntry], metadata: Mapping[str, str] | N
         if entry.name in header or entry.name == "__metadata__":
             raise SafetensorsWriteError(f"duplicate tensor name {entry.name!r}")
         end = offset + entry.nbytes
-        header[entry.name] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
-                              "data_offsets": [offset, end]}
+        header[entry.name] = {
+            "dtype": SAFETENSORS_DTYPES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, end],
+        }
         offset = end
     text = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -81,7 +93,9 @@ class SafetensorsWriter:
     written, fsyncs and closes ``tmp_path``; ``abort()`` removes it.
     """
 
-    def __init__(self, path: str | os.PathLike, entries: Sequence[TensorEntry], metadata: Mapping[str, str] | None = None):
+    def __init__(
+        self, path: str | os.PathLike, entries: Sequence[TensorEntry], metadata: Mapping[str, str] | None = None
+    ):
         self.path = Path(path)
         self.entries = list(entries)
         header = build_header(self.entries, metadata)
@@ -130,7 +144,14 @@ class SafetensorsWriter:
                 try:
                     n = os.copy_file_range(src_fd, self._fd, count, offset + done, self._pos)
                 except OSError as exc:
-                    if exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF):
+                    if exc.errno in (
+                        errno.EXDEV,
+                        errno.ENOSYS,
+                        errno.EINVAL,
+                        errno.EOPNOTSUPP,
+                        errno.EPERM,
+                        errno.EBADF,
+                    ):
                         use_kernel = False
                         continue
                     raise
@@ -169,7 +190,9 @@ class SafetensorsWriter:
         if self._index < 0:
             raise SafetensorsWriteError("write before begin()")
         if self._pos + nbytes > self._entry_end:
-            raise SafetensorsWriteError(f"{self.entries[self._index].name}: {self._pos + nbytes - self._entry_end} bytes too many")
+            raise SafetensorsWriteError(
+                f"{self.entries[self._index].name}: {self._pos + nbytes - self._entry_end} bytes too many"
+            )
 
     def _write_all(self, data) -> None:
         view = memoryview(data).cast("B")
@@ -177,4 +200,3 @@ class SafetensorsWriter:
             n = os.pwrite(self._fd, view, self._pos)
             self._pos += n
             view = view[n:]
-

@@ -11,9 +11,10 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .._fs import fsync_dir, new_file_mode, temp_file, write_atomic
 from ..errors import ReconstructUnsupported
@@ -67,9 +68,16 @@ class WriteResult:
     index: str | None
 
 
-def write_consolidated(plan: ReconstructionPlan, output_dir: str | os.PathLike, *, dtype: str = "fp32",
-                       max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, fmt: str = "safetensors", untie: bool = False,
-                       progress: Callable[[int], None] | None = None) -> WriteResult:
+def write_consolidated(
+    plan: ReconstructionPlan,
+    output_dir: str | os.PathLike,
+    *,
+    dtype: str = "fp32",
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    fmt: str = "safetensors",
+    untie: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> WriteResult:
     """Write the consolidated state dict; every file appears (by rename) only once all are complete."""
     dtype = output_dtype(dtype)
     if fmt not in ("safetensors", "torch"):
@@ -83,15 +91,19 @@ def write_consolidated(plan: ReconstructionPlan, output_dir: str | os.PathLike, 
     if fmt == "safetensors":
         for name in stored:
             if plan.output_dtype(name, dtype) not in SAFETENSORS_DTYPES:
-                raise ReconstructUnsupported(f"{name!r} has dtype {plan.output_dtype(name, dtype)}, which safetensors cannot hold",
-                                   "use --format torch")
+                raise ReconstructUnsupported(
+                    f"{name!r} has dtype {plan.output_dtype(name, dtype)}, which safetensors cannot hold",
+                    "use --format torch",
+                )
     groups = _split([(n, size_of[n]) for n in stored], max_shard_size)
     if fmt == "torch" and not untie:
         owner_shard = {n: i for i, names in enumerate(groups) for n in names}
         for alias in (n for n in plan.order if n in plan.aliases):
             groups[owner_shard[plan.aliases[alias]]].append(alias)
-    shards = [_Shard(name, names, sum(size_of[n] for n in names if untie or n not in plan.aliases))
-              for name, names in zip(_shard_names(len(groups), fmt), groups)]
+    shards = [
+        _Shard(name, names, sum(size_of[n] for n in names if untie or n not in plan.aliases))
+        for name, names in zip(_shard_names(len(groups), fmt), groups)
+    ]
     metadata = plan.metadata(dtype, untie)
     total = sum(s.nbytes for s in shards)
     index_name = None
@@ -142,7 +154,9 @@ def _remove_stale(out: Path, fmt: str, written: set[str], index_name: str | None
             path.unlink()
 
 
-def _write_safetensors_shard(plan, shard: _Shard, target: Path, dtype: str, metadata, files: ShardReader, progress) -> Path:
+def _write_safetensors_shard(
+    plan, shard: _Shard, target: Path, dtype: str, metadata, files: ShardReader, progress
+) -> Path:
     entries = []
     for name in shard.names:
         source = plan.sources[plan.aliases.get(name, name)]
@@ -159,7 +173,9 @@ def _write_safetensors_shard(plan, shard: _Shard, target: Path, dtype: str, meta
     return writer.tmp_path
 
 
-def _write_torch_shard(plan, shard: _Shard, target: Path, dtype: str, untie: bool, files: ShardReader, progress) -> Path:
+def _write_torch_shard(
+    plan, shard: _Shard, target: Path, dtype: str, untie: bool, files: ShardReader, progress
+) -> Path:
     import torch
 
     tensors: dict[str, Any] = {}

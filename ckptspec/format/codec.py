@@ -28,8 +28,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
 
@@ -62,7 +63,9 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
     except FileNotFoundError:
         raise CkptspecError("CK901", "file not found", "check the path", name) from None
     except OSError as exc:
-        raise CkptspecError("CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name) from None
+        raise CkptspecError(
+            "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
+        ) from None
     if os.path.isdir(path):
         raise CkptspecError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
     if size > max_bytes:
@@ -76,10 +79,16 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
         with open(path, "rb") as fh:
             data = fh.read(max_bytes + 1)
     except OSError as exc:
-        raise CkptspecError("CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name) from None
+        raise CkptspecError(
+            "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
+        ) from None
     if len(data) > max_bytes:  # a device, FIFO or /proc file reports size 0
-        raise CkptspecError("CK902", f"file holds more than the {max_bytes}-byte limit",
-                            "raise the limit with --max-size if this file is really a manifest", name)
+        raise CkptspecError(
+            "CK902",
+            f"file holds more than the {max_bytes}-byte limit",
+            "raise the limit with --max-size if this file is really a manifest",
+            name,
+        )
     return data
 
 
@@ -174,21 +183,30 @@ def decode_document(data: bytes, encoding: Encoding, name: str = "<input>") -> t
             doc = msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=floats.msgpack_map)
             return doc, floats.seen or type(doc) is float
         text = data.decode("utf-8")
-        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant,
-                         parse_float=floats.json_float)
+        doc = json.loads(
+            text, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant, parse_float=floats.json_float
+        )
         if _SURROGATE_ESCAPE.search(text):
             _refuse_lone_surrogates(doc)
         return doc, floats.seen
     except _Duplicate as dup:
-        raise InvalidDocument("CK904", f"duplicate key {dup.args[0]!r}", "every key may appear once per object", name) from None
+        raise InvalidDocument(
+            "CK904", f"duplicate key {dup.args[0]!r}", "every key may appear once per object", name
+        ) from None
     except UnicodeDecodeError as exc:
-        raise CkptspecError("CK903", f"not UTF-8 text (byte {exc.start})", "save the manifest as UTF-8 JSON or msgpack", name) from None
+        raise CkptspecError(
+            "CK903", f"not UTF-8 text (byte {exc.start})", "save the manifest as UTF-8 JSON or msgpack", name
+        ) from None
     except RecursionError:
-        raise CkptspecError("CK903", "nesting is too deep to be a manifest", "check that this is a ckptspec manifest", name) from None
+        raise CkptspecError(
+            "CK903", "nesting is too deep to be a manifest", "check that this is a ckptspec manifest", name
+        ) from None
     except (ValueError, msgpack.UnpackException, msgpack.ExtraData, TypeError, OverflowError) as exc:
         what = "msgpack" if encoding == "msgpack" else "JSON"
         detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise CkptspecError("CK903", f"not valid {what}: {detail}", f"check that this is a {what} manifest", name) from None
+        raise CkptspecError(
+            "CK903", f"not valid {what}: {detail}", f"check that this is a {what} manifest", name
+        ) from None
 
 
 def decode(data: bytes, encoding: Encoding, name: str = "<input>") -> Any:
@@ -209,7 +227,9 @@ def load_document(
 
 
 def read_document(
-    path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, encoding: Encoding | None = None,
+    path: str | os.PathLike,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    encoding: Encoding | None = None,
 ) -> tuple[Any, bool]:
     """``load_document``, also telling whether the document holds floats."""
     data = read_bytes(path, max_bytes)
@@ -273,4 +293,6 @@ def write_manifest(manifest: Manifest | dict, output: str, encoding: Encoding | 
     try:
         write_atomic(output, data)
     except OSError as exc:
-        raise CkptspecError("CK906", f"cannot write: {exc.strerror}", "check the output directory exists and is writable", output) from None
+        raise CkptspecError(
+            "CK906", f"cannot write: {exc.strerror}", "check the output directory exists and is writable", output
+        ) from None

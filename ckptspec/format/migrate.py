@@ -19,8 +19,9 @@ import copy
 import json
 import os
 from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from ..errors import InvalidInput, MigrationError
 from ..findings import Finding, finding, has_errors, json_path
@@ -187,12 +188,18 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
     if path is None:
         known = ", ".join(f"{a} -> {b}" for a, b in known_migrations()) or "none"
         if target == version_key(FORMAT_VERSION):
-            hint = (f"format {source} is newer than this ckptspec's {target}; a release that knows {source} "
-                    f"can migrate it down, or read it here as is (unknown fields are kept with a warning)")
+            hint = (
+                f"format {source} is newer than this ckptspec's {target}; a release that knows {source} "
+                f"can migrate it down, or read it here as is (unknown fields are kept with a warning)"
+            )
         else:
-            hint = (f"this ckptspec reads and writes format {version_key(FORMAT_VERSION)}; a ckptspec release "
-                    f"that knows format {target} can migrate to it")
-        raise MigrationError("CK311", f"no migration from format {source} to {target} (registered: {known})", hint, name)
+            hint = (
+                f"this ckptspec reads and writes format {version_key(FORMAT_VERSION)}; a ckptspec release "
+                f"that knows format {target} can migrate to it"
+            )
+        raise MigrationError(
+            "CK311", f"no migration from format {source} to {target} (registered: {known})", hint, name
+        )
     findings = validate_own_version(doc)
     if has_errors(findings):
         raise InvalidInput(name, findings)
@@ -202,8 +209,12 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
     for step in path:
         result = _MIGRATIONS[step](copy.deepcopy(result))
         if not isinstance(result, dict):
-            raise MigrationError("CK312", f"the {step[0]} -> {step[1]} migration returned {type(result).__name__}, not an object",
-                                 "this is a bug in the migration; please report it", name)
+            raise MigrationError(
+                "CK312",
+                f"the {step[0]} -> {step[1]} migration returned {type(result).__name__}, not an object",
+                "this is a bug in the migration; please report it",
+                name,
+            )
         try:
             reached = version_key(result.get("format_version", ""))
         except ValueError:
@@ -211,14 +222,25 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
         if reached != step[1]:
             result["format_version"] = f"{step[1]}.0"
     if path:
-        warnings += [finding("CK313", where,
-                             f"format {target} has no place for this field; the migration dropped it",
-                             "keep the original document if you need the field", severity="warning")
-                     for where in _outermost(before - _key_paths(result))]
+        warnings += [
+            finding(
+                "CK313",
+                where,
+                f"format {target} has no place for this field; the migration dropped it",
+                "keep the original document if you need the field",
+                severity="warning",
+            )
+            for where in _outermost(before - _key_paths(result))
+        ]
     out_findings = validate_own_version(result)
     if has_errors(out_findings):
         first = next(f for f in out_findings if f.severity == "error")
-        raise MigrationError("CK312", f"the migrated document is not valid format {target}: {first.path}: {first.code} {first.message}",
-                             "this is a bug in a registered migration; the output was not written", name)
-    return MigrationResult(result, path, warnings + [f for f in out_findings if f.severity == "warning" and f not in warnings])
-
+        raise MigrationError(
+            "CK312",
+            f"the migrated document is not valid format {target}: {first.path}: {first.code} {first.message}",
+            "this is a bug in a registered migration; the output was not written",
+            name,
+        )
+    return MigrationResult(
+        result, path, warnings + [f for f in out_findings if f.severity == "warning" and f not in warnings]
+    )

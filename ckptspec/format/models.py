@@ -39,14 +39,24 @@ Positive = Annotated[int, BeforeValidator(_integral), Field(ge=1, le=1048576)]
 Name = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=1024)]
 Shape = Annotated[list[Count], Field(max_length=64)]
 Dtype = Literal[
-    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-    "int64", "int32", "int16", "int8", "uint8", "bool", "complex64", "complex128",
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
 ]
 SemVer = Annotated[
     str,
-    StringConstraints(
-        strict=True, pattern=r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$"
-    ),
+    StringConstraints(strict=True, pattern=r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$"),
 ]
 Timestamp = Annotated[
     str,
@@ -101,8 +111,10 @@ class Producer(_Model):
     framework_version: _text(256)
     created: Timestamp = None  # type: ignore[assignment]  # absent, never null
     metadata: Annotated[
-        dict[Annotated[str, StringConstraints(strict=True, max_length=1024)],
-             Annotated[str, StringConstraints(strict=True, max_length=65536)]],
+        dict[
+            Annotated[str, StringConstraints(strict=True, max_length=1024)],
+            Annotated[str, StringConstraints(strict=True, max_length=65536)],
+        ],
         Field(max_length=1024),
     ] = None  # type: ignore[assignment]
 

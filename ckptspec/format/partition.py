@@ -3,17 +3,26 @@
 The producers (live engine, saved directory, plain module) differ in where they
 find the ordered params and paddings; the arithmetic that turns those into
 offsets, padded totals and per-rank numels is the one written here, and
-``ckptspec.rules`` checks the same arithmetic from the other side.
+``ckptspec.format.rules`` checks the same arithmetic from the other side (it uses
+the constants here, without the models: the group builders import them when called).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING
 
-from .models import Group, Param
-from .rules import NCCL_START_ALIGNMENT_FACTOR, round_up
+if TYPE_CHECKING:
+    from .models import Group
+
+# DeepSpeed pads each stage 1/2 flat group to nccl_start_alignment_factor (2) x world size.
+NCCL_START_ALIGNMENT_FACTOR = 2
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -44,12 +53,18 @@ def flat_group(
     nccl_start_alignment_factor) and split it evenly; the last rank(s) drop the
     tail padding when saving unless ``tail_padding_saved``.
     """
+    from .models import Group, Param  # on use: the rules import this module without pydantic
+
     paddings = list(paddings) if paddings is not None else [0] * len(params)
     if len(paddings) != len(params):
         raise ValueError(f"{len(paddings)} paddings for {len(params)} params")
     entries, offset = [], 0
     for spec, pad in zip(params, paddings):
-        entries.append(Param(name=spec.name, shape=list(spec.shape), numel=spec.numel, dtype=spec.dtype, offset=offset, padding=pad))
+        entries.append(
+            Param(
+                name=spec.name, shape=list(spec.shape), numel=spec.numel, dtype=spec.dtype, offset=offset, padding=pad
+            )
+        )
         offset += spec.numel + pad
     alignment = NCCL_START_ALIGNMENT_FACTOR * partition_count if zero_stage in (1, 2) else 1
     padded = round_up(offset, alignment)
@@ -59,23 +74,40 @@ def flat_group(
     else:
         saved = [min(partition, max(0, offset - r * partition)) for r in range(partition_count)]
     return Group(
-        optimizer_group=optimizer_group, partitioning="flat", partition_count=partition_count,
-        alignment=alignment, padded_numel=padded, partition_numel=partition, saved_numels=saved, params=entries,
+        optimizer_group=optimizer_group,
+        partitioning="flat",
+        partition_count=partition_count,
+        alignment=alignment,
+        padded_numel=padded,
+        partition_numel=partition,
+        saved_numels=saved,
+        params=entries,
     )
 
 
 def per_param_group(params: Sequence[ParamSpec], *, optimizer_group: int, partition_count: int) -> Group:
     """Stage 3 (one sub-group): each param split on its own into ceil(numel / ws) per rank."""
+    from .models import Group, Param  # on use: the rules import this module without pydantic
+
     entries, offset = [], 0
     for spec in params:
         share = -(-spec.numel // partition_count)
         pad = share * partition_count - spec.numel
-        entries.append(Param(name=spec.name, shape=list(spec.shape), numel=spec.numel, dtype=spec.dtype, offset=offset, padding=pad))
+        entries.append(
+            Param(
+                name=spec.name, shape=list(spec.shape), numel=spec.numel, dtype=spec.dtype, offset=offset, padding=pad
+            )
+        )
         offset += share
     return Group(
-        optimizer_group=optimizer_group, partitioning="per_param", partition_count=partition_count,
-        alignment=1, padded_numel=offset * partition_count, partition_numel=offset,
-        saved_numels=[offset] * partition_count, params=entries,
+        optimizer_group=optimizer_group,
+        partitioning="per_param",
+        partition_count=partition_count,
+        alignment=1,
+        padded_numel=offset * partition_count,
+        partition_numel=offset,
+        saved_numels=[offset] * partition_count,
+        params=entries,
     )
 
 
@@ -85,6 +117,6 @@ def natural_order(params: list, partition_count: int) -> list:
     sizes = [len(range(b, n, partition_count)) for b in range(partition_count)]
     buckets, start = [], 0
     for size in sizes:
-        buckets.append(params[start:start + size])
+        buckets.append(params[start : start + size])
         start += size
     return [buckets[k % partition_count][k // partition_count] for k in range(n)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -27,7 +27,7 @@ def schema_text(filename: str) -> str:
     return resources.files("ckptspec").joinpath("schemas", filename).read_text("utf-8")
 
 
-@lru_cache(maxsize=None)
+@cache
 def schema(filename: str) -> dict:
     return json.loads(schema_text(filename))
 
@@ -41,14 +41,14 @@ def manifest_schema_file(version: str = LATEST_MANIFEST) -> str:
         raise KeyError(f"no schema for format version {version} (known: {known})") from None
 
 
-@lru_cache(maxsize=None)
+@cache
 def ecma_regex(pattern: str) -> re.Pattern:
     # JSON Schema patterns are ECMA-262: '$' matches only at the very end. Python's
     # '$' also matches before a final newline, so "1.0.0\n" would pass; use \Z.
     return re.compile(re.sub(r"(?<!\\)\$", r"\\Z", pattern))
 
 
-@lru_cache(maxsize=None)
+@cache
 def validator_class():
     """The reference validator class: draft 2020-12 with ECMA-262 pattern anchors."""
     from jsonschema import Draft202012Validator, ValidationError, validators
@@ -60,13 +60,13 @@ def validator_class():
     return validators.extend(Draft202012Validator, {"pattern": pattern})
 
 
-@lru_cache(maxsize=None)
+@cache
 def validator(filename: str):
     """The reference validator of a shipped schema."""
     return validator_class()(schema(filename))
 
 
-@lru_cache(maxsize=None)
+@cache
 def fast_validator(filename: str):
     """A compiled validator (``jsonschema-rs``, Rust) for the fast path, or None.
 
@@ -89,8 +89,9 @@ def _message(error) -> str:
     return message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 3] + "..."
 
 
-def schema_findings(doc: Any, schema: dict | None = None, *, allow_unknown: bool = False,
-                    rules_of: str = "(see docs/spec.md)") -> list[Finding]:
+def schema_findings(
+    doc: Any, schema: dict | None = None, *, allow_unknown: bool = False, rules_of: str = "(see docs/spec.md)"
+) -> list[Finding]:
     """CK001 findings of the reference validator, sorted by path.
 
     ``schema``: a schema document (a registered draft); default the latest shipped manifest
@@ -103,10 +104,19 @@ def schema_findings(doc: Any, schema: dict | None = None, *, allow_unknown: bool
         for error in check.iter_errors(doc):
             if allow_unknown and error.validator == "additionalProperties":
                 continue
-            found.append(finding("CK001", json_path(*error.absolute_path), _message(error),
-                                 f"the document breaks the JSON Schema rule '{error.validator}' {rules_of}"))
+            found.append(
+                finding(
+                    "CK001",
+                    json_path(*error.absolute_path),
+                    _message(error),
+                    f"the document breaks the JSON Schema rule '{error.validator}' {rules_of}",
+                )
+            )
     except RecursionError:  # jsonschema repr()s offending values; junk can nest ~1000 deep
-        found.append(finding("CK001", "$", "the document nests too deeply to be a manifest",
-                             "a manifest nests at most a few levels"))
+        found.append(
+            finding(
+                "CK001", "$", "the document nests too deeply to be a manifest", "a manifest nests at most a few levels"
+            )
+        )
     found.sort(key=lambda f: f.path)
     return found

@@ -30,6 +30,7 @@ from .version import version_findings
 if TYPE_CHECKING:
     from .models import Manifest
 
+
 @dataclass
 class Report:
     """The outcome of validating one document."""
@@ -66,12 +67,15 @@ def _build_model(doc: Any, allow_unknown: bool) -> tuple[Manifest | None, Findin
         if first["type"] == "string_unicode":
             # Decoded data (not from our loader) may hold a lone surrogate: not Unicode text.
             return None, finding(
-                "CK001", json_path(*first["loc"]), "string is not valid Unicode (a lone surrogate)",
+                "CK001",
+                json_path(*first["loc"]),
+                "string is not valid Unicode (a lone surrogate)",
                 "manifest strings must be Unicode text",
             )
         # The schema accepted what the models refuse: a bug in ckptspec, not the input.
         return None, finding(
-            "CK002", json_path(*first["loc"]),
+            "CK002",
+            json_path(*first["loc"]),
             f"the schema accepts this document but the models refuse it: {first['msg']}",
             "please report this ckptspec bug with the manifest attached",
         )
@@ -94,13 +98,13 @@ def _validate(doc: Any, *, plain: bool, build_model: bool, reference: bool) -> R
     # A document from the loader holds Unicode strings only; without floats its numbers
     # are plain ints and the rules read it as it is. Anything else (3.0 for a count, a
     # lone surrogate in data from elsewhere) is normalized by the models first.
-    plain = plain and not reference
+    rules_read_doc = plain and not reference
     manifest = None
-    if build_model or not plain:
+    if build_model or not rules_read_doc:
         manifest, failure = _build_model(doc, allow_unknown)
         if failure is not None:
             return Report(findings + [failure])
-    findings += check_document(doc if plain else manifest.to_dict())
+    findings += check_document(doc if rules_read_doc else manifest.to_dict())
     return Report(findings, manifest)
 
 
@@ -129,8 +133,12 @@ def validate_manifest(manifest: Manifest, doc: dict | None = None) -> Report:
 
 
 def validate_file(
-    path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, encoding: Encoding | None = None,
-    *, build_model: bool = True, reference: bool = False,
+    path: str | os.PathLike,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    encoding: Encoding | None = None,
+    *,
+    build_model: bool = True,
+    reference: bool = False,
 ) -> Report:
     """Load and validate a manifest file. Raises ``CkptspecError`` when it cannot be read."""
     with gc_paused():

@@ -1,7 +1,7 @@
 """What changed between two manifests, and whether B's layout can resume from A's state.
 
 Pure computation: two validated ``Manifest`` objects in, a ``Diff`` out (rendering
-lives in ``ckptspec.render``). "Resume" means what ``engine.load_checkpoint(dir)``
+lives in ``ckptspec.cli.render``). "Resume" means what ``engine.load_checkpoint(dir)``
 does with its defaults in DeepSpeed 0.19.8 (strict module load, optimizer states
 loaded, fp32 masters taken from the checkpoint) when the job is configured like B
 and the checkpoint is A. Each rule that blocks it is one function and one code
@@ -11,16 +11,28 @@ real DeepSpeed runs (``tests/dsharness/resume.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..findings import Finding, RuleSet, finding, json_path
 from ..format.models import Manifest
 
 DIFF_VERSION = "1.0"
-LAYOUT_FIELDS = ("zero_stage", "world_size", "model_dtype", "master_dtype", "optimizer", "round_robin",
-                 "parameter_alignment", "sub_group_size", "tail_padding_saved", "exclude_frozen_parameters",
-                 "tensor_parallel_size", "pipeline_parallel_size")
+LAYOUT_FIELDS = (
+    "zero_stage",
+    "world_size",
+    "model_dtype",
+    "master_dtype",
+    "optimizer",
+    "round_robin",
+    "parameter_alignment",
+    "sub_group_size",
+    "tail_padding_saved",
+    "exclude_frozen_parameters",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+)
 GROUP_FIELDS = ("optimizer_group", "partitioning", "partition_count", "alignment", "padded_numel", "partition_numel")
 MAX_NAMES = 5  # names listed in one message
 
@@ -87,8 +99,15 @@ def tensors(manifest: Manifest) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for g, group in enumerate(manifest.groups):
         for k, p in enumerate(group.params):
-            out[p.name] = Tensor(p.name, "trainable", json_path("groups", g, "params", k), tuple(p.shape), p.dtype,
-                                 g, group.optimizer_group)
+            out[p.name] = Tensor(
+                p.name,
+                "trainable",
+                json_path("groups", g, "params", k),
+                tuple(p.shape),
+                p.dtype,
+                g,
+                group.optimizer_group,
+            )
     for k, f in enumerate(manifest.frozen):
         out.setdefault(f.name, Tensor(f.name, "frozen", json_path("frozen", k), tuple(f.shape), f.dtype))
     for k, a in enumerate(manifest.aliases):
@@ -106,8 +125,12 @@ def _shape(t: Tensor) -> list[int] | None:
 
 def _role_change(a: Tensor, b: Tensor) -> str:
     pair = (a.role, b.role)
-    return {("trainable", "frozen"): "frozen", ("frozen", "trainable"): "unfrozen",
-            ("trainable", "alias"): "tied", ("alias", "trainable"): "untied"}.get(pair, "role")
+    return {
+        ("trainable", "frozen"): "frozen",
+        ("frozen", "trainable"): "unfrozen",
+        ("trainable", "alias"): "tied",
+        ("alias", "trainable"): "untied",
+    }.get(pair, "role")
 
 
 def tensor_changes(ta: dict[str, Tensor], tb: dict[str, Tensor]) -> list[Change]:
@@ -161,8 +184,11 @@ def group_changes(a: Manifest, b: Manifest) -> list[Change]:
     if len(a.groups) != len(b.groups):
         out.append(Change("group-count", json_path("groups"), len(a.groups), len(b.groups)))
     for g, (ga, gb) in enumerate(zip(a.groups, b.groups)):
-        out += [Change("group", json_path("groups", g, f), getattr(ga, f), getattr(gb, f), f)
-                for f in GROUP_FIELDS if getattr(ga, f) != getattr(gb, f)]
+        out += [
+            Change("group", json_path("groups", g, f), getattr(ga, f), getattr(gb, f), f)
+            for f in GROUP_FIELDS
+            if getattr(ga, f) != getattr(gb, f)
+        ]
         if (first := _first_param_difference(ga, gb, g)) is not None:
             out.append(first)
     return out
@@ -179,17 +205,22 @@ def _names(names: list[str]) -> str:
     return shown + (f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else "")
 
 
-def _zero(m: Manifest) -> bool:
+def _partitioned(m: Manifest) -> bool:
     return m.layout.zero_stage >= 1
 
 
 @rule("CK501")
 def resume_world_size(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     """engine._load_zero_checkpoint raises ZeRORuntimeException when the DP world size differs."""
-    if _zero(a) and _zero(b) and a.layout.world_size != b.layout.world_size:
-        yield finding("CK501", json_path("layout", "world_size"), f"the data-parallel world size changes from {a.layout.world_size} to {b.layout.world_size}; "
-                       "DeepSpeed refuses ZeRO optimizer state saved at another world size", f"resume on {a.layout.world_size} ranks, or convert the checkpoint with DeepSpeed's ds_to_universal "
-                       "and load it with checkpoint.load_universal")
+    if _partitioned(a) and _partitioned(b) and a.layout.world_size != b.layout.world_size:
+        yield finding(
+            "CK501",
+            json_path("layout", "world_size"),
+            f"the data-parallel world size changes from {a.layout.world_size} to {b.layout.world_size}; "
+            "DeepSpeed refuses ZeRO optimizer state saved at another world size",
+            f"resume on {a.layout.world_size} ranks, or convert the checkpoint with DeepSpeed's ds_to_universal "
+            "and load it with checkpoint.load_universal",
+        )
 
 
 @rule("CK502")
@@ -197,19 +228,29 @@ def resume_zero_stage(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     """Stages 1 and 2 share one flat layout and file set; stage 3 (and 0) do not."""
     sa, sb = a.layout.zero_stage, b.layout.zero_stage
     if sa != sb and not {sa, sb} <= {1, 2}:
-        yield finding("CK502", json_path("layout", "zero_stage"), f"the ZeRO stage changes from {sa} to {sb}; a stage-{sb} job reads other files and another "
-                       f"partitioning than stage {sa} saved", f"resume with ZeRO stage {sa} (stages 1 and 2 are interchangeable), or convert the checkpoint "
-                       "with DeepSpeed's ds_to_universal")
+        yield finding(
+            "CK502",
+            json_path("layout", "zero_stage"),
+            f"the ZeRO stage changes from {sa} to {sb}; a stage-{sb} job reads other files and another "
+            f"partitioning than stage {sa} saved",
+            f"resume with ZeRO stage {sa} (stages 1 and 2 are interchangeable), or convert the checkpoint "
+            "with DeepSpeed's ds_to_universal",
+        )
 
 
 @rule("CK503")
 def resume_precision(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     """The optimizer-states file names carry a ``bf16_`` prefix only in bf16 jobs (engine.py)."""
     bf_a, bf_b = a.layout.model_dtype == "bfloat16", b.layout.model_dtype == "bfloat16"
-    if _zero(a) and _zero(b) and bf_a != bf_b:
-        yield finding("CK503", json_path("layout", "model_dtype"), f"the model dtype changes from {a.layout.model_dtype} to {b.layout.model_dtype}; a "
-                       f"{'bf16' if bf_b else 'non-bf16'} job opens optimizer files named "
-                       f"{'bf16_zero_pp_rank_*' if bf_b else 'zero_pp_rank_*'}, which this checkpoint does not have", f"resume in {a.layout.model_dtype}, or load the weights only (load_module_only=True)")
+    if _partitioned(a) and _partitioned(b) and bf_a != bf_b:
+        yield finding(
+            "CK503",
+            json_path("layout", "model_dtype"),
+            f"the model dtype changes from {a.layout.model_dtype} to {b.layout.model_dtype}; a "
+            f"{'bf16' if bf_b else 'non-bf16'} job opens optimizer files named "
+            f"{'bf16_zero_pp_rank_*' if bf_b else 'zero_pp_rank_*'}, which this checkpoint does not have",
+            f"resume in {a.layout.model_dtype}, or load the weights only (load_module_only=True)",
+        )
 
 
 @rule("CK504")
@@ -221,10 +262,20 @@ def resume_module_keys(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     if missing:
         excluded = [n for n in missing if n in ta and not ta[n].saved]
         why = " (saved with exclude_frozen_parameters)" if excluded else ""
-        yield finding("CK504", tb[missing[0]].path, f"{len(missing)} name(s) of B are not in A's saved module{why}: {_names(missing)}", "a strict module load fails on missing keys; add them to the checkpoint's model or resume "
-                       "with the model that saved it")
+        yield finding(
+            "CK504",
+            tb[missing[0]].path,
+            f"{len(missing)} name(s) of B are not in A's saved module{why}: {_names(missing)}",
+            "a strict module load fails on missing keys; add them to the checkpoint's model or resume "
+            "with the model that saved it",
+        )
     if unexpected:
-        yield finding("CK504", "$", f"{len(unexpected)} name(s) saved in A are not in B: {_names(unexpected)}", "a strict module load fails on unexpected keys; resume with the model that saved the checkpoint")
+        yield finding(
+            "CK504",
+            "$",
+            f"{len(unexpected)} name(s) saved in A are not in B: {_names(unexpected)}",
+            "a strict module load fails on unexpected keys; resume with the model that saved the checkpoint",
+        )
 
 
 @rule("CK505")
@@ -232,8 +283,13 @@ def resume_shape(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     for name, t in tb.items():
         old = ta.get(name)
         if old is not None and old.shape is not None and t.shape is not None and old.shape != t.shape:
-            yield finding("CK505", t.path + ".shape", f"{name!r} has shape {list(old.shape)} in A but {list(t.shape)} in B", "resume with the shapes the checkpoint was saved with; a changed model needs a fresh "
-                           "optimizer (load_module_only cannot load it either)")
+            yield finding(
+                "CK505",
+                t.path + ".shape",
+                f"{name!r} has shape {list(old.shape)} in A but {list(t.shape)} in B",
+                "resume with the shapes the checkpoint was saved with; a changed model needs a fresh "
+                "optimizer (load_module_only cannot load it either)",
+            )
 
 
 @rule("CK506")
@@ -241,9 +297,14 @@ def resume_trainable_set(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
     for name, t in tb.items():
         old = ta.get(name)
         if old is not None and (old.role == "trainable") != (t.role == "trainable"):
-            yield finding("CK506", t.path, f"{name!r} is {old.role} in A but {t.role} in B; the optimizer holds another set of "
-                           "tensors, so A's optimizer partitions do not fit B's", "resume with the same frozen parameters and ties, or load the weights only "
-                           "(load_module_only=True) and start a fresh optimizer")
+            yield finding(
+                "CK506",
+                t.path,
+                f"{name!r} is {old.role} in A but {t.role} in B; the optimizer holds another set of "
+                "tensors, so A's optimizer partitions do not fit B's",
+                "resume with the same frozen parameters and ties, or load the weights only "
+                "(load_module_only=True) and start a fresh optimizer",
+            )
 
 
 def _group_reason(a: Manifest, b: Manifest) -> Finding | None:
@@ -251,14 +312,23 @@ def _group_reason(a: Manifest, b: Manifest) -> Finding | None:
     if not changes:
         return None
     first = changes[0]
-    what = (f"A has {first.a} optimizer partition group(s), B has {first.b}" if first.kind == "group-count"
-            else f"{first.name} is {first.a} in A but {first.b} in B" if first.kind == "group"
-            else f"A has {first.a} here, B has {first.b}")
+    what = (
+        f"A has {first.a} optimizer partition group(s), B has {first.b}"
+        if first.kind == "group-count"
+        else f"{first.name} is {first.a} in A but {first.b} in B"
+        if first.kind == "group"
+        else f"A has {first.a} here, B has {first.b}"
+    )
     flags = [c for c in layout_changes(a, b) if c.name in ("round_robin", "parameter_alignment", "sub_group_size")]
     cause = "".join(f"; {c.name} changes from {c.a} to {c.b}" for c in flags)
-    return finding("CK507", first.path, f"the optimizer's flat layout differs ({what}{cause}); DeepSpeed would copy A's partitions "
-                    "into B's positions without checking them", "resume with the same parameter groups, order, round_robin_gradients, parameter_alignment and "
-                    "sub_group_size as the run that saved the checkpoint")
+    return finding(
+        "CK507",
+        first.path,
+        f"the optimizer's flat layout differs ({what}{cause}); DeepSpeed would copy A's partitions "
+        "into B's positions without checking them",
+        "resume with the same parameter groups, order, round_robin_gradients, parameter_alignment and "
+        "sub_group_size as the run that saved the checkpoint",
+    )
 
 
 @rule("CK507")

@@ -1,8 +1,8 @@
 """A readable summary of a validated manifest (``ckptspec inspect``).
 
 Pure computation: a ``Manifest`` in, a plain JSON-ready dict out. Rendering (rich
-tables) lives in ``ckptspec.render``; loading a manifest or checkpoint in
-``ckptspec.cli_inspect``. The dict's shape is the ``--format json`` output and is
+tables) lives in ``ckptspec.cli.render``; loading a manifest or checkpoint in
+``ckptspec.cli.inspect``. The dict's shape is the ``--format json`` output and is
 documented in docs/cli.md; ``SUMMARY_VERSION`` changes when it does.
 """
 
@@ -25,29 +25,54 @@ def _tensors(manifest: Manifest) -> list[dict[str, Any]]:
     """Every named tensor a reconstruction yields, with its role (excluded ones are not saved)."""
     out = []
     for g, group in enumerate(manifest.groups):
-        out += [{"name": p.name, "role": "trainable", "shape": list(p.shape), "numel": p.numel, "dtype": p.dtype,
-                 "group": g} for p in group.params]
-    out += [{"name": f.name, "role": "frozen", "shape": list(f.shape), "numel": f.numel, "dtype": f.dtype}
-            for f in manifest.frozen]
+        out += [
+            {
+                "name": p.name,
+                "role": "trainable",
+                "shape": list(p.shape),
+                "numel": p.numel,
+                "dtype": p.dtype,
+                "group": g,
+            }
+            for p in group.params
+        ]
+    out += [
+        {"name": f.name, "role": "frozen", "shape": list(f.shape), "numel": f.numel, "dtype": f.dtype}
+        for f in manifest.frozen
+    ]
     owner_dtype = {t["name"]: t["dtype"] for t in out}
-    out += [{"name": a.name, "role": "alias", "shape": list(a.shape), "numel": numel(a.shape),
-             "dtype": owner_dtype.get(a.owner, manifest.layout.model_dtype), "owner": a.owner} for a in manifest.aliases]
-    out += [{"name": b.name, "role": "buffer", "shape": list(b.shape), "numel": numel(b.shape), "dtype": b.dtype}
-            for b in manifest.buffers]
+    out += [
+        {
+            "name": a.name,
+            "role": "alias",
+            "shape": list(a.shape),
+            "numel": numel(a.shape),
+            "dtype": owner_dtype.get(a.owner, manifest.layout.model_dtype),
+            "owner": a.owner,
+        }
+        for a in manifest.aliases
+    ]
+    out += [
+        {"name": b.name, "role": "buffer", "shape": list(b.shape), "numel": numel(b.shape), "dtype": b.dtype}
+        for b in manifest.buffers
+    ]
     return out
 
 
 def _groups(manifest: Manifest) -> list[dict[str, Any]]:
-    return [{
-        "index": g,
-        "optimizer_group": group.optimizer_group,
-        "partitioning": group.partitioning,
-        "params": len(group.params),
-        "numel": sum(p.numel for p in group.params),
-        "padded_numel": group.padded_numel,
-        "partition_count": group.partition_count,
-        "partition_numel": group.partition_numel,
-    } for g, group in enumerate(manifest.groups)]
+    return [
+        {
+            "index": g,
+            "optimizer_group": group.optimizer_group,
+            "partitioning": group.partitioning,
+            "params": len(group.params),
+            "numel": sum(p.numel for p in group.params),
+            "padded_numel": group.padded_numel,
+            "partition_count": group.partition_count,
+            "partition_numel": group.partition_numel,
+        }
+        for g, group in enumerate(manifest.groups)
+    ]
 
 
 def _ranks(manifest: Manifest) -> list[dict[str, Any]]:
@@ -55,12 +80,14 @@ def _ranks(manifest: Manifest) -> list[dict[str, Any]]:
     out = []
     for rank in range(manifest.layout.world_size):
         files = [f for f in manifest.files if rank in f.ranks]
-        out.append({
-            "rank": rank,
-            "master_numel": sum(g.saved_numels[rank] for g in manifest.groups if rank < len(g.saved_numels)),
-            "files": len(files),
-            "bytes": sum(f.size for f in files),
-        })
+        out.append(
+            {
+                "rank": rank,
+                "master_numel": sum(g.saved_numels[rank] for g in manifest.groups if rank < len(g.saved_numels)),
+                "files": len(files),
+                "bytes": sum(f.size for f in files),
+            }
+        )
     return out
 
 
@@ -68,16 +95,21 @@ def summarize(manifest: Manifest, *, top: int = DEFAULT_TOP) -> dict[str, Any]:
     """The summary of ``manifest`` (already validated): layout, totals, groups, tensors, files."""
     layout = manifest.layout
     tensors = _tensors(manifest)
-    by_role: dict[str, list[dict]] = {role: [t for t in tensors if t["role"] == role]
-                                      for role in ("trainable", "frozen", "alias", "buffer")}
+    by_role: dict[str, list[dict]] = {
+        role: [t for t in tensors if t["role"] == role] for role in ("trainable", "frozen", "alias", "buffer")
+    }
     padded = sum(g.padded_numel for g in manifest.groups)
     trainable_numel = sum(t["numel"] for t in by_role["trainable"])
     # Largest first; ties by name so the order never depends on the manifest's order.
-    largest = sorted((t for t in tensors if t["role"] != "alias"), key=lambda t: (-t["numel"], t["name"]))[:max(top, 0)]
+    largest = sorted((t for t in tensors if t["role"] != "alias"), key=lambda t: (-t["numel"], t["name"]))[
+        : max(top, 0)
+    ]
     return {
         "summary_version": SUMMARY_VERSION,
         "format_version": manifest.format_version,
-        "producer": {k: getattr(manifest.producer, k) for k in ("tool", "tool_version", "framework", "framework_version")},
+        "producer": {
+            k: getattr(manifest.producer, k) for k in ("tool", "tool_version", "framework", "framework_version")
+        },
         "layout": {
             "zero_stage": layout.zero_stage,
             "world_size": layout.world_size,
@@ -110,13 +142,25 @@ def summarize(manifest: Manifest, *, top: int = DEFAULT_TOP) -> dict[str, Any]:
         "groups": _groups(manifest),
         "largest": largest,
         "aliases": [{"name": a.name, "owner": a.owner, "shape": list(a.shape)} for a in manifest.aliases],
-        "frozen": [{"name": f.name, "shape": list(f.shape), "numel": f.numel, "dtype": f.dtype, "stored_in": f.stored_in}
-                   for f in manifest.frozen],
-        "buffers": [{"name": b.name, "shape": list(b.shape), "numel": numel(b.shape), "dtype": b.dtype}
-                    for b in manifest.buffers],
+        "frozen": [
+            {"name": f.name, "shape": list(f.shape), "numel": f.numel, "dtype": f.dtype, "stored_in": f.stored_in}
+            for f in manifest.frozen
+        ],
+        "buffers": [
+            {"name": b.name, "shape": list(b.shape), "numel": numel(b.shape), "dtype": b.dtype}
+            for b in manifest.buffers
+        ],
         "excluded": [{"name": e.name, "reason": e.reason} for e in manifest.excluded],
-        "files": [{"path": f.path, "role": f.role, "ranks": list(f.ranks), "size": f.size,
-                   "hash": f.hash.algorithm if f.hash is not None else None} for f in manifest.files],
+        "files": [
+            {
+                "path": f.path,
+                "role": f.role,
+                "ranks": list(f.ranks),
+                "size": f.size,
+                "hash": f.hash.algorithm if f.hash is not None else None,
+            }
+            for f in manifest.files
+        ],
         "ranks": _ranks(manifest),
     }
 

@@ -32,7 +32,9 @@ def main(hf_dir: str, reference_file: str) -> int:
     reference = load_file(reference_file)
     masters = {name.removeprefix("master."): t for name, t in reference.items() if name.startswith("master.")}
     state = model.state_dict()
-    differ = [name for name, t in masters.items() if not torch.equal(state[name].view(torch.int32), t.view(torch.int32))]
+    differ = [
+        name for name, t in masters.items() if not torch.equal(state[name].view(torch.int32), t.view(torch.int32))
+    ]
     for alias, owner in aliases.items():  # the tied names hold their owner's values too
         if not torch.equal(state[alias], state[owner]):
             differ.append(alias)
@@ -41,8 +43,10 @@ def main(hf_dir: str, reference_file: str) -> int:
     if differ or not torch.equal(logits, reference["logits"]):
         print(f"{hf_dir}: differs from the live engine: {differ or 'logits'}")
         return 1
-    print(f"{hf_dir}: {len(state)} tensors bit-identical to the live engine's fp32 masters "
-          f"(aliases {aliases}); logits equal")
+    print(
+        f"{hf_dir}: {len(state)} tensors bit-identical to the live engine's fp32 masters "
+        f"(aliases {aliases}); logits equal"
+    )
     return 0
 
 

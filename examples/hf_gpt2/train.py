@@ -48,7 +48,9 @@ def main() -> None:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=DS_CONFIG)
 
     for step in range(2):
-        tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank * 100 + step))
+        tokens = torch.randint(
+            0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank * 100 + step)
+        )
         loss = engine(input_ids=tokens, labels=tokens).loss
         engine.backward(loss)
         engine.step()

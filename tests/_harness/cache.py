@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def root() -> Path:
     return path
 
 
-@lru_cache(maxsize=None)
+@cache
 def tree_digest(*folders: Path) -> str:
     """SHA-256 over the relative names and bytes of every file under ``folders`` (caches excluded)."""
     digest = hashlib.sha256()
@@ -55,7 +55,7 @@ def tree_digest(*folders: Path) -> str:
     return digest.hexdigest()
 
 
-@lru_cache(maxsize=None)
+@cache
 def versions() -> dict:
     """DeepSpeed's and torch's versions, read from their metadata (importing them costs seconds)."""
     from importlib.metadata import version

@@ -14,9 +14,9 @@ from __future__ import annotations
 import collections
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 # The model of tests/_harness/job/model.py, in its natural parameter order.
 NATURAL_ORDER = ["emb.weight", "l1.weight", "l1.bias", "l2.weight", "l2.bias"]
@@ -25,18 +25,18 @@ NATURAL_ORDER = ["emb.weight", "l1.weight", "l1.bias", "l2.weight", "l2.bias"]
 @dataclass(frozen=True)
 class FaultEnv:
     donor: Path | None  # save directory of the donor checkpoint, if the fault uses one
-    marker: Path        # a file the malicious pickle creates when it is unpickled (outside the checkpoint)
+    marker: Path  # a file the malicious pickle creates when it is unpickled (outside the checkpoint)
 
 
 @dataclass(frozen=True)
 class Fault:
     name: str
-    base: str           # tests/_harness/scenarios.py MATRIX key of the checkpoint to corrupt
-    description: str    # one line for docs/validation.md
-    code: str           # the code ckptspec must report
-    file: str | None    # the file that finding must name (relative to the tag directory)
+    base: str  # tests/_harness/scenarios.py MATRIX key of the checkpoint to corrupt
+    description: str  # one line for docs/validation.md
+    code: str  # the code ckptspec must report
+    file: str | None  # the file that finding must name (relative to the tag directory)
     mutate: Callable[[Path, FaultEnv], None]
-    donor: str | None = None       # MATRIX key whose files the mutation copies in
+    donor: str | None = None  # MATRIX key whose files the mutation copies in
     hashed_manifest: bool = False  # validate against a `generate --hash` manifest made before the corruption
 
 
@@ -101,6 +101,7 @@ def reorder_param_shapes(save_dir: Path, env: FaultEnv) -> None:
 
 def reorder_rank1_param_shapes(save_dir: Path, env: FaultEnv) -> None:
     """Stage 3: only rank 1's copy of param_shapes reordered (zero_to_fp32 reads rank 0's)."""
+
     def change(state):
         shapes = state["param_shapes"][1]
         names = list(shapes)
@@ -112,6 +113,7 @@ def reorder_rank1_param_shapes(save_dir: Path, env: FaultEnv) -> None:
 
 def natural_order_param_shapes(save_dir: Path, env: FaultEnv) -> None:
     """A round-robin checkpoint whose param_shapes is written in natural order (DeepSpeed #1165)."""
+
     def change(state):
         shapes = state["param_shapes"][0]
         state["param_shapes"][0] = collections.OrderedDict((n, shapes[n]) for n in NATURAL_ORDER)
@@ -184,7 +186,10 @@ def malicious_pickle(save_dir: Path, env: FaultEnv) -> None:
 def stage_disagreement(save_dir: Path, env: FaultEnv) -> None:
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    _edit(_optim(save_dir, 1), lambda state: state["optimizer_state_dict"].__setitem__("zero_stage", ZeroStageEnum.optimizer_states))
+    _edit(
+        _optim(save_dir, 1),
+        lambda state: state["optimizer_state_dict"].__setitem__("zero_stage", ZeroStageEnum.optimizer_states),
+    )
 
 
 def version_skew(save_dir: Path, env: FaultEnv) -> None:
@@ -225,58 +230,193 @@ S2, S3, S1, RR, G2 = "s2-bf16-ws2", "s3-bf16-ws2-sub", "s1-bf16-ws2", "s2-fp32-w
 OPT1_BF16 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 FAULTS = [
-    Fault("transposed-shape", S2, "stage 2: `param_shapes` records `l2.weight` as (33, 16) instead of (16, 33)",
-          "CK216", "mp_rank_00_model_states.pt", transpose_shape),
-    Fault("emptied-shared-params-s3", S3, "stage 3: rank 0's `shared_params` emptied (the tie head.weight → emb.weight is lost)",
-          "CK215", "zero_pp_rank_0_mp_rank_00_model_states.pt", empty_shared_params),
-    Fault("emptied-shared-params-s1", S1, "stage 1: `shared_params` emptied",
-          "CK219", "mp_rank_00_model_states.pt", empty_shared_params),
-    Fault("reordered-param-shapes", S2, "stage 2: `l1.weight` and `l2.weight` swapped in `param_shapes`",
-          "CK217", "mp_rank_00_model_states.pt", reorder_param_shapes),
-    Fault("round-robin-natural-order", RR, "stage 2, round robin (3 ranks): `param_shapes` written in natural order (DeepSpeed #1165)",
-          "CK217", "mp_rank_00_model_states.pt", natural_order_param_shapes),
-    Fault("wrong-alias-owner", S2, "stage 2: `shared_params` ties head.weight to l2.weight instead of emb.weight",
-          "CK219", "mp_rank_00_model_states.pt", wrong_alias_owner),
-    Fault("missing-rank", S2, "stage 2: rank 1's optimizer file deleted",
-          "CK206", OPT1_BF16, delete_optim_rank1),
-    Fault("stale-extra-rank", S2, "stage 2, 2 ranks: a rank-2 optimizer file left over from a 4-rank run",
-          "CK207", "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt", add_stale_rank2, donor="s2-bf16-ws4"),
-    Fault("truncated-shard", S2, "stage 2: rank 1's optimizer file cut to half its size",
-          "CK205", OPT1_BF16, truncate_optim_rank1),
-    Fault("truncated-shard-vs-manifest", S2, "stage 2: 1 KiB cut from the end of rank 1's optimizer file (checked against a `--hash` manifest)",
-          "CK208", OPT1_BF16, cut_optim_rank1_tail, hashed_manifest=True),
-    Fault("empty-shard", S3, "stage 3: rank 1's optimizer file emptied (0 bytes)",
-          "CK205", OPT1_BF16, empty_optim_rank1),
-    Fault("not-a-zip", G2, "stage 2: rank 0's optimizer file overwritten with garbage bytes",
-          "CK205", "zero_pp_rank_0_mp_rank_00_optim_states.pt", garble_optim_rank0),
-    Fault("foreign-shard", S2, "stage 2: rank 1's optimizer file replaced by the same-named file of another run (parameter_alignment on)",
-          "CK213", OPT1_BF16, foreign_optim_rank1, donor="s2-bf16-ws2-align"),
-    Fault("shortened-partition", S2, "stage 2: rank 1's fp32 partition saved 2 elements short",
-          "CK213", OPT1_BF16, shorten_partition),
-    Fault("stage-disagreement", S2, "stage 2: rank 1's optimizer file says ZeRO stage 1",
-          "CK211", OPT1_BF16, stage_disagreement),
-    Fault("version-skew", S2, "stage 2: rank 1's optimizer file written by another DeepSpeed version",
-          "CK211", OPT1_BF16, version_skew),
-    Fault("shifted-slice-mapping", S2, "stage 2: rank 1's `param_slice_mappings` shifted by one element",
-          "CK218", OPT1_BF16, shift_slice_mapping),
-    Fault("stage3-param-shapes-disagree", S3, "stage 3: rank 1's copy of `param_shapes` lists sub-group 1 in another order",
-          "CK212", "zero_pp_rank_1_mp_rank_00_model_states.pt", reorder_rank1_param_shapes),
-    Fault("missing-stage3-model-states", S3, "stage 3: rank 1's model states file deleted",
-          "CK206", "zero_pp_rank_1_mp_rank_00_model_states.pt", delete_stage3_model_rank1),
-    Fault("dropped-frozen-fragment", S3, "stage 3: `frozen.weight` removed from rank 1's `frozen_param_fragments`",
-          "CK220", "zero_pp_rank_1_mp_rank_00_model_states.pt", drop_frozen_fragment),
-    Fault("missing-model-states", S2, "stage 2: the model states file deleted",
-          "CK203", None, delete_model_states),
-    Fault("bad-latest", S2, "`latest` names a tag that does not exist",
-          "CK201", None, bad_latest),
-    Fault("swapped-rank-files", S3, "stage 3: rank 0's and rank 1's optimizer files swapped (checked against a `--hash` manifest)",
-          "CK209", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", swap_optim_ranks, hashed_manifest=True),
-    Fault("swapped-rank-files-no-manifest", S3, "stage 3: rank 0's and rank 1's optimizer files swapped (no manifest: the directory alone)",
-          "CK210", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", swap_optim_ranks),
-    Fault("stale-manifest-locators", S2, "stage 2: rank 1's optimizer file re-saved without its Adam moments after the `--hash` manifest was written",
-          "CK214", OPT1_BF16, resave_without_moments, hashed_manifest=True),
-    Fault("malicious-pickle", G2, "stage 2: rank 1's optimizer file carries a pickle that runs code when loaded",
-          "CK204", "zero_pp_rank_1_mp_rank_00_optim_states.pt", malicious_pickle),
+    Fault(
+        "transposed-shape",
+        S2,
+        "stage 2: `param_shapes` records `l2.weight` as (33, 16) instead of (16, 33)",
+        "CK216",
+        "mp_rank_00_model_states.pt",
+        transpose_shape,
+    ),
+    Fault(
+        "emptied-shared-params-s3",
+        S3,
+        "stage 3: rank 0's `shared_params` emptied (the tie head.weight → emb.weight is lost)",
+        "CK215",
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        empty_shared_params,
+    ),
+    Fault(
+        "emptied-shared-params-s1",
+        S1,
+        "stage 1: `shared_params` emptied",
+        "CK219",
+        "mp_rank_00_model_states.pt",
+        empty_shared_params,
+    ),
+    Fault(
+        "reordered-param-shapes",
+        S2,
+        "stage 2: `l1.weight` and `l2.weight` swapped in `param_shapes`",
+        "CK217",
+        "mp_rank_00_model_states.pt",
+        reorder_param_shapes,
+    ),
+    Fault(
+        "round-robin-natural-order",
+        RR,
+        "stage 2, round robin (3 ranks): `param_shapes` written in natural order (DeepSpeed #1165)",
+        "CK217",
+        "mp_rank_00_model_states.pt",
+        natural_order_param_shapes,
+    ),
+    Fault(
+        "wrong-alias-owner",
+        S2,
+        "stage 2: `shared_params` ties head.weight to l2.weight instead of emb.weight",
+        "CK219",
+        "mp_rank_00_model_states.pt",
+        wrong_alias_owner,
+    ),
+    Fault("missing-rank", S2, "stage 2: rank 1's optimizer file deleted", "CK206", OPT1_BF16, delete_optim_rank1),
+    Fault(
+        "stale-extra-rank",
+        S2,
+        "stage 2, 2 ranks: a rank-2 optimizer file left over from a 4-rank run",
+        "CK207",
+        "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt",
+        add_stale_rank2,
+        donor="s2-bf16-ws4",
+    ),
+    Fault(
+        "truncated-shard",
+        S2,
+        "stage 2: rank 1's optimizer file cut to half its size",
+        "CK205",
+        OPT1_BF16,
+        truncate_optim_rank1,
+    ),
+    Fault(
+        "truncated-shard-vs-manifest",
+        S2,
+        "stage 2: 1 KiB cut from the end of rank 1's optimizer file (checked against a `--hash` manifest)",
+        "CK208",
+        OPT1_BF16,
+        cut_optim_rank1_tail,
+        hashed_manifest=True,
+    ),
+    Fault(
+        "empty-shard", S3, "stage 3: rank 1's optimizer file emptied (0 bytes)", "CK205", OPT1_BF16, empty_optim_rank1
+    ),
+    Fault(
+        "not-a-zip",
+        G2,
+        "stage 2: rank 0's optimizer file overwritten with garbage bytes",
+        "CK205",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        garble_optim_rank0,
+    ),
+    Fault(
+        "foreign-shard",
+        S2,
+        "stage 2: rank 1's optimizer file replaced by the same-named file of another run (parameter_alignment on)",
+        "CK213",
+        OPT1_BF16,
+        foreign_optim_rank1,
+        donor="s2-bf16-ws2-align",
+    ),
+    Fault(
+        "shortened-partition",
+        S2,
+        "stage 2: rank 1's fp32 partition saved 2 elements short",
+        "CK213",
+        OPT1_BF16,
+        shorten_partition,
+    ),
+    Fault(
+        "stage-disagreement",
+        S2,
+        "stage 2: rank 1's optimizer file says ZeRO stage 1",
+        "CK211",
+        OPT1_BF16,
+        stage_disagreement,
+    ),
+    Fault(
+        "version-skew",
+        S2,
+        "stage 2: rank 1's optimizer file written by another DeepSpeed version",
+        "CK211",
+        OPT1_BF16,
+        version_skew,
+    ),
+    Fault(
+        "shifted-slice-mapping",
+        S2,
+        "stage 2: rank 1's `param_slice_mappings` shifted by one element",
+        "CK218",
+        OPT1_BF16,
+        shift_slice_mapping,
+    ),
+    Fault(
+        "stage3-param-shapes-disagree",
+        S3,
+        "stage 3: rank 1's copy of `param_shapes` lists sub-group 1 in another order",
+        "CK212",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        reorder_rank1_param_shapes,
+    ),
+    Fault(
+        "missing-stage3-model-states",
+        S3,
+        "stage 3: rank 1's model states file deleted",
+        "CK206",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        delete_stage3_model_rank1,
+    ),
+    Fault(
+        "dropped-frozen-fragment",
+        S3,
+        "stage 3: `frozen.weight` removed from rank 1's `frozen_param_fragments`",
+        "CK220",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        drop_frozen_fragment,
+    ),
+    Fault("missing-model-states", S2, "stage 2: the model states file deleted", "CK203", None, delete_model_states),
+    Fault("bad-latest", S2, "`latest` names a tag that does not exist", "CK201", None, bad_latest),
+    Fault(
+        "swapped-rank-files",
+        S3,
+        "stage 3: rank 0's and rank 1's optimizer files swapped (checked against a `--hash` manifest)",
+        "CK209",
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        swap_optim_ranks,
+        hashed_manifest=True,
+    ),
+    Fault(
+        "swapped-rank-files-no-manifest",
+        S3,
+        "stage 3: rank 0's and rank 1's optimizer files swapped (no manifest: the directory alone)",
+        "CK210",
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        swap_optim_ranks,
+    ),
+    Fault(
+        "stale-manifest-locators",
+        S2,
+        "stage 2: rank 1's optimizer file re-saved without its Adam moments after the `--hash` manifest was written",
+        "CK214",
+        OPT1_BF16,
+        resave_without_moments,
+        hashed_manifest=True,
+    ),
+    Fault(
+        "malicious-pickle",
+        G2,
+        "stage 2: rank 1's optimizer file carries a pickle that runs code when loaded",
+        "CK204",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        malicious_pickle,
+    ),
 ]
 
 BASES = sorted({f.base for f in FAULTS} | {f.donor for f in FAULTS if f.donor})
@@ -284,5 +424,8 @@ BASES = sorted({f.base for f in FAULTS} | {f.donor for f in FAULTS if f.donor})
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """Every file under root with its size and modification time: proof that nothing was written."""
-    return {p.relative_to(root).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }

@@ -37,16 +37,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: Path, args: list[str], world_size: int, python: str = sys.executable,
-                 what: str = "DeepSpeed job") -> str:
+def run_torchrun(
+    script: Path, args: list[str], world_size: int, python: str = sys.executable, what: str = "DeepSpeed job"
+) -> str:
     """Run ``script`` under torchrun on the CPU; returns its log, raises ``HarnessError``."""
     env = job_env(python)
     for attempt in range(3):
-        cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script), *args]
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={world_size}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+            str(script),
+            *args,
+        ]
         # Own session, so a timeout can kill torchrun together with its worker processes.
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, cwd=REPO_ROOT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
         try:
             log, _ = proc.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:

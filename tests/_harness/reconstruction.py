@@ -50,8 +50,8 @@ def check_reconstruction(save_dir: Path, out: Path, *, stage: int, zero_to_fp32_
     ``zero_to_fp32_reads_it``: False where DeepSpeed's own tool refuses the checkpoint
     (BF16_Optimizer); the refusal itself is then asserted.
     """
-    import torch
     import safetensors.torch
+    import torch
 
     from ckptspec.deepspeed.directory import resolve_tag_dir
     from ckptspec.export.api import load_consolidated
@@ -61,8 +61,12 @@ def check_reconstruction(save_dir: Path, out: Path, *, stage: int, zero_to_fp32_
     stored = safetensors.torch.load_file(out / "model.safetensors")
     full = load_consolidated(out)  # aliases re-tied from the metadata
     expected_roles = roles(save_dir)
-    assert sorted(full) == sorted(expected_roles), "every module key (trainable, frozen, buffer, alias) is in the output"
-    assert sorted(stored) == sorted(n for n, r in expected_roles.items() if r != "alias"), "tied weights are stored once"
+    assert sorted(full) == sorted(expected_roles), (
+        "every module key (trainable, frozen, buffer, alias) is in the output"
+    )
+    assert sorted(stored) == sorted(n for n, r in expected_roles.items() if r != "alias"), (
+        "tied weights are stored once"
+    )
 
     if zero_to_fp32_reads_it:
         reference = zero_to_fp32(save_dir)
@@ -96,7 +100,9 @@ def check_reconstruction(save_dir: Path, out: Path, *, stage: int, zero_to_fp32_
 
     # Frozen params and buffers: exactly the model-states values (widened to fp32).
     tag_dir = resolve_tag_dir(save_dir)
-    model_files = [torch.load(p, map_location="cpu", weights_only=False) for p in sorted(tag_dir.glob("*model_states.pt"))]
+    model_files = [
+        torch.load(p, map_location="cpu", weights_only=False) for p in sorted(tag_dir.glob("*model_states.pt"))
+    ]
     module = model_files[0]["module"]
     for key, role in expected_roles.items():
         if role == "buffer" or (role == "frozen" and stage < 3):

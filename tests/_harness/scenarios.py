@@ -45,10 +45,14 @@ UNSUPPORTED = sorted(UNSUPPORTED_SPECS)
 EMBED_FEATURES = {**FEATURES, "save_with": "ckptspec", "hooks": ["load_back"]}
 EMBED_SPECS = {
     "embed-s1-fp16-ws2": ({"stage": 1, "dtype": "fp16", **EMBED_FEATURES}, 2),
-    "embed-s2-bf16-ws3-rr-exclude": ({"stage": 2, "dtype": "bf16", "round_robin": True, "exclude_frozen": True,
-                                      **EMBED_FEATURES}, 3),
-    "embed-s3-fp16-ws2-groups-sub": ({"stage": 3, "dtype": "fp16", "two_groups": True, "sub_group_size": 300,
-                                      **EMBED_FEATURES}, 2),
+    "embed-s2-bf16-ws3-rr-exclude": (
+        {"stage": 2, "dtype": "bf16", "round_robin": True, "exclude_frozen": True, **EMBED_FEATURES},
+        3,
+    ),
+    "embed-s3-fp16-ws2-groups-sub": (
+        {"stage": 3, "dtype": "fp16", "two_groups": True, "sub_group_size": 300, **EMBED_FEATURES},
+        2,
+    ),
 }
 EMBED = sorted(EMBED_SPECS)
 

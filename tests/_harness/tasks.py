@@ -114,7 +114,11 @@ def path(name: str, task: Task | None = None) -> Path:
         with cache.locked(cache.root() / "batch"):
             if not cache.is_done(target):
                 # The default batch, or every registered task of the same older DeepSpeed.
-                same = None if task.deepspeed is None else [n for n, t in _registry().items() if t.deepspeed == task.deepspeed]
+                same = (
+                    None
+                    if task.deepspeed is None
+                    else [n for n, t in _registry().items() if t.deepspeed == task.deepspeed]
+                )
                 build_missing(same)
         if cache.is_done(target):
             return target
@@ -174,16 +178,27 @@ def _launch(batch: list[tuple[str, Task]]) -> None:
     targets = [entry(n, t) for n, t in batch]
     staged = [cache.staging(target) for target in targets]
     try:
-        tasks = [{"kind": t.kind, "args": _job_args(t), "out": str(stage / "out")} for (_, t), stage in zip(batch, staged)]
+        tasks = [
+            {"kind": t.kind, "args": _job_args(t), "out": str(stage / "out")} for (_, t), stage in zip(batch, staged)
+        ]
         t0 = time.monotonic()
         log = run_tasks(tasks, world_size, staged[0], batch[0][1].python)
         seconds = round(time.monotonic() - t0, 1)
         for (name, task), target, stage in zip(batch, targets, staged):
             out = stage / "out"
             (out / "job.log").write_text(log)
-            cache.publish(out, target, {"name": name, "kind": task.kind, "args": task.normalized(),
-                                        "world_size": task.world_size, "launch_seconds": seconds,
-                                        "launch_tasks": len(batch)})
+            cache.publish(
+                out,
+                target,
+                {
+                    "name": name,
+                    "kind": task.kind,
+                    "args": task.normalized(),
+                    "world_size": task.world_size,
+                    "launch_seconds": seconds,
+                    "launch_tasks": len(batch),
+                },
+            )
     finally:
         for stage in staged:
             shutil.rmtree(stage, ignore_errors=True)

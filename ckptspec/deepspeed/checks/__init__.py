@@ -34,8 +34,9 @@ from .context import Check, build_context
 CHECKS: RuleSet[Check] = RuleSet(files.CHECKS, headers.CHECKS, partitions.CHECKS, module.CHECKS)
 
 
-def check_checkpoint(manifest: Manifest, tag_dir: str | os.PathLike, *, verify_hashes: bool = True,
-                     states: StateCache | None = None) -> list[Finding]:
+def check_checkpoint(
+    manifest: Manifest, tag_dir: str | os.PathLike, *, verify_hashes: bool = True, states: StateCache | None = None
+) -> list[Finding]:
     """Check the files of ``tag_dir`` against ``manifest`` (which should already be valid).
 
     Reads only metadata, plus every file's bytes when ``verify_hashes`` and the manifest

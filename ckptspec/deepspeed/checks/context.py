@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ...checkpoint.embedded import SIDECAR_NAMES
 from ...checkpoint.states import Loaded, StateCache

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ...checkpoint.hashing import file_digest
 from ...checkpoint.states import code_and_hint
@@ -21,13 +22,28 @@ def shard_missing(ctx: Context) -> Iterator[Finding]:
     """Every file the manifest lists exists, and the manifest lists every file the layout needs."""
     for f in ctx.files:
         if not f.on_disk:
-            yield finding("CK206", f.at("path"), f"{f.role.replace('_', ' ')} file is missing", "restore the file from the run that wrote this checkpoint; "
-                           "without it the weights of this rank are lost", file=f.name, rank=f.rank)
+            yield finding(
+                "CK206",
+                f.at("path"),
+                f"{f.role.replace('_', ' ')} file is missing",
+                "restore the file from the run that wrote this checkpoint; "
+                "without it the weights of this rank are lost",
+                file=f.name,
+                rank=f.rank,
+            )
     listed = {(f.role, r) for f in ctx.files for r in f.entry.ranks}
     for role, rank in ctx.needed_files():
         if (role, rank) not in listed:
             name = ctx.expected_name(role, rank)
-            yield finding("CK206", json_path("files"), f"no {role.replace('_', ' ')} file for rank {rank} of {ctx.world_size}", "a ZeRO checkpoint has one such file per data-parallel rank; restore it from the run that wrote the checkpoint", file=name, rank=rank)
+            yield finding(
+                "CK206",
+                json_path("files"),
+                f"no {role.replace('_', ' ')} file for rank {rank} of {ctx.world_size}",
+                "a ZeRO checkpoint has one such file per data-parallel rank; restore it from the run that wrote "
+                "the checkpoint",
+                file=name,
+                rank=rank,
+            )
 
 
 @check("CK207")
@@ -37,14 +53,30 @@ def shard_unexpected(ctx: Context) -> Iterator[Finding]:
     for rel in ctx.disk:
         if rel not in listed:
             rank = rank_of(rel)
-            why = (f"; rank {rank} is outside world size {ctx.world_size} (left over from a larger run?)"
-                   if rank is not None and rank >= ctx.world_size else "")
-            yield finding("CK207", "$", f"file is not part of this checkpoint's manifest{why}", "remove it, or regenerate the manifest if it belongs to the checkpoint; DeepSpeed's loaders glob "
-                           "'*_optim_states.pt' and would pick it up", file=rel, rank=rank)
+            why = (
+                f"; rank {rank} is outside world size {ctx.world_size} (left over from a larger run?)"
+                if rank is not None and rank >= ctx.world_size
+                else ""
+            )
+            yield finding(
+                "CK207",
+                "$",
+                f"file is not part of this checkpoint's manifest{why}",
+                "remove it, or regenerate the manifest if it belongs to the checkpoint; DeepSpeed's loaders glob "
+                "'*_optim_states.pt' and would pick it up",
+                file=rel,
+                rank=rank,
+            )
     for f in ctx.files:
         base = Path(f.name).name
         if f.role == "other" and base.endswith(("_optim_states.pt", "_model_states.pt")):
-            yield finding("CK207", f.at("path"), "file looks like a DeepSpeed shard but is not one of this checkpoint's shards", "remove it: DeepSpeed's loaders glob '*_optim_states.pt' / '*_model_states.pt' and would read it", file=f.name)
+            yield finding(
+                "CK207",
+                f.at("path"),
+                "file looks like a DeepSpeed shard but is not one of this checkpoint's shards",
+                "remove it: DeepSpeed's loaders glob '*_optim_states.pt' / '*_model_states.pt' and would read it",
+                file=f.name,
+            )
 
 
 @check("CK208")
@@ -54,7 +86,14 @@ def shard_size(ctx: Context) -> Iterator[Finding]:
             size = f.path.stat().st_size
             if size != f.entry.size:
                 what = "truncated" if size < f.entry.size else "longer than recorded"
-                yield finding("CK208", f.at("size"), f"file is {size} bytes, the manifest records {f.entry.size} ({what})", "the file was cut off or replaced after the manifest was written; restore it", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK208",
+                    f.at("size"),
+                    f"file is {size} bytes, the manifest records {f.entry.size} ({what})",
+                    "the file was cut off or replaced after the manifest was written; restore it",
+                    file=f.name,
+                    rank=f.rank,
+                )
 
 
 @check("CK209")
@@ -65,14 +104,24 @@ def shard_hash(ctx: Context) -> Iterator[Finding]:
         if f.on_disk and f.entry.hash is not None and f.path.stat().st_size == f.entry.size:
             actual = file_digest(f.path, f.entry.hash.algorithm)
             if actual.digest != f.entry.hash.digest:
-                yield finding("CK209", f.at("hash"), f"{f.entry.hash.algorithm} of the file is {actual.digest[:16]}..., the manifest records "
-                               f"{f.entry.hash.digest[:16]}...", "the content changed after the manifest was written (swapped rank files, a re-save, bit rot); restore it", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK209",
+                    f.at("hash"),
+                    f"{f.entry.hash.algorithm} of the file is {actual.digest[:16]}..., the manifest records "
+                    f"{f.entry.hash.digest[:16]}...",
+                    "the content changed after the manifest was written (swapped rank files, a re-save, bit rot); "
+                    "restore it",
+                    file=f.name,
+                    rank=f.rank,
+                )
 
 
 def _unreadable(ctx: Context, code: str) -> Iterator[Finding]:
     for f in ctx.files:
         if f.loaded is not None and f.loaded.error is not None and code_and_hint(f.loaded.error)[0] == code:
-            yield finding(code, f.at(), f.loaded.error.reason, code_and_hint(f.loaded.error)[1], file=f.name, rank=f.rank)
+            yield finding(
+                code, f.at(), f.loaded.error.reason, code_and_hint(f.loaded.error)[1], file=f.name, rank=f.rank
+            )
 
 
 @check("CK204")
@@ -102,4 +151,11 @@ def shard_identity(ctx: Context) -> Iterator[Finding]:
         if archive is None or archive == base.removesuffix(".pt"):
             continue
         if OPTIM_RE.match(archive + ".pt") or MODEL_RE.match(archive + ".pt"):
-            yield finding("CK210", f.at("path"), f"the file was saved as {archive}.pt (the name recorded inside it), not as {base}", "rank files were swapped or renamed; put each file back under the name it was saved as", file=f.name, rank=f.rank)
+            yield finding(
+                "CK210",
+                f.at("path"),
+                f"the file was saved as {archive}.pt (the name recorded inside it), not as {base}",
+                "rank files were swapped or renamed; put each file back under the name it was saved as",
+                file=f.name,
+                rank=f.rank,
+            )

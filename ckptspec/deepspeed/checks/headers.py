@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from ...findings import Finding, RuleSet, finding, json_path
 from ..describe import real_ties
@@ -29,7 +29,14 @@ def optimizer_header(ctx: Context) -> Iterator[Finding]:
         state = f.state
         osd = state.get("optimizer_state_dict") if isinstance(state, dict) else None
         if not isinstance(osd, dict):
-            yield finding("CK211", f.at(), "no 'optimizer_state_dict' in the file: not a DeepSpeed optimizer states file", hint, file=f.name, rank=f.rank)
+            yield finding(
+                "CK211",
+                f.at(),
+                "no 'optimizer_state_dict' in the file: not a DeepSpeed optimizer states file",
+                hint,
+                file=f.name,
+                rank=f.rank,
+            )
             continue
         if "zero_stage" in osd:
             try:
@@ -37,25 +44,63 @@ def optimizer_header(ctx: Context) -> Iterator[Finding]:
             except (TypeError, ValueError):
                 stage = None
             if stage != layout.zero_stage:
-                yield finding("CK211", json_path("layout", "zero_stage"), f"file says ZeRO stage {osd['zero_stage']!r}, the checkpoint is stage {layout.zero_stage}", hint, file=f.name, rank=f.rank)
+                yield finding(
+                    "CK211",
+                    json_path("layout", "zero_stage"),
+                    f"file says ZeRO stage {osd['zero_stage']!r}, the checkpoint is stage {layout.zero_stage}",
+                    hint,
+                    file=f.name,
+                    rank=f.rank,
+                )
         elif not bf16_opt:
-            yield finding("CK211", json_path("layout", "zero_stage"), "file records no ZeRO stage", hint, file=f.name, rank=f.rank)
+            yield finding(
+                "CK211", json_path("layout", "zero_stage"), "file records no ZeRO stage", hint, file=f.name, rank=f.rank
+            )
         counts = osd.get("partition_count")
         if layout.zero_stage == 3:
             if counts != layout.world_size or isinstance(counts, bool):
-                yield finding("CK211", json_path("layout", "world_size"), f"file says partition count {counts!r}, the checkpoint has {layout.world_size} ranks", hint, file=f.name, rank=f.rank)
+                yield finding(
+                    "CK211",
+                    json_path("layout", "world_size"),
+                    f"file says partition count {counts!r}, the checkpoint has {layout.world_size} ranks",
+                    hint,
+                    file=f.name,
+                    rank=f.rank,
+                )
         else:
             expected = [g.partition_count for g in groups]
             if not isinstance(counts, list) or counts != expected:
-                yield finding("CK211", json_path("groups"), f"file says partition counts {counts!r}, the manifest has {expected}", hint, file=f.name, rank=f.rank)
+                yield finding(
+                    "CK211",
+                    json_path("groups"),
+                    f"file says partition counts {counts!r}, the manifest has {expected}",
+                    hint,
+                    file=f.name,
+                    rank=f.rank,
+                )
         flat = osd.get(ctx.flat_key)
         n = len(flat) if isinstance(flat, list) else None
         if n != len(groups):
-            yield finding("CK211", json_path("groups"), f"file holds {n if n is not None else 'no'} flat groups ({ctx.flat_key}), the manifest has {len(groups)}", hint, file=f.name, rank=f.rank)
+            yield finding(
+                "CK211",
+                json_path("groups"),
+                f"file holds {n if n is not None else 'no'} flat groups ({ctx.flat_key}), the manifest has "
+                f"{len(groups)}",
+                hint,
+                file=f.name,
+                rank=f.rank,
+            )
         expected_version = ctx.expected_version
         for version in set(_versions(state, osd)):
             if expected_version is not None and version != expected_version:
-                yield finding("CK211", json_path("producer", "framework_version"), f"file was written by DeepSpeed {version}, the checkpoint by {expected_version}", hint, file=f.name, rank=f.rank)
+                yield finding(
+                    "CK211",
+                    json_path("producer", "framework_version"),
+                    f"file was written by DeepSpeed {version}, the checkpoint by {expected_version}",
+                    hint,
+                    file=f.name,
+                    rank=f.rank,
+                )
 
 
 def _param_shapes(ctx: Context) -> list[list[tuple[str, list[int]]]]:
@@ -71,45 +116,104 @@ def _as_shape(value) -> list[int] | None:
 
 @check("CK212")
 def model_header(ctx: Context) -> Iterator[Finding]:
-    """Every model states file agrees with the manifest: param_shapes (names, order, shapes), frozen shapes, ties, buffers, world size, version."""
-    hint = "the model states disagree with the manifest; restore the files of one save (or regenerate the manifest if it is stale)"
+    """Every model states file agrees with the manifest: param_shapes (names, order, shapes),
+    frozen shapes, ties, buffers, world size, version."""
+    hint = (
+        "the model states disagree with the manifest; restore the files of one save "
+        "(or regenerate the manifest if it is stale)"
+    )
     expected_shapes = _param_shapes(ctx)
     fragment_frozen = {f.name: list(f.shape) for f in ctx.manifest.frozen if f.stored_in != "module"}
     aliases = {a.name: a.owner for a in ctx.manifest.aliases}
     buffers = {b.name for b in ctx.manifest.buffers}
     for f in ctx.readable("model_states"):
         state = f.state
-        if not isinstance(state, dict) or not isinstance(state.get("module"), dict) or not isinstance(state.get("param_shapes"), list):
-            yield finding("CK212", f.at(), "not a DeepSpeed model states file (no 'module' dict or no 'param_shapes' list)", hint, file=f.name, rank=f.rank)
+        if (
+            not isinstance(state, dict)
+            or not isinstance(state.get("module"), dict)
+            or not isinstance(state.get("param_shapes"), list)
+        ):
+            yield finding(
+                "CK212",
+                f.at(),
+                "not a DeepSpeed model states file (no 'module' dict or no 'param_shapes' list)",
+                hint,
+                file=f.name,
+                rank=f.rank,
+            )
             continue
         actual = []
         for group in state["param_shapes"]:
             items = group.items() if isinstance(group, dict) else []
             actual.append([(str(n), _as_shape(s)) for n, s in items])
         if actual != expected_shapes:
-            yield finding("CK212", json_path("groups"), "param_shapes " + _first_difference(actual, expected_shapes), hint, file=f.name, rank=f.rank)
+            yield finding(
+                "CK212",
+                json_path("groups"),
+                "param_shapes " + _first_difference(actual, expected_shapes),
+                hint,
+                file=f.name,
+                rank=f.rank,
+            )
         ws = state.get("dp_world_size")
         if ws is not None and ws != ctx.world_size:
-            yield finding("CK212", json_path("layout", "world_size"), f"file says data-parallel world size {ws!r}, the manifest {ctx.world_size}", hint, file=f.name, rank=f.rank)
+            yield finding(
+                "CK212",
+                json_path("layout", "world_size"),
+                f"file says data-parallel world size {ws!r}, the manifest {ctx.world_size}",
+                hint,
+                file=f.name,
+                rank=f.rank,
+            )
         expected_version = ctx.expected_version
         version = state.get("ds_version")
         if expected_version is not None and version is not None and str(version) != expected_version:
-            yield finding("CK212", json_path("producer", "framework_version"), f"file was written by DeepSpeed {version}, the checkpoint by {expected_version}", hint, file=f.name, rank=f.rank)
+            yield finding(
+                "CK212",
+                json_path("producer", "framework_version"),
+                f"file was written by DeepSpeed {version}, the checkpoint by {expected_version}",
+                hint,
+                file=f.name,
+                rank=f.rank,
+            )
         frozen_shapes = state.get("frozen_param_shapes")
         if fragment_frozen or frozen_shapes:
-            recorded = {str(n): _as_shape(s) for n, s in frozen_shapes.items()} if isinstance(frozen_shapes, dict) else {}
+            recorded = (
+                {str(n): _as_shape(s) for n, s in frozen_shapes.items()} if isinstance(frozen_shapes, dict) else {}
+            )
             recorded = {n: s for n, s in recorded.items() if n not in aliases}
             if recorded != fragment_frozen:
-                yield finding("CK212", json_path("frozen"), "frozen_param_shapes " + _dict_difference(recorded, fragment_frozen), hint, file=f.name, rank=f.rank)
+                yield finding(
+                    "CK212",
+                    json_path("frozen"),
+                    "frozen_param_shapes " + _dict_difference(recorded, fragment_frozen),
+                    hint,
+                    file=f.name,
+                    rank=f.rank,
+                )
         shared = state.get("shared_params")
         if isinstance(shared, dict) and (f.rank in (0, None) or shared):
             # DeepSpeed computes the ties on global rank 0 only; the other ranks' files hold {}.
             real = real_ties({str(k): str(v) for k, v in shared.items()}, state["module"], ctx.layout.zero_stage)
             if real != aliases:
-                yield finding("CK212", json_path("aliases"), "shared_params " + _dict_difference(real, aliases), hint, file=f.name, rank=f.rank)
+                yield finding(
+                    "CK212",
+                    json_path("aliases"),
+                    "shared_params " + _dict_difference(real, aliases),
+                    hint,
+                    file=f.name,
+                    rank=f.rank,
+                )
         names = state.get("buffer_names")
         if isinstance(names, list) and set(map(str, names)) != buffers:
-            yield finding("CK212", json_path("buffers"), "buffer_names " + _dict_difference(dict.fromkeys(map(str, names)), dict.fromkeys(buffers)), hint, file=f.name, rank=f.rank)
+            yield finding(
+                "CK212",
+                json_path("buffers"),
+                "buffer_names " + _dict_difference(dict.fromkeys(map(str, names)), dict.fromkeys(buffers)),
+                hint,
+                file=f.name,
+                rank=f.rank,
+            )
 
 
 def _first_difference(actual: list[list], expected: list[list]) -> str:

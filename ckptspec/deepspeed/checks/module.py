@@ -4,7 +4,8 @@ flat offsets, slice mappings and ties."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ...checkpoint.torchfile import TensorRef
 from ...findings import Finding, RuleSet, finding, json_path
@@ -25,11 +26,25 @@ def module_role(ctx: Context) -> Iterator[Finding]:
             role = ctx.names.get(key, (None,))[0]
             if role is None or role == "excluded":
                 why = "is declared excluded" if role == "excluded" else "has no role in the manifest"
-                yield finding("CK215", json_path(), f"module key {key!r} {why} (not trainable, frozen, alias or buffer)", "a reconstruction would silently drop this tensor; zero_to_fp32 drops it too. Is a tie "
-                               "(shared_params) or frozen_param_shapes missing?", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK215",
+                    json_path(),
+                    f"module key {key!r} {why} (not trainable, frozen, alias or buffer)",
+                    "a reconstruction would silently drop this tensor; zero_to_fp32 drops it too. Is a tie "
+                    "(shared_params) or frozen_param_shapes missing?",
+                    file=f.name,
+                    rank=f.rank,
+                )
         for name, role in declared.items():
             if name not in module:
-                yield finding("CK215", ctx.name_path(name), f"{role} {name!r} is declared but not in the saved module", "the manifest describes a different model than this checkpoint", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK215",
+                    ctx.name_path(name),
+                    f"{role} {name!r} is declared but not in the saved module",
+                    "the manifest describes a different model than this checkpoint",
+                    file=f.name,
+                    rank=f.rank,
+                )
 
 
 @check("CK216")
@@ -53,9 +68,24 @@ def module_shape(ctx: Context) -> Iterator[Finding]:
             if not isinstance(ref, TensorRef):
                 continue  # CK215 reports missing keys
             if list(ref.shape) != shape:
-                yield finding("CK216", ctx.name_path(name, "shape"), f"{name}: the saved tensor has shape {list(ref.shape)}, the manifest records {shape}", "param_shapes (or the manifest) records a wrong shape; a reconstruction would return a wrongly shaped tensor", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK216",
+                    ctx.name_path(name, "shape"),
+                    f"{name}: the saved tensor has shape {list(ref.shape)}, the manifest records {shape}",
+                    "param_shapes (or the manifest) records a wrong shape; a reconstruction would return a wrongly "
+                    "shaped tensor",
+                    file=f.name,
+                    rank=f.rank,
+                )
             elif dtype is not None and ref.dtype != dtype:
-                yield finding("CK216", ctx.name_path(name, "dtype"), f"{name}: the saved tensor is {ref.dtype}, the manifest records {dtype}", "the manifest describes a different run", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK216",
+                    ctx.name_path(name, "dtype"),
+                    f"{name}: the saved tensor is {ref.dtype}, the manifest records {dtype}",
+                    "the manifest describes a different run",
+                    file=f.name,
+                    rank=f.rank,
+                )
 
 
 @check("CK217")
@@ -77,13 +107,36 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
             flat_key = counts.most_common(1)[0][0]
             flat_numel = next(r.storage.numel for _, _, r in refs if r.storage.key == flat_key)
             if flat_numel != grp.padded_numel:
-                yield finding("CK217", json_path("groups", g, "padded_numel"), f"group {g}: the module's flat buffer holds {flat_numel} elements, the manifest's padded group {grp.padded_numel}", "param_shapes does not describe this flat buffer (wrong shapes, paddings or world size)", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK217",
+                    json_path("groups", g, "padded_numel"),
+                    f"group {g}: the module's flat buffer holds {flat_numel} elements, the manifest's padded group "
+                    f"{grp.padded_numel}",
+                    "param_shapes does not describe this flat buffer (wrong shapes, paddings or world size)",
+                    file=f.name,
+                    rank=f.rank,
+                )
             for j, p, r in refs:
                 if r.storage.key != flat_key:
-                    yield finding("CK217", json_path("groups", g, "params", j), f"{p.name} is not a view into group {g}'s flat buffer", "the module tensors do not come from this group", file=f.name, rank=f.rank)
+                    yield finding(
+                        "CK217",
+                        json_path("groups", g, "params", j),
+                        f"{p.name} is not a view into group {g}'s flat buffer",
+                        "the module tensors do not come from this group",
+                        file=f.name,
+                        rank=f.rank,
+                    )
                 elif r.storage_offset != p.offset or not r.is_contiguous():
-                    yield finding("CK217", json_path("groups", g, "params", j, "offset"), f"{p.name} sits at element {r.storage_offset} of group {g}'s flat buffer, the manifest says {p.offset}", "the recorded parameter order or paddings differ from the real flat layout; a reconstruction "
-                                   "would return other parameters' values under these names", file=f.name, rank=f.rank)
+                    yield finding(
+                        "CK217",
+                        json_path("groups", g, "params", j, "offset"),
+                        f"{p.name} sits at element {r.storage_offset} of group {g}'s flat buffer, the manifest "
+                        f"says {p.offset}",
+                        "the recorded parameter order or paddings differ from the real flat layout; a reconstruction "
+                        "would return other parameters' values under these names",
+                        file=f.name,
+                        rank=f.rank,
+                    )
 
 
 def expected_slice_mappings(manifest: Manifest, g: int, rank: int) -> list[tuple[str, int, int]]:
@@ -91,7 +144,7 @@ def expected_slice_mappings(manifest: Manifest, g: int, rank: int) -> list[tuple
 
     DeepSpeed walks the params in their natural (optimizer) order. Without alignment
     paddings it counts offsets sequentially in that order, so for round-robin checkpoints
-    the mappings do not describe the flat buffer (notes §4 #10); with paddings it uses the
+    the mappings do not describe the flat buffer (docs/validation.md); with paddings it uses the
     real offsets.
     """
     grp = manifest.groups[g]
@@ -126,25 +179,41 @@ def slice_mappings(ctx: Context) -> Iterator[Finding]:
             continue
         if not isinstance(mappings, list) or len(mappings) != len(ctx.manifest.groups):
             n = len(mappings) if isinstance(mappings, list) else type(mappings).__name__
-            yield finding("CK218", json_path("groups"), f"param_slice_mappings has {n} groups, the manifest {len(ctx.manifest.groups)}", "the file belongs to another run or layout", file=f.name, rank=f.rank)
+            yield finding(
+                "CK218",
+                json_path("groups"),
+                f"param_slice_mappings has {n} groups, the manifest {len(ctx.manifest.groups)}",
+                "the file belongs to another run or layout",
+                file=f.name,
+                rank=f.rank,
+            )
             continue
         for g, mapping in enumerate(mappings):
             if f.rank >= ctx.manifest.groups[g].partition_count:
                 continue
             actual = []
-            for name, addr in (mapping.items() if isinstance(mapping, dict) else []):
+            for name, addr in mapping.items() if isinstance(mapping, dict) else []:
                 actual.append((str(name), getattr(addr, "numel", None), getattr(addr, "start", None)))
             expected = expected_slice_mappings(ctx.manifest, g, f.rank)
             if actual != expected:
-                yield finding("CK218", json_path("groups", g, "params"), f"group {g}: param_slice_mappings " + _mapping_difference(actual, expected), "the recorded parameter order or offsets differ from the file's own mapping; a reconstruction "
-                               "(or ds_to_universal) would read the wrong slices", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK218",
+                    json_path("groups", g, "params"),
+                    f"group {g}: param_slice_mappings " + _mapping_difference(actual, expected),
+                    "the recorded parameter order or offsets differ from the file's own mapping; a reconstruction "
+                    "(or ds_to_universal) would read the wrong slices",
+                    file=f.name,
+                    rank=f.rank,
+                )
 
 
 def _mapping_difference(actual: list, expected: list) -> str:
     for a, e in zip(actual, expected):
         if a != e:
-            return (f"has {a[0]} (numel {a[1]}, start {a[2]}) where the manifest implies "
-                    f"{e[0]} (numel {e[1]}, start {e[2]})")
+            return (
+                f"has {a[0]} (numel {a[1]}, start {a[2]}) where the manifest implies "
+                f"{e[0]} (numel {e[1]}, start {e[2]})"
+            )
     if len(actual) > len(expected):
         return f"has extra entry {actual[len(expected)][0]}"
     return f"lacks {expected[len(actual)][0]} (numel {expected[len(actual)][1]}, start {expected[len(actual)][2]})"
@@ -165,13 +234,34 @@ def alias_tie(ctx: Context) -> Iterator[Finding]:
         for i, a in enumerate(ctx.manifest.aliases):
             ref, owner = module.get(a.name), module.get(a.owner)
             if a.owner not in ctx.names or ctx.names[a.owner][0] in ("alias", "excluded"):
-                yield finding("CK219", json_path("aliases", i, "owner"), f"alias {a.name!r} points to {a.owner!r}, which is not a parameter or buffer of the checkpoint", "the tie cannot be restored; check shared_params", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK219",
+                    json_path("aliases", i, "owner"),
+                    f"alias {a.name!r} points to {a.owner!r}, which is not a parameter or buffer of the checkpoint",
+                    "the tie cannot be restored; check shared_params",
+                    file=f.name,
+                    rank=f.rank,
+                )
             elif not isinstance(owner, TensorRef):
-                yield finding("CK219", json_path("aliases", i, "owner"), f"alias {a.name!r}: its owner {a.owner!r} is not in the saved module", "the tie cannot be restored; check shared_params", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK219",
+                    json_path("aliases", i, "owner"),
+                    f"alias {a.name!r}: its owner {a.owner!r} is not in the saved module",
+                    "the tie cannot be restored; check shared_params",
+                    file=f.name,
+                    rank=f.rank,
+                )
             elif not stage3 and isinstance(ref, TensorRef) and ref.numel > 0 and not _same_view(ref, owner, stage3):
                 # (Stage 3 placeholders of tied params share a storage only as DeepSpeed saved them; a
                 # re-save by torch splits empty storages, so a missing share is no evidence there.)
-                yield finding("CK219", json_path("aliases", i, "owner"), f"alias {a.name!r} is not the same tensor as its owner {a.owner!r} in the saved module", "shared_params names the wrong owner; a reconstruction would copy another tensor's values", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK219",
+                    json_path("aliases", i, "owner"),
+                    f"alias {a.name!r} is not the same tensor as its owner {a.owner!r} in the saved module",
+                    "shared_params names the wrong owner; a reconstruction would copy another tensor's values",
+                    file=f.name,
+                    rank=f.rank,
+                )
         # Undeclared ties: tensors that are one tensor in the module but not declared aliases.
         params = {n for n, (role, _, _) in ctx.names.items() if role in ("trainable", "frozen", "alias")}
         params |= {n for n in module if n not in ctx.names}
@@ -183,7 +273,14 @@ def alias_tie(ctx: Context) -> Iterator[Finding]:
             key = ref.storage.key if stage3 else (ref.storage.key, ref.storage_offset, ref.shape, ref.stride)
             first = seen.setdefault(key, name)
             if first != name and owners.get(name, name) != owners.get(first, first):
-                yield finding("CK219", json_path("aliases"), f"{name!r} is the same tensor as {first!r} in the saved module, but no alias declares the tie", f"declare {name!r} an alias of {first!r} (was shared_params emptied?)", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK219",
+                    json_path("aliases"),
+                    f"{name!r} is the same tensor as {first!r} in the saved module, but no alias declares the tie",
+                    f"declare {name!r} an alias of {first!r} (was shared_params emptied?)",
+                    file=f.name,
+                    rank=f.rank,
+                )
 
 
 @check("CK220")
@@ -199,14 +296,43 @@ def frozen_fragments(ctx: Context) -> Iterator[Finding]:
             ref = fragments.get(fr.name)
             path = json_path("frozen", i)
             if not isinstance(ref, TensorRef):
-                yield finding("CK220", path, f"frozen parameter {fr.name!r} has no fragment in frozen_param_fragments", "the frozen weight is not in this file; a reconstruction would fail or drop it", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK220",
+                    path,
+                    f"frozen parameter {fr.name!r} has no fragment in frozen_param_fragments",
+                    "the frozen weight is not in this file; a reconstruction would fail or drop it",
+                    file=f.name,
+                    rank=f.rank,
+                )
                 continue
             if fr.stored_in == "partitioned_fragments":
                 share = -(-fr.numel // ws)
                 if ref.numel != share or len(ref.shape) != 1:
-                    yield finding("CK220", path, f"frozen {fr.name!r}: this rank's fragment has shape {list(ref.shape)}, "
-                                   f"ceil({fr.numel} / {ws}) gives ({share},)", "the fragment belongs to another run or layout", file=f.name, rank=f.rank)
+                    yield finding(
+                        "CK220",
+                        path,
+                        f"frozen {fr.name!r}: this rank's fragment has shape {list(ref.shape)}, "
+                        f"ceil({fr.numel} / {ws}) gives ({share},)",
+                        "the fragment belongs to another run or layout",
+                        file=f.name,
+                        rank=f.rank,
+                    )
             elif list(ref.shape) != list(fr.shape):
-                yield finding("CK220", path + ".shape", f"frozen {fr.name!r}: the fragment has shape {list(ref.shape)}, the manifest records {list(fr.shape)}", "the fragment belongs to another run, or the manifest is wrong", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK220",
+                    path + ".shape",
+                    f"frozen {fr.name!r}: the fragment has shape {list(ref.shape)}, the manifest records "
+                    f"{list(fr.shape)}",
+                    "the fragment belongs to another run, or the manifest is wrong",
+                    file=f.name,
+                    rank=f.rank,
+                )
             if ref.dtype != fr.dtype:
-                yield finding("CK220", path + ".dtype", f"frozen {fr.name!r}: the fragment is {ref.dtype}, the manifest records {fr.dtype}", "the fragment belongs to another run", file=f.name, rank=f.rank)
+                yield finding(
+                    "CK220",
+                    path + ".dtype",
+                    f"frozen {fr.name!r}: the fragment is {ref.dtype}, the manifest records {fr.dtype}",
+                    "the fragment belongs to another run",
+                    file=f.name,
+                    rank=f.rank,
+                )

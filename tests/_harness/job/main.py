@@ -19,7 +19,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from _harness.job import resume, train  # noqa: E402
+from _harness.job import resume, train
 
 KINDS = {"train": train.run, "resume": resume.run}
 
@@ -37,9 +37,9 @@ def main():
     args = ap.parse_args()
     tasks = json.loads(args.tasks.read_text())
 
+    import deepspeed
     import torch
     import torch.distributed as dist
-    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     # The CPU accelerator reports no fp16 support; its kernels work anyway for the tiny model.

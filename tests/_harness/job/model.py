@@ -7,30 +7,31 @@ every job (tests/_harness/cache.py).
 Spec keys (JSON object) are listed in DEFAULTS; unknown keys are an error so typos do not
 silently build the wrong checkpoint.
 """
+
 import copy
 
 DEFAULTS = {
-    "stage": 2,                   # ZeRO stage 0..3
-    "dtype": "bf16",              # bf16 | fp16 | fp32
-    "tied": False,                # head.weight = emb.weight
-    "frozen": False,              # extra Linear with requires_grad=False
-    "buffers": False,             # persistent buffers step_count/running + non-persistent scratch
-    "two_groups": False,          # biases in a second param group with weight_decay 0
-    "round_robin": False,         # zero_optimization.round_robin_gradients
-    "parameter_alignment": False, # zero_optimization.parameter_alignment (stage 1/2)
-    "sub_group_size": None,       # zero_optimization.sub_group_size (stage 3)
-    "exclude_frozen": False,      # save_checkpoint(exclude_frozen_parameters=True)
-    "zero_elem": False,           # nn.Linear(8, 0, bias=False) and nn.Parameter(torch.zeros(0))
-    "grad_accum_dtype": None,     # "fp32" with bf16 + stage 1 selects BF16_Optimizer
+    "stage": 2,  # ZeRO stage 0..3
+    "dtype": "bf16",  # bf16 | fp16 | fp32
+    "tied": False,  # head.weight = emb.weight
+    "frozen": False,  # extra Linear with requires_grad=False
+    "buffers": False,  # persistent buffers step_count/running + non-persistent scratch
+    "two_groups": False,  # biases in a second param group with weight_decay 0
+    "round_robin": False,  # zero_optimization.round_robin_gradients
+    "parameter_alignment": False,  # zero_optimization.parameter_alignment (stage 1/2)
+    "sub_group_size": None,  # zero_optimization.sub_group_size (stage 3)
+    "exclude_frozen": False,  # save_checkpoint(exclude_frozen_parameters=True)
+    "zero_elem": False,  # nn.Linear(8, 0, bias=False) and nn.Parameter(torch.zeros(0))
+    "grad_accum_dtype": None,  # "fp32" with bf16 + stage 1 selects BF16_Optimizer
     "steps": 2,
     "seed": 1234,
     "micro_batch": 4,
-    "save": True,                 # False: train and run the hooks, but write no checkpoint
-    "save_with": "deepspeed",     # "ckptspec": save through ckptspec.deepspeed.save_checkpoint (each rank
-                                  # also writes the manifest it returned to saved_manifest.rank<N>.json)
-    "hooks": [],                  # names of functions in hooks.py, called as hook(engine, out_dir, spec) after saving
-    "zero": {},                   # extra zero_optimization keys (override)
-    "config": {},                 # extra top-level DeepSpeed config keys (override)
+    "save": True,  # False: train and run the hooks, but write no checkpoint
+    "save_with": "deepspeed",  # "ckptspec": save through ckptspec.deepspeed.save_checkpoint (each rank
+    # also writes the manifest it returned to saved_manifest.rank<N>.json)
+    "hooks": [],  # names of functions in hooks.py, called as hook(engine, out_dir, spec) after saving
+    "zero": {},  # extra zero_optimization keys (override)
+    "config": {},  # extra top-level DeepSpeed config keys (override)
 }
 
 VOCAB, DIM, HIDDEN, SEQ = 50, 16, 33, 8  # odd sizes so that partitions need padding
@@ -60,7 +61,6 @@ def build_model(spec):
     from torch import nn
 
     class TinyModel(nn.Module):
-
         def __init__(self):
             super().__init__()
             self.emb = nn.Embedding(VOCAB, DIM)
@@ -168,7 +168,7 @@ def live_fp32(engine, model, stage):
             full = torch.cat(chunks)
             for p in group:
                 off = (p.data_ptr() - flat.data_ptr()) // p.element_size()
-                found[id(p)] = full[off:off + p.numel()].view(p.shape).clone()
+                found[id(p)] = full[off : off + p.numel()].view(p.shape).clone()
     elif hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):  # stage 0 fp16/bf16 (unfused)
         for lp_group, fp32_group in zip(opt.fp16_groups, opt.fp32_groups):
             for p, m in zip(lp_group, fp32_group):
@@ -185,6 +185,7 @@ def safe_get_mismatches(model, live, stage):
     """Names where DeepSpeed's safe_get_full_fp32_param disagrees with `live` (stage 1/2 only)."""
     import torch
     from deepspeed.utils import safe_get_full_fp32_param
+
     if stage not in (1, 2):
         return []
     bad = []

@@ -66,13 +66,18 @@ def run(args, out: Path):
 
     live = live_fp32(engine, model, spec["stage"])  # collective: every rank
     saved = torch.load(load / "live_fp32.pt", map_location="cpu", weights_only=True)
-    mismatched = sorted(n for n, t in saved.items()
-                        if n not in live or live[n].shape != t.shape or not torch.equal(live[n], t.float()))
+    mismatched = sorted(
+        n for n, t in saved.items() if n not in live or live[n].shape != t.shape or not torch.equal(live[n], t.float())
+    )
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
-        result = {"loaded": error is None and load_path is not None, "error": error,
-                  "consistent": error is None and load_path is not None and not mismatched, "mismatched": mismatched}
+        result = {
+            "loaded": error is None and load_path is not None,
+            "error": error,
+            "consistent": error is None and load_path is not None and not mismatched,
+            "mismatched": mismatched,
+        }
         (out / "resume.json").write_text(json.dumps(result, indent=1, sort_keys=True))
     dist.barrier()
     if hasattr(engine, "destroy"):

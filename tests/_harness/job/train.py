@@ -11,8 +11,16 @@ import json
 from pathlib import Path
 
 from _harness.job import hooks
-from _harness.job.model import SEQ, VOCAB, build_model, ds_config, live_fp32, normalize_spec, param_groups, \
-    safe_get_mismatches
+from _harness.job.model import (
+    SEQ,
+    VOCAB,
+    build_model,
+    ds_config,
+    live_fp32,
+    normalize_spec,
+    param_groups,
+    safe_get_mismatches,
+)
 
 
 def train_engine(spec):
