@@ -7,6 +7,9 @@ come from a fixed allowlist and are replaced by inert local stand-ins (``TensorR
 No tensor bytes are read. ``zip_member_locations`` gives the byte range of each member, so a
 tensor's bytes can later be read (or hashed) directly from the file.
 
+Every way a hostile file can go wrong ends in a ``TorchFileError`` (zipfile's own exceptions
+included); members are read only if stored or deflated, and never past the size they claim.
+
 Standard library only: this module must stay importable where torch is not installed.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ import io
 import pickle
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -284,6 +288,15 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 # --- zip handling ------------------------------------------------------------------------
 
+# What zipfile raises on a hostile archive besides BadZipFile: OSError and ValueError for
+# offsets outside the file or past 2**63, UnicodeDecodeError (a ValueError) for a name flagged
+# UTF-8 that is not, NotImplementedError for a "version needed to extract" above 6.3 (or an
+# unknown method), RuntimeError for encryption, EOFError and zlib.error for a cut or corrupt
+# deflate stream.
+_ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, OverflowError, struct.error, zlib.error,
+               NotImplementedError, RuntimeError)
+
+
 def _open_zip(path: Path) -> zipfile.ZipFile:
     try:
         size = path.stat().st_size
@@ -297,10 +310,18 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
         hint = " (legacy non-zip torch format?)" if magic[:1] == b"\x80" else ""
         raise NotATorchFile(f"{path}: not a zip archive{hint}")
     try:
-        return zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
+        zf = zipfile.ZipFile(path)
+    except _ZIP_ERRORS as e:
         # A zip's directory is at its end: a cut-off file starts like a zip but has none.
         raise TruncatedFile(f"{path}: zip directory unreadable, file truncated or corrupt ({e})") from e
+    names = zf.namelist()
+    if len(set(names)) != len(names):
+        # zipfile takes the last record of a name, other readers the first: which data.pkl
+        # would torch.load unpickle? Not necessarily the one checked here.
+        zf.close()
+        twice = next(n for n in names if names.count(n) > 1)
+        raise TorchFileError(f"{path}: zip lists member {twice} more than once")
+    return zf
 
 
 def _archive_prefix(zf: zipfile.ZipFile, path: Path) -> str:
@@ -312,23 +333,37 @@ def _archive_prefix(zf: zipfile.ZipFile, path: Path) -> str:
     return prefix
 
 
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, path: Path) -> bytes:
+    """At most ``limit + 1`` bytes of a member. Like torch's reader, only stored or deflated
+    members without encryption (bzip2 and lzma inflate without bound, chunk by chunk)."""
+    if info.flag_bits & 0x1:
+        raise TorchFileError(f"{path}: member {info.filename} is encrypted")
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise TorchFileError(f"{path}: member {info.filename} uses compression method {info.compress_type}, "
+                             "which torch does not read")
+    try:
+        with zf.open(info) as f:
+            # Inflating allocates what is asked for: ask for no more than the member claims.
+            return f.read(min(limit, info.file_size) + 1)
+    except EOFError as e:
+        raise TruncatedFile(f"{path}: {info.filename} is cut off ({e})") from e
+    except _ZIP_ERRORS as e:
+        raise TorchFileError(f"{path}: cannot read {info.filename} ({e})") from e
+
+
 def read_pt_metadata(path, max_pickle_bytes: int = DEFAULT_MAX_PICKLE_BYTES) -> Any:
     """Unpickle ``data.pkl`` of a torch zip file safely; tensors become ``TensorRef``."""
     path = Path(path)
     with _open_zip(path) as zf:
         prefix = _archive_prefix(zf, path)
-        info = zf.getinfo(f"{prefix}/data.pkl")
+        infos = {info.filename: info for info in zf.infolist()}
+        info = infos[f"{prefix}/data.pkl"]
         if info.file_size > max_pickle_bytes:
             raise TorchFileError(f"{path}: data.pkl is {info.file_size} bytes, over the {max_pickle_bytes} cap")
-        byteorder = f"{prefix}/byteorder"
-        if byteorder in zf.namelist() and zf.read(byteorder) != b"little":
+        byteorder = infos.get(f"{prefix}/byteorder")
+        if byteorder is not None and _read_member(zf, byteorder, 16, path) != b"little":
             raise TorchFileError(f"{path}: only little-endian archives are supported")
-        try:
-            data = zf.open(info).read(max_pickle_bytes + 1)
-        except EOFError as e:
-            raise TruncatedFile(f"{path}: data.pkl is cut off ({e})") from e
-        except (zipfile.BadZipFile, OSError) as e:
-            raise TorchFileError(f"{path}: cannot read data.pkl ({e})") from e
+        data = _read_member(zf, info, max_pickle_bytes, path)
     if len(data) > max_pickle_bytes:
         raise TorchFileError(f"{path}: data.pkl exceeds the {max_pickle_bytes} byte cap")
     try:
@@ -342,18 +377,23 @@ def read_pt_metadata(path, max_pickle_bytes: int = DEFAULT_MAX_PICKLE_BYTES) -> 
 def zip_member_locations(path) -> dict[str, tuple[int, int]]:
     """member name -> (absolute byte offset of its data, size in bytes); members must be stored."""
     path = Path(path)
-    file_size = path.stat().st_size
     out = {}
     with _open_zip(path) as zf, open(path, "rb") as f:
+        file_size = f.seek(0, io.SEEK_END)
         for info in zf.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
                 raise TorchFileError(f"{path}: member {info.filename} is compressed "
                                      f"(method {info.compress_type}); torch writes stored members")
+            if info.flag_bits & 0x1:
+                raise TorchFileError(f"{path}: member {info.filename} is encrypted")
+            if info.compress_size != info.file_size:
+                raise TorchFileError(f"{path}: stored member {info.filename} has two sizes, "
+                                     f"{info.compress_size} and {info.file_size}")
+            if not 0 <= info.header_offset <= file_size - _LOCAL_HEADER.size:
+                raise TruncatedFile(f"{path}: local header of {info.filename} at byte {info.header_offset} "
+                                    f"is outside the file ({file_size} bytes)")
             f.seek(info.header_offset)
-            header = f.read(_LOCAL_HEADER.size)
-            if len(header) < _LOCAL_HEADER.size:
-                raise TruncatedFile(f"{path}: local header of {info.filename} is cut off")
-            sig, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+            sig, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
             if sig != _LOCAL_HEADER_SIG:
                 raise TorchFileError(f"{path}: bad local header signature for {info.filename}")
             offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
