@@ -14,6 +14,8 @@ allocate memory in proportion to them, and tuples nested deeper than ``MAX_NESTI
 recurses in C and can crash the interpreter); after it, the result must be a tree a recursive
 walker can handle (no cycles, at most ``MAX_NESTING`` deep, not exponentially large through
 shared references).
+The stand-ins refuse the BUILD opcode, so a pickle cannot edit them after they were checked, nor
+the allowlisted globals every later read in the process shares.
 
 Standard library only: this module must stay importable where torch is not installed.
 """
@@ -25,7 +27,7 @@ import pickle
 import struct
 import zipfile
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -63,8 +65,28 @@ class TruncatedFile(TorchFileError):
 
 # --- stand-ins for allowlisted globals ----------------------------------------------------
 
+class _Sealed:
+    """Refuses the pickle's BUILD opcode. BUILD calls ``__setstate__`` when an object has one
+    (the class itself included), and otherwise writes into its ``__dict__`` or sets its
+    attributes: that would let a pickle edit a stand-in after it was checked, or an allowlisted
+    global that every later read in the process shares (``torch.FloatStorage``'s itemsize,
+    ``torch.Size``'s defaults)."""
+
+    __slots__ = ()
+
+    def __setstate__(*_):
+        raise ValueError("data.pkl sets the state of an object only the reader may build")
+
+
+class _SealedRecord(_Sealed):
+    __slots__ = ()
+
+    def __reduce__(self):  # copy and pickle rebuild through the constructor, never through __setstate__
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))
+
+
 @dataclass(frozen=True)
-class StorageRef:
+class StorageRef(_SealedRecord):
     member: str        # zip member holding the raw bytes: "<prefix>/data/<key>"
     key: str
     dtype: str         # torch dtype name without "torch.", e.g. "bfloat16"
@@ -78,7 +100,7 @@ class StorageRef:
 
 
 @dataclass
-class TensorRef:
+class TensorRef(_SealedRecord):
     storage: StorageRef
     storage_offset: int            # in elements
     shape: tuple
@@ -107,7 +129,7 @@ class TensorRef:
         return True
 
 
-class ZeroStage(int):
+class ZeroStage(_Sealed, int):
     """Stand-in for deepspeed.runtime.zero.config.ZeroStageEnum (an int enum)."""
     _NAMES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights"}
 
@@ -127,6 +149,11 @@ class ZeroStage(int):
 class LossScalerState:
     """Stand-in for deepspeed LossScaler: keeps the pickled ``__dict__`` as ``state``."""
     kind = "LossScaler"
+
+    def __new__(cls, *args):
+        self = super().__new__(cls)
+        self.state = {}  # also when the pickle builds it with NEWOBJ and sets no state
+        return self
 
     def __init__(self, state=None):
         self.state = dict(state or {})
@@ -156,15 +183,17 @@ class FragmentAddress:
         self.numel, self.start = int(state["numel"]), int(state["start"])
 
 
-class DType(str):
+class DType(_Sealed, str):
     """A torch dtype referenced by name (e.g. DynamicLossScaler.dtype = torch.float16)."""
 
     def __repr__(self):
         return f"torch.{str(self)}"
 
 
-class _StorageType:
+class _StorageType(_Sealed):
     """What ``torch.FloatStorage`` etc. resolve to; only usable inside a persistent id."""
+
+    __slots__ = ("name", "dtype", "itemsize")
 
     def __init__(self, name, dtype, itemsize):
         self.name, self.dtype, self.itemsize = name, dtype, itemsize
@@ -173,8 +202,23 @@ class _StorageType:
         return f"torch.{self.name}"
 
 
-class _TensorClass:
+class _TensorClass(_Sealed):
     """What ``torch.Tensor`` resolves to; only usable as _rebuild_from_type_v2's new_type."""
+
+
+class _Callable(_Sealed):
+    """An allowlisted function as the pickle sees it: callable, but sealed (see _Sealed)."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, *args):
+        return self.function(*args)
+
+    def __repr__(self):
+        return f"<allowlisted {self.function.__name__}>"
 
 
 _STORAGE_TYPES = {
@@ -223,7 +267,8 @@ def _rebuild_parameter(data, requires_grad, backward_hooks):
 
 def _rebuild_from_type_v2(func, new_type, args, state):
     # torch uses this for tensors that carry python attributes (ZeRO-3 flat groups carry ds_id).
-    if func is not _rebuild_tensor_v2 or new_type is not _TensorClass or not isinstance(args, tuple):
+    if (func is not _ALLOWED[("torch._utils", "_rebuild_tensor_v2")] or new_type is not _TensorClass
+            or not isinstance(args, tuple)):
         raise ValueError("_rebuild_from_type_v2 is only allowed for plain tensors")
     ref = func(*args)
     # state is a __dict__ or (__dict__, slots) as in torch._utils._set_obj_state.
@@ -242,12 +287,12 @@ def _size(seq=()):
 # Nothing here may return a tuple holding tuples: _scan_pickle counts a call's result as one
 # tuple level when it bounds how deep tuples nest.
 _ALLOWED = {
-    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch._utils", "_rebuild_tensor"): _Callable(_rebuild_tensor),
+    ("torch._utils", "_rebuild_tensor_v2"): _Callable(_rebuild_tensor_v2),
+    ("torch._utils", "_rebuild_parameter"): _Callable(_rebuild_parameter),
+    ("torch._tensor", "_rebuild_from_type_v2"): _Callable(_rebuild_from_type_v2),
     ("torch", "Tensor"): _TensorClass,
-    ("torch", "Size"): _size,
+    ("torch", "Size"): _Callable(_size),
     ("collections", "OrderedDict"): collections.OrderedDict,
     # Plain containers; protocol-2 pickles (torch.save) name builtins "__builtin__". Older
     # DeepSpeed (0.15) pickles a set in the model states.
