@@ -16,6 +16,8 @@ walker can handle (no cycles, at most ``MAX_NESTING`` deep, not exponentially la
 shared references).
 The stand-ins refuse the BUILD opcode, so a pickle cannot edit them after they were checked, nor
 the allowlisted globals every later read in the process shares.
+Every storage a tensor names must be a member of the archive holding the storage's bytes, and
+shapes are int64 values in at most ``MAX_NDIM`` dimensions.
 
 Standard library only: this module must stay importable where torch is not installed.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import reprlib
 import struct
 import zipfile
 import zlib
@@ -40,6 +43,8 @@ __all__ = [
 
 DEFAULT_MAX_PICKLE_BYTES = 64 * 1024 * 1024  # data.pkl holds names/shapes only; huge means hostile
 MAX_NESTING = 100  # containers in a DeepSpeed checkpoint nest about 6 deep
+MAX_NDIM = 64      # as the manifest schema
+_INT64 = 2**63     # torch sizes, strides, offsets and numels are int64
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, skip to name length + extra length
 _LOCAL_HEADER_SIG = b"PK\x03\x04"
@@ -233,24 +238,31 @@ _STORAGE_TYPES = {
 _DTYPES = {t.dtype for t in _STORAGE_TYPES.values()}
 
 
-def _as_int_tuple(value, what):
-    if not isinstance(value, tuple) or not all(type(v) is int for v in value):
-        raise ValueError(f"{what} must be a tuple of ints, got {value!r}")
+def _as_int_tuple(value, what, minimum=0):
+    # Bounded like torch's int64 sizes and the schema's 64 dimensions: products and sums of
+    # these stay small (a million-digit or million-dimension "shape" makes numel quadratic).
+    if (not isinstance(value, tuple) or len(value) > MAX_NDIM
+            or not all(type(v) is int and minimum <= v < _INT64 for v in value)):
+        raise ValueError(f"{what} must be a tuple of at most {MAX_NDIM} ints in [{minimum}, 2**63), "
+                         f"got {reprlib.repr(value)}")
     return value
 
 
 def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False):
-    if not isinstance(storage, StorageRef) or type(storage_offset) is not int or storage_offset < 0:
+    if (not isinstance(storage, StorageRef) or type(storage_offset) is not int
+            or not 0 <= storage_offset < _INT64):
         raise ValueError("tensor must reference a storage at a non-negative offset")
     ref = TensorRef(storage, storage_offset, _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride"),
                     bool(requires_grad))
-    if len(ref.shape) != len(ref.stride) or any(s < 0 for s in ref.shape + ref.stride):
+    if len(ref.shape) != len(ref.stride):
         raise ValueError(f"bad size/stride {ref.shape}/{ref.stride}")
     # Bounds check, so byte offsets computed from this ref always stay inside the storage.
     if ref.numel:
         last = storage_offset + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride))
         if last >= storage.numel:
             raise ValueError(f"tensor view {ref.shape}@{storage_offset} exceeds storage of {storage.numel}")
+    elif storage_offset > storage.numel:  # an empty view may sit at the storage's end, not past it
+        raise ValueError(f"empty tensor view @{storage_offset} is past the end of its storage of {storage.numel}")
     return ref
 
 
@@ -281,7 +293,7 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 
 
 def _size(seq=()):
-    return _as_int_tuple(tuple(seq), "torch.Size")
+    return _as_int_tuple(tuple(seq), "torch.Size", -_INT64)
 
 
 # Nothing here may return a tuple holding tuples: _scan_pickle counts a call's result as one
@@ -311,9 +323,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
     # find_class is the only way a pickle can obtain a callable (GLOBAL, STACK_GLOBAL, INST,
     # OBJ and EXT* all go through it), so REDUCE/NEWOBJ can only ever call the stand-ins above.
 
-    def __init__(self, data: bytes, prefix: str, path: Path):
+    def __init__(self, data: bytes, prefix: str, path: Path, member_sizes: dict[str, int]):
         super().__init__(io.BytesIO(data))
-        self._prefix, self._path, self._storages = prefix, path, {}
+        self._prefix, self._path, self._storages, self._member_sizes = prefix, path, {}, member_sizes
 
     def find_class(self, module, name):
         try:
@@ -325,7 +337,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
-                and isinstance(pid[3], str) and type(pid[4]) is int and pid[4] >= 0):
+                and isinstance(pid[3], str) and type(pid[4]) is int and 0 <= pid[4] < _INT64):
             raise UnsafePickleError(f"{self._path}: unsupported persistent id {pid!r}")
         _, stype, key, location, numel = pid
         # Views of one flat buffer (ZeRO stage 1/2 modules) name the same storage once per
@@ -335,7 +347,15 @@ class _RestrictedUnpickler(pickle.Unpickler):
             if (known.dtype, known.numel, known.location) != (stype.dtype, numel, location):
                 raise TorchFileError(f"{self._path}: storage {key} referenced with conflicting types")
             return known
-        ref = self._storages[key] = StorageRef(f"{self._prefix}/data/{key}", key, stype.dtype, stype.itemsize, numel, location)
+        ref = StorageRef(f"{self._prefix}/data/{key}", key, stype.dtype, stype.itemsize, numel, location)
+        # Every storage is a member holding its bytes, so offsets computed from a ref stay inside it.
+        size = self._member_sizes.get(ref.member)
+        if size is None:
+            raise TorchFileError(f"{self._path}: data.pkl names storage {key!r}, which is not in the archive")
+        if size < ref.nbytes:
+            raise TruncatedFile(f"{self._path}: storage {key!r} holds {size} bytes, data.pkl says "
+                                f"{numel} x {stype.itemsize}")
+        self._storages[key] = ref
         return ref
 
 
@@ -421,7 +441,7 @@ def read_pt_metadata(path, max_pickle_bytes: int = DEFAULT_MAX_PICKLE_BYTES) -> 
         raise TorchFileError(f"{path}: data.pkl exceeds the {max_pickle_bytes} byte cap")
     try:
         _scan_pickle(data)
-        obj = _RestrictedUnpickler(data, prefix, path).load()
+        obj = _RestrictedUnpickler(data, prefix, path, {n: i.file_size for n, i in infos.items()}).load()
         _check_tree(obj, 2 * len(data) + 1_000_000)
         return obj
     except TorchFileError:
@@ -723,6 +743,8 @@ def tensor_byte_range(ref: TensorRef, locations: dict[str, tuple[int, int]]) -> 
     """(absolute file offset, byte length) of a contiguous tensor's data."""
     if not ref.is_contiguous():
         raise ValueError("tensor is not contiguous; its bytes are not one range")
+    if ref.storage.member not in locations:
+        raise TorchFileError(f"storage {ref.storage.member} is not in the archive")
     base, size = locations[ref.storage.member]
     if size < ref.storage.nbytes:
         raise TruncatedFile(f"storage {ref.storage.member} has {size} bytes, expected {ref.storage.nbytes}")
