@@ -296,6 +296,17 @@ def _size(seq=()):
     return _as_int_tuple(tuple(seq), "torch.Size", -_INT64)
 
 
+def _codecs_encode(text, encoding):
+    # How protocol 2 pickles a non-empty bytes object: _codecs.encode(text, "latin1").
+    if type(text) is not str or encoding != "latin1":
+        raise ValueError("_codecs.encode is only allowed as protocol 2 writes bytes")
+    return text.encode("latin1")
+
+
+def _empty_bytes():  # how protocol 2 pickles b""
+    return b""
+
+
 # Nothing here may return a tuple holding tuples: _scan_pickle counts a call's result as one
 # tuple level when it bounds how deep tuples nest.
 _ALLOWED = {
@@ -306,10 +317,11 @@ _ALLOWED = {
     ("torch", "Tensor"): _TensorClass,
     ("torch", "Size"): _Callable(_size),
     ("collections", "OrderedDict"): collections.OrderedDict,
+    ("_codecs", "encode"): _Callable(_codecs_encode),
     # Plain containers; protocol-2 pickles (torch.save) name builtins "__builtin__". Older
     # DeepSpeed (0.15) pickles a set in the model states.
     **{(module, name): container for module in ("builtins", "__builtin__")
-       for name, container in (("set", set), ("frozenset", frozenset))},
+       for name, container in (("set", set), ("frozenset", frozenset), ("bytes", _Callable(_empty_bytes)))},
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): ZeroStage,
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScalerState,
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): DynamicLossScalerState,
