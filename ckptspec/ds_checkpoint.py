@@ -319,7 +319,10 @@ def describe_files(shards: ShardSet, model_states: dict, optim_states: dict, sta
     for rank, path in sorted(shards.model_files.items()):
         files.append(entry(path, "model_states", [rank], []))
     for rank, path in sorted(shards.optim_files.items()):
-        members = torchfile.zip_member_locations(path)
+        try:
+            members = torchfile.zip_member_locations(path)
+        except torchfile.TorchFileError as exc:  # e.g. a compressed member, which read_pt_metadata can read
+            raise InvalidCheckpoint("CK205", _without_path(exc, path), "the file is damaged or not a torch checkpoint", str(path)) from None
         locators = []
         for g, ref in enumerate(_flat_partitions(optim_states[rank], stage)):
             if not isinstance(ref, torchfile.TensorRef):
