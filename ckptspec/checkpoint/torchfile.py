@@ -7,26 +7,54 @@ come from a fixed allowlist and are replaced by inert local stand-ins (``TensorR
 No tensor bytes are read. ``zip_member_locations`` gives the byte range of each member, so a
 tensor's bytes can later be read (or hashed) directly from the file.
 
+Every way a hostile file can go wrong ends in a ``TorchFileError`` (zipfile's own exceptions
+included); members are read only if stored or deflated, and never past the size they claim.
+The opcodes are scanned before unpickling and the result checked after it (``pickle_scan``); the
+stand-ins (``standins``) refuse the BUILD opcode, so a pickle cannot edit them after they were
+checked, nor the allowlisted globals every later read in the process shares. Every storage a
+tensor names must be a member of the archive holding the storage's bytes.
+
 Standard library only (plus ckptspec's own dtype table): this module must stay importable where
 torch is not installed.
 """
 
 from __future__ import annotations
 
-import collections
 import io
 import pickle
 import struct
 import zipfile
+import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
-from ..format.dtypes import ITEMSIZE
+from .pickle_scan import MAX_NESTING, check_tree, scan_pickle
+from .standins import (
+    ALLOWED,
+    INT64,
+    MAX_NDIM,
+    STORAGE_TYPES,
+    DType,
+    DynamicLossScalerState,
+    FragmentAddress,
+    LossScalerState,
+    StorageRef,
+    StorageType,
+    TensorRef,
+    ZeroStage,
+)
 
 __all__ = [
+    "ALLOWED",
+    "STORAGE_TYPES",
+    "TruncatedFile",
+    "UnsafePickleError",
+    "NotATorchFile",
+    "MAX_NESTING",
+    "MAX_NDIM",
+    "TorchFileError",
     "StorageRef",
     "TensorRef",
     "ZeroStage",
@@ -46,223 +74,17 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, skip to name length + ex
 _LOCAL_HEADER_SIG = b"PK\x03\x04"
 
 
-# --- stand-ins for allowlisted globals ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StorageRef:
-    member: str  # zip member holding the raw bytes: "<prefix>/data/<key>"
-    key: str
-    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
-    itemsize: int
-    numel: int  # elements in the whole storage (a view may use fewer)
-    location: str  # device it was saved from, e.g. "cpu"
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-
-@dataclass
-class TensorRef:
-    storage: StorageRef
-    storage_offset: int  # in elements
-    shape: tuple
-    stride: tuple
-    requires_grad: bool = False
-    is_parameter: bool = False
-    attrs: dict = field(default_factory=dict)  # python attributes pickled with the tensor (stage-3 "ds_id")
-
-    @property
-    def dtype(self) -> str:
-        return self.storage.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in reversed(list(zip(self.shape, self.stride))):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
-
-
-class ZeroStage(int):
-    """Stand-in for deepspeed.runtime.zero.config.ZeroStageEnum (an int enum)."""
-
-    _NAMES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights"}
-
-    def __new__(cls, value):
-        if type(value) is not int or value not in cls._NAMES:
-            raise ValueError(f"unknown ZeroStageEnum value {value!r}")
-        return super().__new__(cls, value)
-
-    @property
-    def name(self) -> str:
-        return self._NAMES[int(self)]
-
-    def __repr__(self):
-        return f"ZeroStage.{self.name}"
-
-
-class LossScalerState:
-    """Stand-in for deepspeed LossScaler: keeps the pickled ``__dict__`` as ``state``."""
-
-    kind = "LossScaler"
-
-    def __init__(self, state=None):
-        self.state = dict(state or {})
-
-    def __setstate__(self, state):
-        if not isinstance(state, dict):
-            raise ValueError(f"{self.kind} state must be a dict, got {type(state).__name__}")
-        self.state = dict(state)
-
-    def __repr__(self):
-        return f"{type(self).__name__}({self.state!r})"
-
-
-class DynamicLossScalerState(LossScalerState):
-    kind = "DynamicLossScaler"
-
-
-@dataclass
-class FragmentAddress:
-    """Stand-in for deepspeed.utils.tensor_fragment.fragment_address (a dataclass)."""
-
-    numel: int = 0
-    start: int = 0
-
-    def __setstate__(self, state):
-        if not isinstance(state, dict) or set(state) != {"numel", "start"}:
-            raise ValueError(f"bad fragment_address state {state!r}")
-        self.numel, self.start = int(state["numel"]), int(state["start"])
-
-
-class DType(str):
-    """A torch dtype referenced by name (e.g. DynamicLossScaler.dtype = torch.float16)."""
-
-    def __repr__(self):
-        return f"torch.{str(self)}"
-
-
-class _StorageType:
-    """What ``torch.FloatStorage`` etc. resolve to; only usable inside a persistent id."""
-
-    def __init__(self, name, dtype, itemsize):
-        self.name, self.dtype, self.itemsize = name, dtype, itemsize
-
-    def __repr__(self):
-        return f"torch.{self.name}"
-
-
-class _TensorClass:
-    """What ``torch.Tensor`` resolves to; only usable as _rebuild_from_type_v2's new_type."""
-
-
-# torch's typed storage classes (what protocol-2 pickles name) and the dtype each holds.
-_STORAGE_DTYPES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
-    "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-}  # fmt: skip
-_STORAGE_TYPES = {name: _StorageType(name, dtype, ITEMSIZE[dtype]) for name, dtype in _STORAGE_DTYPES.items()}
-_DTYPES = {t.dtype for t in _STORAGE_TYPES.values()}
-
-
-def _as_int_tuple(value, what):
-    if not isinstance(value, tuple) or not all(type(v) is int for v in value):
-        raise ValueError(f"{what} must be a tuple of ints, got {value!r}")
-    return value
-
-
-def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False):
-    if not isinstance(storage, StorageRef) or type(storage_offset) is not int or storage_offset < 0:
-        raise ValueError("tensor must reference a storage at a non-negative offset")
-    ref = TensorRef(
-        storage, storage_offset, _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride"), bool(requires_grad)
-    )
-    if len(ref.shape) != len(ref.stride) or any(s < 0 for s in ref.shape + ref.stride):
-        raise ValueError(f"bad size/stride {ref.shape}/{ref.stride}")
-    # Bounds check, so byte offsets computed from this ref always stay inside the storage.
-    if ref.numel:
-        last = storage_offset + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride))
-        if last >= storage.numel:
-            raise ValueError(f"tensor view {ref.shape}@{storage_offset} exceeds storage of {storage.numel}")
-    return ref
-
-
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
-    return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad)
-
-
-def _rebuild_parameter(data, requires_grad, backward_hooks):
-    if not isinstance(data, TensorRef):
-        raise ValueError("parameter must wrap a tensor")
-    data.requires_grad, data.is_parameter = bool(requires_grad), True
-    return data
-
-
-def _rebuild_from_type_v2(func, new_type, args, state):
-    # torch uses this for tensors that carry python attributes (ZeRO-3 flat groups carry ds_id).
-    if func is not _rebuild_tensor_v2 or new_type is not _TensorClass or not isinstance(args, tuple):
-        raise ValueError("_rebuild_from_type_v2 is only allowed for plain tensors")
-    ref = func(*args)
-    # state is a __dict__ or (__dict__, slots) as in torch._utils._set_obj_state.
-    parts = state if isinstance(state, tuple) else (state,)
-    for part in parts:
-        if part is not None and not isinstance(part, dict):
-            raise ValueError(f"bad tensor state {state!r}")
-        ref.attrs.update(part or {})
-    return ref
-
-
-def _size(seq=()):
-    return _as_int_tuple(tuple(seq), "torch.Size")
-
-
-_ALLOWED = {
-    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
-    ("torch", "Tensor"): _TensorClass,
-    ("torch", "Size"): _size,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    # Plain containers; protocol-2 pickles (torch.save) name builtins "__builtin__". Older
-    # DeepSpeed (0.15) pickles a set in the model states.
-    **{
-        (module, name): container
-        for module in ("builtins", "__builtin__")
-        for name, container in (("set", set), ("frozenset", frozenset))
-    },
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): ZeroStage,
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScalerState,
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): DynamicLossScalerState,
-    ("deepspeed.utils.tensor_fragment", "fragment_address"): FragmentAddress,
-    **{("torch", name): st for name, st in _STORAGE_TYPES.items()},
-    **{("torch", name): DType(name) for name in _DTYPES},
-}
-
-
 class _RestrictedUnpickler(pickle.Unpickler):
     # find_class is the only way a pickle can obtain a callable (GLOBAL, STACK_GLOBAL, INST,
     # OBJ and EXT* all go through it), so REDUCE/NEWOBJ can only ever call the stand-ins above.
 
-    def __init__(self, data: bytes, prefix: str, path: Path):
+    def __init__(self, data: bytes, prefix: str, path: Path, member_sizes: dict[str, int]):
         super().__init__(io.BytesIO(data))
-        self._prefix, self._path, self._storages = prefix, path, {}
+        self._prefix, self._path, self._storages, self._member_sizes = prefix, path, {}, member_sizes
 
     def find_class(self, module, name):
         try:
-            return _ALLOWED[(module, name)]
+            return ALLOWED[(module, name)]
         except KeyError:
             raise UnsafePickleError(
                 self._path, f"data.pkl references global {module}.{name}, which is not allowlisted"
@@ -273,11 +95,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
             isinstance(pid, tuple)
             and len(pid) == 5
             and pid[0] == "storage"
-            and isinstance(pid[1], _StorageType)
+            and isinstance(pid[1], StorageType)
             and isinstance(pid[2], str)
             and isinstance(pid[3], str)
             and type(pid[4]) is int
-            and pid[4] >= 0
+            and 0 <= pid[4] < INT64
         ):
             raise UnsafePickleError(self._path, f"unsupported persistent id {pid!r}")
         _, stype, key, location, numel = pid
@@ -288,13 +110,37 @@ class _RestrictedUnpickler(pickle.Unpickler):
             if (known.dtype, known.numel, known.location) != (stype.dtype, numel, location):
                 raise TorchFileError(self._path, f"storage {key} referenced with conflicting types")
             return known
-        ref = self._storages[key] = StorageRef(
-            f"{self._prefix}/data/{key}", key, stype.dtype, stype.itemsize, numel, location
-        )
+        ref = StorageRef(f"{self._prefix}/data/{key}", key, stype.dtype, stype.itemsize, numel, location)
+        # Every storage is a member holding its bytes, so offsets computed from a ref stay inside it.
+        size = self._member_sizes.get(ref.member)
+        if size is None:
+            raise TorchFileError(self._path, f"data.pkl names storage {key!r}, which is not in the archive")
+        if size < ref.nbytes:
+            raise TruncatedFile(
+                self._path, f"storage {key!r} holds {size} bytes, data.pkl says {numel} x {stype.itemsize}"
+            )
+        self._storages[key] = ref
         return ref
 
 
 # --- zip handling ------------------------------------------------------------------------
+
+# What zipfile raises on a hostile archive besides BadZipFile: OSError and ValueError for
+# offsets outside the file or past 2**63, UnicodeDecodeError (a ValueError) for a name flagged
+# UTF-8 that is not, NotImplementedError for a "version needed to extract" above 6.3 (or an
+# unknown method), RuntimeError for encryption, EOFError and zlib.error for a cut or corrupt
+# deflate stream.
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    OSError,
+    EOFError,
+    ValueError,
+    OverflowError,
+    struct.error,
+    zlib.error,
+    NotImplementedError,
+    RuntimeError,
+)
 
 
 def _open_zip(path: Path) -> zipfile.ZipFile:
@@ -310,10 +156,18 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
         hint = " (legacy non-zip torch format?)" if magic[:1] == b"\x80" else ""
         raise NotATorchFile(path, f"not a zip archive{hint}")
     try:
-        return zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
+        zf = zipfile.ZipFile(path)
+    except _ZIP_ERRORS as e:
         # A zip's directory is at its end: a cut-off file starts like a zip but has none.
         raise TruncatedFile(path, f"zip directory unreadable, file truncated or corrupt ({e})") from e
+    names = zf.namelist()
+    if len(set(names)) != len(names):
+        # zipfile takes the last record of a name, other readers the first: which data.pkl
+        # would torch.load unpickle? Not necessarily the one checked here.
+        zf.close()
+        twice = next(n for n in names if names.count(n) > 1)
+        raise TorchFileError(path, f"zip lists member {twice} more than once")
+    return zf
 
 
 def _archive_prefix(zf: zipfile.ZipFile, path: Path) -> str:
@@ -325,27 +179,45 @@ def _archive_prefix(zf: zipfile.ZipFile, path: Path) -> str:
     return prefix
 
 
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, path: Path) -> bytes:
+    """At most ``limit + 1`` bytes of a member. Like torch's reader, only stored or deflated
+    members without encryption (bzip2 and lzma inflate without bound, chunk by chunk)."""
+    if info.flag_bits & 0x1:
+        raise TorchFileError(path, f"member {info.filename} is encrypted")
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise TorchFileError(
+            path, f"member {info.filename} uses compression method {info.compress_type}, which torch does not read"
+        )
+    try:
+        with zf.open(info) as f:
+            # Inflating allocates what is asked for: ask for no more than the member claims.
+            return f.read(min(limit, info.file_size) + 1)
+    except EOFError as e:
+        raise TruncatedFile(path, f"{info.filename} is cut off ({e})") from e
+    except _ZIP_ERRORS as e:
+        raise TorchFileError(path, f"cannot read {info.filename} ({e})") from e
+
+
 def read_pt_metadata(path, max_pickle_bytes: int = DEFAULT_MAX_PICKLE_BYTES) -> Any:
     """Unpickle ``data.pkl`` of a torch zip file safely; tensors become ``TensorRef``."""
     path = Path(path)
     with _open_zip(path) as zf:
         prefix = _archive_prefix(zf, path)
-        info = zf.getinfo(f"{prefix}/data.pkl")
+        infos = {info.filename: info for info in zf.infolist()}
+        info = infos[f"{prefix}/data.pkl"]
         if info.file_size > max_pickle_bytes:
             raise TorchFileError(path, f"data.pkl is {info.file_size} bytes, over the {max_pickle_bytes} cap")
-        byteorder = f"{prefix}/byteorder"
-        if byteorder in zf.namelist() and zf.read(byteorder) != b"little":
+        byteorder = infos.get(f"{prefix}/byteorder")
+        if byteorder is not None and _read_member(zf, byteorder, 16, path) != b"little":
             raise TorchFileError(path, "only little-endian archives are supported")
-        try:
-            data = zf.open(info).read(max_pickle_bytes + 1)
-        except EOFError as e:
-            raise TruncatedFile(path, f"data.pkl is cut off ({e})") from e
-        except (zipfile.BadZipFile, OSError) as e:
-            raise TorchFileError(path, f"cannot read data.pkl ({e})") from e
+        data = _read_member(zf, info, max_pickle_bytes, path)
     if len(data) > max_pickle_bytes:
         raise TorchFileError(path, f"data.pkl exceeds the {max_pickle_bytes} byte cap")
     try:
-        return _RestrictedUnpickler(data, prefix, path).load()
+        scan_pickle(data)
+        obj = _RestrictedUnpickler(data, prefix, path, {n: i.file_size for n, i in infos.items()}).load()
+        check_tree(obj, 2 * len(data) + 1_000_000)
+        return obj
     except TorchFileError:
         raise
     except Exception as e:  # malformed or hostile pickle: stand-ins raise ValueError/TypeError
@@ -355,20 +227,29 @@ def read_pt_metadata(path, max_pickle_bytes: int = DEFAULT_MAX_PICKLE_BYTES) -> 
 def zip_member_locations(path) -> dict[str, tuple[int, int]]:
     """member name -> (absolute byte offset of its data, size in bytes); members must be stored."""
     path = Path(path)
-    file_size = path.stat().st_size
     out = {}
     with _open_zip(path) as zf, open(path, "rb") as f:
+        file_size = f.seek(0, io.SEEK_END)
         for info in zf.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
                 raise TorchFileError(
                     path,
                     f"member {info.filename} is compressed (method {info.compress_type}); torch writes stored members",
                 )
+            if info.flag_bits & 0x1:
+                raise TorchFileError(path, f"member {info.filename} is encrypted")
+            if info.compress_size != info.file_size:
+                raise TorchFileError(
+                    path, f"stored member {info.filename} has two sizes, {info.compress_size} and {info.file_size}"
+                )
+            if not 0 <= info.header_offset <= file_size - _LOCAL_HEADER.size:
+                raise TruncatedFile(
+                    path,
+                    f"local header of {info.filename} at byte {info.header_offset} "
+                    f"is outside the file ({file_size} bytes)",
+                )
             f.seek(info.header_offset)
-            header = f.read(_LOCAL_HEADER.size)
-            if len(header) < _LOCAL_HEADER.size:
-                raise TruncatedFile(path, f"local header of {info.filename} is cut off")
-            sig, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+            sig, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
             if sig != _LOCAL_HEADER_SIG:
                 raise TorchFileError(path, f"bad local header signature for {info.filename}")
             offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
@@ -399,6 +280,8 @@ def tensor_byte_range(ref: TensorRef, locations: dict[str, tuple[int, int]]) -> 
     """(absolute file offset, byte length) of a contiguous tensor's data."""
     if not ref.is_contiguous():
         raise ValueError("tensor is not contiguous; its bytes are not one range")
+    if ref.storage.member not in locations:
+        raise TorchFileError(None, f"storage {ref.storage.member} is not in the archive")
     base, size = locations[ref.storage.member]
     if size < ref.storage.nbytes:
         raise TruncatedFile(None, f"storage {ref.storage.member} has {size} bytes, expected {ref.storage.nbytes}")

@@ -104,8 +104,43 @@ def _validate(doc: Any, *, plain: bool, build_model: bool, reference: bool) -> R
         manifest, failure = _build_model(doc, allow_unknown)
         if failure is not None:
             return Report(findings + [failure])
-    findings += check_document(doc if rules_read_doc else manifest.to_dict())
+    try:
+        checked = doc if rules_read_doc else manifest.to_dict()
+    except UnicodeEncodeError:
+        # The models keep a newer minor's unknown fields as they are, lone surrogates included,
+        # and cannot serialize them.
+        return Report(
+            findings
+            + [
+                Finding(
+                    "CK001",
+                    "schema",
+                    _lone_surrogate_path(doc),
+                    "string is not valid Unicode (a lone surrogate)",
+                    "manifest strings must be Unicode text",
+                )
+            ]
+        )
+    findings += check_document(checked)
     return Report(findings, manifest)
+
+
+def _lone_surrogate_path(doc: Any) -> str:
+    """The JSON path of the first string (key or value) that is not Unicode text."""
+    stack = [(doc, ())]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return json_path(*where)
+        elif isinstance(value, dict):
+            stack.extend((k, where + (k,)) for k in value)
+            stack.extend((v, where + (k,)) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, where + (i,)) for i, v in enumerate(value))
+    return "$"
 
 
 def validate_document(doc: Any, *, build_model: bool = True, reference: bool = False) -> Report:

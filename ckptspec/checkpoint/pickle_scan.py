@@ -1,0 +1,262 @@
+"""Checks around the restricted unpickler: what a hostile ``data.pkl`` could do to the process.
+
+Before unpickling, ``scan_pickle`` walks the opcodes and refuses memo indices that would make the
+C unpickler allocate memory in proportion to them, and tuples nested deeper than ``MAX_NESTING``
+(hashing one recurses in C and can crash the interpreter). After it, ``check_tree`` makes sure the
+result is a tree a recursive walker can handle: no cycles, at most ``MAX_NESTING`` deep, not
+exponentially large through shared references. Both raise ``ValueError``; ``torchfile`` turns
+that into a ``TorchFileError`` naming the file.
+"""
+
+from __future__ import annotations
+
+from .standins import DType, FragmentAddress, LossScalerState, StorageRef, TensorRef, ZeroStage
+
+MAX_NESTING = 100  # containers in a DeepSpeed checkpoint nest about 6 deep
+
+
+# Opcode argument layouts (pickletools' table, by opcode byte) and, for scan_pickle's general
+# path, their effect on the stack.
+_FIXED = {
+    **dict.fromkeys(b"KhqCU\x80\x82\x8c\x8a", 1),
+    **dict.fromkeys(b"M\x83", 2),
+    **dict.fromkeys(b"Jjr\x84TBX\x8b", 4),
+    **dict.fromkeys(b"G\x95\x8d\x8e\x96", 8),
+}
+_COUNTED = frozenset(b"CU\x8c\x8aTBX\x8b\x8d\x8e\x96")  # the argument is a byte count; the bytes follow
+_LINES = {**dict.fromkeys(b"ILFSVgpP", 1), **dict.fromkeys(b"ci", 2)}
+_NO_ARG = frozenset(b"(.012NRabd}elo]st)uQ\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94\x97\x98")
+_PUSH = frozenset(b"N\x88\x89KMJGILFSVUC\x8c\x8aTBX\x8b\x8d\x8e\x96]}\x8fc\x82\x83\x84P\x97")  # push one non-tuple
+
+
+def scan_pickle(data: bytes) -> None:
+    """Walk the opcodes of ``data`` as the unpickler will, before it runs, and refuse what
+    would harm the process: a memo index past the pickle's length (the C unpickler grows its
+    memo array to twice the index: a 9-byte pickle could claim 32 GB), and tuples nested more
+    than MAX_NESTING deep (hashing one, as a dict key or set element, recurses in C without a
+    limit and crashes the interpreter). Tracks the tuple depth of every stack slot and memo
+    entry; anything but a tuple counts 0 (other containers are unhashable or, for frozenset,
+    hash without recursing), and a call's result counts 1 (see ALLOWED). Anything the
+    unpickler would fail on (an unknown opcode, a cut argument, a missing MARK) fails here.
+    """
+    n = len(data)
+    pos, stack, marks, memo = 0, [], [], {}
+    push, pop, from_bytes = stack.append, stack.pop, int.from_bytes
+
+    def to_mark():
+        if not marks:
+            raise ValueError(f"no MARK before byte {pos}")
+        items = stack[marks[-1] :]
+        del stack[marks.pop() :]
+        return items
+
+    def tuple_of(items):
+        depth = 1 + max(items, default=0)
+        if depth > MAX_NESTING:
+            raise ValueError(f"tuples nest deeper than {MAX_NESTING} levels at byte {pos}")
+        return depth
+
+    def put(index):
+        if not 0 <= index < n:
+            raise ValueError(f"memo index {index} at byte {pos} is beyond the pickle's {n} bytes")
+        memo[index] = stack[-1]
+
+    try:
+        while True:
+            op = data[pos]
+            # The opcodes torch.save writes most, argument and stack effect in one go.
+            if op == 0x72:  # LONG_BINPUT (put() inlined: this is a quarter of all opcodes)
+                index = from_bytes(data[pos + 1 : pos + 5], "little")
+                if index >= n:
+                    put(index)
+                memo[index] = stack[-1]
+                pos += 5
+            elif op == 0x4B:  # BININT1
+                push(0)
+                pos += 2
+            elif op == 0x68:  # BINGET
+                push(memo[data[pos + 1]])
+                pos += 2
+            elif op == 0x52:  # REDUCE
+                pop()
+                stack[-1] = 1
+                pos += 1
+            elif op == 0x86:  # TUPLE2
+                b = pop()
+                a = stack[-1]
+                if a or b:
+                    stack[-1] = tuple_of((a, b))
+                else:
+                    stack[-1] = 1
+                pos += 1
+            elif op == 0x28:  # MARK
+                marks.append(len(stack))
+                pos += 1
+            elif op == 0x74:  # TUPLE
+                push(tuple_of(to_mark()))
+                pos += 1
+            elif op == 0x6A:  # LONG_BINGET
+                push(memo[from_bytes(data[pos + 1 : pos + 5], "little")])
+                pos += 5
+            elif op == 0x4A:  # BININT
+                push(0)
+                pos += 5
+            elif op == 0x58:  # BINUNICODE
+                pos += 5 + from_bytes(data[pos + 1 : pos + 5], "little")
+                push(0)
+            elif op == 0x29:  # EMPTY_TUPLE
+                push(1)
+                pos += 1
+            elif op == 0x51:  # BINPERSID
+                stack[-1] = 0
+                pos += 1
+            elif op == 0x89 or op == 0x88 or op == 0x4E:  # NEWFALSE, NEWTRUE, NONE
+                push(0)
+                pos += 1
+            elif op == 0x85:  # TUPLE1
+                stack[-1] = tuple_of((stack[-1],))
+                pos += 1
+            elif op == 0x71:  # BINPUT
+                put(data[pos + 1])
+                pos += 2
+            elif op == 0x2E:  # STOP
+                return
+            else:
+                pos = _scan_rare(op, data, pos, stack, marks, memo, to_mark, tuple_of, put)
+    except IndexError:
+        raise ValueError("pickle data was truncated, or an opcode finds too few values on the stack") from None
+    except KeyError as e:
+        raise ValueError(f"memo value not found at index {e}") from None
+
+
+def _scan_rare(op, data, pos, stack, marks, memo, to_mark, tuple_of, put):
+    """scan_pickle for every other opcode: returns the position of the next one."""
+    start = pos
+    pos += 1
+    width = _FIXED.get(op)
+    if width is not None:
+        if pos + width > len(data):
+            raise IndexError
+        arg = int.from_bytes(data[pos : pos + width], "little")
+        pos += width + (arg if op in _COUNTED else 0)
+    elif op in _LINES:
+        line_start = pos
+        for _ in range(_LINES[op]):
+            end = data.find(b"\n", pos)
+            if end < 0:
+                raise IndexError
+            pos = end + 1
+        if op == 0x70:  # PUT
+            put(int(data[line_start:pos]))
+            return pos
+        if op == 0x67:  # GET
+            stack.append(memo[int(data[line_start:pos])])
+            return pos
+    elif op not in _NO_ARG:
+        raise ValueError(f"unknown opcode {op:#04x} at byte {start}")
+    if op in _PUSH:
+        stack.append(0)
+    elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+        stack.append(memo[arg])
+    elif op == 0x71 or op == 0x72:  # BINPUT, LONG_BINPUT
+        put(arg)
+    elif op == 0x94:  # MEMOIZE: the next free index, like the unpickler's
+        memo[len(memo)] = stack[-1]
+    elif op == 0x87:  # TUPLE3
+        items = stack[-3:]
+        if len(items) < 3:
+            raise IndexError
+        del stack[-3:]
+        stack.append(tuple_of(items))
+    elif op in b"ld\x91":  # LIST, DICT, FROZENSET: the items since MARK become one value
+        to_mark()
+        stack.append(0)
+    elif op in b"io":  # INST, OBJ: a call on the items since MARK
+        to_mark()
+        stack.append(1)
+    elif op in b"eu\x901":  # APPENDS, SETITEMS, ADDITEMS, POP_MARK
+        to_mark()
+    elif op == 0x30:  # POP: an item, or the MARK on top
+        if marks and marks[-1] == len(stack):
+            marks.pop()
+        else:
+            stack.pop()
+    elif op == 0x32:  # DUP
+        stack.append(stack[-1])
+    elif op in b"ab":  # APPEND, BUILD
+        stack.pop()
+    elif op == 0x73:  # SETITEM
+        stack.pop(), stack.pop()
+    elif op in b"\x81\x93":  # NEWOBJ, STACK_GLOBAL: two values -> one
+        stack.pop()
+        stack[-1] = 1
+    elif op == 0x92:  # NEWOBJ_EX
+        stack.pop(), stack.pop()
+        stack[-1] = 1
+    elif op == 0x98:  # READONLY_BUFFER
+        stack[-1]
+    # Everything else (PROTO, FRAME, and the opcodes scan_pickle handles itself) only has its argument.
+    return pos
+
+
+_LEAVES = frozenset({str, int, float, bool, type(None), bytes, StorageRef, ZeroStage, DType, FragmentAddress})
+
+
+def _children(obj):
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return obj
+    if isinstance(obj, dict):
+        extra = getattr(obj, "__dict__", None)  # an OrderedDict's attributes (BUILD)
+        return (*obj.keys(), *obj.values(), *([extra] if extra else []))
+    if isinstance(obj, TensorRef):
+        return (obj.attrs,) if obj.attrs else None
+    if isinstance(obj, LossScalerState):
+        return (obj.state,)
+    return None
+
+
+def check_tree(root, max_nodes: int) -> None:
+    """The unpickled object must be a tree as a recursive walker sees it: no cycles, at most
+    MAX_NESTING deep, at most ``max_nodes`` nodes when a shared object counts once per place
+    it appears (the memo can share one list at every level: 2**64 paths from 700 bytes).
+    Iterative, and each shared object is measured once."""
+    done: dict[int, tuple[int, int]] = {}  # id -> (nodes, height) of a finished container
+    if _children(root) is None:
+        return
+    path = {id(root)}
+    stack = [[root, iter(_children(root)), 1, 0]]  # object, its children, nodes so far, tallest child
+    leaves = _LEAVES
+    while stack:
+        frame = stack[-1]
+        for child in frame[1]:
+            if type(child) in leaves:
+                frame[2] += 1
+                continue
+            kids = _children(child)
+            if kids is None:
+                frame[2] += 1
+                continue
+            known = done.get(id(child))
+            if known is not None:
+                if len(stack) + known[1] > MAX_NESTING:
+                    raise ValueError(f"data.pkl nests deeper than {MAX_NESTING} levels")
+                frame[2] += known[0]
+                frame[3] = max(frame[3], known[1])
+                continue
+            if id(child) in path:
+                raise ValueError("data.pkl holds a reference cycle")
+            if len(stack) >= MAX_NESTING:
+                raise ValueError(f"data.pkl nests deeper than {MAX_NESTING} levels")
+            path.add(id(child))
+            stack.append([child, iter(kids), 1, 0])
+            break
+        else:
+            stack.pop()
+            obj, nodes, height = frame[0], frame[2], frame[3] + 1
+            if nodes > max_nodes:
+                raise ValueError(f"data.pkl's objects, counted once per place they appear, exceed {max_nodes}")
+            done[id(obj)] = (nodes, height)
+            path.discard(id(obj))
+            if stack:
+                stack[-1][2] += nodes
+                stack[-1][3] = max(stack[-1][3], height)
