@@ -125,7 +125,7 @@ def test_a_sidecar_is_preferred_like_validate_dir(checkpoint, tmp_path):
     sidecar.write_text(json.dumps(doc))
     result = run("inspect", copy)
     assert result.exit_code == 1
-    assert f"{sidecar}: $.layout.world_size: CK001" in result.stdout
+    assert f"{copy}: ckptspec.json: $.layout.world_size: CK001" in result.stdout  # as `validate DIR` says it
 
 
 def test_manifest_summary_and_top():

@@ -142,6 +142,43 @@ def test_fault_is_reported(fault, built, tmp_path):
     assert not env.marker.exists(), "pickled code ran"
 
 
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
+def test_fault_is_refused_by_every_reader(fault, built, tmp_path):
+    """reconstruct and load_state_dict refuse (exit 1, the fault's code, nothing written); inspect
+    reports the code without a traceback."""
+    import ckptspec
+    from ckptspec.errors import InvalidCheckpoint
+
+    save_dir = _copy(built(fault.base), tmp_path)
+    manifest_args, manifest = [], None
+    if fault.hashed_manifest:
+        manifest = tmp_path / "manifest.json"
+        assert _run("generate", str(save_dir), "--hash", "-o", str(manifest)).exit_code == 0
+        manifest_args = ["--manifest", str(manifest)]
+    env = FaultEnv(built(fault.donor) if fault.donor else None, tmp_path / "pwned")
+    fault.mutate(save_dir, env)
+    before = snapshot(tmp_path)
+
+    out = tmp_path / "out"
+    result = _run("reconstruct", str(save_dir), str(out), "--quiet", *manifest_args)
+    assert result.exit_code == 1 and isinstance(result.exception, (SystemExit, type(None))), result.output
+    assert fault.code in result.output, result.output
+    assert not out.exists() and snapshot(tmp_path) == before, "a refused reconstruction wrote something"
+
+    with pytest.raises(InvalidCheckpoint) as info:
+        ckptspec.load_state_dict(save_dir, framework="numpy", manifest=manifest)
+    assert info.value.exit_code == 1
+    codes = {f.code for f in getattr(info.value, "findings", [])} | {info.value.code}
+    assert fault.code in codes, (info.value.to_line(), codes)
+
+    shown = _cli("inspect", str(manifest) if manifest else str(save_dir), "--format", "json")
+    assert "Traceback" not in shown.stdout + shown.stderr
+    if not manifest:  # a manifest file alone says nothing of the files
+        assert shown.returncode == 1 and fault.code in shown.stdout + shown.stderr, shown.stdout + shown.stderr
+    assert snapshot(tmp_path) == before
+    assert not env.marker.exists(), "pickled code ran"
+
+
 # --------------------------------------------------------------------------- sidecar, hashes, API
 
 

@@ -3,9 +3,10 @@
 A target is a manifest file (JSON or msgpack) or a DeepSpeed checkpoint directory; a
 directory's manifest is the one ``validate DIR`` chooses (``choose_manifest``): the tag
 directory's sidecar (``ckptspec.json``/``.msgpack``) if there is one, else one generated
-from DeepSpeed's own metadata (no pickled code runs). Either way it is validated first; an
-invalid one, or a file that cannot be read while generating it, is reported like
-``validate`` reports it (exit 1) and not summarized.
+from DeepSpeed's own metadata (no pickled code runs). Either way it is validated first, and a
+directory's files are checked against it as ``validate DIR --no-hash`` checks them: a
+checkpoint with an error finding is reported like ``validate`` reports it (exit 1) and not
+summarized, so a summary never describes files that do not hold what it says.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
     """Read and validate the manifest of ``name`` (a file, or a checkpoint directory).
 
     A directory's manifest is the one ``validate DIR`` would check the files against
-    (``choose_manifest``); files that could not be read while generating it are findings.
+    (``choose_manifest``), and the files are checked against it (hashes aside).
     """
     from ..format.validate import validate_file
 
@@ -52,10 +53,9 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
     from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.validate import choose_manifest
+    from ..deepspeed.validate import check_tag_dir
 
-    chosen = choose_manifest(resolve_tag_dir(name, tag))
-    findings = chosen.findings if chosen.manifest is None else chosen.findings + chosen.unreadable
+    chosen, findings = check_tag_dir(resolve_tag_dir(name, tag), None, verify_hashes=False)
     manifest = chosen.manifest if not has_errors(findings) else None
     where = str(chosen.sidecar) if chosen.sidecar is not None else None
     return Target(name, chosen.source, manifest, findings, where)
@@ -77,7 +77,8 @@ def _label(target: Target) -> str:
 
 
 def _show_findings(target: Target, findings: list[Finding], err: bool) -> None:
-    echo_findings(findings, target.where or target.name, err=err)
+    # As `validate` prints them: after the target as given; a sidecar's findings name it.
+    echo_findings(findings, target.name, err=err)
 
 
 def _tty() -> bool:
@@ -127,8 +128,8 @@ def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
     """Summarize a manifest or checkpoint: layout, groups, largest tensors, ties, files.
 
     A checkpoint directory is read like `validate DIR` reads it (its sidecar manifest,
-    else one generated from DeepSpeed's metadata); its files are not checked against
-    the manifest (that is `ckptspec validate DIR`).
+    else one generated from DeepSpeed's metadata) and its files are checked as
+    `validate DIR --no-hash` checks them: one with an error finding is not summarized.
     """
     from ..report.summary import summarize
 

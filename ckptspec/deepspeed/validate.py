@@ -111,17 +111,24 @@ def validate_checkpoint(
         manifest = validate_file(manifest)
     if isinstance(manifest, Report) and (not manifest.ok or manifest.manifest is None):
         return manifest.manifest, list(manifest.findings)  # an invalid manifest is not checked against files
-    tag_dir = resolve_tag_dir(checkpoint_dir, tag)
+    chosen, findings = check_tag_dir(resolve_tag_dir(checkpoint_dir, tag), manifest, verify_hashes, states)
+    return chosen.manifest, findings
+
+
+def check_tag_dir(
+    tag_dir: Path, manifest: Manifest | Report | None, verify_hashes: bool, states: StateCache | None = None
+) -> tuple[Chosen, list[Finding]]:
+    """``validate_checkpoint`` on a resolved tag directory, with the manifest choice itself."""
     chosen = choose_manifest(tag_dir, manifest, states=states)
     findings = chosen.findings
     if chosen.sidecar is not None:  # name the sidecar in its own findings
         findings = [f if f.file is not None else dataclasses.replace(f, file=chosen.sidecar.name) for f in findings]
     if not chosen.checkable:
-        return chosen.manifest, findings
+        return chosen, findings
     findings = findings + check_checkpoint(chosen.manifest, tag_dir, verify_hashes=verify_hashes, states=chosen.states)
     # Copies embedded in the model states (client_state) must agree with each other and the sidecar.
     findings += embedded_findings(tag_dir, states=chosen.states)
-    return chosen.manifest, findings
+    return chosen, findings
 
 
 def describe_tolerantly(tag_dir: Path, states: StateCache) -> tuple[Manifest | None, list[Finding]]:
@@ -188,4 +195,4 @@ def _read_finding(rel: str, loaded: Loaded) -> Finding:
     return finding(code, "$", loaded.error.reason, hint, file=rel, rank=rank_of(rel))
 
 
-__all__ = ["Chosen", "choose_manifest", "describe_tolerantly", "validate_checkpoint"]
+__all__ = ["Chosen", "check_tag_dir", "choose_manifest", "describe_tolerantly", "validate_checkpoint"]
