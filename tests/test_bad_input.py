@@ -555,3 +555,34 @@ def test_fuzz_mutated_manifests(doc, encoding):
     except (ValueError, OverflowError, TypeError):
         return
     _decode_and_validate(data, encoding)
+
+
+# --------------------------------------------------------------------------- an internal error
+
+
+def _raise_internal(*args, **kwargs):
+    raise RuntimeError("boom: a stand-in for a ckptspec bug")
+
+
+def test_an_internal_error_is_one_ck999_line(monkeypatch, capsys):
+    """An exception ckptspec did not anticipate (here injected) is one CK999 line, exit 2, no traceback."""
+    monkeypatch.setattr("ckptspec.format.validate.validate_file", _raise_internal)
+    monkeypatch.delenv("CKPTSPEC_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["ckptspec", "validate", str(EXAMPLE)])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "CK999 internal error: RuntimeError: boom: a stand-in for a ckptspec bug "
+        "(hint: this is a ckptspec bug; rerun with CKPTSPEC_DEBUG=1 and report it)"
+    ]
+
+
+def test_ckptspec_debug_shows_the_traceback(monkeypatch):
+    """With CKPTSPEC_DEBUG set, the same error propagates (the traceback a bug report needs)."""
+    monkeypatch.setattr("ckptspec.format.validate.validate_file", _raise_internal)
+    monkeypatch.setenv("CKPTSPEC_DEBUG", "1")
+    monkeypatch.setattr(sys, "argv", ["ckptspec", "validate", str(EXAMPLE)])
+    with pytest.raises(RuntimeError, match="boom"):
+        cli_main()

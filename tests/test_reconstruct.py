@@ -254,6 +254,45 @@ def test_damaged_checkpoint_exits_1_and_writes_nothing(point, tmp_path, existing
         assert not out.exists()
 
 
+def _edit_model_states(save_dir: Path, change) -> None:
+    path = sorted(resolve_tag_dir(save_dir).glob("*model_states.pt"))[0]
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    change(state["module"])
+    torch.save(state, path)  # same name, so the archive name inside the zip stays right
+
+
+def test_files_changed_after_validation_are_refused_by_the_plan(point, tmp_path):
+    """CK401: the plan reads the files again and finds what validation did not see (here a buffer
+    re-saved in another dtype between validating and planning); nothing is read or written."""
+    from ckptspec.checkpoint.states import StateCache
+    from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.errors import InvalidCheckpoint
+    from ckptspec.export.plan import plan_reconstruction
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(point("s2-bf16-ws2"), copy)
+    manifest, findings = validate_checkpoint(copy)
+    assert findings == []
+    _edit_model_states(copy, lambda module: module.__setitem__("running", module["running"].double()))
+    with pytest.raises(InvalidCheckpoint) as info:
+        plan_reconstruction(copy, manifest, states=StateCache())
+    assert info.value.code == "CK401" and info.value.exit_code == 1
+    assert "buffer 'running' is float64, the manifest says float32" in info.value.message
+
+
+def test_a_tensor_that_cannot_be_written_as_asked_is_refused(point, tmp_path):
+    """CK402: a buffer saved as a strided view has no single byte range; nothing is written."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(point("s2-bf16-ws2"), copy)
+    _edit_model_states(copy, lambda module: module.__setitem__("running", torch.zeros(2 * 16)[::2]))
+    assert _cli("validate", str(copy)).returncode == 0  # the files are consistent; only their form is unusual
+    out = tmp_path / "out"
+    result = _cli("reconstruct", str(copy), str(out), check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "CK402 'running' is stored as a non-contiguous view" in result.stderr, result.stderr
+    assert not out.exists()
+
+
 def test_no_progress_bar_without_a_terminal(point, tmp_path):
     save_dir = point("s2-bf16-ws1")
     result = _cli("reconstruct", str(save_dir), str(tmp_path / "out"))
