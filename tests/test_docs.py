@@ -43,6 +43,7 @@ saying REQUIRED exactly when the schema requires it.
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
 import itertools
@@ -605,6 +606,9 @@ def doc_runs(tmp_path_factory, console_env, doc_checkpoints) -> dict[str, tuple[
 
 @pytest.mark.parametrize("block", console_blocks(), ids=lambda b: b.where())
 def test_console_block(block: Block, doc_runs):
+    """The transcripts are current: each command prints what the page shows. This keeps the docs
+    honest about ckptspec's output; it is not evidence that the output is right (see
+    test_console_codes_on_the_corpus_are_the_corpus_codes and the oracle tests)."""
     _, stdout, stderr = doc_runs[block.where()]
     assert stderr == "", stderr
     chunks = re.split(r"\n?@@@ (\d+) @@@\n", stdout)[1:]
@@ -614,6 +618,31 @@ def test_console_block(block: Block, doc_runs):
         assert _lines_match(_normalize("\n".join(expected)).splitlines(), actual.splitlines()), (
             f"{block.where()}: `$ {command}` printed:\n{outputs.get(i, '')}"
         )
+
+
+CORPUS_COMMAND = re.compile(r"^ckptspec validate (tests/conformance/1\.0/(?:valid|invalid)/\S+\.(?:json|msgpack))$")
+
+
+def test_console_codes_on_the_corpus_are_the_corpus_codes():
+    """Where a transcript validates a conformance file, the codes it shows are the ones the
+    corpus generator expects (tests/conformance/1.0/expected.json, written independently of
+    ckptspec), so a pasted transcript cannot show a wrong verdict."""
+    expected = json.loads((ROOT / "tests/conformance/1.0/expected.json").read_text("utf-8"))
+    checked = 0
+    for block in console_blocks():
+        for command, output in parse_console(block):
+            match = CORPUS_COMMAND.match(command)
+            if not match:
+                continue
+            key = match.group(1).removeprefix("tests/conformance/1.0/")
+            key = key.replace(".msgpack", ".json") if key not in expected else key
+            shown = set(re.findall(r"\b(CK\d{3})\b", "\n".join(output)))
+            want = set(expected[key]["codes"]) | set(expected[key]["warnings"])
+            assert shown == want, (
+                f"{block.where()}: `$ {command}` shows {sorted(shown)}, the corpus expects {sorted(want)}"
+            )
+            checked += 1
+    assert checked >= 5, "the docs no longer show validations of corpus files"
 
 
 @pytest.mark.parametrize("block", python_run_blocks(), ids=lambda b: b.where())
@@ -631,10 +660,18 @@ def excerpt_blocks() -> list[Block]:
     return [b for f in sorted(DOCS.glob("*.md")) for b in parse_blocks(f) if "excerpt" in b.options]
 
 
-def _tests_text() -> str:
-    """The test modules that may run examples (this one only reads them)."""
-    tests = sorted(p for p in (ROOT / "tests").glob("test_*.py") if p.name != Path(__file__).name)
-    return "\n".join(p.read_text("utf-8") for p in tests)
+# Example programs an excerpt may come from, and the test that runs each end to end and checks
+# its result (not a mention: the test must exist).
+EXAMPLE_RUNNERS = {
+    "examples/hf_gpt2": "tests/test_examples.py::test_hf_gpt2_runs_and_loads_bit_exact",
+    "examples/node-reader": "tests/test_node_reader.py::test_node_reader_matches_ckptspec_reconstruct",
+}
+
+
+def _test_exists(node_id: str) -> bool:
+    module, name = node_id.split("::")
+    tree = ast.parse((ROOT / module).read_text("utf-8"))
+    return any(isinstance(node, ast.FunctionDef) and node.name == name for node in tree.body)
 
 
 @pytest.mark.parametrize("block", python_blocks(), ids=lambda b: b.where())
@@ -658,11 +695,9 @@ def check_excerpt(block: Block):
     source = block.options["excerpt"]
     path = ROOT / source
     assert source.startswith("examples/") and path.is_file(), f"{block.where()}: {source} is not a file in examples/"
-    # Named by a test, itself or its example directory (whose program imports it).
-    names = [source] + ([str(Path(source).parent)] if Path(source).parent != Path("examples") else [])
-    assert any(n in _tests_text() for n in names), (
-        f"{block.where()}: no tests/test_*.py names {source}, so nothing runs it"
-    )
+    runner = EXAMPLE_RUNNERS.get(str(Path(source).parent))
+    assert runner is not None, f"{block.where()}: no test in EXAMPLE_RUNNERS runs {source}, so nothing runs it"
+    assert _test_exists(runner), f"{block.where()}: {runner}, which runs {source}, does not exist"
     lines, want = path.read_text("utf-8").splitlines(), block.text.splitlines()
     windows = ("\n".join(lines[i : i + len(want)]) + "\n" for i in range(len(lines) - len(want) + 1))
     assert any(textwrap.dedent(w) == block.text for w in windows), f"{block.where()}: not an excerpt of {source}"
