@@ -17,4 +17,4 @@ if [ "${1:-}" = "--refresh" ]; then
     shift
     PYTHONPATH=tests .venv/bin/python -m _harness.compat --refresh
 fi
-exec .venv/bin/python -m pytest -m compat tests/test_deepspeed_015.py "$@"
+exec .venv/bin/python -m pytest -m compat tests/deepspeed/test_deepspeed_015.py "$@"

@@ -663,8 +663,8 @@ def excerpt_blocks() -> list[Block]:
 # Example programs an excerpt may come from, and the test that runs each end to end and checks
 # its result (not a mention: the test must exist).
 EXAMPLE_RUNNERS = {
-    "examples/hf_gpt2": "tests/test_examples.py::test_hf_gpt2_runs_and_loads_bit_exact",
-    "examples/node-reader": "tests/test_node_reader.py::test_node_reader_matches_ckptspec_reconstruct",
+    "examples/hf_gpt2": "tests/interop/test_examples.py::test_hf_gpt2_runs_and_loads_bit_exact",
+    "examples/node-reader": "tests/interop/test_node_reader.py::test_node_reader_matches_ckptspec_reconstruct",
 }
 
 

@@ -1,7 +1,7 @@
 """Pydantic models that mirror ``schema/manifest-1.0.schema.json``.
 
 The JSON Schema is normative; these models are the Python view of it and
-``tests/test_agreement.py`` proves both give the same verdict. Optional fields
+``tests/format/test_agreement.py`` proves both give the same verdict. Optional fields
 are absent rather than null, exactly as in the schema, so they are typed
 without ``None`` and dumped with ``exclude_unset`` (unknown fields, even null ones, are kept).
 """

@@ -5,7 +5,7 @@ lives in ``ckptspec.cli.render``). "Resume" means what ``engine.load_checkpoint(
 does with its defaults in DeepSpeed 0.19.8 (strict module load, optimizer states
 loaded, fp32 masters taken from the checkpoint) when the job is configured like B
 and the checkpoint is A. Each rule that blocks it is one function and one code
-(CK501-CK507, docs/errors.md); ``tests/test_diff.py`` checks the verdicts against
+(CK501-CK507, docs/errors.md); ``tests/report/test_diff.py`` checks the verdicts against
 real DeepSpeed runs (``tests/dsharness/resume.py``).
 """
 

@@ -49,24 +49,32 @@ def old_python() -> str:
     return str(python)
 
 
-def refresh_fixtures() -> None:
-    """Build the old-DeepSpeed checkpoints (cached like every job) and copy them into FIXTURES."""
+def commit_entry(name: str, target: Path) -> None:
+    """Copy the checkpoint of harness entry ``name`` (built if needed) to ``target``: the tag
+    directory, ``latest`` and what the job recorded (live masters, harness.json)."""
     import shutil
 
     from . import tasks
-    from .scenarios import OLD_DEEPSPEED
 
-    FIXTURES.mkdir(parents=True, exist_ok=True)
+    built = tasks.path(name)
+    tag = (built / "latest").read_text().strip()
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for keep in ("latest", "live_fp32.pt", "harness.json"):
+        shutil.copy2(built / keep, target / keep)
+    shutil.copytree(built / tag, target / tag)
+    print(f"{target}: {sum(p.stat().st_size for p in target.rglob('*') if p.is_file())} bytes")
+
+
+def refresh_fixtures() -> None:
+    """Rewrite every committed checkpoint from the harness: the old-DeepSpeed ones (their own
+    virtualenv) and the current-DeepSpeed ones the synthetic fault route mutates."""
+    from .scenarios import COMMITTED, OLD_DEEPSPEED
+
     for name in OLD_DEEPSPEED:
-        built = tasks.path(name)
-        tag = (built / "latest").read_text().strip()
-        target = FIXTURES / name
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir()
-        for keep in ("latest", "live_fp32.pt", "harness.json"):
-            shutil.copy2(built / keep, target / keep)
-        shutil.copytree(built / tag, target / tag)
-        print(f"{target}: {sum(p.stat().st_size for p in target.rglob('*') if p.is_file())} bytes")
+        commit_entry(name, FIXTURES / name)
+    for name, target in COMMITTED.items():
+        commit_entry(name, target)
 
 
 if __name__ == "__main__":  # python -m _harness.compat --refresh (run by scripts/compat.sh)

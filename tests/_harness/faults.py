@@ -5,7 +5,7 @@ tag directory, from tests/_harness) and mutates it in place. Pickles are edited 
 ``torch.load(weights_only=False)`` + ``torch.save`` here, in test code only; ckptspec itself
 never unpickles with torch.
 
-Used by tests/test_shards.py (ckptspec must report ``code``, naming ``file``) and by
+Used by tests/deepspeed/test_shards.py (ckptspec must report ``code``, naming ``file``) and by
 benchmarks/zero_to_fp32_vs_ckptspec.py (what DeepSpeed's zero_to_fp32 does with each).
 """
 
@@ -31,13 +31,24 @@ class FaultEnv:
 @dataclass(frozen=True)
 class Fault:
     name: str
-    base: str  # tests/_harness/scenarios.py MATRIX key of the checkpoint to corrupt
+    base: str  # the checkpoint to corrupt: a MATRIX name, or committed:<name> (see base_dir)
     description: str  # one line for docs/validation.md
     code: str  # the code ckptspec must report
     file: str | None  # the file that finding must name (relative to the tag directory)
     mutate: Callable[[Path, FaultEnv], None]
-    donor: str | None = None  # MATRIX key whose files the mutation copies in
+    donor: str | None = None  # the checkpoint whose files the mutation copies in (as base)
     hashed_manifest: bool = False  # validate against a `generate --hash` manifest made before the corruption
+
+
+def base_dir(base: str, ds) -> Path:
+    """The save directory a fault's ``base`` (or ``donor``) names: ``committed:<name>`` is a real
+    checkpoint committed to the repository (no DeepSpeed, no job); any other name is a MATRIX
+    checkpoint of the harness, built on first use (``ds`` is the harness, called only then)."""
+    if base.startswith("committed:"):
+        from .scenarios import COMMITTED
+
+        return COMMITTED[base.removeprefix("committed:")]
+    return ds().path(base)
 
 
 def tag_dir(save_dir: Path) -> Path:

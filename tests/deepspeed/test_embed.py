@@ -43,7 +43,7 @@ from ckptspec.errors import EmbedError, UnsupportedEngine
 from ckptspec.format.codec import dumps, load_document
 from ckptspec.format.validate import validate_document
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
 
 

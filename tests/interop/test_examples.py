@@ -25,7 +25,7 @@ from _harness.launch import job_env
 
 pytestmark = pytest.mark.deepspeed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _example_module(path: str):

@@ -16,7 +16,7 @@ from jsonschema import Draft202012Validator
 
 from ckptspec.format.schemas import MANIFEST_SCHEMAS, REPORT_SCHEMA, schema
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIR = ROOT / "schema"
 PACKAGE_DIR = ROOT / "ckptspec" / "schemas"
 SCHEMA_FILES = sorted(p.name for p in SCHEMA_DIR.glob("*.json"))

@@ -36,7 +36,7 @@ import pytest
 from ckptspec.format.codec import load_document
 from ckptspec.format.validate import schema_findings, validate_document
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "schema" / "manifest-1.0.schema.json"
 CORPUS = ROOT / "tests" / "conformance" / "1.0"
 NODE_DIR = ROOT / "examples" / "node-reader"

@@ -29,7 +29,7 @@ STACK_GLOBAL, INST, OBJ, NEWOBJ, NEWOBJ_EX, EXT1/2/4, persistent ids and BUILD);
 and exponentially shared structures.
 
 Example counts are small by default and the examples derandomized, so the file is
-deterministic and quick; ``CKPTSPEC_FUZZ_EXAMPLES=3000 pytest tests/test_torchfile_fuzz.py``
+deterministic and quick; ``CKPTSPEC_FUZZ_EXAMPLES=3000 pytest tests/checkpoint/test_torchfile_fuzz.py``
 runs every fuzz test with that many random examples.
 """
 
@@ -73,7 +73,7 @@ from ckptspec.checkpoint.torchfile import (
 )
 from ckptspec.errors import CkptspecError, TorchFileError, TruncatedFile, UnsafePickleError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _FUZZ_ENV = os.environ.get("CKPTSPEC_FUZZ_EXAMPLES")
 
 
@@ -161,7 +161,7 @@ def _install_audit_hook() -> None:
 @contextlib.contextmanager
 def sandbox():
     """The marker directory, the side-effect module on sys.path, EXT codes for the forbidden
-    names, the audit hook (also used by tests/fuzz_atheris.py)."""
+    names, the audit hook (also used by tests/checkpoint/fuzz_atheris.py)."""
     MARKERS.mkdir(parents=True, exist_ok=True)
     moddir = MARKERS / "mod"
     moddir.mkdir(exist_ok=True)

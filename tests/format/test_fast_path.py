@@ -36,7 +36,7 @@ from ckptspec.format import schemas as schemas_registry
 from ckptspec.format.codec import decode_document, load_document
 from ckptspec.format.validate import fast_schema_accepts, validate_document, validate_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "tests" / "conformance" / "1.0"
 CORPUS_FILES = sorted(p for p in CORPUS.glob("*/*") if p.suffix in (".json", ".msgpack"))
 

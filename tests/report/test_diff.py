@@ -20,7 +20,7 @@ from ckptspec.cli import cli
 from ckptspec.format.models import Manifest
 from ckptspec.report.diff import RULES, diff_manifests, resume_reasons
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
 
 

@@ -23,7 +23,7 @@ from ckptspec.format.codec import load_document
 from ckptspec.format.rules import RULES
 from ckptspec.format.validate import validate_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFORMANCE = ROOT / "tests" / "conformance"
 CORPUS = CONFORMANCE / "1.0"
 EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text("utf-8"))

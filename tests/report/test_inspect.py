@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from ckptspec.cli import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
 INVALID = ROOT / "tests" / "conformance" / "1.0" / "invalid"
 

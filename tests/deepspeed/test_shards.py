@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _harness.faults import FAULTS, FaultEnv, snapshot, tag_dir
+from _harness.faults import FAULTS, FaultEnv, base_dir, snapshot, tag_dir
 from _harness.scenarios import MATRIX, engine_name
 from click.testing import CliRunner
 
@@ -29,8 +29,9 @@ pytestmark = pytest.mark.deepspeed
 
 
 @pytest.fixture(scope="module")
-def built(ds):
-    return ds.path
+def built(request):
+    """A fault's base or donor by name (tests/_harness/faults.py base_dir); the harness only when needed."""
+    return lambda base: base_dir(base, lambda: request.getfixturevalue("ds"))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -21,7 +21,7 @@ from ckptspec.checkpoint.torchfile import (
 )
 from ckptspec.errors import NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _torch_tensors(obj, path=()):

@@ -1,16 +1,17 @@
 """Coverage-guided fuzzing of ckptspec.torchfile with atheris: optional, not part of the suite.
 
     .venv/bin/pip install atheris
-    .venv/bin/python tests/fuzz_atheris.py --make-corpus /tmp/ckptspec-corpus
-    .venv/bin/python tests/fuzz_atheris.py /tmp/ckptspec-corpus -max_total_time=600 -rss_limit_mb=1024 -timeout=30
+    .venv/bin/python tests/checkpoint/fuzz_atheris.py --make-corpus /tmp/ckptspec-corpus
+    .venv/bin/python tests/checkpoint/fuzz_atheris.py /tmp/ckptspec-corpus \\
+        -max_total_time=600 -rss_limit_mb=1024 -timeout=30
 
 The first byte of an input chooses what the rest is: a whole .pt file (0), a data.pkl put in a
 torch-like zip with three storages (1), or a safetensors file (2). The oracle is the one of
-tests/test_torchfile_fuzz.py (``read_everything``): only TorchFileError (CkptspecError for
+tests/checkpoint/test_torchfile_fuzz.py (``read_everything``): only TorchFileError (CkptspecError for
 safetensors) may escape, no code may run, and what reads back must be consistent; libFuzzer's
 own limits catch crashes, hangs (-timeout) and memory growth (-rss_limit_mb). A failing input
 is saved as crash-<sha1> (or oom-, timeout-); keep it as a deterministic test in
-tests/test_torchfile_fuzz.py.
+tests/checkpoint/test_torchfile_fuzz.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import atheris
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 with atheris.instrument_imports(include=["ckptspec", "zipfile"]):
     import zipfile  # noqa: F401  (instrumented: its parsing of the central directory is under test)

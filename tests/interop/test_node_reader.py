@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from ckptspec.cli import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NODE_DIR = ROOT / "examples" / "node-reader"
 READER = NODE_DIR / "reader.js"
 

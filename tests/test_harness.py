@@ -78,3 +78,21 @@ def test_entries_are_complete_and_named_for_their_task(ds):
     assert path.parent == cache.root() and cache.is_done(path)
     description = json.loads((path / cache.DONE).read_text())
     assert description["name"] == "s2-bf16-ws2" and description["world_size"] == 2
+
+
+@pytest.mark.parametrize("name", sorted(scenarios.COMMITTED))
+def test_committed_checkpoints_are_what_the_harness_builds(ds, name):
+    """tests/data/deepspeed-0.19.8 (the synthetic fault route's bases) is refreshed by
+    ``scripts/compat.sh --refresh``: the same masters and layout as the job writes now."""
+    import torch
+
+    from ckptspec.deepspeed.describe import manifest_from_checkpoint
+
+    built, committed = ds.path(name), scenarios.COMMITTED[name]
+    fresh = torch.load(built / "live_fp32.pt", weights_only=True)
+    kept = torch.load(committed / "live_fp32.pt", weights_only=True)
+    assert sorted(fresh) == sorted(kept) and all(_bits_equal(fresh[k], kept[k]) for k in kept)
+    layouts = [manifest_from_checkpoint(d).to_dict() for d in (built, committed)]
+    assert [{k: v for k, v in doc.items() if k != "producer"} for doc in layouts][0] == {
+        k: v for k, v in layouts[1].items() if k != "producer"
+    }
