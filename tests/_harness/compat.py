@@ -11,6 +11,7 @@ import fcntl
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from .cache import REPO_ROOT
 from .launch import HarnessError
