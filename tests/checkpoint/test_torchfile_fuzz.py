@@ -1412,7 +1412,10 @@ for name, path in json.loads(sys.argv[1]).items():
     tracemalloc.stop()
     results[name] = {"outcome": outcome, "peak": peak, "seconds": time.monotonic() - start}
     print(json.dumps({name: results[name]}), flush=True)
-print(json.dumps({"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), flush=True)
+# VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over from the forking parent across
+# exec, so under a pytest worker that has loaded torch it would measure the worker, not this child.
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"maxrss_kib": hwm}), flush=True)
 """
 
 
