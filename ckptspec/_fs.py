@@ -1,17 +1,77 @@
-"""Durable, atomic file writes: a temporary file next to the target, fsync, rename, directory fsync.
+"""Durable, atomic file writes that a killed run cannot leave half done.
 
-Readers see the old file or the complete new one, never a part. A new file gets the mode
-``open()`` would give it (0666 less the umask), not ``mkstemp``'s 0600.
+Every file ckptspec writes goes to a temporary name next to its target, is fsynced and renamed
+over the target (then the directory is fsynced): readers see the old file or the complete new
+one, never a part. A new file gets the mode ``open()`` would give it (0666 less the umask).
+
+Temporary names say whose they are: ``.<target>.ckptspec-<host>-<pid>-<random>.tmp`` (a temporary
+directory: the same without ``.tmp``). A run that was killed (SIGKILL, out of memory, a lost node)
+leaves its temporaries behind; the next ckptspec write in that directory removes those of a
+process of this host that no longer exists (``sweep``), and never those of a live writer or of
+another host, whose liveness it cannot see. ``leftovers`` lists them all (``validate DIR`` warns).
+
+Writers of several files (``reconstruct``, ``embed``) hold ``exclusive(directory)`` for the whole
+write: a second run into the same directory is refused (CK908) instead of mixing its files with
+the first's. They write every file under a temporary name, then ``commit`` them: a journal
+(``.ckptspec-commit.json``) lists the renames and removals before any is made, so a run killed
+half way through them is rolled forward by the next (``recover``): the directory holds the earlier
+output or the complete new one, never a mix.
+
+``io_point`` marks each step of a write (create, write, fsync, rename, remove). It does nothing
+unless ``CKPTSPEC_FAILPOINT`` is set, which only the crash-injection tests do: ``kill:N``,
+``term:N`` and ``int:N`` send SIGKILL, SIGTERM or SIGINT to this process at the N-th step,
+``enospc:N`` raises a full-disk error there, and ``count:FILE`` writes the number of steps to
+FILE at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import errno
+import fcntl
+import json
 import os
+import re
+import shutil
+import signal
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from .errors import OutputBusy
+
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+TEMP_RE = re.compile(r"^\.(?P<target>.+)\.ckptspec-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[A-Za-z0-9_]+(?:\.tmp)?$")
+
+
+# --------------------------------------------------------------------------- failure injection (tests)
+
+_FAILPOINT = os.environ.get("CKPTSPEC_FAILPOINT", "")
+_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}
+_steps = 0
+
+
+def io_point(what: str) -> None:
+    """One step of a write; see the module docstring (a no-op unless CKPTSPEC_FAILPOINT is set)."""
+    global _steps
+    if not _FAILPOINT:
+        return
+    _steps += 1
+    mode, _, arg = _FAILPOINT.partition(":")
+    if mode in _SIGNALS and _steps == int(arg):
+        os.kill(os.getpid(), _SIGNALS[mode])
+    elif mode == "enospc" and _steps == int(arg):
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at {what})")
+
+
+if _FAILPOINT.startswith("count:"):
+    atexit.register(lambda: Path(_FAILPOINT.removeprefix("count:")).write_text(str(_steps)))
+
+
+# --------------------------------------------------------------------------- temporaries
 
 
 def new_file_mode() -> int:
@@ -21,8 +81,150 @@ def new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+def _prefix(target: Path) -> str:
+    return f".{target.name}.ckptspec-{_HOST}-{os.getpid()}-"
+
+
+def temp_file(target: str | os.PathLike) -> tuple[int, Path]:
+    """A new empty file (open descriptor, path) in ``target``'s directory, so that renaming it
+    over ``target`` is atomic; named as this run's temporary, with the mode a new file gets."""
+    target = Path(target)
+    fd, tmp = tempfile.mkstemp(prefix=_prefix(target), suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, new_file_mode())
+        io_point("create")
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return fd, Path(tmp)
+
+
+def temp_dir(target: str | os.PathLike) -> Path:
+    """A new empty directory beside ``target``, named as this run's temporary."""
+    target = Path(target)
+    path = Path(tempfile.mkdtemp(prefix=_prefix(target), dir=target.parent))
+    try:
+        io_point("create")
+    except BaseException:
+        path.rmdir()
+        raise
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def leftovers(directory: str | os.PathLike) -> list[Path]:
+    """Every ckptspec temporary in ``directory`` (live writers' and stale ones, any host)."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return [Path(directory) / name for name in names if is_leftover(name)]
+
+
+def is_leftover(name: str) -> bool:
+    """A ckptspec temporary or an unfinished commit's journal, by its name."""
+    return bool(TEMP_RE.match(name)) or name == JOURNAL
+
+
+def is_stale(path: str | os.PathLike) -> bool:
+    """A temporary of a process of this host that no longer runs (so nobody will finish it)."""
+    m = TEMP_RE.match(Path(path).name)
+    return bool(m) and m["host"] == _HOST and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"]))
+
+
+def sweep(directory: str | os.PathLike) -> list[Path]:
+    """Remove the stale temporaries of killed runs in ``directory``; returns what was removed."""
+    removed = []
+    for path in leftovers(directory):
+        if not is_stale(path):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        io_point("remove")
+        removed.append(path)
+    return removed
+
+
+@contextlib.contextmanager
+def exclusive(directory: str | os.PathLike) -> Iterator[None]:
+    """Hold ``directory`` for this run's writes; a second ckptspec writer there is refused (CK908).
+
+    An advisory lock on the directory itself (no lock file to leave behind), released when the
+    process ends however it ends. File systems that cannot lock a directory are written unlocked.
+    """
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputBusy(str(directory)) from None
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- directories
+
+
+def exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two directories in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where
+    the platform or file system cannot, and nothing was changed."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    io_point("rename")
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), os.fspath(a))
+
+
+def publish_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Put the finished directory ``tmp`` in the place of ``target`` (which may exist): atomically
+    where the system can swap directories, else by two renames (a run killed between them leaves
+    no ``target``, and the old one under a temporary name)."""
+    tmp, target = Path(tmp), Path(target)
+    if not target.exists():
+        replace(tmp, target)
+    elif not exchange(tmp, target):
+        old = temp_dir(target)
+        old.rmdir()
+        replace(target, old)
+        replace(tmp, target)
+        tmp = old
+    # ``tmp`` now holds what ``target`` held.
+    fsync_dir(target.parent)
+    shutil.rmtree(tmp, ignore_errors=True)
+    io_point("remove")
+
+
+# --------------------------------------------------------------------------- durable writes
+
+
 def fsync_dir(directory: str | os.PathLike) -> None:
     """Make renames in ``directory`` durable; not every platform or file system can open a directory."""
+    io_point("fsync")
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -35,37 +237,41 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def temp_file(target: str | os.PathLike) -> tuple[int, Path]:
-    """A new empty file (open descriptor, path) in ``target``'s directory, so that renaming it
-    over ``target`` is atomic; it has the mode a new file gets."""
-    target = Path(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.fchmod(fd, new_file_mode())
-    return fd, Path(tmp)
+def replace(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Rename a finished temporary over its target (one step of a write)."""
+    io_point("rename")
+    os.replace(tmp, target)
+
+
+def fsync(fd: int) -> None:
+    io_point("fsync")
+    os.fsync(fd)
 
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """A binary file that replaces ``path`` only when the ``with`` block succeeds.
 
-    Writes a temporary file in the same directory, fsyncs it, renames it over ``path``
-    (keeping the mode of the file it replaces) and fsyncs the directory. On any error the
-    temporary file is removed and ``path`` is untouched.
+    Writes a temporary file in the same directory (removing the stale ones of killed runs
+    first), fsyncs it, renames it over ``path`` (keeping the mode of the file it replaces)
+    and fsyncs the directory. On any error the temporary file is removed and ``path`` is
+    untouched.
     """
     target = Path(path)
     try:
         mode = target.stat().st_mode & 0o7777
     except FileNotFoundError:
         mode = new_file_mode()
+    sweep(target.parent)
     fd, tmp = temp_file(target)
     os.close(fd)
     try:
         with open(tmp, "w+b") as fh:  # by name, so ``fh.name`` is the temporary path
             yield fh
             fh.flush()
-            os.fsync(fh.fileno())
+            fsync(fh.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, target)
+        replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -75,4 +281,64 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (temporary file, fsync, rename, directory fsync)."""
     with atomic_output(path) as fh:
+        io_point("write")
         fh.write(data)
+
+
+# --------------------------------------------------------------------------- several files at once
+
+JOURNAL = ".ckptspec-commit.json"
+
+
+def commit(directory: str | os.PathLike, renames: list[tuple[Path, Path]], removals: list[Path] = ()) -> None:
+    """Rename finished temporaries over their targets and remove superseded files, as one step.
+
+    The journal is written (atomically) before the first rename and removed after the last; a
+    run killed or failing in between leaves it, and the next ``recover`` in ``directory``
+    finishes the work. If the journal itself cannot be written, nothing was renamed: the
+    temporaries are removed and the directory is as it was.
+    """
+    directory = Path(directory)
+    plan = {
+        "renames": [[tmp.name, final.name] for tmp, final in renames],
+        "removals": [path.name for path in removals],
+    }
+    try:
+        write_atomic(directory / JOURNAL, json.dumps(plan).encode("utf-8"))
+    except BaseException:
+        for tmp, _ in renames:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+    _roll_forward(directory, plan)
+
+
+def recover(directory: str | os.PathLike) -> bool:
+    """Finish the commit a killed run left in ``directory``; True when there was one to finish."""
+    directory = Path(directory)
+    try:
+        plan = json.loads((directory / JOURNAL).read_text("utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        plan = {"renames": [], "removals": []}  # cut off before it was complete: nothing was renamed
+    _roll_forward(directory, plan)
+    return True
+
+
+def _plain(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def _roll_forward(directory: Path, plan: dict) -> None:
+    # Only this directory's own temporaries and plain names: a journal is input too.
+    for tmp, final in plan.get("renames", []):
+        if _plain(tmp) and _plain(final) and TEMP_RE.match(tmp) and (directory / tmp).exists():
+            replace(directory / tmp, directory / final)  # a missing one was renamed before the kill
+    for name in plan.get("removals", []):
+        if _plain(name):
+            io_point("remove")
+            (directory / name).unlink(missing_ok=True)
+    fsync_dir(directory)
+    io_point("remove")
+    (directory / JOURNAL).unlink(missing_ok=True)
+    fsync_dir(directory)

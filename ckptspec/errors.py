@@ -184,3 +184,30 @@ class EngineLayoutMismatch(UnsupportedEngine):
 
 class SafetensorsWriteError(ValueError):
     """A tensor cannot be written (unknown dtype, wrong byte count, write out of order)."""
+
+
+# --------------------------------------------------------------------------- writing outputs
+
+
+class OutputBusy(CkptspecError):
+    """Another ckptspec run is writing into the same directory (exit 2)."""
+
+    def __init__(self, directory: str):
+        super().__init__(
+            "CK908",
+            "another ckptspec run is writing into this directory",
+            "wait for it to finish, or write somewhere else; two runs would mix their files",
+            directory,
+        )
+
+
+class ForeignOutput(CkptspecError):
+    """The output directory holds a file of an output's name that ckptspec did not write (exit 2)."""
+
+    def __init__(self, path: str, what: str):
+        super().__init__(
+            "CK909",
+            f"{what} exists and was not written by ckptspec; it would be replaced or left beside the new output",
+            "move it away, or write into an empty directory",
+            path,
+        )

@@ -62,6 +62,7 @@ CODES: dict[str, str] = {
     "CK218": "slice-mappings",
     "CK219": "alias-tie",
     "CK220": "frozen-fragments",
+    "CK221": "leftover-temporary",
     # CK3xx: embedded copies and migrations (checkpoint/embedded.py, deepspeed/embed.py, format/migrate.py)
     "CK301": "embedded-copies-disagree",
     "CK302": "embedded-manifest-unreadable",
@@ -90,6 +91,8 @@ CODES: dict[str, str] = {
     "CK905": "unknown-schema-version",
     "CK906": "write-failed",
     "CK907": "not-encodable",
+    "CK908": "output-busy",
+    "CK909": "foreign-output",
     "CK999": "internal-error",
 }
 

@@ -9,10 +9,10 @@ A checkpoint can carry its manifest in three places (docs/embedding.md):
   a JSON string holding the layout manifest (``files`` is ``[]``: a file cannot record
   its own size or hash). It survives when only the ``.pt`` files are copied, and the
   restricted unpickler reads it as a plain ``str``;
-* the ``__metadata__`` of safetensors files written by ``ckptspec reconstruct``: key
-  ``ckptspec.manifest``, the canonical JSON text of the source checkpoint's manifest
-  (the exact bytes of its ``ckptspec.json``), next to ``ckptspec.manifest_sha256``,
-  the SHA-256 of those bytes.
+* the output of ``ckptspec reconstruct``: key ``ckptspec.manifest``, the compact canonical JSON
+  text of the source checkpoint's manifest, next to ``ckptspec.manifest_sha256``, the SHA-256 of
+  that text; in the single file's ``__metadata__``, or in the index's ``metadata`` of a sharded
+  output (each shard then records the SHA-256 and ``ckptspec.manifest_in``, the index's name).
 
 Copies **agree** when their layout parts are equal: everything except ``producer``
 and ``files``. Disagreeing copies are ``CK301``.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._fs import write_atomic
+from .._fs import commit, fsync, io_point, temp_file
 from ..errors import CkptspecError, EmbedError
 from ..findings import Finding, finding, json_path
 from ..format.codec import Encoding, decode, dumps, load_document
@@ -43,15 +43,17 @@ SIDECAR_NAMES: dict[str, str] = {"json": "ckptspec.json", "msgpack": "ckptspec.m
 CLIENT_STATE_KEY = "ckptspec_manifest"
 SAFETENSORS_KEY = "ckptspec.manifest"
 SAFETENSORS_SHA256_KEY = "ckptspec.manifest_sha256"
+SAFETENSORS_WITHIN_KEY = "ckptspec.manifest_in"  # a shard of a sharded output: the index holds the manifest
 NOT_LAYOUT = ("producer", "files")  # the parts of a manifest copies may differ in
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
-Kind = Literal["sidecar", "client_state", "safetensors", "manifest_file"]
-_PREFERENCE = {"sidecar": 0, "manifest_file": 1, "safetensors": 2, "client_state": 3}
+Kind = Literal["sidecar", "client_state", "safetensors", "index", "manifest_file"]
+_PREFERENCE = {"sidecar": 0, "manifest_file": 1, "index": 2, "safetensors": 2, "client_state": 3}
 _KIND_NAMES = {
     "sidecar": "sidecar",
     "manifest_file": "manifest file",
     "safetensors": "safetensors __metadata__ copy",
+    "index": "index metadata copy",
     "client_state": "client-state copy",
 }
 
@@ -90,13 +92,16 @@ def client_state_value(manifest: Manifest | dict) -> str:
 
 
 def safetensors_metadata(manifest: Manifest | dict) -> dict[str, str]:
-    """``__metadata__`` entries that embed ``manifest`` in a safetensors file.
-
-    ``ckptspec.manifest`` is the canonical JSON text (``ckptspec generate``'s bytes) and
-    ``ckptspec.manifest_sha256`` its SHA-256, so either can be checked against the other.
-    """
-    data = dumps(manifest, "json")
+    """``__metadata__`` (or index ``metadata``) entries that carry ``manifest``: ``ckptspec.manifest``,
+    its compact canonical JSON text, and ``ckptspec.manifest_sha256``, the SHA-256 of that text,
+    so either can be checked against the other."""
+    data = dumps(manifest, "json", compact=True)
     return {SAFETENSORS_KEY: data.decode("utf-8"), SAFETENSORS_SHA256_KEY: hashlib.sha256(data).hexdigest()}
+
+
+def pointer_metadata(carried: dict[str, str], within: str) -> dict[str, str]:
+    """For a shard of a sharded output: the SHA-256 of the manifest ``carried`` by ``within`` (its index)."""
+    return {SAFETENSORS_SHA256_KEY: carried[SAFETENSORS_SHA256_KEY], SAFETENSORS_WITHIN_KEY: within}
 
 
 # --------------------------------------------------------------------------- agreement
@@ -255,22 +260,63 @@ def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
     return meta
 
 
-def read_safetensors_copy(path: str | os.PathLike) -> EmbeddedCopy | None:
-    meta = read_safetensors_metadata(path)
-    if SAFETENSORS_KEY not in meta:
-        return None
+def _manifest_in_metadata(meta: dict, source: str, where: str, expected: str | None = None) -> Any:
+    """The manifest a metadata map carries, checked against its SHA-256 (and ``expected``, the
+    SHA-256 the shard that pointed here records)."""
     value = meta[SAFETENSORS_KEY]
-    expected = meta.get(SAFETENSORS_SHA256_KEY)
-    if expected is not None and hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest() != expected:
+    actual = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+    for want in (meta.get(SAFETENSORS_SHA256_KEY), expected):
+        if want is not None and want != actual:
+            raise EmbedError(
+                "CK302",
+                f"'{SAFETENSORS_KEY}' does not match the SHA-256 {want[:16]}... recorded for it",
+                "the embedded manifest was altered after it was written; regenerate the output",
+                source,
+            )
+    return _decode_embedded(value, source, f"{where} '{SAFETENSORS_KEY}'")
+
+
+def read_safetensors_copy(path: str | os.PathLike) -> EmbeddedCopy | None:
+    """The manifest a ``reconstruct`` output file carries: in its ``__metadata__``, or (a shard) in
+    the index it names."""
+    meta = read_safetensors_metadata(path)
+    if SAFETENSORS_KEY in meta:
+        return EmbeddedCopy(str(path), "safetensors", _manifest_in_metadata(meta, str(path), "__metadata__"))
+    within = meta.get(SAFETENSORS_WITHIN_KEY)
+    if within is None:
+        return None
+    if "/" in within or within in ("", ".", ".."):
         raise EmbedError(
             "CK302",
-            f"'{SAFETENSORS_KEY}' does not match its '{SAFETENSORS_SHA256_KEY}'",
-            "the embedded manifest was altered after it was written; regenerate the file",
+            f"'{SAFETENSORS_WITHIN_KEY}' names {within!r}, not a file beside it",
+            "the metadata was altered; regenerate the output",
             str(path),
         )
-    return EmbeddedCopy(
-        str(path), "safetensors", _decode_embedded(value, str(path), f"__metadata__ '{SAFETENSORS_KEY}'")
-    )
+    index = read_index_copy(Path(path).parent / within, expected=meta.get(SAFETENSORS_SHA256_KEY))
+    if index is None:
+        raise EmbedError(
+            "CK302", f"the index {within} it names holds no manifest", "copy the index with its shards", str(path)
+        )
+    return index
+
+
+def read_index_copy(path: str | os.PathLike, expected: str | None = None) -> EmbeddedCopy | None:
+    """The manifest in the ``metadata`` of a sharded output's index (``*.index.json``)."""
+    name = str(path)
+    try:
+        if Path(path).stat().st_size > SAFETENSORS_MAX_HEADER * 3:
+            raise EmbedError(
+                "CK302", "the index is too large to hold names and a manifest", "pass a ckptspec output", name
+            )
+        doc = json.loads(Path(path).read_text("utf-8"))
+    except FileNotFoundError:
+        raise CkptspecError("CK901", "file not found", "copy the index with its shards", name) from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        raise EmbedError("CK302", "the index is not JSON", "pass the index a ckptspec output wrote", name) from None
+    meta = doc.get("metadata") if isinstance(doc, dict) else None
+    if not isinstance(meta, dict) or SAFETENSORS_KEY not in meta:
+        return None
+    return EmbeddedCopy(name, "index", _manifest_in_metadata(meta, name, "index metadata", expected))
 
 
 def _is_zip(path: Path) -> bool:
@@ -290,6 +336,8 @@ def copies_in_file(path: str | os.PathLike) -> list[EmbeddedCopy]:
     suffix = p.suffix.lower()
     if suffix == ".safetensors":
         found = read_safetensors_copy(p)
+    elif p.name.endswith(".index.json"):
+        found = read_index_copy(p)
     elif suffix in (".pt", ".bin", ".pth") or _is_zip(p):
         found = read_client_state_copy(p)
     else:
@@ -312,25 +360,40 @@ def find_sidecar(tag_dir: str | os.PathLike) -> Path | None:
     return next(iter(find_sidecars(tag_dir)), None)
 
 
-def write_sidecar(tag_dir: str | os.PathLike, manifest: Manifest | dict, encoding: Encoding = "json") -> Path:
-    """Write the complete manifest next to the shards, atomically; remove a sidecar of the
-    other encoding first so that no stale copy remains."""
+def sidecar_commit(
+    tag_dir: str | os.PathLike, manifest: Manifest | dict, encoding: Encoding = "json"
+) -> tuple[list[tuple[Path, Path]], list[Path]]:
+    """The sidecar written to a finished temporary file: (renames, removals) for ``_fs.commit``,
+    the removal being a sidecar of the other encoding, so that no stale copy remains."""
     tag_dir = Path(tag_dir)
     target = tag_dir / SIDECAR_NAMES[encoding]
     data = dumps(manifest, encoding)
+    fd, tmp = temp_file(target)
     try:
-        for other in SIDECAR_NAMES.values():
-            if other != target.name:
-                (tag_dir / other).unlink(missing_ok=True)
-        write_atomic(target, data)
+        with os.fdopen(fd, "wb") as fh:
+            io_point("write")
+            fh.write(data)
+            fh.flush()
+            fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return [(tmp, target)], [tag_dir / other for other in SIDECAR_NAMES.values() if other != target.name]
+
+
+def write_sidecar(tag_dir: str | os.PathLike, manifest: Manifest | dict, encoding: Encoding = "json") -> Path:
+    """Write the complete manifest next to the shards, atomically, removing a sidecar of the other encoding."""
+    try:
+        renames, removals = sidecar_commit(tag_dir, manifest, encoding)
+        commit(tag_dir, renames, removals)
     except OSError as exc:
         raise CkptspecError(
             "CK906",
             f"cannot write the sidecar: {exc.strerror}",
             "check that the tag directory is writable and the sidecar name is free",
-            str(target),
+            str(Path(tag_dir) / SIDECAR_NAMES[encoding]),
         ) from None
-    return target
+    return renames[0][1]
 
 
 def best_copy(copies: list[EmbeddedCopy]) -> EmbeddedCopy:

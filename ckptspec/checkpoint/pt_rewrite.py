@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from .._fs import atomic_output
+from .._fs import fsync, fsync_dir, io_point, replace, temp_file
 from ..errors import CkptspecError, EmbedError, InvalidCheckpoint
 from .states import StateCache, read_state
 
@@ -58,11 +58,20 @@ def _padding_extra(offset_of_header: int, name: bytes, zip64: bool) -> bytes:
 
 
 def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str, *, state: Any = None) -> None:
-    """Add ``key: value`` to the top-level dict of a torch zip file, atomically.
+    """Add ``key: value`` to the top-level dict of a torch zip file, atomically (see ``rewritten_pt``)."""
+    tmp = rewritten_pt(path, key, value, state=state)
+    if tmp is not None:
+        replace(tmp, path)
+        fsync_dir(Path(path).parent)
+
+
+def rewritten_pt(path: str | os.PathLike, key: str, value: str, *, state: Any = None) -> Path | None:
+    """``path`` with ``key: value`` added to its top-level dict, as a finished temporary file beside
+    it (fsynced, not yet renamed: the caller commits it), or None when the file holds it already.
 
     Every other record is copied byte for byte (stored, 64-byte aligned like torch.save
     writes them), in its order and with its archive name; only ``data.pkl`` changes.
-    The result is read back with the restricted unpickler before it replaces ``path``.
+    The result is read back with the restricted unpickler before it is handed over.
     """
     path = Path(path)
     source = str(path)
@@ -76,7 +85,7 @@ def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str, *, state
             source,
         )
     if state.get(key) == value:
-        return  # already there
+        return None  # already there
     with zipfile.ZipFile(path) as zin:
         infos = zin.infolist()
         prefix = infos[0].filename.split("/", 1)[0]
@@ -87,8 +96,10 @@ def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str, *, state
                     "CK305", f"record {info.filename} is compressed", "torch.save writes stored records only", source
                 )
         new_pkl = _pickle_with_item(zin.read(pkl_name), key, value, source)
+        fd, tmp = temp_file(path)
         try:
-            with atomic_output(path) as fh:
+            os.fchmod(fd, path.stat().st_mode & 0o7777)  # the file it replaces keeps its mode
+            with os.fdopen(fd, "w+b") as fh:
                 with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zout:
                     for info in infos:
                         size = len(new_pkl) if info.filename == pkl_name else info.file_size
@@ -100,21 +111,28 @@ def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str, *, state
                         out.extra = _padding_extra(fh.tell(), out.filename.encode("utf-8"), zip64)
                         with zout.open(out, "w", force_zip64=zip64) as writer:
                             if info.filename == pkl_name:
+                                io_point("write")
                                 writer.write(new_pkl)
                             else:
                                 with zin.open(info) as reader:
                                     while chunk := reader.read(1 << 20):
+                                        io_point("write")
                                         writer.write(chunk)
                 fh.flush()
-                _check_rewritten(fh, state, key, value, source)
+                fsync(fh.fileno())
+            _check_rewritten(tmp, state, key, value, source)
         except OSError as exc:
+            tmp.unlink(missing_ok=True)
             raise CkptspecError(
                 "CK906", f"cannot write: {exc.strerror}", "check free space and permissions", source
             ) from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return tmp
 
 
-def _check_rewritten(fh, before: dict, key: str, value: str, source: str) -> None:
-    path = Path(fh.name)
+def _check_rewritten(path: Path, before: dict, key: str, value: str, source: str) -> None:
     read_back = StateCache()
     try:
         after, locations = read_back.state(path), read_back.members(path)

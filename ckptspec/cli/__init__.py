@@ -12,6 +12,7 @@ so ``ckptspec validate MANIFEST`` loads neither pydantic nor rich.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import click
@@ -36,14 +37,31 @@ for _command in (validate, generate, schema_command, reconstruct, convert, embed
     cli.add_command(_command)
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind like Ctrl-C, so every writer removes its temporary files."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def main() -> None:
+    # A scheduler stops a job with SIGTERM before SIGKILL: unwinding removes the temporaries
+    # (SIGKILL leaves them; the next run in that directory removes them, see ckptspec._fs).
+    signal.signal(signal.SIGTERM, _terminate)
     try:
-        cli.main(standalone_mode=True)
+        code = cli.main(standalone_mode=False)
     except SystemExit:
         raise
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("interrupted; nothing was written", err=True)
+        sys.exit(130)  # 128 + SIGINT, as shells report it; never 1, which means "invalid"
+    except Terminated:
+        click.echo("terminated; nothing was written", err=True)
+        sys.exit(143)  # 128 + SIGTERM
+    except click.ClickException as exc:  # usage errors: click's own message, exit 2
+        exc.show()
+        sys.exit(exc.exit_code)
     except Exception as exc:  # never a traceback for user input
         if os.environ.get("CKPTSPEC_DEBUG"):
             raise
@@ -53,3 +71,4 @@ def main() -> None:
             err=True,
         )
         sys.exit(EXIT_USAGE)
+    sys.exit(code if isinstance(code, int) else 0)  # --help and --version return here

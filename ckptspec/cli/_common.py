@@ -7,6 +7,7 @@ error. A problem is one line, ``[TARGET: ]CODE message (hint: ...)``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterable
 from typing import Any, NoReturn
@@ -44,6 +45,26 @@ class SizeParam(click.ParamType):
 
 
 SIZE = SizeParam()
+
+
+class OutputPath(click.ParamType):
+    """Where a command writes: never the empty string (which would mean the current directory)."""
+
+    name = "PATH"
+
+    def __init__(self, directory: bool = False):
+        self.directory = directory
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = os.fspath(value)
+        if text == "":
+            self.fail("an empty path; name the output" + (" directory" if self.directory else " (or - for stdout)"))
+        if self.directory and os.path.exists(text) and not os.path.isdir(text):
+            self.fail(f"{text} exists and is not a directory", param, ctx)
+        return text
+
+
+OUTPUT_FILE, OUTPUT_DIR = OutputPath(), OutputPath(directory=True)
 
 
 def echo_findings(

@@ -13,7 +13,7 @@ import click
 from ..errors import CkptspecError
 from ..findings import Finding, has_errors
 from ..format.codec import DEFAULT_MAX_BYTES, dumps, encoding_for_output, load_document, write_manifest
-from ._common import ENCODING_CHOICE, EXIT_INVALID, EXIT_OK, echo_findings, fail
+from ._common import ENCODING_CHOICE, EXIT_INVALID, EXIT_OK, OUTPUT_FILE, echo_findings, fail
 
 
 def _show(target: str, findings: list[Finding], err: bool = True) -> None:
@@ -37,7 +37,7 @@ def _write(doc, output: str, encoding: str | None) -> int:
 
 @click.command()
 @click.argument("source", metavar="IN")
-@click.argument("output", metavar="OUT")
+@click.argument("output", metavar="OUT", type=OUTPUT_FILE)
 @click.option(
     "--encoding",
     type=ENCODING_CHOICE,
@@ -121,7 +121,14 @@ def embed(
 @click.command()
 @click.argument("target", metavar="FILE_OR_DIR")
 @click.option("--tag", default=None, help="With a DeepSpeed save directory: the tag directory (default: 'latest').")
-@click.option("-o", "--output", default="-", show_default="stdout", help="Write the manifest here (.json or .msgpack).")
+@click.option(
+    "-o",
+    "--output",
+    type=OUTPUT_FILE,
+    default="-",
+    show_default="stdout",
+    help="Write the manifest here (.json or .msgpack).",
+)
 @click.option(
     "--encoding", type=ENCODING_CHOICE, default=None, help="Output encoding (default: by extension; stdout is JSON)."
 )
@@ -187,7 +194,7 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
 
 @click.command()
 @click.argument("source", metavar="IN")
-@click.argument("output", metavar="OUT")
+@click.argument("output", metavar="OUT", type=OUTPUT_FILE)
 @click.option("--to", "to_version", required=True, metavar="VERSION", help="Target format version, e.g. 1.0 or 1.0.0.")
 @click.option("--encoding", type=ENCODING_CHOICE, default=None, help="Encoding of OUT (default: by its extension).")
 def migrate(source: str, output: str, to_version: str, encoding: str | None) -> None:

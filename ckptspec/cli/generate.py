@@ -5,13 +5,20 @@ from __future__ import annotations
 import click
 
 from ..errors import CkptspecError
-from ._common import fail
+from ._common import OUTPUT_FILE, fail
 
 
 @click.command()
 @click.argument("checkpoint", metavar="CHECKPOINT")
 @click.option("--tag", default=None, help="Tag directory to describe (default: the one named by 'latest').")
-@click.option("-o", "--output", default="-", show_default="stdout", help="Write the manifest here (.json or .msgpack).")
+@click.option(
+    "-o",
+    "--output",
+    type=OUTPUT_FILE,
+    default="-",
+    show_default="stdout",
+    help="Write the manifest here (.json or .msgpack).",
+)
 @click.option(
     "--hash",
     "hash_algorithm",

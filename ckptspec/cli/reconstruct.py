@@ -7,12 +7,12 @@ import sys
 import click
 
 from ..errors import CkptspecError
-from ._common import EXIT_INVALID, EXIT_USAGE, SIZE, echo_findings, fail
+from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, SIZE, echo_findings, fail
 
 
 @click.command()
 @click.argument("checkpoint", metavar="CHECKPOINT")
-@click.argument("output_dir", metavar="OUTPUT_DIR")
+@click.argument("output_dir", metavar="OUTPUT_DIR", type=OUTPUT_DIR)
 @click.option(
     "--manifest",
     default=None,
@@ -99,10 +99,10 @@ def reconstruct(
     except CkptspecError as exc:
         fail(exc)
     except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else f"{output_dir}: "
+        # Named as given: the file being written was one of this run's temporaries, removed by now.
         click.echo(
-            f"{where}CK906 cannot write: {exc.strerror or exc} "
-            "(hint: check the output directory is writable and has space)",
+            f"{output_dir}: CK906 cannot write: {exc.strerror or exc} "
+            "(hint: check the output directory is writable and has space; nothing was written)",
             err=True,
         )
         sys.exit(EXIT_USAGE)

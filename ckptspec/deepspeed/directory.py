@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._fs import is_leftover
 from ..errors import CkptspecError, InvalidCheckpoint, UnsupportedCheckpoint
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
@@ -103,7 +104,9 @@ def scan_tag_dir(tag_dir: Path) -> ShardSet:
                     str(path),
                 )
             shards.model_files[int(m.group(1) or 0)] = path
-        elif not name.startswith("ckptspec."):  # ckptspec's own files (the sidecar) describe the others
+        elif not name.startswith("ckptspec.") and not is_leftover(name):
+            # ckptspec's own files (the sidecar) describe the others; a killed run's temporaries
+            # are not part of the checkpoint (validate warns about them, CK221).
             shards.other_files.append(path)
     if not shards.model_files:
         raise InvalidCheckpoint(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._fs import commit, exclusive, recover, sweep
 from ..checkpoint.embedded import (
     CLIENT_STATE_KEY,
     NOT_LAYOUT,
@@ -23,10 +24,12 @@ from ..checkpoint.embedded import (
     find_sidecars,
     first_difference,
     read_client_state_copy,
+    read_index_copy,
     read_safetensors_copy,
-    write_sidecar,
+    sidecar_commit,
 )
-from ..checkpoint.pt_rewrite import rewrite_pt_with_item
+from ..checkpoint.hashing import file_digest
+from ..checkpoint.pt_rewrite import rewritten_pt
 from ..checkpoint.states import StateCache
 from ..errors import CkptspecError, EmbedError, InvalidCheckpoint
 from ..findings import Finding, finding
@@ -47,7 +50,8 @@ def copies_in_dir(
     """Every manifest copy of a checkpoint directory (or of a directory of safetensors files).
 
     A DeepSpeed save or tag directory: its sidecar(s) and each model-states file's client
-    state. Any other directory: its sidecar(s) and the ``__metadata__`` of its ``*.safetensors``.
+    state. Any other directory: its sidecar(s), the ``metadata`` of its ``*.index.json`` and the
+    ``__metadata__`` of its ``*.safetensors`` that hold the manifest themselves.
     With ``errors``, a file that cannot be read is appended there and skipped instead of raising.
     ``states``: model states already read (and where the ones read here are kept).
     """
@@ -68,8 +72,12 @@ def copies_in_dir(
         cache = states if states is not None else StateCache()
         candidates += [(p, lambda p: [c for c in [read_client_state_copy(p, cache.state(p))] if c]) for p in models]
     else:
+        # A reconstruction: the index of a sharded output holds the manifest (its shards name it).
+        indexes = sorted(root.glob("*.index.json"))
+        candidates += [(p, lambda p: [c for c in [read_index_copy(p)] if c]) for p in indexes]
         candidates += [
-            (p, lambda p: [c for c in [read_safetensors_copy(p)] if c]) for p in sorted(root.glob("*.safetensors"))
+            (p, lambda p: [c for c in [read_safetensors_copy(p)] if c and (not indexes or c.source == str(p))])
+            for p in sorted(root.glob("*.safetensors"))
         ]
     copies: list[EmbeddedCopy] = []
     for path, read in candidates:
@@ -125,8 +133,10 @@ def embed_checkpoint(
 
     ``manifest`` (valid, already checked by the caller) is used when given; it must describe
     this checkpoint's layout (CK304 otherwise). Without it the manifest is generated from the
-    directory. The old sidecar is removed first and the new one written last, so the
-    checkpoint is marked complete only once every file is final.
+    directory. Every new file (rewritten model states, the sidecar) is written under a
+    temporary name, then all are committed together, the sidecar last (``_fs.commit``): a run
+    killed at any point leaves the checkpoint as it was, or (rolled forward by the next write
+    into the tag directory) complete. A second writer into the same tag directory is refused.
     """
     tag_dir = resolve_tag_dir(checkpoint, tag)
     shards = scan_tag_dir(tag_dir)
@@ -167,35 +177,61 @@ def embed_checkpoint(
                 "embed the manifest of this checkpoint, or omit --manifest to generate it",
                 str(tag_dir),
             )
-    written = []
-    for sidecar in find_sidecars(tag_dir):
+    with exclusive(tag_dir):
+        recover(tag_dir)  # a killed embed's half-finished commit: finish it first
+        sweep(tag_dir)
+        renames: list[tuple[Path, Path]] = []
         try:
-            sidecar.unlink()
+            if model_states:
+                value = client_state_value(doc)
+                for _, path in sorted(shards.model_files.items()):
+                    tmp = rewritten_pt(path, CLIENT_STATE_KEY, value, state=states.state(path))
+                    if tmp is not None:
+                        renames.append((tmp, path))
+            complete = dict(doc)
+            complete["files"] = _described(shards, described.layout.zero_stage, hash_algorithm, states, renames)
+            report = validate_document(complete)
+            if not report.ok:
+                first = next(f for f in report.findings if f.severity == "error")
+                raise EmbedError(
+                    "CK304",
+                    f"the completed manifest is not valid: {first.path}: {first.code} {first.message}",
+                    "check the manifest with `ckptspec validate`",
+                    str(tag_dir),
+                )
+            sidecar_renames, removals = sidecar_commit(tag_dir, complete, encoding)
+        except BaseException as exc:
+            for tmp, _ in renames:
+                tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise _write_failed(exc, tag_dir) from None
+            raise
+        try:  # model states first, the sidecar last: it marks the checkpoint complete
+            commit(tag_dir, renames + sidecar_renames, removals)
         except OSError as exc:
-            raise CkptspecError(
-                "CK906",
-                f"cannot replace the sidecar: {exc.strerror}",
-                "check that the tag directory is writable",
-                str(sidecar),
-            ) from None
-    if model_states:
-        value = client_state_value(doc)
-        for _, path in sorted(shards.model_files.items()):
-            rewrite_pt_with_item(path, CLIENT_STATE_KEY, value, state=states.state(path))
-            written.append(path)
-    # The model-states files changed; the optimizer files (whose locators the list carries) did
-    # not: describe the files again (sizes, hashes) from the states read above.
-    files = describe_files(shards, described.layout.zero_stage, hash_algorithm, states)
-    complete = dict(doc)
-    complete["files"] = [f.model_dump(mode="json", exclude_unset=True) for f in files]
-    report = validate_document(complete)
-    if not report.ok:
-        first = next(f for f in report.findings if f.severity == "error")
-        raise EmbedError(
-            "CK304",
-            f"the completed manifest is not valid: {first.path}: {first.code} {first.message}",
-            "check the manifest with `ckptspec validate`",
-            str(tag_dir),
-        )
-    sidecar = write_sidecar(tag_dir, complete, encoding)
-    return EmbedResult(complete, sidecar, written)
+            raise _write_failed(exc, tag_dir) from None
+    return EmbedResult(complete, sidecar_renames[0][1], [final for _, final in renames])
+
+
+def _write_failed(exc: OSError, tag_dir: Path) -> CkptspecError:
+    return CkptspecError(
+        "CK906",
+        f"cannot write: {exc.strerror or exc}",
+        "check free space and permissions; an interrupted embed is finished by the next one",
+        str(tag_dir),
+    )
+
+
+def _described(shards, stage: int, hash_algorithm: str | None, states: StateCache, renames) -> list[dict]:
+    """The file list as it will be once ``renames`` are committed: rewritten model states have
+    their new temporaries' sizes and hashes; the optimizer files (whose locators the list
+    carries) did not change and are described from the states already read."""
+    files = describe_files(shards, stage, hash_algorithm, states)
+    new = {final: tmp for tmp, final in renames}
+    for entry in files:
+        tmp = new.get(shards.tag_dir / entry.path)
+        if tmp is not None:
+            entry.size = tmp.stat().st_size
+            if hash_algorithm:
+                entry.hash = file_digest(tmp, hash_algorithm)
+    return [f.model_dump(mode="json", exclude_unset=True) for f in files]

@@ -12,10 +12,11 @@ Imports torch and DeepSpeed only when called.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
-from .._fs import write_atomic
+from .._fs import publish_dir, sweep, temp_dir, write_atomic
 from .._version import __version__
 from ..checkpoint.embedded import CLIENT_STATE_KEY, SIDECAR_NAMES, client_state_value, write_sidecar
 from ..checkpoint.states import StateCache
@@ -310,9 +311,13 @@ def save_checkpoint(
        rank describe the files it wrote (size, locators, ``sha256`` when ``hash``) and
        gathers the descriptions (one ``all_gather_object``);
     4. on rank 0, validates the complete manifest and writes it last, atomically, as
-       ``<save_dir>/<tag>/ckptspec.json`` (``sidecar_encoding="msgpack"``:
-       ``ckptspec.msgpack``), then writes ``latest`` (atomically, after the sidecar, so
-       ``latest`` never names a checkpoint without its manifest).
+       ``ckptspec.json`` (``sidecar_encoding="msgpack"``: ``ckptspec.msgpack``), then
+       writes ``latest`` (atomically, after the sidecar, so ``latest`` never names a
+       checkpoint without its manifest).
+
+    DeepSpeed writes into a temporary tag directory, which takes the tag's name (swapped in
+    atomically where the tag exists) once every file and the sidecar are complete: killed at
+    any instant, the save leaves the earlier checkpoint or the new one complete.
 
     Arguments are those of ``engine.save_checkpoint`` (``client_state`` may not use
     the ``"ckptspec_manifest"`` key); ``hash`` records a SHA-256 of every file (each
@@ -344,15 +349,26 @@ def save_checkpoint(
         raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for the ckptspec manifest")
     state[CLIENT_STATE_KEY] = client_state_value(layout)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default tag
-    engine.save_checkpoint(
-        save_dir, tag=tag, client_state=state, save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters
-    )
-
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    tag_dir = Path(save_dir) / tag
+    # A temporary tag directory that rank 0 names; the next save removes a killed one's (_fs.sweep).
+    staging = [None]
+    if rank == 0:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        sweep(save_dir)
+        staging[0] = temp_dir(Path(save_dir) / tag).name
+    if distributed:
+        dist.broadcast_object_list(staging, src=0)
+    engine.save_checkpoint(
+        save_dir,
+        tag=staging[0],
+        client_state=state,
+        save_latest=False,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+    )
+    tag_dir, staged = Path(save_dir) / tag, Path(save_dir) / staging[0]
     try:
-        mine, error = _describe_own_files(tag_dir, rank, layout.layout.zero_stage, "sha256" if hash else None), None
+        mine, error = _describe_own_files(staged, rank, layout.layout.zero_stage, "sha256" if hash else None), None
     except Exception as exc:  # reported on every rank below, never left hanging in a collective
         mine, error = [], f"rank {rank}: {type(exc).__name__}: {exc}"
     gathered: list = [None] * world
@@ -362,6 +378,8 @@ def save_checkpoint(
         gathered = [(mine, error)]
     errors = [e for _, e in gathered if e]
     if errors:
+        if rank == 0:  # every rank has finished writing (the gather above): nothing is left half-saved
+            shutil.rmtree(staged, ignore_errors=True)
         raise RuntimeError("ckptspec could not describe the saved files (no sidecar written): " + "; ".join(errors))
     complete = layout.model_copy(deep=True)
     gathered_files = [ShardFile.model_validate(d) for files, _ in gathered for d in files]
@@ -373,11 +391,13 @@ def save_checkpoint(
             report = validate_document(complete.to_dict())
             if not report.ok:
                 raise InvalidManifest(str(tag_dir / SIDECAR_NAMES[sidecar_encoding]), report.findings)
-            write_sidecar(tag_dir, complete, sidecar_encoding)
+            write_sidecar(staged, complete, sidecar_encoding)
+            publish_dir(staged, tag_dir)  # complete, with its sidecar: now under its name
             if save_latest:
                 write_atomic(Path(save_dir) / "latest", tag.encode("utf-8"))
         except Exception as exc:
             status = f"rank 0: {type(exc).__name__}: {exc}"
+            shutil.rmtree(staged, ignore_errors=True)  # gone already when it took the tag's name
     if distributed:
         box = [status]
         dist.broadcast_object_list(box, src=0)

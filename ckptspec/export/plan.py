@@ -18,7 +18,6 @@ validation filled; the bytes are read by ``arrays``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -27,13 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..checkpoint.embedded import safetensors_metadata
 from ..checkpoint.states import StateCache, unreadable
 from ..checkpoint.torchfile import TensorRef, tensor_byte_range
 from ..deepspeed.describe import partition_locators
 from ..deepspeed.directory import resolve_tag_dir, scan_tag_dir
 from ..errors import InvalidCheckpoint, ReconstructMismatch, ReconstructUnsupported, TorchFileError, TruncatedFile
-from ..format.codec import dumps
 from ..format.dtypes import FLOATING, ITEMSIZE
 from ..format.models import Manifest
 
@@ -83,18 +80,12 @@ class ReconstructionPlan:
         """Bytes of tensor data in the output (a tied alias is stored once unless ``untie``)."""
         return sum(self.output_nbytes(n, dtype) for n in self.order if untie or n not in self.aliases)
 
-    @property
-    def manifest_sha256(self) -> str:
-        # On demand: encoding a 100k-param manifest takes seconds, and metadata() encodes it anyway.
-        return manifest_digest(self.manifest)
-
     def metadata(self, dtype: str, untied: bool) -> dict[str, str]:
         """The string map written to ``__metadata__`` and to the index's ``metadata``."""
         frozen = {s.name: s.dtype for s in self.sources.values() if s.role == "frozen"}
+        # The manifest itself travels with the weights too (`ckptspec extract` prints it): the
+        # writer adds it once, to the index or the single file (checkpoint.embedded.safetensors_metadata).
         return {
-            # The manifest itself travels with the weights (`ckptspec extract` prints it), with
-            # "ckptspec.manifest_sha256", the SHA-256 of those canonical bytes.
-            **safetensors_metadata(self.manifest),
             "format": "pt",
             "ckptspec.format_version": self.manifest.format_version,
             "ckptspec.tool_version": __version__,
@@ -105,11 +96,6 @@ class ReconstructionPlan:
             "ckptspec.untied": "true" if untied else "false",
             "ckptspec.frozen_source": json.dumps(frozen, sort_keys=True),
         }
-
-
-def manifest_digest(manifest: Manifest) -> str:
-    """SHA-256 of the canonical JSON bytes (``ckptspec generate`` output for the same manifest)."""
-    return hashlib.sha256(dumps(manifest)).hexdigest()
 
 
 def plan_reconstruction(

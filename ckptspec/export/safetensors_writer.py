@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._fs import temp_file
+from .._fs import fsync, io_point, temp_file
 from ..errors import SafetensorsWriteError
 from ..format.dtypes import ITEMSIZE
 
@@ -139,6 +139,7 @@ class SafetensorsWriter:
         done = 0
         use_kernel = hasattr(os, "copy_file_range")
         while done < nbytes:
+            io_point("write")
             count = min(_COPY_CHUNK, nbytes - done)
             if use_kernel:
                 try:
@@ -174,7 +175,7 @@ class SafetensorsWriter:
             raise SafetensorsWriteError(f"{self.path.name}: only {written} of {len(self.entries)} tensors written")
         if self._pos != self.nbytes:
             raise SafetensorsWriteError(f"{self.path.name}: wrote {self._pos} bytes, expected {self.nbytes}")
-        os.fsync(self._fd)
+        fsync(self._fd)
         os.close(self._fd)
         self._fd = None
 
@@ -197,6 +198,7 @@ class SafetensorsWriter:
     def _write_all(self, data) -> None:
         view = memoryview(data).cast("B")
         while view:
+            io_point("write")
             n = os.pwrite(self._fd, view, self._pos)
             self._pos += n
             view = view[n:]

@@ -1,8 +1,13 @@
 """Write a reconstruction: safetensors or torch files, split into shards like Hugging Face's, plus an index.
 
-Every file is written under a temporary name and renamed into place only once all are
-complete; shards an earlier run left in the directory are removed. safetensors are written
-by ``safetensors_writer`` (no torch); ``fmt="torch"`` imports torch, here only.
+The output directory is held for the run (a second writer is refused, CK908), a killed run's
+temporaries and half-finished commit are cleaned up first (``ckptspec._fs``), and files of an
+output's name that ckptspec did not write are never touched (CK909, ``outputs``). Every file is
+written under a temporary name, then all are committed together: the directory holds the earlier
+output or the complete new one. Earlier outputs of either format that this run did not rewrite
+are removed in the same commit. The manifest is stored once: in the index when there is one, else
+in the single file's ``__metadata__``. safetensors are written by ``safetensors_writer`` (no
+torch); ``fmt="torch"`` imports torch, here only.
 """
 
 from __future__ import annotations
@@ -10,26 +15,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._fs import fsync_dir, new_file_mode, temp_file, write_atomic
-from ..errors import ReconstructUnsupported
+from .._fs import commit, exclusive, fsync, io_point, recover, sweep, temp_file
+from ..checkpoint.embedded import SAFETENSORS_KEY as MANIFEST_KEY
+from ..checkpoint.embedded import pointer_metadata, safetensors_metadata
+from ..errors import ForeignOutput, ReconstructUnsupported
 from ..format.dtypes import output_dtype
 from .arrays import ShardReader, read_array, stream
+from .outputs import existing_outputs
 from .plan import ReconstructionPlan
 from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter, TensorEntry
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 SAFETENSORS_SINGLE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_SINGLE, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-_SHARD_RE = {
-    "safetensors": re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$"),
-    "torch": re.compile(r"^pytorch_model-\d{5}-of-\d{5}\.bin$"),
-}
+# A manifest larger than this goes into an index even for one file: safetensors readers refuse
+# headers over 100 MB, and every reader parses the header before the first tensor.
+MAX_HEADER_MANIFEST = 16 * 1024 * 1024
 
 
 @dataclass
@@ -105,53 +111,61 @@ def write_consolidated(
         for name, names in zip(_shard_names(len(groups), fmt), groups)
     ]
     metadata = plan.metadata(dtype, untie)
+    manifest_meta = safetensors_metadata(plan.manifest)
     total = sum(s.nbytes for s in shards)
     index_name = None
-    if len(shards) > 1 or fmt == "torch":
+    if len(shards) > 1 or fmt == "torch" or len(manifest_meta[MANIFEST_KEY]) > MAX_HEADER_MANIFEST:
         index_name = SAFETENSORS_INDEX if fmt == "safetensors" else TORCH_INDEX
+    # The manifest once: in the index when there is one (the shards name it), else in the file.
+    shard_meta = {**metadata, **(pointer_metadata(manifest_meta, index_name) if index_name else manifest_meta)}
 
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    pending: list[tuple[Path, Path]] = []  # (temporary, final)
-    try:
-        with ShardReader() as files:
-            for shard in shards:
-                target = out / shard.filename
-                if fmt == "safetensors":
-                    tmp = _write_safetensors_shard(plan, shard, target, dtype, metadata, files, progress)
-                else:
-                    tmp = _write_torch_shard(plan, shard, target, dtype, untie, files, progress)
-                pending.append((tmp, target))
-        if index_name:
-            weight_map = {n: s.filename for s in shards for n in s.names}
-            index = {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}
-            tmp_index = out / f".{index_name}.pending"
-            write_atomic(tmp_index, (json.dumps(index, indent=2, sort_keys=False) + "\n").encode("utf-8"))
-            os.chmod(tmp_index, new_file_mode())
-            pending.append((tmp_index, out / index_name))
-    except BaseException:
-        for tmp, _ in pending:
-            tmp.unlink(missing_ok=True)
-        if created:
-            with contextlib.suppress(OSError):
-                out.rmdir()  # only if still empty
-        raise
-    for tmp, final in pending:
-        os.replace(tmp, final)
-    _remove_stale(out, fmt, {s.filename for s in shards}, index_name)
-    fsync_dir(out)  # make the renames durable too
+    with exclusive(out):
+        recover(out)  # a killed run's half-finished commit: finish it, then look at what is there
+        sweep(out)
+        existing = existing_outputs(out)
+        if existing.foreign:
+            raise ForeignOutput(str(out / existing.foreign[0]), existing.foreign[0])
+        pending: list[tuple[Path, Path]] = []  # (temporary, final)
+        try:
+            with ShardReader() as files:
+                for shard in shards:
+                    target = out / shard.filename
+                    if fmt == "safetensors":
+                        tmp = _write_safetensors_shard(plan, shard, target, dtype, shard_meta, files, progress)
+                    else:
+                        tmp = _write_torch_shard(plan, shard, target, dtype, untie, files, progress)
+                    pending.append((tmp, target))
+            if index_name:
+                weight_map = {n: s.filename for s in shards for n in s.names}
+                index = {"metadata": {"total_size": total, **metadata, **manifest_meta}, "weight_map": weight_map}
+                pending.append((_write_temp(out / index_name, json.dumps(index, indent=2) + "\n"), out / index_name))
+        except BaseException:
+            for tmp, _ in pending:
+                tmp.unlink(missing_ok=True)
+            if created:
+                with contextlib.suppress(OSError):
+                    out.rmdir()  # only if still empty
+            raise
+        written = {final.name for _, final in pending}
+        commit(out, pending, [out / name for name in sorted(existing.ours - written)])
     return WriteResult(out, [s.filename for s in shards], len({n for s in shards for n in s.names}), total, index_name)
 
 
-def _remove_stale(out: Path, fmt: str, written: set[str], index_name: str | None) -> None:
-    """Shards of an earlier run into the same directory that this run did not overwrite."""
-    single = SAFETENSORS_SINGLE if fmt == "safetensors" else TORCH_SINGLE
-    index = SAFETENSORS_INDEX if fmt == "safetensors" else TORCH_INDEX
-    for path in out.iterdir():
-        name = path.name
-        stale = _SHARD_RE[fmt].match(name) or name == single or (name == index and index_name is None)
-        if stale and name not in written and path.is_file():
-            path.unlink()
+def _write_temp(target: Path, text: str) -> Path:
+    """``text`` in a finished temporary file beside ``target`` (fsynced, not yet renamed)."""
+    fd, tmp = temp_file(target)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            io_point("write")
+            fh.write(text.encode("utf-8"))
+            fh.flush()
+            fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
 
 
 def _write_safetensors_shard(
@@ -191,9 +205,10 @@ def _write_torch_shard(
     fd, tmp = temp_file(target)
     try:
         with os.fdopen(fd, "wb") as fh:
+            io_point("write")
             torch.save(tensors, fh)
             fh.flush()
-            os.fsync(fh.fileno())
+            fsync(fh.fileno())
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -38,6 +38,7 @@ class Fault:
     mutate: Callable[[Path, FaultEnv], None]
     donor: str | None = None  # the checkpoint whose files the mutation copies in (as base)
     hashed_manifest: bool = False  # validate against a `generate --hash` manifest made before the corruption
+    severity: str = "error"  # "warning": reported, but the checkpoint stays valid and readable
 
 
 def base_dir(base: str, ds) -> Path:
@@ -240,6 +241,19 @@ def shift_slice_mapping(save_dir: Path, env: FaultEnv) -> None:
 S2, S3, S1, RR, G2 = "s2-bf16-ws2", "s3-bf16-ws2-sub", "s1-bf16-ws2", "s2-fp32-ws3-rr", "s2-fp16-ws2-groups"
 OPT1_BF16 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
+
+def leftover_temporary(save_dir: Path, env: FaultEnv) -> None:
+    """What a ckptspec write killed by SIGKILL leaves: a temporary named by its (dead) writer."""
+    import subprocess
+    import sys
+
+    from ckptspec._fs import _HOST
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    name = f".mp_rank_00_model_states.pt.ckptspec-{_HOST}-{int(dead.stdout)}-k1ll3d.tmp"
+    (tag_dir(save_dir) / name).write_bytes(b"half of a file")
+
+
 FAULTS = [
     Fault(
         "transposed-shape",
@@ -419,6 +433,15 @@ FAULTS = [
         OPT1_BF16,
         resave_without_moments,
         hashed_manifest=True,
+    ),
+    Fault(
+        "leftover-temporary",
+        "committed:s2-bf16-ws2",
+        "a ckptspec write into the tag directory was killed and left its temporary file",
+        "CK221",
+        None,
+        leftover_temporary,
+        severity="warning",
     ),
     Fault(
         "malicious-pickle",

@@ -202,10 +202,12 @@ def write_safetensors(path: Path, metadata: dict[str, str] | None) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + struct.pack("<2f", 1.0, 2.0))
 
 
-def test_safetensors_metadata_value_is_the_canonical_json():
+def test_safetensors_metadata_value_is_the_compact_canonical_json():
     meta = safetensors_metadata(example())
-    assert meta[SAFETENSORS_KEY].encode() == dumps(example(), "json")
-    assert meta[SAFETENSORS_SHA256_KEY] == hashlib.sha256(dumps(example(), "json")).hexdigest()
+    text = meta[SAFETENSORS_KEY]
+    assert json.loads(text) == example()
+    assert "\n" not in text and ": " not in text and ", " not in text  # compact: a header is not for reading
+    assert meta[SAFETENSORS_SHA256_KEY] == hashlib.sha256(text.encode()).hexdigest()
 
 
 def test_extract_from_safetensors(tmp_path):
@@ -218,12 +220,13 @@ def test_extract_from_safetensors(tmp_path):
     import safetensors
 
     with safetensors.safe_open(str(path), "np") as fh:
-        assert fh.metadata()[SAFETENSORS_KEY] == dumps(example(), "json").decode()
+        assert json.loads(fh.metadata()[SAFETENSORS_KEY]) == example()
 
 
 def test_safetensors_problems(tmp_path):
     meta = safetensors_metadata(example())
-    tampered = dict(meta, **{SAFETENSORS_KEY: meta[SAFETENSORS_KEY].replace('"world_size": 2', '"world_size": 3')})
+    assert '"world_size":2' in meta[SAFETENSORS_KEY]
+    tampered = dict(meta, **{SAFETENSORS_KEY: meta[SAFETENSORS_KEY].replace('"world_size":2', '"world_size":3')})
     write_safetensors(tmp_path / "tampered.safetensors", tampered)
     write_safetensors(tmp_path / "none.safetensors", {"format": "pt"})
     write_safetensors(tmp_path / "nometa.safetensors", None)
@@ -531,13 +534,13 @@ class _FakeEngine:
     global_steps = 2
 
     def __init__(self, template: Path, decoupled: bool = False):
-        self.template, self.calls = template, []
+        self.template, self.calls, self.target = template, [], None
         self.checkpoint_engine = SimpleNamespace(is_decoupled=lambda: decoupled)
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         self.calls.append(dict(tag=tag, save_latest=save_latest, keys=sorted(client_state)))
-        target = Path(save_dir) / tag
-        shutil.copytree(self.template, target)
+        target = self.target = Path(save_dir) / tag
+        shutil.copytree(self.template, target, dirs_exist_ok=True)  # DeepSpeed's makedirs(exist_ok=True)
         (target / "ckptspec.json").unlink()
         for path in _model_files(target):
             rewrite_pt_with_item(path, CLIENT_STATE_KEY, client_state[CLIENT_STATE_KEY])
@@ -560,7 +563,7 @@ def fake_job(saved, monkeypatch):
         def others(rank):
             if other is not None:
                 return other(rank)
-            return ds._describe_own_files(state["tag_dir"], rank, stage, hash_algorithm), None
+            return ds._describe_own_files(state["engine"].target, rank, stage, hash_algorithm), None
 
         state = {}
         fake = _FakeDist(saved.world_size, others)
@@ -575,16 +578,24 @@ def fake_job(saved, monkeypatch):
             monkeypatch.setattr(torch.distributed, name, getattr(fake, name))
         return state
 
-    return SimpleNamespace(install=install, ds=ds, engine=lambda **kw: _FakeEngine(saved.tag_dir, **kw))
+    def engine(state=None, **kw):
+        made = _FakeEngine(saved.tag_dir, **kw)
+        if state is not None:
+            state["engine"] = made  # the simulated ranks describe what it wrote
+        return made
+
+    return SimpleNamespace(install=install, ds=ds, engine=engine)
 
 
 @pytest.mark.deepspeed
 def test_fake_job_reproduces_the_real_sidecar(fake_job, saved, tmp_path):
     state = fake_job.install()
-    state["tag_dir"] = tmp_path / "global_step2"
-    engine = fake_job.engine()
+    engine = fake_job.engine(state)
     manifest = fake_job.ds.save_checkpoint(engine, tmp_path, client_state={"mine": 1})
-    assert engine.calls == [dict(tag="global_step2", save_latest=False, keys=[CLIENT_STATE_KEY, "mine"])]
+    # DeepSpeed wrote into a temporary tag directory, which then took the tag's name.
+    (call,) = engine.calls
+    assert call["tag"].startswith(".global_step2.ckptspec-") and not (tmp_path / call["tag"]).exists()
+    assert call == dict(tag=call["tag"], save_latest=False, keys=[CLIENT_STATE_KEY, "mine"])
     assert manifest.to_dict() == saved.returned[0]
     assert (tmp_path / "latest").read_text() == "global_step2"
     assert (tmp_path / "global_step2" / "ckptspec.json").read_bytes() == saved.sidecar.read_bytes()
@@ -593,9 +604,8 @@ def test_fake_job_reproduces_the_real_sidecar(fake_job, saved, tmp_path):
 @pytest.mark.deepspeed
 def test_save_options(fake_job, saved, tmp_path):
     state = fake_job.install(hash_algorithm=None)
-    state["tag_dir"] = tmp_path / "mytag"
     manifest = fake_job.ds.save_checkpoint(
-        fake_job.engine(), tmp_path, tag="mytag", hash=False, save_latest=False, sidecar_encoding="msgpack"
+        fake_job.engine(state), tmp_path, tag="mytag", hash=False, save_latest=False, sidecar_encoding="msgpack"
     )
     assert not (tmp_path / "latest").exists()
     assert sorted(p.name for p in (tmp_path / "mytag").iterdir() if p.name.startswith("ckptspec")) == [
@@ -623,7 +633,8 @@ def test_a_rank_that_cannot_describe_its_files_fails_every_rank(fake_job, tmp_pa
     fake_job.install(other=lambda rank: ([], f"rank {rank}: OSError: disk gone"))
     with pytest.raises(RuntimeError, match="rank 1: OSError: disk gone"):
         fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path)
-    assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2" / "ckptspec.json").exists()
+    assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary tag directory is left"
 
 
 @pytest.mark.deepspeed
@@ -631,7 +642,8 @@ def test_an_incomplete_checkpoint_gets_no_sidecar_and_no_latest(fake_job, tmp_pa
     fake_job.install(other=lambda rank: ([], None))  # the other ranks' files are missing from the manifest
     with pytest.raises(RuntimeError, match="could not write the manifest sidecar"):
         fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path)
-    assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2" / "ckptspec.json").exists()
+    assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary tag directory is left"
 
 
 @pytest.mark.deepspeed

@@ -95,7 +95,9 @@ def test_metadata_traces_the_checkpoint(point, tmp_path):
     with safetensors_open(out / "model.safetensors") as f:
         meta = f.metadata()
     assert meta["format"] == "pt"
-    assert meta["ckptspec.manifest_sha256"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
+    # The manifest that was used, compact, with the SHA-256 of that text.
+    assert json.loads(meta["ckptspec.manifest"]) == json.loads(manifest.read_text())
+    assert meta["ckptspec.manifest_sha256"] == hashlib.sha256(meta["ckptspec.manifest"].encode()).hexdigest()
     assert meta["ckptspec.format_version"] == json.loads(manifest.read_text())["format_version"]
     assert json.loads(meta["ckptspec.aliases"]) == {"head.weight": "emb.weight"}
     assert meta["ckptspec.untied"] == "false"
@@ -220,7 +222,7 @@ def test_manifest_option_gives_the_same_output(point, tmp_path):
     base = safetensors_torch.load_file(plain / "model.safetensors")
     assert sorted(ours) == sorted(base) and all(torch.equal(bits(ours[k]), bits(base[k])) for k in base)
     with safetensors_open(via_manifest / "model.safetensors") as f:
-        assert f.metadata()["ckptspec.manifest_sha256"] == hashlib.sha256(generated.read_bytes()).hexdigest()
+        assert json.loads(f.metadata()["ckptspec.manifest"]) == json.loads(generated.read_text())
     engine = point(engine_name("s2-fp16-ws3-align")) / "engine_manifest.rank0.json"  # the live engine's: no files
     via_engine = tmp_path / "via-engine"
     _cli("reconstruct", str(save_dir), str(via_engine), "--quiet", "--manifest", str(engine))
@@ -411,9 +413,9 @@ def test_failed_write_leaves_the_output_directory_as_it_was(point, tmp_path, mon
 
     save_dir = point("s2-fp16-ws2-groups")
     out = tmp_path / "out"
-    if existing:
-        out.mkdir()
-        (out / "model.safetensors").write_bytes(b"previous run")
+    if existing:  # an earlier reconstruction (another checkpoint's) the failed run would have replaced
+        rc.reconstruct(point("s2-bf16-ws2"), out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if existing else {}
     calls = []
 
     def full_disk(self, fd, offset, nbytes):
@@ -427,7 +429,6 @@ def test_failed_write_leaves_the_output_directory_as_it_was(point, tmp_path, mon
     with pytest.raises(OSError):
         rc.reconstruct(save_dir, out, max_shard_size=1024)
     if existing:
-        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
-        assert (out / "model.safetensors").read_bytes() == b"previous run"
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no temporary left either
     else:
         assert not out.exists()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..._fs import is_leftover
 from ...checkpoint.embedded import SIDECAR_NAMES
 from ...checkpoint.states import Loaded, StateCache
 from ...findings import Finding, json_path
@@ -125,15 +126,15 @@ def safe_join(tag_dir: Path, rel: str) -> Path | None:
 
 
 def disk_files(tag_dir: Path) -> dict[str, Path]:
-    """Every file below ``tag_dir`` but the sidecar, by relative posix path, sorted."""
+    """Every file below ``tag_dir`` but the sidecar and ckptspec's leftovers, by relative posix path, sorted."""
     out = {}
     for root, dirs, files in os.walk(tag_dir):
         dirs.sort()
         for name in sorted(files):
             path = Path(root) / name
             rel = path.relative_to(tag_dir).as_posix()
-            if rel in SIDECAR_NAMES.values() or not path.is_file():
-                continue
+            if rel in SIDECAR_NAMES.values() or is_leftover(name) or not path.is_file():
+                continue  # the sidecar describes the rest; leftovers of killed runs are CK221
             out[rel] = path
     return out
 

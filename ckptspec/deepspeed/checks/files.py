@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..._fs import JOURNAL, leftovers
 from ...checkpoint.hashing import file_digest
 from ...checkpoint.states import code_and_hint
 from ...checkpoint.torchfile import iter_tensor_refs
@@ -76,6 +77,30 @@ def shard_unexpected(ctx: Context) -> Iterator[Finding]:
                 "file looks like a DeepSpeed shard but is not one of this checkpoint's shards",
                 "remove it: DeepSpeed's loaders glob '*_optim_states.pt' / '*_model_states.pt' and would read it",
                 file=f.name,
+            )
+
+
+@check("CK221")
+def leftover_temporary(ctx: Context) -> Iterator[Finding]:
+    """A ckptspec write that was killed left a temporary file or directory (or an unfinished
+    commit) in the tag directory or its save directory: not part of the checkpoint, but space."""
+    save_dir = ctx.tag_dir.parent if (ctx.tag_dir.parent / "latest").is_file() else None
+    for directory in (ctx.tag_dir, save_dir):
+        for path in leftovers(directory) if directory is not None else []:
+            name = path.name if directory == ctx.tag_dir else f"../{path.name}"
+            what = "an unfinished commit" if path.name == JOURNAL else "a temporary"
+            hint = (
+                "the next ckptspec write here finishes it (`ckptspec embed` on this checkpoint)"
+                if path.name == JOURNAL
+                else "the next ckptspec write in that directory removes it if its writer is gone; or delete it"
+            )
+            yield finding(
+                "CK221",
+                "$",
+                f"{what} of a ckptspec run that did not finish (killed?)",
+                hint,
+                severity="warning",
+                file=name,
             )
 
 

@@ -1,0 +1,135 @@
+"""``ckptspec.deepspeed.save_checkpoint`` killed at any instant (issue #21, item 3).
+
+A real two-rank DeepSpeed job saves tag ``first``, trains a step, then saves again (a new tag,
+or ``first`` once more), and rank 0 is sent SIGKILL at a sampled step of that second save:
+during DeepSpeed's own file writes, the sidecar, the rename of the tag directory or ``latest``
+(tests/_harness/job/save_crash.py). The checkpoint directory must then hold the earlier save
+(``latest`` unchanged, its tag byte for byte as it was) or the new one complete with its
+sidecar; DeepSpeed loads both (checked in the job that ran to completion), and the leftovers of
+the killed save are what the next save removes (``ckptspec._fs.sweep``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from _harness import cache, crash
+from _harness.launch import HarnessError, run_tasks
+from click.testing import CliRunner
+
+from ckptspec import _fs
+from ckptspec.cli import cli
+
+pytestmark = pytest.mark.deepspeed
+
+SPEC = {"stage": 2, "dtype": "bf16", "tied": True, "frozen": True, "buffers": True}
+WORLD_SIZE = 2
+CASES = {"new-tag": "second", "same-tag": "first"}  # the second save's tag
+SAMPLE = {"new-tag": 4, "same-tag": 6}  # kill points per case (all of them: CKPTSPEC_CRASH_ALL=1)
+
+
+def _entry(ds, second: str, kill_at: int | None) -> Path:
+    identity = {
+        "kind": "save_crash",
+        "spec": SPEC,
+        "world_size": WORLD_SIZE,
+        "second_tag": second,
+        "kill_at": kill_at,
+        "job": cache.tree_digest(*cache.JOB_SOURCES),
+        "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES),
+        "versions": cache.versions(),
+    }
+
+    def build(directory: Path) -> None:
+        directory.mkdir(parents=True)
+        task = {"kind": "save_crash", "args": {"spec": SPEC, "second_tag": second, "kill_at": kill_at}}
+        try:
+            run_tasks([{**task, "out": str(directory / "save")}], WORLD_SIZE, directory)
+        except HarnessError as exc:
+            if kill_at is None or "SIGKILL" not in str(exc) and "Signals.SIGKILL" not in str(exc):
+                raise
+            (directory / "killed.log").write_text(str(exc)[-5000:])
+
+    return ds.cached(f"save-crash-{second}-{kill_at}", identity, build)
+
+
+@pytest.fixture(scope="module")
+def runs(ds) -> dict:
+    """case -> (the save that finished, {kill point: the save that was killed there})."""
+    complete = {case: _entry(ds, second, None) for case, second in CASES.items()}
+    plans = []
+    for case, second in CASES.items():
+        total = json.loads((complete[case] / "save" / "steps.json").read_text())["steps"]
+        plans += [(case, second, point) for point in crash.points(total, SAMPLE[case])]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two launches at a time, as the harness runs them
+        killed = list(pool.map(lambda plan: _entry(ds, plan[1], plan[2]), plans))
+    out = {case: (complete[case], {}) for case in CASES}
+    for (case, _, point), path in zip(plans, killed):
+        out[case][1][point] = path
+    return out
+
+
+def _tag_files(save: Path, tag: str) -> dict[str, bytes]:
+    return crash.visible(save / tag)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_complete_saves_load_with_deepspeed(runs, case):
+    complete, _ = runs[case]
+    loads = json.loads((complete / "save" / "loads.json").read_text())
+    assert loads and all(loads.values()), loads
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_killed_save_leaves_the_earlier_or_the_new_checkpoint(runs, case, tmp_path):
+    complete, killed = runs[case]
+    second = CASES[case]
+    reference = complete / "save"
+    before_first = _tag_files(reference, "first") if second != "first" else None
+    assert killed, "no kill point was tried"
+    states = []
+    for point, entry in sorted(killed.items()):
+        assert (entry / "killed.log").exists(), f"step {point}: the job was not killed"
+        save = tmp_path / f"at-{point}"
+        shutil.copytree(entry / "save", save, symlinks=True)
+        latest = (save / "latest").read_text()
+        if second == "first":
+            # The tag is rewritten in place: it is the whole earlier save or the whole new one.
+            state = _tag_files(save, "first")
+            assert state, f"step {point}: tag 'first' is missing"
+            assert state == _tag_files(reference, "first") or _is_first_save(save, complete), f"step {point}: mixed"
+            states.append("new" if state == _tag_files(reference, "first") else "old")
+        else:
+            assert _tag_files(save, "first") == before_first, f"step {point}: the earlier save changed"
+            assert latest in ("first", "second"), f"step {point}: latest names {latest!r}"
+            if latest == "second" or (save / "second").exists():
+                assert _tag_files(save, "second") == _tag_files(reference, "second"), f"step {point}: partial"
+                states.append("new")
+            else:
+                states.append("old")
+        # Whatever state: the checkpoint `latest` names validates clean (its hidden leftovers aside).
+        report = CliRunner().invoke(cli, ["validate", str(save), "--format", "json"])
+        assert report.exit_code == 0, (point, report.output)
+        assert all(f["code"] == "CK221" for f in json.loads(report.stdout)["findings"]), report.stdout
+        # The next save removes what the killed one left (its writer is gone).
+        _fs.sweep(save)
+        for tag_dir in [p for p in save.iterdir() if p.is_dir() and not p.name.startswith(".")]:
+            _fs.recover(tag_dir)
+            _fs.sweep(tag_dir)
+        assert crash.hidden(save) == [], f"step {point}: {crash.hidden(save)}"
+    assert "old" in states and "new" in states or len(states) < 3, states
+
+
+def _is_first_save(save: Path, complete: Path) -> bool:
+    """Tag ``first`` as the first save wrote it: the masters it holds are the first save's."""
+    import torch
+
+    from ckptspec.export.api import load_state_dict
+
+    masters = torch.load(complete / "save" / "masters.pt", weights_only=True)["first"]
+    state = load_state_dict(save, framework="torch", tag="first")
+    return all(torch.equal(state[name], tensor) for name, tensor in masters.items())
