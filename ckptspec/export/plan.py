@@ -36,6 +36,7 @@ from ..errors import InvalidCheckpoint, ReconstructMismatch, ReconstructUnsuppor
 from ..format.codec import dumps
 from ..format.dtypes import FLOATING, ITEMSIZE
 from ..format.models import Manifest
+from ..format.paths import join_inside
 
 
 @dataclass(frozen=True)
@@ -190,12 +191,13 @@ def plan_reconstruction(
 
 
 def _inside(tag_dir: Path, relative: str) -> Path:
-    path = (tag_dir / relative).resolve()
-    if not path.is_relative_to(tag_dir.resolve()):
+    """The file a manifest path names; a symbolic link is read where it leads (format/paths.py)."""
+    path = join_inside(tag_dir, relative)
+    if path is None:  # the rules refuse such a manifest first; a plan of an unvalidated one stops here
         raise InvalidCheckpoint(
             "CK113",
-            f"file path {relative!r} leaves the checkpoint directory",
-            "use paths relative to the tag directory",
+            f"path {relative!r} is not a plain relative path inside the checkpoint",
+            "use forward-slash paths relative to the checkpoint directory",
             relative,
         )
     return path
