@@ -12,6 +12,11 @@ from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 MAX_TAG_BYTES = 4096
 
 
+def is_tag_name(name: str) -> bool:
+    """A tag names one directory inside the save directory: ``latest`` and ``--tag`` alike."""
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and "\x00" not in name
+
+
 def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Path:
     """A save directory (with ``latest``) or a tag directory -> the tag directory."""
     root = Path(checkpoint)
@@ -20,6 +25,14 @@ def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Pa
     if not root.is_dir():
         raise CkptspecError("CK901", "not a directory", "pass a DeepSpeed save directory or a tag directory", str(root))
     if tag is not None:
+        if not is_tag_name(tag):
+            raise InvalidCheckpoint(
+                "CK201",
+                f"tag {tag!r} is not a tag name",
+                "a tag is the name of a directory inside the save directory, such as global_step2 "
+                "(no '/', no '..'); to read another checkpoint, pass its own directory",
+                str(root),
+            )
         tag_dir = root / tag
         if not tag_dir.is_dir():
             raise InvalidCheckpoint(
@@ -46,7 +59,7 @@ def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Pa
         raise InvalidCheckpoint(
             "CK201", f"'latest' cannot be read: {exc}", "write the tag name into 'latest'", str(latest)
         ) from None
-    if not name or "/" in name or "\\" in name or name in (".", ".."):
+    if not is_tag_name(name):
         raise InvalidCheckpoint(
             "CK201", f"'latest' names {name!r}, which is not a tag", "write the tag name into 'latest'", str(latest)
         )
