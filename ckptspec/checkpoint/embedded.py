@@ -193,10 +193,16 @@ def _decode_embedded(value: Any, source: str, what: str) -> Any:
             "re-embed the manifest with `ckptspec embed`",
             source,
         ) from None
+    return _manifest_object(doc, source, what)
+
+
+def _manifest_object(doc: Any, source: str, what: str) -> dict:
+    """A decoded copy must be an object to be a manifest (or to be compared with one): CK302 otherwise."""
     if not isinstance(doc, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(doc), "a number")
         raise EmbedError(
             "CK302",
-            f"{what} holds a JSON {type(doc).__name__}, not an object",
+            f"{what} holds {kind}, not a JSON object",
             "re-embed the manifest with `ckptspec embed`",
             source,
         )
@@ -293,9 +299,35 @@ def copies_in_file(path: str | os.PathLike) -> list[EmbeddedCopy]:
     elif suffix in (".pt", ".bin", ".pth") or _is_zip(p):
         found = read_client_state_copy(p)
     else:
-        kind: Kind = "sidecar" if p.name in SIDECAR_NAMES.values() else "manifest_file"
-        found = EmbeddedCopy(str(p), kind, load_document(p))
+        found = read_manifest_copy(p, "sidecar" if p.name in SIDECAR_NAMES.values() else "manifest_file")
     return [found] if found else []
+
+
+def read_manifest_copy(path: str | os.PathLike, kind: Kind = "manifest_file") -> EmbeddedCopy:
+    """A manifest file (or a sidecar given as a file) as a copy: CK302 when it is not an object.
+    Bytes that do not decode stay CK903: the file given is not a manifest at all."""
+    return EmbeddedCopy(str(path), kind, _manifest_object(load_document(path), str(path), f"the {_KIND_NAMES[kind]}"))
+
+
+def read_sidecar_copy(path: str | os.PathLike) -> EmbeddedCopy:
+    """The sidecar of a checkpoint directory: a part of the checkpoint, so bytes that are not a
+    manifest document (empty, truncated, not UTF-8, not an object) make it an unreadable copy, CK302."""
+    try:
+        return read_manifest_copy(path, "sidecar")
+    except CkptspecError as exc:
+        if exc.code != "CK903":
+            raise
+        raise unreadable_sidecar(exc) from None
+
+
+def unreadable_sidecar(exc: CkptspecError) -> EmbedError:
+    """CK302 for a sidecar whose bytes do not decode (``exc``, a CK903 naming it)."""
+    return EmbedError(
+        "CK302",
+        f"the sidecar is not a manifest document: {exc.message}",
+        "restore it, or write it again from the checkpoint's files with `ckptspec embed CHECKPOINT --sidecar-only`",
+        exc.file,
+    )
 
 
 # --------------------------------------------------------------------------- sidecars

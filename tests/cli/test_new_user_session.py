@@ -8,6 +8,7 @@ that the message names the input.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -46,6 +47,29 @@ def ckpt(tmp_path) -> Path:
 def embedded(ckpt) -> Path:
     assert run("embed", ckpt).exit_code == 0
     return ckpt
+
+
+# --------------------------------------------------------------------------- 4. extract on a non-object sidecar
+
+
+@pytest.mark.parametrize("text", ["[]\n", '"hello"\n', "42\n", "null\n"])
+def test_extract_refuses_a_sidecar_that_is_not_an_object(embedded, text):
+    sidecar = embedded / TAG / "ckptspec.json"
+    sidecar.write_text(text)
+    result = run("extract", embedded)
+    assert result.exit_code == 1, result.output
+    assert result.stdout == ""  # nothing printed
+    assert "CK302" in result.stderr and "ckptspec.json" in result.stderr
+    listed = run("extract", embedded, "--list")
+    assert listed.exit_code == 1, listed.output
+    assert "CK302" in listed.output and "agree" not in listed.output
+
+
+def test_extract_refuses_a_manifest_file_that_is_not_an_object(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text("[]")
+    result = run("extract", path)
+    assert result.exit_code == 1 and "CK302" in result.stderr and result.stdout == ""
 
 
 # --------------------------------------------------------------------------- 5. --tag stays inside CHECKPOINT
@@ -100,3 +124,40 @@ def test_python_api_refuses_a_tag_outside(ckpt, other):
     with pytest.raises(CkptspecError) as info:
         ckptspec.load_state_dict(ckpt, tag=f"../{other.name}/{TAG}")
     assert info.value.code == "CK201"
+
+
+# --------------------------------------------------------------------------- 6. an empty or truncated sidecar
+
+
+@pytest.mark.parametrize("text", ["", '{"broken": '], ids=["empty", "truncated"])
+def test_damaged_sidecar_is_ck302_exit_1(embedded, tmp_path, text):
+    sidecar = embedded / TAG / "ckptspec.json"
+    sidecar.write_text(text)
+
+    result = run("validate", embedded, "--format", "json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert "error" not in report and report["valid"] is False
+    codes = [(f["code"], f.get("file")) for f in report["findings"]]
+    assert ("CK302", "ckptspec.json") in codes
+    # The files are still checked, against a manifest generated from DeepSpeed's metadata:
+    # the clean shards give no other finding.
+    assert [c for c, _ in codes] == ["CK302"], codes
+
+    text_run = run("validate", embedded)
+    assert text_run.exit_code == 1 and "CK302" in text_run.stdout and "ckptspec.json" in text_run.stdout
+
+    for args in (["inspect", embedded], ["reconstruct", embedded, tmp_path / "OUT"], ["extract", embedded]):
+        result = run(*args)
+        assert result.exit_code == 1, (args, result.output)
+        assert "CK302" in result.output + result.stderr, (args, result.output)
+    assert not (tmp_path / "OUT").exists()
+
+
+def test_damaged_sidecar_beside_a_damaged_shard_names_both(embedded):
+    (embedded / TAG / "ckptspec.json").write_text("")
+    shard = embedded / TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    report = json.loads(run("validate", embedded, "--format", "json").stdout)
+    codes = {(f["code"], f.get("file")) for f in report["findings"]}
+    assert ("CK302", "ckptspec.json") in codes and ("CK205", shard.name) in codes
