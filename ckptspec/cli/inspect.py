@@ -85,9 +85,12 @@ def _tty() -> bool:
     return sys.stdout.isatty()
 
 
-def _fail(exc: CkptspecError, name: str, output_format: str, extra: dict | None = None) -> None:
+def _fail(exc: CkptspecError, name: str, output_format: str, extra: dict, error: dict | None = None) -> None:
+    """An input that cannot be read: the error line, or the JSON object with ``extra`` and an
+    ``error`` naming the file the text line names (``error`` adds keys to it)."""
     if output_format == "json":
-        echo_json({**(extra or {}), "valid": False, "findings": [], "error": error_dict(exc)})
+        detail = {**error_dict(exc), **({"file": exc.file} if exc.file else {}), **(error or {})}
+        echo_json({**extra, "valid": False, "findings": [], "error": detail})
     else:
         click.echo(error_line(exc, name), err=True)
     sys.exit(exc.exit_code)
@@ -180,7 +183,10 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
         try:
             targets.append(load_target(name, tag))
         except CkptspecError as exc:
-            _fail(exc, name, output_format, {"a": a, "b": b})
+            # `a` and `b` keep their shape (an input not read has no `source` yet); the error
+            # names the input it is about, as each finding of an invalid input does.
+            sides = [_source_dict(t) for t in targets] + [{"target": n} for n in (a, b)[len(targets) :]]
+            _fail(exc, name, output_format, {"a": sides[0], "b": sides[1]}, {"target": name})
     bad = [t for t in targets if t.manifest is None or has_errors(t.findings)]
     if bad:
         if output_format == "json":

@@ -201,3 +201,16 @@ def test_rich_is_imported_only_for_text():
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_json_error_names_the_file_text_mode_names(tmp_path):
+    """Issue #22, defect 8: the error object names the file, as the text line does."""
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "latest").write_text("../elsewhere")
+    text = run("inspect", save)
+    assert text.exit_code == 1 and text.output.startswith(f"{save / 'latest'}: CK201"), text.output
+    result = run("inspect", save, "--format", "json")
+    assert result.exit_code == 1
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "CK201" and error["file"] == str(save / "latest"), error
