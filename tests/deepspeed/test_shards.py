@@ -257,3 +257,26 @@ def test_round_robin_inverse():
     assert natural_order(["emb", "l2.w", "l1.w", "l2.b", "l1.b"], 3) == ["emb", "l1.w", "l1.b", "l2.w", "l2.b"]
     assert natural_order(list("abcdefg"), 1) == list("abcdefg")
     assert natural_order(["a", "c", "b"], 2) == ["a", "b", "c"]
+
+
+# --------------------------------------------------------------------------- issue #22: messages a user reads
+
+
+def test_optimizer_header_says_stage_numbers_and_what_the_counts_mean(built, tmp_path):
+    """Defect 11: the manifest of a ZeRO-3 checkpoint (DeepSpeed 0.15.4) checked against the files of a
+    ZeRO-2 one (0.19.8), both on two ranks, and the reverse."""
+    stage3 = Path(__file__).resolve().parents[1] / "data" / "deepspeed-0.15.4" / "old-s3-bf16-ws2"
+    stage2 = built("committed:s2-bf16-ws2")
+    for manifest_of, files_of, says, is_stage, counts in (
+        (stage3, stage2, 2, 3, "one per group"),
+        (stage2, stage3, 3, 2, "one number"),
+    ):
+        manifest = tmp_path / f"{manifest_of.name}.json"
+        assert _run("generate", str(manifest_of), "-o", str(manifest)).exit_code == 0
+        result = _run("validate", str(manifest), "--checkpoint", str(files_of))
+        assert result.exit_code == 1, result.output
+        lines = [line for line in result.output.splitlines() if "CK211" in line]
+        assert "ZeroStage" not in result.output, lines
+        assert any(f"file says ZeRO stage {says}, the checkpoint is stage {is_stage}" in line for line in lines), lines
+        partition = [line for line in lines if "partition count" in line]
+        assert partition and all(counts in line for line in partition), partition
