@@ -10,6 +10,7 @@ from ..errors import CkptspecError, InvalidCheckpoint, UnsupportedCheckpoint
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
 MAX_TAG_BYTES = 4096
+UNIVERSAL_FOLDER = "zero"  # deepspeed/checkpoint/ds_to_universal.py writes zero/<param>/fp32.pt
 
 
 def is_tag_name(name: str) -> bool:
@@ -118,6 +119,14 @@ def scan_tag_dir(tag_dir: Path) -> ShardSet:
             shards.model_files[int(m.group(1) or 0)] = path
         elif not name.startswith("ckptspec."):  # ckptspec's own files (the sidecar) describe the others
             shards.other_files.append(path)
+    if not shards.optim_files and (tag_dir / UNIVERSAL_FOLDER).is_dir():
+        # ds_to_universal's output: the model states beside zero/<param>/fp32.pt, no optimizer files.
+        raise UnsupportedCheckpoint(
+            f"a DeepSpeed universal checkpoint ({UNIVERSAL_FOLDER}/ folder), not a ZeRO checkpoint",
+            "format 1.0 describes the ZeRO checkpoint it was converted from: pass that tag "
+            "(DeepSpeed loads this one with checkpoint.load_universal)",
+            str(tag_dir / UNIVERSAL_FOLDER),
+        )
     if not shards.model_files:
         raise InvalidCheckpoint(
             "CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir)

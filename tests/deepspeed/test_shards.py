@@ -6,6 +6,7 @@ traceback, nothing written and no pickled code run.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -280,3 +281,28 @@ def test_optimizer_header_says_stage_numbers_and_what_the_counts_mean(built, tmp
         assert any(f"file says ZeRO stage {says}, the checkpoint is stage {is_stage}" in line for line in lines), lines
         partition = [line for line in lines if "partition count" in line]
         assert partition and all(counts in line for line in partition), partition
+
+
+def test_universal_checkpoint_is_named_as_such(built, tmp_path):
+    """Defect 10: a folder written by DeepSpeed's ds_to_universal is not "ZeRO stage 0"."""
+    save_dir = _copy(built("committed:s2-bf16-ws2"), tmp_path)
+    universal = save_dir / "global_step2_universal"
+    subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir(save_dir))]
+        + ["--output_folder", str(universal), "--inject_missing_state"]
+        + ["--num_extract_workers", "1", "--num_merge_workers", "1"],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
+    assert (universal / "zero").is_dir() and not list(universal.glob("*_optim_states.pt"))
+    for args in (
+        ["validate", str(save_dir), "--tag", universal.name],
+        ["inspect", str(universal)],
+        ["generate", str(universal)],
+        ["reconstruct", str(universal), str(tmp_path / "OUT")],
+    ):
+        result = _run(*args)
+        assert result.exit_code == 1, (args, result.output)
+        assert "CK202" in result.output and "universal checkpoint" in result.output, (args, result.output)
+        assert "stage 0" not in result.output, result.output
