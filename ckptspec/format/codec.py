@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 Encoding = Literal["json", "msgpack"]
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
 MSGPACK_SUFFIXES = {".msgpack", ".mpk"}
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: never a JSON or msgpack manifest
 
 
 def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding:
@@ -233,6 +234,14 @@ def read_document(
 ) -> tuple[Any, bool]:
     """``load_document``, also telling whether the document holds floats."""
     data = read_bytes(path, max_bytes)
+    if data.startswith(ZIP_MAGIC):
+        raise CkptspecError(
+            "CK903",
+            "a zip archive such as a torch checkpoint file (*_model_states.pt), not a manifest",
+            "pass the checkpoint directory instead: `ckptspec validate DIR` checks a checkpoint against its own "
+            "manifest (`ckptspec extract FILE` prints the manifest a file embeds)",
+            str(path),
+        )
     return decode_document(data, encoding or encoding_for(path, data), str(path))
 
 

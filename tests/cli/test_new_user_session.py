@@ -161,3 +161,30 @@ def test_damaged_sidecar_beside_a_damaged_shard_names_both(embedded):
     report = json.loads(run("validate", embedded, "--format", "json").stdout)
     codes = {(f["code"], f.get("file")) for f in report["findings"]}
     assert ("CK302", "ckptspec.json") in codes and ("CK205", shard.name) in codes
+
+
+# --------------------------------------------------------------------------- 12. errors name the input
+
+
+def test_python_exceptions_name_the_input(tmp_path):
+    import ckptspec
+    from ckptspec.format.validate import validate_file
+
+    (tmp_path / "empty").mkdir()
+    for call, name in (
+        (lambda: ckptspec.load_state_dict(tmp_path / "missing"), "missing"),
+        (lambda: validate_file(tmp_path / "missing.json"), "missing.json"),
+        (lambda: ckptspec.load_state_dict(tmp_path / "empty"), "empty"),
+    ):
+        with pytest.raises(CkptspecError) as info:
+            call()
+        assert str(tmp_path / name) in str(info.value), str(info.value)
+        assert info.value.code in str(info.value)
+
+
+def test_a_shard_given_to_validate_gets_a_hint_to_pass_the_directory(ckpt):
+    shard = ckpt / TAG / "mp_rank_00_model_states.pt"
+    result = run("validate", shard)
+    assert result.exit_code == 2
+    assert "CK903" in result.stderr and "UTF-8" not in result.stderr
+    assert "checkpoint directory" in result.stderr, result.stderr
