@@ -214,3 +214,15 @@ def test_json_error_names_the_file_text_mode_names(tmp_path):
     assert result.exit_code == 1
     error = json.loads(result.stdout)["error"]
     assert error["code"] == "CK201" and error["file"] == str(save / "latest"), error
+
+
+def test_text_output_has_no_trailing_spaces():
+    """Issue #22, defect 13: the tables are padded to their width, the lines are not."""
+    result = run("inspect", EXAMPLE, "--top", "3")
+    assert result.exit_code == 0
+    assert [line for line in result.stdout.splitlines() if line != line.rstrip()] == []
+    # The transcript of docs/cli.md, byte for byte.
+    doc = (ROOT / "docs" / "cli.md").read_text("utf-8")
+    start = doc.index("$ ckptspec inspect examples/manifests/zero2-bf16-2ranks.json --top 3\n")
+    shown = doc[start:].split("\n", 1)[1].split("```", 1)[0]
+    assert result.stdout.replace(str(EXAMPLE), "examples/manifests/zero2-bf16-2ranks.json") == shown
