@@ -80,9 +80,17 @@ class ReconstructionPlan:
         """Bytes of ``name`` in the output when floating tensors are written as ``dtype``."""
         return self.sources[self.aliases.get(name, name)].numel * ITEMSIZE[self.output_dtype(name, dtype)]
 
+    def stored(self, untie: bool) -> list[str]:
+        """The names whose data the output holds: a tied alias is stored once (as its owner) unless ``untie``."""
+        return [n for n in self.order if untie or n not in self.aliases]
+
     def total_nbytes(self, dtype: str, untie: bool) -> int:
-        """Bytes of tensor data in the output (a tied alias is stored once unless ``untie``)."""
-        return sum(self.output_nbytes(n, dtype) for n in self.order if untie or n not in self.aliases)
+        """Bytes of tensor data in the output."""
+        return sum(self.output_nbytes(n, dtype) for n in self.stored(untie))
+
+    def total_numel(self, untie: bool) -> int:
+        """Elements of tensor data in the output (what the summary of ``reconstruct`` counts)."""
+        return sum(self.sources[self.aliases.get(n, n)].numel for n in self.stored(untie))
 
     @property
     def manifest_sha256(self) -> str:

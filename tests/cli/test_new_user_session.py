@@ -9,7 +9,10 @@ that the message names the input.
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +191,81 @@ def test_a_shard_given_to_validate_gets_a_hint_to_pass_the_directory(ckpt):
     assert result.exit_code == 2
     assert "CK903" in result.stderr and "UTF-8" not in result.stderr
     assert "checkpoint directory" in result.stderr, result.stderr
+
+
+# --------------------------------------------------------------------------- 13. small differences
+
+
+def test_extract_of_a_file_with_tag_is_a_usage_error(tmp_path):
+    result = run("extract", EXAMPLE, "--tag", "x")
+    assert result.exit_code == 2 and "--tag" in result.stderr
+
+
+def test_diff_usage_error_names_the_option_given(ckpt):
+    result = run("diff", EXAMPLE, ckpt, "--tag-a", TAG)
+    assert result.exit_code == 2 and "--tag-a" in result.stderr, result.stderr
+    result = run("diff", ckpt, EXAMPLE, "--tag-b", TAG)
+    assert result.exit_code == 2 and "--tag-b" in result.stderr, result.stderr
+
+
+def test_ck207_hint_says_what_deepspeed_would_read(ckpt):
+    """DeepSpeed's zero_to_fp32 globs '*_optim_states.pt' and '*_model_states.pt' in the tag directory
+    only: a stray in a subfolder is not read by it, and each pattern is named for its own files."""
+    tag = ckpt / TAG
+    (tag / "blobs").mkdir()
+    shard = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(shard, tag / "blobs" / shard.name)
+    shutil.copy(shard, tag / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "old_mp_rank_00_model_states.pt")
+    result = run("validate", ckpt, "--format", "json")
+    assert result.exit_code == 1
+    hints = {f["file"]: f["hint"] for f in json.loads(result.stdout)["findings"] if f["code"] == "CK207"}
+    assert set(hints) == {
+        f"blobs/{shard.name}",
+        "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt",
+        "old_mp_rank_00_model_states.pt",
+    }, hints
+    assert "glob" not in hints[f"blobs/{shard.name}"]
+    assert "'*_optim_states.pt'" in hints["bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"]
+    assert "model_states" not in hints["bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"]
+    assert "'*_model_states.pt'" in hints["old_mp_rank_00_model_states.pt"]
+    assert "optim_states" not in hints["old_mp_rank_00_model_states.pt"]
+
+
+def test_untie_summary_counts_the_elements_written(ckpt, tmp_path):
+    from safetensors import safe_open
+
+    for untie in (False, True):
+        out = tmp_path / f"out-{untie}"
+        result = run("reconstruct", ckpt, out, *(["--untie"] if untie else []))
+        assert result.exit_code == 0, result.output
+        with safe_open(out / "model.safetensors", framework="np") as f:
+            keys = list(f.keys())
+            elements = sum(math.prod(f.get_slice(k).get_shape()) for k in keys)
+        assert f"wrote {len(keys)} tensors" in result.stdout, result.stdout
+        assert f"{elements} elements" in result.stdout, result.stdout
+
+
+def test_stdin_is_an_input_as_it_is_an_output(tmp_path):
+    """`-` is standard input wherever a manifest file is read, as for cat, jq and json.tool."""
+    text = EXAMPLE.read_text("utf-8")
+    result = run("validate", "-", input=text)
+    assert result.exit_code == 0 and result.stdout == "-: valid\n", result.output
+    result = run("convert", "-", tmp_path / "m.msgpack", input=text)
+    assert result.exit_code == 0, result.output
+    result = run("convert", tmp_path / "m.msgpack", "-")
+    assert json.loads(result.stdout) == json.loads(text)
+    result = run("inspect", "-", "--format", "json", input=text)
+    assert result.exit_code == 0 and json.loads(result.stdout)["target"] == "-"
+    result = run("validate", "-", input="{")
+    assert result.exit_code == 2 and result.stderr.startswith("-: CK903"), result.stderr
+
+
+def test_stdin_through_the_installed_command():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptspec", "convert", "-", "-"],
+        input=EXAMPLE.read_bytes(),
+        capture_output=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == json.loads(EXAMPLE.read_text("utf-8"))
