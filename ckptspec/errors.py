@@ -36,6 +36,10 @@ class CkptspecError(Exception):
         where = f"{self.file}: " if self.file else ""
         return f"{where}{self.code} {self.message} (hint: {self.hint})"
 
+    def __str__(self) -> str:
+        # The line the CLI prints: a Python caller sees which input, the code and the hint too.
+        return self.to_line()
+
 
 # --------------------------------------------------------------------------- manifests
 

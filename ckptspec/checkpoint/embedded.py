@@ -30,16 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._fs import commit, fsync, io_point, temp_file
 from ..errors import CkptspecError, EmbedError
 from ..findings import Finding, finding, json_path
-from ..format.codec import Encoding, decode, dumps, load_document
+from ..format.codec import decode, dumps, load_document
+from .sidecar import SIDECAR_NAMES
 from .states import read_state
 
 if TYPE_CHECKING:
     from ..format.models import Manifest
 
-SIDECAR_NAMES: dict[str, str] = {"json": "ckptspec.json", "msgpack": "ckptspec.msgpack"}
 CLIENT_STATE_KEY = "ckptspec_manifest"
 SAFETENSORS_KEY = "ckptspec.manifest"
 SAFETENSORS_SHA256_KEY = "ckptspec.manifest_sha256"
@@ -198,10 +197,16 @@ def _decode_embedded(value: Any, source: str, what: str) -> Any:
             "re-embed the manifest with `ckptspec embed`",
             source,
         ) from None
+    return _manifest_object(doc, source, what)
+
+
+def _manifest_object(doc: Any, source: str, what: str) -> dict:
+    """A decoded copy must be an object to be a manifest (or to be compared with one): CK302 otherwise."""
     if not isinstance(doc, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(doc), "a number")
         raise EmbedError(
             "CK302",
-            f"{what} holds a JSON {type(doc).__name__}, not an object",
+            f"{what} holds {kind}, not a JSON object",
             "re-embed the manifest with `ckptspec embed`",
             source,
         )
@@ -341,59 +346,35 @@ def copies_in_file(path: str | os.PathLike) -> list[EmbeddedCopy]:
     elif suffix in (".pt", ".bin", ".pth") or _is_zip(p):
         found = read_client_state_copy(p)
     else:
-        kind: Kind = "sidecar" if p.name in SIDECAR_NAMES.values() else "manifest_file"
-        found = EmbeddedCopy(str(p), kind, load_document(p))
+        found = read_manifest_copy(p, "sidecar" if p.name in SIDECAR_NAMES.values() else "manifest_file")
     return [found] if found else []
 
 
-# --------------------------------------------------------------------------- sidecars
+def read_manifest_copy(path: str | os.PathLike, kind: Kind = "manifest_file") -> EmbeddedCopy:
+    """A manifest file (or a sidecar given as a file) as a copy: CK302 when it is not an object.
+    Bytes that do not decode stay CK903: the file given is not a manifest at all."""
+    return EmbeddedCopy(str(path), kind, _manifest_object(load_document(path), str(path), f"the {_KIND_NAMES[kind]}"))
 
 
-def find_sidecars(tag_dir: str | os.PathLike) -> list[Path]:
-    """The sidecars present in a directory (normally none or one)."""
-    tag_dir = Path(tag_dir)
-    return [tag_dir / name for name in SIDECAR_NAMES.values() if (tag_dir / name).is_file()]
-
-
-def find_sidecar(tag_dir: str | os.PathLike) -> Path | None:
-    """The sidecar of a tag directory (``ckptspec.json`` before ``ckptspec.msgpack``), or None."""
-    return next(iter(find_sidecars(tag_dir)), None)
-
-
-def sidecar_commit(
-    tag_dir: str | os.PathLike, manifest: Manifest | dict, encoding: Encoding = "json"
-) -> tuple[list[tuple[Path, Path]], list[Path]]:
-    """The sidecar written to a finished temporary file: (renames, removals) for ``_fs.commit``,
-    the removal being a sidecar of the other encoding, so that no stale copy remains."""
-    tag_dir = Path(tag_dir)
-    target = tag_dir / SIDECAR_NAMES[encoding]
-    data = dumps(manifest, encoding)
-    fd, tmp = temp_file(target)
+def read_sidecar_copy(path: str | os.PathLike) -> EmbeddedCopy:
+    """The sidecar of a checkpoint directory: a part of the checkpoint, so bytes that are not a
+    manifest document (empty, truncated, not UTF-8, not an object) make it an unreadable copy, CK302."""
     try:
-        with os.fdopen(fd, "wb") as fh:
-            io_point("write")
-            fh.write(data)
-            fh.flush()
-            fsync(fh.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return [(tmp, target)], [tag_dir / other for other in SIDECAR_NAMES.values() if other != target.name]
+        return read_manifest_copy(path, "sidecar")
+    except CkptspecError as exc:
+        if exc.code != "CK903":
+            raise
+        raise unreadable_sidecar(exc) from None
 
 
-def write_sidecar(tag_dir: str | os.PathLike, manifest: Manifest | dict, encoding: Encoding = "json") -> Path:
-    """Write the complete manifest next to the shards, atomically, removing a sidecar of the other encoding."""
-    try:
-        renames, removals = sidecar_commit(tag_dir, manifest, encoding)
-        commit(tag_dir, renames, removals)
-    except OSError as exc:
-        raise CkptspecError(
-            "CK906",
-            f"cannot write the sidecar: {exc.strerror}",
-            "check that the tag directory is writable and the sidecar name is free",
-            str(Path(tag_dir) / SIDECAR_NAMES[encoding]),
-        ) from None
-    return renames[0][1]
+def unreadable_sidecar(exc: CkptspecError) -> EmbedError:
+    """CK302 for a sidecar whose bytes do not decode (``exc``, a CK903 naming it)."""
+    return EmbedError(
+        "CK302",
+        f"the sidecar is not a manifest document: {exc.message}",
+        "restore it, or write it again from the checkpoint's files with `ckptspec embed CHECKPOINT --sidecar-only`",
+        exc.file,
+    )
 
 
 def best_copy(copies: list[EmbeddedCopy]) -> EmbeddedCopy:

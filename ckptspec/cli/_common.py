@@ -90,6 +90,11 @@ def fail(exc: CkptspecError, target: str | None = None) -> NoReturn:
     sys.exit(exc.exit_code)
 
 
+def tag_needs_a_directory(name: str, option: str = "--tag") -> click.UsageError:
+    """``--tag`` (``--tag-a``, ``--tag-b``) given with a file argument: a usage error, in the same words everywhere."""
+    return click.UsageError(f"{option} needs a checkpoint directory, and {name} is not one")
+
+
 def echo_json(doc: dict[str, Any]) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=True))
 

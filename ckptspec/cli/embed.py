@@ -6,6 +6,7 @@ the document when one is printed); exit codes as for every command (``_common``)
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -13,7 +14,7 @@ import click
 from ..errors import CkptspecError
 from ..findings import Finding, has_errors
 from ..format.codec import DEFAULT_MAX_BYTES, dumps, encoding_for_output, load_document, write_manifest
-from ._common import ENCODING_CHOICE, EXIT_INVALID, EXIT_OK, OUTPUT_FILE, echo_findings, fail
+from ._common import ENCODING_CHOICE, EXIT_INVALID, EXIT_OK, OUTPUT_FILE, echo_findings, fail, tag_needs_a_directory
 
 
 def _show(target: str, findings: list[Finding], err: bool = True) -> None:
@@ -151,6 +152,8 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     from ..errors import EmbedError
     from ..format.version import version_findings
 
+    if tag is not None and os.path.exists(target) and not os.path.isdir(target):
+        raise tag_needs_a_directory(target)
     try:
         copies = find_copies(target, tag)
     except CkptspecError as exc:

@@ -21,7 +21,16 @@ import click
 from ..errors import CkptspecError
 from ..findings import Finding, has_errors
 from ..format.codec import DEFAULT_MAX_BYTES
-from ._common import EXIT_INVALID, EXIT_OK, FORMAT_CHOICE, echo_findings, echo_json, error_dict, error_line
+from ._common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    FORMAT_CHOICE,
+    echo_findings,
+    echo_json,
+    error_dict,
+    error_line,
+    tag_needs_a_directory,
+)
 
 if TYPE_CHECKING:  # the models load pydantic; `ckptspec validate` must not pay for it
     from ..format.models import Manifest
@@ -38,7 +47,7 @@ class Target:
     where: str | None = None  # the sidecar file, when the manifest comes from one
 
 
-def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> Target:
+def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, option: str = "--tag") -> Target:
     """Read and validate the manifest of ``name`` (a file, or a checkpoint directory).
 
     A directory's manifest is the one ``validate DIR`` would check the files against
@@ -48,7 +57,7 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
 
     if not os.path.isdir(name):
         if tag is not None:
-            raise click.UsageError(f"--tag needs a checkpoint directory, and {name} is not one")
+            raise tag_needs_a_directory(name, option)
         report = validate_file(name, max_bytes=max_bytes)
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
@@ -85,9 +94,12 @@ def _tty() -> bool:
     return sys.stdout.isatty()
 
 
-def _fail(exc: CkptspecError, name: str, output_format: str, extra: dict | None = None) -> None:
+def _fail(exc: CkptspecError, name: str, output_format: str, extra: dict, error: dict | None = None) -> None:
+    """An input that cannot be read: the error line, or the JSON object with ``extra`` and an
+    ``error`` naming the file the text line names (``error`` adds keys to it)."""
     if output_format == "json":
-        echo_json({**(extra or {}), "valid": False, "findings": [], "error": error_dict(exc)})
+        detail = {**error_dict(exc), **({"file": exc.file} if exc.file else {}), **(error or {})}
+        echo_json({**extra, "valid": False, "findings": [], "error": detail})
     else:
         click.echo(error_line(exc, name), err=True)
     sys.exit(exc.exit_code)
@@ -176,11 +188,14 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
     from ..report.diff import diff_manifests
 
     targets = []
-    for name, tag in ((a, tag_a), (b, tag_b)):
+    for name, tag, option in ((a, tag_a, "--tag-a"), (b, tag_b, "--tag-b")):
         try:
-            targets.append(load_target(name, tag))
+            targets.append(load_target(name, tag, option=option))
         except CkptspecError as exc:
-            _fail(exc, name, output_format, {"a": a, "b": b})
+            # `a` and `b` keep their shape (an input not read has no `source` yet); the error
+            # names the input it is about, as each finding of an invalid input does.
+            sides = [_source_dict(t) for t in targets] + [{"target": n} for n in (a, b)[len(targets) :]]
+            _fail(exc, name, output_format, {"a": sides[0], "b": sides[1]}, {"target": name})
     bad = [t for t in targets if t.manifest is None or has_errors(t.findings)]
     if bad:
         if output_format == "json":

@@ -86,7 +86,7 @@ def reconstruct(
             click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)
             sys.exit(EXIT_INVALID)
         plan = plan_reconstruction(checkpoint, found, tag, states=states)
-        total = sum(s.numel for s in plan.sources.values())  # elements; the bar counts output bytes
+        total = plan.total_numel(untie)  # elements written; the bar counts output bytes
         update, close = progress_printer(
             plan.total_nbytes(output_dtype(dtype), untie), enabled=not quiet and sys.stderr.isatty()
         )

@@ -29,6 +29,11 @@ def _console(color: bool, width: int | None):
     )
 
 
+def _text(console) -> str:
+    """What was printed, without the spaces rich pads titles and headers with to the table's width."""
+    return "".join(line.rstrip() + "\n" for line in console.file.getvalue().splitlines())
+
+
 def _table(title: str, *columns: str, right: tuple[str, ...] = (), no_wrap: tuple[str, ...] = ()):
     from rich.box import Box
     from rich.table import Table
@@ -167,7 +172,7 @@ def render_summary(target: str, summary: dict[str, Any], *, color: bool = False,
     for table in tables:
         console.print()
         console.print(table)
-    return console.file.getvalue()
+    return _text(console)
 
 
 def _value(value: Any) -> str:
@@ -206,7 +211,7 @@ def render_diff(
             changes.add_row(*_cells(c["kind"], what, _value(c["a"]), _value(c["b"])))
         console.print()
         console.print(changes)
-    return console.file.getvalue()
+    return _text(console)
 
 
 __all__ = ["render_summary", "render_diff", "PLAIN_WIDTH"]

@@ -11,6 +11,12 @@ from ..errors import CkptspecError, InvalidCheckpoint, UnsupportedCheckpoint
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
 MAX_TAG_BYTES = 4096
+UNIVERSAL_FOLDER = "zero"  # deepspeed/checkpoint/ds_to_universal.py writes zero/<param>/fp32.pt
+
+
+def is_tag_name(name: str) -> bool:
+    """A tag names one directory inside the save directory: ``latest`` and ``--tag`` alike."""
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and "\x00" not in name
 
 
 def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Path:
@@ -21,6 +27,14 @@ def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Pa
     if not root.is_dir():
         raise CkptspecError("CK901", "not a directory", "pass a DeepSpeed save directory or a tag directory", str(root))
     if tag is not None:
+        if not is_tag_name(tag):
+            raise InvalidCheckpoint(
+                "CK201",
+                f"tag {tag!r} is not a tag name",
+                "a tag is the name of a directory inside the save directory, such as global_step2 "
+                "(no '/', no '..'); to read another checkpoint, pass its own directory",
+                str(root),
+            )
         tag_dir = root / tag
         if not tag_dir.is_dir():
             raise InvalidCheckpoint(
@@ -47,7 +61,7 @@ def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Pa
         raise InvalidCheckpoint(
             "CK201", f"'latest' cannot be read: {exc}", "write the tag name into 'latest'", str(latest)
         ) from None
-    if not name or "/" in name or "\\" in name or name in (".", ".."):
+    if not is_tag_name(name):
         raise InvalidCheckpoint(
             "CK201", f"'latest' names {name!r}, which is not a tag", "write the tag name into 'latest'", str(latest)
         )
@@ -108,6 +122,14 @@ def scan_tag_dir(tag_dir: Path) -> ShardSet:
             # ckptspec's own files (the sidecar) describe the others; a killed run's temporaries
             # are not part of the checkpoint (validate warns about them, CK221).
             shards.other_files.append(path)
+    if not shards.optim_files and (tag_dir / UNIVERSAL_FOLDER).is_dir():
+        # ds_to_universal's output: the model states beside zero/<param>/fp32.pt, no optimizer files.
+        raise UnsupportedCheckpoint(
+            f"a DeepSpeed universal checkpoint ({UNIVERSAL_FOLDER}/ folder), not a ZeRO checkpoint",
+            "format 1.0 describes the ZeRO checkpoint it was converted from: pass that tag "
+            "(DeepSpeed loads this one with checkpoint.load_universal)",
+            str(tag_dir / UNIVERSAL_FOLDER),
+        )
     if not shards.model_files:
         raise InvalidCheckpoint(
             "CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir)

@@ -21,19 +21,19 @@ from ..checkpoint.embedded import (
     as_document,
     client_state_value,
     copies_in_file,
-    find_sidecars,
     first_difference,
     read_client_state_copy,
     read_index_copy,
     read_safetensors_copy,
-    sidecar_commit,
+    read_sidecar_copy,
 )
 from ..checkpoint.hashing import file_digest
 from ..checkpoint.pt_rewrite import rewritten_pt
+from ..checkpoint.sidecar import find_sidecars, sidecar_commit
 from ..checkpoint.states import StateCache
 from ..errors import CkptspecError, EmbedError, InvalidCheckpoint
 from ..findings import Finding, finding
-from ..format.codec import Encoding, load_document
+from ..format.codec import Encoding
 from ..format.models import Manifest
 from ..format.validate import validate_document
 from .describe import describe_files, manifest_from_states
@@ -63,9 +63,7 @@ def copies_in_dir(
             raise
         tag_dir = None
     where = tag_dir or root
-    candidates: list[tuple[Path, Any]] = [
-        (p, lambda p: [EmbeddedCopy(str(p), "sidecar", load_document(p))]) for p in find_sidecars(where)
-    ]
+    candidates: list[tuple[Path, Any]] = [(p, lambda p: [read_sidecar_copy(p)]) for p in find_sidecars(where)]
     if tag_dir is not None:
         models = [p for p in tag_dir.iterdir() if p.is_file() and MODEL_RE.match(p.name)]
         models.sort(key=lambda p: file_order(*role_of(p.name), p.name))

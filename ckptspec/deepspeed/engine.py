@@ -18,7 +18,8 @@ from typing import Any
 
 from .._fs import publish_dir, sweep, temp_dir, write_atomic
 from .._version import __version__
-from ..checkpoint.embedded import CLIENT_STATE_KEY, SIDECAR_NAMES, client_state_value, write_sidecar
+from ..checkpoint.embedded import CLIENT_STATE_KEY, client_state_value
+from ..checkpoint.sidecar import SIDECAR_NAMES, write_sidecar
 from ..checkpoint.states import StateCache
 from ..errors import EngineLayoutMismatch, InvalidManifest, UnsupportedEngine
 from ..format.dtypes import dtype_name

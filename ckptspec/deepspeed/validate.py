@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..checkpoint.embedded import find_sidecar
+from ..checkpoint.embedded import unreadable_sidecar
+from ..checkpoint.sidecar import find_sidecar
 from ..checkpoint.states import Loaded, StateCache, code_and_hint
 from ..errors import CkptspecError
 from ..findings import Finding, finding, has_errors
@@ -65,16 +66,21 @@ def choose_manifest(
     elif manifest is not None:
         chosen = Chosen(tag_dir, "manifest", manifest, validate_manifest(manifest).findings, states=states)
     elif (sidecar := find_sidecar(tag_dir)) is not None:
-        report = validate_file(sidecar)
+        try:
+            report = validate_file(sidecar)
+        except CkptspecError as exc:
+            if exc.code != "CK903":
+                raise
+            # Bytes that are not a manifest (empty, truncated): a damaged part of the checkpoint,
+            # CK302. The files are still checked, against a generated manifest, so that one run
+            # also tells whether the shards are intact (`ckptspec embed` can then rewrite it).
+            chosen = _generated(tag_dir, states)
+            error = unreadable_sidecar(exc)
+            chosen.findings = [finding(error.code, "$", error.message, error.hint, file=sidecar.name), *chosen.findings]
+            return chosen
         chosen = Chosen(tag_dir, "sidecar", report.manifest, list(report.findings), sidecar=sidecar, states=states)
     else:
-        generated, unreadable = describe_tolerantly(tag_dir, states)
-        if generated is None:
-            return Chosen(tag_dir, "generated", None, unreadable, unreadable, states=states)
-        doc = generated.to_dict()
-        doc["files"] = []
-        findings = validate_manifest(generated, doc).findings
-        return Chosen(tag_dir, "generated", generated, findings, unreadable, states=states)
+        return _generated(tag_dir, states)
     if chosen.checkable and not chosen.manifest.files:
         # A manifest of the layout only (e.g. from the live engine): the files are the directory's.
         described, chosen.unreadable = describe_tolerantly(tag_dir, states)
@@ -83,6 +89,17 @@ def choose_manifest(
         else:
             chosen.manifest = chosen.manifest.model_copy(update={"files": described.files})
     return chosen
+
+
+def _generated(tag_dir: Path, states: StateCache) -> Chosen:
+    """The manifest generated from DeepSpeed's metadata (its rules run without the file list)."""
+    generated, unreadable = describe_tolerantly(tag_dir, states)
+    if generated is None:
+        return Chosen(tag_dir, "generated", None, unreadable, unreadable, states=states)
+    doc = generated.to_dict()
+    doc["files"] = []
+    findings = validate_manifest(generated, doc).findings
+    return Chosen(tag_dir, "generated", generated, findings, unreadable, states=states)
 
 
 def validate_checkpoint(
@@ -126,8 +143,14 @@ def check_tag_dir(
     if not chosen.checkable:
         return chosen, findings
     findings = findings + check_checkpoint(chosen.manifest, tag_dir, verify_hashes=verify_hashes, states=chosen.states)
-    # Copies embedded in the model states (client_state) must agree with each other and the sidecar.
-    findings += embedded_findings(tag_dir, states=chosen.states)
+    # Copies embedded in the model states (client_state) must agree with each other and the sidecar;
+    # their files are named like every other finding's, relative to the tag directory. An unreadable
+    # sidecar the manifest choice already reported is not reported twice.
+    for found in embedded_findings(tag_dir, states=chosen.states):
+        if found.file is not None and Path(found.file).is_relative_to(tag_dir):
+            found = dataclasses.replace(found, file=Path(found.file).relative_to(tag_dir).as_posix())
+        if found not in findings:
+            findings.append(found)
     return chosen, findings
 
 

@@ -33,6 +33,7 @@ from ..deepspeed.directory import resolve_tag_dir, scan_tag_dir
 from ..errors import InvalidCheckpoint, ReconstructMismatch, ReconstructUnsupported, TorchFileError, TruncatedFile
 from ..format.dtypes import FLOATING, ITEMSIZE
 from ..format.models import Manifest
+from ..format.paths import join_inside
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,17 @@ class ReconstructionPlan:
         """Bytes of ``name`` in the output when floating tensors are written as ``dtype``."""
         return self.sources[self.aliases.get(name, name)].numel * ITEMSIZE[self.output_dtype(name, dtype)]
 
+    def stored(self, untie: bool) -> list[str]:
+        """The names whose data the output holds: a tied alias is stored once (as its owner) unless ``untie``."""
+        return [n for n in self.order if untie or n not in self.aliases]
+
     def total_nbytes(self, dtype: str, untie: bool) -> int:
-        """Bytes of tensor data in the output (a tied alias is stored once unless ``untie``)."""
-        return sum(self.output_nbytes(n, dtype) for n in self.order if untie or n not in self.aliases)
+        """Bytes of tensor data in the output."""
+        return sum(self.output_nbytes(n, dtype) for n in self.stored(untie))
+
+    def total_numel(self, untie: bool) -> int:
+        """Elements of tensor data in the output (what the summary of ``reconstruct`` counts)."""
+        return sum(self.sources[self.aliases.get(n, n)].numel for n in self.stored(untie))
 
     def metadata(self, dtype: str, untied: bool) -> dict[str, str]:
         """The string map written to ``__metadata__`` and to the index's ``metadata``."""
@@ -176,12 +185,13 @@ def plan_reconstruction(
 
 
 def _inside(tag_dir: Path, relative: str) -> Path:
-    path = (tag_dir / relative).resolve()
-    if not path.is_relative_to(tag_dir.resolve()):
+    """The file a manifest path names; a symbolic link is read where it leads (format/paths.py)."""
+    path = join_inside(tag_dir, relative)
+    if path is None:  # the rules refuse such a manifest first; a plan of an unvalidated one stops here
         raise InvalidCheckpoint(
             "CK113",
-            f"file path {relative!r} leaves the checkpoint directory",
-            "use paths relative to the tag directory",
+            f"path {relative!r} is not a plain relative path inside the checkpoint",
+            "use forward-slash paths relative to the checkpoint directory",
             relative,
         )
     return path

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 Encoding = Literal["json", "msgpack"]
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
 MSGPACK_SUFFIXES = {".msgpack", ".mpk"}
+STDIO = "-"  # as a file name: standard input for a reader, standard output for `write_manifest`
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: never a JSON or msgpack manifest
 
 
 def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding:
@@ -57,6 +59,23 @@ def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding
 
 
 def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """The bytes of a manifest file, ``-`` being standard input (as for cat, jq and json.tool)."""
+    name = str(path)
+    if name == STDIO:
+        data = sys.stdin.buffer.read(max_bytes + 1)
+    else:
+        data = _read_file(path, max_bytes)
+    if len(data) > max_bytes:  # standard input, or a device, FIFO or /proc file that reports size 0
+        raise CkptspecError(
+            "CK902",
+            f"file holds more than the {max_bytes}-byte limit",
+            "raise the limit with --max-size if this file is really a manifest",
+            name,
+        )
+    return data
+
+
+def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
     name = str(path)
     try:
         size = os.stat(path).st_size
@@ -77,19 +96,11 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
         )
     try:
         with open(path, "rb") as fh:
-            data = fh.read(max_bytes + 1)
+            return fh.read(max_bytes + 1)
     except OSError as exc:
         raise CkptspecError(
             "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
         ) from None
-    if len(data) > max_bytes:  # a device, FIFO or /proc file reports size 0
-        raise CkptspecError(
-            "CK902",
-            f"file holds more than the {max_bytes}-byte limit",
-            "raise the limit with --max-size if this file is really a manifest",
-            name,
-        )
-    return data
 
 
 def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict:
@@ -233,6 +244,14 @@ def read_document(
 ) -> tuple[Any, bool]:
     """``load_document``, also telling whether the document holds floats."""
     data = read_bytes(path, max_bytes)
+    if data.startswith(ZIP_MAGIC):
+        raise CkptspecError(
+            "CK903",
+            "a zip archive such as a torch checkpoint file (*_model_states.pt), not a manifest",
+            "pass the checkpoint directory instead: `ckptspec validate DIR` checks a checkpoint against its own "
+            "manifest (`ckptspec extract FILE` prints the manifest a file embeds)",
+            str(path),
+        )
     return decode_document(data, encoding or encoding_for(path, data), str(path))
 
 
@@ -274,7 +293,7 @@ def encoding_for_output(path: str | os.PathLike, override: Encoding | None = Non
     """``override``, else by extension: ``.msgpack``/``.mpk`` is msgpack, anything else JSON."""
     if override:
         return override
-    if str(path) == "-":
+    if str(path) == STDIO:
         return "json"
     return "msgpack" if Path(path).suffix.lower() in MSGPACK_SUFFIXES else "json"
 
@@ -286,7 +305,7 @@ def write_manifest(manifest: Manifest | dict, output: str, encoding: Encoding | 
     except NotEncodable as exc:
         exc.file = output
         raise
-    if output == "-":
+    if output == STDIO:
         sys.stdout.buffer.write(data)
         sys.stdout.flush()
         return

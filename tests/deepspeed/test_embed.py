@@ -35,9 +35,9 @@ from ckptspec.checkpoint.embedded import (
     layout_document,
     read_client_state_copy,
     safetensors_metadata,
-    write_sidecar,
 )
 from ckptspec.checkpoint.pt_rewrite import rewrite_pt_with_item
+from ckptspec.checkpoint.sidecar import write_sidecar
 from ckptspec.deepspeed.embed import embedded_findings
 from ckptspec.errors import EmbedError, UnsupportedEngine
 from ckptspec.format.codec import dumps, load_document

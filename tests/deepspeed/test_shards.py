@@ -6,6 +6,7 @@ traceback, nothing written and no pickled code run.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -268,3 +269,51 @@ def test_round_robin_inverse():
     assert natural_order(["emb", "l2.w", "l1.w", "l2.b", "l1.b"], 3) == ["emb", "l1.w", "l1.b", "l2.w", "l2.b"]
     assert natural_order(list("abcdefg"), 1) == list("abcdefg")
     assert natural_order(["a", "c", "b"], 2) == ["a", "b", "c"]
+
+
+# --------------------------------------------------------------------------- issue #22: messages a user reads
+
+
+def test_optimizer_header_says_stage_numbers_and_what_the_counts_mean(built, tmp_path):
+    """Defect 11: the manifest of a ZeRO-3 checkpoint (DeepSpeed 0.15.4) checked against the files of a
+    ZeRO-2 one (0.19.8), both on two ranks, and the reverse."""
+    stage3 = Path(__file__).resolve().parents[1] / "data" / "deepspeed-0.15.4" / "old-s3-bf16-ws2"
+    stage2 = built("committed:s2-bf16-ws2")
+    for manifest_of, files_of, says, is_stage, counts in (
+        (stage3, stage2, 2, 3, "one per group"),
+        (stage2, stage3, 3, 2, "one number"),
+    ):
+        manifest = tmp_path / f"{manifest_of.name}.json"
+        assert _run("generate", str(manifest_of), "-o", str(manifest)).exit_code == 0
+        result = _run("validate", str(manifest), "--checkpoint", str(files_of))
+        assert result.exit_code == 1, result.output
+        lines = [line for line in result.output.splitlines() if "CK211" in line]
+        assert "ZeroStage" not in result.output, lines
+        assert any(f"file says ZeRO stage {says}, the checkpoint is stage {is_stage}" in line for line in lines), lines
+        partition = [line for line in lines if "partition count" in line]
+        assert partition and all(counts in line for line in partition), partition
+
+
+def test_universal_checkpoint_is_named_as_such(built, tmp_path):
+    """Defect 10: a folder written by DeepSpeed's ds_to_universal is not "ZeRO stage 0"."""
+    save_dir = _copy(built("committed:s2-bf16-ws2"), tmp_path)
+    universal = save_dir / "global_step2_universal"
+    subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir(save_dir))]
+        + ["--output_folder", str(universal), "--inject_missing_state"]
+        + ["--num_extract_workers", "1", "--num_merge_workers", "1"],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
+    assert (universal / "zero").is_dir() and not list(universal.glob("*_optim_states.pt"))
+    for args in (
+        ["validate", str(save_dir), "--tag", universal.name],
+        ["inspect", str(universal)],
+        ["generate", str(universal)],
+        ["reconstruct", str(universal), str(tmp_path / "OUT")],
+    ):
+        result = _run(*args)
+        assert result.exit_code == 1, (args, result.output)
+        assert "CK202" in result.output and "universal checkpoint" in result.output, (args, result.output)
+        assert "stage 0" not in result.output, result.output

@@ -222,3 +222,28 @@ def test_missing_input_is_an_io_error():
 def test_tag_needs_a_directory():
     result = run("diff", EXAMPLE, EXAMPLE, "--tag-a", "global_step2")
     assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_json_error_keeps_the_shape_of_a_and_b_and_names_the_failing_side(tmp_path):
+    """Issue #22, defect 8: `a` and `b` are objects whatever happens; the error says which input failed."""
+    _, ok = diff_json(EXAMPLE, EXAMPLE)
+    for a, b, side in ((EXAMPLE, "missing", "b"), ("missing", EXAMPLE, "a")):
+        exit_code, doc = diff_json(a, b)
+        assert exit_code == 2
+        assert isinstance(doc["a"], dict) and isinstance(doc["b"], dict), doc
+        assert doc["a"]["target"] == str(a) and doc["b"]["target"] == str(b)
+        assert doc["error"]["code"] == "CK901"
+        # As each finding of an invalid input does, the error names the input it is about.
+        assert doc["error"]["target"] == str({"a": a, "b": b}[side]) and doc["error"]["file"] == "missing"
+    assert set(ok["a"]) == {"target", "source"}
+
+
+def test_json_error_names_the_file_text_mode_names(tmp_path):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "latest").write_text("../elsewhere")
+    text = run("diff", EXAMPLE, save)
+    assert text.exit_code == 1 and text.output.startswith(f"{save / 'latest'}: CK201"), text.output
+    exit_code, doc = diff_json(EXAMPLE, save)
+    assert exit_code == 1
+    assert doc["error"]["file"] == str(save / "latest") and doc["error"]["target"] == str(save), doc

@@ -201,3 +201,28 @@ def test_rich_is_imported_only_for_text():
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_json_error_names_the_file_text_mode_names(tmp_path):
+    """Issue #22, defect 8: the error object names the file, as the text line does."""
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "latest").write_text("../elsewhere")
+    text = run("inspect", save)
+    assert text.exit_code == 1 and text.output.startswith(f"{save / 'latest'}: CK201"), text.output
+    result = run("inspect", save, "--format", "json")
+    assert result.exit_code == 1
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "CK201" and error["file"] == str(save / "latest"), error
+
+
+def test_text_output_has_no_trailing_spaces():
+    """Issue #22, defect 13: the tables are padded to their width, the lines are not."""
+    result = run("inspect", EXAMPLE, "--top", "3")
+    assert result.exit_code == 0
+    assert [line for line in result.stdout.splitlines() if line != line.rstrip()] == []
+    # The transcript of docs/cli.md, byte for byte.
+    doc = (ROOT / "docs" / "cli.md").read_text("utf-8")
+    start = doc.index("$ ckptspec inspect examples/manifests/zero2-bf16-2ranks.json --top 3\n")
+    shown = doc[start:].split("\n", 1)[1].split("```", 1)[0]
+    assert result.stdout.replace(str(EXAMPLE), "examples/manifests/zero2-bf16-2ranks.json") == shown

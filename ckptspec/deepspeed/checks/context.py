@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from ..._fs import is_leftover
-from ...checkpoint.embedded import SIDECAR_NAMES
+from ...checkpoint.sidecar import SIDECAR_NAMES
 from ...checkpoint.states import Loaded, StateCache
 from ...findings import Finding, json_path
 from ...format.models import Manifest, ShardFile
+from ...format.paths import join_inside
 from ..names import expected_name, optim_prefix
 
 Check = Callable[["Context"], Iterator[Finding]]
@@ -117,14 +118,6 @@ class Context:
         return json_path(section, i, *suffix)
 
 
-def safe_join(tag_dir: Path, rel: str) -> Path | None:
-    """The file a manifest path names, or None when it would leave the tag directory."""
-    parts = rel.replace("\\", "/").split("/")
-    if rel.startswith(("/", "\\")) or any(p in ("", ".", "..") for p in parts) or "\x00" in rel or ":" in parts[0]:
-        return None
-    return tag_dir.joinpath(*parts)
-
-
 def disk_files(tag_dir: Path) -> dict[str, Path]:
     """Every file below ``tag_dir`` but the sidecar and ckptspec's leftovers, by relative posix path, sorted."""
     out = {}
@@ -142,7 +135,7 @@ def disk_files(tag_dir: Path) -> dict[str, Path]:
 def build_context(manifest: Manifest, tag_dir: Path, verify_hashes: bool, states: StateCache) -> Context:
     files = []
     for i, entry in enumerate(manifest.files):
-        path = safe_join(tag_dir, entry.path)
+        path = join_inside(tag_dir, entry.path)
         on_disk = path is not None and path.is_file()
         f = File(i, entry, path, on_disk)
         if on_disk and entry.role in ("model_states", "optimizer_states"):

@@ -63,8 +63,7 @@ def shard_unexpected(ctx: Context) -> Iterator[Finding]:
                 "CK207",
                 "$",
                 f"file is not part of this checkpoint's manifest{why}",
-                "remove it, or regenerate the manifest if it belongs to the checkpoint; DeepSpeed's loaders glob "
-                "'*_optim_states.pt' and would pick it up",
+                "remove it, or regenerate the manifest if it belongs to the checkpoint" + _globbed_by(rel),
                 file=rel,
                 rank=rank,
             )
@@ -75,7 +74,7 @@ def shard_unexpected(ctx: Context) -> Iterator[Finding]:
                 "CK207",
                 f.at("path"),
                 "file looks like a DeepSpeed shard but is not one of this checkpoint's shards",
-                "remove it: DeepSpeed's loaders glob '*_optim_states.pt' / '*_model_states.pt' and would read it",
+                "remove it" + _globbed_by(f.name),
                 file=f.name,
             )
 
@@ -102,6 +101,15 @@ def leftover_temporary(ctx: Context) -> Iterator[Finding]:
                 severity="warning",
                 file=name,
             )
+
+
+def _globbed_by(rel: str) -> str:
+    """What DeepSpeed would do with a stray file: zero_to_fp32 globs '*_optim_states.pt' and
+    '*_model_states.pt' in the tag directory itself (not its subfolders)."""
+    for pattern in ("_optim_states.pt", "_model_states.pt"):
+        if "/" not in rel and rel.endswith(pattern):
+            return f"; DeepSpeed's zero_to_fp32 globs '*{pattern}' in the tag directory and would read it"
+    return ""
 
 
 @check("CK208")

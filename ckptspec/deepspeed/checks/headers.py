@@ -47,7 +47,8 @@ def optimizer_header(ctx: Context) -> Iterator[Finding]:
                 yield finding(
                     "CK211",
                     json_path("layout", "zero_stage"),
-                    f"file says ZeRO stage {osd['zero_stage']!r}, the checkpoint is stage {layout.zero_stage}",
+                    f"file says ZeRO stage {repr(osd['zero_stage']) if stage is None else stage}, "
+                    f"the checkpoint is stage {layout.zero_stage}",
                     hint,
                     file=f.name,
                     rank=f.rank,
@@ -59,10 +60,16 @@ def optimizer_header(ctx: Context) -> Iterator[Finding]:
         counts = osd.get("partition_count")
         if layout.zero_stage == 3:
             if counts != layout.world_size or isinstance(counts, bool):
+                said = (  # stages 1 and 2 record a list, one count per group: not a count of ranks
+                    f"partition counts {counts!r}, one per group as ZeRO stages 1 and 2 record them; a stage-3 "
+                    f"file records one number, the world size {layout.world_size}"
+                    if isinstance(counts, list)
+                    else f"partition count {counts!r}, the checkpoint has {layout.world_size} ranks"
+                )
                 yield finding(
                     "CK211",
                     json_path("layout", "world_size"),
-                    f"file says partition count {counts!r}, the checkpoint has {layout.world_size} ranks",
+                    f"file says {said}",
                     hint,
                     file=f.name,
                     rank=f.rank,
@@ -70,10 +77,16 @@ def optimizer_header(ctx: Context) -> Iterator[Finding]:
         else:
             expected = [g.partition_count for g in groups]
             if not isinstance(counts, list) or counts != expected:
+                said = (
+                    f"one partition count, {counts!r}, as ZeRO stage 3 records it (one number); the manifest has "
+                    f"one per group, {expected}"
+                    if isinstance(counts, int) and not isinstance(counts, bool)
+                    else f"partition counts {counts!r}, the manifest has {expected}"
+                )
                 yield finding(
                     "CK211",
                     json_path("groups"),
-                    f"file says partition counts {counts!r}, the manifest has {expected}",
+                    f"file says {said}",
                     hint,
                     file=f.name,
                     rank=f.rank,

@@ -2,36 +2,24 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterator
 from itertools import islice
 
 from ...findings import Finding, RuleSet, finding, json_path
 from ..dtypes import ITEMSIZE
+from ..paths import stays_inside
 from .document import Document, RuleFn
 
 RULES: RuleSet[RuleFn] = RuleSet()
 rule = RULES.register
 
 
-_DRIVE = re.compile(r"^[A-Za-z]:")
-
-
 @rule("CK113")
 def paths_stay_inside(doc: Document) -> Iterator[Finding]:
     for i, f in enumerate(doc["files"]):
         path = f["path"]
-        parts = path.replace("\\", "/").split("/")
-        bad = (
-            path.startswith(("/", "\\"))
-            or _DRIVE.match(path)
-            or ".." in parts
-            or "" in parts
-            or "." in parts
-            or "\x00" in path
-        )
-        if bad:
+        if not stays_inside(path):
             yield finding(
                 "CK113",
                 json_path("files", i, "path"),
