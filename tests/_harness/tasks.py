@@ -73,11 +73,14 @@ class Task:
         """Tasks of one group may share a launch. ZeRO-3 leaves global state behind (tensor and
         module patches) that changes how a later stage-1/2 engine of the same process trains, so
         stage-3 jobs get launches of their own. Pipeline, AutoTP and MoE engines set DeepSpeed's
-        process-group globals (``deepspeed.utils.groups``: an AutoTP job leaves its tensor-parallel
-        groups, and a later MoE engine of the same process fails in ``deepspeed.initialize``), so
-        each of those layouts gets launches of its own too."""
+        process-group globals in ``deepspeed.utils.groups`` (``groups.mpu = engine.mpu``: a later
+        data-parallel engine would partition over the pipeline's data group; an AutoTP job leaves
+        its tensor-parallel groups, and a later MoE engine fails in ``deepspeed.initialize``), so
+        each of those layouts gets launches of its own; dense "parallel" jobs (stage 0, universal
+        sources) set none and share the data-parallel launches."""
         spec = self.normalized() if self.kind in ("train", "parallel") else self.normalized()["spec"]
         family = parallel_models.layout(spec) if self.kind == "parallel" else ""
+        family = "" if family == "dense" else family
         return self.world_size, spec["stage"] == 3, self.deepspeed or "", family
 
     @property

@@ -221,8 +221,10 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
     """An AutoTP engine leaves its tensor-parallel groups in ``deepspeed.utils.groups``: a MoE
     engine trained after it in the same process fails in ``deepspeed.initialize``
     (``AttributeError: 'NoneType' object has no attribute 'get_model_parallel_rank'``, seen on
-    0.19.8). So pipeline, AutoTP, MoE and dense parallel jobs never share a launch with one
-    another or with the data-parallel matrix; jobs of one layout do (the ``+again`` test)."""
+    0.19.8); a pipeline or AutoTP engine sets ``groups.mpu``, which a later data-parallel engine
+    would partition over. So pipeline, AutoTP and MoE jobs never share a launch with one another
+    or with the data-parallel matrix; dense ones (stage 0, universal sources) run in the matrix's
+    launches, after its jobs; jobs of one layout share (the ``+again`` test)."""
     registry = scenarios.REGISTRY
     by_group = {}
     for name, task in registry.items():
@@ -238,11 +240,10 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
 
 
 def _layout_of(member):
-    if member in ("train", "resume"):
-        return "data-parallel matrix"
     from _harness.job.parallel_models import layout
 
-    return layout(_spec(member.removesuffix("+again"))[0])
+    kind = "dense" if member in ("train", "resume") else layout(_spec(member.removesuffix("+again"))[0])
+    return "data-parallel" if kind == "dense" else kind
 
 
 def _place(local, logical, piece):
