@@ -38,7 +38,7 @@ def _oracles(ds, name):
     import torch
 
     world_size = scenarios.REGISTRY[name].world_size
-    return [torch.load(ds.path(name) / f"oracle.rank{r}.pt", weights_only=False) for r in range(world_size)]
+    return [torch.load(ds.path(name) / f"oracle.rank{r}.pt", weights_only=True) for r in range(world_size)]
 
 
 def _bits_equal(a, b) -> bool:
@@ -275,7 +275,7 @@ def _affine_entry(params, name):
 def _universal_param(folder, name):
     import torch
 
-    value = torch.load(folder / "zero" / name / "fp32.pt", map_location="cpu", weights_only=False)
+    value = torch.load(folder / "zero" / name / "fp32.pt", map_location="cpu", weights_only=True)
     return value["param"] if isinstance(value, dict) else value
 
 
@@ -360,7 +360,7 @@ def test_autotp_consolidated_weights_are_the_universal_ones_in_the_training_dtyp
         if spec["tp"] == 1:
             continue
         info = _info(ds, name)
-        consolidated = torch.load(ds.path(name) / "consolidated.pt", weights_only=False)
+        consolidated = torch.load(ds.path(name) / "consolidated.pt", weights_only=True)
         folder = ds.path(name) / info["universal"]["output_folder"]
         assert sorted(consolidated) == sorted(info["global_shapes"]), name
         for n, weight in consolidated.items():
