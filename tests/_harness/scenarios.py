@@ -9,6 +9,10 @@
 * RESUMES: ``engine.load_checkpoint`` of a MATRIX checkpoint by a job of another layout.
 * OLD_DEEPSPEED: checkpoints of an older DeepSpeed (tests/_harness/compat.py), with the live
   engine's manifests; built only by the compat tier (the default run reads committed copies).
+* PARALLEL: pipeline, AutoTP, MoE, ZeRO stage 0 and universal checkpoints, with the oracles the
+  job records from the live engine (spec keys and files: tests/_harness/job/parallel.py). Each
+  also has an ``<name>+again`` entry: the same job trained again later in its launch, with
+  nothing saved (its oracles must equal the checkpoint's). Issues #16 and #17 describe them.
 """
 
 from __future__ import annotations
@@ -58,6 +62,43 @@ EMBED_SPECS = {
 }
 EMBED = sorted(EMBED_SPECS)
 
+_UC = {"universal": True}
+_UC_INJECT = {"universal": True, "inject_missing_state": True}  # no universal_checkpoint_info saved
+PARALLEL_SPECS = {
+    # PipelineModule, 5 layers (layer 1 has no parameters) over 2 stages
+    "pp2-s1-fp32-ws2": ({"pp": 2, "stage": 1, "dtype": "fp32", **_UC_INJECT}, 2),
+    "pp2-s1-bf16-ws2": ({"pp": 2, "stage": 1, "dtype": "bf16", **_UC_INJECT}, 2),
+    "pp2-s0-bf16-ws2": ({"pp": 2, "stage": 0, "dtype": "bf16", **_UC_INJECT}, 2),  # BF16_Optimizer
+    "pp2dp2-s1-fp32-ws4": ({"pp": 2, "stage": 1, "dtype": "fp32", **_UC_INJECT}, 4),
+    # AutoTP (tensor_parallel.autotp_size): up column-parallel, down row-parallel, head replicated
+    "tp2-s1-fp32-ws2": ({"tp": 2, "stage": 1, "dtype": "fp32", **_UC}, 2),
+    "tp2dp2-s2-bf16-ws4": ({"tp": 2, "stage": 2, "dtype": "bf16", **_UC}, 4),
+    "tp2-s3-bf16-ws2": ({"tp": 2, "stage": 3, "dtype": "bf16", **_UC}, 2),
+    # deepspeed.moe.layer.MoE, expert-parallel 2: 2 experts at world size 2, 4 (2 per rank) at 4
+    **{
+        f"moe-ep2-s{stage}-{dtype}-ws{ws}": (
+            {"ep": 2, "experts": ws, "stage": stage, "dtype": dtype, **(_UC_INJECT if stage else _UC)},
+            ws,
+        )
+        for ws in (2, 4)
+        for stage in (0, 1, 2)
+        for dtype in ("fp32", "bf16")
+    },
+    # dense ZeRO stage 0: fp32 (no masters), bf16 (FP16_Optimizer: masters inside the model states)
+    "s0-fp32-ws2": ({"stage": 0, "dtype": "fp32", **_UC}, 2),
+    "s0-bf16-ws2": ({"stage": 0, "dtype": "bf16", **_UC}, 2),
+    # universal sources: ds_to_universal folders beside the tag they were converted from
+    "uc-s2-bf16-ws2": ({"stage": 2, "dtype": "bf16", **_UC_INJECT}, 2),
+    "uc-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16", **_UC}, 2),
+}
+PARALLEL = sorted(PARALLEL_SPECS)
+
+
+def again_name(name: str) -> str:
+    """The entry re-training PARALLEL job ``name`` later in its launch, saving nothing."""
+    return f"{name}+again"
+
+
 # name: (saved MATRIX entry, B's spec changes, B's world size, B's model change)
 RESUME_CASES = {
     "resume-same-layout": ("s2-bf16-ws2", {}, 2, {}),
@@ -96,6 +137,10 @@ def _registry() -> dict[str, Task]:
         out.update({name: Task("train", spec, ws) for name, (spec, ws) in specs.items()})
     for name, (spec, ws) in MATRIX_SPECS.items():
         out[engine_name(name)] = Task("train", {**spec, "save": False, "hooks": ["engine_manifest"]}, ws)
+    for name, (spec, ws) in PARALLEL_SPECS.items():
+        out[name] = Task("parallel", spec, ws)
+    for name, (spec, ws) in PARALLEL_SPECS.items():
+        out[again_name(name)] = Task("parallel", {**spec, "save": False, "universal": False}, ws)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**MATRIX_SPECS[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

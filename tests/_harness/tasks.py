@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import cache
+from .job import parallel_models
 from .job.model import normalize_spec
 from .launch import HarnessError, run_tasks
 
-KINDS = ("train", "resume")
+KINDS = ("train", "resume", "parallel")
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
 
 
@@ -63,18 +64,29 @@ class Task:
     def normalized(self) -> dict:
         if self.kind == "train":
             return normalize_spec(self.args)
+        if self.kind == "parallel":
+            return parallel_models.normalize(self.args)
         return {**self.args, "spec": normalize_spec(self.args["spec"])}
 
     @property
-    def launch_group(self) -> tuple[int, bool]:
+    def launch_group(self) -> tuple[int, bool, str, str]:
         """Tasks of one group may share a launch. ZeRO-3 leaves global state behind (tensor and
         module patches) that changes how a later stage-1/2 engine of the same process trains, so
-        stage-3 jobs get launches of their own."""
-        spec = self.normalized() if self.kind == "train" else self.normalized()["spec"]
-        return self.world_size, spec["stage"] == 3, self.deepspeed or ""
+        stage-3 jobs get launches of their own. Pipeline, AutoTP and MoE engines set DeepSpeed's
+        process-group globals in ``deepspeed.utils.groups`` (``groups.mpu = engine.mpu``: a later
+        data-parallel engine would partition over the pipeline's data group; an AutoTP job leaves
+        its tensor-parallel groups, and a later MoE engine fails in ``deepspeed.initialize``), so
+        each of those layouts gets launches of its own; dense "parallel" jobs (stage 0, universal
+        sources) set none and share the data-parallel launches."""
+        spec = self.normalized() if self.kind in ("train", "parallel") else self.normalized()["spec"]
+        family = parallel_models.layout(spec) if self.kind == "parallel" else ""
+        family = "" if family == "dense" else family
+        return self.world_size, spec["stage"] == 3, self.deepspeed or "", family
 
     @property
     def runs_ckptspec(self) -> bool:
+        if self.kind == "parallel":
+            return False
         spec = self.normalized() if self.kind == "train" else None
         return self.kind == "resume" or bool(spec["hooks"]) or spec["save_with"] == "ckptspec"
 

@@ -2,8 +2,9 @@
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/_harness/job/main.py --tasks TASKS.json
 
-TASKS.json is a list of ``{"kind": "train" | "resume" | "save_crash", "args": {...}, "out": DIR}``; every rank runs
-them in order, each into its own ``out`` directory (see train.py and resume.py). Starting torch,
+TASKS.json is a list of ``{"kind": "train" | "resume" | "parallel" | "save_crash", "args": {...}, "out": DIR}``;
+every rank runs them in order, each into its own ``out`` directory (see train.py, resume.py, parallel.py and
+save_crash.py). Starting torch,
 DeepSpeed and the process group costs 10-30 s per launch; a task costs about a second, so the
 harness (tests/_harness/launch.py) puts every task of one world size into one launch.
 
@@ -19,9 +20,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from _harness.job import resume, save_crash, train
+from _harness.job import parallel, resume, save_crash, train
 
-KINDS = {"train": train.run, "resume": resume.run, "save_crash": save_crash.run}
+KINDS = {"train": train.run, "resume": resume.run, "parallel": parallel.run, "save_crash": save_crash.run}
 
 
 def reset_deepspeed_globals():

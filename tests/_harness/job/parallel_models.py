@@ -1,0 +1,218 @@
+"""The models, configs and specs of the "parallel" jobs (job/parallel.py): pipeline, AutoTP, MoE,
+and dense ZeRO stage 0 / universal sources; and the same models built whole (tp1/pp1/ep1) for the tests.
+
+Runs inside the job and in the test process (``reference_model``); torch and DeepSpeed are
+imported inside the functions. Everything in this folder is part of every job's cache key.
+
+Spec keys (JSON object) are listed in DEFAULTS; unknown keys are an error. The layout follows
+from the degrees: ``pp`` > 1 is a ``PipelineModule``, ``tp`` > 1 is AutoTP training
+(``tensor_parallel.autotp_size``), ``ep`` > 0 is a model with a ``deepspeed.moe.layer.MoE`` of
+``experts`` experts; none of them is the dense MLP.
+"""
+
+import copy
+
+DEFAULTS = {
+    "stage": 1,  # ZeRO stage 0..3
+    "dtype": "fp32",  # fp32 | bf16 (fp16 is refused by DeepSpeed's CPU accelerator)
+    "pp": 1,  # pipeline stages (PipelineModule, partition_method "uniform")
+    "tp": 1,  # AutoTP degree
+    "ep": 0,  # expert-parallel degree of the MoE layer (0: no MoE)
+    "experts": 0,  # experts of the MoE layer
+    "grad_accum_dtype": None,  # data_types.grad_accum_dtype
+    "steps": 2,
+    "seed": 1234,
+    "save": True,  # False: train and record, write no checkpoint (the "+again" entries)
+    "universal": False,  # convert the saved tag with DeepSpeed's ds_to_universal (rank 0) and record the outcome
+    "inject_missing_state": False,  # ds_to_universal --inject_missing_state
+}
+
+W, H, C = 16, 32, 5  # width, hidden width, classes (odd: ZeRO partitions need padding)
+MOE_TOKENS = 8  # tokens per sample of the MoE model (DeepSpeed's min_capacity is 4 per rank)
+BATCH = 2  # micro batch per rank
+EVAL_SEED = 99  # the fixed batch whose logits every job records
+BUCKET = 2**16  # ZeRO reduce/allgather bucket, in elements (the models have < 4000 parameters)
+
+
+def normalize(spec):
+    unknown = set(spec) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown parallel spec keys: {sorted(unknown)}")
+    out = copy.deepcopy(DEFAULTS)
+    out.update(copy.deepcopy(spec))
+    if out["stage"] not in (0, 1, 2, 3) or out["dtype"] not in ("fp32", "bf16"):
+        raise ValueError(f"bad stage/dtype in parallel spec: {spec}")
+    if out["ep"] and (out["pp"] > 1 or out["tp"] > 1 or out["experts"] % out["ep"]):
+        raise ValueError(f"MoE jobs are data/expert parallel only, experts divisible by ep: {spec}")
+    if out["pp"] > 1 and out["tp"] > 1:
+        # DeepSpeed 0.19.8: AutoTP builds its groups on a (world/tp, tp) mesh that ignores the pipeline
+        # axis, so engine._broadcast_model broadcasts one stage's weights to the other (gloo:
+        # "Received data size doesn't match expected size"), with or without a
+        # PipeModelDataParallelTopology.
+        raise ValueError(f"AutoTP inside a PipelineModule does not train in DeepSpeed 0.19.8: {spec}")
+    if out["universal"] and not out["save"]:
+        raise ValueError(f"universal needs save: {spec}")
+    return out
+
+
+def layout(spec):
+    """The model family: "moe", "pipe" (any pp > 1, with or without tp), "autotp" or "dense"."""
+    if spec["ep"]:
+        return "moe"
+    if spec["pp"] > 1:
+        return "pipe"
+    if spec["tp"] > 1:
+        return "autotp"
+    return "dense"
+
+
+# AutoTP's partition rules, by parameter name (DeepSpeed's partition_config.layer_specs).
+TP_LAYER_SPECS = [
+    {"patterns": [r".*\.up\.weight$", r".*\.up\.bias$"], "partition_type": "column"},
+    {"patterns": [r".*\.down\.weight$"], "partition_type": "row"},
+]
+
+
+def _block_class():
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        """x + down(relu(up(x))): ``up`` column-parallel and ``down`` row-parallel under AutoTP."""
+
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(W, H)
+            self.down = nn.Linear(H, W)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    return Block
+
+
+def _mlp_net():
+    from torch import nn
+
+    Block = _block_class()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(2)])
+            self.head = nn.Linear(W, C)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    return Net()
+
+
+def _pipe_layers():
+    """(class, args) of each pipeline layer; layer 1 has no parameters (its file is an empty dict)."""
+    from torch import nn
+
+    Block = _block_class()
+    return [(nn.Linear, (W, W)), (nn.ReLU, ()), (Block, ()), (Block, ()), (nn.Linear, (W, C))]
+
+
+def _moe_net(spec, ep_size):
+    import torch
+    from deepspeed.moe.layer import MoE
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(W, W)
+            expert = nn.Sequential(nn.Linear(W, H), nn.ReLU(), nn.Linear(H, W))
+            # eval_capacity_factor = experts: an expert's capacity is every token, so evaluation
+            # drops none and the logits do not depend on the random token selection.
+            self.moe = MoE(
+                hidden_size=W,
+                expert=expert,
+                num_experts=spec["experts"],
+                ep_size=ep_size,
+                k=1,
+                eval_capacity_factor=float(spec["experts"]),
+            )
+            self.head = nn.Linear(W, C)
+
+        def forward(self, x):
+            h, l_aux, _ = self.moe(torch.relu(self.inp(x)))
+            return self.head(h), l_aux
+
+    return Net()
+
+
+def build_model(spec):
+    """The model the job trains (a PipelineModule for pp > 1); call after ``torch.manual_seed``."""
+    kind = layout(spec)
+    if kind == "moe":
+        return _moe_net(spec, spec["ep"])
+    if kind == "pipe":
+        import torch
+        from deepspeed.pipe import LayerSpec, PipelineModule
+
+        specs = [LayerSpec(cls, *args) for cls, args in _pipe_layers()]
+        return PipelineModule(
+            layers=specs,
+            num_stages=spec["pp"],
+            loss_fn=torch.nn.CrossEntropyLoss(),
+            partition_method="uniform",
+        )
+    return _mlp_net()
+
+
+def reference_model(spec):
+    """The same model whole (tp1/pp1/ep1), named as the parallel job's parameters are named at
+    tp1/pp1: ``<layer>.<name>`` for a pipeline, the module path otherwise, every expert under its
+    global index. Its weights are random: load the merged checkpoint into it."""
+    kind = layout(spec)
+    if kind == "moe":
+        return _moe_net(spec, 1)
+    if kind == "pipe":
+        from torch import nn
+
+        return nn.Sequential(*[cls(*args) for cls, args in _pipe_layers()])
+    return _mlp_net()
+
+
+def ds_config(spec):
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 2 if spec["pp"] > 1 else 1,
+        "steps_per_print": 10**6,
+        # DeepSpeed's default buckets are 5e8 elements, which ZeRO 1/2 touch (2 GB per rank in fp32,
+        # 4 GB at the peak of a pipeline step): the machine runs out of memory at world size 4.
+        "zero_optimization": {"stage": spec["stage"], "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET},
+    }
+    if spec["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if spec["grad_accum_dtype"]:
+        cfg["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
+    if spec["tp"] > 1:
+        cfg["tensor_parallel"] = {
+            "autotp_size": spec["tp"],
+            "partition_config": {"use_default_specs": False, "layer_specs": TP_LAYER_SPECS},
+        }
+    return cfg
+
+
+def batch(spec, seed):
+    """(inputs, targets) of one micro batch: (BATCH, W) or, for MoE, (BATCH, MOE_TOKENS, W) in fp32."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if spec["ep"]:
+        x = torch.randn(BATCH, MOE_TOKENS, W, generator=g)
+        return x, torch.randint(0, C, (BATCH * MOE_TOKENS,), generator=g)
+    return torch.randn(BATCH, W, generator=g), torch.randint(0, C, (BATCH,), generator=g)
+
+
+def torch_dtype(spec):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[spec["dtype"]]
