@@ -62,7 +62,7 @@ CODES: dict[str, str] = {
     "CK218": "slice-mappings",
     "CK219": "alias-tie",
     "CK220": "frozen-fragments",
-    "CK221": "leftover-temporary",
+    "CK224": "leftover-temporary",
     # CK3xx: embedded copies and migrations (checkpoint/embedded.py, deepspeed/embed.py, format/migrate.py)
     "CK301": "embedded-copies-disagree",
     "CK302": "embedded-manifest-unreadable",

@@ -438,7 +438,7 @@ FAULTS = [
         "leftover-temporary",
         "committed:s2-bf16-ws2",
         "a ckptspec write into the tag directory was killed and left its temporary file",
-        "CK221",
+        "CK224",
         None,
         leftover_temporary,
         severity="warning",

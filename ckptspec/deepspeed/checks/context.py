@@ -127,7 +127,7 @@ def disk_files(tag_dir: Path) -> dict[str, Path]:
             path = Path(root) / name
             rel = path.relative_to(tag_dir).as_posix()
             if rel in SIDECAR_NAMES.values() or is_leftover(name) or not path.is_file():
-                continue  # the sidecar describes the rest; leftovers of killed runs are CK221
+                continue  # the sidecar describes the rest; leftovers of killed runs are CK224
             out[rel] = path
     return out
 
