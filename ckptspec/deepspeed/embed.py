@@ -33,7 +33,9 @@ from ..findings import Finding, finding
 from ..format.codec import Encoding, load_document
 from ..format.models import Manifest
 from ..format.validate import validate_document
+from ..format.version import version_key
 from .describe import describe_files, manifest_from_states
+from .digests import add_digests
 from .directory import resolve_tag_dir, scan_tag_dir
 from .names import MODEL_RE, file_order, role_of
 
@@ -183,11 +185,9 @@ def embed_checkpoint(
         for _, path in sorted(shards.model_files.items()):
             rewrite_pt_with_item(path, CLIENT_STATE_KEY, value, state=states.state(path))
             written.append(path)
-    # The model-states files changed; the optimizer files (whose locators the list carries) did
-    # not: describe the files again (sizes, hashes) from the states read above.
-    files = describe_files(shards, described.layout.zero_stage, hash_algorithm, states)
-    complete = dict(doc)
-    complete["files"] = [f.model_dump(mode="json", exclude_unset=True) for f in files]
+    # The model-states files just changed (their members moved): read them again; describe every file.
+    files, digested = _files_now(shards, described, doc, hash_algorithm, StateCache() if written else states)
+    complete = {**doc, **digested, "files": files}
     report = validate_document(complete)
     if not report.ok:
         first = next(f for f in report.findings if f.severity == "error")
@@ -199,3 +199,20 @@ def embed_checkpoint(
         )
     sidecar = write_sidecar(tag_dir, complete, encoding)
     return EmbedResult(complete, sidecar, written)
+
+
+def _files_now(shards, described: Manifest, doc: dict, hash_algorithm, states: StateCache) -> tuple[list, dict]:
+    """The file list of the checkpoint as it is now, for ``doc``, and the sections whose digests it filled.
+
+    A format 1.1 document also gets 1.1's locators and, with ``hash_algorithm``, its tensor
+    digests (embedding moves bytes, it does not change them).
+    """
+    newer = version_key(str(doc.get("format_version", "1.0"))) != "1.0"
+    target = Manifest.model_validate(doc, context={"allow_unknown": True}) if newer else None
+    files = describe_files(shards, described.layout.zero_stage, hash_algorithm, states, target)
+    sections: dict = {}
+    if target is not None and hash_algorithm:
+        target.files = files
+        add_digests(target, shards.tag_dir)
+        sections = {key: target.to_dict()[key] for key in ("groups", "frozen", "buffers")}
+    return [f.model_dump(mode="json", exclude_unset=True) for f in files], sections
