@@ -169,7 +169,11 @@ def valid_manifests(draw) -> dict:
         doc["format_version"] = f"1.{draw(st.integers(2, 99))}.{draw(st.integers(0, 9))}"
         extra = draw(st.dictionaries(TEXT.filter(lambda k: k not in KNOWN_TOP), JSON_VALUES, min_size=1, max_size=3))
         doc.update(extra)
-        layout_extra = draw(st.dictionaries(TEXT.filter(lambda k: k not in doc["layout"] and k != "byte_order"), JSON_VALUES, max_size=2))
+        layout_extra = draw(
+            st.dictionaries(
+                TEXT.filter(lambda k: k not in doc["layout"] and k != "byte_order"), JSON_VALUES, max_size=2
+            )
+        )
         doc["layout"].update(layout_extra)
     return doc
 
