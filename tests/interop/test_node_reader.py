@@ -83,7 +83,10 @@ def test_node_reader_matches_ckptspec_reconstruct(point, checkpoints, tmp_path):
     assert json.loads(my_meta["ckptspec.aliases"]) == json.loads(ref_meta["ckptspec.aliases"]) != {}
     excluded = {e["name"] for e in doc["excluded"]}
     assert set(json.loads(my_meta["ckptspec.absent"])) == excluded
-    assert run.stdout.splitlines()[0] == f"{out}: {len(mine)} tensors ({len(doc['aliases'])} of them tied aliases, written as copies)"
+    assert (
+        run.stdout.splitlines()[0]
+        == f"{out}: {len(mine)} tensors ({len(doc['aliases'])} of them tied aliases, written as copies)"
+    )
 
 
 def test_a_1_0_manifest_gives_the_trainable_parameters_only(checkpoints, tmp_path):
@@ -192,14 +195,15 @@ def test_a_byte_flipped_in_a_real_element_fails_its_digest(damaged, tmp_path):
     loc = next(t for t in model["tensors"] if t["name"] == "frozen.bias")
     _flip(tag / model["path"], loc["data_offset"] + 2 * loc["numel"] - 1)  # the last element's high byte
     out = tmp_path / "out.safetensors"
+    flipped = (tag / model["path"]).read_bytes()[loc["data_offset"] : loc["data_offset"] + 2 * loc["numel"]]
+    recorded = next(f for f in doc["frozen"] if f["name"] == "frozen.bias")["digest"]["sha256"]
     refused(
         node(READER, "--no-hash", manifest, tag, out),
         out,
         1,
-        "frozen.bias: CK222 sha256 of the tensor's elements is "
-        + f"{hashlib.sha256((tag / model['path']).read_bytes()[loc['data_offset'] : loc['data_offset'] + 32]).hexdigest()[:16]}"
-        + f"..., the manifest records {next(f for f in doc['frozen'] if f['name'] == 'frozen.bias')['digest']['sha256'][:16]}"
-        + "... (hint: the tensor changed after the manifest was written; restore its file)",
+        f"frozen.bias: CK222 sha256 of the tensor's elements is {hashlib.sha256(flipped).hexdigest()[:16]}..., "
+        f"the manifest records {recorded[:16]}... (hint: the tensor changed after the manifest was written; restore "
+        "its file)",
     )
 
 
