@@ -91,25 +91,37 @@ def _plain_attributes(obj) -> dict[str, Any]:
     return plain_values(out)
 
 
+def _flat_partitions(wrapper, stage: int) -> list[tuple[int, Any]]:
+    """(optimizer group, the rank's flat fp32 partition) of each group (stage 3: sub-group), in order:
+    the "parameters" the wrapped optimizer steps, whose state holds ``step``."""
+    if stage == 3:
+        return [(int(g), flat) for g, flat in zip(wrapper.sub_group_to_group_id, wrapper.fp32_partitioned_groups_flat)]
+    flats = getattr(wrapper, "single_partition_of_fp32_groups", None)
+    if flats is None:
+        flats = getattr(wrapper, "fp32_groups_flat_partition", [])  # BF16_Optimizer
+    return list(enumerate(flats))
+
+
 def optimizer_of_engine(engine, stage: int) -> Optimizer | None:
     """Class, hyperparameters and step of each param group, loss scaler, clipping; None if unreadable.
 
-    Each torch param group's step is that of its first "parameter" (DeepSpeed's flat partition, or
-    stage 3's first sub-group): the wrapped optimizer steps them together.
+    Each torch param group's step is that of its first flat partition (stage 3: its first
+    sub-group): DeepSpeed steps the wrapped optimizer on them, one group at a time.
     """
     wrapper = engine.optimizer
     inner = getattr(wrapper, "optimizer", None)
     if inner is None or not hasattr(inner, "param_groups"):
         return None
-    groups = []
-    for g, group in enumerate(inner.param_groups):
-        params = group.get("params") or []
-        step = inner.state.get(params[0], {}).get("step") if params else None
-        if step is None:
-            continue  # a group the optimizer never stepped has no step (nor state) to record
-        groups.append(
-            OptimizerGroup(optimizer_group=g, hyperparameters=plain_values(group, skip=("params",)), step=_number(step))
-        )
+    steps: dict[int, Any] = {}
+    for g, flat in _flat_partitions(wrapper, stage):
+        step = inner.state.get(flat, {}).get("step")
+        if step is not None:  # a group the optimizer never stepped has no step (nor state) to record
+            steps.setdefault(g, _number(step))
+    groups = [
+        OptimizerGroup(optimizer_group=g, hyperparameters=plain_values(group, skip=("params",)), step=steps[g])
+        for g, group in enumerate(inner.param_groups)
+        if g in steps
+    ]
     optimizer = Optimizer(class_=optimizer_class(engine), groups=groups)
     scaler = getattr(wrapper, "loss_scaler", None)
     if scaler is not None and type(wrapper).__name__ != "BF16_Optimizer":  # BF16_Optimizer saves none
