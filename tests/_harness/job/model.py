@@ -277,7 +277,8 @@ def optimizer_state_getter(engine, model, live, stage):
     mine = sorted(
         n
         for n, p in model.named_parameters(remove_duplicate=False)
-        if getattr(p, "_hp_mapping", None) is not None and not set(keys) <= set(getattr(p._hp_mapping, "optim_fragment", ()))
+        if getattr(p, "_hp_mapping", None) is not None
+        and not set(keys) <= set(getattr(p._hp_mapping, "optim_fragment", ()))
     )
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
