@@ -100,7 +100,7 @@ def tensors_located_once(doc: Document) -> Iterator[Finding]:
                 yield finding(
                     "CK121",
                     where,
-                    f"{t['name']!r} is located {len(found)} times",
+                    f"{t['name']!r} is " + (f"located {len(found)} times" if found else "not located"),
                     "locate each frozen parameter and buffer once (stage 3 fragments: once per rank)",
                 )
             continue
