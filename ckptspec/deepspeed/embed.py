@@ -185,8 +185,10 @@ def embed_checkpoint(
         for _, path in sorted(shards.model_files.items()):
             rewrite_pt_with_item(path, CLIENT_STATE_KEY, value, state=states.state(path))
             written.append(path)
-    # The model-states files just changed (their members moved): read them again; describe every file.
-    files, digested = _files_now(shards, described, doc, hash_algorithm, StateCache() if written else states)
+    # The model-states files just changed: the same tensors, every member moved.
+    for path in written:
+        states.forget_members(path)
+    files, digested = _files_now(shards, described, doc, hash_algorithm, states)
     complete = {**doc, **digested, "files": files}
     report = validate_document(complete)
     if not report.ok:

@@ -115,12 +115,12 @@ def optimizer_of_engine(engine, stage: int) -> Optimizer | None:
     steps: dict[int, Any] = {}
     for g, flat in _flat_partitions(wrapper, stage):
         step = inner.state.get(flat, {}).get("step")
-        if step is not None:  # a group the optimizer never stepped has no step (nor state) to record
+        if step is not None:
             steps.setdefault(g, _number(step))
+    # A group the optimizer never stepped (a fresh engine) has no state yet: it is at step 0.
     groups = [
-        OptimizerGroup(optimizer_group=g, hyperparameters=plain_values(group, skip=("params",)), step=steps[g])
+        OptimizerGroup(optimizer_group=g, hyperparameters=plain_values(group, skip=("params",)), step=steps.get(g, 0))
         for g, group in enumerate(inner.param_groups)
-        if g in steps
     ]
     optimizer = Optimizer(class_=optimizer_class(engine), groups=groups)
     scaler = getattr(wrapper, "loss_scaler", None)

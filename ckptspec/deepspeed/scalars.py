@@ -115,9 +115,11 @@ def optimizer_from_states(manifest: Manifest, state: Any, path: Path, members) -
     steps = group_steps(manifest, state, path, members)
     groups = []
     for g, entry in enumerate(param_groups):
-        if isinstance(entry, dict) and g in steps:
+        if isinstance(entry, dict):  # a group saved before its first step has no state: step 0
             groups.append(
-                OptimizerGroup(optimizer_group=g, hyperparameters=plain_values(entry, skip=("params",)), step=steps[g])
+                OptimizerGroup(
+                    optimizer_group=g, hyperparameters=plain_values(entry, skip=("params",)), step=steps.get(g, 0)
+                )
             )
     optimizer = Optimizer(class_=UNKNOWN_CLASS, groups=groups)
     if (scaler := loss_scaler(osd)) is not None:

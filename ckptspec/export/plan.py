@@ -149,11 +149,11 @@ def plan_reconstruction(
                 _sha256(param.digest),
             )
 
+    # Frozen parameters and buffers: the byte ranges the files' own metadata give; with format 1.1's
+    # locators, theirs, which must be the same ranges (a file changed since validation: CK401).
     named = _named_locators(manifest, tag_dir)
     for frozen in manifest.frozen:
-        if frozen.name in named:
-            dtype, segments = _located_segments(named[frozen.name], frozen.numel, frozen.name, tag_dir)
-        elif frozen.stored_in == "partitioned_fragments":
+        if frozen.stored_in == "partitioned_fragments":
             # Stage 3: rank r's fragment is [r * share, (r + 1) * share) of the flat param;
             # concatenated over ranks and trimmed to numel (the tail padding is garbage).
             share = -(-frozen.numel // len(model_files))
@@ -172,20 +172,21 @@ def plan_reconstruction(
             ref = _tensor(metadata(path), holder, frozen.name, path)
             dtype = ref.dtype
             segments = _ref_segments(ref, path, members(path), frozen.numel, frozen.name)
+        if frozen.name in named:
+            dtype, segments = _same_as_located(named[frozen.name], frozen.numel, frozen.name, tag_dir, dtype, segments)
         sources[frozen.name] = TensorSource(
             frozen.name, tuple(frozen.shape), dtype, segments, "frozen", _sha256(frozen.digest)
         )
 
     for buffer in manifest.buffers:
         numel = math.prod(buffer.shape)
+        path = model_files[first_rank]
+        ref = _tensor(metadata(path), "module", buffer.name, path)
+        if ref.dtype != buffer.dtype:
+            raise ReconstructMismatch(f"buffer {buffer.name!r} is {ref.dtype}, the manifest says {buffer.dtype}", path)
+        dtype, segments = ref.dtype, _ref_segments(ref, path, members(path), numel, buffer.name)
         if buffer.name in named:
-            dtype, segments = _located_segments(named[buffer.name], numel, buffer.name, tag_dir)
-        else:
-            path = model_files[first_rank]
-            ref = _tensor(metadata(path), "module", buffer.name, path)
-            dtype, segments = ref.dtype, _ref_segments(ref, path, members(path), numel, buffer.name)
-        if dtype != buffer.dtype:
-            raise ReconstructMismatch(f"buffer {buffer.name!r} is {dtype}, the manifest says {buffer.dtype}", tag_dir)
+            dtype, segments = _same_as_located(named[buffer.name], numel, buffer.name, tag_dir, dtype, segments)
         sources[buffer.name] = TensorSource(
             buffer.name, tuple(buffer.shape), dtype, segments, "buffer", _sha256(buffer.digest)
         )
@@ -216,6 +217,14 @@ def _named_locators(manifest: Manifest, tag_dir: Path) -> dict[str, list[tuple[i
             rank = shard.ranks[0] if len(shard.ranks) == 1 else 0
             found.setdefault(loc.name, []).append((rank, _inside(tag_dir, shard.path), loc))
     return {name: sorted(entries, key=lambda e: e[0]) for name, entries in found.items()}
+
+
+def _same_as_located(entries, numel: int, name: str, tag_dir: Path, dtype: str, segments: list[Segment]):
+    """The (dtype, segments) of a tensor's 1.1 locators, which must be the files' own."""
+    located = _located_segments(entries, numel, name, tag_dir)
+    if located != (dtype, segments):
+        raise ReconstructMismatch(f"{name!r}: the manifest's locators no longer match the file", tag_dir)
+    return located
 
 
 def _located_segments(entries, numel: int, name: str, tag_dir: Path) -> tuple[str, list[Segment]]:
