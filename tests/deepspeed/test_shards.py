@@ -316,3 +316,45 @@ def test_digests_see_real_elements_not_padding(kind, where, element, finding, tm
     assert [(f.code, f.path) for f in found] == ([finding] if finding else [])
     _, unchecked = validate_checkpoint(save_dir, manifest, verify_hashes=False)
     assert unchecked == []  # without hashes nothing reads the bytes
+
+
+def test_stage3_padding_is_in_no_digest(built, tmp_path):
+    """Stage 3 leaves padding uninitialised (NaN in these files): rank 2's fragment of frozen.weight
+    (256 elements over 3 ranks: 86, 86, 84 real) and rank 2's master partition of emb.weight (800
+    over 3: 267, 267, 266 real) each end in padding. Flipping it is no finding; flipping the last
+    real element before it is CK222 on that tensor alone."""
+    from ckptspec.format.dtypes import ITEMSIZE
+
+    def flipped(element_of, where):
+        save_dir = _copy(built("s3-fp16-ws3-groups"), tmp_path / where)
+        doc = manifest_from_checkpoint(save_dir, hash_algorithm="sha256").to_dict()
+        for f in doc["files"]:
+            del f["hash"]
+        manifest = Manifest.model_validate(doc)
+        path, offset = element_of(manifest)
+        _flip_at(tag_dir(save_dir) / path, offset)
+        return [(f.code, f.path) for f in validate_checkpoint(save_dir, manifest)[1]]
+
+    def fragment(element):
+        def at(manifest):
+            f = next(f for f in manifest.files if f.role == "model_states" and f.ranks == [2])
+            loc = next(t for t in f.tensors if t.name == "frozen.weight")
+            assert loc.numel == 84 and loc.member_size == 86 * ITEMSIZE[loc.dtype]
+            return f.path, loc.data_offset + element * ITEMSIZE[loc.dtype]
+
+        return at
+
+    def master(element):
+        def at(manifest):
+            f = next(f for f in manifest.files if f.role == "optimizer_states" and f.ranks == [2])
+            loc = next(p for p in f.partitions if p.group == 0)
+            param = manifest.groups[0].params[0]
+            assert param.name == "emb.weight" and param.offset == 0 and param.padding == 1
+            return f.path, loc.data_offset + element * ITEMSIZE[loc.dtype]
+
+        return at
+
+    assert flipped(fragment(85), "fragment-padding") == []
+    assert flipped(fragment(83), "fragment-real") == [("CK222", "$.frozen[0].digest")]
+    assert flipped(master(266), "master-padding") == []
+    assert flipped(master(265), "master-real") == [("CK222", "$.groups[0].params[0].digest")]
