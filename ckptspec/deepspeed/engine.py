@@ -364,7 +364,7 @@ def _with_digests(manifest: Manifest, tag_dir: Path, rank: int, dist) -> Manifes
     found, error = None, None
     if rank == 0:
         try:
-            if all((tag_dir / f.path).is_file() for f in manifest.files):
+            if _sees_every_file(tag_dir, manifest):
                 found = manifest.model_copy(deep=True)
                 add_digests(found, tag_dir)
             else:
@@ -375,6 +375,10 @@ def _with_digests(manifest: Manifest, tag_dir: Path, rank: int, dist) -> Manifes
     if error:
         raise RuntimeError("ckptspec could not digest the saved tensors (no sidecar written): " + error)
     return Manifest.model_validate(found) if found is not None else manifest
+
+
+def _sees_every_file(tag_dir: Path, manifest: Manifest) -> bool:
+    return all((tag_dir / f.path).is_file() for f in manifest.files)
 
 
 def _describe_own_files(tag_dir: Path, rank: int, layout: Manifest, hash_algorithm: str | None) -> list[dict]:

@@ -99,7 +99,12 @@ def test_old_engine_manifest_equals_directory_manifest(name, ds):
     assert all(doc == engine_docs[0] for doc in engine_docs)
     assert engine_docs[0]["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
     from_dir = manifest_from_checkpoint(save_dir).to_dict()
-    assert _without(from_dir, PRODUCER_ONLY) == _without(engine_docs[0], PRODUCER_ONLY)
+    engine = json.loads(json.dumps(engine_docs[0]))
+    assert (from_dir["optimizer"].pop("class"), engine["optimizer"].pop("class")) == (
+        "unknown",
+        "torch.optim.adamw.AdamW",
+    )
+    assert _without(from_dir, PRODUCER_ONLY) == _without(engine, PRODUCER_ONLY)
 
 
 @pytest.mark.compat

@@ -669,3 +669,31 @@ def test_validate_dir_reports_a_disagreeing_copy(saved, tmp_path):
     result = run("validate", str(copy_dir), "--no-hash")
     assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr
     assert "CK301" in result.stdout and victim.name in result.stdout
+
+
+@pytest.mark.deepspeed
+def test_digests_need_every_file_on_rank_0(fake_job, tmp_path, monkeypatch):
+    """A digest can span ranks' files: when rank 0 cannot see one (no shared filesystem), the sidecar
+    keeps the files' hashes and records no digest, with a warning; the save still succeeds."""
+    state = fake_job.install()
+    state["tag_dir"] = tmp_path / "global_step2"
+    monkeypatch.setattr(fake_job.ds, "_sees_every_file", lambda tag_dir, manifest: False)
+    with pytest.warns(UserWarning, match="rank 0 cannot see every saved file; no tensor digests"):
+        manifest = fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path)
+    doc = manifest.to_dict()
+    assert all("hash" in f for f in doc["files"])
+    assert "digest" not in json.dumps(doc["groups"] + doc["frozen"] + doc["buffers"])
+    assert (tmp_path / "latest").read_text() == "global_step2"
+
+
+@pytest.mark.deepspeed
+def test_a_digest_that_cannot_be_computed_fails_every_rank(fake_job, tmp_path, monkeypatch):
+    fake_job.install()["tag_dir"] = tmp_path / "global_step2"
+
+    def broken(manifest, tag_dir):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(fake_job.ds, "add_digests", broken)
+    with pytest.raises(RuntimeError, match="could not digest the saved tensors .* rank 0: OSError: disk gone"):
+        fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path)
+    assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2" / "ckptspec.json").exists()
