@@ -117,7 +117,7 @@ def optimizer_of_engine(engine, stage: int) -> Optimizer | None:
         step = inner.state.get(flat, {}).get("step")
         if step is not None:
             steps.setdefault(g, _number(step))
-    # A group the optimizer never stepped (a fresh engine) has no state yet: it is at step 0.
+    # No step for a group: the optimizer has not stepped it yet (a fresh engine), or counts no steps (SGD): 0.
     groups = [
         OptimizerGroup(optimizer_group=g, hyperparameters=plain_values(group, skip=("params",)), step=steps.get(g, 0))
         for g, group in enumerate(inner.param_groups)

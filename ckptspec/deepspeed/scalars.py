@@ -115,7 +115,7 @@ def optimizer_from_states(manifest: Manifest, state: Any, path: Path, members) -
     steps = group_steps(manifest, state, path, members)
     groups = []
     for g, entry in enumerate(param_groups):
-        if isinstance(entry, dict):  # a group saved before its first step has no state: step 0
+        if isinstance(entry, dict):  # no step saved: not stepped yet, or an optimizer that counts none: 0
             groups.append(
                 OptimizerGroup(
                     optimizer_group=g, hyperparameters=plain_values(entry, skip=("params",)), step=steps.get(g, 0)

@@ -69,7 +69,7 @@ def plan_optimizer_state(plan: ReconstructionPlan) -> OptimizerStatePlan:
                         raise ReconstructMismatch(f"{p.name}: state {key!r} ends past rank {rank}'s partition", path)
                     item = ITEMSIZE[loc.dtype]
                     segments.append(Segment(path, loc.data_offset + (loc.element_offset + start) * item, count * item))
-                dtype = located[(g, 0, key)][1].dtype
+                dtype = next(loc.dtype for (gg, _, s), (_, loc) in located.items() if (gg, s) == (g, key))
                 name = f"{p.name}.{key}"
                 if name in sources or name in plan.sources:
                     raise ReconstructUnsupported(f"{name!r} names two tensors", "rename the parameter")
