@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from _harness import tasks
-from _harness.faults import FAULTS, FaultEnv
+from _harness.faults import FAULTS, FaultEnv, base_dir
 
 DOC = ROOT / "docs" / "validation.md"
 BEGIN, END = "<!-- zero_to_fp32-vs-ckptspec:begin -->", "<!-- zero_to_fp32-vs-ckptspec:end -->"
@@ -255,7 +255,8 @@ def main() -> int:
 
     bases: dict[str, Path] = {}
     for name in sorted({f.base for f in FAULTS} | {f.donor for f in FAULTS if f.donor}):
-        bases[name] = tasks.path(name)  # the test suite's cache (tests/_harness/cache.py)
+        # the test suite's cache (tests/_harness/cache.py), or a checkpoint committed to the repository
+        bases[name] = base_dir(name, lambda: tasks)
 
     rows = []
     tally: dict[str, int] = {}

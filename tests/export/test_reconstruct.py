@@ -295,6 +295,9 @@ def test_a_tensor_that_cannot_be_written_as_asked_is_refused(point, tmp_path):
     shutil.copytree(point("s2-bf16-ws2"), copy)
     _edit_model_states(copy, lambda module: module.__setitem__("running", torch.zeros(2 * 16)[::2]))
     assert _cli("validate", str(copy)).returncode == 0  # the files are consistent; only their form is unusual
+    # A writer locates no non-contiguous tensor (spec.md#byte-order): then no named tensor at all.
+    generated = json.loads(_cli("generate", str(copy)).stdout)
+    assert not any("tensors" in f for f in generated["files"]) and generated["format_version"] == "1.1.0"
     out = tmp_path / "out"
     result = _cli("reconstruct", str(copy), str(out), check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
