@@ -21,6 +21,7 @@ import torch
 from _harness.compat import FIXTURES, OLD_DEEPSPEED_VERSION
 from _harness.reconstruction import check_reconstruction, cli
 from _harness.scenarios import OLD_DEEPSPEED, OLD_DEEPSPEED_SPECS
+from safetensors import safe_open
 
 from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.format.validate import validate_document
@@ -55,8 +56,8 @@ def test_committed_checkpoint_validates_and_reconstructs_bit_exact(name, tmp_pat
 
 @pytest.mark.parametrize("name", OLD_DEEPSPEED)
 def test_committed_checkpoint_gets_a_complete_1_1_manifest(name, tmp_path):
-    """Format 1.1 from DeepSpeed 0.15.4's files: every tensor located, digests that check, the optimizer
-    state exported; the 1.1 locators point at the bytes torch.load gives."""
+    """Format 1.1 from DeepSpeed 0.15.4's files: every tensor located, digests that check; the 1.1
+    locators point at the bytes torch.load gives; the exported optimizer state is the live engine's."""
     import hashlib
 
     save_dir = FIXTURES / name
@@ -79,9 +80,23 @@ def test_committed_checkpoint_gets_a_complete_1_1_manifest(name, tmp_path):
                 fh.seek(loc.data_offset + loc.element_offset * tensor.element_size())
                 raw = tensor.view(torch.uint8).numpy().tobytes()
                 assert fh.read(len(raw)) == raw, loc.name
+    # The optimizer state export against the live 0.15.4 engine's (live_optim.pt, read in the job).
     out = tmp_path / "out"
     cli("reconstruct", save_dir, out, "--quiet", "--optimizer-state")
-    assert (out / "optimizer.safetensors").is_file()
+    live = torch.load(save_dir / "live_optim.pt", weights_only=True)
+    with safe_open(out / "optimizer.safetensors", "pt") as f:
+        aliases = json.loads(f.metadata()["ckptspec.aliases"])
+        optimizer = json.loads(f.metadata()["ckptspec.optimizer"])
+        for param, by_key in live["state"].items():
+            for key, theirs in by_key.items():
+                ours = f.get_tensor(f"{aliases.get(param, param)}.{key}")
+                assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), (param, key)
+    assert {g["optimizer_group"]: g["step"] for g in optimizer["groups"]} == live["steps"]
+    # DeepSpeed 0.15.4's getter has the same stale links for a second param group as 0.19.8's.
+    info = json.loads((save_dir / "harness.json").read_text())
+    two_groups = OLD_DEEPSPEED_SPECS[name][0].get("two_groups") and OLD_DEEPSPEED_SPECS[name][0]["stage"] < 3
+    assert info["safe_get_full_optimizer_state_stale"] == (["l1.bias", "l2.bias"] if two_groups else [])
+    assert info["safe_get_full_optimizer_state_mismatches"] == {"exp_avg": [], "exp_avg_sq": []}
 
 
 def _optimizer_state_keys(save_dir: Path) -> set:
