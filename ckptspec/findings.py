@@ -41,6 +41,13 @@ CODES: dict[str, str] = {
     "CK117": "locator-numel",
     "CK118": "locator-member-bounds",
     "CK119": "locator-file-bounds",
+    "CK120": "locator-target",
+    "CK121": "tensor-coverage",
+    "CK122": "tensor-locator-numel",
+    "CK123": "model-weights-locator",
+    "CK124": "state-coverage",
+    "CK125": "state-numel",
+    "CK126": "optimizer-groups",
     # CK2xx: a DeepSpeed checkpoint's directory and files (deepspeed/)
     "CK201": "no-tag",
     "CK202": "unsupported-checkpoint",
@@ -62,6 +69,9 @@ CODES: dict[str, str] = {
     "CK218": "slice-mappings",
     "CK219": "alias-tie",
     "CK220": "frozen-fragments",
+    "CK221": "tensor-locator",
+    "CK222": "tensor-digest",
+    "CK223": "other-save",
     "CK224": "leftover-temporary",
     # CK3xx: embedded copies and migrations (checkpoint/embedded.py, deepspeed/embed.py, format/migrate.py)
     "CK301": "embedded-copies-disagree",
