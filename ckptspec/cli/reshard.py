@@ -18,7 +18,13 @@ from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, echo_findings, fail
     "--stage",
     type=click.IntRange(0, 3),
     default=None,
-    help="ZeRO stage of the target job (default: the checkpoint's). Stages 1 and 2 are supported.",
+    help="ZeRO stage of the target job (default: the checkpoint's): 1, 2 or 3.",
+)
+@click.option(
+    "--sub-group-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The target job's zero_optimization.sub_group_size (stage 3; default DeepSpeed's, 1e9).",
 )
 @click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
 @click.option(
@@ -27,7 +33,9 @@ from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, echo_findings, fail
     metavar="M",
     help="Read CHECKPOINT as this manifest describes (checked against the files first). Default: its own.",
 )
-def reshard(checkpoint: str, output: str, world_size: int, stage: int | None, tag: str | None, manifest) -> None:
+def reshard(
+    checkpoint: str, output: str, world_size: int, stage: int | None, sub_group_size: int | None, tag, manifest
+) -> None:
     """Write CHECKPOINT for a job of --world-size ranks (and --stage) into OUTPUT.
 
     The source is validated first (digests included); on any error finding, or a layout reshard
@@ -40,7 +48,9 @@ def reshard(checkpoint: str, output: str, world_size: int, stage: int | None, ta
     from ..export.reshard import reshard as run
 
     try:
-        result = run(checkpoint, output, world_size, zero_stage=stage, tag=tag, manifest=manifest)
+        result = run(
+            checkpoint, output, world_size, zero_stage=stage, sub_group_size=sub_group_size, tag=tag, manifest=manifest
+        )
     except CheckpointInvalid as exc:
         echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
         click.echo(f"{checkpoint}: not resharded: the checkpoint has errors; nothing was written", err=True)

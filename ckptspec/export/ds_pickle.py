@@ -124,6 +124,12 @@ def from_standins(obj: Any, read_tensor) -> Any:
     return obj
 
 
+def copied(value: Any) -> Any:
+    """A tensor with a storage of its own (other values unchanged): a scalar state such as ``step`` is
+    incremented in place by the optimizer, so two entries must never share one."""
+    return value.clone() if hasattr(value, "clone") else value
+
+
 def storage_reader(read_storage):
     """``read_tensor`` for ``from_standins`` that keeps torch's storage sharing: each storage is read
     once (``read_storage(StorageRef)`` -> a flat torch tensor) and every tensor is a view into it."""

@@ -35,6 +35,7 @@ from .optimizer_state import plan_optimizer_state
 from .plan import plan_reconstruction
 from .reshard_files import write_files
 from .reshard_layout import target_layout
+from .reshard_stage3 import write_stage3_files
 
 
 @dataclass
@@ -53,6 +54,7 @@ def reshard(
     world_size: int,
     *,
     zero_stage: int | None = None,
+    sub_group_size: int | None = None,
     tag: str | None = None,
     manifest: Manifest | str | os.PathLike | None = None,
 ) -> ReshardResult:
@@ -65,7 +67,8 @@ def reshard(
     if found is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(checkpoint))
     try:
-        target = target_layout(found, world_size, zero_stage)  # CK410 before anything is read or written
+        # CK410 before anything is read or written
+        target = target_layout(found, world_size, zero_stage, sub_group_size)
     except ReshardUnsupported as exc:
         raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
     plan = plan_reconstruction(checkpoint, found, tag, states=states)
@@ -74,7 +77,10 @@ def reshard(
     try:
         tag_dir = tmp / plan.tag_dir.name
         tag_dir.mkdir()
-        files = write_files(found, plan, state_plan, target, states, tag_dir)
+        if target.zero_stage == 3:
+            files = write_stage3_files(found, plan, state_plan, target, states, tag_dir, sub_group_size)
+        else:
+            files = write_files(found, plan, state_plan, target, states, tag_dir)
         (tmp / "latest").write_text(plan.tag_dir.name)
         _embed(found, tag_dir)
         out_manifest, out_findings = validate_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)

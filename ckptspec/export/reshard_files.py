@@ -56,14 +56,20 @@ def _partition(group: Group, rank: int, sources: dict[str, TensorSource], dtype:
     view = memoryview(out).cast("B")
     lo, item = rank * group.partition_numel, out.itemsize
     for p in group.params:
-        a, b = max(p.offset, lo), min(p.offset + p.numel, lo + group.partition_numel)
+        if group.partitioning == "flat":  # rank r holds buffer elements [r * pn, (r + 1) * pn)
+            a, b = max(p.offset, lo), min(p.offset + p.numel, lo + group.partition_numel)
+            first, at = a - p.offset, a - lo
+        else:  # per param: rank r holds elements [r * share, ...) of each param, at its offset
+            share = (p.numel + p.padding) // group.partition_count
+            a, b = 0, max(0, min(share, p.numel - rank * share))
+            first, at = rank * share, p.offset
         if a >= b:
             continue
         source = sources[p.name]
         if source.dtype != dtype:
             raise ReconstructMismatch(f"{p.name}: stored as {source.dtype}, the group's partitions as {dtype}")
-        pos = (a - lo) * item
-        for seg in _slice(source, a - p.offset, b - a):
+        pos = at * item
+        for seg in _slice(source, first, b - a):
             files.read_into(seg, view[pos : pos + seg.nbytes])
             pos += seg.nbytes
     return out
@@ -200,7 +206,7 @@ def _optimizer_state_dict(found, template, target, rank, masters, state_plan, ke
                 dtype = next(iter(sources.values())).dtype if sources else "float32"
                 entry[key] = ds_pickle.tensor(_partition(group, rank, sources, dtype, files))
             else:  # step and other per-group scalars: as saved (equal on every rank)
-                entry[key] = ds_pickle.from_standins(value, read_template)
+                entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read_template))
         states[g] = entry
     masters_out = []
     for group in target.groups:

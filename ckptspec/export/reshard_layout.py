@@ -18,16 +18,18 @@ from dataclasses import dataclass
 from ..errors import ReshardUnsupported
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Group, Manifest
-from ..format.partition import ParamSpec, flat_group, natural_order
+from ..format.partition import ParamSpec, flat_group, natural_order, per_param_group
 
-STAGES = (1, 2)  # what reshard reads and writes today
+STAGES = (1, 2)  # the sources reshard reads today
+TARGET_STAGES = (1, 2, 3)
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 
 
 @dataclass(frozen=True)
 class TargetLayout:
     world_size: int
     zero_stage: int
-    groups: list[Group]  # one per source group, in the same order, laid out for ``world_size``
+    groups: list[Group]  # stage 1/2: one per source group; stage 3: its sub-groups, in order
 
 
 def round_robin_order(params: list, partition_count: int) -> list:
@@ -47,11 +49,37 @@ def alignment_paddings(numels: list[int], itemsize: int) -> list[int]:
     return out
 
 
-def target_layout(manifest: Manifest, world_size: int, zero_stage: int | None = None) -> TargetLayout:
+def sub_groups(params: list, world_size: int, sub_group_size: int) -> list[list]:
+    """DeepSpeed's ``_create_fp16_sub_groups``: cut a param group where the partition numels reach
+    ``sub_group_size`` (one sub-group when the whole group fits)."""
+    shares = [-(-p.numel // world_size) for p in params]
+    if sub_group_size >= sum(shares):
+        return [params]
+    out, current, size = [], [], 0
+    for i, (p, share) in enumerate(zip(params, shares)):
+        current.append(p)
+        size += share
+        if size >= sub_group_size or i == len(params) - 1:
+            out.append(current)
+            current, size = [], 0
+    return out
+
+
+def target_layout(
+    manifest: Manifest, world_size: int, zero_stage: int | None = None, sub_group_size: int | None = None
+) -> TargetLayout:
     """The groups of ``manifest``'s checkpoint re-laid out for ``world_size`` (and ``zero_stage``)."""
     layout = manifest.layout
     stage = layout.zero_stage if zero_stage is None else zero_stage
     _refuse(manifest, world_size, stage)
+    if stage == 3:
+        groups = []
+        for grp in manifest.groups:
+            natural = natural_order(list(grp.params), grp.partition_count) if layout.round_robin else list(grp.params)
+            for sub in sub_groups(natural, world_size, sub_group_size or DEFAULT_SUB_GROUP_SIZE):
+                specs = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in sub]
+                groups.append(per_param_group(specs, optimizer_group=grp.optimizer_group, partition_count=world_size))
+        return TargetLayout(world_size, stage, groups)
     groups = []
     for grp in manifest.groups:
         natural = natural_order(list(grp.params), grp.partition_count) if layout.round_robin else list(grp.params)
@@ -82,10 +110,11 @@ def _refuse(manifest: Manifest, world_size: int, stage: int) -> None:
     layout = manifest.layout
     if world_size < 1:
         raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
-    if layout.zero_stage not in STAGES or stage not in STAGES:
+    if layout.zero_stage not in STAGES or stage not in TARGET_STAGES:
         raise ReshardUnsupported(
-            f"resharding ZeRO stage {layout.zero_stage} to stage {stage} is not supported yet (stages 1 and 2 are)",
-            "reshard a stage 1 or 2 checkpoint to stage 1 or 2",
+            f"resharding ZeRO stage {layout.zero_stage} to stage {stage} is not supported yet "
+            "(stage 1 and 2 sources, to stage 1, 2 or 3, are)",
+            "reshard a stage 1 or 2 checkpoint",
         )
     if layout.tensor_parallel_size != 1 or layout.pipeline_parallel_size != 1:
         raise ReshardUnsupported(

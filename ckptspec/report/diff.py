@@ -233,9 +233,13 @@ def resume_zero_stage(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
             json_path("layout", "zero_stage"),
             f"the ZeRO stage changes from {sa} to {sb}; a stage-{sb} job reads other files and another "
             f"partitioning than stage {sa} saved",
-            f"resume with ZeRO stage {sa} (stages 1 and 2 are interchangeable); `ckptspec reshard A OUTPUT "
-            f"--world-size N --stage {sb}` does not write stage {3 if 3 in (sa, sb) else 0} yet (docs/reshard.md), "
-            "DeepSpeed's ds_to_universal cannot load a stage 1/2 checkpoint into stage 3",
+            f"resume with ZeRO stage {sa} (stages 1 and 2 are interchangeable)"
+            + (
+                f", or rewrite the checkpoint: `ckptspec reshard A OUTPUT --world-size {b.layout.world_size} "
+                f"--stage {sb}` (docs/reshard.md)"
+                if sa in (1, 2) and sb in (1, 2, 3)
+                else ""
+            ),
         )
 
 

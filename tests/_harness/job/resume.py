@@ -14,7 +14,7 @@ defaults (strict module load, optimizer states loaded). Rank 0 writes into OUT:
                    DeepSpeed can "load" and still leave wrong masters
                  mismatched: names whose masters are missing, reshaped or differ
 
-With ``reshard`` (``{"world_size": N, "stage": S}``), rank 0 first runs ``ckptspec.export.reshard``
+With ``reshard`` (``{"world_size": N, "stage": S, "sub_group_size": G}``), rank 0 first runs ``ckptspec.export.reshard``
 on ``load`` into OUT/resharded and every rank loads that instead (the job's own world size and
 spec are the target's). With ``extra_step`` (``{"global_batch": G}``), one more training step
 follows the checks, on G samples split evenly over the ranks (each sample seeded by its index in
@@ -133,7 +133,13 @@ def _reshard(load: Path, out: Path, reshard: dict, rank: int):
 
         out.mkdir(parents=True, exist_ok=True)
         try:
-            run_reshard(load, target, reshard["world_size"], zero_stage=reshard.get("stage"))
+            run_reshard(
+                load,
+                target,
+                reshard["world_size"],
+                zero_stage=reshard.get("stage"),
+                sub_group_size=reshard.get("sub_group_size"),
+            )
         except Exception as exc:  # recorded: a test asserts there is none
             outcome[0] = _first_line(exc)
     dist.broadcast_object_list(outcome, src=0)
