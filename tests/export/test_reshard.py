@@ -209,3 +209,41 @@ def test_output_is_a_valid_checkpoint_with_its_manifest_embedded(ds, tmp_path):
     assert result.exit_code == 0, result.output
     assert _run("extract", out).exit_code == 0
     assert Path(out / "global_step2" / "ckptspec.json").exists()
+
+
+SAME_LAYOUT = sorted(
+    n for n, (spec, _) in MATRIX_SPECS.items() if spec["stage"] in (1, 2) and not spec.get("grad_accum_dtype")
+)
+
+
+@pytest.mark.parametrize("name", SAME_LAYOUT)
+def test_target_layout_at_the_source_world_size_is_the_source_layout(name, ds):
+    """The layout arithmetic (round robin order, alignment gaps, padding) against DeepSpeed's own: at the
+    source's world size it must give back the groups described from the files DeepSpeed wrote."""
+    from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.export.reshard_layout import target_layout
+
+    found, _ = validate_checkpoint(ds.path(name), verify_hashes=False)
+    target = target_layout(found, found.layout.world_size)
+    keep = ("offset", "padding", "numel", "name")
+    for ours, theirs in zip(target.groups, found.groups, strict=True):
+        assert [{k: getattr(p, k) for k in keep} for p in ours.params] == [
+            {k: getattr(p, k) for k in keep} for p in theirs.params
+        ]
+        assert (ours.padded_numel, ours.partition_numel, ours.saved_numels) == (
+            theirs.padded_numel,
+            theirs.partition_numel,
+            theirs.saved_numels,
+        )
+
+
+def test_stage3_sub_groups_are_deepspeeds(ds):
+    """Sub-groups for stage 3 against a real stage-3 checkpoint's (sub_group_size 300, 2 ranks)."""
+    from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.export.reshard_layout import target_layout
+
+    stage3, _ = validate_checkpoint(ds.path("s3-bf16-ws2-sub"), verify_hashes=False)
+    source, _ = validate_checkpoint(ds.path("s2-bf16-ws2"), verify_hashes=False)
+    target = target_layout(source, 2, 3, 300)
+    assert [[p.name for p in g.params] for g in target.groups] == [[p.name for p in g.params] for g in stage3.groups]
+    assert [g.partition_numel for g in target.groups] == [g.partition_numel for g in stage3.groups]
