@@ -22,7 +22,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._fs import fsync_dir, replace, temp_dir
+from .._fs import fsync_dir, replace, sweep, temp_dir
 from ..checkpoint.states import StateCache
 from ..deepspeed.describe import manifest_from_states
 from ..deepspeed.directory import scan_tag_dir
@@ -73,6 +73,8 @@ def reshard(
         raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
     plan = plan_reconstruction(checkpoint, found, tag, states=states)
     state_plan = plan_optimizer_state(plan)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    sweep(output.parent)  # a killed run's temporary directory beside OUTPUT: its writer is gone
     tmp = temp_dir(output)
     try:
         tag_dir = tmp / plan.tag_dir.name

@@ -201,6 +201,21 @@ def test_an_existing_output_is_left_alone(ds, tmp_path):
     assert [p.name for p in out.iterdir()] == ["keep"]
 
 
+def test_a_killed_runs_temporary_is_removed_by_the_next_run(ds, tmp_path):
+    """A run killed before its rename leaves its temporary directory beside OUTPUT; the next removes it."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = "".join(c if c.isalnum() or c in "_." else "_" for c in socket.gethostname())
+    stale = tmp_path / f".out.ckptspec-{host}-{int(dead.stdout)}-abc123"
+    (stale / "global_step2").mkdir(parents=True)
+    result = _run("reshard", ds.path("s2-bf16-ws2"), tmp_path / "out", "--world-size", 3)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_output_is_a_valid_checkpoint_with_its_manifest_embedded(ds, tmp_path):
     out = tmp_path / "out"
     assert _run("reshard", ds.path("s2-fp16-ws2-groups"), out, "--world-size", 3).exit_code == 0
