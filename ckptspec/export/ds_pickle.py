@@ -166,3 +166,22 @@ def sizes(shapes: Any) -> Any:
     if isinstance(shapes, list):
         return [sizes(s) for s in shapes]
     return collections.OrderedDict((k, torch.Size(v)) for k, v in shapes.items())
+
+
+def placeholder(like) -> Any:
+    """The empty tensor ZeRO-3 saves in ``module`` for a partitioned parameter (``like``'s dtype)."""
+    import torch
+
+    return torch.empty(0, dtype=like.dtype)
+
+
+def share(tensor, rank: int, world_size: int) -> Any:
+    """Rank ``rank``'s ``ceil(numel / ws)`` share of a flattened tensor, the tail padded with zeros."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    size = -(-flat.numel() // world_size)
+    out = torch.zeros(size, dtype=flat.dtype)
+    piece = flat[rank * size : (rank + 1) * size]
+    out[: piece.numel()] = piece
+    return out

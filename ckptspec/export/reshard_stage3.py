@@ -107,21 +107,7 @@ def _optimizer_state_dict(found, template, target, rank, masters, state_plan, ke
     }
 
 
-def _share(tensor, rank: int, world_size: int):
-    """Rank ``rank``'s ``ceil(numel / ws)`` share of a flattened tensor, the tail padded with zeros."""
-    import torch
-
-    flat = tensor.reshape(-1)
-    share = -(-flat.numel() // world_size)
-    out = torch.zeros(share, dtype=flat.dtype)
-    piece = flat[rank * share : (rank + 1) * share]
-    out[: piece.numel()] = piece
-    return out
-
-
 def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, read, sub_group_size) -> dict:
-    import torch
-
     aliases = {a.name: a.owner for a in found.aliases}
     params = {p.name for g in found.groups for p in g.params} | {f.name for f in found.frozen}
     placeholders = {}
@@ -130,7 +116,7 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, 
         owner = aliases.get(name, name)
         if owner in params:
             if owner not in placeholders:
-                placeholders[owner] = torch.empty(0, dtype=lp[name].dtype)
+                placeholders[owner] = ds_pickle.placeholder(lp[name])
             module[name] = placeholders[owner]
         else:
             module[name] = lp[name]
@@ -139,7 +125,7 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, 
     frozen_shapes = state.get("frozen_param_shapes") or collections.OrderedDict(
         (f.name, tuple(f.shape)) for f in found.frozen if f.name in frozen_names
     )
-    fragments = collections.OrderedDict((n, _share(lp[n], rank, target.world_size)) for n in frozen_names)
+    fragments = collections.OrderedDict((n, ds_pickle.share(lp[n], rank, target.world_size)) for n in frozen_names)
     out = {}
     for key, value in state.items():
         if key == CLIENT_STATE_KEY:
