@@ -10,6 +10,7 @@ stops it like a scheduler or a user (``term:N``, ``int:N``) or fails the write (
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,14 @@ def run(args: list[str], failpoint: str | None = None, cwd: Path | None = None) 
     if failpoint:
         env["CKPTSPEC_FAILPOINT"] = failpoint
     return subprocess.run(
-        [sys.executable, "-m", "ckptspec", *map(str, args)], env=env, cwd=cwd, capture_output=True, text=True
+        [sys.executable, "-m", "ckptspec", *map(str, args)],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        # A suite started in the background (`./scripts/test.sh &`) inherits SIGINT ignored, and
+        # Python keeps an ignored SIGINT ignored: the child gets Ctrl-C's default, as a terminal gives it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
