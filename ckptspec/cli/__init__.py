@@ -20,6 +20,7 @@ import click
 from .._version import __version__
 from ._common import EXIT_USAGE
 from .embed import convert, embed, extract, migrate
+from .export import export
 from .generate import generate
 from .inspect import diff, inspect
 from .reconstruct import reconstruct
@@ -33,7 +34,7 @@ def cli() -> None:
     """Self-describing manifests for sharded training checkpoints."""
 
 
-for _command in (validate, generate, schema_command, reconstruct, convert, embed, extract, migrate, diff, inspect):
+for _command in (validate, generate, schema_command, reconstruct, export, convert, embed, extract, migrate, diff, inspect):
     cli.add_command(_command)
 
 
