@@ -34,7 +34,19 @@ def cli() -> None:
     """Self-describing manifests for sharded training checkpoints."""
 
 
-for _command in (validate, generate, schema_command, reconstruct, export, convert, embed, extract, migrate, diff, inspect):
+for _command in (
+    validate,
+    generate,
+    schema_command,
+    reconstruct,
+    export,
+    convert,
+    embed,
+    extract,
+    migrate,
+    diff,
+    inspect,
+):
     cli.add_command(_command)
 
 

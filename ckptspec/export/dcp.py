@@ -110,7 +110,9 @@ def _not_carried(plan: ReconstructionPlan) -> list[str]:
     else:
         out.append(f"optimizer class: {optimizer.class_} (construct the equivalent torch optimizer)")
     if optimizer.loss_scaler is not None:
-        out.append(f"loss scaler: {optimizer.loss_scaler.kind} {json.dumps(optimizer.loss_scaler.state, sort_keys=True)}")
+        out.append(
+            f"loss scaler: {optimizer.loss_scaler.kind} {json.dumps(optimizer.loss_scaler.state, sort_keys=True)}"
+        )
     if optimizer.clip_grad is not None:
         out.append(f"gradient clipping: {optimizer.clip_grad} (clip in your training loop)")
     if manifest.save is not None:
