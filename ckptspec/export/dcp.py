@@ -168,6 +168,7 @@ def write_dcp(
 
     def produce(key: str):
         if key in dcp_plan.steps:
+            progress(4)
             return torch.tensor(dcp_plan.steps[key], dtype=torch.float32)
         source = dcp_plan.tensors[key]
         tensor = to_torch(read_array(source, source.dtype, files), source.dtype)
