@@ -29,6 +29,18 @@ from child import run_child
 from make_big_checkpoint import build
 
 PY = sys.executable
+FLOOR = "import numpy, torch, torch.distributed.checkpoint, pydantic"
+
+
+def _largest(checkpoint: Path) -> str:
+    """The largest tensor of the export (fp32): about what a one-tensor-at-a-time writer holds at most."""
+    import json
+    import subprocess
+
+    text = subprocess.run([PY, "-m", "ckptspec", "generate", str(checkpoint), "-o", "-"], capture_output=True).stdout
+    params = [p for g in json.loads(text)["groups"] for p in g["params"]]
+    big = max(params, key=lambda p: p["numel"])
+    return f"{big['name']} {big['shape']} ({big['numel'] * 4 / 2**20:.0f} MiB in fp32)"
 
 
 def main() -> None:
@@ -42,9 +54,14 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="ckptspec-bench-dcp-"))
     rows = []
     try:
-        jobs = [("python -c pass (floor)", "-", [PY, "-c", "pass"], None)]
+        jobs = [
+            ("python -c pass (floor)", "-", [PY, "-c", "pass"], None),
+            ("import torch.distributed.checkpoint (the export's floor)", "-", [PY, "-c", FLOOR], None),
+        ]
+        largest = "?"
         for stage in stages:
             ckpt = build(stage)
+            largest = _largest(ckpt)  # before warming: this child's RSS is not measured
             size = warm(ckpt)
             label = f"ZeRO-{stage} ({size / 1e9:.2f} GB)"
             out = scratch / f"dcp-{stage}"
@@ -78,7 +95,7 @@ def main() -> None:
             rows.append((tool, label, min(walls), max(rss), written / 2**20, max(loads)))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"{args.runs} runs each, {os.cpu_count()} CPUs\n")
+    print(f"{args.runs} runs each, {os.cpu_count()} CPUs; the largest output tensor: {largest}\n")
     print("| tool | checkpoint | wall (s, best) | peak RSS (MiB, max) | output (MiB) | load avg (1 min, max) |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for tool, label, wall, rss, written, load in rows:

@@ -15,7 +15,8 @@ the loading job has. torch's own writer writes everything (``dcp.save`` with a
 ``FileSystemWriter``, torch writes ``.metadata``): its state dict holds zero-byte stand-ins of the
 right shape and dtype, and the planner reads each tensor from the shard files only when the
 writer asks for it. The writer keeps every tensor of one output file until the file is done, so
-each tensor gets a file of its own (``single_file_per_rank=False``): one tensor in memory at a time.
+each tensor gets a file of its own (``single_file_per_rank=False``): one tensor in memory at a time
+(two while the writer's loop still holds the previous one).
 """
 
 from __future__ import annotations
