@@ -24,6 +24,7 @@ from .export import export
 from .generate import generate
 from .inspect import diff, inspect
 from .reconstruct import reconstruct
+from .reshard import reshard
 from .schema import schema_command
 from .validate import validate
 
@@ -40,6 +41,7 @@ for _command in (
     schema_command,
     reconstruct,
     export,
+    reshard,
     convert,
     embed,
     extract,
