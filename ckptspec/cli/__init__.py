@@ -20,6 +20,7 @@ import click
 from .._version import __version__
 from ._common import EXIT_USAGE
 from .embed import convert, embed, extract, migrate
+from .export import export
 from .generate import generate
 from .inspect import diff, inspect
 from .reconstruct import reconstruct
@@ -39,6 +40,7 @@ for _command in (
     generate,
     schema_command,
     reconstruct,
+    export,
     reshard,
     convert,
     embed,

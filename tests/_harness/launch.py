@@ -13,6 +13,7 @@ from pathlib import Path
 from .cache import HARNESS, REPO_ROOT
 
 JOB_MAIN = HARNESS / "job" / "main.py"
+FSDP2_MAIN = HARNESS / "fsdp2_job.py"  # the FSDP2 loads of the DCP export: no DeepSpeed, a launch of its own
 SITE = HARNESS / "site"  # sitecustomize: no shm comm op compile (see its docstring)
 TIMEOUT_S = 900
 
@@ -76,9 +77,11 @@ def run_torchrun(
     raise AssertionError("unreachable")
 
 
-def run_tasks(tasks: list[dict], world_size: int, workdir: Path, python: str = sys.executable) -> str:
-    """Run job tasks (``{"kind", "args", "out"}``) in one launch; returns the launch log."""
+def run_tasks(
+    tasks: list[dict], world_size: int, workdir: Path, python: str = sys.executable, script: Path = JOB_MAIN
+) -> str:
+    """Run job tasks (``{"kind", "args", "out"}``) in one launch of ``script``; returns the launch log."""
     tasks_file = workdir / "tasks.json"
     tasks_file.write_text(json.dumps(tasks, indent=1))
     names = ", ".join(Path(t["out"]).parent.name.removeprefix(".tmp-") for t in tasks)
-    return run_torchrun(JOB_MAIN, ["--tasks", str(tasks_file)], world_size, python, what=f"DeepSpeed job [{names}]")
+    return run_torchrun(script, ["--tasks", str(tasks_file)], world_size, python, what=f"DeepSpeed job [{names}]")

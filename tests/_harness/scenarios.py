@@ -146,6 +146,25 @@ OLD_DEEPSPEED_SPECS = {
 }
 OLD_DEEPSPEED = sorted(OLD_DEEPSPEED_SPECS)
 
+# The DCP export's ground truth (issue #20): ZeRO-1/2/3 runs, bf16 and fp32, each with two param
+# groups, a tie, a frozen parameter and buffers (besides the MATRIX points named in DCP_SOURCES),
+# exported with ``ckptspec export --format dcp`` and loaded by FSDP2 jobs of world size 1, 2 and 3
+# (tests/_harness/fsdp2_job.py): one launch per world size, every source in it.
+_DCP = {**FEATURES, "two_groups": True}
+DCP_SOURCE_SPECS = {
+    f"dcp-s{stage}-{dtype}-ws2-groups": ({"stage": stage, "dtype": dtype, **_DCP}, 2)
+    for stage in (1, 2, 3)
+    for dtype in ("bf16", "fp32")
+}
+DCP_SOURCES = sorted(DCP_SOURCE_SPECS) + ["s2-fp32-ws3-rr", "s3-fp16-ws3-groups", "s1-bf16-ws2-bf16opt"]
+FSDP2_WORLD_SIZES = (1, 2, 3)
+
+
+def fsdp2_name(source: str, world_size: int) -> str:
+    """The entry where an FSDP2 job of ``world_size`` loaded the DCP export of ``source``."""
+    return f"fsdp2-ws{world_size}-{source}"
+
+
 # MATRIX checkpoints also committed to the repository (``scripts/compat.sh --refresh`` writes
 # them): a fault of tests/_harness/faults.py with base ``committed:<name>`` mutates a copy, so a
 # test of a new CK2xx check needs neither DeepSpeed nor a job.
@@ -164,6 +183,12 @@ def _registry() -> dict[str, Task]:
         out.update({name: Task("train", spec, ws) for name, (spec, ws) in specs.items()})
     for name, (spec, ws) in MATRIX_SPECS.items():
         out[engine_name(name)] = Task("train", {**spec, "save": False, "hooks": ["engine_manifest"]}, ws)
+    for name, (spec, ws) in DCP_SOURCE_SPECS.items():
+        out[name] = Task("train", spec, ws)
+    for source in DCP_SOURCES:
+        spec = {**MATRIX_SPECS, **DCP_SOURCE_SPECS}[source][0]
+        for ws in FSDP2_WORLD_SIZES:
+            out[fsdp2_name(source, ws)] = Task("fsdp2", {"spec": spec, "source": source}, ws, load=source)
     for name, (spec, ws) in PARALLEL_SPECS.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():

@@ -23,9 +23,9 @@ from pathlib import Path
 from . import cache
 from .job import parallel_models
 from .job.model import normalize_spec
-from .launch import HarnessError, run_tasks
+from .launch import FSDP2_MAIN, JOB_MAIN, HarnessError, run_tasks
 
-KINDS = ("train", "resume", "parallel")
+KINDS = ("train", "resume", "parallel", "fsdp2")
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
 
 
@@ -66,7 +66,7 @@ class Task:
             return normalize_spec(self.args)
         if self.kind == "parallel":
             return parallel_models.normalize(self.args)
-        return {**self.args, "spec": normalize_spec(self.args["spec"])}
+        return {**self.args, "spec": normalize_spec(self.args["spec"])}  # resume, fsdp2
 
     @property
     def launch_group(self) -> tuple[int, bool, str, str]:
@@ -78,6 +78,8 @@ class Task:
         its tensor-parallel groups, and a later MoE engine fails in ``deepspeed.initialize``), so
         each of those layouts gets launches of its own; dense "parallel" jobs (stage 0, universal
         sources) set none and share the data-parallel launches."""
+        if self.kind == "fsdp2":  # no DeepSpeed engine: every FSDP2 load of a world size shares a launch
+            return self.world_size, False, "", "fsdp2"
         spec = self.normalized() if self.kind in ("train", "parallel") else self.normalized()["spec"]
         family = parallel_models.layout(spec) if self.kind == "parallel" else ""
         family = "" if family == "dense" else family
@@ -88,7 +90,7 @@ class Task:
         if self.kind == "parallel":
             return False
         spec = self.normalized() if self.kind == "train" else None
-        return self.kind == "resume" or bool(spec["hooks"]) or spec["save_with"] == "ckptspec"
+        return self.kind in ("resume", "fsdp2") or bool(spec["hooks"]) or spec["save_with"] == "ckptspec"
 
 
 def _registry() -> dict[str, Task]:
@@ -107,6 +109,8 @@ def task_key(name: str, task: Task) -> str:
         "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES) if task.runs_ckptspec else None,
         "load": task_key(task.load, _registry()[task.load]) if task.load else None,
     }
+    if task.kind == "fsdp2":  # its own entry script (the other kinds' keys stay as they were)
+        identity["script"] = cache.key({"fsdp2_job": FSDP2_MAIN.read_text()})
     return cache.key(identity)
 
 
@@ -194,7 +198,8 @@ def _launch(batch: list[tuple[str, Task]]) -> None:
             {"kind": t.kind, "args": _job_args(t), "out": str(stage / "out")} for (_, t), stage in zip(batch, staged)
         ]
         t0 = time.monotonic()
-        log = run_tasks(tasks, world_size, staged[0], batch[0][1].python)
+        script = FSDP2_MAIN if batch[0][1].kind == "fsdp2" else JOB_MAIN
+        log = run_tasks(tasks, world_size, staged[0], batch[0][1].python, script)
         seconds = round(time.monotonic() - t0, 1)
         for (name, task), target, stage in zip(batch, targets, staged):
             out = stage / "out"

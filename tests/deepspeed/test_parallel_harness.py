@@ -224,7 +224,8 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
     0.19.8); a pipeline or AutoTP engine sets ``groups.mpu``, which a later data-parallel engine
     would partition over. So pipeline, AutoTP and MoE jobs never share a launch with one another
     or with the data-parallel matrix; dense ones (stage 0, universal sources) run in the matrix's
-    launches, after its jobs; jobs of one layout share (the ``+again`` test)."""
+    launches, after its jobs; jobs of one layout share (the ``+again`` test). The FSDP2 loads of the
+    DCP export run no DeepSpeed engine and another script: launches of their own."""
     registry = scenarios.REGISTRY
     by_group = {}
     for name, task in registry.items():
@@ -233,6 +234,7 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
     for group, members in by_group.items():
         layouts = {_layout_of(m) for m in members}
         assert len(layouts) == 1, (group, sorted(members))
+        assert (group[3] == "fsdp2") == (layouts == {"fsdp2"}), (group, sorted(members))
     for name in PARALLEL:
         task, again = registry[name], registry[scenarios.again_name(name)]
         assert task.launch_group == again.launch_group and again.args["save"] is False
@@ -242,6 +244,8 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
 def _layout_of(member):
     from _harness.job.parallel_models import layout
 
+    if member == "fsdp2":
+        return "fsdp2"
     kind = "dense" if member in ("train", "resume") else layout(_spec(member.removesuffix("+again"))[0])
     return "data-parallel" if kind == "dense" else kind
 

@@ -1,0 +1,208 @@
+"""Export to PyTorch Distributed Checkpoint (DCP): a ZeRO run continues under FSDP2 at any world size.
+
+The output has the keys ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``
+gives for a plain FSDP2 model of the same module, saved as ``{"model": ..., "optim": ...}``:
+
+* ``model.<name>``: every entry of the module's state dict: trainable parameters as their fp32
+  masters, frozen parameters and persistent buffers as stored, a tied alias under each of its
+  names (``module.state_dict()`` has them all);
+* ``optim.state.<param>.{exp_avg, exp_avg_sq, step}``: per parameter, a tie once (under the
+  name ``named_parameters()`` gives it), ``step`` a 0-d float32 tensor as torch's Adam keeps it;
+* ``optim.param_groups.<i>.*``: each optimizer group's hyperparameters and ``params`` (names).
+
+Every tensor is written whole (one chunk); DCP's load reshards it into whatever DTensor layout
+the loading job has. torch's own writer writes everything (``dcp.save`` with a
+``FileSystemWriter``, torch writes ``.metadata``): its state dict holds zero-byte stand-ins of the
+right shape and dtype, and the planner reads each tensor from the shard files only when the
+writer asks for it. The writer keeps every tensor of one output file until the file is done, so
+each tensor gets a file of its own (``single_file_per_rank=False``): one tensor in memory at a time
+(two while the writer's loop still holds the previous one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._fs import fsync_dir, publish_dir, sweep, temp_dir, write_atomic
+from .._version import __version__
+from ..errors import ForeignOutput, ReconstructUnsupported
+from ..format.dtypes import ITEMSIZE
+from .arrays import ShardReader, read_array
+from .optimizer_state import plan_optimizer_state
+from .plan import ReconstructionPlan, TensorSource
+from .writers import to_torch
+
+MARKER = "ckptspec-export.json"  # what the export holds and left out; marks the directory as ckptspec's
+ADAM_STATES = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+# torch's Adam and AdamW keep these with the value None; a manifest records no None.
+_NONE_DEFAULTS = ("foreach", "fused")
+
+
+@dataclass
+class DcpPlan:
+    tensors: dict[str, TensorSource]  # flattened DCP key -> where its bytes are (written as stored)
+    steps: dict[str, float]  # flattened DCP key -> an optimizer step (a 0-d float32 tensor)
+    param_groups: list[dict[str, Any]]
+    not_carried: list[str] = field(default_factory=list)  # what the source has and DCP does not get
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel * ITEMSIZE[s.dtype] for s in self.tensors.values()) + 4 * len(self.steps)
+
+
+@dataclass
+class DcpResult:
+    output_dir: Path
+    tensors: int
+    nbytes: int
+    files: int
+    not_carried: list[str]
+
+
+def plan_dcp(plan: ReconstructionPlan) -> DcpPlan:
+    """Every DCP key of the export and where its data is; CK402 for what FSDP2's Adam cannot take."""
+    manifest = plan.manifest
+    state = plan_optimizer_state(plan)  # CK402 when the manifest locates no optimizer state
+    keys = {key for by_key in state.states.values() for key in by_key}
+    if not {"exp_avg", "exp_avg_sq"} <= keys or not keys <= ADAM_STATES:
+        raise ReconstructUnsupported(
+            f"the optimizer state has the keys {sorted(keys)}, not Adam's (exp_avg, exp_avg_sq)",
+            "the DCP export writes torch.optim.Adam/AdamW state; export the weights with `ckptspec reconstruct`",
+        )
+    tensors: dict[str, TensorSource] = {}
+    for name in plan.order:
+        tensors[f"model.{name}"] = plan.sources[plan.aliases.get(name, name)]
+
+    group_of = {p.name: group.optimizer_group for group in manifest.groups for p in group.params}
+    scalars = {g.optimizer_group: g for g in manifest.optimizer.groups}
+    steps: dict[str, float] = {}
+    members: dict[int, list[str]] = {}
+    for name in plan.order:  # the model's order, as get_state_dict lists param_groups' params
+        if name in plan.aliases or name not in state.states:
+            continue
+        g = group_of[name]
+        if g not in scalars:
+            raise ReconstructUnsupported(f"{name}: optimizer group {g} has no hyperparameters or step", "regenerate")
+        members.setdefault(g, []).append(name)
+        for key, source_name in state.states[name].items():
+            tensors[f"optim.state.{name}.{key}"] = state.sources[source_name]
+        steps[f"optim.state.{name}.step"] = float(scalars[g].step)
+    param_groups = []
+    for g in sorted(scalars):
+        settings = {k: tuple(v) if isinstance(v, list) else v for k, v in scalars[g].hyperparameters.items()}
+        for key in _NONE_DEFAULTS:
+            settings.setdefault(key, None)
+        param_groups.append({**settings, "params": members.get(g, [])})
+    return DcpPlan(tensors, steps, param_groups, _not_carried(plan))
+
+
+def _not_carried(plan: ReconstructionPlan) -> list[str]:
+    """What the checkpoint holds (or lacks) that a DCP of get_state_dict's keys cannot carry."""
+    manifest, out = plan.manifest, []
+    optimizer = manifest.optimizer
+    if optimizer.class_ in (None, "unknown"):
+        out.append("optimizer class: not recorded in the checkpoint (the state is Adam's: use torch.optim.AdamW/Adam)")
+    else:
+        out.append(f"optimizer class: {optimizer.class_} (construct the equivalent torch optimizer)")
+    if optimizer.loss_scaler is not None:
+        out.append(
+            f"loss scaler: {optimizer.loss_scaler.kind} {json.dumps(optimizer.loss_scaler.state, sort_keys=True)}"
+        )
+    if optimizer.clip_grad is not None:
+        out.append(f"gradient clipping: {optimizer.clip_grad} (clip in your training loop)")
+    if manifest.save is not None:
+        s = manifest.save
+        out.append(
+            f"training counters: global_steps={s.global_steps} global_samples={s.global_samples} "
+            f"skipped_steps={s.skipped_steps}"
+        )
+    for excluded in manifest.excluded:
+        out.append(f"{excluded.name}: not in the checkpoint ({excluded.reason}); load with allow_partial_load")
+    return out
+
+
+def _standin(torch, shape, dtype: str):
+    """A zero-byte tensor of ``shape`` and ``dtype``: what the planner sees, never what is written."""
+    return torch.empty((), dtype=getattr(torch, dtype)).expand(tuple(shape))
+
+
+def _state_dict(torch, dcp_plan: DcpPlan) -> dict[str, Any]:
+    """The nested state dict DCP flattens to the plan's keys, with stand-ins for the tensors."""
+    root: dict[str, Any] = {"model": {}, "optim": {"state": {}, "param_groups": dcp_plan.param_groups}}
+    for key, source in dcp_plan.tensors.items():
+        tensor = _standin(torch, source.shape, source.dtype)
+        if key.startswith("model."):
+            root["model"][key.removeprefix("model.")] = tensor
+        else:
+            name, state = key.removeprefix("optim.state.").rsplit(".", 1)
+            root["optim"]["state"].setdefault(name, {})[state] = tensor
+    for key in dcp_plan.steps:
+        name = key.removeprefix("optim.state.").rsplit(".", 1)[0]
+        root["optim"]["state"].setdefault(name, {})["step"] = _standin(torch, (), "float32")
+    return root
+
+
+def write_dcp(
+    plan: ReconstructionPlan, output_dir: str | os.PathLike, progress: Callable[[int], None] | None = None
+) -> DcpResult:
+    """Write the DCP directory ``output_dir``: complete or not at all (a temporary directory beside
+    it, renamed when done). An existing ``output_dir`` is replaced only if empty or an earlier export."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    dcp_plan = plan_dcp(plan)
+    out = Path(output_dir)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
+        raise ForeignOutput(str(out), out.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sweep(out.parent)
+    progress = progress or (lambda n: None)
+    files = ShardReader()
+
+    def produce(key: str):
+        if key in dcp_plan.steps:
+            progress(4)
+            return torch.tensor(dcp_plan.steps[key], dtype=torch.float32)
+        source = dcp_plan.tensors[key]
+        tensor = to_torch(read_array(source, source.dtype, files), source.dtype)
+        progress(source.numel * ITEMSIZE[source.dtype])
+        return tensor
+
+    class StreamingPlanner(DefaultSavePlanner):
+        """The default planner, reading each tensor from the checkpoint when the writer asks for it."""
+
+        def resolve_data(self, write_item):
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            return produce(write_item.index.fqn)
+
+    tmp = temp_dir(out)
+    try:
+        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False, sync_files=True)
+        with files, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+            dcp.save(_state_dict(torch, dcp_plan), storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
+        marker = {
+            "ckptspec.tool_version": __version__,
+            "source": str(plan.tag_dir),
+            "keys": len(dcp_plan.tensors) + len(dcp_plan.steps),
+            "not_carried": dcp_plan.not_carried,
+        }
+        write_atomic(tmp / MARKER, (json.dumps(marker, indent=1) + "\n").encode())
+        written = sum(1 for p in tmp.iterdir() if p.name.endswith(".distcp"))
+        fsync_dir(tmp)
+        publish_dir(tmp, out)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return DcpResult(out, len(dcp_plan.tensors) + len(dcp_plan.steps), dcp_plan.nbytes, written, dcp_plan.not_carried)

@@ -1,0 +1,139 @@
+"""The FSDP2 side of the DCP export's ground truth: load ``ckptspec export --format dcp`` into FSDP2.
+
+    torchrun --nproc_per_node N tests/_harness/fsdp2_job.py --tasks TASKS.json
+
+Each task (``{"kind": "fsdp2", "args": {"spec", "source", "load"}, "out"}``) names a DeepSpeed
+checkpoint (``load``, a "train" entry with its live oracles) and the spec it was trained with.
+Rank 0 exports it with the real CLI (in-process, ``ckptspec export LOAD OUT/dcp --format dcp``);
+then every rank builds the same model in fp32, ``fully_shard``s ``l1``, ``l2`` and the root on a
+CPU mesh of all ranks (gloo), makes ``torch.optim.AdamW`` with the job's param groups and loads the
+export the way a user does: ``get_state_dict``, ``dcp.load``, ``set_state_dict``. It then trains one
+step on a batch every rank shares. Rank 0 writes ``OUT/fsdp2.pt``:
+
+  keys          the export's DCP keys, and the flattened keys of this job's own get_state_dict
+  loaded        every model state dict entry after loading (parameters as full_tensor())
+  state         per parameter: exp_avg, exp_avg_sq (full_tensor()) and step, after loading
+  param_groups  the optimizer's param groups after loading (``params`` as names)
+  after         every parameter after the extra step (full_tensor())
+  batch_seed    the seed of the shared batch (the test replays the step with plain AdamW)
+
+No DeepSpeed runs here; the launch is not the DeepSpeed job's, so its code is not in their cache key.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _harness.job.model import SEQ, VOCAB, build_model, normalize_spec, param_groups
+
+BATCH_SEED = 4321
+
+
+def shared_batch(spec):
+    """The batch of the extra step: the same on every rank (and in the test's replay)."""
+    import torch
+
+    g = torch.Generator().manual_seed(BATCH_SEED)
+    tokens = torch.randint(0, VOCAB, (spec["micro_batch"], SEQ), generator=g)
+    targets = torch.randint(0, VOCAB, (spec["micro_batch"], SEQ), generator=g)
+    return tokens, targets
+
+
+def _export(load: str, dcp_dir: Path) -> None:
+    from ckptspec.cli import cli
+
+    code = cli.main(["export", load, str(dcp_dir), "--format", "dcp", "--quiet"], standalone_mode=False)
+    if code not in (None, 0):
+        raise RuntimeError(f"ckptspec export exited {code}")
+
+
+def _full(t):
+    """A copy of the whole tensor (at world size 1 full_tensor() can be the parameter's own storage)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def run(args, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    spec = normalize_spec(args["spec"])
+    rank = dist.get_rank()
+    dcp_dir = out / "dcp"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        _export(args["load"], dcp_dir)
+    dist.barrier()
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)  # any weights: the export replaces them all
+    model = build_model(spec)
+    for sub in (model.l1, model.l2):
+        fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(param_groups(model, spec), lr=1e-3)  # hyperparameters come from the export
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    own_keys = sorted(flatten_state_dict(state)[0])
+    dcp.load(state, checkpoint_id=str(dcp_dir))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    names = {p: n for n, p in model.named_parameters()}
+    loaded = {n: _full(t) for n, t in model.state_dict().items()}  # collective: same order on every rank
+    moments = {}  # in param-group order: the same collective order on every rank
+    for p in (p for g in optimizer.param_groups for p in g["params"]):
+        moments[names[p]] = {k: _full(v) for k, v in sorted(optimizer.state[p].items())}
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+
+    tokens, targets = shared_batch(spec)
+    loss = model(tokens, targets)
+    loss.backward()
+    optimizer.step()
+    after = {n: _full(p) for n, p in model.named_parameters()}
+
+    if rank == 0:
+        dcp_keys = sorted(dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata)
+        result = {
+            "keys": {"export": dcp_keys, "fsdp2": own_keys},
+            "loaded": loaded,
+            "state": moments,
+            "param_groups": groups,
+            "after": after,
+            "batch_seed": BATCH_SEED,
+            "world_size": dist.get_world_size(),
+        }
+        torch.save(result, out / "fsdp2.pt")
+        (out / "fsdp2.json").write_text(json.dumps({"loss": float(loss)}))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", required=True, type=Path)
+    tasks = json.loads(ap.parse_args().tasks.read_text())
+
+    import torch
+    import torch.distributed as dist
+
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo")
+    for task in tasks:
+        print(f"[harness] rank {dist.get_rank()}: {task['kind']} -> {task['out']}", flush=True)
+        run(task["args"], Path(task["out"]))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
