@@ -23,6 +23,7 @@ from ..findings import has_errors
 from ..format.dtypes import output_dtype
 from ..format.models import Manifest
 from ..format.validate import Report
+from ..location import refuse_write
 from .arrays import ShardReader, read_array
 from .plan import ReconstructionPlan, plan_reconstruction
 from .writers import (
@@ -75,6 +76,7 @@ def load_state_dict(
         bf16_view = ml_dtypes.bfloat16
     out: dict[str, Any] = {}
     with ShardReader() as files:
+        files.plan(seg for name in plan.order if name not in plan.aliases for seg in plan.sources[name].segments)
         for name in plan.order:
             if name in plan.aliases:
                 continue
@@ -100,6 +102,7 @@ def reconstruct(
     progress: Callable[[int], None] | None = None,
 ) -> WriteResult:
     """Validate, then write the consolidated weights to ``output_dir`` (see ``write_consolidated``)."""
+    refuse_write(output_dir, "the reconstruction")  # before the checkpoint is read
     plan = validated_plan(checkpoint, manifest, tag)
     return write_consolidated(
         plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt, untie=untie, progress=progress

@@ -21,12 +21,12 @@ shard files really hold (partition numels, module tensor shapes and flat-buffer 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from ...checkpoint.states import StateCache
 from ...errors import CkptspecError
 from ...findings import Finding, RuleSet
 from ...format.models import Manifest
+from ...location import RemotePath, location
 from . import files, headers, module, partitions
 from .context import Check, build_context
 
@@ -35,7 +35,11 @@ CHECKS: RuleSet[Check] = RuleSet(files.CHECKS, headers.CHECKS, partitions.CHECKS
 
 
 def check_checkpoint(
-    manifest: Manifest, tag_dir: str | os.PathLike, *, verify_hashes: bool = True, states: StateCache | None = None
+    manifest: Manifest,
+    tag_dir: str | os.PathLike | RemotePath,
+    *,
+    verify_hashes: bool = True,
+    states: StateCache | None = None,
 ) -> list[Finding]:
     """Check the files of ``tag_dir`` against ``manifest`` (which should already be valid).
 
@@ -43,7 +47,7 @@ def check_checkpoint(
     records hashes. Returns the findings of every check, in check order. ``states``: files
     already read, and where the files read here are kept.
     """
-    tag_dir = Path(tag_dir)
+    tag_dir = location(tag_dir)
     if not tag_dir.is_dir():
         raise CkptspecError("CK901", "checkpoint tag directory not found", "check the path", str(tag_dir))
     ctx = build_context(manifest, tag_dir, verify_hashes, states if states is not None else StateCache())
