@@ -18,6 +18,7 @@ __all__ = [
     "Manifest",
     "Report",
     "load_manifest",
+    "load_optimizer_state",
     "load_state_dict",
     "validate_document",
     "validate_file",
@@ -36,4 +37,8 @@ def __getattr__(name: str):
         from .export.api import load_state_dict
 
         return load_state_dict
+    if name == "load_optimizer_state":
+        from .export.api import load_optimizer_state
+
+        return load_optimizer_state
     raise AttributeError(f"module 'ckptspec' has no attribute {name!r}")

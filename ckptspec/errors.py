@@ -147,6 +147,19 @@ class ReconstructUnsupported(InvalidCheckpoint):
         super().__init__("CK402", message, hint, None if file is None else str(file))
 
 
+class TensorDigestMismatch(InvalidCheckpoint):
+    """CK222: a tensor read while streaming does not match its recorded digest (exit 1)."""
+
+    def __init__(self, name: str, actual: str, recorded: str, files: list[str]):
+        super().__init__(
+            "CK222",
+            f"{name}: sha256 of the tensor's elements is {actual[:16]}..., the manifest records {recorded[:16]}...",
+            "the tensor's bytes changed after the manifest was written (bit rot, a partial copy, another save); "
+            "restore the file; nothing was written",
+            ", ".join(files) or None,
+        )
+
+
 class TorchFileError(Exception):
     """A file cannot be read as a (safe) torch zip file.
 

@@ -5,7 +5,8 @@ Fenced blocks in docs/*.md and README.md follow these conventions:
 * ```` ```json ````: a complete manifest; it must validate without any error.
 * ```` ```json fragment ````: part of a manifest; it must parse.
   With ``at=JSONPATH`` (docs/errors.md), it is also applied to
-  examples/manifests/zero2-bf16-2ranks.json (the value at JSONPATH is replaced; ``at=$``
+  examples/manifests/zero2-bf16-2ranks.json, or with ``example=1.1`` to its format 1.1
+  version zero2-bf16-2ranks-1.1.json (the value at JSONPATH is replaced; ``at=$``
   replaces the fragment's top-level keys). Right after it comes its oracle, a
   ```` ```text expect ```` block written by hand from the example's prose: one
   ``CODE PATH [(rank N)] [in FILE]`` line per finding the example must produce. It must
@@ -70,9 +71,10 @@ from ckptspec.format.validate import validate_document
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 SCHEMA_DIR = ROOT / "schema"
-MANIFEST_SCHEMA = SCHEMA_DIR / "manifest-1.0.schema.json"
+MANIFEST_SCHEMA = SCHEMA_DIR / "manifest-1.1.schema.json"  # the latest: docs/spec.md describes 1.0 and 1.1
 REPORT_SCHEMA = SCHEMA_DIR / "report-1.0.schema.json"
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
+EXAMPLES = {"1.0": EXAMPLE, "1.1": ROOT / "examples" / "manifests" / "zero2-bf16-2ranks-1.1.json"}
 
 CODE_RE = re.compile(r"\bCK\d{3}\b")
 
@@ -273,7 +275,8 @@ def error_examples(blocks: list[Block] | None = None) -> list[ErrorExample]:
 def example_findings(fragment: Block) -> list:
     """The findings of the example manifest with the fragment applied."""
     path = next(w[3:] for w in fragment.words if w.startswith("at="))
-    doc = apply_at(json.loads(EXAMPLE.read_text("utf-8")), path, json.loads(fragment.text))
+    example = EXAMPLES[fragment.options.get("example", "1.0")]
+    doc = apply_at(json.loads(example.read_text("utf-8")), path, json.loads(fragment.text))
     return validate_document(doc).findings
 
 

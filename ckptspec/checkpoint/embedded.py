@@ -14,8 +14,11 @@ A checkpoint can carry its manifest in three places (docs/embedding.md):
   that text; in the single file's ``__metadata__``, or in the index's ``metadata`` of a sharded
   output (each shard then records the SHA-256 and ``ckptspec.manifest_in``, the index's name).
 
-Copies **agree** when their layout parts are equal: everything except ``producer``
-and ``files``. Disagreeing copies are ``CK301``.
+Copies **agree** when their layout parts are equal: everything except ``producer``,
+``files`` (what the files are), ``save`` and ``optimizer`` (what this save is: counters, save
+id, steps; CK223 checks them against the files), and format 1.1's tensor digests (computed
+from the files after they were written: the copy inside a file cannot have them).
+Disagreeing copies are ``CK301``.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ CLIENT_STATE_KEY = "ckptspec_manifest"
 SAFETENSORS_KEY = "ckptspec.manifest"
 SAFETENSORS_SHA256_KEY = "ckptspec.manifest_sha256"
 SAFETENSORS_WITHIN_KEY = "ckptspec.manifest_in"  # a shard of a sharded output: the index holds the manifest
-NOT_LAYOUT = ("producer", "files")  # the parts of a manifest copies may differ in
+NOT_LAYOUT = ("producer", "files", "save", "optimizer")  # the parts of a manifest copies may differ in
+DIGEST_KEYS = ("digest", "model_digest", "state_digests")  # format 1.1's per-tensor digests
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
 Kind = Literal["sidecar", "client_state", "safetensors", "index", "manifest_file"]
@@ -108,7 +112,22 @@ def pointer_metadata(carried: dict[str, str], within: str) -> dict[str, str]:
 
 
 def layout_part(doc: dict) -> dict:
-    return {k: v for k, v in doc.items() if k not in NOT_LAYOUT}
+    part = {k: v for k, v in doc.items() if k not in NOT_LAYOUT}
+    for section in ("groups", "frozen", "buffers"):
+        if isinstance(part.get(section), list):
+            part[section] = [_without_digests(item, section) for item in part[section]]
+    return part
+
+
+def _without_digests(item: Any, section: str) -> Any:
+    if not isinstance(item, dict):
+        return item
+    if section == "groups":
+        params = item.get("params")
+        if isinstance(params, list):
+            item = {**item, "params": [_without_digests(p, "params") for p in params]}
+        return item
+    return {k: v for k, v in item.items() if k not in DIGEST_KEYS}
 
 
 def _describe(value: Any) -> str:

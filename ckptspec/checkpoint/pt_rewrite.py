@@ -65,13 +65,16 @@ def rewrite_pt_with_item(path: str | os.PathLike, key: str, value: str, *, state
         fsync_dir(Path(path).parent)
 
 
-def rewritten_pt(path: str | os.PathLike, key: str, value: str, *, state: Any = None) -> Path | None:
+def rewritten_pt(
+    path: str | os.PathLike, key: str, value: str, *, state: Any = None, read_back: StateCache | None = None
+) -> Path | None:
     """``path`` with ``key: value`` added to its top-level dict, as a finished temporary file beside
     it (fsynced, not yet renamed: the caller commits it), or None when the file holds it already.
 
     Every other record is copied byte for byte (stored, 64-byte aligned like torch.save
     writes them), in its order and with its archive name; only ``data.pkl`` changes.
-    The result is read back with the restricted unpickler before it is handed over.
+    The result is read back with the restricted unpickler before it is handed over (into
+    ``read_back`` when given, so that a caller describing the temporary reads it only once).
     """
     path = Path(path)
     source = str(path)
@@ -120,7 +123,7 @@ def rewritten_pt(path: str | os.PathLike, key: str, value: str, *, state: Any = 
                                         writer.write(chunk)
                 fh.flush()
                 fsync(fh.fileno())
-            _check_rewritten(tmp, state, key, value, source)
+            _check_rewritten(tmp, state, key, value, source, read_back or StateCache())
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise CkptspecError(
@@ -132,8 +135,7 @@ def rewritten_pt(path: str | os.PathLike, key: str, value: str, *, state: Any = 
     return tmp
 
 
-def _check_rewritten(path: Path, before: dict, key: str, value: str, source: str) -> None:
-    read_back = StateCache()
+def _check_rewritten(path: Path, before: dict, key: str, value: str, source: str, read_back: StateCache) -> None:
     try:
         after, locations = read_back.state(path), read_back.members(path)
     except InvalidCheckpoint:

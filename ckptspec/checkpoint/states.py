@@ -79,6 +79,13 @@ class StateCache:
                 loaded.state, loaded.error = None, TorchFileError(path, f"cannot read: {exc}")
         return loaded
 
+    def forget_members(self, path: str | os.PathLike) -> None:
+        """Read the zip directory of ``path`` again when next asked: the file was rewritten with the
+        same tensors (an added item moves every member, ``pt_rewrite``), so its decoded state stays."""
+        loaded = self._files.get(Path(path).resolve())
+        if loaded is not None:
+            loaded.members = None
+
     def state(self, path: str | os.PathLike) -> Any:
         """The decoded top-level object (tensors as ``TensorRef``); raises CK204/CK205."""
         loaded = self.load(path)

@@ -195,12 +195,39 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
         fail(exc, chosen.source)
 
 
+def _filled(doc: dict, checkpoint: str, tag: str | None, source: str) -> dict:
+    """``doc`` with 1.1's fields from the checkpoint, checked like any migration's result."""
+    from ..deepspeed.upgrade import fill_from_checkpoint
+    from ..errors import MigrationError
+    from ..format.validate import validate_document
+
+    filled = fill_from_checkpoint(doc, checkpoint, tag)
+    errors = [f for f in validate_document(filled).findings if f.severity == "error"]
+    if errors:
+        raise MigrationError(
+            "CK312",
+            f"the filled document is not valid: {errors[0].path}: {errors[0].code} {errors[0].message}",
+            "this is a bug in ckptspec; the output was not written",
+            source,
+        )
+    return filled
+
+
 @click.command()
 @click.argument("source", metavar="IN")
 @click.argument("output", metavar="OUT", type=OUTPUT_FILE)
 @click.option("--to", "to_version", required=True, metavar="VERSION", help="Target format version, e.g. 1.0 or 1.0.0.")
 @click.option("--encoding", type=ENCODING_CHOICE, default=None, help="Encoding of OUT (default: by its extension).")
-def migrate(source: str, output: str, to_version: str, encoding: str | None) -> None:
+@click.option(
+    "--checkpoint",
+    default=None,
+    metavar="DIR",
+    help="Going up to 1.1: fill 1.1's fields (locators, optimizer state, counters, digests) from this checkpoint.",
+)
+@click.option("--tag", default=None, help="Tag directory of --checkpoint (default: the one named by 'latest').")
+def migrate(
+    source: str, output: str, to_version: str, encoding: str | None, checkpoint: str | None, tag: str | None
+) -> None:
     """Rewrite a manifest in another format version.
 
     Follows the registered migrations (docs/versioning.md). IN is checked against its
@@ -215,9 +242,13 @@ def migrate(source: str, output: str, to_version: str, encoding: str | None) -> 
         target = version_key(to_version)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--to") from None
+    if checkpoint is not None and target == "1.0":
+        raise click.BadParameter("format 1.0 has no field the checkpoint fills", param_hint="--checkpoint")
     try:
         doc = load_document(source)
         result = migrate_document(doc, target, source)
+        if checkpoint is not None:
+            result.document = _filled(result.document, checkpoint, tag, source)
     except InvalidInput as exc:
         _show(source, exc.findings)
         sys.exit(EXIT_INVALID)

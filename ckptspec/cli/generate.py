@@ -24,7 +24,7 @@ from ._common import OUTPUT_FILE, fail
     "hash_algorithm",
     flag_value="sha256",
     default=None,
-    help="Record a SHA-256 content hash of every shard file (reads every byte).",
+    help="Record a SHA-256 of every shard file and of every tensor's real elements (reads every byte).",
 )
 def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str | None) -> None:
     """Describe a saved DeepSpeed checkpoint directory in a manifest.

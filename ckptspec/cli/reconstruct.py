@@ -48,6 +48,12 @@ from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, SIZE, echo_findings, 
     is_flag=True,
     help="Write tied weights as separate copies instead of once with the tie recorded in the metadata.",
 )
+@click.option(
+    "--optimizer-state",
+    is_flag=True,
+    help="Also write the per-parameter optimizer state (exp_avg, ...) and its per-group scalars as "
+    "optimizer.safetensors (format 1.1 manifests).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def reconstruct(
     checkpoint: str,
@@ -58,6 +64,7 @@ def reconstruct(
     max_shard_size: int,
     fmt: str,
     untie: bool,
+    optimizer_state: bool,
     quiet: bool,
 ) -> None:
     """Write the full weights of a DeepSpeed ZeRO CHECKPOINT (a directory or a URL) into OUTPUT_DIR.
@@ -70,6 +77,7 @@ def reconstruct(
     """
     from ..checkpoint.states import StateCache
     from ..deepspeed.validate import validate_checkpoint
+    from ..export.optimizer_state import plan_optimizer_state, write_optimizer_state
     from ..export.plan import plan_reconstruction
     from ..export.progress import progress_printer
     from ..export.writers import torch_available, write_consolidated
@@ -82,12 +90,15 @@ def reconstruct(
     try:
         refuse_write(output_dir, "the reconstruction")  # before anything is fetched
         states = StateCache()  # what validation reads, the plan reuses
-        found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states)
+        # Tensor digests are checked while the tensors stream, not in a pass of their own.
+        found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=False)
         echo_findings(findings, manifest or checkpoint, err=True, always_name_target=False)
         if found is None or has_errors(findings):
             click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)
             sys.exit(EXIT_INVALID)
         plan = plan_reconstruction(checkpoint, found, tag, states=states)
+        if optimizer_state:
+            plan_optimizer_state(plan)  # refused before anything is written
         total = plan.total_numel(untie)  # elements written; the bar counts output bytes
         update, close = progress_printer(
             plan.total_nbytes(output_dtype(dtype), untie), enabled=not quiet and sys.stderr.isatty()
@@ -98,6 +109,8 @@ def reconstruct(
             )
         finally:
             close()
+        if optimizer_state:
+            result.files.append(write_optimizer_state(plan, output_dir).name)
     except CkptspecError as exc:
         fail(exc)
     except OSError as exc:

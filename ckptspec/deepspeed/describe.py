@@ -20,7 +20,10 @@ from ..errors import UnsupportedCheckpoint
 from ..format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
 from ..format.partition import ParamSpec, flat_group, per_param_group
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
+from .digests import add_digests
 from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
+from .locators import model_weights_locators, state_locators, tensor_locators
+from .scalars import embedded_class, optimizer_from_states, save_from_states
 
 DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 10**9  # deepspeed/runtime/zero/config.py (0.15-0.19)
 
@@ -94,7 +97,7 @@ def manifest_from_states(shards: ShardSet, states: StateCache, *, hash_algorithm
         bf16_optimizer,
         excluded_flag=(stage >= 2 and first_model.get("frozen_param_shapes") is None and not bf16_optimizer),
     )
-    return Manifest(
+    manifest = Manifest(
         format=FORMAT_NAME,
         format_version=FORMAT_VERSION,
         producer=Producer(
@@ -109,8 +112,19 @@ def manifest_from_states(shards: ShardSet, states: StateCache, *, hash_algorithm
         buffers=buffers,
         aliases=aliases,
         excluded=[],  # DeepSpeed does not record which names exclude_frozen_parameters dropped
-        files=describe_files(shards, stage, hash_algorithm, states),
+        files=[],
     )
+    first_optim_path = shards.optim_files[min(optim_states)]
+    optimizer = optimizer_from_states(manifest, first_optim, first_optim_path, states.members(first_optim_path))
+    if optimizer is not None:
+        optimizer.class_ = embedded_class(first_model) or optimizer.class_
+        manifest.optimizer = optimizer
+    if (save := save_from_states(first_model)) is not None:
+        manifest.save = save
+    manifest.files = describe_files(shards, stage, hash_algorithm, states, manifest)
+    if hash_algorithm:
+        add_digests(manifest, shards.tag_dir)
+    return manifest
 
 
 def _dtype_of_config(ds_config: dict) -> str:
@@ -227,6 +241,7 @@ def _layout(
         round_robin=bool(zero_cfg.get("round_robin_gradients", False)) and stage in (1, 2),
         parameter_alignment=bool(zero_cfg.get("parameter_alignment", False)) and stage in (1, 2),
         tail_padding_saved=bf16_optimizer,
+        byte_order="little",  # torchfile refuses any other archive
         optimizer="BF16_Optimizer"
         if bf16_optimizer
         else ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"),
@@ -317,8 +332,15 @@ def partition_locators(path: Path, rank: int, stage: int, states: StateCache) ->
     return locators
 
 
-def describe_files(shards: ShardSet, stage: int, hash_algorithm: str | None, states: StateCache) -> list[ShardFile]:
-    """Every file of ``shards`` (sizes as they are now), with the locators of the flat master partitions."""
+def describe_files(
+    shards: ShardSet, stage: int, hash_algorithm: str | None, states: StateCache, manifest: Manifest | None = None
+) -> list[ShardFile]:
+    """Every file of ``shards`` (sizes as they are now), with the locators of the flat master partitions.
+
+    With ``manifest`` (its groups, frozen parameters and buffers), also format 1.1's locators:
+    the named tensors and flat low-precision weights of the model states, the optimizer state
+    partitions (``deepspeed/locators.py``).
+    """
 
     def entry(path: Path, role: str, ranks: list[int], partitions: list[Locator]) -> ShardFile:
         shard = ShardFile(
@@ -337,5 +359,28 @@ def describe_files(shards: ShardSet, stage: int, hash_algorithm: str | None, sta
         entry(path, "optimizer_states", [rank], partition_locators(path, rank, stage, states))
         for rank, path in sorted(shards.optim_files.items())
     ]
+    if manifest is not None:
+        _add_locators(files, shards, states, manifest)
     files += [entry(path, "other", [], []) for path in shards.other_files]
     return files
+
+
+def _add_locators(files: list[ShardFile], shards: ShardSet, states: StateCache, manifest: Manifest) -> None:
+    # rank -> the tensors of its model-states file: all or none (a tensor that cannot be located).
+    named: dict | None = {}
+    for rank, path in sorted(shards.model_files.items()):
+        # Buffers and whole frozen parameters are located in rank 0's file (stage 3 repeats them per rank).
+        found = tensor_locators(manifest, states.state(path), states.members(path), rank, rank == 0)
+        if found is None:
+            named = None
+            break
+        named[rank] = found
+    for f in files:
+        path = shards.tag_dir / f.path
+        if f.role == "model_states":
+            if named is not None:
+                f.tensors = named[f.ranks[0]]
+            if f.ranks[0] == 0 and manifest.layout.zero_stage < 3:
+                f.model_weights = model_weights_locators(manifest, states.state(path), states.members(path))
+        else:
+            f.state_partitions = state_locators(manifest, states.state(path), states.members(path), f.ranks[0])

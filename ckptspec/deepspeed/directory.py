@@ -123,7 +123,7 @@ def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
             shards.model_files[int(m.group(1) or 0)] = path
         elif not name.startswith("ckptspec.") and not is_leftover(name):
             # ckptspec's own files (the sidecar) describe the others; a killed run's temporaries
-            # are not part of the checkpoint (validate warns about them, CK221).
+            # are not part of the checkpoint (validate warns about them, CK224).
             shards.other_files.append(path)
     if not shards.optim_files and (tag_dir / UNIVERSAL_FOLDER).is_dir():
         # ds_to_universal's output: the model states beside zero/<param>/fp32.pt, no optimizer files.

@@ -27,7 +27,6 @@ from ..checkpoint.embedded import (
     read_safetensors_copy,
     read_sidecar_copy,
 )
-from ..checkpoint.hashing import file_digest
 from ..checkpoint.pt_rewrite import rewritten_pt
 from ..checkpoint.sidecar import find_sidecars, sidecar_commit
 from ..checkpoint.states import StateCache
@@ -36,9 +35,11 @@ from ..findings import Finding, finding
 from ..format.codec import Encoding
 from ..format.models import Manifest
 from ..format.validate import validate_document
+from ..format.version import version_key
 from ..location import RemotePath, location, not_found, refuse_write
 from .describe import describe_files, manifest_from_states
-from .directory import resolve_tag_dir, scan_tag_dir
+from .digests import add_digests
+from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
 from .names import MODEL_RE, file_order, role_of
 
 
@@ -185,16 +186,19 @@ def embed_checkpoint(
     with exclusive(tag_dir):
         recover(tag_dir)  # a killed embed's half-finished commit: finish it first
         sweep(tag_dir)
+        target, digested = _digested(shards, described, doc, states) if hash_algorithm else (None, {})
+        if target is None and version_key(str(doc.get("format_version", "1.0"))) != "1.0":
+            target = Manifest.model_validate(doc, context={"allow_unknown": True})
         renames: list[tuple[Path, Path]] = []
         try:
             if model_states:
                 value = client_state_value(doc)
                 for _, path in sorted(shards.model_files.items()):
-                    tmp = rewritten_pt(path, CLIENT_STATE_KEY, value, state=states.state(path))
+                    tmp = rewritten_pt(path, CLIENT_STATE_KEY, value, state=states.state(path), read_back=states)
                     if tmp is not None:
                         renames.append((tmp, path))
-            complete = dict(doc)
-            complete["files"] = _described(shards, described.layout.zero_stage, hash_algorithm, states, renames)
+            stage = described.layout.zero_stage
+            complete = {**doc, **digested, "files": _described(shards, stage, hash_algorithm, states, renames, target)}
             report = validate_document(complete)
             if not report.ok:
                 first = next(f for f in report.findings if f.severity == "error")
@@ -227,16 +231,27 @@ def _write_failed(exc: OSError, tag_dir: Path) -> CkptspecError:
     )
 
 
-def _described(shards, stage: int, hash_algorithm: str | None, states: StateCache, renames) -> list[dict]:
-    """The file list as it will be once ``renames`` are committed: rewritten model states have
-    their new temporaries' sizes and hashes; the optimizer files (whose locators the list
-    carries) did not change and are described from the states already read."""
-    files = describe_files(shards, stage, hash_algorithm, states)
-    new = {final: tmp for tmp, final in renames}
+def _digested(shards: ShardSet, described: Manifest, doc: dict, states: StateCache) -> tuple[Manifest | None, dict]:
+    """For a format 1.1 ``doc``: its model, and the sections whose tensor digests the files give
+    (read from the files as they are: embedding moves bytes, it does not change them)."""
+    if version_key(str(doc.get("format_version", "1.0"))) == "1.0":
+        return None, {}
+    target = Manifest.model_validate(doc, context={"allow_unknown": True})
+    target.files = describe_files(shards, described.layout.zero_stage, None, states, target)
+    add_digests(target, shards.tag_dir)
+    return target, {key: target.to_dict()[key] for key in ("groups", "frozen", "buffers")}
+
+
+def _described(shards, stage: int, hash_algorithm, states: StateCache, renames, target: Manifest | None) -> list:
+    """The file list as it will be once ``renames`` are committed: a rewritten model-states file
+    is described from its temporary (size, hash, format 1.1's locators: every member moved), under
+    its own name; the optimizer files did not change and are described from the states already read."""
+    # the temporary's name under the final's parent as given (the temporary's own path may be absolute)
+    temporary = {final: final.with_name(tmp.name) for tmp, final in renames}
+    future = ShardSet(shards.tag_dir, dict(shards.model_files), dict(shards.optim_files), list(shards.other_files))
+    future.model_files = {rank: temporary.get(path, path) for rank, path in shards.model_files.items()}
+    files = describe_files(future, stage, hash_algorithm, states, target)
+    names = {tmp.name: final.name for tmp, final in renames}
     for entry in files:
-        tmp = new.get(shards.tag_dir / entry.path)
-        if tmp is not None:
-            entry.size = tmp.stat().st_size
-            if hash_algorithm:
-                entry.hash = file_digest(tmp, hash_algorithm)
+        entry.path = names.get(entry.path, entry.path)
     return [f.model_dump(mode="json", exclude_unset=True) for f in files]

@@ -11,10 +11,10 @@ Imports torch and DeepSpeed only when called.
 
 from __future__ import annotations
 
-import math
 import shutil
+import uuid
+import warnings
 from pathlib import Path
-from typing import Any
 
 from .._fs import publish_dir, sweep, temp_dir, write_atomic
 from .._version import __version__
@@ -24,10 +24,7 @@ from ..checkpoint.states import StateCache
 from ..errors import EngineLayoutMismatch, InvalidManifest, UnsupportedEngine
 from ..format.dtypes import dtype_name
 from ..format.models import (
-    Alias,
-    Buffer,
     ExcludedParam,
-    FrozenParam,
     Group,
     Layout,
     Manifest,
@@ -38,7 +35,9 @@ from ..format.partition import ParamSpec, flat_group, per_param_group
 from ..format.validate import validate_document
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from .describe import describe_files
+from .digests import add_digests
 from .directory import ShardSet, scan_tag_dir
+from .engine_state import aliases_of_engine, buffers_of_engine, frozen_of_engine, optimizer_of_engine, save_of_engine
 from .names import file_order
 
 
@@ -142,54 +141,6 @@ def _is_bf16_optimizer(opt) -> bool:
     return type(opt).__name__ == "BF16_Optimizer"
 
 
-def _frozen(engine, names, trainable: set[str], stage: int, excluded: bool) -> list[FrozenParam]:
-    if excluded:
-        return []
-    stored_in = {0: "module", 1: "module", 2: "fragments", 3: "partitioned_fragments"}[stage]
-    frozen, seen = [], set()
-    for param in engine.module.parameters():
-        name = names[id(param)]
-        if name in trainable or id(param) in seen:
-            continue
-        seen.add(id(param))
-        shape = _shape(param)
-        frozen.append(
-            FrozenParam(
-                name=name, shape=list(shape), numel=math.prod(shape), dtype=dtype_name(param.dtype), stored_in=stored_in
-            )
-        )
-    return frozen
-
-
-def _aliases(engine, shapes: dict[str, tuple[int, ...]]) -> list[Alias]:
-    """Tied parameters by object identity (``ds_id`` under stage 3).
-
-    DeepSpeed uses ``data_ptr()`` outside stage 3, which ties every zero-element
-    param together (they all report 0); identity does not.
-    """
-    owner_of: dict[Any, str] = {}
-    aliases = []
-    for module_name, module in engine.module.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            key = param.ds_id if hasattr(param, "ds_id") else id(param)
-            full = f"{module_name}.{name}" if module_name else name
-            if key in owner_of:
-                owner = owner_of[key]
-                aliases.append(Alias(name=full, owner=owner, shape=list(shapes.get(owner, _shape(param)))))
-            else:
-                owner_of[key] = full
-    return aliases
-
-
-def _buffers(engine) -> list[Buffer]:
-    persistent = set(engine._get_buffer_names())
-    return [
-        Buffer(name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
-        for name, buf in engine.module.named_buffers()
-        if name in persistent
-    ]
-
-
 def _check_supported(engine) -> None:
     if getattr(engine, "has_moe_layers", False):
         raise UnsupportedEngine("MoE engines are not described by manifest format 1.0")
@@ -227,11 +178,11 @@ def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> 
     trainable = {p.name for g in groups for p in g.params}
     shapes = {p.name: tuple(p.shape) for g in groups for p in g.params}
     frozen_stage = 1 if _is_bf16_optimizer(opt) else stage
-    aliases = _aliases(engine, shapes)
+    aliases = aliases_of_engine(engine, shapes)
     alias_names = {a.name for a in aliases}
     frozen = [
         f
-        for f in _frozen(engine, names, trainable, frozen_stage, exclude_frozen_parameters)
+        for f in frozen_of_engine(engine, names, trainable, frozen_stage, exclude_frozen_parameters)
         if f.name not in alias_names
     ]
     excluded = []
@@ -255,12 +206,13 @@ def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> 
         round_robin=bool(getattr(opt, "round_robin_gradients", False)),
         parameter_alignment=bool(getattr(opt, "parameter_alignment", False)),
         tail_padding_saved=_is_bf16_optimizer(opt),
+        byte_order="little",
         optimizer=type(opt).__name__,
         exclude_frozen_parameters=exclude_frozen_parameters,
     )
     if stage == 3:
         layout.sub_group_size = int(zero_cfg.sub_group_size)
-    return Manifest(
+    manifest = Manifest(
         format=FORMAT_NAME,
         format_version=FORMAT_VERSION,
         producer=Producer(
@@ -269,11 +221,15 @@ def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> 
         layout=layout,
         groups=groups,
         frozen=frozen,
-        buffers=_buffers(engine),
+        buffers=buffers_of_engine(engine),
         aliases=aliases,
         excluded=excluded,
         files=[],
+        save=save_of_engine(engine),
     )
+    if (optimizer := optimizer_of_engine(engine, stage)) is not None:
+        manifest.optimizer = optimizer
+    return manifest
 
 
 def _master_dtype(engine, stage: int) -> str:
@@ -345,6 +301,7 @@ def save_checkpoint(
     if sidecar_encoding not in ("json", "msgpack"):
         raise ValueError(f"sidecar_encoding must be 'json' or 'msgpack', not {sidecar_encoding!r}")
     layout = manifest_from_engine(engine, exclude_frozen_parameters=exclude_frozen_parameters)
+    layout.save.id = _from_rank_0(dist, str(uuid.uuid4()))  # the save id every file's copy carries
     state = dict(client_state or {})
     if CLIENT_STATE_KEY in state:
         raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for the ckptspec manifest")
@@ -369,7 +326,7 @@ def save_checkpoint(
     )
     tag_dir, staged = Path(save_dir) / tag, Path(save_dir) / staging[0]
     try:
-        mine, error = _describe_own_files(staged, rank, layout.layout.zero_stage, "sha256" if hash else None), None
+        mine, error = _describe_own_files(staged, rank, layout, "sha256" if hash else None), None
     except Exception as exc:  # reported on every rank below, never left hanging in a collective
         mine, error = [], f"rank {rank}: {type(exc).__name__}: {exc}"
     gathered: list = [None] * world
@@ -385,6 +342,8 @@ def save_checkpoint(
     complete = layout.model_copy(deep=True)
     gathered_files = [ShardFile.model_validate(d) for files, _ in gathered for d in files]
     complete.files = sorted(gathered_files, key=lambda f: file_order(f.role, f.ranks, f.path))
+    if hash:
+        complete = _with_digests(complete, staged, rank, dist)
 
     status = None
     if rank == 0:
@@ -408,13 +367,47 @@ def save_checkpoint(
     return complete
 
 
-def _describe_own_files(tag_dir: Path, rank: int, stage: int, hash_algorithm: str | None) -> list[dict]:
+def _from_rank_0(dist, value):
+    """Rank 0's ``value`` on every rank (a broadcast when running distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def _with_digests(manifest: Manifest, tag_dir: Path, rank: int, dist) -> Manifest:
+    """The manifest with every tensor's digest, computed by rank 0 and the same on every rank.
+
+    A digest spans the files of several ranks, so rank 0 reads them all: when it cannot see
+    every file (no shared filesystem), the manifest keeps the files' own hashes only.
+    """
+    found, error = None, None
+    if rank == 0:
+        try:
+            if _sees_every_file(tag_dir, manifest):
+                found = manifest.model_copy(deep=True)
+                add_digests(found, tag_dir)
+            else:
+                warnings.warn("ckptspec: rank 0 cannot see every saved file; no tensor digests", stacklevel=3)
+        except Exception as exc:  # raised on every rank below, never left hanging in the broadcast
+            error = f"rank 0: {type(exc).__name__}: {exc}"
+    found, error = _from_rank_0(dist, (found.to_dict() if found is not None else None, error))
+    if error:
+        raise RuntimeError("ckptspec could not digest the saved tensors (no sidecar written): " + error)
+    return Manifest.model_validate(found) if found is not None else manifest
+
+
+def _sees_every_file(tag_dir: Path, manifest: Manifest) -> bool:
+    return all((tag_dir / f.path).is_file() for f in manifest.files)
+
+
+def _describe_own_files(tag_dir: Path, rank: int, layout: Manifest, hash_algorithm: str | None) -> list[dict]:
     """This rank's files of the tag directory (rank 0 also takes the rank-less ones), described."""
     every = scan_tag_dir(tag_dir)
     own = ShardSet(tag_dir)
     own.model_files = {r: p for r, p in every.model_files.items() if r == rank}
     own.optim_files = {r: p for r, p in every.optim_files.items() if r == rank}
     own.other_files = list(every.other_files) if rank == 0 else []
-    return [
-        f.model_dump(mode="json", exclude_unset=True) for f in describe_files(own, stage, hash_algorithm, StateCache())
-    ]
+    described = describe_files(own, layout.layout.zero_stage, hash_algorithm, StateCache(), layout)
+    return [f.model_dump(mode="json", exclude_unset=True) for f in described]

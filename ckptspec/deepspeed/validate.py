@@ -110,6 +110,7 @@ def validate_checkpoint(
     *,
     verify_hashes: bool = True,
     states: StateCache | None = None,
+    verify_digests: bool | None = None,
 ) -> tuple[Manifest | None, list[Finding]]:
     """Validate a DeepSpeed checkpoint directory: the whole flow.
 
@@ -118,7 +119,9 @@ def validate_checkpoint(
     else the sidecar ``ckptspec.json``/``ckptspec.msgpack`` of the tag directory, else a
     manifest generated from DeepSpeed's metadata; validates the manifest (schema and
     rules) once and then checks the files against it. ``states``: where the decoded files
-    are kept, for a reconstruction that follows.
+    are kept, for a reconstruction that follows. ``verify_digests`` (default: ``verify_hashes``)
+    reads every located tensor to check its digest (CK222); a reader that checks them while
+    streaming the tensors (``reconstruct``, ``load_state_dict``) passes False.
 
     Returns (manifest, findings); the manifest is None when none could be had.
     Raises ``InvalidCheckpoint`` (exit 1) when the checkpoint cannot be checked at all
@@ -129,12 +132,19 @@ def validate_checkpoint(
         manifest = validate_file(manifest)
     if isinstance(manifest, Report) and (not manifest.ok or manifest.manifest is None):
         return manifest.manifest, list(manifest.findings)  # an invalid manifest is not checked against files
-    chosen, findings = check_tag_dir(resolve_tag_dir(checkpoint_dir, tag), manifest, verify_hashes, states)
+    chosen, findings = check_tag_dir(
+        resolve_tag_dir(checkpoint_dir, tag), manifest, verify_hashes, states, verify_digests=verify_digests
+    )
     return chosen.manifest, findings
 
 
 def check_tag_dir(
-    tag_dir: Path, manifest: Manifest | Report | None, verify_hashes: bool, states: StateCache | None = None
+    tag_dir: Path,
+    manifest: Manifest | Report | None,
+    verify_hashes: bool,
+    states: StateCache | None = None,
+    *,
+    verify_digests: bool | None = None,
 ) -> tuple[Chosen, list[Finding]]:
     """``validate_checkpoint`` on a resolved tag directory, with the manifest choice itself."""
     chosen = choose_manifest(tag_dir, manifest, states=states)
@@ -143,7 +153,9 @@ def check_tag_dir(
         findings = [f if f.file is not None else dataclasses.replace(f, file=chosen.sidecar.name) for f in findings]
     if not chosen.checkable:
         return chosen, findings
-    findings = findings + check_checkpoint(chosen.manifest, tag_dir, verify_hashes=verify_hashes, states=chosen.states)
+    findings = findings + check_checkpoint(
+        chosen.manifest, tag_dir, verify_hashes=verify_hashes, states=chosen.states, verify_digests=verify_digests
+    )
     # Copies embedded in the model states (client_state) must agree with each other and the sidecar;
     # their files are named like every other finding's, relative to the tag directory. An unreadable
     # sidecar the manifest choice already reported is not reported twice.

@@ -25,6 +25,7 @@ from ..format.models import Manifest
 from ..format.validate import Report
 from ..location import refuse_write
 from .arrays import ShardReader, read_array
+from .optimizer_state import load_optimizer_state_arrays, plan_optimizer_state, write_optimizer_state
 from .plan import ReconstructionPlan, plan_reconstruction
 from .writers import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -42,7 +43,8 @@ def validated_plan(
     """Validate the checkpoint (against ``manifest``: a model, the report of a validated one, or a
     file), then plan from the files validation read. Raises ``CheckpointInvalid`` with the findings."""
     states = StateCache()
-    found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states)
+    # Digests are checked as each tensor is read (arrays.py), not in a pass of their own here.
+    found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=False)
     if found is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(checkpoint))
     return plan_reconstruction(checkpoint, found, tag, states=states)
@@ -100,13 +102,37 @@ def reconstruct(
     fmt: str = "safetensors",
     untie: bool = False,
     progress: Callable[[int], None] | None = None,
+    optimizer_state: bool = False,
 ) -> WriteResult:
-    """Validate, then write the consolidated weights to ``output_dir`` (see ``write_consolidated``)."""
+    """Validate, then write the consolidated weights to ``output_dir`` (see ``write_consolidated``),
+    and with ``optimizer_state`` the per-parameter optimizer state as ``optimizer.safetensors``
+    (format 1.1 manifests; ``export/optimizer_state.py``)."""
     refuse_write(output_dir, "the reconstruction")  # before the checkpoint is read
     plan = validated_plan(checkpoint, manifest, tag)
-    return write_consolidated(
+    if optimizer_state:
+        plan_optimizer_state(plan)  # refuse before writing anything when the manifest locates no state
+    result = write_consolidated(
         plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt, untie=untie, progress=progress
     )
+    if optimizer_state:
+        write_optimizer_state(plan, output_dir)
+    return result
+
+
+def load_optimizer_state(
+    checkpoint: str | os.PathLike,
+    *,
+    manifest: Manifest | str | os.PathLike | None = None,
+    tag: str | None = None,
+) -> tuple[dict[str, dict[str, Any]], dict]:
+    """The optimizer state of a ZeRO checkpoint per parameter, as numpy arrays in the parameter's shape
+    (``{"emb.weight": {"exp_avg": ..., "exp_avg_sq": ...}}``, tied aliases included), and the
+    manifest's ``optimizer`` object (class, per-group hyperparameters and step, loss scaler).
+
+    Validates the checkpoint first (``CheckpointInvalid``); needs a format 1.1 manifest (CK402).
+    States are returned as stored (float32 for torch's Adam; a bfloat16 state as uint16 bits).
+    """
+    return load_optimizer_state_arrays(validated_plan(checkpoint, manifest, tag))
 
 
 def load_consolidated(output_dir: str | os.PathLike, framework: str = "torch") -> dict[str, Any]:

@@ -2,17 +2,20 @@
 
 Files are read with ``pread`` through one descriptor each (no mmap: RSS stays flat), tensor
 by tensor, in chunks; a copy without dtype change goes file-to-file in the kernel
-(``copy_file_range``). numpy is imported on first use.
+(``copy_file_range``), unless the tensor has a digest (format 1.1): its bytes then pass through
+here once, hashed on the way, and a mismatch stops the reconstruction (CK222) before the output
+appears. numpy is imported on first use.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..checkpoint.states import unreadable
-from ..errors import CkptspecError, ReconstructUnsupported, TruncatedFile
+from ..errors import CkptspecError, ReconstructUnsupported, TensorDigestMismatch, TruncatedFile
 from ..format.dtypes import ITEMSIZE
 from ..location import CHUNK, RangeStream, RemotePath, fetch_range
 from .plan import Segment, TensorSource
@@ -175,20 +178,33 @@ class ShardReader:
         self.close()
 
 
+def check_digest(source: TensorSource, digest) -> None:
+    """Raise CK222 unless ``digest`` (a hashlib object over the source's bytes) is the recorded one."""
+    if source.digest is not None and digest.hexdigest() != source.digest:
+        files = sorted({str(s.path.name) for s in source.segments})
+        raise TensorDigestMismatch(source.name, digest.hexdigest(), source.digest, files)
+
+
 def read_array(source: TensorSource, dtype: str, files: ShardReader):
-    """The whole tensor as a numpy array of ``dtype`` (bfloat16 as uint16 bits), in its shape."""
+    """The whole tensor as a numpy array of ``dtype`` (bfloat16 as uint16 bits), in its shape.
+
+    Its bytes are checked against the source's digest first, when it has one (CK222).
+    """
     np = _np()
     raw = np.empty(source.numel, dtype=_np_dtype(source.dtype))
     view, pos = memoryview(raw).cast("B"), 0
     for segment in source.segments:
         files.read_into(segment, view[pos : pos + segment.nbytes])
         pos += segment.nbytes
+    if source.digest is not None:
+        check_digest(source, hashlib.sha256(view))
     return convert(raw, source.dtype, dtype).reshape(source.shape)
 
 
 def stream(source: TensorSource, dtype: str, writer: SafetensorsWriter, files: ShardReader, progress) -> None:
-    """Append the tensor to ``writer``: a kernel copy when no cast is needed, else chunked casts."""
-    if source.dtype == dtype:
+    """Append the tensor to ``writer``: a kernel copy when neither a cast nor a digest needs the
+    bytes, else chunked reads (hashed) and casts."""
+    if source.dtype == dtype and source.digest is None:
         for segment in source.segments:
             files.copy(segment, writer)
             progress(segment.nbytes)
@@ -198,10 +214,13 @@ def stream(source: TensorSource, dtype: str, writer: SafetensorsWriter, files: S
     chunk = max(item, CHUNK_BYTES // item * item)
     buffer = np.empty(chunk // item, dtype=_np_dtype(source.dtype))
     view = memoryview(buffer).cast("B")
+    digest = hashlib.sha256()
     for segment in source.segments:
         for start in range(0, segment.nbytes, chunk):
             n = min(chunk, segment.nbytes - start)
             files.read_into(Segment(segment.path, segment.offset + start, n), view[:n])
+            digest.update(view[:n])
             out = convert(buffer[: n // item], source.dtype, dtype)
             writer.write(np.ascontiguousarray(out))
             progress(n // item * ITEMSIZE[dtype])
+    check_digest(source, digest)

@@ -7,10 +7,13 @@ The manifest drives everything: every output tensor is described as a list of by
   concatenate the ranks' saved partitions of a group *virtually* (a parameter's
   slice ``[offset, offset + numel)`` maps to one or two ranks' bytes), stage 3 takes
   ``[offset, offset + ceil(numel / ws))`` from every rank and trims to ``numel``;
-* frozen parameters, buffers and aliases from the model-states files: the
-  ``TensorRef`` of ``module`` / ``frozen_param_fragments`` gives the storage member
-  and, through the zip directory, the byte range (stage-3 frozen fragments are
-  concatenated over ranks and trimmed).
+* frozen parameters and buffers through format 1.1's named locators (``files[].tensors``:
+  stage-3 fragments concatenated in rank order), or, for a 1.0 manifest, from the
+  model-states files: the ``TensorRef`` of ``module`` / ``frozen_param_fragments`` gives the
+  storage member and, through the zip directory, the byte range (stage-3 frozen fragments are
+  concatenated over ranks and trimmed); aliases are their owner.
+
+A 1.1 manifest's tensor digests travel with each source and are checked as its bytes are read.
 
 Only ``data.pkl`` records and zip directories are read here, through the ``StateCache``
 validation filled; the bytes are read by ``arrays``.
@@ -53,7 +56,8 @@ class TensorSource:
     shape: tuple[int, ...]
     dtype: str  # dtype of the bytes on disk
     segments: list[Segment]
-    role: str  # "trainable" (fp32 master), "frozen" (model dtype), "buffer"
+    role: str  # "trainable" (fp32 master), "frozen" (model dtype), "buffer", "state" (optimizer state)
+    digest: str | None = None  # sha256 of the bytes of the segments (format 1.1), checked while they are read
 
     @property
     def numel(self) -> int:
@@ -132,9 +136,17 @@ def plan_reconstruction(
         for param in group.params:
             group_dtype = group_dtype or _group_dtype(locators, g, param.name)
             sources[param.name] = TensorSource(
-                param.name, tuple(param.shape), group_dtype, _param_segments(group, g, param, locators), "trainable"
+                param.name,
+                tuple(param.shape),
+                group_dtype,
+                _param_segments(group, g, param, locators),
+                "trainable",
+                _sha256(param.digest),
             )
 
+    # Frozen parameters and buffers: the byte ranges the files' own metadata give; with format 1.1's
+    # locators, theirs, which must be the same ranges (a file changed since validation: CK401).
+    named = _named_locators(manifest, tag_dir)
     for frozen in manifest.frozen:
         if frozen.stored_in == "partitioned_fragments":
             # Stage 3: rank r's fragment is [r * share, (r + 1) * share) of the flat param;
@@ -155,19 +167,23 @@ def plan_reconstruction(
             ref = _tensor(metadata(path), holder, frozen.name, path)
             dtype = ref.dtype
             segments = _ref_segments(ref, path, members(path), frozen.numel, frozen.name)
-        sources[frozen.name] = TensorSource(frozen.name, tuple(frozen.shape), dtype, segments, "frozen")
+        if frozen.name in named:
+            dtype, segments = _same_as_located(named[frozen.name], frozen.numel, frozen.name, tag_dir, dtype, segments)
+        sources[frozen.name] = TensorSource(
+            frozen.name, tuple(frozen.shape), dtype, segments, "frozen", _sha256(frozen.digest)
+        )
 
     for buffer in manifest.buffers:
+        numel = math.prod(buffer.shape)
         path = model_files[first_rank]
         ref = _tensor(metadata(path), "module", buffer.name, path)
         if ref.dtype != buffer.dtype:
             raise ReconstructMismatch(f"buffer {buffer.name!r} is {ref.dtype}, the manifest says {buffer.dtype}", path)
+        dtype, segments = ref.dtype, _ref_segments(ref, path, members(path), numel, buffer.name)
+        if buffer.name in named:
+            dtype, segments = _same_as_located(named[buffer.name], numel, buffer.name, tag_dir, dtype, segments)
         sources[buffer.name] = TensorSource(
-            buffer.name,
-            tuple(buffer.shape),
-            ref.dtype,
-            _ref_segments(ref, path, members(path), math.prod(buffer.shape), buffer.name),
-            "buffer",
+            buffer.name, tuple(buffer.shape), dtype, segments, "buffer", _sha256(buffer.digest)
         )
 
     aliases = {a.name: a.owner for a in manifest.aliases}
@@ -182,6 +198,38 @@ def plan_reconstruction(
     seen = set(in_module)
     order = in_module + [name for name in [*sources, *aliases] if name not in seen]
     return ReconstructionPlan(manifest, tag_dir, sources, aliases, order)
+
+
+def _sha256(digest) -> str | None:
+    return digest.sha256 if digest is not None else None
+
+
+def _named_locators(manifest: Manifest, tag_dir: Path) -> dict[str, list[tuple[int, Path, Any]]]:
+    """Name -> (rank, file, locator) of format 1.1's named tensor locators, in rank order."""
+    found: dict[str, list[tuple[int, Path, Any]]] = {}
+    for shard in manifest.files:
+        for loc in shard.tensors or ():
+            rank = shard.ranks[0] if len(shard.ranks) == 1 else 0
+            found.setdefault(loc.name, []).append((rank, _inside(tag_dir, shard.path), loc))
+    return {name: sorted(entries, key=lambda e: e[0]) for name, entries in found.items()}
+
+
+def _same_as_located(entries, numel: int, name: str, tag_dir: Path, dtype: str, segments: list[Segment]):
+    """The (dtype, segments) of a tensor's 1.1 locators, which must be the files' own."""
+    located = _located_segments(entries, numel, name, tag_dir)
+    if located != (dtype, segments):
+        raise ReconstructMismatch(f"{name!r}: the manifest's locators no longer match the file", tag_dir)
+    return located
+
+
+def _located_segments(entries, numel: int, name: str, tag_dir: Path) -> tuple[str, list[Segment]]:
+    """(dtype, segments) of a tensor whose locators hold its real elements back to back (rank order)."""
+    dtypes = {loc.dtype for _, _, loc in entries}
+    held = sum(loc.numel for _, _, loc in entries)
+    if len(dtypes) != 1 or held != numel:
+        raise ReconstructMismatch(f"the locators of {name!r} hold {held} elements of {sorted(dtypes)}, not {numel}")
+    dtype = dtypes.pop()
+    return dtype, [_locator_segment(path, loc, 0, loc.numel) for _, path, loc in entries if loc.numel]
 
 
 def _inside(tag_dir: Path, relative: str) -> Path:
@@ -236,12 +284,12 @@ def _group_dtype(locators, g: int, name: str) -> str:
 
 
 def _locator_segment(path: Path, loc, start: int, count: int) -> Segment:
-    """``count`` elements from element ``start`` of the locator's partition."""
+    """``count`` elements from element ``start`` of the locator's partition (or tensor)."""
     item = ITEMSIZE[loc.dtype]
     if start < 0 or start + count > loc.numel:
         raise ReconstructMismatch(
-            f"elements [{start}, {start + count}) fall outside rank {loc.rank}'s "
-            f"{loc.numel}-element partition of group {loc.group}",
+            f"elements [{start}, {start + count}) fall outside the {loc.numel} elements located at "
+            f"{loc.member} (byte {loc.data_offset})",
             path,
         )
     return Segment(path, loc.data_offset + (loc.element_offset + start) * item, count * item)

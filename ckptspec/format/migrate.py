@@ -7,9 +7,14 @@ of its own version first, runs the steps, and checks the result against the sche
 of the target version: a migration can never hand out a document its target
 version would refuse.
 
-This release knows format 1.0 only, so no migration is registered by default; a
+This release knows formats 1.0 and 1.1 and registers both steps between them (below); a
 later release registers its own steps (and the schema of each version) here. Tests
 register draft versions temporarily with ``registered(...)``. See docs/versioning.md.
+
+Going up from 1.0 is a version bump: 1.1 only adds OPTIONAL fields, and what fills them
+(locators, digests, the optimizer state) is in the checkpoint's files, not in the 1.0 document
+(``ckptspec migrate --checkpoint``, ``deepspeed/upgrade.py``). Going down drops exactly the
+fields 1.1 added (``V1_1_FIELDS``), each reported as the warning CK313.
 """
 
 from __future__ import annotations
@@ -244,3 +249,42 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
     return MigrationResult(
         result, path, warnings + [f for f in out_findings if f.severity == "warning" and f not in warnings]
     )
+
+
+# Where format 1.1 added fields to 1.0: (section, keys). Going down drops exactly these.
+V1_1_FIELDS = {
+    "document": ("optimizer", "save"),
+    "layout": ("byte_order",),
+    "param": ("digest", "model_digest", "state_digests"),
+    "tensor": ("digest",),  # frozen parameters and buffers
+    "file": ("tensors", "model_weights", "state_partitions"),
+}
+
+
+def _up_1_0_to_1_1(doc: dict) -> dict:
+    doc["format_version"] = "1.1.0"
+    return doc
+
+
+def _down_1_1_to_1_0(doc: dict) -> dict:
+    def drop(obj: Any, keys: tuple[str, ...]) -> None:
+        if isinstance(obj, dict):
+            for key in keys:
+                obj.pop(key, None)
+
+    drop(doc, V1_1_FIELDS["document"])
+    drop(doc.get("layout"), V1_1_FIELDS["layout"])
+    for group in doc.get("groups", []):
+        for param in group.get("params", []) if isinstance(group, dict) else []:
+            drop(param, V1_1_FIELDS["param"])
+    for section in ("frozen", "buffers"):
+        for item in doc.get(section, []):
+            drop(item, V1_1_FIELDS["tensor"])
+    for f in doc.get("files", []):
+        drop(f, V1_1_FIELDS["file"])
+    doc["format_version"] = "1.0.0"
+    return doc
+
+
+register_migration("1.0", "1.1", _up_1_0_to_1_1)
+register_migration("1.1", "1.0", _down_1_1_to_1_0)

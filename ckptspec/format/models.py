@@ -1,7 +1,9 @@
-"""Pydantic models that mirror ``schema/manifest-1.0.schema.json``.
+"""Pydantic models that mirror ``schema/manifest-1.1.schema.json``, the latest format.
 
 The JSON Schema is normative; these models are the Python view of it and
-``tests/format/test_agreement.py`` proves both give the same verdict. Optional fields
+``tests/format/test_agreement.py`` proves both give the same verdict. Format 1.1 is 1.0 plus
+OPTIONAL fields only, so the same models read a 1.0 document (whose schema, checked first,
+refuses 1.1's fields in it: ``validate.py``). Optional fields
 are absent rather than null, exactly as in the schema, so they are typed
 without ``None`` and dumped with ``exclude_unset`` (unknown fields, even null ones, are kept).
 """
@@ -80,7 +82,10 @@ def _field_names(cls: type[BaseModel]) -> frozenset[str]:
     # validated object (1 s for a 100k-parameter manifest).
     names = _FIELD_NAMES.get(cls)
     if names is None:
-        names = _FIELD_NAMES[cls] = frozenset(cls.model_fields)
+        # By alias too: Optimizer's "class" (a Python keyword) is the field class_.
+        names = _FIELD_NAMES[cls] = frozenset(cls.model_fields) | {
+            f.alias for f in cls.model_fields.values() if f.alias
+        }
     return names
 
 
@@ -102,6 +107,33 @@ class _Model(BaseModel):
             if unknown:
                 raise ValueError(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}")
         return data
+
+
+def _finite(value: Any) -> Any:
+    # A JSON number: int or float (never a boolean, NaN or infinity: the codec refuses those).
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("expected a number")
+    return value
+
+
+Number = Annotated[float | int, BeforeValidator(_finite)]
+NonNegative = Annotated[float | int, BeforeValidator(_finite), Field(ge=0)]
+Scalar = Number | bool | Annotated[str, StringConstraints(strict=True, max_length=65536)]
+Value = Scalar | Annotated[list[Scalar], Field(max_length=1024)]
+Values = Annotated[
+    dict[Annotated[str, StringConstraints(strict=True, min_length=1, max_length=256)], Value], Field(max_length=1024)
+]
+StateName = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=256)]
+
+
+class Digest(_Model):
+    sha256: Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{64}$")] = None  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _one_at_least(self) -> Digest:
+        if not self.model_fields_set and not self.model_extra:
+            raise ValueError("a digest names at least one algorithm")
+        return self
 
 
 class Producer(_Model):
@@ -133,6 +165,7 @@ class Layout(_Model):
     optimizer: _text(256) = None  # type: ignore[valid-type]
     sub_group_size: Count = None  # type: ignore[assignment]
     exclude_frozen_parameters: bool = None  # type: ignore[assignment]
+    byte_order: Literal["little"] = None  # type: ignore[assignment]
 
 
 class Param(_Model):
@@ -142,6 +175,9 @@ class Param(_Model):
     dtype: Dtype
     offset: Count
     padding: Count
+    digest: Digest = None  # type: ignore[assignment]
+    model_digest: Digest = None  # type: ignore[assignment]
+    state_digests: Annotated[dict[StateName, Digest], Field(max_length=1024)] = None  # type: ignore[assignment]
 
 
 class Group(_Model):
@@ -161,12 +197,14 @@ class FrozenParam(_Model):
     numel: Count
     dtype: Dtype
     stored_in: Literal["module", "fragments", "partitioned_fragments"]
+    digest: Digest = None  # type: ignore[assignment]
 
 
 class Buffer(_Model):
     name: Name
     shape: Shape
     dtype: Dtype
+    digest: Digest = None  # type: ignore[assignment]
 
 
 class Alias(_Model):
@@ -196,6 +234,38 @@ class Locator(_Model):
     numel: Count
 
 
+class TensorLocator(_Model):
+    name: Name
+    member: _text(4096)
+    data_offset: Count
+    member_size: Count
+    dtype: Dtype
+    element_offset: Count
+    numel: Count
+
+
+class ModelWeightsLocator(_Model):
+    group: Count
+    member: _text(4096)
+    data_offset: Count
+    member_size: Count
+    dtype: Dtype
+    element_offset: Count
+    numel: Count
+
+
+class StateLocator(_Model):
+    group: Count
+    rank: Count
+    state: StateName
+    member: _text(4096)
+    data_offset: Count
+    member_size: Count
+    dtype: Dtype
+    element_offset: Count
+    numel: Count
+
+
 class ShardFile(_Model):
     path: _text(4096)
     role: Literal["model_states", "optimizer_states", "other"]
@@ -203,6 +273,36 @@ class ShardFile(_Model):
     size: Count
     hash: Hash = None  # type: ignore[assignment]
     partitions: Annotated[list[Locator], Field(max_length=1_000_000)]
+    tensors: Annotated[list[TensorLocator], Field(max_length=10_000_000)] = None  # type: ignore[assignment]
+    model_weights: Annotated[list[ModelWeightsLocator], Field(max_length=1_000_000)] = None  # type: ignore[assignment]
+    state_partitions: Annotated[list[StateLocator], Field(max_length=10_000_000)] = None  # type: ignore[assignment]
+
+
+class LossScaler(_Model):
+    kind: _text(256)
+    state: Values
+
+
+class OptimizerGroup(_Model):
+    optimizer_group: Count
+    hyperparameters: Values
+    step: NonNegative
+
+
+class Optimizer(_Model):
+    model_config = ConfigDict(populate_by_name=True)  # "class" is a Python keyword: the field is class_
+
+    class_: _text(256) = Field(alias="class")
+    groups: Annotated[list[OptimizerGroup], Field(max_length=1_000_000)]
+    loss_scaler: LossScaler = None  # type: ignore[assignment]
+    clip_grad: NonNegative = None  # type: ignore[assignment]
+
+
+class Save(_Model):
+    global_steps: Count
+    global_samples: Count
+    skipped_steps: Count
+    id: _text(256) = None  # type: ignore[valid-type]
 
 
 class Manifest(_Model):
@@ -216,7 +316,9 @@ class Manifest(_Model):
     aliases: Annotated[list[Alias], Field(max_length=10_000_000)]
     excluded: Annotated[list[ExcludedParam], Field(max_length=10_000_000)]
     files: Annotated[list[ShardFile], Field(max_length=1_000_000)]
+    optimizer: Optimizer = None  # type: ignore[assignment]
+    save: Save = None  # type: ignore[assignment]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready document: optional fields absent, unknown fields kept."""
-        return self.model_dump(mode="json", exclude_unset=True)
+        return self.model_dump(mode="json", exclude_unset=True, by_alias=True)

@@ -120,3 +120,31 @@ def natural_order(params: list, partition_count: int) -> list:
         buckets.append(params[start : start + size])
         start += size
     return [buckets[k % partition_count][k // partition_count] for k in range(n)]
+
+
+def param_pieces(
+    partitioning: str, partition_count: int, partition_numel: int, offset: int, numel: int, padding: int
+) -> list[tuple[int, int, int]]:
+    """Where a trainable param's elements lie in its group's rank partitions: ``(rank, start,
+    count)`` in order, ``start`` an element index into that rank's partition (docs/spec.md#reconstruction).
+
+    The same positions hold the param's optimizer state in each rank's state partition. Flat:
+    rank r holds buffer elements ``[r * partition_numel, (r + 1) * partition_numel)``; only
+    padding is ever missing from a saved partition, never a param's element. Per-param: every
+    rank holds a ``share`` at ``offset``; the last shares end in padding, which is left out.
+    """
+    pieces = []
+    if partitioning == "flat":
+        end = offset + numel
+        for r in range(partition_count):
+            lo = r * partition_numel
+            a, b = max(offset, lo), min(end, lo + partition_numel)
+            if a < b:
+                pieces.append((r, a - lo, b - a))
+    else:
+        share = (numel + padding) // partition_count
+        for r in range(partition_count):
+            take = max(0, min(share, numel - r * share))
+            if take:
+                pieces.append((r, offset, take))
+    return pieces

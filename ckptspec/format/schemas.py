@@ -17,8 +17,8 @@ from ..findings import Finding, finding, json_path
 from .version import minor_line
 
 # format minor version -> schema file; a released file is never edited.
-MANIFEST_SCHEMAS = {"1.0": "manifest-1.0.schema.json"}
-LATEST_MANIFEST = "1.0"
+MANIFEST_SCHEMAS = {"1.0": "manifest-1.0.schema.json", "1.1": "manifest-1.1.schema.json"}
+LATEST_MANIFEST = "1.1"
 REPORT_SCHEMA = "report-1.0.schema.json"
 _MAX_MESSAGE = 300
 
@@ -44,6 +44,15 @@ def manifest_schema_file(version: str = LATEST_MANIFEST) -> str:
     except KeyError:
         known = ", ".join(sorted(MANIFEST_SCHEMAS))
         raise KeyError(f"no schema for format version {version} (known: {known})") from None
+
+
+def schema_version_of(doc: Any) -> str:
+    """The ``MAJOR.MINOR`` whose schema checks ``doc``: its own version when this release ships that
+    schema, else the latest (a newer minor is read with the latest schema, its unknown fields
+    tolerated; a malformed version is reported by the schema)."""
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    line = minor_line(version) if isinstance(version, str) else None
+    return line if line in MANIFEST_SCHEMAS else LATEST_MANIFEST
 
 
 @cache
@@ -99,11 +108,12 @@ def schema_findings(
 ) -> list[Finding]:
     """CK001 findings of the reference validator, sorted by path.
 
-    ``schema``: a schema document (a registered draft); default the latest shipped manifest
-    schema. ``allow_unknown`` skips ``additionalProperties`` (a newer minor's fields).
+    ``schema``: a schema document (a registered draft); default the shipped manifest schema of
+    the document's own version (``schema_version_of``): a 1.0 document may not carry 1.1's
+    fields. ``allow_unknown`` skips ``additionalProperties`` (a newer minor's fields).
     ``rules_of`` ends the hint, saying where the broken rule is documented.
     """
-    check = validator(manifest_schema_file(LATEST_MANIFEST)) if schema is None else validator_class()(schema)
+    check = validator(manifest_schema_file(schema_version_of(doc))) if schema is None else validator_class()(schema)
     found = []
     try:
         for error in check.iter_errors(doc):

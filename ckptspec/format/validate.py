@@ -24,7 +24,7 @@ from ..errors import InvalidManifest
 from ..findings import Finding, finding, has_errors, json_path
 from .codec import DEFAULT_MAX_BYTES, Encoding, gc_paused, read_document
 from .rules import check_document
-from .schemas import LATEST_MANIFEST, fast_validator, manifest_schema_file, schema_findings
+from .schemas import fast_validator, manifest_schema_file, schema_findings, schema_version_of
 from .version import version_findings
 
 if TYPE_CHECKING:
@@ -44,8 +44,9 @@ class Report:
 
 
 def fast_schema_accepts(doc: Any) -> bool:
-    """The compiled validator's verdict; False when unsure (then the reference decides)."""
-    fast = fast_validator(manifest_schema_file(LATEST_MANIFEST))
+    """The compiled validator's verdict on the schema of the document's version; False when unsure
+    (then the reference decides)."""
+    fast = fast_validator(manifest_schema_file(schema_version_of(doc)))
     if fast is None:
         return False
     try:

@@ -11,7 +11,7 @@ import re
 from ..findings import Finding, finding, json_path
 
 FORMAT_NAME = "ckptspec.manifest"
-FORMAT_VERSION = "1.0.0"
+FORMAT_VERSION = "1.1.0"
 SUPPORTED_MAJOR, SUPPORTED_MINOR = (int(x) for x in FORMAT_VERSION.split(".")[:2])
 
 # The schema's semver pattern, ASCII digits only (str.isdigit() accepts '²').

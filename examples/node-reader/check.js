@@ -1,16 +1,22 @@
 'use strict';
 // What a reader checks before it uses any field of a manifest (docs/spec.md#conformance), in order:
 //   1. the format-version gate (spec.md#versioning): another major stops everything (CK003);
-//   2. the JSON Schema, with ajv (draft 2020-12); a newer minor may carry unknown keys (CK004);
-//   3. the semantic rules CK101-CK119 (docs/errors.md), which the schema cannot express.
+//   2. the JSON Schema of the document's own version (1.0 or 1.1; a newer minor: 1.1, whose
+//      unknown keys are tolerated, CK004), with ajv (draft 2020-12);
+//   3. the semantic rules CK101-CK126 (docs/errors.md), which the schema cannot express.
 // Each finding is {code, where, message, hint, severity}; the codes are ckptspec's.
 const fs = require('fs');
 const path = require('path');
 const Ajv2020 = require('ajv/dist/2020');
 const { ITEMSIZE } = require('./dtypes');
 
-const SCHEMA_FILE = path.join(__dirname, '..', '..', 'schema', 'manifest-1.0.schema.json');
-const READER = { major: 1, minor: 0 };
+const SCHEMA_DIR = path.join(__dirname, '..', '..', 'schema');
+const SCHEMA_FILES = {
+  '1.0': path.join(SCHEMA_DIR, 'manifest-1.0.schema.json'),
+  '1.1': path.join(SCHEMA_DIR, 'manifest-1.1.schema.json'),
+};
+const SCHEMA_FILE = SCHEMA_FILES['1.1'];
+const READER = { major: 1, minor: 1 };
 const SEMVER = /^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$/;
 
 const finding = (code, where, message, hint, severity = 'error') => ({ code, where, message, hint, severity });
@@ -26,6 +32,22 @@ function compileSchema(file = SCHEMA_FILE, warnings = []) {
   const note = (...args) => warnings.push(args.join(' '));
   const ajv = new Ajv2020({ strict: true, allErrors: true, logger: { log: note, warn: note, error: note } });
   return ajv.compile(JSON.parse(fs.readFileSync(file, 'utf8')));
+}
+
+// Every shipped schema, by MAJOR.MINOR; `file` (tests: a sloppy schema) stands for all of them.
+function compileSchemas(file = null, warnings = []) {
+  if (file) return { '*': compileSchema(file, warnings) };
+  return Object.fromEntries(Object.entries(SCHEMA_FILES).map(([v, f]) => [v, compileSchema(f, warnings)]));
+}
+
+// A document is checked against the schema of its own version (a 1.0 document may not carry 1.1's
+// fields); a newer minor, or a malformed version, against the latest.
+function schemaFor(validators, doc) {
+  if (typeof validators === 'function') return validators;
+  if (validators['*']) return validators['*'];
+  const version = doc !== null && typeof doc === 'object' ? doc.format_version : undefined;
+  const line = typeof version === 'string' && SEMVER.test(version) ? version.split('.').slice(0, 2).join('.') : null;
+  return validators[line] ?? validators[`${READER.major}.${READER.minor}`];
 }
 
 function versionGate(doc) {
@@ -168,6 +190,9 @@ function groupRules(m, add) {
   });
 }
 
+// Every kind of locator a file entry carries (1.0: partitions; 1.1: tensors, model_weights, state_partitions).
+const LOCATOR_KEYS = ['partitions', 'tensors', 'model_weights', 'state_partitions'];
+
 // spec.md#files, spec.md#locators
 function fileRules(m, add) {
   const paths = new Set();
@@ -185,14 +210,24 @@ function fileRules(m, add) {
       if (r >= m.layout.world_size) add('CK115', ['files', fi, 'ranks', j], `rank ${r} is outside world_size ${m.layout.world_size}`,
         'ranks count from 0');
     });
+    for (const key of ['partitions', 'state_partitions']) {
+      (f[key] ?? []).forEach((loc, k) => {
+        const g = m.groups[loc.group];
+        const at = (...more) => ['files', fi, key, k, ...more];
+        if (!g) add('CK115', at('group'), `group ${loc.group} does not exist`, 'group indexes $.groups');
+        else if (loc.rank >= g.partition_count) add('CK115', at('rank'), `rank ${loc.rank} is outside the group's partitions`,
+          'rank < partition_count');
+        else if (!f.ranks.includes(loc.rank)) add('CK115', at('rank'), `rank ${loc.rank} is not a rank of ${f.path}`,
+          'a file holds its own ranks');
+      });
+    }
+    (f.model_weights ?? []).forEach((loc, k) => {
+      if (!m.groups[loc.group]) add('CK115', ['files', fi, 'model_weights', k, 'group'], `group ${loc.group} does not exist`,
+        'group indexes $.groups');
+    });
     f.partitions.forEach((loc, k) => {
       const at = (...more) => ['files', fi, 'partitions', k, ...more];
       const g = m.groups[loc.group];
-      if (!g) add('CK115', at('group'), `group ${loc.group} does not exist`, 'group indexes $.groups');
-      else if (loc.rank >= g.partition_count) add('CK115', at('rank'), `rank ${loc.rank} is outside the group's partitions`,
-        'rank < partition_count');
-      else if (!f.ranks.includes(loc.rank)) add('CK115', at('rank'), `rank ${loc.rank} is not a rank of ${f.path}`,
-        'a file holds its own ranks');
       if (g && loc.rank < g.partition_count) {
         const key = `${loc.group}/${loc.rank}`;
         if (located.has(key)) add('CK116', at(), `group ${loc.group} rank ${loc.rank} is located twice`, 'locate each partition once');
@@ -206,13 +241,18 @@ function fileRules(m, add) {
             'partitions hold master weights');
         }
       }
-      // CK118, CK119: the bytes lie inside the member, and the member inside the file.
-      if ((loc.element_offset + loc.numel) * ITEMSIZE[loc.dtype] > loc.member_size) {
-        add('CK118', at(), `elements end past the ${loc.member_size}-byte member`, 'element_offset + numel must fit in the member');
-      }
-      if (loc.data_offset + loc.member_size > f.size) add('CK119', at(), `member ends past the ${f.size}-byte file`,
-        'data_offset + member_size <= size');
     });
+    // CK118, CK119: every locator's bytes lie inside its member, and the member inside the file.
+    for (const key of LOCATOR_KEYS) {
+      (f[key] ?? []).forEach((loc, k) => {
+        if ((loc.element_offset + loc.numel) * ITEMSIZE[loc.dtype] > loc.member_size) {
+          add('CK118', ['files', fi, key, k], `elements end past the ${loc.member_size}-byte member`,
+            'element_offset + numel must fit in the member');
+        }
+        if (loc.data_offset + loc.member_size > f.size) add('CK119', ['files', fi, key, k], `member ends past the ${f.size}-byte file`,
+          'data_offset + member_size <= size');
+      });
+    }
   });
   // CK116: either no partition is located, or all of them are.
   if (!located.size) return;
@@ -223,20 +263,138 @@ function fileRules(m, add) {
   });
 }
 
+// The real elements of rank r's stage-3 fragment of an n-element tensor: ceil(n / ws), less at the end.
+const fragmentNumel = (n, ws, r) => Math.max(0, Math.min(Math.ceil(n / ws), n - r * Math.ceil(n / ws)));
+const fileRank = (f) => (f.ranks.length === 1 ? f.ranks[0] : null);
+const HOLDERS = { tensors: 'model_states', model_weights: 'model_states', state_partitions: 'optimizer_states' };
+
+// spec.md#tensor-locators, spec.md#model-weights (format 1.1)
+function locatorRules(m, add) {
+  const targets = new Map();
+  for (const section of ['frozen', 'buffers']) m[section].forEach((t, i) => { if (!targets.has(t.name)) targets.set(t.name, [section, i, t]); });
+  const roles = new Map([
+    ...m.groups.flatMap((g) => g.params.map((p) => [p.name, 'a trainable parameter'])),
+    ...m.aliases.map((a) => [a.name, 'an alias (located through its owner)']),
+    ...m.excluded.map((e) => [e.name, 'excluded from the checkpoint']),
+  ]);
+  const named = [];
+  m.files.forEach((f, fi) => (f.tensors ?? []).forEach((loc, k) => named.push([fi, k, f, loc])));
+  // CK120: a named locator names a frozen param or buffer; each kind of locator sits in its kind of file.
+  for (const [fi, k, , loc] of named) {
+    if (!targets.has(loc.name)) {
+      add('CK120', ['files', fi, 'tensors', k, 'name'], `locates ${loc.name}, which is ${roles.get(loc.name) ?? 'not declared'}`,
+        'files[].tensors locate frozen parameters and buffers');
+    }
+  }
+  m.files.forEach((f, fi) => {
+    for (const [key, role] of Object.entries(HOLDERS)) {
+      if ((f[key] ?? []).length && f.role !== role) add('CK120', ['files', fi, key], `a ${f.role} file carries ${key}`,
+        `${key} belong to ${role} files`);
+    }
+  });
+  // CK121: if any file locates named tensors, each frozen param and buffer is located as stored.
+  if (m.files.some((f) => 'tensors' in f)) {
+    const world = m.layout.world_size;
+    const seen = new Map();
+    for (const [, , f, loc] of named) seen.set(loc.name, [...(seen.get(loc.name) ?? []), fileRank(f)]);
+    for (const [section, i, t] of targets.values()) {
+      const ranks = seen.get(t.name) ?? [];
+      if (section === 'frozen' && t.stored_in === 'partitioned_fragments') {
+        const wrong = ranks.some((r) => r === null || r >= world || ranks.filter((x) => x === r).length > 1);
+        const missing = [...Array(world).keys()].filter((r) => !ranks.includes(r));
+        if (wrong || missing.length) add('CK121', [section, i], `${t.name}: fragments missing or repeated`,
+          'locate rank r\'s fragment once, in rank r\'s model-states file');
+      } else if (ranks.length !== 1) {
+        add('CK121', [section, i], `${t.name} is located ${ranks.length} times`, 'locate each frozen parameter and buffer once');
+      }
+    }
+  }
+  // CK122: a named locator holds the tensor's real elements in its dtype.
+  for (const [fi, k, f, loc] of named) {
+    if (!targets.has(loc.name)) continue;
+    const [section, , t] = targets.get(loc.name);
+    let numel = section === 'frozen' ? t.numel : Number(product(t.shape));
+    if (section === 'frozen' && t.stored_in === 'partitioned_fragments') {
+      const r = fileRank(f);
+      if (r === null || r >= m.layout.world_size) continue;
+      numel = fragmentNumel(numel, m.layout.world_size, r);
+    }
+    if (loc.numel !== numel) add('CK122', ['files', fi, 'tensors', k, 'numel'], `${loc.name}: ${loc.numel} elements, the tensor has ${numel} here`,
+      'numel counts the real elements');
+    if (loc.dtype !== t.dtype) add('CK122', ['files', fi, 'tensors', k, 'dtype'], `${loc.name}: dtype ${loc.dtype}, the tensor's ${t.dtype}`,
+      'a locator has the dtype of the tensor it locates');
+  }
+  // CK123: each flat group's low-precision weights: once, padded_numel elements of model_dtype.
+  const weights = new Set();
+  m.files.forEach((f, fi) => (f.model_weights ?? []).forEach((loc, k) => {
+    const g = m.groups[loc.group];
+    const at = (...more) => ['files', fi, 'model_weights', k, ...more];
+    if (!g) return;
+    if (g.partitioning !== 'flat') { add('CK123', at('group'), `group ${loc.group} is per_param`, 'flat groups only'); return; }
+    if (weights.has(loc.group)) add('CK123', at(), `group ${loc.group} is located twice`, 'locate each group once');
+    weights.add(loc.group);
+    if (loc.numel !== g.padded_numel) add('CK123', at('numel'), `${loc.numel} elements, the group ${g.padded_numel}`, 'numel is padded_numel');
+    if (loc.dtype !== m.layout.model_dtype) add('CK123', at('dtype'), `dtype ${loc.dtype}, model_dtype ${m.layout.model_dtype}`,
+      'the flat weights hold the model dtype');
+  }));
+}
+
+// spec.md#state-partitions, spec.md#optimizer (format 1.1)
+function optimizerRules(m, add) {
+  // CK124: each (group, rank, state) located once; every rank of a group holds the same states.
+  const seen = new Set();
+  const states = new Map();
+  m.files.forEach((f, fi) => (f.state_partitions ?? []).forEach((loc, k) => {
+    const g = m.groups[loc.group];
+    if (!g || loc.rank >= g.partition_count) return;
+    const key = `${loc.group}/${loc.rank}/${loc.state}`;
+    if (seen.has(key)) add('CK124', ['files', fi, 'state_partitions', k], `${loc.state} of group ${loc.group} rank ${loc.rank} is located twice`,
+      'locate each state partition once');
+    seen.add(key);
+    states.set(loc.group, new Set([...(states.get(loc.group) ?? []), loc.state]));
+    // CK125: a state partition keeps the whole partition, padding included.
+    if (loc.numel !== g.partition_numel) add('CK125', ['files', fi, 'state_partitions', k, 'numel'],
+      `${loc.numel} elements, the group's partitions ${g.partition_numel}`, 'a state partition is partition_numel long on every rank');
+  }));
+  for (const [g, names] of [...states.entries()].sort((a, b) => a[0] - b[0])) {
+    for (let r = 0; r < m.groups[g].partition_count; r++) {
+      if ([...names].some((s) => !seen.has(`${g}/${r}/${s}`))) add('CK124', ['groups', g], `rank ${r} lacks a state of group ${g}`,
+        'every rank holds every state of the group');
+    }
+  }
+  // CK126: optimizer.groups describes each optimizer param group of $.groups once.
+  if (!m.optimizer) return;
+  const declared = new Set(m.groups.map((g) => g.optimizer_group));
+  const described = new Set();
+  m.optimizer.groups.forEach((entry, k) => {
+    const at = ['optimizer', 'groups', k, 'optimizer_group'];
+    if (described.has(entry.optimizer_group)) add('CK126', at, `optimizer group ${entry.optimizer_group} is described twice`, 'describe each once');
+    else if (!declared.has(entry.optimizer_group)) add('CK126', at, `optimizer group ${entry.optimizer_group} holds no group`,
+      'describe the optimizer groups $.groups names');
+    described.add(entry.optimizer_group);
+  });
+  if ([...declared].some((g) => !described.has(g))) add('CK126', ['optimizer', 'groups'], 'an optimizer group is not described',
+    'describe every optimizer group $.groups names');
+}
+
 function semanticFindings(m) {
   const out = [];
   const add = (code, parts, message, hint) => out.push(finding(code, jsonPath(parts), message, hint));
-  for (const rules of [tensorRules, groupRules, fileRules]) rules(m, add);
+  for (const rules of [tensorRules, groupRules, fileRules, locatorRules, optimizerRules]) rules(m, add);
   return out;
 }
 
-// The whole check of a decoded manifest; `validate` is a compiled schema.
-function checkManifest(validate, doc) {
+// The whole check of a decoded manifest; `validators`: compileSchemas() (or one compiled schema).
+function checkManifest(validators, doc) {
   const gate = versionGate(doc);
   if (gate.stop) return gate.findings;
+  const validate = schemaFor(validators, doc);
   const found = [...gate.findings, ...unsafeIntegers(doc), ...schemaFindings(validate, doc, gate.newerMinor)];
   if (found.some((f) => f.severity === 'error')) return found;
   return [...found, ...semanticFindings(doc)];
 }
 
-module.exports = { SCHEMA_FILE, compileSchema, versionGate, unsafeIntegers, schemaFindings, semanticFindings, checkManifest, jsonPath };
+module.exports = {
+  SCHEMA_FILE, SCHEMA_FILES, compileSchema, compileSchemas, schemaFor, versionGate, unsafeIntegers, schemaFindings,
+  semanticFindings, checkManifest, jsonPath, fragmentNumel,
+};

@@ -10,6 +10,16 @@ const ITEMSIZE = {
 // The master dtypes this reader can widen exactly to float32.
 const WIDENABLE = new Set(['float32', 'float16', 'bfloat16']);
 
+// The dtype each stored dtype is written as (as `ckptspec reconstruct` writes the default fp32):
+// floating tensors as float32, integer and bool tensors as they are.
+const OUTPUT_DTYPE = {
+  float32: 'float32', float16: 'float32', bfloat16: 'float32',
+  int64: 'int64', int32: 'int32', int16: 'int16', int8: 'int8', uint8: 'uint8', bool: 'bool',
+};
+
+// safetensors dtype codes of the output dtypes.
+const SAFETENSORS = { float32: 'F32', int64: 'I64', int32: 'I32', int16: 'I16', int8: 'I8', uint8: 'U8', bool: 'BOOL' };
+
 // bfloat16 is the top half of a float32: widening is a 16-bit shift.
 function bf16ToF32Bits(h) {
   return (h << 16) >>> 0;
@@ -39,4 +49,4 @@ function toFloat32(bytes, dtype) {
   return out;
 }
 
-module.exports = { ITEMSIZE, WIDENABLE, toFloat32 };
+module.exports = { ITEMSIZE, WIDENABLE, OUTPUT_DTYPE, SAFETENSORS, toFloat32 };

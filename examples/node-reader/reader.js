@@ -1,19 +1,21 @@
 #!/usr/bin/env node
 'use strict';
-// Rebuild the fp32 weights of a DeepSpeed ZeRO checkpoint from its ckptspec manifest, in plain
+// Rebuild the full state dict of a DeepSpeed ZeRO checkpoint from its ckptspec manifest, in plain
 // Node.js: no torch, no pickle, no zip parsing. The manifest's locators (docs/spec.md#locators)
-// give the byte offset of every rank's flat master partition inside the .pt files.
+// give the byte offset of every rank's flat master partition inside the .pt files, and (format
+// 1.1, docs/spec.md#tensor-locators) of every frozen parameter and buffer.
 //
 //   node reader.js [--no-hash] MANIFEST.json CHECKPOINT OUT.safetensors
 //
 // CHECKPOINT is the directory the manifest's file paths are relative to (the tag directory), or
 // the save directory above it, whose `latest` file names the tag. Exit status: 0 written,
 // 1 invalid manifest or checkpoint files, 2 usage or I/O error. Nothing is written unless all is well.
+// Every key is written (tied aliases as copies of their owner); floating tensors as float32.
 const crypto = require('crypto');
 const fs = require('fs');
 const path = require('path');
-const { compileSchema, checkManifest } = require('./check');
-const { ITEMSIZE, WIDENABLE, toFloat32 } = require('./dtypes');
+const { compileSchemas, checkManifest } = require('./check');
+const { ITEMSIZE, WIDENABLE, OUTPUT_DTYPE, toFloat32 } = require('./dtypes');
 const { writeSafetensors } = require('./safetensors');
 
 const USAGE = 'usage: node reader.js [--no-hash] MANIFEST.json CHECKPOINT OUT.safetensors';
@@ -108,16 +110,24 @@ function checkMember(fd, file, loc) {
     'regenerate the manifest from these files');
 }
 
-// (group, rank) -> {fd, file, loc} for every locator (spec.md#locators; CK116 made them complete).
+// (group, rank) -> {fd, file, loc} for every master partition (spec.md#locators; CK116 made them
+// complete), and name -> [{fd, file, loc}] in rank order for every frozen parameter and buffer
+// (format 1.1, spec.md#tensor-locators; CK121 made them complete).
 function locate(manifest, fds) {
   const located = new Map();
+  const named = new Map();
   for (const f of manifest.files) {
     for (const loc of f.partitions) {
       checkMember(fds.get(f.path), f.path, loc);
       located.set(`${loc.group}/${loc.rank}`, { fd: fds.get(f.path), file: f.path, loc });
     }
+    for (const loc of f.tensors ?? []) {
+      checkMember(fds.get(f.path), f.path, loc);
+      named.set(loc.name, [...(named.get(loc.name) ?? []), { fd: fds.get(f.path), file: f.path, loc, rank: f.ranks[0] ?? 0 }]);
+    }
   }
-  return located;
+  for (const parts of named.values()) parts.sort((a, b) => a.rank - b.rank);
+  return { located, named };
 }
 
 // spec.md#reconstruction: the [start, start + count) element ranges of each rank's partition that
@@ -148,11 +158,30 @@ function pieces(group, g, p, located) {
   return out;
 }
 
-function readParam(piecesOfP, dtype) {
-  const item = ITEMSIZE[dtype];
-  const raw = Buffer.concat(piecesOfP.map(({ part, start, count }) =>
+// The tensor's stored bytes, checked against its digest (spec.md#digests: sha256 of the real
+// elements, little-endian, as stored), then widened to float32 when floating.
+function readTensor(t) {
+  const item = ITEMSIZE[t.dtype];
+  const raw = Buffer.concat(t.pieces.map(({ part, start, count }) =>
     readAt(part.fd, part.loc.data_offset + (part.loc.element_offset + start) * item, count * item)));
-  return toFloat32(raw, dtype);
+  if (t.digest) {
+    const actual = crypto.createHash('sha256').update(raw).digest('hex');
+    if (actual !== t.digest) {
+      throw new Refusal('CK222', t.name, `sha256 of the tensor's elements is ${actual.slice(0, 16)}..., the manifest records `
+        + `${t.digest.slice(0, 16)}...`, 'the tensor changed after the manifest was written; restore its file');
+    }
+  }
+  return OUTPUT_DTYPE[t.dtype] === 'float32' ? toFloat32(raw, t.dtype) : raw;
+}
+
+// A frozen parameter or buffer through its named locators: their elements back to back, in rank order.
+function namedPieces(name, numel, dtype, parts) {
+  const got = parts.reduce((n, { loc }) => n + loc.numel, 0);
+  if (got !== numel || parts.some(({ loc }) => loc.dtype !== dtype)) {
+    throw new Refusal('CK401', name, `the locators hold ${got} elements, the tensor has ${numel}`,
+      'run `ckptspec validate` and regenerate the manifest');
+  }
+  return parts.filter(({ loc }) => loc.numel).map((part) => ({ part, start: 0, count: part.loc.numel }));
 }
 
 function reconstruct(manifest, dir, out, checkHash) {
@@ -160,6 +189,9 @@ function reconstruct(manifest, dir, out, checkHash) {
   if (layout.tensor_parallel_size !== 1 || layout.pipeline_parallel_size !== 1) {
     throw new Refusal('CK402', '$.layout', 'the manifest describes one model-parallel rank, not the whole model',
       'this reader handles data parallelism only');
+  }
+  if ((layout.byte_order ?? 'little') !== 'little') { // spec.md#byte-order: a reader checks it
+    throw new Refusal('CK402', '$.layout.byte_order', `${layout.byte_order} byte order`, 'this reader reads little-endian bytes');
   }
   if (!WIDENABLE.has(layout.master_dtype)) {
     throw new Refusal('CK402', '$.layout.master_dtype', `${layout.master_dtype} masters cannot be widened to float32 here`,
@@ -170,31 +202,62 @@ function reconstruct(manifest, dir, out, checkHash) {
       'generate the manifest from the checkpoint: `ckptspec generate CHECKPOINT`');
   }
   const fds = openFiles(manifest, dir, checkHash);
-  const located = locate(manifest, fds);
+  const { located, named } = locate(manifest, fds);
+  const sha = (d) => d?.sha256;
   const tensors = manifest.groups.flatMap((group, g) => group.params.map((p) => (
-    { name: p.name, shape: p.shape, nbytes: 4 * p.numel, pieces: pieces(group, g, p, located) })));
-
-  // Frozen parameters and buffers live in pickled state dicts: format 1.0 has no locator for them.
-  const written = new Set(tensors.map((t) => t.name));
+    { name: p.name, shape: p.shape, dtype: layout.master_dtype, numel: p.numel, digest: sha(p.digest),
+      pieces: pieces(group, g, p, located) })));
+  // Frozen parameters and buffers: through their locators (format 1.1); a 1.0 manifest has none.
   const absent = {};
-  for (const f of manifest.frozen) absent[f.name] = `frozen (stored_in ${f.stored_in}): not located by the manifest`;
-  for (const b of manifest.buffers) absent[b.name] = 'buffer: not located by the manifest';
+  const product = (shape) => shape.reduce((a, d) => a * d, 1);
+  for (const [section, role] of [['frozen', 'frozen'], ['buffers', 'buffer']]) {
+    for (const t of manifest[section]) {
+      const numel = section === 'frozen' ? t.numel : product(t.shape);
+      if (!named.has(t.name)) {
+        absent[t.name] = `${role}: not located by the manifest (format ${manifest.format_version})`;
+        continue;
+      }
+      if (!OUTPUT_DTYPE[t.dtype]) {
+        throw new Refusal('CK402', t.name, `${t.dtype} tensors are not written by this reader`, 'use `ckptspec reconstruct`');
+      }
+      tensors.push({ name: t.name, shape: t.shape, dtype: t.dtype, numel, digest: sha(t.digest),
+        pieces: namedPieces(t.name, numel, t.dtype, named.get(t.name)) });
+    }
+  }
   for (const e of manifest.excluded) absent[e.name] = `excluded: ${e.reason}`;
-  // Aliases are stored once, under their owner; the tie goes in the metadata (as ckptspec reconstruct does).
+  // Aliases: a copy of their owner under their own name (as `ckptspec reconstruct --untie`), the tie in the metadata.
+  const byName = new Map(tensors.map((t) => [t.name, t]));
   const aliases = {};
   for (const a of manifest.aliases) {
-    if (written.has(a.owner)) aliases[a.name] = a.owner;
-    else absent[a.name] = `alias of ${a.owner}, which is not written`;
+    const owner = byName.get(a.owner);
+    if (owner) {
+      aliases[a.name] = a.owner;
+      tensors.push({ ...owner, name: a.name, shape: a.shape, owner: a.owner });
+    } else {
+      absent[a.name] = `alias of ${a.owner}, which is not written`;
+    }
+  }
+  for (const t of tensors) {
+    t.out = OUTPUT_DTYPE[t.dtype];
+    t.nbytes = t.numel * ITEMSIZE[t.out];
   }
   const metadata = {
     format: 'pt',
     'ckptspec.format_version': manifest.format_version,
     'ckptspec.dtype': 'float32',
     'ckptspec.aliases': JSON.stringify(aliases),
+    'ckptspec.untied': 'true',
     'ckptspec.absent': JSON.stringify(absent),
   };
+  const tied = new Set(Object.values(aliases));
+  const kept = new Map(); // the owners' bytes, read and checked once, copied for their aliases
   try {
-    writeSafetensors(out, tensors, metadata, (t) => readParam(t.pieces, layout.master_dtype));
+    writeSafetensors(out, tensors, metadata, (t) => {
+      if (t.owner) return kept.get(t.owner);
+      const bytes = readTensor(t);
+      if (tied.has(t.name)) kept.set(t.name, bytes);
+      return bytes;
+    });
   } catch (err) {
     if (err instanceof Refusal) throw err;
     throw new Refusal('CK906', out, `cannot write: ${err.message}`, 'check the output path and free space', 2);
@@ -212,7 +275,7 @@ function main(argv) {
   const [manifestFile, checkpoint, out] = args;
   try {
     const manifest = readManifest(manifestFile);
-    const findings = checkManifest(compileSchema(), manifest);
+    const findings = checkManifest(compileSchemas(), manifest);
     for (const f of findings) {
       const label = f.severity === 'error' ? f.code : `${f.code} warning:`;
       process.stderr.write(`${manifestFile}: ${f.where}: ${label} ${f.message} (hint: ${f.hint})\n`);
@@ -222,7 +285,7 @@ function main(argv) {
       throw new Refusal('CK901', checkpoint, 'is not a directory', 'pass the checkpoint (save or tag) directory', 2);
     }
     const done = reconstruct(manifest, tagDirectory(checkpoint), out, checkHash);
-    process.stdout.write(`${out}: ${done.tensors} tensors, ${done.aliases} aliases in the metadata\n`);
+    process.stdout.write(`${out}: ${done.tensors} tensors (${done.aliases} of them tied aliases, written as copies)\n`);
     if (done.absent.length) process.stdout.write(`not in the output (see its ckptspec.absent metadata): ${done.absent.join(', ')}\n`);
     return 0;
   } catch (err) {

@@ -5,13 +5,15 @@
 // written as soon as it is read. The file appears under its name only once complete (rename).
 const fs = require('fs');
 const path = require('path');
+const { SAFETENSORS } = require('./dtypes');
 
-// tensors: [{name, shape, nbytes}] in write order; metadata: {string: string}.
+// tensors: [{name, shape, nbytes, out}] in write order (`out`: the written dtype, float32 when
+// absent); metadata: {string: string}.
 function header(tensors, metadata) {
   const table = { __metadata__: metadata };
   let offset = 0;
   for (const t of tensors) {
-    table[t.name] = { dtype: 'F32', shape: t.shape, data_offsets: [offset, offset + t.nbytes] };
+    table[t.name] = { dtype: SAFETENSORS[t.out ?? 'float32'], shape: t.shape, data_offsets: [offset, offset + t.nbytes] };
     offset += t.nbytes;
   }
   let json = Buffer.from(JSON.stringify(table), 'utf8');

@@ -2,28 +2,28 @@
 'use strict';
 // Validate many JSON manifests in one process; print one JSON object per file on stdout:
 //   {"file", "raw_valid", "raw_errors", "codes", "warnings"}
-// raw_*: the JSON Schema alone (ajv), nothing else. codes/warnings: the full check of check.js
+// raw_*: the JSON Schema of the document's version alone (ajv), nothing else. codes/warnings: the full check of check.js
 // (version gate, schema, semantic rules), as `ckptspec validate` reports them.
 // Usage: node validate.js [--schema FILE] MANIFEST.json...   (exit 0 all valid, 1 some invalid, 2 usage)
 const fs = require('fs');
-const { SCHEMA_FILE, compileSchema, checkManifest } = require('./check');
+const { compileSchemas, schemaFor, checkManifest } = require('./check');
 
 function main(argv) {
-  let schemaFile = SCHEMA_FILE;
+  let schemaFile = null; // default: each document's own version's schema
   if (argv[0] === '--schema') { schemaFile = argv[1]; argv = argv.slice(2); }
   if (!argv.length) {
     process.stderr.write('usage: node validate.js [--schema FILE] MANIFEST.json...\n');
     return 2;
   }
   const warnings = [];
-  let validate;
+  let validators;
   try {
-    validate = compileSchema(schemaFile, warnings);
+    validators = compileSchemas(schemaFile, warnings);
   } catch (err) { // strict mode refuses unknown keywords and formats, ambiguous types...
-    process.stderr.write(`${schemaFile}: ajv cannot compile the schema: ${err.message}\n`);
+    process.stderr.write(`${schemaFile ?? 'schema/'}: ajv cannot compile the schema: ${err.message}\n`);
     return 2;
   }
-  for (const w of warnings) process.stderr.write(`${schemaFile}: ajv warning: ${w}\n`);
+  for (const w of warnings) process.stderr.write(`${schemaFile ?? 'schema/'}: ajv warning: ${w}\n`);
   let status = 0;
   for (const file of argv) {
     let doc;
@@ -34,8 +34,9 @@ function main(argv) {
       status = 2;
       continue;
     }
+    const validate = schemaFor(validators, doc);
     const raw = validate(doc);
-    const findings = checkManifest(validate, doc);
+    const findings = checkManifest(validators, doc);
     const codes = (severity) => [...new Set(findings.filter((f) => f.severity === severity).map((f) => f.code))].sort();
     const verdict = {
       file,

@@ -52,7 +52,7 @@ def old_python() -> str:
 
 def commit_entry(name: str, target: Path) -> None:
     """Copy the checkpoint of harness entry ``name`` (built if needed) to ``target``: the tag
-    directory, ``latest`` and what the job recorded (live masters, harness.json)."""
+    directory, ``latest`` and what the job recorded (live masters and optimizer state, harness.json)."""
     import shutil
 
     from . import tasks
@@ -61,7 +61,7 @@ def commit_entry(name: str, target: Path) -> None:
     tag = (built / "latest").read_text().strip()
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
-    for keep in ("latest", "live_fp32.pt", "harness.json"):
+    for keep in ("latest", "live_fp32.pt", "live_optim.pt", "harness.json"):
         shutil.copy2(built / keep, target / keep)
     shutil.copytree(built / tag, target / tag)
     print(f"{target}: {sum(p.stat().st_size for p in target.rglob('*') if p.is_file())} bytes")

@@ -39,6 +39,7 @@ class Fault:
     donor: str | None = None  # the checkpoint whose files the mutation copies in (as base)
     hashed_manifest: bool = False  # validate against a `generate --hash` manifest made before the corruption
     severity: str = "error"  # "warning": reported, but the checkpoint stays valid and readable
+    digests_only: bool = False  # ... with the files' hashes removed: only its tensor digests can tell (format 1.1)
 
 
 def base_dir(base: str, ds) -> Path:
@@ -227,6 +228,59 @@ def drop_frozen_fragment(save_dir: Path, env: FaultEnv) -> None:
     _edit(_model(save_dir, 1), lambda state: state["frozen_param_fragments"].pop("frozen.weight"))
 
 
+def _flip_element(path: Path, holder: str, name: str, element: int) -> None:
+    """Flip a bit of one element of a tensor of a torch file, in place (metadata unchanged)."""
+    from ckptspec.checkpoint import torchfile
+
+    ref = torchfile.read_pt_metadata(path)[holder][name]
+    offset, _ = torchfile.tensor_byte_range(ref, torchfile.zip_member_locations(path))
+    with open(path, "r+b") as fh:
+        fh.seek(offset + element * ref.storage.itemsize)
+        byte = fh.read(1)
+        fh.seek(offset + element * ref.storage.itemsize)
+        fh.write(bytes([byte[0] ^ 0x40]))
+
+
+def flip_frozen_element(save_dir: Path, env: FaultEnv) -> None:
+    _flip_element(_model(save_dir), "module", "frozen.weight", 100)
+
+
+def resave_model_states(save_dir: Path, env: FaultEnv) -> None:
+    """The model states re-saved with a larger pickle: every tensor member moves."""
+    _edit(_model(save_dir), lambda state: state.__setitem__("note", "re-saved " * 200))
+
+
+def optimizer_step_of_another_save(save_dir: Path, env: FaultEnv) -> None:
+    import torch
+
+    def change(state):
+        state["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"] = torch.tensor(3.0)
+
+    _edit(_optim(save_dir, 1), change)
+
+
+def model_counters_of_another_save(save_dir: Path, env: FaultEnv) -> None:
+    _edit(_model(save_dir, 1), lambda state: state.update(global_steps=3, global_samples=24))
+
+
+def save_id_of_another_save(save_dir: Path, env: FaultEnv) -> None:
+    import json
+
+    from ckptspec.checkpoint.pt_rewrite import rewrite_pt_with_item
+
+    path = _model(save_dir, 1)
+    state = _load(path)
+    doc = json.loads(state["ckptspec_manifest"])
+    doc["save"]["id"] = "00000000-0000-4000-8000-000000000000"
+    rewrite_pt_with_item(path, "ckptspec_manifest", json.dumps(doc))
+
+
+def _load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
 def shift_slice_mapping(save_dir: Path, env: FaultEnv) -> None:
     def change(state):
         mapping = state["optimizer_state_dict"]["param_slice_mappings"][0]
@@ -240,6 +294,7 @@ def shift_slice_mapping(save_dir: Path, env: FaultEnv) -> None:
 
 S2, S3, S1, RR, G2 = "s2-bf16-ws2", "s3-bf16-ws2-sub", "s1-bf16-ws2", "s2-fp32-ws3-rr", "s2-fp16-ws2-groups"
 OPT1_BF16 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+HOOK_S3 = "embed-s3-fp16-ws2-groups-sub"  # saved through ckptspec's save hook: a save id in every copy
 
 
 def leftover_temporary(save_dir: Path, env: FaultEnv) -> None:
@@ -438,10 +493,54 @@ FAULTS = [
         "leftover-temporary",
         "committed:s2-bf16-ws2",
         "a ckptspec write into the tag directory was killed and left its temporary file",
-        "CK221",
+        "CK224",
         None,
         leftover_temporary,
         severity="warning",
+    ),
+    Fault(
+        "flipped-frozen-element",
+        "committed:s2-bf16-ws2",
+        "stage 2: one bit of `frozen.weight` flipped in the model states (checked against the tensor digests of a "
+        "`--hash` manifest whose file hashes were removed)",
+        "CK222",
+        "mp_rank_00_model_states.pt",
+        flip_frozen_element,
+        hashed_manifest=True,
+        digests_only=True,
+    ),
+    Fault(
+        "moved-tensor-members",
+        "committed:s2-bf16-ws2",
+        "stage 2: the model states re-saved (every tensor member moved) after the `--hash` manifest was written",
+        "CK221",
+        "mp_rank_00_model_states.pt",
+        resave_model_states,
+        hashed_manifest=True,
+    ),
+    Fault(
+        "optimizer-file-of-another-save",
+        "committed:s2-bf16-ws2",
+        "stage 2: rank 1's optimizer file records step 3 where rank 0's records step 2 (a file of another save)",
+        "CK223",
+        OPT1_BF16,
+        optimizer_step_of_another_save,
+    ),
+    Fault(
+        "model-file-of-another-save",
+        S3,
+        "stage 3: rank 1's model states record global step 3 where rank 0's record step 2 (a file of another save)",
+        "CK223",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        model_counters_of_another_save,
+    ),
+    Fault(
+        "save-id-of-another-save",
+        HOOK_S3,
+        "stage 3, saved by ckptspec's hook: rank 1's model states carry another save id than the sidecar",
+        "CK223",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        save_id_of_another_save,
     ),
     Fault(
         "malicious-pickle",

@@ -182,7 +182,7 @@ def start_nginx(work: Path) -> Nginx:
     proc = subprocess.Popen(
         [nginx_binary(), "-c", str(conf), "-p", str(work), "-e", str(log)],
         stdout=subprocess.DEVNULL,
-        stderr=open(work / "stderr.log", "wb"),  # noqa: SIM115 - the child holds it
+        stderr=open(work / "stderr.log", "wb"),
     )
     _wait_for(f"http://127.0.0.1:{port}/", proc, "nginx", log)
     return Nginx(port, root, work, proc)
@@ -239,7 +239,7 @@ def start_s3(work: Path) -> S3Server:
     log = work / "moto.log"
     proc = subprocess.Popen(
         [str(binary), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=open(log, "wb"),  # noqa: SIM115 - the child holds it
+        stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,
     )
     _wait_for(f"http://127.0.0.1:{port}/", proc, "moto_server", log)

@@ -339,7 +339,7 @@ def test_bug_lone_surrogate_in_decoded_data():
 def test_bug_lone_surrogate_key_in_an_unknown_field():
     """Was: UnicodeEncodeError from validate_document. The models keep a newer minor's unknown
     fields as they are, and could not serialize a dict key holding a lone surrogate."""
-    doc = manifest_with(format_version="1.1.0")
+    doc = manifest_with(format_version="1.2.0")  # a minor newer than this reader's 1.1
     doc["layout"]["future"] = {"\ud800": None}
     findings = validate_document(doc).findings
     assert [(f.code, f.path) for f in findings if f.severity == "error"] == [("CK001", "$.layout.future['\\ud800']")]

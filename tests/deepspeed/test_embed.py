@@ -16,6 +16,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import uuid
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -344,6 +345,15 @@ def _without(doc: dict, *keys: str) -> dict:
     return {k: v for k, v in doc.items() if k not in keys}
 
 
+def _without_digests(doc: dict) -> dict:
+    """The document without format 1.1's tensor digests (computed from the files once they are written)."""
+    doc = json.loads(json.dumps(doc))
+    for item in [p for g in doc["groups"] for p in g["params"]] + doc["frozen"] + doc["buffers"]:
+        for key in ("digest", "model_digest", "state_digests"):
+            item.pop(key, None)
+    return doc
+
+
 @pytest.mark.deepspeed
 def test_every_rank_returns_the_same_complete_valid_manifest(saved):
     assert all(doc == saved.returned[0] for doc in saved.returned)
@@ -355,6 +365,11 @@ def test_every_rank_returns_the_same_complete_valid_manifest(saved):
     assert all(f["hash"]["algorithm"] == "sha256" for f in manifest["files"])
     if saved.spec.get("exclude_frozen"):
         assert manifest["excluded"] and manifest["frozen"] == []
+    # Format 1.1: the live engine's optimizer class and scalars, a save id, every tensor digested.
+    assert manifest["format_version"] == "1.1.0" and manifest["optimizer"]["class"] == "torch.optim.adamw.AdamW"
+    assert len(manifest["save"]["id"]) == 36 and manifest["save"]["global_steps"] == saved.spec["steps"]
+    tensors = [p for g in manifest["groups"] for p in g["params"]] + manifest["frozen"] + manifest["buffers"]
+    assert tensors and all("digest" in t for t in tensors)
 
 
 @pytest.mark.deepspeed
@@ -390,7 +405,8 @@ def test_model_states_carry_the_layout_manifest(saved):
     for path in files:
         state = torchfile.read_pt_metadata(path)
         assert type(state[CLIENT_STATE_KEY]) is str
-        assert json.loads(state[CLIENT_STATE_KEY]) == layout_document(sidecar)
+        # Everything but the files and what is computed from them once written (the digests): the save id too.
+        assert json.loads(state[CLIENT_STATE_KEY]) == _without_digests(layout_document(sidecar))
     assert embedded_findings(saved.save_dir) == []
 
 
@@ -401,7 +417,7 @@ def test_engine_load_checkpoint_still_works(saved):
         result = json.loads((saved.save_dir / f"load_back.rank{rank}.json").read_text())
         assert result["moved_before_load"], "the extra step did not change the weights: the test proves nothing"
         assert result["restored"], f"rank {rank}: weights after load_checkpoint differ from the saved ones"
-        assert result["embedded_type"] == "str" and result["embedded"] == layout_document(sidecar)
+        assert result["embedded_type"] == "str" and result["embedded"] == _without_digests(layout_document(sidecar))
 
 
 @pytest.mark.deepspeed
@@ -413,10 +429,11 @@ def test_manifest_survives_when_only_pt_files_are_copied(saved, tmp_path):
     sidecar = json.loads(saved.sidecar.read_text())
     result = run("extract", str(bare))
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == layout_document(sidecar)
+    assert json.loads(result.stdout) == _without_digests(layout_document(sidecar))
     one = run("extract", str(_model_files(bare)[-1]))
-    assert json.loads(one.stdout) == layout_document(sidecar)
-    # embed restores the complete sidecar from the copies: the engine's layout, files described anew.
+    assert json.loads(one.stdout) == _without_digests(layout_document(sidecar))
+    # embed restores the complete sidecar from the copies: the engine's layout (the optimizer's class
+    # and the save id included), files described and tensors digested anew.
     restored = run("embed", str(bare))
     assert restored.returncode == 0, restored.stderr
     assert json.loads((bare / "ckptspec.json").read_text()) == sidecar
@@ -468,8 +485,12 @@ def test_embed_into_a_plain_deepspeed_checkpoint(saved, tmp_path):
         == f"{tag_dir / 'ckptspec.json'}: written ({len(saved.returned[0]['files'])} files)"
     )
     sidecar, original = json.loads((tag_dir / "ckptspec.json").read_text()), saved.returned[0]
-    # The directory cannot know the names exclude_frozen_parameters dropped; the rest is the engine's layout.
-    assert _without(sidecar, "producer", "files", "excluded") == _without(original, "producer", "files", "excluded")
+    # The directory cannot know the names exclude_frozen_parameters dropped, the optimizer's class
+    # nor the save id (both were only in the stripped copies); the rest is the engine's manifest.
+    assert sidecar["optimizer"].pop("class") == "unknown" and "id" not in sidecar["save"]
+    known = json.loads(json.dumps(original))
+    known["optimizer"].pop("class"), known["save"].pop("id")
+    assert _without(sidecar, "producer", "files", "excluded") == _without(known, "producer", "files", "excluded")
     assert run("validate", str(copy_dir)).returncode == 0
     assert embedded_findings(copy_dir) == []
 
@@ -553,17 +574,18 @@ def fake_job(saved, monkeypatch):
     import ckptspec.deepspeed.engine as ds
     from ckptspec.format.models import Manifest
 
-    layout = Manifest.model_validate(layout_document(json.loads(saved.sidecar.read_text())))
+    layout = Manifest.model_validate(_without_digests(layout_document(json.loads(saved.sidecar.read_text()))))
     monkeypatch.setattr(
         ds, "manifest_from_engine", lambda engine, exclude_frozen_parameters=False: layout.model_copy(deep=True)
     )
-    stage = layout.layout.zero_stage
+    # The save id rank 0 draws: the real job's, so that the sidecar can be reproduced byte for byte.
+    monkeypatch.setattr(ds.uuid, "uuid4", lambda: uuid.UUID(layout.save.id))
 
     def install(other=None, hash_algorithm="sha256"):
         def others(rank):
             if other is not None:
                 return other(rank)
-            return ds._describe_own_files(state["engine"].target, rank, stage, hash_algorithm), None
+            return ds._describe_own_files(state["engine"].target, rank, layout, hash_algorithm), None
 
         state = {}
         fake = _FakeDist(saved.world_size, others)
@@ -659,3 +681,30 @@ def test_validate_dir_reports_a_disagreeing_copy(saved, tmp_path):
     result = run("validate", str(copy_dir), "--no-hash")
     assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr
     assert "CK301" in result.stdout and victim.name in result.stdout
+
+
+@pytest.mark.deepspeed
+def test_digests_need_every_file_on_rank_0(fake_job, tmp_path, monkeypatch):
+    """A digest can span ranks' files: when rank 0 cannot see one (no shared filesystem), the sidecar
+    keeps the files' hashes and records no digest, with a warning; the save still succeeds."""
+    state = fake_job.install()
+    monkeypatch.setattr(fake_job.ds, "_sees_every_file", lambda tag_dir, manifest: False)
+    with pytest.warns(UserWarning, match="rank 0 cannot see every saved file; no tensor digests"):
+        manifest = fake_job.ds.save_checkpoint(fake_job.engine(state), tmp_path)
+    doc = manifest.to_dict()
+    assert all("hash" in f for f in doc["files"])
+    assert "digest" not in json.dumps(doc["groups"] + doc["frozen"] + doc["buffers"])
+    assert (tmp_path / "latest").read_text() == "global_step2"
+
+
+@pytest.mark.deepspeed
+def test_a_digest_that_cannot_be_computed_fails_every_rank(fake_job, tmp_path, monkeypatch):
+    state = fake_job.install()
+
+    def broken(manifest, tag_dir):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(fake_job.ds, "add_digests", broken)
+    with pytest.raises(RuntimeError, match="could not digest the saved tensors .* rank 0: OSError: disk gone"):
+        fake_job.ds.save_checkpoint(fake_job.engine(state), tmp_path)
+    assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2" / "ckptspec.json").exists()

@@ -505,11 +505,12 @@ def test_ckptspec_generate_refuses_the_checkpoint_with_ck202(ds, name):
 
 @pytest.mark.parametrize("name", CONVERTED)
 def test_ckptspec_generate_refuses_the_universal_folder_with_ck202(ds, name):
-    """Today a universal folder without model-parallel files is called a "ZeRO stage 0" checkpoint
-    (the wrong diagnosis #17 names); one with mp_rank_01 is refused for its model-parallel rank."""
+    """A universal folder without model-parallel files is named as such (#22 replaced the wrong
+    "ZeRO stage 0" diagnosis #17 names); one with mp_rank_01 is still refused for its
+    model-parallel rank first (#17 reads those)."""
     folder = ds.path(name) / _info(ds, name)["universal"]["output_folder"]
     result = _generate(folder)
     assert result.returncode == 1 and "CK202" in result.stderr and "Traceback" not in result.stderr
     spec, _ = _spec(name)
-    expected = "model-parallel rank 1" if spec["pp"] * spec["tp"] > 1 else "ZeRO stage 0"
+    expected = "model-parallel rank 1" if spec["pp"] * spec["tp"] > 1 else "universal checkpoint (zero/ folder)"
     assert expected in result.stderr, result.stderr

@@ -114,7 +114,7 @@ def test_a_killed_save_leaves_the_earlier_or_the_new_checkpoint(runs, case, tmp_
         # Whatever state: the checkpoint `latest` names validates clean (its hidden leftovers aside).
         report = CliRunner().invoke(cli, ["validate", str(save), "--format", "json"])
         assert report.exit_code == 0, (point, report.output)
-        assert all(f["code"] == "CK221" for f in json.loads(report.stdout)["findings"]), report.stdout
+        assert all(f["code"] == "CK224" for f in json.loads(report.stdout)["findings"]), report.stdout
         # The next save removes what the killed one left (its writer is gone).
         _fs.sweep(save)
         for tag_dir in [p for p in save.iterdir() if p.is_dir() and not p.name.startswith(".")]:

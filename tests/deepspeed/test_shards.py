@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from _harness.faults import FAULTS, FaultEnv, base_dir, snapshot, tag_dir
-from _harness.scenarios import MATRIX, engine_name
+from _harness.scenarios import COMMITTED, MATRIX, engine_name
 from click.testing import CliRunner
 
 from ckptspec.checkpoint import torchfile
@@ -99,6 +99,18 @@ def test_suite_covers_every_check():
     } <= {f.name for f in FAULTS}
 
 
+def _hashed_manifest(save_dir: Path, tmp_path: Path, fault) -> Path:
+    """`generate --hash` of the clean checkpoint; for ``digests_only``, without the files' hashes."""
+    manifest = tmp_path / "manifest.json"
+    assert _run("generate", str(save_dir), "--hash", "-o", str(manifest)).exit_code == 0
+    if fault.digests_only:
+        doc = json.loads(manifest.read_text())
+        for f in doc["files"]:
+            del f["hash"]
+        manifest.write_text(json.dumps(doc))
+    return manifest
+
+
 def _rank_of(name: str | None) -> int | None:
     import re
 
@@ -111,8 +123,7 @@ def test_fault_is_reported(fault, built, tmp_path):
     save_dir = _copy(built(fault.base), tmp_path)
     args = ["validate", str(save_dir)]
     if fault.hashed_manifest:
-        manifest = tmp_path / "manifest.json"
-        assert _run("generate", str(save_dir), "--hash", "-o", str(manifest)).exit_code == 0
+        manifest = _hashed_manifest(save_dir, tmp_path, fault)
         args = ["validate", str(manifest), "--checkpoint", str(save_dir)]
     env = FaultEnv(built(fault.donor) if fault.donor else None, tmp_path / "pwned")
     fault.mutate(save_dir, env)
@@ -157,8 +168,7 @@ def test_fault_is_refused_by_every_reader(fault, built, tmp_path):
     save_dir = _copy(built(fault.base), tmp_path)
     manifest_args, manifest = [], None
     if fault.hashed_manifest:
-        manifest = tmp_path / "manifest.json"
-        assert _run("generate", str(save_dir), "--hash", "-o", str(manifest)).exit_code == 0
+        manifest = _hashed_manifest(save_dir, tmp_path, fault)
         manifest_args = ["--manifest", str(manifest)]
     env = FaultEnv(built(fault.donor) if fault.donor else None, tmp_path / "pwned")
     fault.mutate(save_dir, env)
@@ -219,7 +229,13 @@ def test_sidecar_manifest_is_used_and_hashes_catch_bit_rot(built, tmp_path):
     result = _cli("validate", str(save_dir), "--format", "json")
     assert result.returncode == 1
     findings = json.loads(result.stdout)["findings"]
-    assert [(f["code"], f["file"], f["rank"]) for f in findings] == [("CK209", victim.name, 1)]
+    # The file's hash, and the digest of the tensor the byte is in (l1.weight's master, whose elements
+    # are in both ranks' files: no single file is named).
+    assert [(f["code"], f.get("file"), f.get("rank"), f["path"]) for f in findings] == [
+        ("CK209", victim.name, 1, "$.files[2].hash"),
+        ("CK222", None, None, "$.groups[0].params[1].digest"),
+    ]
+    assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt, " + victim.name in findings[1]["message"]
     assert _run("validate", str(save_dir), "--no-hash").exit_code == 0
     sidecar.unlink()  # without the recorded hash, the metadata alone cannot see bit rot
     assert _run("validate", str(save_dir)).exit_code == 0
@@ -317,3 +333,88 @@ def test_universal_checkpoint_is_named_as_such(built, tmp_path):
         assert result.exit_code == 1, (args, result.output)
         assert "CK202" in result.output and "universal checkpoint" in result.output, (args, result.output)
         assert "stage 0" not in result.output, result.output
+
+
+# --------------------------------------------------------------------------- format 1.1: digests
+
+
+def _flip_at(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "kind,where,element,finding",
+    [
+        # Real elements: each kind of located tensor has a digest that sees the flip.
+        ("master", ("partitions", 0), 0, ("CK222", "$.groups[0].params[1].digest")),
+        ("state", ("state_partitions", 1), 950, ("CK222", "$.groups[0].params[4].state_digests.exp_avg_sq")),
+        ("model weights", ("model_weights", 0), 1904, ("CK222", "$.groups[0].params[4].model_digest")),
+        ("buffer", ("tensors", 3), 15, ("CK222", "$.buffers[1].digest")),
+        # Padding: saved, but in no digest, so no finding (stage 3 leaves it uninitialised).
+        ("master tail", ("partitions", 0), 952, None),
+        ("state tail", ("state_partitions", 0), 953, None),
+        ("model weights tail", ("model_weights", 0), 1906, None),
+    ],
+)
+def test_digests_see_real_elements_not_padding(kind, where, element, finding, tmp_path):
+    """A bit flipped in a real element is CK222 at that tensor's digest; one flipped in padding is
+    not a finding. The manifest has no file hashes: only the tensor digests can tell."""
+    from ckptspec.format.dtypes import ITEMSIZE
+
+    save_dir = _copy(COMMITTED["s2-bf16-ws2"], tmp_path)
+    doc = manifest_from_checkpoint(save_dir, hash_algorithm="sha256").to_dict()
+    for f in doc["files"]:
+        del f["hash"]
+    manifest = Manifest.model_validate(doc)
+    # Rank 1's optimizer file (its partition is 951 real elements of 954), or the model states.
+    shard = next(f for f in manifest.files if getattr(f, where[0]) and (f.role == "model_states" or f.ranks == [1]))
+    loc = getattr(shard, where[0])[where[1]]
+    _flip_at(tag_dir(save_dir) / shard.path, loc.data_offset + (loc.element_offset + element) * ITEMSIZE[loc.dtype])
+    _, found = validate_checkpoint(save_dir, manifest)
+    assert [(f.code, f.path) for f in found] == ([finding] if finding else [])
+    _, unchecked = validate_checkpoint(save_dir, manifest, verify_hashes=False)
+    assert unchecked == []  # without hashes nothing reads the bytes
+
+
+def test_stage3_padding_is_in_no_digest(built, tmp_path):
+    """Stage 3 leaves padding uninitialised (NaN in these files): rank 2's fragment of frozen.weight
+    (256 elements over 3 ranks: 86, 86, 84 real) and rank 2's master partition of emb.weight (800
+    over 3: 267, 267, 266 real) each end in padding. Flipping it is no finding; flipping the last
+    real element before it is CK222 on that tensor alone."""
+    from ckptspec.format.dtypes import ITEMSIZE
+
+    def flipped(element_of, where):
+        save_dir = _copy(built("s3-fp16-ws3-groups"), tmp_path / where)
+        doc = manifest_from_checkpoint(save_dir, hash_algorithm="sha256").to_dict()
+        for f in doc["files"]:
+            del f["hash"]
+        manifest = Manifest.model_validate(doc)
+        path, offset = element_of(manifest)
+        _flip_at(tag_dir(save_dir) / path, offset)
+        return [(f.code, f.path) for f in validate_checkpoint(save_dir, manifest)[1]]
+
+    def fragment(element):
+        def at(manifest):
+            f = next(f for f in manifest.files if f.role == "model_states" and f.ranks == [2])
+            loc = next(t for t in f.tensors if t.name == "frozen.weight")
+            assert loc.numel == 84 and loc.member_size == 86 * ITEMSIZE[loc.dtype]
+            return f.path, loc.data_offset + element * ITEMSIZE[loc.dtype]
+
+        return at
+
+    def master(element):
+        def at(manifest):
+            f = next(f for f in manifest.files if f.role == "optimizer_states" and f.ranks == [2])
+            loc = next(p for p in f.partitions if p.group == 0)
+            param = manifest.groups[0].params[0]
+            assert param.name == "emb.weight" and param.offset == 0 and param.padding == 1
+            return f.path, loc.data_offset + element * ITEMSIZE[loc.dtype]
+
+        return at
+
+    assert flipped(fragment(85), "fragment-padding") == []
+    assert flipped(fragment(83), "fragment-real") == [("CK222", "$.frozen[0].digest")]
+    assert flipped(master(266), "master-padding") == []
+    assert flipped(master(265), "master-real") == [("CK222", "$.groups[0].params[0].digest")]

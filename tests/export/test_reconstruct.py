@@ -270,14 +270,23 @@ def test_files_changed_after_validation_are_refused_by_the_plan(point, tmp_path)
     from ckptspec.deepspeed.validate import validate_checkpoint
     from ckptspec.errors import InvalidCheckpoint
     from ckptspec.export.plan import plan_reconstruction
+    from ckptspec.format.migrate import migrate_document
+    from ckptspec.format.models import Manifest
 
     copy = tmp_path / "ckpt"
     shutil.copytree(point("s2-bf16-ws2"), copy)
     manifest, findings = validate_checkpoint(copy)
     assert findings == []
     _edit_model_states(copy, lambda module: module.__setitem__("running", module["running"].double()))
+    # Format 1.1: the re-save moved every member, so the first located tensor's locator is stale.
     with pytest.raises(InvalidCheckpoint) as info:
         plan_reconstruction(copy, manifest, states=StateCache())
+    assert info.value.code == "CK401" and info.value.exit_code == 1
+    assert info.value.message == "'frozen.weight': the manifest's locators no longer match the file"
+    # Format 1.0 (no locators): the buffer's own record says what changed.
+    old = Manifest.model_validate(migrate_document(manifest.to_dict(), "1.0").document)
+    with pytest.raises(InvalidCheckpoint) as info:
+        plan_reconstruction(copy, old, states=StateCache())
     assert info.value.code == "CK401" and info.value.exit_code == 1
     assert "buffer 'running' is float64, the manifest says float32" in info.value.message
 
@@ -288,6 +297,9 @@ def test_a_tensor_that_cannot_be_written_as_asked_is_refused(point, tmp_path):
     shutil.copytree(point("s2-bf16-ws2"), copy)
     _edit_model_states(copy, lambda module: module.__setitem__("running", torch.zeros(2 * 16)[::2]))
     assert _cli("validate", str(copy)).returncode == 0  # the files are consistent; only their form is unusual
+    # A writer locates no non-contiguous tensor (spec.md#byte-order): then no named tensor at all.
+    generated = json.loads(_cli("generate", str(copy)).stdout)
+    assert not any("tensors" in f for f in generated["files"]) and generated["format_version"] == "1.1.0"
     out = tmp_path / "out"
     result = _cli("reconstruct", str(copy), str(out), check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr

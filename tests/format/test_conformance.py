@@ -1,9 +1,10 @@
-"""The format 1.0 conformance corpus (tests/conformance/1.0) against ckptspec.
+"""The conformance corpora (tests/conformance/1.0 and 1.1) against ckptspec.
 
 Every corpus file is validated in-process (``validate_file``) and through the CLI
 (click's runner for all, a real ``python -m ckptspec`` subprocess for a handful);
 the verdict, the exit code and the exact set of error and warning codes must match
-``expected.json``, and every JSON report must match ``schema/report-1.0.schema.json``.
+its corpus's ``expected.json``, and every JSON report must match ``schema/report-1.0.schema.json``.
+Files are named by their path below tests/conformance (``1.1/valid/no-digests.json``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,19 @@ from ckptspec.format.validate import validate_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFORMANCE = ROOT / "tests" / "conformance"
-CORPUS = CONFORMANCE / "1.0"
-EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text("utf-8"))
-FILES = sorted(p.relative_to(CORPUS).as_posix() for p in CORPUS.glob("*/*") if p.suffix in (".json", ".msgpack"))
+CORPUS = CONFORMANCE  # names below are "<version>/valid/..." paths
+VERSIONS = ("1.0", "1.1")
+EXPECTED: dict[str, dict] = {
+    f"{version}/{name}": entry
+    for version in VERSIONS
+    for name, entry in json.loads((CONFORMANCE / version / "expected.json").read_text("utf-8")).items()
+}
+FILES = sorted(
+    p.relative_to(CONFORMANCE).as_posix()
+    for version in VERSIONS
+    for p in (CONFORMANCE / version).glob("*/*")
+    if p.suffix in (".json", ".msgpack")
+)
 REPORT_VALIDATOR = Draft202012Validator(json.loads((ROOT / "schema" / "report-1.0.schema.json").read_text("utf-8")))
 
 # Corpus files whose expectation is right but ckptspec currently gets wrong. Strict:
@@ -36,14 +47,18 @@ KNOWN_BUGS: dict[str, str] = {}
 
 # A handful of files run through a real subprocess: one of each kind.
 SUBPROCESS_FILES = [
-    "valid/deepspeed-zero2-bf16-2ranks.json",
-    "valid/newer-minor-1.4.0-unknown-fields.json",
-    "valid/stage3-per-param-two-subgroups-ws3.msgpack",
-    "invalid/CK001-schema-top-level-array.json",
-    "invalid/CK001-schema-numel-above-int64.msgpack",
-    "invalid/CK003-format-major-2.json",
-    "invalid/CK113-unsafe-path-windows-drive.json",
-    "invalid/CK117-locator-numel-mismatch.msgpack",
+    "1.0/valid/deepspeed-zero2-bf16-2ranks.json",
+    "1.0/valid/newer-minor-1.4.0-unknown-fields.json",
+    "1.0/valid/stage3-per-param-two-subgroups-ws3.msgpack",
+    "1.0/invalid/CK001-schema-top-level-array.json",
+    "1.0/invalid/CK001-schema-numel-above-int64.msgpack",
+    "1.0/invalid/CK003-format-major-2.json",
+    "1.0/invalid/CK113-unsafe-path-windows-drive.json",
+    "1.0/invalid/CK117-locator-numel-mismatch.msgpack",
+    "1.1/valid/deepspeed-zero2-bf16-2ranks.json",
+    "1.1/valid/stage3-fragments-subgroups-ws3.msgpack",
+    "1.1/invalid/CK001-schema-1.0-document-with-1.1-field.json",
+    "1.1/invalid/CK125-state-numel-is-saved-numel.msgpack",
 ]
 
 
@@ -69,12 +84,14 @@ def test_index_lists_exactly_the_corpus_files():
     assert set(EXPECTED) == set(FILES)
 
 
-def test_corpus_size():
-    valid = [n for n in FILES if EXPECTED[n]["valid"]]
-    assert len(FILES) >= 40
+@pytest.mark.parametrize("version", VERSIONS)
+def test_corpus_size(version):
+    files = [n for n in FILES if n.startswith(version + "/")]
+    valid = [n for n in files if EXPECTED[n]["valid"]]
+    assert len(files) >= 40
     assert len(valid) >= 12
-    assert len(FILES) - len(valid) >= 30
-    assert any(n.endswith(".msgpack") for n in valid) and any(n.endswith(".msgpack") for n in FILES if n not in valid)
+    assert len(files) - len(valid) >= 30
+    assert any(n.endswith(".msgpack") for n in valid) and any(n.endswith(".msgpack") for n in files if n not in valid)
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -83,7 +100,7 @@ def test_index_entry_is_well_formed(name):
     assert {"valid", "codes", "warnings"} <= entry.keys()
     assert isinstance(entry["valid"], bool)
     assert entry["valid"] == (not entry["codes"])
-    assert entry["valid"] == name.startswith("valid/")
+    assert entry["valid"] == (name.split("/")[1] == "valid")
     for code in entry["codes"] + entry["warnings"]:
         assert code.startswith("CK") and len(code) == 5 and code[2:].isdigit()
     if not entry["valid"]:
@@ -97,6 +114,9 @@ def test_every_code_is_covered():
     assert not wanted - covered, f"codes without a corpus file: {sorted(wanted - covered)}"
     # CK002 (schema and models disagree) is a ckptspec bug, never an expectation.
     assert "CK002" not in covered
+    # Format 1.1's rules, and the 1.0 rules that now cover 1.1's locators, have 1.1 files.
+    in_1_1 = {code for n, e in EXPECTED.items() if n.startswith("1.1/") for code in e["codes"]}
+    assert {"CK115", "CK118", "CK119", "CK120", "CK121", "CK122", "CK123", "CK124", "CK125", "CK126"} <= in_1_1
 
 
 def test_corpus_json_is_plain_json():

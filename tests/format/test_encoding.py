@@ -39,6 +39,8 @@ KNOWN_TOP = {
     "aliases",
     "excluded",
     "files",
+    "optimizer",  # format 1.1
+    "save",
 }
 
 
@@ -164,10 +166,14 @@ def valid_manifests(draw) -> dict:
             excluded["reason"] = draw(TEXT)
     if draw(st.booleans()):
         # A newer minor: fields this reader does not know are kept, whatever JSON they hold.
-        doc["format_version"] = f"1.{draw(st.integers(1, 99))}.{draw(st.integers(0, 9))}"
+        doc["format_version"] = f"1.{draw(st.integers(2, 99))}.{draw(st.integers(0, 9))}"
         extra = draw(st.dictionaries(TEXT.filter(lambda k: k not in KNOWN_TOP), JSON_VALUES, min_size=1, max_size=3))
         doc.update(extra)
-        layout_extra = draw(st.dictionaries(TEXT.filter(lambda k: k not in doc["layout"]), JSON_VALUES, max_size=2))
+        layout_extra = draw(
+            st.dictionaries(
+                TEXT.filter(lambda k: k not in doc["layout"] and k != "byte_order"), JSON_VALUES, max_size=2
+            )
+        )
         doc["layout"].update(layout_extra)
     return doc
 

@@ -7,7 +7,7 @@ the models. The reference path is ``jsonschema`` plus the Pydantic models. Check
 * every conformance-corpus file, JSON and msgpack: identical findings (code, path,
   message, hint), read from the file and as already-decoded data;
 * the compiled validator's verdict equals ``jsonschema``'s on every corpus file, on
-  hundreds of mutations of a valid manifest (format 1.0 and a newer minor) and on
+  hundreds of mutations of a valid manifest (format 1.1 and a newer minor) and on
   generated documents;
 * data the compiled validator cannot take (integers past 64 bits, lone surrogates,
   integral floats) and a machine without jsonschema-rs fall back to the reference.
@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from test_agreement import (
     BASE,
-    MUTATIONS_1_0,
+    MUTATIONS_1_1,
     MUTATIONS_NEWER,
     VALIDATOR,
     _set,
@@ -37,8 +37,8 @@ from ckptspec.format.codec import decode_document, load_document
 from ckptspec.format.validate import fast_schema_accepts, validate_document, validate_file
 
 ROOT = Path(__file__).resolve().parents[2]
-CORPUS = ROOT / "tests" / "conformance" / "1.0"
-CORPUS_FILES = sorted(p for p in CORPUS.glob("*/*") if p.suffix in (".json", ".msgpack"))
+CORPUS = ROOT / "tests" / "conformance"
+CORPUS_FILES = sorted(p for p in CORPUS.glob("1.*/*/*") if p.suffix in (".json", ".msgpack"))
 
 
 def lines(report) -> list[dict]:
@@ -48,9 +48,10 @@ def lines(report) -> list[dict]:
 def test_the_compiled_validator_is_installed():
     # It is a dependency: without it every document takes the slow reference path.
     assert schemas_registry.fast_validator("manifest-1.0.schema.json") is not None
+    assert schemas_registry.fast_validator("manifest-1.1.schema.json") is not None
 
 
-@pytest.mark.parametrize("path", CORPUS_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", CORPUS_FILES, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.name}")
 def test_corpus_file_same_findings_on_both_paths(path):
     fast = validate_file(path, build_model=False)
     reference = validate_file(path, reference=True)
@@ -60,10 +61,12 @@ def test_corpus_file_same_findings_on_both_paths(path):
     assert lines(validate_document(load_document(path))) == lines(reference)
 
 
-@pytest.mark.parametrize("path", CORPUS_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", CORPUS_FILES, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.name}")
 def test_corpus_file_compiled_verdict_is_the_reference_verdict(path):
     doc = load_document(path)
-    assert fast_schema_accepts(doc) == VALIDATOR.is_valid(doc)
+    # Both against the schema of the document's own version (a 1.0 document may not carry 1.1's fields).
+    own = schemas_registry.validator(schemas_registry.manifest_schema_file(schemas_registry.schema_version_of(doc)))
+    assert fast_schema_accepts(doc) == own.is_valid(doc)
 
 
 def test_the_corpus_exercises_both_verdicts():
@@ -73,8 +76,8 @@ def test_the_corpus_exercises_both_verdicts():
 
 @pytest.mark.parametrize(
     "label,doc",
-    MUTATIONS_1_0 + MUTATIONS_NEWER,
-    ids=[m[0] for m in MUTATIONS_1_0] + [f"newer-{m[0]}" for m in MUTATIONS_NEWER],
+    MUTATIONS_1_1 + MUTATIONS_NEWER,
+    ids=[m[0] for m in MUTATIONS_1_1] + [f"newer-{m[0]}" for m in MUTATIONS_NEWER],
 )
 def test_mutation_compiled_verdict_is_the_reference_verdict(label, doc):
     accepted = fast_schema_accepts(doc)
@@ -86,6 +89,7 @@ def test_mutation_compiled_verdict_is_the_reference_verdict(label, doc):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(schema_strategy(bounded_schema()))
 def test_generated_documents_same_findings_on_both_paths(doc):
+    doc["format_version"] = "1.1.0"  # generated from the 1.1 schema: a document of that version
     assert fast_schema_accepts(doc)
     assert lines(validate_document(doc, build_model=False)) == lines(validate_document(doc, reference=True))
 

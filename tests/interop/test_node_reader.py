@@ -1,11 +1,12 @@
-"""examples/node-reader (plain Node.js) rebuilds what `ckptspec reconstruct` rebuilds, bit for bit.
+"""examples/node-reader (plain Node.js) rebuilds what `ckptspec reconstruct --untie` rebuilds, bit for bit.
 
-For real DeepSpeed checkpoints of tests/_harness/scenarios.py: `ckptspec generate --hash`, then
-`node examples/node-reader/reader.js MANIFEST CHECKPOINT OUT.safetensors` (the command line of
-examples/node-reader/README.md and docs/loaders.md), then `ckptspec reconstruct`; the tensors
-must match in names, shapes, dtypes and bytes. The node reader writes the trainable parameters
-(the only tensors format 1.0 locates) and the ties to them; frozen parameters and buffers live in
-pickled state dicts and are listed in its `ckptspec.absent` metadata instead.
+For every real DeepSpeed checkpoint of the matrix (tests/_harness/scenarios.py): `ckptspec generate
+--hash` (a format 1.1 manifest), then `node examples/node-reader/reader.js MANIFEST CHECKPOINT
+OUT.safetensors` (the command line of examples/node-reader/README.md and docs/loaders.md), then
+`ckptspec reconstruct --untie`; every key (trainable, frozen, buffers, tied aliases) must match in
+name, shape, dtype and bytes. The node reader parses no pickle and no zip directory: 1.1's locators
+give it every tensor, and it checks each one's digest. Given a 1.0 manifest it writes the
+trainable parameters and their ties only, and names the rest in its `ckptspec.absent` metadata.
 """
 
 from __future__ import annotations
@@ -20,26 +21,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _harness.scenarios import MATRIX
 from click.testing import CliRunner
 from safetensors import safe_open
 
 from ckptspec.cli import cli
+from ckptspec.format.migrate import migrate_document
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_DIR = ROOT / "examples" / "node-reader"
 READER = NODE_DIR / "reader.js"
 
-# stage 1/2/3; bf16, fp16, fp32; world size 1-3; tied and frozen everywhere; two groups, round
-# robin, sub-groups, tail padding saved (BF16_Optimizer), parameter-alignment padding.
-POINTS = [
-    "s2-bf16-ws2",
-    "s1-fp16-ws2",
-    "s2-fp32-ws3-rr",
-    "s3-fp16-ws3-groups",
-    "s3-bf16-ws2-sub",
-    "s1-bf16-ws2-bf16opt",
-    "s2-bf16-ws2-align",
-]
+# Every matrix point: stage 1/2/3; bf16, fp16, fp32; world size 1-4; tied, frozen and buffers
+# everywhere; two groups, round robin, sub-groups, tail padding saved (BF16_Optimizer),
+# parameter-alignment padding, excluded frozen params, zero-element params.
+POINTS = MATRIX
 
 
 def node(*args: str | Path, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -70,26 +66,43 @@ def test_node_reader_matches_ckptspec_reconstruct(point, checkpoints, tmp_path):
     out = tmp_path / "node.safetensors"
     run = node(READER, manifest, save_dir, out)
     assert (run.returncode, run.stderr) == (0, ""), run.stderr
-    ckptspec("reconstruct", "-q", save_dir, tmp_path / "ref")
+    ckptspec("reconstruct", "-q", "--untie", save_dir, tmp_path / "ref")
 
     doc = json.loads(manifest.read_text("utf-8"))
-    trainable = {p["name"] for g in doc["groups"] for p in g["params"]}
-    not_located = {t["name"] for t in doc["frozen"] + doc["buffers"]}
-    assert doc["frozen"] and doc["aliases"]  # every matrix point has both
+    assert doc["format_version"] == "1.1.0" and doc["aliases"] and doc["buffers"]  # every matrix point has both
+    digested = [p for g in doc["groups"] for p in g["params"] if "digest" in p] + doc["frozen"] + doc["buffers"]
+    assert digested and all("digest" in t for t in digested)  # the reader checked a digest for every tensor
     mine, my_meta = load(out)
     ref, ref_meta = load(tmp_path / "ref" / "model.safetensors")
-    assert set(mine) == trainable == set(ref) - not_located
+    everything = {p["name"] for g in doc["groups"] for p in g["params"]}
+    everything |= {t["name"] for t in doc["frozen"] + doc["buffers"] + doc["aliases"]}
+    assert set(mine) == set(ref) == everything, "every key: trainable, frozen, buffers, aliases"
     for name, tensor in mine.items():
         assert (tensor.dtype, tensor.shape) == (ref[name].dtype, ref[name].shape), name
         assert tensor.tobytes() == ref[name].tobytes(), f"{point}: {name} differs"
-    # Ties: stored once, under the owner, exactly as ckptspec records them.
     assert json.loads(my_meta["ckptspec.aliases"]) == json.loads(ref_meta["ckptspec.aliases"]) != {}
-    absent = json.loads(my_meta["ckptspec.absent"])
-    assert set(absent) == not_located
-    assert run.stdout.splitlines() == [
-        f"{out}: {len(trainable)} tensors, {len(doc['aliases'])} aliases in the metadata",
-        f"not in the output (see its ckptspec.absent metadata): {', '.join(absent)}",
-    ]
+    excluded = {e["name"] for e in doc["excluded"]}
+    assert set(json.loads(my_meta["ckptspec.absent"])) == excluded
+    assert (
+        run.stdout.splitlines()[0]
+        == f"{out}: {len(mine)} tensors ({len(doc['aliases'])} of them tied aliases, written as copies)"
+    )
+
+
+def test_a_1_0_manifest_gives_the_trainable_parameters_only(checkpoints, tmp_path):
+    """Format 1.0 locates the master partitions only: frozen parameters and buffers are named absent."""
+    save_dir = checkpoints["s2-bf16-ws2"]
+    manifest = tmp_path / "manifest.json"
+    ckptspec("generate", save_dir, "-o", manifest)
+    doc = migrate_document(json.loads(manifest.read_text("utf-8")), "1.0").document
+    manifest.write_text(json.dumps(doc), "utf-8")
+    out = tmp_path / "node.safetensors"
+    run = node(READER, manifest, save_dir, out)
+    assert (run.returncode, run.stderr) == (0, ""), run.stderr
+    mine, meta = load(out)
+    trainable = {p["name"] for g in doc["groups"] for p in g["params"]}
+    assert set(mine) == trainable | {a["name"] for a in doc["aliases"]}
+    assert set(json.loads(meta["ckptspec.absent"])) == {t["name"] for t in doc["frozen"] + doc["buffers"]}
 
 
 # --------------------------------------------------------------------------- refusals
@@ -163,8 +176,49 @@ def test_flipped_byte_fails_the_hash(damaged, tmp_path):
         1,
         f"{shard['path']}: CK209 sha256 differs from the manifest (hint: restore the file the manifest describes)",
     )
-    # --no-hash reads it anyway: the sizes and the zip header still check out
+    # --no-hash skips the files' hashes, not the tensors' digests: rank 1's first element is element
+    # 954 of the group, inside l1.weight, whose digest refuses it.
+    run = node(READER, "--no-hash", manifest, tag, out)
+    assert run.returncode == 1 and run.stderr.startswith("l1.weight: CK222 ") and not out.exists()
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_byte_flipped_in_a_real_element_fails_its_digest(damaged, tmp_path):
+    """With the files' hashes skipped, the frozen parameter's digest still catches the flip (CK222)."""
+    tag, manifest, doc = damaged
+    model = doc["files"][0]
+    loc = next(t for t in model["tensors"] if t["name"] == "frozen.bias")
+    _flip(tag / model["path"], loc["data_offset"] + 2 * loc["numel"] - 1)  # the last element's high byte
+    out = tmp_path / "out.safetensors"
+    flipped = (tag / model["path"]).read_bytes()[loc["data_offset"] : loc["data_offset"] + 2 * loc["numel"]]
+    recorded = next(f for f in doc["frozen"] if f["name"] == "frozen.bias")["digest"]["sha256"]
+    refused(
+        node(READER, "--no-hash", manifest, tag, out),
+        out,
+        1,
+        f"frozen.bias: CK222 sha256 of the tensor's elements is {hashlib.sha256(flipped).hexdigest()[:16]}..., "
+        f"the manifest records {recorded[:16]}... (hint: the tensor changed after the manifest was written; restore "
+        "its file)",
+    )
+
+
+def test_a_byte_flipped_in_padding_is_not_a_finding(damaged, tmp_path):
+    """Rank 1's master partition is a 951-element view of a 954-element storage: its last 3 elements
+    are padding, outside every digest (and never read)."""
+    tag, manifest, doc = damaged
+    shard = optim_file(doc)
+    loc = shard["partitions"][0]
+    assert loc["member_size"] // 4 - loc["numel"] == 3
+    _flip(tag / shard["path"], loc["data_offset"] + 4 * loc["numel"] + 5)
+    out = tmp_path / "out.safetensors"
     assert node(READER, "--no-hash", manifest, tag, out).returncode == 0
+    # The whole-file hash sees it, of course: that is why ZeRO-3 file hashes are not reproducible.
+    assert node(READER, manifest, tag, tmp_path / "out2.safetensors").returncode == 1
 
 
 def test_blake2b_hashes_are_verified(damaged, tmp_path):

@@ -8,8 +8,10 @@
 
 "Schema-level verdict", file by file (see also tests/conformance/README.md):
 
-* raw: does ``schema/manifest-1.0.schema.json`` accept the document? For every file, each engine
-  must agree with ``ckptspec.format.schemas.schema_findings(doc)`` (no version gate, no tolerance).
+* raw: does the schema of the document's own version (``schema/manifest-1.0.schema.json`` for a
+  1.0 document, ``manifest-1.1.schema.json`` for a 1.1 one or a newer minor) accept it? For every
+  file of both corpora (tests/conformance/1.0 and 1.1), each engine must agree with
+  ``ckptspec.format.schemas.schema_findings(doc)`` (no version gate, no tolerance).
 * as a reader applies it: the version gate runs first. A CK003 file (another major) never reaches
   the schema, so only its raw verdict is compared. A CK004 file (newer minor) is checked with
   ``additionalProperties`` failures ignored, as ``schema_findings(doc, allow_unknown=True)`` does.
@@ -37,18 +39,23 @@ from ckptspec.format.codec import load_document
 from ckptspec.format.validate import schema_findings, validate_document
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEMA = ROOT / "schema" / "manifest-1.0.schema.json"
-CORPUS = ROOT / "tests" / "conformance" / "1.0"
+SCHEMAS = {v: ROOT / "schema" / f"manifest-{v}.schema.json" for v in ("1.0", "1.1")}
+SCHEMA = SCHEMAS["1.0"]
+CORPUS = ROOT / "tests" / "conformance"  # corpus file names are "<version>/valid/..." paths
 NODE_DIR = ROOT / "examples" / "node-reader"
-EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text("utf-8"))
+EXPECTED: dict[str, dict] = {
+    f"{v}/{name}": entry
+    for v in ("1.0", "1.1")
+    for name, entry in json.loads((CORPUS / v / "expected.json").read_text("utf-8")).items()
+}
 FILES = sorted(EXPECTED)
 
 # (engine, corpus file) -> why the engine's raw verdict differs from ckptspec's. Strict: the
 # divergence must happen, so a fix shows up as a failure here.
 JS_DOUBLE = "JSON.parse rounds 2**63 to the double of 2**63 - 1, the schema's maximum"
 DIVERGENCES = {
-    ("ajv", "invalid/CK001-schema-numel-above-int64.json"): JS_DOUBLE,
-    ("ajv", "invalid/CK001-schema-numel-above-int64.msgpack"): JS_DOUBLE,
+    ("ajv", "1.0/invalid/CK001-schema-numel-above-int64.json"): JS_DOUBLE,
+    ("ajv", "1.0/invalid/CK001-schema-numel-above-int64.msgpack"): JS_DOUBLE,
 }
 
 
@@ -65,10 +72,10 @@ def run_node_validate(files: list[Path], *extra: str) -> subprocess.CompletedPro
     )
 
 
-def run_check_jsonschema(files: list[Path], *extra: str) -> dict[str, list[dict]]:
+def run_check_jsonschema(files: list[Path], *extra: str, schema: Path = SCHEMA) -> dict[str, list[dict]]:
     """File -> its errors, from one check-jsonschema process."""
     proc = subprocess.run(
-        [sys.executable, "-m", "check_jsonschema", "--schemafile", str(SCHEMA), "-o", "json", *extra, *map(str, files)],
+        [sys.executable, "-m", "check_jsonschema", "--schemafile", str(schema), "-o", "json", *extra, *map(str, files)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -109,8 +116,20 @@ def ajv(as_json) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def check_jsonschema(as_json) -> dict[str, list[dict]]:
     # --regex-variant default: ECMA-262, the dialect JSON Schema's `pattern` is defined in.
-    errors = run_check_jsonschema([as_json[n] for n in FILES], "--regex-variant", "default")
-    return {name: errors[str(as_json[name])] for name in FILES}
+    out = {}
+    for version, schema in SCHEMAS.items():
+        names = [n for n in FILES if _version_of(as_json[n]) == version]
+        errors = run_check_jsonschema([as_json[n] for n in names], "--regex-variant", "default", schema=schema)
+        out.update({name: errors[str(as_json[name])] for name in names})
+    return out
+
+
+def _version_of(path: Path) -> str:
+    """The schema version a reader picks for the document in ``path`` (ckptspec.format.schemas.schema_version_of)."""
+    doc = json.loads(path.read_text("utf-8"))
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    line = ".".join(version.split(".")[:2]) if isinstance(version, str) else None
+    return line if line in SCHEMAS else "1.1"
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +167,18 @@ def format_keywords(node) -> list[str]:
     return found
 
 
-def test_schema_has_no_format_keyword():
+@pytest.mark.parametrize("version", SCHEMAS)
+def test_schema_has_no_format_keyword(version):
     """So ajv needs no ajv-formats: strict mode would refuse an unknown format (test below)."""
-    schema = json.loads(SCHEMA.read_text("utf-8"))
+    schema = json.loads(SCHEMAS[version].read_text("utf-8"))
     assert "format" in schema["properties"] and format_keywords(schema) == []
     schema["$defs"]["producer"]["properties"]["created"]["format"] = "date-time"
     assert format_keywords(schema) == ["date-time"]
 
 
-def test_ajv_compiles_schema_in_strict_mode_without_warnings(as_json):
-    proc = run_node_validate([as_json["valid/no-files.json"]])
+@pytest.mark.parametrize("name", ["1.0/valid/no-files.json", "1.1/valid/stage2-bf16-ws2-complete.json"])
+def test_ajv_compiles_schema_in_strict_mode_without_warnings(as_json, name):
+    proc = run_node_validate([as_json[name]])
     assert (proc.returncode, proc.stderr) == (0, "")
     assert json.loads(proc.stdout)["raw_valid"] is True
 
@@ -176,7 +197,7 @@ def test_ajv_strict_mode_refuses_a_sloppy_schema(tmp_path, as_json, edit, messag
     schema["$defs"][definition][key] = value
     sloppy = tmp_path / "sloppy.schema.json"
     sloppy.write_text(json.dumps(schema), "utf-8")
-    proc = run_node_validate([as_json["valid/no-files.json"]], "--schema", str(sloppy))
+    proc = run_node_validate([as_json["1.0/valid/no-files.json"]], "--schema", str(sloppy))
     assert proc.returncode == 2
     assert proc.stderr == f"{sloppy}: ajv cannot compile the schema: {message}" + (
         ' at path "#/$defs/semver"\n' if "format" in message else "\n"
@@ -219,7 +240,7 @@ def test_schema_level_verdict_as_a_reader_applies_it(name, ajv, check_jsonschema
 
 @pytest.mark.parametrize("name", FILES)
 def test_node_checker_reports_the_expected_codes(name, ajv, ckptspec_verdicts):
-    """validate.js's full check (gate, ajv + the 2**53 guard, rules CK101-CK119) = expected.json = ckptspec."""
+    """validate.js's full check (gate, ajv + the 2**53 guard, rules CK101-CK126) = expected.json = ckptspec."""
     assert ajv[name]["codes"] == sorted(EXPECTED[name]["codes"]) == ckptspec_verdicts[name]["codes"]
     assert ajv[name]["warnings"] == sorted(EXPECTED[name]["warnings"])
 
@@ -247,7 +268,7 @@ def iter_numbers(node):
 
 def test_python_regex_dialect_would_accept_a_trailing_newline(as_json):
     """Why check-jsonschema runs with ECMA-262 regexes: with Python's, '$' matches before a final newline."""
-    name = "invalid/CK001-schema-semver-trailing-newline.json"
+    name = "1.0/invalid/CK001-schema-semver-trailing-newline.json"
     python = run_check_jsonschema([as_json[name]], "--regex-variant", "python")
     ecma = run_check_jsonschema([as_json[name]], "--regex-variant", "default")
     assert python[str(as_json[name])] == []
@@ -256,7 +277,7 @@ def test_python_regex_dialect_would_accept_a_trailing_newline(as_json):
 
 def test_duplicate_keys_are_invisible_to_schema_engines(tmp_path):
     """Both JSON parsers keep the last of two equal keys; only ckptspec refuses the document (CK904)."""
-    text = (CORPUS / "valid" / "deepspeed-zero2-bf16-2ranks.json").read_text("utf-8")
+    text = (CORPUS / "1.0" / "valid" / "deepspeed-zero2-bf16-2ranks.json").read_text("utf-8")
     doubled = tmp_path / "duplicate-key.json"
     doubled.write_text(text.replace('"format_version"', '"format_version": "9.9.9", "format_version"', 1), "utf-8")
     proc = run_node_validate([doubled])

@@ -27,11 +27,11 @@ from ...errors import CkptspecError
 from ...findings import Finding, RuleSet
 from ...format.models import Manifest
 from ...location import RemotePath, location
-from . import files, headers, module, partitions
+from . import files, headers, module, partitions, tensors
 from .context import Check, build_context
 
 # The order the checks run in, and so the order of their findings.
-CHECKS: RuleSet[Check] = RuleSet(files.CHECKS, headers.CHECKS, partitions.CHECKS, module.CHECKS)
+CHECKS: RuleSet[Check] = RuleSet(files.CHECKS, headers.CHECKS, partitions.CHECKS, module.CHECKS, tensors.CHECKS)
 
 
 def check_checkpoint(
@@ -40,17 +40,20 @@ def check_checkpoint(
     *,
     verify_hashes: bool = True,
     states: StateCache | None = None,
+    verify_digests: bool | None = None,
 ) -> list[Finding]:
     """Check the files of ``tag_dir`` against ``manifest`` (which should already be valid).
 
     Reads only metadata, plus every file's bytes when ``verify_hashes`` and the manifest
-    records hashes. Returns the findings of every check, in check order. ``states``: files
-    already read, and where the files read here are kept.
+    records hashes, and every located tensor's bytes when ``verify_digests`` (default:
+    ``verify_hashes``) and the manifest records tensor digests. Returns the findings of every
+    check, in check order. ``states``: files already read, and where the files read here are kept.
     """
     tag_dir = location(tag_dir)
     if not tag_dir.is_dir():
         raise CkptspecError("CK901", "checkpoint tag directory not found", "check the path", str(tag_dir))
-    ctx = build_context(manifest, tag_dir, verify_hashes, states if states is not None else StateCache())
+    digests = verify_hashes if verify_digests is None else verify_digests
+    ctx = build_context(manifest, tag_dir, verify_hashes, states if states is not None else StateCache(), digests)
     return [found for check in CHECKS for found in check.check(ctx)]
 
 

@@ -56,6 +56,7 @@ class Context:
     verify_hashes: bool
     files: list[File]
     disk: dict[str, Path | RemotePath]  # relative posix path -> file, sidecars excluded
+    verify_digests: bool = False  # read every located tensor to check format 1.1's digests (CK222)
     names: dict[str, tuple[str, int, int | None]] = field(default_factory=dict)  # name -> (role, index, param index)
 
     @property
@@ -126,21 +127,27 @@ def disk_files(tag_dir: Path | RemotePath) -> dict[str, Path | RemotePath]:
             path = root / name
             rel = path.relative_to(tag_dir).as_posix()
             if rel in SIDECAR_NAMES.values() or is_leftover(name) or not path.is_file():
-                continue  # the sidecar describes the rest; leftovers of killed runs are CK221
+                continue  # the sidecar describes the rest; leftovers of killed runs are CK224
             out[rel] = path
     return out
 
 
-def build_context(manifest: Manifest, tag_dir: Path | RemotePath, verify_hashes: bool, states: StateCache) -> Context:
+def build_context(
+    manifest: Manifest,
+    tag_dir: Path | RemotePath,
+    verify_hashes: bool,
+    states: StateCache,
+    verify_digests: bool = False,
+) -> Context:
     files = []
     for i, entry in enumerate(manifest.files):
         path = join_inside(tag_dir, entry.path)
         on_disk = path is not None and path.is_file()
         f = File(i, entry, path, on_disk)
         if on_disk and entry.role in ("model_states", "optimizer_states"):
-            f.loaded = states.load(path, members=entry.role == "optimizer_states")
+            f.loaded = states.load(path, members=True)
         files.append(f)
-    ctx = Context(manifest, tag_dir, verify_hashes, files, disk_files(tag_dir))
+    ctx = Context(manifest, tag_dir, verify_hashes, files, disk_files(tag_dir), verify_digests)
     for g, grp in enumerate(manifest.groups):
         for p, param in enumerate(grp.params):
             ctx.names[param.name] = ("trainable", g, p)

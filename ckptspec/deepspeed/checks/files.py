@@ -79,7 +79,7 @@ def shard_unexpected(ctx: Context) -> Iterator[Finding]:
             )
 
 
-@check("CK221")
+@check("CK224")
 def leftover_temporary(ctx: Context) -> Iterator[Finding]:
     """A ckptspec write that was killed left a temporary file or directory (or an unfinished
     commit) in the tag directory or its save directory: not part of the checkpoint, but space."""
@@ -94,7 +94,7 @@ def leftover_temporary(ctx: Context) -> Iterator[Finding]:
                 else "the next ckptspec write in that directory removes it if its writer is gone; or delete it"
             )
             yield finding(
-                "CK221",
+                "CK224",
                 "$",
                 f"{what} of a ckptspec run that did not finish (killed?)",
                 hint,

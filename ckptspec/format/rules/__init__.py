@@ -14,11 +14,13 @@ paths are only rendered for findings, never for every parameter.
 from __future__ import annotations
 
 from ...findings import Finding, RuleSet
-from . import aliases, files, groups, tensors
+from . import aliases, files, groups, locators, optimizer, tensors
 from .document import Document, RuleFn
 
 # The order the rules run in, and so the order of their findings.
-RULES: RuleSet[RuleFn] = RuleSet(tensors.RULES, aliases.RULES, groups.RULES, files.RULES)
+RULES: RuleSet[RuleFn] = RuleSet(
+    tensors.RULES, aliases.RULES, groups.RULES, files.RULES, locators.RULES, optimizer.RULES
+)
 
 
 def check_document(doc: Document) -> list[Finding]:

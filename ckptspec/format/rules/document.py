@@ -24,3 +24,15 @@ def flat_end(params: list[dict]) -> int:
         return 0
     last = params[-1]
     return last["offset"] + last["numel"] + last["padding"]
+
+
+def located(doc: Document, key: str) -> Iterator[tuple[int, int, dict, dict]]:
+    """(file index, locator index, file, locator) of every locator in ``files[*][key]`` (format 1.1's
+    ``tensors``, ``model_weights``, ``state_partitions``: absent in 1.0 documents)."""
+    for i, f in enumerate(doc["files"]):
+        for j, loc in enumerate(f.get(key, ())):
+            yield i, j, f, loc
+
+
+# Every kind of locator of a file entry, by key (1.0 has partitions only).
+LOCATOR_KEYS = ("partitions", "tensors", "model_weights", "state_partitions")

@@ -1,4 +1,8 @@
-"""CK113-CK119: the file list: safe, unique paths, ranks in range, locators that cover and fit."""
+"""CK113-CK119: the file list: safe, unique paths, ranks in range, locators that cover and fit.
+
+CK115, CK118 and CK119 apply to every kind of locator a file entry carries: the master
+``partitions`` and (format 1.1) ``tensors``, ``model_weights`` and ``state_partitions``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from itertools import islice
 from ...findings import Finding, RuleSet, finding, json_path
 from ..dtypes import ITEMSIZE
 from ..paths import stays_inside
-from .document import Document, RuleFn
+from .document import LOCATOR_KEYS, Document, RuleFn, located
 
 RULES: RuleSet[RuleFn] = RuleSet()
 rule = RULES.register
@@ -57,35 +61,49 @@ def ranks_in_range(doc: Document) -> Iterator[Finding]:
                     file=f["path"],
                     rank=rank,
                 )
-        for k, loc in enumerate(f["partitions"]):
-            path = json_path("files", i, "partitions", k)
-            group, rank = loc["group"], loc["rank"]
-            if group >= len(groups):
-                yield finding(
-                    "CK115",
-                    path + ".group",
-                    f"group {group} does not exist ({len(groups)} groups)",
-                    "group is an index into $.groups",
-                    file=f["path"],
-                )
-            elif rank >= groups[group]["partition_count"]:
-                yield finding(
-                    "CK115",
-                    path + ".rank",
-                    f"rank {rank} is outside group {group}'s {groups[group]['partition_count']} partitions",
-                    "rank counts from 0 to partition_count - 1",
-                    file=f["path"],
-                    rank=rank,
-                )
-            elif rank not in f["ranks"]:
-                yield finding(
-                    "CK115",
-                    path + ".rank",
-                    f"locator for rank {rank} in a file of ranks {f['ranks']}",
-                    "a file holds partitions of its own ranks only",
-                    file=f["path"],
-                    rank=rank,
-                )
+        for key in ("partitions", "state_partitions"):
+            for k, loc in enumerate(f.get(key, ())):
+                yield from _group_and_rank(groups, f, json_path("files", i, key, k), loc)
+    for i, k, f, loc in located(doc, "model_weights"):
+        if loc["group"] >= len(groups):
+            yield finding(
+                "CK115",
+                json_path("files", i, "model_weights", k, "group"),
+                f"group {loc['group']} does not exist ({len(groups)} groups)",
+                "group is an index into $.groups",
+                file=f["path"],
+            )
+
+
+def _group_and_rank(groups: list, f: dict, path: str, loc: dict) -> Iterator[Finding]:
+    """A (group, rank) locator names an existing group, one of its ranks, and a rank of its file."""
+    group, rank = loc["group"], loc["rank"]
+    if group >= len(groups):
+        yield finding(
+            "CK115",
+            path + ".group",
+            f"group {group} does not exist ({len(groups)} groups)",
+            "group is an index into $.groups",
+            file=f["path"],
+        )
+    elif rank >= groups[group]["partition_count"]:
+        yield finding(
+            "CK115",
+            path + ".rank",
+            f"rank {rank} is outside group {group}'s {groups[group]['partition_count']} partitions",
+            "rank counts from 0 to partition_count - 1",
+            file=f["path"],
+            rank=rank,
+        )
+    elif rank not in f["ranks"]:
+        yield finding(
+            "CK115",
+            path + ".rank",
+            f"locator for rank {rank} in a file of ranks {f['ranks']}",
+            "a file holds partitions of its own ranks only",
+            file=f["path"],
+            rank=rank,
+        )
 
 
 def _valid_locators(doc: Document) -> Iterator[tuple[int, int, dict, dict]]:
@@ -163,36 +181,41 @@ def locator_matches_group(doc: Document) -> Iterator[Finding]:
             )
 
 
+def _every_locator(doc: Document) -> Iterator[tuple[str, dict, dict, int | None]]:
+    """(JSON path, file, locator, rank) of every locator of every kind."""
+    for key in LOCATOR_KEYS:
+        for i, k, f, loc in located(doc, key):
+            rank = loc.get("rank", f["ranks"][0] if len(f["ranks"]) == 1 else None)
+            yield json_path("files", i, key, k), f, loc, rank
+
+
 @rule("CK118")
 def locator_fits_member(doc: Document) -> Iterator[Finding]:
-    for i, f in enumerate(doc["files"]):
-        for k, loc in enumerate(f["partitions"]):
-            start, stop = loc["element_offset"], loc["element_offset"] + loc["numel"]
-            end = stop * ITEMSIZE[loc["dtype"]]
-            if end > loc["member_size"]:
-                yield finding(
-                    "CK118",
-                    json_path("files", i, "partitions", k),
-                    f"elements [{start}, {stop}) of {loc['dtype']} end at byte {end}, past the "
-                    f"{loc['member_size']}-byte member {loc['member']!r}",
-                    "element_offset + numel must fit in the member",
-                    file=f["path"],
-                    rank=loc["rank"],
-                )
+    for path, f, loc, rank in _every_locator(doc):
+        start, stop = loc["element_offset"], loc["element_offset"] + loc["numel"]
+        end = stop * ITEMSIZE[loc["dtype"]]
+        if end > loc["member_size"]:
+            yield finding(
+                "CK118",
+                path,
+                f"elements [{start}, {stop}) of {loc['dtype']} end at byte {end}, past the "
+                f"{loc['member_size']}-byte member {loc['member']!r}",
+                "element_offset + numel must fit in the member",
+                file=f["path"],
+                rank=rank,
+            )
 
 
 @rule("CK119")
 def locator_fits_file(doc: Document) -> Iterator[Finding]:
-    for i, f in enumerate(doc["files"]):
-        for k, loc in enumerate(f["partitions"]):
-            end = loc["data_offset"] + loc["member_size"]
-            if end > f["size"]:
-                yield finding(
-                    "CK119",
-                    json_path("files", i, "partitions", k),
-                    f"member {loc['member']!r} at bytes [{loc['data_offset']}, {end}) ends past the "
-                    f"{f['size']}-byte file",
-                    "data_offset + member_size must fit in the file's size",
-                    file=f["path"],
-                    rank=loc["rank"],
-                )
+    for path, f, loc, rank in _every_locator(doc):
+        end = loc["data_offset"] + loc["member_size"]
+        if end > f["size"]:
+            yield finding(
+                "CK119",
+                path,
+                f"member {loc['member']!r} at bytes [{loc['data_offset']}, {end}) ends past the {f['size']}-byte file",
+                "data_offset + member_size must fit in the file's size",
+                file=f["path"],
+                rank=rank,
+            )

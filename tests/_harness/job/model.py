@@ -195,3 +195,104 @@ def safe_get_mismatches(model, live, stage):
             if t is None or not torch.equal(t.float(), live[n]):
                 bad.append(n)
     return bad
+
+
+def _flat_layout(opt):
+    """(lp param groups, their flat lp buffers, the rank's fp32 partitions) of a stage 1/2 optimizer."""
+    if hasattr(opt, "bit16_groups_flat"):  # DeepSpeedZeroOptimizer
+        return opt.bit16_groups, opt.bit16_groups_flat, opt.single_partition_of_fp32_groups
+    return opt.bf16_groups, opt.bf16_groups_flat, opt.fp32_groups_flat_partition  # BF16_Optimizer
+
+
+def live_optimizer_state(engine, model, stage):
+    """The optimizer's state per trainable parameter, read from the live engine (collective).
+
+    Returns {"state": {name: {key: tensor in the param's shape}}, "steps": {optimizer group:
+    step}, "param_groups": [hyperparameters without "params"]}. Stage 1/2 gather each group's
+    flat state partitions (``optimizer.state[fp32 partition][key]``) over the ranks and slice them
+    where the param sits in the flat low-precision buffer (data_ptr arithmetic, as live_fp32):
+    DeepSpeed's own getter maps through _hp_mapping, which ignores round_robin_gradients. Stage 3
+    uses DeepSpeed's per-param getter (grad_position: the real layout there).
+    """
+    import torch
+    import torch.distributed as dist
+
+    names = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    opt = engine.optimizer
+    inner = opt.optimizer  # the client torch optimizer DeepSpeed wraps
+    found, steps = {}, {}  # id(param) -> {key: tensor}; optimizer group -> step
+
+    def per_element(state, flat):
+        return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape]
+
+    if stage == 3:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        first = inner.state[opt.fp32_partitioned_groups_flat[0]]
+        keys = per_element(first, opt.fp32_partitioned_groups_flat[0])
+        for j, flat in enumerate(opt.fp32_partitioned_groups_flat):
+            steps[int(opt.sub_group_to_group_id[j])] = float(inner.state[flat]["step"])
+        for _, p in model.named_parameters():
+            if p.requires_grad:
+                found[id(p)] = {k: safe_get_full_optimizer_state(p, k).detach().clone() for k in keys}
+    elif stage in (1, 2):
+        groups, flats, parts = _flat_layout(opt)
+        for i, (group, flat, part) in enumerate(zip(groups, flats, parts)):
+            state = inner.state[part]
+            steps[i] = float(state["step"])
+            pg = opt.real_dp_process_group[i]
+            for key in per_element(state, part):
+                chunks = [torch.empty_like(state[key]) for _ in range(dist.get_world_size(group=pg))]
+                dist.all_gather(chunks, state[key].detach().contiguous(), group=pg)
+                full = torch.cat(chunks)
+                for p in group:
+                    off = (p.data_ptr() - flat.data_ptr()) // p.element_size()
+                    found.setdefault(id(p), {})[key] = full[off : off + p.numel()].view(p.shape).clone()
+    param_groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    state = {n: s for pid, s in found.items() if all(t.numel() > 0 for t in s.values()) for n in names[pid]}
+    return {"state": state, "steps": steps, "param_groups": param_groups}
+
+
+def optimizer_state_getter(engine, model, live, stage):
+    """What DeepSpeed's safe_get_full_optimizer_state says about `live` (collective).
+
+    Returns (stale, mismatches). stale: the names whose getter would raise "not found in
+    optimizer state fragment" as the engine stands: stage 1/2 link each lp param to its
+    optimizer state once, after stepping the *first* param group only (_optimizer_step), so
+    the params of every later group keep an empty link. It is read from the links, not by
+    calling the getter: a rank that raises leaves the others waiting in the all_reduce. The
+    links are then rebuilt (_lazy_init_hp_params_optimizer_state, as after load_checkpoint)
+    and mismatches lists, per state key, the names where the getter disagrees with `live`.
+    Equality is torch.equal: the getter sums fragments, which would turn a -0.0 into 0.0.
+    """
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    if stage not in (1, 2, 3):
+        return [], {}
+    keys = sorted({k for s in live["state"].values() for k in s})
+    mine = sorted(
+        n
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if getattr(p, "_hp_mapping", None) is not None
+        and not set(keys) <= set(getattr(p._hp_mapping, "optim_fragment", ()))
+    )
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    stale = sorted(set().union(*every))
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    bad = {k: [] for k in keys}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if n not in live["state"]:
+            continue
+        for k in keys:
+            t = safe_get_full_optimizer_state(p, k)  # collective: same order on every rank
+            if t is None or not torch.equal(t.float(), live["state"][n][k]):
+                bad[k].append(n)
+    return stale, bad

@@ -10,7 +10,10 @@ tag back with ``engine.load_checkpoint``, recording in ``loads.json`` that the f
 come back exactly as saved (so both complete states a kill may leave are known loadable).
 """
 
+import itertools
 import json
+import types
+import uuid
 from pathlib import Path
 
 from _harness.job.model import SEQ, VOCAB, live_fp32, normalize_spec
@@ -40,9 +43,14 @@ def run(args, out: Path):
     import torch.distributed as dist
 
     import ckptspec._fs as fs
+    import ckptspec.deepspeed.engine as hook
     from ckptspec.deepspeed import save_checkpoint
 
     spec, second, kill_at = normalize_spec(args["spec"]), args["second_tag"], args["kill_at"]
+    # Save ids are random; number them instead, so that the killed run and the complete one write
+    # the same bytes and a tag left by a kill can be compared with the complete run's byte for byte.
+    ids = itertools.count(1)
+    hook.uuid = types.SimpleNamespace(uuid4=lambda: uuid.UUID(int=next(ids)))
     rank = dist.get_rank()
     engine, model = train_engine(spec)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,12 @@
 ``args`` is the spec (model.DEFAULTS). Besides the DeepSpeed checkpoint, rank 0 writes into OUT:
   live_fp32.pt   name -> fp32 master weight, read from the live engine just before saving
                  (trainable params only, tied aliases included under every name)
-  harness.json   the normalized spec, world size, versions and optimizer class
+  live_optim.pt  the optimizer state per trainable param (exp_avg, exp_avg_sq in the param's
+                 shape), each optimizer group's step and hyperparameters, read from the live
+                 engine's flat buffers just before saving (model.live_optimizer_state)
+  harness.json   the normalized spec, world size, versions and optimizer class, and where
+                 DeepSpeed's own getters (safe_get_full_fp32_param, safe_get_full_optimizer_state)
+                 disagree with the live buffers (model.safe_get_mismatches, model.optimizer_state_getter)
 and each hook of ``spec["hooks"]`` (hooks.py) writes what it records.
 """
 
@@ -17,7 +22,9 @@ from _harness.job.model import (
     build_model,
     ds_config,
     live_fp32,
+    live_optimizer_state,
     normalize_spec,
+    optimizer_state_getter,
     param_groups,
     safe_get_mismatches,
 )
@@ -54,9 +61,12 @@ def run(args, out: Path):
     rank, world = dist.get_rank(), dist.get_world_size()
     live = live_fp32(engine, model, spec["stage"])
     mismatches = safe_get_mismatches(model, live, spec["stage"])
+    live_optim = live_optimizer_state(engine, model, spec["stage"])
+    optim_stale, optim_mismatches = optimizer_state_getter(engine, model, live_optim, spec["stage"])
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         torch.save(live, out / "live_fp32.pt")
+        torch.save(live_optim, out / "live_optim.pt")
         info = {
             "spec": spec,
             "world_size": world,
@@ -65,6 +75,8 @@ def run(args, out: Path):
             "optimizer_class": type(engine.optimizer).__name__,
             "tag": f"global_step{engine.global_steps}",
             "safe_get_full_fp32_param_mismatches": mismatches,
+            "safe_get_full_optimizer_state_stale": optim_stale,
+            "safe_get_full_optimizer_state_mismatches": optim_mismatches,
         }
         (out / "harness.json").write_text(json.dumps(info, indent=1, sort_keys=True))
 

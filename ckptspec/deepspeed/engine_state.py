@@ -1,0 +1,141 @@
+"""The parts of a live DeepSpeed engine's manifest besides its groups: frozen parameters, aliases,
+buffers, and format 1.1's ``optimizer`` and ``save`` objects.
+
+The optimizer and save values are those DeepSpeed saves (``scalars.py`` reads them back from the files): the
+wrapped torch optimizer's param groups and ``step``, the loss scaler's attributes, the gradient
+clipping (saved at stages 1 and 2 only), the engine's training counters; plus what only the
+live engine knows, the optimizer's class. Reads attributes only: no collective call, no torch
+import (tensors are read with ``.item()``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..format.dtypes import dtype_name
+from ..format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
+from .scalars import plain_values
+
+
+def _shape(param) -> tuple[int, ...]:
+    return tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
+
+
+def frozen_of_engine(engine, names, trainable: set[str], stage: int, excluded: bool) -> list[FrozenParam]:
+    if excluded:
+        return []
+    stored_in = {0: "module", 1: "module", 2: "fragments", 3: "partitioned_fragments"}[stage]
+    frozen, seen = [], set()
+    for param in engine.module.parameters():
+        name = names[id(param)]
+        if name in trainable or id(param) in seen:
+            continue
+        seen.add(id(param))
+        shape = _shape(param)
+        frozen.append(
+            FrozenParam(
+                name=name, shape=list(shape), numel=math.prod(shape), dtype=dtype_name(param.dtype), stored_in=stored_in
+            )
+        )
+    return frozen
+
+
+def aliases_of_engine(engine, shapes: dict[str, tuple[int, ...]]) -> list[Alias]:
+    """Tied parameters by object identity (``ds_id`` under stage 3).
+
+    DeepSpeed uses ``data_ptr()`` outside stage 3, which ties every zero-element
+    param together (they all report 0); identity does not.
+    """
+    owner_of: dict[Any, str] = {}
+    aliases = []
+    for module_name, module in engine.module.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            key = param.ds_id if hasattr(param, "ds_id") else id(param)
+            full = f"{module_name}.{name}" if module_name else name
+            if key in owner_of:
+                owner = owner_of[key]
+                aliases.append(Alias(name=full, owner=owner, shape=list(shapes.get(owner, _shape(param)))))
+            else:
+                owner_of[key] = full
+    return aliases
+
+
+def buffers_of_engine(engine) -> list[Buffer]:
+    persistent = set(engine._get_buffer_names())
+    return [
+        Buffer(name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
+        for name, buf in engine.module.named_buffers()
+        if name in persistent
+    ]
+
+
+def optimizer_class(engine) -> str:
+    """The client optimizer's class as an import path (``torch.optim.adamw.AdamW``)."""
+    cls = type(getattr(engine, "basic_optimizer", None) or engine.optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _number(value: Any) -> Any:
+    return value.item() if hasattr(value, "item") and not isinstance(value, (int, float)) else value
+
+
+def _plain_attributes(obj) -> dict[str, Any]:
+    # A torch.dtype attribute (DynamicLossScaler.dtype) is saved pickled as torch.float16; the
+    # files' reader names it "float16".
+    out = {}
+    for key, value in vars(obj).items():
+        if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+            value = str(value).removeprefix("torch.")
+        out[key] = value
+    return plain_values(out)
+
+
+def _flat_partitions(wrapper, stage: int) -> list[tuple[int, Any]]:
+    """(optimizer group, the rank's flat fp32 partition) of each group (stage 3: sub-group), in order:
+    the "parameters" the wrapped optimizer steps, whose state holds ``step``."""
+    if stage == 3:
+        return [(int(g), flat) for g, flat in zip(wrapper.sub_group_to_group_id, wrapper.fp32_partitioned_groups_flat)]
+    flats = getattr(wrapper, "single_partition_of_fp32_groups", None)
+    if flats is None:
+        flats = getattr(wrapper, "fp32_groups_flat_partition", [])  # BF16_Optimizer
+    return list(enumerate(flats))
+
+
+def optimizer_of_engine(engine, stage: int) -> Optimizer | None:
+    """Class, hyperparameters and step of each param group, loss scaler, clipping; None if unreadable.
+
+    Each torch param group's step is that of its first flat partition (stage 3: its first
+    sub-group): DeepSpeed steps the wrapped optimizer on them, one group at a time.
+    """
+    wrapper = engine.optimizer
+    inner = getattr(wrapper, "optimizer", None)
+    if inner is None or not hasattr(inner, "param_groups"):
+        return None
+    steps: dict[int, Any] = {}
+    for g, flat in _flat_partitions(wrapper, stage):
+        step = inner.state.get(flat, {}).get("step")
+        if step is not None:
+            steps.setdefault(g, _number(step))
+    # No step for a group: the optimizer has not stepped it yet (a fresh engine), or counts no steps (SGD): 0.
+    groups = [
+        OptimizerGroup(optimizer_group=g, hyperparameters=plain_values(group, skip=("params",)), step=steps.get(g, 0))
+        for g, group in enumerate(inner.param_groups)
+    ]
+    optimizer = Optimizer(class_=optimizer_class(engine), groups=groups)
+    scaler = getattr(wrapper, "loss_scaler", None)
+    if scaler is not None and type(wrapper).__name__ != "BF16_Optimizer":  # BF16_Optimizer saves none
+        optimizer.loss_scaler = LossScaler(kind=type(scaler).__name__, state=_plain_attributes(scaler))
+    clip = getattr(wrapper, "clip_grad", None)
+    if stage in (1, 2) and isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0:
+        optimizer.clip_grad = clip
+    return optimizer
+
+
+def save_of_engine(engine) -> Save:
+    """The training counters as ``engine.save_checkpoint`` writes them now."""
+    return Save(
+        global_steps=int(engine.global_steps),
+        global_samples=int(engine.global_samples),
+        skipped_steps=int(engine.skipped_steps),
+    )

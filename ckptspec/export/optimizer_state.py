@@ -1,0 +1,129 @@
+"""The consolidated optimizer state of a ZeRO checkpoint, per parameter, from format 1.1's locators.
+
+Each rank's partition of each per-element state (``exp_avg``, ``exp_avg_sq``, ...) has the element
+positions of the group's master partition (``files[].state_partitions``), so a parameter's state
+is assembled exactly as its master is (``format.partition.param_pieces``) and viewed in its
+shape. This is not DeepSpeed's ``safe_get_full_optimizer_state``, whose ``_hp_mapping`` ignores
+``round_robin_gradients`` and returns another parameter's state there (docs/reconstruct.md).
+
+``optimizer.safetensors`` holds ``<param>.<state>`` tensors as stored (no cast; tied aliases are
+their owner's, named once), and in ``__metadata__`` the per-group scalars of the manifest's
+``optimizer`` object (class, hyperparameters, step, loss scaler, gradient clipping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._fs import fsync_dir
+from ..errors import ReconstructMismatch, ReconstructUnsupported
+from ..format.dtypes import ITEMSIZE
+from ..format.partition import param_pieces
+from .arrays import ShardReader, read_array, stream
+from .plan import ReconstructionPlan, Segment, TensorSource, _inside
+from .safetensors_writer import SafetensorsWriter, TensorEntry
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+@dataclass
+class OptimizerStatePlan:
+    sources: dict[str, TensorSource]  # "<param>.<state>" -> the state in the param's shape
+    states: dict[str, dict[str, str]]  # param -> state -> output name
+    metadata: dict[str, str]
+
+
+def plan_optimizer_state(plan: ReconstructionPlan) -> OptimizerStatePlan:
+    """Byte ranges of every parameter's optimizer state; CK402 when the manifest locates none."""
+    manifest, tag_dir = plan.manifest, plan.tag_dir
+    located: dict[tuple[int, int, str], tuple[Path, Any]] = {}
+    for shard in manifest.files:
+        for loc in shard.state_partitions or ():
+            located[(loc.group, loc.rank, loc.state)] = (_inside(tag_dir, shard.path), loc)
+    if not located or manifest.optimizer is None:
+        raise ReconstructUnsupported(
+            "the manifest locates no optimizer state",
+            "use a format 1.1 manifest: `ckptspec generate CHECKPOINT` (or `ckptspec migrate M --to 1.1 --checkpoint "
+            "CHECKPOINT`)",
+        )
+    sources: dict[str, TensorSource] = {}
+    states: dict[str, dict[str, str]] = {}
+    for g, group in enumerate(manifest.groups):
+        keys = sorted({s for (gg, _, s) in located if gg == g})
+        for p in group.params:
+            pieces = param_pieces(
+                group.partitioning, group.partition_count, group.partition_numel, p.offset, p.numel, p.padding
+            )
+            for key in keys:
+                segments = []
+                for rank, start, count in pieces:
+                    if (g, rank, key) not in located:
+                        raise ReconstructMismatch(f"no partition of state {key!r} of group {g} on rank {rank}")
+                    path, loc = located[(g, rank, key)]
+                    if start + count > loc.numel:
+                        raise ReconstructMismatch(f"{p.name}: state {key!r} ends past rank {rank}'s partition", path)
+                    item = ITEMSIZE[loc.dtype]
+                    segments.append(Segment(path, loc.data_offset + (loc.element_offset + start) * item, count * item))
+                dtype = next(loc.dtype for (gg, _, s), (_, loc) in located.items() if (gg, s) == (g, key))
+                name = f"{p.name}.{key}"
+                if name in sources or name in plan.sources:
+                    raise ReconstructUnsupported(f"{name!r} names two tensors", "rename the parameter")
+                digest = (p.state_digests or {}).get(key)
+                sources[name] = TensorSource(
+                    name, tuple(p.shape), dtype, segments, "state", digest.sha256 if digest is not None else None
+                )
+                states.setdefault(p.name, {})[key] = name
+    groups = {p.name: group.optimizer_group for group in manifest.groups for p in group.params}
+    metadata = {
+        "format": "pt",
+        "ckptspec.format_version": manifest.format_version,
+        "ckptspec.tag": tag_dir.name,
+        "ckptspec.optimizer": json.dumps(manifest.optimizer.model_dump(mode="json", by_alias=True, exclude_unset=True)),
+        "ckptspec.optimizer_groups": json.dumps(groups, sort_keys=True),
+        "ckptspec.states": json.dumps(states, sort_keys=True),
+        "ckptspec.aliases": json.dumps({a: o for a, o in plan.aliases.items() if o in states}, sort_keys=True),
+    }
+    return OptimizerStatePlan(sources, states, metadata)
+
+
+def write_optimizer_state(
+    plan: ReconstructionPlan, output_dir: str | os.PathLike, progress: Callable[[int], None] | None = None
+) -> Path:
+    """Write ``optimizer.safetensors`` into ``output_dir``: whole or not at all (a rename when complete)."""
+    state = plan_optimizer_state(plan)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = [TensorEntry(name, src.dtype, src.shape) for name, src in state.sources.items()]
+    writer = SafetensorsWriter(out / OPTIMIZER_FILE, entries, state.metadata)
+    try:
+        with ShardReader() as files:
+            for entry in entries:
+                writer.begin(entry.name)
+                stream(state.sources[entry.name], entry.dtype, writer, files, progress or (lambda n: None))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    os.replace(writer.tmp_path, out / OPTIMIZER_FILE)
+    fsync_dir(out)
+    return out / OPTIMIZER_FILE
+
+
+def load_optimizer_state_arrays(plan: ReconstructionPlan) -> tuple[dict[str, dict[str, Any]], dict]:
+    """{param: {state: numpy array in the param's shape}} (aliases included) and the ``optimizer`` object."""
+    state = plan_optimizer_state(plan)
+    out: dict[str, dict[str, Any]] = {}
+    with ShardReader() as files:
+        for param, names in state.states.items():
+            out[param] = {
+                key: read_array(state.sources[name], state.sources[name].dtype, files) for key, name in names.items()
+            }
+    for alias, owner in plan.aliases.items():
+        if owner in out:
+            out[alias] = out[owner]
+    return out, json.loads(state.metadata["ckptspec.optimizer"])
