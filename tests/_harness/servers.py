@@ -203,6 +203,8 @@ class S3Server:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    credentials = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+
     @property
     def env(self) -> dict[str, str]:
         return {
@@ -263,7 +265,11 @@ def upload(s3: S3Server, save_dir: Path, bucket: str = "ckpts") -> str:
     """``save_dir`` put into a bucket with s3fs, as a user would upload it: its ``s3://`` URL."""
     fs = s3.filesystem()
     if not fs.exists(bucket):
-        fs.mkdir(bucket)
+        # create_bucket without a location constraint (us-east-1's way): s3fs's mkdir sends one moto refuses
+        import boto3
+
+        boto3.client("s3", endpoint_url=s3.endpoint, **s3.credentials).create_bucket(Bucket=bucket)
+        fs.invalidate_cache()
     key = f"{bucket}/ckpt{os.getpid()}-{next(_names)}"
     fs.put(str(save_dir), key, recursive=True)
     return f"s3://{key}"
