@@ -14,8 +14,9 @@ from .remote_path import RemotePath
 class RangeStream:
     """The bytes of several byte ranges, in order, with a few range requests in flight.
 
-    ``ranges``: ``(path, start, end)`` in the order they will be read; each is fetched in pieces of
-    at most ``CHUNK`` bytes, at most ``IN_FLIGHT`` ahead of the reader, so memory stays near
+    ``ranges``: ``(path, start, end)`` in the order they will be read; ranges that follow each other
+    in one file are joined (the tensors of a flat partition: one request, not one per tensor), and
+    fetched in pieces of at most ``CHUNK`` bytes, at most ``IN_FLIGHT`` ahead of the reader, so memory stays near
     ``IN_FLIGHT * CHUNK`` whatever the sizes. ``next()`` gives ``(path, start, bytes)`` or None at the end.
     """
 
@@ -31,7 +32,7 @@ class RangeStream:
 
     @staticmethod
     def _split(ranges, chunk) -> Iterator[tuple[RemotePath, int, int]]:
-        for path, start, end in ranges:
+        for path, start, end in _runs(ranges):
             for at in range(start, end, chunk):
                 yield path, at, min(end, at + chunk)
 
@@ -66,6 +67,22 @@ class RangeStream:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _runs(ranges: Iterable[tuple[RemotePath, int, int]]) -> Iterator[tuple[RemotePath, int, int]]:
+    """Consecutive ranges joined where one starts in the same file where the previous ends."""
+    run = None
+    for path, start, end in ranges:
+        if end <= start:
+            continue
+        if run is not None and run[0] == path and run[2] == start:
+            run = (path, run[1], end)
+            continue
+        if run is not None:
+            yield run
+        run = (path, start, end)
+    if run is not None:
+        yield run
 
 
 def fetch_range(path: RemotePath, start: int, end: int) -> bytes:
