@@ -112,8 +112,9 @@ def test_validation_asks_for_no_tensor_bytes(served, nginx, monkeypatch):
 @pytest.mark.parametrize("name", ["s2-bf16-ws2", "s3-bf16-ws2-sub"])
 def test_reconstruct_over_http_is_bit_identical(name, served, tmp_path):
     local, url = served[name]
-    assert run("reconstruct", local, tmp_path / "local", "--quiet").exit_code == 0
-    result = run("reconstruct", url, tmp_path / "http")
+    assert run("reconstruct", local, tmp_path / "local", "--quiet", "--optimizer-state").exit_code == 0
+    assert (tmp_path / "local" / "optimizer.safetensors").exists()
+    result = run("reconstruct", url, tmp_path / "http", "--optimizer-state")
     assert result.exit_code == 0, result.output
     assert "; fetched " in result.stdout
     for out in (tmp_path / "local").iterdir():
