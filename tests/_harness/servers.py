@@ -9,7 +9,8 @@ behave:
 
 * ``/``: plain static files with byte ranges and directory listings (``autoindex``);
 * ``/norange/``: the same files without byte-range support (``max_ranges 0``);
-* ``/stall/``: answers stop after 3 KiB (headers included) (``limit_rate 1`` past ``limit_rate_after``): a client timeout;
+* ``/stall/``: answers stop after 3 KiB, headers included (``limit_rate 1`` past ``limit_rate_after``):
+  a client timeout;
 * ``/drop/``: a proxy of ``/stall/`` that gives up after one second and closes the client's
   connection in the middle of the body (``proxy_read_timeout``): a connection dropped mid-file;
 * ``/slow/``: answers sent at 16 KiB/s past their first 4 KiB, so that a file can be replaced

@@ -102,3 +102,18 @@ def test_no_range_support_denied_and_timeout(served, nginx, small_metadata_reads
     result = run("reconstruct", nginx.url(path, "stall/"), tmp_path / "out")
     assert result.exit_code == 2 and "CK914" in result.output, result.output
     assert nothing_in(tmp_path / "out")
+
+
+def test_unknown_protocol_and_missing_backend(monkeypatch):
+    result = run("validate", "nosuchprotocol://bucket/ckpt", "--format", "json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 2 and report["error"]["code"] == "CK917", report
+    assert "fsspec knows no protocol 'nosuchprotocol'" in report["error"]["hint"]
+
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if the gcs extra were not installed
+    result = run("validate", "gs://bucket/ckpt/manifest.json", "--format", "json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 2 and report["error"]["code"] == "CK917", report
+    assert "pip install 'ckptspec[gcs]'" in report["error"]["hint"]

@@ -5,6 +5,7 @@ endpoint and credentials come from the environment a user would set (``AWS_ENDPO
 from __future__ import annotations
 
 import json
+
 import pytest
 from _harness.servers import upload
 from click.testing import CliRunner
