@@ -13,8 +13,6 @@ behave:
   a client timeout;
 * ``/drop/``: a proxy of ``/stall/`` that gives up after one second and closes the client's
   connection in the middle of the body (``proxy_read_timeout``): a connection dropped mid-file;
-* ``/slow/``: answers sent at 16 KiB/s past their first 4 KiB, so that a file can be replaced
-  while a transfer is running;
 * ``/denied/``: ``deny all`` (HTTP 403).
 
 Its access log has one line per request: ``METHOD URI STATUS BYTES_SENT RANGE``, the body bytes
@@ -36,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-LOCATIONS = ("", "norange/", "stall/", "drop/", "slow/", "denied/")
+LOCATIONS = ("", "norange/", "stall/", "drop/", "denied/")
 
 
 def free_port() -> int:
@@ -101,7 +99,6 @@ http {{
         autoindex on;
         location /norange/ {{ alias {root}/; autoindex on; max_ranges 0; }}
         location /stall/ {{ alias {root}/; autoindex on; limit_rate_after 3k; limit_rate 1; }}
-        location /slow/ {{ alias {root}/; autoindex on; limit_rate_after 4k; limit_rate 16k; }}
         location /drop/ {{
             proxy_pass http://127.0.0.1:{port}/stall/;
             proxy_read_timeout 1s;
