@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _harness.servers import start_nginx, start_s3, upload
+from _harness.servers import start_nginx, start_s3
 from child import run_child
 from make_big_checkpoint import build
 
@@ -38,7 +38,7 @@ def digest(directory: Path) -> dict[str, str]:
     for path in sorted(directory.iterdir()):
         h = hashlib.sha256()
         with open(path, "rb") as fh:
-            while chunk := fh.read(1 << 24):
+            while chunk := fh.read(1 << 20):  # small reads: this process's peak RSS stays low
                 h.update(chunk)
         out[path.name] = h.hexdigest()
     return out
@@ -55,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--s3", action="store_true", help="also upload to moto's S3 server and read it there")
     args = parser.parse_args()
+    start_load = os.getloadavg()
     save_dir = build(2)
     tag = (save_dir / "latest").read_text().strip()
     total = sum(p.stat().st_size for p in (save_dir / tag).iterdir() if p.is_file())
@@ -70,7 +71,14 @@ def main() -> None:
         if args.s3:
             s3 = start_s3(work / "moto")
             env.update(s3.env)
-            places.append(("S3 (moto)", upload(s3, save_dir), None))
+            # Uploaded by a child process: a child's ru_maxrss starts at its parent's peak (child.py),
+            # and s3fs's upload would raise this process's peak to the size of a file.
+            code = (
+                "import sys; sys.path.insert(0, sys.argv[1]); from _harness.servers import S3Server, upload; "
+                "print(upload(S3Server(int(sys.argv[2]), None, None), sys.argv[3]))"
+            )
+            done = run_child([sys.executable, "-c", code, str(HERE.parent / "tests"), str(s3.port), str(save_dir)], env)
+            places.append(("S3 (moto)", done["out"].strip().splitlines()[-1], None))
         outputs = {}
         for where, target, server in places:
             for command in ("validate", "reconstruct"):
@@ -85,6 +93,7 @@ def main() -> None:
                 if command == "reconstruct":
                     outputs[where] = digest(out)
                     shutil.rmtree(out)
+                print(f"{command} from {where}: {result['wall']:.1f} s, {result['rss_mib']:.0f} MiB", file=sys.stderr)
                 rows.append(
                     (f"{command} {'--no-hash' if command == 'validate' else ''}".strip(), where, result, got, sent)
                 )
@@ -97,7 +106,10 @@ def main() -> None:
 
     load = os.getloadavg()
     print(f"checkpoint: {save_dir.name}, {total:,} bytes in {tag}/ ({total / 2**30:.2f} GiB)")
-    print(f"load average: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores\n")
+    print(
+        f"load average (1, 5, 15 min) at start: {start_load[0]:.1f} {start_load[1]:.1f} {start_load[2]:.1f}; "
+        f"at end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {os.cpu_count()} cores\n"
+    )
     print("| command | from | wall s | peak RSS MiB | bytes fetched (ckptspec) | bytes sent (nginx log) | % of files |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for command, where, result, got, sent in rows:
