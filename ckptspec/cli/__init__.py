@@ -23,6 +23,7 @@ from .embed import convert, embed, extract, migrate
 from .generate import generate
 from .inspect import diff, inspect
 from .reconstruct import reconstruct
+from .reshard import reshard
 from .schema import schema_command
 from .validate import validate
 
@@ -40,7 +41,19 @@ def cli() -> None:
     forget()  # one command, one view of remote files: what an earlier command in this process saw is dropped
 
 
-for _command in (validate, generate, schema_command, reconstruct, convert, embed, extract, migrate, diff, inspect):
+for _command in (
+    validate,
+    generate,
+    schema_command,
+    reconstruct,
+    reshard,
+    convert,
+    embed,
+    extract,
+    migrate,
+    diff,
+    inspect,
+):
     cli.add_command(_command)
 
 

@@ -215,6 +215,7 @@ def test_writes_to_urls_are_refused(served, tmp_path):
         ["embed", url],
         ["embed", url, "--sidecar-only"],
         ["reconstruct", local, "s3://bucket/out"],
+        ["reshard", local, "s3://bucket/out", "--world-size", "2"],
         ["generate", local, "-o", "https://example.invalid/manifest.json"],
     ):
         result = run(*args)
