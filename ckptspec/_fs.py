@@ -122,8 +122,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def leftovers(directory: str | os.PathLike) -> list[Path]:
-    """Every ckptspec temporary in ``directory`` (live writers' and stale ones, any host)."""
+def leftovers(directory):
+    """Every ckptspec temporary in ``directory`` (live writers' and stale ones, any host); a directory
+    that is not local (``location.RemotePath``) is listed through its own ``iterdir``."""
+    if not isinstance(directory, (str, os.PathLike)):
+        return [path for path in directory.iterdir() if is_leftover(path.name)]
     try:
         names = sorted(os.listdir(directory))
     except OSError:

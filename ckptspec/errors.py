@@ -10,6 +10,7 @@ carries a stable ``code`` and a ``hint`` like a finding, and names the file; its
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -175,7 +176,8 @@ class TorchFileError(Exception):
 
     def __init__(self, path: str | Path | None, reason: str):
         super().__init__(path, reason)
-        self.path = None if path is None else Path(path)
+        # A remote file (``location.RemotePath``) stays what it is: it has no local path.
+        self.path = None if path is None else Path(path) if isinstance(path, (str, os.PathLike)) else path
         self.reason = reason
 
     def __str__(self) -> str:
@@ -192,6 +194,12 @@ class UnsafePickleError(TorchFileError):
 
 class TruncatedFile(TorchFileError):
     """The file ends before the data its zip structures promise."""
+
+
+class RemoteError(CkptspecError):
+    """A file at a URL cannot be read (exit 2): not found, access denied, no range requests, changed
+    while read, a timeout, a dropped connection (CK910-CK915), a write to a URL (CK916), a backend
+    that is not installed (CK917). See ``ckptspec.location``."""
 
 
 # --------------------------------------------------------------------------- producers and writers

@@ -104,6 +104,15 @@ CODES: dict[str, str] = {
     "CK907": "not-encodable",
     "CK908": "output-busy",
     "CK909": "foreign-output",
+    # CK91x: remote locations (location.py)
+    "CK910": "remote-not-found",
+    "CK911": "remote-access-denied",
+    "CK912": "remote-no-range",
+    "CK913": "remote-changed",
+    "CK914": "remote-timeout",
+    "CK915": "remote-connection",
+    "CK916": "remote-read-only",
+    "CK917": "remote-backend",
     "CK999": "internal-error",
 }
 

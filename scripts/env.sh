@@ -16,10 +16,16 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     {
         .venv/bin/python -m pip install --upgrade pip &&
         .venv/bin/python -m pip install "torch==2.13.0" &&
-        .venv/bin/python -m pip install -e ".[deepspeed,reconstruct,test]" &&
+        .venv/bin/python -m pip install -e ".[deepspeed,reconstruct,http,s3,test]" &&
         .venv/bin/python -c "import torch, deepspeed, ckptspec"
     } >"$log" 2>&1 || { tail -30 "$log" >&2; echo "environment setup failed; see $log" >&2; exit 2; }
     touch "$stamp"
+fi
+# nginx (the Debian package) for tests/remote: the tests start it on 127.0.0.1 to serve real
+# checkpoints with range requests, and count the bytes it sent from its own access log.
+if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
+    { apt-get update -qq && apt-get install -y -qq nginx; } >/dev/null 2>&1 \
+        || { echo "nginx is missing and could not be installed (apt-get install nginx)" >&2; exit 2; }
 fi
 # The Node.js example reader (examples/node-reader) and its ajv, for the tests that run them:
 # `npm ci` from the committed lockfile when node_modules is missing or older than the lockfile.

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..errors import CkptspecError, EmbedError
 from ..findings import Finding, finding, json_path
 from ..format.codec import decode, dumps, load_document
+from ..location import RemotePath, location, not_found, open_binary
 from .sidecar import SIDECAR_NAMES
 from .states import read_state
 
@@ -246,7 +247,7 @@ def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
     """The ``__metadata__`` string map of a safetensors file (only the header is read)."""
     name = str(path)
     try:
-        with open(path, "rb") as fh:
+        with open_binary(path) as fh:
             head = fh.read(8)
             if len(head) < 8:
                 raise EmbedError(
@@ -256,13 +257,14 @@ def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
                     name,
                 )
             (length,) = struct.unpack("<Q", head)
-            if length > SAFETENSORS_MAX_HEADER or length > os.fstat(fh.fileno()).st_size - 8:
+            if length > SAFETENSORS_MAX_HEADER or length > fh.seek(0, os.SEEK_END) - 8:
                 raise EmbedError(
                     "CK302",
                     f"not a safetensors file: header length {length} is impossible",
                     "pass a .safetensors file",
                     name,
                 )
+            fh.seek(8)
             raw = fh.read(length)
     except OSError as exc:
         raise CkptspecError(
@@ -316,7 +318,7 @@ def read_safetensors_copy(path: str | os.PathLike) -> EmbeddedCopy | None:
             "the metadata was altered; regenerate the output",
             str(path),
         )
-    index = read_index_copy(Path(path).parent / within, expected=meta.get(SAFETENSORS_SHA256_KEY))
+    index = read_index_copy(location(path).parent / within, expected=meta.get(SAFETENSORS_SHA256_KEY))
     if index is None:
         raise EmbedError(
             "CK302", f"the index {within} it names holds no manifest", "copy the index with its shards", str(path)
@@ -327,12 +329,13 @@ def read_safetensors_copy(path: str | os.PathLike) -> EmbeddedCopy | None:
 def read_index_copy(path: str | os.PathLike, expected: str | None = None) -> EmbeddedCopy | None:
     """The manifest in the ``metadata`` of a sharded output's index (``*.index.json``)."""
     name = str(path)
+    where = location(path)
     try:
-        if Path(path).stat().st_size > SAFETENSORS_MAX_HEADER * 3:
+        if where.stat().st_size > SAFETENSORS_MAX_HEADER * 3:
             raise EmbedError(
                 "CK302", "the index is too large to hold names and a manifest", "pass a ckptspec output", name
             )
-        doc = json.loads(Path(path).read_text("utf-8"))
+        doc = json.loads(where.read_text("utf-8"))
     except FileNotFoundError:
         raise CkptspecError("CK901", "file not found", "copy the index with its shards", name) from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
@@ -343,9 +346,9 @@ def read_index_copy(path: str | os.PathLike, expected: str | None = None) -> Emb
     return EmbeddedCopy(name, "index", _manifest_in_metadata(meta, name, "index metadata", expected))
 
 
-def _is_zip(path: Path) -> bool:
+def _is_zip(path: Path | RemotePath) -> bool:
     try:
-        with open(path, "rb") as fh:
+        with open_binary(path) as fh:
             return fh.read(2) == b"PK"
     except OSError:
         return False
@@ -354,8 +357,10 @@ def _is_zip(path: Path) -> bool:
 def copies_in_file(path: str | os.PathLike) -> list[EmbeddedCopy]:
     """The manifest copies one file holds: a .pt's client state, a safetensors ``__metadata__``,
     or the file itself when it is a manifest (JSON or msgpack)."""
-    p = Path(path)
+    p = location(path)
     if not p.exists():
+        if isinstance(p, RemotePath):
+            raise not_found(str(p), "file not found")
         raise CkptspecError("CK901", "file not found", "check the path", str(p))
     suffix = p.suffix.lower()
     if suffix == ".safetensors":

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from .._fs import commit, fsync, io_point, temp_file
 from ..errors import CkptspecError
 from ..format.codec import Encoding, dumps
+from ..location import RemotePath, location
 
 if TYPE_CHECKING:
     from ..format.models import Manifest
@@ -20,13 +21,13 @@ if TYPE_CHECKING:
 SIDECAR_NAMES: dict[str, str] = {"json": "ckptspec.json", "msgpack": "ckptspec.msgpack"}
 
 
-def find_sidecars(tag_dir: str | os.PathLike) -> list[Path]:
+def find_sidecars(tag_dir: str | os.PathLike | RemotePath) -> list[Path | RemotePath]:
     """The sidecars present in a directory (normally none or one)."""
-    tag_dir = Path(tag_dir)
+    tag_dir = location(tag_dir)
     return [tag_dir / name for name in SIDECAR_NAMES.values() if (tag_dir / name).is_file()]
 
 
-def find_sidecar(tag_dir: str | os.PathLike) -> Path | None:
+def find_sidecar(tag_dir: str | os.PathLike | RemotePath) -> Path | RemotePath | None:
     """The sidecar of a tag directory (``ckptspec.json`` before ``ckptspec.msgpack``), or None."""
     return next(iter(find_sidecars(tag_dir)), None)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidCheckpoint, TorchFileError, UnsafePickleError
+from ..location import RemotePath, location
 from . import torchfile
 
 UNSAFE_HINT = "this file wants to run code on load; ckptspec refuses it (torch.load(weights_only=False) would run it)"
@@ -52,11 +53,14 @@ class StateCache:
     """
 
     def __init__(self) -> None:
-        self._files: dict[Path, Loaded] = {}
+        self._files: dict[Path | RemotePath, Loaded] = {}
 
-    def load(self, path: str | os.PathLike, *, members: bool = False) -> Loaded:
-        """The file's state, and its zip members when ``members`` (an error in either makes it unreadable)."""
-        key = Path(path).resolve()
+    def load(self, path: str | os.PathLike | RemotePath, *, members: bool = False) -> Loaded:
+        """The file's state, and its zip members when ``members`` (an error in either makes it unreadable).
+
+        A remote file that cannot be fetched raises ``RemoteError`` (exit 2): it is not a damaged file.
+        """
+        key = location(path).resolve()
         loaded = self._files.get(key)
         if loaded is None:
             try:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
+from ..location import RemotePath, location, open_binary
 from .pickle_scan import MAX_NESTING, check_tree, scan_pickle
 from .standins import (
     ALLOWED,
@@ -143,10 +144,10 @@ _ZIP_ERRORS = (
 )
 
 
-def _open_zip(path: Path) -> zipfile.ZipFile:
+def _open_zip(path: Path | RemotePath) -> zipfile.ZipFile:
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_binary(path) as f:
             magic = f.read(4)
     except OSError as e:
         raise TorchFileError(path, f"cannot read: {e}") from e
@@ -156,7 +157,8 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
         hint = " (legacy non-zip torch format?)" if magic[:1] == b"\x80" else ""
         raise NotATorchFile(path, f"not a zip archive{hint}")
     try:
-        zf = zipfile.ZipFile(path)
+        # A remote file is read in ranges: the end record and central directory, then what is asked for.
+        zf = zipfile.ZipFile(path if isinstance(path, Path) else open_binary(path))
     except _ZIP_ERRORS as e:
         # A zip's directory is at its end: a cut-off file starts like a zip but has none.
         raise TruncatedFile(path, f"zip directory unreadable, file truncated or corrupt ({e})") from e
@@ -200,7 +202,7 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, path: P
 
 def read_pt_metadata(path, max_pickle_bytes: int = DEFAULT_MAX_PICKLE_BYTES) -> Any:
     """Unpickle ``data.pkl`` of a torch zip file safely; tensors become ``TensorRef``."""
-    path = Path(path)
+    path = location(path)
     with _open_zip(path) as zf:
         prefix = _archive_prefix(zf, path)
         infos = {info.filename: info for info in zf.infolist()}
@@ -226,9 +228,9 @@ def read_pt_metadata(path, max_pickle_bytes: int = DEFAULT_MAX_PICKLE_BYTES) -> 
 
 def zip_member_locations(path) -> dict[str, tuple[int, int]]:
     """member name -> (absolute byte offset of its data, size in bytes); members must be stored."""
-    path = Path(path)
+    path = location(path)
     out = {}
-    with _open_zip(path) as zf, open(path, "rb") as f:
+    with _open_zip(path) as zf, open_binary(path) as f:
         file_size = f.seek(0, io.SEEK_END)
         for info in zf.infolist():
             if info.compress_type != zipfile.ZIP_STORED:

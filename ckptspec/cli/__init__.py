@@ -32,7 +32,14 @@ from .validate import validate
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptspec")
 def cli() -> None:
-    """Self-describing manifests for sharded training checkpoints."""
+    """Self-describing manifests for sharded training checkpoints.
+
+    Every command that reads a checkpoint directory or a manifest also reads a URL (s3://,
+    gs://, hf://, https://... through fsspec; see docs/remote.md).
+    """
+    from ..location import forget
+
+    forget()  # one command, one view of remote files: what an earlier command in this process saw is dropped
 
 
 for _command in (

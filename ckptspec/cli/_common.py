@@ -103,10 +103,13 @@ def error_dict(exc: CkptspecError) -> dict[str, str]:
     return {"code": exc.code, "message": exc.message, "hint": exc.hint}
 
 
-def validation_report(target: str, findings: list[Finding], error: CkptspecError | None = None) -> dict[str, Any]:
-    """The ``validate --format json`` report, defined by ``schema/report-1.0.schema.json``."""
+def validation_report(
+    target: str, findings: list[Finding], error: CkptspecError | None = None, fetched: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """The ``validate --format json`` report, defined by ``schema/report-1.0.schema.json``; with
+    ``fetched`` (a target at a URL: what was fetched), a 1.1 report (``schema/report-1.1.schema.json``)."""
     report: dict[str, Any] = {
-        "report_version": REPORT_VERSION,
+        "report_version": REPORT_VERSION if fetched is None else "1.1",
         "tool": "ckptspec",
         "tool_version": __version__,
         "target": target,
@@ -115,4 +118,15 @@ def validation_report(target: str, findings: list[Finding], error: CkptspecError
     }
     if error is not None:
         report["error"] = error_dict(error)
+    if fetched is not None:
+        report["fetched"] = fetched
     return report
+
+
+def fetched_line(target: str, fetched: dict[str, int]) -> str:
+    """What reading a target at a URL fetched, in words."""
+    line = f"{target}: fetched {fetched['bytes']:,} bytes in {fetched['requests']:,} requests"
+    total = fetched.get("checkpoint_bytes")
+    if total:
+        line += f" ({100 * fetched['bytes'] / total:.3f}% of the {total:,} bytes of its files)"
+    return line

@@ -152,7 +152,7 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     from ..errors import EmbedError
     from ..format.version import version_findings
 
-    if tag is not None and os.path.exists(target) and not os.path.isdir(target):
+    if tag is not None and "://" not in target and os.path.exists(target) and not os.path.isdir(target):
         raise tag_needs_a_directory(target)
     try:
         copies = find_copies(target, tag)

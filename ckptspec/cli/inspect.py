@@ -54,8 +54,9 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
     (``choose_manifest``), and the files are checked against it (hashes aside).
     """
     from ..format.validate import validate_file
+    from ..location import is_directory
 
-    if not os.path.isdir(name):
+    if not is_directory(name):
         if tag is not None:
             raise tag_needs_a_directory(name, option)
         report = validate_file(name, max_bytes=max_bytes)

@@ -67,7 +67,7 @@ def reconstruct(
     optimizer_state: bool,
     quiet: bool,
 ) -> None:
-    """Write the full weights of a DeepSpeed ZeRO CHECKPOINT into OUTPUT_DIR.
+    """Write the full weights of a DeepSpeed ZeRO CHECKPOINT (a directory or a URL) into OUTPUT_DIR.
 
     The checkpoint is validated first: on any error finding nothing is written and
     the exit code is 1. Trainable parameters come from the fp32 master weights,
@@ -83,10 +83,12 @@ def reconstruct(
     from ..export.writers import torch_available, write_consolidated
     from ..findings import has_errors
     from ..format.dtypes import output_dtype
+    from ..location import fetched, is_remote, refuse_write
 
     if fmt == "torch" and not torch_available():
         raise click.UsageError("--format torch needs torch (pip install torch); --format safetensors does not")
     try:
+        refuse_write(output_dir, "the reconstruction")  # before anything is fetched
         states = StateCache()  # what validation reads, the plan reuses
         # Tensor digests are checked while the tensors stream, not in a pass of their own.
         found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=False)
@@ -132,7 +134,9 @@ def reconstruct(
         sys.exit(EXIT_USAGE)
     if not quiet:
         files = ", ".join(result.files + ([result.index] if result.index else []))
+        done = fetched()
+        source = f"; fetched {done.bytes:,} bytes in {done.requests:,} requests" if is_remote(checkpoint) else ""
         click.echo(
             f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, {total} elements) "
-            f"to {files}"
+            f"to {files}{source}"
         )

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ..format.schemas import MANIFEST_SCHEMAS, REPORT_SCHEMA, manifest_schema_file, schema_text
+from ..format.schemas import LATEST_REPORT, MANIFEST_SCHEMAS, REPORT_SCHEMAS, manifest_schema_file, schema_text
 from ._common import EXIT_USAGE
 
 
@@ -18,11 +18,13 @@ from ._common import EXIT_USAGE
     metavar="V",
     help=f"Format version (known: {', '.join(sorted(MANIFEST_SCHEMAS))}); default the latest.",
 )
-@click.option("--report", is_flag=True, help="Print the schema of `validate --format json` reports instead.")
+@click.option(
+    "--report", is_flag=True, help="Print the schema of `validate --format json` reports (the latest, 1.1) instead."
+)
 def schema_command(version: str | None, report: bool) -> None:
     """Print the manifest JSON Schema."""
     if report:
-        click.echo(schema_text(REPORT_SCHEMA), nl=False)
+        click.echo(schema_text(REPORT_SCHEMAS[LATEST_REPORT]), nl=False)
         return
     try:
         filename = manifest_schema_file(version) if version else manifest_schema_file()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -10,7 +9,16 @@ import click
 from ..errors import CkptspecError
 from ..findings import Finding, has_errors
 from ..format.codec import DEFAULT_MAX_BYTES
-from ._common import EXIT_INVALID, EXIT_OK, SIZE, echo_findings, echo_json, error_line, validation_report
+from ._common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    SIZE,
+    echo_findings,
+    echo_json,
+    error_line,
+    fetched_line,
+    validation_report,
+)
 
 
 @click.command()
@@ -20,7 +28,7 @@ from ._common import EXIT_INVALID, EXIT_OK, SIZE, echo_findings, echo_json, erro
     "checkpoint",
     default=None,
     metavar="DIR",
-    help="Also check the files of this DeepSpeed checkpoint directory against MANIFEST.",
+    help="Also check the files of this DeepSpeed checkpoint directory (a path or a URL) against MANIFEST.",
 )
 @click.option(
     "--tag", default=None, help="With a checkpoint: the tag directory to check (default: the one named by 'latest')."
@@ -34,7 +42,8 @@ from ._common import EXIT_INVALID, EXIT_OK, SIZE, echo_findings, echo_json, erro
     type=click.Choice(["text", "json"]),
     default="text",
     show_default=True,
-    help="Text: one line per finding. JSON: one report object (schema/report-1.0.schema.json).",
+    help="Text: one line per finding. JSON: one report object (schema/report-1.0.schema.json; "
+    "1.1 for a URL, with the bytes fetched).",
 )
 @click.option(
     "--max-size",
@@ -65,10 +74,19 @@ def validate(
     validate MANIFEST --checkpoint DIR  then the files of DIR against MANIFEST
     validate DIR                        DIR against its sidecar ckptspec.json/.msgpack, or
                                         against a manifest generated from DeepSpeed's metadata
+
+    MANIFEST and DIR may be URLs (s3://, gs://, hf://, https://...; docs/remote.md): only what is
+    checked is fetched, and the report says how many bytes that was.
     """
     from ..format.validate import validate_file
+    from ..location import is_directory, is_remote
 
-    is_dir = checkpoint is None and os.path.isdir(target)
+    remote = is_remote(target) or is_remote(checkpoint)  # then the report says what was fetched
+    try:
+        is_dir = checkpoint is None and is_directory(target)
+    except CkptspecError as exc:
+        _emit(output_format, target, [], exc, remote)
+        sys.exit(exc.exit_code)
     if checkpoint is None and not is_dir and (tag is not None or no_hash):
         raise click.UsageError(
             "--tag and --no-hash need a checkpoint: validate DIR, or validate MANIFEST --checkpoint DIR"
@@ -77,36 +95,54 @@ def validate(
         try:  # the verdict only: no models to build (they cost more than the rules)
             report = validate_file(target, max_bytes=max_size, encoding=encoding, build_model=False)
         except CkptspecError as exc:
-            _emit(output_format, target, [], exc)
+            _emit(output_format, target, [], exc, remote)
             sys.exit(exc.exit_code)
-        _emit(output_format, target, report.findings)
+        _emit(output_format, target, report.findings, None, remote)
         sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
 
     from ..deepspeed.validate import validate_checkpoint
 
     shown = checkpoint if checkpoint is not None else target
+    found = None
     try:
         manifest = None
         if checkpoint is not None:
             manifest = validate_file(target, max_bytes=max_size, encoding=encoding)
             if not manifest.ok or manifest.manifest is None:
-                _emit(output_format, target, manifest.findings)
+                _emit(output_format, target, manifest.findings, None, remote)
                 sys.exit(EXIT_INVALID)
         # The report is handed over: the manifest is not validated a second time.
-        _, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
+        found, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
     except CkptspecError as exc:
-        _emit(output_format, shown, [], exc)
+        _emit(output_format, shown, [], exc, remote)
         sys.exit(exc.exit_code)
-    _emit(output_format, shown, findings)
+    _emit(output_format, shown, findings, None, remote, sum(f.size for f in found.files) if found else None)
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
 
 
-def _emit(output_format: str, target: str, findings: list[Finding], error: CkptspecError | None = None) -> None:
+def _emit(
+    output_format: str,
+    target: str,
+    findings: list[Finding],
+    error: CkptspecError | None = None,
+    remote: bool = False,
+    checkpoint_bytes: int | None = None,
+) -> None:
+    fetched = None
+    if remote:
+        from ..location import fetched as fetched_so_far
+
+        done = fetched_so_far()
+        fetched = {"bytes": done.bytes, "requests": done.requests}
+        if checkpoint_bytes:
+            fetched["checkpoint_bytes"] = checkpoint_bytes
     if output_format == "json":
-        echo_json(validation_report(target, findings, error))
+        echo_json(validation_report(target, findings, error, fetched))
         return
     echo_findings(findings, target)
     if error is not None:
         click.echo(error_line(error, target), err=True)
     elif not has_errors(findings):
         click.echo(f"{target}: valid")
+    if fetched is not None:
+        click.echo(fetched_line(target, fetched))

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Digest, Manifest
 from ..format.partition import param_pieces
+from ..location import RangeStream, RemotePath, location
 
 ALGORITHM = "sha256"  # the one algorithm of format 1.1 (a later minor may add others)
 _CHUNK = 16 << 20
@@ -72,9 +73,15 @@ def covered_tensors(manifest: Manifest) -> Iterator[Covered]:
                 yield Covered((section, i, "digest"), tuple(_span(path, loc, 0, loc.numel) for _, path, loc in found))
 
 
-def digest_of(covered: Covered, tag_dir: Path, fds: dict[str, int]) -> str:
+def digest_of(covered: Covered, tag_dir: Path | RemotePath, fds: dict[str, int]) -> str:
     """The SHA-256 of the covered bytes, read in chunks (``fds``: open files by listed path, reused)."""
     digest = hashlib.new(ALGORITHM)
+    if isinstance(tag_dir, RemotePath):  # fetched in ranges, a few ahead
+        ranges = [(tag_dir / path, offset, offset + nbytes) for path, offset, nbytes in covered.ranges]
+        with RangeStream(ranges) as stream:
+            while (piece := stream.next()) is not None:
+                digest.update(piece[2])
+        return digest.hexdigest()
     for path, offset, nbytes in covered.ranges:
         if path not in fds:
             fds[path] = os.open(tag_dir / path, os.O_RDONLY)
@@ -103,7 +110,7 @@ def add_digests(manifest: Manifest, tag_dir: str | os.PathLike) -> None:
     fds: dict[str, int] = {}
     try:
         for covered in covered_tensors(manifest):
-            value = Digest(sha256=digest_of(covered, Path(tag_dir), fds))
+            value = Digest(sha256=digest_of(covered, location(tag_dir), fds))
             where = covered.where
             if where[0] == "groups":
                 param = manifest.groups[where[1]].params[where[3]]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .._fs import is_leftover
 from ..errors import CkptspecError, InvalidCheckpoint, UnsupportedCheckpoint
+from ..location import RemotePath, location, not_found
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
 MAX_TAG_BYTES = 4096
@@ -19,10 +20,12 @@ def is_tag_name(name: str) -> bool:
     return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and "\x00" not in name
 
 
-def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Path:
-    """A save directory (with ``latest``) or a tag directory -> the tag directory."""
-    root = Path(checkpoint)
+def resolve_tag_dir(checkpoint: str | os.PathLike | RemotePath, tag: str | None = None) -> Path | RemotePath:
+    """A save directory (with ``latest``) or a tag directory -> the tag directory (a local path or a URL)."""
+    root = location(checkpoint)
     if not root.exists():
+        if isinstance(root, RemotePath):
+            raise not_found(str(root), "checkpoint directory not found")
         raise CkptspecError("CK901", "checkpoint directory not found", "check the path", str(root))
     if not root.is_dir():
         raise CkptspecError("CK901", "not a directory", "pass a DeepSpeed save directory or a tag directory", str(root))
@@ -80,13 +83,13 @@ def resolve_tag_dir(checkpoint: str | os.PathLike, tag: str | None = None) -> Pa
 class ShardSet:
     """The files of one tag directory, sorted by rank (never by string order)."""
 
-    tag_dir: Path
-    model_files: dict[int, Path] = field(default_factory=dict)  # dp rank -> file (stage 3: one per rank)
-    optim_files: dict[int, Path] = field(default_factory=dict)  # dp rank -> file
-    other_files: list[Path] = field(default_factory=list)
+    tag_dir: Path | RemotePath
+    model_files: dict[int, Path | RemotePath] = field(default_factory=dict)  # dp rank -> file (stage 3: one per rank)
+    optim_files: dict[int, Path | RemotePath] = field(default_factory=dict)  # dp rank -> file
+    other_files: list[Path | RemotePath] = field(default_factory=list)
 
 
-def scan_tag_dir(tag_dir: Path) -> ShardSet:
+def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
     shards = ShardSet(tag_dir)
     for path in sorted(tag_dir.iterdir()):
         if not path.is_file():

@@ -36,6 +36,7 @@ from ..format.codec import Encoding
 from ..format.models import Manifest
 from ..format.validate import validate_document
 from ..format.version import version_key
+from ..location import RemotePath, location, not_found, refuse_write
 from .describe import describe_files, manifest_from_states
 from .digests import add_digests
 from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
@@ -56,7 +57,7 @@ def copies_in_dir(
     With ``errors``, a file that cannot be read is appended there and skipped instead of raising.
     ``states``: model states already read (and where the ones read here are kept).
     """
-    root = Path(directory)
+    root = location(directory)
     try:
         tag_dir = resolve_tag_dir(root, tag)
     except InvalidCheckpoint:
@@ -90,8 +91,10 @@ def copies_in_dir(
 
 
 def find_copies(target: str | os.PathLike, tag: str | None = None) -> list[EmbeddedCopy]:
-    p = Path(target)
+    p = location(target)
     if not p.exists():
+        if isinstance(p, RemotePath):
+            raise not_found(str(p), "file or directory not found")
         raise CkptspecError("CK901", "file or directory not found", "check the path", str(p))
     return copies_in_dir(p, tag) if p.is_dir() else copies_in_file(p)
 
@@ -106,7 +109,9 @@ def embedded_findings(
     """
     errors: list[CkptspecError] = []
     copies = (
-        copies_in_dir(checkpoint, tag, errors, states) if Path(checkpoint).is_dir() else find_copies(checkpoint, tag)
+        copies_in_dir(checkpoint, tag, errors, states)
+        if location(checkpoint).is_dir()
+        else find_copies(checkpoint, tag)
     )
     findings = [finding(e.code, "$", e.message, e.hint, file=e.file) for e in errors if e.code == "CK302"]
     return findings + agreement_findings(copies)
@@ -136,7 +141,9 @@ def embed_checkpoint(
     temporary name, then all are committed together, the sidecar last (``_fs.commit``): a run
     killed at any point leaves the checkpoint as it was, or (rolled forward by the next write
     into the tag directory) complete. A second writer into the same tag directory is refused.
+    A checkpoint at a URL is refused (CK916): ckptspec writes only local files.
     """
+    refuse_write(checkpoint, "a manifest (embed rewrites the model states and writes the sidecar)")
     tag_dir = resolve_tag_dir(checkpoint, tag)
     shards = scan_tag_dir(tag_dir)
     states = StateCache()  # each file is read once, here

@@ -12,7 +12,6 @@ that embedded copy too.
 from __future__ import annotations
 
 import math
-import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from ..checkpoint.torchfile import DynamicLossScalerState, LossScalerState, Tens
 from ..errors import CkptspecError
 from ..format.codec import decode
 from ..format.models import LossScaler, Manifest, Optimizer, OptimizerGroup, Save
+from ..location import open_binary
 from .locators import torch_optimizer_state
 
 UNKNOWN_CLASS = "unknown"
@@ -66,11 +66,9 @@ def scalar_value(value: Any, path: Path, members: dict[str, tuple[int, int]]) ->
         return None
     offset = members[value.storage.member][0] + value.storage_offset * value.storage.itemsize
     fmt = _SCALAR_FORMATS[value.dtype]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        data = os.pread(fd, struct.calcsize(fmt), offset)
-    finally:
-        os.close(fd)
+    with open_binary(path) as fh:  # a remote file: one small range request
+        fh.seek(offset)
+        data = fh.read(struct.calcsize(fmt))
     if len(data) != struct.calcsize(fmt):
         return None
     number = struct.unpack(fmt, data)[0]

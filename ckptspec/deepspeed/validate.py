@@ -25,6 +25,7 @@ from ..errors import CkptspecError
 from ..findings import Finding, finding, has_errors
 from ..format.models import Manifest, ShardFile
 from ..format.validate import Report, validate_file, validate_manifest
+from ..location import RemotePath, relative_name
 from .checks import check_checkpoint
 from .describe import manifest_from_states
 from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
@@ -36,12 +37,12 @@ from .names import file_order, rank_of, role_of
 class Chosen:
     """The manifest that describes a tag directory, and how it was had."""
 
-    tag_dir: Path
+    tag_dir: Path | RemotePath
     source: Literal["manifest", "sidecar", "generated"]
     manifest: Manifest | None  # None when none could be had
     findings: list[Finding]  # validating it; when it has errors, they are why nothing else can run
     unreadable: list[Finding] = field(default_factory=list)  # CK204/CK205 of files the generation could not read
-    sidecar: Path | None = None
+    sidecar: Path | RemotePath | None = None
     states: StateCache = field(default_factory=StateCache)
 
     @property
@@ -159,8 +160,9 @@ def check_tag_dir(
     # their files are named like every other finding's, relative to the tag directory. An unreadable
     # sidecar the manifest choice already reported is not reported twice.
     for found in embedded_findings(tag_dir, states=chosen.states):
-        if found.file is not None and Path(found.file).is_relative_to(tag_dir):
-            found = dataclasses.replace(found, file=Path(found.file).relative_to(tag_dir).as_posix())
+        relative = relative_name(found.file, tag_dir) if found.file is not None else None
+        if relative is not None:
+            found = dataclasses.replace(found, file=relative)
         if found not in findings:
             findings.append(found)
     return chosen, findings

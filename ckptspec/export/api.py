@@ -23,6 +23,7 @@ from ..findings import has_errors
 from ..format.dtypes import output_dtype
 from ..format.models import Manifest
 from ..format.validate import Report
+from ..location import refuse_write
 from .arrays import ShardReader, read_array
 from .optimizer_state import load_optimizer_state_arrays, optimizer_state_temporary, plan_optimizer_state
 from .plan import ReconstructionPlan, plan_reconstruction
@@ -77,6 +78,7 @@ def load_state_dict(
         bf16_view = ml_dtypes.bfloat16
     out: dict[str, Any] = {}
     with ShardReader() as files:
+        files.plan(seg for name in plan.order if name not in plan.aliases for seg in plan.sources[name].segments)
         for name in plan.order:
             if name in plan.aliases:
                 continue
@@ -105,6 +107,7 @@ def reconstruct(
     """Validate, then write the consolidated weights to ``output_dir`` (see ``write_consolidated``),
     and with ``optimizer_state`` the per-parameter optimizer state as ``optimizer.safetensors``
     (format 1.1 manifests; ``export/optimizer_state.py``)."""
+    refuse_write(output_dir, "the reconstruction")  # before the checkpoint is read
     plan = validated_plan(checkpoint, manifest, tag)
     if optimizer_state:
         plan_optimizer_state(plan)  # refuse before writing anything when the manifest locates no state

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..checkpoint.states import unreadable
 from ..errors import CkptspecError, ReconstructUnsupported, TensorDigestMismatch, TruncatedFile
 from ..format.dtypes import ITEMSIZE
+from ..location import CHUNK, RangeStream, RemotePath, fetch_range
 from .plan import Segment, TensorSource
 from .safetensors_writer import SafetensorsWriter
 
@@ -86,10 +88,33 @@ def convert(array, src: str, dst: str):
 
 
 class ShardReader:
-    """Open file descriptors, one per shard file, read with pread (no mmap: RSS stays flat)."""
+    """Open file descriptors, one per shard file, read with pread (no mmap: RSS stays flat).
+
+    A remote shard (``location.RemotePath``) is read in range requests instead: ``plan`` announces
+    the segments in the order they will be read, and a ``RangeStream`` fetches them ahead, a few
+    requests in flight, so memory stays bounded whatever the tensor sizes; a read that was not
+    planned is fetched when asked.
+    """
 
     def __init__(self):
         self._fds: dict[Path, int] = {}
+        self._stream: RangeStream | None = None
+        self._left: tuple[RemotePath, int, memoryview] | None = None  # the unread rest of a fetched piece
+
+    def plan(self, segments: Iterable[Segment]) -> None:
+        """The segments the next reads take, in order (only remote ones matter: they are fetched ahead)."""
+        self._close_stream()
+        remote = [(s.path, s.offset, s.offset + s.nbytes) for s in segments if isinstance(s.path, RemotePath)]
+        if remote:
+            self._stream = RangeStream(remote)
+
+    def copy(self, segment: Segment, writer: SafetensorsWriter) -> None:
+        """Append the segment's bytes to ``writer``: in the kernel for a local file, piece by piece for a remote one."""
+        if isinstance(segment.path, RemotePath):
+            for piece in self._pieces(segment):
+                writer.write(piece)
+            return
+        writer.copy_range(self.fd(segment.path), segment.offset, segment.nbytes)
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
@@ -102,6 +127,12 @@ class ShardReader:
         return self._fds[path]
 
     def read_into(self, segment: Segment, out: memoryview) -> None:
+        if isinstance(segment.path, RemotePath):
+            done = 0
+            for piece in self._pieces(segment):
+                out[done : done + len(piece)] = piece
+                done += len(piece)
+            return
         fd, done = self.fd(segment.path), 0
         while done < segment.nbytes:
             n = os.preadv(fd, [out[done : segment.nbytes]], segment.offset + done)
@@ -111,7 +142,31 @@ class ShardReader:
                 )
             done += n
 
+    def _pieces(self, segment: Segment) -> Iterator[memoryview]:
+        """The bytes of a remote segment, in pieces: from the planned stream when it is at this
+        segment, else fetched now (and the stream, out of step, is dropped)."""
+        path, at, end = segment.path, segment.offset, segment.offset + segment.nbytes
+        while at < end:
+            if self._left is not None and self._left[0] == path and self._left[1] == at:
+                data = self._left[2]
+            elif self._stream is not None and self._stream.peek() == (path, at):
+                data = memoryview(self._stream.next()[2])
+            else:
+                self._close_stream()
+                data = memoryview(fetch_range(path, at, min(end, at + CHUNK)))
+            take = min(len(data), end - at)
+            self._left = (path, at + take, data[take:]) if take < len(data) else None
+            yield data[:take]
+            at += take
+
+    def _close_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._left = None
+
     def close(self) -> None:
+        self._close_stream()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -151,7 +206,7 @@ def stream(source: TensorSource, dtype: str, writer: SafetensorsWriter, files: S
     bytes, else chunked reads (hashed) and casts."""
     if source.dtype == dtype and source.digest is None:
         for segment in source.segments:
-            writer.copy_range(files.fd(segment.path), segment.offset, segment.nbytes)
+            files.copy(segment, writer)
             progress(segment.nbytes)
         return
     np = _np()

@@ -102,6 +102,7 @@ def optimizer_state_temporary(
     entries = [TensorEntry(name, src.dtype, src.shape) for name, src in state.sources.items()]
     writer = SafetensorsWriter(target, entries, state.metadata)
     try:
+        files.plan(seg for entry in entries for seg in state.sources[entry.name].segments)  # remote: fetched ahead
         for entry in entries:
             writer.begin(entry.name)
             stream(state.sources[entry.name], entry.dtype, writer, files, progress)
@@ -117,6 +118,9 @@ def load_optimizer_state_arrays(plan: ReconstructionPlan) -> tuple[dict[str, dic
     state = plan_optimizer_state(plan)
     out: dict[str, dict[str, Any]] = {}
     with ShardReader() as files:
+        files.plan(
+            seg for names in state.states.values() for name in names.values() for seg in state.sources[name].segments
+        )
         for param, names in state.states.items():
             out[param] = {
                 key: read_array(state.sources[name], state.sources[name].dtype, files) for key, name in names.items()

@@ -31,6 +31,7 @@ from ..deepspeed.validate import validate_checkpoint
 from ..errors import CheckpointInvalid, CkptspecError, ReshardUnsupported
 from ..findings import has_errors
 from ..format.models import Manifest
+from ..location import refuse_write
 from .optimizer_state import plan_optimizer_state
 from .plan import plan_reconstruction
 from .reshard_files import write_files
@@ -59,6 +60,7 @@ def reshard(
     manifest: Manifest | str | os.PathLike | None = None,
 ) -> ReshardResult:
     """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) into ``output``."""
+    refuse_write(output, "the resharded checkpoint")  # before the checkpoint is read
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise CkptspecError("CK909", "the output exists and is not empty", "give a new directory", str(output))

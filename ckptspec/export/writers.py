@@ -25,6 +25,7 @@ from ..checkpoint.embedded import SAFETENSORS_KEY as MANIFEST_KEY
 from ..checkpoint.embedded import pointer_metadata, safetensors_metadata
 from ..errors import ForeignOutput, ReconstructUnsupported
 from ..format.dtypes import output_dtype
+from ..location import refuse_write
 from .arrays import ShardReader, read_array, stream
 from .outputs import existing_outputs
 from .plan import ReconstructionPlan
@@ -93,6 +94,7 @@ def write_consolidated(
     dtype = output_dtype(dtype)
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"unknown output format {fmt!r}")
+    refuse_write(output_dir, "the reconstruction")
     out = Path(output_dir)
     progress = progress or (lambda n: None)
     # Tied aliases: safetensors stores the owner once (the tie is in the metadata); torch files
@@ -183,6 +185,7 @@ def _write_safetensors_shard(
     for name in shard.names:
         source = plan.sources[plan.aliases.get(name, name)]
         entries.append(TensorEntry(name, plan.output_dtype(name, dtype), tuple(source.shape)))
+    files.plan(seg for entry in entries for seg in plan.sources[plan.aliases.get(entry.name, entry.name)].segments)
     writer = SafetensorsWriter(target, entries, metadata)
     try:
         for entry in entries:
@@ -201,6 +204,8 @@ def _write_torch_shard(
     import torch
 
     tensors: dict[str, Any] = {}
+    read = [n for n in shard.names if untie or n not in plan.aliases]  # a tied alias is its owner's tensor
+    files.plan(seg for name in read for seg in plan.sources[plan.aliases.get(name, name)].segments)
     for name in shard.names:
         owner = plan.aliases.get(name, name)
         if name != owner and not untie:

@@ -36,6 +36,7 @@ import msgpack
 
 from .._fs import write_atomic
 from ..errors import CkptspecError, InvalidDocument, NotEncodable
+from ..location import RemotePath, is_remote, location, not_found, refuse_write
 
 if TYPE_CHECKING:
     from .models import Manifest
@@ -49,7 +50,7 @@ ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: never a JSON o
 
 def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding:
     """By extension first; otherwise sniff: msgpack maps start with 0x80-0x8f/0xde/0xdf."""
-    suffix = Path(path).suffix.lower()
+    suffix = Path(str(path)).suffix.lower()  # str(): a URL (location.RemotePath) has a suffix too
     if suffix in MSGPACK_SUFFIXES:
         return "msgpack"
     if suffix == ".json" or not data:
@@ -77,6 +78,8 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
 
 def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
     name = str(path)
+    if is_remote(path):
+        return _read_remote(location(path), max_bytes)
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
@@ -101,6 +104,24 @@ def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
         raise CkptspecError(
             "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
         ) from None
+
+
+def _read_remote(path: RemotePath, max_bytes: int) -> bytes:
+    """A manifest at a URL: one request for its size, one for its bytes (``RemoteError`` when it cannot be had)."""
+    name = str(path)
+    if path.is_dir():
+        raise CkptspecError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
+    if not path.is_file():
+        raise not_found(name, "file not found")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise CkptspecError(
+            "CK902",
+            f"file is {size} bytes, over the {max_bytes}-byte limit",
+            "raise the limit with --max-size if this file is really a manifest",
+            name,
+        )
+    return path.read_bytes()
 
 
 def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict:
@@ -309,6 +330,7 @@ def write_manifest(manifest: Manifest | dict, output: str, encoding: Encoding | 
         sys.stdout.buffer.write(data)
         sys.stdout.flush()
         return
+    refuse_write(output, "a manifest")
     try:
         write_atomic(output, data)
     except OSError as exc:

@@ -22,6 +22,11 @@ LATEST_MANIFEST = "1.1"
 REPORT_SCHEMA = "report-1.0.schema.json"
 _MAX_MESSAGE = 300
 
+# `validate --format json` report version -> schema file. 1.1 adds `fetched` (a target at a URL) and
+# accepts 1.0 reports too, so the latest (what `ckptspec schema --report` prints) validates every report.
+REPORT_SCHEMAS = {"1.0": REPORT_SCHEMA, "1.1": "report-1.1.schema.json"}
+LATEST_REPORT = "1.1"
+
 
 def schema_text(filename: str) -> str:
     return resources.files("ckptspec").joinpath("schemas", filename).read_text("utf-8")

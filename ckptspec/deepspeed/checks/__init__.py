@@ -21,12 +21,12 @@ shard files really hold (partition numels, module tensor shapes and flat-buffer 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from ...checkpoint.states import StateCache
 from ...errors import CkptspecError
 from ...findings import Finding, RuleSet
 from ...format.models import Manifest
+from ...location import RemotePath, location
 from . import files, headers, module, partitions, tensors
 from .context import Check, build_context
 
@@ -36,7 +36,7 @@ CHECKS: RuleSet[Check] = RuleSet(files.CHECKS, headers.CHECKS, partitions.CHECKS
 
 def check_checkpoint(
     manifest: Manifest,
-    tag_dir: str | os.PathLike,
+    tag_dir: str | os.PathLike | RemotePath,
     *,
     verify_hashes: bool = True,
     states: StateCache | None = None,
@@ -49,7 +49,7 @@ def check_checkpoint(
     ``verify_hashes``) and the manifest records tensor digests. Returns the findings of every
     check, in check order. ``states``: files already read, and where the files read here are kept.
     """
-    tag_dir = Path(tag_dir)
+    tag_dir = location(tag_dir)
     if not tag_dir.is_dir():
         raise CkptspecError("CK901", "checkpoint tag directory not found", "check the path", str(tag_dir))
     digests = verify_hashes if verify_digests is None else verify_digests

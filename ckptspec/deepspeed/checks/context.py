@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from ...checkpoint.states import Loaded, StateCache
 from ...findings import Finding, json_path
 from ...format.models import Manifest, ShardFile
 from ...format.paths import join_inside
+from ...location import RemotePath, walk
 from ..names import expected_name, optim_prefix
 
 Check = Callable[["Context"], Iterator[Finding]]
@@ -25,7 +25,7 @@ class File:
 
     index: int  # position in manifest.files
     entry: ShardFile
-    path: Path | None  # None when the manifest path would leave the tag directory
+    path: Path | RemotePath | None  # None when the manifest path would leave the tag directory
     on_disk: bool
     loaded: Loaded | None = None
 
@@ -52,10 +52,10 @@ class File:
 @dataclass
 class Context:
     manifest: Manifest
-    tag_dir: Path
+    tag_dir: Path | RemotePath
     verify_hashes: bool
     files: list[File]
-    disk: dict[str, Path]  # relative posix path -> file, sidecars excluded
+    disk: dict[str, Path | RemotePath]  # relative posix path -> file, sidecars excluded
     verify_digests: bool = False  # read every located tensor to check format 1.1's digests (CK222)
     names: dict[str, tuple[str, int, int | None]] = field(default_factory=dict)  # name -> (role, index, param index)
 
@@ -119,13 +119,12 @@ class Context:
         return json_path(section, i, *suffix)
 
 
-def disk_files(tag_dir: Path) -> dict[str, Path]:
+def disk_files(tag_dir: Path | RemotePath) -> dict[str, Path | RemotePath]:
     """Every file below ``tag_dir`` but the sidecar and ckptspec's leftovers, by relative posix path, sorted."""
     out = {}
-    for root, dirs, files in os.walk(tag_dir):
-        dirs.sort()
-        for name in sorted(files):
-            path = Path(root) / name
+    for root, _, files in walk(tag_dir):
+        for name in files:
+            path = root / name
             rel = path.relative_to(tag_dir).as_posix()
             if rel in SIDECAR_NAMES.values() or is_leftover(name) or not path.is_file():
                 continue  # the sidecar describes the rest; leftovers of killed runs are CK224
@@ -134,7 +133,11 @@ def disk_files(tag_dir: Path) -> dict[str, Path]:
 
 
 def build_context(
-    manifest: Manifest, tag_dir: Path, verify_hashes: bool, states: StateCache, verify_digests: bool = False
+    manifest: Manifest,
+    tag_dir: Path | RemotePath,
+    verify_hashes: bool,
+    states: StateCache,
+    verify_digests: bool = False,
 ) -> Context:
     files = []
     for i, entry in enumerate(manifest.files):

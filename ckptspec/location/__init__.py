@@ -1,0 +1,146 @@
+"""Where a checkpoint or manifest is: a local path, or a URL read through fsspec, reading only the bytes asked for.
+
+``location(name)`` is the one place a name given by a user becomes something to read: a local
+name (or a ``file://`` URL) is a ``pathlib.Path``, and every reader keeps today's code path for it;
+any other URL (``s3://``, ``gs://``, ``hf://``, ``http(s)://``, whatever fsspec's registry offers) is
+a ``RemotePath``, which answers the part of ``Path``'s API the readers use (``/``, ``name``,
+``parent``, ``is_dir``, ``is_file``, ``iterdir``, ``stat().st_size``, ``read_text``,
+``relative_to``) from the backend's listings and metadata, each asked once.
+
+Bytes are read only in ranges: ``open_binary`` gives a seekable file whose reads fetch what they
+ask for (a small read-ahead, and the last 64 KiB of a file together, where a zip keeps its
+directory), so reading a torch file's zip directory and ``data.pkl`` fetches a few KiB of it.
+``RangeStream`` fetches a list of byte ranges in order with a few requests in flight and
+bounded memory, for reconstruction and hashing.
+
+Every request is retried with backoff on transient errors (a dropped connection, a timeout, a
+5xx) and pinned to the version of the file first seen: HTTP requests carry ``If-Match`` with its
+ETag (s3fs does the same for S3) and every answer must hold the bytes asked for, so a file that
+changed while it was read is refused (CK913), never mixed. A problem is a ``RemoteError`` with a
+code: not found (CK910), access denied (CK911), no range requests (CK912), changed (CK913), timeout
+(CK914), connection (CK915); writing to a URL is refused (CK916); a URL whose backend is not
+installed or not known is CK917.
+
+What a process has seen of a remote file (size, ETag, listings) is kept until ``forget()``
+(each ``ckptspec`` command starts with it), so that a file read by validation and again by
+reconstruction is the same file. Credentials come from each backend's own environment (AWS_*
+variables and files for s3fs, GOOGLE_APPLICATION_CREDENTIALS for gcsfs, HF_TOKEN for the hub, the
+URL or ~/.netrc for HTTP). fsspec and its backends are imported only when a URL is read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import unquote
+
+from ..errors import RemoteError
+from .handle import RangedFile
+from .problems import not_found
+from .remote_path import RemotePath
+from .settings import CHUNK, Fetched, fetched
+from .store import forget, store_for
+from .stream import RangeStream, fetch_range, iter_chunks
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*(?:::[A-Za-z][A-Za-z0-9+.\-]*)*://")
+
+# --------------------------------------------------------------------------- names
+
+
+def is_url(name: Any) -> bool:
+    """A URL that fsspec reads (``file://`` included), as opposed to a local path."""
+    return isinstance(name, str) and bool(_URL.match(name))
+
+
+def is_remote(name: Any) -> bool:
+    """A remote location: a ``RemotePath``, or a URL that is not ``file://``."""
+    if isinstance(name, RemotePath):
+        return True
+    return is_url(name) and not name.lower().startswith("file://")
+
+
+def location(name: str | os.PathLike | RemotePath) -> Path | RemotePath:
+    """What ``name`` names: a ``Path`` for a local name or ``file://`` URL, a ``RemotePath`` for any other URL."""
+    if isinstance(name, (Path, RemotePath)):
+        return name
+    text = os.fspath(name)
+    if not is_url(text):
+        return Path(text)
+    if text.lower().startswith("file://"):
+        return Path(unquote(text[len("file://") :]))
+    return store_for(text).root(text)
+
+
+def is_directory(name: str | os.PathLike) -> bool:
+    """``os.path.isdir`` for local names; for a URL, whether it names a directory (a prefix, an index page)."""
+    where = location(name)
+    return where.is_dir() if isinstance(where, RemotePath) else os.path.isdir(where)
+
+
+def exists(name: str | os.PathLike) -> bool:
+    where = location(name)
+    return where.exists() if isinstance(where, RemotePath) else os.path.exists(where)
+
+
+def refuse_write(name: str | os.PathLike, what: str) -> None:
+    """Raise CK916 when ``name`` is remote: ckptspec writes only local files."""
+    if is_remote(name):
+        raise RemoteError(
+            "CK916",
+            f"{what} cannot be written to a URL: remote locations are read-only for ckptspec",
+            "write to a local path (and copy the result with your storage's own tool, e.g. `aws s3 cp`)",
+            str(name),
+        )
+
+
+def open_binary(path: str | os.PathLike | RemotePath) -> BinaryIO:
+    """A seekable binary file: ``open(path, "rb")`` for a local path, ranged reads for a remote one."""
+    where = location(path)
+    if isinstance(where, RemotePath):
+        return RangedFile(where._store.handle(where.path))
+    return open(where, "rb")
+
+
+def walk(directory: Path | RemotePath) -> Iterator[tuple[Path | RemotePath, list[str], list[str]]]:
+    """``os.walk`` (top down, names sorted) that yields the directory itself instead of its name."""
+    if isinstance(directory, RemotePath):
+        yield from directory._walk()
+        return
+    for root, dirs, files in os.walk(directory):
+        dirs.sort()
+        yield Path(root), dirs, sorted(files)
+
+
+def relative_name(file: str, root: Path | RemotePath) -> str | None:
+    """``file`` (a name a reader gave) relative to ``root`` as a posix path, or None when it is not below it."""
+    if isinstance(root, RemotePath):
+        prefix = str(root).rstrip("/") + "/"
+        return file[len(prefix) :] if file.startswith(prefix) else None
+    path = Path(file)
+    return path.relative_to(root).as_posix() if path.is_relative_to(root) else None
+
+
+__all__ = [
+    "CHUNK",
+    "Fetched",
+    "RangeStream",
+    "RemoteError",
+    "RemotePath",
+    "exists",
+    "fetch_range",
+    "fetched",
+    "forget",
+    "is_directory",
+    "is_remote",
+    "is_url",
+    "iter_chunks",
+    "location",
+    "not_found",
+    "open_binary",
+    "refuse_write",
+    "relative_name",
+    "walk",
+]

@@ -1,0 +1,200 @@
+"""One fsspec filesystem per storage, and what was seen of its files (infos, listings, tails)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import OrderedDict
+from urllib.parse import unquote
+
+from ..errors import RemoteError
+from . import settings
+from .handle import Handle
+from .problems import classify
+from .remote_path import RemotePath
+
+_lock = threading.Lock()
+_stores: dict[int, _Store] = {}  # id(fsspec filesystem) -> what was seen through it
+
+
+def store_for(url: str) -> _Store:
+    protocol = url.split("://", 1)[0].split("::")[-1].lower()
+    try:
+        import fsspec
+        from fsspec.core import url_to_fs
+    except ImportError:
+        raise RemoteError(
+            "CK917",
+            "reading URLs needs fsspec",
+            "pip install 'ckptspec[remote]' (or the extra of your storage: http, s3, gcs, hf)",
+            url,
+        ) from None
+    options = _options(protocol)
+    try:
+        fs, _ = url_to_fs(url, **options)
+    except (ImportError, ValueError) as exc:
+        package, extra = settings.BACKENDS.get(protocol, (None, None))
+        if isinstance(exc, ImportError) and package is not None:
+            hint = f"pip install 'ckptspec[{extra}]' (it installs {package})"
+        elif protocol not in fsspec.available_protocols():
+            hint = f"fsspec knows no protocol {protocol!r}; it knows {', '.join(sorted(fsspec.available_protocols()))}"
+        else:
+            hint = "install the package fsspec names for this protocol"
+        raise RemoteError("CK917", f"cannot read {protocol}:// URLs: {str(exc)[:200]}", hint, url) from None
+    with _lock:
+        store = _stores.get(id(fs))
+        if store is None or store.fs is not fs:
+            store = _stores[id(fs)] = _Store(fs, protocol)
+    return store
+
+
+def _options(protocol: str) -> dict:
+    """Storage options ckptspec sets: timeouts only (credentials stay in the backend's environment)."""
+    seconds = settings.timeout()
+    if protocol in ("http", "https"):
+        try:
+            import aiohttp
+        except ImportError:
+            return {}
+        limits = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+        return {"client_kwargs": {"timeout": limits}}
+    if protocol in ("s3", "s3a"):
+        return {"config_kwargs": {"connect_timeout": seconds, "read_timeout": seconds}}
+    return {}
+
+
+class _Store:
+    """One fsspec filesystem: what was seen of its files (infos, listings, open handles)."""
+
+    def __init__(self, fs, protocol: str):
+        self.fs = fs
+        self.protocol = protocol
+        self.http = protocol in ("http", "https")
+        self._infos: dict[str, dict | None] = {}
+        self._listings: dict[str, dict[str, dict]] = {}
+        self._handles: dict[str, Handle] = {}
+        self.tails: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def key(self, url: str) -> str:
+        """The path the filesystem uses for ``url`` (no trailing slash)."""
+        path = url if self.http else self.fs._strip_protocol(url)
+        stripped = path.rstrip("/")
+        return stripped if stripped and len(stripped) >= len(self.root_of(path)) else path
+
+    def root_of(self, path: str) -> str:
+        if self.http:
+            m = re.match(r"^[A-Za-z]+://[^/]*/?", path)
+            return m.group(0).rstrip("/") if m else path
+        return ""
+
+    def url(self, path: str) -> str:
+        return path if self.http else self.fs.unstrip_protocol(path)
+
+    def root(self, url: str) -> RemotePath:
+        path = self.key(url)
+        if self.http and url.endswith("/") and path not in self._infos:
+            self._infos[path] = {"name": path, "type": "directory", "size": None}  # HTTP's convention: no request
+        return RemotePath(self, path)
+
+    def known_dir(self, path: str) -> bool:
+        """``path`` is known to be a directory (from its info or its parent's listing), without a request."""
+        info = self._infos.get(path)
+        if info is not None:
+            return info.get("type") == "directory"
+        parent, _, name = path.rpartition("/")
+        listed = self._listings.get(parent)
+        return listed is not None and (listed.get(name) or {}).get("type") == "directory"
+
+    def call(self, url: str, fn, *args, **kwargs):
+        """A metadata call (info, listing), retried like a range request; errors become ``RemoteError``."""
+        for attempt in range(settings.RETRIES + 1):
+            try:
+                result = fn(*args, **kwargs)
+            except RemoteError:
+                raise
+            except Exception as exc:
+                error, transient = classify(exc, url)
+                if not transient or attempt >= settings.RETRIES:
+                    raise error from None
+                time.sleep(settings.BACKOFF * 2**attempt)
+                continue
+            settings.count(0)
+            return result
+        raise AssertionError("unreachable")
+
+    def info(self, path: str) -> dict | None:
+        """The file's or directory's info (``type``, ``size``, ETag), None when it does not exist."""
+        if path in self._infos:
+            return self._infos[path]
+        parent, _, name = path.rpartition("/")
+        listed = self._listings.get(parent)
+        if listed is not None and name in listed and listed[name].get("size") is not None:
+            return listed[name]
+        try:
+            info = self.call(self.url(path), self.fs.info, path)
+        except RemoteError as exc:
+            if exc.code != "CK910":
+                raise
+            info = None
+        if info is not None and self.http:
+            # An HTTP server answers a directory's URL with its index page.
+            final = str(info.get("url", path))
+            directory = info.get("mimetype") == "text/html" or final.endswith("/")
+            info = {**info, "type": "directory" if directory else "file"}
+        self._infos[path] = info
+        return info
+
+    def listing(self, path: str) -> dict[str, dict]:
+        """name -> info of the entries of a directory, listed once."""
+        listed = self._listings.get(path)
+        if listed is not None:
+            return listed
+        url = self.url(path)
+        entries = self.call(url, self.fs.ls, path + "/" if self.http else path, detail=True)
+        listed = {}
+        for entry in entries:
+            if isinstance(entry, str):  # fsspec's HTTP listing of an empty page falls back to plain names
+                entry = {"name": entry, "type": "directory" if entry.endswith("/") else "file", "size": None}
+            full = str(entry.get("name", "")).rstrip("/")
+            name = full.rsplit("/", 1)[-1]
+            if self.http:
+                name = unquote(name)
+            if not name or full == path:
+                continue
+            listed[name] = {**entry, "type": entry.get("type", "file")}
+        self._listings[path] = listed
+        return listed
+
+    def handle(self, path: str) -> Handle:
+        with self._lock:
+            found = self._handles.get(path)
+        if found is None:
+            found = Handle(self, path)
+            with self._lock:
+                found = self._handles.setdefault(path, found)
+        return found
+
+    def tail(self, path: str) -> bytes | None:
+        with self._lock:
+            return self.tails.get(path)
+
+    def keep_tail(self, path: str, data: bytes) -> None:
+        with self._lock:
+            self.tails[path] = data
+            self.tails.move_to_end(path)
+            while len(self.tails) > settings.TAILS_KEPT:
+                self.tails.popitem(last=False)
+
+
+def forget() -> None:
+    """Drop what was seen of remote files (sizes, ETags, listings) and reset ``fetched()``."""
+    with _lock:
+        stores = list(_stores.values())
+        _stores.clear()
+    settings.reset()
+    for store in stores:
+        invalidate = getattr(store.fs, "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate()
