@@ -43,10 +43,14 @@ def manifest_from_checkpoint(
     return manifest_from_states(shards, states if states is not None else StateCache(), hash_algorithm=hash_algorithm)
 
 
-def manifest_from_states(shards: ShardSet, states: StateCache, *, hash_algorithm: str | None = None) -> Manifest:
+def manifest_from_states(
+    shards: ShardSet, states: StateCache, *, hash_algorithm: str | None = None, pipeline_stage: bool = False
+) -> Manifest:
     """The manifest of the files of ``shards``, read through ``states``.
 
     The tolerant generation of ``validate DIR`` passes only the files it could read.
+    ``pipeline_stage``: the files of one pipeline stage (a domain of a checkpoint index), whose
+    model states hold no ``module`` (the weights are in the layer files the index lists).
     """
     model_states = {rank: states.state(path) for rank, path in shards.model_files.items()}
     optim_states = {rank: states.state(path) for rank, path in shards.optim_files.items()}
@@ -57,7 +61,7 @@ def manifest_from_states(shards: ShardSet, states: StateCache, *, hash_algorithm
             "is this a DeepSpeed checkpoint?",
             str(shards.model_files[min(model_states)]),
         )
-    if first_model.get("module") is None:
+    if first_model.get("module") is None and not pipeline_stage:
         raise UnsupportedCheckpoint(
             "model states hold no 'module' (pipeline-parallel checkpoint)",
             "pipeline-parallel checkpoints are not described by format 1.0",
