@@ -78,6 +78,7 @@ CODES: dict[str, str] = {
     "CK231": "index-degrees",
     "CK232": "index-other-save",
     "CK233": "index-module-shard",
+    "CK234": "index-replica-differs",
     # CK3xx: embedded copies and migrations (checkpoint/embedded.py, deepspeed/embed.py, format/migrate.py)
     "CK301": "embedded-copies-disagree",
     "CK302": "embedded-manifest-unreadable",

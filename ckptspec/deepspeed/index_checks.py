@@ -9,13 +9,15 @@ when recorded, ``data.pkl`` records through the ``StateCache``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.hashing import file_digest
 from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef
+from ..checkpoint.torchfile import TensorRef, tensor_byte_range
+from ..errors import CkptspecError
 from ..findings import Finding, RuleSet, finding, json_path
 from ..format.index_models import CheckpointIndex
 from ..format.paths import join_inside
@@ -146,6 +148,7 @@ def degrees(ctx: IndexContext) -> Iterator[Finding]:
                 f"records {wrong}; the index has { ({k: expected[k] for k in wrong}) }",
                 "files of runs with other parallel degrees are mixed here: restore the files of one save",
                 file=rel,
+                rank=0,
             )
 
 
@@ -167,6 +170,7 @@ def one_save(ctx: IndexContext) -> Iterator[Finding]:
                 f"{first_file} at {dict(zip(keys, first, strict=True))}",
                 "a model-parallel rank's files from another save: restore the files of one save",
                 file=rel,
+                rank=0,
             )
 
 
@@ -195,6 +199,46 @@ def module_shards(ctx: IndexContext) -> Iterator[Finding]:
                     + f" in the module; the index says {shape}",
                     "a model-states file of another model or tensor rank: restore the files of one save",
                     file=rel,
+                    rank=0,
+                )
+
+
+@check("CK234")
+def replicas_agree(ctx: IndexContext) -> Iterator[Finding]:
+    """A replicated parameter's copies in the ranks' saved modules are the same bytes (one ``pread`` each;
+    the masters themselves are compared again when a reconstruction reads them)."""
+    modules = {}
+    for i, rel, state in ctx.model_states():
+        module = state.get("module")
+        if isinstance(module, dict) and ctx.index.domains[i].id not in modules:
+            modules[ctx.index.domains[i].id] = (i, rel, module)
+    for param in ctx.index.parameters:
+        if not all(s.placement == "replicated" for s in param.shards):
+            continue
+        copies = []
+        for shard in sorted(param.shards, key=lambda s: not s.primary):
+            if shard.domain not in modules:
+                continue
+            i, rel, module = modules[shard.domain]
+            ref = module.get(shard.local_name)
+            if not isinstance(ref, TensorRef) or ref.numel == 0 or not ref.is_contiguous():
+                continue  # ZeRO-3 placeholders; shapes are CK233's
+            path = ctx.tag_dir / rel
+            try:
+                offset, nbytes = tensor_byte_range(ref, ctx.states.members(path))
+                with open(path, "rb") as fh:
+                    copies.append((i, rel, os.pread(fh.fileno(), nbytes, offset)))
+            except (CkptspecError, OSError, ValueError):
+                continue  # an unreadable file is the domain checks' finding
+        for i, rel, data in copies[1:]:
+            if data != copies[0][2]:
+                yield finding(
+                    "CK234",
+                    json_path("domains", i),
+                    f"replicated parameter {param.name} differs from its copy in {copies[0][1]}",
+                    "tensor-parallel replicas hold the same values; a file of another save or a corrupted one",
+                    file=rel,
+                    rank=0,
                 )
 
 

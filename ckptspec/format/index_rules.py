@@ -310,11 +310,14 @@ def layer_files(doc: dict) -> Iterator[Finding]:
                     _LAYER_HINT,
                 )
     listed = {lf["path"] for lf in doc["layer_files"]}
-    for lf_path, _ in keys:
-        if lf_path not in listed:
-            yield finding(
-                "CK607", json_path("parameters"), f"a shard names layer file {lf_path}, not listed", _LAYER_HINT
-            )
+    for lf_path in sorted({path for path, _ in keys} - listed):
+        yield finding(
+            "CK607",
+            json_path("parameters"),
+            f"a shard names layer file {lf_path}, which layer_files does not list",
+            _LAYER_HINT + "; restore the file if it is missing",
+            file=lf_path,
+        )
 
 
 _LAYER_HINT = "each pipeline layer has one layer file, written by the stage that owns the layer"
