@@ -99,6 +99,7 @@ CODES: dict[str, str] = {
     "CK505": "resume-shape",
     "CK506": "resume-trainable-set",
     "CK507": "resume-group-layout",
+    "CK508": "resume-parallel-degrees",
     # CK6xx: rules of a checkpoint index (format/index_rules.py)
     "CK602": "index-topology",
     "CK603": "index-domain-size",

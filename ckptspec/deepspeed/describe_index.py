@@ -62,7 +62,7 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
     domains: list[Domain] = []
     for mp, shards in sorted(files.by_mp_rank.items()):
         manifest = manifest_from_states(
-            shards, states, hash_algorithm=hash_algorithm, pipeline_stage=degrees.pipeline > 1
+            shards, states, hash_algorithm=hash_algorithm, pipeline_stage=degrees.pipeline > 1, in_index=True
         )
         pipeline, tensor = degrees.coordinate(mp)
         domains.append(

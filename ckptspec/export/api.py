@@ -101,6 +101,11 @@ def _model_parallel(checkpoint, manifest, tag) -> bool:
 
     if isinstance(manifest, CheckpointIndex):
         return True
+    if isinstance(manifest, (str, os.PathLike)):
+        from ..format.codec import read_document
+        from ..format.index_validate import is_index
+
+        return is_index(read_document(manifest)[0])
     return manifest is None and is_model_parallel(resolve_tag_dir(checkpoint, tag))
 
 

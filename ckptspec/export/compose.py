@@ -41,6 +41,12 @@ class IndexPlan:
 
 def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: str | None = None) -> IndexPlan:
     """Validate the whole set (index rules, every domain's files, the index's checks), then plan."""
+    if isinstance(index, (str, os.PathLike)):
+        from ..format.index_validate import validate_index_file
+
+        index = validate_index_file(index)
+        if not index.ok:
+            raise CheckpointInvalid(index.findings, str(checkpoint))
     states = StateCache()
     found, findings = validate_index_checkpoint(checkpoint, index, tag, states=states, verify_digests=False)
     if found is None or has_errors(findings):
@@ -114,7 +120,14 @@ def load_index_state_dict(
     plan = validated_index_plan(checkpoint, index, tag)
     out = {}
     for param, array in iter_whole(plan, dtype):
-        out[param.name] = to_torch(array, dtype) if framework == "torch" else array
+        if framework == "torch":
+            out[param.name] = to_torch(array, dtype)
+        elif dtype == "bfloat16":
+            import ml_dtypes  # as load_state_dict: numpy has no bfloat16
+
+            out[param.name] = array.view(ml_dtypes.bfloat16)
+        else:
+            out[param.name] = array
     return out
 
 
