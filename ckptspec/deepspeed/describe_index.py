@@ -61,6 +61,13 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
         )
     domains: list[Domain] = []
     for mp, shards in sorted(files.by_mp_rank.items()):
+        model_path = shards.model_files[min(shards.model_files)]
+        if isinstance(model := states.state(model_path), dict) and model.get("param_shapes", []) is None:
+            raise UnsupportedCheckpoint(  # DeepSpeed's stage-0 optimizers record no param_shapes
+                "model states have 'param_shapes' None (ZeRO stage 0: BF16_Optimizer in a pipeline)",
+                "ZeRO stage 0 checkpoints are not described by this ckptspec",
+                str(model_path),
+            )
         manifest = manifest_from_states(
             shards, states, hash_algorithm=hash_algorithm, pipeline_stage=degrees.pipeline > 1, in_index=True
         )

@@ -16,7 +16,7 @@ from pathlib import Path
 from .._fs import is_leftover
 from ..checkpoint.states import StateCache
 from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
-from .directory import ShardSet
+from .directory import UNIVERSAL_FOLDER, ShardSet
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
 
@@ -80,6 +80,13 @@ def scan_parallel(tag_dir: Path) -> ParallelFiles:
             shards.model_files[int(m.group(1) or 0)] = path
         elif not name.startswith("ckptspec.") and not is_leftover(name):
             out.other_files.append(path)
+    if not any(s.optim_files for s in out.by_mp_rank.values()) and (tag_dir / UNIVERSAL_FOLDER).is_dir():
+        raise UnsupportedCheckpoint(  # as directory.scan_tag_dir says it
+            f"a DeepSpeed universal checkpoint ({UNIVERSAL_FOLDER}/ folder), not a ZeRO checkpoint",
+            "describe the ZeRO checkpoint it was converted from: pass that tag "
+            "(DeepSpeed loads this one with checkpoint.load_universal)",
+            str(tag_dir / UNIVERSAL_FOLDER),
+        )
     for mp, shards in out.by_mp_rank.items():
         if not shards.model_files:
             raise InvalidCheckpoint(
