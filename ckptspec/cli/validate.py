@@ -78,7 +78,6 @@ def validate(
     MANIFEST and DIR may be URLs (s3://, gs://, hf://, https://...; docs/remote.md): only what is
     checked is fetched, and the report says how many bytes that was.
     """
-    from ..format.validate import validate_file
     from ..location import is_directory, is_remote
 
     remote = is_remote(target) or is_remote(checkpoint)  # then the report says what was fetched
@@ -93,31 +92,53 @@ def validate(
         )
     if checkpoint is None and not is_dir:
         try:  # the verdict only: no models to build (they cost more than the rules)
-            report = validate_file(target, max_bytes=max_size, encoding=encoding, build_model=False)
+            report = _validate_document_file(target, max_size, encoding)
         except CkptspecError as exc:
             _emit(output_format, target, [], exc, remote)
             sys.exit(exc.exit_code)
         _emit(output_format, target, report.findings, None, remote)
         sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
 
+    from ..deepspeed.directory import resolve_tag_dir
+    from ..deepspeed.topology import is_model_parallel
     from ..deepspeed.validate import validate_checkpoint
+    from ..deepspeed.validate_index import validate_index_checkpoint
+    from ..format.index_validate import IndexReport
 
     shown = checkpoint if checkpoint is not None else target
     found = None
     try:
         manifest = None
         if checkpoint is not None:
-            manifest = validate_file(target, max_bytes=max_size, encoding=encoding)
+            manifest = _validate_document_file(target, max_size, encoding, build_model=True)
             if not manifest.ok or manifest.manifest is None:
                 _emit(output_format, target, manifest.findings, None, remote)
                 sys.exit(EXIT_INVALID)
         # The report is handed over: the manifest is not validated a second time.
-        found, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
+        if isinstance(manifest, IndexReport) or (
+            manifest is None and not is_remote(shown) and is_model_parallel(resolve_tag_dir(shown, tag))
+        ):  # tensor/pipeline parallel: the checkpoint index and every domain's files (local only, for now)
+            _, findings = validate_index_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
+        else:
+            found, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
     except CkptspecError as exc:
         _emit(output_format, shown, [], exc, remote)
         sys.exit(exc.exit_code)
     _emit(output_format, shown, findings, None, remote, sum(f.size for f in found.files) if found else None)
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
+
+
+def _validate_document_file(target: str, max_size: int, encoding: str | None, *, build_model: bool = False):
+    """A manifest's report, or a checkpoint index's (told apart by the document's ``format``)."""
+    from ..format.codec import gc_paused, read_document
+    from ..format.index_validate import is_index, validate_index_document
+    from ..format.validate import validate_decoded
+
+    with gc_paused():
+        doc, floats = read_document(target, max_size, encoding)
+        if is_index(doc):
+            return validate_index_document(doc)
+        return validate_decoded(doc, floats, build_model=build_model)
 
 
 def _emit(

@@ -23,7 +23,7 @@ from ..findings import has_errors
 from ..format.dtypes import output_dtype
 from ..format.models import Manifest
 from ..format.validate import Report
-from ..location import refuse_write
+from ..location import is_remote, refuse_write
 from .arrays import ShardReader, read_array
 from .optimizer_state import load_optimizer_state_arrays, optimizer_state_temporary, plan_optimizer_state
 from .plan import ReconstructionPlan, plan_reconstruction
@@ -68,6 +68,10 @@ def load_state_dict(
     if framework not in ("torch", "numpy"):
         raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
     dtype = output_dtype(dtype)
+    if _model_parallel(checkpoint, manifest, tag):  # the whole model, composed from every rank's shards
+        from .compose import load_index_state_dict
+
+        return load_index_state_dict(checkpoint, framework, dtype=dtype, index=manifest, tag=tag)
     plan = validated_plan(checkpoint, manifest, tag)
     bf16_view = None
     if framework == "numpy" and dtype == "bfloat16":
@@ -91,6 +95,23 @@ def load_state_dict(
     return {name: out[plan.aliases.get(name, name)] for name in plan.order}
 
 
+def _model_parallel(checkpoint, manifest, tag) -> bool:
+    """A tensor/pipeline-parallel checkpoint: described by a checkpoint index, not a manifest."""
+    from ..deepspeed.directory import resolve_tag_dir
+    from ..deepspeed.topology import is_model_parallel
+    from ..format.index_models import CheckpointIndex
+
+    if isinstance(manifest, CheckpointIndex):
+        return True
+    if isinstance(manifest, (str, os.PathLike)):
+        from ..format.codec import read_document
+        from ..format.index_validate import is_index
+
+        return is_index(read_document(manifest)[0])
+    # Checkpoint indexes are read from local directories only, for now (docs/remote.md).
+    return manifest is None and not is_remote(checkpoint) and is_model_parallel(resolve_tag_dir(checkpoint, tag))
+
+
 def reconstruct(
     checkpoint: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -108,6 +129,10 @@ def reconstruct(
     and with ``optimizer_state`` the per-parameter optimizer state as ``optimizer.safetensors``
     (format 1.1 manifests; ``export/optimizer_state.py``)."""
     refuse_write(output_dir, "the reconstruction")  # before the checkpoint is read
+    if _model_parallel(checkpoint, manifest, tag) and fmt == "safetensors" and not untie and not optimizer_state:
+        from .compose import reconstruct_index
+
+        return reconstruct_index(checkpoint, output_dir, index=manifest, tag=tag, dtype=dtype)
     plan = validated_plan(checkpoint, manifest, tag)
     if optimizer_state:
         plan_optimizer_state(plan)  # refuse before writing anything when the manifest locates no state
