@@ -86,6 +86,18 @@ class ShardSet:
     other_files: list[Path] = field(default_factory=list)
 
 
+def _nested_files(tag_dir: Path) -> list[Path]:
+    """Files in the tag directory's subfolders (NVMe offload's ``offloaded_tensors/rank<NN>/``, a
+    user's own folder), sorted: the manifest lists them as ``other`` files, as the file checks
+    walk every subfolder (CK207 would otherwise name each one)."""
+    out = []
+    for sub in sorted(p for p in tag_dir.iterdir() if p.is_dir()):
+        for root, dirs, files in os.walk(sub):
+            dirs.sort()
+            out += [Path(root) / n for n in sorted(files) if not is_leftover(n) and (Path(root) / n).is_file()]
+    return out
+
+
 def scan_tag_dir(tag_dir: Path) -> ShardSet:
     shards = ShardSet(tag_dir)
     for path in sorted(tag_dir.iterdir()):
@@ -134,4 +146,5 @@ def scan_tag_dir(tag_dir: Path) -> ShardSet:
         raise InvalidCheckpoint(
             "CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir)
         )
+    shards.other_files += _nested_files(tag_dir)
     return shards
