@@ -73,6 +73,12 @@ CODES: dict[str, str] = {
     "CK222": "tensor-digest",
     "CK223": "other-save",
     "CK224": "leftover-temporary",
+    # CK23x: a model-parallel checkpoint's files against its index (deepspeed/index_checks.py)
+    "CK230": "index-layer-file",
+    "CK231": "index-degrees",
+    "CK232": "index-other-save",
+    "CK233": "index-module-shard",
+    "CK234": "index-replica-differs",
     # CK3xx: embedded copies and migrations (checkpoint/embedded.py, deepspeed/embed.py, format/migrate.py)
     "CK301": "embedded-copies-disagree",
     "CK302": "embedded-manifest-unreadable",
@@ -93,6 +99,15 @@ CODES: dict[str, str] = {
     "CK505": "resume-shape",
     "CK506": "resume-trainable-set",
     "CK507": "resume-group-layout",
+    "CK508": "resume-parallel-degrees",
+    # CK6xx: rules of a checkpoint index (format/index_rules.py)
+    "CK602": "index-topology",
+    "CK603": "index-domain-size",
+    "CK604": "index-shared-file",
+    "CK605": "index-shards-compose",
+    "CK606": "index-shards-claimed",
+    "CK607": "index-layer-files",
+    "CK608": "index-placement-source",
     # CK9xx: input and output (format/codec.py, the CLI)
     "CK901": "file-unreadable",
     "CK902": "file-too-large",

@@ -29,14 +29,24 @@ from ._common import OUTPUT_FILE, fail
 def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str | None) -> None:
     """Describe a saved DeepSpeed checkpoint directory in a manifest.
 
+    A tensor- or pipeline-parallel checkpoint gets a checkpoint index
+    (ckptspec.checkpoint 1.0: one manifest per model-parallel rank and the whole-model view).
+
     Reads only metadata (no tensor data unless --hash), needs neither DeepSpeed nor
     torch, and never executes pickled code.
     """
     from ..deepspeed.describe import manifest_from_checkpoint
+    from ..deepspeed.describe_index import index_from_checkpoint
+    from ..deepspeed.directory import resolve_tag_dir
+    from ..deepspeed.topology import is_model_parallel
     from ..format.codec import write_manifest
 
     try:
-        manifest = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm)
-        write_manifest(manifest, output)
+        if is_model_parallel(resolve_tag_dir(checkpoint, tag)):
+            # Tensor/pipeline parallel: a checkpoint index (one 1.x manifest per model-parallel rank).
+            document = index_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm).to_dict()
+        else:
+            document = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm)
+        write_manifest(document, output)
     except CkptspecError as exc:
         fail(exc)

@@ -53,16 +53,26 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
     A directory's manifest is the one ``validate DIR`` would check the files against
     (``choose_manifest``), and the files are checked against it (hashes aside).
     """
-    from ..format.validate import validate_file
+    from ..format.codec import read_document
+    from ..format.index_validate import is_index, validate_index_document
+    from ..format.validate import validate_decoded
 
     if not os.path.isdir(name):
         if tag is not None:
             raise tag_needs_a_directory(name, option)
-        report = validate_file(name, max_bytes=max_bytes)
+        doc, floats = read_document(name, max_bytes)
+        report = validate_index_document(doc) if is_index(doc) else validate_decoded(doc, floats)
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
     from ..deepspeed.directory import resolve_tag_dir
+    from ..deepspeed.topology import is_model_parallel
     from ..deepspeed.validate import check_tag_dir
+
+    if is_model_parallel(resolve_tag_dir(name, tag)):  # tensor/pipeline parallel: its checkpoint index
+        from ..deepspeed.validate_index import validate_index_checkpoint
+
+        index, findings = validate_index_checkpoint(name, None, tag, verify_hashes=False)
+        return Target(name, "generated", index if not has_errors(findings) else None, findings)
 
     chosen, findings = check_tag_dir(resolve_tag_dir(name, tag), None, verify_hashes=False)
     manifest = chosen.manifest if not has_errors(findings) else None
@@ -151,6 +161,9 @@ def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
         _fail(exc, target, output_format, {"target": target})
     if loaded.manifest is None or has_errors(loaded.findings):
         _invalid(loaded, output_format)
+    if _is_index(loaded.manifest):
+        _inspect_index(loaded, output_format)
+        return
     summary = summarize(loaded.manifest, top=top)
     if output_format == "json":
         doc = {**_source_dict(loaded), "valid": True, "findings": [f.to_dict() for f in loaded.findings], **summary}
@@ -211,6 +224,8 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
                 _show_findings(t, t.findings, err=False)
         sys.exit(EXIT_INVALID)
     ta, tb = targets
+    if _is_index(ta.manifest) or _is_index(tb.manifest):
+        _diff_indexes(ta, tb, output_format)
     result = diff_manifests(ta.manifest, tb.manifest)
     if output_format == "json":
         doc = {"a": _source_dict(ta), "b": _source_dict(tb), "valid": True, **result.to_dict()}
@@ -231,3 +246,58 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
             f"reason{'s' if len(result.reasons) != 1 else ''})"
         )
     sys.exit(EXIT_OK if result.resumable else EXIT_INVALID)
+
+
+def _is_index(document) -> bool:
+    return type(document).__name__ == "CheckpointIndex"
+
+
+def _inspect_index(loaded: Target, output_format: str) -> None:
+    """The parallel layout of a tensor/pipeline-parallel checkpoint."""
+    from ..report.index_summary import summarize_index
+
+    summary = summarize_index(loaded.manifest)
+    if output_format == "json":
+        echo_json(
+            {**_source_dict(loaded), "valid": True, "findings": [f.to_dict() for f in loaded.findings], **summary}
+        )
+        return
+    _show_findings(loaded, loaded.findings, err=True)
+    deg = summary["degrees"]
+    click.echo(
+        f"{_label(loaded)}: checkpoint index {summary['format_version']}, pipeline {deg['pipeline']} x tensor "
+        f"{deg['tensor']} x data {deg['data']} ({summary['degrees_source']})"
+    )
+    for d in summary["domains"]:
+        click.echo(
+            f"  {d['id']}: ZeRO-{d['zero_stage']} {d['optimizer']} over {d['size']} ranks, "
+            f"{d['parameters']} parameters ({d['numel']} elements), {d['files']} files"
+        )
+    placements = ", ".join(f"{n} {k}" for k, n in summary["placements"].items())
+    click.echo(
+        f"  whole model: {summary['parameters']} parameters ({summary['numel']} elements; {placements}), "
+        f"{summary['layer_files']} layer files"
+    )
+
+
+def _diff_indexes(ta: Target, tb: Target, output_format: str) -> None:
+    from ..report.index_summary import diff_indexes
+
+    result = diff_indexes(ta.manifest, tb.manifest)
+    reasons = result.pop("reasons")
+    if output_format == "json":
+        echo_json({"a": _source_dict(ta), "b": _source_dict(tb), "valid": True, **result})
+    else:
+        da, db = result["degrees"]["a"], result["degrees"]["b"]
+        click.echo(
+            f"degrees: pipeline {da['pipeline']} x tensor {da['tensor']} -> pipeline {db['pipeline']} x tensor "
+            f"{db['tensor']}"
+        )
+        for reason in reasons:
+            click.echo(f"B: {reason.to_line()}")
+        click.echo(
+            "resume: B can resume from A's optimizer state"
+            if not reasons
+            else f"resume: B cannot resume from A ({len(reasons)} reason{'s' if len(reasons) != 1 else ''})"
+        )
+    sys.exit(EXIT_OK if not reasons else EXIT_INVALID)

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ..errors import CkptspecError
+from ..errors import CheckpointInvalid, CkptspecError
 from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, SIZE, echo_findings, fail
 
 
@@ -86,6 +86,9 @@ def reconstruct(
 
     if fmt == "torch" and not torch_available():
         raise click.UsageError("--format torch needs torch (pip install torch); --format safetensors does not")
+    if _is_index_target(checkpoint, manifest, tag):
+        _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, fmt, untie, optimizer_state, quiet)
+        return
     try:
         states = StateCache()  # what validation reads, the plan reuses
         # Tensor digests are checked while the tensors stream, not in a pass of their own.
@@ -124,4 +127,49 @@ def reconstruct(
         click.echo(
             f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, {total} elements) "
             f"to {files}"
+        )
+
+
+def _is_index_target(checkpoint: str, manifest: str | None, tag: str | None) -> bool:
+    """A tensor/pipeline-parallel checkpoint (or a checkpoint index given with --manifest)."""
+    from ..deepspeed.directory import resolve_tag_dir
+    from ..deepspeed.topology import is_model_parallel
+    from ..format.codec import read_document
+    from ..format.index_validate import is_index
+
+    try:
+        if manifest is not None:
+            return is_index(read_document(manifest)[0])
+        return is_model_parallel(resolve_tag_dir(checkpoint, tag))
+    except CkptspecError:
+        return False  # the ordinary path reports it
+
+
+def _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, fmt, untie, optimizer_state, quiet) -> None:
+    """The whole model of a tensor/pipeline-parallel checkpoint, composed from every rank's shards."""
+    from ..export.compose import reconstruct_index
+    from ..format.index_validate import validate_index_file
+
+    for flag, given in (("--format torch", fmt == "torch"), ("--untie", untie), ("--optimizer-state", optimizer_state)):
+        if given:
+            raise click.UsageError(f"{flag} is not available for tensor/pipeline-parallel checkpoints yet")
+    try:
+        index = None
+        if manifest is not None:
+            index = validate_index_file(manifest)
+            if not index.ok:
+                echo_findings(index.findings, manifest, err=True, always_name_target=False)
+                click.echo(f"{checkpoint}: not reconstructed: the index has errors; nothing was written", err=True)
+                sys.exit(EXIT_INVALID)
+        result = reconstruct_index(checkpoint, output_dir, index=index, tag=tag, dtype=dtype)
+    except CheckpointInvalid as exc:
+        echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
+        click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)
+        sys.exit(EXIT_INVALID)
+    except CkptspecError as exc:
+        fail(exc)
+    if not quiet:
+        click.echo(
+            f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB) "
+            f"to {', '.join(result.files)}"
         )

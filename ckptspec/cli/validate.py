@@ -66,8 +66,6 @@ def validate(
     validate DIR                        DIR against its sidecar ckptspec.json/.msgpack, or
                                         against a manifest generated from DeepSpeed's metadata
     """
-    from ..format.validate import validate_file
-
     is_dir = checkpoint is None and os.path.isdir(target)
     if checkpoint is None and not is_dir and (tag is not None or no_hash):
         raise click.UsageError(
@@ -75,30 +73,51 @@ def validate(
         )
     if checkpoint is None and not is_dir:
         try:  # the verdict only: no models to build (they cost more than the rules)
-            report = validate_file(target, max_bytes=max_size, encoding=encoding, build_model=False)
+            report = _validate_document_file(target, max_size, encoding)
         except CkptspecError as exc:
             _emit(output_format, target, [], exc)
             sys.exit(exc.exit_code)
         _emit(output_format, target, report.findings)
         sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
 
+    from ..deepspeed.directory import resolve_tag_dir
+    from ..deepspeed.topology import is_model_parallel
     from ..deepspeed.validate import validate_checkpoint
+    from ..deepspeed.validate_index import validate_index_checkpoint
+    from ..format.index_validate import IndexReport
 
     shown = checkpoint if checkpoint is not None else target
     try:
         manifest = None
         if checkpoint is not None:
-            manifest = validate_file(target, max_bytes=max_size, encoding=encoding)
+            manifest = _validate_document_file(target, max_size, encoding, build_model=True)
             if not manifest.ok or manifest.manifest is None:
                 _emit(output_format, target, manifest.findings)
                 sys.exit(EXIT_INVALID)
         # The report is handed over: the manifest is not validated a second time.
-        _, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
+        if isinstance(manifest, IndexReport) or (
+            manifest is None and is_model_parallel(resolve_tag_dir(shown, tag))
+        ):  # tensor/pipeline parallel: the checkpoint index and every domain's files
+            _, findings = validate_index_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
+        else:
+            _, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
     except CkptspecError as exc:
         _emit(output_format, shown, [], exc)
         sys.exit(exc.exit_code)
     _emit(output_format, shown, findings)
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
+
+
+def _validate_document_file(target: str, max_size: int, encoding: str | None, *, build_model: bool = False):
+    """A manifest's report, or a checkpoint index's (told apart by the document's ``format``)."""
+    from ..format.codec import read_document
+    from ..format.index_validate import is_index, validate_index_document
+    from ..format.validate import validate_decoded
+
+    doc, floats = read_document(target, max_size, encoding)
+    if is_index(doc):
+        return validate_index_document(doc)
+    return validate_decoded(doc, floats, build_model=build_model)
 
 
 def _emit(output_format: str, target: str, findings: list[Finding], error: CkptspecError | None = None) -> None:

@@ -16,7 +16,7 @@ from .._version import __version__
 from ..checkpoint.hashing import file_digest
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import TensorRef
-from ..errors import UnsupportedCheckpoint
+from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
 from ..format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
 from ..format.partition import ParamSpec, flat_group, per_param_group
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
@@ -44,10 +44,21 @@ def manifest_from_checkpoint(
     return manifest_from_states(shards, states if states is not None else StateCache(), hash_algorithm=hash_algorithm)
 
 
-def manifest_from_states(shards: ShardSet, states: StateCache, *, hash_algorithm: str | None = None) -> Manifest:
+def manifest_from_states(
+    shards: ShardSet,
+    states: StateCache,
+    *,
+    hash_algorithm: str | None = None,
+    pipeline_stage: bool = False,
+    in_index: bool = False,
+) -> Manifest:
     """The manifest of the files of ``shards``, read through ``states``.
 
     The tolerant generation of ``validate DIR`` passes only the files it could read.
+    ``pipeline_stage``: the files of one pipeline stage (a domain of a checkpoint index), whose
+    model states hold no ``module`` (the weights are in the layer files the index lists).
+    ``in_index``: the files of one model-parallel rank of a checkpoint index (otherwise a
+    model-parallel checkpoint whose other ranks' files are all missing is refused, CK206).
     """
     model_states = {rank: states.state(path) for rank, path in shards.model_files.items()}
     optim_states = {rank: states.state(path) for rank, path in shards.optim_files.items()}
@@ -62,7 +73,17 @@ def manifest_from_states(shards: ShardSet, states: StateCache, *, hash_algorithm
             "is this a DeepSpeed checkpoint?",
             str(shards.model_files[min(model_states)]),
         )
-    if first_model.get("module") is None:
+    mp_world = first_model.get("mp_world_size")
+    if not in_index and isinstance(mp_world, int) and mp_world > 1:
+        # Only mp rank 0's files are here (else the checkpoint index describes it): the rest is lost.
+        raise InvalidCheckpoint(
+            "CK206",
+            f"model-parallel checkpoint (mp_world_size {mp_world}) with the files of model-parallel rank 0 only",
+            "restore the mp_rank_01 ... files of the other tensor/pipeline ranks; a merge of rank 0 alone would "
+            "be silently incomplete",
+            str(shards.tag_dir / "mp_rank_01_model_states.pt"),
+        )
+    if first_model.get("module") is None and not pipeline_stage:
         raise UnsupportedCheckpoint(
             "model states hold no 'module' (pipeline-parallel checkpoint)",
             "pipeline-parallel checkpoints are not described by format 1.0",

@@ -6,7 +6,10 @@ DeepSpeed 0.15-0.19 name a ZeRO tag directory's files (``engine.py``):
 * ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``: stage 3, one per data-parallel rank;
 * ``[bf16_|fp16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: one per data-parallel rank.
 
-MoE expert files and pipeline layer files are recognized only to be refused.
+and, in a tensor/pipeline-parallel checkpoint (described by a checkpoint index, ``topology.py``),
+the same names with ``mp_rank_<m>`` for model-parallel rank ``m`` and a pipeline's layer files
+``layer_<LL>-model_states.pt`` (Megatron's ``layer_<LL>-model_<TT>-model_states.pt`` under pp x tp).
+MoE expert files are recognized only to be refused.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$
 EXPERT_RE = re.compile(
     r"^((?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$"
 )  # expert_E_mp_rank_XX: DeepSpeed's older name (MoE layer id -1), still loaded
-PIPE_LAYER_RE = re.compile(r"^layer_\d+-model_states\.pt$")
+PIPE_LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 
 # Manifest files are listed model states first, then optimizer states, each by rank, then the rest.
 ROLE_ORDER = {"model_states": 0, "optimizer_states": 1, "other": 2}
@@ -65,10 +68,18 @@ def optim_prefix(names: Iterable[str], model_dtype: str) -> str:
     return "bf16_" if model_dtype == "bfloat16" else ""
 
 
-def expected_name(role: str, rank: int, zero_stage: int, prefix: str = "") -> str:
-    """The name DeepSpeed gives the ``role`` file of ``rank``."""
+def expected_name(role: str, rank: int, zero_stage: int, prefix: str = "", mp_rank: int = 0) -> str:
+    """The name DeepSpeed gives the ``role`` file of data-parallel ``rank`` of model-parallel rank ``mp_rank``."""
     if role == "optimizer_states":
-        return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        return f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
     if zero_stage == 3:
-        return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-    return "mp_rank_00_model_states.pt"
+        return f"zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def mp_rank_of(name: str) -> int | None:
+    """The model-parallel rank a model- or optimizer-states file name spells out."""
+    base = _base(name)
+    if (m := OPTIM_RE.match(base)) or (m := MODEL_RE.match(base)):
+        return int(m.group(2))
+    return None

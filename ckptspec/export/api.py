@@ -67,6 +67,10 @@ def load_state_dict(
     if framework not in ("torch", "numpy"):
         raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
     dtype = output_dtype(dtype)
+    if _model_parallel(checkpoint, manifest, tag):  # the whole model, composed from every rank's shards
+        from .compose import load_index_state_dict
+
+        return load_index_state_dict(checkpoint, framework, dtype=dtype, index=manifest, tag=tag)
     plan = validated_plan(checkpoint, manifest, tag)
     bf16_view = None
     if framework == "numpy" and dtype == "bfloat16":
@@ -89,6 +93,22 @@ def load_state_dict(
     return {name: out[plan.aliases.get(name, name)] for name in plan.order}
 
 
+def _model_parallel(checkpoint, manifest, tag) -> bool:
+    """A tensor/pipeline-parallel checkpoint: described by a checkpoint index, not a manifest."""
+    from ..deepspeed.directory import resolve_tag_dir
+    from ..deepspeed.topology import is_model_parallel
+    from ..format.index_models import CheckpointIndex
+
+    if isinstance(manifest, CheckpointIndex):
+        return True
+    if isinstance(manifest, (str, os.PathLike)):
+        from ..format.codec import read_document
+        from ..format.index_validate import is_index
+
+        return is_index(read_document(manifest)[0])
+    return manifest is None and is_model_parallel(resolve_tag_dir(checkpoint, tag))
+
+
 def reconstruct(
     checkpoint: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -105,6 +125,10 @@ def reconstruct(
     """Validate, then write the consolidated weights to ``output_dir`` (see ``write_consolidated``),
     and with ``optimizer_state`` the per-parameter optimizer state as ``optimizer.safetensors``
     (format 1.1 manifests; ``export/optimizer_state.py``)."""
+    if _model_parallel(checkpoint, manifest, tag) and fmt == "safetensors" and not untie and not optimizer_state:
+        from .compose import reconstruct_index
+
+        return reconstruct_index(checkpoint, output_dir, index=manifest, tag=tag, dtype=dtype)
     plan = validated_plan(checkpoint, manifest, tag)
     if optimizer_state:
         plan_optimizer_state(plan)  # refuse before writing anything when the manifest locates no state

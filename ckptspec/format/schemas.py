@@ -20,6 +20,8 @@ from .version import minor_line
 MANIFEST_SCHEMAS = {"1.0": "manifest-1.0.schema.json", "1.1": "manifest-1.1.schema.json"}
 LATEST_MANIFEST = "1.1"
 REPORT_SCHEMA = "report-1.0.schema.json"
+# The checkpoint index (tensor/pipeline parallel checkpoints): its own document kind and version line.
+INDEX_SCHEMA = "checkpoint-1.0.schema.json"
 _MAX_MESSAGE = 300
 
 

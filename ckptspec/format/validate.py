@@ -179,6 +179,12 @@ def validate_file(
     """Load and validate a manifest file. Raises ``CkptspecError`` when it cannot be read."""
     with gc_paused():
         doc, floats = read_document(path, max_bytes, encoding)
+        return validate_decoded(doc, floats, build_model=build_model, reference=reference)
+
+
+def validate_decoded(doc: Any, floats: bool, *, build_model: bool = True, reference: bool = False) -> Report:
+    """Validate what ``codec.read_document`` returned (``floats``: the document holds floats)."""
+    with gc_paused():
         return _validate(doc, plain=not floats, build_model=build_model, reference=reference)
 
 

@@ -570,6 +570,10 @@ FAULTS = [
     ),
 ]
 
+from .faults_parallel import PARALLEL_FAULTS  # noqa: E402  (they build on the helpers above)
+
+FAULTS += PARALLEL_FAULTS
+
 BASES = sorted({f.base for f in FAULTS} | {f.donor for f in FAULTS if f.donor})
 
 

@@ -80,8 +80,11 @@ def test_clean_checkpoint_has_no_findings(name, built, tmp_path):
 
 
 def test_suite_covers_every_check():
+    from ckptspec.deepspeed.index_checks import INDEX_CHECKS
+
     covered = {f.code for f in FAULTS}
     assert {c.code for c in CHECKS} <= covered, sorted({c.code for c in CHECKS} - covered)
+    assert {c.code for c in INDEX_CHECKS} <= covered, sorted({c.code for c in INDEX_CHECKS} - covered)
     assert len({f.name for f in FAULTS}) == len(FAULTS) >= 15
     assert {
         "transposed-shape",
@@ -115,7 +118,8 @@ def _rank_of(name: str | None) -> int | None:
     import re
 
     match = re.search(r"zero_pp_rank_(\d+)_", name or "")
-    return int(match.group(1)) if match else (0 if name == "mp_rank_00_model_states.pt" else None)
+    # A model-parallel rank's mp_rank_XX_model_states.pt belongs to rank 0 of its domain.
+    return int(match.group(1)) if match else (0 if re.fullmatch(r"mp_rank_\d+_model_states\.pt", name or "") else None)
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)

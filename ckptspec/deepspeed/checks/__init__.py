@@ -41,6 +41,7 @@ def check_checkpoint(
     verify_hashes: bool = True,
     states: StateCache | None = None,
     verify_digests: bool | None = None,
+    scope=None,
 ) -> list[Finding]:
     """Check the files of ``tag_dir`` against ``manifest`` (which should already be valid).
 
@@ -53,7 +54,9 @@ def check_checkpoint(
     if not tag_dir.is_dir():
         raise CkptspecError("CK901", "checkpoint tag directory not found", "check the path", str(tag_dir))
     digests = verify_hashes if verify_digests is None else verify_digests
-    ctx = build_context(manifest, tag_dir, verify_hashes, states if states is not None else StateCache(), digests)
+    ctx = build_context(
+        manifest, tag_dir, verify_hashes, states if states is not None else StateCache(), digests, scope
+    )
     return [found for check in CHECKS for found in check.check(ctx)]
 
 

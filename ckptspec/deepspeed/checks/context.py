@@ -14,7 +14,7 @@ from ...checkpoint.states import Loaded, StateCache
 from ...findings import Finding, json_path
 from ...format.models import Manifest, ShardFile
 from ...format.paths import join_inside
-from ..names import expected_name, optim_prefix
+from ..names import expected_name, mp_rank_of, optim_prefix
 
 Check = Callable[["Context"], Iterator[Finding]]
 
@@ -108,7 +108,10 @@ class Context:
     def expected_name(self, role: str, rank: int) -> str:
         """The name DeepSpeed gives the missing ``role`` file of ``rank`` in this checkpoint."""
         prefix = optim_prefix((f.name for f in self.files if f.role == "optimizer_states"), self.layout.model_dtype)
-        return expected_name(role, rank, self.layout.zero_stage, prefix)
+        # A domain of a checkpoint index names its model-parallel rank in its files' names.
+        mp_ranks = {mp_rank_of(f.name) for f in self.files} - {None}
+        mp_rank = mp_ranks.pop() if len(mp_ranks) == 1 else 0
+        return expected_name(role, rank, self.layout.zero_stage, prefix, mp_rank)
 
     def name_path(self, name: str, *suffix) -> str:
         """The JSON path of the manifest entry that declares ``name``."""
@@ -134,7 +137,12 @@ def disk_files(tag_dir: Path) -> dict[str, Path]:
 
 
 def build_context(
-    manifest: Manifest, tag_dir: Path, verify_hashes: bool, states: StateCache, verify_digests: bool = False
+    manifest: Manifest,
+    tag_dir: Path,
+    verify_hashes: bool,
+    states: StateCache,
+    verify_digests: bool = False,
+    scope: Callable[[str], bool] | None = None,
 ) -> Context:
     files = []
     for i, entry in enumerate(manifest.files):
@@ -144,7 +152,10 @@ def build_context(
         if on_disk and entry.role in ("model_states", "optimizer_states"):
             f.loaded = states.load(path, members=True)
         files.append(f)
-    ctx = Context(manifest, tag_dir, verify_hashes, files, disk_files(tag_dir), verify_digests)
+    disk = disk_files(tag_dir)
+    if scope is not None:  # a domain of a checkpoint index: the other files are the index's to check
+        disk = {rel: path for rel, path in disk.items() if scope(rel)}
+    ctx = Context(manifest, tag_dir, verify_hashes, files, disk, verify_digests)
     for g, grp in enumerate(manifest.groups):
         for p, param in enumerate(grp.params):
             ctx.names[param.name] = ("trainable", g, p)

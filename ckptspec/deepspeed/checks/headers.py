@@ -144,9 +144,13 @@ def model_header(ctx: Context) -> Iterator[Finding]:
     buffers = {b.name for b in ctx.manifest.buffers}
     for f in ctx.readable("model_states"):
         state = f.state
+        # A pipeline stage's module is None: its weights are in the layer files (checked by the index, CK230).
+        pipeline_stage = (
+            ctx.layout.pipeline_parallel_size > 1 and isinstance(state, dict) and state.get("module") is None
+        )
         if (
             not isinstance(state, dict)
-            or not isinstance(state.get("module"), dict)
+            or not (isinstance(state.get("module"), dict) or pipeline_stage)
             or not isinstance(state.get("param_shapes"), list)
         ):
             yield finding(

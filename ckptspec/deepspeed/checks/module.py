@@ -117,6 +117,8 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
                     rank=f.rank,
                 )
             for j, p, r in refs:
+                if r.storage.key != flat_key and ctx.layout.tensor_parallel_size > 1:
+                    continue  # AutoTP replaces its sharded layers' tensors: only the replicated ones stay views
                 if r.storage.key != flat_key:
                     yield finding(
                         "CK217",

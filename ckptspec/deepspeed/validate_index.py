@@ -1,0 +1,91 @@
+"""Validate a tensor/pipeline-parallel checkpoint against its index: the index's own rules, then every
+domain's files with the 1.x checks (each domain accounts for the files of its model-parallel rank),
+then the index's checks of the whole set (``index_checks.py``).
+
+Which index: the one given, else the tag directory's sidecar when it holds an index, else one
+generated from DeepSpeed's metadata (``describe_index.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from ..checkpoint.sidecar import find_sidecar
+from ..checkpoint.states import StateCache
+from ..findings import Finding, has_errors, json_path
+from ..format.codec import read_document
+from ..format.index_models import CheckpointIndex, Domain
+from ..format.index_validate import IndexReport, is_index, validate_index, validate_index_document
+from .checks import check_checkpoint
+from .describe_index import index_from_files
+from .directory import resolve_tag_dir
+from .index_checks import check_index_files
+from .names import mp_rank_of
+from .topology import scan_parallel
+
+
+def domain_mp_rank(domain: Domain) -> int | None:
+    ranks = {mp_rank_of(f.path) for f in domain.manifest.files} - {None}
+    return ranks.pop() if len(ranks) == 1 else None
+
+
+def choose_index(
+    tag_dir: Path, index: CheckpointIndex | IndexReport | None, states: StateCache
+) -> tuple[CheckpointIndex | None, list[Finding], str]:
+    """(index, findings of validating it, where it came from: manifest, sidecar or generated)."""
+    if isinstance(index, IndexReport):
+        return index.index, list(index.findings), "manifest"
+    if index is not None:
+        return index, validate_index(index).findings, "manifest"
+    sidecar = find_sidecar(tag_dir)
+    if sidecar is not None:
+        doc, _ = read_document(sidecar)
+        if is_index(doc):
+            report = validate_index_document(doc)
+            found = [f if f.file else dataclasses.replace(f, file=sidecar.name) for f in report.findings]
+            return report.index, found, "sidecar"
+    generated = index_from_files(scan_parallel(tag_dir), states)
+    # As for a generated 1.x manifest: the rules run without the file lists (made from the same files,
+    # they would only repeat what the file checks say better, naming the file).
+    doc = generated.to_dict()
+    for dom in doc["domains"]:
+        dom["manifest"]["files"], dom["file_ranks"] = [], {}
+    return generated, validate_index_document(doc).findings, "generated"
+
+
+def validate_index_checkpoint(
+    checkpoint: str | os.PathLike,
+    index: CheckpointIndex | IndexReport | None = None,
+    tag: str | None = None,
+    *,
+    verify_hashes: bool = True,
+    states: StateCache | None = None,
+    verify_digests: bool | None = None,
+) -> tuple[CheckpointIndex | None, list[Finding]]:
+    """Validate a model-parallel checkpoint directory; (index, findings), as ``validate_checkpoint``."""
+    tag_dir = resolve_tag_dir(checkpoint, tag)
+    states = states if states is not None else StateCache()
+    chosen, findings, source = choose_index(tag_dir, index, states)
+    if chosen is None or (has_errors(findings) and source != "generated"):
+        return chosen, findings  # a generated index is checked even when its rules fail: the checks say which file
+    for i, domain in enumerate(chosen.domains):
+        mp = domain_mp_rank(domain)
+        listed = {f.path for f in domain.manifest.files}
+
+        def scope(rel: str, mp=mp, listed=listed) -> bool:
+            return rel in listed or (mp is not None and mp_rank_of(rel) == mp)
+
+        for found in check_checkpoint(
+            domain.manifest,
+            tag_dir,
+            verify_hashes=verify_hashes,
+            states=states,
+            verify_digests=verify_digests,
+            scope=scope,
+        ):
+            prefix = json_path("domains", i, "manifest")
+            findings.append(dataclasses.replace(found, path=prefix + found.path[1:]))
+    findings += check_index_files(chosen, tag_dir, states, verify_hashes=verify_hashes)
+    return chosen, findings

@@ -1,0 +1,159 @@
+"""Corruptions of real tensor- and pipeline-parallel DeepSpeed checkpoints (issue #16), in the style of
+``faults.py`` (whose ``FAULTS`` includes these): each mutates a copy of a PARALLEL checkpoint of the
+harness, and ckptspec must report ``code`` naming ``file`` through validate, reconstruct,
+load_state_dict and inspect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .faults import Fault, FaultEnv, _edit, tag_dir
+
+TP = "tp2-s1-fp32-ws2"
+TPDP = "tp2dp2-s2-bf16-ws4"
+PP = "pp2-s1-fp32-ws2"
+
+
+def drop_tp_rank(save_dir: Path, env: FaultEnv) -> None:
+    """Every file of tensor rank 1 (mp_rank_01) gone."""
+    for path in tag_dir(save_dir).glob("*mp_rank_01_*"):
+        path.unlink()
+
+
+def drop_tp_rank_optimizer(save_dir: Path, env: FaultEnv) -> None:
+    next(tag_dir(save_dir).glob("*zero_pp_rank_1_mp_rank_01_optim_states.pt")).unlink()
+
+
+def drop_layer_file(save_dir: Path, env: FaultEnv) -> None:
+    (tag_dir(save_dir) / "layer_03-model_states.pt").unlink()
+
+
+def swap_layer_files(save_dir: Path, env: FaultEnv) -> None:
+    """Layers 2 and 3 are both Blocks: same keys, shapes and sizes; only their values differ."""
+    a, b = tag_dir(save_dir) / "layer_02-model_states.pt", tag_dir(save_dir) / "layer_03-model_states.pt"
+    tmp = a.with_name("swap.tmp")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+
+
+def tp_rank_of_another_save(save_dir: Path, env: FaultEnv) -> None:
+    """Tensor rank 1's model states say global step 3 (the other rank's, step 2)."""
+
+    def change(state):
+        state["global_steps"] = state["global_steps"] + 1
+
+    _edit(tag_dir(save_dir) / "mp_rank_01_model_states.pt", change)
+
+
+def transposed_slice(save_dir: Path, env: FaultEnv) -> None:
+    """Tensor rank 1 saved its (5, 16) head.weight transposed."""
+
+    def change(state):
+        state["module"]["head.weight"] = state["module"]["head.weight"].t().contiguous()
+
+    _edit(tag_dir(save_dir) / "mp_rank_01_model_states.pt", change)
+
+
+def other_degrees(save_dir: Path, env: FaultEnv) -> None:
+    def change(state):
+        state["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 4}
+
+    _edit(tag_dir(save_dir) / "mp_rank_01_model_states.pt", change)
+
+
+def replica_differs(save_dir: Path, env: FaultEnv) -> None:
+    """Tensor rank 1's copy of the replicated head.bias changed (its own flat buffer shares the storage)."""
+
+    def change(state):
+        state["module"]["head.bias"].add_(1.0)
+
+    _edit(tag_dir(save_dir) / "mp_rank_01_model_states.pt", change)
+
+
+def no_merge_rule(save_dir: Path, env: FaultEnv) -> None:
+    """The affine_map of tensor rank 0 lost the entry of blocks.0.up.weight: how it splits is unknown."""
+
+    def change(state):
+        params = state["universal_checkpoint_info"]["affine_map"]["params"]
+        del params[r"^blocks\.0\.up\.weight$"]
+
+    _edit(tag_dir(save_dir) / "mp_rank_00_model_states.pt", change)
+
+
+PARALLEL_FAULTS = [
+    Fault(
+        "missing-tp-rank",
+        TP,
+        "AutoTP tp2: every file of tensor rank 1 (mp_rank_01) deleted (what is left looks like a plain ZeRO-1 "
+        "checkpoint, but its model states say mp_world_size 2)",
+        "CK206",
+        None,
+        drop_tp_rank,
+    ),
+    Fault(
+        "missing-tp-rank-optimizer-file",
+        TPDP,
+        "AutoTP tp2 x dp2: tensor rank 1's optimizer file of data rank 1 deleted",
+        "CK206",
+        "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt",
+        drop_tp_rank_optimizer,
+    ),
+    Fault(
+        "missing-layer-file",
+        PP,
+        "pipeline pp2: layer_03-model_states.pt deleted",
+        "CK607",
+        "layer_03-model_states.pt",
+        drop_layer_file,
+    ),
+    Fault(
+        "swapped-layer-files",
+        PP,
+        "pipeline pp2: layer_02 and layer_03 (two Blocks, same keys, shapes and sizes) swapped; seen by the hashes",
+        "CK230",
+        "layer_02-model_states.pt",
+        swap_layer_files,
+        hashed_manifest=True,
+    ),
+    Fault(
+        "tp-rank-of-another-save",
+        TP,
+        "AutoTP tp2: tensor rank 1's model states record global step 3 where rank 0's record step 2",
+        "CK232",
+        "mp_rank_01_model_states.pt",
+        tp_rank_of_another_save,
+    ),
+    Fault(
+        "transposed-tp-slice",
+        TP,
+        "AutoTP tp2: tensor rank 1's saved head.weight transposed (16, 5)",
+        "CK233",
+        "mp_rank_01_model_states.pt",
+        transposed_slice,
+    ),
+    Fault(
+        "tp-degrees-disagree",
+        TP,
+        "AutoTP tp2: tensor rank 1's model states record tp_degree 4",
+        "CK231",
+        "mp_rank_01_model_states.pt",
+        other_degrees,
+    ),
+    Fault(
+        "tp-replica-differs",
+        TP,
+        "AutoTP tp2: tensor rank 1's copy of the replicated head.bias differs from rank 0's",
+        "CK234",
+        "mp_rank_01_model_states.pt",
+        replica_differs,
+    ),
+    Fault(
+        "tp-merge-rule-unknown",
+        TP,
+        "AutoTP tp2: the affine_map has no entry for blocks.0.up.weight (how its shards compose is unknown)",
+        "CK202",
+        None,
+        no_merge_rule,
+    ),
+]

@@ -1,0 +1,197 @@
+"""The checkpoint index document (schema/checkpoint-1.0.schema.json): schema, models and the CK6xx rules.
+
+The two fixtures in tests/conformance/index-1.0/ are the indexes of two real harness checkpoints
+(AutoTP tp2 x dp2 ZeRO-2 bf16, pipeline pp2 x dp2 ZeRO-1 fp32; ``ckptspec generate``), accepted by
+the reference JSON Schema validator on its own. Each rule is shown by one named edit of one of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from ckptspec.format.index_models import CheckpointIndex
+from ckptspec.format.index_rules import INDEX_RULES
+from ckptspec.format.index_validate import is_index, validate_index_document
+from ckptspec.format.validate import validate_document
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "conformance" / "index-1.0"
+SCHEMA = Draft202012Validator(json.loads((ROOT / "schema" / "checkpoint-1.0.schema.json").read_text()))
+TP, PP = "tp2dp2-s2-bf16-ws4.json", "pp2dp2-s1-fp32-ws4.json"
+
+
+def _load(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+@pytest.mark.parametrize("name", [TP, PP])
+def test_fixtures_are_valid_indexes(name):
+    doc = _load(name)
+    assert list(SCHEMA.iter_errors(doc)) == []
+    report = validate_index_document(doc)
+    assert report.findings == [] and report.index is not None
+    assert report.index.to_dict() == doc  # the models keep the document as it is
+    assert is_index(doc)
+
+
+def test_a_manifest_reader_refuses_an_index():
+    """A 1.x reader handed an index refuses it at once (CK001 on ``format``), never half-reads it."""
+    findings = validate_document(_load(TP)).findings
+    assert findings and findings[0].code == "CK001" and findings[0].path == "$"
+
+
+def _set(path, value):
+    def edit(doc):
+        *parents, last = path
+        node = doc
+        for key in parents:
+            node = node[key]
+        node[last] = value
+
+    return edit
+
+
+def _swap_split(doc):  # rank 1's block of up.weight moved onto rank 0's: a gap and an overlap
+    doc["parameters"][0]["shards"][1]["placement"]["split"]["offset"] = 0
+
+
+def _two_primaries(doc):
+    p = next(p for p in doc["parameters"] if p["shards"][0]["placement"] == "replicated")
+    for s in p["shards"]:
+        s["primary"] = True
+
+
+def _unclaimed(doc):
+    del doc["parameters"][0]
+
+
+def _claimed_twice(doc):
+    doc["parameters"][1]["shards"][0]["local_name"] = doc["parameters"][0]["shards"][0]["local_name"]
+    doc["parameters"][1]["shards"][0]["local_shape"] = doc["parameters"][0]["shards"][0]["local_shape"]
+
+
+def _rank_mismatch(doc):
+    files = doc["domains"][1]["file_ranks"]
+    name = next(n for n in files if "zero_pp_rank_1_" in n)
+    files[name] = 0
+
+
+def _layer_of_other_stage(doc):
+    doc["layer_files"][3]["pipeline"] = 0  # layer 3 belongs to stage 1
+
+
+def _split_from_nowhere(doc):
+    doc["parameters"][0]["placement_source"] = "none"
+
+
+def _missing_domain(doc):
+    del doc["domains"][1]
+    for p in doc["parameters"]:
+        p["shards"] = [s for s in p["shards"] if s["domain"] != "pp0-tp1"]
+    for p in doc["parameters"]:
+        if p["shards"][0]["placement"] == "replicated":
+            p["shards"][0]["primary"] = True
+
+
+RULE_CASES = [
+    # (name, fixture, edit, code, path of the first finding of that code)
+    ("mp-size", TP, _set(("topology", "model_parallel_size"), 4), "CK602", "$.topology.model_parallel_size"),
+    (
+        "coordinate-outside",
+        PP,
+        _set(("domains", 1, "coordinate", "pipeline"), 2),
+        "CK602",
+        "$.domains[1].coordinate.pipeline",
+    ),
+    ("missing-tp-rank", TP, _missing_domain, "CK602", "$.domains"),
+    ("size-vs-world", TP, _set(("domains", 0, "size"), 4), "CK603", "$.domains[0].size"),
+    (
+        "file-rank",
+        TP,
+        _rank_mismatch,
+        "CK603",
+        "$.domains[1].file_ranks['bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt']",
+    ),
+    (
+        "shared-file-size",
+        PP,
+        lambda d: d["domains"][1]["manifest"]["files"].append({**d["domains"][0]["manifest"]["files"][0], "size": 1}),
+        "CK604",
+        "$.domains[1].manifest.files[3]",
+    ),
+    ("split-overlap", TP, _swap_split, "CK605", "$.parameters[0].shards"),
+    ("two-primaries", TP, _two_primaries, "CK605", "$.parameters[3].shards"),
+    ("unclaimed", TP, _unclaimed, "CK606", "$.domains[0].manifest.groups"),
+    ("claimed-twice", PP, _claimed_twice, "CK606", "$.parameters[1].shards[0]"),
+    ("layer-of-other-stage", PP, _layer_of_other_stage, "CK607", "$.layer_files[3].tensors['down.bias']"),
+    ("layer-file-unlisted", PP, lambda d: d["layer_files"].pop(3), "CK607", "$.parameters"),
+    ("split-from-nowhere", TP, _split_from_nowhere, "CK608", "$.parameters[0].placement_source"),
+]
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=lambda c: c[0])
+def test_each_rule_refuses_its_edit(case):
+    _, fixture, edit, code, path = case
+    doc = _load(fixture)
+    edit(doc)
+    assert list(SCHEMA.iter_errors(doc)) == []  # the schema cannot see it: the rule must
+    report = validate_index_document(doc)
+    hits = [f for f in report.findings if f.code == code]
+    assert hits, [f.to_line() for f in report.findings]
+    assert hits[0].path == path, [f.to_line() for f in hits]
+    assert not report.ok
+
+
+def test_every_rule_has_a_case():
+    assert {r.code for r in INDEX_RULES} == {c[3] for c in RULE_CASES}
+
+
+def test_a_domain_manifest_is_checked_as_a_manifest():
+    """Its own 1.x findings, with their codes, at paths inside the index."""
+    doc = _load(TP)
+    doc["domains"][1]["manifest"]["groups"][0]["params"][0]["numel"] += 1
+    codes = {(f.code, f.path) for f in validate_index_document(doc).findings}
+    assert ("CK101", "$.domains[1].manifest.groups[0].params[0].numel") in codes
+
+
+SCHEMA_CASES = [
+    ("unknown-top-level-field", _set(("extra",), 1)),
+    ("placement-kind", _set(("parameters", 0, "shards", 0, "placement"), "diagonal")),
+    ("split-without-axis", _set(("parameters", 0, "shards", 0, "placement"), {"split": {"offset": 0, "length": 16}})),
+    ("kind", _set(("kind",), "megatron")),
+    ("degree-zero", _set(("topology", "degrees", "tensor"), 0)),
+    ("no-domains", _set(("domains",), [])),
+    ("domain-rank-negative", _set(("domains", 0, "file_ranks", "mp_rank_00_model_states.pt"), -1)),
+]
+
+
+@pytest.mark.parametrize("case", SCHEMA_CASES, ids=lambda c: c[0])
+def test_schema_and_models_agree(case):
+    """What the schema refuses (CK001) the models refuse too, and the other way round."""
+    from pydantic import ValidationError
+
+    doc = _load(TP)
+    case[1](doc)
+    schema_ok = not list(SCHEMA.iter_errors(doc))
+    try:
+        CheckpointIndex.model_validate(copy.deepcopy(doc))
+        model_ok = True
+    except ValidationError:
+        model_ok = False
+    assert schema_ok == model_ok is False
+    assert validate_index_document(doc).findings[0].code == "CK001"
+
+
+def test_versions():
+    doc = _load(PP)
+    doc["format_version"] = "2.0.0"
+    assert [f.code for f in validate_index_document(doc).findings] == ["CK003"]
+    doc["format_version"] = "1.3.0"
+    doc["future_field"] = {"x": 1}
+    report = validate_index_document(doc)
+    assert [f.code for f in report.findings] == ["CK004"] and report.ok
