@@ -1,0 +1,89 @@
+"""#17: the fp32 masters of ZeRO stage-0 (dense and MoE) and universal checkpoints, read by ckptspec
+from the files alone, equal bit for bit what the live engine held in the training job
+(tests/_harness/job/parallel.py: ``safe_get_full_fp32_param``, ``FP16_UnfusedOptimizer.fp32_groups``,
+the parameters themselves at stage 0; every expert from the rank that owns it) and, for universal
+folders, DeepSpeed's own ``fp32.pt`` tensors (loaded with torch here, the oracle)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _harness import scenarios
+
+from ckptspec.export.located import load_stage0_masters, load_universal_masters
+
+pytestmark = pytest.mark.deepspeed
+
+STAGE0 = sorted(n for n in scenarios.PARALLEL if n.startswith(("s0-", "moe-ep2-s0-")))
+UNIVERSAL = ["uc-s2-bf16-ws2", "uc-s3-bf16-ws2"]
+
+
+def _info(ds, name):
+    return json.loads((ds.path(name) / "parallel.json").read_text())
+
+
+def _live_masters(ds, name) -> dict:
+    """Global name -> the master every rank holding it gathered (they agree: test_parallel_harness)."""
+    import torch
+
+    out = {}
+    for rank in range(scenarios.REGISTRY[name].world_size):
+        oracle = torch.load(ds.path(name) / f"oracle.rank{rank}.pt", weights_only=True)
+        for local, master in oracle["masters"].items():
+            out.setdefault(oracle["params"][local]["global_name"], master)
+    return out
+
+
+def _equal_bits(array, tensor) -> bool:
+    import numpy as np
+
+    expected = tensor.detach().contiguous().numpy()
+    return array.shape == expected.shape and np.array_equal(array.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", STAGE0)
+def test_stage0_masters_equal_the_live_engine(ds, name):
+    tag = ds.path(name) / _info(ds, name)["tag"]
+    got = load_stage0_masters(tag)
+    live = _live_masters(ds, name)
+    assert sorted(got) == sorted(live)
+    wrong = sorted(n for n in live if not _equal_bits(got[n], live[n]))
+    assert wrong == [], name
+
+
+@pytest.mark.parametrize("name", UNIVERSAL)
+def test_universal_masters_equal_fp32_pt_and_the_live_engine(ds, name):
+    import torch
+
+    folder = ds.path(name) / _info(ds, name)["universal"]["output_folder"]
+    got = load_universal_masters(folder)
+    live = _live_masters(ds, name)
+    assert sorted(got) == sorted(live)
+    for n, array in got.items():
+        value = torch.load(folder / "zero" / n / "fp32.pt", map_location="cpu", weights_only=True)
+        tensor = value["param"] if isinstance(value, dict) else value
+        assert _equal_bits(array, tensor.view(live[n].shape)), n
+        assert _equal_bits(array, live[n]), n
+
+
+def test_a_master_of_another_shape_is_refused_by_name(ds, tmp_path):
+    """The optimizer's order is checked against the module's, shape by shape: swapping two
+    parameters' masters in ``fp32_groups`` is CK202 naming the parameter, never a wrong pairing."""
+    import shutil
+
+    import torch
+
+    from ckptspec.errors import UnsupportedCheckpoint
+
+    source = ds.path("s0-bf16-ws2") / _info(ds, "s0-bf16-ws2")["tag"]
+    tag = tmp_path / "global_step2"
+    shutil.copytree(source, tag)
+    path = tag / "mp_rank_00_model_states.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    group = state["optimizer"]["fp32_groups"][0]
+    group[0], group[1] = group[1], group[0]
+    torch.save(state, path)
+    with pytest.raises(UnsupportedCheckpoint, match="blocks.0.up.weight") as info:
+        load_stage0_masters(tag)
+    assert info.value.code == "CK202"
