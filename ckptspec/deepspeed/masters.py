@@ -39,15 +39,14 @@ MODEL_FILE = "mp_rank_00_model_states.pt"
 
 @dataclass(frozen=True)
 class MasterTensor:
-    """One parameter's fp32 master: ``nbytes`` bytes at ``offset`` of ``path`` (relative to the
-    folder read), ``key`` its place in the pickle (for a reader that unpickles)."""
+    """One parameter's fp32 master: its ``segments`` (file relative to the folder read, absolute
+    byte offset, byte count), concatenated; ``key`` its place in the pickle (for a reader that
+    unpickles; the flat group's index for a ZeRO partition)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
-    path: str
-    offset: int
-    nbytes: int
+    segments: tuple[tuple[str, int, int], ...]
     key: tuple
 
 
@@ -55,7 +54,7 @@ def _locate(folder: Path, rel: str, ref: object, name: str, key: tuple, states: 
     if not isinstance(ref, TensorRef):
         raise UnsupportedCheckpoint(f"{'/'.join(map(str, key))} is not a tensor (master of {name!r})", _HINT, rel)
     offset, nbytes = tensor_byte_range(ref, states.members(folder / rel))
-    return MasterTensor(name, tuple(ref.shape), ref.dtype, rel, offset, nbytes, key)
+    return MasterTensor(name, tuple(ref.shape), ref.dtype, ((rel, offset, nbytes),), key)
 
 
 _HINT = "the masters of this checkpoint cannot be named from its files; it is not described"
@@ -190,5 +189,5 @@ def universal_masters(folder: Path, states: StateCache | None = None) -> dict[st
                     f"{rel} holds {shape[0]} elements for shape {list(shapes[param_dir.name])}", _HINT, rel
                 )
             shape = shapes[param_dir.name]  # a stage-3 source: flat, viewed as the parameter
-        out[param_dir.name] = MasterTensor(param_dir.name, shape, master.dtype, rel, master.offset, master.nbytes, key)
+        out[param_dir.name] = MasterTensor(param_dir.name, shape, master.dtype, master.segments, key)
     return out

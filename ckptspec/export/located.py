@@ -18,13 +18,8 @@ from .plan import Segment, TensorSource
 
 
 def _source(folder: Path, master: MasterTensor) -> TensorSource:
-    return TensorSource(
-        master.name,
-        master.shape,
-        master.dtype,
-        [Segment(folder / master.path, master.offset, master.nbytes)],
-        "trainable",
-    )
+    segments = [Segment(folder / path, offset, nbytes) for path, offset, nbytes in master.segments]
+    return TensorSource(master.name, master.shape, master.dtype, segments, "trainable")
 
 
 def read_masters(folder: str | os.PathLike, masters: dict[str, MasterTensor], dtype: str = "float32") -> dict[str, Any]:
@@ -42,3 +37,10 @@ def load_stage0_masters(tag_dir: str | os.PathLike, states: StateCache | None = 
 def load_universal_masters(folder: str | os.PathLike, states: StateCache | None = None) -> dict[str, Any]:
     """Every ``zero/<name>/fp32.pt`` of a universal folder, in the parameter's shape."""
     return read_masters(folder, universal_masters(Path(folder), states))
+
+
+def load_moe_zero_masters(tag_dir: str | os.PathLike, states: StateCache | None = None) -> dict[str, Any]:
+    """Every fp32 master of a native-MoE stage-1/2 tag directory (every expert), by global name."""
+    from ..deepspeed.moe_masters import moe_zero_masters
+
+    return read_masters(tag_dir, moe_zero_masters(Path(tag_dir), states))

@@ -11,12 +11,13 @@ import json
 import pytest
 from _harness import scenarios
 
-from ckptspec.export.located import load_stage0_masters, load_universal_masters
+from ckptspec.export.located import load_moe_zero_masters, load_stage0_masters, load_universal_masters
 
 pytestmark = pytest.mark.deepspeed
 
 STAGE0 = sorted(n for n in scenarios.PARALLEL if n.startswith(("s0-", "moe-ep2-s0-")))
 UNIVERSAL = ["uc-s2-bf16-ws2", "uc-s3-bf16-ws2"]
+MOE_ZERO = sorted(n for n in scenarios.PARALLEL if n.startswith(("moe-ep2-s1-", "moe-ep2-s2-")))
 
 
 def _info(ds, name):
@@ -46,6 +47,18 @@ def _equal_bits(array, tensor) -> bool:
 def test_stage0_masters_equal_the_live_engine(ds, name):
     tag = ds.path(name) / _info(ds, name)["tag"]
     got = load_stage0_masters(tag)
+    live = _live_masters(ds, name)
+    assert sorted(got) == sorted(live)
+    wrong = sorted(n for n in live if not _equal_bits(got[n], live[n]))
+    assert wrong == [], name
+
+
+@pytest.mark.parametrize("name", MOE_ZERO)
+def test_moe_zero_masters_equal_the_live_engine(ds, name):
+    """Every expert from the rank that owns it (expert groups partitioned over the
+    expert-data-parallel group: [2, 1] at world size 2, [4, 2] at 4) and the dense parameters."""
+    tag = ds.path(name) / _info(ds, name)["tag"]
+    got = load_moe_zero_masters(tag)
     live = _live_masters(ds, name)
     assert sorted(got) == sorted(live)
     wrong = sorted(n for n in live if not _equal_bits(got[n], live[n]))
@@ -86,4 +99,20 @@ def test_a_master_of_another_shape_is_refused_by_name(ds, tmp_path):
     torch.save(state, path)
     with pytest.raises(UnsupportedCheckpoint, match="blocks.0.up.weight") as info:
         load_stage0_masters(tag)
+    assert info.value.code == "CK202"
+
+
+def test_a_missing_expert_file_is_refused_by_name(ds, tmp_path):
+    """The derived expert layout is cross-checked with the expert files: without expert 3's file,
+    its parameters are named (CK202), never read from another rank's partition under a guess."""
+    import shutil
+
+    from ckptspec.errors import UnsupportedCheckpoint
+
+    name = "moe-ep2-s1-fp32-ws4"
+    tag = tmp_path / "global_step2"
+    shutil.copytree(ds.path(name) / _info(ds, name)["tag"], tag)
+    (tag / "layer_0_expert_3_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(UnsupportedCheckpoint, match=r"deepspeed_experts\.3\.0\.weight") as info:
+        load_moe_zero_masters(tag)
     assert info.value.code == "CK202"
