@@ -77,7 +77,7 @@ def reconstruct(
     """
     from ..checkpoint.states import StateCache
     from ..deepspeed.validate import validate_checkpoint
-    from ..export.optimizer_state import plan_optimizer_state, write_optimizer_state
+    from ..export.optimizer_state import optimizer_state_temporary, plan_optimizer_state
     from ..export.plan import plan_reconstruction
     from ..export.progress import progress_printer
     from ..export.writers import torch_available, write_consolidated
@@ -104,14 +104,25 @@ def reconstruct(
         update, close = progress_printer(
             plan.total_nbytes(output_dtype(dtype), untie), enabled=not quiet and sys.stderr.isatty()
         )
+        # The optimizer state is one more file of the same commit (not counted by the bar).
+        extra = (
+            (lambda out, files, _: optimizer_state_temporary(plan, out, files, lambda n: None))
+            if optimizer_state
+            else None
+        )
         try:
             result = write_consolidated(
-                plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt, untie=untie, progress=update
+                plan,
+                output_dir,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                fmt=fmt,
+                untie=untie,
+                progress=update,
+                extra=extra,
             )
         finally:
             close()
-        if optimizer_state:
-            result.files.append(write_optimizer_state(plan, output_dir).name)
     except CkptspecError as exc:
         fail(exc)
     except OSError as exc:

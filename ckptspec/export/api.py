@@ -24,7 +24,7 @@ from ..format.dtypes import output_dtype
 from ..format.models import Manifest
 from ..format.validate import Report
 from .arrays import ShardReader, read_array
-from .optimizer_state import load_optimizer_state_arrays, plan_optimizer_state, write_optimizer_state
+from .optimizer_state import load_optimizer_state_arrays, optimizer_state_temporary, plan_optimizer_state
 from .plan import ReconstructionPlan, plan_reconstruction
 from .writers import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -132,12 +132,19 @@ def reconstruct(
     plan = validated_plan(checkpoint, manifest, tag)
     if optimizer_state:
         plan_optimizer_state(plan)  # refuse before writing anything when the manifest locates no state
-    result = write_consolidated(
-        plan, output_dir, dtype=dtype, max_shard_size=max_shard_size, fmt=fmt, untie=untie, progress=progress
+    extra = (
+        (lambda out, files, update: optimizer_state_temporary(plan, out, files, update)) if optimizer_state else None
     )
-    if optimizer_state:
-        write_optimizer_state(plan, output_dir)
-    return result
+    return write_consolidated(
+        plan,
+        output_dir,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        fmt=fmt,
+        untie=untie,
+        progress=progress,
+        extra=extra,
+    )
 
 
 def load_optimizer_state(

@@ -14,13 +14,11 @@ their owner's, named once), and in ``__metadata__`` the per-group scalars of the
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._fs import fsync_dir
 from ..errors import ReconstructMismatch, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from ..format.partition import param_pieces
@@ -91,27 +89,27 @@ def plan_optimizer_state(plan: ReconstructionPlan) -> OptimizerStatePlan:
     return OptimizerStatePlan(sources, states, metadata)
 
 
-def write_optimizer_state(
-    plan: ReconstructionPlan, output_dir: str | os.PathLike, progress: Callable[[int], None] | None = None
-) -> Path:
-    """Write ``optimizer.safetensors`` into ``output_dir``: whole or not at all (a rename when complete)."""
+def optimizer_state_temporary(
+    plan: ReconstructionPlan, output_dir: Path, files: ShardReader, progress: Callable[[int], None]
+) -> tuple[Path, Path]:
+    """``optimizer.safetensors`` written under a temporary name in ``output_dir``: (temporary, final).
+
+    ``write_consolidated`` calls it inside its run, so the file is committed with the weights, in
+    the same journal: a directory never holds new weights beside an earlier run's optimizer state.
+    """
     state = plan_optimizer_state(plan)
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    target = output_dir / OPTIMIZER_FILE
     entries = [TensorEntry(name, src.dtype, src.shape) for name, src in state.sources.items()]
-    writer = SafetensorsWriter(out / OPTIMIZER_FILE, entries, state.metadata)
+    writer = SafetensorsWriter(target, entries, state.metadata)
     try:
-        with ShardReader() as files:
-            for entry in entries:
-                writer.begin(entry.name)
-                stream(state.sources[entry.name], entry.dtype, writer, files, progress or (lambda n: None))
+        for entry in entries:
+            writer.begin(entry.name)
+            stream(state.sources[entry.name], entry.dtype, writer, files, progress)
         writer.finish()
     except BaseException:
         writer.abort()
         raise
-    os.replace(writer.tmp_path, out / OPTIMIZER_FILE)
-    fsync_dir(out)
-    return out / OPTIMIZER_FILE
+    return writer.tmp_path, target
 
 
 def load_optimizer_state_arrays(plan: ReconstructionPlan) -> tuple[dict[str, dict[str, Any]], dict]:

@@ -1,7 +1,8 @@
 """What an output directory already holds: earlier ``reconstruct`` outputs, and files that are not.
 
 A reconstruction writes ``model.safetensors`` or ``pytorch_model.bin``, or Hugging Face shards
-(``model-00001-of-00003.safetensors``, ``pytorch_model-00001-of-00003.bin``) and their index. A
+(``model-00001-of-00003.safetensors``, ``pytorch_model-00001-of-00003.bin``) and their index, and
+with ``--optimizer-state`` ``optimizer.safetensors``. A
 file of one of those names is **ckptspec's** only when its content says so: a safetensors file or
 an index whose metadata has ``ckptspec.*`` keys, or a torch shard such an index lists. Those are
 replaced or removed by the next run (whatever format it writes, so loaders never find stale
@@ -21,7 +22,7 @@ from ..checkpoint.embedded import read_safetensors_metadata
 from ..errors import CkptspecError
 
 OUTPUT_NAME = re.compile(
-    r"^(?:model(?:-\d{5}-of-\d{5})?\.safetensors|pytorch_model(?:-\d{5}-of-\d{5})?\.bin"
+    r"^(?:model(?:-\d{5}-of-\d{5})?\.safetensors|optimizer\.safetensors|pytorch_model(?:-\d{5}-of-\d{5})?\.bin"
     r"|model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json)$"
 )
 _MAX_INDEX_BYTES = 256 * 1024 * 1024  # an index holds names and one manifest

@@ -83,8 +83,13 @@ def write_consolidated(
     fmt: str = "safetensors",
     untie: bool = False,
     progress: Callable[[int], None] | None = None,
+    extra: Callable[[Path, ShardReader, Callable[[int], None]], tuple[Path, Path]] | None = None,
 ) -> WriteResult:
-    """Write the consolidated state dict; every file appears (by rename) only once all are complete."""
+    """Write the consolidated state dict; every file appears (by rename) only once all are complete.
+
+    ``extra`` writes one more file of the run (the optimizer state) under a temporary name in the
+    output directory and returns (temporary, final): it is committed with the weights.
+    """
     dtype = output_dtype(dtype)
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"unknown output format {fmt!r}")
@@ -137,6 +142,8 @@ def write_consolidated(
                     else:
                         tmp = _write_torch_shard(plan, shard, target, dtype, untie, files, progress)
                     pending.append((tmp, target))
+                if extra is not None:
+                    pending.append(extra(out, files, progress))
             if index_name:
                 weight_map = {n: s.filename for s in shards for n in s.names}
                 index = {"metadata": {"total_size": total, **metadata, **manifest_meta}, "weight_map": weight_map}
@@ -150,7 +157,8 @@ def write_consolidated(
             raise
         written = {final.name for _, final in pending}
         commit(out, pending, [out / name for name in sorted(existing.ours - written)])
-    return WriteResult(out, [s.filename for s in shards], len({n for s in shards for n in s.names}), total, index_name)
+    names = [s.filename for s in shards] + ([pending[len(shards)][1].name] if extra is not None else [])
+    return WriteResult(out, names, len({n for s in shards for n in s.names}), total, index_name)
 
 
 def _write_temp(target: Path, text: str) -> Path:

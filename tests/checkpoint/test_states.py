@@ -6,12 +6,11 @@ import pickle
 import zipfile
 
 import pytest
+import torch  # the test environment has it: missing torch is an error here, never a skip
 
 from ckptspec.checkpoint import torchfile
 from ckptspec.checkpoint.states import DAMAGED_HINT, LEGACY_HINT, UNSAFE_HINT, StateCache, code_and_hint, unreadable
 from ckptspec.errors import InvalidCheckpoint, LegacyTorchFile, TorchFileError, UnsafePickleError
-
-torch = pytest.importorskip("torch")
 
 
 @pytest.fixture

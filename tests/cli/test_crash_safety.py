@@ -73,6 +73,9 @@ WRITERS = {
     "reconstruct-sharded-over-torch": Writer(
         lambda d: ["reconstruct", d / "ckpt", d / "out", "-q", "--format", "torch"], "out", _with_earlier_output
     ),
+    "reconstruct-optimizer-state": Writer(
+        lambda d: ["reconstruct", d / "ckpt", d / "out", "-q", "--optimizer-state"], "out", _with_earlier_output
+    ),
     "embed": Writer(lambda d: ["embed", d / "ckpt"], "ckpt/global_step2", _copy_checkpoint("s3-bf16-ws2-sub")),
     "generate": Writer(lambda d: ["generate", d / "ckpt", "-o", d / "out" / "m.json"], "out", _checkpoint_and_out),
     "convert": Writer(lambda d: ["convert", d / "in.json", d / "out" / "m.msgpack"], "out", _example_manifest),

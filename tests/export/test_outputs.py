@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -84,6 +85,25 @@ def test_a_new_format_replaces_ckptspecs_earlier_output_of_the_other(ckpt, tmp_p
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
 
 
+def test_the_optimizer_state_is_an_output_like_the_weights(ckpt, tmp_path):
+    """Was (format 1.1's first version): `--optimizer-state` replaced any `optimizer.safetensors`
+    with exit 0, after the weights' commit, and a later run without the flag left the earlier
+    run's optimizer state beside the new weights."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "optimizer.safetensors").write_bytes(b"someone's optimizer state")
+    result = _run("reconstruct", ckpt, out, "-q", "--optimizer-state")
+    assert result.exit_code == 2 and "CK909" in result.output, result.output
+    assert [p.name for p in out.iterdir()] == ["optimizer.safetensors"]
+    assert (out / "optimizer.safetensors").read_bytes() == b"someone's optimizer state"
+    (out / "optimizer.safetensors").unlink()
+    assert _run("reconstruct", ckpt, out, "-q", "--optimizer-state").exit_code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "optimizer.safetensors"]
+    assert any(k.startswith("ckptspec.") for k in _header(out / "optimizer.safetensors")["__metadata__"])
+    assert _run("reconstruct", ckpt, out, "-q").exit_code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
 def test_the_manifest_is_stored_once(ckpt, tmp_path):
     """Was: every shard and the index carried the pretty-printed manifest (286 MB for 9 MiB of weights
     at 100k tensors). Now: in the index of a sharded output (compact), and each shard names it."""
@@ -121,6 +141,22 @@ def test_a_second_writer_into_the_same_directory_is_refused(ckpt, tmp_path):
     assert result.returncode == 2
     assert f"{out}: CK908 another ckptspec run is writing into this directory" in result.stderr
     assert list(out.iterdir()) == []
+
+
+def test_a_second_embed_into_the_same_tag_directory_is_refused(ckpt, tmp_path):
+    """`embed` holds the tag directory like `reconstruct` holds its output (#21)."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    tag_dir = copy / (copy / "latest").read_text().strip()
+    before = crash.visible(tag_dir)
+    fd = os.open(tag_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # what a running `embed` holds
+        result = crash.run(["embed", copy])
+    finally:
+        os.close(fd)
+    assert result.returncode == 2 and "CK908 another ckptspec run is writing into this directory" in result.stderr
+    assert crash.visible(tag_dir) == before and crash.hidden(tag_dir) == []
 
 
 @pytest.mark.parametrize("signal_name,code,word", [("term", 143, "terminated"), ("int", 130, "interrupted")])
