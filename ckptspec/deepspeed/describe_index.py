@@ -71,6 +71,9 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
         manifest = manifest_from_states(
             shards, states, hash_algorithm=hash_algorithm, pipeline_stage=degrees.pipeline > 1, in_index=True
         )
+        # The degrees as the index knows them (derived ones too: older DeepSpeed records none).
+        manifest.layout.tensor_parallel_size = degrees.tensor
+        manifest.layout.pipeline_parallel_size = degrees.pipeline
         pipeline, tensor = degrees.coordinate(mp)
         domains.append(
             Domain(

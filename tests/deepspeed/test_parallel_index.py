@@ -333,3 +333,50 @@ def test_layouts_not_described_are_refused_by_name(ds, name):
     result = _subprocess("generate", str(ds.path(name)))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "CK202" in result.stderr and REFUSED[name] in result.stderr, result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed < 0.19.5: no checkpoint_parallel_dimensions
+
+
+def _without(ds, name, tmp_path, *keys):
+    """A copy of the checkpoint whose model-states files lack ``keys`` (as older DeepSpeed wrote them)."""
+    import shutil
+
+    import torch
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(ds.path(name), save, symlinks=True)
+    for path in (save / _info(ds, name)["tag"]).glob("*model_states.pt"):
+        if path.name.startswith("layer_"):
+            continue
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        for key in keys:
+            state.pop(key, None)
+        torch.save(state, path)
+    return save
+
+
+@pytest.mark.parametrize("name", ["tp2dp2-s2-bf16-ws4", "pp2dp2-s1-fp32-ws4"])
+def test_degrees_are_derived_without_checkpoint_parallel_dimensions(ds, name, tmp_path, reconstructed):
+    """From mp_world_size and the names (a pipeline writes layer files and no module, AutoTP a module
+    and no layer files), recorded as derived; the reconstruction is the same."""
+    import ckptspec
+
+    save = _without(ds, name, tmp_path, "checkpoint_parallel_dimensions")
+    out = tmp_path / "index.json"
+    assert _cli("generate", str(save), "-o", str(out)).returncode == 0
+    topology = json.loads(out.read_text())["topology"]
+    spec = _info(ds, name)["spec"]
+    assert topology["degrees_source"] == "derived"
+    assert (topology["degrees"]["pipeline"], topology["degrees"]["tensor"]) == (spec["pp"], spec["tp"])
+    whole = reconstructed(name)
+    loaded = ckptspec.load_state_dict(save)
+    assert list(loaded) == list(whole) and all(_bits_equal(loaded[n], whole[n]) for n in whole)
+
+
+def test_degrees_are_never_assumed(ds, tmp_path):
+    """Neither checkpoint_parallel_dimensions nor mp_world_size: refused, never read as degree 1."""
+    save = _without(ds, "tp2-s1-fp32-ws2", tmp_path, "checkpoint_parallel_dimensions", "mp_world_size")
+    result = _cli("generate", str(save))
+    assert result.returncode == 1 and "CK202" in result.stderr and "never assumed" in result.stderr, result.stderr
