@@ -146,6 +146,13 @@ class ReconstructUnsupported(InvalidCheckpoint):
         super().__init__("CK402", message, hint, None if file is None else str(file))
 
 
+class ReshardUnsupported(InvalidCheckpoint):
+    """CK410: a checkpoint ``ckptspec reshard`` cannot write in the target layout (exit 1)."""
+
+    def __init__(self, message: str, hint: str, file: str | Path | None = None):
+        super().__init__("CK410", message, hint, None if file is None else str(file))
+
+
 class TensorDigestMismatch(InvalidCheckpoint):
     """CK222: a tensor read while streaming does not match its recorded digest (exit 1)."""
 

@@ -91,6 +91,7 @@ CODES: dict[str, str] = {
     # CK4xx: reconstruction (export/)
     "CK401": "reconstruct-mismatch",
     "CK402": "reconstruct-unsupported",
+    "CK410": "reshard-unsupported",
     # CK5xx: resuming B from A (report/diff.py)
     "CK501": "resume-world-size",
     "CK502": "resume-zero-stage",

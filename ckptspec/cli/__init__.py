@@ -23,6 +23,7 @@ from .embed import convert, embed, extract, migrate
 from .generate import generate
 from .inspect import diff, inspect
 from .reconstruct import reconstruct
+from .reshard import reshard
 from .schema import schema_command
 from .validate import validate
 
@@ -33,7 +34,19 @@ def cli() -> None:
     """Self-describing manifests for sharded training checkpoints."""
 
 
-for _command in (validate, generate, schema_command, reconstruct, convert, embed, extract, migrate, diff, inspect):
+for _command in (
+    validate,
+    generate,
+    schema_command,
+    reconstruct,
+    reshard,
+    convert,
+    embed,
+    extract,
+    migrate,
+    diff,
+    inspect,
+):
     cli.add_command(_command)
 
 

@@ -218,8 +218,8 @@ def resume_world_size(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
             json_path("layout", "world_size"),
             f"the data-parallel world size changes from {a.layout.world_size} to {b.layout.world_size}; "
             "DeepSpeed refuses ZeRO optimizer state saved at another world size",
-            f"resume on {a.layout.world_size} ranks, or convert the checkpoint with DeepSpeed's ds_to_universal "
-            "and load it with checkpoint.load_universal",
+            f"resume on {a.layout.world_size} ranks, or rewrite the checkpoint for {b.layout.world_size}: "
+            f"`ckptspec reshard A OUTPUT --world-size {b.layout.world_size}` (stages 1 and 2; docs/reshard.md)",
         )
 
 
@@ -233,8 +233,13 @@ def resume_zero_stage(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
             json_path("layout", "zero_stage"),
             f"the ZeRO stage changes from {sa} to {sb}; a stage-{sb} job reads other files and another "
             f"partitioning than stage {sa} saved",
-            f"resume with ZeRO stage {sa} (stages 1 and 2 are interchangeable), or convert the checkpoint "
-            "with DeepSpeed's ds_to_universal",
+            f"resume with ZeRO stage {sa} (stages 1 and 2 are interchangeable)"
+            + (
+                f", or rewrite the checkpoint: `ckptspec reshard A OUTPUT --world-size {b.layout.world_size} "
+                f"--stage {sb}` (docs/reshard.md)"
+                if sa in (1, 2) and sb in (1, 2, 3)
+                else ""
+            ),
         )
 
 

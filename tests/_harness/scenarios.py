@@ -7,6 +7,8 @@
 * UNSUPPORTED: refused with a clear message, never described wrongly.
 * EMBED: saved through ``ckptspec.deepspeed.save_checkpoint``, then loaded back in the same job.
 * RESUMES: ``engine.load_checkpoint`` of a MATRIX checkpoint by a job of another layout.
+* RESHARD_CASES: ``ckptspec reshard`` of a MATRIX checkpoint, loaded by a job of the target layout,
+  with NATIVE_RESUMES (the source loaded at its own layout) as the "never stopped" reference.
 * OLD_DEEPSPEED: checkpoints of an older DeepSpeed (tests/_harness/compat.py), with the live
   engine's manifests; built only by the compat tier (the default run reads committed copies).
 * PARALLEL: pipeline, AutoTP, MoE, ZeRO stage 0 and universal checkpoints, with the oracles the
@@ -111,6 +113,31 @@ RESUME_CASES = {
     "resume-round-robin-on": ("s2-bf16-ws2", {"round_robin": True}, 2, {}),
 }
 
+# ckptspec reshard, then a real resume of its output (issue #15). name: (saved MATRIX entry, target
+# world size, the target spec's changes: "stage", "sub_group_size"). Every case also takes one more
+# step on the same global batch (EXTRA_STEP) as NATIVE_RESUMES: the source job resumed natively at
+# its own layout (the job that never stopped) takes the same step, and the masters after it are
+# compared.
+RESHARD_CASES = {
+    "reshard-s2-bf16-2to3": ("s2-bf16-ws2", 3, {}),
+    "reshard-s2-bf16-2to2": ("s2-bf16-ws2", 2, {}),
+    "reshard-s2-bf16-4to2": ("s2-bf16-ws4", 2, {}),
+    "reshard-s2-fp32-rr-3to2": ("s2-fp32-ws3-rr", 2, {}),
+    "reshard-s1-fp32-rr-3to2": ("s1-fp32-ws3-rr", 2, {}),
+    "reshard-s1-fp16-2to3": ("s1-fp16-ws2", 3, {}),
+    "reshard-s2-fp16-groups-2to3": ("s2-fp16-ws2-groups", 3, {}),
+    "reshard-s2-fp16-align-3to2": ("s2-fp16-ws3-align", 2, {}),
+    "reshard-s2-bf16-align-2to3": ("s2-bf16-ws2-align", 3, {}),
+    "reshard-s1-to-s2-bf16-2to3": ("s1-bf16-ws2", 3, {"stage": 2}),
+    "reshard-s2-to-s1-bf16-2to2": ("s2-bf16-ws2", 2, {"stage": 1}),
+    # to ZeRO-3, which DeepSpeed's universal checkpoints cannot load from a stage 1/2 source
+    "reshard-s2-to-s3-bf16-sub-2to3": ("s2-bf16-ws2", 3, {"stage": 3, "sub_group_size": 300}),
+    "reshard-s2-to-s3-fp16-groups-2to2": ("s2-fp16-ws2-groups", 2, {"stage": 3}),
+    "reshard-s1-to-s3-fp32-rr-3to2": ("s1-fp32-ws3-rr", 2, {"stage": 3, "sub_group_size": 300}),
+}
+EXTRA_STEP = {"global_batch": 12}  # splits evenly over 2, 3 and 4 ranks
+NATIVE_RESUMES = {f"native-{source}": source for source in sorted({c[0] for c in RESHARD_CASES.values()})}
+
 
 OLD_DEEPSPEED_SPECS = {
     "old-s1-bf16-ws2": ({"stage": 1, "dtype": "bf16", **FEATURES}, 2),
@@ -144,6 +171,14 @@ def _registry() -> dict[str, Task]:
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**MATRIX_SPECS[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)
+    for name, (source, ws, changes) in RESHARD_CASES.items():
+        spec = {**MATRIX_SPECS[source][0], **changes}
+        reshard = {"world_size": ws, "stage": changes.get("stage"), "sub_group_size": changes.get("sub_group_size")}
+        args = {"spec": spec, "change": {}, "reshard": reshard, "extra_step": EXTRA_STEP}
+        out[name] = Task("resume", args, ws, load=source)
+    for name, source in NATIVE_RESUMES.items():
+        spec, ws = MATRIX_SPECS[source]
+        out[name] = Task("resume", {"spec": spec, "change": {}, "extra_step": EXTRA_STEP}, ws, load=source)
     from .compat import OLD_DEEPSPEED_VERSION
 
     for name, (spec, ws) in OLD_DEEPSPEED_SPECS.items():

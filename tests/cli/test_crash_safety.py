@@ -59,6 +59,12 @@ def _checkpoint_and_out(scratch: Path, ds) -> None:
     (scratch / "out" / "m.json").write_text("an earlier manifest the run replaces")
 
 
+def _embedded_checkpoint_and_out(scratch: Path, ds) -> None:
+    _copy_checkpoint("embed-s1-fp16-ws2")(scratch, ds)  # saved by the hook: it carries its manifest
+    (scratch / "out").mkdir()
+    (scratch / "out" / "m.json").write_text("an earlier manifest the run replaces")
+
+
 def _example_manifest(scratch: Path, ds) -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     shutil.copy(EXAMPLE, scratch / "in.json")
@@ -78,6 +84,9 @@ WRITERS = {
     ),
     "embed": Writer(lambda d: ["embed", d / "ckpt"], "ckpt/global_step2", _copy_checkpoint("s3-bf16-ws2-sub")),
     "generate": Writer(lambda d: ["generate", d / "ckpt", "-o", d / "out" / "m.json"], "out", _checkpoint_and_out),
+    "extract": Writer(
+        lambda d: ["extract", d / "ckpt", "-o", d / "out" / "m.json"], "out", _embedded_checkpoint_and_out
+    ),
     "convert": Writer(lambda d: ["convert", d / "in.json", d / "out" / "m.msgpack"], "out", _example_manifest),
     "migrate": Writer(
         lambda d: ["migrate", d / "in.json", d / "out" / "m.msgpack", "--to", "1.0"], "out", _example_manifest

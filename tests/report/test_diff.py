@@ -115,6 +115,23 @@ def test_ck501_world_size():
     assert reasons(example(), b) == ["CK501"]
 
 
+def test_ck501_and_ck502_hints_give_the_reshard_command():
+    """The hint names the command that makes the resume possible (docs/reshard.md)."""
+    b = example()
+    b["layout"]["world_size"] = 4
+    (world,) = resume_reasons(Manifest.model_validate(example()), Manifest.model_validate(b))
+    assert "`ckptspec reshard A OUTPUT --world-size 4`" in world.hint
+    b["layout"]["zero_stage"] = 3
+    found = resume_reasons(Manifest.model_validate(example()), Manifest.model_validate(b))
+    stage = next(f for f in found if f.code == "CK502")
+    assert "`ckptspec reshard A OUTPUT --world-size 4 --stage 3`" in stage.hint
+    a = copy.deepcopy(b)  # from stage 3: reshard does not read it, so no command is offered
+    stage = next(
+        f for f in resume_reasons(Manifest.model_validate(a), Manifest.model_validate(example())) if f.code == "CK502"
+    )
+    assert "reshard" not in stage.hint
+
+
 def test_ck502_stage_but_not_between_1_and_2():
     b = example()
     b["layout"]["zero_stage"] = 3

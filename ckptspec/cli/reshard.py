@@ -1,0 +1,73 @@
+"""``ckptspec reshard``: a ZeRO checkpoint rewritten for another world size or stage (docs/reshard.md)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..errors import CheckpointInvalid, CkptspecError
+from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, echo_findings, fail
+
+
+@click.command()
+@click.argument("checkpoint", metavar="CHECKPOINT")
+@click.argument("output", metavar="OUTPUT", type=OUTPUT_DIR)
+@click.option("--world-size", type=click.IntRange(min=1), required=True, help="Data-parallel ranks of the target job.")
+@click.option(
+    "--stage",
+    type=click.IntRange(0, 3),
+    default=None,
+    help="ZeRO stage of the target job (default: the checkpoint's): 1, 2 or 3.",
+)
+@click.option(
+    "--sub-group-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The target job's zero_optimization.sub_group_size (stage 3; default DeepSpeed's, 1e9).",
+)
+@click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
+@click.option(
+    "--manifest",
+    default=None,
+    metavar="M",
+    help="Read CHECKPOINT as this manifest describes (checked against the files first). Default: its own.",
+)
+def reshard(
+    checkpoint: str, output: str, world_size: int, stage: int | None, sub_group_size: int | None, tag, manifest
+) -> None:
+    """Write CHECKPOINT for a job of --world-size ranks (and --stage) into OUTPUT.
+
+    The source is validated first (digests included); on any error finding, or a layout reshard
+    cannot write (CK410), nothing is written and the exit code is 1. OUTPUT (new or empty) then
+    holds a DeepSpeed checkpoint the target job loads with a plain engine.load_checkpoint(OUTPUT):
+    fp32 masters, optimizer state, step, hyperparameters, loss scaler, model weights, frozen
+    parameters, buffers, LR scheduler and client state, plus `latest` and the checkpoint's format 1.1
+    manifest. Never executes pickled code; needs torch only to write the pickles, not DeepSpeed.
+    """
+    from ..export.reshard import reshard as run
+
+    try:
+        result = run(
+            checkpoint, output, world_size, zero_stage=stage, sub_group_size=sub_group_size, tag=tag, manifest=manifest
+        )
+    except CheckpointInvalid as exc:
+        echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
+        click.echo(f"{checkpoint}: not resharded: the checkpoint has errors; nothing was written", err=True)
+        sys.exit(EXIT_INVALID)
+    except CkptspecError as exc:
+        fail(exc)
+    except ImportError as exc:
+        click.echo(f"{output}: CK402 writing DeepSpeed's files needs torch: {exc} (hint: pip install torch)", err=True)
+        sys.exit(EXIT_USAGE)
+    except OSError as exc:
+        click.echo(
+            f"{output}: CK906 cannot write: {exc.strerror or exc} "
+            "(hint: check the output directory is writable and has space; nothing was written)",
+            err=True,
+        )
+        sys.exit(EXIT_USAGE)
+    click.echo(
+        f"{result.output}: {result.tag} resharded from {result.source_world_size} to {result.world_size} ranks "
+        f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with engine.load_checkpoint('{output}')"
+    )

@@ -1,0 +1,187 @@
+"""Write DeepSpeed's pickled checkpoint files with torch.save, without importing DeepSpeed.
+
+DeepSpeed's optimizer-state files hold a few DeepSpeed objects (the loss scaler, ``ZeroStageEnum``,
+``fragment_address``). The restricted reader turns them into inert stand-ins
+(``checkpoint/standins.py``); here they become proxies that pickle under DeepSpeed's own global
+names (a ``GLOBAL`` opcode naming ``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``...), so
+``torch.load`` in the job builds the real objects, exactly as DeepSpeed pickles them (NEWOBJ +
+BUILD for the scaler and the dataclass, a call for the enum). Tensors are real torch tensors made
+from numpy arrays (``torch.from_numpy``: no copy).
+"""
+
+from __future__ import annotations
+
+import collections
+import copyreg
+import pickle
+import types
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.standins import DType, FragmentAddress, LossScalerState, TensorRef, ZeroStage
+
+LOSS_SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
+ZERO_STAGE = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
+FRAGMENT_ADDRESS = ("deepspeed.utils.tensor_fragment", "fragment_address")
+
+_CLASSES: dict[tuple[str, str], type] = {}
+
+
+def _global(module: str, name: str) -> type:
+    """A placeholder class that pickles as the global ``module.name`` (see ``_Pickler.save_global``)."""
+    key = (module, name)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(name, (), {"__module__": module, "__qualname__": name, "_ckptspec_global": key})
+    return _CLASSES[key]
+
+
+def _object(module: str, name: str, state: dict):
+    """An instance of a DeepSpeed class, pickled as ``cls.__new__(cls)`` + ``__dict__`` update (BUILD)."""
+    obj = object.__new__(_global(module, name))
+    obj._ckptspec_state = state
+    return obj
+
+
+class _Enum:
+    """A DeepSpeed enum member, pickled as ``cls(value)``."""
+
+    def __init__(self, module: str, name: str, value: Any):
+        self.cls, self.value = _global(module, name), value
+
+
+def loss_scaler(kind: str, state: dict) -> Any:
+    return _object(LOSS_SCALER_MODULE, kind, state)
+
+
+def zero_stage(stage: int) -> _Enum:
+    return _Enum(*ZERO_STAGE, int(stage))
+
+
+def fragment_address(numel: int, start: int) -> Any:
+    return _object(*FRAGMENT_ADDRESS, {"numel": int(numel), "start": int(start)})
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can be extended
+    def reducer_override(self, obj):
+        if not isinstance(obj, type) and hasattr(type(obj), "_ckptspec_global"):
+            return copyreg.__newobj__, (type(obj),), obj._ckptspec_state
+        if isinstance(obj, _Enum):
+            return obj.cls, (obj.value,)
+        return NotImplemented
+
+    def save_global(self, obj, name=None):
+        key = getattr(obj, "_ckptspec_global", None) if isinstance(obj, type) else None
+        if key is None:
+            return super().save_global(obj, name)
+        module, qualname = key
+        self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qualname.encode("utf-8") + b"\n")
+        self.memoize(obj)
+
+
+PICKLE_MODULE = types.SimpleNamespace(Pickler=_Pickler, __name__="ckptspec_pickle")
+
+
+def save(obj: Any, path: Path) -> None:
+    """``torch.save(obj, path)`` through the pickler above (protocol 2, torch's zip format)."""
+    import torch
+
+    torch.save(obj, path, pickle_module=PICKLE_MODULE)
+
+
+def tensor(array, dtype: str | None = None) -> Any:
+    """A torch tensor sharing ``array``'s memory; ``dtype`` "bfloat16" reinterprets uint16 bits."""
+    import torch
+
+    out = torch.from_numpy(array)
+    return out.view(torch.bfloat16) if dtype == "bfloat16" else out
+
+
+def from_standins(obj: Any, read_tensor) -> Any:
+    """The stand-in tree of a decoded ``data.pkl`` as objects torch.save writes as DeepSpeed did.
+
+    ``read_tensor(ref)`` returns the torch tensor of a ``TensorRef``.
+    """
+    if isinstance(obj, TensorRef):
+        return read_tensor(obj)
+    if isinstance(obj, ZeroStage):
+        return zero_stage(int(obj))
+    if isinstance(obj, LossScalerState):
+        return loss_scaler(obj.kind, from_standins(obj.state, read_tensor))
+    if isinstance(obj, FragmentAddress):
+        return fragment_address(obj.numel, obj.start)
+    if isinstance(obj, DType):
+        import torch
+
+        return getattr(torch, str(obj))
+    if isinstance(obj, collections.OrderedDict):
+        return collections.OrderedDict((k, from_standins(v, read_tensor)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: from_standins(v, read_tensor) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_standins(v, read_tensor) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(from_standins(v, read_tensor) for v in obj)
+    return obj
+
+
+def copied(value: Any) -> Any:
+    """A tensor with a storage of its own (other values unchanged): a scalar state such as ``step`` is
+    incremented in place by the optimizer, so two entries must never share one."""
+    return value.clone() if hasattr(value, "clone") else value
+
+
+def storage_reader(read_storage):
+    """``read_tensor`` for ``from_standins`` that keeps torch's storage sharing: each storage is read
+    once (``read_storage(StorageRef)`` -> a flat torch tensor) and every tensor is a view into it."""
+    cache: dict[str, Any] = {}
+
+    def read(ref: TensorRef):
+        storage = ref.storage
+        if storage.member not in cache:
+            cache[storage.member] = read_storage(storage)
+        return cache[storage.member].as_strided(ref.shape, ref.stride, ref.storage_offset)
+
+    return read
+
+
+def flat_views(padded_numel: int, placed: list[tuple[str, Any, int]]) -> dict[str, Any]:
+    """One zero-filled flat tensor of ``padded_numel`` holding each ``(name, tensor, offset)`` at its
+    offset, and every name's view into it: DeepSpeed's flat low-precision group buffer, as saved."""
+    import torch
+
+    dtype = placed[0][1].dtype if placed else torch.float32
+    flat = torch.zeros(padded_numel, dtype=dtype)
+    views = {}
+    for name, tensor, offset in placed:
+        view = flat[offset : offset + tensor.numel()]
+        view.copy_(tensor.reshape(-1))
+        views[name] = view.view(tensor.shape)
+    return views
+
+
+def sizes(shapes: Any) -> Any:
+    """``param_shapes`` / ``frozen_param_shapes`` values back as ``torch.Size`` (the reader makes tuples)."""
+    import torch
+
+    if isinstance(shapes, list):
+        return [sizes(s) for s in shapes]
+    return collections.OrderedDict((k, torch.Size(v)) for k, v in shapes.items())
+
+
+def placeholder(like) -> Any:
+    """The empty tensor ZeRO-3 saves in ``module`` for a partitioned parameter (``like``'s dtype)."""
+    import torch
+
+    return torch.empty(0, dtype=like.dtype)
+
+
+def share(tensor, rank: int, world_size: int) -> Any:
+    """Rank ``rank``'s ``ceil(numel / ws)`` share of a flattened tensor, the tail padded with zeros."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    size = -(-flat.numel() // world_size)
+    out = torch.zeros(size, dtype=flat.dtype)
+    piece = flat[rank * size : (rank + 1) * size]
+    out[: piece.numel()] = piece
+    return out

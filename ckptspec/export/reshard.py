@@ -1,0 +1,124 @@
+"""``ckptspec reshard``: a ZeRO checkpoint rewritten for another data-parallel world size (or stage).
+
+The source is validated first (digests included); nothing is written when it has an error finding
+or when the target cannot be expressed (CK410, ``reshard_layout``). The output is built in a
+temporary directory beside OUTPUT and renamed into place when complete, validated and embedded.
+
+What is written (``reshard_files``): per target rank DeepSpeed's optimizer-state file, with every
+layout-dependent entry recomputed (masters, moments, paddings, partition counts, stage, slice
+mappings) and everything else copied as saved (step, hyperparameters, loss scaler, clip_grad); the
+model states with the flat low-precision buffers re-laid and ``dp_world_size`` changed (frozen
+params, buffers, LR scheduler, counters, client state as saved); ``latest``; and the format 1.1
+manifest of the new checkpoint (sidecar and client state).
+
+Bytes are read per target partition, one parameter slice at a time (peak memory: a partition
+per state, not the model). torch is used only to write the pickles (``ds_pickle``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._fs import fsync_dir, replace, sweep, temp_dir
+from ..checkpoint.states import StateCache
+from ..deepspeed.describe import manifest_from_states
+from ..deepspeed.directory import scan_tag_dir
+from ..deepspeed.embed import embed_checkpoint
+from ..deepspeed.validate import validate_checkpoint
+from ..errors import CheckpointInvalid, CkptspecError, ReshardUnsupported
+from ..findings import has_errors
+from ..format.models import Manifest
+from .optimizer_state import plan_optimizer_state
+from .plan import plan_reconstruction
+from .reshard_files import write_files
+from .reshard_layout import target_layout
+from .reshard_stage3 import write_stage3_files
+
+
+@dataclass
+class ReshardResult:
+    output: Path
+    tag: str
+    source_world_size: int
+    world_size: int
+    zero_stage: int
+    files: list[Path]
+
+
+def reshard(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    world_size: int,
+    *,
+    zero_stage: int | None = None,
+    sub_group_size: int | None = None,
+    tag: str | None = None,
+    manifest: Manifest | str | os.PathLike | None = None,
+) -> ReshardResult:
+    """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) into ``output``."""
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise CkptspecError("CK909", "the output exists and is not empty", "give a new directory", str(output))
+    states = StateCache()
+    found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=True)
+    if found is None or has_errors(findings):
+        raise CheckpointInvalid(findings, str(checkpoint))
+    try:
+        # CK410 before anything is read or written
+        target = target_layout(found, world_size, zero_stage, sub_group_size)
+    except ReshardUnsupported as exc:
+        raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
+    plan = plan_reconstruction(checkpoint, found, tag, states=states)
+    state_plan = plan_optimizer_state(plan)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    sweep(output.parent)  # a killed run's temporary directory beside OUTPUT: its writer is gone
+    tmp = temp_dir(output)
+    try:
+        tag_dir = tmp / plan.tag_dir.name
+        tag_dir.mkdir()
+        if target.zero_stage == 3:
+            files = write_stage3_files(found, plan, state_plan, target, states, tag_dir, sub_group_size)
+        else:
+            files = write_files(found, plan, state_plan, target, states, tag_dir)
+        (tmp / "latest").write_text(plan.tag_dir.name)
+        _embed(found, tag_dir)
+        out_manifest, out_findings = validate_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
+        if out_manifest is None or has_errors(out_findings):
+            raise CheckpointInvalid(out_findings, str(output))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private; the output is an ordinary directory
+        if output.exists():
+            output.rmdir()
+        replace(tmp, output)
+        fsync_dir(output.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ReshardResult(
+        output,
+        plan.tag_dir.name,
+        found.layout.world_size,
+        world_size,
+        target.zero_stage,
+        [output / plan.tag_dir.name / f.name for f in files],
+    )
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _embed(found: Manifest, tag_dir: Path) -> None:
+    """The new checkpoint's format 1.1 manifest, from its files, with what only the source knew."""
+    derived = manifest_from_states(scan_tag_dir(tag_dir), StateCache()).to_dict()
+    source = found.to_dict()
+    for key in ("excluded",):
+        if key in source:
+            derived[key] = source[key]
+    if found.optimizer is not None and derived.get("optimizer", {}).get("class") == "unknown":
+        derived["optimizer"]["class"] = source["optimizer"]["class"]
+    embed_checkpoint(tag_dir.parent, derived, tag=tag_dir.name)

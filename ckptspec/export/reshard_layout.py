@@ -1,0 +1,136 @@
+"""The target layout of a reshard: every group's flat partitions at another data-parallel world size.
+
+Pure arithmetic on the source manifest (no files): DeepSpeed's ZeRO stage 1/2 optimizer lays each
+optimizer group out as one flat buffer in *natural* parameter order, reordered round robin over the
+ranks when ``round_robin_gradients`` is on (``_round_robin_reorder``: bucket k % ws, buckets
+concatenated), with a gap after every param but the last when ``parameter_alignment`` is on
+(16 bytes: ``16 // gcd(16, itemsize)`` elements), padded to 2 x ws and split evenly. The order and
+the gaps both depend on the world size, so they are recomputed from the natural order here
+(deepspeed ``runtime/zero/stage_1_and_2.py`` ``__init__`` and ``_round_robin_reorder``).
+What reshard cannot write is refused here, before anything is read: ``ReshardUnsupported`` (CK410).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import ReshardUnsupported
+from ..format.dtypes import ITEMSIZE
+from ..format.models import Group, Manifest
+from ..format.partition import ParamSpec, flat_group, natural_order, per_param_group
+
+STAGES = (1, 2)  # the sources reshard reads today
+TARGET_STAGES = (1, 2, 3)
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    world_size: int
+    zero_stage: int
+    groups: list[Group]  # stage 1/2: one per source group; stage 3: its sub-groups, in order
+
+
+def round_robin_order(params: list, partition_count: int) -> list:
+    """DeepSpeed's ``_round_robin_reorder``: param k goes to bucket k % ws; buckets concatenated."""
+    return [p for b in range(partition_count) for p in params[b::partition_count]]
+
+
+def alignment_paddings(numels: list[int], itemsize: int) -> list[int]:
+    """``parameter_alignment``'s gap after each param (none after the last), in flat order."""
+    align = 16 // math.gcd(16, itemsize)
+    out, offset = [], 0
+    for i, numel in enumerate(numels):
+        offset += numel
+        pad = 0 if i == len(numels) - 1 else (-offset) % align
+        out.append(pad)
+        offset += pad
+    return out
+
+
+def sub_groups(params: list, world_size: int, sub_group_size: int) -> list[list]:
+    """DeepSpeed's ``_create_fp16_sub_groups``: cut a param group where the partition numels reach
+    ``sub_group_size`` (one sub-group when the whole group fits)."""
+    shares = [-(-p.numel // world_size) for p in params]
+    if sub_group_size >= sum(shares):
+        return [params]
+    out, current, size = [], [], 0
+    for i, (p, share) in enumerate(zip(params, shares)):
+        current.append(p)
+        size += share
+        if size >= sub_group_size or i == len(params) - 1:
+            out.append(current)
+            current, size = [], 0
+    return out
+
+
+def target_layout(
+    manifest: Manifest, world_size: int, zero_stage: int | None = None, sub_group_size: int | None = None
+) -> TargetLayout:
+    """The groups of ``manifest``'s checkpoint re-laid out for ``world_size`` (and ``zero_stage``)."""
+    layout = manifest.layout
+    stage = layout.zero_stage if zero_stage is None else zero_stage
+    _refuse(manifest, world_size, stage)
+    if stage == 3:
+        groups = []
+        for grp in manifest.groups:
+            natural = natural_order(list(grp.params), grp.partition_count) if layout.round_robin else list(grp.params)
+            for sub in sub_groups(natural, world_size, sub_group_size or DEFAULT_SUB_GROUP_SIZE):
+                specs = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in sub]
+                groups.append(per_param_group(specs, optimizer_group=grp.optimizer_group, partition_count=world_size))
+        return TargetLayout(world_size, stage, groups)
+    groups = []
+    for grp in manifest.groups:
+        natural = natural_order(list(grp.params), grp.partition_count) if layout.round_robin else list(grp.params)
+        ordered = round_robin_order(natural, world_size) if layout.round_robin else natural
+        paddings = (
+            alignment_paddings([p.numel for p in ordered], ITEMSIZE[layout.model_dtype])
+            if layout.parameter_alignment
+            else None
+        )
+        specs = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in ordered]
+        target = flat_group(
+            specs, optimizer_group=grp.optimizer_group, partition_count=world_size, zero_stage=stage, paddings=paddings
+        )
+        end = target.params[-1].offset + target.params[-1].numel if target.params else 0
+        if target.padded_numel - end > target.partition_numel:
+            # DeepSpeed records the tail padding on the last rank only (groups_padding); a tail longer
+            # than one partition would give it a negative saved length.
+            raise ReshardUnsupported(
+                f"group {grp.optimizer_group} has {end} elements: too few for {world_size} ranks "
+                f"(its padding would span more than one rank's partition)",
+                "reshard to fewer ranks",
+            )
+        groups.append(target)
+    return TargetLayout(world_size, stage, groups)
+
+
+def _refuse(manifest: Manifest, world_size: int, stage: int) -> None:
+    layout = manifest.layout
+    if world_size < 1:
+        raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
+    if layout.zero_stage not in STAGES or stage not in TARGET_STAGES:
+        raise ReshardUnsupported(
+            f"resharding ZeRO stage {layout.zero_stage} to stage {stage} is not supported yet "
+            "(stage 1 and 2 sources, to stage 1, 2 or 3, are)",
+            "reshard a stage 1 or 2 checkpoint",
+        )
+    if layout.tensor_parallel_size != 1 or layout.pipeline_parallel_size != 1:
+        raise ReshardUnsupported(
+            f"the checkpoint is tensor- or pipeline-parallel (tp {layout.tensor_parallel_size}, "
+            f"pp {layout.pipeline_parallel_size}); reshard changes data parallelism only",
+            "use DeepSpeed's ds_to_universal for tensor- or pipeline-parallel checkpoints",
+        )
+    if layout.tail_padding_saved:
+        raise ReshardUnsupported(
+            "the checkpoint was written by DeepSpeed's BF16_Optimizer, whose files reshard does not write yet",
+            "resume on the same world size, or convert with DeepSpeed's ds_to_universal",
+        )
+    if manifest.optimizer is None or not any(f.state_partitions for f in manifest.files):
+        raise ReshardUnsupported(
+            "the manifest locates no optimizer state (format 1.0)",
+            "use a format 1.1 manifest: `ckptspec generate CHECKPOINT` describes the files anew",
+        )
+    if not all(isinstance(g.step, (int, float)) for g in manifest.optimizer.groups):
+        raise ReshardUnsupported("an optimizer group has no step", "regenerate the manifest from the files")

@@ -1,0 +1,151 @@
+"""The files of a checkpoint resharded to ZeRO stage 3, from a stage 1/2 source (the change DeepSpeed's
+universal path cannot make), as DeepSpeed 0.19's ``DeepSpeedZeroOptimizer_Stage3`` saves them.
+
+* ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank: ``fp32_flat_groups`` (one flat
+  partition per sub-group: each param's ``ceil(numel / ws)`` share at its offset, padding zero), the
+  torch optimizer's state per sub-group (``exp_avg``... laid out like the masters, ``step`` as saved)
+  with each param group listing its sub-groups, ``partition_count``, ``zero_stage`` 3 and the loss
+  scaler, ``dynamic_loss_scale`` and ``overflow`` as saved.
+* ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank: the source's model states with every
+  parameter (trainable, frozen, tied) as the empty placeholder stage 3 saves (a tie shares its
+  owner's), each frozen parameter's rank share in ``frozen_param_fragments``, ``param_shapes`` per
+  sub-group, ``shared_params`` on rank 0 only (as DeepSpeed writes them at stage 3),
+  ``dp_world_size`` and ``ds_config``'s stage set; buffers, counters, LR scheduler and client state
+  as saved. DeepSpeed rebuilds the low-precision weights from the masters on load, so none are
+  written.
+
+Sub-groups follow DeepSpeed's ``_create_fp16_sub_groups`` for the target's ``sub_group_size``
+(``reshard_layout.sub_groups``); the target job must use the same value.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from pathlib import Path
+
+from ..checkpoint.embedded import CLIENT_STATE_KEY
+from ..checkpoint.states import StateCache
+from ..format.models import Manifest
+from . import ds_pickle
+from .arrays import ShardReader
+from .reshard_files import _optim_file_names, _partition, _state_keys, _storage_reader
+from .reshard_layout import TargetLayout
+
+
+def _ds_config(config, sub_group_size: int | None):
+    config = copy.deepcopy(config) if isinstance(config, dict) else config
+    if isinstance(config, dict):
+        zero = config.setdefault("zero_optimization", {})
+        zero["stage"] = 3
+        if sub_group_size is not None:
+            zero["sub_group_size"] = sub_group_size
+    return config
+
+
+def write_stage3_files(
+    found: Manifest, plan, state_plan, target: TargetLayout, states: StateCache, tag_dir: Path, sub_group_size
+) -> list[Path]:
+    src_dir = plan.tag_dir
+    first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+    model = src_dir / next(f.path for f in found.files if f.role == "model_states")
+    template, model_state = states.state(first), states.state(model)
+    masters = {name: s for name, s in plan.sources.items() if s.role == "trainable"}
+    keys = _state_keys(found)
+    written = []
+    with ShardReader() as files:
+        read_optim = _storage_reader(first, states, files)
+        read_model = _storage_reader(model, states, files)
+        lp = {name: read_model(ref) for name, ref in model_state["module"].items()}
+        for rank, name in enumerate(_optim_file_names(found, target.world_size)):
+            osd = _optimizer_state_dict(found, template, target, rank, masters, state_plan, keys, files, read_optim)
+            doc = {
+                k: osd
+                if k == "optimizer_state_dict"
+                else _ds_config(v, sub_group_size)
+                if k == "ds_config"
+                else ds_pickle.from_standins(v, read_optim)
+                for k, v in template.items()
+            }
+            ds_pickle.save(doc, tag_dir / name)
+            written.append(tag_dir / name)
+        for rank in range(target.world_size):
+            path = tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+            ds_pickle.save(_model_states(model_state, found, target, rank, lp, read_model, sub_group_size), path)
+            written.append(path)
+    return written
+
+
+def _optimizer_state_dict(found, template, target, rank, masters, state_plan, keys, files, read) -> dict:
+    src = template["optimizer_state_dict"]
+    base = src["base_optimizer_state"]
+    flats, state = [], {}
+    for j, group in enumerate(target.groups):
+        g = group.optimizer_group
+        flats.append(ds_pickle.tensor(_partition(group, rank, masters, found.layout.master_dtype, files)))
+        entry = {}
+        for key, value in base["state"][g].items():
+            if key in keys.get(g, ()):
+                sources = {p.name: state_plan.sources[state_plan.states[p.name][key]] for p in group.params}
+                dtype = next(iter(sources.values())).dtype if sources else "float32"
+                entry[key] = ds_pickle.tensor(_partition(group, rank, sources, dtype, files))
+            else:  # step: as saved (equal on every rank and group); a copy per sub-group, since the
+                # optimizer increments it in place and sub-groups sharing one storage would count thrice
+                entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
+        state[j] = entry
+    param_groups = ds_pickle.from_standins(base["param_groups"], read)
+    for g, pg in enumerate(param_groups):
+        pg["params"] = [j for j, group in enumerate(target.groups) if group.optimizer_group == g]
+    return {
+        "zero_stage": ds_pickle.zero_stage(3),
+        "loss_scaler": ds_pickle.from_standins(src["loss_scaler"], read),
+        "dynamic_loss_scale": src.get("dynamic_loss_scale", False),
+        "overflow": src.get("overflow", False),
+        "partition_count": target.world_size,
+        "optimizer_state_dict": {"state": state, "param_groups": param_groups},
+        "fp32_flat_groups": flats,
+    }
+
+
+def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, read, sub_group_size) -> dict:
+    aliases = {a.name: a.owner for a in found.aliases}
+    params = {p.name for g in found.groups for p in g.params} | {f.name for f in found.frozen}
+    placeholders = {}
+    module = collections.OrderedDict()
+    for name in state["module"]:
+        owner = aliases.get(name, name)
+        if owner in params:
+            if owner not in placeholders:
+                placeholders[owner] = ds_pickle.placeholder(lp[name])
+            module[name] = placeholders[owner]
+        else:
+            module[name] = lp[name]
+    # Stage 1 records no frozen shapes or fragments (the module holds them); stage 3 needs both.
+    frozen_names = [f.name for f in found.frozen if f.name in lp and lp[f.name].numel() == f.numel]
+    frozen_shapes = state.get("frozen_param_shapes") or collections.OrderedDict(
+        (f.name, tuple(f.shape)) for f in found.frozen if f.name in frozen_names
+    )
+    fragments = collections.OrderedDict((n, ds_pickle.share(lp[n], rank, target.world_size)) for n in frozen_names)
+    out = {}
+    for key, value in state.items():
+        if key == CLIENT_STATE_KEY:
+            continue
+        if key == "module":
+            out[key] = module
+        elif key == "param_shapes":
+            out[key] = ds_pickle.sizes(
+                [collections.OrderedDict((p.name, tuple(p.shape)) for p in g.params) for g in target.groups]
+            )
+        elif key == "frozen_param_shapes":
+            out[key] = ds_pickle.sizes(frozen_shapes)
+        elif key == "frozen_param_fragments":
+            out[key] = fragments
+        elif key == "shared_params":  # as DeepSpeed 0.19 writes them at stage 3: on rank 0 only
+            out[key] = dict(value or {}) if rank == 0 else {}
+        elif key == "dp_world_size":
+            out[key] = target.world_size
+        elif key == "ds_config":
+            out[key] = _ds_config(value, sub_group_size)
+        else:
+            out[key] = ds_pickle.from_standins(value, read)
+    return out
