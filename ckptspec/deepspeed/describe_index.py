@@ -14,7 +14,7 @@ from .._version import __version__
 from ..checkpoint.hashing import file_digest
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import TensorRef
-from ..errors import UnsupportedCheckpoint
+from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
 from ..format.index_models import (
     INDEX_FORMAT,
     INDEX_VERSION,
@@ -59,6 +59,15 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
             "cannot run inside a PipelineModule)",
             str(files.tag_dir),
         )
+    _refuse_outside(files, degrees)
+    for mp, shards in sorted(files.by_mp_rank.items()):
+        if not shards.model_files:
+            raise InvalidCheckpoint(
+                "CK203",
+                f"no model-states file for model-parallel rank {mp}",
+                "restore mp_rank_XX_model_states.pt of that rank from the run that wrote the checkpoint",
+                str(files.tag_dir),
+            )
     domains: list[Domain] = []
     for mp, shards in sorted(files.by_mp_rank.items()):
         model_path = shards.model_files[min(shards.model_files)]
@@ -106,6 +115,26 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
         layer_files=layer_files,
         parameters=parameters,
     )
+
+
+def _refuse_outside(files: ParallelFiles, degrees) -> None:
+    """Files the recorded degrees have no place for are refused by name, never described."""
+    for mp, shards in sorted(files.by_mp_rank.items()):
+        if mp >= degrees.model_parallel:
+            path = sorted([*shards.model_files.values(), *shards.optim_files.values()])[0]
+            raise UnsupportedCheckpoint(
+                f"model-parallel rank {mp} in {path.name}, but the model states record "
+                f"{degrees.model_parallel} model-parallel rank(s) ({degrees.source})",
+                "a file of another run or layout; remove it",
+                str(path),
+            )
+    if files.layer_files and degrees.pipeline == 1:
+        path = files.layer_files[min(files.layer_files)]
+        raise UnsupportedCheckpoint(
+            f"pipeline layer file {path.name}, but the model states record pipeline degree 1",
+            "a file of another run or layout; remove it",
+            str(path),
+        )
 
 
 def _trainable(manifest: Manifest) -> list:

@@ -87,15 +87,7 @@ def scan_parallel(tag_dir: Path) -> ParallelFiles:
             "(DeepSpeed loads this one with checkpoint.load_universal)",
             str(tag_dir / UNIVERSAL_FOLDER),
         )
-    for mp, shards in out.by_mp_rank.items():
-        if not shards.model_files:
-            raise InvalidCheckpoint(
-                "CK203",
-                f"no model-states file for model-parallel rank {mp}",
-                "restore mp_rank_XX_model_states.pt of that rank from the run that wrote the checkpoint",
-                str(tag_dir),
-            )
-    if not out.by_mp_rank:
+    if not any(s.model_files for s in out.by_mp_rank.values()):
         raise InvalidCheckpoint(
             "CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir)
         )
@@ -104,7 +96,7 @@ def scan_parallel(tag_dir: Path) -> ParallelFiles:
 
 def degrees_of(files: ParallelFiles, states: StateCache) -> Degrees:
     """The degrees the model states record, else derived from ``mp_world_size`` and the file names."""
-    mp0 = min(files.by_mp_rank)
+    mp0 = min(mp for mp, s in files.by_mp_rank.items() if s.model_files)
     path = files.by_mp_rank[mp0].model_files[min(files.by_mp_rank[mp0].model_files)]
     first = states.state(path)
     if not isinstance(first, dict):
