@@ -39,6 +39,11 @@ def frozen_shapes_unrecorded(model_state: dict) -> bool:
     return "frozen_param_shapes" not in model_state
 
 
+def frozen_excluded(model_state: dict) -> bool:
+    """``exclude_frozen_parameters`` was set: DeepSpeed >= 0.9.1 wrote ``frozen_param_shapes`` None."""
+    return not frozen_shapes_unrecorded(model_state) and model_state["frozen_param_shapes"] is None
+
+
 def refuse_shapes_in_optimizer_files(model_state: dict, optim_state: object, path: Path) -> None:
     """DeepSpeed 0.5.10 and older keep ``param_shapes`` and ``ds_version`` at the top level of
     each optimizer file, not in the model states (moved by PR #1732, in 0.6.0): named as such,

@@ -191,3 +191,37 @@ def universal_masters(folder: Path, states: StateCache | None = None) -> dict[st
             shape = shapes[param_dir.name]  # a stage-3 source: flat, viewed as the parameter
         out[param_dir.name] = MasterTensor(param_dir.name, shape, master.dtype, master.segments, key)
     return out
+
+
+def stage0_replicas(folder: Path, states: StateCache | None = None) -> list[tuple[MasterTensor, MasterTensor]]:
+    """(master, a copy DeepSpeed saved of it) of every replicated stage-0 MoE master: with
+    FP16_UnfusedOptimizer every ``expp_rank_R`` repeats the dense masters (``fp32_groups[0]``), and
+    ``mp_rank_00``'s ``optimizer`` repeats ``expp_rank_0``'s whole state. They must be equal, bit for
+    bit; which copy a reader took must not matter."""
+    states = states if states is not None else StateCache()
+    masters = stage0_masters(folder, states)
+    model = states.state(folder / MODEL_FILE)
+    optimizer = model.get("optimizer")
+    experts = _expert_params(folder, states)
+    if not (isinstance(optimizer, dict) and "fp32_groups" in optimizer) or not experts:
+        return []
+    dense = _trainable_names(model)
+    rank0 = [
+        (name, tuple(ref.shape))
+        for rel, name, ref in experts
+        if name in masters and masters[name].segments[0][0].startswith("expp_rank_0_")
+    ]
+    copies = [(MODEL_FILE, optimizer["fp32_groups"], (dense, rank0))]
+    for p in sorted(folder.iterdir()):
+        m = EXPP_RE.match(p.name)
+        if m and int(m.group(1)) != 0:
+            groups = (states.state(p).get("optimizer") or {}).get("fp32_groups")
+            copies.append((p.name, groups[:1] if isinstance(groups, list) else groups, (dense,)))
+    pairs = []
+    for rel, groups, names in copies:
+        if not isinstance(groups, list) or len(groups) < len(names):
+            raise UnsupportedCheckpoint("optimizer/fp32_groups is not [dense, experts]", _HINT, rel)
+        for g, group_names in enumerate(names):
+            for copy in _named_group(folder, rel, groups[g], group_names, ("optimizer", "fp32_groups", g), states):
+                pairs.append((masters[copy.name], copy))
+    return pairs

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.states import StateCache
-from ..deepspeed.masters import MasterTensor, stage0_masters, universal_masters
+from ..deepspeed.masters import MasterTensor, stage0_masters, stage0_replicas, universal_masters
+from ..errors import ReconstructMismatch
 from .arrays import ShardReader, read_array
 from .plan import Segment, TensorSource
 
@@ -44,3 +45,21 @@ def load_moe_zero_masters(tag_dir: str | os.PathLike, states: StateCache | None 
     from ..deepspeed.moe_masters import moe_zero_masters
 
     return read_masters(tag_dir, moe_zero_masters(Path(tag_dir), states))
+
+
+def check_stage0_replicas(tag_dir: str | os.PathLike, states: StateCache | None = None) -> int:
+    """Compare every copy DeepSpeed saved of a stage-0 MoE master with the master (CK401 naming the
+    parameter and the file of the copy that differs); returns the number of copies compared."""
+    folder = Path(tag_dir)
+    pairs = stage0_replicas(folder, states)
+    with ShardReader() as files:
+        for master, copy in pairs:
+            a = read_array(_source(folder, master), master.dtype, files)
+            b = read_array(_source(folder, copy), copy.dtype, files)
+            if a.tobytes() != b.tobytes():
+                raise ReconstructMismatch(
+                    f"the copy of {master.name!r}'s master in {copy.segments[0][0]} differs from "
+                    f"{master.segments[0][0]}'s",
+                    folder / copy.segments[0][0],
+                )
+    return len(pairs)

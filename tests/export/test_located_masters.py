@@ -11,7 +11,12 @@ import json
 import pytest
 from _harness import scenarios
 
-from ckptspec.export.located import load_moe_zero_masters, load_stage0_masters, load_universal_masters
+from ckptspec.export.located import (
+    check_stage0_replicas,
+    load_moe_zero_masters,
+    load_stage0_masters,
+    load_universal_masters,
+)
 
 pytestmark = pytest.mark.deepspeed
 
@@ -116,3 +121,29 @@ def test_a_missing_expert_file_is_refused_by_name(ds, tmp_path):
     with pytest.raises(UnsupportedCheckpoint, match=r"deepspeed_experts\.3\.0\.weight") as info:
         load_moe_zero_masters(tag)
     assert info.value.code == "CK202"
+
+
+@pytest.mark.parametrize("ws,copies", [(2, 5 + 9), (4, 5 + 13)])
+def test_stage0_moe_copies_of_the_masters_are_compared(ds, tmp_path, ws, copies):
+    """FP16_UnfusedOptimizer with MoE saves the dense masters once per expert-parallel rank and
+    expp_rank_0's state again in mp_rank_00 (5 dense + rank 0's experts' 4 per local expert):
+    equal in DeepSpeed's files; a flipped bit in a copy is CK401 naming the parameter and the file."""
+    import shutil
+
+    name = f"moe-ep2-s0-bf16-ws{ws}"
+    source = ds.path(name) / _info(ds, name)["tag"]
+    assert check_stage0_replicas(source) == copies
+    tag = tmp_path / "global_step2"
+    shutil.copytree(source, tag)
+    from ckptspec.deepspeed.masters import stage0_replicas
+
+    _, copy = next(
+        (m, c) for m, c in stage0_replicas(tag) if c.segments[0][0].startswith("expp_rank_1") and c.name == "head.bias"
+    )
+    rel, offset, _ = copy.segments[0]
+    data = bytearray((tag / rel).read_bytes())
+    data[offset] ^= 0x01
+    (tag / rel).write_bytes(bytes(data))
+    with pytest.raises(Exception, match="head.bias") as info:
+        check_stage0_replicas(tag)
+    assert info.value.code == "CK401" and rel in str(info.value)
