@@ -188,6 +188,11 @@ class NotATorchFile(TorchFileError):
     """Not a zip archive, or a zip without ``<prefix>/data.pkl`` (e.g. legacy torch format)."""
 
 
+class LegacyTorchFile(NotATorchFile):
+    """A ``torch.save`` file in the legacy (pre-1.6, non-zip) serialization: readable by torch,
+    but it has no zip members for a locator to name (CK202, not CK205)."""
+
+
 class UnsafePickleError(TorchFileError):
     """data.pkl refers to a global that is not on the allowlist."""
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidCheckpoint, TorchFileError, UnsafePickleError
+from ..errors import InvalidCheckpoint, LegacyTorchFile, TorchFileError, UnsafePickleError
 from ..location import RemotePath, location
 from . import torchfile
 
@@ -22,10 +22,19 @@ UNSAFE_HINT = "this file wants to run code on load; ckptspec refuses it (torch.l
 DAMAGED_HINT = "the file is empty, truncated or not a torch checkpoint; restore it"
 
 
+LEGACY_HINT = (
+    "format 1.x locates tensors in zip members: save with torch's default (zip) serialization "
+    "(DeepSpeed: checkpoint.checkpoint_serialization true, the default), or torch.load and torch.save the file again"
+)
+
+
 def code_and_hint(error: TorchFileError) -> tuple[str, str]:
-    """CK204 for a pickle that wants to run code, CK205 for anything else unreadable."""
+    """CK204 for a pickle that wants to run code, CK202 for torch's legacy serialization (a
+    checkpoint format 1.x cannot describe, not a damaged one), CK205 for anything else unreadable."""
     if isinstance(error, UnsafePickleError):
         return "CK204", UNSAFE_HINT
+    if isinstance(error, LegacyTorchFile):
+        return "CK202", LEGACY_HINT
     return "CK205", DAMAGED_HINT
 
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
+from ..errors import LegacyTorchFile, NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
 from ..location import RemotePath, location, open_binary
 from .pickle_scan import MAX_NESTING, check_tree, scan_pickle
 from .standins import (
@@ -71,6 +71,9 @@ __all__ = [
 
 DEFAULT_MAX_PICKLE_BYTES = 64 * 1024 * 1024  # data.pkl holds names/shapes only; huge means hostile
 
+# torch.save(..., _use_new_zipfile_serialization=False) (DeepSpeed's checkpoint_serialization: false,
+# torch < 1.6) starts with torch's magic number pickled at protocol 2 (torch/serialization.py).
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, skip to name length + extra length
 _LOCAL_HEADER_SIG = b"PK\x03\x04"
 
@@ -148,14 +151,15 @@ def _open_zip(path: Path | RemotePath) -> zipfile.ZipFile:
     try:
         size = path.stat().st_size
         with open_binary(path) as f:
-            magic = f.read(4)
+            magic = f.read(len(LEGACY_MAGIC))
     except OSError as e:
         raise TorchFileError(path, f"cannot read: {e}") from e
     if size == 0:
         raise TruncatedFile(path, "file is empty")
+    if magic == LEGACY_MAGIC:
+        raise LegacyTorchFile(path, "legacy (non-zip) torch serialization")
     if not magic.startswith(b"PK"):
-        hint = " (legacy non-zip torch format?)" if magic[:1] == b"\x80" else ""
-        raise NotATorchFile(path, f"not a zip archive{hint}")
+        raise NotATorchFile(path, "not a zip archive")
     try:
         # A remote file is read in ranges: the end record and central directory, then what is asked for.
         zf = zipfile.ZipFile(path if isinstance(path, Path) else open_binary(path))

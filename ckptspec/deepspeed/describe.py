@@ -20,6 +20,7 @@ from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
 from ..format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
 from ..format.partition import ParamSpec, flat_group, per_param_group
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
+from . import legacy
 from .digests import add_digests
 from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
 from .locators import model_weights_locators, state_locators, tensor_locators
@@ -62,6 +63,10 @@ def manifest_from_states(
     model_states = {rank: states.state(path) for rank, path in shards.model_files.items()}
     optim_states = {rank: states.state(path) for rank, path in shards.optim_files.items()}
     first_model = model_states[min(model_states)]
+    if isinstance(first_model, dict) and optim_states:
+        legacy.refuse_shapes_in_optimizer_files(
+            first_model, optim_states[min(optim_states)], shards.optim_files[min(optim_states)]
+        )
     if not isinstance(first_model, dict) or "param_shapes" not in first_model:
         raise UnsupportedCheckpoint(
             "model states have no 'param_shapes'",
@@ -102,12 +107,19 @@ def manifest_from_states(
     ds_config = first_model.get("ds_config") or {}
     zero_cfg = ds_config.get("zero_optimization") or {}
     bf16_optimizer = "zero_stage" not in osd  # BF16_Optimizer records no stage
-    stage = int(zero_cfg.get("stage", 1)) if bf16_optimizer else int(osd["zero_stage"])
+    stage = (
+        int(zero_cfg.get("stage", 1))
+        if bf16_optimizer
+        else legacy.saved_stage(int(osd["zero_stage"]), zero_cfg.get("stage"), first_model.get("ds_version"))
+    )
     module = first_model.get("module") or {}
 
     groups = _groups(first_model, osd, stage, bf16_optimizer)
     shared = real_ties(first_model.get("shared_params") or {}, module, stage)
     frozen = _frozen(first_model, groups, shared, stage)
+    if stage == 3 and legacy.frozen_shapes_unrecorded(first_model):
+        taken = {p.name for g in groups for p in g.params} | set(shared)
+        legacy.refuse_lost_frozen(first_model, taken, shards.model_files[min(model_states)])
     aliases = _aliases(module, groups, frozen, shared, stage)
     buffers = _buffers(first_model)
     layout = _layout(
@@ -116,7 +128,7 @@ def manifest_from_states(
         first_optim,
         stage,
         bf16_optimizer,
-        excluded_flag=(stage >= 2 and first_model.get("frozen_param_shapes") is None and not bf16_optimizer),
+        excluded_flag=stage >= 2 and legacy.frozen_excluded(first_model) and not bf16_optimizer,
     )
     manifest = Manifest(
         format=FORMAT_NAME,

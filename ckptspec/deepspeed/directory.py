@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .._fs import is_leftover
 from ..errors import CkptspecError, InvalidCheckpoint, UnsupportedCheckpoint
-from ..location import RemotePath, location, not_found
+from ..location import RemotePath, location, not_found, walk
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
 MAX_TAG_BYTES = 4096
@@ -89,6 +89,17 @@ class ShardSet:
     other_files: list[Path | RemotePath] = field(default_factory=list)
 
 
+def _nested_files(tag_dir: Path | RemotePath) -> list[Path | RemotePath]:
+    """Files in the tag directory's subfolders (NVMe offload's ``offloaded_tensors/rank<NN>/``, a
+    user's own folder), sorted: the manifest lists them as ``other`` files, as the file checks
+    walk every subfolder (CK207 would otherwise name each one)."""
+    out = []
+    for sub in sorted((p for p in tag_dir.iterdir() if p.is_dir()), key=lambda p: p.name):
+        for root, _, files in walk(sub):
+            out += [root / n for n in files if not is_leftover(n) and (root / n).is_file()]
+    return out
+
+
 def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
     shards = ShardSet(tag_dir)
     for path in sorted(tag_dir.iterdir()):
@@ -137,4 +148,5 @@ def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
         raise InvalidCheckpoint(
             "CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir)
         )
+    shards.other_files += _nested_files(tag_dir)
     return shards

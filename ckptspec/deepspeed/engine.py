@@ -37,6 +37,7 @@ from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from .describe import describe_files
 from .digests import add_digests
 from .directory import ShardSet, scan_tag_dir
+from .engine_refusals import refuse_unsaveable
 from .engine_state import aliases_of_engine, buffers_of_engine, frozen_of_engine, optimizer_of_engine, save_of_engine
 from .names import file_order
 
@@ -142,6 +143,7 @@ def _is_bf16_optimizer(opt) -> bool:
 
 
 def _check_supported(engine) -> None:
+    refuse_unsaveable(engine)
     if getattr(engine, "has_moe_layers", False):
         raise UnsupportedEngine("MoE engines are not described by manifest format 1.0")
     if engine.mp_world_size > 1 or type(engine).__name__ == "PipelineEngine":
@@ -300,6 +302,7 @@ def save_checkpoint(
         )
     if sidecar_encoding not in ("json", "msgpack"):
         raise ValueError(f"sidecar_encoding must be 'json' or 'msgpack', not {sidecar_encoding!r}")
+    refuse_unsaveable(engine)
     layout = manifest_from_engine(engine, exclude_frozen_parameters=exclude_frozen_parameters)
     layout.save.id = _from_rank_0(dist, str(uuid.uuid4()))  # the save id every file's copy carries
     state = dict(client_state or {})

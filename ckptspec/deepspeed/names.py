@@ -20,7 +20,9 @@ from pathlib import PurePosixPath
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-EXPERT_RE = re.compile(r"^(layer_\d+_expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
+EXPERT_RE = re.compile(
+    r"^((?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$"
+)  # expert_E_mp_rank_XX: DeepSpeed's older name (MoE layer id -1), still loaded
 PIPE_LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 
 # Manifest files are listed model states first, then optimizer states, each by rank, then the rest.

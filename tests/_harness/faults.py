@@ -162,6 +162,16 @@ def garble_optim_rank0(save_dir: Path, env: FaultEnv) -> None:
     path.write_bytes(bytes((i * 131 + 7) % 256 for i in range(path.stat().st_size)))
 
 
+def legacy_serialization_rank1(save_dir: Path, env: FaultEnv) -> None:
+    """Rank 1's optimizer file re-saved with torch's legacy (non-zip) serialization, as DeepSpeed's
+    ``checkpoint.checkpoint_serialization: false`` writes it: the same content, no zip members."""
+    import torch
+
+    path = _optim(save_dir, 1)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    torch.save(state, path, _use_new_zipfile_serialization=False)
+
+
 def foreign_optim_rank1(save_dir: Path, env: FaultEnv) -> None:
     """Rank 1's optimizer file replaced by the same-named file of another run (parameter_alignment on)."""
     source = _optim(env.donor, 1)
@@ -395,6 +405,14 @@ FAULTS = [
         "CK205",
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         garble_optim_rank0,
+    ),
+    Fault(
+        "legacy-serialization",
+        "committed:s2-bf16-ws2",
+        "stage 2: rank 1's optimizer file in torch's legacy (non-zip) serialization (checkpoint_serialization false)",
+        "CK202",
+        OPT1_BF16,
+        legacy_serialization_rank1,
     ),
     Fault(
         "foreign-shard",

@@ -9,8 +9,8 @@ import pytest
 import torch  # the test environment has it: missing torch is an error here, never a skip
 
 from ckptspec.checkpoint import torchfile
-from ckptspec.checkpoint.states import DAMAGED_HINT, UNSAFE_HINT, StateCache, code_and_hint, unreadable
-from ckptspec.errors import InvalidCheckpoint, TorchFileError, UnsafePickleError
+from ckptspec.checkpoint.states import DAMAGED_HINT, LEGACY_HINT, UNSAFE_HINT, StateCache, code_and_hint, unreadable
+from ckptspec.errors import InvalidCheckpoint, LegacyTorchFile, TorchFileError, UnsafePickleError
 
 
 @pytest.fixture
@@ -34,6 +34,7 @@ def test_each_file_is_read_once(pt_file, monkeypatch):
 def test_unreadable_files_map_to_one_code_and_hint_each(tmp_path):
     assert code_and_hint(UnsafePickleError("x.pt", "data.pkl references global os.system")) == ("CK204", UNSAFE_HINT)
     assert code_and_hint(TorchFileError("x.pt", "file is empty")) == ("CK205", DAMAGED_HINT)
+    assert code_and_hint(LegacyTorchFile("x.pt", "legacy (non-zip) torch serialization")) == ("CK202", LEGACY_HINT)
     error = unreadable(TorchFileError(tmp_path / "x.pt", "file is empty"))
     assert (error.code, error.message, error.hint, error.file) == (
         "CK205",

@@ -228,11 +228,16 @@ BF16, FP16, FP32 = "bfloat16", "float16", "float32"
 
 
 def stage0_single_group_ws2() -> dict:
-    """Stage 0 does not partition: one flat group, partition_count 1 (even with 2 ranks), alignment 1."""
+    """Stage 0 does not partition: one flat group, partition_count 1 (even with 2 ranks), alignment 1.
+    DeepSpeed's fused FP16_Optimizer writes no optimizer files at stage 0: its flat fp32 master
+    (``optimizer.fp32_groups_flat[0]``) is inside the model states, after the module's four tensors."""
     params = [("embed.weight", [10, 8], FP16), ("fc.weight", [4, 8], FP16), ("fc.bias", [4], FP16)]
     groups = [flat_group(0, params, stage=0, partition_count=1, tail_padding_saved=False)]
-    files = [model_file("global_step5/mp_rank_00_model_states.pt", [0])]
-    files += optimizer_files(groups, FP32, step=5, prefix="zero_pp")
+    model = model_file("global_step5/mp_rank_00_model_states.pt", [0])
+    numel = groups[0]["saved_numels"][0]
+    model["partitions"] = [_locator(0, 0, "mp_rank_00_model_states/data/4", 6400, numel * ITEMSIZE[FP32], FP32, 0,
+                                    numel)]
+    files = [model]
     return manifest(layout_=layout(0, 2, model_dtype=FP16, optimizer="FP16_Optimizer"), groups=groups,
                     buffers=[buffer("fc.num_batches_tracked", [], "int64")], files=files)
 

@@ -650,6 +650,34 @@ def test_refusals_before_anything_is_saved(fake_job, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "feature,config,named",
+    [
+        ("nvme-optimizer", {"zero_nvme_offload_optimizer": lambda: True}, "NVMe optimizer offload"),
+        (
+            "nvme-param",
+            {"_config": SimpleNamespace(zero_config=SimpleNamespace(offload_param=SimpleNamespace(device="nvme")))},
+            "NVMe parameter offload",
+        ),
+        ("zeropp-quantized", {"zero_quantized_nontrainable_weights": lambda: True}, "zero_quantized_nontrainable"),
+        ("autoep", {"_config": SimpleNamespace(expert_parallel_config=SimpleNamespace(enabled=True))}, "AutoEP"),
+    ],
+)
+@pytest.mark.deepspeed
+def test_engines_a_manifest_cannot_describe_are_refused_before_saving(fake_job, tmp_path, feature, config, named):
+    """#17: the save hook names the feature and DeepSpeed writes nothing (the engine's accessors
+    are DeepSpeed 0.19.8's: ``zero_nvme_offload_optimizer``, ``zero_config.offload_param``,
+    ``zero_quantized_nontrainable_weights``, ``expert_parallel_config``; NVMe and ZeRO++ quantized
+    weights need a build and a GPU this machine has not)."""
+    fake_job.install()
+    engine = fake_job.engine()
+    for key, value in config.items():
+        setattr(engine, key, value)
+    with pytest.raises(UnsupportedEngine, match=named):
+        fake_job.ds.save_checkpoint(engine, tmp_path)
+    assert engine.calls == [] and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.deepspeed
 def test_a_rank_that_cannot_describe_its_files_fails_every_rank(fake_job, tmp_path):
     fake_job.install(other=lambda rank: ([], f"rank {rank}: OSError: disk gone"))

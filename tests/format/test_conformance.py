@@ -135,6 +135,23 @@ def test_corpus_json_is_plain_json():
             json.loads((CORPUS / name).read_text("utf-8"), object_pairs_hook=strict_pairs, parse_constant=refuse)
 
 
+def test_valid_stage0_examples_name_only_files_deepspeed_writes():
+    """#17: DeepSpeed writes no ``*_optim_states.pt`` at ZeRO stage 0 (``save_zero_checkpoint`` stays
+    False; the real stage-0 saves of tests/deepspeed/test_parallel_harness.py hold
+    ``mp_rank_00_model_states.pt`` only): a valid stage-0 example locates its masters there."""
+    stage0 = []
+    for name in FILES:
+        if "/valid/" in name and name.endswith(".json"):
+            doc = json.loads((CORPUS / name).read_text("utf-8"))
+            if doc["layout"]["zero_stage"] == 0:
+                stage0.append(name)
+                assert {f["role"] for f in doc["files"]} <= {"model_states", "other"}, name
+                assert all(
+                    Path(f["path"]).name == "mp_rank_00_model_states.pt" for f in doc["files"] if f["partitions"]
+                )
+    assert stage0, "no stage-0 example left in the corpus"
+
+
 def _load_script(name: str):
     spec = importlib.util.spec_from_file_location(f"_conformance_{name}", CONFORMANCE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

@@ -157,6 +157,12 @@ def _unreadable(ctx: Context, code: str) -> Iterator[Finding]:
             )
 
 
+@check("CK202")
+def legacy_serialization(ctx: Context) -> Iterator[Finding]:
+    """A file in torch's legacy (non-zip) serialization: readable by torch, not describable."""
+    yield from _unreadable(ctx, "CK202")
+
+
 @check("CK204")
 def unsafe_pickle(ctx: Context) -> Iterator[Finding]:
     yield from _unreadable(ctx, "CK204")

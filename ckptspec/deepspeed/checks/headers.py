@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from ...findings import Finding, RuleSet, finding, json_path
 from ..describe import real_ties
+from ..legacy import saved_stage
 from .context import Check, Context
 
 CHECKS: RuleSet[Check] = RuleSet()
@@ -43,6 +44,8 @@ def optimizer_header(ctx: Context) -> Iterator[Finding]:
                 stage = int(osd["zero_stage"])
             except (TypeError, ValueError):
                 stage = None
+            if stage is not None:  # DeepSpeed 0.5.9-0.6.7 write 2 for a stage-1 run
+                stage = saved_stage(stage, layout.zero_stage, osd.get("ds_version"))
             if stage != layout.zero_stage:
                 yield finding(
                     "CK211",
