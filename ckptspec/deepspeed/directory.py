@@ -120,7 +120,8 @@ def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
             if int(m.group(2)) != 0:
                 raise UnsupportedCheckpoint(
                     f"model-parallel rank {int(m.group(2))} in {name}",
-                    "tensor/pipeline parallelism is not described by format 1.0",
+                    "a tensor/pipeline-parallel checkpoint is read as a checkpoint index (docs/spec-checkpoint.md), "
+                    "from a local directory only: not by this command, nor from a URL",
                     str(path),
                 )
             shards.optim_files[int(m.group(1))] = path
@@ -128,7 +129,8 @@ def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
             if int(m.group(2)) != 0:
                 raise UnsupportedCheckpoint(
                     f"model-parallel rank {int(m.group(2))} in {name}",
-                    "tensor/pipeline parallelism is not described by format 1.0",
+                    "a tensor/pipeline-parallel checkpoint is read as a checkpoint index (docs/spec-checkpoint.md), "
+                    "from a local directory only: not by this command, nor from a URL",
                     str(path),
                 )
             shards.model_files[int(m.group(1) or 0)] = path

@@ -16,6 +16,7 @@ from pathlib import Path
 from .._fs import is_leftover
 from ..checkpoint.states import StateCache
 from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
+from ..location import RemotePath
 from .directory import UNIVERSAL_FOLDER, ShardSet
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
@@ -41,8 +42,13 @@ class Degrees:
         return divmod(mp_rank, self.tensor)
 
 
-def is_model_parallel(tag_dir: Path) -> bool:
-    """The directory holds files of a model-parallel rank other than 0, or pipeline layer files."""
+def is_model_parallel(tag_dir: Path | RemotePath) -> bool:
+    """The directory holds files of a model-parallel rank other than 0, or pipeline layer files.
+
+    False for a URL: checkpoint indexes are read from local directories only, for now; a remote
+    model-parallel checkpoint takes the 1.x path, which refuses it by name (CK202)."""
+    if isinstance(tag_dir, RemotePath):
+        return False
     for path in tag_dir.iterdir():
         name = path.name
         if PIPE_LAYER_RE.match(name):

@@ -8,6 +8,7 @@ import json
 
 import pytest
 from _harness.faults import FAULTS, FaultEnv, base_dir, snapshot
+from _harness.faults_parallel import PARALLEL_FAULTS
 from _harness.servers import serve
 from click.testing import CliRunner
 
@@ -35,7 +36,11 @@ def built(request):
     return lambda base: base_dir(base, lambda: request.getfixturevalue("ds"))
 
 
-@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
+# Checkpoint indexes (tensor/pipeline parallel, #16) are read from local directories only, for now.
+ZERO_FAULTS = [f for f in FAULTS if f not in PARALLEL_FAULTS]
+
+
+@pytest.mark.parametrize("fault", ZERO_FAULTS, ids=lambda f: f.name)
 def test_fault_is_refused_over_http_as_on_disk(fault, built, nginx, tmp_path):
     local, path = serve(nginx, built(fault.base))
     url = nginx.url(path)
@@ -71,3 +76,14 @@ def test_fault_is_refused_over_http_as_on_disk(fault, built, nginx, tmp_path):
         assert not out.exists() or not any(out.iterdir()), "a refused reconstruction wrote files"
         assert not env.marker.exists(), "pickled code ran"
     assert snapshot(local) == before
+
+
+def test_a_tensor_parallel_checkpoint_over_http_is_refused_by_name(built, nginx, tmp_path):
+    """Read locally it is a checkpoint index (#16); from a URL it is not read yet, and says so."""
+    local, path = serve(nginx, built("tp2-s1-fp32-ws2"))
+    assert run("validate", local).exit_code == 0
+    result = run("validate", nginx.url(path))
+    assert result.exit_code == 1 and "CK202" in result.output
+    assert "from a local directory only" in result.output and "Traceback" not in result.output
+    out = tmp_path / "out"
+    assert run("reconstruct", nginx.url(path), out).exit_code == 1 and not out.exists()
