@@ -90,6 +90,17 @@ def fail(exc: CkptspecError, target: str | None = None) -> NoReturn:
     sys.exit(exc.exit_code)
 
 
+def fail_write(output: str, exc: OSError) -> NoReturn:
+    """CK906 for a writer's OSError, naming the output as given: the file being written was one of
+    the run's temporaries, removed by now."""
+    click.echo(
+        f"{output}: CK906 cannot write: {exc.strerror or exc} "
+        "(hint: check the output directory is writable and has space; nothing was written)",
+        err=True,
+    )
+    sys.exit(EXIT_USAGE)
+
+
 def tag_needs_a_directory(name: str, option: str = "--tag") -> click.UsageError:
     """``--tag`` (``--tag-a``, ``--tag-b``) given with a file argument: a usage error, in the same words everywhere."""
     return click.UsageError(f"{option} needs a checkpoint directory, and {name} is not one")

@@ -7,7 +7,7 @@ import sys
 import click
 
 from ..errors import CkptspecError
-from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, echo_findings, fail
+from ._common import EXIT_INVALID, OUTPUT_DIR, echo_findings, fail, fail_write
 
 
 @click.command()
@@ -66,12 +66,7 @@ def export(checkpoint: str, output: str, fmt: str, manifest: str | None, tag: st
     except CkptspecError as exc:
         fail(exc)
     except OSError as exc:
-        click.echo(
-            f"{output}: CK906 cannot write: {exc.strerror or exc} "
-            "(hint: check the output directory is writable and has space; nothing was written)",
-            err=True,
-        )
-        sys.exit(EXIT_USAGE)
+        fail_write(output, exc)
     if not quiet:
         click.echo(
             f"{result.output_dir}: wrote a {fmt} checkpoint: {result.tensors} tensors "

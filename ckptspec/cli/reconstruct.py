@@ -7,7 +7,7 @@ import sys
 import click
 
 from ..errors import CheckpointInvalid, CkptspecError
-from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, SIZE, echo_findings, fail
+from ._common import EXIT_INVALID, OUTPUT_DIR, SIZE, echo_findings, fail, fail_write
 
 
 @click.command()
@@ -77,7 +77,7 @@ def reconstruct(
     """
     from ..checkpoint.states import StateCache
     from ..deepspeed.validate import validate_checkpoint
-    from ..export.optimizer_state import optimizer_state_temporary, plan_optimizer_state
+    from ..export.optimizer_state import plan_optimizer_state
     from ..export.plan import plan_reconstruction
     from ..export.progress import progress_printer
     from ..export.writers import torch_available, write_consolidated
@@ -106,12 +106,6 @@ def reconstruct(
         update, close = progress_printer(
             plan.total_nbytes(output_dtype(dtype), untie), enabled=not quiet and sys.stderr.isatty()
         )
-        # The optimizer state is one more file of the same commit (not counted by the bar).
-        extra = (
-            (lambda out, files, _: optimizer_state_temporary(plan, out, files, lambda n: None))
-            if optimizer_state
-            else None
-        )
         try:
             result = write_consolidated(
                 plan,
@@ -121,20 +115,14 @@ def reconstruct(
                 fmt=fmt,
                 untie=untie,
                 progress=update,
-                extra=extra,
+                optimizer_state=optimizer_state,  # one more file of the same commit
             )
         finally:
             close()
     except CkptspecError as exc:
         fail(exc)
     except OSError as exc:
-        # Named as given: the file being written was one of this run's temporaries, removed by now.
-        click.echo(
-            f"{output_dir}: CK906 cannot write: {exc.strerror or exc} "
-            "(hint: check the output directory is writable and has space; nothing was written)",
-            err=True,
-        )
-        sys.exit(EXIT_USAGE)
+        fail_write(output_dir, exc)
     if not quiet:
         files = ", ".join(result.files + ([result.index] if result.index else []))
         done = fetched()

@@ -7,7 +7,7 @@ import sys
 import click
 
 from ..errors import CheckpointInvalid, CkptspecError
-from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, echo_findings, fail
+from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, echo_findings, fail, fail_write
 
 
 @click.command()
@@ -61,12 +61,7 @@ def reshard(
         click.echo(f"{output}: CK402 writing DeepSpeed's files needs torch: {exc} (hint: pip install torch)", err=True)
         sys.exit(EXIT_USAGE)
     except OSError as exc:
-        click.echo(
-            f"{output}: CK906 cannot write: {exc.strerror or exc} "
-            "(hint: check the output directory is writable and has space; nothing was written)",
-            err=True,
-        )
-        sys.exit(EXIT_USAGE)
+        fail_write(output, exc)
     click.echo(
         f"{result.output}: {result.tag} resharded from {result.source_world_size} to {result.world_size} ranks "
         f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with engine.load_checkpoint('{output}')"

@@ -25,7 +25,7 @@ from ..format.models import Manifest
 from ..format.validate import Report
 from ..location import is_remote, refuse_write
 from .arrays import ShardReader, read_array
-from .optimizer_state import load_optimizer_state_arrays, optimizer_state_temporary, plan_optimizer_state
+from .optimizer_state import load_optimizer_state_arrays, plan_optimizer_state
 from .plan import ReconstructionPlan, plan_reconstruction
 from .writers import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -136,9 +136,6 @@ def reconstruct(
     plan = validated_plan(checkpoint, manifest, tag)
     if optimizer_state:
         plan_optimizer_state(plan)  # refuse before writing anything when the manifest locates no state
-    extra = (
-        (lambda out, files, update: optimizer_state_temporary(plan, out, files, update)) if optimizer_state else None
-    )
     return write_consolidated(
         plan,
         output_dir,
@@ -147,7 +144,7 @@ def reconstruct(
         fmt=fmt,
         untie=untie,
         progress=progress,
-        extra=extra,
+        optimizer_state=optimizer_state,
     )
 
 

@@ -94,8 +94,9 @@ def optimizer_state_temporary(
 ) -> tuple[Path, Path]:
     """``optimizer.safetensors`` written under a temporary name in ``output_dir``: (temporary, final).
 
-    ``write_consolidated`` calls it inside its run, so the file is committed with the weights, in
-    the same journal: a directory never holds new weights beside an earlier run's optimizer state.
+    ``write_consolidated(..., optimizer_state=True)`` calls it inside its run, so the file is
+    committed with the weights, in the same journal: a directory never holds new weights beside
+    an earlier run's optimizer state.
     """
     state = plan_optimizer_state(plan)
     target = output_dir / OPTIMIZER_FILE

@@ -27,6 +27,7 @@ from ..errors import ForeignOutput, ReconstructUnsupported
 from ..format.dtypes import output_dtype
 from ..location import refuse_write
 from .arrays import ShardReader, read_array, stream
+from .optimizer_state import optimizer_state_temporary
 from .outputs import existing_outputs
 from .plan import ReconstructionPlan
 from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter, TensorEntry
@@ -84,12 +85,12 @@ def write_consolidated(
     fmt: str = "safetensors",
     untie: bool = False,
     progress: Callable[[int], None] | None = None,
-    extra: Callable[[Path, ShardReader, Callable[[int], None]], tuple[Path, Path]] | None = None,
+    optimizer_state: bool = False,
 ) -> WriteResult:
     """Write the consolidated state dict; every file appears (by rename) only once all are complete.
 
-    ``extra`` writes one more file of the run (the optimizer state) under a temporary name in the
-    output directory and returns (temporary, final): it is committed with the weights.
+    With ``optimizer_state``, ``optimizer.safetensors`` is one more file of the same commit (its
+    bytes are not counted by ``progress``, which counts the weights).
     """
     dtype = output_dtype(dtype)
     if fmt not in ("safetensors", "torch"):
@@ -144,8 +145,8 @@ def write_consolidated(
                     else:
                         tmp = _write_torch_shard(plan, shard, target, dtype, untie, files, progress)
                     pending.append((tmp, target))
-                if extra is not None:
-                    pending.append(extra(out, files, progress))
+                if optimizer_state:
+                    pending.append(optimizer_state_temporary(plan, out, files, lambda n: None))
             if index_name:
                 weight_map = {n: s.filename for s in shards for n in s.names}
                 index = {"metadata": {"total_size": total, **metadata, **manifest_meta}, "weight_map": weight_map}
@@ -159,7 +160,7 @@ def write_consolidated(
             raise
         written = {final.name for _, final in pending}
         commit(out, pending, [out / name for name in sorted(existing.ours - written)])
-    names = [s.filename for s in shards] + ([pending[len(shards)][1].name] if extra is not None else [])
+    names = [s.filename for s in shards] + ([pending[len(shards)][1].name] if optimizer_state else [])
     return WriteResult(out, names, len({n for s in shards for n in s.names}), total, index_name)
 
 
