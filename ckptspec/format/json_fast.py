@@ -1,0 +1,60 @@
+"""The canonical JSON text of a manifest (``json.dumps(indent=2, sort_keys=True)``), written fast.
+
+The standard library's encoder runs in pure Python as soon as ``indent`` is set: at 100k tensors
+it cost more than reading the checkpoint. orjson (Rust) writes the same bytes for the data a
+manifest's big sections hold (strings, ints, booleans, lists, maps with string keys), but not for
+floats (``1e-05`` is ``1e-5`` there) nor NaN (``null`` there; the standard library refuses it). So
+each top-level value is written by orjson, and written again by the standard library whenever
+orjson refuses it or its text might hold a float or a null; the optimizer's hyperparameters
+(floats) take the standard library, the params, files and locators orjson.
+``tests/format/test_json_fast.py`` and ``benchmarks/check_identical.py`` compare the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+try:  # optional at run time: without it every value takes the standard library
+    import orjson
+except ImportError:  # pragma: no cover - orjson is a dependency
+    orjson = None
+
+# A number with a fraction or an exponent, or a null, where a value starts in orjson's indented
+# output (after ": ", or on its own line in a list). Literal newlines never occur inside a JSON
+# string, so every value's first byte is found; a match inside a string only costs speed.
+_FLOAT_OR_NULL = re.compile(rb'(?:: |\n *|^)(?:-?[0-9]+[.eE]|null)')
+
+
+def _reference(value: Any) -> bytes:
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def _value(value: Any) -> bytes:
+    """``value`` as the standard library writes it at indent 0 (raises as it does)."""
+    if orjson is not None:
+        try:
+            text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+        except (TypeError, ValueError):  # big ints, non-str keys, surrogates, other types
+            text = None
+        if text is not None and _FLOAT_OR_NULL.search(text) is None:
+            return text
+    return _reference(value)
+
+
+def dumps_indented(doc: Any) -> bytes:
+    """Exactly ``(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\\n").encode()``,
+    raising what it raises (``TypeError``, ``ValueError``, ``UnicodeEncodeError``)."""
+    if not isinstance(doc, dict) or not doc or not all(type(k) is str for k in doc):
+        return _reference(doc) + b"\n"
+    items = []
+    try:
+        for key in sorted(doc):
+            # One level down: every structural newline gains the two spaces of the enclosing map.
+            body = _value(doc[key]).replace(b"\n", b"\n  ")
+            items.append(b"  " + _reference(key) + b": " + body)
+    except ValueError:
+        # Raise what the whole document raises (a TypeError elsewhere wins over a lone surrogate here).
+        return _reference(doc) + b"\n"
+    return b"{\n" + b",\n".join(items) + b"\n}\n"
