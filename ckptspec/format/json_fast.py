@@ -21,10 +21,10 @@ try:  # optional at run time: without it every value takes the standard library
 except ImportError:  # pragma: no cover - orjson is a dependency
     orjson = None
 
-# A number with a fraction or an exponent, or a null, where a value starts in orjson's indented
-# output (after ": ", or on its own line in a list). Literal newlines never occur inside a JSON
-# string, so every value's first byte is found; a match inside a string only costs speed.
-_FLOAT_OR_NULL = re.compile(rb'(?:: |\n *|^)(?:-?[0-9]+[.eE]|null)')
+# The end of a number with a fraction or an exponent: a number ends its line in orjson's indented
+# output (a string ends in a quote), and literal newlines never occur inside a JSON string. A
+# false alarm (a null or these bytes inside a string) only costs speed.
+_FLOAT_END = re.compile(rb"[.eE][-+]?[0-9]+(?:,?\n|\Z)")
 
 
 def _reference(value: Any) -> bytes:
@@ -38,7 +38,7 @@ def _value(value: Any) -> bytes:
             text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
         except (TypeError, ValueError):  # big ints, non-str keys, surrogates, other types
             text = None
-        if text is not None and _FLOAT_OR_NULL.search(text) is None:
+        if text is not None and b"null" not in text and _FLOAT_END.search(text) is None:
             return text
     return _reference(value)
 
