@@ -103,6 +103,7 @@ def validate(
     from ..deepspeed.topology import is_model_parallel
     from ..deepspeed.validate import validate_checkpoint
     from ..deepspeed.validate_index import validate_index_checkpoint
+    from ..format.codec import gc_paused
     from ..format.index_validate import IndexReport
 
     shown = checkpoint if checkpoint is not None else target
@@ -118,9 +119,11 @@ def validate(
         if isinstance(manifest, IndexReport) or (
             manifest is None and not is_remote(shown) and is_model_parallel(resolve_tag_dir(shown, tag))
         ):  # tensor/pipeline parallel: the checkpoint index and every domain's files (local only, for now)
-            _, findings = validate_index_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
+            with gc_paused():
+                _, findings = validate_index_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
         else:
-            found, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
+            with gc_paused():  # the decoded pickles are large acyclic trees: see codec.gc_paused
+                found, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
     except CkptspecError as exc:
         _emit(output_format, shown, [], exc, remote)
         sys.exit(exc.exit_code)

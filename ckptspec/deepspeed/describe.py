@@ -238,7 +238,10 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
 
 
 def _aliases(module: dict, groups: list[Group], frozen: list[FrozenParam], shared: dict, stage: int) -> list[Alias]:
-    shapes = {p.name: list(p.shape) for g in groups for p in g.params} | {f.name: list(f.shape) for f in frozen}
+    owners = set(shared.values())  # only their shapes are looked up (a walk of 100k params otherwise)
+    shapes = {p.name: list(p.shape) for g in groups for p in g.params if p.name in owners} | {
+        f.name: list(f.shape) for f in frozen if f.name in owners
+    }
     aliases = []
     for alias, owner in shared.items():
         ref = module.get(alias)
