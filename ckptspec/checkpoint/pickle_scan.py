@@ -77,6 +77,9 @@ def scan_pickle(data: bytes) -> None:
             elif op == 0x68:  # BINGET
                 push(memo[data[pos + 1]])
                 pos += 2
+            elif op == 0x85:  # TUPLE1
+                stack[-1] = tuple_of((stack[-1],)) if stack[-1] else 1  # as tuple_of((0,))
+                pos += 1
             elif op == 0x52:  # REDUCE
                 pop()
                 stack[-1] = 1
@@ -113,12 +116,19 @@ def scan_pickle(data: bytes) -> None:
             elif op == 0x89 or op == 0x88 or op == 0x4E:  # NEWFALSE, NEWTRUE, NONE
                 push(0)
                 pos += 1
-            elif op == 0x85:  # TUPLE1
-                stack[-1] = tuple_of((stack[-1],))
-                pos += 1
             elif op == 0x71:  # BINPUT
                 put(data[pos + 1])
                 pos += 2
+            elif op == 0x4D:  # BININT2
+                push(0)
+                pos += 3
+            elif op == 0x7D:  # EMPTY_DICT
+                push(0)
+                pos += 1
+            elif op == 0x73:  # SETITEM
+                pop()
+                pop()
+                pos += 1
             elif op == 0x2E:  # STOP
                 return
             else:
@@ -229,8 +239,16 @@ def check_tree(root, max_nodes: int) -> None:
     while stack:
         frame = stack[-1]
         for child in frame[1]:
-            if type(child) in leaves:
+            kind = type(child)
+            if kind in leaves or (kind is TensorRef and not child.attrs):
                 frame[2] += 1
+                continue
+            if kind is tuple and leaves.issuperset(map(type, child)):
+                # A tuple of leaves (a shape, a stride): what its own frame would count, without one.
+                if len(stack) >= MAX_NESTING:
+                    raise ValueError(f"data.pkl nests deeper than {MAX_NESTING} levels")
+                frame[2] += 1 + len(child)
+                frame[3] = max(frame[3], 1)
                 continue
             kids = _children(child)
             if kids is None:
