@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..checkpoint.hashing import file_digest
+from ..checkpoint.hashing import file_digests
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import TensorRef
 from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
@@ -378,6 +378,10 @@ def describe_files(
     partitions (``deepspeed/locators.py``).
     """
 
+    every = [*shards.model_files.values(), *shards.optim_files.values(), *shards.other_files]
+    # Every file hashed at once, on all cores (hashlib releases the GIL).
+    hashes = dict(zip(every, file_digests(every, hash_algorithm))) if hash_algorithm else {}
+
     def entry(path: Path, role: str, ranks: list[int], partitions: list[Locator]) -> ShardFile:
         shard = ShardFile(
             path=path.relative_to(shards.tag_dir).as_posix(),
@@ -387,7 +391,7 @@ def describe_files(
             partitions=partitions,
         )
         if hash_algorithm:
-            shard.hash = file_digest(path, hash_algorithm)
+            shard.hash = hashes[path]
         return shard
 
     files = [entry(path, "model_states", [rank], []) for rank, path in sorted(shards.model_files.items())]

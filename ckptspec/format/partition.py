@@ -102,7 +102,14 @@ def make_param(name: str, shape: tuple[int, ...], numel: int, dtype: str, offset
         and type(dtype) is str
         and dtype in _DTYPES
     ):
-        values = {"name": name, "shape": list(shape), "numel": numel, "dtype": dtype, "offset": offset, "padding": padding}
+        values = {
+            "name": name,
+            "shape": list(shape),
+            "numel": numel,
+            "dtype": dtype,
+            "offset": offset,
+            "padding": padding,
+        }
         if _construct is None:
             return Param.model_construct(**values)
         cls, defaults = _construct

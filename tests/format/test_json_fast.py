@@ -67,7 +67,9 @@ def test_without_orjson_the_standard_library_writes_everything(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "path", sorted(p for p in CORPUS.rglob("*.json") if "valid" in p.parts), ids=lambda p: p.relative_to(CORPUS).as_posix()
+    "path",
+    sorted(p for p in CORPUS.rglob("*.json") if "valid" in p.parts),
+    ids=lambda p: p.relative_to(CORPUS).as_posix(),
 )
 def test_corpus_manifests_written_alike(path):
     doc = load_document(path)

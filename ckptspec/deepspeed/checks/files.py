@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._fs import JOURNAL, leftovers
-from ...checkpoint.hashing import file_digest
+from ...checkpoint.hashing import file_digests
 from ...checkpoint.states import code_and_hint
 from ...checkpoint.torchfile import iter_tensor_refs
 from ...findings import Finding, RuleSet, finding, json_path
@@ -133,20 +133,25 @@ def shard_size(ctx: Context) -> Iterator[Finding]:
 def shard_hash(ctx: Context) -> Iterator[Finding]:
     if not ctx.verify_hashes:
         return
-    for f in ctx.files:
-        if f.on_disk and f.entry.hash is not None and f.path.stat().st_size == f.entry.size:
-            actual = file_digest(f.path, f.entry.hash.algorithm)
-            if actual.digest != f.entry.hash.digest:
-                yield finding(
-                    "CK209",
-                    f.at("hash"),
-                    f"{f.entry.hash.algorithm} of the file is {actual.digest[:16]}..., the manifest records "
-                    f"{f.entry.hash.digest[:16]}...",
-                    "the content changed after the manifest was written (swapped rank files, a re-save, bit rot); "
-                    "restore it",
-                    file=f.name,
-                    rank=f.rank,
-                )
+    hashed = [f for f in ctx.files if f.on_disk and f.entry.hash is not None and f.path.stat().st_size == f.entry.size]
+    # All files at once (threads: hashlib releases the GIL), one algorithm at a time.
+    digests = {}
+    for algorithm in sorted({f.entry.hash.algorithm for f in hashed}):
+        same = [f for f in hashed if f.entry.hash.algorithm == algorithm]
+        digests.update(zip(map(id, same), file_digests([f.path for f in same], algorithm)))
+    for f in hashed:
+        actual = digests[id(f)]
+        if actual.digest != f.entry.hash.digest:
+            yield finding(
+                "CK209",
+                f.at("hash"),
+                f"{f.entry.hash.algorithm} of the file is {actual.digest[:16]}..., the manifest records "
+                f"{f.entry.hash.digest[:16]}...",
+                "the content changed after the manifest was written (swapped rank files, a re-save, bit rot); "
+                "restore it",
+                file=f.name,
+                rank=f.rank,
+            )
 
 
 def _unreadable(ctx: Context, code: str) -> Iterator[Finding]:
