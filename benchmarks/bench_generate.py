@@ -211,7 +211,8 @@ def rows(
             for name, cmd, before in jobs:
                 log(f"  N={n} stage {stage}: {name} ...")
                 r = best_of(cmd, runs, env, before)
-                row[name] = {"wall": r["wall"], "cpu": r["cpu"], "rss_mib": r["rss_mib"]}
+                row[name] = {"wall": r["wall"], "cpu": r["cpu"], "rss_mib": r["rss_mib"], "load": os.getloadavg()[0]}
+                row[name]["cmd"] = " ".join(["ckptspec", *cmd[len(CLI) :]]).replace(str(scratch), "$TMP")
                 row["loadavg"].append(os.getloadavg()[0])
             if manifest.exists():
                 row["manifest_bytes"] = manifest.stat().st_size
@@ -237,12 +238,29 @@ def _cmds(rows_: list[dict]) -> list[str]:
     return seen
 
 
+# Issue #19: generate and validate DIR in at most 2 s at 100k tensors, 20 s at 1M, linear between.
+_GOAL_COMMANDS = ("generate", "validate DIR --no-hash")
+
+
+def _goal(cmd: str, row: dict) -> str:
+    if cmd not in _GOAL_COMMANDS or row["tensors"] < 100_000:
+        return ""
+    limit = 2.0 + 18.0 * (row["tensors"] - 100_000) / 900_000
+    wall = row[cmd]["wall"]
+    return f"<= {limit:g} s: {'met' if wall <= limit else 'NOT met'}"
+
+
+def _is_cmd(value) -> bool:
+    return isinstance(value, dict) and "cmd" in value
+
+
 def markdown(rows_: list[dict]) -> str:
     """Markdown tables: one row per (N, command), a linearity summary, the generate breakdown."""
     done = [r for r in rows_ if "skipped" not in r]
     lines = [
-        "| N tensors | stage | command | wall s | CPU s | s/10k | marginal s/10k | peak MiB | manifest KiB |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| N tensors | stage | command | wall s | CPU s | goal | s/10k | marginal s/10k | peak MiB | manifest KiB "
+        "| load (1 min) |",
+        "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for cmd in _cmds(done):
         by_stage: dict[int, list[dict]] = {}
@@ -256,12 +274,17 @@ def markdown(rows_: list[dict]) -> str:
                 v = r[cmd]
                 kib = f"{r['manifest_bytes'] / 1024:.0f}" if cmd == "generate" and "manifest_bytes" in r else ""
                 lines.append(
-                    f"| {r['tensors']:,} | {stage} | {cmd} | {v['wall']:.2f} | {v['cpu']:.2f} | "
-                    f"{v['wall'] / (r['tensors'] / 1e4):.2f} | {marginal} | {v['rss_mib']:.0f} | {kib} |"
+                    f"| {r['tensors']:,} | {stage} | {cmd} | {v['wall']:.2f} | {v['cpu']:.2f} | {_goal(cmd, r)} | "
+                    f"{v['wall'] / (r['tensors'] / 1e4):.2f} | {marginal} | {v['rss_mib']:.0f} | {kib} | "
+                    f"{v.get('load', 0):.1f} |"
                 )
     for r in rows_:
         if "skipped" in r:
-            lines.append(f"| {r['tensors']:,} | {r['stage']} | (skipped) | | | | | | {r['skipped']} |")
+            lines.append(f"| {r['tensors']:,} | {r['stage']} | (skipped) | | | | | | | {r['skipped']} | |")
+    commands = {v["cmd"].replace(str(r["checkpoint"]), "CKPT") for r in done for v in r.values() if _is_cmd(v)}
+    if commands:
+        lines += ["", "Each row's command (CKPT: the N-tensor checkpoint of make_many_tensors.py):", ""]
+        lines += [f"- `{c}`" for c in sorted(commands)]
     if done:
         lines += [
             "",
