@@ -238,10 +238,7 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
 
 
 def _aliases(module: dict, groups: list[Group], frozen: list[FrozenParam], shared: dict, stage: int) -> list[Alias]:
-    owners = set(shared.values())  # only their shapes are looked up (a walk of 100k params otherwise)
-    shapes = {p.name: list(p.shape) for g in groups for p in g.params if p.name in owners} | {
-        f.name: list(f.shape) for f in frozen if f.name in owners
-    }
+    shapes = {p.name: list(p.shape) for g in groups for p in g.params} | {f.name: list(f.shape) for f in frozen}
     aliases = []
     for alias, owner in shared.items():
         ref = module.get(alias)
@@ -289,12 +286,9 @@ def _layout(
 
 
 def real_ties(shared: dict, module: dict, stage: int) -> dict:
-    """Drop DeepSpeed's false ties between zero-element params.
-
-    Outside stage 3 DeepSpeed ties params by ``data_ptr()``, which is 0 for every
-    zero-element tensor, so unrelated empty params come out "shared". An empty
-    tensor shares nothing; those names stay frozen params of their own.
-    """
+    """Drop DeepSpeed's false ties between zero-element params. Outside stage 3 DeepSpeed ties params
+    by ``data_ptr()``, which is 0 for every zero-element tensor, so unrelated empty params come out
+    "shared". An empty tensor shares nothing; those names stay frozen params of their own."""
     if stage == 3:
         return dict(shared)  # ties by ds_id there
     real = {}
@@ -379,8 +373,7 @@ def describe_files(
     """
 
     every = [*shards.model_files.values(), *shards.optim_files.values(), *shards.other_files]
-    # Every file hashed at once, on all cores (hashlib releases the GIL).
-    hashes = dict(zip(every, file_digests(every, hash_algorithm))) if hash_algorithm else {}
+    hashes = dict(zip(every, file_digests(every, hash_algorithm))) if hash_algorithm else {}  # all cores
 
     def entry(path: Path, role: str, ranks: list[int], partitions: list[Locator]) -> ShardFile:
         shard = ShardFile(
