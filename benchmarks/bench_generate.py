@@ -68,19 +68,23 @@ def breakdown(checkpoint: str, out: str) -> dict:
         steps[name] = [round(now[0] - t[0], 3), round(now[1] - t[1], 3)]
         return now
 
+    import gc
+
+    gc.disable()  # as `ckptspec generate` (cli/generate.py)
     t = (time.perf_counter(), time.process_time())
     from ckptspec._fs import write_atomic
-    from ckptspec.checkpoint import torchfile  # noqa: F401
+    from ckptspec.checkpoint.states import StateCache
     from ckptspec.deepspeed import describe as ds_checkpoint
     from ckptspec.format.codec import dumps
 
     t = step("import", t)
     tag_dir = ds_checkpoint.resolve_tag_dir(checkpoint)
     shards = ds_checkpoint.scan_tag_dir(tag_dir)
-    model_states = {r: ds_checkpoint._load(p) for r, p in shards.model_files.items()}
-    optim_states = {r: ds_checkpoint._load(p) for r, p in shards.optim_files.items()}
+    states = StateCache()
+    for p in [*shards.model_files.values(), *shards.optim_files.values()]:
+        states.members(p)  # the pickle and the zip directory
     t = step("read data.pkl", t)
-    manifest = ds_checkpoint.manifest_from_states(shards, model_states, optim_states)
+    manifest = ds_checkpoint.manifest_from_states(shards, states)
     t = step("build manifest", t)
     doc = manifest.to_dict()
     t = step("to_dict", t)
