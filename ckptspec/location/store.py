@@ -57,7 +57,8 @@ def _options(protocol: str) -> dict:
             import aiohttp
         except ImportError:
             return {}
-        limits = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+        # total: a deadline for each request, which a server trickling a byte a second cannot keep alive
+        limits = aiohttp.ClientTimeout(total=seconds, sock_connect=seconds, sock_read=seconds)
         return {"client_kwargs": {"timeout": limits}}
     if protocol in ("s3", "s3a"):
         return {"config_kwargs": {"connect_timeout": seconds, "read_timeout": seconds}}
@@ -109,16 +110,16 @@ class _Store:
 
     def call(self, url: str, fn, *args, **kwargs):
         """A metadata call (info, listing), retried like a range request; errors become ``RemoteError``."""
-        for attempt in range(settings.RETRIES + 1):
+        for attempt in range(settings.retries() + 1):
             try:
                 result = fn(*args, **kwargs)
             except RemoteError:
                 raise
             except Exception as exc:
                 error, transient = classify(exc, url)
-                if not transient or attempt >= settings.RETRIES:
+                if not transient or attempt >= settings.retries():
                     raise error from None
-                time.sleep(settings.BACKOFF * 2**attempt)
+                time.sleep(settings.backoff(attempt))
                 continue
             settings.count(0)
             return result
