@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -16,6 +17,22 @@ from .remote_path import RemotePath
 
 _lock = threading.Lock()
 _stores: dict[int, _Store] = {}  # id(fsspec filesystem) -> what was seen through it
+_made: dict[type, tuple] = {}  # fsspec filesystem class -> the backends' environment when one was last made
+_ENVIRONMENT = ("AWS_", "BOTO", "GOOGLE_", "GCS", "HF_", "HUGGING_FACE", "FSSPEC_")
+
+
+def _environment() -> tuple:
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENVIRONMENT)))
+
+
+def _drop_stale_filesystems() -> None:
+    """fsspec keeps one filesystem per class and options, with the credentials and endpoint it read from
+    the environment when it was made: when that environment changed (a long-running process), they go."""
+    now = _environment()
+    for cls, then in list(_made.items()):
+        if then != now:
+            cls.clear_instance_cache()
+            del _made[cls]
 
 
 def store_for(url: str) -> _Store:
@@ -31,6 +48,7 @@ def store_for(url: str) -> _Store:
             url,
         ) from None
     options = _options(protocol)
+    _drop_stale_filesystems()
     try:
         fs, _ = url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:
@@ -42,6 +60,7 @@ def store_for(url: str) -> _Store:
         else:
             hint = "install the package fsspec names for this protocol"
         raise RemoteError("CK917", f"cannot read {protocol}:// URLs: {str(exc)[:200]}", hint, url) from None
+    _made.setdefault(type(fs), _environment())
     with _lock:
         store = _stores.get(id(fs))
         if store is None or store.fs is not fs:
