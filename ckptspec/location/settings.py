@@ -20,8 +20,8 @@ READ_AHEAD = 16 * 1024  # a read of metadata fetches at least this much (zip loc
 TAIL = 64 * 1024  # the last bytes of a file, fetched at once: a zip's end record and central directory
 # Bytes per range request of a bulk read, and requests in flight. An answer is held whole until it is
 # used (fsspec reads it with aiohttp's read(), which joins its pieces: twice its size for a moment), so
-# reconstruct's peak RSS grows by ~2.5 * IN_FLIGHT * CHUNK (measured: 9.6 MiB at 4 x 1 MiB, 2.7 MiB at
-# 4 x 256 KiB, benchmarks/bench_remote.py); 256 KiB keeps it within the import cost of the backend.
+# reconstruct's peak RSS grows by ~2.5 * IN_FLIGHT * CHUNK (measured by benchmarks/bench_remote.py: 8.5 MiB
+# at 4 x 1 MiB, 3.0 MiB at 4 x 256 KiB, beside the 15 MiB of importing the HTTP backend; docs/remote.md).
 CHUNK = _setting("CKPTSPEC_REMOTE_CHUNK", 256 * 1024, 64 * 1024)
 IN_FLIGHT = _setting("CKPTSPEC_REMOTE_IN_FLIGHT", 4, 1)
 TAILS_KEPT = 8  # recent files' tails kept, so that a zip directory read twice is fetched once
