@@ -60,6 +60,8 @@ def store_for(url: str) -> _Store:
         else:
             hint = "install the package fsspec names for this protocol"
         raise RemoteError("CK917", f"cannot read {protocol}:// URLs: {str(exc)[:200]}", hint, url) from None
+    if protocol in ("s3", "s3a") and isinstance(getattr(fs, "retries", None), int):
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option): one attempt, see _options
     _made.setdefault(type(fs), _environment())
     with _lock:
         store = _stores.get(id(fs))
@@ -80,7 +82,10 @@ def _options(protocol: str) -> dict:
         limits = aiohttp.ClientTimeout(total=seconds, sock_connect=seconds, sock_read=seconds)
         return {"client_kwargs": {"timeout": limits}}
     if protocol in ("s3", "s3a"):
-        return {"config_kwargs": {"connect_timeout": seconds, "read_timeout": seconds}}
+        # One attempt in botocore (and in s3fs, store_for): ckptspec's retries (CKPTSPEC_REMOTE_RETRIES) are
+        # the only ones; else each of them is s3fs's 5 attempts of botocore's 5 (39 s against a closed port).
+        config = {"connect_timeout": seconds, "read_timeout": seconds, "retries": {"total_max_attempts": 1}}
+        return {"config_kwargs": config}
     return {}
 
 
