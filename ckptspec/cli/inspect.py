@@ -66,10 +66,10 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
     from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import is_model_parallel
+    from ..deepspeed.topology import needs_index
     from ..deepspeed.validate import check_tag_dir
 
-    if not is_remote(name) and is_model_parallel(resolve_tag_dir(name, tag)):  # tensor/pipeline parallel: its index
+    if not is_remote(name) and needs_index(resolve_tag_dir(name, tag)):  # tensor/pipeline parallel: its index
         from ..deepspeed.validate_index import validate_index_checkpoint
 
         index, findings = validate_index_checkpoint(name, None, tag, verify_hashes=False)
