@@ -266,18 +266,19 @@ def _inspect_index(loaded: Target, output_format: str) -> None:
     _show_findings(loaded, loaded.findings, err=True)
     deg = summary["degrees"]
     click.echo(
-        f"{_label(loaded)}: checkpoint index {summary['format_version']}, pipeline {deg['pipeline']} x tensor "
+        f"{_label(loaded)}: checkpoint index {summary['format_version']} ({summary['kind']}), pipeline {deg['pipeline']} x tensor "
         f"{deg['tensor']} x data {deg['data']} ({summary['degrees_source']})"
     )
     for d in summary["domains"]:
         click.echo(
             f"  {d['id']}: ZeRO-{d['zero_stage']} {d['optimizer']} over {d['size']} ranks, "
             f"{d['parameters']} parameters ({d['numel']} elements), {d['files']} files"
+            + (f"; masters in {d['masters']} ({d['replicas']} saved copies)" if "masters" in d else "")
         )
     placements = ", ".join(f"{n} {k}" for k, n in summary["placements"].items())
     click.echo(
         f"  whole model: {summary['parameters']} parameters ({summary['numel']} elements; {placements}), "
-        f"{summary['layer_files']} layer files"
+        f"{summary['layer_files']} layer files" + (f", {summary['expert_files']} expert files" if summary["expert_files"] else "")
     )
 
 

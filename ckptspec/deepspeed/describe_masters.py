@@ -255,7 +255,8 @@ def universal_index(folder: Path, states: StateCache, hash_algorithm: str | None
         if p.is_file()
     ]
     copies = sorted(p.name for p in folder.iterdir() if MODEL_RE.match(p.name))
-    files += [b.file(rel, "model_states" if i == 0 else "other", [0] if i == 0 else []) for i, rel in enumerate(copies)]
+    # Copies of the source's model states: the source's shards (tensor parallel), not this folder's tensors.
+    files += [b.file(rel, "other", []) for rel in copies]
     domain = b.domain(
         "universal",
         Coordinate(),
@@ -265,7 +266,15 @@ def universal_index(folder: Path, states: StateCache, hash_algorithm: str | None
         files,
         stage=_source_stage(b),
     )
-    return b.index("universal", [domain])
+    index = b.index("universal", [domain])
+    # The degrees of the source the copied model states record (the folder itself is the whole model).
+    dims = b.model.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, dict) and "pp_degree" in dims and "tp_degree" in dims:
+        pp, tp = int(dims["pp_degree"]), int(dims["tp_degree"])
+        index.topology.degrees.pipeline, index.topology.degrees.tensor = pp, tp
+        index.topology.model_parallel_size = pp * tp
+        index.topology.degrees_source = "checkpoint_parallel_dimensions"
+    return index
 
 
 def _source_stage(b: _Builder) -> int:
