@@ -162,6 +162,7 @@ def partition_counts(ctx: IndexContext) -> Iterator[Finding]:
         for g, want in sorted(sizes.items()):
             got = counts[g] if isinstance(counts, list) and g < len(counts) else None
             if got not in want:
+                m = OPTIM_RE.match(Path(rel).name)
                 yield finding(
                     "CK242",
                     "$",
@@ -169,6 +170,7 @@ def partition_counts(ctx: IndexContext) -> Iterator[Finding]:
                     "dense groups are partitioned over the data-parallel group, expert groups over the "
                     "expert-data-parallel group: a file of another run or layout",
                     file=rel,
+                    rank=int(m.group(1)) if m else None,
                 )
 
 
