@@ -266,7 +266,8 @@ def _inspect_index(loaded: Target, output_format: str) -> None:
     _show_findings(loaded, loaded.findings, err=True)
     deg = summary["degrees"]
     click.echo(
-        f"{_label(loaded)}: checkpoint index {summary['format_version']} ({summary['kind']}), pipeline {deg['pipeline']} x tensor "
+        f"{_label(loaded)}: checkpoint index {summary['format_version']} ({summary['kind']}), "
+        f"pipeline {deg['pipeline']} x tensor "
         f"{deg['tensor']} x data {deg['data']} ({summary['degrees_source']})"
     )
     for d in summary["domains"]:
@@ -278,7 +279,8 @@ def _inspect_index(loaded: Target, output_format: str) -> None:
     placements = ", ".join(f"{n} {k}" for k, n in summary["placements"].items())
     click.echo(
         f"  whole model: {summary['parameters']} parameters ({summary['numel']} elements; {placements}), "
-        f"{summary['layer_files']} layer files" + (f", {summary['expert_files']} expert files" if summary["expert_files"] else "")
+        f"{summary['layer_files']} layer files"
+        + (f", {summary['expert_files']} expert files" if summary["expert_files"] else "")
     )
 
 

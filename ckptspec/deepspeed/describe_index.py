@@ -31,7 +31,7 @@ from ..format.models import Manifest
 from .describe import manifest_from_states
 from .directory import resolve_tag_dir
 from .placements import affine_params, tp_placement
-from .topology import ParallelFiles, degrees_of, scan_parallel
+from .topology import ParallelFiles, degrees_of
 
 
 def index_from_checkpoint(

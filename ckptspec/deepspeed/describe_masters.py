@@ -33,7 +33,6 @@ from ..format.index_models import (
     Coordinate,
     Degrees,
     Domain,
-    ExpertFile,
     IndexParameter,
     MasterLocator,
     Masters,
@@ -299,4 +298,3 @@ def generate_index(tag_dir: Path, states: StateCache, *, hash_algorithm: str | N
     from .topology import scan_parallel
 
     return index_from_files(scan_parallel(tag_dir), states, hash_algorithm=hash_algorithm)
-

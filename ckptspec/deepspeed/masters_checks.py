@@ -203,8 +203,7 @@ def replicas_equal(ctx: IndexContext) -> Iterator[Finding]:
                 yield finding(
                     "CK243",
                     json_path("domains", i, "replicas", j),
-                    f"the copy of {copy.param!r}'s master differs from the master in "
-                    f"{by_param[copy.param][0].file}",
+                    f"the copy of {copy.param!r}'s master differs from the master in {by_param[copy.param][0].file}",
                     "every copy of a stage-0 master is saved from the same values: a file of another save or "
                     "a corrupted one",
                     file=copy.file,

@@ -168,7 +168,9 @@ class IndexParameter(_Model):
     dtype: Dtype
     role: Literal["trainable"]
     shards: Annotated[list[Shard], Field(min_length=1, max_length=1048576)]
-    placement_source: Literal["affine_map", "universal_checkpoint_info", "pipeline_layer", "none", "engine", "moe_expert"]
+    placement_source: Literal[
+        "affine_map", "universal_checkpoint_info", "pipeline_layer", "none", "engine", "moe_expert"
+    ]
 
 
 class CheckpointIndex(_Model):

@@ -35,7 +35,9 @@ def summarize_index(index: CheckpointIndex) -> dict[str, Any]:
                 "coordinate": d.coordinate.model_dump(exclude_unset=True),
                 "process_group": d.process_group,
                 "size": d.size,
-                "zero_stage": d.manifest.layout.zero_stage if d.configured_zero_stage is None else d.configured_zero_stage,
+                "zero_stage": d.manifest.layout.zero_stage
+                if d.configured_zero_stage is None
+                else d.configured_zero_stage,
                 "optimizer": d.manifest.layout.optimizer,
                 "parameters": len(params),
                 "numel": sum(p.numel for p in params),

@@ -9,30 +9,52 @@ stops it like a scheduler or a user (``term:N``, ``int:N``) or fails the write (
 
 from __future__ import annotations
 
+import json
 import os
-import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+class _ForkServer:
+    """One ``forkserver.py`` per test process, started at the first command (see its docstring)."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+
+    def run(self, args: list[str], env: dict, cwd: Path | None) -> subprocess.CompletedProcess:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("forkserver.py"))],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        with tempfile.TemporaryDirectory() as scratch:
+            out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
+            request = {"args": args, "env": env, "cwd": str(cwd or Path.cwd()), "stdout": str(out), "stderr": str(err)}
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            reply = self.process.stdout.readline()
+            if not reply:
+                raise RuntimeError(f"the fork server died (exit {self.process.wait()})")
+            code = json.loads(reply)["returncode"]
+            return subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
+
+
+_SERVER = _ForkServer()
+
+
 def run(args: list[str], failpoint: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m ckptspec ARGS`` in a child process, with a failpoint if given."""
+    """``ckptspec ARGS`` in a child process of its own, with a failpoint if given."""
     env = {k: v for k, v in os.environ.items() if k not in ("CKPTSPEC_FAILPOINT", "CKPTSPEC_DEBUG")}
     if failpoint:
         env["CKPTSPEC_FAILPOINT"] = failpoint
-    return subprocess.run(
-        [sys.executable, "-m", "ckptspec", *map(str, args)],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        # A suite started in the background (`./scripts/test.sh &`) inherits SIGINT ignored, and
-        # Python keeps an ignored SIGINT ignored: the child gets Ctrl-C's default, as a terminal gives it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    return _SERVER.run(list(map(str, args)), env, cwd)
 
 
 def steps(args: list[str], tmp: Path) -> int:

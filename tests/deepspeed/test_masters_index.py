@@ -147,7 +147,9 @@ def test_inspect_shows_domains_masters_and_expert_files(ds):
 def test_diff(ds):
     """The same checkpoint: nothing differs and B can resume; a stage-0 MoE against a stage-2 one: the
     stages differ (DeepSpeed cannot load one's optimizer state into the other)."""
-    same = _cli("diff", str(_folder(ds, "moe-ep2-s1-fp32-ws2")), str(_folder(ds, "moe-ep2-s1-fp32-ws2")), "--format", "json")
+    same = _cli(
+        "diff", str(_folder(ds, "moe-ep2-s1-fp32-ws2")), str(_folder(ds, "moe-ep2-s1-fp32-ws2")), "--format", "json"
+    )
     assert same.exit_code == 0 and json.loads(same.stdout)["resume"]["ok"], same.stdout + same.stderr
     other = _cli("diff", str(_folder(ds, "s0-fp32-ws2")), str(_folder(ds, "moe-ep2-s0-fp32-ws2")), "--format", "json")
     assert other.exit_code == 1, other.stdout + other.stderr

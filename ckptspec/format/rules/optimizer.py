@@ -46,17 +46,42 @@ def state_coverage(doc: Document) -> Iterator[Finding]:
         seen.setdefault(key, where)
         states.setdefault(loc["group"], set()).add(loc["state"])
     for g, names in sorted(states.items()):
-        for r in range(doc["groups"][g]["partition_count"]):
-            missing = sorted(s for s in names if (g, r, s) not in seen)
-            if missing:
-                yield finding(
-                    "CK124",
-                    json_path("groups", g),
-                    f"rank {r} has no partition of state(s) {', '.join(map(repr, missing))} of group {g}, "
-                    "which other ranks have",
-                    "every rank of a group holds a partition of every state of the group; locate them all",
-                    rank=r,
-                )
+        yield from _missing_states(g, names, doc["groups"][g]["partition_count"], seen)
+
+
+def _missing_states(g: int, names: set[str], ranks: int, seen: dict) -> Iterator[Finding]:
+    """One finding per run of consecutive ranks missing the same states: a manifest claiming a
+    million ranks gets one line, not a million (and costs the located ranks, not the claimed)."""
+    present: dict[int, set[str]] = {}
+    for group, rank, state in seen:
+        if group == g:
+            present.setdefault(rank, set()).add(state)
+    everything = sorted(names)
+    runs: list[list] = []  # [first rank, last rank, missing states]
+
+    def extend(first: int, last: int, missing: list[str]) -> None:
+        if runs and runs[-1][2] == missing and runs[-1][1] == first - 1:
+            runs[-1][1] = last
+        elif missing:
+            runs.append([first, last, missing])
+
+    after = 0  # the first rank not yet looked at
+    for rank in sorted(r for r in present if r < ranks):
+        if rank > after:
+            extend(after, rank - 1, everything)
+        extend(rank, rank, sorted(names - present[rank]))
+        after = rank + 1
+    if after < ranks:
+        extend(after, ranks - 1, everything)
+    for first, last, missing in runs:
+        who = f"rank {first} has" if first == last else f"ranks {first}-{last} have"
+        yield finding(
+            "CK124",
+            json_path("groups", g),
+            f"{who} no partition of state(s) {', '.join(map(repr, missing))} of group {g}, which other ranks have",
+            "every rank of a group holds a partition of every state of the group; locate them all",
+            rank=first,
+        )
 
 
 @rule("CK125")
