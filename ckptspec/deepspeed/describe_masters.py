@@ -54,10 +54,12 @@ def index_kind(tag_dir: Path | RemotePath) -> str | None:
     if isinstance(tag_dir, RemotePath) or not tag_dir.is_dir():
         return None
     names = [p.name for p in tag_dir.iterdir()]
+    if any(PIPE_LAYER_RE.match(n) for n in names):
+        from .describe_pipeline0 import is_pipeline_stage0
+
+        return "pipeline_stage0" if is_pipeline_stage0(tag_dir, StateCache()) else None
     if any(OPTIM_RE.match(n) and not n.endswith("mp_rank_00_optim_states.pt") for n in names):
         return None  # a model-parallel rank other than 0: the tensor/pipeline index
-    if any(PIPE_LAYER_RE.match(n) for n in names):
-        return None
     if any(EXPERT_FILE_RE.match(n) or EXPP_RE.match(n) for n in names):
         return "moe"
     if any(OPTIM_RE.match(n) for n in names):
@@ -137,6 +139,7 @@ class _Builder:
         stage: int = 0,
         replicas: list[tuple[MasterTensor, MasterTensor]] = (),
         source: str = "none",
+        add_parameters: bool = True,
     ) -> Domain:
         dtypes = {m.name: self.model_dtypes.get(m.name, m.dtype) for m in masters}
         specs = [ParamSpec(m.name, m.shape, dtypes[m.name]) for m in masters]
@@ -179,7 +182,7 @@ class _Builder:
         )
         if replicas:
             domain.replicas = [loc for _, copy in replicas for loc in _locators(self.folder, copy, self.states)]
-        for m in masters:
+        for m in masters if add_parameters else []:
             shard = Shard(domain=id, local_name=m.name, local_shape=list(m.shape), placement="whole")
             self.parameters.append(
                 IndexParameter(
@@ -290,6 +293,10 @@ def generate_index(tag_dir: Path, states: StateCache, *, hash_algorithm: str | N
         return stage0_index(tag_dir, states, hash_algorithm)
     if kind == "universal":
         return universal_index(tag_dir, states, hash_algorithm)
+    if kind == "pipeline_stage0":
+        from .describe_pipeline0 import pipeline_stage0_index
+
+        return pipeline_stage0_index(tag_dir, states, hash_algorithm)
     if kind == "moe":
         from .describe_moe import moe_index
 

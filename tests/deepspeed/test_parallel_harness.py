@@ -479,8 +479,6 @@ def _refusal(name):
     spec, _ = _spec(name)
     if spec["ep"]:
         return None, None  # described by a checkpoint index (#17: tests/deepspeed/test_masters_index.py)
-    if spec["pp"] > 1 and spec["stage"] == 0:  # BF16_Optimizer: param_shapes None (#17: stage 0)
-        return "mp_rank_00_model_states.pt", "ZeRO stage 0"
     if spec["pp"] > 1 or spec["tp"] > 1:
         return None, None  # described by a checkpoint index (#16: tests/deepspeed/test_parallel_index.py)
     return None, None  # the universal sources: plain ZeRO-2/3, supported
