@@ -16,12 +16,14 @@ optimizer files and the model states' copy as ``replicas``; the whole-model view
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..checkpoint.standins import FragmentAddress
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import TensorRef
 from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
+from ..format.dtypes import ITEMSIZE
 from ..format.index_models import Coordinate
 from .describe_masters import _Builder
 from .masters import MasterTensor
@@ -56,7 +58,7 @@ def _stage_masters(folder: Path, by_rank: dict[int, Path], shapes, states: State
     """Every master of one stage: each parameter's fragments over the data-parallel ranks, in rank order."""
     pieces: dict[str, list] = {}
     dtype = "float32"
-    for rank, path in sorted(by_rank.items()):
+    for _, path in sorted(by_rank.items()):  # rank order: the flat buffer's
         state = states.state(path)
         osd = state.get("optimizer_state_dict") if copy_of is None else state.get("optimizer")
         rel = path.relative_to(folder).as_posix()
@@ -90,17 +92,10 @@ def _stage_masters(folder: Path, by_rank: dict[int, Path], shapes, states: State
             )
         key = (*(_KEY if copy_of is None else ("optimizer", "single_partition_of_fp32_groups")), segments[0][3])
         master = MasterTensor(name, shapes[name], dtype, tuple(s[:3] for s in segments), key)
-        if sum(s[2] for s in segments) != 4 * _numel(master.shape):
+        if sum(s[2] for s in segments) != ITEMSIZE[dtype] * math.prod(master.shape):
             raise UnsupportedCheckpoint(f"the fragments of {name!r} do not make its shape {list(master.shape)}", _HINT)
         out.append(master)
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def pipeline_stage0_index(folder: Path, states: StateCache, hash_algorithm: str | None = None):
