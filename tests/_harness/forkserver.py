@@ -7,8 +7,12 @@ own environment (``CKPTSPEC_FAILPOINT`` included, which ckptspec reads at its fi
 its own working directory and output files, and is really killed by the signal a failpoint
 sends. It runs ``ckptspec.cli.main``, as ``python -m ckptspec`` does.
 
-Protocol: one JSON line per request on stdin (args, env, cwd, stdout and stderr file paths),
-one JSON line with the child's exit status on stdout (negative: killed by that signal).
+Two ways in:
+* ``forkserver.py``: one JSON line per request on stdin (args, env, cwd, stdout and stderr file
+  paths), one JSON line with the child's exit status on stdout (negative: killed by that signal);
+* ``forkserver.py --socket PATH``: many clients at once on a Unix socket, each sending its
+  request with its own stdin, stdout and stderr (``forkclient.py``, a drop-in ``ckptspec``
+  executable for the docs' console transcripts).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import atexit
 import json
 import os
 import signal
+import socket
 import sys
 import traceback
 
@@ -30,20 +35,19 @@ import ckptspec.deepspeed.validate
 import ckptspec.export.api
 
 
-def _child(request: dict) -> None:
+def _child(request: dict, stdio: list[int]) -> None:
+    """Run one command in this (forked) process and exit with its status; never returns."""
     code = 1
     try:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        for fd, source in enumerate(stdio):
+            os.dup2(source, fd)
         # As a terminal gives it, whatever the server inherited (a suite started in the background
         # ignores SIGINT): Python's own handler, so Ctrl-C is a KeyboardInterrupt.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.argv = ["ckptspec", *request["args"]]
+        sys.argv = ["ckptspec", *request["args"]]  # the name the installed command runs under
         ckptspec.cli.main()
         code = 0
     except SystemExit as exc:
@@ -58,17 +62,49 @@ def _child(request: dict) -> None:
         os._exit(code)
 
 
-def serve() -> None:
+def _run(request: dict, stdio: list[int]) -> int:
+    """Fork a child for ``request`` and wait for it: its exit code, or minus the signal that killed it."""
+    pid = os.fork()
+    if pid == 0:
+        _child(request, stdio)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def serve_pipe() -> None:
     for line in sys.stdin:
         request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(request)
-        _, status = os.waitpid(pid, 0)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        stdio = [
+            os.open(os.devnull, os.O_RDONLY),
+            os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
+            os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
+        ]
+        code = _run(request, stdio)
+        for fd in stdio:
+            os.close(fd)
         sys.stdout.write(json.dumps({"returncode": code}) + "\n")
         sys.stdout.flush()
 
 
+def serve_socket(path: str) -> None:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(64)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the per-client handlers are reaped by the kernel
+    while True:
+        client, _ = server.accept()
+        if os.fork() == 0:  # a handler per client, so clients run side by side
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            message, stdio, _, _ = socket.recv_fds(client, 1 << 20, 3)
+            code = _run(json.loads(message), stdio)
+            client.send(json.dumps({"returncode": code}).encode())
+            os._exit(0)
+        client.close()
+
+
 if __name__ == "__main__":
-    serve()
+    if sys.argv[1:2] == ["--socket"]:
+        serve_socket(sys.argv[2])
+    else:
+        serve_pipe()
