@@ -129,8 +129,8 @@ def stage0_masters(folder: Path, states: StateCache | None = None) -> dict[str, 
     if not experts:
         if sum(len(group) for group in groups) != len(dense):
             raise UnsupportedCheckpoint(
-                f"optimizer/fp32_groups holds {sum(len(g) for g in groups)} masters for {len(dense)} trainable "
-                "parameters",
+                f"ZeRO stage 0: optimizer/fp32_groups holds {sum(len(g) for g in groups)} masters for {len(dense)} "
+                "trainable parameters (tied or shared parameters are not told apart at stage 0)",
                 _HINT,
                 MODEL_FILE,
             )
