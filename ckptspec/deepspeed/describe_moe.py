@@ -34,8 +34,12 @@ def moe_index(folder: Path, states: StateCache, hash_algorithm: str | None = Non
         first = states.state(folder / optim[min(optim)]).get("optimizer_state_dict") or {}
         counts, stage = first.get("partition_count"), int(first.get("zero_stage", 0))
         if not isinstance(counts, list) or len(counts) != 2 or len(optim) % int(counts[1]):
+            where = experts[0][2] if experts else optim[min(optim)]
             raise UnsupportedCheckpoint(
-                f"partition counts {counts} for {len(optim)} optimizer files", _HINT, optim[min(optim)]
+                f"MoE expert file {where} beside optimizer files with partition counts {counts} "
+                f"({len(optim)} files): not one dense and one expert optimizer group",
+                _HINT,
+                where,
             )
         world, edp = len(optim), int(counts[1])
         ep = world // edp
