@@ -31,6 +31,9 @@ from child import run_child
 from make_big_checkpoint import build
 
 CLI = [sys.executable, "-m", "ckptspec"]
+# The local command with a backend imported first: what importing it costs a reconstruction, exactly.
+IMPORTING = "import sys, runpy, {module}; sys.argv[0] = 'ckptspec'; runpy.run_module('ckptspec', run_name='__main__')"
+BACKENDS = {"HTTP (nginx)": "fsspec.implementations.http", "S3 (moto)": "s3fs"}
 
 
 def digest(directory: Path) -> dict[str, str]:
@@ -54,9 +57,10 @@ def fetched_of(output: str) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--s3", action="store_true", help="also upload to moto's S3 server and read it there")
+    parser.add_argument("--checkpoint", type=Path, help="a save directory to read instead of the 100M one")
     args = parser.parse_args()
     start_load = os.getloadavg()
-    save_dir = build(2)
+    save_dir = args.checkpoint or build(2)
     tag = (save_dir / "latest").read_text().strip()
     total = sum(p.stat().st_size for p in (save_dir / tag).iterdir() if p.is_file())
     work = Path(tempfile.mkdtemp(prefix="ckptspec-bench-remote-"))
@@ -64,7 +68,7 @@ def main() -> None:
     s3 = None
     rows = []
     try:
-        (nginx.root / "big").symlink_to(save_dir)
+        (nginx.root / "big").symlink_to(save_dir.resolve())
         url = nginx.url("big")
         env = dict(os.environ)
         places = [("local", str(save_dir), None), ("HTTP (nginx)", url, nginx)]
@@ -80,6 +84,13 @@ def main() -> None:
             done = run_child([sys.executable, "-c", code, str(HERE.parent / "tests"), str(s3.port), str(save_dir)], env)
             places.append(("S3 (moto)", done["out"].strip().splitlines()[-1], None))
         outputs = {}
+        for where in [w for w, _, _ in places if w in BACKENDS]:
+            out = work / "out-import"
+            code = IMPORTING.format(module=BACKENDS[where])
+            result = run_child([sys.executable, "-c", code, "reconstruct", str(save_dir), str(out)], env)
+            result["load"] = os.getloadavg()[0]
+            shutil.rmtree(out)
+            rows.append(("reconstruct (imports the backend first)", f"local, {where}", result, None, None))
         for where, target, server in places:
             for command in ("validate", "reconstruct"):
                 out = work / f"out-{len(outputs)}"
@@ -88,12 +99,17 @@ def main() -> None:
                 )
                 mark = server.mark() if server else 0
                 result = run_child(cmd, env)
+                result["load"] = os.getloadavg()[0]
                 sent = sum(line[3] for line in server.since(mark)) if server else None
                 got = fetched_of(result["out"])
                 if command == "reconstruct":
                     outputs[where] = digest(out)
                     shutil.rmtree(out)
-                print(f"{command} from {where}: {result['wall']:.1f} s, {result['rss_mib']:.0f} MiB", file=sys.stderr)
+                print(
+                    f"{command} from {where}: {result['wall']:.1f} s, {result['cpu']:.1f} s CPU, "
+                    f"{result['rss_mib']:.1f} MiB",
+                    file=sys.stderr,
+                )
                 rows.append(
                     (f"{command} {'--no-hash' if command == 'validate' else ''}".strip(), where, result, got, sent)
                 )
@@ -110,13 +126,17 @@ def main() -> None:
         f"load average (1, 5, 15 min) at start: {start_load[0]:.1f} {start_load[1]:.1f} {start_load[2]:.1f}; "
         f"at end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {os.cpu_count()} cores\n"
     )
-    print("| command | from | wall s | peak RSS MiB | bytes fetched (ckptspec) | bytes sent (nginx log) | % of files |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| command | from | wall s | CPU s | load (1 min) | peak RSS MiB | bytes fetched (ckptspec) "
+        "| bytes sent (nginx log) | % of files |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for command, where, result, got, sent in rows:
         shown = sent if sent is not None else got
         pct = f"{100 * shown / total:.4f}" if shown is not None else ""
         print(
-            f"| {command} | {where} | {result['wall']:.1f} | {result['rss_mib']:.0f} | "
+            f"| {command} | {where} | {result['wall']:.1f} | {result['cpu']:.1f} | {result.get('load', 0):.1f} "
+            f"| {result['rss_mib']:.1f} | "
             f"{'' if got is None else f'{got:,}'} | {'' if sent is None else f'{sent:,}'} | {pct} |"
         )
     print(f"\nreconstructions bit-identical to the local one: {same}")

@@ -79,6 +79,10 @@ CODES: dict[str, str] = {
     "CK232": "index-other-save",
     "CK233": "index-module-shard",
     "CK234": "index-replica-differs",
+    "CK240": "index-expert-file-missing",
+    "CK241": "index-expert-file-other",
+    "CK242": "index-partition-count",
+    "CK243": "index-master-copy-differs",
     # CK3xx: embedded copies and migrations (checkpoint/embedded.py, deepspeed/embed.py, format/migrate.py)
     "CK301": "embedded-copies-disagree",
     "CK302": "embedded-manifest-unreadable",

@@ -38,14 +38,14 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     from ..deepspeed.describe import manifest_from_checkpoint
     from ..deepspeed.describe_index import index_from_checkpoint
     from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import is_model_parallel
+    from ..deepspeed.topology import needs_index
     from ..format.codec import gc_paused, write_manifest
 
     # No cyclic GC: the decoded pickles and the manifest are acyclic, and with 100k tensors the
     # collector rescanned them on every few thousand allocations (half of generate's time).
     try:
         with gc_paused():
-            if is_model_parallel(resolve_tag_dir(checkpoint, tag)):
+            if needs_index(resolve_tag_dir(checkpoint, tag)):
                 # Tensor/pipeline parallel: a checkpoint index (one 1.x manifest per model-parallel rank).
                 document = index_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm).to_dict()
             else:

@@ -66,10 +66,10 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
     from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import is_model_parallel
+    from ..deepspeed.topology import needs_index
     from ..deepspeed.validate import check_tag_dir
 
-    if not is_remote(name) and is_model_parallel(resolve_tag_dir(name, tag)):  # tensor/pipeline parallel: its index
+    if not is_remote(name) and needs_index(resolve_tag_dir(name, tag)):  # tensor/pipeline parallel: its index
         from ..deepspeed.validate_index import validate_index_checkpoint
 
         index, findings = validate_index_checkpoint(name, None, tag, verify_hashes=False)
@@ -266,18 +266,21 @@ def _inspect_index(loaded: Target, output_format: str) -> None:
     _show_findings(loaded, loaded.findings, err=True)
     deg = summary["degrees"]
     click.echo(
-        f"{_label(loaded)}: checkpoint index {summary['format_version']}, pipeline {deg['pipeline']} x tensor "
+        f"{_label(loaded)}: checkpoint index {summary['format_version']} ({summary['kind']}), "
+        f"pipeline {deg['pipeline']} x tensor "
         f"{deg['tensor']} x data {deg['data']} ({summary['degrees_source']})"
     )
     for d in summary["domains"]:
         click.echo(
             f"  {d['id']}: ZeRO-{d['zero_stage']} {d['optimizer']} over {d['size']} ranks, "
             f"{d['parameters']} parameters ({d['numel']} elements), {d['files']} files"
+            + (f"; masters in {d['masters']} ({d['replicas']} saved copies)" if "masters" in d else "")
         )
     placements = ", ".join(f"{n} {k}" for k, n in summary["placements"].items())
     click.echo(
         f"  whole model: {summary['parameters']} parameters ({summary['numel']} elements; {placements}), "
         f"{summary['layer_files']} layer files"
+        + (f", {summary['expert_files']} expert files" if summary["expert_files"] else "")
     )
 
 

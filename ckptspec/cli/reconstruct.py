@@ -136,14 +136,14 @@ def reconstruct(
 def _is_index_target(checkpoint: str, manifest: str | None, tag: str | None) -> bool:
     """A tensor/pipeline-parallel checkpoint (or a checkpoint index given with --manifest)."""
     from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import is_model_parallel
+    from ..deepspeed.topology import needs_index
     from ..format.codec import read_document
     from ..format.index_validate import is_index
 
     try:
         if manifest is not None:
             return is_index(read_document(manifest)[0])
-        return is_model_parallel(resolve_tag_dir(checkpoint, tag))
+        return needs_index(resolve_tag_dir(checkpoint, tag))
     except CkptspecError:
         return False  # the ordinary path reports it
 

@@ -100,7 +100,7 @@ def validate(
         sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
 
     from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import is_model_parallel
+    from ..deepspeed.topology import needs_index
     from ..deepspeed.validate import validate_checkpoint
     from ..deepspeed.validate_index import validate_index_checkpoint
     from ..format.codec import gc_paused
@@ -117,7 +117,7 @@ def validate(
                 sys.exit(EXIT_INVALID)
         # The report is handed over: the manifest is not validated a second time.
         if isinstance(manifest, IndexReport) or (
-            manifest is None and not is_remote(shown) and is_model_parallel(resolve_tag_dir(shown, tag))
+            manifest is None and not is_remote(shown) and needs_index(resolve_tag_dir(shown, tag))
         ):  # tensor/pipeline parallel: the checkpoint index and every domain's files (local only, for now)
             with gc_paused():
                 _, findings = validate_index_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)

@@ -31,7 +31,7 @@ from ..format.models import Manifest
 from .describe import manifest_from_states
 from .directory import resolve_tag_dir
 from .placements import affine_params, tp_placement
-from .topology import ParallelFiles, degrees_of, scan_parallel
+from .topology import ParallelFiles, degrees_of
 
 
 def index_from_checkpoint(
@@ -42,8 +42,10 @@ def index_from_checkpoint(
     states: StateCache | None = None,
 ) -> CheckpointIndex:
     """Describe a saved tensor/pipeline-parallel DeepSpeed checkpoint (``is_model_parallel``)."""
+    from .describe_masters import generate_index  # MoE, stage 0 and universal folders too (#17)
+
     tag_dir = resolve_tag_dir(checkpoint, tag)
-    return index_from_files(scan_parallel(tag_dir), states or StateCache(), hash_algorithm=hash_algorithm)
+    return generate_index(tag_dir, states or StateCache(), hash_algorithm=hash_algorithm)
 
 
 def domain_id(pipeline: int, tensor: int) -> str:

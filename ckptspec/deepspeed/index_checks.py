@@ -54,6 +54,7 @@ def unaccounted(ctx: IndexContext) -> Iterator[Finding]:
     """A file of the tag directory no domain and no layer-file entry accounts for."""
     domains_mp = {mp_rank_of(f.path) for d in ctx.index.domains for f in d.manifest.files} - {None}
     listed = {f.path for d in ctx.index.domains for f in d.manifest.files} | {lf.path for lf in ctx.index.layer_files}
+    listed |= {ef.path for ef in ctx.index.expert_files or []}  # MoE (#17)
     for rel in disk_files(ctx.tag_dir):
         if rel in listed or mp_rank_of(rel) in domains_mp:
             continue  # a domain's stray files are its own CK207
@@ -247,3 +248,6 @@ def check_index_files(
 ) -> list[Finding]:
     ctx = IndexContext(index, tag_dir, states, verify_hashes)
     return [found for c in INDEX_CHECKS for found in c.check(ctx)]
+
+
+from . import masters_checks  # noqa: E402,F401  (registers #17's CK240-CK243)

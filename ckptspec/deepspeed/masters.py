@@ -129,8 +129,8 @@ def stage0_masters(folder: Path, states: StateCache | None = None) -> dict[str, 
     if not experts:
         if sum(len(group) for group in groups) != len(dense):
             raise UnsupportedCheckpoint(
-                f"optimizer/fp32_groups holds {sum(len(g) for g in groups)} masters for {len(dense)} trainable "
-                "parameters",
+                f"ZeRO stage 0: optimizer/fp32_groups holds {sum(len(g) for g in groups)} masters for {len(dense)} "
+                "trainable parameters (tied or shared parameters are not told apart at stage 0)",
                 _HINT,
                 MODEL_FILE,
             )
@@ -183,9 +183,10 @@ def universal_masters(folder: Path, states: StateCache | None = None) -> dict[st
         ref, key = (value.get("param"), ("param",)) if isinstance(value, dict) else (value, ())
         master = _locate(folder, rel, ref, param_dir.name, key, states)
         shape = master.shape
-        if len(shape) == 1 and param_dir.name in shapes and shapes[param_dir.name] != shape:
+        bare = not isinstance(value, dict)  # {'param': T} is in its whole (logical) shape already
+        if bare and len(shape) == 1 and param_dir.name in shapes and shapes[param_dir.name] != shape:
             if math.prod(shapes[param_dir.name]) != shape[0]:
-                raise UnsupportedCheckpoint(
+                raise UnsupportedCheckpoint(  # e.g. a tensor-parallel stage-3 source: param_shapes are shards
                     f"{rel} holds {shape[0]} elements for shape {list(shapes[param_dir.name])}", _HINT, rel
                 )
             shape = shapes[param_dir.name]  # a stage-3 source: flat, viewed as the parameter

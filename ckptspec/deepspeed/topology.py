@@ -59,6 +59,13 @@ def is_model_parallel(tag_dir: Path | RemotePath) -> bool:
     return False
 
 
+def needs_index(tag_dir: Path | RemotePath) -> bool:
+    """Described by a checkpoint index: model parallel, or MoE, ZeRO stage 0 or a universal folder (#17)."""
+    from .describe_masters import index_kind
+
+    return is_model_parallel(tag_dir) or index_kind(tag_dir) is not None
+
+
 def scan_parallel(tag_dir: Path) -> ParallelFiles:
     out = ParallelFiles(tag_dir)
     for path in sorted(tag_dir.iterdir()):

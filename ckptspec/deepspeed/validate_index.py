@@ -19,11 +19,11 @@ from ..format.codec import read_document
 from ..format.index_models import CheckpointIndex, Domain
 from ..format.index_validate import IndexReport, is_index, validate_index, validate_index_document
 from .checks import check_checkpoint
-from .describe_index import index_from_files
+from .describe_masters import generate_index
 from .directory import resolve_tag_dir
 from .index_checks import check_index_files
+from .masters_checks import check_masters_domain
 from .names import mp_rank_of
-from .topology import scan_parallel
 
 
 def domain_mp_rank(domain: Domain) -> int | None:
@@ -46,7 +46,7 @@ def choose_index(
             report = validate_index_document(doc)
             found = [f if f.file else dataclasses.replace(f, file=sidecar.name) for f in report.findings]
             return report.index, found, "sidecar"
-    generated = index_from_files(scan_parallel(tag_dir), states)
+    generated = generate_index(tag_dir, states)
     # As for a generated 1.x manifest: the rules run without the file lists (made from the same files,
     # they would only repeat what the file checks say better, naming the file).
     doc = generated.to_dict()
@@ -71,6 +71,9 @@ def validate_index_checkpoint(
     if chosen is None or (has_errors(findings) and source != "generated"):
         return chosen, findings  # a generated index is checked even when its rules fail: the checks say which file
     for i, domain in enumerate(chosen.domains):
+        if domain.masters is not None:  # #17: masters located in model states, expert or universal files
+            findings += check_masters_domain(domain, i, tag_dir, states, verify_hashes=verify_hashes)
+            continue
         mp = domain_mp_rank(domain)
         listed = {f.path for f in domain.manifest.files}
 

@@ -98,7 +98,7 @@ def load_state_dict(
 def _model_parallel(checkpoint, manifest, tag) -> bool:
     """A tensor/pipeline-parallel checkpoint: described by a checkpoint index, not a manifest."""
     from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import is_model_parallel
+    from ..deepspeed.topology import needs_index
     from ..format.index_models import CheckpointIndex
 
     if isinstance(manifest, CheckpointIndex):
@@ -109,7 +109,7 @@ def _model_parallel(checkpoint, manifest, tag) -> bool:
 
         return is_index(read_document(manifest)[0])
     # Checkpoint indexes are read from local directories only, for now (docs/remote.md).
-    return manifest is None and not is_remote(checkpoint) and is_model_parallel(resolve_tag_dir(checkpoint, tag))
+    return manifest is None and not is_remote(checkpoint) and needs_index(resolve_tag_dir(checkpoint, tag))
 
 
 def reconstruct(

@@ -26,6 +26,7 @@ from ..findings import has_errors
 from ..format.dtypes import output_dtype
 from ..format.index_models import CheckpointIndex, IndexParameter
 from .arrays import ShardReader, _np, convert, read_array
+from .compose_masters import master_sources
 from .outputs import existing_outputs
 from .plan import TensorSource, plan_reconstruction
 from .safetensors_writer import SafetensorsWriter, TensorEntry
@@ -54,6 +55,9 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
     tag_dir = resolve_tag_dir(checkpoint, tag)
     sources = {}
     for domain in found.domains:
+        if domain.masters is not None:  # #17: stage 0, MoE, universal folders
+            sources.update({(domain.id, name): s for name, s in master_sources(tag_dir, domain).items()})
+            continue
         plan = plan_reconstruction(tag_dir, domain.manifest, states=states)
         for name, source in plan.sources.items():
             sources[(domain.id, name)] = source

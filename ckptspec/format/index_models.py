@@ -57,6 +57,30 @@ class Topology(_Model):
     ranks: Annotated[list[RankCoordinate], Field(max_length=1048576)] = None  # type: ignore[assignment]
 
 
+class MasterLocator(_Model):
+    """``numel`` elements of ``dtype`` at ``element_offset`` of zip ``member`` (data at byte
+    ``data_offset`` of ``file``): one fp32 master, or one piece of it (a ZeRO partition may cut a
+    parameter in two; a parameter's locators, in order, concatenated, are its flat master).
+    ``key`` is its path in the pickle, for a reader that unpickles."""
+
+    param: Name
+    file: RelPath
+    key: Annotated[list[Annotated[str, StringConstraints(strict=True, max_length=4096)] | Count], Field(max_length=64)]
+    member: Annotated[str, StringConstraints(strict=True, min_length=1, max_length=4096)]
+    data_offset: Count
+    member_size: Count
+    dtype: Dtype
+    element_offset: Count
+    numel: Count
+
+
+class Masters(_Model):
+    """Where a domain's fp32 masters are when they are not 1.x flat partitions (stage 0, MoE, universal)."""
+
+    stored_in: Literal["module", "model_states", "optimizer_states", "expert_files", "universal"]
+    tensors: Annotated[list[MasterLocator], Field(max_length=10_000_000)]
+
+
 class Domain(_Model):
     """Optimizer groups partitioned over one process group at one coordinate, as a 1.x manifest
     whose ranks are the domain's ranks (``file_ranks``: file path -> domain rank)."""
@@ -69,6 +93,23 @@ class Domain(_Model):
     file_ranks: Annotated[dict[RelPath, Count], Field(max_length=1048576)]
     optimizer_groups: Annotated[list[Count], Field(max_length=100000)] = None  # type: ignore[assignment]
     manifest: Manifest
+    masters: Masters = None  # type: ignore[assignment]
+    replicas: Annotated[list[MasterLocator], Field(max_length=10_000_000)] = None  # type: ignore[assignment]
+    configured_zero_stage: Annotated[int, Field(ge=0, le=3, strict=True)] = None  # type: ignore[assignment]
+
+
+class ExpertFile(_Model):
+    """A MoE expert file (``layer_<L>_expert_<E>_mp_rank_XX_model_states.pt``): its keys (already
+    global names) -> whole-model names; written by the expert-parallel rank holding E as ``local_expert``."""
+
+    path: RelPath
+    moe_layer: Count
+    expert: Count
+    expert_parallel_rank: Count
+    local_expert: Count
+    size: Count
+    hash: Hash = None  # type: ignore[assignment]
+    tensors: Annotated[dict[Name, Name], Field(max_length=1_000_000)]
 
 
 class LayerFile(_Model):
@@ -127,18 +168,21 @@ class IndexParameter(_Model):
     dtype: Dtype
     role: Literal["trainable"]
     shards: Annotated[list[Shard], Field(min_length=1, max_length=1048576)]
-    placement_source: Literal["affine_map", "universal_checkpoint_info", "pipeline_layer", "none", "engine"]
+    placement_source: Literal[
+        "affine_map", "universal_checkpoint_info", "pipeline_layer", "none", "engine", "moe_expert"
+    ]
 
 
 class CheckpointIndex(_Model):
     format: Literal["ckptspec.checkpoint"]
     format_version: SemVer
     producer: Producer
-    kind: Literal["zero"]
+    kind: Literal["zero", "universal"]
     topology: Topology
     domains: Annotated[list[Domain], Field(min_length=1, max_length=1048576)]
     layer_files: Annotated[list[LayerFile], Field(max_length=1_000_000)]
     parameters: Annotated[list[IndexParameter], Field(max_length=10_000_000)]
+    expert_files: Annotated[list[ExpertFile], Field(max_length=1_000_000)] = None  # type: ignore[assignment]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready document: optional fields absent, unknown fields kept."""

@@ -62,7 +62,7 @@ class Handle:
         """Bytes ``[start, end)`` of this version of the file, retried on transient errors."""
         if end <= start:
             return b""
-        for attempt in range(settings.RETRIES + 1):
+        for attempt in range(settings.retries() + 1):
             try:
                 handle = self._opened()
                 fetch = getattr(handle, "_fetch_range", None)
@@ -71,9 +71,9 @@ class Handle:
                 raise
             except Exception as exc:
                 error, transient = classify(exc, self.url)
-                if not transient or attempt >= settings.RETRIES:
+                if not transient or attempt >= settings.retries():
                     raise error from None
-                time.sleep(settings.BACKOFF * 2**attempt)
+                time.sleep(settings.backoff(attempt))
                 continue
             settings.count(len(data))
             if len(data) != end - start:

@@ -18,10 +18,12 @@ def _setting(name: str, default: int, least: int) -> int:
 
 READ_AHEAD = 16 * 1024  # a read of metadata fetches at least this much (zip local headers, data.pkl)
 TAIL = 64 * 1024  # the last bytes of a file, fetched at once: a zip's end record and central directory
-CHUNK = _setting("CKPTSPEC_REMOTE_CHUNK", 1024 * 1024, 64 * 1024)  # bytes per range request of a bulk read
-IN_FLIGHT = _setting("CKPTSPEC_REMOTE_IN_FLIGHT", 4, 1)  # requests in flight: memory ~ 2 * IN_FLIGHT * CHUNK
-RETRIES = _setting("CKPTSPEC_REMOTE_RETRIES", 3, 0)  # retries after a transient error (then the error stands)
-BACKOFF = 0.25  # seconds before the first retry; doubled for each next one
+# Bytes per range request of a bulk read, and requests in flight. An answer is held whole until it is
+# used (fsspec reads it with aiohttp's read(), which joins its pieces: twice its size for a moment), so
+# reconstruct's peak RSS grows by ~2.5 * IN_FLIGHT * CHUNK (measured by benchmarks/bench_remote.py: 8.5 MiB
+# at 4 x 1 MiB, 3.0 MiB at 4 x 256 KiB, beside the 15 MiB of importing the HTTP backend; docs/remote.md).
+CHUNK = _setting("CKPTSPEC_REMOTE_CHUNK", 256 * 1024, 64 * 1024)
+IN_FLIGHT = _setting("CKPTSPEC_REMOTE_IN_FLIGHT", 4, 1)
 TAILS_KEPT = 8  # recent files' tails kept, so that a zip directory read twice is fetched once
 
 BACKENDS = {  # protocol -> the package that provides it, and the ckptspec extra that installs it
@@ -35,13 +37,30 @@ BACKENDS = {  # protocol -> the package that provides it, and the ckptspec extra
 }
 
 
-def timeout() -> float:
-    """Seconds to wait for a connection or for the next bytes of an answer (``CKPTSPEC_REMOTE_TIMEOUT``)."""
+def _seconds(name: str, default: float, least: float) -> float:
     try:
-        value = float(os.environ.get("CKPTSPEC_REMOTE_TIMEOUT", "60"))
+        value = float(os.environ.get(name, default))
     except ValueError:
-        value = 60.0
-    return value if value > 0 else 60.0
+        return default
+    return value if value >= least else default
+
+
+def timeout() -> float:
+    """Seconds one request may take, connection and answer (``CKPTSPEC_REMOTE_TIMEOUT``, default 60).
+
+    A deadline for the whole request, not only between bytes: a server that trickles a byte now
+    and then times out too, after this long."""
+    return _seconds("CKPTSPEC_REMOTE_TIMEOUT", 60.0, 0.001)
+
+
+def retries() -> int:
+    """Retries after a transient error, then the error stands (``CKPTSPEC_REMOTE_RETRIES``, default 3)."""
+    return _setting("CKPTSPEC_REMOTE_RETRIES", 3, 0)
+
+
+def backoff(attempt: int) -> float:
+    """Seconds before retry ``attempt`` (0 first): ``CKPTSPEC_REMOTE_BACKOFF`` (default 0.25), doubled each time."""
+    return _seconds("CKPTSPEC_REMOTE_BACKOFF", 0.25, 0.0) * 2**attempt
 
 
 @dataclass(frozen=True)

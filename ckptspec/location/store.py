@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -16,6 +17,22 @@ from .remote_path import RemotePath
 
 _lock = threading.Lock()
 _stores: dict[int, _Store] = {}  # id(fsspec filesystem) -> what was seen through it
+_made: dict[type, tuple] = {}  # fsspec filesystem class -> the backends' environment when one was last made
+_ENVIRONMENT = ("AWS_", "BOTO", "GOOGLE_", "GCS", "HF_", "HUGGING_FACE", "FSSPEC_")
+
+
+def _environment() -> tuple:
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENVIRONMENT)))
+
+
+def _drop_stale_filesystems() -> None:
+    """fsspec keeps one filesystem per class and options, with the credentials and endpoint it read from
+    the environment when it was made: when that environment changed (a long-running process), they go."""
+    now = _environment()
+    for cls, then in list(_made.items()):
+        if then != now:
+            cls.clear_instance_cache()
+            del _made[cls]
 
 
 def store_for(url: str) -> _Store:
@@ -31,6 +48,7 @@ def store_for(url: str) -> _Store:
             url,
         ) from None
     options = _options(protocol)
+    _drop_stale_filesystems()
     try:
         fs, _ = url_to_fs(url, **options)
     except (ImportError, ValueError) as exc:
@@ -42,6 +60,9 @@ def store_for(url: str) -> _Store:
         else:
             hint = "install the package fsspec names for this protocol"
         raise RemoteError("CK917", f"cannot read {protocol}:// URLs: {str(exc)[:200]}", hint, url) from None
+    if protocol in ("s3", "s3a") and isinstance(getattr(fs, "retries", None), int):
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option): one attempt, see _options
+    _made.setdefault(type(fs), _environment())
     with _lock:
         store = _stores.get(id(fs))
         if store is None or store.fs is not fs:
@@ -57,10 +78,14 @@ def _options(protocol: str) -> dict:
             import aiohttp
         except ImportError:
             return {}
-        limits = aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+        # total: a deadline for each request, which a server trickling a byte a second cannot keep alive
+        limits = aiohttp.ClientTimeout(total=seconds, sock_connect=seconds, sock_read=seconds)
         return {"client_kwargs": {"timeout": limits}}
     if protocol in ("s3", "s3a"):
-        return {"config_kwargs": {"connect_timeout": seconds, "read_timeout": seconds}}
+        # One attempt in botocore (and in s3fs, store_for): ckptspec's retries (CKPTSPEC_REMOTE_RETRIES) are
+        # the only ones; else each of them is s3fs's 5 attempts of botocore's 5 (39 s against a closed port).
+        config = {"connect_timeout": seconds, "read_timeout": seconds, "retries": {"total_max_attempts": 1}}
+        return {"config_kwargs": config}
     return {}
 
 
@@ -109,16 +134,16 @@ class _Store:
 
     def call(self, url: str, fn, *args, **kwargs):
         """A metadata call (info, listing), retried like a range request; errors become ``RemoteError``."""
-        for attempt in range(settings.RETRIES + 1):
+        for attempt in range(settings.retries() + 1):
             try:
                 result = fn(*args, **kwargs)
             except RemoteError:
                 raise
             except Exception as exc:
                 error, transient = classify(exc, url)
-                if not transient or attempt >= settings.RETRIES:
+                if not transient or attempt >= settings.retries():
                     raise error from None
-                time.sleep(settings.BACKOFF * 2**attempt)
+                time.sleep(settings.backoff(attempt))
                 continue
             settings.count(0)
             return result

@@ -35,13 +35,17 @@ def summarize_index(index: CheckpointIndex) -> dict[str, Any]:
                 "coordinate": d.coordinate.model_dump(exclude_unset=True),
                 "process_group": d.process_group,
                 "size": d.size,
-                "zero_stage": d.manifest.layout.zero_stage,
+                "zero_stage": d.manifest.layout.zero_stage
+                if d.configured_zero_stage is None
+                else d.configured_zero_stage,
                 "optimizer": d.manifest.layout.optimizer,
                 "parameters": len(params),
                 "numel": sum(p.numel for p in params),
                 "files": len(d.manifest.files),
             }
         )
+        if d.masters is not None:  # #17: where the masters are, and how many saved copies of them
+            domains[-1].update(masters=d.masters.stored_in, replicas=len(d.replicas or []))
     placements = Counter(_placement_kind(s.placement) for p in index.parameters for s in p.shards[:1])
     return {
         "document": "ckptspec.checkpoint",
@@ -51,6 +55,7 @@ def summarize_index(index: CheckpointIndex) -> dict[str, Any]:
         "degrees_source": index.topology.degrees_source,
         "domains": domains,
         "layer_files": len(index.layer_files),
+        "expert_files": len(index.expert_files or []),
         "parameters": len(index.parameters),
         "numel": sum(math.prod(p.shape) for p in index.parameters),
         "placements": dict(sorted(placements.items())),

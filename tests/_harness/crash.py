@@ -9,52 +9,18 @@ stops it like a scheduler or a user (``term:N``, ``int:N``) or fails the write (
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from . import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class _ForkServer:
-    """One ``forkserver.py`` per test process, started at the first command (see its docstring)."""
-
-    def __init__(self) -> None:
-        self.process: subprocess.Popen | None = None
-
-    def run(self, args: list[str], env: dict, cwd: Path | None) -> subprocess.CompletedProcess:
-        if self.process is None or self.process.poll() is not None:
-            self.process = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("forkserver.py"))],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-        with tempfile.TemporaryDirectory() as scratch:
-            out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
-            request = {"args": args, "env": env, "cwd": str(cwd or Path.cwd()), "stdout": str(out), "stderr": str(err)}
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-            reply = self.process.stdout.readline()
-            if not reply:
-                raise RuntimeError(f"the fork server died (exit {self.process.wait()})")
-            code = json.loads(reply)["returncode"]
-            return subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
-
-
-_SERVER = _ForkServer()
-
-
 def run(args: list[str], failpoint: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """``ckptspec ARGS`` in a child process of its own, with a failpoint if given."""
-    env = {k: v for k, v in os.environ.items() if k not in ("CKPTSPEC_FAILPOINT", "CKPTSPEC_DEBUG")}
-    if failpoint:
-        env["CKPTSPEC_FAILPOINT"] = failpoint
-    return _SERVER.run(list(map(str, args)), env, cwd)
+    return cli_process.run(args, failpoint=failpoint, cwd=cwd)
 
 
 def steps(args: list[str], tmp: Path) -> int:

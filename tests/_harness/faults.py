@@ -584,3 +584,8 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+from .faults_masters import MASTERS_FAULTS  # noqa: E402  (#17: MoE and stage 0)
+
+FAULTS += MASTERS_FAULTS

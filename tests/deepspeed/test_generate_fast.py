@@ -15,7 +15,7 @@ from _harness.scenarios import MATRIX, PARALLEL
 from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.deepspeed.describe_index import index_from_checkpoint
 from ckptspec.deepspeed.directory import resolve_tag_dir
-from ckptspec.deepspeed.topology import is_model_parallel
+from ckptspec.deepspeed.topology import needs_index
 from ckptspec.format import partition
 from ckptspec.format.codec import dumps
 from ckptspec.format.models import Param
@@ -27,7 +27,7 @@ MODEL_PARALLEL = [n for n in PARALLEL if n.startswith(("pp2", "tp2")) and "-s0-"
 
 def _document(path, hash_algorithm):
     # As `ckptspec generate` (cli/generate.py) builds it.
-    if is_model_parallel(resolve_tag_dir(path, None)):
+    if needs_index(resolve_tag_dir(path, None)):
         return index_from_checkpoint(path, None, hash_algorithm=hash_algorithm).to_dict()
     return manifest_from_checkpoint(path, None, hash_algorithm=hash_algorithm)
 

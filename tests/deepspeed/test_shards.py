@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _harness import cli_process
 from _harness.faults import FAULTS, FaultEnv, base_dir, snapshot, tag_dir
 from _harness.scenarios import COMMITTED, MATRIX, engine_name
 from click.testing import CliRunner
@@ -37,7 +38,7 @@ def built(request):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     """The real command, in a subprocess: exit code, no traceback, nothing run."""
-    return subprocess.run([sys.executable, "-m", "ckptspec", *args], capture_output=True, text=True)
+    return cli_process.run(args)
 
 
 def _run(*args: str):
@@ -315,7 +316,8 @@ def test_optimizer_header_says_stage_numbers_and_what_the_counts_mean(built, tmp
 
 
 def test_universal_checkpoint_is_named_as_such(built, tmp_path):
-    """Defect 10: a folder written by DeepSpeed's ds_to_universal is not "ZeRO stage 0"."""
+    """Defect 10: a folder written by DeepSpeed's ds_to_universal is not "ZeRO stage 0": since #17 it
+    is described (a checkpoint index of kind "universal") by every command."""
     save_dir = _copy(built("committed:s2-bf16-ws2"), tmp_path)
     universal = save_dir / "global_step2_universal"
     subprocess.run(
@@ -333,10 +335,10 @@ def test_universal_checkpoint_is_named_as_such(built, tmp_path):
         ["generate", str(universal)],
         ["reconstruct", str(universal), str(tmp_path / "OUT")],
     ):
-        result = _run(*args)
-        assert result.exit_code == 1, (args, result.output)
-        assert "CK202" in result.output and "universal checkpoint" in result.output, (args, result.output)
-        assert "stage 0" not in result.output, result.output
+        result = _run(*args)  # #17: described as a universal checkpoint index
+        assert result.exit_code == 0, (args, result.output)
+        assert "CK202" not in result.output and "stage 0" not in result.output, result.output
+    assert '"kind": "universal"' in _run("generate", str(universal)).output
 
 
 # --------------------------------------------------------------------------- format 1.1: digests

@@ -39,8 +39,8 @@ def small_metadata_reads(monkeypatch):
     validation passes there and the connection breaks while tensor bytes are streamed."""
     monkeypatch.setattr(location.settings, "TAIL", 2048)
     monkeypatch.setattr(location.settings, "READ_AHEAD", 0)
-    monkeypatch.setattr(location.settings, "RETRIES", 1)
-    monkeypatch.setattr(location.settings, "BACKOFF", 0.05)
+    monkeypatch.setenv("CKPTSPEC_REMOTE_RETRIES", "1")
+    monkeypatch.setenv("CKPTSPEC_REMOTE_BACKOFF", "0.05")
 
 
 def test_connection_dropped_mid_file_writes_nothing(served, nginx, small_metadata_reads, tmp_path):
@@ -97,8 +97,10 @@ def test_no_range_support_denied_and_timeout(served, nginx, small_metadata_reads
     result = run("validate", nginx.url(path, "denied/"), "--format", "json")
     assert result.exit_code == 2 and json.loads(result.stdout)["error"]["code"] == "CK911", result.output
 
+    # /stall/ trickles a byte now and then after its first 3 KiB: the timeout is a deadline for
+    # the whole request (CKPTSPEC_REMOTE_TIMEOUT), which the trickle cannot keep alive.
     monkeypatch.setenv("CKPTSPEC_REMOTE_TIMEOUT", "1")
-    monkeypatch.setattr(location.settings, "RETRIES", 0)
+    monkeypatch.setenv("CKPTSPEC_REMOTE_RETRIES", "0")
     result = run("reconstruct", nginx.url(path, "stall/"), tmp_path / "out")
     assert result.exit_code == 2 and "CK914" in result.output, result.output
     assert nothing_in(tmp_path / "out")

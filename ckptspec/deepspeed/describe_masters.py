@@ -1,0 +1,307 @@
+"""The checkpoint index of a ZeRO stage-0, native MoE or universal checkpoint (issue #17), from its files.
+
+These checkpoints keep their fp32 masters where format 1.x has no locator for them (``masters.py``,
+``moe_masters.py`` find them). Each is described as a checkpoint index whose domains carry
+``masters``: one tensor locator per master (or per piece of a master a ZeRO partition cut), and the
+copies DeepSpeed saved of them (``replicas``). A domain's embedded 1.x manifest names its parameters
+(one flat group of ``partition_count`` 1, ``zero_stage`` 0: it locates nothing) and its files; the
+stage the run was configured with is ``configured_zero_stage``. Domains:
+
+* stage 0 (``s0-*``): one ``dense`` domain;
+* MoE: ``dense`` (``data_parallel``) and one ``expert:ep_size_<ep>:ep<e>`` domain per
+  expert-parallel rank (``expert_data_parallel:ep_size_<ep>``), each expert file in ``expert_files``;
+* universal folders: ``kind: "universal"``, one ``universal`` domain over ``zero/<name>/fp32.pt``.
+
+Metadata only: no tensor bytes, no pickle code.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .._version import __version__
+from ..checkpoint.hashing import file_digest
+from ..checkpoint.states import StateCache
+from ..checkpoint.torchfile import TensorRef
+from ..errors import UnsupportedCheckpoint
+from ..format.dtypes import ITEMSIZE
+from ..format.index_models import (
+    INDEX_FORMAT,
+    INDEX_VERSION,
+    CheckpointIndex,
+    Coordinate,
+    Degrees,
+    Domain,
+    IndexParameter,
+    MasterLocator,
+    Masters,
+    Shard,
+    Topology,
+)
+from ..format.models import Layout, Manifest, Producer, ShardFile
+from ..format.partition import ParamSpec, flat_group
+from ..location import RemotePath
+from .directory import UNIVERSAL_FOLDER
+from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, MasterTensor, stage0_masters
+from .names import MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
+
+_EXPERT_ID = re.compile(r"\.deepspeed_experts\.(\d+)\.")
+
+
+def index_kind(tag_dir: Path | RemotePath) -> str | None:
+    """``"universal"``, ``"moe"`` or ``"stage0"`` for a tag directory this module describes, else None."""
+    if isinstance(tag_dir, RemotePath) or not tag_dir.is_dir():
+        return None
+    names = [p.name for p in tag_dir.iterdir()]
+    if any(PIPE_LAYER_RE.match(n) for n in names):
+        from .describe_pipeline0 import is_pipeline_stage0
+
+        return "pipeline_stage0" if is_pipeline_stage0(tag_dir, StateCache()) else None
+    if any(OPTIM_RE.match(n) and not n.endswith("mp_rank_00_optim_states.pt") for n in names):
+        return None  # a model-parallel rank other than 0: the tensor/pipeline index
+    if any(EXPERT_FILE_RE.match(n) or EXPP_RE.match(n) for n in names):
+        return "moe"
+    if any(OPTIM_RE.match(n) for n in names):
+        return None  # an ordinary ZeRO checkpoint: format 1.x
+    if (tag_dir / UNIVERSAL_FOLDER).is_dir():
+        return "universal"
+    if MODEL_FILE in names:
+        return "stage0"
+    return None
+
+
+def _locators(folder: Path, master: MasterTensor, states: StateCache) -> list[MasterLocator]:
+    key = list(master.key)
+    if key[:1] == ["flat"]:
+        key = ["optimizer_state_dict", "single_partition_of_fp32_groups", master.key[1]]
+    out = []
+    item = ITEMSIZE[master.dtype]
+    for rel, offset, nbytes in master.segments:
+        members = states.members(folder / rel)
+        member, (base, size) = next((m, r) for m, r in members.items() if r[0] <= offset < r[0] + max(r[1], 1))
+        out.append(
+            MasterLocator(
+                param=master.name,
+                file=rel,
+                key=key,
+                member=member,
+                data_offset=base,
+                member_size=size,
+                dtype=master.dtype,
+                element_offset=(offset - base) // item,
+                numel=nbytes // item,
+            )
+        )
+    return out
+
+
+class _Builder:
+    """What every #17 index shares: the folder, the model states, the producer."""
+
+    def __init__(self, folder: Path, states: StateCache, hash_algorithm: str | None):
+        self.folder, self.states, self.hash_algorithm = folder, states, hash_algorithm
+        model = states.state(folder / MODEL_FILE) if (folder / MODEL_FILE).is_file() else None
+        if model is None:
+            first = sorted(p for p in folder.iterdir() if MODEL_RE.match(p.name))
+            model = states.state(first[0]) if first else None
+        if not isinstance(model, dict):
+            raise UnsupportedCheckpoint("model states are not a dict", "is this a DeepSpeed checkpoint?", str(folder))
+        self.model = model
+        module = model.get("module") if isinstance(model.get("module"), dict) else {}
+        self.model_dtypes = {n: r.dtype for n, r in module.items() if isinstance(r, TensorRef)}
+        self.producer = Producer(
+            tool="ckptspec",
+            tool_version=__version__,
+            framework="deepspeed",
+            framework_version=str(model.get("ds_version", "unknown")),
+        )
+        self.parameters: list[IndexParameter] = []
+
+    def file(self, rel: str, role: str, ranks: list[int]) -> ShardFile:
+        path = self.folder / rel
+        entry = ShardFile(path=rel, role=role, ranks=ranks, size=path.stat().st_size, partitions=[])
+        if self.hash_algorithm:
+            entry.hash = file_digest(path, self.hash_algorithm)
+        return entry
+
+    def domain(
+        self,
+        id: str,
+        coordinate: Coordinate,
+        process_group: str,
+        masters: list[MasterTensor],
+        stored_in: str,
+        files: list[ShardFile],
+        *,
+        size: int = 1,
+        group: int = 0,
+        stage: int = 0,
+        replicas: list[tuple[MasterTensor, MasterTensor]] = (),
+        source: str = "none",
+        add_parameters: bool = True,
+    ) -> Domain:
+        dtypes = {m.name: self.model_dtypes.get(m.name, m.dtype) for m in masters}
+        specs = [ParamSpec(m.name, m.shape, dtypes[m.name]) for m in masters]
+        model_dtype = next(iter(dtypes.values()), "float32")
+        manifest = Manifest(
+            format="ckptspec.manifest",
+            format_version="1.0.0",
+            producer=self.producer,
+            layout=Layout(
+                zero_stage=0,
+                world_size=size,
+                tensor_parallel_size=1,
+                pipeline_parallel_size=1,
+                model_dtype=model_dtype,
+                master_dtype="float32",
+                round_robin=False,
+                parameter_alignment=False,
+                tail_padding_saved=False,
+            ),
+            groups=[flat_group(specs, optimizer_group=group, partition_count=1, zero_stage=0)] if specs else [],
+            frozen=[],
+            buffers=[],
+            aliases=[],
+            excluded=[],
+            files=sorted(files, key=lambda f: ({"model_states": 0, "optimizer_states": 1}.get(f.role, 2), f.path)),
+        )
+        domain = Domain(
+            id=id,
+            coordinate=coordinate,
+            process_group=process_group,
+            size=size,
+            file_ranks={f.path: f.ranks[0] for f in manifest.files if f.role != "other"},
+            optimizer_groups=[group],
+            manifest=manifest,
+            masters=Masters(
+                stored_in=stored_in,
+                tensors=[loc for m in masters for loc in _locators(self.folder, m, self.states)],
+            ),
+            configured_zero_stage=stage,
+        )
+        if replicas:
+            domain.replicas = [loc for _, copy in replicas for loc in _locators(self.folder, copy, self.states)]
+        for m in masters if add_parameters else []:
+            shard = Shard(domain=id, local_name=m.name, local_shape=list(m.shape), placement="whole")
+            self.parameters.append(
+                IndexParameter(
+                    name=m.name,
+                    shape=list(m.shape),
+                    dtype=dtypes[m.name],
+                    role="trainable",
+                    shards=[shard],
+                    placement_source=source,
+                )
+            )
+        return domain
+
+    def index(self, kind: str, domains: list[Domain], *, expert: int | None = None, **extra) -> CheckpointIndex:
+        degrees = Degrees(pipeline=1, tensor=1, data=int(self.model.get("dp_world_size") or 1))
+        if expert is not None:
+            degrees.expert = expert
+        return CheckpointIndex(
+            format=INDEX_FORMAT,
+            format_version=INDEX_VERSION,
+            producer=self.producer,
+            kind=kind,
+            topology=Topology(degrees=degrees, degrees_source="derived", model_parallel_size=1),
+            domains=domains,
+            layer_files=[],
+            parameters=self.parameters,
+            **extra,
+        )
+
+
+def _files_of(b: _Builder, masters, replicas, ranks: dict[str, int] | None = None) -> list[ShardFile]:
+    """The model states and every optimizer file the masters (and their copies) are read from."""
+    rels = {MODEL_FILE} if (b.folder / MODEL_FILE).is_file() else set()
+    rels |= {seg[0] for m in masters for seg in m.segments}
+    rels |= {seg[0] for _, c in replicas for seg in c.segments}
+    out = []
+    for rel in sorted(rels):
+        if EXPERT_FILE_RE.match(rel):
+            continue  # listed in expert_files
+        if MODEL_RE.match(rel):
+            out.append(b.file(rel, "model_states", [0]))
+        elif OPTIM_RE.match(rel) or EXPP_RE.match(rel):
+            out.append(b.file(rel, "optimizer_states", [(ranks or {}).get(rel, 0)]))
+        else:
+            out.append(b.file(rel, "other", []))
+    return out
+
+
+def stage0_index(folder: Path, states: StateCache, hash_algorithm: str | None = None) -> CheckpointIndex:
+    b = _Builder(folder, states, hash_algorithm)
+    masters = list(stage0_masters(folder, states).values())
+    unfused = isinstance(b.model.get("optimizer"), dict) and "fp32_groups" in b.model["optimizer"]
+    domain = b.domain(
+        "dense",
+        Coordinate(pipeline=0, tensor=0),
+        "data_parallel",
+        masters,
+        "model_states" if unfused else "module",
+        _files_of(b, masters, []),
+    )
+    return b.index("zero", [domain])
+
+
+def universal_index(folder: Path, states: StateCache, hash_algorithm: str | None = None) -> CheckpointIndex:
+    from .masters import universal_masters
+
+    b = _Builder(folder, states, hash_algorithm)
+    masters = list(universal_masters(folder, states).values())
+    files = [
+        b.file(p.relative_to(folder).as_posix(), "other", [])
+        for p in sorted((folder / UNIVERSAL_FOLDER).rglob("*"))
+        if p.is_file()
+    ]
+    copies = sorted(p.name for p in folder.iterdir() if MODEL_RE.match(p.name))
+    # Copies of the source's model states: the source's shards (tensor parallel), not this folder's tensors.
+    files += [b.file(rel, "other", []) for rel in copies]
+    domain = b.domain(
+        "universal",
+        Coordinate(),
+        "universal",
+        masters,
+        "universal",
+        files,
+        stage=_source_stage(b),
+    )
+    index = b.index("universal", [domain])
+    # The degrees of the source the copied model states record (the folder itself is the whole model).
+    dims = b.model.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, dict) and "pp_degree" in dims and "tp_degree" in dims:
+        pp, tp = int(dims["pp_degree"]), int(dims["tp_degree"])
+        index.topology.degrees.pipeline, index.topology.degrees.tensor = pp, tp
+        index.topology.model_parallel_size = pp * tp
+        index.topology.degrees_source = "checkpoint_parallel_dimensions"
+    return index
+
+
+def _source_stage(b: _Builder) -> int:
+    """The stage of the checkpoint ``ds_to_universal`` converted (stage 3 keeps per-rank model states)."""
+    names = [p.name for p in b.folder.iterdir() if MODEL_RE.match(p.name)]
+    return 3 if any(n.startswith("zero_pp_rank_") for n in names) else int(b.model.get("zero_stage", 0) or 0)
+
+
+def generate_index(tag_dir: Path, states: StateCache, *, hash_algorithm: str | None = None) -> CheckpointIndex:
+    """The index of any tag directory that needs one: #17's kinds here, tensor/pipeline parallel in
+    ``describe_index``."""
+    kind = index_kind(tag_dir)
+    if kind == "stage0":
+        return stage0_index(tag_dir, states, hash_algorithm)
+    if kind == "universal":
+        return universal_index(tag_dir, states, hash_algorithm)
+    if kind == "pipeline_stage0":
+        from .describe_pipeline0 import pipeline_stage0_index
+
+        return pipeline_stage0_index(tag_dir, states, hash_algorithm)
+    if kind == "moe":
+        from .describe_moe import moe_index
+
+        return moe_index(tag_dir, states, hash_algorithm)
+    from .describe_index import index_from_files
+    from .topology import scan_parallel
+
+    return index_from_files(scan_parallel(tag_dir), states, hash_algorithm=hash_algorithm)

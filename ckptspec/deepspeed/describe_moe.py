@@ -1,0 +1,123 @@
+"""The checkpoint index of a native MoE DeepSpeed checkpoint (``deepspeed.moe.layer.MoE``, issue #17).
+
+Domains: ``dense`` (the non-expert parameters, ``data_parallel``) and one domain per expert-parallel
+rank ``e`` (``expert:ep_size_<ep>:ep<e>``, process group ``expert_data_parallel:ep_size_<ep>``,
+coordinate ``expert`` = e) holding the global experts ``e * L .. e * L + L - 1``. At stage 1/2 the
+dense domain spans every ``zero_pp_rank`` file (``partition_count[0]``) and expert domain ``e`` the
+files of its expert-data-parallel group (``partition_count[1]``); at stage 0 every domain has size 1
+and the masters are in the module, the expert files or the ``expp_rank`` files (``masters.py``).
+Every expert file is in ``expert_files`` with the expert-parallel rank that wrote it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..checkpoint.states import StateCache
+from ..errors import UnsupportedCheckpoint
+from ..format.index_models import CheckpointIndex, Coordinate, ExpertFile
+from .describe_masters import _Builder, _files_of
+from .masters import EXPP_RE, MODEL_FILE, _expert_files, stage0_masters, stage0_replicas
+from .moe_masters import moe_zero_masters
+from .names import OPTIM_RE
+
+_HINT = "the expert layout of this MoE checkpoint cannot be derived from its files; it is not described"
+
+
+def moe_index(folder: Path, states: StateCache, hash_algorithm: str | None = None) -> CheckpointIndex:
+    b = _Builder(folder, states, hash_algorithm)
+    optim = {int(m.group(1)): p.name for p in folder.iterdir() if (m := OPTIM_RE.match(p.name))}
+    expp = {int(m.group(1)): p.name for p in folder.iterdir() if (m := EXPP_RE.match(p.name))}
+    experts = _expert_files(folder)
+    n_experts = int((b.model.get("num_experts") or [0])[0]) or len({e for _, e, _ in experts})
+    if optim:
+        first = states.state(folder / optim[min(optim)]).get("optimizer_state_dict") or {}
+        counts, stage = first.get("partition_count"), int(first.get("zero_stage", 0))
+        if not isinstance(counts, list) or len(counts) != 2 or len(optim) % int(counts[1]):
+            where = experts[0][2] if experts else optim[min(optim)]
+            raise UnsupportedCheckpoint(
+                f"MoE expert file {where} beside optimizer files with partition counts {counts} "
+                f"({len(optim)} files): not one dense and one expert optimizer group",
+                _HINT,
+                where,
+            )
+        world, edp = len(optim), int(counts[1])
+        ep = world // edp
+        masters = moe_zero_masters(folder, states)
+        replicas = []
+    else:
+        stage, world, edp, ep = 0, 1, 1, len(expp)
+        masters = stage0_masters(folder, states)
+        replicas = stage0_replicas(folder, states)
+    if not ep or n_experts % ep:
+        raise UnsupportedCheckpoint(f"{n_experts} experts over {ep} expert-parallel ranks", _HINT, MODEL_FILE)
+    per_rank = n_experts // ep
+    expert_of = {}
+    expert_files = []
+    for layer, expert, rel in experts:
+        state = states.state(folder / rel)
+        keys = list(state) if isinstance(state, dict) else []
+        expert_of.update({k: expert for k in keys})
+        entry = ExpertFile(
+            path=rel,
+            moe_layer=layer,
+            expert=expert,
+            expert_parallel_rank=expert // per_rank,
+            local_expert=expert % per_rank,
+            size=(folder / rel).stat().st_size,
+            tensors={k: k for k in keys},
+        )
+        if hash_algorithm:
+            from ..checkpoint.hashing import file_digest
+
+            entry.hash = file_digest(folder / rel, hash_algorithm)
+        expert_files.append(entry)
+    dense = [m for n, m in masters.items() if n not in expert_of]
+    missing = sorted(set(masters) - set(expert_of) - {m.name for m in dense})
+    if missing:
+        raise UnsupportedCheckpoint(f"experts {missing[:3]} have no expert file", _HINT, MODEL_FILE)
+
+    def copies_of(names):
+        return [(m, c) for m, c in replicas if m.name in names]
+
+    def ranks(of_domain):
+        return {rel: of_domain(r) for r, rel in optim.items()}
+
+    dense_replicas = copies_of({m.name for m in dense})
+    domains = [
+        b.domain(
+            "dense",
+            Coordinate(pipeline=0, tensor=0),
+            "data_parallel",
+            dense,
+            ("optimizer_states" if stage or dense[0].segments[0][0] != MODEL_FILE else "module") if dense else "module",
+            _files_of(b, dense, dense_replicas, ranks(lambda r: r)),
+            size=world,
+            stage=stage,
+            replicas=dense_replicas,
+        )
+    ]
+    for e in range(ep):
+        mine = [m for n, m in masters.items() if n in expert_of and expert_of[n] // per_rank == e]
+        mine_replicas = copies_of({m.name for m in mine})
+        files = _files_of(b, mine, mine_replicas, ranks(lambda r: r // ep))
+        files = [f for f in files if f.role != "model_states"]  # experts are not in the module
+        if e in expp and expp[e] not in {f.path for f in files}:
+            files.append(b.file(expp[e], "optimizer_states", [0]))  # the experts' optimizer state (fp32)
+        in_expert_files = bool(mine) and mine[0].segments[0][0].startswith("layer_")
+        domains.append(
+            b.domain(
+                f"expert:ep_size_{ep}:ep{e}",
+                Coordinate(pipeline=0, tensor=0, expert=e),
+                f"expert_data_parallel:ep_size_{ep}",
+                mine,
+                "expert_files" if in_expert_files else "optimizer_states",
+                files,
+                size=edp,
+                group=1,
+                stage=stage,
+                replicas=mine_replicas,
+                source="moe_expert",
+            )
+        )
+    return b.index("zero", domains, expert=ep, expert_files=expert_files)
