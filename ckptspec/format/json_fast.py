@@ -16,10 +16,7 @@ import json
 import re
 from typing import Any
 
-try:  # optional at run time: without it every value takes the standard library
-    import orjson
-except ImportError:  # pragma: no cover - orjson is a dependency
-    orjson = None
+import orjson
 
 # The end of a number with a fraction or an exponent: a number ends its line in orjson's indented
 # output (a string ends in a quote), and literal newlines never occur inside a JSON string. A
@@ -33,14 +30,13 @@ def _reference(value: Any) -> bytes:
 
 def _value(value: Any) -> bytes:
     """``value`` as the standard library writes it at indent 0 (raises as it does)."""
-    if orjson is not None:
-        try:
-            text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
-        except (TypeError, ValueError):  # big ints, non-str keys, surrogates, other types
-            text = None
-        if text is not None and b"null" not in text and _FLOAT_END.search(text) is None:
-            return text
-    return _reference(value)
+    try:
+        text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+    except (TypeError, ValueError):  # big ints, non-str keys, surrogates, other types
+        return _reference(value)
+    if b"null" in text or _FLOAT_END.search(text) is not None:
+        return _reference(value)
+    return text
 
 
 def dumps_indented(doc: Any) -> bytes:

@@ -60,12 +60,6 @@ def test_floats_nan_and_nulls_take_the_standard_library():
         json_fast.dumps_indented({"a": [math.nan]})
 
 
-def test_without_orjson_the_standard_library_writes_everything(monkeypatch):
-    monkeypatch.setattr(json_fast, "orjson", None)
-    doc = {"b": [1, {"c": "é"}], "a": 2**70}
-    assert json_fast.dumps_indented(doc) == _reference(doc)
-
-
 @pytest.mark.parametrize(
     "path",
     sorted(p for p in CORPUS.rglob("*.json") if "valid" in p.parts),
