@@ -136,6 +136,8 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, 
             out[key] = ds_pickle.sizes(
                 [collections.OrderedDict((p.name, tuple(p.shape)) for p in g.params) for g in target.groups]
             )
+        elif key in ("frozen_param_shapes", "frozen_param_fragments") and found.layout.exclude_frozen_parameters:
+            out[key] = None  # as DeepSpeed saves them then: its loader reads every frozen param's fragment otherwise
         elif key == "frozen_param_shapes":
             out[key] = ds_pickle.sizes(frozen_shapes)
         elif key == "frozen_param_fragments":
