@@ -101,9 +101,7 @@ def target_layout(
             else None
         )
         specs = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in ordered]
-        target = flat_group(
-            specs, optimizer_group=g, partition_count=world_size, zero_stage=stage, paddings=paddings
-        )
+        target = flat_group(specs, optimizer_group=g, partition_count=world_size, zero_stage=stage, paddings=paddings)
         end = target.params[-1].offset + target.params[-1].numel if target.params else 0
         if target.padded_numel - end > target.partition_numel:
             # DeepSpeed records the tail padding on the last rank only (groups_padding); a tail longer

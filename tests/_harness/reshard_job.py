@@ -70,7 +70,11 @@ def _model_checks(engine, model, stage, load: Path) -> dict:
         for n, t in {**saved["frozen"], **saved["buffers"]}.items()
         if n not in live or live[n].shape != t.shape or not torch.equal(live[n], t.to(live[n].dtype))
     )
-    return {"frozen_checked": sorted(saved["frozen"]), "buffers_checked": sorted(saved["buffers"]), "model_mismatched": bad}
+    return {
+        "frozen_checked": sorted(saved["frozen"]),
+        "buffers_checked": sorted(saved["buffers"]),
+        "model_mismatched": bad,
+    }
 
 
 def _universal(load: Path, out: Path, how: str, rank: int):
