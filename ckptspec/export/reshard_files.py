@@ -74,6 +74,12 @@ def _partition(group: Group, rank: int, sources: dict[str, TensorSource], dtype:
     return out
 
 
+def _lazy_partition(group: Group, rank: int, sources, dtype: str, files: ShardReader, numel: int | None = None):
+    """``_partition`` (its first ``numel`` elements), read when ``ds_pickle.save_streamed`` writes it."""
+    size = group.partition_numel if numel is None else numel
+    return ds_pickle.Lazy(dtype, (size,), lambda: _partition(group, rank, sources, dtype, files)[:size])
+
+
 def _slice_mappings(group: Group, rank: int, natural: list[str], round_robin: bool) -> collections.OrderedDict:
     """``param_slice_mappings`` of one group and rank as DeepSpeed 0.19 writes them (checked by CK218):
     natural order; offsets counted sequentially in that order unless alignment gaps exist, so under
@@ -118,7 +124,7 @@ def write_files(found, plan, state_plan, target: TargetLayout, states: StateCach
                 else ds_pickle.from_standins(v, read)
                 for k, v in source.top.items()
             }
-            ds_pickle.save(doc, tag_dir / name)
+            ds_pickle.save_streamed(doc, tag_dir / name)  # one partition in memory at a time
             written.append(tag_dir / name)
         model = src_dir / next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
         full = _full_weights(found, plan, files) if found.layout.zero_stage == 3 else {}
@@ -226,14 +232,13 @@ def _optimizer_state_dict(found, source, read, target, rank, masters, state_plan
         for key in source.state_keys.get(g, ()):
             sources = {p.name: state_plan.sources[state_plan.states[p.name][key]] for p in group.params}
             dtype = next(iter(sources.values())).dtype if sources else "float32"
-            entry[key] = ds_pickle.tensor(_partition(group, rank, sources, dtype, files))
+            entry[key] = _lazy_partition(group, rank, sources, dtype, files)
         for key, value in source.group_scalars.get(g, {}).items():  # step...: as saved (equal on every rank)
             entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
         states[g] = entry
-    masters_out = []
-    for group in target.groups:
-        full = _partition(group, rank, masters, master_dtype, files)
-        masters_out.append(ds_pickle.tensor(full[: group.saved_numels[rank]].copy()))
+    masters_out = [  # tail padding dropped, as DeepSpeed saves the masters
+        _lazy_partition(group, rank, masters, master_dtype, files, group.saved_numels[rank]) for group in target.groups
+    ]
     natural = [[p.name for p in params] for _, params in natural_groups(found)]
     param_groups = ds_pickle.from_standins(source.param_groups, _no_tensor)
     for g, pg in enumerate(param_groups):

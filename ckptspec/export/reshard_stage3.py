@@ -28,7 +28,7 @@ from ..checkpoint.states import StateCache
 from ..format.models import Manifest
 from . import ds_pickle
 from .arrays import ShardReader, read_array
-from .reshard_files import _optim_file_names, _partition, _storage_reader
+from .reshard_files import _lazy_partition, _optim_file_names, _storage_reader
 from .reshard_layout import TargetLayout, target_sub_group_size
 from .reshard_source import source_optimizer, with_stage
 
@@ -58,7 +58,7 @@ def write_stage3_files(
                 else ds_pickle.from_standins(v, read_optim)
                 for k, v in source.top.items()
             }
-            ds_pickle.save(doc, tag_dir / name)
+            ds_pickle.save_streamed(doc, tag_dir / name)  # one partition in memory at a time
             written.append(tag_dir / name)
         for rank in range(target.world_size):
             path = tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
@@ -82,12 +82,12 @@ def _optimizer_state_dict(source, read, target, rank, masters, state_plan, files
     flats, state = [], {}
     for j, group in enumerate(target.groups):
         g = group.optimizer_group
-        flats.append(ds_pickle.tensor(_partition(group, rank, masters, "float32", files)))
+        flats.append(_lazy_partition(group, rank, masters, "float32", files))
         entry = {}
         for key in source.state_keys.get(g, ()):
             sources = {p.name: state_plan.sources[state_plan.states[p.name][key]] for p in group.params}
             dtype = next(iter(sources.values())).dtype if sources else "float32"
-            entry[key] = ds_pickle.tensor(_partition(group, rank, sources, dtype, files))
+            entry[key] = _lazy_partition(group, rank, sources, dtype, files)
         for key, value in source.group_scalars.get(g, {}).items():
             # step: as saved (equal on every rank and group); a copy per sub-group, since the optimizer
             # increments it in place and sub-groups sharing one storage would count thrice
