@@ -6,7 +6,8 @@ Both run as child processes on the checkpoint of benchmarks/make_big_checkpoint.
 use, cached; ``$CKPTSPEC_BENCH_CACHE``), each measured by benchmarks/child.py: wall and CPU seconds
 and peak RSS. They do not do the same work: ``reshard`` validates the source (reading every tensor
 for its digests, when the manifest has them), writes the target's per-rank DeepSpeed files and
-validates its output; ``ds_to_universal`` writes per-parameter files that ``load_universal`` slices
+validates its output; ``export-universal`` validates the source and writes DeepSpeed's universal folder;
+``ds_to_universal`` writes per-parameter files that ``load_universal`` slices
 at load time (``--inject_missing_state``: this checkpoint has no ``universal_checkpoint_info``).
 Prints a markdown table, with the machine's load average before and after (other jobs on a shared
 machine slow both).
@@ -52,6 +53,11 @@ def main() -> None:
             env,
         )
         rows.append((f"ckptspec reshard --world-size {args.world_size}", r, _size(out)))
+        shutil.rmtree(out, ignore_errors=True)
+        ours = work / "ours-universal"
+        r = run_child([sys.executable, "-m", "ckptspec", "export-universal", str(source), str(ours)], env)
+        rows.append(("ckptspec export-universal", r, _size(ours)))
+        shutil.rmtree(ours, ignore_errors=True)
         universal = work / "universal"
         universal.mkdir()
         r = run_child(

@@ -21,6 +21,7 @@ from .._version import __version__
 from ._common import EXIT_USAGE
 from .embed import convert, embed, extract, migrate
 from .export import export
+from .export_universal import export_universal
 from .generate import generate
 from .inspect import diff, inspect
 from .reconstruct import reconstruct
@@ -49,6 +50,7 @@ for _command in (
     reconstruct,
     export,
     reshard,
+    export_universal,
     convert,
     embed,
     extract,

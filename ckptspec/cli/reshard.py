@@ -24,7 +24,7 @@ from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, echo_findings, fail, 
     "--sub-group-size",
     type=click.IntRange(min=1),
     default=None,
-    help="The target job's zero_optimization.sub_group_size (stage 3; default DeepSpeed's, 1e9).",
+    help="The target job's zero_optimization.sub_group_size (stage 3; default: a stage-3 source's, else 1e9).",
 )
 @click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
 @click.option(

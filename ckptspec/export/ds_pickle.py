@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import collections
 import copyreg
+import math
 import pickle
 import types
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.standins import DType, FragmentAddress, LossScalerState, TensorRef, ZeroStage
+from ..format.dtypes import ITEMSIZE
 
 LOSS_SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
 ZERO_STAGE = ("deepspeed.runtime.zero.config", "ZeroStageEnum")
@@ -185,3 +187,104 @@ def share(tensor, rank: int, world_size: int) -> Any:
     piece = flat[rank * size : (rank + 1) * size]
     out[: piece.numel()] = piece
     return out
+
+
+class Lazy:
+    """A tensor ``save_streamed`` writes from ``produce()`` (a flat little-endian numpy array of ``dtype``,
+    bfloat16 as uint16 bits) when it reaches its record: its bytes exist only while they are written."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], produce):
+        self.dtype, self.shape, self.produce = dtype, tuple(shape), produce
+
+
+class _StorageKey:
+    def __init__(self, key: str, lazy: Lazy):
+        self.key, self.lazy = key, lazy
+
+
+_STORAGES = {
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "float64": "DoubleStorage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+}
+
+
+def _lazy_of(tensor) -> Lazy:
+    """A torch tensor as a ``Lazy`` of its own bytes (its storage sharing is not kept)."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    flat = tensor.detach().contiguous().reshape(-1)
+    return Lazy(dtype, tuple(tensor.shape), lambda: flat.view(torch_int16()) if dtype == "bfloat16" else flat)
+
+
+def torch_int16():
+    import torch
+
+    return torch.int16
+
+
+def save_streamed(obj: Any, path: Path) -> None:
+    """``torch.save(obj, path)`` with each tensor's bytes produced only when its record is written.
+
+    ``obj`` holds ``Lazy`` tensors (and torch tensors, written from a copy of their own bytes:
+    use this for files whose tensors share no storage). The file is torch's zip format as
+    ``torch.save`` writes it (data.pkl with persistent storage ids, then one record per storage), so
+    peak memory is the largest tensor, not the file.
+    """
+    import io
+
+    import torch
+
+    storages: list[_StorageKey] = []
+
+    class Pickler(_Pickler):
+        def reducer_override(self, value):
+            if isinstance(value, torch.Tensor):
+                value = _lazy_of(value)
+            if isinstance(value, Lazy):
+                ref = _StorageKey(str(len(storages)), value)
+                storages.append(ref)
+                stride, acc = [], 1
+                for size in reversed(value.shape):
+                    stride.insert(0, acc)
+                    acc *= size
+                return torch._utils._rebuild_tensor_v2, (
+                    ref,
+                    0,
+                    torch.Size(value.shape),
+                    tuple(stride),
+                    False,
+                    collections.OrderedDict(),
+                )
+            return super().reducer_override(value)
+
+        def persistent_id(self, value):
+            if isinstance(value, _StorageKey):
+                numel = math.prod(value.lazy.shape)
+                return ("storage", getattr(torch, _STORAGES[value.lazy.dtype]), value.key, "cpu", numel)
+            return None
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=2).dump(obj)
+    data = buffer.getvalue()
+    writer = torch._C.PyTorchFileWriter(str(path))
+    writer.write_record("data.pkl", data, len(data))
+    writer.write_record(".format_version", "1", 1)
+    writer.write_record(".storage_alignment", "64", 2)
+    writer.write_record("byteorder", "little", 6)
+    for ref in storages:
+        array = ref.lazy.produce()
+        if hasattr(array, "numpy"):  # a torch tensor
+            array = array.numpy()
+        nbytes = array.size * array.itemsize
+        if nbytes != math.prod(ref.lazy.shape) * ITEMSIZE[ref.lazy.dtype]:
+            raise ValueError(f"a tensor of {ref.lazy.shape} {ref.lazy.dtype} produced {nbytes} bytes")
+        writer.write_record(f"data/{ref.key}", torch.from_numpy(array).untyped_storage(), nbytes)
+        del array
+    writer.write_end_of_file()

@@ -19,7 +19,6 @@ state, not the model.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.embedded import CLIENT_STATE_KEY
@@ -27,11 +26,11 @@ from ..checkpoint.states import StateCache
 from ..errors import ReconstructMismatch
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Group, Manifest
-from ..format.partition import natural_order
 from . import ds_pickle
-from .arrays import ShardReader, _np, _np_dtype
+from .arrays import ShardReader, _np, _np_dtype, read_array
 from .plan import Segment, TensorSource
-from .reshard_layout import TargetLayout
+from .reshard_layout import TargetLayout, natural_groups
+from .reshard_source import source_optimizer, with_stage
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 
@@ -75,6 +74,12 @@ def _partition(group: Group, rank: int, sources: dict[str, TensorSource], dtype:
     return out
 
 
+def _lazy_partition(group: Group, rank: int, sources, dtype: str, files: ShardReader, numel: int | None = None):
+    """``_partition`` (its first ``numel`` elements), read when ``ds_pickle.save_streamed`` writes it."""
+    size = group.partition_numel if numel is None else numel
+    return ds_pickle.Lazy(dtype, (size,), lambda: _partition(group, rank, sources, dtype, files)[:size])
+
+
 def _slice_mappings(group: Group, rank: int, natural: list[str], round_robin: bool) -> collections.OrderedDict:
     """``param_slice_mappings`` of one group and rank as DeepSpeed 0.19 writes them (checked by CK218):
     natural order; offsets counted sequentially in that order unless alignment gaps exist, so under
@@ -103,33 +108,41 @@ def _optim_file_names(found: Manifest, world_size: int) -> list[str]:
 def write_files(found, plan, state_plan, target: TargetLayout, states: StateCache, tag_dir: Path) -> list[Path]:
     src_dir = plan.tag_dir
     first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
-    template = _Template(states.state(src_dir / first), None)
+    source = source_optimizer(found, states.state(src_dir / first))
     masters = {name: s for name, s in plan.sources.items() if s.role == "trainable"}
-    keys = {g: sorted(names) for g, names in _state_keys(found).items()}
     master_dtype = found.layout.master_dtype
     written = []
     with ShardReader() as files:
-        template.reader = _storage_reader(src_dir / first, states, files)
+        read = _storage_reader(src_dir / first, states, files)
         for rank, name in enumerate(_optim_file_names(found, target.world_size)):
-            osd = _optimizer_state_dict(found, template, target, rank, masters, state_plan, keys, master_dtype, files)
+            osd = _optimizer_state_dict(found, source, read, target, rank, masters, state_plan, master_dtype, files)
             doc = {
-                k: osd if k == "optimizer_state_dict" else ds_pickle.from_standins(v, template.reader)
-                for k, v in template.state.items()
+                k: osd
+                if k == "optimizer_state_dict"
+                else with_stage(v, target.zero_stage)
+                if k == "ds_config" and source.zero_stage == 3
+                else ds_pickle.from_standins(v, read)
+                for k, v in source.top.items()
             }
-            ds_pickle.save(doc, tag_dir / name)
+            ds_pickle.save_streamed(doc, tag_dir / name)  # one partition in memory at a time
             written.append(tag_dir / name)
-        model = src_dir / next(f.path for f in found.files if f.role == "model_states")
-        doc = _model_states(states.state(model), found, target, _storage_reader(model, states, files))
+        model = src_dir / next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
+        full = _full_weights(found, plan, files) if found.layout.zero_stage == 3 else {}
+        doc = _model_states(states.state(model), found, target, _storage_reader(model, states, files), full)
         ds_pickle.save(doc, tag_dir / MODEL_STATES)
     return [*written, tag_dir / MODEL_STATES]
 
 
-@dataclass
-class _Template:
-    """Source rank 0's decoded optimizer-state file: every entry the target does not recompute comes from it."""
-
-    state: dict
-    reader: object
+def _full_weights(found: Manifest, plan, files: ShardReader) -> dict:
+    """A stage-3 source's parameters whole, as a stage 1/2 module holds them: each trainable one its
+    master cast to the model dtype (what DeepSpeed's step writes into the low-precision weights, and
+    what stage 1/2 rebuilds them from on load), each frozen one gathered from its rank fragments."""
+    dtype = found.layout.model_dtype
+    out = {}
+    for name, source in plan.sources.items():
+        if source.role in ("trainable", "frozen"):
+            out[name] = ds_pickle.tensor(read_array(source, dtype, files).copy(), dtype)
+    return out
 
 
 def _storage_reader(path: Path, states: StateCache, files: ShardReader):
@@ -146,10 +159,11 @@ def _storage_reader(path: Path, states: StateCache, files: ShardReader):
     return ds_pickle.storage_reader(read_storage)
 
 
-def _model_states(state: dict, found: Manifest, target: TargetLayout, read) -> dict:
-    """The model-states dict for the target: flat lp group buffers re-laid, ``dp_world_size`` changed."""
+def _model_states(state: dict, found: Manifest, target: TargetLayout, read, full: dict) -> dict:
+    """The model-states dict for the target: flat lp group buffers re-laid, ``dp_world_size`` changed.
+    ``full``: whole tensors replacing the module's (a stage-3 source's, whose module holds placeholders)."""
     module = state["module"]
-    lp = {name: read(ref) for name, ref in module.items()}
+    lp = {name: full.get(name) if name in full else read(ref) for name, ref in module.items()}
     aliases = {a.name: a.owner for a in found.aliases}
     for group in target.groups:
         placed = [(p.name, lp[p.name], p.offset) for p in group.params if p.name in lp]
@@ -158,6 +172,9 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, read) -> d
     for alias, owner in aliases.items():
         if alias in lp and owner in lp:
             lp[alias] = lp[owner]
+    frozen = [f.name for f in found.frozen if f.name in lp]
+    # DeepSpeed saves frozen shapes and (whole) fragments at stage 2 unless they are excluded
+    save_frozen = target.zero_stage == 2 and bool(frozen)
     out = {}
     for key, value in state.items():
         if key == CLIENT_STATE_KEY:
@@ -168,23 +185,21 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, read) -> d
             out[key] = ds_pickle.sizes(
                 [collections.OrderedDict((p.name, tuple(p.shape)) for p in g.params) for g in target.groups]
             )
-        elif key == "frozen_param_shapes" and value is not None:
-            out[key] = ds_pickle.sizes(value)
         elif key == "dp_world_size":
             out[key] = target.world_size
+        elif full and key in ("frozen_param_shapes", "frozen_param_fragments"):
+            shapes = collections.OrderedDict((f.name, tuple(f.shape)) for f in found.frozen if f.name in lp)
+            fragments = collections.OrderedDict((n, lp[n]) for n in frozen)
+            out[key] = (ds_pickle.sizes(shapes) if key == "frozen_param_shapes" else fragments) if save_frozen else None
+        elif key == "frozen_param_shapes" and value is not None:
+            out[key] = ds_pickle.sizes(value)
         elif key == "frozen_param_fragments" and value is not None:
             # the module's frozen tensors, as DeepSpeed saves them (the same storage)
             out[key] = collections.OrderedDict((n, lp[n] if n in lp else read(ref)) for n, ref in value.items())
+        elif key == "ds_config" and full:
+            out[key] = with_stage(value, target.zero_stage)
         else:
             out[key] = ds_pickle.from_standins(value, read)
-    return out
-
-
-def _state_keys(found: Manifest) -> dict[int, set[str]]:
-    out: dict[int, set[str]] = {}
-    for f in found.files:
-        for loc in f.state_partitions or ():
-            out.setdefault(loc.group, set()).add(loc.state)
     return out
 
 
@@ -192,35 +207,44 @@ def _no_tensor(ref):
     raise ReconstructMismatch("an unexpected tensor outside the optimizer state")
 
 
-def _optimizer_state_dict(found, template, target, rank, masters, state_plan, keys, master_dtype, files) -> dict:
-    src, read_template = template.state["optimizer_state_dict"], template.reader
-    template = template.state
-    base = src["base_optimizer_state"]
+# DeepSpeedZeroOptimizer.state_dict()'s keys, in its order (a stage-3 source has no clip_grad: the
+# target job's gradient_clipping then applies, as DeepSpeed's loader does for a missing one)
+STAGE12_KEYS = (
+    "loss_scaler",
+    "dynamic_loss_scale",
+    "overflow",
+    "clip_grad",
+    "base_optimizer_state",
+    "single_partition_of_fp32_groups",
+    "zero_stage",
+    "group_paddings",
+    "param_alignment_paddings",
+    "partition_count",
+    "ds_version",
+    "param_slice_mappings",
+)
+
+
+def _optimizer_state_dict(found, source, read, target, rank, masters, state_plan, master_dtype, files) -> dict:
     states = {}
     for g, group in enumerate(target.groups):
-        saved = base["state"][g]
         entry = {}
-        for key, value in saved.items():
-            if key in keys.get(g, ()):
-                sources = {p.name: state_plan.sources[state_plan.states[p.name][key]] for p in group.params}
-                dtype = next(iter(sources.values())).dtype if sources else "float32"
-                entry[key] = ds_pickle.tensor(_partition(group, rank, sources, dtype, files))
-            else:  # step and other per-group scalars: as saved (equal on every rank)
-                entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read_template))
+        for key in source.state_keys.get(g, ()):
+            sources = {p.name: state_plan.sources[state_plan.states[p.name][key]] for p in group.params}
+            dtype = next(iter(sources.values())).dtype if sources else "float32"
+            entry[key] = _lazy_partition(group, rank, sources, dtype, files)
+        for key, value in source.group_scalars.get(g, {}).items():  # step...: as saved (equal on every rank)
+            entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
         states[g] = entry
-    masters_out = []
-    for group in target.groups:
-        full = _partition(group, rank, masters, master_dtype, files)
-        masters_out.append(ds_pickle.tensor(full[: group.saved_numels[rank]].copy()))
-    natural = [
-        [p.name for p in src_group.params] if not found.layout.round_robin else _natural(src_group)
-        for src_group in found.groups
+    masters_out = [  # tail padding dropped, as DeepSpeed saves the masters
+        _lazy_partition(group, rank, masters, master_dtype, files, group.saved_numels[rank]) for group in target.groups
     ]
+    natural = [[p.name for p in params] for _, params in natural_groups(found)]
+    param_groups = ds_pickle.from_standins(source.param_groups, _no_tensor)
+    for g, pg in enumerate(param_groups):
+        pg["params"] = [g]
     replaced = {
-        "base_optimizer_state": {
-            "state": states,
-            "param_groups": ds_pickle.from_standins(base["param_groups"], _no_tensor),
-        },
+        "base_optimizer_state": {"state": states, "param_groups": param_groups},
         "single_partition_of_fp32_groups": masters_out,
         "zero_stage": ds_pickle.zero_stage(target.zero_stage),
         "group_paddings": [(g.padded_numel - _end(g)) if rank == target.world_size - 1 else 0 for g in target.groups],
@@ -229,12 +253,10 @@ def _optimizer_state_dict(found, template, target, rank, masters, state_plan, ke
         "param_slice_mappings": [
             _slice_mappings(g, rank, natural[i], found.layout.round_robin) for i, g in enumerate(target.groups)
         ],
+        "ds_version": source.ds_version,
     }
-    return {k: replaced[k] if k in replaced else ds_pickle.from_standins(v, _no_tensor) for k, v in src.items()}
-
-
-def _natural(group: Group) -> list[str]:
-    return [p.name for p in natural_order(list(group.params), group.partition_count)]
+    keys = list(source.osd) if source.zero_stage != 3 else [k for k in STAGE12_KEYS if k in replaced or k in source.osd]
+    return {k: replaced[k] if k in replaced else ds_pickle.from_standins(source.osd[k], _no_tensor) for k in keys}
 
 
 def _end(group: Group) -> int:

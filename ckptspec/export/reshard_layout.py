@@ -20,7 +20,7 @@ from ..format.dtypes import ITEMSIZE
 from ..format.models import Group, Manifest
 from ..format.partition import ParamSpec, flat_group, natural_order, per_param_group
 
-STAGES = (1, 2)  # the sources reshard reads today
+STAGES = (1, 2, 3)  # the sources reshard reads
 TARGET_STAGES = (1, 2, 3)
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 
@@ -49,6 +49,18 @@ def alignment_paddings(numels: list[int], itemsize: int) -> list[int]:
     return out
 
 
+def natural_groups(manifest: Manifest) -> list[tuple[int, list]]:
+    """Each optimizer group's params in natural (model) order: a stage 1/2 group with round robin undone,
+    or the concatenation of a stage-3 checkpoint's sub-groups (cut from that order, in order)."""
+    out: dict[int, list] = {}
+    for grp in manifest.groups:
+        params = list(grp.params)
+        if manifest.layout.round_robin and grp.partitioning == "flat":
+            params = natural_order(params, grp.partition_count)
+        out.setdefault(grp.optimizer_group, []).extend(params)
+    return sorted(out.items())
+
+
 def sub_groups(params: list, world_size: int, sub_group_size: int) -> list[list]:
     """DeepSpeed's ``_create_fp16_sub_groups``: cut a param group where the partition numels reach
     ``sub_group_size`` (one sub-group when the whole group fits)."""
@@ -74,15 +86,14 @@ def target_layout(
     _refuse(manifest, world_size, stage)
     if stage == 3:
         groups = []
-        for grp in manifest.groups:
-            natural = natural_order(list(grp.params), grp.partition_count) if layout.round_robin else list(grp.params)
-            for sub in sub_groups(natural, world_size, sub_group_size or DEFAULT_SUB_GROUP_SIZE):
+        size = target_sub_group_size(manifest, sub_group_size)
+        for g, natural in natural_groups(manifest):
+            for sub in sub_groups(natural, world_size, size):
                 specs = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in sub]
-                groups.append(per_param_group(specs, optimizer_group=grp.optimizer_group, partition_count=world_size))
+                groups.append(per_param_group(specs, optimizer_group=g, partition_count=world_size))
         return TargetLayout(world_size, stage, groups)
     groups = []
-    for grp in manifest.groups:
-        natural = natural_order(list(grp.params), grp.partition_count) if layout.round_robin else list(grp.params)
+    for g, natural in natural_groups(manifest):
         ordered = round_robin_order(natural, world_size) if layout.round_robin else natural
         paddings = (
             alignment_paddings([p.numel for p in ordered], ITEMSIZE[layout.model_dtype])
@@ -90,20 +101,27 @@ def target_layout(
             else None
         )
         specs = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in ordered]
-        target = flat_group(
-            specs, optimizer_group=grp.optimizer_group, partition_count=world_size, zero_stage=stage, paddings=paddings
-        )
+        target = flat_group(specs, optimizer_group=g, partition_count=world_size, zero_stage=stage, paddings=paddings)
         end = target.params[-1].offset + target.params[-1].numel if target.params else 0
         if target.padded_numel - end > target.partition_numel:
             # DeepSpeed records the tail padding on the last rank only (groups_padding); a tail longer
             # than one partition would give it a negative saved length.
             raise ReshardUnsupported(
-                f"group {grp.optimizer_group} has {end} elements: too few for {world_size} ranks "
+                f"group {g} has {end} elements: too few for {world_size} ranks "
                 f"(its padding would span more than one rank's partition)",
                 "reshard to fewer ranks",
             )
         groups.append(target)
     return TargetLayout(world_size, stage, groups)
+
+
+def target_sub_group_size(manifest: Manifest, sub_group_size: int | None) -> int:
+    """The stage-3 target's ``sub_group_size``: the one given, else a stage-3 source's, else DeepSpeed's default."""
+    if sub_group_size is not None:
+        return sub_group_size
+    if manifest.layout.zero_stage == 3 and manifest.layout.sub_group_size:
+        return manifest.layout.sub_group_size
+    return DEFAULT_SUB_GROUP_SIZE
 
 
 def _refuse(manifest: Manifest, world_size: int, stage: int) -> None:
@@ -113,8 +131,8 @@ def _refuse(manifest: Manifest, world_size: int, stage: int) -> None:
     if layout.zero_stage not in STAGES or stage not in TARGET_STAGES:
         raise ReshardUnsupported(
             f"resharding ZeRO stage {layout.zero_stage} to stage {stage} is not supported yet "
-            "(stage 1 and 2 sources, to stage 1, 2 or 3, are)",
-            "reshard a stage 1 or 2 checkpoint",
+            "(stage 1, 2 and 3 sources, to stage 1, 2 or 3, are)",
+            "reshard a stage 1, 2 or 3 checkpoint",
         )
     if layout.tensor_parallel_size != 1 or layout.pipeline_parallel_size != 1:
         raise ReshardUnsupported(

@@ -21,26 +21,16 @@ Sub-groups follow DeepSpeed's ``_create_fp16_sub_groups`` for the target's ``sub
 from __future__ import annotations
 
 import collections
-import copy
 from pathlib import Path
 
 from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.states import StateCache
 from ..format.models import Manifest
 from . import ds_pickle
-from .arrays import ShardReader
-from .reshard_files import _optim_file_names, _partition, _state_keys, _storage_reader
-from .reshard_layout import TargetLayout
-
-
-def _ds_config(config, sub_group_size: int | None):
-    config = copy.deepcopy(config) if isinstance(config, dict) else config
-    if isinstance(config, dict):
-        zero = config.setdefault("zero_optimization", {})
-        zero["stage"] = 3
-        if sub_group_size is not None:
-            zero["sub_group_size"] = sub_group_size
-    return config
+from .arrays import ShardReader, read_array
+from .reshard_files import _lazy_partition, _optim_file_names, _storage_reader
+from .reshard_layout import TargetLayout, target_sub_group_size
+from .reshard_source import source_optimizer, with_stage
 
 
 def write_stage3_files(
@@ -48,66 +38,77 @@ def write_stage3_files(
 ) -> list[Path]:
     src_dir = plan.tag_dir
     first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
-    model = src_dir / next(f.path for f in found.files if f.role == "model_states")
-    template, model_state = states.state(first), states.state(model)
+    model = src_dir / next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
+    source, model_state = source_optimizer(found, states.state(first)), states.state(model)
     masters = {name: s for name, s in plan.sources.items() if s.role == "trainable"}
-    keys = _state_keys(found)
+    sub_group_size = target_sub_group_size(found, sub_group_size)
     written = []
     with ShardReader() as files:
         read_optim = _storage_reader(first, states, files)
         read_model = _storage_reader(model, states, files)
         lp = {name: read_model(ref) for name, ref in model_state["module"].items()}
+        frozen = _frozen(found, plan, files)
         for rank, name in enumerate(_optim_file_names(found, target.world_size)):
-            osd = _optimizer_state_dict(found, template, target, rank, masters, state_plan, keys, files, read_optim)
+            osd = _optimizer_state_dict(source, read_optim, target, rank, masters, state_plan, files)
             doc = {
                 k: osd
                 if k == "optimizer_state_dict"
-                else _ds_config(v, sub_group_size)
+                else with_stage(v, 3, sub_group_size)
                 if k == "ds_config"
                 else ds_pickle.from_standins(v, read_optim)
-                for k, v in template.items()
+                for k, v in source.top.items()
             }
-            ds_pickle.save(doc, tag_dir / name)
+            ds_pickle.save_streamed(doc, tag_dir / name)  # one partition in memory at a time
             written.append(tag_dir / name)
         for rank in range(target.world_size):
             path = tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-            ds_pickle.save(_model_states(model_state, found, target, rank, lp, read_model, sub_group_size), path)
+            doc = _model_states(model_state, found, target, rank, lp, frozen, read_model, sub_group_size)
+            ds_pickle.save(doc, path)
             written.append(path)
     return written
 
 
-def _optimizer_state_dict(found, template, target, rank, masters, state_plan, keys, files, read) -> dict:
-    src = template["optimizer_state_dict"]
-    base = src["base_optimizer_state"]
+def _frozen(found: Manifest, plan, files: ShardReader) -> dict:
+    """Every frozen parameter whole (a stage-3 source holds them as rank fragments), in the model dtype."""
+    out = {}
+    for f in found.frozen:
+        source = plan.sources.get(f.name)
+        if source is not None and source.role == "frozen":
+            out[f.name] = ds_pickle.tensor(read_array(source, source.dtype, files).copy(), source.dtype)
+    return out
+
+
+def _optimizer_state_dict(source, read, target, rank, masters, state_plan, files) -> dict:
     flats, state = [], {}
     for j, group in enumerate(target.groups):
         g = group.optimizer_group
-        flats.append(ds_pickle.tensor(_partition(group, rank, masters, found.layout.master_dtype, files)))
+        flats.append(_lazy_partition(group, rank, masters, "float32", files))
         entry = {}
-        for key, value in base["state"][g].items():
-            if key in keys.get(g, ()):
-                sources = {p.name: state_plan.sources[state_plan.states[p.name][key]] for p in group.params}
-                dtype = next(iter(sources.values())).dtype if sources else "float32"
-                entry[key] = ds_pickle.tensor(_partition(group, rank, sources, dtype, files))
-            else:  # step: as saved (equal on every rank and group); a copy per sub-group, since the
-                # optimizer increments it in place and sub-groups sharing one storage would count thrice
-                entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
+        for key in source.state_keys.get(g, ()):
+            sources = {p.name: state_plan.sources[state_plan.states[p.name][key]] for p in group.params}
+            dtype = next(iter(sources.values())).dtype if sources else "float32"
+            entry[key] = _lazy_partition(group, rank, sources, dtype, files)
+        for key, value in source.group_scalars.get(g, {}).items():
+            # step: as saved (equal on every rank and group); a copy per sub-group, since the optimizer
+            # increments it in place and sub-groups sharing one storage would count thrice
+            entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
         state[j] = entry
-    param_groups = ds_pickle.from_standins(base["param_groups"], read)
+    param_groups = ds_pickle.from_standins(source.param_groups, read)
     for g, pg in enumerate(param_groups):
         pg["params"] = [j for j, group in enumerate(target.groups) if group.optimizer_group == g]
+    osd = source.osd
     return {
         "zero_stage": ds_pickle.zero_stage(3),
-        "loss_scaler": ds_pickle.from_standins(src["loss_scaler"], read),
-        "dynamic_loss_scale": src.get("dynamic_loss_scale", False),
-        "overflow": src.get("overflow", False),
+        "loss_scaler": ds_pickle.from_standins(osd["loss_scaler"], read),
+        "dynamic_loss_scale": osd.get("dynamic_loss_scale", False),
+        "overflow": osd.get("overflow", False),
         "partition_count": target.world_size,
         "optimizer_state_dict": {"state": state, "param_groups": param_groups},
         "fp32_flat_groups": flats,
     }
 
 
-def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, read, sub_group_size) -> dict:
+def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, frozen, read, sub_group_size) -> dict:
     aliases = {a.name: a.owner for a in found.aliases}
     params = {p.name for g in found.groups for p in g.params} | {f.name for f in found.frozen}
     placeholders = {}
@@ -121,11 +122,10 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, 
         else:
             module[name] = lp[name]
     # Stage 1 records no frozen shapes or fragments (the module holds them); stage 3 needs both.
-    frozen_names = [f.name for f in found.frozen if f.name in lp and lp[f.name].numel() == f.numel]
     frozen_shapes = state.get("frozen_param_shapes") or collections.OrderedDict(
-        (f.name, tuple(f.shape)) for f in found.frozen if f.name in frozen_names
+        (f.name, tuple(f.shape)) for f in found.frozen if f.name in frozen
     )
-    fragments = collections.OrderedDict((n, ds_pickle.share(lp[n], rank, target.world_size)) for n in frozen_names)
+    fragments = collections.OrderedDict((n, ds_pickle.share(t, rank, target.world_size)) for n, t in frozen.items())
     out = {}
     for key, value in state.items():
         if key == CLIENT_STATE_KEY:
@@ -136,6 +136,8 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, 
             out[key] = ds_pickle.sizes(
                 [collections.OrderedDict((p.name, tuple(p.shape)) for p in g.params) for g in target.groups]
             )
+        elif key in ("frozen_param_shapes", "frozen_param_fragments") and found.layout.exclude_frozen_parameters:
+            out[key] = None  # as DeepSpeed saves them then: its loader reads every frozen param's fragment otherwise
         elif key == "frozen_param_shapes":
             out[key] = ds_pickle.sizes(frozen_shapes)
         elif key == "frozen_param_fragments":
@@ -145,7 +147,7 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, 
         elif key == "dp_world_size":
             out[key] = target.world_size
         elif key == "ds_config":
-            out[key] = _ds_config(value, sub_group_size)
+            out[key] = with_stage(value, 3, sub_group_size)
         else:
             out[key] = ds_pickle.from_standins(value, read)
     return out

@@ -219,7 +219,7 @@ def resume_world_size(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
             f"the data-parallel world size changes from {a.layout.world_size} to {b.layout.world_size}; "
             "DeepSpeed refuses ZeRO optimizer state saved at another world size",
             f"resume on {a.layout.world_size} ranks, or rewrite the checkpoint for {b.layout.world_size}: "
-            f"`ckptspec reshard A OUTPUT --world-size {b.layout.world_size}` (stages 1 and 2; docs/reshard.md)",
+            f"`ckptspec reshard A OUTPUT --world-size {b.layout.world_size}` (ZeRO stages 1 to 3; docs/reshard.md)",
         )
 
 
@@ -237,7 +237,7 @@ def resume_zero_stage(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
             + (
                 f", or rewrite the checkpoint: `ckptspec reshard A OUTPUT --world-size {b.layout.world_size} "
                 f"--stage {sb}` (docs/reshard.md)"
-                if sa in (1, 2) and sb in (1, 2, 3)
+                if sa in (1, 2, 3) and sb in (1, 2, 3)
                 else ""
             ),
         )

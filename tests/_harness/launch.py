@@ -13,6 +13,7 @@ from pathlib import Path
 from .cache import HARNESS, REPO_ROOT
 
 JOB_MAIN = HARNESS / "job" / "main.py"
+RESHARD_MAIN = HARNESS / "reshard_job.py"  # reshard and universal loads beyond job/resume.py (its own key)
 FSDP2_MAIN = HARNESS / "fsdp2_job.py"  # the FSDP2 loads of the DCP export: no DeepSpeed, a launch of its own
 SITE = HARNESS / "site"  # sitecustomize: no shm comm op compile (see its docstring)
 TIMEOUT_S = 900

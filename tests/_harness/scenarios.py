@@ -134,9 +134,41 @@ RESHARD_CASES = {
     "reshard-s2-to-s3-bf16-sub-2to3": ("s2-bf16-ws2", 3, {"stage": 3, "sub_group_size": 300}),
     "reshard-s2-to-s3-fp16-groups-2to2": ("s2-fp16-ws2-groups", 2, {"stage": 3}),
     "reshard-s1-to-s3-fp32-rr-3to2": ("s1-fp32-ws3-rr", 2, {"stage": 3, "sub_group_size": 300}),
+    # from ZeRO-3 (more in RESHARD_JOB_CASES)
+    "reshard-s3-fp16-groups-3to2": ("s3-fp16-ws3-groups", 2, {}),
+    "reshard-s3-to-s2-fp16-groups-3to2": ("s3-fp16-ws3-groups", 2, {"stage": 2}),
+}
+# The same, through tests/_harness/reshard_job.py (launches of their own): also checks every frozen
+# parameter and buffer of the target job against the source's saved ones, and loads the
+# exclude_frozen_parameters checkpoints (which DeepSpeed's strict module load refuses) non-strict.
+# No native resume of an exclude_frozen source (it would need a launch of its own): the fp32 one's
+# step is checked against the plain-torch replay instead.
+RESHARD_JOB_CASES = {
+    "reshard-s3-bf16-sub-2to3": ("s3-bf16-ws2-sub", 3, {}),
+    "reshard-s3-to-s2-bf16-sub-2to3": ("s3-bf16-ws2-sub", 3, {"stage": 2}),
+    "reshard-s3-to-s1-fp32-exclude-2to3": ("s3-fp32-ws2-exclude", 3, {"stage": 1}),
+    "reshard-s3-fp32-exclude-2to3": ("s3-fp32-ws2-exclude", 3, {}),
+    "reshard-s2-to-s3-bf16-exclude-2to3": ("s2-bf16-ws2-exclude", 3, {"stage": 3}),
+    "reshard-s2-bf16-zero-elem-2to3": ("s2-bf16-ws2-zero-elem", 3, {}),
+}
+# Universal checkpoints (tests/_harness/reshard_job.py "universal"): the source converted by
+# ``ckptspec export-universal`` or by DeepSpeed's own ``ds_to_universal --inject_missing_state``, loaded
+# with ``checkpoint.load_universal: true`` by a job of the target layout. name: (MATRIX entry, target
+# world size, the target spec's changes, converter). The round-robin source is loaded by a job without
+# round robin: DeepSpeed's universal loader places values through its own natural-order mappings, so a
+# round-robin target job gets other parameters' values whatever wrote the folder.
+UNIVERSAL_CASES = {
+    "universal-s2-bf16-2to3": ("s2-bf16-ws2", 3, {}, "ckptspec"),
+    "universal-s3-to-s2-bf16-sub-2to3": ("s3-bf16-ws2-sub", 3, {"stage": 2}, "ckptspec"),
+    "universal-s2-fp32-rr-3to3-plain": ("s2-fp32-ws3-rr", 3, {"round_robin": False}, "ckptspec"),
+    "universal-ds-s2-fp32-rr-3to3-plain": ("s2-fp32-ws3-rr", 3, {"round_robin": False}, "deepspeed"),
 }
 EXTRA_STEP = {"global_batch": 12}  # splits evenly over 2, 3 and 4 ranks
-NATIVE_RESUMES = {f"native-{source}": source for source in sorted({c[0] for c in RESHARD_CASES.values()})}
+NATIVE_RESUMES = {
+    f"native-{source}": source
+    for source in sorted({c[0] for c in [*RESHARD_CASES.values(), *RESHARD_JOB_CASES.values()]})
+    if not MATRIX_SPECS[source][0].get("exclude_frozen")
+}
 
 
 OLD_DEEPSPEED_SPECS = {
@@ -201,6 +233,14 @@ def _registry() -> dict[str, Task]:
         reshard = {"world_size": ws, "stage": changes.get("stage"), "sub_group_size": changes.get("sub_group_size")}
         args = {"spec": spec, "change": {}, "reshard": reshard, "extra_step": EXTRA_STEP}
         out[name] = Task("resume", args, ws, load=source)
+    for name, (source, ws, changes) in RESHARD_JOB_CASES.items():
+        spec = {**MATRIX_SPECS[source][0], **changes}
+        reshard = {"world_size": ws, "stage": changes.get("stage"), "sub_group_size": changes.get("sub_group_size")}
+        args = {"spec": spec, "reshard": reshard, "extra_step": EXTRA_STEP}
+        out[name] = Task("reshard", args, ws, load=source)
+    for name, (source, ws, changes, how) in UNIVERSAL_CASES.items():
+        spec = {**MATRIX_SPECS[source][0], **changes}
+        out[name] = Task("reshard", {"spec": spec, "universal": how, "extra_step": EXTRA_STEP}, ws, load=source)
     for name, source in NATIVE_RESUMES.items():
         spec, ws = MATRIX_SPECS[source]
         out[name] = Task("resume", {"spec": spec, "change": {}, "extra_step": EXTRA_STEP}, ws, load=source)

@@ -23,9 +23,9 @@ from pathlib import Path
 from . import cache
 from .job import parallel_models
 from .job.model import normalize_spec
-from .launch import FSDP2_MAIN, JOB_MAIN, HarnessError, run_tasks
+from .launch import FSDP2_MAIN, JOB_MAIN, RESHARD_MAIN, HarnessError, run_tasks
 
-KINDS = ("train", "resume", "parallel", "fsdp2")
+KINDS = ("train", "resume", "parallel", "fsdp2", "reshard")
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
 
 
@@ -66,7 +66,7 @@ class Task:
             return normalize_spec(self.args)
         if self.kind == "parallel":
             return parallel_models.normalize(self.args)
-        return {**self.args, "spec": normalize_spec(self.args["spec"])}  # resume, fsdp2
+        return {**self.args, "spec": normalize_spec(self.args["spec"])}  # resume, fsdp2, reshard
 
     @property
     def launch_group(self) -> tuple[int, bool, str, str]:
@@ -83,6 +83,8 @@ class Task:
         spec = self.normalized() if self.kind in ("train", "parallel") else self.normalized()["spec"]
         family = parallel_models.layout(spec) if self.kind == "parallel" else ""
         family = "" if family == "dense" else family
+        if self.kind == "reshard":  # reshard_job.py: launches of its own
+            family = "reshard"
         return self.world_size, spec["stage"] == 3, self.deepspeed or "", family
 
     @property
@@ -90,7 +92,7 @@ class Task:
         if self.kind == "parallel":
             return False
         spec = self.normalized() if self.kind == "train" else None
-        return self.kind in ("resume", "fsdp2") or bool(spec["hooks"]) or spec["save_with"] == "ckptspec"
+        return self.kind in ("resume", "fsdp2", "reshard") or bool(spec["hooks"]) or spec["save_with"] == "ckptspec"
 
 
 def _registry() -> dict[str, Task]:
@@ -111,6 +113,8 @@ def task_key(name: str, task: Task) -> str:
     }
     if task.kind == "fsdp2":  # its own entry script (the other kinds' keys stay as they were)
         identity["script"] = cache.key({"fsdp2_job": FSDP2_MAIN.read_text()})
+    if task.kind == "reshard":
+        identity["script"] = cache.key({"reshard_job": RESHARD_MAIN.read_text()})
     return cache.key(identity)
 
 
@@ -198,7 +202,7 @@ def _launch(batch: list[tuple[str, Task]]) -> None:
             {"kind": t.kind, "args": _job_args(t), "out": str(stage / "out")} for (_, t), stage in zip(batch, staged)
         ]
         t0 = time.monotonic()
-        script = FSDP2_MAIN if batch[0][1].kind == "fsdp2" else JOB_MAIN
+        script = {"fsdp2": FSDP2_MAIN, "reshard": RESHARD_MAIN}.get(batch[0][1].kind, JOB_MAIN)
         log = run_tasks(tasks, world_size, staged[0], batch[0][1].python, script)
         seconds = round(time.monotonic() - t0, 1)
         for (name, task), target, stage in zip(batch, targets, staged):

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _harness.scenarios import MATRIX_SPECS, RESHARD_CASES
+from _harness.scenarios import MATRIX_SPECS, NATIVE_RESUMES, RESHARD_CASES, RESHARD_JOB_CASES
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
@@ -34,20 +34,21 @@ pytestmark = pytest.mark.deepspeed
 # the batch in the model dtype before the ranks' gradients are averaged, so low-precision rounding
 # differs: observed max |diff| 5.1e-4 (bf16), 6.3e-5 (fp16), 1.2e-7 (fp32), below the bound per dtype here.
 STEP_TOLERANCE = {"bf16": 1e-3, "fp16": 1e-4, "fp32": 1e-5}
+ALL_CASES = {**RESHARD_CASES, **RESHARD_JOB_CASES}
 
 
 def _source_scaler(ds, source: str) -> float:
     import torch
 
     tag = ds.path(source) / "global_step2"
-    first = sorted(tag.glob("*zero_pp_rank_0_*optim_states.pt"))[0]
+    first = sorted(tag.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))[0]
     osd = torch.load(first, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     return float(osd["loss_scaler"].cur_scale)
 
 
-@pytest.mark.parametrize("case", sorted(RESHARD_CASES))
+@pytest.mark.parametrize("case", sorted(ALL_CASES))
 def test_target_job_loads_the_source_state_bit_for_bit(case, ds):
-    source, world_size, changes = RESHARD_CASES[case]
+    source, world_size, changes = ALL_CASES[case]
     outcome = ds.read_json(case, "resume.json")
     assert outcome["reshard_error"] is None and outcome["error"] is None, outcome
     assert outcome["loaded"] and outcome["consistent"], outcome["mismatched"]
@@ -63,24 +64,53 @@ def test_target_job_loads_the_source_state_bit_for_bit(case, ds):
     manifest = json.loads((ds.path(case) / "resharded" / "global_step2" / "ckptspec.json").read_text())
     assert manifest["layout"]["world_size"] == world_size
     assert manifest["layout"]["zero_stage"] == changes.get("stage", MATRIX_SPECS[source][0]["stage"])
+    if case in RESHARD_JOB_CASES:  # frozen parameters (gathered at stage 3) and buffers, against the source's files
+        assert outcome["model_mismatched"] == [], outcome["model_mismatched"]
+        assert outcome["buffers_checked"] == ["running", "step_count"]
+        excluded = MATRIX_SPECS[source][0].get("exclude_frozen")
+        assert outcome["frozen_checked"] == ([] if excluded else ["frozen.bias", "frozen.weight"])
 
 
-@pytest.mark.parametrize("case", sorted(RESHARD_CASES))
+def _stage(case: str) -> tuple[int, int]:
+    source, _, changes = ALL_CASES[case]
+    stage = MATRIX_SPECS[source][0]["stage"]
+    return stage, changes.get("stage", stage)
+
+
+NEVER_STOPPED = sorted(c for c, (source, _, _) in ALL_CASES.items() if f"native-{source}" in NATIVE_RESUMES)
+
+
+@pytest.mark.parametrize("case", NEVER_STOPPED)
 def test_one_more_step_equals_the_job_that_never_stopped(case, ds):
     import torch
 
-    source, world_size, changes = RESHARD_CASES[case]
+    source, world_size, changes = ALL_CASES[case]
     spec, source_ws = MATRIX_SPECS[source]
     resumed = torch.load(ds.path(case) / "after_step.pt", weights_only=True)
     never_stopped = torch.load(ds.path(f"native-{source}") / "after_step.pt", weights_only=True)
     before = torch.load(ds.path(source) / "live_fp32.pt", weights_only=True)
     assert resumed.keys() == never_stopped.keys() == before.keys()
     assert any(not torch.equal(never_stopped[n], before[n].float()) for n in before)  # the step moved them
-    if world_size == source_ws and changes.get("stage") != 3:
+    if world_size == source_ws and 3 not in _stage(case):
         assert all(torch.equal(resumed[n], never_stopped[n]) for n in never_stopped)
     else:
         worst = max((resumed[n] - never_stopped[n]).abs().max().item() for n in never_stopped)
         assert worst <= STEP_TOLERANCE[spec["dtype"]], worst
+
+
+def _saved_module(tag) -> dict:
+    """The module as DeepSpeed saved it, read with torch.load: stage 3's placeholders dropped and its frozen
+    parameters put together from the ranks' fragments."""
+    import torch
+
+    files = sorted(tag.glob("*model_states.pt"))
+    states = [torch.load(f, weights_only=False) for f in files]
+    module = {n: t for n, t in states[0]["module"].items() if t.numel() > 0 or n in states[0]["buffer_names"]}
+    if len(states) > 1:
+        for name, shape in (states[0]["frozen_param_shapes"] or {}).items():
+            flat = torch.cat([s["frozen_param_fragments"][name].reshape(-1) for s in states])
+            module[name] = flat[: shape.numel()].view(shape)
+    return module
 
 
 def _replay_one_step(ds, source: str) -> dict:
@@ -96,9 +126,10 @@ def _replay_one_step(ds, source: str) -> dict:
     saved = ds.path(source)
     live = torch.load(saved / "live_fp32.pt", weights_only=True)
     optim = torch.load(saved / "live_optim.pt", weights_only=True)
-    module = torch.load(saved / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    module = _saved_module(saved / "global_step2")
+    torch.manual_seed(spec["seed"])  # the frozen weights a job starts from when the checkpoint excludes them
     model = build_model(spec)
-    model.load_state_dict({**module, **live})
+    model.load_state_dict({**module, **live}, strict=not spec["exclude_frozen"])
     opt = torch.optim.AdamW(param_groups(model, spec), lr=1e-2)
     names = {id(p): n for n, p in model.named_parameters()}
     for g, group in enumerate(opt.param_groups):
@@ -116,7 +147,7 @@ def _replay_one_step(ds, source: str) -> dict:
     return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False) if n in live}
 
 
-FP32_CASES = sorted(c for c, (source, _, _) in RESHARD_CASES.items() if MATRIX_SPECS[source][0]["dtype"] == "fp32")
+FP32_CASES = sorted(c for c, (source, _, _) in ALL_CASES.items() if MATRIX_SPECS[source][0]["dtype"] == "fp32")
 
 
 @pytest.mark.parametrize("case", FP32_CASES)
@@ -124,9 +155,9 @@ def test_one_more_step_equals_plain_torch_adamw(case, ds):
     """fp32: the resumed job's step against an independent replay (no DeepSpeed), to rounding."""
     import torch
 
-    source = RESHARD_CASES[case][0]
+    source = ALL_CASES[case][0]
     replayed = _replay_one_step(ds, source)
-    for name in (case, f"native-{source}"):
+    for name in [case] + [f"native-{source}"] * (f"native-{source}" in NATIVE_RESUMES):
         after = torch.load(ds.path(name) / "after_step.pt", weights_only=True)
         worst = max((after[n] - replayed[n]).abs().max().item() for n in replayed)
         assert worst <= 1e-6, (name, worst)
@@ -168,7 +199,6 @@ def test_round_trip_gives_back_the_source_tensors(ds, tmp_path):
     ("source", "args", "code"),
     [
         ("s2-bf16-ws2", ["--world-size", 3, "--stage", 0], "CK410"),  # stage 0 not written
-        ("s3-bf16-ws2-sub", ["--world-size", 3], "CK410"),  # stage 3 not read yet
         ("s1-bf16-ws2-bf16opt", ["--world-size", 3], "CK410"),  # BF16_Optimizer's files
     ],
 )
@@ -262,3 +292,55 @@ def test_stage3_sub_groups_are_deepspeeds(ds):
     target = target_layout(source, 2, 3, 300)
     assert [[p.name for p in g.params] for g in target.groups] == [[p.name for p in g.params] for g in stage3.groups]
     assert [g.partition_numel for g in target.groups] == [g.partition_numel for g in stage3.groups]
+
+
+def test_stage3_round_trip_gives_back_the_source_tensors(ds, tmp_path):
+    """ZeRO-3, 2 -> 3 -> 2 ranks (sub-groups of 300): every rank's flat masters, moments, steps and frozen
+    fragments as DeepSpeed saved them."""
+    import torch
+
+    source = ds.path("s3-bf16-ws2-sub")
+    there, back = tmp_path / "ws3", tmp_path / "ws2"
+    assert _run("reshard", source, there, "--world-size", 3).exit_code == 0
+    result = _run("reshard", there, back, "--world-size", 2)
+    assert result.exit_code == 0, result.output
+    for path in sorted((source / "global_step2").glob("*.pt")):
+        a = torch.load(path, map_location="cpu", weights_only=False)
+        b = torch.load(back / "global_step2" / path.name, map_location="cpu", weights_only=False)
+        if "optimizer_state_dict" in a:
+            a, b = a["optimizer_state_dict"], b["optimizer_state_dict"]
+            assert len(a["fp32_flat_groups"]) == len(b["fp32_flat_groups"]) == 3
+            for x, y in zip(a["fp32_flat_groups"], b["fp32_flat_groups"], strict=True):
+                assert torch.equal(x, y)
+            sa, sb = a["optimizer_state_dict"]["state"], b["optimizer_state_dict"]["state"]
+            assert sa.keys() == sb.keys()
+            for j, state in sa.items():
+                assert state.keys() == sb[j].keys()
+                for key, value in state.items():
+                    assert torch.equal(value, sb[j][key]), (path.name, j, key)
+            assert a["optimizer_state_dict"]["param_groups"] == b["optimizer_state_dict"]["param_groups"]
+        else:
+            assert a["param_shapes"] == b["param_shapes"] and a["dp_world_size"] == b["dp_world_size"]
+            assert a["frozen_param_fragments"].keys() == b["frozen_param_fragments"].keys()
+            for name, value in a["frozen_param_fragments"].items():
+                assert torch.equal(value, b["frozen_param_fragments"][name]), name
+            for name in a["buffer_names"]:
+                assert torch.equal(a["module"][name], b["module"][name]), name
+
+
+def test_stage3_source_layout_at_its_own_world_size_is_its_own(ds):
+    """A stage-3 source's sub-groups, put together and cut again for its own world size and sub-group
+    size, are the ones DeepSpeed wrote (names, partition sizes, offsets)."""
+    from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.export.reshard_layout import target_layout
+
+    for name in ("s3-bf16-ws2-sub", "s3-fp16-ws3-groups", "s3-fp32-ws2-exclude"):
+        found, _ = validate_checkpoint(ds.path(name), verify_hashes=False)
+        target = target_layout(found, found.layout.world_size, 3)
+        keep = ("name", "offset", "padding", "numel")
+        assert [[{k: getattr(p, k) for k in keep} for p in g.params] for g in target.groups] == [
+            [{k: getattr(p, k) for k in keep} for p in g.params] for g in found.groups
+        ], name
+        assert [(g.optimizer_group, g.partition_numel) for g in target.groups] == [
+            (g.optimizer_group, g.partition_numel) for g in found.groups
+        ], name

@@ -125,9 +125,15 @@ def test_ck501_and_ck502_hints_give_the_reshard_command():
     found = resume_reasons(Manifest.model_validate(example()), Manifest.model_validate(b))
     stage = next(f for f in found if f.code == "CK502")
     assert "`ckptspec reshard A OUTPUT --world-size 4 --stage 3`" in stage.hint
-    a = copy.deepcopy(b)  # from stage 3: reshard does not read it, so no command is offered
+    a = copy.deepcopy(b)  # from stage 3 to 2: reshard reads stage-3 checkpoints too
     stage = next(
         f for f in resume_reasons(Manifest.model_validate(a), Manifest.model_validate(example())) if f.code == "CK502"
+    )
+    assert "`ckptspec reshard A OUTPUT --world-size 2 --stage 2`" in stage.hint
+    zero = example()
+    zero["layout"]["zero_stage"] = 0  # stage 0 is neither read nor written: no command
+    stage = next(
+        f for f in resume_reasons(Manifest.model_validate(a), Manifest.model_validate(zero)) if f.code == "CK502"
     )
     assert "reshard" not in stage.hint
 

@@ -1,0 +1,167 @@
+"""``ckptspec export-universal``: DeepSpeed's universal checkpoint folder, written from the manifest.
+
+The folder is what DeepSpeed 0.19's ``ds_to_universal`` writes as its ``--output_folder`` and what a job
+with ``checkpoint.load_universal: true`` reads (``runtime/base_optimizer.py``
+``load_hp_checkpoint_state_from_checkpoint_dir``, ``checkpoint/universal_checkpoint.py``):
+
+* ``zero/<param>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt`` (every per-element state): ``{"param": the
+  whole tensor in fp32 in the parameter's shape, "cat_dim": 0}``; ``zero/<param>/step.pt``: the group's
+  step as saved. Written for every trainable parameter (a tie's name too, with its owner's values);
+  frozen parameters get ``fp32.pt`` alone, as ``ds_to_universal`` writes the module's values (DeepSpeed's
+  universal loader reads neither: it restores trainable parameters only).
+* ``zero/optimizer_state.pt``: the optimizer's global state (loss scaler, ``dynamic_loss_scale``,
+  ``overflow``, ``clip_grad`` when saved, ``ds_version``...) and ``param_groups`` (the hyperparameters).
+* ``mp_rank_00_model_states.pt``: the source's (rank 0) model-states file, copied: DeepSpeed reads its
+  counters, LR scheduler and client state from it (not the weights).
+
+Positions come from the manifest (round robin, alignment, stage-3 sub-groups), never from
+``param_slice_mappings``, so the values are the saved ones where ``ds_to_universal`` reads DeepSpeed's
+mappings. Bytes are read one parameter at a time: peak memory is one parameter's state.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._fs import fsync_dir, replace, sweep, temp_dir
+from ..checkpoint.states import StateCache
+from ..deepspeed.validate import validate_checkpoint
+from ..errors import CheckpointInvalid, CkptspecError, ReshardUnsupported
+from ..findings import has_errors
+from ..format.models import Manifest
+from ..location import refuse_write
+from . import ds_pickle
+from .arrays import ShardReader, read_array
+from .optimizer_state import plan_optimizer_state
+from .plan import plan_reconstruction
+from .reshard_files import _storage_reader
+from .reshard_source import source_optimizer
+
+# DeepSpeedZeroOptimizer's per-rank entries ds_to_universal leaves out of optimizer_state.pt
+SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+STAGE3_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "zero_stage", "partition_count")
+
+
+@dataclass
+class UniversalResult:
+    output: Path
+    tag: str
+    params: int
+
+
+def export_universal(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    tag: str | None = None,
+    manifest: Manifest | str | os.PathLike | None = None,
+) -> UniversalResult:
+    """Validate ``checkpoint``, then write its universal folder (``ds_to_universal``'s output) as ``output``."""
+    refuse_write(output, "the universal checkpoint")
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise CkptspecError("CK909", "the output exists and is not empty", "give a new directory", str(output))
+    states = StateCache()
+    found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=True)
+    if found is None or has_errors(findings):
+        raise CheckpointInvalid(findings, str(checkpoint))
+    try:
+        _refuse(found)
+    except ReshardUnsupported as exc:
+        raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
+    plan = plan_reconstruction(checkpoint, found, tag, states=states)
+    state_plan = plan_optimizer_state(plan)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    sweep(output.parent)
+    tmp = temp_dir(output)
+    try:
+        count = _write(found, plan, state_plan, states, tmp)
+        os.chmod(tmp, 0o777 & ~_umask())
+        if output.exists():
+            output.rmdir()
+        replace(tmp, output)
+        fsync_dir(output.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return UniversalResult(output, plan.tag_dir.name, count)
+
+
+def _refuse(found: Manifest) -> None:
+    layout = found.layout
+    if layout.zero_stage not in (1, 2, 3):
+        raise ReshardUnsupported(f"ZeRO stage {layout.zero_stage} checkpoints are not supported", "use stage 1, 2 or 3")
+    if layout.tensor_parallel_size != 1 or layout.pipeline_parallel_size != 1:
+        raise ReshardUnsupported(
+            "the checkpoint is tensor- or pipeline-parallel; export-universal writes data-parallel checkpoints only",
+            "use DeepSpeed's ds_to_universal",
+        )
+    if layout.tail_padding_saved:
+        raise ReshardUnsupported(
+            "the checkpoint was written by DeepSpeed's BF16_Optimizer, whose files are not read here yet",
+            "use DeepSpeed's ds_to_universal",
+        )
+    if found.optimizer is None or not any(f.state_partitions for f in found.files):
+        raise ReshardUnsupported(
+            "the manifest locates no optimizer state (format 1.0)",
+            "use a format 1.1 manifest: `ckptspec generate CHECKPOINT` describes the files anew",
+        )
+
+
+def _write(found: Manifest, plan, state_plan, states: StateCache, out: Path) -> int:
+    src_dir = plan.tag_dir
+    first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+    model = src_dir / next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
+    source = source_optimizer(found, states.state(first))
+    zero = out / "zero"
+    zero.mkdir()
+    group_of = {p.name: g.optimizer_group for g in found.groups for p in g.params}
+    aliases: dict[str, list[str]] = {}
+    for a in found.aliases:
+        aliases.setdefault(a.owner, []).append(a.name)
+    count = 0
+    with ShardReader() as files:
+        read = _storage_reader(first, states, files)
+        for name, src in plan.sources.items():
+            if src.role not in ("trainable", "frozen"):
+                continue
+            tensors = {"fp32": read_array(src, "float32", files)}
+            if src.role == "trainable":
+                for key, state_name in sorted(state_plan.states.get(name, {}).items()):
+                    state = state_plan.sources[state_name]
+                    tensors[key] = read_array(state, "float32", files)
+            scalars = source.group_scalars.get(group_of.get(name, -1), {}) if src.role == "trainable" else {}
+            for target in [name, *aliases.get(name, [])]:
+                folder = zero / target
+                folder.mkdir()
+                for key, array in tensors.items():
+                    ds_pickle.save({"param": ds_pickle.tensor(array.copy()), "cat_dim": 0}, folder / f"{key}.pt")
+                if "step" in scalars:
+                    ds_pickle.save(ds_pickle.from_standins(scalars["step"], read), folder / "step.pt")
+                count += 1
+        ds_pickle.save(_optimizer_state(source, read), zero / "optimizer_state.pt")
+    shutil.copyfile(model, out / "mp_rank_00_model_states.pt")
+    return count
+
+
+def _optimizer_state(source, read) -> dict:
+    if source.zero_stage == 3:
+        keys = [k for k in STAGE3_KEYS if k in source.osd]
+        out = {k: ds_pickle.from_standins(source.osd[k], read) for k in keys}
+        out["ds_version"] = ds_pickle.from_standins(source.ds_version, read)
+    else:
+        out = {k: ds_pickle.from_standins(v, read) for k, v in source.osd.items() if k not in SHARDED}
+    param_groups = ds_pickle.from_standins(source.param_groups, read)
+    for g, pg in enumerate(param_groups):
+        pg["params"] = [g]
+    out["param_groups"] = param_groups
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

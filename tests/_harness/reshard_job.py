@@ -1,0 +1,190 @@
+"""Reshard ground truth beyond job/resume.py (issue #15): a launch of its own for "reshard" tasks.
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node N tests/_harness/reshard_job.py --tasks TASKS.json
+
+A "reshard" task is a job/resume.py "resume" task with ``reshard`` (rank 0 runs ckptspec's reshard
+on ``load`` into OUT/resharded, every rank loads that with ``engine.load_checkpoint``), plus what
+resume.py does not do (its code is every DeepSpeed entry's cache key, so it stays as it is):
+
+* ``load_module_strict`` is false when the spec excludes frozen parameters: DeepSpeed saves none of
+  them then, and its own strict module load refuses such a checkpoint (as it refuses DeepSpeed's);
+* after loading, every frozen parameter (gathered at stage 3) and every buffer of the target job is
+  compared with what DeepSpeed saved in the *source* checkpoint, read here with torch.load (stage 3:
+  the ranks' ``frozen_param_fragments`` concatenated and trimmed): resume.json's ``frozen_checked``,
+  ``buffers_checked`` and ``model_mismatched`` (names that differ, bit for bit);
+* ``universal`` ("ckptspec" or "deepspeed"): instead of resharding, rank 0 converts ``load`` to
+  DeepSpeed's universal folder (``ckptspec export-universal`` in-process, or DeepSpeed's own
+  ``ds_to_universal --inject_missing_state``) into OUT/uc, and the job loads it with
+  ``checkpoint.load_universal: true``; ``reshard_error`` holds the conversion's error.
+
+resume.json and after_step.pt are resume.py's (same keys), plus the ones above.
+"""
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _harness.job import resume
+from _harness.job.main import reset_deepspeed_globals
+from _harness.job.model import build_model, ds_config, live_fp32, normalize_spec, param_groups
+
+
+def _saved_model(load: Path, frozen_names: list, tag: str = "global_step2") -> dict:
+    """The source's frozen parameters and buffers as DeepSpeed saved them (torch.load, the oracle)."""
+    import torch
+
+    files = sorted((load / tag).glob("*model_states.pt"))
+    states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+    first = states[0]
+    buffers = {n: first["module"][n] for n in first.get("buffer_names") or []}
+    frozen = {}
+    shapes = first.get("frozen_param_shapes") or {}
+    if len(states) > 1:  # stage 3: each rank holds a ceil(numel / ws) fragment
+        for name, shape in shapes.items():
+            flat = torch.cat([s["frozen_param_fragments"][name].reshape(-1) for s in states])
+            frozen[name] = flat[: torch.Size(shape).numel()].view(shape)
+    else:  # stage 1/2: whole in the module (absent when excluded)
+        frozen = {n: first["module"][n] for n in frozen_names if n in first["module"]}
+    return {"frozen": frozen, "buffers": buffers}
+
+
+def _model_checks(engine, model, stage, load: Path) -> dict:
+    """Frozen parameters and buffers of the job after loading, against the source's saved ones (collective)."""
+    import deepspeed
+    import torch
+
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    saved = _saved_model(load, [n for n, _ in frozen])
+    with deepspeed.zero.GatheredParameters([p for _, p in frozen], enabled=stage == 3):
+        live = {n: p.detach().clone() for n, p in frozen}
+    live.update({n: b.detach().clone() for n, b in model.named_buffers()})
+    bad = sorted(
+        n
+        for n, t in {**saved["frozen"], **saved["buffers"]}.items()
+        if n not in live or live[n].shape != t.shape or not torch.equal(live[n], t.to(live[n].dtype))
+    )
+    return {
+        "frozen_checked": sorted(saved["frozen"]),
+        "buffers_checked": sorted(saved["buffers"]),
+        "model_mismatched": bad,
+    }
+
+
+def _universal(load: Path, out: Path, how: str, rank: int):
+    """Rank 0 converts ``load`` to a universal folder OUT/uc/global_step2_universal; every rank learns the outcome."""
+    import torch.distributed as dist
+
+    base = out / "uc"
+    outcome = [None]
+    if rank == 0:
+        base.mkdir(parents=True, exist_ok=True)
+        target = base / "global_step2_universal"
+        log = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                if how == "deepspeed":
+                    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+                    ds_to_universal(
+                        argparse.Namespace(
+                            input_folder=str(load / "global_step2"),
+                            output_folder=str(target),
+                            num_extract_workers=1,
+                            num_merge_workers=1,
+                            keep_temp_folder=False,
+                            strict=True,
+                            inject_missing_state=True,
+                        )
+                    )
+                else:
+                    from ckptspec.export.universal import export_universal
+
+                    export_universal(load, target)
+            (base / "latest_universal").write_text(target.name)
+        except Exception as exc:  # recorded: a test asserts there is none
+            outcome[0] = resume._first_line(exc)
+        (out / "universal.log").write_text(log.getvalue())
+    dist.broadcast_object_list(outcome, src=0)
+    return outcome[0], base
+
+
+def run(args, out: Path):
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    spec, load = normalize_spec(args["spec"]), Path(args["load"])
+    torch.manual_seed(spec["seed"])
+    rank = dist.get_rank()
+    model = build_model(spec)
+    optimizer = torch.optim.AdamW(param_groups(model, spec), lr=1e-2)
+    config = ds_config(spec)
+    if args.get("universal"):
+        config["checkpoint"] = {"load_universal": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    error = load_path = None
+    if args.get("universal"):
+        reshard_error, target = _universal(load, out, args["universal"], rank)
+    else:
+        reshard_error, target = resume._reshard(load, out, args["reshard"], rank)
+    if reshard_error is None:
+        try:
+            load_path, _ = engine.load_checkpoint(str(target), load_module_strict=not spec["exclude_frozen"])
+        except Exception as exc:  # the outcome under test: record it, do not crash
+            error = resume._first_line(exc)
+    live = live_fp32(engine, model, spec["stage"])  # collective: every rank
+    saved = torch.load(load / "live_fp32.pt", map_location="cpu", weights_only=True)
+    mismatched = sorted(
+        n for n, t in saved.items() if n not in live or live[n].shape != t.shape or not torch.equal(live[n], t.float())
+    )
+    loaded = error is None and reshard_error is None and load_path is not None
+    result = {"loaded": loaded, "error": error, "reshard_error": reshard_error, "mismatched": mismatched}
+    result["consistent"] = loaded and not mismatched
+    if loaded:
+        worst = {n: (live[n] - t.float()).abs().max().item() for n, t in saved.items() if n in live}
+        result["max_abs_diff"] = max(worst.values(), default=0.0)
+        result.update(resume._optimizer_checks(engine, model, spec["stage"], load, saved))
+        result.update(_model_checks(engine, model, spec["stage"], load))
+    after = resume._extra_step(engine, model, spec, args["extra_step"]) if loaded and args.get("extra_step") else None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "resume.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+        if after is not None:
+            torch.save(after, out / "after_step.pt")
+    dist.barrier()
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", required=True, type=Path)
+    tasks = json.loads(ap.parse_args().tasks.read_text())
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True  # as job/main.py
+    torch.use_deterministic_algorithms(True)
+    deepspeed.init_distributed()
+    for task in tasks:
+        print(f"[harness] rank {dist.get_rank()}: {task['kind']} -> {task['out']}", flush=True)
+        reset_deepspeed_globals()
+        run(task["args"], Path(task["out"]))
+        dist.barrier()
+        gc.collect()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""``ckptspec export-universal`` against real DeepSpeed ``load_universal`` resumes (issue #15, item 2).
+
+Ground truth: tests/_harness/reshard_job.py with ``universal`` (scenarios.UNIVERSAL_CASES). Rank 0 of a
+job of the target layout converts a MATRIX checkpoint to DeepSpeed's universal folder, with ckptspec or
+with DeepSpeed's own ``ds_to_universal``; every rank loads it with ``checkpoint.load_universal: true``
+and the job compares what DeepSpeed loaded with the source job's live values (``live_fp32.pt``,
+``live_optim.pt``), then takes one more step (against NATIVE_RESUMES, the job that never stopped).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+from _harness.scenarios import MATRIX_SPECS, UNIVERSAL_CASES
+from click.testing import CliRunner
+
+from ckptspec.cli import cli
+
+pytestmark = pytest.mark.deepspeed
+
+OURS = sorted(n for n, case in UNIVERSAL_CASES.items() if case[3] == "ckptspec")
+STEP_TOLERANCE = {"bf16": 1e-3, "fp16": 1e-4, "fp32": 1e-5}  # as test_reshard.py: another world size or layout
+
+
+@pytest.mark.parametrize("case", OURS)
+def test_load_universal_gives_the_source_state_bit_for_bit(case, ds):
+    outcome = ds.read_json(case, "resume.json")
+    assert outcome["reshard_error"] is None and outcome["error"] is None, outcome
+    assert outcome["loaded"] and outcome["consistent"], outcome["mismatched"]
+    assert outcome["optim_consistent"], outcome["optim_mismatched"]
+    assert outcome["getter_fp32_mismatched"] == [] and outcome["getter_optim_mismatched"] == [], outcome
+    assert outcome["global_steps"] == 2 and outcome["skipped_steps"] == 0
+    # DeepSpeed's universal load restores trainable parameters only: it never loads the module, so the
+    # buffers keep the target job's initial values (frozen parameters too, which training never changed)
+    assert outcome["frozen_checked"] == ["frozen.bias", "frozen.weight"]
+    assert not {"frozen.bias", "frozen.weight"} & set(outcome["model_mismatched"])
+
+
+@pytest.mark.parametrize("case", OURS)
+def test_one_more_step_after_load_universal_equals_the_job_that_never_stopped(case, ds):
+    import torch
+
+    source = UNIVERSAL_CASES[case][0]
+    resumed = torch.load(ds.path(case) / "after_step.pt", weights_only=True)
+    never_stopped = torch.load(ds.path(f"native-{source}") / "after_step.pt", weights_only=True)
+    assert resumed.keys() == never_stopped.keys()
+    worst = max((resumed[n] - never_stopped[n]).abs().max().item() for n in never_stopped)
+    assert worst <= STEP_TOLERANCE[MATRIX_SPECS[source][0]["dtype"]], worst
+
+
+def _folder_errors(folder, source) -> dict[str, float]:
+    """Each tensor of a universal folder against the source job's live value: max |diff| (nan: missing)."""
+    import torch
+
+    live = torch.load(source / "live_fp32.pt", weights_only=True)
+    optim = torch.load(source / "live_optim.pt", weights_only=True)
+    out = {}
+    for name, master in live.items():
+        wanted = {"fp32": master.float(), **optim["state"].get(name, {})}
+        for key, value in wanted.items():
+            path = folder / "zero" / name / f"{key}.pt"
+            if not path.exists():
+                out[f"{name}.{key}"] = math.nan
+                continue
+            got = torch.load(path, weights_only=False)["param"].view(value.shape)
+            out[f"{name}.{key}"] = (got - value).abs().max().item()
+    return out
+
+
+def test_round_robin_side_by_side_deepspeeds_universal_folder_is_wrong_and_ckptspecs_is_not(ds):
+    """The same round-robin checkpoint (ZeRO-2 fp32, 3 ranks), converted by both tools and loaded by the
+    same job (3 ranks, no round robin). DeepSpeed 0.19.8's ds_to_universal reads positions from
+    param_slice_mappings, which under round robin are natural-order offsets: every parameter the reorder
+    moved gets another parameter's values (observed: masters off by up to 0.42, moments by up to 0.026)."""
+    source = ds.path("s2-fp32-ws3-rr")
+    theirs_case, ours_case = "universal-ds-s2-fp32-rr-3to3-plain", "universal-s2-fp32-rr-3to3-plain"
+    theirs = _folder_errors(ds.path(theirs_case) / "uc" / "global_step2_universal", source)
+    ours = _folder_errors(ds.path(ours_case) / "uc" / "global_step2_universal", source)
+    assert all(v == 0.0 for v in ours.values()), ours
+    moved = {"l1.weight", "l1.bias", "l2.weight", "l2.bias"}
+    wrong = {k.rsplit(".", 1)[0] for k, v in theirs.items() if v > 0.1 and k.endswith(".fp32")}
+    assert wrong == moved, theirs
+    assert theirs["emb.weight.fp32"] == 0.0  # the first parameter stays where it was
+    loaded_ours, loaded_theirs = ds.read_json(ours_case, "resume.json"), ds.read_json(theirs_case, "resume.json")
+    assert loaded_ours["consistent"] and loaded_ours["optim_consistent"], loaded_ours
+    assert set(loaded_theirs["mismatched"]) == moved and loaded_theirs["max_abs_diff"] > 0.1, loaded_theirs
+
+
+def _run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_an_invalid_source_is_refused_and_nothing_written(ds, tmp_path):
+    source = tmp_path / "src"
+    shutil.copytree(ds.path("s2-bf16-ws2"), source)
+    victim = source / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:-100])
+    result = _run("export-universal", source, tmp_path / "out")
+    assert result.exit_code == 1, result.output
+    assert "nothing was written" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_bf16_optimizer_checkpoints_are_refused(ds, tmp_path):
+    result = _run("export-universal", ds.path("s1-bf16-ws2-bf16opt"), tmp_path / "out")
+    assert result.exit_code == 1 and "CK410" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
