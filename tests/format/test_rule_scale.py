@@ -29,9 +29,7 @@ def test_ranks_claimed_but_not_located_are_one_finding(claimed):
     doc["groups"][0]["partition_count"] = claimed
     last = claimed - 1
     who = "rank 2 has" if last == 2 else f"ranks 2-{last} have"
-    assert _ck124(doc) == [
-        f"{who} no partition of state(s) 'exp_avg', 'exp_avg_sq' of group 0, which other ranks have"
-    ]
+    assert _ck124(doc) == [f"{who} no partition of state(s) 'exp_avg', 'exp_avg_sq' of group 0, which other ranks have"]
 
 
 def test_a_gap_and_a_partial_rank_are_told_apart():
