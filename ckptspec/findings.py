@@ -79,6 +79,7 @@ CODES: dict[str, str] = {
     "CK232": "index-other-save",
     "CK233": "index-module-shard",
     "CK234": "index-replica-differs",
+    "CK235": "index-weights-not-masters",
     # CK3xx: embedded copies and migrations (checkpoint/embedded.py, deepspeed/embed.py, format/migrate.py)
     "CK301": "embedded-copies-disagree",
     "CK302": "embedded-manifest-unreadable",

@@ -247,3 +247,6 @@ def check_index_files(
 ) -> list[Finding]:
     ctx = IndexContext(index, tag_dir, states, verify_hashes)
     return [found for c in INDEX_CHECKS for found in c.check(ctx)]
+
+
+from . import index_masters  # noqa: E402, F401  (registers CK235 into INDEX_CHECKS)
