@@ -98,7 +98,8 @@ def optimizer_state_temporary(
     committed with the weights, in the same journal: a directory never holds new weights beside
     an earlier run's optimizer state.
     """
-    state = plan_optimizer_state(plan)
+    # A checkpoint index's whole-model plan composes its states itself (export/compose_plan.py).
+    state = plan.optimizer_state_plan() if hasattr(plan, "optimizer_state_plan") else plan_optimizer_state(plan)
     target = output_dir / OPTIMIZER_FILE
     entries = [TensorEntry(name, src.dtype, src.shape) for name, src in state.sources.items()]
     writer = SafetensorsWriter(target, entries, state.metadata)
