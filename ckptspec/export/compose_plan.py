@@ -171,6 +171,9 @@ def _compose_states(plan: IndexReconstructionPlan) -> OptimizerStatePlan:
             if p.name == shard.local_name
         )
     first = next(iter(per_domain.values()))
+    for domain, state in per_domain.items():  # one optimizer: every domain records the same hyperparameters and step
+        if state.metadata["ckptspec.optimizer"] != first.metadata["ckptspec.optimizer"]:
+            raise ReconstructMismatch(f"domain {domain}'s optimizer (hyperparameters, step) differs from the first's")
     metadata = {
         **first.metadata,
         "ckptspec.format_version": plan.index.format_version,
