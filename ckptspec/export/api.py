@@ -164,6 +164,10 @@ def load_optimizer_state(
     Validates the checkpoint first (``CheckpointInvalid``); needs a format 1.1 manifest (CK402).
     States are returned as stored (float32 for torch's Adam; a bfloat16 state as uint16 bits).
     """
+    if _model_parallel(checkpoint, manifest, tag):  # the whole model's, composed from every domain
+        from .compose import validated_index_plan
+
+        return load_optimizer_state_arrays(validated_index_plan(checkpoint, manifest, tag))
     return load_optimizer_state_arrays(validated_plan(checkpoint, manifest, tag))
 
 

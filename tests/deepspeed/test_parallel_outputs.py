@@ -106,3 +106,22 @@ def test_the_api_writes_the_same_outputs(ds, tmp_path):
     expected = load_file(cli_out / "model.safetensors")
     assert all(bits_equal(weights[n], expected[n]) for n in expected)
     assert (tmp_path / "api" / "optimizer.safetensors").read_bytes() == (cli_out / "optimizer.safetensors").read_bytes()
+
+
+def test_load_optimizer_state_of_an_index(ds, tmp_path):
+    """ckptspec.load_optimizer_state gives the whole model's moments, as optimizer.safetensors holds them."""
+    from safetensors.numpy import load_file
+
+    import ckptspec
+
+    entry = ds.path("tp2dp2-s2-bf16-ws4")
+    states, optimizer = ckptspec.load_optimizer_state(entry)
+    written = load_file(_reconstruct(entry, tmp_path / "out", "--optimizer-state") / "optimizer.safetensors")
+    assert sorted(f"{p}.{k}" for p, keys in states.items() for k in keys) == sorted(written)
+    for param, keys in states.items():
+        for key, array in keys.items():
+            assert (
+                array.tobytes() == written[f"{param}.{key}"].tobytes()
+                and array.shape == written[f"{param}.{key}"].shape
+            )
+    assert [g["step"] for g in optimizer["groups"]] == [2]
