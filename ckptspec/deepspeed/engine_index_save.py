@@ -159,10 +159,11 @@ def save_index_checkpoint(
         except Exception as exc:
             status = f"rank 0: {type(exc).__name__}: {exc}"
             shutil.rmtree(staged, ignore_errors=True)
-    if distributed:
-        box = [status]
+    if distributed:  # rank 0's index (with the digests only it computed) and status, on every rank
+        box = [status, index.to_dict() if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        status = box[0]
+        status, complete = box
+        index = CheckpointIndex.model_validate(complete)
     if status:
         raise RuntimeError("ckptspec could not write the checkpoint index sidecar: " + status)
     return index
