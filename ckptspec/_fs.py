@@ -49,26 +49,34 @@ TEMP_RE = re.compile(r"^\.(?P<target>.+)\.ckptspec-(?P<host>[A-Za-z0-9_.]+)-(?P<
 
 # --------------------------------------------------------------------------- failure injection (tests)
 
-_FAILPOINT = os.environ.get("CKPTSPEC_FAILPOINT", "")
 _SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}
+# Read at the first step, not at import, so a process forked after the import has its own.
+_FAILPOINT: str | None = None
 _steps = 0
+
+
+def _armed() -> str:
+    global _FAILPOINT
+    if _FAILPOINT is None:
+        _FAILPOINT = os.environ.get("CKPTSPEC_FAILPOINT", "")
+        if _FAILPOINT.startswith("count:"):
+            counter = Path(_FAILPOINT.removeprefix("count:"))
+            atexit.register(lambda: counter.write_text(str(_steps)))
+    return _FAILPOINT
 
 
 def io_point(what: str) -> None:
     """One step of a write; see the module docstring (a no-op unless CKPTSPEC_FAILPOINT is set)."""
     global _steps
-    if not _FAILPOINT:
+    failpoint = _armed()
+    if not failpoint:
         return
     _steps += 1
-    mode, _, arg = _FAILPOINT.partition(":")
+    mode, _, arg = failpoint.partition(":")
     if mode in _SIGNALS and _steps == int(arg):
         os.kill(os.getpid(), _SIGNALS[mode])
     elif mode == "enospc" and _steps == int(arg):
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {what})")
-
-
-if _FAILPOINT.startswith("count:"):
-    atexit.register(lambda: Path(_FAILPOINT.removeprefix("count:")).write_text(str(_steps)))
 
 
 # --------------------------------------------------------------------------- temporaries

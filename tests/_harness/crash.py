@@ -10,29 +10,17 @@ stops it like a scheduler or a user (``term:N``, ``int:N``) or fails the write (
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
+
+from . import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(args: list[str], failpoint: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m ckptspec ARGS`` in a child process, with a failpoint if given."""
-    env = {k: v for k, v in os.environ.items() if k not in ("CKPTSPEC_FAILPOINT", "CKPTSPEC_DEBUG")}
-    if failpoint:
-        env["CKPTSPEC_FAILPOINT"] = failpoint
-    return subprocess.run(
-        [sys.executable, "-m", "ckptspec", *map(str, args)],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        # A suite started in the background (`./scripts/test.sh &`) inherits SIGINT ignored, and
-        # Python keeps an ignored SIGINT ignored: the child gets Ctrl-C's default, as a terminal gives it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    """``ckptspec ARGS`` in a child process of its own, with a failpoint if given."""
+    return cli_process.run(args, failpoint=failpoint, cwd=cwd)
 
 
 def steps(args: list[str], tmp: Path) -> int:

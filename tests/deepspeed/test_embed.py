@@ -15,14 +15,13 @@ import json
 import shutil
 import struct
 import subprocess
-import sys
 import uuid
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _harness import scenarios
+from _harness import cli_process, scenarios
 
 from ckptspec.checkpoint import torchfile
 from ckptspec.checkpoint.embedded import (
@@ -53,7 +52,7 @@ def example() -> dict:
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptspec", *args], capture_output=True, text=True)
+    return cli_process.run(args)
 
 
 # --------------------------------------------------------------------------- client state in a torch file

@@ -8,12 +8,10 @@ through ckptspec's reading of it.
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _harness import scenarios
+from _harness import cli_process, scenarios
 from _harness.job.parallel_models import reference_model, torch_dtype
 from _harness.oracles import zero_to_fp32
 from click.testing import CliRunner
@@ -51,7 +49,7 @@ def _cli(*args):
 
 
 def _subprocess(*args):
-    return subprocess.run([sys.executable, "-m", "ckptspec", *args], capture_output=True, text=True)
+    return cli_process.run(args)
 
 
 def _info(ds, name):

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _harness import cli_process
 from _harness.faults import FAULTS, FaultEnv, base_dir, snapshot, tag_dir
 from _harness.scenarios import COMMITTED, MATRIX, engine_name
 from click.testing import CliRunner
@@ -37,7 +38,7 @@ def built(request):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     """The real command, in a subprocess: exit code, no traceback, nothing run."""
-    return subprocess.run([sys.executable, "-m", "ckptspec", *args], capture_output=True, text=True)
+    return cli_process.run(args)
 
 
 def _run(*args: str):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch as safetensors_torch
 import torch
+from _harness import cli_process
 from _harness.oracles import zero_to_fp32
 from _harness.reconstruction import bits, check_reconstruction, same_bits
 from _harness.scenarios import MATRIX, MATRIX_SPECS, engine_name
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.deepspeed
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "ckptspec", *args], capture_output=True, text=True)
+    result = cli_process.run(args)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr
     return result

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from _harness import cli_process
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -58,7 +59,7 @@ def same(a, b) -> bool:
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptspec", *args], capture_output=True, text=True)
+    return cli_process.run(args)
 
 
 # --------------------------------------------------------------------------- canonical forms
