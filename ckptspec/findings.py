@@ -79,6 +79,7 @@ CODES: dict[str, str] = {
     "CK232": "index-other-save",
     "CK233": "index-module-shard",
     "CK234": "index-replica-differs",
+    "CK235": "index-weights-not-masters",
     "CK240": "index-expert-file-missing",
     "CK241": "index-expert-file-other",
     "CK242": "index-partition-count",

@@ -88,7 +88,8 @@ def reconstruct(
     if fmt == "torch" and not torch_available():
         raise click.UsageError("--format torch needs torch (pip install torch); --format safetensors does not")
     if _is_index_target(checkpoint, manifest, tag):
-        _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, fmt, untie, optimizer_state, quiet)
+        options = {"fmt": fmt, "untie": untie, "optimizer_state": optimizer_state, "max_shard_size": max_shard_size}
+        _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, quiet, options)
         return
     try:
         refuse_write(output_dir, "the reconstruction")  # before anything is fetched
@@ -148,14 +149,11 @@ def _is_index_target(checkpoint: str, manifest: str | None, tag: str | None) -> 
         return False  # the ordinary path reports it
 
 
-def _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, fmt, untie, optimizer_state, quiet) -> None:
+def _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, quiet, options) -> None:
     """The whole model of a tensor/pipeline-parallel checkpoint, composed from every rank's shards."""
     from ..export.compose import reconstruct_index
     from ..format.index_validate import validate_index_file
 
-    for flag, given in (("--format torch", fmt == "torch"), ("--untie", untie), ("--optimizer-state", optimizer_state)):
-        if given:
-            raise click.UsageError(f"{flag} is not available for tensor/pipeline-parallel checkpoints yet")
     try:
         index = None
         if manifest is not None:
@@ -164,15 +162,15 @@ def _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, fmt, untie,
                 echo_findings(index.findings, manifest, err=True, always_name_target=False)
                 click.echo(f"{checkpoint}: not reconstructed: the index has errors; nothing was written", err=True)
                 sys.exit(EXIT_INVALID)
-        result = reconstruct_index(checkpoint, output_dir, index=index, tag=tag, dtype=dtype)
+        result = reconstruct_index(checkpoint, output_dir, index=index, tag=tag, dtype=dtype, **options)
     except CheckpointInvalid as exc:
         echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
         click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)
         sys.exit(EXIT_INVALID)
     except CkptspecError as exc:
         fail(exc)
+    except OSError as exc:
+        fail_write(output_dir, exc)
     if not quiet:
-        click.echo(
-            f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB) "
-            f"to {', '.join(result.files)}"
-        )
+        files = ", ".join(result.files + ([result.index] if result.index else []))
+        click.echo(f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB) to {files}")

@@ -23,22 +23,22 @@ from ..checkpoint.sidecar import SIDECAR_NAMES, write_sidecar
 from ..checkpoint.states import StateCache
 from ..errors import EngineLayoutMismatch, InvalidManifest, UnsupportedEngine
 from ..format.dtypes import dtype_name
-from ..format.models import (
-    ExcludedParam,
-    Group,
-    Layout,
-    Manifest,
-    Producer,
-    ShardFile,
-)
+from ..format.models import ExcludedParam, Group, Layout, Manifest, Producer, ShardFile
 from ..format.partition import ParamSpec, flat_group, per_param_group
 from ..format.validate import validate_document
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from .describe import describe_files
 from .digests import add_digests
 from .directory import ShardSet, scan_tag_dir
-from .engine_refusals import refuse_unsaveable
-from .engine_state import aliases_of_engine, buffers_of_engine, frozen_of_engine, optimizer_of_engine, save_of_engine
+from .engine_refusals import is_model_parallel_engine, refuse_unsaveable
+from .engine_state import (
+    aliases_of_engine,
+    buffers_of_engine,
+    frozen_of_engine,
+    master_dtype_of_engine,
+    optimizer_of_engine,
+    save_of_engine,
+)
 from .names import file_order
 
 
@@ -147,7 +147,9 @@ def _check_supported(engine) -> None:
     if getattr(engine, "has_moe_layers", False):
         raise UnsupportedEngine("MoE engines are not described by manifest format 1.0")
     if engine.mp_world_size > 1 or type(engine).__name__ == "PipelineEngine":
-        raise UnsupportedEngine("tensor- or pipeline-parallel engines are not described by manifest format 1.0")
+        raise UnsupportedEngine(
+            "tensor- or pipeline-parallel engines are described by a checkpoint index (engine_index.index_from_engine)"
+        )
 
 
 def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> Manifest:
@@ -163,9 +165,15 @@ def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> 
     Raises:
         UnsupportedEngine: MoE, tensor or pipeline parallelism, ZeRO stage 0.
     """
+    _check_supported(engine)
+    return engine_layout(engine, exclude_frozen_parameters)
+
+
+def engine_layout(engine, exclude_frozen_parameters: bool = False) -> Manifest:
+    """The manifest of the ZeRO data-parallel group ``engine`` belongs to (no refusal of model
+    parallelism: a checkpoint index embeds one per tensor/pipeline coordinate, engine_index.py)."""
     import deepspeed
 
-    _check_supported(engine)
     stage = engine.zero_optimization_stage()
     opt = engine.optimizer
     names = _param_names(engine)
@@ -195,7 +203,7 @@ def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> 
             if names[id(p)] not in trainable
         ]
     model_dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
-    master = _master_dtype(engine, stage)
+    master = master_dtype_of_engine(engine, stage)
     zero_cfg = engine._config.zero_config
     layout = Layout(
         zero_stage=stage,
@@ -232,17 +240,6 @@ def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> 
     if (optimizer := optimizer_of_engine(engine, stage)) is not None:
         manifest.optimizer = optimizer
     return manifest
-
-
-def _master_dtype(engine, stage: int) -> str:
-    opt = engine.optimizer
-    if stage == 3:
-        return dtype_name(opt.fp32_partitioned_groups_flat[0].dtype)
-    return (
-        dtype_name(opt.single_partition_of_fp32_groups[0].dtype)
-        if hasattr(opt, "single_partition_of_fp32_groups")
-        else dtype_name(opt.fp32_groups_flat_partition[0].dtype)
-    )
 
 
 def save_checkpoint(
@@ -302,6 +299,11 @@ def save_checkpoint(
         )
     if sidecar_encoding not in ("json", "msgpack"):
         raise ValueError(f"sidecar_encoding must be 'json' or 'msgpack', not {sidecar_encoding!r}")
+    if is_model_parallel_engine(engine):  # a checkpoint index, not a manifest (engine_index_save.py)
+        from .engine_index_save import save_index_checkpoint
+
+        args = (client_state, hash, save_latest, exclude_frozen_parameters, sidecar_encoding)
+        return save_index_checkpoint(engine, save_dir, tag, *args)
     refuse_unsaveable(engine)
     layout = manifest_from_engine(engine, exclude_frozen_parameters=exclude_frozen_parameters)
     layout.save.id = _from_rank_0(dist, str(uuid.uuid4()))  # the save id every file's copy carries

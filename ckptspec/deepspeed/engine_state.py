@@ -139,3 +139,14 @@ def save_of_engine(engine) -> Save:
         global_samples=int(engine.global_samples),
         skipped_steps=int(engine.skipped_steps),
     )
+
+
+def master_dtype_of_engine(engine, stage: int) -> str:
+    opt = engine.optimizer
+    if stage == 3:
+        return dtype_name(opt.fp32_partitioned_groups_flat[0].dtype)
+    return (
+        dtype_name(opt.single_partition_of_fp32_groups[0].dtype)
+        if hasattr(opt, "single_partition_of_fp32_groups")
+        else dtype_name(opt.fp32_groups_flat_partition[0].dtype)
+    )

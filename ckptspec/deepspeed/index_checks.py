@@ -250,4 +250,4 @@ def check_index_files(
     return [found for c in INDEX_CHECKS for found in c.check(ctx)]
 
 
-from . import masters_checks  # noqa: E402,F401  (registers #17's CK240-CK243)
+from . import index_masters, masters_checks  # noqa: E402, F401  (they register CK235 and CK240-CK243)

@@ -129,10 +129,13 @@ def reconstruct(
     and with ``optimizer_state`` the per-parameter optimizer state as ``optimizer.safetensors``
     (format 1.1 manifests; ``export/optimizer_state.py``)."""
     refuse_write(output_dir, "the reconstruction")  # before the checkpoint is read
-    if _model_parallel(checkpoint, manifest, tag) and fmt == "safetensors" and not untie and not optimizer_state:
+    if _model_parallel(checkpoint, manifest, tag):
         from .compose import reconstruct_index
 
-        return reconstruct_index(checkpoint, output_dir, index=manifest, tag=tag, dtype=dtype)
+        options = {"fmt": fmt, "untie": untie, "progress": progress, "optimizer_state": optimizer_state}
+        return reconstruct_index(
+            checkpoint, output_dir, index=manifest, tag=tag, dtype=dtype, max_shard_size=max_shard_size, **options
+        )
     plan = validated_plan(checkpoint, manifest, tag)
     if optimizer_state:
         plan_optimizer_state(plan)  # refuse before writing anything when the manifest locates no state
@@ -161,6 +164,10 @@ def load_optimizer_state(
     Validates the checkpoint first (``CheckpointInvalid``); needs a format 1.1 manifest (CK402).
     States are returned as stored (float32 for torch's Adam; a bfloat16 state as uint16 bits).
     """
+    if _model_parallel(checkpoint, manifest, tag):  # the whole model's, composed from every domain
+        from .compose import validated_index_plan
+
+        return load_optimizer_state_arrays(validated_index_plan(checkpoint, manifest, tag))
     return load_optimizer_state_arrays(validated_plan(checkpoint, manifest, tag))
 
 

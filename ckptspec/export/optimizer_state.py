@@ -89,6 +89,11 @@ def plan_optimizer_state(plan: ReconstructionPlan) -> OptimizerStatePlan:
     return OptimizerStatePlan(sources, states, metadata)
 
 
+def _state_plan(plan: ReconstructionPlan) -> OptimizerStatePlan:
+    # A checkpoint index's whole-model plan composes its states itself (export/compose_plan.py).
+    return plan.optimizer_state_plan() if hasattr(plan, "optimizer_state_plan") else plan_optimizer_state(plan)
+
+
 def optimizer_state_temporary(
     plan: ReconstructionPlan, output_dir: Path, files: ShardReader, progress: Callable[[int], None]
 ) -> tuple[Path, Path]:
@@ -98,7 +103,7 @@ def optimizer_state_temporary(
     committed with the weights, in the same journal: a directory never holds new weights beside
     an earlier run's optimizer state.
     """
-    state = plan_optimizer_state(plan)
+    state = _state_plan(plan)
     target = output_dir / OPTIMIZER_FILE
     entries = [TensorEntry(name, src.dtype, src.shape) for name, src in state.sources.items()]
     writer = SafetensorsWriter(target, entries, state.metadata)
@@ -116,7 +121,7 @@ def optimizer_state_temporary(
 
 def load_optimizer_state_arrays(plan: ReconstructionPlan) -> tuple[dict[str, dict[str, Any]], dict]:
     """{param: {state: numpy array in the param's shape}} (aliases included) and the ``optimizer`` object."""
-    state = plan_optimizer_state(plan)
+    state = _state_plan(plan)
     out: dict[str, dict[str, Any]] = {}
     with ShardReader() as files:
         files.plan(

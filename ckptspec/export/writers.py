@@ -119,13 +119,17 @@ def write_consolidated(
         for name, names in zip(_shard_names(len(groups), fmt), groups)
     ]
     metadata = plan.metadata(dtype, untie)
-    manifest_meta = safetensors_metadata(plan.manifest)
+    # The manifest travels with the weights; a checkpoint index's whole-model plan has none (no manifest).
+    manifest_meta = safetensors_metadata(plan.manifest) if plan.manifest is not None else {}
     total = sum(s.nbytes for s in shards)
     index_name = None
-    if len(shards) > 1 or fmt == "torch" or len(manifest_meta[MANIFEST_KEY]) > MAX_HEADER_MANIFEST:
+    if len(shards) > 1 or fmt == "torch" or len(manifest_meta.get(MANIFEST_KEY, "")) > MAX_HEADER_MANIFEST:
         index_name = SAFETENSORS_INDEX if fmt == "safetensors" else TORCH_INDEX
     # The manifest once: in the index when there is one (the shards name it), else in the file.
-    shard_meta = {**metadata, **(pointer_metadata(manifest_meta, index_name) if index_name else manifest_meta)}
+    shard_meta = {
+        **metadata,
+        **(pointer_metadata(manifest_meta, index_name) if index_name and manifest_meta else manifest_meta),
+    }
 
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,19 @@ def no_merge_rule(save_dir: Path, env: FaultEnv) -> None:
     _edit(tag_dir(save_dir) / "mp_rank_00_model_states.pt", change)
 
 
+def swap_tp_optimizer_files(save_dir: Path, env: FaultEnv) -> None:
+    """Data rank 1's optimizer files of tensor ranks 0 and 1 swapped, each re-saved under the other's
+    name (as a conversion script would: the archive name inside the zip then agrees with the file name,
+    so CK210 cannot tell); same names, shapes and sizes."""
+    import torch
+
+    a = tag_dir(save_dir) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    b = tag_dir(save_dir) / "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"
+    state_a, state_b = (torch.load(p, map_location="cpu", weights_only=False) for p in (a, b))
+    torch.save(state_b, a)
+    torch.save(state_a, b)
+
+
 PARALLEL_FAULTS = [
     Fault(
         "missing-tp-rank",
@@ -115,6 +128,23 @@ PARALLEL_FAULTS = [
         "layer_02-model_states.pt",
         swap_layer_files,
         hashed_manifest=True,
+    ),
+    Fault(
+        "swapped-layer-files-unhashed",
+        PP,
+        "pipeline pp2: layer_02 and layer_03 swapped, no hashes recorded; their weights are not the stage's masters",
+        "CK235",
+        "layer_02-model_states.pt",
+        swap_layer_files,
+    ),
+    Fault(
+        "swapped-tp-optimizer-files",
+        TPDP,
+        "AutoTP tp2 x dp2: data rank 1's optimizer files of tensor ranks 0 and 1 swapped and re-saved under "
+        "each other's names; the masters are not the weights the model states hold",
+        "CK235",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        swap_tp_optimizer_files,
     ),
     Fault(
         "tp-rank-of-another-save",

@@ -94,6 +94,21 @@ PARALLEL_SPECS = {
     "uc-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16", **_UC}, 2),
 }
 PARALLEL = sorted(PARALLEL_SPECS)
+# Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries
+# they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16).
+HOOKED = [
+    "pp2-s1-fp32-ws2",
+    "pp2-s1-bf16-ws2",
+    "pp2dp2-s1-fp32-ws4",
+    "tp2-s1-fp32-ws2",
+    "tp2dp2-s2-bf16-ws4",
+    "tp2-s3-bf16-ws2",
+]
+
+
+def hook_name(name: str) -> str:
+    """The entry re-training PARALLEL job ``name`` in its launch, saved through the save hook."""
+    return f"{name}+hook"
 
 
 def again_name(name: str) -> str:
@@ -225,6 +240,9 @@ def _registry() -> dict[str, Task]:
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():
         out[again_name(name)] = Task("parallel", {**spec, "save": False, "universal": False}, ws)
+    for name in HOOKED:
+        spec, ws = PARALLEL_SPECS[name]
+        out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**MATRIX_SPECS[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

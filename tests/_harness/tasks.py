@@ -90,7 +90,7 @@ class Task:
     @property
     def runs_ckptspec(self) -> bool:
         if self.kind == "parallel":
-            return False
+            return self.normalized()["save_with"] == "ckptspec"
         spec = self.normalized() if self.kind == "train" else None
         return self.kind in ("resume", "fsdp2", "reshard") or bool(spec["hooks"]) or spec["save_with"] == "ckptspec"
 

@@ -225,7 +225,8 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
     would partition over. So pipeline, AutoTP and MoE jobs never share a launch with one another
     or with the data-parallel matrix; dense ones (stage 0, universal sources) run in the matrix's
     launches, after its jobs; jobs of one layout share (the ``+again`` test). The FSDP2 loads of the
-    DCP export run no DeepSpeed engine and another script: launches of their own."""
+    DCP export run no DeepSpeed engine and another script, and the reshard loads another script
+    (``reshard_job.py``): launches of their own."""
     registry = scenarios.REGISTRY
     by_group = {}
     for name, task in registry.items():
@@ -234,7 +235,8 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
     for group, members in by_group.items():
         layouts = {_layout_of(m) for m in members}
         assert len(layouts) == 1, (group, sorted(members))
-        assert (group[3] == "fsdp2") == (layouts == {"fsdp2"}), (group, sorted(members))
+        for script in ("fsdp2", "reshard"):  # jobs of another script: launches of their own
+            assert (group[3] == script) == (layouts == {script}), (group, sorted(members))
     for name in PARALLEL:
         task, again = registry[name], registry[scenarios.again_name(name)]
         assert task.launch_group == again.launch_group and again.args["save"] is False
@@ -244,8 +246,8 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
 def _layout_of(member):
     from _harness.job.parallel_models import layout
 
-    if member == "fsdp2":
-        return "fsdp2"
+    if member in ("fsdp2", "reshard"):
+        return member
     kind = "dense" if member in ("train", "resume") else layout(_spec(member.removesuffix("+again"))[0])
     return "data-parallel" if kind == "dense" else kind
 

@@ -25,6 +25,9 @@ and record DeepSpeed's own answers about it (the ground truth of model-parallel 
   consolidated.pt    (rank 0, AutoTP) ``engine._consolidated_16bit_state_dict()``: DeepSpeed's own
                      merge of the tensor-parallel module weights (the training dtype)
   universal.log      (rank 0, when asked) ds_to_universal's output
+  engine_index.rank<R>.json, saved_index.rank<R>.json  (every rank, ``save_with: ckptspec``) the live
+                     engine's checkpoint index without files (ckptspec.deepspeed.engine_index), and
+                     the complete one the save hook (ckptspec.deepspeed.save_checkpoint) returned
 
 Nothing here re-derives what a reader of the files would compute: every tensor is read from the
 live engine through DeepSpeed's API, and every name mapping is DeepSpeed's own (the pipeline's
@@ -256,6 +259,18 @@ def _convert_universal(out: Path, tag: str, spec) -> dict:
     return result
 
 
+def _save_with_ckptspec(engine, out: Path, rank: int):
+    """The save hook (ckptspec.deepspeed.save_checkpoint), and the live engine's index without files
+    (``engine_index.rank<R>.json``, every rank: they must agree), both as every rank returns them."""
+    from ckptspec.deepspeed import save_checkpoint
+    from ckptspec.deepspeed.engine_index import index_from_engine
+
+    live = index_from_engine(engine).to_dict()
+    saved = save_checkpoint(engine, str(out)).to_dict()
+    (out / f"engine_index.rank{rank}.json").write_text(json.dumps(live, sort_keys=True))
+    (out / f"saved_index.rank{rank}.json").write_text(json.dumps(saved, sort_keys=True))
+
+
 def run(args, out: Path):
     import deepspeed
     import torch
@@ -291,7 +306,9 @@ def run(args, out: Path):
     }
     torch.save(oracle, out / f"oracle.rank{rank}.pt")
     tag = f"global_step{engine.global_steps}"
-    if spec["save"]:
+    if spec["save"] and spec["save_with"] == "ckptspec":
+        _save_with_ckptspec(engine, out, rank)
+    elif spec["save"]:
         engine.save_checkpoint(str(out))
     dist.barrier()
     if rank == 0:

@@ -23,6 +23,7 @@ DEFAULTS = {
     "steps": 2,
     "seed": 1234,
     "save": True,  # False: train and record, write no checkpoint (the "+again" entries)
+    "save_with": "deepspeed",  # "ckptspec": through ckptspec.deepspeed.save_checkpoint (the save hook: index sidecar)
     "universal": False,  # convert the saved tag with DeepSpeed's ds_to_universal (rank 0) and record the outcome
     "inject_missing_state": False,  # ds_to_universal --inject_missing_state
 }
@@ -50,6 +51,8 @@ def normalize(spec):
         # "Received data size doesn't match expected size"), with or without a
         # PipeModelDataParallelTopology.
         raise ValueError(f"AutoTP inside a PipelineModule does not train in DeepSpeed 0.19.8: {spec}")
+    if out["save_with"] not in ("deepspeed", "ckptspec"):
+        raise ValueError(f"bad save_with in parallel spec: {spec}")
     if out["universal"] and not out["save"]:
         raise ValueError(f"universal needs save: {spec}")
     return out

@@ -1,0 +1,169 @@
+"""The save hook of a tensor/pipeline-parallel engine: ``engine.save_checkpoint`` plus its checkpoint index.
+
+``ckptspec.deepspeed.save_checkpoint`` comes here when the engine needs an index
+(``engine_refusals.is_model_parallel_engine``). As for a data-parallel engine (``engine.py``): the
+layout is described from the live engine and refused before anything is written; DeepSpeed writes
+into a temporary tag directory; each rank describes the files it wrote (its ZeRO files, and the
+pipeline layer files of its stage when it wrote them); one gather; rank 0 validates the complete
+index and writes it as the sidecar, then the tag directory takes its name, then ``latest``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+from .._fs import publish_dir, sweep, temp_dir, write_atomic
+from ..checkpoint.embedded import CLIENT_STATE_KEY
+from ..checkpoint.hashing import file_digest
+from ..checkpoint.sidecar import SIDECAR_NAMES, write_sidecar
+from ..checkpoint.states import StateCache
+from ..errors import InvalidManifest
+from ..format.index_models import CheckpointIndex, LayerFile
+from ..format.index_validate import validate_index
+from ..format.models import Manifest, ShardFile
+from .describe import describe_files
+from .digests import add_digests
+from .directory import ShardSet
+from .engine_index import assemble, gather, local_description
+from .names import file_order
+
+
+def _own_files(engine, staged: Path, mine: dict, hash_algorithm: str | None) -> list[dict]:
+    """This rank's ZeRO files of its coordinate, described against its domain's layout."""
+    own = ShardSet(staged)
+    model = Path(engine._get_ckpt_name(str(staged.parent), staged.name))
+    if engine.save_non_zero_checkpoint and model.is_file():
+        own.model_files[mine["data"]] = model
+    optim = Path(engine._get_zero_ckpt_name(str(staged.parent), staged.name))
+    if engine.save_zero_checkpoint and optim.is_file():
+        own.optim_files[mine["data"]] = optim
+    layout = Manifest.model_validate(mine["manifest"])
+    described = describe_files(own, layout.layout.zero_stage, hash_algorithm, StateCache(), layout)
+    return [f.model_dump(mode="json", exclude_unset=True) for f in described]
+
+
+def _own_layer_files(engine, staged: Path, mine: dict, hash_algorithm: str | None) -> list[dict]:
+    """The pipeline layer files this rank wrote (DeepSpeed's ``PipelineModule.save_state_dict`` split)."""
+    if not mine["layers"]:
+        return []
+    from deepspeed.runtime import utils as ds_utils
+
+    module = engine.module
+    count, (dp_rank, dp_size) = len(module.forward_funcs), (mine["data"], mine["degrees"][2])
+    if module.checkpoint_parallel_write_pipeline:
+        offsets = ds_utils.partition_uniform(count, dp_size)
+        start, stop = offsets[dp_rank], offsets[dp_rank + 1]
+    else:
+        start, stop = (0, count) if dp_rank == 0 else (0, 0)
+    out = []
+    for layer, (name, keys) in sorted((int(k), v) for k, v in mine["layers"].items()):
+        path = staged / name
+        if not start <= layer - module._local_start < stop or not path.is_file():
+            continue
+        entry = LayerFile(
+            path=name,
+            layer=layer,
+            pipeline=mine["pipeline"],
+            tensor=None,
+            size=path.stat().st_size,
+            tensors={key: f"{layer}.{key}" for key in keys},
+        )
+        if hash_algorithm:
+            entry.hash = file_digest(path, hash_algorithm)
+        out.append(entry.model_dump(mode="json", exclude_unset=True))
+    return out
+
+
+def _add_digests(index: CheckpointIndex, staged: Path) -> None:
+    """Every located tensor's digest, as the directory producer records them; rank 0 reads the files
+    of every domain, so without a shared filesystem (it cannot see them all) there are none."""
+    if not all((staged / f.path).is_file() for d in index.domains for f in d.manifest.files):
+        warnings.warn("ckptspec: rank 0 cannot see every saved file; no tensor digests", stacklevel=3)
+        return
+    for domain in index.domains:
+        add_digests(domain.manifest, staged)
+
+
+def save_index_checkpoint(
+    engine,
+    save_dir,
+    tag=None,
+    client_state=None,
+    hash=True,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+    sidecar_encoding: str = "json",
+) -> CheckpointIndex:
+    """``save_checkpoint`` of a tensor/pipeline-parallel engine; returns the complete index (every rank)."""
+    import torch.distributed as dist
+
+    mine = local_description(engine, exclude_frozen_parameters)  # refusals first, on every rank alike
+    described = gather(mine, dist)
+    state = dict(client_state or {})
+    if CLIENT_STATE_KEY in state:
+        raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for ckptspec")
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    staging = [None]
+    if rank == 0:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        sweep(save_dir)
+        staging[0] = temp_dir(Path(save_dir) / tag).name
+    if distributed:
+        dist.broadcast_object_list(staging, src=0)
+    engine.save_checkpoint(
+        save_dir,
+        tag=staging[0],
+        client_state=state,
+        save_latest=False,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+    )
+    tag_dir, staged = Path(save_dir) / tag, Path(save_dir) / staging[0]
+    algorithm = "sha256" if hash else None
+    try:
+        own = (_own_files(engine, staged, mine, algorithm), _own_layer_files(engine, staged, mine, algorithm), None)
+    except Exception as exc:  # reported on every rank below, never left hanging in a collective
+        own = ([], [], f"rank {rank}: {type(exc).__name__}: {exc}")
+    gathered = gather(own, dist)
+    errors = [e for _, _, e in gathered if e]
+    if errors:
+        if rank == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise RuntimeError("ckptspec could not describe the saved files (no sidecar written): " + "; ".join(errors))
+    files_by_rank = {d["rank"]: files for d, (files, _, _) in zip(described, gathered)}
+
+    def files_of(first: dict) -> list[ShardFile]:
+        ranks = [d["rank"] for d in described if (d["pipeline"], d["tensor"]) == (first["pipeline"], first["tensor"])]
+        files = [ShardFile.model_validate(f) for r in ranks for f in files_by_rank[r]]
+        return sorted(files, key=lambda f: file_order(f.role, f.ranks, f.path))
+
+    index = assemble(described, files_of)
+    index.layer_files = sorted(
+        (LayerFile.model_validate(lf) for _, layers, _ in gathered for lf in layers), key=lambda lf: lf.layer
+    )
+    status = None
+    if rank == 0:
+        try:
+            if hash:
+                _add_digests(index, staged)
+            report = validate_index(index)
+            if not report.ok:
+                raise InvalidManifest(str(tag_dir / SIDECAR_NAMES[sidecar_encoding]), report.findings)
+            write_sidecar(staged, index.to_dict(), sidecar_encoding)
+            publish_dir(staged, tag_dir)
+            if save_latest:
+                write_atomic(Path(save_dir) / "latest", tag.encode("utf-8"))
+        except Exception as exc:
+            status = f"rank 0: {type(exc).__name__}: {exc}"
+            shutil.rmtree(staged, ignore_errors=True)
+    if distributed:  # rank 0's index (with the digests only it computed) and status, on every rank
+        box = [status, index.to_dict() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        status, complete = box
+        index = CheckpointIndex.model_validate(complete)
+    if status:
+        raise RuntimeError("ckptspec could not write the checkpoint index sidecar: " + status)
+    return index

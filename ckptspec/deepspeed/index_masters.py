@@ -1,0 +1,131 @@
+"""CK235: the saved weights of every tensor/pipeline coordinate are its optimizer files' masters.
+
+DeepSpeed's ZeRO-1/2 step (and BF16_Optimizer's) copies each rank's fp32 master partition into the
+low-precision parameters it then gathers, so at a save the weights a rank wrote (AutoTP: the
+``module`` of its model states; a pipeline: its stage's layer files) are its masters rounded to the
+model dtype, element for element. Two files of different tensor ranks, stages or layers can have
+the same names, shapes and sizes (every other check passes when AutoTP's ranks swap their optimizer
+files, or a pipeline's two Blocks swap layer files); their values cannot agree with the other
+coordinate's masters. Cheap: the first few elements of each piece of each parameter, two ``pread``
+each, no tensor decoded (bfloat16 rounding done on the bits). Stage 3 (no weights in the files) and
+fp16 (loss-scaled copies) are not compared.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+
+from ..checkpoint.torchfile import TensorRef, tensor_byte_range
+from ..errors import CkptspecError
+from ..findings import Finding, finding, json_path
+from ..format.partition import param_pieces
+from ..format.paths import join_inside
+from .index_checks import IndexContext, check
+
+SAMPLE = 4  # elements compared per piece: a swapped file differs in (almost) every element
+
+
+def _bf16_bits(fp32: bytes) -> bytes:
+    """fp32 little-endian words rounded to bfloat16 as torch rounds (to nearest, ties to even)."""
+    out = []
+    for (word,) in struct.iter_unpack("<I", fp32):
+        if (word & 0x7F800000) == 0x7F800000 and word & 0x7FFFFF:  # NaN: quieted, sign kept
+            out.append((word >> 16) | 0x40)
+        else:
+            out.append((word + 0x7FFF + ((word >> 16) & 1)) >> 16)
+    return struct.pack(f"<{len(out)}H", *out)
+
+
+def _pread(path, offset: int, size: int) -> bytes:
+    with open(path, "rb") as fh:
+        return os.pread(fh.fileno(), size, offset)
+
+
+def _weights(ctx: IndexContext, i: int) -> dict[str, tuple[str, TensorRef]]:
+    """Local name -> (file, tensor) of domain ``i``'s saved weights: its module, or its layer files."""
+    domain = ctx.index.domains[i]
+    out: dict[str, tuple[str, TensorRef]] = {}
+    for f in domain.manifest.files:
+        path = join_inside(ctx.tag_dir, f.path)
+        if f.role == "model_states" and path is not None and path.is_file():
+            loaded = ctx.states.load(path)
+            module = loaded.state.get("module") if loaded.error is None and isinstance(loaded.state, dict) else None
+            for name, ref in (module or {}).items():
+                out[name] = (f.path, ref)
+            break
+    for param in ctx.index.parameters:
+        for s in param.shards:
+            if s.domain != domain.id or not s.layer_file:
+                continue
+            path = join_inside(ctx.tag_dir, s.layer_file)
+            loaded = ctx.states.load(path) if path is not None and path.is_file() else None
+            if loaded is not None and loaded.error is None and isinstance(loaded.state, dict):
+                if s.layer_key in loaded.state:
+                    out[s.local_name] = (s.layer_file, loaded.state[s.layer_key])
+    return out
+
+
+@check("CK235")
+def weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
+    for i, domain in enumerate(ctx.index.domains):
+        layout = domain.manifest.layout
+        if (
+            layout.zero_stage == 3
+            or layout.master_dtype != "float32"
+            or layout.model_dtype not in ("float32", "bfloat16")
+        ):
+            continue
+        weights = _weights(ctx, i)
+        partitions = {
+            (loc.group, loc.rank): (f.path, loc)
+            for f in domain.manifest.files
+            if f.role == "optimizer_states"
+            for loc in f.partitions
+        }
+        reported: set[tuple[str, str]] = set()
+        for group in domain.manifest.groups:
+            if group.partitioning != "flat":
+                continue
+            for param in group.params:
+                held = weights.get(param.name)
+                if held is None or not isinstance(held[1], TensorRef) or held[1].dtype != layout.model_dtype:
+                    continue
+                wfile, ref = held
+                for rank, start, count in param_pieces(
+                    "flat", group.partition_count, group.partition_numel, param.offset, param.numel, param.padding
+                ):
+                    if (group.optimizer_group, rank) not in partitions:
+                        continue
+                    ofile, loc = partitions[(group.optimizer_group, rank)]
+                    if (wfile, ofile) in reported or loc.dtype != "float32" or start >= loc.numel:
+                        continue
+                    n = min(SAMPLE, count, loc.numel - start)
+                    first = rank * group.partition_numel + start - param.offset  # element of the parameter
+                    try:
+                        base, _ = tensor_byte_range(ref, ctx.states.members(ctx.tag_dir / wfile))
+                        master = _pread(ctx.tag_dir / ofile, loc.data_offset + (loc.element_offset + start) * 4, n * 4)
+                        saved = _pread(
+                            ctx.tag_dir / wfile, base + first * ref.storage.itemsize, n * ref.storage.itemsize
+                        )
+                    except (CkptspecError, OSError, ValueError):
+                        continue  # unreadable or damaged files are the other checks' findings
+                    want = master if layout.model_dtype == "float32" else _bf16_bits(master)
+                    if len(master) == n * 4 and saved != want:
+                        reported.add((wfile, ofile))
+                        odd = wfile if wfile != _model_file(domain) else ofile
+                        yield finding(
+                            "CK235",
+                            json_path("domains", i),
+                            f"{param.name} (elements {first}..{first + n - 1}) saved in {wfile} is not its fp32 "
+                            f"master in {ofile} rounded to {layout.model_dtype}",
+                            "a file of another tensor rank, stage or layer (swapped files?): restore the files of "
+                            "one save, each under its own name",
+                            file=odd,
+                            rank=rank if odd == ofile else None,  # a layer file has no data-parallel rank
+                        )
+
+
+def _model_file(domain) -> str | None:
+    return next((f.path for f in domain.manifest.files if f.role == "model_states"), None)

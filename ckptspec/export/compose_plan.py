@@ -1,0 +1,184 @@
+"""A tensor/pipeline-parallel checkpoint's whole model as an ordinary reconstruction plan.
+
+Every whole-model tensor (a parameter's fp32 master, and with ``--optimizer-state`` each of its
+optimizer states) becomes one ``TensorSource`` whose segments, concatenated, are the whole tensor
+in row-major order: the shards' own byte ranges cut where the placement interleaves them (a split
+along axis ``a`` interleaves each shard's blocks of ``prod(shape[a:])`` elements; DeepSpeed's affine
+pieces are mapped element by element, then merged into runs). A ``whole`` or ``replicated`` tensor
+is its primary shard's source unchanged. The 1.x writers (``writers.write_consolidated``: safetensors
+or torch files, sharding, ``optimizer.safetensors``) then write it as they write any plan.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .._version import __version__
+from ..errors import ReconstructMismatch
+from ..format.dtypes import ITEMSIZE
+from ..format.index_models import CheckpointIndex, IndexParameter, Shard
+from .optimizer_state import OptimizerStatePlan, plan_optimizer_state
+from .plan import ReconstructionPlan, Segment, TensorSource
+
+
+def _runs_of(placement, whole: list[int], local: list[int]) -> list[tuple[int, int, int]]:
+    """(whole flat start, local flat start, count) of the shard's elements, in whole order."""
+    if hasattr(placement, "split"):
+        split = placement.split
+        inner = math.prod(whole[split.axis + 1 :])
+        outer = math.prod(whole[: split.axis])
+        block, stride = split.length * inner, whole[split.axis] * inner
+        return [(o * stride + split.offset * inner, o * block, block) for o in range(outer) if block]
+    from .arrays import _np
+
+    np = _np()
+    numel = math.prod(whole)
+    target = np.full(numel, -1, dtype=np.int64)
+    local_index = np.arange(math.prod(local), dtype=np.int64)
+    item = target.itemsize
+    for piece in placement.pieces:
+        (src_off, src_strides), (dst_off, dst_strides) = piece.source, piece.dest
+        dst = np.lib.stride_tricks.as_strided(target[src_off:], piece.shape, [s * item for s in src_strides])
+        src = np.lib.stride_tricks.as_strided(local_index[dst_off:], piece.shape, [s * item for s in dst_strides])
+        dst[...] = src  # whole element -> the local element it comes from
+    mine = np.flatnonzero(target >= 0)
+    runs = []
+    if len(mine):
+        # Runs where both the whole and the local index advance by one.
+        breaks = np.flatnonzero((np.diff(mine) != 1) | (np.diff(target[mine]) != 1)) + 1
+        for chunk in np.split(mine, breaks):
+            runs.append((int(chunk[0]), int(target[chunk[0]]), len(chunk)))
+    return runs
+
+
+def _cut(source: TensorSource, start: int, count: int) -> list[Segment]:
+    """The segments of elements ``[start, start + count)`` of ``source``'s flat tensor."""
+    item = ITEMSIZE[source.dtype]
+    ends = []
+    total = 0
+    for seg in source.segments:
+        total += seg.nbytes // item
+        ends.append(total)
+    out, pos = [], start
+    i = bisect.bisect_right(ends, pos)
+    while count > 0:
+        seg = source.segments[i]
+        first = ends[i] - seg.nbytes // item
+        take = min(count, ends[i] - pos)
+        out.append(Segment(seg.path, seg.offset + (pos - first) * item, take * item))
+        pos, count, i = pos + take, count - take, i + 1
+    return out
+
+
+def compose_source(name: str, shape: list[int], shards: list[tuple[Shard, TensorSource]], role: str) -> TensorSource:
+    """The whole tensor ``name`` from its shards' sources (each in its local shape)."""
+    placement = shards[0][0].placement
+    if placement in ("whole", "replicated"):
+        primary = next(src for s, src in shards if s.primary or len(shards) == 1)
+        return TensorSource(name, tuple(shape), primary.dtype, primary.segments, role, primary.digest)
+    runs = []
+    for shard, src in shards:
+        runs += [(w, src, lo, n) for w, lo, n in _runs_of(shard.placement, shape, shard.local_shape)]
+    runs.sort(key=lambda r: r[0])
+    segments: list[Segment] = []
+    covered = 0
+    for w, src, lo, n in runs:
+        if w != covered:
+            raise ReconstructMismatch(f"the shards of {name!r} leave elements {covered}..{w - 1} unset or overlap")
+        for seg in _cut(src, lo, n):
+            last = segments[-1] if segments else None
+            if last is not None and last.path == seg.path and last.offset + last.nbytes == seg.offset:
+                segments[-1] = Segment(last.path, last.offset, last.nbytes + seg.nbytes)
+            else:
+                segments.append(seg)
+        covered = w + n
+    if covered != math.prod(shape):
+        raise ReconstructMismatch(f"the shards of {name!r} leave elements unset")
+    return TensorSource(name, tuple(shape), shards[0][1].dtype, segments, role)
+
+
+@dataclass
+class IndexReconstructionPlan(ReconstructionPlan):
+    """A ``ReconstructionPlan`` of the whole model; ``manifest`` is None (the index is not a manifest)."""
+
+    index: CheckpointIndex = None  # type: ignore[assignment]
+    domain_plans: dict[str, ReconstructionPlan] = field(default_factory=dict)
+    _state: OptimizerStatePlan | None = None
+
+    def metadata(self, dtype: str, untied: bool) -> dict[str, str]:
+        degrees = self.index.topology.degrees
+        return {
+            "format": "pt",
+            "ckptspec.index_format_version": self.index.format_version,
+            "ckptspec.tool_version": __version__,
+            "ckptspec.tag": self.tag_dir.name,
+            "ckptspec.dtype": dtype,
+            "ckptspec.parallel": f"pp{degrees.pipeline}-tp{degrees.tensor}-dp{degrees.data}",
+            "ckptspec.aliases": "{}",
+            "ckptspec.untied": "true" if untied else "false",
+        }
+
+    def optimizer_state_plan(self) -> OptimizerStatePlan:
+        """Every whole parameter's optimizer states, composed like its master (CK402 without locators)."""
+        if self._state is None:
+            self._state = _compose_states(self)
+        return self._state
+
+
+def whole_plan(
+    index: CheckpointIndex, tag_dir: Path, domain_plans: dict[str, ReconstructionPlan]
+) -> IndexReconstructionPlan:
+    sources = {}
+    for param in index.parameters:
+        shards = [(s, domain_plans[s.domain].sources[s.local_name]) for s in param.shards]
+        sources[param.name] = compose_source(param.name, param.shape, shards, "trainable")
+    order = [p.name for p in index.parameters]
+    return IndexReconstructionPlan(None, tag_dir, sources, {}, order, index=index, domain_plans=domain_plans)  # type: ignore[arg-type]
+
+
+def replicas(param: IndexParameter, domain_plans: dict[str, ReconstructionPlan]) -> list[tuple[Shard, TensorSource]]:
+    """The shards of a replicated parameter, the primary first (they must be equal)."""
+    if not all(s.placement == "replicated" for s in param.shards):
+        return []
+    shards = sorted(param.shards, key=lambda s: not s.primary)
+    return [(s, domain_plans[s.domain].sources[s.local_name]) for s in shards]
+
+
+def _compose_states(plan: IndexReconstructionPlan) -> OptimizerStatePlan:
+    per_domain = {d: plan_optimizer_state(p) for d, p in plan.domain_plans.items()}
+    sources, states, groups = {}, {}, {}
+    for param in plan.index.parameters:
+        keys = sorted(per_domain[param.shards[0].domain].states.get(param.shards[0].local_name, {}))
+        for key in keys:
+            shards = []
+            for s in param.shards:
+                local = per_domain[s.domain].states.get(s.local_name, {}).get(key)
+                if local is None:
+                    raise ReconstructMismatch(f"{param.name}: domain {s.domain} locates no {key!r} of {s.local_name}")
+                shards.append((s, per_domain[s.domain].sources[local]))
+            name = f"{param.name}.{key}"
+            sources[name] = compose_source(name, param.shape, shards, "state")
+            states.setdefault(param.name, {})[key] = name
+        shard = param.shards[0]
+        groups[param.name] = next(
+            g.optimizer_group
+            for g in plan.domain_plans[shard.domain].manifest.groups
+            for p in g.params
+            if p.name == shard.local_name
+        )
+    first = next(iter(per_domain.values()))
+    for domain, state in per_domain.items():  # one optimizer: every domain records the same hyperparameters and step
+        if state.metadata["ckptspec.optimizer"] != first.metadata["ckptspec.optimizer"]:
+            raise ReconstructMismatch(f"domain {domain}'s optimizer (hyperparameters, step) differs from the first's")
+    metadata = {
+        **first.metadata,
+        "ckptspec.format_version": plan.index.format_version,
+        "ckptspec.optimizer_groups": json.dumps(groups, sort_keys=True),
+        "ckptspec.states": json.dumps(states, sort_keys=True),
+        "ckptspec.aliases": "{}",
+    }
+    return OptimizerStatePlan(sources, states, metadata)

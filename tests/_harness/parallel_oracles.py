@@ -1,0 +1,67 @@
+"""Reading the oracles a "parallel" job recorded (tests/_harness/job/parallel.py), with torch, never
+through ckptspec: the job's info, every rank's oracle, DeepSpeed's own affine pieces."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+
+def info(entry: Path) -> dict:
+    return json.loads((entry / "parallel.json").read_text())
+
+
+def rank_oracles(entry: Path) -> list[dict]:
+    import torch
+
+    return [torch.load(entry / f"oracle.rank{r}.pt", weights_only=True) for r in range(info(entry)["world_size"])]
+
+
+def bits_equal(a, b) -> bool:
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    raw = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return torch.equal(a.contiguous().view(raw), b.contiguous().view(raw))
+
+
+def affine_pieces(entry: Path, tp: int, global_name: str) -> list[dict]:
+    """DeepSpeed's own pieces of ``global_name`` on tensor rank ``tp`` (torch.load of its model states)."""
+    import torch
+
+    meta = info(entry)
+    prefix = "zero_pp_rank_0_" if meta["spec"]["stage"] == 3 else ""
+    states = torch.load(
+        entry / meta["tag"] / f"{prefix}mp_rank_{tp:02d}_model_states.pt", map_location="cpu", weights_only=False
+    )
+    params = states["universal_checkpoint_info"]["affine_map"]["params"]
+    (found,) = [e for pattern, e in params.items() if re.match(pattern, global_name)]
+    return found["ranks"][tp]["pieces"]
+
+
+def shard_of(whole, pieces: list[dict], local_shape):
+    """A rank's shard cut out of the whole tensor by DeepSpeed's affine pieces."""
+    import torch
+
+    local = torch.empty(local_shape, dtype=whole.dtype)
+    for p in pieces:
+        dst = local.as_strided(p["shape"], p["dest"][1], p["dest"][0])
+        dst.copy_(whole.as_strided(p["shape"], p["source"][1], p["source"][0]))
+    return local
+
+
+def check_masters(entry: Path, whole: dict) -> int:
+    """Assert every rank's live master is, bit for bit, its shard of ``whole`` (global name -> tensor);
+    returns how many were compared."""
+    spec = info(entry)["spec"]
+    checked = 0
+    for oracle in rank_oracles(entry):
+        tp = oracle["coords"]["tp"]
+        for local, master in oracle["masters"].items():
+            g = oracle["params"][local]["global_name"]
+            mine = whole[g] if spec["tp"] == 1 else shard_of(whole[g], affine_pieces(entry, tp, g), master.shape)
+            assert bits_equal(mine, master), (entry.name, oracle["coords"], local)
+            checked += 1
+    return checked
