@@ -248,7 +248,11 @@ def _layout_of(member):
 
     if member in ("fsdp2", "reshard"):
         return member
-    kind = "dense" if member in ("train", "resume") else layout(_spec(member.removesuffix("+again"))[0])
+    kind = (
+        "dense"
+        if member in ("train", "resume")
+        else layout(_spec(member.removesuffix("+again").removesuffix("+hook"))[0])
+    )
     return "data-parallel" if kind == "dense" else kind
 
 
