@@ -10,12 +10,13 @@ import json
 import os
 import sys
 from collections.abc import Iterable
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import click
 
 from .._version import __version__
-from ..errors import CkptspecError
+from ..errors import CheckpointInvalid, CkptspecError
 from ..findings import Finding, has_errors
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -99,6 +100,26 @@ def fail_write(output: str, exc: OSError) -> NoReturn:
         err=True,
     )
     sys.exit(EXIT_USAGE)
+
+
+@contextmanager
+def writing_deepspeed_files(checkpoint: str, output: str, manifest: str | None, not_done: str):
+    """The errors of a command that validates CHECKPOINT and writes DeepSpeed's files into OUTPUT
+    (``reshard``, ``export-universal``): findings and exit 1, a coded error, torch missing (CK402),
+    or CK906 for a write that failed; ``not_done`` says what did not happen ("not resharded")."""
+    try:
+        yield
+    except CheckpointInvalid as exc:
+        echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
+        click.echo(f"{checkpoint}: {not_done}: the checkpoint has errors; nothing was written", err=True)
+        sys.exit(EXIT_INVALID)
+    except CkptspecError as exc:
+        fail(exc)
+    except ImportError as exc:
+        click.echo(f"{output}: CK402 writing DeepSpeed's files needs torch: {exc} (hint: pip install torch)", err=True)
+        sys.exit(EXIT_USAGE)
+    except OSError as exc:
+        fail_write(output, exc)
 
 
 def tag_needs_a_directory(name: str, option: str = "--tag") -> click.UsageError:

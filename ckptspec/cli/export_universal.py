@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from ..errors import CheckpointInvalid, CkptspecError
-from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, echo_findings, fail, fail_write
+from ._common import OUTPUT_DIR, writing_deepspeed_files
 
 
 @click.command("export-universal")
@@ -31,19 +28,8 @@ def export_universal(checkpoint: str, output: str, tag, manifest) -> None:
     """
     from ..export.universal import export_universal as run
 
-    try:
+    with writing_deepspeed_files(checkpoint, output, manifest, "not exported"):
         result = run(checkpoint, output, tag=tag, manifest=manifest)
-    except CheckpointInvalid as exc:
-        echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
-        click.echo(f"{checkpoint}: not exported: the checkpoint has errors; nothing was written", err=True)
-        sys.exit(EXIT_INVALID)
-    except CkptspecError as exc:
-        fail(exc)
-    except ImportError as exc:
-        click.echo(f"{output}: CK402 writing DeepSpeed's files needs torch: {exc} (hint: pip install torch)", err=True)
-        sys.exit(EXIT_USAGE)
-    except OSError as exc:
-        fail_write(output, exc)
     click.echo(
         f"{result.output}: universal checkpoint of {result.tag} ({result.params} parameters); load it with "
         f"checkpoint.load_universal: true and a latest_universal file naming '{result.output.name}'"

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from ..errors import CheckpointInvalid, CkptspecError
-from ._common import EXIT_INVALID, EXIT_USAGE, OUTPUT_DIR, echo_findings, fail, fail_write
+from ._common import OUTPUT_DIR, writing_deepspeed_files
 
 
 @click.command()
@@ -47,21 +44,10 @@ def reshard(
     """
     from ..export.reshard import reshard as run
 
-    try:
+    with writing_deepspeed_files(checkpoint, output, manifest, "not resharded"):
         result = run(
             checkpoint, output, world_size, zero_stage=stage, sub_group_size=sub_group_size, tag=tag, manifest=manifest
         )
-    except CheckpointInvalid as exc:
-        echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
-        click.echo(f"{checkpoint}: not resharded: the checkpoint has errors; nothing was written", err=True)
-        sys.exit(EXIT_INVALID)
-    except CkptspecError as exc:
-        fail(exc)
-    except ImportError as exc:
-        click.echo(f"{output}: CK402 writing DeepSpeed's files needs torch: {exc} (hint: pip install torch)", err=True)
-        sys.exit(EXIT_USAGE)
-    except OSError as exc:
-        fail_write(output, exc)
     click.echo(
         f"{result.output}: {result.tag} resharded from {result.source_world_size} to {result.world_size} ranks "
         f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with engine.load_checkpoint('{output}')"

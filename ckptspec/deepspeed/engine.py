@@ -16,12 +16,10 @@ import uuid
 import warnings
 from pathlib import Path
 
-from .._fs import publish_dir, sweep, temp_dir, write_atomic
 from .._version import __version__
 from ..checkpoint.embedded import CLIENT_STATE_KEY, client_state_value
-from ..checkpoint.sidecar import SIDECAR_NAMES, write_sidecar
 from ..checkpoint.states import StateCache
-from ..errors import EngineLayoutMismatch, InvalidManifest, UnsupportedEngine
+from ..errors import EngineLayoutMismatch, UnsupportedEngine
 from ..format.dtypes import dtype_name
 from ..format.models import ExcludedParam, Group, Layout, Manifest, Producer, ShardFile
 from ..format.partition import ParamSpec, flat_group, per_param_group
@@ -40,6 +38,7 @@ from .engine_state import (
     save_of_engine,
 )
 from .names import file_order
+from .staged_save import publish_on_rank_0, save_staged
 
 
 def _param_names(engine) -> dict[int, str]:
@@ -314,22 +313,7 @@ def save_checkpoint(
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default tag
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    # A temporary tag directory that rank 0 names; the next save removes a killed one's (_fs.sweep).
-    staging = [None]
-    if rank == 0:
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
-        sweep(save_dir)
-        staging[0] = temp_dir(Path(save_dir) / tag).name
-    if distributed:
-        dist.broadcast_object_list(staging, src=0)
-    engine.save_checkpoint(
-        save_dir,
-        tag=staging[0],
-        client_state=state,
-        save_latest=False,
-        exclude_frozen_parameters=exclude_frozen_parameters,
-    )
-    tag_dir, staged = Path(save_dir) / tag, Path(save_dir) / staging[0]
+    staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)
     try:
         mine, error = _describe_own_files(staged, rank, layout, "sha256" if hash else None), None
     except Exception as exc:  # reported on every rank below, never left hanging in a collective
@@ -352,17 +336,14 @@ def save_checkpoint(
 
     status = None
     if rank == 0:
-        try:
-            report = validate_document(complete.to_dict())
-            if not report.ok:
-                raise InvalidManifest(str(tag_dir / SIDECAR_NAMES[sidecar_encoding]), report.findings)
-            write_sidecar(staged, complete, sidecar_encoding)
-            publish_dir(staged, tag_dir)  # complete, with its sidecar: now under its name
-            if save_latest:
-                write_atomic(Path(save_dir) / "latest", tag.encode("utf-8"))
-        except Exception as exc:
-            status = f"rank 0: {type(exc).__name__}: {exc}"
-            shutil.rmtree(staged, ignore_errors=True)  # gone already when it took the tag's name
+        status = publish_on_rank_0(
+            staged,
+            save_dir,
+            tag,
+            lambda: (complete, validate_document(complete.to_dict())),
+            sidecar_encoding,
+            save_latest,
+        )
     if distributed:
         box = [status]
         dist.broadcast_object_list(box, src=0)

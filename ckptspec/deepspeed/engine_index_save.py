@@ -14,12 +14,9 @@ import shutil
 import warnings
 from pathlib import Path
 
-from .._fs import publish_dir, sweep, temp_dir, write_atomic
 from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.hashing import file_digest
-from ..checkpoint.sidecar import SIDECAR_NAMES, write_sidecar
 from ..checkpoint.states import StateCache
-from ..errors import InvalidManifest
 from ..format.index_models import CheckpointIndex, LayerFile
 from ..format.index_validate import validate_index
 from ..format.models import Manifest, ShardFile
@@ -28,6 +25,7 @@ from .digests import add_digests
 from .directory import ShardSet
 from .engine_index import assemble, gather, local_description
 from .names import file_order
+from .staged_save import publish_on_rank_0, save_staged
 
 
 def _own_files(engine, staged: Path, mine: dict, hash_algorithm: str | None) -> list[dict]:
@@ -107,21 +105,7 @@ def save_index_checkpoint(
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    staging = [None]
-    if rank == 0:
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
-        sweep(save_dir)
-        staging[0] = temp_dir(Path(save_dir) / tag).name
-    if distributed:
-        dist.broadcast_object_list(staging, src=0)
-    engine.save_checkpoint(
-        save_dir,
-        tag=staging[0],
-        client_state=state,
-        save_latest=False,
-        exclude_frozen_parameters=exclude_frozen_parameters,
-    )
-    tag_dir, staged = Path(save_dir) / tag, Path(save_dir) / staging[0]
+    staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)
     algorithm = "sha256" if hash else None
     try:
         own = (_own_files(engine, staged, mine, algorithm), _own_layer_files(engine, staged, mine, algorithm), None)
@@ -144,21 +128,13 @@ def save_index_checkpoint(
     index.layer_files = sorted(
         (LayerFile.model_validate(lf) for _, layers, _ in gathered for lf in layers), key=lambda lf: lf.layer
     )
-    status = None
-    if rank == 0:
-        try:
-            if hash:
-                _add_digests(index, staged)
-            report = validate_index(index)
-            if not report.ok:
-                raise InvalidManifest(str(tag_dir / SIDECAR_NAMES[sidecar_encoding]), report.findings)
-            write_sidecar(staged, index.to_dict(), sidecar_encoding)
-            publish_dir(staged, tag_dir)
-            if save_latest:
-                write_atomic(Path(save_dir) / "latest", tag.encode("utf-8"))
-        except Exception as exc:
-            status = f"rank 0: {type(exc).__name__}: {exc}"
-            shutil.rmtree(staged, ignore_errors=True)
+
+    def describe():
+        if hash:
+            _add_digests(index, staged)
+        return index.to_dict(), validate_index(index)
+
+    status = publish_on_rank_0(staged, save_dir, tag, describe, sidecar_encoding, save_latest) if rank == 0 else None
     if distributed:  # rank 0's index (with the digests only it computed) and status, on every rank
         box = [status, index.to_dict() if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)

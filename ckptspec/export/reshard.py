@@ -60,14 +60,8 @@ def reshard(
     manifest: Manifest | str | os.PathLike | None = None,
 ) -> ReshardResult:
     """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) into ``output``."""
-    refuse_write(output, "the resharded checkpoint")  # before the checkpoint is read
     output = Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise CkptspecError("CK909", "the output exists and is not empty", "give a new directory", str(output))
-    states = StateCache()
-    found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=True)
-    if found is None or has_errors(findings):
-        raise CheckpointInvalid(findings, str(checkpoint))
+    found, states = validated_source(checkpoint, output, "the resharded checkpoint", manifest, tag)
     try:
         # CK410 before anything is read or written
         target = target_layout(found, world_size, zero_stage, sub_group_size)
@@ -106,6 +100,19 @@ def reshard(
         target.zero_stage,
         [output / plan.tag_dir.name / f.name for f in files],
     )
+
+
+def validated_source(checkpoint, output: Path, what: str, manifest, tag) -> tuple[Manifest, StateCache]:
+    """Refuse an ``output`` that is remote (before the checkpoint is read) or not new or empty (CK909),
+    then validate ``checkpoint``, digests included: its manifest and the states read while checking."""
+    refuse_write(output, what)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise CkptspecError("CK909", "the output exists and is not empty", "give a new directory", str(output))
+    states = StateCache()
+    found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=True)
+    if found is None or has_errors(findings):
+        raise CheckpointInvalid(findings, str(checkpoint))
+    return found, states
 
 
 def _umask() -> int:

@@ -28,15 +28,13 @@ from pathlib import Path
 
 from .._fs import fsync_dir, replace, sweep, temp_dir
 from ..checkpoint.states import StateCache
-from ..deepspeed.validate import validate_checkpoint
-from ..errors import CheckpointInvalid, CkptspecError, ReshardUnsupported
-from ..findings import has_errors
+from ..errors import ReshardUnsupported
 from ..format.models import Manifest
-from ..location import refuse_write
 from . import ds_pickle
 from .arrays import ShardReader, read_array
 from .optimizer_state import plan_optimizer_state
 from .plan import plan_reconstruction
+from .reshard import validated_source
 from .reshard_files import _storage_reader
 from .reshard_source import source_optimizer
 
@@ -60,14 +58,8 @@ def export_universal(
     manifest: Manifest | str | os.PathLike | None = None,
 ) -> UniversalResult:
     """Validate ``checkpoint``, then write its universal folder (``ds_to_universal``'s output) as ``output``."""
-    refuse_write(output, "the universal checkpoint")
     output = Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise CkptspecError("CK909", "the output exists and is not empty", "give a new directory", str(output))
-    states = StateCache()
-    found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=True)
-    if found is None or has_errors(findings):
-        raise CheckpointInvalid(findings, str(checkpoint))
+    found, states = validated_source(checkpoint, output, "the universal checkpoint", manifest, tag)
     try:
         _refuse(found)
     except ReshardUnsupported as exc:
