@@ -60,8 +60,8 @@ def reshard(
     manifest: Manifest | str | os.PathLike | None = None,
 ) -> ReshardResult:
     """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) into ``output``."""
-    output = Path(output)
     found, states = validated_source(checkpoint, output, "the resharded checkpoint", manifest, tag)
+    output = Path(output)
     try:
         # CK410 before anything is read or written
         target = target_layout(found, world_size, zero_stage, sub_group_size)
@@ -102,12 +102,14 @@ def reshard(
     )
 
 
-def validated_source(checkpoint, output: Path, what: str, manifest, tag) -> tuple[Manifest, StateCache]:
-    """Refuse an ``output`` that is remote (before the checkpoint is read) or not new or empty (CK909),
-    then validate ``checkpoint``, digests included: its manifest and the states read while checking."""
-    refuse_write(output, what)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise CkptspecError("CK909", "the output exists and is not empty", "give a new directory", str(output))
+def validated_source(checkpoint, output, what: str, manifest, tag) -> tuple[Manifest, StateCache]:
+    """Refuse an ``output`` that is a URL (as given: a ``Path`` would fold ``s3://`` into a local name)
+    or not new or empty (CK909), then validate ``checkpoint``, digests included: its manifest and the
+    states read while checking."""
+    refuse_write(output, what)  # before the checkpoint is read
+    path = Path(output)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise CkptspecError("CK909", "the output exists and is not empty", "give a new directory", str(path))
     states = StateCache()
     found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=True)
     if found is None or has_errors(findings):

@@ -58,8 +58,8 @@ def export_universal(
     manifest: Manifest | str | os.PathLike | None = None,
 ) -> UniversalResult:
     """Validate ``checkpoint``, then write its universal folder (``ds_to_universal``'s output) as ``output``."""
-    output = Path(output)
     found, states = validated_source(checkpoint, output, "the universal checkpoint", manifest, tag)
+    output = Path(output)
     try:
         _refuse(found)
     except ReshardUnsupported as exc:
