@@ -3,28 +3,33 @@
 Run under torchrun by make_big_checkpoint.py:
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 benchmarks/train_big.py --stage 2 --out DIR
+
+make_scale_checkpoint.py runs it with a wider, deeper model (``--dim --hidden --layers``) and, at
+ZeRO-3, ``--zero-init``: the parameters are partitioned as they are created
+(``deepspeed.zero.Init``), so no rank ever holds the whole model in fp32.
 """
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 VOCAB, DIM, HIDDEN, LAYERS = 32000, 1024, 4096, 4  # 2 x 32.8M (emb, head) + 4 x 8.4M = 99.3M params
 
 
-def build_model():
+def build_model(dim=DIM, hidden=HIDDEN, layers=LAYERS):
     import torch
     from torch import nn
 
     class Big(nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb = nn.Embedding(VOCAB, DIM)
+            self.emb = nn.Embedding(VOCAB, dim)
             self.layers = nn.ModuleList(
-                nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)) for _ in range(LAYERS)
+                nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(layers)
             )
-            self.norm = nn.LayerNorm(DIM)
-            self.head = nn.Linear(DIM, VOCAB, bias=False)
+            self.norm = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, VOCAB, bias=False)
             self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
 
         def forward(self, tokens, targets):
@@ -43,6 +48,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dim", type=int, default=DIM)
+    ap.add_argument("--hidden", type=int, default=HIDDEN)
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--zero-init", action="store_true", help="ZeRO-3: partition the params as they are created")
     args = ap.parse_args()
 
     import deepspeed
@@ -51,7 +60,6 @@ def main():
 
     torch.manual_seed(0)
     deepspeed.init_distributed()
-    model = build_model()
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -59,14 +67,34 @@ def main():
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": args.stage},
     }
+    if args.zero_init:
+        # Adam's step makes fp32 copies of a sub-group's gradients and foreach temporaries: keep them small.
+        config["zero_optimization"].update(sub_group_size=100_000_000, reduce_bucket_size=50_000_000)
+    times, t0 = {}, time.perf_counter()
+
+    def phase(name):
+        nonlocal t0
+        dist.barrier()
+        times[name] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+
+    if args.zero_init:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = build_model(args.dim, args.hidden, args.layers)
+    else:
+        model = build_model(args.dim, args.hidden, args.layers)
+    phase("build_model_s")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    phase("initialize_s")
     g = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, VOCAB, (1, 16), generator=g)
     loss = engine(tokens, torch.roll(tokens, 1, 1))
     engine.backward(loss)
     engine.step()
+    phase("train_step_s")
     engine.save_checkpoint(str(args.out))
+    phase("save_checkpoint_s")
     if dist.get_rank() == 0:
         params = (
             sum(p.numel() for p in model.parameters())
@@ -80,6 +108,8 @@ def main():
                     "world_size": dist.get_world_size(),
                     "params": params,
                     "deepspeed": deepspeed.__version__,
+                    "model": {"dim": args.dim, "hidden": args.hidden, "layers": args.layers, "vocab": VOCAB},
+                    "deepspeed_times": times,
                 }
             )
         )

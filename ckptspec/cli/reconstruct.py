@@ -54,6 +54,15 @@ from ._common import EXIT_INVALID, OUTPUT_DIR, SIZE, echo_findings, fail, fail_w
     help="Also write the per-parameter optimizer state (exp_avg, ...) and its per-group scalars as "
     "optimizer.safetensors (format 1.1 manifests).",
 )
+@click.option(
+    "--jobs",
+    "-j",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Threads writing each safetensors file (local checkpoints). Pays where tensors are cast or "
+    "hashed; a plain copy is limited by the disk (docs/performance.md).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def reconstruct(
     checkpoint: str,
@@ -65,6 +74,7 @@ def reconstruct(
     fmt: str,
     untie: bool,
     optimizer_state: bool,
+    jobs: int,
     quiet: bool,
 ) -> None:
     """Write the full weights of a DeepSpeed ZeRO CHECKPOINT (a directory or a URL) into OUTPUT_DIR.
@@ -117,6 +127,7 @@ def reconstruct(
                 untie=untie,
                 progress=update,
                 optimizer_state=optimizer_state,  # one more file of the same commit
+                jobs=jobs,
             )
         finally:
             close()

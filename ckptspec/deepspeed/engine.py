@@ -328,7 +328,8 @@ def save_checkpoint(
         if rank == 0:  # every rank has finished writing (the gather above): nothing is left half-saved
             shutil.rmtree(staged, ignore_errors=True)
         raise RuntimeError("ckptspec could not describe the saved files (no sidecar written): " + "; ".join(errors))
-    complete = layout.model_copy(deep=True)
+    # Shallow: only ``files`` changes, and the layout is not used again (a deep copy took 1 s per 10k params).
+    complete = layout.model_copy()
     gathered_files = [ShardFile.model_validate(d) for files, _ in gathered for d in files]
     complete.files = sorted(gathered_files, key=lambda f: file_order(f.role, f.ranks, f.path))
     if hash:

@@ -124,10 +124,11 @@ def reconstruct(
     untie: bool = False,
     progress: Callable[[int], None] | None = None,
     optimizer_state: bool = False,
+    jobs: int = 1,
 ) -> WriteResult:
     """Validate, then write the consolidated weights to ``output_dir`` (see ``write_consolidated``),
     and with ``optimizer_state`` the per-parameter optimizer state as ``optimizer.safetensors``
-    (format 1.1 manifests; ``export/optimizer_state.py``)."""
+    (format 1.1 manifests; ``export/optimizer_state.py``). ``jobs``: threads writing each file."""
     refuse_write(output_dir, "the reconstruction")  # before the checkpoint is read
     if _model_parallel(checkpoint, manifest, tag):
         from .compose import reconstruct_index
@@ -148,6 +149,7 @@ def reconstruct(
         untie=untie,
         progress=progress,
         optimizer_state=optimizer_state,
+        jobs=jobs,
     )
 
 

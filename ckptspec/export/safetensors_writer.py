@@ -86,6 +86,64 @@ def build_header(entries: Sequence[TensorEntry], metadata: Mapping[str, str] | N
     return struct.pack("<Q", len(text)) + text
 
 
+def copy_bytes(src_fd: int, offset: int, nbytes: int, dst_fd: int, dst_pos: int) -> int:
+    """Copy ``nbytes`` of ``src_fd`` at ``offset`` to ``dst_fd`` at ``dst_pos``, in the kernel when possible
+    (``copy_file_range``; both offsets explicit, so threads can copy into one file at once)."""
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    while done < nbytes:
+        io_point("write")
+        count = min(_COPY_CHUNK, nbytes - done)
+        if use_kernel:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, count, offset + done, dst_pos + done)
+            except OSError as exc:
+                if exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF):
+                    use_kernel = False
+                    continue
+                raise
+            if n == 0:
+                raise SafetensorsWriteError(f"source ended {nbytes - done} bytes early at offset {offset + done}")
+        else:
+            chunk = os.pread(src_fd, min(count, 8 << 20), offset + done)
+            if not chunk:
+                raise SafetensorsWriteError(f"source ended {nbytes - done} bytes early at offset {offset + done}")
+            n = os.pwrite(dst_fd, chunk, dst_pos + done)
+        done += n
+    return done
+
+
+class Region:
+    """The bytes of one tensor of a ``SafetensorsWriter``'s file, written at their own offsets (from
+    one thread at a time): ``write`` and ``copy_range`` append within ``[start, end)``."""
+
+    def __init__(self, fd: int, name: str, start: int, end: int):
+        self._fd, self.name, self.pos, self.end = fd, name, start, end
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self._check_room(len(view))
+        while view:
+            io_point("write")
+            n = os.pwrite(self._fd, view, self.pos)
+            self.pos += n
+            view = view[n:]
+
+    def copy_range(self, src_fd: int, offset: int, nbytes: int) -> None:
+        self._check_room(nbytes)
+        self.pos += copy_bytes(src_fd, offset, nbytes, self._fd, self.pos)
+
+    def part(self, skip: int, nbytes: int) -> Region:
+        """The ``nbytes`` after the first ``skip`` bytes of this region (a piece for another thread)."""
+        if skip + nbytes > self.end - self.pos:
+            raise SafetensorsWriteError(f"{self.name}: a part past the end of the tensor")
+        return Region(self._fd, self.name, self.pos + skip, self.pos + skip + nbytes)
+
+    def _check_room(self, nbytes: int) -> None:
+        if self.pos + nbytes > self.end:
+            raise SafetensorsWriteError(f"{self.name}: {self.pos + nbytes - self.end} bytes too many")
+
+
 class SafetensorsWriter:
     """Stream one safetensors file: ``begin(name)``, then ``write``/``copy_range`` its bytes.
 
@@ -136,35 +194,28 @@ class SafetensorsWriter:
     def copy_range(self, src_fd: int, offset: int, nbytes: int) -> None:
         """Append ``nbytes`` read from ``src_fd`` at ``offset``, in the kernel when possible."""
         self._check_room(nbytes)
-        done = 0
-        use_kernel = hasattr(os, "copy_file_range")
-        while done < nbytes:
-            io_point("write")
-            count = min(_COPY_CHUNK, nbytes - done)
-            if use_kernel:
-                try:
-                    n = os.copy_file_range(src_fd, self._fd, count, offset + done, self._pos)
-                except OSError as exc:
-                    if exc.errno in (
-                        errno.EXDEV,
-                        errno.ENOSYS,
-                        errno.EINVAL,
-                        errno.EOPNOTSUPP,
-                        errno.EPERM,
-                        errno.EBADF,
-                    ):
-                        use_kernel = False
-                        continue
-                    raise
-                if n == 0:
-                    raise SafetensorsWriteError(f"source ended {nbytes - done} bytes early at offset {offset + done}")
-            else:
-                chunk = os.pread(src_fd, min(count, 8 << 20), offset + done)
-                if not chunk:
-                    raise SafetensorsWriteError(f"source ended {nbytes - done} bytes early at offset {offset + done}")
-                n = os.pwrite(self._fd, chunk, self._pos)
-            self._pos += n
-            done += n
+        self._pos += copy_bytes(src_fd, offset, nbytes, self._fd, self._pos)
+
+    # -- writing in parallel -----------------------------------------------------------------
+
+    def regions(self) -> list[Region]:
+        """One ``Region`` per tensor, each writing at its own place in the file, for threads that
+        fill the tensors in any order; ``regions_done`` then stands for the ``begin``/``write`` calls."""
+        if self._index != -1:
+            raise SafetensorsWriteError("regions() after tensors were written in order")
+        out, start = [], self.data_start
+        for entry in self.entries:
+            out.append(Region(self._fd, entry.name, start, start + entry.nbytes))
+            start += entry.nbytes
+        return out
+
+    def regions_done(self, regions: Sequence[Region]) -> None:
+        """Every region complete: the file is as if each tensor had been written in order."""
+        for region in regions:
+            if region.pos != region.end:
+                raise SafetensorsWriteError(f"{region.name}: {region.end - region.pos} bytes missing")
+        self._index, self._pos = len(self.entries) - 1, self.nbytes
+        self._entry_end = self.nbytes
 
     # -- completion ------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from ..location import refuse_write
 from .arrays import ShardReader, read_array, stream
 from .optimizer_state import optimizer_state_temporary
 from .outputs import existing_outputs
+from .parallel_write import all_local, fill_parallel
 from .plan import ReconstructionPlan
 from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter, TensorEntry
 
@@ -86,12 +87,16 @@ def write_consolidated(
     untie: bool = False,
     progress: Callable[[int], None] | None = None,
     optimizer_state: bool = False,
+    jobs: int = 1,
 ) -> WriteResult:
     """Write the consolidated state dict; every file appears (by rename) only once all are complete.
 
     With ``optimizer_state``, ``optimizer.safetensors`` is one more file of the same commit (its
-    bytes are not counted by ``progress``, which counts the weights).
+    bytes are not counted by ``progress``, which counts the weights). ``jobs`` > 1 fills each
+    safetensors file from that many threads (local checkpoints; ``parallel_write``).
     """
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, not {jobs}")
     dtype = output_dtype(dtype)
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"unknown output format {fmt!r}")
@@ -145,7 +150,7 @@ def write_consolidated(
                 for shard in shards:
                     target = out / shard.filename
                     if fmt == "safetensors":
-                        tmp = _write_safetensors_shard(plan, shard, target, dtype, shard_meta, files, progress)
+                        tmp = _write_safetensors_shard(plan, shard, target, dtype, shard_meta, files, progress, jobs)
                     else:
                         tmp = _write_torch_shard(plan, shard, target, dtype, untie, files, progress)
                     pending.append((tmp, target))
@@ -184,18 +189,24 @@ def _write_temp(target: Path, text: str) -> Path:
 
 
 def _write_safetensors_shard(
-    plan, shard: _Shard, target: Path, dtype: str, metadata, files: ShardReader, progress
+    plan, shard: _Shard, target: Path, dtype: str, metadata, files: ShardReader, progress, jobs: int = 1
 ) -> Path:
     entries = []
     for name in shard.names:
         source = plan.sources[plan.aliases.get(name, name)]
         entries.append(TensorEntry(name, plan.output_dtype(name, dtype), tuple(source.shape)))
-    files.plan(seg for entry in entries for seg in plan.sources[plan.aliases.get(entry.name, entry.name)].segments)
+    sources = [plan.sources[plan.aliases.get(entry.name, entry.name)] for entry in entries]
+    parallel = jobs > 1 and all_local(sources)
+    if not parallel:
+        files.plan(seg for source in sources for seg in source.segments)
     writer = SafetensorsWriter(target, entries, metadata)
     try:
-        for entry in entries:
-            writer.begin(entry.name)
-            stream(plan.sources[plan.aliases.get(entry.name, entry.name)], entry.dtype, writer, files, progress)
+        if parallel:
+            fill_parallel(writer, sources, [entry.dtype for entry in entries], jobs, progress)
+        else:
+            for entry, source in zip(entries, sources):
+                writer.begin(entry.name)
+                stream(source, entry.dtype, writer, files, progress)
         writer.finish()
     except BaseException:
         writer.abort()
