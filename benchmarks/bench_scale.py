@@ -81,7 +81,8 @@ def copy_command(checkpoint: Path, out: Path) -> tuple[list[str], int]:
     return ["sh", "-c", f"mkdir -p {out} && " + " && ".join(parts)], sum(size for _, _, size in ranges)
 
 
-def rows(checkpoint: Path, runs: int = 1, z2f: bool = True, jobs=(1, os.cpu_count() or 1), log=print) -> list[dict]:
+def rows(checkpoint: Path, runs: int = 1, z2f: bool = True, jobs=None, log=print) -> list[dict]:
+    jobs = jobs or (1, os.cpu_count() or 1)
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     env.pop("CKPTSPEC_DEBUG", None)
     info = json.loads((checkpoint / "bench.json").read_text())

@@ -1,4 +1,4 @@
-"""Build (once, cached) the largest real DeepSpeed checkpoint this machine can hold: issue #19's reconstruct-at-scale input.
+"""Build (once, cached) the largest real DeepSpeed checkpoint this machine holds (issue #19: reconstruct at scale).
 
     .venv/bin/python benchmarks/make_scale_checkpoint.py --layers 16               # ~0.67B params, ZeRO-3, 2 ranks
     .venv/bin/python benchmarks/make_scale_checkpoint.py --layers 26 --max-rss-gib 19   # ~1.0B params

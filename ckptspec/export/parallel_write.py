@@ -72,7 +72,8 @@ def fill_parallel(
                 n = min(PIECE, seg.nbytes - start)
                 part = region.part(skip, n)
                 parts.append(part)
-                tasks.append(lambda s=Segment(seg.path, seg.offset + start, n), p=part: copy_piece(s, p))
+                piece = Segment(seg.path, seg.offset + start, n)
+                tasks.append(lambda s=piece, p=part: copy_piece(s, p))
                 skip += n
         split.append((region, parts))
     try:
