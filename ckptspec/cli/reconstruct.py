@@ -99,6 +99,7 @@ def reconstruct(
         raise click.UsageError("--format torch needs torch (pip install torch); --format safetensors does not")
     if _is_index_target(checkpoint, manifest, tag):
         options = {"fmt": fmt, "untie": untie, "optimizer_state": optimizer_state, "max_shard_size": max_shard_size}
+        options["jobs"] = jobs
         _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, quiet, options)
         return
     try:

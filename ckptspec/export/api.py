@@ -133,7 +133,7 @@ def reconstruct(
     if _model_parallel(checkpoint, manifest, tag):
         from .compose import reconstruct_index
 
-        options = {"fmt": fmt, "untie": untie, "progress": progress, "optimizer_state": optimizer_state}
+        options = {"fmt": fmt, "untie": untie, "progress": progress, "optimizer_state": optimizer_state, "jobs": jobs}
         return reconstruct_index(
             checkpoint, output_dir, index=manifest, tag=tag, dtype=dtype, max_shard_size=max_shard_size, **options
         )

@@ -114,10 +114,12 @@ def reconstruct_index(
     untie: bool = False,
     optimizer_state: bool = False,
     progress=None,
+    jobs: int = 1,
 ) -> WriteResult:
     """Validate, then write the whole model with the 1.x writers (atomically): safetensors or torch
     files, sharded at ``max_shard_size``, and with ``optimizer_state`` the whole model's optimizer
-    state as ``optimizer.safetensors``. A checkpoint index describes no ties, so ``untie`` changes nothing."""
+    state as ``optimizer.safetensors``. A checkpoint index describes no ties, so ``untie`` changes nothing.
+    ``jobs``: threads writing each safetensors file."""
     plan = validated_index_plan(checkpoint, index, tag)
     with ShardReader() as files:
         check_replicas(plan, files)
@@ -132,5 +134,6 @@ def reconstruct_index(
         untie=untie,
         progress=progress,
         optimizer_state=optimizer_state,
+        jobs=jobs,
         **kwargs,
     )

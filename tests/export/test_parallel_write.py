@@ -38,6 +38,8 @@ def _run(*args: str) -> None:
         ("s3-fp16-ws3-groups", ["--dtype", "bf16"]),
         ("s1-fp32-ws3-rr", ["--max-shard-size", "4KB", "--untie"]),
         ("s1-bf16-ws2", ["--dtype", "fp16"]),  # frozen params come from the module, cast
+        ("tp2-s1-fp32-ws2", []),  # a checkpoint index: the whole model composed from both ranks' shards
+        ("pp2dp2-s1-fp32-ws4", ["--dtype", "bf16", "--max-shard-size", "4KB"]),
     ],
 )
 def test_jobs_write_the_same_bytes_as_one_thread(ds, name, options, tmp_path):
