@@ -146,21 +146,6 @@ def storage_reader(read_storage):
     return read
 
 
-def flat_views(padded_numel: int, placed: list[tuple[str, Any, int]]) -> dict[str, Any]:
-    """One zero-filled flat tensor of ``padded_numel`` holding each ``(name, tensor, offset)`` at its
-    offset, and every name's view into it: DeepSpeed's flat low-precision group buffer, as saved."""
-    import torch
-
-    dtype = placed[0][1].dtype if placed else torch.float32
-    flat = torch.zeros(padded_numel, dtype=dtype)
-    views = {}
-    for name, tensor, offset in placed:
-        view = flat[offset : offset + tensor.numel()]
-        view.copy_(tensor.reshape(-1))
-        views[name] = view.view(tensor.shape)
-    return views
-
-
 def sizes(shapes: Any) -> Any:
     """``param_shapes`` / ``frozen_param_shapes`` values back as ``torch.Size`` (the reader makes tuples)."""
     import torch
@@ -170,23 +155,11 @@ def sizes(shapes: Any) -> Any:
     return collections.OrderedDict((k, torch.Size(v)) for k, v in shapes.items())
 
 
-def placeholder(like) -> Any:
-    """The empty tensor ZeRO-3 saves in ``module`` for a partitioned parameter (``like``'s dtype)."""
+def placeholder(dtype: str) -> Any:
+    """The empty tensor ZeRO-3 saves in ``module`` for a partitioned parameter."""
     import torch
 
-    return torch.empty(0, dtype=like.dtype)
-
-
-def share(tensor, rank: int, world_size: int) -> Any:
-    """Rank ``rank``'s ``ceil(numel / ws)`` share of a flattened tensor, the tail padded with zeros."""
-    import torch
-
-    flat = tensor.reshape(-1)
-    size = -(-flat.numel() // world_size)
-    out = torch.zeros(size, dtype=flat.dtype)
-    piece = flat[rank * size : (rank + 1) * size]
-    out[: piece.numel()] = piece
-    return out
+    return torch.empty(0, dtype=getattr(torch, dtype))
 
 
 class Lazy:
@@ -307,7 +280,7 @@ def save_streamed(obj: Any, path: Path, *, shapes_as_tuples: bool = False) -> No
         for key, lazy in enumerate(order):
             nbytes = lazy.numel * ITEMSIZE[lazy.dtype]
             writer.write_record(f"data/{key}", _produced(lazy, nbytes), nbytes)
-        writer.close()
+        writer.close(torch_trailer)
     except BaseException:
         writer.abort()
         raise
@@ -333,3 +306,23 @@ def _produced(lazy: Lazy, nbytes: int):
         yield view
     if done != nbytes:
         raise ValueError(f"a tensor of {lazy.shape} {lazy.dtype} produced {done} bytes")
+
+
+def torch_trailer(names: list[str]) -> tuple[str, bytes]:
+    """torch's writer on the same record names (no data): the name half of its serialization id and
+    its ``version`` record."""
+    import io
+    import zipfile
+
+    import torch
+
+    buffer = io.BytesIO()
+    writer = torch._C.PyTorchFileWriter(buffer)
+    for name in names:
+        writer.write_record(name, b"", 0)
+    writer.write_end_of_file()
+    serial = writer.serialization_id()
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as z:
+        prefix = z.namelist()[0].split("/", 1)[0]
+        version = z.read(f"{prefix}/version")
+    return serial[:20], version

@@ -80,6 +80,8 @@ def placed_chunks(size: int, pieces, dtype: str, files: ShardReader):
         if at >= size:
             break
         count = min(count, size - at)
+        if count <= 0:
+            continue
         yield from iter_zeros(dtype, at - cursor)
         yield from iter_chunks(_slice(source, first, count), source.dtype, dtype, files)
         cursor = at + count

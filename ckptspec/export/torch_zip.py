@@ -13,12 +13,11 @@ last, then the central directory and the zip64 end records miniz always writes.
 The serialization id is 20 digits of a hash of the record names (an ``unordered_set`` walk, which
 only torch can reproduce) and 20 digits of the records' CRC-32s combined in write order (c10's
 ``hash_combine``): the former, and the ``version`` record, are taken from torch's own writer run on
-the same record names with no data.
+the same record names with no data (``ds_pickle.torch_trailer``; this module needs no torch).
 """
 
 from __future__ import annotations
 
-import io
 import struct
 import zlib
 from collections.abc import Iterable
@@ -126,9 +125,11 @@ class TorchZipWriter:
             + central_extra
         )
 
-    def close(self) -> None:
-        """torch's closing records (``version``, ``.data/serialization_id``), the directory, the end records."""
-        names_hash, version = _torch_trailer(self._names, self.path.name)
+    def close(self, trailer) -> None:
+        """torch's closing records (``version``, ``.data/serialization_id``), the directory, the end records.
+        ``trailer(names)``: the name half of the serialization id and the ``version`` record, from torch
+        (``ds_pickle.torch_trailer``: torch is imported there only)."""
+        names_hash, version = trailer(self._names)
         self.write_record("version", version, len(version))
         serial = f"{names_hash}{self._crc_seed:020d}".encode()
         self.write_record(".data/serialization_id", serial, len(serial))
@@ -157,22 +158,3 @@ class TorchZipWriter:
 
     def abort(self) -> None:
         self._file.close()
-
-
-def _torch_trailer(names: list[str], file_name: str) -> tuple[str, bytes]:
-    """torch's writer on the same record names (no data): the name half of its serialization id and
-    its ``version`` record."""
-    import torch
-
-    buffer = io.BytesIO()
-    writer = torch._C.PyTorchFileWriter(buffer)
-    for name in names:
-        writer.write_record(name, b"", 0)
-    writer.write_end_of_file()
-    serial = writer.serialization_id()
-    import zipfile
-
-    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as z:
-        prefix = z.namelist()[0].split("/", 1)[0]
-        version = z.read(f"{prefix}/version")
-    return serial[:20], version
