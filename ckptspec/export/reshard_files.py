@@ -12,8 +12,9 @@
   change with the world size); frozen params, buffers, ties, LR scheduler, counters and client
   state as saved (the source's embedded manifest is dropped: the new one is embedded after).
 
-Bytes are read per target partition, one parameter slice at a time: peak memory is a partition per
-state, not the model.
+Every file is written with ``ds_pickle.save_streamed``: each record (a partition of one state, a
+group's flat low-precision buffer) is read from the source and cast in chunks of at most 16 MiB as it
+is written, so peak memory grows neither with the model nor with its largest parameter.
 """
 
 from __future__ import annotations
