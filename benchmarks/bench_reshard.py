@@ -49,6 +49,13 @@ def _run(source: Path, size: str, args, env) -> list:
         )
         rows.append((size, f"ckptspec reshard --world-size {args.world_size}", r, _size(out)))
         shutil.rmtree(out, ignore_errors=True)
+        r = run_child(
+            [sys.executable, "-m", "ckptspec", "reshard", str(source), str(out), "--world-size", str(args.world_size)]
+            + ["--stage", "3"],
+            env,
+        )
+        rows.append((size, f"ckptspec reshard --world-size {args.world_size} --stage 3", r, _size(out)))
+        shutil.rmtree(out, ignore_errors=True)
         ours = work / "ours-universal"
         r = run_child([sys.executable, "-m", "ckptspec", "export-universal", str(source), str(ours)], env)
         rows.append((size, "ckptspec export-universal", r, _size(ours)))
