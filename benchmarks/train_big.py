@@ -17,7 +17,7 @@ from pathlib import Path
 VOCAB, DIM, HIDDEN, LAYERS = 32000, 1024, 4096, 4  # 2 x 32.8M (emb, head) + 4 x 8.4M = 99.3M params
 
 
-def build_model(dim=DIM, hidden=HIDDEN, layers=LAYERS):
+def build_model(layers: int = LAYERS, dim: int = DIM, hidden: int = HIDDEN):
     import torch
     from torch import nn
 
@@ -50,7 +50,7 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dim", type=int, default=DIM)
     ap.add_argument("--hidden", type=int, default=HIDDEN)
-    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--layers", type=int, default=LAYERS, help="more layers: a bigger model, same largest tensor")
     ap.add_argument("--zero-init", action="store_true", help="ZeRO-3: partition the params as they are created")
     args = ap.parse_args()
 
@@ -80,9 +80,9 @@ def main():
 
     if args.zero_init:
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = build_model(args.dim, args.hidden, args.layers)
+            model = build_model(args.layers, args.dim, args.hidden)
     else:
-        model = build_model(args.dim, args.hidden, args.layers)
+        model = build_model(args.layers, args.dim, args.hidden)
     phase("build_model_s")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
