@@ -154,3 +154,27 @@ def test_diff(ds):
     assert same.exit_code == 0 and json.loads(same.stdout)["resume"]["ok"], same.stdout + same.stderr
     other = _cli("diff", str(_folder(ds, "s0-fp32-ws2")), str(_folder(ds, "moe-ep2-s0-fp32-ws2")), "--format", "json")
     assert other.exit_code == 1, other.stdout + other.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "reconstruct"])
+def test_a_master_of_another_shape_is_refused_by_name(ds, tmp_path, command):
+    """The optimizer's order is checked against the module's, shape by shape: swapping two
+    parameters' masters in ``fp32_groups`` is CK202 naming the parameter, never a wrong pairing,
+    and nothing is written."""
+    import shutil
+
+    import torch
+
+    tag = tmp_path / "global_step2"
+    shutil.copytree(_folder(ds, "s0-bf16-ws2"), tag)
+    path = tag / "mp_rank_00_model_states.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)  # the test's own copy: torch as the editor
+    group = state["optimizer"]["fp32_groups"][0]
+    group[0], group[1] = group[1], group[0]
+    torch.save(state, path)
+    out = tmp_path / ("index.json" if command == "generate" else "out")
+    args = [command, str(tag), "-o", str(out)] if command == "generate" else [command, str(tag), str(out)]
+    result = _cli(*args)
+    assert result.exit_code == 1, result.output
+    assert "CK202" in result.stderr and "blocks.0.up.weight" in result.stderr
+    assert not out.exists()
