@@ -673,9 +673,7 @@ def test_refusals_before_anything_is_saved(fake_job, tmp_path):
     ids=["data-parallel", "model-parallel", "moe", "stage0"],
 )
 @pytest.mark.deepspeed
-def test_engines_a_manifest_cannot_describe_are_refused_before_saving(
-    fake_job, tmp_path, feature, config, named, kind
-):
+def test_engines_a_manifest_cannot_describe_are_refused_before_saving(fake_job, tmp_path, feature, config, named, kind):
     """#17: the save hook names the feature and DeepSpeed writes nothing, whatever describes the engine
     (the engine's accessors are DeepSpeed 0.19.8's: ``zero_nvme_offload_optimizer``,
     ``zero_config.offload_param``, ``zero_quantized_nontrainable_weights``, ``expert_parallel_config``;
