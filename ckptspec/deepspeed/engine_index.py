@@ -157,12 +157,14 @@ def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> Che
             an affine map; MoE or stage 0 combined with tensor parallelism, FP16_Optimizer's flat masters.
         EngineLayoutMismatch: the ranks of one coordinate describe their group differently.
     """
-    from .engine_masters import local_masters, masters_kind
+    from .engine_masters import gather_described, masters_kind
 
     if masters_kind(engine) is not None:  # ZeRO stage 0, MoE, the stage-0 pipeline (issue #17)
+        import torch.distributed as dist
+
         from .engine_masters_save import live_index
 
-        return live_index(gather(local_masters(engine)))
+        return live_index(gather_described(engine, dist))
     return assemble(gather(local_description(engine, exclude_frozen_parameters)))
 
 

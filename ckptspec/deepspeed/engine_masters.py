@@ -107,6 +107,25 @@ def local_masters(engine) -> dict:
     return out
 
 
+def gather_described(engine, dist=None) -> list[dict]:
+    """Every rank's ``local_masters`` (one gather). A rank's refusal is raised on every rank: none is
+    left waiting in a collective while another refuses."""
+    from .engine_index import gather
+
+    try:
+        mine, error = local_masters(engine), None
+    except Exception as exc:
+        mine, error = None, exc
+    rank = dist.get_rank() if dist is not None and dist.is_available() and dist.is_initialized() else 0
+    gathered = gather((mine, f"rank {rank}: {type(error).__name__}: {error}" if error else None), dist)
+    if error is not None:
+        raise error
+    others = [e for _, e in gathered if e]
+    if others:
+        raise UnsupportedEngine("another rank refused the engine: " + "; ".join(others))
+    return [d for d, _ in gathered]
+
+
 def _piece(domain, index, name, shape, file, key, offset=0, numel=None, order=0, copy=False) -> dict:
     numel = math.prod(shape) if numel is None else numel
     return {
@@ -165,6 +184,8 @@ def _moe(engine, names, out) -> None:
     group_names = {m.expert_group_name for m in layers}
     if len(group_names) != 1:
         raise UnsupportedEngine(f"MoE layers in {len(group_names)} expert groups: one expert-parallel size only")
+    if out["stage"] == 0 and len(layers) != 1:  # the expert files of stage 0 are named by MoE layer
+        raise UnsupportedEngine(f"{len(layers)} MoE layers at ZeRO stage 0: one is described")
     (group_name,) = group_names
     local = layers[0].num_local_experts
     ep, e = groups._get_expert_parallel_world_size(group_name), groups._get_expert_parallel_rank(group_name)
@@ -226,8 +247,6 @@ def _moe(engine, names, out) -> None:
             file = _base(engine._get_expert_ckpt_name("", layer, expert, "", checkpoint_mp_rank=0))
             out["pieces"].append(_piece(domain, index[domain], name, p.shape, file, (name,)))
         index[domain] += 1
-    if len(layers) != 1:
-        raise UnsupportedEngine(f"{len(layers)} MoE layers at ZeRO stage 0: one is described")
 
 
 def _pipeline(engine, names, out) -> None:

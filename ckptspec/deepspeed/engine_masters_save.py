@@ -28,7 +28,7 @@ from ..format.index_validate import validate_index
 from ..format.models import Producer
 from ..format.partition import ParamSpec
 from .describe_masters import masters_domain
-from .engine_masters import local_masters
+from .engine_masters import gather_described
 from .staged_save import publish_on_rank_0, save_staged
 
 
@@ -171,9 +171,7 @@ def save_masters_checkpoint(
     """``save_checkpoint`` of a stage-0, MoE or stage-0 pipeline engine; returns the index (every rank)."""
     import torch.distributed as dist
 
-    from .engine_index import gather
-
-    described = gather(local_masters(engine), dist)  # refusals first, on every rank alike
+    described = gather_described(engine, dist)  # refusals first, raised on every rank
     state = dict(client_state or {})
     if CLIENT_STATE_KEY in state:
         raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for ckptspec")

@@ -119,3 +119,42 @@ def test_rank_0_refuses_a_description_the_saved_files_contradict(ds, pieces, nam
         return
     with pytest.raises(EngineLayoutMismatch, match=named):
         resolve(described, tag_dir, StateCache())
+
+
+class _Dist:
+    """torch.distributed of rank 0 in a job of two; rank 1 sends ``other``."""
+
+    def __init__(self, other):
+        self.other, self.gathers = other, 0
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def get_rank(self):
+        return 0
+
+    def get_world_size(self):
+        return 2
+
+    def all_gather_object(self, out, obj):
+        self.gathers += 1
+        out[:] = [obj, self.other]
+
+
+def test_a_refusing_rank_still_joins_the_gather_and_every_rank_raises(monkeypatch):
+    """No rank is left waiting in the gather while another refuses: the refusing rank takes part in
+    it and raises after; a rank that did not refuse raises the other's refusal, naming its rank."""
+    import ckptspec.deepspeed.engine_masters as masters
+
+    dist = _Dist((None, None))
+    with pytest.raises(UnsupportedEngine, match="tied parameters"):
+        masters.gather_described(_Engine(module=_Tied()), dist)
+    assert dist.gathers == 1
+    monkeypatch.setattr(masters, "local_masters", lambda engine: {"kind": "stage0"})
+    dist = _Dist((None, "rank 1: UnsupportedEngine: frozen parameter 'x'"))
+    with pytest.raises(UnsupportedEngine, match="another rank refused the engine: rank 1: .*frozen parameter"):
+        masters.gather_described(_Engine(), dist)
+    assert dist.gathers == 1
