@@ -1,6 +1,6 @@
 """``ckptspec reshard`` next to DeepSpeed's ``ds_to_universal`` on the ~100M-parameter ZeRO-2 checkpoint.
 
-    DS_ACCELERATOR=cpu .venv/bin/python benchmarks/bench_reshard.py [--world-size 3] [--keep]
+    DS_ACCELERATOR=cpu .venv/bin/python benchmarks/bench_reshard.py [--world-size 3] [--layers 4 16] [--keep]
 
 Both run as child processes on the checkpoint of benchmarks/make_big_checkpoint.py (built on first
 use, cached; ``$CKPTSPEC_BENCH_CACHE``), each measured by benchmarks/child.py: wall and CPU seconds
@@ -9,13 +9,16 @@ for its digests, when the manifest has them), writes the target's per-rank DeepS
 validates its output; ``export-universal`` validates the source and writes DeepSpeed's universal folder;
 ``ds_to_universal`` writes per-parameter files that ``load_universal`` slices
 at load time (``--inject_missing_state``: this checkpoint has no ``universal_checkpoint_info``).
-Prints a markdown table, with the machine's load average before and after (other jobs on a shared
-machine slow both).
+``--layers`` picks the model sizes (make_big_checkpoint.py's ``--layers``: 4 is ~100M parameters, 16
+~200M; the largest tensors, the embedding and the head, are the same in both): peak RSS that does not
+grow from one to the other is peak memory independent of model size. Prints a markdown table, with
+the machine's load average before and after (other jobs on a shared machine slow both).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -26,25 +29,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from child import run_child
-from make_big_checkpoint import build, checkpoint_dir
+from make_big_checkpoint import build
 
 
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=3)
-    ap.add_argument("--keep", action="store_true", help="keep the outputs (in the printed directory)")
-    args = ap.parse_args()
-    source = checkpoint_dir(2)
-    if not (source / "bench.json").exists():
-        build(2)
+def _run(source: Path, size: str, args, env) -> list:
+    """reshard, export-universal and ds_to_universal on ``source``: table rows."""
     tag = (source / "latest").read_text().strip()
     work = Path(tempfile.mkdtemp(prefix="bench-reshard-"))  # never inside the (maybe shared) source cache
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    load_before = os.getloadavg()
     rows = []
     try:
         out = work / "resharded"
@@ -52,11 +47,18 @@ def main() -> None:
             [sys.executable, "-m", "ckptspec", "reshard", str(source), str(out), "--world-size", str(args.world_size)],
             env,
         )
-        rows.append((f"ckptspec reshard --world-size {args.world_size}", r, _size(out)))
+        rows.append((size, f"ckptspec reshard --world-size {args.world_size}", r, _size(out)))
+        shutil.rmtree(out, ignore_errors=True)
+        r = run_child(
+            [sys.executable, "-m", "ckptspec", "reshard", str(source), str(out), "--world-size", str(args.world_size)]
+            + ["--stage", "3"],
+            env,
+        )
+        rows.append((size, f"ckptspec reshard --world-size {args.world_size} --stage 3", r, _size(out)))
         shutil.rmtree(out, ignore_errors=True)
         ours = work / "ours-universal"
         r = run_child([sys.executable, "-m", "ckptspec", "export-universal", str(source), str(ours)], env)
-        rows.append(("ckptspec export-universal", r, _size(ours)))
+        rows.append((size, "ckptspec export-universal", r, _size(ours)))
         shutil.rmtree(ours, ignore_errors=True)
         universal = work / "universal"
         universal.mkdir()
@@ -73,23 +75,39 @@ def main() -> None:
             ],
             env,
         )
-        rows.append(("ds_to_universal --inject_missing_state", r, _size(universal)))
+        rows.append((size, "ds_to_universal --inject_missing_state", r, _size(universal)))
     finally:
-        if not args.keep:
+        if args.keep:
+            print(f"outputs kept in {work}")
+        else:
             shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", type=int, default=3)
+    ap.add_argument("--keep", action="store_true", help="keep the outputs (in the printed directory)")
+    ap.add_argument("--layers", type=int, nargs="+", default=[4], help="model sizes (make_big_checkpoint.py)")
+    args = ap.parse_args()
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    load_before = os.getloadavg()
+    rows = []
+    for layers in args.layers:
+        source = build(2, layers=layers)
+        params = json.loads((source / "bench.json").read_text())["params"]
+        rows += _run(source, f"{params / 1e6:.0f}M", args, env)
     load_after = os.getloadavg()
-    print(f"source: {source} ({_size(source) / 2**20:.0f} MiB), {os.cpu_count()} CPUs")
+    print(f"sources: {', '.join(str(build(2, layers=n)) for n in args.layers)}; {os.cpu_count()} CPUs")
     print(
         f"load average before: {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f}; "
         f"after: {load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f}"
     )
     print()
-    print("| command | wall s | CPU s | peak RSS MiB | output MiB |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for what, r, size in rows:
-        print(f"| {what} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['rss_mib']:.0f} | {size / 2**20:.0f} |")
-    if args.keep:
-        print(f"\noutputs kept in {work}")
+    print("| model | command | wall s | CPU s | peak RSS MiB | output MiB |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for model, what, r, size in rows:
+        print(f"| {model} | {what} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['rss_mib']:.0f} | {size / 2**20:.0f} |")
 
 
 if __name__ == "__main__":

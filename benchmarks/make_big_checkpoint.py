@@ -30,8 +30,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("CKPTSPEC_BENCH_CACHE", HERE / ".cache"))
 
 
-def checkpoint_dir(stage: int) -> Path:
-    return cache_root() / f"big-zero{stage}-ws{WORLD_SIZE}-bf16"
+def checkpoint_dir(stage: int, layers: int = 4) -> Path:
+    """``layers``: train_big.py's layer count (4: ~100M parameters; each layer adds 8.4M, the largest
+    tensors, the 32.8M embedding and head, stay the same)."""
+    suffix = "" if layers == 4 else f"-l{layers}"
+    return cache_root() / f"big-zero{stage}-ws{WORLD_SIZE}-bf16{suffix}"
 
 
 def _free_port() -> int:
@@ -40,8 +43,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build(stage: int, quiet: bool = False) -> Path:
-    final = checkpoint_dir(stage)
+def build(stage: int, quiet: bool = False, layers: int = 4) -> Path:
+    final = checkpoint_dir(stage, layers)
     if (final / "bench.json").exists():
         return final
     root = cache_root()
@@ -70,6 +73,8 @@ def build(stage: int, quiet: bool = False) -> Path:
         str(stage),
         "--out",
         str(tmp / "ckpt"),
+        "--layers",
+        str(layers),
     ]
     t0 = time.monotonic()
     try:
@@ -87,9 +92,10 @@ def build(stage: int, quiet: bool = False) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", type=int, choices=[2, 3], action="append", help="default: 2 and 3")
+    ap.add_argument("--layers", type=int, default=4, help="train_big.py's layers (4: ~100M parameters)")
     args = ap.parse_args()
     for stage in args.stage or [2, 3]:
-        print(build(stage))
+        print(build(stage, layers=args.layers))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 VOCAB, DIM, HIDDEN, LAYERS = 32000, 1024, 4096, 4  # 2 x 32.8M (emb, head) + 4 x 8.4M = 99.3M params
 
 
-def build_model():
+def build_model(layers: int = LAYERS):
     import torch
     from torch import nn
 
@@ -21,7 +21,7 @@ def build_model():
             super().__init__()
             self.emb = nn.Embedding(VOCAB, DIM)
             self.layers = nn.ModuleList(
-                nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)) for _ in range(LAYERS)
+                nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)) for _ in range(layers)
             )
             self.norm = nn.LayerNorm(DIM)
             self.head = nn.Linear(DIM, VOCAB, bias=False)
@@ -43,6 +43,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=LAYERS, help="more layers: a bigger model, same largest tensor")
     args = ap.parse_args()
 
     import deepspeed
@@ -51,7 +52,7 @@ def main():
 
     torch.manual_seed(0)
     deepspeed.init_distributed()
-    model = build_model()
+    model = build_model(args.layers)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,

@@ -201,6 +201,34 @@ def read_array(source: TensorSource, dtype: str, files: ShardReader):
     return convert(raw, source.dtype, dtype).reshape(source.shape)
 
 
+def iter_chunks(segments, src: str, dtype: str, files: ShardReader, source: TensorSource | None = None):
+    """The elements of ``segments`` (stored as ``src``) cast to ``dtype``, at most ``CHUNK_BYTES`` source
+    bytes at a time, each chunk a fresh flat array. With ``source`` (whose segments these are) the
+    bytes are hashed and its digest checked after the last chunk (CK222)."""
+    np = _np()
+    item = ITEMSIZE[src]
+    chunk = max(item, CHUNK_BYTES // item * item)
+    digest = hashlib.sha256() if source is not None and source.digest is not None else None
+    for segment in segments:
+        for start in range(0, segment.nbytes, chunk):
+            n = min(chunk, segment.nbytes - start)
+            raw = np.empty(n // item, dtype=_np_dtype(src))
+            files.read_into(Segment(segment.path, segment.offset + start, n), memoryview(raw).cast("B"))
+            if digest is not None:
+                digest.update(memoryview(raw).cast("B"))
+            yield convert(raw, src, dtype)
+    if digest is not None:
+        check_digest(source, digest)
+
+
+def iter_zeros(dtype: str, count: int):
+    """``count`` zeros of ``dtype``, at most ``CHUNK_BYTES`` at a time."""
+    np = _np()
+    step = max(1, CHUNK_BYTES // ITEMSIZE[dtype])
+    for start in range(0, count, step):
+        yield np.zeros(min(step, count - start), dtype=_np_dtype(dtype))
+
+
 def stream(source: TensorSource, dtype: str, writer: SafetensorsWriter, files: ShardReader, progress) -> None:
     """Append the tensor to ``writer``: a kernel copy when neither a cast nor a digest needs the
     bytes, else chunked reads (hashed) and casts."""

@@ -146,21 +146,6 @@ def storage_reader(read_storage):
     return read
 
 
-def flat_views(padded_numel: int, placed: list[tuple[str, Any, int]]) -> dict[str, Any]:
-    """One zero-filled flat tensor of ``padded_numel`` holding each ``(name, tensor, offset)`` at its
-    offset, and every name's view into it: DeepSpeed's flat low-precision group buffer, as saved."""
-    import torch
-
-    dtype = placed[0][1].dtype if placed else torch.float32
-    flat = torch.zeros(padded_numel, dtype=dtype)
-    views = {}
-    for name, tensor, offset in placed:
-        view = flat[offset : offset + tensor.numel()]
-        view.copy_(tensor.reshape(-1))
-        views[name] = view.view(tensor.shape)
-    return views
-
-
 def sizes(shapes: Any) -> Any:
     """``param_shapes`` / ``frozen_param_shapes`` values back as ``torch.Size`` (the reader makes tuples)."""
     import torch
@@ -170,36 +155,43 @@ def sizes(shapes: Any) -> Any:
     return collections.OrderedDict((k, torch.Size(v)) for k, v in shapes.items())
 
 
-def placeholder(like) -> Any:
-    """The empty tensor ZeRO-3 saves in ``module`` for a partitioned parameter (``like``'s dtype)."""
+def placeholder(dtype: str) -> Any:
+    """The empty tensor ZeRO-3 saves in ``module`` for a partitioned parameter."""
     import torch
 
-    return torch.empty(0, dtype=like.dtype)
-
-
-def share(tensor, rank: int, world_size: int) -> Any:
-    """Rank ``rank``'s ``ceil(numel / ws)`` share of a flattened tensor, the tail padded with zeros."""
-    import torch
-
-    flat = tensor.reshape(-1)
-    size = -(-flat.numel() // world_size)
-    out = torch.zeros(size, dtype=flat.dtype)
-    piece = flat[rank * size : (rank + 1) * size]
-    out[: piece.numel()] = piece
-    return out
+    return torch.empty(0, dtype=getattr(torch, dtype))
 
 
 class Lazy:
-    """A tensor ``save_streamed`` writes from ``produce()`` (a flat little-endian numpy array of ``dtype``,
-    bfloat16 as uint16 bits) when it reaches its record: its bytes exist only while they are written."""
+    """A tensor (over a storage of its own) that ``save_streamed`` writes from ``produce()`` when it
+    reaches its record: a flat little-endian numpy array of ``dtype`` (bfloat16 as uint16 bits), or an
+    iterable of such arrays, the record's bytes in order. Its bytes exist only while written, a chunk
+    at a time when ``produce`` yields chunks."""
 
     def __init__(self, dtype: str, shape: tuple[int, ...], produce):
         self.dtype, self.shape, self.produce = dtype, tuple(shape), produce
 
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
-class _StorageKey:
-    def __init__(self, key: str, lazy: Lazy):
-        self.key, self.lazy = key, lazy
+
+class View:
+    """A tensor over part of a ``Lazy``'s storage (``offset`` and ``stride`` in elements), as a module
+    parameter is a view into DeepSpeed's flat group buffer: the storage is written once."""
+
+    def __init__(self, base: Lazy, shape: tuple[int, ...], offset: int = 0, stride: tuple[int, ...] | None = None):
+        self.base, self.shape, self.offset = base, tuple(shape), int(offset)
+        self.stride = tuple(stride) if stride is not None else contiguous(self.shape)
+
+
+def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """torch's strides of a contiguous tensor of ``shape`` (a size 0 counts as 1)."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.insert(0, acc)
+        acc *= max(size, 1)
+    return tuple(stride)
 
 
 _STORAGES = {
@@ -216,49 +208,56 @@ _STORAGES = {
 }
 
 
-def _lazy_of(tensor) -> Lazy:
-    """A torch tensor as a ``Lazy`` of its own bytes (its storage sharing is not kept)."""
+def _torch_view(tensor, storages: dict) -> View:
+    """A torch tensor as a ``View`` of a ``Lazy`` over its whole storage (one per storage: sharing kept)."""
+    storage = tensor.untyped_storage()
     dtype = str(tensor.dtype).removeprefix("torch.")
-    flat = tensor.detach().contiguous().reshape(-1)
-    return Lazy(dtype, tuple(tensor.shape), lambda: flat.view(torch_int16()) if dtype == "bfloat16" else flat)
+    if storage._cdata not in storages:
+        import torch
+
+        numel = storage.nbytes() // tensor.element_size()
+        flat = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, (numel,), (1,))
+        bits = flat.view(torch.int16) if dtype == "bfloat16" else flat  # numpy has no bfloat16
+        storages[storage._cdata] = Lazy(dtype, (numel,), lambda: bits)
+    return View(storages[storage._cdata], tuple(tensor.shape), tensor.storage_offset(), tuple(tensor.stride()))
 
 
-def torch_int16():
-    import torch
+def save_streamed(obj: Any, path: Path, *, shapes_as_tuples: bool = False) -> None:
+    """``torch.save(obj, path)`` with each storage's bytes produced only when its record is written.
 
-    return torch.int16
-
-
-def save_streamed(obj: Any, path: Path) -> None:
-    """``torch.save(obj, path)`` with each tensor's bytes produced only when its record is written.
-
-    ``obj`` holds ``Lazy`` tensors (and torch tensors, written from a copy of their own bytes:
-    use this for files whose tensors share no storage). The file is torch's zip format as
-    ``torch.save`` writes it (data.pkl with persistent storage ids, then one record per storage), so
-    peak memory is the largest tensor, not the file.
+    ``obj`` holds ``Lazy`` and ``View`` tensors, and torch tensors (storage sharing kept, as torch.save
+    keeps it). The records are written a chunk at a time (``torch_zip``), so peak memory is the
+    largest chunk a ``produce`` yields, not the file. ``shapes_as_tuples``: pickle shapes as
+    ``torch.save`` does (a tuple), so the file equals torch.save's byte for byte; without it a shape is a
+    ``torch.Size``, as the optimizer-state files reshard has always written (torch loads both alike).
     """
     import io
 
     import torch
 
-    storages: list[_StorageKey] = []
+    from .torch_zip import TorchZipWriter
+
+    keys: dict[int, str] = {}  # id(Lazy) -> its storage key (the same str object: pickled once, as torch does)
+    order: list[Lazy] = []
+    torch_storages: dict[int, Lazy] = {}
 
     class Pickler(_Pickler):
         def reducer_override(self, value):
             if isinstance(value, torch.Tensor):
-                value = _lazy_of(value)
+                value = _torch_view(value, torch_storages)
             if isinstance(value, Lazy):
-                ref = _StorageKey(str(len(storages)), value)
-                storages.append(ref)
-                stride, acc = [], 1
-                for size in reversed(value.shape):
-                    stride.insert(0, acc)
-                    acc *= size
+                value = View(value, value.shape)
+            if isinstance(value, View):
+                base = value.base
+                if id(base) not in keys:
+                    keys[id(base)] = str(len(order))
+                    order.append(base)
+                shape = tuple(list(value.shape)) if shapes_as_tuples else torch.Size(value.shape)
                 return torch._utils._rebuild_tensor_v2, (
-                    ref,
-                    0,
-                    torch.Size(value.shape),
-                    tuple(stride),
+                    _StorageKey(keys[id(base)], base),
+                    value.offset,
+                    shape,
+                    tuple(list(value.stride)),
                     False,
                     collections.OrderedDict(),
                 )
@@ -266,25 +265,64 @@ def save_streamed(obj: Any, path: Path) -> None:
 
         def persistent_id(self, value):
             if isinstance(value, _StorageKey):
-                numel = math.prod(value.lazy.shape)
-                return ("storage", getattr(torch, _STORAGES[value.lazy.dtype]), value.key, "cpu", numel)
+                return ("storage", getattr(torch, _STORAGES[value.lazy.dtype]), value.key, "cpu", value.lazy.numel)
             return None
 
     buffer = io.BytesIO()
     Pickler(buffer, protocol=2).dump(obj)
     data = buffer.getvalue()
-    writer = torch._C.PyTorchFileWriter(str(path))
-    writer.write_record("data.pkl", data, len(data))
-    writer.write_record(".format_version", "1", 1)
-    writer.write_record(".storage_alignment", "64", 2)
-    writer.write_record("byteorder", "little", 6)
-    for ref in storages:
-        array = ref.lazy.produce()
-        if hasattr(array, "numpy"):  # a torch tensor
-            array = array.numpy()
-        nbytes = array.size * array.itemsize
-        if nbytes != math.prod(ref.lazy.shape) * ITEMSIZE[ref.lazy.dtype]:
-            raise ValueError(f"a tensor of {ref.lazy.shape} {ref.lazy.dtype} produced {nbytes} bytes")
-        writer.write_record(f"data/{ref.key}", torch.from_numpy(array).untyped_storage(), nbytes)
-        del array
+    writer = TorchZipWriter(path)
+    try:
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record(".format_version", b"1", 1)
+        writer.write_record(".storage_alignment", b"64", 2)
+        writer.write_record("byteorder", b"little", 6)
+        for key, lazy in enumerate(order):
+            nbytes = lazy.numel * ITEMSIZE[lazy.dtype]
+            writer.write_record(f"data/{key}", _produced(lazy, nbytes), nbytes)
+        writer.close(torch_trailer)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+class _StorageKey:
+    def __init__(self, key: str, lazy: Lazy):
+        self.key, self.lazy = key, lazy
+
+
+def _produced(lazy: Lazy, nbytes: int):
+    """The bytes ``lazy.produce()`` gives, chunk by chunk, checked to add up to ``nbytes``."""
+    out = lazy.produce()
+    chunks = [out] if hasattr(out, "dtype") else out  # one array, or an iterable of them
+    done = 0
+    for chunk in chunks:
+        if hasattr(chunk, "numpy"):  # a torch tensor
+            chunk = chunk.numpy()
+        view = memoryview(chunk).cast("B") if chunk.size else b""
+        done += len(view)
+        if done > nbytes:
+            break
+        yield view
+    if done != nbytes:
+        raise ValueError(f"a tensor of {lazy.shape} {lazy.dtype} produced {done} bytes")
+
+
+def torch_trailer(names: list[str]) -> tuple[str, bytes]:
+    """torch's writer on the same record names (no data): the name half of its serialization id and
+    its ``version`` record."""
+    import io
+    import zipfile
+
+    import torch
+
+    buffer = io.BytesIO()
+    writer = torch._C.PyTorchFileWriter(buffer)
+    for name in names:
+        writer.write_record(name, b"", 0)
     writer.write_end_of_file()
+    serial = writer.serialization_id()
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as z:
+        prefix = z.namelist()[0].split("/", 1)[0]
+        version = z.read(f"{prefix}/version")
+    return serial[:20], version

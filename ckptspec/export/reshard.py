@@ -11,8 +11,9 @@ model states with the flat low-precision buffers re-laid and ``dp_world_size`` c
 params, buffers, LR scheduler, counters, client state as saved); ``latest``; and the format 1.1
 manifest of the new checkpoint (sidecar and client state).
 
-Bytes are read per target partition, one parameter slice at a time (peak memory: a partition
-per state, not the model). torch is used only to write the pickles (``ds_pickle``).
+Bytes are read and written a chunk (16 MiB at most) at a time (``ds_pickle.save_streamed``, torch's zip
+format written record by record by ``torch_zip``): peak memory does not grow with the model. torch is
+used only to write the pickles (``ds_pickle``).
 """
 
 from __future__ import annotations

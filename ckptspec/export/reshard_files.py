@@ -12,13 +12,16 @@
   change with the world size); frozen params, buffers, ties, LR scheduler, counters and client
   state as saved (the source's embedded manifest is dropped: the new one is embedded after).
 
-Bytes are read per target partition, one parameter slice at a time: peak memory is a partition per
-state, not the model.
+Every file is written with ``ds_pickle.save_streamed``: each record (a partition of one state, a
+group's flat low-precision buffer) is read from the source and cast in chunks of at most 16 MiB as it
+is written, so peak memory grows neither with the model nor with its largest parameter.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import math
 from pathlib import Path
 
 from ..checkpoint.embedded import CLIENT_STATE_KEY
@@ -27,7 +30,7 @@ from ..errors import ReconstructMismatch
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Group, Manifest
 from . import ds_pickle
-from .arrays import ShardReader, _np, _np_dtype, read_array
+from .arrays import ShardReader, _np, _np_dtype, iter_chunks, iter_zeros
 from .plan import Segment, TensorSource
 from .reshard_layout import TargetLayout, natural_groups
 from .reshard_source import source_optimizer, with_stage
@@ -48,12 +51,11 @@ def _slice(source: TensorSource, start: int, count: int) -> list[Segment]:
     return out
 
 
-def _partition(group: Group, rank: int, sources: dict[str, TensorSource], dtype: str, files: ShardReader):
-    """Rank ``rank``'s flat partition of ``group`` (padding zero) from the params' ``sources``."""
-    np = _np()
-    out = np.zeros(group.partition_numel, dtype=_np_dtype(dtype))
-    view = memoryview(out).cast("B")
-    lo, item = rank * group.partition_numel, out.itemsize
+def _pieces(group: Group, rank: int, sources: dict[str, TensorSource], dtype: str):
+    """Where rank ``rank``'s flat partition of ``group`` gets its elements: ``(at, source, first, count)``
+    (``count`` elements of ``source`` from its element ``first``, at partition element ``at``), in order."""
+    out = []
+    lo = rank * group.partition_numel
     for p in group.params:
         if group.partitioning == "flat":  # rank r holds buffer elements [r * pn, (r + 1) * pn)
             a, b = max(p.offset, lo), min(p.offset + p.numel, lo + group.partition_numel)
@@ -67,17 +69,32 @@ def _partition(group: Group, rank: int, sources: dict[str, TensorSource], dtype:
         source = sources[p.name]
         if source.dtype != dtype:
             raise ReconstructMismatch(f"{p.name}: stored as {source.dtype}, the group's partitions as {dtype}")
-        pos = at * item
-        for seg in _slice(source, first, b - a):
-            files.read_into(seg, view[pos : pos + seg.nbytes])
-            pos += seg.nbytes
-    return out
+        out.append((at, source, first, b - a))
+    return sorted(out, key=lambda piece: piece[0])
+
+
+def placed_chunks(size: int, pieces, dtype: str, files: ShardReader):
+    """The ``size`` elements of a flat buffer of ``dtype`` (zero where nothing is placed) a chunk at a
+    time: each ``(at, source, first, count)`` piece read from ``source``'s segments (cast to ``dtype``)."""
+    cursor = 0
+    for at, source, first, count in pieces:
+        if at >= size:
+            break
+        count = min(count, size - at)
+        if count <= 0:
+            continue
+        yield from iter_zeros(dtype, at - cursor)
+        yield from iter_chunks(_slice(source, first, count), source.dtype, dtype, files)
+        cursor = at + count
+    yield from iter_zeros(dtype, size - cursor)
 
 
 def _lazy_partition(group: Group, rank: int, sources, dtype: str, files: ShardReader, numel: int | None = None):
-    """``_partition`` (its first ``numel`` elements), read when ``ds_pickle.save_streamed`` writes it."""
+    """Rank ``rank``'s flat partition of ``group`` (its first ``numel`` elements; padding zero), read
+    from the params' ``sources`` a chunk at a time when ``ds_pickle.save_streamed`` writes it."""
     size = group.partition_numel if numel is None else numel
-    return ds_pickle.Lazy(dtype, (size,), lambda: _partition(group, rank, sources, dtype, files)[:size])
+    pieces = _pieces(group, rank, sources, dtype)  # dtype mismatches raise before anything is written
+    return ds_pickle.Lazy(dtype, (size,), lambda: placed_chunks(size, pieces, dtype, files))
 
 
 def _slice_mappings(group: Group, rank: int, natural: list[str], round_robin: bool) -> collections.OrderedDict:
@@ -127,22 +144,20 @@ def write_files(found, plan, state_plan, target: TargetLayout, states: StateCach
             ds_pickle.save_streamed(doc, tag_dir / name)  # one partition in memory at a time
             written.append(tag_dir / name)
         model = src_dir / next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
-        full = _full_weights(found, plan, files) if found.layout.zero_stage == 3 else {}
-        doc = _model_states(states.state(model), found, target, _storage_reader(model, states, files), full)
-        ds_pickle.save(doc, tag_dir / MODEL_STATES)
+        full = _full_weights(found, plan) if found.layout.zero_stage == 3 else {}
+        lazy = lazy_reader(model, states, files)
+        doc = _model_states(states.state(model), found, target, lazy, full, files)
+        # the low-precision group buffers a chunk at a time; torch.save's bytes (shapes as tuples)
+        ds_pickle.save_streamed(doc, tag_dir / MODEL_STATES, shapes_as_tuples=True)
     return [*written, tag_dir / MODEL_STATES]
 
 
-def _full_weights(found: Manifest, plan, files: ShardReader) -> dict:
+def _full_weights(found: Manifest, plan) -> dict[str, TensorSource]:
     """A stage-3 source's parameters whole, as a stage 1/2 module holds them: each trainable one its
-    master cast to the model dtype (what DeepSpeed's step writes into the low-precision weights, and
-    what stage 1/2 rebuilds them from on load), each frozen one gathered from its rank fragments."""
-    dtype = found.layout.model_dtype
-    out = {}
-    for name, source in plan.sources.items():
-        if source.role in ("trainable", "frozen"):
-            out[name] = ds_pickle.tensor(read_array(source, dtype, files).copy(), dtype)
-    return out
+    master (cast to the model dtype when written: what DeepSpeed's step writes into the low-precision
+    weights, and what stage 1/2 rebuilds them from on load), each frozen one gathered from its rank
+    fragments."""
+    return {name: s for name, s in plan.sources.items() if s.role in ("trainable", "frozen")}
 
 
 def _storage_reader(path: Path, states: StateCache, files: ShardReader):
@@ -159,16 +174,52 @@ def _storage_reader(path: Path, states: StateCache, files: ShardReader):
     return ds_pickle.storage_reader(read_storage)
 
 
-def _model_states(state: dict, found: Manifest, target: TargetLayout, read, full: dict) -> dict:
+def lazy_reader(path: Path, states: StateCache, files: ShardReader):
+    """Tensors of ``path`` as ``ds_pickle.View``s of lazy storages (one per storage: sharing kept), read
+    a chunk at a time when ``save_streamed`` writes them; ``.located(ref)``: a contiguous tensor's bytes
+    as a ``TensorSource``."""
+    members = states.members(path)
+    cache: dict[str, ds_pickle.Lazy] = {}
+
+    def segment(ref) -> Segment:
+        offset, _ = members[ref.storage.member]
+        item = ref.storage.itemsize
+        return Segment(path, offset + ref.storage_offset * item, math.prod(ref.shape) * item)
+
+    def read(ref):
+        storage = ref.storage
+        if storage.member not in cache:
+            seg = Segment(path, members[storage.member][0], storage.nbytes)
+            chunks = functools.partial(iter_chunks, [seg], storage.dtype, storage.dtype, files)
+            cache[storage.member] = ds_pickle.Lazy(storage.dtype, (storage.numel,), chunks)
+        return ds_pickle.View(cache[storage.member], ref.shape, ref.storage_offset, ref.stride)
+
+    def located(name: str, ref) -> TensorSource | None:
+        if tuple(ref.stride) != ds_pickle.contiguous(tuple(ref.shape)) and math.prod(ref.shape) > 1:
+            return None
+        return TensorSource(name, tuple(ref.shape), ref.dtype, [segment(ref)], "lp")
+
+    read.located = located
+    return read
+
+
+def _model_states(state: dict, found: Manifest, target: TargetLayout, read, full: dict, files) -> dict:
     """The model-states dict for the target: flat lp group buffers re-laid, ``dp_world_size`` changed.
-    ``full``: whole tensors replacing the module's (a stage-3 source's, whose module holds placeholders)."""
+    ``full``: whole tensors replacing the module's (a stage-3 source's, whose module holds placeholders).
+    Every tensor is lazy (``save_streamed``): a group buffer is written a chunk at a time."""
     module = state["module"]
-    lp = {name: full.get(name) if name in full else read(ref) for name, ref in module.items()}
+    dtype = found.layout.model_dtype
+    lp: dict = {}
+    for name, ref in module.items():
+        if name in full:
+            source = full[name]
+            chunks = functools.partial(iter_chunks, source.segments, source.dtype, dtype, files, source)
+            lp[name] = ds_pickle.Lazy(dtype, tuple(source.shape), chunks)
+        else:
+            lp[name] = read(ref)
     aliases = {a.name: a.owner for a in found.aliases}
     for group in target.groups:
-        placed = [(p.name, lp[p.name], p.offset) for p in group.params if p.name in lp]
-        views = ds_pickle.flat_views(group.padded_numel, placed)
-        lp.update(views)
+        lp.update(_flat_group(group, module, full, read, dtype, files))
     for alias, owner in aliases.items():
         if alias in lp and owner in lp:
             lp[alias] = lp[owner]
@@ -201,6 +252,24 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, read, full
         else:
             out[key] = ds_pickle.from_standins(value, read)
     return out
+
+
+def _flat_group(group: Group, module: dict, full: dict, read, dtype: str, files: ShardReader) -> dict:
+    """DeepSpeed's flat low-precision buffer of a target group (zero where no param is) as one lazy
+    storage, and each param's view into it; a param's bytes from the source module (or ``full``)."""
+    placed = [p for p in group.params if p.name in module]
+    if not placed:  # no view refers to the buffer: it is not saved
+        return {}
+    pieces = []
+    for p in placed:
+        source = full.get(p.name) or read.located(p.name, module[p.name])
+        if source is None:  # a strided source tensor: not expected from DeepSpeed
+            raise ReconstructMismatch(f"{p.name}: the saved low-precision weight is not contiguous")
+        pieces.append((p.offset, source, 0, p.numel))
+    pieces.sort(key=lambda piece: piece[0])
+    size = group.padded_numel
+    flat = ds_pickle.Lazy(dtype, (size,), lambda: placed_chunks(size, pieces, dtype, files))
+    return {p.name: ds_pickle.View(flat, tuple(p.shape), p.offset) for p in placed}
 
 
 def _no_tensor(ref):

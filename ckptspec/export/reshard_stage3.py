@@ -27,8 +27,9 @@ from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.states import StateCache
 from ..format.models import Manifest
 from . import ds_pickle
-from .arrays import ShardReader, read_array
-from .reshard_files import _lazy_partition, _optim_file_names, _storage_reader
+from .arrays import ShardReader
+from .plan import TensorSource
+from .reshard_files import _lazy_partition, _optim_file_names, _storage_reader, lazy_reader, placed_chunks
 from .reshard_layout import TargetLayout, target_sub_group_size
 from .reshard_source import source_optimizer, with_stage
 
@@ -45,9 +46,9 @@ def write_stage3_files(
     written = []
     with ShardReader() as files:
         read_optim = _storage_reader(first, states, files)
-        read_model = _storage_reader(model, states, files)
+        read_model = lazy_reader(model, states, files)  # nothing read until written
         lp = {name: read_model(ref) for name, ref in model_state["module"].items()}
-        frozen = _frozen(found, plan, files)
+        frozen = _frozen(found, plan)
         for rank, name in enumerate(_optim_file_names(found, target.world_size)):
             osd = _optimizer_state_dict(source, read_optim, target, rank, masters, state_plan, files)
             doc = {
@@ -62,20 +63,28 @@ def write_stage3_files(
             written.append(tag_dir / name)
         for rank in range(target.world_size):
             path = tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-            doc = _model_states(model_state, found, target, rank, lp, frozen, read_model, sub_group_size)
-            ds_pickle.save(doc, path)
+            doc = _model_states(model_state, found, target, rank, lp, frozen, read_model, sub_group_size, files)
+            ds_pickle.save_streamed(doc, path, shapes_as_tuples=True)  # torch.save's bytes, a chunk at a time
             written.append(path)
     return written
 
 
-def _frozen(found: Manifest, plan, files: ShardReader) -> dict:
-    """Every frozen parameter whole (a stage-3 source holds them as rank fragments), in the model dtype."""
+def _frozen(found: Manifest, plan) -> dict[str, TensorSource]:
+    """Where every frozen parameter's bytes are (a stage-3 source holds them as rank fragments)."""
     out = {}
     for f in found.frozen:
         source = plan.sources.get(f.name)
         if source is not None and source.role == "frozen":
-            out[f.name] = ds_pickle.tensor(read_array(source, source.dtype, files).copy(), source.dtype)
+            out[f.name] = source
     return out
+
+
+def _share(source: TensorSource, rank: int, world_size: int, files: ShardReader) -> ds_pickle.Lazy:
+    """Rank ``rank``'s ``ceil(numel / ws)`` share of a frozen parameter (flat, the tail zero), read when written."""
+    size = -(-source.numel // world_size)
+    count = max(0, min(size, source.numel - rank * size))
+    pieces = [(0, source, rank * size, count)] if count else []
+    return ds_pickle.Lazy(source.dtype, (size,), lambda: placed_chunks(size, pieces, source.dtype, files))
 
 
 def _optimizer_state_dict(source, read, target, rank, masters, state_plan, files) -> dict:
@@ -108,7 +117,9 @@ def _optimizer_state_dict(source, read, target, rank, masters, state_plan, files
     }
 
 
-def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, frozen, read, sub_group_size) -> dict:
+def _model_states(
+    state: dict, found: Manifest, target: TargetLayout, rank, lp, frozen, read, sub_group_size, files
+) -> dict:
     aliases = {a.name: a.owner for a in found.aliases}
     params = {p.name for g in found.groups for p in g.params} | {f.name for f in found.frozen}
     placeholders = {}
@@ -117,7 +128,7 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, 
         owner = aliases.get(name, name)
         if owner in params:
             if owner not in placeholders:
-                placeholders[owner] = ds_pickle.placeholder(lp[name])
+                placeholders[owner] = ds_pickle.placeholder(lp[name].base.dtype)
             module[name] = placeholders[owner]
         else:
             module[name] = lp[name]
@@ -125,7 +136,7 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, rank, lp, 
     frozen_shapes = state.get("frozen_param_shapes") or collections.OrderedDict(
         (f.name, tuple(f.shape)) for f in found.frozen if f.name in frozen
     )
-    fragments = collections.OrderedDict((n, ds_pickle.share(t, rank, target.world_size)) for n, t in frozen.items())
+    fragments = collections.OrderedDict((n, _share(s, rank, target.world_size, files)) for n, s in frozen.items())
     out = {}
     for key, value in state.items():
         if key == CLIENT_STATE_KEY:

@@ -16,11 +16,13 @@ with ``checkpoint.load_universal: true`` reads (``runtime/base_optimizer.py``
 
 Positions come from the manifest (round robin, alignment, stage-3 sub-groups), never from
 ``param_slice_mappings``, so the values are the saved ones where ``ds_to_universal`` reads DeepSpeed's
-mappings. Bytes are read one parameter at a time: peak memory is one parameter's state.
+mappings. Each file is written as its bytes are read and cast, a chunk at a time (``ds_pickle.save_streamed``):
+peak memory does not grow with the model, nor with its largest parameter.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from dataclasses import dataclass
@@ -31,9 +33,9 @@ from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.models import Manifest
 from . import ds_pickle
-from .arrays import ShardReader, read_array
+from .arrays import ShardReader, iter_chunks, read_array
 from .optimizer_state import plan_optimizer_state
-from .plan import plan_reconstruction
+from .plan import TensorSource, plan_reconstruction
 from .reshard import validated_source
 from .reshard_files import _storage_reader
 from .reshard_source import source_optimizer
@@ -120,23 +122,38 @@ def _write(found: Manifest, plan, state_plan, states: StateCache, out: Path) -> 
         for name, src in plan.sources.items():
             if src.role not in ("trainable", "frozen"):
                 continue
-            tensors = {"fp32": read_array(src, "float32", files)}
+            tensors = {"fp32": src}
             if src.role == "trainable":
                 for key, state_name in sorted(state_plan.states.get(name, {}).items()):
-                    state = state_plan.sources[state_name]
-                    tensors[key] = read_array(state, "float32", files)
+                    tensors[key] = state_plan.sources[state_name]
             scalars = source.group_scalars.get(group_of.get(name, -1), {}) if src.role == "trainable" else {}
             for target in [name, *aliases.get(name, [])]:
                 folder = zero / target
                 folder.mkdir()
-                for key, array in tensors.items():
-                    ds_pickle.save({"param": ds_pickle.tensor(array.copy()), "cat_dim": 0}, folder / f"{key}.pt")
+                for key, tensor in tensors.items():
+                    # the whole tensor in fp32, read and cast a chunk at a time as it is written
+                    lazy = ds_pickle.Lazy("float32", tuple(tensor.shape), _chunks(tensor, files))
+                    param = ds_pickle.View(lazy, lazy.shape, 0, _stride(tensor, files))
+                    ds_pickle.save_streamed({"param": param, "cat_dim": 0}, folder / f"{key}.pt", shapes_as_tuples=True)
                 if "step" in scalars:
                     ds_pickle.save(ds_pickle.from_standins(scalars["step"], read), folder / "step.pt")
                 count += 1
         ds_pickle.save(_optimizer_state(source, read), zero / "optimizer_state.pt")
     shutil.copyfile(model, out / "mp_rank_00_model_states.pt")
     return count
+
+
+def _chunks(tensor: TensorSource, files: ShardReader):
+    """``Lazy``'s producer: ``tensor``'s elements cast to fp32, its digest checked (CK222) at the end."""
+    return functools.partial(iter_chunks, tensor.segments, tensor.dtype, "float32", files, tensor)
+
+
+def _stride(tensor: TensorSource, files: ShardReader) -> tuple[int, ...] | None:
+    """The contiguous stride, except for an empty tensor: the one torch gives the numpy array this
+    file was first written from (numpy's strides of an empty array vary; kept so the bytes do not)."""
+    if tensor.numel:
+        return None
+    return tuple(ds_pickle.tensor(read_array(tensor, "float32", files).copy()).stride())
 
 
 def _optimizer_state(source, read) -> dict:

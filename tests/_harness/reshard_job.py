@@ -3,15 +3,12 @@
     DS_ACCELERATOR=cpu torchrun --nproc_per_node N tests/_harness/reshard_job.py --tasks TASKS.json
 
 A "reshard" task is a job/resume.py "resume" task with ``reshard`` (rank 0 runs ckptspec's reshard
-on ``load`` into OUT/resharded, every rank loads that with ``engine.load_checkpoint``), plus what
-resume.py does not do (its code is every DeepSpeed entry's cache key, so it stays as it is):
+on ``load`` into OUT/resharded, every rank loads that with ``engine.load_checkpoint``; frozen
+parameters, buffers and ties checked after loading by job/model_checks.py, as resume.py does), plus
+what resume.py does not do:
 
 * ``load_module_strict`` is false when the spec excludes frozen parameters: DeepSpeed saves none of
   them then, and its own strict module load refuses such a checkpoint (as it refuses DeepSpeed's);
-* after loading, every frozen parameter (gathered at stage 3) and every buffer of the target job is
-  compared with what DeepSpeed saved in the *source* checkpoint, read here with torch.load (stage 3:
-  the ranks' ``frozen_param_fragments`` concatenated and trimmed): resume.json's ``frozen_checked``,
-  ``buffers_checked`` and ``model_mismatched`` (names that differ, bit for bit);
 * ``universal`` ("ckptspec" or "deepspeed"): instead of resharding, rank 0 converts ``load`` to
   DeepSpeed's universal folder (``ckptspec export-universal`` in-process, or DeepSpeed's own
   ``ds_to_universal --inject_missing_state``) into OUT/uc, and the job loads it with
@@ -34,47 +31,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` im
 from _harness.job import resume
 from _harness.job.main import reset_deepspeed_globals
 from _harness.job.model import build_model, ds_config, live_fp32, normalize_spec, param_groups
-
-
-def _saved_model(load: Path, frozen_names: list, tag: str = "global_step2") -> dict:
-    """The source's frozen parameters and buffers as DeepSpeed saved them (torch.load, the oracle)."""
-    import torch
-
-    files = sorted((load / tag).glob("*model_states.pt"))
-    states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
-    first = states[0]
-    buffers = {n: first["module"][n] for n in first.get("buffer_names") or []}
-    frozen = {}
-    shapes = first.get("frozen_param_shapes") or {}
-    if len(states) > 1:  # stage 3: each rank holds a ceil(numel / ws) fragment
-        for name, shape in shapes.items():
-            flat = torch.cat([s["frozen_param_fragments"][name].reshape(-1) for s in states])
-            frozen[name] = flat[: torch.Size(shape).numel()].view(shape)
-    else:  # stage 1/2: whole in the module (absent when excluded)
-        frozen = {n: first["module"][n] for n in frozen_names if n in first["module"]}
-    return {"frozen": frozen, "buffers": buffers}
-
-
-def _model_checks(engine, model, stage, load: Path) -> dict:
-    """Frozen parameters and buffers of the job after loading, against the source's saved ones (collective)."""
-    import deepspeed
-    import torch
-
-    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    saved = _saved_model(load, [n for n, _ in frozen])
-    with deepspeed.zero.GatheredParameters([p for _, p in frozen], enabled=stage == 3):
-        live = {n: p.detach().clone() for n, p in frozen}
-    live.update({n: b.detach().clone() for n, b in model.named_buffers()})
-    bad = sorted(
-        n
-        for n, t in {**saved["frozen"], **saved["buffers"]}.items()
-        if n not in live or live[n].shape != t.shape or not torch.equal(live[n], t.to(live[n].dtype))
-    )
-    return {
-        "frozen_checked": sorted(saved["frozen"]),
-        "buffers_checked": sorted(saved["buffers"]),
-        "model_mismatched": bad,
-    }
+from _harness.job.model_checks import model_checks
 
 
 def _universal(load: Path, out: Path, how: str, rank: int):
@@ -152,7 +109,7 @@ def run(args, out: Path):
         worst = {n: (live[n] - t.float()).abs().max().item() for n, t in saved.items() if n in live}
         result["max_abs_diff"] = max(worst.values(), default=0.0)
         result.update(resume._optimizer_checks(engine, model, spec["stage"], load, saved))
-        result.update(_model_checks(engine, model, spec["stage"], load))
+        result.update(model_checks(model, spec["stage"], load, saved))
     after = resume._extra_step(engine, model, spec, args["extra_step"]) if loaded and args.get("extra_step") else None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)

@@ -160,9 +160,10 @@ RESHARD_CASES = {
     "reshard-s3-fp16-groups-3to2": ("s3-fp16-ws3-groups", 2, {}),
     "reshard-s3-to-s2-fp16-groups-3to2": ("s3-fp16-ws3-groups", 2, {"stage": 2}),
 }
-# The same, through tests/_harness/reshard_job.py (launches of their own): also checks every frozen
-# parameter and buffer of the target job against the source's saved ones, and loads the
+# The same, through tests/_harness/reshard_job.py (launches of their own): loads the
 # exclude_frozen_parameters checkpoints (which DeepSpeed's strict module load refuses) non-strict.
+# Both check every frozen parameter, buffer and tie of the target job against the source
+# (tests/_harness/job/model_checks.py).
 # No native resume of an exclude_frozen source (it would need a launch of its own): the fp32 one's
 # step is checked against the plain-torch replay instead.
 RESHARD_JOB_CASES = {

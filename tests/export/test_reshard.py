@@ -6,7 +6,9 @@ plain ``engine.load_checkpoint(OUTPUT)`` and the job compares what DeepSpeed loa
 job's live values (``live_fp32.pt``, ``live_optim.pt``, recorded before saving):
 
 * every fp32 master and every Adam moment, read from the live flat buffers, bit for bit, and the
-  step of every group;
+  step of every group; every frozen parameter (gathered at stage 3) and buffer against the source's
+  saved ones, and the tie (``head.weight`` is ``emb.weight``) still one parameter, holding the source's
+  master cast to the model dtype (tests/_harness/job/model_checks.py);
 * the same through DeepSpeed's ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
   (links rebuilt with ``_lazy_init_hp_params_optimizer_state``), except under round robin, where
   DeepSpeed's getters read natural-order offsets and return other parameters' values in any job
@@ -64,11 +66,12 @@ def test_target_job_loads_the_source_state_bit_for_bit(case, ds):
     manifest = json.loads((ds.path(case) / "resharded" / "global_step2" / "ckptspec.json").read_text())
     assert manifest["layout"]["world_size"] == world_size
     assert manifest["layout"]["zero_stage"] == changes.get("stage", MATRIX_SPECS[source][0]["stage"])
-    if case in RESHARD_JOB_CASES:  # frozen parameters (gathered at stage 3) and buffers, against the source's files
-        assert outcome["model_mismatched"] == [], outcome["model_mismatched"]
-        assert outcome["buffers_checked"] == ["running", "step_count"]
-        excluded = MATRIX_SPECS[source][0].get("exclude_frozen")
-        assert outcome["frozen_checked"] == ([] if excluded else ["frozen.bias", "frozen.weight"])
+    # frozen parameters (gathered at stage 3), buffers and the tie, against the source's files and masters
+    assert outcome["model_mismatched"] == [], outcome["model_mismatched"]
+    assert outcome["buffers_checked"] == ["running", "step_count"]
+    excluded = MATRIX_SPECS[source][0].get("exclude_frozen")
+    assert outcome["frozen_checked"] == ([] if excluded else ["frozen.bias", "frozen.weight"])
+    assert outcome["tied_checked"] == ["head.weight"] and outcome["tied_mismatched"] == [], outcome
 
 
 def _stage(case: str) -> tuple[int, int]:

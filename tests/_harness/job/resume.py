@@ -29,6 +29,9 @@ as ``after_step.pt``. resume.json then also holds:
                    safe_get_full_fp32_param / safe_get_full_optimizer_state (links rebuilt with
                    _lazy_init_hp_params_optimizer_state) differ from the saved run's live values
                  global_steps, skipped_steps, loss_scale: as the engine holds them after loading
+
+and with ``reshard``, job/model_checks.py's: frozen_checked, buffers_checked, model_mismatched,
+tied_checked, tied_mismatched (frozen parameters, buffers and ties against the source).
 """
 
 import json
@@ -46,6 +49,7 @@ from _harness.job.model import (
     normalize_spec,
     param_groups,
 )
+from _harness.job.model_checks import model_checks
 
 CHANGES = ("add_param", "widen_l2")
 
@@ -110,6 +114,8 @@ def run(args, out: Path):
     result["consistent"] = result["loaded"] and not mismatched
     if reshard or args.get("extra_step"):
         result.update(_optimizer_checks(engine, model, spec["stage"], source, saved))
+    if reshard and result["loaded"]:  # frozen parameters, buffers and ties (model_checks.py)
+        result.update(model_checks(model, spec["stage"], source, saved))
     after = _extra_step(engine, model, spec, args["extra_step"]) if args.get("extra_step") else None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
