@@ -18,6 +18,7 @@ Metadata only: no tensor bytes, no pickle code.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from .._version import __version__
@@ -96,10 +97,87 @@ def _locators(folder: Path, master: MasterTensor, states: StateCache) -> list[Ma
     return out
 
 
+def masters_domain(
+    producer: Producer,
+    id: str,
+    coordinate: Coordinate,
+    process_group: str,
+    specs: list[ParamSpec],
+    files: list[ShardFile],
+    *,
+    size: int = 1,
+    group: int = 0,
+    stage: int = 0,
+    source: str = "none",
+) -> tuple[Domain, list[IndexParameter]]:
+    """A domain whose masters are located apart (no ``masters`` yet) and its whole-model parameters:
+    its 1.x manifest names the parameters (one flat group of ``partition_count`` 1, ``zero_stage`` 0)
+    and lists ``files``. Shared by the directory producers and the live engine's (engine_masters.py)."""
+    manifest = Manifest(
+        format="ckptspec.manifest",
+        format_version="1.0.0",
+        producer=producer,
+        layout=Layout(
+            zero_stage=0,
+            world_size=size,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            model_dtype=specs[0].dtype if specs else "float32",
+            master_dtype="float32",
+            round_robin=False,
+            parameter_alignment=False,
+            tail_padding_saved=False,
+        ),
+        groups=[flat_group(specs, optimizer_group=group, partition_count=1, zero_stage=0)] if specs else [],
+        frozen=[],
+        buffers=[],
+        aliases=[],
+        excluded=[],
+        files=sorted(files, key=lambda f: ({"model_states": 0, "optimizer_states": 1}.get(f.role, 2), f.path)),
+    )
+    domain = Domain(
+        id=id,
+        coordinate=coordinate,
+        process_group=process_group,
+        size=size,
+        file_ranks={f.path: f.ranks[0] for f in manifest.files if f.role != "other"},
+        optimizer_groups=[group],
+        manifest=manifest,
+        configured_zero_stage=stage,
+    )
+    parameters = [
+        IndexParameter(
+            name=s.name,
+            shape=list(s.shape),
+            dtype=s.dtype,
+            role="trainable",
+            shards=[Shard(domain=id, local_name=s.name, local_shape=list(s.shape), placement="whole")],
+            placement_source=source,
+        )
+        for s in specs
+    ]
+    return domain, parameters
+
+
+@dataclass
+class LiveMasters:
+    """What the live engine says about the masters (engine_masters.py), resolved to the saved files:
+    every master by global name (pieces in order), the copies DeepSpeed saved of them, the parameters'
+    dtypes; for MoE the optimizer layout (stage, world size, expert-data-parallel size, expert degree);
+    for the stage-0 pipeline the masters and copies of each model-parallel rank."""
+
+    masters: dict[str, MasterTensor]
+    replicas: list[tuple[MasterTensor, MasterTensor]]
+    dtypes: dict[str, str]
+    stored_in: str = "module"
+    moe: tuple[int, int, int, int] | None = None
+    by_mp_rank: dict[int, tuple[list[MasterTensor], list[MasterTensor]]] | None = None
+
+
 class _Builder:
     """What every #17 index shares: the folder, the model states, the producer."""
 
-    def __init__(self, folder: Path, states: StateCache, hash_algorithm: str | None):
+    def __init__(self, folder: Path, states: StateCache, hash_algorithm: str | None, live: LiveMasters | None = None):
         self.folder, self.states, self.hash_algorithm = folder, states, hash_algorithm
         model = states.state(folder / MODEL_FILE) if (folder / MODEL_FILE).is_file() else None
         if model is None:
@@ -117,6 +195,8 @@ class _Builder:
             framework_version=str(model.get("ds_version", "unknown")),
         )
         self.parameters: list[IndexParameter] = []
+        if live is not None:  # the live engine's parameter dtypes, not the files'
+            self.model_dtypes.update(live.dtypes)
 
     def file(self, rel: str, role: str, ranks: list[int]) -> ShardFile:
         path = self.folder / rel
@@ -141,59 +221,26 @@ class _Builder:
         source: str = "none",
         add_parameters: bool = True,
     ) -> Domain:
-        dtypes = {m.name: self.model_dtypes.get(m.name, m.dtype) for m in masters}
-        specs = [ParamSpec(m.name, m.shape, dtypes[m.name]) for m in masters]
-        model_dtype = next(iter(dtypes.values()), "float32")
-        manifest = Manifest(
-            format="ckptspec.manifest",
-            format_version="1.0.0",
-            producer=self.producer,
-            layout=Layout(
-                zero_stage=0,
-                world_size=size,
-                tensor_parallel_size=1,
-                pipeline_parallel_size=1,
-                model_dtype=model_dtype,
-                master_dtype="float32",
-                round_robin=False,
-                parameter_alignment=False,
-                tail_padding_saved=False,
-            ),
-            groups=[flat_group(specs, optimizer_group=group, partition_count=1, zero_stage=0)] if specs else [],
-            frozen=[],
-            buffers=[],
-            aliases=[],
-            excluded=[],
-            files=sorted(files, key=lambda f: ({"model_states": 0, "optimizer_states": 1}.get(f.role, 2), f.path)),
-        )
-        domain = Domain(
-            id=id,
-            coordinate=coordinate,
-            process_group=process_group,
+        specs = [ParamSpec(m.name, m.shape, self.model_dtypes.get(m.name, m.dtype)) for m in masters]
+        domain, parameters = masters_domain(
+            self.producer,
+            id,
+            coordinate,
+            process_group,
+            specs,
+            files,
             size=size,
-            file_ranks={f.path: f.ranks[0] for f in manifest.files if f.role != "other"},
-            optimizer_groups=[group],
-            manifest=manifest,
-            masters=Masters(
-                stored_in=stored_in,
-                tensors=[loc for m in masters for loc in _locators(self.folder, m, self.states)],
-            ),
-            configured_zero_stage=stage,
+            group=group,
+            stage=stage,
+            source=source,
+        )
+        domain.masters = Masters(
+            stored_in=stored_in, tensors=[loc for m in masters for loc in _locators(self.folder, m, self.states)]
         )
         if replicas:
             domain.replicas = [loc for _, copy in replicas for loc in _locators(self.folder, copy, self.states)]
-        for m in masters if add_parameters else []:
-            shard = Shard(domain=id, local_name=m.name, local_shape=list(m.shape), placement="whole")
-            self.parameters.append(
-                IndexParameter(
-                    name=m.name,
-                    shape=list(m.shape),
-                    dtype=dtypes[m.name],
-                    role="trainable",
-                    shards=[shard],
-                    placement_source=source,
-                )
-            )
+        if add_parameters:
+            self.parameters += parameters
         return domain
 
     def index(self, kind: str, domains: list[Domain], *, expert: int | None = None, **extra) -> CheckpointIndex:
@@ -231,16 +278,22 @@ def _files_of(b: _Builder, masters, replicas, ranks: dict[str, int] | None = Non
     return out
 
 
-def stage0_index(folder: Path, states: StateCache, hash_algorithm: str | None = None) -> CheckpointIndex:
-    b = _Builder(folder, states, hash_algorithm)
-    masters = list(stage0_masters(folder, states).values())
-    unfused = isinstance(b.model.get("optimizer"), dict) and "fp32_groups" in b.model["optimizer"]
+def stage0_index(
+    folder: Path, states: StateCache, hash_algorithm: str | None = None, live: LiveMasters | None = None
+) -> CheckpointIndex:
+    b = _Builder(folder, states, hash_algorithm, live)
+    if live is None:
+        masters = list(stage0_masters(folder, states).values())
+        unfused = isinstance(b.model.get("optimizer"), dict) and "fp32_groups" in b.model["optimizer"]
+        stored_in = "model_states" if unfused else "module"
+    else:
+        masters, stored_in = list(live.masters.values()), live.stored_in
     domain = b.domain(
         "dense",
         Coordinate(pipeline=0, tensor=0),
         "data_parallel",
         masters,
-        "model_states" if unfused else "module",
+        stored_in,
         _files_of(b, masters, []),
     )
     return b.index("zero", [domain])

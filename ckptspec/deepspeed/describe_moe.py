@@ -14,9 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint.states import StateCache
+from ..checkpoint.torchfile import TensorRef
 from ..errors import UnsupportedCheckpoint
 from ..format.index_models import CheckpointIndex, Coordinate, ExpertFile
-from .describe_masters import _Builder, _files_of
+from .describe_masters import LiveMasters, _Builder, _files_of
 from .masters import EXPP_RE, MODEL_FILE, _expert_files, stage0_masters, stage0_replicas
 from .moe_masters import moe_zero_masters
 from .names import OPTIM_RE
@@ -24,13 +25,17 @@ from .names import OPTIM_RE
 _HINT = "the expert layout of this MoE checkpoint cannot be derived from its files; it is not described"
 
 
-def moe_index(folder: Path, states: StateCache, hash_algorithm: str | None = None) -> CheckpointIndex:
-    b = _Builder(folder, states, hash_algorithm)
+def moe_index(
+    folder: Path, states: StateCache, hash_algorithm: str | None = None, live: LiveMasters | None = None
+) -> CheckpointIndex:
+    b = _Builder(folder, states, hash_algorithm, live)
     optim = {int(m.group(1)): p.name for p in folder.iterdir() if (m := OPTIM_RE.match(p.name))}
     expp = {int(m.group(1)): p.name for p in folder.iterdir() if (m := EXPP_RE.match(p.name))}
     experts = _expert_files(folder)
     n_experts = int((b.model.get("num_experts") or [0])[0]) or len({e for _, e, _ in experts})
-    if optim:
+    if live is not None:  # the live engine's layout and masters (engine_masters.py)
+        (stage, world, edp, ep), masters, replicas = live.moe, live.masters, live.replicas
+    elif optim:
         first = states.state(folder / optim[min(optim)]).get("optimizer_state_dict") or {}
         counts, stage = first.get("partition_count"), int(first.get("zero_stage", 0))
         if not isinstance(counts, list) or len(counts) != 2 or len(optim) % int(counts[1]):
@@ -58,6 +63,9 @@ def moe_index(folder: Path, states: StateCache, hash_algorithm: str | None = Non
         state = states.state(folder / rel)
         keys = list(state) if isinstance(state, dict) else []
         expert_of.update({k: expert for k in keys})
+        for k in keys:  # the expert's weight in the training dtype (the module holds no experts)
+            if isinstance(state[k], TensorRef):
+                b.model_dtypes.setdefault(k, state[k].dtype)
         entry = ExpertFile(
             path=rel,
             moe_layer=layer,

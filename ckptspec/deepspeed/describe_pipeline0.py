@@ -98,7 +98,8 @@ def _stage_masters(folder: Path, by_rank: dict[int, Path], shapes, states: State
     return out
 
 
-def pipeline_stage0_index(folder: Path, states: StateCache, hash_algorithm: str | None = None):
+def pipeline_stage0_index(folder: Path, states: StateCache, hash_algorithm: str | None = None, live=None):
+    """``live``: the live engine's masters and copies of each model-parallel rank (engine_masters.py)."""
     from .describe_index import _pipeline_view
 
     files = scan_parallel(folder)
@@ -109,11 +110,16 @@ def pipeline_stage0_index(folder: Path, states: StateCache, hash_algorithm: str 
     weights = _layer_tensors(files, states)
     shapes = {n: tuple(r.shape) for n, r in weights.items()}
     b.model_dtypes.update({n: r.dtype for n, r in weights.items()})
+    if live is not None:
+        b.model_dtypes.update(live.dtypes)
     domains = []
     for mp, shards in sorted(files.by_mp_rank.items()):
-        masters = _stage_masters(folder, shards.optim_files, shapes, states)
         model = shards.model_files[min(shards.model_files)]
-        copies = _stage_masters(folder, {0: model}, shapes, states, copy_of=0) if shards.optim_files.get(0) else []
+        if live is not None:
+            masters, copies = live.by_mp_rank[mp]
+        else:
+            masters = _stage_masters(folder, shards.optim_files, shapes, states)
+            copies = _stage_masters(folder, {0: model}, shapes, states, copy_of=0) if shards.optim_files.get(0) else []
         by_name = {m.name: m for m in masters}
         replicas = [(by_name[c.name], c) for c in copies if c.name in by_name]
         ranks = {p.name: r for r, p in shards.optim_files.items()}

@@ -298,12 +298,19 @@ def save_checkpoint(
         )
     if sidecar_encoding not in ("json", "msgpack"):
         raise ValueError(f"sidecar_encoding must be 'json' or 'msgpack', not {sidecar_encoding!r}")
+    refuse_unsaveable(engine)  # whatever describes it: nothing is written for these
+    from .engine_masters import masters_kind
+
+    if masters_kind(engine) is not None:  # stage 0, MoE: an index locating the masters (engine_masters_save.py)
+        from .engine_masters_save import save_masters_checkpoint
+
+        args = (client_state, hash, save_latest, exclude_frozen_parameters, sidecar_encoding)
+        return save_masters_checkpoint(engine, save_dir, tag, *args)
     if is_model_parallel_engine(engine):  # a checkpoint index, not a manifest (engine_index_save.py)
         from .engine_index_save import save_index_checkpoint
 
         args = (client_state, hash, save_latest, exclude_frozen_parameters, sidecar_encoding)
         return save_index_checkpoint(engine, save_dir, tag, *args)
-    refuse_unsaveable(engine)
     layout = manifest_from_engine(engine, exclude_frozen_parameters=exclude_frozen_parameters)
     layout.save.id = _from_rank_0(dist, str(uuid.uuid4()))  # the save id every file's copy carries
     state = dict(client_state or {})

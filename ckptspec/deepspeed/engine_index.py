@@ -37,13 +37,8 @@ from .placements import tp_placement
 
 def _refuse(engine) -> None:
     refuse_unsaveable(engine)
-    if getattr(engine, "has_moe_layers", False):
-        raise UnsupportedEngine("MoE engines are not described by the checkpoint index yet (issue #17)")
-    if engine.zero_optimization_stage() == 0:  # the stage-0 pipeline is described from its files only
-        raise UnsupportedEngine(
-            f"ZeRO stage 0 ({type(engine.optimizer).__name__}) is not described by the save hook; "
-            "save with DeepSpeed and run `ckptspec generate` on the directory"
-        )
+    if getattr(engine, "has_moe_layers", False) or engine.zero_optimization_stage() == 0:
+        raise UnsupportedEngine("MoE and ZeRO stage-0 engines are described by engine_masters.py")
 
 
 def coordinates(engine) -> dict:
@@ -154,11 +149,22 @@ def gather(value, dist=None) -> list:
 def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> CheckpointIndex:
     """The index of ``engine``'s checkpoint layout, without files (collective: call on every rank).
 
+    ZeRO stage 0, MoE and the stage-0 pipeline get their domains and parameters without ``masters``
+    (``engine_masters_save.live_index``): a master's locator is a byte range of a saved file.
+
     Raises:
-        UnsupportedEngine: MoE, ZeRO stage 0 (except the pipeline's BF16_Optimizer), frozen
-            parameters, buffers or ties, a parameter AutoTP partitions without an affine map.
+        UnsupportedEngine: frozen parameters, buffers or ties, a parameter AutoTP partitions without
+            an affine map; MoE or stage 0 combined with tensor parallelism, FP16_Optimizer's flat masters.
         EngineLayoutMismatch: the ranks of one coordinate describe their group differently.
     """
+    from .engine_masters import gather_described, masters_kind
+
+    if masters_kind(engine) is not None:  # ZeRO stage 0, MoE, the stage-0 pipeline (issue #17)
+        import torch.distributed as dist
+
+        from .engine_masters_save import live_index
+
+        return live_index(gather_described(engine, dist))
     return assemble(gather(local_description(engine, exclude_frozen_parameters)))
 
 

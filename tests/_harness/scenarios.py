@@ -106,14 +106,21 @@ HOOKED = [
 ]
 
 
+# The same for the kinds whose index locates fp32 masters (issue #17): ZeRO stage 0, MoE, the stage-0
+# pipeline. Their +hook entry is also their "+again" run (the job trained again later in its launch,
+# its oracles recorded before it saves), so the save hook costs these layouts no extra training.
+MASTERS_HOOKED = sorted(n for n in PARALLEL_SPECS if n.startswith(("s0-", "moe-", "pp2-s0-")))
+
+
 def hook_name(name: str) -> str:
     """The entry re-training PARALLEL job ``name`` in its launch, saved through the save hook."""
     return f"{name}+hook"
 
 
 def again_name(name: str) -> str:
-    """The entry re-training PARALLEL job ``name`` later in its launch, saving nothing."""
-    return f"{name}+again"
+    """The entry re-training PARALLEL job ``name`` later in its launch (saving nothing, or through the
+    save hook for MASTERS_HOOKED)."""
+    return hook_name(name) if name in MASTERS_HOOKED else f"{name}+again"
 
 
 # name: (saved MATRIX entry, B's spec changes, B's world size, B's model change)
@@ -240,8 +247,9 @@ def _registry() -> dict[str, Task]:
     for name, (spec, ws) in PARALLEL_SPECS.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():
-        out[again_name(name)] = Task("parallel", {**spec, "save": False, "universal": False}, ws)
-    for name in HOOKED:
+        if name not in MASTERS_HOOKED:
+            out[again_name(name)] = Task("parallel", {**spec, "save": False, "universal": False}, ws)
+    for name in HOOKED + MASTERS_HOOKED:
         spec, ws = PARALLEL_SPECS[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
     for name, (source, changes, ws, change) in RESUME_CASES.items():

@@ -662,15 +662,25 @@ def test_refusals_before_anything_is_saved(fake_job, tmp_path):
         ("autoep", {"_config": SimpleNamespace(expert_parallel_config=SimpleNamespace(enabled=True))}, "AutoEP"),
     ],
 )
+@pytest.mark.parametrize(
+    "kind",
+    [
+        {},  # data parallel: a manifest
+        {"mp_world_size": 2},  # tensor/pipeline parallel: an index (engine_index_save.py)
+        {"has_moe_layers": True},  # MoE: an index locating masters (engine_masters_save.py)
+        {"zero_optimization_stage": lambda: 0},  # ZeRO stage 0: likewise
+    ],
+    ids=["data-parallel", "model-parallel", "moe", "stage0"],
+)
 @pytest.mark.deepspeed
-def test_engines_a_manifest_cannot_describe_are_refused_before_saving(fake_job, tmp_path, feature, config, named):
-    """#17: the save hook names the feature and DeepSpeed writes nothing (the engine's accessors
-    are DeepSpeed 0.19.8's: ``zero_nvme_offload_optimizer``, ``zero_config.offload_param``,
-    ``zero_quantized_nontrainable_weights``, ``expert_parallel_config``; NVMe and ZeRO++ quantized
-    weights need a build and a GPU this machine has not)."""
+def test_engines_a_manifest_cannot_describe_are_refused_before_saving(fake_job, tmp_path, feature, config, named, kind):
+    """#17: the save hook names the feature and DeepSpeed writes nothing, whatever describes the engine
+    (the engine's accessors are DeepSpeed 0.19.8's: ``zero_nvme_offload_optimizer``,
+    ``zero_config.offload_param``, ``zero_quantized_nontrainable_weights``, ``expert_parallel_config``;
+    NVMe and ZeRO++ quantized weights need a build and a GPU this machine has not)."""
     fake_job.install()
     engine = fake_job.engine()
-    for key, value in config.items():
+    for key, value in {**kind, **config}.items():
         setattr(engine, key, value)
     with pytest.raises(UnsupportedEngine, match=named):
         fake_job.ds.save_checkpoint(engine, tmp_path)
