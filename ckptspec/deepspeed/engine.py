@@ -38,7 +38,7 @@ from .engine_state import (
     save_of_engine,
 )
 from .names import file_order
-from .staged_save import publish_on_rank_0, save_staged
+from .staged_save import publish_on_rank_0, save_request, save_staged
 
 
 def _param_names(engine) -> dict[int, str]:
@@ -313,11 +313,8 @@ def save_checkpoint(
         return save_index_checkpoint(engine, save_dir, tag, *args)
     layout = manifest_from_engine(engine, exclude_frozen_parameters=exclude_frozen_parameters)
     layout.save.id = _from_rank_0(dist, str(uuid.uuid4()))  # the save id every file's copy carries
-    state = dict(client_state or {})
-    if CLIENT_STATE_KEY in state:
-        raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for the ckptspec manifest")
+    state, tag = save_request(engine, client_state, tag)
     state[CLIENT_STATE_KEY] = client_state_value(layout)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default tag
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)

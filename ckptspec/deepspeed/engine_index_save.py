@@ -14,7 +14,6 @@ import shutil
 import warnings
 from pathlib import Path
 
-from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.hashing import file_digest
 from ..checkpoint.states import StateCache
 from ..format.index_models import CheckpointIndex, LayerFile
@@ -25,7 +24,7 @@ from .digests import add_digests
 from .directory import ShardSet
 from .engine_index import assemble, gather, local_description
 from .names import file_order
-from .staged_save import publish_on_rank_0, save_staged
+from .staged_save import publish_on_rank_0, save_request, save_staged
 
 
 def _own_files(engine, staged: Path, mine: dict, hash_algorithm: str | None) -> list[dict]:
@@ -99,10 +98,7 @@ def save_index_checkpoint(
 
     mine = local_description(engine, exclude_frozen_parameters)  # refusals first, on every rank alike
     described = gather(mine, dist)
-    state = dict(client_state or {})
-    if CLIENT_STATE_KEY in state:
-        raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for ckptspec")
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    state, tag = save_request(engine, client_state, tag)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)

@@ -12,7 +12,6 @@ publishes the tag and ``latest``. Every rank returns rank 0's index.
 from __future__ import annotations
 
 from .._version import __version__
-from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.states import StateCache
 from ..errors import EngineLayoutMismatch
 from ..format.index_models import (
@@ -29,7 +28,7 @@ from ..format.models import Producer
 from ..format.partition import ParamSpec
 from .describe_masters import masters_domain
 from .engine_masters import gather_described
-from .staged_save import publish_on_rank_0, save_staged
+from .staged_save import publish_on_rank_0, save_request, save_staged
 
 
 def _domains(described: list[dict]) -> list[tuple]:
@@ -172,10 +171,7 @@ def save_masters_checkpoint(
     import torch.distributed as dist
 
     described = gather_described(engine, dist)  # refusals first, raised on every rank
-    state = dict(client_state or {})
-    if CLIENT_STATE_KEY in state:
-        raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for ckptspec")
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    state, tag = save_request(engine, client_state, tag)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)

@@ -9,8 +9,18 @@ import shutil
 from pathlib import Path
 
 from .._fs import publish_dir, sweep, temp_dir, write_atomic
+from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.sidecar import SIDECAR_NAMES, write_sidecar
 from ..errors import InvalidManifest
+
+
+def save_request(engine, client_state, tag) -> tuple[dict, str]:
+    """The client state DeepSpeed is to save (ckptspec's key refused: it is ours) and the tag
+    (DeepSpeed's default when none is given)."""
+    state = dict(client_state or {})
+    if CLIENT_STATE_KEY in state:
+        raise ValueError(f"client_state key {CLIENT_STATE_KEY!r} is reserved for ckptspec")
+    return state, str(tag) if tag is not None else f"global_step{engine.global_steps}"
 
 
 def save_staged(engine, dist, save_dir, tag: str, state: dict, exclude_frozen_parameters: bool) -> Path:
