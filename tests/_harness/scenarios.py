@@ -72,6 +72,7 @@ PARALLEL_SPECS = {
     "pp2-s1-bf16-ws2": ({"pp": 2, "stage": 1, "dtype": "bf16", **_UC_INJECT}, 2),
     "pp2-s0-bf16-ws2": ({"pp": 2, "stage": 0, "dtype": "bf16", **_UC_INJECT}, 2),  # BF16_Optimizer
     "pp2dp2-s1-fp32-ws4": ({"pp": 2, "stage": 1, "dtype": "fp32", **_UC_INJECT}, 4),
+    "pp2dp2-s1-bf16-ws4": ({"pp": 2, "stage": 1, "dtype": "bf16", **_UC_INJECT}, 4),
     # AutoTP (tensor_parallel.autotp_size): up column-parallel, down row-parallel, head replicated
     "tp2-s1-fp32-ws2": ({"tp": 2, "stage": 1, "dtype": "fp32", **_UC}, 2),
     "tp2dp2-s2-bf16-ws4": ({"tp": 2, "stage": 2, "dtype": "bf16", **_UC}, 4),
@@ -100,6 +101,7 @@ HOOKED = [
     "pp2-s1-fp32-ws2",
     "pp2-s1-bf16-ws2",
     "pp2dp2-s1-fp32-ws4",
+    "pp2dp2-s1-bf16-ws4",
     "tp2-s1-fp32-ws2",
     "tp2dp2-s2-bf16-ws4",
     "tp2-s3-bf16-ws2",

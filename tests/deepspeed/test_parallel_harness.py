@@ -308,7 +308,7 @@ _MOE_UNIVERSAL = {  # native (not AutoEP) MoE: DeepSpeed's converter cannot read
 }
 UNIVERSAL_OUTCOMES = {
     # name -> None (converted) or the error ds_to_universal raised (paths replaced by <path>)
-    **{n: None for n in ("pp2-s1-fp32-ws2", "pp2-s1-bf16-ws2", "pp2dp2-s1-fp32-ws4")},
+    **{n: None for n in ("pp2-s1-fp32-ws2", "pp2-s1-bf16-ws2", "pp2dp2-s1-fp32-ws4", "pp2dp2-s1-bf16-ws4")},
     "pp2-s0-bf16-ws2": "RuntimeError: DeepSpeed checkpoint param_shapes must contain dictionaries in <path>",
     **{n: None for n in ("tp2-s1-fp32-ws2", "tp2dp2-s2-bf16-ws4", "tp2-s3-bf16-ws2")},
     **_MOE_UNIVERSAL,

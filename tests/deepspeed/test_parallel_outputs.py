@@ -19,6 +19,7 @@ MP = [
     "pp2-s1-fp32-ws2",
     "pp2-s1-bf16-ws2",
     "pp2dp2-s1-fp32-ws4",
+    "pp2dp2-s1-bf16-ws4",
     "tp2-s1-fp32-ws2",
     "tp2dp2-s2-bf16-ws4",
     "tp2-s3-bf16-ws2",
