@@ -14,40 +14,27 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import torchrun
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SAVE = "deepspeed save"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(tensors: int, scratch_root: str | None = None) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="ckptspec-hook-", dir=scratch_root))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(REPO / "tests" / "_harness" / "site"), env.get("PYTHONPATH")])
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(HERE / "train_hook.py"),
+    env = torchrun.environment()
+    cmd = torchrun.command(
+        HERE / "train_hook.py",
+        2,
         f"--tensors={tensors}",
         f"--out={scratch}",
-    ]
+    )
     try:
         done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)

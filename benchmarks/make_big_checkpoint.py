@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torchrun
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -37,12 +38,6 @@ def checkpoint_dir(stage: int, layers: int = 4) -> Path:
     return cache_root() / f"big-zero{stage}-ws{WORLD_SIZE}-bf16{suffix}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build(stage: int, quiet: bool = False, layers: int = 4) -> Path:
     final = checkpoint_dir(stage, layers)
     if (final / "bench.json").exists():
@@ -56,26 +51,17 @@ def build(stage: int, quiet: bool = False, layers: int = 4) -> Path:
             "per stage"
         )
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    # The test harness's sitecustomize: no JIT compile of DeepSpeed's shm comm op (unused by training and saving).
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(REPO / "tests" / "_harness" / "site"), env.get("PYTHONPATH")])
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={WORLD_SIZE}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(HERE / "train_big.py"),
+    env = torchrun.environment()
+    cmd = torchrun.command(
+        HERE / "train_big.py",
+        WORLD_SIZE,
         "--stage",
         str(stage),
         "--out",
         str(tmp / "ckpt"),
         "--layers",
         str(layers),
-    ]
+    )
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)

@@ -19,12 +19,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torchrun
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -50,12 +51,6 @@ def checkpoint_dir(n_tensors: int, stage: int, steps: int = 1) -> Path:
     return cache_root() / f"many{n_tensors}-zero{stage}-ws{WORLD_SIZE}-bf16-s{steps}-{_script_key()}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build(
     n_tensors: int,
     stage: int = 2,
@@ -76,19 +71,10 @@ def build(
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    # The test harness's sitecustomize: no JIT compile of DeepSpeed's shm comm op (unused by training and saving).
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(REPO / "tests" / "_harness" / "site"), env.get("PYTHONPATH")])
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={WORLD_SIZE}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(HERE / "train_many.py"),
+    env = torchrun.environment()
+    cmd = torchrun.command(
+        HERE / "train_many.py",
+        WORLD_SIZE,
         "--tensors",
         str(n_tensors),
         "--stage",
@@ -97,7 +83,7 @@ def build(
         str(steps),
         "--out",
         str(tmp / "ckpt"),
-    ]
+    )
     cmd += ["--quadratic-duplicate-check"] if quadratic_duplicate_check else []
     if not quiet:
         print(f"building {final.name} (DeepSpeed, {WORLD_SIZE} ranks) ...", file=sys.stderr)

@@ -24,13 +24,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+import torchrun
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -47,12 +48,6 @@ def cache_root() -> Path:
 
 def checkpoint_dir(layers: int, stage: int, world_size: int) -> Path:
     return cache_root() / f"scale-{params(layers) // 10**6}M-zero{stage}-ws{world_size}-bf16"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _meminfo(key: str) -> int:
@@ -123,25 +118,17 @@ def build(layers: int, stage: int = 3, world_size: int = 2, max_rss_gib: float =
             f"{root}: {shutil.disk_usage(root).free / 2**30:.0f} GiB free, the checkpoint needs {need / 2**30:.0f}"
         )
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(REPO / "tests" / "_harness" / "site"), env.get("PYTHONPATH")])
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={world_size}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(HERE / "train_big.py"),
+    env = torchrun.environment()
+    cmd = torchrun.command(
+        HERE / "train_big.py",
+        world_size,
         f"--stage={stage}",
         f"--dim={DIM}",
         f"--hidden={HIDDEN}",
         f"--layers={layers}",
         f"--out={tmp / 'ckpt'}",
         *(["--zero-init"] if stage == 3 else []),
-    ]
+    )
     print(f"building {final.name}: {params(layers) / 1e9:.2f}B parameters ...", file=sys.stderr)
     t0 = time.monotonic()
     try:
