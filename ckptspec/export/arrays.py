@@ -238,17 +238,6 @@ def stream(source: TensorSource, dtype: str, writer: SafetensorsWriter, files: S
             progress(segment.nbytes)
         return
     np = _np()
-    item = ITEMSIZE[source.dtype]
-    chunk = max(item, CHUNK_BYTES // item * item)
-    buffer = np.empty(chunk // item, dtype=_np_dtype(source.dtype))
-    view = memoryview(buffer).cast("B")
-    digest = hashlib.sha256()
-    for segment in source.segments:
-        for start in range(0, segment.nbytes, chunk):
-            n = min(chunk, segment.nbytes - start)
-            files.read_into(Segment(segment.path, segment.offset + start, n), view[:n])
-            digest.update(view[:n])
-            out = convert(buffer[: n // item], source.dtype, dtype)
-            writer.write(np.ascontiguousarray(out))
-            progress(n // item * ITEMSIZE[dtype])
-    check_digest(source, digest)
+    for out in iter_chunks(source.segments, source.dtype, dtype, files, source):
+        writer.write(np.ascontiguousarray(out))
+        progress(out.size * ITEMSIZE[dtype])
