@@ -14,12 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidCheckpoint, LegacyTorchFile, TorchFileError, UnsafePickleError
+from ..errors import InvalidCheckpoint, LegacyTorchFile, PickleOverCap, TorchFileError, UnsafePickleError
 from ..location import RemotePath, location
 from . import torchfile
 
 UNSAFE_HINT = "this file wants to run code on load; ckptspec refuses it (torch.load(weights_only=False) would run it)"
 DAMAGED_HINT = "the file is empty, truncated or not a torch checkpoint; restore it"
+OVER_CAP_HINT = (
+    f"data.pkl holds each tensor's name and shape (~180 bytes a tensor in DeepSpeed's model states), and is read "
+    f"whole; if you trust this checkpoint, raise the cap: {torchfile.MAX_PICKLE_BYTES_VARIABLE}=BYTES "
+    f"(default {torchfile.DEFAULT_MAX_PICKLE_BYTES})"
+)
 
 
 LEGACY_HINT = (
@@ -30,9 +35,12 @@ LEGACY_HINT = (
 
 def code_and_hint(error: TorchFileError) -> tuple[str, str]:
     """CK204 for a pickle that wants to run code, CK202 for torch's legacy serialization (a
-    checkpoint format 1.x cannot describe, not a damaged one), CK205 for anything else unreadable."""
+    checkpoint format 1.x cannot describe, not a damaged one), CK225 for a data.pkl over the
+    reader's cap (maybe sound, only large), CK205 for anything else unreadable."""
     if isinstance(error, UnsafePickleError):
         return "CK204", UNSAFE_HINT
+    if isinstance(error, PickleOverCap):
+        return "CK225", OVER_CAP_HINT
     if isinstance(error, LegacyTorchFile):
         return "CK202", LEGACY_HINT
     return "CK205", DAMAGED_HINT
