@@ -10,9 +10,12 @@ that into a ``TorchFileError`` naming the file.
 
 from __future__ import annotations
 
+import struct
+
 from .standins import DType, FragmentAddress, LossScalerState, StorageRef, TensorRef, ZeroStage
 
 MAX_NESTING = 100  # containers in a DeepSpeed checkpoint nest about 6 deep
+_U32_AT = struct.Struct("<I").unpack_from  # a 4-byte argument; ~15 ns faster than int.from_bytes of a slice
 
 
 # Opcode argument layouts (pickletools' table, by opcode byte) and, for scan_pickle's general
@@ -41,7 +44,7 @@ def scan_pickle(data: bytes) -> None:
     """
     n = len(data)
     pos, stack, marks, memo = 0, [], [], {}
-    push, pop, from_bytes = stack.append, stack.pop, int.from_bytes
+    push, pop, u32 = stack.append, stack.pop, _U32_AT
 
     def to_mark():
         if not marks:
@@ -64,18 +67,19 @@ def scan_pickle(data: bytes) -> None:
     try:
         while True:
             op = data[pos]
-            # The opcodes torch.save writes most, argument and stack effect in one go.
+            # The opcodes torch.save writes most, argument and stack effect in one go, most frequent
+            # first (a 100k-tensor model-states pickle: 4.5M opcodes, 1.25M of them LONG_BINPUT).
             if op == 0x72:  # LONG_BINPUT (put() inlined: this is a quarter of all opcodes)
-                index = from_bytes(data[pos + 1 : pos + 5], "little")
+                index = u32(data, pos + 1)[0]
                 if index >= n:
                     put(index)
                 memo[index] = stack[-1]
                 pos += 5
-            elif op == 0x4B:  # BININT1
-                push(0)
-                pos += 2
             elif op == 0x68:  # BINGET
                 push(memo[data[pos + 1]])
+                pos += 2
+            elif op == 0x4B:  # BININT1
+                push(0)
                 pos += 2
             elif op == 0x85:  # TUPLE1
                 stack[-1] = tuple_of((stack[-1],)) if stack[-1] else 1  # as tuple_of((0,))
@@ -84,29 +88,21 @@ def scan_pickle(data: bytes) -> None:
                 pop()
                 stack[-1] = 1
                 pos += 1
-            elif op == 0x86:  # TUPLE2
-                b = pop()
-                a = stack[-1]
-                if a or b:
-                    stack[-1] = tuple_of((a, b))
-                else:
-                    stack[-1] = 1
-                pos += 1
+            elif op == 0x58:  # BINUNICODE
+                pos += 5 + u32(data, pos + 1)[0]
+                push(0)
             elif op == 0x28:  # MARK
                 marks.append(len(stack))
                 pos += 1
             elif op == 0x74:  # TUPLE
                 push(tuple_of(to_mark()))
                 pos += 1
-            elif op == 0x6A:  # LONG_BINGET
-                push(memo[from_bytes(data[pos + 1 : pos + 5], "little")])
-                pos += 5
             elif op == 0x4A:  # BININT
                 push(0)
                 pos += 5
-            elif op == 0x58:  # BINUNICODE
-                pos += 5 + from_bytes(data[pos + 1 : pos + 5], "little")
-                push(0)
+            elif op == 0x6A:  # LONG_BINGET
+                push(memo[u32(data, pos + 1)[0]])
+                pos += 5
             elif op == 0x29:  # EMPTY_TUPLE
                 push(1)
                 pos += 1
@@ -116,12 +112,6 @@ def scan_pickle(data: bytes) -> None:
             elif op == 0x89 or op == 0x88 or op == 0x4E:  # NEWFALSE, NEWTRUE, NONE
                 push(0)
                 pos += 1
-            elif op == 0x71:  # BINPUT
-                put(data[pos + 1])
-                pos += 2
-            elif op == 0x4D:  # BININT2
-                push(0)
-                pos += 3
             elif op == 0x7D:  # EMPTY_DICT
                 push(0)
                 pos += 1
@@ -129,11 +119,25 @@ def scan_pickle(data: bytes) -> None:
                 pop()
                 pop()
                 pos += 1
+            elif op == 0x86:  # TUPLE2
+                b = pop()
+                a = stack[-1]
+                if a or b:
+                    stack[-1] = tuple_of((a, b))
+                else:
+                    stack[-1] = 1
+                pos += 1
+            elif op == 0x71:  # BINPUT
+                put(data[pos + 1])
+                pos += 2
+            elif op == 0x4D:  # BININT2
+                push(0)
+                pos += 3
             elif op == 0x2E:  # STOP
                 return
             else:
                 pos = _scan_rare(op, data, pos, stack, marks, memo, to_mark, tuple_of, put)
-    except IndexError:
+    except (IndexError, struct.error):
         raise ValueError("pickle data was truncated, or an opcode finds too few values on the stack") from None
     except KeyError as e:
         raise ValueError(f"memo value not found at index {e}") from None
