@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import InvalidCheckpoint, LegacyTorchFile, PickleOverCap, TorchFileError, UnsafePickleError
 from ..location import RemotePath, location
-from . import torchfile
+from . import prescan, torchfile
 
 UNSAFE_HINT = "this file wants to run code on load; ckptspec refuses it (torch.load(weights_only=False) would run it)"
 DAMAGED_HINT = "the file is empty, truncated or not a torch checkpoint; restore it"
@@ -95,6 +95,27 @@ class StateCache:
             except OSError as exc:
                 loaded.state, loaded.error = None, TorchFileError(path, f"cannot read: {exc}")
         return loaded
+
+    def load_all(self, paths: list) -> None:
+        """Read the files not read yet, their opcode scans side by side (``prescan``): what ``load``
+        of each would give, sooner on a machine with a second core."""
+        raws, keys = [], []
+        for path in paths:
+            key = location(path).resolve()
+            if key in self._files or key in keys:
+                continue
+            try:
+                raws.append(torchfile.read_data_pkl(path))
+                keys.append(key)
+            except TorchFileError as exc:
+                self._files[key] = Loaded(error=exc)
+            except OSError as exc:
+                self._files[key] = Loaded(error=TorchFileError(path, f"cannot read: {exc}"))
+        for i, scan_error in prescan.scan_all([raw.data for raw in raws]):
+            try:
+                self._files[keys[i]] = Loaded(state=torchfile.decode_data_pkl(raws[i], scan_error))
+            except TorchFileError as exc:
+                self._files[keys[i]] = Loaded(error=exc)
 
     def forget_members(self, path: str | os.PathLike) -> None:
         """Read the zip directory of ``path`` again when next asked: the file was rewritten with the

@@ -27,6 +27,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,9 @@ __all__ = [
     "FragmentAddress",
     "DType",
     "read_pt_metadata",
+    "read_data_pkl",
+    "decode_data_pkl",
+    "RawPickle",
     "zip_member_locations",
     "iter_tensor_refs",
     "tensor_byte_range",
@@ -219,9 +223,24 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, path: P
         raise TorchFileError(path, f"cannot read {info.filename} ({e})") from e
 
 
+@dataclass(frozen=True)
+class RawPickle:
+    """A torch file's ``data.pkl``, read and capped but not yet decoded."""
+
+    path: Path | RemotePath
+    data: bytes
+    prefix: str  # the archive's name: its members are "<prefix>/..."
+    member_sizes: dict[str, int]
+
+
 def read_pt_metadata(path, max_pickle_bytes: int | None = None) -> Any:
     """Unpickle ``data.pkl`` of a torch zip file safely; tensors become ``TensorRef``.
     ``max_pickle_bytes``: the cap on data.pkl (default: ``pickle_cap()``)."""
+    return decode_data_pkl(read_data_pkl(path, max_pickle_bytes))
+
+
+def read_data_pkl(path, max_pickle_bytes: int | None = None) -> RawPickle:
+    """The bytes of ``data.pkl`` (the archive checked, the cap kept), for ``decode_data_pkl``."""
     path = location(path)
     if max_pickle_bytes is None:
         max_pickle_bytes = pickle_cap()
@@ -237,15 +256,25 @@ def read_pt_metadata(path, max_pickle_bytes: int | None = None) -> Any:
         data = _read_member(zf, info, max_pickle_bytes, path)
     if len(data) > max_pickle_bytes:
         raise PickleOverCap(path, f"data.pkl exceeds the {max_pickle_bytes} byte cap")
+    return RawPickle(path, data, prefix, {n: i.file_size for n, i in infos.items()})
+
+
+def decode_data_pkl(raw: RawPickle, scan_error: ValueError | None | bool = True) -> Any:
+    """Unpickle ``raw`` with the restricted unpickler, after ``scan_pickle``. ``scan_error``: what
+    ``scan_pickle(raw.data)`` raised (None: it passed) when it already ran, elsewhere (``prescan``);
+    True (the default): run it here."""
     try:
-        scan_pickle(data)
-        obj = _RestrictedUnpickler(data, prefix, path, {n: i.file_size for n, i in infos.items()}).load()
-        check_tree(obj, 2 * len(data) + 1_000_000)
+        if scan_error is True:
+            scan_pickle(raw.data)
+        elif scan_error is not None:
+            raise scan_error
+        obj = _RestrictedUnpickler(raw.data, raw.prefix, raw.path, raw.member_sizes).load()
+        check_tree(obj, 2 * len(raw.data) + 1_000_000)
         return obj
     except TorchFileError:
         raise
     except Exception as e:  # malformed or hostile pickle: stand-ins raise ValueError/TypeError
-        raise TorchFileError(path, f"malformed data.pkl: {type(e).__name__}: {e}") from e
+        raise TorchFileError(raw.path, f"malformed data.pkl: {type(e).__name__}: {e}") from e
 
 
 def zip_member_locations(path) -> dict[str, tuple[int, int]]:

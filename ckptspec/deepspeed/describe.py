@@ -43,7 +43,9 @@ def manifest_from_checkpoint(
     ``states``: files already read (and where the files read here are kept).
     """
     shards = scan_tag_dir(resolve_tag_dir(checkpoint, tag))
-    return manifest_from_states(shards, states if states is not None else StateCache(), hash_algorithm=hash_algorithm)
+    states = states if states is not None else StateCache()
+    states.load_all([*shards.model_files.values(), *shards.optim_files.values()])
+    return manifest_from_states(shards, states, hash_algorithm=hash_algorithm)
 
 
 def manifest_from_states(
