@@ -10,7 +10,9 @@ that into a ``TorchFileError`` naming the file.
 
 from __future__ import annotations
 
+import itertools
 import struct
+from collections import OrderedDict
 
 from .standins import DType, FragmentAddress, LossScalerState, StorageRef, TensorRef, ZeroStage
 
@@ -214,6 +216,7 @@ def _scan_rare(op, data, pos, stack, marks, memo, to_mark, tuple_of, put):
 
 
 _LEAVES = frozenset({str, int, float, bool, type(None), bytes, StorageRef, ZeroStage, DType, FragmentAddress})
+_FLAT_KINDS = _LEAVES | {TensorRef, tuple, dict}
 
 
 def _children(obj):
@@ -227,6 +230,40 @@ def _children(obj):
     if isinstance(obj, LossScalerState):
         return (obj.state,)
     return None
+
+
+def _flat(container) -> tuple[int, int] | None:
+    """(nodes, height) of a list, or a dict without attributes, whose items are all leaves (tensors
+    without attributes included), tuples of leaves or dicts of leaves: what check_tree's walk of it
+    would count. None for any other container, which check_tree walks item by item. A state dict's
+    shapes, a module's ``_metadata`` (a dict of leaves per submodule): counted in C."""
+    if type(container) is list:
+        parts = (container,)
+    elif getattr(container, "__dict__", None):  # an OrderedDict given attributes by BUILD
+        return None
+    else:
+        parts = (container.keys(), container.values())
+    kinds = set()
+    for part in parts:
+        kinds.update(map(type, part))
+    if not kinds <= _FLAT_KINDS:
+        return None
+    nodes, height = 1 + sum(map(len, parts)), 1
+    if TensorRef in kinds and any(item.attrs for part in parts for item in part if type(item) is TensorRef):
+        return None
+    if tuple in kinds:
+        shapes = [item for part in parts for item in part if type(item) is tuple]
+        if not _LEAVES.issuperset(map(type, itertools.chain.from_iterable(shapes))):
+            return None
+        nodes, height = nodes + sum(map(len, shapes)), 2
+    if dict in kinds:
+        inner = [item for part in parts for item in part if type(item) is dict]
+        keys = itertools.chain.from_iterable(map(dict.keys, inner))
+        values = itertools.chain.from_iterable(map(dict.values, inner))
+        if not (_LEAVES.issuperset(map(type, keys)) and _LEAVES.issuperset(map(type, values))):
+            return None
+        nodes, height = nodes + 2 * sum(map(len, inner)), 2
+    return nodes, height
 
 
 def check_tree(root, max_nodes: int) -> None:
@@ -254,16 +291,18 @@ def check_tree(root, max_nodes: int) -> None:
                 frame[2] += 1 + len(child)
                 frame[3] = max(frame[3], 1)
                 continue
-            kids = _children(child)
-            if kids is None:
-                frame[2] += 1
-                continue
             known = done.get(id(child))
+            if known is None and (kind is dict or kind is OrderedDict or kind is list):
+                known = _flat(child)  # a state dict, a list of shapes: counted in C, no frame of its own
             if known is not None:
                 if len(stack) + known[1] > MAX_NESTING:
                     raise ValueError(f"data.pkl nests deeper than {MAX_NESTING} levels")
                 frame[2] += known[0]
                 frame[3] = max(frame[3], known[1])
+                continue
+            kids = _children(child)
+            if kids is None:
+                frame[2] += 1
                 continue
             if id(child) in path:
                 raise ValueError("data.pkl holds a reference cycle")
