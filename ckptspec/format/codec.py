@@ -181,47 +181,77 @@ def _refuse_constant(token: str) -> Any:
 
 
 class _FloatSpotter:
-    """Decoding hooks that note whether the document holds any float.
+    """Decoding hooks that count the document's floats.
 
     The semantic rules read decoded documents as they are and need plain ints; a
-    float (even 3.0, which JSON Schema counts as an integer) sends the document
-    through the models, which normalize it. Nothing is changed here: decoding stays
-    lossless.
+    float (even 3.0, which JSON Schema counts as an integer) where the schema has an
+    integer sends the document through the models, which normalize it. Nothing is
+    changed here: decoding stays lossless.
     """
 
     def __init__(self) -> None:
-        self.seen = False
+        self.count = 0
 
     def json_float(self, token: str) -> float:
-        self.seen = True
+        self.count += 1
         return float(token)
 
     def msgpack_map(self, pairs: list[tuple[Any, Any]]) -> dict:
-        # msgpack has no float hook: look at map values and at arrays held by maps,
+        # msgpack has no float hook: count map values and the items of arrays held by maps,
         # which is everywhere the schema has integers.
         for key, value in pairs:
             if type(key) is not str:
                 raise ValueError(f"map key {key!r} is not a string")
             kind = type(value)
-            if kind is float or (kind is list and float in map(type, value)):
-                self.seen = True
+            if kind is float:
+                self.count += 1
+            elif kind is list:
+                self.count += list(map(type, value)).count(float)
         return _no_duplicates(pairs)
 
 
+def _floats_in(value: Any) -> int:
+    """Floats in one optimizer setting, as _FloatSpotter counts them: the value, or an array's items."""
+    if type(value) is float:
+        return 1
+    return list(map(type, value)).count(float) if type(value) is list else 0
+
+
+def _floats_where_numbers_belong(doc: Any) -> int:
+    """Floats at the only places the schema takes any number, not only integers: format 1.1's
+    optimizer settings (each group's hyperparameters and step, clip_grad, the loss scaler's
+    state). A real manifest's learning rate is one; only a float elsewhere needs the models."""
+    optimizer = doc.get("optimizer") if type(doc) is dict else None
+    if type(optimizer) is not dict:
+        return 0
+    found = _floats_in(optimizer.get("clip_grad"))
+    settings = [
+        (optimizer.get("loss_scaler") or {}).get("state") if type(optimizer.get("loss_scaler")) is dict else None
+    ]
+    for group in optimizer.get("groups") if type(optimizer.get("groups")) is list else ():
+        if type(group) is dict:
+            found += _floats_in(group.get("step"))
+            settings.append(group.get("hyperparameters"))
+    for values in settings:
+        if type(values) is dict:
+            found += sum(map(_floats_in, values.values()))
+    return found
+
+
 def decode_document(data: bytes, encoding: Encoding, name: str = "<input>") -> tuple[Any, bool]:
-    """``decode``, also telling whether the document holds floats."""
+    """``decode``, also telling whether the document holds floats other than optimizer settings."""
     floats = _FloatSpotter()
     try:
         if encoding == "msgpack":
             doc = msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=floats.msgpack_map)
-            return doc, floats.seen or type(doc) is float
+            return doc, floats.count > _floats_where_numbers_belong(doc) or type(doc) is float
         text = data.decode("utf-8")
         doc = json.loads(
             text, object_pairs_hook=_no_duplicates, parse_constant=_refuse_constant, parse_float=floats.json_float
         )
         if _SURROGATE_ESCAPE.search(text):
             _refuse_lone_surrogates(doc)
-        return doc, floats.seen
+        return doc, floats.count > _floats_where_numbers_belong(doc)
     except _Duplicate as dup:
         raise InvalidDocument(
             "CK904", f"duplicate key {dup.args[0]!r}", "every key may appear once per object", name
