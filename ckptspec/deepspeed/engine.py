@@ -44,6 +44,7 @@ from .engine_state import (
 )
 from .engine_walk import walk_module
 from .names import file_order
+from .saved_state import SavedStates
 from .staged_save import publish_on_rank_0, save_request, save_staged
 
 
@@ -241,11 +242,13 @@ def _save_checkpoint(
     state[CLIENT_STATE_KEY] = client_state_value(layout)
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)
+    captured: dict = {}  # the model states DeepSpeed handed torch.save: described without reading them back
+    staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters, captured)
     try:
-        mine, error = _describe_own_files(staged, rank, layout, "sha256" if hash else None), None
+        mine, error = _describe_own_files(staged, rank, layout, "sha256" if hash else None, captured), None
     except Exception as exc:  # reported on every rank below, never left hanging in a collective
         mine, error = [], f"rank {rank}: {type(exc).__name__}: {exc}"
+    captured.clear()
     gathered: list = [None] * world
     if distributed:
         dist.all_gather_object(gathered, (mine, error))
@@ -328,12 +331,16 @@ def _sees_every_file(tag_dir: Path, manifest: Manifest) -> bool:
     return all((tag_dir / f.path).is_file() for f in manifest.files)
 
 
-def _describe_own_files(tag_dir: Path, rank: int, layout: Manifest, hash_algorithm: str | None) -> list[dict]:
-    """This rank's files of the tag directory (rank 0 also takes the rank-less ones), described."""
+def _describe_own_files(
+    tag_dir: Path, rank: int, layout: Manifest, hash_algorithm: str | None, captured: dict | None = None
+) -> list[dict]:
+    """This rank's files of the tag directory (rank 0 also takes the rank-less ones), described;
+    ``captured`` model states from their live state where they check out (saved_state.py)."""
     every = scan_tag_dir(tag_dir)
     own = ShardSet(tag_dir)
     own.model_files = {r: p for r, p in every.model_files.items() if r == rank}
     own.optim_files = {r: p for r, p in every.optim_files.items() if r == rank}
     own.other_files = list(every.other_files) if rank == 0 else []
-    described = describe_files(own, layout.layout.zero_stage, hash_algorithm, StateCache(), layout)
+    states = SavedStates(captured) if captured else StateCache()
+    described = describe_files(own, layout.layout.zero_stage, hash_algorithm, states, layout)
     return [f.model_dump(mode="json", exclude_unset=True) for f in described]
