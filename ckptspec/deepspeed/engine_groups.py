@@ -13,8 +13,15 @@ def _shape(param) -> tuple[int, ...]:
     return tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
 
 
+_DTYPE_NAMES: dict = {}  # torch dtype -> its name (dtype_name's str() per param added up at 100k)
+
+
 def _spec(param, names: dict[int, str]) -> ParamSpec:
-    return ParamSpec(names[id(param)], _shape(param), dtype_name(param.dtype))
+    dtype = param.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return ParamSpec(names[id(param)], _shape(param), name)
 
 
 def _live_paddings(params, flat) -> list[int]:

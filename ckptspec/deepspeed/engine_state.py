@@ -60,7 +60,7 @@ def aliases_of_engine(walk: ModuleWalk, shapes: dict[str, tuple[int, ...]]) -> l
 
 
 def buffers_of_engine(engine, walk: ModuleWalk) -> list[Buffer]:
-    persistent = set(engine._get_buffer_names())
+    persistent = walk.persistent if walk.persistent is not None else set(engine._get_buffer_names())
     return [
         Buffer(name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
         for name, buf in walk.buffers

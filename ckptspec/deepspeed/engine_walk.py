@@ -1,13 +1,13 @@
 """One walk over a live module tree for everything the engine's manifest reads from it.
 
 ``engine_layout`` needs the parameter names (``named_parameters``), the parameters in order
-(``parameters``), every (module, local name) of each parameter (tied parameters) and the buffers
-(``named_buffers``). Asked of torch one by one, each is a walk of the whole tree through nested
-generators: at 100k parameters those walks were half of ``manifest_from_engine``. Here one loop
-gives all four, in torch's order and with torch's de-duplication (a module or tensor met again
+(``parameters``), every (module, local name) of each parameter (tied parameters), the buffers
+(``named_buffers``) and which of them are saved (DeepSpeed's ``_get_buffer_names``). Asked of torch
+and DeepSpeed one by one, each is a walk of the whole tree through nested generators: at 100k
+parameters those walks were half of ``manifest_from_engine``. Here one loop gives all five, in torch's order and with torch's de-duplication (a module or tensor met again
 is skipped); a tree whose classes change how torch walks it is asked of torch instead.
-``tests/deepspeed/test_engine_walk.py`` compares both on trees with shared modules and tied
-parameters.
+``tests/deepspeed/test_engine_walk.py`` compares both on trees with shared modules, tied
+parameters and non-persistent buffers.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ _TRAVERSAL = (
     "named_parameters",
     "parameters",
     "named_buffers",
+    "named_children",  # DeepSpeed's _get_buffer_names walks with it
     "__hash__",
     "__eq__",
 )
@@ -35,6 +36,9 @@ class ModuleWalk:
     # of every module of module.named_modules()): where tied parameters show up
     local_params: list[tuple[str, Any]] = field(default_factory=list)
     buffers: list[tuple[str, Any]] = field(default_factory=list)  # module.named_buffers()
+    # The names of ``buffers`` a state_dict saves (not in their module's _non_persistent_buffers_set:
+    # DeepSpeed's _get_buffer_names); None from torch_walk, where DeepSpeed is asked.
+    persistent: set[str] | None = None
 
 
 def walk_module(root) -> ModuleWalk:
@@ -49,7 +53,7 @@ def walk_module(root) -> ModuleWalk:
             plain[kind] = all(getattr(kind, a) is getattr(nn.Module, a) for a in _TRAVERSAL)
         return plain[kind]
 
-    walk = ModuleWalk()
+    walk = ModuleWalk(persistent=set())
     seen_modules: set[int] = set()
     seen_params: set[int] = set()
     seen_buffers: set[int] = set()
@@ -77,6 +81,8 @@ def walk_module(root) -> ModuleWalk:
             if buf is not None and id(buf) not in seen_buffers:
                 seen_buffers.add(id(buf))
                 walk.buffers.append((dot + key, buf))
+                if key not in module._non_persistent_buffers_set:
+                    walk.persistent.add(dot + key)
         children = [(dot + key, child) for key, child in module._modules.items() if child is not None]
         stack.extend(reversed(children))
     return walk

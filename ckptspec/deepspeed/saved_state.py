@@ -74,13 +74,12 @@ def storage_order(state: Any) -> dict[int, tuple[str, Any]] | None:
     import torch
 
     tensor_types = (torch.Tensor, torch.nn.Parameter)
+    atoms = (*_ATOMS, torch.Size)  # a torch.Size holds ints only
     found: dict[int, tuple[str, Any]] = {}
     visited: set[int] = set()
 
     def walk(obj) -> bool:
         kind = type(obj)
-        if kind in _ATOMS:
-            return True
         if kind in tensor_types:
             if obj.layout is not torch.strided or obj.is_quantized or obj.is_nested or obj.is_meta or obj.__dict__:
                 return False  # pickled another way (or with attributes that may hold tensors)
@@ -88,16 +87,20 @@ def storage_order(state: Any) -> dict[int, tuple[str, Any]] | None:
             if cdata not in found:
                 found[cdata] = (str(len(found)), obj)
             return True
-        if kind in (dict, OrderedDict, list, tuple, torch.Size):
-            if id(obj) in visited:  # pickled once: its storages are known already
-                return True
-            visited.add(id(obj))
-            if kind is dict or kind is OrderedDict:
-                # Items first, then an OrderedDict's attributes (state_dict's _metadata).
-                ok = all(walk(k) and walk(v) for k, v in obj.items())
-                return ok and (kind is dict or walk(vars(obj)))
-            return all(map(walk, obj))
-        return False
+        if kind not in (dict, OrderedDict, list, tuple):
+            return kind in atoms
+        if id(obj) in visited:  # pickled once: its storages are known already
+            return True
+        visited.add(id(obj))
+        if kind is list or kind is tuple:
+            for item in obj:
+                if type(item) not in atoms and not walk(item):
+                    return False
+            return True
+        for key, value in obj.items():  # items first, then an OrderedDict's attributes (_metadata)
+            if (type(key) not in atoms and not walk(key)) or (type(value) not in atoms and not walk(value)):
+                return False
+        return kind is dict or walk(vars(obj))
 
     return found if walk(state) else None
 

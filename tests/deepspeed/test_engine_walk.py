@@ -50,6 +50,16 @@ def test_one_walk_lists_what_torch_lists():
     assert len(walk.local_params) > len(walk.params) and [n for n, _ in walk.buffers] == ["steps", "scratch"]
 
 
+def test_persistent_buffers_are_those_a_state_dict_saves():
+    for model in (_tricky(), nn.Sequential(nn.BatchNorm1d(2), nn.Linear(2, 2))):
+        model[0].register_buffer("scratch", torch.ones(1), persistent=False)
+        walk = walk_module(model)
+        saved = set(model.state_dict())
+        assert walk.persistent == {n for n, _ in walk.buffers if n in saved}
+        assert walk.persistent and walk.persistent != {n for n, _ in walk.buffers}
+    assert torch_walk(model).persistent is None  # asked of DeepSpeed then
+
+
 def test_a_module_that_walks_its_own_way_is_asked_of_torch():
     class OwnWalk(nn.Linear):
         def named_parameters(self, *args, **kwargs):  # e.g. hides a parameter
