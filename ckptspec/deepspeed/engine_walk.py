@@ -2,10 +2,11 @@
 
 ``engine_layout`` needs the parameter names (``named_parameters``), the parameters in order
 (``parameters``), every (module, local name) of each parameter (tied parameters), the buffers
-(``named_buffers``) and which of them are saved (DeepSpeed's ``_get_buffer_names``). Asked of torch
-and DeepSpeed one by one, each is a walk of the whole tree through nested generators: at 100k
-parameters those walks were half of ``manifest_from_engine``. Here one loop gives all five, in torch's order and with torch's de-duplication (a module or tensor met again
-is skipped); a tree whose classes change how torch walks it is asked of torch instead.
+(``named_buffers``) and which of them are saved (DeepSpeed's ``_get_buffer_names``). Asked of
+torch and DeepSpeed one by one, each is a walk of the whole tree through nested generators: at
+100k parameters those walks were half of ``manifest_from_engine``. Here one loop gives all five,
+in torch's order and with torch's de-duplication (a module or tensor met again is skipped); a
+tree whose classes change how torch walks it is asked of torch instead.
 ``tests/deepspeed/test_engine_walk.py`` compares both on trees with shared modules, tied
 parameters and non-persistent buffers.
 """
