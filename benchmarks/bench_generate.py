@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from child import run_child as run_once
-from make_many_tensors import SIZES, BuildTimeout, build, build_info
+from make_many_tensors import SIZES, WORLD_SIZE, BuildTimeout, build, build_info
 
 PY = sys.executable
 CLI = [PY, "-m", "ckptspec"]
@@ -81,8 +81,10 @@ def breakdown(checkpoint: str, out: str) -> dict:
     tag_dir = ds_checkpoint.resolve_tag_dir(checkpoint)
     shards = ds_checkpoint.scan_tag_dir(tag_dir)
     states = StateCache()
-    for p in [*shards.model_files.values(), *shards.optim_files.values()]:
-        states.members(p)  # the pickle and the zip directory
+    files = [*shards.model_files.values(), *shards.optim_files.values()]
+    states.load_all(files)  # the pickles, scanned side by side (checkpoint/prescan.py)
+    for p in files:
+        states.members(p)  # the zip directory
     t = step("read data.pkl", t)
     manifest = ds_checkpoint.manifest_from_states(shards, states)
     t = step("build manifest", t)
@@ -155,26 +157,29 @@ def rows(
 ) -> list[dict]:
     """One dict per N: DeepSpeed's times, then every ckptspec command's best wall s, CPU s and peak MiB.
 
-    Sizes whose checkpoint DeepSpeed cannot build within ``build_timeout`` give a row
-    with ``"skipped"`` set."""
+    ``sizes``: N, or (N, ranks) for a checkpoint saved by another number of ranks than 2 (one rank is
+    how 1M tensors fit this machine). Sizes whose checkpoint DeepSpeed cannot build within
+    ``build_timeout`` give a row with ``"skipped"`` set."""
     env = _env()
     out: list[dict] = []
     scratch = Path(tempfile.mkdtemp(prefix="ckptspec-bench-gen-"))
     try:
         floor = best_of([PY, "-c", "pass"], runs, env)
         cli_floor = best_of(CLI + ["--version"], runs, env)
-        for n in sizes:
+        for size in sizes:
+            n, ranks = size if isinstance(size, tuple) else (size, WORLD_SIZE)
             kw = {} if build_timeout is None else {"timeout": build_timeout}
             try:
-                ckpt = build(n, stage, **kw)
+                ckpt = build(n, stage, world_size=ranks, **kw)
             except BuildTimeout as exc:
-                out.append({"tensors": n, "stage": stage, "skipped": str(exc)})
+                out.append({"tensors": n, "stage": stage, "ranks": ranks, "skipped": str(exc)})
                 continue
             info = build_info(ckpt)
             _warm(ckpt)
             row: dict = {
                 "tensors": n,
                 "stage": stage,
+                "ranks": ranks,
                 "checkpoint": str(ckpt),
                 "loadavg": [],
                 "floor_s": floor["wall"],
@@ -262,29 +267,32 @@ def markdown(rows_: list[dict]) -> str:
     """Markdown tables: one row per (N, command), a linearity summary, the generate breakdown."""
     done = [r for r in rows_ if "skipped" not in r]
     lines = [
-        "| N tensors | stage | command | wall s | CPU s | goal | s/10k | marginal s/10k | peak MiB | manifest KiB "
-        "| load (1 min) |",
-        "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| N tensors | stage | ranks | command | wall s | CPU s | goal | s/10k | marginal s/10k | peak MiB "
+        "| manifest KiB | load (1 min) |",
+        "|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for cmd in _cmds(done):
-        by_stage: dict[int, list[dict]] = {}
+        by_layout: dict[tuple[int, int], list[dict]] = {}
         for r in done:
             if cmd in r:
-                by_stage.setdefault(r["stage"], []).append(r)
-        for stage, rs in sorted(by_stage.items()):
+                by_layout.setdefault((r["stage"], r["ranks"]), []).append(r)
+        for (stage, ranks), rs in sorted(by_layout.items()):
             _, slope = _fit([(r["tensors"], r[cmd]["wall"]) for r in rs])
             marginal = f"{slope * 1e4:.2f}" if len(rs) > 1 else ""
             for r in rs:
                 v = r[cmd]
                 kib = f"{r['manifest_bytes'] / 1024:.0f}" if cmd == "generate" and "manifest_bytes" in r else ""
                 lines.append(
-                    f"| {r['tensors']:,} | {stage} | {cmd} | {v['wall']:.2f} | {v['cpu']:.2f} | {_goal(cmd, r)} | "
+                    f"| {r['tensors']:,} | {stage} | {ranks} | {cmd} | {v['wall']:.2f} | {v['cpu']:.2f} | "
+                    f"{_goal(cmd, r)} | "
                     f"{v['wall'] / (r['tensors'] / 1e4):.2f} | {marginal} | {v['rss_mib']:.0f} | {kib} | "
                     f"{v.get('load', 0):.1f} |"
                 )
     for r in rows_:
         if "skipped" in r:
-            lines.append(f"| {r['tensors']:,} | {r['stage']} | (skipped) | | | | | | | {r['skipped']} | |")
+            lines.append(
+                f"| {r['tensors']:,} | {r['stage']} | {r['ranks']} | (skipped) | | | | | | | {r['skipped']} | |"
+            )
     commands = {v["cmd"].replace(str(r["checkpoint"]), "CKPT") for r in done for v in r.values() if _is_cmd(v)}
     if commands:
         lines += ["", "Each row's command (CKPT: the N-tensor checkpoint of make_many_tensors.py):", ""]
@@ -292,16 +300,16 @@ def markdown(rows_: list[dict]) -> str:
     if done:
         lines += [
             "",
-            "DeepSpeed itself (2 ranks, gloo, CPU; from bench.json):",
+            "DeepSpeed itself (gloo, CPU; from bench.json):",
             "",
-            "| N tensors | stage | frozen | tied | shard MB | build_model s | initialize s | 1 step s | "
+            "| N tensors | stage | ranks | frozen | tied | shard MB | build_model s | initialize s | 1 step s | "
             "save_checkpoint s |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in done:
             t = r["deepspeed_times"]
             lines.append(
-                f"| {r['tensors']:,} | {r['stage']} | {r['frozen_tensors']} | {r['tied_aliases']} | "
+                f"| {r['tensors']:,} | {r['stage']} | {r['ranks']} | {r['frozen_tensors']} | {r['tied_aliases']} | "
                 f"{r['shard_bytes'] / 1e6:.1f} | {t['build_model_s']} | {t['initialize_s']} | {t['train_steps_s']} | "
                 f"{t['save_checkpoint_s']} |"
             )
@@ -312,12 +320,16 @@ def markdown(rows_: list[dict]) -> str:
             "",
             "`generate` in one process, CPU s per step (validation is not part of generate):",
             "",
-            "| N tensors | stage | " + " | ".join(names) + " |",
-            "|---:|---:|" + "---:|" * len(names),
+            "| N tensors | stage | ranks | " + " | ".join(names) + " |",
+            "|---:|---:|---:|" + "---:|" * len(names),
         ]
         for r in with_b:
             s = r["breakdown"]["steps"]
-            lines.append(f"| {r['tensors']:,} | {r['stage']} | " + " | ".join(f"{s[k][1]:.2f}" for k in names) + " |")
+            lines.append(
+                f"| {r['tensors']:,} | {r['stage']} | {r['ranks']} | "
+                + " | ".join(f"{s[k][1]:.2f}" for k in names)
+                + " |"
+            )
     loads = [x for r in done for x in r["loadavg"]]
     if loads:
         lines += [

@@ -47,8 +47,8 @@ def _script_key() -> str:
     return hashlib.sha256((HERE / "train_many.py").read_bytes()).hexdigest()[:8]
 
 
-def checkpoint_dir(n_tensors: int, stage: int, steps: int = 1) -> Path:
-    return cache_root() / f"many{n_tensors}-zero{stage}-ws{WORLD_SIZE}-bf16-s{steps}-{_script_key()}"
+def checkpoint_dir(n_tensors: int, stage: int, steps: int = 1, world_size: int = WORLD_SIZE) -> Path:
+    return cache_root() / f"many{n_tensors}-zero{stage}-ws{world_size}-bf16-s{steps}-{_script_key()}"
 
 
 def build(
@@ -58,12 +58,15 @@ def build(
     timeout: float = DEFAULT_TIMEOUT_S,
     quiet: bool = False,
     quadratic_duplicate_check: bool = False,
+    world_size: int = WORLD_SIZE,
 ) -> Path:
     """The save directory of a cached checkpoint with ``n_tensors`` parameter tensors (built if missing).
 
     Raises ``BuildTimeout`` if DeepSpeed takes longer than ``timeout`` seconds.
-    ``quadratic_duplicate_check``: keep DeepSpeed's O(N^2) init check (see train_many.py)."""
-    final = checkpoint_dir(n_tensors, stage, steps)
+    ``quadratic_duplicate_check``: keep DeepSpeed's O(N^2) init check (see train_many.py).
+    ``world_size``: ranks; one rank holds about half the memory of two (each rank of a ZeRO-1/2 job holds
+    every parameter tensor), which is what lets a million tensors fit in 23 GB."""
+    final = checkpoint_dir(n_tensors, stage, steps, world_size)
     if quadratic_duplicate_check:
         final = final.with_name(final.name + "-quadcheck")
     if (final / "bench.json").exists():
@@ -74,7 +77,7 @@ def build(
     env = torchrun.environment()
     cmd = torchrun.command(
         HERE / "train_many.py",
-        WORLD_SIZE,
+        world_size,
         "--tensors",
         str(n_tensors),
         "--stage",
@@ -86,7 +89,7 @@ def build(
     )
     cmd += ["--quadratic-duplicate-check"] if quadratic_duplicate_check else []
     if not quiet:
-        print(f"building {final.name} (DeepSpeed, {WORLD_SIZE} ranks) ...", file=sys.stderr)
+        print(f"building {final.name} (DeepSpeed, {world_size} ranks) ...", file=sys.stderr)
     t0 = time.monotonic()
     try:
         # Own session, so a timeout can end torchrun and both ranks together.
@@ -122,6 +125,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, action="append", help=f"default: {' '.join(map(str, SIZES))}")
     ap.add_argument("--stage", type=int, choices=[1, 2, 3], action="append", help="default: 2")
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--world-size", type=int, default=WORLD_SIZE, help=f"ranks (default {WORLD_SIZE})")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per DeepSpeed run")
     ap.add_argument(
         "--quadratic-duplicate-check",
@@ -133,7 +137,12 @@ def main() -> None:
         for n in args.tensors or SIZES:
             try:
                 path = build(
-                    n, stage, args.steps, args.timeout, quadratic_duplicate_check=args.quadratic_duplicate_check
+                    n,
+                    stage,
+                    args.steps,
+                    args.timeout,
+                    quadratic_duplicate_check=args.quadratic_duplicate_check,
+                    world_size=args.world_size,
                 )
             except BuildTimeout as exc:
                 print(f"skipped: {exc}", file=sys.stderr)

@@ -201,6 +201,10 @@ class TruncatedFile(TorchFileError):
     """The file ends before the data its zip structures promise."""
 
 
+class PickleOverCap(TorchFileError):
+    """``data.pkl`` is larger than the reader's cap (``CKPTSPEC_MAX_PICKLE_BYTES``): refused unread."""
+
+
 class RemoteError(CkptspecError):
     """A file at a URL cannot be read (exit 2): not found, access denied, no range requests, changed
     while read, a timeout, a dropped connection (CK910-CK915), a write to a URL (CK916), a backend

@@ -73,6 +73,7 @@ CODES: dict[str, str] = {
     "CK222": "tensor-digest",
     "CK223": "other-save",
     "CK224": "leftover-temporary",
+    "CK225": "pickle-over-cap",
     # CK23x: a model-parallel checkpoint's files against its index (deepspeed/index_checks.py)
     "CK230": "index-layer-file",
     "CK231": "index-degrees",

@@ -10,9 +10,14 @@ that into a ``TorchFileError`` naming the file.
 
 from __future__ import annotations
 
+import itertools
+import struct
+from collections import OrderedDict
+
 from .standins import DType, FragmentAddress, LossScalerState, StorageRef, TensorRef, ZeroStage
 
 MAX_NESTING = 100  # containers in a DeepSpeed checkpoint nest about 6 deep
+_U32_AT = struct.Struct("<I").unpack_from  # a 4-byte argument; ~15 ns faster than int.from_bytes of a slice
 
 
 # Opcode argument layouts (pickletools' table, by opcode byte) and, for scan_pickle's general
@@ -41,7 +46,7 @@ def scan_pickle(data: bytes) -> None:
     """
     n = len(data)
     pos, stack, marks, memo = 0, [], [], {}
-    push, pop, from_bytes = stack.append, stack.pop, int.from_bytes
+    push, pop, u32 = stack.append, stack.pop, _U32_AT
 
     def to_mark():
         if not marks:
@@ -64,18 +69,19 @@ def scan_pickle(data: bytes) -> None:
     try:
         while True:
             op = data[pos]
-            # The opcodes torch.save writes most, argument and stack effect in one go.
+            # The opcodes torch.save writes most, argument and stack effect in one go, most frequent
+            # first (a 100k-tensor model-states pickle: 4.5M opcodes, 1.25M of them LONG_BINPUT).
             if op == 0x72:  # LONG_BINPUT (put() inlined: this is a quarter of all opcodes)
-                index = from_bytes(data[pos + 1 : pos + 5], "little")
+                index = u32(data, pos + 1)[0]
                 if index >= n:
                     put(index)
                 memo[index] = stack[-1]
                 pos += 5
-            elif op == 0x4B:  # BININT1
-                push(0)
-                pos += 2
             elif op == 0x68:  # BINGET
                 push(memo[data[pos + 1]])
+                pos += 2
+            elif op == 0x4B:  # BININT1
+                push(0)
                 pos += 2
             elif op == 0x85:  # TUPLE1
                 stack[-1] = tuple_of((stack[-1],)) if stack[-1] else 1  # as tuple_of((0,))
@@ -84,29 +90,21 @@ def scan_pickle(data: bytes) -> None:
                 pop()
                 stack[-1] = 1
                 pos += 1
-            elif op == 0x86:  # TUPLE2
-                b = pop()
-                a = stack[-1]
-                if a or b:
-                    stack[-1] = tuple_of((a, b))
-                else:
-                    stack[-1] = 1
-                pos += 1
+            elif op == 0x58:  # BINUNICODE
+                pos += 5 + u32(data, pos + 1)[0]
+                push(0)
             elif op == 0x28:  # MARK
                 marks.append(len(stack))
                 pos += 1
             elif op == 0x74:  # TUPLE
                 push(tuple_of(to_mark()))
                 pos += 1
-            elif op == 0x6A:  # LONG_BINGET
-                push(memo[from_bytes(data[pos + 1 : pos + 5], "little")])
-                pos += 5
             elif op == 0x4A:  # BININT
                 push(0)
                 pos += 5
-            elif op == 0x58:  # BINUNICODE
-                pos += 5 + from_bytes(data[pos + 1 : pos + 5], "little")
-                push(0)
+            elif op == 0x6A:  # LONG_BINGET
+                push(memo[u32(data, pos + 1)[0]])
+                pos += 5
             elif op == 0x29:  # EMPTY_TUPLE
                 push(1)
                 pos += 1
@@ -116,12 +114,6 @@ def scan_pickle(data: bytes) -> None:
             elif op == 0x89 or op == 0x88 or op == 0x4E:  # NEWFALSE, NEWTRUE, NONE
                 push(0)
                 pos += 1
-            elif op == 0x71:  # BINPUT
-                put(data[pos + 1])
-                pos += 2
-            elif op == 0x4D:  # BININT2
-                push(0)
-                pos += 3
             elif op == 0x7D:  # EMPTY_DICT
                 push(0)
                 pos += 1
@@ -129,11 +121,25 @@ def scan_pickle(data: bytes) -> None:
                 pop()
                 pop()
                 pos += 1
+            elif op == 0x86:  # TUPLE2
+                b = pop()
+                a = stack[-1]
+                if a or b:
+                    stack[-1] = tuple_of((a, b))
+                else:
+                    stack[-1] = 1
+                pos += 1
+            elif op == 0x71:  # BINPUT
+                put(data[pos + 1])
+                pos += 2
+            elif op == 0x4D:  # BININT2
+                push(0)
+                pos += 3
             elif op == 0x2E:  # STOP
                 return
             else:
                 pos = _scan_rare(op, data, pos, stack, marks, memo, to_mark, tuple_of, put)
-    except IndexError:
+    except (IndexError, struct.error):
         raise ValueError("pickle data was truncated, or an opcode finds too few values on the stack") from None
     except KeyError as e:
         raise ValueError(f"memo value not found at index {e}") from None
@@ -210,6 +216,7 @@ def _scan_rare(op, data, pos, stack, marks, memo, to_mark, tuple_of, put):
 
 
 _LEAVES = frozenset({str, int, float, bool, type(None), bytes, StorageRef, ZeroStage, DType, FragmentAddress})
+_FLAT_KINDS = _LEAVES | {TensorRef, tuple, dict}
 
 
 def _children(obj):
@@ -223,6 +230,40 @@ def _children(obj):
     if isinstance(obj, LossScalerState):
         return (obj.state,)
     return None
+
+
+def _flat(container) -> tuple[int, int] | None:
+    """(nodes, height) of a list, or a dict without attributes, whose items are all leaves (tensors
+    without attributes included), tuples of leaves or dicts of leaves: what check_tree's walk of it
+    would count. None for any other container, which check_tree walks item by item. A state dict's
+    shapes, a module's ``_metadata`` (a dict of leaves per submodule): counted in C."""
+    if type(container) is list:
+        parts = (container,)
+    elif getattr(container, "__dict__", None):  # an OrderedDict given attributes by BUILD
+        return None
+    else:
+        parts = (container.keys(), container.values())
+    kinds = set()
+    for part in parts:
+        kinds.update(map(type, part))
+    if not kinds <= _FLAT_KINDS:
+        return None
+    nodes, height = 1 + sum(map(len, parts)), 1
+    if TensorRef in kinds and any(item.attrs for part in parts for item in part if type(item) is TensorRef):
+        return None
+    if tuple in kinds:
+        shapes = [item for part in parts for item in part if type(item) is tuple]
+        if not _LEAVES.issuperset(map(type, itertools.chain.from_iterable(shapes))):
+            return None
+        nodes, height = nodes + sum(map(len, shapes)), 2
+    if dict in kinds:
+        inner = [item for part in parts for item in part if type(item) is dict]
+        keys = itertools.chain.from_iterable(map(dict.keys, inner))
+        values = itertools.chain.from_iterable(map(dict.values, inner))
+        if not (_LEAVES.issuperset(map(type, keys)) and _LEAVES.issuperset(map(type, values))):
+            return None
+        nodes, height = nodes + 2 * sum(map(len, inner)), 2
+    return nodes, height
 
 
 def check_tree(root, max_nodes: int) -> None:
@@ -250,16 +291,18 @@ def check_tree(root, max_nodes: int) -> None:
                 frame[2] += 1 + len(child)
                 frame[3] = max(frame[3], 1)
                 continue
-            kids = _children(child)
-            if kids is None:
-                frame[2] += 1
-                continue
             known = done.get(id(child))
+            if known is None and (kind is dict or kind is OrderedDict or kind is list):
+                known = _flat(child)  # a state dict, a list of shapes: counted in C, no frame of its own
             if known is not None:
                 if len(stack) + known[1] > MAX_NESTING:
                     raise ValueError(f"data.pkl nests deeper than {MAX_NESTING} levels")
                 frame[2] += known[0]
                 frame[3] = max(frame[3], known[1])
+                continue
+            kids = _children(child)
+            if kids is None:
+                frame[2] += 1
                 continue
             if id(child) in path:
                 raise ValueError("data.pkl holds a reference cycle")

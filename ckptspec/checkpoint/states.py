@@ -14,12 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidCheckpoint, LegacyTorchFile, TorchFileError, UnsafePickleError
+from ..errors import InvalidCheckpoint, LegacyTorchFile, PickleOverCap, TorchFileError, UnsafePickleError
 from ..location import RemotePath, location
-from . import torchfile
+from . import prescan, torchfile
 
 UNSAFE_HINT = "this file wants to run code on load; ckptspec refuses it (torch.load(weights_only=False) would run it)"
 DAMAGED_HINT = "the file is empty, truncated or not a torch checkpoint; restore it"
+OVER_CAP_HINT = (
+    f"data.pkl holds each tensor's name and shape (~180 bytes a tensor in DeepSpeed's model states), and is read "
+    f"whole; if you trust this checkpoint, raise the cap: {torchfile.MAX_PICKLE_BYTES_VARIABLE}=BYTES "
+    f"(default {torchfile.DEFAULT_MAX_PICKLE_BYTES})"
+)
 
 
 LEGACY_HINT = (
@@ -30,9 +35,12 @@ LEGACY_HINT = (
 
 def code_and_hint(error: TorchFileError) -> tuple[str, str]:
     """CK204 for a pickle that wants to run code, CK202 for torch's legacy serialization (a
-    checkpoint format 1.x cannot describe, not a damaged one), CK205 for anything else unreadable."""
+    checkpoint format 1.x cannot describe, not a damaged one), CK225 for a data.pkl over the
+    reader's cap (maybe sound, only large), CK205 for anything else unreadable."""
     if isinstance(error, UnsafePickleError):
         return "CK204", UNSAFE_HINT
+    if isinstance(error, PickleOverCap):
+        return "CK225", OVER_CAP_HINT
     if isinstance(error, LegacyTorchFile):
         return "CK202", LEGACY_HINT
     return "CK205", DAMAGED_HINT
@@ -87,6 +95,27 @@ class StateCache:
             except OSError as exc:
                 loaded.state, loaded.error = None, TorchFileError(path, f"cannot read: {exc}")
         return loaded
+
+    def load_all(self, paths: list) -> None:
+        """Read the files not read yet, their opcode scans side by side (``prescan``): what ``load``
+        of each would give, sooner on a machine with a second core."""
+        raws, keys = [], []
+        for path in paths:
+            key = location(path).resolve()
+            if key in self._files or key in keys:
+                continue
+            try:
+                raws.append(torchfile.read_data_pkl(path))
+                keys.append(key)
+            except TorchFileError as exc:
+                self._files[key] = Loaded(error=exc)
+            except OSError as exc:
+                self._files[key] = Loaded(error=TorchFileError(path, f"cannot read: {exc}"))
+        for i, scan_error in prescan.scan_all([raw.data for raw in raws]):
+            try:
+                self._files[keys[i]] = Loaded(state=torchfile.decode_data_pkl(raws[i], scan_error))
+            except TorchFileError as exc:
+                self._files[keys[i]] = Loaded(error=exc)
 
     def forget_members(self, path: str | os.PathLike) -> None:
         """Read the zip directory of ``path`` again when next asked: the file was rewritten with the

@@ -21,15 +21,17 @@ torch is not installed.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import struct
 import zipfile
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import LegacyTorchFile, NotATorchFile, TorchFileError, TruncatedFile, UnsafePickleError
+from ..errors import LegacyTorchFile, NotATorchFile, PickleOverCap, TorchFileError, TruncatedFile, UnsafePickleError
 from ..location import RemotePath, location, open_binary
 from .pickle_scan import MAX_NESTING, check_tree, scan_pickle
 from .standins import (
@@ -64,12 +66,29 @@ __all__ = [
     "FragmentAddress",
     "DType",
     "read_pt_metadata",
+    "read_data_pkl",
+    "decode_data_pkl",
+    "RawPickle",
     "zip_member_locations",
     "iter_tensor_refs",
     "tensor_byte_range",
 ]
 
-DEFAULT_MAX_PICKLE_BYTES = 64 * 1024 * 1024  # data.pkl holds names/shapes only; huge means hostile
+# data.pkl holds names and shapes only, ~180 bytes a tensor in DeepSpeed's model states: 256 MiB is
+# ~1.4M tensors (a real 1M-tensor save has 173 MiB). Decoding costs ~10-20x its size in memory, a
+# hostile pickle up to ~220x (tests/checkpoint/test_torchfile_fuzz.py): the cap bounds that.
+DEFAULT_MAX_PICKLE_BYTES = 256 * 1024 * 1024
+MAX_PICKLE_BYTES_VARIABLE = "CKPTSPEC_MAX_PICKLE_BYTES"
+
+
+def pickle_cap() -> int:
+    """The cap on one ``data.pkl``: ``CKPTSPEC_MAX_PICKLE_BYTES`` if set to a positive integer, else the default."""
+    try:
+        value = int(os.environ.get(MAX_PICKLE_BYTES_VARIABLE, DEFAULT_MAX_PICKLE_BYTES))
+    except ValueError:
+        return DEFAULT_MAX_PICKLE_BYTES
+    return value if value > 0 else DEFAULT_MAX_PICKLE_BYTES
+
 
 # torch.save(..., _use_new_zipfile_serialization=False) (DeepSpeed's checkpoint_serialization: false,
 # torch < 1.6) starts with torch's magic number pickled at protocol 2 (torch/serialization.py).
@@ -204,30 +223,58 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, path: P
         raise TorchFileError(path, f"cannot read {info.filename} ({e})") from e
 
 
-def read_pt_metadata(path, max_pickle_bytes: int = DEFAULT_MAX_PICKLE_BYTES) -> Any:
-    """Unpickle ``data.pkl`` of a torch zip file safely; tensors become ``TensorRef``."""
+@dataclass(frozen=True)
+class RawPickle:
+    """A torch file's ``data.pkl``, read and capped but not yet decoded."""
+
+    path: Path | RemotePath
+    data: bytes
+    prefix: str  # the archive's name: its members are "<prefix>/..."
+    member_sizes: dict[str, int]
+
+
+def read_pt_metadata(path, max_pickle_bytes: int | None = None) -> Any:
+    """Unpickle ``data.pkl`` of a torch zip file safely; tensors become ``TensorRef``.
+    ``max_pickle_bytes``: the cap on data.pkl (default: ``pickle_cap()``)."""
+    return decode_data_pkl(read_data_pkl(path, max_pickle_bytes))
+
+
+def read_data_pkl(path, max_pickle_bytes: int | None = None) -> RawPickle:
+    """The bytes of ``data.pkl`` (the archive checked, the cap kept), for ``decode_data_pkl``."""
     path = location(path)
+    if max_pickle_bytes is None:
+        max_pickle_bytes = pickle_cap()
     with _open_zip(path) as zf:
         prefix = _archive_prefix(zf, path)
         infos = {info.filename: info for info in zf.infolist()}
         info = infos[f"{prefix}/data.pkl"]
         if info.file_size > max_pickle_bytes:
-            raise TorchFileError(path, f"data.pkl is {info.file_size} bytes, over the {max_pickle_bytes} cap")
+            raise PickleOverCap(path, f"data.pkl is {info.file_size} bytes, over the {max_pickle_bytes} byte cap")
         byteorder = infos.get(f"{prefix}/byteorder")
         if byteorder is not None and _read_member(zf, byteorder, 16, path) != b"little":
             raise TorchFileError(path, "only little-endian archives are supported")
         data = _read_member(zf, info, max_pickle_bytes, path)
     if len(data) > max_pickle_bytes:
-        raise TorchFileError(path, f"data.pkl exceeds the {max_pickle_bytes} byte cap")
+        raise PickleOverCap(path, f"data.pkl exceeds the {max_pickle_bytes} byte cap")
+    return RawPickle(path, data, prefix, {n: i.file_size for n, i in infos.items()})
+
+
+def decode_data_pkl(raw: RawPickle, scan_error: ValueError | None | bool = True) -> Any:
+    """Unpickle ``raw`` with the restricted unpickler, after ``scan_pickle``. ``scan_error``: what
+    ``scan_pickle(raw.data)`` raised (None: it passed) when it already ran, elsewhere (``prescan``);
+    True (the default): run it here."""
     try:
-        scan_pickle(data)
-        obj = _RestrictedUnpickler(data, prefix, path, {n: i.file_size for n, i in infos.items()}).load()
-        check_tree(obj, 2 * len(data) + 1_000_000)
+        if scan_error is True:
+            scan_pickle(raw.data)
+        elif scan_error is not None:
+            raise scan_error
+        obj = _RestrictedUnpickler(raw.data, raw.prefix, raw.path, raw.member_sizes).load()
+        check_tree(obj, 2 * len(raw.data) + 1_000_000)
         return obj
     except TorchFileError:
         raise
     except Exception as e:  # malformed or hostile pickle: stand-ins raise ValueError/TypeError
-        raise TorchFileError(path, f"malformed data.pkl: {type(e).__name__}: {e}") from e
+        raise TorchFileError(raw.path, f"malformed data.pkl: {type(e).__name__}: {e}") from e
 
 
 def zip_member_locations(path) -> dict[str, tuple[int, int]]:

@@ -28,6 +28,8 @@ from .scalars import embedded_class, optimizer_from_states, save_from_states
 
 DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 10**9  # deepspeed/runtime/zero/config.py (0.15-0.19)
 
+_INT_ONLY = frozenset({int})
+
 
 def manifest_from_checkpoint(
     checkpoint: str | os.PathLike,
@@ -41,7 +43,9 @@ def manifest_from_checkpoint(
     ``states``: files already read (and where the files read here are kept).
     """
     shards = scan_tag_dir(resolve_tag_dir(checkpoint, tag))
-    return manifest_from_states(shards, states if states is not None else StateCache(), hash_algorithm=hash_algorithm)
+    states = states if states is not None else StateCache()
+    states.load_all([*shards.model_files.values(), *shards.optim_files.values()])
+    return manifest_from_states(shards, states, hash_algorithm=hash_algorithm)
 
 
 def manifest_from_states(
@@ -187,9 +191,8 @@ def _groups(first_model: dict, osd: dict, stage: int, bf16_optimizer: bool) -> l
         return groups
     paddings = osd.get("param_alignment_paddings")
     for g, shapes in enumerate(first_model["param_shapes"]):
-        specs = [
-            ParamSpec(n, tuple(int(d) for d in s), _module_dtype(module, n, model_dtype)) for n, s in shapes.items()
-        ]
+        dtypes = _module_dtypes(module, model_dtype)
+        specs = [ParamSpec(n, _int_shape(s), dtypes(n)) for n, s in shapes.items()]
         groups.append(
             flat_group(
                 specs,
@@ -304,9 +307,22 @@ def _numel(shape) -> int:
     return math.prod(int(d) for d in shape)
 
 
-def _module_dtype(module: dict, name: str, default: str) -> str:
-    ref = module.get(name) if isinstance(module, dict) else None
-    return ref.dtype if isinstance(ref, TensorRef) else default
+def _int_shape(shape) -> tuple[int, ...]:
+    # torch.Size comes out of the reader as a checked tuple of ints: no copy for it (100k per manifest).
+    if type(shape) is tuple and _INT_ONLY.issuperset(map(type, shape)):
+        return shape
+    return tuple(int(d) for d in shape)
+
+
+def _module_dtypes(module: Any, default: str):
+    """name -> the dtype of the module's tensor of that name, else ``default``."""
+    get = module.get if isinstance(module, dict) else (lambda _: None)
+
+    def dtype(name: str) -> str:
+        ref = get(name)
+        return ref.storage.dtype if isinstance(ref, TensorRef) else default
+
+    return dtype
 
 
 def _fragment_dtype(model_state: dict, name: str, default: str) -> str:

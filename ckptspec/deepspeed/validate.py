@@ -177,6 +177,7 @@ def describe_tolerantly(tag_dir: Path, states: StateCache) -> tuple[Manifest | N
     The manifest is None when none can be derived (then a CK212 may say why).
     """
     shards = scan_tag_dir(tag_dir)  # raises CK202 / CK203
+    states.load_all([*shards.model_files.values(), *shards.optim_files.values()])
     readable = ShardSet(tag_dir, other_files=list(shards.other_files))
     unreadable: dict[str, Loaded] = {}
     for role, mapping, target in (

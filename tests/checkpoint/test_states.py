@@ -9,8 +9,16 @@ import pytest
 import torch  # the test environment has it: missing torch is an error here, never a skip
 
 from ckptspec.checkpoint import torchfile
-from ckptspec.checkpoint.states import DAMAGED_HINT, LEGACY_HINT, UNSAFE_HINT, StateCache, code_and_hint, unreadable
-from ckptspec.errors import InvalidCheckpoint, LegacyTorchFile, TorchFileError, UnsafePickleError
+from ckptspec.checkpoint.states import (
+    DAMAGED_HINT,
+    LEGACY_HINT,
+    OVER_CAP_HINT,
+    UNSAFE_HINT,
+    StateCache,
+    code_and_hint,
+    unreadable,
+)
+from ckptspec.errors import InvalidCheckpoint, LegacyTorchFile, PickleOverCap, TorchFileError, UnsafePickleError
 
 
 @pytest.fixture
@@ -35,6 +43,7 @@ def test_unreadable_files_map_to_one_code_and_hint_each(tmp_path):
     assert code_and_hint(UnsafePickleError("x.pt", "data.pkl references global os.system")) == ("CK204", UNSAFE_HINT)
     assert code_and_hint(TorchFileError("x.pt", "file is empty")) == ("CK205", DAMAGED_HINT)
     assert code_and_hint(LegacyTorchFile("x.pt", "legacy (non-zip) torch serialization")) == ("CK202", LEGACY_HINT)
+    assert code_and_hint(PickleOverCap("x.pt", "data.pkl is 9 bytes, over the 8 byte cap")) == ("CK225", OVER_CAP_HINT)
     error = unreadable(TorchFileError(tmp_path / "x.pt", "file is empty"))
     assert (error.code, error.message, error.hint, error.file) == (
         "CK205",
@@ -54,6 +63,18 @@ def test_a_code_running_pickle_is_ck204(tmp_path):
     with pytest.raises(InvalidCheckpoint) as info:
         StateCache().state(path)
     assert (info.value.code, info.value.hint) == ("CK204", UNSAFE_HINT)
+
+
+def test_the_cap_comes_from_the_environment(pt_file, monkeypatch):
+    """CKPTSPEC_MAX_PICKLE_BYTES sets the cap; a value that is not a positive integer keeps the default."""
+    size = next(i.file_size for i in zipfile.ZipFile(pt_file).infolist() if i.filename.endswith("/data.pkl"))
+    monkeypatch.setenv("CKPTSPEC_MAX_PICKLE_BYTES", str(size - 1))
+    assert isinstance(StateCache().load(pt_file).error, PickleOverCap)
+    for value in (str(size), "0", "-5", "lots"):
+        monkeypatch.setenv("CKPTSPEC_MAX_PICKLE_BYTES", value)
+        assert StateCache().state(pt_file)["step"] == 3
+    monkeypatch.setenv("CKPTSPEC_MAX_PICKLE_BYTES", "lots")
+    assert torchfile.pickle_cap() == torchfile.DEFAULT_MAX_PICKLE_BYTES == 256 * 2**20
 
 
 def test_a_damaged_record_is_ck205_even_when_data_pkl_reads(pt_file):

@@ -38,15 +38,16 @@ def save_dir(request, ds) -> Path:
 
 @pytest.fixture
 def reads(monkeypatch) -> collections.Counter:
-    """Calls of read_pt_metadata by resolved path (ckptspec reads every .pt through it)."""
+    """Reads of data.pkl by resolved path (ckptspec reads every .pt through read_data_pkl: alone, or
+    from read_pt_metadata)."""
     counter: collections.Counter = collections.Counter()
-    real = torchfile.read_pt_metadata
+    real = torchfile.read_data_pkl
 
     def counted(path, *args, **kwargs):
         counter[Path(path).resolve()] += 1
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(torchfile, "read_pt_metadata", counted)
+    monkeypatch.setattr(torchfile, "read_data_pkl", counted)
     return counter
 
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,32 @@ def test_clean_checkpoint_has_no_findings(name, built, tmp_path):
     _, findings = validate_checkpoint(save_dir, engine)
     assert findings == [], [f.to_line() for f in findings]
     assert snapshot(save_dir) == before
+
+
+def test_a_data_pkl_over_the_cap_is_ck225_naming_each_file(built):
+    """#19: a real 1M-tensor save holds a 173 MiB data.pkl in its model states, over the old 64 MiB
+    cap, and was refused as a damaged file (CK205, "restore it"). A data.pkl over the cap is now
+    CK225, refused unread, naming each such file and the variable that raises the cap."""
+    save_dir = built("committed:s2-bf16-ws2")
+    sizes = {}
+    for path in sorted(tag_dir(save_dir).glob("*.pt")):
+        with zipfile.ZipFile(path) as zf:
+            sizes[path.name] = next(i.file_size for i in zf.infolist() if i.filename.endswith("/data.pkl"))
+    cap = sorted(sizes.values())[len(sizes) // 2]  # some files over it, some not
+    over = {name for name, size in sizes.items() if size > cap}
+    assert over and over != set(sizes)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSPEC_")}
+
+    result = cli_process.run(
+        ["validate", save_dir, "--format", "json"], env={**env, "CKPTSPEC_MAX_PICKLE_BYTES": str(cap)}
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    refused = [f for f in json.loads(result.stdout)["findings"] if f["code"] == "CK225"]
+    assert {f["file"] for f in refused} == over
+    assert all("CKPTSPEC_MAX_PICKLE_BYTES" in f["hint"] and f"over the {cap} byte cap" in f["message"] for f in refused)
+
+    at_cap = cli_process.run(["validate", save_dir], env={**env, "CKPTSPEC_MAX_PICKLE_BYTES": str(max(sizes.values()))})
+    assert at_cap.returncode == 0, at_cap.stdout + at_cap.stderr
 
 
 # --------------------------------------------------------------------------- the fault suite
