@@ -430,7 +430,6 @@ def _add_locators(files: list[ShardFile], shards: ShardSet, states: StateCache, 
             if named is not None:
                 f.tensors = named[f.ranks[0]]
             if f.ranks[0] == 0 and manifest.layout.zero_stage < 3:
-                weights = getattr(states, "model_weights", model_weights_locators)  # saved_state.SavedStates
-                f.model_weights = weights(manifest, states.state(path), states.members(path))
+                f.model_weights = model_weights_locators(manifest, states.state(path), states.members(path))
         else:
             f.state_partitions = state_locators(manifest, states.state(path), states.members(path), f.ranks[0])

@@ -17,6 +17,10 @@ from ..checkpoint.standins import StorageRef
 from ..checkpoint.torchfile import TensorRef
 from ..format.models import Manifest, ModelWeightsLocator, StateLocator, TensorLocator
 
+# The key of a stand-in state (saved_state.py) holding "name -> storage" of its module's tensors; no
+# unpickled state has it (it is no string).
+STORAGE_OF = object()
+
 
 def _range(ref: TensorRef, members: dict[str, tuple[int, int]], numel: int) -> dict[str, Any]:
     data_offset, member_size = members[ref.storage.member]
@@ -77,11 +81,13 @@ def model_weights_locators(
     A group whose tensors do not share one storage of exactly ``padded_numel`` elements is
     not located (docs/spec.md#model-weights).
     """
-    module = _table(state, "module")
+    storage_of = state.get(STORAGE_OF) if isinstance(state, dict) else None  # a saved_state.py stand-in's
+    if storage_of is None:
+        module = _table(state, "module")
 
-    def storage_of(name: str) -> StorageRef | None:
-        ref = module.get(name)
-        return ref.storage if isinstance(ref, TensorRef) else None
+        def storage_of(name: str) -> StorageRef | None:
+            ref = module.get(name)
+            return ref.storage if isinstance(ref, TensorRef) else None
 
     return flat_group_locators(manifest, members, storage_of)
 

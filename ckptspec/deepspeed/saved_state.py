@@ -29,10 +29,8 @@ from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import zip_member_locations
 from ..errors import TorchFileError
 from ..format.dtypes import ITEMSIZE, dtype_name
-from ..format.models import Manifest, ModelWeightsLocator
-from .locators import flat_group_locators, model_weights_locators
+from .locators import STORAGE_OF
 
-_LIVE = object()  # the key of a stand-in state's live source: no unpickled state has it
 _ATOMS = (str, int, float, bool, bytes, type(None))
 
 
@@ -133,9 +131,6 @@ class SavedStates:
         found = self._live(path)
         return found[1] if found is not None else self.read_back.members(path)
 
-    def model_weights(self, manifest: Manifest, state: Any, members: dict) -> list[ModelWeightsLocator]:
-        return model_weights(manifest, state, members)
-
 
 def live_description(state: dict, path: Path) -> tuple[dict, dict] | None:
     """(stand-in state, zip members) of a model-states file written from ``state``, or None when
@@ -170,9 +165,19 @@ def live_description(state: dict, path: Path) -> tuple[dict, dict] | None:
 
 
 def _stand_in(state: dict, storages: dict[int, StorageRef]) -> dict:
-    """What ``locators.tensor_locators`` reads (the module and frozen fragment tables, as the
-    reader gives them) and, under ``_LIVE``, what ``model_weights`` reads instead of 100k refs."""
-    out: dict = {_LIVE: (state.get("module"), storages)}
+    """What the locators read: the module and frozen fragment tables, as the reader gives them (their
+    tensors as ``TensorRef`` when looked up), and each module tensor's storage by name
+    (``locators.STORAGE_OF``: for the flat groups' weights, without 100k ``TensorRef``)."""
+    import torch
+
+    tensor_types = (torch.Tensor, torch.nn.Parameter)
+    module = state.get("module")
+
+    def storage_of(name: str) -> StorageRef | None:
+        tensor = module.get(name) if isinstance(module, dict) else None
+        return storages[tensor.untyped_storage()._cdata] if type(tensor) in tensor_types else None
+
+    out: dict = {STORAGE_OF: storage_of}
     for key in ("module", "frozen_param_fragments"):
         table = state.get(key)
         out[key] = _RefTable(table, storages) if isinstance(table, dict) else table
@@ -207,22 +212,3 @@ def _ref(tensor, storages: dict[int, StorageRef]) -> TensorRef:
         tensor.requires_grad,
         type(tensor) is torch.nn.Parameter,
     )
-
-
-def model_weights(manifest: Manifest, state: Any, members: dict) -> list[ModelWeightsLocator]:
-    """``locators.model_weights_locators``, for a stand-in state from the live tensors' storages."""
-    live = state.get(_LIVE) if isinstance(state, dict) else None
-    if live is None:
-        return model_weights_locators(manifest, state, members)
-    module, storages = live
-    if not isinstance(module, dict):
-        return []
-    import torch
-
-    tensor_types = (torch.Tensor, torch.nn.Parameter)
-
-    def storage_of(name: str) -> StorageRef | None:
-        tensor = module.get(name)
-        return storages[tensor.untyped_storage()._cdata] if type(tensor) in tensor_types else None
-
-    return flat_group_locators(manifest, members, storage_of)
