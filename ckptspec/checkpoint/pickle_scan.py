@@ -294,6 +294,12 @@ def check_tree(root, max_nodes: int) -> None:
             known = done.get(id(child))
             if known is None and (kind is dict or kind is OrderedDict or kind is list):
                 known = _flat(child)  # a state dict, a list of shapes: counted in C, no frame of its own
+                if known is not None:  # what finishing its frame would check, in that order
+                    if len(stack) + known[1] > MAX_NESTING:
+                        raise ValueError(f"data.pkl nests deeper than {MAX_NESTING} levels")
+                    if known[0] > max_nodes:
+                        raise ValueError(f"data.pkl's objects, counted once per place they appear, exceed {max_nodes}")
+                    done[id(child)] = known
             if known is not None:
                 if len(stack) + known[1] > MAX_NESTING:
                     raise ValueError(f"data.pkl nests deeper than {MAX_NESTING} levels")

@@ -7,10 +7,8 @@ locators, each file once through a ``StateCache``. Never executes pickled code.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
-from typing import Any
 
 from .._version import __version__
 from ..checkpoint.hashing import file_digests
@@ -25,10 +23,18 @@ from .digests import add_digests
 from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
 from .locators import model_weights_locators, state_locators, tensor_locators
 from .scalars import embedded_class, optimizer_from_states, save_from_states
-
-DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 10**9  # deepspeed/runtime/zero/config.py (0.15-0.19)
-
-_INT_ONLY = frozenset({int})
+from .state_fields import (
+    DEEPSPEED_DEFAULT_SUB_GROUP_SIZE,
+    dtype_of_config,
+    flat_partitions,
+    fragment_dtype,
+    int_shape,
+    master_dtype,
+    module_dtypes,
+    numel_of,
+    stage3_sub_group_owners,
+    world_size_of,
+)
 
 
 def manifest_from_checkpoint(
@@ -164,35 +170,22 @@ def manifest_from_states(
     return manifest
 
 
-def _dtype_of_config(ds_config: dict) -> str:
-    if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
-        return "bfloat16"
-    if (ds_config.get("fp16") or {}).get("enabled"):
-        return "float16"
-    return "float32"
-
-
-def _world_size(osd: dict) -> int:
-    counts = osd.get("partition_count")
-    return max(counts) if isinstance(counts, list) else int(counts)
-
-
 def _groups(first_model: dict, osd: dict, stage: int, bf16_optimizer: bool) -> list[Group]:
     """The flat groups (stage 1/2) or stage-3 sub-groups, from ``param_shapes`` and the optimizer header."""
-    model_dtype = _dtype_of_config(first_model.get("ds_config") or {})
+    model_dtype = dtype_of_config(first_model.get("ds_config") or {})
     module = first_model.get("module") or {}
-    counts, world_size = osd.get("partition_count"), _world_size(osd)
+    counts, world_size = osd.get("partition_count"), world_size_of(osd)
     groups: list[Group] = []
     if stage == 3:
-        sub_to_group = _stage3_sub_group_owners(osd, len(first_model["param_shapes"]))
+        sub_to_group = stage3_sub_group_owners(osd, len(first_model["param_shapes"]))
         for j, shapes in enumerate(first_model["param_shapes"]):
             specs = [ParamSpec(n, tuple(int(d) for d in s), model_dtype) for n, s in shapes.items()]
             groups.append(per_param_group(specs, optimizer_group=sub_to_group[j], partition_count=world_size))
         return groups
     paddings = osd.get("param_alignment_paddings")
     for g, shapes in enumerate(first_model["param_shapes"]):
-        dtypes = _module_dtypes(module, model_dtype)
-        specs = [ParamSpec(n, _int_shape(s), dtypes(n)) for n, s in shapes.items()]
+        dtypes = module_dtypes(module, model_dtype)
+        specs = [ParamSpec(n, int_shape(s), dtypes(n)) for n, s in shapes.items()]
         groups.append(
             flat_group(
                 specs,
@@ -208,7 +201,7 @@ def _groups(first_model: dict, osd: dict, stage: int, bf16_optimizer: bool) -> l
 
 def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) -> list[FrozenParam]:
     module = first_model.get("module") or {}
-    model_dtype = _dtype_of_config(first_model.get("ds_config") or {})
+    model_dtype = dtype_of_config(first_model.get("ds_config") or {})
     frozen_shapes = first_model.get("frozen_param_shapes")
     frozen: list[FrozenParam] = []
     if frozen_shapes is not None:
@@ -220,8 +213,8 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
                 FrozenParam(
                     name=name,
                     shape=[int(d) for d in shape],
-                    numel=_numel(shape),
-                    dtype=_fragment_dtype(first_model, name, model_dtype),
+                    numel=numel_of(shape),
+                    dtype=fragment_dtype(first_model, name, model_dtype),
                     stored_in=stored_in,
                 )
             )
@@ -234,7 +227,7 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
             if name not in taken and isinstance(ref, TensorRef):
                 frozen.append(
                     FrozenParam(
-                        name=name, shape=list(ref.shape), numel=_numel(ref.shape), dtype=ref.dtype, stored_in="module"
+                        name=name, shape=list(ref.shape), numel=numel_of(ref.shape), dtype=ref.dtype, stored_in="module"
                     )
                 )
     return frozen
@@ -268,12 +261,12 @@ def _layout(
     dimensions = first_model.get("checkpoint_parallel_dimensions") or {}
     layout = Layout(
         zero_stage=stage,
-        world_size=_world_size(osd),
+        world_size=world_size_of(osd),
         tensor_parallel_size=int(dimensions.get("tp_degree", 1) or 1),
         pipeline_parallel_size=int(dimensions.get("pp_degree", 1) or 1),
         model_parallel_size=int(first_model.get("mp_world_size", 1) or 1),
-        model_dtype=_dtype_of_config(ds_config),
-        master_dtype=_master_dtype(first_optim, stage),
+        model_dtype=dtype_of_config(ds_config),
+        master_dtype=master_dtype(first_optim, stage),
         round_robin=bool(zero_cfg.get("round_robin_gradients", False)) and stage in (1, 2),
         parameter_alignment=bool(zero_cfg.get("parameter_alignment", False)) and stage in (1, 2),
         tail_padding_saved=bf16_optimizer,
@@ -301,58 +294,6 @@ def real_ties(shared: dict, module: dict, stage: int) -> dict:
             continue
         real[alias] = owner
     return real
-
-
-def _numel(shape) -> int:
-    return math.prod(int(d) for d in shape)
-
-
-def _int_shape(shape) -> tuple[int, ...]:
-    # torch.Size comes out of the reader as a checked tuple of ints: no copy for it (100k per manifest).
-    if type(shape) is tuple and _INT_ONLY.issuperset(map(type, shape)):
-        return shape
-    return tuple(int(d) for d in shape)
-
-
-def _module_dtypes(module: Any, default: str):
-    """name -> the dtype of the module's tensor of that name, else ``default``."""
-    get = module.get if isinstance(module, dict) else (lambda _: None)
-
-    def dtype(name: str) -> str:
-        ref = get(name)
-        return ref.storage.dtype if isinstance(ref, TensorRef) else default
-
-    return dtype
-
-
-def _fragment_dtype(model_state: dict, name: str, default: str) -> str:
-    fragments = model_state.get("frozen_param_fragments") or {}
-    ref = fragments.get(name)
-    return ref.dtype if isinstance(ref, TensorRef) else default
-
-
-def flat_partitions(optim_state: Any, stage: int) -> list:
-    """The optimizer file's flat fp32 master partitions, one per group (``TensorRef`` each)."""
-    osd = optim_state["optimizer_state_dict"]
-    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
-    parts = osd.get(key)
-    return list(parts) if isinstance(parts, list) else []
-
-
-def _master_dtype(optim_state: dict, stage: int) -> str:
-    parts = flat_partitions(optim_state, stage)
-    return parts[0].dtype if parts and isinstance(parts[0], TensorRef) else "float32"
-
-
-def _stage3_sub_group_owners(osd: dict, n_sub_groups: int) -> list[int]:
-    """Sub-group j belongs to the optimizer param group whose 'params' lists j."""
-    owners = [0] * n_sub_groups
-    inner = osd.get("optimizer_state_dict") or {}
-    for g, group in enumerate(inner.get("param_groups") or []):
-        for j in group.get("params") or []:
-            if isinstance(j, int) and 0 <= j < n_sub_groups:
-                owners[j] = g
-    return owners
 
 
 def partition_locators(path: Path, rank: int, stage: int, states: StateCache) -> list[Locator]:

@@ -44,10 +44,6 @@ _DTYPES: frozenset[str] = frozenset()  # models.Dtype's values, filled on first 
 _INT_ONLY = frozenset({int})
 
 
-def _count(value: object) -> bool:
-    return type(value) is int and 0 <= value <= _INT64_MAX
-
-
 _FIELDS = ("name", "shape", "numel", "dtype", "offset", "padding")
 _construct = None  # (the Param class, its unset fields' defaults) once checked against model_construct
 
@@ -98,11 +94,12 @@ def make_param(name: str, shape: tuple[int, ...], numel: int, dtype: str, offset
         and 0 < len(name) <= 1024
         and type(shape) in (tuple, list)
         and len(shape) <= _MAX_NDIM
-        and _INT_ONLY.issuperset(map(type, shape))  # _count of each dimension, in C
-        and (not shape or (min(shape) >= 0 and max(shape) <= _INT64_MAX))
-        and _count(numel)
-        and _count(offset)
-        and _count(padding)
+        and type(numel) is int
+        and type(offset) is int
+        and type(padding) is int
+        and _INT_ONLY.issuperset(map(type, shape))
+        and min(numel, offset, padding, *shape) >= 0  # every count and dimension a non-negative int64, in C
+        and max(numel, offset, padding, *shape) <= _INT64_MAX
         and type(dtype) is str
         and dtype in _DTYPES
     )

@@ -78,13 +78,23 @@ def smallest_cap(tree, flat: bool, monkeypatch):
     return low
 
 
-@settings(max_examples=300, deadline=None)
-@given(tree=TREES, share=st.booleans())
-def test_flat_containers_are_counted_as_walked(tree, share):
+def deep(levels: int):
+    tree = []
+    for _ in range(levels):
+        tree = [tree]
+    return tree
+
+
+@settings(max_examples=400, deadline=None)
+@given(tree=TREES, share=st.booleans(), cap=st.integers(1, 100), then_deep=st.booleans())
+def test_flat_containers_are_counted_as_walked(tree, share, cap, then_deep):
     monkeypatch = pytest.MonkeyPatch()
     if share:  # one object in several places counts once per place
         tree = [tree, tree, {"x": tree}]
+    if then_deep:  # a sibling too deep after it: which refusal comes first must not change
+        tree = [tree, deep(MAX_NESTING)]
     assert smallest_cap(tree, True, monkeypatch) == smallest_cap(tree, False, monkeypatch)
+    assert verdict(tree, cap, True, monkeypatch) == verdict(tree, cap, False, monkeypatch)
 
 
 def test_the_shortcut_is_taken_and_counts_what_a_walk_counts(monkeypatch):

@@ -1488,8 +1488,9 @@ def test_claimed_sizes_do_not_allocate(work, field, claim):
 def test_memory_is_bounded_by_the_size_of_data_pkl(work, body):
     """What is left: memory in proportion to data.pkl's real size. Each opcode can build a new
     object, and the costliest (EMPTY_SET, a protocol-4 opcode) costs ~220 bytes for 1: the
-    256 MiB cap bounds a hostile file at ~55 GiB (CKPTSPEC_MAX_PICKLE_BYTES lowers it). Pinned here at 256x so that a larger factor is
-    noticed; a real torch file costs ~9x (100,000 tensors: 12.9 MiB of pickle, 119 MiB peak)."""
+    256 MiB cap bounds a hostile file at ~55 GiB (CKPTSPEC_MAX_PICKLE_BYTES lowers it). Pinned
+    here at 256x so that a larger factor is noticed; a real torch file costs ~9x (100,000 tensors:
+    12.9 MiB of pickle, 119 MiB peak)."""
     pkl = b"\x80\x04" + body + b"."
     path = write(work / "amplify.pt", torch_zip(pkl))
     peak = _peak(lambda: read_everything(path))

@@ -1,0 +1,80 @@
+"""Fields of DeepSpeed's saved states, read tolerantly: dtypes, shapes, world size, master partitions.
+
+What ``describe`` reads from the model- and optimizer-states dicts (decoded by the restricted
+reader: tensors are ``TensorRef``), one small function each.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..checkpoint.torchfile import TensorRef
+
+DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 10**9  # deepspeed/runtime/zero/config.py (0.15-0.19)
+_INT_ONLY = frozenset({int})
+
+
+def dtype_of_config(ds_config: dict) -> str:
+    if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
+        return "bfloat16"
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return "float16"
+    return "float32"
+
+
+def world_size_of(osd: dict) -> int:
+    counts = osd.get("partition_count")
+    return max(counts) if isinstance(counts, list) else int(counts)
+
+
+def numel_of(shape) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def int_shape(shape) -> tuple[int, ...]:
+    # torch.Size comes out of the reader as a checked tuple of ints: no copy for it (100k per manifest).
+    if type(shape) is tuple and _INT_ONLY.issuperset(map(type, shape)):
+        return shape
+    return tuple(int(d) for d in shape)
+
+
+def module_dtypes(module: Any, default: str):
+    """name -> the dtype of the module's tensor of that name, else ``default``."""
+    get = module.get if isinstance(module, dict) else (lambda _: None)
+
+    def dtype(name: str) -> str:
+        ref = get(name)
+        return ref.storage.dtype if isinstance(ref, TensorRef) else default
+
+    return dtype
+
+
+def fragment_dtype(model_state: dict, name: str, default: str) -> str:
+    fragments = model_state.get("frozen_param_fragments") or {}
+    ref = fragments.get(name)
+    return ref.dtype if isinstance(ref, TensorRef) else default
+
+
+def flat_partitions(optim_state: Any, stage: int) -> list:
+    """The optimizer file's flat fp32 master partitions, one per group (``TensorRef`` each)."""
+    osd = optim_state["optimizer_state_dict"]
+    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    parts = osd.get(key)
+    return list(parts) if isinstance(parts, list) else []
+
+
+def master_dtype(optim_state: dict, stage: int) -> str:
+    parts = flat_partitions(optim_state, stage)
+    return parts[0].dtype if parts and isinstance(parts[0], TensorRef) else "float32"
+
+
+def stage3_sub_group_owners(osd: dict, n_sub_groups: int) -> list[int]:
+    """Sub-group j belongs to the optimizer param group whose 'params' lists j."""
+    owners = [0] * n_sub_groups
+    inner = osd.get("optimizer_state_dict") or {}
+    for g, group in enumerate(inner.get("param_groups") or []):
+        for j in group.get("params") or []:
+            if isinstance(j, int) and 0 <= j < n_sub_groups:
+                owners[j] = g
+    return owners
