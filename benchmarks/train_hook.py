@@ -46,7 +46,7 @@ def instrument(parts: dict) -> None:
         "_describe_own_files",
         "_with_digests",
         "publish_on_rank_0",
-        "validate_document",
+        "validate_manifest",
         "client_state_value",
     ):
         wrap(name)

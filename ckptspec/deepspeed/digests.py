@@ -105,21 +105,29 @@ def recorded(manifest: Manifest, where: tuple) -> Digest | None:
     return getattr(manifest, where[0])[where[1]].digest
 
 
-def add_digests(manifest: Manifest, tag_dir: str | os.PathLike) -> None:
-    """Record the digest of every tensor the manifest locates (reads each of their bytes once)."""
+def record_digest(manifest: Manifest, where: tuple, value: Digest) -> None:
+    """Set the digest at ``where`` (a ``Covered.where``)."""
+    if where[0] == "groups":
+        param = manifest.groups[where[1]].params[where[3]]
+        if where[4] == "state_digests":
+            param.state_digests = {**(param.state_digests or {}), where[5]: value}
+        else:
+            setattr(param, where[4], value)
+    else:
+        getattr(manifest, where[0])[where[1]].digest = value
+
+
+def add_digests(manifest: Manifest, tag_dir: str | os.PathLike) -> list[tuple[tuple, str]]:
+    """Record the digest of every tensor the manifest locates (reads each of their bytes once);
+    returns them, ``(where, sha256)`` in the order recorded (for ``record_digest`` elsewhere)."""
     fds: dict[str, int] = {}
+    done = []
     try:
         for covered in covered_tensors(manifest):
-            value = Digest(sha256=digest_of(covered, location(tag_dir), fds))
-            where = covered.where
-            if where[0] == "groups":
-                param = manifest.groups[where[1]].params[where[3]]
-                if where[4] == "state_digests":
-                    param.state_digests = {**(param.state_digests or {}), where[5]: value}
-                else:
-                    setattr(param, where[4], value)
-            else:
-                getattr(manifest, where[0])[where[1]].digest = value
+            sha256 = digest_of(covered, location(tag_dir), fds)
+            record_digest(manifest, covered.where, Digest(sha256=sha256))
+            done.append((covered.where, sha256))
     finally:
         for fd in fds.values():
             os.close(fd)
+    return done

@@ -210,11 +210,11 @@ def _moe(engine, names, out) -> None:
 
     opt = engine.optimizer
     if stage in (1, 2):
-        from .engine import _flat_groups_stage12
+        from .engine_groups import flat_groups_stage12
 
         file = _base(engine._get_zero_ckpt_name("", ""))
         out["domains"] = {"dense": out["data"], expert_id: edp_rank}
-        for g, group in enumerate(_flat_groups_stage12(engine, names)):
+        for g, group in enumerate(flat_groups_stage12(engine, names)):
             partition = dist.get_rank(group=opt.real_dp_process_group[g])
             _flat_pieces(out, group, partition, rename, domain_of, file, (*_FLAT, g))
         return
@@ -252,7 +252,7 @@ def _moe(engine, names, out) -> None:
 def _pipeline(engine, names, out) -> None:
     import torch.distributed as dist
 
-    from .engine import _flat_groups_bf16_optimizer
+    from .engine import flat_groups_bf16_optimizer
 
     stage = engine.grid.get_pipe_parallel_rank()
     out.update(pipeline=stage, mp_rank=int(engine.checkpoint_mp_rank), pp=int(engine.num_stages))
@@ -262,7 +262,7 @@ def _pipeline(engine, names, out) -> None:
     file = _base(engine._get_zero_ckpt_name("", ""))
     model = _base(engine._get_ckpt_name("", ""))
     index = 0
-    for g, group in enumerate(_flat_groups_bf16_optimizer(engine, names)):
+    for g, group in enumerate(flat_groups_bf16_optimizer(engine, names)):
         partition = dist.get_rank(group=opt.real_dp_process_group[g])
         before = len(out["pieces"])
         _flat_pieces(out, group, partition, lambda n: n, lambda n: domain, file, (*_FLAT, g))

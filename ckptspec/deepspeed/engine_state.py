@@ -15,6 +15,7 @@ from typing import Any
 
 from ..format.dtypes import dtype_name
 from ..format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
+from .engine_walk import ModuleWalk
 from .scalars import plain_values
 
 
@@ -22,16 +23,15 @@ def _shape(param) -> tuple[int, ...]:
     return tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
 
 
-def frozen_of_engine(engine, names, trainable: set[str], stage: int, excluded: bool) -> list[FrozenParam]:
+def frozen_of_engine(walk: ModuleWalk, trainable: set[str], stage: int, excluded: bool) -> list[FrozenParam]:
     if excluded:
         return []
     stored_in = {0: "module", 1: "module", 2: "fragments", 3: "partitioned_fragments"}[stage]
-    frozen, seen = [], set()
-    for param in engine.module.parameters():
-        name = names[id(param)]
-        if name in trainable or id(param) in seen:
+    frozen = []
+    for param in walk.params:  # each once
+        name = walk.names[id(param)]
+        if name in trainable:
             continue
-        seen.add(id(param))
         shape = _shape(param)
         frozen.append(
             FrozenParam(
@@ -41,7 +41,7 @@ def frozen_of_engine(engine, names, trainable: set[str], stage: int, excluded: b
     return frozen
 
 
-def aliases_of_engine(engine, shapes: dict[str, tuple[int, ...]]) -> list[Alias]:
+def aliases_of_engine(walk: ModuleWalk, shapes: dict[str, tuple[int, ...]]) -> list[Alias]:
     """Tied parameters by object identity (``ds_id`` under stage 3).
 
     DeepSpeed uses ``data_ptr()`` outside stage 3, which ties every zero-element
@@ -49,23 +49,21 @@ def aliases_of_engine(engine, shapes: dict[str, tuple[int, ...]]) -> list[Alias]
     """
     owner_of: dict[Any, str] = {}
     aliases = []
-    for module_name, module in engine.module.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            key = param.ds_id if hasattr(param, "ds_id") else id(param)
-            full = f"{module_name}.{name}" if module_name else name
-            if key in owner_of:
-                owner = owner_of[key]
-                aliases.append(Alias(name=full, owner=owner, shape=list(shapes.get(owner, _shape(param)))))
-            else:
-                owner_of[key] = full
+    for full, param in walk.local_params:
+        key = param.ds_id if hasattr(param, "ds_id") else id(param)
+        if key in owner_of:
+            owner = owner_of[key]
+            aliases.append(Alias(name=full, owner=owner, shape=list(shapes.get(owner, _shape(param)))))
+        else:
+            owner_of[key] = full
     return aliases
 
 
-def buffers_of_engine(engine) -> list[Buffer]:
-    persistent = set(engine._get_buffer_names())
+def buffers_of_engine(engine, walk: ModuleWalk) -> list[Buffer]:
+    persistent = walk.persistent if walk.persistent is not None else set(engine._get_buffer_names())
     return [
         Buffer(name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
-        for name, buf in engine.module.named_buffers()
+        for name, buf in walk.buffers
         if name in persistent
     ]
 

@@ -13,8 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..checkpoint.standins import StorageRef
 from ..checkpoint.torchfile import TensorRef
 from ..format.models import Manifest, ModelWeightsLocator, StateLocator, TensorLocator
+
+# The key of a stand-in state (saved_state.py) holding "name -> storage" of its module's tensors; no
+# unpickled state has it (it is no string).
+STORAGE_OF = object()
 
 
 def _range(ref: TensorRef, members: dict[str, tuple[int, int]], numel: int) -> dict[str, Any]:
@@ -76,17 +81,33 @@ def model_weights_locators(
     A group whose tensors do not share one storage of exactly ``padded_numel`` elements is
     not located (docs/spec.md#model-weights).
     """
-    module = _table(state, "module")
+    storage_of = state.get(STORAGE_OF) if isinstance(state, dict) else None  # a saved_state.py stand-in's
+    if storage_of is None:
+        module = _table(state, "module")
+
+        def storage_of(name: str) -> StorageRef | None:
+            ref = module.get(name)
+            return ref.storage if isinstance(ref, TensorRef) else None
+
+    return flat_group_locators(manifest, members, storage_of)
+
+
+def flat_group_locators(
+    manifest: Manifest, members: dict[str, tuple[int, int]], storage_of
+) -> list[ModelWeightsLocator]:
+    """``model_weights_locators`` given each module tensor's storage by name (None: not a tensor);
+    ``saved_state.py`` gives them from the live tensors a save just wrote."""
     out = []
     for g, group in enumerate(manifest.groups):
         if group.partitioning != "flat":
             continue
-        refs = [module.get(p.name) for p in group.params if p.numel]
-        if not refs or not all(isinstance(r, TensorRef) for r in refs):
+        storages = [storage_of(p.name) for p in group.params if p.numel]
+        if not storages or any(s is None for s in storages):
             continue
-        storages = {r.storage for r in refs}
-        storage = next(iter(storages))
-        if len(storages) != 1 or storage.numel != group.padded_numel or storage.member not in members:
+        storage = storages[0]
+        if any(s is not storage and s != storage for s in storages):  # not one storage
+            continue
+        if storage.numel != group.padded_numel or storage.member not in members:
             continue
         data_offset, member_size = members[storage.member]
         out.append(

@@ -5,6 +5,7 @@ writes ``latest``, or removes the temporary directory; readers see the old save 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from .._fs import publish_dir, sweep, temp_dir, write_atomic
 from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.sidecar import SIDECAR_NAMES, write_sidecar
 from ..errors import InvalidManifest
+from .saved_state import capturing
 
 
 def save_request(engine, client_state, tag) -> tuple[dict, str]:
@@ -23,9 +25,12 @@ def save_request(engine, client_state, tag) -> tuple[dict, str]:
     return state, str(tag) if tag is not None else f"global_step{engine.global_steps}"
 
 
-def save_staged(engine, dist, save_dir, tag: str, state: dict, exclude_frozen_parameters: bool) -> Path:
+def save_staged(
+    engine, dist, save_dir, tag: str, state: dict, exclude_frozen_parameters: bool, captured: dict | None = None
+) -> Path:
     """DeepSpeed's own save, into a temporary tag directory that rank 0 names (the next save removes a
-    killed one's: _fs.sweep); returns the temporary directory."""
+    killed one's: _fs.sweep); returns the temporary directory. ``captured``: receives the state of each
+    model-states file handed to ``torch.save``, by file name (``saved_state.capturing``)."""
     distributed = dist.is_available() and dist.is_initialized()
     staging = [None]
     if not distributed or dist.get_rank() == 0:
@@ -34,13 +39,14 @@ def save_staged(engine, dist, save_dir, tag: str, state: dict, exclude_frozen_pa
         staging[0] = temp_dir(Path(save_dir) / tag).name
     if distributed:
         dist.broadcast_object_list(staging, src=0)
-    engine.save_checkpoint(
-        save_dir,
-        tag=staging[0],
-        client_state=state,
-        save_latest=False,
-        exclude_frozen_parameters=exclude_frozen_parameters,
-    )
+    with capturing(engine, captured) if captured is not None else contextlib.nullcontext():
+        engine.save_checkpoint(
+            save_dir,
+            tag=staging[0],
+            client_state=state,
+            save_latest=False,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
     return Path(save_dir) / staging[0]
 
 

@@ -37,7 +37,7 @@ import msgpack
 from .._fs import write_atomic
 from ..errors import CkptspecError, InvalidDocument, NotEncodable
 from ..location import RemotePath, is_remote, location, not_found, refuse_write
-from .json_fast import dumps_indented
+from .json_fast import dumps_compact, dumps_indented
 
 if TYPE_CHECKING:
     from .models import Manifest
@@ -324,7 +324,7 @@ def dumps(
 ) -> bytes:
     """Canonical bytes of a manifest (a model, or a plain decoded document).
 
-    ``reference``: indented JSON written by the standard library alone (the same bytes, slower).
+    ``reference``: JSON written by the standard library alone (the same bytes, slower).
     """
     doc = manifest if isinstance(manifest, dict) else manifest.to_dict()
     if encoding == "msgpack":
@@ -335,13 +335,14 @@ def dumps(
     if encoding != "json":
         raise ValueError(f"unknown encoding {encoding!r}; use json or msgpack")
     try:
-        if compact:
-            text = json.dumps(doc, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
-            return text.encode("utf-8")
         if reference:
+            if compact:
+                text = json.dumps(doc, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
+                return text.encode("utf-8")
             text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
             return text.encode("utf-8")
-        return dumps_indented(doc)  # the same bytes, most of them written by orjson
+        # The same bytes, most of them written by orjson.
+        return dumps_compact(doc) if compact else dumps_indented(doc)
     except (TypeError, ValueError) as exc:
         raise NotEncodable(f"cannot be written as JSON: {exc}") from None
     except UnicodeEncodeError:

@@ -7,6 +7,8 @@ floats (``1e-05`` is ``1e-5`` there) nor NaN (``null`` there; the standard libra
 each top-level value is written by orjson, and written again by the standard library whenever
 orjson refuses it or its text might hold a float or a null; the optimizer's hyperparameters
 (floats) take the standard library, the params, files and locators orjson.
+The compact text (``separators=(",", ":")``, the copy a save embeds in the model states) is written
+the same way: there a number ends before a comma or a closing bracket instead of a newline.
 ``tests/format/test_json_fast.py`` and ``benchmarks/check_identical.py`` compare the bytes.
 """
 
@@ -22,20 +24,27 @@ import orjson
 # output (a string ends in a quote), and literal newlines never occur inside a JSON string. A
 # false alarm (a null or these bytes inside a string) only costs speed.
 _FLOAT_END = re.compile(rb"[.eE][-+]?[0-9]+(?:,?\n|\Z)")
+_COMPACT_FLOAT_END = re.compile(rb"[.eE][-+]?[0-9]+(?:[,\]}]|\Z)")
 
 
-def _reference(value: Any) -> bytes:
-    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False).encode("utf-8")
+def _reference(value: Any, compact: bool = False) -> bytes:
+    if compact:
+        text = json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
+    else:
+        text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8")
 
 
-def _value(value: Any) -> bytes:
+def _value(value: Any, compact: bool = False) -> bytes:
     """``value`` as the standard library writes it at indent 0 (raises as it does)."""
     try:
-        text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+        text = orjson.dumps(
+            value, option=orjson.OPT_SORT_KEYS if compact else orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS
+        )
     except (TypeError, ValueError):  # big ints, non-str keys, surrogates, other types
-        return _reference(value)
-    if b"null" in text or _FLOAT_END.search(text) is not None:
-        return _reference(value)
+        return _reference(value, compact)
+    if b"null" in text or (_COMPACT_FLOAT_END if compact else _FLOAT_END).search(text) is not None:
+        return _reference(value, compact)
     return text
 
 
@@ -54,3 +63,17 @@ def dumps_indented(doc: Any) -> bytes:
         # Raise what the whole document raises (a TypeError elsewhere wins over a lone surrogate here).
         return _reference(doc) + b"\n"
     return b"{\n" + b",\n".join(items) + b"\n}\n"
+
+
+def dumps_compact(doc: Any) -> bytes:
+    """Exactly ``json.dumps(doc, separators=(",", ":"), sort_keys=True, ensure_ascii=False,
+    allow_nan=False).encode()``, raising what it raises."""
+    if not isinstance(doc, dict) or not doc or not all(type(k) is str for k in doc):
+        return _reference(doc, compact=True)
+    items = []
+    try:
+        for key in sorted(doc):
+            items.append(_reference(key, compact=True) + b":" + _value(doc[key], compact=True))
+    except ValueError:
+        return _reference(doc, compact=True)  # as in dumps_indented: the whole document's error
+    return b"{" + b",".join(items) + b"}"

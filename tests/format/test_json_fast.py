@@ -1,6 +1,7 @@
 """The fast JSON writer (``format/json_fast.py``) writes the bytes the standard library writes.
 
-Oracle: ``json.dumps(indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False)``, on random
+Oracle: ``json.dumps(indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False)`` (and the
+compact form, ``separators=(",", ":")`` instead of the indent), on random
 JSON-like data (floats, big ints, nulls, non-string keys, odd strings, lone surrogates) and on every
 manifest of the conformance corpus. Real checkpoints: ``tests/deepspeed/test_generate_fast.py``.
 """
@@ -45,19 +46,26 @@ def _reference(doc):
     return (json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
 
 
+def _compact_reference(doc):
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(keys, documents, max_size=6) | documents)
 def test_same_bytes_or_same_refusal_as_the_standard_library(doc):
     # A non-string key can collide with a string one after conversion, and mixed keys cannot be
     # sorted: the standard library raises TypeError there, and so must the fast writer.
     assert _outcome(json_fast.dumps_indented, doc) == _outcome(_reference, doc)
+    assert _outcome(json_fast.dumps_compact, doc) == _outcome(_compact_reference, doc)
 
 
 def test_floats_nan_and_nulls_take_the_standard_library():
     doc = {"optimizer": {"lr": 1e-05, "big": 1e16, "betas": [0.9, 0.999]}, "groups": [{"n": 1}], "x": None}
     assert json_fast.dumps_indented(doc) == _reference(doc)
-    with pytest.raises(ValueError):
-        json_fast.dumps_indented({"a": [math.nan]})
+    assert json_fast.dumps_compact(doc) == _compact_reference(doc)
+    for write in (json_fast.dumps_indented, json_fast.dumps_compact):
+        with pytest.raises(ValueError):
+            write({"a": [math.nan]})
 
 
 @pytest.mark.parametrize(
@@ -68,3 +76,4 @@ def test_floats_nan_and_nulls_take_the_standard_library():
 def test_corpus_manifests_written_alike(path):
     doc = load_document(path)
     assert dumps(doc) == dumps(doc, reference=True) == _reference(doc)
+    assert dumps(doc, compact=True) == dumps(doc, compact=True, reference=True) == _compact_reference(doc)

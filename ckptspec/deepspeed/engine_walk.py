@@ -1,0 +1,102 @@
+"""One walk over a live module tree for everything the engine's manifest reads from it.
+
+``engine_layout`` needs the parameter names (``named_parameters``), the parameters in order
+(``parameters``), every (module, local name) of each parameter (tied parameters), the buffers
+(``named_buffers``) and which of them are saved (DeepSpeed's ``_get_buffer_names``). Asked of
+torch and DeepSpeed one by one, each is a walk of the whole tree through nested generators: at
+100k parameters those walks were half of ``manifest_from_engine``. Here one loop gives all five,
+in torch's order and with torch's de-duplication (a module or tensor met again is skipped); a
+tree whose classes change how torch walks it is asked of torch instead.
+``tests/deepspeed/test_engine_walk.py`` compares both on trees with shared modules, tied
+parameters and non-persistent buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# What the walk reproduces: a class overriding any of these walks differently, so torch is asked.
+_TRAVERSAL = (
+    "named_modules",
+    "_named_members",
+    "named_parameters",
+    "parameters",
+    "named_buffers",
+    "named_children",  # DeepSpeed's _get_buffer_names walks with it
+    "__hash__",
+    "__eq__",
+)
+
+
+@dataclass
+class ModuleWalk:
+    names: dict[int, str] = field(default_factory=dict)  # id(param) -> its first name
+    params: list = field(default_factory=list)  # module.parameters(), in order
+    # (full name, param) for each module's own parameters (module.named_parameters(recurse=False)
+    # of every module of module.named_modules()): where tied parameters show up
+    local_params: list[tuple[str, Any]] = field(default_factory=list)
+    buffers: list[tuple[str, Any]] = field(default_factory=list)  # module.named_buffers()
+    # The names of ``buffers`` a state_dict saves (not in their module's _non_persistent_buffers_set:
+    # DeepSpeed's _get_buffer_names); None from torch_walk, where DeepSpeed is asked.
+    persistent: set[str] | None = None
+
+
+def walk_module(root) -> ModuleWalk:
+    """The module tree's parameters and buffers as torch's own walks list them."""
+    from torch import nn
+
+    plain: dict[type, bool] = {}
+
+    def walks_as_torch(module) -> bool:
+        kind = type(module)
+        if kind not in plain:
+            plain[kind] = all(getattr(kind, a) is getattr(nn.Module, a) for a in _TRAVERSAL)
+        return plain[kind]
+
+    walk = ModuleWalk(persistent=set())
+    seen_modules: set[int] = set()
+    seen_params: set[int] = set()
+    seen_buffers: set[int] = set()
+    stack = [("", root)]  # pre-order, children in order: named_modules()
+    while stack:
+        prefix, module = stack.pop()
+        if not walks_as_torch(module):
+            return torch_walk(root)
+        if id(module) in seen_modules:
+            continue
+        seen_modules.add(id(module))
+        dot = prefix + "." if prefix else ""
+        mine: set[int] = set()
+        for key, param in module._parameters.items():
+            if param is None or id(param) in mine:
+                continue
+            mine.add(id(param))
+            name = dot + key
+            walk.local_params.append((name, param))
+            if id(param) not in seen_params:
+                seen_params.add(id(param))
+                walk.names[id(param)] = name
+                walk.params.append(param)
+        for key, buf in module._buffers.items():
+            if buf is not None and id(buf) not in seen_buffers:
+                seen_buffers.add(id(buf))
+                walk.buffers.append((dot + key, buf))
+                if key not in module._non_persistent_buffers_set:
+                    walk.persistent.add(dot + key)
+        children = [(dot + key, child) for key, child in module._modules.items() if child is not None]
+        stack.extend(reversed(children))
+    return walk
+
+
+def torch_walk(root) -> ModuleWalk:
+    """The same, asked of torch (its generators, one walk each)."""
+    walk = ModuleWalk()
+    for name, param in root.named_parameters():
+        walk.names[id(param)] = name
+        walk.params.append(param)
+    for module_name, module in root.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            walk.local_params.append((f"{module_name}.{name}" if module_name else name, param))
+    walk.buffers = list(root.named_buffers())
+    return walk
