@@ -55,11 +55,20 @@ def scan_all(pickles: list[bytes]) -> Iterator[tuple[int, ValueError | None]]:
     """``(index, what scan_pickle raised or None)`` for every pickle, each as soon as it is known."""
     child = _child_share([len(p) for p in pickles]) if len(pickles) > 1 and _can_fork() else set()
     if not child:
-        for i, data in enumerate(pickles):
-            yield i, _verdict(data)
+        yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
         return
-    read_end, write_end = os.pipe()
-    pid = os.fork()
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:  # out of descriptors: scan here
+        yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
+        return
+    try:
+        pid = os.fork()
+    except OSError:  # no process to be had (a limit, memory): scan here
+        os.close(read_end)
+        os.close(write_end)
+        yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
+        return
     if pid == 0:  # the child: scan its share, write the verdicts, leave without running any cleanup
         status = 1
         try:

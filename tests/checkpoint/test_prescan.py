@@ -118,6 +118,16 @@ def test_a_scan_given_up_midway_ends_its_child(forks):
     assert reaped(forks)
 
 
+def test_a_fork_that_fails_leaves_the_scans_to_this_process(monkeypatch):
+    def fork():
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(prescan, "MIN_CHILD_BYTES", 0)
+    monkeypatch.setattr(prescan, "_can_fork", lambda: True)
+    monkeypatch.setattr(prescan.os, "fork", fork)
+    assert side_by_side(PICKLES) == serial(PICKLES)
+
+
 def test_without_a_second_core_nothing_is_forked(monkeypatch):
     monkeypatch.setattr(prescan.os, "sched_getaffinity", lambda _: {0})
     monkeypatch.setattr(prescan, "MIN_CHILD_BYTES", 0)
