@@ -37,7 +37,7 @@ import msgpack
 from .._fs import write_atomic
 from ..errors import CkptspecError, InvalidDocument, NotEncodable
 from ..location import RemotePath, is_remote, location, not_found, refuse_write
-from .json_fast import dumps_compact, dumps_indented
+from .json_fast import dumps_compact, dumps_indented, dumps_reference
 
 if TYPE_CHECKING:
     from .models import Manifest
@@ -225,9 +225,8 @@ def _floats_where_numbers_belong(doc: Any) -> int:
     if type(optimizer) is not dict:
         return 0
     found = _floats_in(optimizer.get("clip_grad"))
-    settings = [
-        (optimizer.get("loss_scaler") or {}).get("state") if type(optimizer.get("loss_scaler")) is dict else None
-    ]
+    scaler = optimizer.get("loss_scaler")
+    settings = [scaler.get("state")] if type(scaler) is dict else []
     for group in optimizer.get("groups") if type(optimizer.get("groups")) is list else ():
         if type(group) is dict:
             found += _floats_in(group.get("step"))
@@ -336,11 +335,7 @@ def dumps(
         raise ValueError(f"unknown encoding {encoding!r}; use json or msgpack")
     try:
         if reference:
-            if compact:
-                text = json.dumps(doc, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
-                return text.encode("utf-8")
-            text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
-            return text.encode("utf-8")
+            return dumps_reference(doc, compact)
         # The same bytes, most of them written by orjson.
         return dumps_compact(doc) if compact else dumps_indented(doc)
     except (TypeError, ValueError) as exc:

@@ -35,6 +35,11 @@ def _reference(value: Any, compact: bool = False) -> bytes:
     return text.encode("utf-8")
 
 
+def dumps_reference(doc: Any, compact: bool = False) -> bytes:
+    """What ``dumps_indented`` (or ``dumps_compact``) writes, by the standard library alone: the slow reference."""
+    return _reference(doc, compact) if compact else _reference(doc) + b"\n"
+
+
 def _value(value: Any, compact: bool = False) -> bytes:
     """``value`` as the standard library writes it at indent 0 (raises as it does)."""
     try:
@@ -52,7 +57,7 @@ def dumps_indented(doc: Any) -> bytes:
     """Exactly ``(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\\n").encode()``,
     raising what it raises (``TypeError``, ``ValueError``, ``UnicodeEncodeError``)."""
     if not isinstance(doc, dict) or not doc or not all(type(k) is str for k in doc):
-        return _reference(doc) + b"\n"
+        return dumps_reference(doc)
     items = []
     try:
         for key in sorted(doc):
@@ -61,7 +66,7 @@ def dumps_indented(doc: Any) -> bytes:
             items.append(b"  " + _reference(key) + b": " + body)
     except ValueError:
         # Raise what the whole document raises (a TypeError elsewhere wins over a lone surrogate here).
-        return _reference(doc) + b"\n"
+        return dumps_reference(doc)
     return b"{\n" + b",\n".join(items) + b"\n}\n"
 
 
@@ -69,11 +74,11 @@ def dumps_compact(doc: Any) -> bytes:
     """Exactly ``json.dumps(doc, separators=(",", ":"), sort_keys=True, ensure_ascii=False,
     allow_nan=False).encode()``, raising what it raises."""
     if not isinstance(doc, dict) or not doc or not all(type(k) is str for k in doc):
-        return _reference(doc, compact=True)
+        return dumps_reference(doc, compact=True)
     items = []
     try:
         for key in sorted(doc):
             items.append(_reference(key, compact=True) + b":" + _value(doc[key], compact=True))
     except ValueError:
-        return _reference(doc, compact=True)  # as in dumps_indented: the whole document's error
+        return dumps_reference(doc, compact=True)  # as in dumps_indented: the whole document's error
     return b"{" + b",".join(items) + b"}"
