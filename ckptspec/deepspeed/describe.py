@@ -15,8 +15,9 @@ from ..checkpoint.hashing import file_digests
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import TensorRef
 from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
+from ..format.construct import build
 from ..format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
-from ..format.partition import ParamSpec, flat_group, per_param_group
+from ..format.partition import flat_group, param_specs, per_param_group
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from . import legacy
 from .digests import add_digests
@@ -179,13 +180,13 @@ def _groups(first_model: dict, osd: dict, stage: int, bf16_optimizer: bool) -> l
     if stage == 3:
         sub_to_group = stage3_sub_group_owners(osd, len(first_model["param_shapes"]))
         for j, shapes in enumerate(first_model["param_shapes"]):
-            specs = [ParamSpec(n, tuple(int(d) for d in s), model_dtype) for n, s in shapes.items()]
+            specs = param_specs(list(shapes), list(map(int_shape, shapes.values())), [model_dtype] * len(shapes))
             groups.append(per_param_group(specs, optimizer_group=sub_to_group[j], partition_count=world_size))
         return groups
     paddings = osd.get("param_alignment_paddings")
     for g, shapes in enumerate(first_model["param_shapes"]):
-        dtypes = module_dtypes(module, model_dtype)
-        specs = [ParamSpec(n, int_shape(s), dtypes(n)) for n, s in shapes.items()]
+        names = list(shapes)
+        specs = param_specs(names, list(map(int_shape, shapes.values())), module_dtypes(module, model_dtype, names))
         groups.append(
             flat_group(
                 specs,
@@ -210,7 +211,8 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
             if name in shared:
                 continue  # DeepSpeed lists tied zero-element params here too; the alias wins
             frozen.append(
-                FrozenParam(
+                build(
+                    FrozenParam,
                     name=name,
                     shape=[int(d) for d in shape],
                     numel=numel_of(shape),
@@ -226,20 +228,27 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
         for name, ref in module.items():
             if name not in taken and isinstance(ref, TensorRef):
                 frozen.append(
-                    FrozenParam(
-                        name=name, shape=list(ref.shape), numel=numel_of(ref.shape), dtype=ref.dtype, stored_in="module"
+                    build(
+                        FrozenParam,
+                        name=name,
+                        shape=list(ref.shape),
+                        numel=numel_of(ref.shape),
+                        dtype=ref.dtype,
+                        stored_in="module",
                     )
                 )
     return frozen
 
 
 def _aliases(module: dict, groups: list[Group], frozen: list[FrozenParam], shared: dict, stage: int) -> list[Alias]:
-    shapes = {p.name: list(p.shape) for g in groups for p in g.params} | {f.name: list(f.shape) for f in frozen}
+    owners = set(shared.values())  # the shapes of these only (a few tied params among 100k)
+    shapes = {p.name: list(p.shape) for g in groups for p in g.params if p.name in owners}
+    shapes |= {f.name: list(f.shape) for f in frozen if f.name in owners}
     aliases = []
     for alias, owner in shared.items():
         ref = module.get(alias)
         own_shape = list(ref.shape) if isinstance(ref, TensorRef) and stage < 3 else shapes.get(owner, [])
-        aliases.append(Alias(name=alias, owner=owner, shape=own_shape))
+        aliases.append(build(Alias, name=alias, owner=owner, shape=own_shape))
     return aliases
 
 
@@ -249,7 +258,7 @@ def _buffers(first_model: dict) -> list[Buffer]:
     for name in list(first_model.get("buffer_names") or []):
         ref = module.get(name)
         if isinstance(ref, TensorRef):
-            buffers.append(Buffer(name=name, shape=list(ref.shape), dtype=ref.dtype))
+            buffers.append(build(Buffer, name=name, shape=list(ref.shape), dtype=ref.dtype))
     return buffers
 
 
@@ -305,7 +314,8 @@ def partition_locators(path: Path, rank: int, stage: int, states: StateCache) ->
             continue
         data_offset, member_size = members[ref.storage.member]
         locators.append(
-            Locator(
+            build(
+                Locator,
                 group=g,
                 rank=rank,
                 member=ref.storage.member,

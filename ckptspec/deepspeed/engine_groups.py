@@ -3,10 +3,13 @@ read from the optimizer objects themselves and cross-checked with the optimizer'
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter
+
 from ..errors import EngineLayoutMismatch
 from ..format.dtypes import dtype_name
 from ..format.models import Group
-from ..format.partition import ParamSpec, flat_group, per_param_group
+from ..format.partition import ParamSpec, flat_group, param_specs, per_param_group
 
 
 def _shape(param) -> tuple[int, ...]:
@@ -14,14 +17,27 @@ def _shape(param) -> tuple[int, ...]:
 
 
 _DTYPE_NAMES: dict = {}  # torch dtype -> its name (dtype_name's str() per param added up at 100k)
+_DTYPE = attrgetter("dtype")
+_DS_SHAPE = attrgetter("ds_shape")  # a ZeRO-3 param's shape before partitioning
 
 
-def _spec(param, names: dict[int, str]) -> ParamSpec:
-    dtype = param.dtype
+def _dtype_name(dtype) -> str:
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
-    return ParamSpec(names[id(param)], _shape(param), name)
+    return name
+
+
+def _specs(params: list, names: dict[int, str], shape_of=None) -> list[ParamSpec]:
+    """The ``ParamSpec`` of each param, in C loops where the params are plain (100k of them:
+    a mixture-of-experts model). ``shape_of``: how every param gives its shape (stage 3:
+    ``ds_shape``, the shape before partitioning), else each param's own (``_shape``)."""
+    dtypes = list(map(_DTYPE, params))
+    kinds = set(dtypes)
+    for dtype in kinds - _DTYPE_NAMES.keys():
+        _dtype_name(dtype)
+    shapes = list(map(tuple, map(shape_of, params))) if shape_of is not None else list(map(_shape, params))
+    return param_specs(list(map(names.__getitem__, map(id, params))), shapes, list(map(_DTYPE_NAMES.get, dtypes)))
 
 
 def _live_paddings(params, flat) -> list[int]:
@@ -55,7 +71,7 @@ def flat_groups_stage12(engine, names) -> list[Group]:
             else _live_paddings(params, opt.bit16_groups_flat[i])
         )
         group = flat_group(
-            [_spec(p, names) for p in params],
+            _specs(params, names),
             optimizer_group=i,
             partition_count=count,
             zero_stage=engine.zero_optimization_stage(),
@@ -76,7 +92,7 @@ def flat_groups_bf16_optimizer(engine, names) -> list[Group]:
     groups = []
     for i, params in enumerate(opt.bf16_groups):
         group = flat_group(
-            [_spec(p, names) for p in params],
+            _specs(params, names),
             optimizer_group=i,
             partition_count=opt.partition_count[i],
             zero_stage=1,
@@ -92,7 +108,7 @@ def per_param_groups_stage3(engine, names) -> list[Group]:
     groups = []
     for j, sub_group in enumerate(opt.fp16_groups):
         group = per_param_group(
-            [_spec(p, names) for p in sub_group],
+            _specs(sub_group, names, _DS_SHAPE if all(map(hasattr, sub_group, repeat("ds_shape"))) else None),
             optimizer_group=int(opt.sub_group_to_group_id[j]),
             partition_count=opt.sub_group_partition_counts[j]
             if hasattr(opt, "sub_group_partition_counts")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..format.construct import build
 from ..format.dtypes import dtype_name
 from ..format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
 from .engine_walk import ModuleWalk
@@ -34,8 +35,13 @@ def frozen_of_engine(walk: ModuleWalk, trainable: set[str], stage: int, excluded
             continue
         shape = _shape(param)
         frozen.append(
-            FrozenParam(
-                name=name, shape=list(shape), numel=math.prod(shape), dtype=dtype_name(param.dtype), stored_in=stored_in
+            build(
+                FrozenParam,
+                name=name,
+                shape=list(shape),
+                numel=math.prod(shape),
+                dtype=dtype_name(param.dtype),
+                stored_in=stored_in,
             )
         )
     return frozen
@@ -53,7 +59,7 @@ def aliases_of_engine(walk: ModuleWalk, shapes: dict[str, tuple[int, ...]]) -> l
         key = param.ds_id if hasattr(param, "ds_id") else id(param)
         if key in owner_of:
             owner = owner_of[key]
-            aliases.append(Alias(name=full, owner=owner, shape=list(shapes.get(owner, _shape(param)))))
+            aliases.append(build(Alias, name=full, owner=owner, shape=list(shapes.get(owner, _shape(param)))))
         else:
             owner_of[key] = full
     return aliases
@@ -62,7 +68,7 @@ def aliases_of_engine(walk: ModuleWalk, shapes: dict[str, tuple[int, ...]]) -> l
 def buffers_of_engine(engine, walk: ModuleWalk) -> list[Buffer]:
     persistent = walk.persistent if walk.persistent is not None else set(engine._get_buffer_names())
     return [
-        Buffer(name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
+        build(Buffer, name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
         for name, buf in walk.buffers
         if name in persistent
     ]

@@ -46,46 +46,54 @@ def walk_module(root) -> ModuleWalk:
     """The module tree's parameters and buffers as torch's own walks list them."""
     from torch import nn
 
-    plain: dict[type, bool] = {}
-
-    def walks_as_torch(module) -> bool:
-        kind = type(module)
-        if kind not in plain:
-            plain[kind] = all(getattr(kind, a) is getattr(nn.Module, a) for a in _TRAVERSAL)
-        return plain[kind]
-
+    plain: dict[type, bool] = {}  # class -> walks as nn.Module does
+    traversal = [getattr(nn.Module, a) for a in _TRAVERSAL]
     walk = ModuleWalk(persistent=set())
+    names, params, local_params, buffers, persistent = (
+        walk.names,
+        walk.params,
+        walk.local_params,
+        walk.buffers,
+        walk.persistent,
+    )
     seen_modules: set[int] = set()
-    seen_params: set[int] = set()
     seen_buffers: set[int] = set()
     stack = [("", root)]  # pre-order, children in order: named_modules()
-    while stack:
-        prefix, module = stack.pop()
-        if not walks_as_torch(module):
+    pop, push_all = stack.pop, stack.extend
+    while stack:  # ~1 us a module counts here: 60k modules in a 100k-parameter mixture of experts
+        prefix, module = pop()
+        kind = type(module)
+        as_torch = plain.get(kind)
+        if as_torch is None:
+            as_torch = plain[kind] = all(getattr(kind, a) is t for a, t in zip(_TRAVERSAL, traversal))
+        if not as_torch:
             return torch_walk(root)
         if id(module) in seen_modules:
             continue
         seen_modules.add(id(module))
         dot = prefix + "." if prefix else ""
-        mine: set[int] = set()
-        for key, param in module._parameters.items():
-            if param is None or id(param) in mine:
-                continue
-            mine.add(id(param))
-            name = dot + key
-            walk.local_params.append((name, param))
-            if id(param) not in seen_params:
-                seen_params.add(id(param))
-                walk.names[id(param)] = name
-                walk.params.append(param)
-        for key, buf in module._buffers.items():
-            if buf is not None and id(buf) not in seen_buffers:
-                seen_buffers.add(id(buf))
-                walk.buffers.append((dot + key, buf))
-                if key not in module._non_persistent_buffers_set:
-                    walk.persistent.add(dot + key)
-        children = [(dot + key, child) for key, child in module._modules.items() if child is not None]
-        stack.extend(reversed(children))
+        own = module._parameters
+        if own:
+            mine: set[int] = set()
+            for key, param in own.items():
+                if param is None or id(param) in mine:
+                    continue
+                mine.add(id(param))
+                name = dot + key
+                local_params.append((name, param))
+                if id(param) not in names:
+                    names[id(param)] = name
+                    params.append(param)
+        if module._buffers:
+            for key, buf in module._buffers.items():
+                if buf is not None and id(buf) not in seen_buffers:
+                    seen_buffers.add(id(buf))
+                    buffers.append((dot + key, buf))
+                    if key not in module._non_persistent_buffers_set:
+                        persistent.add(dot + key)
+        children = module._modules
+        if children:
+            push_all(reversed([(dot + key, child) for key, child in children.items() if child is not None]))
     return walk
 
 

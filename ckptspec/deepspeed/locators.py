@@ -15,6 +15,7 @@ from typing import Any
 
 from ..checkpoint.standins import StorageRef
 from ..checkpoint.torchfile import TensorRef
+from ..format.construct import build
 from ..format.models import Manifest, ModelWeightsLocator, StateLocator, TensorLocator
 
 # The key of a stand-in state (saved_state.py) holding "name -> storage" of its module's tensors; no
@@ -67,7 +68,7 @@ def tensor_locators(
         ref = holder.get(name)
         if not isinstance(ref, TensorRef) or not ref.is_contiguous() or ref.numel < numel:
             return None
-        out.append(TensorLocator(name=name, **_range(ref, members, numel)))
+        out.append(build(TensorLocator, name=name, **_range(ref, members, numel)))
     return out
 
 
@@ -111,7 +112,8 @@ def flat_group_locators(
             continue
         data_offset, member_size = members[storage.member]
         out.append(
-            ModelWeightsLocator(
+            build(
+                ModelWeightsLocator,
                 group=g,
                 member=storage.member,
                 data_offset=data_offset,
@@ -148,7 +150,7 @@ def state_locators(
         entry = by_index.get(g)
         for key, ref in entry.items() if isinstance(entry, dict) else ():
             if isinstance(key, str) and isinstance(ref, TensorRef) and ref.shape and ref.is_contiguous():
-                out.append(StateLocator(group=g, rank=rank, state=key, **_range(ref, members, ref.numel)))
+                out.append(build(StateLocator, group=g, rank=rank, state=key, **_range(ref, members, ref.numel)))
     return out
 
 

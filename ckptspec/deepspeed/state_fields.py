@@ -39,15 +39,11 @@ def int_shape(shape) -> tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-def module_dtypes(module: Any, default: str):
-    """name -> the dtype of the module's tensor of that name, else ``default``."""
-    get = module.get if isinstance(module, dict) else (lambda _: None)
-
-    def dtype(name: str) -> str:
-        ref = get(name)
-        return ref.storage.dtype if isinstance(ref, TensorRef) else default
-
-    return dtype
+def module_dtypes(module: Any, default: str, names: list[str]) -> list[str]:
+    """The dtype of the module's tensor of each name, else ``default``."""
+    if not isinstance(module, dict):
+        return [default] * len(names)
+    return [ref.storage.dtype if type(ref) is TensorRef else default for ref in map(module.get, names)]
 
 
 def fragment_dtype(model_state: dict, name: str, default: str) -> str:

@@ -10,7 +10,10 @@ the constants here, without the models: the group builders import them when call
 from __future__ import annotations
 
 import math
+import operator
+from collections import deque
 from collections.abc import Sequence
+from itertools import accumulate, chain, repeat
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -36,6 +39,11 @@ class ParamSpec(NamedTuple):
         return math.prod(self.shape)
 
 
+def param_specs(names: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]) -> list[ParamSpec]:
+    """``ParamSpec`` of each (name, shape, dtype), made in a C loop (no Python call per param)."""
+    return list(map(tuple.__new__, repeat(ParamSpec), zip(names, shapes, dtypes)))
+
+
 _INT64_MAX = 2**63 - 1
 _MAX_NDIM = 64  # the schema's maxItems of a shape
 _DTYPES: frozenset[str] = frozenset()  # models.Dtype's values, filled on first use (no pydantic at import)
@@ -45,35 +53,18 @@ _INT_ONLY = frozenset({int})
 
 
 _FIELDS = ("name", "shape", "numel", "dtype", "offset", "padding")
-_construct = None  # (the Param class, its unset fields' defaults) once checked against model_construct
+_FIELDS_SET = frozenset(_FIELDS)  # a set copied from a frozenset skips hashing its members again
+_construct = None  # (the Param class, its unset fields' defaults, construct.fill) once checked
 
 
 def _constructor():
     """What ``Param.model_construct`` does for these six fields, without its per-field loop (it
-    costs ~25 us a call): the attributes it sets, checked once against it, else None."""
+    costs ~25 us a call), checked once against it (``construct.template``), else None."""
+    from .construct import fill, template
     from .models import Param
 
-    sample = dict(zip(_FIELDS, ("w", [2], 2, "float32", 0, 0)))
-    defaults = {k: f.get_default() for k, f in Param.model_fields.items() if k not in sample}
-    if any(v is not None for v in defaults.values()):
-        return None
-    made = Param.__new__(Param)
-    _fill(made, dict(sample), defaults)
-    reference = Param.model_construct(**sample)
-    attrs = ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
-    if any(getattr(made, a) != getattr(reference, a) for a in attrs):
-        return None
-    return Param, defaults
-
-
-def _fill(obj, values: dict, defaults: dict) -> None:
-    """Give ``obj`` what model_construct would; ``values`` becomes its ``__dict__``."""
-    setattr_ = object.__setattr__
-    values.update(defaults)
-    setattr_(obj, "__dict__", values)
-    setattr_(obj, "__pydantic_fields_set__", set(_FIELDS))  # one each: assigning a field later adds to it
-    setattr_(obj, "__pydantic_extra__", {})
-    setattr_(obj, "__pydantic_private__", None)
+    found = template(Param, dict(zip(_FIELDS, ("w", [2], 2, "float32", 0, 0))))
+    return None if found is None else (Param, found[1], fill)
 
 
 def make_param(name: str, shape: tuple[int, ...], numel: int, dtype: str, offset: int, padding: int):
@@ -104,9 +95,9 @@ def make_param(name: str, shape: tuple[int, ...], numel: int, dtype: str, offset
         and dtype in _DTYPES
     )
     if plain and _construct is not None:
-        cls, defaults = _construct
+        cls, defaults, fill = _construct
         obj = cls.__new__(cls)
-        _fill(
+        fill(
             obj,
             {"name": name, "shape": list(shape), "numel": numel, "dtype": dtype, "offset": offset, "padding": padding},
             defaults,
@@ -116,6 +107,62 @@ def make_param(name: str, shape: tuple[int, ...], numel: int, dtype: str, offset
 
     values = {"name": name, "shape": list(shape), "numel": numel, "dtype": dtype, "offset": offset, "padding": padding}
     return Param.model_construct(**values) if plain else Param(**values)
+
+
+def make_params(
+    names: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    numels: Sequence[int],
+    dtypes: Sequence[str],
+    offsets: Sequence[int],
+    paddings: Sequence[int],
+) -> list:
+    """``make_param`` of each row of these columns, in bulk: when every value plainly fits, the
+    checks and the objects are made by C loops (``map``), ~0.5 us a ``Param`` against ~2 us one by
+    one (100k tensors: a mixture-of-experts model). Anything else: ``make_param`` row by row, which
+    validates and raises what it always raised. ``tests/format/test_partition_fast.py``."""
+    global _DTYPES, _construct
+    if not _DTYPES:
+        make_param("w", (1,), 1, "float32", 0, 0)  # fills _DTYPES and _construct
+    columns = (names, shapes, numels, dtypes, offsets, paddings)
+    n = len(names)
+    if any(len(c) != n for c in columns):
+        raise ValueError(f"columns of {sorted({len(c) for c in columns})} rows")
+    if not n:
+        return []
+    dims = list(chain.from_iterable(shapes)) if _plain_types(shapes, {tuple, list}) else None
+    counts = list(chain(numels, offsets, paddings, dims or ()))
+    plain = (
+        _construct is not None
+        and dims is not None
+        and _plain_types(names, {str})
+        and _plain_types(dtypes, {str})
+        and _plain_types(counts, {int})
+        and min(map(len, names)) > 0
+        and max(map(len, names)) <= 1024
+        and max(map(len, shapes)) <= _MAX_NDIM
+        and min(counts) >= 0
+        and max(counts) <= _INT64_MAX
+        and _DTYPES.issuperset(dtypes)
+    )
+    if not plain:
+        return [make_param(*row) for row in zip(*columns)]
+    cls, defaults, _ = _construct
+    keys = (*_FIELDS, *defaults)
+    rows = zip(names, map(list, shapes), numels, dtypes, offsets, paddings, *map(repeat, defaults.values()))
+    values = map(dict, map(zip, repeat(keys), rows))
+    made = list(map(cls.__new__, repeat(cls, n)))
+    setattr_ = object.__setattr__
+    # What construct.fill does, one attribute over every object at a time.
+    deque(map(setattr_, made, repeat("__dict__"), values), 0)
+    deque(map(setattr_, made, repeat("__pydantic_fields_set__"), map(set, repeat(_FIELDS_SET, n))), 0)
+    deque(map(setattr_, made, repeat("__pydantic_extra__"), map(dict, repeat((), n))), 0)
+    deque(map(setattr_, made, repeat("__pydantic_private__"), repeat(None, n)), 0)
+    return made
+
+
+def _plain_types(values, types: set) -> bool:
+    return set(map(type, values)) <= types
 
 
 def flat_group(
@@ -138,11 +185,11 @@ def flat_group(
     paddings = list(paddings) if paddings is not None else [0] * len(params)
     if len(paddings) != len(params):
         raise ValueError(f"{len(paddings)} paddings for {len(params)} params")
-    entries, offset = [], 0
-    for spec, pad in zip(params, paddings):
-        numel = spec.numel
-        entries.append(make_param(spec.name, spec.shape, numel, spec.dtype, offset, pad))
-        offset += numel + pad
+    names, shapes, dtypes = _columns(params)
+    numels = list(map(math.prod, shapes))
+    ends = list(accumulate(map(operator.add, numels, paddings)))
+    offset = ends[-1] if ends else 0
+    entries = make_params(names, shapes, numels, dtypes, [0, *ends[:-1]], paddings)
     alignment = NCCL_START_ALIGNMENT_FACTOR * partition_count if zero_stage in (1, 2) else 1
     padded = round_up(offset, alignment)
     partition = padded // partition_count
@@ -166,13 +213,13 @@ def per_param_group(params: Sequence[ParamSpec], *, optimizer_group: int, partit
     """Stage 3 (one sub-group): each param split on its own into ceil(numel / ws) per rank."""
     from .models import Group  # on use: the rules import this module without pydantic
 
-    entries, offset = [], 0
-    for spec in params:
-        numel = spec.numel
-        share = -(-numel // partition_count)
-        pad = share * partition_count - numel
-        entries.append(make_param(spec.name, spec.shape, numel, spec.dtype, offset, pad))
-        offset += share
+    names, shapes, dtypes = _columns(params)
+    numels = list(map(math.prod, shapes))
+    shares = [-(-numel // partition_count) for numel in numels]
+    paddings = [share * partition_count - numel for share, numel in zip(shares, numels)]
+    ends = list(accumulate(shares))
+    offset = ends[-1] if ends else 0
+    entries = make_params(names, shapes, numels, dtypes, [0, *ends[:-1]], paddings)
     return Group(
         optimizer_group=optimizer_group,
         partitioning="per_param",
@@ -183,6 +230,14 @@ def per_param_group(params: Sequence[ParamSpec], *, optimizer_group: int, partit
         saved_numels=[offset] * partition_count,
         params=entries,
     )
+
+
+def _columns(params: Sequence[ParamSpec]) -> tuple[list, list, list]:
+    """Names, shapes and dtypes of ``params`` (each a list)."""
+    if not params:
+        return [], [], []
+    names, shapes, dtypes = map(list, zip(*params))
+    return names, shapes, dtypes
 
 
 def natural_order(params: list, partition_count: int) -> list:

@@ -1,7 +1,8 @@
 """``generate``'s fast path writes the bytes of the reference path, on real DeepSpeed checkpoints.
 
-The fast path (issue #19) builds ``Param`` objects without validation where their values plainly
-fit (``partition.make_param``) and writes indented JSON with orjson (``format/json_fast.py``). The
+The fast path (issue #19) builds ``Param`` objects and the other models a producer makes many of
+without validation where their values plainly fit (``partition.make_params``, ``construct.build``)
+and writes indented JSON with orjson (``format/json_fast.py``). The
 reference path: every ``Param`` validated, JSON by the standard library. Every matrix point and the
 model-parallel checkpoints (a checkpoint index), with and without ``--hash``.
 ``benchmarks/check_identical.py`` compares with another build's bytes (main's) at 10k-100k tensors.
@@ -16,7 +17,7 @@ from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.deepspeed.describe_index import index_from_checkpoint
 from ckptspec.deepspeed.directory import resolve_tag_dir
 from ckptspec.deepspeed.topology import needs_index
-from ckptspec.format import partition
+from ckptspec.format import construct, partition
 from ckptspec.format.codec import dumps
 from ckptspec.format.models import Param
 
@@ -42,7 +43,8 @@ def test_fast_path_bytes_equal_reference_bytes(name, hash_algorithm, ds, monkeyp
     path = ds.path(name)
     fast = dumps(_document(path, hash_algorithm))
     fast_msgpack = dumps(_document(path, hash_algorithm), "msgpack")
-    monkeypatch.setattr(partition, "make_param", _validated)
+    monkeypatch.setattr(partition, "make_params", lambda *columns: [_validated(*row) for row in zip(*columns)])
+    monkeypatch.setattr(construct, "CHECKS", {})  # every other model validated too
     reference = _document(path, hash_algorithm)
     assert fast == dumps(reference, reference=True)
     assert fast_msgpack == dumps(reference, "msgpack")

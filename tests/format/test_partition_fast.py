@@ -1,5 +1,6 @@
 """``partition.make_param`` (a ``Param`` built without validation when its values plainly fit)
-gives the object validation gives, and leaves anything else to validation."""
+gives the object validation gives, and leaves anything else to validation; ``make_params`` (the
+same, for columns of values at once) gives what ``make_param`` gives row by row."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptspec.format.models import Param
-from ckptspec.format.partition import make_param
+from ckptspec.format.partition import make_param, make_params
 
 INT64_MAX = 2**63 - 1
 ints = st.integers(-3, 5) | st.sampled_from([INT64_MAX, INT64_MAX + 1, -(2**63)]) | st.booleans() | st.just(3.0)
@@ -54,3 +55,43 @@ def test_invalid_values_still_refused(bad):
     name, shape, numel = bad
     with pytest.raises(pydantic.ValidationError):
         make_param(name, shape, numel, "float32", 0, 0)
+
+
+rows = st.lists(st.tuples(names, shapes, ints, dtypes, ints, ints), max_size=4)
+plain_rows = st.lists(
+    st.tuples(st.just("w.0"), st.just((2, 3)), st.just(6), st.just("bfloat16"), st.integers(0, 9), st.integers(0, 3)),
+    max_size=4,
+)
+
+
+def _each(columns):
+    try:
+        return [make_param(*row) for row in zip(*columns)]
+    except pydantic.ValidationError:
+        return pydantic.ValidationError
+
+
+def _bulk(columns):
+    try:
+        return make_params(*columns)
+    except pydantic.ValidationError:
+        return pydantic.ValidationError
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(rows | plain_rows, min_size=1, max_size=2).map(lambda parts: [r for p in parts for r in p]))
+def test_bulk_same_params_as_one_by_one(table):
+    columns = tuple(map(list, zip(*table))) if table else ([], [], [], [], [], [])
+    bulk, each = _bulk(columns), _each(columns)
+    if each is pydantic.ValidationError:
+        assert bulk is pydantic.ValidationError
+        return
+    assert [p.model_dump() for p in bulk] == [p.model_dump() for p in each]
+    assert [p.model_fields_set for p in bulk] == [p.model_fields_set for p in each]
+    assert [[type(v) for v in p.shape] for p in bulk] == [[type(v) for v in p.shape] for p in each]
+
+
+def test_bulk_params_do_not_share_state():
+    a, b = make_params(["a", "b"], [(2,), (2,)], [2, 2], ["float32"] * 2, [0, 2], [0, 0])
+    a.digest = None  # assigning a field adds to this object's fields set only
+    assert a.model_fields_set != b.model_fields_set and a.shape is not b.shape

@@ -1,0 +1,130 @@
+"""Manifest models built without validation where their values plainly fit (what producers give).
+
+Validating a model costs ~20 us: its before-validators run in Python. A 100k-tensor checkpoint's
+manifest holds thousands of frozen parameters and tensor locators beside its params
+(``partition.make_params``). ``build(cls, **values)`` tests each value against its field's type
+with a plain check (an exact type and its bounds) and, when all pass, gives the object
+``model_construct`` would (~1 us); anything else is validated and raises what validation raises.
+``tests/format/test_construct.py`` holds both ways equal on values that fit and values that do not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+from .models import (
+    INT64_MAX,
+    Alias,
+    Buffer,
+    Dtype,
+    ExcludedParam,
+    FrozenParam,
+    Locator,
+    ModelWeightsLocator,
+    StateLocator,
+    TensorLocator,
+)
+
+_DTYPES = frozenset(get_args(Dtype))
+
+
+def _text(max_length: int):
+    return lambda v: type(v) is str and 0 < len(v) <= max_length
+
+
+def _count(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= INT64_MAX
+
+
+def _shape(v: Any) -> bool:
+    return (
+        type(v) is list
+        and len(v) <= 64
+        and (not v or (set(map(type, v)) == {int} and min(v) >= 0 and max(v) <= INT64_MAX))
+    )
+
+
+def _dtype(v: Any) -> bool:
+    return type(v) is str and v in _DTYPES
+
+
+def _one_of(*options: str):
+    return lambda v: type(v) is str and v in options
+
+
+_NAME = _text(1024)
+_MEMBER = _text(4096)
+_RANGE = {
+    "member": _MEMBER,
+    "data_offset": _count,
+    "member_size": _count,
+    "dtype": _dtype,
+    "element_offset": _count,
+    "numel": _count,
+}
+# Each model's required fields and the plain check of each: exactly the types of models.py.
+CHECKS: dict[type, dict[str, Any]] = {
+    FrozenParam: {
+        "name": _NAME,
+        "shape": _shape,
+        "numel": _count,
+        "dtype": _dtype,
+        "stored_in": _one_of("module", "fragments", "partitioned_fragments"),
+    },
+    Buffer: {"name": _NAME, "shape": _shape, "dtype": _dtype},
+    Alias: {"name": _NAME, "owner": _NAME, "shape": _shape},
+    ExcludedParam: {"name": _NAME, "reason": _text(1024)},
+    Locator: {"group": _count, "rank": _count, **_RANGE},
+    TensorLocator: {"name": _NAME, **_RANGE},
+    ModelWeightsLocator: {"group": _count, **_RANGE},
+    StateLocator: {"group": _count, "rank": _count, "state": _text(256), **_RANGE},
+}
+_TEMPLATES: dict[type, tuple[frozenset[str], dict[str, Any]] | None] = {}
+
+
+def template(cls: type, sample: dict[str, Any]) -> tuple[frozenset[str], dict[str, Any]] | None:
+    """(the required fields, the unset fields' defaults) of ``cls``, once ``fill`` is seen to give
+    what ``model_construct`` gives for ``sample``; None (always validate) if it does not."""
+    if cls in _TEMPLATES:
+        return _TEMPLATES[cls]
+    required = frozenset(k for k, f in cls.model_fields.items() if f.is_required())
+    defaults = {k: f.get_default() for k, f in cls.model_fields.items() if k not in required}
+    made = cls.__new__(cls)
+    fill(made, dict(sample), defaults)
+    reference = cls.model_construct(**sample)
+    attrs = ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
+    same = set(sample) == required and all(getattr(made, a) == getattr(reference, a) for a in attrs)
+    _TEMPLATES[cls] = (required, defaults) if same and all(v is None for v in defaults.values()) else None
+    return _TEMPLATES[cls]
+
+
+def fill(obj: Any, values: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Give ``obj`` what model_construct would; ``values`` becomes its ``__dict__``."""
+    setattr_ = object.__setattr__
+    fields_set = set(values)
+    values.update(defaults)
+    setattr_(obj, "__dict__", values)
+    setattr_(obj, "__pydantic_fields_set__", fields_set)
+    setattr_(obj, "__pydantic_extra__", {})
+    setattr_(obj, "__pydantic_private__", None)
+
+
+def _sample(checks: dict[str, Any]) -> dict[str, Any]:
+    plain = {_count: 0, _shape: [1], _dtype: "float32"}
+    out = {}
+    for key, check in checks.items():
+        out[key] = plain.get(check)
+        if out[key] is None:  # a text or one of some options: the first that fits
+            out[key] = next(v for v in ("x", "module") if check(v))
+    return out
+
+
+def build(cls: type, **values: Any) -> Any:
+    """``cls(**values)``: built without validation when every value plainly fits (the same object)."""
+    checks = CHECKS.get(cls)
+    shape = template(cls, _sample(checks)) if checks is not None else None
+    if shape is None or values.keys() != shape[0] or not all(check(values[k]) for k, check in checks.items()):
+        return cls(**values)
+    obj = cls.__new__(cls)
+    fill(obj, values, shape[1])
+    return obj
