@@ -139,9 +139,13 @@ class FragmentAddress:
     start: int = 0
 
     def __setstate__(self, state):
-        if not isinstance(state, dict) or set(state) != {"numel", "start"}:
+        # One per parameter and rank (param_slice_mappings): the checks are C calls.
+        if not isinstance(state, dict) or state.keys() != _FRAGMENT_KEYS:
             raise ValueError(f"bad fragment_address state {state!r}")
         self.numel, self.start = int(state["numel"]), int(state["start"])
+
+
+_FRAGMENT_KEYS = frozenset({"numel", "start"})
 
 
 class DType(_Sealed, str):

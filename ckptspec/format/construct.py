@@ -122,7 +122,9 @@ def _sample(checks: dict[str, Any]) -> dict[str, Any]:
 def build(cls: type, **values: Any) -> Any:
     """``cls(**values)``: built without validation when every value plainly fits (the same object)."""
     checks = CHECKS.get(cls)
-    shape = template(cls, _sample(checks)) if checks is not None else None
+    shape = None
+    if checks is not None:
+        shape = _TEMPLATES[cls] if cls in _TEMPLATES else template(cls, _sample(checks))
     if shape is None or values.keys() != shape[0] or not all(check(values[k]) for k, check in checks.items()):
         return cls(**values)
     obj = cls.__new__(cls)
