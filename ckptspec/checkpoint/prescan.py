@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .pickle_scan import scan_pickle
 
@@ -51,8 +51,14 @@ def _child_share(sizes: list[int]) -> set[int]:
     return child if child_bytes >= MIN_CHILD_BYTES and parent_bytes else set()
 
 
-def scan_all(pickles: list[bytes]) -> Iterator[tuple[int, ValueError | None]]:
-    """``(index, what scan_pickle raised or None)`` for every pickle, each as soon as it is known."""
+def scan_all(
+    pickles: list[bytes], meanwhile: Callable[[], object] | None = None
+) -> Iterator[tuple[int, ValueError | None]]:
+    """``(index, what scan_pickle raised or None)`` for every pickle, each as soon as it is known.
+
+    ``meanwhile``: work of the caller's that needs no verdict (importing what comes next), run
+    here once this process has scanned its own share, while the child may still be scanning
+    (only when there is a child: otherwise the caller does that work in its own time)."""
     child = _child_share([len(p) for p in pickles]) if len(pickles) > 1 and _can_fork() else set()
     if not child:
         yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
@@ -86,6 +92,8 @@ def scan_all(pickles: list[bytes]) -> Iterator[tuple[int, ValueError | None]]:
         for i, data in enumerate(pickles):
             if i not in child:
                 yield i, _verdict(data)
+        if meanwhile is not None:
+            meanwhile()
         text = pipe.read()
         status = os.waitpid(pid, 0)[1]
         reaped = True

@@ -10,6 +10,7 @@ code) or CK205 (empty, truncated, not a torch file), with one hint each, here.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,9 +97,10 @@ class StateCache:
                 loaded.state, loaded.error = None, TorchFileError(path, f"cannot read: {exc}")
         return loaded
 
-    def load_all(self, paths: list) -> None:
+    def load_all(self, paths: list, meanwhile: Callable[[], object] | None = None) -> None:
         """Read the files not read yet, their opcode scans side by side (``prescan``): what ``load``
-        of each would give, sooner on a machine with a second core."""
+        of each would give, sooner on a machine with a second core. ``meanwhile``: see
+        ``prescan.scan_all`` (work run while the other process may still be scanning)."""
         raws, keys = [], []
         for path in paths:
             key = location(path).resolve()
@@ -111,7 +113,7 @@ class StateCache:
                 self._files[key] = Loaded(error=exc)
             except OSError as exc:
                 self._files[key] = Loaded(error=TorchFileError(path, f"cannot read: {exc}"))
-        for i, scan_error in prescan.scan_all([raw.data for raw in raws]):
+        for i, scan_error in prescan.scan_all([raw.data for raw in raws], meanwhile):
             try:
                 self._files[keys[i]] = Loaded(state=torchfile.decode_data_pkl(raws[i], scan_error))
             except TorchFileError as exc:

@@ -35,21 +35,35 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     Reads only metadata (no tensor data unless --hash), needs neither DeepSpeed nor
     torch, and never executes pickled code.
     """
-    from ..deepspeed.describe import manifest_from_checkpoint
-    from ..deepspeed.describe_index import index_from_checkpoint
-    from ..deepspeed.directory import resolve_tag_dir
+    from ..checkpoint.states import StateCache
+    from ..deepspeed.directory import resolve_tag_dir, scan_tag_dir
     from ..deepspeed.topology import needs_index
-    from ..format.codec import gc_paused, write_manifest
+    from ..format.codec import gc_paused
 
     # No cyclic GC: the decoded pickles and the manifest are acyclic, and with 100k tensors the
     # collector rescanned them on every few thousand allocations (half of generate's time).
     try:
         with gc_paused():
-            if needs_index(resolve_tag_dir(checkpoint, tag)):
+            tag_dir = resolve_tag_dir(checkpoint, tag)
+            if needs_index(tag_dir):
                 # Tensor/pipeline parallel: a checkpoint index (one 1.x manifest per model-parallel rank).
+                from ..deepspeed.describe_index import index_from_checkpoint
+
                 document = index_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm).to_dict()
             else:
-                document = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm)
+                # The files are read (their scans side by side) before the models are imported: the
+                # import (pydantic, ~0.2 s) runs while the other process may still be scanning.
+                shards, states = scan_tag_dir(tag_dir), StateCache()
+                states.load_all([*shards.model_files.values(), *shards.optim_files.values()], _import_describe)
+                from ..deepspeed.describe import manifest_from_checkpoint
+
+                document = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm, states=states)
+            from ..format.codec import write_manifest
+
             write_manifest(document, output)
     except CkptspecError as exc:
         fail(exc)
+
+
+def _import_describe() -> None:
+    from ..deepspeed import describe  # noqa: F401
