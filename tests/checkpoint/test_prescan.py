@@ -177,3 +177,23 @@ def test_a_refusal_found_by_the_child_reads_as_one_found_here(forks, tmp_path):
     messages = [str(together.load(p).error) for p in paths]
     assert messages == [str(StateCache().load(p).error) for p in paths]
     assert "memo index" in messages[1] and "nest deeper" in messages[2]
+
+
+def test_the_callers_work_runs_once_while_the_child_may_still_scan(forks):
+    """``meanwhile`` runs in this process after its own share and before the child's verdicts."""
+    largest = PICKLES.index(max(PICKLES, key=len))
+    seen, ran = [], []
+    for i, _ in prescan.scan_all(PICKLES, lambda: ran.append(list(seen))):
+        seen.append(i)
+    assert len(ran) == 1 and largest not in ran[0]  # before the child's share was given out
+    assert sorted(ran[0]) == sorted(
+        i for i in range(len(PICKLES)) if i not in prescan._child_share(list(map(len, PICKLES)))
+    )
+    assert reaped(forks)
+
+
+def test_without_a_child_the_callers_work_is_left_to_the_caller(monkeypatch):
+    monkeypatch.setattr(prescan.os, "sched_getaffinity", lambda _: {0})
+    ran = []
+    assert [i for i, _ in prescan.scan_all(PICKLES, lambda: ran.append(1))] == list(range(len(PICKLES)))
+    assert ran == []
