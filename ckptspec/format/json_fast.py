@@ -25,6 +25,12 @@ import orjson
 # false alarm (a null or these bytes inside a string) only costs speed.
 _FLOAT_END = re.compile(rb"[.eE][-+]?[0-9]+(?:,?\n|\Z)")
 _COMPACT_FLOAT_END = re.compile(rb"[.eE][-+]?[0-9]+(?:[,\]}]|\Z)")
+# Searched for in the text less what no number holds and no number ends at: the indentation,
+# ":[]{}" and every letter but e and E (true, false, null, keys, names), half of a manifest's bytes.
+# A number still ends where it did; no removal joins other bytes into one (a token ends its line,
+# and a string keeps its quotes and backslashes).
+_NOT_IN_NUMBERS = bytes(c for c in range(128) if (chr(c).isalpha() and c not in b"eE") or c in b" :[]{}")
+_COMPACT_NOT_IN_NUMBERS = bytes(c for c in range(128) if chr(c).isalpha() and c not in b"eE")  # "]}" end numbers
 
 
 def _reference(value: Any, compact: bool = False) -> bytes:
@@ -48,9 +54,15 @@ def _value(value: Any, compact: bool = False) -> bytes:
         )
     except (TypeError, ValueError):  # big ints, non-str keys, surrogates, other types
         return _reference(value, compact)
-    if b"null" in text or (_COMPACT_FLOAT_END if compact else _FLOAT_END).search(text) is not None:
+    if b"null" in text or may_hold_float(text, compact):
         return _reference(value, compact)
     return text
+
+
+def may_hold_float(text: bytes, compact: bool = False) -> bool:
+    """orjson's (indented, or compact) text of a value might hold a float: True for every float."""
+    floats, dropped = (_COMPACT_FLOAT_END, _COMPACT_NOT_IN_NUMBERS) if compact else (_FLOAT_END, _NOT_IN_NUMBERS)
+    return floats.search(text.translate(None, dropped)) is not None
 
 
 def dumps_indented(doc: Any) -> bytes:

@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,3 +78,37 @@ def test_corpus_manifests_written_alike(path):
     doc = load_document(path)
     assert dumps(doc) == dumps(doc, reference=True) == _reference(doc)
     assert dumps(doc, compact=True) == dumps(doc, compact=True, reference=True) == _compact_reference(doc)
+
+
+def _holds_float(value) -> bool:
+    if isinstance(value, float):
+        return True
+    if isinstance(value, dict):
+        return any(map(_holds_float, value.values()))
+    return isinstance(value, list) and any(map(_holds_float, value))
+
+
+plain_documents = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+    | st.sampled_from(["1.5", "e12", "a.5,", "x]", "1e-5\n", " : 2.5 ", "[1.5]"]),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text() | st.sampled_from(["e", "1.5", "lr"]), inner, max_size=4)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(plain_documents)
+def test_every_float_is_seen_in_orjsons_text(doc):
+    # A float orjson writes unlike the standard library (1e-05, 1e+16) would go unnoticed in the
+    # bytes if the search missed it: the search itself is held to the document here (NaN and
+    # infinities are null in orjson's text, which sends the value to the standard library anyway).
+    if _holds_float(doc):
+        assert json_fast.may_hold_float(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+        assert json_fast.may_hold_float(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS), compact=True)
