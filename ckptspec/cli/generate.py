@@ -43,7 +43,7 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     # No cyclic GC: the decoded pickles and the manifest are acyclic, and with 100k tensors the
     # collector rescanned them on every few thousand allocations (half of generate's time).
     try:
-        with gc_paused():
+        with gc_paused(for_good=True):  # the command ends after it
             tag_dir = resolve_tag_dir(checkpoint, tag)
             if needs_index(tag_dir):
                 # Tensor/pipeline parallel: a checkpoint index (one 1.x manifest per model-parallel rank).

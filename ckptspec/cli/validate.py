@@ -119,10 +119,10 @@ def validate(
         ):  # tensor/pipeline parallel: the checkpoint index and every domain's files (local only, for now)
             from ..deepspeed.validate_index import validate_index_checkpoint
 
-            with gc_paused():
+            with gc_paused(for_good=True):  # the command ends after it
                 _, findings = validate_index_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
         else:
-            with gc_paused():  # the decoded pickles are large acyclic trees: see codec.gc_paused
+            with gc_paused(for_good=True):  # large acyclic trees, and the command ends after them
                 states = _read_early(shown, tag) if manifest is None and not is_remote(shown) else None
                 from ..deepspeed.validate import validate_checkpoint
 
@@ -161,7 +161,7 @@ def _validate_document_file(target: str, max_size: int, encoding: str | None, *,
     from ..format.index_validate import is_index, validate_index_document
     from ..format.validate import validate_decoded
 
-    with gc_paused():
+    with gc_paused(for_good=True):  # a one-shot command: see codec.gc_paused
         doc, floats = read_document(target, max_size, encoding)
         if is_index(doc):
             return validate_index_document(doc)
