@@ -118,10 +118,9 @@ def make_params(
     paddings: Sequence[int],
 ) -> list:
     """``make_param`` of each row of these columns, in bulk: when every value plainly fits, the
-    checks and the objects are made by C loops (``map``), ~0.5 us a ``Param`` against ~2 us one by
-    one (100k tensors: a mixture-of-experts model). Anything else: ``make_param`` row by row, which
+    checks and the objects are made by C loops (``map``), without a Python call per param (100k
+    tensors: a mixture-of-experts model). Anything else: ``make_param`` row by row, which
     validates and raises what it always raised. ``tests/format/test_partition_fast.py``."""
-    global _DTYPES, _construct
     if not _DTYPES:
         make_param("w", (1,), 1, "float32", 0, 0)  # fills _DTYPES and _construct
     columns = (names, shapes, numels, dtypes, offsets, paddings)
