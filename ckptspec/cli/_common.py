@@ -162,3 +162,23 @@ def fetched_line(target: str, fetched: dict[str, int]) -> str:
     if total:
         line += f" ({100 * fetched['bytes'] / total:.3f}% of the {total:,} bytes of its files)"
     return line
+
+
+def read_tag_dir_early(checkpoint: str, tag: str | None, then: str):
+    """The tag directory's pickles read (their scans side by side) before the module ``then``
+    (``ckptspec.deepspeed.describe``, ``.validate``: pydantic and the models, ~0.2 s) is imported,
+    which happens while the forked scan may still be going (``prescan.scan_all``'s ``meanwhile``).
+    A ``StateCache`` to hand on, or None when the directory cannot be listed: the command's own
+    flow then raises what it always raised, where it always did."""
+    import importlib
+
+    from ..checkpoint.states import StateCache
+    from ..deepspeed.directory import resolve_tag_dir, scan_tag_dir
+
+    try:
+        shards = scan_tag_dir(resolve_tag_dir(checkpoint, tag))
+    except CkptspecError:
+        return None
+    states = StateCache()
+    states.load_all([*shards.model_files.values(), *shards.optim_files.values()], lambda: importlib.import_module(then))
+    return states

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..errors import CkptspecError
-from ._common import OUTPUT_FILE, fail
+from ._common import OUTPUT_FILE, fail, read_tag_dir_early
 
 
 @click.command()
@@ -35,8 +35,7 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     Reads only metadata (no tensor data unless --hash), needs neither DeepSpeed nor
     torch, and never executes pickled code.
     """
-    from ..checkpoint.states import StateCache
-    from ..deepspeed.directory import resolve_tag_dir, scan_tag_dir
+    from ..deepspeed.directory import resolve_tag_dir
     from ..deepspeed.topology import needs_index
     from ..format.codec import gc_paused
 
@@ -51,10 +50,7 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
 
                 document = index_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm).to_dict()
             else:
-                # The files are read (their scans side by side) before the models are imported: the
-                # import (pydantic, ~0.2 s) runs while the other process may still be scanning.
-                shards, states = scan_tag_dir(tag_dir), StateCache()
-                states.load_all([*shards.model_files.values(), *shards.optim_files.values()], _import_describe)
+                states = read_tag_dir_early(checkpoint, tag, "ckptspec.deepspeed.describe")
                 from ..deepspeed.describe import manifest_from_checkpoint
 
                 document = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm, states=states)
@@ -63,7 +59,3 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
             write_manifest(document, output)
     except CkptspecError as exc:
         fail(exc)
-
-
-def _import_describe() -> None:
-    from ..deepspeed import describe  # noqa: F401

@@ -17,6 +17,7 @@ from ._common import (
     echo_json,
     error_line,
     fetched_line,
+    read_tag_dir_early,
     validation_report,
 )
 
@@ -123,7 +124,8 @@ def validate(
                 _, findings = validate_index_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
         else:
             with gc_paused(for_good=True):  # large acyclic trees, and the command ends after them
-                states = _read_early(shown, tag) if manifest is None and not is_remote(shown) else None
+                early = manifest is None and not is_remote(shown)
+                states = read_tag_dir_early(shown, tag, "ckptspec.deepspeed.validate") if early else None
                 from ..deepspeed.validate import validate_checkpoint
 
                 found, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash, states=states)
@@ -132,27 +134,6 @@ def validate(
         sys.exit(exc.exit_code)
     _emit(output_format, shown, findings, None, remote, sum(f.size for f in found.files) if found else None)
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
-
-
-def _read_early(checkpoint: str, tag: str | None):
-    """The tag directory's pickles, read (their scans side by side) before the models are
-    imported: the import (pydantic, ~0.2 s) runs while the other process may still be scanning
-    (``prescan.scan_all``). None when the directory cannot be listed: the whole flow then says why,
-    where it always did."""
-    from ..checkpoint.states import StateCache
-    from ..deepspeed.directory import resolve_tag_dir, scan_tag_dir
-
-    try:
-        shards = scan_tag_dir(resolve_tag_dir(checkpoint, tag))
-    except CkptspecError:
-        return None
-    states = StateCache()
-    states.load_all([*shards.model_files.values(), *shards.optim_files.values()], _import_validate)
-    return states
-
-
-def _import_validate() -> None:
-    from ..deepspeed import validate  # noqa: F401
 
 
 def _validate_document_file(target: str, max_size: int, encoding: str | None, *, build_model: bool = False):

@@ -21,21 +21,13 @@ _DTYPE = attrgetter("dtype")
 _DS_SHAPE = attrgetter("ds_shape")  # a ZeRO-3 param's shape before partitioning
 
 
-def _dtype_name(dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
-    return name
-
-
 def _specs(params: list, names: dict[int, str], shape_of=None) -> list[ParamSpec]:
     """The ``ParamSpec`` of each param, in C loops where the params are plain (100k of them:
     a mixture-of-experts model). ``shape_of``: how every param gives its shape (stage 3:
     ``ds_shape``, the shape before partitioning), else each param's own (``_shape``)."""
     dtypes = list(map(_DTYPE, params))
-    kinds = set(dtypes)
-    for dtype in kinds - _DTYPE_NAMES.keys():
-        _dtype_name(dtype)
+    for dtype in set(dtypes) - _DTYPE_NAMES.keys():
+        _DTYPE_NAMES[dtype] = dtype_name(dtype)
     shapes = list(map(tuple, map(shape_of, params))) if shape_of is not None else list(map(_shape, params))
     return param_specs(list(map(names.__getitem__, map(id, params))), shapes, list(map(_DTYPE_NAMES.get, dtypes)))
 
