@@ -2,7 +2,8 @@
 
 Before unpickling, ``scan_pickle`` walks the opcodes and refuses memo indices that would make the
 C unpickler allocate memory in proportion to them, and tuples nested deeper than ``MAX_NESTING``
-(hashing one recurses in C and can crash the interpreter). After it, ``check_tree`` makes sure the
+(hashing one recurses in C and can crash the interpreter); ``torch_records`` takes the records
+``torch.save`` writes by the hundred thousand whole. After it, ``check_tree`` makes sure the
 result is a tree a recursive walker can handle: no cycles, at most ``MAX_NESTING`` deep, not
 exponentially large through shared references. Both raise ``ValueError``; ``torchfile`` turns
 that into a ``TorchFileError`` naming the file.
@@ -14,6 +15,7 @@ import itertools
 import struct
 from collections import OrderedDict
 
+from . import torch_records
 from .standins import DType, FragmentAddress, LossScalerState, StorageRef, TensorRef, ZeroStage
 
 MAX_NESTING = 100  # containers in a DeepSpeed checkpoint nest about 6 deep
@@ -44,9 +46,16 @@ def scan_pickle(data: bytes) -> None:
     hash without recursing), and a call's result counts 1 (see ALLOWED). Anything the
     unpickler would fail on (an unknown opcode, a cut argument, a missing MARK) fails here.
     """
+    walk(data, fast=True)
+
+
+def walk(data: bytes, fast: bool) -> tuple[dict, list, list]:
+    """scan_pickle's walk. ``fast``: take the records ``torch_records`` knows whole. Returns the
+    memo, the stack (as tuple depths) and the marks at STOP: tests compare them with and without."""
     n = len(data)
     pos, stack, marks, memo = 0, [], [], {}
     push, pop, u32 = stack.append, stack.pop, _U32_AT
+    named_record = torch_records.named_record
 
     def to_mark():
         if not marks:
@@ -93,6 +102,8 @@ def scan_pickle(data: bytes) -> None:
             elif op == 0x58:  # BINUNICODE
                 pos += 5 + u32(data, pos + 1)[0]
                 push(0)
+                if fast:  # a name: a state dict entry or a named shape may follow (torch_records)
+                    pos = named_record(data, pos, n, memo, stack) or pos
             elif op == 0x28:  # MARK
                 marks.append(len(stack))
                 pos += 1
@@ -136,7 +147,7 @@ def scan_pickle(data: bytes) -> None:
                 push(0)
                 pos += 3
             elif op == 0x2E:  # STOP
-                return
+                return memo, stack, marks
             else:
                 pos = _scan_rare(op, data, pos, stack, marks, memo, to_mark, tuple_of, put)
     except (IndexError, struct.error):

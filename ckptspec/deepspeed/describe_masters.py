@@ -42,34 +42,12 @@ from ..format.index_models import (
 )
 from ..format.models import Layout, Manifest, Producer, ShardFile
 from ..format.partition import ParamSpec, flat_group
-from ..location import RemotePath
 from .directory import UNIVERSAL_FOLDER
 from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, MasterTensor, stage0_masters
-from .names import MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
+from .names import MODEL_RE, OPTIM_RE
+from .topology import index_kind
 
 _EXPERT_ID = re.compile(r"\.deepspeed_experts\.(\d+)\.")
-
-
-def index_kind(tag_dir: Path | RemotePath) -> str | None:
-    """``"universal"``, ``"moe"`` or ``"stage0"`` for a tag directory this module describes, else None."""
-    if isinstance(tag_dir, RemotePath) or not tag_dir.is_dir():
-        return None
-    names = [p.name for p in tag_dir.iterdir()]
-    if any(PIPE_LAYER_RE.match(n) for n in names):
-        from .describe_pipeline0 import is_pipeline_stage0
-
-        return "pipeline_stage0" if is_pipeline_stage0(tag_dir, StateCache()) else None
-    if any(OPTIM_RE.match(n) and not n.endswith("mp_rank_00_optim_states.pt") for n in names):
-        return None  # a model-parallel rank other than 0: the tensor/pipeline index
-    if any(EXPERT_FILE_RE.match(n) or EXPP_RE.match(n) for n in names):
-        return "moe"
-    if any(OPTIM_RE.match(n) for n in names):
-        return None  # an ordinary ZeRO checkpoint: format 1.x
-    if (tag_dir / UNIVERSAL_FOLDER).is_dir():
-        return "universal"
-    if MODEL_FILE in names:
-        return "stage0"
-    return None
 
 
 def _locators(folder: Path, master: MasterTensor, states: StateCache) -> list[MasterLocator]:

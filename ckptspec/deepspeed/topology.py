@@ -18,6 +18,7 @@ from ..checkpoint.states import StateCache
 from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
 from ..location import RemotePath
 from .directory import UNIVERSAL_FOLDER, ShardSet
+from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
 
@@ -61,9 +62,31 @@ def is_model_parallel(tag_dir: Path | RemotePath) -> bool:
 
 def needs_index(tag_dir: Path | RemotePath) -> bool:
     """Described by a checkpoint index: model parallel, or MoE, ZeRO stage 0 or a universal folder (#17)."""
-    from .describe_masters import index_kind
-
     return is_model_parallel(tag_dir) or index_kind(tag_dir) is not None
+
+
+def index_kind(tag_dir: Path | RemotePath) -> str | None:
+    """``"universal"``, ``"moe"``, ``"stage0"`` or ``"pipeline_stage0"`` for a tag directory
+    ``describe_masters`` describes, else None. File names only (and the pipeline stage-0 check):
+    ``generate`` asks before it imports the models."""
+    if isinstance(tag_dir, RemotePath) or not tag_dir.is_dir():
+        return None
+    names = [p.name for p in tag_dir.iterdir()]
+    if any(PIPE_LAYER_RE.match(n) for n in names):
+        from .describe_pipeline0 import is_pipeline_stage0
+
+        return "pipeline_stage0" if is_pipeline_stage0(tag_dir, StateCache()) else None
+    if any(OPTIM_RE.match(n) and not n.endswith("mp_rank_00_optim_states.pt") for n in names):
+        return None  # a model-parallel rank other than 0: the tensor/pipeline index
+    if any(EXPERT_FILE_RE.match(n) or EXPP_RE.match(n) for n in names):
+        return "moe"
+    if any(OPTIM_RE.match(n) for n in names):
+        return None  # an ordinary ZeRO checkpoint: format 1.x
+    if (tag_dir / UNIVERSAL_FOLDER).is_dir():
+        return "universal"
+    if MODEL_FILE in names:
+        return "stage0"
+    return None
 
 
 def scan_parallel(tag_dir: Path) -> ParallelFiles:

@@ -15,6 +15,7 @@ import json
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,24 @@ def test_hf_gpt2_load_refuses_a_changed_weight(hf_run, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [
         f"{copy}: differs from the live engine: ['transformer.h.1.mlp.c_fc.bias']"
     ]
+
+
+def test_hf_gpt2_checkpoint_scans_the_same_through_the_fast_lane(hf_run, monkeypatch):
+    """The opcode scan's fast lane (``checkpoint/torch_records``) on real DeepSpeed output: it takes
+    the state dict's and ``param_shapes``' records whole and ends where the walk one opcode at a
+    time ends (memo, stack and marks)."""
+    from ckptspec.checkpoint import pickle_scan, torch_records
+
+    out, _ = hf_run
+    taken, real = [], torch_records.named_record
+    monkeypatch.setattr(torch_records, "named_record", lambda *args: taken.append(real(*args)) or taken[-1])
+    for pt in sorted((out / "checkpoint" / "global_step2").glob("*.pt")):
+        with zipfile.ZipFile(pt) as archive:
+            data = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+        assert pickle_scan.walk(data, fast=True) == pickle_scan.walk(data, fast=False), pt.name
+    # param_shapes' 28 sizes but the first (its class comes by GLOBAL); the state dict's entries
+    # come before memo index 256 here (BINPUT), which the lane leaves to the walk.
+    assert sum(1 for end in taken if end) >= 20
 
 
 # --------------------------------------------------------------------------- numpy

@@ -1,0 +1,185 @@
+"""The scan's fast lane (``torch_records``) leaves the walk exactly where the walk would be: on
+``torch.save``'s own pickles, and on those pickles with their records broken in every way the lane
+must hand back (a memo index past the end, a read of the record's own write, a tuple read from the
+memo, a read of an index never written), the same memo, stack and marks, or the same refusal."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import pickletools
+import struct
+import zipfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptspec.checkpoint import pickle_scan, torch_records
+from ckptspec.checkpoint.pickle_scan import MAX_NESTING
+
+
+def _data_pkl(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+
+
+@dataclasses.dataclass
+class FragmentAddress:  # pickled as DeepSpeed's fragment_address: NEWOBJ, then its attributes by BUILD
+    numel: int
+    start: int
+
+
+def _deepspeed_like() -> bytes:
+    """A model-states pickle as DeepSpeed saves one: a state dict of views of flat buffers (shared
+    storages, as ZeRO's) and of tensors of their own, then every parameter's ``torch.Size``; and,
+    as in the optimizer states, every parameter's fragment address."""
+    flat = torch.zeros(100_000)
+    shapes = [(), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 1, 2), (1,), (0,), (4, 0)]
+    module, param_shapes, mappings = collections.OrderedDict(), collections.OrderedDict(), collections.OrderedDict()
+    offset = 0
+    for i in range(320):
+        shape = shapes[i % len(shapes)]
+        numel = torch.Size(shape).numel()
+        if i % 3:
+            module[f"layers.{i}.weight"] = flat[offset : offset + numel].view(shape)
+            offset += numel
+        else:
+            module[f"layers.{i}.weight"] = torch.ones(shape, dtype=torch.bfloat16, requires_grad=i % 2 == 0)
+        param_shapes[f"layers.{i}.weight"] = torch.Size(shape)
+        mappings[f"layers.{i}.weight"] = FragmentAddress(numel, offset)
+    module["layers.0.t"] = torch.zeros(3, 4).t()  # a stride that is not the size's
+    return _data_pkl(
+        {"module": module, "param_shapes": [param_shapes], "param_slice_mappings": [mappings], "ds_version": "0.19.8"}
+    )
+
+
+def _with_deep_tuple(data: bytes, depth: int) -> tuple[bytes, int]:
+    """``data`` with a tuple ``depth`` deep memoized (then popped) after PROTO, at an index the
+    pickle does not use; returns the pickle and that index."""
+    assert data[:2] == b"\x80\x02"
+    index = len(data) - 1  # below the new length: a put the walk allows
+    prefix = b")" + b"\x85" * (depth - 1) + b"r" + struct.pack("<I", index) + b"0"
+    return data[:2] + prefix + data[2:], index
+
+
+def _outcome(data: bytes, fast: bool):
+    try:
+        return pickle_scan.walk(data, fast)
+    except ValueError as error:
+        return str(error)
+
+
+def _records(data: bytes) -> list:
+    """The matches the lane takes when it walks ``data``."""
+    taken, real = [], torch_records.named_record
+
+    def spy(data, pos, n, memo, stack):
+        end = real(data, pos, n, memo, stack)
+        if end:
+            taken.append(torch_records._NAMED_RECORD(data, pos))
+        return end
+
+    torch_records.named_record = spy
+    try:
+        pickle_scan.walk(data, fast=True)
+    finally:
+        torch_records.named_record = real
+    return taken
+
+
+BASE, DEEP_INDEX = _with_deep_tuple(_deepspeed_like(), MAX_NESTING)
+RECORDS = _records(BASE)
+
+
+def test_the_lane_takes_every_record_and_ends_where_the_walk_ends():
+    # Every name memoized with LONG_BINPUT and followed by a memo read (the records after the
+    # first 256 memo entries, bar the first Size, whose class comes by GLOBAL) is taken whole.
+    names = [pos + 5 + len(arg) for op, arg, pos in pickletools.genops(BASE) if str(arg).startswith("layers.")]
+    expected = [end for end in names if BASE[end] == 0x72 and BASE[end + 5] in (0x68, 0x6A)]
+    assert [m.start() for m in RECORDS] == expected
+    kinds = collections.Counter("tensor" if m.group(3) else "shape" if m.lastindex <= 17 else "object" for m in RECORDS)
+    assert min(kinds["tensor"], kinds["shape"], kinds["object"]) > 250, kinds  # scalars and new keys among them
+    fast = pickle_scan.walk(BASE, fast=True)
+    assert fast == pickle_scan.walk(BASE, fast=False)
+    assert fast[0][DEEP_INDEX] == MAX_NESTING  # the walk counted the prefix: the depths are real
+
+
+def _fields(match) -> list[tuple[int, int, str]]:
+    """(start, end, kind) of every memo index in a record: a put's 4-byte argument, a read's whole
+    token (BINGET or LONG_BINGET)."""
+    found = []
+    for group in range(1, match.re.groups + 1):
+        start, end = match.span(group)
+        if start < 0:
+            continue
+        if end - start == 4 and match.string[start - 1] == 0x72:  # LONG_BINPUT's argument
+            found.append((start, end, "put"))
+        elif match.string[start] in (0x68, 0x6A):
+            found.append((start, end, "read"))
+    return found
+
+
+def _set_index(data: bytes, field: tuple[int, int, str], index: int, short: bool = True) -> bytes:
+    """``data`` with the memo index of ``field`` set to ``index`` (a read as BINGET if it fits and
+    ``short``, else LONG_BINGET: the record may change length)."""
+    start, end, kind = field
+    if kind == "put":
+        raw = struct.pack("<I", min(index, 2**32 - 1))
+    else:
+        raw = b"h" + bytes([index]) if index < 256 and short else b"j" + struct.pack("<I", min(index, 2**32 - 1))
+    return data[:start] + raw + data[end:]
+
+
+# One example per way a record goes back to the walk, each in the first record the lane takes.
+FIRST = RECORDS[0]
+NAME_PUT, STORAGE_READ = _fields(FIRST)[0], _fields(FIRST)[2]
+OWN_PUT = struct.unpack_from("<I", BASE, _fields(FIRST)[-1][0])[0]  # the tensor's own put
+
+
+@pytest.mark.parametrize(
+    "case, data",
+    [
+        ("a put past the end", _set_index(BASE, NAME_PUT, len(BASE))),
+        ("a put at the last index", _set_index(BASE, NAME_PUT, len(BASE) - 1)),
+        ("a read of the deep tuple", _set_index(BASE, STORAGE_READ, DEEP_INDEX)),
+        ("a read of the record's own write", _set_index(BASE, STORAGE_READ, OWN_PUT)),
+        ("a read of an index never written", _set_index(BASE, STORAGE_READ, len(BASE) - 2)),
+        ("cut inside a record", BASE[: FIRST.end() - 3]),
+    ],
+)
+def test_each_way_back_to_the_walk(case, data):
+    fast, walked = _outcome(data, fast=True), _outcome(data, fast=False)
+    assert fast == walked
+    if case in ("a put past the end", "a read of the deep tuple", "a read of an index never written"):
+        assert isinstance(walked, str)  # refused, by both
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_broken_records_are_judged_as_the_walk_judges_them(data):
+    """Memo indices in the records the lane takes, set to what each rule is about (past the end,
+    an index this record or an earlier one writes, the deep tuple, an index never written, any),
+    or a byte of a record set to anything; one to three changes."""
+    pickle = BASE
+    for _ in range(data.draw(st.integers(1, 3))):
+        record = data.draw(st.sampled_from(RECORDS))
+        fields = _fields(record)
+        if data.draw(st.booleans()):
+            written = [struct.unpack_from("<I", BASE, start)[0] for start, _, kind in fields if kind == "put"]
+            index = data.draw(
+                st.sampled_from([0, 2, 255, 256, len(BASE), len(BASE) + 7, 2**32 - 1, DEEP_INDEX, *written])
+                | st.integers(0, 2**32 - 1)
+            )
+            shift = len(pickle) - len(BASE)  # earlier changes may have moved this record
+            start, end, kind = data.draw(st.sampled_from(fields))
+            if pickle[start + shift : end + shift] == BASE[start:end]:
+                pickle = _set_index(pickle, (start + shift, end + shift, kind), index, data.draw(st.booleans()))
+        else:
+            offset = data.draw(st.integers(record.start(), record.end() - 1))
+            pickle = pickle[:offset] + bytes([data.draw(st.integers(0, 255))]) + pickle[offset + 1 :]
+    assert _outcome(pickle, fast=True) == _outcome(pickle, fast=False)
