@@ -57,6 +57,9 @@ class StorageRef(_SealedRecord):
         return self.numel * self.itemsize
 
 
+_CONTIGUOUS: dict[tuple, bool] = {}  # (shape, stride) -> TensorRef.is_contiguous
+
+
 @dataclass(slots=True)
 class TensorRef(_SealedRecord):
     storage: StorageRef
@@ -73,18 +76,24 @@ class TensorRef(_SealedRecord):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def is_contiguous(self) -> bool:
-        expected = 1
+        # Asked of every module tensor (CK217); a model has a few distinct (shape, stride) pairs.
+        key = (self.shape, self.stride)
+        try:
+            return _CONTIGUOUS[key]
+        except (KeyError, TypeError):  # new, or not hashable (a list): work it out
+            pass
+        expected, found = 1, True
         for size, stride in reversed(list(zip(self.shape, self.stride))):
             if size != 1 and stride != expected:
-                return False
+                found = False
+                break
             expected *= size
-        return True
+        if len(_CONTIGUOUS) < 4096 and type(self.shape) is tuple and type(self.stride) is tuple:
+            _CONTIGUOUS[key] = found
+        return found
 
 
 class ZeroStage(_Sealed, int):

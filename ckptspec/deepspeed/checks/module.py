@@ -53,28 +53,28 @@ def module_role(ctx: Context) -> Iterator[Finding]:
 def module_shape(ctx: Context) -> Iterator[Finding]:
     """The saved module tensors have the recorded shapes (catches a transposed shape in param_shapes)."""
     stage3 = ctx.layout.zero_stage == 3
-    expected: dict[str, tuple[list[int], str | None]] = {}
+    expected: dict[str, tuple[tuple[int, ...], str | None]] = {}  # a reader's shapes are tuples
     if not stage3:  # stage 3 saves (0,) placeholders for every parameter
         for grp in ctx.manifest.groups:
             for p in grp.params:
-                expected[p.name] = (list(p.shape), p.dtype)
+                expected[p.name] = (tuple(p.shape), p.dtype)
         for fr in ctx.manifest.frozen:
-            expected[fr.name] = (list(fr.shape), None)
+            expected[fr.name] = (tuple(fr.shape), None)
         for a in ctx.manifest.aliases:
-            expected[a.name] = (list(a.shape), None)
+            expected[a.name] = (tuple(a.shape), None)
     for b in ctx.manifest.buffers:
-        expected[b.name] = (list(b.shape), b.dtype)
-    as_tuples = {name: tuple(shape) for name, (shape, _) in expected.items()}  # a reader's shapes are tuples
+        expected[b.name] = (tuple(b.shape), b.dtype)
     for f, module in ctx.modules():
+        get = module.get
         for name, (shape, dtype) in expected.items():
-            ref = module.get(name)
+            ref = get(name)
             if not isinstance(ref, TensorRef):
                 continue  # CK215 reports missing keys
-            if ref.shape != as_tuples[name] and list(ref.shape) != shape:
+            if ref.shape != shape and list(ref.shape) != list(shape):
                 yield finding(
                     "CK216",
                     ctx.name_path(name, "shape"),
-                    f"{name}: the saved tensor has shape {list(ref.shape)}, the manifest records {shape}",
+                    f"{name}: the saved tensor has shape {list(ref.shape)}, the manifest records {list(shape)}",
                     "param_shapes (or the manifest) records a wrong shape; a reconstruction would return a wrongly "
                     "shaped tensor",
                     file=f.name,
