@@ -14,10 +14,12 @@ from __future__ import annotations
 import itertools
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 
 from . import torch_records
 from .standins import DType, FragmentAddress, LossScalerState, StorageRef, TensorRef, ZeroStage
 
+PASSED_EVERY = 512 * 1024  # how often walk() reports its progress, in bytes
 MAX_NESTING = 100  # containers in a DeepSpeed checkpoint nest about 6 deep
 _U32_AT = struct.Struct("<I").unpack_from  # a 4-byte argument; ~15 ns faster than int.from_bytes of a slice
 
@@ -49,11 +51,14 @@ def scan_pickle(data: bytes) -> None:
     walk(data, fast=True)
 
 
-def walk(data: bytes, fast: bool) -> tuple[dict, list, list]:
-    """scan_pickle's walk. ``fast``: take the records ``torch_records`` knows whole. Returns the
-    memo, the stack (as tuple depths) and the marks at STOP: tests compare them with and without."""
+def walk(data: bytes, fast: bool, passed: Callable[[int], object] | None = None) -> tuple[dict, list, list]:
+    """scan_pickle's walk. ``fast``: take the records ``torch_records`` knows whole. ``passed``:
+    called with a position every ``PASSED_EVERY`` bytes or so, once every opcode before it has
+    passed (``prescan`` lets the unpickler that far). Returns the memo, the stack (as tuple
+    depths) and the marks at STOP: tests compare them with and without the fast lane."""
     n = len(data)
     pos, stack, marks, memo = 0, [], [], {}
+    next_report = PASSED_EVERY if passed is not None else 1 << 62  # (no argument moves pos that far)
     push, pop, u32 = stack.append, stack.pop, _U32_AT
     named_record = torch_records.named_record
 
@@ -77,6 +82,11 @@ def walk(data: bytes, fast: bool) -> tuple[dict, list, list]:
 
     try:
         while True:
+            if pos >= next_report:
+                if pos > n:  # the last opcode's argument claims bytes past the end: never pass it
+                    raise IndexError
+                passed(pos)
+                next_report = pos + PASSED_EVERY
             op = data[pos]
             # The opcodes torch.save writes most, argument and stack effect in one go, most frequent
             # first (a 100k-tensor model-states pickle: 4.5M opcodes, 1.25M of them LONG_BINPUT).

@@ -1,13 +1,16 @@
-"""Scan several ``data.pkl`` at once: the larger share in a forked process beside this one.
+"""Scan and unpickle at once: a forked process walks the opcodes ahead of this one's unpickler.
 
-``scan_pickle`` (the opcode walk that must pass before the C unpickler runs) is pure Python and,
-on a checkpoint of 100k tensors, a third of what ``generate`` costs; the unpickler itself cannot
-run before it. With the files of a tag directory known up front, a child process scans the
-largest pickles while this one scans the others and decodes each as soon as it passed. The
-child only reports what ``scan_pickle`` raised, as text; it decodes nothing, so nothing it
-builds crosses back. Where a child cannot help or cannot be made safely (one file, small files,
-one CPU, threads running, not Linux), or fails in any way, this process scans everything itself:
-the verdicts are the same either way.
+The C unpickler may run an opcode only once ``scan_pickle``'s walk has passed it. With a tag
+directory's pickles known up front, a forked child walks them one after the other and reports
+how far it has got every ``PASSED_EVERY`` bytes; this process unpickles each one behind it,
+through a reader that hands the unpickler only bytes the walk has passed (``Streamed``). The walk
+judges an opcode from what comes before it alone, so the unpickler never runs an opcode the walk
+has not let through, and the two take about as long as the slower of them, not the sum. A pickle
+the walk refuses is reported as a walk run beforehand would report it: the walk's verdict is
+asked for whatever the unpickler did (``Streamed.refusal``). The child decodes nothing and sends
+back only positions and the walk's messages, as text. Where a child cannot help or cannot be made
+safely (small files, one CPU, threads running, not Linux), or fails in any way, this process walks
+the pickles itself, each before it is unpickled: the verdicts are the same either way.
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-from .pickle_scan import scan_pickle
+from .pickle_scan import walk
 
-MIN_CHILD_BYTES = 2 * 1024 * 1024  # below this a scan takes ~0.1 s: not worth a process
+MIN_CHILD_BYTES = 2 * 1024 * 1024  # below this a walk takes ~0.1 s: not worth a process
 
 
 def _verdict(data: bytes) -> ValueError | None:
     try:
-        scan_pickle(data)
+        walk(data, fast=True)
     except ValueError as e:
         return e
     return None
@@ -38,82 +41,173 @@ def _can_fork() -> bool:
     return sys.platform == "linux" and threading.active_count() == 1 and len(os.sched_getaffinity(0)) > 1
 
 
-def _child_share(sizes: list[int]) -> set[int]:
-    """The indices the child scans: the largest pickles, up to half of the bytes (greedy)."""
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    child, child_bytes, parent_bytes = set(), 0, 0
-    for i in order:
-        if child_bytes <= parent_bytes:
-            child.add(i)
-            child_bytes += sizes[i]
-        else:
-            parent_bytes += sizes[i]
-    return child if child_bytes >= MIN_CHILD_BYTES and parent_bytes else set()
+class Refused(Exception):
+    """Raised to the unpickler when it asks for bytes the walk refused (never reaches a caller)."""
+
+
+class _Feed:
+    """The child's reports, read as they are needed: how far the walk has passed each pickle, and
+    its verdicts. If the child dies or says anything unexpected, this process walks what is left."""
+
+    def __init__(self, pickles: list[bytes], pipe) -> None:
+        self.pickles, self._pipe = pickles, pipe
+        self.passed = [0] * len(pickles)
+        self.verdicts: dict[int, ValueError | None] = {}
+        self._lost = False
+
+    def wait(self, index: int, need: int) -> int:
+        """How far the walk has passed pickle ``index``, once that is at least ``need`` bytes or
+        the verdict is in (then the whole pickle if it passed, else raises Refused)."""
+        while self.passed[index] < need and index not in self.verdicts:
+            self._next_report(index)
+        if self.passed[index] < need and self.verdicts[index] is not None:
+            raise Refused
+        return self.passed[index]
+
+    def verdict(self, index: int) -> ValueError | None:
+        while index not in self.verdicts:
+            self._next_report(index)
+        return self.verdicts[index]
+
+    def _next_report(self, index: int) -> None:
+        if not self._lost:
+            report = self._read()
+            if report is not None:
+                return
+            self._lost = True
+        verdict = self.verdicts[index] = _verdict(self.pickles[index])  # the child is gone: walk here
+        if verdict is None:
+            self.passed[index] = len(self.pickles[index])
+
+    def _read(self) -> tuple | None:
+        """One report applied: ``P index position`` or ``V index message``; None at the end of the
+        pipe or on anything else."""
+        line = self._pipe.readline()
+        try:
+            kind, index, rest = line.decode("ascii").split(" ", 2)
+            index = int(index)
+            if not 0 <= index < len(self.pickles) or index in self.verdicts:
+                return None
+            if kind == "P":
+                self.passed[index] = max(self.passed[index], min(int(rest), len(self.pickles[index])))
+                return kind, index
+            message = json.loads(rest)
+            if kind != "V" or not (message is None or isinstance(message, str)):
+                return None
+        except ValueError:  # an empty or cut line (the child died), or a bad one
+            return None
+        self.verdicts[index] = None if message is None else ValueError(message)
+        if message is None:
+            self.passed[index] = len(self.pickles[index])
+        return kind, index
+
+
+class Streamed:
+    """A pickle the child is walking: ``reader()`` for the unpickler, then ``refusal()``."""
+
+    def __init__(self, feed: _Feed, index: int) -> None:
+        self._feed, self._index = feed, index
+
+    def reader(self) -> _PassedBytes:
+        return _PassedBytes(self._feed.pickles[self._index], lambda need: self._feed.wait(self._index, need))
+
+    def refusal(self) -> ValueError | None:
+        """What the walk raised for this pickle (None: it passed), once the walk has ended."""
+        return self._feed.verdict(self._index)
+
+
+class _PassedBytes:
+    """A binary file over ``data`` that gives only bytes the walk has passed, waiting for them:
+    what the C unpickler reads from (``peek`` lets it take what is there in one call)."""
+
+    def __init__(self, data: bytes, wait: Callable[[int], int]) -> None:
+        self._data, self._wait, self._pos, self._passed = data, wait, 0, 0
+
+    def _upto(self, end: int) -> int:
+        end = min(end, len(self._data))
+        if end > self._passed:
+            self._passed = self._wait(end)
+        return min(end, self._passed)
+
+    def peek(self, size: int = 1) -> bytes:
+        end = self._upto(self._pos + 1)  # at least one byte, if there is one
+        return self._data[self._pos : max(end, min(self._pos + size, self._passed))]
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._upto(len(self._data) if size is None or size < 0 else self._pos + size)
+        chunk, self._pos = self._data[self._pos : end], end
+        return chunk
+
+    def readinto(self, buffer) -> int:
+        chunk = self.read(len(buffer))
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+    def readline(self, size: int = -1) -> bytes:
+        newline = self._data.find(b"\n", self._pos)
+        return self.read((len(self._data) if newline < 0 else newline + 1) - self._pos)
+
+
+def _walk_all(pickles: list[bytes], out) -> None:
+    """The child's work: walk each pickle, reporting progress and verdicts as it goes."""
+    for index, data in enumerate(pickles):
+
+        def passed(pos, index=index):
+            out.write(b"P %d %d\n" % (index, pos))
+            out.flush()
+
+        try:
+            walk(data, fast=True, passed=passed)
+            message = None
+        except ValueError as e:
+            message = str(e)
+        out.write(b"V %d %s\n" % (index, json.dumps(message).encode()))
+        out.flush()
 
 
 def scan_all(
     pickles: list[bytes], meanwhile: Callable[[], object] | None = None
-) -> Iterator[tuple[int, ValueError | None]]:
-    """``(index, what scan_pickle raised or None)`` for every pickle, each as soon as it is known.
+) -> Iterator[tuple[int, ValueError | None | Streamed]]:
+    """``(index, verdict)`` for every pickle, in order: what scan_pickle raised (None: it passed),
+    or a ``Streamed`` pickle the child is walking, to be unpickled through its reader.
 
     ``meanwhile``: work of the caller's that needs no verdict (importing what comes next), run
-    here once this process has scanned its own share, while the child may still be scanning
-    (only when there is a child: otherwise the caller does that work in its own time)."""
-    child = _child_share([len(p) for p in pickles]) if len(pickles) > 1 and _can_fork() else set()
-    if not child:
+    here while the child starts walking (only when there is a child: otherwise the caller does
+    that work in its own time)."""
+    if sum(map(len, pickles)) < MIN_CHILD_BYTES or not _can_fork():
         yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
         return
     try:
         read_end, write_end = os.pipe()
-    except OSError:  # out of descriptors: scan here
+    except OSError:  # out of descriptors: walk here
         yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
         return
     try:
         pid = os.fork()
-    except OSError:  # no process to be had (a limit, memory): scan here
+    except OSError:  # no process to be had (a limit, memory): walk here
         os.close(read_end)
         os.close(write_end)
         yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
         return
-    if pid == 0:  # the child: scan its share, write the verdicts, leave without running any cleanup
+    if pid == 0:  # the child: walk, report, leave without running any cleanup
         status = 1
         try:
             os.close(read_end)
-            verdicts = {i: _verdict(pickles[i]) for i in child}
-            text = json.dumps({i: None if v is None else str(v) for i, v in verdicts.items()}).encode()
             with os.fdopen(write_end, "wb") as out:
-                out.write(text)
+                _walk_all(pickles, out)
             status = 0
         finally:
             os._exit(status)
     os.close(write_end)
-    pipe, reaped = os.fdopen(read_end, "rb"), False
+    pipe = os.fdopen(read_end, "rb")
     try:
-        for i, data in enumerate(pickles):
-            if i not in child:
-                yield i, _verdict(data)
         if meanwhile is not None:
             meanwhile()
-        text = pipe.read()
-        status = os.waitpid(pid, 0)[1]
-        reaped = True
-        found = _decoded(text) if status == 0 else {}
-        for i in sorted(child):
-            if str(i) in found:
-                message = found[str(i)]
-                yield i, None if message is None else ValueError(message)
-            else:
-                yield i, _verdict(pickles[i])  # the child failed: scan here
+        feed = _Feed(pickles, pipe)
+        for i in range(len(pickles)):
+            yield i, Streamed(feed, i)
     finally:
         pipe.close()
-        if not reaped:  # interrupted before the child's verdicts were read: it is of no use now
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-
-
-def _decoded(text: bytes) -> dict:
-    try:
-        found = json.loads(text)
-    except ValueError:
-        return {}
-    return found if isinstance(found, dict) else {}
+        # Done or given up: the child has nothing left to tell (it may still be writing).
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

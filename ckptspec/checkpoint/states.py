@@ -98,9 +98,9 @@ class StateCache:
         return loaded
 
     def load_all(self, paths: list, meanwhile: Callable[[], object] | None = None) -> None:
-        """Read the files not read yet, their opcode scans side by side (``prescan``): what ``load``
-        of each would give, sooner on a machine with a second core. ``meanwhile``: see
-        ``prescan.scan_all`` (work run while the other process may still be scanning)."""
+        """Read the files not read yet, each unpickled behind a forked process's opcode walk
+        (``prescan``): what ``load`` of each would give, sooner on a machine with a second core.
+        ``meanwhile``: see ``prescan.scan_all`` (work run while the other process walks)."""
         raws, keys = [], []
         for path in paths:
             key = location(path).resolve()

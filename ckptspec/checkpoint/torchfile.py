@@ -34,6 +34,7 @@ from typing import Any
 from ..errors import LegacyTorchFile, NotATorchFile, PickleOverCap, TorchFileError, TruncatedFile, UnsafePickleError
 from ..location import RemotePath, location, open_binary
 from .pickle_scan import MAX_NESTING, check_tree, scan_pickle
+from .prescan import Streamed
 from .standins import (
     ALLOWED,
     INT64,
@@ -101,8 +102,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     # find_class is the only way a pickle can obtain a callable (GLOBAL, STACK_GLOBAL, INST,
     # OBJ and EXT* all go through it), so REDUCE/NEWOBJ can only ever call the stand-ins above.
 
-    def __init__(self, data: bytes, prefix: str, path: Path, member_sizes: dict[str, int]):
-        super().__init__(io.BytesIO(data))
+    def __init__(self, source, prefix: str, path: Path, member_sizes: dict[str, int]):
+        super().__init__(io.BytesIO(source) if isinstance(source, bytes) else source)
         self._prefix, self._path, self._storages, self._member_sizes = prefix, path, {}, member_sizes
 
     def find_class(self, module, name):
@@ -259,22 +260,42 @@ def read_data_pkl(path, max_pickle_bytes: int | None = None) -> RawPickle:
     return RawPickle(path, data, prefix, {n: i.file_size for n, i in infos.items()})
 
 
-def decode_data_pkl(raw: RawPickle, scan_error: ValueError | None | bool = True) -> Any:
+def decode_data_pkl(raw: RawPickle, scan_error: ValueError | None | bool | Streamed = True) -> Any:
     """Unpickle ``raw`` with the restricted unpickler, after ``scan_pickle``. ``scan_error``: what
-    ``scan_pickle(raw.data)`` raised (None: it passed) when it already ran, elsewhere (``prescan``);
-    True (the default): run it here."""
+    ``scan_pickle(raw.data)`` raised (None: it passed) when it already ran, elsewhere; a
+    ``prescan.Streamed`` when another process is walking it (the unpickler reads only what the walk
+    has passed); True (the default): run it here."""
     try:
-        if scan_error is True:
-            scan_pickle(raw.data)
-        elif scan_error is not None:
-            raise scan_error
-        obj = _RestrictedUnpickler(raw.data, raw.prefix, raw.path, raw.member_sizes).load()
+        if isinstance(scan_error, Streamed):
+            obj = _unpickle_streamed(raw, scan_error)
+        else:
+            if scan_error is True:
+                scan_pickle(raw.data)
+            elif scan_error is not None:
+                raise scan_error
+            obj = _RestrictedUnpickler(raw.data, raw.prefix, raw.path, raw.member_sizes).load()
         check_tree(obj, 2 * len(raw.data) + 1_000_000)
         return obj
     except TorchFileError:
         raise
     except Exception as e:  # malformed or hostile pickle: stand-ins raise ValueError/TypeError
         raise TorchFileError(raw.path, f"malformed data.pkl: {type(e).__name__}: {e}") from e
+
+
+def _unpickle_streamed(raw: RawPickle, streamed: Streamed) -> Any:
+    """Unpickle behind the other process's walk. The walk's refusal comes first, whatever the
+    unpickler did meanwhile: as if the walk had run before it."""
+    try:
+        obj = _RestrictedUnpickler(streamed.reader(), raw.prefix, raw.path, raw.member_sizes).load()
+    except Exception:
+        refusal = streamed.refusal()
+        if refusal is not None:
+            raise refusal from None
+        raise
+    refusal = streamed.refusal()
+    if refusal is not None:
+        raise refusal
+    return obj
 
 
 def zip_member_locations(path) -> dict[str, tuple[int, int]]:

@@ -165,9 +165,9 @@ def fetched_line(target: str, fetched: dict[str, int]) -> str:
 
 
 def read_tag_dir_early(checkpoint: str, tag: str | None, then: str):
-    """The tag directory's pickles read (their scans side by side) before the module ``then``
+    """The tag directory's pickles read (walked by a forked process ahead of the unpickler) before the module ``then``
     (``ckptspec.deepspeed.describe``, ``.validate``: pydantic and the models, ~0.2 s) is imported,
-    which happens while the forked scan may still be going (``prescan.scan_all``'s ``meanwhile``).
+    which happens while the forked walk is going (``prescan.scan_all``'s ``meanwhile``).
     A ``StateCache`` to hand on, or None when the directory cannot be listed: the command's own
     flow then raises what it always raised, where it always did."""
     import importlib

@@ -1,8 +1,10 @@
-"""Opcode scans side by side (``prescan``): the same verdicts as one ``scan_pickle`` after another,
-whichever process gave them, and no child process left behind."""
+"""Walk and unpickle at once (``prescan``): the unpickler never gets a byte the walk has not passed,
+the verdicts and errors are those of one ``scan_pickle`` after another whichever process walked,
+and no child process is left behind."""
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
@@ -14,7 +16,7 @@ import pytest
 from _harness.faults import tag_dir
 from _harness.scenarios import COMMITTED
 
-from ckptspec.checkpoint import prescan
+from ckptspec.checkpoint import pickle_scan, prescan
 from ckptspec.checkpoint.pickle_scan import scan_pickle
 from ckptspec.checkpoint.states import StateCache
 
@@ -42,15 +44,21 @@ def serial(pickles):
     return verdicts
 
 
+def _text(verdict):
+    if isinstance(verdict, prescan.Streamed):
+        verdict = verdict.refusal()
+    return None if verdict is None else str(verdict)
+
+
 def side_by_side(pickles):
-    found = {i: None if error is None else str(error) for i, error in prescan.scan_all(pickles)}
-    assert sorted(found) == list(range(len(pickles)))  # each once
-    return [found[i] for i in range(len(pickles))]
+    found = [(i, _text(verdict)) for i, verdict in prescan.scan_all(pickles)]
+    assert [i for i, _ in found] == list(range(len(pickles)))  # each once, in order
+    return [text for _, text in found]
 
 
 @pytest.fixture
 def forks(monkeypatch):
-    """Make a child for any share (the real threshold is 2 MiB), on any machine, and count the forks."""
+    """Make a child for any size (the real threshold is 2 MiB), on any machine, and count the forks."""
     made = []
     real_fork = os.fork
 
@@ -75,10 +83,10 @@ def reaped(pids) -> bool:
 
 
 def test_verdicts_are_those_of_one_scan_after_another(forks, monkeypatch):
-    largest, real = max(PICKLES, key=len), prescan._verdict
+    real = prescan._verdict
 
     def verdict(data):
-        assert not (os.getpid() == PARENT and data is largest), "this process scanned the child's share"
+        assert os.getpid() != PARENT, "this process walked although the child did"
         return real(data)
 
     monkeypatch.setattr(prescan, "_verdict", verdict)
@@ -88,29 +96,113 @@ def test_verdicts_are_those_of_one_scan_after_another(forks, monkeypatch):
     assert reaped(forks)
 
 
-def test_the_child_takes_the_largest_pickles_up_to_half_of_the_bytes():
-    mib = 2**20
-    assert prescan._child_share([10 * mib, 300 * mib, 20 * mib, 250 * mib]) == {1}
-    assert prescan._child_share([100 * mib] * 4) == {0, 2}
-    assert prescan._child_share([5 * 2**20]) == set()  # nothing left for this process: no child
-    assert prescan._child_share([2**20, 2**20 - 1]) == set()  # too small to pay for a process
+# --------------------------------------------------------------------------- the gate itself
 
 
-def test_a_child_that_dies_leaves_the_scans_to_this_process(forks, monkeypatch):
-    real = prescan._verdict
+def _feed(data: bytes, reports: bytes) -> prescan.Streamed:
+    """A pickle and what a child reported of it (one rule at a time: no child here)."""
+    return prescan.Streamed(prescan._Feed([data], io.BytesIO(reports)), 0)
 
-    def verdict(data):
-        if os.getpid() != PARENT:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(data)
 
-    monkeypatch.setattr(prescan, "_verdict", verdict)
+def test_the_reader_gives_only_what_the_walk_passed():
+    data = bytes(range(200))
+    reader = _feed(data, b'P 0 100\nV 0 "memo index 9 at byte 150 is beyond"\n').reader()
+    assert reader.read(60) == data[:60]
+    assert reader.peek(1000) == data[60:100]  # all there is, no more
+    assert reader.read(40) == data[60:100]
+    with pytest.raises(prescan.Refused):
+        reader.read(1)  # byte 100 was never passed: the walk refused further on
+
+
+def test_a_pickle_that_passed_is_given_whole():
+    data = bytes(range(200))
+    streamed = _feed(data, b"P 0 100\nV 0 null\n")
+    reader = streamed.reader()
+    assert reader.read(150) == data[:150] and reader.readline() == data[150:]
+    assert reader.read(10) == b"" and streamed.refusal() is None
+
+
+def test_a_refusal_crosses_as_the_walks_own_message():
+    streamed = _feed(PICKLES[1], b'V 0 "tuples nest\\ndeeper"\n')
+    assert str(streamed.refusal()) == "tuples nest\ndeeper"
+
+
+@pytest.mark.parametrize(
+    "reports",
+    [b"", b"P 0 4\n", b"P 0 4\nV 0 nul", b"X 0 4\n", b"P 7 4\n", b"V 0 17\n", b"P 0 4", b"\xff\n"],
+    ids=["silent", "died-midway", "cut-verdict", "unknown-kind", "unknown-pickle", "not-a-message", "cut", "bytes"],
+)
+def test_a_child_that_dies_or_talks_nonsense_leaves_the_walk_to_this_process(reports):
+    reported = 4 if reports.startswith(b"P 0 4") else 0  # what the child said it passed before going
+    for data, expected in zip(PICKLES, serial(PICKLES)):
+        streamed = _feed(data, reports)
+        try:
+            handed = streamed.reader().read()  # waits for this process's own walk
+        except prescan.Refused:
+            handed = b""
+        assert _text(streamed.refusal()) == expected
+        assert handed == data if expected is None else len(handed) <= reported
+
+
+# --------------------------------------------------------------------------- with a real child
+
+
+@pytest.mark.parametrize(
+    "tail, message",
+    [
+        (b"Nr" + struct.pack("<I", 2**31) + b".", "memo index 2147483648"),  # a LONG_BINPUT past the end
+        (b"NB" + struct.pack("<I", 2**31 - 1) + b"xy.", "truncated"),  # BINBYTES claiming 2 GiB
+    ],
+    ids=["memo-index", "claimed-size"],
+)
+def test_the_unpickler_stops_before_a_refused_opcode(forks, tmp_path, monkeypatch, tail, message):
+    """Megabytes of a sound pickle, then an opcode the walk refuses (the C unpickler would
+    allocate gigabytes for either): the unpickler is never handed it, and the error is the
+    walk's, as when the walk ran first."""
+    body = pickle.dumps([list(range(200)) for _ in range(3000)], protocol=2)
+    refused_at = len(body)  # the opcode after a NONE where STOP was
+    data = body[:-1] + tail
+    handed = []
+
+    def spy(method):
+        real = getattr(prescan._PassedBytes, method)
+
+        def handing(self, *args):
+            start, chunk = self._pos, real(self, *args)
+            handed.append((start, start + len(chunk)))
+            return chunk
+
+        monkeypatch.setattr(prescan._PassedBytes, method, handing)
+
+    for method in ("read", "peek", "readline"):
+        spy(method)
+    path = tmp_path / "late.pt"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("late/data.pkl", data)
+    together = StateCache()
+    together.load_all([path])
+    assert len(forks) == 1 and len(data) > 2 * pickle_scan.PASSED_EVERY
+    assert len(handed) > 4  # it unpickled behind the walk, in pieces, not after it
+    assert max(end for _, end in handed) <= refused_at
+    assert str(together.load(path).error) == str(StateCache().load(path).error)
+    assert message in str(together.load(path).error)
+    assert reaped(forks)
+
+
+def test_a_child_killed_midway_leaves_the_walk_to_this_process(forks, monkeypatch):
+    real = prescan._walk_all
+
+    def walk_then_die(pickles, out):
+        real(pickles[:1], out)  # one verdict, then gone
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(prescan, "_walk_all", walk_then_die)
     assert side_by_side(PICKLES) == serial(PICKLES)
     assert len(forks) == 1
     assert reaped(forks)
 
 
-def test_a_scan_given_up_midway_ends_its_child(forks):
+def test_a_walk_given_up_midway_ends_its_child(forks):
     scans = prescan.scan_all(PICKLES)
     next(scans)
     scans.close()
@@ -118,7 +210,7 @@ def test_a_scan_given_up_midway_ends_its_child(forks):
     assert reaped(forks)
 
 
-def test_a_fork_that_fails_leaves_the_scans_to_this_process(monkeypatch):
+def test_a_fork_that_fails_leaves_the_walk_to_this_process(monkeypatch):
     def fork():
         raise OSError(11, "Resource temporarily unavailable")
 
@@ -128,16 +220,19 @@ def test_a_fork_that_fails_leaves_the_scans_to_this_process(monkeypatch):
     assert side_by_side(PICKLES) == serial(PICKLES)
 
 
-def test_without_a_second_core_nothing_is_forked(monkeypatch):
+def test_without_a_second_core_or_enough_bytes_nothing_is_forked(monkeypatch):
+    monkeypatch.setattr(prescan.os, "fork", lambda: pytest.fail("forked"))
+    assert sum(map(len, PICKLES)) < prescan.MIN_CHILD_BYTES
+    assert side_by_side(PICKLES) == serial(PICKLES)
     monkeypatch.setattr(prescan.os, "sched_getaffinity", lambda _: {0})
     monkeypatch.setattr(prescan, "MIN_CHILD_BYTES", 0)
-    monkeypatch.setattr(prescan.os, "fork", lambda: pytest.fail("forked"))
     assert side_by_side(PICKLES) == serial(PICKLES)
 
 
 def test_load_all_gives_what_load_gives_on_a_real_checkpoint(forks, tmp_path):
-    """A real DeepSpeed save (committed), a malicious file and a cut copy beside it: the
-    states and the errors of ``load_all`` are those of ``load``, file by file."""
+    """A real DeepSpeed save (committed), a malicious file, a cut copy and a file both malicious
+    and refused by the walk further on, beside it: the states and the errors of ``load_all`` are
+    those of ``load``, file by file."""
     save = tmp_path / "ckpt"
     shutil.copytree(COMMITTED["s2-bf16-ws2"], save)
     files = sorted(tag_dir(save).glob("*.pt"))
@@ -147,7 +242,12 @@ def test_load_all_gives_what_load_gives_on_a_real_checkpoint(forks, tmp_path):
         zf.writestr("evil/data.pkl", pickle.dumps(print, protocol=2))  # a global not on the allowlist
     cut = tag_dir(save) / "cut.pt"
     cut.write_bytes(files[0].read_bytes()[:-100])
-    every = [*files, evil, cut]
+    # The unpickler meets the forbidden global first; the walk's refusal comes later in the bytes
+    # and is what a walk run beforehand reports.
+    both = tag_dir(save) / "both.pt"
+    with zipfile.ZipFile(both, "w") as zf:
+        zf.writestr("both/data.pkl", pickle.dumps(print, protocol=2)[:-1] + b"Nr" + struct.pack("<I", 2**24) + b".")
+    every = [*files, evil, cut, both]
 
     together = StateCache()
     together.load_all(every)
@@ -159,7 +259,8 @@ def test_load_all_gives_what_load_gives_on_a_real_checkpoint(forks, tmp_path):
             type(alone.error),
             str(alone.error),
         )
-    assert [together.load(p).error is None for p in every] == [True, True, True, False, False]
+    assert [together.load(p).error is None for p in every] == [True, True, True, False, False, False]
+    assert "memo index" in str(together.load(both).error)
     assert reaped(forks)
 
 
@@ -179,16 +280,12 @@ def test_a_refusal_found_by_the_child_reads_as_one_found_here(forks, tmp_path):
     assert "memo index" in messages[1] and "nest deeper" in messages[2]
 
 
-def test_the_callers_work_runs_once_while_the_child_may_still_scan(forks):
-    """``meanwhile`` runs in this process after its own share and before the child's verdicts."""
-    largest = PICKLES.index(max(PICKLES, key=len))
+def test_the_callers_work_runs_once_while_the_child_walks(forks):
+    """``meanwhile`` runs in this process once the child is made, before any pickle is handed out."""
     seen, ran = [], []
-    for i, _ in prescan.scan_all(PICKLES, lambda: ran.append(list(seen))):
+    for i, _ in prescan.scan_all(PICKLES, lambda: ran.append((len(forks), list(seen)))):
         seen.append(i)
-    assert len(ran) == 1 and largest not in ran[0]  # before the child's share was given out
-    assert sorted(ran[0]) == sorted(
-        i for i in range(len(PICKLES)) if i not in prescan._child_share(list(map(len, PICKLES)))
-    )
+    assert ran == [(1, [])]
     assert reaped(forks)
 
 
