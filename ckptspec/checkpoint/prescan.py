@@ -71,35 +71,34 @@ class _Feed:
 
     def _next_report(self, index: int) -> None:
         if not self._lost:
-            report = self._read()
-            if report is not None:
+            if self._read():
                 return
             self._lost = True
         verdict = self.verdicts[index] = _verdict(self.pickles[index])  # the child is gone: walk here
         if verdict is None:
             self.passed[index] = len(self.pickles[index])
 
-    def _read(self) -> tuple | None:
-        """One report applied: ``P index position`` or ``V index message``; None at the end of the
-        pipe or on anything else."""
+    def _read(self) -> bool:
+        """Apply the next report, ``P index position`` or ``V index message``; False at the end of
+        the pipe or on anything else."""
         line = self._pipe.readline()
         try:
             kind, index, rest = line.decode("ascii").split(" ", 2)
             index = int(index)
             if not 0 <= index < len(self.pickles) or index in self.verdicts:
-                return None
+                return False
             if kind == "P":
                 self.passed[index] = max(self.passed[index], min(int(rest), len(self.pickles[index])))
-                return kind, index
+                return True
             message = json.loads(rest)
             if kind != "V" or not (message is None or isinstance(message, str)):
-                return None
+                return False
         except ValueError:  # an empty or cut line (the child died), or a bad one
-            return None
+            return False
         self.verdicts[index] = None if message is None else ValueError(message)
         if message is None:
             self.passed[index] = len(self.pickles[index])
-        return kind, index
+        return True
 
 
 class Streamed:
@@ -143,7 +142,7 @@ class _PassedBytes:
         buffer[: len(chunk)] = chunk
         return len(chunk)
 
-    def readline(self, size: int = -1) -> bytes:
+    def readline(self) -> bytes:
         newline = self._data.find(b"\n", self._pos)
         return self.read((len(self._data) if newline < 0 else newline + 1) - self._pos)
 
