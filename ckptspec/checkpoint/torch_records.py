@@ -1,15 +1,16 @@
-"""The fast lane of ``scan_pickle``: the two records ``torch.save`` writes by the hundred thousand,
-recognised whole.
+"""The fast lane of ``scan_pickle``: the three records ``torch.save`` writes by the hundred
+thousand, recognised whole.
 
 A state dict entry (a name, then the call that rebuilds a tensor) is 28 opcodes; a named
-``torch.Size`` (DeepSpeed's ``param_shapes``) is 9: walked one opcode at a time, they are most of
-what the scan of a 100k-tensor checkpoint costs. Here one regular expression matches a record
-byte for byte: every opcode's first byte fixes how long it is, so a match is the opcode walk
-itself. The record's effect on the memo and the stack is then applied in one go: the values
-``scan_pickle`` would have stored, in its order. Whatever the walk could refuse or read
-differently (a memo index past the end, a read of an index the record itself writes, a tuple
-read from the memo) sends the record back to it untouched, so the verdicts and their messages
-are the walk's by construction; ``tests/checkpoint/test_torch_records.py`` compares both.
+``torch.Size`` (DeepSpeed's ``param_shapes``) 9; a named fragment address (its
+``param_slice_mappings``) 16: walked one opcode at a time, they are most of what the scan of a
+100k-tensor checkpoint costs. Here one regular expression matches a record byte for byte: every
+opcode's first byte fixes how long it is, so a match is the opcode walk itself. The record's
+effect on the memo and the stack is then applied in one go: the values ``scan_pickle`` would
+have stored, in its order. Whatever the walk could refuse or read differently (a memo index past
+the end, a read of an index the record itself writes, a tuple read from the memo) sends the
+record back to it untouched, so the verdicts and their messages are the walk's by construction;
+``tests/checkpoint/test_torch_records.py`` compares both.
 """
 
 from __future__ import annotations

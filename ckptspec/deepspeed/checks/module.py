@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from operator import attrgetter
 from typing import Any
 
 from ...checkpoint.torchfile import TensorRef
@@ -15,6 +16,8 @@ from .context import Check, Context
 
 CHECKS: RuleSet[Check] = RuleSet()
 check = CHECKS.register
+_STORAGE_KEY = attrgetter("storage.key")
+_VIEW = attrgetter("storage.key", "storage_offset", "shape", "stride")  # one tensor, as torch saves views
 
 
 @check("CK215")
@@ -103,11 +106,11 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
     for f, module in ctx.modules():
         for g, grp in enumerate(ctx.manifest.groups):
             refs = [(j, p, module.get(p.name)) for j, p in enumerate(grp.params)]
-            refs = [(j, p, r) for j, p, r in refs if isinstance(r, TensorRef) and r.numel > 0]
-            counts = Counter(r.storage.key for _, _, r in refs)
-            if not counts or counts.most_common(1)[0][1] < 2:
+            refs = [(j, p, r) for j, p, r in refs if isinstance(r, TensorRef) and 0 not in r.shape]  # elements
+            counts = Counter(map(_STORAGE_KEY, (r for _, _, r in refs)))
+            flat_key, most = counts.most_common(1)[0] if counts else (None, 0)
+            if most < 2:
                 continue
-            flat_key = counts.most_common(1)[0][0]
             flat_numel = next(r.storage.numel for _, _, r in refs if r.storage.key == flat_key)
             if flat_numel != grp.padded_numel:
                 yield finding(
@@ -119,10 +122,11 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
                     file=f.name,
                     rank=f.rank,
                 )
+            autotp = ctx.layout.tensor_parallel_size > 1
             for j, p, r in refs:
-                if r.storage.key != flat_key and ctx.layout.tensor_parallel_size > 1:
-                    continue  # AutoTP replaces its sharded layers' tensors: only the replicated ones stay views
                 if r.storage.key != flat_key:
+                    if autotp:
+                        continue  # AutoTP replaces its sharded layers' tensors: only the replicated ones stay views
                     yield finding(
                         "CK217",
                         json_path("groups", g, "params", j),
@@ -271,12 +275,11 @@ def alias_tie(ctx: Context) -> Iterator[Finding]:
         params = {n for n, (role, _, _) in ctx.names.items() if role in ("trainable", "frozen", "alias")}
         params |= {n for n in module if n not in ctx.names}
         seen: dict[Any, str] = {}
-        for name in module:
-            ref = module[name]
-            if name not in params or not isinstance(ref, TensorRef) or (ref.numel == 0 and not stage3):
-                continue
-            key = ref.storage.key if stage3 else (ref.storage.key, ref.storage_offset, ref.shape, ref.stride)
-            first = seen.setdefault(key, name)
+        view = _STORAGE_KEY if stage3 else _VIEW
+        for name, ref in module.items():  # a million entries in a 1M-tensor model: C where it can be
+            if name not in params or not isinstance(ref, TensorRef) or (not stage3 and 0 in ref.shape):
+                continue  # (0 in shape: no elements)
+            first = seen.setdefault(view(ref), name)
             if first != name and owners.get(name, name) != owners.get(first, first):
                 yield finding(
                     "CK219",
