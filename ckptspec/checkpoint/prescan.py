@@ -22,14 +22,14 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-from .pickle_scan import walk
+from .pickle_scan import scan_pickle, walk
 
 MIN_CHILD_BYTES = 2 * 1024 * 1024  # below this a walk takes ~0.1 s: not worth a process
 
 
 def _verdict(data: bytes) -> ValueError | None:
     try:
-        walk(data, fast=True)
+        scan_pickle(data)
     except ValueError as e:
         return e
     return None
@@ -173,32 +173,11 @@ def scan_all(
     ``meanwhile``: work of the caller's that needs no verdict (importing what comes next), run
     here while the child starts walking (only when there is a child: otherwise the caller does
     that work in its own time)."""
-    if sum(map(len, pickles)) < MIN_CHILD_BYTES or not _can_fork():
+    child = _fork_walker(pickles) if sum(map(len, pickles)) >= MIN_CHILD_BYTES and _can_fork() else None
+    if child is None:
         yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
         return
-    try:
-        read_end, write_end = os.pipe()
-    except OSError:  # out of descriptors: walk here
-        yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
-        return
-    try:
-        pid = os.fork()
-    except OSError:  # no process to be had (a limit, memory): walk here
-        os.close(read_end)
-        os.close(write_end)
-        yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
-        return
-    if pid == 0:  # the child: walk, report, leave without running any cleanup
-        status = 1
-        try:
-            os.close(read_end)
-            with os.fdopen(write_end, "wb") as out:
-                _walk_all(pickles, out)
-            status = 0
-        finally:
-            os._exit(status)
-    os.close(write_end)
-    pipe = os.fdopen(read_end, "rb")
+    pid, pipe = child
     try:
         if meanwhile is not None:
             meanwhile()
@@ -210,3 +189,29 @@ def scan_all(
         # Done or given up: the child has nothing left to tell (it may still be writing).
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def _fork_walker(pickles: list[bytes]):
+    """(pid, the pipe its reports come through) of a child walking ``pickles`` (``_walk_all``), or
+    None when no process or pipe is to be had (a limit, memory, descriptors): then walk here."""
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:
+        return None
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        return None
+    if pid == 0:  # the child: walk, report, leave without running any cleanup
+        status = 1
+        try:
+            os.close(read_end)
+            with os.fdopen(write_end, "wb") as out:
+                _walk_all(pickles, out)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    return pid, os.fdopen(read_end, "rb")

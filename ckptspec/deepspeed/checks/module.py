@@ -228,12 +228,6 @@ def _mapping_difference(actual: list, expected: list) -> str:
     return f"lacks {expected[len(actual)][0]} (numel {expected[len(actual)][1]}, start {expected[len(actual)][2]})"
 
 
-def _same_view(a: TensorRef, b: TensorRef, stage3: bool) -> bool:
-    if stage3:  # (0,) placeholders: tied params share the placeholder's storage
-        return a.storage.key == b.storage.key
-    return (a.storage.key, a.storage_offset, a.shape, a.stride) == (b.storage.key, b.storage_offset, b.shape, b.stride)
-
-
 @check("CK219")
 def alias_tie(ctx: Context) -> Iterator[Finding]:
     """An alias's owner exists and the saved tensors really are one tensor; no tie goes undeclared."""
@@ -260,7 +254,7 @@ def alias_tie(ctx: Context) -> Iterator[Finding]:
                     file=f.name,
                     rank=f.rank,
                 )
-            elif not stage3 and isinstance(ref, TensorRef) and ref.numel > 0 and not _same_view(ref, owner, stage3):
+            elif not stage3 and isinstance(ref, TensorRef) and ref.numel > 0 and _VIEW(ref) != _VIEW(owner):
                 # (Stage 3 placeholders of tied params share a storage only as DeepSpeed saved them; a
                 # re-save by torch splits empty storages, so a missing share is no evidence there.)
                 yield finding(
