@@ -229,12 +229,20 @@ def _as_int_tuple(value, what, minimum=0):
     return value
 
 
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
-    # backward_hooks (an empty OrderedDict when torch saves) and metadata are not kept.
-    if not isinstance(storage, StorageRef) or type(storage_offset) is not int or not 0 <= storage_offset < INT64:
-        raise ValueError("tensor must reference a storage at a non-negative offset")
-    # What _as_int_tuple checks of both, in one go (100k tensors); anything else takes the checks
-    # one by one, which raise the message that names what is wrong.
+# (size, stride) -> the offset of the view's last element from its first, or None when it has no
+# elements: what the checks below found of a pair already met. A model has a few distinct pairs,
+# and the checks cost 2 us of the 2.5 a tensor took (100k tensors). A pair is looked up only once
+# its members are known to be exact ints: True == 1 and 1.0 == 1, so a bool or a float would
+# otherwise pass as the int it equals.
+_SPANS: dict[tuple, int | None] = {}
+_MAX_SPANS = 4096
+_UNSEEN = object()
+
+
+def _span(size, stride):
+    """The checks of a view's size and stride (raising what names what is wrong) and its span."""
+    # What _as_int_tuple checks of both, in one go; anything else takes the checks one by one,
+    # which raise the message that names what is wrong.
     if not (
         type(size) is tuple
         and type(stride) is tuple
@@ -245,10 +253,26 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, bac
         size, stride = _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride")
         if len(size) != len(stride):
             raise ValueError(f"bad size/stride {size}/{stride}")
+    span = sum(map(operator.mul, map(operator.sub, size, _ONES), stride)) if math.prod(size) else None
+    if len(_SPANS) < _MAX_SPANS:
+        _SPANS[size, stride] = span
+    return span
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
+    # backward_hooks (an empty OrderedDict when torch saves) and metadata are not kept.
+    if not isinstance(storage, StorageRef) or type(storage_offset) is not int or not 0 <= storage_offset < INT64:
+        raise ValueError("tensor must reference a storage at a non-negative offset")
+    span = (
+        _SPANS.get((size, stride), _UNSEEN)
+        if type(size) is tuple and type(stride) is tuple and _INT_ONLY.issuperset(map(type, size + stride))
+        else _UNSEEN
+    )
+    if span is _UNSEEN:
+        span = _span(size, stride)
     # Bounds check, so byte offsets computed from this ref always stay inside the storage.
-    if math.prod(size):
-        last = storage_offset + sum(map(operator.mul, map(operator.sub, size, _ONES), stride))
-        if last >= storage.numel:
+    if span is not None:
+        if storage_offset + span >= storage.numel:
             raise ValueError(f"tensor view {size}@{storage_offset} exceeds storage of {storage.numel}")
     elif storage_offset > storage.numel:  # an empty view may sit at the storage's end, not past it
         raise ValueError(f"empty tensor view @{storage_offset} is past the end of its storage of {storage.numel}")
@@ -284,8 +308,17 @@ def _rebuild_from_type_v2(func, new_type, args, state):
     return ref
 
 
+_SIZES: set[tuple] = set()  # torch.Size values already checked (as _SPANS: exact ints first)
+
+
 def _size(seq=()):
-    return _as_int_tuple(tuple(seq), "torch.Size", -INT64)
+    size = tuple(seq)
+    if _INT_ONLY.issuperset(map(type, size)) and size in _SIZES:
+        return size
+    size = _as_int_tuple(size, "torch.Size", -INT64)
+    if len(_SIZES) < _MAX_SPANS:
+        _SIZES.add(size)
+    return size
 
 
 def _codecs_encode(text, encoding):

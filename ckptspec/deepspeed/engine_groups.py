@@ -19,6 +19,7 @@ def _shape(param) -> tuple[int, ...]:
 _DTYPE_NAMES: dict = {}  # torch dtype -> its name (dtype_name's str() per param added up at 100k)
 _DTYPE = attrgetter("dtype")
 _DS_SHAPE = attrgetter("ds_shape")  # a ZeRO-3 param's shape before partitioning
+_SHAPE = attrgetter("shape")
 
 
 def _specs(params: list, names: dict[int, str], shape_of=None) -> list[ParamSpec]:
@@ -28,6 +29,8 @@ def _specs(params: list, names: dict[int, str], shape_of=None) -> list[ParamSpec
     dtypes = list(map(_DTYPE, params))
     for dtype in set(dtypes) - _DTYPE_NAMES.keys():
         _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    if shape_of is None and not any(map(hasattr, params, repeat("ds_shape"))):
+        shape_of = _SHAPE  # (asked in C: hasattr's misses cost less than a Python call per param)
     shapes = list(map(tuple, map(shape_of, params))) if shape_of is not None else list(map(_shape, params))
     return param_specs(list(map(names.__getitem__, map(id, params))), shapes, list(map(_DTYPE_NAMES.get, dtypes)))
 

@@ -1825,6 +1825,33 @@ def test_bug_unbounded_shapes(work, body):
     assert "at most 64 ints" in str(meta) or "non-negative offset" in str(meta), meta
 
 
+def test_a_remembered_view_admits_only_itself(work):
+    """The stand-ins remember the sizes and strides they checked (``standins._SPANS``, ``_SIZES``).
+    True == 1 and 1.0 == 1, so a remembered (1, 4) must not admit (True, 4) or (1.0, 4); and a
+    remembered view is still bounds-checked against each storage it points into."""
+    good = p_tensor(p_storage("0", 12), 0, (1, 4), (4, 1))
+    good_size = p_call(p_global("torch", "Size"), p_tuple(p_int(1), p_int(4)))
+    for spelled in (b"\x88", b"G" + struct.pack(">d", 1.0)):
+        view = p_call(
+            p_global("torch._utils", "_rebuild_tensor_v2"),
+            p_storage("0", 12),
+            p_int(0),
+            p_tuple(spelled, p_int(4)),
+            p_tuple(p_int(4), p_int(1)),
+            b"\x89",
+            p_ordered(),
+        )
+        size = p_call(p_global("torch", "Size"), p_tuple(spelled, p_int(4)))
+        for first, then, message in ((good, view, "size must be"), (good_size, size, "torch.Size must be")):
+            meta = read_everything(write(work / "spelled.pt", torch_zip(program(p_list([first, then])), {"0": 48})))
+            assert isinstance(meta, TorchFileError) and message in str(meta), (spelled, meta)
+    small = p_tensor(p_storage("1", 3), 0, (1, 4), (4, 1))
+    meta = read_everything(write(work / "small.pt", torch_zip(program(p_list([good, small])), {"0": 48, "1": 12})))
+    assert isinstance(meta, TorchFileError) and "exceeds storage of 3" in str(meta), meta
+    both = read_everything(write(work / "twice.pt", torch_zip(program(p_list([good, good, good_size])), {"0": 48})))
+    assert [(t.shape, t.stride) for t in both[:2]] == [((1, 4), (4, 1))] * 2 and both[2] == (1, 4)
+
+
 def test_bug_bytes_refused_as_unsafe(work):
     """Was: CK204. Protocol 2 (torch.save's) pickles bytes as _codecs.encode(text, 'latin1')
     and b'' as __builtin__.bytes(); only those exact forms are allowed."""
