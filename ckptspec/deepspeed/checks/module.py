@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from operator import attrgetter
+from itertools import compress, count, repeat
+from operator import add, and_, attrgetter, contains, gt, itemgetter, lt, methodcaller, ne, not_, or_, sub
 from typing import Any
 
 from ...checkpoint.torchfile import TensorRef
@@ -17,15 +18,23 @@ from .context import Check, Context
 CHECKS: RuleSet[Check] = RuleSet()
 check = CHECKS.register
 _STORAGE_KEY = attrgetter("storage.key")
+_OFFSET = attrgetter("storage_offset")
+_IS_CONTIGUOUS = methodcaller("is_contiguous")
+_SHAPE_AND_DTYPE = attrgetter("shape", "storage.dtype")  # of a tensor
+_NAME, _SHAPE, _DTYPE, _OFFSET_OF = attrgetter("name"), attrgetter("shape"), attrgetter("dtype"), attrgetter("offset")
+_SECOND, _THIRD = itemgetter(1), itemgetter(2)
+_NUMEL = attrgetter("numel")
+_ADDRESS = ("numel", "start")  # of a fragment_address
 _VIEW = attrgetter("storage.key", "storage_offset", "shape", "stride")  # one tensor, as torch saves views
 
 
 @check("CK215")
 def module_role(ctx: Context) -> Iterator[Finding]:
     """Every 'module' key has exactly one role (trainable, frozen, alias, buffer), so nothing is silently dropped."""
-    declared = {n: role for n, (role, _, _) in ctx.names.items() if role != "excluded"}
+    excluded = {e.name for e in ctx.manifest.excluded if ctx.names[e.name][0] == "excluded"}
+    declared = ctx.names.keys() - excluded  # in C, as the differences below (a million names at 1M tensors)
     for f, module in ctx.modules():
-        roleless = module.keys() - declared.keys()  # in C: almost always empty (100k keys)
+        roleless = module.keys() - declared  # almost always empty
         for key in module if roleless else ():
             if key in roleless:
                 role = ctx.names.get(key, (None,))[0]
@@ -39,8 +48,8 @@ def module_role(ctx: Context) -> Iterator[Finding]:
                     file=f.name,
                     rank=f.rank,
                 )
-        missing = declared.keys() - module.keys()
-        for name, role in declared.items() if missing else ():
+        missing = declared - module.keys()
+        for name, (role, _, _) in ctx.names.items() if missing else ():
             if name in missing:
                 yield finding(
                     "CK215",
@@ -55,24 +64,22 @@ def module_role(ctx: Context) -> Iterator[Finding]:
 @check("CK216")
 def module_shape(ctx: Context) -> Iterator[Finding]:
     """The saved module tensors have the recorded shapes (catches a transposed shape in param_shapes)."""
+    m = ctx.manifest
     stage3 = ctx.layout.zero_stage == 3
-    expected: dict[str, tuple[tuple[int, ...], str | None]] = {}  # a reader's shapes are tuples
-    if not stage3:  # stage 3 saves (0,) placeholders for every parameter
-        for grp in ctx.manifest.groups:
-            for p in grp.params:
-                expected[p.name] = (tuple(p.shape), p.dtype)
-        for fr in ctx.manifest.frozen:
-            expected[fr.name] = (tuple(fr.shape), None)
-        for a in ctx.manifest.aliases:
-            expected[a.name] = (tuple(a.shape), None)
-    for b in ctx.manifest.buffers:
-        expected[b.name] = (tuple(b.shape), b.dtype)
+    typed = [] if stage3 else [p for grp in m.groups for p in grp.params]  # stage 3 saves (0,) placeholders
+    untyped = [] if stage3 else [*m.frozen, *m.aliases]
+    # name -> (shape as a reader has it, a tuple; dtype or None); a later section's entry wins.
+    expected: dict[str, tuple[tuple[int, ...], str | None]] = {}
+    for entries, dtypes in ((typed, map(_DTYPE, typed)), (untyped, repeat(None)), (m.buffers, map(_DTYPE, m.buffers))):
+        expected.update(zip(map(_NAME, entries), zip(map(tuple, map(_SHAPE, entries)), dtypes)))
+    names, wanted = list(expected), list(expected.values())
     for f, module in ctx.modules():
-        get = module.get
-        for name, (shape, dtype) in expected.items():
-            ref = get(name)
-            if not isinstance(ref, TensorRef):
-                continue  # CK215 reports missing keys
+        refs = list(map(module.get, names))
+        rows = list(compress(zip(names, wanted, refs), map(isinstance, refs, repeat(TensorRef))))  # CK215: the rest
+        # Only a row whose tensor's (shape, dtype) is not the one wanted can be a finding (a row wanting
+        # no dtype is looked at too): compared in C, a million rows in a 1M-tensor model.
+        differ = map(ne, map(_SHAPE_AND_DTYPE, map(_THIRD, rows)), map(_SECOND, rows))
+        for name, (shape, dtype), ref in compress(rows, differ):
             if ref.shape != shape and list(ref.shape) != list(shape):
                 yield finding(
                     "CK216",
@@ -105,9 +112,10 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
         return
     for f, module in ctx.modules():
         for g, grp in enumerate(ctx.manifest.groups):
-            refs = [(j, p, module.get(p.name)) for j, p in enumerate(grp.params)]
-            refs = [(j, p, r) for j, p, r in refs if isinstance(r, TensorRef) and 0 not in r.shape]  # elements
-            counts = Counter(map(_STORAGE_KEY, (r for _, _, r in refs)))
+            got = list(map(module.get, map(_NAME, grp.params)))
+            refs = list(compress(zip(count(), grp.params, got), map(isinstance, got, repeat(TensorRef))))
+            refs = list(compress(refs, map(not_, map(contains, map(_SHAPE, map(_THIRD, refs)), repeat(0)))))  # elements
+            counts = Counter(map(_STORAGE_KEY, map(_THIRD, refs)))
             flat_key, most = counts.most_common(1)[0] if counts else (None, 0)
             if most < 2:
                 continue
@@ -123,7 +131,12 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
                     rank=f.rank,
                 )
             autotp = ctx.layout.tensor_parallel_size > 1
-            for j, p, r in refs:
+            tensors = list(map(_THIRD, refs))
+            # Only a tensor outside the flat buffer, elsewhere in it or not contiguous can be a finding (in C).
+            elsewhere = map(ne, map(_STORAGE_KEY, tensors), repeat(flat_key))
+            moved = map(ne, map(_OFFSET, tensors), map(_OFFSET_OF, map(_SECOND, refs)))
+            scattered = map(not_, map(_IS_CONTIGUOUS, tensors))
+            for j, p, r in compress(refs, map(or_, elsewhere, map(or_, moved, scattered))):
                 if r.storage.key != flat_key:
                     if autotp:
                         continue  # AutoTP replaces its sharded layers' tensors: only the replicated ones stay views
@@ -159,18 +172,33 @@ def expected_slice_mappings(manifest: Manifest, g: int, rank: int) -> list[tuple
     grp = manifest.groups[g]
     start, end = rank * grp.partition_numel, (rank + 1) * grp.partition_numel
     params = list(grp.params)
-    if manifest.layout.round_robin:
-        params = natural_order(params, grp.partition_count)
-    real_offsets = any(p.padding for p in grp.params) or not manifest.layout.round_robin
+    if not manifest.layout.round_robin:
+        return _overlapping(params, start, end)
+    params = natural_order(params, grp.partition_count)
+    if any(p.padding for p in grp.params):
+        return _overlapping(params, start, end)  # real offsets, in the natural order
     out, cursor = [], 0
     for p in params:
-        offset = p.offset if real_offsets else cursor
-        p_end = offset + p.numel
+        offset, p_end = cursor, cursor + p.numel
         if p.numel > 0 and (start <= offset < end or offset < start < p_end):
             lo, hi = max(offset, start), min(p_end, end)
             out.append((p.name, hi - lo, lo - start))
         cursor += p.numel
     return out
+
+
+def _overlapping(params: list, start: int, end: int) -> list[tuple[str, int, int]]:
+    """What the loop of ``expected_slice_mappings`` gives for params at their real offsets, in C
+    loops (a million params in a 1M-tensor model): each param with elements that overlaps
+    [start, end), as (name, elements inside, first of them from ``start``)."""
+    offsets = list(map(_OFFSET_OF, params))
+    ends = list(map(add, offsets, map(_NUMEL, params)))
+    # overlaps: has elements, begins before the end and ends after the start
+    inside = map(and_, map(lt, offsets, ends), map(and_, map(lt, offsets, repeat(end)), map(gt, ends, repeat(start))))
+    rows = list(compress(zip(map(_NAME, params), offsets, ends), inside))
+    lows = list(map(max, map(_SECOND, rows), repeat(start)))
+    highs = map(min, map(_THIRD, rows), repeat(end))
+    return list(zip(map(itemgetter(0), rows), map(sub, highs, lows), map(sub, lows, repeat(start))))
 
 
 @check("CK218")
@@ -200,9 +228,8 @@ def slice_mappings(ctx: Context) -> Iterator[Finding]:
         for g, mapping in enumerate(mappings):
             if f.rank >= ctx.manifest.groups[g].partition_count:
                 continue
-            actual = []
-            for name, addr in mapping.items() if isinstance(mapping, dict) else []:
-                actual.append((str(name), getattr(addr, "numel", None), getattr(addr, "start", None)))
+            names, addrs = (list(mapping), list(mapping.values())) if isinstance(mapping, dict) else ([], [])
+            actual = list(zip(map(str, names), *(map(getattr, addrs, repeat(a), repeat(None)) for a in _ADDRESS)))
             expected = expected_slice_mappings(ctx.manifest, g, f.rank)
             if actual != expected:
                 yield finding(
@@ -266,12 +293,10 @@ def alias_tie(ctx: Context) -> Iterator[Finding]:
                     rank=f.rank,
                 )
         # Undeclared ties: tensors that are one tensor in the module but not declared aliases.
-        params = {n for n, (role, _, _) in ctx.names.items() if role in ("trainable", "frozen", "alias")}
-        params |= {n for n in module if n not in ctx.names}
-        seen: dict[Any, str] = {}
         view = _STORAGE_KEY if stage3 else _VIEW
-        for name, ref in module.items():  # a million entries in a 1M-tensor model: C where it can be
-            if name not in params or not isinstance(ref, TensorRef) or (not stage3 and 0 in ref.shape):
+        seen: dict[Any, str] = {}
+        for name, ref in _sharing_a_view(module, view):
+            if ctx.names.get(name, _PARAM)[0] not in _PARAM_ROLES or (not stage3 and 0 in ref.shape):
                 continue  # (0 in shape: no elements)
             first = seen.setdefault(view(ref), name)
             if first != name and owners.get(name, name) != owners.get(first, first):
@@ -283,6 +308,25 @@ def alias_tie(ctx: Context) -> Iterator[Finding]:
                     file=f.name,
                     rank=f.rank,
                 )
+
+
+_PARAM = ("trainable",)  # a module key the manifest does not name counts as a parameter here
+_PARAM_ROLES = ("trainable", "frozen", "alias")
+
+
+def _sharing_a_view(module: dict, view) -> Iterator[tuple[str, TensorRef]]:
+    """The (name, tensor) entries of ``module`` whose ``view`` another tensor of it has too, in
+    order: the only ones that can be a tie. Counted in C (a million entries in a 1M-tensor
+    model, where a Python loop over them all took 3 s); the loop is over the few left."""
+    names, refs = list(module), list(module.values())
+    tensors = list(map(isinstance, refs, repeat(TensorRef)))
+    names, refs = list(compress(names, tensors)), list(compress(refs, tensors))
+    views = list(map(view, refs))
+    counts = Counter(views)
+    if len(counts) == len(views):
+        return iter(())
+    shared = {v for v, n in counts.items() if n > 1}
+    return compress(zip(names, refs), map(shared.__contains__, views))
 
 
 @check("CK220")
