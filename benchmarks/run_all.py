@@ -87,6 +87,22 @@ def machine() -> str:
     )
 
 
+YARDSTICK_CODE = """import time
+t = time.perf_counter()
+s = 0
+for i in range(10_000_000):
+    s += i
+print(time.perf_counter() - t)"""
+
+
+def yardstick(runs: int = 5) -> float:
+    """Seconds of a fixed pure-Python loop (10M additions), fastest of ``runs``: the VMs this page
+    was measured on differ by 2x, and this one number lets seconds from two runs be scaled."""
+    return min(
+        float(subprocess.run([PY, "-c", YARDSTICK_CODE], capture_output=True, text=True).stdout) for _ in range(runs)
+    )
+
+
 def hashing_rows(runs: int) -> list[str]:
     files = sorted(str(p) for p in bench_reconstruct.build(2).rglob("*.pt"))
     cmd = f"python -c HASH_CODE ALGORITHM JOBS {len(files)} *.pt files of {bench_reconstruct.build(2).name}"
@@ -159,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     out = [f"Machine: {machine()}.", "", f"Load average before the runs: {_loads(load_before)}.", ""]
+    out += [f"Yardstick: {yardstick():.2f} s for a pure-Python loop of 10M additions (`YARDSTICK_CODE`).", ""]
 
     if "validate" in tables:
         sizes = bench_validate.SIZES[:2] if args.quick else bench_validate.SIZES
