@@ -18,8 +18,6 @@ from _harness import cli_process
 from _harness.faults import FAULTS, FaultEnv, base_dir, snapshot, tag_dir
 from _harness.scenarios import COMMITTED, MATRIX, engine_name
 from click.testing import CliRunner
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from ckptspec.checkpoint import torchfile
 from ckptspec.cli import cli
@@ -340,29 +338,6 @@ def test_ties_are_looked_for_only_among_tensors_sharing_a_view():
     assert [name for name, _ in _sharing_a_view(module, _VIEW)] == ["a", "c", "f"]
     assert [name for name, _ in _sharing_a_view(module, _STORAGE_KEY)] == ["a", "b", "c", "d", "f"]
     assert list(_sharing_a_view({k: module[k] for k in "abden"}, _VIEW)) == []
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3)), max_size=12), st.integers(0, 40), st.integers(0, 40))
-def test_slice_mappings_expected_in_c_are_those_of_each_param_overlapping_the_partition(sizes, start, length):
-    """``_overlapping`` (CK218's expected mappings at real offsets) is, param by param: every param with
-    elements whose [offset, offset + numel) overlaps [start, end), clipped to it, in the given order."""
-    from types import SimpleNamespace
-
-    from ckptspec.deepspeed.checks.module import _overlapping
-
-    params, offset = [], 0
-    for i, (numel, padding) in enumerate(sizes):
-        params.append(SimpleNamespace(name=f"p{i}", offset=offset, numel=numel))
-        offset += numel + padding
-    end = start + length
-    expected = [
-        (p.name, min(p.offset + p.numel, end) - max(p.offset, start), max(p.offset, start) - start)
-        for p in params
-        if p.numel > 0 and max(p.offset, start) < min(p.offset + p.numel, end)
-    ]
-    assert _overlapping(params, start, end) == expected
-    assert _overlapping(params[::-1], start, end) == expected[::-1]
 
 
 # --------------------------------------------------------------------------- issue #22: messages a user reads

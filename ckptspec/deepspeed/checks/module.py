@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from itertools import compress, count, repeat
-from operator import add, and_, attrgetter, contains, gt, itemgetter, lt, methodcaller, ne, not_, or_, sub
+from itertools import compress, repeat
+from operator import attrgetter
 from typing import Any
 
 from ...checkpoint.torchfile import TensorRef
@@ -18,13 +18,6 @@ from .context import Check, Context
 CHECKS: RuleSet[Check] = RuleSet()
 check = CHECKS.register
 _STORAGE_KEY = attrgetter("storage.key")
-_OFFSET = attrgetter("storage_offset")
-_IS_CONTIGUOUS = methodcaller("is_contiguous")
-_SHAPE_AND_DTYPE = attrgetter("shape", "storage.dtype")  # of a tensor
-_NAME, _SHAPE, _DTYPE, _OFFSET_OF = attrgetter("name"), attrgetter("shape"), attrgetter("dtype"), attrgetter("offset")
-_SECOND, _THIRD = itemgetter(1), itemgetter(2)
-_NUMEL = attrgetter("numel")
-_ADDRESS = ("numel", "start")  # of a fragment_address
 _VIEW = attrgetter("storage.key", "storage_offset", "shape", "stride")  # one tensor, as torch saves views
 
 
@@ -64,22 +57,24 @@ def module_role(ctx: Context) -> Iterator[Finding]:
 @check("CK216")
 def module_shape(ctx: Context) -> Iterator[Finding]:
     """The saved module tensors have the recorded shapes (catches a transposed shape in param_shapes)."""
-    m = ctx.manifest
     stage3 = ctx.layout.zero_stage == 3
-    typed = [] if stage3 else [p for grp in m.groups for p in grp.params]  # stage 3 saves (0,) placeholders
-    untyped = [] if stage3 else [*m.frozen, *m.aliases]
-    # name -> (shape as a reader has it, a tuple; dtype or None); a later section's entry wins.
-    expected: dict[str, tuple[tuple[int, ...], str | None]] = {}
-    for entries, dtypes in ((typed, map(_DTYPE, typed)), (untyped, repeat(None)), (m.buffers, map(_DTYPE, m.buffers))):
-        expected.update(zip(map(_NAME, entries), zip(map(tuple, map(_SHAPE, entries)), dtypes)))
-    names, wanted = list(expected), list(expected.values())
+    expected: dict[str, tuple[tuple[int, ...], str | None]] = {}  # a reader's shapes are tuples
+    if not stage3:  # stage 3 saves (0,) placeholders for every parameter
+        for grp in ctx.manifest.groups:
+            for p in grp.params:
+                expected[p.name] = (tuple(p.shape), p.dtype)
+        for fr in ctx.manifest.frozen:
+            expected[fr.name] = (tuple(fr.shape), None)
+        for a in ctx.manifest.aliases:
+            expected[a.name] = (tuple(a.shape), None)
+    for b in ctx.manifest.buffers:
+        expected[b.name] = (tuple(b.shape), b.dtype)
     for f, module in ctx.modules():
-        refs = list(map(module.get, names))
-        rows = list(compress(zip(names, wanted, refs), map(isinstance, refs, repeat(TensorRef))))  # CK215: the rest
-        # Only a row whose tensor's (shape, dtype) is not the one wanted can be a finding (a row wanting
-        # no dtype is looked at too): compared in C, a million rows in a 1M-tensor model.
-        differ = map(ne, map(_SHAPE_AND_DTYPE, map(_THIRD, rows)), map(_SECOND, rows))
-        for name, (shape, dtype), ref in compress(rows, differ):
+        get = module.get
+        for name, (shape, dtype) in expected.items():
+            ref = get(name)
+            if not isinstance(ref, TensorRef):
+                continue  # CK215 reports missing keys
             if ref.shape != shape and list(ref.shape) != list(shape):
                 yield finding(
                     "CK216",
@@ -112,10 +107,9 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
         return
     for f, module in ctx.modules():
         for g, grp in enumerate(ctx.manifest.groups):
-            got = list(map(module.get, map(_NAME, grp.params)))
-            refs = list(compress(zip(count(), grp.params, got), map(isinstance, got, repeat(TensorRef))))
-            refs = list(compress(refs, map(not_, map(contains, map(_SHAPE, map(_THIRD, refs)), repeat(0)))))  # elements
-            counts = Counter(map(_STORAGE_KEY, map(_THIRD, refs)))
+            refs = [(j, p, module.get(p.name)) for j, p in enumerate(grp.params)]
+            refs = [(j, p, r) for j, p, r in refs if isinstance(r, TensorRef) and 0 not in r.shape]  # elements
+            counts = Counter(map(_STORAGE_KEY, (r for _, _, r in refs)))
             flat_key, most = counts.most_common(1)[0] if counts else (None, 0)
             if most < 2:
                 continue
@@ -131,12 +125,7 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
                     rank=f.rank,
                 )
             autotp = ctx.layout.tensor_parallel_size > 1
-            tensors = list(map(_THIRD, refs))
-            # Only a tensor outside the flat buffer, elsewhere in it or not contiguous can be a finding (in C).
-            elsewhere = map(ne, map(_STORAGE_KEY, tensors), repeat(flat_key))
-            moved = map(ne, map(_OFFSET, tensors), map(_OFFSET_OF, map(_SECOND, refs)))
-            scattered = map(not_, map(_IS_CONTIGUOUS, tensors))
-            for j, p, r in compress(refs, map(or_, elsewhere, map(or_, moved, scattered))):
+            for j, p, r in refs:
                 if r.storage.key != flat_key:
                     if autotp:
                         continue  # AutoTP replaces its sharded layers' tensors: only the replicated ones stay views
@@ -172,33 +161,18 @@ def expected_slice_mappings(manifest: Manifest, g: int, rank: int) -> list[tuple
     grp = manifest.groups[g]
     start, end = rank * grp.partition_numel, (rank + 1) * grp.partition_numel
     params = list(grp.params)
-    if not manifest.layout.round_robin:
-        return _overlapping(params, start, end)
-    params = natural_order(params, grp.partition_count)
-    if any(p.padding for p in grp.params):
-        return _overlapping(params, start, end)  # real offsets, in the natural order
+    if manifest.layout.round_robin:
+        params = natural_order(params, grp.partition_count)
+    real_offsets = any(p.padding for p in grp.params) or not manifest.layout.round_robin
     out, cursor = [], 0
     for p in params:
-        offset, p_end = cursor, cursor + p.numel
+        offset = p.offset if real_offsets else cursor
+        p_end = offset + p.numel
         if p.numel > 0 and (start <= offset < end or offset < start < p_end):
             lo, hi = max(offset, start), min(p_end, end)
             out.append((p.name, hi - lo, lo - start))
         cursor += p.numel
     return out
-
-
-def _overlapping(params: list, start: int, end: int) -> list[tuple[str, int, int]]:
-    """What the loop of ``expected_slice_mappings`` gives for params at their real offsets, in C
-    loops (a million params in a 1M-tensor model): each param with elements that overlaps
-    [start, end), as (name, elements inside, first of them from ``start``)."""
-    offsets = list(map(_OFFSET_OF, params))
-    ends = list(map(add, offsets, map(_NUMEL, params)))
-    # overlaps: has elements, begins before the end and ends after the start
-    inside = map(and_, map(lt, offsets, ends), map(and_, map(lt, offsets, repeat(end)), map(gt, ends, repeat(start))))
-    rows = list(compress(zip(map(_NAME, params), offsets, ends), inside))
-    lows = list(map(max, map(_SECOND, rows), repeat(start)))
-    highs = map(min, map(_THIRD, rows), repeat(end))
-    return list(zip(map(itemgetter(0), rows), map(sub, highs, lows), map(sub, lows, repeat(start))))
 
 
 @check("CK218")
@@ -228,8 +202,9 @@ def slice_mappings(ctx: Context) -> Iterator[Finding]:
         for g, mapping in enumerate(mappings):
             if f.rank >= ctx.manifest.groups[g].partition_count:
                 continue
-            names, addrs = (list(mapping), list(mapping.values())) if isinstance(mapping, dict) else ([], [])
-            actual = list(zip(map(str, names), *(map(getattr, addrs, repeat(a), repeat(None)) for a in _ADDRESS)))
+            actual = []
+            for name, addr in mapping.items() if isinstance(mapping, dict) else []:
+                actual.append((str(name), getattr(addr, "numel", None), getattr(addr, "start", None)))
             expected = expected_slice_mappings(ctx.manifest, g, f.rank)
             if actual != expected:
                 yield finding(
