@@ -11,7 +11,6 @@ import (tensors are read with ``.item()``).
 from __future__ import annotations
 
 import math
-from collections import Counter
 from itertools import compress, repeat
 from operator import itemgetter, not_
 from typing import Any
@@ -21,6 +20,7 @@ from ..format.dtypes import dtype_name
 from ..format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
 from .engine_walk import ModuleWalk
 from .scalars import plain_values
+from .ties import repeated
 
 
 def _shape(param) -> tuple[int, ...]:
@@ -58,12 +58,9 @@ def aliases_of_engine(walk: ModuleWalk, shapes: dict[str, tuple[int, ...]]) -> l
     fulls = list(map(itemgetter(0), walk.local_params))
     params = list(map(itemgetter(1), walk.local_params))
     keys = list(map(getattr, params, repeat("ds_id"), map(id, params)))  # in C: 100k params
-    counts = Counter(keys)
-    tied = {key for key, n in counts.items() if n > 1} if len(counts) < len(keys) else set()
     owner_of: dict[Any, str] = {}
     aliases = []
-    # Only a key met more than once names a tie: the loop is over those (in order) alone.
-    for full, param, key in compress(zip(fulls, params, keys), map(tied.__contains__, keys)):
+    for full, param, key in repeated(zip(fulls, params, keys), keys):
         if key in owner_of:
             owner = owner_of[key]
             aliases.append(build(Alias, name=full, owner=owner, shape=list(shapes.get(owner, _shape(param)))))

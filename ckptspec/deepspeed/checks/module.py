@@ -13,6 +13,7 @@ from ...checkpoint.torchfile import TensorRef
 from ...findings import Finding, RuleSet, finding, json_path
 from ...format.models import Manifest
 from ...format.partition import natural_order
+from ..ties import repeated
 from .context import Check, Context
 
 CHECKS: RuleSet[Check] = RuleSet()
@@ -291,17 +292,12 @@ _PARAM_ROLES = ("trainable", "frozen", "alias")
 
 def _sharing_a_view(module: dict, view) -> Iterator[tuple[str, TensorRef]]:
     """The (name, tensor) entries of ``module`` whose ``view`` another tensor of it has too, in
-    order: the only ones that can be a tie. Counted in C (a million entries in a 1M-tensor
-    model, where a Python loop over them all took 3 s); the loop is over the few left."""
+    order: the only ones that can be a tie (a million entries in a 1M-tensor model, where a
+    Python loop over them all took 3 s)."""
     names, refs = list(module), list(module.values())
     tensors = list(map(isinstance, refs, repeat(TensorRef)))
     names, refs = list(compress(names, tensors)), list(compress(refs, tensors))
-    views = list(map(view, refs))
-    counts = Counter(views)
-    if len(counts) == len(views):
-        return iter(())
-    shared = {v for v, n in counts.items() if n > 1}
-    return compress(zip(names, refs), map(shared.__contains__, views))
+    return repeated(zip(names, refs), map(view, refs))
 
 
 @check("CK220")
