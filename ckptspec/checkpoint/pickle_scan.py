@@ -12,6 +12,7 @@ that into a ``TorchFileError`` naming the file.
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
@@ -238,6 +239,7 @@ def _scan_rare(op, data, pos, stack, marks, memo, to_mark, tuple_of, put):
 
 _LEAVES = frozenset({str, int, float, bool, type(None), bytes, StorageRef, ZeroStage, DType, FragmentAddress})
 _FLAT_KINDS = _LEAVES | {TensorRef, tuple, dict}
+_ATTRS = operator.attrgetter("attrs")
 
 
 def _children(obj):
@@ -253,32 +255,47 @@ def _children(obj):
     return None
 
 
-def _flat(container) -> tuple[int, int] | None:
+def _of_type(parts, kinds, kind) -> list:
+    """The parts of ``parts`` holding ``kind``, each narrowed to the items of exactly that type by
+    C loops (``kinds``: the types each part holds). A part of that type alone is taken as it is:
+    copying a million references touches a million objects."""
+    found = []
+    for part, held in zip(parts, kinds):
+        if held == {kind}:
+            found.append(part)
+        elif kind in held:
+            found.append(list(itertools.compress(part, map(operator.is_, map(type, part), itertools.repeat(kind)))))
+    return found
+
+
+def _flat(container, attributes_apart: bool = False) -> tuple[int, int] | None:
     """(nodes, height) of a list, or a dict without attributes, whose items are all leaves (tensors
     without attributes included), tuples of leaves or dicts of leaves: what check_tree's walk of it
     would count. None for any other container, which check_tree walks item by item. A state dict's
-    shapes, a module's ``_metadata`` (a dict of leaves per submodule): counted in C."""
+    shapes, a module's ``_metadata`` (a dict of leaves per submodule): counted in C.
+    ``attributes_apart``: count a dict's keys and values even if it has attributes (a module's state
+    dict, given ``_metadata`` by BUILD), leaving those to the caller."""
     if type(container) is list:
         parts = (container,)
-    elif getattr(container, "__dict__", None):  # an OrderedDict given attributes by BUILD
+    elif not attributes_apart and getattr(container, "__dict__", None):  # an OrderedDict given attributes by BUILD
         return None
     else:
         parts = (container.keys(), container.values())
-    kinds = set()
-    for part in parts:
-        kinds.update(map(type, part))
+    held = [set(map(type, part)) for part in parts]
+    kinds = set().union(*held)
     if not kinds <= _FLAT_KINDS:
         return None
     nodes, height = 1 + sum(map(len, parts)), 1
-    if TensorRef in kinds and any(item.attrs for part in parts for item in part if type(item) is TensorRef):
+    chain = itertools.chain.from_iterable
+    if TensorRef in kinds and any(map(_ATTRS, chain(_of_type(parts, held, TensorRef)))):
         return None
     if tuple in kinds:
-        shapes = [item for part in parts for item in part if type(item) is tuple]
-        if not _LEAVES.issuperset(map(type, itertools.chain.from_iterable(shapes))):
+        shapes = _of_type(parts, held, tuple)
+        if not _LEAVES.issuperset(map(type, chain(chain(shapes)))):
             return None
-        nodes, height = nodes + sum(map(len, shapes)), 2
+        nodes, height = nodes + sum(map(len, chain(shapes))), 2
     if dict in kinds:
-        inner = [item for part in parts for item in part if type(item) is dict]
+        inner = list(chain(_of_type(parts, held, dict)))
         keys = itertools.chain.from_iterable(map(dict.keys, inner))
         values = itertools.chain.from_iterable(map(dict.values, inner))
         if not (_LEAVES.issuperset(map(type, keys)) and _LEAVES.issuperset(map(type, values))):
@@ -287,16 +304,30 @@ def _flat(container) -> tuple[int, int] | None:
     return nodes, height
 
 
+def _frame(obj, depth: int, max_nodes: int) -> list | None:
+    """check_tree's frame for ``obj`` at ``depth`` (object, its children, nodes so far, tallest
+    child), or None for a leaf. A dict given attributes (a module's state dict and its
+    ``_metadata``): its keys and values counted in C when they are flat and pass on their own, so
+    the frame walks only the attributes; else the walk meets any refusal where it would."""
+    if (type(obj) is dict or type(obj) is OrderedDict) and getattr(obj, "__dict__", None):
+        items = _flat(obj, attributes_apart=True)
+        if items is not None and items[0] <= max_nodes and depth + items[1] <= MAX_NESTING:
+            return [obj, iter((obj.__dict__,)), items[0], items[1] - 1]
+    kids = _children(obj)
+    return None if kids is None else [obj, iter(kids), 1, 0]
+
+
 def check_tree(root, max_nodes: int) -> None:
     """The unpickled object must be a tree as a recursive walker sees it: no cycles, at most
     MAX_NESTING deep, at most ``max_nodes`` nodes when a shared object counts once per place
     it appears (the memo can share one list at every level: 2**64 paths from 700 bytes).
     Iterative, and each shared object is measured once."""
     done: dict[int, tuple[int, int]] = {}  # id -> (nodes, height) of a finished container
-    if _children(root) is None:
+    root_frame = _frame(root, 0, max_nodes)
+    if root_frame is None:
         return
     path = {id(root)}
-    stack = [[root, iter(_children(root)), 1, 0]]  # object, its children, nodes so far, tallest child
+    stack = [root_frame]  # object, its children, nodes so far, tallest child
     leaves = _LEAVES
     while stack:
         frame = stack[-1]
@@ -327,8 +358,8 @@ def check_tree(root, max_nodes: int) -> None:
                 frame[2] += known[0]
                 frame[3] = max(frame[3], known[1])
                 continue
-            kids = _children(child)
-            if kids is None:
+            child_frame = _frame(child, len(stack), max_nodes)
+            if child_frame is None:
                 frame[2] += 1
                 continue
             if id(child) in path:
@@ -336,7 +367,7 @@ def check_tree(root, max_nodes: int) -> None:
             if len(stack) >= MAX_NESTING:
                 raise ValueError(f"data.pkl nests deeper than {MAX_NESTING} levels")
             path.add(id(child))
-            stack.append([child, iter(kids), 1, 0])
+            stack.append(child_frame)
             break
         else:
             stack.pop()

@@ -18,10 +18,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
-import threading
 from collections.abc import Callable, Iterator
 
+from .._forked import can_fork
 from .pickle_scan import scan_pickle, walk
 
 MIN_CHILD_BYTES = 2 * 1024 * 1024  # below this a walk takes ~0.1 s: not worth a process
@@ -33,12 +32,6 @@ def _verdict(data: bytes) -> ValueError | None:
     except ValueError as e:
         return e
     return None
-
-
-def _can_fork() -> bool:
-    # fork() copies only the calling thread: with other threads running (hashing pools, a
-    # DeepSpeed job) a lock they hold would stay held in the child.
-    return sys.platform == "linux" and threading.active_count() == 1 and len(os.sched_getaffinity(0)) > 1
 
 
 class Refused(Exception):
@@ -173,7 +166,7 @@ def scan_all(
     ``meanwhile``: work of the caller's that needs no verdict (importing what comes next), run
     here while the child starts walking (only when there is a child: otherwise the caller does
     that work in its own time)."""
-    child = _fork_walker(pickles) if sum(map(len, pickles)) >= MIN_CHILD_BYTES and _can_fork() else None
+    child = _fork_walker(pickles) if sum(map(len, pickles)) >= MIN_CHILD_BYTES and can_fork() else None
     if child is None:
         yield from ((i, _verdict(data)) for i, data in enumerate(pickles))
         return

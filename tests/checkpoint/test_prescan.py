@@ -69,7 +69,7 @@ def forks(monkeypatch):
         return pid
 
     monkeypatch.setattr(prescan, "MIN_CHILD_BYTES", 0)
-    monkeypatch.setattr(prescan, "_can_fork", lambda: True)
+    monkeypatch.setattr(prescan, "can_fork", lambda: True)
     monkeypatch.setattr(prescan.os, "fork", fork)
     return made
 
@@ -215,7 +215,7 @@ def test_a_fork_that_fails_leaves_the_walk_to_this_process(monkeypatch):
         raise OSError(11, "Resource temporarily unavailable")
 
     monkeypatch.setattr(prescan, "MIN_CHILD_BYTES", 0)
-    monkeypatch.setattr(prescan, "_can_fork", lambda: True)
+    monkeypatch.setattr(prescan, "can_fork", lambda: True)
     monkeypatch.setattr(prescan.os, "fork", fork)
     assert side_by_side(PICKLES) == serial(PICKLES)
 

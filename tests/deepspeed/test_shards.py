@@ -190,6 +190,37 @@ def test_fault_is_reported(fault, built, tmp_path):
     assert not env.marker.exists(), "pickled code ran"
 
 
+def _findings_or_error(save_dir: Path, manifest: Path | None):
+    try:
+        return validate_checkpoint(save_dir, manifest)[1]
+    except CkptspecError as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
+def test_checks_shared_with_a_forked_process_find_what_one_process_finds(fault, built, tmp_path, monkeypatch):
+    """A large manifest's checks run half in a forked copy of the process (``checks._run``): on every
+    corruption, the same findings in the same order as all checks run here."""
+    from ckptspec import _forked
+    from ckptspec.deepspeed import checks
+
+    save_dir = _copy(built(fault.base), tmp_path)
+    manifest = _hashed_manifest(save_dir, tmp_path, fault) if fault.hashed_manifest else None
+    fault.mutate(save_dir, FaultEnv(built(fault.donor) if fault.donor else None, tmp_path / "pwned"))
+    monkeypatch.setattr(checks, "FORK_MIN_PARAMS", 10**9)
+    alone = _findings_or_error(save_dir, manifest)
+
+    runs, sent = [], []
+    run, result = checks._run, _forked.Forked.result
+    monkeypatch.setattr(checks, "_run", lambda ctx: runs.append(ctx) or run(ctx))
+    monkeypatch.setattr(_forked.Forked, "result", lambda self: sent.append(result(self)) or sent[-1])
+    monkeypatch.setattr(_forked, "can_fork", lambda: True)  # pytest's own threads would forbid it
+    monkeypatch.setattr(checks, "FORK_MIN_PARAMS", 0)
+    shared = _findings_or_error(save_dir, manifest)
+    assert shared == alone
+    assert len(sent) == len(runs) and None not in sent  # every time the checks ran, a child sent its half
+
+
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
 def test_fault_is_refused_by_every_reader(fault, built, tmp_path):
     """reconstruct and load_state_dict refuse (exit 1, the fault's code, nothing written); inspect
