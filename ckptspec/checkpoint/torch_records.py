@@ -1,5 +1,5 @@
-"""The fast lane of ``scan_pickle``: the three records ``torch.save`` writes by the hundred
-thousand, recognised whole.
+"""The fast lanes of ``scan_pickle``: the records ``torch.save`` writes by the hundred thousand,
+recognised whole, one at a time and then in runs.
 
 A state dict entry (a name, then the call that rebuilds a tensor) is 28 opcodes; a named
 ``torch.Size`` (DeepSpeed's ``param_shapes``) 9; a named fragment address (its
@@ -15,8 +15,10 @@ record back to it untouched, so the verdicts and their messages are the walk's b
 
 from __future__ import annotations
 
+import operator
 import re
 import struct
+from itertools import chain, islice, repeat
 from operator import itemgetter
 
 _U32 = struct.Struct("<I").unpack
@@ -83,7 +85,7 @@ def named_record(data: bytes, pos: int, n: int, memo: dict, stack: list) -> int:
     never written, the first such read in the walk's order."""
     m = _NAMED_RECORD(data, pos)
     if m is None:
-        return 0
+        return take_run(METADATA, data, pos, n, memo, stack, unnamed=True)
     name, fn, storage, cls, key, new_key, device, persid, size, stride, od_fn, od, args, result = m.groups()[:14]
     if storage is None:
         return _named_shape(m, n, memo, stack) if m.lastindex <= 17 else _named_object(m, n, memo, stack)
@@ -104,7 +106,7 @@ def named_record(data: bytes, pos: int, n: int, memo: dict, stack: list) -> int:
     memo[last]  # OrderedDict, read after the persistent id
     memo[a], memo[b], memo[c], memo[d], memo[e], memo[f], memo[g] = 0, 1, 1, 1, 1, 2, 1
     stack.append(1)  # the tensor: a call's result
-    return m.end()
+    return take_run(TENSOR, data, m.end(), n, memo, stack) or m.end()
 
 
 def _uncommon_entry(m, n, memo, stack) -> int:
@@ -121,6 +123,8 @@ def _uncommon_entry(m, n, memo, stack) -> int:
     memo[last]
     memo.update(zip(puts, (v for _, v in present)))  # in order: of two puts at one index, the later stays
     stack.append(1)
+    if new_key is not None and size is not None and stride is not None:
+        return take_run(TENSOR_NEW_KEY, m.string, m.end(), n, memo, stack) or m.end()
     return m.end()
 
 
@@ -134,6 +138,8 @@ def _named_shape(m, n, memo, stack) -> int:
             return 0
         memo[fn]  # the callable: the one read
         memo[a], memo[b], memo[c], memo[d] = _SHAPE_VALUES
+        stack.append(1)  # the call's result
+        return take_run(SHAPE, m.string, m.end(), n, memo, stack) or m.end()
     else:  # torch.Size(()): the empty tuple is not memoized
         a, c, d = _THREE_PUTS(name + args + result)
         if not (fn < a < n and fn < c < n and fn < d < n):
@@ -154,4 +160,124 @@ def _named_object(m, n, memo, stack) -> int:
     memo[cls], keys(memo), memo[last]  # the class and the attribute names: only read
     memo[a], memo[b], memo[c] = 0, 1, 0  # the name, the object (a call's result), its attributes
     stack.append(1)
-    return m.end()
+    return take_run(OBJECT, m.string, m.end(), n, memo, stack) or m.end()
+
+
+# --- Runs of records taken together ------------------------------------------------------------
+#
+# ``torch.save`` writes a big dict in batches of up to 1000 items between a MARK and a SETITEMS,
+# and in a checkpoint's state dicts every item of a batch is the same record after its name: a
+# tensor, a ``torch.Size``, a fragment address, a module's ``_metadata`` entry. Once one record
+# is taken, the ones after it are read name by name (its length, then the record's regular
+# expression right after it) and judged together by C loops over their columns, not record by
+# record in Python:
+#
+# - the memo indices the run writes increase from one put to the next (torch.save's are
+#   consecutive) and stay below the pickle's length: each is written once, none past the end;
+# - every index a record reads is below the first index it writes (it reads only what came
+#   before, as ``named_record`` requires), was written, and holds no tuple where the record's
+#   persistent id holds it.
+#
+# Then the run's writes and pushes are applied at once: what ``named_record`` applies record by
+# record. A run failing any check is left untouched to ``named_record`` and the walk, so verdicts
+# and messages stay the walk's. At 100k tensors the walk of the model states takes 25% fewer
+# instructions. ``tests/checkpoint/test_torch_records.py`` compares the walk with and without.
+
+_MIN_RUN = 4  # fewer records than this: the record-by-record lane is as quick
+_SHAPE_PUT = rb"(?:%s\x85|%s{2}\x86|%s{3}\x87|\(%s*t)" % ((_INT,) * 4) + _PUT  # a shape of 1+ dimensions
+_U32_FROM = struct.Struct("<I").unpack_from
+
+
+class _Kind:
+    """One record kind: its regular expression (what follows a name) and, for each of its groups,
+    whether it is a put (with the depth the walk stores there) or a read (and must it hold no tuple)."""
+
+    def __init__(self, record: bytes, fields: tuple, pushed: int = 1) -> None:
+        self.pushed = pushed  # what a record leaves on the stack: 1, a call's result, unless told
+        self.record = re.compile(record, re.DOTALL).match
+        self.puts = [i for i, f in enumerate(fields) if f[0] == "put"]
+        self.put_fields = itemgetter(*self.puts)
+        self.depths = [f[1] for f in fields if f[0] == "put"]
+        self.reads = [i for i, f in enumerate(fields) if f[0] == "read"]
+        self.flat = [i for i, f in enumerate(fields) if f == ("read", True)]
+
+
+_R, _Z, _P = ("read", False), ("read", True), "put"
+# A state dict entry whose storage key was named before (views of one flat buffer): reads
+# fn, then storage, class, key, device (the persistent id: no tuple), then OrderedDict.
+TENSOR = _Kind(
+    _PUT + _GET + rb"\(\(" + _GET + _GET + _GET + _GET + _INT + b"t" + _PUT + b"Q" + _INT + _SHAPE_PUT + _SHAPE_PUT
+    + rb"[\x88\x89]" + _GET + rb"\)R" + _PUT + b"t" + _PUT + b"R" + _PUT,
+    ((_P, 0), _R, _Z, _Z, _Z, _Z, (_P, 1), (_P, 1), (_P, 1), _R, (_P, 1), (_P, 2), (_P, 1)),
+)  # fmt: skip
+# The same with a storage of its own, named here for the first time (a put between the reads).
+TENSOR_NEW_KEY = _Kind(
+    _PUT + _GET + rb"\(\(" + _GET + _GET + _NEW_KEY + _GET + _INT + b"t" + _PUT + b"Q" + _INT + _SHAPE_PUT
+    + _SHAPE_PUT + rb"[\x88\x89]" + _GET + rb"\)R" + _PUT + b"t" + _PUT + b"R" + _PUT,
+    ((_P, 0), _R, _Z, _Z, (_P, 0), _Z, (_P, 1), (_P, 1), (_P, 1), _R, (_P, 1), (_P, 2), (_P, 1)),
+)  # fmt: skip
+SHAPE = _Kind(_PUT + _GET + _SHAPE_PUT + rb"\x85" + _PUT + b"R" + _PUT, ((_P, 0), _R, (_P, 1), (_P, 2), (_P, 1)))
+OBJECT = _Kind(
+    _PUT + _GET + rb"\)\x81" + _PUT + b"}" + _PUT + rb"\(" + _GET + _INT + _GET + _INT + b"ub",
+    ((_P, 0), _R, (_P, 1), (_P, 0), _R, _R),
+)
+
+
+# A module's ``_metadata`` entry: its name, then ``{"version": 1}`` (EMPTY_DICT, a key read, an
+# int, SETITEM): one per module, 60k in a model of 100k tensors.
+METADATA = _Kind(_PUT + b"}" + _PUT + _GET + _INT + b"s", ((_P, 0), (_P, 0), _R), pushed=0)
+
+
+def _index(token: bytes) -> int:
+    return token[1] if len(token) == 2 else _U32(token[1:])[0]
+
+
+def _fields(kind: _Kind, data: bytes, pos: int, unnamed: bool) -> tuple[list, int]:
+    """The groups of each record of ``kind`` from ``pos`` on, each after a name (BINUNICODE, its
+    length, that many bytes) that starts where the one before ends, and where they end.
+    ``unnamed``: the first record starts at ``pos`` (its name was read before)."""
+    found, match, u32, n = [], kind.record, _U32_FROM, len(data)
+    if unnamed:
+        if not (m := match(data, pos)):
+            return found, pos
+        found.append(m)
+        pos = m.end()
+    while pos + 5 < n and data[pos] == 0x58 and (m := match(data, pos + 5 + u32(data, pos + 1)[0])):
+        found.append(m)
+        pos = m.end()
+    return list(map(re.Match.groups, found)), pos
+
+
+def take_run(kind: _Kind, data: bytes, pos: int, n: int, memo: dict, stack: list, unnamed: bool = False) -> int:
+    """At ``pos``, just after a record of ``kind`` ``named_record`` took (``unnamed``: just after a
+    name, the run's first record next): the position after the run of named records of that kind
+    that follows, its effect applied, if the walk would take every one of them without a doubt;
+    else 0, with nothing changed."""
+    rows, end = _fields(kind, data, pos, unnamed)
+    count = len(rows)
+    if count < _MIN_RUN:
+        return 0
+    column = list(zip(*rows))
+    puts = list(struct.unpack(f"<{count * len(kind.puts)}I", b"".join(chain.from_iterable(map(kind.put_fields, rows)))))
+    first, last = puts[0], puts[-1]
+    # torch.save memoizes with consecutive indices; anything else must still only increase.
+    if last >= n or (puts != list(range(first, last + 1)) and not all(map(operator.lt, puts, islice(puts, 1, None)))):
+        return 0
+    index_of = {token: _index(token) for token in set().union(*(column[i] for i in kind.reads))}
+    writes = zip(puts, chain.from_iterable(repeat(kind.depths, count)))
+    written: dict = {}
+    if max(index_of.values()) >= first:  # a read inside the run's own indices: record by record
+        reads = [list(map(index_of.__getitem__, column[i])) for i in kind.reads]
+        if not all(map(operator.lt, map(max, *reads) if len(reads) > 1 else reads[0], puts[:: len(kind.puts)])):
+            return 0
+        writes = written = dict(writes)
+    flat = {index_of[token] for token in set().union(*(column[i] for i in kind.flat))}
+    for index in set(index_of.values()):
+        depth = written.get(index, memo.get(index))
+        if depth is None or (depth and index in flat):
+            return 0  # never written (the walk's KeyError), or a tuple in a persistent id
+    memo.update(writes)
+    stack.extend([0, kind.pushed] * count)  # each record's name, and what the record leaves
+    if unnamed:
+        del stack[-2]  # the first name is on the stack already
+    return end

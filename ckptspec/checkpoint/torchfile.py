@@ -68,7 +68,9 @@ __all__ = [
     "DType",
     "read_pt_metadata",
     "read_data_pkl",
+    "check_decoded",
     "decode_data_pkl",
+    "unpickle_data_pkl",
     "RawPickle",
     "zip_member_locations",
     "iter_tensor_refs",
@@ -261,24 +263,39 @@ def read_data_pkl(path, max_pickle_bytes: int | None = None) -> RawPickle:
 
 
 def decode_data_pkl(raw: RawPickle, scan_error: ValueError | None | bool | Streamed = True) -> Any:
-    """Unpickle ``raw`` with the restricted unpickler, after ``scan_pickle``. ``scan_error``: what
-    ``scan_pickle(raw.data)`` raised (None: it passed) when it already ran, elsewhere; a
-    ``prescan.Streamed`` when another process is walking it (the unpickler reads only what the walk
-    has passed); True (the default): run it here."""
+    """Unpickle ``raw`` with the restricted unpickler, after ``scan_pickle``, and check the tree it
+    gives (``unpickle_data_pkl``, then ``check_decoded``)."""
+    obj = unpickle_data_pkl(raw, scan_error)
+    check_decoded(raw, obj)
+    return obj
+
+
+def unpickle_data_pkl(raw: RawPickle, scan_error: ValueError | None | bool | Streamed = True) -> Any:
+    """Unpickle ``raw`` with the restricted unpickler, after ``scan_pickle``: a tree nothing may
+    walk before ``check_decoded`` has passed it. ``scan_error``: what ``scan_pickle(raw.data)``
+    raised (None: it passed) when it already ran, elsewhere; a ``prescan.Streamed`` when another
+    process is walking it (the unpickler reads only what the walk has passed); True (the default):
+    run it here."""
     try:
         if isinstance(scan_error, Streamed):
-            obj = _unpickle_streamed(raw, scan_error)
-        else:
-            if scan_error is True:
-                scan_pickle(raw.data)
-            elif scan_error is not None:
-                raise scan_error
-            obj = _RestrictedUnpickler(raw.data, raw.prefix, raw.path, raw.member_sizes).load()
-        check_tree(obj, 2 * len(raw.data) + 1_000_000)
-        return obj
+            return _unpickle_streamed(raw, scan_error)
+        if scan_error is True:
+            scan_pickle(raw.data)
+        elif scan_error is not None:
+            raise scan_error
+        return _RestrictedUnpickler(raw.data, raw.prefix, raw.path, raw.member_sizes).load()
     except TorchFileError:
         raise
     except Exception as e:  # malformed or hostile pickle: stand-ins raise ValueError/TypeError
+        raise TorchFileError(raw.path, f"malformed data.pkl: {type(e).__name__}: {e}") from e
+
+
+def check_decoded(raw: RawPickle, obj: Any) -> None:
+    """Raise TorchFileError unless ``obj``, unpickled from ``raw``, is a tree a recursive walker can
+    handle (``check_tree``: no cycle, not too deep, not too many nodes for the pickle's size)."""
+    try:
+        check_tree(obj, 2 * len(raw.data) + 1_000_000)
+    except Exception as e:
         raise TorchFileError(raw.path, f"malformed data.pkl: {type(e).__name__}: {e}") from e
 
 

@@ -16,7 +16,7 @@ import pytest
 from _harness.faults import tag_dir
 from _harness.scenarios import COMMITTED
 
-from ckptspec.checkpoint import pickle_scan, prescan
+from ckptspec.checkpoint import pickle_scan, prescan, states
 from ckptspec.checkpoint.pickle_scan import scan_pickle
 from ckptspec.checkpoint.states import StateCache
 
@@ -294,3 +294,72 @@ def test_without_a_child_the_callers_work_is_left_to_the_caller(monkeypatch):
     ran = []
     assert [i for i, _ in prescan.scan_all(PICKLES, lambda: ran.append(1))] == list(range(len(PICKLES)))
     assert ran == []
+
+
+# ------------------------------------------------------------------ trees checked apart
+
+
+def test_trees_checked_by_other_processes_read_as_trees_checked_here(forks, tmp_path, monkeypatch):
+    """Every file but the last has its tree checked by another process (the real threshold is
+    8 MiB) while the next ones are unpickled: a real DeepSpeed save, a cyclic tree (the walk lets
+    it through, the tree check refuses it), a malicious file, a cut copy. The states and errors are
+    those of ``load``, file by file, and each check took a process of its own."""
+    monkeypatch.setattr(states, "CHECK_APART_BYTES", 0)
+    save = tmp_path / "ckpt"
+    shutil.copytree(COMMITTED["s2-bf16-ws2"], save)
+    files = sorted(tag_dir(save).glob("*.pt"))
+    cyclic = tag_dir(save) / "cyclic.pt"
+    with zipfile.ZipFile(cyclic, "w") as zf:
+        zf.writestr("cyclic/data.pkl", b"\x80\x02]q\x00h\x00a.")  # a list holding itself
+    evil = tag_dir(save) / "evil.pt"
+    with zipfile.ZipFile(evil, "w") as zf:
+        zf.writestr("evil/data.pkl", pickle.dumps(print, protocol=2))
+    cut = tag_dir(save) / "cut.pt"
+    cut.write_bytes(files[0].read_bytes()[:-100])
+    every = [files[0], cyclic, files[1], evil, cut, files[2]]
+    checked_apart = []
+    real = states._check_apart
+    monkeypatch.setattr(states, "_check_apart", lambda raw, tree: checked_apart.append(raw.path) or real(raw, tree))
+
+    together = StateCache()
+    together.load_all(every)
+    for path in every:
+        one, alone = together.load(path), StateCache().load(path)
+        assert (repr(one.state), type(one.error), str(one.error)) == (
+            repr(alone.state),
+            type(alone.error),
+            str(alone.error),
+        )
+    assert [together.load(p).error is None for p in every] == [True, False, True, False, False, True]
+    assert "cycle" in str(together.load(cyclic).error)
+    # Unpickled files but the last were checked apart, each by a process of its own.
+    assert [p.name for p in checked_apart] == [files[0].name, "cyclic.pt", files[1].name]
+    assert len(forks) == 1 + len(checked_apart)
+    assert reaped(forks)
+
+
+def test_a_tree_whose_checker_fails_is_checked_here(forks, tmp_path, monkeypatch):
+    """A checker that dies sends nothing: the tree is checked in this process, refusal included."""
+    monkeypatch.setattr(states, "CHECK_APART_BYTES", 0)
+    monkeypatch.setattr(states.torchfile, "check_decoded", _dies_in_a_child(states.torchfile.check_decoded))
+    paths = []
+    for name, data in [("cyclic", b"\x80\x02]q\x00h\x00a."), ("fine", PICKLES[0]), ("last", PICKLES[3])]:
+        path = tmp_path / f"{name}.pt"
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr(f"{name}/data.pkl", data)
+        paths.append(path)
+    together = StateCache()
+    together.load_all(paths)
+    assert [str(together.load(p).error) for p in paths] == [str(StateCache().load(p).error) for p in paths]
+    assert "cycle" in str(together.load(paths[0]).error) and together.load(paths[1]).error is None
+    assert len(forks) == 3  # the walker, and a checker for each file but the last
+    assert reaped(forks)
+
+
+def _dies_in_a_child(check):
+    def checked(raw, tree):
+        if os.getpid() != PARENT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return check(raw, tree)
+
+    return checked

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pickletools
 import shutil
 import subprocess
 import sys
@@ -127,21 +128,32 @@ def test_hf_gpt2_load_refuses_a_changed_weight(hf_run, tmp_path, capsys):
 
 
 def test_hf_gpt2_checkpoint_scans_the_same_through_the_fast_lane(hf_run, monkeypatch):
-    """The opcode scan's fast lane (``checkpoint/torch_records``) on real DeepSpeed output: it takes
-    the state dict's and ``param_shapes``' records whole and ends where the walk one opcode at a
-    time ends (memo, stack and marks)."""
+    """The opcode scan's fast lanes (``checkpoint/torch_records``) on real DeepSpeed output: they take
+    the state dict's and ``param_shapes``' records whole (one at a time, or a run together) and end
+    where the walk one opcode at a time ends (memo, stack and marks)."""
     from ckptspec.checkpoint import pickle_scan, torch_records
 
     out, _ = hf_run
-    taken, real = [], torch_records.named_record
-    monkeypatch.setattr(torch_records, "named_record", lambda *args: taken.append(real(*args)) or taken[-1])
+    spans, real = [], torch_records.named_record
+
+    def spy(data, pos, *rest):
+        end = real(data, pos, *rest)
+        if end:
+            spans.append((pos, end))
+        return end
+
+    monkeypatch.setattr(torch_records, "named_record", spy)
+    taken = 0
     for pt in sorted((out / "checkpoint" / "global_step2").glob("*.pt")):
         with zipfile.ZipFile(pt) as archive:
             data = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+        spans.clear()
         assert pickle_scan.walk(data, fast=True) == pickle_scan.walk(data, fast=False), pt.name
+        names = [pos + 5 + len(arg) for op, arg, pos in pickletools.genops(data) if op.name == "BINUNICODE"]
+        taken += sum(any(start <= end < stop for start, stop in spans) for end in names)
     # param_shapes' 28 sizes but the first (its class comes by GLOBAL); the state dict's entries
-    # come before memo index 256 here (BINPUT), which the lane leaves to the walk.
-    assert sum(1 for end in taken if end) >= 20
+    # come before memo index 256 here (BINPUT), which the lanes leave to the walk.
+    assert taken >= 20
 
 
 # --------------------------------------------------------------------------- numpy
