@@ -23,6 +23,24 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 REPORT_VERSION = "1.0"
 ENCODING_CHOICE = click.Choice(["json", "msgpack"])
 FORMAT_CHOICE = click.Choice(["text", "json"])
+# What a command made (a manifest, decoded pickles), left for ``run``'s ``os._exit`` rather than
+# freed one object at a time when the command returns: 1.3 s for a 1M-tensor checkpoint. Kept only
+# in a process that ends with the command (``run``); a caller of ``main`` keeps nothing.
+_KEPT: list = []
+_KEEPING = [False]
+
+
+def end_with_the_process() -> None:
+    """The command is the last thing this process does (``run``): keep what it made until then."""
+    _KEEPING[0] = True
+
+
+def keep_until_exit(*objects: object) -> None:
+    """Leave ``objects`` to the end of the process when it ends with the command (see ``_KEPT``)."""
+    if _KEEPING[0]:
+        _KEPT.extend(objects)
+
+
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..errors import CkptspecError
-from ._common import OUTPUT_FILE, fail, read_tag_dir_early
+from ._common import OUTPUT_FILE, fail, keep_until_exit, read_tag_dir_early
 
 
 @click.command()
@@ -54,6 +54,7 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
                 from ..deepspeed.describe import manifest_from_checkpoint
 
                 document = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm, states=states)
+                keep_until_exit(states, document)
             from ..format.codec import write_manifest
 
             write_manifest(document, output)

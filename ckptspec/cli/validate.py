@@ -17,6 +17,7 @@ from ._common import (
     echo_json,
     error_line,
     fetched_line,
+    keep_until_exit,
     read_tag_dir_early,
     validation_report,
 )
@@ -129,6 +130,7 @@ def validate(
                 from ..deepspeed.validate import validate_checkpoint
 
                 found, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash, states=states)
+                keep_until_exit(manifest, states, found)
     except CkptspecError as exc:
         _emit(output_format, shown, [], exc, remote)
         sys.exit(exc.exit_code)

@@ -42,3 +42,33 @@ def test_python_m_ckptspec_runs_it():
     assert (REPO / "ckptspec" / "__main__.py").read_text().strip().endswith("run()")
     done = subprocess.run([sys.executable, "-m", "ckptspec", "--version"], capture_output=True, cwd=REPO, timeout=60)
     assert done.returncode == 0 and b"ckptspec" in done.stdout
+
+
+# Marks the decoded checkpoint's end: "freed" on stderr when the command's StateCache (the first
+# one made: the tag directory's pickles, read early) is freed.
+_WATCH_THE_STATES = (
+    "import sys, weakref\n"
+    "from ckptspec.checkpoint import states\n"
+    "made = states.StateCache.__init__\n"
+    "def watched(self):\n"
+    "    made(self)\n"
+    "    if states.StateCache.__init__ is watched:\n"
+    "        weakref.finalize(self, print, 'freed', file=sys.stderr, flush=True).atexit = False\n"
+    "        states.StateCache.__init__ = made\n"
+    "states.StateCache.__init__ = watched\n"
+)
+
+
+def test_what_a_command_made_is_left_to_the_end_of_the_process(tmp_path):
+    """Under ``run``, generate's and validate's decoded pickles and manifest are never freed one by
+    one (the process ends first); a caller of ``main`` gets them freed as usual."""
+    from _harness.scenarios import COMMITTED
+
+    checkpoint = str(COMMITTED["s2-bf16-ws2"])
+    for args in (["generate", checkpoint, "-o", str(tmp_path / "m.json")], ["validate", checkpoint, "--no-hash"]):
+        kept = _ckptspec(*args, code=_WATCH_THE_STATES + "from ckptspec.cli import run; run()")
+        freed = _ckptspec(*args, code=_WATCH_THE_STATES + "from ckptspec.cli import main; main()")
+        assert kept.returncode == freed.returncode == 0, (kept.stderr, freed.stderr)
+        assert kept.stdout == freed.stdout
+        assert b"freed" not in kept.stderr and b"freed" in freed.stderr
+    assert (tmp_path / "m.json").stat().st_size > 1000
