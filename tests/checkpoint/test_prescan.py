@@ -16,6 +16,7 @@ import pytest
 from _harness.faults import tag_dir
 from _harness.scenarios import COMMITTED
 
+from ckptspec import _forked
 from ckptspec.checkpoint import pickle_scan, prescan, states
 from ckptspec.checkpoint.pickle_scan import scan_pickle
 from ckptspec.checkpoint.states import StateCache
@@ -305,6 +306,7 @@ def test_trees_checked_by_other_processes_read_as_trees_checked_here(forks, tmp_
     it through, the tree check refuses it), a malicious file, a cut copy. The states and errors are
     those of ``load``, file by file, and each check took a process of its own."""
     monkeypatch.setattr(states, "CHECK_APART_BYTES", 0)
+    monkeypatch.setattr(_forked, "can_fork", lambda: True)  # as the fixture does for the walker
     save = tmp_path / "ckpt"
     shutil.copytree(COMMITTED["s2-bf16-ws2"], save)
     files = sorted(tag_dir(save).glob("*.pt"))
@@ -341,6 +343,7 @@ def test_trees_checked_by_other_processes_read_as_trees_checked_here(forks, tmp_
 def test_a_tree_whose_checker_fails_is_checked_here(forks, tmp_path, monkeypatch):
     """A checker that dies sends nothing: the tree is checked in this process, refusal included."""
     monkeypatch.setattr(states, "CHECK_APART_BYTES", 0)
+    monkeypatch.setattr(_forked, "can_fork", lambda: True)
     monkeypatch.setattr(states.torchfile, "check_decoded", _dies_in_a_child(states.torchfile.check_decoded))
     paths = []
     for name, data in [("cyclic", b"\x80\x02]q\x00h\x00a."), ("fine", PICKLES[0]), ("last", PICKLES[3])]:
