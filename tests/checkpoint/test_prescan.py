@@ -230,6 +230,17 @@ def test_without_a_second_core_or_enough_bytes_nothing_is_forked(monkeypatch):
     assert side_by_side(PICKLES) == serial(PICKLES)
 
 
+def assert_as_load_gives(together: StateCache, paths: list) -> None:
+    """Each file's state and error in ``together`` are those ``load`` alone gives."""
+    for path in paths:
+        one, alone = together.load(path), StateCache().load(path)
+        assert (repr(one.state), type(one.error), str(one.error)) == (
+            repr(alone.state),
+            type(alone.error),
+            str(alone.error),
+        )
+
+
 def test_load_all_gives_what_load_gives_on_a_real_checkpoint(forks, tmp_path):
     """A real DeepSpeed save (committed), a malicious file, a cut copy and a file both malicious
     and refused by the walk further on, beside it: the states and the errors of ``load_all`` are
@@ -253,26 +264,26 @@ def test_load_all_gives_what_load_gives_on_a_real_checkpoint(forks, tmp_path):
     together = StateCache()
     together.load_all(every)
     assert len(forks) == 1
-    for path in every:
-        one, alone = together.load(path), StateCache().load(path)
-        assert (repr(one.state), type(one.error), str(one.error)) == (
-            repr(alone.state),
-            type(alone.error),
-            str(alone.error),
-        )
+    assert_as_load_gives(together, every)
     assert [together.load(p).error is None for p in every] == [True, True, True, False, False, False]
     assert "memo index" in str(together.load(both).error)
     assert reaped(forks)
 
 
+def _torch_files(folder, pickles: list[tuple[str, bytes]]) -> list:
+    """A file ``NAME.pt`` holding only ``NAME/data.pkl`` for each (name, pickle)."""
+    paths = []
+    for name, data in pickles:
+        path = folder / f"{name}.pt"
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr(f"{name}/data.pkl", data)
+        paths.append(path)
+    return paths
+
+
 def test_a_refusal_found_by_the_child_reads_as_one_found_here(forks, tmp_path):
     """The child's verdict crosses as text; the error the reader reports from it is the same."""
-    paths = []
-    for i, data in enumerate([PICKLES[0], PICKLES[1], PICKLES[2], PICKLES[3]]):
-        path = tmp_path / f"f{i}.pt"
-        with zipfile.ZipFile(path, "w") as zf:
-            zf.writestr(f"f{i}/data.pkl", data)
-        paths.append(path)
+    paths = _torch_files(tmp_path, [(f"f{i}", data) for i, data in enumerate(PICKLES[:4])])
     together = StateCache()
     together.load_all(paths)
     assert len(forks) == 1
@@ -325,13 +336,7 @@ def test_trees_checked_by_other_processes_read_as_trees_checked_here(forks, tmp_
 
     together = StateCache()
     together.load_all(every)
-    for path in every:
-        one, alone = together.load(path), StateCache().load(path)
-        assert (repr(one.state), type(one.error), str(one.error)) == (
-            repr(alone.state),
-            type(alone.error),
-            str(alone.error),
-        )
+    assert_as_load_gives(together, every)
     assert [together.load(p).error is None for p in every] == [True, False, True, False, False, True]
     assert "cycle" in str(together.load(cyclic).error)
     # Unpickled files but the last were checked apart, each by a process of its own.
@@ -345,12 +350,7 @@ def test_a_tree_whose_checker_fails_is_checked_here(forks, tmp_path, monkeypatch
     monkeypatch.setattr(states, "CHECK_APART_BYTES", 0)
     monkeypatch.setattr(_forked, "can_fork", lambda: True)
     monkeypatch.setattr(states.torchfile, "check_decoded", _dies_in_a_child(states.torchfile.check_decoded))
-    paths = []
-    for name, data in [("cyclic", b"\x80\x02]q\x00h\x00a."), ("fine", PICKLES[0]), ("last", PICKLES[3])]:
-        path = tmp_path / f"{name}.pt"
-        with zipfile.ZipFile(path, "w") as zf:
-            zf.writestr(f"{name}/data.pkl", data)
-        paths.append(path)
+    paths = _torch_files(tmp_path, [("cyclic", b"\x80\x02]q\x00h\x00a."), ("fine", PICKLES[0]), ("last", PICKLES[3])])
     together = StateCache()
     together.load_all(paths)
     assert [str(together.load(p).error) for p in paths] == [str(StateCache().load(p).error) for p in paths]
