@@ -59,6 +59,11 @@ _reads: dict[bytes, tuple] = {}  # a record's BINGET/LONG_BINGET tokens -> what 
 _MAX_CACHED = 4096  # distinct token runs: a checkpoint has a handful (the same classes, strings)
 
 
+def _index(token: bytes) -> int:
+    """The memo index a BINGET (``h`` and one byte) or LONG_BINGET (``j`` and four) reads."""
+    return token[1] if len(token) == 2 else _U32(token[1:])[0]
+
+
 def _read_plan(tokens: bytes) -> tuple:
     """(first index, a getter of the middle ones, last index, the largest index) for the memo reads
     a record's tokens make, decoded once per distinct run of tokens."""
@@ -66,12 +71,9 @@ def _read_plan(tokens: bytes) -> tuple:
     if plan is None:
         found, i = [], 0
         while i < len(tokens):
-            if tokens[i] == 0x68:
-                found.append(tokens[i + 1])
-                i += 2
-            else:
-                found.append(_U32(tokens[i + 1 : i + 5])[0])
-                i += 5
+            width = 2 if tokens[i] == 0x68 else 5
+            found.append(_index(tokens[i : i + width]))
+            i += width
         plan = (found[0], itemgetter(*found[1:-1]), found[-1], max(found))
         if len(_reads) < _MAX_CACHED:
             _reads[tokens] = plan
@@ -203,19 +205,20 @@ class _Kind:
 
 
 _R, _Z, _P = ("read", False), ("read", True), "put"
-# A state dict entry whose storage key was named before (views of one flat buffer): reads
-# fn, then storage, class, key, device (the persistent id: no tuple), then OrderedDict.
-TENSOR = _Kind(
-    _PUT + _GET + rb"\(\(" + _GET + _GET + _GET + _GET + _INT + b"t" + _PUT + b"Q" + _INT + _SHAPE_PUT + _SHAPE_PUT
-    + rb"[\x88\x89]" + _GET + rb"\)R" + _PUT + b"t" + _PUT + b"R" + _PUT,
-    ((_P, 0), _R, _Z, _Z, _Z, _Z, (_P, 1), (_P, 1), (_P, 1), _R, (_P, 1), (_P, 2), (_P, 1)),
-)  # fmt: skip
-# The same with a storage of its own, named here for the first time (a put between the reads).
-TENSOR_NEW_KEY = _Kind(
-    _PUT + _GET + rb"\(\(" + _GET + _GET + _NEW_KEY + _GET + _INT + b"t" + _PUT + b"Q" + _INT + _SHAPE_PUT
-    + _SHAPE_PUT + rb"[\x88\x89]" + _GET + rb"\)R" + _PUT + b"t" + _PUT + b"R" + _PUT,
-    ((_P, 0), _R, _Z, _Z, (_P, 0), _Z, (_P, 1), (_P, 1), (_P, 1), _R, (_P, 1), (_P, 2), (_P, 1)),
-)  # fmt: skip
+
+
+def _tensor_kind(key: bytes, key_field: tuple) -> _Kind:
+    """A state dict entry: reads fn, then storage, class, ``key``, device (the persistent id: no
+    tuple), then OrderedDict."""
+    return _Kind(
+        _PUT + _GET + rb"\(\(" + _GET + _GET + key + _GET + _INT + b"t" + _PUT + b"Q" + _INT + _SHAPE_PUT
+        + _SHAPE_PUT + rb"[\x88\x89]" + _GET + rb"\)R" + _PUT + b"t" + _PUT + b"R" + _PUT,
+        ((_P, 0), _R, _Z, _Z, key_field, _Z, (_P, 1), (_P, 1), (_P, 1), _R, (_P, 1), (_P, 2), (_P, 1)),
+    )  # fmt: skip
+
+
+TENSOR = _tensor_kind(_GET, _Z)  # a storage named before (views of one flat buffer)
+TENSOR_NEW_KEY = _tensor_kind(_NEW_KEY, (_P, 0))  # a storage of its own, named here (a put among the reads)
 SHAPE = _Kind(_PUT + _GET + _SHAPE_PUT + rb"\x85" + _PUT + b"R" + _PUT, ((_P, 0), _R, (_P, 1), (_P, 2), (_P, 1)))
 OBJECT = _Kind(
     _PUT + _GET + rb"\)\x81" + _PUT + b"}" + _PUT + rb"\(" + _GET + _INT + _GET + _INT + b"ub",
@@ -226,10 +229,6 @@ OBJECT = _Kind(
 # A module's ``_metadata`` entry: its name, then ``{"version": 1}`` (EMPTY_DICT, a key read, an
 # int, SETITEM): one per module, 60k in a model of 100k tensors.
 METADATA = _Kind(_PUT + b"}" + _PUT + _GET + _INT + b"s", ((_P, 0), (_P, 0), _R), pushed=0)
-
-
-def _index(token: bytes) -> int:
-    return token[1] if len(token) == 2 else _U32(token[1:])[0]
 
 
 def _fields(kind: _Kind, data: bytes, pos: int, unnamed: bool) -> tuple[list, int]:
