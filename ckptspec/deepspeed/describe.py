@@ -29,7 +29,7 @@ from .state_fields import (
     dtype_of_config,
     flat_partitions,
     fragment_dtype,
-    int_shape,
+    int_shapes,
     master_dtype,
     module_dtypes,
     numel_of,
@@ -180,13 +180,13 @@ def _groups(first_model: dict, osd: dict, stage: int, bf16_optimizer: bool) -> l
     if stage == 3:
         sub_to_group = stage3_sub_group_owners(osd, len(first_model["param_shapes"]))
         for j, shapes in enumerate(first_model["param_shapes"]):
-            specs = param_specs(list(shapes), list(map(int_shape, shapes.values())), [model_dtype] * len(shapes))
+            specs = param_specs(list(shapes), int_shapes(shapes.values()), [model_dtype] * len(shapes))
             groups.append(per_param_group(specs, optimizer_group=sub_to_group[j], partition_count=world_size))
         return groups
     paddings = osd.get("param_alignment_paddings")
     for g, shapes in enumerate(first_model["param_shapes"]):
         names = list(shapes)
-        specs = param_specs(names, list(map(int_shape, shapes.values())), module_dtypes(module, model_dtype, names))
+        specs = param_specs(names, int_shapes(shapes.values()), module_dtypes(module, model_dtype, names))
         groups.append(
             flat_group(
                 specs,

@@ -11,6 +11,10 @@ parameter or buffer leaves the whole checkpoint without named locators rather th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from itertools import compress, repeat
+from operator import attrgetter, is_, is_not
 from typing import Any
 
 from ..checkpoint.standins import StorageRef
@@ -21,6 +25,7 @@ from ..format.models import Manifest, ModelWeightsLocator, StateLocator, TensorL
 # The key of a stand-in state (saved_state.py) holding "name -> storage" of its module's tensors; no
 # unpickled state has it (it is no string).
 STORAGE_OF = object()
+_STORAGE, _NAME, _NUMEL = attrgetter("storage"), attrgetter("name"), attrgetter("numel")
 
 
 def _range(ref: TensorRef, members: dict[str, tuple[int, int]], numel: int) -> dict[str, Any]:
@@ -84,29 +89,35 @@ def model_weights_locators(
     """
     storage_of = state.get(STORAGE_OF) if isinstance(state, dict) else None  # a saved_state.py stand-in's
     if storage_of is None:
-        module = _table(state, "module")
+        return flat_group_locators(manifest, members, partial(module_storages, _table(state, "module")))
+    return flat_group_locators(manifest, members, lambda names: list(map(storage_of, names)))
 
-        def storage_of(name: str) -> StorageRef | None:
-            ref = module.get(name)
-            return ref.storage if isinstance(ref, TensorRef) else None
 
-    return flat_group_locators(manifest, members, storage_of)
+def module_storages(module: dict, names: list[str]) -> list[StorageRef | None]:
+    """The storage of the module's tensor of each name (None: not a tensor); by C loops when every
+    name is a tensor, as in every real save (1M tensors: 1 s less than a Python call each)."""
+    refs = list(map(module.get, names))
+    if {TensorRef}.issuperset(map(type, refs)):
+        return list(map(_STORAGE, refs))
+    return [ref.storage if isinstance(ref, TensorRef) else None for ref in refs]
 
 
 def flat_group_locators(
-    manifest: Manifest, members: dict[str, tuple[int, int]], storage_of
+    manifest: Manifest, members: dict[str, tuple[int, int]], storages_of: Callable[[list[str]], list]
 ) -> list[ModelWeightsLocator]:
-    """``model_weights_locators`` given each module tensor's storage by name (None: not a tensor);
-    ``saved_state.py`` gives them from the live tensors a save just wrote."""
+    """``model_weights_locators`` given the storages of module tensors by their names (None: not a
+    tensor); ``saved_state.py`` gives them from the live tensors a save just wrote."""
     out = []
     for g, group in enumerate(manifest.groups):
         if group.partitioning != "flat":
             continue
-        storages = [storage_of(p.name) for p in group.params if p.numel]
-        if not storages or any(s is None for s in storages):
+        params = group.params
+        storages = storages_of(list(compress(map(_NAME, params), map(_NUMEL, params))))  # zero-element: no bytes
+        if not storages or not all(map(is_not, storages, repeat(None))):
             continue
         storage = storages[0]
-        if any(s is not storage and s != storage for s in storages):  # not one storage
+        # One storage: the reader gives views of one storage the same object; else compare values.
+        if not all(map(is_, storages, repeat(storage))) and any(s is not storage and s != storage for s in storages):
             continue
         if storage.numel != group.padded_numel or storage.member not in members:
             continue
