@@ -321,4 +321,6 @@ class Manifest(_Model):
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready document: optional fields absent, unknown fields kept."""
-        return self.model_dump(mode="json", exclude_unset=True, by_alias=True)
+        from .manifest_dict import manifest_dict  # it reads these models
+
+        return manifest_dict(self)

@@ -53,7 +53,8 @@ _INT_ONLY = frozenset({int})
 
 
 _FIELDS = ("name", "shape", "numel", "dtype", "offset", "padding")
-_FIELDS_SET = frozenset(_FIELDS)  # each Param gets a copy of a set of these (a copy skips hashing them again)
+# The fields a producer sets on a Param; each gets a copy of a set of these (a copy skips hashing them again).
+PLAIN_FIELDS = frozenset(_FIELDS)
 _construct = None  # (the Param class, its unset fields' defaults, construct.fill) once checked
 
 
@@ -156,7 +157,7 @@ def make_params(
     setattr_ = object.__setattr__
     # What construct.fill does, one attribute over every object at a time.
     deque(map(setattr_, made, repeat("__dict__"), values), 0)
-    deque(map(setattr_, made, repeat("__pydantic_fields_set__"), map(set.copy, repeat(set(_FIELDS_SET), n))), 0)
+    deque(map(setattr_, made, repeat("__pydantic_fields_set__"), map(set.copy, repeat(set(PLAIN_FIELDS), n))), 0)
     deque(map(setattr_, made, repeat("__pydantic_extra__"), map(dict.copy, repeat({}, n))), 0)
     deque(map(setattr_, made, repeat("__pydantic_private__"), repeat(None, n)), 0)
     return made
