@@ -7,7 +7,10 @@ locators, each file once through a ``StateCache``. Never executes pickled code.
 
 from __future__ import annotations
 
+import math
 import os
+from itertools import filterfalse
+from operator import attrgetter
 from pathlib import Path
 
 from .._version import __version__
@@ -15,7 +18,7 @@ from ..checkpoint.hashing import file_digests
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import TensorRef
 from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
-from ..format.construct import build
+from ..format.construct import build, build_all
 from ..format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
 from ..format.partition import flat_group, param_specs, per_param_group
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
@@ -28,14 +31,14 @@ from .state_fields import (
     DEEPSPEED_DEFAULT_SUB_GROUP_SIZE,
     dtype_of_config,
     flat_partitions,
-    fragment_dtype,
     int_shapes,
     master_dtype,
     module_dtypes,
-    numel_of,
     stage3_sub_group_owners,
     world_size_of,
 )
+
+_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")  # of a TensorRef
 
 
 def manifest_from_checkpoint(
@@ -204,40 +207,27 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
     module = first_model.get("module") or {}
     model_dtype = dtype_of_config(first_model.get("ds_config") or {})
     frozen_shapes = first_model.get("frozen_param_shapes")
-    frozen: list[FrozenParam] = []
     if frozen_shapes is not None:
+        # DeepSpeed lists tied zero-element params here too; the alias wins.
+        names = list(filterfalse(shared.__contains__, frozen_shapes))
+        shapes = int_shapes(map(frozen_shapes.__getitem__, names))
         stored_in = "partitioned_fragments" if stage == 3 else "fragments"
-        for name, shape in frozen_shapes.items():
-            if name in shared:
-                continue  # DeepSpeed lists tied zero-element params here too; the alias wins
-            frozen.append(
-                build(
-                    FrozenParam,
-                    name=name,
-                    shape=[int(d) for d in shape],
-                    numel=numel_of(shape),
-                    dtype=fragment_dtype(first_model, name, model_dtype),
-                    stored_in=stored_in,
-                )
-            )
-    elif stage < 3:
+        dtypes = module_dtypes(first_model.get("frozen_param_fragments") or {}, model_dtype, names)
+        return _frozen_params(names, shapes, dtypes, stored_in)
+    if stage < 3:
         # Stage 1 (and BF16_Optimizer) save no frozen_param_shapes: the frozen weights
         # are the module entries that have no other role.
         trainable = {p.name for g in groups for p in g.params}
         taken = trainable | set(shared) | set(first_model.get("buffer_names") or [])
-        for name, ref in module.items():
-            if name not in taken and isinstance(ref, TensorRef):
-                frozen.append(
-                    build(
-                        FrozenParam,
-                        name=name,
-                        shape=list(ref.shape),
-                        numel=numel_of(ref.shape),
-                        dtype=ref.dtype,
-                        stored_in="module",
-                    )
-                )
-    return frozen
+        names = [name for name, ref in module.items() if name not in taken and isinstance(ref, TensorRef)]
+        refs = list(map(module.__getitem__, names))
+        return _frozen_params(names, list(map(_SHAPE, refs)), list(map(_DTYPE, refs)), "module")
+    return []
+
+
+def _frozen_params(names: list[str], shapes: list[tuple], dtypes: list[str], stored_in: str) -> list[FrozenParam]:
+    columns = {"name": names, "shape": list(map(list, shapes)), "numel": list(map(math.prod, shapes))}
+    return build_all(FrozenParam, {**columns, "dtype": dtypes, "stored_in": [stored_in] * len(names)})
 
 
 def _aliases(module: dict, groups: list[Group], frozen: list[FrozenParam], shared: dict, stage: int) -> list[Alias]:

@@ -19,24 +19,31 @@ from typing import Any
 
 from ..checkpoint.standins import StorageRef
 from ..checkpoint.torchfile import TensorRef
-from ..format.construct import build
+from ..format.construct import build, build_all
 from ..format.models import Manifest, ModelWeightsLocator, StateLocator, TensorLocator
 
 # The key of a stand-in state (saved_state.py) holding "name -> storage" of its module's tensors; no
 # unpickled state has it (it is no string).
 STORAGE_OF = object()
 _STORAGE, _NAME, _NUMEL = attrgetter("storage"), attrgetter("name"), attrgetter("numel")
+_MEMBER, _DTYPE, _OFFSET = attrgetter("storage.member"), attrgetter("dtype"), attrgetter("storage_offset")
 
 
 def _range(ref: TensorRef, members: dict[str, tuple[int, int]], numel: int) -> dict[str, Any]:
-    data_offset, member_size = members[ref.storage.member]
+    return {key: column[0] for key, column in _ranges([ref], members, [numel]).items()}
+
+
+def _ranges(refs: list[TensorRef], members: dict[str, tuple[int, int]], numels: list[int]) -> dict[str, list]:
+    """``_range`` of each ref, as columns (C loops)."""
+    names = list(map(_MEMBER, refs))
+    located = list(map(members.__getitem__, names))
     return {
-        "member": ref.storage.member,
-        "data_offset": data_offset,
-        "member_size": member_size,
-        "dtype": ref.dtype,
-        "element_offset": ref.storage_offset,
-        "numel": numel,
+        "member": names,
+        "data_offset": [at for at, _ in located],
+        "member_size": [size for _, size in located],
+        "dtype": list(map(_DTYPE, refs)),
+        "element_offset": list(map(_OFFSET, refs)),
+        "numel": numels,
     }
 
 
@@ -68,13 +75,14 @@ def tensor_locators(
             wanted.append((f.name, module if f.stored_in == "module" else fragments, f.numel))
     if first:
         wanted += [(b.name, module, _product(b.shape)) for b in manifest.buffers]
-    out = []
+    refs = []
     for name, holder, numel in wanted:
         ref = holder.get(name)
         if not isinstance(ref, TensorRef) or not ref.is_contiguous() or ref.numel < numel:
             return None
-        out.append(build(TensorLocator, name=name, **_range(ref, members, numel)))
-    return out
+        refs.append(ref)
+    names, numels = [w[0] for w in wanted], [w[2] for w in wanted]
+    return build_all(TensorLocator, {"name": names, **_ranges(refs, members, numels)})
 
 
 def model_weights_locators(

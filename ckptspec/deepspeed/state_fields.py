@@ -6,7 +6,6 @@ reader: tensors are ``TensorRef``), one small function each.
 
 from __future__ import annotations
 
-import math
 from itertools import chain
 from operator import attrgetter
 from typing import Any
@@ -29,10 +28,6 @@ def dtype_of_config(ds_config: dict) -> str:
 def world_size_of(osd: dict) -> int:
     counts = osd.get("partition_count")
     return max(counts) if isinstance(counts, list) else int(counts)
-
-
-def numel_of(shape) -> int:
-    return math.prod(int(d) for d in shape)
 
 
 def int_shape(shape) -> tuple[int, ...]:
@@ -58,12 +53,6 @@ def module_dtypes(module: Any, default: str, names: list[str]) -> list[str]:
     if {TensorRef}.issuperset(map(type, refs)):  # every name a tensor (the rule): C loops
         return list(map(_STORAGE_DTYPE, refs))
     return [ref.storage.dtype if type(ref) is TensorRef else default for ref in refs]
-
-
-def fragment_dtype(model_state: dict, name: str, default: str) -> str:
-    fragments = model_state.get("frozen_param_fragments") or {}
-    ref = fragments.get(name)
-    return ref.dtype if isinstance(ref, TensorRef) else default
 
 
 def flat_partitions(optim_state: Any, stage: int) -> list:

@@ -5,11 +5,16 @@ manifest holds thousands of frozen parameters and tensor locators beside its par
 (``partition.make_params``). ``build(cls, **values)`` tests each value against its field's type
 with a plain check (an exact type and its bounds) and, when all pass, gives the object
 ``model_construct`` would (~1 us); anything else is validated and raises what validation raises.
+``build_all(cls, columns)`` does it for many objects at once, by C loops (no Python call per object).
 ``tests/format/test_construct.py`` holds both ways equal on values that fit and values that do not.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
+from itertools import repeat
+from operator import setitem
 from typing import Any, get_args
 
 from .models import (
@@ -130,3 +135,35 @@ def build(cls: type, **values: Any) -> Any:
     obj = cls.__new__(cls)
     fill(obj, values, shape[1])
     return obj
+
+
+def build_all(cls: type, columns: dict[str, Sequence[Any]]) -> list:
+    """``[build(cls, **row) for each row of columns]``: when every value of every column plainly
+    fits, the objects are made by C loops (1M tensors: 80k frozen params and tensor locators, 0.8 s
+    less); otherwise row by row, which validates and raises what it always raised."""
+    checks = CHECKS.get(cls)
+    shape = None if checks is None else _TEMPLATES[cls] if cls in _TEMPLATES else template(cls, _sample(checks))
+    rows = len(next(iter(columns.values()), ()))
+    plain = (
+        shape is not None
+        and columns.keys() == shape[0]
+        and all(len(column) == rows for column in columns.values())
+        and all(all(map(check, columns[key])) for key, check in checks.items())
+    )
+    if not plain:
+        return [build(cls, **dict(zip(columns, row))) for row in zip(*columns.values())]
+    values = list(map(dict.copy, repeat({**dict.fromkeys(columns), **shape[1]}, rows)))
+    for key, column in columns.items():
+        deque(map(setitem, values, repeat(key), column), 0)
+    return constructed(cls, values, set(columns))
+
+
+def constructed(cls: type, values: list[dict[str, Any]], fields_set: set[str]) -> list:
+    """``fill`` of a new ``cls`` by each ``values`` (its ``__dict__``, defaults in), all ``fields_set``, by C loops."""
+    made = list(map(cls.__new__, repeat(cls, len(values))))
+    setattr_ = object.__setattr__
+    deque(map(setattr_, made, repeat("__dict__"), values), 0)
+    deque(map(setattr_, made, repeat("__pydantic_fields_set__"), map(set.copy, repeat(fields_set, len(values)))), 0)
+    deque(map(setattr_, made, repeat("__pydantic_extra__"), map(dict.copy, repeat({}, len(values)))), 0)
+    deque(map(setattr_, made, repeat("__pydantic_private__"), repeat(None, len(values))), 0)
+    return made

@@ -153,14 +153,9 @@ def make_params(
     values = list(map(dict.copy, repeat({**dict.fromkeys(_FIELDS), **defaults}, n)))
     for key, column in zip(_FIELDS, (names, map(list, shapes), numels, dtypes, offsets, paddings)):
         deque(map(operator.setitem, values, repeat(key), column), 0)
-    made = list(map(cls.__new__, repeat(cls, n)))
-    setattr_ = object.__setattr__
-    # What construct.fill does, one attribute over every object at a time.
-    deque(map(setattr_, made, repeat("__dict__"), values), 0)
-    deque(map(setattr_, made, repeat("__pydantic_fields_set__"), map(set.copy, repeat(set(PLAIN_FIELDS), n))), 0)
-    deque(map(setattr_, made, repeat("__pydantic_extra__"), map(dict.copy, repeat({}, n))), 0)
-    deque(map(setattr_, made, repeat("__pydantic_private__"), repeat(None, n)), 0)
-    return made
+    from .construct import constructed
+
+    return constructed(cls, values, set(PLAIN_FIELDS))
 
 
 def _plain_types(values, types: set) -> bool:

@@ -1,5 +1,6 @@
 """``construct.build`` (a model built without validation when its values plainly fit) gives the
-object validation gives, and leaves anything else to validation, for every model it builds."""
+object validation gives, and leaves anything else to validation, for every model it builds;
+``build_all`` (the same for columns of values at once) gives what ``build`` gives row by row."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptspec.format.construct import CHECKS, build
+from ckptspec.format.construct import CHECKS, build, build_all
 from ckptspec.format.models import FrozenParam, TensorLocator
 
 INT64_MAX = 2**63 - 1
@@ -75,3 +76,41 @@ def test_values_that_do_not_fit_are_still_refused(row):
     good = dict(name="w", member="archive/data/0", data_offset=0, member_size=8, dtype="float32", element_offset=0)
     with pytest.raises(pydantic.ValidationError):
         build(TensorLocator, **{**good, "numel": 2, **row})
+
+
+def _objects(made) -> list:
+    """What tells two built models apart: their fields (in order), fields set, extras and private."""
+    return [(list(vars(m).items()), m.model_fields_set, m.__pydantic_extra__, m.__pydantic_private__) for m in made]
+
+
+@pytest.mark.parametrize("cls", list(CHECKS), ids=lambda c: c.__name__)
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_build_all_is_build_row_by_row(cls, data):
+    rows = data.draw(st.integers(0, 4), label="rows")
+    plain = data.draw(st.booleans(), label="plain")  # every value fitting: the bulk path
+    columns = {
+        key: [data.draw(_fitting(check) if plain else values) for _ in range(rows)]
+        for key, check in CHECKS[cls].items()
+    }
+    try:
+        row_by_row = [build(cls, **dict(zip(columns, row))) for row in zip(*columns.values())]
+    except pydantic.ValidationError:
+        with pytest.raises(pydantic.ValidationError):
+            build_all(cls, columns)
+        return
+    assert _objects(build_all(cls, columns)) == _objects(row_by_row)
+
+
+def _fitting(check):
+    return st.sampled_from([v for v in (0, 7, [], [1, 2], "float32", "bfloat16", "x", "w.0", "module") if check(v)])
+
+
+def test_plain_columns_are_not_validated(monkeypatch):
+    def refuse(*_a, **_k):
+        raise AssertionError("validated")
+
+    monkeypatch.setattr(FrozenParam, "__init__", refuse)
+    columns = {"name": ["w", "v"], "shape": [[2], []], "numel": [2, 1], "dtype": ["bfloat16"] * 2}
+    made = build_all(FrozenParam, {**columns, "stored_in": ["fragments"] * 2})
+    assert [m.model_dump(exclude_unset=True)["shape"] for m in made] == [[2], []]
