@@ -22,7 +22,7 @@ _DS_SHAPE = attrgetter("ds_shape")  # a ZeRO-3 param's shape before partitioning
 _SHAPE = attrgetter("shape")
 
 
-def _specs(params: list, names: dict[int, str], shape_of=None) -> list[ParamSpec]:
+def specs_of(params: list, names: dict[int, str], shape_of=None) -> list[ParamSpec]:
     """The ``ParamSpec`` of each param, in C loops where the params are plain (100k of them:
     a mixture-of-experts model). ``shape_of``: how every param gives its shape (stage 3:
     ``ds_shape``, the shape before partitioning), else each param's own (``_shape``)."""
@@ -66,7 +66,7 @@ def flat_groups_stage12(engine, names) -> list[Group]:
             else _live_paddings(params, opt.bit16_groups_flat[i])
         )
         group = flat_group(
-            _specs(params, names),
+            specs_of(params, names),
             optimizer_group=i,
             partition_count=count,
             zero_stage=engine.zero_optimization_stage(),
@@ -87,7 +87,7 @@ def flat_groups_bf16_optimizer(engine, names) -> list[Group]:
     groups = []
     for i, params in enumerate(opt.bf16_groups):
         group = flat_group(
-            _specs(params, names),
+            specs_of(params, names),
             optimizer_group=i,
             partition_count=opt.partition_count[i],
             zero_stage=1,
@@ -103,7 +103,7 @@ def per_param_groups_stage3(engine, names) -> list[Group]:
     groups = []
     for j, sub_group in enumerate(opt.fp16_groups):
         group = per_param_group(
-            _specs(sub_group, names, _DS_SHAPE if all(map(hasattr, sub_group, repeat("ds_shape"))) else None),
+            specs_of(sub_group, names, _DS_SHAPE if all(map(hasattr, sub_group, repeat("ds_shape"))) else None),
             optimizer_group=int(opt.sub_group_to_group_id[j]),
             partition_count=opt.sub_group_partition_counts[j]
             if hasattr(opt, "sub_group_partition_counts")
