@@ -98,16 +98,17 @@ def dumps_indented(doc: Any) -> bytes:
     raising what it raises (``TypeError``, ``ValueError``, ``UnicodeEncodeError``)."""
     if not isinstance(doc, dict) or not doc or not all(type(k) is str for k in doc):
         return dumps_reference(doc)
-    items = []
+    parts = []
     try:
         for key in sorted(doc):
             # One level down: every structural newline gains the two spaces of the enclosing map.
-            body = _value(doc[key]).replace(b"\n", b"\n  ")
-            items.append(b"  " + _reference(key) + b": " + body)
+            parts += [b",\n  ", _reference(key), b": ", _value(doc[key]).replace(b"\n", b"\n  ")]
     except ValueError:
         # Raise what the whole document raises (a TypeError elsewhere wins over a lone surrogate here).
         return dumps_reference(doc)
-    return b"{\n" + b",\n".join(items) + b"\n}\n"
+    parts[0] = b"{\n  "
+    # One join: at 1M tensors each copy of the text is 230 MB (concatenating pieces made four more).
+    return b"".join([*parts, b"\n}\n"])
 
 
 def dumps_compact(doc: Any) -> bytes:
@@ -115,10 +116,11 @@ def dumps_compact(doc: Any) -> bytes:
     allow_nan=False).encode()``, raising what it raises."""
     if not isinstance(doc, dict) or not doc or not all(type(k) is str for k in doc):
         return dumps_reference(doc, compact=True)
-    items = []
+    parts = []
     try:
         for key in sorted(doc):
-            items.append(_reference(key, compact=True) + b":" + _value(doc[key], compact=True))
+            parts += [b",", _reference(key, compact=True), b":", _value(doc[key], compact=True)]
     except ValueError:
         return dumps_reference(doc, compact=True)  # as in dumps_indented: the whole document's error
-    return b"{" + b",".join(items) + b"}"
+    parts[0] = b"{"
+    return b"".join([*parts, b"}"])
