@@ -26,18 +26,18 @@ FORMAT_CHOICE = click.Choice(["text", "json"])
 # What a command made (a manifest, decoded pickles), left for ``run``'s ``os._exit`` rather than
 # freed one object at a time when the command returns: 1.3 s for a 1M-tensor checkpoint. Kept only
 # in a process that ends with the command (``run``); a caller of ``main`` keeps nothing.
-_KEPT: list = []
-_KEEPING = [False]
+_KEPT: list | None = None
 
 
 def end_with_the_process() -> None:
     """The command is the last thing this process does (``run``): keep what it made until then."""
-    _KEEPING[0] = True
+    global _KEPT
+    _KEPT = []
 
 
 def keep_until_exit(*objects: object) -> None:
     """Leave ``objects`` to the end of the process when it ends with the command (see ``_KEPT``)."""
-    if _KEEPING[0]:
+    if _KEPT is not None:
         _KEPT.extend(objects)
 
 

@@ -7,7 +7,6 @@ locators, each file once through a ``StateCache``. Never executes pickled code.
 
 from __future__ import annotations
 
-import math
 import os
 from itertools import filterfalse
 from operator import attrgetter
@@ -18,7 +17,7 @@ from ..checkpoint.hashing import file_digests
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import TensorRef
 from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
-from ..format.construct import build, build_all
+from ..format.construct import build, frozen_params
 from ..format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
 from ..format.partition import flat_group, param_specs, per_param_group
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
@@ -213,7 +212,7 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
         shapes = int_shapes(map(frozen_shapes.__getitem__, names))
         stored_in = "partitioned_fragments" if stage == 3 else "fragments"
         dtypes = module_dtypes(first_model.get("frozen_param_fragments") or {}, model_dtype, names)
-        return _frozen_params(names, shapes, dtypes, stored_in)
+        return frozen_params(names, shapes, dtypes, stored_in)
     if stage < 3:
         # Stage 1 (and BF16_Optimizer) save no frozen_param_shapes: the frozen weights
         # are the module entries that have no other role.
@@ -221,13 +220,8 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
         taken = trainable | set(shared) | set(first_model.get("buffer_names") or [])
         names = [name for name, ref in module.items() if name not in taken and isinstance(ref, TensorRef)]
         refs = list(map(module.__getitem__, names))
-        return _frozen_params(names, list(map(_SHAPE, refs)), list(map(_DTYPE, refs)), "module")
+        return frozen_params(names, list(map(_SHAPE, refs)), list(map(_DTYPE, refs)), "module")
     return []
-
-
-def _frozen_params(names: list[str], shapes: list[tuple], dtypes: list[str], stored_in: str) -> list[FrozenParam]:
-    columns = {"name": names, "shape": list(map(list, shapes)), "numel": list(map(math.prod, shapes))}
-    return build_all(FrozenParam, {**columns, "dtype": dtypes, "stored_in": [stored_in] * len(names)})
 
 
 def _aliases(module: dict, groups: list[Group], frozen: list[FrozenParam], shared: dict, stage: int) -> list[Alias]:

@@ -10,12 +10,11 @@ import (tensors are read with ``.item()``).
 
 from __future__ import annotations
 
-import math
 from itertools import compress, repeat
 from operator import itemgetter, not_
 from typing import Any
 
-from ..format.construct import build, build_all
+from ..format.construct import build, frozen_params
 from ..format.dtypes import dtype_name
 from ..format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
 from .engine_groups import specs_of
@@ -32,14 +31,13 @@ def frozen_of_engine(walk: ModuleWalk, trainable: set[str], stage: int, excluded
     if excluded:
         return []
     stored_in = {0: "module", 1: "module", 2: "fragments", 3: "partitioned_fragments"}[stage]
-    names = list(map(walk.names.__getitem__, map(id, walk.params)))  # each param once
+    every_name = map(walk.names.__getitem__, map(id, walk.params))  # each param once
     # The params no group holds, picked in C (100k params, a tenth of them frozen), then read in bulk.
-    frozen = list(compress(walk.params, map(not_, map(trainable.__contains__, names))))
+    frozen = list(compress(walk.params, map(not_, map(trainable.__contains__, every_name))))
     if not frozen:
         return []
     names, shapes, dtypes = map(list, zip(*specs_of(frozen, walk.names)))
-    columns = {"name": names, "shape": list(map(list, shapes)), "numel": list(map(math.prod, shapes))}
-    return build_all(FrozenParam, {**columns, "dtype": dtypes, "stored_in": [stored_in] * len(frozen)})
+    return frozen_params(names, shapes, dtypes, stored_in)
 
 
 def aliases_of_engine(walk: ModuleWalk, shapes: dict[str, tuple[int, ...]]) -> list[Alias]:

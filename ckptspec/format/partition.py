@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections import deque
 from collections.abc import Sequence
 from itertools import accumulate, chain, repeat
 from typing import TYPE_CHECKING, NamedTuple
@@ -53,7 +52,7 @@ _INT_ONLY = frozenset({int})
 
 
 _FIELDS = ("name", "shape", "numel", "dtype", "offset", "padding")
-# The fields a producer sets on a Param; each gets a copy of a set of these (a copy skips hashing them again).
+# The fields a producer sets on a Param (format/manifest_dict.py dumps such params without pydantic).
 PLAIN_FIELDS = frozenset(_FIELDS)
 _construct = None  # (the Param class, its unset fields' defaults, construct.fill) once checked
 
@@ -148,14 +147,11 @@ def make_params(
     if not plain:
         return [make_param(*row) for row in zip(*columns)]
     cls, defaults, _ = _construct
-    # Each __dict__ a copy of one with every key (copying a dict copies its table whole), then
-    # one column at a time written in: 30% less than a dict built from each row.
-    values = list(map(dict.copy, repeat({**dict.fromkeys(_FIELDS), **defaults}, n)))
-    for key, column in zip(_FIELDS, (names, map(list, shapes), numels, dtypes, offsets, paddings)):
-        deque(map(operator.setitem, values, repeat(key), column), 0)
     from .construct import constructed
 
-    return constructed(cls, values, set(PLAIN_FIELDS))
+    return constructed(
+        cls, dict(zip(_FIELDS, (names, map(list, shapes), numels, dtypes, offsets, paddings))), defaults, n
+    )
 
 
 def _plain_types(values, types: set) -> bool:
