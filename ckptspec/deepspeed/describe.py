@@ -19,7 +19,7 @@ from ..checkpoint.torchfile import TensorRef
 from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
 from ..format.construct import build, frozen_params
 from ..format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
-from ..format.partition import flat_group, param_specs, per_param_group
+from ..format.partition import ParamColumns, flat_group, per_param_group
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from . import legacy
 from .digests import add_digests
@@ -182,13 +182,13 @@ def _groups(first_model: dict, osd: dict, stage: int, bf16_optimizer: bool) -> l
     if stage == 3:
         sub_to_group = stage3_sub_group_owners(osd, len(first_model["param_shapes"]))
         for j, shapes in enumerate(first_model["param_shapes"]):
-            specs = param_specs(list(shapes), int_shapes(shapes.values()), [model_dtype] * len(shapes))
+            specs = ParamColumns(list(shapes), int_shapes(shapes.values()), [model_dtype] * len(shapes))
             groups.append(per_param_group(specs, optimizer_group=sub_to_group[j], partition_count=world_size))
         return groups
     paddings = osd.get("param_alignment_paddings")
     for g, shapes in enumerate(first_model["param_shapes"]):
         names = list(shapes)
-        specs = param_specs(names, int_shapes(shapes.values()), module_dtypes(module, model_dtype, names))
+        specs = ParamColumns(names, int_shapes(shapes.values()), module_dtypes(module, model_dtype, names))
         groups.append(
             flat_group(
                 specs,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import uuid
 import warnings
+from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from .names import file_order
 from .saved_state import SavedStates
 from .staged_save import publish_on_rank_0, save_request, save_staged
 
-_NAME, _SHAPE = attrgetter("name"), attrgetter("shape")
+_NAME = attrgetter("name")
 
 
 def _check_supported(engine) -> None:
@@ -101,11 +102,9 @@ def _engine_layout(engine, exclude_frozen_parameters: bool) -> Manifest:
         groups = flat_groups_stage12(engine, names)
     else:
         raise UnsupportedEngine(f"ZeRO stage 0 with {type(opt).__name__} is not described by manifest format 1.0")
-    params = [p for g in groups for p in g.params]
-    shapes = dict(zip(map(_NAME, params), map(tuple, map(_SHAPE, params))))  # in C: 100k params
-    trainable = set(shapes)
+    trainable = set(map(_NAME, chain.from_iterable(g.params for g in groups)))  # in C: 100k params
     frozen_stage = 1 if is_bf16_optimizer(opt) else stage
-    aliases = aliases_of_engine(walk, shapes)
+    aliases = aliases_of_engine(walk)
     alias_names = {a.name for a in aliases}
     frozen = [
         f

@@ -9,7 +9,7 @@ from operator import attrgetter
 from ..errors import EngineLayoutMismatch
 from ..format.dtypes import dtype_name
 from ..format.models import Group
-from ..format.partition import ParamSpec, flat_group, param_specs, per_param_group
+from ..format.partition import ParamColumns, flat_group, per_param_group
 
 
 def _shape(param) -> tuple[int, ...]:
@@ -20,10 +20,11 @@ _DTYPE_NAMES: dict = {}  # torch dtype -> its name (dtype_name's str() per param
 _DTYPE = attrgetter("dtype")
 _DS_SHAPE = attrgetter("ds_shape")  # a ZeRO-3 param's shape before partitioning
 _SHAPE = attrgetter("shape")
+_OFFSET = attrgetter("offset")
 
 
-def specs_of(params: list, names: dict[int, str], shape_of=None) -> list[ParamSpec]:
-    """The ``ParamSpec`` of each param, in C loops where the params are plain (100k of them:
+def columns_of(params: list, names: dict[int, str], shape_of=None) -> ParamColumns:
+    """The params' names, shapes and dtypes, in C loops where the params are plain (100k of them:
     a mixture-of-experts model). ``shape_of``: how every param gives its shape (stage 3:
     ``ds_shape``, the shape before partitioning), else each param's own (``_shape``)."""
     dtypes = list(map(_DTYPE, params))
@@ -32,7 +33,7 @@ def specs_of(params: list, names: dict[int, str], shape_of=None) -> list[ParamSp
     if shape_of is None and not any(map(hasattr, params, repeat("ds_shape"))):
         shape_of = _SHAPE  # (asked in C: hasattr's misses cost less than a Python call per param)
     shapes = list(map(tuple, map(shape_of, params))) if shape_of is not None else list(map(_shape, params))
-    return param_specs(list(map(names.__getitem__, map(id, params))), shapes, list(map(_DTYPE_NAMES.get, dtypes)))
+    return ParamColumns(list(map(names.__getitem__, map(id, params))), shapes, list(map(_DTYPE_NAMES.get, dtypes)))
 
 
 def _live_paddings(params, flat) -> list[int]:
@@ -66,14 +67,14 @@ def flat_groups_stage12(engine, names) -> list[Group]:
             else _live_paddings(params, opt.bit16_groups_flat[i])
         )
         group = flat_group(
-            specs_of(params, names),
+            columns_of(params, names),
             optimizer_group=i,
             partition_count=count,
             zero_stage=engine.zero_optimization_stage(),
             paddings=paddings,
         )
         _check_padded_numel(group, i, opt.bit16_groups_flat[i])
-        if hasattr(opt, "round_robin_bit16_offsets") and [p.offset for p in group.params] != list(
+        if hasattr(opt, "round_robin_bit16_offsets") and list(map(_OFFSET, group.params)) != list(
             opt.round_robin_bit16_offsets[i]
         ):
             raise EngineLayoutMismatch(f"group {i}: computed offsets differ from the live optimizer's")
@@ -87,7 +88,7 @@ def flat_groups_bf16_optimizer(engine, names) -> list[Group]:
     groups = []
     for i, params in enumerate(opt.bf16_groups):
         group = flat_group(
-            specs_of(params, names),
+            columns_of(params, names),
             optimizer_group=i,
             partition_count=opt.partition_count[i],
             zero_stage=1,
@@ -103,7 +104,7 @@ def per_param_groups_stage3(engine, names) -> list[Group]:
     groups = []
     for j, sub_group in enumerate(opt.fp16_groups):
         group = per_param_group(
-            specs_of(sub_group, names, _DS_SHAPE if all(map(hasattr, sub_group, repeat("ds_shape"))) else None),
+            columns_of(sub_group, names, _DS_SHAPE if all(map(hasattr, sub_group, repeat("ds_shape"))) else None),
             optimizer_group=int(opt.sub_group_to_group_id[j]),
             partition_count=opt.sub_group_partition_counts[j]
             if hasattr(opt, "sub_group_partition_counts")

@@ -17,7 +17,7 @@ from typing import Any
 from ..format.construct import build, frozen_params
 from ..format.dtypes import dtype_name
 from ..format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
-from .engine_groups import specs_of
+from .engine_groups import columns_of
 from .engine_walk import ModuleWalk
 from .scalars import plain_values
 from .ties import repeated
@@ -31,21 +31,22 @@ def frozen_of_engine(walk: ModuleWalk, trainable: set[str], stage: int, excluded
     if excluded:
         return []
     stored_in = {0: "module", 1: "module", 2: "fragments", 3: "partitioned_fragments"}[stage]
-    every_name = map(walk.names.__getitem__, map(id, walk.params))  # each param once
     # The params no group holds, picked in C (100k params, a tenth of them frozen), then read in bulk.
-    frozen = list(compress(walk.params, map(not_, map(trainable.__contains__, every_name))))
+    frozen = list(compress(walk.params, map(not_, map(trainable.__contains__, walk.names.values()))))
     if not frozen:
         return []
-    names, shapes, dtypes = map(list, zip(*specs_of(frozen, walk.names)))
-    return frozen_params(names, shapes, dtypes, stored_in)
+    return frozen_params(*columns_of(frozen, walk.names), stored_in)
 
 
-def aliases_of_engine(walk: ModuleWalk, shapes: dict[str, tuple[int, ...]]) -> list[Alias]:
-    """Tied parameters by object identity (``ds_id`` under stage 3).
+def aliases_of_engine(walk: ModuleWalk) -> list[Alias]:
+    """Tied parameters by object identity (``ds_id`` under stage 3), each with its owner's shape.
 
     DeepSpeed uses ``data_ptr()`` outside stage 3, which ties every zero-element
     param together (they all report 0); identity does not.
     """
+    if not any(map(hasattr, walk.params, repeat("ds_id"))):  # identity: the walk met them again
+        names = walk.names
+        return [build(Alias, name=full, owner=names[id(p)], shape=list(_shape(p))) for full, p in walk.tied]
     fulls = list(map(itemgetter(0), walk.local_params))
     params = list(map(itemgetter(1), walk.local_params))
     keys = list(map(getattr, params, repeat("ds_id"), map(id, params)))  # in C: 100k params
@@ -54,7 +55,7 @@ def aliases_of_engine(walk: ModuleWalk, shapes: dict[str, tuple[int, ...]]) -> l
     for full, param, key in repeated(zip(fulls, params, keys), keys):
         if key in owner_of:
             owner = owner_of[key]
-            aliases.append(build(Alias, name=full, owner=owner, shape=list(shapes.get(owner, _shape(param)))))
+            aliases.append(build(Alias, name=full, owner=owner, shape=list(_shape(param))))
         else:
             owner_of[key] = full
     return aliases

@@ -31,11 +31,14 @@ _TRAVERSAL = (
 
 @dataclass
 class ModuleWalk:
-    names: dict[int, str] = field(default_factory=dict)  # id(param) -> its first name
+    # id(param) -> its first name, in the order of ``params``: names.values() are the params' names
+    names: dict[int, str] = field(default_factory=dict)
     params: list = field(default_factory=list)  # module.parameters(), in order
     # (full name, param) for each module's own parameters (module.named_parameters(recurse=False)
     # of every module of module.named_modules()): where tied parameters show up
     local_params: list[tuple[str, Any]] = field(default_factory=list)
+    # Those of ``local_params`` whose param was met before: tied, named by an alias of its first name
+    tied: list[tuple[str, Any]] = field(default_factory=list)
     buffers: list[tuple[str, Any]] = field(default_factory=list)  # module.named_buffers()
     # The names of ``buffers`` a state_dict saves (not in their module's _non_persistent_buffers_set:
     # DeepSpeed's _get_buffer_names); None from torch_walk, where DeepSpeed is asked.
@@ -49,10 +52,11 @@ def walk_module(root) -> ModuleWalk:
     plain: dict[type, bool] = {}  # class -> walks as nn.Module does
     traversal = [getattr(nn.Module, a) for a in _TRAVERSAL]
     walk = ModuleWalk(persistent=set())
-    names, params, local_params, buffers, persistent = (
+    names, params, local_params, tied, buffers, persistent = (
         walk.names,
         walk.params,
         walk.local_params,
+        walk.tied,
         walk.buffers,
         walk.persistent,
     )
@@ -88,6 +92,8 @@ def walk_module(root) -> ModuleWalk:
                 if param_id not in names:
                     names[param_id] = name
                     params.append(param)
+                else:
+                    tied.append((name, param))
         if module._buffers:
             for key, buf in module._buffers.items():
                 if buf is not None and id(buf) not in seen_buffers:
@@ -112,8 +118,13 @@ def torch_walk(root) -> ModuleWalk:
     for name, param in root.named_parameters():
         walk.names[id(param)] = name
         walk.params.append(param)
+    seen: set[int] = set()
     for module_name, module in root.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            walk.local_params.append((f"{module_name}.{name}" if module_name else name, param))
+            full = f"{module_name}.{name}" if module_name else name
+            walk.local_params.append((full, param))
+            if id(param) in seen:
+                walk.tied.append((full, param))
+            seen.add(id(param))
     walk.buffers = list(root.named_buffers())
     return walk

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -38,9 +38,13 @@ class ParamSpec(NamedTuple):
         return math.prod(self.shape)
 
 
-def param_specs(names: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]) -> list[ParamSpec]:
-    """``ParamSpec`` of each (name, shape, dtype), made in a C loop (no Python call per param)."""
-    return list(map(tuple.__new__, repeat(ParamSpec), zip(names, shapes, dtypes)))
+class ParamColumns(NamedTuple):
+    """Many params as a producer sees them, a column each: what the group builders read, given
+    without a ``ParamSpec`` per param (100k tensors: each made, then taken apart again)."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
 
 
 _INT64_MAX = 2**63 - 1
@@ -159,7 +163,7 @@ def _plain_types(values, types: set) -> bool:
 
 
 def flat_group(
-    params: Sequence[ParamSpec],
+    params: Sequence[ParamSpec] | ParamColumns,
     *,
     optimizer_group: int,
     partition_count: int,
@@ -175,10 +179,10 @@ def flat_group(
     """
     from .models import Group  # on use: the rules import this module without pydantic
 
-    paddings = list(paddings) if paddings is not None else [0] * len(params)
-    if len(paddings) != len(params):
-        raise ValueError(f"{len(paddings)} paddings for {len(params)} params")
     names, shapes, dtypes = _columns(params)
+    paddings = list(paddings) if paddings is not None else [0] * len(names)
+    if len(paddings) != len(names):
+        raise ValueError(f"{len(paddings)} paddings for {len(names)} params")
     numels = list(map(math.prod, shapes))
     ends = list(accumulate(map(operator.add, numels, paddings)))
     offset = ends[-1] if ends else 0
@@ -202,7 +206,7 @@ def flat_group(
     )
 
 
-def per_param_group(params: Sequence[ParamSpec], *, optimizer_group: int, partition_count: int) -> Group:
+def per_param_group(params: Sequence[ParamSpec] | ParamColumns, *, optimizer_group: int, partition_count: int) -> Group:
     """Stage 3 (one sub-group): each param split on its own into ceil(numel / ws) per rank."""
     from .models import Group  # on use: the rules import this module without pydantic
 
@@ -225,8 +229,10 @@ def per_param_group(params: Sequence[ParamSpec], *, optimizer_group: int, partit
     )
 
 
-def _columns(params: Sequence[ParamSpec]) -> tuple[list, list, list]:
+def _columns(params: Sequence[ParamSpec] | ParamColumns) -> tuple[list, list, list]:
     """Names, shapes and dtypes of ``params`` (each a list)."""
+    if isinstance(params, ParamColumns):
+        return params
     if not params:
         return [], [], []
     names, shapes, dtypes = map(list, zip(*params))

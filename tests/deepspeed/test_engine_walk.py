@@ -38,7 +38,19 @@ def _plain(walk: ModuleWalk) -> tuple:
         [id(p) for p in walk.params],
         [(n, id(p)) for n, p in walk.local_params],
         [(n, id(b)) for n, b in walk.buffers],
+        [(n, id(p)) for n, p in walk.tied],
     )
+
+
+def _tied_by_torch(model: nn.Module) -> list[str]:
+    """The names under which torch's per-module walk meets a parameter it met before."""
+    seen, tied = set(), []
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                tied.append(f"{module_name}.{name}" if module_name else name)
+            seen.add(id(param))
+    return tied
 
 
 def test_one_walk_lists_what_torch_lists():
@@ -48,6 +60,20 @@ def test_one_walk_lists_what_torch_lists():
     walk = walk_module(_tricky())
     # The tree has what the walk must get right: ties seen twice, one buffer at two names kept once.
     assert len(walk.local_params) > len(walk.params) and [n for n, _ in walk.buffers] == ["steps", "scratch"]
+    assert [n for n, _ in walk.tied] == _tied_by_torch(_tricky()) == ["tail.weight"]
+
+
+def test_aliases_by_identity_are_those_by_key():
+    """Without ``ds_id`` the aliases come from the walk's ties; with it, from every local param's key."""
+    from ckptspec.deepspeed.engine_state import aliases_of_engine
+
+    model = _tricky()
+    by_identity = aliases_of_engine(walk_module(model))
+    for key, param in enumerate(model.parameters()):
+        param.ds_id = key  # one key per object, as identity
+    by_key = aliases_of_engine(walk_module(model))
+    assert [a.model_dump() for a in by_identity] == [a.model_dump() for a in by_key]
+    assert [(a.name, a.owner, a.shape) for a in by_key] == [("tail.weight", "head.weight", [5, 4])]
 
 
 def test_persistent_buffers_are_those_a_state_dict_saves():
