@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptspec.format.models import Param
-from ckptspec.format.partition import make_param, make_params
+from ckptspec.format.partition import ParamColumns, ParamSpec, flat_group, make_param, make_params, per_param_group
 
 INT64_MAX = 2**63 - 1
 ints = st.integers(-3, 5) | st.sampled_from([INT64_MAX, INT64_MAX + 1, -(2**63)]) | st.booleans() | st.just(3.0)
@@ -95,3 +95,30 @@ def test_bulk_params_do_not_share_state():
     a, b = make_params(["a", "b"], [(2,), (2,)], [2, 2], ["float32"] * 2, [0, 2], [0, 0])
     a.digest = None  # assigning a field adds to this object's fields set only
     assert a.model_fields_set != b.model_fields_set and a.shape is not b.shape
+
+
+spec_rows = st.lists(
+    st.tuples(st.sampled_from(["w", "b.0"]), st.lists(st.integers(0, 5), max_size=3).map(tuple), dtypes), max_size=5
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec_rows, st.integers(1, 4), st.sampled_from([1, 2, 3]), st.booleans())
+def test_groups_from_columns_are_those_from_specs(table, partition_count, zero_stage, paddings):
+    """The group builders given a ``ParamSpec`` per param, or the same params as columns: one group."""
+    specs = [ParamSpec(*row) for row in table]
+    columns = ParamColumns(*(list(c) for c in zip(*table))) if table else ParamColumns([], [], [])
+    pads = [i % 3 for i in range(len(table))] if paddings else None
+    flat = dict(optimizer_group=1, partition_count=partition_count, zero_stage=zero_stage, paddings=pads)
+    assert _dumped(lambda p: flat_group(p, **flat), columns) == _dumped(lambda p: flat_group(p, **flat), specs)
+    per_param = dict(optimizer_group=0, partition_count=partition_count)
+    assert _dumped(lambda p: per_param_group(p, **per_param), columns) == _dumped(
+        lambda p: per_param_group(p, **per_param), specs
+    )
+
+
+def _dumped(build, params):
+    try:
+        return build(params).model_dump()
+    except (pydantic.ValidationError, ValueError) as exc:
+        return type(exc)
