@@ -12,7 +12,8 @@ from ..format.models import Group
 from ..format.partition import ParamColumns, flat_group, per_param_group
 
 
-def _shape(param) -> tuple[int, ...]:
+def param_shape(param) -> tuple[int, ...]:
+    """A param's shape; a ZeRO-3 param's before partitioning (``ds_shape``)."""
     return tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
 
 
@@ -26,13 +27,13 @@ _OFFSET = attrgetter("offset")
 def columns_of(params: list, names: dict[int, str], shape_of=None) -> ParamColumns:
     """The params' names, shapes and dtypes, in C loops where the params are plain (100k of them:
     a mixture-of-experts model). ``shape_of``: how every param gives its shape (stage 3:
-    ``ds_shape``, the shape before partitioning), else each param's own (``_shape``)."""
+    ``ds_shape``, the shape before partitioning), else each param's own (``param_shape``)."""
     dtypes = list(map(_DTYPE, params))
     for dtype in set(dtypes) - _DTYPE_NAMES.keys():
         _DTYPE_NAMES[dtype] = dtype_name(dtype)
     if shape_of is None and not any(map(hasattr, params, repeat("ds_shape"))):
         shape_of = _SHAPE  # (asked in C: hasattr's misses cost less than a Python call per param)
-    shapes = list(map(tuple, map(shape_of, params))) if shape_of is not None else list(map(_shape, params))
+    shapes = list(map(tuple, map(shape_of, params))) if shape_of is not None else list(map(param_shape, params))
     return ParamColumns(list(map(names.__getitem__, map(id, params))), shapes, list(map(_DTYPE_NAMES.get, dtypes)))
 
 

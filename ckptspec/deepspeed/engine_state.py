@@ -17,14 +17,10 @@ from typing import Any
 from ..format.construct import build, frozen_params
 from ..format.dtypes import dtype_name
 from ..format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
-from .engine_groups import columns_of
+from .engine_groups import columns_of, param_shape
 from .engine_walk import ModuleWalk
 from .scalars import plain_values
 from .ties import repeated
-
-
-def _shape(param) -> tuple[int, ...]:
-    return tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
 
 
 def frozen_of_engine(walk: ModuleWalk, trainable: set[str], stage: int, excluded: bool) -> list[FrozenParam]:
@@ -44,21 +40,25 @@ def aliases_of_engine(walk: ModuleWalk) -> list[Alias]:
     DeepSpeed uses ``data_ptr()`` outside stage 3, which ties every zero-element
     param together (they all report 0); identity does not.
     """
-    if not any(map(hasattr, walk.params, repeat("ds_id"))):  # identity: the walk met them again
+    return [build(Alias, name=full, owner=owner, shape=list(param_shape(p))) for full, owner, p in _ties(walk)]
+
+
+def _ties(walk: ModuleWalk) -> list[tuple[str, str, Any]]:
+    """(name, owner's name, param) of each tied param, in the walk's order."""
+    if not any(map(hasattr, walk.params, repeat("ds_id"))):  # identity: the pairs the walk met again
         names = walk.names
-        return [build(Alias, name=full, owner=names[id(p)], shape=list(_shape(p))) for full, p in walk.tied]
+        return [(full, names[id(param)], param) for full, param in walk.tied]
     fulls = list(map(itemgetter(0), walk.local_params))
     params = list(map(itemgetter(1), walk.local_params))
     keys = list(map(getattr, params, repeat("ds_id"), map(id, params)))  # in C: 100k params
     owner_of: dict[Any, str] = {}
-    aliases = []
+    ties = []
     for full, param, key in repeated(zip(fulls, params, keys), keys):
         if key in owner_of:
-            owner = owner_of[key]
-            aliases.append(build(Alias, name=full, owner=owner, shape=list(_shape(param))))
+            ties.append((full, owner_of[key], param))
         else:
             owner_of[key] = full
-    return aliases
+    return ties
 
 
 def buffers_of_engine(engine, walk: ModuleWalk) -> list[Buffer]:
