@@ -1,6 +1,8 @@
 """The real-DeepSpeed harness itself: its oracles agree with DeepSpeed's, and its cache is sound."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from _harness import cache, scenarios
@@ -96,3 +98,43 @@ def test_committed_checkpoints_are_what_the_harness_builds(ds, name):
     assert [{k: v for k, v in doc.items() if k != "producer"} for doc in layouts][0] == {
         k: v for k, v in layouts[1].items() if k != "producer"
     }
+
+
+def test_forked_ranks_get_what_torchrun_gives_its_ranks(tmp_path):
+    """job/ranks.py, the harness's launcher, starts each rank with torchrun's environment (the
+    elastic agent's own TORCHELASTIC_* and NCCL variables aside) and runs the script as
+    ``__main__`` with its arguments. The script imports what ranks.py preloads first, as every
+    job does (torch and DeepSpeed set a few variables of their own when imported)."""
+    from _harness.launch import RANKS, _free_port, job_env
+
+    script = tmp_path / "ranks_env.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {str(RANKS.parent)!r})\n"
+        "import ranks\n"
+        "ranks.preload()\n"
+        "out = os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + '.json')\n"
+        "json.dump({'env': dict(os.environ), 'name': __name__, 'argv': sys.argv[1:]}, open(out, 'w'))\n"
+    )
+    env = job_env()
+    added = {}  # launcher -> per rank, the variables it set (MASTER_PORT apart: a free port each time)
+    for launcher in ("torchrun", "ranks"):
+        out, port = tmp_path / launcher, str(_free_port())
+        out.mkdir()
+        if launcher == "torchrun":
+            head = [
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+            ]
+        else:
+            head = [str(RANKS), "--nproc-per-node=2", f"--master-port={port}"]
+        subprocess.run([sys.executable, *head, str(script), str(out)], env=env, check=True, capture_output=True)
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        assert [(r["name"], r["argv"], r["env"]["MASTER_PORT"]) for r in ranks] == [("__main__", [str(out)], port)] * 2
+        added[launcher] = [{k: v for k, v in r["env"].items() if env.get(k) != v and k != "MASTER_PORT"} for r in ranks]
+    agent_only = ("TORCHELASTIC_", "TORCH_NCCL_")
+    assert [{k: v for k, v in r.items() if not k.startswith(agent_only)} for r in added["torchrun"]] == added["ranks"]
+    assert [r["RANK"] for r in added["ranks"]] == ["0", "1"]

@@ -4,7 +4,7 @@
     save_dir = tasks.path("s2-bf16-ws2")          # a registered task (tests/_harness/scenarios.py)
 
 The first request of any registered entry builds every registered entry that is missing, in
-as few torchrun launches as possible (one per world size, ZeRO-3 or not, and wave; a resume
+as few launches as possible (one per world size, ZeRO-3 or not, and wave; a resume
 runs in the wave after the checkpoint it loads), under one lock: the other xdist worker waits for it, then finds
 its entries built. A task that is not registered is built alone.
 """
@@ -192,7 +192,7 @@ def _try_launch(batch) -> str | None:
 
 
 def _launch(batch: list[tuple[str, Task]]) -> None:
-    """One torchrun launch for ``batch`` (all of one world size); each entry published on success."""
+    """One launch (launch.py, forked ranks) for ``batch`` (all of one world size); each entry published on success."""
     world_size = batch[0][1].world_size
     assert len({t.launch_group for _, t in batch}) == 1
     targets = [entry(n, t) for n, t in batch]
@@ -203,7 +203,7 @@ def _launch(batch: list[tuple[str, Task]]) -> None:
         ]
         t0 = time.monotonic()
         script = {"fsdp2": FSDP2_MAIN, "reshard": RESHARD_MAIN}.get(batch[0][1].kind, JOB_MAIN)
-        log = run_tasks(tasks, world_size, staged[0], batch[0][1].python, script)
+        log = run_tasks(tasks, world_size, staged[0], batch[0][1].python, script, forked=True)
         seconds = round(time.monotonic() - t0, 1)
         for (name, task), target, stage in zip(batch, targets, staged):
             out = stage / "out"

@@ -48,7 +48,7 @@ def _entry(ds, second: str, kill_at: int | None) -> Path:
         directory.mkdir(parents=True)
         task = {"kind": "save_crash", "args": {"spec": SPEC, "second_tag": second, "kill_at": kill_at}}
         try:
-            run_tasks([{**task, "out": str(directory / "save")}], WORLD_SIZE, directory)
+            run_tasks([{**task, "out": str(directory / "save")}], WORLD_SIZE, directory, forked=True)
         except HarnessError as exc:
             if kill_at is None or "SIGKILL" not in str(exc) and "Signals.SIGKILL" not in str(exc):
                 raise

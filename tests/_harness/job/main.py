@@ -2,10 +2,13 @@
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/_harness/job/main.py --tasks TASKS.json
 
+(the harness starts it through ranks.py, which forks torchrun's ranks after one import of torch
+and DeepSpeed).
+
 TASKS.json is a list of ``{"kind": "train" | "resume" | "parallel" | "save_crash", "args": {...}, "out": DIR}``;
 every rank runs them in order, each into its own ``out`` directory (see train.py, resume.py, parallel.py and
 save_crash.py). Starting torch,
-DeepSpeed and the process group costs 10-30 s per launch; a task costs about a second, so the
+DeepSpeed and the process group costs 5-10 s per launch; a task costs about a second, so the
 harness (tests/_harness/launch.py) puts every task of one world size into one launch.
 
 Everything in this folder runs inside the job and is part of every job's cache key.

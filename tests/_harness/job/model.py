@@ -30,6 +30,7 @@ DEFAULTS = {
     "save_with": "deepspeed",  # "ckptspec": save through ckptspec.deepspeed.save_checkpoint (each rank
     # also writes the manifest it returned to saved_manifest.rank<N>.json)
     "hooks": [],  # names of functions in hooks.py, called as hook(engine, out_dir, spec) after saving
+    "buckets": 2**16,  # ZeRO reduce/allgather bucket in elements; None: DeepSpeed's default (5e8)
     "zero": {},  # extra zero_optimization keys (override)
     "config": {},  # extra top-level DeepSpeed config keys (override)
 }
@@ -99,6 +100,10 @@ def build_model(spec):
 
 def ds_config(spec):
     zero = {"stage": spec["stage"]}
+    if spec["buckets"] is not None:
+        # DeepSpeed's default buckets are 5e8 elements, which ZeRO touches page by page on every
+        # task (1.3 GB per rank, most of a task's time in page faults). No part of the layout.
+        zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = spec["buckets"]
     if spec["round_robin"]:
         zero["round_robin_gradients"] = True
     if spec["parameter_alignment"]:

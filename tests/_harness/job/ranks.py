@@ -1,0 +1,144 @@
+"""Start a job's ranks as torchrun does, forked from one process that has imported torch and DeepSpeed.
+
+    python tests/_harness/job/ranks.py --nproc-per-node N --master-port PORT SCRIPT [ARGS...]
+
+Every process torchrun starts imports torch and DeepSpeed, and DeepSpeed's engine then imports
+torch._dynamo and torch._inductor (its Muon optimizer module calls ``torch.compile`` at import;
+``torch.use_deterministic_algorithms`` imports the inductor config): about 7 s of CPU per rank
+here, most of a short launch. This launcher imports them once and forks the ranks, each with
+the environment torchrun gives it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...;
+not the elastic agent's own TORCHELASTIC_* variables: rank 0 hosts the rendezvous store, as
+with any env:// launcher), then runs SCRIPT as ``__main__``: the DeepSpeed code each rank runs
+is the same. Nothing runs a
+tensor operation before the fork, so no thread pool is copied half-made (checked: one thread).
+
+As torchrun does, the first rank to fail stops the others, and the launcher exits with its status.
+"""
+
+import argparse
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+
+# What the ranks import anyway; a module missing from this DeepSpeed (an older one) is skipped.
+PRELOAD = (
+    "torch",
+    "deepspeed",
+    "deepspeed.comm",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "deepspeed.runtime.pipe",
+    "deepspeed.moe.layer",
+    "torch._dynamo",
+    "torch._inductor.config",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+)
+STOP_GRACE_S = 10  # SIGTERM to the other ranks, then SIGKILL
+
+
+def preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
+        raise SystemExit("ranks.py: a thread was started before the fork; use torchrun")
+
+
+def rank_environment(rank: int, world_size: int, master_port: int) -> dict:
+    return {
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # torchrun's default
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+    }
+
+
+def run_rank(rank: int, world_size: int, master_port: int, script: str, args: list[str]) -> None:
+    """In the forked child: become rank ``rank`` and run the script; never returns."""
+    code = 0
+    try:
+        os.environ.update(rank_environment(rank, world_size, master_port))
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` has it
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def wait_for(children: dict[int, int]) -> int:
+    """Wait for every rank; the first to fail stops the rest. Returns the launch's exit status."""
+    status = 0
+    while children:
+        pid, wait_status = os.wait()
+        rank = children.pop(pid, None)
+        if rank is None:
+            continue
+        code = os.waitstatus_to_exitcode(wait_status)
+        if code != 0 and status == 0:
+            status = code if code > 0 else 128 - code
+            how = f"exited with {code}" if code > 0 else f"was killed by {signal.Signals(-code).name}"
+            print(f"ranks.py: rank {rank} {how}; stopping the others", file=sys.stderr, flush=True)
+            stop(children)
+    return status
+
+
+def stop(children: dict[int, int]) -> None:
+    for pid in children:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while children and time.monotonic() < deadline:
+        for pid in list(children):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                del children[pid]
+        time.sleep(0.05)
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc-per-node", type=int, required=True)
+    ap.add_argument("--master-port", type=int, required=True)
+    ap.add_argument("script")
+    ap.add_argument("args", nargs=argparse.REMAINDER)
+    opts = ap.parse_args()
+    del sys.path[0]  # this folder: its modules (model, train, ...) must not shadow what the preload imports
+    preload()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = {}
+    for rank in range(opts.nproc_per_node):
+        pid = os.fork()
+        if pid == 0:
+            run_rank(rank, opts.nproc_per_node, opts.master_port, opts.script, opts.args)
+        children[pid] = rank
+    sys.exit(wait_for(children))
+
+
+if __name__ == "__main__":
+    main()
