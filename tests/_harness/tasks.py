@@ -11,7 +11,6 @@ its entries built. A task that is not registered is built alone.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from pathlib import Path
 from . import cache
 from .job import parallel_models
 from .job.model import normalize_spec
-from .launch import FSDP2_MAIN, JOB_MAIN, RESHARD_MAIN, HarnessError, run_tasks
+from .launch import FSDP2_MAIN, JOB_MAIN, RESHARD_MAIN, HarnessError, run_launches, task_launch
 
 KINDS = ("train", "resume", "parallel", "fsdp2", "reshard")
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
@@ -146,7 +145,9 @@ def path(name: str, task: Task | None = None) -> Path:
     _FAILED.pop(name, None)
     with cache.locked(target):
         if not cache.is_done(target):
-            _launch([(name, task)])
+            failed = _launch_all([[(name, task)]], task.python, 1)
+            if failed:
+                raise HarnessError(failed[name])
     return target
 
 
@@ -170,12 +171,10 @@ def build_missing(names: list[str] | None = None, jobs: int | None = None) -> di
                 failed[n] = f"its checkpoint {t.load} failed"
                 continue
             launches.setdefault(t.launch_group, []).append((n, t))
-        # Largest world sizes first: they take longest, so the pool finishes together.
+        # Largest world sizes first: they take longest, so the launches finish together.
         ordered = [launches[group] for group in sorted(launches, reverse=True)]
-        with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-            for batch, error in zip(ordered, pool.map(_try_launch, ordered)):
-                if error:
-                    failed.update({n: error for n, _ in batch})
+        for python in dict.fromkeys(batch[0][1].python for batch in ordered):
+            failed.update(_launch_all([b for b in ordered if b[0][1].python == python], python, jobs))
     _FAILED.update(failed)
     if names is None:
         cache.prune({n: entry(n) for n in registry})
@@ -183,46 +182,41 @@ def build_missing(names: list[str] | None = None, jobs: int | None = None) -> di
     return failed
 
 
-def _try_launch(batch) -> str | None:
+def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -> dict[str, str]:
+    """One launch per batch (its tasks all of one launch group), ``jobs`` at a time, all forked from
+    one job/ranks.py process; each entry published on success. Returns name -> error."""
+    planned, launches, failed = [], [], {}
     try:
-        _launch(batch)
-    except HarnessError as exc:
-        return str(exc)
-    return None
-
-
-def _launch(batch: list[tuple[str, Task]]) -> None:
-    """One launch (launch.py, forked ranks) for ``batch`` (all of one world size); each entry published on success."""
-    world_size = batch[0][1].world_size
-    assert len({t.launch_group for _, t in batch}) == 1
-    targets = [entry(n, t) for n, t in batch]
-    staged = [cache.staging(target) for target in targets]
-    try:
-        tasks = [
-            {"kind": t.kind, "args": _job_args(t), "out": str(stage / "out")} for (_, t), stage in zip(batch, staged)
-        ]
-        t0 = time.monotonic()
-        script = {"fsdp2": FSDP2_MAIN, "reshard": RESHARD_MAIN}.get(batch[0][1].kind, JOB_MAIN)
-        log = run_tasks(tasks, world_size, staged[0], batch[0][1].python, script, forked=True)
-        seconds = round(time.monotonic() - t0, 1)
-        for (name, task), target, stage in zip(batch, targets, staged):
-            out = stage / "out"
-            (out / "job.log").write_text(log)
-            cache.publish(
-                out,
-                target,
-                {
+        for batch in batches:
+            assert len({t.launch_group for _, t in batch}) == 1
+            staged = [cache.staging(entry(n, t)) for n, t in batch]
+            planned.append((batch, staged))
+            tasks = [
+                {"kind": t.kind, "args": _job_args(t), "out": str(stage / "out")}
+                for (_, t), stage in zip(batch, staged)
+            ]
+            script = {"fsdp2": FSDP2_MAIN, "reshard": RESHARD_MAIN}.get(batch[0][1].kind, JOB_MAIN)
+            launches.append(task_launch(tasks, batch[0][1].world_size, staged[0], script))
+        for (batch, staged), outcome in zip(planned, run_launches(launches, python, max(1, jobs))):
+            if isinstance(outcome, HarnessError):
+                failed.update({n: str(outcome) for n, _ in batch})
+                continue
+            for (name, task), stage in zip(batch, staged):
+                (stage / "out" / "job.log").write_text(outcome.log)
+                description = {
                     "name": name,
                     "kind": task.kind,
                     "args": task.normalized(),
                     "world_size": task.world_size,
-                    "launch_seconds": seconds,
+                    "launch_seconds": outcome.seconds,
                     "launch_tasks": len(batch),
-                },
-            )
+                }
+                cache.publish(stage / "out", entry(name, task), description)
     finally:
-        for stage in staged:
-            shutil.rmtree(stage, ignore_errors=True)
+        for _, staged in planned:
+            for stage in staged:
+                shutil.rmtree(stage, ignore_errors=True)
+    return failed
 
 
 def _job_args(task: Task) -> dict:

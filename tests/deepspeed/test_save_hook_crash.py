@@ -11,14 +11,14 @@ the killed save are what the next save removes (``ckptspec._fs.sweep``).
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 from _harness import cache, crash
-from _harness.launch import HarnessError, run_tasks
+from _harness.launch import HarnessError, run_launches, task_launch
 from click.testing import CliRunner
 
 from ckptspec import _fs
@@ -32,7 +32,7 @@ CASES = {"new-tag": "second", "same-tag": "first"}  # the second save's tag
 SAMPLE = {"new-tag": 4, "same-tag": 6}  # kill points per case (all of them: CKPTSPEC_CRASH_ALL=1)
 
 
-def _entry(ds, second: str, kill_at: int | None) -> Path:
+def _entry(second: str, kill_at: int | None) -> tuple[Path, dict]:
     identity = {
         "kind": "save_crash",
         "spec": SPEC,
@@ -43,33 +43,51 @@ def _entry(ds, second: str, kill_at: int | None) -> Path:
         "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES),
         "versions": cache.versions(),
     }
+    return cache.entry(f"save-crash-{second}-{kill_at}", cache.key(identity)), identity
 
-    def build(directory: Path) -> None:
-        directory.mkdir(parents=True)
-        task = {"kind": "save_crash", "args": {"spec": SPEC, "second_tag": second, "kill_at": kill_at}}
+
+def _build(plans: list[tuple[str, int | None]]) -> dict[tuple, Path]:
+    """The entries of ``plans`` ((second tag, kill point or None)), the missing ones built in one
+    go: a launch each, two at a time, all forked from one process that imported torch and
+    DeepSpeed once (``run_launches``). A killed launch is the expected outcome of a kill point."""
+    entries = {plan: _entry(*plan) for plan in plans}
+    with contextlib.ExitStack() as locks:
+        for target, _ in sorted(entries.values()):
+            locks.enter_context(cache.locked(target))
+        stages = {plan: cache.staging(target) for plan, (target, _) in entries.items() if not cache.is_done(target)}
         try:
-            run_tasks([{**task, "out": str(directory / "save")}], WORLD_SIZE, directory, forked=True)
-        except HarnessError as exc:
-            if kill_at is None or "SIGKILL" not in str(exc) and "Signals.SIGKILL" not in str(exc):
-                raise
-            (directory / "killed.log").write_text(str(exc)[-5000:])
-
-    return ds.cached(f"save-crash-{second}-{kill_at}", identity, build)
+            launches = []
+            for (second, kill_at), stage in stages.items():
+                task = {"kind": "save_crash", "args": {"spec": SPEC, "second_tag": second, "kill_at": kill_at}}
+                (stage / "out").mkdir()
+                launches.append(task_launch([{**task, "out": str(stage / "out" / "save")}], WORLD_SIZE, stage))
+            for (plan, stage), outcome in zip(stages.items(), run_launches(launches)):
+                if isinstance(outcome, HarnessError):
+                    if plan[1] is None or "SIGKILL" not in str(outcome):
+                        raise outcome
+                    (stage / "out" / "killed.log").write_text(str(outcome)[-5000:])
+                target, identity = entries[plan]
+                name = f"save-crash-{plan[0]}-{plan[1]}"
+                cache.publish(stage / "out", target, {"name": name, "identity": identity})
+        finally:
+            for stage in stages.values():
+                shutil.rmtree(stage, ignore_errors=True)
+    return {plan: target for plan, (target, _) in entries.items()}
 
 
 @pytest.fixture(scope="module")
 def runs(ds) -> dict:
     """case -> (the save that finished, {kill point: the save that was killed there})."""
-    complete = {case: _entry(ds, second, None) for case, second in CASES.items()}
+    built = _build([(second, None) for second in CASES.values()])
+    complete = {case: built[second, None] for case, second in CASES.items()}
     plans = []
     for case, second in CASES.items():
         total = json.loads((complete[case] / "save" / "steps.json").read_text())["steps"]
         plans += [(case, second, point) for point in crash.points(total, SAMPLE[case])]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two launches at a time, as the harness runs them
-        killed = list(pool.map(lambda plan: _entry(ds, plan[1], plan[2]), plans))
+    killed = _build([(second, point) for _, second, point in plans])
     out = {case: (complete[case], {}) for case in CASES}
-    for (case, _, point), path in zip(plans, killed):
-        out[case][1][point] = path
+    for case, second, point in plans:
+        out[case][1][point] = killed[second, point]
     return out
 
 

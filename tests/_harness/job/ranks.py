@@ -1,6 +1,7 @@
 """Start a job's ranks as torchrun does, forked from one process that has imported torch and DeepSpeed.
 
     python tests/_harness/job/ranks.py --nproc-per-node N --master-port PORT SCRIPT [ARGS...]
+    python tests/_harness/job/ranks.py --plan PLAN.json --results RESULTS.json
 
 Every process torchrun starts imports torch and DeepSpeed, and DeepSpeed's engine then imports
 torch._dynamo and torch._inductor (its Muon optimizer module calls ``torch.compile`` at import;
@@ -9,19 +10,24 @@ here, most of a short launch. This launcher imports them once and forks the rank
 the environment torchrun gives it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...;
 not the elastic agent's own TORCHELASTIC_* variables: rank 0 hosts the rendezvous store, as
 with any env:// launcher), then runs SCRIPT as ``__main__``: the DeepSpeed code each rank runs
-is the same. Nothing runs a
-tensor operation before the fork, so no thread pool is copied half-made (checked: one thread).
+is the same. Nothing runs a tensor operation before the fork, so no thread pool is copied
+half-made (checked: one thread).
 
 As torchrun does, the first rank to fail stops the others, and the launcher exits with its status.
+With ``--plan``, one process runs many launches (two at a time, say), each forked from it: the
+imports are paid once for all of them.
 """
 
 import argparse
+import json
 import os
 import runpy
 import signal
+import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 # What the ranks import anyway; a module missing from this DeepSpeed (an older one) is skipped.
 PRELOAD = (
@@ -73,6 +79,7 @@ def run_rank(rank: int, world_size: int, master_port: int, script: str, args: li
     """In the forked child: become rank ``rank`` and run the script; never returns."""
     code = 0
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a plan's launch set its own (launch())
         os.environ.update(rank_environment(rank, world_size, master_port))
         sys.argv = [script, *args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` has it
@@ -120,24 +127,97 @@ def stop(children: dict[int, int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def launch(nproc: int, script: str, args: list[str], master_port: int) -> int:
+    """Fork the ranks of one launch and wait for them; returns the launch's exit status."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            run_rank(rank, nproc, master_port, script, args)
+        children[pid] = rank
+    # SIGTERM (a plan's timeout) stops the ranks with the launch.
+    signal.signal(signal.SIGTERM, lambda *_: (stop(children), os._exit(124)))
+    return wait_for(children)
+
+
+def free_port() -> int:
+    # Racy (the port is released before rank 0 binds it): a plan retries a launch that lost it.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_plan(plan: dict) -> list[dict]:
+    """Run the launches of ``plan`` (``{"launches": [{"nproc", "script", "args", "log"}], "jobs",
+    "timeout"}``), ``jobs`` at a time, each forked from this process with its output in its log.
+    Returns per launch ``{"status", "timed_out", "attempts", "seconds"}``."""
+    launches, jobs, timeout = plan["launches"], plan["jobs"], plan["timeout"]
+    todo, running = list(range(len(launches))), {}  # pid -> (launch index, deadline, start)
+    results = [{"status": None, "timed_out": False, "attempts": 0, "seconds": 0.0} for _ in launches]
+    while todo or running:
+        while todo and len(running) < jobs:
+            index = todo.pop(0)
+            results[index]["attempts"] += 1
+            pid = os.fork()
+            if pid == 0:
+                _launch_child(launches[index])
+            running[pid] = (index, time.monotonic() + timeout, time.monotonic())
+        pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            for child, (index, deadline, _) in running.items():
+                if time.monotonic() > deadline and not results[index]["timed_out"]:
+                    results[index]["timed_out"] = True
+                    os.kill(child, signal.SIGTERM)
+            time.sleep(0.05)
+            continue
+        index, _, started = running.pop(pid)
+        result = results[index]
+        result["status"] = os.waitstatus_to_exitcode(wait_status)
+        result["seconds"] = round(result["seconds"] + time.monotonic() - started, 1)
+        if result["status"] != 0 and not result["timed_out"] and result["attempts"] < 3:
+            with open(launches[index]["log"], errors="replace") as log:
+                if "address already in use" in log.read().lower():
+                    todo.append(index)
+    return results
+
+
+def _launch_child(spec: dict) -> None:
+    """In the forked child: one launch of ``spec``, its output in its log; never returns."""
+    code = 1
+    try:
+        fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        code = launch(spec["nproc"], spec["script"], spec["args"], free_port())
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--nproc-per-node", type=int, required=True)
-    ap.add_argument("--master-port", type=int, required=True)
-    ap.add_argument("script")
+    ap.add_argument("--plan", type=Path, help="run the launches of this JSON plan; results to --results")
+    ap.add_argument("--results", type=Path)
+    ap.add_argument("--nproc-per-node", type=int)
+    ap.add_argument("--master-port", type=int)
+    ap.add_argument("script", nargs="?")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     opts = ap.parse_args()
     del sys.path[0]  # this folder: its modules (model, train, ...) must not shadow what the preload imports
     preload()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    children = {}
-    for rank in range(opts.nproc_per_node):
-        pid = os.fork()
-        if pid == 0:
-            run_rank(rank, opts.nproc_per_node, opts.master_port, opts.script, opts.args)
-        children[pid] = rank
-    sys.exit(wait_for(children))
+    if opts.plan is not None:
+        results = run_plan(json.loads(opts.plan.read_text()))
+        opts.results.write_text(json.dumps(results))
+        return
+    sys.exit(launch(opts.nproc_per_node, opts.script, opts.args, opts.master_port))
 
 
 if __name__ == "__main__":
