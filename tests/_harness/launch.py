@@ -45,6 +45,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_in_session(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str]:
+    """Run ``cmd`` in a session of its own, so that a timeout kills it with every process it
+    started; returns its exit status (None: timed out) and its output."""
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+    return proc.returncode, out
+
+
 def run_torchrun(
     script: Path, args: list[str], world_size: int, python: str = sys.executable, what: str = "DeepSpeed job"
 ) -> str:
@@ -61,26 +75,13 @@ def run_torchrun(
             str(script),
             *args,
         ]
-        # Own session, so a timeout can kill torchrun together with its worker processes.
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=REPO_ROOT,
-            start_new_session=True,
-        )
-        try:
-            log, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            raise HarnessError(f"{what} timed out after {TIMEOUT_S}s:\n{log[-20000:]}") from None
-        if proc.returncode == 0:
+        returncode, log = _run_in_session(cmd, env, TIMEOUT_S)
+        if returncode is None:
+            raise HarnessError(f"{what} timed out after {TIMEOUT_S}s:\n{log[-20000:]}")
+        if returncode == 0:
             return log
         if "address already in use" not in log.lower() or attempt == 2:
-            raise HarnessError(f"{what} failed (exit {proc.returncode}, world_size={world_size}):\n{log[-20000:]}")
+            raise HarnessError(f"{what} failed (exit {returncode}, world_size={world_size}):\n{log[-20000:]}")
     raise AssertionError("unreachable")
 
 
@@ -121,23 +122,10 @@ def run_launches(launches: list[Launch], python: str = sys.executable, jobs: int
     plan_file, results_file = launches[0].workdir / "plan.json", launches[0].workdir / "plan-results.json"
     plan_file.write_text(json.dumps(plan, indent=1))
     cmd = [python, str(RANKS), "--plan", str(plan_file), "--results", str(results_file)]
-    # Own session, so a timeout kills the plan together with every rank it started.
-    proc = subprocess.Popen(
-        cmd,
-        env=job_env(python),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO_ROOT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S * (len(launches) // max(1, jobs) + 2))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-    if proc.returncode != 0 or not results_file.exists():
-        error = HarnessError(f"the launcher (job/ranks.py --plan) failed (exit {proc.returncode}):\n{out[-20000:]}")
+    # Each launch has its own timeout inside the plan; this one only catches a plan that hangs.
+    returncode, out = _run_in_session(cmd, job_env(python), TIMEOUT_S * (len(launches) // max(1, jobs) + 2))
+    if returncode != 0 or not results_file.exists():
+        error = HarnessError(f"the launcher (job/ranks.py --plan) failed (exit {returncode}):\n{out[-20000:]}")
         return [error] * len(launches)
     outcome = []
     for launch, result in zip(launches, json.loads(results_file.read_text())):
