@@ -1,8 +1,6 @@
 """The real-DeepSpeed harness itself: its oracles agree with DeepSpeed's, and its cache is sound."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 from _harness import cache, scenarios
@@ -101,11 +99,11 @@ def test_committed_checkpoints_are_what_the_harness_builds(ds, name):
 
 
 def test_forked_ranks_get_what_torchrun_gives_its_ranks(tmp_path):
-    """job/ranks.py, the harness's launcher, starts each rank with torchrun's environment (the
-    elastic agent's own TORCHELASTIC_* and NCCL variables aside) and runs the script as
-    ``__main__`` with its arguments. The script imports what ranks.py preloads first, as every
-    job does (torch and DeepSpeed set a few variables of their own when imported)."""
-    from _harness.launch import RANKS, _free_port, job_env
+    """The harness's launches (``run_launches``: job/ranks.py) start each rank with torchrun's
+    environment (the elastic agent's own TORCHELASTIC_* and NCCL variables aside) and run the
+    script as ``__main__`` with its arguments. The script imports what ranks.py preloads first, as
+    every job does (torch and DeepSpeed set a few variables of their own when imported)."""
+    from _harness.launch import RANKS, Done, Launch, job_env, run_launches, run_torchrun
 
     script = tmp_path / "ranks_env.py"
     script.write_text(
@@ -119,21 +117,16 @@ def test_forked_ranks_get_what_torchrun_gives_its_ranks(tmp_path):
     env = job_env()
     added = {}  # launcher -> per rank, the variables it set (MASTER_PORT apart: a free port each time)
     for launcher in ("torchrun", "ranks"):
-        out, port = tmp_path / launcher, str(_free_port())
+        out = tmp_path / launcher
         out.mkdir()
         if launcher == "torchrun":
-            head = [
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node=2",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-            ]
+            run_torchrun(script, [str(out)], 2)
         else:
-            head = [str(RANKS), "--nproc-per-node=2", f"--master-port={port}"]
-        subprocess.run([sys.executable, *head, str(script), str(out)], env=env, check=True, capture_output=True)
+            (outcome,) = run_launches([Launch(script, [str(out)], 2, out)])
+            assert isinstance(outcome, Done), outcome
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-        assert [(r["name"], r["argv"], r["env"]["MASTER_PORT"]) for r in ranks] == [("__main__", [str(out)], port)] * 2
+        assert [(r["name"], r["argv"]) for r in ranks] == [("__main__", [str(out)])] * 2
+        assert ranks[0]["env"]["MASTER_PORT"] == ranks[1]["env"]["MASTER_PORT"] != env.get("MASTER_PORT")
         added[launcher] = [{k: v for k, v in r["env"].items() if env.get(k) != v and k != "MASTER_PORT"} for r in ranks]
     agent_only = ("TORCHELASTIC_", "TORCH_NCCL_")
     assert [{k: v for k, v in r.items() if not k.startswith(agent_only)} for r in added["torchrun"]] == added["ranks"]

@@ -1,21 +1,20 @@
 """Start a job's ranks as torchrun does, forked from one process that has imported torch and DeepSpeed.
 
-    python tests/_harness/job/ranks.py --nproc-per-node N --master-port PORT SCRIPT [ARGS...]
     python tests/_harness/job/ranks.py --plan PLAN.json --results RESULTS.json
 
 Every process torchrun starts imports torch and DeepSpeed, and DeepSpeed's engine then imports
 torch._dynamo and torch._inductor (its Muon optimizer module calls ``torch.compile`` at import;
 ``torch.use_deterministic_algorithms`` imports the inductor config): about 7 s of CPU per rank
-here, most of a short launch. This launcher imports them once and forks the ranks, each with
-the environment torchrun gives it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...;
-not the elastic agent's own TORCHELASTIC_* variables: rank 0 hosts the rendezvous store, as
-with any env:// launcher), then runs SCRIPT as ``__main__``: the DeepSpeed code each rank runs
-is the same. Nothing runs a tensor operation before the fork, so no thread pool is copied
-half-made (checked: one thread).
+here, most of a short launch. This launcher imports them once, then forks each launch of the
+plan (two at a time, say), which forks its ranks, each with the environment torchrun gives it
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...; not the elastic agent's own
+TORCHELASTIC_* variables: rank 0 hosts the rendezvous store, as with any env:// launcher), and
+runs the launch's script as ``__main__``: the DeepSpeed code each rank runs is the same.
+Nothing runs a tensor operation before the fork, so no thread pool is copied half-made
+(checked: one thread).
 
-As torchrun does, the first rank to fail stops the others, and the launcher exits with its status.
-With ``--plan``, one process runs many launches (two at a time, say), each forked from it: the
-imports are paid once for all of them.
+As torchrun does, the first rank to fail stops the others, and the launch ends with its status;
+a launch over its time is stopped, and one that lost its port to another process is run again.
 """
 
 import argparse
@@ -204,20 +203,12 @@ def _launch_child(spec: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--plan", type=Path, help="run the launches of this JSON plan; results to --results")
-    ap.add_argument("--results", type=Path)
-    ap.add_argument("--nproc-per-node", type=int)
-    ap.add_argument("--master-port", type=int)
-    ap.add_argument("script", nargs="?")
-    ap.add_argument("args", nargs=argparse.REMAINDER)
+    ap.add_argument("--plan", type=Path, required=True, help="the launches to run (run_plan)")
+    ap.add_argument("--results", type=Path, required=True, help="where run_plan's results go")
     opts = ap.parse_args()
     del sys.path[0]  # this folder: its modules (model, train, ...) must not shadow what the preload imports
     preload()
-    if opts.plan is not None:
-        results = run_plan(json.loads(opts.plan.read_text()))
-        opts.results.write_text(json.dumps(results))
-        return
-    sys.exit(launch(opts.nproc_per_node, opts.script, opts.args, opts.master_port))
+    opts.results.write_text(json.dumps(run_plan(json.loads(opts.plan.read_text()))))
 
 
 if __name__ == "__main__":
