@@ -34,7 +34,7 @@ from typing import Any
 from ..errors import LegacyTorchFile, NotATorchFile, PickleOverCap, TorchFileError, TruncatedFile, UnsafePickleError
 from ..location import RemotePath, location, open_binary
 from .pickle_scan import MAX_NESTING, check_tree, scan_pickle
-from .prescan import Streamed
+from .prescan import PassedBytes, Streamed
 from .standins import (
     ALLOWED,
     INT64,
@@ -105,7 +105,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
     # OBJ and EXT* all go through it), so REDUCE/NEWOBJ can only ever call the stand-ins above.
 
     def __init__(self, source, prefix: str, path: Path, member_sizes: dict[str, int]):
-        super().__init__(io.BytesIO(source) if isinstance(source, bytes) else source)
+        super().__init__(PassedBytes(source) if isinstance(source, bytes) else source)
         self._prefix, self._path, self._storages, self._member_sizes = prefix, path, {}, member_sizes
 
     def find_class(self, module, name):

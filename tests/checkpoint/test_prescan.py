@@ -166,14 +166,14 @@ def test_the_unpickler_stops_before_a_refused_opcode(forks, tmp_path, monkeypatc
     handed = []
 
     def spy(method):
-        real = getattr(prescan._PassedBytes, method)
+        real = getattr(prescan.PassedBytes, method)
 
         def handing(self, *args):
             start, chunk = self._pos, real(self, *args)
             handed.append((start, start + len(chunk)))
             return chunk
 
-        monkeypatch.setattr(prescan._PassedBytes, method, handing)
+        monkeypatch.setattr(prescan.PassedBytes, method, handing)
 
     for method in ("read", "peek", "readline"):
         spy(method)
