@@ -23,11 +23,11 @@ from ..checkpoint.embedded import CLIENT_STATE_KEY, client_state_value
 from ..checkpoint.states import StateCache
 from ..errors import UnsupportedEngine
 from ..format.codec import gc_paused
-from ..format.models import Digest, ExcludedParam, Layout, Manifest, Producer, ShardFile
+from ..format.models import ExcludedParam, Layout, Manifest, Producer, ShardFile
 from ..format.validate import validate_manifest
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from .describe import describe_files
-from .digests import add_digests, record_digest
+from .digests import add_digests, record_digests
 from .directory import ShardSet, scan_tag_dir
 from .engine_groups import (
     flat_groups_bf16_optimizer,
@@ -325,8 +325,7 @@ def _with_digests(manifest: Manifest, tag_dir: Path, rank: int, dist) -> Manifes
     if error:
         raise RuntimeError("ckptspec could not digest the saved tensors (no sidecar written): " + error)
     if rank != 0 and found:
-        for where, sha256 in found:
-            record_digest(manifest, where, Digest(sha256=sha256))
+        record_digests(manifest, found)
     return manifest
 
 

@@ -19,7 +19,7 @@ from ckptspec.deepspeed.directory import resolve_tag_dir
 from ckptspec.deepspeed.topology import needs_index
 from ckptspec.format import construct, partition
 from ckptspec.format.codec import dumps
-from ckptspec.format.models import Param
+from ckptspec.format.models import Digest, Param
 
 pytestmark = pytest.mark.deepspeed
 
@@ -45,6 +45,7 @@ def test_fast_path_bytes_equal_reference_bytes(name, hash_algorithm, ds, monkeyp
     fast_msgpack = dumps(_document(path, hash_algorithm), "msgpack")
     monkeypatch.setattr(partition, "make_params", lambda *columns: [_validated(*row) for row in zip(*columns)])
     monkeypatch.setattr(construct, "CHECKS", {})  # every other model validated too
+    monkeypatch.setattr(construct, "digests", lambda hexes: [Digest(sha256=h) for h in hexes])
     reference = _document(path, hash_algorithm)
     assert fast == dumps(reference, reference=True)
     assert fast_msgpack == dumps(reference, "msgpack")

@@ -1,16 +1,19 @@
 """``construct.build`` (a model built without validation when its values plainly fit) gives the
 object validation gives, and leaves anything else to validation, for every model it builds;
-``build_all`` (the same for columns of values at once) gives what ``build`` gives row by row."""
+``build_all`` (the same for columns of values at once) gives what ``build`` gives row by row; and
+``digests`` gives the ``Digest`` objects validation gives."""
 
 from __future__ import annotations
+
+import hashlib
 
 import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptspec.format.construct import CHECKS, build, build_all
-from ckptspec.format.models import FrozenParam, TensorLocator
+from ckptspec.format.construct import CHECKS, build, build_all, digests
+from ckptspec.format.models import Digest, FrozenParam, TensorLocator
 
 INT64_MAX = 2**63 - 1
 counts = st.integers(-2, 5) | st.sampled_from([INT64_MAX, INT64_MAX + 1]) | st.booleans() | st.just(2.0)
@@ -114,3 +117,31 @@ def test_plain_columns_are_not_validated(monkeypatch):
     columns = {"name": ["w", "v"], "shape": [[2], []], "numel": [2, 1], "dtype": ["bfloat16"] * 2}
     made = build_all(FrozenParam, {**columns, "stored_in": ["fragments"] * 2})
     assert [m.model_dump(exclude_unset=True)["shape"] for m in made] == [[2], []]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.text(alphabet="0123456789abcdefABCDEF\u00e9x", min_size=63, max_size=65)
+        | st.sampled_from(["ab" * 32, "0" * 64])
+        | st.integers(),
+        max_size=4,
+    )
+)
+def test_digests_are_the_digests_validation_makes(hexes):
+    try:
+        slow = [Digest(sha256=h) for h in hexes]
+    except pydantic.ValidationError:
+        with pytest.raises(pydantic.ValidationError):
+            digests(hexes)
+        return
+    fast = digests(hexes)
+    assert [d.model_dump() for d in fast] == [d.model_dump() for d in slow]
+    assert [d.model_fields_set for d in fast] == [d.model_fields_set for d in slow]
+    assert [d.model_extra for d in fast] == [d.model_extra for d in slow]
+
+
+def test_hashlibs_digests_are_not_validated(monkeypatch):
+    monkeypatch.setattr(Digest, "__init__", lambda *_a, **_k: pytest.fail("validated"))
+    made = digests([hashlib.sha256(b"x").hexdigest(), hashlib.sha256(b"").hexdigest()])
+    assert [d.sha256 for d in made] == [hashlib.sha256(b"x").hexdigest(), hashlib.sha256(b"").hexdigest()]
