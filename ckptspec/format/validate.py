@@ -55,13 +55,20 @@ def fast_schema_accepts(doc: Any) -> bool:
         return False
 
 
-def _build_model(doc: Any, allow_unknown: bool) -> tuple[Manifest | None, Finding | None]:
-    """The Pydantic view of a schema-valid document, or the finding saying why not."""
+def _build_model(doc: Any, allow_unknown: bool, bulk: bool = False) -> tuple[Manifest | None, Finding | None]:
+    """The Pydantic view of a schema-valid document, or the finding saying why not. ``bulk``: the
+    document is from the loader (see ``_validate``): its params may be built in bulk (``model_build``)."""
     from pydantic import ValidationError
 
     from .models import Manifest
 
     try:
+        if bulk and not allow_unknown:
+            from .model_build import manifest_of
+
+            built = manifest_of(doc)
+            if built is not None:
+                return built, None
         return Manifest.model_validate(doc, context={"allow_unknown": allow_unknown}), None
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -102,7 +109,7 @@ def _validate(doc: Any, *, plain: bool, build_model: bool, reference: bool) -> R
     rules_read_doc = plain and not reference
     manifest = None
     if build_model or not rules_read_doc:
-        manifest, failure = _build_model(doc, allow_unknown)
+        manifest, failure = _build_model(doc, allow_unknown, bulk=rules_read_doc)
         if failure is not None:
             return Report(findings + [failure])
     try:
