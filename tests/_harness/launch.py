@@ -149,19 +149,9 @@ def task_launch(tasks: list[dict], world_size: int, workdir: Path, script: Path 
 
 
 def run_tasks(
-    tasks: list[dict],
-    world_size: int,
-    workdir: Path,
-    python: str = sys.executable,
-    script: Path = JOB_MAIN,
-    forked: bool = False,
+    tasks: list[dict], world_size: int, workdir: Path, python: str = sys.executable, script: Path = JOB_MAIN
 ) -> str:
-    """Run job tasks in one launch of ``script`` under torchrun (``forked``: job/ranks.py, see
-    ``run_launches``); returns the launch log, raises ``HarnessError``."""
+    """Run job tasks in one torchrun launch of ``script``, as a user starts a job (``examples/demo.py``;
+    the harness's own launches go through ``run_launches``); returns the launch log, raises ``HarnessError``."""
     launch = task_launch(tasks, world_size, workdir, script)
-    if not forked:
-        return run_torchrun(launch.script, launch.args, world_size, python, launch.what)
-    (outcome,) = run_launches([launch], python)
-    if isinstance(outcome, HarnessError):
-        raise outcome
-    return outcome.log
+    return run_torchrun(launch.script, launch.args, world_size, python, launch.what)
