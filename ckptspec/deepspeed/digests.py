@@ -167,27 +167,25 @@ def recorded(manifest: Manifest, where: tuple) -> Digest | None:
 
 def record_digests(manifest: Manifest, found: list[tuple[tuple, str]]) -> None:
     """Set the digest at each ``where`` (a ``Covered.where``), the ``Digest`` objects built at once
-    (``construct.digests``) and set as pydantic's ``__setattr__`` sets a field (no validation runs on
-    assignment: ``models._Model``), each param's optimizer states in one dict."""
+    (``construct.digests``) and set field by field (``construct.set_fields``), each param's optimizer
+    states in one dict."""
     made = construct.digests([sha256 for _, sha256 in found])
-    states: dict[int, tuple] = {}
+    by_field: dict[str, tuple[list, list]] = {}  # field -> (models, digests)
+    states: dict[int, tuple] = {}  # id(param) -> (param, its state digests)
     for (where, _), value in zip(found, made):
         if where[0] != "groups":
-            _set_field(getattr(manifest, where[0])[where[1]], "digest", value)
-            continue
-        param = manifest.groups[where[1]].params[where[3]]
-        if where[4] == "state_digests":
-            states.setdefault(id(param), (param, {**(param.state_digests or {})}))[1][where[5]] = value
+            model, field = getattr(manifest, where[0])[where[1]], "digest"
         else:
-            _set_field(param, where[4], value)
-    for param, values in states.values():
-        _set_field(param, "state_digests", values)
-
-
-def _set_field(model, name: str, value) -> None:
-    # What BaseModel.__setattr__ does for a declared field of a model without validate_assignment.
-    model.__dict__[name] = value
-    model.__pydantic_fields_set__.add(name)
+            model, field = manifest.groups[where[1]].params[where[3]], where[4]
+            if field == "state_digests":
+                states.setdefault(id(model), (model, {**(model.state_digests or {})}))[1][where[5]] = value
+                continue
+        models, values = by_field.setdefault(field, ([], []))
+        models.append(model)
+        values.append(value)
+    by_field["state_digests"] = ([p for p, _ in states.values()], [d for _, d in states.values()])
+    for field, (models, values) in by_field.items():
+        construct.set_fields(models, field, values)
 
 
 def add_digests(manifest: Manifest, tag_dir: str | os.PathLike) -> list[tuple[tuple, str]]:

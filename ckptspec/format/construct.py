@@ -16,7 +16,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import repeat
-from operator import setitem
+from operator import attrgetter, setitem
 from typing import Any, get_args
 
 from .models import (
@@ -165,6 +165,7 @@ def frozen_params(names: list[str], shapes: list[tuple[int, ...]], dtypes: list[
 
 
 _HEX_DIGITS = b"0123456789abcdef"
+_FIELDS_SET = attrgetter("__pydantic_fields_set__")
 
 
 def digests(hexes: list[str]) -> list:
@@ -178,6 +179,13 @@ def digests(hexes: list[str]) -> list:
     if not plain:
         return [Digest(sha256=h) for h in hexes]
     return constructed(Digest, {"sha256": hexes}, {}, len(hexes))
+
+
+def set_fields(models: list, name: str, values: Iterable[Any]) -> None:
+    """``setattr(model, name, value)`` for each pair, by C loops: what ``BaseModel.__setattr__`` does
+    for a declared field (the models do not validate assignment)."""
+    deque(map(dict.__setitem__, map(vars, models), repeat(name), values), 0)
+    deque(map(set.add, map(_FIELDS_SET, models), repeat(name)), 0)
 
 
 def constructed(cls: type, columns: dict[str, Iterable[Any]], defaults: dict[str, Any], rows: int) -> list:

@@ -13,7 +13,6 @@ whole document. ``tests/format/test_model_build.py`` holds it equal to ``Manifes
 
 from __future__ import annotations
 
-from collections import deque
 from itertools import chain, repeat
 from operator import itemgetter
 from typing import Any
@@ -60,13 +59,8 @@ def _params(rows: list) -> list | None:
         made = _state_digests(values) if field == "state_digests" else _digests(values)
         if made is None:
             return None
-        deque(map(dict.__setitem__, map(vars, params), repeat(field), made), 0)
-        deque(map(set.add, map(_fields_set, params), repeat(field)), 0)
+        construct.set_fields(params, field, made)
     return params
-
-
-def _fields_set(model) -> set:
-    return model.__pydantic_fields_set__
 
 
 def _digests(values: list) -> list | None:
