@@ -98,7 +98,7 @@ CODES: dict[str, str] = {
     "CK401": "reconstruct-mismatch",
     "CK402": "reconstruct-unsupported",
     "CK410": "reshard-unsupported",
-    # CK5xx: resuming B from A (report/diff.py)
+    # CK5xx: resuming B from A (report/diff.py; across document kinds report/diff_kinds.py)
     "CK501": "resume-world-size",
     "CK502": "resume-zero-stage",
     "CK503": "resume-precision",
@@ -107,6 +107,8 @@ CODES: dict[str, str] = {
     "CK506": "resume-trainable-set",
     "CK507": "resume-group-layout",
     "CK508": "resume-parallel-degrees",
+    "CK509": "resume-universal",
+    "CK510": "resume-domains",
     # CK6xx: rules of a checkpoint index (format/index_rules.py)
     "CK602": "index-topology",
     "CK603": "index-domain-size",
