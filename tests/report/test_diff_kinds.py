@@ -83,7 +83,8 @@ def test_the_text_report_has_the_change_table(ds):
     result = CliRunner().invoke(cli, ["diff", str(_folder(ds, "s0-fp32-ws2")), str(_folder(ds, "s0-bf16-ws2"))])
     lines = result.stdout.splitlines()
     assert result.exit_code == 1
-    assert any(line.split() == ["layout", "model_dtype", "float32", "bfloat16"] for line in lines), result.stdout
+    row = ["layout", "$.domains[0].manifest.layout.model_dtype", "float32", "bfloat16"]
+    assert any(line.split() == row for line in lines), result.stdout
     assert any(line.startswith("B: $.domains[0].manifest.layout.model_dtype: CK503 ") for line in lines)
     assert lines[-1] == "resume: B cannot resume from A (1 reason)"
 
