@@ -21,6 +21,7 @@ CODES: dict[str, str] = {
     "CK002": "model-disagreement",
     "CK003": "format-major",
     "CK004": "format-minor-newer",
+    "CK005": "document-kind",
     # CK1xx: semantic rules of a manifest (format/rules.py)
     "CK101": "numel-shape",
     "CK102": "duplicate-name",
