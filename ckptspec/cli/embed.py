@@ -186,12 +186,7 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     disagree = agreement_findings(copies)
     if list_copies:
         for found in copies:
-            doc = found.document if isinstance(found.document, dict) else {}
-            files = doc.get("files")
-            click.echo(
-                f"{found.source}: {found.kind}, format {doc.get('format_version', '?')}, "
-                f"{len(files) if isinstance(files, list) else '?'} files"
-            )
+            click.echo(f"{found.source}: {found.kind}, {_contents(found.document)}")
         _show(target, disagree, err=False)
         if not disagree:
             click.echo(f"{target}: {len(copies)} cop{'y' if len(copies) == 1 else 'ies agree'}")
@@ -209,6 +204,17 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
         _write(doc, output, encoding)
     except CkptspecError as exc:
         fail(exc, chosen.source)
+
+
+def _contents(doc) -> str:
+    """What a copy holds, in a few words: its document, version and size."""
+    doc = doc if isinstance(doc, dict) else {}
+    version = doc.get("format_version", "?")
+    if doc.get("format") == "ckptspec.checkpoint":
+        domains = doc.get("domains")
+        return f"checkpoint index {version}, {len(domains) if isinstance(domains, list) else '?'} domains"
+    files = doc.get("files")
+    return f"format {version}, {len(files) if isinstance(files, list) else '?'} files"
 
 
 def _filled(doc: dict, checkpoint: str, tag: str | None, source: str) -> dict:

@@ -278,8 +278,9 @@ def _inspect_index(loaded: Target, output_format: str) -> None:
         f"{deg['tensor']} x data {deg['data']} ({summary['degrees_source']})"
     )
     for d in summary["domains"]:
+        optimizer = f" {d['optimizer']}" if d["optimizer"] else ""  # not recorded for located masters
         click.echo(
-            f"  {d['id']}: ZeRO-{d['zero_stage']} {d['optimizer']} over {d['size']} ranks, "
+            f"  {d['id']}: ZeRO-{d['zero_stage']}{optimizer} over {d['size']} ranks, "
             f"{d['parameters']} parameters ({d['numel']} elements), {d['files']} files"
             + (f"; masters in {d['masters']} ({d['replicas']} saved copies)" if "masters" in d else "")
         )

@@ -13,6 +13,8 @@ from typing import Any
 
 from ..format.index_models import CheckpointIndex
 
+SUMMARY_VERSION = "1.0"  # of this shape (docs/cli.md, inspect --format json of a checkpoint index)
+
 
 def _placement_kind(placement: Any) -> str:
     return placement if isinstance(placement, str) else ("split" if hasattr(placement, "split") else "pieces")
@@ -42,6 +44,7 @@ def summarize_index(index: CheckpointIndex) -> dict[str, Any]:
             domains[-1].update(masters=d.masters.stored_in, replicas=len(d.replicas or []))
     placements = Counter(_placement_kind(s.placement) for p in index.parameters for s in p.shards[:1])
     return {
+        "summary_version": SUMMARY_VERSION,
         "document": "ckptspec.checkpoint",
         "format_version": index.format_version,
         "kind": index.kind,
