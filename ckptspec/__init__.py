@@ -20,6 +20,7 @@ __all__ = [
     "load_manifest",
     "load_optimizer_state",
     "load_state_dict",
+    "reconstruct",
     "validate_document",
     "validate_file",
     "__version__",
@@ -37,6 +38,10 @@ def __getattr__(name: str):
         from .export.api import load_state_dict
 
         return load_state_dict
+    if name == "reconstruct":
+        from .export.api import reconstruct
+
+        return reconstruct
     if name == "load_optimizer_state":
         from .export.api import load_optimizer_state
 

@@ -21,6 +21,7 @@ CODES: dict[str, str] = {
     "CK002": "model-disagreement",
     "CK003": "format-major",
     "CK004": "format-minor-newer",
+    "CK005": "document-kind",
     # CK1xx: semantic rules of a manifest (format/rules.py)
     "CK101": "numel-shape",
     "CK102": "duplicate-name",
@@ -98,7 +99,7 @@ CODES: dict[str, str] = {
     "CK401": "reconstruct-mismatch",
     "CK402": "reconstruct-unsupported",
     "CK410": "reshard-unsupported",
-    # CK5xx: resuming B from A (report/diff.py)
+    # CK5xx: resuming B from A (report/diff.py; across document kinds report/diff_kinds.py)
     "CK501": "resume-world-size",
     "CK502": "resume-zero-stage",
     "CK503": "resume-precision",
@@ -107,6 +108,8 @@ CODES: dict[str, str] = {
     "CK506": "resume-trainable-set",
     "CK507": "resume-group-layout",
     "CK508": "resume-parallel-degrees",
+    "CK509": "resume-universal",
+    "CK510": "resume-domains",
     # CK6xx: rules of a checkpoint index (format/index_rules.py)
     "CK602": "index-topology",
     "CK603": "index-domain-size",

@@ -63,10 +63,10 @@ def main(output_dir: str) -> None:
     aliases = json.loads(metadata.get("ckptspec.aliases", "{}"))
     saved_as = metadata.get("ckptspec.dtype")
     widened = " (numpy has no bfloat16: widened exactly to float32)" if saved_as == "bfloat16" else ""
-    print(
-        f"{output_dir}: {len(arrays)} arrays from ZeRO-{metadata.get('ckptspec.zero_stage')} "
-        f"{metadata.get('ckptspec.tag')}, saved as {saved_as}{widened}"
-    )
+    stage = metadata.get("ckptspec.zero_stage")  # one ZeRO stage only for a data-parallel checkpoint
+    source = f"ZeRO-{stage}" if stage is not None else "a checkpoint index's"
+    tag = metadata.get("ckptspec.tag")
+    print(f"{output_dir}: {len(arrays)} arrays from {source} {tag}, saved as {saved_as}{widened}")
     for name, array in arrays.items():
         note = f" (alias of {aliases[name]})" if name in aliases else ""
         print(f"  {name}: {array.dtype} {list(array.shape)}{note}")

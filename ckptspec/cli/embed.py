@@ -22,10 +22,12 @@ def _show(target: str, findings: list[Finding], err: bool = True) -> None:
 
 
 def _check_input(name: str, doc) -> None:
-    """The reader's gate for every command here: version first, then schema and rules."""
+    """The reader's gate for every command here: version first, then schema and rules (a
+    checkpoint index's own: it is converted as a manifest is)."""
+    from ..format.index_validate import is_index, validate_index_document
     from ..format.migrate import validate_own_version
 
-    findings = validate_own_version(doc)
+    findings = validate_index_document(doc).findings if is_index(doc) else validate_own_version(doc)
     _show(name, findings)
     if has_errors(findings):
         sys.exit(EXIT_INVALID)
@@ -52,9 +54,9 @@ def _write(doc, output: str, encoding: str | None) -> int:
     help="Override the encoding guessed from IN's extension and first byte.",
 )
 def convert(source: str, output: str, encoding: str | None, input_encoding: str | None) -> None:
-    """Re-encode a manifest, JSON <-> msgpack, losslessly.
+    """Re-encode a manifest or checkpoint index, JSON <-> msgpack, losslessly.
 
-    IN is validated first (an invalid manifest is not converted); OUT is canonical
+    IN is validated first (an invalid document is not converted); OUT is canonical
     (sorted keys; JSON is UTF-8 with a two-space indent) and written atomically.
     Fields a newer minor version added are kept as they are.
     """
@@ -66,6 +68,19 @@ def convert(source: str, output: str, encoding: str | None, input_encoding: str 
         fail(exc, source)
     if output != "-":
         click.echo(f"{output}: written ({encoding_for_output(output, encoding)}, {size} bytes)")
+
+
+def _refuse_an_index(name: str, doc) -> None:
+    from ..errors import EmbedError
+    from ..format.index_validate import is_index
+
+    if is_index(doc):
+        raise EmbedError(
+            "CK305",
+            f"{name} is a checkpoint index: embed writes the manifest of one data-parallel ZeRO checkpoint "
+            "into its model-states files, and an index (tensor/pipeline parallel, MoE, stage 0) has no such place",
+            "keep the index beside the checkpoint: `ckptspec validate INDEX --checkpoint DIR` checks the files",
+        )
 
 
 @click.command()
@@ -104,6 +119,7 @@ def embed(
         if manifest_path is not None:
             manifest = load_document(manifest_path)
             _check_input(manifest_path, manifest)
+            _refuse_an_index(manifest_path, manifest)
         result = embed_checkpoint(
             checkpoint,
             manifest,
@@ -170,12 +186,7 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     disagree = agreement_findings(copies)
     if list_copies:
         for found in copies:
-            doc = found.document if isinstance(found.document, dict) else {}
-            files = doc.get("files")
-            click.echo(
-                f"{found.source}: {found.kind}, format {doc.get('format_version', '?')}, "
-                f"{len(files) if isinstance(files, list) else '?'} files"
-            )
+            click.echo(f"{found.source}: {found.kind}, {_contents(found.document)}")
         _show(target, disagree, err=False)
         if not disagree:
             click.echo(f"{target}: {len(copies)} cop{'y' if len(copies) == 1 else 'ies agree'}")
@@ -193,6 +204,17 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
         _write(doc, output, encoding)
     except CkptspecError as exc:
         fail(exc, chosen.source)
+
+
+def _contents(doc) -> str:
+    """What a copy holds, in a few words: its document, version and size."""
+    doc = doc if isinstance(doc, dict) else {}
+    version = doc.get("format_version", "?")
+    if doc.get("format") == "ckptspec.checkpoint":
+        domains = doc.get("domains")
+        return f"checkpoint index {version}, {len(domains) if isinstance(domains, list) else '?'} domains"
+    files = doc.get("files")
+    return f"format {version}, {len(files) if isinstance(files, list) else '?'} files"
 
 
 def _filled(doc: dict, checkpoint: str, tag: str | None, source: str) -> dict:

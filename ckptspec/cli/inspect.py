@@ -195,7 +195,7 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
     \b
     A and B are manifests or checkpoint directories. Exit codes:
       0  B can resume from A's optimizer state (changes may still be listed)
-      1  it cannot: every reason is printed with its code (CK501-CK507);
+      1  it cannot: every reason is printed with its code (CK501-CK510);
          or A or B is not a valid manifest
       2  usage or I/O error
     """
@@ -225,11 +225,18 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
                 _show_findings(t, t.findings, err=False)
         sys.exit(EXIT_INVALID)
     ta, tb = targets
-    if _is_index(ta.manifest) or _is_index(tb.manifest):
-        _diff_indexes(ta, tb, output_format)
-    result = diff_manifests(ta.manifest, tb.manifest)
+    degrees = None
+    if _is_index(ta.manifest) or _is_index(tb.manifest):  # one at least is a checkpoint index
+        from ..report.diff_kinds import degrees_dict, diff_any
+
+        result = diff_any(ta.manifest, tb.manifest)
+        degrees = {"a": degrees_dict(ta.manifest), "b": degrees_dict(tb.manifest)}
+    else:
+        result = diff_manifests(ta.manifest, tb.manifest)
     if output_format == "json":
         doc = {"a": _source_dict(ta), "b": _source_dict(tb), "valid": True, **result.to_dict()}
+        if degrees is not None:
+            doc["degrees"] = degrees
         echo_json(doc)
     else:
         for t in targets:
@@ -271,8 +278,9 @@ def _inspect_index(loaded: Target, output_format: str) -> None:
         f"{deg['tensor']} x data {deg['data']} ({summary['degrees_source']})"
     )
     for d in summary["domains"]:
+        optimizer = f" {d['optimizer']}" if d["optimizer"] else ""  # not recorded for located masters
         click.echo(
-            f"  {d['id']}: ZeRO-{d['zero_stage']} {d['optimizer']} over {d['size']} ranks, "
+            f"  {d['id']}: ZeRO-{d['zero_stage']}{optimizer} over {d['size']} ranks, "
             f"{d['parameters']} parameters ({d['numel']} elements), {d['files']} files"
             + (f"; masters in {d['masters']} ({d['replicas']} saved copies)" if "masters" in d else "")
         )
@@ -282,26 +290,3 @@ def _inspect_index(loaded: Target, output_format: str) -> None:
         f"{summary['layer_files']} layer files"
         + (f", {summary['expert_files']} expert files" if summary["expert_files"] else "")
     )
-
-
-def _diff_indexes(ta: Target, tb: Target, output_format: str) -> None:
-    from ..report.index_summary import diff_indexes
-
-    result = diff_indexes(ta.manifest, tb.manifest)
-    reasons = result.pop("reasons")
-    if output_format == "json":
-        echo_json({"a": _source_dict(ta), "b": _source_dict(tb), "valid": True, **result})
-    else:
-        da, db = result["degrees"]["a"], result["degrees"]["b"]
-        click.echo(
-            f"degrees: pipeline {da['pipeline']} x tensor {da['tensor']} -> pipeline {db['pipeline']} x tensor "
-            f"{db['tensor']}"
-        )
-        for reason in reasons:
-            click.echo(f"B: {reason.to_line()}")
-        click.echo(
-            "resume: B can resume from A's optimizer state"
-            if not reasons
-            else f"resume: B cannot resume from A ({len(reasons)} reason{'s' if len(reasons) != 1 else ''})"
-        )
-    sys.exit(EXIT_OK if not reasons else EXIT_INVALID)

@@ -185,4 +185,7 @@ def _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, quiet, opti
         fail_write(output_dir, exc)
     if not quiet:
         files = ", ".join(result.files + ([result.index] if result.index else []))
-        click.echo(f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB) to {files}")
+        click.echo(
+            f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, "
+            f"{result.numel} elements) to {files}"
+        )

@@ -205,7 +205,9 @@ def render_diff(
             no_wrap=("change", "what"),
         )
         for c in result["changes"]:
-            what = c["path"] if c["kind"] == "group" else c.get("name") or c["path"]
+            # A field of a domain's layout (an index has one per domain) is named by its whole path.
+            in_domain = c["kind"] == "layout" and c["path"].startswith("$.domains[")
+            what = c["path"] if c["kind"] == "group" or in_domain else c.get("name") or c["path"]
             if c.get("role") and c["kind"] not in ("layout", "group"):
                 what = f"{c['role']} {what}"
             changes.add_row(*_cells(c["kind"], what, _value(c["a"]), _value(c["b"])))

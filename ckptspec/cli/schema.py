@@ -6,7 +6,14 @@ import sys
 
 import click
 
-from ..format.schemas import LATEST_REPORT, MANIFEST_SCHEMAS, REPORT_SCHEMAS, manifest_schema_file, schema_text
+from ..format.schemas import (
+    INDEX_SCHEMA,
+    LATEST_REPORT,
+    MANIFEST_SCHEMAS,
+    REPORT_SCHEMAS,
+    manifest_schema_file,
+    schema_text,
+)
 from ._common import EXIT_USAGE
 
 
@@ -21,10 +28,19 @@ from ._common import EXIT_USAGE
 @click.option(
     "--report", is_flag=True, help="Print the schema of `validate --format json` reports (the latest, 1.1) instead."
 )
-def schema_command(version: str | None, report: bool) -> None:
+@click.option(
+    "--checkpoint-index",
+    "index",
+    is_flag=True,
+    help="Print the schema of the checkpoint index (format ckptspec.checkpoint 1.0) instead.",
+)
+def schema_command(version: str | None, report: bool, index: bool) -> None:
     """Print the manifest JSON Schema."""
     if report:
         click.echo(schema_text(REPORT_SCHEMAS[LATEST_REPORT]), nl=False)
+        return
+    if index:  # one version so far: the index embeds manifests of the latest format
+        click.echo(schema_text(INDEX_SCHEMA), nl=False)
         return
     try:
         filename = manifest_schema_file(version) if version else manifest_schema_file()

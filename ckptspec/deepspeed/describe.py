@@ -23,7 +23,7 @@ from ..format.partition import ParamColumns, flat_group, per_param_group
 from ..format.version import FORMAT_NAME, FORMAT_VERSION
 from . import legacy
 from .digests import add_digests
-from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
+from .directory import ShardSet, index_kind_hint, resolve_tag_dir, scan_tag_dir
 from .locators import model_weights_locators, state_locators, tensor_locators
 from .scalars import embedded_class, optimizer_from_states, save_from_states
 from .state_fields import (
@@ -99,13 +99,13 @@ def manifest_from_states(
     if first_model.get("module") is None and not pipeline_stage:
         raise UnsupportedCheckpoint(
             "model states hold no 'module' (pipeline-parallel checkpoint)",
-            "pipeline-parallel checkpoints are not described by format 1.0",
+            index_kind_hint("pipeline-parallel"),
             str(shards.model_files[min(model_states)]),
         )
     if not optim_states:
         raise UnsupportedCheckpoint(
             "no ZeRO optimizer states (*_optim_states.pt)",
-            "ZeRO stage 0 checkpoints are not described by format 1.0",
+            index_kind_hint("ZeRO stage-0"),
             str(shards.tag_dir),
         )
     first_optim = optim_states[min(optim_states)]

@@ -100,6 +100,15 @@ def _nested_files(tag_dir: Path | RemotePath) -> list[Path | RemotePath]:
     return out
 
 
+def index_kind_hint(kind: str) -> str:
+    """The hint where a command of manifest 1.x checkpoints meets one that a checkpoint index describes."""
+    return (
+        f"{kind} checkpoints are described by a checkpoint index (docs/spec-checkpoint.md), which generate, "
+        "validate, inspect, diff and reconstruct read from a local directory; this command reads ZeRO "
+        "data-parallel checkpoints (manifest 1.x) only"
+    )
+
+
 def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
     shards = ShardSet(tag_dir)
     for path in sorted(tag_dir.iterdir()):
@@ -107,15 +116,9 @@ def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
             continue
         name = path.name
         if EXPERT_RE.match(name):
-            raise UnsupportedCheckpoint(
-                f"MoE expert file {name}", "MoE checkpoints are not described by format 1.0", str(path)
-            )
+            raise UnsupportedCheckpoint(f"MoE expert file {name}", index_kind_hint("MoE"), str(path))
         if PIPE_LAYER_RE.match(name):
-            raise UnsupportedCheckpoint(
-                f"pipeline layer file {name}",
-                "pipeline-parallel checkpoints are not described by format 1.0",
-                str(path),
-            )
+            raise UnsupportedCheckpoint(f"pipeline layer file {name}", index_kind_hint("pipeline-parallel"), str(path))
         if m := OPTIM_RE.match(name):
             if int(m.group(2)) != 0:
                 raise UnsupportedCheckpoint(
@@ -142,8 +145,7 @@ def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
         # ds_to_universal's output: the model states beside zero/<param>/fp32.pt, no optimizer files.
         raise UnsupportedCheckpoint(
             f"a DeepSpeed universal checkpoint ({UNIVERSAL_FOLDER}/ folder), not a ZeRO checkpoint",
-            "format 1.0 describes the ZeRO checkpoint it was converted from: pass that tag "
-            "(DeepSpeed loads this one with checkpoint.load_universal)",
+            index_kind_hint("universal") + "; or pass the ZeRO tag it was converted from",
             str(tag_dir / UNIVERSAL_FOLDER),
         )
     if not shards.model_files:

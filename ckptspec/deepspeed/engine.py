@@ -55,7 +55,7 @@ _NAME = attrgetter("name")
 def _check_supported(engine) -> None:
     refuse_unsaveable(engine)
     if getattr(engine, "has_moe_layers", False):
-        raise UnsupportedEngine("MoE engines are not described by manifest format 1.0")
+        raise UnsupportedEngine("MoE engines are described by a checkpoint index, not a manifest 1.x")
     if engine.mp_world_size > 1 or type(engine).__name__ == "PipelineEngine":
         raise UnsupportedEngine(
             "tensor- or pipeline-parallel engines are described by a checkpoint index (engine_index.index_from_engine)"
@@ -101,7 +101,9 @@ def _engine_layout(engine, exclude_frozen_parameters: bool) -> Manifest:
     elif stage in (1, 2):
         groups = flat_groups_stage12(engine, names)
     else:
-        raise UnsupportedEngine(f"ZeRO stage 0 with {type(opt).__name__} is not described by manifest format 1.0")
+        raise UnsupportedEngine(
+            f"ZeRO stage 0 with {type(opt).__name__} is described by a checkpoint index, not a manifest 1.x"
+        )
     trainable = set(map(_NAME, chain.from_iterable(g.params for g in groups)))  # in C: 100k params
     frozen_stage = 1 if is_bf16_optimizer(opt) else stage
     aliases = aliases_of_engine(walk)

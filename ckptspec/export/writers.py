@@ -75,6 +75,7 @@ class WriteResult:
     tensors: int
     nbytes: int
     index: str | None
+    numel: int = 0  # elements of tensor data written (the summary of ``reconstruct``)
 
 
 def write_consolidated(
@@ -170,7 +171,8 @@ def write_consolidated(
         written = {final.name for _, final in pending}
         commit(out, pending, [out / name for name in sorted(existing.ours - written)])
     names = [s.filename for s in shards] + ([pending[len(shards)][1].name] if optimizer_state else [])
-    return WriteResult(out, names, len({n for s in shards for n in s.names}), total, index_name)
+    tensors = len({n for s in shards for n in s.names})
+    return WriteResult(out, names, tensors, total, index_name, plan.total_numel(untie))
 
 
 def _write_temp(target: Path, text: str) -> Path:

@@ -309,7 +309,21 @@ def read_document(
             "manifest (`ckptspec extract FILE` prints the manifest a file embeds)",
             str(path),
         )
+    if is_safetensors(data):
+        raise CkptspecError(
+            "CK903",
+            "a safetensors file (weights, such as a `ckptspec reconstruct` output), not a manifest",
+            "`ckptspec extract FILE` prints the manifest it embeds; `ckptspec validate` takes a manifest or a "
+            "checkpoint directory",
+            str(path),
+        )
     return decode_document(data, encoding or encoding_for(path, data), str(path))
+
+
+def is_safetensors(data: bytes) -> bool:
+    """safetensors' layout: an 8-byte little-endian header length, then that many bytes of a JSON object."""
+    length = int.from_bytes(data[:8], "little") if len(data) >= 10 else 0
+    return 2 <= length <= len(data) - 8 and data[8:9] == b"{"
 
 
 # --------------------------------------------------------------------------- writing

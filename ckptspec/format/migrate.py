@@ -182,6 +182,14 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
         InvalidInput: the input itself is invalid at its own version (its findings).
     """
     target = version_key(to_version)
+    if isinstance(doc, dict) and doc.get("format") == "ckptspec.checkpoint":
+        raise MigrationError(
+            "CK311",
+            f"this is a checkpoint index (format ckptspec.checkpoint {doc.get('format_version')}), not a manifest: "
+            "the index has one version, and its domains' manifests are written at the current manifest version",
+            "nothing to migrate; `ckptspec convert` re-encodes it (JSON <-> msgpack)",
+            name,
+        )
     version = doc.get("format_version") if isinstance(doc, dict) else None
     try:
         source = version_key(version) if isinstance(version, str) else None

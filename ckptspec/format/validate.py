@@ -183,9 +183,15 @@ def validate_file(
     build_model: bool = True,
     reference: bool = False,
 ) -> Report:
-    """Load and validate a manifest file. Raises ``CkptspecError`` when it cannot be read."""
+    """Load and validate a manifest file, or a checkpoint index (an ``IndexReport`` then: the same
+    ``ok``, ``findings`` and ``manifest``, which is the index). Raises ``CkptspecError`` when it
+    cannot be read."""
+    from .index_validate import is_index, validate_index_document
+
     with gc_paused():
         doc, floats = read_document(path, max_bytes, encoding)
+        if is_index(doc):
+            return validate_index_document(doc)
         return validate_decoded(doc, floats, build_model=build_model, reference=reference)
 
 
@@ -196,8 +202,13 @@ def validate_decoded(doc: Any, floats: bool, *, build_model: bool = True, refere
 
 
 def load_manifest(path: str | os.PathLike, **kwargs) -> Manifest:
-    """Load a manifest that must be valid; raises ``InvalidManifest`` listing the findings."""
+    """Load a manifest that must be valid; raises ``InvalidManifest`` listing the findings (CK005
+    for a checkpoint index, which ``index_validate.load_index`` reads)."""
     report = validate_file(path, **kwargs)
+    if not isinstance(report, Report):
+        where = "a checkpoint index (format ckptspec.checkpoint), not a manifest"
+        hint = "read it with ckptspec.format.index_validate.load_index; ckptspec.validate_file validates either"
+        raise InvalidManifest(str(path), [finding("CK005", "$.format", f"this is {where}", hint)])
     if not report.ok or report.manifest is None:
         raise InvalidManifest(str(path), report.findings)
     return report.manifest

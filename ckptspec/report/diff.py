@@ -5,8 +5,9 @@ lives in ``ckptspec.cli.render``). "Resume" means what ``engine.load_checkpoint(
 does with its defaults in DeepSpeed 0.19.8 (strict module load, optimizer states
 loaded, fp32 masters taken from the checkpoint) when the job is configured like B
 and the checkpoint is A. Each rule that blocks it is one function and one code
-(CK501-CK507, docs/errors.md); ``tests/report/test_diff.py`` checks the verdicts against
-real DeepSpeed runs (``tests/dsharness/resume.py``).
+(CK501-CK507, docs/errors.md; CK508-CK510 across document kinds: ``diff_kinds.py``);
+``tests/report/test_diff.py`` checks the verdicts against real DeepSpeed runs
+(``tests/_harness/job/resume.py``).
 """
 
 from __future__ import annotations
@@ -245,16 +246,27 @@ def resume_zero_stage(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
 
 @rule("CK503")
 def resume_precision(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
-    """The optimizer-states file names carry a ``bf16_`` prefix only in bf16 jobs (engine.py)."""
-    bf_a, bf_b = a.layout.model_dtype == "bfloat16", b.layout.model_dtype == "bfloat16"
-    if _partitioned(a) and _partitioned(b) and bf_a != bf_b:
+    """The optimizer-states file names carry a ``bf16_`` prefix only in bf16 jobs (engine.py); at
+    stage 0 a bf16 or fp16 job wraps its optimizer (FP16_Optimizer, BF16_Optimizer) and an fp32 job
+    does not, so neither loads the other's optimizer state dict."""
+    da, db = a.layout.model_dtype, b.layout.model_dtype
+    if _partitioned(a) and _partitioned(b) and (da == "bfloat16") != (db == "bfloat16"):
         yield finding(
             "CK503",
             json_path("layout", "model_dtype"),
-            f"the model dtype changes from {a.layout.model_dtype} to {b.layout.model_dtype}; a "
-            f"{'bf16' if bf_b else 'non-bf16'} job opens optimizer files named "
-            f"{'bf16_zero_pp_rank_*' if bf_b else 'zero_pp_rank_*'}, which this checkpoint does not have",
-            f"resume in {a.layout.model_dtype}, or load the weights only (load_module_only=True)",
+            f"the model dtype changes from {da} to {db}; a {'bf16' if db == 'bfloat16' else 'non-bf16'} job "
+            f"opens optimizer files named {'bf16_zero_pp_rank_*' if db == 'bfloat16' else 'zero_pp_rank_*'}, "
+            "which this checkpoint does not have",
+            f"resume in {da}, or load the weights only (load_module_only=True)",
+        )
+    elif a.layout.zero_stage == b.layout.zero_stage == 0 and (da == "float32") != (db == "float32"):
+        yield finding(
+            "CK503",
+            json_path("layout", "model_dtype"),
+            f"the model dtype changes from {da} to {db} at ZeRO stage 0: the {db} job's optimizer "
+            f"({'a plain torch optimizer' if db == 'float32' else 'a DeepSpeed mixed-precision wrapper'}) "
+            "cannot load the optimizer state the other saved",
+            f"resume in {da}, or load the weights only (load_module_only=True)",
         )
 
 

@@ -1,23 +1,19 @@
-"""``inspect`` and ``diff`` of a checkpoint index (a tensor/pipeline-parallel checkpoint).
+"""``inspect`` of a checkpoint index (``diff`` of any kinds: ``diff_kinds.py``).
 
 Pure computation on a validated ``CheckpointIndex``: the parallel layout (degrees, each domain's
 coordinate, ZeRO stage, size, files and parameter totals), the whole model's totals and how its
-shards are placed; and, between two checkpoints, whether a job of B's layout can resume from A's
-optimizer state: DeepSpeed loads ZeRO optimizer partitions only at the tensor and pipeline degrees
-they were saved at (CK508); other changes are found by the 1.x diff of the domains' manifests.
+shards are placed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter
 from typing import Any
 
-from ..findings import Finding, finding
 from ..format.index_models import CheckpointIndex
-from ..format.models import Manifest
-from .diff import diff_manifests
+
+SUMMARY_VERSION = "1.0"  # of this shape (docs/cli.md, inspect --format json of a checkpoint index)
 
 
 def _placement_kind(placement: Any) -> str:
@@ -48,6 +44,7 @@ def summarize_index(index: CheckpointIndex) -> dict[str, Any]:
             domains[-1].update(masters=d.masters.stored_in, replicas=len(d.replicas or []))
     placements = Counter(_placement_kind(s.placement) for p in index.parameters for s in p.shards[:1])
     return {
+        "summary_version": SUMMARY_VERSION,
         "document": "ckptspec.checkpoint",
         "format_version": index.format_version,
         "kind": index.kind,
@@ -59,47 +56,4 @@ def summarize_index(index: CheckpointIndex) -> dict[str, Any]:
         "parameters": len(index.parameters),
         "numel": sum(math.prod(p.shape) for p in index.parameters),
         "placements": dict(sorted(placements.items())),
-    }
-
-
-def _degrees(doc: CheckpointIndex | Manifest) -> tuple[int, int]:
-    if isinstance(doc, CheckpointIndex):
-        return doc.topology.degrees.pipeline, doc.topology.degrees.tensor
-    return doc.layout.pipeline_parallel_size, doc.layout.tensor_parallel_size
-
-
-def resume_reasons(a: CheckpointIndex | Manifest, b: CheckpointIndex | Manifest) -> list[Finding]:
-    """Why a job laid out like B cannot load A's ZeRO optimizer state (empty: it can, as far as the
-    degrees go; then the domains' manifests are compared one by one)."""
-    (pa, ta), (pb, tb) = _degrees(a), _degrees(b)
-    if (pa, ta) != (pb, tb):
-        return [
-            finding(
-                "CK508",
-                "$.topology.degrees",
-                f"A was saved at pipeline {pa} x tensor {ta}, B runs pipeline {pb} x tensor {tb}",
-                "DeepSpeed loads ZeRO optimizer partitions only at the degrees they were saved at: convert A with "
-                "ds_to_universal and load it with checkpoint.load_universal (the weights alone: ckptspec reconstruct)",
-            )
-        ]
-    if isinstance(a, CheckpointIndex) and isinstance(b, CheckpointIndex):
-        reasons = []
-        ids_b = {d.id: d for d in b.domains}
-        for d in a.domains:
-            if d.id not in ids_b:
-                continue
-            for reason in diff_manifests(d.manifest, ids_b[d.id].manifest).reasons:
-                reasons.append(dataclasses.replace(reason, path=f"$.domains[{d.id!r}]" + reason.path[1:]))
-        return reasons
-    return []
-
-
-def diff_indexes(a: CheckpointIndex | Manifest, b: CheckpointIndex | Manifest) -> dict[str, Any]:
-    """The JSON-ready diff of two checkpoints of which one at least is model-parallel."""
-    reasons = resume_reasons(a, b)
-    (pa, ta), (pb, tb) = _degrees(a), _degrees(b)
-    return {
-        "degrees": {"a": {"pipeline": pa, "tensor": ta}, "b": {"pipeline": pb, "tensor": tb}},
-        "resume": {"ok": not reasons, "reasons": [r.to_dict() for r in reasons]},
-        "reasons": reasons,
     }

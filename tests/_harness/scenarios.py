@@ -52,6 +52,11 @@ UNSUPPORTED_SPECS = {
 }
 UNSUPPORTED = sorted(UNSUPPORTED_SPECS)
 
+# Sources of RESUME_CASES only: stage 0 without ties (whose masters its files cannot name, see UNSUPPORTED).
+RESUME_SOURCE_SPECS = {
+    "s0-bf16-ws2-untied": ({"stage": 0, "dtype": "bf16"}, 2),
+}
+
 EMBED_FEATURES = {**FEATURES, "save_with": "ckptspec", "hooks": ["load_back"]}
 EMBED_SPECS = {
     "embed-s1-fp16-ws2": ({"stage": 1, "dtype": "fp16", **EMBED_FEATURES}, 2),
@@ -127,7 +132,7 @@ def again_name(name: str) -> str:
     return hook_name(name) if name in MASTERS_HOOKED else f"{name}+again"
 
 
-# name: (saved MATRIX entry, B's spec changes, B's world size, B's model change)
+# name: (saved MATRIX or RESUME_SOURCE entry, B's spec changes, B's world size, B's model change)
 RESUME_CASES = {
     "resume-same-layout": ("s2-bf16-ws2", {}, 2, {}),
     "resume-world-size-2-to-3-stage2": ("s2-bf16-ws2", {}, 3, {}),
@@ -137,6 +142,11 @@ RESUME_CASES = {
     "resume-added-param": ("s2-bf16-ws2", {}, 2, {"add_param": True}),
     "resume-changed-shape": ("s2-bf16-ws2", {}, 2, {"widen_l2": True}),
     "resume-round-robin-on": ("s2-bf16-ws2", {"round_robin": True}, 2, {}),
+    # across document kinds (issue #37, H2): a ZeRO stage-0 checkpoint is described by a checkpoint index
+    "resume-stage-0-same": ("s0-bf16-ws2-untied", {}, 2, {}),
+    "resume-stage-0-ws2-to-3": ("s0-bf16-ws2-untied", {}, 3, {}),
+    "resume-stage-0-to-2": ("s0-bf16-ws2-untied", {"stage": 2}, 2, {}),
+    "resume-stage-0-bf16-to-fp32": ("s0-bf16-ws2-untied", {"dtype": "fp32"}, 2, {}),
 }
 
 # ckptspec reshard, then a real resume of its output (issue #15). name: (saved MATRIX entry, target
@@ -238,7 +248,7 @@ def engine_name(name: str) -> str:
 
 def _registry() -> dict[str, Task]:
     out: dict[str, Task] = {}
-    for specs in (MATRIX_SPECS, UNSUPPORTED_SPECS, EMBED_SPECS):
+    for specs in (MATRIX_SPECS, UNSUPPORTED_SPECS, EMBED_SPECS, RESUME_SOURCE_SPECS):
         out.update({name: Task("train", spec, ws) for name, (spec, ws) in specs.items()})
     for name, (spec, ws) in MATRIX_SPECS.items():
         out[engine_name(name)] = Task("train", {**spec, "save": False, "hooks": ["engine_manifest"]}, ws)
@@ -257,7 +267,7 @@ def _registry() -> dict[str, Task]:
         spec, ws = PARALLEL_SPECS[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
-        spec = {**MATRIX_SPECS[source][0], **changes}
+        spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)
     for name, (source, ws, changes) in RESHARD_CASES.items():
         spec = {**MATRIX_SPECS[source][0], **changes}

@@ -7,6 +7,8 @@ config and param groups), ``load`` (a save directory written by a "train" task, 
 defaults (strict module load, optimizer states loaded). Rank 0 writes into OUT:
 
   manifest.json  the job's layout before loading (ckptspec.deepspeed.manifest_from_engine)
+  layout/        instead, where manifest_from_engine cannot describe the engine (ZeRO stage 0): the
+                 job's own checkpoint, saved before loading (tag ``layout``), which describes it
   resume.json    loaded: load_checkpoint returned a path and raised nothing
                  error: "ExceptionType: first line of the message", or null
                  consistent: every fp32 master of the job equals the saved run's live master
@@ -75,7 +77,7 @@ def run(args, out: Path):
     import torch
     import torch.distributed as dist
 
-    from ckptspec.deepspeed import manifest_from_engine
+    from ckptspec.deepspeed import UnsupportedEngine, manifest_from_engine
 
     spec, change, load = normalize_spec(args["spec"]), dict(args.get("change") or {}), Path(args["load"])
     unknown = set(change) - set(CHANGES)
@@ -87,7 +89,11 @@ def run(args, out: Path):
     optimizer = torch.optim.AdamW(param_groups(model, spec), lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(spec))
 
-    manifest = manifest_from_engine(engine).to_dict()
+    try:
+        manifest = manifest_from_engine(engine).to_dict()
+    except UnsupportedEngine:  # ZeRO stage 0 (a checkpoint index): B's layout is a save of B's own
+        manifest = None
+        engine.save_checkpoint(str(out / "layout"), tag="layout")
     error = reshard_error = None
     load_path = None
     reshard = args.get("reshard")
@@ -119,7 +125,8 @@ def run(args, out: Path):
     after = _extra_step(engine, model, spec, args["extra_step"]) if args.get("extra_step") else None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
+        if manifest is not None:
+            (out / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
         (out / "resume.json").write_text(json.dumps(result, indent=1, sort_keys=True))
         if after is not None:
             torch.save(after, out / "after_step.pt")

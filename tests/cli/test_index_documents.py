@@ -1,0 +1,80 @@
+"""Issue #37 (M4): a checkpoint index, which `generate` writes and `validate` calls valid, is read by
+every command and function that takes a document, or refused by name; never called an invalid
+manifest (it was 9 x CK001 "'layout' is a required property" from convert, migrate, embed
+--manifest, `ckptspec.validate_file` and `ckptspec.load_manifest`).
+
+The index is the committed conformance document of a real pipeline x data parallel checkpoint; a
+tampered copy proves the index is still validated (as an index) on the way in.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from _harness.scenarios import COMMITTED
+from click.testing import CliRunner
+
+import ckptspec
+from ckptspec.cli import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+INDEX = ROOT / "tests" / "conformance" / "index-1.0" / "pp2dp2-s1-fp32-ws4.json"
+
+
+def run(*args):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
+    assert "CK999" not in result.output + result.stderr
+    return result
+
+
+def test_convert_round_trips_an_index(tmp_path):
+    packed, back = tmp_path / "index.msgpack", tmp_path / "index.json"
+    assert run("convert", INDEX, packed).exit_code == 0
+    assert run("convert", packed, back).exit_code == 0
+    assert json.loads(back.read_text()) == json.loads(INDEX.read_text())
+    assert run("validate", packed).exit_code == 0
+
+
+def test_convert_still_validates_an_index(tmp_path):
+    doc = json.loads(INDEX.read_text())
+    doc["topology"]["model_parallel_size"] = 3  # pipeline 2 x tensor 1 is 2: CK602
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    result = run("convert", bad, tmp_path / "out.msgpack")
+    assert result.exit_code == 1 and "CK602" in result.stderr and "CK001" not in result.stderr
+    assert not (tmp_path / "out.msgpack").exists()
+
+
+def test_migrate_refuses_an_index_by_name(tmp_path):
+    result = run("migrate", INDEX, tmp_path / "out.json", "--to", "1.0")
+    assert result.exit_code == 1
+    assert "CK311" in result.stderr and "checkpoint index" in result.stderr and "CK001" not in result.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.deepspeed
+def test_embed_refuses_an_index_manifest_by_name(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(COMMITTED["s2-bf16-ws2"], checkpoint)
+    before = {p.name: p.read_bytes() for p in (checkpoint / "global_step2").iterdir()}
+    result = run("embed", checkpoint, "--manifest", INDEX)
+    assert result.exit_code == 1
+    assert "CK305" in result.stderr and "checkpoint index" in result.stderr and "CK001" not in result.stderr
+    assert {p.name: p.read_bytes() for p in (checkpoint / "global_step2").iterdir()} == before
+
+
+def test_validate_file_reads_an_index():
+    report = ckptspec.validate_file(INDEX)
+    assert report.ok and report.findings == []
+    assert report.manifest.topology.degrees.pipeline == 2
+
+
+def test_load_manifest_says_it_is_an_index():
+    with pytest.raises(ckptspec.InvalidManifest) as caught:
+        ckptspec.load_manifest(INDEX)
+    assert [f.code for f in caught.value.findings] == ["CK005"]
+    assert "load_index" in caught.value.findings[0].hint

@@ -1,0 +1,118 @@
+"""`ckptspec diff` where A or B is a checkpoint index (MoE, ZeRO stage 0, universal, pipeline, tensor
+parallel): real checkpoints of the harness compared across kinds (issue #37, H2: each pair below
+was "B can resume from A" with exit 0, and no change table).
+
+What a DeepSpeed job can load is known independently of ckptspec: two models with other parameter
+names cannot be loaded strictly into each other; a bf16 job opens ``bf16_zero_pp_rank_*`` files
+(CK503, observed in tests/report/test_diff.py's real resumes); at stage 0 an fp32 job's optimizer
+cannot load a bf16 job's state (observed: ``resume-stage-0-bf16-to-fp32`` there); a universal
+folder has no ZeRO optimizer files (DeepSpeed loads it only with ``checkpoint.load_universal``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ckptspec.cli import cli
+from ckptspec.format.index_models import CheckpointIndex
+from ckptspec.report.diff_kinds import resume_reasons
+
+DOCUMENTED = {"a", "b", "valid", "diff_version", "identical", "changes", "resume", "degrees"}
+
+
+def _folder(ds, name: str, universal: bool = False):
+    info = json.loads((ds.path(name) / "parallel.json").read_text())
+    return ds.path(name) / (info["universal"]["output_folder"] if universal else info["tag"])
+
+
+def diff(a, b, *more) -> tuple[int, dict]:
+    result = CliRunner().invoke(cli, ["diff", str(a), str(b), *more, "--format", "json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
+    return result.exit_code, json.loads(result.stdout)
+
+
+def codes(doc: dict) -> set[str]:
+    return {r["code"] for r in doc["resume"]["reasons"]}
+
+
+# (A, B, a code that must be among the reasons): the pairs of the report, and their neighbours
+PAIRS = {
+    "plain-vs-stage0-other-model": ("plain:s2-bf16-ws2", "s0-fp32-ws2", "CK504"),
+    "moe-vs-plain-other-model": ("moe-ep2-s1-fp32-ws2", "plain:s2-bf16-ws2", "CK504"),
+    "moe-fp32-vs-moe-bf16": ("moe-ep2-s1-fp32-ws2", "moe-ep2-s2-bf16-ws2", "CK503"),
+    "moe-2-experts-vs-4": ("moe-ep2-s1-fp32-ws2", "moe-ep2-s1-fp32-ws4", "CK504"),
+    "stage0-fp32-vs-stage0-bf16": ("s0-fp32-ws2", "s0-bf16-ws2", "CK503"),
+    "stage0-vs-moe-stage0": ("s0-fp32-ws2", "moe-ep2-s0-fp32-ws2", "CK504"),
+    "universal-vs-its-source": ("universal:uc-s2-bf16-ws2", "uc-s2-bf16-ws2", "CK509"),
+}
+
+
+def _path(ds, spec: str):
+    kind, _, name = spec.rpartition(":")
+    if kind == "plain":  # a MATRIX entry: the save directory itself
+        return ds.path(name)
+    return _folder(ds, name, universal=kind == "universal")
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_checkpoints_of_other_kinds_cannot_resume(ds, pair):
+    a, b, code = PAIRS[pair]
+    exit_code, doc = diff(_path(ds, a), _path(ds, b))
+    assert exit_code == 1 and doc["resume"]["ok"] is False, doc["resume"]
+    assert code in codes(doc), doc["resume"]
+    assert DOCUMENTED <= set(doc), sorted(doc)
+    assert doc["changes"] and doc["identical"] is False
+    assert all(not r["hint"] or "ckptspec reshard A" not in r["hint"] for r in doc["resume"]["reasons"])
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("name", ["s0-bf16-ws2", "moe-ep2-s2-bf16-ws4", "pp2-s1-bf16-ws2", "tp2-s1-fp32-ws2"])
+def test_a_checkpoint_resumes_itself(ds, name):
+    exit_code, doc = diff(_folder(ds, name), _folder(ds, name))
+    assert exit_code == 0 and doc["resume"] == {"ok": True, "reasons": []}
+    assert doc["identical"] is True and doc["changes"] == [] and doc["diff_version"] == "1.0"
+
+
+@pytest.mark.deepspeed
+def test_the_text_report_has_the_change_table(ds):
+    result = CliRunner().invoke(cli, ["diff", str(_folder(ds, "s0-fp32-ws2")), str(_folder(ds, "s0-bf16-ws2"))])
+    lines = result.stdout.splitlines()
+    assert result.exit_code == 1
+    row = ["layout", "$.domains[0].manifest.layout.model_dtype", "float32", "bfloat16"]
+    assert any(line.split() == row for line in lines), result.stdout
+    assert any(line.startswith("B: $.domains[0].manifest.layout.model_dtype: CK503 ") for line in lines)
+    assert lines[-1] == "resume: B cannot resume from A (1 reason)"
+
+
+@pytest.mark.deepspeed
+def test_tensor_parallel_world_size_hint_does_not_offer_reshard(ds):
+    """L2: reshard refuses tensor/pipeline-parallel checkpoints, so the CK501 hint must not name it."""
+    exit_code, doc = diff(_folder(ds, "pp2-s1-bf16-ws2"), _folder(ds, "pp2dp2-s1-bf16-ws4"))
+    assert exit_code == 1 and "CK501" in codes(doc)
+    assert all("ckptspec reshard A" not in r["hint"] for r in doc["resume"]["reasons"])
+
+
+# --------------------------------------------------------------------------- one rule on a real index
+
+
+def _index(ds, name: str) -> dict:
+    result = CliRunner().invoke(cli, ["generate", str(_folder(ds, name)), "-o", "-"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.deepspeed
+def test_ck510_other_domains_with_the_same_names(ds):
+    """The same MoE model whose expert domains are named for another expert-parallel size: nothing
+    about names explains it, so the domains do (CK510)."""
+    a = _index(ds, "moe-ep2-s1-fp32-ws2")
+    b = copy.deepcopy(a)
+    for d in b["domains"]:
+        d["id"] = d["id"].replace("ep_size_2", "ep_size_1")
+    found = resume_reasons(CheckpointIndex.model_validate(a), CheckpointIndex.model_validate(b))
+    assert [r.code for r in found] == ["CK510"]
