@@ -29,9 +29,8 @@ from ..format.index_models import (
 )
 from ..format.models import Manifest
 from .describe import manifest_from_states
-from .directory import resolve_tag_dir
 from .placements import affine_params, tp_placement
-from .topology import ParallelFiles, degrees_of
+from .topology import ParallelFiles, degrees_of, index_tag_dir
 
 
 def index_from_checkpoint(
@@ -44,7 +43,7 @@ def index_from_checkpoint(
     """Describe a saved tensor/pipeline-parallel DeepSpeed checkpoint (``is_model_parallel``)."""
     from .describe_masters import generate_index  # MoE, stage 0 and universal folders too (#17)
 
-    tag_dir = resolve_tag_dir(checkpoint, tag)
+    tag_dir = index_tag_dir(checkpoint, tag)
     return generate_index(tag_dir, states or StateCache(), hash_algorithm=hash_algorithm)
 
 

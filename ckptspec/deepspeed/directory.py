@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._fs import is_leftover
-from ..errors import CkptspecError, InvalidCheckpoint, UnsupportedCheckpoint
+from ..errors import CkptspecError, FileUnreadable, InvalidCheckpoint, UnsupportedCheckpoint
 from ..location import RemotePath, location, not_found, walk
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
@@ -21,8 +21,29 @@ def is_tag_name(name: str) -> bool:
 
 
 def resolve_tag_dir(checkpoint: str | os.PathLike | RemotePath, tag: str | None = None) -> Path | RemotePath:
-    """A save directory (with ``latest``) or a tag directory -> the tag directory (a local path or a URL)."""
+    """A save directory (with ``latest``) or a tag directory -> the tag directory (a local path or a URL).
+
+    A local directory or ``latest`` this user may not read (or an I/O error) is CK901, exit 2: the
+    tag directory returned has been listed and entered once, so the readers after this see its files.
+    """
     root = location(checkpoint)
+    try:
+        tag_dir = _resolve(root, tag)
+        if isinstance(tag_dir, Path):
+            _enter(tag_dir)
+    except OSError as exc:
+        raise FileUnreadable(exc.filename or root, exc) from None
+    return tag_dir
+
+
+def _enter(directory: Path) -> None:
+    """List ``directory`` and stat one entry: OSError when it may not be listed, or not entered."""
+    names = os.listdir(directory)
+    if names:
+        os.stat(directory / names[0], follow_symlinks=False)
+
+
+def _resolve(root: Path | RemotePath, tag: str | None) -> Path | RemotePath:
     if not root.exists():
         if isinstance(root, RemotePath):
             raise not_found(str(root), "checkpoint directory not found")
@@ -60,7 +81,7 @@ def resolve_tag_dir(checkpoint: str | os.PathLike | RemotePath, tag: str | None 
         )
     try:
         name = latest.read_text("utf-8").strip()
-    except (UnicodeDecodeError, OSError) as exc:
+    except UnicodeDecodeError as exc:  # an OSError is the caller's CK901
         raise InvalidCheckpoint(
             "CK201", f"'latest' cannot be read: {exc}", "write the tag name into 'latest'", str(latest)
         ) from None

@@ -16,8 +16,8 @@ from pathlib import Path
 from .._fs import is_leftover
 from ..checkpoint.states import StateCache
 from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
-from ..location import RemotePath
-from .directory import UNIVERSAL_FOLDER, ShardSet
+from ..location import RemotePath, is_remote
+from .directory import UNIVERSAL_FOLDER, ShardSet, resolve_tag_dir
 from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
@@ -41,6 +41,19 @@ class Degrees:
     def coordinate(self, mp_rank: int) -> tuple[int, int]:
         """(pipeline stage, tensor rank) of a checkpoint mp rank."""
         return divmod(mp_rank, self.tensor)
+
+
+def index_tag_dir(checkpoint, tag: str | None = None) -> Path:
+    """The tag directory of a checkpoint read through a checkpoint index: a local one. From a URL it
+    is refused by name before anything is fetched (CK202; docs/remote.md), never half read."""
+    if is_remote(checkpoint):
+        raise UnsupportedCheckpoint(
+            "a checkpoint read as a checkpoint index (tensor/pipeline parallel, MoE, ZeRO stage 0, universal) "
+            "is read from a local directory only, not from a URL",
+            "copy the checkpoint to a local directory first (with your storage's own tool), and pass that",
+            str(checkpoint),
+        )
+    return resolve_tag_dir(checkpoint, tag)
 
 
 def is_model_parallel(tag_dir: Path | RemotePath) -> bool:

@@ -20,10 +20,10 @@ from ..format.index_models import CheckpointIndex, Domain
 from ..format.index_validate import IndexReport, is_index, validate_index, validate_index_document
 from .checks import check_checkpoint
 from .describe_masters import generate_index
-from .directory import resolve_tag_dir
 from .index_checks import check_index_files
 from .masters_checks import check_masters_domain
 from .names import mp_rank_of
+from .topology import index_tag_dir
 
 
 def domain_mp_rank(domain: Domain) -> int | None:
@@ -65,7 +65,7 @@ def validate_index_checkpoint(
     verify_digests: bool | None = None,
 ) -> tuple[CheckpointIndex | None, list[Finding]]:
     """Validate a model-parallel checkpoint directory; (index, findings), as ``validate_checkpoint``."""
-    tag_dir = resolve_tag_dir(checkpoint, tag)
+    tag_dir = index_tag_dir(checkpoint, tag)
     states = states if states is not None else StateCache()
     chosen, findings, source = choose_index(tag_dir, index, states)
     if chosen is None or (has_errors(findings) and source != "generated"):
