@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._fs import is_leftover
+from ..checkpoint.output_names import is_output_name
 from ..errors import CkptspecError, FileUnreadable, InvalidCheckpoint, UnsupportedCheckpoint
 from ..location import RemotePath, location, not_found, walk
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
@@ -117,7 +118,7 @@ def _nested_files(tag_dir: Path | RemotePath) -> list[Path | RemotePath]:
     out = []
     for sub in sorted((p for p in tag_dir.iterdir() if p.is_dir()), key=lambda p: p.name):
         for root, _, files in walk(sub):
-            out += [root / n for n in files if not is_leftover(n) and (root / n).is_file()]
+            out += [root / n for n in files if not is_leftover(n) and not is_output_name(n) and (root / n).is_file()]
     return out
 
 
@@ -155,9 +156,9 @@ def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
                     str(path),
                 )
             shards.model_files[int(m.group(1) or 0)] = path
-        elif not name.startswith("ckptspec.") and not is_leftover(name):
-            # ckptspec's own files (the sidecar) describe the others; a killed run's temporaries
-            # are not part of the checkpoint (validate warns about them, CK224).
+        elif not name.startswith("ckptspec.") and not is_leftover(name) and not is_output_name(name):
+            # ckptspec's own files (the sidecar) describe the others; a killed run's temporaries and a
+            # reconstruction's outputs are not part of the checkpoint (validate warns: CK224, CK226).
             shards.other_files.append(path)
     if not shards.optim_files and (tag_dir / UNIVERSAL_FOLDER).is_dir():
         # ds_to_universal's output: the model states beside zero/<param>/fp32.pt, no optimizer files.
