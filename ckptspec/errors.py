@@ -42,6 +42,20 @@ class CkptspecError(Exception):
         return self.to_line()
 
 
+class FileUnreadable(CkptspecError):
+    """CK901: a file or directory of the input cannot be read (permissions, an I/O error): exit 2.
+    Never reported as damage (CK205) or a bad 'latest' (CK201): the bytes were never seen."""
+
+    def __init__(self, path: object, exc: OSError):
+        if isinstance(exc, PermissionError):
+            hint = "this user may not read it: check its permissions and those of the directories above it"
+        elif isinstance(exc, FileNotFoundError):
+            hint = "it was there a moment ago: is something deleting or moving the checkpoint's files?"
+        else:
+            hint = "an I/O error: check the storage it is on, then run the command again"
+        super().__init__("CK901", f"cannot read: {exc.strerror or exc}", hint, str(path))
+
+
 # --------------------------------------------------------------------------- manifests
 
 

@@ -75,6 +75,7 @@ CODES: dict[str, str] = {
     "CK223": "other-save",
     "CK224": "leftover-temporary",
     "CK225": "pickle-over-cap",
+    "CK226": "output-in-tag-directory",
     # CK23x: a model-parallel checkpoint's files against its index (deepspeed/index_checks.py)
     "CK230": "index-layer-file",
     "CK231": "index-degrees",
@@ -82,6 +83,7 @@ CODES: dict[str, str] = {
     "CK233": "index-module-shard",
     "CK234": "index-replica-differs",
     "CK235": "index-weights-not-masters",
+    "CK236": "index-layer-file-gap",
     "CK240": "index-expert-file-missing",
     "CK241": "index-expert-file-other",
     "CK242": "index-partition-count",

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from .._forked import Forked
-from ..errors import InvalidCheckpoint, LegacyTorchFile, PickleOverCap, TorchFileError, UnsafePickleError
+from ..errors import (
+    FileUnreadable,
+    InvalidCheckpoint,
+    LegacyTorchFile,
+    PickleOverCap,
+    TorchFileError,
+    UnsafePickleError,
+)
 from ..location import RemotePath, location
 from . import prescan, torchfile
 
@@ -69,7 +76,8 @@ class Loaded:
 class StateCache:
     """Decoded ``data.pkl`` and zip member maps by file, each read at most once.
 
-    ``load`` never raises (a file that cannot be read gives a ``Loaded`` with its error);
+    ``load`` raises only when the bytes cannot be had at all (CK901, CK91x); a file that cannot be
+    decoded gives a ``Loaded`` with its error;
     ``state`` and ``members`` raise CK204/CK205 (``InvalidCheckpoint``) instead.
     """
 
@@ -79,7 +87,8 @@ class StateCache:
     def load(self, path: str | os.PathLike | RemotePath, *, members: bool = False) -> Loaded:
         """The file's state, and its zip members when ``members`` (an error in either makes it unreadable).
 
-        A remote file that cannot be fetched raises ``RemoteError`` (exit 2): it is not a damaged file.
+        A file that cannot be read at all raises ``FileUnreadable`` (CK901; a remote one ``RemoteError``),
+        exit 2: it is not a damaged file.
         """
         key = location(path).resolve()
         loaded = self._files.get(key)
@@ -88,8 +97,8 @@ class StateCache:
                 loaded = Loaded(state=torchfile.read_pt_metadata(path))
             except TorchFileError as exc:
                 loaded = Loaded(error=exc)
-            except OSError as exc:
-                loaded = Loaded(error=TorchFileError(path, f"cannot read: {exc}"))
+            except OSError as exc:  # an I/O error, not a damaged file: CK901, exit 2
+                raise FileUnreadable(path, exc) from None
             self._files[key] = loaded
         if members and loaded.error is None and loaded.members is None:
             try:
@@ -97,7 +106,7 @@ class StateCache:
             except TorchFileError as exc:
                 loaded.state, loaded.error = None, exc
             except OSError as exc:
-                loaded.state, loaded.error = None, TorchFileError(path, f"cannot read: {exc}")
+                raise FileUnreadable(path, exc) from None
         return loaded
 
     def load_all(self, paths: list, meanwhile: Callable[[], object] | None = None) -> None:
@@ -117,7 +126,7 @@ class StateCache:
             except TorchFileError as exc:
                 self._files[key] = Loaded(error=exc)
             except OSError as exc:
-                self._files[key] = Loaded(error=TorchFileError(path, f"cannot read: {exc}"))
+                raise FileUnreadable(path, exc) from None
         with ExitStack() as children:
             apart = []  # (index, tree, the process checking it): no tree is used before its check passes
             for i, scan_error in prescan.scan_all([raw.data for raw in raws], meanwhile):

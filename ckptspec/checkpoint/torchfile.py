@@ -31,7 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import LegacyTorchFile, NotATorchFile, PickleOverCap, TorchFileError, TruncatedFile, UnsafePickleError
+from ..errors import (
+    FileUnreadable,
+    LegacyTorchFile,
+    NotATorchFile,
+    PickleOverCap,
+    TorchFileError,
+    TruncatedFile,
+    UnsafePickleError,
+)
 from ..location import RemotePath, location, open_binary
 from .pickle_scan import MAX_NESTING, check_tree, scan_pickle
 from .prescan import PassedBytes, Streamed
@@ -174,8 +182,8 @@ def _open_zip(path: Path | RemotePath) -> zipfile.ZipFile:
         size = path.stat().st_size
         with open_binary(path) as f:
             magic = f.read(len(LEGACY_MAGIC))
-    except OSError as e:
-        raise TorchFileError(path, f"cannot read: {e}") from e
+    except OSError as e:  # permissions, an I/O error: the file's bytes were never seen (not damage)
+        raise FileUnreadable(path, e) from None
     if size == 0:
         raise TruncatedFile(path, "file is empty")
     if magic == LEGACY_MAGIC:

@@ -19,7 +19,7 @@ import sys
 import click
 
 from .._version import __version__
-from ._common import EXIT_USAGE, end_with_the_process
+from ._common import EXIT_USAGE, end_with_the_process, json_error_with, report_unexpected, unexpected
 from .embed import convert, embed, extract, migrate
 from .export import export
 from .export_universal import export_universal
@@ -41,6 +41,7 @@ def cli() -> None:
     """
     from ..location import forget
 
+    json_error_with(None)  # set again by a command run with --format json
     forget()  # one command, one view of remote files: what an earlier command in this process saw is dropped
 
 
@@ -88,13 +89,10 @@ def main() -> None:
         exc.show()
         sys.exit(exc.exit_code)
     except Exception as exc:  # never a traceback for user input
-        if os.environ.get("CKPTSPEC_DEBUG"):
+        error = unexpected(exc)
+        if os.environ.get("CKPTSPEC_DEBUG") and error.code == "CK999":
             raise
-        click.echo(
-            f"CK999 internal error: {type(exc).__name__}: {exc} "
-            "(hint: this is a ckptspec bug; rerun with CKPTSPEC_DEBUG=1 and report it)",
-            err=True,
-        )
+        report_unexpected(error)  # with --format json, still the command's one JSON object
         sys.exit(EXIT_USAGE)
     sys.exit(code if isinstance(code, int) else 0)  # --help and --version return here
 

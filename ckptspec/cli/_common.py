@@ -6,17 +6,18 @@ error. A problem is one line, ``[TARGET: ]CODE message (hint: ...)``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import click
 
 from .._version import __version__
-from ..errors import CheckpointInvalid, CkptspecError
+from ..errors import CheckpointInvalid, CkptspecError, FileUnreadable
 from ..findings import Finding, has_errors
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -147,6 +148,56 @@ def tag_needs_a_directory(name: str, option: str = "--tag") -> click.UsageError:
 
 def echo_json(doc: dict[str, Any]) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=True))
+
+
+# How the running command prints an error none of its own handlers caught (``report_unexpected``):
+# with --format json, its one JSON object; otherwise (None) the error line on stderr.
+_JSON_ERROR: Callable[[CkptspecError], None] | None = None
+
+
+def json_error_with(print_error: Callable[[CkptspecError], None] | None) -> None:
+    """With --format json, the command's way to print an error as its one JSON object (None: none)."""
+    global _JSON_ERROR
+    _JSON_ERROR = print_error
+
+
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+
+
+def unexpected(exc: Exception) -> CkptspecError:
+    """What an exception no handler of the command caught is: an I/O error of the input or output
+    (CK901 reading, CK906 writing; the system refused, so not a bug) or an internal error (CK999)."""
+    if isinstance(exc, OSError):
+        where = exc.filename if exc.filename is not None else None
+        if exc.errno in _WRITE_ERRNOS:
+            return CkptspecError(
+                "CK906",
+                f"cannot write: {exc.strerror or exc}",
+                "check the output directory is writable and has space",
+                where,
+            )
+        return (
+            FileUnreadable(where, exc)
+            if where is not None
+            else CkptspecError(
+                "CK901",
+                f"cannot read: {exc.strerror or exc}",
+                "an I/O error: check the storage, then run the command again",
+            )
+        )
+    return CkptspecError(
+        "CK999",
+        f"internal error: {type(exc).__name__}: {exc}",
+        "this is a ckptspec bug; rerun with CKPTSPEC_DEBUG=1 and report it",
+    )
+
+
+def report_unexpected(error: CkptspecError) -> None:
+    """Print ``unexpected``'s error as the command prints its own: one JSON object with --format json."""
+    if _JSON_ERROR is not None:
+        _JSON_ERROR(error)
+    else:
+        click.echo(error.to_line(), err=True)
 
 
 def error_dict(exc: CkptspecError) -> dict[str, str]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
-from ..errors import CkptspecError
-from ._common import OUTPUT_FILE, fail, keep_until_exit, read_tag_dir_early
+from ..errors import CheckpointInvalid, CkptspecError
+from ._common import EXIT_INVALID, OUTPUT_FILE, echo_findings, fail, keep_until_exit, read_tag_dir_early
 
 
 @click.command()
@@ -58,5 +60,9 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
             from ..format.codec import write_manifest
 
             write_manifest(document, output)
+    except CheckpointInvalid as exc:  # files the index is made from are missing: one line each
+        echo_findings(exc.findings, checkpoint, err=True, always_name_target=False)
+        click.echo(f"{checkpoint}: not described: the checkpoint has errors; nothing was written", err=True)
+        sys.exit(EXIT_INVALID)
     except CkptspecError as exc:
         fail(exc)

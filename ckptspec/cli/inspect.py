@@ -29,6 +29,7 @@ from ._common import (
     echo_json,
     error_dict,
     error_line,
+    json_error_with,
     tag_needs_a_directory,
 )
 
@@ -109,11 +110,21 @@ def _fail(exc: CkptspecError, name: str, output_format: str, extra: dict, error:
     """An input that cannot be read: the error line, or the JSON object with ``extra`` and an
     ``error`` naming the file the text line names (``error`` adds keys to it)."""
     if output_format == "json":
-        detail = {**error_dict(exc), **({"file": exc.file} if exc.file else {}), **(error or {})}
-        echo_json({**extra, "valid": False, "findings": [], "error": detail})
+        _echo_error_json(exc, extra, error)
     else:
         click.echo(error_line(exc, name), err=True)
     sys.exit(exc.exit_code)
+
+
+def _echo_error_json(exc: CkptspecError, extra: dict, error: dict | None = None) -> None:
+    detail = {**error_dict(exc), **({"file": exc.file} if exc.file else {}), **(error or {})}
+    echo_json({**extra, "valid": False, "findings": [], "error": detail})
+
+
+def _json_errors(output_format: str, extra: dict) -> None:
+    """An error no handler here catches (an internal one, CK999) is still the one JSON object."""
+    if output_format == "json":
+        json_error_with(lambda exc: _echo_error_json(exc, extra))
 
 
 def _invalid(target: Target, output_format: str, extra: dict | None = None) -> None:
@@ -156,6 +167,7 @@ def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
     """
     from ..report.summary import summarize
 
+    _json_errors(output_format, {"target": target})
     try:
         loaded = load_target(target, tag)
     except CkptspecError as exc:
@@ -201,6 +213,7 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
     """
     from ..report.diff import diff_manifests
 
+    _json_errors(output_format, {"a": {"target": a}, "b": {"target": b}})
     targets = []
     for name, tag, option in ((a, tag_a, "--tag-a"), (b, tag_b, "--tag-b")):
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import click
@@ -174,7 +175,8 @@ def _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, quiet, opti
                 echo_findings(index.findings, manifest, err=True, always_name_target=False)
                 click.echo(f"{checkpoint}: not reconstructed: the index has errors; nothing was written", err=True)
                 sys.exit(EXIT_INVALID)
-        result = reconstruct_index(checkpoint, output_dir, index=index, tag=tag, dtype=dtype, **options)
+        warn = functools.partial(echo_findings, target=manifest or checkpoint, err=True, always_name_target=False)
+        result = reconstruct_index(checkpoint, output_dir, index=index, tag=tag, dtype=dtype, warn=warn, **options)
     except CheckpointInvalid as exc:
         echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
         click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)

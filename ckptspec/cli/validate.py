@@ -17,6 +17,7 @@ from ._common import (
     echo_json,
     error_line,
     fetched_line,
+    json_error_with,
     keep_until_exit,
     read_tag_dir_early,
     validation_report,
@@ -83,6 +84,7 @@ def validate(
     from ..location import is_directory, is_remote
 
     remote = is_remote(target) or is_remote(checkpoint)  # then the report says what was fetched
+    _json_errors_about(target, output_format, remote)
     try:
         is_dir = checkpoint is None and is_directory(target)
     except CkptspecError as exc:
@@ -115,6 +117,7 @@ def validate(
             if not manifest.ok or manifest.manifest is None:
                 _emit(output_format, target, manifest.findings, None, remote)
                 sys.exit(EXIT_INVALID)
+        _json_errors_about(shown, output_format, remote)  # the report is about DIR from here
         # The report is handed over: the manifest is not validated a second time.
         if isinstance(manifest, IndexReport) or (
             manifest is None and not is_remote(shown) and needs_index(resolve_tag_dir(shown, tag))
@@ -136,6 +139,12 @@ def validate(
         sys.exit(exc.exit_code)
     _emit(output_format, shown, findings, None, remote, sum(f.size for f in found.files) if found else None)
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
+
+
+def _json_errors_about(target: str, output_format: str, remote: bool) -> None:
+    """An error no handler here catches (an internal one, CK999) is still one JSON report about ``target``."""
+    if output_format == "json":
+        json_error_with(lambda error: _emit("json", target, [], error, remote))
 
 
 def _validate_document_file(target: str, max_size: int, encoding: str | None, *, build_model: bool = False):

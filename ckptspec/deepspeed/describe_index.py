@@ -29,9 +29,8 @@ from ..format.index_models import (
 )
 from ..format.models import Manifest
 from .describe import manifest_from_states
-from .directory import resolve_tag_dir
 from .placements import affine_params, tp_placement
-from .topology import ParallelFiles, degrees_of
+from .topology import ParallelFiles, degrees_of, index_tag_dir, layer_file_name, missing_layer_files
 
 
 def index_from_checkpoint(
@@ -44,7 +43,7 @@ def index_from_checkpoint(
     """Describe a saved tensor/pipeline-parallel DeepSpeed checkpoint (``is_model_parallel``)."""
     from .describe_masters import generate_index  # MoE, stage 0 and universal folders too (#17)
 
-    tag_dir = resolve_tag_dir(checkpoint, tag)
+    tag_dir = index_tag_dir(checkpoint, tag)
     return generate_index(tag_dir, states or StateCache(), hash_algorithm=hash_algorithm)
 
 
@@ -227,15 +226,15 @@ def _pipeline_view(
         if hash_algorithm:
             entry.hash = file_digest(path, hash_algorithm)
         layer_files.append(entry)
+    missing: dict[str, list[str]] = {}  # a layer file the optimizer's parameters name, not here -> its parameters
     parameters = []
     for name, (domain, param) in stage_of_name.items():
         shard = Shard(domain=domain.id, local_name=name, local_shape=list(param.shape), placement="whole")
         if name in where:
             shard.layer_file, shard.layer_key = where[name]
-        else:  # the layer file DeepSpeed writes for it (missing: the index rules name it)
-            layer = name.split(".", 1)[0]
-            shard.layer_file = f"layer_{int(layer):02d}-model_states.pt" if layer.isdigit() else f"{layer}"
-            shard.layer_key = name.split(".", 1)[-1]
+        else:  # the layer file DeepSpeed writes for it
+            shard.layer_file, shard.layer_key = layer_file_name(name), name.split(".", 1)[-1]
+            missing.setdefault(shard.layer_file, []).append(name)
         parameters.append(
             IndexParameter(
                 name=name,
@@ -246,4 +245,6 @@ def _pipeline_view(
                 placement_source="pipeline_layer",
             )
         )
+    if missing:
+        raise missing_layer_files(missing, files.tag_dir)
     return layer_files, parameters

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import TensorRef
-from ..errors import UnsupportedCheckpoint
+from ..errors import CheckpointInvalid, UnsupportedCheckpoint
+from ..findings import finding
 from ..format.index_models import CheckpointIndex, Coordinate, ExpertFile
 from .describe_masters import LiveMasters, _Builder, _files_of
 from .masters import EXPP_RE, MODEL_FILE, _expert_files, stage0_masters, stage0_replicas
@@ -23,6 +24,33 @@ from .moe_masters import moe_zero_masters
 from .names import OPTIM_RE
 
 _HINT = "the expert layout of this MoE checkpoint cannot be derived from its files; it is not described"
+
+
+def _refuse_missing_experts(model: dict, experts: list, n_experts: int, per_rank: int, where: str) -> None:
+    """CK240 for each expert file DeepSpeed wrote that is not here: one per expert of every MoE layer
+    (``num_experts``, one count per layer, in the model states), ``layer_<L>_expert_<E>_...``."""
+    counts = model.get("num_experts")
+    layers = (
+        dict(enumerate(counts))
+        if isinstance(counts, list) and all(isinstance(n, int) for n in counts)
+        else {layer: n_experts for layer, _, _ in experts}
+    )
+    present = {(layer, expert) for layer, expert, _ in experts}
+    missing = [
+        finding(
+            "CK240",
+            "$.expert_files",
+            f"expert file of MoE layer {layer}, expert {expert} (expert-parallel rank {expert // per_rank}) is missing",
+            "restore it from the run that wrote the checkpoint; that expert's weights are lost without it "
+            "(DeepSpeed's load_checkpoint opens it)",
+            file=f"layer_{layer}_expert_{expert}_{MODEL_FILE}",
+        )
+        for layer, count in sorted(layers.items())
+        for expert in range(count)
+        if (layer, expert) not in present
+    ]
+    if missing:
+        raise CheckpointInvalid(missing, where)
 
 
 def moe_index(
@@ -48,15 +76,15 @@ def moe_index(
             )
         world, edp = len(optim), int(counts[1])
         ep = world // edp
-        masters = moe_zero_masters(folder, states)
-        replicas = []
     else:
         stage, world, edp, ep = 0, 1, 1, len(expp)
-        masters = stage0_masters(folder, states)
-        replicas = stage0_replicas(folder, states)
     if not ep or n_experts % ep:
         raise UnsupportedCheckpoint(f"{n_experts} experts over {ep} expert-parallel ranks", _HINT, MODEL_FILE)
     per_rank = n_experts // ep
+    if live is None:  # the masters are named from the expert files: every one must be there
+        _refuse_missing_experts(b.model, experts, n_experts, per_rank, str(folder))
+        masters = moe_zero_masters(folder, states) if optim else stage0_masters(folder, states)
+        replicas = [] if optim else stage0_replicas(folder, states)
     expert_of = {}
     expert_files = []
     for layer, expert, rel in experts:

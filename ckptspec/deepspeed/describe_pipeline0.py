@@ -22,12 +22,12 @@ from pathlib import Path
 from ..checkpoint.standins import FragmentAddress
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import TensorRef
-from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
+from ..errors import UnsupportedCheckpoint
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import Coordinate
 from .describe_masters import _Builder
 from .masters import MasterTensor
-from .topology import degrees_of, scan_parallel
+from .topology import degrees_of, layer_file_name, missing_layer_files, scan_parallel
 
 _HINT = "the masters of this stage-0 pipeline cannot be named from its files; it is not described"
 _KEY = ("optimizer_state_dict", "single_partition_of_fp32_groups")
@@ -79,17 +79,14 @@ def _stage_masters(folder: Path, by_rank: dict[int, Path], shapes, states: State
                 if start + numel > ref.numel:
                     raise UnsupportedCheckpoint(f"fragment of {name!r} beyond the partition", _HINT, rel)
                 pieces.setdefault(name, []).append((rel, base + start * item, numel * item, g))
+    missing: dict[str, list[str]] = {}  # a master without a weight in a layer file: its shape is unknown
+    for name in pieces:
+        if name not in shapes:
+            missing.setdefault(layer_file_name(name), []).append(name)
+    if missing:
+        raise missing_layer_files(missing, folder)
     out = []
     for name, segments in pieces.items():
-        if name not in shapes:
-            layer = name.split(".", 1)[0]
-            rel = f"layer_{int(layer):02d}-model_states.pt" if layer.isdigit() else segments[0][0]
-            raise InvalidCheckpoint(
-                "CK230",
-                f"{name!r} has a master but no weight in a layer file: its shape is unknown",
-                "restore the pipeline layer file from the run that wrote the checkpoint",
-                rel,
-            )
         key = (*(_KEY if copy_of is None else ("optimizer", "single_partition_of_fp32_groups")), segments[0][3])
         master = MasterTensor(name, shapes[name], dtype, tuple(s[:3] for s in segments), key)
         if sum(s[2] for s in segments) != ITEMSIZE[dtype] * math.prod(master.shape):

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._fs import is_leftover
-from ..errors import CkptspecError, InvalidCheckpoint, UnsupportedCheckpoint
+from ..checkpoint.output_names import is_output_name
+from ..errors import CkptspecError, FileUnreadable, InvalidCheckpoint, UnsupportedCheckpoint
 from ..location import RemotePath, location, not_found, walk
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
@@ -21,8 +22,29 @@ def is_tag_name(name: str) -> bool:
 
 
 def resolve_tag_dir(checkpoint: str | os.PathLike | RemotePath, tag: str | None = None) -> Path | RemotePath:
-    """A save directory (with ``latest``) or a tag directory -> the tag directory (a local path or a URL)."""
+    """A save directory (with ``latest``) or a tag directory -> the tag directory (a local path or a URL).
+
+    A local directory or ``latest`` this user may not read (or an I/O error) is CK901, exit 2: the
+    tag directory returned has been listed and entered once, so the readers after this see its files.
+    """
     root = location(checkpoint)
+    try:
+        tag_dir = _resolve(root, tag)
+        if isinstance(tag_dir, Path):
+            _enter(tag_dir)
+    except OSError as exc:
+        raise FileUnreadable(exc.filename or root, exc) from None
+    return tag_dir
+
+
+def _enter(directory: Path) -> None:
+    """List ``directory`` and stat one entry: OSError when it may not be listed, or not entered."""
+    names = os.listdir(directory)
+    if names:
+        os.stat(directory / names[0], follow_symlinks=False)
+
+
+def _resolve(root: Path | RemotePath, tag: str | None) -> Path | RemotePath:
     if not root.exists():
         if isinstance(root, RemotePath):
             raise not_found(str(root), "checkpoint directory not found")
@@ -60,7 +82,7 @@ def resolve_tag_dir(checkpoint: str | os.PathLike | RemotePath, tag: str | None 
         )
     try:
         name = latest.read_text("utf-8").strip()
-    except (UnicodeDecodeError, OSError) as exc:
+    except UnicodeDecodeError as exc:  # an OSError is the caller's CK901
         raise InvalidCheckpoint(
             "CK201", f"'latest' cannot be read: {exc}", "write the tag name into 'latest'", str(latest)
         ) from None
@@ -96,7 +118,7 @@ def _nested_files(tag_dir: Path | RemotePath) -> list[Path | RemotePath]:
     out = []
     for sub in sorted((p for p in tag_dir.iterdir() if p.is_dir()), key=lambda p: p.name):
         for root, _, files in walk(sub):
-            out += [root / n for n in files if not is_leftover(n) and (root / n).is_file()]
+            out += [root / n for n in files if not is_leftover(n) and not is_output_name(n) and (root / n).is_file()]
     return out
 
 
@@ -137,9 +159,9 @@ def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
                     str(path),
                 )
             shards.model_files[int(m.group(1) or 0)] = path
-        elif not name.startswith("ckptspec.") and not is_leftover(name):
-            # ckptspec's own files (the sidecar) describe the others; a killed run's temporaries
-            # are not part of the checkpoint (validate warns about them, CK224).
+        elif not name.startswith("ckptspec.") and not is_leftover(name) and not is_output_name(name):
+            # ckptspec's own files (the sidecar) describe the others; a killed run's temporaries and a
+            # reconstruction's outputs are not part of the checkpoint (validate warns: CK224, CK226).
             shards.other_files.append(path)
     if not shards.optim_files and (tag_dir / UNIVERSAL_FOLDER).is_dir():
         # ds_to_universal's output: the model states beside zero/<param>/fp32.pt, no optimizer files.

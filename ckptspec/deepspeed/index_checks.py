@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.hashing import file_digest
+from ..checkpoint.output_names import is_output_name
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import TensorRef, tensor_byte_range
 from ..errors import CkptspecError
@@ -22,6 +23,7 @@ from ..findings import Finding, RuleSet, finding, json_path
 from ..format.index_models import CheckpointIndex
 from ..format.paths import join_inside
 from .checks.context import disk_files
+from .checks.files import outputs_in_tag_dir
 from .names import mp_rank_of
 
 
@@ -56,8 +58,8 @@ def unaccounted(ctx: IndexContext) -> Iterator[Finding]:
     listed = {f.path for d in ctx.index.domains for f in d.manifest.files} | {lf.path for lf in ctx.index.layer_files}
     listed |= {ef.path for ef in ctx.index.expert_files or []}  # MoE (#17)
     for rel in disk_files(ctx.tag_dir):
-        if rel in listed or mp_rank_of(rel) in domains_mp:
-            continue  # a domain's stray files are its own CK207
+        if rel in listed or mp_rank_of(rel) in domains_mp or is_output_name(rel):
+            continue  # a domain's stray files are its own CK207; a reconstruction's output is CK226
         yield finding(
             "CK207",
             "$",
@@ -66,6 +68,11 @@ def unaccounted(ctx: IndexContext) -> Iterator[Finding]:
             "remove it, or regenerate the index if it belongs to the checkpoint",
             file=rel,
         )
+
+
+@check("CK226")
+def output_in_tag_dir(ctx: IndexContext) -> Iterator[Finding]:
+    yield from outputs_in_tag_dir(disk_files(ctx.tag_dir))
 
 
 @check("CK230")
@@ -83,7 +90,12 @@ def layer_files(ctx: IndexContext) -> Iterator[Finding]:
                 "CK230",
                 at,
                 f"pipeline layer file of layer {lf.layer} (stage {lf.pipeline}) is missing",
-                "restore it from the run that wrote the checkpoint; its stage's weights are lost without it",
+                "restore it from the run that wrote the checkpoint; "
+                + (
+                    "its stage's weights are lost without it"
+                    if lf.tensors
+                    else "it holds no tensor, but DeepSpeed's load_checkpoint opens it"
+                ),
                 file=lf.path,
             )
             continue

@@ -127,5 +127,47 @@ def weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
                         )
 
 
+@check("CK235")
+def layer_weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
+    """The same for a domain whose index locates its masters (a stage-0 pipeline's ``BF16_Optimizer``):
+    each layer file's weights against the first elements of each piece of their masters."""
+    for i, domain in enumerate(ctx.index.domains):
+        layout = domain.manifest.layout
+        if domain.masters is None or layout.model_dtype not in ("float32", "bfloat16"):
+            continue
+        # The layer files' weights only: a stage-0 module's are compared by no check yet.
+        weights = {n: held for n, held in _weights(ctx, i).items() if held[0] != _model_file(domain)}
+        reported: set[str] = set()
+        done: dict[str, int] = {}  # parameter -> its elements located so far (its pieces are in order)
+        for loc in domain.masters.tensors:
+            first = done.get(loc.param, 0)
+            done[loc.param] = first + loc.numel
+            held = weights.get(loc.param)
+            if held is None or held[0] in reported or loc.dtype != "float32" or not loc.numel:
+                continue
+            wfile, ref = held
+            if not isinstance(ref, TensorRef) or ref.dtype != layout.model_dtype or first >= ref.numel:
+                continue
+            n = min(SAMPLE, loc.numel, ref.numel - first)
+            try:
+                base, _ = tensor_byte_range(ref, ctx.states.members(ctx.tag_dir / wfile))
+                master = _pread(ctx.tag_dir / loc.file, loc.data_offset + loc.element_offset * 4, n * 4)
+                saved = _pread(ctx.tag_dir / wfile, base + first * ref.storage.itemsize, n * ref.storage.itemsize)
+            except (CkptspecError, OSError, ValueError):
+                continue  # unreadable or damaged files are the other checks' findings
+            want = master if layout.model_dtype == "float32" else _bf16_bits(master)
+            if len(master) == n * 4 and saved != want:
+                reported.add(wfile)
+                yield finding(
+                    "CK235",
+                    json_path("domains", i),
+                    f"{loc.param} (elements {first}..{first + n - 1}) saved in {wfile} is not its fp32 master in "
+                    f"{loc.file} rounded to {layout.model_dtype}",
+                    "a layer file of another layer or save (swapped files?): restore the files of one save, each "
+                    "under its own name",
+                    file=wfile,
+                )
+
+
 def _model_file(domain) -> str | None:
     return next((f.path for f in domain.manifest.files if f.role == "model_states"), None)

@@ -27,7 +27,7 @@ from typing import Any
 from ..checkpoint.standins import StorageRef, TensorRef
 from ..checkpoint.states import StateCache
 from ..checkpoint.torchfile import zip_member_locations
-from ..errors import TorchFileError
+from ..errors import FileUnreadable, TorchFileError
 from ..format.dtypes import ITEMSIZE, dtype_name
 from .locators import STORAGE_OF
 
@@ -140,7 +140,7 @@ def live_description(state: dict, path: Path) -> tuple[dict, dict] | None:
         return None
     try:
         members = zip_member_locations(path)
-    except (TorchFileError, OSError):
+    except (TorchFileError, FileUnreadable, OSError):
         return None  # read back: the reader says what is wrong
     prefix = next((n[: -len("/data.pkl")] for n in members if n.endswith("/data.pkl") and n.count("/") == 1), None)
     if prefix is None:

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from .._fs import is_leftover
 from ..checkpoint.states import StateCache
-from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
-from ..location import RemotePath
-from .directory import UNIVERSAL_FOLDER, ShardSet
+from ..errors import CheckpointInvalid, InvalidCheckpoint, UnsupportedCheckpoint
+from ..findings import finding
+from ..location import RemotePath, is_remote
+from .directory import UNIVERSAL_FOLDER, ShardSet, resolve_tag_dir
 from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
@@ -41,6 +42,19 @@ class Degrees:
     def coordinate(self, mp_rank: int) -> tuple[int, int]:
         """(pipeline stage, tensor rank) of a checkpoint mp rank."""
         return divmod(mp_rank, self.tensor)
+
+
+def index_tag_dir(checkpoint, tag: str | None = None) -> Path:
+    """The tag directory of a checkpoint read through a checkpoint index: a local one. From a URL it
+    is refused by name before anything is fetched (CK202; docs/remote.md), never half read."""
+    if is_remote(checkpoint):
+        raise UnsupportedCheckpoint(
+            "a checkpoint read as a checkpoint index (tensor/pipeline parallel, MoE, ZeRO stage 0, universal) "
+            "is read from a local directory only, not from a URL",
+            "copy the checkpoint to a local directory first (with your storage's own tool), and pass that",
+            str(checkpoint),
+        )
+    return resolve_tag_dir(checkpoint, tag)
 
 
 def is_model_parallel(tag_dir: Path | RemotePath) -> bool:
@@ -128,6 +142,29 @@ def scan_parallel(tag_dir: Path) -> ParallelFiles:
             "CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir)
         )
     return out
+
+
+def layer_file_name(param: str) -> str:
+    """The layer file DeepSpeed writes a pipeline parameter ``<layer>.<key>`` into."""
+    layer = param.split(".", 1)[0]
+    return f"layer_{int(layer):02d}-model_states.pt" if layer.isdigit() else layer
+
+
+def missing_layer_files(missing: dict[str, list[str]], tag_dir) -> CheckpointInvalid:
+    """CK230 for each layer file (-> the trainable parameters it holds) that is not in the tag directory."""
+    return CheckpointInvalid(
+        [
+            finding(
+                "CK230",
+                "$.layer_files",
+                f"pipeline layer file of {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} is missing",
+                "restore it from the run that wrote the checkpoint; the layer's weights are lost without it",
+                file=rel,
+            )
+            for rel, names in sorted(missing.items())
+        ],
+        str(tag_dir),
+    )
 
 
 def degrees_of(files: ParallelFiles, states: StateCache) -> Degrees:

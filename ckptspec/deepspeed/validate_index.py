@@ -14,16 +14,17 @@ from pathlib import Path
 
 from ..checkpoint.sidecar import find_sidecar
 from ..checkpoint.states import StateCache
-from ..findings import Finding, has_errors, json_path
+from ..errors import CheckpointInvalid
+from ..findings import Finding, finding, has_errors, json_path
 from ..format.codec import read_document
 from ..format.index_models import CheckpointIndex, Domain
 from ..format.index_validate import IndexReport, is_index, validate_index, validate_index_document
 from .checks import check_checkpoint
 from .describe_masters import generate_index
-from .directory import resolve_tag_dir
 from .index_checks import check_index_files
 from .masters_checks import check_masters_domain
 from .names import mp_rank_of
+from .topology import index_tag_dir, layer_file_name
 
 
 def domain_mp_rank(domain: Domain) -> int | None:
@@ -46,13 +47,37 @@ def choose_index(
             report = validate_index_document(doc)
             found = [f if f.file else dataclasses.replace(f, file=sidecar.name) for f in report.findings]
             return report.index, found, "sidecar"
-    generated = generate_index(tag_dir, states)
+    try:
+        generated = generate_index(tag_dir, states)
+    except CheckpointInvalid as exc:  # files the index is made from are missing: each one's finding
+        return None, exc.findings, "generated"
     # As for a generated 1.x manifest: the rules run without the file lists (made from the same files,
     # they would only repeat what the file checks say better, naming the file).
     doc = generated.to_dict()
     for dom in doc["domains"]:
         dom["manifest"]["files"], dom["file_ranks"] = [], {}
-    return generated, validate_index_document(doc).findings, "generated"
+    return generated, validate_index_document(doc).findings + layer_gaps(generated), "generated"
+
+
+def layer_gaps(index: CheckpointIndex) -> list[Finding]:
+    """CK236 (a warning) for each pipeline layer below the last without a layer file, in an index made
+    from the files: DeepSpeed writes one for every torch module (a ReLU's holds no tensor) and its
+    load_checkpoint opens each, but a function layer has none, and nothing in the files tells them apart."""
+    layers = {lf.layer for lf in index.layer_files}
+    return [
+        finding(
+            "CK236",
+            "$.layer_files",
+            f"no layer file for pipeline layer {n} (of layers 0 to {max(layers)}): a function layer has none, "
+            "but a torch module has one even without parameters",
+            f"if layer {n} is a torch module, restore its file: DeepSpeed's load_checkpoint opens it (with an index "
+            "recorded at the save, by the save hook or `ckptspec generate -o`, a missing one is an error)",
+            severity="warning",
+            file=layer_file_name(f"{n}."),
+        )
+        for n in range(max(layers, default=0))
+        if n not in layers
+    ]
 
 
 def validate_index_checkpoint(
@@ -65,7 +90,7 @@ def validate_index_checkpoint(
     verify_digests: bool | None = None,
 ) -> tuple[CheckpointIndex | None, list[Finding]]:
     """Validate a model-parallel checkpoint directory; (index, findings), as ``validate_checkpoint``."""
-    tag_dir = resolve_tag_dir(checkpoint, tag)
+    tag_dir = index_tag_dir(checkpoint, tag)
     states = states if states is not None else StateCache()
     chosen, findings, source = choose_index(tag_dir, index, states)
     if chosen is None or (has_errors(findings) and source != "generated"):

@@ -44,7 +44,9 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
         raise CheckpointInvalid(findings, str(checkpoint))
     tag_dir = resolve_tag_dir(checkpoint, tag)
     domain_plans = {d.id: _domain_plan(tag_dir, d, states) for d in found.domains}
-    return whole_plan(found, tag_dir, domain_plans)
+    plan = whole_plan(found, tag_dir, domain_plans)
+    plan.warnings = findings  # no error among them: the warnings (CK224, CK226, CK236), for the caller to show
+    return plan
 
 
 def _domain_plan(tag_dir, domain, states: StateCache) -> ReconstructionPlan:
@@ -115,12 +117,15 @@ def reconstruct_index(
     optimizer_state: bool = False,
     progress=None,
     jobs: int = 1,
+    warn=None,
 ) -> WriteResult:
     """Validate, then write the whole model with the 1.x writers (atomically): safetensors or torch
     files, sharded at ``max_shard_size``, and with ``optimizer_state`` the whole model's optimizer
     state as ``optimizer.safetensors``. A checkpoint index describes no ties, so ``untie`` changes nothing.
-    ``jobs``: threads writing each safetensors file."""
+    ``jobs``: threads writing each safetensors file; ``warn``: called with validation's warnings, if any."""
     plan = validated_index_plan(checkpoint, index, tag)
+    if warn is not None and plan.warnings:
+        warn(plan.warnings)
     with ShardReader() as files:
         check_replicas(plan, files)
     if optimizer_state:

@@ -107,6 +107,7 @@ class IndexReconstructionPlan(ReconstructionPlan):
 
     index: CheckpointIndex = None  # type: ignore[assignment]
     domain_plans: dict[str, ReconstructionPlan] = field(default_factory=dict)
+    warnings: list = field(default_factory=list)  # what validating the whole set found, errors aside
     _state: OptimizerStatePlan | None = None
 
     def metadata(self, dtype: str, untied: bool) -> dict[str, str]:

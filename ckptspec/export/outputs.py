@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.embedded import read_safetensors_metadata
+from ..checkpoint.output_names import OUTPUT_NAME
 from ..errors import CkptspecError
 
-OUTPUT_NAME = re.compile(
-    r"^(?:model(?:-\d{5}-of-\d{5})?\.safetensors|optimizer\.safetensors|pytorch_model(?:-\d{5}-of-\d{5})?\.bin"
-    r"|model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json)$"
-)
 _MAX_INDEX_BYTES = 256 * 1024 * 1024  # an index holds names and one manifest
 
 

@@ -32,6 +32,7 @@ from .._fs import fsync_dir, replace, sweep, temp_dir
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.models import Manifest
+from ..location import open_binary
 from . import ds_pickle
 from .arrays import ShardReader, iter_chunks, read_array
 from .optimizer_state import plan_optimizer_state
@@ -139,7 +140,8 @@ def _write(found: Manifest, plan, state_plan, states: StateCache, out: Path) -> 
                     ds_pickle.save(ds_pickle.from_standins(scalars["step"], read), folder / "step.pt")
                 count += 1
         ds_pickle.save(_optimizer_state(source, read), zero / "optimizer_state.pt")
-    shutil.copyfile(model, out / "mp_rank_00_model_states.pt")
+    with open_binary(model) as src, open(out / "mp_rank_00_model_states.pt", "wb") as dst:
+        shutil.copyfileobj(src, dst)  # a checkpoint at a URL too (its ranged reads)
     return count
 
 

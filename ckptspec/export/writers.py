@@ -23,7 +23,7 @@ from typing import Any
 from .._fs import commit, exclusive, fsync, io_point, recover, sweep, temp_file
 from ..checkpoint.embedded import SAFETENSORS_KEY as MANIFEST_KEY
 from ..checkpoint.embedded import pointer_metadata, safetensors_metadata
-from ..errors import ForeignOutput, ReconstructUnsupported
+from ..errors import CkptspecError, ForeignOutput, ReconstructUnsupported
 from ..format.dtypes import output_dtype
 from ..location import refuse_write
 from .arrays import ShardReader, read_array, stream
@@ -46,6 +46,19 @@ class _Shard:
     filename: str
     names: list[str] = field(default_factory=list)
     nbytes: int = 0
+
+
+def _refuse_inside(out: Path, tag_dir: Path) -> None:
+    """CK906 for an output in the tag directory being read (or below it): the weights are no part of the
+    checkpoint, a sidecar would no longer list every file, and `validate` would warn (CK226) ever after."""
+    if isinstance(tag_dir, Path) and out.resolve().is_relative_to(tag_dir.resolve()):
+        raise CkptspecError(
+            "CK906",
+            f"the output is inside the checkpoint's own tag directory {tag_dir}: ckptspec does not write into a "
+            "checkpoint it reads",
+            "write the weights elsewhere: the save directory above the tag directory, or a directory of their own",
+            str(out),
+        )
 
 
 def _split(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
@@ -103,6 +116,7 @@ def write_consolidated(
         raise ValueError(f"unknown output format {fmt!r}")
     refuse_write(output_dir, "the reconstruction")
     out = Path(output_dir)
+    _refuse_inside(out, plan.tag_dir)
     progress = progress or (lambda n: None)
     # Tied aliases: safetensors stores the owner once (the tie is in the metadata); torch files
     # keep every name, an alias sharing its owner's storage. --untie writes copies in both.

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import unquote
 
-from ..errors import RemoteError
+from ..errors import FileUnreadable, RemoteError
 from .handle import RangedFile
 from .problems import not_found
 from .remote_path import RemotePath
@@ -105,13 +105,18 @@ def open_binary(path: str | os.PathLike | RemotePath) -> BinaryIO:
 
 
 def walk(directory: Path | RemotePath) -> Iterator[tuple[Path | RemotePath, list[str], list[str]]]:
-    """``os.walk`` (top down, names sorted) that yields the directory itself instead of its name."""
+    """``os.walk`` (top down, names sorted) that yields the directory itself instead of its name.
+    A folder this user may not list is CK901 (``os.walk`` would leave it out without a word)."""
     if isinstance(directory, RemotePath):
         yield from directory._walk()
         return
-    for root, dirs, files in os.walk(directory):
+    for root, dirs, files in os.walk(directory, onerror=_unlistable):
         dirs.sort()
         yield Path(root), dirs, sorted(files)
+
+
+def _unlistable(exc: OSError) -> None:
+    raise FileUnreadable(exc.filename, exc)
 
 
 def relative_name(file: str, root: Path | RemotePath) -> str | None:

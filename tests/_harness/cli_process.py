@@ -18,15 +18,17 @@ from pathlib import Path
 
 
 class _ForkServer:
-    """One ``forkserver.py`` per test process, started at the first command (see its docstring)."""
+    """One ``forkserver.py`` per test process, started at the first command (see its docstring),
+    under ``prefix`` (a command that runs it, such as ``setpriv ...``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: tuple[str, ...] = ()) -> None:
         self.process: subprocess.Popen | None = None
+        self.prefix = prefix
 
     def run(self, args: list[str], env: dict, cwd: Path | None) -> subprocess.CompletedProcess:
         if self.process is None or self.process.poll() is not None:
             self.process = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("forkserver.py"))],
+                [*self.prefix, sys.executable, str(Path(__file__).with_name("forkserver.py"))],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -45,13 +47,24 @@ class _ForkServer:
 
 
 _SERVER = _ForkServer()
+# Root reads and lists whatever the modes say (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH): commands run
+# with ``unprivileged`` come from a fork server without them, so that a test's ``chmod 000`` is a
+# real EACCES. A user who is not root has neither to drop.
+_DROP_READ_CAPS = ("--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search")
+_UNPRIVILEGED = _ForkServer(("setpriv", *_DROP_READ_CAPS) if os.geteuid() == 0 else ())
 
 
 def run(
-    args: list, *, failpoint: str | None = None, cwd: Path | None = None, env: dict | None = None
+    args: list,
+    *,
+    failpoint: str | None = None,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    unprivileged: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run ``ckptspec ARGS`` in this environment (or ``env``), without a developer's
-    ``CKPTSPEC_FAILPOINT`` or ``CKPTSPEC_DEBUG`` unless given."""
+    ``CKPTSPEC_FAILPOINT`` or ``CKPTSPEC_DEBUG`` unless given; ``unprivileged``: without root's
+    right to read any file."""
     child = (
         dict(env)
         if env is not None
@@ -59,4 +72,4 @@ def run(
     )
     if failpoint:
         child["CKPTSPEC_FAILPOINT"] = failpoint
-    return _SERVER.run([str(a) for a in args], child, cwd)
+    return (_UNPRIVILEGED if unprivileged else _SERVER).run([str(a) for a in args], child, cwd)

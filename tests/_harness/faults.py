@@ -319,6 +319,17 @@ def leftover_temporary(save_dir: Path, env: FaultEnv) -> None:
     (tag_dir(save_dir) / name).write_bytes(b"half of a file")
 
 
+def reconstructed_into_tag_dir(save_dir: Path, env: FaultEnv) -> None:
+    """What `ckptspec reconstruct CK CK/<tag>` wrote before it was refused: the weights beside the shards."""
+    from ckptspec.export.api import reconstruct
+
+    out = env.marker.with_name("reconstructed")
+    reconstruct(save_dir, out)
+    for path in out.iterdir():
+        shutil.move(path, tag_dir(save_dir) / path.name)
+    out.rmdir()
+
+
 FAULTS = [
     Fault(
         "transposed-shape",
@@ -514,6 +525,27 @@ FAULTS = [
         "CK224",
         None,
         leftover_temporary,
+        severity="warning",
+    ),
+    Fault(
+        "reconstructed-into-tag-dir",
+        "committed:s2-bf16-ws2",
+        "`reconstruct`'s model.safetensors written into the tag directory: no part of the checkpoint, which "
+        "DeepSpeed does not read",
+        "CK226",
+        "model.safetensors",
+        reconstructed_into_tag_dir,
+        severity="warning",
+    ),
+    Fault(
+        "reconstructed-into-tag-dir-hashed",
+        "committed:s2-bf16-ws2",
+        "`reconstruct`'s model.safetensors written into the tag directory after the `--hash` manifest was written "
+        "(a file the manifest does not list, but a warning: DeepSpeed does not read it)",
+        "CK226",
+        "model.safetensors",
+        reconstructed_into_tag_dir,
+        hashed_manifest=True,
         severity="warning",
     ),
     Fault(

@@ -16,6 +16,10 @@ def drop_expert_file(save_dir: Path, env: FaultEnv) -> None:
     (tag_dir(save_dir) / "layer_0_expert_3_mp_rank_00_model_states.pt").unlink()
 
 
+def drop_expert_file_1(save_dir: Path, env: FaultEnv) -> None:
+    (tag_dir(save_dir) / "layer_0_expert_1_mp_rank_00_model_states.pt").unlink()
+
+
 def swap_expert_files(save_dir: Path, env: FaultEnv) -> None:
     """Experts 2 and 3 (same keys but their ids, same shapes and sizes) swapped."""
     a = tag_dir(save_dir) / "layer_0_expert_2_mp_rank_00_model_states.pt"
@@ -53,6 +57,23 @@ MASTERS_FAULTS = [
         "layer_0_expert_3_mp_rank_00_model_states.pt",
         drop_expert_file,
         hashed_manifest=True,
+    ),
+    Fault(
+        "missing-expert-file-unindexed",
+        MOE,
+        "MoE ep2 ws4: layer_0_expert_3_mp_rank_00_model_states.pt deleted, no index recorded (was CK202, "
+        '"not in an expert file")',
+        "CK240",
+        "layer_0_expert_3_mp_rank_00_model_states.pt",
+        drop_expert_file,
+    ),
+    Fault(
+        "missing-expert-file-stage0",
+        MOE_S0,
+        "MoE ep2 stage 0 bf16: layer_0_expert_1_mp_rank_00_model_states.pt deleted, no index recorded (was CK202)",
+        "CK240",
+        "layer_0_expert_1_mp_rank_00_model_states.pt",
+        drop_expert_file_1,
     ),
     Fault(
         "swapped-expert-files",

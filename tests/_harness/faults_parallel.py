@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .faults import Fault, FaultEnv, _edit, tag_dir
+from .faults import Fault, FaultEnv, _edit, reconstructed_into_tag_dir, tag_dir
 
 TP = "tp2-s1-fp32-ws2"
 TPDP = "tp2dp2-s2-bf16-ws4"
 PP = "pp2-s1-fp32-ws2"
+PP_S0 = "pp2-s0-bf16-ws2"  # BF16_Optimizer: the index locates its masters
 
 
 def drop_tp_rank(save_dir: Path, env: FaultEnv) -> None:
@@ -26,6 +27,11 @@ def drop_tp_rank_optimizer(save_dir: Path, env: FaultEnv) -> None:
 
 def drop_layer_file(save_dir: Path, env: FaultEnv) -> None:
     (tag_dir(save_dir) / "layer_03-model_states.pt").unlink()
+
+
+def drop_parameterless_layer_file(save_dir: Path, env: FaultEnv) -> None:
+    """The ReLU's file: no tensor in it, but DeepSpeed's PipelineModule.load_state_dir opens it."""
+    (tag_dir(save_dir) / "layer_01-model_states.pt").unlink()
 
 
 def swap_layer_files(save_dir: Path, env: FaultEnv) -> None:
@@ -115,10 +121,37 @@ PARALLEL_FAULTS = [
     Fault(
         "missing-layer-file",
         PP,
-        "pipeline pp2: layer_03-model_states.pt deleted",
-        "CK607",
+        "pipeline pp2: layer_03-model_states.pt deleted (was CK607, a rule of the index made without it)",
+        "CK230",
         "layer_03-model_states.pt",
         drop_layer_file,
+    ),
+    Fault(
+        "missing-layer-file-stage0",
+        PP_S0,
+        "pipeline pp2 at stage 0 (BF16_Optimizer): layer_03-model_states.pt deleted",
+        "CK230",
+        "layer_03-model_states.pt",
+        drop_layer_file,
+    ),
+    Fault(
+        "missing-parameterless-layer-file",
+        PP,
+        "pipeline pp2: the ReLU's layer_01-model_states.pt (no tensor) deleted; the files alone cannot tell it from "
+        "a function layer, which has none: a warning",
+        "CK236",
+        "layer_01-model_states.pt",
+        drop_parameterless_layer_file,
+        severity="warning",
+    ),
+    Fault(
+        "missing-parameterless-layer-file-recorded",
+        PP,
+        "pipeline pp2: the ReLU's layer_01-model_states.pt deleted after the index was recorded",
+        "CK230",
+        "layer_01-model_states.pt",
+        drop_parameterless_layer_file,
+        hashed_manifest=True,
     ),
     Fault(
         "swapped-layer-files",
@@ -136,6 +169,24 @@ PARALLEL_FAULTS = [
         "CK235",
         "layer_02-model_states.pt",
         swap_layer_files,
+    ),
+    Fault(
+        "swapped-layer-files-stage0",
+        PP_S0,
+        "pipeline pp2 at stage 0 (BF16_Optimizer, masters located by the index): layer_02 and layer_03 swapped, no "
+        "hashes recorded; their weights are not the stage's masters",
+        "CK235",
+        "layer_02-model_states.pt",
+        swap_layer_files,
+    ),
+    Fault(
+        "reconstructed-into-pipeline-tag-dir",
+        PP,
+        "pipeline pp2: `reconstruct`'s model.safetensors written into the tag directory (was CK207, an error)",
+        "CK226",
+        "model.safetensors",
+        reconstructed_into_tag_dir,
+        severity="warning",
     ),
     Fault(
         "swapped-tp-optimizer-files",

@@ -71,7 +71,7 @@ from ckptspec.checkpoint.torchfile import (
     tensor_byte_range,
     zip_member_locations,
 )
-from ckptspec.errors import CkptspecError, TorchFileError, TruncatedFile, UnsafePickleError
+from ckptspec.errors import CkptspecError, FileUnreadable, TorchFileError, TruncatedFile, UnsafePickleError
 
 ROOT = Path(__file__).resolve().parents[2]
 _FUZZ_ENV = os.environ.get("CKPTSPEC_FUZZ_EXAMPLES")
@@ -1879,7 +1879,7 @@ def test_bug_zip_member_locations_trusted_odd_members(work):
         path = write(work / "odd.pt", build_zip([stored("archive/data.pkl", SMALL_PICKLE), member])[0])
         with pytest.raises(TorchFileError):
             zip_member_locations(path)
-    with pytest.raises(TorchFileError):
+    with pytest.raises(FileUnreadable):  # #37: CK901, an I/O error (not a damaged file); never an OSError
         zip_member_locations(work / "no-such-file.pt")
 
 

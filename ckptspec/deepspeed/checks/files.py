@@ -8,6 +8,7 @@ from typing import Any
 
 from ..._fs import JOURNAL, leftovers
 from ...checkpoint.hashing import file_digests
+from ...checkpoint.output_names import is_output_name
 from ...checkpoint.states import code_and_hint
 from ...checkpoint.torchfile import iter_tensor_refs
 from ...findings import Finding, RuleSet, finding, json_path
@@ -52,7 +53,7 @@ def shard_unexpected(ctx: Context) -> Iterator[Finding]:
     """Nothing is present that the manifest does not list (a stale rank from a larger run, a stray copy)."""
     listed = {f.name for f in ctx.files}
     for rel in ctx.disk:
-        if rel not in listed:
+        if rel not in listed and not is_output_name(rel):  # a reconstruction's output: CK226
             rank = rank_of(rel)
             why = (
                 f"; rank {rank} is outside world size {ctx.world_size} (left over from a larger run?)"
@@ -76,6 +77,28 @@ def shard_unexpected(ctx: Context) -> Iterator[Finding]:
                 "file looks like a DeepSpeed shard but is not one of this checkpoint's shards",
                 "remove it" + _globbed_by(f.name),
                 file=f.name,
+            )
+
+
+@check("CK226")
+def output_in_tag_dir(ctx: Context) -> Iterator[Finding]:
+    yield from outputs_in_tag_dir(ctx.disk)
+
+
+def outputs_in_tag_dir(disk) -> Iterator[Finding]:
+    """A file named like ``reconstruct``'s output (``model.safetensors``, ...) in the tag directory: no
+    part of the checkpoint (a warning: DeepSpeed reads none of these names), listed or not."""
+    for rel in disk:
+        if is_output_name(rel):
+            yield finding(
+                "CK226",
+                "$",
+                "a reconstruction's output (weights in Hugging Face's names) inside the checkpoint's tag directory; "
+                "DeepSpeed does not read it, and it is no part of the checkpoint",
+                "move it out of the tag directory (`ckptspec reconstruct` writes elsewhere: into the save directory, "
+                "or a directory of its own)",
+                severity="warning",
+                file=rel,
             )
 
 
