@@ -2,7 +2,8 @@
 
 Every file ckptspec writes goes to a temporary name next to its target, is fsynced and renamed
 over the target (then the directory is fsynced): readers see the old file or the complete new
-one, never a part. A new file gets the mode ``open()`` would give it (0666 less the umask).
+one, never a part. A new file gets the mode ``open()`` would give it (0666 less the umask). A
+symlink is written through; a FIFO or character device is written in place (``write_atomic``).
 
 Temporary names say whose they are: ``.<target>.ckptspec-<host>-<pid>-<random>.tmp`` (a temporary
 directory: the same without ``.tmp``). A run that was killed (SIGKILL, out of memory, a lost node)
@@ -36,12 +37,13 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import OutputBusy
+from .errors import CkptspecError, OutputBusy
 
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 TEMP_RE = re.compile(r"^\.(?P<target>.+)\.ckptspec-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[A-Za-z0-9_]+(?:\.tmp)?$")
@@ -266,9 +268,10 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     Writes a temporary file in the same directory (removing the stale ones of killed runs
     first), fsyncs it, renames it over ``path`` (keeping the mode of the file it replaces)
     and fsyncs the directory. On any error the temporary file is removed and ``path`` is
-    untouched.
+    untouched. A symlink is written through: its target is replaced, beside which the
+    temporary goes, and the link stays.
     """
-    target = Path(path)
+    target = Path(os.path.realpath(path))
     try:
         mode = target.stat().st_mode & 0o7777
     except FileNotFoundError:
@@ -289,8 +292,35 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     fsync_dir(target.parent)
 
 
+_NOT_WRITABLE = {stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket", stat.S_IFBLK: "a block device"}
+
+
+def _written_in_place(path: str | os.PathLike) -> bool:
+    """Whether ``path`` (or what its symlink names) is a FIFO or a character device (a pipe, a terminal,
+    /dev/null): renaming a file over one would replace it, so it is opened and written instead. A
+    regular file or a new name is not; a directory, socket or block device is refused (CK906)."""
+    try:
+        kind = stat.S_IFMT(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False  # a new file (or a dangling symlink's target)
+    if kind in _NOT_WRITABLE:
+        raise CkptspecError(
+            "CK906",
+            f"cannot write: it is {_NOT_WRITABLE[kind]}",
+            "name a file (new or existing), a FIFO or a character device; or - for standard output",
+            os.fspath(path),
+        )
+    return kind in (stat.S_IFIFO, stat.S_IFCHR)
+
+
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file, fsync, rename, directory fsync)."""
+    """Write ``data`` to ``path`` atomically (temporary file, fsync, rename, directory fsync); a FIFO or
+    character device is written in place, as a shell's ``>`` does (``_written_in_place``)."""
+    if _written_in_place(path):
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_NOCTTY), "wb") as fh:  # blocks until a FIFO has a reader
+            io_point("write")
+            fh.write(data)  # a device's error (/dev/full: ENOSPC) is raised here or at close
+        return
     with atomic_output(path) as fh:
         io_point("write")
         fh.write(data)
