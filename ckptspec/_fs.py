@@ -84,11 +84,15 @@ def io_point(what: str) -> None:
 # --------------------------------------------------------------------------- temporaries
 
 
-def new_file_mode() -> int:
-    """The mode a newly created file gets: 0o666 less the process umask."""
+def _umask() -> int:
     umask = os.umask(0o022)  # the only way to read the umask is to set it
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+def new_file_mode() -> int:
+    """The mode a newly created file gets: 0o666 less the process umask."""
+    return 0o666 & ~_umask()
 
 
 def _prefix(target: Path) -> str:
@@ -111,10 +115,12 @@ def temp_file(target: str | os.PathLike) -> tuple[int, Path]:
 
 
 def temp_dir(target: str | os.PathLike) -> Path:
-    """A new empty directory beside ``target``, named as this run's temporary."""
+    """A new empty directory beside ``target``, named as this run's temporary, with the mode ``mkdir``
+    would give it (0o777 less the umask): it is published under ``target``'s name once complete."""
     target = Path(target)
     path = Path(tempfile.mkdtemp(prefix=_prefix(target), dir=target.parent))
     try:
+        os.chmod(path, 0o777 & ~_umask())  # mkdtemp's 0o700 would hide the output from the group and others
         io_point("create")
     except BaseException:
         path.rmdir()
@@ -216,16 +222,18 @@ def exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 def publish_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
     """Put the finished directory ``tmp`` in the place of ``target`` (which may exist): atomically
     where the system can swap directories, else by two renames (a run killed between them leaves
-    no ``target``, and the old one under a temporary name)."""
+    no ``target``, and the old one under a temporary name). It keeps the mode of a ``target`` it replaces."""
     tmp, target = Path(tmp), Path(target)
     if not target.exists():
         replace(tmp, target)
-    elif not exchange(tmp, target):
-        old = temp_dir(target)
-        old.rmdir()
-        replace(target, old)
-        replace(tmp, target)
-        tmp = old
+    else:
+        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
+        if not exchange(tmp, target):
+            old = temp_dir(target)
+            old.rmdir()
+            replace(target, old)
+            replace(tmp, target)
+            tmp = old
     # ``tmp`` now holds what ``target`` held.
     fsync_dir(target.parent)
     shutil.rmtree(tmp, ignore_errors=True)
