@@ -13,10 +13,7 @@ another host, whose liveness it cannot see. ``leftovers`` lists them all (``vali
 
 Writers of several files (``reconstruct``, ``embed``) hold ``exclusive(directory)`` for the whole
 write: a second run into the same directory is refused (CK908) instead of mixing its files with
-the first's. They write every file under a temporary name, then ``commit`` them: a journal
-(``.ckptspec-commit.json``) lists the renames and removals before any is made, so a run killed
-half way through them is rolled forward by the next (``recover``): the directory holds the earlier
-output or the complete new one, never a mix.
+the first's; they commit their files together through a journal (``_commit``).
 
 ``io_point`` marks each step of a write (create, write, fsync, rename, remove). It does nothing
 unless ``CKPTSPEC_FAILPOINT`` is set, which only the crash-injection tests do: ``kill:N``,
@@ -31,7 +28,6 @@ import atexit
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -297,7 +293,11 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(target.parent)
+    try:
+        fsync_dir(target.parent)
+    except BaseException as stopped:  # the new file is in place: say so (``_commit.commit_outcome``)
+        stopped.ckptspec_commit = ("complete", target)
+        raise
 
 
 _NOT_WRITABLE = {stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket", stat.S_IFBLK: "a block device"}
@@ -336,58 +336,4 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
 
 # --------------------------------------------------------------------------- several files at once
 
-JOURNAL = ".ckptspec-commit.json"
-
-
-def commit(directory: str | os.PathLike, renames: list[tuple[Path, Path]], removals: list[Path] = ()) -> None:
-    """Rename finished temporaries over their targets and remove superseded files, as one step.
-
-    The journal is written (atomically) before the first rename and removed after the last; a
-    run killed or failing in between leaves it, and the next ``recover`` in ``directory``
-    finishes the work. If the journal itself cannot be written, nothing was renamed: the
-    temporaries are removed and the directory is as it was.
-    """
-    directory = Path(directory)
-    plan = {
-        "renames": [[tmp.name, final.name] for tmp, final in renames],
-        "removals": [path.name for path in removals],
-    }
-    try:
-        write_atomic(directory / JOURNAL, json.dumps(plan).encode("utf-8"))
-    except BaseException:
-        for tmp, _ in renames:
-            Path(tmp).unlink(missing_ok=True)
-        raise
-    _roll_forward(directory, plan)
-
-
-def recover(directory: str | os.PathLike) -> bool:
-    """Finish the commit a killed run left in ``directory``; True when there was one to finish."""
-    directory = Path(directory)
-    try:
-        plan = json.loads((directory / JOURNAL).read_text("utf-8"))
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError):
-        plan = {"renames": [], "removals": []}  # cut off before it was complete: nothing was renamed
-    _roll_forward(directory, plan)
-    return True
-
-
-def _plain(name) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
-
-
-def _roll_forward(directory: Path, plan: dict) -> None:
-    # Only this directory's own temporaries and plain names: a journal is input too.
-    for tmp, final in plan.get("renames", []):
-        if _plain(tmp) and _plain(final) and TEMP_RE.match(tmp) and (directory / tmp).exists():
-            replace(directory / tmp, directory / final)  # a missing one was renamed before the kill
-    for name in plan.get("removals", []):
-        if _plain(name):
-            io_point("remove")
-            (directory / name).unlink(missing_ok=True)
-    fsync_dir(directory)
-    io_point("remove")
-    (directory / JOURNAL).unlink(missing_ok=True)
-    fsync_dir(directory)
+JOURNAL = ".ckptspec-commit.json"  # an unfinished commit's (``_commit``)
