@@ -2,7 +2,8 @@
 
 Every file ckptspec writes goes to a temporary name next to its target, is fsynced and renamed
 over the target (then the directory is fsynced): readers see the old file or the complete new
-one, never a part. A new file gets the mode ``open()`` would give it (0666 less the umask).
+one, never a part. A new file gets the mode ``open()`` would give it (0666 less the umask). A
+symlink is written through; a FIFO or character device is written in place (``write_atomic``).
 
 Temporary names say whose they are: ``.<target>.ckptspec-<host>-<pid>-<random>.tmp`` (a temporary
 directory: the same without ``.tmp``). A run that was killed (SIGKILL, out of memory, a lost node)
@@ -12,10 +13,7 @@ another host, whose liveness it cannot see. ``leftovers`` lists them all (``vali
 
 Writers of several files (``reconstruct``, ``embed``) hold ``exclusive(directory)`` for the whole
 write: a second run into the same directory is refused (CK908) instead of mixing its files with
-the first's. They write every file under a temporary name, then ``commit`` them: a journal
-(``.ckptspec-commit.json``) lists the renames and removals before any is made, so a run killed
-half way through them is rolled forward by the next (``recover``): the directory holds the earlier
-output or the complete new one, never a mix.
+the first's; they commit their files together through a journal (``_commit``).
 
 ``io_point`` marks each step of a write (create, write, fsync, rename, remove). It does nothing
 unless ``CKPTSPEC_FAILPOINT`` is set, which only the crash-injection tests do: ``kill:N``,
@@ -30,18 +28,18 @@ import atexit
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import re
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import OutputBusy
+from .errors import CkptspecError, OutputBusy
 
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 TEMP_RE = re.compile(r"^\.(?P<target>.+)\.ckptspec-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[A-Za-z0-9_]+(?:\.tmp)?$")
@@ -82,11 +80,15 @@ def io_point(what: str) -> None:
 # --------------------------------------------------------------------------- temporaries
 
 
-def new_file_mode() -> int:
-    """The mode a newly created file gets: 0o666 less the process umask."""
+def _umask() -> int:
     umask = os.umask(0o022)  # the only way to read the umask is to set it
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+def new_file_mode() -> int:
+    """The mode a newly created file gets: 0o666 less the process umask."""
+    return 0o666 & ~_umask()
 
 
 def _prefix(target: Path) -> str:
@@ -109,10 +111,12 @@ def temp_file(target: str | os.PathLike) -> tuple[int, Path]:
 
 
 def temp_dir(target: str | os.PathLike) -> Path:
-    """A new empty directory beside ``target``, named as this run's temporary."""
+    """A new empty directory beside ``target``, named as this run's temporary, with the mode ``mkdir``
+    would give it (0o777 less the umask): it is published under ``target``'s name once complete."""
     target = Path(target)
     path = Path(tempfile.mkdtemp(prefix=_prefix(target), dir=target.parent))
     try:
+        os.chmod(path, 0o777 & ~_umask())  # mkdtemp's 0o700 would hide the output from the group and others
         io_point("create")
     except BaseException:
         path.rmdir()
@@ -214,16 +218,18 @@ def exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 def publish_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
     """Put the finished directory ``tmp`` in the place of ``target`` (which may exist): atomically
     where the system can swap directories, else by two renames (a run killed between them leaves
-    no ``target``, and the old one under a temporary name)."""
+    no ``target``, and the old one under a temporary name). It keeps the mode of a ``target`` it replaces."""
     tmp, target = Path(tmp), Path(target)
     if not target.exists():
         replace(tmp, target)
-    elif not exchange(tmp, target):
-        old = temp_dir(target)
-        old.rmdir()
-        replace(target, old)
-        replace(tmp, target)
-        tmp = old
+    else:
+        os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
+        if not exchange(tmp, target):
+            old = temp_dir(target)
+            old.rmdir()
+            replace(target, old)
+            replace(tmp, target)
+            tmp = old
     # ``tmp`` now holds what ``target`` held.
     fsync_dir(target.parent)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -266,9 +272,10 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     Writes a temporary file in the same directory (removing the stale ones of killed runs
     first), fsyncs it, renames it over ``path`` (keeping the mode of the file it replaces)
     and fsyncs the directory. On any error the temporary file is removed and ``path`` is
-    untouched.
+    untouched. A symlink is written through: its target is replaced, beside which the
+    temporary goes, and the link stays.
     """
-    target = Path(path)
+    target = Path(os.path.realpath(path))
     try:
         mode = target.stat().st_mode & 0o7777
     except FileNotFoundError:
@@ -286,11 +293,42 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(target.parent)
+    try:
+        fsync_dir(target.parent)
+    except BaseException as stopped:  # the new file is in place: say so (``_commit.commit_outcome``)
+        stopped.ckptspec_commit = ("complete", target)
+        raise
+
+
+_NOT_WRITABLE = {stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket", stat.S_IFBLK: "a block device"}
+
+
+def _written_in_place(path: str | os.PathLike) -> bool:
+    """Whether ``path`` (or what its symlink names) is a FIFO or a character device (a pipe, a terminal,
+    /dev/null): renaming a file over one would replace it, so it is opened and written instead. A
+    regular file or a new name is not; a directory, socket or block device is refused (CK906)."""
+    try:
+        kind = stat.S_IFMT(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False  # a new file (or a dangling symlink's target)
+    if kind in _NOT_WRITABLE:
+        raise CkptspecError(
+            "CK906",
+            f"cannot write: it is {_NOT_WRITABLE[kind]}",
+            "name a file (new or existing), a FIFO or a character device; or - for standard output",
+            os.fspath(path),
+        )
+    return kind in (stat.S_IFIFO, stat.S_IFCHR)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file, fsync, rename, directory fsync)."""
+    """Write ``data`` to ``path`` atomically (temporary file, fsync, rename, directory fsync); a FIFO or
+    character device is written in place, as a shell's ``>`` does (``_written_in_place``)."""
+    if _written_in_place(path):
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_NOCTTY), "wb") as fh:  # blocks until a FIFO has a reader
+            io_point("write")
+            fh.write(data)  # a device's error (/dev/full: ENOSPC) is raised here or at close
+        return
     with atomic_output(path) as fh:
         io_point("write")
         fh.write(data)
@@ -298,58 +336,4 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
 
 # --------------------------------------------------------------------------- several files at once
 
-JOURNAL = ".ckptspec-commit.json"
-
-
-def commit(directory: str | os.PathLike, renames: list[tuple[Path, Path]], removals: list[Path] = ()) -> None:
-    """Rename finished temporaries over their targets and remove superseded files, as one step.
-
-    The journal is written (atomically) before the first rename and removed after the last; a
-    run killed or failing in between leaves it, and the next ``recover`` in ``directory``
-    finishes the work. If the journal itself cannot be written, nothing was renamed: the
-    temporaries are removed and the directory is as it was.
-    """
-    directory = Path(directory)
-    plan = {
-        "renames": [[tmp.name, final.name] for tmp, final in renames],
-        "removals": [path.name for path in removals],
-    }
-    try:
-        write_atomic(directory / JOURNAL, json.dumps(plan).encode("utf-8"))
-    except BaseException:
-        for tmp, _ in renames:
-            Path(tmp).unlink(missing_ok=True)
-        raise
-    _roll_forward(directory, plan)
-
-
-def recover(directory: str | os.PathLike) -> bool:
-    """Finish the commit a killed run left in ``directory``; True when there was one to finish."""
-    directory = Path(directory)
-    try:
-        plan = json.loads((directory / JOURNAL).read_text("utf-8"))
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError):
-        plan = {"renames": [], "removals": []}  # cut off before it was complete: nothing was renamed
-    _roll_forward(directory, plan)
-    return True
-
-
-def _plain(name) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
-
-
-def _roll_forward(directory: Path, plan: dict) -> None:
-    # Only this directory's own temporaries and plain names: a journal is input too.
-    for tmp, final in plan.get("renames", []):
-        if _plain(tmp) and _plain(final) and TEMP_RE.match(tmp) and (directory / tmp).exists():
-            replace(directory / tmp, directory / final)  # a missing one was renamed before the kill
-    for name in plan.get("removals", []):
-        if _plain(name):
-            io_point("remove")
-            (directory / name).unlink(missing_ok=True)
-    fsync_dir(directory)
-    io_point("remove")
-    (directory / JOURNAL).unlink(missing_ok=True)
-    fsync_dir(directory)
+JOURNAL = ".ckptspec-commit.json"  # an unfinished commit's (``_commit``)

@@ -1,6 +1,6 @@
 """The sidecar: a checkpoint's complete manifest, ``ckptspec.json`` (or ``.msgpack``) in its tag directory.
 
-It is written last and atomically (``_fs.commit``), so its presence marks a complete checkpoint;
+It is written last and atomically (``_commit.commit``), so its presence marks a complete checkpoint;
 writing one removes a sidecar of the other encoding, so that no stale copy remains.
 """
 
@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .._fs import commit, fsync, io_point, temp_file
+from .._commit import commit
+from .._fs import fsync, io_point, temp_file
 from ..errors import CkptspecError
 from ..format.codec import Encoding, dumps
 from ..location import RemotePath, location

@@ -19,7 +19,7 @@ import sys
 import click
 
 from .._version import __version__
-from ._common import EXIT_USAGE, end_with_the_process, json_error_with, report_unexpected, unexpected
+from ._common import EXIT_USAGE, end_with_the_process, json_error_with, report_unexpected, unexpected, what_was_written
 from .embed import convert, embed, extract, migrate
 from .export import export
 from .export_universal import export_universal
@@ -79,11 +79,11 @@ def main() -> None:
         code = cli.main(standalone_mode=False)
     except SystemExit:
         raise
-    except (KeyboardInterrupt, click.exceptions.Abort):
-        click.echo("interrupted; nothing was written", err=True)
+    except (KeyboardInterrupt, click.exceptions.Abort) as exc:
+        click.echo(f"interrupted; {what_was_written(exc)}", err=True)
         sys.exit(130)  # 128 + SIGINT, as shells report it; never 1, which means "invalid"
-    except Terminated:
-        click.echo("terminated; nothing was written", err=True)
+    except Terminated as exc:
+        click.echo(f"terminated; {what_was_written(exc)}", err=True)
         sys.exit(143)  # 128 + SIGTERM
     except click.ClickException as exc:  # usage errors: click's own message, exit 2
         exc.show()

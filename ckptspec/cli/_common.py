@@ -115,10 +115,23 @@ def fail_write(output: str, exc: OSError) -> NoReturn:
     the run's temporaries, removed by now."""
     click.echo(
         f"{output}: CK906 cannot write: {exc.strerror or exc} "
-        "(hint: check the output directory is writable and has space; nothing was written)",
+        f"(hint: check the output directory is writable and has space; {what_was_written(exc)})",
         err=True,
     )
     sys.exit(EXIT_USAGE)
+
+
+def what_was_written(stopped: BaseException) -> str:
+    """What a run stopped by ``stopped`` (an error, Ctrl-C, SIGTERM) leaves: its temporaries are removed,
+    so nothing, unless it stopped while putting its output in place (``_commit.commit_outcome``)."""
+    from .._commit import JOURNAL, commit_outcome
+
+    state, where = commit_outcome(stopped) or ("", None)
+    if where is None or not where.exists():  # none, or into a temporary directory, removed since
+        return "nothing was written"
+    if state == "complete":
+        return f"{where} holds the complete new output (it was being committed, and that was finished first)"
+    return f"the commit into {where} stopped half way: the next ckptspec write there finishes it ({JOURNAL})"
 
 
 @contextmanager

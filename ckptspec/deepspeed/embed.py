@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._fs import commit, exclusive, recover, sweep
+from .._commit import commit, recover
+from .._fs import exclusive, sweep
 from ..checkpoint.embedded import (
     CLIENT_STATE_KEY,
     NOT_LAYOUT,
@@ -138,7 +139,7 @@ def embed_checkpoint(
     ``manifest`` (valid, already checked by the caller) is used when given; it must describe
     this checkpoint's layout (CK304 otherwise). Without it the manifest is generated from the
     directory. Every new file (rewritten model states, the sidecar) is written under a
-    temporary name, then all are committed together, the sidecar last (``_fs.commit``): a run
+    temporary name, then all are committed together, the sidecar last (``_commit.commit``): a run
     killed at any point leaves the checkpoint as it was, or (rolled forward by the next write
     into the tag directory) complete. A second writer into the same tag directory is refused.
     A checkpoint at a URL is refused (CK916): ckptspec writes only local files.

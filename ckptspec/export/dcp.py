@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._fs import fsync_dir, publish_dir, sweep, temp_dir, write_atomic
+from .._fs import fsync_dir, write_atomic
 from .._version import __version__
 from ..errors import ForeignOutput, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from .arrays import ShardReader, read_array
 from .optimizer_state import plan_optimizer_state
+from .output_dir import build_and_publish, held_output
 from .plan import ReconstructionPlan, TensorSource
 from .writers import to_torch
 
@@ -152,18 +153,14 @@ def write_dcp(
     plan: ReconstructionPlan, output_dir: str | os.PathLike, progress: Callable[[int], None] | None = None
 ) -> DcpResult:
     """Write the DCP directory ``output_dir``: complete or not at all (a temporary directory beside
-    it, renamed when done). An existing ``output_dir`` is replaced only if empty or an earlier export."""
+    it, renamed when done), held against other runs (CK908; ``output_dir.held_output``). An existing
+    ``output_dir`` is replaced only if empty or an earlier export."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
     dcp_plan = plan_dcp(plan)
-    out = Path(output_dir)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
-        raise ForeignOutput(str(out), out.name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sweep(out.parent)
     progress = progress or (lambda n: None)
     files = ShardReader()
 
@@ -184,8 +181,9 @@ def write_dcp(
                 return super().resolve_data(write_item)
             return produce(write_item.index.fqn)
 
-    tmp = temp_dir(out)
-    try:
+    written = []
+
+    def build(tmp: Path) -> None:
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False, sync_files=True)
         with files, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
@@ -197,12 +195,12 @@ def write_dcp(
             "not_carried": dcp_plan.not_carried,
         }
         write_atomic(tmp / MARKER, (json.dumps(marker, indent=1) + "\n").encode())
-        written = sum(1 for p in tmp.iterdir() if p.name.endswith(".distcp"))
+        written.append(sum(1 for p in tmp.iterdir() if p.name.endswith(".distcp")))
         fsync_dir(tmp)
-        publish_dir(tmp, out)
-    except BaseException:
-        import shutil
 
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return DcpResult(out, len(dcp_plan.tensors) + len(dcp_plan.steps), dcp_plan.nbytes, written, dcp_plan.not_carried)
+    with held_output(output_dir, "the export") as out:
+        if any(out.iterdir()) and not (out / MARKER).is_file():
+            raise ForeignOutput(os.fspath(output_dir), Path(output_dir).name)
+        build_and_publish(out, build)
+    keys = len(dcp_plan.tensors) + len(dcp_plan.steps)
+    return DcpResult(Path(output_dir), keys, dcp_plan.nbytes, written[0], dcp_plan.not_carried)

@@ -19,21 +19,19 @@ used only to write the pickles (``ds_pickle``).
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._fs import fsync_dir, replace, sweep, temp_dir
 from ..checkpoint.states import StateCache
 from ..deepspeed.describe import manifest_from_states
 from ..deepspeed.directory import scan_tag_dir
 from ..deepspeed.embed import embed_checkpoint
 from ..deepspeed.validate import validate_checkpoint
-from ..errors import CheckpointInvalid, CkptspecError, ReshardUnsupported
+from ..errors import CheckpointInvalid, ReshardUnsupported
 from ..findings import has_errors
 from ..format.models import Manifest
-from ..location import refuse_write
 from .optimizer_state import plan_optimizer_state
+from .output_dir import build_and_publish, held_new_output
 from .plan import plan_reconstruction
 from .reshard_files import write_files
 from .reshard_layout import target_layout
@@ -61,38 +59,32 @@ def reshard(
     manifest: Manifest | str | os.PathLike | None = None,
 ) -> ReshardResult:
     """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) into ``output``."""
-    found, states = validated_source(checkpoint, output, "the resharded checkpoint", manifest, tag)
+    with held_new_output(output, "the resharded checkpoint") as out:
+        found, states = validated_source(checkpoint, manifest, tag)
+        try:
+            # CK410 before anything is read or written
+            target = target_layout(found, world_size, zero_stage, sub_group_size)
+        except ReshardUnsupported as exc:
+            raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
+        plan = plan_reconstruction(checkpoint, found, tag, states=states)
+        state_plan = plan_optimizer_state(plan)
+        files = []
+
+        def build(tmp: Path) -> None:
+            tag_dir = tmp / plan.tag_dir.name
+            tag_dir.mkdir()
+            if target.zero_stage == 3:
+                files.extend(write_stage3_files(found, plan, state_plan, target, states, tag_dir, sub_group_size))
+            else:
+                files.extend(write_files(found, plan, state_plan, target, states, tag_dir))
+            (tmp / "latest").write_text(plan.tag_dir.name)
+            _embed(found, tag_dir)
+            out_manifest, out_findings = validate_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
+            if out_manifest is None or has_errors(out_findings):
+                raise CheckpointInvalid(out_findings, str(output))
+
+        build_and_publish(out, build)
     output = Path(output)
-    try:
-        # CK410 before anything is read or written
-        target = target_layout(found, world_size, zero_stage, sub_group_size)
-    except ReshardUnsupported as exc:
-        raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
-    plan = plan_reconstruction(checkpoint, found, tag, states=states)
-    state_plan = plan_optimizer_state(plan)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    sweep(output.parent)  # a killed run's temporary directory beside OUTPUT: its writer is gone
-    tmp = temp_dir(output)
-    try:
-        tag_dir = tmp / plan.tag_dir.name
-        tag_dir.mkdir()
-        if target.zero_stage == 3:
-            files = write_stage3_files(found, plan, state_plan, target, states, tag_dir, sub_group_size)
-        else:
-            files = write_files(found, plan, state_plan, target, states, tag_dir)
-        (tmp / "latest").write_text(plan.tag_dir.name)
-        _embed(found, tag_dir)
-        out_manifest, out_findings = validate_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
-        if out_manifest is None or has_errors(out_findings):
-            raise CheckpointInvalid(out_findings, str(output))
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private; the output is an ordinary directory
-        if output.exists():
-            output.rmdir()
-        replace(tmp, output)
-        fsync_dir(output.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ReshardResult(
         output,
         plan.tag_dir.name,
@@ -103,25 +95,13 @@ def reshard(
     )
 
 
-def validated_source(checkpoint, output, what: str, manifest, tag) -> tuple[Manifest, StateCache]:
-    """Refuse an ``output`` that is a URL (as given: a ``Path`` would fold ``s3://`` into a local name)
-    or not new or empty (CK909), then validate ``checkpoint``, digests included: its manifest and the
-    states read while checking."""
-    refuse_write(output, what)  # before the checkpoint is read
-    path = Path(output)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise CkptspecError("CK909", "the output exists and is not empty", "give a new directory", str(path))
+def validated_source(checkpoint, manifest, tag) -> tuple[Manifest, StateCache]:
+    """Validate ``checkpoint``, digests included: its manifest and the states read while checking."""
     states = StateCache()
     found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=True)
     if found is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(checkpoint))
     return found, states
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _embed(found: Manifest, tag_dir: Path) -> None:

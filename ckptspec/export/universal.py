@@ -28,7 +28,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._fs import fsync_dir, replace, sweep, temp_dir
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.models import Manifest
@@ -36,6 +35,7 @@ from ..location import open_binary
 from . import ds_pickle
 from .arrays import ShardReader, iter_chunks, read_array
 from .optimizer_state import plan_optimizer_state
+from .output_dir import build_and_publish, held_new_output
 from .plan import TensorSource, plan_reconstruction
 from .reshard import validated_source
 from .reshard_files import _storage_reader
@@ -61,28 +61,17 @@ def export_universal(
     manifest: Manifest | str | os.PathLike | None = None,
 ) -> UniversalResult:
     """Validate ``checkpoint``, then write its universal folder (``ds_to_universal``'s output) as ``output``."""
-    found, states = validated_source(checkpoint, output, "the universal checkpoint", manifest, tag)
-    output = Path(output)
-    try:
-        _refuse(found)
-    except ReshardUnsupported as exc:
-        raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
-    plan = plan_reconstruction(checkpoint, found, tag, states=states)
-    state_plan = plan_optimizer_state(plan)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    sweep(output.parent)
-    tmp = temp_dir(output)
-    try:
-        count = _write(found, plan, state_plan, states, tmp)
-        os.chmod(tmp, 0o777 & ~_umask())
-        if output.exists():
-            output.rmdir()
-        replace(tmp, output)
-        fsync_dir(output.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return UniversalResult(output, plan.tag_dir.name, count)
+    with held_new_output(output, "the universal checkpoint") as out:
+        found, states = validated_source(checkpoint, manifest, tag)
+        try:
+            _refuse(found)
+        except ReshardUnsupported as exc:
+            raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
+        plan = plan_reconstruction(checkpoint, found, tag, states=states)
+        state_plan = plan_optimizer_state(plan)
+        count = []
+        build_and_publish(out, lambda tmp: count.append(_write(found, plan, state_plan, states, tmp)))
+    return UniversalResult(Path(output), plan.tag_dir.name, count[0])
 
 
 def _refuse(found: Manifest) -> None:
@@ -170,9 +159,3 @@ def _optimizer_state(source, read) -> dict:
         pg["params"] = [g]
     out["param_groups"] = param_groups
     return out
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

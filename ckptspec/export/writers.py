@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._fs import commit, exclusive, fsync, io_point, recover, sweep, temp_file
+from .._commit import commit, recover
+from .._fs import exclusive, fsync, io_point, sweep, temp_file
 from ..checkpoint.embedded import SAFETENSORS_KEY as MANIFEST_KEY
 from ..checkpoint.embedded import pointer_metadata, safetensors_metadata
 from ..errors import CkptspecError, ForeignOutput, ReconstructUnsupported

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from _harness import crash
 
-from ckptspec import _fs
+from ckptspec import _commit, _fs
 
 pytestmark = pytest.mark.deepspeed
 
@@ -116,7 +116,7 @@ def _old_or_new(watched: Path, before: dict, after: dict, point: int) -> str:
     """What a reader sees is the old state or the new one, or a commit whose roll-forward (what
     the next writer does first) gives the new one."""
     if (watched / _fs.JOURNAL).exists():
-        _fs.recover(watched)
+        _commit.recover(watched)
         assert crash.visible(watched) == after, f"step {point}: the roll-forward does not give the new state"
         return "after"
     state = crash.visible(watched)
@@ -157,6 +157,36 @@ def test_a_failed_write_leaves_the_directory_as_it_was(name, baselines, ds, tmp_
         assert "Traceback" not in result.stderr
         _old_or_new(watched, before, after, point)
         assert _leftovers(watched) == [], f"step {point}: left behind {_leftovers(watched)}"
+
+
+@pytest.mark.parametrize("name", WRITERS)
+@pytest.mark.parametrize("how,code,word", [("int", 130, "interrupted"), ("term", 143, "terminated")])
+def test_an_interrupted_run_says_what_it_left(name, how, code, word, baselines, ds, tmp_path):
+    """Ctrl-C or SIGTERM at a step, the last ones (the commit, or a file's rename) all tried: the run
+    removes its temporaries and says what it left, which is the old state ("nothing was written")
+    or, stopped while committing, the new one (it finishes the renames first). Never a journal left
+    for the next run (#37 item 11: was "nothing was written" over a half-done commit)."""
+    writer = WRITERS[name]
+    before, after, total = baselines[name]
+    said = set()
+    for point in sorted(set(crash.points(total, sample=4)) | set(range(max(1, total - 11), total + 1))):
+        scratch = _fresh(writer, ds, tmp_path / f"{how}-{point}")
+        watched = scratch / writer.watched
+        result = crash.run(writer.args(scratch), f"{how}:{point}")
+        assert result.returncode == code, (point, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr
+        line = result.stderr.strip().splitlines()[-1]
+        if line == f"{word}; nothing was written":
+            assert crash.visible(watched) == before, f"step {point}: {line!r}, but the output changed"
+            said.add("nothing")
+        else:
+            assert line.startswith(f"{word}; ") and line.endswith(
+                "holds the complete new output (it was being committed, and that was finished first)"
+            ), (point, line)
+            assert crash.visible(watched) == after, f"step {point}: {line!r}, but the output is not the new one"
+            said.add("complete")
+        assert _leftovers(watched) == [], f"step {point}: left behind {_leftovers(watched)}"
+    assert said == {"nothing", "complete"}, said
 
 
 def _leftovers(directory: Path) -> list[str]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import os
 import shutil
+import stat
 import struct
 import subprocess
 import uuid
@@ -382,6 +384,14 @@ def test_sidecar_is_written_last_and_latest_after_it(saved):
 
 
 @pytest.mark.deepspeed
+def test_the_tag_directory_gets_the_mode_of_the_directories_the_job_made(saved):
+    """#37 item 7 (M3): was drwx------ whatever the umask (a temporary directory renamed into place),
+    where DeepSpeed's own saves are drwxr-xr-x under umask 022: the job made the save directory
+    under the same umask."""
+    assert stat.S_IMODE(saved.tag_dir.stat().st_mode) == stat.S_IMODE(saved.save_dir.stat().st_mode)
+
+
+@pytest.mark.deepspeed
 def test_sidecar_files_are_the_files_on_disk(saved):
     """Sizes, hashes and locators gathered from the ranks equal what the saved directory says
     (so the model-states files were described with their client state inside)."""
@@ -560,7 +570,9 @@ class _FakeEngine:
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         self.calls.append(dict(tag=tag, save_latest=save_latest, keys=sorted(client_state)))
         target = self.target = Path(save_dir) / tag
-        shutil.copytree(self.template, target, dirs_exist_ok=True)  # DeepSpeed's makedirs(exist_ok=True)
+        target.mkdir(parents=True, exist_ok=True)  # DeepSpeed's makedirs(exist_ok=True): the mode stays
+        for path in self.template.iterdir():
+            shutil.copy2(path, target / path.name)
         (target / "ckptspec.json").unlink()
         for path in _model_files(target):
             rewrite_pt_with_item(path, CLIENT_STATE_KEY, client_state[CLIENT_STATE_KEY])
@@ -620,6 +632,19 @@ def test_fake_job_reproduces_the_real_sidecar(fake_job, saved, tmp_path):
     assert manifest.to_dict() == saved.returned[0]
     assert (tmp_path / "latest").read_text() == "global_step2"
     assert (tmp_path / "global_step2" / "ckptspec.json").read_bytes() == saved.sidecar.read_bytes()
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_the_published_tag_directory_honours_the_umask(fake_job, tmp_path, umask):
+    """#37 item 7 (M3): the hook's staged tag directory (``staged_save.save_staged``) was mkdtemp's 0700."""
+    state = fake_job.install()
+    old = os.umask(umask)
+    try:
+        fake_job.ds.save_checkpoint(fake_job.engine(state), tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "global_step2").stat().st_mode) == 0o777 & ~umask
 
 
 @pytest.mark.deepspeed

@@ -21,7 +21,7 @@ from _harness import cache, crash
 from _harness.launch import HarnessError, run_launches, task_launch
 from click.testing import CliRunner
 
-from ckptspec import _fs
+from ckptspec import _commit, _fs
 from ckptspec.cli import cli
 
 pytestmark = pytest.mark.deepspeed
@@ -136,7 +136,7 @@ def test_a_killed_save_leaves_the_earlier_or_the_new_checkpoint(runs, case, tmp_
         # The next save removes what the killed one left (its writer is gone).
         _fs.sweep(save)
         for tag_dir in [p for p in save.iterdir() if p.is_dir() and not p.name.startswith(".")]:
-            _fs.recover(tag_dir)
+            _commit.recover(tag_dir)
             _fs.sweep(tag_dir)
         assert crash.hidden(save) == [], f"step {point}: {crash.hidden(save)}"
     assert "old" in states and "new" in states or len(states) < 3, states

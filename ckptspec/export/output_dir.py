@@ -1,0 +1,67 @@
+"""The output directory of a command that builds it whole beside it and then publishes it
+(``export``, ``reshard``, ``export-universal``).
+
+The run holds OUTPUT for its whole write (``_fs.exclusive``): a second run into it is refused
+(CK908) instead of both "succeeding" with whichever finished last, and what OUTPUT holds is
+checked only once it is held. A new OUTPUT is created empty to be held (and removed again if the
+run fails). A symlinked OUTPUT is written where it points, as ``reconstruct`` does: the temporary
+directory is built beside the target and takes its place; the link stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from .._fs import exclusive, publish_dir, sweep, temp_dir
+from ..errors import CkptspecError
+from ..location import refuse_write
+
+
+@contextlib.contextmanager
+def held_output(output: str | os.PathLike, what: str) -> Iterator[Path]:
+    """Create (if new) and hold OUTPUT for this run; yields the directory to replace (a symlink's target).
+    A URL is refused first (CK916; as given: a ``Path`` would fold ``s3://`` into a local name)."""
+    refuse_write(output, what)
+    out = Path(os.path.realpath(output))
+    try:
+        out.mkdir(parents=True)
+        created = True
+    except FileExistsError:  # a directory (another run's new one, too), or a file: exclusive() says so
+        created = False
+    with exclusive(out):  # CK908 before anything is looked at or written
+        try:
+            yield out
+        except BaseException:
+            if created:
+                with contextlib.suppress(OSError):
+                    out.rmdir()  # only if still empty: the output of a run that failed after publishing stays
+            raise
+
+
+@contextlib.contextmanager
+def held_new_output(output: str | os.PathLike, what: str) -> Iterator[Path]:
+    """``held_output`` for a command that writes a new directory, never into one that holds anything (CK909)."""
+    with held_output(output, what) as out:
+        if any(out.iterdir()):
+            raise CkptspecError(
+                "CK909", "the output exists and is not empty", "give a new directory", os.fspath(output)
+            )
+        yield out
+
+
+def build_and_publish(out: Path, build) -> None:
+    """``build(tmp)`` fills a temporary directory beside the held ``out``, which then takes ``out``'s
+    place in one step (``_fs.publish_dir``); on any error the temporary directory is removed."""
+    sweep(out.parent)  # a killed run's temporary directory beside OUTPUT: its writer is gone
+    tmp = temp_dir(out)
+    try:
+        build(tmp)
+        publish_dir(tmp, out)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
