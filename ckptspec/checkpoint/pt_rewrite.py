@@ -148,6 +148,11 @@ def rewritten_pt(
             raise CkptspecError(
                 "CK906", f"cannot write: {exc.strerror}", "check free space and permissions", source
             ) from None
+        except zipfile.BadZipFile as exc:  # a record's bytes no longer match their CRC-32
+            tmp.unlink(missing_ok=True)
+            raise InvalidCheckpoint(
+                "CK205", f"the file is damaged: {exc}", "restore it; the file was left untouched", source
+            ) from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -1,9 +1,11 @@
-"""Issue #37 (M5): what a checkpoint records of its files is not misread.
+"""Issue #37 (H3, M5): what a checkpoint records of its files is neither laundered nor misread.
 
-A `generate --hash` manifest kept from before `embed` (the guide's steps) made `validate --checkpoint`
-say the model states were truncated, "restore it": the file is the recorded one plus the embedded
-manifest (rebuilt without it, the same bytes), so the manifest is stale (CK226). A sidecar of another
-save said "restore it" of every healthy file.
+H3: `embed` (and `migrate --checkpoint`) over files that no longer match their record (a flipped bit
+in a master partition) rewrote the record from the damaged files, and `validate` then said valid.
+Now the files are checked against every record being replaced first, and only `--rehash` records
+them as they are. M5: a `generate --hash` manifest kept from before `embed` (the guide's steps) made
+`validate --checkpoint` say the model states were truncated, "restore it": the file is the recorded
+one plus the embedded manifest (rebuilt without it, the same bytes), so the manifest is stale (CK226).
 
 Real DeepSpeed checkpoints committed to the repository (0.19.8 ZeRO-2, 0.15.4 ZeRO-1 and ZeRO-3):
 no job to run. The oracles are hashlib over the files, torch.load and zipfile.
@@ -11,6 +13,7 @@ no job to run. The oracles are hashlib over the files, torch.load and zipfile.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import zipfile
@@ -91,6 +94,110 @@ def _local_extra(path: Path, info: zipfile.ZipInfo) -> bytes:
         return fh.read(extra_len)
 
 
+# --------------------------------------------------------------------------- H3: embed over changed files
+
+
+@pytest.mark.parametrize("options", [[], ["--sidecar-only"], ["--no-hash"]], ids=["embed", "sidecar-only", "no-hash"])
+def test_embed_refuses_to_record_damaged_files_over_their_record(ckpt, options):
+    assert run("embed", ckpt).exit_code == 0
+    tag_dir = ckpt / TAG
+    flip_a_master_bit(tag_dir / OPT1)
+    code, found = findings("validate", ckpt)
+    assert code == 1 and [(f["code"], f.get("file")) for f in found] == [("CK209", OPT1), ("CK222", None)]
+    before = contents(tag_dir)
+
+    result = run("embed", ckpt, *options)
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(f"{OPT1}: $.files[2].hash (rank 1): CK209 ") and " CK222 " in lines[1]
+    assert lines[-1] == (
+        f"{ckpt}: not embedded: the files do not match what ckptspec.json records; nothing was written "
+        "(hint: restore the files the record describes; if they changed on purpose, record them as they "
+        f"are now with `ckptspec embed {ckpt} --rehash`)"
+    )
+    assert result.stdout == ""
+    assert contents(tag_dir) == before, "a refused embed wrote something"
+    assert findings("validate", ckpt) == (code, found)  # still caught
+    assert run("reconstruct", ckpt, ckpt.parent / "out").exit_code == 1
+
+
+def test_rehash_records_the_files_as_they_are_and_says_so(ckpt):
+    assert run("embed", ckpt).exit_code == 0
+    tag_dir = ckpt / TAG
+    flip_a_master_bit(tag_dir / OPT1)
+
+    result = run("embed", ckpt, "--rehash")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0].startswith(f"{OPT1}: $.files[2].hash (rank 1): CK209 ")
+    assert result.stdout.splitlines()[-1] == (
+        f"{tag_dir / 'ckptspec.json'}: written (3 files; re-recorded from the files as they are now "
+        "(CK209, CK222 against the previous record))"
+    )
+    sidecar = json.loads((tag_dir / "ckptspec.json").read_text())
+    recorded = next(f for f in sidecar["files"] if f["path"] == OPT1)["hash"]["digest"]
+    assert recorded == hashlib.sha256((tag_dir / OPT1).read_bytes()).hexdigest()
+    assert run("validate", ckpt).exit_code == 0  # what the user asked for, explicitly
+
+
+def test_embed_checks_the_files_against_a_manifest_given(ckpt, tmp_path):
+    """`embed --manifest M` keeps M's layout and describes the files anew: M's hashes are checked first."""
+    manifest = tmp_path / "manifest.json"
+    assert run("generate", ckpt, "--hash", "-o", manifest).exit_code == 0
+    flip_a_master_bit(ckpt / TAG / OPT1)
+    before = contents(ckpt / TAG)
+
+    result = run("embed", ckpt, "--manifest", manifest)
+    assert result.exit_code == 1 and f"{OPT1}: $.files[2].hash (rank 1): CK209 " in result.stderr
+    assert "not embedded: the files do not match what the manifest given records" in result.stderr
+    assert contents(ckpt / TAG) == before
+    assert run("embed", ckpt, "--manifest", manifest, "--rehash").exit_code == 0
+
+
+def test_embedding_a_kept_manifest_again_is_not_a_mismatch(ckpt, tmp_path):
+    """After `embed --manifest M`, M predates the embed (CK226): that is no damage, `embed` goes on."""
+    manifest = tmp_path / "manifest.json"
+    assert run("generate", ckpt, "--hash", "-o", manifest).exit_code == 0
+    assert run("embed", ckpt, "--manifest", manifest).exit_code == 0
+    again = run("embed", ckpt, "--manifest", manifest, "--encoding", "msgpack")
+    assert again.exit_code == 0, again.output
+    assert run("validate", ckpt).exit_code == 0
+
+
+def test_migrate_checkpoint_refuses_to_fill_digests_from_changed_files(ckpt, tmp_path):
+    """`migrate --to 1.1 --checkpoint` adds digests read from the files: not from files that no
+    longer have the hashes the 1.0 manifest records."""
+    manifest, old, out = tmp_path / "m.json", tmp_path / "m10.json", tmp_path / "m11.json"
+    assert run("generate", ckpt, "--hash", "-o", manifest).exit_code == 0
+    assert run("migrate", manifest, old, "--to", "1.0").exit_code == 0
+    assert run("migrate", old, out, "--to", "1.1", "--checkpoint", ckpt).exit_code == 0
+    out.unlink()
+    flip_a_master_bit(ckpt / TAG / OPT1)
+
+    result = run("migrate", old, out, "--to", "1.1", "--checkpoint", ckpt)
+    assert result.exit_code == 1 and f"{OPT1}: $.files[2].hash (rank 1): CK209 " in result.stderr
+    assert f"{ckpt}: not migrated: the files do not match what the manifest records; nothing was written" in (
+        result.stderr
+    )
+    assert not out.exists()
+
+
+def test_embed_into_a_model_states_file_with_a_damaged_record_is_ck205(ckpt):
+    """Nothing recorded to check against, but the zip's own CRC-32 of the record: CK205, not CK999."""
+    path = ckpt / TAG / "mp_rank_00_model_states.pt"
+    with zipfile.ZipFile(path) as zf:
+        info = max((i for i in zf.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(_local_extra(path, info))
+    data = bytearray(path.read_bytes())
+    data[start + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+    before = contents(ckpt / TAG)
+
+    result = run("embed", ckpt)
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"{path}: CK205 the file is damaged: Bad CRC-32 for file '{info.filename}'")
+    assert contents(ckpt / TAG) == before
+
+
 # --------------------------------------------------------------------------- M5: a manifest from before embed
 
 
@@ -164,7 +271,10 @@ def test_a_sidecar_of_another_save_is_not_called_damage(ckpt):
     differ = [f for f in found if f["code"] in ("CK208", "CK209")]
     assert code == 1 and {f["file"] for f in differ} == {p.name for p in (ckpt / TAG).glob("*.pt")}
     for f in differ:
-        assert f["hint"].startswith("every file differs from its record") and "restore it" not in f["hint"]
+        assert f["hint"].startswith("every file differs from its record") and "--rehash" in f["hint"]
+    assert run("embed", ckpt).exit_code == 1  # still refused: which save is right is the user's call
+    assert run("embed", ckpt, "--rehash").exit_code == 0
+    assert run("validate", ckpt).exit_code == 0
 
 
 def test_one_changed_file_is_still_to_be_restored(ckpt):

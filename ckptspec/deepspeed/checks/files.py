@@ -181,7 +181,7 @@ def shard_hash(ctx: Context) -> Iterator[Finding]:
 OTHER_SAVE_HINT = (
     "every file differs from its record, and each reads as a DeepSpeed file: the manifest is likely of another "
     "save (a stale or copied sidecar, the tag saved again without ckptspec). If these files are the save you "
-    "want, record them again (`ckptspec embed CHECKPOINT`, or generate the manifest again); if not, "
+    "want, record them again (`ckptspec embed CHECKPOINT --rehash`, or generate the manifest again); if not, "
     "restore the files the manifest records"
 )
 
