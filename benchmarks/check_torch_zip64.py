@@ -1,4 +1,4 @@
-"""Check ``export/torch_zip`` against ``torch.save`` past 4 GiB (zip64), where the suite cannot go.
+"""Check ``checkpoint/torch_zip`` against ``torch.save`` past 4 GiB (zip64), where the suite cannot go.
 
     .venv/bin/python benchmarks/check_torch_zip64.py [DIR]
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ckptspec.checkpoint.torch_zip import TorchZipWriter
 from ckptspec.export import ds_pickle
-from ckptspec.export.torch_zip import TorchZipWriter
 
 
 def _chunks(z, info):

@@ -142,6 +142,16 @@ class CheckpointInvalid(InvalidCheckpoint):
         )
 
 
+class RecordMismatch(CheckpointInvalid):
+    """The files no longer match the record a writer would replace or build on (``embed``,
+    ``migrate --checkpoint``); ``findings`` lists how. Nothing was written (exit 1)."""
+
+    def __init__(self, findings: list[Finding], checkpoint: str, what: str, hint: str):
+        super().__init__(findings, checkpoint)
+        self.what = what  # "the files do not match what ckptspec.json records"
+        self.hint = hint
+
+
 class ReconstructMismatch(InvalidCheckpoint):
     """CK401: the files do not hold what the validated manifest says (exit 1)."""
 

@@ -76,6 +76,7 @@ CODES: dict[str, str] = {
     "CK224": "leftover-temporary",
     "CK225": "pickle-over-cap",
     "CK226": "output-in-tag-directory",
+    "CK227": "manifest-predates-embed",
     # CK23x: a model-parallel checkpoint's files against its index (deepspeed/index_checks.py)
     "CK230": "index-layer-file",
     "CK231": "index-degrees",

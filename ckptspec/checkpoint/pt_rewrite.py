@@ -49,6 +49,25 @@ def _pickle_with_item(data: bytes, key: str, value: str, source: str) -> bytes:
     return data[:-1] + _binunicode(key) + _binunicode(value) + _SETITEM + _STOP
 
 
+def pickles_before(data: bytes, key: str) -> list[bytes]:
+    """``data`` (a ``data.pkl``) as it was before each ``_pickle_with_item`` of ``key`` that made it,
+    the latest first: the inverse of the append, exact byte for byte. Empty when ``data`` does not
+    end with such an item (a pickle torch wrote memoizes its strings, so it never matches)."""
+    marker = _binunicode(key) + _BINUNICODE
+    earlier = []
+    while data.endswith(_SETITEM + _STOP):
+        at = data.rfind(marker)  # the value is JSON text: it holds no raw control byte of a length
+        start = at + len(marker)
+        if at < 2 or start + 4 > len(data):
+            break
+        (length,) = struct.unpack_from("<I", data, start)
+        if start + 4 + length + len(_SETITEM + _STOP) != len(data):
+            break
+        data = data[:at] + _STOP
+        earlier.append(data)
+    return earlier
+
+
 def _padding_extra(offset_of_header: int, name: bytes, zip64: bool) -> bytes:
     """An 'FB' extra field (as torch.save writes it) that puts the member's data at a
     multiple of ZIP_ALIGNMENT."""
@@ -128,6 +147,11 @@ def rewritten_pt(
             tmp.unlink(missing_ok=True)
             raise CkptspecError(
                 "CK906", f"cannot write: {exc.strerror}", "check free space and permissions", source
+            ) from None
+        except zipfile.BadZipFile as exc:  # a record's bytes no longer match their CRC-32
+            tmp.unlink(missing_ok=True)
+            raise InvalidCheckpoint(
+                "CK205", f"the file is damaged: {exc}", "restore it; the file was left untouched", source
             ) from None
         except BaseException:
             tmp.unlink(missing_ok=True)

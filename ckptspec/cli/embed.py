@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 import click
 
@@ -31,6 +32,14 @@ def _check_input(name: str, doc) -> None:
     _show(name, findings)
     if has_errors(findings):
         sys.exit(EXIT_INVALID)
+
+
+def _not_written(checkpoint: str, exc, not_done: str) -> NoReturn:
+    """The files no longer match the record a command would replace or build on (``RecordMismatch``)."""
+    _show(checkpoint, exc.findings)
+    hint = exc.hint.replace("CHECKPOINT", checkpoint)
+    click.echo(f"{checkpoint}: {not_done}: {exc.what}; nothing was written (hint: {hint})", err=True)
+    sys.exit(EXIT_INVALID)
 
 
 def _write(doc, output: str, encoding: str | None) -> int:
@@ -102,17 +111,32 @@ def _refuse_an_index(name: str, doc) -> None:
 )
 @click.option("--no-hash", is_flag=True, help="Do not record SHA-256 hashes of the files (faster).")
 @click.option("--sidecar-only", is_flag=True, help="Write the sidecar only; leave the model-states files untouched.")
+@click.option(
+    "--rehash",
+    is_flag=True,
+    help="Record the files as they are now even where they no longer match the sizes, hashes or digests "
+    "recorded (without it, embed refuses).",
+)
 def embed(
-    checkpoint: str, manifest_path: str | None, tag: str | None, encoding: str, no_hash: bool, sidecar_only: bool
+    checkpoint: str,
+    manifest_path: str | None,
+    tag: str | None,
+    encoding: str,
+    no_hash: bool,
+    sidecar_only: bool,
+    rehash: bool,
 ) -> None:
     """Add a manifest to an existing DeepSpeed checkpoint.
 
     The layout manifest goes into each model-states file's client state (key
     'ckptspec_manifest'; every other byte of the file is kept), then the complete
     manifest (files, sizes, hashes, locators) is written last, atomically, as the
-    sidecar ckptspec.json of the tag directory. Reads no tensor data except to hash.
+    sidecar ckptspec.json of the tag directory. What is recorded already (the sidecar;
+    M when it lists files) is checked against the files first, hashes and digests
+    included: if they no longer match it, nothing is written (exit 1) unless --rehash.
     """
     from ..deepspeed.embed import embed_checkpoint
+    from ..errors import RecordMismatch
 
     try:
         manifest = None
@@ -127,12 +151,18 @@ def embed(
             hash_algorithm=None if no_hash else "sha256",
             encoding=encoding,
             model_states=not sidecar_only,
+            rehash=rehash,
         )
+    except RecordMismatch as exc:
+        _not_written(checkpoint, exc, "not embedded")
     except CkptspecError as exc:
         fail(exc, checkpoint)
+    _show(checkpoint, result.replaced)
     for path in result.model_states:
         click.echo(f"{path}: manifest embedded in the client state")
-    click.echo(f"{result.sidecar}: written ({len(result.manifest['files'])} files)")
+    codes = ", ".join(dict.fromkeys(f.code for f in result.replaced))
+    again = f"; re-recorded from the files as they are now ({codes} against the previous record)" if codes else ""
+    click.echo(f"{result.sidecar}: written ({len(result.manifest['files'])} files{again})")
 
 
 @click.command()
@@ -256,7 +286,7 @@ def migrate(
     own version first and OUT against the target version before it is written; a
     field the target version has no place for is reported (CK313 warning).
     """
-    from ..errors import InvalidInput
+    from ..errors import InvalidInput, RecordMismatch
     from ..format.migrate import migrate_document
     from ..format.version import version_key
 
@@ -274,6 +304,8 @@ def migrate(
     except InvalidInput as exc:
         _show(source, exc.findings)
         sys.exit(EXIT_INVALID)
+    except RecordMismatch as exc:
+        _not_written(checkpoint, exc, "not migrated")
     except CkptspecError as exc:
         fail(exc, source)
     _show(source, result.findings)

@@ -8,7 +8,7 @@ writers are in ``ckptspec.checkpoint.embedded`` and ``ckptspec.checkpoint.pt_rew
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from .describe import describe_files, manifest_from_states
 from .digests import add_digests
 from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
 from .names import MODEL_RE, file_order, role_of
+from .recorded import check_records, recorded_manifests
 
 
 def copies_in_dir(
@@ -123,6 +124,13 @@ class EmbedResult:
     manifest: dict  # the complete manifest written as the sidecar
     sidecar: Path
     model_states: list[Path]  # files whose client state now holds the layout manifest
+    replaced: list[Finding] = field(default_factory=list)  # rehash: how the files differed from the old record
+
+
+REHASH_HINT = (
+    "restore the files the record describes; if they changed on purpose, record them as they are now with "
+    "`ckptspec embed CHECKPOINT --rehash`"
+)
 
 
 def embed_checkpoint(
@@ -133,6 +141,7 @@ def embed_checkpoint(
     hash_algorithm: str | None = "sha256",
     encoding: Encoding = "json",
     model_states: bool = True,
+    rehash: bool = False,
 ) -> EmbedResult:
     """Add a manifest to an existing DeepSpeed checkpoint: model-states client state, then the sidecar.
 
@@ -143,9 +152,14 @@ def embed_checkpoint(
     killed at any point leaves the checkpoint as it was, or (rolled forward by the next write
     into the tag directory) complete. A second writer into the same tag directory is refused.
     A checkpoint at a URL is refused (CK916): ckptspec writes only local files.
+
+    What is recorded already (the sidecar, and ``manifest`` when it lists files) is checked against
+    the files first, hashes and digests included: on any error ``RecordMismatch`` (exit 1, nothing
+    written), unless ``rehash``, which records the files as they are and returns those errors.
     """
     refuse_write(checkpoint, "a manifest (embed rewrites the model states and writes the sidecar)")
     tag_dir = resolve_tag_dir(checkpoint, tag)
+    given = manifest
     shards = scan_tag_dir(tag_dir)
     states = StateCache()  # each file is read once, here
     described = manifest_from_states(shards, states)
@@ -187,6 +201,8 @@ def embed_checkpoint(
     with exclusive(tag_dir):
         recover(tag_dir)  # a killed embed's half-finished commit: finish it first
         sweep(tag_dir)
+        records = recorded_manifests(tag_dir, given)
+        replaced = check_records(tag_dir, records, states, rehash=rehash, hint=REHASH_HINT)
         target, digested = _digested(shards, described, doc, states) if hash_algorithm else (None, {})
         if target is None and version_key(str(doc.get("format_version", "1.0"))) != "1.0":
             target = Manifest.model_validate(doc, context={"allow_unknown": True})
@@ -220,7 +236,7 @@ def embed_checkpoint(
             commit(tag_dir, renames + sidecar_renames, removals)
         except OSError as exc:
             raise _write_failed(exc, tag_dir) from None
-    return EmbedResult(complete, sidecar_renames[0][1], [final for _, final in renames])
+    return EmbedResult(complete, sidecar_renames[0][1], [final for _, final in renames], replaced)
 
 
 def _write_failed(exc: OSError, tag_dir: Path) -> CkptspecError:

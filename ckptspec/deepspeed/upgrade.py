@@ -15,9 +15,13 @@ import os
 from ..checkpoint.embedded import NOT_LAYOUT, first_difference
 from ..checkpoint.states import StateCache
 from ..errors import EmbedError
+from ..format.models import Manifest
 from .describe import manifest_from_states
 from .digests import add_digests
 from .directory import resolve_tag_dir, scan_tag_dir
+from .recorded import check_records
+
+_CHANGED_HINT = "restore the files the manifest records, or migrate without --checkpoint (no 1.1 field is filled)"
 
 # A file entry as the document and the directory must both see it.
 _FILE_IDENTITY = ("path", "role", "ranks", "size", "partitions")
@@ -30,7 +34,8 @@ def fill_from_checkpoint(doc: dict, checkpoint: str | os.PathLike, tag: str | No
     byte was wanted). Raises ``EmbedError`` (CK304) when ``doc`` does not describe the checkpoint.
     """
     tag_dir = resolve_tag_dir(checkpoint, tag)
-    found = manifest_from_states(scan_tag_dir(tag_dir), StateCache())
+    states = StateCache()
+    found = manifest_from_states(scan_tag_dir(tag_dir), states)
     derived = found.to_dict()
     ignore = NOT_LAYOUT + ("excluded",)
     diff = first_difference(
@@ -52,6 +57,9 @@ def fill_from_checkpoint(doc: dict, checkpoint: str | os.PathLike, tag: str | No
             str(tag_dir),
         )
     if any("hash" in f for f in doc.get("files", [])):
+        # Digests read from files that no longer match the recorded hashes would vouch for the change.
+        recorded = Manifest.model_validate(doc, context={"allow_unknown": True})
+        check_records(tag_dir, [("the manifest", recorded)], states, rehash=False, hint=_CHANGED_HINT)
         add_digests(found, tag_dir)
         derived = found.to_dict()
     out = copy.deepcopy(doc)

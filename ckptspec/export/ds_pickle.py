@@ -235,7 +235,7 @@ def save_streamed(obj: Any, path: Path, *, shapes_as_tuples: bool = False) -> No
 
     import torch
 
-    from .torch_zip import TorchZipWriter
+    from ..checkpoint.torch_zip import TorchZipWriter
 
     keys: dict[int, str] = {}  # id(Lazy) -> its storage key (the same str object: pickled once, as torch does)
     order: list[Lazy] = []

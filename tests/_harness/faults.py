@@ -285,6 +285,14 @@ def save_id_of_another_save(save_dir: Path, env: FaultEnv) -> None:
     rewrite_pt_with_item(path, "ckptspec_manifest", json.dumps(doc))
 
 
+def embed_after_the_manifest(save_dir: Path, env: FaultEnv) -> None:
+    """docs/guide.md's steps before #37: a `generate --hash` manifest kept, then `ckptspec embed`,
+    which rewrites the model states (the manifest goes into its client state; every record moves)."""
+    from ckptspec.deepspeed.embed import embed_checkpoint
+
+    embed_checkpoint(save_dir)
+
+
 def _load(path: Path) -> dict:
     import torch
 
@@ -566,6 +574,15 @@ FAULTS = [
         "CK221",
         "mp_rank_00_model_states.pt",
         resave_model_states,
+        hashed_manifest=True,
+    ),
+    Fault(
+        "manifest-before-embed",
+        "committed:s2-bf16-ws2",
+        "stage 2: `ckptspec embed` run after the `--hash` manifest was written (the model states now carry it)",
+        "CK227",
+        "mp_rank_00_model_states.pt",
+        embed_after_the_manifest,
         hashed_manifest=True,
     ),
     Fault(

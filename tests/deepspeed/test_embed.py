@@ -503,13 +503,56 @@ def test_embed_into_a_plain_deepspeed_checkpoint(saved, tmp_path):
     assert run("validate", str(copy_dir)).returncode == 0
     assert embedded_findings(copy_dir) == []
 
-    # --manifest with the engine's manifest: accepted (it describes this checkpoint) and kept as given.
+    # --manifest with the engine's manifest: it describes this checkpoint's layout, but it records the
+    # model states the hook saved (the manifest pickled inside), not the ones re-saved above: refused
+    # (#37, nothing written) until --rehash records them as they are; then kept as given.
     given = tmp_path / "engine.json"
     given.write_bytes(saved.sidecar.read_bytes())
-    again = run("embed", str(copy_dir), "--manifest", str(given), "--encoding", "msgpack")
+    refused = run("embed", str(copy_dir), "--manifest", str(given), "--encoding", "msgpack")
+    assert refused.returncode == 1 and not (tag_dir / "ckptspec.msgpack").exists()
+    assert {name for name in (p.name for p in _model_files(tag_dir)) if f"{name}: $.files" in refused.stderr} == {
+        p.name for p in _model_files(tag_dir)
+    }
+    assert "not embedded: the files do not match what the manifest given records" in refused.stderr
+    again = run("embed", str(copy_dir), "--manifest", str(given), "--encoding", "msgpack", "--rehash")
     assert again.returncode == 0, again.stderr
     assert not (tag_dir / "ckptspec.json").exists()
     assert _without(load_document(tag_dir / "ckptspec.msgpack"), "files") == _without(original, "files")
+    assert run("validate", str(copy_dir)).returncode == 0
+
+
+@pytest.mark.deepspeed
+def test_embed_over_a_flipped_master_bit_is_refused_until_rehash(saved, tmp_path):
+    """#37 (H3), the report's repro on the hook's own sidecars: one bit of the last rank's fp32 master
+    partition flipped (same size). `embed` and `embed --sidecar-only` used to record the damaged file,
+    after which `validate` said valid; now they refuse, nothing written, until `--rehash`."""
+    import torch
+
+    copy_dir = tmp_path / "ckpt"
+    shutil.copytree(saved.save_dir, copy_dir)
+    tag_dir = copy_dir / saved.tag_dir.name
+    sidecar = json.loads(saved.sidecar.read_text())
+    entry = [f for f in sidecar["files"] if f["role"] == "optimizer_states"][-1]
+    victim = tag_dir / entry["path"]
+    key = "fp32_flat_groups" if saved.spec["stage"] == 3 else "single_partition_of_fp32_groups"
+    before = torch.load(victim, map_location="cpu", weights_only=False)["optimizer_state_dict"][key][0]
+    data = bytearray(victim.read_bytes())
+    data[entry["partitions"][0]["data_offset"] + 4 * 3 + 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    after = torch.load(victim, map_location="cpu", weights_only=False)["optimizer_state_dict"][key][0]
+    assert (after != before).nonzero().flatten().tolist() == [3]  # one master element, nothing else read differs
+    files = {p.name: p.read_bytes() for p in tag_dir.iterdir()}
+
+    for options in ([], ["--sidecar-only"]):
+        result = run("embed", str(copy_dir), *options)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert f"{victim.name}: $.files[" in result.stderr and " CK209 " in result.stderr and " CK222 " in result.stderr
+        assert "not embedded: the files do not match what ckptspec.json records" in result.stderr
+        assert {p.name: p.read_bytes() for p in tag_dir.iterdir()} == files
+    assert run("validate", str(copy_dir)).returncode == 1
+
+    rehashed = run("embed", str(copy_dir), "--rehash")
+    assert rehashed.returncode == 0 and "re-recorded from the files as they are now (CK209" in rehashed.stdout
     assert run("validate", str(copy_dir)).returncode == 0
 
 

@@ -1,4 +1,4 @@
-"""``export/torch_zip``: torch's zip format written record by record, each from chunks.
+"""``checkpoint/torch_zip``: torch's zip format written record by record, each from chunks.
 
 The oracle is ``torch.save`` itself: every record of a file it wrote, written again through
 ``TorchZipWriter`` in small chunks, gives the same file byte for byte (headers, alignment padding,
@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from ckptspec.checkpoint.torch_zip import TorchZipWriter  # noqa: E402
 from ckptspec.export import ds_pickle  # noqa: E402
-from ckptspec.export.torch_zip import TorchZipWriter  # noqa: E402
 
 
 def _rewrite(src, dst):

@@ -60,7 +60,7 @@ def check_checkpoint(
     ctx = build_context(
         manifest, tag_dir, verify_hashes, states if states is not None else StateCache(), digests, scope
     )
-    return _run(ctx)
+    return files.whole_save_differs(ctx, _run(ctx))
 
 
 def _run(ctx) -> list[Finding]:

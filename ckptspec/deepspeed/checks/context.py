@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..._fs import is_leftover
+from ...checkpoint.before_embed import Earlier, recorded_before_embed
+from ...checkpoint.embedded import CLIENT_STATE_KEY
 from ...checkpoint.sidecar import SIDECAR_NAMES
 from ...checkpoint.states import Loaded, StateCache
 from ...findings import Finding, json_path
@@ -58,6 +60,10 @@ class Context:
     disk: dict[str, Path | RemotePath]  # relative posix path -> file, sidecars excluded
     verify_digests: bool = False  # read every located tensor to check format 1.1's digests (CK222)
     names: dict[str, tuple[str, int, int | None]] = field(default_factory=dict)  # name -> (role, index, param index)
+    # A model-states file `ckptspec embed` rewrote after the manifest was written, proven to be the
+    # recorded file plus the embedded manifest (file index -> that file): the manifest is stale (CK227).
+    before_embed: dict[int, Earlier] = field(default_factory=dict)
+    embedded_since: dict[int, int] = field(default_factory=dict)  # file index -> embeds it carries, unproven
 
     @property
     def layout(self):
@@ -155,6 +161,7 @@ def build_context(
     if scope is not None:  # a domain of a checkpoint index: the other files are the index's to check
         disk = {rel: path for rel, path in disk.items() if scope(rel)}
     ctx = Context(manifest, tag_dir, verify_hashes, files, disk, verify_digests)
+    _rewritten_by_embed(ctx)
     for g, grp in enumerate(manifest.groups):
         for p, param in enumerate(grp.params):
             ctx.names[param.name] = ("trainable", g, p)
@@ -162,3 +169,23 @@ def build_context(
         for i, item in enumerate(getattr(manifest, section)):
             ctx.names.setdefault(item.name, (role, i, None))
     return ctx
+
+
+def _rewritten_by_embed(ctx: Context) -> None:
+    """Fill ``ctx.before_embed`` and ``ctx.embedded_since``: the model-states files whose size differs
+    from the record and that carry a manifest ``ckptspec embed`` appended (only those are read)."""
+    for f in ctx.files:
+        state = f.state
+        if f.role != "model_states" or not isinstance(state, dict) or CLIENT_STATE_KEY not in state:
+            continue
+        if not f.loaded.members or f.path.stat().st_size == f.entry.size:
+            continue
+        recorded = f.entry.hash if ctx.verify_hashes else None
+        try:
+            earlier, embeds = recorded_before_embed(f.path, f.loaded.members, CLIENT_STATE_KEY, f.entry.size, recorded)
+        except (OSError, ValueError):
+            continue  # not rebuilt: the file is judged as it is (CK208)
+        if earlier is not None:
+            ctx.before_embed[f.index] = earlier
+        elif embeds:
+            ctx.embedded_since[f.index] = embeds

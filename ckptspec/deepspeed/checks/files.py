@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -138,10 +139,12 @@ def _globbed_by(rel: str) -> str:
 @check("CK208")
 def shard_size(ctx: Context) -> Iterator[Finding]:
     for f in ctx.files:
-        if f.on_disk:
+        if f.on_disk and f.index not in ctx.before_embed:  # CK227: the manifest is stale, the file intact
             size = f.path.stat().st_size
             if size != f.entry.size:
                 what = "truncated" if size < f.entry.size else "longer than recorded"
+                if f.index in ctx.embedded_since:
+                    what += "; without the manifest `ckptspec embed` added to it, it is still not the recorded file"
                 yield finding(
                     "CK208",
                     f.at("size"),
@@ -150,6 +153,27 @@ def shard_size(ctx: Context) -> Iterator[Finding]:
                     file=f.name,
                     rank=f.rank,
                 )
+
+
+@check("CK227")
+def manifest_predates_embed(ctx: Context) -> Iterator[Finding]:
+    """A model-states file ``ckptspec embed`` rewrote after the manifest was written, and otherwise
+    the very file it records (rebuilt without the embedded manifest: the recorded size, and hash)."""
+    for index, earlier in sorted(ctx.before_embed.items()):
+        f = ctx.files[index]
+        proof = f"{f.entry.hash.algorithm}" if f.entry.hash is not None and ctx.verify_hashes else "size"
+        times = "" if earlier.embeds == 1 else f" {earlier.embeds} times"
+        yield finding(
+            "CK227",
+            f.at("size"),
+            f"the manifest predates `ckptspec embed`, which added a manifest to this file{times} (now "
+            f"{f.path.stat().st_size} bytes, recorded {f.entry.size}): without it, it is the recorded file "
+            f"(same {proof})",
+            "the manifest is stale, not the file: use the checkpoint's own "
+            "(`ckptspec extract CHECKPOINT -o manifest.json`) or generate it again",
+            file=f.name,
+            rank=f.rank,
+        )
 
 
 @check("CK209")
@@ -175,6 +199,25 @@ def shard_hash(ctx: Context) -> Iterator[Finding]:
                 file=f.name,
                 rank=f.rank,
             )
+
+
+OTHER_SAVE_HINT = (
+    "every file differs from its record, and each reads as a DeepSpeed file: the manifest is likely of another "
+    "save (a stale or copied sidecar, the tag saved again without ckptspec). If these files are the save you "
+    "want, record them again (`ckptspec embed CHECKPOINT --rehash`, or generate the manifest again); if not, "
+    "restore the files the manifest records"
+)
+
+
+def whole_save_differs(ctx: Context, findings: list[Finding]) -> list[Finding]:
+    """``findings`` with the hint of CK208/CK209 changed when every shard file differs from its record
+    and none is damaged: not a file to restore but, most likely, a manifest of another save."""
+    shards = {f.name for f in ctx.files if f.on_disk and f.role in ("model_states", "optimizer_states")}
+    differ = {f.file for f in findings if f.code in ("CK208", "CK209", "CK227")}
+    damaged = {f.file for f in findings if f.code in ("CK202", "CK204", "CK205", "CK225")}
+    if len(shards) < 2 or differ != shards or damaged:
+        return findings
+    return [replace(f, hint=OTHER_SAVE_HINT) if f.code in ("CK208", "CK209") else f for f in findings]
 
 
 def _unreadable(ctx: Context, code: str) -> Iterator[Finding]:

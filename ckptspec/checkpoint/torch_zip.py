@@ -14,6 +14,10 @@ The serialization id is 20 digits of a hash of the record names (an ``unordered_
 only torch can reproduce) and 20 digits of the records' CRC-32s combined in write order (c10's
 ``hash_combine``): the former, and the ``version`` record, are taken from torch's own writer run on
 the same record names with no data (``ds_pickle.torch_trailer``; this module needs no torch).
+
+Writing into any binary ``sink`` instead of a file gives the bytes (and, with records of unknown
+content, the size) of a file torch would have written: ``before_embed`` rebuilds a model-states file
+as it was before ``ckptspec embed`` added its manifest, to compare it with a manifest's record.
 """
 
 from __future__ import annotations
@@ -54,23 +58,33 @@ def _zip64_extra(size: int | None, offset: int | None, compressed: int | None = 
 
 
 class TorchZipWriter:
-    """``write_record`` per record, then ``close``; a file torch.load reads as torch.save wrote it."""
+    """``write_record`` per record, then ``close``; a file torch.load reads as torch.save wrote it.
 
-    def __init__(self, path: Path):
+    ``sink``: write there (any object with ``write``) instead of creating ``path``; ``archive``:
+    the records' prefix, when it is not ``path``'s own (a file saved under another name)."""
+
+    def __init__(self, path: Path, *, sink=None, archive: str | None = None):
         self.path = Path(path)
-        self.prefix = archive_name(self.path) + "/"
-        self._file = open(self.path, "wb")  # closed by close() or abort()
+        self.prefix = (archive if archive is not None else archive_name(self.path)) + "/"
+        self._owned = sink is None  # a file of its own: closed by close(), finish() or abort()
+        self._file = open(self.path, "wb") if sink is None else sink
         self._pos = 0
         self._names: list[str] = []
         self._central: list[bytes] = []
         self._crc_seed = 0
 
+    @property
+    def written(self) -> int:
+        """Bytes written so far (measured ones included)."""
+        return self._pos
+
     def _write(self, data) -> None:
         self._file.write(data)
         self._pos += len(memoryview(data).cast("B"))
 
-    def write_record(self, name: str, chunks: Iterable | bytes, size: int) -> None:
-        """Record ``name`` of ``size`` bytes, the concatenation of ``chunks`` (bytes-like)."""
+    def write_record(self, name: str, chunks: Iterable | bytes | None, size: int) -> None:
+        """Record ``name`` of ``size`` bytes, the concatenation of ``chunks`` (bytes-like). ``chunks``
+        None: only measuring (the sink discards what it gets); the data and its CRC are not written."""
         if isinstance(chunks, (bytes, bytearray, memoryview)):
             chunks = [chunks]
         full = (self.prefix + name).encode("utf-8")
@@ -86,7 +100,10 @@ class TorchZipWriter:
         self._write(full)
         self._write(extra)
         crc, written = 0, 0
-        for chunk in chunks:
+        if chunks is None:  # measuring only
+            written = size
+            self._pos += size
+        for chunk in chunks or ():
             view = memoryview(chunk).cast("B")
             crc = zlib.crc32(view, crc)
             written += len(view)
@@ -133,6 +150,11 @@ class TorchZipWriter:
         self.write_record("version", version, len(version))
         serial = f"{names_hash}{self._crc_seed:020d}".encode()
         self.write_record(".data/serialization_id", serial, len(serial))
+        self.finish()
+
+    def finish(self) -> None:
+        """The directory and the end records after the records written so far (a file whose closing
+        records are copied from another, like any record), then the file is closed."""
         directory = b"".join(self._central)
         offset = self._pos
         self._write(directory)
@@ -154,7 +176,8 @@ class TorchZipWriter:
                 0,
             )  # fmt: skip
         )
-        self._file.close()
+        self.abort()
 
     def abort(self) -> None:
-        self._file.close()
+        if self._owned:
+            self._file.close()
