@@ -18,7 +18,7 @@ from ..checkpoint.states import StateCache
 from ..errors import CkptspecError, RecordMismatch
 from ..findings import Finding
 from ..format.models import Manifest
-from ..format.validate import validate_file
+from ..format.validate import Report, validate_file
 from .checks import check_checkpoint
 
 # Not a reason to stop a writer: the manifest predates an embed, the file is intact (CK227).
@@ -42,7 +42,7 @@ def recorded_manifests(tag_dir: Path, given: Manifest | dict | None) -> list[tup
             report = validate_file(sidecar)
         except CkptspecError:
             report = None
-        if report is not None and report.ok and report.manifest is not None and report.manifest.files:
+        if isinstance(report, Report) and report.ok and report.manifest is not None and report.manifest.files:
             out.append((sidecar.name, report.manifest))
     if isinstance(given, dict) and given.get("files"):
         given = Manifest.model_validate(given, context={"allow_unknown": True})

@@ -21,14 +21,14 @@ from typing import Literal
 from ..checkpoint.embedded import unreadable_sidecar
 from ..checkpoint.sidecar import find_sidecar
 from ..checkpoint.states import Loaded, StateCache, code_and_hint
-from ..errors import CkptspecError
+from ..errors import CkptspecError, UnsupportedCheckpoint
 from ..findings import Finding, finding, has_errors
 from ..format.models import Manifest, ShardFile
 from ..format.validate import Report, validate_file, validate_manifest
 from ..location import RemotePath, relative_name
 from .checks import check_checkpoint
 from .describe import manifest_from_states
-from .directory import ShardSet, resolve_tag_dir, scan_tag_dir
+from .directory import ShardSet, index_kind_hint, resolve_tag_dir, scan_tag_dir
 from .embed import embedded_findings
 from .names import file_order, rank_of, role_of
 
@@ -79,6 +79,12 @@ def choose_manifest(
             error = unreadable_sidecar(exc)
             chosen.findings = [finding(error.code, "$", error.message, error.hint, file=sidecar.name), *chosen.findings]
             return chosen
+        if not isinstance(report, Report):  # the sidecar of a checkpoint an index describes
+            raise UnsupportedCheckpoint(
+                f"{sidecar.name} is a checkpoint index",
+                index_kind_hint("tensor/pipeline-parallel, MoE, stage-0"),
+                str(sidecar),
+            )
         chosen = Chosen(tag_dir, "sidecar", report.manifest, list(report.findings), sidecar=sidecar, states=states)
     else:
         return _generated(tag_dir, states)
@@ -129,7 +135,14 @@ def validate_checkpoint(
     (exit 2) when the directory or a manifest file cannot be read.
     """
     if isinstance(manifest, (str, os.PathLike)):
-        manifest = validate_file(manifest)
+        manifest = validate_file(manifest)  # an index file gives an IndexReport
+    if not isinstance(manifest, (Manifest, Report)) and manifest is not None:  # a checkpoint index
+        raise UnsupportedCheckpoint(
+            "the manifest given is a checkpoint index; this function checks ZeRO data-parallel checkpoints "
+            "against a manifest 1.x",
+            "check it with validate_index.validate_index_checkpoint, or `ckptspec validate INDEX --checkpoint DIR`",
+            str(checkpoint_dir),
+        )
     if isinstance(manifest, Report) and (not manifest.ok or manifest.manifest is None):
         return manifest.manifest, list(manifest.findings)  # an invalid manifest is not checked against files
     chosen, findings = check_tag_dir(
