@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from _harness.servers import start_nginx, start_s3
-from child import run_child
+from child import load_line, run_child
 from make_big_checkpoint import build
 
 CLI = [sys.executable, "-m", "ckptspec"]
@@ -120,12 +120,8 @@ def main() -> None:
             s3.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    load = os.getloadavg()
     print(f"checkpoint: {save_dir.name}, {total:,} bytes in {tag}/ ({total / 2**30:.2f} GiB)")
-    print(
-        f"load average (1, 5, 15 min) at start: {start_load[0]:.1f} {start_load[1]:.1f} {start_load[2]:.1f}; "
-        f"at end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {os.cpu_count()} cores\n"
-    )
+    print(load_line(start_load) + "\n")
     print(
         "| command | from | wall s | CPU s | load (1 min) | peak RSS MiB | bytes fetched (ckptspec) "
         "| bytes sent (nginx log) | % of files |"

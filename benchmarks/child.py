@@ -29,3 +29,12 @@ def run_child(cmd: list[str], env: dict | None = None, ok_codes=(0,)) -> dict:
         "code": code,
         "out": out[-2000:],
     }
+
+
+def load_line(start: tuple[float, float, float]) -> str:
+    """The load averages at a benchmark's ``start`` (``os.getloadavg()``) and now, and the core count."""
+    end = os.getloadavg()
+    return (
+        f"load average (1, 5, 15 min) at start: {start[0]:.1f} {start[1]:.1f} {start[2]:.1f}; "
+        f"at end: {end[0]:.1f} {end[1]:.1f} {end[2]:.1f}; {os.cpu_count()} cores"
+    )

@@ -191,6 +191,19 @@ class TensorDigestMismatch(InvalidCheckpoint):
         )
 
 
+class FileHashMismatch(InvalidCheckpoint):
+    """CK209: a remote file hashed while its tensors streamed does not match its recorded hash (exit 1)."""
+
+    def __init__(self, file: str, algorithm: str, actual: str, recorded: str):
+        super().__init__(
+            "CK209",
+            f"{algorithm} of the file is {actual[:16]}..., the manifest records {recorded[:16]}...",
+            "the content changed after the manifest was written (swapped rank files, a re-save, bit rot); "
+            "restore it; nothing was written",
+            file,
+        )
+
+
 class TorchFileError(Exception):
     """A file cannot be read as a (safe) torch zip file.
 

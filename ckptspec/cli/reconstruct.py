@@ -106,13 +106,17 @@ def reconstruct(
     try:
         refuse_write(output_dir, "the reconstruction")  # before anything is fetched
         states = StateCache()  # what validation reads, the plan reuses
-        # Tensor digests are checked while the tensors stream, not in a pass of their own.
-        found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=False)
+        # Tensor digests are checked while the tensors stream, not in a pass of their own; so are a
+        # remote checkpoint's file hashes, so that each byte is fetched once (ShardReader.verify).
+        in_stream = is_remote(checkpoint)
+        found, findings = validate_checkpoint(
+            checkpoint, manifest, tag, states=states, verify_hashes=not in_stream, verify_digests=False
+        )
         echo_findings(findings, manifest or checkpoint, err=True, always_name_target=False)
         if found is None or has_errors(findings):
             click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)
             sys.exit(EXIT_INVALID)
-        plan = plan_reconstruction(checkpoint, found, tag, states=states)
+        plan = plan_reconstruction(checkpoint, found, tag, states=states, hashes_in_stream=in_stream)
         if optimizer_state:
             plan_optimizer_state(plan)  # refused before anything is written
         total = plan.total_numel(untie)  # elements written; the bar counts output bytes

@@ -8,6 +8,7 @@ writers are in ``ckptspec.checkpoint.embedded`` and ``ckptspec.checkpoint.pt_rew
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ def copies_in_dir(
     tag: str | None = None,
     errors: list[CkptspecError] | None = None,
     states: StateCache | None = None,
+    read: Iterable[EmbeddedCopy] = (),
 ) -> list[EmbeddedCopy]:
     """Every manifest copy of a checkpoint directory (or of a directory of safetensors files).
 
@@ -57,7 +59,8 @@ def copies_in_dir(
     state. Any other directory: its sidecar(s), the ``metadata`` of its ``*.index.json`` and the
     ``__metadata__`` of its ``*.safetensors`` that hold the manifest themselves.
     With ``errors``, a file that cannot be read is appended there and skipped instead of raising.
-    ``states``: model states already read (and where the ones read here are kept).
+    ``states``: model states already read (and where the ones read here are kept); ``read``: copies
+    the caller already read (a sidecar it validated), not read again.
     """
     root = location(directory)
     try:
@@ -67,7 +70,10 @@ def copies_in_dir(
             raise
         tag_dir = None
     where = tag_dir or root
-    candidates: list[tuple[Path, Any]] = [(p, lambda p: [read_sidecar_copy(p)]) for p in find_sidecars(where)]
+    known = {c.source: c for c in read}
+    candidates: list[tuple[Path, Any]] = [
+        (p, lambda p: [known[str(p)]] if str(p) in known else [read_sidecar_copy(p)]) for p in find_sidecars(where)
+    ]
     if tag_dir is not None:
         models = [p for p in tag_dir.iterdir() if p.is_file() and MODEL_RE.match(p.name)]
         models.sort(key=lambda p: file_order(*role_of(p.name), p.name))
@@ -102,16 +108,19 @@ def find_copies(target: str | os.PathLike, tag: str | None = None) -> list[Embed
 
 
 def embedded_findings(
-    checkpoint: str | os.PathLike, tag: str | None = None, states: StateCache | None = None
+    checkpoint: str | os.PathLike,
+    tag: str | None = None,
+    states: StateCache | None = None,
+    read: Iterable[EmbeddedCopy] = (),
 ) -> list[Finding]:
     """For validation: CK302 for an embedded copy that cannot be read, CK301 for copies that disagree.
 
     Files that cannot be read at all (CK204, CK205, CK9xx) are skipped: the shard checks
-    report them. ``states`` as for ``copies_in_dir``.
+    report them. ``states`` and ``read`` as for ``copies_in_dir``.
     """
     errors: list[CkptspecError] = []
     copies = (
-        copies_in_dir(checkpoint, tag, errors, states)
+        copies_in_dir(checkpoint, tag, errors, states, read)
         if location(checkpoint).is_dir()
         else find_copies(checkpoint, tag)
     )

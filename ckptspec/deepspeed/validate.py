@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..checkpoint.embedded import unreadable_sidecar
+from ..checkpoint.embedded import EmbeddedCopy, unreadable_sidecar
 from ..checkpoint.sidecar import find_sidecar
 from ..checkpoint.states import Loaded, StateCache, code_and_hint
 from ..errors import CkptspecError, UnsupportedCheckpoint
 from ..findings import Finding, finding, has_errors
 from ..format.models import Manifest, ShardFile
-from ..format.validate import Report, validate_file, validate_manifest
+from ..format.validate import Report, read_and_validate, validate_file, validate_manifest
 from ..location import RemotePath, relative_name
 from .checks import check_checkpoint
 from .describe import manifest_from_states
@@ -44,6 +44,7 @@ class Chosen:
     unreadable: list[Finding] = field(default_factory=list)  # CK204/CK205 of files the generation could not read
     sidecar: Path | RemotePath | None = None
     states: StateCache = field(default_factory=StateCache)
+    sidecar_copy: EmbeddedCopy | None = None  # the sidecar as read, for the embedded-copy check
 
     @property
     def checkable(self) -> bool:
@@ -68,7 +69,7 @@ def choose_manifest(
         chosen = Chosen(tag_dir, "manifest", manifest, validate_manifest(manifest).findings, states=states)
     elif (sidecar := find_sidecar(tag_dir)) is not None:
         try:
-            report = validate_file(sidecar)
+            document, report = read_and_validate(sidecar)
         except CkptspecError as exc:
             if exc.code != "CK903":
                 raise
@@ -82,10 +83,12 @@ def choose_manifest(
         if not isinstance(report, Report):  # the sidecar of a checkpoint an index describes
             raise UnsupportedCheckpoint(
                 f"{sidecar.name} is a checkpoint index",
-                index_kind_hint("tensor/pipeline-parallel, MoE, stage-0"),
+                index_kind_hint("tensor/pipeline-parallel, MoE and stage-0"),
                 str(sidecar),
             )
         chosen = Chosen(tag_dir, "sidecar", report.manifest, list(report.findings), sidecar=sidecar, states=states)
+        if isinstance(document, dict):  # compared with the embedded copies, without reading it again
+            chosen.sidecar_copy = EmbeddedCopy(str(sidecar), "sidecar", document)
     else:
         return _generated(tag_dir, states)
     if chosen.checkable and not chosen.manifest.files:
@@ -172,7 +175,8 @@ def check_tag_dir(
     # Copies embedded in the model states (client_state) must agree with each other and the sidecar;
     # their files are named like every other finding's, relative to the tag directory. An unreadable
     # sidecar the manifest choice already reported is not reported twice.
-    for found in embedded_findings(tag_dir, states=chosen.states):
+    read = [chosen.sidecar_copy] if chosen.sidecar_copy is not None else []
+    for found in embedded_findings(tag_dir, states=chosen.states, read=read):
         relative = relative_name(found.file, tag_dir) if found.file is not None else None
         if relative is not None:
             found = dataclasses.replace(found, file=relative)

@@ -38,16 +38,24 @@ from .writers import (
 
 
 def validated_plan(
-    checkpoint: str | os.PathLike, manifest: Manifest | Report | str | os.PathLike | None = None, tag: str | None = None
+    checkpoint: str | os.PathLike,
+    manifest: Manifest | Report | str | os.PathLike | None = None,
+    tag: str | None = None,
+    *,
+    hashes_in_stream: bool = False,
 ) -> ReconstructionPlan:
     """Validate the checkpoint (against ``manifest``: a model, the report of a validated one, or a
-    file), then plan from the files validation read. Raises ``CheckpointInvalid`` with the findings."""
+    file), then plan from the files validation read. Raises ``CheckpointInvalid`` with the findings.
+    ``hashes_in_stream``: a remote checkpoint's file hashes are left to the reader (``plan.file_hashes``)."""
     states = StateCache()
+    in_stream = hashes_in_stream and is_remote(checkpoint)  # each byte fetched once: hashed as it is read
     # Digests are checked as each tensor is read (arrays.py), not in a pass of their own here.
-    found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=False)
+    found, findings = validate_checkpoint(
+        checkpoint, manifest, tag, states=states, verify_hashes=not in_stream, verify_digests=False
+    )
     if found is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(checkpoint))
-    return plan_reconstruction(checkpoint, found, tag, states=states)
+    return plan_reconstruction(checkpoint, found, tag, states=states, hashes_in_stream=in_stream)
 
 
 def load_state_dict(
@@ -72,7 +80,7 @@ def load_state_dict(
         from .compose import load_index_state_dict
 
         return load_index_state_dict(checkpoint, framework, dtype=dtype, index=manifest, tag=tag)
-    plan = validated_plan(checkpoint, manifest, tag)
+    plan = validated_plan(checkpoint, manifest, tag, hashes_in_stream=True)
     bf16_view = None
     if framework == "numpy" and dtype == "bfloat16":
         try:
@@ -81,7 +89,7 @@ def load_state_dict(
             raise ValueError("numpy has no bfloat16: install ml_dtypes, or use dtype='fp32'") from None
         bf16_view = ml_dtypes.bfloat16
     out: dict[str, Any] = {}
-    with ShardReader() as files:
+    with ShardReader(plan.file_hashes) as files:
         files.plan(seg for name in plan.order if name not in plan.aliases for seg in plan.sources[name].segments)
         for name in plan.order:
             if name in plan.aliases:
@@ -92,6 +100,7 @@ def load_state_dict(
                 out[name] = to_torch(array, out_dtype)
             else:
                 out[name] = array.view(bf16_view) if out_dtype == "bfloat16" else array
+        files.verify()  # a remote file's recorded hash, from the bytes read once
     return {name: out[plan.aliases.get(name, name)] for name in plan.order}
 
 
@@ -137,7 +146,7 @@ def reconstruct(
         return reconstruct_index(
             checkpoint, output_dir, index=manifest, tag=tag, dtype=dtype, max_shard_size=max_shard_size, **options
         )
-    plan = validated_plan(checkpoint, manifest, tag)
+    plan = validated_plan(checkpoint, manifest, tag, hashes_in_stream=True)
     if optimizer_state:
         plan_optimizer_state(plan)  # refuse before writing anything when the manifest locates no state
     return write_consolidated(

@@ -15,9 +15,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..checkpoint.states import unreadable
-from ..errors import CkptspecError, ReconstructUnsupported, TensorDigestMismatch, TruncatedFile
+from ..errors import CkptspecError, FileHashMismatch, ReconstructUnsupported, TensorDigestMismatch, TruncatedFile
 from ..format.dtypes import ITEMSIZE
-from ..location import CHUNK, RangeStream, RemotePath, fetch_range
+from ..format.models import Hash
+from ..location import CHUNK, FileHashes, HashingStream, RangeStream, RemotePath, fetch_range
 from .plan import Segment, TensorSource
 from .safetensors_writer import SafetensorsWriter
 
@@ -93,20 +94,34 @@ class ShardReader:
     A remote shard (``location.RemotePath``) is read in range requests instead: ``plan`` announces
     the segments in the order they will be read, and a ``RangeStream`` fetches them ahead, a few
     requests in flight, so memory stays bounded whatever the tensor sizes; a read that was not
-    planned is fetched when asked.
+    planned is fetched when asked. ``hashes``: remote files whose recorded hash this reader checks
+    (``verify``), fetching each once, front to back: the segments, and the bytes between them.
     """
 
-    def __init__(self):
+    def __init__(self, hashes: dict[RemotePath, Hash] | None = None):
         self._fds: dict[Path, int] = {}
-        self._stream: RangeStream | None = None
+        self._stream: RangeStream | HashingStream | None = None
         self._left: tuple[RemotePath, int, memoryview] | None = None  # the unread rest of a fetched piece
+        self._recorded = hashes or {}
+        self._hashes = FileHashes({p: h.algorithm for p, h in self._recorded.items()}) if hashes else None
 
     def plan(self, segments: Iterable[Segment]) -> None:
         """The segments the next reads take, in order (only remote ones matter: they are fetched ahead)."""
         self._close_stream()
         remote = [(s.path, s.offset, s.offset + s.nbytes) for s in segments if isinstance(s.path, RemotePath)]
         if remote:
-            self._stream = RangeStream(remote)
+            self._stream = RangeStream(remote) if self._hashes is None else HashingStream(remote, self._hashes)
+
+    def verify(self) -> None:
+        """Raise CK209 (``FileHashMismatch``) unless every file of ``hashes`` holds its recorded hash: the
+        bytes no read took are fetched now, so each file is fetched once, whole. Call it before committing."""
+        if self._hashes is None:
+            return
+        self._close_stream()
+        actual = self._hashes.finish()
+        for path, recorded in self._recorded.items():
+            if actual[path] != recorded.digest:
+                raise FileHashMismatch(str(path), recorded.algorithm, actual[path], recorded.digest)
 
     def copy(self, segment: Segment, writer: SafetensorsWriter) -> None:
         """Append the segment's bytes to ``writer``: in the kernel for a local file, piece by piece for a remote one."""
@@ -154,6 +169,8 @@ class ShardReader:
             else:
                 self._close_stream()
                 data = memoryview(fetch_range(path, at, min(end, at + CHUNK)))
+                if self._hashes is not None:
+                    self._hashes.feed(path, at, data)
             take = min(len(data), end - at)
             self._left = (path, at + take, data[take:]) if take < len(data) else None
             yield data[:take]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,9 @@ from ..deepspeed.describe import partition_locators
 from ..deepspeed.directory import resolve_tag_dir, scan_tag_dir
 from ..errors import InvalidCheckpoint, ReconstructMismatch, ReconstructUnsupported, TorchFileError, TruncatedFile
 from ..format.dtypes import FLOATING, ITEMSIZE
-from ..format.models import Manifest
+from ..format.models import Hash, Manifest
 from ..format.paths import join_inside
+from ..location import RemotePath
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class ReconstructionPlan:
     sources: dict[str, TensorSource]  # owners: trainable, frozen, buffers
     aliases: dict[str, str]  # alias -> owner
     order: list[str]  # every output name (owners and aliases), in the model's state_dict order
+    # Remote files whose recorded hash the reader checks while it reads them (``ShardReader.verify``),
+    # so that each byte is fetched once; validation left them to it (``hashes_in_stream``).
+    file_hashes: dict[RemotePath, Hash] = field(default_factory=dict)
 
     def output_dtype(self, name: str, dtype: str) -> str:
         """Floating tensors are cast to ``dtype``; integer and bool buffers keep theirs."""
@@ -112,12 +116,19 @@ class ReconstructionPlan:
 
 
 def plan_reconstruction(
-    checkpoint: str | os.PathLike, manifest: Manifest, tag: str | None = None, *, states: StateCache | None = None
+    checkpoint: str | os.PathLike,
+    manifest: Manifest,
+    tag: str | None = None,
+    *,
+    states: StateCache | None = None,
+    hashes_in_stream: bool = False,
 ) -> ReconstructionPlan:
     """Byte ranges of every output tensor. Reads only zip directories and ``data.pkl`` records.
 
     ``states``: the files validation already read (``validate_checkpoint(..., states=)``);
-    a file not read yet is read here, once.
+    a file not read yet is read here, once. ``hashes_in_stream``: validation did not check the
+    recorded hashes of the (remote) files; the reader must, as it reads them (``plan.file_hashes``:
+    ``ShardReader(plan.file_hashes)``, then ``verify()``), so that each byte is fetched once.
     """
     tag_dir = resolve_tag_dir(checkpoint, tag)
     model_files = _model_files(manifest, tag_dir)
@@ -197,7 +208,10 @@ def plan_reconstruction(
     in_module = [name for name in module if name in sources or name in aliases]
     seen = set(in_module)
     order = in_module + [name for name in [*sources, *aliases] if name not in seen]
-    return ReconstructionPlan(manifest, tag_dir, sources, aliases, order)
+    hashes = {}
+    if hashes_in_stream and isinstance(tag_dir, RemotePath):
+        hashes = {tag_dir / f.path: f.hash for f in manifest.files if f.hash is not None}
+    return ReconstructionPlan(manifest, tag_dir, sources, aliases, order, hashes)
 
 
 def _sha256(digest) -> str | None:

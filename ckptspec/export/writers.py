@@ -162,7 +162,7 @@ def write_consolidated(
             raise ForeignOutput(str(out / existing.foreign[0]), existing.foreign[0])
         pending: list[tuple[Path, Path]] = []  # (temporary, final)
         try:
-            with ShardReader() as files:
+            with ShardReader(plan.file_hashes) as files:
                 for shard in shards:
                     target = out / shard.filename
                     if fmt == "safetensors":
@@ -172,6 +172,7 @@ def write_consolidated(
                     pending.append((tmp, target))
                 if optimizer_state:
                     pending.append(optimizer_state_temporary(plan, out, files, lambda n: None))
+                files.verify()  # remote files' hashes, from the bytes read once (before anything is committed)
             if index_name:
                 weight_map = {n: s.filename for s in shards for n in s.names}
                 index = {"metadata": {"total_size": total, **metadata, **manifest_meta}, "weight_map": weight_map}

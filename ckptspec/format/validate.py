@@ -186,13 +186,26 @@ def validate_file(
     """Load and validate a manifest file, or a checkpoint index (an ``IndexReport`` then: the same
     ``ok``, ``findings`` and ``manifest``, which is the index). Raises ``CkptspecError`` when it
     cannot be read."""
+    return read_and_validate(path, max_bytes, encoding, build_model=build_model, reference=reference)[1]
+
+
+def read_and_validate(
+    path: str | os.PathLike,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    encoding: Encoding | None = None,
+    *,
+    build_model: bool = True,
+    reference: bool = False,
+) -> tuple[Any, Report]:
+    """``validate_file``, also giving the decoded document (plain data, left as decoded), so that a
+    caller comparing it with other copies does not read the file again."""
     from .index_validate import is_index, validate_index_document
 
     with gc_paused():
         doc, floats = read_document(path, max_bytes, encoding)
         if is_index(doc):
-            return validate_index_document(doc)
-        return validate_decoded(doc, floats, build_model=build_model, reference=reference)
+            return doc, validate_index_document(doc)
+        return doc, validate_decoded(doc, floats, build_model=build_model, reference=reference)
 
 
 def validate_decoded(doc: Any, floats: bool, *, build_model: bool = True, reference: bool = False) -> Report:
@@ -214,4 +227,4 @@ def load_manifest(path: str | os.PathLike, **kwargs) -> Manifest:
     return report.manifest
 
 
-__all__ = ["Report", "validate_document", "validate_manifest", "validate_file", "load_manifest"]
+__all__ = ["Report", "load_manifest", "read_and_validate", "validate_document", "validate_file", "validate_manifest"]

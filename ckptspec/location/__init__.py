@@ -11,7 +11,9 @@ Bytes are read only in ranges: ``open_binary`` gives a seekable file whose reads
 ask for (a small read-ahead, and the last 64 KiB of a file together, where a zip keeps its
 directory), so reading a torch file's zip directory and ``data.pkl`` fetches a few KiB of it.
 ``RangeStream`` fetches a list of byte ranges in order with a few requests in flight and
-bounded memory, for reconstruction and hashing.
+bounded memory, for reconstruction and hashing. Bytes fetched by small reads are kept, up to a
+budget (``Kept``), and no later read of the command fetches them again; a reader that also checks
+whole-file hashes reads each file once, front to back (``HashingStream``, ``FileHashes``).
 
 Every request is retried with backoff on transient errors (a dropped connection, a timeout, a
 5xx) and pinned to the version of the file first seen: HTTP requests carry ``If-Match`` with its
@@ -39,6 +41,7 @@ from urllib.parse import unquote
 
 from ..errors import FileUnreadable, RemoteError
 from .handle import RangedFile
+from .hashed import FileHashes, HashingStream, merged_spans
 from .problems import not_found
 from .remote_path import RemotePath
 from .settings import CHUNK, Fetched, fetched
@@ -130,7 +133,9 @@ def relative_name(file: str, root: Path | RemotePath) -> str | None:
 
 __all__ = [
     "CHUNK",
+    "FileHashes",
     "Fetched",
+    "HashingStream",
     "RangeStream",
     "RemoteError",
     "RemotePath",
@@ -143,6 +148,7 @@ __all__ = [
     "is_url",
     "iter_chunks",
     "location",
+    "merged_spans",
     "not_found",
     "open_binary",
     "refuse_write",

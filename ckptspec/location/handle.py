@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RemoteError
 from . import settings
+from .kept import parts
 from .problems import changed, classify, no_ranges, not_found
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ class Handle:
         self.modified = info.get("Last-Modified")  # pins an HTTP file when its server sends no ETag
         self._file = None
         self._open_lock = threading.Lock()
-        self._block: tuple[int, bytes] | None = None  # the last read-ahead block (metadata reads)
 
     def _opened(self):
         with self._open_lock:
@@ -81,26 +81,40 @@ class Handle:
             return bytes(data)
         raise AssertionError("unreachable")
 
+    def known_size(self) -> int:
+        return self.size if self.size is not None else self._opened().size
+
     def read_at(self, pos: int, n: int) -> bytes:
-        """Up to ``n`` bytes at ``pos`` for a metadata read: the file's tail and a read-ahead block are kept."""
-        size = self.size if self.size is not None else self._opened().size
+        """Up to ``n`` bytes at ``pos`` for a metadata read: a read in the file's last ``TAIL`` bytes
+        (a zip's end record and central directory) fetches all of them, any other at least
+        ``READ_AHEAD`` bytes; what is fetched is kept (``store.kept``), and a kept byte is not fetched again."""
+        size = self.known_size()
         end = min(pos + n, size)
         if end <= pos:
             return b""
         tail_start = max(0, size - settings.TAIL)
         if pos >= tail_start:
-            tail = self.store.tail(self.path)
-            if tail is None:
-                tail = self.fetch(tail_start, size)
-                self.store.keep_tail(self.path, tail)
-            return tail[pos - tail_start : end - tail_start]
-        block = self._block
-        if block is not None and block[0] <= pos and end <= block[0] + len(block[1]):
-            return block[1][pos - block[0] : end - block[0]]
-        fetch_end = min(size, max(end, pos + settings.READ_AHEAD))
-        data = self.fetch(pos, fetch_end)
-        self._block = (pos, data)
-        return data[: end - pos]
+            return self.span(tail_start, size, pos, end, every_gap=True)
+        return self.span(pos, max(end, min(size, pos + settings.READ_AHEAD)), pos, end)
+
+    def span(
+        self, start: int, stop: int, pos: int | None = None, end: int | None = None, every_gap: bool = False
+    ) -> bytes:
+        """Bytes ``[pos, end)`` (default: all of ``[start, stop)``), fetching what is not kept of
+        ``[start, stop)``: every missing part with ``every_gap``, else only the ones that hold a
+        byte asked for (each up to the next kept byte: the read-ahead). What is fetched is kept."""
+        pos, end = start if pos is None else pos, stop if end is None else end
+        got = []
+        for a, b, data in parts(self.store.kept.overlapping(self.path, start, stop), start, stop):
+            if data is None:
+                if not every_gap and (b <= pos or a >= end):
+                    continue
+                fetched = self.fetch(a, b)
+                self.store.kept.keep(self.path, a, fetched)
+                data = memoryview(fetched)
+            if a < end and b > pos:
+                got.append(data[max(pos, a) - a : min(end, b) - a])
+        return b"".join(got)
 
 
 class RangedFile(io.RawIOBase):

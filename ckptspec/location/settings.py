@@ -24,7 +24,9 @@ TAIL = 64 * 1024  # the last bytes of a file, fetched at once: a zip's end recor
 # at 4 x 1 MiB, 3.0 MiB at 4 x 256 KiB, beside the 15 MiB of importing the HTTP backend; docs/remote.md).
 CHUNK = _setting("CKPTSPEC_REMOTE_CHUNK", 256 * 1024, 64 * 1024)
 IN_FLIGHT = _setting("CKPTSPEC_REMOTE_IN_FLIGHT", 4, 1)
-TAILS_KEPT = 8  # recent files' tails kept, so that a zip directory read twice is fetched once
+# Bytes fetched by small reads (zip directories, pickles, local headers, small files) kept, so that a later
+# read of the same command (a hash of every byte, a tensor) takes them instead of fetching them again.
+KEPT_BYTES = 8 * 1024 * 1024
 
 BACKENDS = {  # protocol -> the package that provides it, and the ckptspec extra that installs it
     "s3": ("s3fs", "s3"),

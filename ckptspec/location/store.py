@@ -1,4 +1,4 @@
-"""One fsspec filesystem per storage, and what was seen of its files (infos, listings, tails)."""
+"""One fsspec filesystem per storage, and what was seen of its files (infos, listings, kept bytes)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
 from urllib.parse import unquote
 
 from ..errors import RemoteError
 from . import settings
 from .handle import Handle
+from .kept import Kept
 from .problems import classify
 from .remote_path import RemotePath
 
@@ -90,7 +90,7 @@ def _options(protocol: str) -> dict:
 
 
 class _Store:
-    """One fsspec filesystem: what was seen of its files (infos, listings, open handles)."""
+    """One fsspec filesystem: what was seen of its files (infos, listings, open handles, kept bytes)."""
 
     def __init__(self, fs, protocol: str):
         self.fs = fs
@@ -99,7 +99,7 @@ class _Store:
         self._infos: dict[str, dict | None] = {}
         self._listings: dict[str, dict[str, dict]] = {}
         self._handles: dict[str, Handle] = {}
-        self.tails: OrderedDict[str, bytes] = OrderedDict()
+        self.kept = Kept(settings.KEPT_BYTES)  # bytes fetched by small reads, not fetched again
         self._lock = threading.Lock()
 
     def key(self, url: str) -> str:
@@ -200,17 +200,6 @@ class _Store:
             with self._lock:
                 found = self._handles.setdefault(path, found)
         return found
-
-    def tail(self, path: str) -> bytes | None:
-        with self._lock:
-            return self.tails.get(path)
-
-    def keep_tail(self, path: str, data: bytes) -> None:
-        with self._lock:
-            self.tails[path] = data
-            self.tails.move_to_end(path)
-            while len(self.tails) > settings.TAILS_KEPT:
-                self.tails.popitem(last=False)
 
 
 def forget() -> None:

@@ -8,6 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from . import settings
+from .kept import parts
 from .remote_path import RemotePath
 
 
@@ -15,8 +16,9 @@ class RangeStream:
     """The bytes of several byte ranges, in order, with a few range requests in flight.
 
     ``ranges``: ``(path, start, end)`` in the order they will be read; ranges that follow each other
-    in one file are joined (the tensors of a flat partition: one request, not one per tensor), and
-    fetched in pieces of at most ``CHUNK`` bytes, at most ``IN_FLIGHT`` ahead of the reader, so memory stays near
+    in one file are joined (the tensors of a flat partition: one request, not one per tensor). Bytes
+    a small read fetched before (``Kept``) are taken from memory; the rest is fetched in pieces of at
+    most ``CHUNK`` bytes, at most ``IN_FLIGHT`` ahead of the reader, so memory stays near
     ``IN_FLIGHT * CHUNK`` whatever the sizes. ``next()`` gives ``(path, start, bytes)`` or None at the end.
     """
 
@@ -31,19 +33,30 @@ class RangeStream:
         self._fill()
 
     @staticmethod
-    def _split(ranges, chunk) -> Iterator[tuple[RemotePath, int, int]]:
-        for path, start, end in _runs(ranges):
-            for at in range(start, end, chunk):
-                yield path, at, min(end, at + chunk)
+    def _split(ranges, chunk) -> Iterator[tuple[RemotePath, int, int, memoryview | None]]:
+        """Pieces of at most ``chunk`` bytes to fetch, and the parts already kept (``Kept``), with their bytes."""
+        for path, start, end in runs(ranges):
+            kept = path._store.kept.overlapping(path.path, start, end)
+            for a, b, data in parts(kept, start, end):
+                if data is not None:
+                    yield path, a, b, data
+                    continue
+                for at in range(a, b, chunk):
+                    yield path, at, min(b, at + chunk), None
 
     def _fill(self) -> None:
         while len(self._queue) < self._depth:
             piece = next(self._pieces, None)
             if piece is None:
                 return
-            path, start, end = piece
-            handle = path._store.handle(path.path)
-            self._queue.append((path, start, self._pool.submit(handle.fetch, start, end)))
+            path, start, end, data = piece
+            if data is None:
+                handle = path._store.handle(path.path)
+                future = self._pool.submit(handle.fetch, start, end)
+            else:
+                future = Future()
+                future.set_result(data)
+            self._queue.append((path, start, future))
 
     def peek(self) -> tuple[RemotePath, int] | None:
         return (self._queue[0][0], self._queue[0][1]) if self._queue else None
@@ -69,7 +82,7 @@ class RangeStream:
         self.close()
 
 
-def _runs(ranges: Iterable[tuple[RemotePath, int, int]]) -> Iterator[tuple[RemotePath, int, int]]:
+def runs(ranges: Iterable[tuple[RemotePath, int, int]]) -> Iterator[tuple[RemotePath, int, int]]:
     """Consecutive ranges joined where one starts in the same file where the previous ends."""
     run = None
     for path, start, end in ranges:

@@ -63,9 +63,12 @@ def test_connection_dropped_mid_file_writes_nothing(served, nginx, small_metadat
 
 
 @pytest.mark.parametrize("change", ["grown", "same-size"])
-def test_file_changed_after_validation_writes_nothing(change, served, nginx, monkeypatch, tmp_path):
+def test_file_changed_after_validation_writes_nothing(
+    change, served, nginx, small_metadata_reads, monkeypatch, tmp_path
+):
     """The file is rewritten between validation (which saw its size and ETag) and the streaming
-    of its tensors: every range request is pinned with If-Match, nginx answers 412, CK913."""
+    of its tensors: every range request is pinned with If-Match, nginx answers 412, CK913. (A small
+    tail: else these small files are fetched whole by validation, kept, and not fetched again.)"""
     local, path = served
     tag = (local / "latest").read_text().strip()
     victim = local / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"

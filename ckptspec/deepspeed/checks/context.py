@@ -16,6 +16,8 @@ from ...findings import Finding, json_path
 from ...format.models import Manifest, ShardFile
 from ...format.paths import join_inside
 from ...location import RemotePath, walk
+from ..digests import Covered, covered_tensors, recorded
+from ..hash_pass import hashes_and_digests
 from ..names import expected_name, mp_rank_of, optim_prefix
 
 Check = Callable[["Context"], Iterator[Finding]]
@@ -64,6 +66,8 @@ class Context:
     # recorded file plus the embedded manifest (file index -> that file): the manifest is stale (CK227).
     before_embed: dict[int, Earlier] = field(default_factory=dict)
     embedded_since: dict[int, int] = field(default_factory=dict)  # file index -> embeds it carries, unproven
+    _digested: list[tuple[Covered, str]] | None = None
+    _read_once: tuple[dict[str, str], list[str]] | None = None
 
     @property
     def layout(self):
@@ -118,6 +122,37 @@ class Context:
         mp_ranks = {mp_rank_of(f.name) for f in self.files} - {None}
         mp_rank = mp_ranks.pop() if len(mp_ranks) == 1 else 0
         return expected_name(role, rank, self.layout.zero_stage, prefix, mp_rank)
+
+    def hashed_files(self) -> list[File]:
+        """The files whose recorded hash CK209 checks: present, of the recorded size."""
+        if not self.verify_hashes:
+            return []
+        return [
+            f for f in self.files if f.on_disk and f.entry.hash is not None and f.path.stat().st_size == f.entry.size
+        ]
+
+    def digested(self) -> list[tuple[Covered, str]]:
+        """(tensor, recorded sha256) of every digest CK222 checks: of an algorithm this reader knows,
+        its bytes in files neither missing nor of another size (CK206/CK208 report those)."""
+        if not self.verify_digests:
+            return []
+        if self._digested is None:
+            readable = {f.name for f in self.files if f.on_disk and f.path.stat().st_size == f.entry.size}
+            self._digested = []
+            for covered in covered_tensors(self.manifest):
+                want = recorded(self.manifest, covered.where)
+                if want is not None and want.sha256 is not None and {p for p, _, _ in covered.ranges} <= readable:
+                    self._digested.append((covered, want.sha256))
+        return self._digested
+
+    def read_once(self) -> tuple[dict[str, str], list[str]]:
+        """A remote checkpoint's file hashes (by name) and the digests of ``digested()``, from one read
+        of its bytes (``hash_pass``), made once, for CK209 and CK222."""
+        if self._read_once is None:
+            hashed = {f.name: f.entry.hash.algorithm for f in self.hashed_files()}
+            order = [f.name for f in self.files if f.on_disk and f.path is not None]
+            self._read_once = hashes_and_digests(self.tag_dir, order, hashed, [c for c, _ in self.digested()])
+        return self._read_once
 
     def name_path(self, name: str, *suffix) -> str:
         """The JSON path of the manifest entry that declares ``name``."""

@@ -13,6 +13,7 @@ from ...checkpoint.output_names import is_output_name
 from ...checkpoint.states import code_and_hint
 from ...checkpoint.torchfile import iter_tensor_refs
 from ...findings import Finding, RuleSet, finding, json_path
+from ...location import RemotePath
 from ..names import MODEL_RE, OPTIM_RE, rank_of
 from .context import Check, Context
 
@@ -178,21 +179,22 @@ def manifest_predates_embed(ctx: Context) -> Iterator[Finding]:
 
 @check("CK209")
 def shard_hash(ctx: Context) -> Iterator[Finding]:
-    if not ctx.verify_hashes:
-        return
-    hashed = [f for f in ctx.files if f.on_disk and f.entry.hash is not None and f.path.stat().st_size == f.entry.size]
-    # All files at once (threads: hashlib releases the GIL), one algorithm at a time.
-    digests = {}
-    for algorithm in sorted({f.entry.hash.algorithm for f in hashed}):
-        same = [f for f in hashed if f.entry.hash.algorithm == algorithm]
-        digests.update(zip(map(id, same), file_digests([f.path for f in same], algorithm)))
+    hashed = ctx.hashed_files()
+    if isinstance(ctx.tag_dir, RemotePath):  # with the tensor digests, from one read of the bytes
+        read = ctx.read_once()[0]
+        digests = {id(f): read[f.name] for f in hashed}
+    else:  # all files at once (threads: hashlib releases the GIL), one algorithm at a time
+        digests = {}
+        for algorithm in sorted({f.entry.hash.algorithm for f in hashed}):
+            same = [f for f in hashed if f.entry.hash.algorithm == algorithm]
+            digests.update(zip(map(id, same), (h.digest for h in file_digests([f.path for f in same], algorithm))))
     for f in hashed:
         actual = digests[id(f)]
-        if actual.digest != f.entry.hash.digest:
+        if actual != f.entry.hash.digest:
             yield finding(
                 "CK209",
                 f.at("hash"),
-                f"{f.entry.hash.algorithm} of the file is {actual.digest[:16]}..., the manifest records "
+                f"{f.entry.hash.algorithm} of the file is {actual[:16]}..., the manifest records "
                 f"{f.entry.hash.digest[:16]}...",
                 "the content changed after the manifest was written (swapped rank files, a re-save, bit rot); "
                 "restore it",

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 
 from ...checkpoint.torchfile import TensorRef
 from ...findings import Finding, RuleSet, finding, json_path
-from ..digests import covered_tensors, digests_of, recorded
+from ...location import RemotePath
+from ..digests import digests_of
 from ..locators import fragment_numel, torch_optimizer_state
 from ..scalars import counters, embedded_copy, index_steps
 from .context import Check, Context, File
@@ -131,17 +132,11 @@ def _finding(f: File, where: str, message: str) -> Finding:
 
 @check("CK222")
 def tensor_digest(ctx: Context) -> Iterator[Finding]:
-    if not ctx.verify_digests:
-        return
-    readable = {f.name for f in ctx.files if f.on_disk and f.path.stat().st_size == f.entry.size}
-    # (covered, recorded sha256), leaving out those with no digest of an algorithm this reader knows
-    # and those in a file CK206/CK208 report
-    checked = []
-    for covered in covered_tensors(ctx.manifest):
-        want = recorded(ctx.manifest, covered.where)
-        if want is not None and want.sha256 is not None and {path for path, _, _ in covered.ranges} <= readable:
-            checked.append((covered, want.sha256))
-    actual = digests_of([covered for covered, _ in checked], ctx.tag_dir)
+    checked = ctx.digested()
+    if isinstance(ctx.tag_dir, RemotePath):  # with the file hashes, from one read of the bytes
+        actual = ctx.read_once()[1]
+    else:
+        actual = digests_of([covered for covered, _ in checked], ctx.tag_dir)
     for (covered, want), sha256 in zip(checked, actual):
         if sha256 != want:
             files = {path for path, _, _ in covered.ranges}
