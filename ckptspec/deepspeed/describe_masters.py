@@ -12,7 +12,10 @@ stage the run was configured with is ``configured_zero_stage``. Domains:
   expert-parallel rank (``expert_data_parallel:ep_size_<ep>``), each expert file in ``expert_files``;
 * universal folders: ``kind: "universal"``, one ``universal`` domain over ``zero/<name>/fp32.pt``.
 
-Metadata only: no tensor bytes, no pickle code.
+The persistent buffers (``buffer_names``) are in the domain manifest's ``buffers``, read from the
+``module`` of the model states it lists (stage 0, MoE's dense domain, universal folders: the copy of
+the source's); a universal folder's ties (``shared_params``) are in its ``aliases`` (the owner's master
+is the tie's). Metadata only: no tensor bytes, no pickle code.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from ..format.index_models import (
     Shard,
     Topology,
 )
-from ..format.models import Layout, Manifest, Producer, ShardFile
+from ..format.models import Alias, Buffer, Layout, Manifest, Producer, ShardFile
 from ..format.partition import ParamSpec, flat_group
 from .directory import UNIVERSAL_FOLDER
 from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, MasterTensor, stage0_masters
@@ -157,10 +160,12 @@ class _Builder:
 
     def __init__(self, folder: Path, states: StateCache, hash_algorithm: str | None, live: LiveMasters | None = None):
         self.folder, self.states, self.hash_algorithm = folder, states, hash_algorithm
-        model = states.state(folder / MODEL_FILE) if (folder / MODEL_FILE).is_file() else None
-        if model is None:
+        model, self.model_file = None, MODEL_FILE
+        if (folder / MODEL_FILE).is_file():
+            model = states.state(folder / MODEL_FILE)
+        else:
             first = sorted(p for p in folder.iterdir() if MODEL_RE.match(p.name))
-            model = states.state(first[0]) if first else None
+            model, self.model_file = (states.state(first[0]), first[0].name) if first else (None, None)
         if not isinstance(model, dict):
             raise UnsupportedCheckpoint("model states are not a dict", "is this a DeepSpeed checkpoint?", str(folder))
         self.model = model
@@ -175,6 +180,21 @@ class _Builder:
         self.parameters: list[IndexParameter] = []
         if live is not None:  # the live engine's parameter dtypes, not the files'
             self.model_dtypes.update(live.dtypes)
+
+    def buffers(self) -> list[Buffer]:
+        """The persistent buffers the model states name (``buffer_names``), as saved in their ``module``."""
+        module = self.model.get("module")
+        out = []
+        for name in self.model.get("buffer_names") or []:
+            ref = module.get(name) if isinstance(module, dict) else None
+            if not isinstance(ref, TensorRef):
+                raise UnsupportedCheckpoint(
+                    f"buffer {name!r} is not in the module of the model states",
+                    "buffers held elsewhere (an expert's, a pipeline layer's) are not described yet",
+                    self.model_file,
+                )
+            out.append(Buffer(name=name, shape=list(ref.shape), dtype=ref.dtype))
+        return out
 
     def file(self, rel: str, role: str, ranks: list[int]) -> ShardFile:
         path = self.folder / rel
@@ -262,8 +282,10 @@ def stage0_index(
     b = _Builder(folder, states, hash_algorithm, live)
     if live is None:
         masters = list(stage0_masters(folder, states).values())
-        unfused = isinstance(b.model.get("optimizer"), dict) and "fp32_groups" in b.model["optimizer"]
-        stored_in = "model_states" if unfused else "module"
+        optimizer = b.model.get("optimizer")
+        # FP16_UnfusedOptimizer's fp32_groups or FP16_Optimizer's fp32_groups_flat: masters apart from the weights
+        held = isinstance(optimizer, dict) and ("fp32_groups" in optimizer or "fp32_groups_flat" in optimizer)
+        stored_in = "model_states" if held else "module"
     else:
         masters, stored_in = list(live.masters.values()), live.stored_in
     domain = b.domain(
@@ -274,6 +296,7 @@ def stage0_index(
         stored_in,
         _files_of(b, masters, []),
     )
+    domain.manifest.buffers = b.buffers()
     return b.index("zero", [domain])
 
 
@@ -281,7 +304,13 @@ def universal_index(folder: Path, states: StateCache, hash_algorithm: str | None
     from .masters import universal_masters
 
     b = _Builder(folder, states, hash_algorithm)
-    masters = list(universal_masters(folder, states).values())
+    found = universal_masters(folder, states)
+    buffers = b.buffers()
+    aliases = _universal_ties(b, found)
+    # ds_to_universal writes zero/<name>/fp32.pt for a buffer (cast to fp32) and a tied alias (its module
+    # weight widened, not the owner's master): the module's buffer is the buffer, the owner's master the tie's.
+    skip = {x.name for x in buffers} | set(aliases)
+    masters = [m for n, m in found.items() if n not in skip]
     files = [
         b.file(p.relative_to(folder).as_posix(), "other", [])
         for p in sorted((folder / UNIVERSAL_FOLDER).rglob("*"))
@@ -299,6 +328,8 @@ def universal_index(folder: Path, states: StateCache, hash_algorithm: str | None
         files,
         stage=_source_stage(b),
     )
+    domain.manifest.buffers = buffers
+    domain.manifest.aliases = [Alias(name=a, owner=o, shape=list(found[o].shape)) for a, o in aliases.items()]
     index = b.index("universal", [domain])
     # The degrees of the source the copied model states record (the folder itself is the whole model).
     dims = b.model.get("checkpoint_parallel_dimensions")
@@ -308,6 +339,21 @@ def universal_index(folder: Path, states: StateCache, hash_algorithm: str | None
         index.topology.model_parallel_size = pp * tp
         index.topology.degrees_source = "checkpoint_parallel_dimensions"
     return index
+
+
+def _universal_ties(b: _Builder, found: dict[str, MasterTensor]) -> dict[str, str]:
+    """alias -> owner of the source's ties (``shared_params`` of the copied model states)."""
+    shared = b.model.get("shared_params")
+    out = {}
+    for alias, owner in sorted(shared.items()) if isinstance(shared, dict) else []:
+        if owner not in found or (alias in found and found[alias].shape != found[owner].shape):
+            raise UnsupportedCheckpoint(
+                f"tied {alias!r} -> {owner!r}: the owner has no fp32.pt of the alias's shape",
+                "a universal folder of another model or converter: not described",
+                f"{UNIVERSAL_FOLDER}/{owner}",
+            )
+        out[alias] = owner
+    return out
 
 
 def _source_stage(b: _Builder) -> int:

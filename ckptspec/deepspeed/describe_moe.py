@@ -133,6 +133,7 @@ def moe_index(
             replicas=dense_replicas,
         )
     ]
+    domains[0].manifest.buffers = b.buffers()  # the dense module's; an expert's are refused by name
     for e in range(ep):
         mine = [m for n, m in masters.items() if n in expert_of and expert_of[n] // per_rank == e]
         mine_replicas = copies_of({m.name for m in mine})

@@ -154,7 +154,7 @@ def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> Che
 
     Raises:
         UnsupportedEngine: frozen parameters, buffers or ties, a parameter AutoTP partitions without
-            an affine map; MoE or stage 0 combined with tensor parallelism, FP16_Optimizer's flat masters.
+            an affine map; MoE or stage 0 combined with tensor parallelism, MoE with FP16_Optimizer's flat masters.
         EngineLayoutMismatch: the ranks of one coordinate describe their group differently.
     """
     from .engine_masters import gather_described, masters_kind

@@ -4,8 +4,9 @@ The directory producers (``describe_masters``, ``describe_moe``, ``describe_pipe
 checkpoints' fp32 masters from the files, by rules (module order, DeepSpeed's expert renaming, the
 expert-data-parallel grouping). The live engine knows them: each rank says which of its masters it
 saves, where (file, key in the pickle, element offset in that tensor), and as which global name,
-reading the optimizer it steps (``FP16_UnfusedOptimizer.fp32_groups``, a ZeRO optimizer's flat
-partitions, ``BF16_Optimizer``'s), the expert groups DeepSpeed built and its checkpoint file names.
+reading the optimizer it steps (``FP16_UnfusedOptimizer.fp32_groups``, ``FP16_Optimizer``'s flat
+groups, a ZeRO optimizer's flat partitions, ``BF16_Optimizer``'s), the expert groups DeepSpeed built
+and its checkpoint file names.
 
 * ``local_masters(engine)``: this rank's description (no collective call, JSON-ready);
 * ``live_index(described)``: the index of every rank's descriptions, without files (the layout);
@@ -60,9 +61,12 @@ def _refuse(engine, kind: str) -> None:
         raise UnsupportedEngine("MoE at ZeRO stage 3 is not described (no expert optimizer groups)")
     if stage == 0 and kind != "pipeline_stage0":
         fp32 = not (engine.bfloat16_enabled() or engine.fp16_enabled())
-        if not fp32 and cls != "FP16_UnfusedOptimizer":  # FP16_Optimizer keeps flat fp32 groups
+        described = ("FP16_UnfusedOptimizer", "FP16_Optimizer") if kind == "stage0" else ("FP16_UnfusedOptimizer",)
+        if not fp32 and cls not in described:
             raise UnsupportedEngine(
-                f"ZeRO stage 0 with {cls}: only FP16_UnfusedOptimizer's per-parameter masters are described"
+                f"ZeRO stage 0{' MoE' if kind == 'moe' else ''} with {cls}: only "
+                + " and ".join(described)
+                + "'s fp32 masters are described"
             )
     seen: dict[int, str] = {}
     for name, param in engine.module.named_parameters(remove_duplicate=False):
@@ -98,12 +102,25 @@ def local_masters(engine) -> dict:
         "domains": {},
         "dtypes": {n: dtype_name(p.dtype) for n, p in engine.module.named_parameters()},
     }
+    out["buffers"] = _buffers(engine, kind)
     if kind == "stage0":
         _stage0(engine, names, out)
     elif kind == "moe":
         _moe(engine, names, out)
     else:
         _pipeline(engine, names, out)
+    return out
+
+
+def _buffers(engine, kind: str) -> list[dict]:
+    """The persistent buffers DeepSpeed saves in the model states' ``module`` (its ``buffer_names``)."""
+    names = engine._get_buffer_names() if hasattr(engine, "_get_buffer_names") else []
+    held = dict(engine.module.named_buffers()) if names else {}
+    out = []
+    for name in names:
+        if kind == "pipeline_stage0" or _LOCAL_EXPERT.search(name):  # saved in layer or expert files
+            raise UnsupportedEngine(f"buffer {name!r} of a {kind} engine, saved outside the module: not described yet")
+        out.append({"name": name, "shape": list(held[name].shape), "dtype": dtype_name(held[name].dtype)})
     return out
 
 
@@ -156,6 +173,18 @@ def _stage0(engine, names, out) -> None:
             for i, p in enumerate(group):
                 key = ("optimizer", "fp32_groups", g, i)
                 out["pieces"].append(_piece("dense", index, names[id(p)], p.shape, model, key))
+                index += 1
+        return
+    if type(opt).__name__ == "FP16_Optimizer":
+        # Its low-precision parameters are views into fp16_groups_flat[g]; fp32_groups_flat[g] holds
+        # their masters at the same element offsets.
+        out["stored_in"] = "model_states"
+        index = 0
+        for g, (group, flat) in enumerate(zip(opt.fp16_groups, opt.fp16_groups_flat, strict=True)):
+            for p in group:
+                offset = (p.data_ptr() - flat.data_ptr()) // p.element_size()
+                key = ("optimizer", "fp32_groups_flat", g)
+                out["pieces"].append(_piece("dense", index, names[id(p)], p.shape, model, key, offset))
                 index += 1
         return
     for index, (name, p) in enumerate(engine.module.named_parameters()):
@@ -289,7 +318,8 @@ def _tensor(pieces: list[dict], folder, states: StateCache) -> MasterTensor:
         ref = _resolve(states.state(path), piece["key"]) if path.is_file() else None
         if not isinstance(ref, TensorRef):
             raise EngineLayoutMismatch(f"{piece['file']}: {'/'.join(map(str, piece['key']))} is not a saved tensor")
-        whole = piece["key"][:2] != list(_FLAT[:2]) and piece["key"][:2] != ["optimizer", _FLAT[1]]
+        flat = (list(_FLAT[:2]), ["optimizer", _FLAT[1]], ["optimizer", "fp32_groups_flat"])
+        whole = piece["key"][:2] not in flat
         if (whole and list(ref.shape) != piece["shape"]) or piece["offset"] + piece["numel"] > ref.numel:
             raise EngineLayoutMismatch(
                 f"{piece['file']}: {'/'.join(map(str, piece['key']))} has shape {list(ref.shape)}, not where the "

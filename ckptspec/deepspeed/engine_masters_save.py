@@ -24,7 +24,7 @@ from ..format.index_models import (
     Topology,
 )
 from ..format.index_validate import validate_index
-from ..format.models import Producer
+from ..format.models import Buffer, Producer
 from ..format.partition import ParamSpec
 from .describe_masters import masters_domain
 from .engine_masters import gather_described
@@ -120,6 +120,8 @@ def live_index(described: list[dict]) -> CheckpointIndex:
             source=source,
         )
         domain.members = _members(described, id, size)
+        if id == "dense":  # the module's persistent buffers, saved beside its weights
+            domain.manifest.buffers = [Buffer(**b) for b in first["buffers"]]
         if first["kind"] == "pipeline_stage0":
             domain.manifest.layout.pipeline_parallel_size = first["pp"]
             layers = {k: v for d in described for k, v in d["layers"].items()}

@@ -9,10 +9,15 @@ files, or a pipeline's two Blocks swap layer files); their values cannot agree w
 coordinate's masters. Cheap: the first few elements of each piece of each parameter, two ``pread``
 each, no tensor decoded (bfloat16 rounding done on the bits). Stage 3 (no weights in the files) and
 fp16 (loss-scaled copies) are not compared.
+
+The same holds where the index locates the masters apart from the weights (ZeRO stage 0's
+``FP16_Optimizer`` and ``FP16_UnfusedOptimizer``, which copy every master into its weight after each
+step, in bf16 or fp16; MoE): there it is also the evidence that the producer named the masters right.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections.abc import Iterator
@@ -20,6 +25,7 @@ from collections.abc import Iterator
 from ..checkpoint.torchfile import TensorRef, tensor_byte_range
 from ..errors import CkptspecError
 from ..findings import Finding, finding, json_path
+from ..format.index_models import MasterLocator
 from ..format.partition import param_pieces
 from ..format.paths import join_inside
 from .index_checks import IndexContext, check
@@ -171,3 +177,75 @@ def layer_weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
 
 def _model_file(domain) -> str | None:
     return next((f.path for f in domain.manifest.files if f.role == "model_states"), None)
+
+
+def _fp16_bits(fp32: bytes) -> bytes:
+    """fp32 little-endian words rounded to float16 as torch rounds (to nearest, ties to even)."""
+    out = []
+    for (value,) in struct.iter_unpack("<f", fp32):
+        try:
+            out.append(struct.pack("<e", value))
+        except OverflowError:  # past float16's range: infinity, as torch gives
+            out.append(struct.pack("<e", math.copysign(math.inf, value)))
+    return b"".join(out)
+
+
+_ROUND = {"float32": lambda b: b, "bfloat16": _bf16_bits, "float16": _fp16_bits}
+
+
+def _saved_weights(ctx: IndexContext, i: int) -> dict[str, tuple[str, TensorRef]]:
+    """Whole-model name -> (file, tensor) of the weights saved beside domain ``i``'s located masters:
+    its module and the MoE expert files (whose keys are the experts' whole-model names)."""
+    out = dict(_weights(ctx, i))
+    for ef in ctx.index.expert_files or []:
+        path = join_inside(ctx.tag_dir, ef.path)
+        loaded = ctx.states.load(path) if path is not None and path.is_file() else None
+        if loaded is not None and loaded.error is None and isinstance(loaded.state, dict):
+            out.update({name: (ef.path, loaded.state[key]) for key, name in ef.tensors.items() if key in loaded.state})
+    return out
+
+
+@check("CK235")
+def located_masters_are_weights(ctx: IndexContext) -> Iterator[Finding]:
+    """Masters the index locates apart from the weights (ZeRO stage 0 with FP16_Optimizer or
+    FP16_UnfusedOptimizer, MoE): each one's first elements, rounded to its saved weight's dtype, are
+    that weight's. Stage 0 records no parameter names beside its masters: the producer names them by
+    the module's order, and this is the evidence."""
+    for i, domain in enumerate(ctx.index.domains):
+        if domain.masters is None or domain.masters.stored_in not in ("model_states", "optimizer_states"):
+            continue
+        weights = _saved_weights(ctx, i)
+        first = {}
+        for loc in domain.masters.tensors:
+            first.setdefault(loc.param, loc)  # a master's first piece starts at its element 0
+        wrong: dict[tuple[str, str], list[tuple[str, int, MasterLocator, str]]] = {}
+        for name, loc in first.items():
+            held = weights.get(name)
+            if held is None or not isinstance(held[1], TensorRef) or loc.dtype != "float32":
+                continue
+            wfile, ref = held
+            n = min(SAMPLE, loc.numel, ref.numel)
+            if ref.dtype not in _ROUND or not n or not ref.is_contiguous():
+                continue
+            try:
+                base, _ = tensor_byte_range(ref, ctx.states.members(ctx.tag_dir / wfile))
+                master = _pread(ctx.tag_dir / loc.file, loc.data_offset + loc.element_offset * 4, n * 4)
+                saved = _pread(ctx.tag_dir / wfile, base, n * ref.storage.itemsize)
+            except (CkptspecError, OSError, ValueError):
+                continue  # unreadable or damaged files are the other checks' findings
+            if len(master) == n * 4 and saved != _ROUND[ref.dtype](master):
+                wrong.setdefault((wfile, loc.file), []).append((name, n, loc, ref.dtype))
+        for (wfile, mfile), found in wrong.items():  # one finding per pair of files, naming the first
+            name, n, loc, dtype = found[0]
+            others = f" (and {len(found) - 1} more of its {len(first)} masters)" if len(found) > 1 else ""
+            yield finding(
+                "CK235",
+                json_path("domains", i, "masters"),
+                f"{name} (elements 0..{n - 1}) saved in {wfile} is not its fp32 master in {mfile} "
+                f"({'/'.join(map(str, loc.key))}) rounded to {dtype}{others}",
+                "a file of another save, or masters in another order than the module's parameters (stage 0 "
+                "records no names beside them): restore the files of one save, or save through "
+                "ckptspec.deepspeed.save_checkpoint, which names them from the live engine",
+                file=mfile,
+                rank=domain.file_ranks.get(mfile),
+            )

@@ -7,6 +7,9 @@ format 1.x has no locator for:
 * **stage 0, bf16/fp16 with a client optimizer** (``FP16_UnfusedOptimizer``):
   ``optimizer.fp32_groups[g][i]`` in ``mp_rank_00_model_states.pt``, one full-shape fp32 tensor per
   trainable parameter, in the optimizer's parameter order;
+* **stage 0, bf16/fp16 with DeepSpeed's FusedAdam** (``FP16_Optimizer``, DeepSpeed's ``"Adam"``):
+  ``optimizer.fp32_groups_flat[g]``, one flat fp32 tensor per group, its parameters' masters back to
+  back without padding (``_flatten_dense_tensors``);
 * **MoE at stage 0**: the dense parameters as above, each expert in its file
   ``layer_<L>_expert_<E>_mp_rank_00_model_states.pt`` (keys carry the global expert id); with
   ``FP16_UnfusedOptimizer`` each ``expp_rank_<R>_mp_rank_00_optim_states.pt`` holds the dense
@@ -18,7 +21,11 @@ format 1.x has no locator for:
 The order of ``fp32_groups`` is the optimizer's, which DeepSpeed does not record by name at stage 0
 (``param_shapes`` is None). It is the module's trainable parameters in ``module`` order (buffers
 left out), the dense ones then each expert's: every tensor's shape must match its name's, or the
-checkpoint is refused by name (CK202), never guessed. Metadata only: no tensor bytes, no pickle code.
+checkpoint is refused by name (CK202), never guessed. A flat group has no shapes: each group must end
+where a parameter ends, and the validation compares every master with the saved weight of its name
+(CK235). Weights that are not fp32 are never taken for masters: a stage-0 checkpoint whose model
+states hold no fp32 copy the optimizer kept is refused by name. Metadata only: no tensor bytes, no
+pickle code.
 """
 
 from __future__ import annotations
@@ -118,12 +125,23 @@ def stage0_masters(folder: Path, states: StateCache | None = None) -> dict[str, 
     optimizer = model.get("optimizer")
     unfused = isinstance(optimizer, dict) and "fp32_groups" in optimizer
     out: dict[str, MasterTensor] = {}
-    if not unfused:  # fp32: the weights are the masters
+    if isinstance(optimizer, dict) and "fp32_groups_flat" in optimizer:
+        if experts:
+            raise UnsupportedCheckpoint(
+                "ZeRO stage 0 MoE with FP16_Optimizer (optimizer/fp32_groups_flat): its flat expert groups "
+                "are not described",
+                _HINT,
+                MODEL_FILE,
+            )
+        return _flat_groups(folder, optimizer["fp32_groups_flat"], dense, states)
+    if not unfused:  # no mixed precision: the fp32 weights are the masters
         module = model["module"]
         for name, _ in dense:
-            out[name] = _locate(folder, MODEL_FILE, module[name], name, ("module", name), states)
+            out[name] = _fp32_weight(
+                _locate(folder, MODEL_FILE, module[name], name, ("module", name), states), optimizer
+            )
         for rel, name, ref in experts:
-            out[name] = _locate(folder, rel, ref, name, (name,), states)
+            out[name] = _fp32_weight(_locate(folder, rel, ref, name, (name,), states), optimizer)
         return out
     groups = optimizer["fp32_groups"]
     if not experts:
@@ -142,6 +160,64 @@ def stage0_masters(folder: Path, states: StateCache | None = None) -> dict[str, 
                 out[m.name] = m
         return out
     return _moe_unfused(folder, model, dense, experts, states)
+
+
+def _fp32_weight(weight: MasterTensor, optimizer) -> MasterTensor:
+    """A saved weight taken for its master: only an fp32 one (a run without mixed precision)."""
+    if weight.dtype != "float32":
+        keys = sorted(optimizer) if isinstance(optimizer, dict) else optimizer
+        raise UnsupportedCheckpoint(
+            f"ZeRO stage 0: {weight.name!r} is saved in {weight.dtype} and the model states hold no fp32 masters "
+            f"(optimizer: {keys}); the {weight.dtype} weights are not taken for masters",
+            _HINT,
+            weight.segments[0][0],
+        )
+    return weight
+
+
+def _flat_groups(folder: Path, groups, dense, states: StateCache) -> dict[str, MasterTensor]:
+    """FP16_Optimizer: ``fp32_groups_flat[g]`` is its group's trainable parameters' masters back to back.
+    The groups take the module's trainable parameters in order; each must end where a parameter ends."""
+    if not isinstance(groups, list) or not groups:
+        raise UnsupportedCheckpoint("optimizer/fp32_groups_flat is not a list of flat tensors", _HINT, MODEL_FILE)
+    out: dict[str, MasterTensor] = {}
+    i = 0
+    for g, ref in enumerate(groups):
+        key = ("optimizer", "fp32_groups_flat", g)
+        flat = _locate(folder, MODEL_FILE, ref, f"group {g}", key, states)
+        if flat.dtype != "float32" or len(flat.shape) != 1:
+            raise UnsupportedCheckpoint(
+                f"optimizer/fp32_groups_flat/{g} is {flat.dtype} of shape {list(flat.shape)}, not a flat fp32 tensor",
+                _HINT,
+                MODEL_FILE,
+            )
+        (_, start, nbytes), filled = flat.segments[0], 0
+        while filled < nbytes:
+            if i == len(dense):
+                raise UnsupportedCheckpoint(
+                    f"optimizer/fp32_groups_flat holds more elements than the {len(dense)} trainable parameters",
+                    _HINT,
+                    MODEL_FILE,
+                )
+            name, shape = dense[i]
+            size = math.prod(shape) * 4
+            if not size or filled + size > nbytes:
+                raise UnsupportedCheckpoint(
+                    f"optimizer/fp32_groups_flat/{g} ({nbytes // 4} elements) does not take {name!r} whole "
+                    "(frozen, tied or zero-element parameters are not told apart at stage 0)",
+                    _HINT,
+                    MODEL_FILE,
+                )
+            out[name] = MasterTensor(name, shape, "float32", ((MODEL_FILE, start + filled, size),), key)
+            filled, i = filled + size, i + 1
+    if i != len(dense):
+        raise UnsupportedCheckpoint(
+            f"optimizer/fp32_groups_flat holds the masters of {i} of the {len(dense)} trainable parameters "
+            "(frozen or tied parameters are not told apart at stage 0)",
+            _HINT,
+            MODEL_FILE,
+        )
+    return out
 
 
 def _moe_unfused(folder: Path, model: dict, dense, experts, states: StateCache) -> dict[str, MasterTensor]:

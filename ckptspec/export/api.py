@@ -77,10 +77,13 @@ def load_state_dict(
         raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
     dtype = output_dtype(dtype)
     if _model_parallel(checkpoint, manifest, tag):  # the whole model, composed from every rank's shards
-        from .compose import load_index_state_dict
+        from .compose import check_replicas, validated_index_plan
 
-        return load_index_state_dict(checkpoint, framework, dtype=dtype, index=manifest, tag=tag)
-    plan = validated_plan(checkpoint, manifest, tag, hashes_in_stream=True)
+        plan = validated_index_plan(checkpoint, manifest, tag)
+        with ShardReader() as files:
+            check_replicas(plan, files)  # CK401 before any tensor is returned
+    else:
+        plan = validated_plan(checkpoint, manifest, tag, hashes_in_stream=True)
     bf16_view = None
     if framework == "numpy" and dtype == "bfloat16":
         try:

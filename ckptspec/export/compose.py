@@ -5,14 +5,14 @@ bytes (its fp32 master) in the domain's files. A whole-model parameter is then o
 composed from its shards' byte ranges as the index places them (``compose_plan.py``), so the 1.x
 writers write the whole model as they write any plan (safetensors or torch files, sharding, the
 optimizer state; atomic). The non-primary replicas are read and compared with the primary first
-(they must be equal, bit for bit: CK401 otherwise). No DeepSpeed, no pickle; torch only for
-``--format torch``.
+(they must be equal, bit for bit: CK401 otherwise). A domain whose index locates its masters (#17)
+adds the buffers and ties it names. ``ckptspec.load_state_dict`` reads the same plan. No DeepSpeed,
+no pickle; torch only for ``--format torch``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 from ..checkpoint.states import StateCache
@@ -20,10 +20,8 @@ from ..deepspeed.directory import resolve_tag_dir
 from ..deepspeed.validate_index import validate_index_checkpoint
 from ..errors import CheckpointInvalid, ReconstructMismatch
 from ..findings import has_errors
-from ..format.dtypes import output_dtype
-from ..format.index_models import IndexParameter
-from .arrays import ShardReader, _np, convert, read_array
-from .compose_masters import master_sources
+from .arrays import ShardReader, _np, read_array
+from .compose_masters import master_sources, named_extras
 from .compose_plan import IndexReconstructionPlan, replicas, whole_plan
 from .plan import ReconstructionPlan, plan_reconstruction
 from .writers import WriteResult, write_consolidated
@@ -54,7 +52,9 @@ def _domain_plan(tag_dir, domain, states: StateCache) -> ReconstructionPlan:
     in its ZeRO partitions, as its 1.x manifest says."""
     if domain.masters is not None:
         sources = master_sources(tag_dir, domain)
-        return ReconstructionPlan(domain.manifest, tag_dir, sources, {}, list(sources))
+        buffers, aliases = named_extras(tag_dir, domain, sources, states)
+        order = [*sources, *buffers, *aliases]
+        return ReconstructionPlan(domain.manifest, tag_dir, {**sources, **buffers}, aliases, order)
     return plan_reconstruction(tag_dir, domain.manifest, states=states)
 
 
@@ -74,36 +74,6 @@ def check_replicas(plan: IndexReconstructionPlan, files: ShardReader) -> None:
                 )
 
 
-def iter_whole(plan: IndexReconstructionPlan, dtype: str = "float32") -> Iterator[tuple[IndexParameter, Any]]:
-    """(parameter, array in ``dtype``; bfloat16 as uint16 bits) of every whole-model parameter, in order."""
-    with ShardReader() as files:
-        check_replicas(plan, files)
-        for param in plan.index.parameters:
-            whole = read_array(plan.sources[param.name], "float32", files)
-            yield param, convert(whole.reshape(-1), "float32", dtype).reshape(param.shape)
-
-
-def load_index_state_dict(
-    checkpoint: str | os.PathLike, framework: str = "torch", *, dtype: Any = "fp32", index: Any = None, tag=None
-) -> dict[str, Any]:
-    """The whole model's state dict (fp32 masters, or ``dtype``) of a tensor/pipeline-parallel checkpoint."""
-    from .writers import to_torch
-
-    dtype = output_dtype(dtype)
-    plan = validated_index_plan(checkpoint, index, tag)
-    out = {}
-    for param, array in iter_whole(plan, dtype):
-        if framework == "torch":
-            out[param.name] = to_torch(array, dtype)
-        elif dtype == "bfloat16":
-            import ml_dtypes  # as load_state_dict: numpy has no bfloat16
-
-            out[param.name] = array.view(ml_dtypes.bfloat16)
-        else:
-            out[param.name] = array
-    return out
-
-
 def reconstruct_index(
     checkpoint: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -121,7 +91,7 @@ def reconstruct_index(
 ) -> WriteResult:
     """Validate, then write the whole model with the 1.x writers (atomically): safetensors or torch
     files, sharded at ``max_shard_size``, and with ``optimizer_state`` the whole model's optimizer
-    state as ``optimizer.safetensors``. A checkpoint index describes no ties, so ``untie`` changes nothing.
+    state as ``optimizer.safetensors``. ``untie`` writes a tie a universal folder records as a copy.
     ``jobs``: threads writing each safetensors file; ``warn``: called with validation's warnings, if any."""
     plan = validated_index_plan(checkpoint, index, tag)
     if warn is not None and plan.warnings:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._version import __version__
-from ..errors import ReconstructMismatch
+from ..errors import ReconstructMismatch, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import CheckpointIndex, IndexParameter, Shard
 from .optimizer_state import OptimizerStatePlan, plan_optimizer_state
@@ -79,7 +79,7 @@ def compose_source(name: str, shape: list[int], shards: list[tuple[Shard, Tensor
     placement = shards[0][0].placement
     if placement in ("whole", "replicated"):
         primary = next(src for s, src in shards if s.primary or len(shards) == 1)
-        return TensorSource(name, tuple(shape), primary.dtype, primary.segments, role, primary.digest)
+        return TensorSource(name, tuple(shape), primary.dtype, primary.segments, role, primary.digest, primary.origin)
     runs = []
     for shard, src in shards:
         runs += [(w, src, lo, n) for w, lo, n in _runs_of(shard.placement, shape, shard.local_shape)]
@@ -98,7 +98,7 @@ def compose_source(name: str, shape: list[int], shards: list[tuple[Shard, Tensor
         covered = w + n
     if covered != math.prod(shape):
         raise ReconstructMismatch(f"the shards of {name!r} leave elements unset")
-    return TensorSource(name, tuple(shape), shards[0][1].dtype, segments, role)
+    return TensorSource(name, tuple(shape), shards[0][1].dtype, segments, role, origin=shards[0][1].origin)
 
 
 @dataclass
@@ -119,7 +119,7 @@ class IndexReconstructionPlan(ReconstructionPlan):
             "ckptspec.tag": self.tag_dir.name,
             "ckptspec.dtype": dtype,
             "ckptspec.parallel": f"pp{degrees.pipeline}-tp{degrees.tensor}-dp{degrees.data}",
-            "ckptspec.aliases": "{}",
+            "ckptspec.aliases": json.dumps(self.aliases, sort_keys=True),
             "ckptspec.untied": "true" if untied else "false",
         }
 
@@ -138,7 +138,21 @@ def whole_plan(
         shards = [(s, domain_plans[s.domain].sources[s.local_name]) for s in param.shards]
         sources[param.name] = compose_source(param.name, param.shape, shards, "trainable")
     order = [p.name for p in index.parameters]
-    return IndexReconstructionPlan(None, tag_dir, sources, {}, order, index=index, domain_plans=domain_plans)  # type: ignore[arg-type]
+    aliases: dict[str, str] = {}
+    # Buffers and ties a domain whose index locates its masters names (stage 0, MoE's dense domain, a
+    # universal folder): its names are the whole model's.
+    for plan in domain_plans.values():
+        for name in plan.order:
+            if name in plan.aliases:
+                aliases[name] = plan.aliases[name]
+            elif plan.sources[name].role == "trainable":
+                continue
+            elif name in sources:
+                raise ReconstructMismatch(f"{name!r} names two tensors of the whole model", tag_dir)
+            else:
+                sources[name] = plan.sources[name]
+            order.append(name)
+    return IndexReconstructionPlan(None, tag_dir, sources, aliases, order, index=index, domain_plans=domain_plans)  # type: ignore[arg-type]
 
 
 def replicas(param: IndexParameter, domain_plans: dict[str, ReconstructionPlan]) -> list[tuple[Shard, TensorSource]]:
@@ -149,7 +163,25 @@ def replicas(param: IndexParameter, domain_plans: dict[str, ReconstructionPlan])
     return [(s, domain_plans[s.domain].sources[s.local_name]) for s in shards]
 
 
+def _kind(index: CheckpointIndex, domain) -> str:
+    """The kind of checkpoint a masters domain belongs to, as a user would name it."""
+    if index.kind == "universal":
+        return "universal"
+    if index.expert_files:
+        return "MoE"
+    return "ZeRO stage-0 pipeline" if index.layer_files else "ZeRO stage-0"
+
+
 def _compose_states(plan: IndexReconstructionPlan) -> OptimizerStatePlan:
+    located_apart = [d for d in plan.index.domains if d.masters is not None]
+    if located_apart:  # the index locates these kinds' masters, not their moments (CK402, not "use 1.1")
+        raise ReconstructUnsupported(
+            f"the optimizer state of this {_kind(plan.index, located_apart[0])} checkpoint is not located: its "
+            "checkpoint index locates the fp32 masters only (the moments are not read)",
+            "reconstruct the weights without --optimizer-state; to resume training, load the checkpoint itself "
+            "with DeepSpeed (engine.load_checkpoint), which reads the moments",
+            plan.tag_dir,
+        )
     per_domain = {d: plan_optimizer_state(p) for d, p in plan.domain_plans.items()}
     sources, states, groups = {}, {}, {}
     for param in plan.index.parameters:

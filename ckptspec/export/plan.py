@@ -49,6 +49,18 @@ class Segment:
     nbytes: int
 
 
+# Where an output tensor's bytes come from, as the output's metadata says (``ckptspec.sources``,
+# docs/reconstruct.md): each role's default, and what a checkpoint index locates apart.
+ORIGINS = {
+    "trainable": "optimizer_fp32_master",  # the fp32 copy the optimizer keeps and steps
+    "frozen": "frozen_weight",  # a frozen parameter's saved weight (model dtype): no master exists
+    "buffer": "buffer",
+    "state": "optimizer_state",
+}
+MODULE_FP32_WEIGHT = "module_fp32_weight"  # the fp32 weights of a run without mixed precision: the masters
+UNIVERSAL_FP32 = "universal_fp32"  # zero/<name>/fp32.pt of a universal folder
+
+
 @dataclass
 class TensorSource:
     """Where one output tensor's bytes are: its segments, concatenated, are the flat tensor."""
@@ -59,6 +71,10 @@ class TensorSource:
     segments: list[Segment]
     role: str  # "trainable" (fp32 master), "frozen" (model dtype), "buffer", "state" (optimizer state)
     digest: str | None = None  # sha256 of the bytes of the segments (format 1.1), checked while they are read
+    origin: str = ""  # what the bytes are (ORIGINS): the role's default unless a producer says otherwise
+
+    def __post_init__(self) -> None:
+        self.origin = self.origin or ORIGINS.get(self.role, self.role)
 
     @property
     def numel(self) -> int:
@@ -96,6 +112,14 @@ class ReconstructionPlan:
     def total_numel(self, untie: bool) -> int:
         """Elements of tensor data in the output (what the summary of ``reconstruct`` counts)."""
         return sum(self.sources[self.aliases.get(n, n)].numel for n in self.stored(untie))
+
+    def provenance(self, names: list[str]) -> str:
+        """``ckptspec.sources`` of a file holding ``names``: what each tensor's bytes are (ORIGINS) ->
+        its names; a tied alias written as its own tensor is its owner's bytes."""
+        out: dict[str, list[str]] = {}
+        for name in names:
+            out.setdefault(self.sources[self.aliases.get(name, name)].origin, []).append(name)
+        return json.dumps({origin: sorted(found) for origin, found in sorted(out.items())}, separators=(",", ":"))
 
     def metadata(self, dtype: str, untied: bool) -> dict[str, str]:
         """The string map written to ``__metadata__`` and to the index's ``metadata``."""
@@ -185,17 +209,7 @@ def plan_reconstruction(
         )
 
     for buffer in manifest.buffers:
-        numel = math.prod(buffer.shape)
-        path = model_files[first_rank]
-        ref = _tensor(metadata(path), "module", buffer.name, path)
-        if ref.dtype != buffer.dtype:
-            raise ReconstructMismatch(f"buffer {buffer.name!r} is {ref.dtype}, the manifest says {buffer.dtype}", path)
-        dtype, segments = ref.dtype, _ref_segments(ref, path, members(path), numel, buffer.name)
-        if buffer.name in named:
-            dtype, segments = _same_as_located(named[buffer.name], numel, buffer.name, tag_dir, dtype, segments)
-        sources[buffer.name] = TensorSource(
-            buffer.name, tuple(buffer.shape), dtype, segments, "buffer", _sha256(buffer.digest)
-        )
+        sources[buffer.name] = buffer_source(buffer, model_files[first_rank], states, named.get(buffer.name), tag_dir)
 
     aliases = {a.name: a.owner for a in manifest.aliases}
     for alias in manifest.aliases:
@@ -212,6 +226,23 @@ def plan_reconstruction(
     if hashes_in_stream and isinstance(tag_dir, RemotePath):
         hashes = {tag_dir / f.path: f.hash for f in manifest.files if f.hash is not None}
     return ReconstructionPlan(manifest, tag_dir, sources, aliases, order, hashes)
+
+
+def buffer_source(buffer, path: Path, states: StateCache, located=None, tag_dir: Path | None = None) -> TensorSource:
+    """A persistent buffer: ``module[name]`` of the model states ``path`` (with format 1.1's locators
+    ``located``, which must give the same bytes)."""
+    numel = math.prod(buffer.shape)
+    ref = _tensor(states.state(path), "module", buffer.name, path)
+    if ref.dtype != buffer.dtype:
+        raise ReconstructMismatch(f"buffer {buffer.name!r} is {ref.dtype}, the manifest says {buffer.dtype}", path)
+    if list(ref.shape) != list(buffer.shape):
+        raise ReconstructMismatch(
+            f"buffer {buffer.name!r} has shape {list(ref.shape)}, the manifest says {list(buffer.shape)}", path
+        )
+    dtype, segments = ref.dtype, _ref_segments(ref, path, states.members(path), numel, buffer.name)
+    if located:
+        dtype, segments = _same_as_located(located, numel, buffer.name, tag_dir, dtype, segments)
+    return TensorSource(buffer.name, tuple(buffer.shape), dtype, segments, "buffer", _sha256(buffer.digest))
 
 
 def _sha256(digest) -> str | None:

@@ -6,8 +6,10 @@ output's name that ckptspec did not write are never touched (CK909, ``outputs``)
 written under a temporary name, then all are committed together: the directory holds the earlier
 output or the complete new one. Earlier outputs of either format that this run did not rewrite
 are removed in the same commit. The manifest is stored once: in the index when there is one, else
-in the single file's ``__metadata__``. safetensors are written by ``safetensors_writer`` (no
-torch); ``fmt="torch"`` imports torch, here only.
+in the single file's ``__metadata__``; each file's ``__metadata__`` (and the index, for all of them)
+says what its tensors' bytes are (``ckptspec.sources``: fp32 masters, fp32 weights, frozen weights,
+buffers). safetensors are written by ``safetensors_writer`` (no torch); ``fmt="torch"`` imports
+torch, here only.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter, TensorEnt
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 SAFETENSORS_SINGLE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_SINGLE, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+PROVENANCE_KEY = "ckptspec.sources"  # what each written tensor's bytes are (plan.ORIGINS) -> its names
 # A manifest larger than this goes into an index even for one file: safetensors readers refuse
 # headers over 100 MB, and every reader parses the header before the first tensor.
 MAX_HEADER_MANIFEST = 16 * 1024 * 1024
@@ -166,7 +169,8 @@ def write_consolidated(
                 for shard in shards:
                     target = out / shard.filename
                     if fmt == "safetensors":
-                        tmp = _write_safetensors_shard(plan, shard, target, dtype, shard_meta, files, progress, jobs)
+                        meta = {**shard_meta, PROVENANCE_KEY: plan.provenance(shard.names)}
+                        tmp = _write_safetensors_shard(plan, shard, target, dtype, meta, files, progress, jobs)
                     else:
                         tmp = _write_torch_shard(plan, shard, target, dtype, untie, files, progress)
                     pending.append((tmp, target))
@@ -175,7 +179,11 @@ def write_consolidated(
                 files.verify()  # remote files' hashes, from the bytes read once (before anything is committed)
             if index_name:
                 weight_map = {n: s.filename for s in shards for n in s.names}
-                index = {"metadata": {"total_size": total, **metadata, **manifest_meta}, "weight_map": weight_map}
+                provenance = {PROVENANCE_KEY: plan.provenance(list(weight_map))}
+                index = {
+                    "metadata": {"total_size": total, **metadata, **provenance, **manifest_meta},
+                    "weight_map": weight_map,
+                }
                 pending.append((_write_temp(out / index_name, json.dumps(index, indent=2) + "\n"), out / index_name))
         except BaseException:
             for tmp, _ in pending:

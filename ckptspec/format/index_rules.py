@@ -347,5 +347,29 @@ def placement_source(doc: dict) -> Iterator[Finding]:
             )
 
 
+@rule("CK609")
+def master_dtype(doc: dict) -> Iterator[Finding]:
+    """What a domain's ``masters`` and ``replicas`` locate is in its manifest's ``master_dtype``: the
+    low-precision weights beside a checkpoint's masters are never masters."""
+    for i, domain in enumerate(doc["domains"]):
+        want = domain["manifest"]["layout"]["master_dtype"]
+        located = [
+            ("masters", "tensors", j, loc) for j, loc in enumerate((domain.get("masters") or {}).get("tensors", []))
+        ]
+        located += [("replicas", j, loc) for j, loc in enumerate(domain.get("replicas") or [])]
+        wrong = [(at, loc) for *at, loc in located if loc["dtype"] != want]
+        if wrong:  # one finding per domain, naming the first
+            at, loc = wrong[0]
+            more = f" ({len(wrong) - 1} more locators of this domain too)" if len(wrong) > 1 else ""
+            yield finding(
+                "CK609",
+                json_path("domains", i, *at),
+                f"the master of {loc['param']!r} is located in {loc['dtype']} data ({loc['file']}: "
+                f"{'/'.join(map(str, loc['key']))}); the domain's master_dtype is {want}{more}",
+                "these are not the fp32 masters (an earlier ckptspec took a stage-0 FP16_Optimizer checkpoint's "
+                "bf16/fp16 weights for them): regenerate the index with `ckptspec generate CHECKPOINT`",
+            )
+
+
 def check_index_rules(doc: dict) -> list[Finding]:
     return [found for r in INDEX_RULES for found in r.check(doc)]

@@ -10,6 +10,8 @@ from .faults import Fault, FaultEnv, _edit, tag_dir
 
 MOE = "moe-ep2-s1-fp32-ws4"
 MOE_S0 = "moe-ep2-s0-bf16-ws2"
+S0 = "s0-bf16-ws2"  # FP16_UnfusedOptimizer: one fp32 master per parameter
+S0_FUSED = "s0-bf16-ws2-fused"  # FP16_Optimizer: one flat fp32 group
 
 
 def drop_expert_file(save_dir: Path, env: FaultEnv) -> None:
@@ -46,6 +48,35 @@ def stage0_copy_differs(save_dir: Path, env: FaultEnv) -> None:
         state["optimizer"]["fp32_groups"][0][0].add_(1.0)
 
     _edit(tag_dir(save_dir) / "expp_rank_1_mp_rank_00_optim_states.pt", change)
+
+
+def _block_numel(module: dict, block: str) -> int:
+    return sum(t.numel() for n, t in module.items() if n.startswith(block + "."))
+
+
+def stage0_masters_reordered(save_dir: Path, env: FaultEnv) -> None:
+    """The masters of the two Blocks (same names but their index, same shapes) in the other order in
+    FP16_UnfusedOptimizer's fp32_groups: what an optimizer given the parameters in another order
+    than the module's saves. Every shape still matches its name's."""
+
+    def change(state):
+        group = state["optimizer"]["fp32_groups"][0]
+        half = len([n for n in state["module"] if n.startswith("blocks.0.")])
+        group[: 2 * half] = group[half : 2 * half] + group[:half]
+
+    _edit(tag_dir(save_dir) / "mp_rank_00_model_states.pt", change)
+
+
+def fused_masters_reordered(save_dir: Path, env: FaultEnv) -> None:
+    """The same in FP16_Optimizer's flat fp32 group: the two Blocks' masters swapped (same sizes)."""
+    import torch
+
+    def change(state):
+        flat = state["optimizer"]["fp32_groups_flat"][0].detach().clone()
+        n = _block_numel(state["module"], "blocks.0")
+        state["optimizer"]["fp32_groups_flat"][0] = torch.cat([flat[n : 2 * n], flat[:n], flat[2 * n :]])
+
+    _edit(tag_dir(save_dir) / "mp_rank_00_model_states.pt", change)
 
 
 MASTERS_FAULTS = [
@@ -98,5 +129,23 @@ MASTERS_FAULTS = [
         "CK243",
         "expp_rank_1_mp_rank_00_optim_states.pt",
         stage0_copy_differs,
+    ),
+    Fault(
+        "stage0-masters-reordered",
+        S0,
+        "stage 0 bf16 (FP16_UnfusedOptimizer): the two Blocks' fp32 masters in the other order (every shape "
+        "still its name's); the saved bf16 weights are not them rounded",
+        "CK235",
+        "mp_rank_00_model_states.pt",
+        stage0_masters_reordered,
+    ),
+    Fault(
+        "stage0-fused-masters-reordered",
+        S0_FUSED,
+        "stage 0 bf16 (FP16_Optimizer): the two Blocks' masters swapped inside the flat fp32 group (no shapes "
+        "to compare); the saved bf16 weights are not them rounded",
+        "CK235",
+        "mp_rank_00_model_states.pt",
+        fused_masters_reordered,
     ),
 ]

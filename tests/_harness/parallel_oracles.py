@@ -23,8 +23,7 @@ def bits_equal(a, b) -> bool:
 
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    raw = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
-    return torch.equal(a.contiguous().view(raw), b.contiguous().view(raw))
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def affine_pieces(entry: Path, tp: int, global_name: str) -> list[dict]:

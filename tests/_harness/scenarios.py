@@ -94,9 +94,14 @@ PARALLEL_SPECS = {
         for stage in (0, 1, 2)
         for dtype in ("fp32", "bf16")
     },
-    # dense ZeRO stage 0: fp32 (no masters), bf16 (FP16_Optimizer: masters inside the model states)
+    # dense ZeRO stage 0: fp32 (no masters); bf16 and fp16 with a client torch.optim.Adam
+    # (FP16_UnfusedOptimizer: one fp32 master per parameter inside the model states) or a FusedAdam
+    # (FP16_Optimizer: flat fp32 groups inside the model states; DeepSpeed's "Adam" optimizer config)
     "s0-fp32-ws2": ({"stage": 0, "dtype": "fp32", **_UC}, 2),
     "s0-bf16-ws2": ({"stage": 0, "dtype": "bf16", **_UC}, 2),
+    "s0-fp16-ws2": ({"stage": 0, "dtype": "fp16", **_UC}, 2),
+    "s0-bf16-ws2-fused": ({"stage": 0, "dtype": "bf16", "optimizer": "fused", "buffers": True, **_UC}, 2),
+    "s0-fp16-ws2-fused": ({"stage": 0, "dtype": "fp16", "optimizer": "fused", **_UC}, 2),
     # universal sources: ds_to_universal folders beside the tag they were converted from
     "uc-s2-bf16-ws2": ({"stage": 2, "dtype": "bf16", **_UC_INJECT}, 2),
     "uc-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16", **_UC}, 2),

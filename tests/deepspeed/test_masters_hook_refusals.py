@@ -68,13 +68,24 @@ def _frozen():
         (_Engine(stage=3, moe=True, optimizer="DeepSpeedZeroOptimizer_Stage3"), "MoE at ZeRO stage 3"),
         (_Engine(stage=1, moe=True, optimizer="DeepSpeedZeroOptimizer", mp_world_size=2), "tensor or pipeline"),
         (_Engine(mp_world_size=2), "stage0 combined with tensor or pipeline parallelism"),
-        (_Engine(optimizer="FP16_Optimizer"), "FP16_Optimizer: only FP16_UnfusedOptimizer"),
+        (_Engine(moe=True, optimizer="FP16_Optimizer"), "stage 0 MoE with FP16_Optimizer: only FP16_UnfusedOptimizer'"),
+        (_Engine(optimizer="Adam"), "stage 0 with Adam: only FP16_UnfusedOptimizer and FP16_Optimizer's"),
         (PipelineEngine(optimizer="FP16_UnfusedOptimizer", mp_world_size=2, num_stages=2), "only BF16_Optimizer"),
         (PipelineEngine(optimizer="BF16_Optimizer", mp_world_size=4, num_stages=2), "tensor parallelism inside"),
         (_Engine(module=_Tied()), "tied parameters"),
         (_Engine(module=_frozen(), bf16=False, optimizer="Adam"), "frozen parameter 'bias'"),
     ],
-    ids=["moe-stage3", "moe-tp", "stage0-tp", "fp16-optimizer", "pipeline-unfused", "pipeline-tp", "ties", "frozen"],
+    ids=[
+        "moe-stage3",
+        "moe-tp",
+        "stage0-tp",
+        "moe-fp16-optimizer",
+        "stage0-bf16-adam",
+        "pipeline-unfused",
+        "pipeline-tp",
+        "ties",
+        "frozen",
+    ],
 )
 def test_what_the_masters_hook_cannot_describe_is_refused_before_saving(engine, named, tmp_path):
     with pytest.raises(UnsupportedEngine, match=named):

@@ -47,6 +47,32 @@ def _live_masters(ds, name) -> dict:
     return out
 
 
+def _live_buffers(ds, name) -> dict:
+    """The module's buffers in the job (every rank holds them; rank 0 saves the module)."""
+    import torch
+
+    return torch.load(ds.path(name) / "oracle.rank0.pt", weights_only=True).get("buffers", {})
+
+
+def _expected_sources(ds, name) -> dict:
+    """What each output tensor's bytes must be (``ckptspec.sources``), from what the live engine said it
+    read each master from (``master_source``): the parameter itself when there was no master."""
+    import torch
+
+    out = {}
+    for rank in range(scenarios.REGISTRY[name].world_size):
+        oracle = torch.load(ds.path(name) / f"oracle.rank{rank}.pt", weights_only=True)
+        for local, where in oracle["master_source"].items():
+            fp32_weight = where == "module (fp32, no masters)"
+            label = "universal_fp32" if name in UNIVERSAL else "module_fp32_weight" if fp32_weight else None
+            out[oracle["params"][local]["global_name"]] = label or "optimizer_fp32_master"
+    out.update({n: "buffer" for n in _live_buffers(ds, name)})
+    by_origin = {}
+    for n, origin in out.items():
+        by_origin.setdefault(origin, []).append(n)
+    return {origin: sorted(names) for origin, names in sorted(by_origin.items())}
+
+
 def _fp32_pt(ds, name) -> dict:
     import torch
 
@@ -67,7 +93,12 @@ def _bits_equal(a, b) -> bool:
 @pytest.mark.parametrize("name", ALL + UNIVERSAL)
 def test_generate_validate_reconstruct_equal_the_live_masters(ds, name, tmp_path):
     """generate -> validate the document against the files -> reconstruct, bit for bit the masters
-    the live engine held (and, for a universal folder, DeepSpeed's fp32.pt)."""
+    the live engine held (and, for a universal folder, DeepSpeed's fp32.pt), with the module's buffers
+    as the job held them, and the output says what each tensor is. The stage-0 FP16_Optimizer entries
+    (``-fused``: DeepSpeed's FusedAdam) hold their masters in one flat fp32 group: an earlier ckptspec
+    took their bf16/fp16 weights for the masters here (issue #37 H1)."""
+    import torch
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     folder = _folder(ds, name)
@@ -84,9 +115,13 @@ def test_generate_validate_reconstruct_equal_the_live_masters(ds, name, tmp_path
     result = _cli("reconstruct", str(folder), str(out), "--quiet")
     assert result.exit_code == 0, result.stderr
     got = load_file(out / "model.safetensors")
-    live = _live_masters(ds, name)
-    assert sorted(got) == sorted(live)
+    live, buffers = _live_masters(ds, name), _live_buffers(ds, name)
+    assert sorted(got) == sorted([*live, *buffers])
     assert sorted(n for n in live if not _bits_equal(got[n], live[n])) == [], name
+    assert all(got[n].dtype == b.dtype and torch.equal(got[n], b) for n, b in buffers.items()), name
+    # what each tensor's bytes are, as the job's live engine read its masters (H1: never bf16 weights)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert json.loads(f.metadata()["ckptspec.sources"]) == _expected_sources(ds, name)
     if name in UNIVERSAL:
         fp32 = _fp32_pt(ds, name)
         assert sorted(n for n in fp32 if not _bits_equal(got[n], fp32[n])) == [], name
@@ -112,17 +147,77 @@ def test_universal_folders_of_parallel_sources_are_their_fp32_pt(ds, name):
         assert _bits_equal(got[n], expected), n
 
 
-@pytest.mark.parametrize("name", ["s0-bf16-ws2", "moe-ep2-s0-bf16-ws4", "moe-ep2-s2-fp32-ws4", "uc-s3-bf16-ws2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "s0-bf16-ws2",
+        "s0-bf16-ws2-fused",
+        "s0-fp16-ws2-fused",
+        "moe-ep2-s0-bf16-ws4",
+        "moe-ep2-s2-fp32-ws4",
+        "uc-s3-bf16-ws2",
+    ],
+)
 def test_load_state_dict_in_fp32_and_bf16(ds, name):
     import torch
 
     from ckptspec import load_state_dict
 
     live = _fp32_pt(ds, name) if name in UNIVERSAL else _live_masters(ds, name)
+    buffers = {} if name in UNIVERSAL else _live_buffers(ds, name)
     fp32 = load_state_dict(_folder(ds, name))
-    assert sorted(fp32) == sorted(live) and all(_bits_equal(fp32[n], live[n]) for n in live)
+    assert sorted(fp32) == sorted([*live, *buffers]) and all(_bits_equal(fp32[n], live[n]) for n in live)
+    assert all(torch.equal(fp32[n], b) for n, b in buffers.items())
     bf16 = load_state_dict(_folder(ds, name), dtype="bf16")
     assert all(bf16[n].dtype == torch.bfloat16 and torch.equal(bf16[n], live[n].to(torch.bfloat16)) for n in live)
+
+
+def test_stage0_weights_without_fp32_masters_are_never_taken_for_masters(ds, tmp_path):
+    """A stage-0 bf16 checkpoint whose model states hold no fp32 copy the optimizer kept (here
+    FP16_Optimizer's removed) is refused by name (CK202), not reconstructed from its bf16 weights."""
+    import shutil
+
+    import torch
+
+    tag = tmp_path / "global_step2"
+    shutil.copytree(_folder(ds, "s0-bf16-ws2-fused"), tag)
+    path = tag / "mp_rank_00_model_states.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)  # the test's own copy: torch as the editor
+    del state["optimizer"]["fp32_groups_flat"]
+    torch.save(state, path)
+    result = _cli("reconstruct", str(tag), str(tmp_path / "out"))
+    assert result.exit_code == 1, result.output
+    assert "CK202" in result.stderr and "'blocks.0.up.weight' is saved in bfloat16" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_index_that_locates_bf16_weights_as_masters_is_refused(ds, tmp_path):
+    """What an earlier ckptspec generated for a stage-0 FP16_Optimizer checkpoint (H1): masters located
+    in the module's bf16 weights. The index is refused (CK609), nothing is written."""
+    folder = _folder(ds, "s0-bf16-ws2-fused")
+    doc = tmp_path / "index.json"
+    assert _cli("generate", str(folder), "-o", str(doc)).exit_code == 0
+    index = json.loads(doc.read_text())
+    assert all(loc["dtype"] == "float32" for loc in index["domains"][0]["masters"]["tensors"])
+    for loc in index["domains"][0]["masters"]["tensors"]:  # as the earlier producer located them
+        loc.update(key=["module", loc["param"]], dtype="bfloat16")
+    doc.write_text(json.dumps(index))
+    result = _cli("reconstruct", str(folder), str(tmp_path / "out"), "--manifest", str(doc))
+    assert result.exit_code == 1, result.output
+    assert "CK609" in result.stderr and "bfloat16" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["s0-bf16-ws2-fused", "moe-ep2-s0-bf16-ws4", "moe-ep2-s2-fp32-ws4", "uc-s2-bf16-ws2"])
+def test_optimizer_state_of_the_kinds_whose_masters_the_index_locates_is_refused_truly(ds, name, tmp_path):
+    """issue #37 L3: CK402 says the moments are not located for this kind (the index is format 1.1's
+    successor, "use a format 1.1 manifest" was false) and what the user can do; nothing is written."""
+    out = tmp_path / "out"
+    result = _cli("reconstruct", str(_folder(ds, name)), str(out), "--optimizer-state")
+    assert result.exit_code == 1, result.output
+    assert "CK402" in result.stderr and "locates the fp32 masters only" in result.stderr
+    assert "format 1.1" not in result.stderr and "engine.load_checkpoint" in result.stderr
+    assert not out.exists()
 
 
 def test_inspect_shows_domains_masters_and_expert_files(ds):

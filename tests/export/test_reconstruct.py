@@ -106,6 +106,43 @@ def test_metadata_traces_the_checkpoint(point, tmp_path):
     assert meta["ckptspec.dtype"] == "float32"
 
 
+@pytest.mark.parametrize("name", ["s2-bf16-ws2", "s3-fp16-ws3-groups", "s1-bf16-ws2-bf16opt"])
+def test_the_output_says_what_each_tensor_is(point, name, tmp_path):
+    """issue #37: ``ckptspec.sources`` names every written tensor under what its bytes are: the fp32
+    masters the optimizer kept (the names whose masters the live engine held), frozen parameters'
+    saved weights (no master), buffers. A shard lists its own tensors, the index every one, and the
+    torch format's index too; an untied alias is its owner's bytes."""
+    save_dir = point(name)
+    states = _model_states(save_dir)
+    aliases = states["shared_params"]
+    masters = sorted(set(torch.load(save_dir / "live_fp32.pt", weights_only=True)) - set(aliases))
+    buffers = sorted(states["buffer_names"])
+    frozen = sorted(set(states["module"]) - set(masters) - set(buffers) - set(aliases))
+    expected = {"buffer": buffers, "frozen_weight": frozen, "optimizer_fp32_master": masters}
+    out, sharded, torch_out, untied = (tmp_path / d for d in ("out", "sharded", "torch", "untied"))
+    _cli("reconstruct", str(save_dir), str(out), "--quiet")
+    _cli("reconstruct", str(save_dir), str(sharded), "--quiet", "--max-shard-size", "1K")
+    _cli("reconstruct", str(save_dir), str(torch_out), "--quiet", "--format", "torch")
+    _cli("reconstruct", str(save_dir), str(untied), "--quiet", "--untie")
+    with safetensors_open(out / "model.safetensors") as f:
+        assert json.loads(f.metadata()["ckptspec.sources"]) == expected
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert json.loads(index["metadata"]["ckptspec.sources"]) == expected
+    merged = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safetensors_open(sharded / shard) as f:
+            mine = json.loads(f.metadata()["ckptspec.sources"])
+            assert sorted(n for names in mine.values() for n in names) == sorted(f.keys())
+        for origin, names in mine.items():
+            merged.setdefault(origin, []).extend(names)
+    assert {k: sorted(v) for k, v in merged.items()} == expected
+    everything = {**expected, "optimizer_fp32_master": sorted([*masters, *aliases])}
+    torch_index = json.loads((torch_out / "pytorch_model.bin.index.json").read_text())
+    assert json.loads(torch_index["metadata"]["ckptspec.sources"]) == everything
+    with safetensors_open(untied / "model.safetensors") as f:
+        assert json.loads(f.metadata()["ckptspec.sources"]) == everything
+
+
 def test_untie_and_both_layouts_load_into_the_model(point, tmp_path):
     from _harness.job.model import build_model, normalize_spec
     from safetensors.torch import load_model

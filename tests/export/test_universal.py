@@ -9,6 +9,7 @@ and the job compares what DeepSpeed loaded with the source job's live values (``
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -107,3 +108,64 @@ def test_bf16_optimizer_checkpoints_are_refused(ds, tmp_path):
     result = _run("export-universal", ds.path("s1-bf16-ws2-bf16opt"), tmp_path / "out")
     assert result.exit_code == 1 and "CK410" in result.output, result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def _reconstructed(folder, out) -> tuple[dict, dict]:
+    """(tensors, __metadata__) of ``ckptspec reconstruct folder out``."""
+    from safetensors import safe_open
+
+    result = _run("reconstruct", folder, out, "--quiet")
+    assert result.exit_code == 0, result.output
+    with safe_open(out / "model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    )
+
+
+@pytest.mark.parametrize("source", ["s2-bf16-ws2", "s3-bf16-ws2-sub", "s2-fp32-ws3-rr"])
+def test_a_universal_folder_reconstructs_to_its_sources_whole_model(source, ds, tmp_path):
+    """issue #37 M1: the universal folder of a model with buffers, a tie and frozen parameters, as
+    ``export-universal`` writes it, reconstructs to what its source reconstructs to: the buffers (from
+    the copied model states, in their own dtypes), the tie as a tie (``ckptspec.aliases``, stored once),
+    every other tensor bit for bit. An earlier ckptspec dropped the buffers and wrote the tie as a copy."""
+    folder = tmp_path / "uc"
+    assert _run("export-universal", ds.path(source), folder).exit_code == 0
+    got, meta = _reconstructed(folder, tmp_path / "from_uc")
+    want, want_meta = _reconstructed(ds.path(source), tmp_path / "from_source")
+    assert sorted(got) == sorted(want)
+    assert [n for n in want if not _same(got[n], want[n])] == []
+    assert (
+        json.loads(meta["ckptspec.aliases"])
+        == json.loads(want_meta["ckptspec.aliases"])
+        == {"head.weight": "emb.weight"}
+    )
+    sources = json.loads(meta["ckptspec.sources"])
+    assert sources["buffer"] == ["running", "step_count"] and "head.weight" not in got
+
+
+def test_deepspeeds_universal_folder_keeps_the_buffers_and_the_tie(ds, tmp_path):
+    """DeepSpeed's own ds_to_universal folder (of s2-fp32-ws3-rr) writes zero/<buffer>/fp32.pt too (its
+    int64 step counter cast to fp32) and the tied alias's own fp32.pt: the reconstruction takes the
+    buffers from the copied model states as saved, the alias as its owner's tie, every parameter from
+    DeepSpeed's fp32.pt (read with torch here; l1/l2 hold DeepSpeed's round-robin misplacement, above)."""
+    import torch
+
+    folder = ds.path("universal-ds-s2-fp32-rr-3to3-plain") / "uc" / "global_step2_universal"
+    got, meta = _reconstructed(folder, tmp_path / "from_uc")
+    want, _ = _reconstructed(ds.path("s2-fp32-ws3-rr"), tmp_path / "from_source")
+    assert sorted(got) == sorted(want)
+    assert json.loads(meta["ckptspec.aliases"]) == {"head.weight": "emb.weight"}
+    assert got["step_count"].dtype == torch.int64
+    for name in ("running", "step_count"):
+        assert _same(got[name], want[name]), name
+    for name in set(got) - {"running", "step_count"}:
+        fp32 = torch.load(folder / "zero" / name / "fp32.pt", weights_only=False)["param"]
+        assert _same(got[name], fp32.reshape(got[name].shape)), name

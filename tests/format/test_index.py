@@ -1,8 +1,9 @@
 """The checkpoint index document (schema/checkpoint-1.0.schema.json): schema, models and the CK6xx rules.
 
-The two fixtures in tests/conformance/index-1.0/ are the indexes of two real harness checkpoints
-(AutoTP tp2 x dp2 ZeRO-2 bf16, pipeline pp2 x dp2 ZeRO-1 fp32; ``ckptspec generate``), accepted by
-the reference JSON Schema validator on its own. Each rule is shown by one named edit of one of them.
+The fixtures in tests/conformance/index-1.0/ are the indexes of three real harness checkpoints
+(AutoTP tp2 x dp2 ZeRO-2 bf16, pipeline pp2 x dp2 ZeRO-1 fp32, ZeRO stage 0 bf16 with FP16_Optimizer
+and buffers; ``ckptspec generate``), accepted by the reference JSON Schema validator on its own. Each
+rule is shown by one named edit of one of them.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from ckptspec.format.validate import validate_document
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "conformance" / "index-1.0"
 SCHEMA = Draft202012Validator(json.loads((ROOT / "schema" / "checkpoint-1.0.schema.json").read_text()))
-TP, PP = "tp2dp2-s2-bf16-ws4.json", "pp2dp2-s1-fp32-ws4.json"
+TP, PP, S0 = "tp2dp2-s2-bf16-ws4.json", "pp2dp2-s1-fp32-ws4.json", "s0-bf16-ws2-fused.json"
 
 
 def _load(name: str) -> dict:
     return json.loads((FIXTURES / name).read_text())
 
 
-@pytest.mark.parametrize("name", [TP, PP])
+@pytest.mark.parametrize("name", [TP, PP, S0])
 def test_fixtures_are_valid_indexes(name):
     doc = _load(name)
     assert list(SCHEMA.iter_errors(doc)) == []
@@ -89,6 +90,12 @@ def _split_from_nowhere(doc):
     doc["parameters"][0]["placement_source"] = "none"
 
 
+def _weights_as_masters(doc):
+    """What an earlier ckptspec wrote for a stage-0 FP16_Optimizer checkpoint: the bf16 weights as masters."""
+    for loc in doc["domains"][0]["masters"]["tensors"]:
+        loc.update(key=["module", loc["param"]], dtype="bfloat16")
+
+
 def _missing_domain(doc):
     del doc["domains"][1]
     for p in doc["parameters"]:
@@ -131,6 +138,7 @@ RULE_CASES = [
     ("layer-of-other-stage", PP, _layer_of_other_stage, "CK607", "$.layer_files[3].tensors['down.bias']"),
     ("layer-file-unlisted", PP, lambda d: d["layer_files"].pop(3), "CK607", "$.parameters"),
     ("split-from-nowhere", TP, _split_from_nowhere, "CK608", "$.parameters[0].placement_source"),
+    ("weights-as-masters", S0, _weights_as_masters, "CK609", "$.domains[0].masters.tensors[0]"),
 ]
 
 

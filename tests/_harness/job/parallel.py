@@ -14,13 +14,14 @@ and record DeepSpeed's own answers about it (the ground truth of model-parallel 
   oracle.rank<R>.pt  (every rank) ``masters``: local parameter name -> its full fp32 master as the
                      live engine gives it: ``safe_get_full_fp32_param`` (ZeRO 1-3, BF16_Optimizer),
                      else FP16_Optimizer's fp32 flat groups unflattened the way it copies them back
-                     or FP16_UnfusedOptimizer's per-parameter fp32 masters (stage 0 bf16), else the
+                     or FP16_UnfusedOptimizer's per-parameter fp32 masters (stage 0 bf16/fp16), else the
                      parameter itself (stage 0 fp32: no masters);
                      ``master_source`` per name; ``params``: local name -> global name (its name at
                      tp1/pp1/ep1: experts under the global index DeepSpeed saves them with), local
                      shape, pipeline layer, global expert id; ``module``: the module's parameters as
-                     the forward used them; ``logits``: this rank's output on the fixed batch
-                     (None on a pipeline stage that is not the last)
+                     the forward used them; ``buffers``: the module's buffers as saved;
+                     ``logits``: this rank's output on the fixed batch (None on a pipeline stage
+                     that is not the last)
   eval.pt            (rank 0) the fixed batch: ``inputs`` (fp32; the job casts them to its dtype)
   consolidated.pt    (rank 0, AutoTP) ``engine._consolidated_16bit_state_dict()``: DeepSpeed's own
                      merge of the tensor-parallel module weights (the training dtype)
@@ -73,7 +74,7 @@ def _train(spec):
         params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     # A client torch.optim.Adam: DeepSpeed's own "Adam" is FusedAdam, a C++ op JIT-compiled on
     # first use (minutes and gigabytes on this machine).
-    optimizer = torch.optim.Adam(params, lr=1e-2)
+    optimizer = (_fused_adam_class() if spec["optimizer"] == "fused" else torch.optim.Adam)(params, lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(spec))
     dt = torch_dtype(spec)
     kind = layout(spec)
@@ -101,6 +102,26 @@ def _train(spec):
             engine.backward(loss)
             engine.step()
     return engine, global_shapes
+
+
+def _fused_adam_class():
+    """A FusedAdam that steps as torch's Adam. DeepSpeed wraps a stage-0 bf16/fp16 model's optimizer in
+    its fused ``FP16_Optimizer`` (flat fp32 master groups) exactly when the client optimizer is a
+    FusedAdam (``engine._configure_fp16_optimizer``: ``isinstance``), else in FP16_UnfusedOptimizer.
+    FusedAdam's own step is a C++ op JIT-compiled on first use (minutes and gigabytes here); this one
+    never builds it. What the checkpoint holds is FP16_Optimizer's (the masters, the loss scaler);
+    only the inner optimizer's state dict is torch's Adam's."""
+    import torch
+    from deepspeed.ops.adam import FusedAdam
+
+    class TorchStepFusedAdam(FusedAdam, torch.optim.Adam):
+        def __init__(self, params, lr):
+            torch.optim.Adam.__init__(self, params, lr=lr)  # not FusedAdam's: it loads the op
+
+        step = torch.optim.Adam.step
+        zero_grad = torch.optim.Optimizer.zero_grad
+
+    return TorchStepFusedAdam
 
 
 def _dp_rank(engine):
@@ -302,6 +323,7 @@ def run(args, out: Path):
         "master_source": sources,
         "params": params,
         "module": {n: p.detach().clone() for n, p in engine.module.named_parameters() if spec["stage"] != 3},
+        "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers()},
         "logits": logits,
     }
     torch.save(oracle, out / f"oracle.rank{rank}.pt")

@@ -14,7 +14,11 @@ import copy
 
 DEFAULTS = {
     "stage": 1,  # ZeRO stage 0..3
-    "dtype": "fp32",  # fp32 | bf16 (fp16 is refused by DeepSpeed's CPU accelerator)
+    "dtype": "fp32",  # fp32 | bf16 | fp16 (main.py lets DeepSpeed's CPU accelerator train fp16)
+    # "torch": a client torch.optim.Adam (ZeRO stage 0 bf16/fp16: FP16_UnfusedOptimizer); "fused": a
+    # FusedAdam that steps as torch's Adam (stage 0 bf16/fp16: FP16_Optimizer, flat fp32 groups)
+    "optimizer": "torch",
+    "buffers": False,  # the dense MLP: a float and an int persistent buffer, updated by the forward
     "pp": 1,  # pipeline stages (PipelineModule, partition_method "uniform")
     "tp": 1,  # AutoTP degree
     "ep": 0,  # expert-parallel degree of the MoE layer (0: no MoE)
@@ -41,8 +45,12 @@ def normalize(spec):
         raise ValueError(f"unknown parallel spec keys: {sorted(unknown)}")
     out = copy.deepcopy(DEFAULTS)
     out.update(copy.deepcopy(spec))
-    if out["stage"] not in (0, 1, 2, 3) or out["dtype"] not in ("fp32", "bf16"):
+    if out["stage"] not in (0, 1, 2, 3) or out["dtype"] not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"bad stage/dtype in parallel spec: {spec}")
+    if out["optimizer"] not in ("torch", "fused"):
+        raise ValueError(f"bad optimizer in parallel spec: {spec}")
+    if out["buffers"] and layout(out) != "dense":
+        raise ValueError(f"buffers are in the dense MLP only: {spec}")
     if out["ep"] and (out["pp"] > 1 or out["tp"] > 1 or out["experts"] % out["ep"]):
         raise ValueError(f"MoE jobs are data/expert parallel only, experts divisible by ep: {spec}")
     if out["pp"] > 1 and out["tp"] > 1:
@@ -94,7 +102,8 @@ def _block_class():
     return Block
 
 
-def _mlp_net():
+def _mlp_net(buffers=False):
+    import torch
     from torch import nn
 
     Block = _block_class()
@@ -104,8 +113,15 @@ def _mlp_net():
             super().__init__()
             self.blocks = nn.ModuleList([Block() for _ in range(2)])
             self.head = nn.Linear(W, C)
+            if buffers:  # saved in the module beside the weights (buffer_names), never in the optimizer
+                self.register_buffer("running", torch.zeros(W))
+                self.register_buffer("step_count", torch.tensor(0, dtype=torch.int64))
 
         def forward(self, x):
+            if buffers and self.training:
+                with torch.no_grad():
+                    self.running.mul_(0.5).add_(x.mean(0).to(self.running.dtype), alpha=0.5)
+                    self.step_count += 1
             for block in self.blocks:
                 x = block(x)
             return self.head(x)
@@ -166,7 +182,7 @@ def build_model(spec):
             loss_fn=torch.nn.CrossEntropyLoss(),
             partition_method="uniform",
         )
-    return _mlp_net()
+    return _mlp_net(spec["buffers"])
 
 
 def reference_model(spec):
@@ -180,7 +196,7 @@ def reference_model(spec):
         from torch import nn
 
         return nn.Sequential(*[cls(*args) for cls, args in _pipe_layers()])
-    return _mlp_net()
+    return _mlp_net(spec["buffers"])
 
 
 def ds_config(spec):
@@ -194,6 +210,9 @@ def ds_config(spec):
     }
     if spec["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
+    elif spec["dtype"] == "fp16":
+        # A small initial loss scale: overflow-skipped steps would leave the weights untouched.
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 4}
     if spec["grad_accum_dtype"]:
         cfg["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
     if spec["tp"] > 1:
@@ -218,4 +237,4 @@ def batch(spec, seed):
 def torch_dtype(spec):
     import torch
 
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[spec["dtype"]]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec["dtype"]]
