@@ -259,6 +259,16 @@ def resume_precision(a: Manifest, b: Manifest, ta, tb) -> Iterator[Finding]:
             "which this checkpoint does not have",
             f"resume in {da}, or load the weights only (load_module_only=True)",
         )
+    elif a.layout.zero_stage == b.layout.zero_stage == 0 and (da == "float32") == (db == "float32"):
+        oa, ob = a.layout.optimizer, b.layout.optimizer
+        if oa is not None and ob is not None and oa != ob:
+            yield finding(
+                "CK503",
+                json_path("layout", "optimizer"),
+                f"the optimizer changes from {oa} to {ob} at ZeRO stage 0: a job loads the optimizer state as "
+                f"its own wrapper's state dict, and {ob}'s is not {oa}'s",
+                f"resume with A's optimizer ({oa}), or load the weights only (load_module_only=True)",
+            )
     elif a.layout.zero_stage == b.layout.zero_stage == 0 and (da == "float32") != (db == "float32"):
         yield finding(
             "CK503",

@@ -59,15 +59,32 @@ def view_of(document: Manifest | CheckpointIndex) -> View:
     return View(document.kind, degrees, domains, whole, complete)
 
 
+# Where a stage-0 domain's masters are tells which DeepSpeed wrapper saved its optimizer state
+# (deepspeed/masters.py): the state dict a job loads is that wrapper's own.
+_STAGE0_WRAPPERS = {"fp32_groups_flat": "FP16_Optimizer", "fp32_groups": "FP16_UnfusedOptimizer"}
+
+
+def _stage0_wrapper(domain) -> str | None:
+    if domain.masters is None or not domain.masters.tensors:
+        return None
+    key = domain.masters.tensors[0].key
+    return _STAGE0_WRAPPERS.get(key[1]) if len(key) > 1 and key[0] == "optimizer" else None
+
+
 def _as_configured(domain) -> Manifest:
     """The domain's manifest with the ZeRO stage and world size its job ran with: a domain whose
     masters the index locates (stage 0, MoE, universal) describes them as stage-0 groups of its
-    own, and keeps the configured stage in ``configured_zero_stage``."""
+    own, and keeps the configured stage in ``configured_zero_stage``; at stage 0 the optimizer
+    wrapper its masters show, where its layout records none."""
     configured = domain.configured_zero_stage
     layout = domain.manifest.layout
-    if configured is None or (configured, domain.size) == (layout.zero_stage, layout.world_size):
+    update = {}
+    if configured is not None and (configured, domain.size) != (layout.zero_stage, layout.world_size):
+        update = {"zero_stage": configured, "world_size": domain.size}
+    if configured == 0 and layout.optimizer is None and (wrapper := _stage0_wrapper(domain)) is not None:
+        update["optimizer"] = wrapper
+    if not update:
         return domain.manifest
-    update = {"zero_stage": configured, "world_size": domain.size}
     return domain.manifest.model_copy(update={"layout": layout.model_copy(update=update)})
 
 
@@ -166,7 +183,10 @@ def resume_reasons(a: Manifest | CheckpointIndex, b: Manifest | CheckpointIndex)
         return [degrees]  # nothing else of A loads at other degrees
     reasons = [r for r in (_universal_reason(va),) if r is not None]
     ta, tb = _comparable(va, vb)
-    whole = [f for rule in diff.RULES if rule.code in WHOLE_MODEL_CODES for f in rule.check(None, None, ta, tb)]
+    # A universal folder is loaded by name: it records frozen parameters as it records the trainable
+    # ones, and a job with load_universal takes each as its own model has it (no CK506).
+    whole_codes = ("CK504", "CK505") if "universal" in (va.kind, vb.kind) else WHOLE_MODEL_CODES
+    whole = [f for rule in diff.RULES if rule.code in whole_codes for f in rule.check(None, None, ta, tb)]
     reasons += whole
     if "universal" in (va.kind, vb.kind):
         return reasons  # a universal folder is loaded by name into any data-parallel layout

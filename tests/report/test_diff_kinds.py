@@ -116,3 +116,37 @@ def test_ck510_other_domains_with_the_same_names(ds):
         d["id"] = d["id"].replace("ep_size_2", "ep_size_1")
     found = resume_reasons(CheckpointIndex.model_validate(a), CheckpointIndex.model_validate(b))
     assert [r.code for r in found] == ["CK510"]
+
+
+@pytest.mark.deepspeed
+def test_stage0_fused_and_unfused_fp16_optimizers_cannot_resume_each_other(ds):
+    """Both save fp16 with fp32 masters, but FP16_Optimizer (DeepSpeed's fused Adam) keeps one flat
+    master per group and FP16_UnfusedOptimizer one per parameter: each loads the saved state as its
+    own inner optimizer's state dict, which torch refuses for the other's groups (the oracle below,
+    the first step of DeepSpeed's ``load_state_dict`` in both wrappers)."""
+    import torch
+
+    def saved(name):
+        state = torch.load(_folder(ds, name) / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return state["optimizer"]
+
+    unfused, fused = saved("s0-fp16-ws2"), saved("s0-fp16-ws2-fused")
+    inner_of_fused = torch.optim.Adam([torch.nn.Parameter(t.clone()) for t in fused["fp32_groups_flat"]])
+    with pytest.raises(ValueError):
+        inner_of_fused.load_state_dict(unfused["optimizer_state_dict"])
+    for a, b in (("s0-fp16-ws2", "s0-fp16-ws2-fused"), ("s0-fp16-ws2-fused", "s0-fp16-ws2")):
+        exit_code, doc = diff(_folder(ds, a), _folder(ds, b))
+        assert exit_code == 1 and codes(doc) == {"CK503"}, doc["resume"]
+        assert any(c["kind"] == "layout" and c["path"].endswith(".layout.optimizer") for c in doc["changes"])
+
+
+@pytest.mark.deepspeed
+def test_a_universal_folder_with_frozen_parameters_needs_load_universal_only(ds):
+    """ckptspec's universal folder of a model with frozen parameters, which a real DeepSpeed job of the
+    source's layout loaded with load_universal (the harness's resume): CK509 alone, no CK506 for the
+    frozen parameters the folder records beside the trainable ones."""
+    entry = ds.path("universal-s2-bf16-2to3")
+    outcome = json.loads((entry / "resume.json").read_text())
+    assert outcome["loaded"] and outcome["frozen_checked"], outcome
+    exit_code, doc = diff(entry / "uc", ds.path("s2-bf16-ws2"), "--tag-a", "global_step2_universal")
+    assert exit_code == 1 and codes(doc) == {"CK509"}, doc["resume"]
