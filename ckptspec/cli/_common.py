@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
@@ -112,13 +113,23 @@ def fail(exc: CkptspecError, target: str | None = None) -> NoReturn:
 
 def fail_write(output: str, exc: OSError) -> NoReturn:
     """CK906 for a writer's OSError, naming the output as given: the file being written was one of
-    the run's temporaries, removed by now."""
+    the run's temporaries, removed by now. An error on a file elsewhere (an input read late, such as
+    a universal folder's ``zero/``) is the read error it is (CK901)."""
+    if exc.errno not in _WRITE_ERRNOS and exc.filename is not None and not _is_output(output, exc.filename):
+        fail(unexpected(exc))
     click.echo(
         f"{output}: CK906 cannot write: {exc.strerror or exc} "
         f"(hint: check the output directory is writable and has space; {what_was_written(exc)})",
         err=True,
     )
     sys.exit(EXIT_USAGE)
+
+
+def _is_output(output: str, name) -> bool:
+    """``name`` is the output, inside it, or one of its temporaries beside it."""
+    target, path = Path(os.path.realpath(output)), Path(os.path.realpath(os.fsdecode(name)))
+    beside = path.parent == target.parent and path.name.startswith(f".{target.name}.ckptspec-")
+    return path == target or target in path.parents or beside
 
 
 def what_was_written(stopped: BaseException) -> str:

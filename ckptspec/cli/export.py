@@ -41,7 +41,7 @@ def export(checkpoint: str, output: str, fmt: str, manifest: str | None, tag: st
     """
     from ..checkpoint.states import StateCache
     from ..deepspeed.validate import validate_checkpoint
-    from ..export.dcp import plan_dcp, write_dcp
+    from ..export.dcp import held_export_output, plan_dcp, write_dcp
     from ..export.plan import plan_reconstruction
     from ..export.progress import progress_printer
     from ..export.writers import torch_available
@@ -50,19 +50,20 @@ def export(checkpoint: str, output: str, fmt: str, manifest: str | None, tag: st
     if not torch_available():
         raise click.UsageError("--format dcp needs torch (pip install torch)")
     try:
-        states = StateCache()
-        found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=False)
-        echo_findings(findings, manifest or checkpoint, err=True, always_name_target=False)
-        if found is None or has_errors(findings):
-            click.echo(f"{checkpoint}: not exported: the checkpoint has errors; nothing was written", err=True)
-            sys.exit(EXIT_INVALID)
-        plan = plan_reconstruction(checkpoint, found, tag, states=states)
-        total = plan_dcp(plan).nbytes  # refused (CK402) before anything is written
-        update, close = progress_printer(total, enabled=not quiet and sys.stderr.isatty())
-        try:
-            result = write_dcp(plan, output, progress=update)
-        finally:
-            close()
+        with held_export_output(output) as held:  # for the whole run: a second one is CK908 at once
+            states = StateCache()
+            found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=False)
+            echo_findings(findings, manifest or checkpoint, err=True, always_name_target=False)
+            if found is None or has_errors(findings):
+                click.echo(f"{checkpoint}: not exported: the checkpoint has errors; nothing was written", err=True)
+                sys.exit(EXIT_INVALID)
+            plan = plan_reconstruction(checkpoint, found, tag, states=states)
+            total = plan_dcp(plan).nbytes  # refused (CK402) before anything is written
+            update, close = progress_printer(total, enabled=not quiet and sys.stderr.isatty())
+            try:
+                result = write_dcp(plan, output, progress=update, held=held)
+            finally:
+                close()
     except CkptspecError as exc:
         fail(exc)
     except OSError as exc:

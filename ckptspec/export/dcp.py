@@ -21,10 +21,11 @@ each tensor gets a file of its own (``single_file_per_rank=False``): one tensor 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,12 +150,28 @@ def _state_dict(torch, dcp_plan: DcpPlan) -> dict[str, Any]:
     return root
 
 
+@contextlib.contextmanager
+def held_export_output(output_dir: str | os.PathLike) -> Iterator[Path]:
+    """OUTPUT held against other runs (CK908; ``output_dir.held_output``) and found empty or an earlier
+    export (CK909). The command holds it from its start, so a second run is refused while the first
+    still validates or reads (issue #37, M6), not only while it writes."""
+    with held_output(output_dir, "the export") as out:
+        if any(out.iterdir()) and not (out / MARKER).is_file():
+            raise ForeignOutput(os.fspath(output_dir), Path(output_dir).name)
+        yield out
+
+
 def write_dcp(
-    plan: ReconstructionPlan, output_dir: str | os.PathLike, progress: Callable[[int], None] | None = None
+    plan: ReconstructionPlan,
+    output_dir: str | os.PathLike,
+    progress: Callable[[int], None] | None = None,
+    *,
+    held: Path | None = None,
 ) -> DcpResult:
     """Write the DCP directory ``output_dir``: complete or not at all (a temporary directory beside
-    it, renamed when done), held against other runs (CK908; ``output_dir.held_output``). An existing
-    ``output_dir`` is replaced only if empty or an earlier export."""
+    it, renamed when done), held against other runs: here, or by the caller (``held``, what
+    ``held_export_output`` yielded). An existing ``output_dir`` is replaced only if empty or an
+    earlier export."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -198,9 +215,10 @@ def write_dcp(
         written.append(sum(1 for p in tmp.iterdir() if p.name.endswith(".distcp")))
         fsync_dir(tmp)
 
-    with held_output(output_dir, "the export") as out:
-        if any(out.iterdir()) and not (out / MARKER).is_file():
-            raise ForeignOutput(os.fspath(output_dir), Path(output_dir).name)
-        build_and_publish(out, build)
+    if held is not None:
+        build_and_publish(held, build)
+    else:
+        with held_export_output(output_dir) as out:
+            build_and_publish(out, build)
     keys = len(dcp_plan.tensors) + len(dcp_plan.steps)
     return DcpResult(Path(output_dir), keys, dcp_plan.nbytes, written[0], dcp_plan.not_carried)

@@ -135,3 +135,19 @@ def test_an_internal_error_is_still_one_json_object(monkeypatch, capsys):
         assert code == 2 and json.loads(out)["error"]["code"] == "CK999"
     code, out, err = _main(monkeypatch, capsys, "validate", manifest)
     assert (code, out) == (2, "") and "CK999 internal error: RuntimeError: made to fail" in err
+
+
+def test_an_input_read_late_is_an_io_error_not_an_output_error(checkpoint):
+    """Second pass: reconstructing a universal folder whose `zero/` this user may not read said
+    `OUT: CK906 cannot write` (the writer's OSError handler took every OSError for the output's)."""
+    universal = checkpoint.parent / "uc"
+    assert cli_process.run(["export-universal", str(checkpoint), str(universal)]).returncode == 0
+    (universal / "zero").chmod(0)  # the folder is the tag directory: zero/, the model states
+    try:
+        result = _run(["reconstruct", str(universal), "{out}/weights"], checkpoint)
+    finally:
+        (universal / "zero").chmod(0o755)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "CK901 cannot read: Permission denied" in result.stderr and "CK906" not in result.stderr, result.stderr
+    assert str(universal / "zero") in result.stderr
+    assert not list((checkpoint.parent / "out").iterdir())

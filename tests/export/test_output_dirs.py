@@ -131,3 +131,27 @@ def test_a_run_that_fails_removes_the_output_it_created(name, tmp_path):
     result = _run(name, missing, tmp_path / "out")
     assert result.exit_code != 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_holds_output_while_it_still_validates(ckpt, tmp_path, monkeypatch):
+    """M6, second pass: `export` held OUTPUT only while writing, so a second export started while the
+    first validated a slow (remote) checkpoint "succeeded" too and the last to finish won. Now OUTPUT
+    is held from the start: another writer is refused (CK908) during validation already."""
+    from ckptspec.deepspeed import validate as ds_validate
+    from ckptspec.errors import OutputBusy
+
+    out = tmp_path / "out"
+    seen = []
+    validate = ds_validate.validate_checkpoint
+
+    def validate_while_a_second_writer_tries(*args, **kwargs):
+        with pytest.raises(OutputBusy):
+            with _fs.exclusive(out):
+                pass
+        seen.append(True)
+        return validate(*args, **kwargs)
+
+    monkeypatch.setattr(ds_validate, "validate_checkpoint", validate_while_a_second_writer_tries)
+    result = _run("export", ckpt, out)
+    assert result.exit_code == 0, result.output
+    assert seen == [True]
