@@ -205,14 +205,13 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     except CkptspecError as exc:
         fail(exc, target)
     if not copies:
-        fail(
-            EmbedError(
-                "CK303",
-                "no embedded manifest found",
-                "add one with `ckptspec embed CHECKPOINT`, or save with ckptspec.deepspeed.save_checkpoint",
-                target,
+        hint = "add one with `ckptspec embed CHECKPOINT`, or save with ckptspec.deepspeed.save_checkpoint"
+        if _index_kind(target, tag):  # embed refuses these: the hint must not send the user there
+            hint = (
+                "this kind of checkpoint carries its checkpoint index only when saved with "
+                "ckptspec.deepspeed.save_checkpoint; `ckptspec generate CHECKPOINT -o index.json` writes one"
             )
-        )
+        fail(EmbedError("CK303", "no embedded manifest found", hint, target))
     disagree = agreement_findings(copies)
     if list_copies:
         for found in copies:
@@ -234,6 +233,19 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
         _write(doc, output, encoding)
     except CkptspecError as exc:
         fail(exc, chosen.source)
+
+
+def _index_kind(target: str, tag: str | None) -> bool:
+    """A local checkpoint a checkpoint index describes (tensor/pipeline parallel, MoE, stage 0, universal)."""
+    from ..deepspeed.directory import resolve_tag_dir
+    from ..deepspeed.topology import needs_index
+
+    if "://" in target or not os.path.isdir(target):
+        return False
+    try:
+        return needs_index(resolve_tag_dir(target, tag))
+    except (CkptspecError, OSError):
+        return False
 
 
 def _contents(doc) -> str:

@@ -295,7 +295,7 @@ def _inspect_index(loaded: Target, output_format: str) -> None:
         click.echo(
             f"  {d['id']}: ZeRO-{d['zero_stage']}{optimizer} over {d['size']} ranks, "
             f"{d['parameters']} parameters ({d['numel']} elements), {d['files']} files"
-            + (f"; masters in {d['masters']} ({d['replicas']} saved copies)" if "masters" in d else "")
+            + (f"; masters in {d['masters']}{_copies(d['replicas'])}" if "masters" in d else "")
         )
     placements = ", ".join(f"{n} {k}" for k, n in summary["placements"].items())
     click.echo(
@@ -303,3 +303,8 @@ def _inspect_index(loaded: Target, output_format: str) -> None:
         f"{summary['layer_files']} layer files"
         + (f", {summary['expert_files']} expert files" if summary["expert_files"] else "")
     )
+
+
+def _copies(replicas: int) -> str:
+    """The masters' other saved copies (DeepSpeed saves some on every rank), when there are any."""
+    return f" and {replicas} more saved cop{'y' if replicas == 1 else 'ies'}" if replicas else ""

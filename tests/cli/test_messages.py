@@ -71,6 +71,7 @@ def test_inspect_of_a_stage0_index_prints_no_none(ds):
     result = run("inspect", _tag(ds, "s0-bf16-ws2"))
     assert result.exit_code == 0 and "None" not in result.stdout
     assert re.search(r"dense: ZeRO-0 over \d+ ranks", result.stdout), result.stdout
+    assert "(0 saved copies)" not in result.stdout  # second pass: the masters are saved once, not zero times
 
 
 @pytest.mark.deepspeed
@@ -103,3 +104,11 @@ def test_ck202_hints_name_the_checkpoint_index(ds, tmp_path, name):
     result = run("embed", copy, "--no-hash")
     assert result.exit_code == 1 and "CK202" in result.stderr
     assert "format 1.0" not in result.stderr and "checkpoint index" in result.stderr
+
+
+@pytest.mark.deepspeed
+def test_extract_on_an_index_kind_does_not_send_the_user_to_embed(ds):
+    """Second pass: CK303's hint said "add one with `ckptspec embed CHECKPOINT`", which refuses these kinds."""
+    result = run("extract", _tag(ds, "moe-ep2-s1-fp32-ws2"))
+    assert result.exit_code == 1 and "CK303" in result.stderr
+    assert "ckptspec embed" not in result.stderr and "ckptspec generate" in result.stderr
