@@ -238,19 +238,14 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
                 _show_findings(t, t.findings, err=False)
         sys.exit(EXIT_INVALID)
     ta, tb = targets
-    degrees = None
     if _is_index(ta.manifest) or _is_index(tb.manifest):  # one at least is a checkpoint index
-        from ..report.diff_kinds import degrees_dict, diff_any
+        from ..report.diff_kinds import diff_any
 
         result = diff_any(ta.manifest, tb.manifest)
-        degrees = {"a": degrees_dict(ta.manifest), "b": degrees_dict(tb.manifest)}
     else:
         result = diff_manifests(ta.manifest, tb.manifest)
     if output_format == "json":
-        doc = {"a": _source_dict(ta), "b": _source_dict(tb), "valid": True, **result.to_dict()}
-        if degrees is not None:
-            doc["degrees"] = degrees
-        echo_json(doc)
+        echo_json({"a": _source_dict(ta), "b": _source_dict(tb), "valid": True, **result.to_dict()})
     else:
         for t in targets:
             _show_findings(t, t.findings, err=True)

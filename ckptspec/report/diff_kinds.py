@@ -178,18 +178,23 @@ def _for_an_index(reason: Finding, where: str) -> Finding:
 
 def resume_reasons(a: Manifest | CheckpointIndex, b: Manifest | CheckpointIndex) -> list[Finding]:
     """Why a job laid out like B cannot load A's optimizer state, for documents of any kind."""
-    va, vb = view_of(a), view_of(b)
+    return _resume_reasons(view_of(a), view_of(b))
+
+
+def _resume_reasons(va: View, vb: View) -> list[Finding]:
     if (degrees := _degrees_reason(va, vb)) is not None:
         return [degrees]  # nothing else of A loads at other degrees
     reasons = [r for r in (_universal_reason(va),) if r is not None]
     ta, tb = _comparable(va, vb)
-    # A universal folder is loaded by name: it records frozen parameters as it records the trainable
-    # ones, and a job with load_universal takes each as its own model has it (no CK506).
-    whole_codes = ("CK504", "CK505") if "universal" in (va.kind, vb.kind) else WHOLE_MODEL_CODES
+    # A universal folder is loaded by name into any data-parallel layout: it records frozen parameters
+    # as it records the trainable ones, and a job with load_universal takes each as its own model has
+    # it (no CK506), whatever the layout rules say.
+    universal = "universal" in (va.kind, vb.kind)
+    whole_codes = ("CK504", "CK505") if universal else WHOLE_MODEL_CODES
     whole = [f for rule in diff.RULES if rule.code in whole_codes for f in rule.check(None, None, ta, tb)]
     reasons += whole
-    if "universal" in (va.kind, vb.kind):
-        return reasons  # a universal folder is loaded by name into any data-parallel layout
+    if universal:
+        return reasons
     if (domains := _domains_reason(va, vb)) is not None:
         return reasons or [domains]  # different names already explain different domains
     both_complete = va.complete and vb.complete
@@ -205,13 +210,20 @@ def resume_reasons(a: Manifest | CheckpointIndex, b: Manifest | CheckpointIndex)
     return reasons
 
 
-def diff_any(a: Manifest | CheckpointIndex, b: Manifest | CheckpointIndex) -> Diff:
+@dataclass
+class KindsDiff(Diff):
+    """A ``Diff`` of which one side at least is a checkpoint index: with both sides' degrees."""
+
+    degrees: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "degrees": self.degrees}
+
+
+def diff_any(a: Manifest | CheckpointIndex, b: Manifest | CheckpointIndex) -> KindsDiff:
     """Changes from A to B and the reasons B cannot resume from A (either may be an index)."""
-    return Diff(changes(view_of(a), view_of(b)), resume_reasons(a, b))
+    va, vb = view_of(a), view_of(b)
+    return KindsDiff(changes(va, vb), _resume_reasons(va, vb), {"a": va.degrees, "b": vb.degrees})
 
 
-def degrees_dict(document: Manifest | CheckpointIndex) -> dict[str, Any]:
-    return view_of(document).degrees
-
-
-__all__ = ["View", "view_of", "changes", "resume_reasons", "diff_any", "degrees_dict", "DENSE"]
+__all__ = ["View", "KindsDiff", "view_of", "changes", "resume_reasons", "diff_any", "DENSE"]
