@@ -54,16 +54,13 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
     A directory's manifest is the one ``validate DIR`` would check the files against
     (``choose_manifest``), and the files are checked against it (hashes aside).
     """
-    from ..format.codec import read_document
-    from ..format.index_validate import is_index, validate_index_document
-    from ..format.validate import validate_decoded
+    from ..format.validate import validate_file
     from ..location import is_directory, is_remote
 
     if not is_directory(name):
         if tag is not None:
             raise tag_needs_a_directory(name, option)
-        doc, floats = read_document(name, max_bytes)
-        report = validate_index_document(doc) if is_index(doc) else validate_decoded(doc, floats)
+        report = validate_file(name, max_bytes)  # a manifest or a checkpoint index
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
     from ..deepspeed.directory import resolve_tag_dir

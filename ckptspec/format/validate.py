@@ -28,6 +28,7 @@ from .schemas import fast_validator, manifest_schema_file, schema_findings, sche
 from .version import version_findings
 
 if TYPE_CHECKING:
+    from .index_validate import IndexReport
     from .models import Manifest
 
 
@@ -182,7 +183,7 @@ def validate_file(
     *,
     build_model: bool = True,
     reference: bool = False,
-) -> Report:
+) -> Report | IndexReport:
     """Load and validate a manifest file, or a checkpoint index (an ``IndexReport`` then: the same
     ``ok``, ``findings`` and ``manifest``, which is the index). Raises ``CkptspecError`` when it
     cannot be read."""
@@ -196,7 +197,7 @@ def read_and_validate(
     *,
     build_model: bool = True,
     reference: bool = False,
-) -> tuple[Any, Report]:
+) -> tuple[Any, Report | IndexReport]:
     """``validate_file``, also giving the decoded document (plain data, left as decoded), so that a
     caller comparing it with other copies does not read the file again."""
     from .index_validate import is_index, validate_index_document
