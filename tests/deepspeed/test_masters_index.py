@@ -273,3 +273,22 @@ def test_a_master_of_another_shape_is_refused_by_name(ds, tmp_path, command):
     assert result.exit_code == 1, result.output
     assert "CK202" in result.stderr and "blocks.0.up.weight" in result.stderr
     assert not out.exists()
+
+
+def test_a_swapped_layer_file_of_a_stage0_pipeline_is_named_once(ds, tmp_path):
+    """Review: two CK235 checks both compared a stage-0 pipeline's layer files with their masters, so
+    each swap was reported twice, the second time blaming the optimizer file. The swapped layer
+    files are named, once each, and nothing else."""
+    import shutil
+
+    tag = tmp_path / "global_step2"
+    shutil.copytree(_folder(ds, "pp2-s0-bf16-ws2"), tag)
+    a, b = tag / "layer_02-model_states.pt", tag / "layer_03-model_states.pt"
+    a.rename(tag / "swap.tmp")
+    b.rename(a)
+    (tag / "swap.tmp").rename(b)
+    result = _cli("validate", str(tag), "--no-hash", "--format", "json")
+    found = [f for f in json.loads(result.stdout)["findings"] if f["code"] == "CK235"]
+    assert result.exit_code == 1 and found
+    files = [f["file"] for f in found]
+    assert set(files) <= {a.name, b.name} and len(files) == len(set(files)), found
