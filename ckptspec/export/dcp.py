@@ -198,9 +198,7 @@ def write_dcp(
                 return super().resolve_data(write_item)
             return produce(write_item.index.fqn)
 
-    written = []
-
-    def build(tmp: Path) -> None:
+    def build(tmp: Path) -> int:
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False, sync_files=True)
         with files, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
@@ -212,13 +210,13 @@ def write_dcp(
             "not_carried": dcp_plan.not_carried,
         }
         write_atomic(tmp / MARKER, (json.dumps(marker, indent=1) + "\n").encode())
-        written.append(sum(1 for p in tmp.iterdir() if p.name.endswith(".distcp")))
         fsync_dir(tmp)
+        return sum(1 for p in tmp.iterdir() if p.name.endswith(".distcp"))
 
     if held is not None:
-        build_and_publish(held, build)
+        written = build_and_publish(held, build)
     else:
         with held_export_output(output_dir) as out:
-            build_and_publish(out, build)
+            written = build_and_publish(out, build)
     keys = len(dcp_plan.tensors) + len(dcp_plan.steps)
-    return DcpResult(Path(output_dir), keys, dcp_plan.nbytes, written[0], dcp_plan.not_carried)
+    return DcpResult(Path(output_dir), keys, dcp_plan.nbytes, written, dcp_plan.not_carried)

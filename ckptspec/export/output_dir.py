@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from .._fs import exclusive, publish_dir, sweep, temp_dir
 from ..errors import CkptspecError
 from ..location import refuse_write
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -26,19 +29,41 @@ def held_output(output: str | os.PathLike, what: str) -> Iterator[Path]:
     A URL is refused first (CK916; as given: a ``Path`` would fold ``s3://`` into a local name)."""
     refuse_write(output, what)
     out = Path(os.path.realpath(output))
+    created = _first_missing(out)  # what a run that fails removes again: OUTPUT and the parents it made
     try:
         out.mkdir(parents=True)
-        created = True
-    except FileExistsError:  # a directory (another run's new one, too), or a file: exclusive() says so
-        created = False
+    except FileExistsError:  # a directory (another run's new one, too), or a file
+        created = None
+        if not out.is_dir():
+            raise CkptspecError(
+                "CK909", "the output exists and is not a directory", "give a new directory", os.fspath(output)
+            ) from None
     with exclusive(out):  # CK908 before anything is looked at or written
         try:
             yield out
         except BaseException:
-            if created:
-                with contextlib.suppress(OSError):
-                    out.rmdir()  # only if still empty: the output of a run that failed after publishing stays
+            if created is not None:
+                _remove_empty(out, created)
             raise
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist yet (None: ``path`` exists)."""
+    missing = None
+    while not path.exists():
+        missing, path = path, path.parent
+    return missing
+
+
+def _remove_empty(path: Path, up_to: Path) -> None:
+    """Remove ``path`` and its parents up to ``up_to`` while they are empty: the output of a run that
+    failed after publishing stays, and so does a folder another writer put something into."""
+    with contextlib.suppress(OSError):
+        while True:
+            path.rmdir()
+            if path == up_to:
+                return
+            path = path.parent
 
 
 @contextlib.contextmanager
@@ -52,14 +77,16 @@ def held_new_output(output: str | os.PathLike, what: str) -> Iterator[Path]:
         yield out
 
 
-def build_and_publish(out: Path, build) -> None:
+def build_and_publish(out: Path, build: Callable[[Path], T]) -> T:
     """``build(tmp)`` fills a temporary directory beside the held ``out``, which then takes ``out``'s
-    place in one step (``_fs.publish_dir``); on any error the temporary directory is removed."""
+    place in one step (``_fs.publish_dir``); on any error the temporary directory is removed.
+    Returns what ``build`` returned."""
     sweep(out.parent)  # a killed run's temporary directory beside OUTPUT: its writer is gone
     tmp = temp_dir(out)
     try:
-        build(tmp)
+        result = build(tmp)
         publish_dir(tmp, out)
+        return result
     except BaseException:
         import shutil
 

@@ -68,22 +68,22 @@ def reshard(
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         plan = plan_reconstruction(checkpoint, found, tag, states=states)
         state_plan = plan_optimizer_state(plan)
-        files = []
 
-        def build(tmp: Path) -> None:
+        def build(tmp: Path) -> list:
             tag_dir = tmp / plan.tag_dir.name
             tag_dir.mkdir()
             if target.zero_stage == 3:
-                files.extend(write_stage3_files(found, plan, state_plan, target, states, tag_dir, sub_group_size))
+                files = write_stage3_files(found, plan, state_plan, target, states, tag_dir, sub_group_size)
             else:
-                files.extend(write_files(found, plan, state_plan, target, states, tag_dir))
+                files = write_files(found, plan, state_plan, target, states, tag_dir)
             (tmp / "latest").write_text(plan.tag_dir.name)
             _embed(found, tag_dir)
             out_manifest, out_findings = validate_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
             if out_manifest is None or has_errors(out_findings):
                 raise CheckpointInvalid(out_findings, str(output))
+            return files
 
-        build_and_publish(out, build)
+        files = build_and_publish(out, build)
     output = Path(output)
     return ReshardResult(
         output,

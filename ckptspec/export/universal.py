@@ -69,9 +69,8 @@ def export_universal(
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         plan = plan_reconstruction(checkpoint, found, tag, states=states)
         state_plan = plan_optimizer_state(plan)
-        count = []
-        build_and_publish(out, lambda tmp: count.append(_write(found, plan, state_plan, states, tmp)))
-    return UniversalResult(Path(output), plan.tag_dir.name, count[0])
+        count = build_and_publish(out, lambda tmp: _write(found, plan, state_plan, states, tmp))
+    return UniversalResult(Path(output), plan.tag_dir.name, count)
 
 
 def _refuse(found: Manifest) -> None:

@@ -155,3 +155,34 @@ def test_export_holds_output_while_it_still_validates(ckpt, tmp_path, monkeypatc
     result = _run("export", ckpt, out)
     assert result.exit_code == 0, result.output
     assert seen == [True]
+
+
+def _library(name: str):
+    """The Python function behind a published command: (checkpoint, output) -> result."""
+    from ckptspec.export.reshard import reshard
+    from ckptspec.export.universal import export_universal
+
+    return {"reshard": lambda c, o: reshard(c, o, 3), "export-universal": export_universal}[name]
+
+
+@pytest.mark.parametrize("name", ["reshard", "export-universal"])
+def test_a_file_as_output_is_ck909_through_the_library_too(name, ckpt, tmp_path):
+    """Review: holding OUTPUT before looking at it made a regular file a bare NotADirectoryError for a
+    library caller (the CLI refuses a file before); it was CK909 before, and is again."""
+    from ckptspec.errors import CkptspecError
+
+    out = tmp_path / "out"
+    out.write_text("mine")
+    with pytest.raises(CkptspecError) as caught:
+        _library(name)(ckpt, out)
+    assert caught.value.code == "CK909" and out.read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_a_refused_run_leaves_no_folders_it_made(name, tmp_path):
+    """Review: OUTPUT is made (to be held) before the checkpoint is read; a run refused then removed
+    OUTPUT but left the parent folders it had made for it (`a/b/` of `a/b/out`)."""
+    missing = tmp_path / "no-such-checkpoint"
+    result = _run(name, missing, tmp_path / "a" / "b" / "out")
+    assert result.exit_code == 2 and "CK901" in result.output, result.output
+    assert [p.name for p in tmp_path.iterdir()] == []
