@@ -46,7 +46,7 @@ def _records(members: dict[str, tuple[int, int]]) -> list[tuple[str, int, int]]:
     return sorted(((name, offset, size) for name, (offset, size) in members.items()), key=lambda r: r[1])
 
 
-def _rebuild(path, members, pkl: bytes, algorithm: str | None, handle=None) -> tuple[int, str | None]:
+def _rebuild(members, pkl: bytes, algorithm: str | None, handle=None) -> tuple[int, str | None]:
     """Size and hash (None when only measuring) of the file with ``data.pkl`` replaced by ``pkl``."""
     records = _records(members)
     archive = records[0][0].split("/", 1)[0]
@@ -82,9 +82,7 @@ def before_embed(path: Path | RemotePath, members: dict[str, tuple[int, int]], k
     with open_binary(path) as handle:
         handle.seek(offset)
         data = handle.read(size)
-    return [
-        Earlier(k + 1, pkl, _rebuild(path, members, pkl, None)[0]) for k, pkl in enumerate(pickles_before(data, key))
-    ]
+    return [Earlier(k + 1, pkl, _rebuild(members, pkl, None)[0]) for k, pkl in enumerate(pickles_before(data, key))]
 
 
 def hash_before_embed(
@@ -92,7 +90,7 @@ def hash_before_embed(
 ) -> str:
     """The hash of ``earlier``'s file, its records read from ``path`` (one pass over the file)."""
     with open_binary(path) as handle:
-        return _rebuild(path, members, earlier.pkl, algorithm, handle)[1]
+        return _rebuild(members, earlier.pkl, algorithm, handle)[1]
 
 
 def recorded_before_embed(

@@ -192,7 +192,7 @@ def unexpected(exc: Exception) -> CkptspecError:
     """What an exception no handler of the command caught is: an I/O error of the input or output
     (CK901 reading, CK906 writing; the system refused, so not a bug) or an internal error (CK999)."""
     if isinstance(exc, OSError):
-        where = exc.filename if exc.filename is not None else None
+        where = exc.filename
         if exc.errno in _WRITE_ERRNOS:
             return CkptspecError(
                 "CK906",

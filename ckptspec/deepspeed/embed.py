@@ -199,11 +199,11 @@ def embed_checkpoint(
             lenient=True,
         )
         if diff:
-            path, on_disk, given = diff
+            path, on_disk, in_manifest = diff
             raise EmbedError(
                 "CK304",
                 f"the manifest does not describe this checkpoint: at {path} the files say {on_disk}, "
-                f"the manifest {given}",
+                f"the manifest {in_manifest}",
                 "embed the manifest of this checkpoint, or omit --manifest to generate it",
                 str(tag_dir),
             )

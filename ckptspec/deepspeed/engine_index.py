@@ -153,8 +153,9 @@ def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> Che
     (``engine_masters_save.live_index``): a master's locator is a byte range of a saved file.
 
     Raises:
-        UnsupportedEngine: frozen parameters, buffers or ties, a parameter AutoTP partitions without
-            an affine map; MoE or stage 0 combined with tensor parallelism, MoE with FP16_Optimizer's flat masters.
+        UnsupportedEngine: tensor/pipeline parallelism at ZeRO 1-3 with frozen parameters, buffers or
+            ties, a parameter AutoTP partitions without an affine map; MoE or stage 0 combined with
+            tensor parallelism, MoE with FP16_Optimizer's flat masters.
         EngineLayoutMismatch: the ranks of one coordinate describe their group differently.
     """
     from .engine_masters import gather_described, masters_kind

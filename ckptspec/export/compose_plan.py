@@ -163,7 +163,7 @@ def replicas(param: IndexParameter, domain_plans: dict[str, ReconstructionPlan])
     return [(s, domain_plans[s.domain].sources[s.local_name]) for s in shards]
 
 
-def _kind(index: CheckpointIndex, domain) -> str:
+def _kind(index: CheckpointIndex) -> str:
     """The kind of checkpoint a masters domain belongs to, as a user would name it."""
     if index.kind == "universal":
         return "universal"
@@ -176,7 +176,7 @@ def _compose_states(plan: IndexReconstructionPlan) -> OptimizerStatePlan:
     located_apart = [d for d in plan.index.domains if d.masters is not None]
     if located_apart:  # the index locates these kinds' masters, not their moments (CK402, not "use 1.1")
         raise ReconstructUnsupported(
-            f"the optimizer state of this {_kind(plan.index, located_apart[0])} checkpoint is not located: its "
+            f"the optimizer state of this {_kind(plan.index)} checkpoint is not located: its "
             "checkpoint index locates the fp32 masters only (the moments are not read)",
             "reconstruct the weights without --optimizer-state; to resume training, load the checkpoint itself "
             "with DeepSpeed (engine.load_checkpoint), which reads the moments",

@@ -29,11 +29,17 @@ class Kept:
             return
         with self._lock:
             spans = self._by_path.setdefault(path, [])
+            end = start + len(data)
             i = bisect.bisect_left(spans, start, key=lambda s: s[0])
-            if i < len(spans) and spans[i][0] == start:
-                if len(spans[i][1]) >= len(data):
+            # No span lies inside another (so their ends rise with their starts, and ``overlapping``
+            # finds every span of a range from the last one starting before it): a span already
+            # covered is not kept again, and one the new span covers gives way to it.
+            for j in (i - 1, i):
+                if 0 <= j < len(spans) and spans[j][0] <= start and spans[j][0] + len(spans[j][1]) >= end:
                     return
+            while i < len(spans) and spans[i][0] + len(spans[i][1]) <= end:
                 self._drop(path, i)
+            spans = self._by_path.setdefault(path, spans)  # _drop forgets a path whose last span it drops
             bisect.insort(spans, (start, data), key=lambda s: s[0])
             self._order[(path, start)] = len(data)
             self._size += len(data)
