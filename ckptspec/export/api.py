@@ -182,7 +182,7 @@ def load_optimizer_state(
         from .compose import validated_index_plan
 
         return load_optimizer_state_arrays(validated_index_plan(checkpoint, manifest, tag))
-    return load_optimizer_state_arrays(validated_plan(checkpoint, manifest, tag))
+    return load_optimizer_state_arrays(validated_plan(checkpoint, manifest, tag, hashes_in_stream=True))
 
 
 def load_consolidated(output_dir: str | os.PathLike, framework: str = "torch") -> dict[str, Any]:

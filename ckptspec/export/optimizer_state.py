@@ -123,7 +123,7 @@ def load_optimizer_state_arrays(plan: ReconstructionPlan) -> tuple[dict[str, dic
     """{param: {state: numpy array in the param's shape}} (aliases included) and the ``optimizer`` object."""
     state = _state_plan(plan)
     out: dict[str, dict[str, Any]] = {}
-    with ShardReader() as files:
+    with ShardReader(plan.file_hashes) as files:  # a remote file's recorded hash, from the bytes read once
         files.plan(
             seg for names in state.states.values() for name in names.values() for seg in state.sources[name].segments
         )
@@ -131,6 +131,7 @@ def load_optimizer_state_arrays(plan: ReconstructionPlan) -> tuple[dict[str, dic
             out[param] = {
                 key: read_array(state.sources[name], state.sources[name].dtype, files) for key, name in names.items()
             }
+        files.verify()
     for alias, owner in plan.aliases.items():
         if owner in out:
             out[alias] = out[owner]

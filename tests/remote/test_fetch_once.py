@@ -193,3 +193,22 @@ def test_kept_bytes_stay_within_their_budget():
         (960, 1000, memoryview(bytes(40))),
         (1000, 1010, None),
     ]
+
+
+@pytest.mark.parametrize("name", ["embed", "hook"])
+def test_load_optimizer_state_fetches_each_byte_once(name, sidecars, nginx, reads):
+    """Review: `load_optimizer_state` validated with hashes (every byte), then read the moments again."""
+    import numpy as np
+
+    import ckptspec
+
+    local, url = sidecars[name]
+    files = tag_files(local)
+    want, _ = ckptspec.load_optimizer_state(local)
+    location.forget()  # a library caller's earlier reads (another case's) are not this call's
+    mark = nginx.mark()
+    got_state, _ = ckptspec.load_optimizer_state(url)
+    assert got_state.keys() == want.keys()
+    assert all(np.array_equal(got_state[p][k], v) for p in want for k, v in want[p].items())
+    got = fetched(nginx, mark, files)
+    assert got == files, (got, files)  # the recorded hashes are verified: every byte, once
