@@ -18,6 +18,7 @@ import sys
 
 import click
 
+from .._forked import fork_by_default
 from .._version import __version__
 from ._common import EXIT_USAGE, end_with_the_process, json_error_with, report_unexpected, unexpected, what_was_written
 from .embed import convert, embed, extract, migrate
@@ -75,6 +76,7 @@ def main() -> None:
     # A scheduler stops a job with SIGTERM before SIGKILL: unwinding removes the temporaries
     # (SIGKILL leaves them; the next run in that directory removes them, see ckptspec._fs).
     signal.signal(signal.SIGTERM, _terminate)
+    fork_by_default()  # the process is the command's own: a second CPU may take part (CKPTSPEC_WORKERS=1: never)
     try:
         code = cli.main(standalone_mode=False)
     except SystemExit:

@@ -18,6 +18,7 @@ from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 
+from .._forked import no_forks
 from .._version import __version__
 from ..checkpoint.embedded import CLIENT_STATE_KEY, client_state_value
 from ..checkpoint.states import StateCache
@@ -195,7 +196,8 @@ def save_checkpoint(
 
     Arguments are those of ``engine.save_checkpoint`` (``client_state`` may not use
     the ``"ckptspec_manifest"`` key); ``hash`` records a SHA-256 of every file (each
-    rank hashes its own files, in parallel).
+    rank hashes its own files, in parallel). Never forks the training rank's process, whatever
+    ``CKPTSPEC_WORKERS`` says.
 
     Returns:
         The complete manifest, identical on every rank.
@@ -210,7 +212,8 @@ def save_checkpoint(
     # The layout, DeepSpeed's pickling and the sidecar make ~1M acyclic objects: without the pause the
     # collector rescanned them all over and over (codec.gc_paused; at 100k tensors DeepSpeed's own save
     # took 5.1 s inside the hook against 2.9 s alone).
-    with gc_paused():
+    # A training rank's process holds CUDA/NCCL/OpenMP threads a fork would copy mid-work: never fork here.
+    with gc_paused(), no_forks():
         args = (client_state, hash, save_latest, exclude_frozen_parameters, sidecar_encoding)
         return _save_checkpoint(engine, save_dir, tag, *args)
 

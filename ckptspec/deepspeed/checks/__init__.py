@@ -52,6 +52,7 @@ def check_checkpoint(
     records hashes, and every located tensor's bytes when ``verify_digests`` (default:
     ``verify_hashes``) and the manifest records tensor digests. Returns the findings of every
     check, in check order. ``states``: files already read, and where the files read here are kept.
+    A large manifest's checks are shared with a forked process only when ``CKPTSPEC_WORKERS=2``.
     """
     tag_dir = location(tag_dir)
     if not tag_dir.is_dir():
