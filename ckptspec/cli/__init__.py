@@ -104,7 +104,7 @@ def run() -> None:
 
     Leaves with ``os._exit`` once the output is flushed and the exit handlers have run: the
     decoded checkpoint and the manifest (3M objects at 100k tensors), which the commands keep
-    (``keep_until_exit``), are not freed one by one on the way out (0.2 s there, 1.3 s at 1M).
+    (``keep_until_exit``), are not freed one by one on the way out (a cost that grows with the tensors).
     Exit codes and messages are those of ``main``; an exception main lets through
     (``CKPTSPEC_DEBUG``) ends the process as Python does, with its traceback.
     """

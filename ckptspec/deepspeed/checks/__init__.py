@@ -32,7 +32,7 @@ from ...location import RemotePath, location
 from . import files, headers, module, partitions, tensors
 from .context import Check, build_context
 
-FORK_MIN_PARAMS = 30_000  # below this the checks take ~0.1 s: not worth a second process
+FORK_MIN_PARAMS = 30_000  # below this the checks end before a second process would start
 # The order the checks run in, and so the order of their findings.
 CHECKS: RuleSet[Check] = RuleSet(files.CHECKS, headers.CHECKS, partitions.CHECKS, module.CHECKS, tensors.CHECKS)
 
