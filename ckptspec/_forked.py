@@ -5,7 +5,7 @@ already there. It sends its result through a pipe and leaves without running any
 child can be made safely (not Linux, one CPU, other threads running) or it fails in any way, the
 caller is told so and does that part itself: the outcome is the same either way, only slower.
 Used by ``checkpoint.prescan`` (the opcode walk), ``checkpoint.states`` (the tree checks), the
-CK2xx checks of a large checkpoint and ``deepspeed.digests``.
+CK2xx checks of a large checkpoint and its tensor digests.
 
 Forking is opt-in: a library must not copy its caller's process behind its back (native threads
 of CUDA, NCCL or OpenMP are invisible to the thread check below, and their locks would be copied
