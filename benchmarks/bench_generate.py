@@ -71,6 +71,9 @@ def breakdown(checkpoint: str, out: str) -> dict:
     import gc
 
     gc.disable()  # as `ckptspec generate` (cli/generate.py)
+    from ckptspec._forked import fork_by_default
+
+    fork_by_default()  # as `ckptspec generate` (cli.main): a second CPU walks the pickles
     t = (time.perf_counter(), time.process_time())
     from ckptspec._fs import write_atomic
     from ckptspec.checkpoint.states import StateCache

@@ -28,7 +28,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Lazy, so `import ckptspec` stays light: the models load pydantic (about 0.2 s),
+    # Lazy, so `import ckptspec` stays light: the models load pydantic,
     # which `ckptspec validate MANIFEST` does not need; reconstruction loads numpy.
     if name == "Manifest":
         from .format.models import Manifest

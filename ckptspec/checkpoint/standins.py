@@ -231,7 +231,7 @@ def _as_int_tuple(value, what, minimum=0):
 
 # (size, stride) -> the offset of the view's last element from its first, or None when it has no
 # elements: what the checks below found of a pair already met. A model has a few distinct pairs,
-# and the checks cost 2 us of the 2.5 a tensor took (100k tensors). A pair is looked up only once
+# and the checks were most of a tensor's cost. A pair is looked up only once
 # its members are known to be exact ints: True == 1 and 1.0 == 1, so a bool or a float would
 # otherwise pass as the int it equals.
 _SPANS: dict[tuple, int | None] = {}

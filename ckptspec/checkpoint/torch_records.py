@@ -182,8 +182,8 @@ def _named_object(m, n, memo, stack) -> int:
 #
 # Then the run's writes and pushes are applied at once: what ``named_record`` applies record by
 # record. A run failing any check is left untouched to ``named_record`` and the walk, so verdicts
-# and messages stay the walk's. At 100k tensors the walk of the model states takes 25% fewer
-# instructions. ``tests/checkpoint/test_torch_records.py`` compares the walk with and without.
+# and messages stay the walk's; the walk of the model states runs fewer instructions
+# (docs/performance.md). ``tests/checkpoint/test_torch_records.py`` compares the walk with and without.
 
 _MIN_RUN = 4  # fewer records than this: the record-by-record lane is as quick
 _SHAPE_PUT = rb"(?:%s\x85|%s{2}\x86|%s{3}\x87|\(%s*t)" % ((_INT,) * 4) + _PUT  # a shape of 1+ dimensions

@@ -18,6 +18,7 @@ import sys
 
 import click
 
+from .._forked import fork_by_default
 from .._version import __version__
 from ._common import EXIT_USAGE, end_with_the_process, json_error_with, report_unexpected, unexpected, what_was_written
 from .embed import convert, embed, extract, migrate
@@ -75,6 +76,7 @@ def main() -> None:
     # A scheduler stops a job with SIGTERM before SIGKILL: unwinding removes the temporaries
     # (SIGKILL leaves them; the next run in that directory removes them, see ckptspec._fs).
     signal.signal(signal.SIGTERM, _terminate)
+    fork_by_default()  # the process is the command's own: a second CPU may take part (CKPTSPEC_WORKERS=1: never)
     try:
         code = cli.main(standalone_mode=False)
     except SystemExit:
@@ -102,7 +104,7 @@ def run() -> None:
 
     Leaves with ``os._exit`` once the output is flushed and the exit handlers have run: the
     decoded checkpoint and the manifest (3M objects at 100k tensors), which the commands keep
-    (``keep_until_exit``), are not freed one by one on the way out (0.2 s there, 1.3 s at 1M).
+    (``keep_until_exit``), are not freed one by one on the way out (a cost that grows with the tensors).
     Exit codes and messages are those of ``main``; an exception main lets through
     (``CKPTSPEC_DEBUG``) ends the process as Python does, with its traceback.
     """

@@ -26,7 +26,7 @@ REPORT_VERSION = "1.0"
 ENCODING_CHOICE = click.Choice(["json", "msgpack"])
 FORMAT_CHOICE = click.Choice(["text", "json"])
 # What a command made (a manifest, decoded pickles), left for ``run``'s ``os._exit`` rather than
-# freed one object at a time when the command returns: 1.3 s for a 1M-tensor checkpoint. Kept only
+# freed one object at a time when the command returns (docs/performance.md). Kept only
 # in a process that ends with the command (``run``); a caller of ``main`` keeps nothing.
 _KEPT: list | None = None
 
@@ -259,7 +259,7 @@ def fetched_line(target: str, fetched: dict[str, int]) -> str:
 
 def read_tag_dir_early(checkpoint: str, tag: str | None, then: str):
     """The tag directory's pickles read (walked by a forked process ahead of the unpickler) before the module ``then``
-    (``ckptspec.deepspeed.describe``, ``.validate``: pydantic and the models, ~0.2 s) is imported,
+    (``ckptspec.deepspeed.describe``, ``.validate``: pydantic and the models, a slow import) is imported,
     which happens while the forked walk is going (``prescan.scan_all``'s ``meanwhile``).
     A ``StateCache`` to hand on, or None when the directory cannot be listed: the command's own
     flow then raises what it always raised, where it always did."""

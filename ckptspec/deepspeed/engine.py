@@ -18,6 +18,7 @@ from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 
+from .._forked import no_forks
 from .._version import __version__
 from ..checkpoint.embedded import CLIENT_STATE_KEY, client_state_value
 from ..checkpoint.states import StateCache
@@ -82,7 +83,7 @@ def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> 
 def engine_layout(engine, exclude_frozen_parameters: bool = False) -> Manifest:
     """The manifest of the ZeRO data-parallel group ``engine`` belongs to (no refusal of model
     parallelism: a checkpoint index embeds one per tensor/pipeline coordinate, engine_index.py)."""
-    with gc_paused():  # ~1M acyclic objects made: see codec.gc_paused (standalone at 100k: 2.2 s -> 1.0 s)
+    with gc_paused():  # ~1M acyclic objects made: see codec.gc_paused
         return _engine_layout(engine, exclude_frozen_parameters)
 
 
@@ -195,7 +196,8 @@ def save_checkpoint(
 
     Arguments are those of ``engine.save_checkpoint`` (``client_state`` may not use
     the ``"ckptspec_manifest"`` key); ``hash`` records a SHA-256 of every file (each
-    rank hashes its own files, in parallel).
+    rank hashes its own files, in parallel). Never forks the training rank's process, whatever
+    ``CKPTSPEC_WORKERS`` says.
 
     Returns:
         The complete manifest, identical on every rank.
@@ -208,9 +210,9 @@ def save_checkpoint(
             (no rank is left waiting), and neither the sidecar nor ``latest`` is written.
     """
     # The layout, DeepSpeed's pickling and the sidecar make ~1M acyclic objects: without the pause the
-    # collector rescanned them all over and over (codec.gc_paused; at 100k tensors DeepSpeed's own save
-    # took 5.1 s inside the hook against 2.9 s alone).
-    with gc_paused():
+    # collector rescanned them all over and over (codec.gc_paused), slowing DeepSpeed's own save too.
+    # A training rank's process holds CUDA/NCCL/OpenMP threads a fork would copy mid-work: never fork here.
+    with gc_paused(), no_forks():
         args = (client_state, hash, save_latest, exclude_frozen_parameters, sidecar_encoding)
         return _save_checkpoint(engine, save_dir, tag, *args)
 
@@ -264,7 +266,7 @@ def _save_checkpoint(
         if rank == 0:  # every rank has finished writing (the gather above): nothing is left half-saved
             shutil.rmtree(staged, ignore_errors=True)
         raise RuntimeError("ckptspec could not describe the saved files (no sidecar written): " + "; ".join(errors))
-    # Shallow: only ``files`` changes, and the layout is not used again (a deep copy took 1 s per 10k params).
+    # Shallow: only ``files`` changes, and the layout is not used again (a deep copy costs per param).
     complete = layout.model_copy()
     gathered_files = [ShardFile.model_validate(d) for files, _ in gathered for d in files]
     complete.files = sorted(gathered_files, key=lambda f: file_order(f.role, f.ranks, f.path))

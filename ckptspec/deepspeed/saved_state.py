@@ -1,7 +1,7 @@
 """The save hook's model-states files described from the state DeepSpeed handed to ``torch.save``.
 
-Reading a model-states file back means unpickling a record per module tensor: at 100k tensors
-that was 1.8 s of the hook, for a handful of locators (the frozen parameters, the buffers, each
+Reading a model-states file back means unpickling a record per module tensor: most of the hook's
+own time at 100k tensors, for a handful of locators (the frozen parameters, the buffers, each
 flat group's low-precision storage). The state ``torch.save`` pickled is still at hand when
 DeepSpeed returns, and ``torch.save`` names the storages it writes in the order it first meets
 them while pickling (``<archive>/data/0``, ``data/1``, ...): walking the state in pickle order

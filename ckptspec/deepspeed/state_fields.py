@@ -38,7 +38,7 @@ def int_shape(shape) -> tuple[int, ...]:
 
 
 def int_shapes(shapes) -> list[tuple[int, ...]]:
-    """``int_shape`` of each: by C loops when every one is a tuple of ints (1M shapes: 0.5 s less)."""
+    """``int_shape`` of each: by C loops when every one is a tuple of ints (no Python call per shape)."""
     shapes = list(shapes)
     if {tuple}.issuperset(map(type, shapes)) and _INT_ONLY.issuperset(map(type, chain.from_iterable(shapes))):
         return shapes

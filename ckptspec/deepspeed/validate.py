@@ -130,7 +130,8 @@ def validate_checkpoint(
     rules) once and then checks the files against it. ``states``: where the decoded files
     are kept, for a reconstruction that follows. ``verify_digests`` (default: ``verify_hashes``)
     reads every located tensor to check its digest (CK222); a reader that checks them while
-    streaming the tensors (``reconstruct``, ``load_state_dict``) passes False.
+    streaming the tensors (``reconstruct``, ``load_state_dict``) passes False. Runs in this
+    process only unless ``CKPTSPEC_WORKERS=2`` lets it fork (docs/performance.md).
 
     Returns (manifest, findings); the manifest is None when none could be had.
     Raises ``InvalidCheckpoint`` (exit 1) when the checkpoint cannot be checked at all

@@ -72,6 +72,7 @@ def load_state_dict(
     ``framework="numpy"`` needs only numpy; bfloat16 arrays are then returned as
     ``ml_dtypes.bfloat16`` when ``ml_dtypes`` is installed and refused otherwise.
     Aliases are the same object as their owner, as in the model.
+    Runs in this process only unless ``CKPTSPEC_WORKERS=2`` lets it fork (docs/performance.md).
     """
     if framework not in ("torch", "numpy"):
         raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
@@ -140,7 +141,8 @@ def reconstruct(
 ) -> WriteResult:
     """Validate, then write the consolidated weights to ``output_dir`` (see ``write_consolidated``),
     and with ``optimizer_state`` the per-parameter optimizer state as ``optimizer.safetensors``
-    (format 1.1 manifests; ``export/optimizer_state.py``). ``jobs``: threads writing each file."""
+    (format 1.1 manifests; ``export/optimizer_state.py``). ``jobs``: threads writing each file.
+    Runs in this process only unless ``CKPTSPEC_WORKERS=2`` lets it fork (docs/performance.md)."""
     refuse_write(output_dir, "the reconstruction")  # before the checkpoint is read
     if _model_parallel(checkpoint, manifest, tag):
         from .compose import reconstruct_index
@@ -177,6 +179,7 @@ def load_optimizer_state(
 
     Validates the checkpoint first (``CheckpointInvalid``); needs a format 1.1 manifest (CK402).
     States are returned as stored (float32 for torch's Adam; a bfloat16 state as uint16 bits).
+    Runs in this process only unless ``CKPTSPEC_WORKERS=2`` lets it fork (docs/performance.md).
     """
     if _model_parallel(checkpoint, manifest, tag):  # the whole model's, composed from every domain
         from .compose import validated_index_plan

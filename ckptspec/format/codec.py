@@ -169,7 +169,7 @@ def gc_paused(*, for_good: bool = False) -> Iterator[None]:
 
     ``for_good``: what was made meanwhile is kept out of every later collection (``gc.freeze``),
     for a command whose process ends after it: the first collection after the pause would
-    otherwise walk all of it once more (0.3 s at 100k tensors) just before the process exits.
+    otherwise walk all of it once more just before the process exits.
     """
     was_enabled = gc.isenabled()
     gc.disable()

@@ -1,10 +1,10 @@
 """Manifest models built without validation where their values plainly fit (what producers give).
 
-Validating a model costs ~20 us: its before-validators run in Python. A 100k-tensor checkpoint's
+Validating a model is slow: its before-validators run in Python. A 100k-tensor checkpoint's
 manifest holds thousands of frozen parameters and tensor locators beside its params
 (``partition.make_params``). ``build(cls, **values)`` tests each value against its field's type
 with a plain check (an exact type and its bounds) and, when all pass, gives the object
-``model_construct`` would (~1 us); anything else is validated and raises what validation raises.
+``model_construct`` would, without validating; anything else is validated and raises what validation raises.
 ``build_all(cls, columns)`` does it for many objects at once, by C loops (no Python call per object);
 ``digests(hexes)`` the same for format 1.1's per-tensor digests (388k of them at 100k tensors).
 ``tests/format/test_construct.py`` holds both ways equal on values that fit and values that do not.
@@ -142,8 +142,8 @@ def build(cls: type, **values: Any) -> Any:
 
 def build_all(cls: type, columns: dict[str, Sequence[Any]]) -> list:
     """``[build(cls, **row) for each row of columns]``: when every value of every column plainly
-    fits, the objects are made by C loops (1M tensors: 80k frozen params and tensor locators, 0.8 s
-    less); otherwise row by row, which validates and raises what it always raised."""
+    fits, the objects are made by C loops (1M tensors: 80k frozen params and tensor locators);
+    otherwise row by row, which validates and raises what it always raised."""
     checks = CHECKS.get(cls)
     shape = None if checks is None else _TEMPLATES[cls] if cls in _TEMPLATES else template(cls, _sample(checks))
     rows = len(next(iter(columns.values()), ()))
@@ -192,7 +192,7 @@ def constructed(cls: type, columns: dict[str, Iterable[Any]], defaults: dict[str
     """``rows`` new ``cls`` given what ``fill`` gives, row by row of ``columns`` (all of them the
     fields set, ``defaults`` the rest), by C loops: no Python call per object."""
     # Each __dict__ a copy of one with every key (copying a dict copies its table whole), then
-    # one column at a time written in: 30% less than a dict built from each row.
+    # one column at a time written in: cheaper than a dict built from each row.
     values = list(map(dict.copy, repeat({**dict.fromkeys(columns), **defaults}, rows)))
     for key, column in columns.items():
         deque(map(setitem, values, repeat(key), column), 0)

@@ -71,8 +71,8 @@ _IS = operator.is_
 def holds_no_float(value: Any) -> bool:
     """True when ``value`` is plain JSON data (str, int, bool, None in lists, tuples and dicts) and
     holds no float: orjson's text of it is then the standard library's. Looks at the values' types,
-    one nesting level at a time, in C loops: at 100k tensors, 3x faster than searching the text for
-    a float's end. False for anything else (dict keys are orjson's to refuse)."""
+    one nesting level at a time, in C loops: faster than searching the text for a float's end.
+    False for anything else (dict keys are orjson's to refuse)."""
     level = [value]
     while level:
         kinds = set(map(type, level))

@@ -1,7 +1,7 @@
 """``Manifest.to_dict``: the JSON-ready document, its params dumped by C loops where they are plain.
 
-``model_dump(mode="json", exclude_unset=True, by_alias=True)`` costs pydantic ~2 us per param,
-and a big manifest is nearly all params (1M tensors: 192 of its 229 MB of JSON; 2 s to dump). A
+``model_dump(mode="json", exclude_unset=True, by_alias=True)`` costs pydantic a Python walk per param,
+and a big manifest is nearly all params (1M tensors: 192 of its 229 MB of JSON). A
 param as producers make it (``partition.make_params``) is a ``Param`` whose set fields are exactly
 the six plain ones (no digest, no unknown field): what ``exclude_unset`` leaves of it is its
 ``__dict__`` less the unset fields, and its values (str, list of ints, ints: validated or checked

@@ -1,8 +1,8 @@
 """The models of a schema-valid document, its params built in bulk.
 
 ``validate MANIFEST --checkpoint DIR``, ``reconstruct`` and the other readers of a manifest need its
-Pydantic models. Validating them costs ~3 us per param and ~5 us per digest (a 100k-tensor manifest
-with format 1.1's digests: 3.5 s), although the schema check has already accepted every value.
+Pydantic models. Validating them runs Python validators per param and per digest (seconds for a
+100k-tensor manifest with format 1.1's digests), although the schema check has already accepted every value.
 ``manifest_of`` validates the document without its params, then makes each group's params as
 ``partition.make_params`` and ``construct.digests`` make them for a producer: by C loops where
 every value plainly fits, else validated row by row. Only for a document from the loader (Unicode

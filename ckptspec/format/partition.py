@@ -62,8 +62,8 @@ _construct = None  # (the Param class, its unset fields' defaults, construct.fil
 
 
 def _constructor():
-    """What ``Param.model_construct`` does for these six fields, without its per-field loop (it
-    costs ~25 us a call), checked once against it (``construct.template``), else None."""
+    """What ``Param.model_construct`` does for these six fields, without its per-field loop (a
+    Python call per field), checked once against it (``construct.template``), else None."""
     from .construct import fill, template
     from .models import Param
 
@@ -73,7 +73,7 @@ def _constructor():
 
 def make_param(name: str, shape: tuple[int, ...], numel: int, dtype: str, offset: int, padding: int):
     """A ``Param``, built without validation when its values plainly meet the model's types
-    (what every producer gives): a validated ``Param`` costs ~20 us, 2 s at 100k tensors. Anything
+    (what every producer gives): a validated ``Param`` runs Python validators. Anything
     else goes through validation, which raises what it always raised. The same object either way
     (fields, fields set, dumped bytes: ``tests/format/test_partition_fast.py``)."""
     global _DTYPES, _construct
@@ -107,7 +107,7 @@ def make_param(name: str, shape: tuple[int, ...], numel: int, dtype: str, offset
             defaults,
         )
         return obj
-    from .models import Param  # not on the path above: an import per call costs ~1 us, 0.1 s at 100k tensors
+    from .models import Param  # not on the path above: an import per call adds up at 100k tensors
 
     values = {"name": name, "shape": list(shape), "numel": numel, "dtype": dtype, "offset": offset, "padding": padding}
     return Param.model_construct(**values) if plain else Param(**values)

@@ -83,7 +83,7 @@ def _options(protocol: str) -> dict:
         return {"client_kwargs": {"timeout": limits}}
     if protocol in ("s3", "s3a"):
         # One attempt in botocore (and in s3fs, store_for): ckptspec's retries (CKPTSPEC_REMOTE_RETRIES) are
-        # the only ones; else each of them is s3fs's 5 attempts of botocore's 5 (39 s against a closed port).
+        # the only ones; else each of them is s3fs's 5 attempts of botocore's 5 (a closed port answers late).
         config = {"connect_timeout": seconds, "read_timeout": seconds, "retries": {"total_max_attempts": 1}}
         return {"config_kwargs": config}
     return {}

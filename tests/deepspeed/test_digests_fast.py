@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from _harness.scenarios import MATRIX, PARALLEL
 
+from ckptspec import _forked
 from ckptspec.deepspeed import digests
 from ckptspec.deepspeed.describe import manifest_from_checkpoint
 from ckptspec.deepspeed.describe_index import index_from_checkpoint
@@ -37,6 +38,7 @@ def _one_by_one(covered, tag_dir):
 def way(request, monkeypatch):
     if request.param != "in-process":
         monkeypatch.setattr(digests, "_FORK_ABOVE", 0)
+        monkeypatch.setattr(_forked, "can_fork", lambda: True)  # opt-in, and pytest's own threads would forbid it
     if request.param == "child-fails":
         monkeypatch.setattr(digests.Forked, "result", lambda self: None)
     if request.param == "tiny-blocks":  # most tensors cross a block's end; two blocks kept at once

@@ -32,7 +32,7 @@ from ...location import RemotePath, location
 from . import files, headers, module, partitions, tensors
 from .context import Check, build_context
 
-FORK_MIN_PARAMS = 30_000  # below this the checks take ~0.1 s: not worth a second process
+FORK_MIN_PARAMS = 30_000  # below this the checks end before a second process would start
 # The order the checks run in, and so the order of their findings.
 CHECKS: RuleSet[Check] = RuleSet(files.CHECKS, headers.CHECKS, partitions.CHECKS, module.CHECKS, tensors.CHECKS)
 
@@ -52,6 +52,7 @@ def check_checkpoint(
     records hashes, and every located tensor's bytes when ``verify_digests`` (default:
     ``verify_hashes``) and the manifest records tensor digests. Returns the findings of every
     check, in check order. ``states``: files already read, and where the files read here are kept.
+    A large manifest's checks are shared with a forked process only when ``CKPTSPEC_WORKERS=2``.
     """
     tag_dir = location(tag_dir)
     if not tag_dir.is_dir():

@@ -292,8 +292,8 @@ _PARAM_ROLES = ("trainable", "frozen", "alias")
 
 def _sharing_a_view(module: dict, view) -> Iterator[tuple[str, TensorRef]]:
     """The (name, tensor) entries of ``module`` whose ``view`` another tensor of it has too, in
-    order: the only ones that can be a tie (a million entries in a 1M-tensor model, where a
-    Python loop over them all took 3 s)."""
+    order: the only ones that can be a tie (a million entries in a 1M-tensor model, too many for a
+    Python loop over them all)."""
     names, refs = list(module), list(module.values())
     tensors = list(map(isinstance, refs, repeat(TensorRef)))
     names, refs = list(compress(names, tensors)), list(compress(refs, tensors))
