@@ -25,7 +25,7 @@ from train_many import DIM, build_model, param_groups, use_linear_duplicate_chec
 
 def instrument(parts: dict) -> None:
     """Time (wall, CPU) the steps of ckptspec's save hook on this rank, summed over calls."""
-    from ckptspec.deepspeed import engine as hook
+    from ckptspec.deepspeed.save import zero as hook
 
     def wrap(name):
         fn = getattr(hook, name)
@@ -64,7 +64,7 @@ def main():
     import torch.distributed as dist
 
     from ckptspec.deepspeed import save_checkpoint
-    from ckptspec.deepspeed.engine import manifest_from_engine
+    from ckptspec.deepspeed.live.zero import manifest_from_engine
 
     torch.manual_seed(0)
     deepspeed.init_distributed()

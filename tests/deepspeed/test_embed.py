@@ -40,7 +40,7 @@ from ckptspec.checkpoint.embedded import (
 )
 from ckptspec.checkpoint.pt_rewrite import rewrite_pt_with_item
 from ckptspec.checkpoint.sidecar import write_sidecar
-from ckptspec.deepspeed.embed import embedded_findings
+from ckptspec.deepspeed.check.copies import embedded_findings
 from ckptspec.errors import EmbedError, UnsupportedEngine
 from ckptspec.format.codec import dumps, load_document
 from ckptspec.format.validate import validate_document
@@ -395,7 +395,7 @@ def test_the_tag_directory_gets_the_mode_of_the_directories_the_job_made(saved):
 def test_sidecar_files_are_the_files_on_disk(saved):
     """Sizes, hashes and locators gathered from the ranks equal what the saved directory says
     (so the model-states files were described with their client state inside)."""
-    from ckptspec.deepspeed.describe import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 
     from_dir = manifest_from_checkpoint(saved.save_dir, hash_algorithm="sha256").to_dict()
     sidecar = json.loads(saved.sidecar.read_text())
@@ -625,7 +625,7 @@ class _FakeEngine:
 def fake_job(saved, monkeypatch):
     import torch.distributed
 
-    import ckptspec.deepspeed.engine as ds
+    import ckptspec.deepspeed.save.zero as ds
     from ckptspec.format.models import Manifest
 
     layout = Manifest.model_validate(_without_digests(layout_document(json.loads(saved.sidecar.read_text()))))

@@ -12,19 +12,19 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ..checkpoint.sidecar import find_sidecar
-from ..checkpoint.states import StateCache
-from ..errors import CheckpointInvalid
-from ..findings import Finding, finding, has_errors, json_path
-from ..format.codec import read_document
-from ..format.index_models import CheckpointIndex, Domain
-from ..format.index_validate import IndexReport, is_index, validate_index, validate_index_document
-from .checks import check_checkpoint
-from .describe_masters import generate_index
-from .index_checks import check_index_files
-from .masters_checks import check_masters_domain
-from .names import mp_rank_of
-from .topology import index_tag_dir, layer_file_name
+from ...checkpoint.sidecar import find_sidecar
+from ...checkpoint.states import StateCache
+from ...errors import CheckpointInvalid
+from ...findings import Finding, finding, has_errors, json_path
+from ...format.codec import read_document
+from ...format.index_models import CheckpointIndex, Domain
+from ...format.index_validate import IndexReport, is_index, validate_index, validate_index_document
+from ..describe import generate_index
+from ..layout.names import mp_rank_of
+from ..layout.parallel_files import index_tag_dir, layer_file_name
+from .cross_domain import check_index_files
+from .cross_domain.master_files import check_masters_domain
+from .domain import check_checkpoint
 
 
 def domain_mp_rank(domain: Domain) -> int | None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint.sidecar import find_sidecar
-from ..checkpoint.states import StateCache
-from ..errors import CkptspecError, RecordMismatch
-from ..findings import Finding
-from ..format.models import Manifest
-from ..format.validate import Report, validate_file
-from .checks import check_checkpoint
+from ...checkpoint.sidecar import find_sidecar
+from ...checkpoint.states import StateCache
+from ...errors import CkptspecError, RecordMismatch
+from ...findings import Finding
+from ...format.models import Manifest
+from ...format.validate import Report, validate_file
+from .domain import check_checkpoint
 
 # Not a reason to stop a writer: the manifest predates an embed, the file is intact (CK227).
 NOT_DAMAGE = ("CK227",)

@@ -18,19 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..checkpoint.embedded import EmbeddedCopy, unreadable_sidecar
-from ..checkpoint.sidecar import find_sidecar
-from ..checkpoint.states import Loaded, StateCache, code_and_hint
-from ..errors import CkptspecError, UnsupportedCheckpoint
-from ..findings import Finding, finding, has_errors
-from ..format.models import Manifest, ShardFile
-from ..format.validate import Report, read_and_validate, validate_file, validate_manifest
-from ..location import RemotePath, relative_name
-from .checks import check_checkpoint
-from .describe import manifest_from_states
-from .directory import ShardSet, index_kind_hint, resolve_tag_dir, scan_tag_dir
-from .embed import embedded_findings
-from .names import file_order, rank_of, role_of
+from ...checkpoint.embedded import EmbeddedCopy, unreadable_sidecar
+from ...checkpoint.sidecar import find_sidecar
+from ...checkpoint.states import Loaded, StateCache, code_and_hint
+from ...errors import CkptspecError, UnsupportedCheckpoint
+from ...findings import Finding, finding, has_errors
+from ...format.models import Manifest, ShardFile
+from ...format.validate import Report, read_and_validate, validate_file, validate_manifest
+from ...location import RemotePath, relative_name
+from ..describe.zero import manifest_from_states
+from ..layout.names import file_order, rank_of, role_of
+from ..layout.tag_dir import ShardSet, index_kind_hint, resolve_tag_dir, scan_tag_dir
+from .copies import embedded_findings
+from .domain import check_checkpoint
 
 
 @dataclass

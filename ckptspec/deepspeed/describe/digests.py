@@ -17,12 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from .._forked import Forked
-from ..format import construct
-from ..format.dtypes import ITEMSIZE
-from ..format.models import Digest, Manifest
-from ..format.partition import param_pieces
-from ..location import RangeStream, RemotePath, location
+from ..._forked import Forked
+from ...format import construct
+from ...format.dtypes import ITEMSIZE
+from ...format.models import Digest, Manifest
+from ...format.partition import param_pieces
+from ...location import RangeStream, RemotePath, location
 
 ALGORITHM = "sha256"  # the one algorithm of format 1.1 (a later minor may add others)
 _CHUNK = 16 << 20  # a large tensor is read this many bytes at a time

@@ -24,13 +24,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._version import __version__
-from ..checkpoint.hashing import file_digest
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef
-from ..errors import UnsupportedCheckpoint
-from ..format.dtypes import ITEMSIZE
-from ..format.index_models import (
+from ..._version import __version__
+from ...checkpoint.hashing import file_digest
+from ...checkpoint.states import StateCache
+from ...checkpoint.torchfile import TensorRef
+from ...errors import UnsupportedCheckpoint
+from ...format.dtypes import ITEMSIZE
+from ...format.index_models import (
     INDEX_FORMAT,
     INDEX_VERSION,
     CheckpointIndex,
@@ -43,12 +43,11 @@ from ..format.index_models import (
     Shard,
     Topology,
 )
-from ..format.models import Alias, Buffer, Layout, Manifest, Producer, ShardFile
-from ..format.partition import ParamSpec, flat_group
-from .directory import UNIVERSAL_FOLDER
-from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, MasterTensor, stage0_masters
-from .names import MODEL_RE, OPTIM_RE
-from .topology import index_kind
+from ...format.models import Alias, Buffer, Layout, Manifest, Producer, ShardFile
+from ...format.partition import ParamSpec, flat_group
+from ..layout.masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, MasterTensor, stage0_masters
+from ..layout.names import MODEL_RE, OPTIM_RE
+from ..layout.tag_dir import UNIVERSAL_FOLDER
 
 _EXPERT_ID = re.compile(r"\.deepspeed_experts\.(\d+)\.")
 
@@ -155,7 +154,7 @@ class LiveMasters:
     by_mp_rank: dict[int, tuple[list[MasterTensor], list[MasterTensor]]] | None = None
 
 
-class _Builder:
+class IndexBuilder:
     """What every #17 index shares: the folder, the model states, the producer."""
 
     def __init__(self, folder: Path, states: StateCache, hash_algorithm: str | None, live: LiveMasters | None = None):
@@ -258,7 +257,7 @@ class _Builder:
         )
 
 
-def _files_of(b: _Builder, masters, replicas, ranks: dict[str, int] | None = None) -> list[ShardFile]:
+def files_of(b: IndexBuilder, masters, replicas, ranks: dict[str, int] | None = None) -> list[ShardFile]:
     """The model states and every optimizer file the masters (and their copies) are read from."""
     rels = {MODEL_FILE} if (b.folder / MODEL_FILE).is_file() else set()
     rels |= {seg[0] for m in masters for seg in m.segments}
@@ -279,7 +278,7 @@ def _files_of(b: _Builder, masters, replicas, ranks: dict[str, int] | None = Non
 def stage0_index(
     folder: Path, states: StateCache, hash_algorithm: str | None = None, live: LiveMasters | None = None
 ) -> CheckpointIndex:
-    b = _Builder(folder, states, hash_algorithm, live)
+    b = IndexBuilder(folder, states, hash_algorithm, live)
     if live is None:
         masters = list(stage0_masters(folder, states).values())
         optimizer = b.model.get("optimizer")
@@ -294,16 +293,16 @@ def stage0_index(
         "data_parallel",
         masters,
         stored_in,
-        _files_of(b, masters, []),
+        files_of(b, masters, []),
     )
     domain.manifest.buffers = b.buffers()
     return b.index("zero", [domain])
 
 
 def universal_index(folder: Path, states: StateCache, hash_algorithm: str | None = None) -> CheckpointIndex:
-    from .masters import universal_masters
+    from ..layout.masters import universal_masters
 
-    b = _Builder(folder, states, hash_algorithm)
+    b = IndexBuilder(folder, states, hash_algorithm)
     found = universal_masters(folder, states)
     buffers = b.buffers()
     aliases = _universal_ties(b, found)
@@ -341,7 +340,7 @@ def universal_index(folder: Path, states: StateCache, hash_algorithm: str | None
     return index
 
 
-def _universal_ties(b: _Builder, found: dict[str, MasterTensor]) -> dict[str, str]:
+def _universal_ties(b: IndexBuilder, found: dict[str, MasterTensor]) -> dict[str, str]:
     """alias -> owner of the source's ties (``shared_params`` of the copied model states)."""
     shared = b.model.get("shared_params")
     out = {}
@@ -356,29 +355,7 @@ def _universal_ties(b: _Builder, found: dict[str, MasterTensor]) -> dict[str, st
     return out
 
 
-def _source_stage(b: _Builder) -> int:
+def _source_stage(b: IndexBuilder) -> int:
     """The stage of the checkpoint ``ds_to_universal`` converted (stage 3 keeps per-rank model states)."""
     names = [p.name for p in b.folder.iterdir() if MODEL_RE.match(p.name)]
     return 3 if any(n.startswith("zero_pp_rank_") for n in names) else int(b.model.get("zero_stage", 0) or 0)
-
-
-def generate_index(tag_dir: Path, states: StateCache, *, hash_algorithm: str | None = None) -> CheckpointIndex:
-    """The index of any tag directory that needs one: #17's kinds here, tensor/pipeline parallel in
-    ``describe_index``."""
-    kind = index_kind(tag_dir)
-    if kind == "stage0":
-        return stage0_index(tag_dir, states, hash_algorithm)
-    if kind == "universal":
-        return universal_index(tag_dir, states, hash_algorithm)
-    if kind == "pipeline_stage0":
-        from .describe_pipeline0 import pipeline_stage0_index
-
-        return pipeline_stage0_index(tag_dir, states, hash_algorithm)
-    if kind == "moe":
-        from .describe_moe import moe_index
-
-        return moe_index(tag_dir, states, hash_algorithm)
-    from .describe_index import index_from_files
-    from .topology import scan_parallel
-
-    return index_from_files(scan_parallel(tag_dir), states, hash_algorithm=hash_algorithm)

@@ -17,10 +17,10 @@ from itertools import compress, repeat
 from operator import attrgetter, is_, is_not
 from typing import Any
 
-from ..checkpoint.standins import StorageRef
-from ..checkpoint.torchfile import TensorRef
-from ..format.construct import build, build_all
-from ..format.models import Manifest, ModelWeightsLocator, StateLocator, TensorLocator
+from ...checkpoint.standins import StorageRef
+from ...checkpoint.torchfile import TensorRef
+from ...format.construct import build, build_all
+from ...format.models import Manifest, ModelWeightsLocator, StateLocator, TensorLocator
 
 # The key of a stand-in state (saved_state.py) holding "name -> storage" of its module's tensors; no
 # unpickled state has it (it is no string).

@@ -8,14 +8,12 @@ parameters found in the layer files. Reads metadata only, never executes pickled
 
 from __future__ import annotations
 
-import os
-
-from .._version import __version__
-from ..checkpoint.hashing import file_digest
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef
-from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
-from ..format.index_models import (
+from ..._version import __version__
+from ...checkpoint.hashing import file_digest
+from ...checkpoint.states import StateCache
+from ...checkpoint.torchfile import TensorRef
+from ...errors import InvalidCheckpoint, UnsupportedCheckpoint
+from ...format.index_models import (
     INDEX_FORMAT,
     INDEX_VERSION,
     CheckpointIndex,
@@ -27,24 +25,10 @@ from ..format.index_models import (
     Shard,
     Topology,
 )
-from ..format.models import Manifest
-from .describe import manifest_from_states
-from .placements import affine_params, tp_placement
-from .topology import ParallelFiles, degrees_of, index_tag_dir, layer_file_name, missing_layer_files
-
-
-def index_from_checkpoint(
-    checkpoint: str | os.PathLike,
-    tag: str | None = None,
-    *,
-    hash_algorithm: str | None = None,
-    states: StateCache | None = None,
-) -> CheckpointIndex:
-    """Describe a saved tensor/pipeline-parallel DeepSpeed checkpoint (``is_model_parallel``)."""
-    from .describe_masters import generate_index  # MoE, stage 0 and universal folders too (#17)
-
-    tag_dir = index_tag_dir(checkpoint, tag)
-    return generate_index(tag_dir, states or StateCache(), hash_algorithm=hash_algorithm)
+from ...format.models import Manifest
+from ..layout.parallel_files import ParallelFiles, degrees_of, layer_file_name, missing_layer_files
+from ..layout.placements import affine_params, tp_placement
+from .zero import manifest_from_states
 
 
 def domain_id(pipeline: int, tensor: int) -> str:
@@ -99,7 +83,7 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
         )
     first = domains[0].manifest
     if degrees.pipeline > 1:
-        layer_files, parameters = _pipeline_view(files, states, domains, hash_algorithm)
+        layer_files, parameters = pipeline_view(files, states, domains, hash_algorithm)
     else:
         layer_files, parameters = [], _tensor_view(files, states, domains, degrees.tensor)
     return CheckpointIndex(
@@ -190,7 +174,7 @@ def _tensor_view(files: ParallelFiles, states: StateCache, domains: list[Domain]
     return list(by_name.values())
 
 
-def _pipeline_view(
+def pipeline_view(
     files: ParallelFiles, states: StateCache, domains: list[Domain], hash_algorithm: str | None
 ) -> tuple[list[LayerFile], list[IndexParameter]]:
     stage_of_name = {}

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef
-from ..errors import CheckpointInvalid, UnsupportedCheckpoint
-from ..findings import finding
-from ..format.index_models import CheckpointIndex, Coordinate, ExpertFile
-from .describe_masters import LiveMasters, _Builder, _files_of
-from .masters import EXPP_RE, MODEL_FILE, _expert_files, stage0_masters, stage0_replicas
-from .moe_masters import moe_zero_masters
-from .names import OPTIM_RE
+from ...checkpoint.states import StateCache
+from ...checkpoint.torchfile import TensorRef
+from ...errors import CheckpointInvalid, UnsupportedCheckpoint
+from ...findings import finding
+from ...format.index_models import CheckpointIndex, Coordinate, ExpertFile
+from ..layout.masters import EXPP_RE, MODEL_FILE, list_expert_files, stage0_masters, stage0_replicas
+from ..layout.moe_masters import moe_zero_masters
+from ..layout.names import OPTIM_RE
+from .index_builder import IndexBuilder, LiveMasters, files_of
 
 _HINT = "the expert layout of this MoE checkpoint cannot be derived from its files; it is not described"
 
@@ -56,10 +56,10 @@ def _refuse_missing_experts(model: dict, experts: list, n_experts: int, per_rank
 def moe_index(
     folder: Path, states: StateCache, hash_algorithm: str | None = None, live: LiveMasters | None = None
 ) -> CheckpointIndex:
-    b = _Builder(folder, states, hash_algorithm, live)
+    b = IndexBuilder(folder, states, hash_algorithm, live)
     optim = {int(m.group(1)): p.name for p in folder.iterdir() if (m := OPTIM_RE.match(p.name))}
     expp = {int(m.group(1)): p.name for p in folder.iterdir() if (m := EXPP_RE.match(p.name))}
-    experts = _expert_files(folder)
+    experts = list_expert_files(folder)
     n_experts = int((b.model.get("num_experts") or [0])[0]) or len({e for _, e, _ in experts})
     if live is not None:  # the live engine's layout and masters (engine_masters.py)
         (stage, world, edp, ep), masters, replicas = live.moe, live.masters, live.replicas
@@ -104,7 +104,7 @@ def moe_index(
             tensors={k: k for k in keys},
         )
         if hash_algorithm:
-            from ..checkpoint.hashing import file_digest
+            from ...checkpoint.hashing import file_digest
 
             entry.hash = file_digest(folder / rel, hash_algorithm)
         expert_files.append(entry)
@@ -127,7 +127,7 @@ def moe_index(
             "data_parallel",
             dense,
             ("optimizer_states" if stage or dense[0].segments[0][0] != MODEL_FILE else "module") if dense else "module",
-            _files_of(b, dense, dense_replicas, ranks(lambda r: r)),
+            files_of(b, dense, dense_replicas, ranks(lambda r: r)),
             size=world,
             stage=stage,
             replicas=dense_replicas,
@@ -137,7 +137,7 @@ def moe_index(
     for e in range(ep):
         mine = [m for n, m in masters.items() if n in expert_of and expert_of[n] // per_rank == e]
         mine_replicas = copies_of({m.name for m in mine})
-        files = _files_of(b, mine, mine_replicas, ranks(lambda r: r // ep))
+        files = files_of(b, mine, mine_replicas, ranks(lambda r: r // ep))
         files = [f for f in files if f.role != "model_states"]  # experts are not in the module
         if e in expp and expp[e] not in {f.path for f in files}:
             files.append(b.file(expp[e], "optimizer_states", [0]))  # the experts' optimizer state (fp32)

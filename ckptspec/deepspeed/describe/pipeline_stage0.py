@@ -11,7 +11,7 @@ of its weight in the layer file (``<layer>.<key>``).
 
 One domain per stage (``pp<p>-tp0``, size = the data-parallel degree) with ``masters`` in the
 optimizer files and the model states' copy as ``replicas``; the whole-model view is the pipeline one
-(``describe_index._pipeline_view``). Metadata only, no pickle code.
+(``describe_index.pipeline_view``). Metadata only, no pickle code.
 """
 
 from __future__ import annotations
@@ -19,28 +19,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..checkpoint.standins import FragmentAddress
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef
-from ..errors import UnsupportedCheckpoint
-from ..format.dtypes import ITEMSIZE
-from ..format.index_models import Coordinate
-from .describe_masters import _Builder
-from .masters import MasterTensor
-from .topology import degrees_of, layer_file_name, missing_layer_files, scan_parallel
+from ...checkpoint.standins import FragmentAddress
+from ...checkpoint.states import StateCache
+from ...checkpoint.torchfile import TensorRef
+from ...errors import UnsupportedCheckpoint
+from ...format.dtypes import ITEMSIZE
+from ...format.index_models import Coordinate
+from ..layout.masters import MasterTensor
+from ..layout.parallel_files import degrees_of, layer_file_name, missing_layer_files, scan_parallel
+from .index_builder import IndexBuilder
 
 _HINT = "the masters of this stage-0 pipeline cannot be named from its files; it is not described"
 _KEY = ("optimizer_state_dict", "single_partition_of_fp32_groups")
-
-
-def is_pipeline_stage0(tag_dir: Path, states: StateCache) -> bool:
-    """Layer files, and model states with ``param_shapes`` None and BF16_Optimizer's partitions."""
-    model = tag_dir / "mp_rank_00_model_states.pt"
-    if not model.is_file() or not any(tag_dir.glob("layer_*-model_states.pt")):
-        return False
-    state = states.state(model)
-    optimizer = state.get("optimizer") if isinstance(state, dict) else None
-    return state.get("param_shapes", []) is None and isinstance(optimizer, dict) and "param_slice_mappings" in optimizer
 
 
 def _layer_tensors(files, states: StateCache) -> dict[str, TensorRef]:
@@ -97,13 +87,13 @@ def _stage_masters(folder: Path, by_rank: dict[int, Path], shapes, states: State
 
 def pipeline_stage0_index(folder: Path, states: StateCache, hash_algorithm: str | None = None, live=None):
     """``live``: the live engine's masters and copies of each model-parallel rank (engine_masters.py)."""
-    from .describe_index import _pipeline_view
+    from .model_parallel import pipeline_view
 
     files = scan_parallel(folder)
     degrees = degrees_of(files, states)
     if degrees.tensor != 1:
         raise UnsupportedCheckpoint(f"tensor degree {degrees.tensor} with a stage-0 pipeline", _HINT, str(folder))
-    b = _Builder(folder, states, hash_algorithm)
+    b = IndexBuilder(folder, states, hash_algorithm)
     weights = _layer_tensors(files, states)
     shapes = {n: tuple(r.shape) for n, r in weights.items()}
     b.model_dtypes.update({n: r.dtype for n, r in weights.items()})
@@ -136,7 +126,7 @@ def pipeline_stage0_index(folder: Path, states: StateCache, hash_algorithm: str 
         )
         domain.manifest.layout.pipeline_parallel_size = degrees.pipeline
         domains.append(domain)
-    layer_files, parameters = _pipeline_view(files, states, domains, hash_algorithm)
+    layer_files, parameters = pipeline_view(files, states, domains, hash_algorithm)
     b.parameters = parameters
     index = b.index("zero", domains)
     index.layer_files = layer_files

@@ -16,12 +16,12 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.embedded import CLIENT_STATE_KEY
-from ..checkpoint.torchfile import DynamicLossScalerState, LossScalerState, TensorRef
-from ..errors import CkptspecError
-from ..format.codec import decode
-from ..format.models import LossScaler, Manifest, Optimizer, OptimizerGroup, Save
-from ..location import open_binary
+from ...checkpoint.embedded import CLIENT_STATE_KEY
+from ...checkpoint.torchfile import DynamicLossScalerState, LossScalerState, TensorRef
+from ...errors import CkptspecError
+from ...format.codec import decode
+from ...format.models import LossScaler, Manifest, Optimizer, OptimizerGroup, Save
+from ...location import open_binary
 from .locators import torch_optimizer_state
 
 UNKNOWN_CLASS = "unknown"

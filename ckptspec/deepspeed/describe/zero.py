@@ -12,21 +12,17 @@ from itertools import filterfalse
 from operator import attrgetter
 from pathlib import Path
 
-from .._version import __version__
-from ..checkpoint.hashing import file_digests
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef
-from ..errors import InvalidCheckpoint, UnsupportedCheckpoint
-from ..format.construct import build, frozen_params
-from ..format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
-from ..format.partition import ParamColumns, flat_group, per_param_group
-from ..format.version import FORMAT_NAME, FORMAT_VERSION
-from . import legacy
-from .digests import add_digests
-from .directory import ShardSet, index_kind_hint, resolve_tag_dir, scan_tag_dir
-from .locators import model_weights_locators, state_locators, tensor_locators
-from .scalars import embedded_class, optimizer_from_states, save_from_states
-from .state_fields import (
+from ..._version import __version__
+from ...checkpoint.hashing import file_digests
+from ...checkpoint.states import StateCache
+from ...checkpoint.torchfile import TensorRef
+from ...errors import InvalidCheckpoint, UnsupportedCheckpoint
+from ...format.construct import build, frozen_params
+from ...format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
+from ...format.partition import ParamColumns, flat_group, per_param_group
+from ...format.version import FORMAT_NAME, FORMAT_VERSION
+from ..layout import legacy
+from ..layout.state_fields import (
     DEEPSPEED_DEFAULT_SUB_GROUP_SIZE,
     dtype_of_config,
     flat_partitions,
@@ -36,6 +32,10 @@ from .state_fields import (
     stage3_sub_group_owners,
     world_size_of,
 )
+from ..layout.tag_dir import ShardSet, index_kind_hint, resolve_tag_dir, scan_tag_dir
+from .digests import add_digests
+from .locators import model_weights_locators, state_locators, tensor_locators
+from .scalars import embedded_class, optimizer_from_states, save_from_states
 
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")  # of a TensorRef
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..checkpoint.torchfile import TensorRef
-from ..errors import UnsupportedCheckpoint
+from ...checkpoint.torchfile import TensorRef
+from ...errors import UnsupportedCheckpoint
 
 _VERSION = re.compile(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?")
 

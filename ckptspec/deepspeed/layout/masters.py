@@ -35,9 +35,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef, tensor_byte_range
-from ..errors import UnsupportedCheckpoint
+from ...checkpoint.states import StateCache
+from ...checkpoint.torchfile import TensorRef, tensor_byte_range
+from ...errors import UnsupportedCheckpoint
 
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 EXPP_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -73,7 +73,7 @@ def _trainable_names(model: dict) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(r.shape)) for n, r in module.items() if n not in buffers and isinstance(r, TensorRef)]
 
 
-def _expert_files(folder: Path) -> list[tuple[int, int, str]]:
+def list_expert_files(folder: Path) -> list[tuple[int, int, str]]:
     """(MoE layer, global expert, file name) of every expert file, in that order."""
     found = [
         (int(m.group(1)), int(m.group(2)), p.name) for p in folder.iterdir() if (m := EXPERT_FILE_RE.match(p.name))
@@ -81,10 +81,10 @@ def _expert_files(folder: Path) -> list[tuple[int, int, str]]:
     return sorted(found)
 
 
-def _expert_params(folder: Path, states: StateCache) -> list[tuple[str, str, TensorRef]]:
+def expert_params(folder: Path, states: StateCache) -> list[tuple[str, str, TensorRef]]:
     """(file, global name, tensor) of every expert parameter, by layer, expert, then key order."""
     out = []
-    for _, _, rel in _expert_files(folder):
+    for _, _, rel in list_expert_files(folder):
         state = states.state(folder / rel)
         if not isinstance(state, dict):
             raise UnsupportedCheckpoint("an expert file that is not a dict of tensors", _HINT, rel)
@@ -121,7 +121,7 @@ def stage0_masters(folder: Path, states: StateCache | None = None) -> dict[str, 
     if not isinstance(model, dict) or not isinstance(model.get("module"), dict):
         raise UnsupportedCheckpoint("model states hold no 'module'", _HINT, MODEL_FILE)
     dense = _trainable_names(model)
-    experts = _expert_params(folder, states)
+    experts = expert_params(folder, states)
     optimizer = model.get("optimizer")
     unfused = isinstance(optimizer, dict) and "fp32_groups" in optimizer
     out: dict[str, MasterTensor] = {}
@@ -224,7 +224,7 @@ def _moe_unfused(folder: Path, model: dict, dense, experts, states: StateCache) 
     """FP16_UnfusedOptimizer with MoE: ``expp_rank_R`` holds the dense group and rank R's experts.
     Rank 0's file is authoritative for the dense masters (the copies are compared by the checks)."""
     expp = sorted((int(m.group(1)), p.name) for p in folder.iterdir() if (m := EXPP_RE.match(p.name)))
-    n_experts = sum((model.get("num_experts") or [0])[:1]) or len({e for _, e, _ in _expert_files(folder)})
+    n_experts = sum((model.get("num_experts") or [0])[:1]) or len({e for _, e, _ in list_expert_files(folder)})
     per_rank = n_experts // len(expp) if expp else 0
     out: dict[str, MasterTensor] = {}
     by_expert: dict[int, list[tuple[str, tuple]]] = {}
@@ -279,7 +279,7 @@ def stage0_replicas(folder: Path, states: StateCache | None = None) -> list[tupl
     masters = stage0_masters(folder, states)
     model = states.state(folder / MODEL_FILE)
     optimizer = model.get("optimizer")
-    experts = _expert_params(folder, states)
+    experts = expert_params(folder, states)
     if not (isinstance(optimizer, dict) and "fp32_groups" in optimizer) or not experts:
         return []
     dense = _trainable_names(model)
@@ -302,3 +302,15 @@ def stage0_replicas(folder: Path, states: StateCache | None = None) -> list[tupl
             for copy in _named_group(folder, rel, groups[g], group_names, ("optimizer", "fp32_groups", g), states):
                 pairs.append((masters[copy.name], copy))
     return pairs
+
+
+def value_at(state, key: list):
+    """The object a locator's ``key`` (dict keys and list indices) names in a decoded state, or None."""
+    for part in key:
+        if isinstance(state, dict) and part in state:
+            state = state[part]
+        elif isinstance(state, (list, tuple)) and isinstance(part, int) and part < len(state):
+            state = state[part]
+        else:
+            return None
+    return state

@@ -21,12 +21,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef, tensor_byte_range
-from ..errors import UnsupportedCheckpoint
-from ..format.dtypes import ITEMSIZE
-from ..format.partition import ParamSpec, flat_group
-from .masters import MODEL_FILE, MasterTensor, _expert_params
+from ...checkpoint.states import StateCache
+from ...checkpoint.torchfile import TensorRef, tensor_byte_range
+from ...errors import UnsupportedCheckpoint
+from ...format.dtypes import ITEMSIZE
+from ...format.partition import ParamSpec, flat_group
+from .masters import MODEL_FILE, MasterTensor, expert_params
 from .names import OPTIM_RE
 
 _LOCAL_EXPERT = re.compile(r"(\.deepspeed_experts\.)(\d+)(\.)")
@@ -90,7 +90,7 @@ def moe_zero_masters(folder: Path, states: StateCache | None = None) -> dict[str
         raise UnsupportedCheckpoint(f"partition counts {counts} do not fit {world} optimizer files", _HINT, MODEL_FILE)
     ep = world // edp
     per_rank = int((model.get("num_experts") or [0])[0]) // ep
-    experts = {name: tuple(ref.shape) for _, name, ref in _expert_params(folder, states)}
+    experts = {name: tuple(ref.shape) for _, name, ref in expert_params(folder, states)}
 
     def group_of(g: int):
         specs = [ParamSpec(n, tuple(int(d) for d in s), "float32") for n, s in shapes[g].items()]

@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._fs import is_leftover
-from ..checkpoint.states import StateCache
-from ..errors import CheckpointInvalid, InvalidCheckpoint, UnsupportedCheckpoint
-from ..findings import finding
-from ..location import RemotePath, is_remote
-from .directory import UNIVERSAL_FOLDER, ShardSet, resolve_tag_dir
+from ..._fs import is_leftover
+from ...checkpoint.states import StateCache
+from ...errors import CheckpointInvalid, InvalidCheckpoint, UnsupportedCheckpoint
+from ...findings import finding
+from ...location import RemotePath, is_remote
 from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
+from .tag_dir import UNIVERSAL_FOLDER, ShardSet, resolve_tag_dir
 
 
 @dataclass
@@ -57,6 +57,16 @@ def index_tag_dir(checkpoint, tag: str | None = None) -> Path:
     return resolve_tag_dir(checkpoint, tag)
 
 
+def is_pipeline_stage0(tag_dir: Path, states: StateCache) -> bool:
+    """Layer files, and model states with ``param_shapes`` None and BF16_Optimizer's partitions."""
+    model = tag_dir / "mp_rank_00_model_states.pt"
+    if not model.is_file() or not any(tag_dir.glob("layer_*-model_states.pt")):
+        return False
+    state = states.state(model)
+    optimizer = state.get("optimizer") if isinstance(state, dict) else None
+    return state.get("param_shapes", []) is None and isinstance(optimizer, dict) and "param_slice_mappings" in optimizer
+
+
 def is_model_parallel(tag_dir: Path | RemotePath) -> bool:
     """The directory holds files of a model-parallel rank other than 0, or pipeline layer files.
 
@@ -87,8 +97,6 @@ def index_kind(tag_dir: Path | RemotePath) -> str | None:
         return None
     names = [p.name for p in tag_dir.iterdir()]
     if any(PIPE_LAYER_RE.match(n) for n in names):
-        from .describe_pipeline0 import is_pipeline_stage0
-
         return "pipeline_stage0" if is_pipeline_stage0(tag_dir, StateCache()) else None
     if any(OPTIM_RE.match(n) and not n.endswith("mp_rank_00_optim_states.pt") for n in names):
         return None  # a model-parallel rank other than 0: the tensor/pipeline index

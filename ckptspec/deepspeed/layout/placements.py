@@ -19,7 +19,7 @@ import math
 import re
 from typing import Any
 
-from ..errors import UnsupportedCheckpoint
+from ...errors import UnsupportedCheckpoint
 
 
 def contiguous_strides(shape: list[int]) -> list[int]:

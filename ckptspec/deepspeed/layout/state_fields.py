@@ -10,7 +10,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any
 
-from ..checkpoint.torchfile import TensorRef
+from ...checkpoint.torchfile import TensorRef
 
 DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 10**9  # deepspeed/runtime/zero/config.py (0.15-0.19)
 _INT_ONLY = frozenset({int})

@@ -6,10 +6,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._fs import is_leftover
-from ..checkpoint.output_names import is_output_name
-from ..errors import CkptspecError, FileUnreadable, InvalidCheckpoint, UnsupportedCheckpoint
-from ..location import RemotePath, location, not_found, walk
+from ..._fs import is_leftover
+from ...checkpoint.output_names import is_output_name
+from ...errors import CkptspecError, FileUnreadable, InvalidCheckpoint, UnsupportedCheckpoint
+from ...location import RemotePath, location, not_found, walk
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
 MAX_TAG_BYTES = 4096

@@ -6,10 +6,10 @@ from __future__ import annotations
 from itertools import repeat
 from operator import attrgetter
 
-from ..errors import EngineLayoutMismatch
-from ..format.dtypes import dtype_name
-from ..format.models import Group
-from ..format.partition import ParamColumns, flat_group, per_param_group
+from ...errors import EngineLayoutMismatch
+from ...format.dtypes import dtype_name
+from ...format.models import Group
+from ...format.partition import ParamColumns, flat_group, per_param_group
 
 
 def param_shape(param) -> tuple[int, ...]:

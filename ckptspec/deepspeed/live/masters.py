@@ -23,14 +23,13 @@ import math
 import os
 import re
 
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef, tensor_byte_range
-from ..errors import EngineLayoutMismatch, UnsupportedEngine
-from ..format.dtypes import ITEMSIZE, dtype_name
-from .describe_masters import LiveMasters
-from .engine_refusals import refuse_unsaveable
-from .masters import MODEL_FILE, MasterTensor
-from .masters_checks import _resolve
+from ...checkpoint.states import StateCache
+from ...checkpoint.torchfile import TensorRef, tensor_byte_range
+from ...errors import EngineLayoutMismatch, UnsupportedEngine
+from ...format.dtypes import ITEMSIZE, dtype_name
+from ..describe.index_builder import LiveMasters
+from ..layout.masters import MODEL_FILE, MasterTensor, value_at
+from .refusals import refuse_unsaveable
 
 _LOCAL_EXPERT = re.compile(r"(\.deepspeed_experts\.)(\d+)(\.)")
 _FLAT = ("optimizer_state_dict", "single_partition_of_fp32_groups")
@@ -127,7 +126,7 @@ def _buffers(engine, kind: str) -> list[dict]:
 def gather_described(engine, dist=None) -> list[dict]:
     """Every rank's ``local_masters`` (one gather). A rank's refusal is raised on every rank: none is
     left waiting in a collective while another refuses."""
-    from .engine_index import gather
+    from .gather import gather
 
     try:
         mine, error = local_masters(engine), None
@@ -239,7 +238,7 @@ def _moe(engine, names, out) -> None:
 
     opt = engine.optimizer
     if stage in (1, 2):
-        from .engine_groups import flat_groups_stage12
+        from .groups import flat_groups_stage12
 
         file = _base(engine._get_zero_ckpt_name("", ""))
         out["domains"] = {"dense": out["data"], expert_id: edp_rank}
@@ -281,7 +280,7 @@ def _moe(engine, names, out) -> None:
 def _pipeline(engine, names, out) -> None:
     import torch.distributed as dist
 
-    from .engine import flat_groups_bf16_optimizer
+    from .groups import flat_groups_bf16_optimizer
 
     stage = engine.grid.get_pipe_parallel_rank()
     out.update(pipeline=stage, mp_rank=int(engine.checkpoint_mp_rank), pp=int(engine.num_stages))
@@ -315,7 +314,7 @@ def _tensor(pieces: list[dict], folder, states: StateCache) -> MasterTensor:
     dtype = None
     for piece in pieces:
         path = folder / piece["file"]
-        ref = _resolve(states.state(path), piece["key"]) if path.is_file() else None
+        ref = value_at(states.state(path), piece["key"]) if path.is_file() else None
         if not isinstance(ref, TensorRef):
             raise EngineLayoutMismatch(f"{piece['file']}: {'/'.join(map(str, piece['key']))} is not a saved tensor")
         flat = (list(_FLAT[:2]), ["optimizer", _FLAT[1]], ["optimizer", "fp32_groups_flat"])

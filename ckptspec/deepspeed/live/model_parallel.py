@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._version import __version__
-from ..errors import EngineLayoutMismatch, UnsupportedEngine
-from ..format.index_models import (
+from ..._version import __version__
+from ...errors import EngineLayoutMismatch, UnsupportedEngine
+from ...format.index_models import (
     INDEX_FORMAT,
     INDEX_VERSION,
     CheckpointIndex,
@@ -28,11 +28,11 @@ from ..format.index_models import (
     Shard,
     Topology,
 )
-from ..format.models import Manifest
-from .describe_index import domain_id
-from .engine import engine_layout
-from .engine_refusals import refuse_unsaveable
-from .placements import tp_placement
+from ...format.models import Manifest
+from ..describe.model_parallel import domain_id
+from ..layout.placements import tp_placement
+from .refusals import refuse_unsaveable
+from .zero import engine_layout
 
 
 def _refuse(engine) -> None:
@@ -133,40 +133,6 @@ def local_description(engine, exclude_frozen_parameters: bool = False) -> dict:
         "placements": _tp_placements(engine, manifest, coords["tensor"]) if tp > 1 else None,
         "layers": {str(k): v for k, v in _pipeline_layers(engine).items()} if pp > 1 else None,
     }
-
-
-def gather(value, dist=None) -> list:
-    """``value`` of every rank, in rank order (one ``all_gather_object``)."""
-    if dist is None:
-        import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> CheckpointIndex:
-    """The index of ``engine``'s checkpoint layout, without files (collective: call on every rank).
-
-    ZeRO stage 0, MoE and the stage-0 pipeline get their domains and parameters without ``masters``
-    (``engine_masters_save.live_index``): a master's locator is a byte range of a saved file.
-
-    Raises:
-        UnsupportedEngine: tensor/pipeline parallelism at ZeRO 1-3 with frozen parameters, buffers or
-            ties, a parameter AutoTP partitions without an affine map; MoE or stage 0 combined with
-            tensor parallelism, MoE with FP16_Optimizer's flat masters.
-        EngineLayoutMismatch: the ranks of one coordinate describe their group differently.
-    """
-    from .engine_masters import gather_described, masters_kind
-
-    if masters_kind(engine) is not None:  # ZeRO stage 0, MoE, the stage-0 pipeline (issue #17)
-        import torch.distributed as dist
-
-        from .engine_masters_save import live_index
-
-        return live_index(gather_described(engine, dist))
-    return assemble(gather(local_description(engine, exclude_frozen_parameters)))
 
 
 def _layer_file(layers: dict, name: str) -> tuple[str, str]:

@@ -6,7 +6,7 @@ refusal costs nothing and happens on every rank alike.
 
 from __future__ import annotations
 
-from ..errors import UnsupportedEngine
+from ...errors import UnsupportedEngine
 
 
 def _call(engine, name: str) -> object:

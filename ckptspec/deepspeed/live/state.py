@@ -14,13 +14,13 @@ from itertools import compress, repeat
 from operator import itemgetter, not_
 from typing import Any
 
-from ..format.construct import build, frozen_params
-from ..format.dtypes import dtype_name
-from ..format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
-from .engine_groups import columns_of, param_shape
-from .engine_walk import ModuleWalk
-from .scalars import plain_values
-from .ties import repeated
+from ...format.construct import build, frozen_params
+from ...format.dtypes import dtype_name
+from ...format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
+from ..describe.scalars import plain_values
+from ..layout.ties import repeated
+from .groups import columns_of, param_shape
+from .walk import ModuleWalk
 
 
 def frozen_of_engine(walk: ModuleWalk, trainable: set[str], stage: int, excluded: bool) -> list[FrozenParam]:

@@ -24,12 +24,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.standins import StorageRef, TensorRef
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import zip_member_locations
-from ..errors import FileUnreadable, TorchFileError
-from ..format.dtypes import ITEMSIZE, dtype_name
-from .locators import STORAGE_OF
+from ...checkpoint.standins import StorageRef, TensorRef
+from ...checkpoint.states import StateCache
+from ...checkpoint.torchfile import zip_member_locations
+from ...errors import FileUnreadable, TorchFileError
+from ...format.dtypes import ITEMSIZE, dtype_name
+from ..describe.locators import STORAGE_OF
 
 _ATOMS = (str, int, float, bool, bytes, type(None))
 

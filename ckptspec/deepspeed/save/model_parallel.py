@@ -14,17 +14,18 @@ import shutil
 import warnings
 from pathlib import Path
 
-from ..checkpoint.hashing import file_digest
-from ..checkpoint.states import StateCache
-from ..format.index_models import CheckpointIndex, LayerFile
-from ..format.index_validate import validate_index
-from ..format.models import Manifest, ShardFile
-from .describe import describe_files
-from .digests import add_digests
-from .directory import ShardSet
-from .engine_index import assemble, gather, local_description
-from .names import file_order
-from .staged_save import publish_on_rank_0, save_request, save_staged
+from ...checkpoint.hashing import file_digest
+from ...checkpoint.states import StateCache
+from ...format.index_models import CheckpointIndex, LayerFile
+from ...format.index_validate import validate_index
+from ...format.models import Manifest, ShardFile
+from ..describe.digests import add_digests
+from ..describe.zero import describe_files
+from ..layout.names import file_order
+from ..layout.tag_dir import ShardSet
+from ..live.gather import gather
+from ..live.model_parallel import assemble, local_description
+from .protocol import publish_on_rank_0, save_request, save_staged
 
 
 def _own_files(engine, staged: Path, mine: dict, hash_algorithm: str | None) -> list[dict]:

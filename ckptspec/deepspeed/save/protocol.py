@@ -9,11 +9,11 @@ import contextlib
 import shutil
 from pathlib import Path
 
-from .._fs import publish_dir, sweep, temp_dir, write_atomic
-from ..checkpoint.embedded import CLIENT_STATE_KEY
-from ..checkpoint.sidecar import SIDECAR_NAMES, write_sidecar
-from ..errors import InvalidManifest
-from .saved_state import capturing
+from ..._fs import publish_dir, sweep, temp_dir, write_atomic
+from ...checkpoint.embedded import CLIENT_STATE_KEY
+from ...checkpoint.sidecar import SIDECAR_NAMES, write_sidecar
+from ...errors import InvalidManifest
+from .captured_state import capturing
 
 
 def save_request(engine, client_state, tag) -> tuple[dict, str]:

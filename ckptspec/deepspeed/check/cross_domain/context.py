@@ -14,17 +14,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.hashing import file_digest
-from ..checkpoint.output_names import is_output_name
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef, tensor_byte_range
-from ..errors import CkptspecError
-from ..findings import Finding, RuleSet, finding, json_path
-from ..format.index_models import CheckpointIndex
-from ..format.paths import join_inside
-from .checks.context import disk_files
-from .checks.files import outputs_in_tag_dir
-from .names import mp_rank_of
+from ....checkpoint.hashing import file_digest
+from ....checkpoint.output_names import is_output_name
+from ....checkpoint.states import StateCache
+from ....checkpoint.torchfile import TensorRef, tensor_byte_range
+from ....errors import CkptspecError
+from ....findings import Finding, RuleSet, finding, json_path
+from ....format.index_models import CheckpointIndex
+from ....format.paths import join_inside
+from ...layout.names import mp_rank_of
+from ..domain.context import disk_files
+from ..domain.files import outputs_in_tag_dir
 
 
 @dataclass
@@ -253,13 +253,3 @@ def replicas_agree(ctx: IndexContext) -> Iterator[Finding]:
                     file=rel,
                     rank=0,
                 )
-
-
-def check_index_files(
-    index: CheckpointIndex, tag_dir: Path, states: StateCache, *, verify_hashes: bool
-) -> list[Finding]:
-    ctx = IndexContext(index, tag_dir, states, verify_hashes)
-    return [found for c in INDEX_CHECKS for found in c.check(ctx)]
-
-
-from . import index_masters, masters_checks  # noqa: E402, F401  (they register CK235 and CK240-CK243)

@@ -20,28 +20,18 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..checkpoint.hashing import file_digest
-from ..checkpoint.states import StateCache
-from ..checkpoint.torchfile import TensorRef
-from ..findings import Finding, finding, json_path
-from ..format.dtypes import ITEMSIZE
-from ..format.index_models import Domain, MasterLocator
-from ..format.paths import join_inside
-from .index_checks import IndexContext, check
-from .names import OPTIM_RE
+from ....checkpoint.hashing import file_digest
+from ....checkpoint.states import StateCache
+from ....checkpoint.torchfile import TensorRef
+from ....findings import Finding, finding, json_path
+from ....format.dtypes import ITEMSIZE
+from ....format.index_models import Domain, MasterLocator
+from ....format.paths import join_inside
+from ...layout.masters import value_at
+from ...layout.names import OPTIM_RE
+from .context import IndexContext, check
 
 _EXPERT_ID = re.compile(r"\.deepspeed_experts\.(\d+)\.")
-
-
-def _resolve(state, key: list):
-    for part in key:
-        if isinstance(state, dict) and part in state:
-            state = state[part]
-        elif isinstance(state, (list, tuple)) and isinstance(part, int) and part < len(state):
-            state = state[part]
-        else:
-            return None
-    return state
 
 
 def _locator_problem(tag_dir: Path, loc: MasterLocator, states: StateCache) -> str | None:
@@ -53,7 +43,7 @@ def _locator_problem(tag_dir: Path, loc: MasterLocator, states: StateCache) -> s
     if members.get(loc.member) != (loc.data_offset, loc.member_size):
         return f"member {loc.member} at {loc.data_offset} ({loc.member_size} bytes) is not in the file's zip directory"
     loaded = states.load(path)
-    ref = _resolve(loaded.state, loc.key) if loaded.error is None else None
+    ref = value_at(loaded.state, loc.key) if loaded.error is None else None
     if not isinstance(ref, TensorRef):
         return f"{'/'.join(map(str, loc.key)) or 'the file'} is not a tensor"
     start = ref.storage_offset

@@ -22,13 +22,13 @@ import os
 import struct
 from collections.abc import Iterator
 
-from ..checkpoint.torchfile import TensorRef, tensor_byte_range
-from ..errors import CkptspecError
-from ..findings import Finding, finding, json_path
-from ..format.index_models import MasterLocator
-from ..format.partition import param_pieces
-from ..format.paths import join_inside
-from .index_checks import IndexContext, check
+from ....checkpoint.torchfile import TensorRef, tensor_byte_range
+from ....errors import CkptspecError
+from ....findings import Finding, finding, json_path
+from ....format.index_models import MasterLocator
+from ....format.partition import param_pieces
+from ....format.paths import join_inside
+from .context import IndexContext, check
 
 SAMPLE = 4  # elements compared per piece: a swapped file differs in (almost) every element
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 import json
 import os
 
-from ..._forked import Forked
-from ...checkpoint.states import StateCache
-from ...errors import CkptspecError
-from ...findings import Finding, RuleSet
-from ...format.models import Manifest
-from ...location import RemotePath, location
+from ...._forked import Forked
+from ....checkpoint.states import StateCache
+from ....errors import CkptspecError
+from ....findings import Finding, RuleSet
+from ....format.models import Manifest
+from ....location import RemotePath, location
 from . import files, headers, module, partitions, tensors
 from .context import Check, build_context
 

@@ -7,18 +7,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..._fs import is_leftover
-from ...checkpoint.before_embed import Earlier, recorded_before_embed
-from ...checkpoint.embedded import CLIENT_STATE_KEY
-from ...checkpoint.sidecar import SIDECAR_NAMES
-from ...checkpoint.states import Loaded, StateCache
-from ...findings import Finding, json_path
-from ...format.models import Manifest, ShardFile
-from ...format.paths import join_inside
-from ...location import RemotePath, walk
-from ..digests import Covered, covered_tensors, recorded
-from ..hash_pass import hashes_and_digests
-from ..names import expected_name, mp_rank_of, optim_prefix
+from ...._fs import is_leftover
+from ....checkpoint.before_embed import Earlier, recorded_before_embed
+from ....checkpoint.embedded import CLIENT_STATE_KEY
+from ....checkpoint.sidecar import SIDECAR_NAMES
+from ....checkpoint.states import Loaded, StateCache
+from ....findings import Finding, json_path
+from ....format.models import Manifest, ShardFile
+from ....format.paths import join_inside
+from ....location import RemotePath, walk
+from ...describe.digests import Covered, covered_tensors, recorded
+from ...layout.names import expected_name, mp_rank_of, optim_prefix
+from .hash_pass import hashes_and_digests
 
 Check = Callable[["Context"], Iterator[Finding]]
 

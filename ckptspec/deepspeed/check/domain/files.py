@@ -7,14 +7,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..._fs import JOURNAL, leftovers
-from ...checkpoint.hashing import file_digests
-from ...checkpoint.output_names import is_output_name
-from ...checkpoint.states import code_and_hint
-from ...checkpoint.torchfile import iter_tensor_refs
-from ...findings import Finding, RuleSet, finding, json_path
-from ...location import RemotePath
-from ..names import MODEL_RE, OPTIM_RE, rank_of
+from ...._fs import JOURNAL, leftovers
+from ....checkpoint.hashing import file_digests
+from ....checkpoint.output_names import is_output_name
+from ....checkpoint.states import code_and_hint
+from ....checkpoint.torchfile import iter_tensor_refs
+from ....findings import Finding, RuleSet, finding, json_path
+from ....location import RemotePath
+from ...layout.names import MODEL_RE, OPTIM_RE, rank_of
 from .context import Check, Context
 
 CHECKS: RuleSet[Check] = RuleSet()

@@ -14,8 +14,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..location import FileHashes, RangeStream, RemotePath, merged_spans
-from .digests import Covered, digest_of
+from ....location import FileHashes, RangeStream, RemotePath, merged_spans
+from ...describe.digests import Covered, digest_of
 
 
 @dataclass

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from itertools import chain
 from operator import attrgetter, eq, methodcaller
 
-from ...findings import Finding, RuleSet, finding, json_path
-from ..describe import real_ties
-from ..legacy import saved_stage
+from ....findings import Finding, RuleSet, finding, json_path
+from ...describe.zero import real_ties
+from ...layout.legacy import saved_stage
 from .context import Check, Context
 
 CHECKS: RuleSet[Check] = RuleSet()

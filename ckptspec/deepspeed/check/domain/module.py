@@ -9,11 +9,11 @@ from itertools import compress, repeat
 from operator import attrgetter
 from typing import Any
 
-from ...checkpoint.torchfile import TensorRef
-from ...findings import Finding, RuleSet, finding, json_path
-from ...format.models import Manifest
-from ...format.partition import natural_order
-from ..ties import repeated
+from ....checkpoint.torchfile import TensorRef
+from ....findings import Finding, RuleSet, finding, json_path
+from ....format.models import Manifest
+from ....format.partition import natural_order
+from ...layout.ties import repeated
 from .context import Check, Context
 
 CHECKS: RuleSet[Check] = RuleSet()

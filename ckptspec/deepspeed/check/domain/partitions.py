@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ...checkpoint.torchfile import TensorRef
-from ...findings import Finding, RuleSet, finding, json_path
+from ....checkpoint.torchfile import TensorRef
+from ....findings import Finding, RuleSet, finding, json_path
 from .context import Check, Context
 
 CHECKS: RuleSet[Check] = RuleSet()

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ...checkpoint.torchfile import TensorRef
-from ...findings import Finding, RuleSet, finding, json_path
-from ...location import RemotePath
-from ..digests import digests_of
-from ..locators import fragment_numel, torch_optimizer_state
-from ..scalars import counters, embedded_copy, index_steps
+from ....checkpoint.torchfile import TensorRef
+from ....findings import Finding, RuleSet, finding, json_path
+from ....location import RemotePath
+from ...describe.digests import digests_of
+from ...describe.locators import fragment_numel, torch_optimizer_state
+from ...describe.scalars import counters, embedded_copy, index_steps
 from .context import Check, Context, File
 
 CHECKS: RuleSet[Check] = RuleSet()

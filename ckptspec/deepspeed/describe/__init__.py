@@ -1,0 +1,60 @@
+"""Describe: a DeepSpeed tag directory's files -> the document that describes them.
+
+A plain ZeRO checkpoint is described by a format 1.x manifest (``zero.py``); every other kind by a
+checkpoint index (``model_parallel.py``, ``moe.py``, ``pipeline_stage0.py``, and stage 0 and
+universal folders in ``index_builder.py``). ``generate_index`` below is the one place that chooses
+among the index kinds; the kind modules never import it. Imports are inside the functions, so that
+importing a kind module (``generate`` preloads ``describe.zero`` while it reads pickles) stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ...checkpoint.states import StateCache
+    from ...format.index_models import CheckpointIndex
+
+
+def generate_index(tag_dir: Path, states: StateCache, *, hash_algorithm: str | None = None) -> CheckpointIndex:
+    """The checkpoint index of any tag directory that needs one (``parallel_files.needs_index``)."""
+    from ..layout.parallel_files import index_kind, scan_parallel
+
+    kind = index_kind(tag_dir)
+    if kind == "stage0":
+        from .index_builder import stage0_index
+
+        return stage0_index(tag_dir, states, hash_algorithm)
+    if kind == "universal":
+        from .index_builder import universal_index
+
+        return universal_index(tag_dir, states, hash_algorithm)
+    if kind == "pipeline_stage0":
+        from .pipeline_stage0 import pipeline_stage0_index
+
+        return pipeline_stage0_index(tag_dir, states, hash_algorithm)
+    if kind == "moe":
+        from .moe import moe_index
+
+        return moe_index(tag_dir, states, hash_algorithm)
+    from .model_parallel import index_from_files
+
+    return index_from_files(scan_parallel(tag_dir), states, hash_algorithm=hash_algorithm)
+
+
+def index_from_checkpoint(
+    checkpoint: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    hash_algorithm: str | None = None,
+    states: StateCache | None = None,
+) -> CheckpointIndex:
+    """Describe a saved DeepSpeed checkpoint that needs an index (tensor/pipeline parallel, MoE, stage 0,
+    universal)."""
+    from ...checkpoint.states import StateCache
+    from ..layout.parallel_files import index_tag_dir
+
+    tag_dir = index_tag_dir(checkpoint, tag)
+    return generate_index(tag_dir, states or StateCache(), hash_algorithm=hash_algorithm)
