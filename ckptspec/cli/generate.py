@@ -48,7 +48,7 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
             tag_dir = resolve_tag_dir(checkpoint, tag)
             if needs_index(tag_dir):
                 # Tensor/pipeline parallel: a checkpoint index (one 1.x manifest per model-parallel rank).
-                from ..deepspeed.describe.model_parallel import index_from_checkpoint
+                from ..deepspeed.describe import index_from_checkpoint
 
                 document = index_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm).to_dict()
             else:
