@@ -11,13 +11,28 @@ same (it only moves the failure from import time to call time). How edges count:
 * imports under ``if TYPE_CHECKING:`` are left out: they never run, and annotations naming each
   other's classes (``location.store`` and its handles) are not a dependency.
 
-A circle fails the test with the modules it runs through.
+A circle fails the test with the modules it runs through. ``KNOWN`` names the circles left in
+``format/`` for the work that removes them (issue #38); it may only shrink.
 """
 
 from __future__ import annotations
 
 import grimp
 import pytest
+
+# Circles that remain for now, each with the change that removes it. Delete an entry when it is gone.
+KNOWN = [
+    # part B of #38 deletes manifest_dict.py and construct.py (the models' fast path)
+    [
+        "ckptspec.format.construct",
+        "ckptspec.format.manifest_dict",
+        "ckptspec.format.models",
+        "ckptspec.format.partition",
+    ],
+    # read_and_validate dispatches on the document kind inside validate.py, which index_validate builds on;
+    # the dispatch belongs above both (architecture review 2, section 2: one Report, one validate)
+    ["ckptspec.format.index_validate", "ckptspec.format.validate"],
+]
 
 
 def cycles(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -66,7 +81,9 @@ def test_cycles_finds_a_lazy_circle():
     """The detector itself: a circle closed by an import inside a function is found."""
     graph = grimp.ImportGraph()
     graph.add_import(importer="pkg.kind", imported="pkg.builder", line_number=3, line_contents="from .builder import B")
-    graph.add_import(importer="pkg.builder", imported="pkg.kind", line_number=40, line_contents="    from .kind import k")
+    graph.add_import(
+        importer="pkg.builder", imported="pkg.kind", line_number=40, line_contents="    from .kind import k"
+    )
     graph.add_import(importer="pkg.builder", imported="pkg.names", line_number=4, line_contents="from .names import N")
     assert cycles(graph) == [["pkg.builder", "pkg.kind"]]
 
@@ -74,5 +91,5 @@ def test_cycles_finds_a_lazy_circle():
 @pytest.mark.parametrize("package", ["ckptspec"])
 def test_no_import_circle(package):
     graph = grimp.build_graph(package, cache_dir=None, exclude_type_checking_imports=True)
-    found = cycles(graph)
+    found = [c for c in cycles(graph) if c not in KNOWN]
     assert not found, "import circles (function-level imports included):\n" + "\n".join(" <-> ".join(c) for c in found)
