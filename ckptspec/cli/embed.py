@@ -237,7 +237,7 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
 
 def _index_kind(target: str, tag: str | None) -> bool:
     """A local checkpoint a checkpoint index describes (tensor/pipeline parallel, MoE, stage 0, universal)."""
-    from ..deepspeed.layout.parallel_files import needs_index
+    from ..deepspeed.kinds import needs_index
     from ..deepspeed.layout.tag_dir import resolve_tag_dir
 
     if "://" in target or not os.path.isdir(target):

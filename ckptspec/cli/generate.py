@@ -37,7 +37,7 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     Reads only metadata (no tensor data unless --hash), needs neither DeepSpeed nor
     torch, and never executes pickled code.
     """
-    from ..deepspeed.layout.parallel_files import needs_index
+    from ..deepspeed.kinds import needs_index
     from ..deepspeed.layout.tag_dir import resolve_tag_dir
     from ..format.codec import gc_paused
 

@@ -64,7 +64,7 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
     from ..deepspeed.check.zero import check_tag_dir
-    from ..deepspeed.layout.parallel_files import needs_index
+    from ..deepspeed.kinds import needs_index
     from ..deepspeed.layout.tag_dir import resolve_tag_dir
 
     if not is_remote(name) and needs_index(resolve_tag_dir(name, tag)):  # tensor/pipeline parallel: its index

@@ -153,7 +153,7 @@ def reconstruct(
 
 def _is_index_target(checkpoint: str, manifest: str | None, tag: str | None) -> bool:
     """A tensor/pipeline-parallel checkpoint (or a checkpoint index given with --manifest)."""
-    from ..deepspeed.layout.parallel_files import needs_index
+    from ..deepspeed.kinds import needs_index
     from ..deepspeed.layout.tag_dir import resolve_tag_dir
     from ..format.codec import read_document
     from ..format.index_validate import is_index

@@ -103,7 +103,7 @@ def validate(
         _emit(output_format, target, report.findings, None, remote)
         sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
 
-    from ..deepspeed.layout.parallel_files import needs_index
+    from ..deepspeed.kinds import needs_index
     from ..deepspeed.layout.tag_dir import resolve_tag_dir
     from ..format.codec import gc_paused
     from ..format.index_validate import IndexReport

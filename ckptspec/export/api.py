@@ -109,7 +109,7 @@ def load_state_dict(
 
 def _model_parallel(checkpoint, manifest, tag) -> bool:
     """A tensor/pipeline-parallel checkpoint: described by a checkpoint index, not a manifest."""
-    from ..deepspeed.layout.parallel_files import needs_index
+    from ..deepspeed.kinds import needs_index
     from ..deepspeed.layout.tag_dir import resolve_tag_dir
     from ..format.index_models import CheckpointIndex
 

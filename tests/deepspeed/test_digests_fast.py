@@ -11,7 +11,7 @@ from _harness.scenarios import MATRIX, PARALLEL
 
 from ckptspec.deepspeed.describe import digests, index_from_checkpoint
 from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
-from ckptspec.deepspeed.layout.parallel_files import needs_index
+from ckptspec.deepspeed.kinds import needs_index
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.format.codec import dumps
 from ckptspec.format.models import Digest

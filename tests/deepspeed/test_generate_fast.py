@@ -15,7 +15,7 @@ from _harness.scenarios import MATRIX, PARALLEL
 
 from ckptspec.deepspeed.describe import index_from_checkpoint
 from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
-from ckptspec.deepspeed.layout.parallel_files import needs_index
+from ckptspec.deepspeed.kinds import needs_index
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.format import construct, partition
 from ckptspec.format.codec import dumps

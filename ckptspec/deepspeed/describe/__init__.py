@@ -19,26 +19,27 @@ if TYPE_CHECKING:
 
 
 def generate_index(tag_dir: Path, states: StateCache, *, hash_algorithm: str | None = None) -> CheckpointIndex:
-    """The checkpoint index of any tag directory that needs one (``parallel_files.needs_index``)."""
-    from ..layout.parallel_files import index_kind, scan_parallel
+    """The checkpoint index of any tag directory that needs one (``kinds.kind_of_dir(tag_dir).needs_index``)."""
+    from ..kinds import Kind, kind_of_dir
 
-    kind = index_kind(tag_dir)
-    if kind == "stage0":
+    kind = kind_of_dir(tag_dir)
+    if kind is Kind.STAGE0:
         from .index_builder import stage0_index
 
         return stage0_index(tag_dir, states, hash_algorithm)
-    if kind == "universal":
+    if kind is Kind.UNIVERSAL:
         from .index_builder import universal_index
 
         return universal_index(tag_dir, states, hash_algorithm)
-    if kind == "pipeline_stage0":
+    if kind is Kind.PIPELINE_STAGE0:
         from .pipeline_stage0 import pipeline_stage0_index
 
         return pipeline_stage0_index(tag_dir, states, hash_algorithm)
-    if kind == "moe":
+    if kind is Kind.MOE:
         from .moe import moe_index
 
         return moe_index(tag_dir, states, hash_algorithm)
+    from ..layout.parallel_files import scan_parallel
     from .model_parallel import index_from_files
 
     return index_from_files(scan_parallel(tag_dir), states, hash_algorithm=hash_algorithm)

@@ -17,8 +17,7 @@ from ..._fs import is_leftover
 from ...checkpoint.states import StateCache
 from ...errors import CheckpointInvalid, InvalidCheckpoint, UnsupportedCheckpoint
 from ...findings import finding
-from ...location import RemotePath, is_remote
-from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE
+from ...location import is_remote
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 from .tag_dir import UNIVERSAL_FOLDER, ShardSet, resolve_tag_dir
 
@@ -55,60 +54,6 @@ def index_tag_dir(checkpoint, tag: str | None = None) -> Path:
             str(checkpoint),
         )
     return resolve_tag_dir(checkpoint, tag)
-
-
-def is_pipeline_stage0(tag_dir: Path, states: StateCache) -> bool:
-    """Layer files, and model states with ``param_shapes`` None and BF16_Optimizer's partitions."""
-    model = tag_dir / "mp_rank_00_model_states.pt"
-    if not model.is_file() or not any(tag_dir.glob("layer_*-model_states.pt")):
-        return False
-    state = states.state(model)
-    optimizer = state.get("optimizer") if isinstance(state, dict) else None
-    return state.get("param_shapes", []) is None and isinstance(optimizer, dict) and "param_slice_mappings" in optimizer
-
-
-def is_model_parallel(tag_dir: Path | RemotePath) -> bool:
-    """The directory holds files of a model-parallel rank other than 0, or pipeline layer files.
-
-    False for a URL: checkpoint indexes are read from local directories only, for now; a remote
-    model-parallel checkpoint takes the 1.x path, which refuses it by name (CK202)."""
-    if isinstance(tag_dir, RemotePath):
-        return False
-    for path in tag_dir.iterdir():
-        name = path.name
-        if PIPE_LAYER_RE.match(name):
-            return True
-        m = OPTIM_RE.match(name) or MODEL_RE.match(name)
-        if m and int(m.group(2)) != 0:
-            return True
-    return False
-
-
-def needs_index(tag_dir: Path | RemotePath) -> bool:
-    """Described by a checkpoint index: model parallel, or MoE, ZeRO stage 0 or a universal folder (#17)."""
-    return is_model_parallel(tag_dir) or index_kind(tag_dir) is not None
-
-
-def index_kind(tag_dir: Path | RemotePath) -> str | None:
-    """``"universal"``, ``"moe"``, ``"stage0"`` or ``"pipeline_stage0"`` for a tag directory
-    ``describe_masters`` describes, else None. File names only (and the pipeline stage-0 check):
-    ``generate`` asks before it imports the models."""
-    if isinstance(tag_dir, RemotePath) or not tag_dir.is_dir():
-        return None
-    names = [p.name for p in tag_dir.iterdir()]
-    if any(PIPE_LAYER_RE.match(n) for n in names):
-        return "pipeline_stage0" if is_pipeline_stage0(tag_dir, StateCache()) else None
-    if any(OPTIM_RE.match(n) and not n.endswith("mp_rank_00_optim_states.pt") for n in names):
-        return None  # a model-parallel rank other than 0: the tensor/pipeline index
-    if any(EXPERT_FILE_RE.match(n) or EXPP_RE.match(n) for n in names):
-        return "moe"
-    if any(OPTIM_RE.match(n) for n in names):
-        return None  # an ordinary ZeRO checkpoint: format 1.x
-    if (tag_dir / UNIVERSAL_FOLDER).is_dir():
-        return "universal"
-    if MODEL_FILE in names:
-        return "stage0"
-    return None
 
 
 def scan_parallel(tag_dir: Path) -> ParallelFiles:

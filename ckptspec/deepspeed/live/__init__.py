@@ -21,9 +21,10 @@ def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> Che
             tensor parallelism, MoE with FP16_Optimizer's flat masters.
         EngineLayoutMismatch: the ranks of one coordinate describe their group differently.
     """
-    from .masters import gather_described, masters_kind
+    from ..kinds import kind_of_engine
+    from .masters import gather_described
 
-    if masters_kind(engine) is not None:  # ZeRO stage 0, MoE, the stage-0 pipeline (issue #17)
+    if kind_of_engine(engine).masters_kind is not None:  # ZeRO stage 0, MoE, the stage-0 pipeline (issue #17)
         import torch.distributed as dist
 
         from .masters_index import live_index

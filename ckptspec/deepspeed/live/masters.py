@@ -28,21 +28,12 @@ from ...checkpoint.torchfile import TensorRef, tensor_byte_range
 from ...errors import EngineLayoutMismatch, UnsupportedEngine
 from ...format.dtypes import ITEMSIZE, dtype_name
 from ..describe.index_builder import LiveMasters
+from ..kinds import kind_of_engine
 from ..layout.masters import MODEL_FILE, MasterTensor, value_at
 from .refusals import refuse_unsaveable
 
 _LOCAL_EXPERT = re.compile(r"(\.deepspeed_experts\.)(\d+)(\.)")
 _FLAT = ("optimizer_state_dict", "single_partition_of_fp32_groups")
-
-
-def masters_kind(engine) -> str | None:
-    """``"moe"``, ``"pipeline_stage0"`` or ``"stage0"`` for an engine this module describes, else None."""
-    if getattr(engine, "has_moe_layers", False):
-        return "moe"
-    stage = getattr(engine, "zero_optimization_stage", None)
-    if not callable(stage) or stage() != 0:
-        return None
-    return "pipeline_stage0" if type(engine).__name__ == "PipelineEngine" else "stage0"
 
 
 def _refuse(engine, kind: str) -> None:
@@ -84,7 +75,7 @@ def local_masters(engine) -> dict:
     """What this rank saves of the masters, and its place (JSON-ready, for the gather)."""
     import torch.distributed as dist
 
-    kind = masters_kind(engine)
+    kind = kind_of_engine(engine).masters_kind
     if kind is None:
         raise UnsupportedEngine("not a ZeRO stage-0 or MoE engine")
     _refuse(engine, kind)

@@ -55,8 +55,3 @@ def refuse_unsaveable(engine) -> None:
             "AutoEP (expert_parallel.enabled): its experts are partitioned by ZeRO-3 without expert files; "
             "ckptspec describes DeepSpeed's native MoE layers only"
         )
-
-
-def is_model_parallel_engine(engine) -> bool:
-    """Tensor or pipeline parallelism: the engine's checkpoint needs an index, not a manifest."""
-    return int(getattr(engine, "mp_world_size", 1) or 1) > 1 or type(engine).__name__ == "PipelineEngine"

@@ -86,17 +86,18 @@ def _save_checkpoint(
         )
     if sidecar_encoding not in ("json", "msgpack"):
         raise ValueError(f"sidecar_encoding must be 'json' or 'msgpack', not {sidecar_encoding!r}")
-    from ..live.masters import masters_kind
-    from ..live.refusals import is_model_parallel_engine, refuse_unsaveable
+    from ..kinds import Kind, kind_of_engine
+    from ..live.refusals import refuse_unsaveable
 
     refuse_unsaveable(engine)  # whatever describes it: nothing is written for these
+    kind = kind_of_engine(engine)
 
-    if masters_kind(engine) is not None:  # stage 0, MoE: an index locating the masters (masters.py)
+    if kind.masters_kind is not None:  # stage 0, MoE: an index locating the masters (masters.py)
         from .masters import save_masters_checkpoint
 
         args = (client_state, hash, save_latest, exclude_frozen_parameters, sidecar_encoding)
         return save_masters_checkpoint(engine, save_dir, tag, *args)
-    if is_model_parallel_engine(engine):  # a checkpoint index, not a manifest (model_parallel.py)
+    if kind is Kind.MODEL_PARALLEL:  # a checkpoint index, not a manifest (model_parallel.py)
         from .model_parallel import save_index_checkpoint
 
         args = (client_state, hash, save_latest, exclude_frozen_parameters, sidecar_encoding)
