@@ -1,9 +1,9 @@
 """Validate a tensor/pipeline-parallel checkpoint against its index: the index's own rules, then every
 domain's files with the 1.x checks (each domain accounts for the files of its model-parallel rank),
-then the index's checks of the whole set (``index_checks.py``).
+then the index's checks of the whole set (``cross_domain/``).
 
 Which index: the one given, else the tag directory's sidecar when it holds an index, else one
-generated from DeepSpeed's metadata (``describe_index.py``).
+generated from DeepSpeed's metadata (``describe/model_parallel.py``).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 A plain ZeRO checkpoint is described by a format 1.x manifest (``zero.py``); every other kind by a
 checkpoint index (``model_parallel.py``, ``moe.py``, ``pipeline_stage0.py``, and stage 0 and
-universal folders in ``index_builder.py``). ``generate_index`` below is the one place that chooses
-among the index kinds; the kind modules never import it. Imports are inside the functions, so that
-importing a kind module (``generate`` preloads ``describe.zero`` while it reads pickles) stays cheap.
+universal folders in ``index_builder.py``). ``describe`` below is the one verb for any kind, and
+``generate_index`` the one place that chooses among the index kinds; the kind modules never import
+them. Imports are inside the functions, so that importing a kind module (``generate`` preloads
+``describe.zero`` while it reads pickles) stays cheap.
 """
 
 from __future__ import annotations
@@ -16,6 +17,29 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ...checkpoint.states import StateCache
     from ...format.index_models import CheckpointIndex
+    from ...format.models import Manifest
+
+
+def describe(
+    checkpoint: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    hash_algorithm: str | None = None,
+    states: StateCache | None = None,
+) -> Manifest | CheckpointIndex:
+    """The document of a saved DeepSpeed checkpoint, from its files: a format 1.x ``Manifest`` for a plain
+    ZeRO checkpoint (stage 1-3), a ``CheckpointIndex`` for every other kind (``kinds.Kind``), as
+    ``ckptspec generate`` writes it. A URL is read as a ZeRO checkpoint (indexes are read locally only).
+    ``states``: files already read (and where the files read here are kept)."""
+    from ...location import is_remote
+    from ..kinds import needs_index
+    from ..layout.tag_dir import resolve_tag_dir
+
+    if not is_remote(checkpoint) and needs_index(resolve_tag_dir(checkpoint, tag)):
+        return index_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm, states=states)
+    from .zero import manifest_from_checkpoint
+
+    return manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm, states=states)
 
 
 def generate_index(tag_dir: Path, states: StateCache, *, hash_algorithm: str | None = None) -> CheckpointIndex:

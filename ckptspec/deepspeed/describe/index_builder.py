@@ -92,7 +92,7 @@ def masters_domain(
 ) -> tuple[Domain, list[IndexParameter]]:
     """A domain whose masters are located apart (no ``masters`` yet) and its whole-model parameters:
     its 1.x manifest names the parameters (one flat group of ``partition_count`` 1, ``zero_stage`` 0)
-    and lists ``files``. Shared by the directory producers and the live engine's (engine_masters.py)."""
+    and lists ``files``. Shared by the directory producers and the live engine's (live/masters.py)."""
     manifest = Manifest(
         format="ckptspec.manifest",
         format_version="1.0.0",
@@ -141,7 +141,7 @@ def masters_domain(
 
 @dataclass
 class LiveMasters:
-    """What the live engine says about the masters (engine_masters.py), resolved to the saved files:
+    """What the live engine says about the masters (live/masters.py), resolved to the saved files:
     every master by global name (pieces in order), the copies DeepSpeed saved of them, the parameters'
     dtypes; for MoE the optimizer layout (stage, world size, expert-data-parallel size, expert degree);
     for the stage-0 pipeline the masters and copies of each model-parallel rank."""

@@ -22,7 +22,7 @@ from ...checkpoint.torchfile import TensorRef
 from ...format.construct import build, build_all
 from ...format.models import Manifest, ModelWeightsLocator, StateLocator, TensorLocator
 
-# The key of a stand-in state (saved_state.py) holding "name -> storage" of its module's tensors; no
+# The key of a stand-in state (save/captured_state.py) holding "name -> storage" of its module's tensors; no
 # unpickled state has it (it is no string).
 STORAGE_OF = object()
 _STORAGE, _NAME, _NUMEL = attrgetter("storage"), attrgetter("name"), attrgetter("numel")
@@ -95,7 +95,7 @@ def model_weights_locators(
     A group whose tensors do not share one storage of exactly ``padded_numel`` elements is
     not located (docs/spec.md#model-weights).
     """
-    storage_of = state.get(STORAGE_OF) if isinstance(state, dict) else None  # a saved_state.py stand-in's
+    storage_of = state.get(STORAGE_OF) if isinstance(state, dict) else None  # a save/captured_state.py stand-in's
     if storage_of is None:
         return flat_group_locators(manifest, members, partial(module_storages, _table(state, "module")))
     return flat_group_locators(manifest, members, lambda names: list(map(storage_of, names)))
@@ -114,7 +114,7 @@ def flat_group_locators(
     manifest: Manifest, members: dict[str, tuple[int, int]], storages_of: Callable[[list[str]], list]
 ) -> list[ModelWeightsLocator]:
     """``model_weights_locators`` given the storages of module tensors by their names (None: not a
-    tensor); ``saved_state.py`` gives them from the live tensors a save just wrote."""
+    tensor); ``save/captured_state.py`` gives them from the live tensors a save just wrote."""
     out = []
     for g, group in enumerate(manifest.groups):
         if group.partitioning != "flat":

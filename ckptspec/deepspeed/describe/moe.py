@@ -61,7 +61,7 @@ def moe_index(
     expp = {int(m.group(1)): p.name for p in folder.iterdir() if (m := EXPP_RE.match(p.name))}
     experts = list_expert_files(folder)
     n_experts = int((b.model.get("num_experts") or [0])[0]) or len({e for _, e, _ in experts})
-    if live is not None:  # the live engine's layout and masters (engine_masters.py)
+    if live is not None:  # the live engine's layout and masters (live/masters.py)
         (stage, world, edp, ep), masters, replicas = live.moe, live.masters, live.replicas
     elif optim:
         first = states.state(folder / optim[min(optim)]).get("optimizer_state_dict") or {}

@@ -11,7 +11,7 @@ of its weight in the layer file (``<layer>.<key>``).
 
 One domain per stage (``pp<p>-tp0``, size = the data-parallel degree) with ``masters`` in the
 optimizer files and the model states' copy as ``replicas``; the whole-model view is the pipeline one
-(``describe_index.pipeline_view``). Metadata only, no pickle code.
+(``model_parallel.pipeline_view``). Metadata only, no pickle code.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _stage_masters(folder: Path, by_rank: dict[int, Path], shapes, states: State
 
 
 def pipeline_stage0_index(folder: Path, states: StateCache, hash_algorithm: str | None = None, live=None):
-    """``live``: the live engine's masters and copies of each model-parallel rank (engine_masters.py)."""
+    """``live``: the live engine's masters and copies of each model-parallel rank (live/masters.py)."""
     from .model_parallel import pipeline_view
 
     files = scan_parallel(folder)

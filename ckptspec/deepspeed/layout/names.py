@@ -1,12 +1,12 @@
 """DeepSpeed's file names: which file holds what for which rank, and the order ckptspec lists files in.
 
-DeepSpeed 0.15-0.19 name a ZeRO tag directory's files (``engine.py``):
+DeepSpeed 0.15-0.19 name a ZeRO tag directory's files (``live/zero.py``):
 
 * ``mp_rank_00_model_states.pt``: stage 1/2, the one model-states file;
 * ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``: stage 3, one per data-parallel rank;
 * ``[bf16_|fp16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: one per data-parallel rank.
 
-and, in a tensor/pipeline-parallel checkpoint (described by a checkpoint index, ``topology.py``),
+and, in a tensor/pipeline-parallel checkpoint (described by a checkpoint index, ``parallel_files.py``),
 the same names with ``mp_rank_<m>`` for model-parallel rank ``m`` and a pipeline's layer files
 ``layer_<LL>-model_states.pt`` (Megatron's ``layer_<LL>-model_<TT>-model_states.pt`` under pp x tp).
 MoE expert files are recognized only to be refused.

@@ -1,6 +1,6 @@
 """The checkpoint index of a live ZeRO stage-0, native MoE or stage-0 pipeline engine (issue #17).
 
-The directory producers (``describe_masters``, ``describe_moe``, ``describe_pipeline0``) name these
+The directory producers (``describe.index_builder``, ``describe.moe``, ``describe.pipeline_stage0``) name these
 checkpoints' fp32 masters from the files, by rules (module order, DeepSpeed's expert renaming, the
 expert-data-parallel grouping). The live engine knows them: each rank says which of its masters it
 saves, where (file, key in the pickle, element offset in that tensor), and as which global name,
@@ -12,7 +12,7 @@ and its checkpoint file names.
 * ``live_index(described)``: the index of every rank's descriptions, without files (the layout);
 * ``resolve(described, folder, states)``: the masters as saved (byte ranges read from the files'
   zip directories and pickles, checked against what the engine said), for the directory producers
-  to assemble the index the save hook writes (``engine_masters_save.py``).
+  to assemble the index the save hook writes (``save/masters.py``).
 
 Imports torch and DeepSpeed only inside ``local_masters``.
 """

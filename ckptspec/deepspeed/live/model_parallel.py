@@ -1,6 +1,6 @@
 """The checkpoint index of a live tensor/pipeline-parallel DeepSpeed engine (issue #16).
 
-Each rank describes the ZeRO data-parallel group it belongs to (``engine.engine_layout``: the same
+Each rank describes the ZeRO data-parallel group it belongs to (``zero.engine_layout``: the same
 1.x manifest a data-parallel engine gets), its place in the topology as DeepSpeed reports it, and,
 under AutoTP, where each of its shards sits in the whole tensor (the ``affine_map`` AutoTP keeps on
 every partitioned parameter); one ``all_gather_object`` gives every rank the whole picture. What
@@ -38,7 +38,7 @@ from .zero import engine_layout
 def _refuse(engine) -> None:
     refuse_unsaveable(engine)
     if getattr(engine, "has_moe_layers", False) or engine.zero_optimization_stage() == 0:
-        raise UnsupportedEngine("MoE and ZeRO stage-0 engines are described by engine_masters.py")
+        raise UnsupportedEngine("MoE and ZeRO stage-0 engines are described by live/masters.py")
 
 
 def coordinates(engine) -> dict:

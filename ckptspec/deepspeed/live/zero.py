@@ -45,7 +45,8 @@ def _check_supported(engine) -> None:
         raise UnsupportedEngine("MoE engines are described by a checkpoint index, not a manifest 1.x")
     if engine.mp_world_size > 1 or type(engine).__name__ == "PipelineEngine":
         raise UnsupportedEngine(
-            "tensor- or pipeline-parallel engines are described by a checkpoint index (engine_index.index_from_engine)"
+            "tensor- or pipeline-parallel engines are described by a checkpoint index "
+            "(ckptspec.deepspeed.index_from_engine)"
         )
 
 
@@ -68,7 +69,7 @@ def manifest_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> 
 
 def engine_layout(engine, exclude_frozen_parameters: bool = False) -> Manifest:
     """The manifest of the ZeRO data-parallel group ``engine`` belongs to (no refusal of model
-    parallelism: a checkpoint index embeds one per tensor/pipeline coordinate, engine_index.py)."""
+    parallelism: a checkpoint index embeds one per tensor/pipeline coordinate, live/model_parallel.py)."""
     with gc_paused():  # ~1M acyclic objects made: see codec.gc_paused (standalone at 100k: 2.2 s -> 1.0 s)
         return _engine_layout(engine, exclude_frozen_parameters)
 

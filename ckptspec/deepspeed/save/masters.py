@@ -1,8 +1,8 @@
 """The index and the save hook of a live ZeRO stage-0, native MoE or stage-0 pipeline engine (issue #17).
 
 ``save_masters_checkpoint``: the
-refusals first, DeepSpeed's save into a temporary tag (``staged_save``), then rank 0 locates the
-masters the engine named in the saved files (``engine_masters.resolve``), assembles the index with
+refusals first, DeepSpeed's save into a temporary tag (``protocol``), then rank 0 locates the
+masters the engine named in the saved files (``live.masters.resolve``), assembles the index with
 the directory producers' domains, records what only the engine knows (``topology.ranks``, each
 domain's ``members``, ``degrees_source: engine``), validates it, writes it as the sidecar and
 publishes the tag and ``latest``. Every rank returns rank 0's index.
@@ -17,7 +17,7 @@ from ...format.index_models import (
 from ...format.index_validate import validate_index
 from ..live.masters import gather_described
 from ..live.masters_index import with_engine_view
-from .protocol import publish_on_rank_0, save_request, save_staged
+from .protocol import publish_and_broadcast, save_request, save_staged
 
 
 def index_of_saved(described: list[dict], folder, hash_algorithm: str | None) -> CheckpointIndex:
@@ -49,21 +49,14 @@ def save_masters_checkpoint(
 
     described = gather_described(engine, dist)  # refusals first, raised on every rank
     state, tag = save_request(engine, client_state, tag)
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
     staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)
-    box = [None, None]
+    box = [None]  # the document rank 0 publishes, shared with every rank
 
     def describe():
         index = index_of_saved(described, staged, "sha256" if hash else None)
-        box[1] = index.to_dict()
-        return box[1], validate_index(index)
+        box[0] = index.to_dict()
+        return box[0], validate_index(index)
 
-    if rank == 0:
-        box[0] = publish_on_rank_0(staged, save_dir, tag, describe, sidecar_encoding, save_latest)
-    if distributed:  # rank 0's status and index on every rank
-        dist.broadcast_object_list(box, src=0)
-    status, complete = box
-    if status:
-        raise RuntimeError("ckptspec could not write the checkpoint index sidecar: " + status)
+    args = (describe, sidecar_encoding, save_latest)
+    complete = publish_and_broadcast(dist, staged, save_dir, tag, *args, what="checkpoint index", shared=lambda: box[0])
     return CheckpointIndex.model_validate(complete)

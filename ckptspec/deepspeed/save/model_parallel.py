@@ -1,7 +1,7 @@
 """The save hook of a tensor/pipeline-parallel engine: ``engine.save_checkpoint`` plus its checkpoint index.
 
 ``ckptspec.deepspeed.save_checkpoint`` comes here when the engine needs an index
-(``engine_refusals.is_model_parallel_engine``). As for a data-parallel engine (``engine.py``): the
+(``kinds.kind_of_engine``). As for a data-parallel engine (``zero.py``): the
 layout is described from the live engine and refused before anything is written; DeepSpeed writes
 into a temporary tag directory; each rank describes the files it wrote (its ZeRO files, and the
 pipeline layer files of its stage when it wrote them); one gather; rank 0 validates the complete
@@ -10,7 +10,6 @@ index and writes it as the sidecar, then the tag directory takes its name, then 
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from ..layout.names import file_order
 from ..layout.tag_dir import ShardSet
 from ..live.gather import gather
 from ..live.model_parallel import assemble, local_description
-from .protocol import publish_on_rank_0, save_request, save_staged
+from .protocol import describe_own_files, publish_and_broadcast, save_request, save_staged
 
 
 def _own_files(engine, staged: Path, mine: dict, hash_algorithm: str | None) -> list[dict]:
@@ -101,20 +100,14 @@ def save_index_checkpoint(
     described = gather(mine, dist)
     state, tag = save_request(engine, client_state, tag)
     distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
     staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)
     algorithm = "sha256" if hash else None
-    try:
-        own = (_own_files(engine, staged, mine, algorithm), _own_layer_files(engine, staged, mine, algorithm), None)
-    except Exception as exc:  # reported on every rank below, never left hanging in a collective
-        own = ([], [], f"rank {rank}: {type(exc).__name__}: {exc}")
-    gathered = gather(own, dist)
-    errors = [e for _, _, e in gathered if e]
-    if errors:
-        if rank == 0:
-            shutil.rmtree(staged, ignore_errors=True)
-        raise RuntimeError("ckptspec could not describe the saved files (no sidecar written): " + "; ".join(errors))
-    files_by_rank = {d["rank"]: files for d, (files, _, _) in zip(described, gathered)}
+    gathered = describe_own_files(
+        dist,
+        staged,
+        lambda: (_own_files(engine, staged, mine, algorithm), _own_layer_files(engine, staged, mine, algorithm)),
+    )
+    files_by_rank = {d["rank"]: files for d, (files, _) in zip(described, gathered)}
 
     def files_of(first: dict) -> list[ShardFile]:
         ranks = [d["rank"] for d in described if (d["pipeline"], d["tensor"]) == (first["pipeline"], first["tensor"])]
@@ -123,7 +116,7 @@ def save_index_checkpoint(
 
     index = assemble(described, files_of)
     index.layer_files = sorted(
-        (LayerFile.model_validate(lf) for _, layers, _ in gathered for lf in layers), key=lambda lf: lf.layer
+        (LayerFile.model_validate(lf) for _, layers in gathered for lf in layers), key=lambda lf: lf.layer
     )
 
     def describe():
@@ -131,12 +124,10 @@ def save_index_checkpoint(
             _add_digests(index, staged)
         return index.to_dict(), validate_index(index)
 
-    status = publish_on_rank_0(staged, save_dir, tag, describe, sidecar_encoding, save_latest) if rank == 0 else None
-    if distributed:  # rank 0's index (with the digests only it computed) and status, on every rank
-        box = [status, index.to_dict() if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        status, complete = box
+    # rank 0's index (with the digests only it computed), on every rank
+    shared = (lambda: index.to_dict()) if distributed else (lambda: None)
+    args = (describe, sidecar_encoding, save_latest)
+    complete = publish_and_broadcast(dist, staged, save_dir, tag, *args, what="checkpoint index", shared=shared)
+    if complete is not None:
         index = CheckpointIndex.model_validate(complete)
-    if status:
-        raise RuntimeError("ckptspec could not write the checkpoint index sidecar: " + status)
     return index

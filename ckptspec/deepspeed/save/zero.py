@@ -1,13 +1,14 @@
 """The save hook of a plain ZeRO engine (stage 1-3, one model-parallel rank): a format 1.x manifest.
 
-The steps are ``protocol.py``'s: the layout from the live engine, DeepSpeed's save into a staged tag
-directory with the layout in the client state, each rank describes its own files, one gather, rank 0
-adds the tensor digests, validates and publishes.
+``protocol.py``'s steps: (1) the layout from the live engine (``manifest_from_engine``) and a save id
+from rank 0; (2) the layout goes into the client state, so it is inside the model-states files;
+(3) DeepSpeed's save into the temporary tag; (4) each rank describes its own files, from the model
+states it handed ``torch.save`` where they check out; (5) rank 0 adds the tensor digests and the
+others record them; (6) rank 0 validates the manifest and publishes.
 """
 
 from __future__ import annotations
 
-import shutil
 import uuid
 import warnings
 from pathlib import Path
@@ -22,7 +23,7 @@ from ..layout.names import file_order
 from ..layout.tag_dir import ShardSet, scan_tag_dir
 from ..live.zero import manifest_from_engine
 from .captured_state import SavedStates
-from .protocol import publish_on_rank_0, save_request, save_staged
+from .protocol import describe_own_files, publish_and_broadcast, save_request, save_staged
 
 
 def save_zero_checkpoint(
@@ -35,48 +36,25 @@ def save_zero_checkpoint(
     layout.save.id = _from_rank_0(dist, str(uuid.uuid4()))  # the save id every file's copy carries
     state, tag = save_request(engine, client_state, tag)
     state[CLIENT_STATE_KEY] = client_state_value(layout)
-    distributed = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     captured: dict = {}  # the model states DeepSpeed handed torch.save: described without reading them back
     staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters, captured)
-    try:
-        mine, error = _describe_own_files(staged, rank, layout, "sha256" if hash else None, captured), None
-    except Exception as exc:  # reported on every rank below, never left hanging in a collective
-        mine, error = [], f"rank {rank}: {type(exc).__name__}: {exc}"
-    captured.clear()
-    gathered: list = [None] * world
-    if distributed:
-        dist.all_gather_object(gathered, (mine, error))
-    else:
-        gathered = [(mine, error)]
-    errors = [e for _, e in gathered if e]
-    if errors:
-        if rank == 0:  # every rank has finished writing (the gather above): nothing is left half-saved
-            shutil.rmtree(staged, ignore_errors=True)
-        raise RuntimeError("ckptspec could not describe the saved files (no sidecar written): " + "; ".join(errors))
+
+    def own_files() -> list[dict]:
+        try:
+            return _describe_own_files(staged, rank, layout, "sha256" if hash else None, captured)
+        finally:
+            captured.clear()
+
+    gathered = describe_own_files(dist, staged, own_files)
     # Shallow: only ``files`` changes, and the layout is not used again (a deep copy took 1 s per 10k params).
     complete = layout.model_copy()
-    gathered_files = [ShardFile.model_validate(d) for files, _ in gathered for d in files]
+    gathered_files = [ShardFile.model_validate(d) for files in gathered for d in files]
     complete.files = sorted(gathered_files, key=lambda f: file_order(f.role, f.ranks, f.path))
     if hash:
         complete = _with_digests(complete, staged, rank, dist)
-
-    status = None
-    if rank == 0:
-        status = publish_on_rank_0(
-            staged,
-            save_dir,
-            tag,
-            lambda: _checked_document(complete),
-            sidecar_encoding,
-            save_latest,
-        )
-    if distributed:
-        box = [status]
-        dist.broadcast_object_list(box, src=0)
-        status = box[0]
-    if status:
-        raise RuntimeError("ckptspec could not write the manifest sidecar: " + status)
+    checked = lambda: _checked_document(complete)  # noqa: E731
+    publish_and_broadcast(dist, staged, save_dir, tag, checked, sidecar_encoding, save_latest, what="manifest")
     return complete
 
 
@@ -129,7 +107,7 @@ def _describe_own_files(
     tag_dir: Path, rank: int, layout: Manifest, hash_algorithm: str | None, captured: dict | None = None
 ) -> list[dict]:
     """This rank's files of the tag directory (rank 0 also takes the rank-less ones), described;
-    ``captured`` model states from their live state where they check out (saved_state.py)."""
+    ``captured`` model states from their live state where they check out (save/captured_state.py)."""
     every = scan_tag_dir(tag_dir)
     own = ShardSet(tag_dir)
     own.model_files = {r: p for r, p in every.model_files.items() if r == rank}

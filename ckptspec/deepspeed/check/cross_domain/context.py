@@ -1,6 +1,6 @@
 """CK23x: the files of a model-parallel checkpoint against its index, across domains.
 
-Each domain's own files are checked by the 1.x checks (``checks/``); these are what only the whole
+Each domain's own files are checked by the 1.x checks (``check/domain/``); these are what only the whole
 set can tell: layer files present and intact, files no domain accounts for, the degrees every
 model-states file records, counters that say all coordinates come from one save, and the shapes of
 the tensors each rank's files hold against the index's shards. Metadata only (file sizes, hashes
