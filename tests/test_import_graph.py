@@ -93,3 +93,21 @@ def test_no_import_circle(package):
     graph = grimp.build_graph(package, cache_dir=None, exclude_type_checking_imports=True)
     found = [c for c in cycles(graph) if c not in KNOWN]
     assert not found, "import circles (function-level imports included):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_deepspeed_imports_no_private_name():
+    """A name another module needs is public: no ``_name`` crosses a module border in ``ckptspec/deepspeed``
+    (``_Builder``, ``_files_of``, ``_pipeline_view`` and a check's ``_resolve`` did)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "ckptspec" / "deepspeed"
+    found = [
+        f"{path.relative_to(root)}:{node.lineno} {alias.name}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text("utf-8")))
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ckptspec"))
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert not found, "private names imported across modules: " + ", ".join(found)
