@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     from ...format.models import Manifest
 
 
+# Kind (its value) -> the module of this package that describes it as a checkpoint index.
+_INDEX_PRODUCERS = {
+    "stage0": "stage0",
+    "universal": "universal",
+    "pipeline_stage0": "pipeline_stage0",
+    "moe": "moe",
+    "model_parallel": "model_parallel",
+}
+
+
 def describe(
     checkpoint: str | os.PathLike,
     tag: str | None = None,
@@ -44,29 +54,13 @@ def describe(
 
 def generate_index(tag_dir: Path, states: StateCache, *, hash_algorithm: str | None = None) -> CheckpointIndex:
     """The checkpoint index of any tag directory that needs one (``kinds.kind_of_dir(tag_dir).needs_index``)."""
-    from ..kinds import Kind, kind_of_dir
+    from importlib import import_module
 
-    kind = kind_of_dir(tag_dir)
-    if kind is Kind.STAGE0:
-        from .index_builder import stage0_index
+    from ..kinds import kind_of_dir
 
-        return stage0_index(tag_dir, states, hash_algorithm)
-    if kind is Kind.UNIVERSAL:
-        from .index_builder import universal_index
-
-        return universal_index(tag_dir, states, hash_algorithm)
-    if kind is Kind.PIPELINE_STAGE0:
-        from .pipeline_stage0 import pipeline_stage0_index
-
-        return pipeline_stage0_index(tag_dir, states, hash_algorithm)
-    if kind is Kind.MOE:
-        from .moe import moe_index
-
-        return moe_index(tag_dir, states, hash_algorithm)
-    from ..layout.parallel_files import scan_parallel
-    from .model_parallel import index_from_files
-
-    return index_from_files(scan_parallel(tag_dir), states, hash_algorithm=hash_algorithm)
+    kind = kind_of_dir(tag_dir)  # a plain ZeRO directory asked for an index: the model-parallel producer, as before
+    module = import_module(f"{__name__}.{_INDEX_PRODUCERS.get(kind, 'model_parallel')}")
+    return module.describe(tag_dir, states, hash_algorithm)
 
 
 def index_from_checkpoint(

@@ -1,4 +1,4 @@
-"""The checkpoint index of a ZeRO stage-0, native MoE or universal checkpoint (issue #17), from its files.
+"""What the checkpoint index of a ZeRO stage-0, native MoE or universal checkpoint (issue #17) is built with.
 
 These checkpoints keep their fp32 masters where format 1.x has no locator for them (``masters.py``,
 ``moe_masters.py`` find them). Each is described as a checkpoint index whose domains carry
@@ -11,6 +11,9 @@ stage the run was configured with is ``configured_zero_stage``. Domains:
 * MoE: ``dense`` (``data_parallel``) and one ``expert:ep_size_<ep>:ep<e>`` domain per
   expert-parallel rank (``expert_data_parallel:ep_size_<ep>``), each expert file in ``expert_files``;
 * universal folders: ``kind: "universal"``, one ``universal`` domain over ``zero/<name>/fp32.pt``.
+
+``IndexBuilder`` and ``masters_domain`` are shared by those producers (``stage0.py``, ``moe.py``,
+``pipeline_stage0.py``, ``universal.py``) and the live engine's (``live/masters_index.py``).
 
 The persistent buffers (``buffer_names``) are in the domain manifest's ``buffers``, read from the
 ``module`` of the model states it lists (stage 0, MoE's dense domain, universal folders: the copy of
@@ -43,11 +46,10 @@ from ...format.index_models import (
     Shard,
     Topology,
 )
-from ...format.models import Alias, Buffer, Layout, Manifest, Producer, ShardFile
+from ...format.models import Buffer, Layout, Manifest, Producer, ShardFile
 from ...format.partition import ParamSpec, flat_group
-from ..layout.masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, MasterTensor, stage0_masters
+from ..layout.masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, MasterTensor
 from ..layout.names import MODEL_RE, OPTIM_RE
-from ..layout.tag_dir import UNIVERSAL_FOLDER
 
 _EXPERT_ID = re.compile(r"\.deepspeed_experts\.(\d+)\.")
 
@@ -273,89 +275,3 @@ def files_of(b: IndexBuilder, masters, replicas, ranks: dict[str, int] | None = 
         else:
             out.append(b.file(rel, "other", []))
     return out
-
-
-def stage0_index(
-    folder: Path, states: StateCache, hash_algorithm: str | None = None, live: LiveMasters | None = None
-) -> CheckpointIndex:
-    b = IndexBuilder(folder, states, hash_algorithm, live)
-    if live is None:
-        masters = list(stage0_masters(folder, states).values())
-        optimizer = b.model.get("optimizer")
-        # FP16_UnfusedOptimizer's fp32_groups or FP16_Optimizer's fp32_groups_flat: masters apart from the weights
-        held = isinstance(optimizer, dict) and ("fp32_groups" in optimizer or "fp32_groups_flat" in optimizer)
-        stored_in = "model_states" if held else "module"
-    else:
-        masters, stored_in = list(live.masters.values()), live.stored_in
-    domain = b.domain(
-        "dense",
-        Coordinate(pipeline=0, tensor=0),
-        "data_parallel",
-        masters,
-        stored_in,
-        files_of(b, masters, []),
-    )
-    domain.manifest.buffers = b.buffers()
-    return b.index("zero", [domain])
-
-
-def universal_index(folder: Path, states: StateCache, hash_algorithm: str | None = None) -> CheckpointIndex:
-    from ..layout.masters import universal_masters
-
-    b = IndexBuilder(folder, states, hash_algorithm)
-    found = universal_masters(folder, states)
-    buffers = b.buffers()
-    aliases = _universal_ties(b, found)
-    # ds_to_universal writes zero/<name>/fp32.pt for a buffer (cast to fp32) and a tied alias (its module
-    # weight widened, not the owner's master): the module's buffer is the buffer, the owner's master the tie's.
-    skip = {x.name for x in buffers} | set(aliases)
-    masters = [m for n, m in found.items() if n not in skip]
-    files = [
-        b.file(p.relative_to(folder).as_posix(), "other", [])
-        for p in sorted((folder / UNIVERSAL_FOLDER).rglob("*"))
-        if p.is_file()
-    ]
-    copies = sorted(p.name for p in folder.iterdir() if MODEL_RE.match(p.name))
-    # Copies of the source's model states: the source's shards (tensor parallel), not this folder's tensors.
-    files += [b.file(rel, "other", []) for rel in copies]
-    domain = b.domain(
-        "universal",
-        Coordinate(),
-        "universal",
-        masters,
-        "universal",
-        files,
-        stage=_source_stage(b),
-    )
-    domain.manifest.buffers = buffers
-    domain.manifest.aliases = [Alias(name=a, owner=o, shape=list(found[o].shape)) for a, o in aliases.items()]
-    index = b.index("universal", [domain])
-    # The degrees of the source the copied model states record (the folder itself is the whole model).
-    dims = b.model.get("checkpoint_parallel_dimensions")
-    if isinstance(dims, dict) and "pp_degree" in dims and "tp_degree" in dims:
-        pp, tp = int(dims["pp_degree"]), int(dims["tp_degree"])
-        index.topology.degrees.pipeline, index.topology.degrees.tensor = pp, tp
-        index.topology.model_parallel_size = pp * tp
-        index.topology.degrees_source = "checkpoint_parallel_dimensions"
-    return index
-
-
-def _universal_ties(b: IndexBuilder, found: dict[str, MasterTensor]) -> dict[str, str]:
-    """alias -> owner of the source's ties (``shared_params`` of the copied model states)."""
-    shared = b.model.get("shared_params")
-    out = {}
-    for alias, owner in sorted(shared.items()) if isinstance(shared, dict) else []:
-        if owner not in found or (alias in found and found[alias].shape != found[owner].shape):
-            raise UnsupportedCheckpoint(
-                f"tied {alias!r} -> {owner!r}: the owner has no fp32.pt of the alias's shape",
-                "a universal folder of another model or converter: not described",
-                f"{UNIVERSAL_FOLDER}/{owner}",
-            )
-        out[alias] = owner
-    return out
-
-
-def _source_stage(b: IndexBuilder) -> int:
-    """The stage of the checkpoint ``ds_to_universal`` converted (stage 3 keeps per-rank model states)."""
-    names = [p.name for p in b.folder.iterdir() if MODEL_RE.match(p.name)]
-    return 3 if any(n.startswith("zero_pp_rank_") for n in names) else int(b.model.get("zero_stage", 0) or 0)

@@ -8,6 +8,8 @@ parameters found in the layer files. Reads metadata only, never executes pickled
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..._version import __version__
 from ...checkpoint.hashing import file_digest
 from ...checkpoint.states import StateCache
@@ -26,13 +28,18 @@ from ...format.index_models import (
     Topology,
 )
 from ...format.models import Manifest
-from ..layout.parallel_files import ParallelFiles, degrees_of, layer_file_name, missing_layer_files
+from ..layout.parallel_files import ParallelFiles, degrees_of, layer_file_name, missing_layer_files, scan_parallel
 from ..layout.placements import affine_params, tp_placement
 from .zero import manifest_from_states
 
 
 def domain_id(pipeline: int, tensor: int) -> str:
     return f"pp{pipeline}-tp{tensor}"
+
+
+def describe(tag_dir: Path, states: StateCache, hash_algorithm: str | None = None) -> CheckpointIndex:
+    """The index of a tensor/pipeline-parallel tag directory (its files by model-parallel rank)."""
+    return index_from_files(scan_parallel(tag_dir), states, hash_algorithm=hash_algorithm)
 
 
 def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm: str | None = None) -> CheckpointIndex:

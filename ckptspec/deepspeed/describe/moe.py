@@ -53,7 +53,7 @@ def _refuse_missing_experts(model: dict, experts: list, n_experts: int, per_rank
         raise CheckpointInvalid(missing, where)
 
 
-def moe_index(
+def describe(
     folder: Path, states: StateCache, hash_algorithm: str | None = None, live: LiveMasters | None = None
 ) -> CheckpointIndex:
     b = IndexBuilder(folder, states, hash_algorithm, live)

@@ -85,7 +85,7 @@ def _stage_masters(folder: Path, by_rank: dict[int, Path], shapes, states: State
     return out
 
 
-def pipeline_stage0_index(folder: Path, states: StateCache, hash_algorithm: str | None = None, live=None):
+def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None, live=None):
     """``live``: the live engine's masters and copies of each model-parallel rank (live/masters.py)."""
     from .model_parallel import pipeline_view
 

@@ -22,14 +22,12 @@ from .protocol import publish_and_broadcast, save_request, save_staged
 
 def index_of_saved(described: list[dict], folder, hash_algorithm: str | None) -> CheckpointIndex:
     """The complete index of the saved ``folder``: the engine's masters located in its files."""
-    from ..describe.index_builder import stage0_index
-    from ..describe.moe import moe_index
-    from ..describe.pipeline_stage0 import pipeline_stage0_index
+    from ..describe import moe, pipeline_stage0, stage0
     from ..live.masters import resolve
 
     states = StateCache()
     live = resolve(described, folder, states)
-    build = {"stage0": stage0_index, "moe": moe_index, "pipeline_stage0": pipeline_stage0_index}
+    build = {"stage0": stage0.describe, "moe": moe.describe, "pipeline_stage0": pipeline_stage0.describe}
     index = build[described[0]["kind"]](folder, states, hash_algorithm, live)
     return with_engine_view(index, described)
 
