@@ -77,7 +77,7 @@ def breakdown(checkpoint: str, out: str) -> dict:
     t = (time.perf_counter(), time.process_time())
     from ckptspec._fs import write_atomic
     from ckptspec.checkpoint.states import StateCache
-    from ckptspec.deepspeed import describe as ds_checkpoint
+    from ckptspec.deepspeed.describe import zero as ds_checkpoint
     from ckptspec.format.codec import dumps
 
     t = step("import", t)
@@ -117,7 +117,7 @@ def profile(checkpoint: str, top: int = 25) -> None:
     import cProfile
     import pstats
 
-    from ckptspec.deepspeed.describe import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
     from ckptspec.format.codec import dumps
 
     prof = cProfile.Profile()

@@ -25,10 +25,11 @@ from train_many import DIM, build_model, param_groups, use_linear_duplicate_chec
 
 def instrument(parts: dict) -> None:
     """Time (wall, CPU) the steps of ckptspec's save hook on this rank, summed over calls."""
-    from ckptspec.deepspeed import engine as hook
+    from ckptspec.deepspeed.save import protocol
+    from ckptspec.deepspeed.save import zero as hook
 
-    def wrap(name):
-        fn = getattr(hook, name)
+    def wrap(name, module=hook):
+        fn = getattr(module, name)
 
         def timed(*a, **k):
             t0, c0 = time.perf_counter(), time.process_time()
@@ -38,18 +39,18 @@ def instrument(parts: dict) -> None:
                 wall, cpu = parts.setdefault(name, [0.0, 0.0])
                 parts[name] = [round(wall + time.perf_counter() - t0, 3), round(cpu + time.process_time() - c0, 3)]
 
-        setattr(hook, name, timed)
+        setattr(module, name, timed)
 
     for name in (
         "manifest_from_engine",
         "save_staged",
         "_describe_own_files",
         "_with_digests",
-        "publish_on_rank_0",
         "validate_manifest",
         "client_state_value",
     ):
         wrap(name)
+    wrap("publish_on_rank_0", protocol)  # the protocol's publish step calls it
 
 
 def main():
@@ -64,7 +65,7 @@ def main():
     import torch.distributed as dist
 
     from ckptspec.deepspeed import save_checkpoint
-    from ckptspec.deepspeed.engine import manifest_from_engine
+    from ckptspec.deepspeed.live.zero import manifest_from_engine
 
     torch.manual_seed(0)
     deepspeed.init_distributed()

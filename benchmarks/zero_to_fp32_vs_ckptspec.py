@@ -145,7 +145,7 @@ def run_ckptspec(args: list[str]) -> tuple[int, list[tuple[str, str | None]], st
 
 
 def ckptspec_cell(fault, exit_code: int, found: list[tuple[str, str | None]]) -> str:
-    from ckptspec.deepspeed.checks import CHECKS
+    from ckptspec.deepspeed.check.domain import CHECKS
 
     names = {c.code: c.name for c in CHECKS} | {"CK201": "no-tag", "CK203": "no-model-states", "CK105": "alias-shape"}
     codes = list(dict.fromkeys(code for code, _ in found))
@@ -173,8 +173,8 @@ def timing(work: Path) -> str | None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from make_big_checkpoint import checkpoint_dir
 
-    from ckptspec.deepspeed.describe import manifest_from_checkpoint
-    from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.deepspeed.check.zero import validate_checkpoint
+    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
     from ckptspec.format.codec import write_manifest
     from ckptspec.format.validate import load_manifest
 

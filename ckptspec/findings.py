@@ -77,7 +77,7 @@ CODES: dict[str, str] = {
     "CK225": "pickle-over-cap",
     "CK226": "output-in-tag-directory",
     "CK227": "manifest-predates-embed",
-    # CK23x: a model-parallel checkpoint's files against its index (deepspeed/index_checks.py)
+    # CK23x: a model-parallel checkpoint's files against its index (deepspeed/check/cross_domain/)
     "CK230": "index-layer-file",
     "CK231": "index-degrees",
     "CK232": "index-other-save",

@@ -86,7 +86,7 @@ def test_committed_checkpoints_are_what_the_harness_builds(ds, name):
     ``scripts/compat.sh --refresh``: the same masters and layout as the job writes now."""
     import torch
 
-    from ckptspec.deepspeed.describe import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 
     built, committed = ds.path(name), scenarios.COMMITTED[name]
     fresh = torch.load(built / "live_fp32.pt", weights_only=True)

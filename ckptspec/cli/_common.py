@@ -259,14 +259,14 @@ def fetched_line(target: str, fetched: dict[str, int]) -> str:
 
 def read_tag_dir_early(checkpoint: str, tag: str | None, then: str):
     """The tag directory's pickles read (walked by a forked process ahead of the unpickler) before the module ``then``
-    (``ckptspec.deepspeed.describe``, ``.validate``: pydantic and the models, a slow import) is imported,
+    (``ckptspec.deepspeed.describe.zero``, ``check.zero``: pydantic and the models, a slow import) is imported,
     which happens while the forked walk is going (``prescan.scan_all``'s ``meanwhile``).
     A ``StateCache`` to hand on, or None when the directory cannot be listed: the command's own
     flow then raises what it always raised, where it always did."""
     import importlib
 
     from ..checkpoint.states import StateCache
-    from ..deepspeed.directory import resolve_tag_dir, scan_tag_dir
+    from ..deepspeed.layout.tag_dir import resolve_tag_dir, scan_tag_dir
 
     try:
         shards = scan_tag_dir(resolve_tag_dir(checkpoint, tag))

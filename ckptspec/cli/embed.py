@@ -194,7 +194,7 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
     copies exist they must agree (CK301, exit 1, otherwise).
     """
     from ..checkpoint.embedded import agreement_findings, best_copy
-    from ..deepspeed.embed import find_copies
+    from ..deepspeed.check.copies import find_copies
     from ..errors import EmbedError
     from ..format.version import version_findings
 
@@ -237,8 +237,8 @@ def extract(target: str, tag: str | None, output: str, encoding: str | None, lis
 
 def _index_kind(target: str, tag: str | None) -> bool:
     """A local checkpoint a checkpoint index describes (tensor/pipeline parallel, MoE, stage 0, universal)."""
-    from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import needs_index
+    from ..deepspeed.kinds import needs_index
+    from ..deepspeed.layout.tag_dir import resolve_tag_dir
 
     if "://" in target or not os.path.isdir(target):
         return False

@@ -40,7 +40,7 @@ def export(checkpoint: str, output: str, fmt: str, manifest: str | None, tag: st
     What DCP does not carry (loss scaler, gradient clipping, counters) is listed in the summary.
     """
     from ..checkpoint.states import StateCache
-    from ..deepspeed.validate import validate_checkpoint
+    from ..deepspeed.check.zero import validate_checkpoint
     from ..export.dcp import held_export_output, plan_dcp, write_dcp
     from ..export.plan import plan_reconstruction
     from ..export.progress import progress_printer

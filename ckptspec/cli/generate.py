@@ -37,8 +37,8 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     Reads only metadata (no tensor data unless --hash), needs neither DeepSpeed nor
     torch, and never executes pickled code.
     """
-    from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import needs_index
+    from ..deepspeed.kinds import needs_index
+    from ..deepspeed.layout.tag_dir import resolve_tag_dir
     from ..format.codec import gc_paused
 
     # No cyclic GC: the decoded pickles and the manifest are acyclic, and with 100k tensors the
@@ -48,12 +48,12 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
             tag_dir = resolve_tag_dir(checkpoint, tag)
             if needs_index(tag_dir):
                 # Tensor/pipeline parallel: a checkpoint index (one 1.x manifest per model-parallel rank).
-                from ..deepspeed.describe_index import index_from_checkpoint
+                from ..deepspeed.describe import index_from_checkpoint
 
                 document = index_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm).to_dict()
             else:
-                states = read_tag_dir_early(checkpoint, tag, "ckptspec.deepspeed.describe")
-                from ..deepspeed.describe import manifest_from_checkpoint
+                states = read_tag_dir_early(checkpoint, tag, "ckptspec.deepspeed.describe.zero")
+                from ..deepspeed.describe.zero import manifest_from_checkpoint
 
                 document = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm, states=states)
                 keep_until_exit(states, document)

@@ -63,12 +63,12 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
         report = validate_file(name, max_bytes)  # a manifest or a checkpoint index
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
-    from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import needs_index
-    from ..deepspeed.validate import check_tag_dir
+    from ..deepspeed.check.zero import check_tag_dir
+    from ..deepspeed.kinds import needs_index
+    from ..deepspeed.layout.tag_dir import resolve_tag_dir
 
     if not is_remote(name) and needs_index(resolve_tag_dir(name, tag)):  # tensor/pipeline parallel: its index
-        from ..deepspeed.validate_index import validate_index_checkpoint
+        from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 
         index, findings = validate_index_checkpoint(name, None, tag, verify_hashes=False)
         return Target(name, "generated", index if not has_errors(findings) else None, findings)

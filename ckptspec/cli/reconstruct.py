@@ -87,7 +87,7 @@ def reconstruct(
     and never executes pickled code.
     """
     from ..checkpoint.states import StateCache
-    from ..deepspeed.validate import validate_checkpoint
+    from ..deepspeed.check.zero import validate_checkpoint
     from ..export.optimizer_state import plan_optimizer_state
     from ..export.plan import plan_reconstruction
     from ..export.progress import progress_printer
@@ -153,8 +153,8 @@ def reconstruct(
 
 def _is_index_target(checkpoint: str, manifest: str | None, tag: str | None) -> bool:
     """A tensor/pipeline-parallel checkpoint (or a checkpoint index given with --manifest)."""
-    from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import needs_index
+    from ..deepspeed.kinds import needs_index
+    from ..deepspeed.layout.tag_dir import resolve_tag_dir
     from ..format.codec import read_document
     from ..format.index_validate import is_index
 

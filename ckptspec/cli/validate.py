@@ -103,8 +103,8 @@ def validate(
         _emit(output_format, target, report.findings, None, remote)
         sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
 
-    from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import needs_index
+    from ..deepspeed.kinds import needs_index
+    from ..deepspeed.layout.tag_dir import resolve_tag_dir
     from ..format.codec import gc_paused
     from ..format.index_validate import IndexReport
 
@@ -122,15 +122,15 @@ def validate(
         if isinstance(manifest, IndexReport) or (
             manifest is None and not is_remote(shown) and needs_index(resolve_tag_dir(shown, tag))
         ):  # tensor/pipeline parallel: the checkpoint index and every domain's files (local only, for now)
-            from ..deepspeed.validate_index import validate_index_checkpoint
+            from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 
             with gc_paused(for_good=True):  # the command ends after it
                 _, findings = validate_index_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
         else:
             with gc_paused(for_good=True):  # large acyclic trees, and the command ends after them
                 early = manifest is None and not is_remote(shown)
-                states = read_tag_dir_early(shown, tag, "ckptspec.deepspeed.validate") if early else None
-                from ..deepspeed.validate import validate_checkpoint
+                states = read_tag_dir_early(shown, tag, "ckptspec.deepspeed.check.zero") if early else None
+                from ..deepspeed.check.zero import validate_checkpoint
 
                 found, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash, states=states)
                 keep_until_exit(manifest, states, found)

@@ -1,5 +1,7 @@
-"""Everything that knows DeepSpeed: its file names, tag directories, pickled structures, the
-live engine, the CK2xx checks of a checkpoint's files, and embedding manifests into them.
+"""Everything that knows DeepSpeed, by direction: ``layout`` (its file names, tag directories and
+pickled structures; builds no document), ``describe`` (files -> document), ``check`` (files against a
+document: CK2xx), ``live`` (engine -> document) and ``save`` (the save hook); ``embed`` and ``upgrade``
+write manifests into checkpoints.
 
 ``save_checkpoint`` and ``manifest_from_engine`` import torch and DeepSpeed only when called,
 so importing this package needs neither. They are loaded on first use, as the models are: a
@@ -9,12 +11,15 @@ pydantic is imported (``checkpoint/prescan.py``).
 
 from ..errors import UnsupportedEngine
 
-__all__ = ["UnsupportedEngine", "manifest_from_engine", "save_checkpoint"]
+__all__ = ["UnsupportedEngine", "index_from_engine", "manifest_from_engine", "save_checkpoint"]
+
+# name -> the sub-package that defines it (see docs/architecture.md for the five directions)
+_LAZY = {"save_checkpoint": "save", "manifest_from_engine": "live.zero", "index_from_engine": "live"}
 
 
 def __getattr__(name: str):
-    if name in ("manifest_from_engine", "save_checkpoint"):
-        from . import engine
+    if name in _LAZY:
+        from importlib import import_module
 
-        return getattr(engine, name)
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'ckptspec.deepspeed' has no attribute {name!r}")

@@ -16,10 +16,10 @@ from ..checkpoint.embedded import NOT_LAYOUT, first_difference
 from ..checkpoint.states import StateCache
 from ..errors import EmbedError
 from ..format.models import Manifest
-from .describe import manifest_from_states
-from .digests import add_digests
-from .directory import resolve_tag_dir, scan_tag_dir
-from .recorded import check_records
+from .check.recorded import check_records
+from .describe.digests import add_digests
+from .describe.zero import manifest_from_states
+from .layout.tag_dir import resolve_tag_dir, scan_tag_dir
 
 _CHANGED_HINT = "restore the files the manifest records, or migrate without --checkpoint (no 1.1 field is filled)"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.states import StateCache
-from ..deepspeed.validate import validate_checkpoint
+from ..deepspeed.check.zero import validate_checkpoint
 from ..errors import CheckpointInvalid
 from ..findings import has_errors
 from ..format.dtypes import output_dtype
@@ -110,8 +110,8 @@ def load_state_dict(
 
 def _model_parallel(checkpoint, manifest, tag) -> bool:
     """A tensor/pipeline-parallel checkpoint: described by a checkpoint index, not a manifest."""
-    from ..deepspeed.directory import resolve_tag_dir
-    from ..deepspeed.topology import needs_index
+    from ..deepspeed.kinds import needs_index
+    from ..deepspeed.layout.tag_dir import resolve_tag_dir
     from ..format.index_models import CheckpointIndex
 
     if isinstance(manifest, CheckpointIndex):

@@ -16,8 +16,8 @@ import os
 from typing import Any
 
 from ..checkpoint.states import StateCache
-from ..deepspeed.directory import resolve_tag_dir
-from ..deepspeed.validate_index import validate_index_checkpoint
+from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
+from ..deepspeed.layout.tag_dir import resolve_tag_dir
 from ..errors import CheckpointInvalid, ReconstructMismatch
 from ..findings import has_errors
 from .arrays import ShardReader, _np, read_array

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint.states import StateCache
-from ..deepspeed.names import MODEL_RE
+from ..deepspeed.layout.names import MODEL_RE
 from ..errors import ReconstructMismatch
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import Domain

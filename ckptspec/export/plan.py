@@ -31,8 +31,8 @@ from typing import Any
 from .._version import __version__
 from ..checkpoint.states import StateCache, unreadable
 from ..checkpoint.torchfile import TensorRef, tensor_byte_range
-from ..deepspeed.describe import partition_locators
-from ..deepspeed.directory import resolve_tag_dir, scan_tag_dir
+from ..deepspeed.describe.zero import partition_locators
+from ..deepspeed.layout.tag_dir import resolve_tag_dir, scan_tag_dir
 from ..errors import InvalidCheckpoint, ReconstructMismatch, ReconstructUnsupported, TorchFileError, TruncatedFile
 from ..format.dtypes import FLOATING, ITEMSIZE
 from ..format.models import Hash, Manifest

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.states import StateCache
-from ..deepspeed.describe import manifest_from_states
-from ..deepspeed.directory import scan_tag_dir
+from ..deepspeed.check.zero import validate_checkpoint
+from ..deepspeed.describe.zero import manifest_from_states
 from ..deepspeed.embed import embed_checkpoint
-from ..deepspeed.validate import validate_checkpoint
+from ..deepspeed.layout.tag_dir import scan_tag_dir
 from ..errors import CheckpointInvalid, ReshardUnsupported
 from ..findings import has_errors
 from ..format.models import Manifest

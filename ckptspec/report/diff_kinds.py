@@ -19,7 +19,7 @@ from ..format.models import Manifest
 from . import diff
 from .diff import Change, Diff, Tensor, tensors
 
-DENSE = "dense"  # the domain id of a data-parallel group at pipeline 1 x tensor 1 (describe_masters.py)
+DENSE = "dense"  # the domain id of a data-parallel group at pipeline 1 x tensor 1 (describe/index_builder.py)
 WHOLE_MODEL_CODES = ("CK504", "CK505", "CK506")  # rules on names, shapes and roles
 
 

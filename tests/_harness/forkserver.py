@@ -31,7 +31,7 @@ import safetensors.numpy  # noqa: F401
 import torch  # noqa: F401
 
 import ckptspec.cli
-import ckptspec.deepspeed.validate
+import ckptspec.deepspeed.check.zero
 import ckptspec.export.api
 
 

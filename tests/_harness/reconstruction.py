@@ -36,7 +36,7 @@ def cli(*args: str):
 
 
 def roles(save_dir: Path) -> dict[str, str]:
-    from ckptspec.deepspeed.describe import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 
     m = manifest_from_checkpoint(save_dir)
     out = {p.name: "trainable" for g in m.groups for p in g.params}
@@ -53,7 +53,7 @@ def check_reconstruction(save_dir: Path, out: Path, *, stage: int, zero_to_fp32_
     import safetensors.torch
     import torch
 
-    from ckptspec.deepspeed.directory import resolve_tag_dir
+    from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
     from ckptspec.export.api import load_consolidated
 
     cli("reconstruct", save_dir, out, "--quiet")

@@ -1891,8 +1891,8 @@ def test_bug_generate_on_a_compressed_optimizer_file(tmp_path):
     import torch
 
     from ckptspec.checkpoint.states import StateCache
-    from ckptspec.deepspeed.describe import describe_files
-    from ckptspec.deepspeed.directory import ShardSet
+    from ckptspec.deepspeed.describe.zero import describe_files
+    from ckptspec.deepspeed.layout.tag_dir import ShardSet
     from ckptspec.errors import InvalidCheckpoint
 
     buf = io.BytesIO()

@@ -23,7 +23,7 @@ from _harness.reconstruction import check_reconstruction, cli
 from _harness.scenarios import OLD_DEEPSPEED, OLD_DEEPSPEED_SPECS
 from safetensors import safe_open
 
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.format.validate import validate_document
 
 # Fields only one producer can know (see test_producers.py); only the engine knows the optimizer's class.

@@ -10,11 +10,10 @@ import pytest
 from _harness.scenarios import MATRIX, PARALLEL
 
 from ckptspec import _forked
-from ckptspec.deepspeed import digests
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
-from ckptspec.deepspeed.describe_index import index_from_checkpoint
-from ckptspec.deepspeed.directory import resolve_tag_dir
-from ckptspec.deepspeed.topology import needs_index
+from ckptspec.deepspeed.describe import digests, index_from_checkpoint
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.kinds import needs_index
+from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.format.codec import dumps
 from ckptspec.format.models import Digest
 from ckptspec.location import location

@@ -40,7 +40,7 @@ from ckptspec.checkpoint.embedded import (
 )
 from ckptspec.checkpoint.pt_rewrite import rewrite_pt_with_item
 from ckptspec.checkpoint.sidecar import write_sidecar
-from ckptspec.deepspeed.embed import embedded_findings
+from ckptspec.deepspeed.check.copies import embedded_findings
 from ckptspec.errors import EmbedError, UnsupportedEngine
 from ckptspec.format.codec import dumps, load_document
 from ckptspec.format.validate import validate_document
@@ -395,7 +395,7 @@ def test_the_tag_directory_gets_the_mode_of_the_directories_the_job_made(saved):
 def test_sidecar_files_are_the_files_on_disk(saved):
     """Sizes, hashes and locators gathered from the ranks equal what the saved directory says
     (so the model-states files were described with their client state inside)."""
-    from ckptspec.deepspeed.describe import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 
     from_dir = manifest_from_checkpoint(saved.save_dir, hash_algorithm="sha256").to_dict()
     sidecar = json.loads(saved.sidecar.read_text())
@@ -625,7 +625,8 @@ class _FakeEngine:
 def fake_job(saved, monkeypatch):
     import torch.distributed
 
-    import ckptspec.deepspeed.engine as ds
+    import ckptspec.deepspeed.save.zero as ds
+    from ckptspec.deepspeed import save_checkpoint
     from ckptspec.format.models import Manifest
 
     layout = Manifest.model_validate(_without_digests(layout_document(json.loads(saved.sidecar.read_text()))))
@@ -660,14 +661,14 @@ def fake_job(saved, monkeypatch):
             state["engine"] = made  # the simulated ranks describe what it wrote
         return made
 
-    return SimpleNamespace(install=install, ds=ds, engine=engine)
+    return SimpleNamespace(install=install, ds=ds, engine=engine, save_checkpoint=save_checkpoint)
 
 
 @pytest.mark.deepspeed
 def test_fake_job_reproduces_the_real_sidecar(fake_job, saved, tmp_path):
     state = fake_job.install()
     engine = fake_job.engine(state)
-    manifest = fake_job.ds.save_checkpoint(engine, tmp_path, client_state={"mine": 1})
+    manifest = fake_job.save_checkpoint(engine, tmp_path, client_state={"mine": 1})
     # DeepSpeed wrote into a temporary tag directory, which then took the tag's name.
     (call,) = engine.calls
     assert call["tag"].startswith(".global_step2.ckptspec-") and not (tmp_path / call["tag"]).exists()
@@ -684,7 +685,7 @@ def test_the_published_tag_directory_honours_the_umask(fake_job, tmp_path, umask
     state = fake_job.install()
     old = os.umask(umask)
     try:
-        fake_job.ds.save_checkpoint(fake_job.engine(state), tmp_path)
+        fake_job.save_checkpoint(fake_job.engine(state), tmp_path)
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "global_step2").stat().st_mode) == 0o777 & ~umask
@@ -693,7 +694,7 @@ def test_the_published_tag_directory_honours_the_umask(fake_job, tmp_path, umask
 @pytest.mark.deepspeed
 def test_save_options(fake_job, saved, tmp_path):
     state = fake_job.install(hash_algorithm=None)
-    manifest = fake_job.ds.save_checkpoint(
+    manifest = fake_job.save_checkpoint(
         fake_job.engine(state), tmp_path, tag="mytag", hash=False, save_latest=False, sidecar_encoding="msgpack"
     )
     assert not (tmp_path / "latest").exists()
@@ -709,11 +710,11 @@ def test_save_options(fake_job, saved, tmp_path):
 def test_refusals_before_anything_is_saved(fake_job, tmp_path):
     fake_job.install()
     with pytest.raises(ValueError, match="reserved"):
-        fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path, client_state={CLIENT_STATE_KEY: "mine"})
+        fake_job.save_checkpoint(fake_job.engine(), tmp_path, client_state={CLIENT_STATE_KEY: "mine"})
     with pytest.raises(UnsupportedEngine, match="decoupled"):
-        fake_job.ds.save_checkpoint(fake_job.engine(decoupled=True), tmp_path)
+        fake_job.save_checkpoint(fake_job.engine(decoupled=True), tmp_path)
     with pytest.raises(ValueError, match="sidecar_encoding"):
-        fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path, sidecar_encoding="yaml")
+        fake_job.save_checkpoint(fake_job.engine(), tmp_path, sidecar_encoding="yaml")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -751,7 +752,7 @@ def test_engines_a_manifest_cannot_describe_are_refused_before_saving(fake_job, 
     for key, value in {**kind, **config}.items():
         setattr(engine, key, value)
     with pytest.raises(UnsupportedEngine, match=named):
-        fake_job.ds.save_checkpoint(engine, tmp_path)
+        fake_job.save_checkpoint(engine, tmp_path)
     assert engine.calls == [] and list(tmp_path.iterdir()) == []
 
 
@@ -759,7 +760,7 @@ def test_engines_a_manifest_cannot_describe_are_refused_before_saving(fake_job, 
 def test_a_rank_that_cannot_describe_its_files_fails_every_rank(fake_job, tmp_path):
     fake_job.install(other=lambda rank: ([], f"rank {rank}: OSError: disk gone"))
     with pytest.raises(RuntimeError, match="rank 1: OSError: disk gone"):
-        fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path)
+        fake_job.save_checkpoint(fake_job.engine(), tmp_path)
     assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary tag directory is left"
 
@@ -768,7 +769,7 @@ def test_a_rank_that_cannot_describe_its_files_fails_every_rank(fake_job, tmp_pa
 def test_an_incomplete_checkpoint_gets_no_sidecar_and_no_latest(fake_job, tmp_path):
     fake_job.install(other=lambda rank: ([], None))  # the other ranks' files are missing from the manifest
     with pytest.raises(RuntimeError, match="could not write the manifest sidecar"):
-        fake_job.ds.save_checkpoint(fake_job.engine(), tmp_path)
+        fake_job.save_checkpoint(fake_job.engine(), tmp_path)
     assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary tag directory is left"
 
@@ -795,7 +796,7 @@ def test_digests_need_every_file_on_rank_0(fake_job, tmp_path, monkeypatch):
     state = fake_job.install()
     monkeypatch.setattr(fake_job.ds, "_sees_every_file", lambda tag_dir, manifest: False)
     with pytest.warns(UserWarning, match="rank 0 cannot see every saved file; no tensor digests"):
-        manifest = fake_job.ds.save_checkpoint(fake_job.engine(state), tmp_path)
+        manifest = fake_job.save_checkpoint(fake_job.engine(state), tmp_path)
     doc = manifest.to_dict()
     assert all("hash" in f for f in doc["files"])
     assert "digest" not in json.dumps(doc["groups"] + doc["frozen"] + doc["buffers"])
@@ -811,5 +812,5 @@ def test_a_digest_that_cannot_be_computed_fails_every_rank(fake_job, tmp_path, m
 
     monkeypatch.setattr(fake_job.ds, "add_digests", broken)
     with pytest.raises(RuntimeError, match="could not digest the saved tensors .* rank 0: OSError: disk gone"):
-        fake_job.ds.save_checkpoint(fake_job.engine(state), tmp_path)
+        fake_job.save_checkpoint(fake_job.engine(state), tmp_path)
     assert not (tmp_path / "latest").exists() and not (tmp_path / "global_step2" / "ckptspec.json").exists()

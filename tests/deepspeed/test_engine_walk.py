@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ckptspec.deepspeed.engine_walk import ModuleWalk, torch_walk, walk_module
+from ckptspec.deepspeed.live.walk import ModuleWalk, torch_walk, walk_module
 
 
 def _tricky() -> nn.Module:
@@ -65,7 +65,7 @@ def test_one_walk_lists_what_torch_lists():
 
 def test_aliases_by_identity_are_those_by_key():
     """Without ``ds_id`` the aliases come from the walk's ties; with it, from every local param's key."""
-    from ckptspec.deepspeed.engine_state import aliases_of_engine
+    from ckptspec.deepspeed.live.state import aliases_of_engine
 
     model = _tricky()
     by_identity = aliases_of_engine(walk_module(model))

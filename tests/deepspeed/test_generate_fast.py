@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 from _harness.scenarios import MATRIX, PARALLEL
 
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
-from ckptspec.deepspeed.describe_index import index_from_checkpoint
-from ckptspec.deepspeed.directory import resolve_tag_dir
-from ckptspec.deepspeed.topology import needs_index
+from ckptspec.deepspeed.describe import index_from_checkpoint
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.kinds import needs_index
+from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.format import construct, partition
 from ckptspec.format.codec import dumps
 from ckptspec.format.models import Digest, Param

@@ -19,8 +19,8 @@ import json
 import pytest
 from _harness.scenarios import MATRIX
 
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
-from ckptspec.deepspeed.directory import resolve_tag_dir
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 
 pytestmark = pytest.mark.deepspeed
 

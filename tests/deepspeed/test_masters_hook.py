@@ -21,7 +21,7 @@ from _harness.scenarios import MASTERS_HOOKED, hook_name
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
-from ckptspec.deepspeed.describe_index import index_from_checkpoint
+from ckptspec.deepspeed.describe import index_from_checkpoint
 
 pytestmark = pytest.mark.deepspeed
 

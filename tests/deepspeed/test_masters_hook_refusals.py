@@ -11,7 +11,7 @@ from _harness.scenarios import hook_name
 
 from ckptspec.checkpoint.states import StateCache
 from ckptspec.deepspeed import save_checkpoint
-from ckptspec.deepspeed.engine_masters import resolve
+from ckptspec.deepspeed.live.masters import resolve
 from ckptspec.errors import EngineLayoutMismatch, UnsupportedEngine
 
 pytestmark = pytest.mark.deepspeed
@@ -158,7 +158,7 @@ class _Dist:
 def test_a_refusing_rank_still_joins_the_gather_and_every_rank_raises(monkeypatch):
     """No rank is left waiting in the gather while another refuses: the refusing rank takes part in
     it and raises after; a rank that did not refuse raises the other's refusal, naming its rank."""
-    import ckptspec.deepspeed.engine_masters as masters
+    import ckptspec.deepspeed.live.masters as masters
 
     dist = _Dist((None, None))
     with pytest.raises(UnsupportedEngine, match="tied parameters"):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from _harness.scenarios import MATRIX, MATRIX_SPECS, UNSUPPORTED, engine_name
 
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
-from ckptspec.deepspeed.directory import resolve_tag_dir
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.format.validate import validate_document
 
 pytestmark = pytest.mark.deepspeed

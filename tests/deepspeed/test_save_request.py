@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from ckptspec.checkpoint.embedded import CLIENT_STATE_KEY
-from ckptspec.deepspeed.staged_save import save_request
+from ckptspec.deepspeed.save.protocol import save_request
 
 ENGINE = SimpleNamespace(global_steps=7)  # the one attribute the request reads
 

@@ -16,9 +16,9 @@ import pytest
 from _harness.scenarios import EMBED, MATRIX
 
 from ckptspec.checkpoint.states import StateCache
-from ckptspec.deepspeed.describe import describe_files, manifest_from_checkpoint
-from ckptspec.deepspeed.directory import resolve_tag_dir, scan_tag_dir
-from ckptspec.deepspeed.saved_state import SavedStates, live_description, storage_order
+from ckptspec.deepspeed.describe.zero import describe_files, manifest_from_checkpoint
+from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir, scan_tag_dir
+from ckptspec.deepspeed.save.captured_state import SavedStates, live_description, storage_order
 
 pytestmark = pytest.mark.deepspeed
 

@@ -21,9 +21,9 @@ from click.testing import CliRunner
 
 from ckptspec.checkpoint import torchfile
 from ckptspec.cli import cli
-from ckptspec.deepspeed.checks import CHECKS, check_checkpoint
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
-from ckptspec.deepspeed.validate import validate_checkpoint
+from ckptspec.deepspeed.check.domain import CHECKS, check_checkpoint
+from ckptspec.deepspeed.check.zero import validate_checkpoint
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.errors import CkptspecError, InvalidCheckpoint
 from ckptspec.format.models import Manifest
 from ckptspec.format.partition import natural_order
@@ -108,7 +108,7 @@ def test_a_data_pkl_over_the_cap_is_ck225_naming_each_file(built):
 
 
 def test_suite_covers_every_check():
-    from ckptspec.deepspeed.index_checks import INDEX_CHECKS
+    from ckptspec.deepspeed.check.cross_domain import INDEX_CHECKS
 
     covered = {f.code for f in FAULTS}
     assert {c.code for c in CHECKS} <= covered, sorted({c.code for c in CHECKS} - covered)
@@ -202,7 +202,7 @@ def test_checks_shared_with_a_forked_process_find_what_one_process_finds(fault, 
     """A large manifest's checks run half in a forked copy of the process (``checks._run``): on every
     corruption, the same findings in the same order as all checks run here."""
     from ckptspec import _forked
-    from ckptspec.deepspeed import checks
+    from ckptspec.deepspeed.check import domain as checks
 
     save_dir = _copy(built(fault.base), tmp_path)
     manifest = _hashed_manifest(save_dir, tmp_path, fault) if fault.hashed_manifest else None
@@ -354,7 +354,7 @@ def test_ties_are_looked_for_only_among_tensors_sharing_a_view():
     """CK219's undeclared-tie loop visits only the entries whose view (stage 3: storage) another
     tensor of the module has too, in module order (the fault corpus's emptied shared_params shows
     the rule end to end); nothing when every view is its own."""
-    from ckptspec.deepspeed.checks.module import _STORAGE_KEY, _VIEW, _sharing_a_view
+    from ckptspec.deepspeed.check.domain.module import _STORAGE_KEY, _VIEW, _sharing_a_view
 
     flat, other = (torchfile.StorageRef(f"a/data/{k}", k, "float32", 4, 100, "cpu") for k in "01")
     module = {

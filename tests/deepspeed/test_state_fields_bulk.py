@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from ckptspec.checkpoint.states import StateCache
 from ckptspec.checkpoint.torchfile import StorageRef, TensorRef
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
-from ckptspec.deepspeed.directory import resolve_tag_dir
-from ckptspec.deepspeed.locators import model_weights_locators, module_storages
-from ckptspec.deepspeed.state_fields import int_shape, int_shapes, module_dtypes
+from ckptspec.deepspeed.describe.locators import model_weights_locators, module_storages
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.layout.state_fields import int_shape, int_shapes, module_dtypes
+from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 
 SAVE = Path(__file__).resolve().parents[1] / "data" / "deepspeed-0.19.8" / "s2-bf16-ws2"  # a real DeepSpeed save
 

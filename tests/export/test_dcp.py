@@ -37,7 +37,7 @@ def _model_oracle(save_dir, stage: int) -> dict:
     """Frozen parameters and buffers as DeepSpeed saved them (torch.load of the model states)."""
     import torch
 
-    from ckptspec.deepspeed.directory import resolve_tag_dir
+    from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 
     files = [
         torch.load(p, map_location="cpu", weights_only=False)

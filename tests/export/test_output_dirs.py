@@ -137,7 +137,7 @@ def test_export_holds_output_while_it_still_validates(ckpt, tmp_path, monkeypatc
     """M6, second pass: `export` held OUTPUT only while writing, so a second export started while the
     first validated a slow (remote) checkpoint "succeeded" too and the last to finish won. Now OUTPUT
     is held from the start: another writer is refused (CK908) during validation already."""
-    from ckptspec.deepspeed import validate as ds_validate
+    from ckptspec.deepspeed.check import zero as ds_validate
     from ckptspec.errors import OutputBusy
 
     out = tmp_path / "out"

@@ -13,9 +13,9 @@ import errno
 import pytest
 from _harness import cli_process
 
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
-from ckptspec.deepspeed.digests import add_digests
-from ckptspec.deepspeed.directory import resolve_tag_dir
+from ckptspec.deepspeed.describe.digests import add_digests
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.export import api
 from ckptspec.format.codec import dumps
 

@@ -26,8 +26,8 @@ from _harness.oracles import zero_to_fp32
 from _harness.reconstruction import bits, check_reconstruction, same_bits
 from _harness.scenarios import MATRIX, MATRIX_SPECS, engine_name
 
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
-from ckptspec.deepspeed.directory import resolve_tag_dir
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 
 pytestmark = pytest.mark.deepspeed
 
@@ -305,7 +305,7 @@ def test_files_changed_after_validation_are_refused_by_the_plan(point, tmp_path)
     """CK401: the plan reads the files again and finds what validation did not see (here a buffer
     re-saved in another dtype between validating and planning); nothing is read or written."""
     from ckptspec.checkpoint.states import StateCache
-    from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.deepspeed.check.zero import validate_checkpoint
     from ckptspec.errors import InvalidCheckpoint
     from ckptspec.export.plan import plan_reconstruction
     from ckptspec.format.migrate import migrate_document

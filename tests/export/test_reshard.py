@@ -268,7 +268,7 @@ SAME_LAYOUT = sorted(
 def test_target_layout_at_the_source_world_size_is_the_source_layout(name, ds):
     """The layout arithmetic (round robin order, alignment gaps, padding) against DeepSpeed's own: at the
     source's world size it must give back the groups described from the files DeepSpeed wrote."""
-    from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.deepspeed.check.zero import validate_checkpoint
     from ckptspec.export.reshard_layout import target_layout
 
     found, _ = validate_checkpoint(ds.path(name), verify_hashes=False)
@@ -287,7 +287,7 @@ def test_target_layout_at_the_source_world_size_is_the_source_layout(name, ds):
 
 def test_stage3_sub_groups_are_deepspeeds(ds):
     """Sub-groups for stage 3 against a real stage-3 checkpoint's (sub_group_size 300, 2 ranks)."""
-    from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.deepspeed.check.zero import validate_checkpoint
     from ckptspec.export.reshard_layout import target_layout
 
     stage3, _ = validate_checkpoint(ds.path("s3-bf16-ws2-sub"), verify_hashes=False)
@@ -338,7 +338,7 @@ def test_stage3_round_trip_gives_back_the_source_tensors(ds, tmp_path):
 def test_stage3_source_layout_at_its_own_world_size_is_its_own(ds):
     """A stage-3 source's sub-groups, put together and cut again for its own world size and sub-group
     size, are the ones DeepSpeed wrote (names, partition sizes, offsets)."""
-    from ckptspec.deepspeed.validate import validate_checkpoint
+    from ckptspec.deepspeed.check.zero import validate_checkpoint
     from ckptspec.export.reshard_layout import target_layout
 
     for name in ("s3-bf16-ws2-sub", "s3-fp16-ws3-groups", "s3-fp32-ws2-exclude"):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.format.manifest_dict import DUMP, manifest_dict, plain_params
 from ckptspec.format.models import Manifest, Param
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from ckptspec.deepspeed.describe import manifest_from_checkpoint
+from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.format import model_build
 from ckptspec.format.codec import dumps
 from ckptspec.format.models import Manifest

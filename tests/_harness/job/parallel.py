@@ -27,7 +27,7 @@ and record DeepSpeed's own answers about it (the ground truth of model-parallel 
                      merge of the tensor-parallel module weights (the training dtype)
   universal.log      (rank 0, when asked) ds_to_universal's output
   engine_index.rank<R>.json, saved_index.rank<R>.json  (every rank, ``save_with: ckptspec``) the live
-                     engine's checkpoint index without files (ckptspec.deepspeed.engine_index), and
+                     engine's checkpoint index without files (ckptspec.deepspeed.live.model_parallel), and
                      the complete one the save hook (ckptspec.deepspeed.save_checkpoint) returned
 
 Nothing here re-derives what a reader of the files would compute: every tensor is read from the
@@ -284,7 +284,7 @@ def _save_with_ckptspec(engine, out: Path, rank: int):
     """The save hook (ckptspec.deepspeed.save_checkpoint), and the live engine's index without files
     (``engine_index.rank<R>.json``, every rank: they must agree), both as every rank returns them."""
     from ckptspec.deepspeed import save_checkpoint
-    from ckptspec.deepspeed.engine_index import index_from_engine
+    from ckptspec.deepspeed.live import index_from_engine
 
     live = index_from_engine(engine).to_dict()
     saved = save_checkpoint(engine, str(out)).to_dict()

@@ -43,7 +43,7 @@ def run(args, out: Path):
     import torch.distributed as dist
 
     import ckptspec._fs as fs
-    import ckptspec.deepspeed.engine as hook
+    import ckptspec.deepspeed.save.zero as hook
     from ckptspec.deepspeed import save_checkpoint
 
     spec, second, kill_at = normalize_spec(args["spec"]), args["second_tag"], args["kill_at"]

@@ -1,0 +1,200 @@
+"""The files of a checkpoint whose index locates masters (#17: stage 0, MoE, universal folders).
+
+A domain with ``masters`` is not checked by the 1.x checks (its manifest locates no partition);
+``check_masters_domain`` checks its files (CK206 missing, CK208 size, CK209 hash) and every master
+and replica locator against the zip directory and the pickle (CK221). The whole set's checks
+(registered into ``INDEX_CHECKS``, run after the domains'):
+
+* CK240: an expert file the index lists is missing;
+* CK241: an expert file is not the one the index names (size, hash, or keys of another expert or save);
+* CK242: an optimizer file's ``partition_count`` contradicts the size of the domain of that group;
+* CK243: a copy DeepSpeed saved of a master (stage-0 MoE) differs from the master.
+
+Metadata, plus one ``pread`` per master and copy for CK243; never executes pickled code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from ....checkpoint.hashing import file_digest
+from ....checkpoint.states import StateCache
+from ....checkpoint.torchfile import TensorRef
+from ....findings import Finding, finding, json_path
+from ....format.dtypes import ITEMSIZE
+from ....format.index_models import Domain, MasterLocator
+from ....format.paths import join_inside
+from ...layout.masters import value_at
+from ...layout.names import OPTIM_RE
+from .context import IndexContext, check
+
+_EXPERT_ID = re.compile(r"\.deepspeed_experts\.(\d+)\.")
+
+
+def _locator_problem(tag_dir: Path, loc: MasterLocator, states: StateCache) -> str | None:
+    """Why ``loc`` does not point at bytes of the tensor at its ``key``, or None."""
+    path = join_inside(tag_dir, loc.file)
+    if path is None or not path.is_file():
+        return None  # the file's own finding
+    members = states.members(path)
+    if members.get(loc.member) != (loc.data_offset, loc.member_size):
+        return f"member {loc.member} at {loc.data_offset} ({loc.member_size} bytes) is not in the file's zip directory"
+    loaded = states.load(path)
+    ref = value_at(loaded.state, loc.key) if loaded.error is None else None
+    if not isinstance(ref, TensorRef):
+        return f"{'/'.join(map(str, loc.key)) or 'the file'} is not a tensor"
+    start = ref.storage_offset
+    if ref.storage.member != loc.member or ref.dtype != loc.dtype or not ref.is_contiguous():
+        return f"{'/'.join(map(str, loc.key))} is {ref.dtype} in {ref.storage.member}, not {loc.dtype} in {loc.member}"
+    if not (start <= loc.element_offset and loc.element_offset + loc.numel <= start + ref.numel):
+        return f"elements [{loc.element_offset}, {loc.element_offset + loc.numel}) are outside the tensor"
+    return None
+
+
+def check_masters_domain(
+    domain: Domain, i: int, tag_dir: Path, states: StateCache, *, verify_hashes: bool = True
+) -> list[Finding]:
+    out = []
+    for j, f in enumerate(domain.manifest.files):
+        at = json_path("domains", i, "manifest", "files", j)
+        path = join_inside(tag_dir, f.path)
+        if path is None or not path.is_file():
+            out.append(finding("CK206", at, "file is missing", "restore it from the run that wrote it", file=f.path))
+        elif path.stat().st_size != f.size:
+            out.append(
+                finding("CK208", at, f"size {path.stat().st_size}, the index says {f.size}", "restore it", file=f.path)
+            )
+        elif verify_hashes and f.hash is not None and file_digest(path, f.hash.algorithm) != f.hash:
+            out.append(finding("CK209", at, "content hash differs from the index's", "restore it", file=f.path))
+    for field, locs in (("masters", domain.masters.tensors), ("replicas", domain.replicas or [])):
+        for j, loc in enumerate(locs):
+            problem = _locator_problem(tag_dir, loc, states)
+            if problem:
+                out.append(
+                    finding(
+                        "CK221",
+                        json_path("domains", i, field, *(["tensors"] if field == "masters" else []), j),
+                        f"master of {loc.param!r}: {problem}",
+                        "regenerate the index from the files (ckptspec generate), or restore the files it describes",
+                        file=loc.file,
+                    )
+                )
+    return out
+
+
+@check("CK240")
+def expert_file_missing(ctx: IndexContext) -> Iterator[Finding]:
+    """Every expert file the index lists is there."""
+    for i, ef in enumerate(ctx.index.expert_files or []):
+        path = join_inside(ctx.tag_dir, ef.path)
+        if path is None or not path.is_file():
+            yield finding(
+                "CK240",
+                json_path("expert_files", i),
+                f"expert file of MoE layer {ef.moe_layer}, expert {ef.expert} (expert-parallel rank "
+                f"{ef.expert_parallel_rank}) is missing",
+                "restore it from the run that wrote the checkpoint; that expert's weights are lost without it",
+                file=ef.path,
+            )
+
+
+@check("CK241")
+def expert_file_other(ctx: IndexContext) -> Iterator[Finding]:
+    """Each expert file is the one the index names: its size and hash, its keys, every key naming its expert."""
+    for i, ef in enumerate(ctx.index.expert_files or []):
+        path = join_inside(ctx.tag_dir, ef.path)
+        if path is None or not path.is_file():
+            continue  # CK240
+        loaded = ctx.states.load(path)
+        state = loaded.state if loaded.error is None else None
+        keys = sorted(state) if isinstance(state, dict) else []
+        others = sorted({int(m.group(1)) for k in keys if (m := _EXPERT_ID.search(k))} - {ef.expert})
+        why = None
+        if path.stat().st_size != ef.size or (
+            ctx.verify_hashes and ef.hash is not None and file_digest(path, ef.hash.algorithm) != ef.hash
+        ):
+            why = "changed since the index was written (size or hash)"
+        elif others:
+            why = f"holds the tensors of expert {others[0]}, not of expert {ef.expert}"
+        elif keys != sorted(ef.tensors):
+            why = f"holds {keys[:3]}...; the index says {sorted(ef.tensors)[:3]}..."
+        if why:
+            yield finding(
+                "CK241",
+                json_path("expert_files", i),
+                f"expert file of expert {ef.expert} {why}",
+                "an expert file of another expert or save: restore the file of this save",
+                file=ef.path,
+            )
+
+
+@check("CK242")
+def partition_counts(ctx: IndexContext) -> Iterator[Finding]:
+    """Every ZeRO optimizer file's ``partition_count[g]`` is the size of the domain owning group g."""
+    sizes: dict[int, set[int]] = {}
+    for d in ctx.index.domains:
+        if d.masters is not None and d.configured_zero_stage in (1, 2):
+            for g in d.optimizer_groups or []:
+                sizes.setdefault(g, set()).add(d.size)
+    if not sizes:
+        return
+    files = sorted({f.path for d in ctx.index.domains for f in d.manifest.files if OPTIM_RE.match(f.path)})
+    for rel in files:
+        path = join_inside(ctx.tag_dir, rel)
+        if path is None or not path.is_file():
+            continue
+        loaded = ctx.states.load(path)
+        osd = loaded.state.get("optimizer_state_dict") if isinstance(loaded.state, dict) else None
+        counts = osd.get("partition_count") if isinstance(osd, dict) else None
+        for g, want in sorted(sizes.items()):
+            got = counts[g] if isinstance(counts, list) and g < len(counts) else None
+            if got not in want:
+                m = OPTIM_RE.match(Path(rel).name)
+                yield finding(
+                    "CK242",
+                    "$",
+                    f"optimizer group {g} has partition_count {got}; its domain has {sorted(want)[0]} rank(s)",
+                    "dense groups are partitioned over the data-parallel group, expert groups over the "
+                    "expert-data-parallel group: a file of another run or layout",
+                    file=rel,
+                    rank=int(m.group(1)) if m else None,
+                )
+
+
+def _read(tag_dir: Path, locs: list[MasterLocator]) -> bytes | None:
+    out = []
+    for loc in locs:
+        item = ITEMSIZE[loc.dtype]
+        try:
+            with open(tag_dir / loc.file, "rb") as fh:
+                out.append(os.pread(fh.fileno(), loc.numel * item, loc.data_offset + loc.element_offset * item))
+        except OSError:
+            return None
+    return b"".join(out)
+
+
+@check("CK243")
+def replicas_equal(ctx: IndexContext) -> Iterator[Finding]:
+    """Each copy DeepSpeed saved of a master (the dense masters in every ``expp_rank`` file and in
+    ``mp_rank_00``) equals the master, bit for bit: which copy a reader takes must not matter."""
+    for i, d in enumerate(ctx.index.domains):
+        if d.masters is None or not d.replicas:
+            continue
+        by_param: dict[str, list[MasterLocator]] = {}
+        for loc in d.masters.tensors:
+            by_param.setdefault(loc.param, []).append(loc)
+        for j, copy in enumerate(d.replicas):
+            master = _read(ctx.tag_dir, by_param.get(copy.param, []))
+            data = _read(ctx.tag_dir, [copy])
+            if master is not None and data is not None and master != data:
+                yield finding(
+                    "CK243",
+                    json_path("domains", i, "replicas", j),
+                    f"the copy of {copy.param!r}'s master differs from the master in {by_param[copy.param][0].file}",
+                    "every copy of a stage-0 master is saved from the same values: a file of another save or "
+                    "a corrupted one",
+                    file=copy.file,
+                )

@@ -1,0 +1,126 @@
+"""Which kind of DeepSpeed checkpoint: one vocabulary for tag directories and live engines.
+
+The kind decides the document (a plain ZeRO checkpoint has a format 1.x manifest, every other kind a
+checkpoint index) and which producer describes it: ``describe`` dispatches on ``kind_of_dir``, the
+save hook and ``index_from_engine`` on ``kind_of_engine``. File names and engine attributes only:
+no torch, no DeepSpeed import (a stage-0 pipeline is told by its model states' metadata).
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+
+from ..checkpoint.states import StateCache
+from ..location import RemotePath
+from .layout.masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE
+from .layout.names import MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
+from .layout.tag_dir import UNIVERSAL_FOLDER
+
+
+class Kind(enum.StrEnum):
+    ZERO = "zero"  # ZeRO stage 1-3, one model-parallel rank: a format 1.x manifest
+    MODEL_PARALLEL = "model_parallel"  # tensor and/or pipeline parallel at ZeRO 1-3
+    MOE = "moe"  # DeepSpeed's native MoE layers (expert files)
+    STAGE0 = "stage0"  # ZeRO stage 0: fp32 masters in the optimizer file
+    PIPELINE_STAGE0 = "pipeline_stage0"  # a pipeline at ZeRO stage 0 (BF16_Optimizer)
+    UNIVERSAL = "universal"  # ds_to_universal's folder
+
+    @property
+    def needs_index(self) -> bool:
+        """Described by a checkpoint index, not a format 1.x manifest."""
+        return self is not Kind.ZERO
+
+    @property
+    def masters_kind(self) -> str | None:
+        """The kinds whose index locates the fp32 masters of a live engine (issue #17), else None."""
+        return self.value if self in (Kind.MOE, Kind.STAGE0, Kind.PIPELINE_STAGE0) else None
+
+
+def kind_of_dir(tag_dir: Path | RemotePath) -> Kind:
+    """The kind of a tag directory, from its file names (and a stage-0 pipeline's model states).
+
+    A URL is ``ZERO``: checkpoint indexes are read from local directories only, for now; the 1.x path
+    refuses a remote model-parallel checkpoint by name (CK202)."""
+    found = _index_kind(tag_dir)
+    if found is not None:
+        return Kind(found)
+    return Kind.MODEL_PARALLEL if is_model_parallel(tag_dir) else Kind.ZERO
+
+
+def kind_of_engine(engine) -> Kind:
+    """The kind of the checkpoint a live engine saves (its attributes only: no collective, no import)."""
+    found = _masters_kind(engine)
+    if found is not None:
+        return Kind(found)
+    return Kind.MODEL_PARALLEL if _is_model_parallel_engine(engine) else Kind.ZERO
+
+
+def needs_index(tag_dir: Path | RemotePath) -> bool:
+    """``kind_of_dir(tag_dir).needs_index`` without reading a pickle for a model-parallel directory (the
+    CLI asks this before anything else; ``kind_of_dir`` tells a stage-0 pipeline by its model states)."""
+    return is_model_parallel(tag_dir) or _index_kind(tag_dir) is not None
+
+
+def is_model_parallel(tag_dir: Path | RemotePath) -> bool:
+    """The directory holds files of a model-parallel rank other than 0, or pipeline layer files.
+
+    False for a URL: checkpoint indexes are read from local directories only, for now; a remote
+    model-parallel checkpoint takes the 1.x path, which refuses it by name (CK202)."""
+    if isinstance(tag_dir, RemotePath):
+        return False
+    for path in tag_dir.iterdir():
+        name = path.name
+        if PIPE_LAYER_RE.match(name):
+            return True
+        m = OPTIM_RE.match(name) or MODEL_RE.match(name)
+        if m and int(m.group(2)) != 0:
+            return True
+    return False
+
+
+def _index_kind(tag_dir: Path | RemotePath) -> str | None:
+    """``"universal"``, ``"moe"``, ``"stage0"`` or ``"pipeline_stage0"`` for a tag directory
+    ``describe`` locates masters for, else None. File names only (and the pipeline stage-0 check):
+    ``generate`` asks before it imports the models."""
+    if isinstance(tag_dir, RemotePath) or not tag_dir.is_dir():
+        return None
+    names = [p.name for p in tag_dir.iterdir()]
+    if any(PIPE_LAYER_RE.match(n) for n in names):
+        return "pipeline_stage0" if is_pipeline_stage0(tag_dir, StateCache()) else None
+    if any(OPTIM_RE.match(n) and not n.endswith("mp_rank_00_optim_states.pt") for n in names):
+        return None  # a model-parallel rank other than 0: the tensor/pipeline index
+    if any(EXPERT_FILE_RE.match(n) or EXPP_RE.match(n) for n in names):
+        return "moe"
+    if any(OPTIM_RE.match(n) for n in names):
+        return None  # an ordinary ZeRO checkpoint: format 1.x
+    if (tag_dir / UNIVERSAL_FOLDER).is_dir():
+        return "universal"
+    if MODEL_FILE in names:
+        return "stage0"
+    return None
+
+
+def is_pipeline_stage0(tag_dir: Path, states: StateCache) -> bool:
+    """Layer files, and model states with ``param_shapes`` None and BF16_Optimizer's partitions."""
+    model = tag_dir / "mp_rank_00_model_states.pt"
+    if not model.is_file() or not any(tag_dir.glob("layer_*-model_states.pt")):
+        return False
+    state = states.state(model)
+    optimizer = state.get("optimizer") if isinstance(state, dict) else None
+    return state.get("param_shapes", []) is None and isinstance(optimizer, dict) and "param_slice_mappings" in optimizer
+
+
+def _masters_kind(engine) -> str | None:
+    """``"moe"``, ``"pipeline_stage0"`` or ``"stage0"`` for an engine whose masters the index locates, else None."""
+    if getattr(engine, "has_moe_layers", False):
+        return "moe"
+    stage = getattr(engine, "zero_optimization_stage", None)
+    if not callable(stage) or stage() != 0:
+        return None
+    return "pipeline_stage0" if type(engine).__name__ == "PipelineEngine" else "stage0"
+
+
+def _is_model_parallel_engine(engine) -> bool:
+    """Tensor or pipeline parallelism: the engine's checkpoint needs an index, not a manifest."""
+    return int(getattr(engine, "mp_world_size", 1) or 1) > 1 or type(engine).__name__ == "PipelineEngine"

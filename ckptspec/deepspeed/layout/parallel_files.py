@@ -1,0 +1,152 @@
+"""A tensor/pipeline-parallel tag directory: its files by model-parallel rank, its layer files, its degrees.
+
+DeepSpeed 0.19 numbers a checkpoint's model-parallel rank ``mp = pipeline * tp_degree + tensor``
+(``PipelineModule``/AutoTP); each mp rank writes the file set of one ZeRO data-parallel group under
+``mp_rank_<mp>``, and a pipeline also writes one ``layer_<LL>-model_states.pt`` per layer. The
+degrees come from ``checkpoint_parallel_dimensions`` (DeepSpeed >= 0.19.5) or are derived from
+``mp_world_size`` and the names; a split of ``mp_world_size`` the names do not decide is refused,
+never defaulted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..._fs import is_leftover
+from ...checkpoint.states import StateCache
+from ...errors import CheckpointInvalid, InvalidCheckpoint, UnsupportedCheckpoint
+from ...findings import finding
+from ...location import is_remote
+from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
+from .tag_dir import UNIVERSAL_FOLDER, ShardSet, resolve_tag_dir
+
+
+@dataclass
+class ParallelFiles:
+    tag_dir: Path
+    by_mp_rank: dict[int, ShardSet] = field(default_factory=dict)
+    layer_files: dict[int, Path] = field(default_factory=dict)  # layer index -> file
+    other_files: list[Path] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Degrees:
+    pipeline: int
+    tensor: int
+    data: int
+    model_parallel: int
+    source: str  # "checkpoint_parallel_dimensions" | "derived"
+
+    def coordinate(self, mp_rank: int) -> tuple[int, int]:
+        """(pipeline stage, tensor rank) of a checkpoint mp rank."""
+        return divmod(mp_rank, self.tensor)
+
+
+def index_tag_dir(checkpoint, tag: str | None = None) -> Path:
+    """The tag directory of a checkpoint read through a checkpoint index: a local one. From a URL it
+    is refused by name before anything is fetched (CK202; docs/remote.md), never half read."""
+    if is_remote(checkpoint):
+        raise UnsupportedCheckpoint(
+            "a checkpoint read as a checkpoint index (tensor/pipeline parallel, MoE, ZeRO stage 0, universal) "
+            "is read from a local directory only, not from a URL",
+            "copy the checkpoint to a local directory first (with your storage's own tool), and pass that",
+            str(checkpoint),
+        )
+    return resolve_tag_dir(checkpoint, tag)
+
+
+def scan_parallel(tag_dir: Path) -> ParallelFiles:
+    out = ParallelFiles(tag_dir)
+    for path in sorted(tag_dir.iterdir()):
+        name = path.name
+        if not path.is_file():
+            continue
+        if EXPERT_RE.match(name):
+            raise UnsupportedCheckpoint(
+                f"MoE expert file {name}", "MoE checkpoints are not described by this ckptspec (issue #17)", str(path)
+            )
+        if m := PIPE_LAYER_RE.match(name):
+            if m.group(2) is not None:
+                raise UnsupportedCheckpoint(
+                    f"Megatron pipeline x tensor layer file {name}",
+                    "pp x tp checkpoints (layer_XX-model_YY files) are not described: no real one backs the format "
+                    "yet (DeepSpeed 0.19.8's AutoTP cannot run inside a PipelineModule)",
+                    str(path),
+                )
+            out.layer_files[int(m.group(1))] = path
+        elif m := OPTIM_RE.match(name):
+            shards = out.by_mp_rank.setdefault(int(m.group(2)), ShardSet(tag_dir))
+            shards.optim_files[int(m.group(1))] = path
+        elif m := MODEL_RE.match(name):
+            shards = out.by_mp_rank.setdefault(int(m.group(2)), ShardSet(tag_dir))
+            shards.model_files[int(m.group(1) or 0)] = path
+        elif not name.startswith("ckptspec.") and not is_leftover(name):
+            out.other_files.append(path)
+    if not any(s.optim_files for s in out.by_mp_rank.values()) and (tag_dir / UNIVERSAL_FOLDER).is_dir():
+        raise UnsupportedCheckpoint(  # as directory.scan_tag_dir says it
+            f"a DeepSpeed universal checkpoint ({UNIVERSAL_FOLDER}/ folder), not a ZeRO checkpoint",
+            "describe the ZeRO checkpoint it was converted from: pass that tag "
+            "(DeepSpeed loads this one with checkpoint.load_universal)",
+            str(tag_dir / UNIVERSAL_FOLDER),
+        )
+    if not any(s.model_files for s in out.by_mp_rank.values()):
+        raise InvalidCheckpoint(
+            "CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir)
+        )
+    return out
+
+
+def layer_file_name(param: str) -> str:
+    """The layer file DeepSpeed writes a pipeline parameter ``<layer>.<key>`` into."""
+    layer = param.split(".", 1)[0]
+    return f"layer_{int(layer):02d}-model_states.pt" if layer.isdigit() else layer
+
+
+def missing_layer_files(missing: dict[str, list[str]], tag_dir) -> CheckpointInvalid:
+    """CK230 for each layer file (-> the trainable parameters it holds) that is not in the tag directory."""
+    return CheckpointInvalid(
+        [
+            finding(
+                "CK230",
+                "$.layer_files",
+                f"pipeline layer file of {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} is missing",
+                "restore it from the run that wrote the checkpoint; the layer's weights are lost without it",
+                file=rel,
+            )
+            for rel, names in sorted(missing.items())
+        ],
+        str(tag_dir),
+    )
+
+
+def degrees_of(files: ParallelFiles, states: StateCache) -> Degrees:
+    """The degrees the model states record, else derived from ``mp_world_size`` and the file names."""
+    mp0 = min(mp for mp, s in files.by_mp_rank.items() if s.model_files)
+    path = files.by_mp_rank[mp0].model_files[min(files.by_mp_rank[mp0].model_files)]
+    first = states.state(path)
+    if not isinstance(first, dict):
+        raise UnsupportedCheckpoint("model states are not a dict", "is this a DeepSpeed checkpoint?", str(path))
+    dims = first.get("checkpoint_parallel_dimensions")
+    mp_world = first.get("mp_world_size")
+    dp_world = int(first.get("dp_world_size") or 1)
+    if isinstance(dims, dict) and "pp_degree" in dims and "tp_degree" in dims:
+        pp, tp = int(dims["pp_degree"]), int(dims["tp_degree"])
+        return Degrees(pp, tp, dp_world, pp * tp, "checkpoint_parallel_dimensions")
+    if not isinstance(mp_world, int) or mp_world < 1:
+        raise UnsupportedCheckpoint(
+            "neither checkpoint_parallel_dimensions nor mp_world_size in the model states",
+            "the tensor and pipeline degrees cannot be known; they are never assumed to be 1",
+            str(path),
+        )
+    # DeepSpeed < 0.19.5: a pipeline writes layer files and no module; AutoTP writes the module.
+    if files.layer_files and first.get("module") is None:
+        return Degrees(mp_world, 1, dp_world, mp_world, "derived")
+    if not files.layer_files and first.get("module") is not None:
+        return Degrees(1, mp_world, dp_world, mp_world, "derived")
+    raise UnsupportedCheckpoint(
+        f"mp_world_size {mp_world} without checkpoint_parallel_dimensions, and the file names do not tell "
+        "its split into pipeline x tensor",
+        "save with DeepSpeed >= 0.19.5 (which records the degrees), or describe the checkpoint from the live engine",
+        str(path),
+    )

@@ -1,0 +1,100 @@
+"""How a tensor-parallel rank's shard sits in the whole tensor, from what DeepSpeed recorded.
+
+AutoTP (DeepSpeed >= 0.19) saves ``universal_checkpoint_info["affine_map"]`` (version 1) in every
+mp rank's model states: per parameter-name pattern, the logical (whole) shape and, per tensor rank,
+the shard shape and its pieces, each ``shape`` elements at ``source`` = (offset, strides) of the
+whole tensor and ``dest`` = (offset, strides) of the shard. One piece that is a contiguous block
+along one axis becomes ``{"split": {axis, offset, length}}``; a piece covering the whole tensor is
+``"replicated"``; anything else (fused QKV sub-parameters, uneven splits) is kept as the pieces.
+
+A parameter no entry matches is refused by name (CK202): a wrong merge is worse than none
+(EleutherAI/gpt-neox #880). The older regular expressions of ``universal_checkpoint_info``
+(row-parallel, replicated patterns) without an affine map are refused too, for now: they do not
+say the offsets of uneven or sub-parameter splits.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from ...errors import UnsupportedCheckpoint
+
+
+def contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return strides[::-1]
+
+
+def affine_params(model_states: Any) -> dict[str, dict] | None:
+    """The affine map's pattern -> entry table, or None when the model states have none."""
+    info = model_states.get("universal_checkpoint_info") if isinstance(model_states, dict) else None
+    amap = info.get("affine_map") if isinstance(info, dict) else None
+    if not isinstance(amap, dict) or amap.get("version") != 1 or not isinstance(amap.get("params"), dict):
+        return None
+    return amap["params"]
+
+
+def _entry(params: dict[str, dict], name: str) -> dict | None:
+    hits = [entry for pattern, entry in params.items() if re.match(pattern, name)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def tp_placement(params: dict[str, dict] | None, name: str, tp_rank: int, local_shape: list[int], file: str):
+    """(whole shape, placement) of ``name``'s shard on tensor rank ``tp_rank``."""
+    entry = _entry(params, name) if params is not None else None
+    rank_entry = (entry or {}).get("ranks", {}).get(tp_rank) if entry else None
+    if entry is None or not isinstance(rank_entry, dict):
+        raise UnsupportedCheckpoint(
+            f"no tensor-parallel merge rule for {name!r} on tensor rank {tp_rank}: the model states' "
+            "universal_checkpoint_info has no affine_map entry for it",
+            "ckptspec never guesses how tensor-parallel shards compose; save with a DeepSpeed that records "
+            "AutoTP's affine_map (0.19), or describe the checkpoint from the live engine",
+            file,
+        )
+    whole = [int(d) for d in entry["logical_shape"]]
+    if [int(d) for d in rank_entry["shard_shape"]] != list(local_shape):
+        raise UnsupportedCheckpoint(
+            f"{name!r} on tensor rank {tp_rank} has shape {list(local_shape)}; the affine_map says "
+            f"{rank_entry['shard_shape']}",
+            "the model states disagree with themselves: restore the files of one save",
+            file,
+        )
+    pieces = [
+        {
+            "shape": [int(d) for d in p["shape"]],
+            "source": [int(p["source"][0]), [int(s) for s in p["source"][1]]],
+            "dest": [int(p["dest"][0]), [int(s) for s in p["dest"][1]]],
+        }
+        for p in rank_entry["pieces"]
+    ]
+    return whole, _simplest(pieces, whole, list(local_shape))
+
+
+def _simplest(pieces: list[dict], whole: list[int], local: list[int]) -> Any:
+    if len(pieces) != 1:
+        return {"pieces": pieces}
+    piece = pieces[0]
+    if piece["shape"] != local or piece["dest"] != [0, contiguous_strides(local)]:
+        return {"pieces": pieces}
+    offset, strides = piece["source"]
+    if strides != contiguous_strides(whole):
+        return {"pieces": pieces}
+    if local == whole and offset == 0:
+        return "replicated"
+    axes = [a for a, (w, n) in enumerate(zip(whole, local, strict=True)) if w != n]
+    if len(axes) != 1 or offset % strides[axes[0]] or offset // strides[axes[0]] + local[axes[0]] > whole[axes[0]]:
+        return {"pieces": pieces}
+    axis = axes[0]
+    # Only a block that starts at the axis' origin in every other dimension is a split.
+    if offset >= strides[axis] * whole[axis] or (axis > 0 and offset >= strides[axis - 1]):
+        return {"pieces": pieces}
+    return {"split": {"axis": axis, "offset": offset // strides[axis], "length": local[axis]}}
+
+
+def numel(shape: list[int]) -> int:
+    return math.prod(shape)

@@ -1,0 +1,36 @@
+"""Live: a DeepSpeed engine in memory -> the document that describes it. The only modules (with ``save``)
+that import torch and DeepSpeed, and only inside the functions that need them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ...format.index_models import CheckpointIndex
+
+
+def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> CheckpointIndex:
+    """The index of ``engine``'s checkpoint layout, without files (collective: call on every rank).
+
+    ZeRO stage 0, MoE and the stage-0 pipeline get their domains and parameters without ``masters``
+    (``masters_index.live_index``): a master's locator is a byte range of a saved file.
+
+    Raises:
+        UnsupportedEngine: tensor/pipeline parallelism at ZeRO 1-3 with frozen parameters, buffers or
+            ties, a parameter AutoTP partitions without an affine map; MoE or stage 0 combined with
+            tensor parallelism, MoE with FP16_Optimizer's flat masters.
+        EngineLayoutMismatch: the ranks of one coordinate describe their group differently.
+    """
+    from ..kinds import kind_of_engine
+    from .masters import gather_described
+
+    if kind_of_engine(engine).masters_kind is not None:  # ZeRO stage 0, MoE, the stage-0 pipeline (issue #17)
+        import torch.distributed as dist
+
+        from .masters_index import live_index
+
+        return live_index(gather_described(engine, dist))
+    from .gather import gather
+    from .model_parallel import assemble, local_description
+
+    return assemble(gather(local_description(engine, exclude_frozen_parameters)))

@@ -1,0 +1,218 @@
+"""The checkpoint index of a live tensor/pipeline-parallel DeepSpeed engine (issue #16).
+
+Each rank describes the ZeRO data-parallel group it belongs to (``zero.engine_layout``: the same
+1.x manifest a data-parallel engine gets), its place in the topology as DeepSpeed reports it, and,
+under AutoTP, where each of its shards sits in the whole tensor (the ``affine_map`` AutoTP keeps on
+every partitioned parameter); one ``all_gather_object`` gives every rank the whole picture. What
+only the live engine knows is recorded: the global rank of every coordinate (``topology.ranks``,
+each domain's ``members``), and ``degrees_source``/``placement_source`` ``"engine"``.
+
+``index_from_engine`` is collective: call it on every rank. Imports torch and DeepSpeed only when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..._version import __version__
+from ...errors import EngineLayoutMismatch, UnsupportedEngine
+from ...format.index_models import (
+    INDEX_FORMAT,
+    INDEX_VERSION,
+    CheckpointIndex,
+    Coordinate,
+    Degrees,
+    Domain,
+    IndexParameter,
+    RankCoordinate,
+    Shard,
+    Topology,
+)
+from ...format.models import Manifest
+from ..describe.model_parallel import domain_id
+from ..layout.placements import tp_placement
+from .refusals import refuse_unsaveable
+from .zero import engine_layout
+
+
+def _refuse(engine) -> None:
+    refuse_unsaveable(engine)
+    if getattr(engine, "has_moe_layers", False) or engine.zero_optimization_stage() == 0:
+        raise UnsupportedEngine("MoE and ZeRO stage-0 engines are described by live/masters.py")
+
+
+def coordinates(engine) -> dict:
+    """This rank's place: global rank, (pipeline, tensor, data) coordinate, checkpoint mp rank, degrees."""
+    import torch.distributed as dist
+    from deepspeed.utils.bwc import (
+        bwc_pipeline_parallel_world_size,
+        bwc_tensor_model_parallel_rank,
+        bwc_tensor_model_parallel_world_size,
+    )
+
+    mpu = engine.mpu
+    pp, tp = bwc_pipeline_parallel_world_size(mpu), bwc_tensor_model_parallel_world_size(mpu)
+    pipeline = 0
+    if pp > 1:
+        pipeline = (
+            mpu.get_pipeline_model_parallel_rank()
+            if hasattr(mpu, "get_pipeline_model_parallel_rank")
+            else mpu.get_pipe_parallel_rank()
+        )
+    tensor = bwc_tensor_model_parallel_rank(mpu) if tp > 1 else 0
+    data = dist.get_rank(group=engine.optimizer.dp_process_group)
+    mp_rank = int(engine.checkpoint_mp_rank)
+    if mp_rank != pipeline * tp + tensor:  # DeepSpeed's numbering, which the directory reader relies on
+        raise EngineLayoutMismatch(
+            f"checkpoint mp rank {mp_rank} is not pipeline {pipeline} x tensor degree {tp} + tensor {tensor}"
+        )
+    return {
+        "rank": dist.get_rank(),
+        "pipeline": pipeline,
+        "tensor": tensor,
+        "data": data,
+        "mp_rank": mp_rank,
+        "degrees": [pp, tp, int(engine.dp_world_size)],
+    }
+
+
+def _live_params(engine) -> dict:
+    return {name: p for name, p in engine.module.named_parameters()}
+
+
+def _tp_placements(engine, manifest: Manifest, tensor: int) -> dict[str, list]:
+    """Local name -> [whole shape, placement] of every trainable parameter, from AutoTP's live metadata."""
+    from deepspeed.module_inject.layers import _get_param_uc_conversion_meta
+
+    live = _live_params(engine)
+    out = {}
+    for group in manifest.groups:
+        for param in group.params:
+            meta = _get_param_uc_conversion_meta(live[param.name]) or {}
+            if meta.get("unsupported_reason"):
+                raise UnsupportedEngine(f"{param.name!r}: AutoTP cannot convert it: {meta['unsupported_reason']}")
+            amap = meta.get("affine_map")
+            if not meta:  # AutoTP left it untouched: identical on every tensor rank (DeepSpeed's own rule)
+                out[param.name] = [list(param.shape), "replicated"]
+                continue
+            if amap is None:
+                raise UnsupportedEngine(
+                    f"{param.name!r}: AutoTP partitioned it without an affine map; its merge rule is never guessed"
+                )
+            whole, placement = tp_placement({"": amap}, param.name, tensor, list(param.shape), "the live engine")
+            out[param.name] = [whole, placement if isinstance(placement, str) else placement]
+    return out
+
+
+def _pipeline_layers(engine) -> dict:
+    """Layer index -> (layer file name, its state-dict keys) for this stage's layers, DeepSpeed's naming."""
+    module = engine.module
+    out = {}
+    for local, layer in enumerate(module.forward_funcs):
+        if hasattr(layer, "state_dict"):
+            out[module._local_start + local] = (module.ckpt_layer_path("", local), sorted(layer.state_dict()))
+    return out
+
+
+def local_description(engine, exclude_frozen_parameters: bool = False) -> dict:
+    """What this rank knows (JSON-ready, for the gather)."""
+    _refuse(engine)
+    coords = coordinates(engine)
+    manifest = engine_layout(engine, exclude_frozen_parameters)
+    pp, tp, _ = coords["degrees"]
+    manifest.layout.tensor_parallel_size, manifest.layout.pipeline_parallel_size = tp, pp
+    for section in ("frozen", "buffers", "aliases"):
+        items = getattr(manifest, section)
+        if items:  # as the directory producer: not in the whole-model view yet
+            raise UnsupportedEngine(
+                f"{section} ({items[0].name!r}, ...) in a tensor/pipeline-parallel engine are not described yet"
+            )
+    return {
+        **coords,
+        "manifest": manifest.to_dict(),
+        "placements": _tp_placements(engine, manifest, coords["tensor"]) if tp > 1 else None,
+        "layers": {str(k): v for k, v in _pipeline_layers(engine).items()} if pp > 1 else None,
+    }
+
+
+def _layer_file(layers: dict, name: str) -> tuple[str, str]:
+    layer, key = name.split(".", 1)
+    return layers[layer][0], key
+
+
+def assemble(described: list[dict], files_of: Callable[[dict], list] | None = None) -> CheckpointIndex:
+    """The index from every rank's ``local_description`` (in rank order). ``files_of(domain description)``
+    gives a domain's described files (the save hook); without it the domains list no files."""
+    pp, tp, dp = described[0]["degrees"]
+    if any(d["degrees"] != [pp, tp, dp] for d in described):
+        raise EngineLayoutMismatch("the ranks report different parallel degrees")
+    by_coord: dict[tuple[int, int], list[dict]] = {}
+    for d in sorted(described, key=lambda d: (d["mp_rank"], d["data"])):
+        by_coord.setdefault((d["pipeline"], d["tensor"]), []).append(d)
+    domains, parameters, layers = [], {}, {}
+    for (pipeline, tensor), members in sorted(by_coord.items(), key=lambda kv: kv[1][0]["mp_rank"]):
+        first = members[0]
+        if any(m["manifest"] != first["manifest"] for m in members):
+            raise EngineLayoutMismatch(f"the data-parallel ranks of pipeline {pipeline}, tensor {tensor} disagree")
+        manifest = Manifest.model_validate(first["manifest"])
+        if files_of is not None:
+            manifest.files = files_of(first)
+        dom = Domain(
+            id=domain_id(pipeline, tensor),
+            coordinate=Coordinate(pipeline=pipeline, tensor=tensor),
+            process_group="data_parallel",
+            size=manifest.layout.world_size,
+            members=[m["rank"] for m in members],
+            file_ranks={f.path: f.ranks[0] for f in manifest.files if f.role in ("model_states", "optimizer_states")},
+            manifest=manifest,
+        )
+        domains.append(dom)
+        layers.update(first["layers"] or {})
+        for group in manifest.groups:
+            for param in group.params:
+                shard = Shard(domain=dom.id, local_name=param.name, local_shape=list(param.shape), placement="whole")
+                if first["placements"] is not None:
+                    whole, shard.placement = first["placements"][param.name]
+                    source = "engine"
+                else:
+                    whole, source = list(param.shape), "pipeline_layer"
+                    shard.layer_file, shard.layer_key = _layer_file(layers, param.name)
+                entry = parameters.get(param.name)
+                if entry is None:
+                    parameters[param.name] = IndexParameter(
+                        name=param.name,
+                        shape=whole,
+                        dtype=param.dtype,
+                        role="trainable",
+                        shards=[shard],
+                        placement_source=source,
+                    )
+                elif entry.shape != whole:
+                    raise EngineLayoutMismatch(f"{param.name!r}: tensor ranks give whole shapes {entry.shape}, {whole}")
+                else:
+                    entry.shards.append(shard)
+    for entry in parameters.values():
+        if all(s.placement == "replicated" for s in entry.shards):
+            for s in entry.shards:
+                s.primary = s is entry.shards[0]
+    first = domains[0].manifest
+    return CheckpointIndex(
+        format=INDEX_FORMAT,
+        format_version=INDEX_VERSION,
+        producer=first.producer.model_copy(update={"tool_version": __version__}),
+        kind="zero",
+        topology=Topology(
+            degrees=Degrees(pipeline=pp, tensor=tp, data=dp),
+            degrees_source="engine",
+            model_parallel_size=pp * tp,
+            ranks=[
+                RankCoordinate(
+                    rank=d["rank"], pipeline=d["pipeline"], tensor=d["tensor"], data=d["data"], mp_rank=d["mp_rank"]
+                )
+                for d in sorted(described, key=lambda d: d["rank"])
+            ],
+        ),
+        domains=domains,
+        layer_files=[],
+        parameters=list(parameters.values()),
+    )
