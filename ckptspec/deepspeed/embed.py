@@ -30,6 +30,7 @@ from ..errors import CkptspecError, EmbedError
 from ..findings import Finding
 from ..format.codec import Encoding
 from ..format.models import Manifest
+from ..format.tolerant import from_document
 from ..format.validate import validate_document
 from ..format.version import version_key
 from ..location import refuse_write
@@ -125,7 +126,7 @@ def embed_checkpoint(
         replaced = check_records(tag_dir, records, states, rehash=rehash, hint=REHASH_HINT)
         target, digested = _digested(shards, described, doc, states) if hash_algorithm else (None, {})
         if target is None and version_key(str(doc.get("format_version", "1.0"))) != "1.0":
-            target = Manifest.model_validate(doc, context={"allow_unknown": True})
+            target = from_document(Manifest, doc)
         renames: list[tuple[Path, Path]] = []
         try:
             if model_states:
@@ -173,7 +174,7 @@ def _digested(shards: ShardSet, described: Manifest, doc: dict, states: StateCac
     (read from the files as they are: embedding moves bytes, it does not change them)."""
     if version_key(str(doc.get("format_version", "1.0"))) == "1.0":
         return None, {}
-    target = Manifest.model_validate(doc, context={"allow_unknown": True})
+    target = from_document(Manifest, doc)
     target.files = describe_files(shards, described.layout.zero_stage, None, states, target)
     add_digests(target, shards.tag_dir)
     return target, {key: target.to_dict()[key] for key in ("groups", "frozen", "buffers")}

@@ -16,6 +16,7 @@ from ..checkpoint.embedded import NOT_LAYOUT, first_difference
 from ..checkpoint.states import StateCache
 from ..errors import EmbedError
 from ..format.models import Manifest
+from ..format.tolerant import from_document
 from .check.recorded import check_records
 from .describe.digests import add_digests
 from .describe.zero import manifest_from_states
@@ -58,7 +59,7 @@ def fill_from_checkpoint(doc: dict, checkpoint: str | os.PathLike, tag: str | No
         )
     if any("hash" in f for f in doc.get("files", [])):
         # Digests read from files that no longer match the recorded hashes would vouch for the change.
-        recorded = Manifest.model_validate(doc, context={"allow_unknown": True})
+        recorded = from_document(Manifest, doc)
         check_records(tag_dir, [("the manifest", recorded)], states, rehash=False, hint=_CHANGED_HINT)
         add_digests(found, tag_dir)
         derived = found.to_dict()

@@ -83,6 +83,8 @@ def validate_index_document(doc: Any) -> IndexReport:
     from pydantic import ValidationError
 
     from .index_models import CheckpointIndex
+    from .integral import integral_floats
+    from .tolerant import tolerant
 
     with gc_paused():
         gate, stop = _version_findings(doc)
@@ -101,8 +103,10 @@ def validate_index_document(doc: Any) -> IndexReport:
             refused = refused or any(f.code in ("CK001", "CK002", "CK003") for f in report.findings)
         if refused:
             return IndexReport(findings)
+        model = tolerant(CheckpointIndex) if allow_unknown else CheckpointIndex
         try:
-            index = CheckpointIndex.model_validate(doc, context={"allow_unknown": allow_unknown})
+            # The models are strict: JSON Schema's integral floats (3.0) become ints first.
+            index = model.model_validate(integral_floats(doc, CheckpointIndex))
         except ValidationError as exc:
             first = exc.errors()[0]
             return IndexReport(

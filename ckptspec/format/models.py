@@ -12,33 +12,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    StringConstraints,
-    ValidationInfo,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 INT64_MAX = 2**63 - 1
 
-
-def _integral(value: Any) -> Any:
-    # JSON Schema counts 3.0 as an integer but never true/"3"; mirror that exactly.
-    if isinstance(value, bool):
-        raise ValueError("expected an integer, got a boolean")
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if not isinstance(value, int):
-        raise ValueError("expected an integer")
-    return value
-
-
-Count = Annotated[int, BeforeValidator(_integral), Field(ge=0, le=INT64_MAX)]
-Positive = Annotated[int, BeforeValidator(_integral), Field(ge=1, le=1048576)]
-Name = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=1024)]
+# Strict (the config): an int refuses True and 3.0, a str refuses bytes. JSON Schema counts 3.0
+# as an integer: ``integral.integral_floats`` turns it into 3 where a document is loaded.
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Positive = Annotated[int, Field(ge=1, le=1048576)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 Shape = Annotated[list[Count], Field(max_length=64)]
 Dtype = Literal[
     "float64",
@@ -58,12 +40,11 @@ Dtype = Literal[
 ]
 SemVer = Annotated[
     str,
-    StringConstraints(strict=True, pattern=r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$"),
+    StringConstraints(pattern=r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$"),
 ]
 Timestamp = Annotated[
     str,
     StringConstraints(
-        strict=True,
         max_length=64,
         pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})$",
     ),
@@ -71,66 +52,47 @@ Timestamp = Annotated[
 
 
 def _text(max_length: int) -> Any:
-    return Annotated[str, StringConstraints(strict=True, min_length=1, max_length=max_length)]
-
-
-_FIELD_NAMES: dict[type, frozenset[str]] = {}
-
-
-def _field_names(cls: type[BaseModel]) -> frozenset[str]:
-    # Cached: pydantic's model_fields is a property rebuilt on every call, once per
-    # validated object.
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        # By alias too: Optimizer's "class" (a Python keyword) is the field class_.
-        names = _FIELD_NAMES[cls] = frozenset(cls.model_fields) | {
-            f.alias for f in cls.model_fields.values() if f.alias
-        }
-    return names
+    return Annotated[str, StringConstraints(min_length=1, max_length=max_length)]
 
 
 class _Model(BaseModel):
-    """Base: strict types; unknown keys refused unless the reader allows them.
+    """Base: strict types, unknown keys refused, and no Python validator: every constraint is in
+    the types, so pydantic-core checks a document without a Python call per object.
 
-    A document with a newer minor format version may carry fields this reader does
-    not know; ``load`` then passes ``context={"allow_unknown": True}`` so they are
-    kept (and dumped back) instead of refused.
+    A document with a newer minor format version may carry fields this reader does not know:
+    ``tolerant(Manifest)`` (``tolerant.py``) reads it, keeping them (and dumping them back).
     """
 
-    model_config = ConfigDict(extra="allow", strict=True, frozen=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unknown_keys(cls, data: Any, info: ValidationInfo) -> Any:
-        if isinstance(data, dict) and not (info.context or {}).get("allow_unknown"):
-            unknown = data.keys() - _field_names(cls)
-            if unknown:
-                raise ValueError(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}")
-        return data
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _finite(value: Any) -> Any:
-    # A JSON number: int or float (never a boolean, NaN or infinity: the codec refuses those).
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("expected a number")
-    return value
-
-
-Number = Annotated[float | int, BeforeValidator(_finite)]
-NonNegative = Annotated[float | int, BeforeValidator(_finite), Field(ge=0)]
-Scalar = Number | bool | Annotated[str, StringConstraints(strict=True, max_length=65536)]
+# A JSON number: int or float, never a boolean (strict); the codec refuses NaN and infinity.
+Number = float | int
+NonNegative = Annotated[float | int, Field(ge=0)]
+Scalar = Number | bool | Annotated[str, StringConstraints(max_length=65536)]
 Value = Scalar | Annotated[list[Scalar], Field(max_length=1024)]
-Values = Annotated[
-    dict[Annotated[str, StringConstraints(strict=True, min_length=1, max_length=256)], Value], Field(max_length=1024)
-]
-StateName = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=256)]
+Values = Annotated[dict[Annotated[str, StringConstraints(min_length=1, max_length=256)], Value], Field(max_length=1024)]
+StateName = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
 class Digest(_Model):
-    sha256: Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{64}$")] = None  # type: ignore[assignment]
+    """One property per algorithm, at least one: this format knows sha256 alone, so it is required
+    (a newer minor's algorithms: ``TolerantDigest``)."""
+
+    sha256: Sha256
+
+
+class TolerantDigest(Digest):
+    """A newer minor's digest: another algorithm may stand in for sha256, but one must be named."""
+
+    model_config = ConfigDict(extra="allow")
+    sha256: Sha256 = None  # type: ignore[assignment]
 
     @model_validator(mode="after")
-    def _one_at_least(self) -> Digest:
+    def _one_at_least(self) -> TolerantDigest:
         if not self.model_fields_set and not self.model_extra:
             raise ValueError("a digest names at least one algorithm")
         return self
@@ -144,15 +106,15 @@ class Producer(_Model):
     created: Timestamp = None  # type: ignore[assignment]  # absent, never null
     metadata: Annotated[
         dict[
-            Annotated[str, StringConstraints(strict=True, max_length=1024)],
-            Annotated[str, StringConstraints(strict=True, max_length=65536)],
+            Annotated[str, StringConstraints(max_length=1024)],
+            Annotated[str, StringConstraints(max_length=65536)],
         ],
         Field(max_length=1024),
     ] = None  # type: ignore[assignment]
 
 
 class Layout(_Model):
-    zero_stage: Annotated[int, BeforeValidator(_integral), Field(ge=0, le=3)]
+    zero_stage: Annotated[int, Field(ge=0, le=3)]
     world_size: Positive
     tensor_parallel_size: Positive
     pipeline_parallel_size: Positive
@@ -220,7 +182,7 @@ class ExcludedParam(_Model):
 
 class Hash(_Model):
     algorithm: Literal["sha256", "blake2b"]
-    digest: Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{64}$|^[0-9a-f]{128}$")]
+    digest: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$|^[0-9a-f]{128}$")]
 
 
 class Locator(_Model):
@@ -321,6 +283,4 @@ class Manifest(_Model):
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready document: optional fields absent, unknown fields kept."""
-        from .manifest_dict import manifest_dict  # it reads these models
-
-        return manifest_dict(self)
+        return self.model_dump(mode="json", exclude_unset=True, by_alias=True)

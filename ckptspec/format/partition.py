@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import deque
 from collections.abc import Sequence
-from itertools import accumulate, chain
+from itertools import accumulate, repeat
+from operator import setitem
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -47,73 +49,11 @@ class ParamColumns(NamedTuple):
     dtypes: list[str]
 
 
-_INT64_MAX = 2**63 - 1
-_MAX_NDIM = 64  # the schema's maxItems of a shape
-_DTYPES: frozenset[str] = frozenset()  # models.Dtype's values, filled on first use (no pydantic at import)
-
-
-_INT_ONLY = frozenset({int})
-
-
 _FIELDS = ("name", "shape", "numel", "dtype", "offset", "padding")
-# The fields a producer sets on a Param (format/manifest_dict.py dumps such params without pydantic).
-PLAIN_FIELDS = frozenset(_FIELDS)
-_construct = None  # (the Param class, its unset fields' defaults, construct.fill) once checked
+_bulk = None  # (Param, its columns' validators) once made; False where the made objects would differ
 
 
-def _constructor():
-    """What ``Param.model_construct`` does for these six fields, without its per-field loop (a
-    Python call per field), checked once against it (``construct.template``), else None."""
-    from .construct import fill, template
-    from .models import Param
-
-    found = template(Param, dict(zip(_FIELDS, ("w", [2], 2, "float32", 0, 0))))
-    return None if found is None else (Param, found[1], fill)
-
-
-def make_param(name: str, shape: tuple[int, ...], numel: int, dtype: str, offset: int, padding: int):
-    """A ``Param``, built without validation when its values plainly meet the model's types
-    (what every producer gives): a validated ``Param`` runs Python validators. Anything
-    else goes through validation, which raises what it always raised. The same object either way
-    (fields, fields set, dumped bytes: ``tests/format/test_partition_fast.py``)."""
-    global _DTYPES, _construct
-    if not _DTYPES:
-        from typing import get_args
-
-        from .models import Dtype
-
-        _DTYPES = frozenset(get_args(Dtype))
-        _construct = _constructor()
-    plain = (
-        type(name) is str
-        and 0 < len(name) <= 1024
-        and type(shape) in (tuple, list)
-        and len(shape) <= _MAX_NDIM
-        and type(numel) is int
-        and type(offset) is int
-        and type(padding) is int
-        and _INT_ONLY.issuperset(map(type, shape))
-        and min(numel, offset, padding, *shape) >= 0  # every count and dimension a non-negative int64, in C
-        and max(numel, offset, padding, *shape) <= _INT64_MAX
-        and type(dtype) is str
-        and dtype in _DTYPES
-    )
-    if plain and _construct is not None:
-        cls, defaults, fill = _construct
-        obj = cls.__new__(cls)
-        fill(
-            obj,
-            {"name": name, "shape": list(shape), "numel": numel, "dtype": dtype, "offset": offset, "padding": padding},
-            defaults,
-        )
-        return obj
-    from .models import Param  # not on the path above: an import per call adds up at 100k tensors
-
-    values = {"name": name, "shape": list(shape), "numel": numel, "dtype": dtype, "offset": offset, "padding": padding}
-    return Param.model_construct(**values) if plain else Param(**values)
-
-
-def make_params(
+def _params(
     names: Sequence[str],
     shapes: Sequence[tuple[int, ...]],
     numels: Sequence[int],
@@ -121,45 +61,72 @@ def make_params(
     offsets: Sequence[int],
     paddings: Sequence[int],
 ) -> list:
-    """``make_param`` of each row of these columns, in bulk: when every value plainly fits, the
-    checks and the objects are made by C loops (``map``), without a Python call per param (100k
-    tensors: a mixture-of-experts model). Anything else: ``make_param`` row by row, which
-    validates and raises what it always raised. ``tests/format/test_partition_fast.py``."""
-    if not _DTYPES:
-        make_param("w", (1,), 1, "float32", 0, 0)  # fills _DTYPES and _construct
-    columns = (names, shapes, numels, dtypes, offsets, paddings)
-    n = len(names)
-    if any(len(c) != n for c in columns):
-        raise ValueError(f"columns of {sorted({len(c) for c in columns})} rows")
-    if not n:
-        return []
-    dims = list(chain.from_iterable(shapes)) if _plain_types(shapes, {tuple, list}) else None
-    counts = list(chain(numels, offsets, paddings, dims or ()))
-    plain = (
-        _construct is not None
-        and dims is not None
-        and _plain_types(names, {str})
-        and _plain_types(dtypes, {str})
-        and _plain_types(counts, {int})
-        and min(map(len, names)) > 0
-        and max(map(len, names)) <= 1024
-        and max(map(len, shapes)) <= _MAX_NDIM
-        and min(counts) >= 0
-        and max(counts) <= _INT64_MAX
-        and _DTYPES.issuperset(dtypes)
-    )
-    if not plain:
-        return [make_param(*row) for row in zip(*columns)]
-    cls, defaults, _ = _construct
-    from .construct import constructed
+    """The ``Param`` of each row of these columns: each column validated whole by its field's own
+    type (``Param.model_fields``, one call into pydantic-core each), then the objects made as
+    validation makes them, by C loops: validating a ``Param`` per row is measurably slower
+    (docs/performance.md). A column that does not validate: row by row, raising what ``Param`` raises."""
+    columns = dict(zip(_FIELDS, (names, list(map(list, shapes)), numels, dtypes, offsets, paddings)))
+    if any(len(c) != len(names) for c in columns.values()):
+        raise ValueError(f"columns of {sorted({len(c) for c in columns.values()})} rows")
+    bulk = _bulk if _bulk is not None else _bulk_validators()
+    if bulk:
+        cls, validators = bulk
+        try:
+            for key, column in columns.items():
+                validators[key].validate_python(column)
+        except ValueError:  # a pydantic ValidationError: the row's own error, below
+            pass
+        else:
+            return _made(cls, columns, len(names))
+    from .models import Param
 
-    return constructed(
-        cls, dict(zip(_FIELDS, (names, map(list, shapes), numels, dtypes, offsets, paddings))), defaults, n
-    )
+    return [Param(**dict(zip(columns, row))) for row in zip(*columns.values())]
 
 
-def _plain_types(values, types: set) -> bool:
-    return set(map(type, values)) <= types
+def _bulk_validators():
+    """``(Param, a validator of each column)``, or False when the objects ``_made`` makes are not
+    what validation makes (checked once: another pydantic)."""
+    global _bulk
+    from pydantic import ConfigDict, TypeAdapter
+
+    from .models import Param
+
+    strict = ConfigDict(strict=True)
+    validators = {k: TypeAdapter(list[Param.model_fields[k].rebuild_annotation()], config=strict) for k in _FIELDS}
+    row = dict(zip(_FIELDS, ("w", [2], 2, "float32", 0, 0)))
+    made, validated = _made(Param, {k: [v] for k, v in row.items()}, 1)[0], Param.model_validate(row)
+    same = all(getattr(made, a) == getattr(validated, a) for a in _STATE) and made == validated
+    _bulk = (Param, validators) if same else False
+    return _bulk
+
+
+_STATE = ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
+
+
+def _made(cls: type, columns: dict[str, list], rows: int) -> list:
+    """``rows`` objects of ``cls`` holding these (validated) columns, as ``model_validate`` leaves them."""
+    # Each __dict__ a copy of one with every field (a dict's table is copied whole), one column at a time
+    # written in, then the objects' state set: no Python call per object.
+    values = list(map(dict.copy, repeat(dict.fromkeys(cls.model_fields), rows)))
+    for key, column in columns.items():
+        deque(map(setitem, values, repeat(key), column), 0)
+    made = list(map(cls.__new__, repeat(cls, rows)))
+    set_ = object.__setattr__
+    deque(map(set_, made, repeat("__dict__"), values), 0)
+    deque(map(set_, made, repeat("__pydantic_fields_set__"), map(set.copy, repeat(set(columns), rows))), 0)
+    deque(map(set_, made, repeat("__pydantic_extra__"), repeat(None, rows)), 0)
+    deque(map(set_, made, repeat("__pydantic_private__"), repeat(None, rows)), 0)
+    return made
+
+
+def frozen_params(names: list[str], shapes: list[tuple[int, ...]], dtypes: list[str], stored_in: str) -> list:
+    """The ``FrozenParam`` of each (name, shape, dtype), all ``stored_in`` one place."""
+    from .models import FrozenParam  # on use: the rules import this module without pydantic
+
+    return [
+        FrozenParam(name=name, shape=list(shape), numel=math.prod(shape), dtype=dtype, stored_in=stored_in)
+        for name, shape, dtype in zip(names, shapes, dtypes)
+    ]
 
 
 def flat_group(
@@ -186,7 +153,7 @@ def flat_group(
     numels = list(map(math.prod, shapes))
     ends = list(accumulate(map(operator.add, numels, paddings)))
     offset = ends[-1] if ends else 0
-    entries = make_params(names, shapes, numels, dtypes, [0, *ends[:-1]], paddings)
+    entries = _params(names, shapes, numels, dtypes, [0, *ends[:-1]], paddings)
     alignment = NCCL_START_ALIGNMENT_FACTOR * partition_count if zero_stage in (1, 2) else 1
     padded = round_up(offset, alignment)
     partition = padded // partition_count
@@ -216,7 +183,7 @@ def per_param_group(params: Sequence[ParamSpec] | ParamColumns, *, optimizer_gro
     paddings = [share * partition_count - numel for share, numel in zip(shares, numels)]
     ends = list(accumulate(shares))
     offset = ends[-1] if ends else 0
-    entries = make_params(names, shapes, numels, dtypes, [0, *ends[:-1]], paddings)
+    entries = _params(names, shapes, numels, dtypes, [0, *ends[:-1]], paddings)
     return Group(
         optimizer_group=optimizer_group,
         partitioning="per_param",

@@ -56,21 +56,16 @@ def fast_schema_accepts(doc: Any) -> bool:
         return False
 
 
-def _build_model(doc: Any, allow_unknown: bool, bulk: bool = False) -> tuple[Manifest | None, Finding | None]:
-    """The Pydantic view of a schema-valid document, or the finding saying why not. ``bulk``: the
-    document is from the loader (see ``_validate``): its params may be built in bulk (``model_build``)."""
+def _build_model(doc: Any, allow_unknown: bool) -> tuple[Manifest | None, Finding | None]:
+    """The Pydantic view of a schema-valid document (integral floats already integers), or the
+    finding saying why not. ``allow_unknown``: a newer minor's, read by the models' tolerant twins."""
     from pydantic import ValidationError
 
     from .models import Manifest
+    from .tolerant import tolerant
 
     try:
-        if bulk and not allow_unknown:
-            from .model_build import manifest_of
-
-            built = manifest_of(doc)
-            if built is not None:
-                return built, None
-        return Manifest.model_validate(doc, context={"allow_unknown": allow_unknown}), None
+        return (tolerant(Manifest) if allow_unknown else Manifest).model_validate(doc), None
     except ValidationError as exc:
         first = exc.errors()[0]
         if first["type"] == "string_unicode":
@@ -106,11 +101,17 @@ def _validate(doc: Any, *, plain: bool, build_model: bool, reference: bool) -> R
             return Report(findings)
     # A document from the loader holds Unicode strings only; without floats its numbers
     # are plain ints and the rules read it as it is. Anything else (3.0 for a count, a
-    # lone surrogate in data from elsewhere) is normalized by the models first.
+    # lone surrogate in data from elsewhere) is normalized first (integral floats made ints)
+    # and read back from the models.
     rules_read_doc = plain and not reference
     manifest = None
     if build_model or not rules_read_doc:
-        manifest, failure = _build_model(doc, allow_unknown, bulk=rules_read_doc)
+        if not plain:
+            from .integral import integral_floats
+            from .models import Manifest
+
+            doc = integral_floats(doc, Manifest)
+        manifest, failure = _build_model(doc, allow_unknown)
         if failure is not None:
             return Report(findings + [failure])
     try:

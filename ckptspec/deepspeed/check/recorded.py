@@ -18,6 +18,7 @@ from ...checkpoint.states import StateCache
 from ...errors import CkptspecError, RecordMismatch
 from ...findings import Finding
 from ...format.models import Manifest
+from ...format.tolerant import from_document
 from ...format.validate import Report, validate_file
 from .domain import check_checkpoint
 
@@ -45,7 +46,7 @@ def recorded_manifests(tag_dir: Path, given: Manifest | dict | None) -> list[tup
         if isinstance(report, Report) and report.ok and report.manifest is not None and report.manifest.files:
             out.append((sidecar.name, report.manifest))
     if isinstance(given, dict) and given.get("files"):
-        given = Manifest.model_validate(given, context={"allow_unknown": True})
+        given = from_document(Manifest, given)
     if isinstance(given, Manifest) and given.files and not (out and out[0][1].to_dict() == given.to_dict()):
         out.append(("the manifest given", given))  # (the sidecar itself, given again, is checked once)
     return out

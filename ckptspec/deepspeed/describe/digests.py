@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..._forked import Forked
-from ...format import construct
 from ...format.dtypes import ITEMSIZE
 from ...format.models import Digest, Manifest
 from ...format.partition import param_pieces
@@ -166,10 +165,8 @@ def recorded(manifest: Manifest, where: tuple) -> Digest | None:
 
 
 def record_digests(manifest: Manifest, found: list[tuple[tuple, str]]) -> None:
-    """Set the digest at each ``where`` (a ``Covered.where``), the ``Digest`` objects built at once
-    (``construct.digests``) and set field by field (``construct.set_fields``), each param's optimizer
-    states in one dict."""
-    made = construct.digests([sha256 for _, sha256 in found])
+    """Set the digest at each ``where`` (a ``Covered.where``), each param's optimizer states in one dict."""
+    made = [Digest(sha256=sha256) for _, sha256 in found]
     by_field: dict[str, tuple[list, list]] = {}  # field -> (models, digests)
     states: dict[int, tuple] = {}  # id(param) -> (param, its state digests)
     for (where, _), value in zip(found, made):
@@ -185,7 +182,8 @@ def record_digests(manifest: Manifest, found: list[tuple[tuple, str]]) -> None:
         values.append(value)
     by_field["state_digests"] = ([p for p, _ in states.values()], [d for _, d in states.values()])
     for field, (models, values) in by_field.items():
-        construct.set_fields(models, field, values)
+        for model, value in zip(models, values):
+            setattr(model, field, value)
 
 
 def add_digests(manifest: Manifest, tag_dir: str | os.PathLike) -> list[tuple[tuple, str]]:

@@ -19,7 +19,6 @@ from typing import Any
 
 from ...checkpoint.standins import StorageRef
 from ...checkpoint.torchfile import TensorRef
-from ...format.construct import build, build_all
 from ...format.models import Manifest, ModelWeightsLocator, StateLocator, TensorLocator
 
 # The key of a stand-in state (save/captured_state.py) holding "name -> storage" of its module's tensors; no
@@ -82,7 +81,8 @@ def tensor_locators(
             return None
         refs.append(ref)
     names, numels = [w[0] for w in wanted], [w[2] for w in wanted]
-    return build_all(TensorLocator, {"name": names, **_ranges(refs, members, numels)})
+    columns = {"name": names, **_ranges(refs, members, numels)}
+    return [TensorLocator(**dict(zip(columns, row))) for row in zip(*columns.values())]
 
 
 def model_weights_locators(
@@ -131,8 +131,7 @@ def flat_group_locators(
             continue
         data_offset, member_size = members[storage.member]
         out.append(
-            build(
-                ModelWeightsLocator,
+            ModelWeightsLocator(
                 group=g,
                 member=storage.member,
                 data_offset=data_offset,
@@ -169,7 +168,7 @@ def state_locators(
         entry = by_index.get(g)
         for key, ref in entry.items() if isinstance(entry, dict) else ():
             if isinstance(key, str) and isinstance(ref, TensorRef) and ref.shape and ref.is_contiguous():
-                out.append(build(StateLocator, group=g, rank=rank, state=key, **_range(ref, members, ref.numel)))
+                out.append(StateLocator(group=g, rank=rank, state=key, **_range(ref, members, ref.numel)))
     return out
 
 

@@ -17,9 +17,8 @@ from ...checkpoint.hashing import file_digests
 from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef
 from ...errors import InvalidCheckpoint, UnsupportedCheckpoint
-from ...format.construct import build, frozen_params
 from ...format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
-from ...format.partition import ParamColumns, flat_group, per_param_group
+from ...format.partition import ParamColumns, flat_group, frozen_params, per_param_group
 from ...format.version import FORMAT_NAME, FORMAT_VERSION
 from ..layout import legacy
 from ..layout.state_fields import (
@@ -232,7 +231,7 @@ def _aliases(module: dict, groups: list[Group], frozen: list[FrozenParam], share
     for alias, owner in shared.items():
         ref = module.get(alias)
         own_shape = list(ref.shape) if isinstance(ref, TensorRef) and stage < 3 else shapes.get(owner, [])
-        aliases.append(build(Alias, name=alias, owner=owner, shape=own_shape))
+        aliases.append(Alias(name=alias, owner=owner, shape=own_shape))
     return aliases
 
 
@@ -242,7 +241,7 @@ def _buffers(first_model: dict) -> list[Buffer]:
     for name in list(first_model.get("buffer_names") or []):
         ref = module.get(name)
         if isinstance(ref, TensorRef):
-            buffers.append(build(Buffer, name=name, shape=list(ref.shape), dtype=ref.dtype))
+            buffers.append(Buffer(name=name, shape=list(ref.shape), dtype=ref.dtype))
     return buffers
 
 
@@ -298,8 +297,7 @@ def partition_locators(path: Path, rank: int, stage: int, states: StateCache) ->
             continue
         data_offset, member_size = members[ref.storage.member]
         locators.append(
-            build(
-                Locator,
+            Locator(
                 group=g,
                 rank=rank,
                 member=ref.storage.member,

@@ -14,9 +14,9 @@ from itertools import compress, repeat
 from operator import itemgetter, not_
 from typing import Any
 
-from ...format.construct import build, frozen_params
 from ...format.dtypes import dtype_name
 from ...format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
+from ...format.partition import frozen_params
 from ..describe.scalars import plain_values
 from ..layout.ties import repeated
 from .groups import columns_of, param_shape
@@ -40,7 +40,7 @@ def aliases_of_engine(walk: ModuleWalk) -> list[Alias]:
     DeepSpeed uses ``data_ptr()`` outside stage 3, which ties every zero-element
     param together (they all report 0); identity does not.
     """
-    return [build(Alias, name=full, owner=owner, shape=list(param_shape(p))) for full, owner, p in _ties(walk)]
+    return [Alias(name=full, owner=owner, shape=list(param_shape(p))) for full, owner, p in _ties(walk)]
 
 
 def _ties(walk: ModuleWalk) -> list[tuple[str, str, Any]]:
@@ -64,7 +64,7 @@ def _ties(walk: ModuleWalk) -> list[tuple[str, str, Any]]:
 def buffers_of_engine(engine, walk: ModuleWalk) -> list[Buffer]:
     persistent = walk.persistent if walk.persistent is not None else set(engine._get_buffer_names())
     return [
-        build(Buffer, name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
+        Buffer(name=name, shape=list(buf.shape), dtype=dtype_name(buf.dtype))
         for name, buf in walk.buffers
         if name in persistent
     ]
