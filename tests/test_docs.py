@@ -556,7 +556,15 @@ def _console_script(block: Block) -> str:
 
 # What the harness (tests/_harness/job/train.py, cache.py) adds to a DeepSpeed save directory;
 # a doc's reader never has these.
-HARNESS_FILES = ("harness.json", "live_fp32.pt", "job.log", "task.json", "saved_manifest.*", "load_back.*")
+HARNESS_FILES = (
+    "harness.json",
+    "live_fp32.pt",
+    "job.log",
+    "task.json",
+    "ckptspec-modules.json",
+    "saved_manifest.*",
+    "load_back.*",
+)
 
 
 @pytest.fixture(scope="module")
