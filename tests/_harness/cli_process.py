@@ -52,7 +52,9 @@ class ForkServer:
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
                 connection.connect(str(self.address()))
                 request = {"args": args, "env": env, "cwd": str(cwd or Path.cwd())}
-                socket.send_fds(connection, [json.dumps(request).encode()], [stdin.fileno(), out.fileno(), err.fileno()])
+                socket.send_fds(
+                    connection, [json.dumps(request).encode()], [stdin.fileno(), out.fileno(), err.fileno()]
+                )
                 reply = connection.recv(4096)
             if not reply:
                 raise RuntimeError(f"the fork server died (exit {self.process.poll()})")

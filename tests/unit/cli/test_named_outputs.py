@@ -22,7 +22,7 @@ from _harness import cli_process
 
 from ckptspec import _fs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
 SAVE = ROOT / "tests" / "data" / "deepspeed-0.19.8" / "s2-bf16-ws2"  # a real DeepSpeed save
 

@@ -25,7 +25,7 @@ from ckptspec.format.codec import decode, dumps, encoding_for_output, load_docum
 from ckptspec.format.models import Manifest
 from ckptspec.format.validate import validate_document
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CORPUS = ROOT / "tests" / "conformance" / "1.0"
 VALID = sorted((CORPUS / "valid").glob("*.json")) + sorted((CORPUS / "valid").glob("*.msgpack"))
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
