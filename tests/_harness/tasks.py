@@ -126,8 +126,8 @@ def task_key(name: str, task: Task) -> str | None:
 
 
 def entry(name: str, task: Task | None = None) -> Path:
-    """Where ``name``'s entry is: complete if ``cache.is_done`` says so; else (not built, or built
-    from ckptspec modules since edited) a path that names it in a staging directory."""
+    """``name``'s complete entry if there is one (``cache.is_done``); else (never built, or built
+    from ckptspec modules edited since) the path its lock and staging directory are named after."""
     task = task or _registry()[name]
     key = task_key(name, task) or "unbuilt-load"
     found = cache.find_recorded(name, key) if task.runs_ckptspec else None
