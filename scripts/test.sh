@@ -1,8 +1,27 @@
 #!/usr/bin/env bash
-# Run the whole test suite (real DeepSpeed checkpoints included) in .venv.
+# Run the tests.
+#   ./scripts/test.sh            everything: first the unit tier (tests/unit) in .venv-unit, which has
+#                                no torch, DeepSpeed or transformers (so the tier is proven to need none),
+#                                then the rest, real DeepSpeed checkpoints included, in .venv
+#   ./scripts/test.sh --unit     the unit tier only (the inner loop: no DeepSpeed job, about 30 s)
+#   ./scripts/test.sh ARGS...    pytest ARGS in .venv (paths, -k, -m ...): any test, the unit tier's included
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/env.sh
 export DS_ACCELERATOR=cpu
-# Two workers, whole files each: module-scoped real-DeepSpeed fixtures stay on one worker.
+unit() {
+    bash scripts/env-unit.sh
+    # No module-scoped DeepSpeed fixtures here: tests spread one by one over the two workers.
+    .venv-unit/bin/python -m pytest -n 2 --dist load tests/unit "$@"
+}
+if [ "${1:-}" = "--unit" ]; then
+    shift
+    unit "$@"
+    exit
+fi
+bash scripts/env.sh
+if [ $# -eq 0 ]; then
+    unit -q
+    # Two workers, whole files each: module-scoped real-DeepSpeed fixtures stay on one worker.
+    exec .venv/bin/python -m pytest -n 2 --dist loadfile --ignore=tests/unit
+fi
 exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"

@@ -1,20 +1,15 @@
+import importlib.util
 import sys
 from pathlib import Path
-
-import pytest
 
 # Make `ckptspec` importable when pytest runs from a checkout without `pip install -e .`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# pytest puts this folder on sys.path (for `_harness`), where the folder `deepspeed/` (tests, no
+# __init__.py) would be imported as the package `deepspeed` if DeepSpeed is missing: a test would
+# then fail far away ("module 'deepspeed' has no attribute '__version__'") instead of at the import.
+_spec = importlib.util.find_spec("deepspeed")
+if _spec is not None and _spec.origin is None:  # a namespace package: a folder, not DeepSpeed
+    sys.modules["deepspeed"] = None  # `import deepspeed` raises ModuleNotFoundError, as without this folder
 
-@pytest.fixture(scope="session")
-def ds():
-    """Real DeepSpeed job results by name: ``ds.path("s2-bf16-ws2")`` (tests/_harness/tasks.py).
-
-    Entries are cached in ``.cache/ds`` (or ``$CKPTSPEC_DS_CACHE``) and keyed on everything that
-    runs inside the job; the first request builds every missing registered entry in batches.
-    """
-    from _harness import oracles, tasks
-
-    oracles.check_deepspeed_version()  # a missing or other DeepSpeed is a broken environment, not a skip
-    return tasks
+pytest_plugins = ["_harness.plugin"]

@@ -57,7 +57,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -529,7 +528,7 @@ def test_lines_match():
 
 
 @pytest.fixture(scope="module")
-def console_env(tmp_path_factory):
+def console_env(tmp_path_factory, cli_server):
     """PATH with a `ckptspec` and a `python` that run this interpreter. `ckptspec` is served by a
     fork server (tests/_harness/forkserver.py): 140 commands no longer pay the interpreter start
     and the imports each; every command still runs in a process of its own."""
@@ -539,21 +538,12 @@ def console_env(tmp_path_factory):
     env["LC_ALL"] = "C.UTF-8"
     env["PYTHONIOENCODING"] = "utf-8"
     env["DS_ACCELERATOR"] = "cpu"
-    harness = ROOT / "tests" / "_harness"
-    address = bindir / "ckptspec.sock"
-    server = subprocess.Popen([sys.executable, str(harness / "forkserver.py"), "--socket", str(address)], env=env)
-    client = f'"{sys.executable}" -S -I "{harness / "forkclient.py"}"'
+    client = f'"{sys.executable}" -S -I "{ROOT / "tests" / "_harness" / "forkclient.py"}"'
     for name, command in (("ckptspec", client), ("python", f'"{sys.executable}"')):
         shim = bindir / name
         shim.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
         shim.chmod(shim.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    deadline = time.monotonic() + 120
-    while not address.exists():
-        assert server.poll() is None and time.monotonic() < deadline, "the fork server did not start"
-        time.sleep(0.05)
-    yield {**env, "CKPTSPEC_FORKSERVER": str(address)}
-    server.kill()
-    server.wait()
+    return {**env, "CKPTSPEC_FORKSERVER": str(cli_server)}
 
 
 def _console_script(block: Block) -> str:
@@ -566,7 +556,15 @@ def _console_script(block: Block) -> str:
 
 # What the harness (tests/_harness/job/train.py, cache.py) adds to a DeepSpeed save directory;
 # a doc's reader never has these.
-HARNESS_FILES = ("harness.json", "live_fp32.pt", "job.log", "task.json", "saved_manifest.*", "load_back.*")
+HARNESS_FILES = (
+    "harness.json",
+    "live_fp32.pt",
+    "job.log",
+    "task.json",
+    "ckptspec-modules.json",
+    "saved_manifest.*",
+    "load_back.*",
+)
 
 
 @pytest.fixture(scope="module")

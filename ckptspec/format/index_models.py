@@ -7,7 +7,7 @@ document per partition domain (``Domain.manifest``, a ``Manifest``) and adds onl
 say: the topology, which files belong to which domain, pipeline layer files, and the whole model's
 parameters with the place of every shard (``docs/spec-checkpoint.md``).
 
-The schema is normative; ``tests/format/test_index.py`` proves both agree on the fixtures.
+The schema is normative; ``tests/unit/format/test_index.py`` proves both agree on the fixtures.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One rule = one function = one code, as in ``rules/``. The rules read the plain decoded document
 and assume it passed the schema and that every domain's manifest passed its own validation (a
 domain's 1.x findings are reported first, under ``$.domains[i].manifest``). ``docs/errors.md``
-documents each code; ``tests/format/test_index.py`` has a fixture for each.
+documents each code; ``tests/unit/format/test_index.py`` has a fixture for each.
 """
 
 from __future__ import annotations

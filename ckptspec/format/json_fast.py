@@ -10,7 +10,7 @@ text is searched for a float's end or a null); the optimizer's hyperparameters
 (floats) take the standard library, the params, files and locators orjson.
 The compact text (``separators=(",", ":")``, the copy a save embeds in the model states) is written
 the same way: there a number ends before a comma or a closing bracket instead of a newline.
-``tests/format/test_json_fast.py`` and ``benchmarks/check_identical.py`` compare the bytes.
+``tests/unit/format/test_json_fast.py`` and ``benchmarks/check_identical.py`` compare the bytes.
 """
 
 from __future__ import annotations

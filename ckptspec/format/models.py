@@ -1,7 +1,7 @@
 """Pydantic models that mirror ``schema/manifest-1.1.schema.json``, the latest format.
 
 The JSON Schema is normative; these models are the Python view of it and
-``tests/format/test_agreement.py`` proves both give the same verdict. Format 1.1 is 1.0 plus
+``tests/unit/format/test_agreement.py`` proves both give the same verdict. Format 1.1 is 1.0 plus
 OPTIONAL fields only, so the same models read a 1.0 document (whose schema, checked first,
 refuses 1.1's fields in it: ``validate.py``). Optional fields
 are absent rather than null, exactly as in the schema, so they are typed

@@ -3,7 +3,7 @@
 The JSON Schema is the reference: when it rejects a document, its errors are the
 findings and the semantic rules do not run (they need well-typed data).
 
-Two paths give the same verdict (``tests/format/test_fast_path.py`` proves it on the whole
+Two paths give the same verdict (``tests/unit/format/test_fast_path.py`` proves it on the whole
 conformance corpus):
 
 * fast: a compiled validator (``jsonschema-rs``) answers "valid?", and the semantic

@@ -7,8 +7,11 @@ removes. The key hashes everything that runs inside the job and can change its o
 * the task (kind and arguments, normalized) and its world size;
 * DeepSpeed's and torch's versions;
 * every file of ``tests/_harness/job/`` and ``tests/_harness/site/`` (the job's code);
-* for tasks that run ckptspec inside the job (hooks, ``save_with: ckptspec``, resumes), every
-  file of ``ckptspec/`` and ``schema/``;
+* for tasks that run ckptspec inside the job (hooks, ``save_with: ckptspec``, resumes), the
+  files of the ckptspec modules the job imported (record_imports.py writes their names beside the
+  result, ``ckptspec-modules.json``), every other file of ``ckptspec/`` (the packaged schemas) and
+  ``schema/``. Such an entry is ``ROOT/<name>-<key>-<imports digest>/``: it is found by checking
+  the digest of its recorded modules' files as they are now (``find_recorded``);
 * the keys of the entries a task reads (a resume reads a saved checkpoint).
 
 So an edit invalidates exactly the entries it can affect, and a warm run rebuilds nothing;
@@ -35,6 +38,7 @@ HARNESS = Path(__file__).resolve().parent
 JOB_SOURCES = (HARNESS / "job", HARNESS / "site")
 CKPTSPEC_SOURCES = (REPO_ROOT / "ckptspec", REPO_ROOT / "schema")
 DONE = "task.json"  # written last into an entry: its presence marks it complete
+MODULES = "ckptspec-modules.json"  # the ckptspec modules a job imported (record_imports.py), in its entry
 
 
 def root() -> Path:
@@ -53,6 +57,47 @@ def tree_digest(*folders: Path) -> str:
             if path.is_file() and "__pycache__" not in path.parts and not path.name.endswith(".pyc"):
                 digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+@cache
+def imports_digest(modules: tuple[str, ...]) -> str:
+    """SHA-256 over the source files of ckptspec ``modules`` (dotted names) as they are now (a module
+    since removed counts as missing), ckptspec's files that are no module and ``schema/``."""
+    digest = hashlib.sha256()
+    for name in sorted(set(modules)):
+        base = REPO_ROOT.joinpath(*name.split("."))
+        source = next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+        digest.update(name.encode() + b"\0" + (source.read_bytes() if source else b"<missing>") + b"\0")
+    for path in sorted(CKPTSPEC_SOURCES[0].rglob("*")):
+        if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(tree_digest(*CKPTSPEC_SOURCES[1:]).encode())
+    return digest.hexdigest()[:16]
+
+
+def recorded_entry(name: str, task_key: str, modules: list[str]) -> Path:
+    """Where the entry of a job that imported ckptspec ``modules`` goes."""
+    return root() / f"{name}-{task_key}-{imports_digest(tuple(modules))}"
+
+
+_FOUND: dict[tuple[str, str], Path] = {}  # entries found in this process (complete entries stay)
+
+
+def find_recorded(name: str, task_key: str) -> Path | None:
+    """The complete entry of ``name``/``task_key`` whose recorded ckptspec modules are unchanged, if any."""
+    if (name, task_key) in _FOUND:
+        return _FOUND[name, task_key]
+    prefix = f"{name}-{task_key}-"
+    for path in sorted(root().iterdir()):
+        if path.name.startswith(prefix) and is_done(path):
+            try:
+                modules = json.loads((path / MODULES).read_text())
+            except (OSError, ValueError):
+                continue
+            if path == recorded_entry(name, task_key, modules):
+                _FOUND[name, task_key] = path
+                return path
+    return None
 
 
 @cache
@@ -91,7 +136,11 @@ def staging(path: Path) -> Path:
 def publish(built: Path, path: Path, description: dict) -> None:
     """Mark ``built`` complete and move it to ``path`` in one rename."""
     (built / DONE).write_text(json.dumps(description, indent=1, sort_keys=True))
-    os.rename(built, path)
+    try:
+        os.rename(built, path)
+    except OSError:
+        if not is_done(path):  # else another checkout published the same content first: keep theirs
+            raise
 
 
 def prune(current: dict[str, Path]) -> None:

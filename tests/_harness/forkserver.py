@@ -7,12 +7,11 @@ own environment (``CKPTSPEC_FAILPOINT`` included, which ckptspec reads at its fi
 its own working directory and output files, and is really killed by the signal a failpoint
 sends. It runs ``ckptspec.cli.main``, as ``python -m ckptspec`` does.
 
-Two ways in:
-* ``forkserver.py``: one JSON line per request on stdin (args, env, cwd, stdout and stderr file
-  paths), one JSON line with the child's exit status on stdout (negative: killed by that signal);
-* ``forkserver.py --socket PATH``: many clients at once on a Unix socket, each sending its
-  request with its own stdin, stdout and stderr (``forkclient.py``, a drop-in ``ckptspec``
-  executable for the docs' console transcripts).
+One way in, a Unix socket (``forkserver.py --socket PATH``): each client sends one request (args,
+env, cwd) with its own stdin, stdout and stderr as file descriptors (``SCM_RIGHTS``), and reads
+one JSON reply with the child's exit status (negative: killed by that signal). Many clients run
+side by side. The clients: ``cli_process.py`` (the tests) and ``forkclient.py`` (a drop-in
+``ckptspec`` executable for the docs' console transcripts).
 """
 
 from __future__ import annotations
@@ -20,19 +19,23 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import signal
 import socket
 import sys
 import traceback
-
-# What the commands import, imported once here (every import a child makes afterwards is its own).
-import numpy  # noqa: F401
-import safetensors.numpy  # noqa: F401
-import torch  # noqa: F401
+from importlib import import_module
+from importlib.util import find_spec
 
 import ckptspec.cli
 import ckptspec.deepspeed.check.zero
 import ckptspec.export.api
+
+# What the commands import, imported once here (every import a child makes afterwards is its own).
+# Only what is installed: the unit tier's environment has no torch, and its commands never need it.
+for _name in ("numpy", "safetensors.numpy", "torch"):
+    if find_spec(_name.partition(".")[0]):
+        import_module(_name)
 
 
 def _child(request: dict, stdio: list[int]) -> None:
@@ -71,27 +74,16 @@ def _run(request: dict, stdio: list[int]) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def serve_pipe() -> None:
-    for line in sys.stdin:
-        request = json.loads(line)
-        stdio = [
-            os.open(os.devnull, os.O_RDONLY),
-            os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
-            os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
-        ]
-        code = _run(request, stdio)
-        for fd in stdio:
-            os.close(fd)
-        sys.stdout.write(json.dumps({"returncode": code}) + "\n")
-        sys.stdout.flush()
-
-
 def serve_socket(path: str) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)
     server.listen(64)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the per-client handlers are reaped by the kernel
     while True:
+        # stdin is a pipe from the test process that started this server: its end (EOF) ends the server.
+        ready, _, _ = select.select([server, sys.stdin], [], [])
+        if sys.stdin in ready:
+            return
         client, _ = server.accept()
         if os.fork() == 0:  # a handler per client, so clients run side by side
             server.close()
@@ -104,7 +96,6 @@ def serve_socket(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--socket"]:
-        serve_socket(sys.argv[2])
-    else:
-        serve_pipe()
+    if sys.argv[1:2] != ["--socket"] or len(sys.argv) != 3:
+        raise SystemExit("usage: forkserver.py --socket PATH")
+    serve_socket(sys.argv[2])

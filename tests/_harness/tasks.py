@@ -16,13 +16,15 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import cache
+from . import cache, record_imports
 from .job import parallel_models
 from .job.model import normalize_spec
 from .launch import FSDP2_MAIN, JOB_MAIN, RESHARD_MAIN, HarnessError, run_launches, task_launch
+
+RECORDER = Path(record_imports.__file__)  # wraps the launches of tasks that run ckptspec
 
 KINDS = ("train", "resume", "parallel", "fsdp2", "reshard")
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
@@ -100,15 +102,21 @@ def _registry() -> dict[str, Task]:
     return REGISTRY
 
 
-def task_key(name: str, task: Task) -> str:
+def task_key(name: str, task: Task) -> str | None:
+    """The key of everything but ckptspec's modules (those are the entry's suffix, see cache.py);
+    None while the entry a task loads is not built (its key includes that entry's name)."""
+    load = entry(task.load) if task.load else None
+    if task.load and not cache.is_done(load):
+        return None
     identity = {
         "kind": task.kind,
         "args": task.normalized(),
         "world_size": task.world_size,
         "versions": task.versions(),
         "job": cache.tree_digest(*cache.JOB_SOURCES),
-        "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES) if task.runs_ckptspec else None,
-        "load": task_key(task.load, _registry()[task.load]) if task.load else None,
+        # The modules it imports are the entry's suffix; the recorder is part of this key.
+        "ckptspec": cache.key({"recorder": RECORDER.read_text()}) if task.runs_ckptspec else None,
+        "load": load.name if load else None,
     }
     if task.kind == "fsdp2":  # its own entry script (the other kinds' keys stay as they were)
         identity["script"] = cache.key({"fsdp2_job": FSDP2_MAIN.read_text()})
@@ -118,8 +126,12 @@ def task_key(name: str, task: Task) -> str:
 
 
 def entry(name: str, task: Task | None = None) -> Path:
+    """``name``'s complete entry if there is one (``cache.is_done``); else (never built, or built
+    from ckptspec modules edited since) the path its lock and staging directory are named after."""
     task = task or _registry()[name]
-    return cache.entry(name, task_key(name, task))
+    key = task_key(name, task) or "unbuilt-load"
+    found = cache.find_recorded(name, key) if task.runs_ckptspec else None
+    return found or cache.entry(name, key)
 
 
 def path(name: str, task: Task | None = None) -> Path:
@@ -139,16 +151,17 @@ def path(name: str, task: Task | None = None) -> Path:
                     else [n for n, t in _registry().items() if t.deepspeed == task.deepspeed]
                 )
                 build_missing(same)
+        target = entry(name, task)
         if cache.is_done(target):
             return target
     # Not registered, or its batch failed: alone, so that the error is this task's own.
     _FAILED.pop(name, None)
     with cache.locked(target):
-        if not cache.is_done(target):
+        if not cache.is_done(entry(name, task)):
             failed = _launch_all([[(name, task)]], task.python, 1)
             if failed:
                 raise HarnessError(failed[name])
-    return target
+    return entry(name, task)
 
 
 def build_missing(names: list[str] | None = None, jobs: int | None = None) -> dict[str, str]:
@@ -196,13 +209,22 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
                 for (_, t), stage in zip(batch, staged)
             ]
             script = {"fsdp2": FSDP2_MAIN, "reshard": RESHARD_MAIN}.get(batch[0][1].kind, JOB_MAIN)
-            launches.append(task_launch(tasks, batch[0][1].world_size, staged[0], script))
+            launch = task_launch(tasks, batch[0][1].world_size, staged[0], script)
+            if any(t.runs_ckptspec for _, t in batch):  # record the ckptspec modules its ranks import
+                (staged[0] / "imports").mkdir()
+                launch = replace(launch, script=RECORDER, args=[str(staged[0] / "imports"), str(script), *launch.args])
+            launches.append(launch)
         for (batch, staged), outcome in zip(planned, run_launches(launches, python, max(1, jobs))):
             if isinstance(outcome, HarnessError):
                 failed.update({n: str(outcome) for n, _ in batch})
                 continue
+            modules = sorted(record_imports.read(staged[0] / "imports")) if (staged[0] / "imports").is_dir() else []
             for (name, task), stage in zip(batch, staged):
                 (stage / "out" / "job.log").write_text(outcome.log)
+                target = entry(name, task)
+                if task.runs_ckptspec:
+                    (stage / "out" / cache.MODULES).write_text(json.dumps(modules, indent=1))
+                    target = cache.recorded_entry(name, task_key(name, task), modules)
                 description = {
                     "name": name,
                     "kind": task.kind,
@@ -211,7 +233,7 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
                     "launch_seconds": outcome.seconds,
                     "launch_tasks": len(batch),
                 }
-                cache.publish(stage / "out", entry(name, task), description)
+                cache.publish(stage / "out", target, description)
     finally:
         for _, staged in planned:
             for stage in staged:

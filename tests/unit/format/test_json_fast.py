@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from ckptspec.format import json_fast
 from ckptspec.format.codec import dumps, load_document
 
-CORPUS = Path(__file__).resolve().parents[1] / "conformance"
+CORPUS = Path(__file__).resolve().parents[2] / "conformance"
 
 scalars = (
     st.none()

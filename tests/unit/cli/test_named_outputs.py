@@ -18,21 +18,20 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _harness import cli_process
 
 from ckptspec import _fs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
 SAVE = ROOT / "tests" / "data" / "deepspeed-0.19.8" / "s2-bf16-ws2"  # a real DeepSpeed save
 
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory) -> Path:
+def embedded(tmp_path_factory, ckptspec_process) -> Path:
     """A copy of the committed DeepSpeed save with its manifest embedded, for `extract`."""
     copy = tmp_path_factory.mktemp("embedded") / "ckpt"
     shutil.copytree(SAVE, copy)
-    done = cli_process.run(["embed", copy])
+    done = ckptspec_process(["embed", copy])
     assert done.returncode == 0, done.stderr
     return copy
 
@@ -45,10 +44,10 @@ COMMANDS = {
 }
 
 
-def _expected(name: str, embedded: Path, tmp_path: Path) -> bytes:
+def _expected(name: str, embedded: Path, tmp_path: Path, ckptspec_process) -> bytes:
     """What the command writes to a new plain file."""
     plain = tmp_path / "plain.json"
-    done = cli_process.run(COMMANDS[name](plain, embedded))
+    done = ckptspec_process(COMMANDS[name](plain, embedded))
     assert done.returncode == 0, done.stderr
     return plain.read_bytes()
 
@@ -58,8 +57,8 @@ def _ours(directory: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("name", COMMANDS)
-def test_a_symlink_is_written_through_and_stays_a_symlink(name, embedded, tmp_path):
-    expected = _expected(name, embedded, tmp_path)
+def test_a_symlink_is_written_through_and_stays_a_symlink(name, embedded, tmp_path, ckptspec_process):
+    expected = _expected(name, embedded, tmp_path, ckptspec_process)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     target = elsewhere / "target.json"
@@ -67,7 +66,7 @@ def test_a_symlink_is_written_through_and_stays_a_symlink(name, embedded, tmp_pa
     target.chmod(0o640)
     link = tmp_path / "link.json"
     link.symlink_to(target)
-    done = cli_process.run(COMMANDS[name](link, embedded))
+    done = ckptspec_process(COMMANDS[name](link, embedded))
     assert done.returncode == 0, done.stderr
     assert link.is_symlink() and os.readlink(link) == str(target)
     assert target.read_bytes() == expected
@@ -76,23 +75,23 @@ def test_a_symlink_is_written_through_and_stays_a_symlink(name, embedded, tmp_pa
 
 
 @pytest.mark.parametrize("name", COMMANDS)
-def test_a_dangling_symlink_gets_its_target_created(name, embedded, tmp_path):
-    expected = _expected(name, embedded, tmp_path)
+def test_a_dangling_symlink_gets_its_target_created(name, embedded, tmp_path, ckptspec_process):
+    expected = _expected(name, embedded, tmp_path, ckptspec_process)
     link = tmp_path / "link.json"
     link.symlink_to(tmp_path / "new.json")
-    done = cli_process.run(COMMANDS[name](link, embedded))
+    done = ckptspec_process(COMMANDS[name](link, embedded))
     assert done.returncode == 0, done.stderr
     assert link.is_symlink() and (tmp_path / "new.json").read_bytes() == expected
 
 
 @pytest.mark.parametrize("name", COMMANDS)
-def test_a_fifo_is_written_to_and_stays_a_fifo(name, embedded, tmp_path):
-    expected = _expected(name, embedded, tmp_path)
+def test_a_fifo_is_written_to_and_stays_a_fifo(name, embedded, tmp_path, ckptspec_process):
+    expected = _expected(name, embedded, tmp_path, ckptspec_process)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
     try:
-        done = cli_process.run(COMMANDS[name](fifo, embedded))
+        done = ckptspec_process(COMMANDS[name](fifo, embedded))
         if not stat.S_ISFIFO(os.lstat(fifo).st_mode):
             reader.kill()  # the FIFO was replaced: nobody will ever open it for writing
         got, _ = reader.communicate(timeout=60)
@@ -115,13 +114,13 @@ def _mknod(path: Path, minor: int) -> None:
 
 
 @pytest.mark.parametrize("name", COMMANDS)
-def test_a_character_device_is_written_to_and_never_replaced(name, embedded, tmp_path):
+def test_a_character_device_is_written_to_and_never_replaced(name, embedded, tmp_path, ckptspec_process):
     null, full = tmp_path / "null", tmp_path / "full"
     _mknod(null, 3)
     _mknod(full, 7)
-    done = cli_process.run(COMMANDS[name](null, embedded))
+    done = ckptspec_process(COMMANDS[name](null, embedded))
     assert done.returncode == 0, done.stderr
-    failed = cli_process.run(COMMANDS[name](full, embedded))
+    failed = ckptspec_process(COMMANDS[name](full, embedded))
     assert failed.returncode == 2, failed.stderr
     assert failed.stderr.startswith(f"{full}: CK906 cannot write: No space left on device"), failed.stderr
     assert "Traceback" not in failed.stderr
@@ -132,17 +131,17 @@ def test_a_character_device_is_written_to_and_never_replaced(name, embedded, tmp
 
 
 @pytest.mark.parametrize("name", COMMANDS)
-def test_a_directory_or_socket_is_refused(name, embedded, tmp_path):
+def test_a_directory_or_socket_is_refused(name, embedded, tmp_path, ckptspec_process):
     directory = tmp_path / "dir.json"
     directory.mkdir()
-    refused = cli_process.run(COMMANDS[name](directory, embedded))
+    refused = ckptspec_process(COMMANDS[name](directory, embedded))
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.startswith(f"{directory}: CK906 cannot write: it is a directory"), refused.stderr
     assert directory.is_dir() and list(directory.iterdir()) == []
     sock_path = tmp_path / "s.sock"
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(sock_path))
-        refused = cli_process.run(COMMANDS[name](sock_path, embedded))
+        refused = ckptspec_process(COMMANDS[name](sock_path, embedded))
     assert refused.returncode == 2
     assert refused.stderr.startswith(f"{sock_path}: CK906 cannot write: it is a socket"), refused.stderr
     assert stat.S_ISSOCK(os.lstat(sock_path).st_mode)

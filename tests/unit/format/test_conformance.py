@@ -24,7 +24,7 @@ from ckptspec.format.codec import load_document
 from ckptspec.format.rules import RULES
 from ckptspec.format.validate import validate_file
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFORMANCE = ROOT / "tests" / "conformance"
 CORPUS = CONFORMANCE  # names below are "<version>/valid/..." paths
 VERSIONS = ("1.0", "1.1")

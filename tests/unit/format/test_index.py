@@ -20,7 +20,7 @@ from ckptspec.format.index_rules import INDEX_RULES
 from ckptspec.format.index_validate import is_index, validate_index_document
 from ckptspec.format.validate import validate_document
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / "tests" / "conformance" / "index-1.0"
 SCHEMA = Draft202012Validator(json.loads((ROOT / "schema" / "checkpoint-1.0.schema.json").read_text()))
 TP, PP, S0 = "tp2dp2-s2-bf16-ws4.json", "pp2dp2-s1-fp32-ws4.json", "s0-bf16-ws2-fused.json"

@@ -30,7 +30,7 @@ from ckptspec.format.migrate import (
 from ckptspec.format.validate import validate_document
 from ckptspec.format.version import full_version, version_key
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DRAFT = ROOT / "tests" / "schema_drafts" / "manifest-1.2.schema.json"
 RELEASED = ROOT / "schema" / "manifest-1.1.schema.json"
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks-1.1.json"

@@ -38,7 +38,7 @@ from ckptspec.format import schemas as schemas_registry
 from ckptspec.format.codec import decode_document, load_document
 from ckptspec.format.validate import fast_schema_accepts, validate_document, validate_file
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CORPUS = ROOT / "tests" / "conformance"
 CORPUS_FILES = sorted(p for p in CORPUS.glob("1.*/*/*") if p.suffix in (".json", ".msgpack"))
 

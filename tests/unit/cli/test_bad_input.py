@@ -9,7 +9,7 @@ tests feed random bytes, random JSON values and randomly mutated real manifests 
 they may only raise ``CkptspecError`` or return a ``Report``, and a ``CK002`` finding
 (schema and models disagree, a ckptspec bug) must never appear.
 
-``CKPTSPEC_FUZZ_EXAMPLES=5000 pytest tests/cli/test_bad_input.py -k fuzz`` runs a longer fuzz.
+``CKPTSPEC_FUZZ_EXAMPLES=5000 pytest tests/unit/cli/test_bad_input.py -k fuzz`` runs a longer fuzz.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ckptspec.errors import CkptspecError
 from ckptspec.format import codec
 from ckptspec.format.validate import Report, validate_document
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
 BASE = json.loads(EXAMPLE.read_text("utf-8"))
 FUZZ_EXAMPLES = int(os.environ.get("CKPTSPEC_FUZZ_EXAMPLES", "300"))

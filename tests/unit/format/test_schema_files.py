@@ -16,7 +16,7 @@ from jsonschema import Draft202012Validator
 
 from ckptspec.format.schemas import INDEX_SCHEMA, MANIFEST_SCHEMAS, REPORT_SCHEMAS, schema
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCHEMA_DIR = ROOT / "schema"
 PACKAGE_DIR = ROOT / "ckptspec" / "schemas"
 SCHEMA_FILES = sorted(p.name for p in SCHEMA_DIR.glob("*.json"))

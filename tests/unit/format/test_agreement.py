@@ -37,7 +37,7 @@ from ckptspec.format.models import Manifest
 from ckptspec.format.schemas import validator as reference_validator
 from ckptspec.format.tolerant import tolerant
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCHEMA: dict = json.loads((ROOT / "schema" / "manifest-1.1.schema.json").read_text("utf-8"))
 # jsonschema with ECMA-262 pattern anchors (Python's '$' also matches before a final
 # newline); otherwise exactly Draft202012Validator over the schema file.

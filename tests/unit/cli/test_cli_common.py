@@ -15,7 +15,7 @@ from ckptspec.checkpoint.states import DAMAGED_HINT
 from ckptspec.cli import cli
 from ckptspec.cli._common import SizeParam
 
-EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "manifests" / "zero2-bf16-2ranks.json")
+EXAMPLE = str(Path(__file__).resolve().parents[3] / "examples" / "manifests" / "zero2-bf16-2ranks.json")
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 
 from ckptspec.format.validate import validate_document
 
-VALID = Path(__file__).parents[1] / "conformance" / "1.1" / "valid" / "stage2-bf16-ws2-complete.json"
+VALID = Path(__file__).parents[2] / "conformance" / "1.1" / "valid" / "stage2-bf16-ws2-complete.json"
 BASE = json.loads(VALID.read_text())  # one group; ranks 0 and 1 each locate exp_avg and exp_avg_sq
 
 

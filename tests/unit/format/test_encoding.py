@@ -13,7 +13,6 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from _harness import cli_process
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,7 +24,7 @@ from ckptspec.format.codec import decode, dumps, encoding_for_output, load_docum
 from ckptspec.format.models import Manifest
 from ckptspec.format.validate import validate_document
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CORPUS = ROOT / "tests" / "conformance" / "1.0"
 VALID = sorted((CORPUS / "valid").glob("*.json")) + sorted((CORPUS / "valid").glob("*.msgpack"))
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
@@ -58,8 +57,10 @@ def same(a, b) -> bool:
     return a == b
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return cli_process.run(args)
+@pytest.fixture
+def run(ckptspec_process):
+    """``run(*args)``: ``ckptspec ARGS`` in a process of its own (the harness's fork server)."""
+    return lambda *args: ckptspec_process(args)
 
 
 # --------------------------------------------------------------------------- canonical forms
@@ -254,7 +255,7 @@ def test_failed_write_leaves_old_file_untouched(tmp_path):
 # --------------------------------------------------------------------------- ckptspec convert
 
 
-def test_convert_json_msgpack_json_reproduces_canonical_bytes(tmp_path):
+def test_convert_json_msgpack_json_reproduces_canonical_bytes(tmp_path, run):
     packed, back = tmp_path / "m.msgpack", tmp_path / "m.json"
     first = run("convert", str(EXAMPLE), str(packed))
     assert first.returncode == 0, first.stderr
@@ -265,7 +266,7 @@ def test_convert_json_msgpack_json_reproduces_canonical_bytes(tmp_path):
     assert run("validate", str(packed)).returncode == 0
 
 
-def test_convert_to_stdout_and_explicit_encoding(tmp_path):
+def test_convert_to_stdout_and_explicit_encoding(tmp_path, run):
     result = subprocess.run(
         [sys.executable, "-m", "ckptspec", "convert", str(EXAMPLE), "-", "--encoding", "msgpack"], capture_output=True
     )
@@ -276,7 +277,7 @@ def test_convert_to_stdout_and_explicit_encoding(tmp_path):
     assert run("convert", str(weird), str(tmp_path / "x.json"), "--input-encoding", "msgpack").returncode == 0
 
 
-def test_convert_refuses_an_invalid_manifest_and_writes_nothing(tmp_path):
+def test_convert_refuses_an_invalid_manifest_and_writes_nothing(tmp_path, run):
     bad = CORPUS / "invalid" / "CK101-numel-shape-scalar-numel-0.json"
     out = tmp_path / "out.msgpack"
     result = run("convert", str(bad), str(out))
@@ -285,7 +286,7 @@ def test_convert_refuses_an_invalid_manifest_and_writes_nothing(tmp_path):
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_convert_keeps_unknown_fields_of_a_newer_minor_with_a_warning(tmp_path):
+def test_convert_keeps_unknown_fields_of_a_newer_minor_with_a_warning(tmp_path, run):
     newer = CORPUS / "valid" / "newer-minor-1.4.0-unknown-fields.json"
     packed, back = tmp_path / "n.msgpack", tmp_path / "n.json"
     result = run("convert", str(newer), str(packed))
@@ -295,7 +296,7 @@ def test_convert_keeps_unknown_fields_of_a_newer_minor_with_a_warning(tmp_path):
     assert same(json.loads(back.read_text("utf-8")), json.loads(newer.read_text("utf-8")))
 
 
-def test_convert_unknown_major_exits_1_with_a_clear_message(tmp_path):
+def test_convert_unknown_major_exits_1_with_a_clear_message(tmp_path, run):
     major = CORPUS / "invalid" / "CK003-format-major-2.json"
     result = run("convert", str(major), str(tmp_path / "x.msgpack"))
     assert result.returncode == 1
@@ -303,7 +304,7 @@ def test_convert_unknown_major_exits_1_with_a_clear_message(tmp_path):
     assert not (tmp_path / "x.msgpack").exists()
 
 
-def test_convert_value_msgpack_cannot_hold(tmp_path):
+def test_convert_value_msgpack_cannot_hold(tmp_path, run):
     doc = json.loads((CORPUS / "valid" / "newer-minor-1.4.0-unknown-fields.json").read_text("utf-8"))
     doc["future_counter"] = 2**70
     source = tmp_path / "big.json"
@@ -314,7 +315,7 @@ def test_convert_value_msgpack_cannot_hold(tmp_path):
     assert not (tmp_path / "big.msgpack").exists()
 
 
-def test_convert_io_errors_exit_2(tmp_path):
+def test_convert_io_errors_exit_2(tmp_path, run):
     missing = run("convert", str(tmp_path / "nope.json"), str(tmp_path / "x.json"))
     assert missing.returncode == 2 and "CK901 file not found" in missing.stderr
     unwritable = run("convert", str(EXAMPLE), str(tmp_path / "no" / "dir" / "x.json"))

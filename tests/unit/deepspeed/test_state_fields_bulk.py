@@ -16,7 +16,7 @@ from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.deepspeed.layout.state_fields import int_shape, int_shapes, module_dtypes
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 
-SAVE = Path(__file__).resolve().parents[1] / "data" / "deepspeed-0.19.8" / "s2-bf16-ws2"  # a real DeepSpeed save
+SAVE = Path(__file__).resolve().parents[2] / "data" / "deepspeed-0.19.8" / "s2-bf16-ws2"  # a real DeepSpeed save
 
 
 def _ref(dtype: str, key: str = "0") -> TensorRef:

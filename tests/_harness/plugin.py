@@ -1,0 +1,141 @@
+"""The test harness as a pytest plugin (``pytest_plugins`` in tests/conftest.py): fixtures, and
+the markers they put on the tests that use them.
+
+Importing this module imports neither torch nor DeepSpeed: the unit tier (tests/unit) loads it in
+an environment without them. A fixture that needs them imports them when it is first used.
+
+=====================  ============================================================  ===========
+fixture                what it gives                                                 marker
+=====================  ============================================================  ===========
+``ds_checkpoint``      ``ds_checkpoint(name)``: a real DeepSpeed job's entry          deepspeed
+                       (tasks.py; built once, cached)
+``ds``                 the job results module itself (``ds.path``, ``ds.read_json``)  deepspeed
+``committed``          ``committed(name)``: a real checkpoint committed in            (none)
+                       tests/data (no DeepSpeed, no job)
+``ckptspec_cli``       ``ckptspec_cli(*args)``: a command in-process (click's         (none)
+                       runner); asserts exit 0
+``ckptspec_process``   ``ckptspec_process(args, ...)``: a command in a process of     subprocess
+                       its own, forked from the fork server (cli_process.run)
+``cli_server``         the fork server's socket (forkclient.py's                     subprocess
+                       ``$CKPTSPEC_FORKSERVER``)
+``nginx``, ``s3``,     real nginx and moto S3 servers on 127.0.0.1 (servers.py),     remote
+``s3_env``             once per session
+=====================  ============================================================  ===========
+
+``-m 'not deepspeed'`` therefore selects what runs without a DeepSpeed job, ``-m 'not subprocess'``
+what runs in-process only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# Fixture -> the marker every test using it (directly or through another fixture) gets.
+MARKED_BY = {
+    "ds": "deepspeed",
+    "ds_checkpoint": "deepspeed",
+    "ckptspec_process": "subprocess",
+    "cli_server": "subprocess",
+    "nginx": "remote",
+    "s3": "remote",
+    "s3_env": "remote",
+}
+MARKERS = {
+    "deepspeed": "uses real DeepSpeed job results (tests/_harness; built once and cached); applied by its fixtures",
+    "subprocess": "runs ckptspec in a process of its own (the fork server); applied by its fixtures",
+    "remote": "reads through real nginx or S3 servers on 127.0.0.1; applied by its fixtures",
+}
+
+
+def pytest_configure(config):
+    for name, description in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for marker in sorted({MARKED_BY[f] for f in getattr(item, "fixturenames", ()) if f in MARKED_BY}):
+            item.add_marker(marker)
+
+
+@pytest.fixture(scope="session")
+def ds():
+    """Real DeepSpeed job results by name: ``ds.path("s2-bf16-ws2")`` (tests/_harness/tasks.py).
+
+    Entries are cached in ``.cache/ds`` (or ``$CKPTSPEC_DS_CACHE``) and keyed on everything that
+    runs inside the job; the first request builds every missing registered entry in batches.
+    """
+    from . import oracles, tasks
+
+    oracles.check_deepspeed_version()  # a missing or other DeepSpeed is a broken environment, not a skip
+    return tasks
+
+
+@pytest.fixture(scope="session")
+def ds_checkpoint(ds):
+    """``ds_checkpoint(name)``: the entry of the registered DeepSpeed job ``name`` (scenarios.py)."""
+
+    def path(name: str) -> Path:
+        if name.startswith("committed:"):
+            raise ValueError(f"{name}: a committed checkpoint needs no DeepSpeed; use the `committed` fixture")
+        return ds.path(name)
+
+    return path
+
+
+@pytest.fixture(scope="session")
+def committed():
+    """``committed(name)``: a real DeepSpeed checkpoint committed in tests/data (scenarios.COMMITTED)."""
+    from .scenarios import COMMITTED
+
+    return COMMITTED.__getitem__
+
+
+@pytest.fixture(scope="session")
+def ckptspec_cli():
+    from .reconstruction import cli
+
+    return cli
+
+
+@pytest.fixture(scope="session")
+def ckptspec_process():
+    from .cli_process import run
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def cli_server() -> Path:
+    from .cli_process import SERVER
+
+    return SERVER.address()
+
+
+@pytest.fixture(scope="session")
+def nginx(tmp_path_factory):
+    from .servers import start_nginx
+
+    server = start_nginx(tmp_path_factory.mktemp("nginx"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    from .servers import start_s3
+
+    server = start_s3(tmp_path_factory.mktemp("moto"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch) -> dict[str, str]:
+    """The environment a user sets to reach the S3 server (credentials and endpoint), for this test."""
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    return s3.env
