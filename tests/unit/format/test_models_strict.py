@@ -2,7 +2,7 @@
 validator on the hot path; integral floats are made ints once where a document is loaded; a newer
 minor's fields are read by the models' tolerant twins.
 
-tests/format/test_agreement.py proves models and schema give the same verdict on the corpus and
+tests/unit/format/test_agreement.py proves models and schema give the same verdict on the corpus and
 hundreds of mutations; these are the pieces that verdict rests on.
 """
 
@@ -21,7 +21,7 @@ from ckptspec.format.models import Digest, Layout, Manifest, Param, TolerantDige
 from ckptspec.format.tolerant import from_document, tolerant
 from ckptspec.format.validate import validate_document
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "manifests" / "zero2-bf16-2ranks-1.1.json"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "manifests" / "zero2-bf16-2ranks-1.1.json"
 PARAM = {"name": "w", "shape": [2, 3], "numel": 6, "dtype": "float32", "offset": 0, "padding": 0}
 
 
