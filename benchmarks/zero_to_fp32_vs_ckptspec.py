@@ -176,7 +176,7 @@ def timing(work: Path) -> str | None:
     from ckptspec.deepspeed.check.zero import validate_checkpoint
     from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
     from ckptspec.format.codec import write_manifest
-    from ckptspec.format.validate import load_manifest
+    from ckptspec.format.documents import load_manifest
 
     rows = []
     for stage in (2, 3):

@@ -7,7 +7,8 @@ The core (models, schema, validation) needs neither torch nor DeepSpeed;
 from ._version import __version__
 from .errors import InvalidManifest
 from .findings import Finding
-from .format.validate import Report, load_manifest, validate_document, validate_file
+from .format.documents import load_manifest, validate_file
+from .format.validate import Report, validate_document
 from .format.version import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [

@@ -11,21 +11,13 @@ same (it only moves the failure from import time to call time). How edges count:
 * imports under ``if TYPE_CHECKING:`` are left out: they never run, and annotations naming each
   other's classes (``location.store`` and its handles) are not a dependency.
 
-A circle fails the test with the modules it runs through. ``KNOWN`` names the circles left in
-``format/`` for the work that removes them (issue #38); it may only shrink.
+A circle fails the test with the modules it runs through.
 """
 
 from __future__ import annotations
 
 import grimp
 import pytest
-
-# Circles that remain for now, each with the change that removes it. Delete an entry when it is gone.
-KNOWN = [
-    # read_and_validate dispatches on the document kind inside validate.py, which index_validate builds on;
-    # the dispatch belongs above both (architecture review 2, section 2: one Report, one validate)
-    ["ckptspec.format.index_validate", "ckptspec.format.validate"],
-]
 
 
 def cycles(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -84,7 +76,7 @@ def test_cycles_finds_a_lazy_circle():
 @pytest.mark.parametrize("package", ["ckptspec"])
 def test_no_import_circle(package):
     graph = grimp.build_graph(package, cache_dir=None, exclude_type_checking_imports=True)
-    found = [c for c in cycles(graph) if c not in KNOWN]
+    found = cycles(graph)
     assert not found, "import circles (function-level imports included):\n" + "\n".join(" <-> ".join(c) for c in found)
 
 

@@ -54,7 +54,7 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
     A directory's manifest is the one ``validate DIR`` would check the files against
     (``choose_manifest``), and the files are checked against it (hashes aside).
     """
-    from ..format.validate import validate_file
+    from ..format.documents import validate_file
     from ..location import is_directory, is_remote
 
     if not is_directory(name):

@@ -171,7 +171,7 @@ def test_damaged_sidecar_beside_a_damaged_shard_names_both(embedded):
 
 def test_python_exceptions_name_the_input(tmp_path):
     import ckptspec
-    from ckptspec.format.validate import validate_file
+    from ckptspec.format.documents import validate_file
 
     (tmp_path / "empty").mkdir()
     for call, name in (

@@ -17,9 +17,10 @@ from ...checkpoint.sidecar import find_sidecar
 from ...checkpoint.states import StateCache
 from ...errors import CkptspecError, RecordMismatch
 from ...findings import Finding
+from ...format.documents import validate_file
 from ...format.models import Manifest
 from ...format.tolerant import from_document
-from ...format.validate import Report, validate_file
+from ...format.validate import Report
 from .domain import check_checkpoint
 
 # Not a reason to stop a writer: the manifest predates an embed, the file is intact (CK227).

@@ -23,8 +23,9 @@ from ...checkpoint.sidecar import find_sidecar
 from ...checkpoint.states import Loaded, StateCache, code_and_hint
 from ...errors import CkptspecError, UnsupportedCheckpoint
 from ...findings import Finding, finding, has_errors
+from ...format.documents import read_and_validate, validate_file
 from ...format.models import Manifest, ShardFile
-from ...format.validate import Report, read_and_validate, validate_file, validate_manifest
+from ...format.validate import Report, validate_manifest
 from ...location import RemotePath, relative_name
 from ..describe.zero import manifest_from_states
 from ..layout.names import file_order, rank_of, role_of

@@ -21,8 +21,8 @@ from jsonschema import Draft202012Validator
 
 from ckptspec.cli import cli
 from ckptspec.format.codec import load_document
+from ckptspec.format.documents import validate_file
 from ckptspec.format.rules import RULES
-from ckptspec.format.validate import validate_file
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFORMANCE = ROOT / "tests" / "conformance"

@@ -36,7 +36,8 @@ from test_agreement import (
 
 from ckptspec.format import schemas as schemas_registry
 from ckptspec.format.codec import decode_document, load_document
-from ckptspec.format.validate import fast_schema_accepts, validate_document, validate_file
+from ckptspec.format.documents import validate_file
+from ckptspec.format.validate import fast_schema_accepts, validate_document
 
 ROOT = Path(__file__).resolve().parents[3]
 CORPUS = ROOT / "tests" / "conformance"
