@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Field, Strict, StringConstraints
 
 from .models import Count, Dtype, Hash, Manifest, Name, Positive, Producer, SemVer, Shape, _Model
 
@@ -134,13 +134,20 @@ class SplitPlacement(_Model):
     split: Split
 
 
+# (offset, strides): a JSON array of two items. Strict mode refuses a list where a tuple is typed, so the
+# tuple alone is lax (a list becomes the tuple); its items stay strict (no bool, float or string).
+OffsetStrides = Annotated[
+    tuple[Annotated[Count, Strict()], Annotated[list[Annotated[Count, Strict()]], Field(max_length=64)]], Strict(False)
+]
+
+
 class Piece(_Model):
     """DeepSpeed's affine piece: ``shape`` elements at ``source`` (offset, strides) of the whole
     tensor are at ``dest`` (offset, strides) of the shard."""
 
     shape: Shape
-    source: tuple[Count, Annotated[list[Count], Field(max_length=64)]]
-    dest: tuple[Count, Annotated[list[Count], Field(max_length=64)]]
+    source: OffsetStrides
+    dest: OffsetStrides
 
 
 class PiecesPlacement(_Model):

@@ -134,3 +134,17 @@ def test_a_column_that_does_not_validate_raises_what_its_row_raises(column, valu
     with pytest.raises(ValidationError) as row:
         Param(**dict(zip(partition._FIELDS, (columns[0][1], list(columns[1][1]), *(c[1] for c in columns[2:])))))
     assert bulk.value.errors() == row.value.errors()
+
+
+def test_a_pieces_placement_reads_its_json_arrays():
+    """``source``/``dest`` are JSON arrays ``[offset, strides]``: strict mode refused every list where a tuple is
+    typed, so a checkpoint index with a pieces placement was CK002 before it was ever read."""
+    doc = {"shape": [2, 3], "source": [4, [3, 1]], "dest": [0, [3, 1]]}
+    piece = index_models.Piece.model_validate(json.loads(json.dumps(doc)))
+    assert piece.source == (4, [3, 1]) and piece.dest == (0, [3, 1])
+
+
+@pytest.mark.parametrize("bad", [[True, [1]], [0.0, [1]], ["1", [1]], [0, [True]], [-1, [1]], [0, [1], 2], [0]])
+def test_a_pieces_offset_and_strides_stay_strict(bad):
+    with pytest.raises(ValidationError):
+        index_models.Piece.model_validate({"shape": [2], "source": bad, "dest": [0, [1]]})
