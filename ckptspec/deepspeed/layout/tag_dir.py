@@ -131,6 +131,15 @@ def index_kind_hint(kind: str) -> str:
     )
 
 
+def _other_model_parallel_rank(rank: int, path: Path | RemotePath) -> UnsupportedCheckpoint:
+    return UnsupportedCheckpoint(
+        f"model-parallel rank {rank} in {path.name}",
+        "a tensor/pipeline-parallel checkpoint is read as a checkpoint index (docs/spec-checkpoint.md), "
+        "from a local directory only: not by this command, nor from a URL",
+        str(path),
+    )
+
+
 def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
     shards = ShardSet(tag_dir)
     for path in sorted(tag_dir.iterdir()):
@@ -143,21 +152,11 @@ def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
             raise UnsupportedCheckpoint(f"pipeline layer file {name}", index_kind_hint("pipeline-parallel"), str(path))
         if m := OPTIM_RE.match(name):
             if int(m.group(2)) != 0:
-                raise UnsupportedCheckpoint(
-                    f"model-parallel rank {int(m.group(2))} in {name}",
-                    "a tensor/pipeline-parallel checkpoint is read as a checkpoint index (docs/spec-checkpoint.md), "
-                    "from a local directory only: not by this command, nor from a URL",
-                    str(path),
-                )
+                raise _other_model_parallel_rank(int(m.group(2)), path)
             shards.optim_files[int(m.group(1))] = path
         elif m := MODEL_RE.match(name):
             if int(m.group(2)) != 0:
-                raise UnsupportedCheckpoint(
-                    f"model-parallel rank {int(m.group(2))} in {name}",
-                    "a tensor/pipeline-parallel checkpoint is read as a checkpoint index (docs/spec-checkpoint.md), "
-                    "from a local directory only: not by this command, nor from a URL",
-                    str(path),
-                )
+                raise _other_model_parallel_rank(int(m.group(2)), path)
             shards.model_files[int(m.group(1) or 0)] = path
         elif not name.startswith("ckptspec.") and not is_leftover(name) and not is_output_name(name):
             # ckptspec's own files (the sidecar) describe the others; a killed run's temporaries and a
