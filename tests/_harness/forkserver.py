@@ -76,8 +76,11 @@ def _run(request: dict, stdio: list[int]) -> int:
 
 def serve_socket(path: str) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server.bind(path)
+    # Bound and listening under another name first: clients wait for ``path`` to exist, and a socket
+    # bound but not yet listening refuses them (ECONNREFUSED, seen on a loaded machine).
+    server.bind(path + ".starting")
     server.listen(64)
+    os.rename(path + ".starting", path)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the per-client handlers are reaped by the kernel
     while True:
         # stdin is a pipe from the test process that started this server: its end (EOF) ends the server.
