@@ -20,6 +20,7 @@ against the 1.0 schema first (validate.py), which is what the corpus's verdicts 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import typing
 from pathlib import Path
@@ -88,8 +89,10 @@ def models_accept(doc: Any, allow_unknown: bool = False) -> Manifest | None:
         return None
 
 
-def assert_agree(doc: Any, allow_unknown: bool = False) -> None:
-    schema_ok = schema_accepts(doc, allow_unknown)
+def assert_agree(doc: Any, allow_unknown: bool = False, schema_ok: bool | None = None) -> None:
+    """``schema_ok``: the reference verdict when already known (``mutation_verdict``)."""
+    if schema_ok is None:
+        schema_ok = schema_accepts(doc, allow_unknown)
     manifest = models_accept(doc, allow_unknown)
     assert schema_ok == (manifest is not None), (
         f"schema {'accepts' if schema_ok else 'refuses'} but models {'accept' if manifest else 'refuse'}"
@@ -262,6 +265,18 @@ BASE = base_manifest()
 NEWER = dict(copy.deepcopy(BASE), format_version="1.4.0")
 MUTATIONS_1_1 = mutations(BASE, full=True)
 MUTATIONS_NEWER = mutations(NEWER, full=False)
+_MUTATION = {
+    **{("1.1", label): doc for label, doc in MUTATIONS_1_1},
+    **{("newer", label): doc for label, doc in MUTATIONS_NEWER},
+}
+
+
+@functools.cache
+def mutation_verdict(kind: str, label: str, allow_unknown: bool) -> bool:
+    """``schema_accepts`` of the mutation ``label`` of ``kind`` ("1.1" or "newer"), computed once per
+    process: pure-Python jsonschema takes about 2.5 ms a document, and ``test_enough_mutations``,
+    ``test_mutation_*`` and test_fast_path.py all ask for the same verdicts."""
+    return schema_accepts(_MUTATION[kind, label], allow_unknown)
 
 
 def test_base_manifests_are_valid():
@@ -273,24 +288,24 @@ def test_base_manifests_are_valid():
 def test_enough_mutations():
     assert len(MUTATIONS_1_1) >= 30
     # the mutations really probe both sides: many are refused, some are accepted
-    verdicts = [schema_accepts(doc) for _, doc in MUTATIONS_1_1]
+    verdicts = [mutation_verdict("1.1", label, False) for label, _ in MUTATIONS_1_1]
     assert verdicts.count(False) >= 30 and verdicts.count(True) >= 10
 
 
 @pytest.mark.parametrize("label,doc", MUTATIONS_1_1, ids=[m[0] for m in MUTATIONS_1_1])
 def test_mutation_format_1_1(label, doc):
-    assert_agree(doc)
+    assert_agree(doc, schema_ok=mutation_verdict("1.1", label, False))
 
 
 @pytest.mark.parametrize("label,doc", MUTATIONS_NEWER, ids=[m[0] for m in MUTATIONS_NEWER])
 def test_mutation_newer_minor(label, doc):
-    assert_agree(doc, allow_unknown=True)
+    assert_agree(doc, allow_unknown=True, schema_ok=mutation_verdict("newer", label, True))
 
 
 def test_newer_minor_unknown_keys_are_accepted_by_both():
     for label, doc in MUTATIONS_NEWER:
         if label.endswith(":unknown-key"):
-            assert schema_accepts(doc, True) and models_accept(doc, True), label
+            assert mutation_verdict("newer", label, True) and models_accept(doc, True), label
 
 
 # Found while writing these tests, now fixed: keep them as regressions.
@@ -384,13 +399,42 @@ def _hypothesis_jsonschema_works() -> bool:
     return hasattr(cu.many, "more")
 
 
-def test_hypothesis_jsonschema_documents_round_trip():
+def build_strategies_once(monkeypatch) -> None:
+    """Make hypothesis-jsonschema build the strategy of each subschema once, not on every draw.
+
+    For every key of every object it draws, ``from_object_schema`` calls ``merged_as_strategies``
+    or ``__from_schema`` on that key's subschema, which resolves, canonicalises and merges it
+    again: 0.2 s a manifest, most of this test's time. Both are functions of their arguments
+    (a schema, and the alphabet and formats of this ``from_schema`` call), and a strategy is a
+    description: an equal one draws the same values from the same choices, so the documents
+    generated are the same (checked: same seed, same documents with and without this).
+    """
+    from hypothesis_jsonschema import _from_schema as module
+
+    def once(build):
+        built: dict = {}
+
+        def cached(schema, *, alphabet, custom_formats):
+            key = (json.dumps(schema, sort_keys=True), id(alphabet), id(custom_formats))
+            if key not in built:
+                built[key] = (build(schema, alphabet=alphabet, custom_formats=custom_formats), alphabet, custom_formats)
+            return built[key][0]
+
+        return cached
+
+    for name in ("merged_as_strategies", "__from_schema"):
+        monkeypatch.setattr(module, name, once(getattr(module, name)))
+
+
+def test_hypothesis_jsonschema_documents_round_trip(monkeypatch):
     # hypothesis is pinned below 6.170.10 in pyproject.toml for this test.
     assert _hypothesis_jsonschema_works(), "hypothesis-jsonschema needs hypothesis<6.170.10"
     from hypothesis_jsonschema import from_schema
 
-    # hypothesis-jsonschema re-canonicalises and merges subschemas on every object it draws,
-    # about 0.25 s per manifest here, so the example budget is kept small (about 10 s).
+    build_strategies_once(monkeypatch)
+
+    # Drawing a manifest still costs a few ms a subschema (hypothesis-jsonschema's objects go
+    # through private hypothesis internals), so the example budget stays at 40.
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(from_schema(bounded_schema()))
     def run(doc):
