@@ -10,20 +10,23 @@ fixture                what it gives                                            
 ``ds_checkpoint``      ``ds_checkpoint(name)``: a real DeepSpeed job's entry          deepspeed
                        (tasks.py; built once, cached)
 ``ds``                 the job results module itself (``ds.path``, ``ds.read_json``)  deepspeed
+``zero_to_fp32``       DeepSpeed's own zero_to_fp32, in the test process (oracles.py)  deepspeed
 ``committed``          ``committed(name)``: a real checkpoint committed in            (none)
                        tests/data (no DeepSpeed, no job)
 ``ckptspec_cli``       ``ckptspec_cli(*args)``: a command in-process (click's         (none)
                        runner); asserts exit 0
 ``ckptspec_process``   ``ckptspec_process(args, ...)``: a command in a process of     subprocess
                        its own, forked from the fork server (cli_process.run)
+``crash``              crash.py: ``crash.run(args, failpoint)``, ``crash.steps``...  subprocess
 ``cli_server``         the fork server's socket (forkclient.py's                     subprocess
                        ``$CKPTSPEC_FORKSERVER``)
 ``nginx``, ``s3``,     real nginx and moto S3 servers on 127.0.0.1 (servers.py),     remote
-``s3_env``             once per session
+``s3_env``             once per session; ``nginx.serve(dir)``, ``s3.upload(dir)``
 =====================  ============================================================  ===========
 
 ``-m 'not deepspeed'`` therefore selects what runs without a DeepSpeed job, ``-m 'not subprocess'``
-what runs in-process only.
+what runs in-process only. The marker cannot be forgotten: a test that reaches a job's result or
+DeepSpeed's zero_to_fp32 without carrying ``deepspeed`` fails (guard.py).
 """
 
 from __future__ import annotations
@@ -32,10 +35,14 @@ from pathlib import Path
 
 import pytest
 
+from . import guard
+
 # Fixture -> the marker every test using it (directly or through another fixture) gets.
 MARKED_BY = {
     "ds": "deepspeed",
     "ds_checkpoint": "deepspeed",
+    "zero_to_fp32": "deepspeed",
+    "crash": "subprocess",
     "ckptspec_process": "subprocess",
     "cli_server": "subprocess",
     "nginx": "remote",
@@ -43,7 +50,8 @@ MARKED_BY = {
     "s3_env": "remote",
 }
 MARKERS = {
-    "deepspeed": "uses real DeepSpeed job results (tests/_harness; built once and cached); applied by its fixtures",
+    "deepspeed": "uses real DeepSpeed job results (tests/_harness; built once and cached) or DeepSpeed's zero_to_fp32; "
+    "applied by its fixtures, required by the guard (guard.py)",
     "subprocess": "runs ckptspec in a process of its own (the fork server); applied by its fixtures",
     "remote": "reads through real nginx or S3 servers on 127.0.0.1; applied by its fixtures",
 }
@@ -52,6 +60,33 @@ MARKERS = {
 def pytest_configure(config):
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
+    guard.armed = True
+
+
+def pytest_unconfigure(config):
+    guard.armed = False
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The guard knows the test whose setup, call or teardown runs (module- and session-scoped
+    fixtures run in the setup of the first test that uses them)."""
+    guard.current = item
+    try:
+        return (yield)
+    finally:
+        guard.current = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A phase in which the guard refused something fails, even if the test caught the error."""
+    report = yield
+    refused = guard.take()
+    if refused and report.passed:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(refused)
+    return report
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -87,6 +122,14 @@ def ds_checkpoint(ds):
 
 
 @pytest.fixture(scope="session")
+def zero_to_fp32():
+    """DeepSpeed's own ``zero_to_fp32(save_dir)`` in the test process (oracles.py): the reference."""
+    from .oracles import zero_to_fp32
+
+    return zero_to_fp32
+
+
+@pytest.fixture(scope="session")
 def committed():
     """``committed(name)``: a real DeepSpeed checkpoint committed in tests/data (scenarios.COMMITTED)."""
     from .scenarios import COMMITTED
@@ -106,6 +149,14 @@ def ckptspec_process():
     from .cli_process import run
 
     return run
+
+
+@pytest.fixture(scope="session")
+def crash(ckptspec_process):
+    """crash.py: a writer stopped at a chosen step (``run(args, failpoint)``, ``steps``, ``points``)."""
+    from . import crash
+
+    return crash
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import cache, record_imports
+from . import cache, guard, record_imports
 from .job import parallel_models
 from .job.model import normalize_spec
 from .launch import FSDP2_MAIN, JOB_MAIN, RESHARD_MAIN, HarnessError, run_launches, task_launch
@@ -136,6 +136,7 @@ def entry(name: str, task: Task | None = None) -> Path:
 
 def path(name: str, task: Task | None = None) -> Path:
     """The complete entry of ``name`` (a registered task, or ``task`` under that name), built if needed."""
+    guard.reached(f"the DeepSpeed job result {name!r}")
     registered = task is None
     task = task or _registry()[name]
     target = entry(name, task)
@@ -258,6 +259,7 @@ def cached(name: str, identity: dict, build) -> Path:
     ``identity`` must hash everything the result depends on; ``build`` raises on failure, and a
     failed build leaves nothing in the cache.
     """
+    guard.reached(f"the DeepSpeed job result {name!r}")
     target = cache.entry(name, cache.key(identity))
     if cache.is_done(target):
         return target
