@@ -4,7 +4,7 @@ import json
 
 import pytest
 from _harness import cache, scenarios
-from _harness.oracles import DEEPSPEED_VERSION, zero_to_fp32
+from _harness.oracles import DEEPSPEED_VERSION
 from _harness.tasks import Task, task_key
 
 pytestmark = pytest.mark.deepspeed
@@ -17,7 +17,7 @@ def _bits_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def test_stage2_checkpoint_matches_live_engine(ds):
+def test_stage2_checkpoint_matches_live_engine(zero_to_fp32, ds):
     import torch
 
     save_dir = ds.path("s2-bf16-ws2")

@@ -25,8 +25,6 @@ from _harness import crash
 
 from ckptspec import _commit, _fs
 
-pytestmark = pytest.mark.deepspeed
-
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
 

@@ -355,7 +355,6 @@ def _without_digests(doc: dict) -> dict:
     return doc
 
 
-@pytest.mark.deepspeed
 def test_every_rank_returns_the_same_complete_valid_manifest(saved):
     assert all(doc == saved.returned[0] for doc in saved.returned)
     manifest = saved.returned[0]
@@ -373,7 +372,6 @@ def test_every_rank_returns_the_same_complete_valid_manifest(saved):
     assert tensors and all("digest" in t for t in tensors)
 
 
-@pytest.mark.deepspeed
 def test_sidecar_is_written_last_and_latest_after_it(saved):
     assert saved.sidecar.read_bytes() == dumps(saved.returned[0], "json")
     sidecar_time = saved.sidecar.stat().st_mtime_ns
@@ -383,7 +381,6 @@ def test_sidecar_is_written_last_and_latest_after_it(saved):
     assert leftovers == []
 
 
-@pytest.mark.deepspeed
 def test_the_tag_directory_gets_the_mode_of_the_directories_the_job_made(saved):
     """#37 item 7 (M3): was drwx------ whatever the umask (a temporary directory renamed into place),
     where DeepSpeed's own saves are drwxr-xr-x under umask 022: the job made the save directory
@@ -391,7 +388,6 @@ def test_the_tag_directory_gets_the_mode_of_the_directories_the_job_made(saved):
     assert stat.S_IMODE(saved.tag_dir.stat().st_mode) == stat.S_IMODE(saved.save_dir.stat().st_mode)
 
 
-@pytest.mark.deepspeed
 def test_sidecar_files_are_the_files_on_disk(saved):
     """Sizes, hashes and locators gathered from the ranks equal what the saved directory says
     (so the model-states files were described with their client state inside)."""
@@ -406,7 +402,6 @@ def test_sidecar_files_are_the_files_on_disk(saved):
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-@pytest.mark.deepspeed
 def test_model_states_carry_the_layout_manifest(saved):
     sidecar = json.loads(saved.sidecar.read_text())
     files = _model_files(saved.tag_dir)
@@ -419,7 +414,6 @@ def test_model_states_carry_the_layout_manifest(saved):
     assert embedded_findings(saved.save_dir) == []
 
 
-@pytest.mark.deepspeed
 def test_engine_load_checkpoint_still_works(saved):
     sidecar = json.loads(saved.sidecar.read_text())
     for rank in range(saved.world_size):
@@ -429,7 +423,6 @@ def test_engine_load_checkpoint_still_works(saved):
         assert result["embedded_type"] == "str" and result["embedded"] == _without_digests(layout_document(sidecar))
 
 
-@pytest.mark.deepspeed
 def test_manifest_survives_when_only_pt_files_are_copied(saved, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -448,7 +441,6 @@ def test_manifest_survives_when_only_pt_files_are_copied(saved, tmp_path):
     assert json.loads((bare / "ckptspec.json").read_text()) == sidecar
 
 
-@pytest.mark.deepspeed
 def test_extract_prints_the_sidecar_and_lists_agreeing_copies(saved):
     result = run("extract", str(saved.save_dir))
     assert result.returncode == 0 and result.stdout.encode() == saved.sidecar.read_bytes()
@@ -457,7 +449,6 @@ def test_extract_prints_the_sidecar_and_lists_agreeing_copies(saved):
     assert listed.returncode == 0 and listed.stdout.endswith(f"{saved.save_dir}: {n} copies agree\n")
 
 
-@pytest.mark.deepspeed
 def test_disagreeing_copy_is_reported(saved, tmp_path):
     copy_dir = tmp_path / "ckpt"
     shutil.copytree(saved.save_dir, copy_dir)
@@ -472,7 +463,6 @@ def test_disagreeing_copy_is_reported(saved, tmp_path):
     assert [f.code for f in embedded_findings(copy_dir)] == ["CK301"]
 
 
-@pytest.mark.deepspeed
 def test_embed_into_a_plain_deepspeed_checkpoint(saved, tmp_path):
     """Strip every copy, then `ckptspec embed` puts them back: client state first, sidecar last."""
     import torch
@@ -521,7 +511,6 @@ def test_embed_into_a_plain_deepspeed_checkpoint(saved, tmp_path):
     assert run("validate", str(copy_dir)).returncode == 0
 
 
-@pytest.mark.deepspeed
 def test_embed_over_a_flipped_master_bit_is_refused_until_rehash(saved, tmp_path):
     """#37 (H3), the report's repro on the hook's own sidecars: one bit of the last rank's fp32 master
     partition flipped (same size). `embed` and `embed --sidecar-only` used to record the damaged file,
@@ -556,7 +545,6 @@ def test_embed_over_a_flipped_master_bit_is_refused_until_rehash(saved, tmp_path
     assert run("validate", str(copy_dir)).returncode == 0
 
 
-@pytest.mark.deepspeed
 def test_embed_refuses_a_manifest_of_another_checkpoint(saved, ds, tmp_path):
     copy_dir = tmp_path / "ckpt"
     shutil.copytree(saved.save_dir, copy_dir)
@@ -664,7 +652,6 @@ def fake_job(saved, monkeypatch):
     return SimpleNamespace(install=install, ds=ds, engine=engine, save_checkpoint=save_checkpoint)
 
 
-@pytest.mark.deepspeed
 def test_fake_job_reproduces_the_real_sidecar(fake_job, saved, tmp_path):
     state = fake_job.install()
     engine = fake_job.engine(state)
@@ -678,7 +665,6 @@ def test_fake_job_reproduces_the_real_sidecar(fake_job, saved, tmp_path):
     assert (tmp_path / "global_step2" / "ckptspec.json").read_bytes() == saved.sidecar.read_bytes()
 
 
-@pytest.mark.deepspeed
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
 def test_the_published_tag_directory_honours_the_umask(fake_job, tmp_path, umask):
     """#37 item 7 (M3): the hook's staged tag directory (``staged_save.save_staged``) was mkdtemp's 0700."""
@@ -691,7 +677,6 @@ def test_the_published_tag_directory_honours_the_umask(fake_job, tmp_path, umask
     assert stat.S_IMODE((tmp_path / "global_step2").stat().st_mode) == 0o777 & ~umask
 
 
-@pytest.mark.deepspeed
 def test_save_options(fake_job, saved, tmp_path):
     state = fake_job.install(hash_algorithm=None)
     manifest = fake_job.save_checkpoint(
@@ -706,7 +691,6 @@ def test_save_options(fake_job, saved, tmp_path):
     )
 
 
-@pytest.mark.deepspeed
 def test_refusals_before_anything_is_saved(fake_job, tmp_path):
     fake_job.install()
     with pytest.raises(ValueError, match="reserved"):
@@ -741,7 +725,6 @@ def test_refusals_before_anything_is_saved(fake_job, tmp_path):
     ],
     ids=["data-parallel", "model-parallel", "moe", "stage0"],
 )
-@pytest.mark.deepspeed
 def test_engines_a_manifest_cannot_describe_are_refused_before_saving(fake_job, tmp_path, feature, config, named, kind):
     """#17: the save hook names the feature and DeepSpeed writes nothing, whatever describes the engine
     (the engine's accessors are DeepSpeed 0.19.8's: ``zero_nvme_offload_optimizer``,
@@ -756,7 +739,6 @@ def test_engines_a_manifest_cannot_describe_are_refused_before_saving(fake_job, 
     assert engine.calls == [] and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.deepspeed
 def test_a_rank_that_cannot_describe_its_files_fails_every_rank(fake_job, tmp_path):
     fake_job.install(other=lambda rank: ([], f"rank {rank}: OSError: disk gone"))
     with pytest.raises(RuntimeError, match="rank 1: OSError: disk gone"):
@@ -765,7 +747,6 @@ def test_a_rank_that_cannot_describe_its_files_fails_every_rank(fake_job, tmp_pa
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary tag directory is left"
 
 
-@pytest.mark.deepspeed
 def test_an_incomplete_checkpoint_gets_no_sidecar_and_no_latest(fake_job, tmp_path):
     fake_job.install(other=lambda rank: ([], None))  # the other ranks' files are missing from the manifest
     with pytest.raises(RuntimeError, match="could not write the manifest sidecar"):
@@ -774,7 +755,6 @@ def test_an_incomplete_checkpoint_gets_no_sidecar_and_no_latest(fake_job, tmp_pa
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary tag directory is left"
 
 
-@pytest.mark.deepspeed
 def test_validate_dir_reports_a_disagreeing_copy(saved, tmp_path):
     """`ckptspec validate DIR` checks the embedded copies too (CK301), file named."""
     copy_dir = tmp_path / "ckpt"
@@ -789,7 +769,6 @@ def test_validate_dir_reports_a_disagreeing_copy(saved, tmp_path):
     assert "CK301" in result.stdout and victim.name in result.stdout
 
 
-@pytest.mark.deepspeed
 def test_digests_need_every_file_on_rank_0(fake_job, tmp_path, monkeypatch):
     """A digest can span ranks' files: when rank 0 cannot see one (no shared filesystem), the sidecar
     keeps the files' hashes and records no digest, with a warning; the save still succeeds."""
@@ -803,7 +782,6 @@ def test_digests_need_every_file_on_rank_0(fake_job, tmp_path, monkeypatch):
     assert (tmp_path / "latest").read_text() == "global_step2"
 
 
-@pytest.mark.deepspeed
 def test_a_digest_that_cannot_be_computed_fails_every_rank(fake_job, tmp_path, monkeypatch):
     state = fake_job.install()
 

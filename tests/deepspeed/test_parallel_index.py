@@ -13,13 +13,10 @@ from pathlib import Path
 import pytest
 from _harness import cli_process, scenarios
 from _harness.job.parallel_models import reference_model, torch_dtype
-from _harness.oracles import zero_to_fp32
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
 from ckptspec.cli import cli
-
-pytestmark = pytest.mark.deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX_SCHEMA = Draft202012Validator(json.loads((ROOT / "schema" / "checkpoint-1.0.schema.json").read_text()))
@@ -251,7 +248,7 @@ def test_load_state_dict_and_low_precision_output(ds, name, reconstructed):
 
 
 @pytest.mark.parametrize("name", ["tp2-s1-fp32-ws2", "tp2dp2-s2-bf16-ws4", "tp2-s3-bf16-ws2"])
-def test_zero_to_fp32_of_mp_rank_0_is_tensor_rank_0s_shard(ds, name, reconstructed, tmp_path):
+def test_zero_to_fp32_of_mp_rank_0_is_tensor_rank_0s_shard(zero_to_fp32, ds, name, reconstructed, tmp_path):
     """DeepSpeed's zero_to_fp32 reads mp_rank_00's files only: what it returns is tensor rank 0's shard of
     each reconstructed parameter (DeepSpeed's pieces), bit for bit."""
     tag = _info(ds, name)["tag"]

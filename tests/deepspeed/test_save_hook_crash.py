@@ -24,8 +24,6 @@ from click.testing import CliRunner
 from ckptspec import _commit, _fs
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 SPEC = {"stage": 2, "dtype": "bf16", "tied": True, "frozen": True, "buffers": True}
 WORLD_SIZE = 2
 CASES = {"new-tag": "second", "same-tag": "first"}  # the second save's tag

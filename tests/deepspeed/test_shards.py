@@ -28,13 +28,11 @@ from ckptspec.errors import CkptspecError, InvalidCheckpoint
 from ckptspec.format.models import Manifest
 from ckptspec.format.partition import natural_order
 
-pytestmark = pytest.mark.deepspeed
-
 
 @pytest.fixture(scope="module")
-def built(request):
+def built(ds):
     """A fault's base or donor by name (tests/_harness/faults.py base_dir); the harness only when needed."""
-    return lambda base: base_dir(base, lambda: request.getfixturevalue("ds"))
+    return lambda base: base_dir(base, lambda: ds)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

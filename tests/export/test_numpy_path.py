@@ -17,11 +17,8 @@ import sys
 import textwrap
 
 import pytest
-from _harness.oracles import zero_to_fp32
 from _harness.reconstruction import cli
 from _harness.scenarios import MATRIX, MATRIX_SPECS
-
-pytestmark = pytest.mark.deepspeed
 
 BLOCKED = ("torch", "deepspeed", "safetensors")
 
@@ -67,7 +64,7 @@ def checkpoint(request, ds):
     return request.param, ds.path(request.param), MATRIX_SPECS[request.param][0]
 
 
-def test_numpy_only_gives_the_same_bits(checkpoint, tmp_path):
+def test_numpy_only_gives_the_same_bits(zero_to_fp32, checkpoint, tmp_path):
     import numpy as np
     import torch
 

@@ -29,8 +29,6 @@ import ckptspec
 from ckptspec.errors import InvalidCheckpoint
 from ckptspec.format.migrate import migrate_document
 
-pytestmark = pytest.mark.deepspeed
-
 
 def _bits_equal(ours, theirs) -> bool:
     import torch

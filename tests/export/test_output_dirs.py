@@ -22,8 +22,6 @@ from click.testing import CliRunner
 from ckptspec import _fs
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 # What each command writes into OUTPUT from the committed-layout checkpoint, and a file it always writes.
 COMMANDS = {
     "export": (["export"], [], "ckptspec-export.json"),

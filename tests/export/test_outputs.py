@@ -20,8 +20,6 @@ from click.testing import CliRunner
 
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 
 def _run(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])

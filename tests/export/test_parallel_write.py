@@ -19,8 +19,6 @@ from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.export import api
 from ckptspec.format.codec import dumps
 
-pytestmark = pytest.mark.deepspeed
-
 
 def _files(out) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())}

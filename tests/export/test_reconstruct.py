@@ -22,14 +22,11 @@ import pytest
 import safetensors.torch as safetensors_torch
 import torch
 from _harness import cli_process
-from _harness.oracles import zero_to_fp32
 from _harness.reconstruction import bits, check_reconstruction, same_bits
 from _harness.scenarios import MATRIX, MATRIX_SPECS, engine_name
 
 from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
-
-pytestmark = pytest.mark.deepspeed
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -201,7 +198,7 @@ def test_sharded_output_has_the_hugging_face_index(point, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["s2-fp32-ws3-rr", "s3-fp16-ws3-groups"])
-def test_output_dtype_rounds_like_torch(point, name, dtype, tmp_path):
+def test_output_dtype_rounds_like_torch(zero_to_fp32, point, name, dtype, tmp_path):
     save_dir = point(name)
     out = tmp_path / "out"
     _cli("reconstruct", str(save_dir), str(out), "--quiet", "--untie", "--dtype", dtype)
@@ -214,7 +211,7 @@ def test_output_dtype_rounds_like_torch(point, name, dtype, tmp_path):
         assert torch.equal(bits(stored[key]), bits(expected)), key
 
 
-def test_torch_format(point, tmp_path):
+def test_torch_format(zero_to_fp32, point, tmp_path):
     save_dir = point("s3-bf16-ws2-sub")
     out = tmp_path / "out"
     _cli("reconstruct", str(save_dir), str(out), "--quiet", "--format", "torch")
@@ -229,7 +226,7 @@ def test_torch_format(point, tmp_path):
     assert len(index["metadata"]["ckptspec.manifest_sha256"]) == 64
 
 
-def test_python_api_torch_and_numpy_agree(point):
+def test_python_api_torch_and_numpy_agree(zero_to_fp32, point):
     import numpy as np
 
     import ckptspec

@@ -25,8 +25,6 @@ import torch
 from _harness import cache
 from _harness.launch import job_env
 
-pytestmark = pytest.mark.deepspeed
-
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -24,8 +24,6 @@ from click.testing import CliRunner
 from ckptspec import location
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 READS = {"defaults": {}, "small": {"TAIL": 1024, "READ_AHEAD": 0, "CHUNK": 4096}}
 
 

@@ -15,7 +15,6 @@ from click.testing import CliRunner
 
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
 # The ones the issue names; the others are checked by validation only (the same readers run).
 RECONSTRUCTED = {"truncated-shard", "missing-rank", "swapped-rank-files", "malicious-pickle"}
 
@@ -33,8 +32,8 @@ def verdict(*args) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def built(request):
-    return lambda base: base_dir(base, lambda: request.getfixturevalue("ds"))
+def built(ds):
+    return lambda base: base_dir(base, lambda: ds)
 
 
 # Checkpoint indexes (tensor/pipeline parallel, #16) are read from local directories only, for now.

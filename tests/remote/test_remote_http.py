@@ -18,7 +18,6 @@ from ckptspec import location
 from ckptspec.checkpoint.torchfile import zip_member_locations
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_1_1 = Draft202012Validator(json.loads((ROOT / "schema" / "report-1.1.schema.json").read_text("utf-8")))
 

@@ -16,8 +16,6 @@ import ckptspec
 from ckptspec.cli import cli
 from ckptspec.errors import UnsupportedCheckpoint
 
-pytestmark = pytest.mark.deepspeed
-
 
 def run(*args):
     result = CliRunner().invoke(cli, [str(a) for a in args])

@@ -14,8 +14,6 @@ from click.testing import CliRunner
 from ckptspec import location
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 
 def run(*args):
     result = CliRunner().invoke(cli, [str(a) for a in args])
