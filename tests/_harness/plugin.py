@@ -22,6 +22,7 @@ fixture                what it gives                                            
                        ``$CKPTSPEC_FORKSERVER``)
 ``nginx``, ``s3``,     real nginx and moto S3 servers on 127.0.0.1 (servers.py),     remote
 ``s3_env``             once per session; ``nginx.serve(dir)``, ``s3.upload(dir)``
+``s3_factory``         ``s3_factory(env)``: another moto S3 server (e.g. with IAM)    remote
 =====================  ============================================================  ===========
 
 ``-m 'not deepspeed'`` therefore selects what runs without a DeepSpeed job, ``-m 'not subprocess'``
@@ -47,7 +48,27 @@ MARKED_BY = {
     "cli_server": "subprocess",
     "nginx": "remote",
     "s3": "remote",
+    "s3_factory": "remote",
     "s3_env": "remote",
+}
+# The _harness modules a test file may import: data and pure functions. Everything that starts a
+# process, a server or a job, or hands out a job's result, a test reaches through a fixture above
+# (cli_process, crash, servers, launch, tasks, cache, forkclient...), so that the fixture marks it.
+# Checked by tests/unit/harness/test_imports.py; the harness's own tests (tests/test_harness.py,
+# tests/unit/harness/) are exempt.
+IMPORTABLE = {
+    "scenarios": "every job's name and spec (data for parametrize; no job is reached by importing it)",
+    "faults": "the fault corpus: mutations of a copy (its base reached through `ds`, given by the test)",
+    "faults_masters": "the fault corpus of the masters index",
+    "faults_parallel": "the fault corpus of the parallel checkpoints",
+    "states": "what a reader sees of a directory; which steps to stop a writer at",
+    "oracles": "DEEPSPEED_VERSION (its zero_to_fp32 is guarded: take the `zero_to_fp32` fixture)",
+    "parallel_oracles": "readers and checkers of the oracles a parallel job recorded (torch only)",
+    "reconstruction": "checkers of a reconstruction (bits, same_bits, check_reconstruction)",
+    "job.model": "the jobs' model, built whole in the test (model and config keys)",
+    "job.parallel_models": "the parallel jobs' models, built whole in the test",
+    "fsdp2_job": "shared_batch: the batch the FSDP2 job and the test both use",
+    "compat": "the older DeepSpeed's version and the folder of its committed checkpoints (constants)",
 }
 MARKERS = {
     "deepspeed": "uses real DeepSpeed job results (tests/_harness; built once and cached) or DeepSpeed's zero_to_fp32; "
@@ -182,6 +203,22 @@ def s3(tmp_path_factory):
     server = start_s3(tmp_path_factory.mktemp("moto"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_factory(tmp_path_factory):
+    """``s3_factory(env=None)``: another moto S3 server (``env``: moto's settings, e.g. IAM), stopped at the end."""
+    from .servers import start_s3
+
+    started = []
+
+    def start(env: dict[str, str] | None = None):
+        started.append(start_s3(tmp_path_factory.mktemp("moto"), env))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from _harness.compat import FIXTURES, OLD_DEEPSPEED_VERSION
-from _harness.reconstruction import check_reconstruction, cli
+from _harness.reconstruction import check_reconstruction
 from _harness.scenarios import OLD_DEEPSPEED, OLD_DEEPSPEED_SPECS
 from safetensors import safe_open
 
@@ -39,12 +39,12 @@ def test_every_old_checkpoint_is_committed():
 
 
 @pytest.mark.parametrize("name", OLD_DEEPSPEED)
-def test_committed_checkpoint_validates_and_reconstructs_bit_exact(name, tmp_path):
+def test_committed_checkpoint_validates_and_reconstructs_bit_exact(ckptspec_cli, name, tmp_path):
     save_dir = FIXTURES / name
     info = json.loads((save_dir / "harness.json").read_text())
     assert info["deepspeed_version"] == OLD_DEEPSPEED_VERSION
 
-    report = json.loads(cli("validate", save_dir, "--format", "json").stdout)
+    report = json.loads(ckptspec_cli("validate", save_dir, "--format", "json").stdout)
     assert report["valid"] and report["findings"] == []
     doc = manifest_from_checkpoint(save_dir).to_dict()
     assert doc["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
@@ -55,7 +55,7 @@ def test_committed_checkpoint_validates_and_reconstructs_bit_exact(name, tmp_pat
 
 
 @pytest.mark.parametrize("name", OLD_DEEPSPEED)
-def test_committed_checkpoint_gets_a_complete_1_1_manifest(name, tmp_path):
+def test_committed_checkpoint_gets_a_complete_1_1_manifest(ckptspec_cli, name, tmp_path):
     """Format 1.1 from DeepSpeed 0.15.4's files: every tensor located, digests that check; the 1.1
     locators point at the bytes torch.load gives; the exported optimizer state is the live engine's."""
     import hashlib
@@ -82,7 +82,7 @@ def test_committed_checkpoint_gets_a_complete_1_1_manifest(name, tmp_path):
                 assert fh.read(len(raw)) == raw, loc.name
     # The optimizer state export against the live 0.15.4 engine's (live_optim.pt, read in the job).
     out = tmp_path / "out"
-    cli("reconstruct", save_dir, out, "--quiet", "--optimizer-state")
+    ckptspec_cli("reconstruct", save_dir, out, "--quiet", "--optimizer-state")
     live = torch.load(save_dir / "live_optim.pt", weights_only=True)
     with safe_open(out / "optimizer.safetensors", "pt") as f:
         aliases = json.loads(f.metadata()["ckptspec.aliases"])

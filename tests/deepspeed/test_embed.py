@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _harness import cli_process, scenarios
+from _harness import scenarios
 
 from ckptspec.checkpoint import torchfile
 from ckptspec.checkpoint.embedded import (
@@ -53,8 +53,12 @@ def example() -> dict:
     return json.loads(EXAMPLE.read_text("utf-8"))
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return cli_process.run(args)
+@pytest.fixture(scope="session")
+def run(ckptspec_process):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return ckptspec_process(args)
+
+    return run
 
 
 # --------------------------------------------------------------------------- client state in a torch file
@@ -150,7 +154,7 @@ def test_files_that_cannot_carry_the_manifest_are_left_untouched(tmp_path, case)
     assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]
 
 
-def test_unreadable_client_state_is_ck302(tmp_path):
+def test_unreadable_client_state_is_ck302(run, tmp_path):
     import torch
 
     for name, value in [("notstr.pt", {"a": 1}), ("garbage.pt", "{not json"), ("array.pt", "[1, 2]")]:
@@ -162,7 +166,7 @@ def test_unreadable_client_state_is_ck302(tmp_path):
         assert result.returncode == 1 and "CK302" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_extract_from_a_pt_without_manifest_is_ck303(pt_file):
+def test_extract_from_a_pt_without_manifest_is_ck303(run, pt_file):
     result = run("extract", str(pt_file))
     assert result.returncode == 1
     assert (
@@ -212,7 +216,7 @@ def test_safetensors_metadata_value_is_the_compact_canonical_json():
     assert meta[SAFETENSORS_SHA256_KEY] == hashlib.sha256(text.encode()).hexdigest()
 
 
-def test_extract_from_safetensors(tmp_path):
+def test_extract_from_safetensors(run, tmp_path):
     path = tmp_path / "model.safetensors"
     write_safetensors(path, {"format": "pt", **safetensors_metadata(example())})
     result = run("extract", str(path))
@@ -225,7 +229,7 @@ def test_extract_from_safetensors(tmp_path):
         assert json.loads(fh.metadata()[SAFETENSORS_KEY]) == example()
 
 
-def test_safetensors_problems(tmp_path):
+def test_safetensors_problems(run, tmp_path):
     meta = safetensors_metadata(example())
     assert '"world_size":2' in meta[SAFETENSORS_KEY]
     tampered = dict(meta, **{SAFETENSORS_KEY: meta[SAFETENSORS_KEY].replace('"world_size":2', '"world_size":3')})
@@ -246,7 +250,7 @@ def test_safetensors_problems(tmp_path):
         assert result.returncode == code and text in result.stderr, (stem, result.stderr)
 
 
-def test_directory_of_safetensors_shards(tmp_path):
+def test_directory_of_safetensors_shards(run, tmp_path):
     for i in (1, 2):
         write_safetensors(tmp_path / f"model-0000{i}-of-00002.safetensors", safetensors_metadata(example()))
     listed = run("extract", str(tmp_path), "--list")
@@ -308,7 +312,7 @@ def test_sidecar_of_one_encoding_replaces_the_other(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckptspec.msgpack"]
 
 
-def test_extract_of_a_manifest_file_applies_the_version_gate(tmp_path):
+def test_extract_of_a_manifest_file_applies_the_version_gate(run, tmp_path):
     corpus = ROOT / "tests" / "conformance" / "1.0"
     newer = run("extract", str(corpus / "valid" / "newer-minor-1.4.0-unknown-fields.json"))
     assert newer.returncode == 0 and "CK004 warning:" in newer.stderr and '"format_version": "1.4.0"' in newer.stdout
@@ -388,7 +392,7 @@ def test_the_tag_directory_gets_the_mode_of_the_directories_the_job_made(saved):
     assert stat.S_IMODE(saved.tag_dir.stat().st_mode) == stat.S_IMODE(saved.save_dir.stat().st_mode)
 
 
-def test_sidecar_files_are_the_files_on_disk(saved):
+def test_sidecar_files_are_the_files_on_disk(run, saved):
     """Sizes, hashes and locators gathered from the ranks equal what the saved directory says
     (so the model-states files were described with their client state inside)."""
     from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
@@ -423,7 +427,7 @@ def test_engine_load_checkpoint_still_works(saved):
         assert result["embedded_type"] == "str" and result["embedded"] == _without_digests(layout_document(sidecar))
 
 
-def test_manifest_survives_when_only_pt_files_are_copied(saved, tmp_path):
+def test_manifest_survives_when_only_pt_files_are_copied(run, saved, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     for path in saved.tag_dir.glob("*.pt"):
@@ -441,7 +445,7 @@ def test_manifest_survives_when_only_pt_files_are_copied(saved, tmp_path):
     assert json.loads((bare / "ckptspec.json").read_text()) == sidecar
 
 
-def test_extract_prints_the_sidecar_and_lists_agreeing_copies(saved):
+def test_extract_prints_the_sidecar_and_lists_agreeing_copies(run, saved):
     result = run("extract", str(saved.save_dir))
     assert result.returncode == 0 and result.stdout.encode() == saved.sidecar.read_bytes()
     listed = run("extract", str(saved.save_dir), "--list")
@@ -449,7 +453,7 @@ def test_extract_prints_the_sidecar_and_lists_agreeing_copies(saved):
     assert listed.returncode == 0 and listed.stdout.endswith(f"{saved.save_dir}: {n} copies agree\n")
 
 
-def test_disagreeing_copy_is_reported(saved, tmp_path):
+def test_disagreeing_copy_is_reported(run, saved, tmp_path):
     copy_dir = tmp_path / "ckpt"
     shutil.copytree(saved.save_dir, copy_dir)
     tag_dir = copy_dir / saved.tag_dir.name
@@ -463,7 +467,7 @@ def test_disagreeing_copy_is_reported(saved, tmp_path):
     assert [f.code for f in embedded_findings(copy_dir)] == ["CK301"]
 
 
-def test_embed_into_a_plain_deepspeed_checkpoint(saved, tmp_path):
+def test_embed_into_a_plain_deepspeed_checkpoint(run, saved, tmp_path):
     """Strip every copy, then `ckptspec embed` puts them back: client state first, sidecar last."""
     import torch
 
@@ -511,7 +515,7 @@ def test_embed_into_a_plain_deepspeed_checkpoint(saved, tmp_path):
     assert run("validate", str(copy_dir)).returncode == 0
 
 
-def test_embed_over_a_flipped_master_bit_is_refused_until_rehash(saved, tmp_path):
+def test_embed_over_a_flipped_master_bit_is_refused_until_rehash(run, saved, tmp_path):
     """#37 (H3), the report's repro on the hook's own sidecars: one bit of the last rank's fp32 master
     partition flipped (same size). `embed` and `embed --sidecar-only` used to record the damaged file,
     after which `validate` said valid; now they refuse, nothing written, until `--rehash`."""
@@ -545,7 +549,7 @@ def test_embed_over_a_flipped_master_bit_is_refused_until_rehash(saved, tmp_path
     assert run("validate", str(copy_dir)).returncode == 0
 
 
-def test_embed_refuses_a_manifest_of_another_checkpoint(saved, ds, tmp_path):
+def test_embed_refuses_a_manifest_of_another_checkpoint(run, saved, ds, tmp_path):
     copy_dir = tmp_path / "ckpt"
     shutil.copytree(saved.save_dir, copy_dir)
     before = {p.name: p.read_bytes() for p in (copy_dir / saved.tag_dir.name).iterdir()}
@@ -755,7 +759,7 @@ def test_an_incomplete_checkpoint_gets_no_sidecar_and_no_latest(fake_job, tmp_pa
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary tag directory is left"
 
 
-def test_validate_dir_reports_a_disagreeing_copy(saved, tmp_path):
+def test_validate_dir_reports_a_disagreeing_copy(run, saved, tmp_path):
     """`ckptspec validate DIR` checks the embedded copies too (CK301), file named."""
     copy_dir = tmp_path / "ckpt"
     shutil.copytree(saved.save_dir, copy_dir)

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _harness import cli_process, scenarios
+from _harness import scenarios
 from _harness.job.parallel_models import reference_model, torch_dtype
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
@@ -47,8 +47,12 @@ def _cli(*args):
     return _Result(result.exit_code, result.stdout, result.stderr)
 
 
-def _subprocess(*args):
-    return cli_process.run(args)
+@pytest.fixture(scope="session")
+def _subprocess(ckptspec_process):
+    def _subprocess(*args):
+        return ckptspec_process(args)
+
+    return _subprocess
 
 
 def _info(ds, name):
@@ -326,7 +330,7 @@ def test_diff_says_a_change_of_parallel_degrees_cannot_resume(ds):
 # (tests/deepspeed/test_masters_index.py). Its masters' shapes come from the layer files only:
 
 
-def test_a_stage0_pipeline_without_a_layer_file_is_refused_naming_it(ds, tmp_path):
+def test_a_stage0_pipeline_without_a_layer_file_is_refused_naming_it(_subprocess, ds, tmp_path):
     import shutil
 
     save = tmp_path / "ckpt"
