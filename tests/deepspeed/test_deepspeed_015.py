@@ -39,7 +39,7 @@ def test_every_old_checkpoint_is_committed():
 
 
 @pytest.mark.parametrize("name", OLD_DEEPSPEED)
-def test_committed_checkpoint_validates_and_reconstructs_bit_exact(ckptspec_cli, name, tmp_path):
+def test_committed_checkpoint_validates_and_reconstructs_bit_exact(ckptspec_cli, zero_to_fp32, name, tmp_path):
     save_dir = FIXTURES / name
     info = json.loads((save_dir / "harness.json").read_text())
     assert info["deepspeed_version"] == OLD_DEEPSPEED_VERSION
@@ -51,7 +51,7 @@ def test_committed_checkpoint_validates_and_reconstructs_bit_exact(ckptspec_cli,
     assert validate_document(doc).findings == []
     assert "param_alignment_paddings" not in _optimizer_state_keys(save_dir)  # what makes 0.15 different
 
-    check_reconstruction(save_dir, tmp_path / "out", stage=OLD_DEEPSPEED_SPECS[name][0]["stage"])
+    check_reconstruction(save_dir, tmp_path / "out", zero_to_fp32, stage=OLD_DEEPSPEED_SPECS[name][0]["stage"])
 
 
 @pytest.mark.parametrize("name", OLD_DEEPSPEED)

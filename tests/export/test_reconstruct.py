@@ -57,12 +57,11 @@ def point(ds):
     return ds.path
 
 
-def test_bit_exact_against_zero_to_fp32_and_live_engine(checkpoint, tmp_path):
+def test_bit_exact_against_zero_to_fp32_and_live_engine(checkpoint, zero_to_fp32, tmp_path):
     name, save_dir, spec, world_size = checkpoint
     # DeepSpeed's zero_to_fp32 cannot read BF16_Optimizer checkpoints (grad_accum_dtype fp32).
-    check_reconstruction(
-        save_dir, tmp_path / "out", stage=spec["stage"], zero_to_fp32_reads_it=spec.get("grad_accum_dtype") != "fp32"
-    )
+    reads_it = spec.get("grad_accum_dtype") != "fp32"
+    check_reconstruction(save_dir, tmp_path / "out", zero_to_fp32, stage=spec["stage"], zero_to_fp32_reads_it=reads_it)
 
 
 @pytest.mark.parametrize("name", ["s1-bf16-ws2", "s1-fp16-ws2", "s1-fp32-ws3-rr", "s1-bf16-ws2-bf16opt"])
