@@ -7,8 +7,6 @@ from _harness import cache, scenarios
 from _harness.oracles import DEEPSPEED_VERSION
 from _harness.tasks import Task, task_key
 
-pytestmark = pytest.mark.deepspeed
-
 
 def _bits_equal(a, b) -> bool:
     import torch
@@ -98,7 +96,7 @@ def test_committed_checkpoints_are_what_the_harness_builds(ds, name):
     }
 
 
-def test_forked_ranks_get_what_torchrun_gives_its_ranks(tmp_path):
+def test_forked_ranks_get_what_torchrun_gives_its_ranks(ds, tmp_path):  # ds: its launches import DeepSpeed
     """The harness's launches (``run_launches``: job/ranks.py) start each rank with torchrun's
     environment (the elastic agent's own TORCHELASTIC_* and NCCL variables aside) and run the
     script as ``__main__`` with its arguments. The script imports what ranks.py preloads first, as

@@ -3,8 +3,9 @@
 The plugin (plugin.py) arms the guard for a pytest run and names the test running now (its setup,
 call and teardown: a module- or session-scoped fixture runs in the setup of the first test that
 uses it, whose fixtures include it). Where the harness hands out something of DeepSpeed's (a job's
-result, built or cached: ``tasks.path``, ``tasks.cached``; DeepSpeed run in the test process:
-``oracles.zero_to_fp32``) it calls ``reached``, which raises unless that test carries the marker,
+result, built or cached: ``tasks.path``, ``tasks.cached``, ``tasks.launched``; a launch of ranks
+that import DeepSpeed: ``launch.run_launches``, ``launch.run_torchrun``; DeepSpeed run in the test
+process: ``oracles.zero_to_fp32``) it calls ``reached``, which raises unless that test carries the marker,
 which only a fixture puts on it (``ds``, ``ds_checkpoint``, ``zero_to_fp32``, or a fixture that uses
 one of them). Reached while no test runs (at collection) is refused as well: collection may read
 scenario names, never a job's result. Outside pytest (benchmarks, examples/demo.py) nothing is

@@ -19,8 +19,6 @@ from _harness import scenarios
 from _harness.job.parallel_models import normalize, reference_model, torch_dtype
 from _harness.oracles import DEEPSPEED_VERSION
 
-pytestmark = pytest.mark.deepspeed
-
 PARALLEL = scenarios.PARALLEL
 
 

@@ -41,11 +41,14 @@ def checkout(tmp_path, monkeypatch):
     monkeypatch.setattr(cache, "versions", lambda: {"deepspeed": "x", "torch": "y"})
     monkeypatch.setenv("CKPTSPEC_DS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(guard, "armed", False)  # a fake entry: what is tested here is its key, not the marker
-    return repo
+    _forget()
+    yield repo
+    _forget()  # the digests of this fake checkout's files are no other test's
 
 
 def _forget():
     cache.imports_digest.cache_clear()
+    cache.tree_digest.cache_clear()
     cache._FOUND.clear()
 
 

@@ -60,6 +60,12 @@ def test_unmarked_runs_zero_to_fp32(tmp_path):
     zero_to_fp32(tmp_path)
 
 
+def test_unmarked_launches_ranks():
+    from _harness.launch import run_launches
+
+    run_launches([])
+
+
 @pytest.fixture(scope="module")
 def module_entry(ds):
     return ds.path("s2-bf16-ws2")
@@ -119,6 +125,8 @@ def test_deepspeed_run_in_the_test_process_without_the_marker_fails(outcome):
     results, out = outcome
     assert results.get("test_unmarked_runs_zero_to_fp32") == "FAILED", out
     assert "test_unmarked_runs_zero_to_fp32 reached DeepSpeed's zero_to_fp32 on " in out
+    assert results.get("test_unmarked_launches_ranks") == "FAILED", out
+    assert "test_unmarked_launches_ranks reached a launch of DeepSpeed ranks" in out
     assert "ModuleNotFoundError" not in out  # refused before DeepSpeed is imported
 
 
