@@ -568,7 +568,7 @@ HARNESS_FILES = (
 
 
 @pytest.fixture(scope="module")
-def doc_checkpoints(request) -> dict[str, Path]:
+def doc_checkpoints(ds) -> dict[str, Path]:
     """MATRIX name -> cached real DeepSpeed save directory, for every checkpoint= the docs name."""
     blocks = console_blocks() + python_run_blocks()
     names = sorted({b.options["checkpoint"] for b in blocks if "checkpoint" in b.options})
@@ -578,7 +578,6 @@ def doc_checkpoints(request) -> dict[str, Path]:
 
     unknown = [n for n in names if n not in MATRIX]
     assert not unknown, f"checkpoint= names that tests/_harness/scenarios.py MATRIX lacks: {unknown}"
-    ds = request.getfixturevalue("ds")
     return {name: ds.path(name) for name in names}
 
 

@@ -4,10 +4,8 @@ import json
 
 import pytest
 from _harness import cache, scenarios
-from _harness.oracles import DEEPSPEED_VERSION, zero_to_fp32
+from _harness.oracles import DEEPSPEED_VERSION
 from _harness.tasks import Task, task_key
-
-pytestmark = pytest.mark.deepspeed
 
 
 def _bits_equal(a, b) -> bool:
@@ -17,7 +15,7 @@ def _bits_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def test_stage2_checkpoint_matches_live_engine(ds):
+def test_stage2_checkpoint_matches_live_engine(zero_to_fp32, ds):
     import torch
 
     save_dir = ds.path("s2-bf16-ws2")
@@ -98,7 +96,7 @@ def test_committed_checkpoints_are_what_the_harness_builds(ds, name):
     }
 
 
-def test_forked_ranks_get_what_torchrun_gives_its_ranks(tmp_path):
+def test_forked_ranks_get_what_torchrun_gives_its_ranks(ds, tmp_path):  # ds: its launches import DeepSpeed
     """The harness's launches (``run_launches``: job/ranks.py) start each rank with torchrun's
     environment (the elastic agent's own TORCHELASTIC_* and NCCL variables aside) and run the
     script as ``__main__`` with its arguments. The script imports what ranks.py preloads first, as

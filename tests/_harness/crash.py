@@ -3,13 +3,13 @@
 ``ckptspec._fs.io_point`` marks every step of every write (create, write, fsync, rename,
 remove) and, under ``CKPTSPEC_FAILPOINT``, kills the process there (``kill:N``: SIGKILL),
 stops it like a scheduler or a user (``term:N``, ``int:N``) or fails the write (``enospc:N``).
-``steps`` counts a command's steps; ``points`` samples them (every one with
-``CKPTSPEC_CRASH_ALL=1``).
+``steps`` counts a command's steps; ``points`` (states.py) samples them (every one with
+``CKPTSPEC_CRASH_ALL=1``). Tests reach this module through the ``crash`` fixture (marked
+``subprocess``); the pure functions of states.py they may import.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -30,30 +30,3 @@ def steps(args: list[str], tmp: Path) -> int:
     done = run(args, f"count:{counter}")
     assert done.returncode == 0, done.stdout + done.stderr
     return int(counter.read_text())
-
-
-def points(total: int, sample: int = 8) -> list[int]:
-    """Which steps to stop at: all with CKPTSPEC_CRASH_ALL=1, else ``sample`` spread over all of
-    them, the first and the last included (the commit sits at the end)."""
-    if os.environ.get("CKPTSPEC_CRASH_ALL") or total <= sample:
-        return list(range(1, total + 1))
-    spread = {1 + round(i * (total - 1) / (sample - 1)) for i in range(sample)}
-    return sorted(spread | {total - 1, total})
-
-
-def visible(directory: Path) -> dict[str, bytes]:
-    """The files a reader sees in ``directory``: every file but hidden ones (temporaries, journals)."""
-    if not directory.exists():
-        return {}
-    return {
-        p.relative_to(directory).as_posix(): p.read_bytes()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
-    }
-
-
-def hidden(directory: Path) -> list[str]:
-    """Hidden files and directories below ``directory``: what a run may leave behind."""
-    if not directory.exists():
-        return []
-    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob(".*"))

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import guard
 from .cache import HARNESS, REPO_ROOT
 
 JOB_MAIN = HARNESS / "job" / "main.py"
@@ -63,6 +64,7 @@ def run_torchrun(
     script: Path, args: list[str], world_size: int, python: str = sys.executable, what: str = "DeepSpeed job"
 ) -> str:
     """Run ``script`` under torchrun on the CPU; returns its log, raises ``HarnessError``."""
+    guard.reached(f"a torchrun launch of {script.name}")
     env = job_env(python)
     for attempt in range(3):
         cmd = [
@@ -110,6 +112,7 @@ def run_launches(launches: list[Launch], python: str = sys.executable, jobs: int
     """Run ``launches``, ``jobs`` at a time, from one job/ranks.py process: torch and DeepSpeed are
     imported once for all of them and every launch's ranks are forked from it. Returns per launch
     its log and time, or the ``HarnessError`` that says how it failed."""
+    guard.reached(f"a launch of DeepSpeed ranks ({', '.join(sorted({ln.script.name for ln in launches}))})")
     if not launches:
         return []
     plan = {

@@ -7,6 +7,8 @@ import io
 import os
 from pathlib import Path
 
+from . import guard
+
 DEEPSPEED_VERSION = "0.19.8"  # the tests are pinned to it (pyproject.toml extra "deepspeed")
 
 
@@ -19,6 +21,7 @@ def check_deepspeed_version() -> None:
 
 def zero_to_fp32(save_dir: str | Path) -> dict:
     """DeepSpeed's own zero_to_fp32 reconstruction, in-process (its progress output discarded)."""
+    guard.reached(f"DeepSpeed's zero_to_fp32 on {save_dir}")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     check_deepspeed_version()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -10,20 +10,24 @@ fixture                what it gives                                            
 ``ds_checkpoint``      ``ds_checkpoint(name)``: a real DeepSpeed job's entry          deepspeed
                        (tasks.py; built once, cached)
 ``ds``                 the job results module itself (``ds.path``, ``ds.read_json``)  deepspeed
+``zero_to_fp32``       DeepSpeed's own zero_to_fp32, in the test process (oracles.py)  deepspeed
 ``committed``          ``committed(name)``: a real checkpoint committed in            (none)
                        tests/data (no DeepSpeed, no job)
 ``ckptspec_cli``       ``ckptspec_cli(*args)``: a command in-process (click's         (none)
                        runner); asserts exit 0
 ``ckptspec_process``   ``ckptspec_process(args, ...)``: a command in a process of     subprocess
                        its own, forked from the fork server (cli_process.run)
+``crash``              crash.py: ``crash.run(args, failpoint)``, ``crash.steps``...  subprocess
 ``cli_server``         the fork server's socket (forkclient.py's                     subprocess
                        ``$CKPTSPEC_FORKSERVER``)
 ``nginx``, ``s3``,     real nginx and moto S3 servers on 127.0.0.1 (servers.py),     remote
-``s3_env``             once per session
+``s3_env``             once per session; ``nginx.serve(dir)``, ``s3.upload(dir)``
+``s3_factory``         ``s3_factory(env)``: another moto S3 server (e.g. with IAM)    remote
 =====================  ============================================================  ===========
 
 ``-m 'not deepspeed'`` therefore selects what runs without a DeepSpeed job, ``-m 'not subprocess'``
-what runs in-process only.
+what runs in-process only. The marker cannot be forgotten: a test that reaches a job's result or
+DeepSpeed's zero_to_fp32 without carrying ``deepspeed`` fails (guard.py).
 """
 
 from __future__ import annotations
@@ -32,18 +36,43 @@ from pathlib import Path
 
 import pytest
 
+from . import guard
+
 # Fixture -> the marker every test using it (directly or through another fixture) gets.
 MARKED_BY = {
     "ds": "deepspeed",
     "ds_checkpoint": "deepspeed",
+    "zero_to_fp32": "deepspeed",
+    "crash": "subprocess",
     "ckptspec_process": "subprocess",
     "cli_server": "subprocess",
     "nginx": "remote",
     "s3": "remote",
+    "s3_factory": "remote",
     "s3_env": "remote",
 }
+# The _harness modules a test file may import: data and pure functions. Everything that starts a
+# process, a server or a job, or hands out a job's result, a test reaches through a fixture above
+# (cli_process, crash, servers, launch, tasks, cache, forkclient...), so that the fixture marks it.
+# Checked by tests/unit/harness/test_imports.py; the harness's own tests (tests/test_harness.py,
+# tests/unit/harness/) are exempt.
+IMPORTABLE = {
+    "scenarios": "every job's name and spec (data for parametrize; no job is reached by importing it)",
+    "faults": "the fault corpus: mutations of a copy (its base reached through `ds`, given by the test)",
+    "faults_masters": "the fault corpus of the masters index",
+    "faults_parallel": "the fault corpus of the parallel checkpoints",
+    "states": "what a reader sees of a directory; which steps to stop a writer at",
+    "oracles": "DEEPSPEED_VERSION (its zero_to_fp32 is guarded: take the `zero_to_fp32` fixture)",
+    "parallel_oracles": "readers and checkers of the oracles a parallel job recorded (torch only)",
+    "reconstruction": "checkers of a reconstruction (bits, same_bits, check_reconstruction)",
+    "job.model": "the jobs' model, built whole in the test (model and config keys)",
+    "job.parallel_models": "the parallel jobs' models, built whole in the test",
+    "fsdp2_job": "shared_batch: the batch the FSDP2 job and the test both use",
+    "compat": "the older DeepSpeed's version and the folder of its committed checkpoints (constants)",
+}
 MARKERS = {
-    "deepspeed": "uses real DeepSpeed job results (tests/_harness; built once and cached); applied by its fixtures",
+    "deepspeed": "uses real DeepSpeed job results (tests/_harness; built once and cached) or DeepSpeed's zero_to_fp32; "
+    "applied by its fixtures, required by the guard (guard.py)",
     "subprocess": "runs ckptspec in a process of its own (the fork server); applied by its fixtures",
     "remote": "reads through real nginx or S3 servers on 127.0.0.1; applied by its fixtures",
 }
@@ -52,6 +81,33 @@ MARKERS = {
 def pytest_configure(config):
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
+    guard.armed = True
+
+
+def pytest_unconfigure(config):
+    guard.armed = False
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The guard knows the test whose setup, call or teardown runs (module- and session-scoped
+    fixtures run in the setup of the first test that uses them)."""
+    guard.current = item
+    try:
+        return (yield)
+    finally:
+        guard.current = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A phase in which the guard refused something fails, even if the test caught the error."""
+    report = yield
+    refused = guard.take()
+    if refused and report.passed:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(refused)
+    return report
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -87,6 +143,14 @@ def ds_checkpoint(ds):
 
 
 @pytest.fixture(scope="session")
+def zero_to_fp32():
+    """DeepSpeed's own ``zero_to_fp32(save_dir)`` in the test process (oracles.py): the reference."""
+    from .oracles import zero_to_fp32
+
+    return zero_to_fp32
+
+
+@pytest.fixture(scope="session")
 def committed():
     """``committed(name)``: a real DeepSpeed checkpoint committed in tests/data (scenarios.COMMITTED)."""
     from .scenarios import COMMITTED
@@ -106,6 +170,14 @@ def ckptspec_process():
     from .cli_process import run
 
     return run
+
+
+@pytest.fixture(scope="session")
+def crash(ckptspec_process):
+    """crash.py: a writer stopped at a chosen step (``run(args, failpoint)``, ``steps``, ``points``)."""
+    from . import crash
+
+    return crash
 
 
 @pytest.fixture(scope="session")
@@ -131,6 +203,22 @@ def s3(tmp_path_factory):
     server = start_s3(tmp_path_factory.mktemp("moto"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_factory(tmp_path_factory):
+    """``s3_factory(env=None)``: another moto S3 server (``env``: moto's settings, e.g. IAM), stopped at the end."""
+    from .servers import start_s3
+
+    started = []
+
+    def start(env: dict[str, str] | None = None):
+        started.append(start_s3(tmp_path_factory.mktemp("moto"), env))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture

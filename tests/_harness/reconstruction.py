@@ -8,8 +8,6 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from .oracles import zero_to_fp32
-
 
 def bits(tensor):
     """The raw bytes of a tensor, for exact comparison (NaN == NaN, -0.0 != 0.0)."""
@@ -44,8 +42,11 @@ def roles(save_dir: Path) -> dict[str, str]:
     return out | {a.name: "alias" for a in m.aliases}
 
 
-def check_reconstruction(save_dir: Path, out: Path, *, stage: int, zero_to_fp32_reads_it: bool = True) -> None:
-    """Reconstruct ``save_dir`` into ``out`` and compare every tensor with DeepSpeed's answers.
+def check_reconstruction(
+    save_dir: Path, out: Path, zero_to_fp32, *, stage: int, zero_to_fp32_reads_it: bool = True
+) -> None:
+    """Reconstruct ``save_dir`` into ``out`` and compare every tensor with DeepSpeed's answers
+    (``zero_to_fp32``: the test's fixture, which marks it ``deepspeed``).
 
     ``zero_to_fp32_reads_it``: False where DeepSpeed's own tool refuses the checkpoint
     (BF16_Optimizer); the refusal itself is then asserted.

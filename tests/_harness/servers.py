@@ -156,6 +156,10 @@ class Nginx:
                 return True
         return False
 
+    def serve(self, save_dir: Path, name: str | None = None) -> tuple[Path, str]:
+        """A copy of ``save_dir`` under the root: (the copy, its path in URLs)."""
+        return serve(self, save_dir, name)
+
     def stop(self) -> None:
         _stop(self.proc, signal.SIGQUIT)  # graceful: workers finish, the master removes its pid file
 
@@ -225,12 +229,17 @@ class S3Server:
             use_listings_cache=False,
         )
 
+    def upload(self, save_dir: Path, bucket: str = "ckpts") -> str:
+        """``save_dir`` put into ``bucket`` with s3fs, as a user would upload it: its ``s3://`` URL."""
+        return upload(self, save_dir, bucket)
+
     def stop(self) -> None:
         _stop(self.proc)
 
 
-def start_s3(work: Path) -> S3Server:
-    """moto's S3 server (``moto_server``, from the ``moto[server]`` test dependency) on a free port."""
+def start_s3(work: Path, env: dict[str, str] | None = None) -> S3Server:
+    """moto's S3 server (``moto_server``, from the ``moto[server]`` test dependency) on a free port;
+    ``env``: more environment for it (moto's own settings)."""
     work.mkdir(parents=True, exist_ok=True)
     binary = Path(sys.executable).with_name("moto_server")
     if not binary.exists():
@@ -241,6 +250,7 @@ def start_s3(work: Path) -> S3Server:
         [str(binary), "-H", "127.0.0.1", "-p", str(port)],
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
     )
     _wait_for(f"http://127.0.0.1:{port}/", proc, "moto_server", log)
     return S3Server(port, proc, log)

@@ -11,6 +11,7 @@ its entries built. A task that is not registered is built alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,12 +20,13 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import cache, record_imports
+from . import cache, guard, record_imports
 from .job import parallel_models
 from .job.model import normalize_spec
-from .launch import FSDP2_MAIN, JOB_MAIN, RESHARD_MAIN, HarnessError, run_launches, task_launch
+from .launch import FSDP2_MAIN, JOB_MAIN, RESHARD_MAIN, HarnessError, job_env, run_launches, task_launch
 
 RECORDER = Path(record_imports.__file__)  # wraps the launches of tasks that run ckptspec
+RECORD_SITE = Path(__file__).resolve().parent / "record_site"  # the same in every process of an example
 
 KINDS = ("train", "resume", "parallel", "fsdp2", "reshard")
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
@@ -136,6 +138,7 @@ def entry(name: str, task: Task | None = None) -> Path:
 
 def path(name: str, task: Task | None = None) -> Path:
     """The complete entry of ``name`` (a registered task, or ``task`` under that name), built if needed."""
+    guard.reached(f"the DeepSpeed job result {name!r}")
     registered = task is None
     task = task or _registry()[name]
     target = entry(name, task)
@@ -252,21 +255,93 @@ def read_json(name: str, filename: str) -> dict:
     return json.loads((path(name) / filename).read_text())
 
 
-def cached(name: str, identity: dict, build) -> Path:
-    """An entry made by ``build(directory)`` in the test process (e.g. an example run end to end).
+def launched(tasks: dict[str, dict], world_size: int, failed_ok=None) -> dict[str, Path]:
+    """The entries of job tasks run outside the registry (name -> ``{"kind", "args"}`` of
+    job/main.py), each in a launch of its own at ``world_size``; the missing ones built in one go,
+    two at a time, forked from one process that imported torch and DeepSpeed once.
 
-    ``identity`` must hash everything the result depends on; ``build`` raises on failure, and a
-    failed build leaves nothing in the cache.
+    Keyed as the registered tasks that run ckptspec: the task, the job code, the versions, and the
+    files of the ckptspec modules the job imported (recorded, ``ckptspec-modules.json``). A failed
+    launch raises, unless ``failed_ok(name, error, out)`` says it is the expected outcome (it may
+    write into the entry's ``out``): then the entry is published as it is.
     """
-    target = cache.entry(name, cache.key(identity))
-    if cache.is_done(target):
-        return target
-    with cache.locked(target):
-        if not cache.is_done(target):
-            stage = cache.staging(target)
+    for name in tasks:
+        guard.reached(f"the DeepSpeed job result {name!r}")
+    keys = {name: _launched_key(task, world_size) for name, task in tasks.items()}
+    found = {name: cache.find_recorded(name, key) for name, key in keys.items()}
+    missing = sorted(name for name, entry in found.items() if entry is None)
+    if missing:
+        with contextlib.ExitStack() as locks:
+            for name in missing:
+                locks.enter_context(cache.locked(cache.entry(name, keys[name])))
+            missing = [name for name in missing if cache.find_recorded(name, keys[name]) is None]
+            stages = {name: cache.staging(cache.entry(name, keys[name])) for name in missing}
             try:
-                build(stage / "out")
-                cache.publish(stage / "out", target, {"name": name, "identity": identity})
+                launches = []
+                for name, stage in stages.items():
+                    (stage / "out").mkdir()
+                    (stage / "imports").mkdir()
+                    job = [{**tasks[name], "out": str(stage / "out" / "save")}]
+                    launch = task_launch(job, world_size, stage)
+                    args = [str(stage / "imports"), str(launch.script), *launch.args]
+                    launches.append(replace(launch, script=RECORDER, args=args))
+                for (name, stage), outcome in zip(stages.items(), run_launches(launches)):
+                    if isinstance(outcome, HarnessError):
+                        if failed_ok is None or not failed_ok(name, outcome, stage / "out"):
+                            raise outcome
+                    modules = sorted(record_imports.read(stage / "imports"))
+                    (stage / "out" / cache.MODULES).write_text(json.dumps(modules, indent=1))
+                    target = cache.recorded_entry(name, keys[name], modules)
+                    cache.publish(stage / "out", target, {"name": name, "task": tasks[name], "world_size": world_size})
             finally:
-                shutil.rmtree(stage, ignore_errors=True)
+                for stage in stages.values():
+                    shutil.rmtree(stage, ignore_errors=True)
+        found = {name: cache.find_recorded(name, key) for name, key in keys.items()}
+    return found
+
+
+def _launched_key(task: dict, world_size: int) -> str:
+    identity = {
+        "task": task,
+        "world_size": world_size,
+        "versions": cache.versions(),
+        "job": cache.tree_digest(*cache.JOB_SOURCES),
+        "ckptspec": cache.key({"recorder": RECORDER.read_text()}),  # the modules: the entry's suffix
+    }
+    return cache.key(identity)
+
+
+def cached(name: str, identity: dict, build, sources: list[Path] = ()) -> Path:
+    """An entry made by ``build(directory, env)`` in the test process (an example run end to end),
+    every Python process it starts run with ``env`` (launch.job_env, and the import recorder).
+
+    The key: ``identity`` (what else the result depends on), the files under ``sources``, the job's
+    site (site/), DeepSpeed's and torch's versions, and, as the jobs that run ckptspec, the files of
+    the ckptspec modules its processes imported (record_site/sitecustomize.py records them).
+    ``build`` raises on failure, and a failed build leaves nothing in the cache.
+    """
+    guard.reached(f"the DeepSpeed job result {name!r}")
+    recorder = (RECORD_SITE / "sitecustomize.py").read_text() + RECORDER.read_text()
+    own = {"sources": cache.tree_digest(*sources), "job": cache.tree_digest(*cache.JOB_SOURCES)}
+    key = cache.key({**identity, **own, "versions": cache.versions(), "recorder": cache.key({"r": recorder})})
+    found = cache.find_recorded(name, key)
+    if found:
+        return found
+    with cache.locked(cache.entry(name, key)):
+        found = cache.find_recorded(name, key)
+        if found:
+            return found
+        stage = cache.staging(cache.entry(name, key))
+        try:
+            (stage / "imports").mkdir()
+            env = job_env()
+            env["PYTHONPATH"] = os.pathsep.join([str(RECORD_SITE), env["PYTHONPATH"]])
+            env["CKPTSPEC_RECORD_IMPORTS"] = str(stage / "imports")
+            build(stage / "out", env)
+            modules = sorted(record_imports.read(stage / "imports"))
+            (stage / "out" / cache.MODULES).write_text(json.dumps(modules, indent=1))
+            target = cache.recorded_entry(name, key, modules)
+            cache.publish(stage / "out", target, {"name": name, "identity": identity})
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
     return target

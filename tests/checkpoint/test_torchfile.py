@@ -55,7 +55,6 @@ def _save_zip(path, members, compression=zipfile.ZIP_STORED):
 # --- real DeepSpeed checkpoints ------------------------------------------------------------
 
 
-@pytest.mark.deepspeed
 @pytest.mark.parametrize(
     "name",
     [

@@ -21,11 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _harness import crash
+from _harness.states import points, visible
 
 from ckptspec import _commit, _fs
-
-pytestmark = pytest.mark.deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
@@ -37,35 +35,35 @@ class Writer:
 
     args: Callable[[Path], list]  # the command's arguments, given the scratch directory
     watched: str  # the directory whose state the invariants are about
-    prepare: Callable[[Path, object], None]  # fills the scratch directory (S0)
+    prepare: Callable[[Path, object, object], None]  # fills the scratch directory (S0), given ds and crash
 
 
 def _copy_checkpoint(name: str):
-    def prepare(scratch: Path, ds) -> None:
+    def prepare(scratch: Path, ds, crash) -> None:
         shutil.copytree(ds.path(name), scratch / "ckpt", symlinks=True)
 
     return prepare
 
 
-def _with_earlier_output(scratch: Path, ds) -> None:
-    _copy_checkpoint("s2-bf16-ws2")(scratch, ds)
+def _with_earlier_output(scratch: Path, ds, crash) -> None:
+    _copy_checkpoint("s2-bf16-ws2")(scratch, ds, crash)
     done = crash.run(["reconstruct", scratch / "ckpt", scratch / "out", "-q", "--max-shard-size", "2K"])
     assert done.returncode == 0, done.stderr
 
 
-def _checkpoint_and_out(scratch: Path, ds) -> None:
-    _copy_checkpoint("s2-bf16-ws2")(scratch, ds)
+def _checkpoint_and_out(scratch: Path, ds, crash) -> None:
+    _copy_checkpoint("s2-bf16-ws2")(scratch, ds, crash)
     (scratch / "out").mkdir()
     (scratch / "out" / "m.json").write_text("an earlier manifest the run replaces")
 
 
-def _embedded_checkpoint_and_out(scratch: Path, ds) -> None:
-    _copy_checkpoint("embed-s1-fp16-ws2")(scratch, ds)  # saved by the hook: it carries its manifest
+def _embedded_checkpoint_and_out(scratch: Path, ds, crash) -> None:
+    _copy_checkpoint("embed-s1-fp16-ws2")(scratch, ds, crash)  # saved by the hook: it carries its manifest
     (scratch / "out").mkdir()
     (scratch / "out" / "m.json").write_text("an earlier manifest the run replaces")
 
 
-def _example_manifest(scratch: Path, ds) -> None:
+def _example_manifest(scratch: Path, ds, crash) -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     shutil.copy(EXAMPLE, scratch / "in.json")
     (scratch / "out").mkdir()
@@ -95,20 +93,20 @@ WRITERS = {
 
 
 @pytest.fixture(scope="module")
-def baselines(ds, tmp_path_factory) -> dict:
+def baselines(crash, ds, tmp_path_factory) -> dict:
     """writer -> (S0, S1, number of write steps)."""
     out = {}
     for name, writer in WRITERS.items():
         scratch = tmp_path_factory.mktemp(f"base-{name}")
-        writer.prepare(scratch, ds)
-        before = crash.visible(scratch / writer.watched)
+        writer.prepare(scratch, ds, crash)
+        before = visible(scratch / writer.watched)
         total = crash.steps(writer.args(scratch), scratch.parent / f"{name}-count")
-        out[name] = (before, crash.visible(scratch / writer.watched), total)
+        out[name] = (before, visible(scratch / writer.watched), total)
     return out
 
 
-def _fresh(writer: Writer, ds, path: Path) -> Path:
-    writer.prepare(path, ds)
+def _fresh(writer: Writer, ds, crash, path: Path) -> Path:
+    writer.prepare(path, ds, crash)
     return path
 
 
@@ -117,40 +115,40 @@ def _old_or_new(watched: Path, before: dict, after: dict, point: int) -> str:
     the next writer does first) gives the new one."""
     if (watched / _fs.JOURNAL).exists():
         _commit.recover(watched)
-        assert crash.visible(watched) == after, f"step {point}: the roll-forward does not give the new state"
+        assert visible(watched) == after, f"step {point}: the roll-forward does not give the new state"
         return "after"
-    state = crash.visible(watched)
+    state = visible(watched)
     assert state in (before, after), f"step {point}: neither before nor after, and no commit to finish"
     return "before" if state == before else "after"
 
 
 @pytest.mark.parametrize("name", WRITERS)
-def test_killed_at_any_step(name, baselines, ds, tmp_path):
+def test_killed_at_any_step(crash, name, baselines, ds, tmp_path):
     writer = WRITERS[name]
     before, after, total = baselines[name]
     assert before != after, "the writer changes nothing: the test proves nothing"
     seen = set()
-    for point in crash.points(total):
-        scratch = _fresh(writer, ds, tmp_path / f"kill-{point}")
+    for point in points(total):
+        scratch = _fresh(writer, ds, crash, tmp_path / f"kill-{point}")
         watched = scratch / writer.watched
         result = crash.run(writer.args(scratch), f"kill:{point}")
         assert result.returncode == -9, (point, result.returncode, result.stderr[-2000:])
         seen.add(_old_or_new(watched, before, after, point))
         again = crash.run(writer.args(scratch))
         assert again.returncode == 0, (point, again.stderr)
-        assert crash.visible(watched) == after, f"step {point}: the next run does not leave the complete output"
+        assert visible(watched) == after, f"step {point}: the next run does not leave the complete output"
         assert _leftovers(watched) == [], f"step {point}: left behind {_leftovers(watched)}"
     assert seen == {"before", "after"}, seen
 
 
 @pytest.mark.parametrize("name", WRITERS)
-def test_a_failed_write_leaves_the_directory_as_it_was(name, baselines, ds, tmp_path):
+def test_a_failed_write_leaves_the_directory_as_it_was(crash, name, baselines, ds, tmp_path):
     """A full disk at a step: exit 2 with CK906, and the same old-or-new invariant, with no
     temporary left behind (a failing run removes its own)."""
     writer = WRITERS[name]
     before, after, total = baselines[name]
-    for point in crash.points(total, sample=5):
-        scratch = _fresh(writer, ds, tmp_path / f"enospc-{point}")
+    for point in points(total, sample=5):
+        scratch = _fresh(writer, ds, crash, tmp_path / f"enospc-{point}")
         watched = scratch / writer.watched
         result = crash.run(writer.args(scratch), f"enospc:{point}")
         assert result.returncode == 2 and "CK906" in result.stderr, (point, result.stderr[-2000:])
@@ -161,7 +159,7 @@ def test_a_failed_write_leaves_the_directory_as_it_was(name, baselines, ds, tmp_
 
 @pytest.mark.parametrize("name", WRITERS)
 @pytest.mark.parametrize("how,code,word", [("int", 130, "interrupted"), ("term", 143, "terminated")])
-def test_an_interrupted_run_says_what_it_left(name, how, code, word, baselines, ds, tmp_path):
+def test_an_interrupted_run_says_what_it_left(crash, name, how, code, word, baselines, ds, tmp_path):
     """Ctrl-C or SIGTERM at a step, the last ones (the commit, or a file's rename) all tried: the run
     removes its temporaries and says what it left, which is the old state ("nothing was written")
     or, stopped while committing, the new one (it finishes the renames first). Never a journal left
@@ -169,21 +167,21 @@ def test_an_interrupted_run_says_what_it_left(name, how, code, word, baselines, 
     writer = WRITERS[name]
     before, after, total = baselines[name]
     said = set()
-    for point in sorted(set(crash.points(total, sample=4)) | set(range(max(1, total - 11), total + 1))):
-        scratch = _fresh(writer, ds, tmp_path / f"{how}-{point}")
+    for point in sorted(set(points(total, sample=4)) | set(range(max(1, total - 11), total + 1))):
+        scratch = _fresh(writer, ds, crash, tmp_path / f"{how}-{point}")
         watched = scratch / writer.watched
         result = crash.run(writer.args(scratch), f"{how}:{point}")
         assert result.returncode == code, (point, result.stderr[-2000:])
         assert "Traceback" not in result.stderr
         line = result.stderr.strip().splitlines()[-1]
         if line == f"{word}; nothing was written":
-            assert crash.visible(watched) == before, f"step {point}: {line!r}, but the output changed"
+            assert visible(watched) == before, f"step {point}: {line!r}, but the output changed"
             said.add("nothing")
         else:
             assert line.startswith(f"{word}; ") and line.endswith(
                 "holds the complete new output (it was being committed, and that was finished first)"
             ), (point, line)
-            assert crash.visible(watched) == after, f"step {point}: {line!r}, but the output is not the new one"
+            assert visible(watched) == after, f"step {point}: {line!r}, but the output is not the new one"
             said.add("complete")
         assert _leftovers(watched) == [], f"step {point}: left behind {_leftovers(watched)}"
     assert said == {"nothing", "complete"}, said
@@ -197,4 +195,4 @@ def _leftovers(directory: Path) -> list[str]:
 def test_the_sample_covers_the_commit(baselines):
     """The sampled steps include the last ones, where the renames of a commit happen."""
     for name, (_, _, total) in baselines.items():
-        assert total in crash.points(total) and total - 1 in crash.points(total), name
+        assert total in points(total) and total - 1 in points(total), name

@@ -56,7 +56,6 @@ def test_migrate_refuses_an_index_by_name(tmp_path):
     assert not (tmp_path / "out.json").exists()
 
 
-@pytest.mark.deepspeed
 def test_embed_refuses_an_index_manifest_by_name(tmp_path):
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(COMMITTED["s2-bf16-ws2"], checkpoint)

@@ -3,7 +3,7 @@ error (CK999), a damaged file (CK205, "restore it") or a bad ``latest`` (CK201);
 ``--format json`` a command still prints its one JSON object, even for an internal error.
 
 The permissions are real: the commands run without root's right to read any file
-(``cli_process.run(..., unprivileged=True)``), so ``chmod 000`` gives a real EACCES.
+(``ckptspec_process(..., unprivileged=True)``), so ``chmod 000`` gives a real EACCES.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import importlib
 import json
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
-from _harness import cli_process
 from _harness.scenarios import COMMITTED
 
 import ckptspec.cli
@@ -48,16 +48,20 @@ def checkpoint(tmp_path):
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
-def _run(args: list[str], ck: Path) -> cli_process.subprocess.CompletedProcess:
-    out = ck.parent / "out"
-    result = cli_process.run([a.format(ck=ck, out=out) for a in args], unprivileged=True)
-    assert "Traceback" not in result.stdout + result.stderr
-    assert "CK999" not in result.stdout + result.stderr, result.stderr
-    return result
+@pytest.fixture(scope="session")
+def _run(ckptspec_process):
+    def _run(args: list[str], ck: Path) -> subprocess.CompletedProcess:
+        out = ck.parent / "out"
+        result = ckptspec_process([a.format(ck=ck, out=out) for a in args], unprivileged=True)
+        assert "Traceback" not in result.stdout + result.stderr
+        assert "CK999" not in result.stdout + result.stderr, result.stderr
+        return result
+
+    return _run
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_an_unreadable_tag_directory_is_ck901_exit_2(command, checkpoint):
+def test_an_unreadable_tag_directory_is_ck901_exit_2(_run, command, checkpoint):
     (checkpoint / TAG).chmod(0)
     result = _run(COMMANDS[command], checkpoint)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -67,7 +71,7 @@ def test_an_unreadable_tag_directory_is_ck901_exit_2(command, checkpoint):
 
 
 @pytest.mark.parametrize("command", ["validate", "inspect", "diff"])
-def test_json_output_is_one_object_naming_the_error(command, checkpoint):
+def test_json_output_is_one_object_naming_the_error(_run, command, checkpoint):
     (checkpoint / TAG).chmod(0)
     result = _run([*COMMANDS[command], "--format", "json"], checkpoint)
     assert result.returncode == 2
@@ -75,7 +79,7 @@ def test_json_output_is_one_object_naming_the_error(command, checkpoint):
     assert error["code"] == "CK901" and error["message"] == "cannot read: Permission denied"
 
 
-def test_an_unreadable_shard_is_an_io_error_not_damage(checkpoint):
+def test_an_unreadable_shard_is_an_io_error_not_damage(_run, checkpoint):
     (checkpoint / TAG / SHARD).chmod(0)
     for args in (COMMANDS["validate"], COMMANDS["reconstruct"], COMMANDS["inspect"]):
         result = _run(args, checkpoint)
@@ -87,7 +91,7 @@ def test_an_unreadable_shard_is_an_io_error_not_damage(checkpoint):
     assert not list((checkpoint.parent / "out").iterdir())
 
 
-def test_an_unreadable_latest_is_an_io_error_not_a_bad_tag(checkpoint):
+def test_an_unreadable_latest_is_an_io_error_not_a_bad_tag(_run, checkpoint):
     (checkpoint / "latest").chmod(0)
     result = _run(COMMANDS["validate"], checkpoint)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -95,7 +99,7 @@ def test_an_unreadable_latest_is_an_io_error_not_a_bad_tag(checkpoint):
     assert "CK201" not in result.stderr and "write the tag name" not in result.stderr
 
 
-def test_an_unreadable_subfolder_of_the_tag_is_not_left_out(checkpoint):
+def test_an_unreadable_subfolder_of_the_tag_is_not_left_out(_run, checkpoint):
     """os.walk skips a folder it cannot list without a word: its files would go unchecked."""
     (checkpoint / TAG / "offloaded").mkdir()
     (checkpoint / TAG / "offloaded" / "part.bin").write_bytes(b"x")
@@ -137,11 +141,11 @@ def test_an_internal_error_is_still_one_json_object(monkeypatch, capsys):
     assert (code, out) == (2, "") and "CK999 internal error: RuntimeError: made to fail" in err
 
 
-def test_an_input_read_late_is_an_io_error_not_an_output_error(checkpoint):
+def test_an_input_read_late_is_an_io_error_not_an_output_error(ckptspec_process, _run, checkpoint):
     """Second pass: reconstructing a universal folder whose `zero/` this user may not read said
     `OUT: CK906 cannot write` (the writer's OSError handler took every OSError for the output's)."""
     universal = checkpoint.parent / "uc"
-    assert cli_process.run(["export-universal", str(checkpoint), str(universal)]).returncode == 0
+    assert ckptspec_process(["export-universal", str(checkpoint), str(universal)]).returncode == 0
     (universal / "zero").chmod(0)  # the folder is the tag directory: zero/, the model states
     try:
         result = _run(["reconstruct", str(universal), "{out}/weights"], checkpoint)

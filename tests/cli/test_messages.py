@@ -66,7 +66,6 @@ def test_reconstruct_is_in_the_python_api():
     assert ckptspec.reconstruct is reconstruct
 
 
-@pytest.mark.deepspeed
 def test_inspect_of_a_stage0_index_prints_no_none(ds):
     result = run("inspect", _tag(ds, "s0-bf16-ws2"))
     assert result.exit_code == 0 and "None" not in result.stdout
@@ -74,14 +73,12 @@ def test_inspect_of_a_stage0_index_prints_no_none(ds):
     assert "(0 saved copies)" not in result.stdout  # second pass: the masters are saved once, not zero times
 
 
-@pytest.mark.deepspeed
 def test_inspect_json_of_an_index_has_its_summary_version(ds):
     result = run("inspect", _tag(ds, "tp2-s1-fp32-ws2"), "--format", "json")
     doc = json.loads(result.stdout)
     assert doc["summary_version"] == "1.0" and doc["document"] == "ckptspec.checkpoint"
 
 
-@pytest.mark.deepspeed
 def test_reconstruct_of_an_index_counts_its_elements(ds, tmp_path):
     from safetensors.numpy import load_file
 
@@ -91,7 +88,6 @@ def test_reconstruct_of_an_index_counts_its_elements(ds, tmp_path):
     assert written > 0 and f", {written} elements) to " in result.stdout, result.stdout
 
 
-@pytest.mark.deepspeed
 @pytest.mark.parametrize("name", ["moe-ep2-s1-fp32-ws2", "pp2-s1-fp32-ws2"])
 def test_ck202_hints_name_the_checkpoint_index(ds, tmp_path, name):
     """A 1.x-only command (embed) on a kind the index describes: the hint says which commands read it,
@@ -106,7 +102,6 @@ def test_ck202_hints_name_the_checkpoint_index(ds, tmp_path, name):
     assert "format 1.0" not in result.stderr and "checkpoint index" in result.stderr
 
 
-@pytest.mark.deepspeed
 def test_extract_on_an_index_kind_does_not_send_the_user_to_embed(ds):
     """Second pass: CK303's hint said "add one with `ckptspec embed CHECKPOINT`", which refuses these kinds."""
     result = run("extract", _tag(ds, "moe-ep2-s1-fp32-ws2"))

@@ -22,8 +22,6 @@ from click.testing import CliRunner
 from ckptspec.cli import cli
 from ckptspec.errors import CkptspecError
 
-pytestmark = pytest.mark.deepspeed
-
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
 STAGE3_0154 = ROOT / "tests" / "data" / "deepspeed-0.15.4" / "old-s3-bf16-ws2"

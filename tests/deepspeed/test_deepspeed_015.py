@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from _harness.compat import FIXTURES, OLD_DEEPSPEED_VERSION
-from _harness.reconstruction import check_reconstruction, cli
+from _harness.reconstruction import check_reconstruction
 from _harness.scenarios import OLD_DEEPSPEED, OLD_DEEPSPEED_SPECS
 from safetensors import safe_open
 
@@ -39,23 +39,23 @@ def test_every_old_checkpoint_is_committed():
 
 
 @pytest.mark.parametrize("name", OLD_DEEPSPEED)
-def test_committed_checkpoint_validates_and_reconstructs_bit_exact(name, tmp_path):
+def test_committed_checkpoint_validates_and_reconstructs_bit_exact(ckptspec_cli, zero_to_fp32, name, tmp_path):
     save_dir = FIXTURES / name
     info = json.loads((save_dir / "harness.json").read_text())
     assert info["deepspeed_version"] == OLD_DEEPSPEED_VERSION
 
-    report = json.loads(cli("validate", save_dir, "--format", "json").stdout)
+    report = json.loads(ckptspec_cli("validate", save_dir, "--format", "json").stdout)
     assert report["valid"] and report["findings"] == []
     doc = manifest_from_checkpoint(save_dir).to_dict()
     assert doc["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
     assert validate_document(doc).findings == []
     assert "param_alignment_paddings" not in _optimizer_state_keys(save_dir)  # what makes 0.15 different
 
-    check_reconstruction(save_dir, tmp_path / "out", stage=OLD_DEEPSPEED_SPECS[name][0]["stage"])
+    check_reconstruction(save_dir, tmp_path / "out", zero_to_fp32, stage=OLD_DEEPSPEED_SPECS[name][0]["stage"])
 
 
 @pytest.mark.parametrize("name", OLD_DEEPSPEED)
-def test_committed_checkpoint_gets_a_complete_1_1_manifest(name, tmp_path):
+def test_committed_checkpoint_gets_a_complete_1_1_manifest(ckptspec_cli, name, tmp_path):
     """Format 1.1 from DeepSpeed 0.15.4's files: every tensor located, digests that check; the 1.1
     locators point at the bytes torch.load gives; the exported optimizer state is the live engine's."""
     import hashlib
@@ -82,7 +82,7 @@ def test_committed_checkpoint_gets_a_complete_1_1_manifest(name, tmp_path):
                 assert fh.read(len(raw)) == raw, loc.name
     # The optimizer state export against the live 0.15.4 engine's (live_optim.pt, read in the job).
     out = tmp_path / "out"
-    cli("reconstruct", save_dir, out, "--quiet", "--optimizer-state")
+    ckptspec_cli("reconstruct", save_dir, out, "--quiet", "--optimizer-state")
     live = torch.load(save_dir / "live_optim.pt", weights_only=True)
     with safe_open(out / "optimizer.safetensors", "pt") as f:
         aliases = json.loads(f.metadata()["ckptspec.aliases"])

@@ -14,9 +14,6 @@ from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.format.index_models import CheckpointIndex
 from ckptspec.format.models import Manifest
 
-pytestmark = pytest.mark.deepspeed
-
-
 KINDS = [MATRIX[0], *(next(n for n in PARALLEL if n.startswith(prefix)) for prefix in ("tp2", "moe"))]
 
 

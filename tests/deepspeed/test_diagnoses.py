@@ -12,13 +12,10 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 from _harness.scenarios import COMMITTED
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
-
-pytestmark = pytest.mark.deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE3_0154 = ROOT / "tests" / "data" / "deepspeed-0.15.4" / "old-s3-bf16-ws2"

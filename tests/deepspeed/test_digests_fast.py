@@ -18,8 +18,6 @@ from ckptspec.format.codec import dumps
 from ckptspec.format.models import Digest
 from ckptspec.location import location
 
-pytestmark = pytest.mark.deepspeed
-
 # Stage 0 and MoE: the index locates their masters (`masters`), there are no per-tensor digests.
 DESCRIBED = [n for n in MATRIX + PARALLEL if not n.startswith(("s0-", "moe-")) and "-s0-" not in n]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _harness import cli_process, scenarios
+from _harness import scenarios
 
 from ckptspec.checkpoint import torchfile
 from ckptspec.checkpoint.embedded import (
@@ -53,8 +53,12 @@ def example() -> dict:
     return json.loads(EXAMPLE.read_text("utf-8"))
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return cli_process.run(args)
+@pytest.fixture(scope="session")
+def run(ckptspec_process):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return ckptspec_process(args)
+
+    return run
 
 
 # --------------------------------------------------------------------------- client state in a torch file
@@ -150,7 +154,7 @@ def test_files_that_cannot_carry_the_manifest_are_left_untouched(tmp_path, case)
     assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]
 
 
-def test_unreadable_client_state_is_ck302(tmp_path):
+def test_unreadable_client_state_is_ck302(run, tmp_path):
     import torch
 
     for name, value in [("notstr.pt", {"a": 1}), ("garbage.pt", "{not json"), ("array.pt", "[1, 2]")]:
@@ -162,7 +166,7 @@ def test_unreadable_client_state_is_ck302(tmp_path):
         assert result.returncode == 1 and "CK302" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_extract_from_a_pt_without_manifest_is_ck303(pt_file):
+def test_extract_from_a_pt_without_manifest_is_ck303(run, pt_file):
     result = run("extract", str(pt_file))
     assert result.returncode == 1
     assert (
@@ -212,7 +216,7 @@ def test_safetensors_metadata_value_is_the_compact_canonical_json():
     assert meta[SAFETENSORS_SHA256_KEY] == hashlib.sha256(text.encode()).hexdigest()
 
 
-def test_extract_from_safetensors(tmp_path):
+def test_extract_from_safetensors(run, tmp_path):
     path = tmp_path / "model.safetensors"
     write_safetensors(path, {"format": "pt", **safetensors_metadata(example())})
     result = run("extract", str(path))
@@ -225,7 +229,7 @@ def test_extract_from_safetensors(tmp_path):
         assert json.loads(fh.metadata()[SAFETENSORS_KEY]) == example()
 
 
-def test_safetensors_problems(tmp_path):
+def test_safetensors_problems(run, tmp_path):
     meta = safetensors_metadata(example())
     assert '"world_size":2' in meta[SAFETENSORS_KEY]
     tampered = dict(meta, **{SAFETENSORS_KEY: meta[SAFETENSORS_KEY].replace('"world_size":2', '"world_size":3')})
@@ -246,7 +250,7 @@ def test_safetensors_problems(tmp_path):
         assert result.returncode == code and text in result.stderr, (stem, result.stderr)
 
 
-def test_directory_of_safetensors_shards(tmp_path):
+def test_directory_of_safetensors_shards(run, tmp_path):
     for i in (1, 2):
         write_safetensors(tmp_path / f"model-0000{i}-of-00002.safetensors", safetensors_metadata(example()))
     listed = run("extract", str(tmp_path), "--list")
@@ -308,7 +312,7 @@ def test_sidecar_of_one_encoding_replaces_the_other(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckptspec.msgpack"]
 
 
-def test_extract_of_a_manifest_file_applies_the_version_gate(tmp_path):
+def test_extract_of_a_manifest_file_applies_the_version_gate(run, tmp_path):
     corpus = ROOT / "tests" / "conformance" / "1.0"
     newer = run("extract", str(corpus / "valid" / "newer-minor-1.4.0-unknown-fields.json"))
     assert newer.returncode == 0 and "CK004 warning:" in newer.stderr and '"format_version": "1.4.0"' in newer.stdout
@@ -355,7 +359,6 @@ def _without_digests(doc: dict) -> dict:
     return doc
 
 
-@pytest.mark.deepspeed
 def test_every_rank_returns_the_same_complete_valid_manifest(saved):
     assert all(doc == saved.returned[0] for doc in saved.returned)
     manifest = saved.returned[0]
@@ -373,7 +376,6 @@ def test_every_rank_returns_the_same_complete_valid_manifest(saved):
     assert tensors and all("digest" in t for t in tensors)
 
 
-@pytest.mark.deepspeed
 def test_sidecar_is_written_last_and_latest_after_it(saved):
     assert saved.sidecar.read_bytes() == dumps(saved.returned[0], "json")
     sidecar_time = saved.sidecar.stat().st_mtime_ns
@@ -383,7 +385,6 @@ def test_sidecar_is_written_last_and_latest_after_it(saved):
     assert leftovers == []
 
 
-@pytest.mark.deepspeed
 def test_the_tag_directory_gets_the_mode_of_the_directories_the_job_made(saved):
     """#37 item 7 (M3): was drwx------ whatever the umask (a temporary directory renamed into place),
     where DeepSpeed's own saves are drwxr-xr-x under umask 022: the job made the save directory
@@ -391,8 +392,7 @@ def test_the_tag_directory_gets_the_mode_of_the_directories_the_job_made(saved):
     assert stat.S_IMODE(saved.tag_dir.stat().st_mode) == stat.S_IMODE(saved.save_dir.stat().st_mode)
 
 
-@pytest.mark.deepspeed
-def test_sidecar_files_are_the_files_on_disk(saved):
+def test_sidecar_files_are_the_files_on_disk(run, saved):
     """Sizes, hashes and locators gathered from the ranks equal what the saved directory says
     (so the model-states files were described with their client state inside)."""
     from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
@@ -406,7 +406,6 @@ def test_sidecar_files_are_the_files_on_disk(saved):
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-@pytest.mark.deepspeed
 def test_model_states_carry_the_layout_manifest(saved):
     sidecar = json.loads(saved.sidecar.read_text())
     files = _model_files(saved.tag_dir)
@@ -419,7 +418,6 @@ def test_model_states_carry_the_layout_manifest(saved):
     assert embedded_findings(saved.save_dir) == []
 
 
-@pytest.mark.deepspeed
 def test_engine_load_checkpoint_still_works(saved):
     sidecar = json.loads(saved.sidecar.read_text())
     for rank in range(saved.world_size):
@@ -429,8 +427,7 @@ def test_engine_load_checkpoint_still_works(saved):
         assert result["embedded_type"] == "str" and result["embedded"] == _without_digests(layout_document(sidecar))
 
 
-@pytest.mark.deepspeed
-def test_manifest_survives_when_only_pt_files_are_copied(saved, tmp_path):
+def test_manifest_survives_when_only_pt_files_are_copied(run, saved, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     for path in saved.tag_dir.glob("*.pt"):
@@ -448,8 +445,7 @@ def test_manifest_survives_when_only_pt_files_are_copied(saved, tmp_path):
     assert json.loads((bare / "ckptspec.json").read_text()) == sidecar
 
 
-@pytest.mark.deepspeed
-def test_extract_prints_the_sidecar_and_lists_agreeing_copies(saved):
+def test_extract_prints_the_sidecar_and_lists_agreeing_copies(run, saved):
     result = run("extract", str(saved.save_dir))
     assert result.returncode == 0 and result.stdout.encode() == saved.sidecar.read_bytes()
     listed = run("extract", str(saved.save_dir), "--list")
@@ -457,8 +453,7 @@ def test_extract_prints_the_sidecar_and_lists_agreeing_copies(saved):
     assert listed.returncode == 0 and listed.stdout.endswith(f"{saved.save_dir}: {n} copies agree\n")
 
 
-@pytest.mark.deepspeed
-def test_disagreeing_copy_is_reported(saved, tmp_path):
+def test_disagreeing_copy_is_reported(run, saved, tmp_path):
     copy_dir = tmp_path / "ckpt"
     shutil.copytree(saved.save_dir, copy_dir)
     tag_dir = copy_dir / saved.tag_dir.name
@@ -472,8 +467,7 @@ def test_disagreeing_copy_is_reported(saved, tmp_path):
     assert [f.code for f in embedded_findings(copy_dir)] == ["CK301"]
 
 
-@pytest.mark.deepspeed
-def test_embed_into_a_plain_deepspeed_checkpoint(saved, tmp_path):
+def test_embed_into_a_plain_deepspeed_checkpoint(run, saved, tmp_path):
     """Strip every copy, then `ckptspec embed` puts them back: client state first, sidecar last."""
     import torch
 
@@ -521,8 +515,7 @@ def test_embed_into_a_plain_deepspeed_checkpoint(saved, tmp_path):
     assert run("validate", str(copy_dir)).returncode == 0
 
 
-@pytest.mark.deepspeed
-def test_embed_over_a_flipped_master_bit_is_refused_until_rehash(saved, tmp_path):
+def test_embed_over_a_flipped_master_bit_is_refused_until_rehash(run, saved, tmp_path):
     """#37 (H3), the report's repro on the hook's own sidecars: one bit of the last rank's fp32 master
     partition flipped (same size). `embed` and `embed --sidecar-only` used to record the damaged file,
     after which `validate` said valid; now they refuse, nothing written, until `--rehash`."""
@@ -556,8 +549,7 @@ def test_embed_over_a_flipped_master_bit_is_refused_until_rehash(saved, tmp_path
     assert run("validate", str(copy_dir)).returncode == 0
 
 
-@pytest.mark.deepspeed
-def test_embed_refuses_a_manifest_of_another_checkpoint(saved, ds, tmp_path):
+def test_embed_refuses_a_manifest_of_another_checkpoint(run, saved, ds, tmp_path):
     copy_dir = tmp_path / "ckpt"
     shutil.copytree(saved.save_dir, copy_dir)
     before = {p.name: p.read_bytes() for p in (copy_dir / saved.tag_dir.name).iterdir()}
@@ -664,7 +656,6 @@ def fake_job(saved, monkeypatch):
     return SimpleNamespace(install=install, ds=ds, engine=engine, save_checkpoint=save_checkpoint)
 
 
-@pytest.mark.deepspeed
 def test_fake_job_reproduces_the_real_sidecar(fake_job, saved, tmp_path):
     state = fake_job.install()
     engine = fake_job.engine(state)
@@ -678,7 +669,6 @@ def test_fake_job_reproduces_the_real_sidecar(fake_job, saved, tmp_path):
     assert (tmp_path / "global_step2" / "ckptspec.json").read_bytes() == saved.sidecar.read_bytes()
 
 
-@pytest.mark.deepspeed
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
 def test_the_published_tag_directory_honours_the_umask(fake_job, tmp_path, umask):
     """#37 item 7 (M3): the hook's staged tag directory (``staged_save.save_staged``) was mkdtemp's 0700."""
@@ -691,7 +681,6 @@ def test_the_published_tag_directory_honours_the_umask(fake_job, tmp_path, umask
     assert stat.S_IMODE((tmp_path / "global_step2").stat().st_mode) == 0o777 & ~umask
 
 
-@pytest.mark.deepspeed
 def test_save_options(fake_job, saved, tmp_path):
     state = fake_job.install(hash_algorithm=None)
     manifest = fake_job.save_checkpoint(
@@ -706,7 +695,6 @@ def test_save_options(fake_job, saved, tmp_path):
     )
 
 
-@pytest.mark.deepspeed
 def test_refusals_before_anything_is_saved(fake_job, tmp_path):
     fake_job.install()
     with pytest.raises(ValueError, match="reserved"):
@@ -741,7 +729,6 @@ def test_refusals_before_anything_is_saved(fake_job, tmp_path):
     ],
     ids=["data-parallel", "model-parallel", "moe", "stage0"],
 )
-@pytest.mark.deepspeed
 def test_engines_a_manifest_cannot_describe_are_refused_before_saving(fake_job, tmp_path, feature, config, named, kind):
     """#17: the save hook names the feature and DeepSpeed writes nothing, whatever describes the engine
     (the engine's accessors are DeepSpeed 0.19.8's: ``zero_nvme_offload_optimizer``,
@@ -756,7 +743,6 @@ def test_engines_a_manifest_cannot_describe_are_refused_before_saving(fake_job, 
     assert engine.calls == [] and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.deepspeed
 def test_a_rank_that_cannot_describe_its_files_fails_every_rank(fake_job, tmp_path):
     fake_job.install(other=lambda rank: ([], f"rank {rank}: OSError: disk gone"))
     with pytest.raises(RuntimeError, match="rank 1: OSError: disk gone"):
@@ -765,7 +751,6 @@ def test_a_rank_that_cannot_describe_its_files_fails_every_rank(fake_job, tmp_pa
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary tag directory is left"
 
 
-@pytest.mark.deepspeed
 def test_an_incomplete_checkpoint_gets_no_sidecar_and_no_latest(fake_job, tmp_path):
     fake_job.install(other=lambda rank: ([], None))  # the other ranks' files are missing from the manifest
     with pytest.raises(RuntimeError, match="could not write the manifest sidecar"):
@@ -774,8 +759,7 @@ def test_an_incomplete_checkpoint_gets_no_sidecar_and_no_latest(fake_job, tmp_pa
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a temporary tag directory is left"
 
 
-@pytest.mark.deepspeed
-def test_validate_dir_reports_a_disagreeing_copy(saved, tmp_path):
+def test_validate_dir_reports_a_disagreeing_copy(run, saved, tmp_path):
     """`ckptspec validate DIR` checks the embedded copies too (CK301), file named."""
     copy_dir = tmp_path / "ckpt"
     shutil.copytree(saved.save_dir, copy_dir)
@@ -789,7 +773,6 @@ def test_validate_dir_reports_a_disagreeing_copy(saved, tmp_path):
     assert "CK301" in result.stdout and victim.name in result.stdout
 
 
-@pytest.mark.deepspeed
 def test_digests_need_every_file_on_rank_0(fake_job, tmp_path, monkeypatch):
     """A digest can span ranks' files: when rank 0 cannot see one (no shared filesystem), the sidecar
     keeps the files' hashes and records no digest, with a warning; the save still succeeds."""
@@ -803,7 +786,6 @@ def test_digests_need_every_file_on_rank_0(fake_job, tmp_path, monkeypatch):
     assert (tmp_path / "latest").read_text() == "global_step2"
 
 
-@pytest.mark.deepspeed
 def test_a_digest_that_cannot_be_computed_fails_every_rank(fake_job, tmp_path, monkeypatch):
     state = fake_job.install()
 

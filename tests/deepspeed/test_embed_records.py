@@ -26,8 +26,6 @@ from click.testing import CliRunner
 from ckptspec.checkpoint import torchfile
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 ROOT = Path(__file__).resolve().parents[2]
 OLD = ROOT / "tests" / "data" / "deepspeed-0.15.4"
 TAG = "global_step2"

@@ -17,8 +17,6 @@ from ckptspec.deepspeed.kinds import needs_index
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.format.codec import dumps
 
-pytestmark = pytest.mark.deepspeed
-
 MODEL_PARALLEL = [n for n in PARALLEL if n.startswith(("pp2", "tp2")) and "-s0-" not in n]  # stage 0: refused
 
 

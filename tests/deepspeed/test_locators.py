@@ -22,8 +22,6 @@ from _harness.scenarios import MATRIX
 from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 
-pytestmark = pytest.mark.deepspeed
-
 
 @pytest.fixture(scope="module", params=MATRIX)
 def point(request, ds):

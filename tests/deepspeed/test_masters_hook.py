@@ -23,8 +23,6 @@ from click.testing import CliRunner
 from ckptspec.cli import cli
 from ckptspec.deepspeed.describe import index_from_checkpoint
 
-pytestmark = pytest.mark.deepspeed
-
 # What only the live engine knows, compared apart: the global rank of every coordinate
 # (topology.ranks, domains[].members) and that the engine is the source of the degrees. The
 # directory derives the degrees (or reads checkpoint_parallel_dimensions) and knows no global rank.

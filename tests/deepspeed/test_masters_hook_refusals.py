@@ -14,8 +14,6 @@ from ckptspec.deepspeed import save_checkpoint
 from ckptspec.deepspeed.live.masters import resolve
 from ckptspec.errors import EngineLayoutMismatch, UnsupportedEngine
 
-pytestmark = pytest.mark.deepspeed
-
 
 def _class(name):
     return type(name, (), {})()

@@ -12,8 +12,6 @@ from click.testing import CliRunner
 
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 STAGE0 = sorted(n for n in scenarios.PARALLEL if n.startswith(("s0-", "moe-ep2-s0-")) and not n.endswith("ws1"))
 MOE_ZERO = sorted(n for n in scenarios.PARALLEL if n.startswith(("moe-ep2-s1-", "moe-ep2-s2-")))
 UNIVERSAL = ["uc-s2-bf16-ws2", "uc-s3-bf16-ws2"]

@@ -17,9 +17,7 @@ import sys
 import pytest
 from _harness import scenarios
 from _harness.job.parallel_models import normalize, reference_model, torch_dtype
-from _harness.oracles import DEEPSPEED_VERSION, zero_to_fp32
-
-pytestmark = pytest.mark.deepspeed
+from _harness.oracles import DEEPSPEED_VERSION
 
 PARALLEL = scenarios.PARALLEL
 
@@ -463,7 +461,7 @@ ZERO_TO_FP32_ERRORS = {
 
 
 @pytest.mark.parametrize("name", PARALLEL)
-def test_zero_to_fp32_on_model_parallel_rank_0(ds, name, tmp_path):
+def test_zero_to_fp32_on_model_parallel_rank_0(zero_to_fp32, ds, name, tmp_path):
     """DeepSpeed's zero_to_fp32 reads one model-parallel rank: given mp_rank_00's files, each
     tensor it returns equals, bit for bit, the master gathered on the ranks of coordinate
     (pp 0, tp 0). It reads no pipeline, MoE or stage-0 checkpoint (pinned errors)."""

@@ -20,8 +20,6 @@ from click.testing import CliRunner
 from ckptspec.cli import cli
 from ckptspec.deepspeed.describe import index_from_checkpoint
 
-pytestmark = pytest.mark.deepspeed
-
 # What only the live engine knows, compared apart: the global rank of every coordinate
 # (topology.ranks, domains[].members), that the engine is the source of the degrees and of the
 # tensor-parallel placements, and the optimizer's class (the files say "unknown").

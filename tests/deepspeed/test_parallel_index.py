@@ -11,15 +11,12 @@ import re
 from pathlib import Path
 
 import pytest
-from _harness import cli_process, scenarios
+from _harness import scenarios
 from _harness.job.parallel_models import reference_model, torch_dtype
-from _harness.oracles import zero_to_fp32
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
 from ckptspec.cli import cli
-
-pytestmark = pytest.mark.deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX_SCHEMA = Draft202012Validator(json.loads((ROOT / "schema" / "checkpoint-1.0.schema.json").read_text()))
@@ -50,8 +47,12 @@ def _cli(*args):
     return _Result(result.exit_code, result.stdout, result.stderr)
 
 
-def _subprocess(*args):
-    return cli_process.run(args)
+@pytest.fixture(scope="session")
+def _subprocess(ckptspec_process):
+    def _subprocess(*args):
+        return ckptspec_process(args)
+
+    return _subprocess
 
 
 def _info(ds, name):
@@ -251,7 +252,7 @@ def test_load_state_dict_and_low_precision_output(ds, name, reconstructed):
 
 
 @pytest.mark.parametrize("name", ["tp2-s1-fp32-ws2", "tp2dp2-s2-bf16-ws4", "tp2-s3-bf16-ws2"])
-def test_zero_to_fp32_of_mp_rank_0_is_tensor_rank_0s_shard(ds, name, reconstructed, tmp_path):
+def test_zero_to_fp32_of_mp_rank_0_is_tensor_rank_0s_shard(zero_to_fp32, ds, name, reconstructed, tmp_path):
     """DeepSpeed's zero_to_fp32 reads mp_rank_00's files only: what it returns is tensor rank 0's shard of
     each reconstructed parameter (DeepSpeed's pieces), bit for bit."""
     tag = _info(ds, name)["tag"]
@@ -329,7 +330,7 @@ def test_diff_says_a_change_of_parallel_degrees_cannot_resume(ds):
 # (tests/deepspeed/test_masters_index.py). Its masters' shapes come from the layer files only:
 
 
-def test_a_stage0_pipeline_without_a_layer_file_is_refused_naming_it(ds, tmp_path):
+def test_a_stage0_pipeline_without_a_layer_file_is_refused_naming_it(_subprocess, ds, tmp_path):
     import shutil
 
     save = tmp_path / "ckpt"

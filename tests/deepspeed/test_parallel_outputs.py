@@ -13,8 +13,6 @@ from click.testing import CliRunner
 
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 MP = [
     "pp2-s1-fp32-ws2",
     "pp2-s1-bf16-ws2",

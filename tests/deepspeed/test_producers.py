@@ -18,8 +18,6 @@ from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.format.validate import validate_document
 
-pytestmark = pytest.mark.deepspeed
-
 # Fields only one producer can know: who produced it, the files on disk (the engine
 # describes the layout before anything is written), and the names dropped by
 # exclude_frozen_parameters (DeepSpeed does not record them on disk). Besides, only the engine

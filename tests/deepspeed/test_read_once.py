@@ -22,8 +22,6 @@ from ckptspec.cli import cli
 from ckptspec.deepspeed.embed import embed_checkpoint
 from ckptspec.format import validate as validate_module
 
-pytestmark = pytest.mark.deepspeed
-
 CHECKPOINTS = [
     "s2-bf16-ws2",  # no sidecar: the manifest is generated
     "s3-bf16-ws2-sub",  # stage 3: a model-states file per rank

@@ -11,20 +11,16 @@ the killed save are what the next save removes (``ckptspec._fs.sweep``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
-from _harness import cache, crash
-from _harness.launch import HarnessError, run_launches, task_launch
+from _harness.states import hidden, points, visible
 from click.testing import CliRunner
 
 from ckptspec import _commit, _fs
 from ckptspec.cli import cli
-
-pytestmark = pytest.mark.deepspeed
 
 SPEC = {"stage": 2, "dtype": "bf16", "tied": True, "frozen": True, "buffers": True}
 WORLD_SIZE = 2
@@ -32,59 +28,36 @@ CASES = {"new-tag": "second", "same-tag": "first"}  # the second save's tag
 SAMPLE = {"new-tag": 4, "same-tag": 6}  # kill points per case (all of them: CKPTSPEC_CRASH_ALL=1)
 
 
-def _entry(second: str, kill_at: int | None) -> tuple[Path, dict]:
-    identity = {
-        "kind": "save_crash",
-        "spec": SPEC,
-        "world_size": WORLD_SIZE,
-        "second_tag": second,
-        "kill_at": kill_at,
-        "job": cache.tree_digest(*cache.JOB_SOURCES),
-        "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES),
-        "versions": cache.versions(),
+def _killed(name: str, error: Exception, out: Path) -> bool:
+    """A launch killed at its kill point is the expected outcome: its log kept beside the save."""
+    if name.endswith("-None") or "SIGKILL" not in str(error):
+        return False
+    (out / "killed.log").write_text(str(error)[-5000:])
+    return True
+
+
+def _build(ds, plans: list[tuple[str, int | None]]) -> dict[tuple, Path]:
+    """The entries of ``plans`` ((second tag, kill point or None)), the missing ones built in one go
+    (``ds.launched``: a launch each, keyed on the ckptspec modules the job imports)."""
+    names = {f"save-crash-{second}-{kill_at}": (second, kill_at) for second, kill_at in plans}
+    tasks = {
+        name: {"kind": "save_crash", "args": {"spec": SPEC, "second_tag": second, "kill_at": kill_at}}
+        for name, (second, kill_at) in names.items()
     }
-    return cache.entry(f"save-crash-{second}-{kill_at}", cache.key(identity)), identity
-
-
-def _build(plans: list[tuple[str, int | None]]) -> dict[tuple, Path]:
-    """The entries of ``plans`` ((second tag, kill point or None)), the missing ones built in one
-    go: a launch each, two at a time, all forked from one process that imported torch and
-    DeepSpeed once (``run_launches``). A killed launch is the expected outcome of a kill point."""
-    entries = {plan: _entry(*plan) for plan in plans}
-    with contextlib.ExitStack() as locks:
-        for target, _ in sorted(entries.values()):
-            locks.enter_context(cache.locked(target))
-        stages = {plan: cache.staging(target) for plan, (target, _) in entries.items() if not cache.is_done(target)}
-        try:
-            launches = []
-            for (second, kill_at), stage in stages.items():
-                task = {"kind": "save_crash", "args": {"spec": SPEC, "second_tag": second, "kill_at": kill_at}}
-                (stage / "out").mkdir()
-                launches.append(task_launch([{**task, "out": str(stage / "out" / "save")}], WORLD_SIZE, stage))
-            for (plan, stage), outcome in zip(stages.items(), run_launches(launches)):
-                if isinstance(outcome, HarnessError):
-                    if plan[1] is None or "SIGKILL" not in str(outcome):
-                        raise outcome
-                    (stage / "out" / "killed.log").write_text(str(outcome)[-5000:])
-                target, identity = entries[plan]
-                name = f"save-crash-{plan[0]}-{plan[1]}"
-                cache.publish(stage / "out", target, {"name": name, "identity": identity})
-        finally:
-            for stage in stages.values():
-                shutil.rmtree(stage, ignore_errors=True)
-    return {plan: target for plan, (target, _) in entries.items()}
+    built = ds.launched(tasks, WORLD_SIZE, failed_ok=_killed)
+    return {plan: built[name] for name, plan in names.items()}
 
 
 @pytest.fixture(scope="module")
 def runs(ds) -> dict:
     """case -> (the save that finished, {kill point: the save that was killed there})."""
-    built = _build([(second, None) for second in CASES.values()])
+    built = _build(ds, [(second, None) for second in CASES.values()])
     complete = {case: built[second, None] for case, second in CASES.items()}
     plans = []
     for case, second in CASES.items():
         total = json.loads((complete[case] / "save" / "steps.json").read_text())["steps"]
-        plans += [(case, second, point) for point in crash.points(total, SAMPLE[case])]
-    killed = _build([(second, point) for _, second, point in plans])
+        plans += [(case, second, point) for point in points(total, SAMPLE[case])]
+    killed = _build(ds, [(second, point) for _, second, point in plans])
     out = {case: (complete[case], {}) for case in CASES}
     for case, second, point in plans:
         out[case][1][point] = killed[second, point]
@@ -92,7 +65,7 @@ def runs(ds) -> dict:
 
 
 def _tag_files(save: Path, tag: str) -> dict[str, bytes]:
-    return crash.visible(save / tag)
+    return visible(save / tag)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -138,7 +111,7 @@ def test_a_killed_save_leaves_the_earlier_or_the_new_checkpoint(runs, case, tmp_
         for tag_dir in [p for p in save.iterdir() if p.is_dir() and not p.name.startswith(".")]:
             _commit.recover(tag_dir)
             _fs.sweep(tag_dir)
-        assert crash.hidden(save) == [], f"step {point}: {crash.hidden(save)}"
+        assert hidden(save) == [], f"step {point}: {hidden(save)}"
     assert "old" in states and "new" in states or len(states) < 3, states
 
 

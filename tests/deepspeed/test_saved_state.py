@@ -20,8 +20,6 @@ from ckptspec.deepspeed.describe.zero import describe_files, manifest_from_check
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir, scan_tag_dir
 from ckptspec.deepspeed.save.captured_state import SavedStates, live_description, storage_order
 
-pytestmark = pytest.mark.deepspeed
-
 
 def _loaded_model_states(tag_dir):
     import torch

@@ -14,7 +14,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from _harness import cli_process
 from _harness.faults import FAULTS, FaultEnv, base_dir, snapshot, tag_dir
 from _harness.scenarios import COMMITTED, MATRIX, engine_name
 from click.testing import CliRunner
@@ -28,18 +27,20 @@ from ckptspec.errors import CkptspecError, InvalidCheckpoint
 from ckptspec.format.models import Manifest
 from ckptspec.format.partition import natural_order
 
-pytestmark = pytest.mark.deepspeed
-
 
 @pytest.fixture(scope="module")
-def built(request):
+def built(ds):
     """A fault's base or donor by name (tests/_harness/faults.py base_dir); the harness only when needed."""
-    return lambda base: base_dir(base, lambda: request.getfixturevalue("ds"))
+    return lambda base: base_dir(base, lambda: ds)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    """The real command, in a subprocess: exit code, no traceback, nothing run."""
-    return cli_process.run(args)
+@pytest.fixture(scope="session")
+def _cli(ckptspec_process):
+    def _cli(*args: str) -> subprocess.CompletedProcess:
+        """The real command, in a subprocess: exit code, no traceback, nothing run."""
+        return ckptspec_process(args)
+
+    return _cli
 
 
 def _run(*args: str):
@@ -57,7 +58,7 @@ def _copy(src: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("name", MATRIX)
-def test_clean_checkpoint_has_no_findings(name, built, tmp_path):
+def test_clean_checkpoint_has_no_findings(_cli, name, built, tmp_path):
     save_dir = built(name)
     before = snapshot(save_dir)
     result = _cli("validate", str(save_dir), "--format", "json")
@@ -78,7 +79,7 @@ def test_clean_checkpoint_has_no_findings(name, built, tmp_path):
     assert snapshot(save_dir) == before
 
 
-def test_a_data_pkl_over_the_cap_is_ck225_naming_each_file(built):
+def test_a_data_pkl_over_the_cap_is_ck225_naming_each_file(ckptspec_process, built):
     """#19: a real 1M-tensor save holds a 173 MiB data.pkl in its model states, over the old 64 MiB
     cap, and was refused as a damaged file (CK205, "restore it"). A data.pkl over the cap is now
     CK225, refused unread, naming each such file and the variable that raises the cap."""
@@ -92,7 +93,7 @@ def test_a_data_pkl_over_the_cap_is_ck225_naming_each_file(built):
     assert over and over != set(sizes)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSPEC_")}
 
-    result = cli_process.run(
+    result = ckptspec_process(
         ["validate", save_dir, "--format", "json"], env={**env, "CKPTSPEC_MAX_PICKLE_BYTES": str(cap)}
     )
     assert result.returncode == 1, result.stdout + result.stderr
@@ -100,7 +101,9 @@ def test_a_data_pkl_over_the_cap_is_ck225_naming_each_file(built):
     assert {f["file"] for f in refused} == over
     assert all("CKPTSPEC_MAX_PICKLE_BYTES" in f["hint"] and f"over the {cap} byte cap" in f["message"] for f in refused)
 
-    at_cap = cli_process.run(["validate", save_dir], env={**env, "CKPTSPEC_MAX_PICKLE_BYTES": str(max(sizes.values()))})
+    at_cap = ckptspec_process(
+        ["validate", save_dir], env={**env, "CKPTSPEC_MAX_PICKLE_BYTES": str(max(sizes.values()))}
+    )
     assert at_cap.returncode == 0, at_cap.stdout + at_cap.stderr
 
 
@@ -151,7 +154,7 @@ def _rank_of(name: str | None) -> int | None:
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
-def test_fault_is_reported(fault, built, tmp_path):
+def test_fault_is_reported(_cli, fault, built, tmp_path):
     save_dir = _copy(built(fault.base), tmp_path)
     args = ["validate", str(save_dir)]
     if fault.hashed_manifest:
@@ -222,7 +225,7 @@ def test_checks_shared_with_a_forked_process_find_what_one_process_finds(fault, 
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
-def test_fault_is_refused_by_every_reader(fault, built, tmp_path):
+def test_fault_is_refused_by_every_reader(_cli, fault, built, tmp_path):
     """reconstruct and load_state_dict refuse (exit 1, the fault's code, nothing written); inspect
     reports the code without a traceback. A warning is shown and does not stop any of them."""
     import ckptspec
@@ -280,7 +283,7 @@ def _flip_a_tensor_byte(path: Path) -> None:
         fh.write(bytes([byte[0] ^ 0x40]))
 
 
-def test_sidecar_manifest_is_used_and_hashes_catch_bit_rot(built, tmp_path):
+def test_sidecar_manifest_is_used_and_hashes_catch_bit_rot(_cli, built, tmp_path):
     save_dir = _copy(built("s2-bf16-ws2"), tmp_path)
     tag = tag_dir(save_dir)
     sidecar = tag / "ckptspec.json"
@@ -333,7 +336,7 @@ def test_api(built, tmp_path):
     assert info.value.code == "CK901" and info.value.exit_code == 2
 
 
-def test_usage(built, tmp_path):
+def test_usage(_cli, built, tmp_path):
     manifest = tmp_path / "m.json"
     manifest.write_text(json.dumps(manifest_from_checkpoint(built("s2-bf16-ws2")).to_dict()))
     assert _run("validate", str(manifest), "--tag", "global_step2").exit_code == 2

@@ -23,8 +23,6 @@ from _harness.job.model import build_model, param_groups
 from _harness.reconstruction import same_bits
 from _harness.scenarios import DCP_SOURCE_SPECS, DCP_SOURCES, FSDP2_WORLD_SIZES, MATRIX_SPECS, fsdp2_name
 
-pytestmark = pytest.mark.deepspeed
-
 SPECS = {**MATRIX_SPECS, **DCP_SOURCE_SPECS}
 # The extra step: FSDP2 averages each gradient over the ranks (a sum, then a division), so at world
 # size 3 the gradient of the shared batch can differ from the single-process one in the last bit;

@@ -17,11 +17,7 @@ import sys
 import textwrap
 
 import pytest
-from _harness.oracles import zero_to_fp32
-from _harness.reconstruction import cli
 from _harness.scenarios import MATRIX, MATRIX_SPECS
-
-pytestmark = pytest.mark.deepspeed
 
 BLOCKED = ("torch", "deepspeed", "safetensors")
 
@@ -67,7 +63,7 @@ def checkpoint(request, ds):
     return request.param, ds.path(request.param), MATRIX_SPECS[request.param][0]
 
 
-def test_numpy_only_gives_the_same_bits(checkpoint, tmp_path):
+def test_numpy_only_gives_the_same_bits(ckptspec_cli, zero_to_fp32, checkpoint, tmp_path):
     import numpy as np
     import torch
 
@@ -86,7 +82,7 @@ def test_numpy_only_gives_the_same_bits(checkpoint, tmp_path):
     # Byte-identical files to a normal run (in this process, where torch is importable).
     normal = tmp_path / "normal"
     for dtype in ("fp32", "bf16"):
-        cli("reconstruct", save_dir, normal / dtype, "--quiet", "--dtype", dtype)
+        ckptspec_cli("reconstruct", save_dir, normal / dtype, "--quiet", "--dtype", dtype)
         assert sorted(p.name for p in (blocked / dtype).iterdir()) == sorted(p.name for p in (normal / dtype).iterdir())
         for path in (normal / dtype).iterdir():
             assert (blocked / dtype / path.name).read_bytes() == path.read_bytes(), f"{dtype}/{path.name} differs"

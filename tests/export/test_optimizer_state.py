@@ -21,15 +21,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from _harness.reconstruction import cli
 from _harness.scenarios import MATRIX, MATRIX_SPECS
 from safetensors import safe_open
 
 import ckptspec
 from ckptspec.errors import InvalidCheckpoint
 from ckptspec.format.migrate import migrate_document
-
-pytestmark = pytest.mark.deepspeed
 
 
 def _bits_equal(ours, theirs) -> bool:
@@ -43,12 +40,12 @@ def _bits_equal(ours, theirs) -> bool:
 
 
 @pytest.mark.parametrize("name", MATRIX)
-def test_exported_state_is_the_live_state(name, ds, tmp_path):
+def test_exported_state_is_the_live_state(ckptspec_cli, name, ds, tmp_path):
     import torch
 
     save_dir = ds.path(name)
     out = tmp_path / "out"
-    result = cli("reconstruct", save_dir, out, "--quiet", "--optimizer-state")
+    result = ckptspec_cli("reconstruct", save_dir, out, "--quiet", "--optimizer-state")
     assert result.output == ""
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "optimizer.safetensors"]
     live = torch.load(save_dir / "live_optim.pt", weights_only=True)
@@ -103,11 +100,11 @@ def test_load_optimizer_state_api(ds):
     assert optimizer["loss_scaler"]["kind"] == "DynamicLossScaler"
 
 
-def test_a_1_0_manifest_has_no_optimizer_state_to_export(ds, tmp_path):
+def test_a_1_0_manifest_has_no_optimizer_state_to_export(ckptspec_cli, ds, tmp_path):
     """CK402, and nothing written: a 1.0 manifest locates no optimizer state."""
     save_dir = ds.path("s2-bf16-ws2")
     manifest = tmp_path / "m10.json"
-    cli("generate", save_dir, "-o", manifest)
+    ckptspec_cli("generate", save_dir, "-o", manifest)
     manifest.write_text(json.dumps(migrate_document(json.loads(manifest.read_text()), "1.0").document))
     out = tmp_path / "out"
     from click.testing import CliRunner

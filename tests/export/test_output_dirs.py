@@ -16,13 +16,10 @@ import stat
 from pathlib import Path
 
 import pytest
-from _harness import crash
 from click.testing import CliRunner
 
 from ckptspec import _fs
 from ckptspec.cli import cli
-
-pytestmark = pytest.mark.deepspeed
 
 # What each command writes into OUTPUT from the committed-layout checkpoint, and a file it always writes.
 COMMANDS = {
@@ -79,7 +76,7 @@ def test_an_existing_output_keeps_its_mode(name, ckpt, tmp_path, umask):
 
 
 @pytest.mark.parametrize("name", COMMANDS)
-def test_a_second_writer_is_refused_while_the_first_holds_output(name, ckpt, tmp_path):
+def test_a_second_writer_is_refused_while_the_first_holds_output(crash, name, ckpt, tmp_path):
     """Was: `export` wrote anyway (exit 0, the last to finish won); `reshard` and `export-universal`
     wrote into the held new directory too."""
     out = tmp_path / "out"
@@ -92,7 +89,7 @@ def test_a_second_writer_is_refused_while_the_first_holds_output(name, ckpt, tmp
 
 
 @pytest.mark.parametrize("name", ["reshard", "export-universal"])
-def test_the_loser_of_a_race_for_a_new_output_gets_ck908_or_ck909_never_ck906(name, ckpt, tmp_path):
+def test_the_loser_of_a_race_for_a_new_output_gets_ck908_or_ck909_never_ck906(crash, name, ckpt, tmp_path):
     """L7: the winner made OUTPUT and holds it (CK908), or has published into it already (CK909)."""
     out = tmp_path / "out"
     out.mkdir()

@@ -17,8 +17,6 @@ from ckptspec.cli import cli
 from ckptspec.errors import CkptspecError
 from ckptspec.export.api import reconstruct
 
-pytestmark = pytest.mark.deepspeed
-
 
 def _run(*args):
     result = CliRunner().invoke(cli, [str(a) for a in args])

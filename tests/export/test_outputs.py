@@ -15,12 +15,10 @@ import struct
 from pathlib import Path
 
 import pytest
-from _harness import crash
+from _harness.states import hidden, visible
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
-
-pytestmark = pytest.mark.deepspeed
 
 
 def _run(*args):
@@ -129,7 +127,7 @@ def test_the_manifest_is_stored_once(ckpt, tmp_path):
     assert json.loads(_header(single / "model.safetensors")["__metadata__"]["ckptspec.manifest"]) == json.loads(text)
 
 
-def test_a_second_writer_into_the_same_directory_is_refused(ckpt, tmp_path):
+def test_a_second_writer_into_the_same_directory_is_refused(crash, ckpt, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     fd = os.open(out, os.O_RDONLY)
@@ -143,12 +141,12 @@ def test_a_second_writer_into_the_same_directory_is_refused(ckpt, tmp_path):
     assert list(out.iterdir()) == []
 
 
-def test_a_second_embed_into_the_same_tag_directory_is_refused(ckpt, tmp_path):
+def test_a_second_embed_into_the_same_tag_directory_is_refused(crash, ckpt, tmp_path):
     """`embed` holds the tag directory like `reconstruct` holds its output (#21)."""
     copy = tmp_path / "ckpt"
     shutil.copytree(ckpt, copy)
     tag_dir = copy / (copy / "latest").read_text().strip()
-    before = crash.visible(tag_dir)
+    before = visible(tag_dir)
     fd = os.open(tag_dir, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # what a running `embed` holds
@@ -156,11 +154,11 @@ def test_a_second_embed_into_the_same_tag_directory_is_refused(ckpt, tmp_path):
     finally:
         os.close(fd)
     assert result.returncode == 2 and "CK908 another ckptspec run is writing into this directory" in result.stderr
-    assert crash.visible(tag_dir) == before and crash.hidden(tag_dir) == []
+    assert visible(tag_dir) == before and hidden(tag_dir) == []
 
 
 @pytest.mark.parametrize("signal_name,code,word", [("term", 143, "terminated"), ("int", 130, "interrupted")])
-def test_sigterm_and_ctrl_c_leave_nothing_and_say_so(ckpt, tmp_path, signal_name, code, word):
+def test_sigterm_and_ctrl_c_leave_nothing_and_say_so(crash, ckpt, tmp_path, signal_name, code, word):
     """Was: SIGTERM left the hidden temporary file, Ctrl-C exited 1 (the code for "invalid")."""
     out = tmp_path / "out"
     total = crash.steps(["reconstruct", ckpt, tmp_path / "counted", "-q"], tmp_path)
@@ -171,7 +169,7 @@ def test_sigterm_and_ctrl_c_leave_nothing_and_say_so(ckpt, tmp_path, signal_name
         assert not out.exists() or list(out.iterdir()) == [], sorted(out.iterdir())
 
 
-def test_an_unwritable_output_is_named_as_given(ckpt, tmp_path):
+def test_an_unwritable_output_is_named_as_given(crash, ckpt, tmp_path):
     """Was: CK906 named an internal temporary path."""
     if os.geteuid() == 0:
         # root ignores permissions: a full disk stands in for them

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 
 import pytest
-from _harness import cli_process
 
 from ckptspec.deepspeed.describe.digests import add_digests
 from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
@@ -19,16 +18,18 @@ from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.export import api
 from ckptspec.format.codec import dumps
 
-pytestmark = pytest.mark.deepspeed
-
 
 def _files(out) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
 
 
-def _run(*args: str) -> None:
-    result = cli_process.run(args)
-    assert result.returncode == 0, result.stdout + result.stderr
+@pytest.fixture(scope="session")
+def _run(ckptspec_process):
+    def _run(*args: str) -> None:
+        result = ckptspec_process(args)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+    return _run
 
 
 @pytest.mark.parametrize(
@@ -42,7 +43,7 @@ def _run(*args: str) -> None:
         ("pp2dp2-s1-fp32-ws4", ["--dtype", "bf16", "--max-shard-size", "4KB"]),
     ],
 )
-def test_jobs_write_the_same_bytes_as_one_thread(ds, name, options, tmp_path):
+def test_jobs_write_the_same_bytes_as_one_thread(_run, ds, name, options, tmp_path):
     save_dir = ds.path(name)
     _run("reconstruct", str(save_dir), str(tmp_path / "one"), "--quiet", *options)
     _run("reconstruct", str(save_dir), str(tmp_path / "three"), "--quiet", "--jobs", "3", *options)
@@ -95,9 +96,9 @@ def test_a_failing_thread_leaves_the_output_directory_as_it_was(ds, tmp_path, mo
     assert _files(out) == before  # no temporary left either
 
 
-def test_jobs_below_one_are_refused(ds, tmp_path):
+def test_jobs_below_one_are_refused(ckptspec_process, ds, tmp_path):
     with pytest.raises(ValueError, match="jobs"):
         api.reconstruct(ds.path("s2-bf16-ws2"), tmp_path / "out", jobs=0)
-    result = cli_process.run(("reconstruct", str(ds.path("s2-bf16-ws2")), str(tmp_path / "o"), "--jobs", "0"))
+    result = ckptspec_process(("reconstruct", str(ds.path("s2-bf16-ws2")), str(tmp_path / "o"), "--jobs", "0"))
     assert result.returncode == 2
     assert "--jobs" in result.stderr

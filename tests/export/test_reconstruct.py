@@ -21,22 +21,22 @@ from pathlib import Path
 import pytest
 import safetensors.torch as safetensors_torch
 import torch
-from _harness import cli_process
-from _harness.oracles import zero_to_fp32
 from _harness.reconstruction import bits, check_reconstruction, same_bits
 from _harness.scenarios import MATRIX, MATRIX_SPECS, engine_name
 
 from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 
-pytestmark = pytest.mark.deepspeed
 
+@pytest.fixture(scope="session")
+def _cli(ckptspec_process):
+    def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        result = ckptspec_process(args)
+        if check:
+            assert result.returncode == 0, result.stdout + result.stderr
+        return result
 
-def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = cli_process.run(args)
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
+    return _cli
 
 
 def _model_states(save_dir) -> dict:
@@ -57,16 +57,15 @@ def point(ds):
     return ds.path
 
 
-def test_bit_exact_against_zero_to_fp32_and_live_engine(checkpoint, tmp_path):
+def test_bit_exact_against_zero_to_fp32_and_live_engine(checkpoint, zero_to_fp32, tmp_path):
     name, save_dir, spec, world_size = checkpoint
     # DeepSpeed's zero_to_fp32 cannot read BF16_Optimizer checkpoints (grad_accum_dtype fp32).
-    check_reconstruction(
-        save_dir, tmp_path / "out", stage=spec["stage"], zero_to_fp32_reads_it=spec.get("grad_accum_dtype") != "fp32"
-    )
+    reads_it = spec.get("grad_accum_dtype") != "fp32"
+    check_reconstruction(save_dir, tmp_path / "out", zero_to_fp32, stage=spec["stage"], zero_to_fp32_reads_it=reads_it)
 
 
 @pytest.mark.parametrize("name", ["s1-bf16-ws2", "s1-fp16-ws2", "s1-fp32-ws3-rr", "s1-bf16-ws2-bf16opt"])
-def test_stage1_keeps_frozen_params(point, name, tmp_path):
+def test_stage1_keeps_frozen_params(_cli, point, name, tmp_path):
     """zero_to_fp32 drops them (DeepSpeed #5439); they are in `module`, in the model dtype."""
     save_dir = point(name)
     out = tmp_path / "out"
@@ -87,7 +86,7 @@ def safetensors_open(path):
     return safe_open(path, framework="pt")
 
 
-def test_metadata_traces_the_checkpoint(point, tmp_path):
+def test_metadata_traces_the_checkpoint(_cli, point, tmp_path):
     save_dir = point("s3-bf16-ws2-sub")
     out = tmp_path / "out"
     _cli("reconstruct", str(save_dir), str(out), "--quiet")
@@ -107,7 +106,7 @@ def test_metadata_traces_the_checkpoint(point, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["s2-bf16-ws2", "s3-fp16-ws3-groups", "s1-bf16-ws2-bf16opt"])
-def test_the_output_says_what_each_tensor_is(point, name, tmp_path):
+def test_the_output_says_what_each_tensor_is(_cli, point, name, tmp_path):
     """issue #37: ``ckptspec.sources`` names every written tensor under what its bytes are: the fp32
     masters the optimizer kept (the names whose masters the live engine held), frozen parameters'
     saved weights (no master), buffers. A shard lists its own tensors, the index every one, and the
@@ -143,7 +142,7 @@ def test_the_output_says_what_each_tensor_is(point, name, tmp_path):
         assert json.loads(f.metadata()["ckptspec.sources"]) == everything
 
 
-def test_untie_and_both_layouts_load_into_the_model(point, tmp_path):
+def test_untie_and_both_layouts_load_into_the_model(_cli, point, tmp_path):
     from _harness.job.model import build_model, normalize_spec
     from safetensors.torch import load_model
 
@@ -174,7 +173,7 @@ def test_untie_and_both_layouts_load_into_the_model(point, tmp_path):
         assert torch.equal(bits(value), bits(copies[key].to(value.dtype))), key
 
 
-def test_sharded_output_has_the_hugging_face_index(point, tmp_path):
+def test_sharded_output_has_the_hugging_face_index(_cli, point, tmp_path):
     save_dir = point("s2-fp16-ws2-groups")
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     _cli("reconstruct", str(save_dir), str(single), "--quiet")
@@ -201,7 +200,7 @@ def test_sharded_output_has_the_hugging_face_index(point, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["s2-fp32-ws3-rr", "s3-fp16-ws3-groups"])
-def test_output_dtype_rounds_like_torch(point, name, dtype, tmp_path):
+def test_output_dtype_rounds_like_torch(_cli, zero_to_fp32, point, name, dtype, tmp_path):
     save_dir = point(name)
     out = tmp_path / "out"
     _cli("reconstruct", str(save_dir), str(out), "--quiet", "--untie", "--dtype", dtype)
@@ -214,7 +213,7 @@ def test_output_dtype_rounds_like_torch(point, name, dtype, tmp_path):
         assert torch.equal(bits(stored[key]), bits(expected)), key
 
 
-def test_torch_format(point, tmp_path):
+def test_torch_format(_cli, zero_to_fp32, point, tmp_path):
     save_dir = point("s3-bf16-ws2-sub")
     out = tmp_path / "out"
     _cli("reconstruct", str(save_dir), str(out), "--quiet", "--format", "torch")
@@ -229,7 +228,7 @@ def test_torch_format(point, tmp_path):
     assert len(index["metadata"]["ckptspec.manifest_sha256"]) == 64
 
 
-def test_python_api_torch_and_numpy_agree(point):
+def test_python_api_torch_and_numpy_agree(zero_to_fp32, point):
     import numpy as np
 
     import ckptspec
@@ -247,7 +246,7 @@ def test_python_api_torch_and_numpy_agree(point):
     assert all(same_bits(as_torch[k], v) for k, v in reference.items())
 
 
-def test_manifest_option_gives_the_same_output(point, tmp_path):
+def test_manifest_option_gives_the_same_output(_cli, point, tmp_path):
     """--manifest with a generated manifest, and with the live engine's one (it lists no files)."""
     save_dir = point("s2-fp16-ws3-align")
     plain = tmp_path / "plain"
@@ -274,7 +273,7 @@ def _truncate(path: Path) -> None:
 
 
 @pytest.mark.parametrize("existing", [False, True])
-def test_damaged_checkpoint_exits_1_and_writes_nothing(point, tmp_path, existing):
+def test_damaged_checkpoint_exits_1_and_writes_nothing(_cli, point, tmp_path, existing):
     save_dir = point("s2-bf16-ws2")
     copy = tmp_path / "ckpt"
     shutil.copytree(save_dir, copy)
@@ -329,7 +328,7 @@ def test_files_changed_after_validation_are_refused_by_the_plan(point, tmp_path)
     assert "buffer 'running' is float64, the manifest says float32" in info.value.message
 
 
-def test_a_tensor_that_cannot_be_written_as_asked_is_refused(point, tmp_path):
+def test_a_tensor_that_cannot_be_written_as_asked_is_refused(_cli, point, tmp_path):
     """CK402: a buffer saved as a strided view has no single byte range; nothing is written."""
     copy = tmp_path / "ckpt"
     shutil.copytree(point("s2-bf16-ws2"), copy)
@@ -345,7 +344,7 @@ def test_a_tensor_that_cannot_be_written_as_asked_is_refused(point, tmp_path):
     assert not out.exists()
 
 
-def test_no_progress_bar_without_a_terminal(point, tmp_path):
+def test_no_progress_bar_without_a_terminal(_cli, point, tmp_path):
     save_dir = point("s2-bf16-ws1")
     result = _cli("reconstruct", str(save_dir), str(tmp_path / "out"))
     assert result.stderr == ""
@@ -354,7 +353,7 @@ def test_no_progress_bar_without_a_terminal(point, tmp_path):
     assert quiet.stdout == quiet.stderr == ""
 
 
-def test_rerun_replaces_stale_shards(point, tmp_path):
+def test_rerun_replaces_stale_shards(_cli, point, tmp_path):
     save_dir = point("s2-bf16-ws1")
     out = tmp_path / "out"
     _cli("reconstruct", str(save_dir), str(out), "--quiet", "--max-shard-size", "1K")
@@ -424,7 +423,7 @@ def test_reads_only_fp32_partitions_and_needed_module_tensors(point, name, tmp_p
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal test")
-def test_progress_bar_on_a_terminal(point, tmp_path):
+def test_progress_bar_on_a_terminal(_cli, point, tmp_path):
     import fcntl
     import pty
     import struct

@@ -29,8 +29,6 @@ from click.testing import CliRunner
 
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 # One more Adam step moves a master by about lr (1e-2). At the same world size the reduction order
 # is the same and the result is bitwise; at another one each rank averages a different share of
 # the batch in the model dtype before the ranks' gradients are averaged, so low-precision rounding

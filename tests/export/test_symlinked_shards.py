@@ -21,8 +21,6 @@ from click.testing import CliRunner
 import ckptspec
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 TAG = "global_step2"
 
 

@@ -20,8 +20,6 @@ from click.testing import CliRunner
 
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
-
 OURS = sorted(n for n, case in UNIVERSAL_CASES.items() if case[3] == "ckptspec")
 STEP_TOLERANCE = {"bf16": 1e-3, "fp16": 1e-4, "fp32": 1e-5}  # as test_reshard.py: another world size or layout
 

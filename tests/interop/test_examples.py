@@ -22,10 +22,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _harness import cache
-from _harness.launch import job_env
-
-pytestmark = pytest.mark.deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,12 +40,12 @@ def _bits(array: np.ndarray) -> bytes:
 # --------------------------------------------------------------------------- Hugging Face GPT-2
 
 
-def _run_hf_example(directory: Path) -> None:
+def _run_hf_example(directory: Path, env: dict) -> None:
     out = directory / "run"
-    # run.sh's python, torchrun and ckptspec come first on PATH (job_env).
+    # run.sh's python, torchrun and ckptspec come first on PATH (the harness's env, launch.job_env).
     result = subprocess.run(
         ["bash", str(ROOT / "examples/hf_gpt2/run.sh"), str(out)],
-        env=job_env(),
+        env=env,
         capture_output=True,
         text=True,
         timeout=1200,
@@ -62,16 +58,13 @@ def _run_hf_example(directory: Path) -> None:
 
 @pytest.fixture(scope="module")
 def hf_run(ds):
-    """examples/hf_gpt2/run.sh end to end (train, save, validate, reconstruct, load), cached on what it runs."""
+    """examples/hf_gpt2/run.sh end to end (train, save, validate, reconstruct, load), cached on what it
+    runs: the example's files, transformers' version (and, by the harness, the rest, ckptspec's
+    modules its processes import included)."""
     from importlib.metadata import version
 
-    identity = {
-        "example": cache.tree_digest(ROOT / "examples" / "hf_gpt2"),
-        "ckptspec": cache.tree_digest(*cache.CKPTSPEC_SOURCES),
-        "site": cache.tree_digest(*cache.JOB_SOURCES),
-        "versions": {**cache.versions(), "transformers": version("transformers")},
-    }
-    entry = ds.cached("hf_gpt2", identity, _run_hf_example)
+    identity = {"transformers": version("transformers")}
+    entry = ds.cached("hf_gpt2", identity, _run_hf_example, sources=[ROOT / "examples" / "hf_gpt2"])
     out = entry / "run"
     return out, (entry / "stdout.txt").read_text().replace("{out}", str(out))
 

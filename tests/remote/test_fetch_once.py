@@ -18,13 +18,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _harness.servers import serve
 from click.testing import CliRunner
 
 from ckptspec import location
 from ckptspec.cli import cli
-
-pytestmark = pytest.mark.deepspeed
 
 READS = {"defaults": {}, "small": {"TAIL": 1024, "READ_AHEAD": 0, "CHUNK": 4096}}
 
@@ -57,7 +54,7 @@ def sidecars(nginx, ds, tmp_path_factory) -> dict[str, tuple[Path, str]]:
         shutil.copytree(ds.path(source), local)
         if args is not None:
             assert run("embed", local, *args).exit_code == 0
-        copy, path = serve(nginx, local)
+        copy, path = nginx.serve(local)
         out[name] = (copy, nginx.url(path))
     return out
 
@@ -145,7 +142,7 @@ def test_reconstruct_verifies_bytes_it_does_not_write(sidecars, nginx, tmp_path,
     """A byte flipped where reconstruct takes nothing (an Adam moment) is still found by the file's
     hash, computed from the bytes fetched once, before anything is written (CK209, exit 1)."""
     local, _ = sidecars["embed"]
-    rotten, rotten_path = serve(nginx, local)
+    rotten, rotten_path = nginx.serve(local)
     tag = (rotten / "latest").read_text().strip()
     victim = rotten / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     sidecar = json.loads((rotten / tag / "ckptspec.json").read_text())

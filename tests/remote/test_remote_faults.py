@@ -10,12 +10,10 @@ import pytest
 from _harness.faults import FAULTS, FaultEnv, base_dir, snapshot
 from _harness.faults_masters import MASTERS_FAULTS
 from _harness.faults_parallel import PARALLEL_FAULTS
-from _harness.servers import serve
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
 # The ones the issue names; the others are checked by validation only (the same readers run).
 RECONSTRUCTED = {"truncated-shard", "missing-rank", "swapped-rank-files", "malicious-pickle"}
 
@@ -33,8 +31,8 @@ def verdict(*args) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def built(request):
-    return lambda base: base_dir(base, lambda: request.getfixturevalue("ds"))
+def built(ds):
+    return lambda base: base_dir(base, lambda: ds)
 
 
 # Checkpoint indexes (tensor/pipeline parallel, #16) are read from local directories only, for now.
@@ -43,7 +41,7 @@ ZERO_FAULTS = [f for f in FAULTS if f not in PARALLEL_FAULTS and f not in MASTER
 
 @pytest.mark.parametrize("fault", ZERO_FAULTS, ids=lambda f: f.name)
 def test_fault_is_refused_over_http_as_on_disk(fault, built, nginx, tmp_path):
-    local, path = serve(nginx, built(fault.base))
+    local, path = nginx.serve(built(fault.base))
     url = nginx.url(path)
     args_local, args_url = [local], [url]
     if fault.hashed_manifest:
@@ -86,7 +84,7 @@ def test_fault_is_refused_over_http_as_on_disk(fault, built, nginx, tmp_path):
 
 def test_a_tensor_parallel_checkpoint_over_http_is_refused_by_name(built, nginx, tmp_path):
     """Read locally it is a checkpoint index (#16); from a URL it is not read yet, and says so."""
-    local, path = serve(nginx, built("tp2-s1-fp32-ws2"))
+    local, path = nginx.serve(built("tp2-s1-fp32-ws2"))
     assert run("validate", local).exit_code == 0
     result = run("validate", nginx.url(path))
     assert result.exit_code == 1 and "CK202" in result.output

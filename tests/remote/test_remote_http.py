@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _harness.servers import serve
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
@@ -18,7 +17,6 @@ from ckptspec import location
 from ckptspec.checkpoint.torchfile import zip_member_locations
 from ckptspec.cli import cli
 
-pytestmark = pytest.mark.deepspeed
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_1_1 = Draft202012Validator(json.loads((ROOT / "schema" / "report-1.1.schema.json").read_text("utf-8")))
 
@@ -43,7 +41,7 @@ def served(nginx, ds):
     """(local save directory, its URL on nginx) for a ZeRO-2 and a ZeRO-3 checkpoint."""
     out = {}
     for name in ("s2-bf16-ws2", "s3-bf16-ws2-sub"):
-        local, path = serve(nginx, ds.path(name))
+        local, path = nginx.serve(ds.path(name))
         out[name] = (local, nginx.url(path))
     return out
 
@@ -178,7 +176,7 @@ def test_generate_inspect_diff_extract_over_http(served, tmp_path, nginx):
     embedded = tmp_path / "embedded"
     shutil.copytree(local, embedded)
     assert run("embed", embedded, "--no-hash").exit_code == 0
-    _, embedded_path = serve(nginx, embedded)
+    _, embedded_path = nginx.serve(embedded)
     here, there = run("extract", embedded), run("extract", nginx.url(embedded_path))
     assert here.exit_code == there.exit_code == 0
     assert json.loads(there.stdout) == json.loads(here.stdout)
@@ -197,7 +195,7 @@ def test_hashes_are_verified_over_http(served, tmp_path, nginx):
     total = report["fetched"]["checkpoint_bytes"]
     assert report["fetched"]["bytes"] >= total
 
-    rotten, rotten_path = serve(nginx, local)
+    rotten, rotten_path = nginx.serve(local)
     victim = rotten / tag_of(local) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40

@@ -9,14 +9,11 @@ import json
 
 import pytest
 from _harness.scenarios import COMMITTED
-from _harness.servers import serve
 from click.testing import CliRunner
 
 import ckptspec
 from ckptspec.cli import cli
 from ckptspec.errors import UnsupportedCheckpoint
-
-pytestmark = pytest.mark.deepspeed
 
 
 def run(*args):
@@ -28,7 +25,7 @@ def run(*args):
 
 @pytest.mark.parametrize("name", ["tp2-s1-fp32-ws2", "moe-ep2-s1-fp32-ws4"])
 def test_an_index_kind_at_a_url_is_refused_by_name(name, nginx, ds, tmp_path):
-    local, path = serve(nginx, ds.path(name))
+    local, path = nginx.serve(ds.path(name))
     url = nginx.url(path)
     index = tmp_path / "index.json"
     assert run("generate", local, "-o", index).exit_code == 0
@@ -51,7 +48,7 @@ def test_an_index_kind_at_a_url_is_refused_by_name(name, nginx, ds, tmp_path):
 
 
 def test_export_universal_from_a_url_is_the_local_export(nginx, tmp_path):
-    local, path = serve(nginx, COMMITTED["s2-bf16-ws2"])
+    local, path = nginx.serve(COMMITTED["s2-bf16-ws2"])
     assert run("export-universal", local, tmp_path / "local").exit_code == 0
     result = run("export-universal", nginx.url(path), tmp_path / "remote")
     assert result.exit_code == 0, result.output

@@ -8,13 +8,10 @@ import json
 import os
 
 import pytest
-from _harness.servers import serve
 from click.testing import CliRunner
 
 from ckptspec import location
 from ckptspec.cli import cli
-
-pytestmark = pytest.mark.deepspeed
 
 
 def run(*args):
@@ -30,7 +27,7 @@ def nothing_in(directory) -> bool:
 @pytest.fixture
 def served(nginx, ds):
     """A fresh copy of a real ZeRO-2 checkpoint on nginx: (local copy, its path in URLs)."""
-    return serve(nginx, ds.path("s2-bf16-ws2"))
+    return nginx.serve(ds.path("s2-bf16-ws2"))
 
 
 @pytest.fixture

@@ -5,17 +5,13 @@ endpoint and credentials come from the environment a user would set (``AWS_ENDPO
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from _harness.servers import start_s3, upload
 from botocore.exceptions import ClientError
 from click.testing import CliRunner
 
 from ckptspec import location
 from ckptspec.cli import cli
-
-pytestmark = pytest.mark.deepspeed
 
 
 def run(*args):
@@ -33,7 +29,7 @@ def run_json(*args) -> tuple[int, dict]:
 def uploaded(s3, ds):
     """(local save directory, its s3:// URL) of a real ZeRO-2 checkpoint."""
     local = ds.path("s2-bf16-ws2")
-    return local, upload(s3, local)
+    return local, s3.upload(local)
 
 
 def test_validate_on_s3_is_validate_on_disk(uploaded, s3_env):
@@ -85,7 +81,7 @@ def test_object_changed_while_read_writes_nothing(change, s3, s3_env, ds, monkey
     monkeypatch.setattr(location.settings, "TAIL", 2048)
     monkeypatch.setattr(location.settings, "READ_AHEAD", 0)
     local = ds.path("s2-bf16-ws2")
-    url = upload(s3, local)
+    url = s3.upload(local)
     tag = (local / "latest").read_text().strip()
     name = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     key = f"{url.removeprefix('s3://')}/{tag}/{name}"
@@ -111,16 +107,12 @@ _FREE_REQUESTS = 5
 
 
 @pytest.fixture(scope="module")
-def locked_s3(tmp_path_factory, ds):
+def locked_s3(s3_factory, ds):
     """A second moto server that checks credentials (IAM): a bucket holding a real checkpoint, and
     the keys of a user with no policy at all."""
     import boto3
 
-    os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = str(_FREE_REQUESTS)  # read by the moto_server child only
-    try:
-        server = start_s3(tmp_path_factory.mktemp("moto-iam"))
-    finally:
-        del os.environ["INITIAL_NO_AUTH_ACTION_COUNT"]
+    server = s3_factory({"INITIAL_NO_AUTH_ACTION_COUNT": str(_FREE_REQUESTS)})
     try:
         admin = {"endpoint_url": server.endpoint, **server.credentials}
         iam = boto3.client("iam", **admin)

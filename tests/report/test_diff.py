@@ -64,7 +64,6 @@ def _resume(ds, case: str) -> tuple:
     return saved, manifest if manifest.exists() else ds.path(name) / "layout", outcome
 
 
-@pytest.mark.deepspeed
 @pytest.mark.parametrize("case", list(CASES))
 def test_verdict_matches_deepspeed(case, ds):
     codes = CASES[case]
@@ -86,7 +85,6 @@ def test_verdict_matches_deepspeed(case, ds):
         assert outcome["error"].startswith("RuntimeError: The size of tensor")
 
 
-@pytest.mark.deepspeed
 def test_text_report_of_a_real_pair(ds):
     saved, manifest_b, _ = _resume(ds, "world-size-2-to-3-stage2")
     result = run("diff", saved, manifest_b)

@@ -58,7 +58,6 @@ def _path(ds, spec: str):
     return _folder(ds, name, universal=kind == "universal")
 
 
-@pytest.mark.deepspeed
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_checkpoints_of_other_kinds_cannot_resume(ds, pair):
     a, b, code = PAIRS[pair]
@@ -70,7 +69,6 @@ def test_checkpoints_of_other_kinds_cannot_resume(ds, pair):
     assert all(not r["hint"] or "ckptspec reshard A" not in r["hint"] for r in doc["resume"]["reasons"])
 
 
-@pytest.mark.deepspeed
 @pytest.mark.parametrize("name", ["s0-bf16-ws2", "moe-ep2-s2-bf16-ws4", "pp2-s1-bf16-ws2", "tp2-s1-fp32-ws2"])
 def test_a_checkpoint_resumes_itself(ds, name):
     exit_code, doc = diff(_folder(ds, name), _folder(ds, name))
@@ -78,7 +76,6 @@ def test_a_checkpoint_resumes_itself(ds, name):
     assert doc["identical"] is True and doc["changes"] == [] and doc["diff_version"] == "1.0"
 
 
-@pytest.mark.deepspeed
 def test_the_text_report_has_the_change_table(ds):
     result = CliRunner().invoke(cli, ["diff", str(_folder(ds, "s0-fp32-ws2")), str(_folder(ds, "s0-bf16-ws2"))])
     lines = result.stdout.splitlines()
@@ -89,7 +86,6 @@ def test_the_text_report_has_the_change_table(ds):
     assert lines[-1] == "resume: B cannot resume from A (1 reason)"
 
 
-@pytest.mark.deepspeed
 def test_tensor_parallel_world_size_hint_does_not_offer_reshard(ds):
     """L2: reshard refuses tensor/pipeline-parallel checkpoints, so the CK501 hint must not name it."""
     exit_code, doc = diff(_folder(ds, "pp2-s1-bf16-ws2"), _folder(ds, "pp2dp2-s1-bf16-ws4"))
@@ -106,7 +102,6 @@ def _index(ds, name: str) -> dict:
     return json.loads(result.stdout)
 
 
-@pytest.mark.deepspeed
 def test_ck510_other_domains_with_the_same_names(ds):
     """The same MoE model whose expert domains are named for another expert-parallel size: nothing
     about names explains it, so the domains do (CK510)."""
@@ -118,7 +113,6 @@ def test_ck510_other_domains_with_the_same_names(ds):
     assert [r.code for r in found] == ["CK510"]
 
 
-@pytest.mark.deepspeed
 def test_stage0_fused_and_unfused_fp16_optimizers_cannot_resume_each_other(ds):
     """Both save fp16 with fp32 masters, but FP16_Optimizer (DeepSpeed's fused Adam) keeps one flat
     master per group and FP16_UnfusedOptimizer one per parameter: each loads the saved state as its
@@ -140,7 +134,6 @@ def test_stage0_fused_and_unfused_fp16_optimizers_cannot_resume_each_other(ds):
         assert any(c["kind"] == "layout" and c["path"].endswith(".layout.optimizer") for c in doc["changes"])
 
 
-@pytest.mark.deepspeed
 def test_a_universal_folder_with_frozen_parameters_needs_load_universal_only(ds):
     """ckptspec's universal folder of a model with frozen parameters, which a real DeepSpeed job of the
     source's layout loaded with load_universal (the harness's resume): CK509 alone, no CK506 for the

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from _harness.job.model import build_model, normalize_spec
-from _harness.oracles import zero_to_fp32
 from _harness.scenarios import MATRIX_SPECS
 from click.testing import CliRunner
 
@@ -55,8 +54,7 @@ def checkpoint(request, ds):
     return ds.path(request.param), spec, world_size
 
 
-@pytest.mark.deepspeed
-def test_totals_match_deepspeed_and_the_model(checkpoint):
+def test_totals_match_deepspeed_and_the_model(zero_to_fp32, checkpoint):
     save_dir, spec, world_size = checkpoint
     summary = inspect_json(save_dir)
     assert summary["source"] == "generated" and summary["valid"] is True
@@ -75,7 +73,6 @@ def test_totals_match_deepspeed_and_the_model(checkpoint):
     assert (largest["name"], largest["numel"]) == ("emb.weight", math.prod(reference["emb.weight"].shape))
 
 
-@pytest.mark.deepspeed
 def test_files_and_ranks_match_the_directory(checkpoint):
     save_dir, spec, world_size = checkpoint
     summary = inspect_json(save_dir)
@@ -89,7 +86,6 @@ def test_files_and_ranks_match_the_directory(checkpoint):
     assert summary["totals"]["trainable_numel"] <= saved <= summary["totals"]["padded_numel"]
 
 
-@pytest.mark.deepspeed
 def test_text_output_is_plain_and_stable(checkpoint):
     save_dir, *_ = checkpoint
     first, second = run("inspect", save_dir), run("inspect", save_dir)
@@ -110,7 +106,6 @@ def test_text_output_is_plain_and_stable(checkpoint):
     assert "head.weight   emb.weight" in first.stdout
 
 
-@pytest.mark.deepspeed
 def test_a_sidecar_is_preferred_like_validate_dir(checkpoint, tmp_path):
     save_dir, *_ = checkpoint
     copy = tmp_path / "ckpt"
