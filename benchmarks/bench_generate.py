@@ -117,12 +117,12 @@ def profile(checkpoint: str, top: int = 25) -> None:
     import cProfile
     import pstats
 
-    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe import describe
     from ckptspec.format.codec import dumps
 
     prof = cProfile.Profile()
     prof.enable()
-    dumps(manifest_from_checkpoint(checkpoint))
+    dumps(describe(checkpoint))
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 

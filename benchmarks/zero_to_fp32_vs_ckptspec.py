@@ -174,7 +174,7 @@ def timing(work: Path) -> str | None:
     from make_big_checkpoint import checkpoint_dir
 
     from ckptspec.deepspeed.check.zero import validate_checkpoint
-    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe import describe
     from ckptspec.format.codec import write_manifest
     from ckptspec.format.documents import load_manifest
 
@@ -196,7 +196,7 @@ def timing(work: Path) -> str | None:
         cli = sorted(_wall(["validate", str(save_dir)]) for _ in range(3))[1]
         startup = sorted(_wall(["--version"]) for _ in range(3))[1]
         hashed = work / f"big{stage}.json"
-        write_manifest(manifest_from_checkpoint(save_dir, hash_algorithm="sha256"), str(hashed))
+        write_manifest(describe(save_dir, hash_algorithm="sha256"), str(hashed))
         recorded = load_manifest(hashed)
         t0 = time.perf_counter()
         _, findings = validate_checkpoint(save_dir, recorded)

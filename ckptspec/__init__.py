@@ -18,6 +18,7 @@ __all__ = [
     "InvalidManifest",
     "Manifest",
     "Report",
+    "describe",
     "load_manifest",
     "load_optimizer_state",
     "load_state_dict",
@@ -35,6 +36,10 @@ def __getattr__(name: str):
         from .format.models import Manifest
 
         return Manifest
+    if name == "describe":
+        from .deepspeed.describe import describe
+
+        return describe
     if name == "load_state_dict":
         from .export.api import load_state_dict
 

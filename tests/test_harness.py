@@ -84,13 +84,13 @@ def test_committed_checkpoints_are_what_the_harness_builds(ds, name):
     ``scripts/compat.sh --refresh``: the same masters and layout as the job writes now."""
     import torch
 
-    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe import describe
 
     built, committed = ds.path(name), scenarios.COMMITTED[name]
     fresh = torch.load(built / "live_fp32.pt", weights_only=True)
     kept = torch.load(committed / "live_fp32.pt", weights_only=True)
     assert sorted(fresh) == sorted(kept) and all(_bits_equal(fresh[k], kept[k]) for k in kept)
-    layouts = [manifest_from_checkpoint(d).to_dict() for d in (built, committed)]
+    layouts = [describe(d).to_dict() for d in (built, committed)]
     assert [{k: v for k, v in doc.items() if k != "producer"} for doc in layouts][0] == {
         k: v for k, v in layouts[1].items() if k != "producer"
     }

@@ -45,18 +45,13 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     # collector rescanned them on every few thousand allocations (half of generate's time).
     try:
         with gc_paused(for_good=True):  # the command ends after it
-            tag_dir = resolve_tag_dir(checkpoint, tag)
-            if needs_index(tag_dir):
-                # Tensor/pipeline parallel: a checkpoint index (one 1.x manifest per model-parallel rank).
-                from ..deepspeed.describe import index_from_checkpoint
+            # A plain ZeRO checkpoint's pickles are read while the models import; an index's, by its producer.
+            early = not needs_index(resolve_tag_dir(checkpoint, tag))
+            states = read_tag_dir_early(checkpoint, tag, "ckptspec.deepspeed.describe.zero") if early else None
+            from ..deepspeed.describe import describe
 
-                document = index_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm).to_dict()
-            else:
-                states = read_tag_dir_early(checkpoint, tag, "ckptspec.deepspeed.describe.zero")
-                from ..deepspeed.describe.zero import manifest_from_checkpoint
-
-                document = manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm, states=states)
-                keep_until_exit(states, document)
+            document = describe(checkpoint, tag, hash_algorithm=hash_algorithm, states=states)
+            keep_until_exit(states, document)
             from ..format.codec import write_manifest
 
             write_manifest(document, output)

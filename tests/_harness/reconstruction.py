@@ -34,9 +34,9 @@ def cli(*args: str):
 
 
 def roles(save_dir: Path) -> dict[str, str]:
-    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe import describe
 
-    m = manifest_from_checkpoint(save_dir)
+    m = describe(save_dir)
     out = {p.name: "trainable" for g in m.groups for p in g.params}
     out |= {f.name: "frozen" for f in m.frozen} | {b.name: "buffer" for b in m.buffers}
     return out | {a.name: "alias" for a in m.aliases}

@@ -23,7 +23,7 @@ from _harness.reconstruction import check_reconstruction
 from _harness.scenarios import OLD_DEEPSPEED, OLD_DEEPSPEED_SPECS
 from safetensors import safe_open
 
-from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.describe import describe
 from ckptspec.format.validate import validate_document
 
 # Fields only one producer can know (see test_producers.py); only the engine knows the optimizer's class.
@@ -46,7 +46,7 @@ def test_committed_checkpoint_validates_and_reconstructs_bit_exact(ckptspec_cli,
 
     report = json.loads(ckptspec_cli("validate", save_dir, "--format", "json").stdout)
     assert report["valid"] and report["findings"] == []
-    doc = manifest_from_checkpoint(save_dir).to_dict()
+    doc = describe(save_dir).to_dict()
     assert doc["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
     assert validate_document(doc).findings == []
     assert "param_alignment_paddings" not in _optimizer_state_keys(save_dir)  # what makes 0.15 different
@@ -61,7 +61,7 @@ def test_committed_checkpoint_gets_a_complete_1_1_manifest(ckptspec_cli, name, t
     import hashlib
 
     save_dir = FIXTURES / name
-    manifest = manifest_from_checkpoint(save_dir, hash_algorithm="sha256")
+    manifest = describe(save_dir, hash_algorithm="sha256")
     doc = manifest.to_dict()
     assert doc["format_version"] == "1.1.0" and validate_document(doc).findings == []
     assert doc["optimizer"]["groups"] and doc["save"]["global_steps"] == 2
@@ -113,7 +113,7 @@ def test_old_engine_manifest_equals_directory_manifest(name, ds):
     engine_docs = [ds.read_json(name, f"engine_manifest.rank{r}.json") for r in range(world_size)]
     assert all(doc == engine_docs[0] for doc in engine_docs)
     assert engine_docs[0]["producer"]["framework_version"] == OLD_DEEPSPEED_VERSION
-    from_dir = manifest_from_checkpoint(save_dir).to_dict()
+    from_dir = describe(save_dir).to_dict()
     engine = json.loads(json.dumps(engine_docs[0]))
     assert (from_dir["optimizer"].pop("class"), engine["optimizer"].pop("class")) == (
         "unknown",
@@ -129,5 +129,5 @@ def test_committed_checkpoint_is_what_the_job_writes(name, ds):
     fresh = torch.load(built / "live_fp32.pt", weights_only=True)
     kept = torch.load(committed / "live_fp32.pt", weights_only=True)
     assert sorted(fresh) == sorted(kept) and all(torch.equal(fresh[k], kept[k]) for k in kept)
-    layout = [_without(manifest_from_checkpoint(d).to_dict(), ("producer", "files")) for d in (built, committed)]
+    layout = [_without(describe(d).to_dict(), ("producer", "files")) for d in (built, committed)]
     assert layout[0] == layout[1]

@@ -1,7 +1,7 @@
 """``describe``: the one verb from a checkpoint's files to its document, whatever its kind.
 
 It gives what ``ckptspec generate`` writes: the manifest of a plain ZeRO checkpoint, the checkpoint
-index of every other kind, each equal to its kind's producer's (real DeepSpeed checkpoints).
+index of every other kind, each equal to what its kind's module describes (real DeepSpeed checkpoints).
 """
 
 from __future__ import annotations
@@ -9,21 +9,31 @@ from __future__ import annotations
 import pytest
 from _harness.scenarios import MATRIX, PARALLEL
 
-from ckptspec.deepspeed.describe import describe, index_from_checkpoint
-from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+import ckptspec
+from ckptspec.checkpoint.states import StateCache
+from ckptspec.deepspeed.describe import describe, describe_tag_dir, model_parallel, moe, zero
+from ckptspec.deepspeed.kinds import Kind, kind_of_dir
+from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.format.index_models import CheckpointIndex
 from ckptspec.format.models import Manifest
 
 KINDS = [MATRIX[0], *(next(n for n in PARALLEL if n.startswith(prefix)) for prefix in ("tp2", "moe"))]
+MODULE_OF_KIND = {Kind.ZERO: zero, Kind.MODEL_PARALLEL: model_parallel, Kind.MOE: moe}
 
 
 @pytest.mark.parametrize("name", KINDS)
 def test_describe_gives_the_kinds_document(name, ds):
     path = ds.path(name)
-    document = describe(path, hash_algorithm="sha256")
-    if isinstance(document, CheckpointIndex):
-        assert document.to_dict() == index_from_checkpoint(path, hash_algorithm="sha256").to_dict()
-    else:
-        assert isinstance(document, Manifest)
-        assert document.to_dict() == manifest_from_checkpoint(path, hash_algorithm="sha256").to_dict()
+    tag_dir = resolve_tag_dir(path, None)
+    document = ckptspec.describe(path, hash_algorithm="sha256")
+    expected = MODULE_OF_KIND[kind_of_dir(tag_dir)].describe(tag_dir, StateCache(), "sha256")
+    assert type(document) is type(expected)
+    assert document.to_dict() == expected.to_dict()
     assert isinstance(document, Manifest) == (name in MATRIX)
+
+
+def test_a_plain_zero_directory_asked_for_an_index_gets_one_domain_with_its_manifest(ds):
+    tag_dir = resolve_tag_dir(ds.path(MATRIX[0]), None)
+    index = describe_tag_dir(tag_dir, StateCache(), as_index=True)
+    assert isinstance(index, CheckpointIndex)
+    assert [domain.manifest.to_dict()["groups"] for domain in index.domains] == [describe(tag_dir).to_dict()["groups"]]

@@ -10,11 +10,10 @@ import pytest
 from _harness.scenarios import MATRIX, PARALLEL
 
 from ckptspec import _forked
-from ckptspec.deepspeed.describe import digests, index_from_checkpoint
-from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
-from ckptspec.deepspeed.kinds import needs_index
+from ckptspec.deepspeed.describe import describe, digests
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.format.codec import dumps
+from ckptspec.format.index_models import CheckpointIndex
 from ckptspec.format.models import Digest
 from ckptspec.location import location
 
@@ -46,9 +45,8 @@ def way(request, monkeypatch):
 
 def _manifests(path):
     """The manifests ``generate`` describes: one, or one per domain of a checkpoint index."""
-    if needs_index(resolve_tag_dir(path, None)):
-        return [domain.manifest for domain in index_from_checkpoint(path, None).domains]
-    return [manifest_from_checkpoint(path)]
+    document = describe(path)
+    return [domain.manifest for domain in document.domains] if isinstance(document, CheckpointIndex) else [document]
 
 
 @pytest.mark.parametrize("name", DESCRIBED)
@@ -63,7 +61,7 @@ def test_digests_of_is_digest_of_tensor_by_tensor(name, way, ds):
 
 @pytest.mark.parametrize("name", ["s2-bf16-ws2", "s3-bf16-ws2-sub", "s3-fp32-ws2-exclude"])
 def test_record_digests_sets_what_assignment_sets(name, ds):
-    fast, reference = manifest_from_checkpoint(ds.path(name)), manifest_from_checkpoint(ds.path(name))
+    fast, reference = describe(ds.path(name)), describe(ds.path(name))
     digests.add_digests(fast, resolve_tag_dir(ds.path(name), None))
     covered = list(digests.covered_tensors(reference))
     found = zip([c.where for c in covered], _one_by_one(covered, resolve_tag_dir(ds.path(name), None)))
@@ -90,7 +88,7 @@ def test_a_file_cut_short_is_an_error_not_a_shorter_digest(way, ds, tmp_path):
     """A tensor past the end of its file (cut after the manifest was made) raises what digest_of
     raises, in-process or from the child, instead of hashing the bytes that are there."""
     source = resolve_tag_dir(ds.path("s2-bf16-ws2"), None)
-    covered = list(digests.covered_tensors(manifest_from_checkpoint(ds.path("s2-bf16-ws2"))))
+    covered = list(digests.covered_tensors(describe(ds.path("s2-bf16-ws2"))))
     for f in source.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     cut = tmp_path / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"

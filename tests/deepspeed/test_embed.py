@@ -395,9 +395,9 @@ def test_the_tag_directory_gets_the_mode_of_the_directories_the_job_made(saved):
 def test_sidecar_files_are_the_files_on_disk(run, saved):
     """Sizes, hashes and locators gathered from the ranks equal what the saved directory says
     (so the model-states files were described with their client state inside)."""
-    from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+    from ckptspec.deepspeed.describe import describe
 
-    from_dir = manifest_from_checkpoint(saved.save_dir, hash_algorithm="sha256").to_dict()
+    from_dir = describe(saved.save_dir, hash_algorithm="sha256").to_dict()
     sidecar = json.loads(saved.sidecar.read_text())
     assert from_dir["files"] == sidecar["files"]
     # The directory producer ignores the ckptspec_manifest client key and agrees on the layout.

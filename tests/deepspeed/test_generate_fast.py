@@ -11,20 +11,14 @@ from __future__ import annotations
 import pytest
 from _harness.scenarios import MATRIX, PARALLEL
 
-from ckptspec.deepspeed.describe import index_from_checkpoint
-from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
-from ckptspec.deepspeed.kinds import needs_index
-from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
+from ckptspec.deepspeed.describe import describe
 from ckptspec.format.codec import dumps
 
 MODEL_PARALLEL = [n for n in PARALLEL if n.startswith(("pp2", "tp2")) and "-s0-" not in n]  # stage 0: refused
 
 
 def _document(path, hash_algorithm):
-    # As `ckptspec generate` (cli/generate.py) builds it.
-    if needs_index(resolve_tag_dir(path, None)):
-        return index_from_checkpoint(path, None, hash_algorithm=hash_algorithm).to_dict()
-    return manifest_from_checkpoint(path, None, hash_algorithm=hash_algorithm)
+    return describe(path, None, hash_algorithm=hash_algorithm)  # as `ckptspec generate` builds it
 
 
 @pytest.mark.parametrize("hash_algorithm", [None, "sha256"])

@@ -1,7 +1,7 @@
 """One ``Kind`` vocabulary: a tag directory's kind from its file names, a live engine's from its attributes.
 
 The real checkpoints of every kind go through ``kind_of_dir`` in the producer and validation tests
-(``describe.generate_index`` and the CLI dispatch on it); these pin the vocabulary itself, without
+(``describe.describe_tag_dir`` dispatches on it); these pin the vocabulary itself, without
 DeepSpeed: which names make which kind, and that the engine and directory sides agree.
 """
 

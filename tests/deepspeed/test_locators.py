@@ -19,7 +19,7 @@ import json
 import pytest
 from _harness.scenarios import MATRIX
 
-from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.describe import describe
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 
 
@@ -29,7 +29,7 @@ def point(request, ds):
 
     save_dir = ds.path(request.param)
     tag_dir = resolve_tag_dir(save_dir)
-    manifest = manifest_from_checkpoint(save_dir, hash_algorithm="sha256")
+    manifest = describe(save_dir, hash_algorithm="sha256")
     loaded = {f.path: torch.load(tag_dir / f.path, map_location="cpu", weights_only=False) for f in manifest.files}
     live = torch.load(save_dir / "live_fp32.pt", weights_only=True)
     live_optim = torch.load(save_dir / "live_optim.pt", weights_only=True)

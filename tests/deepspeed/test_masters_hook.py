@@ -21,7 +21,7 @@ from _harness.scenarios import MASTERS_HOOKED, hook_name
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
-from ckptspec.deepspeed.describe import index_from_checkpoint
+from ckptspec.deepspeed.describe import describe
 
 # What only the live engine knows, compared apart: the global rank of every coordinate
 # (topology.ranks, domains[].members) and that the engine is the source of the degrees. The
@@ -59,7 +59,7 @@ def test_the_hooks_index_is_the_one_generated_from_the_directory(ds, name):
     saved = _ranks(entry, "saved_index")
     assert all(doc == saved[0] for doc in saved), "ranks returned different indexes"
     assert json.loads((tag_dir / "ckptspec.json").read_text()) == saved[0]  # the sidecar is what it returned
-    from_dir = index_from_checkpoint(entry, hash_algorithm="sha256").to_dict()
+    from_dir = describe(entry, hash_algorithm="sha256").to_dict()
     (hooked, live_only), (generated, dir_only) = _engine_only(saved[0]), _engine_only(from_dir)
     assert hooked == generated
     assert all(d["masters"]["tensors"] for d in saved[0]["domains"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _harness.scenarios import MATRIX, MATRIX_SPECS, UNSUPPORTED, engine_name
 
-from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.describe import describe
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.format.validate import validate_document
 
@@ -44,7 +44,7 @@ def test_engine_manifest_equals_directory_manifest(checkpoint, ds):
     name, save_dir, spec, world_size = checkpoint
     engine_docs = _engine_docs(ds, name, world_size)
     assert all(doc == engine_docs[0] for doc in engine_docs), "ranks disagree on the engine manifest"
-    from_dir = manifest_from_checkpoint(save_dir).to_dict()
+    from_dir = describe(save_dir).to_dict()
     engine = json.loads(json.dumps(engine_docs[0]))
     assert (from_dir["optimizer"].pop("class"), engine["optimizer"].pop("class")) == (
         "unknown",
@@ -57,7 +57,7 @@ def test_engine_manifest_equals_directory_manifest(checkpoint, ds):
 def test_manifests_validate(checkpoint, ds):
     name, save_dir, spec, world_size = checkpoint
     engine_doc = _engine_docs(ds, name, 1)[0]
-    for doc in (manifest_from_checkpoint(save_dir).to_dict(), engine_doc):
+    for doc in (describe(save_dir).to_dict(), engine_doc):
         report = validate_document(doc)
         assert report.findings == [], [f.to_line() for f in report.findings]
 
@@ -67,7 +67,7 @@ def test_totals_match_shard_files(checkpoint):
     import torch
 
     name, save_dir, spec, world_size = checkpoint
-    manifest = manifest_from_checkpoint(save_dir)
+    manifest = describe(save_dir)
     tag_dir = resolve_tag_dir(save_dir)
     on_disk = {p.name for p in tag_dir.iterdir() if p.is_file()}
     assert {f.path for f in manifest.files} == on_disk
@@ -95,7 +95,7 @@ def test_every_module_key_has_one_role(checkpoint):
     import torch
 
     name, save_dir, spec, world_size = checkpoint
-    manifest = manifest_from_checkpoint(save_dir)
+    manifest = describe(save_dir)
     tag_dir = resolve_tag_dir(save_dir)
     model_file = next(f for f in manifest.files if f.role == "model_states")
     module = torch.load(tag_dir / model_file.path, map_location="cpu", weights_only=False)["module"]

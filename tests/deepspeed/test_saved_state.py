@@ -16,7 +16,8 @@ import pytest
 from _harness.scenarios import EMBED, MATRIX
 
 from ckptspec.checkpoint.states import StateCache
-from ckptspec.deepspeed.describe.zero import describe_files, manifest_from_checkpoint
+from ckptspec.deepspeed.describe import describe
+from ckptspec.deepspeed.describe.zero import describe_files
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir, scan_tag_dir
 from ckptspec.deepspeed.save.captured_state import SavedStates, live_description, storage_order
 
@@ -31,7 +32,7 @@ def _loaded_model_states(tag_dir):
 @pytest.mark.parametrize("name", MATRIX + EMBED)
 def test_described_from_the_saved_state_as_read_back(name, ds):
     tag_dir = resolve_tag_dir(ds.path(name))
-    manifest = manifest_from_checkpoint(tag_dir)
+    manifest = describe(tag_dir)
     shards, captured = _loaded_model_states(tag_dir)
     stage = manifest.layout.zero_stage
     states = SavedStates(captured)
@@ -65,6 +66,6 @@ def test_a_state_that_is_not_the_file_is_read_back(ds):
     assert live_description(dict(state, extra=torch.zeros(3)), path) is None
     assert storage_order(dict(state, extra=object())) is None
     states = SavedStates({path.name: reordered})
-    manifest = manifest_from_checkpoint(tag_dir)
+    manifest = describe(tag_dir)
     described = describe_files(shards, 2, None, states, manifest)
     assert states.from_live == [] and described == describe_files(shards, 2, None, StateCache(), manifest)

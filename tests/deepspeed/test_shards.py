@@ -22,7 +22,7 @@ from ckptspec.checkpoint import torchfile
 from ckptspec.cli import cli
 from ckptspec.deepspeed.check.domain import CHECKS, check_checkpoint
 from ckptspec.deepspeed.check.zero import validate_checkpoint
-from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.describe import describe
 from ckptspec.errors import CkptspecError, InvalidCheckpoint
 from ckptspec.format.models import Manifest
 from ckptspec.format.partition import natural_order
@@ -287,7 +287,7 @@ def test_sidecar_manifest_is_used_and_hashes_catch_bit_rot(_cli, built, tmp_path
     save_dir = _copy(built("s2-bf16-ws2"), tmp_path)
     tag = tag_dir(save_dir)
     sidecar = tag / "ckptspec.json"
-    sidecar.write_text(json.dumps(manifest_from_checkpoint(save_dir, hash_algorithm="sha256").to_dict()))
+    sidecar.write_text(json.dumps(describe(save_dir, hash_algorithm="sha256").to_dict()))
     assert _run("validate", str(save_dir)).exit_code == 0
     victim = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     _flip_a_tensor_byte(victim)
@@ -309,7 +309,7 @@ def test_sidecar_manifest_is_used_and_hashes_catch_bit_rot(_cli, built, tmp_path
 
 def test_invalid_sidecar_is_reported(built, tmp_path):
     save_dir = _copy(built("s2-bf16-ws2"), tmp_path)
-    doc = manifest_from_checkpoint(save_dir).to_dict()
+    doc = describe(save_dir).to_dict()
     doc["layout"]["world_size"] = 0
     (tag_dir(save_dir) / "ckptspec.json").write_text(json.dumps(doc))
     result = _run("validate", str(save_dir), "--format", "json")
@@ -338,7 +338,7 @@ def test_api(built, tmp_path):
 
 def test_usage(_cli, built, tmp_path):
     manifest = tmp_path / "m.json"
-    manifest.write_text(json.dumps(manifest_from_checkpoint(built("s2-bf16-ws2")).to_dict()))
+    manifest.write_text(json.dumps(describe(built("s2-bf16-ws2")).to_dict()))
     assert _run("validate", str(manifest), "--tag", "global_step2").exit_code == 2
     result = _run("validate", str(manifest), "--checkpoint", str(tmp_path / "absent"), "--format", "json")
     assert result.exit_code == 2 and json.loads(result.stdout)["error"]["code"] == "CK901"
@@ -452,7 +452,7 @@ def test_digests_see_real_elements_not_padding(kind, where, element, finding, tm
     from ckptspec.format.dtypes import ITEMSIZE
 
     save_dir = _copy(COMMITTED["s2-bf16-ws2"], tmp_path)
-    doc = manifest_from_checkpoint(save_dir, hash_algorithm="sha256").to_dict()
+    doc = describe(save_dir, hash_algorithm="sha256").to_dict()
     for f in doc["files"]:
         del f["hash"]
     manifest = Manifest.model_validate(doc)
@@ -475,7 +475,7 @@ def test_stage3_padding_is_in_no_digest(built, tmp_path):
 
     def flipped(element_of, where):
         save_dir = _copy(built("s3-fp16-ws3-groups"), tmp_path / where)
-        doc = manifest_from_checkpoint(save_dir, hash_algorithm="sha256").to_dict()
+        doc = describe(save_dir, hash_algorithm="sha256").to_dict()
         for f in doc["files"]:
             del f["hash"]
         manifest = Manifest.model_validate(doc)

@@ -12,8 +12,8 @@ import errno
 
 import pytest
 
+from ckptspec.deepspeed.describe import describe
 from ckptspec.deepspeed.describe.digests import add_digests
-from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 from ckptspec.export import api
 from ckptspec.format.codec import dumps
@@ -63,7 +63,7 @@ def test_tensors_cut_into_pieces_and_hashed_tensors(ds, tmp_path, monkeypatch):
     api.reconstruct(save_dir, tmp_path / "pieces", jobs=2)
     assert _files(tmp_path / "pieces") == _files(tmp_path / "one")
 
-    manifest = manifest_from_checkpoint(save_dir)
+    manifest = describe(save_dir)
     add_digests(manifest, resolve_tag_dir(save_dir))
     assert any(p.digest for g in manifest.groups for p in g.params)
     path = tmp_path / "hashed.json"

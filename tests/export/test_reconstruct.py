@@ -24,7 +24,7 @@ import torch
 from _harness.reconstruction import bits, check_reconstruction, same_bits
 from _harness.scenarios import MATRIX, MATRIX_SPECS, engine_name
 
-from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
+from ckptspec.deepspeed.describe import describe
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 
 
@@ -403,7 +403,7 @@ def test_reads_only_fp32_partitions_and_needed_module_tensors(point, name, tmp_p
                 start, size = members[ref.storage.member]
                 moments.append((str(optim.resolve()), start, start + size))
     assert moments
-    manifest = manifest_from_checkpoint(save_dir)
+    manifest = describe(save_dir)
     expected = sum(p.numel for g in manifest.groups for p in g.params) * 4  # the fp32 masters, once
     for run in runs:
         assert run

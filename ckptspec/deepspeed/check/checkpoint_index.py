@@ -19,7 +19,7 @@ from ...findings import Finding, finding, has_errors, json_path
 from ...format.codec import read_document
 from ...format.index_models import CheckpointIndex, Domain
 from ...format.index_validate import IndexReport, is_index, validate_index, validate_index_document
-from ..describe import generate_index
+from ..describe import describe_tag_dir
 from ..layout.names import mp_rank_of
 from ..layout.parallel_files import index_tag_dir, layer_file_name
 from .cross_domain import check_index_files
@@ -48,7 +48,7 @@ def choose_index(
             found = [f if f.file else dataclasses.replace(f, file=sidecar.name) for f in report.findings]
             return report.index, found, "sidecar"
     try:
-        generated = generate_index(tag_dir, states)
+        generated = describe_tag_dir(tag_dir, states, as_index=True)
     except CheckpointInvalid as exc:  # files the index is made from are missing: each one's finding
         return None, exc.findings, "generated"
     # As for a generated 1.x manifest: the rules run without the file lists (made from the same files,

@@ -1,11 +1,11 @@
 """Describe: a DeepSpeed tag directory's files -> the document that describes them.
 
 A plain ZeRO checkpoint is described by a format 1.x manifest (``zero.py``); every other kind by a
-checkpoint index (``model_parallel.py``, ``moe.py``, ``pipeline_stage0.py``, and stage 0 and
-universal folders in ``index_builder.py``). ``describe`` below is the one verb for any kind, and
-``generate_index`` the one place that chooses among the index kinds; the kind modules never import
-them. Imports are inside the functions, so that importing a kind module (``generate`` preloads
-``describe.zero`` while it reads pickles) stays cheap.
+checkpoint index (``model_parallel.py``, ``moe.py``, ``stage0.py``, ``pipeline_stage0.py``,
+``universal.py``). Each kind module has a ``describe(tag_dir, states, hash_algorithm)``; ``describe``
+below is the one verb for any checkpoint, and ``describe_tag_dir`` the one place that chooses among
+the kinds. The kind modules never import this one. Imports are inside the functions, so that
+importing a kind module (``generate`` preloads ``describe.zero`` while it reads pickles) stays cheap.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ if TYPE_CHECKING:
     from ...format.models import Manifest
 
 
-# Kind (its value) -> the module of this package that describes it as a checkpoint index.
-_INDEX_PRODUCERS = {
+# Kind (its value) -> the module of this package that describes it. Each has a ``describe(tag_dir, states,
+# hash_algorithm)``; a plain ZeRO directory asked for an index gets the model-parallel producer's.
+_PRODUCERS = {
+    "zero": "zero",
     "stage0": "stage0",
     "universal": "universal",
     "pipeline_stage0": "pipeline_stage0",
@@ -41,39 +43,27 @@ def describe(
     ZeRO checkpoint (stage 1-3), a ``CheckpointIndex`` for every other kind (``kinds.Kind``), as
     ``ckptspec generate`` writes it. A URL is read as a ZeRO checkpoint (indexes are read locally only).
     ``states``: files already read (and where the files read here are kept)."""
-    from ...location import is_remote
+    from ...checkpoint.states import StateCache
     from ..kinds import needs_index
     from ..layout.tag_dir import resolve_tag_dir
 
-    if not is_remote(checkpoint) and needs_index(resolve_tag_dir(checkpoint, tag)):
-        return index_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm, states=states)
-    from .zero import manifest_from_checkpoint
-
-    return manifest_from_checkpoint(checkpoint, tag, hash_algorithm=hash_algorithm, states=states)
+    tag_dir = resolve_tag_dir(checkpoint, tag)
+    states = states if states is not None else StateCache()
+    return describe_tag_dir(tag_dir, states, hash_algorithm=hash_algorithm, as_index=needs_index(tag_dir))
 
 
-def generate_index(tag_dir: Path, states: StateCache, *, hash_algorithm: str | None = None) -> CheckpointIndex:
-    """The checkpoint index of any tag directory that needs one (``kinds.kind_of_dir(tag_dir).needs_index``)."""
+def describe_tag_dir(
+    tag_dir: Path, states: StateCache, *, hash_algorithm: str | None = None, as_index: bool = False
+) -> Manifest | CheckpointIndex:
+    """The document of one resolved tag directory: a ``Manifest``, or with ``as_index`` the ``CheckpointIndex``
+    of its kind (``kinds.kind_of_dir``; a plain ZeRO directory gets the model-parallel producer's, one domain),
+    as ``validate`` compares a checkpoint index with its files."""
     from importlib import import_module
 
-    from ..kinds import kind_of_dir
+    from ..kinds import Kind, kind_of_dir
 
-    kind = kind_of_dir(tag_dir)  # a plain ZeRO directory asked for an index: the model-parallel producer, as before
-    module = import_module(f"{__name__}.{_INDEX_PRODUCERS.get(kind, 'model_parallel')}")
-    return module.describe(tag_dir, states, hash_algorithm)
-
-
-def index_from_checkpoint(
-    checkpoint: str | os.PathLike,
-    tag: str | None = None,
-    *,
-    hash_algorithm: str | None = None,
-    states: StateCache | None = None,
-) -> CheckpointIndex:
-    """Describe a saved DeepSpeed checkpoint that needs an index (tensor/pipeline parallel, MoE, stage 0,
-    universal)."""
-    from ...checkpoint.states import StateCache
-    from ..layout.parallel_files import index_tag_dir
-
-    tag_dir = index_tag_dir(checkpoint, tag)
-    return generate_index(tag_dir, states or StateCache(), hash_algorithm=hash_algorithm)
+    kind = Kind.ZERO
+    if as_index:
+        kind = kind_of_dir(tag_dir)
+        kind = Kind.MODEL_PARALLEL if kind is Kind.ZERO else kind
+    return import_module(f"{__name__}.{_PRODUCERS[kind.value]}").describe(tag_dir, states, hash_algorithm)

@@ -7,7 +7,6 @@ locators, each file once through a ``StateCache``. Never executes pickled code.
 
 from __future__ import annotations
 
-import os
 from itertools import filterfalse
 from operator import attrgetter
 from pathlib import Path
@@ -31,7 +30,7 @@ from ..layout.state_fields import (
     stage3_sub_group_owners,
     world_size_of,
 )
-from ..layout.tag_dir import ShardSet, index_kind_hint, resolve_tag_dir, scan_tag_dir
+from ..layout.tag_dir import ShardSet, index_kind_hint, scan_tag_dir
 from .digests import add_digests
 from .locators import model_weights_locators, state_locators, tensor_locators
 from .scalars import embedded_class, optimizer_from_states, save_from_states
@@ -39,19 +38,12 @@ from .scalars import embedded_class, optimizer_from_states, save_from_states
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")  # of a TensorRef
 
 
-def manifest_from_checkpoint(
-    checkpoint: str | os.PathLike,
-    tag: str | None = None,
-    *,
-    hash_algorithm: str | None = None,
-    states: StateCache | None = None,
-) -> Manifest:
-    """Describe a saved DeepSpeed ZeRO checkpoint (stage 1-3) from its metadata alone.
+def describe(tag_dir: Path, states: StateCache, hash_algorithm: str | None = None) -> Manifest:
+    """The manifest of a saved DeepSpeed ZeRO checkpoint's tag directory (stage 1-3), from its metadata alone.
 
     ``states``: files already read (and where the files read here are kept).
     """
-    shards = scan_tag_dir(resolve_tag_dir(checkpoint, tag))
-    states = states if states is not None else StateCache()
+    shards = scan_tag_dir(tag_dir)
     states.load_all([*shards.model_files.values(), *shards.optim_files.values()])
     return manifest_from_states(shards, states, hash_algorithm=hash_algorithm)
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from ckptspec.checkpoint.states import StateCache
 from ckptspec.checkpoint.torchfile import StorageRef, TensorRef
+from ckptspec.deepspeed.describe import describe
 from ckptspec.deepspeed.describe.locators import model_weights_locators, module_storages
-from ckptspec.deepspeed.describe.zero import manifest_from_checkpoint
 from ckptspec.deepspeed.layout.state_fields import int_shape, int_shapes, module_dtypes
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
 
@@ -47,7 +47,7 @@ def test_module_dtypes_and_storages_are_each_names_tensors(module, names):
 
 def _located(replace) -> list:
     """The model-weights locators of the committed save's model states, its module table changed by ``replace``."""
-    manifest = manifest_from_checkpoint(SAVE)
+    manifest = describe(SAVE)
     path = resolve_tag_dir(SAVE) / "mp_rank_00_model_states.pt"
     states = StateCache()
     state = dict(states.state(path))
@@ -69,7 +69,7 @@ def test_views_of_one_storage_are_located_as_one_whether_or_not_the_same_object(
 
 
 def test_a_group_whose_tensors_are_not_one_storage_is_not_located():
-    manifest = manifest_from_checkpoint(SAVE)
+    manifest = describe(SAVE)
     names = [p.name for p in manifest.groups[0].params if p.numel]
 
     def one_missing(module):
