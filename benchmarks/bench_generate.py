@@ -77,19 +77,20 @@ def breakdown(checkpoint: str, out: str) -> dict:
     t = (time.perf_counter(), time.process_time())
     from ckptspec._fs import write_atomic
     from ckptspec.checkpoint.states import StateCache
-    from ckptspec.deepspeed.describe import zero as ds_checkpoint
+    from ckptspec.deepspeed.describe.zero import manifest_from_states
+    from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir, scan_tag_dir
     from ckptspec.format.codec import dumps
 
     t = step("import", t)
-    tag_dir = ds_checkpoint.resolve_tag_dir(checkpoint)
-    shards = ds_checkpoint.scan_tag_dir(tag_dir)
+    tag_dir = resolve_tag_dir(checkpoint)
+    shards = scan_tag_dir(tag_dir)
     states = StateCache()
     files = [*shards.model_files.values(), *shards.optim_files.values()]
     states.load_all(files)  # the pickles, scanned side by side (checkpoint/prescan.py)
     for p in files:
         states.members(p)  # the zip directory
     t = step("read data.pkl", t)
-    manifest = ds_checkpoint.manifest_from_states(shards, states)
+    manifest = manifest_from_states(shards, states)
     t = step("build manifest", t)
     doc = manifest.to_dict()
     t = step("to_dict", t)
