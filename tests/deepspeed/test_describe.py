@@ -11,10 +11,9 @@ from _harness.scenarios import MATRIX, PARALLEL
 
 import ckptspec
 from ckptspec.checkpoint.states import StateCache
-from ckptspec.deepspeed.describe import describe, describe_tag_dir, model_parallel, moe, zero
+from ckptspec.deepspeed.describe import model_parallel, moe, zero
 from ckptspec.deepspeed.kinds import Kind, kind_of_dir
 from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
-from ckptspec.format.index_models import CheckpointIndex
 from ckptspec.format.models import Manifest
 
 KINDS = [MATRIX[0], *(next(n for n in PARALLEL if n.startswith(prefix)) for prefix in ("tp2", "moe"))]
@@ -30,10 +29,3 @@ def test_describe_gives_the_kinds_document(name, ds):
     assert type(document) is type(expected)
     assert document.to_dict() == expected.to_dict()
     assert isinstance(document, Manifest) == (name in MATRIX)
-
-
-def test_a_plain_zero_directory_asked_for_an_index_gets_one_domain_with_its_manifest(ds):
-    tag_dir = resolve_tag_dir(ds.path(MATRIX[0]), None)
-    index = describe_tag_dir(tag_dir, StateCache(), as_index=True)
-    assert isinstance(index, CheckpointIndex)
-    assert [domain.manifest.to_dict()["groups"] for domain in index.domains] == [describe(tag_dir).to_dict()["groups"]]
