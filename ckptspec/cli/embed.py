@@ -25,10 +25,9 @@ def _show(target: str, findings: list[Finding], err: bool = True) -> None:
 def _check_input(name: str, doc) -> None:
     """The reader's gate for every command here: version first, then schema and rules (a
     checkpoint index's own: it is converted as a manifest is)."""
-    from ..format.index_validate import is_index, validate_index_document
-    from ..format.migrate import validate_own_version
+    from ..format.documents import validate_at_own_version
 
-    findings = validate_index_document(doc).findings if is_index(doc) else validate_own_version(doc)
+    findings = validate_at_own_version(doc)
     _show(name, findings)
     if has_errors(findings):
         sys.exit(EXIT_INVALID)
@@ -250,9 +249,11 @@ def _index_kind(target: str, tag: str | None) -> bool:
 
 def _contents(doc) -> str:
     """What a copy holds, in a few words: its document, version and size."""
+    from ..format.index_validate import is_index
+
     doc = doc if isinstance(doc, dict) else {}
     version = doc.get("format_version", "?")
-    if doc.get("format") == "ckptspec.checkpoint":
+    if is_index(doc):
         domains = doc.get("domains")
         return f"checkpoint index {version}, {len(domains) if isinstance(domains, list) else '?'} domains"
     files = doc.get("files")

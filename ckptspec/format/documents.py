@@ -107,6 +107,17 @@ def load(path: str | os.PathLike, **kwargs: Any) -> Manifest | CheckpointIndex:
     return report.manifest
 
 
+def validate_at_own_version(doc: Any) -> list[Finding]:
+    """The findings of decoded data of either kind as ``convert``, ``embed --manifest`` and ``migrate``
+    read it: a manifest against its own version, drafts registered with ``migrate.register_schema``
+    included (``migrate.validate_own_version``); a checkpoint index as ``validate`` reads it."""
+    if is_index(doc):
+        return validate_index_document(doc).findings
+    from .migrate import validate_own_version
+
+    return validate_own_version(doc)
+
+
 def migrate(doc: Any, to_version: str, name: str = "<input>") -> MigrationResult:
     """Migrate decoded data of either kind to manifest format ``to_version``: a manifest itself
     (``migrate.migrate_document``), a checkpoint index the manifest of each domain, the index's
@@ -120,4 +131,13 @@ def migrate(doc: Any, to_version: str, name: str = "<input>") -> MigrationResult
     return migrate_document(doc, to_version, name)
 
 
-__all__ = ["load", "load_manifest", "migrate", "read_and_validate", "validate", "validate_document", "validate_file"]
+__all__ = [
+    "load",
+    "load_manifest",
+    "migrate",
+    "read_and_validate",
+    "validate",
+    "validate_at_own_version",
+    "validate_document",
+    "validate_file",
+]
