@@ -7,22 +7,27 @@ The core (models, schema, validation) needs neither torch nor DeepSpeed;
 from ._version import __version__
 from .errors import InvalidManifest
 from .findings import Finding
-from .format.documents import load_manifest, validate_file
-from .format.validate import Report, validate_document
+from .format.documents import load, load_manifest, validate, validate_document, validate_file
+from .format.index_validate import IndexReport
+from .format.validate import Report
 from .format.version import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "Finding",
+    "CheckpointIndex",
+    "IndexReport",
     "InvalidManifest",
     "Manifest",
     "Report",
     "describe",
+    "load",
     "load_manifest",
     "load_optimizer_state",
     "load_state_dict",
     "reconstruct",
+    "validate",
     "validate_document",
     "validate_file",
     "__version__",
@@ -36,6 +41,10 @@ def __getattr__(name: str):
         from .format.models import Manifest
 
         return Manifest
+    if name == "CheckpointIndex":
+        from .format.index_models import CheckpointIndex
+
+        return CheckpointIndex
     if name == "describe":
         from .deepspeed.describe import describe
 

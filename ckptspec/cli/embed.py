@@ -25,10 +25,9 @@ def _show(target: str, findings: list[Finding], err: bool = True) -> None:
 def _check_input(name: str, doc) -> None:
     """The reader's gate for every command here: version first, then schema and rules (a
     checkpoint index's own: it is converted as a manifest is)."""
-    from ..format.index_validate import is_index, validate_index_document
-    from ..format.migrate import validate_own_version
+    from ..format.documents import validate_at_own_version
 
-    findings = validate_index_document(doc).findings if is_index(doc) else validate_own_version(doc)
+    findings = validate_at_own_version(doc)
     _show(name, findings)
     if has_errors(findings):
         sys.exit(EXIT_INVALID)
@@ -250,9 +249,11 @@ def _index_kind(target: str, tag: str | None) -> bool:
 
 def _contents(doc) -> str:
     """What a copy holds, in a few words: its document, version and size."""
+    from ..format.index_validate import is_index
+
     doc = doc if isinstance(doc, dict) else {}
     version = doc.get("format_version", "?")
-    if doc.get("format") == "ckptspec.checkpoint":
+    if is_index(doc):
         domains = doc.get("domains")
         return f"checkpoint index {version}, {len(domains) if isinstance(domains, list) else '?'} domains"
     files = doc.get("files")
@@ -296,10 +297,13 @@ def migrate(
 
     Follows the registered migrations (docs/versioning.md). IN is checked against its
     own version first and OUT against the target version before it is written; a
-    field the target version has no place for is reported (CK313 warning).
+    field the target version has no place for is reported (CK313 warning). A checkpoint
+    index: the manifest of each of its domains is migrated (the index keeps its version).
     """
-    from ..errors import InvalidInput, RecordMismatch
-    from ..format.migrate import migrate_document
+    from ..errors import InvalidInput, MigrationError, RecordMismatch
+    from ..format.documents import migrate as migrate_either
+    from ..format.index_migrate import domain_versions
+    from ..format.index_validate import is_index
     from ..format.version import version_key
 
     try:
@@ -310,7 +314,16 @@ def migrate(
         raise click.BadParameter("format 1.0 has no field the checkpoint fills", param_hint="--checkpoint")
     try:
         doc = load_document(source)
-        result = migrate_document(doc, target, source)
+        if checkpoint is not None and is_index(doc):
+            raise MigrationError(
+                "CK311",
+                "--checkpoint fills the 1.1 fields of one ZeRO checkpoint's manifest; the manifests of a "
+                "checkpoint index's domains are filled by describing the checkpoint again",
+                "`ckptspec generate CHECKPOINT -o index.json` writes its index with 1.1 manifests; "
+                "without --checkpoint, migrate raises every domain's manifest to the target version",
+                source,
+            )
+        result = migrate_either(doc, target, source)
         if checkpoint is not None:
             result.document = _filled(result.document, checkpoint, tag, source)
     except InvalidInput as exc:
@@ -326,5 +339,14 @@ def migrate(
     except CkptspecError as exc:
         fail(exc, output)
     if output != "-":
-        steps = " -> ".join([result.steps[0][0]] + [b for _, b in result.steps]) if result.steps else "no change"
-        click.echo(f"{output}: format {result.document['format_version']} ({steps})")
+        if is_index(result.document):  # the distinct steps of its domains
+            steps = ", ".join(f"{a} -> {b}" for a, b in result.steps) or "no change"
+            versions = ", ".join(domain_versions(result.document))
+            count = len(result.document["domains"])
+            click.echo(
+                f"{output}: checkpoint index {result.document['format_version']}, "
+                f"{count} domain manifest{'s' if count != 1 else ''} at format {versions} ({steps})"
+            )
+        else:
+            steps = " -> ".join([result.steps[0][0]] + [b for _, b in result.steps]) if result.steps else "no change"
+            click.echo(f"{output}: format {result.document['format_version']} ({steps})")

@@ -1,4 +1,4 @@
-"""``ckptspec schema``: print a shipped JSON Schema."""
+"""``ckptspec schema``: print a shipped JSON Schema, of any document kind and version."""
 
 from __future__ import annotations
 
@@ -6,14 +6,7 @@ import sys
 
 import click
 
-from ..format.schemas import (
-    INDEX_SCHEMA,
-    LATEST_REPORT,
-    MANIFEST_SCHEMAS,
-    REPORT_SCHEMAS,
-    manifest_schema_file,
-    schema_text,
-)
+from ..format.schemas import MANIFEST_SCHEMAS, SCHEMAS_BY_KIND, schema_file, schema_text
 from ._common import EXIT_USAGE
 
 
@@ -23,28 +16,33 @@ from ._common import EXIT_USAGE
     "version",
     default=None,
     metavar="V",
-    help=f"Format version (known: {', '.join(sorted(MANIFEST_SCHEMAS))}); default the latest.",
+    help=f"Version of the schema (manifests: {', '.join(sorted(MANIFEST_SCHEMAS))}; `--list` lists every kind's); "
+    "default the latest.",
 )
-@click.option(
-    "--report", is_flag=True, help="Print the schema of `validate --format json` reports (the latest, 1.1) instead."
-)
+@click.option("--report", is_flag=True, help="Print the schema of `validate --format json` reports instead.")
 @click.option(
     "--checkpoint-index",
     "index",
     is_flag=True,
-    help="Print the schema of the checkpoint index (format ckptspec.checkpoint 1.0) instead.",
+    help="Print the schema of the checkpoint index (format ckptspec.checkpoint) instead.",
 )
-def schema_command(version: str | None, report: bool, index: bool) -> None:
-    """Print the manifest JSON Schema."""
-    if report:
-        click.echo(schema_text(REPORT_SCHEMAS[LATEST_REPORT]), nl=False)
+@click.option(
+    "--list", "list_all", is_flag=True, help="List every shipped schema: kind, version, file, '*' the latest."
+)
+def schema_command(version: str | None, report: bool, index: bool, list_all: bool) -> None:
+    """Print the manifest JSON Schema (or the checkpoint index's, or the report's)."""
+    if report and index:
+        raise click.UsageError("--report and --checkpoint-index name two kinds of document: choose one")
+    if list_all:
+        for kind, (files, latest) in SCHEMAS_BY_KIND.items():
+            for line, filename in sorted(files.items(), key=lambda item: tuple(map(int, item[0].split(".")))):
+                click.echo(f"{kind} {line} {filename}{' *' if line == latest else ''}")
         return
-    if index:  # one version so far: the index embeds manifests of the latest format
-        click.echo(schema_text(INDEX_SCHEMA), nl=False)
-        return
+    kind = "report" if report else "checkpoint-index" if index else "manifest"
     try:
-        filename = manifest_schema_file(version) if version else manifest_schema_file()
+        filename = schema_file(kind, version)
     except KeyError as exc:
-        click.echo(f"CK905 {exc.args[0]} (hint: run `ckptspec schema` for the latest)", err=True)
+        flag = {"manifest": "", "report": " --report", "checkpoint-index": " --checkpoint-index"}[kind]
+        click.echo(f"CK905 {exc.args[0]} (hint: run `ckptspec schema{flag}` for the latest)", err=True)
         sys.exit(EXIT_USAGE)
     click.echo(schema_text(filename), nl=False)

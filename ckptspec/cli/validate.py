@@ -148,16 +148,12 @@ def _json_errors_about(target: str, output_format: str, remote: bool) -> None:
 
 
 def _validate_document_file(target: str, max_size: int, encoding: str | None, *, build_model: bool = False):
-    """A manifest's report, or a checkpoint index's (told apart by the document's ``format``)."""
-    from ..format.codec import gc_paused, read_document
-    from ..format.index_validate import is_index, validate_index_document
-    from ..format.validate import validate_decoded
+    """A manifest's report, or a checkpoint index's (``documents.validate_file`` tells them apart)."""
+    from ..format.codec import gc_paused
+    from ..format.documents import validate_file
 
     with gc_paused(for_good=True):  # a one-shot command: see codec.gc_paused
-        doc, floats = read_document(target, max_size, encoding)
-        if is_index(doc):
-            return validate_index_document(doc)
-        return validate_decoded(doc, floats, build_model=build_model)
+        return validate_file(target, max_size, encoding, build_model=build_model)
 
 
 def _emit(

@@ -1,6 +1,10 @@
-"""Any document file, either kind: the one place that tells a manifest 1.x from a checkpoint index
-by its ``format`` and hands it to that kind's validator (``validate.py``, ``index_validate.py``), so
-neither kind's module imports the other."""
+"""Any document, either kind: the one place that tells a manifest 1.x from a checkpoint index by its
+``format`` and hands it to that kind's module (validation: ``validate.py``, ``index_validate.py``;
+migration: ``migrate.py``, ``index_migrate.py``), so neither kind's module imports the other.
+
+``validate`` and ``load`` (``ckptspec.validate``, ``ckptspec.load``) take either kind, as
+``jsonschema.validators.validator_for`` picks a validator by ``$schema``; ``load_manifest`` and
+``validate_document`` read manifests only and refuse an index by name (``CK005``)."""
 
 from __future__ import annotations
 
@@ -8,13 +12,24 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidManifest
-from ..findings import finding
+from ..findings import Finding, finding
 from .codec import DEFAULT_MAX_BYTES, Encoding, gc_paused, read_document
 from .index_validate import IndexReport, is_index, validate_index_document
 from .validate import Report, validate_decoded
+from .validate import validate_document as validate_manifest_document
 
 if TYPE_CHECKING:
+    from .index_models import CheckpointIndex
+    from .migrate import MigrationResult
     from .models import Manifest
+
+_LOAD_HINT = "ckptspec.load reads either kind (a Manifest or a CheckpointIndex); ckptspec.validate validates either"
+
+
+def _not_a_manifest() -> Finding:
+    return finding(
+        "CK005", "$.format", "this is a checkpoint index (format ckptspec.checkpoint), not a manifest", _LOAD_HINT
+    )
 
 
 def validate_file(
@@ -50,15 +65,79 @@ def read_and_validate(
 
 def load_manifest(path: str | os.PathLike, **kwargs) -> Manifest:
     """Load a manifest that must be valid; raises ``InvalidManifest`` listing the findings (CK005
-    for a checkpoint index, which ``index_validate.load_index`` reads)."""
+    for a checkpoint index, which ``load`` reads)."""
     report = validate_file(path, **kwargs)
     if not isinstance(report, Report):
-        where = "a checkpoint index (format ckptspec.checkpoint), not a manifest"
-        hint = "read it with ckptspec.format.index_validate.load_index; ckptspec.validate_file validates either"
-        raise InvalidManifest(str(path), [finding("CK005", "$.format", f"this is {where}", hint)])
+        raise InvalidManifest(str(path), [_not_a_manifest()])
     if not report.ok or report.manifest is None:
         raise InvalidManifest(str(path), report.findings)
     return report.manifest
 
 
-__all__ = ["load_manifest", "read_and_validate", "validate_file"]
+def validate_document(doc: Any, *, build_model: bool = True, reference: bool = False) -> Report:
+    """Validate already-decoded manifest data (``ckptspec.validate_document``); a checkpoint index is
+    one finding, ``CK005``, not the manifest schema's errors on it (``validate`` reads either)."""
+    if is_index(doc):
+        return Report([_not_a_manifest()])
+    return validate_manifest_document(doc, build_model=build_model, reference=reference)
+
+
+def validate(document_or_path: Any, **kwargs: Any) -> Report | IndexReport:
+    """Validate a document of either kind, by its ``format``: a path (or an ``os.PathLike``; JSON or
+    msgpack, local or a URL) is read first, as ``validate_file`` does; anything else is decoded data
+    (a ``dict``). Gives a ``Report`` for a manifest, an ``IndexReport`` for a checkpoint index: both
+    have ``ok``, ``findings`` and ``manifest`` (the model of either kind, or None). ``kwargs`` are
+    ``validate_file``'s (a path) or ``validate_document``'s (data); ``reference`` and ``build_model``
+    concern manifests only.
+    """
+    if isinstance(document_or_path, (str, os.PathLike)):
+        return validate_file(document_or_path, **kwargs)
+    if is_index(document_or_path):
+        return validate_index_document(document_or_path)
+    return validate_manifest_document(document_or_path, **kwargs)
+
+
+def load(path: str | os.PathLike, **kwargs: Any) -> Manifest | CheckpointIndex:
+    """Read a document that must be valid: a ``Manifest`` or a ``CheckpointIndex``, by its
+    ``format``. Raises ``InvalidManifest`` listing the findings (``CkptspecError`` when it cannot be
+    read). ``kwargs`` are ``validate_file``'s."""
+    report = validate_file(path, **kwargs)
+    if not report.ok or report.manifest is None:
+        raise InvalidManifest(str(path), report.findings)
+    return report.manifest
+
+
+def validate_at_own_version(doc: Any) -> list[Finding]:
+    """The findings of decoded data of either kind as ``convert``, ``embed --manifest`` and ``migrate``
+    read it: a manifest against its own version, drafts registered with ``migrate.register_schema``
+    included (``migrate.validate_own_version``); a checkpoint index as ``validate`` reads it."""
+    if is_index(doc):
+        return validate_index_document(doc).findings
+    from .migrate import validate_own_version
+
+    return validate_own_version(doc)
+
+
+def migrate(doc: Any, to_version: str, name: str = "<input>") -> MigrationResult:
+    """Migrate decoded data of either kind to manifest format ``to_version``: a manifest itself
+    (``migrate.migrate_document``), a checkpoint index the manifest of each domain, the index's
+    own version unchanged (``index_migrate.migrate_index``)."""
+    if is_index(doc):
+        from .index_migrate import migrate_index
+
+        return migrate_index(doc, to_version, name)
+    from .migrate import migrate_document
+
+    return migrate_document(doc, to_version, name)
+
+
+__all__ = [
+    "load",
+    "load_manifest",
+    "migrate",
+    "read_and_validate",
+    "validate",
+    "validate_at_own_version",
+    "validate_document",
+    "validate_file",
+]

@@ -183,11 +183,12 @@ def migrate_document(doc: Any, to_version: str, name: str = "<input>") -> Migrat
     """
     target = version_key(to_version)
     if isinstance(doc, dict) and doc.get("format") == "ckptspec.checkpoint":
+        # Not a second dispatch: documents.migrate hands an index to migrate_index. This only keeps a
+        # direct caller from reading an index as a broken manifest (nine CK001).
         raise MigrationError(
-            "CK311",
-            f"this is a checkpoint index (format ckptspec.checkpoint {doc.get('format_version')}), not a manifest: "
-            "the index has one version, and its domains' manifests are written at the current manifest version",
-            "nothing to migrate; `ckptspec convert` re-encodes it (JSON <-> msgpack)",
+            "CK005",
+            f"this is a checkpoint index (format ckptspec.checkpoint {doc.get('format_version')}), not a manifest",
+            "ckptspec.format.documents.migrate migrates either kind (an index: the manifest of each domain)",
             name,
         )
     version = doc.get("format_version") if isinstance(doc, dict) else None

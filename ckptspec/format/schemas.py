@@ -28,6 +28,15 @@ _MAX_MESSAGE = 300
 # accepts 1.0 reports too, so the latest (what `ckptspec schema --report` prints) validates every report.
 REPORT_SCHEMAS = {"1.0": REPORT_SCHEMA, "1.1": "report-1.1.schema.json"}
 LATEST_REPORT = "1.1"
+INDEX_SCHEMAS = {"1.0": INDEX_SCHEMA}
+LATEST_INDEX = "1.0"
+
+# Every shipped schema by document kind (`ckptspec schema --list`): kind -> ({MAJOR.MINOR: file}, latest).
+SCHEMAS_BY_KIND = {
+    "manifest": (MANIFEST_SCHEMAS, LATEST_MANIFEST),
+    "checkpoint-index": (INDEX_SCHEMAS, LATEST_INDEX),
+    "report": (REPORT_SCHEMAS, LATEST_REPORT),
+}
 
 
 def schema_text(filename: str) -> str:
@@ -46,6 +55,17 @@ def manifest_schema_file(version: str = LATEST_MANIFEST) -> str:
     except KeyError:
         known = ", ".join(sorted(MANIFEST_SCHEMAS))
         raise KeyError(f"no schema for format version {version} (known: {known})") from None
+
+
+def schema_file(kind: str, version: str | None = None) -> str:
+    """The shipped schema of a document kind (``SCHEMAS_BY_KIND``) at ``version`` (``MAJOR.MINOR`` or
+    a full ``1.0.0``; default the latest). Raises ``KeyError`` naming the versions known for the kind."""
+    files, latest = SCHEMAS_BY_KIND[kind]
+    try:
+        return files[minor_line(version) if version else latest]
+    except KeyError:
+        known = ", ".join(sorted(files))
+        raise KeyError(f"no {kind} schema for format version {version} (known: {known})") from None
 
 
 def schema_version_of(doc: Any) -> str:

@@ -1,7 +1,7 @@
 """Issue #37 (M4): a checkpoint index, which `generate` writes and `validate` calls valid, is read by
 every command and function that takes a document, or refused by name; never called an invalid
 manifest (it was 9 x CK001 "'layout' is a required property" from convert, migrate, embed
---manifest, `ckptspec.validate_file` and `ckptspec.load_manifest`).
+--manifest, `ckptspec.validate_file` and `ckptspec.load_manifest`). Issue #39: `migrate` migrates it.
 
 The index is the committed conformance document of a real pipeline x data parallel checkpoint; a
 tampered copy proves the index is still validated (as an index) on the way in.
@@ -49,11 +49,13 @@ def test_convert_still_validates_an_index(tmp_path):
     assert not (tmp_path / "out.msgpack").exists()
 
 
-def test_migrate_refuses_an_index_by_name(tmp_path):
+def test_migrate_migrates_the_manifest_of_each_domain(tmp_path):
+    # Issue #39: it was refused (CK311); the index schema takes any 1.x manifest in a domain.
     result = run("migrate", INDEX, tmp_path / "out.json", "--to", "1.0")
-    assert result.exit_code == 1
-    assert "CK311" in result.stderr and "checkpoint index" in result.stderr and "CK001" not in result.stderr
-    assert not (tmp_path / "out.json").exists()
+    assert result.exit_code == 0 and "CK001" not in result.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert [d["manifest"]["format_version"] for d in out["domains"]] == ["1.0.0", "1.0.0"]
+    assert out["format_version"] == "1.0.0" and run("validate", tmp_path / "out.json").exit_code == 0
 
 
 def test_embed_refuses_an_index_manifest_by_name(tmp_path):
@@ -76,4 +78,4 @@ def test_load_manifest_says_it_is_an_index():
     with pytest.raises(ckptspec.InvalidManifest) as caught:
         ckptspec.load_manifest(INDEX)
     assert [f.code for f in caught.value.findings] == ["CK005"]
-    assert "load_index" in caught.value.findings[0].hint
+    assert "ckptspec.load reads either kind" in caught.value.findings[0].hint

@@ -566,7 +566,7 @@ def _raise_internal(*args, **kwargs):
 
 def test_an_internal_error_is_one_ck999_line(monkeypatch, capsys):
     """An exception ckptspec did not anticipate (here injected) is one CK999 line, exit 2, no traceback."""
-    monkeypatch.setattr("ckptspec.format.validate.validate_decoded", _raise_internal)
+    monkeypatch.setattr("ckptspec.format.documents.validate_decoded", _raise_internal)  # what validate FILE calls
     monkeypatch.delenv("CKPTSPEC_DEBUG", raising=False)
     monkeypatch.setattr(sys, "argv", ["ckptspec", "validate", str(EXAMPLE)])
     with pytest.raises(SystemExit) as exit_info:
@@ -581,7 +581,7 @@ def test_an_internal_error_is_one_ck999_line(monkeypatch, capsys):
 
 def test_ckptspec_debug_shows_the_traceback(monkeypatch):
     """With CKPTSPEC_DEBUG set, the same error propagates (the traceback a bug report needs)."""
-    monkeypatch.setattr("ckptspec.format.validate.validate_decoded", _raise_internal)
+    monkeypatch.setattr("ckptspec.format.documents.validate_decoded", _raise_internal)  # what validate FILE calls
     monkeypatch.setenv("CKPTSPEC_DEBUG", "1")
     monkeypatch.setattr(sys, "argv", ["ckptspec", "validate", str(EXAMPLE)])
     with pytest.raises(RuntimeError, match="boom"):
