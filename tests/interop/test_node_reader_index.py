@@ -239,6 +239,28 @@ def test_damaged_files_are_refused_as_ckptspec_refuses_them(point, damage, hashe
     assert code in {c for c, _ in python_errors(index, "--checkpoint", tag)}
 
 
+def test_a_flipped_element_of_a_tensor_parallel_slice_fails_its_digest(ds, tmp_path):
+    """Without the files' hashes, each shard's digest (its domain manifest's, `--hash`) still catches a
+    flipped bit in a slice that is merged into a whole tensor (ckptspec checks split shards' digests only
+    in `validate`)."""
+    tag = tmp_path / "tag"
+    shutil.copytree(tag_dir(ds, "tp2-s1-fp32-ws2"), tag)
+    index = tmp_path / "index.json"
+    ckptspec("generate", tag, "-o", index, "--hash")
+    manifest = json.loads(index.read_text("utf-8"))["domains"][1]["manifest"]
+    loc = next(f for f in manifest["files"] if f["partitions"])["partitions"][0]
+    path = tag / next(f for f in manifest["files"] if f["partitions"])["path"]
+    data = bytearray(path.read_bytes())
+    data[loc["data_offset"] + 4 * loc["element_offset"] + 3] ^= 0x01  # element 0's sign bit
+    path.write_bytes(bytes(data))
+    first = manifest["groups"][0]["params"][0]
+    assert first["offset"] == 0 and "digest" in first
+    out = tmp_path / "out.safetensors"
+    run = node(READER, "--no-hash", index, tag, out)
+    assert (run.returncode, run.stdout) == (1, "") and not out.exists()
+    assert run.stderr.startswith(f"{first['name']}: CK222 sha256 of the tensor's elements is "), run.stderr
+
+
 def test_affine_pieces_compose_as_the_split_they_describe(ds, tmp_path):
     """DeepSpeed's affine `pieces` (strided views) give the same whole tensors as the one-axis split
     they restate: the column-parallel (axis 0) and row-parallel (axis 1) slices of AutoTP."""
