@@ -21,10 +21,17 @@ const SEMVER = /^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$/
 
 const finding = (code, where, message, hint, severity = 'error') => ({ code, where, message, hint, severity });
 
-// ["groups", 0, "numel"] -> "$.groups[0].numel" (the paths ckptspec prints).
+// A key as ckptspec quotes it in a path (Python's repr of a string): 'a.pt', "it's".
+function quoted(key) {
+  const q = key.includes("'") && !key.includes('"') ? '"' : "'";
+  const body = key.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/\r/g, '\\r').replace(/\t/g, '\\t');
+  return q + (q === "'" ? body.replace(/'/g, "\\'") : body) + q;
+}
+
+// ["groups", 0, "numel"] -> "$.groups[0].numel", ["file_ranks", "a.pt"] -> "$.file_ranks['a.pt']" (the paths ckptspec prints).
 function jsonPath(parts) {
   return '$' + parts.map((p) => (typeof p === 'number' ? `[${p}]`
-    : /^[A-Za-z_][A-Za-z0-9_]*$/.test(p) ? `.${p}` : `[${JSON.stringify(p)}]`)).join('');
+    : /^[A-Za-z_][A-Za-z0-9_]*$/.test(p) ? `.${p}` : `[${quoted(p)}]`)).join('');
 }
 
 // strict: any keyword ajv does not know, or an ambiguous type, is an error; warnings are collected.
@@ -395,6 +402,6 @@ function checkManifest(validators, doc) {
 }
 
 module.exports = {
-  SCHEMA_FILE, SCHEMA_FILES, compileSchema, compileSchemas, schemaFor, versionGate, unsafeIntegers, schemaFindings,
-  semanticFindings, checkManifest, jsonPath, fragmentNumel,
+  SCHEMA_DIR, SCHEMA_FILE, SCHEMA_FILES, SEMVER, finding, compileSchema, compileSchemas, schemaFor, versionGate,
+  unsafeIntegers, schemaFindings, semanticFindings, checkManifest, jsonPath, fragmentNumel,
 };

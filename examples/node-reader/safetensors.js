@@ -5,7 +5,8 @@
 // written as soon as it is read. The file appears under its name only once complete (rename).
 const fs = require('fs');
 const path = require('path');
-const { SAFETENSORS } = require('./dtypes');
+const { Refusal } = require('./files');
+const { ITEMSIZE, OUTPUT_DTYPE, SAFETENSORS } = require('./dtypes');
 
 // tensors: [{name, shape, nbytes, out}] in write order (`out`: the written dtype, float32 when
 // absent); metadata: {string: string}.
@@ -48,4 +49,27 @@ function writeSafetensors(file, tensors, metadata, fill) {
   }
 }
 
-module.exports = { writeSafetensors };
+// A state dict: tensors [{name, shape, dtype, numel, owner?}] in write order, each written in its
+// output dtype (floating as float32); read(t) gives a tensor's output bytes, read and checked once
+// for an owner, whose aliases (`owner` set) are written as copies of them.
+function writeStateDict(file, tensors, metadata, read) {
+  for (const t of tensors) {
+    t.out = OUTPUT_DTYPE[t.dtype];
+    t.nbytes = t.numel * ITEMSIZE[t.out];
+  }
+  const tied = new Set(tensors.filter((t) => t.owner).map((t) => t.owner));
+  const kept = new Map(); // the owners' bytes, copied for their aliases
+  try {
+    writeSafetensors(file, tensors, metadata, (t) => {
+      if (t.owner) return kept.get(t.owner);
+      const bytes = read(t);
+      if (tied.has(t.name)) kept.set(t.name, bytes);
+      return bytes;
+    });
+  } catch (err) {
+    if (err instanceof Refusal) throw err;
+    throw new Refusal('CK906', file, `cannot write: ${err.message}`, 'check the output path and free space', 2);
+  }
+}
+
+module.exports = { writeSafetensors, writeStateDict };

@@ -1,24 +1,28 @@
 #!/usr/bin/env node
 'use strict';
-// Validate many JSON manifests in one process; print one JSON object per file on stdout:
+// Validate many JSON manifests and checkpoint indexes in one process; print one JSON object per file on stdout:
 //   {"file", "raw_valid", "raw_errors", "codes", "warnings"}
-// raw_*: the JSON Schema of the document's version alone (ajv), nothing else. codes/warnings: the full check of check.js
-// (version gate, schema, semantic rules), as `ckptspec validate` reports them.
-// Usage: node validate.js [--schema FILE] MANIFEST.json...   (exit 0 all valid, 1 some invalid, 2 usage)
+// raw_*: the JSON Schema of the document's kind and version alone (ajv), nothing else. codes/warnings: the full check
+// of check.js, or of index-check.js for an index (version gate, schema, semantic rules), as `ckptspec validate` reports them.
+// Usage: node validate.js [--schema FILE] DOCUMENT.json...   (exit 0 all valid, 1 some invalid, 2 usage)
+// --schema FILE checks manifests against FILE instead of the shipped manifest schemas.
 const fs = require('fs');
 const { compileSchemas, schemaFor, checkManifest } = require('./check');
+const { compileIndexSchema, checkIndex, isIndex } = require('./index-check');
 
 function main(argv) {
   let schemaFile = null; // default: each document's own version's schema
   if (argv[0] === '--schema') { schemaFile = argv[1]; argv = argv.slice(2); }
   if (!argv.length) {
-    process.stderr.write('usage: node validate.js [--schema FILE] MANIFEST.json...\n');
+    process.stderr.write('usage: node validate.js [--schema FILE] DOCUMENT.json...\n');
     return 2;
   }
   const warnings = [];
   let validators;
+  let indexValidator;
   try {
     validators = compileSchemas(schemaFile, warnings);
+    indexValidator = compileIndexSchema(undefined, warnings);
   } catch (err) { // strict mode refuses unknown keywords and formats, ambiguous types...
     process.stderr.write(`${schemaFile ?? 'schema/'}: ajv cannot compile the schema: ${err.message}\n`);
     return 2;
@@ -34,9 +38,10 @@ function main(argv) {
       status = 2;
       continue;
     }
-    const validate = schemaFor(validators, doc);
+    const index = isIndex(doc);
+    const validate = index ? indexValidator : schemaFor(validators, doc);
     const raw = validate(doc);
-    const findings = checkManifest(validators, doc);
+    const findings = index ? checkIndex(indexValidator, validators, doc) : checkManifest(validators, doc);
     const codes = (severity) => [...new Set(findings.filter((f) => f.severity === severity).map((f) => f.code))].sort();
     const verdict = {
       file,
