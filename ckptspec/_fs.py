@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import CkptspecError, OutputBusy
+from .errors import InputOutputError, OutputBusy
 
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 TEMP_RE = re.compile(r"^\.(?P<target>.+)\.ckptspec-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[A-Za-z0-9_]+(?:\.tmp)?$")
@@ -312,7 +312,7 @@ def _written_in_place(path: str | os.PathLike) -> bool:
     except FileNotFoundError:
         return False  # a new file (or a dangling symlink's target)
     if kind in _NOT_WRITABLE:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK906",
             f"cannot write: it is {_NOT_WRITABLE[kind]}",
             "name a file (new or existing), a FIFO or a character device; or - for standard output",

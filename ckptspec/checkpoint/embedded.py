@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import CkptspecError, EmbedError
+from ..errors import CkptspecError, EmbedError, InputOutputError
 from ..findings import Finding, finding, json_path
 from ..format.codec import decode, dumps, load_document
 from ..location import RemotePath, location, not_found, open_binary
@@ -267,7 +267,7 @@ def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
             fh.seek(8)
             raw = fh.read(length)
     except OSError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
         ) from None
     try:
@@ -337,7 +337,7 @@ def read_index_copy(path: str | os.PathLike, expected: str | None = None) -> Emb
             )
         doc = json.loads(where.read_text("utf-8"))
     except FileNotFoundError:
-        raise CkptspecError("CK901", "file not found", "copy the index with its shards", name) from None
+        raise InputOutputError("CK901", "file not found", "copy the index with its shards", name) from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         raise EmbedError("CK302", "the index is not JSON", "pass the index a ckptspec output wrote", name) from None
     meta = doc.get("metadata") if isinstance(doc, dict) else None
@@ -361,7 +361,7 @@ def copies_in_file(path: str | os.PathLike) -> list[EmbeddedCopy]:
     if not p.exists():
         if isinstance(p, RemotePath):
             raise not_found(str(p), "file not found")
-        raise CkptspecError("CK901", "file not found", "check the path", str(p))
+        raise InputOutputError("CK901", "file not found", "check the path", str(p))
     suffix = p.suffix.lower()
     if suffix == ".safetensors":
         found = read_safetensors_copy(p)

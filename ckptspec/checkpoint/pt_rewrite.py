@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .._fs import fsync, fsync_dir, io_point, replace, temp_file
-from ..errors import CkptspecError, EmbedError, InvalidCheckpoint
+from ..errors import EmbedError, InputOutputError, InvalidCheckpoint
 from .states import StateCache, read_state
 
 ZIP_ALIGNMENT = 64  # torch.save aligns every record's data to 64 bytes
@@ -145,7 +145,7 @@ def rewritten_pt(
             _check_rewritten(tmp, state, key, value, source, read_back or StateCache())
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise CkptspecError(
+            raise InputOutputError(
                 "CK906", f"cannot write: {exc.strerror}", "check free space and permissions", source
             ) from None
         except zipfile.BadZipFile as exc:  # a record's bytes no longer match their CRC-32

@@ -18,43 +18,25 @@ from pathlib import Path
 from typing import Any
 
 from .._forked import Forked
-from ..errors import (
+from ..errors import (  # noqa: F401 (the hints: re-exported, where callers have always found them)
+    DAMAGED_HINT,
+    LEGACY_HINT,
+    OVER_CAP_HINT,
+    UNSAFE_HINT,
     FileUnreadable,
     InvalidCheckpoint,
-    LegacyTorchFile,
-    PickleOverCap,
     TorchFileError,
-    UnsafePickleError,
 )
 from ..location import RemotePath, location
 from . import prescan, torchfile
-
-UNSAFE_HINT = "this file wants to run code on load; ckptspec refuses it (torch.load(weights_only=False) would run it)"
-DAMAGED_HINT = "the file is empty, truncated or not a torch checkpoint; restore it"
-OVER_CAP_HINT = (
-    f"data.pkl holds each tensor's name and shape (~180 bytes a tensor in DeepSpeed's model states), and is read "
-    f"whole; if you trust this checkpoint, raise the cap: {torchfile.MAX_PICKLE_BYTES_VARIABLE}=BYTES "
-    f"(default {torchfile.DEFAULT_MAX_PICKLE_BYTES})"
-)
-
-
-LEGACY_HINT = (
-    "format 1.x locates tensors in zip members: save with torch's default (zip) serialization "
-    "(DeepSpeed: checkpoint.checkpoint_serialization true, the default), or torch.load and torch.save the file again"
-)
 
 
 def code_and_hint(error: TorchFileError) -> tuple[str, str]:
     """CK204 for a pickle that wants to run code, CK202 for torch's legacy serialization (a
     checkpoint format 1.x cannot describe, not a damaged one), CK225 for a data.pkl over the
-    reader's cap (maybe sound, only large), CK205 for anything else unreadable."""
-    if isinstance(error, UnsafePickleError):
-        return "CK204", UNSAFE_HINT
-    if isinstance(error, PickleOverCap):
-        return "CK225", OVER_CAP_HINT
-    if isinstance(error, LegacyTorchFile):
-        return "CK202", LEGACY_HINT
-    return "CK205", DAMAGED_HINT
+    reader's cap (maybe sound, only large), CK205 for anything else unreadable: each class of
+    ``TorchFileError`` carries its code and hint (``ckptspec.errors``)."""
+    return error.code, error.hint
 
 
 def unreadable(error: TorchFileError, file: str | os.PathLike | None = None) -> InvalidCheckpoint:

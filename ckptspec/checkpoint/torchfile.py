@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import (
+    DEFAULT_MAX_PICKLE_BYTES,
+    MAX_PICKLE_BYTES_VARIABLE,
     FileUnreadable,
     LegacyTorchFile,
     NotATorchFile,
@@ -85,11 +87,8 @@ __all__ = [
     "tensor_byte_range",
 ]
 
-# data.pkl holds names and shapes only, ~180 bytes a tensor in DeepSpeed's model states: 256 MiB is
-# ~1.4M tensors (a real 1M-tensor save has 173 MiB). Decoding costs ~10-20x its size in memory, a
-# hostile pickle up to ~220x (tests/checkpoint/test_torchfile_fuzz.py): the cap bounds that.
-DEFAULT_MAX_PICKLE_BYTES = 256 * 1024 * 1024
-MAX_PICKLE_BYTES_VARIABLE = "CKPTSPEC_MAX_PICKLE_BYTES"
+# DEFAULT_MAX_PICKLE_BYTES and MAX_PICKLE_BYTES_VARIABLE (imported from errors, whose CK225 hint names
+# them): data.pkl holds names and shapes only; the cap bounds what decoding a hostile one costs.
 
 
 def pickle_cap() -> int:

@@ -15,7 +15,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..checkpoint.states import unreadable
-from ..errors import CkptspecError, FileHashMismatch, ReconstructUnsupported, TensorDigestMismatch, TruncatedFile
+from ..errors import (
+    FileHashMismatch,
+    InputOutputError,
+    ReconstructUnsupported,
+    TensorDigestMismatch,
+    TruncatedFile,
+)
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Hash
 from ..location import CHUNK, FileHashes, HashingStream, RangeStream, RemotePath, fetch_range
@@ -136,7 +142,7 @@ class ShardReader:
             try:
                 self._fds[path] = os.open(path, os.O_RDONLY)
             except OSError as exc:
-                raise CkptspecError(
+                raise InputOutputError(
                     "CK901", f"cannot read: {exc.strerror}", "check the file exists and is readable", str(path)
                 ) from None
         return self._fds[path]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgpack
 
 from .._fs import write_atomic
-from ..errors import CkptspecError, InvalidDocument, NotEncodable
+from ..errors import InputOutputError, InvalidDocument, NotEncodable
 from ..location import RemotePath, is_remote, location, not_found, refuse_write
 from .json_fast import dumps_compact, dumps_indented, dumps_reference
 
@@ -68,7 +68,7 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
     else:
         data = _read_file(path, max_bytes)
     if len(data) > max_bytes:  # standard input, or a device, FIFO or /proc file that reports size 0
-        raise CkptspecError(
+        raise InputOutputError(
             "CK902",
             f"file holds more than the {max_bytes}-byte limit",
             "raise the limit with --max-size if this file is really a manifest",
@@ -84,15 +84,15 @@ def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
-        raise CkptspecError("CK901", "file not found", "check the path", name) from None
+        raise InputOutputError("CK901", "file not found", "check the path", name) from None
     except OSError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
         ) from None
     if os.path.isdir(path):
-        raise CkptspecError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
+        raise InputOutputError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
     if size > max_bytes:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK902",
             f"file is {size} bytes, over the {max_bytes}-byte limit",
             "raise the limit with --max-size if this file is really a manifest",
@@ -102,7 +102,7 @@ def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
         with open(path, "rb") as fh:
             return fh.read(max_bytes + 1)
     except OSError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
         ) from None
 
@@ -111,12 +111,12 @@ def _read_remote(path: RemotePath, max_bytes: int) -> bytes:
     """A manifest at a URL: one request for its size, one for its bytes (``RemoteError`` when it cannot be had)."""
     name = str(path)
     if path.is_dir():
-        raise CkptspecError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
+        raise InputOutputError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
     if not path.is_file():
         raise not_found(name, "file not found")
     size = path.stat().st_size
     if size > max_bytes:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK902",
             f"file is {size} bytes, over the {max_bytes}-byte limit",
             "raise the limit with --max-size if this file is really a manifest",
@@ -262,17 +262,17 @@ def decode_document(data: bytes, encoding: Encoding, name: str = "<input>") -> t
             "CK904", f"duplicate key {dup.args[0]!r}", "every key may appear once per object", name
         ) from None
     except UnicodeDecodeError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK903", f"not UTF-8 text (byte {exc.start})", "save the manifest as UTF-8 JSON or msgpack", name
         ) from None
     except RecursionError:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK903", "nesting is too deep to be a manifest", "check that this is a ckptspec manifest", name
         ) from None
     except (ValueError, msgpack.UnpackException, msgpack.ExtraData, TypeError, OverflowError) as exc:
         what = "msgpack" if encoding == "msgpack" else "JSON"
         detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise CkptspecError(
+        raise InputOutputError(
             "CK903", f"not valid {what}: {detail}", f"check that this is a {what} manifest", name
         ) from None
 
@@ -302,7 +302,7 @@ def read_document(
     """``load_document``, also telling whether the document holds floats."""
     data = read_bytes(path, max_bytes)
     if data.startswith(ZIP_MAGIC):
-        raise CkptspecError(
+        raise InputOutputError(
             "CK903",
             "a zip archive such as a torch checkpoint file (*_model_states.pt), not a manifest",
             "pass the checkpoint directory instead: `ckptspec validate DIR` checks a checkpoint against its own "
@@ -310,7 +310,7 @@ def read_document(
             str(path),
         )
     if is_safetensors(data):
-        raise CkptspecError(
+        raise InputOutputError(
             "CK903",
             "a safetensors file (weights, such as a `ckptspec reconstruct` output), not a manifest",
             "`ckptspec extract FILE` prints the manifest it embeds; `ckptspec validate` takes a manifest or a "
@@ -388,6 +388,6 @@ def write_manifest(manifest: Manifest | dict, output: str, encoding: Encoding | 
     try:
         write_atomic(output, data)
     except OSError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK906", f"cannot write: {exc.strerror}", "check the output directory exists and is writable", output
         ) from None
