@@ -151,10 +151,15 @@ def is_leftover(name: str) -> bool:
     return bool(TEMP_RE.match(name)) or name == JOURNAL
 
 
+def mark_outcome(stopped: BaseException, state: str, where: Path) -> None:
+    """Say on the exception that stopped a write what it left (``_commit.commit_outcome`` reads it)."""
+    stopped.ckptspec_commit = (state, where)  # type: ignore[attr-defined]  # rides on any exception, whatever its class
+
+
 def is_stale(path: str | os.PathLike) -> bool:
     """A temporary of a process of this host that no longer runs (so nobody will finish it)."""
     m = TEMP_RE.match(Path(path).name)
-    return bool(m) and m["host"] == _HOST and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"]))
+    return m is not None and m["host"] == _HOST and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"]))
 
 
 def sweep(directory: str | os.PathLike) -> list[Path]:
@@ -296,7 +301,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     try:
         fsync_dir(target.parent)
     except BaseException as stopped:  # the new file is in place: say so (``_commit.commit_outcome``)
-        stopped.ckptspec_commit = ("complete", target)
+        mark_outcome(stopped, "complete", target)
         raise
 
 

@@ -30,7 +30,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import msgpack
 
@@ -40,6 +40,7 @@ from ..location import RemotePath, is_remote, location, not_found, refuse_write
 from .json_fast import dumps_compact, dumps_indented, dumps_reference
 
 if TYPE_CHECKING:
+    from .index_models import CheckpointIndex
     from .models import Manifest
 
 Encoding = Literal["json", "msgpack"]
@@ -80,7 +81,7 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
 def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
     name = str(path)
     if is_remote(path):
-        return _read_remote(location(path), max_bytes)
+        return _read_remote(cast(RemotePath, location(path)), max_bytes)
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
@@ -129,8 +130,10 @@ def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _Duplicate(dup)
+        for key, _ in pairs:
+            if key in seen:
+                raise _Duplicate(key)
+            seen.add(key)
     return obj
 
 
@@ -233,7 +236,8 @@ def _floats_where_numbers_belong(doc: Any) -> int:
     found = _floats_in(optimizer.get("clip_grad"))
     scaler = optimizer.get("loss_scaler")
     settings = [scaler.get("state")] if type(scaler) is dict else []
-    for group in optimizer.get("groups") if type(optimizer.get("groups")) is list else ():
+    groups = optimizer.get("groups")
+    for group in groups if type(groups) is list else ():
         if type(group) is dict:
             found += _floats_in(group.get("step"))
             settings.append(group.get("hyperparameters"))
@@ -339,7 +343,11 @@ def _sorted_maps(value: Any) -> Any:
 
 
 def dumps(
-    manifest: Manifest | dict, encoding: Encoding = "json", *, compact: bool = False, reference: bool = False
+    manifest: Manifest | CheckpointIndex | dict,
+    encoding: Encoding = "json",
+    *,
+    compact: bool = False,
+    reference: bool = False,
 ) -> bytes:
     """Canonical bytes of a manifest (a model, or a plain decoded document).
 
@@ -373,7 +381,7 @@ def encoding_for_output(path: str | os.PathLike, override: Encoding | None = Non
     return "msgpack" if Path(path).suffix.lower() in MSGPACK_SUFFIXES else "json"
 
 
-def write_manifest(manifest: Manifest | dict, output: str, encoding: Encoding | None = None) -> None:
+def write_manifest(manifest: Manifest | CheckpointIndex | dict, output: str, encoding: Encoding | None = None) -> None:
     """``output`` '-' is stdout (JSON unless ``encoding`` says msgpack)."""
     try:
         data = dumps(manifest, encoding_for_output(output, encoding))

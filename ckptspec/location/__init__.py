@@ -36,7 +36,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 from urllib.parse import unquote
 
 from ..errors import FileUnreadable, RemoteError
@@ -103,7 +103,8 @@ def open_binary(path: str | os.PathLike | RemotePath) -> BinaryIO:
     """A seekable binary file: ``open(path, "rb")`` for a local path, ranged reads for a remote one."""
     where = location(path)
     if isinstance(where, RemotePath):
-        return RangedFile(where._store.handle(where.path))
+        # A RawIOBase: BinaryIO's read/seek/tell/close, which is all a reader of the file uses.
+        return cast(BinaryIO, RangedFile(where._store.handle(where.path)))
     return open(where, "rb")
 
 
