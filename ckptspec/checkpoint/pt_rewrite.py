@@ -165,7 +165,7 @@ def _check_rewritten(path: Path, before: dict, key: str, value: str, source: str
     except InvalidCheckpoint:
         after = locations = None
     expected_keys = list(before) + ([key] if key not in before else [])
-    if not isinstance(after, dict) or list(after) != expected_keys or after.get(key) != value:
+    if not isinstance(after, dict) or locations is None or list(after) != expected_keys or after.get(key) != value:
         raise EmbedError(
             "CK305",
             "the rewritten file does not read back as the original plus the manifest",

@@ -27,7 +27,7 @@ from ..errors import (  # noqa: F401 (the hints: re-exported, where callers have
     InvalidCheckpoint,
     TorchFileError,
 )
-from ..location import RemotePath, location
+from ..location import AnyPath, RemotePath, location
 from . import prescan, torchfile
 
 
@@ -39,7 +39,7 @@ def code_and_hint(error: TorchFileError) -> tuple[str, str]:
     return error.code, error.hint
 
 
-def unreadable(error: TorchFileError, file: str | os.PathLike | None = None) -> InvalidCheckpoint:
+def unreadable(error: TorchFileError, file: AnyPath | None = None) -> InvalidCheckpoint:
     """The exception for a file that cannot be read (exit 1), naming ``file`` (default: the error's)."""
     code, hint = code_and_hint(error)
     where = file if file is not None else error.path
@@ -66,7 +66,7 @@ class StateCache:
     def __init__(self) -> None:
         self._files: dict[Path | RemotePath, Loaded] = {}
 
-    def load(self, path: str | os.PathLike | RemotePath, *, members: bool = False) -> Loaded:
+    def load(self, path: AnyPath, *, members: bool = False) -> Loaded:
         """The file's state, and its zip members when ``members`` (an error in either makes it unreadable).
 
         A file that cannot be read at all raises ``FileUnreadable`` (CK901; a remote one ``RemoteError``),
@@ -135,18 +135,19 @@ class StateCache:
         if loaded is not None:
             loaded.members = None
 
-    def state(self, path: str | os.PathLike) -> Any:
+    def state(self, path: AnyPath) -> Any:
         """The decoded top-level object (tensors as ``TensorRef``); raises CK204/CK205."""
         loaded = self.load(path)
         if loaded.error is not None:
             raise unreadable(loaded.error, path)
         return loaded.state
 
-    def members(self, path: str | os.PathLike) -> dict[str, tuple[int, int]]:
+    def members(self, path: AnyPath) -> dict[str, tuple[int, int]]:
         """Zip member name -> (data offset, size); raises CK204/CK205."""
         loaded = self.load(path, members=True)
         if loaded.error is not None:
             raise unreadable(loaded.error, path)
+        assert loaded.members is not None  # load(members=True) read them, or set the error
         return loaded.members
 
 
@@ -179,6 +180,6 @@ def _checked_apart(raw: torchfile.RawPickle, tree: Any, child: Forked) -> None:
         raise TorchFileError(raw.path, reason)
 
 
-def read_state(path: str | os.PathLike) -> Any:
+def read_state(path: AnyPath) -> Any:
     """One file's decoded state, read now (no cache); raises CK204/CK205."""
     return StateCache().state(path)

@@ -36,7 +36,7 @@ import msgpack
 
 from .._fs import write_atomic
 from ..errors import InputOutputError, InvalidDocument, NotEncodable
-from ..location import RemotePath, is_remote, location, not_found, refuse_write
+from ..location import AnyPath, RemotePath, is_remote, location, not_found, refuse_write
 from .json_fast import dumps_compact, dumps_indented, dumps_reference
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ STDIO = "-"  # as a file name: standard input for a reader, standard output for 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: never a JSON or msgpack manifest
 
 
-def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding:
+def encoding_for(path: AnyPath, data: bytes | None = None) -> Encoding:
     """By extension first; otherwise sniff: msgpack maps start with 0x80-0x8f/0xde/0xdf."""
     suffix = Path(str(path)).suffix.lower()  # str(): a URL (location.RemotePath) has a suffix too
     if suffix in MSGPACK_SUFFIXES:
@@ -61,7 +61,7 @@ def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding
     return "msgpack" if (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)) else "json"
 
 
-def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+def read_bytes(path: AnyPath, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     """The bytes of a manifest file, ``-`` being standard input (as for cat, jq and json.tool)."""
     name = str(path)
     if name == STDIO:
@@ -78,9 +78,9 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
     return data
 
 
-def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
+def _read_file(path: AnyPath, max_bytes: int) -> bytes:
     name = str(path)
-    if is_remote(path):
+    if isinstance(path, RemotePath) or is_remote(path):
         return _read_remote(cast(RemotePath, location(path)), max_bytes)
     try:
         size = os.stat(path).st_size
@@ -290,7 +290,7 @@ def decode(data: bytes, encoding: Encoding, name: str = "<input>") -> Any:
 
 
 def load_document(
-    path: str | os.PathLike,
+    path: AnyPath,
     max_bytes: int = DEFAULT_MAX_BYTES,
     encoding: Encoding | None = None,
 ) -> Any:
@@ -299,7 +299,7 @@ def load_document(
 
 
 def read_document(
-    path: str | os.PathLike,
+    path: AnyPath,
     max_bytes: int = DEFAULT_MAX_BYTES,
     encoding: Encoding | None = None,
 ) -> tuple[Any, bool]:

@@ -94,7 +94,7 @@ def _run(ctx) -> list[Finding]:
     if mine is None or sent is None:
         return [found for check in checks for found in check.check(ctx)]
     received = [[Finding(**f) for f in found] for found in json.loads(sent)]
-    in_order = [None] * len(checks)
+    in_order: list[list[Finding]] = [[] for _ in checks]
     in_order[0::2], in_order[1::2] = mine, received
     return [found for part in in_order for found in part]
 
