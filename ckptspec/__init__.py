@@ -5,7 +5,20 @@ The core (models, schema, validation) needs neither torch nor DeepSpeed;
 """
 
 from ._version import __version__
-from .errors import InvalidManifest
+from .errors import (
+    CheckpointInvalid,
+    CkptspecError,
+    FileUnreadable,
+    InputOutputError,
+    InternalError,
+    InvalidCheckpoint,
+    InvalidDocument,
+    InvalidManifest,
+    RemoteError,
+    Unsupported,
+    UnsupportedCheckpoint,
+    UnsupportedEngine,
+)
 from .findings import Finding
 from .format.documents import load, load_manifest, validate, validate_document, validate_file
 from .format.index_validate import IndexReport
@@ -15,10 +28,21 @@ from .format.version import FORMAT_NAME, FORMAT_VERSION
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "CheckpointInvalid",
+    "CkptspecError",
+    "FileUnreadable",
     "Finding",
     "CheckpointIndex",
     "IndexReport",
+    "InputOutputError",
+    "InternalError",
+    "InvalidCheckpoint",
+    "InvalidDocument",
     "InvalidManifest",
+    "RemoteError",
+    "Unsupported",
+    "UnsupportedCheckpoint",
+    "UnsupportedEngine",
     "Manifest",
     "Report",
     "describe",

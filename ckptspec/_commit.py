@@ -13,14 +13,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
-from ._fs import JOURNAL, TEMP_RE, fsync_dir, io_point, replace, write_atomic
+from ._fs import JOURNAL, TEMP_RE, fsync_dir, io_point, mark_outcome, replace, write_atomic
 
 __all__ = ["JOURNAL", "commit", "commit_outcome", "recover"]
 
 
-def commit(directory: str | os.PathLike, renames: list[tuple[Path, Path]], removals: list[Path] = ()) -> None:
+def commit(directory: str | os.PathLike, renames: list[tuple[Path, Path]], removals: Sequence[Path] = ()) -> None:
     """Rename finished temporaries over their targets and remove superseded files, as one step.
 
     The journal is written (atomically) before the first rename and removed after the last. If it
@@ -47,11 +48,11 @@ def commit(directory: str | os.PathLike, renames: list[tuple[Path, Path]], remov
     try:
         _roll_forward(directory, plan)
     except BaseException as stopped:
-        stopped.ckptspec_commit = ("unfinished", directory)
+        mark_outcome(stopped, "unfinished", directory)
         if not isinstance(stopped, Exception):  # KeyboardInterrupt, or the CLI's SIGTERM
             with contextlib.suppress(BaseException):  # stopped again: the journal stays
                 _roll_forward(directory, plan)
-                stopped.ckptspec_commit = ("complete", directory)
+                mark_outcome(stopped, "complete", directory)
         raise
 
 

@@ -100,7 +100,7 @@ class Forked:
         self._pid, self._pipe = pid, os.fdopen(read_end, "rb")
 
     def result(self) -> bytes | None:
-        if self._pid is None:
+        if self._pid is None or self._pipe is None:
             return None
         try:
             data = self._pipe.read()
@@ -115,7 +115,7 @@ class Forked:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._pid is not None:
+        if self._pid is not None and self._pipe is not None:
             self._pipe.close()
             os.kill(self._pid, signal.SIGKILL)
             os.waitpid(self._pid, 0)

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import CkptspecError, OutputBusy
+from .errors import InputOutputError, OutputBusy
 
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 TEMP_RE = re.compile(r"^\.(?P<target>.+)\.ckptspec-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[A-Za-z0-9_]+(?:\.tmp)?$")
@@ -151,10 +151,15 @@ def is_leftover(name: str) -> bool:
     return bool(TEMP_RE.match(name)) or name == JOURNAL
 
 
+def mark_outcome(stopped: BaseException, state: str, where: Path) -> None:
+    """Say on the exception that stopped a write what it left (``_commit.commit_outcome`` reads it)."""
+    stopped.ckptspec_commit = (state, where)  # type: ignore[attr-defined]  # rides on any exception, whatever its class
+
+
 def is_stale(path: str | os.PathLike) -> bool:
     """A temporary of a process of this host that no longer runs (so nobody will finish it)."""
     m = TEMP_RE.match(Path(path).name)
-    return bool(m) and m["host"] == _HOST and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"]))
+    return m is not None and m["host"] == _HOST and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"]))
 
 
 def sweep(directory: str | os.PathLike) -> list[Path]:
@@ -296,7 +301,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     try:
         fsync_dir(target.parent)
     except BaseException as stopped:  # the new file is in place: say so (``_commit.commit_outcome``)
-        stopped.ckptspec_commit = ("complete", target)
+        mark_outcome(stopped, "complete", target)
         raise
 
 
@@ -312,7 +317,7 @@ def _written_in_place(path: str | os.PathLike) -> bool:
     except FileNotFoundError:
         return False  # a new file (or a dangling symlink's target)
     if kind in _NOT_WRITABLE:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK906",
             f"cannot write: it is {_NOT_WRITABLE[kind]}",
             "name a file (new or existing), a FIFO or a character device; or - for standard output",

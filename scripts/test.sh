@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Run the tests.
-#   ./scripts/test.sh            everything: first the unit tier (tests/unit) in .venv-unit, which has
+#   ./scripts/test.sh            everything: first mypy and the unit tier (tests/unit) in .venv-unit, which has
 #                                no torch, DeepSpeed or transformers (so the tier is proven to need none),
 #                                then the rest, real DeepSpeed checkpoints included, in .venv
-#   ./scripts/test.sh --unit     the unit tier only (the inner loop: no DeepSpeed job, about 26 s on 2 cores)
+#   ./scripts/test.sh --unit     mypy over the package, then the unit tier (the inner loop: no DeepSpeed job,
+#                                about 26 s on 2 cores)
 #   ./scripts/test.sh ARGS...    pytest ARGS in .venv (paths, -k, -m ...): any test, the unit tier's included
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,9 @@ export DS_ACCELERATOR=cpu
 unset PYTHONDONTWRITEBYTECODE
 unit() {
     bash scripts/env-unit.sh
+    # The package's types first (pyproject.toml [tool.mypy]; a few seconds with its cache, .mypy_cache):
+    # in .venv-unit, where torch and DeepSpeed are not installed and not followed either way.
+    .venv-unit/bin/python -m mypy
     # No module-scoped DeepSpeed fixtures here: tests spread one by one over the two workers.
     .venv-unit/bin/python -m pytest -n 2 --dist load tests/unit "$@"
 }

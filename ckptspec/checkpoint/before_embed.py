@@ -90,7 +90,9 @@ def hash_before_embed(
 ) -> str:
     """The hash of ``earlier``'s file, its records read from ``path`` (one pass over the file)."""
     with open_binary(path) as handle:
-        return _rebuild(members, earlier.pkl, algorithm, handle)[1]
+        digest = _rebuild(members, earlier.pkl, algorithm, handle)[1]
+    assert digest is not None  # an algorithm given: hashed, not only measured
+    return digest
 
 
 def recorded_before_embed(

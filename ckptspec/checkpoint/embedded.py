@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import CkptspecError, EmbedError
+from ..errors import CkptspecError, EmbedError, InputOutputError
 from ..findings import Finding, finding, json_path
 from ..format.codec import decode, dumps, load_document
-from ..location import RemotePath, location, not_found, open_binary
+from ..location import AnyPath, RemotePath, location, not_found, open_binary
 from .sidecar import SIDECAR_NAMES
 from .states import read_state
 
@@ -233,7 +233,7 @@ def _manifest_object(doc: Any, source: str, what: str) -> dict:
     return doc
 
 
-def read_client_state_copy(path: str | os.PathLike, state: Any = None) -> EmbeddedCopy | None:
+def read_client_state_copy(path: AnyPath, state: Any = None) -> EmbeddedCopy | None:
     """The manifest in a model-states file's client state, or None when it holds none."""
     if state is None:
         state = read_state(path)
@@ -243,7 +243,7 @@ def read_client_state_copy(path: str | os.PathLike, state: Any = None) -> Embedd
     return EmbeddedCopy(str(path), "client_state", doc)
 
 
-def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+def read_safetensors_metadata(path: AnyPath) -> dict[str, str]:
     """The ``__metadata__`` string map of a safetensors file (only the header is read)."""
     name = str(path)
     try:
@@ -267,7 +267,7 @@ def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
             fh.seek(8)
             raw = fh.read(length)
     except OSError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
         ) from None
     try:
@@ -302,7 +302,7 @@ def _manifest_in_metadata(meta: dict, source: str, where: str, expected: str | N
     return _decode_embedded(value, source, f"{where} '{SAFETENSORS_KEY}'")
 
 
-def read_safetensors_copy(path: str | os.PathLike) -> EmbeddedCopy | None:
+def read_safetensors_copy(path: AnyPath) -> EmbeddedCopy | None:
     """The manifest a ``reconstruct`` output file carries: in its ``__metadata__``, or (a shard) in
     the index it names."""
     meta = read_safetensors_metadata(path)
@@ -326,7 +326,7 @@ def read_safetensors_copy(path: str | os.PathLike) -> EmbeddedCopy | None:
     return index
 
 
-def read_index_copy(path: str | os.PathLike, expected: str | None = None) -> EmbeddedCopy | None:
+def read_index_copy(path: AnyPath, expected: str | None = None) -> EmbeddedCopy | None:
     """The manifest in the ``metadata`` of a sharded output's index (``*.index.json``)."""
     name = str(path)
     where = location(path)
@@ -337,7 +337,7 @@ def read_index_copy(path: str | os.PathLike, expected: str | None = None) -> Emb
             )
         doc = json.loads(where.read_text("utf-8"))
     except FileNotFoundError:
-        raise CkptspecError("CK901", "file not found", "copy the index with its shards", name) from None
+        raise InputOutputError("CK901", "file not found", "copy the index with its shards", name) from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         raise EmbedError("CK302", "the index is not JSON", "pass the index a ckptspec output wrote", name) from None
     meta = doc.get("metadata") if isinstance(doc, dict) else None
@@ -361,7 +361,7 @@ def copies_in_file(path: str | os.PathLike) -> list[EmbeddedCopy]:
     if not p.exists():
         if isinstance(p, RemotePath):
             raise not_found(str(p), "file not found")
-        raise CkptspecError("CK901", "file not found", "check the path", str(p))
+        raise InputOutputError("CK901", "file not found", "check the path", str(p))
     suffix = p.suffix.lower()
     if suffix == ".safetensors":
         found = read_safetensors_copy(p)
@@ -374,7 +374,7 @@ def copies_in_file(path: str | os.PathLike) -> list[EmbeddedCopy]:
     return [found] if found else []
 
 
-def read_manifest_copy(path: str | os.PathLike, kind: Kind = "manifest_file") -> EmbeddedCopy:
+def read_manifest_copy(path: AnyPath, kind: Kind = "manifest_file") -> EmbeddedCopy:
     """A manifest file (or a sidecar given as a file) as a copy: CK302 when it is not an object.
     Bytes that do not decode stay CK903: the file given is not a manifest at all."""
     return EmbeddedCopy(str(path), kind, _manifest_object(load_document(path), str(path), f"the {_KIND_NAMES[kind]}"))

@@ -6,6 +6,7 @@ import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 from ..format.models import Hash
 from ..location import RemotePath, iter_chunks
@@ -18,14 +19,15 @@ def file_digest(path: str | Path | RemotePath, algorithm: str = "sha256") -> Has
     """Hash a file in 1 MiB chunks (constant memory); a remote file is fetched in ranges, a few ahead."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown hash algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+    name: Literal["sha256", "blake2b"] = "sha256" if algorithm == "sha256" else "blake2b"
     if isinstance(path, RemotePath):
         digest = hashlib.new(algorithm)
         for chunk in iter_chunks(path):
             digest.update(chunk)
-        return Hash(algorithm=algorithm, digest=digest.hexdigest())
+        return Hash(algorithm=name, digest=digest.hexdigest())
     with open(path, "rb") as fh:
         digest = hashlib.file_digest(fh, algorithm)
-    return Hash(algorithm=algorithm, digest=digest.hexdigest())
+    return Hash(algorithm=name, digest=digest.hexdigest())
 
 
 def file_digests(paths: list, algorithm: str = "sha256", jobs: int | None = None) -> list[Hash]:

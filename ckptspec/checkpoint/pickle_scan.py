@@ -16,6 +16,7 @@ import operator
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from . import torch_records
 from .standins import DType, FragmentAddress, LossScalerState, StorageRef, TensorRef, ZeroStage
@@ -58,7 +59,9 @@ def walk(data: bytes, fast: bool, passed: Callable[[int], object] | None = None)
     passed (``prescan`` lets the unpickler that far). Returns the memo, the stack (as tuple
     depths) and the marks at STOP: tests compare them with and without the fast lane."""
     n = len(data)
-    pos, stack, marks, memo = 0, [], [], {}
+    stack: list[Any] = []
+    marks: list[int] = []
+    pos, memo = 0, {}
     next_report = PASSED_EVERY if passed is not None else 1 << 62  # (no argument moves pos that far)
     push, pop, u32 = stack.append, stack.pop, _U32_AT
     named_record = torch_records.named_record
@@ -86,7 +89,8 @@ def walk(data: bytes, fast: bool, passed: Callable[[int], object] | None = None)
             if pos >= next_report:
                 if pos > n:  # the last opcode's argument claims bytes past the end: never pass it
                     raise IndexError
-                passed(pos)
+                if passed is not None:  # (without it next_report is never reached)
+                    passed(pos)
                 next_report = pos + PASSED_EVERY
             op = data[pos]
             # The opcodes torch.save writes most, argument and stack effect in one go, most frequent
@@ -275,6 +279,7 @@ def _flat(container, attributes_apart: bool = False) -> tuple[int, int] | None:
     shapes, a module's ``_metadata`` (a dict of leaves per submodule): counted in C.
     ``attributes_apart``: count a dict's keys and values even if it has attributes (a module's state
     dict, given ``_metadata`` by BUILD), leaving those to the caller."""
+    parts: tuple[Any, ...]
     if type(container) is list:
         parts = (container,)
     elif not attributes_apart and getattr(container, "__dict__", None):  # an OrderedDict given attributes by BUILD

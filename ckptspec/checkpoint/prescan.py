@@ -121,7 +121,7 @@ class PassedBytes:
 
     def _upto(self, end: int) -> int:
         end = min(end, len(self._data))
-        if end > self._passed:
+        if end > self._passed and self._wait is not None:  # without a wait, every byte has passed
             self._passed = self._wait(end)
         return min(end, self._passed)
 

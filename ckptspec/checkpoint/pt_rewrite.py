@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .._fs import fsync, fsync_dir, io_point, replace, temp_file
-from ..errors import CkptspecError, EmbedError, InvalidCheckpoint
+from ..errors import EmbedError, InputOutputError, InvalidCheckpoint
 from .states import StateCache, read_state
 
 ZIP_ALIGNMENT = 64  # torch.save aligns every record's data to 64 bytes
@@ -145,7 +145,7 @@ def rewritten_pt(
             _check_rewritten(tmp, state, key, value, source, read_back or StateCache())
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise CkptspecError(
+            raise InputOutputError(
                 "CK906", f"cannot write: {exc.strerror}", "check free space and permissions", source
             ) from None
         except zipfile.BadZipFile as exc:  # a record's bytes no longer match their CRC-32
@@ -165,7 +165,7 @@ def _check_rewritten(path: Path, before: dict, key: str, value: str, source: str
     except InvalidCheckpoint:
         after = locations = None
     expected_keys = list(before) + ([key] if key not in before else [])
-    if not isinstance(after, dict) or list(after) != expected_keys or after.get(key) != value:
+    if not isinstance(after, dict) or locations is None or list(after) != expected_keys or after.get(key) != value:
         raise EmbedError(
             "CK305",
             "the rewritten file does not read back as the original plus the manifest",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .._commit import commit
 from .._fs import fsync, io_point, temp_file
-from ..errors import CkptspecError
+from ..errors import InputOutputError
 from ..format.codec import Encoding, dumps
 from ..location import RemotePath, location
 
@@ -60,7 +60,7 @@ def write_sidecar(tag_dir: str | os.PathLike, manifest: Manifest | dict, encodin
         renames, removals = sidecar_commit(tag_dir, manifest, encoding)
         commit(tag_dir, renames, removals)
     except OSError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK906",
             f"cannot write the sidecar: {exc.strerror}",
             "check that the tag directory is writable and the sidecar name is free",

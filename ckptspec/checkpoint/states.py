@@ -18,46 +18,28 @@ from pathlib import Path
 from typing import Any
 
 from .._forked import Forked
-from ..errors import (
+from ..errors import (  # noqa: F401 (the hints: re-exported, where callers have always found them)
+    DAMAGED_HINT,
+    LEGACY_HINT,
+    OVER_CAP_HINT,
+    UNSAFE_HINT,
     FileUnreadable,
     InvalidCheckpoint,
-    LegacyTorchFile,
-    PickleOverCap,
     TorchFileError,
-    UnsafePickleError,
 )
-from ..location import RemotePath, location
+from ..location import AnyPath, RemotePath, location
 from . import prescan, torchfile
-
-UNSAFE_HINT = "this file wants to run code on load; ckptspec refuses it (torch.load(weights_only=False) would run it)"
-DAMAGED_HINT = "the file is empty, truncated or not a torch checkpoint; restore it"
-OVER_CAP_HINT = (
-    f"data.pkl holds each tensor's name and shape (~180 bytes a tensor in DeepSpeed's model states), and is read "
-    f"whole; if you trust this checkpoint, raise the cap: {torchfile.MAX_PICKLE_BYTES_VARIABLE}=BYTES "
-    f"(default {torchfile.DEFAULT_MAX_PICKLE_BYTES})"
-)
-
-
-LEGACY_HINT = (
-    "format 1.x locates tensors in zip members: save with torch's default (zip) serialization "
-    "(DeepSpeed: checkpoint.checkpoint_serialization true, the default), or torch.load and torch.save the file again"
-)
 
 
 def code_and_hint(error: TorchFileError) -> tuple[str, str]:
     """CK204 for a pickle that wants to run code, CK202 for torch's legacy serialization (a
     checkpoint format 1.x cannot describe, not a damaged one), CK225 for a data.pkl over the
-    reader's cap (maybe sound, only large), CK205 for anything else unreadable."""
-    if isinstance(error, UnsafePickleError):
-        return "CK204", UNSAFE_HINT
-    if isinstance(error, PickleOverCap):
-        return "CK225", OVER_CAP_HINT
-    if isinstance(error, LegacyTorchFile):
-        return "CK202", LEGACY_HINT
-    return "CK205", DAMAGED_HINT
+    reader's cap (maybe sound, only large), CK205 for anything else unreadable: each class of
+    ``TorchFileError`` carries its code and hint (``ckptspec.errors``)."""
+    return error.code, error.hint
 
 
-def unreadable(error: TorchFileError, file: str | os.PathLike | None = None) -> InvalidCheckpoint:
+def unreadable(error: TorchFileError, file: AnyPath | None = None) -> InvalidCheckpoint:
     """The exception for a file that cannot be read (exit 1), naming ``file`` (default: the error's)."""
     code, hint = code_and_hint(error)
     where = file if file is not None else error.path
@@ -84,7 +66,7 @@ class StateCache:
     def __init__(self) -> None:
         self._files: dict[Path | RemotePath, Loaded] = {}
 
-    def load(self, path: str | os.PathLike | RemotePath, *, members: bool = False) -> Loaded:
+    def load(self, path: AnyPath, *, members: bool = False) -> Loaded:
         """The file's state, and its zip members when ``members`` (an error in either makes it unreadable).
 
         A file that cannot be read at all raises ``FileUnreadable`` (CK901; a remote one ``RemoteError``),
@@ -153,18 +135,19 @@ class StateCache:
         if loaded is not None:
             loaded.members = None
 
-    def state(self, path: str | os.PathLike) -> Any:
+    def state(self, path: AnyPath) -> Any:
         """The decoded top-level object (tensors as ``TensorRef``); raises CK204/CK205."""
         loaded = self.load(path)
         if loaded.error is not None:
             raise unreadable(loaded.error, path)
         return loaded.state
 
-    def members(self, path: str | os.PathLike) -> dict[str, tuple[int, int]]:
+    def members(self, path: AnyPath) -> dict[str, tuple[int, int]]:
         """Zip member name -> (data offset, size); raises CK204/CK205."""
         loaded = self.load(path, members=True)
         if loaded.error is not None:
             raise unreadable(loaded.error, path)
+        assert loaded.members is not None  # load(members=True) read them, or set the error
         return loaded.members
 
 
@@ -197,6 +180,6 @@ def _checked_apart(raw: torchfile.RawPickle, tree: Any, child: Forked) -> None:
         raise TorchFileError(raw.path, reason)
 
 
-def read_state(path: str | os.PathLike) -> Any:
+def read_state(path: AnyPath) -> Any:
     """One file's decoded state, read now (no cache); raises CK204/CK205."""
     return StateCache().state(path)

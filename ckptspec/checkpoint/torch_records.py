@@ -18,6 +18,7 @@ from __future__ import annotations
 import operator
 import re
 import struct
+from collections.abc import Iterable
 from itertools import chain, islice, repeat
 from operator import itemgetter
 
@@ -90,7 +91,7 @@ def named_record(data: bytes, pos: int, n: int, memo: dict, stack: list) -> int:
         return take_run(METADATA, data, pos, n, memo, stack, unnamed=True)
     name, fn, storage, cls, key, new_key, device, persid, size, stride, od_fn, od, args, result = m.groups()[:14]
     if storage is None:
-        return _named_shape(m, n, memo, stack) if m.lastindex <= 17 else _named_object(m, n, memo, stack)
+        return _named_shape(m, n, memo, stack) if (m.lastindex or 0) <= 17 else _named_object(m, n, memo, stack)
     if new_key is not None or size is None or stride is None:
         return _uncommon_entry(m, n, memo, stack)
     a, b, c, d, e, f, g = _TENSOR_PUTS(name + persid + size + stride + od + args + result)
@@ -235,7 +236,8 @@ def _fields(kind: _Kind, data: bytes, pos: int, unnamed: bool) -> tuple[list, in
     """The groups of each record of ``kind`` from ``pos`` on, each after a name (BINUNICODE, its
     length, that many bytes) that starts where the one before ends, and where they end.
     ``unnamed``: the first record starts at ``pos`` (its name was read before)."""
-    found, match, u32, n = [], kind.record, _U32_FROM, len(data)
+    found: list = []
+    match, u32, n = kind.record, _U32_FROM, len(data)
     if unnamed:
         if not (m := match(data, pos)):
             return found, pos
@@ -263,7 +265,7 @@ def take_run(kind: _Kind, data: bytes, pos: int, n: int, memo: dict, stack: list
     if last >= n or (puts != list(range(first, last + 1)) and not all(map(operator.lt, puts, islice(puts, 1, None)))):
         return 0
     index_of = {token: _index(token) for token in set().union(*(column[i] for i in kind.reads))}
-    writes = zip(puts, chain.from_iterable(repeat(kind.depths, count)))
+    writes: Iterable[tuple[int, int]] = zip(puts, chain.from_iterable(repeat(kind.depths, count)))
     written: dict = {}
     if max(index_of.values()) >= first:  # a read inside the run's own indices: record by record
         reads = [list(map(index_of.__getitem__, column[i])) for i in kind.reads]

@@ -82,11 +82,12 @@ class TorchZipWriter:
         self._file.write(data)
         self._pos += len(memoryview(data).cast("B"))
 
-    def write_record(self, name: str, chunks: Iterable | bytes | None, size: int) -> None:
+    def write_record(
+        self, name: str, chunks: Iterable[bytes | bytearray | memoryview] | bytes | None, size: int
+    ) -> None:
         """Record ``name`` of ``size`` bytes, the concatenation of ``chunks`` (bytes-like). ``chunks``
         None: only measuring (the sink discards what it gets); the data and its CRC are not written."""
-        if isinstance(chunks, (bytes, bytearray, memoryview)):
-            chunks = [chunks]
+        parts = [chunks] if isinstance(chunks, (bytes, bytearray, memoryview)) else chunks
         full = (self.prefix + name).encode("utf-8")
         offset = self._pos
         big_size, big_offset = size >= _U32, offset >= _U32
@@ -103,7 +104,7 @@ class TorchZipWriter:
         if chunks is None:  # measuring only
             written = size
             self._pos += size
-        for chunk in chunks or ():
+        for chunk in parts or ():
             view = memoryview(chunk).cast("B")
             crc = zlib.crc32(view, crc)
             written += len(view)

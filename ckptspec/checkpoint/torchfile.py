@@ -29,9 +29,11 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import (
+    DEFAULT_MAX_PICKLE_BYTES,
+    MAX_PICKLE_BYTES_VARIABLE,
     FileUnreadable,
     LegacyTorchFile,
     NotATorchFile,
@@ -85,11 +87,8 @@ __all__ = [
     "tensor_byte_range",
 ]
 
-# data.pkl holds names and shapes only, ~180 bytes a tensor in DeepSpeed's model states: 256 MiB is
-# ~1.4M tensors (a real 1M-tensor save has 173 MiB). Decoding costs ~10-20x its size in memory, a
-# hostile pickle up to ~220x (tests/checkpoint/test_torchfile_fuzz.py): the cap bounds that.
-DEFAULT_MAX_PICKLE_BYTES = 256 * 1024 * 1024
-MAX_PICKLE_BYTES_VARIABLE = "CKPTSPEC_MAX_PICKLE_BYTES"
+# DEFAULT_MAX_PICKLE_BYTES and MAX_PICKLE_BYTES_VARIABLE (imported from errors, whose CK225 hint names
+# them): data.pkl holds names and shapes only; the cap bounds what decoding a hostile one costs.
 
 
 def pickle_cap() -> int:
@@ -112,9 +111,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
     # find_class is the only way a pickle can obtain a callable (GLOBAL, STACK_GLOBAL, INST,
     # OBJ and EXT* all go through it), so REDUCE/NEWOBJ can only ever call the stand-ins above.
 
-    def __init__(self, source, prefix: str, path: Path, member_sizes: dict[str, int]):
+    def __init__(self, source, prefix: str, path: Path | RemotePath, member_sizes: dict[str, int]):
         super().__init__(PassedBytes(source) if isinstance(source, bytes) else source)
-        self._prefix, self._path, self._storages, self._member_sizes = prefix, path, {}, member_sizes
+        self._storages: dict[str, StorageRef] = {}
+        self._prefix, self._path, self._member_sizes = prefix, path, member_sizes
 
     def find_class(self, module, name):
         try:
@@ -270,7 +270,7 @@ def read_data_pkl(path, max_pickle_bytes: int | None = None) -> RawPickle:
     return RawPickle(path, data, prefix, {n: i.file_size for n, i in infos.items()})
 
 
-def decode_data_pkl(raw: RawPickle, scan_error: ValueError | None | bool | Streamed = True) -> Any:
+def decode_data_pkl(raw: RawPickle, scan_error: ValueError | None | Literal[True] | Streamed = True) -> Any:
     """Unpickle ``raw`` with the restricted unpickler, after ``scan_pickle``, and check the tree it
     gives (``unpickle_data_pkl``, then ``check_decoded``)."""
     obj = unpickle_data_pkl(raw, scan_error)
@@ -278,7 +278,7 @@ def decode_data_pkl(raw: RawPickle, scan_error: ValueError | None | bool | Strea
     return obj
 
 
-def unpickle_data_pkl(raw: RawPickle, scan_error: ValueError | None | bool | Streamed = True) -> Any:
+def unpickle_data_pkl(raw: RawPickle, scan_error: ValueError | None | Literal[True] | Streamed = True) -> Any:
     """Unpickle ``raw`` with the restricted unpickler, after ``scan_pickle``: a tree nothing may
     walk before ``check_decoded`` has passed it. ``scan_error``: what ``scan_pickle(raw.data)``
     raised (None: it passed) when it already ran, elsewhere; a ``prescan.Streamed`` when another

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import click
 
 from .._version import __version__
-from ..errors import CheckpointInvalid, CkptspecError, FileUnreadable
+from ..errors import CheckpointInvalid, CkptspecError, FileUnreadable, InputOutputError, InternalError
 from ..findings import Finding, has_errors
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -106,7 +106,10 @@ def error_line(exc: CkptspecError, target: str | None = None) -> str:
 
 
 def fail(exc: CkptspecError, target: str | None = None) -> NoReturn:
-    """Print the error on stderr and exit with its status."""
+    """Print the error on stderr and exit with its status. An ``InternalError`` (a ckptspec bug, CK999)
+    goes on to ``main``, which reports it as every unexpected exception (``CKPTSPEC_DEBUG`` shows its traceback)."""
+    if isinstance(exc, InternalError):
+        raise exc
     click.echo(error_line(exc, target), err=True)
     sys.exit(exc.exit_code)
 
@@ -194,7 +197,7 @@ def unexpected(exc: Exception) -> CkptspecError:
     if isinstance(exc, OSError):
         where = exc.filename
         if exc.errno in _WRITE_ERRNOS:
-            return CkptspecError(
+            return InputOutputError(
                 "CK906",
                 f"cannot write: {exc.strerror or exc}",
                 "check the output directory is writable and has space",
@@ -203,13 +206,13 @@ def unexpected(exc: Exception) -> CkptspecError:
         return (
             FileUnreadable(where, exc)
             if where is not None
-            else CkptspecError(
+            else InputOutputError(
                 "CK901",
                 f"cannot read: {exc.strerror or exc}",
                 "an I/O error: check the storage, then run the command again",
             )
         )
-    return CkptspecError(
+    return InternalError(
         "CK999",
         f"internal error: {type(exc).__name__}: {exc}",
         "this is a ckptspec bug; rerun with CKPTSPEC_DEBUG=1 and report it",

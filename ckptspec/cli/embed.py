@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -16,6 +16,9 @@ from ..errors import CkptspecError
 from ..findings import Finding, has_errors
 from ..format.codec import DEFAULT_MAX_BYTES, dumps, encoding_for_output, load_document, write_manifest
 from ._common import ENCODING_CHOICE, EXIT_INVALID, EXIT_OK, OUTPUT_FILE, echo_findings, fail, tag_needs_a_directory
+
+if TYPE_CHECKING:
+    from ..format.codec import Encoding
 
 
 def _show(target: str, findings: list[Finding], err: bool = True) -> None:
@@ -41,7 +44,7 @@ def _not_written(checkpoint: str, exc, not_done: str) -> NoReturn:
     sys.exit(EXIT_INVALID)
 
 
-def _write(doc, output: str, encoding: str | None) -> int:
+def _write(doc, output: str, encoding: Encoding | None) -> int:
     write_manifest(doc, output, encoding)
     return len(dumps(doc, encoding_for_output(output, encoding))) if output != "-" else 0
 
@@ -61,7 +64,7 @@ def _write(doc, output: str, encoding: str | None) -> int:
     default=None,
     help="Override the encoding guessed from IN's extension and first byte.",
 )
-def convert(source: str, output: str, encoding: str | None, input_encoding: str | None) -> None:
+def convert(source: str, output: str, encoding: Encoding | None, input_encoding: Encoding | None) -> None:
     """Re-encode a manifest or checkpoint index, JSON <-> msgpack, losslessly.
 
     IN is validated first (an invalid document is not converted); OUT is canonical
@@ -120,7 +123,7 @@ def embed(
     checkpoint: str,
     manifest_path: str | None,
     tag: str | None,
-    encoding: str,
+    encoding: Encoding,
     no_hash: bool,
     sidecar_only: bool,
     rehash: bool,
@@ -179,7 +182,7 @@ def embed(
     "--encoding", type=ENCODING_CHOICE, default=None, help="Output encoding (default: by extension; stdout is JSON)."
 )
 @click.option("--list", "list_copies", is_flag=True, help="List every copy found and whether they agree, instead.")
-def extract(target: str, tag: str | None, output: str, encoding: str | None, list_copies: bool) -> None:
+def extract(target: str, tag: str | None, output: str, encoding: Encoding | None, list_copies: bool) -> None:
     """Print the manifest embedded in a checkpoint or file.
 
     \b
@@ -291,7 +294,7 @@ def _filled(doc: dict, checkpoint: str, tag: str | None, source: str) -> dict:
 )
 @click.option("--tag", default=None, help="Tag directory of --checkpoint (default: the one named by 'latest').")
 def migrate(
-    source: str, output: str, to_version: str, encoding: str | None, checkpoint: str | None, tag: str | None
+    source: str, output: str, to_version: str, encoding: Encoding | None, checkpoint: str | None, tag: str | None
 ) -> None:
     """Rewrite a manifest in another format version.
 
@@ -329,8 +332,8 @@ def migrate(
     except InvalidInput as exc:
         _show(source, exc.findings)
         sys.exit(EXIT_INVALID)
-    except RecordMismatch as exc:
-        _not_written(checkpoint, exc, "not migrated")
+    except RecordMismatch as exc:  # raised by _filled: only with --checkpoint
+        _not_written(checkpoint or source, exc, "not migrated")
     except CkptspecError as exc:
         fail(exc, source)
     _show(source, result.findings)

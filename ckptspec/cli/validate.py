@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
@@ -22,6 +23,9 @@ from ._common import (
     read_tag_dir_early,
     validation_report,
 )
+
+if TYPE_CHECKING:
+    from ..format.codec import Encoding
 
 
 @click.command()
@@ -68,7 +72,7 @@ def validate(
     no_hash: bool,
     output_format: str,
     max_size: int,
-    encoding: str | None,
+    encoding: Encoding | None,
 ) -> None:
     """Check a manifest, or a checkpoint's files against its manifest.
 
@@ -147,7 +151,7 @@ def _json_errors_about(target: str, output_format: str, remote: bool) -> None:
         json_error_with(lambda error: _emit("json", target, [], error, remote))
 
 
-def _validate_document_file(target: str, max_size: int, encoding: str | None, *, build_model: bool = False):
+def _validate_document_file(target: str, max_size: int, encoding: Encoding | None, *, build_model: bool = False):
     """A manifest's report, or a checkpoint index's (``documents.validate_file`` tells them apart)."""
     from ..format.codec import gc_paused
     from ..format.documents import validate_file

@@ -26,7 +26,7 @@ from ..checkpoint.embedded import (
 from ..checkpoint.pt_rewrite import rewritten_pt
 from ..checkpoint.sidecar import sidecar_commit
 from ..checkpoint.states import StateCache
-from ..errors import CkptspecError, EmbedError
+from ..errors import CkptspecError, EmbedError, InputOutputError
 from ..findings import Finding
 from ..format.codec import Encoding
 from ..format.models import Manifest
@@ -161,7 +161,7 @@ def embed_checkpoint(
 
 
 def _write_failed(exc: OSError, tag_dir: Path) -> CkptspecError:
-    return CkptspecError(
+    return InputOutputError(
         "CK906",
         f"cannot write: {exc.strerror or exc}",
         "check free space and permissions; an interrupted embed is finished by the next one",

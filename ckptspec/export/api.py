@@ -147,9 +147,18 @@ def reconstruct(
     if _model_parallel(checkpoint, manifest, tag):
         from .compose import reconstruct_index
 
-        options = {"fmt": fmt, "untie": untie, "progress": progress, "optimizer_state": optimizer_state, "jobs": jobs}
         return reconstruct_index(
-            checkpoint, output_dir, index=manifest, tag=tag, dtype=dtype, max_shard_size=max_shard_size, **options
+            checkpoint,
+            output_dir,
+            index=manifest,
+            tag=tag,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            fmt=fmt,
+            untie=untie,
+            progress=progress,
+            optimizer_state=optimizer_state,
+            jobs=jobs,
         )
     plan = validated_plan(checkpoint, manifest, tag, hashes_in_stream=True)
     if optimizer_state:

@@ -15,12 +15,18 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..checkpoint.states import unreadable
-from ..errors import CkptspecError, FileHashMismatch, ReconstructUnsupported, TensorDigestMismatch, TruncatedFile
+from ..errors import (
+    FileHashMismatch,
+    InputOutputError,
+    ReconstructUnsupported,
+    TensorDigestMismatch,
+    TruncatedFile,
+)
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Hash
 from ..location import CHUNK, FileHashes, HashingStream, RangeStream, RemotePath, fetch_range
 from .plan import Segment, TensorSource
-from .safetensors_writer import SafetensorsWriter
+from .safetensors_writer import TensorSink
 
 CHUNK_BYTES = 16 << 20  # dtype conversion works on at most this many source bytes at once
 
@@ -123,7 +129,7 @@ class ShardReader:
             if actual[path] != recorded.digest:
                 raise FileHashMismatch(str(path), recorded.algorithm, actual[path], recorded.digest)
 
-    def copy(self, segment: Segment, writer: SafetensorsWriter) -> None:
+    def copy(self, segment: Segment, writer: TensorSink) -> None:
         """Append the segment's bytes to ``writer``: in the kernel for a local file, piece by piece for a remote one."""
         if isinstance(segment.path, RemotePath):
             for piece in self._pieces(segment):
@@ -136,7 +142,7 @@ class ShardReader:
             try:
                 self._fds[path] = os.open(path, os.O_RDONLY)
             except OSError as exc:
-                raise CkptspecError(
+                raise InputOutputError(
                     "CK901", f"cannot read: {exc.strerror}", "check the file exists and is readable", str(path)
                 ) from None
         return self._fds[path]
@@ -246,7 +252,7 @@ def iter_zeros(dtype: str, count: int):
         yield np.zeros(min(step, count - start), dtype=_np_dtype(dtype))
 
 
-def stream(source: TensorSource, dtype: str, writer: SafetensorsWriter, files: ShardReader, progress) -> None:
+def stream(source: TensorSource, dtype: str, writer: TensorSink, files: ShardReader, progress) -> None:
     """Append the tensor to ``writer``: a kernel copy when neither a cast nor a digest needs the
     bytes, else chunked reads (hashed) and casts."""
     if source.dtype == dtype and source.digest is None:

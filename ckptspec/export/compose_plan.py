@@ -183,7 +183,9 @@ def _compose_states(plan: IndexReconstructionPlan) -> OptimizerStatePlan:
             plan.tag_dir,
         )
     per_domain = {d: plan_optimizer_state(p) for d, p in plan.domain_plans.items()}
-    sources, states, groups = {}, {}, {}
+    sources: dict = {}
+    states: dict = {}
+    groups: dict = {}
     for param in plan.index.parameters:
         keys = sorted(per_domain[param.shards[0].domain].states.get(param.shards[0].local_name, {}))
         for key in keys:

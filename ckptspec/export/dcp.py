@@ -97,7 +97,9 @@ def plan_dcp(plan: ReconstructionPlan) -> DcpPlan:
         steps[f"optim.state.{name}.step"] = float(scalars[g].step)
     param_groups = []
     for g in sorted(scalars):
-        settings = {k: tuple(v) if isinstance(v, list) else v for k, v in scalars[g].hyperparameters.items()}
+        settings: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in scalars[g].hyperparameters.items()
+        }
         for key in _NONE_DEFAULTS:
             settings.setdefault(key, None)
         param_groups.append({**settings, "params": members.get(g, [])})

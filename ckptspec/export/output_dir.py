@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from .._fs import exclusive, publish_dir, sweep, temp_dir
-from ..errors import CkptspecError
+from ..errors import InputOutputError
 from ..location import refuse_write
 
 T = TypeVar("T")
@@ -35,7 +35,7 @@ def held_output(output: str | os.PathLike, what: str) -> Iterator[Path]:
     except FileExistsError:  # a directory (another run's new one, too), or a file
         created = None
         if not out.is_dir():
-            raise CkptspecError(
+            raise InputOutputError(
                 "CK909", "the output exists and is not a directory", "give a new directory", os.fspath(output)
             ) from None
     with exclusive(out):  # CK908 before anything is looked at or written
@@ -71,7 +71,7 @@ def held_new_output(output: str | os.PathLike, what: str) -> Iterator[Path]:
     """``held_output`` for a command that writes a new directory, never into one that holds anything (CK909)."""
     with held_output(output, what) as out:
         if any(out.iterdir()):
-            raise CkptspecError(
+            raise InputOutputError(
                 "CK909", "the output exists and is not empty", "give a new directory", os.fspath(output)
             )
         yield out

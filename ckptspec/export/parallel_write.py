@@ -11,6 +11,7 @@ checkpoint is read as one planned stream of range requests (``arrays.ShardReader
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -64,7 +65,7 @@ def fill_parallel(
     split: list[tuple[Region, list[Region]]] = []
     for region, source, dtype in zip(regions, sources, dtypes):
         if source.dtype != dtype or source.digest is not None:
-            tasks.append(lambda s=source, d=dtype, r=region: whole(s, d, r))
+            tasks.append(functools.partial(whole, source, dtype, region))
             continue
         parts, skip = [], 0
         for seg in source.segments:
@@ -73,7 +74,7 @@ def fill_parallel(
                 part = region.part(skip, n)
                 parts.append(part)
                 piece = Segment(seg.path, seg.offset + start, n)
-                tasks.append(lambda s=piece, p=part: copy_piece(s, p))
+                tasks.append(functools.partial(copy_piece, piece, part))
                 skip += n
         split.append((region, parts))
     try:

@@ -22,6 +22,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from .._fs import fsync, io_point, temp_file
 from ..errors import SafetensorsWriteError
@@ -84,6 +85,14 @@ def build_header(entries: Sequence[TensorEntry], metadata: Mapping[str, str] | N
     text = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     return struct.pack("<Q", len(text)) + text
+
+
+class TensorSink(Protocol):
+    """Where a tensor's bytes go, in order: a ``SafetensorsWriter`` (the tensor begun) or a ``Region`` of one."""
+
+    def write(self, data) -> None: ...
+
+    def copy_range(self, src_fd: int, offset: int, nbytes: int) -> None: ...
 
 
 def copy_bytes(src_fd: int, offset: int, nbytes: int, dst_fd: int, dst_pos: int) -> int:
@@ -194,7 +203,7 @@ class SafetensorsWriter:
     def copy_range(self, src_fd: int, offset: int, nbytes: int) -> None:
         """Append ``nbytes`` read from ``src_fd`` at ``offset``, in the kernel when possible."""
         self._check_room(nbytes)
-        self._pos += copy_bytes(src_fd, offset, nbytes, self._fd, self._pos)
+        self._pos += copy_bytes(src_fd, offset, nbytes, self._open_fd(), self._pos)
 
     # -- writing in parallel -----------------------------------------------------------------
 
@@ -205,7 +214,7 @@ class SafetensorsWriter:
             raise SafetensorsWriteError("regions() after tensors were written in order")
         out, start = [], self.data_start
         for entry in self.entries:
-            out.append(Region(self._fd, entry.name, start, start + entry.nbytes))
+            out.append(Region(self._open_fd(), entry.name, start, start + entry.nbytes))
             start += entry.nbytes
         return out
 
@@ -226,8 +235,9 @@ class SafetensorsWriter:
             raise SafetensorsWriteError(f"{self.path.name}: only {written} of {len(self.entries)} tensors written")
         if self._pos != self.nbytes:
             raise SafetensorsWriteError(f"{self.path.name}: wrote {self._pos} bytes, expected {self.nbytes}")
-        fsync(self._fd)
-        os.close(self._fd)
+        fd = self._open_fd()
+        fsync(fd)
+        os.close(fd)
         self._fd = None
 
     def abort(self) -> None:
@@ -237,6 +247,11 @@ class SafetensorsWriter:
         self.tmp_path.unlink(missing_ok=True)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _open_fd(self) -> int:
+        if self._fd is None:
+            raise SafetensorsWriteError(f"{self.path.name}: written after finish() or abort()")
+        return self._fd
 
     def _check_room(self, nbytes: int) -> None:
         if self._index < 0:
@@ -250,6 +265,6 @@ class SafetensorsWriter:
         view = memoryview(data).cast("B")
         while view:
             io_point("write")
-            n = os.pwrite(self._fd, view, self._pos)
+            n = os.pwrite(self._open_fd(), view, self._pos)
             self._pos += n
             view = view[n:]

@@ -26,7 +26,7 @@ from .._commit import commit, recover
 from .._fs import exclusive, fsync, io_point, sweep, temp_file
 from ..checkpoint.embedded import SAFETENSORS_KEY as MANIFEST_KEY
 from ..checkpoint.embedded import pointer_metadata, safetensors_metadata
-from ..errors import CkptspecError, ForeignOutput, ReconstructUnsupported
+from ..errors import ForeignOutput, InputOutputError, ReconstructUnsupported
 from ..format.dtypes import output_dtype
 from ..location import refuse_write
 from .arrays import ShardReader, read_array, stream
@@ -56,7 +56,7 @@ def _refuse_inside(out: Path, tag_dir: Path) -> None:
     """CK906 for an output in the tag directory being read (or below it): the weights are no part of the
     checkpoint, a sidecar would no longer list every file, and `validate` would warn (CK226) ever after."""
     if isinstance(tag_dir, Path) and out.resolve().is_relative_to(tag_dir.resolve()):
-        raise CkptspecError(
+        raise InputOutputError(
             "CK906",
             f"the output is inside the checkpoint's own tag directory {tag_dir}: ckptspec does not write into a "
             "checkpoint it reads",

@@ -30,16 +30,17 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import msgpack
 
 from .._fs import write_atomic
-from ..errors import CkptspecError, InvalidDocument, NotEncodable
-from ..location import RemotePath, is_remote, location, not_found, refuse_write
+from ..errors import InputOutputError, InvalidDocument, NotEncodable
+from ..location import AnyPath, RemotePath, is_remote, location, not_found, refuse_write
 from .json_fast import dumps_compact, dumps_indented, dumps_reference
 
 if TYPE_CHECKING:
+    from .index_models import CheckpointIndex
     from .models import Manifest
 
 Encoding = Literal["json", "msgpack"]
@@ -49,7 +50,7 @@ STDIO = "-"  # as a file name: standard input for a reader, standard output for 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: never a JSON or msgpack manifest
 
 
-def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding:
+def encoding_for(path: AnyPath, data: bytes | None = None) -> Encoding:
     """By extension first; otherwise sniff: msgpack maps start with 0x80-0x8f/0xde/0xdf."""
     suffix = Path(str(path)).suffix.lower()  # str(): a URL (location.RemotePath) has a suffix too
     if suffix in MSGPACK_SUFFIXES:
@@ -60,7 +61,7 @@ def encoding_for(path: str | os.PathLike, data: bytes | None = None) -> Encoding
     return "msgpack" if (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)) else "json"
 
 
-def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+def read_bytes(path: AnyPath, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     """The bytes of a manifest file, ``-`` being standard input (as for cat, jq and json.tool)."""
     name = str(path)
     if name == STDIO:
@@ -68,7 +69,7 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
     else:
         data = _read_file(path, max_bytes)
     if len(data) > max_bytes:  # standard input, or a device, FIFO or /proc file that reports size 0
-        raise CkptspecError(
+        raise InputOutputError(
             "CK902",
             f"file holds more than the {max_bytes}-byte limit",
             "raise the limit with --max-size if this file is really a manifest",
@@ -77,22 +78,22 @@ def read_bytes(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> b
     return data
 
 
-def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
+def _read_file(path: AnyPath, max_bytes: int) -> bytes:
     name = str(path)
-    if is_remote(path):
-        return _read_remote(location(path), max_bytes)
+    if isinstance(path, RemotePath) or is_remote(path):
+        return _read_remote(cast(RemotePath, location(path)), max_bytes)
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
-        raise CkptspecError("CK901", "file not found", "check the path", name) from None
+        raise InputOutputError("CK901", "file not found", "check the path", name) from None
     except OSError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
         ) from None
     if os.path.isdir(path):
-        raise CkptspecError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
+        raise InputOutputError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
     if size > max_bytes:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK902",
             f"file is {size} bytes, over the {max_bytes}-byte limit",
             "raise the limit with --max-size if this file is really a manifest",
@@ -102,7 +103,7 @@ def _read_file(path: str | os.PathLike, max_bytes: int) -> bytes:
         with open(path, "rb") as fh:
             return fh.read(max_bytes + 1)
     except OSError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK901", f"cannot read file: {exc.strerror}", "check the path and permissions", name
         ) from None
 
@@ -111,12 +112,12 @@ def _read_remote(path: RemotePath, max_bytes: int) -> bytes:
     """A manifest at a URL: one request for its size, one for its bytes (``RemoteError`` when it cannot be had)."""
     name = str(path)
     if path.is_dir():
-        raise CkptspecError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
+        raise InputOutputError("CK901", "is a directory, not a manifest file", "pass the manifest file", name)
     if not path.is_file():
         raise not_found(name, "file not found")
     size = path.stat().st_size
     if size > max_bytes:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK902",
             f"file is {size} bytes, over the {max_bytes}-byte limit",
             "raise the limit with --max-size if this file is really a manifest",
@@ -129,8 +130,10 @@ def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _Duplicate(dup)
+        for key, _ in pairs:
+            if key in seen:
+                raise _Duplicate(key)
+            seen.add(key)
     return obj
 
 
@@ -233,7 +236,8 @@ def _floats_where_numbers_belong(doc: Any) -> int:
     found = _floats_in(optimizer.get("clip_grad"))
     scaler = optimizer.get("loss_scaler")
     settings = [scaler.get("state")] if type(scaler) is dict else []
-    for group in optimizer.get("groups") if type(optimizer.get("groups")) is list else ():
+    groups = optimizer.get("groups")
+    for group in groups if type(groups) is list else ():
         if type(group) is dict:
             found += _floats_in(group.get("step"))
             settings.append(group.get("hyperparameters"))
@@ -262,17 +266,17 @@ def decode_document(data: bytes, encoding: Encoding, name: str = "<input>") -> t
             "CK904", f"duplicate key {dup.args[0]!r}", "every key may appear once per object", name
         ) from None
     except UnicodeDecodeError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK903", f"not UTF-8 text (byte {exc.start})", "save the manifest as UTF-8 JSON or msgpack", name
         ) from None
     except RecursionError:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK903", "nesting is too deep to be a manifest", "check that this is a ckptspec manifest", name
         ) from None
     except (ValueError, msgpack.UnpackException, msgpack.ExtraData, TypeError, OverflowError) as exc:
         what = "msgpack" if encoding == "msgpack" else "JSON"
         detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise CkptspecError(
+        raise InputOutputError(
             "CK903", f"not valid {what}: {detail}", f"check that this is a {what} manifest", name
         ) from None
 
@@ -286,7 +290,7 @@ def decode(data: bytes, encoding: Encoding, name: str = "<input>") -> Any:
 
 
 def load_document(
-    path: str | os.PathLike,
+    path: AnyPath,
     max_bytes: int = DEFAULT_MAX_BYTES,
     encoding: Encoding | None = None,
 ) -> Any:
@@ -295,14 +299,14 @@ def load_document(
 
 
 def read_document(
-    path: str | os.PathLike,
+    path: AnyPath,
     max_bytes: int = DEFAULT_MAX_BYTES,
     encoding: Encoding | None = None,
 ) -> tuple[Any, bool]:
     """``load_document``, also telling whether the document holds floats."""
     data = read_bytes(path, max_bytes)
     if data.startswith(ZIP_MAGIC):
-        raise CkptspecError(
+        raise InputOutputError(
             "CK903",
             "a zip archive such as a torch checkpoint file (*_model_states.pt), not a manifest",
             "pass the checkpoint directory instead: `ckptspec validate DIR` checks a checkpoint against its own "
@@ -310,7 +314,7 @@ def read_document(
             str(path),
         )
     if is_safetensors(data):
-        raise CkptspecError(
+        raise InputOutputError(
             "CK903",
             "a safetensors file (weights, such as a `ckptspec reconstruct` output), not a manifest",
             "`ckptspec extract FILE` prints the manifest it embeds; `ckptspec validate` takes a manifest or a "
@@ -339,7 +343,11 @@ def _sorted_maps(value: Any) -> Any:
 
 
 def dumps(
-    manifest: Manifest | dict, encoding: Encoding = "json", *, compact: bool = False, reference: bool = False
+    manifest: Manifest | CheckpointIndex | dict,
+    encoding: Encoding = "json",
+    *,
+    compact: bool = False,
+    reference: bool = False,
 ) -> bytes:
     """Canonical bytes of a manifest (a model, or a plain decoded document).
 
@@ -373,7 +381,7 @@ def encoding_for_output(path: str | os.PathLike, override: Encoding | None = Non
     return "msgpack" if Path(path).suffix.lower() in MSGPACK_SUFFIXES else "json"
 
 
-def write_manifest(manifest: Manifest | dict, output: str, encoding: Encoding | None = None) -> None:
+def write_manifest(manifest: Manifest | CheckpointIndex | dict, output: str, encoding: Encoding | None = None) -> None:
     """``output`` '-' is stdout (JSON unless ``encoding`` says msgpack)."""
     try:
         data = dumps(manifest, encoding_for_output(output, encoding))
@@ -388,6 +396,6 @@ def write_manifest(manifest: Manifest | dict, output: str, encoding: Encoding | 
     try:
         write_atomic(output, data)
     except OSError as exc:
-        raise CkptspecError(
+        raise InputOutputError(
             "CK906", f"cannot write: {exc.strerror}", "check the output directory exists and is writable", output
         ) from None

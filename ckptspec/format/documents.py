@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidManifest
 from ..findings import Finding, finding
+from ..location import AnyPath
 from .codec import DEFAULT_MAX_BYTES, Encoding, gc_paused, read_document
 from .index_validate import IndexReport, is_index, validate_index_document
 from .validate import Report, validate_decoded
@@ -33,7 +34,7 @@ def _not_a_manifest() -> Finding:
 
 
 def validate_file(
-    path: str | os.PathLike,
+    path: AnyPath,
     max_bytes: int = DEFAULT_MAX_BYTES,
     encoding: Encoding | None = None,
     *,
@@ -47,7 +48,7 @@ def validate_file(
 
 
 def read_and_validate(
-    path: str | os.PathLike,
+    path: AnyPath,
     max_bytes: int = DEFAULT_MAX_BYTES,
     encoding: Encoding | None = None,
     *,

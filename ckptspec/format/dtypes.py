@@ -3,7 +3,13 @@ torch), and the output dtypes a reconstruction accepts."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, TypeGuard
+
+# Every dtype the schema allows, as a type (``models.Dtype``).
+Dtype = Literal[
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+    "int64", "int32", "int16", "int8", "uint8", "bool", "complex64", "complex128",
+]  # fmt: skip
 
 # Bytes per element of every dtype the schema allows (docs/spec.md has the same table).
 ITEMSIZE = {
@@ -20,10 +26,15 @@ OUTPUT_DTYPES = {
 }  # fmt: skip
 
 
-def dtype_name(dtype: Any) -> str:
+def is_dtype(name: object) -> TypeGuard[Dtype]:
+    """A dtype the format names."""
+    return isinstance(name, str) and name in ITEMSIZE
+
+
+def dtype_name(dtype: Any) -> Dtype:
     """``torch.bfloat16`` -> ``"bfloat16"``; refuses dtypes the format does not name."""
     name = str(dtype).removeprefix("torch.")
-    if name not in ITEMSIZE:
+    if not is_dtype(name):
         raise ValueError(f"dtype {dtype} has no name in manifest format 1.0")
     return name
 

@@ -12,13 +12,13 @@ The schema is normative; ``tests/unit/format/test_index.py`` proves both agree o
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import Field, Strict, StringConstraints
 
 from .models import Count, Dtype, Hash, Manifest, Name, Positive, Producer, SemVer, Shape, _Model
 
-INDEX_FORMAT = "ckptspec.checkpoint"
+INDEX_FORMAT: Final = "ckptspec.checkpoint"
 INDEX_VERSION = "1.0.0"
 
 DomainId = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=256)]

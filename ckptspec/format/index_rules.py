@@ -208,7 +208,9 @@ def shards_compose(doc: dict) -> Iterator[Finding]:
             axes = {s["placement"]["split"]["axis"] for s in shards}
             axis = axes.pop() if len(axes) == 1 else None
             if axis is None or axis >= len(shape):
-                yield finding("CK605", at, f"{param['name']}: split along axes {sorted(axes | {axis})}", _SPLIT_HINT)
+                # shards split along several axes: name them (sorting them with None raised a TypeError: CK999)
+                named = sorted(axes) if axis is None else [axis]
+                yield finding("CK605", at, f"{param['name']}: split along axes {named}", _SPLIT_HINT)
                 continue
             blocks = [(s["placement"]["split"]["offset"], s["placement"]["split"]["length"]) for s in shards]
             wrong = [
@@ -353,7 +355,7 @@ def master_dtype(doc: dict) -> Iterator[Finding]:
     low-precision weights beside a checkpoint's masters are never masters."""
     for i, domain in enumerate(doc["domains"]):
         want = domain["manifest"]["layout"]["master_dtype"]
-        located = [
+        located: list[tuple[Any, ...]] = [
             ("masters", "tensors", j, loc) for j, loc in enumerate((domain.get("masters") or {}).get("tensors", []))
         ]
         located += [("replicas", j, loc) for j, loc in enumerate(domain.get("replicas") or [])]

@@ -78,7 +78,7 @@ def holds_no_float(value: Any) -> bool:
         kinds = set(map(type, level))
         if not kinds <= _PLAIN | {list, tuple, dict}:
             return False
-        below = []
+        below: list[Any] = []
         for kind in (list, tuple, dict):
             if kind in kinds:
                 of_kind = compress(level, map(_IS, map(type, level), repeat(kind)))

@@ -63,10 +63,12 @@ def unregister_migration(from_version: str, to_version: str) -> None:
 
 def register_schema(version: str, schema: dict | str | os.PathLike) -> None:
     """Register the JSON Schema of a version this release does not ship (a dict or a file)."""
-    if not isinstance(schema, dict):
+    if isinstance(schema, dict):
+        loaded = schema
+    else:
         with open(schema, encoding="utf-8") as fh:
-            schema = json.load(fh)
-    _SCHEMAS[version_key(version)] = schema
+            loaded = json.load(fh)
+    _SCHEMAS[version_key(version)] = loaded
 
 
 def unregister_schema(version: str) -> None:

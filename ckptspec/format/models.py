@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from .dtypes import Dtype
+
 INT64_MAX = 2**63 - 1
 
 # Strict (the config): an int refuses True and 3.0, a str refuses bytes. JSON Schema counts 3.0
@@ -22,22 +24,6 @@ Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 Positive = Annotated[int, Field(ge=1, le=1048576)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 Shape = Annotated[list[Count], Field(max_length=64)]
-Dtype = Literal[
-    "float64",
-    "float32",
-    "float16",
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint8",
-    "bool",
-    "complex64",
-    "complex128",
-]
 SemVer = Annotated[
     str,
     StringConstraints(pattern=r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$"),
@@ -51,8 +37,10 @@ Timestamp = Annotated[
 ]
 
 
-def _text(max_length: int) -> Any:
-    return Annotated[str, StringConstraints(min_length=1, max_length=max_length)]
+# Non-empty text of at most N characters (the schema's minLength 1, maxLength N).
+Text256 = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+Text1024 = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+Text4096 = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
 
 
 class _Model(BaseModel):
@@ -99,10 +87,10 @@ class TolerantDigest(Digest):
 
 
 class Producer(_Model):
-    tool: _text(256)
-    tool_version: _text(256)
-    framework: _text(256)
-    framework_version: _text(256)
+    tool: Text256
+    tool_version: Text256
+    framework: Text256
+    framework_version: Text256
     created: Timestamp = None  # type: ignore[assignment]  # absent, never null
     metadata: Annotated[
         dict[
@@ -124,7 +112,7 @@ class Layout(_Model):
     round_robin: bool
     parameter_alignment: bool
     tail_padding_saved: bool
-    optimizer: _text(256) = None  # type: ignore[valid-type]
+    optimizer: Text256 = None  # type: ignore[assignment]  # absent, never null
     sub_group_size: Count = None  # type: ignore[assignment]
     exclude_frozen_parameters: bool = None  # type: ignore[assignment]
     byte_order: Literal["little"] = None  # type: ignore[assignment]
@@ -177,7 +165,7 @@ class Alias(_Model):
 
 class ExcludedParam(_Model):
     name: Name
-    reason: _text(1024)
+    reason: Text1024
 
 
 class Hash(_Model):
@@ -188,7 +176,7 @@ class Hash(_Model):
 class Locator(_Model):
     group: Count
     rank: Count
-    member: _text(4096)
+    member: Text4096
     data_offset: Count
     member_size: Count
     dtype: Dtype
@@ -198,7 +186,7 @@ class Locator(_Model):
 
 class TensorLocator(_Model):
     name: Name
-    member: _text(4096)
+    member: Text4096
     data_offset: Count
     member_size: Count
     dtype: Dtype
@@ -208,7 +196,7 @@ class TensorLocator(_Model):
 
 class ModelWeightsLocator(_Model):
     group: Count
-    member: _text(4096)
+    member: Text4096
     data_offset: Count
     member_size: Count
     dtype: Dtype
@@ -220,7 +208,7 @@ class StateLocator(_Model):
     group: Count
     rank: Count
     state: StateName
-    member: _text(4096)
+    member: Text4096
     data_offset: Count
     member_size: Count
     dtype: Dtype
@@ -229,7 +217,7 @@ class StateLocator(_Model):
 
 
 class ShardFile(_Model):
-    path: _text(4096)
+    path: Text4096
     role: Literal["model_states", "optimizer_states", "other"]
     ranks: Annotated[list[Count], Field(max_length=1048576)]
     size: Count
@@ -241,7 +229,7 @@ class ShardFile(_Model):
 
 
 class LossScaler(_Model):
-    kind: _text(256)
+    kind: Text256
     state: Values
 
 
@@ -254,7 +242,7 @@ class OptimizerGroup(_Model):
 class Optimizer(_Model):
     model_config = ConfigDict(populate_by_name=True)  # "class" is a Python keyword: the field is class_
 
-    class_: _text(256) = Field(alias="class")
+    class_: Text256 = Field(alias="class")
     groups: Annotated[list[OptimizerGroup], Field(max_length=1_000_000)]
     loss_scaler: LossScaler = None  # type: ignore[assignment]
     clip_grad: NonNegative = None  # type: ignore[assignment]
@@ -264,7 +252,7 @@ class Save(_Model):
     global_steps: Count
     global_samples: Count
     skipped_steps: Count
-    id: _text(256) = None  # type: ignore[valid-type]
+    id: Text256 = None  # type: ignore[assignment]  # absent, never null
 
 
 class Manifest(_Model):

@@ -15,10 +15,14 @@ from collections import deque
 from collections.abc import Sequence
 from itertools import accumulate, repeat
 from operator import setitem
-from typing import TYPE_CHECKING, NamedTuple
+from types import GenericAlias
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:
-    from .models import Group
+    from pydantic import TypeAdapter
+
+    from .dtypes import Dtype
+    from .models import Group, Param
 
 # DeepSpeed pads each stage 1/2 flat group to nccl_start_alignment_factor (2) x world size.
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -50,7 +54,8 @@ class ParamColumns(NamedTuple):
 
 
 _FIELDS = ("name", "shape", "numel", "dtype", "offset", "padding")
-_bulk = None  # (Param, its columns' validators) once made; False where the made objects would differ
+# (Param, its columns' validators) once made; False where the made objects would differ
+_bulk: tuple[type[Param], dict[str, TypeAdapter[Any]]] | Literal[False] | None = None
 
 
 def _params(
@@ -83,7 +88,7 @@ def _params(
     return [Param(**dict(zip(columns, row))) for row in zip(*columns.values())]
 
 
-def _bulk_validators():
+def _bulk_validators() -> tuple[type[Param], dict[str, TypeAdapter[Any]]] | Literal[False]:
     """``(Param, a validator of each column)``, or False when the objects ``_made`` makes are not
     what validation makes (checked once: another pydantic)."""
     global _bulk
@@ -92,7 +97,9 @@ def _bulk_validators():
     from .models import Param
 
     strict = ConfigDict(strict=True)
-    validators = {k: TypeAdapter(list[Param.model_fields[k].rebuild_annotation()], config=strict) for k in _FIELDS}
+    # list[the field's type], a type known only at run time (GenericAlias is what list[...] makes)
+    columns: dict[str, Any] = {k: GenericAlias(list, (Param.model_fields[k].rebuild_annotation(),)) for k in _FIELDS}
+    validators = {k: TypeAdapter(columns[k], config=strict) for k in _FIELDS}
     row = dict(zip(_FIELDS, ("w", [2], 2, "float32", 0, 0)))
     made, validated = _made(Param, {k: [v] for k, v in row.items()}, 1)[0], Param.model_validate(row)
     same = all(getattr(made, a) == getattr(validated, a) for a in _STATE) and made == validated
@@ -103,14 +110,14 @@ def _bulk_validators():
 _STATE = ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
 
 
-def _made(cls: type, columns: dict[str, list], rows: int) -> list:
+def _made(cls: type[Param], columns: dict[str, Sequence[Any]], rows: int) -> list:
     """``rows`` objects of ``cls`` holding these (validated) columns, as ``model_validate`` leaves them."""
     # Each __dict__ a copy of one with every field (a dict's table is copied whole), one column at a time
     # written in, then the objects' state set: no Python call per object.
     values = list(map(dict.copy, repeat(dict.fromkeys(cls.model_fields), rows)))
     for key, column in columns.items():
         deque(map(setitem, values, repeat(key), column), 0)
-    made = list(map(cls.__new__, repeat(cls, rows)))
+    made: list[Param] = list(map(cls.__new__, repeat(cls, rows)))
     set_ = object.__setattr__
     deque(map(set_, made, repeat("__dict__"), values), 0)
     deque(map(set_, made, repeat("__pydantic_fields_set__"), map(set.copy, repeat(set(columns), rows))), 0)
@@ -119,7 +126,12 @@ def _made(cls: type, columns: dict[str, list], rows: int) -> list:
     return made
 
 
-def frozen_params(names: list[str], shapes: list[tuple[int, ...]], dtypes: list[str], stored_in: str) -> list:
+def frozen_params(
+    names: list[str],
+    shapes: list[tuple[int, ...]],
+    dtypes: list[Dtype],
+    stored_in: Literal["module", "fragments", "partitioned_fragments"],
+) -> list:
     """The ``FrozenParam`` of each (name, shape, dtype), all ``stored_in`` one place."""
     from .models import FrozenParam  # on use: the rules import this module without pydantic
 

@@ -112,7 +112,8 @@ def _validate(doc: Any, *, plain: bool, build_model: bool, reference: bool) -> R
         if failure is not None:
             return Report(findings + [failure])
     try:
-        checked = doc if rules_read_doc else manifest.to_dict()
+        # the model was built above unless the rules read the document itself
+        checked = doc if rules_read_doc or manifest is None else manifest.to_dict()
     except UnicodeEncodeError:
         # The models keep a newer minor's unknown fields as they are, lone surrogates included,
         # and cannot serialize them.
@@ -134,7 +135,7 @@ def _validate(doc: Any, *, plain: bool, build_model: bool, reference: bool) -> R
 
 def _lone_surrogate_path(doc: Any) -> str:
     """The JSON path of the first string (key or value) that is not Unicode text."""
-    stack = [(doc, ())]
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(doc, ())]
     while stack:
         value, where = stack.pop()
         if isinstance(value, str):

@@ -7,10 +7,11 @@ on the version without paying for the models it may not build.
 from __future__ import annotations
 
 import re
+from typing import Final
 
 from ..findings import Finding, finding, json_path
 
-FORMAT_NAME = "ckptspec.manifest"
+FORMAT_NAME: Final = "ckptspec.manifest"
 FORMAT_VERSION = "1.1.0"
 SUPPORTED_MAJOR, SUPPORTED_MINOR = (int(x) for x in FORMAT_VERSION.split(".")[:2])
 

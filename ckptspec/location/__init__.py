@@ -36,7 +36,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeAlias, cast
 from urllib.parse import unquote
 
 from ..errors import FileUnreadable, RemoteError
@@ -47,6 +47,9 @@ from .remote_path import RemotePath
 from .settings import CHUNK, Fetched, fetched
 from .store import forget, store_for
 from .stream import RangeStream, fetch_range, iter_chunks
+
+# What a reader takes: a local path, or a URL (a str, or a ``RemotePath``) read through fsspec.
+AnyPath: TypeAlias = str | os.PathLike | RemotePath
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*(?:::[A-Za-z][A-Za-z0-9+.\-]*)*://")
 
@@ -65,7 +68,7 @@ def is_remote(name: Any) -> bool:
     return is_url(name) and not name.lower().startswith("file://")
 
 
-def location(name: str | os.PathLike | RemotePath) -> Path | RemotePath:
+def location(name: AnyPath) -> Path | RemotePath:
     """What ``name`` names: a ``Path`` for a local name or ``file://`` URL, a ``RemotePath`` for any other URL."""
     if isinstance(name, (Path, RemotePath)):
         return name
@@ -99,11 +102,12 @@ def refuse_write(name: str | os.PathLike, what: str) -> None:
         )
 
 
-def open_binary(path: str | os.PathLike | RemotePath) -> BinaryIO:
+def open_binary(path: AnyPath) -> BinaryIO:
     """A seekable binary file: ``open(path, "rb")`` for a local path, ranged reads for a remote one."""
     where = location(path)
     if isinstance(where, RemotePath):
-        return RangedFile(where._store.handle(where.path))
+        # A RawIOBase: BinaryIO's read/seek/tell/close, which is all a reader of the file uses.
+        return cast(BinaryIO, RangedFile(where._store.handle(where.path)))
     return open(where, "rb")
 
 
@@ -132,6 +136,7 @@ def relative_name(file: str, root: Path | RemotePath) -> str | None:
 
 
 __all__ = [
+    "AnyPath",
     "CHUNK",
     "FileHashes",
     "Fetched",

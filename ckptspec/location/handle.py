@@ -137,7 +137,9 @@ class RangedFile(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._handle.size}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: -1}[whence]
+        if whence == io.SEEK_END:
+            base = self._handle.known_size()  # known since __init__ (_opened): no request
         if base + offset < 0:
             raise OSError(errno.EINVAL, "negative seek position")
         self._pos = base + offset

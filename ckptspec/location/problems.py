@@ -7,8 +7,9 @@ import errno
 from ..errors import RemoteError
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    out, seen = [], set()
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    out: list[BaseException] = []
+    seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         out.append(exc)

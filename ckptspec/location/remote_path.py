@@ -118,8 +118,8 @@ class RemotePath:
         if info is None:
             raise not_found(str(self))
         if info.get("size") is None:
-            info = self._store.handle(self.path)
-            return _Stat(int(info.size if info.size is not None else 0))
+            handle = self._store.handle(self.path)
+            return _Stat(int(handle.size if handle.size is not None else 0))
         return _Stat(int(info["size"]))
 
     def iterdir(self) -> Iterator[RemotePath]:

@@ -6,6 +6,7 @@ import os
 import re
 import threading
 import time
+from typing import Any
 from urllib.parse import unquote
 
 from ..errors import RemoteError
@@ -17,7 +18,7 @@ from .remote_path import RemotePath
 
 _lock = threading.Lock()
 _stores: dict[int, _Store] = {}  # id(fsspec filesystem) -> what was seen through it
-_made: dict[type, tuple] = {}  # fsspec filesystem class -> the backends' environment when one was last made
+_made: dict[Any, tuple] = {}  # fsspec filesystem class -> the backends' environment when one was last made
 _ENVIRONMENT = ("AWS_", "BOTO", "GOOGLE_", "GCS", "HF_", "HUGGING_FACE", "FSSPEC_")
 
 

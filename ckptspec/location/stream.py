@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 from . import settings
 from .kept import parts
@@ -50,6 +49,7 @@ class RangeStream:
             if piece is None:
                 return
             path, start, end, data = piece
+            future: Future[bytes | memoryview]
             if data is None:
                 handle = path._store.handle(path.path)
                 future = self._pool.submit(handle.fetch, start, end)
@@ -103,7 +103,7 @@ def fetch_range(path: RemotePath, start: int, end: int) -> bytes:
     return path._store.handle(path.path).fetch(start, end)
 
 
-def iter_chunks(path: Path | RemotePath) -> Iterator[bytes]:
+def iter_chunks(path: RemotePath) -> Iterator[bytes]:
     """Every byte of a remote file, in order, fetched ahead (for hashing)."""
     size = path.stat().st_size
     with RangeStream([(path, 0, size)]) as stream:

@@ -21,7 +21,7 @@ from ...checkpoint.embedded import (
 )
 from ...checkpoint.sidecar import find_sidecars
 from ...checkpoint.states import StateCache
-from ...errors import CkptspecError, InvalidCheckpoint
+from ...errors import CkptspecError, InputOutputError, InvalidCheckpoint
 from ...findings import Finding, finding
 from ...location import RemotePath, location, not_found
 from ..layout.names import MODEL_RE, file_order, role_of
@@ -85,7 +85,7 @@ def find_copies(target: str | os.PathLike, tag: str | None = None) -> list[Embed
     if not p.exists():
         if isinstance(p, RemotePath):
             raise not_found(str(p), "file or directory not found")
-        raise CkptspecError("CK901", "file or directory not found", "check the path", str(p))
+        raise InputOutputError("CK901", "file or directory not found", "check the path", str(p))
     return copies_in_dir(p, tag) if p.is_dir() else copies_in_file(p)
 
 

@@ -132,7 +132,7 @@ def counters(model_state: Any) -> dict[str, int] | None:
     """The training counters DeepSpeed saves in the model states, or None when one is missing."""
     if not isinstance(model_state, dict):
         return None
-    out = {key: model_state.get(key) for key in ("global_steps", "global_samples", "skipped_steps")}
+    out: dict[str, Any] = {key: model_state.get(key) for key in ("global_steps", "global_samples", "skipped_steps")}
     if not all(type(v) is int and v >= 0 for v in out.values()):
         return None
     return out
@@ -154,7 +154,9 @@ def save_from_states(model_state: Any) -> Save | None:
     found = counters(model_state)
     if found is None:
         return None
-    save = Save(**found)
+    save = Save(
+        global_steps=found["global_steps"], global_samples=found["global_samples"], skipped_steps=found["skipped_steps"]
+    )
     embedded = (embedded_copy(model_state) or {}).get("save")
     if isinstance(embedded, dict) and isinstance(embedded.get("id"), str) and embedded["id"]:
         save.id = embedded["id"]

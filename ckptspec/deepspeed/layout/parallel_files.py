@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ..._fs import is_leftover
 from ...checkpoint.states import StateCache
@@ -36,7 +37,7 @@ class Degrees:
     tensor: int
     data: int
     model_parallel: int
-    source: str  # "checkpoint_parallel_dimensions" | "derived"
+    source: Literal["checkpoint_parallel_dimensions", "derived"]
 
     def coordinate(self, mp_rank: int) -> tuple[int, int]:
         """(pipeline stage, tensor rank) of a checkpoint mp rank."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..._fs import is_leftover
 from ...checkpoint.output_names import is_output_name
-from ...errors import CkptspecError, FileUnreadable, InvalidCheckpoint, UnsupportedCheckpoint
+from ...errors import FileUnreadable, InputOutputError, InvalidCheckpoint, UnsupportedCheckpoint
 from ...location import RemotePath, location, not_found, walk
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 
@@ -48,9 +48,11 @@ def _resolve(root: Path | RemotePath, tag: str | None) -> Path | RemotePath:
     if not root.exists():
         if isinstance(root, RemotePath):
             raise not_found(str(root), "checkpoint directory not found")
-        raise CkptspecError("CK901", "checkpoint directory not found", "check the path", str(root))
+        raise InputOutputError("CK901", "checkpoint directory not found", "check the path", str(root))
     if not root.is_dir():
-        raise CkptspecError("CK901", "not a directory", "pass a DeepSpeed save directory or a tag directory", str(root))
+        raise InputOutputError(
+            "CK901", "not a directory", "pass a DeepSpeed save directory or a tag directory", str(root)
+        )
     if tag is not None:
         if not is_tag_name(tag):
             raise InvalidCheckpoint(

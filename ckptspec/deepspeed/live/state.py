@@ -14,7 +14,7 @@ from itertools import compress, repeat
 from operator import itemgetter, not_
 from typing import Any
 
-from ...format.dtypes import dtype_name
+from ...format.dtypes import Dtype, dtype_name
 from ...format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
 from ...format.partition import frozen_params
 from ..describe.scalars import plain_values
@@ -141,7 +141,7 @@ def save_of_engine(engine) -> Save:
     )
 
 
-def master_dtype_of_engine(engine, stage: int) -> str:
+def master_dtype_of_engine(engine, stage: int) -> Dtype:
     opt = engine.optimizer
     if stage == 3:
         return dtype_name(opt.fp32_partitioned_groups_flat[0].dtype)

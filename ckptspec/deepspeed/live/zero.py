@@ -17,6 +17,7 @@ from operator import attrgetter
 from ..._version import __version__
 from ...errors import UnsupportedEngine
 from ...format.codec import gc_paused
+from ...format.dtypes import Dtype
 from ...format.models import ExcludedParam, Layout, Manifest, Producer
 from ...format.version import FORMAT_NAME, FORMAT_VERSION
 from .groups import (
@@ -108,7 +109,7 @@ def _engine_layout(engine, exclude_frozen_parameters: bool) -> Manifest:
             for p in walk.params
             if names[id(p)] not in trainable
         ]
-    model_dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
+    model_dtype: Dtype = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else "float32"
     master = master_dtype_of_engine(engine, stage)
     zero_cfg = engine._config.zero_config
     layout = Layout(

@@ -10,6 +10,8 @@ publishes the tag and ``latest``. Every rank returns rank 0's index.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ...checkpoint.states import StateCache
 from ...format.index_models import (
     CheckpointIndex,
@@ -18,6 +20,9 @@ from ...format.index_validate import validate_index
 from ..live.masters import gather_described
 from ..live.masters_index import with_engine_view
 from .protocol import publish_and_broadcast, save_request, save_staged
+
+if TYPE_CHECKING:
+    from ...format.codec import Encoding
 
 
 def index_of_saved(described: list[dict], folder, hash_algorithm: str | None) -> CheckpointIndex:
@@ -40,7 +45,7 @@ def save_masters_checkpoint(
     hash=True,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
-    sidecar_encoding: str = "json",
+    sidecar_encoding: Encoding = "json",
 ) -> CheckpointIndex:
     """``save_checkpoint`` of a stage-0, MoE or stage-0 pipeline engine; returns the index (every rank)."""
     import torch.distributed as dist
@@ -48,7 +53,7 @@ def save_masters_checkpoint(
     described = gather_described(engine, dist)  # refusals first, raised on every rank
     state, tag = save_request(engine, client_state, tag)
     staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)
-    box = [None]  # the document rank 0 publishes, shared with every rank
+    box: list[Any] = [None]  # the document rank 0 publishes, shared with every rank
 
     def describe():
         index = index_of_saved(described, staged, "sha256" if hash else None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...checkpoint.hashing import file_digest
 from ...checkpoint.states import StateCache
@@ -25,6 +26,9 @@ from ..layout.tag_dir import ShardSet
 from ..live.gather import gather
 from ..live.model_parallel import assemble, local_description
 from .protocol import describe_own_files, publish_and_broadcast, save_request, save_staged
+
+if TYPE_CHECKING:
+    from ...format.codec import Encoding
 
 
 def _own_files(engine, staged: Path, mine: dict, hash_algorithm: str | None) -> list[dict]:
@@ -91,7 +95,7 @@ def save_index_checkpoint(
     hash=True,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
-    sidecar_encoding: str = "json",
+    sidecar_encoding: Encoding = "json",
 ) -> CheckpointIndex:
     """``save_checkpoint`` of a tensor/pipeline-parallel engine; returns the complete index (every rank)."""
     import torch.distributed as dist

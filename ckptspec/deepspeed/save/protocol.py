@@ -27,13 +27,16 @@ import contextlib
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._fs import publish_dir, sweep, temp_dir, write_atomic
 from ...checkpoint.embedded import CLIENT_STATE_KEY
 from ...checkpoint.sidecar import SIDECAR_NAMES, write_sidecar
 from ...errors import InvalidManifest
 from .captured_state import capturing
+
+if TYPE_CHECKING:
+    from ...format.codec import Encoding
 
 
 def save_request(engine, client_state, tag) -> tuple[dict, str]:
@@ -52,7 +55,7 @@ def save_staged(
     killed one's: _fs.sweep); returns the temporary directory. ``captured``: receives the state of each
     model-states file handed to ``torch.save``, by file name (``captured_state.capturing``)."""
     distributed = dist.is_available() and dist.is_initialized()
-    staging = [None]
+    staging: list[str | None] = [None]
     if not distributed or dist.get_rank() == 0:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         sweep(save_dir)
@@ -67,11 +70,12 @@ def save_staged(
             save_latest=False,
             exclude_frozen_parameters=exclude_frozen_parameters,
         )
+    assert staging[0] is not None  # named by rank 0, broadcast to every rank
     return Path(save_dir) / staging[0]
 
 
 def publish_on_rank_0(
-    staged: Path, save_dir, tag: str, describe, sidecar_encoding: str, save_latest: bool
+    staged: Path, save_dir, tag: str, describe, sidecar_encoding: Encoding, save_latest: bool
 ) -> str | None:
     """Rank 0's commit: ``describe()`` gives the document and its validation report; a valid one is written
     as the sidecar, the tag published under its name and ``latest`` written. Returns what failed, if
@@ -123,7 +127,7 @@ def publish_and_broadcast(
     save_dir,
     tag: str,
     describe,
-    sidecar_encoding: str,
+    sidecar_encoding: Encoding,
     save_latest: bool,
     *,
     what: str,

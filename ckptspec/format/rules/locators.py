@@ -21,7 +21,7 @@ rule = RULES.register
 
 def _targets(doc: Document) -> dict[str, tuple[str, int, dict]]:
     """Locatable names: frozen parameters and buffers -> (section, index, entry)."""
-    out = {}
+    out: dict[str, tuple[str, int, dict]] = {}
     for section in ("frozen", "buffers"):
         for i, t in enumerate(doc[section]):
             out.setdefault(t["name"], (section, i, t))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 from ...findings import Finding, RuleSet, finding, json_path
 from .document import Document, RuleFn, params
@@ -16,7 +17,9 @@ rule = RULES.register
 def numel_matches_shape(doc: Document) -> Iterator[Finding]:
     """numel == product(shape); [] is a 0-d tensor (numel 1), a 0 in the shape gives 0."""
     prod = math.prod
-    sections = [(("groups", g, "params"), grp["params"]) for g, grp in enumerate(doc["groups"])]
+    sections: list[tuple[tuple[str | int, ...], Any]] = [
+        (("groups", g, "params"), grp["params"]) for g, grp in enumerate(doc["groups"])
+    ]
     sections.append((("frozen",), doc["frozen"]))
     for where, tensors in sections:
         for i, t in enumerate(tensors):

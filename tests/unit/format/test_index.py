@@ -61,6 +61,10 @@ def _swap_split(doc):  # rank 1's block of up.weight moved onto rank 0's: a gap 
     doc["parameters"][0]["shards"][1]["placement"]["split"]["offset"] = 0
 
 
+def _axes_disagree(doc):  # rank 1's block of up.weight split along the other axis (was: CK999, a TypeError)
+    doc["parameters"][0]["shards"][1]["placement"]["split"]["axis"] = 1
+
+
 def _two_primaries(doc):
     p = next(p for p in doc["parameters"] if p["shards"][0]["placement"] == "replicated")
     for s in p["shards"]:
@@ -133,6 +137,7 @@ RULE_CASES = [
     ),
     ("split-overlap", TP, _swap_split, "CK605", "$.parameters[0].shards"),
     ("two-primaries", TP, _two_primaries, "CK605", "$.parameters[3].shards"),
+    ("split-axes-disagree", TP, _axes_disagree, "CK605", "$.parameters[0].shards"),
     ("unclaimed", TP, _unclaimed, "CK606", "$.domains[0].manifest.groups"),
     ("claimed-twice", PP, _claimed_twice, "CK606", "$.parameters[1].shards[0]"),
     ("layer-of-other-stage", PP, _layer_of_other_stage, "CK607", "$.layer_files[3].tensors['down.bias']"),

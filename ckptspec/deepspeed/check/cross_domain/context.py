@@ -191,7 +191,7 @@ def one_save(ctx: IndexContext) -> Iterator[Finding]:
 def module_shards(ctx: IndexContext) -> Iterator[Finding]:
     """Each rank's saved module holds every shard with the index's local shape (a slice of another
     parameter, a transposed or resized slice)."""
-    shards = {}
+    shards: dict = {}
     for p in ctx.index.parameters:
         for s in p.shards:
             shards.setdefault(s.domain, {})[s.local_name] = (p.name, s.local_shape)

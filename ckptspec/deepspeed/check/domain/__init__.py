@@ -25,7 +25,7 @@ import os
 
 from ...._forked import Forked
 from ....checkpoint.states import StateCache
-from ....errors import CkptspecError
+from ....errors import InputOutputError
 from ....findings import Finding, RuleSet
 from ....format.models import Manifest
 from ....location import RemotePath, location
@@ -56,7 +56,7 @@ def check_checkpoint(
     """
     tag_dir = location(tag_dir)
     if not tag_dir.is_dir():
-        raise CkptspecError("CK901", "checkpoint tag directory not found", "check the path", str(tag_dir))
+        raise InputOutputError("CK901", "checkpoint tag directory not found", "check the path", str(tag_dir))
     digests = verify_hashes if verify_digests is None else verify_digests
     ctx = build_context(
         manifest, tag_dir, verify_hashes, states if states is not None else StateCache(), digests, scope
@@ -94,7 +94,7 @@ def _run(ctx) -> list[Finding]:
     if mine is None or sent is None:
         return [found for check in checks for found in check.check(ctx)]
     received = [[Finding(**f) for f in found] for found in json.loads(sent)]
-    in_order = [None] * len(checks)
+    in_order: list[list[Finding]] = [[] for _ in checks]
     in_order[0::2], in_order[1::2] = mine, received
     return [found for part in in_order for found in part]
 

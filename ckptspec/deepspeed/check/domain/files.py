@@ -140,7 +140,7 @@ def _globbed_by(rel: str) -> str:
 @check("CK208")
 def shard_size(ctx: Context) -> Iterator[Finding]:
     for f in ctx.files:
-        if f.on_disk and f.index not in ctx.before_embed:  # CK227: the manifest is stale, the file intact
+        if f.on_disk and f.path is not None and f.index not in ctx.before_embed:  # CK227: stale manifest, intact file
             size = f.path.stat().st_size
             if size != f.entry.size:
                 what = "truncated" if size < f.entry.size else "longer than recorded"
@@ -162,6 +162,7 @@ def manifest_predates_embed(ctx: Context) -> Iterator[Finding]:
     the very file it records (rebuilt without the embedded manifest: the recorded size, and hash)."""
     for index, earlier in sorted(ctx.before_embed.items()):
         f = ctx.files[index]
+        assert f.path is not None  # before_embed holds files read in the tag directory
         proof = f"{f.entry.hash.algorithm}" if f.entry.hash is not None and ctx.verify_hashes else "size"
         times = "" if earlier.embeds == 1 else f" {earlier.embeds} times"
         yield finding(

@@ -63,7 +63,8 @@ class _Tapper:
     """Hands each piece of one file to the digests whose ranges it overlaps (pieces come in order)."""
 
     def __init__(self, taps: list[tuple[int, int, int, int]], digests: list[_Digest]):
-        self.taps, self.digests, self.i, self.active = taps, digests, 0, []
+        self.taps, self.digests, self.i = taps, digests, 0
+        self.active: list = []
 
     def feed(self, start: int, data) -> None:
         end = start + len(data)

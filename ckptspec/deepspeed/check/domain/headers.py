@@ -180,6 +180,8 @@ def model_header(ctx: Context) -> Iterator[Finding]:
                 rank=f.rank,
             )
             continue
+        actual: list
+        expected_shapes: list
         if _saved_as_recorded(state["param_shapes"], recorded_shapes):
             actual, expected_shapes = [], []  # the same: what the slow way below would find
         else:

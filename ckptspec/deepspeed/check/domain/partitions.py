@@ -69,7 +69,7 @@ def partition_locator(ctx: Context) -> Iterator[Finding]:
     """The manifest's byte locators point at the flat partitions' real bytes."""
     for f, osd in ctx.optim_files():
         flat = osd.get(ctx.flat_key)
-        members = f.loaded.members or {}
+        members = (f.loaded.members if f.loaded is not None else None) or {}
         if not isinstance(flat, list):
             continue
         for k, loc in enumerate(f.entry.partitions):
