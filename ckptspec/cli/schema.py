@@ -7,6 +7,7 @@ import sys
 import click
 
 from ..format.schemas import MANIFEST_SCHEMAS, SCHEMAS_BY_KIND, schema_file, schema_text
+from ..format.version import version_order
 from ._common import EXIT_USAGE
 
 
@@ -35,7 +36,7 @@ def schema_command(version: str | None, report: bool, index: bool, list_all: boo
         raise click.UsageError("--report and --checkpoint-index name two kinds of document: choose one")
     if list_all:
         for kind, (files, latest) in SCHEMAS_BY_KIND.items():
-            for line, filename in sorted(files.items(), key=lambda item: tuple(map(int, item[0].split(".")))):
+            for line, filename in sorted(files.items(), key=lambda item: version_order(item[0])):
                 click.echo(f"{kind} {line} {filename}{' *' if line == latest else ''}")
         return
     kind = "report" if report else "checkpoint-index" if index else "manifest"

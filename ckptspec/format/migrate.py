@@ -32,7 +32,7 @@ from ..errors import InvalidInput, MigrationError
 from ..findings import Finding, finding, has_errors, json_path
 from .schemas import schema_findings
 from .validate import validate_document
-from .version import FORMAT_VERSION, SUPPORTED_MAJOR, version_key
+from .version import FORMAT_VERSION, SUPPORTED_MAJOR, version_key, version_order
 
 Migration = Callable[[dict], dict]
 
@@ -95,7 +95,7 @@ def registered(migrations: Mapping[tuple[str, str], Migration] = {}, schemas: Ma
 
 
 def known_migrations() -> list[tuple[str, str]]:
-    return sorted(_MIGRATIONS, key=lambda k: (tuple(map(int, k[0].split("."))), tuple(map(int, k[1].split(".")))))
+    return sorted(_MIGRATIONS, key=lambda k: (version_order(k[0]), version_order(k[1])))
 
 
 def migration_path(from_version: str, to_version: str) -> list[tuple[str, str]] | None:

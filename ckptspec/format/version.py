@@ -28,6 +28,11 @@ def version_key(version: str) -> str:
     return f"{int(parts[0])}.{int(parts[1])}"
 
 
+def version_order(version: str) -> tuple[int, ...]:
+    """A sort key of ``"1.10"`` after ``"1.9"`` (numbers, not text)."""
+    return tuple(map(int, version.split(".")))
+
+
 def full_version(version: str) -> str:
     """``"1.1"`` -> ``"1.1.0"`` (a full version is returned unchanged)."""
     key = version_key(version)
