@@ -28,6 +28,7 @@ from .format.version import FORMAT_NAME, FORMAT_VERSION
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "Checkpoint",
     "CheckpointInvalid",
     "CkptspecError",
     "FileUnreadable",
@@ -46,43 +47,44 @@ __all__ = [
     "Manifest",
     "Report",
     "describe",
+    "export_dcp",
+    "export_universal",
     "load",
     "load_manifest",
     "load_optimizer_state",
     "load_state_dict",
+    "open",
     "reconstruct",
+    "reshard",
     "validate",
+    "validate_checkpoint",
     "validate_document",
     "validate_file",
     "__version__",
 ]
 
 
+# Lazy, so `import ckptspec` stays light: the models load pydantic, which `ckptspec validate MANIFEST`
+# does not need; reading checkpoints loads numpy. Public name -> the module that defines it.
+_LAZY = {
+    "Manifest": "ckptspec.format.models",
+    "CheckpointIndex": "ckptspec.format.index_models",
+    "describe": "ckptspec.deepspeed.describe",
+    "Checkpoint": "ckptspec.export.checkpoint",
+    "open": "ckptspec.export.api",
+    "validate_checkpoint": "ckptspec.export.api",
+    "load_state_dict": "ckptspec.export.api",
+    "load_optimizer_state": "ckptspec.export.api",
+    "reconstruct": "ckptspec.export.api",
+    "reshard": "ckptspec.export.api",
+    "export_dcp": "ckptspec.export.api",
+    "export_universal": "ckptspec.export.api",
+}
+
+
 def __getattr__(name: str):
-    # Lazy, so `import ckptspec` stays light: the models load pydantic,
-    # which `ckptspec validate MANIFEST` does not need; reconstruction loads numpy.
-    if name == "Manifest":
-        from .format.models import Manifest
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ckptspec' has no attribute {name!r}")
+    from importlib import import_module
 
-        return Manifest
-    if name == "CheckpointIndex":
-        from .format.index_models import CheckpointIndex
-
-        return CheckpointIndex
-    if name == "describe":
-        from .deepspeed.describe import describe
-
-        return describe
-    if name == "load_state_dict":
-        from .export.api import load_state_dict
-
-        return load_state_dict
-    if name == "reconstruct":
-        from .export.api import reconstruct
-
-        return reconstruct
-    if name == "load_optimizer_state":
-        from .export.api import load_optimizer_state
-
-        return load_optimizer_state
-    raise AttributeError(f"module 'ckptspec' has no attribute {name!r}")
+    return getattr(import_module(_LAZY[name]), name)

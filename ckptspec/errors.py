@@ -225,6 +225,14 @@ class ReconstructUnsupported(InvalidCheckpoint, Unsupported):
         super().__init__("CK402", message, hint, None if file is None else str(file))
 
 
+class KindUnsupported(InvalidCheckpoint, Unsupported):
+    """CK403: a command or function this kind of checkpoint does not support (yet), refused by capability
+    before anything is read or written (``export/checkpoint.CAPABILITIES``; exit 1)."""
+
+    def __init__(self, message: str, hint: str, file: str | Path | None = None):
+        super().__init__("CK403", message, hint, None if file is None else str(file))
+
+
 class ReshardUnsupported(InvalidCheckpoint, Unsupported):
     """CK410: a checkpoint ``ckptspec reshard`` cannot write in the target layout (exit 1)."""
 

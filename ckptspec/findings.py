@@ -101,6 +101,7 @@ CODES: dict[str, str] = {
     # CK4xx: reconstruction (export/)
     "CK401": "reconstruct-mismatch",
     "CK402": "reconstruct-unsupported",
+    "CK403": "kind-unsupported",
     "CK410": "reshard-unsupported",
     # CK5xx: resuming B from A (report/diff.py; across document kinds report/diff_kinds.py)
     "CK501": "resume-world-size",

@@ -22,7 +22,7 @@ Fenced blocks in docs/*.md and README.md follow these conventions:
   bash in a scratch directory (where ``examples/`` and ``tests/`` link to the repository)
   and its combined stdout/stderr must be the lines shown. An expected line that is exactly
   ``...`` matches any number of lines (for output that legitimately varies; keep it rare).
-  With ``checkpoint=NAME`` (a MATRIX name of tests/_harness/scenarios.py), a real DeepSpeed checkpoint
+  With ``checkpoint=NAME`` (a MATRIX or PARALLEL name of tests/_harness/scenarios.py), a real DeepSpeed checkpoint
   (``latest``, the tag directory, DeepSpeed's scripts; not the harness's own files) is first
   *copied* to ``./checkpoint/``, so a block may corrupt it.
 * ```` ```python run ```` (docs/ only, optionally ``checkpoint=NAME`` as above): run with this
@@ -564,20 +564,26 @@ HARNESS_FILES = (
     "ckptspec-modules.json",
     "saved_manifest.*",
     "load_back.*",
+    "parallel.json",  # a PARALLEL job's oracles and extra outputs
+    "oracle.rank*.pt",
+    "consolidated.pt",
+    "eval.pt",
+    "universal.log",
+    "*_universal",
 )
 
 
 @pytest.fixture(scope="module")
 def doc_checkpoints(ds) -> dict[str, Path]:
-    """MATRIX name -> cached real DeepSpeed save directory, for every checkpoint= the docs name."""
+    """MATRIX (or PARALLEL) name -> cached real DeepSpeed save directory, for every checkpoint= the docs name."""
     blocks = console_blocks() + python_run_blocks()
     names = sorted({b.options["checkpoint"] for b in blocks if "checkpoint" in b.options})
     if not names:
         return {}
-    from _harness.scenarios import MATRIX
+    from _harness.scenarios import MATRIX, PARALLEL
 
-    unknown = [n for n in names if n not in MATRIX]
-    assert not unknown, f"checkpoint= names that tests/_harness/scenarios.py MATRIX lacks: {unknown}"
+    unknown = [n for n in names if n not in MATRIX and n not in PARALLEL]
+    assert not unknown, f"checkpoint= names that tests/_harness/scenarios.py MATRIX and PARALLEL lack: {unknown}"
     return {name: ds.path(name) for name in names}
 
 

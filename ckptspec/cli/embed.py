@@ -239,14 +239,13 @@ def extract(target: str, tag: str | None, output: str, encoding: Encoding | None
 
 def _index_kind(target: str, tag: str | None) -> bool:
     """A local checkpoint a checkpoint index describes (tensor/pipeline parallel, MoE, stage 0, universal)."""
-    from ..deepspeed.kinds import needs_index
-    from ..deepspeed.layout.tag_dir import resolve_tag_dir
+    from ..deepspeed.kinds import described_by_index
 
     if "://" in target or not os.path.isdir(target):
         return False
     try:
-        return needs_index(resolve_tag_dir(target, tag))
-    except (CkptspecError, OSError):
+        return described_by_index(target, None, tag)
+    except OSError:
         return False
 
 

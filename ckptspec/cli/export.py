@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ..errors import CkptspecError
+from ..errors import CheckpointInvalid, CkptspecError
 from ._common import EXIT_INVALID, OUTPUT_DIR, echo_findings, fail, fail_write
 
 
@@ -39,25 +39,26 @@ def export(checkpoint: str, output: str, fmt: str, manifest: str | None, tag: st
     so an FSDP2 job of any world size loads it with dcp.load and set_state_dict. Needs torch.
     What DCP does not carry (loss scaler, gradient clipping, counters) is listed in the summary.
     """
-    from ..checkpoint.states import StateCache
-    from ..deepspeed.check.zero import validate_checkpoint
+    from ..export.checkpoint import open_checkpoint, require
     from ..export.dcp import held_export_output, plan_dcp, write_dcp
-    from ..export.plan import plan_reconstruction
+    from ..export.model_plan import ReconstructionPlan
     from ..export.progress import progress_printer
     from ..export.writers import torch_available
-    from ..findings import has_errors
 
     if not torch_available():
         raise click.UsageError("--format dcp needs torch (pip install torch)")
     try:
+        require("export_dcp", checkpoint, manifest, tag)  # CK403 before anything is read or written
         with held_export_output(output) as held:  # for the whole run: a second one is CK908 at once
-            states = StateCache()
-            found, findings = validate_checkpoint(checkpoint, manifest, tag, states=states, verify_digests=False)
-            echo_findings(findings, manifest or checkpoint, err=True, always_name_target=False)
-            if found is None or has_errors(findings):
+            try:
+                opened = open_checkpoint(checkpoint, document=manifest, tag=tag)
+            except CheckpointInvalid as exc:
+                echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
                 click.echo(f"{checkpoint}: not exported: the checkpoint has errors; nothing was written", err=True)
                 sys.exit(EXIT_INVALID)
-            plan = plan_reconstruction(checkpoint, found, tag, states=states)
+            echo_findings(opened.findings, manifest or checkpoint, err=True, always_name_target=False)
+            plan = opened.plan
+            assert isinstance(plan, ReconstructionPlan)  # require() let a plain ZeRO checkpoint through only
             total = plan_dcp(plan).nbytes  # refused (CK402) before anything is written
             update, close = progress_printer(total, enabled=not quiet and sys.stderr.isatty())
             try:

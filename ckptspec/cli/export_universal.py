@@ -26,7 +26,7 @@ def export_universal(checkpoint: str, output: str, tag, manifest) -> None:
     OUTPUT's name in a `latest_universal` file beside it and call engine.load_checkpoint(OUTPUT's
     parent). Positions come from the manifest, so round-robin checkpoints give the saved values.
     """
-    from ..export.universal import export_universal as run
+    from ..export.api import export_universal as run
 
     with writing_deepspeed_files(checkpoint, output, manifest, "not exported"):
         result = run(checkpoint, output, tag=tag, manifest=manifest)

@@ -37,8 +37,7 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     Reads only metadata (no tensor data unless --hash), needs neither DeepSpeed nor
     torch, and never executes pickled code.
     """
-    from ..deepspeed.kinds import needs_index
-    from ..deepspeed.layout.tag_dir import resolve_tag_dir
+    from ..deepspeed.kinds import described_by_index
     from ..format.codec import gc_paused
 
     # No cyclic GC: the decoded pickles and the manifest are acyclic, and with 100k tensors the
@@ -46,7 +45,7 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
     try:
         with gc_paused(for_good=True):  # the command ends after it
             # A plain ZeRO checkpoint's pickles are read while the models import; an index's, by its producer.
-            early = not needs_index(resolve_tag_dir(checkpoint, tag))
+            early = not described_by_index(checkpoint, None, tag)
             states = read_tag_dir_early(checkpoint, tag, "ckptspec.deepspeed.describe.zero") if early else None
             from ..deepspeed.describe import describe
 

@@ -55,7 +55,7 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
     (``choose_manifest``), and the files are checked against it (hashes aside).
     """
     from ..format.documents import validate_file
-    from ..location import is_directory, is_remote
+    from ..location import is_directory
 
     if not is_directory(name):
         if tag is not None:
@@ -64,10 +64,10 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
     from ..deepspeed.check.zero import check_tag_dir
-    from ..deepspeed.kinds import needs_index
+    from ..deepspeed.kinds import described_by_index
     from ..deepspeed.layout.tag_dir import resolve_tag_dir
 
-    if not is_remote(name) and needs_index(resolve_tag_dir(name, tag)):  # tensor/pipeline parallel: its index
+    if described_by_index(name, None, tag):  # tensor/pipeline parallel, MoE, stage 0, universal: its index
         from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 
         index, findings = validate_index_checkpoint(name, None, tag, verify_hashes=False)
@@ -262,7 +262,9 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
 
 
 def _is_index(document) -> bool:
-    return type(document).__name__ == "CheckpointIndex"
+    from ..format.index_models import CheckpointIndex
+
+    return isinstance(document, CheckpointIndex)
 
 
 def _inspect_index(loaded: Target, output_format: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import click
@@ -86,53 +85,38 @@ def reconstruct(
     and tied aliases. Needs neither DeepSpeed nor torch (except --format torch)
     and never executes pickled code.
     """
-    from ..checkpoint.states import StateCache
-    from ..deepspeed.check.zero import validate_checkpoint
-    from ..export.optimizer_state import plan_optimizer_state
-    from ..export.plan import plan_reconstruction
+    from ..export.checkpoint import open_checkpoint
     from ..export.progress import progress_printer
-    from ..export.writers import torch_available, write_consolidated
-    from ..findings import has_errors
+    from ..export.writers import torch_available
     from ..format.dtypes import output_dtype
     from ..location import fetched, is_remote, refuse_write
 
     if fmt == "torch" and not torch_available():
         raise click.UsageError("--format torch needs torch (pip install torch); --format safetensors does not")
-    if _is_index_target(checkpoint, manifest, tag):
-        options = {"fmt": fmt, "untie": untie, "optimizer_state": optimizer_state, "max_shard_size": max_shard_size}
-        options["jobs"] = jobs
-        _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, quiet, options)
-        return
     try:
         refuse_write(output_dir, "the reconstruction")  # before anything is fetched
-        states = StateCache()  # what validation reads, the plan reuses
-        # Tensor digests are checked while the tensors stream, not in a pass of their own; so are a
-        # remote checkpoint's file hashes, so that each byte is fetched once (ShardReader.verify).
-        in_stream = is_remote(checkpoint)
-        found, findings = validate_checkpoint(
-            checkpoint, manifest, tag, states=states, verify_hashes=not in_stream, verify_digests=False
-        )
-        echo_findings(findings, manifest or checkpoint, err=True, always_name_target=False)
-        if found is None or has_errors(findings):
+        try:
+            # Tensor digests are checked while the tensors stream, not in a pass of their own; so are a
+            # remote checkpoint's file hashes, so that each byte is fetched once (ShardReader.verify).
+            opened = open_checkpoint(checkpoint, document=manifest, tag=tag)
+        except CheckpointInvalid as exc:
+            echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
             click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)
             sys.exit(EXIT_INVALID)
-        plan = plan_reconstruction(checkpoint, found, tag, states=states, hashes_in_stream=in_stream)
-        if optimizer_state:
-            plan_optimizer_state(plan)  # refused before anything is written
-        total = plan.total_numel(untie)  # elements written; the bar counts output bytes
+        echo_findings(opened.findings, manifest or checkpoint, err=True, always_name_target=False)
+        plan = opened.plan
         update, close = progress_printer(
             plan.total_nbytes(output_dtype(dtype), untie), enabled=not quiet and sys.stderr.isatty()
         )
         try:
-            result = write_consolidated(
-                plan,
+            result = opened.reconstruct(
                 output_dir,
                 dtype=dtype,
                 max_shard_size=max_shard_size,
                 fmt=fmt,
                 untie=untie,
                 progress=update,
-                optimizer_state=optimizer_state,  # one more file of the same commit
+                optimizer_state=optimizer_state,  # one more file of the same commit; refused before any write
                 jobs=jobs,
             )
         finally:
@@ -146,52 +130,6 @@ def reconstruct(
         done = fetched()
         source = f"; fetched {done.bytes:,} bytes in {done.requests:,} requests" if is_remote(checkpoint) else ""
         click.echo(
-            f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, {total} elements) "
-            f"to {files}{source}"
-        )
-
-
-def _is_index_target(checkpoint: str, manifest: str | None, tag: str | None) -> bool:
-    """A tensor/pipeline-parallel checkpoint (or a checkpoint index given with --manifest)."""
-    from ..deepspeed.kinds import needs_index
-    from ..deepspeed.layout.tag_dir import resolve_tag_dir
-    from ..format.codec import read_document
-    from ..format.index_validate import is_index
-
-    try:
-        if manifest is not None:
-            return is_index(read_document(manifest)[0])
-        return needs_index(resolve_tag_dir(checkpoint, tag))
-    except CkptspecError:
-        return False  # the ordinary path reports it
-
-
-def _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, quiet, options) -> None:
-    """The whole model of a tensor/pipeline-parallel checkpoint, composed from every rank's shards."""
-    from ..export.compose import reconstruct_index
-    from ..format.index_validate import validate_index_file
-
-    try:
-        index = None
-        if manifest is not None:
-            index = validate_index_file(manifest)
-            if not index.ok:
-                echo_findings(index.findings, manifest, err=True, always_name_target=False)
-                click.echo(f"{checkpoint}: not reconstructed: the index has errors; nothing was written", err=True)
-                sys.exit(EXIT_INVALID)
-        warn = functools.partial(echo_findings, target=manifest or checkpoint, err=True, always_name_target=False)
-        result = reconstruct_index(checkpoint, output_dir, index=index, tag=tag, dtype=dtype, warn=warn, **options)
-    except CheckpointInvalid as exc:
-        echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
-        click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)
-        sys.exit(EXIT_INVALID)
-    except CkptspecError as exc:
-        fail(exc)
-    except OSError as exc:
-        fail_write(output_dir, exc)
-    if not quiet:
-        files = ", ".join(result.files + ([result.index] if result.index else []))
-        click.echo(
             f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, "
-            f"{result.numel} elements) to {files}"
+            f"{result.numel} elements) to {files}{source}"
         )

@@ -42,7 +42,7 @@ def reshard(
     parameters, buffers, LR scheduler and client state, plus `latest` and the checkpoint's format 1.1
     manifest. Never executes pickled code; needs torch only to write the pickles, not DeepSpeed.
     """
-    from ..export.reshard import reshard as run
+    from ..export.api import reshard as run
 
     with writing_deepspeed_files(checkpoint, output, manifest, "not resharded"):
         result = run(

@@ -107,10 +107,8 @@ def validate(
         _emit(output_format, target, report.findings, None, remote)
         sys.exit(EXIT_OK if report.ok else EXIT_INVALID)
 
-    from ..deepspeed.kinds import needs_index
-    from ..deepspeed.layout.tag_dir import resolve_tag_dir
+    from ..deepspeed.kinds import described_by_index
     from ..format.codec import gc_paused
-    from ..format.index_validate import IndexReport
 
     shown = checkpoint if checkpoint is not None else target
     found = None
@@ -123,9 +121,7 @@ def validate(
                 sys.exit(EXIT_INVALID)
         _json_errors_about(shown, output_format, remote)  # the report is about DIR from here
         # The report is handed over: the manifest is not validated a second time.
-        if isinstance(manifest, IndexReport) or (
-            manifest is None and not is_remote(shown) and needs_index(resolve_tag_dir(shown, tag))
-        ):  # tensor/pipeline parallel: the checkpoint index and every domain's files (local only, for now)
+        if described_by_index(shown, manifest, tag):  # the checkpoint index and every domain's files
             from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 
             with gc_paused(for_good=True):  # the command ends after it

@@ -9,13 +9,18 @@ no torch, no DeepSpeed import (a stage-0 pipeline is told by its model states' m
 from __future__ import annotations
 
 import enum
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.states import StateCache
 from ..location import RemotePath
 from .layout.masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE
 from .layout.names import MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 from .layout.tag_dir import UNIVERSAL_FOLDER
+
+if TYPE_CHECKING:  # the models load pydantic: `generate` asks the kind before it needs them
+    from ..format.index_models import CheckpointIndex
 
 
 class Kind(enum.StrEnum):
@@ -27,6 +32,11 @@ class Kind(enum.StrEnum):
     UNIVERSAL = "universal"  # ds_to_universal's folder
 
     @property
+    def label(self) -> str:
+        """The kind as a user names it, in messages."""
+        return _LABELS[self]
+
+    @property
     def needs_index(self) -> bool:
         """Described by a checkpoint index, not a format 1.x manifest."""
         return self is not Kind.ZERO
@@ -35,6 +45,28 @@ class Kind(enum.StrEnum):
     def masters_kind(self) -> str | None:
         """The kinds whose index locates the fp32 masters of a live engine (issue #17), else None."""
         return self.value if self in (Kind.MOE, Kind.STAGE0, Kind.PIPELINE_STAGE0) else None
+
+
+_LABELS = {
+    Kind.ZERO: "ZeRO data-parallel",
+    Kind.MODEL_PARALLEL: "tensor/pipeline-parallel",
+    Kind.MOE: "MoE",
+    Kind.STAGE0: "ZeRO stage-0",
+    Kind.PIPELINE_STAGE0: "ZeRO stage-0 pipeline",
+    Kind.UNIVERSAL: "universal",
+}
+
+
+def kind_of_index(index: CheckpointIndex) -> Kind:
+    """The kind of the checkpoint a checkpoint index describes, from the index alone."""
+    if index.kind == "universal":
+        return Kind.UNIVERSAL
+    if index.expert_files:
+        return Kind.MOE
+    if any(d.masters is not None for d in index.domains):
+        return Kind.PIPELINE_STAGE0 if index.layer_files else Kind.STAGE0
+    degrees = index.topology.degrees
+    return Kind.ZERO if degrees.tensor == degrees.pipeline == len(index.domains) == 1 else Kind.MODEL_PARALLEL
 
 
 def kind_of_dir(tag_dir: Path | RemotePath) -> Kind:
@@ -54,6 +86,35 @@ def kind_of_engine(engine) -> Kind:
     if found is not None:
         return Kind(found)
     return Kind.MODEL_PARALLEL if _is_model_parallel_engine(engine) else Kind.ZERO
+
+
+def described_by_index(checkpoint: Any, document: Any = None, tag: str | None = None) -> bool:
+    """Whether a checkpoint is read through a checkpoint index (else a format 1.x manifest): the one
+    place every command and public function asks, before it reads anything else. A document given
+    (a model, the report of a validated one, or a file) decides by its ``format``; else the tag
+    directory's file names do (``needs_index``). A tag directory that cannot be resolved is left to
+    the 1.x path, which names the problem (CK901, CK201)."""
+    from ..errors import CkptspecError
+    from ..format.index_models import CheckpointIndex
+    from ..format.index_validate import IndexReport, is_index
+
+    if document is not None:
+        if isinstance(document, (CheckpointIndex, IndexReport)):
+            return True
+        if not isinstance(document, (str, os.PathLike)):
+            return False  # a Manifest or its Report
+        from ..format.codec import read_document
+
+        try:
+            return is_index(read_document(document)[0])
+        except CkptspecError:
+            return False  # the 1.x path reports the unreadable file
+    from .layout.tag_dir import resolve_tag_dir
+
+    try:
+        return needs_index(resolve_tag_dir(checkpoint, tag))
+    except CkptspecError:
+        return False
 
 
 def needs_index(tag_dir: Path | RemotePath) -> bool:

@@ -1,6 +1,7 @@
-"""Loading a ZeRO checkpoint's weights: the public API (``ckptspec.load_state_dict`` and friends).
+"""The public API of reading a checkpoint of any kind (``ckptspec.open``, ``load_state_dict`` and friends).
 
-Torch-free by default: torch ``.pt`` zip members are stored uncompressed, so numpy (only
+Every function opens the checkpoint through ``checkpoint.open_checkpoint``, where its kind is decided
+once. Torch-free by default: torch ``.pt`` zip members are stored uncompressed, so numpy (only
 for dtype conversion) and the standard library suffice. ``framework="torch"`` wraps the
 same arrays with ``torch.from_numpy``, so both frameworks give the same bits.
 
@@ -16,46 +17,44 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.states import StateCache
-from ..deepspeed.check.zero import validate_checkpoint
-from ..errors import CheckpointInvalid
-from ..findings import has_errors
-from ..format.dtypes import output_dtype
-from ..format.models import Manifest
-from ..format.validate import Report
-from ..location import is_remote, refuse_write
-from .arrays import ShardReader, read_array
-from .optimizer_state import load_optimizer_state_arrays, plan_optimizer_state
-from .plan import ReconstructionPlan, plan_reconstruction
-from .writers import (
-    DEFAULT_MAX_SHARD_SIZE,
-    SAFETENSORS_INDEX,
-    SAFETENSORS_SINGLE,
-    WriteResult,
-    to_torch,
-    write_consolidated,
-)
+from ..deepspeed.kinds import described_by_index
+from ..findings import Finding
+from ..location import refuse_write
+from .checkpoint import Checkpoint, open_checkpoint, require
+from .model_plan import ReconstructionPlan
+from .writers import DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, WriteResult
 
 
-def validated_plan(
+def open(  # ckptspec.open, as tarfile.open and fsspec.open name theirs (this module calls no builtin open)
     checkpoint: str | os.PathLike,
-    manifest: Manifest | Report | str | os.PathLike | None = None,
+    *,
+    manifest: Any = None,
+    tag: str | None = None,
+) -> Checkpoint:
+    """Validate a checkpoint of any kind (plain ZeRO, tensor/pipeline parallel, MoE, stage 0, universal;
+    a directory or a URL) and give its one view: domains, the whole model's tensor table, and the verbs
+    that read it (``state_dict``, ``optimizer_state``, ``reconstruct``). ``manifest``: the manifest or
+    checkpoint index to validate it against (a model, a validated report, or a file), else the sidecar,
+    else one generated from the files. Raises ``CheckpointInvalid`` with the findings."""
+    return open_checkpoint(checkpoint, document=manifest, tag=tag)
+
+
+def validate_checkpoint(
+    checkpoint: str | os.PathLike,
+    manifest: Any = None,
     tag: str | None = None,
     *,
-    hashes_in_stream: bool = False,
-) -> ReconstructionPlan:
-    """Validate the checkpoint (against ``manifest``: a model, the report of a validated one, or a
-    file), then plan from the files validation read. Raises ``CheckpointInvalid`` with the findings.
-    ``hashes_in_stream``: a remote checkpoint's file hashes are left to the reader (``plan.file_hashes``)."""
-    states = StateCache()
-    in_stream = hashes_in_stream and is_remote(checkpoint)  # each byte fetched once: hashed as it is read
-    # Digests are checked as each tensor is read (arrays.py), not in a pass of their own here.
-    found, findings = validate_checkpoint(
-        checkpoint, manifest, tag, states=states, verify_hashes=not in_stream, verify_digests=False
-    )
-    if found is None or has_errors(findings):
-        raise CheckpointInvalid(findings, str(checkpoint))
-    return plan_reconstruction(checkpoint, found, tag, states=states, hashes_in_stream=in_stream)
+    verify_hashes: bool = True,
+) -> list[Finding]:
+    """The findings of validating a checkpoint of any kind against its document (``validate DIR``):
+    the document's rules, then every file. Raises ``CkptspecError`` only when it cannot be checked at all."""
+    if described_by_index(checkpoint, manifest, tag):
+        from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
+
+        return validate_index_checkpoint(checkpoint, manifest, tag, verify_hashes=verify_hashes)[1]
+    from ..deepspeed.check.zero import validate_checkpoint as validate_zero
+
+    return validate_zero(checkpoint, manifest, tag, verify_hashes=verify_hashes)[1]
 
 
 def load_state_dict(
@@ -63,10 +62,10 @@ def load_state_dict(
     framework: str = "torch",
     *,
     dtype: Any = "fp32",
-    manifest: Manifest | str | os.PathLike | None = None,
+    manifest: Any = None,
     tag: str | None = None,
 ) -> dict[str, Any]:
-    """The full state dict of a ZeRO checkpoint: trainable (fp32 masters), frozen, buffers, aliases.
+    """The full state dict of a checkpoint of any kind: trainable (fp32 masters), frozen, buffers, aliases.
 
     Validates the checkpoint first (raises ``CheckpointInvalid`` with the findings).
     ``framework="numpy"`` needs only numpy; bfloat16 arrays are then returned as
@@ -76,60 +75,14 @@ def load_state_dict(
     """
     if framework not in ("torch", "numpy"):
         raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
-    dtype = output_dtype(dtype)
-    if _model_parallel(checkpoint, manifest, tag):  # the whole model, composed from every rank's shards
-        from .compose import check_replicas, validated_index_plan
-
-        plan = validated_index_plan(checkpoint, manifest, tag)
-        with ShardReader() as files:
-            check_replicas(plan, files)  # CK401 before any tensor is returned
-    else:
-        plan = validated_plan(checkpoint, manifest, tag, hashes_in_stream=True)
-    bf16_view = None
-    if framework == "numpy" and dtype == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise ValueError("numpy has no bfloat16: install ml_dtypes, or use dtype='fp32'") from None
-        bf16_view = ml_dtypes.bfloat16
-    out: dict[str, Any] = {}
-    with ShardReader(plan.file_hashes) as files:
-        files.plan(seg for name in plan.order if name not in plan.aliases for seg in plan.sources[name].segments)
-        for name in plan.order:
-            if name in plan.aliases:
-                continue
-            out_dtype = plan.output_dtype(name, dtype)
-            array = read_array(plan.sources[name], out_dtype, files)
-            if framework == "torch":
-                out[name] = to_torch(array, out_dtype)
-            else:
-                out[name] = array.view(bf16_view) if out_dtype == "bfloat16" else array
-        files.verify()  # a remote file's recorded hash, from the bytes read once
-    return {name: out[plan.aliases.get(name, name)] for name in plan.order}
-
-
-def _model_parallel(checkpoint, manifest, tag) -> bool:
-    """A tensor/pipeline-parallel checkpoint: described by a checkpoint index, not a manifest."""
-    from ..deepspeed.kinds import needs_index
-    from ..deepspeed.layout.tag_dir import resolve_tag_dir
-    from ..format.index_models import CheckpointIndex
-
-    if isinstance(manifest, CheckpointIndex):
-        return True
-    if isinstance(manifest, (str, os.PathLike)):
-        from ..format.codec import read_document
-        from ..format.index_validate import is_index
-
-        return is_index(read_document(manifest)[0])
-    # Checkpoint indexes are read from local directories only, for now (docs/remote.md).
-    return manifest is None and not is_remote(checkpoint) and needs_index(resolve_tag_dir(checkpoint, tag))
+    return open_checkpoint(checkpoint, document=manifest, tag=tag).state_dict(framework, dtype)
 
 
 def reconstruct(
     checkpoint: str | os.PathLike,
     output_dir: str | os.PathLike,
     *,
-    manifest: Manifest | str | os.PathLike | None = None,
+    manifest: Any = None,
     tag: str | None = None,
     dtype: str = "fp32",
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
@@ -141,30 +94,10 @@ def reconstruct(
 ) -> WriteResult:
     """Validate, then write the consolidated weights to ``output_dir`` (see ``write_consolidated``),
     and with ``optimizer_state`` the per-parameter optimizer state as ``optimizer.safetensors``
-    (format 1.1 manifests; ``export/optimizer_state.py``). ``jobs``: threads writing each file.
+    (``export/optimizer_state.py``). ``jobs``: threads writing each file.
     Runs in this process only unless ``CKPTSPEC_WORKERS=2`` lets it fork (docs/performance.md)."""
     refuse_write(output_dir, "the reconstruction")  # before the checkpoint is read
-    if _model_parallel(checkpoint, manifest, tag):
-        from .compose import reconstruct_index
-
-        return reconstruct_index(
-            checkpoint,
-            output_dir,
-            index=manifest,
-            tag=tag,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            fmt=fmt,
-            untie=untie,
-            progress=progress,
-            optimizer_state=optimizer_state,
-            jobs=jobs,
-        )
-    plan = validated_plan(checkpoint, manifest, tag, hashes_in_stream=True)
-    if optimizer_state:
-        plan_optimizer_state(plan)  # refuse before writing anything when the manifest locates no state
-    return write_consolidated(
-        plan,
+    return open_checkpoint(checkpoint, document=manifest, tag=tag).reconstruct(
         output_dir,
         dtype=dtype,
         max_shard_size=max_shard_size,
@@ -179,22 +112,71 @@ def reconstruct(
 def load_optimizer_state(
     checkpoint: str | os.PathLike,
     *,
-    manifest: Manifest | str | os.PathLike | None = None,
+    manifest: Any = None,
     tag: str | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict]:
-    """The optimizer state of a ZeRO checkpoint per parameter, as numpy arrays in the parameter's shape
+    """The optimizer state of a checkpoint per parameter, as numpy arrays in the parameter's shape
     (``{"emb.weight": {"exp_avg": ..., "exp_avg_sq": ...}}``, tied aliases included), and the
-    manifest's ``optimizer`` object (class, per-group hyperparameters and step, loss scaler).
+    optimizer's metadata (class, per-group hyperparameters and step, loss scaler).
 
-    Validates the checkpoint first (``CheckpointInvalid``); needs a format 1.1 manifest (CK402).
+    Validates the checkpoint first (``CheckpointInvalid``); CK402 where the document locates no state.
     States are returned as stored (float32 for torch's Adam; a bfloat16 state as uint16 bits).
     Runs in this process only unless ``CKPTSPEC_WORKERS=2`` lets it fork (docs/performance.md).
     """
-    if _model_parallel(checkpoint, manifest, tag):  # the whole model's, composed from every domain
-        from .compose import validated_index_plan
+    return open_checkpoint(checkpoint, document=manifest, tag=tag).optimizer_state()
 
-        return load_optimizer_state_arrays(validated_index_plan(checkpoint, manifest, tag))
-    return load_optimizer_state_arrays(validated_plan(checkpoint, manifest, tag, hashes_in_stream=True))
+
+def reshard(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    world_size: int,
+    *,
+    zero_stage: int | None = None,
+    sub_group_size: int | None = None,
+    manifest: Any = None,
+    tag: str | None = None,
+) -> Any:
+    """Validate ``checkpoint``, then write it for ``world_size`` data-parallel ranks (and ``zero_stage``)
+    as a DeepSpeed checkpoint ``output`` that ``engine.load_checkpoint`` resumes (docs/reshard.md).
+    CK403 for a kind it does not reshard yet, CK410 for a target it cannot write; nothing written then."""
+    require("reshard", checkpoint, manifest, tag)
+    from .reshard import reshard as reshard_zero
+
+    return reshard_zero(
+        checkpoint, output, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size, tag=tag, manifest=manifest
+    )
+
+
+def export_universal(
+    checkpoint: str | os.PathLike, output: str | os.PathLike, *, manifest: Any = None, tag: str | None = None
+) -> Any:
+    """Validate ``checkpoint``, then write DeepSpeed's universal checkpoint folder (``ds_to_universal``'s
+    output) as ``output`` (docs/reshard.md). CK403 for a kind it does not export yet."""
+    require("export_universal", checkpoint, manifest, tag)
+    from .universal import export_universal as export_zero
+
+    return export_zero(checkpoint, output, tag=tag, manifest=manifest)
+
+
+def export_dcp(
+    checkpoint: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    manifest: Any = None,
+    tag: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Any:
+    """Validate ``checkpoint``, then write it as a PyTorch Distributed Checkpoint directory that an FSDP2
+    job loads with ``dcp.load`` (docs/fsdp2.md): weights, Adam's moments and step, param groups. Needs
+    torch. CK403 for a kind it does not export yet; CK402 for an optimizer that is not Adam's."""
+    require("export_dcp", checkpoint, manifest, tag)
+    from .dcp import held_export_output, plan_dcp, write_dcp
+
+    with held_export_output(output_dir) as held:
+        plan = open_checkpoint(checkpoint, document=manifest, tag=tag).plan
+        assert isinstance(plan, ReconstructionPlan)  # require() let a plain ZeRO checkpoint through only
+        plan_dcp(plan)  # refused (CK402) before anything is written
+        return write_dcp(plan, output_dir, progress=progress, held=held)
 
 
 def load_consolidated(output_dir: str | os.PathLike, framework: str = "torch") -> dict[str, Any]:

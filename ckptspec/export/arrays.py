@@ -25,7 +25,7 @@ from ..errors import (
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Hash
 from ..location import CHUNK, FileHashes, HashingStream, RangeStream, RemotePath, fetch_range
-from .plan import Segment, TensorSource
+from .model_plan import Segment, TensorSource
 from .safetensors_writer import TensorSink
 
 CHUNK_BYTES = 16 << 20  # dtype conversion works on at most this many source bytes at once

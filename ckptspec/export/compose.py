@@ -23,8 +23,8 @@ from ..findings import has_errors
 from .arrays import ShardReader, _np, read_array
 from .compose_masters import master_sources, named_extras
 from .compose_plan import IndexReconstructionPlan, replicas, whole_plan
-from .plan import ReconstructionPlan, plan_reconstruction
-from .writers import WriteResult, write_consolidated
+from .model_plan import ReconstructionPlan
+from .plan import plan_reconstruction
 
 
 def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: str | None = None):
@@ -54,7 +54,7 @@ def _domain_plan(tag_dir, domain, states: StateCache) -> ReconstructionPlan:
         sources = master_sources(tag_dir, domain)
         buffers, aliases = named_extras(tag_dir, domain, sources, states)
         order = [*sources, *buffers, *aliases]
-        return ReconstructionPlan(domain.manifest, tag_dir, {**sources, **buffers}, aliases, order)
+        return ReconstructionPlan(tag_dir, {**sources, **buffers}, aliases, order, manifest=domain.manifest)
     return plan_reconstruction(tag_dir, domain.manifest, states=states)
 
 
@@ -72,43 +72,3 @@ def check_replicas(plan: IndexReconstructionPlan, files: ShardReader) -> None:
                     f"replicated parameter {param.name!r} differs between domains ({shard.domain}: {shard.local_name})",
                     plan.tag_dir,
                 )
-
-
-def reconstruct_index(
-    checkpoint: str | os.PathLike,
-    output_dir: str | os.PathLike,
-    *,
-    index: Any = None,
-    tag=None,
-    dtype: str = "fp32",
-    max_shard_size: int | None = None,
-    fmt: str = "safetensors",
-    untie: bool = False,
-    optimizer_state: bool = False,
-    progress=None,
-    jobs: int = 1,
-    warn=None,
-) -> WriteResult:
-    """Validate, then write the whole model with the 1.x writers (atomically): safetensors or torch
-    files, sharded at ``max_shard_size``, and with ``optimizer_state`` the whole model's optimizer
-    state as ``optimizer.safetensors``. ``untie`` writes a tie a universal folder records as a copy.
-    ``jobs``: threads writing each safetensors file; ``warn``: called with validation's warnings, if any."""
-    plan = validated_index_plan(checkpoint, index, tag)
-    if warn is not None and plan.warnings:
-        warn(plan.warnings)
-    with ShardReader() as files:
-        check_replicas(plan, files)
-    if optimizer_state:
-        plan.optimizer_state_plan()  # CK402 before anything is written, when nothing locates the states
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
-    return write_consolidated(
-        plan,
-        output_dir,
-        dtype=dtype,
-        fmt=fmt,
-        untie=untie,
-        progress=progress,
-        optimizer_state=optimizer_state,
-        jobs=jobs,
-        **kwargs,
-    )

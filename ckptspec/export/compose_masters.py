@@ -17,7 +17,8 @@ from ..deepspeed.layout.names import MODEL_RE
 from ..errors import ReconstructMismatch
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import Domain
-from .plan import MODULE_FP32_WEIGHT, ORIGINS, UNIVERSAL_FP32, Segment, TensorSource, _inside, buffer_source
+from .model_plan import MODULE_FP32_WEIGHT, ORIGINS, UNIVERSAL_FP32, Segment, TensorSource
+from .plan import _inside, buffer_source
 
 _ORIGIN = {"module": MODULE_FP32_WEIGHT, "expert_files": MODULE_FP32_WEIGHT, "universal": UNIVERSAL_FP32}
 

@@ -21,8 +21,8 @@ from .._version import __version__
 from ..errors import ReconstructMismatch, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import CheckpointIndex, IndexParameter, Shard
+from .model_plan import ModelPlan, ReconstructionPlan, Segment, TensorSource
 from .optimizer_state import OptimizerStatePlan, plan_optimizer_state
-from .plan import ReconstructionPlan, Segment, TensorSource
 
 
 def _runs_of(placement, whole: list[int], local: list[int]) -> list[tuple[int, int, int]]:
@@ -102,10 +102,10 @@ def compose_source(name: str, shape: list[int], shards: list[tuple[Shard, Tensor
 
 
 @dataclass
-class IndexReconstructionPlan(ReconstructionPlan):
-    """A ``ReconstructionPlan`` of the whole model; ``manifest`` is None (the index is not a manifest)."""
+class IndexReconstructionPlan(ModelPlan):
+    """The whole model of a checkpoint described by a checkpoint index, composed from its domains' plans."""
 
-    index: CheckpointIndex = None  # type: ignore[assignment]
+    index: CheckpointIndex = field(kw_only=True)
     domain_plans: dict[str, ReconstructionPlan] = field(default_factory=dict)
     warnings: list = field(default_factory=list)  # what validating the whole set found, errors aside
     _state: OptimizerStatePlan | None = None
@@ -152,7 +152,7 @@ def whole_plan(
             else:
                 sources[name] = plan.sources[name]
             order.append(name)
-    return IndexReconstructionPlan(None, tag_dir, sources, aliases, order, index=index, domain_plans=domain_plans)  # type: ignore[arg-type]
+    return IndexReconstructionPlan(tag_dir, sources, aliases, order, index=index, domain_plans=domain_plans)
 
 
 def replicas(param: IndexParameter, domain_plans: dict[str, ReconstructionPlan]) -> list[tuple[Shard, TensorSource]]:

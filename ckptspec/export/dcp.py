@@ -35,9 +35,9 @@ from .._version import __version__
 from ..errors import ForeignOutput, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from .arrays import ShardReader, read_array
+from .model_plan import ReconstructionPlan, TensorSource
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_output
-from .plan import ReconstructionPlan, TensorSource
 from .writers import to_torch
 
 MARKER = "ckptspec-export.json"  # what the export holds and left out; marks the directory as ckptspec's

@@ -23,7 +23,8 @@ from ..errors import ReconstructMismatch, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from ..format.partition import param_pieces
 from .arrays import ShardReader, read_array, stream
-from .plan import ReconstructionPlan, Segment, TensorSource, _inside
+from .model_plan import ModelPlan, ReconstructionPlan, Segment, TensorSource
+from .plan import _inside
 from .safetensors_writer import SafetensorsWriter, TensorEntry
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -89,13 +90,17 @@ def plan_optimizer_state(plan: ReconstructionPlan) -> OptimizerStatePlan:
     return OptimizerStatePlan(sources, states, metadata)
 
 
-def _state_plan(plan: ReconstructionPlan) -> OptimizerStatePlan:
-    # A checkpoint index's whole-model plan composes its states itself (export/compose_plan.py).
-    return plan.optimizer_state_plan() if hasattr(plan, "optimizer_state_plan") else plan_optimizer_state(plan)
+def optimizer_state_plan(plan: ModelPlan) -> OptimizerStatePlan:
+    """Every parameter's optimizer state: a ZeRO plan's from its manifest's locators (CK402 without them),
+    a checkpoint index's composed by its whole-model plan (export/compose_plan.py)."""
+    if hasattr(plan, "optimizer_state_plan"):
+        return plan.optimizer_state_plan()
+    assert isinstance(plan, ReconstructionPlan), type(plan)
+    return plan_optimizer_state(plan)
 
 
 def optimizer_state_temporary(
-    plan: ReconstructionPlan, output_dir: Path, files: ShardReader, progress: Callable[[int], None]
+    plan: ModelPlan, output_dir: Path, files: ShardReader, progress: Callable[[int], None]
 ) -> tuple[Path, Path]:
     """``optimizer.safetensors`` written under a temporary name in ``output_dir``: (temporary, final).
 
@@ -103,7 +108,7 @@ def optimizer_state_temporary(
     committed with the weights, in the same journal: a directory never holds new weights beside
     an earlier run's optimizer state.
     """
-    state = _state_plan(plan)
+    state = optimizer_state_plan(plan)
     target = output_dir / OPTIMIZER_FILE
     entries = [TensorEntry(name, src.dtype, src.shape) for name, src in state.sources.items()]
     writer = SafetensorsWriter(target, entries, state.metadata)
@@ -119,9 +124,9 @@ def optimizer_state_temporary(
     return writer.tmp_path, target
 
 
-def load_optimizer_state_arrays(plan: ReconstructionPlan) -> tuple[dict[str, dict[str, Any]], dict]:
+def load_optimizer_state_arrays(plan: ModelPlan) -> tuple[dict[str, dict[str, Any]], dict]:
     """{param: {state: numpy array in the param's shape}} (aliases included) and the ``optimizer`` object."""
-    state = _state_plan(plan)
+    state = optimizer_state_plan(plan)
     out: dict[str, dict[str, Any]] = {}
     with ShardReader(plan.file_hashes) as files:  # a remote file's recorded hash, from the bytes read once
         files.plan(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import SafetensorsWriteError
 from .arrays import ShardReader, stream
-from .plan import Segment, TensorSource
+from .model_plan import Segment, TensorSource
 from .safetensors_writer import Region, SafetensorsWriter
 
 PIECE = 64 << 20  # bytes per task when a tensor is copied as stored

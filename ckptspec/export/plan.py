@@ -21,122 +21,21 @@ validation filled; the bytes are read by ``arrays``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._version import __version__
 from ..checkpoint.states import StateCache, unreadable
 from ..checkpoint.torchfile import TensorRef, tensor_byte_range
 from ..deepspeed.describe.zero import partition_locators
 from ..deepspeed.layout.tag_dir import resolve_tag_dir, scan_tag_dir
 from ..errors import InvalidCheckpoint, ReconstructMismatch, ReconstructUnsupported, TorchFileError, TruncatedFile
-from ..format.dtypes import FLOATING, ITEMSIZE
-from ..format.models import Hash, Manifest
+from ..format.dtypes import ITEMSIZE
+from ..format.models import Manifest
 from ..format.paths import join_inside
 from ..location import RemotePath
-
-
-@dataclass(frozen=True)
-class Segment:
-    """``nbytes`` bytes at absolute ``offset`` of ``path``."""
-
-    path: Path
-    offset: int
-    nbytes: int
-
-
-# Where an output tensor's bytes come from, as the output's metadata says (``ckptspec.sources``,
-# docs/reconstruct.md): each role's default, and what a checkpoint index locates apart.
-ORIGINS = {
-    "trainable": "optimizer_fp32_master",  # the fp32 copy the optimizer keeps and steps
-    "frozen": "frozen_weight",  # a frozen parameter's saved weight (model dtype): no master exists
-    "buffer": "buffer",
-    "state": "optimizer_state",
-}
-MODULE_FP32_WEIGHT = "module_fp32_weight"  # the fp32 weights of a run without mixed precision: the masters
-UNIVERSAL_FP32 = "universal_fp32"  # zero/<name>/fp32.pt of a universal folder
-
-
-@dataclass
-class TensorSource:
-    """Where one output tensor's bytes are: its segments, concatenated, are the flat tensor."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # dtype of the bytes on disk
-    segments: list[Segment]
-    role: str  # "trainable" (fp32 master), "frozen" (model dtype), "buffer", "state" (optimizer state)
-    digest: str | None = None  # sha256 of the bytes of the segments (format 1.1), checked while they are read
-    origin: str = ""  # what the bytes are (ORIGINS): the role's default unless a producer says otherwise
-
-    def __post_init__(self) -> None:
-        self.origin = self.origin or ORIGINS.get(self.role, self.role)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass
-class ReconstructionPlan:
-    manifest: Manifest
-    tag_dir: Path
-    sources: dict[str, TensorSource]  # owners: trainable, frozen, buffers
-    aliases: dict[str, str]  # alias -> owner
-    order: list[str]  # every output name (owners and aliases), in the model's state_dict order
-    # Remote files whose recorded hash the reader checks while it reads them (``ShardReader.verify``),
-    # so that each byte is fetched once; validation left them to it (``hashes_in_stream``).
-    file_hashes: dict[RemotePath, Hash] = field(default_factory=dict)
-
-    def output_dtype(self, name: str, dtype: str) -> str:
-        """Floating tensors are cast to ``dtype``; integer and bool buffers keep theirs."""
-        src = self.sources[self.aliases.get(name, name)].dtype
-        return dtype if src in FLOATING else src
-
-    def output_nbytes(self, name: str, dtype: str) -> int:
-        """Bytes of ``name`` in the output when floating tensors are written as ``dtype``."""
-        return self.sources[self.aliases.get(name, name)].numel * ITEMSIZE[self.output_dtype(name, dtype)]
-
-    def stored(self, untie: bool) -> list[str]:
-        """The names whose data the output holds: a tied alias is stored once (as its owner) unless ``untie``."""
-        return [n for n in self.order if untie or n not in self.aliases]
-
-    def total_nbytes(self, dtype: str, untie: bool) -> int:
-        """Bytes of tensor data in the output."""
-        return sum(self.output_nbytes(n, dtype) for n in self.stored(untie))
-
-    def total_numel(self, untie: bool) -> int:
-        """Elements of tensor data in the output (what the summary of ``reconstruct`` counts)."""
-        return sum(self.sources[self.aliases.get(n, n)].numel for n in self.stored(untie))
-
-    def provenance(self, names: list[str]) -> str:
-        """``ckptspec.sources`` of a file holding ``names``: what each tensor's bytes are (ORIGINS) ->
-        its names; a tied alias written as its own tensor is its owner's bytes."""
-        out: dict[str, list[str]] = {}
-        for name in names:
-            out.setdefault(self.sources[self.aliases.get(name, name)].origin, []).append(name)
-        return json.dumps({origin: sorted(found) for origin, found in sorted(out.items())}, separators=(",", ":"))
-
-    def metadata(self, dtype: str, untied: bool) -> dict[str, str]:
-        """The string map written to ``__metadata__`` and to the index's ``metadata``."""
-        frozen = {s.name: s.dtype for s in self.sources.values() if s.role == "frozen"}
-        # The manifest itself travels with the weights too (`ckptspec extract` prints it): the
-        # writer adds it once, to the index or the single file (checkpoint.embedded.safetensors_metadata).
-        return {
-            "format": "pt",
-            "ckptspec.format_version": self.manifest.format_version,
-            "ckptspec.tool_version": __version__,
-            "ckptspec.zero_stage": str(self.manifest.layout.zero_stage),
-            "ckptspec.tag": self.tag_dir.name,
-            "ckptspec.dtype": dtype,
-            "ckptspec.aliases": json.dumps(self.aliases, sort_keys=True),
-            "ckptspec.untied": "true" if untied else "false",
-            "ckptspec.frozen_source": json.dumps(frozen, sort_keys=True),
-        }
+from .model_plan import ReconstructionPlan, Segment, TensorSource
 
 
 def plan_reconstruction(
@@ -225,7 +124,7 @@ def plan_reconstruction(
     hashes = {}
     if hashes_in_stream and isinstance(tag_dir, RemotePath):
         hashes = {tag_dir / f.path: f.hash for f in manifest.files if f.hash is not None}
-    return ReconstructionPlan(manifest, tag_dir, sources, aliases, order, hashes)
+    return ReconstructionPlan(tag_dir, sources, aliases, order, hashes, manifest=manifest)
 
 
 def buffer_source(buffer, path: Path, states: StateCache, located=None, tag_dir: Path | None = None) -> TensorSource:

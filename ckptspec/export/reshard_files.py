@@ -31,7 +31,7 @@ from ..format.dtypes import ITEMSIZE
 from ..format.models import Group, Manifest
 from . import ds_pickle
 from .arrays import ShardReader, _np, _np_dtype, iter_chunks, iter_zeros
-from .plan import Segment, TensorSource
+from .model_plan import Segment, TensorSource
 from .reshard_layout import TargetLayout, natural_groups
 from .reshard_source import source_optimizer, with_stage
 

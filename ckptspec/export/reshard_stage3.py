@@ -28,7 +28,7 @@ from ..checkpoint.states import StateCache
 from ..format.models import Manifest
 from . import ds_pickle
 from .arrays import ShardReader
-from .plan import TensorSource
+from .model_plan import TensorSource
 from .reshard_files import _lazy_partition, _optim_file_names, _storage_reader, lazy_reader, placed_chunks
 from .reshard_layout import TargetLayout, target_sub_group_size
 from .reshard_source import source_optimizer, with_stage

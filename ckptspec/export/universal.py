@@ -34,9 +34,10 @@ from ..format.models import Manifest
 from ..location import open_binary
 from . import ds_pickle
 from .arrays import ShardReader, iter_chunks, read_array
+from .model_plan import TensorSource
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
-from .plan import TensorSource, plan_reconstruction
+from .plan import plan_reconstruction
 from .reshard import validated_source
 from .reshard_files import _storage_reader
 from .reshard_source import source_optimizer

@@ -25,15 +25,15 @@ from typing import Any
 from .._commit import commit, recover
 from .._fs import exclusive, fsync, io_point, sweep, temp_file
 from ..checkpoint.embedded import SAFETENSORS_KEY as MANIFEST_KEY
-from ..checkpoint.embedded import pointer_metadata, safetensors_metadata
+from ..checkpoint.embedded import pointer_metadata
 from ..errors import ForeignOutput, InputOutputError, ReconstructUnsupported
 from ..format.dtypes import output_dtype
 from ..location import refuse_write
 from .arrays import ShardReader, read_array, stream
+from .model_plan import ModelPlan
 from .optimizer_state import optimizer_state_temporary
 from .outputs import existing_outputs
 from .parallel_write import all_local, fill_parallel
-from .plan import ReconstructionPlan
 from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter, TensorEntry
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
@@ -96,7 +96,7 @@ class WriteResult:
 
 
 def write_consolidated(
-    plan: ReconstructionPlan,
+    plan: ModelPlan,
     output_dir: str | os.PathLike,
     *,
     dtype: str = "fp32",
@@ -143,8 +143,8 @@ def write_consolidated(
         for name, names in zip(_shard_names(len(groups), fmt), groups)
     ]
     metadata = plan.metadata(dtype, untie)
-    # The manifest travels with the weights; a checkpoint index's whole-model plan has none (no manifest).
-    manifest_meta = safetensors_metadata(plan.manifest) if plan.manifest is not None else {}
+    # The manifest travels with the weights (a checkpoint index's whole-model plan carries none yet).
+    manifest_meta = plan.document_metadata()
     total = sum(s.nbytes for s in shards)
     index_name = None
     if len(shards) > 1 or fmt == "torch" or len(manifest_meta.get(MANIFEST_KEY, "")) > MAX_HEADER_MANIFEST:

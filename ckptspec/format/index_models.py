@@ -197,3 +197,44 @@ class CheckpointIndex(_Model):
 
     def domain(self, domain_id: str) -> Domain:
         return next(d for d in self.domains if d.id == domain_id)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> CheckpointIndex:
+        """A plain ZeRO checkpoint's manifest as the checkpoint index of one domain: its data-parallel
+        group (``pp0-tp0``, as the model-parallel producer names it), holding every trainable parameter
+        whole. ``ckptspec.open`` reads both documents through it: one view of every kind."""
+        layout = manifest.layout
+        domain = Domain(
+            id="pp0-tp0",
+            coordinate=Coordinate(pipeline=0, tensor=0),
+            process_group="data_parallel",
+            size=layout.world_size,
+            file_ranks={f.path: f.ranks[0] for f in manifest.files if f.role in ("model_states", "optimizer_states")},
+            manifest=manifest,
+        )
+        parameters = [
+            IndexParameter(
+                name=p.name,
+                shape=list(p.shape),
+                dtype=p.dtype,
+                role="trainable",
+                shards=[Shard(domain=domain.id, local_name=p.name, local_shape=list(p.shape), placement="whole")],
+                placement_source="none",
+            )
+            for group in manifest.groups
+            for p in group.params
+        ]
+        return cls(
+            format=INDEX_FORMAT,
+            format_version=INDEX_VERSION,
+            producer=manifest.producer,
+            kind="zero",
+            topology=Topology(
+                degrees=Degrees(pipeline=1, tensor=1, data=layout.world_size),
+                degrees_source="derived",
+                model_parallel_size=1,
+            ),
+            domains=[domain],
+            layer_files=[],
+            parameters=parameters,
+        )

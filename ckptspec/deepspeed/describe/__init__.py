@@ -44,12 +44,12 @@ def describe(
     ``ckptspec generate`` writes it. A URL is read as a ZeRO checkpoint (indexes are read locally only).
     ``states``: files already read (and where the files read here are kept)."""
     from ...checkpoint.states import StateCache
-    from ..kinds import needs_index
+    from ..kinds import described_by_index
     from ..layout.tag_dir import resolve_tag_dir
 
     tag_dir = resolve_tag_dir(checkpoint, tag)
     states = states if states is not None else StateCache()
-    return describe_tag_dir(tag_dir, states, hash_algorithm=hash_algorithm, as_index=needs_index(tag_dir))
+    return describe_tag_dir(tag_dir, states, hash_algorithm=hash_algorithm, as_index=described_by_index(tag_dir))
 
 
 def describe_tag_dir(

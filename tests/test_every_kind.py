@@ -1,0 +1,142 @@
+"""Issue #39's matrix: every read command and Python function on every kind of checkpoint, through the one
+``Checkpoint`` view, on the real checkpoints the harness builds. Oracles: the live engine's fp32 masters on
+every rank (``oracle.rank*.pt`` of a PARALLEL job, ``live_fp32.pt`` of a ZeRO one; a tensor-parallel rank's
+master is its shard, cut from the whole tensor by DeepSpeed's own affine pieces), and DeepSpeed's
+``ds_to_universal`` ``fp32.pt`` for universal folders. What a kind cannot do yet is refused by capability
+(CK403) with nothing written; the test fails when that list and the code disagree.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _harness.parallel_oracles import bits_equal, check_masters, info
+from click.testing import CliRunner
+
+import ckptspec
+from ckptspec.cli import cli
+
+KINDS = {  # kind label in the issue -> harness checkpoint
+    "zero2 bf16": "s2-bf16-ws2",
+    "tp2": "tp2-s1-fp32-ws2",
+    "tp2xdp2": "tp2dp2-s2-bf16-ws4",
+    "tp2 zero3": "tp2-s3-bf16-ws2",
+    "pp2": "pp2-s1-fp32-ws2",
+    "pp2xdp2 bf16": "pp2dp2-s1-bf16-ws4",
+    "pp2 stage0 bf16": "pp2-s0-bf16-ws2",
+    "moe ep2 s0 ws4": "moe-ep2-s0-bf16-ws4",
+    "moe ep2 s1 ws4": "moe-ep2-s1-fp32-ws4",
+    "moe ep2 s2 ws4": "moe-ep2-s2-bf16-ws4",
+    "stage0 fp32": "s0-fp32-ws2",
+    "stage0 bf16": "s0-bf16-ws2",
+    "universal": "uc-s2-bf16-ws2",
+}
+WRITE_CAPABILITIES = ("reshard", "export_universal", "export_dcp")
+
+
+def _target(ds, name: str):
+    entry = ds.path(name)
+    if name.startswith("uc-"):  # the universal folder ds_to_universal wrote beside the checkpoint
+        return entry / info(entry)["universal"]["output_folder"]
+    return entry
+
+
+def _cli(*args: str):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+def _check_against_live(ds, name: str, weights: dict) -> int:
+    """How many masters were compared with the live engine's, bit for bit (every one of them)."""
+    import torch
+
+    entry = ds.path(name)
+    if name.startswith("uc-"):  # DeepSpeed's own universal files are the oracle
+        folder = _target(ds, name) / "zero"
+        for param in (p for p in folder.iterdir() if p.is_dir()):
+            fp32 = torch.load(param / "fp32.pt", map_location="cpu", weights_only=True)
+            fp32 = fp32["param"] if isinstance(fp32, dict) else fp32
+            assert bits_equal(weights[param.name].reshape(-1), fp32.reshape(-1)), param.name
+        return sum(1 for p in folder.iterdir() if p.is_dir())
+    if (entry / "parallel.json").is_file():
+        return check_masters(entry, weights)
+    live = torch.load(entry / "live_fp32.pt", weights_only=True)
+    for key, master in live.items():
+        assert bits_equal(weights[key], master.float()), key
+    return len(live)
+
+
+@pytest.mark.parametrize("label", sorted(KINDS))
+def test_every_read_command_works(ds, label, tmp_path):
+    target = _target(ds, KINDS[label])
+    assert _cli("validate", target, "--no-hash").exit_code == 0
+    generated = _cli("generate", target, "-o", tmp_path / "doc.json")
+    assert generated.exit_code == 0, generated.output
+    doc = json.loads((tmp_path / "doc.json").read_text())
+    is_index = doc["format"] == "ckptspec.checkpoint"
+    assert is_index == (label != "zero2 bf16")
+    assert _cli("validate", tmp_path / "doc.json").exit_code == 0
+    assert _cli("convert", tmp_path / "doc.json", tmp_path / "doc.msgpack").exit_code == 0
+    checked = _cli("validate", tmp_path / "doc.msgpack", "--checkpoint", target)
+    assert checked.exit_code == 0, checked.output
+    inspected = _cli("inspect", target, "--format", "json")
+    assert inspected.exit_code == 0, inspected.output
+    diffed = _cli("diff", target, target)
+    if label == "universal":  # no ZeRO optimizer files: DeepSpeed loads it only with load_universal
+        assert diffed.exit_code == 1 and "CK509" in diffed.output and "no changes" in diffed.output, diffed.output
+    else:
+        assert diffed.exit_code == 0 and "B can resume" in diffed.output, diffed.output
+    rebuilt = _cli("reconstruct", target, tmp_path / "out", "--quiet", "--max-shard-size", "4096", "--untie")
+    assert rebuilt.exit_code == 0, rebuilt.output
+    from ckptspec.export.api import load_consolidated
+
+    written = load_consolidated(tmp_path / "out")
+    weights = ckptspec.load_state_dict(target)
+    assert set(written) == set(weights)
+    assert all(bits_equal(written[n], weights[n]) for n in weights)
+
+
+@pytest.mark.parametrize("label", sorted(KINDS))
+def test_open_gives_one_view_equal_to_the_live_masters(ds, label, tmp_path):
+    target = _target(ds, KINDS[label])
+    checkpoint = ckptspec.open(target)
+    assert (checkpoint.kind.value == "zero") == (label == "zero2 bf16")
+    assert checkpoint.index.domains == checkpoint.domains and checkpoint.domains
+    weights = checkpoint.state_dict()
+    assert _check_against_live(ds, KINDS[label], weights) > 0
+    assert set(checkpoint.names) == set(weights)
+    tag_dir = checkpoint.tag_dir
+    for name, tensor in checkpoint.tensors.items():
+        # The chunks, in order, cover the whole tensor once, and hold its bytes.
+        assert [c.start for c in tensor.chunks] == [
+            sum(c.numel for c in tensor.chunks[:i]) for i in range(len(tensor.chunks))
+        ]
+        assert sum(c.numel for c in tensor.chunks) == weights[name].numel()
+        if tensor.dtype == "float32":
+            data = b"".join((tag_dir / c.file).read_bytes()[c.offset : c.offset + c.nbytes] for c in tensor.chunks)
+            assert data == weights[name].contiguous().view(-1).numpy().tobytes(), name
+    assert not [f for f in ckptspec.validate_checkpoint(target, verify_hashes=False) if f.severity == "error"]
+    described = ckptspec.describe(target)
+    assert type(described).__name__ == type(checkpoint.document).__name__
+
+
+@pytest.mark.parametrize("label", sorted(KINDS))
+def test_what_a_kind_cannot_do_is_refused_by_capability(ds, label, tmp_path):
+    target = _target(ds, KINDS[label])
+    checkpoint = ckptspec.open(target)
+    writers = {
+        "reshard": lambda out: ckptspec.reshard(target, out, world_size=1),
+        "export_universal": lambda out: ckptspec.export_universal(target, out),
+        "export_dcp": lambda out: ckptspec.export_dcp(target, out),
+    }
+    for capability in WRITE_CAPABILITIES:
+        if checkpoint.supports(capability):
+            assert label == "zero2 bf16"  # the writers' own tests hold their outputs against DeepSpeed
+            continue
+        out = tmp_path / capability
+        with pytest.raises(ckptspec.Unsupported) as refused:
+            writers[capability](out)
+        assert refused.value.code == "CK403" and not out.exists()
+        assert checkpoint.kind.label in refused.value.message
