@@ -638,3 +638,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 from .faults_masters import MASTERS_FAULTS  # noqa: E402  (#17: MoE and stage 0)
 
 FAULTS += MASTERS_FAULTS
+
+from .faults_copies import COPIES_FAULTS, COPIES_INDEX_FAULTS  # noqa: E402  (#39: copies of another run)
+
+FAULTS += COPIES_FAULTS + COPIES_INDEX_FAULTS

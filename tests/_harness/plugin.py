@@ -61,6 +61,7 @@ IMPORTABLE = {
     "faults": "the fault corpus: mutations of a copy (its base reached through `ds`, given by the test)",
     "faults_masters": "the fault corpus of the masters index",
     "faults_parallel": "the fault corpus of the parallel checkpoints",
+    "faults_copies": "the fault corpus of weights copied from another run",
     "states": "what a reader sees of a directory; which steps to stop a writer at",
     "oracles": "DEEPSPEED_VERSION (its zero_to_fp32 is guarded: take the `zero_to_fp32` fixture)",
     "parallel_oracles": "readers and checkers of the oracles a parallel job recorded (torch only)",

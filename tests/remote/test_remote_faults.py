@@ -8,6 +8,7 @@ import json
 
 import pytest
 from _harness.faults import FAULTS, FaultEnv, base_dir, snapshot
+from _harness.faults_copies import COPIES_INDEX_FAULTS
 from _harness.faults_masters import MASTERS_FAULTS
 from _harness.faults_parallel import PARALLEL_FAULTS
 from click.testing import CliRunner
@@ -36,7 +37,8 @@ def built(ds):
 
 
 # Checkpoint indexes (tensor/pipeline parallel, #16) are read from local directories only, for now.
-ZERO_FAULTS = [f for f in FAULTS if f not in PARALLEL_FAULTS and f not in MASTERS_FAULTS]
+INDEX_FAULTS = PARALLEL_FAULTS + MASTERS_FAULTS + COPIES_INDEX_FAULTS
+ZERO_FAULTS = [f for f in FAULTS if f not in INDEX_FAULTS]
 
 
 @pytest.mark.parametrize("fault", ZERO_FAULTS, ids=lambda f: f.name)

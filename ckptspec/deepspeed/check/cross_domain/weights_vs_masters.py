@@ -1,25 +1,20 @@
-"""CK235: the saved weights of every tensor/pipeline coordinate are its optimizer files' masters.
+"""CK235 across domains: the weights saved apart from a domain's module are its masters cast to the run's dtype.
 
-DeepSpeed's ZeRO-1/2 step (and BF16_Optimizer's) copies each rank's fp32 master partition into the
-low-precision parameters it then gathers, so at a save the weights a rank wrote (AutoTP: the
-``module`` of its model states; a pipeline: its stage's layer files) are its masters rounded to the
-model dtype, element for element. Two files of different tensor ranks, stages or layers can have
-the same names, shapes and sizes (every other check passes when AutoTP's ranks swap their optimizer
-files, or a pipeline's two Blocks swap layer files); their values cannot agree with the other
-coordinate's masters. Cheap: the first few elements of each piece of each parameter, two ``pread``
-each, no tensor decoded (bfloat16 rounding done on the bits). Stage 3 (no weights in the files) and
-ZeRO-1/2 fp16 (loss-scaled copies) are not compared; located stage-0 and MoE masters are, in fp16 too.
-
-The same holds where the index locates the masters apart from the weights (ZeRO stage 0's
-``FP16_Optimizer`` and ``FP16_UnfusedOptimizer``, which copy every master into its weight after each
-step, in bf16 or fp16; MoE): there it is also the evidence that the producer named the masters right.
+A domain's ``module`` is compared with its optimizer files' masters by the domain's own check
+(``check/domain/weights.py``, which says why the copies must agree). What only the index knows is compared
+here: a pipeline stage's layer files (their weights against the stage's ZeRO-1/2 optimizer files, or a
+stage-0 pipeline's ``BF16_Optimizer`` masters the index locates), and the weights beside masters the index
+locates apart from them (ZeRO stage 0's ``FP16_Optimizer`` and ``FP16_UnfusedOptimizer``, which copy every
+master into its weight after each step; MoE's module and expert files): there it is also the evidence that
+the producer named the masters right. Two layer files of the same kind (two ``Block``s) have the same names,
+shapes and sizes; a layer or expert file of another run, seed or dtype keeps them too; their values cannot
+be this stage's masters rounded to the run's dtype, and a copy in another dtype than the run's is refused as
+such. Cheap: the first few elements of each piece of each parameter, two ``pread`` each, no tensor decoded.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import struct
 from collections.abc import Iterator
 
 from ....checkpoint.torchfile import TensorRef, tensor_byte_range
@@ -28,20 +23,10 @@ from ....findings import Finding, finding, json_path
 from ....format.index_models import MasterLocator
 from ....format.partition import param_pieces
 from ....format.paths import join_inside
+from ..domain.weights import ROUND, run_dtype
 from .context import IndexContext, check
 
 SAMPLE = 4  # elements compared per piece: a swapped file differs in (almost) every element
-
-
-def _bf16_bits(fp32: bytes) -> bytes:
-    """fp32 little-endian words rounded to bfloat16 as torch rounds (to nearest, ties to even)."""
-    out = []
-    for (word,) in struct.iter_unpack("<I", fp32):
-        if (word & 0x7F800000) == 0x7F800000 and word & 0x7FFFFF:  # NaN: quieted, sign kept
-            out.append((word >> 16) | 0x40)
-        else:
-            out.append((word + 0x7FFF + ((word >> 16) & 1)) >> 16)
-    return struct.pack(f"<{len(out)}H", *out)
 
 
 def _pread(path, offset: int, size: int) -> bytes:
@@ -73,30 +58,62 @@ def _weights(ctx: IndexContext, i: int) -> dict[str, tuple[str, TensorRef]]:
     return out
 
 
+def _run_dtype(ctx: IndexContext, i: int) -> str:
+    """Domain ``i``'s dtype as its optimizer files' ``ds_config`` records it (else its layout's)."""
+    domain = ctx.index.domains[i]
+    states = []
+    for f in domain.manifest.files:
+        path = join_inside(ctx.tag_dir, f.path)
+        if f.role == "optimizer_states" and path is not None and path.is_file():
+            loaded = ctx.states.load(path)
+            states.append(loaded.state if loaded.error is None else None)
+    return run_dtype(states, domain.manifest.layout.model_dtype)
+
+
+def _layer_weights(ctx: IndexContext, i: int, dtype: str) -> tuple[dict[str, tuple[str, TensorRef]], list[Finding]]:
+    """Domain ``i``'s weights in layer files (its module's are the domain check's), and a finding for each
+    layer file holding a weight in another dtype than the run's (a layer file of another run)."""
+    domain = ctx.index.domains[i]
+    weights = {n: held for n, held in _weights(ctx, i).items() if held[0] != _model_file(domain)}
+    found: dict[str, Finding] = {}
+    for name, (wfile, ref) in weights.items():
+        if isinstance(ref, TensorRef) and ref.dtype != dtype and wfile not in found:
+            found[wfile] = finding(
+                "CK235",
+                json_path("domains", i),
+                f"{name} is saved as {ref.dtype} in {wfile}; the run's dtype is {dtype} (the config its optimizer "
+                "files record): a layer file of another run",
+                "restore the files of one save, each under its own name",
+                file=wfile,
+            )
+    return weights, list(found.values())
+
+
 @check("CK235")
 def weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
+    """A ZeRO-1/2 pipeline stage's layer files against its optimizer files' masters."""
     for i, domain in enumerate(ctx.index.domains):
         layout = domain.manifest.layout
-        if (
-            layout.zero_stage == 3
-            or layout.master_dtype != "float32"
-            or layout.model_dtype not in ("float32", "bfloat16")
-        ):
+        if layout.zero_stage == 3 or layout.master_dtype != "float32" or domain.masters is not None:
             continue
-        weights = _weights(ctx, i)
+        dtype = _run_dtype(ctx, i)
+        weights, other_dtype = _layer_weights(ctx, i, dtype)
+        yield from other_dtype
+        if dtype not in ROUND:
+            continue
         partitions = {
             (loc.group, loc.rank): (f.path, loc)
             for f in domain.manifest.files
             if f.role == "optimizer_states"
             for loc in f.partitions
         }
-        reported: set[tuple[str, str]] = set()
+        reported: set[str] = {f.file for f in other_dtype if f.file}
         for group in domain.manifest.groups:
             if group.partitioning != "flat":
                 continue
             for param in group.params:
                 held = weights.get(param.name)
-                if held is None or not isinstance(held[1], TensorRef) or held[1].dtype != layout.model_dtype:
+                if held is None or not isinstance(held[1], TensorRef) or held[1].dtype != dtype:
                     continue
                 wfile, ref = held
                 for rank, start, count in param_pieces(
@@ -105,7 +122,7 @@ def weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
                     if (group.optimizer_group, rank) not in partitions:
                         continue
                     ofile, loc = partitions[(group.optimizer_group, rank)]
-                    if (wfile, ofile) in reported or loc.dtype != "float32" or start >= loc.numel:
+                    if wfile in reported or loc.dtype != "float32" or start >= loc.numel:
                         continue
                     n = min(SAMPLE, count, loc.numel - start)
                     first = rank * group.partition_numel + start - param.offset  # element of the parameter
@@ -117,19 +134,16 @@ def weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
                         )
                     except (CkptspecError, OSError, ValueError):
                         continue  # unreadable or damaged files are the other checks' findings
-                    want = master if layout.model_dtype == "float32" else _bf16_bits(master)
-                    if len(master) == n * 4 and saved != want:
-                        reported.add((wfile, ofile))
-                        odd = wfile if wfile != _model_file(domain) else ofile
+                    if len(master) == n * 4 and saved != ROUND[dtype](master):
+                        reported.add(wfile)
                         yield finding(
                             "CK235",
                             json_path("domains", i),
                             f"{param.name} (elements {first}..{first + n - 1}) saved in {wfile} is not its fp32 "
-                            f"master in {ofile} rounded to {layout.model_dtype}",
-                            "a file of another tensor rank, stage or layer (swapped files?): restore the files of "
+                            f"master in {ofile} rounded to {dtype}",
+                            "a layer file of another layer, run or save (swapped files?): restore the files of "
                             "one save, each under its own name",
-                            file=odd,
-                            rank=rank if odd == ofile else None,  # a layer file has no data-parallel rank
+                            file=wfile,  # a layer file has no data-parallel rank
                         )
 
 
@@ -138,12 +152,15 @@ def layer_weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
     """The same for a domain whose index locates its masters (a stage-0 pipeline's ``BF16_Optimizer``):
     each layer file's weights against the first elements of each piece of their masters."""
     for i, domain in enumerate(ctx.index.domains):
-        layout = domain.manifest.layout
-        if domain.masters is None or layout.model_dtype not in ("float32", "bfloat16"):
+        if domain.masters is None:
             continue
-        # The layer files' weights only: a stage-0 module's are compared by no check yet.
-        weights = {n: held for n, held in _weights(ctx, i).items() if held[0] != _model_file(domain)}
-        reported: set[str] = set()
+        # The layer files' weights only: a module's are located_masters_are_weights'.
+        dtype = _run_dtype(ctx, i)
+        weights, other_dtype = _layer_weights(ctx, i, dtype)
+        yield from other_dtype
+        if dtype not in ROUND:
+            continue
+        reported: set[str] = {f.file for f in other_dtype if f.file}
         done: dict[str, int] = {}  # parameter -> its elements located so far (its pieces are in order)
         for loc in domain.masters.tensors:
             first = done.get(loc.param, 0)
@@ -152,7 +169,7 @@ def layer_weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
             if held is None or held[0] in reported or loc.dtype != "float32" or not loc.numel:
                 continue
             wfile, ref = held
-            if not isinstance(ref, TensorRef) or ref.dtype != layout.model_dtype or first >= ref.numel:
+            if not isinstance(ref, TensorRef) or ref.dtype != dtype or first >= ref.numel:
                 continue
             n = min(SAMPLE, loc.numel, ref.numel - first)
             try:
@@ -161,36 +178,21 @@ def layer_weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
                 saved = _pread(ctx.tag_dir / wfile, base + first * ref.storage.itemsize, n * ref.storage.itemsize)
             except (CkptspecError, OSError, ValueError):
                 continue  # unreadable or damaged files are the other checks' findings
-            want = master if layout.model_dtype == "float32" else _bf16_bits(master)
-            if len(master) == n * 4 and saved != want:
+            if len(master) == n * 4 and saved != ROUND[dtype](master):
                 reported.add(wfile)
                 yield finding(
                     "CK235",
                     json_path("domains", i),
                     f"{loc.param} (elements {first}..{first + n - 1}) saved in {wfile} is not its fp32 master in "
-                    f"{loc.file} rounded to {layout.model_dtype}",
-                    "a layer file of another layer or save (swapped files?): restore the files of one save, each "
-                    "under its own name",
+                    f"{loc.file} rounded to {dtype}",
+                    "a layer file of another layer, run or save (swapped files?): restore the files of one save, "
+                    "each under its own name",
                     file=wfile,
                 )
 
 
 def _model_file(domain) -> str | None:
     return next((f.path for f in domain.manifest.files if f.role == "model_states"), None)
-
-
-def _fp16_bits(fp32: bytes) -> bytes:
-    """fp32 little-endian words rounded to float16 as torch rounds (to nearest, ties to even)."""
-    out = []
-    for (value,) in struct.iter_unpack("<f", fp32):
-        try:
-            out.append(struct.pack("<e", value))
-        except OverflowError:  # past float16's range: infinity, as torch gives
-            out.append(struct.pack("<e", math.copysign(math.inf, value)))
-    return b"".join(out)
-
-
-_ROUND = {"float32": lambda b: b, "bfloat16": _bf16_bits, "float16": _fp16_bits}
 
 
 def _saved_weights(ctx: IndexContext, i: int) -> dict[str, tuple[str, TensorRef]]:
@@ -222,13 +224,14 @@ def located_masters_are_weights(ctx: IndexContext) -> Iterator[Finding]:
         for loc in domain.masters.tensors:
             first.setdefault(loc.param, loc)  # a master's first piece starts at its element 0
         wrong: dict[tuple[str, str], list[tuple[str, int, MasterLocator, str]]] = {}
+        compared: dict[str, set[str]] = {}  # weights file -> the masters files it was compared with
         for name, loc in first.items():
             held = weights.get(name)
             if held is None or not isinstance(held[1], TensorRef) or loc.dtype != "float32":
                 continue
             wfile, ref = held
             n = min(SAMPLE, loc.numel, ref.numel)
-            if ref.dtype not in _ROUND or not n or not ref.is_contiguous():
+            if ref.dtype not in ROUND or not n or not ref.is_contiguous():
                 continue
             try:
                 base, _ = tensor_byte_range(ref, ctx.states.members(ctx.tag_dir / wfile))
@@ -236,8 +239,28 @@ def located_masters_are_weights(ctx: IndexContext) -> Iterator[Finding]:
                 saved = _pread(ctx.tag_dir / wfile, base, n * ref.storage.itemsize)
             except (CkptspecError, OSError, ValueError):
                 continue  # unreadable or damaged files are the other checks' findings
-            if len(master) == n * 4 and saved != _ROUND[ref.dtype](master):
+            if len(master) != n * 4:
+                continue
+            compared.setdefault(wfile, set()).add(loc.file)
+            if saved != ROUND[ref.dtype](master):
                 wrong.setdefault((wfile, loc.file), []).append((name, n, loc, ref.dtype))
+        for wfile, mfiles in compared.items():  # a weights file apart from its masters, wrong against all of them
+            if wfile in mfiles or any((wfile, m) not in wrong for m in mfiles):
+                continue
+            found = [hit for m in sorted(mfiles) for hit in wrong.pop((wfile, m))]
+            name, n, loc, dtype = found[0]
+            others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            yield finding(
+                "CK235",
+                json_path("domains", i, "masters"),
+                f"{name} (elements 0..{n - 1}) saved in {wfile} is not its fp32 master in {loc.file} "
+                f"({'/'.join(map(str, loc.key))}) rounded to {dtype}{others}; no master in "
+                f"{', '.join(sorted(mfiles))} is",
+                "a module or expert file of another run, seed, dtype or save: restore the files of one save, each "
+                "under its own name",
+                file=wfile,
+                rank=domain.file_ranks.get(wfile),
+            )
         for (wfile, mfile), found in wrong.items():  # one finding per pair of files, naming the first
             name, n, loc, dtype = found[0]
             others = f" (and {len(found) - 1} more of its {len(first)} masters)" if len(found) > 1 else ""

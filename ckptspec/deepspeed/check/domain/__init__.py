@@ -4,12 +4,13 @@ One check = one function = one stable code, as in ``ckptspec.format.rules``; eac
 yields every finding it sees, with ``file`` (relative to the tag directory) and ``rank``
 set and a JSON path into the manifest when one applies. ``docs/validation.md`` documents
 every check. The checks are grouped by what they read: the files themselves (``files``),
-their headers (``headers``), the flat master partitions (``partitions``) and the saved
-module (``module``).
+their headers (``headers``), the flat master partitions (``partitions``), the saved
+module (``module``) and its weights against the masters (``weights``).
 
 Only metadata is read: each ``.pt`` file's ``data.pkl`` through the restricted unpickler
 (never ``torch.load``, so no pickled code runs) and the zip directory, once per file
-through a ``StateCache``. Tensor bytes are read only to verify recorded hashes. A file
+through a ``StateCache``. Tensor bytes are read to verify recorded hashes, and a few elements of
+each rank's masters and weights to compare them (``weights``, CK235). A file
 that cannot be read becomes a finding naming it; the other files are still checked.
 
 When the manifest is generated from the same files (``validate DIR`` without a sidecar),
@@ -29,12 +30,14 @@ from ....errors import InputOutputError
 from ....findings import Finding, RuleSet
 from ....format.models import Manifest
 from ....location import RemotePath, location
-from . import files, headers, module, partitions, tensors
+from . import files, headers, module, partitions, tensors, weights
 from .context import Check, build_context
 
 FORK_MIN_PARAMS = 30_000  # below this the checks end before a second process would start
 # The order the checks run in, and so the order of their findings.
-CHECKS: RuleSet[Check] = RuleSet(files.CHECKS, headers.CHECKS, partitions.CHECKS, module.CHECKS, tensors.CHECKS)
+CHECKS: RuleSet[Check] = RuleSet(
+    files.CHECKS, headers.CHECKS, partitions.CHECKS, module.CHECKS, tensors.CHECKS, weights.CHECKS
+)
 
 
 def check_checkpoint(
