@@ -29,6 +29,7 @@ def masters_state_plan(tag_dir: Path, domain: Domain, states: StateCache) -> Opt
     assert domain.masters is not None
     finder = MomentFinder(tag_dir, states)
     shapes = {p.name: tuple(p.shape) for g in domain.manifest.groups for p in g.params}
+    digests = {p.name: p.state_digests or {} for g in domain.manifest.groups for p in g.params}
     sources: dict[str, TensorSource] = {}
     names: dict[str, dict[str, str]] = {}
     groups: dict[int, OptimizerGroup] = {}
@@ -45,7 +46,10 @@ def masters_state_plan(tag_dir: Path, domain: Domain, states: StateCache) -> Opt
             if name in sources:
                 sources[name].segments.append(segment)
             else:
-                sources[name] = TensorSource(name, shapes[loc.param], dtype, [segment], "state")
+                digest = digests[loc.param].get(key)  # generate --hash: checked as the bytes stream (CK222)
+                sources[name] = TensorSource(
+                    name, shapes[loc.param], dtype, [segment], "state", digest.sha256 if digest else None
+                )
             names.setdefault(loc.param, {})[key] = name
         members = finder.members(found.file)
         for g, settings in enumerate(_settings(found)):
