@@ -44,6 +44,7 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
     domain_plans = {d.id: _domain_plan(tag_dir, d, states) for d in found.domains}
     plan = whole_plan(found, tag_dir, domain_plans)
     plan.warnings = findings  # no error among them: the warnings (CK224, CK226, CK236), for the caller to show
+    plan.states = states
     return plan
 
 

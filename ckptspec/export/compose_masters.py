@@ -26,6 +26,7 @@ _ORIGIN = {"module": MODULE_FP32_WEIGHT, "expert_files": MODULE_FP32_WEIGHT, "un
 def master_sources(tag_dir: Path, domain: Domain) -> dict[str, TensorSource]:
     """local name -> where its master's bytes are."""
     shapes = {p.name: tuple(p.shape) for g in domain.manifest.groups for p in g.params}
+    digests = {p.name: p.digest.sha256 for g in domain.manifest.groups for p in g.params if p.digest is not None}
     origin = _ORIGIN.get(domain.masters.stored_in, ORIGINS["trainable"])
     out: dict[str, TensorSource] = {}
     for loc in domain.masters.tensors:
@@ -34,8 +35,8 @@ def master_sources(tag_dir: Path, domain: Domain) -> dict[str, TensorSource]:
         if loc.param in out:
             out[loc.param].segments.append(segment)
         else:
-            out[loc.param] = TensorSource(
-                loc.param, shapes[loc.param], loc.dtype, [segment], "trainable", origin=origin
+            out[loc.param] = TensorSource(  # a 1.1 manifest's digest: checked as the bytes stream (CK222)
+                loc.param, shapes[loc.param], loc.dtype, [segment], "trainable", digests.get(loc.param), origin
             )
     return out
 

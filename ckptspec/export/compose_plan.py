@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._version import __version__
+from ..checkpoint.states import StateCache
 from ..errors import ReconstructMismatch, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import CheckpointIndex, IndexParameter, Shard
@@ -109,6 +110,7 @@ class IndexReconstructionPlan(ModelPlan):
     domain_plans: dict[str, ReconstructionPlan] = field(default_factory=dict)
     warnings: list = field(default_factory=list)  # what validating the whole set found, errors aside
     _state: OptimizerStatePlan | None = None
+    states: StateCache | None = None  # the decoded files validation read (the moments are located from them)
 
     def metadata(self, dtype: str, untied: bool) -> dict[str, str]:
         degrees = self.index.topology.degrees
@@ -163,26 +165,24 @@ def replicas(param: IndexParameter, domain_plans: dict[str, ReconstructionPlan])
     return [(s, domain_plans[s.domain].sources[s.local_name]) for s in shards]
 
 
-def _kind(index: CheckpointIndex) -> str:
-    """The kind of checkpoint a masters domain belongs to, as a user would name it."""
-    if index.kind == "universal":
-        return "universal"
-    if index.expert_files:
-        return "MoE"
-    return "ZeRO stage-0 pipeline" if index.layer_files else "ZeRO stage-0"
-
-
 def _compose_states(plan: IndexReconstructionPlan) -> OptimizerStatePlan:
-    located_apart = [d for d in plan.index.domains if d.masters is not None]
-    if located_apart:  # the index locates these kinds' masters, not their moments (CK402, not "use 1.1")
+    if plan.index.kind == "universal":  # its folders' exp_avg.pt / exp_avg_sq.pt are not read (CK402)
         raise ReconstructUnsupported(
-            f"the optimizer state of this {_kind(plan.index)} checkpoint is not located: its "
-            "checkpoint index locates the fp32 masters only (the moments are not read)",
-            "reconstruct the weights without --optimizer-state; to resume training, load the checkpoint itself "
-            "with DeepSpeed (engine.load_checkpoint), which reads the moments",
+            "the optimizer state of this universal checkpoint is not located: its checkpoint index locates "
+            "the fp32 masters only (the moments are not read)",
+            "reconstruct the weights without --optimizer-state; to resume training, load the universal folder "
+            "itself with DeepSpeed (checkpoint.load_universal), which reads the moments",
             plan.tag_dir,
         )
-    per_domain = {d: plan_optimizer_state(p) for d, p in plan.domain_plans.items()}
+    from .masters_state import masters_state_plan
+
+    cache = plan.states if plan.states is not None else StateCache()
+    per_domain = {  # stage 0, MoE, a stage-0 pipeline: the moments of the masters the index locates
+        d.id: masters_state_plan(plan.tag_dir, d, cache)
+        if d.masters is not None
+        else plan_optimizer_state(plan.domain_plans[d.id])
+        for d in plan.index.domains
+    }
     sources: dict = {}
     states: dict = {}
     groups: dict = {}

@@ -126,6 +126,17 @@ HOOKED = [
 MASTERS_HOOKED = sorted(n for n in PARALLEL_SPECS if n.startswith(("s0-", "moe-", "pp2-s0-")))
 
 
+# The optimizer state DeepSpeed loads from the kinds whose index locates fp32 masters (issue #39): each
+# entry loaded by a job of its layout (tests/_harness/optim_job.py), the oracle of their optimizer-state
+# export. Their training jobs record masters only.
+OPTIM_SOURCES = sorted(n for n in PARALLEL_SPECS if n.startswith(("s0-", "moe-", "pp2-s0-")) and not n.endswith("ws1"))
+
+
+def optim_name(name: str) -> str:
+    """The entry where a job of PARALLEL entry ``name``'s layout loaded it and recorded its optimizer state."""
+    return f"{name}+optim"
+
+
 def hook_name(name: str) -> str:
     """The entry re-training PARALLEL job ``name`` in its launch, saved through the save hook."""
     return f"{name}+hook"
@@ -271,6 +282,9 @@ def _registry() -> dict[str, Task]:
     for name in HOOKED + MASTERS_HOOKED:
         spec, ws = PARALLEL_SPECS[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
+    for name in OPTIM_SOURCES:
+        spec, ws = PARALLEL_SPECS[name]
+        out[optim_name(name)] = Task("optim", {"spec": spec, "source": name}, ws, load=name)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

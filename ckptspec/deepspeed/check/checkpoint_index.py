@@ -97,7 +97,9 @@ def validate_index_checkpoint(
         return chosen, findings  # a generated index is checked even when its rules fail: the checks say which file
     for i, domain in enumerate(chosen.domains):
         if domain.masters is not None:  # #17: masters located in model states, expert or universal files
-            findings += check_masters_domain(domain, i, tag_dir, states, verify_hashes=verify_hashes)
+            findings += check_masters_domain(
+                domain, i, tag_dir, states, verify_hashes=verify_hashes, verify_digests=verify_digests
+            )
             continue
         mp = domain_mp_rank(domain)
         listed = {f.path for f in domain.manifest.files}

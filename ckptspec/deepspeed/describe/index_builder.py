@@ -3,9 +3,10 @@
 These checkpoints keep their fp32 masters where format 1.x has no locator for them (``masters.py``,
 ``moe_masters.py`` find them). Each is described as a checkpoint index whose domains carry
 ``masters``: one tensor locator per master (or per piece of a master a ZeRO partition cut), and the
-copies DeepSpeed saved of them (``replicas``). A domain's embedded 1.x manifest names its parameters
-(one flat group of ``partition_count`` 1, ``zero_stage`` 0: it locates nothing) and its files; the
-stage the run was configured with is ``configured_zero_stage``. Domains:
+copies DeepSpeed saved of them (``replicas``). A domain's embedded manifest (format 1.1) names its
+parameters (one flat group of ``partition_count`` 1, ``zero_stage`` 0: it locates nothing; with a hash
+algorithm each parameter gets the digests of its master and moments, ``masters_digests.py``) and its
+files; the stage the run was configured with is ``configured_zero_stage``. Domains:
 
 * stage 0 (``s0-*``): one ``dense`` domain;
 * MoE: ``dense`` (``data_parallel``) and one ``expert:ep_size_<ep>:ep<e>`` domain per
@@ -48,6 +49,7 @@ from ...format.index_models import (
 )
 from ...format.models import Buffer, Layout, Manifest, Producer, ShardFile
 from ...format.partition import ParamSpec, flat_group
+from ...format.version import FORMAT_VERSION
 from ..layout.masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, MasterTensor
 from ..layout.names import MODEL_RE, OPTIM_RE
 
@@ -97,7 +99,7 @@ def masters_domain(
     and lists ``files``. Shared by the directory producers and the live engine's (live/masters.py)."""
     manifest = Manifest(
         format="ckptspec.manifest",
-        format_version="1.0.0",
+        format_version=FORMAT_VERSION,  # the newest: generate --hash gives its parameters 1.1's digests
         producer=producer,
         layout=Layout(
             zero_stage=0,
@@ -238,6 +240,10 @@ class IndexBuilder:
         )
         if replicas:
             domain.replicas = [loc for _, copy in replicas for loc in _locators(self.folder, copy, self.states)]
+        if self.hash_algorithm:  # format 1.1's per-tensor digests: each master's and its moments'
+            from .masters_digests import add_masters_digests
+
+            add_masters_digests(self.folder, self.states, domain)
         if add_parameters:
             self.parameters += parameters
         return domain

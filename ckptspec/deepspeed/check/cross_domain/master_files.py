@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ....checkpoint.hashing import file_digest
 from ....checkpoint.states import StateCache
@@ -55,8 +56,10 @@ def _locator_problem(tag_dir: Path, loc: MasterLocator, states: StateCache) -> s
 
 
 def check_masters_domain(
-    domain: Domain, i: int, tag_dir: Path, states: StateCache, *, verify_hashes: bool = True
+    domain: Domain, i: int, tag_dir: Path, states: StateCache, *, verify_hashes: bool = True, verify_digests=None
 ) -> list[Finding]:
+    """The files of a domain whose index locates its masters, each locator, and (``verify_digests``,
+    default ``verify_hashes``) the digests its 1.1 manifest records of each master and moment (CK222)."""
     out = []
     for j, f in enumerate(domain.manifest.files):
         at = json_path("domains", i, "manifest", "files", j)
@@ -80,6 +83,45 @@ def check_masters_domain(
                         f"master of {loc.param!r}: {problem}",
                         "regenerate the index from the files (ckptspec generate), or restore the files it describes",
                         file=loc.file,
+                    )
+                )
+    if not out and (verify_hashes if verify_digests is None else verify_digests):
+        out += _digests(domain, i, tag_dir, states)
+    return out
+
+
+def _digests(domain: Domain, i: int, tag_dir: Path, states: StateCache) -> list[Finding]:
+    """CK222 for each recorded digest (``generate --hash``) the located bytes do not have."""
+    from ...describe.masters_digests import master_ranges, moment_ranges, sha256_of
+
+    params = [(g, k, p) for g, group in enumerate(domain.manifest.groups) for k, p in enumerate(group.params)]
+    if not any(p.digest is not None or p.state_digests for _, _, p in params):
+        return []
+    masters = master_ranges(domain)
+    moments = moment_ranges(tag_dir, states, domain) if any(p.state_digests for _, _, p in params) else {}
+    out = []
+    for g, k, p in params:
+        wanted: list[tuple[tuple, Any, list | None]] = [(("digest",), p.digest, masters.get(p.name))]
+        wanted += [
+            (("state_digests", s), d, (moments or {}).get(p.name, {}).get(s))
+            for s, d in (p.state_digests or {}).items()
+        ]
+        for where, digest, ranges in wanted:
+            if digest is None:
+                continue
+            at = json_path("domains", i, "manifest", "groups", g, "params", k, *where)
+            actual = sha256_of(tag_dir, ranges) if ranges else None
+            if actual != digest.sha256:
+                files = sorted({r[0] for r in ranges or ()})
+                out.append(
+                    finding(
+                        "CK222",
+                        at,
+                        f"sha256 of {p.name!r}'s elements is {(actual or 'unlocated')[:16]}..., the index records "
+                        f"{digest.sha256[:16]}...",
+                        "the tensor's bytes changed after the index was written (bit rot, a partial copy, another "
+                        "save); restore the file",
+                        file=files[0] if len(files) == 1 else None,
                     )
                 )
     return out

@@ -1,0 +1,86 @@
+"""The optimizer state of a domain whose checkpoint index locates its masters (issue #39: ZeRO stage 0,
+native MoE, a stage-0 pipeline), as the 1.x export gives it (``optimizer_state.OptimizerStatePlan``).
+
+The index locates the fp32 masters only (format 1.0 has no locator for their moments). The moments are
+located when the plan is built, from the optimizer files' pickled structure read through the
+restricted reader (``deepspeed/layout/moments.py``): each master locator's elements, at the same
+positions in the state of the tensor that holds it. ``step`` and the hyperparameters are the torch
+optimizer's, per param group, read from the same files; every file read must agree on them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..checkpoint.states import StateCache
+from ..deepspeed.describe.scalars import UNKNOWN_CLASS, loss_scaler, plain_value, plain_values, scalar_value
+from ..deepspeed.layout.moments import MomentFinder, Moments
+from ..errors import ReconstructMismatch
+from ..format.dtypes import ITEMSIZE
+from ..format.index_models import Domain
+from ..format.models import Optimizer, OptimizerGroup
+from .model_plan import Segment, TensorSource
+from .optimizer_state import OptimizerStatePlan
+
+
+def masters_state_plan(tag_dir: Path, domain: Domain, states: StateCache) -> OptimizerStatePlan:
+    """Every master's optimizer states of ``domain`` (local names), and the optimizer's scalars."""
+    assert domain.masters is not None
+    finder = MomentFinder(tag_dir, states)
+    shapes = {p.name: tuple(p.shape) for g in domain.manifest.groups for p in g.params}
+    digests = {p.name: p.state_digests or {} for g in domain.manifest.groups for p in g.params}
+    sources: dict[str, TensorSource] = {}
+    names: dict[str, dict[str, str]] = {}
+    groups: dict[int, OptimizerGroup] = {}
+    wrapper: dict = {}
+    for loc in domain.masters.tensors:
+        found = finder.locate(loc.param, loc.file, list(loc.key), loc.element_offset, loc.numel)
+        if loc.param in names and set(names[loc.param]) != set(found.ranges):
+            raise ReconstructMismatch(
+                f"the pieces of {loc.param!r} have different optimizer states", tag_dir / found.file
+            )
+        for key, (offset, nbytes, dtype) in found.ranges.items():
+            name = f"{loc.param}.{key}"
+            segment = Segment(tag_dir / found.file, offset, nbytes)
+            if name in sources:
+                sources[name].segments.append(segment)
+            else:
+                digest = digests[loc.param].get(key)  # generate --hash: checked as the bytes stream (CK222)
+                sources[name] = TensorSource(
+                    name, shapes[loc.param], dtype, [segment], "state", digest.sha256 if digest else None
+                )
+            names.setdefault(loc.param, {})[key] = name
+        members = finder.members(found.file)
+        for g, settings in enumerate(_settings(found)):
+            step = scalar_value(found.group_steps.get(g, 0), tag_dir / found.file, members)
+            group = OptimizerGroup(optimizer_group=g, hyperparameters=settings, step=step if step is not None else 0)
+            if groups.setdefault(g, group) != group:
+                raise ReconstructMismatch(
+                    f"optimizer param group {g} differs between the files (hyperparameters, step)", tag_dir / found.file
+                )
+        wrapper = wrapper or found.wrapper
+    for name, source in sources.items():
+        if source.numel * ITEMSIZE[source.dtype] != sum(s.nbytes for s in source.segments):
+            raise ReconstructMismatch(f"the optimizer state {name!r} does not fill its shape", tag_dir)
+    optimizer = Optimizer(class_=UNKNOWN_CLASS, groups=[groups[g] for g in sorted(groups)])
+    if (scaler := loss_scaler(wrapper)) is not None:
+        optimizer.loss_scaler = scaler
+    clip = plain_value(wrapper.get("clip_grad"))
+    if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0:
+        optimizer.clip_grad = clip
+    by_group = {p.name: g.optimizer_group for g in domain.manifest.groups for p in g.params}
+    metadata = {
+        "format": "pt",
+        "ckptspec.tag": tag_dir.name,
+        "ckptspec.optimizer": json.dumps(optimizer.model_dump(mode="json", by_alias=True, exclude_unset=True)),
+        "ckptspec.optimizer_groups": json.dumps({n: by_group[n] for n in names}, sort_keys=True),
+        "ckptspec.states": json.dumps(names, sort_keys=True),
+        "ckptspec.aliases": "{}",
+    }
+    return OptimizerStatePlan(sources, names, metadata)
+
+
+def _settings(found: Moments) -> list[dict]:
+    """The hyperparameters of every param group of the torch state the moments were found in."""
+    return [plain_values(g, skip=("params",)) if isinstance(g, dict) else {} for g in found.param_groups]

@@ -1,0 +1,164 @@
+"""The optimizer state of a MoE, ZeRO stage-0 or stage-0 pipeline checkpoint as DeepSpeed reads it
+(issue #39): a launch of its own for "optim" tasks.
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node N tests/_harness/optim_job.py --tasks TASKS.json
+
+A task (``{"kind": "optim", "args": {"spec", "source", "load"}, "out"}``) names a "parallel" entry
+(``load``) and the spec it was trained with (job/parallel_models.py). Every rank builds the same
+engine (job/parallel.py's, no training step), loads the checkpoint with ``engine.load_checkpoint``
+(DeepSpeed's defaults: the optimizer states loaded) and records, per trainable parameter of its own,
+the optimizer state the live engine then holds. Every rank writes ``OUT/optim.rank<R>.pt``:
+
+  state         global name (job/parallel.py's ``_names``: experts under their global id) ->
+                {"exp_avg", "exp_avg_sq"}: full tensors in the parameter's shape, fp32
+  step          global name -> the torch optimizer's ``step`` of the parameter's state
+  param_groups  the wrapped torch optimizer's param groups, without ``params``
+  group         global name -> the index of the torch param group the parameter is in
+  source        global name -> where the value came from: ``safe_get_full_optimizer_state``
+                (ZeRO 1/2, BF16_Optimizer: every parameter with an ``_hp_mapping``), else the wrapped
+                torch optimizer's state of the parameter's fp32 master (FP16_UnfusedOptimizer), of its
+                group's flat master cut the way FP16_Optimizer copies masters back
+                (``_unflatten_dense_tensors``), or of the parameter itself (stage 0 fp32: no masters)
+  getter        global name -> whether ``safe_get_full_optimizer_state`` answered at all (it returns
+                None at stage 0 outside BF16_Optimizer: there is no fragment mapping)
+
+and rank 0 ``OUT/optim.json``: ``load``, ``loaded`` (the model-states file DeepSpeed read) and
+``load_checkpoint_error``: where ``load_checkpoint`` itself cannot load the optimizer state (a stage-0
+bf16 pipeline, see ``run``), its error; the state is then read by DeepSpeed's ZeRO-file loader.
+
+The checkpoint's saving job did not record its optimizer state (job/parallel.py records masters only),
+and changing it would re-key every job; loading is DeepSpeed's own reading of the same files.
+"""
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _harness.job import parallel
+from _harness.job.main import reset_deepspeed_globals
+from _harness.job.parallel_models import normalize
+
+KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _by_master(opt):
+    """id(lp param) -> (inner state key tensor, a function of a state tensor giving the param's slice, group)."""
+    from torch._utils import _unflatten_dense_tensors
+
+    out = {}
+    if hasattr(opt, "fp32_groups_flat") and hasattr(opt, "fp16_groups"):  # FP16_Optimizer
+        for g, (flat, lp_group) in enumerate(zip(opt.fp32_groups_flat, opt.fp16_groups)):
+            for i, p in enumerate(lp_group):
+                out[id(p)] = (flat, lambda t, lp=lp_group, i=i: _unflatten_dense_tensors(t, lp)[i], g)
+        return out, "FP16_Optimizer.fp32_groups_flat"
+    if hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):  # FP16_UnfusedOptimizer
+        for g, (lp_group, fp_group) in enumerate(zip(opt.fp16_groups, opt.fp32_groups)):
+            for p, m in zip(lp_group, fp_group):
+                out[id(p)] = (m, lambda t: t, g)
+        return out, "FP16_UnfusedOptimizer.fp32_groups"
+    for g, group in enumerate(opt.param_groups):  # the client optimizer itself: the params are the masters
+        for p in group["params"]:
+            out[id(p)] = (p, lambda t: t, g)
+    return out, "module (fp32, no masters)"
+
+
+def _flat_groups(opt) -> dict:
+    if hasattr(opt, "bit16_groups"):  # DeepSpeedZeroOptimizer
+        groups, parts = opt.bit16_groups, opt.single_partition_of_fp32_groups
+    elif hasattr(opt, "bf16_groups"):  # BF16_Optimizer
+        groups, parts = opt.bf16_groups, opt.fp32_groups_flat_partition
+    else:
+        return {}
+    return {id(p): (g, parts[g]) for g, group in enumerate(groups) for p in group}
+
+
+def run(args, out: Path):
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    spec = normalize({**args["spec"], "steps": 0, "save": False, "universal": False})
+    engine, _ = parallel._train(spec)
+    load_error = None
+    try:
+        load_path, _ = engine.load_checkpoint(args["load"])
+    except KeyError as exc:
+        # A stage-0 bf16 pipeline (BF16_Optimizer): load_checkpoint hands the optimizer the model states'
+        # copy of rank 0's state (a dict) where BF16_Optimizer.load_state_dict takes every rank's list
+        # (KeyError: 0). DeepSpeed's own reader of the files it wrote for it, bf16_zero_pp_rank_*, is the
+        # ZeRO one: the module and counters through load_checkpoint, the optimizer state through it.
+        if not (spec["pp"] > 1 and spec["stage"] == 0 and spec["dtype"] == "bf16"):
+            raise
+        load_error = f"{type(exc).__name__}: {exc}"
+        load_path, _ = engine.load_checkpoint(args["load"], load_optimizer_states=False)
+        tag = (Path(args["load"]) / "latest").read_text().strip()
+        assert engine._load_zero_checkpoint(args["load"], tag, load_optimizer_states=True)
+    assert load_path is not None, f"DeepSpeed loaded nothing from {args['load']}"
+    rank = dist.get_rank()
+    names = parallel._names(engine, spec)
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    if hasattr(opt, "_hp_optimizer_states_linked"):  # as after load_checkpoint: links to the loaded state
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    by_master, fallback = _by_master(opt)
+    flat = _flat_groups(opt)  # ZeRO 1/2, BF16_Optimizer: id(lp param) -> (group, its fp32 partition)
+    record = {"state": {}, "step": {}, "group": {}, "source": {}, "getter": {}}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        global_name = names[name]["global_name"]
+        answers = {k: safe_get_full_optimizer_state(p, k) for k in KEYS}  # collective where it answers
+        record["getter"][global_name] = all(a is not None for a in answers.values())
+        if record["getter"][global_name]:
+            state = {k: a.detach().clone().float().reshape(p.shape) for k, a in answers.items()}
+            g, part = flat[id(p)]
+            record["source"][global_name] = "safe_get_full_optimizer_state"
+        else:
+            part, cut, g = by_master[id(p)]
+            state = {k: cut(inner.state[part][k]).detach().clone().reshape(p.shape) for k in KEYS}
+            record["source"][global_name] = fallback
+        record["state"][global_name] = state
+        record["step"][global_name] = float(inner.state[part]["step"])
+        record["group"][global_name] = g
+    record["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(record, out / f"optim.rank{rank}.pt")
+    if rank == 0:
+        (out / "optim.json").write_text(
+            json.dumps({"load": args["load"], "loaded": str(load_path), "load_checkpoint_error": load_error}, indent=1)
+        )
+    dist.barrier()
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", required=True, type=Path)
+    tasks = json.loads(ap.parse_args().tasks.read_text())
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True  # as job/main.py
+    torch.use_deterministic_algorithms(True)
+    deepspeed.init_distributed()
+    for task in tasks:
+        print(f"[harness] rank {dist.get_rank()}: {task['kind']} -> {task['out']}", flush=True)
+        reset_deepspeed_globals()
+        run(task["args"], Path(task["out"]))
+        dist.barrier()
+        gc.collect()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
