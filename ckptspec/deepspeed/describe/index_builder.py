@@ -218,7 +218,7 @@ class IndexBuilder:
         coordinate: Coordinate,
         process_group: str,
         masters: list[MasterTensor],
-        stored_in: str,
+        stored_in: StoredIn,
         files: list[ShardFile],
         *,
         size: int = 1,
