@@ -21,6 +21,7 @@ from .._version import __version__
 from ..errors import ReconstructMismatch, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import CheckpointIndex, IndexParameter, Shard
+from ..location import RemotePath
 from .optimizer_state import OptimizerStatePlan, plan_optimizer_state
 from .plan import ReconstructionPlan, Segment, TensorSource
 
@@ -131,7 +132,7 @@ class IndexReconstructionPlan(ReconstructionPlan):
 
 
 def whole_plan(
-    index: CheckpointIndex, tag_dir: Path, domain_plans: dict[str, ReconstructionPlan]
+    index: CheckpointIndex, tag_dir: Path | RemotePath, domain_plans: dict[str, ReconstructionPlan]
 ) -> IndexReconstructionPlan:
     sources = {}
     for param in index.parameters:
