@@ -209,7 +209,7 @@ class RecordMismatch(CheckpointInvalid):
 class ReconstructMismatch(InvalidCheckpoint):
     """CK401: the files do not hold what the validated manifest says (exit 1)."""
 
-    def __init__(self, message: str, file: str | Path | None = None):
+    def __init__(self, message: str, file: object = None):  # file: a str, Path or RemotePath (named by str())
         super().__init__(
             "CK401",
             message,
@@ -221,7 +221,7 @@ class ReconstructMismatch(InvalidCheckpoint):
 class ReconstructUnsupported(InvalidCheckpoint, Unsupported):
     """CK402: a tensor this reconstruction cannot read or write (exit 1)."""
 
-    def __init__(self, message: str, hint: str, file: str | Path | None = None):
+    def __init__(self, message: str, hint: str, file: object = None):  # file: a str, Path or RemotePath
         super().__init__("CK402", message, hint, None if file is None else str(file))
 
 

@@ -354,7 +354,7 @@ def _is_zip(path: Path | RemotePath) -> bool:
         return False
 
 
-def copies_in_file(path: str | os.PathLike) -> list[EmbeddedCopy]:
+def copies_in_file(path: AnyPath) -> list[EmbeddedCopy]:
     """The manifest copies one file holds: a .pt's client state, a safetensors ``__metadata__``,
     or the file itself when it is a manifest (JSON or msgpack)."""
     p = location(path)

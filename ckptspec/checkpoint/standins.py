@@ -15,8 +15,9 @@ import math
 import operator
 import reprlib
 from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
-from ..format.dtypes import ITEMSIZE
+from ..format.dtypes import ITEMSIZE, Dtype
 
 MAX_NDIM = 64  # as the manifest schema
 INT64 = 2**63  # torch sizes, strides, offsets and numels are int64
@@ -38,6 +39,7 @@ class _Sealed:
 
 class _SealedRecord(_Sealed):
     __slots__ = ()
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # every subclass is a dataclass (what fields() reads)
 
     def __reduce__(self):  # copy and pickle rebuild through the constructor, never through __setstate__
         return type(self), tuple(getattr(self, f.name) for f in fields(self))
@@ -47,7 +49,7 @@ class _SealedRecord(_Sealed):
 class StorageRef(_SealedRecord):
     member: str  # zip member holding the raw bytes: "<prefix>/data/<key>"
     key: str
-    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    dtype: Dtype  # torch dtype name without "torch.", e.g. "bfloat16" (a storage type's: _STORAGE_DTYPES)
     itemsize: int
     numel: int  # elements in the whole storage (a view may use fewer)
     location: str  # device it was saved from, e.g. "cpu"
@@ -71,7 +73,7 @@ class TensorRef(_SealedRecord):
     attrs: dict = field(default_factory=dict)  # python attributes pickled with the tensor (stage-3 "ds_id")
 
     @property
-    def dtype(self) -> str:
+    def dtype(self) -> Dtype:
         return self.storage.dtype
 
     @property
@@ -169,7 +171,7 @@ class StorageType(_Sealed):
 
     __slots__ = ("name", "dtype", "itemsize")
 
-    def __init__(self, name, dtype, itemsize):
+    def __init__(self, name: str, dtype: Dtype, itemsize: int):
         self.name, self.dtype, self.itemsize = name, dtype, itemsize
 
     def __repr__(self):
@@ -200,7 +202,7 @@ class _Callable(_Sealed):
 
 
 # torch's typed storage classes (what protocol-2 pickles name) and the dtype each holds.
-_STORAGE_DTYPES = {
+_STORAGE_DTYPES: dict[str, Dtype] = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
     "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
     "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
@@ -263,7 +265,7 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, bac
     # backward_hooks (an empty OrderedDict when torch saves) and metadata are not kept.
     if not isinstance(storage, StorageRef) or type(storage_offset) is not int or not 0 <= storage_offset < INT64:
         raise ValueError("tensor must reference a storage at a non-negative offset")
-    span = (
+    span: Any = (  # int | None, or _UNSEEN (a sentinel mypy cannot narrow by identity)
         _SPANS.get((size, stride), _UNSEEN)
         if type(size) is tuple and type(stride) is tuple and _INT_ONLY.issuperset(map(type, size + stride))
         else _UNSEEN
@@ -334,7 +336,8 @@ def _empty_bytes():  # how protocol 2 pickles b""
 
 # Nothing here may return a tuple holding tuples: scan_pickle counts a call's result as one
 # tuple level when it bounds how deep tuples nest.
-ALLOWED = {
+# Any: a class, an allowlisted callable or a plain value, whatever the global stands for.
+ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor"): _Callable(_rebuild_tensor),
     ("torch._utils", "_rebuild_tensor_v2"): _Callable(_rebuild_tensor_v2),
     ("torch._utils", "_rebuild_parameter"): _Callable(_rebuild_parameter),

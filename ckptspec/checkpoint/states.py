@@ -15,7 +15,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .._forked import Forked
 from ..errors import (  # noqa: F401 (the hints: re-exported, where callers have always found them)
@@ -53,6 +53,15 @@ class Loaded:
     state: Any = None
     members: dict[str, tuple[int, int]] | None = None
     error: TorchFileError | None = None
+
+
+class States(Protocol):
+    """What a describer reads of a tag directory's files: a ``StateCache``, or the save hook's
+    ``SavedStates`` (deepspeed/save/captured_state.py: the files of one save, some from their live state)."""
+
+    def state(self, path: AnyPath) -> Any: ...
+
+    def members(self, path: AnyPath) -> dict[str, tuple[int, int]]: ...
 
 
 class StateCache:

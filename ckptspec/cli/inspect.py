@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -34,7 +34,11 @@ from ._common import (
 )
 
 if TYPE_CHECKING:  # the models load pydantic; `ckptspec validate` must not pay for it
+    from typing_extensions import TypeIs
+
+    from ..format.index_models import CheckpointIndex
     from ..format.models import Manifest
+    from ..report.diff import Diff
 
 
 @dataclass
@@ -43,7 +47,7 @@ class Target:
 
     name: str  # as given on the command line
     source: str  # manifest | sidecar | generated
-    manifest: Manifest | None
+    manifest: Manifest | CheckpointIndex | None  # a checkpoint index for a tensor/pipeline-parallel one
     findings: list[Finding]
     where: str | None = None  # the sidecar file, when the manifest comes from one
 
@@ -103,7 +107,7 @@ def _tty() -> bool:
     return sys.stdout.isatty()
 
 
-def _fail(exc: CkptspecError, name: str, output_format: str, extra: dict, error: dict | None = None) -> None:
+def _fail(exc: CkptspecError, name: str, output_format: str, extra: dict, error: dict | None = None) -> NoReturn:
     """An input that cannot be read: the error line, or the JSON object with ``extra`` and an
     ``error`` naming the file the text line names (``error`` adds keys to it)."""
     if output_format == "json":
@@ -124,7 +128,7 @@ def _json_errors(output_format: str, extra: dict) -> None:
         json_error_with(lambda exc: _echo_error_json(exc, extra))
 
 
-def _invalid(target: Target, output_format: str, extra: dict | None = None) -> None:
+def _invalid(target: Target, output_format: str, extra: dict | None = None) -> NoReturn:
     """An input that is not a valid manifest: its findings, exit 1."""
     if output_format == "json":
         doc = {
@@ -235,6 +239,8 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
                 _show_findings(t, t.findings, err=False)
         sys.exit(EXIT_INVALID)
     ta, tb = targets
+    assert ta.manifest is not None and tb.manifest is not None  # the bad ones exited above
+    result: Diff
     if _is_index(ta.manifest) or _is_index(tb.manifest):  # one at least is a checkpoint index
         from ..report.diff_kinds import diff_any
 
@@ -261,9 +267,7 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
     sys.exit(EXIT_OK if result.resumable else EXIT_INVALID)
 
 
-def _is_index(document) -> bool:
-    from ..format.index_models import CheckpointIndex
-
+def _is_index(document) -> TypeIs[CheckpointIndex]:
     return isinstance(document, CheckpointIndex)
 
 
@@ -271,6 +275,7 @@ def _inspect_index(loaded: Target, output_format: str) -> None:
     """The parallel layout of a tensor/pipeline-parallel checkpoint."""
     from ..report.index_summary import summarize_index
 
+    assert _is_index(loaded.manifest)  # inspect's caller asked
     summary = summarize_index(loaded.manifest)
     if output_format == "json":
         echo_json(

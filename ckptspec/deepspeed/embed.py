@@ -80,6 +80,7 @@ def embed_checkpoint(
     """
     refuse_write(checkpoint, "a manifest (embed rewrites the model states and writes the sidecar)")
     tag_dir = resolve_tag_dir(checkpoint, tag)
+    assert isinstance(tag_dir, Path)  # a URL is refused just above: embed writes in a local directory
     given = manifest
     shards = scan_tag_dir(tag_dir)
     states = StateCache()  # each file is read once, here
@@ -89,13 +90,13 @@ def embed_checkpoint(
         # A layout the live engine embedded (save_checkpoint) is more exact than what the
         # directory tells (it knows the excluded names): keep it, e.g. to restore a sidecar
         # lost when only the .pt files were copied.
-        embedded = [read_client_state_copy(path, states.state(path)) for _, path in sorted(shards.model_files.items())]
-        embedded = [c for c in embedded if c is not None]
+        read = [read_client_state_copy(path, states.state(path)) for _, path in sorted(shards.model_files.items())]
+        embedded = [c for c in read if c is not None]
         disagree = agreement_findings(embedded)
         if disagree:
             first = disagree[0]
             raise EmbedError(
-                "CK301", f"{Path(first.file).name}: {first.path}: {first.message}", first.hint, str(tag_dir)
+                "CK301", f"{Path(first.file or '').name}: {first.path}: {first.message}", first.hint, str(tag_dir)
             )
         if embedded:
             manifest = embedded[0].document
@@ -111,10 +112,10 @@ def embed_checkpoint(
             lenient=True,
         )
         if diff:
-            path, on_disk, in_manifest = diff
+            where, on_disk, in_manifest = diff
             raise EmbedError(
                 "CK304",
-                f"the manifest does not describe this checkpoint: at {path} the files say {on_disk}, "
+                f"the manifest does not describe this checkpoint: at {where} the files say {on_disk}, "
                 f"the manifest {in_manifest}",
                 "embed the manifest of this checkpoint, or omit --manifest to generate it",
                 str(tag_dir),
@@ -132,6 +133,7 @@ def embed_checkpoint(
             if model_states:
                 value = client_state_value(doc)
                 for _, path in sorted(shards.model_files.items()):
+                    assert isinstance(path, Path)  # in the local tag directory
                     tmp = rewritten_pt(path, CLIENT_STATE_KEY, value, state=states.state(path), read_back=states)
                     if tmp is not None:
                         renames.append((tmp, path))

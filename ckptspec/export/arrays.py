@@ -167,11 +167,14 @@ class ShardReader:
         """The bytes of a remote segment, in pieces: from the planned stream when it is at this
         segment, else fetched now (and the stream, out of step, is dropped)."""
         path, at, end = segment.path, segment.offset, segment.offset + segment.nbytes
+        assert isinstance(path, RemotePath)  # the callers read local segments from a descriptor
         while at < end:
             if self._left is not None and self._left[0] == path and self._left[1] == at:
                 data = self._left[2]
             elif self._stream is not None and self._stream.peek() == (path, at):
-                data = memoryview(self._stream.next()[2])
+                fetched = self._stream.next()
+                assert fetched is not None  # peek() saw it
+                data = memoryview(fetched[2])
             else:
                 self._close_stream()
                 data = memoryview(fetch_range(path, at, min(end, at + CHUNK)))
@@ -241,6 +244,7 @@ def iter_chunks(segments, src: str, dtype: str, files: ShardReader, source: Tens
                 digest.update(memoryview(raw).cast("B"))
             yield convert(raw, src, dtype)
     if digest is not None:
+        assert source is not None  # a digest is made for a source only
         check_digest(source, digest)
 
 

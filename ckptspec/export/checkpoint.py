@@ -29,7 +29,7 @@ from ..format.dtypes import ITEMSIZE
 from ..format.index_models import CheckpointIndex, Domain
 from ..format.index_validate import IndexReport
 from ..format.models import Manifest
-from ..location import is_remote
+from ..location import RemotePath, is_remote
 from .arrays import ShardReader, read_array
 from .model_plan import ModelPlan, ReconstructionPlan, TensorSource
 from .writers import WriteResult, to_torch, write_consolidated
@@ -97,7 +97,7 @@ class Checkpoint:
         return self.index.domains
 
     @property
-    def tag_dir(self) -> Path:
+    def tag_dir(self) -> Path | RemotePath:
         return self.plan.tag_dir
 
     @property

@@ -22,6 +22,7 @@ from ..checkpoint.states import StateCache
 from ..errors import ReconstructMismatch, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import CheckpointIndex, IndexParameter, Shard
+from ..location import RemotePath
 from .model_plan import ModelPlan, ReconstructionPlan, Segment, TensorSource
 from .optimizer_state import OptimizerStatePlan, plan_optimizer_state
 
@@ -133,7 +134,7 @@ class IndexReconstructionPlan(ModelPlan):
 
 
 def whole_plan(
-    index: CheckpointIndex, tag_dir: Path, domain_plans: dict[str, ReconstructionPlan]
+    index: CheckpointIndex, tag_dir: Path | RemotePath, domain_plans: dict[str, ReconstructionPlan]
 ) -> IndexReconstructionPlan:
     sources = {}
     for param in index.parameters:

@@ -39,7 +39,7 @@ def _global(module: str, name: str) -> type:
 
 def _object(module: str, name: str, state: dict):
     """An instance of a DeepSpeed class, pickled as ``cls.__new__(cls)`` + ``__dict__`` update (BUILD)."""
-    obj = object.__new__(_global(module, name))
+    obj: Any = object.__new__(_global(module, name))  # a made class: its attributes are set here
     obj._ckptspec_state = state
     return obj
 
@@ -63,10 +63,12 @@ def fragment_address(numel: int, start: int) -> Any:
     return _object(*FRAGMENT_ADDRESS, {"numel": int(numel), "start": int(start)})
 
 
+# The type: ignores below: CPython's pure-Python pickler (save_global, write, memoize) and copyreg.__newobj__
+# are implementation details typeshed does not describe; this module relies on them on purpose.
 class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can be extended
     def reducer_override(self, obj):
         if not isinstance(obj, type) and hasattr(type(obj), "_ckptspec_global"):
-            return copyreg.__newobj__, (type(obj),), obj._ckptspec_state
+            return copyreg.__newobj__, (type(obj),), obj._ckptspec_state  # type: ignore[attr-defined]
         if isinstance(obj, _Enum):
             return obj.cls, (obj.value,)
         return NotImplemented
@@ -74,10 +76,10 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can be e
     def save_global(self, obj, name=None):
         key = getattr(obj, "_ckptspec_global", None) if isinstance(obj, type) else None
         if key is None:
-            return super().save_global(obj, name)
+            return super().save_global(obj, name)  # type: ignore[misc]
         module, qualname = key
-        self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qualname.encode("utf-8") + b"\n")
-        self.memoize(obj)
+        self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qualname.encode("utf-8") + b"\n")  # type: ignore[attr-defined]
+        self.memoize(obj)  # type: ignore[attr-defined]
 
 
 PICKLE_MODULE = types.SimpleNamespace(Pickler=_Pickler, __name__="ckptspec_pickle")
@@ -187,7 +189,8 @@ class View:
 
 def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     """torch's strides of a contiguous tensor of ``shape`` (a size 0 counts as 1)."""
-    stride, acc = [], 1
+    stride: list[int] = []
+    acc = 1
     for size in reversed(shape):
         stride.insert(0, acc)
         acc *= max(size, 1)

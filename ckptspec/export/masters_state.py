@@ -20,11 +20,12 @@ from ..errors import ReconstructMismatch
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import Domain
 from ..format.models import Optimizer, OptimizerGroup
+from ..location import RemotePath
 from .model_plan import Segment, TensorSource
 from .optimizer_state import OptimizerStatePlan
 
 
-def masters_state_plan(tag_dir: Path, domain: Domain, states: StateCache) -> OptimizerStatePlan:
+def masters_state_plan(tag_dir: Path | RemotePath, domain: Domain, states: StateCache) -> OptimizerStatePlan:
     """Every master's optimizer states of ``domain`` (local names), and the optimizer's scalars."""
     assert domain.masters is not None
     finder = MomentFinder(tag_dir, states)

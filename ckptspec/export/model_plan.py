@@ -24,7 +24,7 @@ from ..location import RemotePath
 class Segment:
     """``nbytes`` bytes at absolute ``offset`` of ``path``."""
 
-    path: Path
+    path: Path | RemotePath
     offset: int
     nbytes: int
 
@@ -67,7 +67,7 @@ class ModelPlan:
     (``ReconstructionPlan``, from its manifest) or of one described by a checkpoint index
     (``compose_plan.IndexReconstructionPlan``, composed from its domains' plans)."""
 
-    tag_dir: Path
+    tag_dir: Path | RemotePath
     sources: dict[str, TensorSource]  # owners: trainable, frozen, buffers
     aliases: dict[str, str]  # alias -> owner
     order: list[str]  # every output name (owners and aliases), in the model's state_dict order

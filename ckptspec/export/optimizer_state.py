@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import ReconstructMismatch, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from ..format.partition import param_pieces
+from ..location import RemotePath
 from .arrays import ShardReader, read_array, stream
 from .model_plan import ModelPlan, ReconstructionPlan, Segment, TensorSource
 from .plan import _inside
@@ -40,7 +41,7 @@ class OptimizerStatePlan:
 def plan_optimizer_state(plan: ReconstructionPlan) -> OptimizerStatePlan:
     """Byte ranges of every parameter's optimizer state; CK402 when the manifest locates none."""
     manifest, tag_dir = plan.manifest, plan.tag_dir
-    located: dict[tuple[int, int, str], tuple[Path, Any]] = {}
+    located: dict[tuple[int, int, str], tuple[Path | RemotePath, Any]] = {}
     for shard in manifest.files:
         for loc in shard.state_partitions or ():
             located[(loc.group, loc.rank, loc.state)] = (_inside(tag_dir, shard.path), loc)

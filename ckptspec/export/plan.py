@@ -127,7 +127,9 @@ def plan_reconstruction(
     return ReconstructionPlan(tag_dir, sources, aliases, order, hashes, manifest=manifest)
 
 
-def buffer_source(buffer, path: Path, states: StateCache, located=None, tag_dir: Path | None = None) -> TensorSource:
+def buffer_source(
+    buffer, path: Path | RemotePath, states: StateCache, located=None, tag_dir: Path | RemotePath | None = None
+) -> TensorSource:
     """A persistent buffer: ``module[name]`` of the model states ``path`` (with format 1.1's locators
     ``located``, which must give the same bytes)."""
     numel = math.prod(buffer.shape)
@@ -140,6 +142,7 @@ def buffer_source(buffer, path: Path, states: StateCache, located=None, tag_dir:
         )
     dtype, segments = ref.dtype, _ref_segments(ref, path, states.members(path), numel, buffer.name)
     if located:
+        assert tag_dir is not None  # given with the locators (plan_reconstruction)
         dtype, segments = _same_as_located(located, numel, buffer.name, tag_dir, dtype, segments)
     return TensorSource(buffer.name, tuple(buffer.shape), dtype, segments, "buffer", _sha256(buffer.digest))
 
@@ -148,9 +151,11 @@ def _sha256(digest) -> str | None:
     return digest.sha256 if digest is not None else None
 
 
-def _named_locators(manifest: Manifest, tag_dir: Path) -> dict[str, list[tuple[int, Path, Any]]]:
+def _named_locators(
+    manifest: Manifest, tag_dir: Path | RemotePath
+) -> dict[str, list[tuple[int, Path | RemotePath, Any]]]:
     """Name -> (rank, file, locator) of format 1.1's named tensor locators, in rank order."""
-    found: dict[str, list[tuple[int, Path, Any]]] = {}
+    found: dict[str, list[tuple[int, Path | RemotePath, Any]]] = {}
     for shard in manifest.files:
         for loc in shard.tensors or ():
             rank = shard.ranks[0] if len(shard.ranks) == 1 else 0
@@ -158,7 +163,7 @@ def _named_locators(manifest: Manifest, tag_dir: Path) -> dict[str, list[tuple[i
     return {name: sorted(entries, key=lambda e: e[0]) for name, entries in found.items()}
 
 
-def _same_as_located(entries, numel: int, name: str, tag_dir: Path, dtype: str, segments: list[Segment]):
+def _same_as_located(entries, numel: int, name: str, tag_dir: Path | RemotePath, dtype: str, segments: list[Segment]):
     """The (dtype, segments) of a tensor's 1.1 locators, which must be the files' own."""
     located = _located_segments(entries, numel, name, tag_dir)
     if located != (dtype, segments):
@@ -166,7 +171,7 @@ def _same_as_located(entries, numel: int, name: str, tag_dir: Path, dtype: str, 
     return located
 
 
-def _located_segments(entries, numel: int, name: str, tag_dir: Path) -> tuple[str, list[Segment]]:
+def _located_segments(entries, numel: int, name: str, tag_dir: Path | RemotePath) -> tuple[str, list[Segment]]:
     """(dtype, segments) of a tensor whose locators hold its real elements back to back (rank order)."""
     dtypes = {loc.dtype for _, _, loc in entries}
     held = sum(loc.numel for _, _, loc in entries)
@@ -176,7 +181,7 @@ def _located_segments(entries, numel: int, name: str, tag_dir: Path) -> tuple[st
     return dtype, [_locator_segment(path, loc, 0, loc.numel) for _, path, loc in entries if loc.numel]
 
 
-def _inside(tag_dir: Path, relative: str) -> Path:
+def _inside(tag_dir: Path | RemotePath, relative: str) -> Path | RemotePath:
     """The file a manifest path names; a symbolic link is read where it leads (format/paths.py)."""
     path = join_inside(tag_dir, relative)
     if path is None:  # the rules refuse such a manifest first; a plan of an unvalidated one stops here
@@ -189,7 +194,7 @@ def _inside(tag_dir: Path, relative: str) -> Path:
     return path
 
 
-def _model_files(manifest: Manifest, tag_dir: Path) -> dict[int, Path]:
+def _model_files(manifest: Manifest, tag_dir: Path | RemotePath) -> dict[int, Path | RemotePath]:
     files = {
         shard.ranks[0] if shard.ranks else 0: _inside(tag_dir, shard.path)
         for shard in manifest.files
@@ -200,7 +205,9 @@ def _model_files(manifest: Manifest, tag_dir: Path) -> dict[int, Path]:
     return files
 
 
-def _locators(manifest: Manifest, tag_dir: Path, states: StateCache) -> dict[tuple[int, int], tuple[Path, Any]]:
+def _locators(
+    manifest: Manifest, tag_dir: Path | RemotePath, states: StateCache
+) -> dict[tuple[int, int], tuple[Path | RemotePath, Any]]:
     """(group, rank) -> (file, locator); from the manifest, or the optimizer files when it has none."""
     found = {
         (loc.group, loc.rank): (_inside(tag_dir, shard.path), loc)
@@ -269,7 +276,7 @@ def _param_segments(group, g: int, param, locators) -> list[Segment]:
     return segments
 
 
-def _tensor(state: Any, holder: str, name: str, path: Path) -> TensorRef:
+def _tensor(state: Any, holder: str, name: str, path: Path | RemotePath) -> TensorRef:
     table = state.get(holder) if isinstance(state, dict) else None
     ref = table.get(name) if isinstance(table, dict) else None
     if not isinstance(ref, TensorRef):
@@ -278,7 +285,7 @@ def _tensor(state: Any, holder: str, name: str, path: Path) -> TensorRef:
 
 
 def _ref_segments(
-    ref: TensorRef, path: Path, members: dict, numel: int, name: str, exact: bool = True
+    ref: TensorRef, path: Path | RemotePath, members: dict, numel: int, name: str, exact: bool = True
 ) -> list[Segment]:
     """The ``numel`` elements of a contiguous tensor in a torch zip file (its first ``numel`` if not ``exact``)."""
     if (ref.numel != numel) if exact else (ref.numel < numel):

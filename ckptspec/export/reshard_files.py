@@ -23,6 +23,7 @@ import collections
 import functools
 import math
 from pathlib import Path
+from typing import Any
 
 from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.states import StateCache
@@ -199,7 +200,7 @@ def lazy_reader(path: Path, states: StateCache, files: ShardReader):
             return None
         return TensorSource(name, tuple(ref.shape), ref.dtype, [segment(ref)], "lp")
 
-    read.located = located
+    read.located = located  # type: ignore[attr-defined]  # a function attribute: read and read.located travel together
     return read
 
 
@@ -226,7 +227,7 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, read, full
     frozen = [f.name for f in found.frozen if f.name in lp]
     # DeepSpeed saves frozen shapes and (whole) fragments at stage 2 unless they are excluded
     save_frozen = target.zero_stage == 2 and bool(frozen)
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in state.items():
         if key == CLIENT_STATE_KEY:
             continue  # the source's manifest; the new checkpoint's is embedded after writing

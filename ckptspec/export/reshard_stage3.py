@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
+from typing import Any
 
 from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.states import StateCache
@@ -137,7 +138,7 @@ def _model_states(
         (f.name, tuple(f.shape)) for f in found.frozen if f.name in frozen
     )
     fragments = collections.OrderedDict((n, _share(s, rank, target.world_size, files)) for n, s in frozen.items())
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in state.items():
         if key == CLIENT_STATE_KEY:
             continue

@@ -28,7 +28,7 @@ from ..checkpoint.embedded import SAFETENSORS_KEY as MANIFEST_KEY
 from ..checkpoint.embedded import pointer_metadata
 from ..errors import ForeignOutput, InputOutputError, ReconstructUnsupported
 from ..format.dtypes import output_dtype
-from ..location import refuse_write
+from ..location import RemotePath, refuse_write
 from .arrays import ShardReader, read_array, stream
 from .model_plan import ModelPlan
 from .optimizer_state import optimizer_state_temporary
@@ -52,7 +52,7 @@ class _Shard:
     nbytes: int = 0
 
 
-def _refuse_inside(out: Path, tag_dir: Path) -> None:
+def _refuse_inside(out: Path, tag_dir: Path | RemotePath) -> None:
     """CK906 for an output in the tag directory being read (or below it): the weights are no part of the
     checkpoint, a sidecar would no longer list every file, and `validate` would warn (CK226) ever after."""
     if isinstance(tag_dir, Path) and out.resolve().is_relative_to(tag_dir.resolve()):

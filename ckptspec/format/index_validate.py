@@ -104,9 +104,11 @@ def validate_index_document(doc: Any) -> IndexReport:
         if refused:
             return IndexReport(findings)
         model = tolerant(CheckpointIndex) if allow_unknown else CheckpointIndex
+        # The models are strict, and the rules count with the degrees: JSON Schema's integral floats
+        # (3.0) become ints first, for both.
+        doc = integral_floats(doc, CheckpointIndex)
         try:
-            # The models are strict: JSON Schema's integral floats (3.0) become ints first.
-            index = model.model_validate(integral_floats(doc, CheckpointIndex))
+            index = model.model_validate(doc)
         except ValidationError as exc:
             first = exc.errors()[0]
             return IndexReport(

@@ -37,7 +37,7 @@ class ParamSpec(NamedTuple):
 
     name: str
     shape: tuple[int, ...]
-    dtype: str
+    dtype: Dtype
 
     @property
     def numel(self) -> int:
@@ -50,7 +50,7 @@ class ParamColumns(NamedTuple):
 
     names: list[str]
     shapes: list[tuple[int, ...]]
-    dtypes: list[str]
+    dtypes: list[Dtype]
 
 
 _FIELDS = ("name", "shape", "numel", "dtype", "offset", "padding")

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, overload
+
+if TYPE_CHECKING:
+    from ..location import RemotePath
 
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
@@ -28,7 +32,14 @@ def stays_inside(path: str) -> bool:
     )
 
 
-def join_inside(root: Path, path: str) -> Path | None:
+# The file below a local directory is a Path, below a URL's a RemotePath: of the root's kind.
+@overload
+def join_inside(root: Path, path: str) -> Path | None: ...
+@overload
+def join_inside(root: RemotePath, path: str) -> RemotePath | None: ...
+@overload
+def join_inside(root: Path | RemotePath, path: str) -> Path | RemotePath | None: ...
+def join_inside(root: Path | RemotePath, path: str) -> Path | RemotePath | None:
     """The file ``path`` names below ``root``, or None when the path could leave it (CK113).
 
     The result is not resolved: a symbolic link is followed when the file is opened, like

@@ -51,6 +51,7 @@ def choose_index(
         generated = describe_tag_dir(tag_dir, states, as_index=True)
     except CheckpointInvalid as exc:  # files the index is made from are missing: each one's finding
         return None, exc.findings, "generated"
+    assert isinstance(generated, CheckpointIndex)  # as_index=True: the index of the directory's kind
     # As for a generated 1.x manifest: the rules run without the file lists (made from the same files,
     # they would only repeat what the file checks say better, naming the file).
     doc = generated.to_dict()

@@ -5,7 +5,6 @@ file-level readers are in ``ckptspec.checkpoint.embedded`` (docs/embedding.md).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,13 @@ from ...checkpoint.sidecar import find_sidecars
 from ...checkpoint.states import StateCache
 from ...errors import CkptspecError, InputOutputError, InvalidCheckpoint
 from ...findings import Finding, finding
-from ...location import RemotePath, location, not_found
+from ...location import AnyPath, RemotePath, location, not_found
 from ..layout.names import MODEL_RE, file_order, role_of
 from ..layout.tag_dir import resolve_tag_dir
 
 
 def copies_in_dir(
-    directory: str | os.PathLike,
+    directory: AnyPath,
     tag: str | None = None,
     errors: list[CkptspecError] | None = None,
     states: StateCache | None = None,
@@ -53,7 +52,7 @@ def copies_in_dir(
         tag_dir = None
     where = tag_dir or root
     known = {c.source: c for c in read}
-    candidates: list[tuple[Path, Any]] = [
+    candidates: list[tuple[Path | RemotePath, Any]] = [
         (p, lambda p: [known[str(p)]] if str(p) in known else [read_sidecar_copy(p)]) for p in find_sidecars(where)
     ]
     if tag_dir is not None:
@@ -63,16 +62,17 @@ def copies_in_dir(
         candidates += [(p, lambda p: [c for c in [read_client_state_copy(p, cache.state(p))] if c]) for p in models]
     else:
         # A reconstruction: the index of a sharded output holds the manifest (its shards name it).
-        indexes = sorted(root.glob("*.index.json"))
+        indexes: list[Path | RemotePath] = sorted(root.glob("*.index.json"))
+        safetensors: list[Path | RemotePath] = sorted(root.glob("*.safetensors"))
         candidates += [(p, lambda p: [c for c in [read_index_copy(p)] if c]) for p in indexes]
         candidates += [
             (p, lambda p: [c for c in [read_safetensors_copy(p)] if c and (not indexes or c.source == str(p))])
-            for p in sorted(root.glob("*.safetensors"))
+            for p in safetensors
         ]
     copies: list[EmbeddedCopy] = []
-    for path, read in candidates:
+    for path, reader in candidates:
         try:
-            copies += read(path)
+            copies += reader(path)
         except CkptspecError as exc:
             if errors is None:
                 raise
@@ -80,7 +80,7 @@ def copies_in_dir(
     return copies
 
 
-def find_copies(target: str | os.PathLike, tag: str | None = None) -> list[EmbeddedCopy]:
+def find_copies(target: AnyPath, tag: str | None = None) -> list[EmbeddedCopy]:
     p = location(target)
     if not p.exists():
         if isinstance(p, RemotePath):
@@ -90,7 +90,7 @@ def find_copies(target: str | os.PathLike, tag: str | None = None) -> list[Embed
 
 
 def embedded_findings(
-    checkpoint: str | os.PathLike,
+    checkpoint: AnyPath,
     tag: str | None = None,
     states: StateCache | None = None,
     read: Iterable[EmbeddedCopy] = (),

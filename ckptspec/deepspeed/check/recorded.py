@@ -21,13 +21,14 @@ from ...format.documents import validate_file
 from ...format.models import Manifest
 from ...format.tolerant import from_document
 from ...format.validate import Report
+from ...location import RemotePath
 from .domain import check_checkpoint
 
 # Not a reason to stop a writer: the manifest predates an embed, the file is intact (CK227).
 NOT_DAMAGE = ("CK227",)
 
 
-def mismatches(manifest: Manifest, tag_dir: Path, states: StateCache) -> list[Finding]:
+def mismatches(manifest: Manifest, tag_dir: Path | RemotePath, states: StateCache) -> list[Finding]:
     """The errors the files give against ``manifest``'s record of them (what ``validate`` would say)."""
     findings = check_checkpoint(manifest, tag_dir, verify_hashes=True, states=states, verify_digests=True)
     return [f for f in findings if f.severity == "error" and f.code not in NOT_DAMAGE]
@@ -54,7 +55,7 @@ def recorded_manifests(tag_dir: Path, given: Manifest | dict | None) -> list[tup
 
 
 def check_records(
-    tag_dir: Path, records: list[tuple[str, Manifest]], states: StateCache, *, rehash: bool, hint: str
+    tag_dir: Path | RemotePath, records: list[tuple[str, Manifest]], states: StateCache, *, rehash: bool, hint: str
 ) -> list[Finding]:
     """Check the files against each record; raise ``RecordMismatch`` on any error unless ``rehash``,
     else return them (what re-recording replaces)."""

@@ -16,7 +16,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ...checkpoint.embedded import EmbeddedCopy, unreadable_sidecar
 from ...checkpoint.sidecar import find_sidecar
@@ -32,6 +32,9 @@ from ..layout.names import file_order, rank_of, role_of
 from ..layout.tag_dir import ShardSet, index_kind_hint, resolve_tag_dir, scan_tag_dir
 from .copies import embedded_findings
 from .domain import check_checkpoint
+
+if TYPE_CHECKING:
+    from ...format.index_validate import IndexReport
 
 
 @dataclass
@@ -55,7 +58,7 @@ class Chosen:
 
 
 def choose_manifest(
-    tag_dir: Path, manifest: Manifest | Report | None = None, *, states: StateCache | None = None
+    tag_dir: Path | RemotePath, manifest: Manifest | Report | None = None, *, states: StateCache | None = None
 ) -> Chosen:
     """Which manifest describes ``tag_dir``, validated exactly once.
 
@@ -92,7 +95,7 @@ def choose_manifest(
             chosen.sidecar_copy = EmbeddedCopy(str(sidecar), "sidecar", document)
     else:
         return _generated(tag_dir, states)
-    if chosen.checkable and not chosen.manifest.files:
+    if chosen.checkable and chosen.manifest is not None and not chosen.manifest.files:
         # A manifest of the layout only (e.g. from the live engine): the files are the directory's.
         described, chosen.unreadable = describe_tolerantly(tag_dir, states)
         if described is None:
@@ -102,7 +105,7 @@ def choose_manifest(
     return chosen
 
 
-def _generated(tag_dir: Path, states: StateCache) -> Chosen:
+def _generated(tag_dir: Path | RemotePath, states: StateCache) -> Chosen:
     """The manifest generated from DeepSpeed's metadata (its rules run without the file list)."""
     generated, unreadable = describe_tolerantly(tag_dir, states)
     if generated is None:
@@ -139,25 +142,26 @@ def validate_checkpoint(
     (a bad ``latest``, no model states, an unsupported layout) and ``CkptspecError``
     (exit 2) when the directory or a manifest file cannot be read.
     """
-    if isinstance(manifest, (str, os.PathLike)):
-        manifest = validate_file(manifest)  # an index file gives an IndexReport
-    if not isinstance(manifest, (Manifest, Report)) and manifest is not None:  # a checkpoint index
+    given: Manifest | Report | IndexReport | None = (
+        validate_file(manifest) if isinstance(manifest, (str, os.PathLike)) else manifest  # an index: IndexReport
+    )
+    if not isinstance(given, (Manifest, Report)) and given is not None:  # a checkpoint index
         raise UnsupportedCheckpoint(
             "the manifest given is a checkpoint index; this function checks ZeRO data-parallel checkpoints "
             "against a manifest 1.x",
             "check it with validate_index.validate_index_checkpoint, or `ckptspec validate INDEX --checkpoint DIR`",
             str(checkpoint_dir),
         )
-    if isinstance(manifest, Report) and (not manifest.ok or manifest.manifest is None):
-        return manifest.manifest, list(manifest.findings)  # an invalid manifest is not checked against files
+    if isinstance(given, Report) and (not given.ok or given.manifest is None):
+        return given.manifest, list(given.findings)  # an invalid manifest is not checked against files
     chosen, findings = check_tag_dir(
-        resolve_tag_dir(checkpoint_dir, tag), manifest, verify_hashes, states, verify_digests=verify_digests
+        resolve_tag_dir(checkpoint_dir, tag), given, verify_hashes, states, verify_digests=verify_digests
     )
     return chosen.manifest, findings
 
 
 def check_tag_dir(
-    tag_dir: Path,
+    tag_dir: Path | RemotePath,
     manifest: Manifest | Report | None,
     verify_hashes: bool,
     states: StateCache | None = None,
@@ -171,6 +175,7 @@ def check_tag_dir(
         findings = [f if f.file is not None else dataclasses.replace(f, file=chosen.sidecar.name) for f in findings]
     if not chosen.checkable:
         return chosen, findings
+    assert chosen.manifest is not None  # checkable: a manifest was had
     findings = findings + check_checkpoint(
         chosen.manifest, tag_dir, verify_hashes=verify_hashes, states=chosen.states, verify_digests=verify_digests
     )
@@ -187,7 +192,7 @@ def check_tag_dir(
     return chosen, findings
 
 
-def describe_tolerantly(tag_dir: Path, states: StateCache) -> tuple[Manifest | None, list[Finding]]:
+def describe_tolerantly(tag_dir: Path | RemotePath, states: StateCache) -> tuple[Manifest | None, list[Finding]]:
     """A manifest from DeepSpeed's own metadata, and the CK204/CK205 of files it could not read.
 
     Files that cannot be read are left out of the derivation but listed (without
@@ -208,7 +213,8 @@ def describe_tolerantly(tag_dir: Path, states: StateCache) -> tuple[Manifest | N
             if loaded.error is None:
                 target[rank] = path
             else:
-                unreadable[path.relative_to(tag_dir).as_posix()] = loaded
+                # type: ignore: path is one of tag_dir's files, of its kind (Path or RemotePath both)
+                unreadable[path.relative_to(tag_dir).as_posix()] = loaded  # type: ignore[arg-type]
     read_findings = [_read_finding(rel, loaded) for rel, loaded in unreadable.items()]
     if unreadable and (not readable.model_files or (shards.optim_files and not readable.optim_files)):
         return None, read_findings
@@ -217,7 +223,8 @@ def describe_tolerantly(tag_dir: Path, states: StateCache) -> tuple[Manifest | N
     except CkptspecError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as exc:
-        rel = readable.model_files[min(readable.model_files)].relative_to(tag_dir).as_posix()
+        first = readable.model_files[min(readable.model_files)]
+        rel = first.relative_to(tag_dir).as_posix()  # type: ignore[arg-type]  # tag_dir's file, of its kind
         return None, read_findings + [
             finding(
                 "CK212",
@@ -248,6 +255,7 @@ def describe_tolerantly(tag_dir: Path, states: StateCache) -> tuple[Manifest | N
 
 
 def _read_finding(rel: str, loaded: Loaded) -> Finding:
+    assert loaded.error is not None  # a file that could not be read
     code, hint = code_and_hint(loaded.error)
     return finding(code, "$", loaded.error.reason, hint, file=rel, rank=rank_of(rel))
 

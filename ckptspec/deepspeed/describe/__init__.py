@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ...checkpoint.states import StateCache
     from ...format.index_models import CheckpointIndex
     from ...format.models import Manifest
+    from ...location import RemotePath
 
 
 # Kind (its value) -> the module of this package that describes it. Each has a ``describe(tag_dir, states,
@@ -53,7 +54,7 @@ def describe(
 
 
 def describe_tag_dir(
-    tag_dir: Path, states: StateCache, *, hash_algorithm: str | None = None, as_index: bool = False
+    tag_dir: Path | RemotePath, states: StateCache, *, hash_algorithm: str | None = None, as_index: bool = False
 ) -> Manifest | CheckpointIndex:
     """The document of one resolved tag directory: a ``Manifest``, or with ``as_index`` the ``CheckpointIndex``
     of its kind (``kinds.kind_of_dir``; a plain ZeRO directory gets the model-parallel producer's, one domain),

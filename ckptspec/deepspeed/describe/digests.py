@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from ..._forked import Forked
 from ...format.dtypes import ITEMSIZE
-from ...format.models import Digest, Manifest
+from ...format.models import Digest, Locator, Manifest, ModelWeightsLocator, StateLocator, TensorLocator
 from ...format.partition import param_pieces
 from ...location import RangeStream, RemotePath, location
 
@@ -45,16 +45,20 @@ def _span(path: str, loc, start: int, count: int) -> tuple[str, int, int]:
 
 def covered_tensors(manifest: Manifest) -> Iterator[Covered]:
     """Every tensor the manifest's locators cover completely, with the ranges of its real elements."""
-    masters, states, weights, named = {}, {}, {}, {}
+    # (group, rank[, state]) or group or name -> (file, locator): [(rank, file, locator)] for a name
+    masters: dict[tuple[int, int], tuple[str, Locator]] = {}
+    states: dict[tuple[int, int, str], tuple[str, StateLocator]] = {}
+    weights: dict[int, tuple[str, ModelWeightsLocator]] = {}
+    named: dict[str, list[tuple[int, str, TensorLocator]]] = {}
     for f in manifest.files:
         for loc in f.partitions:
             masters[(loc.group, loc.rank)] = (f.path, loc)
-        for loc in f.state_partitions or ():
-            states[(loc.group, loc.rank, loc.state)] = (f.path, loc)
-        for loc in f.model_weights or ():
-            weights[loc.group] = (f.path, loc)
-        for loc in f.tensors or ():
-            named.setdefault(loc.name, []).append((f.ranks[0] if len(f.ranks) == 1 else 0, f.path, loc))
+        for state_loc in f.state_partitions or ():
+            states[(state_loc.group, state_loc.rank, state_loc.state)] = (f.path, state_loc)
+        for weights_loc in f.model_weights or ():
+            weights[weights_loc.group] = (f.path, weights_loc)
+        for tensor_loc in f.tensors or ():
+            named.setdefault(tensor_loc.name, []).append((f.ranks[0] if len(f.ranks) == 1 else 0, f.path, tensor_loc))
     for g, group in enumerate(manifest.groups):
         keys = sorted({s for (gg, r, s) in states if gg == g and r == 0})
         count = group.partition_count
@@ -130,7 +134,10 @@ def digests_of(covered: list[Covered], tag_dir: str | os.PathLike | RemotePath) 
 
 
 def _local_digests(covered: list[Covered], tag_dir: Path) -> list[str]:
-    out, fds, blocks, sha256 = [], {}, {}, hashlib.sha256
+    out: list[str] = []
+    fds: dict[str, int] = {}  # file -> its open descriptor
+    blocks: dict[tuple[str, int], memoryview] = {}  # (file, block number) -> its bytes
+    sha256 = hashlib.sha256
     try:
         for c in covered:
             if len(c.ranges) == 1:
@@ -186,7 +193,7 @@ def record_digests(manifest: Manifest, found: list[tuple[tuple, str]]) -> None:
             setattr(model, field, value)
 
 
-def add_digests(manifest: Manifest, tag_dir: str | os.PathLike) -> list[tuple[tuple, str]]:
+def add_digests(manifest: Manifest, tag_dir: str | os.PathLike | RemotePath) -> list[tuple[tuple, str]]:
     """Record the digest of every tensor the manifest locates (reads each of their bytes once);
     returns them, ``(where, sha256)`` in the order recorded (for ``record_digests`` elsewhere)."""
     covered = list(covered_tensors(manifest))

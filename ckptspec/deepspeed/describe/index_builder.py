@@ -25,15 +25,17 @@ is the tie's). Metadata only: no tensor bytes, no pickle code.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from ..._version import __version__
 from ...checkpoint.hashing import file_digest
 from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef
 from ...errors import UnsupportedCheckpoint
-from ...format.dtypes import ITEMSIZE
+from ...format.dtypes import ITEMSIZE, Dtype
 from ...format.index_models import (
     INDEX_FORMAT,
     INDEX_VERSION,
@@ -52,6 +54,11 @@ from ...format.partition import ParamSpec, flat_group
 from ...format.version import FORMAT_VERSION
 from ..layout.masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, MasterTensor
 from ..layout.names import MODEL_RE, OPTIM_RE
+
+# The values of Masters.stored_in, IndexParameter.placement_source and CheckpointIndex.kind (index_models.py).
+StoredIn = Literal["module", "model_states", "optimizer_states", "expert_files", "universal"]
+PlacementSource = Literal["affine_map", "universal_checkpoint_info", "pipeline_layer", "none", "engine", "moe_expert"]
+FileRole = Literal["model_states", "optimizer_states", "other"]
 
 _EXPERT_ID = re.compile(r"\.deepspeed_experts\.(\d+)\.")
 
@@ -92,7 +99,7 @@ def masters_domain(
     size: int = 1,
     group: int = 0,
     stage: int = 0,
-    source: str = "none",
+    source: PlacementSource = "none",
 ) -> tuple[Domain, list[IndexParameter]]:
     """A domain whose masters are located apart (no ``masters`` yet) and its whole-model parameters:
     its 1.x manifest names the parameters (one flat group of ``partition_count`` 1, ``zero_stage`` 0)
@@ -152,8 +159,8 @@ class LiveMasters:
 
     masters: dict[str, MasterTensor]
     replicas: list[tuple[MasterTensor, MasterTensor]]
-    dtypes: dict[str, str]
-    stored_in: str = "module"
+    dtypes: dict[str, Dtype]
+    stored_in: StoredIn = "module"
     moe: tuple[int, int, int, int] | None = None
     by_mp_rank: dict[int, tuple[list[MasterTensor], list[MasterTensor]]] | None = None
 
@@ -163,7 +170,8 @@ class IndexBuilder:
 
     def __init__(self, folder: Path, states: StateCache, hash_algorithm: str | None, live: LiveMasters | None = None):
         self.folder, self.states, self.hash_algorithm = folder, states, hash_algorithm
-        model, self.model_file = None, MODEL_FILE
+        model: Any = None
+        self.model_file: str | None = MODEL_FILE  # None where the folder holds no model-states file
         if (folder / MODEL_FILE).is_file():
             model = states.state(folder / MODEL_FILE)
         else:
@@ -172,7 +180,7 @@ class IndexBuilder:
         if not isinstance(model, dict):
             raise UnsupportedCheckpoint("model states are not a dict", "is this a DeepSpeed checkpoint?", str(folder))
         self.model = model
-        module = model.get("module") if isinstance(model.get("module"), dict) else {}
+        module: Any = model.get("module") if isinstance(model.get("module"), dict) else {}
         self.model_dtypes = {n: r.dtype for n, r in module.items() if isinstance(r, TensorRef)}
         self.producer = Producer(
             tool="ckptspec",
@@ -199,7 +207,7 @@ class IndexBuilder:
             out.append(Buffer(name=name, shape=list(ref.shape), dtype=ref.dtype))
         return out
 
-    def file(self, rel: str, role: str, ranks: list[int]) -> ShardFile:
+    def file(self, rel: str, role: FileRole, ranks: list[int]) -> ShardFile:
         path = self.folder / rel
         entry = ShardFile(path=rel, role=role, ranks=ranks, size=path.stat().st_size, partitions=[])
         if self.hash_algorithm:
@@ -212,14 +220,14 @@ class IndexBuilder:
         coordinate: Coordinate,
         process_group: str,
         masters: list[MasterTensor],
-        stored_in: str,
+        stored_in: StoredIn,
         files: list[ShardFile],
         *,
         size: int = 1,
         group: int = 0,
         stage: int = 0,
-        replicas: list[tuple[MasterTensor, MasterTensor]] = (),
-        source: str = "none",
+        replicas: Sequence[tuple[MasterTensor, MasterTensor]] = (),
+        source: PlacementSource = "none",
         add_parameters: bool = True,
     ) -> Domain:
         specs = [ParamSpec(m.name, m.shape, self.model_dtypes.get(m.name, m.dtype)) for m in masters]
@@ -248,7 +256,9 @@ class IndexBuilder:
             self.parameters += parameters
         return domain
 
-    def index(self, kind: str, domains: list[Domain], *, expert: int | None = None, **extra) -> CheckpointIndex:
+    def index(
+        self, kind: Literal["zero", "universal"], domains: list[Domain], *, expert: int | None = None, **extra
+    ) -> CheckpointIndex:
         degrees = Degrees(pipeline=1, tensor=1, data=int(self.model.get("dp_world_size") or 1))
         if expert is not None:
             degrees.expert = expert

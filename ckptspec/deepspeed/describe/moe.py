@@ -62,6 +62,7 @@ def describe(
     experts = list_expert_files(folder)
     n_experts = int((b.model.get("num_experts") or [0])[0]) or len({e for _, e, _ in experts})
     if live is not None:  # the live engine's layout and masters (live/masters.py)
+        assert live.moe is not None  # set for a MoE engine
         (stage, world, edp, ep), masters, replicas = live.moe, live.masters, live.replicas
     elif optim:
         first = states.state(folder / optim[min(optim)]).get("optimizer_state_dict") or {}

@@ -23,8 +23,9 @@ from ...checkpoint.standins import FragmentAddress
 from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef
 from ...errors import UnsupportedCheckpoint
-from ...format.dtypes import ITEMSIZE
+from ...format.dtypes import ITEMSIZE, Dtype
 from ...format.index_models import Coordinate
+from ...location import RemotePath
 from ..layout.masters import MasterTensor
 from ..layout.parallel_files import degrees_of, layer_file_name, missing_layer_files, scan_parallel
 from .index_builder import IndexBuilder
@@ -44,14 +45,14 @@ def _layer_tensors(files, states: StateCache) -> dict[str, TensorRef]:
     return out
 
 
-def _stage_masters(folder: Path, by_rank: dict[int, Path], shapes, states: StateCache, copy_of=None):
+def _stage_masters(folder: Path, by_rank: dict[int, Path | RemotePath], shapes, states: StateCache, copy_of=None):
     """Every master of one stage: each parameter's fragments over the data-parallel ranks, in rank order."""
     pieces: dict[str, list] = {}
-    dtype = "float32"
+    dtype: Dtype = "float32"
     for _, path in sorted(by_rank.items()):  # rank order: the flat buffer's
         state = states.state(path)
         osd = state.get("optimizer_state_dict") if copy_of is None else state.get("optimizer")
-        rel = path.relative_to(folder).as_posix()
+        rel = path.relative_to(folder).as_posix()  # type: ignore[arg-type]  # folder's own file, of its kind
         if not isinstance(osd, dict) or not isinstance(osd.get("param_slice_mappings"), list):
             raise UnsupportedCheckpoint("no param_slice_mappings", _HINT, rel)
         members = states.members(path)

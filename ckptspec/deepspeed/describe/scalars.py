@@ -21,7 +21,7 @@ from ...checkpoint.torchfile import DynamicLossScalerState, LossScalerState, Ten
 from ...errors import CkptspecError
 from ...format.codec import decode
 from ...format.models import LossScaler, Manifest, Optimizer, OptimizerGroup, Save
-from ...location import open_binary
+from ...location import RemotePath, open_binary
 from .locators import torch_optimizer_state
 
 UNKNOWN_CLASS = "unknown"
@@ -56,7 +56,7 @@ def plain_values(mapping: dict, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     return out
 
 
-def scalar_value(value: Any, path: Path, members: dict[str, tuple[int, int]]) -> float | int | None:
+def scalar_value(value: Any, path: Path | RemotePath, members: dict[str, tuple[int, int]]) -> float | int | None:
     """A number as saved: an int, or a one-element tensor read from the file's bytes."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
@@ -75,7 +75,7 @@ def scalar_value(value: Any, path: Path, members: dict[str, tuple[int, int]]) ->
     return number if not isinstance(number, float) or math.isfinite(number) else None
 
 
-def index_steps(manifest: Manifest, state: Any, path: Path, members) -> dict[int, Any]:
+def index_steps(manifest: Manifest, state: Any, path: Path | RemotePath, members) -> dict[int, Any]:
     """Group index (stage 3: sub-group) -> the ``step`` this file records for it."""
     by_index = torch_optimizer_state(state).get("state")
     out: dict[int, Any] = {}
@@ -88,7 +88,7 @@ def index_steps(manifest: Manifest, state: Any, path: Path, members) -> dict[int
     return out
 
 
-def group_steps(manifest: Manifest, state: Any, path: Path, members) -> dict[int, Any]:
+def group_steps(manifest: Manifest, state: Any, path: Path | RemotePath, members) -> dict[int, Any]:
     """Optimizer group -> the ``step`` this file records for it (its first group or sub-group's)."""
     out: dict[int, Any] = {}
     for g, value in index_steps(manifest, state, path, members).items():
@@ -103,7 +103,7 @@ def loss_scaler(osd: dict) -> LossScaler | None:
     return None
 
 
-def optimizer_from_states(manifest: Manifest, state: Any, path: Path, members) -> Optimizer | None:
+def optimizer_from_states(manifest: Manifest, state: Any, path: Path | RemotePath, members) -> Optimizer | None:
     """The ``optimizer`` object of one optimizer-states file (every rank's file holds the same copy)."""
     osd = state.get("optimizer_state_dict") if isinstance(state, dict) else None
     inner = torch_optimizer_state(state)

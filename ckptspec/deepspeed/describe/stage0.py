@@ -8,7 +8,7 @@ from pathlib import Path
 from ...checkpoint.states import StateCache
 from ...format.index_models import CheckpointIndex, Coordinate
 from ..layout.masters import stage0_masters
-from .index_builder import IndexBuilder, LiveMasters, files_of
+from .index_builder import IndexBuilder, LiveMasters, StoredIn, files_of
 
 
 def describe(
@@ -21,7 +21,7 @@ def describe(
         optimizer = b.model.get("optimizer")
         # FP16_UnfusedOptimizer's fp32_groups or FP16_Optimizer's fp32_groups_flat: masters apart from the weights
         held = isinstance(optimizer, dict) and ("fp32_groups" in optimizer or "fp32_groups_flat" in optimizer)
-        stored_in = "model_states" if held else "module"
+        stored_in: StoredIn = "model_states" if held else "module"
     else:
         masters, stored_in = list(live.masters.values()), live.stored_in
     domain = b.domain(

@@ -10,15 +10,17 @@ from __future__ import annotations
 from itertools import filterfalse
 from operator import attrgetter
 from pathlib import Path
+from typing import Literal
 
 from ..._version import __version__
 from ...checkpoint.hashing import file_digests
-from ...checkpoint.states import StateCache
+from ...checkpoint.states import StateCache, States
 from ...checkpoint.torchfile import TensorRef
 from ...errors import InvalidCheckpoint, UnsupportedCheckpoint
 from ...format.models import Alias, Buffer, FrozenParam, Group, Layout, Locator, Manifest, Producer, ShardFile
 from ...format.partition import ParamColumns, flat_group, frozen_params, per_param_group
 from ...format.version import FORMAT_NAME, FORMAT_VERSION
+from ...location import RemotePath
 from ..layout import legacy
 from ..layout.state_fields import (
     DEEPSPEED_DEFAULT_SUB_GROUP_SIZE,
@@ -201,7 +203,9 @@ def _frozen(first_model: dict, groups: list[Group], shared: dict, stage: int) ->
         # DeepSpeed lists tied zero-element params here too; the alias wins.
         names = list(filterfalse(shared.__contains__, frozen_shapes))
         shapes = int_shapes(map(frozen_shapes.__getitem__, names))
-        stored_in = "partitioned_fragments" if stage == 3 else "fragments"
+        stored_in: Literal["partitioned_fragments", "fragments"] = (
+            "partitioned_fragments" if stage == 3 else "fragments"
+        )
         dtypes = module_dtypes(first_model.get("frozen_param_fragments") or {}, model_dtype, names)
         return frozen_params(names, shapes, dtypes, stored_in)
     if stage < 3:
@@ -280,7 +284,7 @@ def real_ties(shared: dict, module: dict, stage: int) -> dict:
     return real
 
 
-def partition_locators(path: Path, rank: int, stage: int, states: StateCache) -> list[Locator]:
+def partition_locators(path: Path | RemotePath, rank: int, stage: int, states: States) -> list[Locator]:
     """The byte locators of the flat master partitions in one optimizer-states file."""
     members = states.members(path)
     locators = []
@@ -304,7 +308,7 @@ def partition_locators(path: Path, rank: int, stage: int, states: StateCache) ->
 
 
 def describe_files(
-    shards: ShardSet, stage: int, hash_algorithm: str | None, states: StateCache, manifest: Manifest | None = None
+    shards: ShardSet, stage: int, hash_algorithm: str | None, states: States, manifest: Manifest | None = None
 ) -> list[ShardFile]:
     """Every file of ``shards`` (sizes as they are now), with the locators of the flat master partitions.
 
@@ -316,9 +320,16 @@ def describe_files(
     every = [*shards.model_files.values(), *shards.optim_files.values(), *shards.other_files]
     hashes = dict(zip(every, file_digests(every, hash_algorithm))) if hash_algorithm else {}  # all cores
 
-    def entry(path: Path, role: str, ranks: list[int], partitions: list[Locator]) -> ShardFile:
+    def entry(
+        path: Path | RemotePath,
+        role: Literal["model_states", "optimizer_states", "other"],
+        ranks: list[int],
+        partitions: list[Locator],
+    ) -> ShardFile:
         shard = ShardFile(
-            path=path.relative_to(shards.tag_dir).as_posix(),
+            # type: ignore: path is one of shards' files, below its tag_dir and of its kind (both Path or both
+            # RemotePath); mypy cannot pair the two unions' members.
+            path=path.relative_to(shards.tag_dir).as_posix(),  # type: ignore[arg-type]
             role=role,
             ranks=ranks,
             size=path.stat().st_size,
@@ -339,16 +350,18 @@ def describe_files(
     return files
 
 
-def _add_locators(files: list[ShardFile], shards: ShardSet, states: StateCache, manifest: Manifest) -> None:
+def _add_locators(files: list[ShardFile], shards: ShardSet, states: States, manifest: Manifest) -> None:
     # rank -> the tensors of its model-states file: all or none (a tensor that cannot be located).
-    named: dict | None = {}
+    named: dict | None = None
+    located: dict = {}
     for rank, path in sorted(shards.model_files.items()):
         # Buffers and whole frozen parameters are located in rank 0's file (stage 3 repeats them per rank).
         found = tensor_locators(manifest, states.state(path), states.members(path), rank, rank == 0)
         if found is None:
-            named = None
             break
-        named[rank] = found
+        located[rank] = found
+    else:
+        named = located
     for f in files:
         path = shards.tag_dir / f.path
         if f.role == "model_states":

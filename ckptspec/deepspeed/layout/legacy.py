@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ...checkpoint.torchfile import TensorRef
 from ...errors import UnsupportedCheckpoint
+from ...location import RemotePath
 
 _VERSION = re.compile(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -44,7 +45,7 @@ def frozen_excluded(model_state: dict) -> bool:
     return not frozen_shapes_unrecorded(model_state) and model_state["frozen_param_shapes"] is None
 
 
-def refuse_shapes_in_optimizer_files(model_state: dict, optim_state: object, path: Path) -> None:
+def refuse_shapes_in_optimizer_files(model_state: dict, optim_state: object, path: Path | RemotePath) -> None:
     """DeepSpeed 0.5.10 and older keep ``param_shapes`` and ``ds_version`` at the top level of
     each optimizer file, not in the model states (moved by PR #1732, in 0.6.0): named as such,
     not as "is this a DeepSpeed checkpoint?"."""
@@ -58,7 +59,7 @@ def refuse_shapes_in_optimizer_files(model_state: dict, optim_state: object, pat
         )
 
 
-def refuse_lost_frozen(model_state: dict, taken: set[str], path: Path) -> None:
+def refuse_lost_frozen(model_state: dict, taken: set[str], path: Path | RemotePath) -> None:
     """Stage 3 before DeepSpeed 0.9.1 saved frozen parameters as empty placeholders only: their
     weights are not in the checkpoint, and nothing says so (it is not exclude_frozen_parameters).
     ``taken``: the trainable and tied names."""

@@ -34,10 +34,13 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef, tensor_byte_range
 from ...errors import UnsupportedCheckpoint
+from ...format.dtypes import Dtype
+from ...location import RemotePath
 
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 EXPP_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -52,7 +55,7 @@ class MasterTensor:
 
     name: str
     shape: tuple[int, ...]
-    dtype: str
+    dtype: Dtype
     segments: tuple[tuple[str, int, int], ...]
     key: tuple
 
@@ -73,7 +76,7 @@ def _trainable_names(model: dict) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(r.shape)) for n, r in module.items() if n not in buffers and isinstance(r, TensorRef)]
 
 
-def list_expert_files(folder: Path) -> list[tuple[int, int, str]]:
+def list_expert_files(folder: Path | RemotePath) -> list[tuple[int, int, str]]:
     """(MoE layer, global expert, file name) of every expert file, in that order."""
     found = [
         (int(m.group(1)), int(m.group(2)), p.name) for p in folder.iterdir() if (m := EXPERT_FILE_RE.match(p.name))
@@ -81,7 +84,7 @@ def list_expert_files(folder: Path) -> list[tuple[int, int, str]]:
     return sorted(found)
 
 
-def expert_params(folder: Path, states: StateCache) -> list[tuple[str, str, TensorRef]]:
+def expert_params(folder: Path | RemotePath, states: StateCache) -> list[tuple[str, str, TensorRef]]:
     """(file, global name, tensor) of every expert parameter, by layer, expert, then key order."""
     out = []
     for _, _, rel in list_expert_files(folder):
@@ -122,7 +125,7 @@ def stage0_masters(folder: Path, states: StateCache | None = None) -> dict[str, 
         raise UnsupportedCheckpoint("model states hold no 'module'", _HINT, MODEL_FILE)
     dense = _trainable_names(model)
     experts = expert_params(folder, states)
-    optimizer = model.get("optimizer")
+    optimizer: Any = model.get("optimizer")  # decoded, unchecked: each branch below tests what it reads
     unfused = isinstance(optimizer, dict) and "fp32_groups" in optimizer
     out: dict[str, MasterTensor] = {}
     if isinstance(optimizer, dict) and "fp32_groups_flat" in optimizer:
@@ -229,18 +232,20 @@ def _moe_unfused(folder: Path, model: dict, dense, experts, states: StateCache) 
     out: dict[str, MasterTensor] = {}
     by_expert: dict[int, list[tuple[str, tuple]]] = {}
     for rel, name, ref in experts:
-        by_expert.setdefault(int(EXPERT_FILE_RE.match(rel).group(2)), []).append((name, tuple(ref.shape)))
+        expert_file = EXPERT_FILE_RE.match(rel)
+        assert expert_file is not None  # expert_params lists the files this pattern names
+        by_expert.setdefault(int(expert_file.group(2)), []).append((name, tuple(ref.shape)))
     for r, rel in expp:
         state = states.state(folder / rel)
         groups = (state.get("optimizer") or {}).get("fp32_groups") if isinstance(state, dict) else None
         if not isinstance(groups, list) or len(groups) != 2:
             raise UnsupportedCheckpoint("optimizer/fp32_groups is not [dense, experts]", _HINT, rel)
         names = [n for e in range(r * per_rank, (r + 1) * per_rank) for n in by_expert.get(e, [])]
-        for m in _named_group(folder, rel, groups[1], names, ("optimizer", "fp32_groups", 1), states):
-            out[m.name] = m
+        for master in _named_group(folder, rel, groups[1], names, ("optimizer", "fp32_groups", 1), states):
+            out[master.name] = master
         if r == 0:
-            for m in _named_group(folder, rel, groups[0], dense, ("optimizer", "fp32_groups", 0), states):
-                out[m.name] = m
+            for master in _named_group(folder, rel, groups[0], dense, ("optimizer", "fp32_groups", 0), states):
+                out[master.name] = master
     return out
 
 
@@ -288,7 +293,10 @@ def stage0_replicas(folder: Path, states: StateCache | None = None) -> list[tupl
         for rel, name, ref in experts
         if name in masters and masters[name].segments[0][0].startswith("expp_rank_0_")
     ]
-    copies = [(MODEL_FILE, optimizer["fp32_groups"], (dense, rank0))]
+    # (file, its fp32_groups as decoded, the names of each group it repeats)
+    copies: list[tuple[str, Any, tuple[list[tuple[str, tuple]], ...]]] = [
+        (MODEL_FILE, optimizer["fp32_groups"], (dense, rank0))
+    ]
     for p in sorted(folder.iterdir()):
         m = EXPP_RE.match(p.name)
         if m and int(m.group(1)) != 0:

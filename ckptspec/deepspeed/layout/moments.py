@@ -33,6 +33,7 @@ from typing import Any
 from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef, tensor_byte_range
 from ...errors import UnsupportedCheckpoint
+from ...location import RemotePath
 from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, expert_params, list_expert_files, value_at
 
 _HINT = "the optimizer state of this checkpoint cannot be located from its files; reconstruct without it"
@@ -71,7 +72,7 @@ def _params(inner: Any, g: Any, where: str) -> list:
 class MomentFinder:
     """``locate`` each master locator's moments in one tag directory (decoded files from ``states``)."""
 
-    def __init__(self, folder: Path, states: StateCache):
+    def __init__(self, folder: Path | RemotePath, states: StateCache):
         self.folder, self.states = folder, states
         self._plain: dict[str, tuple[str, int, int]] | None = None
 
@@ -155,7 +156,7 @@ class MomentFinder:
         if not isinstance(table, dict) or not isinstance(entry := table.get(entry_key), dict):
             raise UnsupportedCheckpoint(f"no optimizer state of {name!r} (entry {entry_key})", _HINT, file)
         members = self.states.members(self.folder / file)
-        ranges = {}
+        ranges: dict[str, tuple[int, int, str]] = {}
         for k, ref in entry.items():
             if isinstance(k, str) and isinstance(ref, TensorRef) and ref.shape:  # per element; "step" is 0-d
                 if ref.numel < master.numel or not ref.is_contiguous():  # a ZeRO partition's state keeps its padding

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import PurePosixPath
+from typing import Literal
 
 OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -33,7 +34,7 @@ def _base(name: str) -> str:
     return PurePosixPath(name).name
 
 
-def role_of(name: str) -> tuple[str, list[int]]:
+def role_of(name: str) -> tuple[Literal["model_states", "optimizer_states", "other"], list[int]]:
     """(manifest role, ranks) of a file by its name; the stage-1/2 model states belong to rank 0."""
     base = _base(name)
     if m := OPTIM_RE.match(base):

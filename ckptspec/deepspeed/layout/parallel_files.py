@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from ..._fs import is_leftover
 from ...checkpoint.states import StateCache
@@ -54,7 +54,9 @@ def index_tag_dir(checkpoint, tag: str | None = None) -> Path:
             "copy the checkpoint to a local directory first (with your storage's own tool), and pass that",
             str(checkpoint),
         )
-    return resolve_tag_dir(checkpoint, tag)
+    # cast, not a check: a URL is refused just above, so the tag directory resolved is a local Path
+    # (is_remote does not narrow for mypy). Widen the return type when indexes are read from URLs.
+    return cast(Path, resolve_tag_dir(checkpoint, tag))
 
 
 def scan_parallel(tag_dir: Path) -> ParallelFiles:

@@ -11,13 +11,14 @@ from operator import attrgetter
 from typing import Any
 
 from ...checkpoint.torchfile import TensorRef
+from ...format.dtypes import Dtype
 
 DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 10**9  # deepspeed/runtime/zero/config.py (0.15-0.19)
 _INT_ONLY = frozenset({int})
 _STORAGE_DTYPE = attrgetter("storage.dtype")
 
 
-def dtype_of_config(ds_config: dict) -> str:
+def dtype_of_config(ds_config: dict) -> Dtype:
     if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
         return "bfloat16"
     if (ds_config.get("fp16") or {}).get("enabled"):
@@ -26,7 +27,7 @@ def dtype_of_config(ds_config: dict) -> str:
 
 
 def world_size_of(osd: dict) -> int:
-    counts = osd.get("partition_count")
+    counts: Any = osd.get("partition_count")  # as saved: a list (one count per group) or one int
     return max(counts) if isinstance(counts, list) else int(counts)
 
 
@@ -45,7 +46,7 @@ def int_shapes(shapes) -> list[tuple[int, ...]]:
     return list(map(int_shape, shapes))
 
 
-def module_dtypes(module: Any, default: str, names: list[str]) -> list[str]:
+def module_dtypes(module: Any, default: Dtype, names: list[str]) -> list[Dtype]:
     """The dtype of the module's tensor of each name, else ``default``."""
     if not isinstance(module, dict):
         return [default] * len(names)
@@ -63,7 +64,7 @@ def flat_partitions(optim_state: Any, stage: int) -> list:
     return list(parts) if isinstance(parts, list) else []
 
 
-def master_dtype(optim_state: dict, stage: int) -> str:
+def master_dtype(optim_state: dict, stage: int) -> Dtype:
     parts = flat_partitions(optim_state, stage)
     return parts[0].dtype if parts and isinstance(parts[0], TensorRef) else "float32"
 

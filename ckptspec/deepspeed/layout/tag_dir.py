@@ -144,7 +144,8 @@ def _other_model_parallel_rank(rank: int, path: Path | RemotePath) -> Unsupporte
 
 def scan_tag_dir(tag_dir: Path | RemotePath) -> ShardSet:
     shards = ShardSet(tag_dir)
-    for path in sorted(tag_dir.iterdir()):
+    entries: list[Path | RemotePath] = sorted(tag_dir.iterdir())  # a local directory's Paths, a URL's RemotePaths
+    for path in entries:
         if not path.is_file():
             continue
         name = path.name

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from itertools import repeat
 from operator import attrgetter
+from typing import Any
 
 from ...errors import EngineLayoutMismatch
-from ...format.dtypes import dtype_name
+from ...format.dtypes import Dtype, dtype_name
 from ...format.models import Group
 from ...format.partition import ParamColumns, flat_group, per_param_group
 
@@ -17,7 +18,7 @@ def param_shape(param) -> tuple[int, ...]:
     return tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
 
 
-_DTYPE_NAMES: dict = {}  # torch dtype -> its name (dtype_name's str() per param added up at 100k)
+_DTYPE_NAMES: dict[Any, Dtype] = {}  # torch dtype -> its name (dtype_name's str() per param added up at 100k)
 _DTYPE = attrgetter("dtype")
 _DS_SHAPE = attrgetter("ds_shape")  # a ZeRO-3 param's shape before partitioning
 _SHAPE = attrgetter("shape")
@@ -34,7 +35,9 @@ def columns_of(params: list, names: dict[int, str], shape_of=None) -> ParamColum
     if shape_of is None and not any(map(hasattr, params, repeat("ds_shape"))):
         shape_of = _SHAPE  # (asked in C: hasattr's misses cost less than a Python call per param)
     shapes = list(map(tuple, map(shape_of, params))) if shape_of is not None else list(map(param_shape, params))
-    return ParamColumns(list(map(names.__getitem__, map(id, params))), shapes, list(map(_DTYPE_NAMES.get, dtypes)))
+    return ParamColumns(
+        list(map(names.__getitem__, map(id, params))), shapes, list(map(_DTYPE_NAMES.__getitem__, dtypes))
+    )
 
 
 def _live_paddings(params, flat) -> list[int]:

@@ -161,7 +161,7 @@ def _stage0(engine, names, out) -> None:
         index = 0
         for g, group in enumerate(opt.fp16_groups):
             for i, p in enumerate(group):
-                key = ("optimizer", "fp32_groups", g, i)
+                key: tuple[str | int, ...] = ("optimizer", "fp32_groups", g, i)
                 out["pieces"].append(_piece("dense", index, names[id(p)], p.shape, model, key))
                 index += 1
         return
@@ -262,7 +262,9 @@ def _moe(engine, names, out) -> None:
             out["pieces"].append(_piece(domain, index[domain], name, p.shape, model, ("module", name)))
         elif domain != "dense":
             layer = 0  # one MoE layer: DeepSpeed numbers its expert files by MoE layer
-            expert = int(_LOCAL_EXPERT.search(name).group(2))
+            local_expert = _LOCAL_EXPERT.search(name)
+            assert local_expert is not None  # an expert parameter (allreduce False): DeepSpeed names it so
+            expert = int(local_expert.group(2))
             file = _base(engine._get_expert_ckpt_name("", layer, expert, "", checkpoint_mp_rank=0))
             out["pieces"].append(_piece(domain, index[domain], name, p.shape, file, (name,)))
         index[domain] += 1
@@ -321,6 +323,7 @@ def _tensor(pieces: list[dict], folder, states: StateCache) -> MasterTensor:
         dtype = ref.dtype
     if sum(p["numel"] for p in pieces) != math.prod(first["shape"]):
         raise EngineLayoutMismatch(f"the saved pieces of {first['name']!r} do not make its shape {first['shape']}")
+    assert dtype is not None  # pieces is not empty (pieces[0] above): the loop set it
     return MasterTensor(first["name"], tuple(first["shape"]), dtype, tuple(segments), tuple(first["key"]))
 
 

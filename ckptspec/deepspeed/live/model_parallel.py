@@ -13,6 +13,7 @@ each domain's ``members``), and ``degrees_source``/``placement_source`` ``"engin
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Literal
 
 from ..._version import __version__
 from ...errors import EngineLayoutMismatch, UnsupportedEngine
@@ -149,7 +150,9 @@ def assemble(described: list[dict], files_of: Callable[[dict], list] | None = No
     by_coord: dict[tuple[int, int], list[dict]] = {}
     for d in sorted(described, key=lambda d: (d["mp_rank"], d["data"])):
         by_coord.setdefault((d["pipeline"], d["tensor"]), []).append(d)
-    domains, parameters, layers = [], {}, {}
+    domains: list[Domain] = []
+    parameters: dict[str, IndexParameter] = {}
+    layers: dict[str, Any] = {}  # layer number -> (its file, its keys): every rank's "layers"
     for (pipeline, tensor), members in sorted(by_coord.items(), key=lambda kv: kv[1][0]["mp_rank"]):
         first = members[0]
         if any(m["manifest"] != first["manifest"] for m in members):
@@ -173,7 +176,7 @@ def assemble(described: list[dict], files_of: Callable[[dict], list] | None = No
                 shard = Shard(domain=dom.id, local_name=param.name, local_shape=list(param.shape), placement="whole")
                 if first["placements"] is not None:
                     whole, shard.placement = first["placements"][param.name]
-                    source = "engine"
+                    source: Literal["engine", "pipeline_layer"] = "engine"
                 else:
                     whole, source = list(param.shape), "pipeline_layer"
                     shard.layer_file, shard.layer_key = _layer_file(layers, param.name)
@@ -195,11 +198,11 @@ def assemble(described: list[dict], files_of: Callable[[dict], list] | None = No
         if all(s.placement == "replicated" for s in entry.shards):
             for s in entry.shards:
                 s.primary = s is entry.shards[0]
-    first = domains[0].manifest
+    first_manifest = domains[0].manifest
     return CheckpointIndex(
         format=INDEX_FORMAT,
         format_version=INDEX_VERSION,
-        producer=first.producer.model_copy(update={"tool_version": __version__}),
+        producer=first_manifest.producer.model_copy(update={"tool_version": __version__}),
         kind="zero",
         topology=Topology(
             degrees=Degrees(pipeline=pp, tensor=tp, data=dp),

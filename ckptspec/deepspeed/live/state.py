@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from itertools import compress, repeat
 from operator import itemgetter, not_
-from typing import Any
+from typing import Any, Literal
 
 from ...format.dtypes import Dtype, dtype_name
 from ...format.models import Alias, Buffer, FrozenParam, LossScaler, Optimizer, OptimizerGroup, Save
@@ -26,7 +26,13 @@ from .walk import ModuleWalk
 def frozen_of_engine(walk: ModuleWalk, trainable: set[str], stage: int, excluded: bool) -> list[FrozenParam]:
     if excluded:
         return []
-    stored_in = {0: "module", 1: "module", 2: "fragments", 3: "partitioned_fragments"}[stage]
+    by_stage: dict[int, Literal["module", "fragments", "partitioned_fragments"]] = {
+        0: "module",
+        1: "module",
+        2: "fragments",
+        3: "partitioned_fragments",
+    }
+    stored_in = by_stage[stage]
     # The params no group holds, picked in C (100k params, a tenth of them frozen), then read in bulk.
     frozen = list(compress(walk.params, map(not_, map(trainable.__contains__, walk.names.values()))))
     if not frozen:

@@ -51,14 +51,14 @@ def walk_module(root) -> ModuleWalk:
 
     plain: dict[type, bool] = {}  # class -> walks as nn.Module does
     traversal = [getattr(nn.Module, a) for a in _TRAVERSAL]
-    walk = ModuleWalk(persistent=set())
-    names, params, local_params, tied, buffers, persistent = (
+    persistent: set[str] = set()  # this walk's (ModuleWalk's may be None: torch_walk's)
+    walk = ModuleWalk(persistent=persistent)
+    names, params, local_params, tied, buffers = (
         walk.names,
         walk.params,
         walk.local_params,
         walk.tied,
         walk.buffers,
-        walk.persistent,
     )
     seen_modules: set[int] = set()
     seen_buffers: set[int] = set()

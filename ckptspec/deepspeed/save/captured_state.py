@@ -48,7 +48,7 @@ def _torch_engine(checkpoint_engine) -> bool:
 @contextlib.contextmanager
 def capturing(engine, into: dict[str, Any]) -> Iterator[None]:
     """While DeepSpeed saves: the state of each model-states file handed to ``torch.save``, by file name."""
-    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    checkpoint_engine: Any = getattr(engine, "checkpoint_engine", None)  # DeepSpeed's object (torch is not followed)
     if not _torch_engine(checkpoint_engine):
         yield
         return
@@ -174,7 +174,7 @@ def _stand_in(state: dict, storages: dict[int, StorageRef]) -> dict:
     module = state.get("module")
 
     def storage_of(name: str) -> StorageRef | None:
-        tensor = module.get(name) if isinstance(module, dict) else None
+        tensor: Any = module.get(name) if isinstance(module, dict) else None  # a torch.Tensor, or anything
         return storages[tensor.untyped_storage()._cdata] if type(tensor) in tensor_types else None
 
     out: dict = {STORAGE_OF: storage_of}

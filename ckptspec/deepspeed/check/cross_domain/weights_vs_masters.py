@@ -51,10 +51,10 @@ def _weights(ctx: IndexContext, i: int) -> dict[str, tuple[str, TensorRef]]:
             if s.domain != domain.id or not s.layer_file:
                 continue
             path = join_inside(ctx.tag_dir, s.layer_file)
-            loaded = ctx.states.load(path) if path is not None and path.is_file() else None
-            if loaded is not None and loaded.error is None and isinstance(loaded.state, dict):
-                if s.layer_key in loaded.state:
-                    out[s.local_name] = (s.layer_file, loaded.state[s.layer_key])
+            layer = ctx.states.load(path) if path is not None and path.is_file() else None
+            if layer is not None and layer.error is None and isinstance(layer.state, dict):
+                if s.layer_key in layer.state:
+                    out[s.local_name] = (s.layer_file, layer.state[s.layer_key])
     return out
 
 
@@ -220,7 +220,7 @@ def located_masters_are_weights(ctx: IndexContext) -> Iterator[Finding]:
         # names the layer file (comparing them here too reported each swap twice, the second blaming the masters).
         layer_files = {lf.path for lf in ctx.index.layer_files}
         weights = {n: held for n, held in _saved_weights(ctx, i).items() if held[0] not in layer_files}
-        first = {}
+        first: dict[str, MasterLocator] = {}
         for loc in domain.masters.tensors:
             first.setdefault(loc.param, loc)  # a master's first piece starts at its element 0
         wrong: dict[tuple[str, str], list[tuple[str, int, MasterLocator, str]]] = {}

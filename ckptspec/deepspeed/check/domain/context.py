@@ -119,7 +119,7 @@ class Context:
         """The name DeepSpeed gives the missing ``role`` file of ``rank`` in this checkpoint."""
         prefix = optim_prefix((f.name for f in self.files if f.role == "optimizer_states"), self.layout.model_dtype)
         # A domain of a checkpoint index names its model-parallel rank in its files' names.
-        mp_ranks = {mp_rank_of(f.name) for f in self.files} - {None}
+        mp_ranks = {r for f in self.files if (r := mp_rank_of(f.name)) is not None}
         mp_rank = mp_ranks.pop() if len(mp_ranks) == 1 else 0
         return expected_name(role, rank, self.layout.zero_stage, prefix, mp_rank)
 
@@ -128,7 +128,9 @@ class Context:
         if not self.verify_hashes:
             return []
         return [
-            f for f in self.files if f.on_disk and f.entry.hash is not None and f.path.stat().st_size == f.entry.size
+            f
+            for f in self.files
+            if f.on_disk and f.path is not None and f.entry.hash is not None and f.path.stat().st_size == f.entry.size
         ]
 
     def digested(self) -> list[tuple[Covered, str]]:
@@ -137,7 +139,9 @@ class Context:
         if not self.verify_digests:
             return []
         if self._digested is None:
-            readable = {f.name for f in self.files if f.on_disk and f.path.stat().st_size == f.entry.size}
+            readable = {
+                f.name for f in self.files if f.on_disk and f.path is not None and f.path.stat().st_size == f.entry.size
+            }
             self._digested = []
             for covered in covered_tensors(self.manifest):
                 want = recorded(self.manifest, covered.where)
@@ -149,7 +153,8 @@ class Context:
         """A remote checkpoint's file hashes (by name) and the digests of ``digested()``, from one read
         of its bytes (``hash_pass``), made once, for CK209 and CK222."""
         if self._read_once is None:
-            hashed = {f.name: f.entry.hash.algorithm for f in self.hashed_files()}
+            assert isinstance(self.tag_dir, RemotePath)  # called for a checkpoint at a URL only
+            hashed = {f.name: f.entry.hash.algorithm for f in self.hashed_files() if f.entry.hash is not None}
             order = [f.name for f in self.files if f.on_disk and f.path is not None]
             self._read_once = hashes_and_digests(self.tag_dir, order, hashed, [c for c, _ in self.digested()])
         return self._read_once
@@ -158,6 +163,7 @@ class Context:
         """The JSON path of the manifest entry that declares ``name``."""
         role, i, j = self.names[name]
         if role == "trainable":
+            assert j is not None  # a trainable parameter's place in its group
             return json_path("groups", i, "params", j, *suffix)
         section = {"frozen": "frozen", "alias": "aliases", "buffer": "buffers", "excluded": "excluded"}[role]
         return json_path(section, i, *suffix)
@@ -169,7 +175,7 @@ def disk_files(tag_dir: Path | RemotePath) -> dict[str, Path | RemotePath]:
     for root, _, files in walk(tag_dir):
         for name in files:
             path = root / name
-            rel = path.relative_to(tag_dir).as_posix()
+            rel = path.relative_to(tag_dir).as_posix()  # type: ignore[arg-type]  # walk(tag_dir): of its kind
             if rel in SIDECAR_NAMES.values() or is_leftover(name) or not path.is_file():
                 continue  # the sidecar describes the rest; leftovers of killed runs are CK224
             out[rel] = path
@@ -191,6 +197,7 @@ def build_context(
     read = [f for f in files if f.on_disk and f.entry.role in ("model_states", "optimizer_states")]
     states.load_all([f.path for f in read])  # each unpickled behind a forked opcode walk: sooner, the same
     for f in read:
+        assert f.path is not None  # on disk
         f.loaded = states.load(f.path, members=True)
     disk = disk_files(tag_dir)
     if scope is not None:  # a domain of a checkpoint index: the other files are the index's to check
@@ -213,6 +220,7 @@ def _rewritten_by_embed(ctx: Context) -> None:
         state = f.state
         if f.role != "model_states" or not isinstance(state, dict) or CLIENT_STATE_KEY not in state:
             continue
+        assert f.loaded is not None and f.path is not None  # a model-states file read (it has a state)
         if not f.loaded.members or f.path.stat().st_size == f.entry.size:
             continue
         recorded = f.entry.hash if ctx.verify_hashes else None

@@ -11,6 +11,7 @@ are in rank order, as the files are) is read again on its own, afterwards.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +84,7 @@ class _Tapper:
 
 
 def hashes_and_digests(
-    tag_dir: RemotePath, files: list[str], hashed: dict[str, str], covered: list[Covered]
+    tag_dir: RemotePath, files: list[str], hashed: Mapping[str, str], covered: list[Covered]
 ) -> tuple[dict[str, str], list[str]]:
     """({file: hex hash} of ``hashed`` (file -> algorithm), [sha256 of each ``covered``]), reading
     each byte once; ``files``: every file listed, in the manifest's order (the order they are read)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 from ....checkpoint.torchfile import TensorRef
 from ....findings import Finding, RuleSet, finding, json_path
-from ....format.models import Manifest
+from ....format.models import Manifest, Param
 from ....format.partition import natural_order
 from ...layout.ties import repeated
 from .context import Check, Context
@@ -108,8 +108,12 @@ def module_layout(ctx: Context) -> Iterator[Finding]:
         return
     for f, module in ctx.modules():
         for g, grp in enumerate(ctx.manifest.groups):
-            refs = [(j, p, module.get(p.name)) for j, p in enumerate(grp.params)]
-            refs = [(j, p, r) for j, p, r in refs if isinstance(r, TensorRef) and 0 not in r.shape]  # elements
+            found = [(j, p, module.get(p.name)) for j, p in enumerate(grp.params)]
+            refs: list[tuple[int, Param, TensorRef]] = [
+                (j, p, r)
+                for j, p, r in found
+                if isinstance(r, TensorRef) and 0 not in r.shape  # elements
+            ]
             counts = Counter(map(_STORAGE_KEY, (r for _, _, r in refs)))
             flat_key, most = counts.most_common(1)[0] if counts else (None, 0)
             if most < 2:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from ....checkpoint.torchfile import TensorRef
 from ....findings import Finding, RuleSet, finding, json_path
@@ -59,6 +60,7 @@ def tensor_locator(ctx: Context) -> Iterator[Finding]:
     for f, state in ctx.model_files():
         if f.index in ctx.before_embed:
             continue  # CK227: the manifest predates an embed that moved every record of the file
+        assert f.loaded is not None  # a model-states file read (it has a state)
         members = f.loaded.members or {}
         for k, loc in enumerate(f.entry.tensors or ()):
             if loc.name not in holders:
@@ -70,19 +72,21 @@ def tensor_locator(ctx: Context) -> Iterator[Finding]:
                 whole = next(fr.numel for fr in ctx.manifest.frozen if fr.name == loc.name)
                 numel = fragment_numel(whole, ctx.world_size, f.rank)
             yield from _check_tensor(f, f.at("tensors", k), loc, ref, numel, f"{table_name}[{loc.name!r}]")
-        module = state.get("module") if isinstance(state.get("module"), dict) else {}
-        for k, loc in enumerate(f.entry.model_weights or ()):
-            if loc.group >= len(ctx.manifest.groups):
+        module: Any = state.get("module") if isinstance(state.get("module"), dict) else {}
+        for k, weights in enumerate(f.entry.model_weights or ()):
+            if weights.group >= len(ctx.manifest.groups):
                 continue
-            refs = [module.get(p.name) for p in ctx.manifest.groups[loc.group].params if p.numel]
+            refs = [module.get(p.name) for p in ctx.manifest.groups[weights.group].params if p.numel]
             storages = {r.storage for r in refs if isinstance(r, TensorRef)}
             if len(storages) != 1 or len(refs) != sum(isinstance(r, TensorRef) for r in refs):
-                yield _finding(f, f.at("model_weights", k), f"group {loc.group}'s module tensors share no flat storage")
+                yield _finding(
+                    f, f.at("model_weights", k), f"group {weights.group}'s module tensors share no flat storage"
+                )
                 continue
             storage = storages.pop()
             real = (storage.member, *members.get(storage.member, (None, None)), storage.dtype, 0, storage.numel)
-            if diff := _compare(real, loc):
-                yield _finding(f, f.at("model_weights", k), f"group {loc.group}'s flat weights: {diff}")
+            if diff := _compare(real, weights):
+                yield _finding(f, f.at("model_weights", k), f"group {weights.group}'s flat weights: {diff}")
     for f, _ in ctx.optim_files():
         yield from _state_partitions(ctx, f)
 
@@ -92,8 +96,10 @@ def _check_tensor(f: File, where: str, loc, ref, numel: int | None, what: str) -
         yield _finding(f, where, f"{what} is not a tensor of the file")
     elif not ref.is_contiguous() or numel is None or numel > ref.numel:
         yield _finding(f, where, f"{what} is not {numel} contiguous elements in the file")
-    elif diff := _compare(_real(ref, f.loaded.members or {}, numel), loc):
-        yield _finding(f, where, f"{what}: {diff}")
+    else:
+        assert f.loaded is not None  # a file that was read
+        if diff := _compare(_real(ref, f.loaded.members or {}, numel), loc):
+            yield _finding(f, where, f"{what}: {diff}")
 
 
 def _state_partitions(ctx: Context, f: File) -> Iterator[Finding]:
@@ -185,6 +191,7 @@ def other_save(ctx: Context) -> Iterator[Finding]:
     if optimizer is not None:
         steps = {g.optimizer_group: g.step for g in optimizer.groups}
         for f, _ in ctx.optim_files():
+            assert f.loaded is not None and f.path is not None  # read: it has a state
             for g, value in index_steps(ctx.manifest, f.state, f.path, f.loaded.members or {}).items():
                 group = ctx.manifest.groups[g].optimizer_group
                 if group in steps and value != steps[group]:
