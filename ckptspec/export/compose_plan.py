@@ -108,6 +108,8 @@ class IndexReconstructionPlan(ReconstructionPlan):
     index: CheckpointIndex = None  # type: ignore[assignment]
     domain_plans: dict[str, ReconstructionPlan] = field(default_factory=dict)
     warnings: list = field(default_factory=list)  # what validating the whole set found, errors aside
+    # frozen parameters and buffers of the ZeRO domains: name -> its shards and their sources
+    extra_shards: dict[str, list[tuple[Shard, TensorSource]]] = field(default_factory=dict)
     _state: OptimizerStatePlan | None = None
 
     def metadata(self, dtype: str, untied: bool) -> dict[str, str]:
@@ -131,17 +133,29 @@ class IndexReconstructionPlan(ReconstructionPlan):
 
 
 def whole_plan(
-    index: CheckpointIndex, tag_dir: Path, domain_plans: dict[str, ReconstructionPlan]
+    index: CheckpointIndex,
+    tag_dir: Path,
+    domain_plans: dict[str, ReconstructionPlan],
+    extras: dict[str, tuple[list[int], list[tuple[Shard, TensorSource]]]] | None = None,
 ) -> IndexReconstructionPlan:
+    """``extras``: the frozen parameters and buffers of the ZeRO domains, placed (``compose_extras.py``)."""
     sources = {}
     for param in index.parameters:
         shards = [(s, domain_plans[s.domain].sources[s.local_name]) for s in param.shards]
         sources[param.name] = compose_source(param.name, param.shape, shards, "trainable")
     order = [p.name for p in index.parameters]
+    for name, (shape, shards) in (extras or {}).items():
+        if name in sources:
+            raise ReconstructMismatch(f"{name!r} names two tensors of the whole model", tag_dir)
+        sources[name] = compose_source(name, shape, shards, shards[0][1].role)
+        order.append(name)
     aliases: dict[str, str] = {}
     # Buffers and ties a domain whose index locates its masters names (stage 0, MoE's dense domain, a
     # universal folder): its names are the whole model's.
-    for plan in domain_plans.values():
+    located_apart = {d.id for d in index.domains if d.masters is not None}
+    for domain_id, plan in domain_plans.items():
+        if domain_id not in located_apart:
+            continue
         for name in plan.order:
             if name in plan.aliases:
                 aliases[name] = plan.aliases[name]
@@ -152,7 +166,9 @@ def whole_plan(
             else:
                 sources[name] = plan.sources[name]
             order.append(name)
-    return IndexReconstructionPlan(None, tag_dir, sources, aliases, order, index=index, domain_plans=domain_plans)  # type: ignore[arg-type]
+    plan = IndexReconstructionPlan(None, tag_dir, sources, aliases, order, index=index, domain_plans=domain_plans)  # type: ignore[arg-type]
+    plan.extra_shards = {name: shards for name, (_, shards) in (extras or {}).items()}
+    return plan
 
 
 def replicas(param: IndexParameter, domain_plans: dict[str, ReconstructionPlan]) -> list[tuple[Shard, TensorSource]]:

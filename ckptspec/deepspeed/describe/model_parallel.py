@@ -29,7 +29,7 @@ from ...format.index_models import (
 )
 from ...format.models import Manifest
 from ..layout.parallel_files import ParallelFiles, degrees_of, layer_file_name, missing_layer_files, scan_parallel
-from ..layout.placements import affine_params, tp_placement
+from ..layout.placements import affine_params, tp_placement, untrainable_placement
 from .zero import manifest_from_states
 
 
@@ -133,25 +133,32 @@ def _trainable(manifest: Manifest) -> list:
     return [p for g in manifest.groups for p in g.params]
 
 
-def _refuse_untrainable(manifest: Manifest, domain: Domain) -> None:
-    """Frozen parameters, buffers and ties are not in the whole-model view yet: refused by name."""
-    for section in ("frozen", "buffers", "aliases"):
+def _refuse_untrainable(manifest: Manifest, domain: Domain, sections=("frozen", "buffers", "aliases")) -> None:
+    """What the whole-model view cannot place yet is refused by name: ties (and, in a pipeline stage,
+    frozen parameters and buffers, which its layer files hold)."""
+    for section in sections:
         items = getattr(manifest, section)
         if items:
             raise UnsupportedCheckpoint(
                 f"{section} ({items[0].name!r}, ...) in model-parallel domain {domain.id}",
-                "the checkpoint index describes the trainable parameters of tensor/pipeline-parallel checkpoints; "
-                f"{section} there are not described yet",
+                "the checkpoint index describes the trainable parameters, frozen parameters and buffers of "
+                f"tensor-parallel checkpoints and the trainable parameters of pipelines; {section} there are not "
+                "described yet",
             )
 
 
 def _tensor_view(files: ParallelFiles, states: StateCache, domains: list[Domain], tp: int) -> list[IndexParameter]:
     by_name: dict[str, IndexParameter] = {}
     for domain in domains:
-        _refuse_untrainable(domain.manifest, domain)
+        _refuse_untrainable(domain.manifest, domain, ("aliases",))
         tensor = domain.coordinate.tensor
         model_path = next(f.path for f in domain.manifest.files if f.role == "model_states")
         amap = affine_params(states.state(files.tag_dir / model_path))
+        # Frozen parameters and buffers are the domain manifest's (index 1.0 has no role for them in
+        # ``parameters``): a reader places them by the same affine_map (export/compose_extras.py).
+        # One without a merge rule is refused here, before a document says more than can be read.
+        for frozen in domain.manifest.frozen:
+            untrainable_placement(amap, frozen.name, tensor, list(frozen.shape), model_path, buffer=False)
         for param in _trainable(domain.manifest):
             whole, placement = tp_placement(amap, param.name, tensor, list(param.shape), model_path)
             shard = Shard(domain=domain.id, local_name=param.name, local_shape=list(param.shape), placement=placement)

@@ -18,7 +18,10 @@ DEFAULTS = {
     # "torch": a client torch.optim.Adam (ZeRO stage 0 bf16/fp16: FP16_UnfusedOptimizer); "fused": a
     # FusedAdam that steps as torch's Adam (stage 0 bf16/fp16: FP16_Optimizer, flat fp32 groups)
     "optimizer": "torch",
-    "buffers": False,  # the dense MLP: a float and an int persistent buffer, updated by the forward
+    "buffers": False,  # the dense or AutoTP MLP: a float and an int persistent buffer, updated by the forward
+    # the dense or AutoTP MLP: blocks.0.up.weight (AutoTP splits it, column-parallel) and head.bias
+    # (AutoTP leaves it whole on every tensor rank) frozen
+    "frozen": False,
     "pp": 1,  # pipeline stages (PipelineModule, partition_method "uniform")
     "tp": 1,  # AutoTP degree
     "ep": 0,  # expert-parallel degree of the MoE layer (0: no MoE)
@@ -49,8 +52,9 @@ def normalize(spec):
         raise ValueError(f"bad stage/dtype in parallel spec: {spec}")
     if out["optimizer"] not in ("torch", "fused"):
         raise ValueError(f"bad optimizer in parallel spec: {spec}")
-    if out["buffers"] and layout(out) != "dense":
-        raise ValueError(f"buffers are in the dense MLP only: {spec}")
+    for key in ("buffers", "frozen"):
+        if out[key] and layout(out) not in ("dense", "autotp"):
+            raise ValueError(f"{key} are in the dense or AutoTP MLP only: {spec}")
     if out["ep"] and (out["pp"] > 1 or out["tp"] > 1 or out["experts"] % out["ep"]):
         raise ValueError(f"MoE jobs are data/expert parallel only, experts divisible by ep: {spec}")
     if out["pp"] > 1 and out["tp"] > 1:
@@ -102,7 +106,7 @@ def _block_class():
     return Block
 
 
-def _mlp_net(buffers=False):
+def _mlp_net(buffers=False, frozen=False):
     import torch
     from torch import nn
 
@@ -113,6 +117,9 @@ def _mlp_net(buffers=False):
             super().__init__()
             self.blocks = nn.ModuleList([Block() for _ in range(2)])
             self.head = nn.Linear(W, C)
+            if frozen:  # the optimizer never sees them (job/parallel.py), DeepSpeed saves them in the module
+                self.blocks[0].up.weight.requires_grad_(False)
+                self.head.bias.requires_grad_(False)
             if buffers:  # saved in the module beside the weights (buffer_names), never in the optimizer
                 self.register_buffer("running", torch.zeros(W))
                 self.register_buffer("step_count", torch.tensor(0, dtype=torch.int64))
@@ -182,7 +189,7 @@ def build_model(spec):
             loss_fn=torch.nn.CrossEntropyLoss(),
             partition_method="uniform",
         )
-    return _mlp_net(spec["buffers"])
+    return _mlp_net(spec["buffers"], spec["frozen"])
 
 
 def reference_model(spec):
@@ -196,7 +203,7 @@ def reference_model(spec):
         from torch import nn
 
         return nn.Sequential(*[cls(*args) for cls, args in _pipe_layers()])
-    return _mlp_net(spec["buffers"])
+    return _mlp_net(spec["buffers"], spec["frozen"])
 
 
 def ds_config(spec):
