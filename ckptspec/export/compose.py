@@ -22,7 +22,7 @@ from ..deepspeed.layout.tag_dir import resolve_tag_dir
 from ..errors import CheckpointInvalid, ReconstructMismatch
 from ..findings import has_errors
 from .arrays import ShardReader, _np, read_array
-from .compose_extras import model_parallel_extras
+from .compose_extras import model_parallel_extras, pipeline_extras
 from .compose_masters import master_sources, named_extras
 from .compose_plan import IndexReconstructionPlan, replicas, whole_plan
 from .plan import ReconstructionPlan, plan_reconstruction
@@ -44,7 +44,12 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
         raise CheckpointInvalid(findings, str(checkpoint))
     tag_dir = resolve_tag_dir(checkpoint, tag)
     domain_plans = {d.id: _domain_plan(tag_dir, d, states) for d in found.domains}
-    plan = whole_plan(found, tag_dir, domain_plans, model_parallel_extras(found, tag_dir, domain_plans, states))
+    extras = model_parallel_extras(found, tag_dir, domain_plans, states)
+    aliases: dict[str, str] = {}
+    if found.layer_files:
+        layered, aliases = pipeline_extras(found, tag_dir, states)
+        extras.update(layered)
+    plan = whole_plan(found, tag_dir, domain_plans, extras, aliases)
     plan.warnings = findings  # no error among them: the warnings (CK224, CK226, CK236), for the caller to show
     return plan
 

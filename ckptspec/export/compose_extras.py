@@ -1,4 +1,5 @@
-"""The frozen parameters and persistent buffers of a tensor-parallel checkpoint's whole model.
+"""The frozen parameters, persistent buffers and ties of a tensor- or pipeline-parallel checkpoint's
+whole model.
 
 A checkpoint index 1.0 lists trainable parameters only (``parameters[].role`` is ``"trainable"``);
 each domain's 1.x manifest names its rank's frozen parameters and buffers, and its plan locates
@@ -6,7 +7,13 @@ their bytes (the module, ``frozen_param_fragments``). They are placed as DeepSpe
 frozen parameter by AutoTP's ``affine_map`` (it splits frozen weights as trainable ones), a buffer
 whole on every tensor rank unless the map names it (``layout/placements.untrainable_placement``).
 Every tensor rank must hold each name; replicated copies are compared with the first before
-anything is written (CK401, ``compose.check_replicas``). No torch, no pickle.
+anything is written (CK401, ``compose.check_replicas``).
+
+A pipeline stage's are in its layer files: every key of a layer file (the index's ``tensors``,
+checked against the file, CK230) is ``<layer>.<key>`` of the whole model. A key that is its stage's
+trainable shard elsewhere (a ``TiedLayerSpec`` run at several layers) is a tie of that parameter;
+a key that is none of the stage's trainables is a buffer if the stage's model states name it in
+``buffer_names``, else a frozen parameter, read from the layer file as saved. No torch, no pickle.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from ..checkpoint.states import StateCache
 from ..deepspeed.layout.placements import affine_params, untrainable_placement
 from ..errors import ReconstructMismatch
 from ..format.index_models import CheckpointIndex, Shard
-from .plan import ReconstructionPlan, TensorSource
+from ..format.paths import join_inside
+from .plan import ReconstructionPlan, TensorSource, ref_source
 
 EXTRA_ROLES = ("frozen", "buffer")
 
@@ -59,3 +67,56 @@ def model_parallel_extras(
             for s, _ in shards:
                 s.primary = s is shards[0][0]
     return out
+
+
+def pipeline_extras(
+    index: CheckpointIndex, tag_dir: Path, states: StateCache
+) -> tuple[dict[str, tuple[list[int], list[tuple[Shard, TensorSource]]]], dict[str, str]]:
+    """(name -> (shape, its one whole shard and source) of every frozen parameter and buffer in the
+    layer files, tie -> owner) of a pipeline (module docstring)."""
+    stage_domain = {d.coordinate.pipeline: d for d in index.domains if d.masters is None}
+    owner = {  # (stage, local name) -> the whole-model parameter its shard is
+        (next(d.coordinate.pipeline for d in index.domains if d.id == s.domain), s.local_name): p.name
+        for p in index.parameters
+        for s in p.shards
+    }
+    buffer_names: dict[int, set[str]] = {}
+    for stage, domain in stage_domain.items():
+        model = next(f.path for f in domain.manifest.files if f.role == "model_states")
+        names = states.state(_file(tag_dir, model)).get("buffer_names") or []
+        buffer_names[stage] = {str(n) for n in names}
+    extras: dict[str, tuple[list[int], list[tuple[Shard, TensorSource]]]] = {}
+    aliases: dict[str, str] = {}
+    found: dict[int, set[str]] = {stage: set() for stage in stage_domain}
+    for lf in index.layer_files:
+        if lf.pipeline not in stage_domain:
+            continue
+        path = _file(tag_dir, lf.path)
+        state = states.state(path)
+        for key, local in lf.tensors.items():
+            whole = f"{lf.layer}.{key}"
+            if (lf.pipeline, local) in owner:
+                if owner[(lf.pipeline, local)] != whole:
+                    aliases[whole] = owner[(lf.pipeline, local)]
+                continue
+            role = "buffer" if local in buffer_names[lf.pipeline] else "frozen"
+            found[lf.pipeline].add(local)
+            source = ref_source(whole, state[key], path, states, role)
+            shard = Shard(
+                domain=stage_domain[lf.pipeline].id, local_name=local, local_shape=list(source.shape), placement="whole"
+            )
+            extras[whole] = (list(source.shape), [(shard, source)])
+    for stage, names in buffer_names.items():
+        if names - found[stage]:
+            raise ReconstructMismatch(
+                f"stage {stage}'s model states name buffers {sorted(names - found[stage])} that no layer file holds",
+                tag_dir,
+            )
+    return extras, aliases
+
+
+def _file(tag_dir: Path, relative: str) -> Path:
+    path = join_inside(tag_dir, relative)
+    if path is None:  # the index rules refuse such a path first
+        raise ReconstructMismatch(f"{relative!r} is outside the checkpoint", tag_dir)
+    return path

@@ -137,8 +137,10 @@ def whole_plan(
     tag_dir: Path,
     domain_plans: dict[str, ReconstructionPlan],
     extras: dict[str, tuple[list[int], list[tuple[Shard, TensorSource]]]] | None = None,
+    ties: dict[str, str] | None = None,
 ) -> IndexReconstructionPlan:
-    """``extras``: the frozen parameters and buffers of the ZeRO domains, placed (``compose_extras.py``)."""
+    """``extras``: the frozen parameters and buffers of the ZeRO domains, placed; ``ties``: alias -> owner
+    of a pipeline's tied layers (``compose_extras.py``)."""
     sources = {}
     for param in index.parameters:
         shards = [(s, domain_plans[s.domain].sources[s.local_name]) for s in param.shards]
@@ -150,6 +152,11 @@ def whole_plan(
         sources[name] = compose_source(name, shape, shards, shards[0][1].role)
         order.append(name)
     aliases: dict[str, str] = {}
+    for alias, owner in (ties or {}).items():
+        if alias in sources or owner not in sources:
+            raise ReconstructMismatch(f"tie {alias!r} -> {owner!r}: not one tensor of the whole model", tag_dir)
+        aliases[alias] = owner
+        order.append(alias)
     # Buffers and ties a domain whose index locates its masters names (stage 0, MoE's dense domain, a
     # universal folder): its names are the whole model's.
     located_apart = {d.id for d in index.domains if d.masters is not None}

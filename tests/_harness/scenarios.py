@@ -114,6 +114,12 @@ PARALLEL = sorted(PARALLEL_SPECS)
 EXTRAS_SPECS = {
     "tp2-s1-fp32-ws2-extras": ({"tp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True}, 2),
     "tp2-s2-bf16-ws2-extras": ({"tp": 2, "stage": 2, "dtype": "bf16", "frozen": True, "buffers": True}, 2),
+    # a PipelineModule over 2 stages: a frozen weight on stage 0, a buffer on stage 1, a TiedLayerSpec
+    # on both (layers 0 and 4); its own launch (pipeline family)
+    "pp2-s1-fp32-ws2-extras": (
+        {"pp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True, "tied": True},
+        2,
+    ),
 }
 EXTRAS = sorted(EXTRAS_SPECS)
 # Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries

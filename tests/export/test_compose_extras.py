@@ -1,16 +1,19 @@
-"""Every tensor of a tensor-parallel checkpoint (issue #39, item 3): frozen parameters and persistent
-buffers beside the trainable masters, composed from the tensor ranks as DeepSpeed placed them.
+"""Every tensor of a tensor- or pipeline-parallel checkpoint (issue #39, item 3): frozen parameters,
+persistent buffers and ties beside the trainable masters, composed as DeepSpeed placed them.
 
 Real AutoTP tp2 jobs (``scenarios.EXTRAS``: ZeRO-1 fp32, frozen weights in the module; ZeRO-2 bf16,
 in ``frozen_param_fragments``) whose module freezes a weight AutoTP splits and a bias it leaves whole,
 and holds a float and an int buffer. Oracles, all recorded in the job: the live engine's fp32
 masters (``safe_get_full_fp32_param``), DeepSpeed's own merge of the module
 (``engine._consolidated_16bit_state_dict``, ``consolidated.pt``), each rank's module parameters and
-buffers as the forward held them, and the job's logits on a fixed batch.
+buffers as the forward held them, and the job's logits on a fixed batch. The pipeline
+(``pp2-s1-fp32-ws2-extras``) has a frozen weight on stage 0, a buffer on stage 1 and a
+``TiedLayerSpec`` run at layer 0 (stage 0) and layer 4 (stage 1).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -19,6 +22,9 @@ from _harness.parallel_oracles import affine_pieces, bits_equal, check_masters, 
 from _harness.scenarios import EXTRAS
 
 import ckptspec
+
+TP_EXTRAS = [n for n in EXTRAS if n.startswith("tp")]
+PIPELINE = "pp2-s1-fp32-ws2-extras"
 
 FROZEN = ["blocks.0.up.weight", "head.bias"]  # parallel_models._mlp_net(frozen=True): split, whole
 BUFFERS = ["running", "step_count"]
@@ -31,7 +37,7 @@ def _reconstructed(ckptspec_cli, entry, out):
     return load_file(out / "model.safetensors")
 
 
-@pytest.mark.parametrize("name", EXTRAS)
+@pytest.mark.parametrize("name", TP_EXTRAS)
 def test_the_whole_model_is_the_modules_state_dict(ckptspec_cli, ds, name, tmp_path):
     import torch
 
@@ -83,7 +89,7 @@ def test_the_whole_model_is_the_modules_state_dict(ckptspec_cli, ds, name, tmp_p
         assert array.tobytes() == whole[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), n
 
 
-@pytest.mark.parametrize("name", EXTRAS)
+@pytest.mark.parametrize("name", TP_EXTRAS)
 def test_the_index_places_trainables_and_the_domains_name_the_rest(ckptspec_cli, ds, name, tmp_path):
     """Index 1.0 has no role for frozen parameters or buffers: its parameters are the trainables,
     each domain's manifest names its rank's frozen parameters (local shapes) and buffers."""
@@ -114,5 +120,67 @@ def test_replicated_buffers_that_differ_are_refused(ckptspec_cli, ds, tmp_path):
     states["module"]["running"] = states["module"]["running"] + 1
     torch.save(states, path)
     with pytest.raises(ReconstructMismatch, match="replicated buffer 'running' differs"):
+        ckptspec.reconstruct(copy, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_writes_its_frozen_parameters_buffers_and_ties(ckptspec_cli, ds, tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    entry = ds.path(PIPELINE)
+    spec = info(entry)["spec"]
+    whole = _reconstructed(ckptspec_cli, entry, tmp_path / "tied")
+    with safe_open(tmp_path / "tied" / "model.safetensors", "pt") as f:
+        aliases = json.loads(f.metadata()["ckptspec.aliases"])
+        sources = json.loads(f.metadata()["ckptspec.sources"])
+    assert aliases == {"4.weight": "0.weight"} and "4.weight" not in whole  # stored once, as 1.x stores ties
+    assert sources["frozen_weight"] == ["2.up.weight"] and sources["buffer"] == ["3.running"]
+
+    ckptspec_cli("reconstruct", str(entry), str(tmp_path / "untied"), "--untie", "--quiet")
+    from safetensors.torch import load_file
+
+    untied = load_file(tmp_path / "untied" / "model.safetensors")
+    assert set(untied) == set(reference_model(spec).state_dict()) == set(whole) | {"4.weight"}
+    assert bits_equal(untied["4.weight"], untied["0.weight"])
+    # Trainables, the tie included: each stage's live master (both stages train the tied weight).
+    oracles = rank_oracles(entry)
+    assert [o["masters"].keys() >= {"tied_modules.emb.weight"} for o in oracles] == [True, True]
+    assert check_masters(entry, untied) == 4 + 7
+    # The frozen weight as stage 0's module held it (no master exists), the buffer as stage 1's.
+    assert bits_equal(untied["2.up.weight"], oracles[0]["module"]["2.up.weight"])
+    assert "2.up.weight" not in oracles[0]["masters"]
+    assert bits_equal(untied["3.running"], oracles[1]["buffers"]["3.running"])
+    assert untied["3.running"].abs().sum() > 0  # the training forward moved it
+    # The tp1 model (one Linear at layers 0 and 4) with the output gives the last stage's logits, bit for bit.
+    model = reference_model(spec)
+    model.load_state_dict(untied, strict=True)
+    model.eval()
+    inputs = torch.load(entry / "eval.pt", weights_only=True)["inputs"]
+    with torch.no_grad():
+        out = model(inputs)
+    (logits,) = [o["logits"] for o in oracles if o["logits"] is not None]
+    assert bits_equal(logits, out)
+    # load_state_dict: every name, the tie too.
+    arrays = ckptspec.load_state_dict(entry, framework="numpy")
+    assert set(arrays) == set(untied)
+    for n, array in arrays.items():
+        assert array.tobytes() == untied[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), n
+
+
+def test_a_pipeline_buffer_missing_from_its_layer_file_is_refused(ds, tmp_path):
+    """The stage's model states name the buffer (``buffer_names``); a layer file without it is refused
+    before anything is written (CK401), never a model without it."""
+    import torch
+
+    from ckptspec.errors import ReconstructMismatch
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ds.path(PIPELINE), copy)
+    path = copy / info(copy)["tag"] / "layer_03-model_states.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    del state["running"]
+    torch.save(state, path)
+    with pytest.raises(ReconstructMismatch, match=r"stage 1's model states name buffers \['3.running'\]"):
         ckptspec.reconstruct(copy, tmp_path / "out")
     assert not (tmp_path / "out").exists()

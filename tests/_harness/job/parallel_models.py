@@ -20,8 +20,10 @@ DEFAULTS = {
     "optimizer": "torch",
     "buffers": False,  # the dense or AutoTP MLP: a float and an int persistent buffer, updated by the forward
     # the dense or AutoTP MLP: blocks.0.up.weight (AutoTP splits it, column-parallel) and head.bias
-    # (AutoTP leaves it whole on every tensor rank) frozen
+    # (AutoTP leaves it whole on every tensor rank) frozen; a pipeline: layer 2's up.weight
     "frozen": False,
+    # a pipeline only: layer 0 and layer 4 one bias-free Linear (TiedLayerSpec "emb", one on each stage)
+    "tied": False,
     "pp": 1,  # pipeline stages (PipelineModule, partition_method "uniform")
     "tp": 1,  # AutoTP degree
     "ep": 0,  # expert-parallel degree of the MoE layer (0: no MoE)
@@ -53,8 +55,10 @@ def normalize(spec):
     if out["optimizer"] not in ("torch", "fused"):
         raise ValueError(f"bad optimizer in parallel spec: {spec}")
     for key in ("buffers", "frozen"):
-        if out[key] and layout(out) not in ("dense", "autotp"):
-            raise ValueError(f"{key} are in the dense or AutoTP MLP only: {spec}")
+        if out[key] and layout(out) not in ("dense", "autotp", "pipe"):
+            raise ValueError(f"{key} are in the dense or AutoTP MLP or the pipeline only: {spec}")
+    if out["tied"] and layout(out) != "pipe":
+        raise ValueError(f"tied layers are in the pipeline only: {spec}")
     if out["ep"] and (out["pp"] > 1 or out["tp"] > 1 or out["experts"] % out["ep"]):
         raise ValueError(f"MoE jobs are data/expert parallel only, experts divisible by ep: {spec}")
     if out["pp"] > 1 and out["tp"] > 1:
@@ -136,12 +140,49 @@ def _mlp_net(buffers=False, frozen=False):
     return Net()
 
 
-def _pipe_layers():
-    """(class, args) of each pipeline layer; layer 1 has no parameters (its file is an empty dict)."""
-    from torch import nn
+def _buffer_block_class():
+    import torch
 
     Block = _block_class()
-    return [(nn.Linear, (W, W)), (nn.ReLU, ()), (Block, ()), (Block, ()), (nn.Linear, (W, C))]
+
+    class BufferBlock(Block):
+        """A Block with a persistent buffer, updated by the training forward (saved in its layer file)."""
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("running", torch.zeros(W))
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.running.mul_(0.5).add_(x.detach().float().mean(0).to(self.running.dtype), alpha=0.5)
+            return super().forward(x)
+
+    return BufferBlock
+
+
+def _pipe_layers(spec=None):
+    """(class, args, kwargs, tie key) of each pipeline layer; layer 1 has no parameters (its file is an
+    empty dict). With ``tied``, layer 0 is a bias-free Linear that layer 4 repeats (six layers: 0-2 on
+    stage 0, 3-5 on stage 1); with ``buffers``, layer 3 holds a buffer."""
+    from torch import nn
+
+    spec = spec or DEFAULTS
+    Block = _block_class()
+    third = (_buffer_block_class() if spec["buffers"] else Block, (), {}, None)
+    if not spec["tied"]:
+        return [
+            (nn.Linear, (W, W), {}, None),
+            (nn.ReLU, (), {}, None),
+            (Block, (), {}, None),
+            third,
+            (nn.Linear, (W, C), {}, None),
+        ]
+    tied = (nn.Linear, (W, W), {"bias": False}, "emb")
+    return [tied, (nn.ReLU, (), {}, None), (Block, (), {}, None), third, tied, (nn.Linear, (W, C), {}, None)]
+
+
+PIPE_FROZEN = "2.up.weight"  # frozen in a pipeline with ``frozen`` (stage 0)
 
 
 def _moe_net(spec, ep_size):
@@ -180,15 +221,22 @@ def build_model(spec):
         return _moe_net(spec, spec["ep"])
     if kind == "pipe":
         import torch
-        from deepspeed.pipe import LayerSpec, PipelineModule
+        from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-        specs = [LayerSpec(cls, *args) for cls, args in _pipe_layers()]
-        return PipelineModule(
+        specs = [
+            TiedLayerSpec(key, cls, *args, **kwargs) if key else LayerSpec(cls, *args, **kwargs)
+            for cls, args, kwargs, key in _pipe_layers(spec)
+        ]
+        model = PipelineModule(
             layers=specs,
             num_stages=spec["pp"],
             loss_fn=torch.nn.CrossEntropyLoss(),
             partition_method="uniform",
         )
+        for name, param in model.named_parameters():  # only the stage that builds layer 2 has it
+            if spec["frozen"] and name == PIPE_FROZEN:
+                param.requires_grad_(False)
+        return model
     return _mlp_net(spec["buffers"], spec["frozen"])
 
 
@@ -202,7 +250,14 @@ def reference_model(spec):
     if kind == "pipe":
         from torch import nn
 
-        return nn.Sequential(*[cls(*args) for cls, args in _pipe_layers()])
+        built: dict = {}  # a tie key's one module, at each of its layers
+        layers = []
+        for cls, args, kwargs, key in _pipe_layers(spec):
+            module = built.get(key) or cls(*args, **kwargs)
+            if key:
+                built[key] = module
+            layers.append(module)
+        return nn.Sequential(*layers)
     return _mlp_net(spec["buffers"], spec["frozen"])
 
 
