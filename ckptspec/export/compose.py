@@ -6,8 +6,9 @@ composed from its shards' byte ranges as the index places them (``compose_plan.p
 writers write the whole model as they write any plan (safetensors or torch files, sharding, the
 optimizer state; atomic). The non-primary replicas are read and compared with the primary first
 (they must be equal, bit for bit: CK401 otherwise). A domain whose index locates its masters (#17)
-adds the buffers and ties it names. ``ckptspec.load_state_dict`` reads the same plan. No DeepSpeed,
-no pickle; torch only for ``--format torch``.
+adds the buffers and ties it names; a tensor-parallel domain's frozen parameters and buffers are
+composed from the tensor ranks' copies (``compose_extras.py``). ``ckptspec.load_state_dict`` reads
+the same plan. No DeepSpeed, no pickle; torch only for ``--format torch``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..deepspeed.layout.tag_dir import resolve_tag_dir
 from ..errors import CheckpointInvalid, ReconstructMismatch
 from ..findings import has_errors
 from .arrays import ShardReader, _np, read_array
+from .compose_extras import model_parallel_extras, pipeline_extras
 from .compose_masters import master_sources, named_extras
 from .compose_plan import IndexReconstructionPlan, replicas, whole_plan
 from .model_plan import ReconstructionPlan
@@ -42,7 +44,12 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
         raise CheckpointInvalid(findings, str(checkpoint))
     tag_dir = resolve_tag_dir(checkpoint, tag)
     domain_plans = {d.id: _domain_plan(tag_dir, d, states) for d in found.domains}
-    plan = whole_plan(found, tag_dir, domain_plans)
+    extras = model_parallel_extras(found, tag_dir, domain_plans, states)
+    aliases: dict[str, str] = {}
+    if found.layer_files:
+        layered, aliases = pipeline_extras(found, tag_dir, states)
+        extras.update(layered)
+    plan = whole_plan(found, tag_dir, domain_plans, extras, aliases)
     plan.warnings = findings  # no error among them: the warnings (CK224, CK226, CK236), for the caller to show
     plan.states = states
     return plan
@@ -60,7 +67,8 @@ def _domain_plan(tag_dir, domain, states: StateCache) -> ReconstructionPlan:
 
 
 def check_replicas(plan: IndexReconstructionPlan, files: ShardReader) -> None:
-    """Every non-primary copy of a replicated parameter's master equals the primary, bit for bit (CK401)."""
+    """Every non-primary copy of a replicated parameter's master, frozen parameter or buffer equals the
+    primary, bit for bit (CK401)."""
     np = _np()
     for param in plan.index.parameters:
         copies = replicas(param, plan.domain_plans)
@@ -71,5 +79,16 @@ def check_replicas(plan: IndexReconstructionPlan, files: ShardReader) -> None:
             if not np.array_equal(read_array(source, "float32", files).view(np.uint32), primary):
                 raise ReconstructMismatch(
                     f"replicated parameter {param.name!r} differs between domains ({shard.domain}: {shard.local_name})",
+                    plan.tag_dir,
+                )
+    for name, shards in plan.extra_shards.items():
+        if len(shards) < 2 or not all(s.placement == "replicated" for s, _ in shards):
+            continue
+        first = read_array(shards[0][1], shards[0][1].dtype, files).tobytes()
+        for shard, source in shards[1:]:
+            if read_array(source, source.dtype, files).tobytes() != first:
+                raise ReconstructMismatch(
+                    f"replicated {source.role} {name!r} differs between domains "
+                    f"({shard.domain}, {shards[0][0].domain})",
                     plan.tag_dir,
                 )

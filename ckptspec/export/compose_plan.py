@@ -110,6 +110,8 @@ class IndexReconstructionPlan(ModelPlan):
     index: CheckpointIndex = field(kw_only=True)
     domain_plans: dict[str, ReconstructionPlan] = field(default_factory=dict)
     warnings: list = field(default_factory=list)  # what validating the whole set found, errors aside
+    # frozen parameters and buffers of the ZeRO domains: name -> its shards and their sources
+    extra_shards: dict[str, list[tuple[Shard, TensorSource]]] = field(default_factory=dict)
     _state: OptimizerStatePlan | None = None
     states: StateCache | None = None  # the decoded files validation read (the moments are located from them)
 
@@ -134,17 +136,36 @@ class IndexReconstructionPlan(ModelPlan):
 
 
 def whole_plan(
-    index: CheckpointIndex, tag_dir: Path | RemotePath, domain_plans: dict[str, ReconstructionPlan]
+    index: CheckpointIndex,
+    tag_dir: Path | RemotePath,
+    domain_plans: dict[str, ReconstructionPlan],
+    extras: dict[str, tuple[list[int], list[tuple[Shard, TensorSource]]]] | None = None,
+    ties: dict[str, str] | None = None,
 ) -> IndexReconstructionPlan:
+    """``extras``: the frozen parameters and buffers of the ZeRO domains, placed; ``ties``: alias -> owner
+    of a pipeline's tied layers (``compose_extras.py``)."""
     sources = {}
     for param in index.parameters:
         shards = [(s, domain_plans[s.domain].sources[s.local_name]) for s in param.shards]
         sources[param.name] = compose_source(param.name, param.shape, shards, "trainable")
     order = [p.name for p in index.parameters]
+    for name, (shape, shards) in (extras or {}).items():
+        if name in sources:
+            raise ReconstructMismatch(f"{name!r} names two tensors of the whole model", tag_dir)
+        sources[name] = compose_source(name, shape, shards, shards[0][1].role)
+        order.append(name)
     aliases: dict[str, str] = {}
+    for alias, owner in (ties or {}).items():
+        if alias in sources or owner not in sources:
+            raise ReconstructMismatch(f"tie {alias!r} -> {owner!r}: not one tensor of the whole model", tag_dir)
+        aliases[alias] = owner
+        order.append(alias)
     # Buffers and ties a domain whose index locates its masters names (stage 0, MoE's dense domain, a
     # universal folder): its names are the whole model's.
-    for plan in domain_plans.values():
+    located_apart = {d.id for d in index.domains if d.masters is not None}
+    for domain_id, plan in domain_plans.items():
+        if domain_id not in located_apart:
+            continue
         for name in plan.order:
             if name in plan.aliases:
                 aliases[name] = plan.aliases[name]
@@ -155,7 +176,9 @@ def whole_plan(
             else:
                 sources[name] = plan.sources[name]
             order.append(name)
-    return IndexReconstructionPlan(tag_dir, sources, aliases, order, index=index, domain_plans=domain_plans)
+    whole = IndexReconstructionPlan(tag_dir, sources, aliases, order, index=index, domain_plans=domain_plans)
+    whole.extra_shards = {name: shards for name, (_, shards) in (extras or {}).items()}
+    return whole
 
 
 def replicas(param: IndexParameter, domain_plans: dict[str, ReconstructionPlan]) -> list[tuple[Shard, TensorSource]]:

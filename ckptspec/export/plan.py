@@ -284,6 +284,12 @@ def _tensor(state: Any, holder: str, name: str, path: Path | RemotePath) -> Tens
     return ref
 
 
+def ref_source(name: str, ref: TensorRef, path: Path | RemotePath, states: StateCache, role: str) -> TensorSource:
+    """A whole tensor saved as it is (a ``TensorRef`` of ``path``'s pickle: a pipeline layer file's)."""
+    segments = _ref_segments(ref, path, states.members(path), math.prod(ref.shape), name)
+    return TensorSource(name, tuple(ref.shape), ref.dtype, segments, role)
+
+
 def _ref_segments(
     ref: TensorRef, path: Path | RemotePath, members: dict, numel: int, name: str, exact: bool = True
 ) -> list[Segment]:

@@ -107,6 +107,21 @@ PARALLEL_SPECS = {
     "uc-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16", **_UC}, 2),
 }
 PARALLEL = sorted(PARALLEL_SPECS)
+# Every tensor of a model-parallel checkpoint (issue #39, item 3): AutoTP runs whose module has frozen
+# parameters (one split by AutoTP, one left whole on every tensor rank) and persistent buffers, at
+# ZeRO-1 (frozen weights in the module) and ZeRO-2 (in frozen_param_fragments). One launch: same world
+# size and family. Not in PARALLEL: no +again or +hook entry, tests/export/test_compose_extras.py reads them.
+EXTRAS_SPECS = {
+    "tp2-s1-fp32-ws2-extras": ({"tp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True}, 2),
+    "tp2-s2-bf16-ws2-extras": ({"tp": 2, "stage": 2, "dtype": "bf16", "frozen": True, "buffers": True}, 2),
+    # a PipelineModule over 2 stages: a frozen weight on stage 0, a buffer on stage 1, a TiedLayerSpec
+    # on both (layers 0 and 4); its own launch (pipeline family)
+    "pp2-s1-fp32-ws2-extras": (
+        {"pp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True, "tied": True},
+        2,
+    ),
+}
+EXTRAS = sorted(EXTRAS_SPECS)
 # Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries
 # they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16).
 HOOKED = [
@@ -274,7 +289,7 @@ def _registry() -> dict[str, Task]:
         spec = {**MATRIX_SPECS, **DCP_SOURCE_SPECS}[source][0]
         for ws in FSDP2_WORLD_SIZES:
             out[fsdp2_name(source, ws)] = Task("fsdp2", {"spec": spec, "source": source}, ws, load=source)
-    for name, (spec, ws) in PARALLEL_SPECS.items():
+    for name, (spec, ws) in {**PARALLEL_SPECS, **EXTRAS_SPECS}.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():
         if name not in MASTERS_HOOKED:

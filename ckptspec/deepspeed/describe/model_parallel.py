@@ -9,6 +9,7 @@ parameters found in the layer files. Reads metadata only, never executes pickled
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..._version import __version__
 from ...checkpoint.hashing import file_digest
@@ -29,7 +30,7 @@ from ...format.index_models import (
 )
 from ...format.models import Manifest
 from ..layout.parallel_files import ParallelFiles, degrees_of, layer_file_name, missing_layer_files, scan_parallel
-from ..layout.placements import affine_params, tp_placement
+from ..layout.placements import affine_params, tp_placement, untrainable_placement
 from .zero import manifest_from_states
 
 
@@ -133,25 +134,32 @@ def _trainable(manifest: Manifest) -> list:
     return [p for g in manifest.groups for p in g.params]
 
 
-def _refuse_untrainable(manifest: Manifest, domain: Domain) -> None:
-    """Frozen parameters, buffers and ties are not in the whole-model view yet: refused by name."""
-    for section in ("frozen", "buffers", "aliases"):
+def _refuse_untrainable(manifest: Manifest, domain: Domain, sections=("frozen", "buffers", "aliases")) -> None:
+    """What the whole-model view cannot place yet is refused by name: ties (and, in a pipeline stage,
+    frozen parameters and buffers, which its layer files hold)."""
+    for section in sections:
         items = getattr(manifest, section)
         if items:
             raise UnsupportedCheckpoint(
                 f"{section} ({items[0].name!r}, ...) in model-parallel domain {domain.id}",
-                "the checkpoint index describes the trainable parameters of tensor/pipeline-parallel checkpoints; "
-                f"{section} there are not described yet",
+                "the checkpoint index describes the trainable parameters, frozen parameters and buffers of "
+                f"tensor-parallel checkpoints and the trainable parameters of pipelines; {section} there are not "
+                "described yet",
             )
 
 
 def _tensor_view(files: ParallelFiles, states: StateCache, domains: list[Domain], tp: int) -> list[IndexParameter]:
     by_name: dict[str, IndexParameter] = {}
     for domain in domains:
-        _refuse_untrainable(domain.manifest, domain)
+        _refuse_untrainable(domain.manifest, domain, ("aliases",))
         tensor = domain.coordinate.tensor
         model_path = next(f.path for f in domain.manifest.files if f.role == "model_states")
         amap = affine_params(states.state(files.tag_dir / model_path))
+        # Frozen parameters and buffers are the domain manifest's (index 1.0 has no role for them in
+        # ``parameters``): a reader places them by the same affine_map (export/compose_extras.py).
+        # One without a merge rule is refused here, before a document says more than can be read.
+        for frozen in domain.manifest.frozen:
+            untrainable_placement(amap, frozen.name, tensor, list(frozen.shape), model_path, buffer=False)
         for param in _trainable(domain.manifest):
             whole, placement = tp_placement(amap, param.name, tensor, list(param.shape), model_path)
             shard = Shard(domain=domain.id, local_name=param.name, local_shape=list(param.shape), placement=placement)
@@ -181,61 +189,131 @@ def _tensor_view(files: ParallelFiles, states: StateCache, domains: list[Domain]
     return list(by_name.values())
 
 
+TIED_PREFIX = "tied_modules."  # a PipelineModule's TiedLayerSpec modules: tied_modules.<key>.<attribute>
+
+
 def pipeline_view(
     files: ParallelFiles, states: StateCache, domains: list[Domain], hash_algorithm: str | None
 ) -> tuple[list[LayerFile], list[IndexParameter]]:
-    stage_of_name = {}
+    """The layer files and the whole model's trainable parameters of a pipeline.
+
+    A layer file's key ``k`` of layer ``L`` is the stage's parameter ``L.k``, or the stage's
+    ``tied_modules.<key>.k`` (a ``TiedLayerSpec``'s module, which every stage running it trains and
+    saves in each of its layer files), or else a frozen parameter or buffer of the stage (the file's
+    key set is the index's, CK230; readers take it from the file). A tied module's whole-model name is
+    ``<first layer>.<attribute>``, its stages' masters replicated shards (the first layer's stage
+    primary); a reader names its other layers' keys as ties of it.
+    """
+    by_stage: dict[int, dict[str, tuple[Domain, Any]]] = {}
     for domain in domains:
         _refuse_untrainable(domain.manifest, domain)
-        for param in _trainable(domain.manifest):
-            stage_of_name[param.name] = (domain, param)
-    layer_files: list[LayerFile] = []
-    where: dict[str, tuple[str, str]] = {}  # parameter name -> (layer file, key)
-    stage = 0
+        by_stage[domain.coordinate.pipeline] = {p.name: (domain, p) for p in _trainable(domain.manifest)}
+    loaded = {}
     for layer, path in sorted(files.layer_files.items()):
         state = states.state(path)
         rel = path.relative_to(files.tag_dir).as_posix()
         if not isinstance(state, dict) or not all(isinstance(v, TensorRef) for v in state.values()):
             raise UnsupportedCheckpoint("a pipeline layer file that is not a dict of tensors", "restore it", rel)
-        tensors = {}
-        for key in state:
-            name = f"{layer}.{key}"
-            if name not in stage_of_name:
-                raise UnsupportedCheckpoint(
-                    f"{rel} holds {key!r}, which is no trainable parameter of any stage ({name!r})",
-                    "frozen parameters, buffers and tied layers in pipeline layer files are not described yet",
-                    rel,
-                )
-            tensors[key] = name
-            where[name] = (rel, key)
-        stages = {stage_of_name[n][0].coordinate.pipeline for n in tensors.values()}
-        if len(stages) > 1:
-            raise UnsupportedCheckpoint(f"{rel} holds parameters of stages {sorted(stages)}", "restore it", rel)
-        # A layer without parameters belongs to the stage of the layer before it (stages are contiguous).
-        stage = stages.pop() if stages else stage
+        loaded[layer] = (path, rel, state)
+    stages_of = {layer: _stages_of(layer, state, by_stage, rel) for layer, (_, rel, state) in loaded.items()}
+    layer_files: list[LayerFile] = []
+    where: dict[tuple[int, str], tuple[str, str, int]] = {}  # (stage, local name) -> (file, key, layer): the first
+    for layer, (path, rel, state) in loaded.items():
+        stage = _stage_of(layer, stages_of, rel, state, by_stage)
+        tensors = {key: _local_name(layer, key, ref, by_stage[stage], rel) for key, ref in state.items()}
+        for key, name in tensors.items():
+            if name in by_stage[stage]:
+                where.setdefault((stage, name), (rel, key, layer))
         entry = LayerFile(path=rel, layer=layer, pipeline=stage, tensor=None, size=path.stat().st_size, tensors=tensors)
         if hash_algorithm:
             entry.hash = file_digest(path, hash_algorithm)
         layer_files.append(entry)
     missing: dict[str, list[str]] = {}  # a layer file the optimizer's parameters name, not here -> its parameters
-    parameters = []
-    for name, (domain, param) in stage_of_name.items():
-        shard = Shard(domain=domain.id, local_name=name, local_shape=list(param.shape), placement="whole")
-        if name in where:
-            shard.layer_file, shard.layer_key = where[name]
-        else:  # the layer file DeepSpeed writes for it
-            shard.layer_file, shard.layer_key = layer_file_name(name), name.split(".", 1)[-1]
-            missing.setdefault(shard.layer_file, []).append(name)
-        parameters.append(
-            IndexParameter(
-                name=name,
-                shape=list(param.shape),
-                dtype=param.dtype,
-                role="trainable",
-                shards=[shard],
-                placement_source="pipeline_layer",
-            )
-        )
+    parameters: dict[str, IndexParameter] = {}
+    for stage, names in sorted(by_stage.items()):
+        for name, (domain, param) in names.items():
+            shard = Shard(domain=domain.id, local_name=name, local_shape=list(param.shape), placement="whole")
+            found = where.get((stage, name))
+            if found is not None:
+                shard.layer_file, shard.layer_key, _ = found
+            elif name.startswith(TIED_PREFIX):
+                raise UnsupportedCheckpoint(
+                    f"stage {stage} trains the tied {name!r}, and none of its layer files holds it",
+                    "restore the stage's layer files of this save",
+                    str(files.tag_dir),
+                )
+            else:  # the layer file DeepSpeed writes for it
+                shard.layer_file, shard.layer_key = layer_file_name(name), name.split(".", 1)[-1]
+                missing.setdefault(shard.layer_file, []).append(name)
+            whole = name
+            if name.startswith(TIED_PREFIX):  # named after its first layer, over every stage that trains it
+                first = min(where[(s, name)][2] for s in by_stage if (s, name) in where)
+                whole = f"{first}.{name.split('.', 2)[2]}"
+            known = parameters.get(whole)
+            if known is None:
+                parameters[whole] = IndexParameter(
+                    name=whole,
+                    shape=list(param.shape),
+                    dtype=param.dtype,
+                    role="trainable",
+                    shards=[shard],
+                    placement_source="pipeline_layer",
+                )
+                continue
+            if known.shape != list(param.shape):
+                raise UnsupportedCheckpoint(
+                    f"the tied {name!r} has shape {list(param.shape)} on stage {stage}, {known.shape} on another",
+                    "the stages' files come from different saves or models",
+                    str(files.tag_dir),
+                )
+            known.shards.append(shard)
     if missing:
         raise missing_layer_files(missing, files.tag_dir)
-    return layer_files, parameters
+    for tied in parameters.values():
+        if len(tied.shards) > 1:  # a tie over stages: one copy each, the first layer's stage primary
+            first_file = loaded[int(tied.name.split(".", 1)[0])][1]
+            for s in tied.shards:
+                s.placement, s.primary = "replicated", s.layer_file == first_file
+    return layer_files, list(parameters.values())
+
+
+def _stages_of(layer: int, state: dict, by_stage: dict, rel: str) -> set[int]:
+    """The stages that train one of the layer's own ``<layer>.<key>`` names (a tied module is every stage's)."""
+    stages = {s for key in state for s, names in by_stage.items() if f"{layer}.{key}" in names}
+    if len(stages) > 1:
+        raise UnsupportedCheckpoint(f"{rel} holds parameters of stages {sorted(stages)}", "restore it", rel)
+    return stages
+
+
+def _stage_of(layer: int, stages_of: dict[int, set[int]], rel: str, state: dict, by_stage: dict) -> int:
+    """A layer's stage: the one that trains its parameters; a layer without any of its own (no parameters,
+    or a tied module's only) lies between the stages of the layers around it (stages are contiguous)."""
+    if stages_of[layer]:
+        return next(iter(stages_of[layer]))
+    before = [next(iter(s)) for n, s in sorted(stages_of.items()) if n < layer and s]
+    after = [next(iter(s)) for n, s in sorted(stages_of.items()) if n > layer and s]
+    low = before[-1] if before else 0
+    high = after[0] if after else max(by_stage)
+    if state and low != high:
+        raise UnsupportedCheckpoint(
+            f"{rel} holds no parameter of its own that a stage trains ({sorted(state)}: a tied module's, frozen "
+            f"or buffers) and lies between stages {low} and {high}",
+            "the stage of such a layer at a stage boundary cannot be told from the files; it is not described",
+            rel,
+        )
+    return low
+
+
+def _local_name(layer: int, key: str, ref: TensorRef, stage_names: dict, rel: str) -> str:
+    """The stage's name of a layer file's tensor (module docstring of ``pipeline_view``)."""
+    if f"{layer}.{key}" in stage_names:
+        return f"{layer}.{key}"
+    tied = [n for n in stage_names if n.startswith(TIED_PREFIX) and n.split(".", 2)[2] == key]
+    tied = [n for n in tied if list(stage_names[n][1].shape) == list(ref.shape)]
+    if len(tied) > 1:
+        raise UnsupportedCheckpoint(
+            f"{rel} holds {key!r}, which may be any of the tied {tied}",
+            "which TiedLayerSpec a layer runs is not in the files; it is not described",
+            rel,
+        )
+    return tied[0] if tied else f"{layer}.{key}"  # else a frozen parameter or buffer of the stage

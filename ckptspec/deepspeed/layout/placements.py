@@ -75,6 +75,20 @@ def tp_placement(params: dict[str, dict] | None, name: str, tp_rank: int, local_
     return whole, _simplest(pieces, whole, list(local_shape))
 
 
+def untrainable_placement(
+    params: dict[str, dict] | None, name: str, tp_rank: int, local_shape: list[int], file: str, *, buffer: bool
+):
+    """(whole shape, placement) of a frozen parameter's or persistent buffer's copy on tensor rank ``tp_rank``.
+
+    A frozen parameter is a parameter: AutoTP splits it as a trainable one and records it in the
+    affine_map (no entry: CK202, as for a trainable). A buffer is no parameter: AutoTP never
+    partitions one and its affine_map names none, so an unmatched buffer is ``"replicated"``, every
+    tensor rank holding it whole (the copies must agree, CK401)."""
+    if buffer and (params is None or _entry(params, name) is None):
+        return list(local_shape), "replicated"
+    return tp_placement(params, name, tp_rank, local_shape, file)
+
+
 def _simplest(pieces: list[dict], whole: list[int], local: list[int]) -> Any:
     if len(pieces) != 1:
         return {"pieces": pieces}

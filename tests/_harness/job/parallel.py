@@ -179,8 +179,18 @@ def _names(engine, spec):
     kind = layout(spec)
     out = {}
     for name, _ in engine.module.named_parameters():
-        layer = int(name.split(".")[0]) if kind == "pipe" else None
         expert, global_name = None, name
+        if kind == "pipe" and name.startswith("tied_modules."):
+            # A TiedLayerSpec's module (one per stage that runs it): named in the whole model after the
+            # first layer of its key (the others are ties of it), as PipelineModule lists the specs.
+            from deepspeed.pipe import TiedLayerSpec
+
+            _, key, attr = name.split(".", 2)
+            specs = engine.module._layer_specs
+            layer = next(i for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == key)
+            global_name = f"{layer}.{attr}"
+        else:
+            layer = int(name.split(".")[0]) if kind == "pipe" else None
         if kind == "moe" and EXPERTS_PREFIX in name:
             head, rest = name.split(EXPERTS_PREFIX)
             local_id, tail = rest.split(".", 1)

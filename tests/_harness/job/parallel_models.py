@@ -18,7 +18,12 @@ DEFAULTS = {
     # "torch": a client torch.optim.Adam (ZeRO stage 0 bf16/fp16: FP16_UnfusedOptimizer); "fused": a
     # FusedAdam that steps as torch's Adam (stage 0 bf16/fp16: FP16_Optimizer, flat fp32 groups)
     "optimizer": "torch",
-    "buffers": False,  # the dense MLP: a float and an int persistent buffer, updated by the forward
+    "buffers": False,  # the dense or AutoTP MLP: a float and an int persistent buffer, updated by the forward
+    # the dense or AutoTP MLP: blocks.0.up.weight (AutoTP splits it, column-parallel) and head.bias
+    # (AutoTP leaves it whole on every tensor rank) frozen; a pipeline: layer 2's up.weight
+    "frozen": False,
+    # a pipeline only: layer 0 and layer 4 one bias-free Linear (TiedLayerSpec "emb", one on each stage)
+    "tied": False,
     "pp": 1,  # pipeline stages (PipelineModule, partition_method "uniform")
     "tp": 1,  # AutoTP degree
     "ep": 0,  # expert-parallel degree of the MoE layer (0: no MoE)
@@ -49,8 +54,11 @@ def normalize(spec):
         raise ValueError(f"bad stage/dtype in parallel spec: {spec}")
     if out["optimizer"] not in ("torch", "fused"):
         raise ValueError(f"bad optimizer in parallel spec: {spec}")
-    if out["buffers"] and layout(out) != "dense":
-        raise ValueError(f"buffers are in the dense MLP only: {spec}")
+    for key in ("buffers", "frozen"):
+        if out[key] and layout(out) not in ("dense", "autotp", "pipe"):
+            raise ValueError(f"{key} are in the dense or AutoTP MLP or the pipeline only: {spec}")
+    if out["tied"] and layout(out) != "pipe":
+        raise ValueError(f"tied layers are in the pipeline only: {spec}")
     if out["ep"] and (out["pp"] > 1 or out["tp"] > 1 or out["experts"] % out["ep"]):
         raise ValueError(f"MoE jobs are data/expert parallel only, experts divisible by ep: {spec}")
     if out["pp"] > 1 and out["tp"] > 1:
@@ -102,7 +110,7 @@ def _block_class():
     return Block
 
 
-def _mlp_net(buffers=False):
+def _mlp_net(buffers=False, frozen=False):
     import torch
     from torch import nn
 
@@ -113,6 +121,9 @@ def _mlp_net(buffers=False):
             super().__init__()
             self.blocks = nn.ModuleList([Block() for _ in range(2)])
             self.head = nn.Linear(W, C)
+            if frozen:  # the optimizer never sees them (job/parallel.py), DeepSpeed saves them in the module
+                self.blocks[0].up.weight.requires_grad_(False)
+                self.head.bias.requires_grad_(False)
             if buffers:  # saved in the module beside the weights (buffer_names), never in the optimizer
                 self.register_buffer("running", torch.zeros(W))
                 self.register_buffer("step_count", torch.tensor(0, dtype=torch.int64))
@@ -129,12 +140,49 @@ def _mlp_net(buffers=False):
     return Net()
 
 
-def _pipe_layers():
-    """(class, args) of each pipeline layer; layer 1 has no parameters (its file is an empty dict)."""
-    from torch import nn
+def _buffer_block_class():
+    import torch
 
     Block = _block_class()
-    return [(nn.Linear, (W, W)), (nn.ReLU, ()), (Block, ()), (Block, ()), (nn.Linear, (W, C))]
+
+    class BufferBlock(Block):
+        """A Block with a persistent buffer, updated by the training forward (saved in its layer file)."""
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("running", torch.zeros(W))
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.running.mul_(0.5).add_(x.detach().float().mean(0).to(self.running.dtype), alpha=0.5)
+            return super().forward(x)
+
+    return BufferBlock
+
+
+def _pipe_layers(spec=None):
+    """(class, args, kwargs, tie key) of each pipeline layer; layer 1 has no parameters (its file is an
+    empty dict). With ``tied``, layer 0 is a bias-free Linear that layer 4 repeats (six layers: 0-2 on
+    stage 0, 3-5 on stage 1); with ``buffers``, layer 3 holds a buffer."""
+    from torch import nn
+
+    spec = spec or DEFAULTS
+    Block = _block_class()
+    third = (_buffer_block_class() if spec["buffers"] else Block, (), {}, None)
+    if not spec["tied"]:
+        return [
+            (nn.Linear, (W, W), {}, None),
+            (nn.ReLU, (), {}, None),
+            (Block, (), {}, None),
+            third,
+            (nn.Linear, (W, C), {}, None),
+        ]
+    tied = (nn.Linear, (W, W), {"bias": False}, "emb")
+    return [tied, (nn.ReLU, (), {}, None), (Block, (), {}, None), third, tied, (nn.Linear, (W, C), {}, None)]
+
+
+PIPE_FROZEN = "2.up.weight"  # frozen in a pipeline with ``frozen`` (stage 0)
 
 
 def _moe_net(spec, ep_size):
@@ -173,16 +221,23 @@ def build_model(spec):
         return _moe_net(spec, spec["ep"])
     if kind == "pipe":
         import torch
-        from deepspeed.pipe import LayerSpec, PipelineModule
+        from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-        specs = [LayerSpec(cls, *args) for cls, args in _pipe_layers()]
-        return PipelineModule(
+        specs = [
+            TiedLayerSpec(key, cls, *args, **kwargs) if key else LayerSpec(cls, *args, **kwargs)
+            for cls, args, kwargs, key in _pipe_layers(spec)
+        ]
+        model = PipelineModule(
             layers=specs,
             num_stages=spec["pp"],
             loss_fn=torch.nn.CrossEntropyLoss(),
             partition_method="uniform",
         )
-    return _mlp_net(spec["buffers"])
+        for name, param in model.named_parameters():  # only the stage that builds layer 2 has it
+            if spec["frozen"] and name == PIPE_FROZEN:
+                param.requires_grad_(False)
+        return model
+    return _mlp_net(spec["buffers"], spec["frozen"])
 
 
 def reference_model(spec):
@@ -195,8 +250,15 @@ def reference_model(spec):
     if kind == "pipe":
         from torch import nn
 
-        return nn.Sequential(*[cls(*args) for cls, args in _pipe_layers()])
-    return _mlp_net(spec["buffers"])
+        built: dict = {}  # a tie key's one module, at each of its layers
+        layers = []
+        for cls, args, kwargs, key in _pipe_layers(spec):
+            module = built.get(key) or cls(*args, **kwargs)
+            if key:
+                built[key] = module
+            layers.append(module)
+        return nn.Sequential(*layers)
+    return _mlp_net(spec["buffers"], spec["frozen"])
 
 
 def ds_config(spec):

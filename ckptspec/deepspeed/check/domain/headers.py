@@ -248,7 +248,8 @@ def model_header(ctx: Context) -> Iterator[Finding]:
                     rank=f.rank,
                 )
         names = state.get("buffer_names")
-        if isinstance(names, list) and set(map(str, names)) != buffers:
+        # A pipeline stage's buffers are in its layer files (the index's, CK230), not in its manifest.
+        if isinstance(names, list) and not pipeline_stage and set(map(str, names)) != buffers:
             yield finding(
                 "CK212",
                 json_path("buffers"),

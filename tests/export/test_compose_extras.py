@@ -1,0 +1,186 @@
+"""Every tensor of a tensor- or pipeline-parallel checkpoint (issue #39, item 3): frozen parameters,
+persistent buffers and ties beside the trainable masters, composed as DeepSpeed placed them.
+
+Real AutoTP tp2 jobs (``scenarios.EXTRAS``: ZeRO-1 fp32, frozen weights in the module; ZeRO-2 bf16,
+in ``frozen_param_fragments``) whose module freezes a weight AutoTP splits and a bias it leaves whole,
+and holds a float and an int buffer. Oracles, all recorded in the job: the live engine's fp32
+masters (``safe_get_full_fp32_param``), DeepSpeed's own merge of the module
+(``engine._consolidated_16bit_state_dict``, ``consolidated.pt``), each rank's module parameters and
+buffers as the forward held them, and the job's logits on a fixed batch. The pipeline
+(``pp2-s1-fp32-ws2-extras``) has a frozen weight on stage 0, a buffer on stage 1 and a
+``TiedLayerSpec`` run at layer 0 (stage 0) and layer 4 (stage 1).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from _harness.job.parallel_models import reference_model, torch_dtype
+from _harness.parallel_oracles import affine_pieces, bits_equal, check_masters, info, rank_oracles, shard_of
+from _harness.scenarios import EXTRAS
+
+import ckptspec
+
+TP_EXTRAS = [n for n in EXTRAS if n.startswith("tp")]
+PIPELINE = "pp2-s1-fp32-ws2-extras"
+
+FROZEN = ["blocks.0.up.weight", "head.bias"]  # parallel_models._mlp_net(frozen=True): split, whole
+BUFFERS = ["running", "step_count"]
+
+
+def _reconstructed(ckptspec_cli, entry, out):
+    from safetensors.torch import load_file
+
+    ckptspec_cli("reconstruct", str(entry), str(out), "--quiet")
+    return load_file(out / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", TP_EXTRAS)
+def test_the_whole_model_is_the_modules_state_dict(ckptspec_cli, ds, name, tmp_path):
+    import torch
+
+    entry = ds.path(name)
+    spec = info(entry)["spec"]
+    whole = _reconstructed(ckptspec_cli, entry, tmp_path / "out")
+    assert list(whole) and set(whole) == set(reference_model(spec).state_dict())
+
+    # Trainables: every rank's live fp32 master is its shard of the output.
+    assert check_masters(entry, {n: t for n, t in whole.items() if n not in FROZEN + BUFFERS}) == 2 * 8
+    # Frozen: DeepSpeed's own merge of the module, in the training dtype (widened to fp32 by
+    # reconstruct, exactly); and each rank's module held its shard of it as DeepSpeed cut it.
+    consolidated = torch.load(entry / "consolidated.pt", weights_only=True)
+    dt = torch_dtype(spec)
+    for frozen in FROZEN:
+        assert whole[frozen].dtype == torch.float32
+        assert bits_equal(whole[frozen].to(dt), consolidated[frozen]), frozen
+        assert bits_equal(whole[frozen].to(dt).float(), whole[frozen]), frozen
+    for oracle in rank_oracles(entry):
+        tp = oracle["coords"]["tp"]
+        for frozen in FROZEN:
+            held = oracle["module"][frozen]
+            mine = shard_of(consolidated[frozen], affine_pieces(entry, tp, frozen), held.shape)
+            assert bits_equal(mine, held), (frozen, tp)
+        # Buffers: as every rank's module held them (their own dtype: an int64 counter stays one).
+        for buffer in BUFFERS:
+            assert bits_equal(whole[buffer], oracle["buffers"][buffer]), (buffer, tp)
+    assert whole["step_count"].item() == spec["steps"]
+
+    # The tp1 model with the whole output gives the parallel job's logits (AutoTP's row-parallel
+    # layer sums its halves in another order: test_parallel_harness._logit_tolerance).
+    model = reference_model(spec).to(dt)
+    model.load_state_dict({n: t.to(dt) if t.is_floating_point() else t for n, t in whole.items()}, strict=True)
+    model.eval()
+    inputs = torch.load(entry / "eval.pt", weights_only=True)["inputs"]
+    with torch.no_grad():
+        out = model(inputs.to(dt))
+    recorded = [o["logits"] for o in rank_oracles(entry)]
+    tolerance = 1e-6 if spec["dtype"] == "fp32" else 2**-6
+    for logits in recorded:
+        assert logits.shape == out.shape and logits.dtype == out.dtype
+        assert (logits.float() - out.float()).abs().max().item() <= tolerance
+
+    # load_state_dict reads the same plan: the same names and bytes.
+    arrays = ckptspec.load_state_dict(entry, framework="numpy")
+    assert set(arrays) == set(whole)
+    for n, array in arrays.items():
+        assert array.shape == tuple(whole[n].shape), n
+        assert array.tobytes() == whole[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), n
+
+
+@pytest.mark.parametrize("name", TP_EXTRAS)
+def test_the_index_places_trainables_and_the_domains_name_the_rest(ckptspec_cli, ds, name, tmp_path):
+    """Index 1.0 has no role for frozen parameters or buffers: its parameters are the trainables,
+    each domain's manifest names its rank's frozen parameters (local shapes) and buffers."""
+    entry = ds.path(name)
+    index = ckptspec.describe(entry)
+    assert sorted(p.name for p in index.parameters) == sorted(
+        {"blocks.0.up.bias", "blocks.0.down.weight", "blocks.0.down.bias", "head.weight"}
+        | {f"blocks.1.{n}" for n in ("up.weight", "up.bias", "down.weight", "down.bias")}
+    )
+    for domain in index.domains:
+        frozen = [(f.name, f.shape) for f in domain.manifest.frozen]
+        assert frozen == [("blocks.0.up.weight", [16, 16]), ("head.bias", [5])]
+        assert [b.name for b in domain.manifest.buffers] == BUFFERS
+    ckptspec_cli("validate", str(entry))
+
+
+def test_replicated_buffers_that_differ_are_refused(ckptspec_cli, ds, tmp_path):
+    """A buffer every tensor rank holds whole must be the same on each: one rank's changed, nothing is
+    written (CK401)."""
+    import torch
+
+    from ckptspec.errors import ReconstructMismatch
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ds.path("tp2-s1-fp32-ws2-extras"), copy)
+    path = copy / info(copy)["tag"] / "mp_rank_01_model_states.pt"
+    states = torch.load(path, map_location="cpu", weights_only=False)
+    states["module"]["running"] = states["module"]["running"] + 1
+    torch.save(states, path)
+    with pytest.raises(ReconstructMismatch, match="replicated buffer 'running' differs"):
+        ckptspec.reconstruct(copy, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_writes_its_frozen_parameters_buffers_and_ties(ckptspec_cli, ds, tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    entry = ds.path(PIPELINE)
+    spec = info(entry)["spec"]
+    whole = _reconstructed(ckptspec_cli, entry, tmp_path / "tied")
+    with safe_open(tmp_path / "tied" / "model.safetensors", "pt") as f:
+        aliases = json.loads(f.metadata()["ckptspec.aliases"])
+        sources = json.loads(f.metadata()["ckptspec.sources"])
+    assert aliases == {"4.weight": "0.weight"} and "4.weight" not in whole  # stored once, as 1.x stores ties
+    assert sources["frozen_weight"] == ["2.up.weight"] and sources["buffer"] == ["3.running"]
+
+    ckptspec_cli("reconstruct", str(entry), str(tmp_path / "untied"), "--untie", "--quiet")
+    from safetensors.torch import load_file
+
+    untied = load_file(tmp_path / "untied" / "model.safetensors")
+    assert set(untied) == set(reference_model(spec).state_dict()) == set(whole) | {"4.weight"}
+    assert bits_equal(untied["4.weight"], untied["0.weight"])
+    # Trainables, the tie included: each stage's live master (both stages train the tied weight).
+    oracles = rank_oracles(entry)
+    assert [o["masters"].keys() >= {"tied_modules.emb.weight"} for o in oracles] == [True, True]
+    assert check_masters(entry, untied) == 4 + 7
+    # The frozen weight as stage 0's module held it (no master exists), the buffer as stage 1's.
+    assert bits_equal(untied["2.up.weight"], oracles[0]["module"]["2.up.weight"])
+    assert "2.up.weight" not in oracles[0]["masters"]
+    assert bits_equal(untied["3.running"], oracles[1]["buffers"]["3.running"])
+    assert untied["3.running"].abs().sum() > 0  # the training forward moved it
+    # The tp1 model (one Linear at layers 0 and 4) with the output gives the last stage's logits, bit for bit.
+    model = reference_model(spec)
+    model.load_state_dict(untied, strict=True)
+    model.eval()
+    inputs = torch.load(entry / "eval.pt", weights_only=True)["inputs"]
+    with torch.no_grad():
+        out = model(inputs)
+    (logits,) = [o["logits"] for o in oracles if o["logits"] is not None]
+    assert bits_equal(logits, out)
+    # load_state_dict: every name, the tie too.
+    arrays = ckptspec.load_state_dict(entry, framework="numpy")
+    assert set(arrays) == set(untied)
+    for n, array in arrays.items():
+        assert array.tobytes() == untied[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), n
+
+
+def test_a_pipeline_buffer_missing_from_its_layer_file_is_refused(ds, tmp_path):
+    """The stage's model states name the buffer (``buffer_names``); a layer file without it is refused
+    before anything is written (CK401), never a model without it."""
+    import torch
+
+    from ckptspec.errors import ReconstructMismatch
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ds.path(PIPELINE), copy)
+    path = copy / info(copy)["tag"] / "layer_03-model_states.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    del state["running"]
+    torch.save(state, path)
+    with pytest.raises(ReconstructMismatch, match=r"stage 1's model states name buffers \['3.running'\]"):
+        ckptspec.reconstruct(copy, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
