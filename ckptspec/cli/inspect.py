@@ -55,7 +55,7 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
     (``choose_manifest``), and the files are checked against it (hashes aside).
     """
     from ..format.documents import validate_file
-    from ..location import is_directory, is_remote
+    from ..location import is_directory
 
     if not is_directory(name):
         if tag is not None:
@@ -67,7 +67,7 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
     from ..deepspeed.kinds import needs_index
     from ..deepspeed.layout.tag_dir import resolve_tag_dir
 
-    if not is_remote(name) and needs_index(resolve_tag_dir(name, tag)):  # tensor/pipeline parallel: its index
+    if needs_index(resolve_tag_dir(name, tag)):  # tensor/pipeline parallel: its index
         from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 
         index, findings = validate_index_checkpoint(name, None, tag, verify_hashes=False)

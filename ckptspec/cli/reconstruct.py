@@ -190,8 +190,12 @@ def _reconstruct_index(checkpoint, output_dir, manifest, tag, dtype, quiet, opti
     except OSError as exc:
         fail_write(output_dir, exc)
     if not quiet:
+        from ..location import fetched, is_remote
+
         files = ", ".join(result.files + ([result.index] if result.index else []))
+        done = fetched()
+        source = f"; fetched {done.bytes:,} bytes in {done.requests:,} requests" if is_remote(checkpoint) else ""
         click.echo(
             f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, "
-            f"{result.numel} elements) to {files}"
+            f"{result.numel} elements) to {files}{source}"
         )

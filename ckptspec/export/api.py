@@ -121,8 +121,7 @@ def _model_parallel(checkpoint, manifest, tag) -> bool:
         from ..format.index_validate import is_index
 
         return is_index(read_document(manifest)[0])
-    # Checkpoint indexes are read from local directories only, for now (docs/remote.md).
-    return manifest is None and not is_remote(checkpoint) and needs_index(resolve_tag_dir(checkpoint, tag))
+    return manifest is None and needs_index(resolve_tag_dir(checkpoint, tag))
 
 
 def reconstruct(

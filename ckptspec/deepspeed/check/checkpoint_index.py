@@ -32,6 +32,14 @@ def domain_mp_rank(domain: Domain) -> int | None:
     return ranks.pop() if len(ranks) == 1 else None
 
 
+def index_files_bytes(index: CheckpointIndex) -> int:
+    """The bytes of the files an index lists (every domain's, the layer and expert files), each once:
+    what a remote command's report compares the bytes it fetched with (``checkpoint_bytes``)."""
+    sizes = {f.path: f.size for d in index.domains for f in d.manifest.files}
+    sizes.update((f.path, f.size) for f in [*index.layer_files, *(index.expert_files or [])])
+    return sum(sizes.values())
+
+
 def choose_index(
     tag_dir: Path, index: CheckpointIndex | IndexReport | None, states: StateCache
 ) -> tuple[CheckpointIndex | None, list[Finding], str]:
@@ -95,6 +103,10 @@ def validate_index_checkpoint(
     chosen, findings, source = choose_index(tag_dir, index, states)
     if chosen is None or (has_errors(findings) and source != "generated"):
         return chosen, findings  # a generated index is checked even when its rules fail: the checks say which file
+    # The checks across domains run first (their findings come last): the few bytes they compare (replicas,
+    # samples of the masters) are then fetched before a remote file's hash reads it whole, and taken from
+    # memory there, so that each byte is fetched once (docs/remote.md).
+    across = check_index_files(chosen, tag_dir, states, verify_hashes=verify_hashes)
     for i, domain in enumerate(chosen.domains):
         if domain.masters is not None:  # #17: masters located in model states, expert or universal files
             findings += check_masters_domain(domain, i, tag_dir, states, verify_hashes=verify_hashes)
@@ -115,5 +127,4 @@ def validate_index_checkpoint(
         ):
             prefix = json_path("domains", i, "manifest")
             findings.append(dataclasses.replace(found, path=prefix + found.path[1:]))
-    findings += check_index_files(chosen, tag_dir, states, verify_hashes=verify_hashes)
-    return chosen, findings
+    return chosen, findings + across

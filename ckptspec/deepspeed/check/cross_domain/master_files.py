@@ -15,7 +15,6 @@ Metadata, plus one ``pread`` per master and copy for CK243; never executes pickl
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from ....findings import Finding, finding, json_path
 from ....format.dtypes import ITEMSIZE
 from ....format.index_models import Domain, MasterLocator
 from ....format.paths import join_inside
+from ....location import RemotePath, read_range
 from ...layout.masters import value_at
 from ...layout.names import OPTIM_RE
 from .context import IndexContext, check
@@ -55,8 +55,11 @@ def _locator_problem(tag_dir: Path, loc: MasterLocator, states: StateCache) -> s
 
 
 def check_masters_domain(
-    domain: Domain, i: int, tag_dir: Path, states: StateCache, *, verify_hashes: bool = True
+    domain: Domain, i: int, tag_dir: Path | RemotePath, states: StateCache, *, verify_hashes: bool = True
 ) -> list[Finding]:
+    # The locators first (their findings come last): the bytes they read are then kept when a remote
+    # file's hash reads it whole (which keeps none of it), so that each byte is fetched once.
+    located = _locator_findings(domain, i, tag_dir, states)
     out = []
     for j, f in enumerate(domain.manifest.files):
         at = json_path("domains", i, "manifest", "files", j)
@@ -69,6 +72,11 @@ def check_masters_domain(
             )
         elif verify_hashes and f.hash is not None and file_digest(path, f.hash.algorithm) != f.hash:
             out.append(finding("CK209", at, "content hash differs from the index's", "restore it", file=f.path))
+    return out + located
+
+
+def _locator_findings(domain: Domain, i: int, tag_dir: Path | RemotePath, states: StateCache) -> list[Finding]:
+    out = []
     for field, locs in (("masters", domain.masters.tensors), ("replicas", domain.replicas or [])):
         for j, loc in enumerate(locs):
             problem = _locator_problem(tag_dir, loc, states)
@@ -169,8 +177,7 @@ def _read(tag_dir: Path, locs: list[MasterLocator]) -> bytes | None:
     for loc in locs:
         item = ITEMSIZE[loc.dtype]
         try:
-            with open(tag_dir / loc.file, "rb") as fh:
-                out.append(os.pread(fh.fileno(), loc.numel * item, loc.data_offset + loc.element_offset * item))
+            out.append(read_range(tag_dir / loc.file, loc.data_offset + loc.element_offset * item, loc.numel * item))
         except OSError:
             return None
     return b"".join(out)

@@ -18,7 +18,6 @@ step, in bf16 or fp16; MoE): there it is also the evidence that the producer nam
 from __future__ import annotations
 
 import math
-import os
 import struct
 from collections.abc import Iterator
 
@@ -28,6 +27,7 @@ from ....findings import Finding, finding, json_path
 from ....format.index_models import MasterLocator
 from ....format.partition import param_pieces
 from ....format.paths import join_inside
+from ....location import read_range
 from .context import IndexContext, check
 
 SAMPLE = 4  # elements compared per piece: a swapped file differs in (almost) every element
@@ -42,11 +42,6 @@ def _bf16_bits(fp32: bytes) -> bytes:
         else:
             out.append((word + 0x7FFF + ((word >> 16) & 1)) >> 16)
     return struct.pack(f"<{len(out)}H", *out)
-
-
-def _pread(path, offset: int, size: int) -> bytes:
-    with open(path, "rb") as fh:
-        return os.pread(fh.fileno(), size, offset)
 
 
 def _weights(ctx: IndexContext, i: int) -> dict[str, tuple[str, TensorRef]]:
@@ -111,8 +106,10 @@ def weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
                     first = rank * group.partition_numel + start - param.offset  # element of the parameter
                     try:
                         base, _ = tensor_byte_range(ref, ctx.states.members(ctx.tag_dir / wfile))
-                        master = _pread(ctx.tag_dir / ofile, loc.data_offset + (loc.element_offset + start) * 4, n * 4)
-                        saved = _pread(
+                        master = read_range(
+                            ctx.tag_dir / ofile, loc.data_offset + (loc.element_offset + start) * 4, n * 4
+                        )
+                        saved = read_range(
                             ctx.tag_dir / wfile, base + first * ref.storage.itemsize, n * ref.storage.itemsize
                         )
                     except (CkptspecError, OSError, ValueError):
@@ -157,8 +154,8 @@ def layer_weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
             n = min(SAMPLE, loc.numel, ref.numel - first)
             try:
                 base, _ = tensor_byte_range(ref, ctx.states.members(ctx.tag_dir / wfile))
-                master = _pread(ctx.tag_dir / loc.file, loc.data_offset + loc.element_offset * 4, n * 4)
-                saved = _pread(ctx.tag_dir / wfile, base + first * ref.storage.itemsize, n * ref.storage.itemsize)
+                master = read_range(ctx.tag_dir / loc.file, loc.data_offset + loc.element_offset * 4, n * 4)
+                saved = read_range(ctx.tag_dir / wfile, base + first * ref.storage.itemsize, n * ref.storage.itemsize)
             except (CkptspecError, OSError, ValueError):
                 continue  # unreadable or damaged files are the other checks' findings
             want = master if layout.model_dtype == "float32" else _bf16_bits(master)
@@ -232,8 +229,8 @@ def located_masters_are_weights(ctx: IndexContext) -> Iterator[Finding]:
                 continue
             try:
                 base, _ = tensor_byte_range(ref, ctx.states.members(ctx.tag_dir / wfile))
-                master = _pread(ctx.tag_dir / loc.file, loc.data_offset + loc.element_offset * 4, n * 4)
-                saved = _pread(ctx.tag_dir / wfile, base, n * ref.storage.itemsize)
+                master = read_range(ctx.tag_dir / loc.file, loc.data_offset + loc.element_offset * 4, n * 4)
+                saved = read_range(ctx.tag_dir / wfile, base, n * ref.storage.itemsize)
             except (CkptspecError, OSError, ValueError):
                 continue  # unreadable or damaged files are the other checks' findings
             if len(master) == n * 4 and saved != _ROUND[ref.dtype](master):
