@@ -11,6 +11,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar, cast
+
+if TYPE_CHECKING:
+    from ..location import RemotePath
+
+_Root = TypeVar("_Root", bound="Path | RemotePath")  # a local tag directory, or one at a URL
 
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
@@ -28,10 +34,10 @@ def stays_inside(path: str) -> bool:
     )
 
 
-def join_inside(root: Path, path: str) -> Path | None:
+def join_inside(root: _Root, path: str) -> _Root | None:
     """The file ``path`` names below ``root``, or None when the path could leave it (CK113).
 
     The result is not resolved: a symbolic link is followed when the file is opened, like
     any other file of the directory.
     """
-    return root.joinpath(*parts(path)) if stays_inside(path) else None
+    return cast(_Root, root.joinpath(*parts(path))) if stays_inside(path) else None  # the root's own type

@@ -21,7 +21,7 @@ from ....errors import CkptspecError
 from ....findings import Finding, RuleSet, finding, json_path
 from ....format.index_models import CheckpointIndex
 from ....format.paths import join_inside
-from ....location import read_range
+from ....location import RemotePath, read_range
 from ...layout.names import mp_rank_of
 from ..domain.context import disk_files
 from ..domain.files import outputs_in_tag_dir
@@ -30,7 +30,7 @@ from ..domain.files import outputs_in_tag_dir
 @dataclass
 class IndexContext:
     index: CheckpointIndex
-    tag_dir: Path
+    tag_dir: Path | RemotePath
     states: StateCache
     verify_hashes: bool
 

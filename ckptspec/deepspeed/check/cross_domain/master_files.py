@@ -34,7 +34,7 @@ from .context import IndexContext, check
 _EXPERT_ID = re.compile(r"\.deepspeed_experts\.(\d+)\.")
 
 
-def _locator_problem(tag_dir: Path, loc: MasterLocator, states: StateCache) -> str | None:
+def _locator_problem(tag_dir: Path | RemotePath, loc: MasterLocator, states: StateCache) -> str | None:
     """Why ``loc`` does not point at bytes of the tensor at its ``key``, or None."""
     path = join_inside(tag_dir, loc.file)
     if path is None or not path.is_file():
@@ -172,7 +172,7 @@ def partition_counts(ctx: IndexContext) -> Iterator[Finding]:
                 )
 
 
-def _read(tag_dir: Path, locs: list[MasterLocator]) -> bytes | None:
+def _read(tag_dir: Path | RemotePath, locs: list[MasterLocator]) -> bytes | None:
     out = []
     for loc in locs:
         item = ITEMSIZE[loc.dtype]
