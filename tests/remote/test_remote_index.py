@@ -148,7 +148,7 @@ def test_reconstruct_and_load_over_http_are_the_local_ones(name, served, nginx, 
         assert loaded[key].dtype == array.dtype and np.array_equal(loaded[key].view(np.uint8), array.view(np.uint8))
 
 
-@pytest.mark.parametrize("name", ["tp2dp2-s2-bf16-ws4", "moe-ep2-s1-fp32-ws4"])
+@pytest.mark.parametrize("name", ["tp2dp2-s2-bf16-ws4", "pp2-s1-fp32-ws2", "moe-ep2-s1-fp32-ws4"])
 def test_an_index_with_hashes_checks_a_url_each_byte_once(name, served, nginx, reads, tmp_path):
     """``validate INDEX --checkpoint URL`` with the files' hashes recorded: every byte of every file,
     hashed from one read, and the findings of the local copy."""

@@ -22,7 +22,7 @@ from ...format.index_validate import IndexReport, is_index, validate_index, vali
 from ..describe import describe_tag_dir
 from ..layout.names import mp_rank_of
 from ..layout.parallel_files import index_tag_dir, layer_file_name
-from .cross_domain import check_index_files
+from .cross_domain import check_index_files_in_two
 from .cross_domain.master_files import check_masters_domain
 from .domain import check_checkpoint
 
@@ -103,10 +103,10 @@ def validate_index_checkpoint(
     chosen, findings, source = choose_index(tag_dir, index, states)
     if chosen is None or (has_errors(findings) and source != "generated"):
         return chosen, findings  # a generated index is checked even when its rules fail: the checks say which file
-    # The checks across domains run first (their findings come last): the few bytes they compare (replicas,
-    # samples of the masters) are then fetched before a remote file's hash reads it whole, and taken from
-    # memory there, so that each byte is fetched once (docs/remote.md).
-    across = check_index_files(chosen, tag_dir, states, verify_hashes=verify_hashes)
+    # The checks across domains run first (their findings come last), but for the hashes of layer and expert
+    # files: the few bytes they compare (replicas, samples of the masters) are then fetched before a remote
+    # file's hash reads it whole, and taken from memory there, so that each byte is fetched once (docs/remote.md).
+    _, across = check_index_files_in_two(chosen, tag_dir, states, verify_hashes=verify_hashes)
     for i, domain in enumerate(chosen.domains):
         if domain.masters is not None:  # #17: masters located in model states, expert or universal files
             findings += check_masters_domain(domain, i, tag_dir, states, verify_hashes=verify_hashes)
@@ -127,4 +127,4 @@ def validate_index_checkpoint(
         ):
             prefix = json_path("domains", i, "manifest")
             findings.append(dataclasses.replace(found, path=prefix + found.path[1:]))
-    return chosen, findings + across
+    return chosen, findings + across()

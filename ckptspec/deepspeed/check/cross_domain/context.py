@@ -99,7 +99,9 @@ def layer_files(ctx: IndexContext) -> Iterator[Finding]:
                 file=lf.path,
             )
             continue
-        if path.stat().st_size != lf.size or (
+        # Its metadata before its hash: a remote file's hash then takes those bytes from memory (fetched once).
+        loaded = ctx.states.load(path) if path.stat().st_size == lf.size else None
+        if loaded is None or (
             ctx.verify_hashes and lf.hash is not None and file_digest(path, lf.hash.algorithm) != lf.hash
         ):
             yield finding(
@@ -110,7 +112,6 @@ def layer_files(ctx: IndexContext) -> Iterator[Finding]:
                 file=lf.path,
             )
             continue
-        loaded = ctx.states.load(path)
         state = loaded.state if loaded.error is None else None
         if not isinstance(state, dict):
             yield finding(
