@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..format.models import Hash
-from ..location import RemotePath, iter_chunks
+from ..location import RemotePath, iter_chunks, known_hash, remember_hash
 
 ALGORITHMS = ("sha256", "blake2b")
 _CHUNK = 1 << 20
@@ -20,11 +20,14 @@ def file_digest(path: str | Path | RemotePath, algorithm: str = "sha256") -> Has
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown hash algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
     name: Literal["sha256", "blake2b"] = "sha256" if algorithm == "sha256" else "blake2b"
-    if isinstance(path, RemotePath):
-        digest = hashlib.new(algorithm)
-        for chunk in iter_chunks(path):
-            digest.update(chunk)
-        return Hash(algorithm=name, digest=digest.hexdigest())
+    if isinstance(path, RemotePath):  # once per command: a file an index lists twice is hashed once
+        known = known_hash(path, name)
+        if known is None:
+            digest = hashlib.new(algorithm)
+            for chunk in iter_chunks(path):
+                digest.update(chunk)
+            remember_hash(path, name, known := digest.hexdigest())
+        return Hash(algorithm=name, digest=known)
     with open(path, "rb") as fh:
         digest = hashlib.file_digest(fh, algorithm)
     return Hash(algorithm=name, digest=digest.hexdigest())

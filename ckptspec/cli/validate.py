@@ -111,7 +111,6 @@ def validate(
     from ..format.codec import gc_paused
 
     shown = checkpoint if checkpoint is not None else target
-    found = None
     try:
         manifest = None
         if checkpoint is not None:
@@ -122,10 +121,11 @@ def validate(
         _json_errors_about(shown, output_format, remote)  # the report is about DIR from here
         # The report is handed over: the manifest is not validated a second time.
         if described_by_index(shown, manifest, tag):  # the checkpoint index and every domain's files
-            from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
+            from ..deepspeed.check.checkpoint_index import index_files_bytes, validate_index_checkpoint
 
             with gc_paused(for_good=True):  # the command ends after it
-                _, findings = validate_index_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
+                index, findings = validate_index_checkpoint(shown, manifest, tag, verify_hashes=not no_hash)
+            checkpoint_bytes = index_files_bytes(index) if index is not None else None
         else:
             with gc_paused(for_good=True):  # large acyclic trees, and the command ends after them
                 early = manifest is None and not is_remote(shown)
@@ -134,10 +134,11 @@ def validate(
 
                 found, findings = validate_checkpoint(shown, manifest, tag, verify_hashes=not no_hash, states=states)
                 keep_until_exit(manifest, states, found)
+            checkpoint_bytes = sum(f.size for f in found.files) if found else None
     except CkptspecError as exc:
         _emit(output_format, shown, [], exc, remote)
         sys.exit(exc.exit_code)
-    _emit(output_format, shown, findings, None, remote, sum(f.size for f in found.files) if found else None)
+    _emit(output_format, shown, findings, None, remote, checkpoint_bytes)
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
 
 

@@ -72,8 +72,7 @@ def kind_of_index(index: CheckpointIndex) -> Kind:
 def kind_of_dir(tag_dir: Path | RemotePath) -> Kind:
     """The kind of a tag directory, from its file names (and a stage-0 pipeline's model states).
 
-    A URL is ``ZERO``: checkpoint indexes are read from local directories only, for now; the 1.x path
-    refuses a remote model-parallel checkpoint by name (CK202)."""
+    A URL is told by the same names: its listing (an S3 list, an HTTP index page) is asked once."""
     found = _index_kind(tag_dir)
     if found is not None:
         return Kind(found)
@@ -124,12 +123,7 @@ def needs_index(tag_dir: Path | RemotePath) -> bool:
 
 
 def is_model_parallel(tag_dir: Path | RemotePath) -> bool:
-    """The directory holds files of a model-parallel rank other than 0, or pipeline layer files.
-
-    False for a URL: checkpoint indexes are read from local directories only, for now; a remote
-    model-parallel checkpoint takes the 1.x path, which refuses it by name (CK202)."""
-    if isinstance(tag_dir, RemotePath):
-        return False
+    """The directory holds files of a model-parallel rank other than 0, or pipeline layer files."""
     for path in tag_dir.iterdir():
         name = path.name
         if PIPE_LAYER_RE.match(name):
@@ -144,7 +138,7 @@ def _index_kind(tag_dir: Path | RemotePath) -> str | None:
     """``"universal"``, ``"moe"``, ``"stage0"`` or ``"pipeline_stage0"`` for a tag directory
     ``describe`` locates masters for, else None. File names only (and the pipeline stage-0 check):
     ``generate`` asks before it imports the models."""
-    if isinstance(tag_dir, RemotePath) or not tag_dir.is_dir():
+    if not tag_dir.is_dir():
         return None
     names = [p.name for p in tag_dir.iterdir()]
     if any(PIPE_LAYER_RE.match(n) for n in names):
@@ -162,7 +156,7 @@ def _index_kind(tag_dir: Path | RemotePath) -> str | None:
     return None
 
 
-def is_pipeline_stage0(tag_dir: Path, states: StateCache) -> bool:
+def is_pipeline_stage0(tag_dir: Path | RemotePath, states: StateCache) -> bool:
     """Layer files, and model states with ``param_shapes`` None and BF16_Optimizer's partitions."""
     model = tag_dir / "mp_rank_00_model_states.pt"
     if not model.is_file() or not any(tag_dir.glob("layer_*-model_states.pt")):

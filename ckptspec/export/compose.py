@@ -21,6 +21,7 @@ from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 from ..deepspeed.layout.tag_dir import resolve_tag_dir
 from ..errors import CheckpointInvalid, ReconstructMismatch
 from ..findings import has_errors
+from ..location import RemotePath, read_range
 from .arrays import ShardReader, _np, read_array
 from .compose_extras import model_parallel_extras, pipeline_extras
 from .compose_masters import master_sources, named_extras
@@ -70,10 +71,17 @@ def check_replicas(plan: IndexReconstructionPlan, files: ShardReader) -> None:
     """Every non-primary copy of a replicated parameter's master, frozen parameter or buffer equals the
     primary, bit for bit (CK401)."""
     np = _np()
-    for param in plan.index.parameters:
-        copies = replicas(param, plan.domain_plans)
-        if len(copies) < 2:
-            continue
+    compared = [
+        (param, copies) for param in plan.index.parameters if len(copies := replicas(param, plan.domain_plans)) > 1
+    ]
+    # A remote primary's bytes are kept (``read_range``, within the budget of kept bytes), so that the writer
+    # that reads them next takes them from memory; the planned reads take what is kept and fetch the rest.
+    for _, copies in compared:
+        for seg in copies[0][1].segments:
+            if isinstance(seg.path, RemotePath):
+                read_range(seg.path, seg.offset, seg.nbytes)
+    files.plan(seg for _, copies in compared for _, source in copies for seg in source.segments)
+    for param, copies in compared:
         primary = read_array(copies[0][1], "float32", files).view(np.uint32)
         for shard, source in copies[1:]:
             if not np.array_equal(read_array(source, "float32", files).view(np.uint32), primary):

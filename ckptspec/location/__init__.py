@@ -41,7 +41,7 @@ from urllib.parse import unquote
 
 from ..errors import FileUnreadable, RemoteError
 from .handle import RangedFile
-from .hashed import FileHashes, HashingStream, merged_spans
+from .hashed import FileHashes, HashingStream, known_hash, merged_spans, remember_hash
 from .problems import not_found
 from .remote_path import RemotePath
 from .settings import CHUNK, Fetched, fetched
@@ -111,6 +111,18 @@ def open_binary(path: AnyPath) -> BinaryIO:
     return open(where, "rb")
 
 
+def read_range(path: Path | RemotePath, offset: int, size: int) -> bytes:
+    """Up to ``size`` bytes at ``offset`` (fewer at the end of the file, as ``os.pread``): one ``pread`` of a
+    local file; of a remote one, what an earlier read kept, the rest fetched and kept (``Kept``), so that
+    a later read of the command (a hash, a tensor) does not fetch it again."""
+    if isinstance(path, RemotePath):
+        handle = path._store.handle(path.path)
+        end = min(offset + size, handle.known_size())
+        return handle.span(offset, end) if end > offset else b""
+    with open(path, "rb") as fh:
+        return os.pread(fh.fileno(), size, offset)
+
+
 def walk(directory: Path | RemotePath) -> Iterator[tuple[Path | RemotePath, list[str], list[str]]]:
     """``os.walk`` (top down, names sorted) that yields the directory itself instead of its name.
     A folder this user may not list is CK901 (``os.walk`` would leave it out without a word)."""
@@ -152,11 +164,14 @@ __all__ = [
     "is_remote",
     "is_url",
     "iter_chunks",
+    "known_hash",
     "location",
     "merged_spans",
     "not_found",
     "open_binary",
+    "read_range",
     "refuse_write",
     "relative_name",
+    "remember_hash",
     "walk",
 ]

@@ -69,12 +69,26 @@ class FileHashes:
         self._planned = dict(self._at)
 
     def finish(self) -> dict[RemotePath, str]:
-        """Each file's hash (hex), the bytes not hashed yet taken from memory or fetched now."""
+        """Each file's hash (hex), the bytes not hashed yet taken from memory or fetched now; each is
+        remembered (``known_hash``), so that no later check of the command reads the file again for it."""
         rest = [(path, at, path.stat().st_size) for path, at in self._at.items()]
         with RangeStream(rest) as stream:
             while (piece := stream.next()) is not None:
                 self.feed(*piece)
-        return {path: digest.hexdigest() for path, digest in self._hash.items()}
+        out = {path: digest.hexdigest() for path, digest in self._hash.items()}
+        for path, hex_ in out.items():
+            remember_hash(path, self._hash[path].name, hex_)
+        return out
+
+
+def known_hash(path: RemotePath, algorithm: str) -> str | None:
+    """The hash (hex) of a remote file computed earlier in this command from the version it reads, if any:
+    a checkpoint index lists a file in several places (a domain, its expert files), each checking its hash."""
+    return path._store.hashed.get((path.path, algorithm))
+
+
+def remember_hash(path: RemotePath, algorithm: str, hex_: str) -> None:
+    path._store.hashed[(path.path, algorithm)] = hex_
 
 
 def merged_spans(spans: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:

@@ -101,6 +101,7 @@ class _Store:
         self._listings: dict[str, dict[str, dict]] = {}
         self._handles: dict[str, Handle] = {}
         self.kept = Kept(settings.KEPT_BYTES)  # bytes fetched by small reads, not fetched again
+        self.hashed: dict[tuple[str, str], str] = {}  # (path, algorithm) -> hex hash of the version read
         self._lock = threading.Lock()
 
     def key(self, url: str) -> str:

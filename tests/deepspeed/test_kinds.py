@@ -56,10 +56,3 @@ def _engine(cls="DeepSpeedEngine", stage=2, moe=False, mp=1):
 def test_kind_of_engine(engine, kind):
     assert kind_of_engine(engine) is kind
     assert kind.masters_kind == (kind.value if kind in (Kind.MOE, Kind.STAGE0, Kind.PIPELINE_STAGE0) else None)
-
-
-def test_a_url_is_zero():
-    """Checkpoint indexes are read from local directories only: a URL takes the 1.x path (CK202)."""
-    from ckptspec.location import location
-
-    assert kind_of_dir(location("s3://bucket/ckpt/global_step1")) is Kind.ZERO

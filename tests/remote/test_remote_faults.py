@@ -36,7 +36,7 @@ def built(ds):
     return lambda base: base_dir(base, lambda: ds)
 
 
-# Checkpoint indexes (tensor/pipeline parallel, #16) are read from local directories only, for now.
+# The faults of checkpoint indexes (#16) run on local directories here; their URLs: test_remote_index.py.
 INDEX_FAULTS = PARALLEL_FAULTS + MASTERS_FAULTS + COPIES_INDEX_FAULTS
 ZERO_FAULTS = [f for f in FAULTS if f not in INDEX_FAULTS]
 
@@ -84,12 +84,13 @@ def test_fault_is_refused_over_http_as_on_disk(fault, built, nginx, tmp_path):
     assert snapshot(local) == before
 
 
-def test_a_tensor_parallel_checkpoint_over_http_is_refused_by_name(built, nginx, tmp_path):
-    """Read locally it is a checkpoint index (#16); from a URL it is not read yet, and says so."""
+def test_a_tensor_parallel_checkpoint_over_http_is_read_as_its_index(built, nginx, tmp_path):
+    """Read locally it is a checkpoint index (#16); from a URL too (#39): the same verdict and weights."""
     local, path = nginx.serve(built("tp2-s1-fp32-ws2"))
     assert run("validate", local).exit_code == 0
     result = run("validate", nginx.url(path))
-    assert result.exit_code == 1 and "CK202" in result.output
-    assert "from a local directory only" in result.output and "Traceback" not in result.output
-    out = tmp_path / "out"
-    assert run("reconstruct", nginx.url(path), out).exit_code == 1 and not out.exists()
+    assert result.exit_code == 0 and result.output.startswith(f"{nginx.url(path)}: valid"), result.output
+    assert run("reconstruct", local, tmp_path / "local", "--quiet").exit_code == 0
+    assert run("reconstruct", nginx.url(path), tmp_path / "http", "--quiet").exit_code == 0
+    for out in (tmp_path / "local").iterdir():
+        assert (tmp_path / "http" / out.name).read_bytes() == out.read_bytes(), out.name

@@ -19,10 +19,11 @@ from ...findings import Finding, finding, has_errors, json_path
 from ...format.codec import read_document
 from ...format.index_models import CheckpointIndex, Domain
 from ...format.index_validate import IndexReport, is_index, validate_index, validate_index_document
+from ...location import RemotePath
 from ..describe import describe_tag_dir
 from ..layout.names import mp_rank_of
 from ..layout.parallel_files import index_tag_dir, layer_file_name
-from .cross_domain import check_index_files
+from .cross_domain import check_index_files_in_two
 from .cross_domain.master_files import check_masters_domain
 from .domain import check_checkpoint
 
@@ -32,8 +33,17 @@ def domain_mp_rank(domain: Domain) -> int | None:
     return ranks.pop() if len(ranks) == 1 else None
 
 
+def index_files_bytes(index: CheckpointIndex) -> int:
+    """The bytes of the files an index lists (every domain's, the layer and expert files), each once:
+    what a remote command's report compares the bytes it fetched with (``checkpoint_bytes``)."""
+    sizes = {f.path: f.size for d in index.domains for f in d.manifest.files}
+    sizes.update((f.path, f.size) for f in index.layer_files)
+    sizes.update((f.path, f.size) for f in index.expert_files or [])
+    return sum(sizes.values())
+
+
 def choose_index(
-    tag_dir: Path, index: CheckpointIndex | IndexReport | None, states: StateCache
+    tag_dir: Path | RemotePath, index: CheckpointIndex | IndexReport | None, states: StateCache
 ) -> tuple[CheckpointIndex | None, list[Finding], str]:
     """(index, findings of validating it, where it came from: manifest, sidecar or generated)."""
     if isinstance(index, IndexReport):
@@ -96,6 +106,10 @@ def validate_index_checkpoint(
     chosen, findings, source = choose_index(tag_dir, index, states)
     if chosen is None or (has_errors(findings) and source != "generated"):
         return chosen, findings  # a generated index is checked even when its rules fail: the checks say which file
+    # The checks across domains run first (their findings come last), but for the hashes of layer and expert
+    # files: the few bytes they compare (replicas, samples of the masters) are then fetched before a remote
+    # file's hash reads it whole, and taken from memory there, so that each byte is fetched once (docs/remote.md).
+    _, across = check_index_files_in_two(chosen, tag_dir, states, verify_hashes=verify_hashes)
     for i, domain in enumerate(chosen.domains):
         if domain.masters is not None:  # #17: masters located in model states, expert or universal files
             findings += check_masters_domain(
@@ -118,5 +132,4 @@ def validate_index_checkpoint(
         ):
             prefix = json_path("domains", i, "manifest")
             findings.append(dataclasses.replace(found, path=prefix + found.path[1:]))
-    findings += check_index_files(chosen, tag_dir, states, verify_hashes=verify_hashes)
-    return chosen, findings
+    return chosen, findings + across()

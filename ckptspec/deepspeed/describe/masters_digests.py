@@ -19,27 +19,26 @@ from ...errors import UnsupportedCheckpoint
 from ...format.dtypes import ITEMSIZE
 from ...format.index_models import Domain
 from ...format.models import Digest
+from ...location import RemotePath, read_range
 from ..layout.moments import MomentFinder
 
 _CHUNK = 16 << 20
 
 
-def sha256_of(folder: Path, ranges: list[tuple[str, int, int]]) -> str:
+def sha256_of(folder: Path | RemotePath, ranges: list[tuple[str, int, int]]) -> str:
     """sha256 over the bytes of ``ranges`` (file relative to ``folder``, absolute offset, count), in order."""
     digest = hashlib.sha256()
     for rel, offset, nbytes in ranges:
-        with open(folder / rel, "rb") as fh:
-            fh.seek(offset)
-            while nbytes > 0:
-                chunk = fh.read(min(nbytes, _CHUNK))
-                if not chunk:
-                    raise UnsupportedCheckpoint(f"{rel} ends inside a located tensor", "the file is truncated", rel)
-                digest.update(chunk)
-                nbytes -= len(chunk)
+        while nbytes > 0:  # read_range: a local pread, or a URL's bytes fetched once
+            chunk = read_range(folder / rel, offset, min(nbytes, _CHUNK))
+            if not chunk:
+                raise UnsupportedCheckpoint(f"{rel} ends inside a located tensor", "the file is truncated", rel)
+            digest.update(chunk)
+            offset, nbytes = offset + len(chunk), nbytes - len(chunk)
     return digest.hexdigest()
 
 
-def moment_ranges(folder: Path, states: StateCache, domain: Domain) -> dict[str, dict[str, list]] | None:
+def moment_ranges(folder: Path | RemotePath, states: StateCache, domain: Domain) -> dict[str, dict[str, list]] | None:
     """param -> state -> its byte ranges, or None where the moments cannot be located (``--optimizer-state``
     refuses them by name: they get no digest either). A universal folder's ``exp_avg.pt`` are not located."""
     assert domain.masters is not None

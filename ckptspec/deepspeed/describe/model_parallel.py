@@ -211,7 +211,7 @@ def pipeline_view(
     loaded = {}
     for layer, path in sorted(files.layer_files.items()):
         state = states.state(path)
-        rel = path.relative_to(files.tag_dir).as_posix()
+        rel = path.name  # a layer file lies in the tag directory itself
         if not isinstance(state, dict) or not all(isinstance(v, TensorRef) for v in state.values()):
             raise UnsupportedCheckpoint("a pipeline layer file that is not a dict of tensors", "restore it", rel)
         loaded[layer] = (path, rel, state)

@@ -12,23 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal
 
 from ..._fs import is_leftover
 from ...checkpoint.states import StateCache
 from ...errors import CheckpointInvalid, InvalidCheckpoint, UnsupportedCheckpoint
 from ...findings import finding
-from ...location import is_remote
+from ...location import RemotePath
 from .names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 from .tag_dir import UNIVERSAL_FOLDER, ShardSet, resolve_tag_dir
 
 
 @dataclass
 class ParallelFiles:
-    tag_dir: Path
+    tag_dir: Path | RemotePath
     by_mp_rank: dict[int, ShardSet] = field(default_factory=dict)
-    layer_files: dict[int, Path] = field(default_factory=dict)  # layer index -> file
-    other_files: list[Path] = field(default_factory=list)
+    layer_files: dict[int, Path | RemotePath] = field(default_factory=dict)  # layer index -> file
+    other_files: list[Path | RemotePath] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -44,24 +44,15 @@ class Degrees:
         return divmod(mp_rank, self.tensor)
 
 
-def index_tag_dir(checkpoint, tag: str | None = None) -> Path:
-    """The tag directory of a checkpoint read through a checkpoint index: a local one. From a URL it
-    is refused by name before anything is fetched (CK202; docs/remote.md), never half read."""
-    if is_remote(checkpoint):
-        raise UnsupportedCheckpoint(
-            "a checkpoint read as a checkpoint index (tensor/pipeline parallel, MoE, ZeRO stage 0, universal) "
-            "is read from a local directory only, not from a URL",
-            "copy the checkpoint to a local directory first (with your storage's own tool), and pass that",
-            str(checkpoint),
-        )
-    # cast, not a check: a URL is refused just above, so the tag directory resolved is a local Path
-    # (is_remote does not narrow for mypy). Widen the return type when indexes are read from URLs.
-    return cast(Path, resolve_tag_dir(checkpoint, tag))
+def index_tag_dir(checkpoint, tag: str | None = None) -> Path | RemotePath:
+    """The tag directory of a checkpoint read through a checkpoint index: a local one, or a URL's."""
+    return resolve_tag_dir(checkpoint, tag)
 
 
-def scan_parallel(tag_dir: Path) -> ParallelFiles:
+def scan_parallel(tag_dir: Path | RemotePath) -> ParallelFiles:
     out = ParallelFiles(tag_dir)
-    for path in sorted(tag_dir.iterdir()):
+    listed: list[Path | RemotePath] = list(tag_dir.iterdir())
+    for path in sorted(listed, key=lambda p: p.name):
         name = path.name
         if not path.is_file():
             continue

@@ -128,7 +128,7 @@ def index_kind_hint(kind: str) -> str:
     """The hint where a command of manifest 1.x checkpoints meets one that a checkpoint index describes."""
     return (
         f"{kind} checkpoints are described by a checkpoint index (docs/spec-checkpoint.md), which generate, "
-        "validate, inspect, diff and reconstruct read from a local directory; this command reads ZeRO "
+        "validate, inspect, diff and reconstruct read (from a directory or a URL); this command reads ZeRO "
         "data-parallel checkpoints (manifest 1.x) only"
     )
 
@@ -137,7 +137,7 @@ def _other_model_parallel_rank(rank: int, path: Path | RemotePath) -> Unsupporte
     return UnsupportedCheckpoint(
         f"model-parallel rank {rank} in {path.name}",
         "a tensor/pipeline-parallel checkpoint is read as a checkpoint index (docs/spec-checkpoint.md), "
-        "from a local directory only: not by this command, nor from a URL",
+        "which generate, validate, inspect, diff and reconstruct read; this command does not",
         str(path),
     )
 

@@ -9,7 +9,6 @@ when recorded, ``data.pkl`` records through the ``StateCache``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from ....errors import CkptspecError
 from ....findings import Finding, RuleSet, finding, json_path
 from ....format.index_models import CheckpointIndex
 from ....format.paths import join_inside
+from ....location import RemotePath, read_range
 from ...layout.names import mp_rank_of
 from ..domain.context import disk_files
 from ..domain.files import outputs_in_tag_dir
@@ -30,7 +30,7 @@ from ..domain.files import outputs_in_tag_dir
 @dataclass
 class IndexContext:
     index: CheckpointIndex
-    tag_dir: Path
+    tag_dir: Path | RemotePath
     states: StateCache
     verify_hashes: bool
 
@@ -99,7 +99,9 @@ def layer_files(ctx: IndexContext) -> Iterator[Finding]:
                 file=lf.path,
             )
             continue
-        if path.stat().st_size != lf.size or (
+        # Its metadata before its hash: a remote file's hash then takes those bytes from memory (fetched once).
+        loaded = ctx.states.load(path) if path.stat().st_size == lf.size else None
+        if loaded is None or (
             ctx.verify_hashes and lf.hash is not None and file_digest(path, lf.hash.algorithm) != lf.hash
         ):
             yield finding(
@@ -110,7 +112,6 @@ def layer_files(ctx: IndexContext) -> Iterator[Finding]:
                 file=lf.path,
             )
             continue
-        loaded = ctx.states.load(path)
         state = loaded.state if loaded.error is None else None
         if not isinstance(state, dict):
             yield finding(
@@ -218,7 +219,7 @@ def module_shards(ctx: IndexContext) -> Iterator[Finding]:
 
 @check("CK234")
 def replicas_agree(ctx: IndexContext) -> Iterator[Finding]:
-    """A replicated parameter's copies in the ranks' saved modules are the same bytes (one ``pread`` each;
+    """A replicated parameter's copies in the ranks' saved modules are the same bytes (one read each;
     the masters themselves are compared again when a reconstruction reads them)."""
     modules = {}
     for i, rel, state in ctx.model_states():
@@ -239,8 +240,7 @@ def replicas_agree(ctx: IndexContext) -> Iterator[Finding]:
             path = ctx.tag_dir / rel
             try:
                 offset, nbytes = tensor_byte_range(ref, ctx.states.members(path))
-                with open(path, "rb") as fh:
-                    copies.append((i, rel, os.pread(fh.fileno(), nbytes, offset)))
+                copies.append((i, rel, read_range(path, offset, nbytes)))
             except (CkptspecError, OSError, ValueError):
                 continue  # an unreadable file is the domain checks' finding
         for i, rel, data in copies[1:]:

@@ -15,7 +15,6 @@ Metadata, plus one ``pread`` per master and copy for CK243; never executes pickl
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from ....findings import Finding, finding, json_path
 from ....format.dtypes import ITEMSIZE
 from ....format.index_models import Domain, MasterLocator
 from ....format.paths import join_inside
+from ....location import RemotePath, read_range
 from ...layout.masters import value_at
 from ...layout.names import OPTIM_RE
 from .context import IndexContext, check
@@ -35,7 +35,7 @@ from .context import IndexContext, check
 _EXPERT_ID = re.compile(r"\.deepspeed_experts\.(\d+)\.")
 
 
-def _locator_problem(tag_dir: Path, loc: MasterLocator, states: StateCache) -> str | None:
+def _locator_problem(tag_dir: Path | RemotePath, loc: MasterLocator, states: StateCache) -> str | None:
     """Why ``loc`` does not point at bytes of the tensor at its ``key``, or None."""
     path = join_inside(tag_dir, loc.file)
     if path is None or not path.is_file():
@@ -56,10 +56,19 @@ def _locator_problem(tag_dir: Path, loc: MasterLocator, states: StateCache) -> s
 
 
 def check_masters_domain(
-    domain: Domain, i: int, tag_dir: Path, states: StateCache, *, verify_hashes: bool = True, verify_digests=None
+    domain: Domain,
+    i: int,
+    tag_dir: Path | RemotePath,
+    states: StateCache,
+    *,
+    verify_hashes: bool = True,
+    verify_digests=None,
 ) -> list[Finding]:
     """The files of a domain whose index locates its masters, each locator, and (``verify_digests``,
     default ``verify_hashes``) the digests its 1.1 manifest records of each master and moment (CK222)."""
+    # The locators first (their findings come last): the bytes they read are then kept when a remote
+    # file's hash reads it whole (which keeps none of it), so that each byte is fetched once.
+    located = _locator_findings(domain, i, tag_dir, states)
     out = []
     for j, f in enumerate(domain.manifest.files):
         at = json_path("domains", i, "manifest", "files", j)
@@ -72,6 +81,14 @@ def check_masters_domain(
             )
         elif verify_hashes and f.hash is not None and file_digest(path, f.hash.algorithm) != f.hash:
             out.append(finding("CK209", at, "content hash differs from the index's", "restore it", file=f.path))
+    out += located
+    if not out and (verify_hashes if verify_digests is None else verify_digests):
+        out += _digests(domain, i, tag_dir, states)
+    return out
+
+
+def _locator_findings(domain: Domain, i: int, tag_dir: Path | RemotePath, states: StateCache) -> list[Finding]:
+    out = []
     for field, locs in (("masters", domain.masters.tensors), ("replicas", domain.replicas or [])):
         for j, loc in enumerate(locs):
             problem = _locator_problem(tag_dir, loc, states)
@@ -85,12 +102,10 @@ def check_masters_domain(
                         file=loc.file,
                     )
                 )
-    if not out and (verify_hashes if verify_digests is None else verify_digests):
-        out += _digests(domain, i, tag_dir, states)
     return out
 
 
-def _digests(domain: Domain, i: int, tag_dir: Path, states: StateCache) -> list[Finding]:
+def _digests(domain: Domain, i: int, tag_dir: Path | RemotePath, states: StateCache) -> list[Finding]:
     """CK222 for each recorded digest (``generate --hash``) the located bytes do not have."""
     from ...describe.masters_digests import master_ranges, moment_ranges, sha256_of
 
@@ -206,13 +221,12 @@ def partition_counts(ctx: IndexContext) -> Iterator[Finding]:
                 )
 
 
-def _read(tag_dir: Path, locs: list[MasterLocator]) -> bytes | None:
+def _read(tag_dir: Path | RemotePath, locs: list[MasterLocator]) -> bytes | None:
     out = []
     for loc in locs:
         item = ITEMSIZE[loc.dtype]
         try:
-            with open(tag_dir / loc.file, "rb") as fh:
-                out.append(os.pread(fh.fileno(), loc.numel * item, loc.data_offset + loc.element_offset * item))
+            out.append(read_range(tag_dir / loc.file, loc.data_offset + loc.element_offset * item, loc.numel * item))
         except OSError:
             return None
     return b"".join(out)

@@ -14,7 +14,6 @@ such. Cheap: the first few elements of each piece of each parameter, two ``pread
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 from ....checkpoint.torchfile import TensorRef, tensor_byte_range
@@ -23,15 +22,11 @@ from ....findings import Finding, finding, json_path
 from ....format.index_models import MasterLocator
 from ....format.partition import param_pieces
 from ....format.paths import join_inside
+from ....location import read_range
 from ..domain.weights import ROUND, run_dtype
 from .context import IndexContext, check
 
 SAMPLE = 4  # elements compared per piece: a swapped file differs in (almost) every element
-
-
-def _pread(path, offset: int, size: int) -> bytes:
-    with open(path, "rb") as fh:
-        return os.pread(fh.fileno(), size, offset)
 
 
 def _weights(ctx: IndexContext, i: int) -> dict[str, tuple[str, TensorRef]]:
@@ -128,8 +123,10 @@ def weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
                     first = rank * group.partition_numel + start - param.offset  # element of the parameter
                     try:
                         base, _ = tensor_byte_range(ref, ctx.states.members(ctx.tag_dir / wfile))
-                        master = _pread(ctx.tag_dir / ofile, loc.data_offset + (loc.element_offset + start) * 4, n * 4)
-                        saved = _pread(
+                        master = read_range(
+                            ctx.tag_dir / ofile, loc.data_offset + (loc.element_offset + start) * 4, n * 4
+                        )
+                        saved = read_range(
                             ctx.tag_dir / wfile, base + first * ref.storage.itemsize, n * ref.storage.itemsize
                         )
                     except (CkptspecError, OSError, ValueError):
@@ -174,8 +171,8 @@ def layer_weights_are_masters(ctx: IndexContext) -> Iterator[Finding]:
             n = min(SAMPLE, loc.numel, ref.numel - first)
             try:
                 base, _ = tensor_byte_range(ref, ctx.states.members(ctx.tag_dir / wfile))
-                master = _pread(ctx.tag_dir / loc.file, loc.data_offset + loc.element_offset * 4, n * 4)
-                saved = _pread(ctx.tag_dir / wfile, base + first * ref.storage.itemsize, n * ref.storage.itemsize)
+                master = read_range(ctx.tag_dir / loc.file, loc.data_offset + loc.element_offset * 4, n * 4)
+                saved = read_range(ctx.tag_dir / wfile, base + first * ref.storage.itemsize, n * ref.storage.itemsize)
             except (CkptspecError, OSError, ValueError):
                 continue  # unreadable or damaged files are the other checks' findings
             if len(master) == n * 4 and saved != ROUND[dtype](master):
@@ -235,8 +232,8 @@ def located_masters_are_weights(ctx: IndexContext) -> Iterator[Finding]:
                 continue
             try:
                 base, _ = tensor_byte_range(ref, ctx.states.members(ctx.tag_dir / wfile))
-                master = _pread(ctx.tag_dir / loc.file, loc.data_offset + loc.element_offset * 4, n * 4)
-                saved = _pread(ctx.tag_dir / wfile, base, n * ref.storage.itemsize)
+                master = read_range(ctx.tag_dir / loc.file, loc.data_offset + loc.element_offset * 4, n * 4)
+                saved = read_range(ctx.tag_dir / wfile, base, n * ref.storage.itemsize)
             except (CkptspecError, OSError, ValueError):
                 continue  # unreadable or damaged files are the other checks' findings
             if len(master) != n * 4:

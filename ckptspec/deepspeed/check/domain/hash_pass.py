@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ....location import FileHashes, RangeStream, RemotePath, merged_spans
+from ....location import FileHashes, RangeStream, RemotePath, known_hash, merged_spans
 from ...describe.digests import Covered, digest_of
 
 
@@ -91,6 +91,9 @@ def hashes_and_digests(
     digests = [_Digest([r for r in c.ranges if r[2] > 0]) for c in covered]
     taps = _taps(digests)
     paths = {name: tag_dir / name for name in files}
+    # A file hashed earlier in the command (another domain of a checkpoint index lists it) is not read again.
+    known = {name: h for name, algorithm in hashed.items() if (h := known_hash(paths[name], algorithm)) is not None}
+    hashed = {name: algorithm for name, algorithm in hashed.items() if name not in known}
     hashes = FileHashes({paths[name]: algorithm for name, algorithm in hashed.items()})
     ranges = []
     for name in files:
@@ -107,4 +110,4 @@ def hashes_and_digests(
                 tappers[path].feed(start, memoryview(data))
     actual = hashes.finish()  # nothing left to fetch: every hashed file was read whole
     out = [d.hex if d.hex is not None and not d.broken else digest_of(c, tag_dir, {}) for c, d in zip(covered, digests)]
-    return {name: actual[paths[name]] for name in hashed}, out
+    return {**known, **{name: actual[paths[name]] for name in hashed}}, out
