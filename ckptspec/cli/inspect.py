@@ -268,6 +268,8 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
 
 
 def _is_index(document) -> TypeIs[CheckpointIndex]:
+    from ..format.index_models import CheckpointIndex
+
     return isinstance(document, CheckpointIndex)
 
 

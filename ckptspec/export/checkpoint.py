@@ -30,9 +30,10 @@ from ..format.index_models import CheckpointIndex, Domain
 from ..format.index_validate import IndexReport
 from ..format.models import Manifest
 from ..location import RemotePath, is_remote
+from . import writers
 from .arrays import ShardReader, read_array
 from .model_plan import ModelPlan, ReconstructionPlan, TensorSource
-from .writers import WriteResult, to_torch, write_consolidated
+from .writers import WriteResult, to_torch
 
 # What each capability needs of a checkpoint's kind; every other capability works on every kind.
 # Issue #40 extends these to tensor/pipeline-parallel, MoE and stage-0 sources.
@@ -174,7 +175,7 @@ class Checkpoint:
             from .optimizer_state import optimizer_state_plan
 
             optimizer_state_plan(self.plan)  # CK402 before anything is written, when nothing locates the states
-        return write_consolidated(self.plan, output_dir, optimizer_state=optimizer_state, **options)
+        return writers.write_consolidated(self.plan, output_dir, optimizer_state=optimizer_state, **options)
 
     def check_copies(self) -> None:
         """Every copy the model holds twice (a replicated parameter across tensor-parallel domains) is

@@ -546,7 +546,14 @@ def test_embed_over_a_flipped_master_bit_is_refused_until_rehash(run, saved, tmp
 
     rehashed = run("embed", str(copy_dir), "--rehash")
     assert rehashed.returncode == 0 and "re-recorded from the files as they are now (CK209" in rehashed.stdout
-    assert run("validate", str(copy_dir)).returncode == 0
+    # Re-recorded hashes no longer flag the file, but the flipped master still differs from the module's
+    # copy of that weight (cast to the run's dtype): CK235 (#39, every stored copy checked) refuses it.
+    # ZeRO-3's model states hold no weight values (placeholders), so nothing is left to disagree there.
+    after_rehash = run("validate", str(copy_dir))
+    if saved.spec["stage"] == 3:
+        assert after_rehash.returncode == 0, after_rehash.stdout
+    else:
+        assert after_rehash.returncode == 1 and " CK235 " in after_rehash.stdout + after_rehash.stderr
 
 
 def test_embed_refuses_a_manifest_of_another_checkpoint(run, saved, ds, tmp_path):

@@ -253,8 +253,8 @@ def resave_everything(tag_dir: Path) -> None:
     for path in sorted(tag_dir.glob("*.pt")):
         state = torch.load(path, map_location="cpu", weights_only=False)
         if "optimizer_state_dict" in state:
-            with torch.no_grad():
-                state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] += 1
+            with torch.no_grad():  # a moment moved (the masters, and so the module's copies, kept: CK235 agrees)
+                state["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"][0] += 1
         else:
             state.pop("ckptspec_manifest")
             state["global_steps"] += 1

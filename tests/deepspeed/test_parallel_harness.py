@@ -23,8 +23,8 @@ PARALLEL = scenarios.PARALLEL
 
 
 def _spec(name):
-    """(normalized spec, world size) of PARALLEL entry ``name``."""
-    spec, world_size = scenarios.PARALLEL_SPECS[name]
+    """(normalized spec, world size) of PARALLEL (or EXTRAS) entry ``name``."""
+    spec, world_size = {**scenarios.PARALLEL_SPECS, **scenarios.EXTRAS_SPECS}[name]
     return normalize(spec), world_size
 
 

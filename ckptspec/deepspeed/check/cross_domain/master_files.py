@@ -69,6 +69,13 @@ def check_masters_domain(
     # The locators first (their findings come last): the bytes they read are then kept when a remote
     # file's hash reads it whole (which keeps none of it), so that each byte is fetched once.
     located = _locator_findings(domain, i, tag_dir, states)
+    # The digests too, before the hashes; reported only when nothing else is wrong. From a URL whose files
+    # all have recorded hashes, the hashes (every byte, fetched once) are the check, and the digests are
+    # checked as the tensors are read (arrays.py): reading the ranges here as well would fetch them twice.
+    want = verify_hashes if verify_digests is None else verify_digests
+    if verify_digests is None and isinstance(tag_dir, RemotePath):
+        want = want and not all(f.hash is not None for f in domain.manifest.files)
+    digests = _digests(domain, i, tag_dir, states) if want and not located else None
     out = []
     for j, f in enumerate(domain.manifest.files):
         at = json_path("domains", i, "manifest", "files", j)
@@ -82,8 +89,8 @@ def check_masters_domain(
         elif verify_hashes and f.hash is not None and file_digest(path, f.hash.algorithm) != f.hash:
             out.append(finding("CK209", at, "content hash differs from the index's", "restore it", file=f.path))
     out += located
-    if not out and (verify_hashes if verify_digests is None else verify_digests):
-        out += _digests(domain, i, tag_dir, states)
+    if not out and digests:
+        out += digests
     return out
 
 
