@@ -137,7 +137,16 @@ class Nginx:
         return len(self.log_lines())
 
     def since(self, mark: int) -> list[tuple[str, str, int, int, str]]:
-        return self.log_lines()[mark:]
+        # nginx logs a request when it finalizes it, which can come after the client has its last byte
+        # and the command has ended (seen under load): read until the log stops growing.
+        lines = self.log_lines()
+        for _ in range(40):
+            time.sleep(0.05)
+            again = self.log_lines()
+            if len(again) == len(lines):
+                break
+            lines = again
+        return lines[mark:]
 
     def worker_pids(self) -> list[int]:
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
