@@ -145,11 +145,19 @@ def publish(built: Path, path: Path, description: dict) -> None:
 
 def prune(current: dict[str, Path]) -> None:
     """Remove superseded entries of the tasks in ``current`` (name -> current entry) and leftovers
-    of killed builds, when nobody touched them for an hour (another checkout may still use them)."""
+    of killed builds, when nobody touched them for an hour (another checkout may still use them).
+    The current entries are touched, so that another checkout's prune leaves them an hour more;
+    ``$CKPTSPEC_DS_CACHE_KEEP`` (set by checkouts that share a cache while running changed job code)
+    prunes nothing."""
+    if os.environ.get("CKPTSPEC_DS_CACHE_KEEP"):
+        return
     now, names, keep = time.time(), set(current), {p.name for p in current.values()}
     for path in root().iterdir():
         try:
-            if path.name in keep or now - path.stat().st_mtime < 3600:
+            if path.name in keep:
+                os.utime(path)
+                continue
+            if now - path.stat().st_mtime < 3600:
                 continue
             if path.name.startswith(".tmp-"):
                 shutil.rmtree(path, ignore_errors=True)
