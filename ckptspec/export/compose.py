@@ -21,6 +21,8 @@ from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 from ..deepspeed.layout.tag_dir import resolve_tag_dir
 from ..errors import CheckpointInvalid, ReconstructMismatch
 from ..findings import has_errors
+from ..format.index_models import CheckpointIndex
+from ..format.models import Hash
 from ..location import RemotePath, read_range
 from .arrays import ShardReader, _np, read_array
 from .compose_extras import model_parallel_extras, pipeline_extras
@@ -40,10 +42,14 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
         if not index.ok:
             raise CheckpointInvalid(index.findings, str(checkpoint))
     states = StateCache()
-    found, findings = validate_index_checkpoint(checkpoint, index, tag, states=states, verify_digests=False)
+    tag_dir = resolve_tag_dir(checkpoint, tag)
+    # A remote file's recorded hash is checked by the reader, from the bytes it fetches once (as 1.x does).
+    in_stream = isinstance(tag_dir, RemotePath)
+    found, findings = validate_index_checkpoint(
+        checkpoint, index, tag, states=states, verify_hashes=not in_stream, verify_digests=False
+    )
     if found is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(checkpoint))
-    tag_dir = resolve_tag_dir(checkpoint, tag)
     domain_plans = {d.id: _domain_plan(tag_dir, d, states) for d in found.domains}
     extras = model_parallel_extras(found, tag_dir, domain_plans, states)
     aliases: dict[str, str] = {}
@@ -51,9 +57,18 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
         layered, aliases = pipeline_extras(found, tag_dir, states)
         extras.update(layered)
     plan = whole_plan(found, tag_dir, domain_plans, extras, aliases)
+    if in_stream:
+        plan.file_hashes = recorded_hashes(found, tag_dir)
     plan.warnings = findings  # no error among them: the warnings (CK224, CK226, CK236), for the caller to show
     plan.states = states
     return plan
+
+
+def recorded_hashes(index: CheckpointIndex, tag_dir: RemotePath) -> dict[RemotePath, Hash]:
+    """Every file's recorded hash (the domains' files, the layer and expert files), by its location."""
+    files = [f for d in index.domains for f in d.manifest.files]
+    files += [*index.layer_files, *(index.expert_files or [])]
+    return {tag_dir / f.path: f.hash for f in files if f.hash is not None}
 
 
 def _domain_plan(tag_dir, domain, states: StateCache) -> ReconstructionPlan:
@@ -70,16 +85,31 @@ def _domain_plan(tag_dir, domain, states: StateCache) -> ReconstructionPlan:
 def check_replicas(plan: IndexReconstructionPlan, files: ShardReader) -> None:
     """Every non-primary copy of a replicated parameter's master, frozen parameter or buffer equals the
     primary, bit for bit (CK401)."""
-    np = _np()
     compared = [
         (param, copies) for param in plan.index.parameters if len(copies := replicas(param, plan.domain_plans)) > 1
     ]
-    # A remote primary's bytes are kept (``read_range``, within the budget of kept bytes), so that the writer
-    # that reads them next takes them from memory; the planned reads take what is kept and fetch the rest.
-    for _, copies in compared:
-        for seg in copies[0][1].segments:
-            if isinstance(seg.path, RemotePath):
-                read_range(seg.path, seg.offset, seg.nbytes)
+    replicated = [
+        (name, shards)
+        for name, shards in plan.extra_shards.items()
+        if len(shards) > 1 and all(s.placement == "replicated" for s, _ in shards)
+    ]
+    segments = [seg for _, copies in compared for _, source in copies for seg in source.segments]
+    segments += [seg for _, shards in replicated for _, source in shards for seg in source.segments]
+    # A remote copy's bytes are kept (``read_range``, within the budget of kept bytes) and compared from
+    # there, outside ``files``: the writer then takes the primaries from memory, and the reader that checks
+    # a file's recorded hash takes the other copies, so no byte is fetched twice.
+    remote = [seg for seg in segments if isinstance(seg.path, RemotePath)]
+    for seg in remote:
+        read_range(seg.path, seg.offset, seg.nbytes)
+    if remote:
+        with ShardReader() as kept:
+            _compare_replicas(plan, compared, replicated, kept)
+    else:
+        _compare_replicas(plan, compared, replicated, files)
+
+
+def _compare_replicas(plan: IndexReconstructionPlan, compared, replicated, files: ShardReader) -> None:
+    np = _np()
     files.plan(seg for _, copies in compared for _, source in copies for seg in source.segments)
     for param, copies in compared:
         primary = read_array(copies[0][1], "float32", files).view(np.uint32)
@@ -89,9 +119,7 @@ def check_replicas(plan: IndexReconstructionPlan, files: ShardReader) -> None:
                     f"replicated parameter {param.name!r} differs between domains ({shard.domain}: {shard.local_name})",
                     plan.tag_dir,
                 )
-    for name, shards in plan.extra_shards.items():
-        if len(shards) < 2 or not all(s.placement == "replicated" for s, _ in shards):
-            continue
+    for name, shards in replicated:
         first = read_array(shards[0][1], shards[0][1].dtype, files).tobytes()
         for shard, source in shards[1:]:
             if read_array(source, source.dtype, files).tobytes() != first:

@@ -233,3 +233,32 @@ def test_export_universal_from_a_url_is_the_local_export(nginx, tmp_path):
     assert len(files) > 2
     for rel in files:
         assert (tmp_path / "remote" / rel).read_bytes() == (tmp_path / "local" / rel).read_bytes(), rel
+
+
+@pytest.mark.parametrize("name", ["tp2dp2-s2-bf16-ws4", "pp2-s1-fp32-ws2", "moe-ep2-s1-fp32-ws4", "s0-bf16-ws2"])
+def test_reconstruct_with_a_hashed_index_fetches_each_byte_once(name, served, nginx, reads, tmp_path):
+    """``reconstruct URL --manifest INDEX`` (and ``load_state_dict``) with the files' hashes recorded: the
+    reader checks them from the bytes it reads (validation leaves them to it), so every byte of every file is
+    sent exactly once, and the output is the local one."""
+    local, url = served[name]
+    files = {f: n for f, n in tag_files(local).items() if f.endswith(".pt")}
+    index = tmp_path / "index.json"
+    assert run("generate", local, "-o", index, "--hash").exit_code == 0
+    assert run("reconstruct", local, tmp_path / "local", "--manifest", index, "--quiet").exit_code == 0
+    mark = nginx.mark()
+    result = run("reconstruct", url, tmp_path / "http", "--manifest", index)
+    assert result.exit_code == 0, result.output
+    assert sent(nginx, mark, files) == files  # every byte, once
+    written = sorted(p.name for p in (tmp_path / "local").iterdir())
+    assert written == sorted(p.name for p in (tmp_path / "http").iterdir()) and written
+    for out in written:
+        assert (tmp_path / "http" / out).read_bytes() == (tmp_path / "local" / out).read_bytes(), out
+
+    location.forget()  # nothing kept from the command above
+    mark = nginx.mark()
+    loaded = ckptspec.load_state_dict(url, framework="numpy", manifest=index)
+    assert sent(nginx, mark, files) == files
+    expected = ckptspec.load_state_dict(local, framework="numpy", manifest=index)
+    assert list(loaded) == list(expected) and expected
+    for key, array in expected.items():
+        assert np.array_equal(loaded[key].view(np.uint8), array.view(np.uint8)), key
