@@ -57,7 +57,7 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
         layered, aliases = pipeline_extras(found, tag_dir, states)
         extras.update(layered)
     plan = whole_plan(found, tag_dir, domain_plans, extras, aliases)
-    if in_stream:
+    if isinstance(tag_dir, RemotePath):
         plan.file_hashes = recorded_hashes(found, tag_dir)
     plan.warnings = findings  # no error among them: the warnings (CK224, CK226, CK236), for the caller to show
     plan.states = states
@@ -66,9 +66,10 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
 
 def recorded_hashes(index: CheckpointIndex, tag_dir: RemotePath) -> dict[RemotePath, Hash]:
     """Every file's recorded hash (the domains' files, the layer and expert files), by its location."""
-    files = [f for d in index.domains for f in d.manifest.files]
-    files += [*index.layer_files, *(index.expert_files or [])]
-    return {tag_dir / f.path: f.hash for f in files if f.hash is not None}
+    listed = [(f.path, f.hash) for d in index.domains for f in d.manifest.files]
+    listed += [(f.path, f.hash) for f in index.layer_files]
+    listed += [(f.path, f.hash) for f in index.expert_files or []]
+    return {tag_dir / path: digest for path, digest in listed if digest is not None}
 
 
 def _domain_plan(tag_dir, domain, states: StateCache) -> ReconstructionPlan:
