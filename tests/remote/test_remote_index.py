@@ -62,14 +62,15 @@ def tag_files(save_dir: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in tag.iterdir() if p.is_file()}
 
 
-def sent(nginx, mark: int, files: dict[str, int]) -> dict[str, int]:
+def sent(nginx, mark: int, files: dict[str, int], under: str | None = None) -> dict[str, int]:
     """Bytes nginx sent of each file since ``mark`` (its 200 and 206 answers), after checking that no two
-    of its answers held the same byte of a file."""
+    of its answers held the same byte of a file. A file is its name, or its path below ``under``."""
     ranges: dict[str, list[tuple[int, int]]] = {}
     for method, uri, status, n, rng in nginx.since(mark):
         if method == "GET" and not uri.endswith("/") and status in (200, 206):
             start = int(rng.removeprefix("bytes=").split("-")[0]) if status == 206 else 0
-            ranges.setdefault(uri.rsplit("/", 1)[-1], []).append((start, start + n))
+            name = uri.rsplit("/", 1)[-1] if under is None else uri.split(f"/{under}/", 1)[-1]
+            ranges.setdefault(name, []).append((start, start + n))
     twice = {}
     for name, spans in ranges.items():
         spans.sort()
@@ -262,3 +263,32 @@ def test_reconstruct_with_a_hashed_index_fetches_each_byte_once(name, served, ng
     assert list(loaded) == list(expected) and expected
     for key, array in expected.items():
         assert np.array_equal(loaded[key].view(np.uint8), array.view(np.uint8)), key
+
+
+@pytest.mark.parametrize("name", ["uc-s2-bf16-ws2", "uc-s3-bf16-ws2"])
+def test_a_universal_folder_over_http_is_the_local_one(name, nginx, ds, reads, tmp_path):
+    """A ``ds_to_universal`` folder (a directory per parameter) at a URL: the kind from nginx's listings, the
+    findings, the generated index and the weights of its local copy, each byte of its files sent at most once."""
+    copy, path = nginx.serve(ds.path(name))
+    folder = json.loads((copy / "parallel.json").read_text())["universal"]["output_folder"]
+    local, url = copy / folder, f"{nginx.url(path)}/{folder}"
+    location.forget()
+    assert kind_of_dir(location.location(url)) is kind_of_dir(local) is Kind.UNIVERSAL
+    files = {str(p.relative_to(local)): p.stat().st_size for p in local.rglob("*.pt")}
+    code, on_disk = run_json("validate", local)
+    remote_code, remote = run_json("validate", url)
+    assert (remote_code, remote["findings"]) == (code, on_disk["findings"]) and code == 0, on_disk
+    assert run("generate", local, "-o", tmp_path / "local.json").exit_code == 0
+    assert run("generate", url, "-o", tmp_path / "remote.json").exit_code == 0
+    assert json.loads((tmp_path / "remote.json").read_text()) == json.loads((tmp_path / "local.json").read_text())
+
+    assert run("reconstruct", local, tmp_path / "local", "--quiet").exit_code == 0
+    mark = nginx.mark()
+    result = run("reconstruct", url, tmp_path / "http")
+    assert result.exit_code == 0, result.output
+    got = sent(nginx, mark, files, under=folder)
+    assert 0 < sum(got.values()) <= sum(files.values())
+    written = sorted(p.name for p in (tmp_path / "local").iterdir())
+    assert written == sorted(p.name for p in (tmp_path / "http").iterdir()) and written
+    for out in written:
+        assert (tmp_path / "http" / out).read_bytes() == (tmp_path / "local" / out).read_bytes(), out

@@ -9,6 +9,7 @@ from ...checkpoint.states import StateCache
 from ...errors import UnsupportedCheckpoint
 from ...format.index_models import CheckpointIndex, Coordinate
 from ...format.models import Alias
+from ...location import RemotePath, relative_name, walk
 from ..layout.masters import MasterTensor
 from ..layout.names import MODEL_RE
 from ..layout.tag_dir import UNIVERSAL_FOLDER
@@ -27,10 +28,9 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
     # weight widened, not the owner's master): the module's buffer is the buffer, the owner's master the tie's.
     skip = {x.name for x in buffers} | set(aliases)
     masters = [m for n, m in found.items() if n not in skip]
+    # location.walk: a folder at a URL is listed as a local one
     files = [
-        b.file(p.relative_to(folder).as_posix(), "other", [])
-        for p in sorted((folder / UNIVERSAL_FOLDER).rglob("*"))
-        if p.is_file()
+        b.file(f"{UNIVERSAL_FOLDER}/{rel}", "other", []) for rel in sorted(_files_below(folder / UNIVERSAL_FOLDER))
     ]
     copies = sorted(p.name for p in folder.iterdir() if MODEL_RE.match(p.name))
     # Copies of the source's model states: the source's shards (tensor parallel), not this folder's tensors.
@@ -76,3 +76,9 @@ def _source_stage(b: IndexBuilder) -> int:
     """The stage of the checkpoint ``ds_to_universal`` converted (stage 3 keeps per-rank model states)."""
     names = [p.name for p in b.folder.iterdir() if MODEL_RE.match(p.name)]
     return 3 if any(n.startswith("zero_pp_rank_") for n in names) else int(b.model.get("zero_stage", 0) or 0)
+
+
+def _files_below(top: Path | RemotePath) -> list[str]:
+    """Every file below ``top``, as a posix path relative to it."""
+    names = [relative_name(str(root / name), top) for root, _dirs, files in walk(top) for name in files]
+    return [name for name in names if name is not None]
