@@ -217,11 +217,16 @@ def _compose_states(plan: IndexReconstructionPlan) -> OptimizerStatePlan:
             sources[name] = compose_source(name, param.shape, shards, "state")
             states.setdefault(param.name, {})[key] = name
         shard = param.shards[0]
-        groups[param.name] = next(
-            g.optimizer_group
-            for g in plan.domain_plans[shard.domain].manifest.groups
-            for p in g.params
-            if p.name == shard.local_name
+        recorded = json.loads(per_domain[shard.domain].metadata["ckptspec.optimizer_groups"])  # a universal folder's
+        groups[param.name] = (  # own (model states' param_shapes), else its manifest's
+            recorded[shard.local_name]
+            if shard.local_name in recorded
+            else next(
+                g.optimizer_group
+                for g in plan.domain_plans[shard.domain].manifest.groups
+                for p in g.params
+                if p.name == shard.local_name
+            )
         )
     first = next(iter(per_domain.values()))
     for domain, state in per_domain.items():  # one optimizer: every domain records the same hyperparameters and step

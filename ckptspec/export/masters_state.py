@@ -109,14 +109,18 @@ def universal_state_plan(tag_dir: Path | RemotePath, domain: Domain, states: Sta
             if sources[name].numel * ITEMSIZE[dtype] != nbytes:
                 raise ReconstructMismatch(f"the optimizer state {name!r} does not fill its shape", tag_dir / rel)
             names.setdefault(param, {})[key] = name
-    step = None
+    steps: dict[int, float | int] = {}
     for param, (rel, value) in found.steps.items():
         got = scalar_value(value, tag_dir / rel, states.members(tag_dir / rel))
-        if got is None or (step is not None and got != step):
-            raise ReconstructMismatch(f"the step of {param!r} ({got}) is not the group's ({step})", tag_dir / rel)
-        step = got
-    group = OptimizerGroup(optimizer_group=0, hyperparameters=_settings_of(found.param_groups[0]), step=step or 0)
-    optimizer = Optimizer(class_=UNKNOWN_CLASS, groups=[group])
+        g = found.groups[param]
+        if got is None or steps.setdefault(g, got) != got:
+            raise ReconstructMismatch(f"the step of {param!r} ({got}) is not its group's ({steps[g]})", tag_dir / rel)
+    groups = [
+        OptimizerGroup(optimizer_group=g, hyperparameters=_settings_of(settings), step=steps.get(g, 0))
+        for g, settings in enumerate(found.param_groups)
+        if g in steps
+    ]
+    optimizer = Optimizer(class_=UNKNOWN_CLASS, groups=groups)
     if (scaler := loss_scaler(found.wrapper)) is not None:
         optimizer.loss_scaler = scaler
     clip = plain_value(found.wrapper.get("clip_grad"))
@@ -126,7 +130,7 @@ def universal_state_plan(tag_dir: Path | RemotePath, domain: Domain, states: Sta
         "format": "pt",
         "ckptspec.tag": tag_dir.name,
         "ckptspec.optimizer": json.dumps(optimizer.model_dump(mode="json", by_alias=True, exclude_unset=True)),
-        "ckptspec.optimizer_groups": json.dumps({n: 0 for n in names}, sort_keys=True),
+        "ckptspec.optimizer_groups": json.dumps({n: found.groups[n] for n in names}, sort_keys=True),
         "ckptspec.states": json.dumps(names, sort_keys=True),
         "ckptspec.aliases": "{}",
     }

@@ -187,3 +187,28 @@ def test_a_lost_or_damaged_moment_file_is_refused_by_name(ds, damage, tmp_path):
         ckptspec.load_optimizer_state(copy)
     assert refused.value.code == code
     assert _cli("reconstruct", copy, out, "--quiet").exit_code == 0
+
+
+@pytest.mark.parametrize("point", ["s2-bf16-ws2", "s2-fp16-ws2-groups", "s3-fp16-ws3-groups"])
+def test_export_universal_folders_give_the_live_state_back(ds, point, tmp_path):
+    """``ckptspec export-universal`` of matrix checkpoints (a tie, a frozen parameter with ``fp32.pt`` alone, two
+    param groups, whose membership is the copied model states' ``param_shapes``), read back: the state the
+    training job recorded from the live engine before saving (``live_optim.pt``), bit for bit, with each
+    group's step and hyperparameters."""
+    import torch
+
+    folder = tmp_path / "uc"
+    assert _cli("export-universal", ds.path(point), folder).exit_code == 0
+    assert (folder / "zero" / "frozen.weight").is_dir() and not (
+        folder / "zero" / "frozen.weight" / "exp_avg.pt"
+    ).exists()
+    live = torch.load(ds.path(point) / "live_optim.pt", weights_only=True)
+    state, optimizer = ckptspec.load_optimizer_state(folder)
+    assert sorted(state) == sorted(live["state"])  # the tied alias included, the frozen parameter not
+    for param, by_key in live["state"].items():
+        assert set(state[param]) == set(by_key) == KEYS
+        for key, theirs in by_key.items():
+            assert bits_equal(torch.from_numpy(state[param][key]), theirs), (point, param, key)
+    assert {g["optimizer_group"]: g["step"] for g in optimizer["groups"]} == live["steps"]
+    for g in optimizer["groups"]:
+        assert g["hyperparameters"] == _plain(live["param_groups"][g["optimizer_group"]])

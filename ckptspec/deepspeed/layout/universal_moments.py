@@ -7,10 +7,12 @@ tensor}`` in the whole shape from a stage <= 2 source, a bare flat tensor from a
 gradient clipping. The ``step`` is ``zero/<name>/step.pt`` (a stage <= 2 source: the step of the
 parameter's group) or, from a stage-3 source, ``optimizer_state_dict.state[0].step`` of
 ``optimizer_state.pt``, which DeepSpeed's universal loader gives every group
-(``load_hp_checkpoint_state_from_checkpoint_dir_stage3``).
+(``load_hp_checkpoint_state_from_checkpoint_dir_stage3``). With several param groups, a parameter's is
+the index of the copied model states' ``param_shapes`` entry that names it (one per group: ZeRO 1/2, and
+ZeRO-3 without sub-groups); where those do not pair one to one with the groups it is refused by name.
 
-The files are the ones the checkpoint index lists (its domain's ``files``: validated, and no directory
-listing, so a URL costs no request). A parameter whose directory holds its master alone has no optimizer
+The files are the ones the checkpoint index lists (its domain's ``files``: validated; no directory is
+listed). A parameter whose directory holds its master alone has no optimizer
 state (what both converters write for a frozen parameter, which DeepSpeed's universal loader skips); one
 that holds some of the states the folder's other parameters have lacks a file: CK206, naming it.
 Anything else unexpected is refused by name (CK202). Metadata only: no tensor bytes, no pickle code.
@@ -29,6 +31,7 @@ from ...findings import finding, json_path
 from ...format.index_models import Domain
 from ...location import RemotePath
 from .masters import value_at
+from .names import MODEL_RE
 
 OPTIMIZER_STATE = "zero/optimizer_state.pt"
 MASTER, STEP = "fp32", "step"
@@ -39,12 +42,13 @@ _HINT = "the optimizer state of this universal folder cannot be located from its
 class UniversalMoments:
     """``ranges``: param -> state -> (file, absolute byte offset, byte count, dtype) of its elements, at the
     master's positions; ``steps``: param -> (file, the step as saved: a number or a 0-d ``TensorRef``);
-    ``param_groups``: the torch optimizer's groups (one: every parameter is in it); ``wrapper``: the
-    decoded ``optimizer_state.pt`` (loss scaler, gradient clipping)."""
+    ``param_groups``: the torch optimizer's groups; ``groups``: param -> the index of its group;
+    ``wrapper``: the decoded ``optimizer_state.pt`` (loss scaler, gradient clipping)."""
 
     ranges: dict[str, dict[str, tuple[str, int, int, str]]]
     steps: dict[str, tuple[str, Any]]
     param_groups: list
+    groups: dict[str, int]
     wrapper: dict
 
 
@@ -82,13 +86,9 @@ def universal_moments(folder: Path | RemotePath, states: StateCache, domain: Dom
         raise _missing(folder, OPTIMIZER_STATE, "$.domains[0].manifest.files", "the optimizer's param groups")
     wrapper = states.state(folder / OPTIMIZER_STATE)
     groups = wrapper.get("param_groups") if isinstance(wrapper, dict) else None
-    if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], dict):
-        raise UnsupportedCheckpoint(
-            f"{OPTIMIZER_STATE} holds {len(groups) if isinstance(groups, list) else 'no'} param groups; a universal "
-            "folder does not record which parameter is in which group, so only one is read",
-            _HINT,
-            OPTIMIZER_STATE,
-        )
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        raise UnsupportedCheckpoint(f"{OPTIMIZER_STATE} holds no param groups", _HINT, OPTIMIZER_STATE)
+    group_of = _group_of(folder, states, sorted(listed), [p for p, h in held.items() if h], len(groups))
     ranges: dict[str, dict[str, tuple[str, int, int, str]]] = {}
     steps: dict[str, tuple[str, Any]] = {}
     for j, loc in enumerate(domain.masters.tensors):
@@ -125,7 +125,34 @@ def universal_moments(folder: Path | RemotePath, states: StateCache, domain: Dom
                     OPTIMIZER_STATE,
                 )
             steps[loc.param] = (OPTIMIZER_STATE, step)
-    return UniversalMoments(ranges, steps, groups, wrapper)
+    return UniversalMoments(ranges, steps, groups, {p: group_of[p] for p in ranges}, wrapper)
+
+
+def _group_of(
+    folder: Path | RemotePath, states: StateCache, listed: list[str], params: list[str], count: int
+) -> dict[str, int]:
+    """param -> the index of its torch param group: 0 when there is one, else from the copied model
+    states' ``param_shapes`` (one ``{name: shape}`` per group; every copy the same)."""
+    if count == 1:
+        return dict.fromkeys(params, 0)
+    seen: list[list[list] | None] = []
+    for rel in (r for r in listed if MODEL_RE.match(r)):
+        state = states.state(folder / rel)
+        shapes = state.get("param_shapes") if isinstance(state, dict) else None
+        if isinstance(shapes, list) and all(isinstance(g, dict) for g in shapes):
+            seen.append([list(g) for g in shapes])
+        else:
+            seen.append(None)
+    found = seen[0] if seen and all(names == seen[0] for names in seen) else None
+    by_name = {name: g for g, names in enumerate(found or []) for name in names}
+    if found is None or len(found) != count or not set(params) <= set(by_name):
+        raise UnsupportedCheckpoint(
+            f"{OPTIMIZER_STATE} holds {count} param groups, and the copied model states' param_shapes do not say "
+            "which parameter is in which (one entry per group, naming every parameter)",
+            _HINT,
+            OPTIMIZER_STATE,
+        )
+    return {param: by_name[param] for param in params}
 
 
 def universal_moment_ranges(
