@@ -2,7 +2,8 @@
 ``Checkpoint`` view, on the real checkpoints the harness builds. Oracles: the live engine's fp32 masters on
 every rank (``oracle.rank*.pt`` of a PARALLEL job, ``live_fp32.pt`` of a ZeRO one; a tensor-parallel rank's
 master is its shard, cut from the whole tensor by DeepSpeed's own affine pieces), and DeepSpeed's
-``ds_to_universal`` ``fp32.pt`` for universal folders. What a kind cannot do yet is refused by capability
+``ds_to_universal`` ``fp32.pt`` for universal folders; for the optimizer state, DeepSpeed's moments (the live
+engine's, the state it loads, or ``ds_to_universal``'s merge). What a kind cannot do yet is refused by capability
 (CK403) with nothing written; the test fails when that list and the code disagree.
 """
 
@@ -140,3 +141,45 @@ def test_what_a_kind_cannot_do_is_refused_by_capability(ds, label, tmp_path):
             writers[capability](out)
         assert refused.value.code == "CK403" and not out.exists()
         assert checkpoint.kind.label in refused.value.message
+
+
+def _moments_oracle(ds, name: str) -> dict:
+    """DeepSpeed's answer for every parameter's exp_avg and exp_avg_sq, by whole-model name: the live engine's
+    state before saving (ZeRO: ``live_optim.pt``), the state DeepSpeed holds after loading the checkpoint
+    (stage 0, MoE, the stage-0 pipeline, a universal folder's source tag: ``<name>+optim``), or
+    ``ds_to_universal``'s merge of every rank's partitions (tensor/pipeline parallel: ``exp_avg.pt``)."""
+    import torch
+    from _harness import scenarios
+
+    entry = ds.path(name)
+    if (entry / "live_optim.pt").is_file():
+        return torch.load(entry / "live_optim.pt", weights_only=True)["state"]
+    if name in scenarios.OPTIM_SOURCES or name in scenarios.OPTIM_UNIVERSAL_SOURCES:
+        optim = ds.path(scenarios.optim_name(name))
+        prefix = "source" if name in scenarios.OPTIM_UNIVERSAL_SOURCES else "optim"
+        merged: dict = {}
+        for rank in range(scenarios.REGISTRY[name].world_size):
+            merged.update(torch.load(optim / f"{prefix}.rank{rank}.pt", weights_only=True)["state"])
+        return merged
+    folder = entry / info(entry)["universal"]["output_folder"] / "zero"
+    out = {}
+    for param in (p for p in folder.iterdir() if (p / "exp_avg.pt").is_file()):
+        loaded = {k: torch.load(param / f"{k}.pt", weights_only=True) for k in ("exp_avg", "exp_avg_sq")}
+        out[param.name] = {k: v["param"] if isinstance(v, dict) else v for k, v in loaded.items()}
+    return out
+
+
+@pytest.mark.parametrize("label", sorted(KINDS))
+def test_the_optimizer_state_of_every_kind_is_deepspeeds(ds, label):
+    """``load_optimizer_state`` (what ``reconstruct --optimizer-state`` writes) on every kind: every
+    parameter's moments, bit for bit DeepSpeed's own (the kinds' own tests check steps and hyperparameters)."""
+    import torch
+
+    oracle = _moments_oracle(ds, KINDS[label])
+    state, optimizer = ckptspec.load_optimizer_state(_target(ds, KINDS[label]))
+    assert sorted(state) == sorted(oracle) and optimizer["groups"]
+    for param, by_key in oracle.items():
+        assert set(state[param]) == set(by_key) == {"exp_avg", "exp_avg_sq"}, param
+        for key, theirs in by_key.items():
+            ours = torch.from_numpy(state[param][key])
+            assert bits_equal(ours.reshape(-1), theirs.reshape(-1)) and ours.numel() == theirs.numel(), (param, key)

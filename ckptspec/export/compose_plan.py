@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .._version import __version__
 from ..checkpoint.states import StateCache
-from ..errors import ReconstructMismatch, ReconstructUnsupported
+from ..errors import ReconstructMismatch
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import CheckpointIndex, IndexParameter, Shard
 from ..location import RemotePath
@@ -190,21 +190,15 @@ def replicas(param: IndexParameter, domain_plans: dict[str, ReconstructionPlan])
 
 
 def _compose_states(plan: IndexReconstructionPlan) -> OptimizerStatePlan:
-    if plan.index.kind == "universal":  # its folders' exp_avg.pt / exp_avg_sq.pt are not read (CK402)
-        raise ReconstructUnsupported(
-            "the optimizer state of this universal checkpoint is not located: its checkpoint index locates "
-            "the fp32 masters only (the moments are not read)",
-            "reconstruct the weights without --optimizer-state; to resume training, load the universal folder "
-            "itself with DeepSpeed (checkpoint.load_universal), which reads the moments",
-            plan.tag_dir,
-        )
-    from .masters_state import masters_state_plan
+    from .masters_state import masters_state_plan, universal_state_plan
 
     cache = plan.states if plan.states is not None else StateCache()
-    per_domain = {  # stage 0, MoE, a stage-0 pipeline: the moments of the masters the index locates
-        d.id: masters_state_plan(plan.tag_dir, d, cache)
-        if d.masters is not None
-        else plan_optimizer_state(plan.domain_plans[d.id])
+    per_domain = {  # stage 0, MoE, a stage-0 pipeline, a universal folder: the moments of the masters located
+        d.id: plan_optimizer_state(plan.domain_plans[d.id])
+        if d.masters is None
+        else universal_state_plan(plan.tag_dir, d, cache)
+        if d.masters.stored_in == "universal"
+        else masters_state_plan(plan.tag_dir, d, cache)
         for d in plan.index.domains
     }
     sources: dict = {}
@@ -223,11 +217,16 @@ def _compose_states(plan: IndexReconstructionPlan) -> OptimizerStatePlan:
             sources[name] = compose_source(name, param.shape, shards, "state")
             states.setdefault(param.name, {})[key] = name
         shard = param.shards[0]
-        groups[param.name] = next(
-            g.optimizer_group
-            for g in plan.domain_plans[shard.domain].manifest.groups
-            for p in g.params
-            if p.name == shard.local_name
+        recorded = json.loads(per_domain[shard.domain].metadata["ckptspec.optimizer_groups"])  # a universal folder's
+        groups[param.name] = (  # own (model states' param_shapes), else its manifest's
+            recorded[shard.local_name]
+            if shard.local_name in recorded
+            else next(
+                g.optimizer_group
+                for g in plan.domain_plans[shard.domain].manifest.groups
+                for p in g.params
+                if p.name == shard.local_name
+            )
         )
     first = next(iter(per_domain.values()))
     for domain, state in per_domain.items():  # one optimizer: every domain records the same hyperparameters and step

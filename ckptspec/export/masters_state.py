@@ -1,5 +1,6 @@
 """The optimizer state of a domain whose checkpoint index locates its masters (issue #39: ZeRO stage 0,
-native MoE, a stage-0 pipeline), as the 1.x export gives it (``optimizer_state.OptimizerStatePlan``).
+native MoE, a stage-0 pipeline, a universal folder), as the 1.x export gives it
+(``optimizer_state.OptimizerStatePlan``).
 
 The index locates the fp32 masters only (format 1.0 has no locator for their moments). The moments are
 located when the plan is built, from the optimizer files' pickled structure read through the
@@ -84,4 +85,57 @@ def masters_state_plan(tag_dir: Path | RemotePath, domain: Domain, states: State
 
 def _settings(found: Moments) -> list[dict]:
     """The hyperparameters of every param group of the torch state the moments were found in."""
-    return [plain_values(g, skip=("params",)) if isinstance(g, dict) else {} for g in found.param_groups]
+    return [_settings_of(g) if isinstance(g, dict) else {} for g in found.param_groups]
+
+
+def universal_state_plan(tag_dir: Path | RemotePath, domain: Domain, states: StateCache) -> OptimizerStatePlan:
+    """Every master's optimizer states of a universal folder (``layout/universal_moments.py``): each state
+    file's tensor where the master's is, the step of each parameter (one per group: they must agree), the
+    hyperparameters, loss scaler and gradient clipping of ``zero/optimizer_state.pt``."""
+    from ..deepspeed.layout.universal_moments import universal_moments
+
+    found = universal_moments(tag_dir, states, domain)
+    shapes = {p.name: tuple(p.shape) for g in domain.manifest.groups for p in g.params}
+    digests = {p.name: p.state_digests or {} for g in domain.manifest.groups for p in g.params}
+    sources: dict[str, TensorSource] = {}
+    names: dict[str, dict[str, str]] = {}
+    for param, by_key in found.ranges.items():
+        for key, (rel, offset, nbytes, dtype) in by_key.items():
+            name = f"{param}.{key}"
+            digest = digests[param].get(key)  # generate --hash: checked as the bytes stream (CK222)
+            segments = [Segment(tag_dir / rel, offset, nbytes)]
+            sha256 = digest.sha256 if digest else None
+            sources[name] = TensorSource(name, shapes[param], dtype, segments, "state", sha256)
+            if sources[name].numel * ITEMSIZE[dtype] != nbytes:
+                raise ReconstructMismatch(f"the optimizer state {name!r} does not fill its shape", tag_dir / rel)
+            names.setdefault(param, {})[key] = name
+    steps: dict[int, float | int] = {}
+    for param, (rel, value) in found.steps.items():
+        got = scalar_value(value, tag_dir / rel, states.members(tag_dir / rel))
+        g = found.groups[param]
+        if got is None or steps.setdefault(g, got) != got:
+            raise ReconstructMismatch(f"the step of {param!r} ({got}) is not its group's ({steps[g]})", tag_dir / rel)
+    groups = [
+        OptimizerGroup(optimizer_group=g, hyperparameters=_settings_of(settings), step=steps.get(g, 0))
+        for g, settings in enumerate(found.param_groups)
+        if g in steps
+    ]
+    optimizer = Optimizer(class_=UNKNOWN_CLASS, groups=groups)
+    if (scaler := loss_scaler(found.wrapper)) is not None:
+        optimizer.loss_scaler = scaler
+    clip = plain_value(found.wrapper.get("clip_grad"))
+    if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0:
+        optimizer.clip_grad = clip
+    metadata = {
+        "format": "pt",
+        "ckptspec.tag": tag_dir.name,
+        "ckptspec.optimizer": json.dumps(optimizer.model_dump(mode="json", by_alias=True, exclude_unset=True)),
+        "ckptspec.optimizer_groups": json.dumps({n: found.groups[n] for n in names}, sort_keys=True),
+        "ckptspec.states": json.dumps(names, sort_keys=True),
+        "ckptspec.aliases": "{}",
+    }
+    return OptimizerStatePlan(sources, names, metadata)
+
+
+def _settings_of(group: dict) -> dict:
+    return plain_values(group, skip=("params",))

@@ -145,6 +145,9 @@ MASTERS_HOOKED = sorted(n for n in PARALLEL_SPECS if n.startswith(("s0-", "moe-"
 # entry loaded by a job of its layout (tests/_harness/optim_job.py), the oracle of their optimizer-state
 # export. Their training jobs record masters only.
 OPTIM_SOURCES = sorted(n for n in PARALLEL_SPECS if n.startswith(("s0-", "moe-", "pp2-s0-")) and not n.endswith("ws1"))
+# The universal folders' sources: their ZeRO tag and the folder ds_to_universal wrote, each loaded by
+# DeepSpeed (tests/_harness/optim_universal_job.py), entries ``<name>+optim`` too.
+OPTIM_UNIVERSAL_SOURCES = sorted(n for n in PARALLEL_SPECS if n.startswith("uc-"))
 
 
 def optim_name(name: str) -> str:
@@ -300,6 +303,9 @@ def _registry() -> dict[str, Task]:
     for name in OPTIM_SOURCES:
         spec, ws = PARALLEL_SPECS[name]
         out[optim_name(name)] = Task("optim", {"spec": spec, "source": name}, ws, load=name)
+    for name in OPTIM_UNIVERSAL_SOURCES:
+        spec, ws = PARALLEL_SPECS[name]
+        out[optim_name(name)] = Task("optim_universal", {"spec": spec, "source": name}, ws, load=name)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

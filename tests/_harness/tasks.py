@@ -23,12 +23,22 @@ from pathlib import Path
 from . import cache, guard, record_imports
 from .job import parallel_models
 from .job.model import normalize_spec
-from .launch import FSDP2_MAIN, JOB_MAIN, OPTIM_MAIN, RESHARD_MAIN, HarnessError, job_env, run_launches, task_launch
+from .launch import (
+    FSDP2_MAIN,
+    JOB_MAIN,
+    OPTIM_MAIN,
+    OPTIM_UNIVERSAL_MAIN,
+    RESHARD_MAIN,
+    HarnessError,
+    job_env,
+    run_launches,
+    task_launch,
+)
 
 RECORDER = Path(record_imports.__file__)  # wraps the launches of tasks that run ckptspec
 RECORD_SITE = Path(__file__).resolve().parent / "record_site"  # the same in every process of an example
 
-KINDS = ("train", "resume", "parallel", "fsdp2", "reshard", "optim")
+KINDS = ("train", "resume", "parallel", "fsdp2", "reshard", "optim", "optim_universal")
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
 
 
@@ -69,7 +79,7 @@ class Task:
             return normalize_spec(self.args)
         if self.kind == "parallel":
             return parallel_models.normalize(self.args)
-        if self.kind == "optim":  # a parallel entry loaded (optim_job.py)
+        if self.kind in ("optim", "optim_universal"):  # a parallel entry loaded (optim_job.py, optim_universal_job.py)
             return {**self.args, "spec": parallel_models.normalize(self.args["spec"])}
         return {**self.args, "spec": normalize_spec(self.args["spec"])}  # resume, fsdp2, reshard
 
@@ -90,13 +100,13 @@ class Task:
         family = "" if family == "dense" else family
         if self.kind == "reshard":  # reshard_job.py: launches of its own
             family = "reshard"
-        if self.kind == "optim":  # optim_job.py: launches of its own, one family of engines each
-            family = f"optim-{parallel_models.layout(spec)}"
+        if self.kind in ("optim", "optim_universal"):  # launches of their own, one family of engines each
+            family = f"{self.kind}-{parallel_models.layout(spec)}"
         return self.world_size, spec["stage"] == 3, self.deepspeed or "", family
 
     @property
     def runs_ckptspec(self) -> bool:
-        if self.kind == "optim":  # DeepSpeed alone
+        if self.kind in ("optim", "optim_universal"):  # DeepSpeed alone
             return False
         if self.kind == "parallel":
             return self.normalized()["save_with"] == "ckptspec"
@@ -132,6 +142,8 @@ def task_key(name: str, task: Task) -> str | None:
         identity["script"] = cache.key({"reshard_job": RESHARD_MAIN.read_text()})
     if task.kind == "optim":
         identity["script"] = cache.key({"optim_job": OPTIM_MAIN.read_text()})
+    if task.kind == "optim_universal":
+        identity["script"] = cache.key({"optim_universal_job": OPTIM_UNIVERSAL_MAIN.read_text()})
     return cache.key(identity)
 
 
@@ -219,7 +231,12 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
                 {"kind": t.kind, "args": _job_args(t), "out": str(stage / "out")}
                 for (_, t), stage in zip(batch, staged)
             ]
-            script = {"fsdp2": FSDP2_MAIN, "reshard": RESHARD_MAIN, "optim": OPTIM_MAIN}.get(batch[0][1].kind, JOB_MAIN)
+            script = {
+                "fsdp2": FSDP2_MAIN,
+                "reshard": RESHARD_MAIN,
+                "optim": OPTIM_MAIN,
+                "optim_universal": OPTIM_UNIVERSAL_MAIN,
+            }.get(batch[0][1].kind, JOB_MAIN)
             launch = task_launch(tasks, batch[0][1].world_size, staged[0], script)
             if any(t.runs_ckptspec for _, t in batch):  # record the ckptspec modules its ranks import
                 (staged[0] / "imports").mkdir()

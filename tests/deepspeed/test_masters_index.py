@@ -206,19 +206,6 @@ def test_an_index_that_locates_bf16_weights_as_masters_is_refused(ds, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", UNIVERSAL)
-def test_optimizer_state_of_a_universal_folder_is_refused_truly(ds, name, tmp_path):
-    """issue #37 L3: CK402 says the moments are not located for this kind and what the user can do;
-    nothing is written. (Stage 0, MoE and the stage-0 pipeline have it since #39:
-    tests/export/test_masters_optimizer_state.py.)"""
-    out = tmp_path / "out"
-    result = _cli("reconstruct", str(_folder(ds, name)), str(out), "--optimizer-state")
-    assert result.exit_code == 1, result.output
-    assert "CK402" in result.stderr and "locates the fp32 masters only" in result.stderr
-    assert "format 1.1" not in result.stderr and "checkpoint.load_universal" in result.stderr
-    assert not out.exists()
-
-
 def test_inspect_shows_domains_masters_and_expert_files(ds):
     result = _cli("inspect", str(_folder(ds, "moe-ep2-s0-bf16-ws4")), "--format", "json")
     assert result.exit_code == 0, result.stderr

@@ -227,22 +227,23 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
     or with the data-parallel matrix; dense ones (stage 0, universal sources) run in the matrix's
     launches, after its jobs; jobs of one layout share (the ``+again`` test). The FSDP2 loads of the
     DCP export run no DeepSpeed engine and another script, and the reshard loads another script
-    (``reshard_job.py``) and the optimizer-state loads (``optim_job.py``, one launch family per layout):
-    launches of their own."""
+    (``reshard_job.py``) and the optimizer-state loads (``optim_job.py``, ``optim_universal_job.py``: one
+    launch family per script and layout): launches of their own."""
     registry = scenarios.REGISTRY
     by_group = {}
     for name, task in registry.items():
         if task.deepspeed is None:
             by_group.setdefault(task.launch_group, set()).add(
-                task.kind if task.kind not in ("parallel", "optim") else name
+                task.kind if task.kind not in ("parallel", "optim", "optim_universal") else name
             )
     for group, members in by_group.items():
         layouts = {_layout_of(m) for m in members}
         assert len(layouts) == 1, (group, sorted(members))
         for script in ("fsdp2", "reshard"):  # jobs of another script: launches of their own
             assert (group[3] == script) == (layouts == {script}), (group, sorted(members))
-        # optim_job.py's loads (#39): launches of their own, one layout each
-        assert group[3].startswith("optim-") == all(m.endswith("+optim") for m in members), (group, sorted(members))
+        # optim_job.py's and optim_universal_job.py's loads (#39): launches of their own, one layout each
+        optim = group[3].startswith(("optim-", "optim_universal-"))
+        assert optim == all(m.endswith("+optim") for m in members), (group, sorted(members))
     for name in PARALLEL:
         task, again = registry[name], registry[scenarios.again_name(name)]
         assert task.launch_group == again.launch_group and not task.runs_ckptspec

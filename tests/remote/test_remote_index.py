@@ -292,3 +292,19 @@ def test_a_universal_folder_over_http_is_the_local_one(name, nginx, ds, reads, t
     assert written == sorted(p.name for p in (tmp_path / "http").iterdir()) and written
     for out in written:
         assert (tmp_path / "http" / out).read_bytes() == (tmp_path / "local" / out).read_bytes(), out
+
+
+@pytest.mark.parametrize("name", ["uc-s2-bf16-ws2", "uc-s3-bf16-ws2"])
+def test_the_optimizer_state_of_a_universal_folder_over_http_is_the_local_one(name, nginx, ds, tmp_path):
+    """``reconstruct --optimizer-state`` of a ``ds_to_universal`` folder at a URL: its moments, step and
+    hyperparameters (``zero/<param>/<state>.pt``, ``zero/optimizer_state.pt``) read over HTTP, byte for byte the
+    local export (tests/export/test_universal_optimizer_state.py holds that one against DeepSpeed)."""
+    copy, path = nginx.serve(ds.path(name))
+    folder = json.loads((copy / "parallel.json").read_text())["universal"]["output_folder"]
+    assert run("reconstruct", copy / folder, tmp_path / "local", "--quiet", "--optimizer-state").exit_code == 0
+    result = run("reconstruct", f"{nginx.url(path)}/{folder}", tmp_path / "http", "--quiet", "--optimizer-state")
+    assert result.exit_code == 0, result.output
+    written = sorted(p.name for p in (tmp_path / "local").iterdir())
+    assert "optimizer.safetensors" in written and written == sorted(p.name for p in (tmp_path / "http").iterdir())
+    for out in written:
+        assert (tmp_path / "http" / out).read_bytes() == (tmp_path / "local" / out).read_bytes(), out

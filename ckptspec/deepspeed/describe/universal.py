@@ -1,5 +1,6 @@
 """DeepSpeed's universal checkpoint folder (``ds_to_universal``): its checkpoint index, ``kind: "universal"``,
-one domain over ``zero/<name>/fp32.pt``, the source's buffers and ties from its copied model states."""
+one domain over ``zero/<name>/fp32.pt``, the source's buffers and ties from its copied model states; with
+``--hash`` each master's digest and its moments' (``zero/<name>/exp_avg.pt`` ...)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pathlib import Path
 
 from ...checkpoint.states import StateCache
 from ...errors import UnsupportedCheckpoint
-from ...format.index_models import CheckpointIndex, Coordinate
-from ...format.models import Alias
+from ...format.index_models import CheckpointIndex, Coordinate, Domain
+from ...format.models import Alias, Digest
 from ...location import RemotePath, relative_name, walk
 from ..layout.masters import MasterTensor
 from ..layout.names import MODEL_RE
@@ -45,6 +46,8 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
         stage=_source_stage(b),
     )
     domain.manifest.buffers = buffers
+    if hash_algorithm:  # generate --hash: each moment's digest beside its master's (index_builder's)
+        _add_state_digests(folder, states, domain)
     domain.manifest.aliases = [Alias(name=a, owner=o, shape=list(found[o].shape)) for a, o in aliases.items()]
     index = b.index("universal", [domain])
     # The degrees of the source the copied model states record (the folder itself is the whole model).
@@ -55,6 +58,18 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
         index.topology.model_parallel_size = pp * tp
         index.topology.degrees_source = "checkpoint_parallel_dimensions"
     return index
+
+
+def _add_state_digests(folder: Path, states: StateCache, domain: Domain) -> None:
+    """``state_digests`` of every parameter whose moments the folder holds (``layout/universal_moments.py``)."""
+    from ..layout.universal_moments import universal_moment_ranges
+    from .masters_digests import sha256_of
+
+    moments = universal_moment_ranges(folder, states, domain) or {}
+    for group in domain.manifest.groups:
+        for p in group.params:
+            if moments.get(p.name):
+                p.state_digests = {k: Digest(sha256=sha256_of(folder, r)) for k, r in sorted(moments[p.name].items())}
 
 
 def _universal_ties(b: IndexBuilder, found: dict[str, MasterTensor]) -> dict[str, str]:

@@ -115,12 +115,16 @@ def _locator_findings(domain: Domain, i: int, tag_dir: Path | RemotePath, states
 def _digests(domain: Domain, i: int, tag_dir: Path | RemotePath, states: StateCache) -> list[Finding]:
     """CK222 for each recorded digest (``generate --hash``) the located bytes do not have."""
     from ...describe.masters_digests import master_ranges, moment_ranges, sha256_of
+    from ...layout.universal_moments import universal_moment_ranges
 
     params = [(g, k, p) for g, group in enumerate(domain.manifest.groups) for k, p in enumerate(group.params)]
     if not any(p.digest is not None or p.state_digests for _, _, p in params):
         return []
     masters = master_ranges(domain)
-    moments = moment_ranges(tag_dir, states, domain) if any(p.state_digests for _, _, p in params) else {}
+    moments: dict | None = {}
+    if any(p.state_digests for _, _, p in params):
+        universal = domain.masters is not None and domain.masters.stored_in == "universal"
+        moments = (universal_moment_ranges if universal else moment_ranges)(tag_dir, states, domain)
     out = []
     for g, k, p in params:
         wanted: list[tuple[tuple, Any, list | None]] = [(("digest",), p.digest, masters.get(p.name))]
