@@ -23,7 +23,7 @@ from ..errors import CheckpointInvalid, ReconstructMismatch
 from ..findings import has_errors
 from ..location import RemotePath, read_range
 from .arrays import ShardReader, _np, read_array
-from .compose_extras import model_parallel_extras, pipeline_extras
+from .compose_extras import model_parallel_extras, pipeline_extras, tensor_parallel_ties
 from .compose_masters import master_sources, named_extras
 from .compose_plan import IndexReconstructionPlan, replicas, whole_plan
 from .model_plan import ReconstructionPlan
@@ -46,7 +46,7 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
     tag_dir = resolve_tag_dir(checkpoint, tag)
     domain_plans = {d.id: _domain_plan(tag_dir, d, states) for d in found.domains}
     extras = model_parallel_extras(found, tag_dir, domain_plans, states)
-    aliases: dict[str, str] = {}
+    aliases = tensor_parallel_ties(found, tag_dir, domain_plans)
     if found.layer_files:
         layered, aliases = pipeline_extras(found, tag_dir, states)
         extras.update(layered)

@@ -62,6 +62,7 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
                 str(files.tag_dir),
             )
     domains: list[Domain] = []
+    recorded: dict[str, str] | None = None  # tensor rank 0's ties (``zero.proven_ties``)
     for mp, shards in sorted(files.by_mp_rank.items()):
         model_path = shards.model_files[min(shards.model_files)]
         if isinstance(model := states.state(model_path), dict) and model.get("param_shapes", []) is None:
@@ -71,8 +72,15 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
                 str(model_path),
             )
         manifest = manifest_from_states(
-            shards, states, hash_algorithm=hash_algorithm, pipeline_stage=degrees.pipeline > 1, in_index=True
+            shards,
+            states,
+            hash_algorithm=hash_algorithm,
+            pipeline_stage=degrees.pipeline > 1,
+            in_index=True,
+            recorded_ties=recorded,
         )
+        if degrees.tensor > 1 and degrees.pipeline == 1 and recorded is None:
+            recorded = {a.name: a.owner for a in manifest.aliases}
         # The degrees as the index knows them (derived ones too: older DeepSpeed records none).
         manifest.layout.tensor_parallel_size = degrees.tensor
         manifest.layout.pipeline_parallel_size = degrees.pipeline
@@ -135,15 +143,15 @@ def _trainable(manifest: Manifest) -> list:
 
 
 def _refuse_untrainable(manifest: Manifest, domain: Domain, sections=("frozen", "buffers", "aliases")) -> None:
-    """What the whole-model view cannot place yet is refused by name: ties (and, in a pipeline stage,
-    frozen parameters and buffers, which its layer files hold)."""
+    """What the whole-model view of a pipeline cannot place is refused by name: a stage's frozen parameters
+    and buffers outside its layer files (frozen_param_fragments at ZeRO-2), ties inside one stage."""
     for section in sections:
         items = getattr(manifest, section)
         if items:
             raise UnsupportedCheckpoint(
                 f"{section} ({items[0].name!r}, ...) in model-parallel domain {domain.id}",
-                "the checkpoint index describes the trainable parameters, frozen parameters and buffers of "
-                f"tensor-parallel checkpoints and the trainable parameters of pipelines; {section} there are not "
+                "the checkpoint index describes every tensor of tensor-parallel checkpoints, and the layer files "
+                f"of pipelines (TiedLayerSpec ties included); {section} in a pipeline stage's model states are not "
                 "described yet",
             )
 
@@ -151,17 +159,19 @@ def _refuse_untrainable(manifest: Manifest, domain: Domain, sections=("frozen", 
 def _tensor_view(files: ParallelFiles, states: StateCache, domains: list[Domain], tp: int) -> list[IndexParameter]:
     by_name: dict[str, IndexParameter] = {}
     for domain in domains:
-        _refuse_untrainable(domain.manifest, domain, ("aliases",))
         tensor = domain.coordinate.tensor
         model_path = next(f.path for f in domain.manifest.files if f.role == "model_states")
         amap = affine_params(states.state(files.tag_dir / model_path))
         # Frozen parameters and buffers are the domain manifest's (index 1.0 has no role for them in
         # ``parameters``): a reader places them by the same affine_map (export/compose_extras.py).
         # One without a merge rule is refused here, before a document says more than can be read.
-        for frozen in domain.manifest.frozen:
-            untrainable_placement(amap, frozen.name, tensor, list(frozen.shape), model_path, buffer=False)
+        placed = {
+            f.name: untrainable_placement(amap, f.name, tensor, list(f.shape), model_path, buffer=False)[1]
+            for f in domain.manifest.frozen
+        }
         for param in _trainable(domain.manifest):
             whole, placement = tp_placement(amap, param.name, tensor, list(param.shape), model_path)
+            placed[param.name] = placement
             shard = Shard(domain=domain.id, local_name=param.name, local_shape=list(param.shape), placement=placement)
             entry = by_name.get(param.name)
             if entry is None:
@@ -182,11 +192,30 @@ def _tensor_view(files: ParallelFiles, states: StateCache, domains: list[Domain]
                     model_path,
                 )
             entry.shards.append(shard)
+        _check_ties(domain, amap, placed, model_path)
     for entry in by_name.values():
         if all(s.placement == "replicated" for s in entry.shards):
             for s in entry.shards:
                 s.primary = s is entry.shards[0]
     return list(by_name.values())
+
+
+def _check_ties(domain: Domain, amap, placed: dict, model_path: str) -> None:
+    """A tie of a tensor-parallel domain (``shared_params``: one weight under two names) is described as the
+    domain manifest's alias, the same on every tensor rank, when AutoTP left the weight whole: its owner
+    ``"replicated"``, and the alias too where the affine_map names it. AutoTP 0.19.8 cannot train a split
+    tied weight (``deepspeed.initialize`` fails, or the other use is sliced with it): refused, never guessed."""
+    for alias in domain.manifest.aliases:
+        own = untrainable_placement(
+            amap, alias.name, domain.coordinate.tensor, list(alias.shape), model_path, buffer=True
+        )
+        if placed.get(alias.owner) != "replicated" or own[1] != "replicated":
+            raise UnsupportedCheckpoint(
+                f"tie {alias.name!r} -> {alias.owner!r} in model-parallel domain {domain.id}: the affine_map "
+                "splits the tied weight",
+                "ckptspec describes ties of weights AutoTP leaves whole; a split tied weight has no merge rule",
+                model_path,
+            )
 
 
 TIED_PREFIX = "tied_modules."  # a PipelineModule's TiedLayerSpec modules: tied_modules.<key>.<attribute>
