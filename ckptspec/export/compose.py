@@ -25,7 +25,7 @@ from ..format.index_models import CheckpointIndex
 from ..format.models import Hash
 from ..location import RemotePath, read_range
 from .arrays import ShardReader, _np, read_array
-from .compose_extras import model_parallel_extras, pipeline_extras
+from .compose_extras import model_parallel_extras, pipeline_extras, tensor_parallel_ties
 from .compose_masters import master_sources, named_extras
 from .compose_plan import IndexReconstructionPlan, replicas, whole_plan
 from .model_plan import ReconstructionPlan
@@ -52,7 +52,7 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
         raise CheckpointInvalid(findings, str(checkpoint))
     domain_plans = {d.id: _domain_plan(tag_dir, d, states) for d in found.domains}
     extras = model_parallel_extras(found, tag_dir, domain_plans, states)
-    aliases: dict[str, str] = {}
+    aliases = tensor_parallel_ties(found, tag_dir, domain_plans)
     if found.layer_files:
         layered, aliases = pipeline_extras(found, tag_dir, states)
         extras.update(layered)

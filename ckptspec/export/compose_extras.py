@@ -71,6 +71,21 @@ def model_parallel_extras(
     return out
 
 
+def tensor_parallel_ties(
+    index: CheckpointIndex, tag_dir: Path | RemotePath, domain_plans: dict[str, ReconstructionPlan]
+) -> dict[str, str]:
+    """alias -> owner of the ties of the ZeRO domains outside a pipeline (AutoTP: a weight it left whole,
+    ``describe/model_parallel._check_ties``), the same in every domain: the whole model's names."""
+    ties: dict[str, dict[str, str]] = {
+        d.id: dict(domain_plans[d.id].aliases) for d in index.domains if d.masters is None and not index.layer_files
+    }
+    first = next(iter(ties.values()), {})
+    for domain, found in ties.items():
+        if found != first:
+            raise ReconstructMismatch(f"domain {domain} ties {found}, another domain {first}", tag_dir)
+    return first
+
+
 def pipeline_extras(
     index: CheckpointIndex, tag_dir: Path | RemotePath, states: StateCache
 ) -> tuple[dict[str, tuple[list[int], list[tuple[Shard, TensorSource]]]], dict[str, str]]:

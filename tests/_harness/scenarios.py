@@ -110,8 +110,11 @@ PARALLEL = sorted(PARALLEL_SPECS)
 # Every tensor of a model-parallel checkpoint (issue #39, item 3): AutoTP runs whose module has frozen
 # parameters (one split by AutoTP, one left whole on every tensor rank) and persistent buffers, at
 # ZeRO-1 (frozen weights in the module) and ZeRO-2 (in frozen_param_fragments). One launch: same world
-# size and family. Not in PARALLEL: no +again or +hook entry, tests/export/test_compose_extras.py reads them.
+# size and family. Not in PARALLEL: no +again entry, tests/export/test_compose_extras.py reads them (and
+# HOOKED saves them again through the hook). ``-tied``: the AutoTP MLP with two Linear layers sharing one
+# weight AutoTP leaves whole (the one tie AutoTP 0.19.8 trains), in the same launch.
 EXTRAS_SPECS = {
+    "tp2-s1-fp32-ws2-tied": ({"tp": 2, "stage": 1, "dtype": "fp32", "tied": True}, 2),
     "tp2-s1-fp32-ws2-extras": ({"tp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True}, 2),
     "tp2-s2-bf16-ws2-extras": ({"tp": 2, "stage": 2, "dtype": "bf16", "frozen": True, "buffers": True}, 2),
     # a PipelineModule over 2 stages: a frozen weight on stage 0, a buffer on stage 1, a TiedLayerSpec
@@ -132,6 +135,10 @@ HOOKED = [
     "tp2-s1-fp32-ws2",
     "tp2dp2-s2-bf16-ws4",
     "tp2-s3-bf16-ws2",
+    "tp2-s1-fp32-ws2-extras",
+    "tp2-s2-bf16-ws2-extras",
+    "pp2-s1-fp32-ws2-extras",
+    "tp2-s1-fp32-ws2-tied",
 ]
 
 
@@ -298,7 +305,7 @@ def _registry() -> dict[str, Task]:
         if name not in MASTERS_HOOKED:
             out[again_name(name)] = Task("parallel", {**spec, "save": False, "universal": False}, ws)
     for name in HOOKED + MASTERS_HOOKED:
-        spec, ws = PARALLEL_SPECS[name]
+        spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
     for name in OPTIM_SOURCES:
         spec, ws = PARALLEL_SPECS[name]

@@ -23,8 +23,9 @@ from _harness.scenarios import EXTRAS
 
 import ckptspec
 
-TP_EXTRAS = [n for n in EXTRAS if n.startswith("tp")]
+TP_EXTRAS = [n for n in EXTRAS if n.startswith("tp") and n.endswith("-extras")]
 PIPELINE = "pp2-s1-fp32-ws2-extras"
+TIED = "tp2-s1-fp32-ws2-tied"  # parallel_models._mlp_net(tied=True): out.weight is inp.weight, AutoTP leaves it whole
 
 FROZEN = ["blocks.0.up.weight", "head.bias"]  # parallel_models._mlp_net(frozen=True): split, whole
 BUFFERS = ["running", "step_count"]
@@ -184,3 +185,84 @@ def test_a_pipeline_buffer_missing_from_its_layer_file_is_refused(ds, tmp_path):
     with pytest.raises(ReconstructMismatch, match=r"stage 1's model states name buffers \['3.running'\]"):
         ckptspec.reconstruct(copy, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _model_states(entry, mp: int):
+    return entry / info(entry)["tag"] / f"mp_rank_{mp:02d}_model_states.pt"
+
+
+def test_an_autotp_tie_is_described_once_and_written_as_deepspeed_holds_it(ckptspec_cli, ds, tmp_path):
+    """Two Linear layers sharing one weight AutoTP leaves whole (the one tie AutoTP 0.19.8 trains: it fails
+    on, or slices the other use of, a split tied weight). DeepSpeed records ``shared_params`` on global rank
+    0 only: tensor rank 1's model states hold ``{}`` and save ``out.weight`` as one more key on
+    ``inp.weight``'s very bytes, which is what makes it the same tie there."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    entry = ds.path(TIED)
+    spec = info(entry)["spec"]
+    recorded = [torch.load(_model_states(entry, mp), map_location="cpu", weights_only=False) for mp in (0, 1)]
+    assert [r["shared_params"] for r in recorded] == [{"out.weight": "inp.weight"}, {}]  # DeepSpeed's own record
+    index = ckptspec.describe(entry)
+    for domain in index.domains:
+        assert [(a.name, a.owner) for a in domain.manifest.aliases] == [("out.weight", "inp.weight")]
+        assert domain.manifest.frozen == []
+    (owner,) = [p for p in index.parameters if p.name == "inp.weight"]
+    assert [s.placement for s in owner.shards] == ["replicated", "replicated"]
+    assert "out.weight" not in {p.name for p in index.parameters}
+    ckptspec_cli("validate", str(entry))
+
+    whole = _reconstructed(ckptspec_cli, entry, tmp_path / "tied")
+    with safe_open(tmp_path / "tied" / "model.safetensors", "pt") as f:
+        assert json.loads(f.metadata()["ckptspec.aliases"]) == {"out.weight": "inp.weight"}
+    assert "out.weight" not in whole  # stored once
+    ckptspec_cli("reconstruct", str(entry), str(tmp_path / "untied"), "--untie", "--quiet")
+    untied = load_file(tmp_path / "untied" / "model.safetensors")
+    assert set(untied) == set(reference_model(spec).state_dict()) == set(whole) | {"out.weight"}
+    assert bits_equal(untied["out.weight"], untied["inp.weight"])
+    # Every rank's live fp32 master (the tie has one: inp.weight), and DeepSpeed's own merge of the module.
+    oracles = rank_oracles(entry)
+    assert ["out.weight" not in o["masters"] and "inp.weight" in o["masters"] for o in oracles] == [True, True]
+    assert check_masters(entry, untied) == sum(len(o["masters"]) for o in oracles) == 2 * 11
+    consolidated = torch.load(entry / "consolidated.pt", weights_only=True)
+    assert set(consolidated) == set(untied)
+    assert all(bits_equal(untied[n], consolidated[n]) for n in untied)
+    # The tp1 model (one weight at inp and out) with the output gives the job's logits.
+    model = reference_model(spec)
+    model.load_state_dict(untied, strict=True)
+    assert model.out.weight is model.inp.weight
+    model.eval()
+    inputs = torch.load(entry / "eval.pt", weights_only=True)["inputs"]
+    with torch.no_grad():
+        out = model(inputs)
+    for logits in (o["logits"] for o in oracles):
+        assert (logits - out).abs().max().item() <= 1e-6
+    arrays = ckptspec.load_state_dict(entry, framework="numpy")
+    assert set(arrays) == set(untied)
+
+
+def test_an_autotp_tie_is_never_taken_on_trust(ds, tmp_path):
+    """Rank 0's ``shared_params`` name the tie; another tensor rank's own bytes must prove it. A copy of the
+    weight there (not the owner's tensor) is a module key without a merge rule (CK202), and a recorded tie
+    of a weight AutoTP splits is refused by name: nothing is described, nothing written."""
+    import torch
+
+    from ckptspec.errors import UnsupportedCheckpoint
+
+    for mp, change, message in [
+        (1, lambda s: s["module"].update({"out.weight": s["module"]["out.weight"].clone()}), "'out.weight'"),
+        (0, lambda s: s.update(shared_params={"out.weight": "blocks.0.up.weight"}), "splits the tied weight"),
+    ]:
+        copy = tmp_path / f"ckpt{mp}"
+        shutil.copytree(ds.path(TIED), copy)
+        path = _model_states(copy, mp)
+        states = torch.load(path, map_location="cpu", weights_only=False)
+        change(states)
+        torch.save(states, path)
+        with pytest.raises(UnsupportedCheckpoint, match=message) as raised:
+            ckptspec.describe(copy)
+        assert raised.value.code == "CK202"
+        with pytest.raises(UnsupportedCheckpoint):
+            ckptspec.reconstruct(copy, tmp_path / f"out{mp}")
+        assert not (tmp_path / f"out{mp}").exists()

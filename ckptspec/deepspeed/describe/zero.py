@@ -57,6 +57,7 @@ def manifest_from_states(
     hash_algorithm: str | None = None,
     pipeline_stage: bool = False,
     in_index: bool = False,
+    recorded_ties: dict[str, str] | None = None,
 ) -> Manifest:
     """The manifest of the files of ``shards``, read through ``states``.
 
@@ -65,6 +66,8 @@ def manifest_from_states(
     model states hold no ``module`` (the weights are in the layer files the index lists).
     ``in_index``: the files of one model-parallel rank of a checkpoint index (otherwise a
     model-parallel checkpoint whose other ranks' files are all missing is refused, CK206).
+    ``recorded_ties``: tensor rank 0's ``shared_params`` (alias -> owner), for another tensor rank's files,
+    whose ``shared_params`` DeepSpeed leaves empty (``proven_ties``).
     """
     model_states = {rank: states.state(path) for rank, path in shards.model_files.items()}
     optim_states = {rank: states.state(path) for rank, path in shards.optim_files.items()}
@@ -122,6 +125,8 @@ def manifest_from_states(
 
     groups = _groups(first_model, osd, stage, bf16_optimizer)
     shared = real_ties(first_model.get("shared_params") or {}, module, stage)
+    if not shared and recorded_ties:
+        shared = proven_ties(recorded_ties, module)
     frozen = _frozen(first_model, groups, shared, stage)
     if stage == 3 and legacy.frozen_shapes_unrecorded(first_model):
         taken = {p.name for g in groups for p in g.params} | set(shared)
@@ -282,6 +287,24 @@ def real_ties(shared: dict, module: dict, stage: int) -> dict:
             continue
         real[alias] = owner
     return real
+
+
+def proven_ties(recorded: dict[str, str], module: dict) -> dict[str, str]:
+    """The ties of another rank's ``recorded`` ``shared_params`` that its own module proves: DeepSpeed computes
+    ``shared_params`` on global rank 0 only (``engine._get_shared_params``), so under AutoTP every other tensor
+    rank's model states hold ``{}``, and save the tied name as one more module key. A tie holds there when that
+    key is the owner's very tensor in the file (same storage, offset, shape and strides); anything else stays
+    what its role says (a frozen parameter, refused without a merge rule)."""
+    out = {}
+    for alias, owner in recorded.items():
+        a, o = module.get(alias), module.get(owner)
+        if isinstance(a, TensorRef) and isinstance(o, TensorRef) and a.numel and _view_of(a) == _view_of(o):
+            out[alias] = owner
+    return out
+
+
+def _view_of(ref: TensorRef) -> tuple:
+    return ref.storage.member, ref.storage_offset, tuple(ref.shape), tuple(ref.stride)
 
 
 def partition_locators(path: Path | RemotePath, rank: int, stage: int, states: States) -> list[Locator]:

@@ -16,9 +16,9 @@ def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> Che
     (``masters_index.live_index``): a master's locator is a byte range of a saved file.
 
     Raises:
-        UnsupportedEngine: tensor/pipeline parallelism at ZeRO 1-3 with frozen parameters, buffers or
-            ties, a parameter AutoTP partitions without an affine map; MoE or stage 0 combined with
-            tensor parallelism, MoE with FP16_Optimizer's flat masters.
+        UnsupportedEngine: under AutoTP a parameter (frozen ones too) partitioned without an affine map,
+            a tie of a weight AutoTP splits; in a pipeline a tie inside one stage, frozen parameters at
+            ZeRO-2; MoE or stage 0 combined with tensor parallelism, MoE with FP16_Optimizer's flat masters.
         EngineLayoutMismatch: the ranks of one coordinate describe their group differently.
     """
     from ..kinds import kind_of_engine

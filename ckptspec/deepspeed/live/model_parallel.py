@@ -13,7 +13,7 @@ each domain's ``members``), and ``degrees_source``/``placement_source`` ``"engin
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from ..._version import __version__
 from ...errors import EngineLayoutMismatch, UnsupportedEngine
@@ -25,12 +25,13 @@ from ...format.index_models import (
     Degrees,
     Domain,
     IndexParameter,
+    LayerFile,
     RankCoordinate,
     Shard,
     Topology,
 )
 from ...format.models import Manifest
-from ..describe.model_parallel import domain_id
+from ..describe.model_parallel import domain_id, pipeline_parameters
 from ..layout.placements import tp_placement
 from .refusals import refuse_unsaveable
 from .zero import engine_layout
@@ -81,38 +82,67 @@ def _live_params(engine) -> dict:
     return {name: p for name, p in engine.module.named_parameters()}
 
 
-def _tp_placements(engine, manifest: Manifest, tensor: int) -> dict[str, list]:
-    """Local name -> [whole shape, placement] of every trainable parameter, from AutoTP's live metadata."""
+def _tp_placement(live, name: str, shape: list, tensor: int) -> list:
+    """[whole shape, placement] of one parameter's shard on this tensor rank, from AutoTP's live metadata."""
     from deepspeed.module_inject.layers import _get_param_uc_conversion_meta
 
+    meta = _get_param_uc_conversion_meta(live) or {}
+    if meta.get("unsupported_reason"):
+        raise UnsupportedEngine(f"{name!r}: AutoTP cannot convert it: {meta['unsupported_reason']}")
+    amap = meta.get("affine_map")
+    if not meta:  # AutoTP left it untouched: identical on every tensor rank (DeepSpeed's own rule)
+        return [list(shape), "replicated"]
+    if amap is None:
+        raise UnsupportedEngine(
+            f"{name!r}: AutoTP partitioned it without an affine map; its merge rule is never guessed"
+        )
+    whole, placement = tp_placement({"": amap}, name, tensor, list(shape), "the live engine")
+    return [whole, placement]
+
+
+def _tp_placements(engine, manifest: Manifest, tensor: int) -> dict[str, list]:
+    """Local name -> [whole shape, placement] of every trainable parameter, from AutoTP's live metadata.
+    A frozen parameter needs a merge rule too (the directory producer's, ``untrainable_placement``); a tie
+    must be of a weight AutoTP left whole (it splits a parameter, not each of its names)."""
     live = _live_params(engine)
-    out = {}
-    for group in manifest.groups:
-        for param in group.params:
-            meta = _get_param_uc_conversion_meta(live[param.name]) or {}
-            if meta.get("unsupported_reason"):
-                raise UnsupportedEngine(f"{param.name!r}: AutoTP cannot convert it: {meta['unsupported_reason']}")
-            amap = meta.get("affine_map")
-            if not meta:  # AutoTP left it untouched: identical on every tensor rank (DeepSpeed's own rule)
-                out[param.name] = [list(param.shape), "replicated"]
-                continue
-            if amap is None:
-                raise UnsupportedEngine(
-                    f"{param.name!r}: AutoTP partitioned it without an affine map; its merge rule is never guessed"
-                )
-            whole, placement = tp_placement({"": amap}, param.name, tensor, list(param.shape), "the live engine")
-            out[param.name] = [whole, placement if isinstance(placement, str) else placement]
+    out = {p.name: _tp_placement(live[p.name], p.name, p.shape, tensor) for g in manifest.groups for p in g.params}
+    frozen = {f.name: _tp_placement(live[f.name], f.name, f.shape, tensor) for f in manifest.frozen}
+    for alias in manifest.aliases:
+        owner = out.get(alias.owner) or frozen.get(alias.owner)
+        if owner is None or owner[1] != "replicated":
+            raise UnsupportedEngine(
+                f"tie {alias.name!r} -> {alias.owner!r}: AutoTP splits the weight; a split tied weight is not "
+                "described (DeepSpeed 0.19.8's AutoTP cannot train one either)"
+            )
     return out
 
 
 def _pipeline_layers(engine) -> dict:
-    """Layer index -> (layer file name, its state-dict keys) for this stage's layers, DeepSpeed's naming."""
+    """Layer index -> (layer file name, its state-dict key -> shape) for this stage's layers, DeepSpeed's naming."""
     module = engine.module
     out = {}
     for local, layer in enumerate(module.forward_funcs):
         if hasattr(layer, "state_dict"):
-            out[module._local_start + local] = (module.ckpt_layer_path("", local), sorted(layer.state_dict()))
+            shapes = {key: list(t.shape) for key, t in sorted(layer.state_dict().items())}
+            out[module._local_start + local] = (module.ckpt_layer_path("", local), shapes)
     return out
+
+
+def as_pipeline_stage(manifest: Manifest) -> None:
+    """A stage's manifest as the directory producer reads it: the stage's model states hold no module, its
+    frozen parameters and buffers are keys of its layer files (the index lists them there)."""
+    if manifest.aliases:
+        raise UnsupportedEngine(
+            f"a tie inside one pipeline stage ({manifest.aliases[0].name!r} -> {manifest.aliases[0].owner!r}) is "
+            "not described; a TiedLayerSpec's module is"
+        )
+    if manifest.frozen and manifest.layout.zero_stage >= 2:
+        raise UnsupportedEngine(
+            f"frozen parameters ({manifest.frozen[0].name!r}, ...) in a pipeline at ZeRO stage "
+            f"{manifest.layout.zero_stage}: DeepSpeed saves them in frozen_param_fragments beside the layer "
+            "files; not described yet"
+        )
+    manifest.frozen, manifest.buffers = [], []
 
 
 def local_description(engine, exclude_frozen_parameters: bool = False) -> dict:
@@ -122,12 +152,8 @@ def local_description(engine, exclude_frozen_parameters: bool = False) -> dict:
     manifest = engine_layout(engine, exclude_frozen_parameters)
     pp, tp, _ = coords["degrees"]
     manifest.layout.tensor_parallel_size, manifest.layout.pipeline_parallel_size = tp, pp
-    for section in ("frozen", "buffers", "aliases"):
-        items = getattr(manifest, section)
-        if items:  # as the directory producer: not in the whole-model view yet
-            raise UnsupportedEngine(
-                f"{section} ({items[0].name!r}, ...) in a tensor/pipeline-parallel engine are not described yet"
-            )
+    if pp > 1:
+        as_pipeline_stage(manifest)
     return {
         **coords,
         "manifest": manifest.to_dict(),
@@ -136,14 +162,15 @@ def local_description(engine, exclude_frozen_parameters: bool = False) -> dict:
     }
 
 
-def _layer_file(layers: dict, name: str) -> tuple[str, str]:
-    layer, key = name.split(".", 1)
-    return layers[layer][0], key
-
-
-def assemble(described: list[dict], files_of: Callable[[dict], list] | None = None) -> CheckpointIndex:
+def assemble(
+    described: list[dict],
+    files_of: Callable[[dict], list] | None = None,
+    layer_files_of: Callable[[list[LayerFile]], list[LayerFile]] | None = None,
+) -> CheckpointIndex:
     """The index from every rank's ``local_description`` (in rank order). ``files_of(domain description)``
-    gives a domain's described files (the save hook); without it the domains list no files."""
+    gives a domain's described files (the save hook); without it the domains list no files.
+    ``layer_files_of``: the pipeline's layer files (named as the directory producer names their tensors,
+    ``pipeline_parameters``) with their sizes and hashes (the save hook); without it none."""
     pp, tp, dp = described[0]["degrees"]
     if any(d["degrees"] != [pp, tp, dp] for d in described):
         raise EngineLayoutMismatch("the ranks report different parallel degrees")
@@ -152,7 +179,7 @@ def assemble(described: list[dict], files_of: Callable[[dict], list] | None = No
         by_coord.setdefault((d["pipeline"], d["tensor"]), []).append(d)
     domains: list[Domain] = []
     parameters: dict[str, IndexParameter] = {}
-    layers: dict[str, Any] = {}  # layer number -> (its file, its keys): every rank's "layers"
+    layers: dict[int, Any] = {}  # layer number -> (its file, its tensors' shapes): every rank's "layers"
     for (pipeline, tensor), members in sorted(by_coord.items(), key=lambda kv: kv[1][0]["mp_rank"]):
         first = members[0]
         if any(m["manifest"] != first["manifest"] for m in members):
@@ -170,16 +197,13 @@ def assemble(described: list[dict], files_of: Callable[[dict], list] | None = No
             manifest=manifest,
         )
         domains.append(dom)
-        layers.update(first["layers"] or {})
+        layers.update({int(k): v for k, v in (first["layers"] or {}).items()})
+        if first["placements"] is None:  # a pipeline stage: placed below, as the directory producer places it
+            continue
         for group in manifest.groups:
             for param in group.params:
                 shard = Shard(domain=dom.id, local_name=param.name, local_shape=list(param.shape), placement="whole")
-                if first["placements"] is not None:
-                    whole, shard.placement = first["placements"][param.name]
-                    source: Literal["engine", "pipeline_layer"] = "engine"
-                else:
-                    whole, source = list(param.shape), "pipeline_layer"
-                    shard.layer_file, shard.layer_key = _layer_file(layers, param.name)
+                whole, shard.placement = first["placements"][param.name]
                 entry = parameters.get(param.name)
                 if entry is None:
                     parameters[param.name] = IndexParameter(
@@ -188,7 +212,7 @@ def assemble(described: list[dict], files_of: Callable[[dict], list] | None = No
                         dtype=param.dtype,
                         role="trainable",
                         shards=[shard],
-                        placement_source=source,
+                        placement_source="engine",
                     )
                 elif entry.shape != whole:
                     raise EngineLayoutMismatch(f"{param.name!r}: tensor ranks give whole shapes {entry.shape}, {whole}")
@@ -198,6 +222,11 @@ def assemble(described: list[dict], files_of: Callable[[dict], list] | None = No
         if all(s.placement == "replicated" for s in entry.shards):
             for s in entry.shards:
                 s.primary = s is entry.shards[0]
+    layer_files: list[LayerFile] = []
+    if pp > 1:
+        layer_files, in_layers = pipeline_parameters(domains, layers, "the live engine")
+        parameters = {p.name: p for p in in_layers}
+        layer_files = layer_files_of(layer_files) if layer_files_of is not None else []
     first_manifest = domains[0].manifest
     return CheckpointIndex(
         format=INDEX_FORMAT,
@@ -216,6 +245,6 @@ def assemble(described: list[dict], files_of: Callable[[dict], list] | None = No
             ],
         ),
         domains=domains,
-        layer_files=[],
+        layer_files=layer_files,
         parameters=list(parameters.values()),
     )

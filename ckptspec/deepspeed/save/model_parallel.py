@@ -46,7 +46,8 @@ def _own_files(engine, staged: Path, mine: dict, hash_algorithm: str | None) -> 
 
 
 def _own_layer_files(engine, staged: Path, mine: dict, hash_algorithm: str | None) -> list[dict]:
-    """The pipeline layer files this rank wrote (DeepSpeed's ``PipelineModule.save_state_dict`` split)."""
+    """The pipeline layer files this rank wrote (DeepSpeed's ``PipelineModule.save_state_dict`` split):
+    their sizes and hashes (``assemble`` names their tensors)."""
     if not mine["layers"]:
         return []
     from deepspeed.runtime import utils as ds_utils
@@ -59,17 +60,12 @@ def _own_layer_files(engine, staged: Path, mine: dict, hash_algorithm: str | Non
     else:
         start, stop = (0, count) if dp_rank == 0 else (0, 0)
     out = []
-    for layer, (name, keys) in sorted((int(k), v) for k, v in mine["layers"].items()):
+    for layer, (name, _) in sorted((int(k), v) for k, v in mine["layers"].items()):
         path = staged / name
         if not start <= layer - module._local_start < stop or not path.is_file():
             continue
         entry = LayerFile(
-            path=name,
-            layer=layer,
-            pipeline=mine["pipeline"],
-            tensor=None,
-            size=path.stat().st_size,
-            tensors={key: f"{layer}.{key}" for key in keys},
+            path=name, layer=layer, pipeline=mine["pipeline"], tensor=None, size=path.stat().st_size, tensors={}
         )
         if hash_algorithm:
             entry.hash = file_digest(path, hash_algorithm)
@@ -102,6 +98,7 @@ def save_index_checkpoint(
 
     mine = local_description(engine, exclude_frozen_parameters)  # refusals first, on every rank alike
     described = gather(mine, dist)
+    assemble(described)  # the whole-model view's refusals too, before anything is written
     state, tag = save_request(engine, client_state, tag)
     distributed = dist.is_available() and dist.is_initialized()
     staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)
@@ -118,10 +115,20 @@ def save_index_checkpoint(
         files = [ShardFile.model_validate(f) for r in ranks for f in files_by_rank[r]]
         return sorted(files, key=lambda f: file_order(f.role, f.ranks, f.path))
 
-    index = assemble(described, files_of)
-    index.layer_files = sorted(
-        (LayerFile.model_validate(lf) for _, layers in gathered for lf in layers), key=lambda lf: lf.layer
-    )
+    written = {lf["path"]: LayerFile.model_validate(lf) for _, layers in gathered for lf in layers}
+
+    def layer_files_of(entries: list[LayerFile]) -> list[LayerFile]:
+        """The layer files as the directory producer names their tensors, with the size and hash of the rank
+        that wrote each (every one was written: DeepSpeed writes every layer of every stage)."""
+        for entry in entries:
+            if entry.path not in written:
+                raise RuntimeError(f"ckptspec: no rank wrote the pipeline layer file {entry.path}")
+            entry.size = written[entry.path].size
+            if "hash" in written[entry.path].model_fields_set:
+                entry.hash = written[entry.path].hash
+        return entries
+
+    index = assemble(described, files_of, layer_files_of)
 
     def describe():
         if hash:

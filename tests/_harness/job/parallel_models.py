@@ -22,7 +22,9 @@ DEFAULTS = {
     # the dense or AutoTP MLP: blocks.0.up.weight (AutoTP splits it, column-parallel) and head.bias
     # (AutoTP leaves it whole on every tensor rank) frozen; a pipeline: layer 2's up.weight
     "frozen": False,
-    # a pipeline only: layer 0 and layer 4 one bias-free Linear (TiedLayerSpec "emb", one on each stage)
+    # a pipeline: layer 0 and layer 4 one bias-free Linear (TiedLayerSpec "emb", one on each stage); the AutoTP
+    # MLP: ``inp`` and ``out``, two bias-free Linear layers sharing one weight that AutoTP leaves whole (AutoTP
+    # 0.19.8 cannot split a tied weight: deepspeed.initialize fails, or slices the other use with it)
     "tied": False,
     "pp": 1,  # pipeline stages (PipelineModule, partition_method "uniform")
     "tp": 1,  # AutoTP degree
@@ -57,8 +59,8 @@ def normalize(spec):
     for key in ("buffers", "frozen"):
         if out[key] and layout(out) not in ("dense", "autotp", "pipe"):
             raise ValueError(f"{key} are in the dense or AutoTP MLP or the pipeline only: {spec}")
-    if out["tied"] and layout(out) != "pipe":
-        raise ValueError(f"tied layers are in the pipeline only: {spec}")
+    if out["tied"] and layout(out) not in ("pipe", "autotp"):
+        raise ValueError(f"tied layers are in the pipeline or the AutoTP MLP only: {spec}")
     if out["ep"] and (out["pp"] > 1 or out["tp"] > 1 or out["experts"] % out["ep"]):
         raise ValueError(f"MoE jobs are data/expert parallel only, experts divisible by ep: {spec}")
     if out["pp"] > 1 and out["tp"] > 1:
@@ -110,7 +112,7 @@ def _block_class():
     return Block
 
 
-def _mlp_net(buffers=False, frozen=False):
+def _mlp_net(buffers=False, frozen=False, tied=False):
     import torch
     from torch import nn
 
@@ -127,14 +129,22 @@ def _mlp_net(buffers=False, frozen=False):
             if buffers:  # saved in the module beside the weights (buffer_names), never in the optimizer
                 self.register_buffer("running", torch.zeros(W))
                 self.register_buffer("step_count", torch.tensor(0, dtype=torch.int64))
+            if tied:  # one weight under two names (DeepSpeed saves both, shared_params names the tie)
+                self.inp = nn.Linear(W, W, bias=False)
+                self.out = nn.Linear(W, W, bias=False)
+                self.out.weight = self.inp.weight
 
         def forward(self, x):
             if buffers and self.training:
                 with torch.no_grad():
                     self.running.mul_(0.5).add_(x.mean(0).to(self.running.dtype), alpha=0.5)
                     self.step_count += 1
+            if tied:
+                x = self.inp(x)
             for block in self.blocks:
                 x = block(x)
+            if tied:
+                x = self.out(torch.relu(x))
             return self.head(x)
 
     return Net()
@@ -237,7 +247,7 @@ def build_model(spec):
             if spec["frozen"] and name == PIPE_FROZEN:
                 param.requires_grad_(False)
         return model
-    return _mlp_net(spec["buffers"], spec["frozen"])
+    return _mlp_net(spec["buffers"], spec["frozen"], spec["tied"])
 
 
 def reference_model(spec):
@@ -258,7 +268,7 @@ def reference_model(spec):
                 built[key] = module
             layers.append(module)
         return nn.Sequential(*layers)
-    return _mlp_net(spec["buffers"], spec["frozen"])
+    return _mlp_net(spec["buffers"], spec["frozen"], spec["tied"])
 
 
 def ds_config(spec):

@@ -9,6 +9,7 @@ from operator import attrgetter, eq, methodcaller
 from ....findings import Finding, RuleSet, finding, json_path
 from ...describe.zero import real_ties
 from ...layout.legacy import saved_stage
+from ...layout.names import mp_rank_of
 from .context import Check, Context
 
 CHECKS: RuleSet[Check] = RuleSet()
@@ -235,8 +236,9 @@ def model_header(ctx: Context) -> Iterator[Finding]:
                     rank=f.rank,
                 )
         shared = state.get("shared_params")
-        if isinstance(shared, dict) and (f.rank in (0, None) or shared):
-            # DeepSpeed computes the ties on global rank 0 only; the other ranks' files hold {}.
+        if isinstance(shared, dict) and ((f.rank in (0, None) and not mp_rank_of(f.name)) or shared):
+            # DeepSpeed computes the ties on global rank 0 only; the other ranks' files hold {} (a data-parallel
+            # rank's, and under AutoTP every other tensor rank's mp_rank_XX file: describe/model_parallel.py).
             real = real_ties({str(k): str(v) for k, v in shared.items()}, state["module"], ctx.layout.zero_stage)
             if real != aliases:
                 yield finding(
