@@ -123,6 +123,7 @@ CODES: dict[str, str] = {
     "CK607": "index-layer-files",
     "CK608": "index-placement-source",
     "CK609": "index-master-dtype",
+    "CK610": "index-extras",
     # CK9xx: input and output (format/codec.py, the CLI)
     "CK901": "file-unreadable",
     "CK902": "file-too-large",

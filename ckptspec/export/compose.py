@@ -6,8 +6,9 @@ composed from its shards' byte ranges as the index places them (``compose_plan.p
 writers write the whole model as they write any plan (safetensors or torch files, sharding, the
 optimizer state; atomic). The non-primary replicas are read and compared with the primary first
 (they must be equal, bit for bit: CK401 otherwise). A domain whose index locates its masters (#17)
-adds the buffers and ties it names; a tensor-parallel domain's frozen parameters and buffers are
-composed from the tensor ranks' copies (``compose_extras.py``). ``ckptspec.load_state_dict`` reads
+adds the buffers and ties it names; the frozen parameters, buffers and ties of the others are
+placed by the index (1.1's ``extras`` and ``aliases``), or derived as ``generate`` derives them
+(``compose_extras.py``). ``ckptspec.load_state_dict`` reads
 the same plan. No DeepSpeed, no pickle; torch only for ``--format torch``.
 """
 
@@ -25,7 +26,7 @@ from ..format.index_models import CheckpointIndex
 from ..format.models import Hash
 from ..location import RemotePath, read_range
 from .arrays import ShardReader, _np, read_array
-from .compose_extras import model_parallel_extras, pipeline_extras, tensor_parallel_ties
+from .compose_extras import extras_of
 from .compose_masters import master_sources, named_extras
 from .compose_plan import IndexReconstructionPlan, replicas, whole_plan
 from .model_plan import ReconstructionPlan
@@ -51,11 +52,7 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
     if found is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(checkpoint))
     domain_plans = {d.id: _domain_plan(tag_dir, d, states) for d in found.domains}
-    extras = model_parallel_extras(found, tag_dir, domain_plans, states)
-    aliases = tensor_parallel_ties(found, tag_dir, domain_plans)
-    if found.layer_files:
-        layered, aliases = pipeline_extras(found, tag_dir, states)
-        extras.update(layered)
+    extras, aliases = extras_of(found, tag_dir, domain_plans, states)
     plan = whole_plan(found, tag_dir, domain_plans, extras, aliases)
     if isinstance(tag_dir, RemotePath):
         plan.file_hashes = recorded_hashes(found, tag_dir)

@@ -1,11 +1,13 @@
-"""Migrate a checkpoint index: the ``ckptspec.manifest`` of each of its domains.
+"""Migrate a checkpoint index: its own version (``ckptspec.checkpoint`` 1.0 <-> 1.1) and the
+``ckptspec.manifest`` of each of its domains.
 
-The index has one version of its own (``ckptspec.checkpoint`` 1.0) and no migration; its schema
-takes any 1.x manifest as a domain's ``manifest`` (docs/spec-checkpoint.md#domains), and each keeps
-its own version (docs/versioning.md). So migrating an index to manifest format ``V`` migrates every
-domain's manifest to ``V`` with the registered migrations (``migrate.py``) and leaves everything
-else as it is. The index is validated whole before (an invalid one: ``InvalidInput``) and after
-(``CK312``: nothing is handed out that its reader would refuse).
+The index's schema takes any 1.x manifest as a domain's ``manifest`` (docs/spec-checkpoint.md#domains),
+and each keeps its own version (docs/versioning.md). Migrating an index to ``V`` migrates every domain's
+manifest to ``V`` with the registered migrations (``migrate.py``), and the index itself: 1.0 -> 1.1 is a
+version bump (``extras`` stays absent: not described, a reader derives them from the files as for 1.0;
+``ckptspec generate`` writes them), 1.1 -> 1.0 drops what 1.1 added (``extras``, ``aliases``, the shards'
+``locator``), each outermost one reported as CK313. The index is validated whole before (an invalid
+one: ``InvalidInput``) and after (``CK312``: nothing is handed out that its reader would refuse).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import dataclasses
 from typing import Any
 
 from ..errors import InvalidInput, MigrationError
-from ..findings import Finding, has_errors, json_path
+from ..findings import Finding, finding, has_errors, json_path
 from .index_validate import validate_index_document
 from .migrate import MigrationResult, migrate_document
 from .version import version_key
@@ -49,6 +51,10 @@ def migrate_index(doc: dict, to_version: str, name: str = "<input>") -> Migratio
         domain["manifest"] = migrated.document
         steps += [step for step in migrated.steps if step not in steps]
         findings += [_in_domain(f, i) for f in migrated.findings if _in_domain(f, i) not in findings]
+    own = version_key(result["format_version"])
+    findings += _index_version(result, target)
+    if version_key(result["format_version"]) != own and (own, target) not in steps:
+        steps.append((own, target))
     after = validate_index_document(result)
     errors = [f for f in after.findings if f.severity == "error"]
     if errors:
@@ -59,6 +65,33 @@ def migrate_index(doc: dict, to_version: str, name: str = "<input>") -> Migratio
             name,
         )
     return MigrationResult(result, steps, findings)
+
+
+INDEX_LINES = {"1.0": "1.0.0", "1.1": "1.1.0"}
+
+
+def _index_version(doc: dict, target: str) -> list[Finding]:
+    """The index's own version to ``target``'s line (in place); CK313 for each field 1.0 has no place for."""
+    if target not in INDEX_LINES or version_key(doc["format_version"]) == target:
+        return []
+    dropped: list[str] = []
+    if target == "1.0":
+        dropped += [json_path(key) for key in ("extras", "aliases") if doc.pop(key, None) is not None]
+        for i, param in enumerate(doc["parameters"]):
+            for j, shard in enumerate(param["shards"]):
+                if shard.pop("locator", None) is not None:
+                    dropped.append(json_path("parameters", i, "shards", j, "locator"))
+    doc["format_version"] = INDEX_LINES[target]
+    return [
+        finding(
+            "CK313",
+            where,
+            f"checkpoint index {target} has no place for this field; the migration dropped it",
+            "keep the original document if you need the field",
+            severity="warning",
+        )
+        for where in dropped
+    ]
 
 
 def domain_versions(doc: Any) -> list[str]:

@@ -1,4 +1,5 @@
-"""Pydantic models of the checkpoint index, ``schema/checkpoint-1.0.schema.json``.
+"""Pydantic models of the checkpoint index, ``schema/checkpoint-1.0.schema.json`` and ``-1.1`` (1.1 adds
+``extras``, ``aliases`` and ``Shard.locator``: the frozen parameters, buffers and ties of the whole model).
 
 The index (``"format": "ckptspec.checkpoint"``) is the document of a checkpoint that is not
 one data-parallel group: tensor- and pipeline-parallel checkpoints (and, on the #17 branch,
@@ -20,6 +21,7 @@ from .models import Count, Dtype, Hash, Manifest, Name, Positive, Producer, SemV
 
 INDEX_FORMAT: Final = "ckptspec.checkpoint"
 INDEX_VERSION = "1.0.0"
+INDEX_EXTRAS_VERSION = "1.1.0"  # what ``generate`` writes when the whole model has frozen parameters, buffers or ties
 
 DomainId = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=256)]
 RelPath = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=4096)]
@@ -157,6 +159,18 @@ class PiecesPlacement(_Model):
 Placement = Literal["replicated", "whole"] | SplitPlacement | PiecesPlacement
 
 
+class ShardLocator(_Model):
+    """(1.1) ``numel`` elements of ``dtype`` at ``element_offset`` of zip ``member`` of the shard's
+    ``layer_file`` (data at byte ``data_offset``): a tensor no domain manifest locates."""
+
+    member: Annotated[str, StringConstraints(strict=True, min_length=1, max_length=4096)]
+    data_offset: Count
+    member_size: Count
+    dtype: Dtype
+    element_offset: Count
+    numel: Count
+
+
 class Shard(_Model):
     domain: DomainId
     local_name: Name
@@ -165,6 +179,7 @@ class Shard(_Model):
     primary: bool = None  # type: ignore[assignment]
     layer_file: RelPath = None  # type: ignore[assignment]
     layer_key: Name = None  # type: ignore[assignment]
+    locator: ShardLocator = None  # type: ignore[assignment]
 
 
 class IndexParameter(_Model):
@@ -180,6 +195,18 @@ class IndexParameter(_Model):
     ]
 
 
+class IndexExtra(_Model):
+    """(1.1) A frozen parameter or persistent buffer of the whole model, its shards placed as a parameter's:
+    each is its domain manifest's frozen parameter or buffer ``local_name``, or located by ``locator``."""
+
+    name: Name
+    shape: Shape
+    dtype: Dtype
+    role: Literal["frozen", "buffer"]
+    shards: Annotated[list[Shard], Field(min_length=1, max_length=1048576)]
+    placement_source: Literal["affine_map", "pipeline_layer", "engine"]
+
+
 class CheckpointIndex(_Model):
     format: Literal["ckptspec.checkpoint"]
     format_version: SemVer
@@ -190,6 +217,8 @@ class CheckpointIndex(_Model):
     layer_files: Annotated[list[LayerFile], Field(max_length=1_000_000)]
     parameters: Annotated[list[IndexParameter], Field(max_length=10_000_000)]
     expert_files: Annotated[list[ExpertFile], Field(max_length=1_000_000)] = None  # type: ignore[assignment]
+    extras: Annotated[list[IndexExtra], Field(max_length=10_000_000)] = None  # type: ignore[assignment]
+    aliases: Annotated[dict[Name, Name], Field(max_length=1_000_000)] = None  # type: ignore[assignment]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready document: optional fields absent, unknown fields kept."""

@@ -176,10 +176,11 @@ def _piece_count(pieces: list[dict]) -> int:
 
 @rule("CK605")
 def shards_compose(doc: dict) -> Iterator[Finding]:
-    """Every whole-model parameter's shards compose its shape exactly."""
-    for i, param in enumerate(doc["parameters"]):
+    """Every whole-model parameter's (and, 1.1, frozen parameter's and buffer's) shards compose its shape exactly."""
+    whole = [("parameters", i, p) for i, p in enumerate(doc["parameters"])]
+    for key, i, param in whole + [("extras", i, e) for i, e in enumerate(doc.get("extras") or [])]:
         shape, shards = param["shape"], param["shards"]
-        at = json_path("parameters", i, "shards")
+        at = json_path(key, i, "shards")
         kinds = {s["placement"] if isinstance(s["placement"], str) else next(iter(s["placement"])) for s in shards}
         if len(kinds) != 1:
             yield finding(
@@ -193,7 +194,7 @@ def shards_compose(doc: dict) -> Iterator[Finding]:
             if bad:
                 yield finding(
                     "CK605",
-                    json_path("parameters", i, "shards", bad[0], "local_shape"),
+                    json_path(key, i, "shards", bad[0], "local_shape"),
                     f"{param['name']}: a {kind} shard of shape {shards[bad[0]]['local_shape']}, not {shape}",
                     f"a {kind} shard is the whole tensor",
                 )

@@ -14,16 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidManifest
 from ..findings import Finding, finding, has_errors, json_path
+from . import index_extras_rules  # noqa: F401  (registers CK610 with the index rules)
 from .codec import DEFAULT_MAX_BYTES, Encoding, gc_paused, read_document
 from .index_rules import check_index_rules
-from .schemas import INDEX_SCHEMA, schema, schema_findings
+from .schemas import INDEX_SCHEMAS, LATEST_INDEX, schema, schema_findings
 from .validate import validate_document
 
 if TYPE_CHECKING:
     from .index_models import CheckpointIndex
 
 INDEX_FORMAT = "ckptspec.checkpoint"
-INDEX_MAJOR, INDEX_MINOR = 1, 0
+INDEX_MAJOR, INDEX_MINOR = (int(x) for x in LATEST_INDEX.split("."))
 
 
 def is_index(doc: Any) -> bool:
@@ -91,8 +92,13 @@ def validate_index_document(doc: Any) -> IndexReport:
         if stop:
             return IndexReport(gate)
         allow_unknown = any(f.code == "CK004" for f in gate)
+        # the schema of the document's own minor (a 1.0 index with a 1.1 field is CK001), the latest for a newer one
+        own = ".".join(str(doc.get("format_version")).split(".")[:2])
         findings = gate + schema_findings(
-            doc, schema(INDEX_SCHEMA), allow_unknown=allow_unknown, rules_of="(see docs/spec-checkpoint.md)"
+            doc,
+            schema(INDEX_SCHEMAS.get(own, INDEX_SCHEMAS[LATEST_INDEX])),
+            allow_unknown=allow_unknown,
+            rules_of="(see docs/spec-checkpoint.md)",
         )
         if has_errors(findings):
             return IndexReport(findings)

@@ -28,8 +28,8 @@ _MAX_MESSAGE = 300
 # accepts 1.0 reports too, so the latest (what `ckptspec schema --report` prints) validates every report.
 REPORT_SCHEMAS = {"1.0": REPORT_SCHEMA, "1.1": "report-1.1.schema.json"}
 LATEST_REPORT = "1.1"
-INDEX_SCHEMAS = {"1.0": INDEX_SCHEMA}
-LATEST_INDEX = "1.0"
+INDEX_SCHEMAS = {"1.0": INDEX_SCHEMA, "1.1": "checkpoint-1.1.schema.json"}
+LATEST_INDEX = "1.1"
 
 # Every shipped schema by document kind (`ckptspec schema --list`): kind -> ({MAJOR.MINOR: file}, latest).
 SCHEMAS_BY_KIND = {

@@ -8,8 +8,11 @@
 //   "replicated" every shard is the whole parameter: the primary is written, the others must equal it (CK401);
 //   split        a block along one axis: each shard's rows of prod(shape[axis:]) elements interleave;
 //   pieces       DeepSpeed's affine pieces: element (offsets, strides) of the whole <- of the shard.
-// What the index does not locate (a masters domain's buffers: ckptspec reads them from the pickled
-// module) is named in the output's `ckptspec.absent` metadata, never guessed.
+// A 1.1 index places the frozen parameters and buffers of the whole model the same way (`extras`: each
+// shard its domain manifest's frozen parameter or buffer, or a layer file's bytes through its `locator`)
+// and names its ties (`aliases`). What the index does not locate (a masters domain's buffers, and in a 1.0
+// index the frozen parameters and buffers of tensor-parallel domains and pipeline layer files: ckptspec
+// reads them from the pickles) is named in the output's `ckptspec.absent` metadata, never guessed.
 const { Refusal, openFiles, checkMember, readAt } = require('./files');
 const { ITEMSIZE, OUTPUT_DTYPE, toFloat32 } = require('./dtypes');
 const { refuseUnreadable, planManifest, addAliases, readRaw, readTensor, product } = require('./plan');
@@ -152,6 +155,38 @@ function compose(t) {
   return whole;
 }
 
+// An extra's shard (1.1, spec-checkpoint.md#extras): its domain's frozen parameter or buffer, or a layer file's bytes.
+function extraShard(extra, shard, where, domains, fds) {
+  const loc = shard.locator;
+  if (!loc) {
+    const local = domains.get(shard.domain).others.find((t) => t.name === shard.local_name && t.role === extra.role);
+    if (!local) throw new Refusal('CK401', extra.name, `domain ${shard.domain} locates no ${extra.role} ${shard.local_name}`, REGENERATE);
+    return { shard, local };
+  }
+  const fd = fds.get(shard.layer_file);
+  if (fd === undefined) throw new Refusal('CK401', where, `locates ${extra.name} in ${shard.layer_file}, which the index does not list`, REGENERATE);
+  checkMember(fd, shard.layer_file, loc);
+  const piece = { part: { fd, loc }, start: 0, count: loc.numel };
+  return { shard, local: { name: extra.name, shape: shard.local_shape, dtype: loc.dtype, numel: loc.numel, pieces: loc.numel ? [piece] : [] } };
+}
+
+// A 1.0 index places no frozen parameter, buffer or tie of a ZeRO domain: its pipeline layer files' keys that are
+// no parameter's shard are named absent, a key that is another layer's parameter a tie of it (as ckptspec derives them).
+function layerFileTies(index, absent) {
+  const stageOf = new Map(index.domains.map((d) => [d.id, d.coordinate.pipeline]));
+  const owner = new Map(index.parameters.flatMap((p) => p.shards.map((s) => [JSON.stringify([stageOf.get(s.domain), s.local_name]), p])));
+  const ties = [];
+  for (const lf of index.layer_files) {
+    for (const [key, local] of Object.entries(lf.tensors)) {
+      const whole = `${lf.layer}.${key}`;
+      const p = owner.get(JSON.stringify([lf.pipeline, local]));
+      if (!p) absent[whole] = `frozen parameter or buffer: not located by checkpoint index ${index.format_version} (in ${lf.path}; 1.1 locates it)`;
+      else if (p.name !== whole) ties.push({ name: whole, owner: p.name, shape: p.shape });
+    }
+  }
+  return ties;
+}
+
 function reconstructIndex(index, dir, out, checkHash) {
   index.domains.forEach((dom, i) => refuseUnreadable(dom.manifest, at(i), !dom.masters));
   const fds = openFiles(indexFiles(index), dir, checkHash);
@@ -165,13 +200,26 @@ function reconstructIndex(index, dir, out, checkHash) {
     }
     return { name: param.name, shape: param.shape, dtype: shards[0].local.dtype, numel: product(param.shape), shards };
   });
-  // A domain's frozen parameters, buffers and ties are named as in the whole model (stage 0, MoE's
-  // dense domain, a universal folder), as ckptspec's whole plan adds them.
+  (index.extras ?? []).forEach((extra, i) => {
+    const shards = extra.shards.map((shard, j) => extraShard(extra, shard, `$.extras[${i}].shards[${j}]`, domains, fds));
+    if (shards.some(({ local }) => local.dtype !== extra.dtype)) throw new Refusal('CK401', extra.name, 'its shards are of different dtypes', REGENERATE);
+    tensors.push({ name: extra.name, shape: extra.shape, dtype: extra.dtype, numel: product(extra.shape), shards });
+  });
+  // A masters domain's frozen parameters, buffers and ties are named as in the whole model (stage 0, MoE's
+  // dense domain, a universal folder), as ckptspec's whole plan adds them; a ZeRO domain's are local names,
+  // placed by the index's `extras` (1.1) or by nothing (1.0: absent).
   const names = new Set(tensors.map((t) => t.name));
   const absent = {};
   const aliases = [];
   for (const [i, dom] of index.domains.entries()) {
     const { others, absent: notWritten } = domains.get(dom.id);
+    if (!dom.masters) {
+      if (!index.extras) {
+        for (const t of others) absent[t.name] = `${t.role}: not placed by checkpoint index ${index.format_version} (1.1 places it)`;
+      }
+      Object.assign(absent, notWritten);
+      continue;
+    }
     for (const t of others) {
       if (names.has(t.name)) throw new Refusal('CK401', `${at(i)}: ${t.name}`, 'names two tensors of the whole model', REGENERATE);
       names.add(t.name);
@@ -180,6 +228,10 @@ function reconstructIndex(index, dir, out, checkHash) {
     Object.assign(absent, notWritten);
     aliases.push(...dom.manifest.aliases);
   }
+  if (index.extras) {
+    const byName = new Map(tensors.map((t) => [t.name, t]));
+    for (const [name, owner] of Object.entries(index.aliases ?? {})) aliases.push({ name, owner, shape: byName.get(owner)?.shape });
+  } else if (index.layer_files.length) aliases.push(...layerFileTies(index, absent));
   const tied = addAliases(tensors, aliases, absent);
   const { pipeline, tensor, data } = index.topology.degrees;
   const metadata = {

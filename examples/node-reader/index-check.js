@@ -1,26 +1,47 @@
 'use strict';
 // What a reader checks before it uses any field of a checkpoint index (docs/spec-checkpoint.md,
-// format `ckptspec.checkpoint` 1.0), in ckptspec's order (format/index_validate.py):
+// format `ckptspec.checkpoint` 1.0 and 1.1), in ckptspec's order (format/index_validate.py):
 //   1. the format-version gate: another major stops everything (CK003), a newer minor is a warning (CK004);
-//   2. the index's JSON Schema (schema/checkpoint-1.0.schema.json, ajv); its `domains[].manifest` are objects there;
+//   2. the JSON Schema of the index's own version (schema/checkpoint-1.x.schema.json, ajv: a 1.0 index may not
+//      carry 1.1's fields; a newer minor against the latest); its `domains[].manifest` are objects there;
 //   3. every domain's manifest, a complete 1.x document: check.js's whole check, its findings under
 //      `$.domains[i].manifest` (a domain refused by its schema or version stops here, as in ckptspec);
-//   4. the index rules CK602-CK609 (docs/errors.md), which the schema cannot express.
+//   4. the index rules CK602-CK610 (docs/errors.md), which the schema cannot express.
 const fs = require('fs');
 const path = require('path');
 const Ajv2020 = require('ajv/dist/2020');
 const { SCHEMA_DIR, SEMVER, finding, jsonPath, unsafeIntegers, schemaFindings, checkManifest } = require('./check');
+const { ITEMSIZE } = require('./dtypes');
 
-const INDEX_SCHEMA_FILE = path.join(SCHEMA_DIR, 'checkpoint-1.0.schema.json');
-const INDEX = { format: 'ckptspec.checkpoint', major: 1, minor: 0 };
+const INDEX_SCHEMA_FILES = {
+  '1.0': path.join(SCHEMA_DIR, 'checkpoint-1.0.schema.json'),
+  '1.1': path.join(SCHEMA_DIR, 'checkpoint-1.1.schema.json'),
+};
+const INDEX_SCHEMA_FILE = INDEX_SCHEMA_FILES['1.1'];
+const INDEX = { format: 'ckptspec.checkpoint', major: 1, minor: 1 };
 
 // A document is an index by its `format` (a manifest says "ckptspec.manifest"): the one dispatch.
 const isIndex = (doc) => doc !== null && typeof doc === 'object' && doc.format === INDEX.format;
 
-function compileIndexSchema(file = INDEX_SCHEMA_FILE, warnings = []) {
+function compileOne(file, warnings) {
   const note = (...args) => warnings.push(args.join(' '));
   const ajv = new Ajv2020({ strict: true, allErrors: true, logger: { log: note, warn: note, error: note } });
   return ajv.compile(JSON.parse(fs.readFileSync(file, 'utf8')));
+}
+
+// One validator function (its `errors` as ajv's): FILE's schema, or each document's own version's.
+function compileIndexSchema(file = null, warnings = []) {
+  if (file) return compileOne(file, warnings);
+  const byLine = Object.fromEntries(Object.entries(INDEX_SCHEMA_FILES).map(([v, f]) => [v, compileOne(f, warnings)]));
+  const validate = (doc) => {
+    const version = doc !== null && typeof doc === 'object' ? doc.format_version : undefined;
+    const line = typeof version === 'string' && SEMVER.test(version) ? version.split('.').slice(0, 2).join('.') : null;
+    const chosen = byLine[line] ?? byLine[`${INDEX.major}.${INDEX.minor}`];
+    const ok = chosen(doc);
+    validate.errors = chosen.errors;
+    return ok;
+  };
+  return validate;
 }
 
 function indexVersionGate(doc) {
@@ -140,16 +161,17 @@ function tiles(blocks, length) {
 
 // CK605: every whole-model parameter's shards compose its shape exactly.
 function shardsCompose(doc, add) {
-  doc.parameters.forEach((param, i) => {
+  const whole = [...doc.parameters.map((p, i) => ['parameters', i, p]), ...(doc.extras ?? []).map((e, i) => ['extras', i, e])];
+  whole.forEach(([key, i, param]) => {
     const { shape, shards, name } = param;
-    const at = ['parameters', i, 'shards'];
+    const at = [key, i, 'shards'];
     const kinds = [...new Set(shards.map((s) => placementKind(s.placement)))].sort();
     if (kinds.length !== 1) { add('CK605', at, `${name}: shards mix placements [${kinds}]`, 'one placement per parameter'); return; }
     const kind = kinds[0];
     if (kind === 'replicated' || kind === 'whole') {
       const bad = shards.findIndex((s) => !same(s.local_shape, shape));
       const primaries = shards.filter((s) => s.primary ?? shards.length === 1).length;
-      if (bad >= 0) add('CK605', ['parameters', i, 'shards', bad, 'local_shape'],
+      if (bad >= 0) add('CK605', [key, i, 'shards', bad, 'local_shape'],
         `${name}: a ${kind} shard of shape [${shards[bad].local_shape}], not [${shape}]`, `a ${kind} shard is the whole tensor`);
       if (primaries !== 1 || (kind === 'whole' && shards.length !== 1)) add('CK605', at,
         `${name}: ${shards.length} ${kind} shards, ${primaries} primary`, 'a whole parameter has one shard; replicated ones have exactly one primary');
@@ -254,7 +276,59 @@ function masterDtype(doc, add) {
   });
 }
 
-const INDEX_RULES = [topology, domainSize, sharedFiles, shardsCompose, shardsClaimed, layerFiles, placementSource, masterDtype];
+// CK610 (1.1): each extra's shards are tensors their domains hold (the domain manifest's frozen parameter or
+// buffer, or a layer file's key of the domain's stage, located inside its member); names and ties are of one
+// whole model; with `extras` there, every frozen parameter and buffer of a ZeRO domain is a shard of one.
+function extrasPlaced(doc, add) {
+  const HINT = 'regenerate the checkpoint index with `ckptspec generate CHECKPOINT`';
+  const domains = new Map(doc.domains.map((d) => [d.id, d]));
+  const layerFiles = new Map(doc.layer_files.map((lf) => [lf.path, lf]));
+  const held = (m) => new Map([...m.frozen.map((f) => [`frozen:${f.name}`, f]), ...m.buffers.map((b) => [`buffer:${b.name}`, b])]);
+  const names = new Set(doc.parameters.map((p) => p.name));
+  const claimed = new Set();
+  const problem = (extra, shard, dom) => {
+    if (!dom) return `no domain ${JSON.stringify(shard.domain)}`;
+    const loc = shard.locator;
+    if (!loc) {
+      const h = held(dom.manifest).get(`${extra.role}:${shard.local_name}`);
+      if (!h) return `domain ${JSON.stringify(shard.domain)} has no ${extra.role} ${JSON.stringify(shard.local_name)}`;
+      if (!same(h.shape, shard.local_shape) || h.dtype !== extra.dtype) return `domain ${JSON.stringify(shard.domain)}'s shard differs`;
+      return null;
+    }
+    const lf = layerFiles.get(shard.layer_file ?? '');
+    if (!lf || lf.pipeline !== dom.coordinate.pipeline) return `a locator in ${JSON.stringify(shard.layer_file)}, no layer file of the domain's stage`;
+    if (lf.tensors[shard.layer_key ?? ''] !== shard.local_name) return `${lf.path} has no key ${JSON.stringify(shard.layer_key)}`;
+    if (loc.dtype !== extra.dtype || loc.numel !== prod(shard.local_shape)) return `the locator holds ${loc.numel} ${loc.dtype} elements`;
+    if ((loc.element_offset + loc.numel) * ITEMSIZE[loc.dtype] > loc.member_size) return `the locator's elements end past member ${loc.member}`;
+    return null;
+  };
+  (doc.extras ?? []).forEach((extra, i) => {
+    if (names.has(extra.name)) add('CK610', ['extras', i, 'name'], `${JSON.stringify(extra.name)} names two tensors`, HINT);
+    names.add(extra.name);
+    extra.shards.forEach((shard, j) => {
+      const why = problem(extra, shard, domains.get(shard.domain));
+      if (why) add('CK610', ['extras', i, 'shards', j], `${extra.name}: ${why}`, HINT);
+      claimed.add(JSON.stringify([shard.domain, extra.role, shard.local_name]));
+    });
+  });
+  for (const [alias, owner] of Object.entries(doc.aliases ?? {})) {
+    if (names.has(alias) || !names.has(owner)) add('CK610', ['aliases', alias], `tie ${JSON.stringify(alias)} -> ${JSON.stringify(owner)}`,
+      'a tie names a whole-model parameter, frozen parameter or buffer as its owner, and is none itself');
+  }
+  if (!doc.extras) return;
+  doc.domains.forEach((dom, i) => {
+    if (dom.masters) return;
+    for (const [key] of held(dom.manifest)) {
+      const [role, name] = [key.slice(0, key.indexOf(':')), key.slice(key.indexOf(':') + 1)];
+      if (!claimed.has(JSON.stringify([dom.id, role, name]))) add('CK610', ['domains', i, 'manifest', role === 'frozen' ? 'frozen' : 'buffers'],
+        `${role} ${JSON.stringify(name)} of domain ${JSON.stringify(dom.id)} is no shard of any extra`,
+        'list it as a shard in extras[], or the merged model would lose it');
+    }
+  });
+}
+
+const INDEX_RULES = [topology, domainSize, sharedFiles, shardsCompose, shardsClaimed, layerFiles, placementSource, masterDtype,
+  extrasPlaced];
 
 // The whole check of a decoded index: `validate` its compiled schema, `manifestValidators` check.js's compileSchemas().
 function checkIndex(validate, manifestValidators, doc) {
@@ -275,4 +349,4 @@ function checkIndex(validate, manifestValidators, doc) {
   return found;
 }
 
-module.exports = { INDEX_SCHEMA_FILE, isIndex, compileIndexSchema, checkIndex };
+module.exports = { INDEX_SCHEMA_FILE, INDEX_SCHEMA_FILES, isIndex, compileIndexSchema, checkIndex };

@@ -128,7 +128,7 @@ function planManifest(manifest, fds, masters = true) {
       if (!OUTPUT_DTYPE[t.dtype]) {
         throw new Refusal('CK402', t.name, `${t.dtype} tensors are not written by this reader`, 'use `ckptspec reconstruct`');
       }
-      others.push({ name: t.name, shape: t.shape, dtype: t.dtype, numel, digest: sha(t.digest),
+      others.push({ name: t.name, role, shape: t.shape, dtype: t.dtype, numel, digest: sha(t.digest),
         pieces: namedPieces(t.name, numel, t.dtype, named.get(t.name)) });
     }
   }

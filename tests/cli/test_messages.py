@@ -37,9 +37,11 @@ def test_the_synopsis_lists_every_command():
 
 
 def test_schema_prints_the_checkpoint_index_schema():
-    result = run("schema", "--checkpoint-index")
+    result = run("schema", "--checkpoint-index")  # the latest, 1.1
     assert result.exit_code == 0
-    assert result.stdout == (ROOT / "schema" / "checkpoint-1.0.schema.json").read_text()
+    assert result.stdout == (ROOT / "schema" / "checkpoint-1.1.schema.json").read_text()
+    older = run("schema", "--checkpoint-index", "--version", "1.0")
+    assert older.exit_code == 0 and older.stdout == (ROOT / "schema" / "checkpoint-1.0.schema.json").read_text()
 
 
 def test_extract_list_describes_an_index():

@@ -266,3 +266,36 @@ def test_an_autotp_tie_is_never_taken_on_trust(ds, tmp_path):
         with pytest.raises(UnsupportedCheckpoint):
             ckptspec.reconstruct(copy, tmp_path / f"out{mp}")
         assert not (tmp_path / f"out{mp}").exists()
+
+
+@pytest.mark.parametrize("name", TP_EXTRAS)
+def test_the_readers_placements_are_the_index_s(ckptspec_cli, ds, name, tmp_path):
+    """`generate` writes a checkpoint index 1.1 that places every frozen parameter and buffer (``extras``), and
+    `reconstruct` follows the document, not its own derivation: the tensor ranks' blocks of the frozen split
+    weight swapped in the document (still a valid tiling) come out swapped, everything else unchanged."""
+    from safetensors.numpy import load_file
+
+    entry = ds.path(name)
+    tag = entry / info(entry)["tag"]
+    index = tmp_path / "index.json"
+    ckptspec_cli("generate", str(tag), "-o", str(index))
+    doc = json.loads(index.read_text("utf-8"))
+    assert doc["format_version"] == "1.1.0"
+    assert {e["name"]: e["role"] for e in doc["extras"]} == {
+        **dict.fromkeys(FROZEN, "frozen"),
+        **dict.fromkeys(BUFFERS, "buffer"),
+    }
+    ckptspec_cli("reconstruct", "-q", "--manifest", str(index), str(tag), str(tmp_path / "as-saved"))
+    extra = next(e for e in doc["extras"] if e["name"] == "blocks.0.up.weight")
+    a, b = (s["placement"]["split"] for s in extra["shards"])
+    a["offset"], b["offset"] = b["offset"], a["offset"]
+    index.write_text(json.dumps(doc), "utf-8")
+    ckptspec_cli("reconstruct", "-q", "--manifest", str(index), str(tag), str(tmp_path / "swapped"))
+    saved = load_file(tmp_path / "as-saved" / "model.safetensors")
+    swapped = load_file(tmp_path / "swapped" / "model.safetensors")
+    half = saved["blocks.0.up.weight"].shape[0] // 2
+    w = saved["blocks.0.up.weight"]
+    assert swapped["blocks.0.up.weight"].tobytes() == w[half:].tobytes() + w[:half].tobytes() != w.tobytes()
+    assert {k: v.tobytes() for k, v in swapped.items() if k != "blocks.0.up.weight"} == {
+        k: v.tobytes() for k, v in saved.items() if k != "blocks.0.up.weight"
+    }

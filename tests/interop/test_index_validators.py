@@ -1,18 +1,19 @@
-"""ajv and check-jsonschema judge the checkpoint index corpus (tests/conformance/checkpoint-1.0) as ckptspec does.
+"""ajv and check-jsonschema judge the checkpoint index corpora (tests/conformance/checkpoint-1.0, checkpoint-1.1) as
+ckptspec does.
 
 The engines and their setup are those of test_other_validators.py (ajv 8 strict through
 ``examples/node-reader/validate.js``, which dispatches on ``format``; check-jsonschema with ECMA-262 regexes,
 one process per schema). File by file:
 
-* raw: ``schema/checkpoint-1.0.schema.json`` alone accepts the document exactly when ckptspec's reference
-  validator does (``schema_findings(doc, INDEX_SCHEMA)``: no version gate, no tolerance).
+* raw: the corpus's schema (``schema/checkpoint-1.x.schema.json``) alone accepts the document exactly when
+  ckptspec's reference validator does (``schema_findings(doc, ...)``: no version gate, no tolerance).
 * as a reader applies it (every file but the CK003 ones, another major): the index schema, with a newer
   minor's ``additionalProperties`` failures ignored, then, where it passes, each domain's manifest against
   the manifest schema of its own version (the index schema takes any object there; docs/spec-checkpoint.md).
   The document is refused exactly when its expected codes hold CK001, and at exactly its expected paths:
   check-jsonschema reports each error where ckptspec does; ajv too, and adds the failures of each branch of a
   ``oneOf``/``anyOf``, always below that path.
-* the Node checker's full verdict (gate, schemas, the domains' 1.x rules, CK602-CK609) is the expected codes.
+* the Node checker's full verdict (gate, schemas, the domains' 1.x rules, CK602-CK610) is the expected codes.
 
 The schema-valid files a reader still refuses (a domain manifest's CK1xx, the index rules CK6xx: their
 expected codes hold neither CK001 nor CK003) are accepted by both engines on both levels.
@@ -30,21 +31,32 @@ import pytest
 from ckptspec.findings import json_path
 from ckptspec.format.codec import load_document
 from ckptspec.format.documents import validate_file
-from ckptspec.format.schemas import INDEX_SCHEMA, schema, schema_findings
+from ckptspec.format.schemas import INDEX_SCHEMAS, schema, schema_findings
 
 ROOT = Path(__file__).resolve().parents[2]
-CORPUS = ROOT / "tests" / "conformance" / "checkpoint-1.0"
-INDEX_SCHEMA_FILE = ROOT / "schema" / INDEX_SCHEMA
+CORPUS = ROOT / "tests" / "conformance"  # a file's name is "<corpus>/<valid or invalid>/<file>"
+CORPORA = {"checkpoint-1.0": INDEX_SCHEMAS["1.0"], "checkpoint-1.1": INDEX_SCHEMAS["1.1"]}  # -> its schema file
 MANIFEST_SCHEMAS = {v: ROOT / "schema" / f"manifest-{v}.schema.json" for v in ("1.0", "1.1")}
 NODE_DIR = ROOT / "examples" / "node-reader"
-EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text("utf-8"))
+EXPECTED: dict[str, dict] = {
+    f"{corpus}/{name}": entry
+    for corpus in CORPORA
+    for name, entry in json.loads((CORPUS / corpus / "expected.json").read_text("utf-8")).items()
+}
 FILES = sorted(EXPECTED)
 ADDITIONAL = "Additional properties are not allowed"  # jsonschema's additionalProperties message
 
 # (engine, corpus file) -> why its raw verdict differs from ckptspec's. Strict: the divergence must happen.
 DIVERGENCES = {
-    ("ajv", "invalid/CK001-schema-layer-size-above-int64.json"): "JSON.parse rounds 2**63 to the double of 2**63 - 1"
+    ("ajv", "checkpoint-1.0/invalid/CK001-schema-layer-size-above-int64.json"): (
+        "JSON.parse rounds 2**63 to the double of 2**63 - 1"
+    )
 }
+
+
+def index_schema(name: str) -> str:
+    """The schema file of a corpus file's corpus."""
+    return CORPORA[name.split("/")[0]]
 
 
 def newer_minor(name: str) -> bool:
@@ -93,7 +105,7 @@ def domain_manifests(tmp_path_factory) -> dict[str, list[Path]]:
     out: dict[str, list[Path]] = {}
     for name in FILES:
         doc = load_document(CORPUS / name)
-        if "CK003" in EXPECTED[name]["codes"] or schema_findings(doc, schema(INDEX_SCHEMA), allow_unknown=True):
+        if "CK003" in EXPECTED[name]["codes"] or schema_findings(doc, schema(index_schema(name)), allow_unknown=True):
             continue
         out[name] = []
         for i, dom in enumerate(doc["domains"]):
@@ -118,7 +130,13 @@ def ajv(domain_manifests) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def check_jsonschema(domain_manifests) -> dict[str, list[dict]]:
     """File -> check-jsonschema's errors: the corpus files by the index schema, each domain manifest by its own."""
-    out = run_check_jsonschema([CORPUS / n for n in FILES], INDEX_SCHEMA_FILE)
+    out: dict[str, list[dict]] = {}
+    for corpus, schema_file in CORPORA.items():
+        out.update(
+            run_check_jsonschema(
+                [CORPUS / n for n in FILES if n.startswith(corpus + "/")], ROOT / "schema" / schema_file
+            )
+        )
     manifests = [p for paths in domain_manifests.values() for p in paths]
     for version, schema_file in MANIFEST_SCHEMAS.items():
         mine = [p for p in manifests if manifest_version(json.loads(p.read_text("utf-8"))) == version]
@@ -144,7 +162,7 @@ def reader_errors(name: str, domain_manifests, errors_of) -> list[tuple[str, str
 
 @pytest.mark.parametrize("name", FILES)
 def test_raw_index_schema_verdicts_agree(name, ajv, check_jsonschema):
-    reference = not schema_findings(load_document(CORPUS / name), schema(INDEX_SCHEMA))
+    reference = not schema_findings(load_document(CORPUS / name), schema(index_schema(name)))
     verdicts = {
         "ajv": ajv[str(CORPUS / name)]["raw_valid"],
         "check-jsonschema": not check_jsonschema[str(CORPUS / name)],
@@ -196,7 +214,7 @@ def test_divergence_is_the_js_double_rounding(ajv):
 def test_semantic_files_pass_both_engines(ajv, check_jsonschema, domain_manifests):
     """The schema-valid documents only the rules refuse: listed apart, accepted by both engines on both levels."""
     semantic = [n for n in FILES if EXPECTED[n]["codes"] and not {"CK001", "CK003"} & set(EXPECTED[n]["codes"])]
-    assert {Path(n).name[:5] for n in semantic} == {"CK101", *(f"CK60{i}" for i in range(2, 10))}
+    assert {Path(n).name[:5] for n in semantic} == {"CK101", *(f"CK60{i}" for i in range(2, 10)), "CK610"}
     for name in semantic:
         assert ajv[str(CORPUS / name)]["raw_valid"] and not check_jsonschema[str(CORPUS / name)], name
         for path in domain_manifests[name]:

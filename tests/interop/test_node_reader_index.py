@@ -7,9 +7,11 @@ model from the index's locators alone (each domain as a 1.x manifest, or through
 tensor-parallel slices merged, pipeline stages and experts put together), and every tensor must equal
 ``ckptspec reconstruct --untie``'s in name, shape, dtype and bytes. What the index does not locate
 (the buffers of a stage-0 domain, which ckptspec reads from the pickled module) is named in the
-output's ``ckptspec.absent`` metadata and is exactly what Node lacks. A corrupted index or a damaged
-file is refused by Node with the codes (and, for the document, the JSON paths) ``ckptspec validate``
-reports, and nothing is written.
+output's ``ckptspec.absent`` metadata and is exactly what Node lacks. The ``EXTRAS`` checkpoints (AutoTP tp2 with
+a frozen split weight, a frozen bias and two buffers; pp2 with a frozen weight, a buffer and a ``TiedLayerSpec``)
+get a checkpoint index 1.1, which places those too (``extras``, ``aliases``): Node writes every tensor. A
+corrupted index or a damaged file is refused by Node with the codes (and, for the document, the JSON paths)
+``ckptspec validate`` reports, and nothing is written.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _harness.scenarios import PARALLEL, hook_name
+from _harness.scenarios import EXTRAS, PARALLEL, hook_name
 from click.testing import CliRunner
 from safetensors import safe_open
 
@@ -33,7 +35,8 @@ NODE_DIR = ROOT / "examples" / "node-reader"
 READER = NODE_DIR / "reader.js"
 UNIVERSAL = {"uc-s2-bf16-ws2", "uc-s3-bf16-ws2"}
 MODEL_STATES = re.compile(r"^mp_rank_\d+_model_states\.pt$")
-POINTS = PARALLEL  # pp2, pp2 x dp2, AutoTP tp2 (ZeRO 1-3), MoE ep2 (stages 0-2, ws 2 and 4), stage 0, universal
+# pp2, pp2 x dp2, AutoTP tp2 (ZeRO 1-3), MoE ep2 (stages 0-2, ws 2 and 4), stage 0, universal; frozen, buffers, ties
+POINTS = PARALLEL + EXTRAS
 # the sidecars the save hook wrote (the live engine's topology, placements and members)
 HOOKED = ["tp2dp2-s2-bf16-ws4", "pp2-s1-bf16-ws2", "moe-ep2-s1-fp32-ws4", "s0-bf16-ws2-fused"]
 
@@ -110,6 +113,20 @@ def test_node_reader_rebuilds_the_whole_model_of_an_index(point, ds, tmp_path):
         assert any(d["id"].startswith("expert:") for d in doc["domains"]) and doc["expert_files"]
     if point == "s0-bf16-ws2-fused":  # its buffers are in the pickled module only
         assert sorted(absent) == ["running", "step_count"]
+    if point in EXTRAS:  # index 1.1: every frozen parameter, buffer and tie placed in the document
+        assert doc["format_version"] == "1.1.0" and not absent
+        roles = {e["name"]: e["role"] for e in doc["extras"]}
+        if point.startswith("tp2"):
+            frozen, buffers = ["blocks.0.up.weight", "head.bias"], ["running", "step_count"]
+            assert roles == {**dict.fromkeys(frozen, "frozen"), **dict.fromkeys(buffers, "buffer")}
+        else:  # the pipeline: a layer file's bytes through each shard's locator, the tie across stages
+            assert roles == {"2.up.weight": "frozen", "3.running": "buffer"} and doc["aliases"] == {
+                "4.weight": "0.weight"
+            }
+            assert all("locator" in s for e in doc["extras"] for s in e["shards"])
+        assert set(roles) | set(doc.get("aliases", {})) <= set(mine)
+    else:
+        assert doc["format_version"] == "1.0.0" and "extras" not in doc
 
 
 @pytest.mark.parametrize("point", ["s2-bf16-ws2", "s3-fp16-ws3-groups"])
@@ -169,6 +186,10 @@ CORRUPTIONS = [
     ("pp2-s1-bf16-ws2", "layer_files/1/pipeline", 2, "CK607"),
     ("moe-ep2-s1-fp32-ws2", "domains/1/manifest/files/0/size", 1, "CK604"),
     ("moe-ep2-s0-bf16-ws2", "domains/0/masters/tensors/0/dtype", "bfloat16", "CK609"),
+    ("tp2-s1-fp32-ws2-extras", "extras/2/shards/0/local_name", "runnin", "CK610"),
+    ("pp2-s1-fp32-ws2-extras", "extras/0/shards/0/locator/numel", 511, "CK610"),
+    ("pp2-s1-fp32-ws2-extras", "aliases/4.weight", "0.bias", "CK610"),
+    ("tp2-s2-bf16-ws2-extras", "extras/0/shards/1/placement/split/offset", 0, "CK605"),
 ]
 
 
@@ -311,3 +332,64 @@ def test_the_committed_indexes_are_judged_by_node_as_by_ckptspec(tmp_path):
         (str(tmp_path / "mixed.json"), True, ["CK605"], []),
     ]
     assert {f.code for f in validate_index_document(tp).findings} == {"CK605"}
+
+
+# --------------------------------------------------------------------------- index 1.1 against 1.0
+
+
+def as_1_0(doc: dict) -> dict:
+    """The 1.1 index as a 1.0 one (what an earlier ckptspec wrote): no extras, aliases or locators."""
+    doc = json.loads(json.dumps(doc))
+    doc["format_version"] = "1.0.0"
+    doc.pop("extras"), doc.pop("aliases")
+    return doc
+
+
+@pytest.mark.parametrize("point", EXTRAS)
+def test_a_1_0_index_leaves_node_the_trainables_and_names_the_rest_absent(point, ds, tmp_path):
+    """Before index 1.1, Node refused these indexes (tp2: CK401, each rank's frozen parameters under their local
+    names) or silently wrote 10 of the pipeline's 13 tensors. From a 1.0 index it now writes what the document
+    locates, bit for bit with ckptspec (which reads the pickles for the rest), and names every other tensor."""
+    tag = tag_dir(ds, point)
+    full = tmp_path / "full.json"
+    ckptspec("generate", tag, "-o", full, "--hash")
+    doc = json.loads(full.read_text("utf-8"))
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(as_1_0(doc)), "utf-8")
+    out = tmp_path / "node.safetensors"
+    run = node(READER, old, tag, out)
+    assert (run.returncode, run.stderr) == (0, ""), run.stderr
+    ckptspec("reconstruct", "-q", "--untie", "--manifest", old, tag, tmp_path / "ref")
+    mine, meta = load(out)
+    ref, _ = load(tmp_path / "ref" / "model.safetensors")
+    absent = json.loads(meta["ckptspec.absent"])
+    assert set(absent) == {e["name"] for e in doc["extras"]}
+    assert set(mine) == set(ref) - set(absent)
+    assert json.loads(meta["ckptspec.aliases"]) == doc["aliases"]  # a pipeline's ties: the layer files say them
+    for name, tensor in mine.items():
+        assert tensor.tobytes() == ref[name].tobytes(), name
+    ckptspec("reconstruct", "-q", "--untie", "--manifest", full, tag, tmp_path / "ref11")
+    ref11, _ = load(tmp_path / "ref11" / "model.safetensors")  # ckptspec: the document's placements = its own
+    assert {k: v.tobytes() for k, v in ref11.items()} == {k: v.tobytes() for k, v in ref.items()}
+
+
+def test_a_wrong_layer_file_locator_is_refused_by_both(ds, tmp_path):
+    """A 1.1 locator four bytes off its member: Node finds no zip entry ending there (CK214), ckptspec that the
+    layer file's pickle does not put the key there (CK401); neither writes anything."""
+    tag = tag_dir(ds, "pp2-s1-fp32-ws2-extras")
+    index = tmp_path / "index.json"
+    ckptspec("generate", tag, "-o", index)
+    doc = json.loads(index.read_text("utf-8"))
+    loc = doc["extras"][0]["shards"][0]["locator"]
+    loc["data_offset"] += 4
+    index.write_text(json.dumps(doc), "utf-8")
+    ckptspec("validate", index)  # the document alone cannot tell: its schema and rules accept it
+    out = tmp_path / "out.safetensors"
+    run = node(READER, index, tag, out)
+    assert (run.returncode, run.stdout) == (1, "") and not out.exists()
+    assert run.stderr.startswith(f"layer_02-model_states.pt: CK214 no zip entry {loc['member']} ends at byte "), (
+        run.stderr
+    )
+    result = CliRunner().invoke(cli, ["reconstruct", "-q", "--manifest", str(index), str(tag), str(tmp_path / "ref")])
+    assert result.exit_code == 1 and "CK401" in result.output and "2.up.weight" in result.output, result.output
+    assert not (tmp_path / "ref").exists()

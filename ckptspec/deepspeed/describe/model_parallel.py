@@ -3,7 +3,9 @@
 One domain per model-parallel rank (its ZeRO data-parallel group), each described by the 1.x
 producer (``describe.manifest_from_states``) on that rank's files; then the whole-model view:
 AutoTP shards placed by the ``affine_map`` the model states record (``placements.py``), pipeline
-parameters found in the layer files. Reads metadata only, never executes pickled code.
+parameters found in the layer files; the frozen parameters, buffers and ties of the whole model
+(index 1.1's ``extras`` and ``aliases``, when it has any) by ``index_extras.py``. Reads metadata only,
+never executes pickled code.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ...format.index_models import (
 from ...format.models import Manifest
 from ..layout.parallel_files import ParallelFiles, degrees_of, layer_file_name, missing_layer_files, scan_parallel
 from ..layout.placements import affine_params, tp_placement, untrainable_placement
+from .index_extras import with_extras
 from .zero import manifest_from_states
 
 
@@ -102,7 +105,7 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
         layer_files, parameters = pipeline_view(files, states, domains, hash_algorithm)
     else:
         layer_files, parameters = [], _tensor_view(files, states, domains, degrees.tensor)
-    return CheckpointIndex(
+    index = CheckpointIndex(
         format=INDEX_FORMAT,
         format_version=INDEX_VERSION,
         producer=first.producer.model_copy(update={"tool_version": __version__}),
@@ -116,6 +119,7 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
         layer_files=layer_files,
         parameters=parameters,
     )
+    return with_extras(index, files.tag_dir, states)
 
 
 def _refuse_outside(files: ParallelFiles, degrees) -> None:

@@ -47,7 +47,7 @@ def test_migrate_writes_the_index_with_migrated_domain_manifests(tmp_path, name,
     doc = json.loads((FIXTURES / name).read_text())
     assert load_document(str(out)) == migrate(doc, target).document
     count = len(doc["domains"])
-    assert f"{out}: checkpoint index 1.0.0, {count} domain manifest" in result.stdout
+    assert f"{out}: checkpoint index {target}.0, {count} domain manifest" in result.stdout
     assert f"at format {target}.0 (" in result.stdout
     dropped = re.findall(r"\$\.domains\[\d+\]\.manifest[^:]*: CK313 warning", result.stderr)
     assert len(dropped) == len([f for f in migrate(doc, target).findings if f.code == "CK313"])
@@ -90,7 +90,7 @@ def test_schema_list_names_every_shipped_schema():
         kind_prefix = {"manifest": "manifest", "checkpoint-index": "checkpoint", "report": "report"}[row[0]]
         assert row[2] == f"{kind_prefix}-{row[1]}.schema.json"
     latest = {row[0]: row[1] for row in rows if row[3:] == ["*"]}
-    assert latest == {"manifest": "1.1", "checkpoint-index": "1.0", "report": "1.1"}
+    assert latest == {"manifest": "1.1", "checkpoint-index": "1.1", "report": "1.1"}
 
 
 @pytest.mark.parametrize(
@@ -112,7 +112,7 @@ def test_schema_prints_every_kind_at_every_version(flags, prefix):
     ("flags", "message"),
     [
         (("--version", "2.0"), "CK905 no manifest schema for format version 2.0 (known: 1.0, 1.1)"),
-        (("--checkpoint-index", "--version", "1.1"), "CK905 no checkpoint-index schema for format version 1.1"),
+        (("--checkpoint-index", "--version", "1.2"), "CK905 no checkpoint-index schema for format version 1.2"),
         (("--report", "--version", "0.9"), "CK905 no report schema for format version 0.9"),
     ],
 )

@@ -1,9 +1,11 @@
-"""The checkpoint index document (schema/checkpoint-1.0.schema.json): schema, models and the CK6xx rules.
+"""The checkpoint index document (schema/checkpoint-1.0.schema.json, -1.1): schema, models and the CK6xx rules.
 
 The fixtures in tests/conformance/index-1.0/ are the indexes of three real harness checkpoints
 (AutoTP tp2 x dp2 ZeRO-2 bf16, pipeline pp2 x dp2 ZeRO-1 fp32, ZeRO stage 0 bf16 with FP16_Optimizer
-and buffers; ``ckptspec generate``), accepted by the reference JSON Schema validator on its own. Each
-rule is shown by one named edit of one of them.
+and buffers; ``ckptspec generate``), accepted by the reference JSON Schema validator on its own; those in
+index-1.1/ the 1.1 indexes of two with frozen parameters, buffers and a tie (``scenarios.EXTRAS``: AutoTP
+tp2 ZeRO-1 fp32, pipeline pp2 ZeRO-1 fp32 with a ``TiedLayerSpec``). Each rule is shown by one named edit
+of one of them.
 """
 
 from __future__ import annotations
@@ -22,18 +24,28 @@ from ckptspec.format.validate import validate_document
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / "tests" / "conformance" / "index-1.0"
-SCHEMA = Draft202012Validator(json.loads((ROOT / "schema" / "checkpoint-1.0.schema.json").read_text()))
+FIXTURES_1_1 = ROOT / "tests" / "conformance" / "index-1.1"
+SCHEMAS = {
+    v: Draft202012Validator(json.loads((ROOT / "schema" / f"checkpoint-{v}.schema.json").read_text()))
+    for v in ("1.0", "1.1")
+}
+SCHEMA = SCHEMAS["1.0"]
 TP, PP, S0 = "tp2dp2-s2-bf16-ws4.json", "pp2dp2-s1-fp32-ws4.json", "s0-bf16-ws2-fused.json"
+TPX, PPX = "tp2-s1-fp32-ws2-extras.json", "pp2-s1-fp32-ws2-extras.json"  # index 1.1: extras, aliases
 
 
 def _load(name: str) -> dict:
-    return json.loads((FIXTURES / name).read_text())
+    return json.loads(((FIXTURES_1_1 if name in (TPX, PPX) else FIXTURES) / name).read_text())
 
 
-@pytest.mark.parametrize("name", [TP, PP, S0])
+def _schema(doc: dict) -> Draft202012Validator:
+    return SCHEMAS[".".join(doc["format_version"].split(".")[:2])]
+
+
+@pytest.mark.parametrize("name", [TP, PP, S0, TPX, PPX])
 def test_fixtures_are_valid_indexes(name):
     doc = _load(name)
-    assert list(SCHEMA.iter_errors(doc)) == []
+    assert list(_schema(doc).iter_errors(doc)) == []
     report = validate_index_document(doc)
     assert report.findings == [] and report.index is not None
     assert report.index.to_dict() == doc  # the models keep the document as it is
@@ -144,6 +156,41 @@ RULE_CASES = [
     ("layer-file-unlisted", PP, lambda d: d["layer_files"].pop(3), "CK607", "$.parameters"),
     ("split-from-nowhere", TP, _split_from_nowhere, "CK608", "$.parameters[0].placement_source"),
     ("weights-as-masters", S0, _weights_as_masters, "CK609", "$.domains[0].masters.tensors[0]"),
+    # index 1.1: the extras' shards and placements, the ties
+    (
+        "extra-split-overlap",
+        TPX,
+        _set(("extras", 0, "shards", 1, "placement", "split", "offset"), 0),
+        "CK605",
+        "$.extras[0].shards",
+    ),
+    (
+        "extra-no-such-buffer",
+        TPX,
+        _set(("extras", 2, "shards", 0, "local_name"), "runnin"),
+        "CK610",
+        "$.extras[2].shards[0]",
+    ),
+    ("extra-role-swapped", TPX, _set(("extras", 3, "role"), "frozen"), "CK610", "$.extras[3].shards[0]"),
+    ("extra-dropped", TPX, lambda d: d["extras"].pop(1), "CK610", "$.domains[0].manifest.frozen"),
+    ("extra-is-a-parameter", TPX, _set(("extras", 1, "name"), "head.weight"), "CK610", "$.extras[1].name"),
+    ("locator-numel", PPX, _set(("extras", 0, "shards", 0, "locator", "numel"), 511), "CK610", "$.extras[0].shards[0]"),
+    (
+        "locator-past-member",
+        PPX,
+        _set(("extras", 0, "shards", 0, "locator", "element_offset"), 1),
+        "CK610",
+        "$.extras[0].shards[0]",
+    ),
+    (
+        "locator-other-stage",
+        PPX,
+        _set(("extras", 0, "shards", 0, "domain"), "pp1-tp0"),
+        "CK610",
+        "$.extras[0].shards[0]",
+    ),
+    ("tie-to-nothing", PPX, _set(("aliases", "4.weight"), "0.bias"), "CK610", "$.aliases['4.weight']"),
+    ("tie-is-a-tensor", PPX, _set(("aliases", "5.bias"), "0.weight"), "CK610", "$.aliases['5.bias']"),
 ]
 
 
@@ -152,7 +199,7 @@ def test_each_rule_refuses_its_edit(case):
     _, fixture, edit, code, path = case
     doc = _load(fixture)
     edit(doc)
-    assert list(SCHEMA.iter_errors(doc)) == []  # the schema cannot see it: the rule must
+    assert list(_schema(doc).iter_errors(doc)) == []  # the schema cannot see it: the rule must
     report = validate_index_document(doc)
     hits = [f for f in report.findings if f.code == code]
     assert hits, [f.to_line() for f in report.findings]
@@ -208,3 +255,60 @@ def test_versions():
     doc["future_field"] = {"x": 1}
     report = validate_index_document(doc)
     assert [f.code for f in report.findings] == ["CK004"] and report.ok
+
+
+SCHEMA_CASES_1_1 = [
+    ("extra-role-trainable", _set(("extras", 0, "role"), "trainable")),
+    ("extra-without-shards", _set(("extras", 0, "shards"), [])),
+    ("extra-placement-source", _set(("extras", 0, "placement_source"), "none")),
+    ("alias-owner-not-a-name", _set(("aliases", "4.weight"), 4)),
+    ("locator-without-numel", lambda d: d["extras"][0]["shards"][0]["locator"].pop("numel")),
+    ("locator-unknown-field", _set(("extras", 0, "shards", 0, "locator", "file"), "layer_02-model_states.pt")),
+    ("parameter-role-frozen", _set(("parameters", 0, "role"), "frozen")),
+]
+
+
+@pytest.mark.parametrize("case", SCHEMA_CASES_1_1, ids=lambda c: c[0])
+def test_schema_1_1_and_models_agree(case):
+    """Index 1.1's new fields: what its schema refuses the models refuse too (CK001 first)."""
+    from pydantic import ValidationError
+
+    doc = _load(PPX)
+    case[1](doc)
+    assert list(SCHEMAS["1.1"].iter_errors(doc))
+    with pytest.raises(ValidationError):
+        CheckpointIndex.model_validate(copy.deepcopy(doc))
+    assert validate_index_document(doc).findings[0].code == "CK001"
+
+
+def test_a_1_0_index_may_not_carry_1_1_fields():
+    """Each document is checked against its own version's schema: extras in a 1.0 index are CK001 (the
+    models, which mirror the latest schema, would take them)."""
+    doc = _load(PPX)
+    doc["format_version"] = "1.0.0"
+    assert [(f.code, f.path) for f in validate_index_document(doc).findings] == [("CK001", "$")]
+    del doc["extras"], doc["aliases"]
+    assert validate_index_document(doc).ok
+
+
+def test_the_1_1_schema_objects_are_the_models():
+    """Structure: index 1.1's new objects have the models' fields, required fields and enumerations."""
+    import typing
+
+    from ckptspec.format import index_models
+
+    defs = json.loads((ROOT / "schema" / "checkpoint-1.1.schema.json").read_text())
+    pairs = {
+        "extra": index_models.IndexExtra,
+        "shard": index_models.Shard,
+        "shard_locator": index_models.ShardLocator,
+        "parameter": index_models.IndexParameter,
+    }
+    for name, model in [*pairs.items(), ("(document)", CheckpointIndex)]:
+        node = defs if name == "(document)" else defs["$defs"][name]
+        assert set(node["properties"]) == set(model.model_fields), name
+        assert set(node["required"]) == {k for k, f in model.model_fields.items() if f.is_required()}, name
+        for prop in ("role", "placement_source"):
+            if prop in node["properties"]:
+                literal = typing.get_args(model.model_fields[prop].annotation)
+                assert set(node["properties"][prop]["enum"]) == set(literal), (name, prop)

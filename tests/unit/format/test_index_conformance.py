@@ -1,4 +1,5 @@
-"""The checkpoint index corpus (tests/conformance/checkpoint-1.0, by make_index_corpus.py) against ckptspec.
+"""The checkpoint index corpora (tests/conformance/checkpoint-1.0 and checkpoint-1.1, by make_index_corpus.py and
+make_index_corpus_1_1.py) against ckptspec.
 
 Every file is validated in-process (``validate_file``) and through the CLI (click's runner); the verdict,
 the exit code, the sets of error and warning codes and the JSON paths of the errors must be those of
@@ -19,13 +20,18 @@ from ckptspec.cli import cli
 from ckptspec.format.codec import load_document
 from ckptspec.format.documents import validate_file
 from ckptspec.format.index_rules import INDEX_RULES
-from ckptspec.format.schemas import INDEX_SCHEMA, schema_findings, validator
+from ckptspec.format.schemas import INDEX_SCHEMAS, schema_findings, validator
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFORMANCE = ROOT / "tests" / "conformance"
-CORPUS = CONFORMANCE / "checkpoint-1.0"
-EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text("utf-8"))
-FILES = sorted(p.relative_to(CORPUS).as_posix() for p in CORPUS.glob("*/*.json"))
+CORPUS = CONFORMANCE  # a file's name is "<corpus>/<valid or invalid>/<file>"
+GENERATORS = {"checkpoint-1.0": "make_index_corpus.py", "checkpoint-1.1": "make_index_corpus_1_1.py"}
+EXPECTED: dict[str, dict] = {
+    f"{corpus}/{name}": entry
+    for corpus in GENERATORS
+    for name, entry in json.loads((CONFORMANCE / corpus / "expected.json").read_text("utf-8")).items()
+}
+FILES = sorted(p.relative_to(CORPUS).as_posix() for c in GENERATORS for p in (CORPUS / c).glob("*/*.json"))
 # Schema-valid documents that a reader refuses: only the rules (a domain manifest's CK1xx, the index's CK6xx) see them.
 SEMANTIC = [n for n in FILES if EXPECTED[n]["codes"] and not {"CK001", "CK003"} & set(EXPECTED[n]["codes"])]
 
@@ -36,8 +42,9 @@ def _errors(report) -> tuple[set[str], set[str], set[str]]:
     return {f.code for f in errors}, warnings, {f.path for f in errors}
 
 
-def test_corpus_is_reproducible(capsys):
-    spec = importlib.util.spec_from_file_location("_make_index_corpus", CONFORMANCE / "make_index_corpus.py")
+@pytest.mark.parametrize("generator", sorted(GENERATORS.values()))
+def test_corpus_is_reproducible(capsys, generator):
+    spec = importlib.util.spec_from_file_location(f"_{generator[:-3]}", CONFORMANCE / generator)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--check"]) == 0, capsys.readouterr().err
@@ -45,14 +52,16 @@ def test_corpus_is_reproducible(capsys):
 
 def test_expected_lists_exactly_the_corpus_files():
     assert set(EXPECTED) == set(FILES)
-    valid = [n for n in FILES if EXPECTED[n]["valid"]]
-    assert len(valid) >= 8 and len(FILES) - len(valid) >= 40
+    for corpus, (valid_at_least, invalid_at_least) in {"checkpoint-1.0": (8, 40), "checkpoint-1.1": (4, 12)}.items():
+        mine = [n for n in FILES if n.startswith(corpus + "/")]
+        valid = [n for n in mine if EXPECTED[n]["valid"]]
+        assert len(valid) >= valid_at_least and len(mine) - len(valid) >= invalid_at_least
 
 
 @pytest.mark.parametrize("name", FILES)
 def test_entry_is_well_formed(name):
     entry = EXPECTED[name]
-    assert entry["valid"] == (not entry["codes"]) == (name.startswith("valid/")) == (not entry["paths"])
+    assert entry["valid"] == (not entry["codes"]) == (name.split("/")[1] == "valid") == (not entry["paths"])
     if not entry["valid"]:
         assert Path(name).name[:5] in entry["codes"]  # named for the rule it breaks
         assert all(path.startswith("$") for path in entry["paths"])
@@ -78,7 +87,7 @@ def test_validate_file(name):
 def test_semantic_files_are_schema_valid(name):
     """What JSON Schema alone accepts: the index by its schema, and every domain manifest by its own."""
     doc = load_document(CORPUS / name)
-    assert list(validator(INDEX_SCHEMA).iter_errors(doc)) == []
+    assert list(validator(INDEX_SCHEMAS[name.split("/")[0].removeprefix("checkpoint-")]).iter_errors(doc)) == []
     assert [f for dom in doc["domains"] for f in schema_findings(dom["manifest"])] == []
 
 
