@@ -216,6 +216,7 @@ function reconstructIndex(index, dir, out, checkHash) {
     if (!dom.masters) {
       if (!index.extras) {
         for (const t of others) absent[t.name] = `${t.role}: not placed by checkpoint index ${index.format_version} (1.1 places it)`;
+        for (const a of dom.manifest.aliases) absent[a.name] = `tie of ${a.owner}: not placed by checkpoint index ${index.format_version} (1.1 places it)`;
       }
       Object.assign(absent, notWritten);
       continue;

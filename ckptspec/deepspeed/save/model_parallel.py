@@ -133,6 +133,12 @@ def save_index_checkpoint(
     def describe():
         if hash:
             _add_digests(index, staged)
+        if all((staged / f.path).is_file() for d in index.domains for f in d.manifest.files):
+            # frozen parameters, buffers and ties placed as `generate` places them (index 1.1 when there are any)
+            from ...checkpoint.states import StateCache
+            from ..describe.index_extras import with_extras
+
+            with_extras(index, staged, StateCache())
         return index.to_dict(), validate_index(index)
 
     # rank 0's index (with the digests only it computed), on every rank
