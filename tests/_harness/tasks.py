@@ -69,7 +69,7 @@ class Task:
             return normalize_spec(self.args)
         if self.kind == "parallel":
             return parallel_models.normalize(self.args)
-        if self.kind == "optim":  # a parallel entry loaded (optim_job.py)
+        if self.kind == "optim" or self.args.get("parallel"):  # a parallel entry loaded (optim_job.py, fsdp2_job.py)
             return {**self.args, "spec": parallel_models.normalize(self.args["spec"])}
         return {**self.args, "spec": normalize_spec(self.args["spec"])}  # resume, fsdp2, reshard
 
