@@ -8,8 +8,9 @@ checkpoint (``load``, a "train" entry with its live oracles) and the spec it was
 job/parallel_models.py's) and the model is the consolidated one (``reference_model``: tp1/pp1/ep1,
 its children and the root ``fully_shard``ed, ``torch.optim.Adam`` with the job's param groups, MoE's
 split as DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` splits them); it is
-loaded the same way and records the same, but trains no extra step (``after`` is empty: the MoE
-layer's forward needs DeepSpeed's expert groups).
+loaded the same way and records the same; its extra step is on ``parallel_batch`` with cross-entropy,
+except a MoE's (``after`` is empty: its gate's training forward selects tokens at random and adds an
+auxiliary loss, which the test does not replay).
 Rank 0 exports it with the real CLI (in-process, ``ckptspec export LOAD OUT/dcp --format dcp``);
 then every rank builds the same model in fp32, ``fully_shard``s ``l1``, ``l2`` and the root on a
 CPU mesh of all ranks (gloo), makes ``torch.optim.AdamW`` with the job's param groups and loads the
@@ -38,6 +39,19 @@ if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` im
 from _harness.job.model import SEQ, VOCAB, build_model, normalize_spec, param_groups
 
 BATCH_SEED = 4321
+
+
+def parallel_batch(spec):
+    """The batch of a "parallel" entry's extra step (the consolidated model's inputs and classes)."""
+    from _harness.job.parallel_models import batch
+
+    return batch(spec, BATCH_SEED)
+
+
+def parallel_layout(spec) -> str:
+    from _harness.job.parallel_models import layout
+
+    return layout(spec)
 
 
 def shared_batch(spec):
@@ -146,6 +160,10 @@ def run(args, out: Path) -> None:
     if not args.get("parallel"):
         tokens, targets = shared_batch(spec)
         loss = model(tokens, targets)
+    elif parallel_layout(spec) != "moe":  # a MoE gate's training forward: random tokens, an auxiliary loss
+        inputs, targets = parallel_batch(spec)
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+    if loss is not None:
         loss.backward()
         optimizer.step()
         after = {n: _full(p) for n, p in model.named_parameters()}

@@ -10,7 +10,8 @@ saved (``oracle.rank<R>.pt``; a tensor-parallel rank's master is its shard, cut 
 DeepSpeed's own affine pieces), and the optimizer state DeepSpeed holds after loading the checkpoint
 (``<name>+optim``, tests/_harness/optim_job.py: ``safe_get_full_optimizer_state`` or the wrapped torch
 optimizer's state; a tensor-parallel rank's in its local shape): Adam's moments, each parameter's step,
-its param group and the group's hyperparameters.
+its param group and the group's hyperparameters. The FSDP2 job's extra step (all but MoE) is replayed
+here with plain ``torch.optim.Adam`` on the consolidated model from that state and the same batch.
 
 Every other kind (tensor parallel at ZeRO-1 and ZeRO-3, the stage-0 pipeline, MoE at stages 0 and 1,
 stage 0 fp32) is exported here and read back with torch's DCP reader: every key equals the tensors the
@@ -27,6 +28,8 @@ import warnings
 
 import pytest
 from _harness import scenarios
+from _harness.fsdp2_job import parallel_batch
+from _harness.job.parallel_models import reference_model
 from _harness.parallel_oracles import affine_pieces, bits_equal, check_masters, info, rank_oracles, shard_of
 
 import ckptspec
@@ -91,6 +94,38 @@ def test_fsdp2_loads_every_kind_as_deepspeed_holds_it(ds, source):
             assert group_of[name] == record["group"][name], name
     assert set(got["state"]) == trainable == set(group_of)
     assert [{k: v for k, v in g.items() if k != "params"} for g in got["param_groups"]] == records[0]["param_groups"]
+
+    # One more step (not for MoE: its gate's training forward selects tokens at random): what plain
+    # torch.optim.Adam gives from the state just held against DeepSpeed's, on the same batch, bit for bit.
+    if spec["ep"]:
+        assert got["after"] == {}
+        return
+    expected = _replay(spec, got)
+    assert set(expected) == set(got["after"]) == set(loaded)
+    for name, theirs in expected.items():
+        assert bits_equal(got["after"][name], theirs), f"{name} after one step"
+        assert not torch.equal(theirs, loaded[name]), f"{name}: the step changed nothing"
+
+
+def _replay(spec, got) -> dict:
+    """One step of plain torch.optim.Adam on the consolidated model, from the loaded weights and state."""
+    import torch
+
+    model = reference_model(spec)
+    model.load_state_dict(got["loaded"])
+    names = dict(model.named_parameters())
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[n] for n in g["params"]]}
+        for g in got["param_groups"]
+    ]
+    optimizer = torch.optim.Adam(groups)
+    for group in got["param_groups"]:
+        for name in group["params"]:
+            optimizer.state[names[name]] = {k: v.clone() for k, v in got["state"][name].items()}
+    inputs, targets = parallel_batch(spec)
+    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    optimizer.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 def _read_dcp(path) -> dict:
