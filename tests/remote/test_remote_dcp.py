@@ -7,12 +7,14 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from _harness.scenarios import COMMITTED
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
 
-# tensor x data parallel (ZeRO-2), MoE expert-parallel 2 at stage 0 (moments located in the optimizer files)
-NAMES = ["tp2dp2-s2-bf16-ws4", "moe-ep2-s0-bf16-ws4"]
+# tensor x data parallel (ZeRO-2), MoE expert-parallel 2 at stage 0 (moments located in the optimizer files),
+# and a plain ZeRO-2 checkpoint (the one path of every kind: plan_dcp over ckptspec.open)
+NAMES = ["tp2dp2-s2-bf16-ws4", "moe-ep2-s0-bf16-ws4", "committed:s2-bf16-ws2"]
 
 
 def _read_dcp(path) -> dict:
@@ -36,7 +38,8 @@ def _read_dcp(path) -> dict:
 def test_export_dcp_from_a_url_is_the_local_export(nginx, ds, name, tmp_path):
     import torch
 
-    local, path = nginx.serve(ds.path(name))
+    source = COMMITTED[name.removeprefix("committed:")] if name.startswith("committed:") else ds.path(name)
+    local, path = nginx.serve(source)
     for source, out in ((local, "local"), (nginx.url(path), "remote")):
         result = CliRunner().invoke(cli, ["export", str(source), str(tmp_path / out), "--quiet"])
         assert result.exit_code == 0, result.output
