@@ -1,7 +1,10 @@
-"""Export to PyTorch Distributed Checkpoint (DCP): a ZeRO run continues under FSDP2 at any world size.
+"""Export to PyTorch Distributed Checkpoint (DCP): a DeepSpeed run of any kind continues under FSDP2 at any
+world size.
 
-The output has the keys ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``
-gives for a plain FSDP2 model of the same module, saved as ``{"model": ..., "optim": ...}``:
+The writer takes the one ``Checkpoint`` model (``ckptspec.open``): every kind's whole tensors and optimizer
+states, located as ``Checkpoint.tensors`` and ``optimizer_tensors`` are. The output has the keys
+``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` gives for a plain FSDP2 model
+of the consolidated module (tp1, pp1, ep1), saved as ``{"model": ..., "optim": ...}``:
 
 * ``model.<name>``: every entry of the module's state dict: trainable parameters as their fp32
   masters, frozen parameters and persistent buffers as stored, a tied alias under each of its
@@ -121,7 +124,10 @@ def _manifests(plan: ModelPlan) -> list[Manifest]:
     """The 1.x manifests behind the plan: a ZeRO checkpoint's, or each domain's of a checkpoint index."""
     if isinstance(plan, ReconstructionPlan):
         return [plan.manifest]
-    return [p.manifest for p in getattr(plan, "domain_plans", {}).values()]
+    from .compose_plan import IndexReconstructionPlan
+
+    assert isinstance(plan, IndexReconstructionPlan), type(plan)
+    return [p.manifest for p in plan.domain_plans.values()]
 
 
 def _not_carried(plan: ModelPlan, optimizer: Optimizer) -> list[str]:
