@@ -1,4 +1,4 @@
-"""``ckptspec export``: a ZeRO checkpoint as a PyTorch Distributed Checkpoint (see docs/fsdp2.md)."""
+"""``ckptspec export``: a checkpoint of any kind as a PyTorch Distributed Checkpoint (see docs/fsdp2.md)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from ._common import EXIT_INVALID, OUTPUT_DIR, echo_findings, fail, fail_write
 @click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 def export(checkpoint: str, output: str, fmt: str, manifest: str | None, tag: str | None, quiet: bool) -> None:
-    """Write a DeepSpeed ZeRO CHECKPOINT as the PyTorch Distributed Checkpoint directory OUTPUT.
+    """Write a DeepSpeed CHECKPOINT of any kind as the PyTorch Distributed Checkpoint directory OUTPUT.
 
     The checkpoint is validated first: on any error finding nothing is written and the exit
     code is 1. OUTPUT holds the fp32 masters, frozen parameters, buffers, Adam's moments and step
@@ -41,7 +41,6 @@ def export(checkpoint: str, output: str, fmt: str, manifest: str | None, tag: st
     """
     from ..export.checkpoint import open_checkpoint, require
     from ..export.dcp import held_export_output, plan_dcp, write_dcp
-    from ..export.model_plan import ReconstructionPlan
     from ..export.progress import progress_printer
     from ..export.writers import torch_available
 
@@ -57,12 +56,10 @@ def export(checkpoint: str, output: str, fmt: str, manifest: str | None, tag: st
                 click.echo(f"{checkpoint}: not exported: the checkpoint has errors; nothing was written", err=True)
                 sys.exit(EXIT_INVALID)
             echo_findings(opened.findings, manifest or checkpoint, err=True, always_name_target=False)
-            plan = opened.plan
-            assert isinstance(plan, ReconstructionPlan)  # require() let a plain ZeRO checkpoint through only
-            total = plan_dcp(plan).nbytes  # refused (CK402) before anything is written
+            total = plan_dcp(opened).nbytes  # refused (CK402) before anything is written
             update, close = progress_printer(total, enabled=not quiet and sys.stderr.isatty())
             try:
-                result = write_dcp(plan, output, progress=update, held=held)
+                result = write_dcp(opened, output, progress=update, held=held)
             finally:
                 close()
     except CkptspecError as exc:

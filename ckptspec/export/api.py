@@ -21,7 +21,6 @@ from ..deepspeed.kinds import described_by_index
 from ..findings import Finding
 from ..location import refuse_write
 from .checkpoint import Checkpoint, open_checkpoint, require
-from .model_plan import ReconstructionPlan
 from .writers import DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, WriteResult
 
 
@@ -166,17 +165,17 @@ def export_dcp(
     tag: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Any:
-    """Validate ``checkpoint``, then write it as a PyTorch Distributed Checkpoint directory that an FSDP2
-    job loads with ``dcp.load`` (docs/fsdp2.md): weights, Adam's moments and step, param groups. Needs
-    torch. CK403 for a kind it does not export yet; CK402 for an optimizer that is not Adam's."""
+    """Validate ``checkpoint`` (any kind), then write its whole model as a PyTorch Distributed Checkpoint
+    directory that an FSDP2 job of the consolidated module loads with ``dcp.load`` (docs/fsdp2.md):
+    weights, Adam's moments and step, param groups. Needs torch. CK402 where the optimizer state is not
+    located or not Adam's (a universal folder's); nothing is written then."""
     require("export_dcp", checkpoint, manifest, tag)
     from .dcp import held_export_output, plan_dcp, write_dcp
 
     with held_export_output(output_dir) as held:
-        plan = open_checkpoint(checkpoint, document=manifest, tag=tag).plan
-        assert isinstance(plan, ReconstructionPlan)  # require() let a plain ZeRO checkpoint through only
-        plan_dcp(plan)  # refused (CK402) before anything is written
-        return write_dcp(plan, output_dir, progress=progress, held=held)
+        opened = open_checkpoint(checkpoint, document=manifest, tag=tag)
+        plan_dcp(opened)  # refused (CK402) before anything is written
+        return write_dcp(opened, output_dir, progress=progress, held=held)
 
 
 def load_consolidated(output_dir: str | os.PathLike, framework: str = "torch") -> dict[str, Any]:

@@ -36,11 +36,13 @@ from .model_plan import ModelPlan, ReconstructionPlan, TensorSource
 from .writers import WriteResult, to_torch
 
 # What each capability needs of a checkpoint's kind; every other capability works on every kind.
-# Issue #40 extends these to tensor/pipeline-parallel, MoE and stage-0 sources.
+# Issue #40 extends these to tensor/pipeline-parallel, MoE and stage-0 sources. ``export_dcp`` works on
+# every kind (#39): where a kind's optimizer state is not located or not Adam's, the DCP export itself
+# refuses it (CK402, export/dcp.py).
 CAPABILITIES: dict[str, frozenset[Kind]] = {
     "reshard": frozenset({Kind.ZERO}),
     "export_universal": frozenset({Kind.ZERO}),
-    "export_dcp": frozenset({Kind.ZERO}),
+    "export_dcp": frozenset(Kind),
 }
 _DOING = {
     "reshard": "resharding",
@@ -244,6 +246,8 @@ def _validated_zero_plan(checkpoint, manifest, tag) -> tuple[ReconstructionPlan,
 def require(capability: str, checkpoint: str | os.PathLike, document: Any = None, tag: str | None = None) -> None:
     """Refuse (CK403) a capability the checkpoint's kind does not have, before anything is read or written."""
     kinds = CAPABILITIES[capability]
+    if kinds == frozenset(Kind):
+        return
     if kinds == frozenset({Kind.ZERO}) and not described_by_index(checkpoint, document, tag):
         return
     kind = _kind(checkpoint, document, tag)

@@ -1,7 +1,10 @@
-"""Export to PyTorch Distributed Checkpoint (DCP): a ZeRO run continues under FSDP2 at any world size.
+"""Export to PyTorch Distributed Checkpoint (DCP): a DeepSpeed run of any kind continues under FSDP2 at any
+world size.
 
-The output has the keys ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``
-gives for a plain FSDP2 model of the same module, saved as ``{"model": ..., "optim": ...}``:
+The writer takes the one ``Checkpoint`` model (``ckptspec.open``): every kind's whole tensors and optimizer
+states, located as ``Checkpoint.tensors`` and ``optimizer_tensors`` are. The output has the keys
+``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` gives for a plain FSDP2 model
+of the consolidated module (tp1, pp1, ep1), saved as ``{"model": ..., "optim": ...}``:
 
 * ``model.<name>``: every entry of the module's state dict: trainable parameters as their fp32
   masters, frozen parameters and persistent buffers as stored, a tied alias under each of its
@@ -34,9 +37,11 @@ from .._fs import fsync_dir, write_atomic
 from .._version import __version__
 from ..errors import ForeignOutput, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
+from ..format.models import Manifest, Optimizer
 from .arrays import ShardReader, read_array
-from .model_plan import ReconstructionPlan, TensorSource
-from .optimizer_state import plan_optimizer_state
+from .checkpoint import Checkpoint
+from .model_plan import ModelPlan, ReconstructionPlan, TensorSource
+from .optimizer_state import optimizer_state_plan
 from .output_dir import build_and_publish, held_output
 from .writers import to_torch
 
@@ -67,22 +72,31 @@ class DcpResult:
     not_carried: list[str]
 
 
-def plan_dcp(plan: ReconstructionPlan) -> DcpPlan:
-    """Every DCP key of the export and where its data is; CK402 for what FSDP2's Adam cannot take."""
-    manifest = plan.manifest
-    state = plan_optimizer_state(plan)  # CK402 when the manifest locates no optimizer state
+def plan_dcp(checkpoint: Checkpoint) -> DcpPlan:
+    """Every DCP key of the export of a checkpoint of any kind and where its data is: the whole model's
+    tensors and each parameter's optimizer states, located as ``checkpoint.tensors`` and
+    ``checkpoint.optimizer_tensors`` are. CK402, naming the kind, where the optimizer state is not
+    located or is not Adam's (nothing is written then)."""
+    plan = checkpoint.plan
+    try:
+        state = optimizer_state_plan(plan)  # CK402 when the document locates no optimizer state
+    except ReconstructUnsupported as exc:
+        needs = f"the DCP export of a {checkpoint.kind.label} checkpoint needs its Adam state"
+        raise ReconstructUnsupported(f"{exc.message} ({needs})", exc.hint, exc.file) from None
     keys = {key for by_key in state.states.values() for key in by_key}
     if not {"exp_avg", "exp_avg_sq"} <= keys or not keys <= ADAM_STATES:
         raise ReconstructUnsupported(
-            f"the optimizer state has the keys {sorted(keys)}, not Adam's (exp_avg, exp_avg_sq)",
+            f"the {checkpoint.kind.label} checkpoint's optimizer state has the keys {sorted(keys)}, not Adam's "
+            "(exp_avg, exp_avg_sq)",
             "the DCP export writes torch.optim.Adam/AdamW state; export the weights with `ckptspec reconstruct`",
         )
+    optimizer = Optimizer.model_validate(json.loads(state.metadata["ckptspec.optimizer"]))
     tensors: dict[str, TensorSource] = {}
     for name in plan.order:
         tensors[f"model.{name}"] = plan.sources[plan.aliases.get(name, name)]
 
-    group_of = {p.name: group.optimizer_group for group in manifest.groups for p in group.params}
-    scalars = {g.optimizer_group: g for g in manifest.optimizer.groups}
+    group_of: dict[str, int] = json.loads(state.metadata["ckptspec.optimizer_groups"])
+    scalars = {g.optimizer_group: g for g in optimizer.groups}
     steps: dict[str, float] = {}
     members: dict[int, list[str]] = {}
     for name in plan.order:  # the model's order, as get_state_dict lists param_groups' params
@@ -103,13 +117,22 @@ def plan_dcp(plan: ReconstructionPlan) -> DcpPlan:
         for key in _NONE_DEFAULTS:
             settings.setdefault(key, None)
         param_groups.append({**settings, "params": members.get(g, [])})
-    return DcpPlan(tensors, steps, param_groups, _not_carried(plan))
+    return DcpPlan(tensors, steps, param_groups, _not_carried(plan, optimizer))
 
 
-def _not_carried(plan: ReconstructionPlan) -> list[str]:
+def _manifests(plan: ModelPlan) -> list[Manifest]:
+    """The 1.x manifests behind the plan: a ZeRO checkpoint's, or each domain's of a checkpoint index."""
+    if isinstance(plan, ReconstructionPlan):
+        return [plan.manifest]
+    from .compose_plan import IndexReconstructionPlan
+
+    assert isinstance(plan, IndexReconstructionPlan), type(plan)
+    return [p.manifest for p in plan.domain_plans.values()]
+
+
+def _not_carried(plan: ModelPlan, optimizer: Optimizer) -> list[str]:
     """What the checkpoint holds (or lacks) that a DCP of get_state_dict's keys cannot carry."""
-    manifest, out = plan.manifest, []
-    optimizer = manifest.optimizer
+    out = []
     if optimizer.class_ in (None, "unknown"):
         out.append("optimizer class: not recorded in the checkpoint (the state is Adam's: use torch.optim.AdamW/Adam)")
     else:
@@ -120,13 +143,14 @@ def _not_carried(plan: ReconstructionPlan) -> list[str]:
         )
     if optimizer.clip_grad is not None:
         out.append(f"gradient clipping: {optimizer.clip_grad} (clip in your training loop)")
-    if manifest.save is not None:
-        s = manifest.save
+    manifests = _manifests(plan)
+    s = next((m.save for m in manifests if m.save is not None), None)
+    if s is not None:  # every domain of one save records the same counters
         out.append(
             f"training counters: global_steps={s.global_steps} global_samples={s.global_samples} "
             f"skipped_steps={s.skipped_steps}"
         )
-    for excluded in manifest.excluded:
+    for excluded in (e for m in manifests for e in m.excluded):
         out.append(f"{excluded.name}: not in the checkpoint ({excluded.reason}); load with allow_partial_load")
     return out
 
@@ -164,7 +188,7 @@ def held_export_output(output_dir: str | os.PathLike) -> Iterator[Path]:
 
 
 def write_dcp(
-    plan: ReconstructionPlan,
+    checkpoint: Checkpoint,
     output_dir: str | os.PathLike,
     progress: Callable[[int], None] | None = None,
     *,
@@ -179,9 +203,10 @@ def write_dcp(
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    dcp_plan = plan_dcp(plan)
+    dcp_plan = plan_dcp(checkpoint)
+    checkpoint.check_copies()  # a model's replicated copies are equal (CK401) before any tensor is written
     progress = progress or (lambda n: None)
-    files = ShardReader()
+    files = ShardReader(checkpoint.plan.file_hashes)
 
     def produce(key: str):
         if key in dcp_plan.steps:
@@ -205,9 +230,11 @@ def write_dcp(
         with files, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
             dcp.save(_state_dict(torch, dcp_plan), storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
+            files.verify()  # a remote file's recorded hash, from the bytes read once
         marker = {
             "ckptspec.tool_version": __version__,
-            "source": str(plan.tag_dir),
+            "source": str(checkpoint.tag_dir),
+            "kind": checkpoint.kind.value,
             "keys": len(dcp_plan.tensors) + len(dcp_plan.steps),
             "not_carried": dcp_plan.not_carried,
         }

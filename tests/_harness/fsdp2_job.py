@@ -3,7 +3,14 @@
     torchrun --nproc_per_node N tests/_harness/fsdp2_job.py --tasks TASKS.json
 
 Each task (``{"kind": "fsdp2", "args": {"spec", "source", "load"}, "out"}``) names a DeepSpeed
-checkpoint (``load``, a "train" entry with its live oracles) and the spec it was trained with.
+checkpoint (``load``, a "train" entry with its live oracles) and the spec it was trained with; with
+``"parallel": true`` it is a "parallel" entry (tensor/pipeline parallel, MoE, stage 0: its spec is
+job/parallel_models.py's) and the model is the consolidated one (``reference_model``: tp1/pp1/ep1,
+its children and the root ``fully_shard``ed, ``torch.optim.Adam`` with the job's param groups, MoE's
+split as DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` splits them); it is
+loaded the same way and records the same; its extra step is on ``parallel_batch`` with cross-entropy,
+except a MoE's (``after`` is empty: its gate's training forward selects tokens at random and adds an
+auxiliary loss, which the test does not replay).
 Rank 0 exports it with the real CLI (in-process, ``ckptspec export LOAD OUT/dcp --format dcp``);
 then every rank builds the same model in fp32, ``fully_shard``s ``l1``, ``l2`` and the root on a
 CPU mesh of all ranks (gloo), makes ``torch.optim.AdamW`` with the job's param groups and loads the
@@ -34,6 +41,19 @@ from _harness.job.model import SEQ, VOCAB, build_model, normalize_spec, param_gr
 BATCH_SEED = 4321
 
 
+def parallel_batch(spec):
+    """The batch of a "parallel" entry's extra step (the consolidated model's inputs and classes)."""
+    from _harness.job.parallel_models import batch
+
+    return batch(spec, BATCH_SEED)
+
+
+def parallel_layout(spec) -> str:
+    from _harness.job.parallel_models import layout
+
+    return layout(spec)
+
+
 def shared_batch(spec):
     """The batch of the extra step: the same on every rank (and in the test's replay)."""
     import torch
@@ -57,6 +77,36 @@ def _full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
+def _parallel_model(spec, mesh):
+    """The consolidated model of a "parallel" entry, sharded, and its optimizer (as job/parallel.py's)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from _harness.job.parallel_models import layout, reference_model
+
+    torch.manual_seed(0)  # any weights: the export replaces them all
+    model = reference_model(spec)
+    # The param groups by name, before fully_shard replaces the parameters (and drops DeepSpeed's marks).
+    names = {p: n for n, p in model.named_parameters()}
+    if layout(spec) == "moe":
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "params"}
+        )
+    else:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    groups = [{**g, "params": [names[p] for p in g["params"]]} for g in groups]
+    for child in model.children():  # a ModuleList has no forward: its members are the units
+        for sub in child if isinstance(child, torch.nn.ModuleList) else [child]:
+            if any(p.requires_grad for p in sub.parameters()):
+                fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sharded = dict(model.named_parameters())
+    params = [{**g, "params": [sharded[n] for n in g["params"]]} for g in groups]
+    return model, torch.optim.Adam(params, lr=1e-3)  # hyperparameters come from the export
+
+
 def run(args, out: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -66,7 +116,12 @@ def run(args, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    spec = normalize_spec(args["spec"])
+    if args.get("parallel"):
+        from _harness.job.parallel_models import normalize
+
+        spec = normalize(args["spec"])
+    else:
+        spec = normalize_spec(args["spec"])
     rank = dist.get_rank()
     dcp_dir = out / "dcp"
     if rank == 0:
@@ -75,12 +130,15 @@ def run(args, out: Path) -> None:
     dist.barrier()
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)  # any weights: the export replaces them all
-    model = build_model(spec)
-    for sub in (model.l1, model.l2):
-        fully_shard(sub, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(param_groups(model, spec), lr=1e-3)  # hyperparameters come from the export
+    if args.get("parallel"):
+        model, optimizer = _parallel_model(spec, mesh)
+    else:
+        torch.manual_seed(0)  # any weights: the export replaces them all
+        model = build_model(spec)
+        for sub in (model.l1, model.l2):
+            fully_shard(sub, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(param_groups(model, spec), lr=1e-3)  # hyperparameters come from the export
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -98,11 +156,17 @@ def run(args, out: Path) -> None:
         for g in optimizer.param_groups
     ]
 
-    tokens, targets = shared_batch(spec)
-    loss = model(tokens, targets)
-    loss.backward()
-    optimizer.step()
-    after = {n: _full(p) for n, p in model.named_parameters()}
+    loss, after = None, {}
+    if not args.get("parallel"):
+        tokens, targets = shared_batch(spec)
+        loss = model(tokens, targets)
+    elif parallel_layout(spec) != "moe":  # a MoE gate's training forward: random tokens, an auxiliary loss
+        inputs, targets = parallel_batch(spec)
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+    if loss is not None:
+        loss.backward()
+        optimizer.step()
+        after = {n: _full(p) for n, p in model.named_parameters()}
 
     if rank == 0:
         dcp_keys = sorted(dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata)
@@ -116,7 +180,7 @@ def run(args, out: Path) -> None:
             "world_size": dist.get_world_size(),
         }
         torch.save(result, out / "fsdp2.pt")
-        (out / "fsdp2.json").write_text(json.dumps({"loss": float(loss)}))
+        (out / "fsdp2.json").write_text(json.dumps({"loss": None if loss is None else float(loss)}))
 
 
 def main():

@@ -68,7 +68,7 @@ IMPORTABLE = {
     "reconstruction": "checkers of a reconstruction (bits, same_bits, check_reconstruction)",
     "job.model": "the jobs' model, built whole in the test (model and config keys)",
     "job.parallel_models": "the parallel jobs' models, built whole in the test",
-    "fsdp2_job": "shared_batch: the batch the FSDP2 job and the test both use",
+    "fsdp2_job": "shared_batch, parallel_batch: the batches the FSDP2 job and the test both use",
     "compat": "the older DeepSpeed's version and the folder of its committed checkpoints (constants)",
 }
 MARKERS = {

@@ -155,6 +155,13 @@ OPTIM_SOURCES = sorted(n for n in PARALLEL_SPECS if n.startswith(("s0-", "moe-",
 # The universal folders' sources: their ZeRO tag and the folder ds_to_universal wrote, each loaded by
 # DeepSpeed (tests/_harness/optim_universal_job.py), entries ``<name>+optim`` too.
 OPTIM_UNIVERSAL_SOURCES = sorted(n for n in PARALLEL_SPECS if n.startswith("uc-"))
+# The DCP export of every kind (issue #39): FSDP2 loads of these PARALLEL entries into the consolidated
+# model (parallel_models.reference_model) at world size 2, in the launch of the other world-size-2 loads.
+# Their moments' oracle is DeepSpeed's state after loading each (``+optim``; the tensor- and
+# pipeline-parallel ones get their own, as DCP_OPTIM_SOURCES).
+DCP_PARALLEL_SOURCES = ["moe-ep2-s2-bf16-ws2", "pp2dp2-s1-bf16-ws4", "s0-bf16-ws2", "tp2dp2-s2-bf16-ws4"]
+DCP_PARALLEL_WORLD_SIZE = 2
+DCP_OPTIM_SOURCES = [n for n in DCP_PARALLEL_SOURCES if n not in OPTIM_SOURCES]
 
 
 def optim_name(name: str) -> str:
@@ -307,12 +314,16 @@ def _registry() -> dict[str, Task]:
     for name in HOOKED + MASTERS_HOOKED:
         spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
-    for name in OPTIM_SOURCES:
+    for name in OPTIM_SOURCES + DCP_OPTIM_SOURCES:
         spec, ws = PARALLEL_SPECS[name]
         out[optim_name(name)] = Task("optim", {"spec": spec, "source": name}, ws, load=name)
     for name in OPTIM_UNIVERSAL_SOURCES:
         spec, ws = PARALLEL_SPECS[name]
         out[optim_name(name)] = Task("optim_universal", {"spec": spec, "source": name}, ws, load=name)
+    for source in DCP_PARALLEL_SOURCES:
+        spec, ws = PARALLEL_SPECS[source][0], DCP_PARALLEL_WORLD_SIZE
+        args = {"spec": spec, "source": source, "parallel": True}
+        out[fsdp2_name(source, ws)] = Task("fsdp2", args, ws, load=source)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

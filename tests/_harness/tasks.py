@@ -79,7 +79,7 @@ class Task:
             return normalize_spec(self.args)
         if self.kind == "parallel":
             return parallel_models.normalize(self.args)
-        if self.kind in ("optim", "optim_universal"):  # a parallel entry loaded (optim_job.py, optim_universal_job.py)
+        if self.kind in ("optim", "optim_universal") or self.args.get("parallel"):  # a parallel entry loaded
             return {**self.args, "spec": parallel_models.normalize(self.args["spec"])}
         return {**self.args, "spec": normalize_spec(self.args["spec"])}  # resume, fsdp2, reshard
 

@@ -1,0 +1,193 @@
+"""``ckptspec export --format dcp`` and ``ckptspec.export_dcp`` on every kind of checkpoint (issue #39).
+
+An FSDP2 job loads the export of a tensor x data parallel (AutoTP at ZeRO-2), a pipeline x data parallel
+(ZeRO-1), a MoE (ep2, ZeRO-2) and a ZeRO stage-0 bf16 checkpoint into the consolidated model
+(``parallel_models.reference_model``: tp1/pp1/ep1) at world size 2, the way a user loads it:
+``get_state_dict``, ``dcp.load``, ``set_state_dict`` (tests/_harness/fsdp2_job.py, ``"parallel": true``).
+
+Oracles, recorded by DeepSpeed, never by ckptspec: the live engine's fp32 masters on every rank before it
+saved (``oracle.rank<R>.pt``; a tensor-parallel rank's master is its shard, cut from the whole tensor by
+DeepSpeed's own affine pieces), and the optimizer state DeepSpeed holds after loading the checkpoint
+(``<name>+optim``, tests/_harness/optim_job.py: ``safe_get_full_optimizer_state`` or the wrapped torch
+optimizer's state; a tensor-parallel rank's in its local shape): Adam's moments, each parameter's step,
+its param group and the group's hyperparameters. The FSDP2 job's extra step (all but MoE) is replayed
+here with plain ``torch.optim.Adam`` on the consolidated model from that state and the same batch.
+
+Every other kind (tensor parallel at ZeRO-1 and ZeRO-3, the stage-0 pipeline, MoE at stages 0 and 1,
+stage 0 fp32) is exported here and read back with torch's DCP reader: every key equals the tensors the
+one ``Checkpoint`` model gives (``state_dict``, ``optimizer_state``), which tests/test_every_kind.py and
+tests/export/test_masters_optimizer_state.py hold against the live masters and DeepSpeed's loaded state.
+A universal folder exports too: its moments are located in ``zero/<param>/exp_avg.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+from _harness import scenarios
+from _harness.fsdp2_job import parallel_batch
+from _harness.job.parallel_models import reference_model
+from _harness.parallel_oracles import affine_pieces, bits_equal, check_masters, info, rank_oracles, shard_of
+
+import ckptspec
+
+SOURCES = scenarios.DCP_PARALLEL_SOURCES
+WORLD_SIZE = scenarios.DCP_PARALLEL_WORLD_SIZE
+
+
+def _fsdp2(ds, source: str) -> dict:
+    import torch
+
+    got = torch.load(ds.path(scenarios.fsdp2_name(source, WORLD_SIZE)) / "fsdp2.pt", weights_only=False)
+    assert got["world_size"] == WORLD_SIZE
+    return got
+
+
+def _optim_records(ds, source: str) -> list[dict]:
+    import torch
+
+    entry = ds.path(scenarios.optim_name(source))
+    return [
+        torch.load(entry / f"optim.rank{r}.pt", weights_only=True) for r in range(scenarios.REGISTRY[source].world_size)
+    ]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_fsdp2_loads_every_kind_as_deepspeed_holds_it(ds, source):
+    import torch
+
+    entry = ds.path(source)
+    spec = info(entry)["spec"]
+    got = _fsdp2(ds, source)
+
+    # The export has exactly the keys an FSDP2 job of the consolidated model asks for (and saves).
+    assert got["keys"]["export"] == got["keys"]["fsdp2"]
+
+    # Every rank's live master, bit for bit (a tensor-parallel rank's: its shard of the loaded whole).
+    loaded = got["loaded"]
+    assert all(t.dtype == torch.float32 for t in loaded.values())
+    assert check_masters(entry, loaded) >= len(loaded)
+    oracles = rank_oracles(entry)
+    assert {o["params"][local]["global_name"] for o in oracles for local in o["masters"]} == set(loaded)
+
+    # Adam's moments bit for bit, every parameter's step, group and hyperparameters, as DeepSpeed loads them.
+    records = _optim_records(ds, source)
+    coords = [o["coords"] for o in oracles]
+    group_of = {name: g for g, group in enumerate(got["param_groups"]) for name in group["params"]}
+    trainable = set()
+    for rank, record in enumerate(records):
+        assert record["param_groups"] == records[0]["param_groups"]
+        for name, states in record["state"].items():
+            trainable.add(name)
+            ours = got["state"][name]
+            assert set(ours) == {"exp_avg", "exp_avg_sq", "step"}, name
+            for key, theirs in states.items():
+                mine = ours[key]
+                if spec["tp"] > 1:
+                    tp = coords[rank]["tp"]
+                    mine = shard_of(mine, affine_pieces(entry, tp, name), theirs.shape)
+                assert bits_equal(mine, theirs), f"{source}: {name}.{key} (rank {rank})"
+            assert ours["step"].item() == record["step"][name], name
+            assert group_of[name] == record["group"][name], name
+    assert set(got["state"]) == trainable == set(group_of)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in got["param_groups"]] == records[0]["param_groups"]
+
+    # One more step (not for MoE: its gate's training forward selects tokens at random): what plain
+    # torch.optim.Adam gives from the state just held against DeepSpeed's, on the same batch, bit for bit.
+    if spec["ep"]:
+        assert got["after"] == {}
+        return
+    expected = _replay(spec, got)
+    assert set(expected) == set(got["after"]) == set(loaded)
+    for name, theirs in expected.items():
+        assert bits_equal(got["after"][name], theirs), f"{name} after one step"
+        assert not torch.equal(theirs, loaded[name]), f"{name}: the step changed nothing"
+
+
+def _replay(spec, got) -> dict:
+    """One step of plain torch.optim.Adam on the consolidated model, from the loaded weights and state."""
+    import torch
+
+    model = reference_model(spec)
+    model.load_state_dict(got["loaded"])
+    names = dict(model.named_parameters())
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[n] for n in g["params"]]}
+        for g in got["param_groups"]
+    ]
+    optimizer = torch.optim.Adam(groups)
+    for group in got["param_groups"]:
+        for name in group["params"]:
+            optimizer.state[names[name]] = {k: v.clone() for k, v in got["state"][name].items()}
+    inputs, targets = parallel_batch(spec)
+    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    optimizer.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _read_dcp(path) -> dict:
+    """Every key of a DCP directory, read whole with torch's reader (no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+EVERY_KIND = [
+    "tp2-s1-fp32-ws2",
+    "tp2-s3-bf16-ws2",
+    "pp2-s1-fp32-ws2",
+    "pp2-s0-bf16-ws2",
+    "moe-ep2-s0-bf16-ws4",
+    "moe-ep2-s1-fp32-ws4",
+    "s0-fp32-ws2",
+    "tp2-s2-bf16-ws2-extras",
+    "pp2-s1-fp32-ws2-extras",
+]
+
+
+def _target(ds, name: str):
+    entry = ds.path(name)
+    if name.startswith("uc-"):  # the universal folder ds_to_universal wrote beside the checkpoint
+        return entry / info(entry)["universal"]["output_folder"]
+    return entry
+
+
+@pytest.mark.parametrize("name", [*EVERY_KIND, "uc-s2-bf16-ws2"])
+def test_export_dcp_holds_the_checkpoint_of_every_kind(ds, name, tmp_path):
+    import torch
+
+    target = _target(ds, name)
+    checkpoint = ckptspec.open(target)
+    result = ckptspec.export_dcp(target, tmp_path / "dcp")
+    state = _read_dcp(tmp_path / "dcp")
+    weights = checkpoint.state_dict()
+    moments, _ = checkpoint.optimizer_state()
+    model_keys = {k.removeprefix("model.") for k in state if k.startswith("model.")}
+    assert model_keys == set(weights)  # every tensor, frozen parameters, buffers and tied aliases included
+    stored = {name: t.dtype for name, t in checkpoint.tensors.items()}
+    for key, tensor in weights.items():  # fp32 masters; frozen weights and buffers as stored (widened exactly)
+        ours = state[f"model.{key}"]
+        assert str(ours.dtype).removeprefix("torch.") == stored[checkpoint.aliases.get(key, key)], key
+        assert bits_equal(ours.to(tensor.dtype), tensor), key
+    owners = {n for n in moments if n not in checkpoint.aliases}
+    assert {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in state if k.startswith("optim.state.")} == owners
+    for param in owners:
+        for key, array in moments[param].items():
+            assert bits_equal(state[f"optim.state.{param}.{key}"], torch.from_numpy(array)), f"{param}.{key}"
+        assert state[f"optim.state.{param}.step"].dtype == torch.float32
+    assert result.tensors == len(state)
+    marker = json.loads((tmp_path / "dcp" / "ckptspec-export.json").read_text())
+    assert marker["kind"] == checkpoint.kind.value
