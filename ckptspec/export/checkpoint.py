@@ -38,7 +38,7 @@ from .writers import WriteResult, to_torch
 # What each capability needs of a checkpoint's kind; every other capability works on every kind.
 # Issue #40 extends these to tensor/pipeline-parallel, MoE and stage-0 sources.
 CAPABILITIES: dict[str, frozenset[Kind]] = {
-    "reshard": frozenset({Kind.ZERO}),
+    "reshard": frozenset({Kind.ZERO, Kind.MODEL_PARALLEL}),  # model parallel: the data axis (reshard_parallel.py)
     "export_universal": frozenset({Kind.ZERO}),
     "export_dcp": frozenset({Kind.ZERO}),
 }

@@ -96,8 +96,8 @@ class Task:
 
     @property
     def runs_ckptspec(self) -> bool:
-        if self.kind == "optim":  # DeepSpeed alone
-            return False
+        if self.kind == "optim":  # DeepSpeed alone, unless rank 0 reshards the checkpoint first
+            return bool(self.args.get("reshard"))
         if self.kind == "parallel":
             return self.normalized()["save_with"] == "ckptspec"
         spec = self.normalized() if self.kind == "train" else None
