@@ -10,7 +10,12 @@ from ._common import OUTPUT_DIR, writing_deepspeed_files
 @click.command()
 @click.argument("checkpoint", metavar="CHECKPOINT")
 @click.argument("output", metavar="OUTPUT", type=OUTPUT_DIR)
-@click.option("--world-size", type=click.IntRange(min=1), required=True, help="Data-parallel ranks of the target job.")
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Ranks of the target job (a tensor/pipeline-parallel checkpoint keeps its tensor and pipeline degrees).",
+)
 @click.option(
     "--stage",
     type=click.IntRange(0, 3),
@@ -40,7 +45,10 @@ def reshard(
     holds a DeepSpeed checkpoint the target job loads with a plain engine.load_checkpoint(OUTPUT):
     fp32 masters, optimizer state, step, hyperparameters, loss scaler, model weights, frozen
     parameters, buffers, LR scheduler and client state, plus `latest` and the checkpoint's format 1.1
-    manifest. Never executes pickled code; needs torch only to write the pickles, not DeepSpeed.
+    manifest. A tensor- or pipeline-parallel ZeRO-1/2 checkpoint keeps its tensor and pipeline degrees:
+    --world-size / (tp x pp) data-parallel ranks, each coordinate's ZeRO partitions resharded, the
+    pipeline's layer files copied. Never executes pickled code; needs torch only to write the pickles,
+    not DeepSpeed.
     """
     from ..export.api import reshard as run
 

@@ -135,10 +135,15 @@ def reshard(
     manifest: Any = None,
     tag: str | None = None,
 ) -> Any:
-    """Validate ``checkpoint``, then write it for ``world_size`` data-parallel ranks (and ``zero_stage``)
-    as a DeepSpeed checkpoint ``output`` that ``engine.load_checkpoint`` resumes (docs/reshard.md).
+    """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) as a DeepSpeed
+    checkpoint ``output`` that ``engine.load_checkpoint`` resumes (docs/reshard.md). A tensor/pipeline-parallel
+    checkpoint keeps its tensor and pipeline degrees: ``world_size / (tp x pp)`` data-parallel ranks.
     CK403 for a kind it does not reshard yet, CK410 for a target it cannot write; nothing written then."""
     require("reshard", checkpoint, manifest, tag)
+    if described_by_index(checkpoint, manifest, tag):
+        from .reshard_parallel import reshard_model_parallel
+
+        return reshard_model_parallel(checkpoint, output, world_size, zero_stage=zero_stage, tag=tag, index=manifest)
     from .reshard import reshard as reshard_zero
 
     return reshard_zero(

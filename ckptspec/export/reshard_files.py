@@ -36,8 +36,6 @@ from .model_plan import Segment, TensorSource
 from .reshard_layout import TargetLayout, natural_groups
 from .reshard_source import source_optimizer, with_stage
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
-
 
 def _slice(source: TensorSource, start: int, count: int) -> list[Segment]:
     """The segments of elements ``[start, start + count)`` of ``source`` (its segments concatenated)."""
@@ -118,9 +116,10 @@ def _slice_mappings(group: Group, rank: int, natural: list[str], round_robin: bo
 
 
 def _optim_file_names(found: Manifest, world_size: int) -> list[str]:
+    """Rank 0's file name with each target rank's: the prefix (``bf16_``) and the model-parallel rank kept."""
     first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
-    prefix = first[: first.index("zero_pp_rank_")]
-    return [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)]
+    prefix, rest = first.split("zero_pp_rank_0_", 1)
+    return [f"{prefix}zero_pp_rank_{r}_{rest}" for r in range(world_size)]
 
 
 def write_files(found, plan, state_plan, target: TargetLayout, states: StateCache, tag_dir: Path) -> list[Path]:
@@ -149,8 +148,10 @@ def write_files(found, plan, state_plan, target: TargetLayout, states: StateCach
         lazy = lazy_reader(model, states, files)
         doc = _model_states(states.state(model), found, target, lazy, full, files)
         # the low-precision group buffers a chunk at a time; torch.save's bytes (shapes as tuples)
-        ds_pickle.save_streamed(doc, tag_dir / MODEL_STATES, shapes_as_tuples=True)
-    return [*written, tag_dir / MODEL_STATES]
+        # mp_rank_XX_model_states.pt (a stage-3 source's name has a zero_pp_rank_R_ prefix)
+        name = model.name[model.name.index("mp_rank_") :]
+        ds_pickle.save_streamed(doc, tag_dir / name, shapes_as_tuples=True)
+    return [*written, tag_dir / name]
 
 
 def _full_weights(found: Manifest, plan) -> dict[str, TensorSource]:
@@ -208,7 +209,7 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, read, full
     """The model-states dict for the target: flat lp group buffers re-laid, ``dp_world_size`` changed.
     ``full``: whole tensors replacing the module's (a stage-3 source's, whose module holds placeholders).
     Every tensor is lazy (``save_streamed``): a group buffer is written a chunk at a time."""
-    module = state["module"]
+    module = state["module"] or {}  # None in a pipeline stage's: its weights are in the layer files
     dtype = found.layout.model_dtype
     lp: dict = {}
     for name, ref in module.items():
@@ -232,7 +233,7 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, read, full
         if key == CLIENT_STATE_KEY:
             continue  # the source's manifest; the new checkpoint's is embedded after writing
         if key == "module":
-            out[key] = collections.OrderedDict((n, lp[n]) for n in module)
+            out[key] = None if value is None else collections.OrderedDict((n, lp[n]) for n in module)
         elif key == "param_shapes":  # the flat order, which round robin changes with the world size
             out[key] = ds_pickle.sizes(
                 [collections.OrderedDict((p.name, tuple(p.shape)) for p in g.params) for g in target.groups]

@@ -78,12 +78,18 @@ def sub_groups(params: list, world_size: int, sub_group_size: int) -> list[list]
 
 
 def target_layout(
-    manifest: Manifest, world_size: int, zero_stage: int | None = None, sub_group_size: int | None = None
+    manifest: Manifest,
+    world_size: int,
+    zero_stage: int | None = None,
+    sub_group_size: int | None = None,
+    *,
+    domain: bool = False,
 ) -> TargetLayout:
-    """The groups of ``manifest``'s checkpoint re-laid out for ``world_size`` (and ``zero_stage``)."""
+    """The groups of ``manifest``'s checkpoint re-laid out for ``world_size`` (and ``zero_stage``).
+    ``domain``: the manifest is one domain of a tensor/pipeline-parallel checkpoint (its data axis)."""
     layout = manifest.layout
     stage = layout.zero_stage if zero_stage is None else zero_stage
-    _refuse(manifest, world_size, stage)
+    _refuse(manifest, world_size, stage, domain)
     if stage == 3:
         groups = []
         size = target_sub_group_size(manifest, sub_group_size)
@@ -124,7 +130,7 @@ def target_sub_group_size(manifest: Manifest, sub_group_size: int | None) -> int
     return DEFAULT_SUB_GROUP_SIZE
 
 
-def _refuse(manifest: Manifest, world_size: int, stage: int) -> None:
+def _refuse(manifest: Manifest, world_size: int, stage: int, domain: bool) -> None:
     layout = manifest.layout
     if world_size < 1:
         raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
@@ -134,7 +140,7 @@ def _refuse(manifest: Manifest, world_size: int, stage: int) -> None:
             "(stage 1, 2 and 3 sources, to stage 1, 2 or 3, are)",
             "reshard a stage 1, 2 or 3 checkpoint",
         )
-    if layout.tensor_parallel_size != 1 or layout.pipeline_parallel_size != 1:
+    if not domain and (layout.tensor_parallel_size != 1 or layout.pipeline_parallel_size != 1):
         raise ReshardUnsupported(
             f"the checkpoint is tensor- or pipeline-parallel (tp {layout.tensor_parallel_size}, "
             f"pp {layout.pipeline_parallel_size}); reshard changes data parallelism only",

@@ -22,6 +22,13 @@ the optimizer state the live engine then holds. Every rank writes ``OUT/optim.ra
   getter        global name -> whether ``safe_get_full_optimizer_state`` answered at all (it returns
                 None at stage 0 outside BF16_Optimizer: there is no fragment mapping)
 
+  master        global name -> the fp32 master ``safe_get_full_fp32_param`` gives (where it answers)
+  coords        this rank's coordinates (job/parallel.py ``_coords``: pp, tp, dp, ...)
+
+A task with ``reshard`` (issue #40) loads not ``load`` but what rank 0 wrote with ``ckptspec.reshard(load,
+OUT/resharded, world_size=<this job's>)`` (``reshard_error`` in optim.json when it refused: then nothing is
+loaded): the masters and optimizer state a job of the target layout holds after resuming from it.
+
 and rank 0 ``OUT/optim.json``: ``load``, ``loaded`` (the model-states file DeepSpeed read) and
 ``load_checkpoint_error``: where ``load_checkpoint`` itself cannot load the optimizer state (a stage-0
 bf16 pipeline, see ``run``), its error; the state is then read by DeepSpeed's ZeRO-file loader.
@@ -80,13 +87,20 @@ def _flat_groups(opt) -> dict:
 def run(args, out: Path):
     import torch
     import torch.distributed as dist
-    from deepspeed.utils import safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     spec = normalize({**args["spec"], "steps": 0, "save": False, "universal": False})
+    load, reshard_error = args["load"], None
+    if args.get("reshard"):
+        load, reshard_error = _resharded(load, out, args["reshard"])
+        if reshard_error is not None:
+            if dist.get_rank() == 0:
+                (out / "optim.json").write_text(json.dumps({"load": args["load"], "reshard_error": reshard_error}))
+            return
     engine, _ = parallel._train(spec)
     load_error = None
     try:
-        load_path, _ = engine.load_checkpoint(args["load"])
+        load_path, _ = engine.load_checkpoint(load)
     except KeyError as exc:
         # A stage-0 bf16 pipeline (BF16_Optimizer): load_checkpoint hands the optimizer the model states'
         # copy of rank 0's state (a dict) where BF16_Optimizer.load_state_dict takes every rank's list
@@ -95,10 +109,10 @@ def run(args, out: Path):
         if not (spec["pp"] > 1 and spec["stage"] == 0 and spec["dtype"] == "bf16"):
             raise
         load_error = f"{type(exc).__name__}: {exc}"
-        load_path, _ = engine.load_checkpoint(args["load"], load_optimizer_states=False)
-        tag = (Path(args["load"]) / "latest").read_text().strip()
-        assert engine._load_zero_checkpoint(args["load"], tag, load_optimizer_states=True)
-    assert load_path is not None, f"DeepSpeed loaded nothing from {args['load']}"
+        load_path, _ = engine.load_checkpoint(load, load_optimizer_states=False)
+        tag = (Path(load) / "latest").read_text().strip()
+        assert engine._load_zero_checkpoint(load, tag, load_optimizer_states=True)
+    assert load_path is not None, f"DeepSpeed loaded nothing from {load}"
     rank = dist.get_rank()
     names = parallel._names(engine, spec)
     opt = engine.optimizer
@@ -108,11 +122,14 @@ def run(args, out: Path):
         opt._lazy_init_hp_params_optimizer_state()
     by_master, fallback = _by_master(opt)
     flat = _flat_groups(opt)  # ZeRO 1/2, BF16_Optimizer: id(lp param) -> (group, its fp32 partition)
-    record = {"state": {}, "step": {}, "group": {}, "source": {}, "getter": {}}
+    record = {"state": {}, "step": {}, "group": {}, "source": {}, "getter": {}, "master": {}}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
         global_name = names[name]["global_name"]
+        master = safe_get_full_fp32_param(p)  # collective where it answers
+        if master is not None:
+            record["master"][global_name] = master.detach().clone().float().reshape(p.shape)
         answers = {k: safe_get_full_optimizer_state(p, k) for k in KEYS}  # collective where it answers
         record["getter"][global_name] = all(a is not None for a in answers.values())
         if record["getter"][global_name]:
@@ -127,6 +144,7 @@ def run(args, out: Path):
         record["step"][global_name] = float(inner.state[part]["step"])
         record["group"][global_name] = g
     record["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    record["coords"] = parallel._coords(engine, spec)  # pipeline stage, tensor and data rank (job/parallel.py)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(record, out / f"optim.rank{rank}.pt")
     if rank == 0:
@@ -136,6 +154,25 @@ def run(args, out: Path):
     dist.barrier()
     if hasattr(engine, "destroy"):
         engine.destroy()
+
+
+def _resharded(load: str, out: Path, how: dict) -> tuple[str, str | None]:
+    """Rank 0 writes ``load`` for this job's world size with ckptspec's reshard into OUT/resharded; every
+    rank learns the outcome: (the path to load, the refusal or None)."""
+    import torch.distributed as dist
+
+    target = out / "resharded"
+    outcome = [None]
+    if dist.get_rank() == 0:
+        import ckptspec
+
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            ckptspec.reshard(load, target, dist.get_world_size(), zero_stage=how.get("stage"))
+        except ckptspec.CkptspecError as exc:
+            outcome = [f"{exc.code}: {exc.message}"]
+    dist.broadcast_object_list(outcome, src=0)
+    return str(target), outcome[0]
 
 
 def main():

@@ -164,6 +164,19 @@ DCP_PARALLEL_WORLD_SIZE = 2
 DCP_OPTIM_SOURCES = [n for n in DCP_PARALLEL_SOURCES if n not in OPTIM_SOURCES]
 
 
+# The data axis of a tensor/pipeline-parallel checkpoint resharded (issue #40): rank 0 of a job of the
+# source's tensor/pipeline layout at the target world size reshards the source with ckptspec, every rank
+# loads the output and records the masters and optimizer state it then holds (optim_job.py, "reshard");
+# the source's own "+optim" entry is what a job of the source's layout holds.
+PARALLEL_RESHARDS = {
+    "tp2dp2-s2-bf16-ws4>ws2": ("tp2dp2-s2-bf16-ws4", 2),  # tp2 x dp2 -> tp2 x dp1
+    "pp2dp2-s1-bf16-ws4>ws2": ("pp2dp2-s1-bf16-ws4", 2),  # pp2 x dp2 -> pp2 x dp1 (issue #40's matrix)
+    "tp2-s1-fp32-ws2>ws4": ("tp2-s1-fp32-ws2", 4),  # tp2 x dp1 -> tp2 x dp2
+    "pp2-s1-fp32-ws2>ws4": ("pp2-s1-fp32-ws2", 4),  # pp2 x dp1 -> pp2 x dp2
+}
+RESHARD_SOURCES = sorted({source for source, _ in PARALLEL_RESHARDS.values()})  # each with a +optim entry
+
+
 def optim_name(name: str) -> str:
     """The entry where a job of PARALLEL entry ``name``'s layout loaded it and recorded its optimizer state."""
     return f"{name}+optim"
@@ -314,7 +327,7 @@ def _registry() -> dict[str, Task]:
     for name in HOOKED + MASTERS_HOOKED:
         spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
-    for name in OPTIM_SOURCES + DCP_OPTIM_SOURCES:
+    for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES}):
         spec, ws = PARALLEL_SPECS[name]
         out[optim_name(name)] = Task("optim", {"spec": spec, "source": name}, ws, load=name)
     for name in OPTIM_UNIVERSAL_SOURCES:
@@ -324,6 +337,9 @@ def _registry() -> dict[str, Task]:
         spec, ws = PARALLEL_SPECS[source][0], DCP_PARALLEL_WORLD_SIZE
         args = {"spec": spec, "source": source, "parallel": True}
         out[fsdp2_name(source, ws)] = Task("fsdp2", args, ws, load=source)
+    for name, (source, ws) in PARALLEL_RESHARDS.items():
+        spec = PARALLEL_SPECS[source][0]
+        out[name] = Task("optim", {"spec": spec, "source": source, "reshard": {"world_size": ws}}, ws, load=source)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

@@ -106,8 +106,8 @@ class Task:
 
     @property
     def runs_ckptspec(self) -> bool:
-        if self.kind in ("optim", "optim_universal"):  # DeepSpeed alone
-            return False
+        if self.kind in ("optim", "optim_universal"):  # DeepSpeed alone, unless rank 0 reshards the checkpoint first
+            return bool(self.args.get("reshard"))
         if self.kind == "parallel":
             return self.normalized()["save_with"] == "ckptspec"
         spec = self.normalized() if self.kind == "train" else None

@@ -1,0 +1,131 @@
+"""``ckptspec reshard`` of a tensor- or pipeline-parallel ZeRO-1/2 checkpoint to another data-parallel degree.
+
+A checkpoint index gives one ZeRO domain per (pipeline, tensor) coordinate, each an ordinary 1.x manifest over
+that coordinate's files (``mp_rank_XX``). The data axis of each domain is resharded exactly as a plain ZeRO
+checkpoint's (``reshard_files.write_files``: every layout-dependent entry recomputed, the rest copied as saved,
+the file names keeping the coordinate's ``mp_rank_XX``); a pipeline's layer files, written once per stage
+whatever the data degree, are copied as saved. The tensor and pipeline degrees stay as they are: the target's
+world size must be a multiple of their product. The output is validated from its files (its checkpoint index
+generated anew) before it is renamed into place; nothing is written when the source has an error finding or
+the target cannot be expressed (CK410).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.states import StateCache
+from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
+from ..deepspeed.layout.tag_dir import resolve_tag_dir
+from ..errors import CheckpointInvalid, ReshardUnsupported
+from ..findings import has_errors
+from ..format.index_models import CheckpointIndex
+from ..location import RemotePath
+from .arrays import CHUNK_BYTES, ShardReader
+from .model_plan import Segment
+from .optimizer_state import plan_optimizer_state
+from .output_dir import build_and_publish, held_new_output
+from .plan import plan_reconstruction
+from .reshard import ReshardResult
+from .reshard_files import write_files
+from .reshard_layout import TargetLayout, target_layout
+
+
+def reshard_model_parallel(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    world_size: int,
+    *,
+    zero_stage: int | None = None,
+    tag: str | None = None,
+    index: Any = None,
+) -> ReshardResult:
+    """Validate ``checkpoint`` (digests included), then write it for ``world_size`` ranks in all: the same
+    tensor and pipeline degrees, ``world_size / (tp x pp)`` data-parallel ranks (and ``zero_stage``).
+    ``index``: the checkpoint index to read it by (a model, a validated report or a file), else its files'."""
+    with held_new_output(output, "the resharded checkpoint") as out:
+        if isinstance(index, (str, os.PathLike)):
+            from ..format.index_validate import validate_index_file
+
+            index = validate_index_file(index)
+            if not index.ok:
+                raise CheckpointInvalid(index.findings, str(checkpoint))
+        states = StateCache()
+        found, findings = validate_index_checkpoint(checkpoint, index, tag, states=states, verify_digests=True)
+        if found is None or has_errors(findings):
+            raise CheckpointInvalid(findings, str(checkpoint))
+        try:
+            targets = target_layouts(found, world_size, zero_stage)  # CK410 before anything is read or written
+        except ReshardUnsupported as exc:
+            raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
+        src_dir = resolve_tag_dir(checkpoint, tag)
+        plans = {d.id: plan_reconstruction(src_dir, d.manifest, states=states) for d in found.domains}  # type: ignore[arg-type]
+        state_plans = {key: plan_optimizer_state(plan) for key, plan in plans.items()}
+
+        def build(tmp: Path) -> list[Path]:
+            tag_dir = tmp / src_dir.name
+            tag_dir.mkdir()
+            files: list[Path] = []
+            for d in found.domains:
+                files += write_files(d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
+            for layer in found.layer_files:  # a stage's layers, the same whatever the data degree
+                _copy(src_dir / layer.path, tag_dir / layer.path, layer.size)
+                files.append(tag_dir / layer.path)
+            (tmp / "latest").write_text(src_dir.name)
+            written, out_findings = validate_index_checkpoint(tmp, tag=src_dir.name, verify_digests=True)
+            if written is None or has_errors(out_findings):
+                raise CheckpointInvalid(out_findings, str(output))
+            return files
+
+        files = build_and_publish(out, build)
+    output = Path(output)
+    degrees = found.topology.degrees
+    first = next(iter(targets.values()))
+    return ReshardResult(
+        output,
+        src_dir.name,
+        degrees.data * degrees.tensor * degrees.pipeline,
+        world_size,
+        first.zero_stage,
+        [output / src_dir.name / f.name for f in files],
+    )
+
+
+def target_layouts(index: CheckpointIndex, world_size: int, zero_stage: int | None) -> dict[str, TargetLayout]:
+    """Each domain's target: its data axis at ``world_size / (tp x pp)`` ranks (CK410 where it cannot be)."""
+    degrees = index.topology.degrees
+    model_parallel = degrees.tensor * degrees.pipeline
+    if world_size < 1 or world_size % model_parallel:
+        raise ReshardUnsupported(
+            f"--world-size {world_size} is not a multiple of the tensor x pipeline degrees "
+            f"({degrees.tensor} x {degrees.pipeline} = {model_parallel}), which reshard keeps",
+            f"give a multiple of {model_parallel}: each data-parallel rank holds one copy of the model's "
+            f"{model_parallel} parts",
+        )
+    data = world_size // model_parallel
+    out: dict[str, TargetLayout] = {}
+    for d in index.domains:
+        if d.masters is not None or d.manifest.layout.zero_stage not in (1, 2):
+            raise ReshardUnsupported(
+                f"domain {d.id} is not a ZeRO stage 1 or 2 partition (stage {d.manifest.layout.zero_stage}); "
+                "the data axis of tensor/pipeline-parallel ZeRO-1/2 checkpoints is what reshard moves so far",
+                "resume at the same layout",
+            )
+        if zero_stage not in (None, 1, 2):
+            raise ReshardUnsupported(
+                f"--stage {zero_stage} for a tensor/pipeline-parallel checkpoint: stage 1 and 2 targets are written",
+                "give --stage 1 or 2",
+            )
+        out[d.id] = target_layout(d.manifest, data, zero_stage, domain=True)
+    return out
+
+
+def _copy(source: Path | RemotePath, target: Path, size: int) -> None:
+    """A file copied as saved, at most ``CHUNK_BYTES`` at a time (from a URL too: ranged reads)."""
+    with ShardReader() as files, open(target, "wb") as out:
+        for start in range(0, size, CHUNK_BYTES):
+            piece = bytearray(min(CHUNK_BYTES, size - start))
+            files.read_into(Segment(source, start, len(piece)), memoryview(piece))
+            out.write(piece)
