@@ -243,7 +243,8 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
             assert (group[3] == script) == (layouts == {script}), (group, sorted(members))
         # optim_job.py's and optim_universal_job.py's loads (#39): launches of their own, one layout each
         optim = group[3].startswith(("optim-", "optim_universal-"))
-        assert optim == all(m.endswith("+optim") for m in members), (group, sorted(members))
+        loads = all(m.endswith("+optim") or m in scenarios.PARALLEL_RESHARDS for m in members)
+        assert optim == loads, (group, sorted(members))
     for name in PARALLEL:
         task, again = registry[name], registry[scenarios.again_name(name)]
         assert task.launch_group == again.launch_group and not task.runs_ckptspec
@@ -260,6 +261,8 @@ def _layout_of(member):
         return member
     if member.endswith("+optim"):
         return f"optim-{layout(_spec(member.removesuffix('+optim'))[0])}"
+    if member in scenarios.PARALLEL_RESHARDS:  # a reshard loaded by optim_job.py (#40): its source's layout
+        return f"optim-{layout(_spec(scenarios.PARALLEL_RESHARDS[member][0])[0])}"
     kind = (
         "dense"
         if member in ("train", "resume")
