@@ -64,3 +64,52 @@ def check_masters(entry: Path, whole: dict) -> int:
             assert bits_equal(mine, master), (entry.name, oracle["coords"], local)
             checked += 1
     return checked
+
+
+def plain_settings(settings: dict) -> dict:
+    """A torch param group's settings as JSON holds them (tuples as lists, no None)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items() if v is not None}
+
+
+def check_exported_optimizer_state(out: Path, oracle: dict, name: str) -> dict:
+    """``reconstruct --optimizer-state``'s ``optimizer.safetensors`` in ``out`` against an ``optim`` job's record
+    (``optim_job.py``, ``optim_universal_job.py``): every trainable parameter's moments bit for bit, its group,
+    each group's step and hyperparameters. Returns the exported ``ckptspec.optimizer`` metadata."""
+    from safetensors import safe_open
+
+    with safe_open(out / "optimizer.safetensors", "pt") as f:
+        meta = f.metadata()
+        exported = {k: f.get_tensor(k) for k in f.keys()}
+    states = json.loads(meta["ckptspec.states"])
+    assert sorted(states) == sorted(oracle["state"])  # every trainable parameter, experts by global name
+    for param, by_key in oracle["state"].items():
+        assert set(states[param]) == set(by_key) == {"exp_avg", "exp_avg_sq"}
+        for key, theirs in by_key.items():
+            assert bits_equal(exported[states[param][key]], theirs), f"{name}: {param}.{key}"
+    assert len(exported) == 2 * len(oracle["state"])
+    assert json.loads(meta["ckptspec.optimizer_groups"]) == oracle["group"]
+    optimizer = json.loads(meta["ckptspec.optimizer"])
+    steps = {g["optimizer_group"]: g["step"] for g in optimizer["groups"]}
+    assert steps == {oracle["group"][p]: step for p, step in oracle["step"].items()}
+    assert [g["hyperparameters"] for g in optimizer["groups"]] == [plain_settings(g) for g in oracle["param_groups"]]
+    return optimizer
+
+
+def read_dcp(path) -> dict:
+    """Every tensor key of a DCP directory, read whole with torch's reader (no process group)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state

@@ -23,13 +23,12 @@ A universal folder exports too: its moments are located in ``zero/<param>/exp_av
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 from _harness import scenarios
 from _harness.fsdp2_job import parallel_batch
 from _harness.job.parallel_models import reference_model
-from _harness.parallel_oracles import affine_pieces, bits_equal, check_masters, info, rank_oracles, shard_of
+from _harness.parallel_oracles import affine_pieces, bits_equal, check_masters, info, rank_oracles, read_dcp, shard_of
 
 import ckptspec
 
@@ -127,24 +126,6 @@ def _replay(spec, got) -> dict:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _read_dcp(path) -> dict:
-    """Every key of a DCP directory, read whole with torch's reader (no process group)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
-
-
 EVERY_KIND = [
     "tp2-s1-fp32-ws2",
     "tp2-s3-bf16-ws2",
@@ -172,7 +153,7 @@ def test_export_dcp_holds_the_checkpoint_of_every_kind(ds, name, tmp_path):
     target = _target(ds, name)
     checkpoint = ckptspec.open(target)
     result = ckptspec.export_dcp(target, tmp_path / "dcp")
-    state = _read_dcp(tmp_path / "dcp")
+    state = read_dcp(tmp_path / "dcp")
     weights = checkpoint.state_dict()
     moments, _ = checkpoint.optimizer_state()
     model_keys = {k.removeprefix("model.") for k in state if k.startswith("model.")}

@@ -4,9 +4,8 @@ the run's own checkpoint id)."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
+from _harness.parallel_oracles import read_dcp
 from _harness.scenarios import COMMITTED
 from click.testing import CliRunner
 
@@ -15,23 +14,6 @@ from ckptspec.cli import cli
 # tensor x data parallel (ZeRO-2), MoE expert-parallel 2 at stage 0 (moments located in the optimizer files),
 # and a plain ZeRO-2 checkpoint (the one path of every kind: plan_dcp over ckptspec.open)
 NAMES = ["tp2dp2-s2-bf16-ws4", "moe-ep2-s0-bf16-ws4", "committed:s2-bf16-ws2"]
-
-
-def _read_dcp(path) -> dict:
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -43,7 +25,7 @@ def test_export_dcp_from_a_url_is_the_local_export(nginx, ds, name, tmp_path):
     for source, out in ((local, "local"), (nginx.url(path), "remote")):
         result = CliRunner().invoke(cli, ["export", str(source), str(tmp_path / out), "--quiet"])
         assert result.exit_code == 0, result.output
-    ours, theirs = _read_dcp(tmp_path / "remote"), _read_dcp(tmp_path / "local")
+    ours, theirs = read_dcp(tmp_path / "remote"), read_dcp(tmp_path / "local")
     assert sorted(ours) == sorted(theirs) and any(k.startswith("optim.state.") for k in ours)
     for key, tensor in theirs.items():
         assert ours[key].dtype == tensor.dtype, key
