@@ -28,6 +28,18 @@ from ._common import OUTPUT_DIR, writing_deepspeed_files
     default=None,
     help="The target job's zero_optimization.sub_group_size (stage 3; default: a stage-3 source's, else 1e9).",
 )
+@click.option(
+    "--tensor-parallel",
+    type=click.IntRange(min=1),
+    default=None,
+    help="AutoTP degree of the target job (default: the checkpoint's).",
+)
+@click.option(
+    "--pipeline-parallel",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Pipeline stages of the target job (default: the checkpoint's).",
+)
 @click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
 @click.option(
     "--manifest",
@@ -36,7 +48,15 @@ from ._common import OUTPUT_DIR, writing_deepspeed_files
     help="Read CHECKPOINT as this manifest describes (checked against the files first). Default: its own.",
 )
 def reshard(
-    checkpoint: str, output: str, world_size: int, stage: int | None, sub_group_size: int | None, tag, manifest
+    checkpoint: str,
+    output: str,
+    world_size: int,
+    stage: int | None,
+    sub_group_size: int | None,
+    tensor_parallel: int | None,
+    pipeline_parallel: int | None,
+    tag,
+    manifest,
 ) -> None:
     """Write CHECKPOINT for a job of --world-size ranks (and --stage) into OUTPUT.
 
@@ -54,7 +74,15 @@ def reshard(
 
     with writing_deepspeed_files(checkpoint, output, manifest, "not resharded"):
         result = run(
-            checkpoint, output, world_size, zero_stage=stage, sub_group_size=sub_group_size, tag=tag, manifest=manifest
+            checkpoint,
+            output,
+            world_size,
+            zero_stage=stage,
+            sub_group_size=sub_group_size,
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+            tag=tag,
+            manifest=manifest,
         )
     click.echo(
         f"{result.output}: {result.tag} resharded from {result.source_world_size} to {result.world_size} ranks "

@@ -132,18 +132,27 @@ def reshard(
     *,
     zero_stage: int | None = None,
     sub_group_size: int | None = None,
+    tensor_parallel: int | None = None,
+    pipeline_parallel: int | None = None,
     manifest: Any = None,
     tag: str | None = None,
 ) -> Any:
     """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) as a DeepSpeed
     checkpoint ``output`` that ``engine.load_checkpoint`` resumes (docs/reshard.md). A tensor/pipeline-parallel
-    checkpoint keeps its tensor and pipeline degrees: ``world_size / (tp x pp)`` data-parallel ranks.
+    checkpoint keeps its tensor and pipeline degrees unless ``tensor_parallel`` / ``pipeline_parallel`` give
+    the target's: ``world_size / (tp x pp)`` data-parallel ranks.
     CK403 for a kind it does not reshard yet, CK410 for a target it cannot write; nothing written then."""
     require("reshard", checkpoint, manifest, tag)
+    degrees = {"tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel}
     if described_by_index(checkpoint, manifest, tag):
         from .reshard_parallel import reshard_model_parallel
 
-        return reshard_model_parallel(checkpoint, output, world_size, zero_stage=zero_stage, tag=tag, index=manifest)
+        return reshard_model_parallel(
+            checkpoint, output, world_size, zero_stage=zero_stage, tag=tag, index=manifest, **degrees
+        )
+    from .reshard_parallel import refuse_degrees_of_plain_zero
+
+    refuse_degrees_of_plain_zero(checkpoint, **degrees)  # a plain ZeRO checkpoint is tp 1, pp 1
     from .reshard import reshard as reshard_zero
 
     return reshard_zero(

@@ -41,6 +41,8 @@ def reshard_model_parallel(
     zero_stage: int | None = None,
     tag: str | None = None,
     index: Any = None,
+    tensor_parallel: int | None = None,
+    pipeline_parallel: int | None = None,
 ) -> ReshardResult:
     """Validate ``checkpoint`` (digests included), then write it for ``world_size`` ranks in all: the same
     tensor and pipeline degrees, ``world_size / (tp x pp)`` data-parallel ranks (and ``zero_stage``).
@@ -57,6 +59,7 @@ def reshard_model_parallel(
         if found is None or has_errors(findings):
             raise CheckpointInvalid(findings, str(checkpoint))
         try:
+            refuse_degree_changes(found, tensor_parallel, pipeline_parallel)
             targets = target_layouts(found, world_size, zero_stage)  # CK410 before anything is read or written
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
@@ -91,6 +94,31 @@ def reshard_model_parallel(
         first.zero_stage,
         [output / src_dir.name / f.name for f in files],
     )
+
+
+def refuse_degree_changes(index: CheckpointIndex, tensor_parallel: int | None, pipeline_parallel: int | None) -> None:
+    """CK410 for a tensor or pipeline degree other than the source's (not written yet)."""
+    degrees = index.topology.degrees
+    for flag, wanted, held in (
+        ("--tensor-parallel", tensor_parallel, degrees.tensor),
+        ("--pipeline-parallel", pipeline_parallel, degrees.pipeline),
+    ):
+        if wanted is not None and wanted != held:
+            raise ReshardUnsupported(
+                f"{flag} {wanted}: changing the checkpoint's degree ({held}) is not supported yet",
+                f"give {flag} {held} (or leave it out): the data axis is what reshard moves so far",
+            )
+
+
+def refuse_degrees_of_plain_zero(checkpoint, tensor_parallel: int | None, pipeline_parallel: int | None) -> None:
+    """CK410 for a tensor or pipeline degree above 1 asked of a plain ZeRO (tp 1, pp 1) checkpoint."""
+    for flag, wanted in (("--tensor-parallel", tensor_parallel), ("--pipeline-parallel", pipeline_parallel)):
+        if wanted not in (None, 1):
+            raise ReshardUnsupported(
+                f"{flag} {wanted} of a data-parallel checkpoint (degree 1) is not supported yet",
+                f"give {flag} 1 (or leave it out)",
+                str(checkpoint),
+            )
 
 
 def target_layouts(index: CheckpointIndex, world_size: int, zero_stage: int | None) -> dict[str, TargetLayout]:

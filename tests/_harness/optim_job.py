@@ -26,8 +26,9 @@ the optimizer state the live engine then holds. Every rank writes ``OUT/optim.ra
   coords        this rank's coordinates (job/parallel.py ``_coords``: pp, tp, dp, ...)
 
 A task with ``reshard`` (issue #40) loads not ``load`` but what rank 0 wrote with ``ckptspec.reshard(load,
-OUT/resharded, world_size=<this job's>)`` (``reshard_error`` in optim.json when it refused: then nothing is
-loaded): the masters and optimizer state a job of the target layout holds after resuming from it.
+OUT/resharded, world_size=<this job's>, zero_stage=..., <the task's other options: tensor_parallel...>)``
+(``reshard_error`` in optim.json when it refused: then nothing is loaded): the masters and optimizer state a job
+of the target layout (the task's ``spec``) holds after resuming from it.
 
 and rank 0 ``OUT/optim.json``: ``load``, ``loaded`` (the model-states file DeepSpeed read) and
 ``load_checkpoint_error``: where ``load_checkpoint`` itself cannot load the optimizer state (a stage-0
@@ -168,7 +169,8 @@ def _resharded(load: str, out: Path, how: dict) -> tuple[str, str | None]:
 
         out.mkdir(parents=True, exist_ok=True)
         try:
-            ckptspec.reshard(load, target, dist.get_world_size(), zero_stage=how.get("stage"))
+            options = {k: v for k, v in how.items() if k not in ("world_size", "stage")}  # degrees (#40)
+            ckptspec.reshard(load, target, dist.get_world_size(), zero_stage=how.get("stage"), **options)
         except ckptspec.CkptspecError as exc:
             outcome = [f"{exc.code}: {exc.message}"]
     dist.broadcast_object_list(outcome, src=0)

@@ -174,7 +174,22 @@ PARALLEL_RESHARDS = {
     "tp2-s1-fp32-ws2>ws4": ("tp2-s1-fp32-ws2", 4),  # tp2 x dp1 -> tp2 x dp2
     "pp2-s1-fp32-ws2>ws4": ("pp2-s1-fp32-ws2", 4),  # pp2 x dp1 -> pp2 x dp2
 }
-RESHARD_SOURCES = sorted({source for source, _ in PARALLEL_RESHARDS.values()})  # each with a +optim entry
+# The tensor, pipeline and expert degrees changed (issue #40): name -> (source PARALLEL entry, target world
+# size, the target job's spec changes, ckptspec.reshard's options). A job of the target layout loads what
+# rank 0 wrote (optim_job.py, "reshard") and records the masters and moments it then holds.
+DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {}
+RESHARD_SOURCES = sorted(
+    {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}
+)  # each with a +optim entry
+
+
+def reshard_target(name: str) -> tuple[str, int, dict]:
+    """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS or DEGREE_RESHARDS."""
+    if name in PARALLEL_RESHARDS:
+        source, ws = PARALLEL_RESHARDS[name]
+        return source, ws, PARALLEL_SPECS[source][0]
+    source, ws, changes, _ = DEGREE_RESHARDS[name]
+    return source, ws, {**PARALLEL_SPECS[source][0], **changes}
 
 
 def optim_name(name: str) -> str:
@@ -340,6 +355,10 @@ def _registry() -> dict[str, Task]:
     for name, (source, ws) in PARALLEL_RESHARDS.items():
         spec = PARALLEL_SPECS[source][0]
         out[name] = Task("optim", {"spec": spec, "source": source, "reshard": {"world_size": ws}}, ws, load=source)
+    for name, (source, ws, changes, options) in DEGREE_RESHARDS.items():
+        spec = {**PARALLEL_SPECS[source][0], **changes}
+        reshard = {"world_size": ws, **options}
+        out[name] = Task("optim", {"spec": spec, "source": source, "reshard": reshard}, ws, load=source)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

@@ -243,7 +243,9 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
             assert (group[3] == script) == (layouts == {script}), (group, sorted(members))
         # optim_job.py's and optim_universal_job.py's loads (#39): launches of their own, one layout each
         optim = group[3].startswith(("optim-", "optim_universal-"))
-        loads = all(m.endswith("+optim") or m in scenarios.PARALLEL_RESHARDS for m in members)
+        loads = all(
+            m.endswith("+optim") or m in scenarios.PARALLEL_RESHARDS or m in scenarios.DEGREE_RESHARDS for m in members
+        )
         assert optim == loads, (group, sorted(members))
     for name in PARALLEL:
         task, again = registry[name], registry[scenarios.again_name(name)]
@@ -261,8 +263,8 @@ def _layout_of(member):
         return member
     if member.endswith("+optim"):
         return f"optim-{layout(_spec(member.removesuffix('+optim'))[0])}"
-    if member in scenarios.PARALLEL_RESHARDS:  # a reshard loaded by optim_job.py (#40): its source's layout
-        return f"optim-{layout(_spec(scenarios.PARALLEL_RESHARDS[member][0])[0])}"
+    if member in scenarios.PARALLEL_RESHARDS or member in scenarios.DEGREE_RESHARDS:
+        return f"optim-{layout(scenarios.reshard_target(member)[2])}"  # loaded by optim_job.py (#40): the target's
     kind = (
         "dense"
         if member in ("train", "resume")
