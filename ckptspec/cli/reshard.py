@@ -67,8 +67,9 @@ def reshard(
     parameters, buffers, LR scheduler and client state, plus `latest` and the checkpoint's format 1.1
     manifest. A tensor- or pipeline-parallel ZeRO-1/2 checkpoint keeps its tensor and pipeline degrees:
     --world-size / (tp x pp) data-parallel ranks, each coordinate's ZeRO partitions resharded, the
-    pipeline's layer files copied. Never executes pickled code; needs torch only to write the pickles,
-    not DeepSpeed.
+    pipeline's layer files copied. --tensor-parallel 1 merges an AutoTP ZeRO-1/2 checkpoint for a job
+    without tensor parallelism on --world-size ranks. Never executes pickled code; needs torch only to
+    write the pickles, not DeepSpeed.
     """
     from ..export.api import reshard as run
 

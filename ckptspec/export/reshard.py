@@ -77,10 +77,7 @@ def reshard(
             else:
                 files = write_files(found, plan, state_plan, target, states, tag_dir)
             (tmp / "latest").write_text(plan.tag_dir.name)
-            _embed(found, tag_dir)
-            out_manifest, out_findings = validate_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
-            if out_manifest is None or has_errors(out_findings):
-                raise CheckpointInvalid(out_findings, str(output))
+            embed_and_validate(found, tmp, tag_dir, output)
             return files
 
         files = build_and_publish(out, build)
@@ -102,6 +99,15 @@ def validated_source(checkpoint, manifest, tag) -> tuple[Manifest, StateCache]:
     if found is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(checkpoint))
     return found, states
+
+
+def embed_and_validate(found: Manifest, tmp: Path, tag_dir: Path, output) -> None:
+    """The new data-parallel checkpoint in ``tmp`` described (embedded), then validated from its files,
+    digests included: ``CheckpointInvalid`` (naming ``output``) on any error finding."""
+    _embed(found, tag_dir)
+    out_manifest, out_findings = validate_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
+    if out_manifest is None or has_errors(out_findings):
+        raise CheckpointInvalid(out_findings, str(output))
 
 
 def _embed(found: Manifest, tag_dir: Path) -> None:

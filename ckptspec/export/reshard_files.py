@@ -22,6 +22,8 @@ from __future__ import annotations
 import collections
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +124,29 @@ def _optim_file_names(found: Manifest, world_size: int) -> list[str]:
     return [f"{prefix}zero_pp_rank_{r}_{rest}" for r in range(world_size)]
 
 
-def write_files(found, plan, state_plan, target: TargetLayout, states: StateCache, tag_dir: Path) -> list[Path]:
+@dataclass(frozen=True)
+class ModelChanges:
+    """What a change of the tensor or pipeline degrees changes in DeepSpeed's files besides the partitions."""
+
+    module: dict[str, TensorSource]  # the module's tensors, whole (written in the model dtype)
+    set_keys: dict[str, Any]  # model-states entries a job of the target layout saves otherwise
+    drop_keys: tuple[str, ...]  # model-states entries it does not save
+    config: Callable[[Any], Any]  # the saved ds_config, as the target job's
+
+
+def write_files(
+    found,
+    plan,
+    state_plan,
+    target: TargetLayout,
+    states: StateCache,
+    tag_dir: Path,
+    changes: ModelChanges | None = None,
+) -> list[Path]:
+    """``changes``: the target's tensor or pipeline degrees differ (``reshard_tensor``); ``found`` then is the
+    target's whole-model manifest."""
     src_dir = plan.tag_dir
+    config = changes.config if changes is not None else (lambda value: value)
     first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
     source = source_optimizer(found, states.state(src_dir / first))
     masters = {name: s for name, s in plan.sources.items() if s.role == "trainable"}
@@ -136,8 +159,8 @@ def write_files(found, plan, state_plan, target: TargetLayout, states: StateCach
             doc = {
                 k: osd
                 if k == "optimizer_state_dict"
-                else with_stage(v, target.zero_stage)
-                if k == "ds_config" and source.zero_stage == 3
+                else config(with_stage(v, target.zero_stage) if source.zero_stage == 3 else v)
+                if k == "ds_config"
                 else ds_pickle.from_standins(v, read)
                 for k, v in source.top.items()
             }
@@ -145,8 +168,12 @@ def write_files(found, plan, state_plan, target: TargetLayout, states: StateCach
             written.append(tag_dir / name)
         model = src_dir / next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
         full = _full_weights(found, plan) if found.layout.zero_stage == 3 else {}
+        full = changes.module if changes is not None else full
         lazy = lazy_reader(model, states, files)
         doc = _model_states(states.state(model), found, target, lazy, full, files)
+        if changes is not None:
+            doc = {k: changes.set_keys.get(k, v) for k, v in doc.items() if k not in changes.drop_keys}
+            doc["ds_config"] = config(doc["ds_config"])
         # the low-precision group buffers a chunk at a time; torch.save's bytes (shapes as tuples)
         # mp_rank_XX_model_states.pt (a stage-3 source's name has a zero_pp_rank_R_ prefix)
         name = model.name[model.name.index("mp_rank_") :]
@@ -215,8 +242,10 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, read, full
     for name, ref in module.items():
         if name in full:
             source = full[name]
-            chunks = functools.partial(iter_chunks, source.segments, source.dtype, dtype, files, source)
-            lp[name] = ds_pickle.Lazy(dtype, tuple(source.shape), chunks)
+            # a master is cast to the model dtype; a saved module tensor (frozen, buffer, weight) keeps its own
+            out_dtype = dtype if source.role == "trainable" else source.dtype
+            chunks = functools.partial(iter_chunks, source.segments, source.dtype, out_dtype, files, source)
+            lp[name] = ds_pickle.Lazy(out_dtype, tuple(source.shape), chunks)
         else:
             lp[name] = read(ref)
     aliases = {a.name: a.owner for a in found.aliases}

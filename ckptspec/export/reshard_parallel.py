@@ -28,9 +28,10 @@ from .model_plan import Segment
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
 from .plan import plan_reconstruction
-from .reshard import ReshardResult
+from .reshard import ReshardResult, embed_and_validate
 from .reshard_files import write_files
 from .reshard_layout import TargetLayout, target_layout
+from .reshard_tensor import plan_tensor_merge
 
 
 def reshard_model_parallel(
@@ -58,19 +59,28 @@ def reshard_model_parallel(
         found, findings = validate_index_checkpoint(checkpoint, index, tag, states=states, verify_digests=True)
         if found is None or has_errors(findings):
             raise CheckpointInvalid(findings, str(checkpoint))
-        try:
-            refuse_degree_changes(found, tensor_parallel, pipeline_parallel)
-            targets = target_layouts(found, world_size, zero_stage)  # CK410 before anything is read or written
+        src_dir = resolve_tag_dir(checkpoint, tag)
+        merge = None
+        try:  # CK410 before anything is written
+            refuse_degree_changes(found, tensor_parallel if tensor_parallel != 1 else None, pipeline_parallel)
+            merging = tensor_parallel == 1 and found.topology.degrees.tensor != 1
+            targets = {} if merging else target_layouts(found, world_size, zero_stage)
+            plans = {d.id: plan_reconstruction(src_dir, d.manifest, states=states) for d in found.domains}  # type: ignore[arg-type]
+            if merging:
+                merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
-        src_dir = resolve_tag_dir(checkpoint, tag)
-        plans = {d.id: plan_reconstruction(src_dir, d.manifest, states=states) for d in found.domains}  # type: ignore[arg-type]
-        state_plans = {key: plan_optimizer_state(plan) for key, plan in plans.items()}
+        state_plans = {key: plan_optimizer_state(plan) for key, plan in plans.items()} if merge is None else {}
 
         def build(tmp: Path) -> list[Path]:
             tag_dir = tmp / src_dir.name
             tag_dir.mkdir()
-            files: list[Path] = []
+            if merge is not None:  # one data-parallel checkpoint: validated as such
+                files = merge.write(states, tag_dir)
+                (tmp / "latest").write_text(src_dir.name)
+                embed_and_validate(merge.manifest, tmp, tag_dir, output)
+                return files
+            files = []
             for d in found.domains:
                 files += write_files(d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
             for layer in found.layer_files:  # a stage's layers, the same whatever the data degree
@@ -85,7 +95,7 @@ def reshard_model_parallel(
         files = build_and_publish(out, build)
     output = Path(output)
     degrees = found.topology.degrees
-    first = next(iter(targets.values()))
+    first = merge.target if merge is not None else next(iter(targets.values()))
     return ReshardResult(
         output,
         src_dir.name,

@@ -75,11 +75,11 @@ COPIES_FAULTS = [
     Fault(
         "module-of-another-run-s1-fp32",
         "s1-fp32-ws3-rr",
-        "stage 1 fp32, round robin, 3 ranks: the model states of another fp32 run of the same layout (stage 2)",
+        "stage 1 fp32, round robin, 3 ranks: the model states of another fp32 run of the same layout (another seed)",
         "CK235",
         MODEL,
         _from_donor(MODEL),
-        donor="s2-fp32-ws3-rr",
+        donor="s1-fp32-ws3-rr-seed2",
     ),
     Fault(
         "module-of-another-dtype-s3",

@@ -24,6 +24,12 @@ the optimizer state the live engine then holds. Every rank writes ``OUT/optim.ra
 
   master        global name -> the fp32 master ``safe_get_full_fp32_param`` gives (where it answers)
   coords        this rank's coordinates (job/parallel.py ``_coords``: pp, tp, dp, ...)
+  module        local name -> every frozen parameter and buffer of the module's state dict, as loaded
+  logits        (dense and AutoTP models) the logits of a fixed batch (``LOGITS_SEED``), eval mode, fp32
+
+A task with ``universal`` also loads, into a second engine of the same spec with ``checkpoint.load_universal``,
+the folder DeepSpeed's ``ds_to_universal`` wrote beside ``load`` (``latest_universal``): DeepSpeed's own path to
+the task's layout, recorded as ``OUT/universal.rank<R>.pt`` (``universal_error`` in optim.json when it fails).
 
 A task with ``reshard`` (issue #40) loads not ``load`` but what rank 0 wrote with ``ckptspec.reshard(load,
 OUT/resharded, world_size=<this job's>, zero_stage=..., <the task's other options: tensor_parallel...>)``
@@ -49,9 +55,10 @@ if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` im
 
 from _harness.job import parallel
 from _harness.job.main import reset_deepspeed_globals
-from _harness.job.parallel_models import normalize
+from _harness.job.parallel_models import batch, build_model, ds_config, layout, normalize, torch_dtype
 
 KEYS = ("exp_avg", "exp_avg_sq")
+LOGITS_SEED = 4040  # the fixed batch whose logits are recorded
 
 
 def _by_master(opt):
@@ -88,7 +95,6 @@ def _flat_groups(opt) -> dict:
 def run(args, out: Path):
     import torch
     import torch.distributed as dist
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     spec = normalize({**args["spec"], "steps": 0, "save": False, "universal": False})
     load, reshard_error = args["load"], None
@@ -115,6 +121,37 @@ def run(args, out: Path):
         assert engine._load_zero_checkpoint(load, tag, load_optimizer_states=True)
     assert load_path is not None, f"DeepSpeed loaded nothing from {load}"
     rank = dist.get_rank()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(_record(engine, spec), out / f"optim.rank{rank}.pt")
+    universal_error = None
+    if args.get("universal"):  # DeepSpeed's own path to the target layout: its universal folder of the source
+        dist.barrier()
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+        del engine
+        gc.collect()
+        reset_deepspeed_globals()
+        engine = _universal_engine(spec)
+        try:
+            assert engine.load_checkpoint(args["load"])[0] is not None, f"DeepSpeed loaded nothing from {args['load']}"
+            torch.save(_record(engine, spec), out / f"universal.rank{rank}.pt")
+        except Exception as exc:  # recorded: the tests say what DeepSpeed's path does
+            universal_error = f"{type(exc).__name__}: {exc}"
+    if rank == 0:
+        outcome = {"load": args["load"], "loaded": str(load_path), "load_checkpoint_error": load_error}
+        if args.get("universal"):
+            outcome["universal_error"] = universal_error
+        (out / "optim.json").write_text(json.dumps(outcome, indent=1))
+    dist.barrier()
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+
+
+def _record(engine, spec) -> dict:
+    """What the live engine holds (the module docstring's keys), every rank's collectives called in order."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     names = parallel._names(engine, spec)
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)
@@ -146,15 +183,29 @@ def run(args, out: Path):
         record["group"][global_name] = g
     record["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     record["coords"] = parallel._coords(engine, spec)  # pipeline stage, tensor and data rank (job/parallel.py)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(record, out / f"optim.rank{rank}.pt")
-    if rank == 0:
-        (out / "optim.json").write_text(
-            json.dumps({"load": args["load"], "loaded": str(load_path), "load_checkpoint_error": load_error}, indent=1)
-        )
-    dist.barrier()
-    if hasattr(engine, "destroy"):
-        engine.destroy()
+    trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    record["module"] = {  # frozen parameters and buffers as loaded (local names; an AutoTP shard where split)
+        n: t.detach().clone() for n, t in engine.module.state_dict().items() if n not in trainable
+    }
+    if layout(spec) in ("dense", "autotp"):  # the logits of a fixed batch (every tensor rank takes part)
+        x = batch(spec, LOGITS_SEED)[0].to(torch_dtype(spec))
+        engine.module.eval()
+        with torch.no_grad():
+            record["logits"] = engine.module(x).detach().float().clone()
+    return record
+
+
+def _universal_engine(spec):
+    """The engine of ``spec`` (job/parallel.py's model, optimizer and config) loading universal folders."""
+    import deepspeed
+    import torch
+
+    torch.manual_seed(spec["seed"])
+    model = build_model(spec)
+    optimizer = torch.optim.Adam([{"params": [p for p in model.parameters() if p.requires_grad]}], lr=1e-2)
+    config = {**ds_config(spec), "checkpoint": {"load_universal": True}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
 
 
 def _resharded(load: str, out: Path, how: dict) -> tuple[str, str | None]:

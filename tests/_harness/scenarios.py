@@ -52,6 +52,13 @@ UNSUPPORTED_SPECS = {
 }
 UNSUPPORTED = sorted(UNSUPPORTED_SPECS)
 
+# Donors of the fault "module-of-another-run" only: the same model and layout as s1-fp32-ws3-rr, another seed.
+# (Its stage-2 twin is no other run to every rank: fp32 stage 1 and 2 compute the same partitions bit for bit
+# where the reduction order is the same, so its model states match some ranks' masters.)
+DONOR_SPECS = {
+    "s1-fp32-ws3-rr-seed2": ({"stage": 1, "dtype": "fp32", "round_robin": True, **FEATURES, "seed": 4321}, 3),
+}
+
 # Sources of RESUME_CASES only: stage 0 without ties (whose masters its files cannot name, see UNSUPPORTED).
 RESUME_SOURCE_SPECS = {
     "s0-bf16-ws2-untied": ({"stage": 0, "dtype": "bf16"}, 2),
@@ -177,7 +184,17 @@ PARALLEL_RESHARDS = {
 # The tensor, pipeline and expert degrees changed (issue #40): name -> (source PARALLEL entry, target world
 # size, the target job's spec changes, ckptspec.reshard's options). A job of the target layout loads what
 # rank 0 wrote (optim_job.py, "reshard") and records the masters and moments it then holds.
-DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {}
+# AutoTP merged (``tensor_parallel`` 1): the target job is the same MLP without tensor parallelism; with
+# ``universal``, the same job also loads DeepSpeed's ds_to_universal folder of the source (its own path).
+_TP1 = {"tp": 1}
+DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
+    "tp2-s1-fp32-ws2>tp1": ("tp2-s1-fp32-ws2", 2, _TP1, {"tensor_parallel": 1}),  # tp2 x dp1 -> tp1 x dp2
+    "tp2dp2-s2-bf16-ws4>tp1-ws3": ("tp2dp2-s2-bf16-ws4", 3, _TP1, {"tensor_parallel": 1}),  # tp2 x dp2 -> dp3
+    "tp2-s1-fp32-ws2>tp1-s2-ws3": ("tp2-s1-fp32-ws2", 3, {**_TP1, "stage": 2}, {"tensor_parallel": 1, "stage": 2}),
+    "tp2-s2-bf16-ws2-extras>tp1": ("tp2-s2-bf16-ws2-extras", 2, _TP1, {"tensor_parallel": 1}),
+}
+# Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
+UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}
 )  # each with a +optim entry
@@ -189,7 +206,7 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
         source, ws = PARALLEL_RESHARDS[name]
         return source, ws, PARALLEL_SPECS[source][0]
     source, ws, changes, _ = DEGREE_RESHARDS[name]
-    return source, ws, {**PARALLEL_SPECS[source][0], **changes}
+    return source, ws, {**{**PARALLEL_SPECS, **EXTRAS_SPECS}[source][0], **changes}
 
 
 def optim_name(name: str) -> str:
@@ -324,7 +341,7 @@ def engine_name(name: str) -> str:
 
 def _registry() -> dict[str, Task]:
     out: dict[str, Task] = {}
-    for specs in (MATRIX_SPECS, UNSUPPORTED_SPECS, EMBED_SPECS, RESUME_SOURCE_SPECS):
+    for specs in (MATRIX_SPECS, UNSUPPORTED_SPECS, EMBED_SPECS, RESUME_SOURCE_SPECS, DONOR_SPECS):
         out.update({name: Task("train", spec, ws) for name, (spec, ws) in specs.items()})
     for name, (spec, ws) in MATRIX_SPECS.items():
         out[engine_name(name)] = Task("train", {**spec, "save": False, "hooks": ["engine_manifest"]}, ws)
@@ -343,7 +360,7 @@ def _registry() -> dict[str, Task]:
         spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
     for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES}):
-        spec, ws = PARALLEL_SPECS[name]
+        spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
         out[optim_name(name)] = Task("optim", {"spec": spec, "source": name}, ws, load=name)
     for name in OPTIM_UNIVERSAL_SOURCES:
         spec, ws = PARALLEL_SPECS[name]
@@ -355,10 +372,10 @@ def _registry() -> dict[str, Task]:
     for name, (source, ws) in PARALLEL_RESHARDS.items():
         spec = PARALLEL_SPECS[source][0]
         out[name] = Task("optim", {"spec": spec, "source": source, "reshard": {"world_size": ws}}, ws, load=source)
-    for name, (source, ws, changes, options) in DEGREE_RESHARDS.items():
-        spec = {**PARALLEL_SPECS[source][0], **changes}
-        reshard = {"world_size": ws, **options}
-        out[name] = Task("optim", {"spec": spec, "source": source, "reshard": reshard}, ws, load=source)
+    for name, (source, ws, _, options) in DEGREE_RESHARDS.items():
+        spec = reshard_target(name)[2]
+        args = {"spec": spec, "source": source, "reshard": {"world_size": ws, **options}}
+        out[name] = Task("optim", {**args, "universal": name in UNIVERSAL_TOO}, ws, load=source)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

@@ -257,14 +257,14 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
 
 
 def _layout_of(member):
-    from _harness.job.parallel_models import layout
+    from _harness.job.parallel_models import layout, normalize
 
     if member in ("fsdp2", "reshard"):
         return member
     if member.endswith("+optim"):
         return f"optim-{layout(_spec(member.removesuffix('+optim'))[0])}"
     if member in scenarios.PARALLEL_RESHARDS or member in scenarios.DEGREE_RESHARDS:
-        return f"optim-{layout(scenarios.reshard_target(member)[2])}"  # loaded by optim_job.py (#40): the target's
+        return f"optim-{layout(normalize(scenarios.reshard_target(member)[2]))}"  # optim_job.py (#40): the target's
     kind = (
         "dense"
         if member in ("train", "resume")

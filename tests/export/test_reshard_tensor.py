@@ -1,0 +1,190 @@
+"""#40: an AutoTP checkpoint merged for a job without tensor parallelism (``reshard --tensor-parallel 1``).
+
+Ground truth: a real DeepSpeed job of the same MLP without AutoTP, at the target world size and stage, resumes
+from what ``ckptspec reshard`` wrote (``engine.load_checkpoint``: tests/_harness/optim_job.py,
+``DEGREE_RESHARDS``) and records the fp32 masters (``safe_get_full_fp32_param``), Adam moments
+(``safe_get_full_optimizer_state``), step, frozen parameters, buffers and the logits of a fixed batch. The
+source's own job (its ``+optim`` entry) recorded the same per tensor rank; the test puts each tensor's shards
+together itself: a shard the size of the whole tensor is a replicated copy (every rank's must be equal), else the
+shards are concatenated, in tensor-rank order, along the one axis where they are smaller (AutoTP's column split
+is axis 0, its row split axis 1). Where DeepSpeed's own path can make the move (its ``ds_to_universal`` folder of
+the source, loaded with ``load_universal``), the same job recorded what it holds then: both must agree.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from _harness.scenarios import DEGREE_RESHARDS, UNIVERSAL_TOO, optim_name, reshard_target
+from click.testing import CliRunner
+
+import ckptspec
+from ckptspec.cli import cli
+from ckptspec.deepspeed.kinds import Kind
+
+MERGES = sorted(n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if options.get("tensor_parallel") == 1)
+# The logits of the merged model against the tensor-parallel one: AutoTP's row-parallel layer sums the two tensor
+# ranks' partial products (an all-reduce) where the whole layer sums all products in one matmul, so the float sums
+# are rounded in another order. The bound: twice the dtype's epsilon at the largest logit (measured: one unit in
+# the last place, 6e-8 in fp32 and 0.0039 in bf16 at logits below 1).
+LOGITS_EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps}
+
+
+def _records(entry, prefix="optim") -> list[dict]:
+    files = sorted(entry.glob(f"{prefix}.rank*.pt"))
+    assert files, f"no {prefix} record in {entry}"
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _np_bits(array) -> tuple:
+    array = np.asarray(array)
+    return array.dtype.str, array.shape, array.tobytes()
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and _bits(a) == _bits(b)
+
+
+def _whole(shards: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """One tensor from its tensor ranks' shards, in rank order (the module docstring's rule)."""
+    if tuple(shards[0].shape) == shape:
+        assert all(_equal(s, shards[0]) for s in shards), "replicated copies differ"
+        return shards[0]
+    axes = [a for a, (n, m) in enumerate(zip(shards[0].shape, shape)) if n != m]
+    assert len(axes) == 1, (shards[0].shape, shape)
+    return torch.cat(shards, dim=axes[0])
+
+
+def _per_tensor_rank(records: list[dict], pick) -> dict[str, list[torch.Tensor]]:
+    """name -> its value on tensor ranks 0, 1, ... (every data rank of a tensor rank holds the same)."""
+    by_rank: dict[int, dict[str, torch.Tensor]] = {}
+    for record in records:
+        values = by_rank.setdefault(record["coords"]["tp"], {})
+        for name, value in pick(record).items():
+            if name in values:
+                assert _equal(values[name], value), (name, record["coords"])
+            values[name] = value
+    return {name: [by_rank[tp][name] for tp in sorted(by_rank)] for name in by_rank[0]}
+
+
+def _merged(records: list[dict], pick, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    return {name: _whole(shards, shapes[name]) for name, shards in _per_tensor_rank(records, pick).items()}
+
+
+def _held(records: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
+    """The target job's values (every data rank holds the same whole tensors): name -> master, moments."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for record in records:
+        for name, master in record["master"].items():
+            value = {"master": master, **record["state"][name]}
+            seen = out.setdefault(name, value)
+            assert all(_equal(seen[k], v) for k, v in value.items()), name
+    return out
+
+
+@pytest.mark.parametrize("name", MERGES)
+def test_a_job_without_tensor_parallelism_resumes_the_merged_checkpoint_bit_for_bit(name, ds):
+    source, world_size, spec = reshard_target(name)
+    entry = ds.path(name)
+    outcome = json.loads((entry / "optim.json").read_text())
+    assert outcome.get("reshard_error") is None, outcome
+    target, before = _records(entry), _records(ds.path(optim_name(source)))
+    assert len(target) == world_size and {r["coords"]["tp"] for r in before} == {0, 1}
+    assert {r["coords"]["mp_world_size"] for r in target} == {1}
+    held = _held(target)
+    shapes = {n: tuple(v["master"].shape) for n, v in held.items()}
+    masters = _merged(before, lambda r: r["master"], shapes)
+    assert masters.keys() == held.keys() and held
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments = _merged(before, lambda r, key=key: {n: s[key] for n, s in r["state"].items()}, shapes)
+        for n, value in held.items():
+            assert _equal(value[key], moments[n]), (n, key)
+    for n, value in held.items():
+        assert _equal(value["master"], masters[n]), n
+    steps = {s for r in [*before, *target] for s in r["step"].values()}
+    assert len(steps) == 1, steps
+    assert target[0]["param_groups"] == before[0]["param_groups"]
+
+
+@pytest.mark.parametrize("name", MERGES)
+def test_frozen_parameters_buffers_and_logits_carry_over(name, ds):
+    """The module's frozen parameters and buffers as loaded equal the source's, merged; the logits of a fixed
+    batch equal the tensor-parallel model's within LOGITS_EPS (and are not all zero)."""
+    source, _, spec = reshard_target(name)
+    target, before = _records(ds.path(name)), _records(ds.path(optim_name(source)))
+    module = target[0]["module"]
+    assert all(_equal(r["module"][n], t) for r in target for n, t in module.items())
+    merged = _merged(before, lambda r: r["module"], {n: tuple(t.shape) for n, t in module.items()})
+    assert merged.keys() == module.keys()
+    for n, t in module.items():
+        assert _equal(t, merged[n]), n
+    if spec.get("frozen") or spec.get("buffers"):
+        assert module, "the spec has frozen parameters or buffers: none recorded"
+    logits, expected = target[0]["logits"], before[0]["logits"]
+    assert logits.abs().max() > 0 and logits.shape == expected.shape
+    bound = 2 * LOGITS_EPS[spec["dtype"]] * expected.abs().max().item()
+    assert (logits - expected).abs().max().item() <= bound, (logits - expected).abs().max()
+
+
+@pytest.mark.parametrize("name", sorted(UNIVERSAL_TOO))
+def test_deepspeeds_universal_path_to_the_same_layout_holds_the_same(name, ds):
+    """DeepSpeed's own move (ds_to_universal, then load_universal into the same target job): the same masters,
+    moments, step and logits, bit for bit."""
+    entry = ds.path(name)
+    outcome = json.loads((entry / "optim.json").read_text())
+    assert outcome["universal_error"] is None, outcome
+    ours, theirs = _records(entry), _records(entry, "universal")
+    held, universal = _held(ours), _held(theirs)
+    assert held.keys() == universal.keys() and held
+    for n, value in held.items():
+        for key, tensor in value.items():
+            assert _equal(tensor, universal[n][key]), (n, key)
+    assert {s for r in theirs for s in r["step"].values()} == {s for r in ours for s in r["step"].values()}
+    assert _equal(ours[0]["logits"], theirs[0]["logits"])
+
+
+@pytest.mark.parametrize("name", MERGES)
+def test_the_merged_checkpoint_is_the_source_to_ckptspec(name, ds):
+    """Valid from its files, one data-parallel domain, the same whole model and optimizer state."""
+    source, world_size, _ = reshard_target(name)
+    out = ds.path(name) / "resharded"
+    assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
+    before, after = ckptspec.open(ds.path(source)), ckptspec.open(out)
+    assert after.kind == Kind.ZERO and len(after.domains) == 1
+    assert after.index.topology.degrees.data == world_size and after.index.topology.degrees.tensor == 1
+    expected, got = before.state_dict(framework="numpy"), after.state_dict(framework="numpy")
+    # the same names; in the model's state_dict order, a root module's buffer comes first (the index lists
+    # the parameters, then frozen parameters and buffers)
+    assert sorted(got) == sorted(expected) and expected
+    for key, array in expected.items():
+        assert _np_bits(got[key]) == _np_bits(array), key
+    (states, optimizer), (states_after, optimizer_after) = before.optimizer_state(), after.optimizer_state()
+    assert optimizer_after == optimizer and sorted(states_after) == sorted(states)
+    for key, per_state in states.items():
+        for state, array in per_state.items():
+            assert _np_bits(states_after[key][state]) == _np_bits(array), (key, state)
+
+
+def test_splitting_to_more_tensor_ranks_is_refused_by_name(ds, tmp_path):
+    """tp2 -> tp4 (and tp1 -> tp2) needs AutoTP's rules for the target: not written yet, CK410, nothing written."""
+    result = CliRunner().invoke(
+        cli,
+        ["reshard", str(ds.path("tp2-s1-fp32-ws2")), str(tmp_path / "out"), "--world-size", "4"]
+        + ["--tensor-parallel", "4"],
+    )
+    assert result.exit_code == 1 and "CK410" in result.output and "--tensor-parallel 4" in result.output, result.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_tensor_parallel_zero3_checkpoint_is_not_merged(ds, tmp_path):
+    with pytest.raises(ckptspec.Unsupported) as refused:
+        ckptspec.reshard(ds.path("tp2-s3-bf16-ws2"), tmp_path / "out", world_size=2, tensor_parallel=1)
+    assert refused.value.code == "CK410" and "stage 1 or 2" in refused.value.message
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
