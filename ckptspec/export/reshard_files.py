@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -115,14 +116,31 @@ def _slice_mappings(group: Group, rank: int, natural: list[str], round_robin: bo
     return out
 
 
-def _optim_file_names(found: Manifest, world_size: int) -> list[str]:
-    """Rank 0's file name with each target rank's: the prefix (``bf16_``) and the model-parallel rank kept."""
-    first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+def _optim_file_names(found: Manifest, world_size: int, mp_rank: int | None = None) -> list[str]:
+    """Rank 0's file name with each target rank's: the prefix (``bf16_``) and the model-parallel rank kept
+    (or ``mp_rank``'s)."""
+    first = _with_mp_rank(next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks), mp_rank)
     prefix, rest = first.split("zero_pp_rank_0_", 1)
     return [f"{prefix}zero_pp_rank_{r}_{rest}" for r in range(world_size)]
 
 
-def write_files(found, plan, state_plan, target: TargetLayout, states: StateCache, tag_dir: Path) -> list[Path]:
+def _with_mp_rank(name: str, mp_rank: int | None) -> str:
+    return name if mp_rank is None else re.sub(r"mp_rank_\d+", f"mp_rank_{mp_rank:02d}", name)
+
+
+def write_files(
+    found,
+    plan,
+    state_plan,
+    target: TargetLayout,
+    states: StateCache,
+    tag_dir: Path,
+    *,
+    mp_rank: int | None = None,
+    model_changes: dict | None = None,
+) -> list[Path]:
+    """``mp_rank``: the model-parallel rank of the written files' names (another pipeline stage's, issue #40),
+    ``model_changes``: model-states entries replaced (``mp_world_size``...); by default the source's."""
     src_dir = plan.tag_dir
     first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
     source = source_optimizer(found, states.state(src_dir / first))
@@ -131,7 +149,7 @@ def write_files(found, plan, state_plan, target: TargetLayout, states: StateCach
     written = []
     with ShardReader() as files:
         read = _storage_reader(src_dir / first, states, files)
-        for rank, name in enumerate(_optim_file_names(found, target.world_size)):
+        for rank, name in enumerate(_optim_file_names(found, target.world_size, mp_rank)):
             osd = _optimizer_state_dict(found, source, read, target, rank, masters, state_plan, master_dtype, files)
             doc = {
                 k: osd
@@ -146,10 +164,10 @@ def write_files(found, plan, state_plan, target: TargetLayout, states: StateCach
         model = src_dir / next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
         full = _full_weights(found, plan) if found.layout.zero_stage == 3 else {}
         lazy = lazy_reader(model, states, files)
-        doc = _model_states(states.state(model), found, target, lazy, full, files)
+        doc = {**_model_states(states.state(model), found, target, lazy, full, files), **(model_changes or {})}
         # the low-precision group buffers a chunk at a time; torch.save's bytes (shapes as tuples)
         # mp_rank_XX_model_states.pt (a stage-3 source's name has a zero_pp_rank_R_ prefix)
-        name = model.name[model.name.index("mp_rank_") :]
+        name = _with_mp_rank(model.name[model.name.index("mp_rank_") :], mp_rank)
         ds_pickle.save_streamed(doc, tag_dir / name, shapes_as_tuples=True)
     return [*written, tag_dir / name]
 
