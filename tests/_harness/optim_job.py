@@ -24,6 +24,7 @@ the optimizer state the live engine then holds. Every rank writes ``OUT/optim.ra
 
   master        global name -> the fp32 master ``safe_get_full_fp32_param`` gives (where it answers)
   coords        this rank's coordinates (job/parallel.py ``_coords``: pp, tp, dp, ...)
+  logits        a pipeline's: the last stage's output on the fixed batch (job/parallel.py ``_logits``), else None
 
 A task with ``reshard`` (issue #40) loads not ``load`` but what rank 0 wrote with ``ckptspec.reshard(load,
 OUT/resharded, world_size=<this job's>, zero_stage=..., <the task's other options: tensor_parallel...>)``
@@ -146,6 +147,8 @@ def run(args, out: Path):
         record["group"][global_name] = g
     record["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     record["coords"] = parallel._coords(engine, spec)  # pipeline stage, tensor and data rank (job/parallel.py)
+    if parallel.layout(spec) == "pipe":  # collective: the last stage's output on the fixed batch, None elsewhere
+        record["logits"] = parallel._logits(engine, spec)[1]
     out.mkdir(parents=True, exist_ok=True)
     torch.save(record, out / f"optim.rank{rank}.pt")
     if rank == 0:

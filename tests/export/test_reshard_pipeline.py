@@ -6,7 +6,8 @@ tests/_harness/optim_job.py) and records, on every rank, the fp32 masters (``saf
 Adam moments (``safe_get_full_optimizer_state``) it then holds; a job of the source's own layout loading the
 source recorded the same (its ``+optim`` entry). Both must agree bit for bit for every global parameter name
 (``layer.attr``), with the step and the hyperparameters; the stages hold the layers DeepSpeed's own partition
-gives them; the files are named and keyed as a real job of the target layout saves them.
+gives them; the target model's logits are the source's, bit for bit; the files are named and keyed as a real
+job of the target layout saves them.
 """
 
 from __future__ import annotations
@@ -79,6 +80,22 @@ def test_a_job_of_the_target_pipeline_degree_resumes_the_source_bit_for_bit(name
     for record in target:
         start, stop = record["coords"]["stage_layers"]
         assert {int(n.split(".")[0]) for n in record["master"]} <= set(range(start, stop)), record["coords"]
+
+
+@pytest.mark.parametrize("name", RESHARDS)
+def test_the_target_model_computes_the_sources_logits_bit_for_bit(name, ds):
+    """The last stage's output on a fixed batch (``engine.eval_batch``) after loading: the target job's equals
+    the source layout's job's, bit for bit (each layer runs the same operations on the same weights)."""
+    source = DEGREE_RESHARDS[name][0]
+
+    def logits(records):
+        found = [r["logits"].float().numpy() for r in records if r.get("logits") is not None]
+        assert found, "no last stage recorded logits"
+        assert all(np.array_equal(found[0].view(np.uint8), f.view(np.uint8)) for f in found)  # every data rank
+        return found[0]
+
+    got, expected = logits(_records(ds.path(name))), logits(_records(ds.path(optim_name(source))))
+    assert got.shape == expected.shape and np.array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 
 @pytest.mark.parametrize("name", RESHARDS)
