@@ -40,6 +40,12 @@ from ._common import OUTPUT_DIR, writing_deepspeed_files
     default=None,
     help="Pipeline stages of the target job (default: the checkpoint's).",
 )
+@click.option(
+    "--partition-method",
+    type=click.Choice(["parameters", "uniform"]),
+    default=None,
+    help="With --pipeline-parallel: the target PipelineModule's partition_method (default: parameters, DeepSpeed's).",
+)
 @click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
 @click.option(
     "--manifest",
@@ -55,6 +61,7 @@ def reshard(
     sub_group_size: int | None,
     tensor_parallel: int | None,
     pipeline_parallel: int | None,
+    partition_method: str | None,
     tag,
     manifest,
 ) -> None:
@@ -68,8 +75,9 @@ def reshard(
     manifest. A tensor- or pipeline-parallel ZeRO-1/2 checkpoint keeps its tensor and pipeline degrees:
     --world-size / (tp x pp) data-parallel ranks, each coordinate's ZeRO partitions resharded, the
     pipeline's layer files copied. --tensor-parallel 1 merges an AutoTP ZeRO-1/2 checkpoint for a job
-    without tensor parallelism on --world-size ranks. Never executes pickled code; needs torch only to
-    write the pickles, not DeepSpeed.
+    without tensor parallelism on --world-size ranks; --pipeline-parallel N (ZeRO-1 pipelines, tensor degree 1)
+    gives the layers to N stages by --partition-method and rebuilds each stage's ZeRO groups. Never executes
+    pickled code; needs torch only to write the pickles, not DeepSpeed.
     """
     from ..export.api import reshard as run
 
@@ -82,6 +90,7 @@ def reshard(
             sub_group_size=sub_group_size,
             tensor_parallel=tensor_parallel,
             pipeline_parallel=pipeline_parallel,
+            partition_method=partition_method,
             tag=tag,
             manifest=manifest,
         )

@@ -66,7 +66,8 @@ def kind_of_index(index: CheckpointIndex) -> Kind:
     if any(d.masters is not None for d in index.domains):
         return Kind.PIPELINE_STAGE0 if index.layer_files else Kind.STAGE0
     degrees = index.topology.degrees
-    return Kind.ZERO if degrees.tensor == degrees.pipeline == len(index.domains) == 1 else Kind.MODEL_PARALLEL
+    one = degrees.tensor == degrees.pipeline == len(index.domains) == 1 and not index.layer_files
+    return Kind.ZERO if one else Kind.MODEL_PARALLEL  # a PipelineModule at one stage has layer files
 
 
 def kind_of_dir(tag_dir: Path | RemotePath) -> Kind:

@@ -134,13 +134,15 @@ def reshard(
     sub_group_size: int | None = None,
     tensor_parallel: int | None = None,
     pipeline_parallel: int | None = None,
+    partition_method: str | None = None,
     manifest: Any = None,
     tag: str | None = None,
 ) -> Any:
     """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) as a DeepSpeed
     checkpoint ``output`` that ``engine.load_checkpoint`` resumes (docs/reshard.md). A tensor/pipeline-parallel
     checkpoint keeps its tensor and pipeline degrees unless ``tensor_parallel`` / ``pipeline_parallel`` give
-    the target's: ``world_size / (tp x pp)`` data-parallel ranks.
+    the target's: ``world_size / (tp x pp)`` data-parallel ranks; a pipeline's layers go to the target's stages by
+    ``partition_method`` (DeepSpeed's PipelineModule ``partition_method``: "parameters", its default, or "uniform").
     CK403 for a kind it does not reshard yet, CK410 for a target it cannot write; nothing written then."""
     require("reshard", checkpoint, manifest, tag)
     degrees = {"tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel}
@@ -148,7 +150,14 @@ def reshard(
         from .reshard_parallel import reshard_model_parallel
 
         return reshard_model_parallel(
-            checkpoint, output, world_size, zero_stage=zero_stage, tag=tag, index=manifest, **degrees
+            checkpoint,
+            output,
+            world_size,
+            zero_stage=zero_stage,
+            tag=tag,
+            index=manifest,
+            partition_method=partition_method,
+            **degrees,
         )
     from .reshard_parallel import refuse_degrees_of_plain_zero
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,9 +118,10 @@ def _slice_mappings(group: Group, rank: int, natural: list[str], round_robin: bo
     return out
 
 
-def _optim_file_names(found: Manifest, world_size: int) -> list[str]:
-    """Rank 0's file name with each target rank's: the prefix (``bf16_``) and the model-parallel rank kept."""
-    first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+def _optim_file_names(found: Manifest, world_size: int, mp_rank: int | None = None) -> list[str]:
+    """Rank 0's file name with each target rank's: the prefix (``bf16_``) and the model-parallel rank kept
+    (or ``mp_rank``'s)."""
+    first = _with_mp_rank(next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks), mp_rank)
     prefix, rest = first.split("zero_pp_rank_0_", 1)
     return [f"{prefix}zero_pp_rank_{r}_{rest}" for r in range(world_size)]
 
@@ -134,6 +136,10 @@ class ModelChanges:
     config: Callable[[Any], Any]  # the saved ds_config, as the target job's
 
 
+def _with_mp_rank(name: str, mp_rank: int | None) -> str:
+    return name if mp_rank is None else re.sub(r"mp_rank_\d+", f"mp_rank_{mp_rank:02d}", name)
+
+
 def write_files(
     found,
     plan,
@@ -142,9 +148,13 @@ def write_files(
     states: StateCache,
     tag_dir: Path,
     changes: ModelChanges | None = None,
+    *,
+    mp_rank: int | None = None,
+    model_changes: dict | None = None,
 ) -> list[Path]:
-    """``changes``: the target's tensor or pipeline degrees differ (``reshard_tensor``); ``found`` then is the
-    target's whole-model manifest."""
+    """``changes``: the target's tensor degree differs (``reshard_tensor``); ``found`` then is the target's
+    whole-model manifest. ``mp_rank``: the model-parallel rank of the written files' names (another pipeline
+    stage's, issue #40), ``model_changes``: model-states entries replaced (``mp_world_size``...)."""
     src_dir = plan.tag_dir
     config = changes.config if changes is not None else (lambda value: value)
     first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
@@ -154,7 +164,7 @@ def write_files(
     written = []
     with ShardReader() as files:
         read = _storage_reader(src_dir / first, states, files)
-        for rank, name in enumerate(_optim_file_names(found, target.world_size)):
+        for rank, name in enumerate(_optim_file_names(found, target.world_size, mp_rank)):
             osd = _optimizer_state_dict(found, source, read, target, rank, masters, state_plan, master_dtype, files)
             doc = {
                 k: osd
@@ -174,9 +184,10 @@ def write_files(
         if changes is not None:
             doc = {k: changes.set_keys.get(k, v) for k, v in doc.items() if k not in changes.drop_keys}
             doc["ds_config"] = config(doc["ds_config"])
+        doc = {**doc, **(model_changes or {})}
         # the low-precision group buffers a chunk at a time; torch.save's bytes (shapes as tuples)
         # mp_rank_XX_model_states.pt (a stage-3 source's name has a zero_pp_rank_R_ prefix)
-        name = model.name[model.name.index("mp_rank_") :]
+        name = _with_mp_rank(model.name[model.name.index("mp_rank_") :], mp_rank)
         ds_pickle.save_streamed(doc, tag_dir / name, shapes_as_tuples=True)
     return [*written, tag_dir / name]
 

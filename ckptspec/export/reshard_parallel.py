@@ -31,6 +31,7 @@ from .plan import plan_reconstruction
 from .reshard import ReshardResult, embed_and_validate
 from .reshard_files import write_files
 from .reshard_layout import TargetLayout, target_layout
+from .reshard_pipeline import pipeline_target, write_stages
 from .reshard_tensor import plan_tensor_merge
 
 
@@ -44,10 +45,12 @@ def reshard_model_parallel(
     index: Any = None,
     tensor_parallel: int | None = None,
     pipeline_parallel: int | None = None,
+    partition_method: str | None = None,
 ) -> ReshardResult:
     """Validate ``checkpoint`` (digests included), then write it for ``world_size`` ranks in all: the same
     tensor and pipeline degrees, ``world_size / (tp x pp)`` data-parallel ranks (and ``zero_stage``).
-    ``index``: the checkpoint index to read it by (a model, a validated report or a file), else its files'."""
+    ``index``: the checkpoint index to read it by (a model, a validated report or a file), else its files'.
+    ``pipeline_parallel`` other than the source's: the stages rebuilt (``reshard_pipeline``, ``partition_method``)."""
     with held_new_output(output, "the resharded checkpoint") as out:
         if isinstance(index, (str, os.PathLike)):
             from ..format.index_validate import validate_index_file
@@ -60,14 +63,18 @@ def reshard_model_parallel(
         if found is None or has_errors(findings):
             raise CheckpointInvalid(findings, str(checkpoint))
         src_dir = resolve_tag_dir(checkpoint, tag)
-        merge = None
+        merge, stages, targets = None, None, {}
         try:  # CK410 before anything is written
             refuse_degree_changes(found, tensor_parallel if tensor_parallel != 1 else None, pipeline_parallel)
-            merging = tensor_parallel == 1 and found.topology.degrees.tensor != 1
-            targets = {} if merging else target_layouts(found, world_size, zero_stage)
             plans = {d.id: plan_reconstruction(src_dir, d.manifest, states=states) for d in found.domains}  # type: ignore[arg-type]
-            if merging:
+            if tensor_parallel == 1 and found.topology.degrees.tensor != 1:
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
+            elif pipeline_parallel not in (None, found.topology.degrees.pipeline):
+                stages = pipeline_target(
+                    found, pipeline_parallel, world_size, zero_stage, partition_method, states, src_dir
+                )
+            else:
+                targets = target_layouts(found, world_size, zero_stage)
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         state_plans = {key: plan_optimizer_state(plan) for key, plan in plans.items()} if merge is None else {}
@@ -76,13 +83,16 @@ def reshard_model_parallel(
             tag_dir = tmp / src_dir.name
             tag_dir.mkdir()
             if merge is not None:  # one data-parallel checkpoint: validated as such
-                files = merge.write(states, tag_dir)
+                merged = merge.write(states, tag_dir)
                 (tmp / "latest").write_text(src_dir.name)
                 embed_and_validate(merge.manifest, tmp, tag_dir, output)
-                return files
-            files = []
-            for d in found.domains:
-                files += write_files(d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
+                return merged
+            files: list[Path] = []
+            if stages is not None:  # another number of stages: each target stage's files from every domain
+                files += write_stages(stages, found, plans, state_plans, states, tag_dir)
+            else:
+                for d in found.domains:
+                    files += write_files(d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
             for layer in found.layer_files:  # a stage's layers, the same whatever the data degree
                 _copy(src_dir / layer.path, tag_dir / layer.path, layer.size)
                 files.append(tag_dir / layer.path)
@@ -95,23 +105,31 @@ def reshard_model_parallel(
         files = build_and_publish(out, build)
     output = Path(output)
     degrees = found.topology.degrees
-    first = merge.target if merge is not None else next(iter(targets.values()))
     return ReshardResult(
         output,
         src_dir.name,
         degrees.data * degrees.tensor * degrees.pipeline,
         world_size,
-        first.zero_stage,
+        merge.target.zero_stage
+        if merge is not None
+        else stages.zero_stage
+        if stages is not None
+        else next(iter(targets.values())).zero_stage,
         [output / src_dir.name / f.name for f in files],
     )
 
 
 def refuse_degree_changes(index: CheckpointIndex, tensor_parallel: int | None, pipeline_parallel: int | None) -> None:
-    """CK410 for a tensor or pipeline degree other than the source's (not written yet)."""
+    """CK410 for a tensor degree other than the source's (not written yet), and for a pipeline degree change
+    together with one (``reshard_pipeline`` changes the pipeline degree at the same tensor degree)."""
     degrees = index.topology.degrees
     for flag, wanted, held in (
         ("--tensor-parallel", tensor_parallel, degrees.tensor),
-        ("--pipeline-parallel", pipeline_parallel, degrees.pipeline),
+        (
+            "--pipeline-parallel",
+            pipeline_parallel if tensor_parallel not in (None, degrees.tensor) else None,
+            degrees.pipeline,
+        ),
     ):
         if wanted is not None and wanted != held:
             raise ReshardUnsupported(

@@ -25,7 +25,8 @@ the optimizer state the live engine then holds. Every rank writes ``OUT/optim.ra
   master        global name -> the fp32 master ``safe_get_full_fp32_param`` gives (where it answers)
   coords        this rank's coordinates (job/parallel.py ``_coords``: pp, tp, dp, ...)
   module        local name -> every frozen parameter and buffer of the module's state dict, as loaded
-  logits        (dense and AutoTP models) the logits of a fixed batch (``LOGITS_SEED``), eval mode, fp32
+  logits        the logits of a fixed batch, fp32: a dense or AutoTP model's (``LOGITS_SEED``, eval mode); a
+                pipeline's: the last stage's output (job/parallel.py ``_logits``), None on other stages
 
 A task with ``universal`` also loads, into a second engine of the same spec with ``checkpoint.load_universal``,
 the folder DeepSpeed's ``ds_to_universal`` wrote beside ``load`` (``latest_universal``): DeepSpeed's own path to
@@ -187,7 +188,9 @@ def _record(engine, spec) -> dict:
     record["module"] = {  # frozen parameters and buffers as loaded (local names; an AutoTP shard where split)
         n: t.detach().clone() for n, t in engine.module.state_dict().items() if n not in trainable
     }
-    if layout(spec) in ("dense", "autotp"):  # the logits of a fixed batch (every tensor rank takes part)
+    if layout(spec) == "pipe":  # collective: the last stage's output on the fixed batch, None elsewhere
+        record["logits"] = parallel._logits(engine, spec)[1]
+    elif layout(spec) in ("dense", "autotp"):  # the logits of a fixed batch (every tensor rank takes part)
         x = batch(spec, LOGITS_SEED)[0].to(torch_dtype(spec))
         engine.module.eval()
         with torch.no_grad():

@@ -114,6 +114,9 @@ PARALLEL_SPECS = {
     "uc-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16", **_UC}, 2),
 }
 PARALLEL = sorted(PARALLEL_SPECS)
+# The PipelineModule at one stage (the pp1 source of a pipeline degree change, issue #40): not in PARALLEL (no
+# +again, universal or hook entries), loaded by its "+optim" entry and resharded by DEGREE_RESHARDS.
+PIPE_ONE_SPECS = {"pp1-s1-fp32-ws2": ({"pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 2)}
 # Every tensor of a model-parallel checkpoint (issue #39, item 3): AutoTP runs whose module has frozen
 # parameters (one split by AutoTP, one left whole on every tensor rank) and persistent buffers, at
 # ZeRO-1 (frozen weights in the module) and ZeRO-2 (in frozen_param_fragments). One launch: same world
@@ -187,11 +190,31 @@ PARALLEL_RESHARDS = {
 # AutoTP merged (``tensor_parallel`` 1): the target job is the same MLP without tensor parallelism; with
 # ``universal``, the same job also loads DeepSpeed's ds_to_universal folder of the source (its own path).
 _TP1 = {"tp": 1}
+# Pipeline degree changes (ZeRO-1 only: DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible
+# with pipeline parallelism"). ``pipe``: the PipelineModule at one stage (the target, or PIPE_ONE_SPECS' source).
+_PP1 = {"pp": 1, "pipe": True}
 DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s1-fp32-ws2>tp1": ("tp2-s1-fp32-ws2", 2, _TP1, {"tensor_parallel": 1}),  # tp2 x dp1 -> tp1 x dp2
     "tp2dp2-s2-bf16-ws4>tp1-ws3": ("tp2dp2-s2-bf16-ws4", 3, _TP1, {"tensor_parallel": 1}),  # tp2 x dp2 -> dp3
     "tp2-s1-fp32-ws2>tp1-s2-ws3": ("tp2-s1-fp32-ws2", 3, {**_TP1, "stage": 2}, {"tensor_parallel": 1, "stage": 2}),
     "tp2-s2-bf16-ws2-extras>tp1": ("tp2-s2-bf16-ws2-extras", 2, _TP1, {"tensor_parallel": 1}),
+    "pp2-s1-fp32-ws2>pp1": ("pp2-s1-fp32-ws2", 2, _PP1, {"pipeline_parallel": 1}),  # pp2 -> pp1 x dp2
+    "pp2-s1-bf16-ws2>pp1": ("pp2-s1-bf16-ws2", 2, _PP1, {"pipeline_parallel": 1}),
+    "pp2dp2-s1-bf16-ws4>pp1": ("pp2dp2-s1-bf16-ws4", 2, _PP1, {"pipeline_parallel": 1}),  # pp2 x dp2 -> pp1 x dp2
+    "pp1-s1-fp32-ws2>pp2": (
+        "pp1-s1-fp32-ws2",
+        2,
+        {"pp": 2, "pipe": False},
+        {"pipeline_parallel": 2, "partition_method": "uniform"},
+    ),
+    # DeepSpeed's default partition method, layers balanced by their parameter counts: at 3 stages it cuts
+    # other layers than "uniform" does (at 2 both cut after layer 2)
+    "pp1-s1-fp32-ws2>pp3-parameters": (
+        "pp1-s1-fp32-ws2",
+        3,
+        {"pp": 3, "pipe": False, "partition": "parameters"},
+        {"pipeline_parallel": 3, "partition_method": "parameters"},
+    ),
 }
 # Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
 UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}
@@ -206,7 +229,12 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
         source, ws = PARALLEL_RESHARDS[name]
         return source, ws, PARALLEL_SPECS[source][0]
     source, ws, changes, _ = DEGREE_RESHARDS[name]
-    return source, ws, {**{**PARALLEL_SPECS, **EXTRAS_SPECS}[source][0], **changes}
+    return source, ws, {**source_spec(source), **changes}
+
+
+def source_spec(name: str) -> dict:
+    """The spec of a PARALLEL, EXTRAS or PIPE_ONE_SPECS entry."""
+    return {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS}[name][0]
 
 
 def optim_name(name: str) -> str:
@@ -351,7 +379,7 @@ def _registry() -> dict[str, Task]:
         spec = {**MATRIX_SPECS, **DCP_SOURCE_SPECS}[source][0]
         for ws in FSDP2_WORLD_SIZES:
             out[fsdp2_name(source, ws)] = Task("fsdp2", {"spec": spec, "source": source}, ws, load=source)
-    for name, (spec, ws) in {**PARALLEL_SPECS, **EXTRAS_SPECS}.items():
+    for name, (spec, ws) in {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS}.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():
         if name not in MASTERS_HOOKED:
@@ -360,7 +388,7 @@ def _registry() -> dict[str, Task]:
         spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
     for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES}):
-        spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
+        spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS}[name]
         out[optim_name(name)] = Task("optim", {"spec": spec, "source": name}, ws, load=name)
     for name in OPTIM_UNIVERSAL_SOURCES:
         spec, ws = PARALLEL_SPECS[name]

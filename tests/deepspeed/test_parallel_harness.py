@@ -23,8 +23,8 @@ PARALLEL = scenarios.PARALLEL
 
 
 def _spec(name):
-    """(normalized spec, world size) of PARALLEL (or EXTRAS) entry ``name``."""
-    spec, world_size = {**scenarios.PARALLEL_SPECS, **scenarios.EXTRAS_SPECS}[name]
+    """(normalized spec, world size) of PARALLEL (or EXTRAS, PIPE_ONE_SPECS) entry ``name``."""
+    spec, world_size = {**scenarios.PARALLEL_SPECS, **scenarios.EXTRAS_SPECS, **scenarios.PIPE_ONE_SPECS}[name]
     return normalize(spec), world_size
 
 
@@ -264,7 +264,8 @@ def _layout_of(member):
     if member.endswith("+optim"):
         return f"optim-{layout(_spec(member.removesuffix('+optim'))[0])}"
     if member in scenarios.PARALLEL_RESHARDS or member in scenarios.DEGREE_RESHARDS:
-        return f"optim-{layout(normalize(scenarios.reshard_target(member)[2]))}"  # optim_job.py (#40): the target's
+        # loaded by optim_job.py (#40): the target's layout
+        return f"optim-{layout(normalize(scenarios.reshard_target(member)[2]))}"
     kind = (
         "dense"
         if member in ("train", "resume")

@@ -64,6 +64,8 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
                 "restore mp_rank_XX_model_states.pt of that rank from the run that wrote the checkpoint",
                 str(files.tag_dir),
             )
+    # A PipelineModule's files: layer files, a stage's model states without the module (one stage too)
+    pipe_module = degrees.pipeline > 1 or bool(files.layer_files)
     domains: list[Domain] = []
     recorded: dict[str, str] | None = None  # tensor rank 0's ties (``zero.proven_ties``)
     for mp, shards in sorted(files.by_mp_rank.items()):
@@ -78,7 +80,7 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
             shards,
             states,
             hash_algorithm=hash_algorithm,
-            pipeline_stage=degrees.pipeline > 1,
+            pipeline_stage=pipe_module,
             in_index=True,
             recorded_ties=recorded,
         )
@@ -101,7 +103,7 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
             )
         )
     first = domains[0].manifest
-    if degrees.pipeline > 1:
+    if pipe_module:
         layer_files, parameters = pipeline_view(files, states, domains, hash_algorithm)
     else:
         layer_files, parameters = [], _tensor_view(files, states, domains, degrees.tensor)
@@ -133,13 +135,6 @@ def _refuse_outside(files: ParallelFiles, degrees) -> None:
                 "a file of another run or layout; remove it",
                 str(path),
             )
-    if files.layer_files and degrees.pipeline == 1:
-        path = files.layer_files[min(files.layer_files)]
-        raise UnsupportedCheckpoint(
-            f"pipeline layer file {path.name}, but the model states record pipeline degree 1",
-            "a file of another run or layout; remove it",
-            str(path),
-        )
 
 
 def _trainable(manifest: Manifest) -> list:

@@ -26,7 +26,9 @@ DEFAULTS = {
     # MLP: ``inp`` and ``out``, two bias-free Linear layers sharing one weight that AutoTP leaves whole (AutoTP
     # 0.19.8 cannot split a tied weight: deepspeed.initialize fails, or slices the other use with it)
     "tied": False,
-    "pp": 1,  # pipeline stages (PipelineModule, partition_method "uniform")
+    "pp": 1,  # pipeline stages (a PipelineModule when above 1)
+    "pipe": False,  # a PipelineModule whatever ``pp`` (at pp 1: the whole pipeline on one stage)
+    "partition": "uniform",  # the PipelineModule's partition_method: "uniform" | "parameters"
     "tp": 1,  # AutoTP degree
     "ep": 0,  # expert-parallel degree of the MoE layer (0: no MoE)
     "experts": 0,  # experts of the MoE layer
@@ -61,14 +63,16 @@ def normalize(spec):
             raise ValueError(f"{key} are in the dense or AutoTP MLP or the pipeline only: {spec}")
     if out["tied"] and layout(out) not in ("pipe", "autotp"):
         raise ValueError(f"tied layers are in the pipeline or the AutoTP MLP only: {spec}")
-    if out["ep"] and (out["pp"] > 1 or out["tp"] > 1 or out["experts"] % out["ep"]):
+    if out["ep"] and (out["pp"] > 1 or out["pipe"] or out["tp"] > 1 or out["experts"] % out["ep"]):
         raise ValueError(f"MoE jobs are data/expert parallel only, experts divisible by ep: {spec}")
-    if out["pp"] > 1 and out["tp"] > 1:
+    if layout(out) == "pipe" and out["tp"] > 1:
         # DeepSpeed 0.19.8: AutoTP builds its groups on a (world/tp, tp) mesh that ignores the pipeline
         # axis, so engine._broadcast_model broadcasts one stage's weights to the other (gloo:
         # "Received data size doesn't match expected size"), with or without a
         # PipeModelDataParallelTopology.
         raise ValueError(f"AutoTP inside a PipelineModule does not train in DeepSpeed 0.19.8: {spec}")
+    if out["partition"] not in ("uniform", "parameters"):
+        raise ValueError(f"bad partition in parallel spec: {spec}")
     if out["save_with"] not in ("deepspeed", "ckptspec"):
         raise ValueError(f"bad save_with in parallel spec: {spec}")
     if out["universal"] and not out["save"]:
@@ -77,10 +81,10 @@ def normalize(spec):
 
 
 def layout(spec):
-    """The model family: "moe", "pipe" (any pp > 1, with or without tp), "autotp" or "dense"."""
+    """The model family: "moe", "pipe" (any pp > 1 or ``pipe``, with or without tp), "autotp" or "dense"."""
     if spec["ep"]:
         return "moe"
-    if spec["pp"] > 1:
+    if spec["pp"] > 1 or spec["pipe"]:
         return "pipe"
     if spec["tp"] > 1:
         return "autotp"
@@ -241,7 +245,7 @@ def build_model(spec):
             layers=specs,
             num_stages=spec["pp"],
             loss_fn=torch.nn.CrossEntropyLoss(),
-            partition_method="uniform",
+            partition_method=spec["partition"],
         )
         for name, param in model.named_parameters():  # only the stage that builds layer 2 has it
             if spec["frozen"] and name == PIPE_FROZEN:
@@ -274,7 +278,7 @@ def reference_model(spec):
 def ds_config(spec):
     cfg = {
         "train_micro_batch_size_per_gpu": BATCH,
-        "gradient_accumulation_steps": 2 if spec["pp"] > 1 else 1,
+        "gradient_accumulation_steps": 2 if layout(spec) == "pipe" else 1,
         "steps_per_print": 10**6,
         # DeepSpeed's default buckets are 5e8 elements, which ZeRO 1/2 touch (2 GB per rank in fp32,
         # 4 GB at the peak of a pipeline step): the machine runs out of memory at world size 4.

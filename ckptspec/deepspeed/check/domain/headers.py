@@ -9,7 +9,7 @@ from operator import attrgetter, eq, methodcaller
 from ....findings import Finding, RuleSet, finding, json_path
 from ...describe.zero import real_ties
 from ...layout.legacy import saved_stage
-from ...layout.names import mp_rank_of
+from ...layout.names import PIPE_LAYER_RE, mp_rank_of
 from .context import Check, Context
 
 CHECKS: RuleSet[Check] = RuleSet()
@@ -163,9 +163,14 @@ def model_header(ctx: Context) -> Iterator[Finding]:
     buffers = {b.name for b in ctx.manifest.buffers}
     for f in ctx.readable("model_states"):
         state = f.state
-        # A pipeline stage's module is None: its weights are in the layer files (checked by the index, CK230).
+        # A pipeline stage's module is None: its weights are in the layer files (checked by the index, CK230);
+        # a PipelineModule at one stage writes layer files too.
         pipeline_stage = (
-            ctx.layout.pipeline_parallel_size > 1 and isinstance(state, dict) and state.get("module") is None
+            isinstance(state, dict)
+            and state.get("module") is None
+            and (
+                ctx.layout.pipeline_parallel_size > 1 or any(PIPE_LAYER_RE.match(p.name) for p in ctx.tag_dir.iterdir())
+            )
         )
         if (
             not isinstance(state, dict)

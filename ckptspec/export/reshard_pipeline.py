@@ -1,0 +1,306 @@
+"""``ckptspec reshard --pipeline-parallel N``: a PipelineModule's ZeRO-1/2 checkpoint for another number of stages.
+
+A pipeline checkpoint is one ZeRO domain per stage (``mp_rank_XX``: the stage's optimizer files and its model
+states, whose module is None) and one file per layer (``layer_XX-model_states.pt``, named by the global layer
+index whatever the stage). The target's stages take the layers DeepSpeed's ``PipelineModule`` gives them
+(``_partition_layers``: ``partition_method`` "uniform", or "parameters", its default: layers balanced by their
+trainable parameter counts); each stage's ZeRO groups are laid out anew from the whole model's tensors in the
+stage's parameter order (its layers in order, each layer's parameters as saved), at ``world_size / N``
+data-parallel ranks, and written by ``reshard_files.write_files`` (masters and moments moved, step,
+hyperparameters and loss scaler copied from the source's first stage: every stage's must agree). The layer files
+carry over as saved: their names and keys do not depend on the stage.
+
+Refused by name (CK410) before anything is written: a tensor-parallel pipeline, a stage-0 (BF16_Optimizer) or
+ZeRO-3 source, a ZeRO-2/3 target (DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with
+pipeline parallelism"), ties (TiedLayerSpec), frozen parameters and buffers (not proven yet), a layer index
+without a file (a function layer: the layer count cannot be known), a target stage without trainable
+parameters, more stages than layers, stages whose optimizer groups or hyperparameters differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoint.states import StateCache
+from ..errors import ReshardUnsupported
+from ..format.index_models import CheckpointIndex, Domain
+from ..format.models import Manifest
+from ..format.partition import ParamSpec, flat_group
+from .optimizer_state import OptimizerStatePlan
+from .reshard_files import write_files
+from .reshard_layout import TargetLayout, natural_groups, target_layout
+from .reshard_source import source_optimizer
+
+PARTITION_METHODS = ("parameters", "uniform")  # DeepSpeed's default first
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed's ``partition_uniform``: part p starts at ``p * chunk + min(p, residual)`` (the first
+    ``residual`` parts one item longer); with no more items than parts, one item per part, the rest empty."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+
+
+def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
+    """DeepSpeed's ``partition_balanced``: boundaries of ``num_parts`` contiguous parts chosen by its dynamic
+    program (the cost of a split is its heaviest part minus its lightest, each prefix keeping the heaviest and
+    lightest of the split it chose; among equal costs the last cut wins), uniform when items <= parts."""
+    n = len(weights)
+    if n <= num_parts:
+        return partition_uniform(n, num_parts)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[j][i]: (cost, heaviest, lightest, last cut) of i items in j parts, None where impossible
+    best: list[list[tuple | None]] = [[None] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = (0, None, None, 0)
+    for i in range(1, n + 1):
+        for j in range(1, min(i, num_parts) + 1):
+            chosen = None
+            for k in range(j - 1, i):  # the first j - 1 parts hold k items (at least one each)
+                before = best[j - 1][k]
+                if before is None:
+                    continue
+                part = prefix[i] - prefix[k]
+                heavy = part if before[1] is None else max(before[1], part)
+                light = part if before[2] is None else min(before[2], part)
+                if chosen is None or heavy - light <= chosen[0]:
+                    chosen = (heavy - light, heavy, light, k)
+            best[j][i] = chosen
+    parts = [n]
+    for j in range(num_parts, 0, -1):
+        entry = best[j][parts[-1]]
+        parts.append(entry[3] if entry is not None else 0)
+    return parts[::-1]
+
+
+@dataclass(frozen=True)
+class StageTarget:
+    """One target stage: its layers, its domain manifest (the stage's groups in natural order) and layout."""
+
+    stage: int
+    layers: range
+    manifest: Manifest
+    layout: TargetLayout
+
+
+@dataclass(frozen=True)
+class PipelineTarget:
+    stages: list[StageTarget]
+    partition_method: str
+    template: Domain  # the source stage whose optimizer file and model states the targets copy
+
+    @property
+    def zero_stage(self) -> int:
+        return self.stages[0].layout.zero_stage
+
+
+def pipeline_target(
+    index: CheckpointIndex,
+    stages: int,
+    world_size: int,
+    zero_stage: int | None,
+    partition_method: str | None,
+    states: StateCache,
+    src_dir,
+) -> PipelineTarget:
+    """The target stages of ``index``'s pipeline at ``stages`` stages and ``world_size`` ranks (CK410 where
+    it cannot be written); reads only the source stages' first optimizer files (their hyperparameters)."""
+    method = partition_method or PARTITION_METHODS[0]
+    degrees = index.topology.degrees
+    _refuse_source(index, method)
+    if zero_stage not in (None, 1):
+        raise ReshardUnsupported(
+            f"--stage {zero_stage} with --pipeline-parallel: DeepSpeed's PipelineEngine asserts \"ZeRO-2 and "
+            'ZeRO-3 are incompatible with pipeline parallelism"',
+            "give --stage 1 (or leave it out)",
+        )
+    if world_size % stages:
+        raise ReshardUnsupported(
+            f"--world-size {world_size} is not a multiple of --pipeline-parallel {stages} (tensor degree "
+            f"{degrees.tensor})",
+            f"give a multiple of {stages}: each data-parallel rank holds one copy of the {stages} stages",
+        )
+    layer_of = _layer_of_params(index)
+    num_layers = len(index.layer_files)
+    if stages > num_layers:
+        raise ReshardUnsupported(
+            f"--pipeline-parallel {stages}: the pipeline has {num_layers} layers, fewer than the stages",
+            f"give at most {num_layers} stages",
+        )
+    domains = sorted(index.domains, key=lambda d: d.coordinate.pipeline or 0)
+    ordered = [(g, p) for d in domains for g, params in natural_groups(d.manifest) for p in params]
+    weights = [0] * num_layers
+    for _, p in ordered:
+        weights[layer_of[p.name]] += p.numel
+    bounds = partition_uniform(num_layers, stages) if method == "uniform" else partition_balanced(weights, stages)
+    template = domains[0]
+    _refuse_differing_stages(domains, states, src_dir)
+    data = world_size // stages
+    targets = []
+    for s in range(stages):
+        layers = range(bounds[s], bounds[s + 1])
+        mine = [(g, p) for g, p in ordered if layer_of[p.name] in layers]
+        groups = []
+        for g in sorted({g for g, _ in natural_groups(template.manifest)}):
+            specs = [ParamSpec(p.name, tuple(p.shape), p.dtype) for gg, p in mine if gg == g]
+            if not specs:
+                raise ReshardUnsupported(
+                    f"target stage {s} (layers {layers.start}-{layers.stop - 1}, partition method {method!r}) "
+                    f"has no trainable parameter in optimizer group {g}",
+                    "give fewer stages or another --partition-method: DeepSpeed's ZeRO optimizer needs parameters "
+                    "in every group of every stage",
+                )
+            # one partition: the natural order, which target_layout lays out for the target's data degree
+            groups.append(flat_group(specs, optimizer_group=g, partition_count=1, zero_stage=1))
+        manifest = template.manifest.model_copy(
+            update={
+                "groups": groups,
+                "layout": template.manifest.layout.model_copy(
+                    update={"world_size": 1, "pipeline_parallel_size": stages, "model_parallel_size": stages}
+                ),
+            }
+        )
+        targets.append(StageTarget(s, layers, manifest, target_layout(manifest, data, 1, domain=True)))
+    return PipelineTarget(targets, method, template)
+
+
+def write_stages(
+    target: PipelineTarget,
+    index: CheckpointIndex,
+    plans: dict,
+    state_plans: dict[str, OptimizerStatePlan],
+    states: StateCache,
+    tag_dir: Path,
+) -> list[Path]:
+    """Every target stage's optimizer and model-states files (the layer files are the caller's)."""
+    first = plans[target.template.id]
+    sources = {name: s for plan in plans.values() for name, s in plan.sources.items()}
+    plan = dataclasses.replace(first, sources=sources)
+    state_plan = OptimizerStatePlan(
+        {k: v for p in state_plans.values() for k, v in p.sources.items()},
+        {k: v for p in state_plans.values() for k, v in p.states.items()},
+        {},
+    )
+    stages = len(target.stages)
+    model = next(f for f in target.template.manifest.files if f.role == "model_states")
+    template_state = states.state(first.tag_dir / model.path)
+    changes: dict = {"mp_world_size": stages}  # pp x tp, tp 1
+    if isinstance(template_state.get("checkpoint_parallel_dimensions"), dict):
+        changes["checkpoint_parallel_dimensions"] = {"pp_degree": stages, "tp_degree": 1}
+    files: list[Path] = []
+    for stage in target.stages:
+        files += write_files(
+            stage.manifest,
+            plan,
+            state_plan,
+            stage.layout,
+            states,
+            tag_dir,
+            mp_rank=stage.stage,
+            model_changes=changes,
+        )
+    return files
+
+
+def _refuse_source(index: CheckpointIndex, method: str) -> None:
+    degrees = index.topology.degrees
+    if method not in PARTITION_METHODS:
+        raise ReshardUnsupported(
+            f"--partition-method {method!r} is not supported",
+            f"give one of {', '.join(PARTITION_METHODS)} (DeepSpeed's PipelineModule partition_method)",
+        )
+    if not index.layer_files:
+        raise ReshardUnsupported(
+            "--pipeline-parallel: the checkpoint has no pipeline layer files (it is not a PipelineModule's)",
+            "leave --pipeline-parallel out",
+        )
+    if degrees.tensor != 1 or any(f.tensor is not None for f in index.layer_files):
+        raise ReshardUnsupported(
+            f"--pipeline-parallel of a pipeline with tensor degree {degrees.tensor}: not supported",
+            "change the pipeline degree of tensor degree 1 checkpoints only",
+        )
+    for d in index.domains:
+        stage = d.manifest.layout.zero_stage
+        if d.masters is not None or stage != 1:
+            raise ReshardUnsupported(
+                f"--pipeline-parallel: domain {d.id} is ZeRO stage {stage}"
+                f"{' (BF16_Optimizer)' if d.masters is not None else ''}; ZeRO-1 pipelines are what reshard moves",
+                "resume at the same pipeline degree",
+            )
+        for section in ("frozen", "buffers", "aliases"):
+            items = getattr(d.manifest, section)
+            if items:
+                raise ReshardUnsupported(
+                    f"--pipeline-parallel: {section} ({items[0].name!r}) in stage {d.id}, not moved between stages yet",
+                    "resume at the same pipeline degree",
+                )
+    if index.aliases:
+        alias, owner = next(iter(index.aliases.items()))
+        raise ReshardUnsupported(
+            f"--pipeline-parallel: {alias!r} is tied to {owner!r} (TiedLayerSpec); ties are not moved between "
+            "stages yet",
+            "resume at the same pipeline degree",
+        )
+    for extra in index.extras or ():
+        raise ReshardUnsupported(
+            f"--pipeline-parallel: {extra.name!r} is a {'frozen parameter' if extra.role == 'frozen' else 'buffer'}; "
+            "frozen parameters and buffers are not moved between stages yet",
+            "resume at the same pipeline degree",
+        )
+    layers = sorted(f.layer for f in index.layer_files)
+    missing = sorted(set(range(layers[-1] + 1)) - set(layers))
+    if missing or len(set(layers)) != len(layers):
+        raise ReshardUnsupported(
+            f"--pipeline-parallel: layer {missing[0] if missing else layers[0]} has "
+            f"{'no' if missing else 'more than one'} layer file (a function layer, or files of two saves): "
+            "the pipeline's layer count cannot be known",
+            "resume at the same pipeline degree",
+        )
+
+
+def _layer_of_params(index: CheckpointIndex) -> dict[str, int]:
+    """Each trainable parameter's layer, from the layer files (a tensor that is not one: refused by name)."""
+    trainable = {p.name for d in index.domains for g in d.manifest.groups for p in g.params}
+    out: dict[str, int] = {}
+    for f in index.layer_files:
+        for key, name in f.tensors.items():
+            if name not in trainable:
+                raise ReshardUnsupported(
+                    f"--pipeline-parallel: {key!r} of {f.path} is not a trainable parameter (a buffer or frozen "
+                    "parameter), not moved between stages yet",
+                    "resume at the same pipeline degree",
+                )
+            out[name] = f.layer
+    unplaced = sorted(trainable - set(out))
+    if unplaced:
+        raise ReshardUnsupported(
+            f"--pipeline-parallel: parameter {unplaced[0]!r} is in no layer file", "resume at the same pipeline degree"
+        )
+    return out
+
+
+def _refuse_differing_stages(domains: list[Domain], states: StateCache, src_dir) -> None:
+    """Every source stage must have the template's optimizer groups and hyperparameters: the target's stages
+    are written with the template's (DeepSpeed builds each stage's optimizer from one client config)."""
+    seen = None
+    for d in domains:
+        first = next(f.path for f in d.manifest.files if f.role == "optimizer_states" and 0 in f.ranks)
+        source = source_optimizer(d.manifest, states.state(src_dir / first))
+        groups = [_plain(g) for g in source.param_groups]
+        if seen is not None and groups != seen:
+            raise ReshardUnsupported(
+                f"--pipeline-parallel: stage {d.id}'s optimizer groups or hyperparameters differ from the first "
+                "stage's",
+                "resume at the same pipeline degree",
+            )
+        seen = groups
+
+
+def _plain(group) -> dict:
+    """A param group's hyperparameters (its ``params`` aside), as comparable values."""
+    return {k: repr(v) for k, v in dict(group).items() if k != "params"}
