@@ -25,7 +25,7 @@ import ckptspec
 from ckptspec.cli import cli
 from ckptspec.export.reshard_pipeline import partition_balanced, partition_uniform
 
-RESHARDS = sorted(DEGREE_RESHARDS)
+RESHARDS = sorted(n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if "pipeline_parallel" in options)
 # a real job's save of the target layout, beside a reshard whose output has the same layout and model
 SAME_LAYOUT = {"pp2-s1-fp32-ws2>pp1": "pp1-s1-fp32-ws2", "pp1-s1-fp32-ws2>pp2": "pp2-s1-fp32-ws2"}
 
