@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
+
 
 def info(entry: Path) -> dict:
     return json.loads((entry / "parallel.json").read_text())
@@ -113,3 +115,31 @@ def read_dcp(path) -> dict:
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state
+
+
+def optim_records(entry: Path, prefix: str = "optim") -> list[dict]:
+    """Every rank's record an optim_job.py task wrote (``<prefix>.rank<R>.pt``), in rank order."""
+    import torch
+
+    files = sorted(entry.glob(f"{prefix}.rank*.pt"))
+    assert files, f"no {prefix} record in {entry}"
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+def _raw(array) -> tuple:
+    array = np.asarray(array)
+    return array.dtype.str, array.shape, array.tobytes()
+
+
+def check_same_to_ckptspec(before, after) -> None:
+    """Two opened checkpoints (``ckptspec.open``) hold the same whole model and optimizer state, bit for bit:
+    the same names (a root module's buffer may come first in one and last in the other), hyperparameters, step."""
+    expected, got = before.state_dict(framework="numpy"), after.state_dict(framework="numpy")
+    assert sorted(got) == sorted(expected) and expected
+    for key, array in expected.items():
+        assert _raw(got[key]) == _raw(array), key
+    (states, optimizer), (states_after, optimizer_after) = before.optimizer_state(), after.optimizer_state()
+    assert optimizer_after == optimizer and sorted(states_after) == sorted(states)
+    for key, per_state in states.items():
+        for state, array in per_state.items():
+            assert _raw(states_after[key][state]) == _raw(array), (key, state)

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 import pytest
-import torch
+from _harness.parallel_oracles import optim_records
 from _harness.scenarios import PARALLEL_RESHARDS, optim_name
 from click.testing import CliRunner
 
@@ -22,12 +22,6 @@ import ckptspec
 from ckptspec.cli import cli
 
 RESHARDS = sorted(PARALLEL_RESHARDS)
-
-
-def _records(entry) -> list[dict]:
-    files = sorted(entry.glob("optim.rank*.pt"))
-    assert files, f"no record in {entry}"
-    return [torch.load(f, weights_only=False) for f in files]
 
 
 def _by_coordinate(records: list[dict]) -> dict[tuple[int, int, str], dict]:
@@ -53,7 +47,7 @@ def test_a_job_of_the_target_world_size_resumes_the_source_bit_for_bit(name, ds)
     entry = ds.path(name)
     outcome = json.loads((entry / "optim.json").read_text())
     assert outcome.get("reshard_error") is None, outcome
-    target, before = _records(entry), _records(ds.path(optim_name(source)))
+    target, before = optim_records(entry), optim_records(ds.path(optim_name(source)))
     assert len(target) == world_size
     model_parallel = len(before) // before[0]["coords"]["dp_world_size"]  # tp x pp, kept
     assert {r["coords"]["dp_world_size"] for r in target} == {world_size // model_parallel}

@@ -18,6 +18,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from _harness.parallel_oracles import check_same_to_ckptspec, optim_records
 from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target
 from click.testing import CliRunner
 
@@ -28,12 +29,6 @@ from ckptspec.export.reshard_pipeline import partition_balanced, partition_unifo
 RESHARDS = sorted(n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if "pipeline_parallel" in options)
 # a real job's save of the target layout, beside a reshard whose output has the same layout and model
 SAME_LAYOUT = {"pp2-s1-fp32-ws2>pp1": "pp1-s1-fp32-ws2", "pp1-s1-fp32-ws2>pp2": "pp2-s1-fp32-ws2"}
-
-
-def _records(entry) -> list[dict]:
-    files = sorted(entry.glob("optim.rank*.pt"))
-    assert files, f"no record in {entry}"
-    return [torch.load(f, weights_only=False) for f in files]
 
 
 def _by_name(records: list[dict]) -> dict[str, dict]:
@@ -58,7 +53,7 @@ def test_a_job_of_the_target_pipeline_degree_resumes_the_source_bit_for_bit(name
     entry = ds.path(name)
     outcome = json.loads((entry / "optim.json").read_text())
     assert outcome.get("reshard_error") is None, outcome
-    target, before = _records(entry), _records(ds.path(optim_name(source)))
+    target, before = optim_records(entry), optim_records(ds.path(optim_name(source)))
     assert len(target) == world_size
     stages = reshard_target(name)[2]["pp"]
     assert {r["coords"]["pp"] for r in target} == set(range(stages))
@@ -94,7 +89,7 @@ def test_the_target_model_computes_the_sources_logits_bit_for_bit(name, ds):
         assert all(np.array_equal(found[0].view(np.uint8), f.view(np.uint8)) for f in found)  # every data rank
         return found[0]
 
-    got, expected = logits(_records(ds.path(name))), logits(_records(ds.path(optim_name(source))))
+    got, expected = logits(optim_records(ds.path(name))), logits(optim_records(ds.path(optim_name(source))))
     assert got.shape == expected.shape and np.array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 
@@ -111,16 +106,7 @@ def test_the_resharded_pipeline_is_the_source_to_ckptspec(name, ds):
         1,
         world_size // options["pipeline_parallel"],
     )
-    expected, got = before.state_dict(framework="numpy"), after.state_dict(framework="numpy")
-    assert sorted(got) == sorted(expected) and expected
-    for key, array in expected.items():
-        assert np.array_equal(got[key].view(np.uint8), array.view(np.uint8)), key
-    (states, optimizer), (states_after, optimizer_after) = before.optimizer_state(), after.optimizer_state()
-    assert optimizer_after == optimizer and sorted(states_after) == sorted(states)
-    for key, per_state in states.items():
-        for state, array in per_state.items():
-            array, other = np.asarray(array), np.asarray(states_after[key][state])
-            assert np.array_equal(other.view(np.uint8), array.view(np.uint8)), (key, state)
+    check_same_to_ckptspec(before, after)
 
 
 def _layout_entries(state: dict) -> dict:

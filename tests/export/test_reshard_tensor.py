@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
+from _harness.parallel_oracles import check_same_to_ckptspec, optim_records
 from _harness.scenarios import DEGREE_RESHARDS, UNIVERSAL_TOO, optim_name, reshard_target
 from click.testing import CliRunner
 
@@ -33,19 +33,8 @@ MERGES = sorted(n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if option
 LOGITS_EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps}
 
 
-def _records(entry, prefix="optim") -> list[dict]:
-    files = sorted(entry.glob(f"{prefix}.rank*.pt"))
-    assert files, f"no {prefix} record in {entry}"
-    return [torch.load(f, weights_only=False) for f in files]
-
-
 def _bits(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _np_bits(array) -> tuple:
-    array = np.asarray(array)
-    return array.dtype.str, array.shape, array.tobytes()
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -95,7 +84,7 @@ def test_a_job_without_tensor_parallelism_resumes_the_merged_checkpoint_bit_for_
     entry = ds.path(name)
     outcome = json.loads((entry / "optim.json").read_text())
     assert outcome.get("reshard_error") is None, outcome
-    target, before = _records(entry), _records(ds.path(optim_name(source)))
+    target, before = optim_records(entry), optim_records(ds.path(optim_name(source)))
     assert len(target) == world_size and {r["coords"]["tp"] for r in before} == {0, 1}
     assert {r["coords"]["mp_world_size"] for r in target} == {1}
     held = _held(target)
@@ -118,7 +107,7 @@ def test_frozen_parameters_buffers_and_logits_carry_over(name, ds):
     """The module's frozen parameters and buffers as loaded equal the source's, merged; the logits of a fixed
     batch equal the tensor-parallel model's within LOGITS_EPS (and are not all zero)."""
     source, _, spec = reshard_target(name)
-    target, before = _records(ds.path(name)), _records(ds.path(optim_name(source)))
+    target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
     module = target[0]["module"]
     assert all(_equal(r["module"][n], t) for r in target for n, t in module.items())
     merged = _merged(before, lambda r: r["module"], {n: tuple(t.shape) for n, t in module.items()})
@@ -140,7 +129,7 @@ def test_deepspeeds_universal_path_to_the_same_layout_holds_the_same(name, ds):
     entry = ds.path(name)
     outcome = json.loads((entry / "optim.json").read_text())
     assert outcome["universal_error"] is None, outcome
-    ours, theirs = _records(entry), _records(entry, "universal")
+    ours, theirs = optim_records(entry), optim_records(entry, "universal")
     held, universal = _held(ours), _held(theirs)
     assert held.keys() == universal.keys() and held
     for n, value in held.items():
@@ -159,17 +148,7 @@ def test_the_merged_checkpoint_is_the_source_to_ckptspec(name, ds):
     before, after = ckptspec.open(ds.path(source)), ckptspec.open(out)
     assert after.kind == Kind.ZERO and len(after.domains) == 1
     assert after.index.topology.degrees.data == world_size and after.index.topology.degrees.tensor == 1
-    expected, got = before.state_dict(framework="numpy"), after.state_dict(framework="numpy")
-    # the same names; in the model's state_dict order, a root module's buffer comes first (the index lists
-    # the parameters, then frozen parameters and buffers)
-    assert sorted(got) == sorted(expected) and expected
-    for key, array in expected.items():
-        assert _np_bits(got[key]) == _np_bits(array), key
-    (states, optimizer), (states_after, optimizer_after) = before.optimizer_state(), after.optimizer_state()
-    assert optimizer_after == optimizer and sorted(states_after) == sorted(states)
-    for key, per_state in states.items():
-        for state, array in per_state.items():
-            assert _np_bits(states_after[key][state]) == _np_bits(array), (key, state)
+    check_same_to_ckptspec(before, after)
 
 
 def test_splitting_to_more_tensor_ranks_is_refused_by_name(ds, tmp_path):
