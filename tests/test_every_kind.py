@@ -36,9 +36,11 @@ KINDS = {  # kind label in the issue -> harness checkpoint
 # export_dcp works on every kind (CK402 where the optimizer state is not located): tests/export/test_dcp_kinds.py
 WRITE_CAPABILITIES = ("reshard", "export_universal")
 # The kinds each writer takes; its own tests hold its outputs against DeepSpeed (reshard of tensor/pipeline-
-# parallel checkpoints: tests/export/test_reshard_parallel.py; a ZeRO-3 domain is then CK410, by target).
+# parallel checkpoints: tests/export/test_reshard_parallel.py; a ZeRO-3 domain is then CK410, by target; of
+# stage-0 ones: tests/export/test_reshard_from_stage0.py).
 MODEL_PARALLEL = {"tp2", "tp2xdp2", "tp2 zero3", "pp2", "pp2xdp2 bf16"}
-SUPPORTED = {"reshard": {"zero2 bf16", *MODEL_PARALLEL}, "export_universal": {"zero2 bf16"}}
+STAGE0 = {"stage0 fp32", "stage0 bf16"}
+SUPPORTED = {"reshard": {"zero2 bf16", *MODEL_PARALLEL, *STAGE0}, "export_universal": {"zero2 bf16"}}
 
 
 def _target(ds, name: str):

@@ -40,7 +40,8 @@ from .writers import WriteResult, to_torch
 # every kind (#39): where a kind's optimizer state is not located or not Adam's, the DCP export itself
 # refuses it (CK402, export/dcp.py).
 CAPABILITIES: dict[str, frozenset[Kind]] = {
-    "reshard": frozenset({Kind.ZERO, Kind.MODEL_PARALLEL}),  # model parallel: the data axis (reshard_parallel.py)
+    # model parallel: the data axis and degrees (reshard_parallel.py); stage 0: as ZeRO-1/2 (reshard_stage0_source.py)
+    "reshard": frozenset({Kind.ZERO, Kind.MODEL_PARALLEL, Kind.STAGE0}),
     "export_universal": frozenset({Kind.ZERO}),
     "export_dcp": frozenset(Kind),
 }

@@ -51,7 +51,7 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
     )
     if found is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(checkpoint))
-    domain_plans = {d.id: _domain_plan(tag_dir, d, states) for d in found.domains}
+    domain_plans = {d.id: domain_plan(tag_dir, d, states) for d in found.domains}
     extras, aliases = extras_of(found, tag_dir, domain_plans, states)
     plan = whole_plan(found, tag_dir, domain_plans, extras, aliases)
     if isinstance(tag_dir, RemotePath):
@@ -69,7 +69,7 @@ def recorded_hashes(index: CheckpointIndex, tag_dir: RemotePath) -> dict[RemoteP
     return {tag_dir / path: digest for path, digest in listed if digest is not None}
 
 
-def _domain_plan(tag_dir, domain, states: StateCache) -> ReconstructionPlan:
+def domain_plan(tag_dir, domain, states: StateCache) -> ReconstructionPlan:
     """Where a domain's masters are: located by the index (#17: stage 0, MoE, universal folders), or
     in its ZeRO partitions, as its 1.x manifest says."""
     if domain.masters is not None:

@@ -37,7 +37,7 @@ from . import ds_pickle
 from .arrays import ShardReader, _np, _np_dtype, iter_chunks, iter_zeros
 from .model_plan import Segment, TensorSource
 from .reshard_layout import TargetLayout, natural_groups
-from .reshard_source import source_optimizer, with_stage
+from .reshard_source import SourceOptimizer, source_optimizer, with_stage
 
 
 def _slice(source: TensorSource, start: int, count: int) -> list[Segment]:
@@ -118,10 +118,10 @@ def _slice_mappings(group: Group, rank: int, natural: list[str], round_robin: bo
     return out
 
 
-def _optim_file_names(found: Manifest, world_size: int, mp_rank: int | None = None) -> list[str]:
-    """Rank 0's file name with each target rank's: the prefix (``bf16_``) and the model-parallel rank kept
-    (or ``mp_rank``'s)."""
-    first = _with_mp_rank(next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks), mp_rank)
+def _optim_file_names(first: str, world_size: int, mp_rank: int | None = None) -> list[str]:
+    """Rank 0's file name ``first`` with each target rank's: the prefix (``bf16_``) and the model-parallel rank
+    kept (or ``mp_rank``'s)."""
+    first = _with_mp_rank(first, mp_rank)
     prefix, rest = first.split("zero_pp_rank_0_", 1)
     return [f"{prefix}zero_pp_rank_{r}_{rest}" for r in range(world_size)]
 
@@ -151,20 +151,25 @@ def write_files(
     *,
     mp_rank: int | None = None,
     model_changes: dict | None = None,
+    source: SourceOptimizer | None = None,
 ) -> list[Path]:
     """``changes``: the target's tensor degree differs (``reshard_tensor``); ``found`` then is the target's
     whole-model manifest. ``mp_rank``: the model-parallel rank of the written files' names (another pipeline
-    stage's, issue #40), ``model_changes``: model-states entries replaced (``mp_world_size``...)."""
+    stage's, issue #40), ``model_changes``: model-states entries replaced (``mp_world_size``...). ``source``:
+    the optimizer entries of a source without ZeRO-1/2 optimizer files (``reshard_stage0_source``)."""
     src_dir = plan.tag_dir
     config = changes.config if changes is not None else (lambda value: value)
-    first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
-    source = source_optimizer(found, states.state(src_dir / first))
+    if source is None:
+        first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+        source = source_optimizer(found, states.state(src_dir / first))
+        source.path, source.file_name = src_dir / first, first
+    assert source.path is not None and source.file_name is not None
     masters = {name: s for name, s in plan.sources.items() if s.role == "trainable"}
     master_dtype = found.layout.master_dtype
     written = []
     with ShardReader() as files:
-        read = _storage_reader(src_dir / first, states, files)
-        for rank, name in enumerate(_optim_file_names(found, target.world_size, mp_rank)):
+        read = _storage_reader(source.path, states, files)
+        for rank, name in enumerate(_optim_file_names(source.file_name, target.world_size, mp_rank)):
             osd = _optimizer_state_dict(found, source, read, target, rank, masters, state_plan, master_dtype, files)
             doc = {
                 k: osd

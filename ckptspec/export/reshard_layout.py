@@ -151,7 +151,8 @@ def _refuse(manifest: Manifest, world_size: int, stage: int, domain: bool) -> No
             "the checkpoint was written by DeepSpeed's BF16_Optimizer, whose files reshard does not write yet",
             "resume on the same world size, or convert with DeepSpeed's ds_to_universal",
         )
-    if manifest.optimizer is None or not any(f.state_partitions for f in manifest.files):
+    # a domain's moments may be located apart from its manifest's files (a stage-0 source's: masters_state_plan)
+    if manifest.optimizer is None or not (domain or any(f.state_partitions for f in manifest.files)):
         raise ReshardUnsupported(
             "the manifest locates no optimizer state (format 1.0)",
             "use a format 1.1 manifest: `ckptspec generate CHECKPOINT` describes the files anew",

@@ -24,14 +24,15 @@ from ..findings import has_errors
 from ..format.index_models import CheckpointIndex
 from ..location import RemotePath
 from .arrays import CHUNK_BYTES, ShardReader
+from .compose import domain_plan
 from .model_plan import Segment
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
-from .plan import plan_reconstruction
 from .reshard import ReshardResult, embed_and_validate
 from .reshard_files import write_files
 from .reshard_layout import TargetLayout, target_layout
 from .reshard_pipeline import pipeline_target, write_stages
+from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_tensor import plan_tensor_merge
 
 
@@ -66,9 +67,11 @@ def reshard_model_parallel(
         merge, stages, targets = None, None, {}
         try:  # CK410 before anything is written
             refuse_degree_changes(found, tensor_parallel if tensor_parallel != 1 else None, pipeline_parallel)
-            plans = {d.id: plan_reconstruction(src_dir, d.manifest, states=states) for d in found.domains}  # type: ignore[arg-type]
+            plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
             if tensor_parallel == 1 and found.topology.degrees.tensor != 1:
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
+            elif is_stage0_source(found):
+                merge = plan_stage0_source(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
             elif pipeline_parallel not in (None, found.topology.degrees.pipeline):
                 stages = pipeline_target(
                     found, pipeline_parallel, world_size, zero_stage, partition_method, states, src_dir

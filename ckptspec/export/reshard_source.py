@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..format.models import Manifest
@@ -25,6 +26,10 @@ class SourceOptimizer:
     group_scalars: dict[int, dict]  # optimizer group -> its non-tensor-partition state (step), as saved
     state_keys: dict[int, list[str]]  # optimizer group -> the per-element states the manifest locates
     zero_stage: int
+    # made for a source without a ZeRO-1/2 optimizer file (``reshard_stage0_source``): the file its tensors are
+    # read from, and the name of target rank 0's optimizer file
+    path: Path | None = None
+    file_name: str | None = None
 
     @property
     def ds_version(self) -> Any:

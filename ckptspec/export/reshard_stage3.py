@@ -50,7 +50,7 @@ def write_stage3_files(
         read_model = lazy_reader(model, states, files)  # nothing read until written
         lp = {name: read_model(ref) for name, ref in model_state["module"].items()}
         frozen = _frozen(found, plan)
-        for rank, name in enumerate(_optim_file_names(found, target.world_size)):
+        for rank, name in enumerate(_optim_file_names(first.name, target.world_size)):
             osd = _optimizer_state_dict(source, read_optim, target, rank, masters, state_plan, files)
             doc = {
                 k: osd

@@ -32,23 +32,28 @@ from .model_plan import ReconstructionPlan, TensorSource
 from .optimizer_state import OptimizerStatePlan
 from .reshard_files import ModelChanges, lazy_reader, write_files
 from .reshard_layout import TargetLayout, target_layout
+from .reshard_source import SourceOptimizer
 
 # What an AutoTP job's files hold that a job without tensor parallelism does not save.
 AUTOTP_ONLY_KEYS = ("universal_checkpoint_info",)
 
 
 @dataclass
-class TensorMerge:
-    """Everything the merged checkpoint is written from, planned before anything is written."""
+class DataParallelTarget:
+    """Everything a data-parallel ZeRO-1/2 checkpoint made of another kind is written from (an AutoTP merge, a
+    stage-0 source: ``reshard_stage0_source``), planned before anything is written."""
 
     manifest: Manifest  # the whole model's ZeRO domain: tensor rank 0's, every tensor at its whole shape
     plan: IndexReconstructionPlan  # the whole model's fp32 masters, frozen parameters and buffers
     state_plan: OptimizerStatePlan  # the whole model's optimizer states
     target: TargetLayout
     changes: ModelChanges
+    source: SourceOptimizer | None = None  # made when the source has no ZeRO-1/2 optimizer files
 
     def write(self, states: StateCache, tag_dir: Path) -> list[Path]:
-        return write_files(self.manifest, self.plan, self.state_plan, self.target, states, tag_dir, self.changes)
+        return write_files(
+            self.manifest, self.plan, self.state_plan, self.target, states, tag_dir, self.changes, source=self.source
+        )
 
 
 def plan_tensor_merge(
@@ -58,7 +63,7 @@ def plan_tensor_merge(
     states: StateCache,
     world_size: int,
     zero_stage: int | None,
-) -> TensorMerge:
+) -> DataParallelTarget:
     """The merge of ``index``'s tensor-parallel domains into one data-parallel group of ``world_size`` ranks;
     CK410 for a source it cannot merge, CK401 where replicated copies differ: before anything is written."""
     refuse_unmergeable(index, world_size)
@@ -78,7 +83,7 @@ def plan_tensor_merge(
         drop_keys=AUTOTP_ONLY_KEYS,
         config=_without_tensor_parallel,
     )
-    return TensorMerge(manifest, whole, whole.optimizer_state_plan(), target, changes)
+    return DataParallelTarget(manifest, whole, whole.optimizer_state_plan(), target, changes)
 
 
 def refuse_unmergeable(index: CheckpointIndex, world_size: int) -> None:

@@ -1,0 +1,118 @@
+"""#40: a ZeRO stage-0 checkpoint written as a ZeRO-1/2 checkpoint (``reshard --stage 1|2`` of a stage-0 source).
+
+Ground truth: a real DeepSpeed job of the same model at the target stage and world size resumes from what
+``ckptspec reshard`` wrote (``engine.load_checkpoint``: tests/_harness/optim_job.py, ``DEGREE_RESHARDS``) and records
+the fp32 masters (``safe_get_full_fp32_param``), Adam moments (``safe_get_full_optimizer_state``), step, param
+groups, buffers and the logits of a fixed batch. The stage-0 source's own job (its ``+optim`` entry) recorded the
+same after loading the source: every value must be equal, bit for bit (the same model at one data-parallel layout
+or another computes the same forward pass, so the logits too).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _harness.parallel_oracles import check_same_to_ckptspec, optim_records, rank_oracles
+from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target
+from click.testing import CliRunner
+
+import ckptspec
+from ckptspec.cli import cli
+from ckptspec.deepspeed.kinds import Kind
+
+FROM_STAGE0 = sorted(n for n, (source, *_) in DEGREE_RESHARDS.items() if source.startswith("s0-"))
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and _bits(a) == _bits(b)
+
+
+def _held(records: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
+    """What every rank of a job holds (each the same whole tensors): name -> master and moments."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for record in records:
+        for name, master in record["master"].items():
+            value = {"master": master, **record["state"][name]}
+            seen = out.setdefault(name, value)
+            assert seen.keys() == value.keys() and all(_equal(seen[k], v) for k, v in value.items()), name
+    return out
+
+
+@pytest.mark.parametrize("name", FROM_STAGE0)
+def test_a_zero_job_resumes_the_stage0_checkpoint_bit_for_bit(name, ds):
+    source, world_size, spec = reshard_target(name)
+    entry = ds.path(name)
+    outcome = json.loads((entry / "optim.json").read_text())
+    assert outcome.get("reshard_error") is None, outcome
+    target, before = optim_records(entry), optim_records(ds.path(optim_name(source)))
+    assert len(target) == world_size and len(before) == 2
+    held = _held(target)
+    # A stage-0 job has no fp32 getter (safe_get_full_fp32_param answers None): its masters are the ones the
+    # saving job held when it saved (its oracle), its moments what the job loading it holds
+    masters = [oracle["masters"] for oracle in rank_oracles(ds.path(source))]
+    assert held.keys() == masters[0].keys() == before[0]["state"].keys() and held
+    for n, value in held.items():
+        assert value.keys() == {"master", "exp_avg", "exp_avg_sq"}, n
+        assert all(_equal(value["master"], m[n]) for m in masters), n
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert all(_equal(value[key], r["state"][n][key]) for r in before), (n, key)
+    steps = {s for r in [*before, *target] for s in r["step"].values()}
+    assert len(steps) == 1 and steps != {0}, steps
+    assert target[0]["param_groups"] == before[0]["param_groups"]
+
+
+@pytest.mark.parametrize("name", FROM_STAGE0)
+def test_buffers_and_logits_carry_over(name, ds):
+    source, _, spec = reshard_target(name)
+    target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
+    module, expected = target[0]["module"], before[0]["module"]
+    assert module.keys() == expected.keys()
+    if spec.get("buffers"):
+        assert module, "the spec has buffers: none recorded"
+    for n, t in module.items():
+        assert _equal(t, expected[n]), n
+    logits = target[0]["logits"]
+    assert logits.abs().max() > 0 and _equal(logits, before[0]["logits"])
+
+
+@pytest.mark.parametrize("name", FROM_STAGE0)
+def test_the_zero_checkpoint_is_the_source_to_ckptspec(name, ds):
+    """Valid from its files, a ZeRO checkpoint of the target stage, the same whole model and optimizer state."""
+    source, world_size, spec = reshard_target(name)
+    out = ds.path(name) / "resharded"
+    assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
+    before, after = ckptspec.open(ds.path(source)), ckptspec.open(out)
+    assert before.kind == Kind.STAGE0 and after.kind == Kind.ZERO
+    layout = after.domains[0].manifest.layout
+    assert (layout.zero_stage, layout.world_size) == (spec["stage"], world_size)
+    check_same_to_ckptspec(before, after, unit_scaler_added=True)
+
+
+def test_a_stage0_target_stage_must_be_given(ds, tmp_path):
+    """Without --stage a stage-0 source would stay at stage 0: refused by name (CK410), nothing written."""
+    result = CliRunner().invoke(
+        cli, ["reshard", str(ds.path("s0-fp32-ws2")), str(tmp_path / "out"), "--world-size", "2"]
+    )
+    assert result.exit_code == 1 and "CK410" in result.output and "--stage" in result.output, result.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize(
+    "source,code,refusal",
+    [
+        ("s0-fp16-ws2", "CK410", "dynamic loss scale"),  # FP16_Optimizer saves no hysteresis state
+        ("pp2-s0-bf16-ws2", "CK403", "ZeRO stage-0 pipeline"),  # BF16_Optimizer pipeline: by its kind
+        ("moe-ep2-s0-bf16-ws2", "CK403", "MoE"),
+    ],
+)
+def test_what_is_not_written_is_refused_by_name(source, code, refusal, ds, tmp_path):
+    with pytest.raises(ckptspec.Unsupported) as refused:
+        ckptspec.reshard(ds.path(source), tmp_path / "out", world_size=2, zero_stage=2)
+    assert refused.value.code == code and refusal in refused.value.message, refused.value.message
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
