@@ -64,14 +64,16 @@ def reshard_model_parallel(
         if found is None or has_errors(findings):
             raise CheckpointInvalid(findings, str(checkpoint))
         src_dir = resolve_tag_dir(checkpoint, tag)
-        merge, stages, targets = None, None, {}
+        merge, stages, stage0, targets = None, None, None, {}
         try:  # CK410 before anything is written
             refuse_degree_changes(found, tensor_parallel if tensor_parallel != 1 else None, pipeline_parallel)
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
             if tensor_parallel == 1 and found.topology.degrees.tensor != 1:
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
-            elif is_stage0_source(found):
-                merge = plan_stage0_source(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
+            elif is_stage0_source(found):  # written as ZeRO: the whole model (one domain), or each pipeline stage
+                stage0 = plan_stage0_source(found, src_dir, plans, states, world_size, zero_stage, pipeline_parallel)  # type: ignore[arg-type]
+                if found.topology.degrees.pipeline == 1:
+                    merge, stage0 = next(iter(stage0.values())), None
             elif pipeline_parallel not in (None, found.topology.degrees.pipeline):
                 stages = pipeline_target(
                     found, pipeline_parallel, world_size, zero_stage, partition_method, states, src_dir
@@ -80,7 +82,9 @@ def reshard_model_parallel(
                 targets = target_layouts(found, world_size, zero_stage)
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
-        state_plans = {key: plan_optimizer_state(plan) for key, plan in plans.items()} if merge is None else {}
+        state_plans = (
+            {key: plan_optimizer_state(plan) for key, plan in plans.items()} if merge is None and stage0 is None else {}
+        )
 
         def build(tmp: Path) -> list[Path]:
             tag_dir = tmp / src_dir.name
@@ -93,6 +97,9 @@ def reshard_model_parallel(
             files: list[Path] = []
             if stages is not None:  # another number of stages: each target stage's files from every domain
                 files += write_stages(stages, found, plans, state_plans, states, tag_dir)
+            elif stage0 is not None:
+                for d in found.domains:
+                    files += stage0[d.id].write(states, tag_dir)
             else:
                 for d in found.domains:
                     files += write_files(d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
@@ -113,13 +120,20 @@ def reshard_model_parallel(
         src_dir.name,
         degrees.data * degrees.tensor * degrees.pipeline,
         world_size,
-        merge.target.zero_stage
-        if merge is not None
-        else stages.zero_stage
-        if stages is not None
-        else next(iter(targets.values())).zero_stage,
+        _written_stage(merge, stages, stage0, targets),
         [output / src_dir.name / f.name for f in files],
     )
+
+
+def _written_stage(merge, stages, stage0, targets) -> int:
+    """The ZeRO stage of what was written, whichever way it was planned."""
+    if merge is not None:
+        return merge.target.zero_stage
+    if stages is not None:
+        return stages.zero_stage
+    if stage0:
+        return next(iter(stage0.values())).target.zero_stage
+    return next(iter(targets.values())).zero_stage
 
 
 def refuse_degree_changes(index: CheckpointIndex, tensor_parallel: int | None, pipeline_parallel: int | None) -> None:

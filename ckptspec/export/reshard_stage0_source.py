@@ -1,21 +1,24 @@
-"""``ckptspec reshard --stage 1|2`` of a ZeRO stage-0 checkpoint: written as a ZeRO-1/2 data-parallel checkpoint.
+"""``ckptspec reshard --stage 1|2`` of a ZeRO stage-0 checkpoint: written as a ZeRO-1/2 checkpoint.
 
-A stage-0 job keeps no ZeRO partitions. Everything is in ``mp_rank_00_model_states.pt``:
+A stage-0 job keeps no ZeRO partitions. A data-parallel one keeps everything in ``mp_rank_00_model_states.pt``:
 - the fp32 masters are the module's weights (fp32) or the mixed-precision wrapper's ``fp32_groups`` (bf16);
 - the Adam moments are the torch optimizer's per-parameter state, under ``optimizer``.
+A bf16 pipeline at stage 0 runs DeepSpeed's BF16_Optimizer instead: each stage's masters and moments are flat
+partitions in its ``bf16_zero_pp_rank`` files, laid out by BF16_Optimizer's own rules.
 
 The checkpoint index locates them (``Domain.masters``; ``masters_state_plan`` for the moments). The target is what a
-ZeRO-1/2 job of the same model saves. Its optimizer-state files are written by the ZeRO writer
-(``reshard_files.write_files``) from a ``SourceOptimizer`` built here from the stage-0 optimizer's entries: the param
-groups, each group's step and the loss scaler. Its model states are the source's, changed where a ZeRO job saves
-otherwise: ``optimizer`` None, ``param_shapes`` and ``shared_params`` as ZeRO saves them, and
-``zero_optimization.stage`` set in the saved ``ds_config``.
+ZeRO-1/2 job of the same model saves (a pipeline: ZeRO-1, each stage a domain). Its optimizer-state files are
+written by the ZeRO writer (``reshard_files.write_files``) from a ``SourceOptimizer`` built here from the stage-0
+optimizer's entries: the param groups, each group's step, ``clip_grad`` where saved, and a static loss scaler.
+Its model states are the source's, changed where a ZeRO job saves otherwise: ``optimizer`` None,
+``param_shapes`` and ``shared_params`` as ZeRO saves them, and ``zero_optimization.stage`` set in the saved
+``ds_config``.
 
 Refused by name (CK410) before anything is written:
+- no ``--stage``, or a stage the target cannot run (2 for a pipeline);
 - fp16 with a dynamic loss scale: FP16_Optimizer does not save the hysteresis state that ZeRO's DynamicLossScaler
   pickles;
-- a tensor- or pipeline-parallel or MoE stage-0 checkpoint;
-- DeepSpeed's BF16_Optimizer files (masters in ``bf16_zero_pp_rank`` files).
+- a tensor-parallel or MoE stage-0 checkpoint, and a pipeline's number of stages changed with the stage.
 """
 
 from __future__ import annotations
@@ -26,19 +29,21 @@ from typing import Any
 from ..checkpoint.standins import LossScalerState
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
-from ..format.index_models import CheckpointIndex
+from ..format.index_models import CheckpointIndex, Domain
 from ..format.models import Optimizer
 from .compose_extras import extras_of
 from .compose_plan import whole_plan
+from .masters_state import masters_state_plan
 from .model_plan import ReconstructionPlan
+from .optimizer_state import OptimizerStatePlan
 from .reshard_files import STAGE12_KEYS, ModelChanges
 from .reshard_layout import target_layout
 from .reshard_source import SourceOptimizer, with_stage
 from .reshard_tensor import DataParallelTarget
 
 # Where a stage-0 domain's masters are (``Masters.stored_in``): the module (fp32), the mixed-precision wrapper
-# in the model states (bf16, fp16). BF16_Optimizer's ("optimizer_states") are refused.
-STAGE0_MASTERS = ("module", "model_states")
+# in the model states (bf16, fp16), BF16_Optimizer's flat partitions ("optimizer_states": a bf16 pipeline's).
+STAGE0_MASTERS = ("module", "model_states", "optimizer_states")
 
 
 def is_stage0_source(index: CheckpointIndex) -> bool:
@@ -53,71 +58,105 @@ def plan_stage0_source(
     states: StateCache,
     world_size: int,
     zero_stage: int | None,
+    pipeline_parallel: int | None = None,
+) -> dict[str, DataParallelTarget]:
+    """The stage-0 checkpoint ``index`` as a ZeRO ``zero_stage`` checkpoint of ``world_size`` ranks in all, one
+    write per domain (a pipeline's: one per stage, at ``world_size / stages`` data-parallel ranks); CK410 for what
+    is not written, before anything is."""
+    degrees = index.topology.degrees
+    _refuse_unwritten(index, zero_stage, world_size, pipeline_parallel)
+    if degrees.pipeline == 1:  # the whole model: ties, buffers and frozen parameters as reconstruct composes them
+        extras, ties = extras_of(index, tag_dir, plans, states)
+        whole = whole_plan(index, tag_dir, plans, extras, ties)
+        whole.states = states
+        domain = index.domains[0]
+        return {
+            domain.id: _domain_write(
+                domain, tag_dir, whole, whole.optimizer_state_plan(), states, world_size, zero_stage
+            )
+        }
+    data = world_size // degrees.pipeline
+    return {
+        d.id: _domain_write(d, tag_dir, plans[d.id], masters_state_plan(tag_dir, d, states), states, data, zero_stage)
+        for d in index.domains
+    }
+
+
+def _domain_write(
+    domain: Domain, tag_dir: Path, plan, state_plan: OptimizerStatePlan, states: StateCache, data: int, zero_stage
 ) -> DataParallelTarget:
-    """The stage-0 checkpoint ``index`` as a ZeRO ``zero_stage`` (1 or 2) checkpoint of ``world_size`` ranks;
-    CK410 for what is not written, before anything is."""
-    domain = _refuse_unwritten(index, zero_stage)
-    assert zero_stage is not None
+    """One stage-0 domain written as a ZeRO domain of ``data`` data-parallel ranks."""
     model_file = next(f.path for f in domain.manifest.files if f.role == "model_states")
     saved = states.state(tag_dir / model_file)
     wrapper = saved["optimizer"]
-    optimizer = wrapper.get("optimizer_state_dict", wrapper)  # the torch optimizer's, inside a wrapper or not
     if wrapper.get("dynamic_loss_scale"):
         raise ReshardUnsupported(
             f"{model_file}: an fp16 stage-0 checkpoint with a dynamic loss scale: its FP16_Optimizer does not save "
             "the hysteresis state a ZeRO job's loss scaler holds",
             "resume at stage 0, or train with a static loss scale",
         )
-    extras, ties = extras_of(index, tag_dir, plans, states)
-    whole = whole_plan(index, tag_dir, plans, extras, ties)
-    whole.states = states
-    state_plan = whole.optimizer_state_plan()
     manifest = domain.manifest.model_copy(deep=True)
     manifest.layout.zero_stage = zero_stage  # read for the order, dtypes and groups only (``target_layout``)
     manifest.optimizer = Optimizer.model_validate_json(state_plan.metadata["ckptspec.optimizer"])
-    target = target_layout(manifest, world_size, zero_stage, domain=True)
+    target = target_layout(manifest, data, zero_stage, domain=True)
     moments = sorted({key for names in state_plan.states.values() for key in names})
-    source = _zero_optimizer(saved, wrapper, optimizer, moments, zero_stage, tag_dir / model_file, manifest)
+    source = _zero_optimizer(saved, wrapper, moments, zero_stage, tag_dir / model_file, manifest)
     changes = ModelChanges(
-        module={n: s for n, s in whole.sources.items() if s.role == "frozen"},  # DeepSpeed saves them at stage 2
+        module={n: s for n, s in plan.sources.items() if s.role == "frozen"},  # DeepSpeed saves them at stage 2
         set_keys={"optimizer": None, "shared_params": {a.name: a.owner for a in manifest.aliases}},
         drop_keys=(),
         config=lambda config: with_stage(config, zero_stage),
     )
-    return DataParallelTarget(manifest, whole, state_plan, target, changes, source)
+    return DataParallelTarget(manifest, plan, state_plan, target, changes, source)
 
 
-def _refuse_unwritten(index: CheckpointIndex, zero_stage: int | None):
-    """The one stage-0 domain this writes; CK410 for anything else, by name."""
+def _refuse_unwritten(index: CheckpointIndex, zero_stage: int | None, world_size: int, pipeline_parallel) -> None:
+    """CK410 for what is not written, by name."""
     degrees = index.topology.degrees
-    if degrees.tensor != 1 or degrees.pipeline != 1 or index.expert_files or len(index.domains) != 1:
+    if degrees.tensor != 1 or index.expert_files:
         raise ReshardUnsupported(
-            f"a stage-0 checkpoint of tensor {degrees.tensor} x pipeline {degrees.pipeline} degrees"
-            f"{' with experts' if index.expert_files else ''} is not written as ZeRO-1/2 yet",
-            "stage-0 data-parallel checkpoints (one domain) are",
+            f"a stage-0 checkpoint of tensor degree {degrees.tensor}{' with experts' if index.expert_files else ''} "
+            "is not written as ZeRO yet",
+            "stage-0 data-parallel and pipeline checkpoints are",
         )
-    domain = index.domains[0]
-    if domain.masters is None or domain.masters.stored_in not in STAGE0_MASTERS:
-        where = domain.masters.stored_in if domain.masters is not None else "ZeRO partitions"
+    for d in index.domains:
+        if d.masters is None or d.masters.stored_in not in STAGE0_MASTERS:
+            raise ReshardUnsupported(
+                f"domain {d.id}: stage-0 masters in {d.masters.stored_in if d.masters else 'ZeRO partitions'} "
+                "are not written as ZeRO yet",
+                "resume at the same layout",
+            )
+    stages = (1,) if degrees.pipeline > 1 else (1, 2)  # DeepSpeed's PipelineEngine runs ZeRO-1 at most
+    if zero_stage not in stages:
+        kind = "pipeline " if degrees.pipeline > 1 else ""
+        asked = "no --stage" if zero_stage is None else f"--stage {zero_stage}"
         raise ReshardUnsupported(
-            f"domain {domain.id}: stage-0 masters in {where} (DeepSpeed's BF16_Optimizer) are not written as "
-            "ZeRO-1/2 yet",
-            "resume at the same layout",
+            f"{asked} for a stage-0 {kind}checkpoint: ZeRO stage {' and '.join(map(str, stages))} targets are "
+            "written (stage 0 ones not yet)",
+            f"give --stage {' or --stage '.join(map(str, stages))}",
         )
-    if zero_stage not in (1, 2):
+    if pipeline_parallel not in (None, degrees.pipeline):
         raise ReshardUnsupported(
-            f"--stage {zero_stage} for a stage-0 checkpoint: stage 1 and 2 targets are written",
-            "give --stage 1 or --stage 2",
+            f"--pipeline-parallel {pipeline_parallel} of a stage-0 pipeline ({degrees.pipeline} stages) is not "
+            "supported yet",
+            f"give --pipeline-parallel {degrees.pipeline} (or leave it out), then reshard the ZeRO-1 pipeline",
         )
-    return domain
+    if world_size < 1 or world_size % degrees.pipeline:
+        raise ReshardUnsupported(
+            f"--world-size {world_size} is not a multiple of the pipeline degree ({degrees.pipeline}), which is kept",
+            f"give a multiple of {degrees.pipeline}",
+        )
 
 
 def _zero_optimizer(
-    saved: dict, wrapper: dict, optimizer: dict, moments: list[str], stage: int, path: Path, manifest
+    saved: dict, wrapper: dict, moments: list[str], stage: int, path: Path, manifest
 ) -> SourceOptimizer:
     """What a ZeRO-1/2 job's optimizer-state file holds besides the partitions, from the stage-0 optimizer's
     entries: the torch param groups, each group's scalar state (``step``: its first parameter's, as every
     parameter of a group steps together), a static loss scaler at the wrapper's scale."""
+    # the torch optimizer's state: inside FP16_Optimizer's wrapper, BF16_Optimizer's (one state per group, its flat
+    # partition), or the optimizer itself (fp32)
+    optimizer = wrapper.get("optimizer_state_dict") or wrapper.get("base_optimizer_state") or wrapper
     param_groups = optimizer["param_groups"]
     scalars = {}
     for g, group in enumerate(param_groups):
@@ -135,7 +174,7 @@ def _zero_optimizer(
     else:
         del osd["clip_grad"]
     top = {"optimizer_state_dict": None, "ds_config": saved.get("ds_config"), "ds_version": saved.get("ds_version")}
-    prefix = "bf16_" if manifest.layout.model_dtype == "bfloat16" else ""
+    prefix = "bf16_" if manifest.layout.model_dtype == "bfloat16" else ""  # mp_rank_XX_model_states -> its optimizer's
     return SourceOptimizer(
         top,
         osd,
@@ -144,5 +183,5 @@ def _zero_optimizer(
         dict.fromkeys(range(len(param_groups)), moments),
         stage,
         path=path,
-        file_name=f"{prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        file_name=f"{prefix}zero_pp_rank_0_{path.name.replace('_model_states', '_optim_states')}",
     )

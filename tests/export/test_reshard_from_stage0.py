@@ -1,4 +1,5 @@
-"""#40: a ZeRO stage-0 checkpoint written as a ZeRO-1/2 checkpoint (``reshard --stage 1|2`` of a stage-0 source).
+"""#40: a ZeRO stage-0 checkpoint written as a ZeRO-1/2 checkpoint (``reshard --stage 1|2`` of a stage-0 source):
+a data-parallel one (fp32, bf16) and a bf16 pipeline (DeepSpeed's BF16_Optimizer) as a ZeRO-1 pipeline.
 
 Ground truth: a real DeepSpeed job of the same model at the target stage and world size resumes from what
 ``ckptspec reshard`` wrote (``engine.load_checkpoint``: tests/_harness/optim_job.py, ``DEGREE_RESHARDS``) and records
@@ -15,14 +16,14 @@ import json
 import pytest
 import torch
 from _harness.parallel_oracles import check_same_to_ckptspec, optim_records, rank_oracles
-from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target
+from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target, source_spec
 from click.testing import CliRunner
 
 import ckptspec
 from ckptspec.cli import cli
 from ckptspec.deepspeed.kinds import Kind
 
-FROM_STAGE0 = sorted(n for n, (source, *_) in DEGREE_RESHARDS.items() if source.startswith("s0-"))
+FROM_STAGE0 = sorted(n for n, (source, *_) in DEGREE_RESHARDS.items() if source_spec(source)["stage"] == 0)
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -33,15 +34,18 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and _bits(a) == _bits(b)
 
 
-def _held(records: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
-    """What every rank of a job holds (each the same whole tensors): name -> master and moments."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for record in records:
-        for name, master in record["master"].items():
-            value = {"master": master, **record["state"][name]}
-            seen = out.setdefault(name, value)
-            assert seen.keys() == value.keys() and all(_equal(seen[k], v) for k, v in value.items()), name
+def _union(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """name -> its value on every rank that holds it (a pipeline stage's ranks hold its layers): each the same."""
+    out: dict[str, torch.Tensor] = {}
+    for values in per_rank:
+        for name, value in values.items():
+            assert _equal(out.setdefault(name, value), value), name
     return out
+
+
+def _logits(records: list[dict]) -> torch.Tensor:
+    """The logits of the fixed batch: every rank's (data parallel), or the last pipeline stage's."""
+    return _union([{"logits": r["logits"]} for r in records if r.get("logits") is not None])["logits"]
 
 
 @pytest.mark.parametrize("name", FROM_STAGE0)
@@ -52,33 +56,42 @@ def test_a_zero_job_resumes_the_stage0_checkpoint_bit_for_bit(name, ds):
     assert outcome.get("reshard_error") is None, outcome
     target, before = optim_records(entry), optim_records(ds.path(optim_name(source)))
     assert len(target) == world_size and len(before) == 2
-    held = _held(target)
-    # A stage-0 job has no fp32 getter (safe_get_full_fp32_param answers None): its masters are the ones the
-    # saving job held when it saved (its oracle), its moments what the job loading it holds
-    masters = [oracle["masters"] for oracle in rank_oracles(ds.path(source))]
-    assert held.keys() == masters[0].keys() == before[0]["state"].keys() and held
-    for n, value in held.items():
-        assert value.keys() == {"master", "exp_avg", "exp_avg_sq"}, n
-        assert all(_equal(value["master"], m[n]) for m in masters), n
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert all(_equal(value[key], r["state"][n][key]) for r in before), (n, key)
+    assert {r["coords"].get("pp") for r in target} == {r["coords"].get("pp") for r in before}
+    assert sorted({tuple(r["coords"].get("stage_layers") or ()) for r in target}) == sorted(
+        {tuple(r["coords"].get("stage_layers") or ()) for r in before}
+    )
+    masters = _union([r["master"] for r in target])
+    # The masters the stage-0 job held when it saved (its oracle), and, where DeepSpeed's getter answers after
+    # loading the source (BF16_Optimizer; not the other stage-0 optimizers), those too
+    expected = _union([oracle["masters"] for oracle in rank_oracles(ds.path(source))])
+    assert masters.keys() == expected.keys() and masters
+    loaded = _union([r["master"] for r in before])
+    assert loaded.keys() in (set(), masters.keys()) and (loaded or spec.get("pp", 1) == 1)
+    for n, master in masters.items():
+        assert _equal(master, expected[n]) and (not loaded or _equal(master, loaded[n])), n
+    for key in ("exp_avg", "exp_avg_sq"):
+        held = _union([{n: v[key] for n, v in r["state"].items()} for r in target])
+        moments = _union([{n: v[key] for n, v in r["state"].items()} for r in before])
+        assert held.keys() == moments.keys() == masters.keys()
+        for n, value in moments.items():
+            assert _equal(held[n], value), (n, key)
     steps = {s for r in [*before, *target] for s in r["step"].values()}
     assert len(steps) == 1 and steps != {0}, steps
-    assert target[0]["param_groups"] == before[0]["param_groups"]
+    assert all(r["param_groups"] == before[0]["param_groups"] for r in target)
 
 
 @pytest.mark.parametrize("name", FROM_STAGE0)
 def test_buffers_and_logits_carry_over(name, ds):
     source, _, spec = reshard_target(name)
     target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
-    module, expected = target[0]["module"], before[0]["module"]
+    module, expected = _union([r["module"] for r in target]), _union([r["module"] for r in before])
     assert module.keys() == expected.keys()
     if spec.get("buffers"):
         assert module, "the spec has buffers: none recorded"
     for n, t in module.items():
         assert _equal(t, expected[n]), n
-    logits = target[0]["logits"]
-    assert logits.abs().max() > 0 and _equal(logits, before[0]["logits"])
+    logits = _logits(target)
+    assert logits.abs().max() > 0 and _equal(logits, _logits(before))
 
 
 @pytest.mark.parametrize("name", FROM_STAGE0)
@@ -88,9 +101,12 @@ def test_the_zero_checkpoint_is_the_source_to_ckptspec(name, ds):
     out = ds.path(name) / "resharded"
     assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
     before, after = ckptspec.open(ds.path(source)), ckptspec.open(out)
-    assert before.kind == Kind.STAGE0 and after.kind == Kind.ZERO
-    layout = after.domains[0].manifest.layout
-    assert (layout.zero_stage, layout.world_size) == (spec["stage"], world_size)
+    pipeline = spec.get("pp", 1) > 1
+    assert before.kind == (Kind.PIPELINE_STAGE0 if pipeline else Kind.STAGE0)
+    assert after.kind == (Kind.MODEL_PARALLEL if pipeline else Kind.ZERO) and len(after.domains) == spec.get("pp", 1)
+    for domain in after.domains:
+        layout = domain.manifest.layout
+        assert (layout.zero_stage, layout.world_size) == (spec["stage"], world_size // spec.get("pp", 1))
     check_same_to_ckptspec(before, after, unit_scaler_added=True)
 
 
@@ -107,7 +123,7 @@ def test_a_stage0_target_stage_must_be_given(ds, tmp_path):
     "source,code,refusal",
     [
         ("s0-fp16-ws2", "CK410", "dynamic loss scale"),  # FP16_Optimizer saves no hysteresis state
-        ("pp2-s0-bf16-ws2", "CK403", "ZeRO stage-0 pipeline"),  # BF16_Optimizer pipeline: by its kind
+        ("pp2-s0-bf16-ws2", "CK410", "--stage 2 for a stage-0 pipeline"),  # DeepSpeed pipelines: ZeRO-1 at most
         ("moe-ep2-s0-bf16-ws2", "CK403", "MoE"),
     ],
 )

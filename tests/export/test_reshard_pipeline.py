@@ -173,13 +173,19 @@ def test_a_zero2_target_is_refused_as_deepspeed_refuses_it(ds, tmp_path):
     [
         ("pp2-s1-fp32-ws2", ["--world-size", "6", "--pipeline-parallel", "6"], "CK410", "5 layers, fewer than the"),
         ("pp1-s1-fp32-ws2", ["--world-size", "3", "--pipeline-parallel", "2"], "CK410", "not a multiple of --pipeline"),
-        ("pp2-s0-bf16-ws2", ["--world-size", "2", "--pipeline-parallel", "1"], "CK403", "stage-0 pipeline"),
+        (
+            "pp2-s0-bf16-ws2",
+            ["--world-size", "2", "--pipeline-parallel", "1", "--stage", "1"],
+            "CK410",
+            "--pipeline-parallel 1 of a stage-0 pipeline",
+        ),
         ("pp2-s1-fp32-ws2-extras", ["--world-size", "2", "--pipeline-parallel", "1"], "CK410", "(TiedLayerSpec)"),
     ],
 )
 def test_what_a_pipeline_change_cannot_write_is_refused_by_name(source, args, code, says, ds, tmp_path):
     """Before anything is written: too many stages, a world size the stages do not divide, a stage-0
-    (BF16_Optimizer) pipeline, a pipeline with a TiedLayerSpec, a frozen weight and a buffer."""
+    (BF16_Optimizer) pipeline's stages (it is written as a ZeRO-1 pipeline first), a pipeline with a TiedLayerSpec,
+    a frozen weight and a buffer."""
     result = CliRunner().invoke(cli, ["reshard", str(ds.path(source)), str(tmp_path / "out"), *args])
     assert result.exit_code == 1 and code in result.output and says in result.output, result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
