@@ -40,7 +40,7 @@ WRITE_CAPABILITIES = ("reshard", "export_universal")
 # stage-0 ones: tests/export/test_reshard_from_stage0.py).
 MODEL_PARALLEL = {"tp2", "tp2xdp2", "tp2 zero3", "pp2", "pp2xdp2 bf16"}
 STAGE0 = {"stage0 fp32", "stage0 bf16", "pp2 stage0 bf16"}
-SUPPORTED = {"reshard": {"zero2 bf16", *MODEL_PARALLEL, *STAGE0}, "export_universal": {"zero2 bf16"}}
+SUPPORTED = {"reshard": {"zero2 bf16", *MODEL_PARALLEL, *STAGE0}, "export_universal": {"zero2 bf16", *STAGE0}}
 
 
 def _target(ds, name: str):

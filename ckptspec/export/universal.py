@@ -96,41 +96,60 @@ def _refuse(found: Manifest) -> None:
 
 
 def _write(found: Manifest, plan, state_plan, states: StateCache, out: Path) -> int:
-    src_dir = plan.tag_dir
-    first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
-    model = src_dir / next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
-    source = source_optimizer(found, states.state(first))
+    first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+    source = source_optimizer(found, states.state(plan.tag_dir / first))
+    source.path = plan.tag_dir / first
+    return write_folder([(found, plan, state_plan, source)], states, out)
+
+
+def write_folder(parts: list, states: StateCache, out: Path) -> int:
+    """The folder of ``parts``: (manifest, plan, optimizer-state plan, ``SourceOptimizer`` with its ``path``) of
+    each part of the model (a pipeline's stages; one part otherwise). The first part's optimizer entries are
+    written as ``zero/optimizer_state.pt``; every part's model-states file is copied."""
     zero = out / "zero"
     zero.mkdir()
+    count = 0
+    with ShardReader() as files:
+        for found, plan, state_plan, source in parts:
+            count += _write_params(
+                found, plan, state_plan, source, _storage_reader(source.path, states, files), files, zero
+            )
+        first = parts[0][3]
+        ds_pickle.save(_optimizer_state(first, _storage_reader(first.path, states, files)), zero / "optimizer_state.pt")
+    for found, plan, _, _ in parts:
+        model = next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
+        name = Path(model).name  # a stage-3 source's has a zero_pp_rank_0_ prefix: the folder's has none
+        with open_binary(plan.tag_dir / model) as src, open(out / name[name.index("mp_rank_") :], "wb") as dst:
+            shutil.copyfileobj(src, dst)  # a checkpoint at a URL too (its ranged reads)
+    return count
+
+
+def _write_params(found: Manifest, plan, state_plan, source, read, files: ShardReader, zero: Path) -> int:
+    """``zero/<param>/`` of every trainable and frozen parameter of ``plan`` (a tie's name too)."""
     group_of = {p.name: g.optimizer_group for g in found.groups for p in g.params}
     aliases: dict[str, list[str]] = {}
     for a in found.aliases:
         aliases.setdefault(a.owner, []).append(a.name)
     count = 0
-    with ShardReader() as files:
-        read = _storage_reader(first, states, files)
-        for name, src in plan.sources.items():
-            if src.role not in ("trainable", "frozen"):
-                continue
-            tensors = {"fp32": src}
-            if src.role == "trainable":
-                for key, state_name in sorted(state_plan.states.get(name, {}).items()):
-                    tensors[key] = state_plan.sources[state_name]
-            scalars = source.group_scalars.get(group_of.get(name, -1), {}) if src.role == "trainable" else {}
-            for target in [name, *aliases.get(name, [])]:
-                folder = zero / target
-                folder.mkdir()
-                for key, tensor in tensors.items():
-                    # the whole tensor in fp32, read and cast a chunk at a time as it is written
-                    lazy = ds_pickle.Lazy("float32", tuple(tensor.shape), _chunks(tensor, files))
-                    param = ds_pickle.View(lazy, lazy.shape, 0, _stride(tensor, files))
-                    ds_pickle.save_streamed({"param": param, "cat_dim": 0}, folder / f"{key}.pt", shapes_as_tuples=True)
-                if "step" in scalars:
-                    ds_pickle.save(ds_pickle.from_standins(scalars["step"], read), folder / "step.pt")
-                count += 1
-        ds_pickle.save(_optimizer_state(source, read), zero / "optimizer_state.pt")
-    with open_binary(model) as src, open(out / "mp_rank_00_model_states.pt", "wb") as dst:
-        shutil.copyfileobj(src, dst)  # a checkpoint at a URL too (its ranged reads)
+    for name, src in plan.sources.items():
+        if src.role not in ("trainable", "frozen"):
+            continue
+        tensors = {"fp32": src}
+        if src.role == "trainable":
+            for key, state_name in sorted(state_plan.states.get(name, {}).items()):
+                tensors[key] = state_plan.sources[state_name]
+        scalars = source.group_scalars.get(group_of.get(name, -1), {}) if src.role == "trainable" else {}
+        for target in [name, *aliases.get(name, [])]:
+            folder = zero / target
+            folder.mkdir()
+            for key, tensor in tensors.items():
+                # the whole tensor in fp32, read and cast a chunk at a time as it is written
+                lazy = ds_pickle.Lazy("float32", tuple(tensor.shape), _chunks(tensor, files))
+                param = ds_pickle.View(lazy, lazy.shape, 0, _stride(tensor, files))
+                ds_pickle.save_streamed({"param": param, "cat_dim": 0}, folder / f"{key}.pt", shapes_as_tuples=True)
+            if "step" in scalars:
+                ds_pickle.save(ds_pickle.from_standins(scalars["step"], read), folder / "step.pt")
+            count += 1
     return count
 
 

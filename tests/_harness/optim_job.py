@@ -34,6 +34,8 @@ the task's layout, recorded as ``OUT/universal.rank<R>.pt`` (``universal_error``
 
 A task with ``reshard`` (issue #40) loads not ``load`` but what rank 0 wrote with ``ckptspec.reshard(load,
 OUT/resharded, world_size=<this job's>, zero_stage=..., <the task's other options: tensor_parallel...>)``
+(with ``export_universal``: ``ckptspec.export_universal(load, OUT/resharded/universal)``, loaded by a job with
+``checkpoint.load_universal: true``)
 (``reshard_error`` in optim.json when it refused: then nothing is loaded): the masters and optimizer state a job
 of the target layout (the task's ``spec``) holds after resuming from it.
 
@@ -105,7 +107,8 @@ def run(args, out: Path):
             if dist.get_rank() == 0:
                 (out / "optim.json").write_text(json.dumps({"load": args["load"], "reshard_error": reshard_error}))
             return
-    engine, _ = parallel._train(spec)
+    # ckptspec's universal folder of the source (export-universal) is loaded as DeepSpeed loads its own
+    engine = _universal_engine(spec) if args.get("reshard", {}).get("export_universal") else parallel._train(spec)[0]
     load_error = None
     try:
         load_path, _ = engine.load_checkpoint(load)
@@ -223,8 +226,13 @@ def _resharded(load: str, out: Path, how: dict) -> tuple[str, str | None]:
 
         out.mkdir(parents=True, exist_ok=True)
         try:
-            options = {k: v for k, v in how.items() if k not in ("world_size", "stage")}  # degrees (#40)
-            ckptspec.reshard(load, target, dist.get_world_size(), zero_stage=how.get("stage"), **options)
+            if how.get("export_universal"):  # the folder, and the file naming it, as load_universal reads them
+                target.mkdir()
+                ckptspec.export_universal(load, target / "universal")
+                (target / "latest_universal").write_text("universal")
+            else:
+                options = {k: v for k, v in how.items() if k not in ("world_size", "stage")}  # degrees (#40)
+                ckptspec.reshard(load, target, dist.get_world_size(), zero_stage=how.get("stage"), **options)
         except ckptspec.CkptspecError as exc:
             outcome = [f"{exc.code}: {exc.message}"]
     dist.broadcast_object_list(outcome, src=0)

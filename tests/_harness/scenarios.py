@@ -221,6 +221,11 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     # a bf16 pipeline at stage 0 (BF16_Optimizer) -> ZeRO-1, pp2 x dp1 and pp2 x dp2
     "pp2-s0-bf16-ws2>s1": ("pp2-s0-bf16-ws2", 2, {"stage": 1}, {"stage": 1}),
     "pp2-s0-bf16-ws2>s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"stage": 1}),
+    # the same through ckptspec's universal folder (export-universal), loaded with load_universal: DeepSpeed's
+    # ds_to_universal refuses stage 0
+    "s0-fp32-ws2>universal-s2": ("s0-fp32-ws2", 2, {"stage": 2}, {"export_universal": True}),
+    "s0-bf16-ws2>universal-s1-ws3": ("s0-bf16-ws2", 3, {"stage": 1}, {"export_universal": True}),
+    "pp2-s0-bf16-ws2>universal-s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"export_universal": True}),
 }
 # Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
 UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}

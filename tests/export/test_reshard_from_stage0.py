@@ -1,5 +1,7 @@
 """#40: a ZeRO stage-0 checkpoint written as a ZeRO-1/2 checkpoint (``reshard --stage 1|2`` of a stage-0 source):
-a data-parallel one (fp32, bf16) and a bf16 pipeline (DeepSpeed's BF16_Optimizer) as a ZeRO-1 pipeline.
+a data-parallel one (fp32, bf16) and a bf16 pipeline (DeepSpeed's BF16_Optimizer) as a ZeRO-1 pipeline; and as
+DeepSpeed's universal folder (``export-universal``; DeepSpeed's ``ds_to_universal`` refuses stage 0), loaded by a
+ZeRO job with ``load_universal``.
 
 Ground truth: a real DeepSpeed job of the same model at the target stage and world size resumes from what
 ``ckptspec reshard`` wrote (``engine.load_checkpoint``: tests/_harness/optim_job.py, ``DEGREE_RESHARDS``) and records
@@ -15,7 +17,7 @@ import json
 
 import pytest
 import torch
-from _harness.parallel_oracles import check_same_to_ckptspec, optim_records, rank_oracles
+from _harness.parallel_oracles import check_same_to_ckptspec, info, optim_records, rank_oracles
 from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target, source_spec
 from click.testing import CliRunner
 
@@ -24,6 +26,8 @@ from ckptspec.cli import cli
 from ckptspec.deepspeed.kinds import Kind
 
 FROM_STAGE0 = sorted(n for n, (source, *_) in DEGREE_RESHARDS.items() if source_spec(source)["stage"] == 0)
+# those through ckptspec's universal folder (export-universal), loaded with DeepSpeed's load_universal
+VIA_UNIVERSAL = {n for n in FROM_STAGE0 if DEGREE_RESHARDS[n][3].get("export_universal")}
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -94,7 +98,7 @@ def test_buffers_and_logits_carry_over(name, ds):
     assert logits.abs().max() > 0 and _equal(logits, _logits(before))
 
 
-@pytest.mark.parametrize("name", FROM_STAGE0)
+@pytest.mark.parametrize("name", sorted(set(FROM_STAGE0) - VIA_UNIVERSAL))
 def test_the_zero_checkpoint_is_the_source_to_ckptspec(name, ds):
     """Valid from its files, a ZeRO checkpoint of the target stage, the same whole model and optimizer state."""
     source, world_size, spec = reshard_target(name)
@@ -132,3 +136,11 @@ def test_what_is_not_written_is_refused_by_name(source, code, refusal, ds, tmp_p
         ckptspec.reshard(ds.path(source), tmp_path / "out", world_size=2, zero_stage=2)
     assert refused.value.code == code and refusal in refused.value.message, refused.value.message
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("name", sorted(VIA_UNIVERSAL))
+def test_deepspeeds_own_converter_fails_on_the_same_source(name, ds):
+    """Side by side: the saving job ran DeepSpeed's ``ds_to_universal`` on the same tag, which fails there (no
+    ``*_optim_states.pt`` at stage 0; ``param_shapes`` not dictionaries in the BF16_Optimizer pipeline)."""
+    outcome = info(ds.path(DEGREE_RESHARDS[name][0]))["universal"]
+    assert outcome["ok"] is False and outcome["error"], outcome
