@@ -31,6 +31,7 @@ from .output_dir import build_and_publish, held_new_output
 from .reshard import ReshardResult, embed_and_validate
 from .reshard_files import write_files
 from .reshard_layout import TargetLayout, target_layout
+from .reshard_moe import plan_moe
 from .reshard_pipeline import pipeline_target, write_stages
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_tensor import plan_tensor_merge
@@ -64,12 +65,14 @@ def reshard_model_parallel(
         if found is None or has_errors(findings):
             raise CheckpointInvalid(findings, str(checkpoint))
         src_dir = resolve_tag_dir(checkpoint, tag)
-        merge, stages, stage0, targets = None, None, None, {}
+        merge, stages, stage0, moe, targets = None, None, None, None, {}
         try:  # CK410 before anything is written
             refuse_degree_changes(found, tensor_parallel if tensor_parallel != 1 else None, pipeline_parallel)
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
             if tensor_parallel == 1 and found.topology.degrees.tensor != 1:
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
+            elif found.expert_files:  # MoE: the dense and expert groups, each over its own ranks
+                moe = plan_moe(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
             elif is_stage0_source(found):  # written as ZeRO: the whole model (one domain), or each pipeline stage
                 stage0 = plan_stage0_source(found, src_dir, plans, states, world_size, zero_stage, pipeline_parallel)  # type: ignore[arg-type]
                 if found.topology.degrees.pipeline == 1:
@@ -83,7 +86,7 @@ def reshard_model_parallel(
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         state_plans = (
-            {key: plan_optimizer_state(plan) for key, plan in plans.items()} if merge is None and stage0 is None else {}
+            {key: plan_optimizer_state(plan) for key, plan in plans.items()} if merge is stage0 is moe is None else {}
         )
 
         def build(tmp: Path) -> list[Path]:
@@ -100,6 +103,11 @@ def reshard_model_parallel(
             elif stage0 is not None:
                 for d in found.domains:
                     files += stage0[d.id].write(states, tag_dir)
+            elif moe is not None:
+                files += moe.write(states, tag_dir, src_dir)  # type: ignore[arg-type]
+                for expert in found.expert_files:  # one per global expert, whatever the world size
+                    _copy(src_dir / expert.path, tag_dir / expert.path, expert.size)
+                    files.append(tag_dir / expert.path)
             else:
                 for d in found.domains:
                     files += write_files(d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
@@ -120,7 +128,7 @@ def reshard_model_parallel(
         src_dir.name,
         degrees.data * degrees.tensor * degrees.pipeline,
         world_size,
-        _written_stage(merge, stages, stage0, targets),
+        moe.zero_stage if moe is not None else _written_stage(merge, stages, stage0, targets),
         [output / src_dir.name / f.name for f in files],
     )
 

@@ -25,7 +25,7 @@ the optimizer state the live engine then holds. Every rank writes ``OUT/optim.ra
   master        global name -> the fp32 master ``safe_get_full_fp32_param`` gives (where it answers)
   coords        this rank's coordinates (job/parallel.py ``_coords``: pp, tp, dp, ...)
   module        local name -> every frozen parameter and buffer of the module's state dict, as loaded
-  logits        the logits of a fixed batch, fp32: a dense or AutoTP model's (``LOGITS_SEED``, eval mode); a
+  logits        the logits of a fixed batch, fp32: a dense, AutoTP or MoE model's (``LOGITS_SEED``, eval mode); a
                 pipeline's: the last stage's output (job/parallel.py ``_logits``), None on other stages
 
 A task with ``universal`` also loads, into a second engine of the same spec with ``checkpoint.load_universal``,
@@ -193,11 +193,12 @@ def _record(engine, spec) -> dict:
     }
     if layout(spec) == "pipe":  # collective: the last stage's output on the fixed batch, None elsewhere
         record["logits"] = parallel._logits(engine, spec)[1]
-    elif layout(spec) in ("dense", "autotp"):  # the logits of a fixed batch (every tensor rank takes part)
+    else:  # the logits of a fixed batch (every tensor rank takes part; a MoE layer's all-to-all every rank)
         x = batch(spec, LOGITS_SEED)[0].to(torch_dtype(spec))
         engine.module.eval()
         with torch.no_grad():
-            record["logits"] = engine.module(x).detach().float().clone()
+            out = engine.module(x)
+        record["logits"] = (out[0] if isinstance(out, tuple) else out).detach().float().clone()  # MoE: (logits, l_aux)
     return record
 
 

@@ -126,6 +126,21 @@ def optim_records(entry: Path, prefix: str = "optim") -> list[dict]:
     return [torch.load(f, weights_only=False) for f in files]
 
 
+def union_of(per_rank: list[dict]) -> dict:
+    """name -> its tensor on every rank that holds it (each the same, bit for bit: asserted)."""
+    out: dict = {}
+    for values in per_rank:
+        for name, value in values.items():
+            assert bits_equal(out.setdefault(name, value), value), name
+    return out
+
+
+def logits_of(records: list[dict]):
+    """The logits of the fixed batch an optim_job.py task recorded: every rank's (data parallel, all the same)
+    or the last pipeline stage's."""
+    return union_of([{"logits": r["logits"]} for r in records if r.get("logits") is not None])["logits"]
+
+
 def _raw(array) -> tuple:
     array = np.asarray(array)
     return array.dtype.str, array.shape, array.tobytes()

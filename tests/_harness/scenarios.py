@@ -226,6 +226,11 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "s0-fp32-ws2>universal-s2": ("s0-fp32-ws2", 2, {"stage": 2}, {"export_universal": True}),
     "s0-bf16-ws2>universal-s1-ws3": ("s0-bf16-ws2", 3, {"stage": 1}, {"export_universal": True}),
     "pp2-s0-bf16-ws2>universal-s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"export_universal": True}),
+    # MoE at the same expert-parallel degree: the dense group over every rank, each expert group over its
+    # expert-data-parallel ranks (ws4: 2 per expert group; ws2: 1)
+    "moe-ep2-s1-bf16-ws4>ws2": ("moe-ep2-s1-bf16-ws4", 2, {}, {}),
+    "moe-ep2-s2-fp32-ws2>ws4": ("moe-ep2-s2-fp32-ws2", 4, {}, {}),
+    "moe-ep2-s1-fp32-ws4>s2-ws2": ("moe-ep2-s1-fp32-ws4", 2, {"stage": 2}, {"stage": 2}),
 }
 # Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
 UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}

@@ -1,0 +1,83 @@
+"""#40: a MoE ZeRO-1/2 checkpoint (``deepspeed.moe.layer.MoE``) resharded to another world size at the same
+expert-parallel degree (``ckptspec reshard --world-size N [--stage S]``).
+
+Ground truth: a real DeepSpeed job of the same MoE model at the target world size resumes from what ``ckptspec
+reshard`` wrote (``engine.load_checkpoint``: tests/_harness/optim_job.py, ``DEGREE_RESHARDS``) and records every
+parameter's fp32 master (``safe_get_full_fp32_param``), Adam moments (``safe_get_full_optimizer_state``), step,
+param groups and the logits of a fixed batch, by global name (an expert's on the ranks of its expert-parallel
+rank). The source's own job (its ``+optim`` entry) recorded the same after loading the source: every value must be
+equal, bit for bit. The target's expert-data-parallel groups differ in size from the source's (ws4: 2 ranks per
+expert group, ws2: 1), so each expert group's partitions are laid out anew as well as the dense group's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _harness.parallel_oracles import (
+    bits_equal,
+    check_same_to_ckptspec,
+    logits_of,
+    optim_records,
+    union_of,
+)
+from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target, source_spec
+from click.testing import CliRunner
+
+import ckptspec
+from ckptspec.cli import cli
+from ckptspec.deepspeed.kinds import Kind
+
+MOE = sorted(n for n, (source, *_) in DEGREE_RESHARDS.items() if source_spec(source).get("ep"))
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_a_moe_job_resumes_the_resharded_checkpoint_bit_for_bit(name, ds):
+    source, world_size, spec = reshard_target(name)
+    entry = ds.path(name)
+    outcome = json.loads((entry / "optim.json").read_text())
+    assert outcome.get("reshard_error") is None, outcome
+    target, before = optim_records(entry), optim_records(ds.path(optim_name(source)))
+    assert len(target) == world_size and len(before) != world_size
+    masters, expected = union_of([r["master"] for r in target]), union_of([r["master"] for r in before])
+    assert masters.keys() == expected.keys() and any("experts" in n for n in masters)
+    for n, master in expected.items():
+        assert bits_equal(masters[n], master), n
+    for key in ("exp_avg", "exp_avg_sq"):
+        held = union_of([{n: v[key] for n, v in r["state"].items()} for r in target])
+        moments = union_of([{n: v[key] for n, v in r["state"].items()} for r in before])
+        assert held.keys() == moments.keys() == masters.keys()
+        for n, value in moments.items():
+            assert bits_equal(held[n], value), (n, key)
+    steps = {s for r in [*before, *target] for s in r["step"].values()}
+    assert len(steps) == 1 and steps != {0}, steps
+    assert all(r["param_groups"] == before[0]["param_groups"] for r in target)
+    logits = logits_of(target)
+    assert logits.abs().max() > 0 and bits_equal(logits, logits_of(before))
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_the_resharded_moe_checkpoint_is_the_source_to_ckptspec(name, ds):
+    """Valid from its files, MoE at the target world size and stage, the same whole model and optimizer state."""
+    source, world_size, spec = reshard_target(name)
+    out = ds.path(name) / "resharded"
+    assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
+    before, after = ckptspec.open(ds.path(source)), ckptspec.open(out)
+    assert after.kind == Kind.MOE and after.index.topology.degrees.data == world_size
+    assert after.index.topology.degrees.expert == spec["ep"]
+    assert {d.configured_zero_stage for d in after.domains} == {spec["stage"]}
+    check_same_to_ckptspec(before, after)
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--world-size", "3"], "not a multiple of the expert-parallel degree (2)"),
+        (["--world-size", "2", "--stage", "3"], "--stage 3 for a MoE checkpoint"),
+    ],
+)
+def test_what_a_moe_reshard_cannot_write_is_refused_by_name(args, says, ds, tmp_path):
+    result = CliRunner().invoke(cli, ["reshard", str(ds.path("moe-ep2-s1-bf16-ws4")), str(tmp_path / "out"), *args])
+    assert result.exit_code == 1 and "CK410" in result.output and says in result.output, result.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
