@@ -35,7 +35,6 @@ from . import ds_pickle
 from .arrays import ShardReader
 from .masters_state import masters_state_plan
 from .model_plan import ReconstructionPlan
-from .optimizer_state import OptimizerStatePlan
 from .reshard_files import (
     _lazy_partition,
     _model_states,
@@ -53,13 +52,13 @@ _EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
 
 @dataclass
 class MoePart:
-    """One domain's partitioning at the target: its groups under the names the rank's files use."""
+    """One partitioning at the target (the dense group, or one expert-parallel rank's experts): its groups under
+    the names the rank's files use."""
 
-    domain: Domain
     target: TargetLayout
     masters: dict  # local name -> its master's bytes
-    states: dict[str, dict[str, str]]  # local name -> state -> the state plan's source name
-    state_plan: OptimizerStatePlan
+    states: dict[str, dict[str, str]]  # local name -> state -> the name of its bytes in ``moments``
+    moments: dict  # state source name -> its bytes
     natural: list[list[str]]  # each group's local names in model order (param_slice_mappings)
 
 
@@ -68,8 +67,9 @@ class MoeTarget:
     index: CheckpointIndex
     world_size: int
     zero_stage: int
+    dense_domain: Domain  # the source's: its rank-0 files are the templates
     dense: MoePart
-    experts: list[MoePart]  # by expert-parallel rank
+    experts: list[MoePart]  # by the target's expert-parallel rank
 
     def write(self, states: StateCache, tag_dir: Path, src_dir: Path) -> list[Path]:
         return _write(self, states, tag_dir, src_dir)
@@ -84,40 +84,61 @@ def plan_moe(
     zero_stage: int | None,
     expert_parallel: int | None = None,
 ) -> MoeTarget:
-    """The MoE checkpoint ``index`` at ``world_size`` ranks (and ``zero_stage``); CK410 before anything is written."""
-    degrees = index.topology.degrees
-    ep = degrees.expert
-    _refuse(index, world_size, zero_stage, expert_parallel)
+    """The MoE checkpoint ``index`` at ``world_size`` ranks, ``expert_parallel`` expert-parallel ranks (default:
+    the source's) and ``zero_stage``; CK410 before anything is written."""
+    ep = expert_parallel or index.topology.degrees.expert
+    _refuse(index, world_size, zero_stage, ep)
     stage = zero_stage if zero_stage is not None else index.domains[0].configured_zero_stage
-    local = _local_names(index)
     dense = next(d for d in index.domains if d.coordinate.expert is None)
-    experts = sorted((d for d in index.domains if d.coordinate.expert is not None), key=lambda d: d.coordinate.expert)
-    return MoeTarget(
-        index,
-        world_size,
-        stage,
-        _part(dense, tag_dir, plans[dense.id], states, world_size, stage, {}),
-        [_part(d, tag_dir, plans[d.id], states, world_size // ep, stage, local) for d in experts],
-    )
+    moments = {d.id: masters_state_plan(tag_dir, d, states) for d in index.domains}
+    by_name = {p.name: p for d in index.domains for g in d.manifest.groups for p in g.params}
+    domain_of = {p.name: d.id for d in index.domains for g in d.manifest.groups for p in g.params}
+
+    def part(manifest, names: dict[str, str], size: int) -> MoePart:
+        """``manifest``'s groups (local names) at ``size`` ranks; ``names``: local name -> global name."""
+        manifest.layout.zero_stage = stage  # read for the order, dtypes and groups only
+        manifest.optimizer = Optimizer.model_validate_json(moments[dense.id].metadata["ckptspec.optimizer"])
+        target = target_layout(manifest, size, stage, domain=True)
+        masters = {n: plans[domain_of[g]].sources[g] for n, g in names.items()}
+        states = {n: moments[domain_of[g]].states[g] for n, g in names.items()}
+        sources = {k: v for m in moments.values() for k, v in m.sources.items()}
+        natural = [[p.name for p in params] for _, params in natural_groups(manifest)]
+        return MoePart(target, masters, states, sources, natural)
+
+    dense_names = {p.name: p.name for g in dense.manifest.groups for p in g.params}
+    expert_parts = []
+    for names in _expert_ranks(index, ep):
+        template = next(d for d in index.domains if d.coordinate.expert is not None).manifest.model_copy(deep=True)
+        (group,) = template.groups  # one expert group (_refuse)
+        group.params = [by_name[g].model_copy(update={"name": n}) for n, g in names.items()]
+        expert_parts.append(part(template, names, world_size // ep))
+    dense_part = part(dense.manifest.model_copy(deep=True), dense_names, world_size)
+    return MoeTarget(index, world_size, stage, dense, dense_part, expert_parts)
 
 
-def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None, expert_parallel: int | None) -> None:
+def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None, ep: int) -> None:
     degrees = index.topology.degrees
     if degrees.tensor != 1 or degrees.pipeline != 1:
         raise ReshardUnsupported(
             f"a MoE checkpoint of tensor {degrees.tensor} x pipeline {degrees.pipeline} degrees is not resharded yet",
             "data-parallel MoE checkpoints (ZeRO-1/2) are",
         )
-    if expert_parallel not in (None, degrees.expert):
+    counts = collections.Counter(f.moe_layer for f in index.expert_files or ())
+    if len(set(counts.values())) != 1 or next(iter(counts.values())) % ep:
         raise ReshardUnsupported(
-            f"--expert-parallel {expert_parallel}: changing the expert-parallel degree ({degrees.expert}) is not "
-            "supported yet",
-            f"give --expert-parallel {degrees.expert} (or leave it out): the data axis is what is moved",
+            f"--expert-parallel {ep}: the MoE layers' expert counts ({sorted(counts.values())}) are not its multiples",
+            "give an expert-parallel degree that divides the number of experts",
         )
-    if world_size < 1 or world_size % degrees.expert:
+    if world_size < 1 or world_size % ep:
         raise ReshardUnsupported(
-            f"--world-size {world_size} is not a multiple of the expert-parallel degree ({degrees.expert})",
-            f"give a multiple of {degrees.expert}: each expert-parallel group spans {degrees.expert} ranks",
+            f"--world-size {world_size} is not a multiple of the expert-parallel degree ({ep})",
+            f"give a multiple of {ep}: each expert-parallel group spans {ep} ranks",
+        )
+    if any(d.coordinate.expert is not None and len(d.manifest.groups) != 1 for d in index.domains):
+        raise ReshardUnsupported(
+            "an expert domain with several optimizer groups (experts of several expert-parallel degrees) is not "
+            "resharded yet",
+            "resume at the same layout",
         )
     for d in index.domains:
         if d.configured_zero_stage not in (1, 2) or d.masters is None or d.masters.stored_in != "optimizer_states":
@@ -130,38 +151,37 @@ def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None, exp
         raise ReshardUnsupported(f"--stage {zero_stage} for a MoE checkpoint: stage 1 and 2 are written", "give 1 or 2")
 
 
-def _local_names(index: CheckpointIndex) -> dict[str, str]:
-    """Every expert parameter's global name -> the name its expert-parallel rank's module gives it."""
-    local_of = {f.expert: f.local_expert for f in index.expert_files or ()}
-    out = {}
-    for p in index.parameters:
+def _expert_ranks(index: CheckpointIndex, ep: int) -> list[dict[str, str]]:
+    """For each target expert-parallel rank, in its module's order: local name -> global name of its experts'
+    parameters. Rank e holds experts e*L .. e*L+L-1 of every MoE layer (L = experts / ep), named 0 .. L-1; each
+    expert's parameters in the source's order (its expert-parallel rank 0's)."""
+    experts = next(iter(collections.Counter(f.moe_layer for f in index.expert_files).values()))
+    per_rank = experts // ep
+    first = next(d for d in index.domains if d.coordinate.expert == 0)
+    layers: dict[str, list[str]] = {}  # the text before an expert's index -> that expert's suffixes, in order
+    seen: dict[str, int] = {}
+    for p in first.manifest.groups[0].params:
         match = _EXPERT.search(p.name)
-        if match and int(match.group(2)) in local_of:
-            j = local_of[int(match.group(2))]
-            out[p.name] = p.name[: match.start()] + f"{match.group(1)}{j}{match.group(3)}" + p.name[match.end() :]
-    return out
-
-
-def _part(domain: Domain, tag_dir: Path, plan, states: StateCache, size: int, stage: int, local) -> MoePart:
-    state_plan = masters_state_plan(tag_dir, domain, states)
-    manifest = domain.manifest.model_copy(deep=True)
-    manifest.layout.zero_stage = stage  # read for the order, dtypes and groups only
-    manifest.optimizer = Optimizer.model_validate_json(state_plan.metadata["ckptspec.optimizer"])
-    for group in manifest.groups:
-        for p in group.params:
-            p.name = local.get(p.name, p.name)
-    target = target_layout(manifest, size, stage, domain=True)
-    to_global = {local.get(n, n): n for n in state_plan.states}
-    masters = {name: plan.sources[to_global[name]] for g in target.groups for name in (p.name for p in g.params)}
-    moments = {name: state_plan.states[to_global[name]] for name in masters}
-    natural = [[p.name for p in params] for _, params in natural_groups(manifest)]
-    return MoePart(domain, target, masters, moments, state_plan, natural)
+        if match is None:
+            raise ReshardUnsupported(f"{p.name}: an expert parameter without an expert index", "resume as it is")
+        prefix, g = p.name[: match.end(1)], int(match.group(2))
+        if seen.setdefault(prefix, g) == g:
+            layers.setdefault(prefix, []).append(p.name[match.end(2) :])
+    return [
+        {
+            f"{prefix}{j}{suffix}": f"{prefix}{rank * per_rank + j}{suffix}"
+            for prefix, suffixes in layers.items()
+            for j in range(per_rank)
+            for suffix in suffixes
+        }
+        for rank in range(ep)
+    ]
 
 
 def _write(moe: MoeTarget, states: StateCache, tag_dir: Path, src_dir: Path) -> list[Path]:
     """Each rank's optimizer-state file, the model states, the expert files."""
     dense, ep = moe.dense, len(moe.experts)
-    first = next(p for p, r in dense.domain.file_ranks.items() if r == 0 and "optim_states" in p)
+    first = next(p for p, r in moe.dense_domain.file_ranks.items() if r == 0 and "optim_states" in p)
     template = states.state(src_dir / first)
     osd = template["optimizer_state_dict"]
     base = osd["base_optimizer_state"]
@@ -170,7 +190,7 @@ def _write(moe: MoeTarget, states: StateCache, tag_dir: Path, src_dir: Path) -> 
         read = _storage_reader(src_dir / first, states, files)
         for rank, name in enumerate(_optim_file_names(first, moe.world_size)):
             parts = [(dense, rank), (moe.experts[rank % ep], rank // ep)]
-            out = _rank_osd(osd, base, parts, moe.zero_stage, read, files)
+            out = _rank_osd(osd, base, parts, moe.zero_stage, ep, read, files)
             doc = {
                 k: out
                 if k == "optimizer_state_dict"
@@ -181,20 +201,23 @@ def _write(moe: MoeTarget, states: StateCache, tag_dir: Path, src_dir: Path) -> 
             }
             ds_pickle.save_streamed(doc, tag_dir / name)
             written.append(tag_dir / name)
-        model = next(p for p in dense.domain.file_ranks if "model_states" in p)
+        model = next(p for p in moe.dense_domain.file_ranks if "model_states" in p)
         lazy = lazy_reader(src_dir / model, states, files)
-        found = dense.domain.manifest.model_copy(deep=True)
+        found = moe.dense_domain.manifest.model_copy(deep=True)
         found.layout.zero_stage = moe.zero_stage
         saved = states.state(src_dir / model)
         doc = _model_states(saved, found, dense.target, lazy, {}, files)
         doc["ds_config"] = with_stage(doc["ds_config"], moe.zero_stage)
-        doc["param_shapes"] = ds_pickle.sizes(saved["param_shapes"])  # rank 0's groups: the same at this E
+        # rank 0's groups in flat order: the dense one and its expert-parallel rank's (local names)
+        groups = [g for part in (dense, moe.experts[0]) for g in part.target.groups]
+        shapes = [collections.OrderedDict((p.name, tuple(p.shape)) for p in g.params) for g in groups]
+        doc["param_shapes"] = ds_pickle.sizes(shapes)
         ds_pickle.save_streamed(doc, tag_dir / model, shapes_as_tuples=True)
         written.append(tag_dir / model)
     return written
 
 
-def _rank_osd(osd: dict, base: dict, parts: list[tuple[MoePart, int]], stage: int, read, files) -> dict:
+def _rank_osd(osd: dict, base: dict, parts: list[tuple[MoePart, int]], stage: int, ep: int, read, files) -> dict:
     """The optimizer-state dict of one rank: every optimizer group of its parts, in optimizer-group order."""
     by_group: dict[int, tuple[MoePart, int, Any]] = {}
     for part, rank in parts:
@@ -206,7 +229,7 @@ def _rank_osd(osd: dict, base: dict, parts: list[tuple[MoePart, int]], stage: in
         keys = sorted({k for per in part.states.values() for k in per})
         entry = {}
         for key in keys:
-            sources = {p.name: part.state_plan.sources[part.states[p.name][key]] for p in group.params}
+            sources = {p.name: part.moments[part.states[p.name][key]] for p in group.params}
             dtype = next(iter(sources.values())).dtype if sources else "float32"
             entry[key] = _lazy_partition(group, rank, sources, dtype, files)
         for key, value in base["state"][g].items():  # step...: as saved
@@ -224,6 +247,8 @@ def _rank_osd(osd: dict, base: dict, parts: list[tuple[MoePart, int]], stage: in
     param_groups = ds_pickle.from_standins(base["param_groups"], _no_tensor)
     for g, pg in enumerate(param_groups):
         pg["params"] = [g]
+        if pg.get("moe"):  # DeepSpeed names an expert group by its expert-parallel degree
+            pg["name"] = f"ep_size_{ep}"
     replaced = {
         "base_optimizer_state": {"state": states, "param_groups": param_groups},
         "single_partition_of_fp32_groups": masters,
