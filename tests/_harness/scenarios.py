@@ -117,6 +117,14 @@ PARALLEL = sorted(PARALLEL_SPECS)
 # The PipelineModule at one stage (the pp1 source of a pipeline degree change, issue #40): not in PARALLEL (no
 # +again, universal or hook entries), loaded by its "+optim" entry and resharded by DEGREE_RESHARDS.
 PIPE_ONE_SPECS = {"pp1-s1-fp32-ws2": ({"pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 2)}
+# The dense MLP at ZeRO 1/2 (issue #40): the sources of a reshard to stage 0 (DEGREE_RESHARDS), the dense model
+# of the "s0-" entries without ties or frozen parameters (a stage-0 checkpoint cannot tell them apart). Not in
+# PARALLEL (no +again, universal or hook entries), loaded by their "+optim" entries.
+ZERO_DENSE_SPECS = {
+    "dense-s2-fp32-ws2": ({"stage": 2, "dtype": "fp32", "buffers": True}, 2),
+    "dense-s1-fp16-ws2": ({"stage": 1, "dtype": "fp16"}, 2),
+    "dense-s2-bf16-ws2": ({"stage": 2, "dtype": "bf16", "buffers": True}, 2),
+}
 # Every tensor of a model-parallel checkpoint (issue #39, item 3): AutoTP runs whose module has frozen
 # parameters (one split by AutoTP, one left whole on every tensor rank) and persistent buffers, at
 # ZeRO-1 (frozen weights in the module) and ZeRO-2 (in frozen_param_fragments). One launch: same world
@@ -135,6 +143,8 @@ EXTRAS_SPECS = {
     ),
 }
 EXTRAS = sorted(EXTRAS_SPECS)
+# Every "parallel" job's spec and world size, by name.
+SOURCE_SPECS = {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS, **ZERO_DENSE_SPECS}
 # Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries
 # they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16).
 HOOKED = [
@@ -193,6 +203,7 @@ _TP1 = {"tp": 1}
 # Pipeline degree changes (ZeRO-1 only: DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible
 # with pipeline parallelism"). ``pipe``: the PipelineModule at one stage (the target, or PIPE_ONE_SPECS' source).
 _PP1 = {"pp": 1, "pipe": True}
+_S0 = {"stage": 0}  # a dense ZeRO-1/2/3 checkpoint for a stage-0 job (reshard_stage0.py)
 DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s1-fp32-ws2>tp1": ("tp2-s1-fp32-ws2", 2, _TP1, {"tensor_parallel": 1}),  # tp2 x dp1 -> tp1 x dp2
     "tp2dp2-s2-bf16-ws4>tp1-ws3": ("tp2dp2-s2-bf16-ws4", 3, _TP1, {"tensor_parallel": 1}),  # tp2 x dp2 -> dp3
@@ -221,6 +232,12 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     # a bf16 pipeline at stage 0 (BF16_Optimizer) -> ZeRO-1, pp2 x dp1 and pp2 x dp2
     "pp2-s0-bf16-ws2>s1": ("pp2-s0-bf16-ws2", 2, {"stage": 1}, {"stage": 1}),
     "pp2-s0-bf16-ws2>s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"stage": 1}),
+    # to ZeRO stage 0 (one model-states file: fp32, the torch optimizer's state; bf16/fp16, FP16_UnfusedOptimizer's)
+    "dense-s2-fp32-ws2>s0-ws3": ("dense-s2-fp32-ws2", 3, _S0, _S0),
+    "dense-s1-fp16-ws2>s0": ("dense-s1-fp16-ws2", 2, _S0, _S0),
+    "dense-s2-bf16-ws2>s0": ("dense-s2-bf16-ws2", 2, _S0, _S0),
+    # from ZeRO-3 (its "+optim" entry is optim_universal_job.py's: the source's record is "source.rank<R>.pt")
+    "uc-s3-bf16-ws2>s0-ws3": ("uc-s3-bf16-ws2", 3, _S0, _S0),
 }
 # Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
 UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}
@@ -239,8 +256,8 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
 
 
 def source_spec(name: str) -> dict:
-    """The spec of a PARALLEL, EXTRAS or PIPE_ONE_SPECS entry."""
-    return {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS}[name][0]
+    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS or ZERO_DENSE_SPECS entry."""
+    return SOURCE_SPECS[name][0]
 
 
 def optim_name(name: str) -> str:
@@ -385,7 +402,7 @@ def _registry() -> dict[str, Task]:
         spec = {**MATRIX_SPECS, **DCP_SOURCE_SPECS}[source][0]
         for ws in FSDP2_WORLD_SIZES:
             out[fsdp2_name(source, ws)] = Task("fsdp2", {"spec": spec, "source": source}, ws, load=source)
-    for name, (spec, ws) in {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS}.items():
+    for name, (spec, ws) in SOURCE_SPECS.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():
         if name not in MASTERS_HOOKED:
@@ -394,7 +411,7 @@ def _registry() -> dict[str, Task]:
         spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
     for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES}):
-        spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS}[name]
+        spec, ws = SOURCE_SPECS[name]
         out[optim_name(name)] = Task("optim", {"spec": spec, "source": name}, ws, load=name)
     for name in OPTIM_UNIVERSAL_SOURCES:
         spec, ws = PARALLEL_SPECS[name]
