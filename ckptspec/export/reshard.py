@@ -36,7 +36,7 @@ from .output_dir import build_and_publish, held_new_output
 from .plan import plan_reconstruction
 from .reshard_files import write_files
 from .reshard_layout import target_layout
-from .reshard_stage0 import refuse_stage0, source_states, write_stage0_files
+from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage3 import write_stage3_files
 
 
@@ -72,7 +72,7 @@ def reshard(
         state_plan = plan_optimizer_state(plan)
         if target.zero_stage == 0:
             try:  # CK410 before anything is written
-                refuse_stage0(found, *source_states(found, plan, states))
+                refuse_stage0(found, source_osd(found, plan, states))
             except ReshardUnsupported as exc:
                 raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
 

@@ -18,7 +18,10 @@ it (``engine._save_checkpoint``: ``optimizer`` is the optimizer's own ``state_di
   ``dp_world_size`` the target's, ``ds_config`` with ``zero_optimization.stage`` 0; LR scheduler, counters and
   client state as saved (the source's embedded manifest dropped).
 
-What a stage-0 job of the source's settings would keep elsewhere is refused (``refuse_stage0``, CK410).
+What a stage-0 job of the source's settings would keep elsewhere is refused (``refuse_stage0``, CK410). A bf16
+source trained with ``data_types.grad_accum_dtype`` fp32 (ZeRO-2) is written as any bf16 one: DeepSpeed 0.19.8 runs
+no dense stage-0 bf16 job with it (``NotImplementedError: unsupported mix of model_dtype and grad_accum_dtype``;
+``BF16_Optimizer`` is a stage-0 *pipeline's*), so the target job leaves it out.
 Every tensor is written a chunk at a time (``ds_pickle.save_streamed``).
 """
 
@@ -51,27 +54,19 @@ def _model_file(found: Manifest) -> str:
     return next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
 
 
-def source_states(found: Manifest, plan, states: StateCache) -> tuple[dict, dict]:
-    """The source's decoded model states and rank 0's ``optimizer_state_dict`` (what ``refuse_stage0`` reads)."""
+def source_osd(found: Manifest, plan, states: StateCache) -> dict:
+    """Source rank 0's decoded ``optimizer_state_dict`` (its loss scaler: what ``refuse_stage0`` reads)."""
     first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
-    return states.state(plan.tag_dir / _model_file(found)), states.state(plan.tag_dir / first)["optimizer_state_dict"]
+    return states.state(plan.tag_dir / first)["optimizer_state_dict"]
 
 
-def refuse_stage0(found: Manifest, model_state: dict, source_osd: dict) -> None:
+def refuse_stage0(found: Manifest, source_osd: dict) -> None:
     """CK410, by name, for a stage-0 target this writer does not write, or whose files could not be described."""
     if found.aliases or found.frozen or found.excluded:
         raise ReshardUnsupported(
             "a stage-0 target with tied or frozen parameters: a stage-0 checkpoint's fp32_groups name no parameter, "
             "and its module lists tied and frozen ones among the trainable, so its masters could not be told apart",
             "reshard to stage 1, 2 or 3",
-        )
-    config = model_state.get("ds_config") if isinstance(model_state, dict) else None
-    accum = ((config or {}).get("data_types") or {}).get("grad_accum_dtype") if isinstance(config, dict) else None
-    if found.layout.model_dtype == "bfloat16" and accum in ("fp32", "float32", "float"):
-        raise ReshardUnsupported(
-            "a stage-0 bf16 job with data_types.grad_accum_dtype fp32 uses DeepSpeed's BF16_Optimizer "
-            "(bf16_zero_pp_rank files), which reshard does not write yet",
-            "reshard to stage 1, 2 or 3, or drop grad_accum_dtype from the target job",
         )
     hyper = found.optimizer.groups[0].hyperparameters if found.optimizer and found.optimizer.groups else {}
     if "bias_correction" in (hyper or {}):
