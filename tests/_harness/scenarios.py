@@ -62,6 +62,9 @@ DONOR_SPECS = {
 # Sources of RESUME_CASES only: stage 0 without ties (whose masters its files cannot name, see UNSUPPORTED).
 RESUME_SOURCE_SPECS = {
     "s0-bf16-ws2-untied": ({"stage": 0, "dtype": "bf16"}, 2),
+    # ZeRO-2 without ties or frozen parameters: the sources of STAGE0_RESHARD_CASES (a stage-0 checkpoint cannot
+    # tell tied or frozen masters apart)
+    "s2-bf16-ws2-plain": ({"stage": 2, "dtype": "bf16"}, 2),
 }
 
 EMBED_FEATURES = {**FEATURES, "save_with": "ckptspec", "hooks": ["load_back"]}
@@ -344,11 +347,21 @@ UNIVERSAL_CASES = {
     "universal-s2-fp32-rr-3to3-plain": ("s2-fp32-ws3-rr", 3, {"round_robin": False}, "ckptspec"),
     "universal-ds-s2-fp32-rr-3to3-plain": ("s2-fp32-ws3-rr", 3, {"round_robin": False}, "deepspeed"),
 }
+# ckptspec reshard --stage 0 (issue #40), then a real resume of its output by a stage-0 job (job/resume.py, as
+# RESHARD_CASES: the masters it holds against the source's live ones, one more step against NATIVE_RESUMES).
+# name: (saved RESUME_SOURCE_SPECS entry, target world size, the target spec's changes). bf16 only: resume.py's
+# optimizer check (job/model.py live_optimizer_state) reads a wrapped optimizer, which a stage-0 fp32 job has not.
+STAGE0_RESHARD_CASES = {
+    "reshard-s2-to-s0-bf16-2to3": ("s2-bf16-ws2-plain", 3, {"stage": 0}),
+}
 EXTRA_STEP = {"global_batch": 12}  # splits evenly over 2, 3 and 4 ranks
+_SAVED_SPECS = {**MATRIX_SPECS, **RESUME_SOURCE_SPECS}
 NATIVE_RESUMES = {
     f"native-{source}": source
-    for source in sorted({c[0] for c in [*RESHARD_CASES.values(), *RESHARD_JOB_CASES.values()]})
-    if not MATRIX_SPECS[source][0].get("exclude_frozen")
+    for source in sorted(
+        {c[0] for c in [*RESHARD_CASES.values(), *RESHARD_JOB_CASES.values(), *STAGE0_RESHARD_CASES.values()]}
+    )
+    if not _SAVED_SPECS[source][0].get("exclude_frozen")
 }
 
 
@@ -430,8 +443,8 @@ def _registry() -> dict[str, Task]:
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)
-    for name, (source, ws, changes) in RESHARD_CASES.items():
-        spec = {**MATRIX_SPECS[source][0], **changes}
+    for name, (source, ws, changes) in {**RESHARD_CASES, **STAGE0_RESHARD_CASES}.items():
+        spec = {**_SAVED_SPECS[source][0], **changes}
         reshard = {"world_size": ws, "stage": changes.get("stage"), "sub_group_size": changes.get("sub_group_size")}
         args = {"spec": spec, "change": {}, "reshard": reshard, "extra_step": EXTRA_STEP}
         out[name] = Task("resume", args, ws, load=source)
@@ -444,7 +457,7 @@ def _registry() -> dict[str, Task]:
         spec = {**MATRIX_SPECS[source][0], **changes}
         out[name] = Task("reshard", {"spec": spec, "universal": how, "extra_step": EXTRA_STEP}, ws, load=source)
     for name, source in NATIVE_RESUMES.items():
-        spec, ws = MATRIX_SPECS[source]
+        spec, ws = _SAVED_SPECS[source]
         out[name] = Task("resume", {"spec": spec, "change": {}, "extra_step": EXTRA_STEP}, ws, load=source)
     from .compat import OLD_DEEPSPEED_VERSION
 

@@ -20,7 +20,14 @@ import json
 import pytest
 import torch
 from _harness.parallel_oracles import check_same_to_ckptspec, optim_records, rank_oracles
-from _harness.scenarios import DEGREE_RESHARDS, OPTIM_UNIVERSAL_SOURCES, optim_name, reshard_target
+from _harness.scenarios import (
+    DEGREE_RESHARDS,
+    OPTIM_UNIVERSAL_SOURCES,
+    RESUME_SOURCE_SPECS,
+    STAGE0_RESHARD_CASES,
+    optim_name,
+    reshard_target,
+)
 from click.testing import CliRunner
 
 import ckptspec
@@ -183,6 +190,32 @@ def test_the_stage0_checkpoint_is_the_source_to_ckptspec(name, ds):
     # a stage-0 checkpoint's optimizer metadata records no loss scaler or clip_grad (FP16_UnfusedOptimizer's
     # loss scale is compared with the source's above)
     check_same_to_ckptspec(ckptspec.open(ds.path(source)), after, optimizer_keys=("class", "groups"))
+
+
+# One more step after resuming, against the source job resumed at its own layout (ZeRO-2: the job that never
+# stopped): each rank averages its share of the same 12-sample batch, in another reduction (stage 0's all-reduce,
+# ZeRO-2's reduce-scatter) and, from 2 to 3 ranks, other shares; the bounds of tests/export/test_reshard.py.
+STEP_TOLERANCE = {"bf16": 1e-3}
+
+
+@pytest.mark.parametrize("case", sorted(STAGE0_RESHARD_CASES))
+def test_a_stage0_job_holds_the_source_masters_and_steps_as_the_job_that_never_stopped(case, ds):
+    """job/resume.py: the stage-0 job's fp32 masters after ``engine.load_checkpoint`` (FP16_UnfusedOptimizer's
+    fp32_groups, or the fp32 module itself) equal the source job's live masters bit for bit, with its counters; one
+    more step moves them as it moves the source job resumed at its own layout, within STEP_TOLERANCE."""
+    source, _, _ = STAGE0_RESHARD_CASES[case]
+    dtype = RESUME_SOURCE_SPECS[source][0]["dtype"]
+    result = json.loads((ds.path(case) / "resume.json").read_text())
+    assert result["loaded"] and result["reshard_error"] is None and result["error"] is None, result
+    assert result["consistent"] and result["mismatched"] == [], result
+    assert (result["global_steps"], result["skipped_steps"]) == (2, 0)
+    resumed = torch.load(ds.path(case) / "after_step.pt", weights_only=True)
+    never_stopped = torch.load(ds.path(f"native-{source}") / "after_step.pt", weights_only=True)
+    before = torch.load(ds.path(source) / "live_fp32.pt", weights_only=True)
+    assert resumed.keys() == never_stopped.keys() == before.keys() and before
+    assert any(not torch.equal(never_stopped[n], before[n].float()) for n in before)  # the step moved them
+    worst = max((resumed[n] - never_stopped[n]).abs().max().item() for n in never_stopped)
+    assert worst <= STEP_TOLERANCE[dtype], worst
 
 
 def _refused(args, tmp_path) -> str:
