@@ -20,7 +20,7 @@ from ._common import OUTPUT_DIR, writing_deepspeed_files
     "--stage",
     type=click.IntRange(0, 3),
     default=None,
-    help="ZeRO stage of the target job (default: the checkpoint's): 1, 2 or 3.",
+    help="ZeRO stage of the target job (default: the checkpoint's): 0, 1, 2 or 3.",
 )
 @click.option(
     "--sub-group-size",

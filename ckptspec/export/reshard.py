@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.states import StateCache
+from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 from ..deepspeed.check.zero import validate_checkpoint
 from ..deepspeed.describe.zero import manifest_from_states
 from ..deepspeed.embed import embed_checkpoint
@@ -35,6 +36,7 @@ from .output_dir import build_and_publish, held_new_output
 from .plan import plan_reconstruction
 from .reshard_files import write_files
 from .reshard_layout import target_layout
+from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage3 import write_stage3_files
 
 
@@ -68,10 +70,22 @@ def reshard(
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         plan = plan_reconstruction(checkpoint, found, tag, states=states)
         state_plan = plan_optimizer_state(plan)
+        if target.zero_stage == 0:
+            try:  # CK410 before anything is written
+                refuse_stage0(found, source_osd(found, plan, states))
+            except ReshardUnsupported as exc:
+                raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
 
         def build(tmp: Path) -> list:
             tag_dir = tmp / plan.tag_dir.name
             tag_dir.mkdir()
+            if target.zero_stage == 0:  # described by a checkpoint index: validated as such from its files
+                files = write_stage0_files(found, plan, state_plan, target, states, tag_dir)
+                (tmp / "latest").write_text(plan.tag_dir.name)
+                written, findings = validate_index_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
+                if written is None or has_errors(findings):
+                    raise CheckpointInvalid(findings, str(output))
+                return files
             if target.zero_stage == 3:
                 files = write_stage3_files(found, plan, state_plan, target, states, tag_dir, sub_group_size)
             else:

@@ -21,7 +21,7 @@ from ..format.models import Group, Manifest
 from ..format.partition import ParamSpec, flat_group, natural_order, per_param_group
 
 STAGES = (1, 2, 3)  # the sources reshard reads
-TARGET_STAGES = (1, 2, 3)
+TARGET_STAGES = (0, 1, 2, 3)  # 0: reshard_stage0
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 
 
@@ -90,6 +90,8 @@ def target_layout(
     layout = manifest.layout
     stage = layout.zero_stage if zero_stage is None else zero_stage
     _refuse(manifest, world_size, stage, domain)
+    if stage == 0:  # one file, every parameter whole: nothing to lay out (reshard_stage0)
+        return TargetLayout(world_size, 0, [])
     if stage == 3:
         groups = []
         size = target_sub_group_size(manifest, sub_group_size)
@@ -137,8 +139,13 @@ def _refuse(manifest: Manifest, world_size: int, stage: int, domain: bool) -> No
     if layout.zero_stage not in STAGES or stage not in TARGET_STAGES:
         raise ReshardUnsupported(
             f"resharding ZeRO stage {layout.zero_stage} to stage {stage} is not supported yet "
-            "(stage 1, 2 and 3 sources, to stage 1, 2 or 3, are)",
+            "(stage 1, 2 and 3 sources, to stage 0, 1, 2 or 3, are)",
             "reshard a stage 1, 2 or 3 checkpoint",
+        )
+    if stage == 0 and domain:  # a tensor/pipeline coordinate's data axis (reshard_stage0 writes dense ones only)
+        raise ReshardUnsupported(
+            "a stage-0 target of a tensor- or pipeline-parallel checkpoint is not written yet",
+            "reshard it to stage 1 or 2",
         )
     if not domain and (layout.tensor_parallel_size != 1 or layout.pipeline_parallel_size != 1):
         raise ReshardUnsupported(

@@ -62,6 +62,9 @@ DONOR_SPECS = {
 # Sources of RESUME_CASES only: stage 0 without ties (whose masters its files cannot name, see UNSUPPORTED).
 RESUME_SOURCE_SPECS = {
     "s0-bf16-ws2-untied": ({"stage": 0, "dtype": "bf16"}, 2),
+    # ZeRO-2 without ties or frozen parameters: the sources of STAGE0_RESHARD_CASES (a stage-0 checkpoint cannot
+    # tell tied or frozen masters apart)
+    "s2-bf16-ws2-plain": ({"stage": 2, "dtype": "bf16"}, 2),
 }
 
 EMBED_FEATURES = {**FEATURES, "save_with": "ckptspec", "hooks": ["load_back"]}
@@ -117,6 +120,14 @@ PARALLEL = sorted(PARALLEL_SPECS)
 # The PipelineModule at one stage (the pp1 source of a pipeline degree change, issue #40): not in PARALLEL (no
 # +again, universal or hook entries), loaded by its "+optim" entry and resharded by DEGREE_RESHARDS.
 PIPE_ONE_SPECS = {"pp1-s1-fp32-ws2": ({"pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 2)}
+# The dense MLP at ZeRO 1/2 (issue #40): the sources of a reshard to stage 0 (DEGREE_RESHARDS), the dense model
+# of the "s0-" entries without ties or frozen parameters (a stage-0 checkpoint cannot tell them apart). Not in
+# PARALLEL (no +again, universal or hook entries), loaded by their "+optim" entries.
+ZERO_DENSE_SPECS = {
+    "dense-s2-fp32-ws2": ({"stage": 2, "dtype": "fp32", "buffers": True}, 2),
+    "dense-s1-fp16-ws2": ({"stage": 1, "dtype": "fp16"}, 2),
+    "dense-s2-bf16-ws2": ({"stage": 2, "dtype": "bf16", "buffers": True}, 2),
+}
 # Every tensor of a model-parallel checkpoint (issue #39, item 3): AutoTP runs whose module has frozen
 # parameters (one split by AutoTP, one left whole on every tensor rank) and persistent buffers, at
 # ZeRO-1 (frozen weights in the module) and ZeRO-2 (in frozen_param_fragments). One launch: same world
@@ -135,6 +146,8 @@ EXTRAS_SPECS = {
     ),
 }
 EXTRAS = sorted(EXTRAS_SPECS)
+# Every "parallel" job's spec and world size, by name.
+SOURCE_SPECS = {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS, **ZERO_DENSE_SPECS}
 # Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries
 # they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16).
 HOOKED = [
@@ -193,6 +206,7 @@ _TP1 = {"tp": 1}
 # Pipeline degree changes (ZeRO-1 only: DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible
 # with pipeline parallelism"). ``pipe``: the PipelineModule at one stage (the target, or PIPE_ONE_SPECS' source).
 _PP1 = {"pp": 1, "pipe": True}
+_S0 = {"stage": 0}  # a dense ZeRO-1/2/3 checkpoint for a stage-0 job (reshard_stage0.py)
 DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s1-fp32-ws2>tp1": ("tp2-s1-fp32-ws2", 2, _TP1, {"tensor_parallel": 1}),  # tp2 x dp1 -> tp1 x dp2
     "tp2dp2-s2-bf16-ws4>tp1-ws3": ("tp2dp2-s2-bf16-ws4", 3, _TP1, {"tensor_parallel": 1}),  # tp2 x dp2 -> dp3
@@ -231,6 +245,12 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "moe-ep2-s1-bf16-ws4>ws2": ("moe-ep2-s1-bf16-ws4", 2, {}, {}),
     "moe-ep2-s2-fp32-ws2>ws4": ("moe-ep2-s2-fp32-ws2", 4, {}, {}),
     "moe-ep2-s1-fp32-ws4>s2-ws2": ("moe-ep2-s1-fp32-ws4", 2, {"stage": 2}, {"stage": 2}),
+    # to ZeRO stage 0 (one model-states file: fp32, the torch optimizer's state; bf16/fp16, FP16_UnfusedOptimizer's)
+    "dense-s2-fp32-ws2>s0-ws3": ("dense-s2-fp32-ws2", 3, _S0, _S0),
+    "dense-s1-fp16-ws2>s0": ("dense-s1-fp16-ws2", 2, _S0, _S0),
+    "dense-s2-bf16-ws2>s0": ("dense-s2-bf16-ws2", 2, _S0, _S0),
+    # from ZeRO-3 (its "+optim" entry is optim_universal_job.py's: the source's record is "source.rank<R>.pt")
+    "uc-s3-bf16-ws2>s0-ws3": ("uc-s3-bf16-ws2", 3, _S0, _S0),
 }
 # Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
 UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}
@@ -249,8 +269,8 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
 
 
 def source_spec(name: str) -> dict:
-    """The spec of a PARALLEL, EXTRAS or PIPE_ONE_SPECS entry."""
-    return {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS}[name][0]
+    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS or ZERO_DENSE_SPECS entry."""
+    return SOURCE_SPECS[name][0]
 
 
 def optim_name(name: str) -> str:
@@ -337,11 +357,21 @@ UNIVERSAL_CASES = {
     "universal-s2-fp32-rr-3to3-plain": ("s2-fp32-ws3-rr", 3, {"round_robin": False}, "ckptspec"),
     "universal-ds-s2-fp32-rr-3to3-plain": ("s2-fp32-ws3-rr", 3, {"round_robin": False}, "deepspeed"),
 }
+# ckptspec reshard --stage 0 (issue #40), then a real resume of its output by a stage-0 job (job/resume.py, as
+# RESHARD_CASES: the masters it holds against the source's live ones, one more step against NATIVE_RESUMES).
+# name: (saved RESUME_SOURCE_SPECS entry, target world size, the target spec's changes). bf16 only: resume.py's
+# optimizer check (job/model.py live_optimizer_state) reads a wrapped optimizer, which a stage-0 fp32 job has not.
+STAGE0_RESHARD_CASES = {
+    "reshard-s2-to-s0-bf16-2to3": ("s2-bf16-ws2-plain", 3, {"stage": 0}),
+}
 EXTRA_STEP = {"global_batch": 12}  # splits evenly over 2, 3 and 4 ranks
+_SAVED_SPECS = {**MATRIX_SPECS, **RESUME_SOURCE_SPECS}
 NATIVE_RESUMES = {
     f"native-{source}": source
-    for source in sorted({c[0] for c in [*RESHARD_CASES.values(), *RESHARD_JOB_CASES.values()]})
-    if not MATRIX_SPECS[source][0].get("exclude_frozen")
+    for source in sorted(
+        {c[0] for c in [*RESHARD_CASES.values(), *RESHARD_JOB_CASES.values(), *STAGE0_RESHARD_CASES.values()]}
+    )
+    if not _SAVED_SPECS[source][0].get("exclude_frozen")
 }
 
 
@@ -395,7 +425,7 @@ def _registry() -> dict[str, Task]:
         spec = {**MATRIX_SPECS, **DCP_SOURCE_SPECS}[source][0]
         for ws in FSDP2_WORLD_SIZES:
             out[fsdp2_name(source, ws)] = Task("fsdp2", {"spec": spec, "source": source}, ws, load=source)
-    for name, (spec, ws) in {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS}.items():
+    for name, (spec, ws) in SOURCE_SPECS.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():
         if name not in MASTERS_HOOKED:
@@ -404,7 +434,7 @@ def _registry() -> dict[str, Task]:
         spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
     for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES}):
-        spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS}[name]
+        spec, ws = SOURCE_SPECS[name]
         out[optim_name(name)] = Task("optim", {"spec": spec, "source": name}, ws, load=name)
     for name in OPTIM_UNIVERSAL_SOURCES:
         spec, ws = PARALLEL_SPECS[name]
@@ -423,8 +453,8 @@ def _registry() -> dict[str, Task]:
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)
-    for name, (source, ws, changes) in RESHARD_CASES.items():
-        spec = {**MATRIX_SPECS[source][0], **changes}
+    for name, (source, ws, changes) in {**RESHARD_CASES, **STAGE0_RESHARD_CASES}.items():
+        spec = {**_SAVED_SPECS[source][0], **changes}
         reshard = {"world_size": ws, "stage": changes.get("stage"), "sub_group_size": changes.get("sub_group_size")}
         args = {"spec": spec, "change": {}, "reshard": reshard, "extra_step": EXTRA_STEP}
         out[name] = Task("resume", args, ws, load=source)
@@ -437,7 +467,7 @@ def _registry() -> dict[str, Task]:
         spec = {**MATRIX_SPECS[source][0], **changes}
         out[name] = Task("reshard", {"spec": spec, "universal": how, "extra_step": EXTRA_STEP}, ws, load=source)
     for name, source in NATIVE_RESUMES.items():
-        spec, ws = MATRIX_SPECS[source]
+        spec, ws = _SAVED_SPECS[source]
         out[name] = Task("resume", {"spec": spec, "change": {}, "extra_step": EXTRA_STEP}, ws, load=source)
     from .compat import OLD_DEEPSPEED_VERSION
 

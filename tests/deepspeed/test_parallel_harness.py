@@ -23,8 +23,8 @@ PARALLEL = scenarios.PARALLEL
 
 
 def _spec(name):
-    """(normalized spec, world size) of PARALLEL (or EXTRAS, PIPE_ONE_SPECS) entry ``name``."""
-    spec, world_size = {**scenarios.PARALLEL_SPECS, **scenarios.EXTRAS_SPECS, **scenarios.PIPE_ONE_SPECS}[name]
+    """(normalized spec, world size) of PARALLEL (or EXTRAS, PIPE_ONE_SPECS, ZERO_DENSE_SPECS) entry ``name``."""
+    spec, world_size = scenarios.SOURCE_SPECS[name]
     return normalize(spec), world_size
 
 

@@ -1,0 +1,184 @@
+"""The one file of a checkpoint resharded to ZeRO stage 0, from a ZeRO-1/2/3 source, as DeepSpeed 0.19 saves
+it (``engine._save_checkpoint``: ``optimizer`` is the optimizer's own ``state_dict()`` when ZeRO is off).
+
+``mp_rank_00_model_states.pt``, whatever the world size (every rank holds everything at stage 0):
+
+* ``module``: every tensor its own storage: a trainable parameter's saved low-precision weight (from a
+  stage-3 source, whose module holds placeholders, its master cast to the model dtype: what DeepSpeed's step
+  writes into it; in fp32 its master, which the weight is at stage 0), buffers as saved;
+* ``optimizer``: fp32, the client torch optimizer's ``state_dict()`` (the module's weights are the masters);
+  bf16/fp16, ``FP16_UnfusedOptimizer.state_dict()`` (``runtime/fp16/unfused_optimizer.py``): the loss scale
+  (``dynamic_loss_scale``, ``cur_scale``, ``cur_iter``, and for a dynamic scale ``last_overflow_iter``,
+  ``scale_factor``, ``scale_window``: the source's loss scaler's; ``cur_iter`` of a static one, which does not
+  count, is ``global_steps``: the unfused optimizer counts every step), the wrapped torch optimizer's
+  ``state_dict()`` and ``fp32_groups`` (one full-shape master per trainable parameter). The torch state is
+  numbered over the groups' parameters in the model's order, each with its own ``step`` (the source group's),
+  ``exp_avg``...; ``param_groups`` as saved, each listing its parameters' numbers;
+* ``param_shapes``, ``frozen_param_shapes``, ``shared_params``, ``frozen_param_fragments`` None (ZeRO off),
+  ``dp_world_size`` the target's, ``ds_config`` with ``zero_optimization.stage`` 0; LR scheduler, counters and
+  client state as saved (the source's embedded manifest dropped).
+
+What a stage-0 job of the source's settings would keep elsewhere is refused (``refuse_stage0``, CK410). A bf16
+source trained with ``data_types.grad_accum_dtype`` fp32 (ZeRO-2) is written as any bf16 one: DeepSpeed 0.19.8 runs
+no dense stage-0 bf16 job with it (``NotImplementedError: unsupported mix of model_dtype and grad_accum_dtype``;
+``BF16_Optimizer`` is a stage-0 *pipeline's*), so the target job leaves it out.
+Every tensor is written a chunk at a time (``ds_pickle.save_streamed``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.embedded import CLIENT_STATE_KEY
+from ..checkpoint.standins import LossScalerState
+from ..checkpoint.states import StateCache
+from ..deepspeed.describe.scalars import plain_values
+from ..errors import ReconstructMismatch, ReshardUnsupported
+from ..format.models import Manifest
+from . import ds_pickle
+from .arrays import ShardReader, iter_chunks
+from .model_plan import TensorSource
+from .reshard_files import _storage_reader, lazy_reader
+from .reshard_layout import TargetLayout, natural_groups
+from .reshard_source import source_optimizer, with_stage
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+ZERO_OFF = ("param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments")
+DYNAMIC_KEYS = ("last_overflow_iter", "scale_factor", "scale_window")
+
+
+def _model_file(found: Manifest) -> str:
+    return next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
+
+
+def source_osd(found: Manifest, plan, states: StateCache) -> dict:
+    """Source rank 0's decoded ``optimizer_state_dict`` (its loss scaler: what ``refuse_stage0`` reads)."""
+    first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+    return states.state(plan.tag_dir / first)["optimizer_state_dict"]
+
+
+def refuse_stage0(found: Manifest, source_osd: dict) -> None:
+    """CK410, by name, for a stage-0 target this writer does not write, or whose files could not be described."""
+    if found.aliases or found.frozen or found.excluded:
+        raise ReshardUnsupported(
+            "a stage-0 target with tied or frozen parameters: a stage-0 checkpoint's fp32_groups name no parameter, "
+            "and its module lists tied and frozen ones among the trainable, so its masters could not be told apart",
+            "reshard to stage 1, 2 or 3",
+        )
+    hyper = found.optimizer.groups[0].hyperparameters if found.optimizer and found.optimizer.groups else {}
+    if "bias_correction" in (hyper or {}):
+        raise ReshardUnsupported(
+            "the optimizer is DeepSpeed's FusedAdam/FusedLamb (its param groups have bias_correction): at stage 0 "
+            "DeepSpeed wraps it in FP16_Optimizer (fp32_groups_flat) and keeps its step per group, which reshard "
+            "does not write yet",
+            "reshard to stage 1, 2 or 3",
+        )
+    if not isinstance(source_osd.get("loss_scaler"), LossScalerState) and found.layout.model_dtype != "float32":
+        raise ReshardUnsupported("the source saved no loss scaler", "regenerate the source's manifest")
+
+
+def write_stage0_files(
+    found: Manifest, plan, state_plan, target: TargetLayout, states: StateCache, tag_dir: Path
+) -> list[Path]:
+    src_dir = plan.tag_dir
+    first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+    model = src_dir / _model_file(found)
+    source, model_state = source_optimizer(found, states.state(first)), states.state(model)
+    with ShardReader() as files:
+        read_optim = _storage_reader(first, states, files)  # the scalars only (step): read small
+        read_model = lazy_reader(model, states, files)  # nothing read until written
+        module = _module(found, plan, model_state["module"], read_model, files)
+        masters, torch_state = _torch_optimizer(found, plan, state_plan, source, read_optim, files)
+        if found.layout.model_dtype == "float32":  # no mixed precision: the client optimizer itself
+            optimizer: Any = torch_state
+        else:
+            optimizer = {**_loss_scale(source.osd, model_state), "optimizer_state_dict": torch_state}
+            optimizer["fp32_groups"] = masters
+        doc: dict[str, Any] = {}
+        for key, value in model_state.items():
+            if key == CLIENT_STATE_KEY:
+                continue  # the source's manifest; the output is described by its checkpoint index
+            if key == "module":
+                doc[key] = module
+            elif key == "optimizer":
+                doc[key] = optimizer
+            elif key in ZERO_OFF:
+                doc[key] = None
+            elif key == "dp_world_size":
+                doc[key] = target.world_size
+            elif key == "ds_config":
+                doc[key] = with_stage(value, 0)
+            else:
+                doc[key] = ds_pickle.from_standins(value, read_model)
+        path = tag_dir / MODEL_FILE
+        ds_pickle.save_streamed(doc, path, shapes_as_tuples=True)  # torch.save's bytes, a chunk at a time
+    return [path]
+
+
+def _lazy(source: TensorSource, dtype: str, files: ShardReader) -> ds_pickle.Lazy:
+    """``source`` whole in ``dtype``, read (and its digest checked) a chunk at a time when written."""
+    chunks = functools.partial(iter_chunks, source.segments, source.dtype, dtype, files, source)
+    return ds_pickle.Lazy(dtype, tuple(source.shape), chunks)
+
+
+def _module(found: Manifest, plan, saved: dict, read, files: ShardReader) -> collections.OrderedDict:
+    """The module with every tensor in a storage of its own, as a stage-0 job's ``module.state_dict()``."""
+    dtype = found.layout.model_dtype
+    aliases = {a.name: a.owner for a in found.aliases}
+    out: collections.OrderedDict = collections.OrderedDict()
+    for name, ref in saved.items():
+        if name in aliases:
+            continue
+        master = plan.sources.get(name)
+        if master is not None and master.role == "trainable" and (found.layout.zero_stage == 3 or dtype == "float32"):
+            # stage 3 saves placeholders: the master cast; in fp32 the weights are the masters at stage 0
+            out[name] = _lazy(master, dtype, files)
+            continue
+        located = read.located(name, ref)  # the saved weight (a view into a flat buffer at stage 1/2), a buffer
+        if located is None:
+            raise ReconstructMismatch(f"{name}: the saved module tensor is not contiguous")
+        out[name] = _lazy(located, located.dtype, files)
+    for name in saved:
+        if name in aliases:
+            out[name] = out[aliases[name]]
+    return collections.OrderedDict((name, out[name]) for name in saved)
+
+
+def _torch_optimizer(found: Manifest, plan, state_plan, source, read, files: ShardReader) -> tuple[list, dict]:
+    """(fp32_groups, the torch optimizer's ``state_dict()``) over every optimizer group's params in model order."""
+    masters, state, param_groups = [], {}, ds_pickle.from_standins(source.param_groups, read)
+    index = 0
+    for g, params in natural_groups(found):
+        group_masters, numbers = [], []
+        for p in params:
+            entry: dict[str, Any] = {}
+            for key, value in source.group_scalars.get(g, {}).items():  # step: the group's, a copy per param
+                entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
+            for key in source.state_keys.get(g, ()):
+                moment = state_plan.sources[state_plan.states[p.name][key]]
+                entry[key] = _lazy(moment, moment.dtype, files)
+            state[index] = entry
+            numbers.append(index)
+            group_masters.append(_lazy(plan.sources[p.name], "float32", files))
+            index += 1
+        param_groups[g]["params"] = numbers
+        masters.append(group_masters)
+    return masters, {"state": state, "param_groups": param_groups}
+
+
+def _loss_scale(osd: dict, model_state: dict) -> dict:
+    """``FP16_UnfusedOptimizer``'s loss-scale entries from the source's loss scaler (``refuse_stage0``: saved)."""
+    scaler = plain_values(osd["loss_scaler"].state)
+    dynamic = bool(osd.get("dynamic_loss_scale", scaler.get("dynamic", False)))
+    out: dict[str, Any] = {
+        "dynamic_loss_scale": dynamic,
+        "cur_scale": scaler["cur_scale"],
+        # a static scaler counts no iterations; the unfused optimizer counts every step, skipped or not
+        "cur_iter": scaler["cur_iter"] if "cur_iter" in scaler else model_state["global_steps"],
+    }
+    if dynamic:
+        out.update({k: scaler[k] for k in DYNAMIC_KEYS})
+    return out

@@ -1,0 +1,251 @@
+"""#40: a ZeRO-1/2/3 checkpoint written for a ZeRO stage-0 job (``reshard --stage 0``, export/reshard_stage0.py).
+
+Ground truth: a real DeepSpeed stage-0 job of the same dense MLP (``DEGREE_RESHARDS``, tests/_harness/optim_job.py)
+at the target world size resumes from what ``ckptspec reshard`` wrote (``engine.load_checkpoint``) and records the
+Adam moments and step its optimizer then holds (fp32: the client torch optimizer's state of each parameter;
+bf16/fp16: the wrapped torch optimizer's state of each fp32 master, ``FP16_UnfusedOptimizer``), its param groups,
+buffers and the logits of a fixed batch. The source's own "+optim" job recorded the same after loading the source at
+its own layout (a ZeRO-3 source: ``optim_universal_job.py``'s "source" record, and its training job's masters).
+
+DeepSpeed's getters answer None at stage 0 (``safe_get_full_fp32_param``: no fragment mapping), so the job records
+no masters; ``FP16_UnfusedOptimizer.load_state_dict`` copies its masters from the file's ``fp32_groups`` as saved,
+and at fp32 the module's weights are the masters: the file's masters are compared with the source job's, and the
+fp32 target's logits with the source's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _harness.parallel_oracles import check_same_to_ckptspec, optim_records, rank_oracles
+from _harness.scenarios import (
+    DEGREE_RESHARDS,
+    OPTIM_UNIVERSAL_SOURCES,
+    RESUME_SOURCE_SPECS,
+    STAGE0_RESHARD_CASES,
+    optim_name,
+    reshard_target,
+)
+from click.testing import CliRunner
+
+import ckptspec
+from ckptspec.cli import cli
+from ckptspec.deepspeed.kinds import Kind
+from ckptspec.errors import ReshardUnsupported
+from ckptspec.export.plan import plan_reconstruction
+from ckptspec.export.reshard import validated_source
+from ckptspec.export.reshard_stage0 import refuse_stage0, source_osd
+
+TO_STAGE0 = sorted(n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if options.get("stage") == 0)
+KEYS = ("exp_avg", "exp_avg_sq")
+# What DeepSpeed's stage-0 optimizer wrapper is, per dtype (optim_job.py's record "source")
+HELD_BY = {"fp32": "module (fp32, no masters)", "bf16": "FP16_UnfusedOptimizer.fp32_groups"}
+HELD_BY["fp16"] = HELD_BY["bf16"]
+# A real stage-0 save of the same model and dtype (a client torch Adam): the file's shape is compared with it
+NATIVE = {"fp32": "s0-fp32-ws2", "bf16": "s0-bf16-ws2", "fp16": "s0-fp16-ws2"}
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and _bits(a) == _bits(b)
+
+
+def _one_value(records: list[dict], key: str) -> dict:
+    """name -> the value every rank recorded under ``key`` (they must agree: ZeRO gathers whole tensors)."""
+    out: dict = {}
+    for record in records:
+        for name, value in record[key].items():
+            if name in out:
+                seen = out[name]
+                same = all(_equal(seen[k], v) for k, v in value.items()) if isinstance(value, dict) else None
+                assert same if same is not None else _equal(seen, value), (key, name)
+            out[name] = value
+    return out
+
+
+def _source(ds, source: str) -> dict:
+    """What a job of the source's layout held after loading it: masters, moments, steps, param groups."""
+    if source in OPTIM_UNIVERSAL_SOURCES:  # ZeRO-3: optim_universal_job.py's load of the ZeRO tag
+        records = optim_records(ds.path(optim_name(source)), "source")
+        masters = {n: m for oracle in rank_oracles(ds.path(source)) for n, m in oracle["masters"].items()}
+    else:
+        records = optim_records(ds.path(optim_name(source)))
+        masters = _one_value(records, "master")
+    return {
+        "records": records,
+        "masters": masters,
+        "state": _one_value(records, "state"),
+        "steps": {s for r in records for s in r["step"].values()},
+    }
+
+
+def _written(ds, name: str) -> dict:
+    out = ds.path(name) / "resharded"
+    tag = (out / "latest").read_text().strip()
+    return torch.load(out / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+
+
+def _file_masters(states: dict, dtype: str) -> dict[str, torch.Tensor]:
+    """The fp32 masters the written file holds, by name: the module's weights in fp32, else ``fp32_groups``
+    (the module's trainable parameters in order, buffers left out: DeepSpeed's optimizer order)."""
+    buffers = set(states["buffer_names"])
+    names = [n for n in states["module"] if n not in buffers]
+    if dtype == "fp32":
+        return {n: states["module"][n] for n in names}
+    flat = [m for group in states["optimizer"]["fp32_groups"] for m in group]
+    assert len(flat) == len(names)
+    return dict(zip(names, flat))
+
+
+@pytest.mark.parametrize("name", TO_STAGE0)
+def test_a_stage0_job_resumes_the_resharded_checkpoint_bit_for_bit(name, ds):
+    source, world_size, spec = reshard_target(name)
+    entry = ds.path(name)
+    outcome = json.loads((entry / "optim.json").read_text())
+    assert outcome.get("reshard_error") is None and outcome["load_checkpoint_error"] is None, outcome
+    target, before = optim_records(entry), _source(ds, source)
+    assert len(target) == world_size
+    assert {s for r in target for s in r["source"].values()} == {HELD_BY[spec["dtype"]]}
+    held = _one_value(target, "state")
+    assert held.keys() == before["state"].keys() == before["masters"].keys() and held
+    for n, value in held.items():
+        for key in KEYS:
+            assert _equal(value[key], before["state"][n][key]), (n, key)
+    steps = {s for r in target for s in r["step"].values()}
+    assert steps == before["steps"] and len(steps) == 1, (steps, before["steps"])
+    assert all(r["param_groups"] == before["records"][0]["param_groups"] for r in target)
+    masters = _file_masters(_written(ds, name), spec["dtype"])
+    assert masters.keys() == before["masters"].keys()
+    for n, master in masters.items():
+        assert _equal(master, before["masters"][n]), n
+
+
+@pytest.mark.parametrize("name", [n for n in TO_STAGE0 if reshard_target(n)[0] not in OPTIM_UNIVERSAL_SOURCES])
+def test_buffers_and_logits_carry_over(name, ds):
+    """The buffers as loaded and the logits of a fixed batch equal the source job's, bit for bit: every rank of a
+    stage-0 job holds the whole model, so the forward is the source's, whatever the world size."""
+    source, _, spec = reshard_target(name)
+    target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
+    module = target[0]["module"]
+    assert module.keys() == before[0]["module"].keys()
+    assert bool(module) == bool(spec.get("buffers"))
+    for record in target:
+        for n, t in record["module"].items():
+            assert _equal(t, before[0]["module"][n]), n
+    logits = target[0]["logits"]
+    assert logits.abs().max() > 0 and all(_equal(r["logits"], before[0]["logits"]) for r in target)
+
+
+@pytest.mark.parametrize("name", TO_STAGE0)
+def test_the_file_has_the_shape_of_a_real_stage0_save(name, ds):
+    """The same entries as DeepSpeed's own stage-0 save of the same model and dtype (``s0-*``): keys, the optimizer's
+    keys, every tensor's dtype and shape, the entries a stage-0 save leaves None; only the world size recorded
+    differs. The loss scale is the source's (its loss scaler's ``cur_scale``)."""
+    source, world_size, spec = reshard_target(name)
+    ours = _written(ds, name)
+    native_dir = ds.path(NATIVE[spec["dtype"]])
+    tag = (native_dir / "latest").read_text().strip()
+    theirs = torch.load(native_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert list(ours) == list(theirs)
+    for key in ("param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments"):
+        assert ours[key] is None and theirs[key] is None, key
+    assert ours["dp_world_size"] == world_size and ours["ds_config"]["zero_optimization"]["stage"] == 0
+    trainable = [n for n in ours["module"] if n not in set(ours["buffer_names"])]
+    assert trainable == list(theirs["module"])
+    for n in trainable:
+        mine, native = ours["module"][n], theirs["module"][n]
+        assert (mine.dtype, mine.shape) == (native.dtype, native.shape), n
+    ours_opt, theirs_opt = ours["optimizer"], theirs["optimizer"]
+    assert list(ours_opt) == list(theirs_opt)
+    inner = (lambda o: o) if spec["dtype"] == "fp32" else (lambda o: o["optimizer_state_dict"])
+    for a, b in zip(inner(ours_opt)["state"].items(), inner(theirs_opt)["state"].items(), strict=True):
+        assert a[0] == b[0] and list(a[1]) == list(b[1])
+        assert all((a[1][k].dtype, a[1][k].shape) == (b[1][k].dtype, b[1][k].shape) for k in a[1])
+    groups = [[g["params"] for g in inner(o)["param_groups"]] for o in (ours_opt, theirs_opt)]
+    assert groups[0] == groups[1]
+    if spec["dtype"] != "fp32":
+        shapes = [[tuple(m.shape) for m in g] for g in ours_opt["fp32_groups"]]
+        assert shapes == [[tuple(m.shape) for m in g] for g in theirs_opt["fp32_groups"]]
+        src_dir = ds.path(source)
+        src_tag = (src_dir / "latest").read_text().strip()
+        optim_file = next((src_dir / src_tag).glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+        scaler = torch.load(optim_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]["loss_scaler"]
+        assert ours_opt["cur_scale"] == scaler.cur_scale
+        assert ours_opt["dynamic_loss_scale"] == (spec["dtype"] == "fp16")
+
+
+@pytest.mark.parametrize("name", TO_STAGE0)
+def test_the_stage0_checkpoint_is_the_source_to_ckptspec(name, ds):
+    """Valid from its files (a stage-0 checkpoint index), the same whole model and optimizer state."""
+    source, _, _ = reshard_target(name)
+    out = ds.path(name) / "resharded"
+    assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
+    after = ckptspec.open(out)
+    assert after.kind == Kind.STAGE0
+    # a stage-0 checkpoint's optimizer metadata records no loss scaler or clip_grad (FP16_UnfusedOptimizer's
+    # loss scale is compared with the source's above)
+    check_same_to_ckptspec(ckptspec.open(ds.path(source)), after, optimizer_keys=("class", "groups"))
+
+
+# One more step after resuming, against the source job resumed at its own layout (ZeRO-2: the job that never
+# stopped): each rank averages its share of the same 12-sample batch, in another reduction (stage 0's all-reduce,
+# ZeRO-2's reduce-scatter) and, from 2 to 3 ranks, other shares; the bounds of tests/export/test_reshard.py.
+STEP_TOLERANCE = {"bf16": 1e-3}
+
+
+@pytest.mark.parametrize("case", sorted(STAGE0_RESHARD_CASES))
+def test_a_stage0_job_holds_the_source_masters_and_steps_as_the_job_that_never_stopped(case, ds):
+    """job/resume.py: the stage-0 job's fp32 masters after ``engine.load_checkpoint`` (FP16_UnfusedOptimizer's
+    fp32_groups, or the fp32 module itself) equal the source job's live masters bit for bit, with its counters; one
+    more step moves them as it moves the source job resumed at its own layout, within STEP_TOLERANCE."""
+    source, _, _ = STAGE0_RESHARD_CASES[case]
+    dtype = RESUME_SOURCE_SPECS[source][0]["dtype"]
+    result = json.loads((ds.path(case) / "resume.json").read_text())
+    assert result["loaded"] and result["reshard_error"] is None and result["error"] is None, result
+    assert result["consistent"] and result["mismatched"] == [], result
+    assert (result["global_steps"], result["skipped_steps"]) == (2, 0)
+    resumed = torch.load(ds.path(case) / "after_step.pt", weights_only=True)
+    never_stopped = torch.load(ds.path(f"native-{source}") / "after_step.pt", weights_only=True)
+    before = torch.load(ds.path(source) / "live_fp32.pt", weights_only=True)
+    assert resumed.keys() == never_stopped.keys() == before.keys() and before
+    assert any(not torch.equal(never_stopped[n], before[n].float()) for n in before)  # the step moved them
+    worst = max((resumed[n] - never_stopped[n]).abs().max().item() for n in never_stopped)
+    assert worst <= STEP_TOLERANCE[dtype], worst
+
+
+def _refused(args, tmp_path) -> str:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["reshard", *map(str, args[:1]), str(out), *map(str, args[1:])])
+    assert result.exit_code == 1 and "CK410" in result.output, result.output
+    assert not out.exists() or not any(out.iterdir())
+    return result.output
+
+
+def test_ties_and_frozen_parameters_are_refused_by_name(committed, tmp_path):
+    """A stage-0 checkpoint's fp32_groups name no parameter and its module lists tied and frozen ones with the
+    trainable: the output could not be described, so nothing is written (the committed source has both)."""
+    output = _refused([committed("s2-bf16-ws2"), "--world-size", "2", "--stage", "0"], tmp_path)
+    assert "tied or frozen" in output
+
+
+def test_a_tensor_parallel_source_to_stage0_is_refused(ds, tmp_path):
+    output = _refused([ds.path("tp2-s1-fp32-ws2"), "--world-size", "2", "--stage", "0"], tmp_path)
+    assert "--stage 0 for a tensor/pipeline-parallel checkpoint" in output
+
+
+def test_fused_adam_is_refused_by_name(ds):
+    """DeepSpeed's FusedAdam (FP16_Optimizer at stage 0: flat fp32 groups, a step per group): CK410 naming it, from
+    the source's optimizer hyperparameters (``bias_correction``, which torch's Adam has not)."""
+    source = ds.path("dense-s2-bf16-ws2")
+    found, states = validated_source(source, None, None)
+    osd = source_osd(found, plan_reconstruction(source, found, states=states), states)
+    refuse_stage0(found, osd)  # as saved: written
+    fused = found.model_copy(deep=True)
+    fused.optimizer.groups[0].hyperparameters["bias_correction"] = True
+    with pytest.raises(ReshardUnsupported, match="FusedAdam"):
+        refuse_stage0(fused, osd)
