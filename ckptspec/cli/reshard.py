@@ -41,6 +41,12 @@ from ._common import OUTPUT_DIR, writing_deepspeed_files
     help="Pipeline stages of the target job (default: the checkpoint's).",
 )
 @click.option(
+    "--expert-parallel",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Expert-parallel degree of the target MoE job (default: the checkpoint's).",
+)
+@click.option(
     "--partition-method",
     type=click.Choice(["parameters", "uniform"]),
     default=None,
@@ -61,6 +67,7 @@ def reshard(
     sub_group_size: int | None,
     tensor_parallel: int | None,
     pipeline_parallel: int | None,
+    expert_parallel: int | None,
     partition_method: str | None,
     tag,
     manifest,
@@ -76,7 +83,8 @@ def reshard(
     --world-size / (tp x pp) data-parallel ranks, each coordinate's ZeRO partitions resharded, the
     pipeline's layer files copied. --tensor-parallel 1 merges an AutoTP ZeRO-1/2 checkpoint for a job
     without tensor parallelism on --world-size ranks; --pipeline-parallel N (ZeRO-1 pipelines, tensor degree 1)
-    gives the layers to N stages by --partition-method and rebuilds each stage's ZeRO groups. Never executes
+    gives the layers to N stages by --partition-method and rebuilds each stage's ZeRO groups; --expert-parallel N
+    regroups a MoE checkpoint's experts over N expert-parallel ranks. Never executes
     pickled code; needs torch only to write the pickles, not DeepSpeed.
     """
     from ..export.api import reshard as run
@@ -90,6 +98,7 @@ def reshard(
             sub_group_size=sub_group_size,
             tensor_parallel=tensor_parallel,
             pipeline_parallel=pipeline_parallel,
+            expert_parallel=expert_parallel,
             partition_method=partition_method,
             tag=tag,
             manifest=manifest,

@@ -134,6 +134,7 @@ def reshard(
     sub_group_size: int | None = None,
     tensor_parallel: int | None = None,
     pipeline_parallel: int | None = None,
+    expert_parallel: int | None = None,
     partition_method: str | None = None,
     manifest: Any = None,
     tag: str | None = None,
@@ -142,10 +143,15 @@ def reshard(
     checkpoint ``output`` that ``engine.load_checkpoint`` resumes (docs/reshard.md). A tensor/pipeline-parallel
     checkpoint keeps its tensor and pipeline degrees unless ``tensor_parallel`` / ``pipeline_parallel`` give
     the target's: ``world_size / (tp x pp)`` data-parallel ranks; a pipeline's layers go to the target's stages by
-    ``partition_method`` (DeepSpeed's PipelineModule ``partition_method``: "parameters", its default, or "uniform").
+    ``partition_method`` (DeepSpeed's PipelineModule ``partition_method``: "parameters", its default, or "uniform");
+    a MoE checkpoint's experts are regrouped over ``expert_parallel`` expert-parallel ranks.
     CK403 for a kind it does not reshard yet, CK410 for a target it cannot write; nothing written then."""
     require("reshard", checkpoint, manifest, tag)
-    degrees = {"tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel}
+    degrees = {
+        "tensor_parallel": tensor_parallel,
+        "pipeline_parallel": pipeline_parallel,
+        "expert_parallel": expert_parallel,
+    }
     if described_by_index(checkpoint, manifest, tag):
         from .reshard_parallel import reshard_model_parallel
 

@@ -48,6 +48,7 @@ def reshard_model_parallel(
     tensor_parallel: int | None = None,
     pipeline_parallel: int | None = None,
     partition_method: str | None = None,
+    expert_parallel: int | None = None,
 ) -> ReshardResult:
     """Validate ``checkpoint`` (digests included), then write it for ``world_size`` ranks in all: the same
     tensor and pipeline degrees, ``world_size / (tp x pp)`` data-parallel ranks (and ``zero_stage``).
@@ -68,11 +69,16 @@ def reshard_model_parallel(
         merge, stages, stage0, moe, targets = None, None, None, None, {}
         try:  # CK410 before anything is written
             refuse_degree_changes(found, tensor_parallel if tensor_parallel != 1 else None, pipeline_parallel)
+            if expert_parallel is not None and not found.expert_files:
+                raise ReshardUnsupported(
+                    f"--expert-parallel {expert_parallel} of a checkpoint without experts",
+                    "leave --expert-parallel out: it regroups a MoE checkpoint's experts",
+                )
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
             if tensor_parallel == 1 and found.topology.degrees.tensor != 1:
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
             elif found.expert_files:  # MoE: the dense and expert groups, each over its own ranks
-                moe = plan_moe(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
+                moe = plan_moe(found, src_dir, plans, states, world_size, zero_stage, expert_parallel)  # type: ignore[arg-type]
             elif is_stage0_source(found):  # written as ZeRO: the whole model (one domain), or each pipeline stage
                 stage0 = plan_stage0_source(found, src_dir, plans, states, world_size, zero_stage, pipeline_parallel)  # type: ignore[arg-type]
                 if found.topology.degrees.pipeline == 1:
@@ -163,9 +169,16 @@ def refuse_degree_changes(index: CheckpointIndex, tensor_parallel: int | None, p
             )
 
 
-def refuse_degrees_of_plain_zero(checkpoint, tensor_parallel: int | None, pipeline_parallel: int | None) -> None:
-    """CK410 for a tensor or pipeline degree above 1 asked of a plain ZeRO (tp 1, pp 1) checkpoint."""
-    for flag, wanted in (("--tensor-parallel", tensor_parallel), ("--pipeline-parallel", pipeline_parallel)):
+def refuse_degrees_of_plain_zero(
+    checkpoint, tensor_parallel: int | None, pipeline_parallel: int | None, expert_parallel: int | None = None
+) -> None:
+    """CK410 for a tensor, pipeline or expert degree above 1 asked of a plain ZeRO (tp 1, pp 1) checkpoint."""
+    flags = (
+        ("--tensor-parallel", tensor_parallel),
+        ("--pipeline-parallel", pipeline_parallel),
+        ("--expert-parallel", expert_parallel),
+    )
+    for flag, wanted in flags:
         if wanted not in (None, 1):
             raise ReshardUnsupported(
                 f"{flag} {wanted} of a data-parallel checkpoint (degree 1) is not supported yet",

@@ -146,13 +146,16 @@ def _raw(array) -> tuple:
     return array.dtype.str, array.shape, array.tobytes()
 
 
-def check_same_to_ckptspec(before, after, *, unit_scaler_added: bool = False, optimizer_keys=None) -> None:
+def check_same_to_ckptspec(
+    before, after, *, unit_scaler_added: bool = False, optimizer_keys=None, expert_group_name: str | None = None
+) -> None:
     """Two opened checkpoints (``ckptspec.open``) hold the same whole model and optimizer state, bit for bit:
     the same names (a root module's buffer may come first in one and last in the other), hyperparameters, step.
     ``unit_scaler_added``: ``after`` may hold a static loss scaler of scale 1 where ``before`` records none (a ZeRO
     file always pickles one; a stage-0 job's optimizer saves none, or no loss scaler object). ``optimizer_keys``:
     the optimizer metadata compared (default: all of it; a stage-0 checkpoint's records no loss scaler or
-    clip_grad)."""
+    clip_grad). ``expert_group_name``: the name a MoE expert group (``moe: True``) has in ``after`` (DeepSpeed names
+    it by the expert-parallel degree, ``ep_size_E``), where the degree changed."""
     expected, got = before.state_dict(framework="numpy"), after.state_dict(framework="numpy")
     assert sorted(got) == sorted(expected) and expected
     for key, array in expected.items():
@@ -161,6 +164,9 @@ def check_same_to_ckptspec(before, after, *, unit_scaler_added: bool = False, op
     if unit_scaler_added and "loss_scaler" not in optimizer:
         scaler = optimizer_after.pop("loss_scaler")
         assert scaler == {"kind": "LossScaler", "state": {"cur_scale": 1.0, "dynamic": False}}, scaler
+    for group in optimizer.get("groups", []) if expert_group_name else []:
+        if group["hyperparameters"].get("moe"):
+            group["hyperparameters"]["name"] = expert_group_name
     if optimizer_keys is not None:
         optimizer, optimizer_after = ({k: o.get(k) for k in optimizer_keys} for o in (optimizer, optimizer_after))
     assert optimizer_after == optimizer and sorted(states_after) == sorted(states)

@@ -146,8 +146,11 @@ EXTRAS_SPECS = {
     ),
 }
 EXTRAS = sorted(EXTRAS_SPECS)
+# A MoE at expert-parallel degree 1 (every rank holds both experts): the source of an expert degree change (issue
+# #40). Not in PARALLEL, loaded by its "+optim" entry and resharded by DEGREE_RESHARDS.
+EP_ONE_SPECS = {"moe-ep1-s1-fp32-ws2": ({"ep": 1, "experts": 2, "stage": 1, "dtype": "fp32"}, 2)}
 # Every "parallel" job's spec and world size, by name.
-SOURCE_SPECS = {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS, **ZERO_DENSE_SPECS}
+SOURCE_SPECS = {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS, **ZERO_DENSE_SPECS, **EP_ONE_SPECS}
 # Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries
 # they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16).
 HOOKED = [
@@ -245,6 +248,11 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "moe-ep2-s1-bf16-ws4>ws2": ("moe-ep2-s1-bf16-ws4", 2, {}, {}),
     "moe-ep2-s2-fp32-ws2>ws4": ("moe-ep2-s2-fp32-ws2", 4, {}, {}),
     "moe-ep2-s1-fp32-ws4>s2-ws2": ("moe-ep2-s1-fp32-ws4", 2, {"stage": 2}, {"stage": 2}),
+    # another expert-parallel degree: the experts regrouped over the expert-parallel ranks
+    "moe-ep2-s1-fp32-ws2>ep1": ("moe-ep2-s1-fp32-ws2", 2, {"ep": 1}, {"expert_parallel": 1}),
+    "moe-ep2-s2-bf16-ws4>ep1-ws2": ("moe-ep2-s2-bf16-ws4", 2, {"ep": 1}, {"expert_parallel": 1}),
+    "moe-ep1-s1-fp32-ws2>ep2": ("moe-ep1-s1-fp32-ws2", 2, {"ep": 2}, {"expert_parallel": 2}),
+    "moe-ep2-s1-bf16-ws4>ep4": ("moe-ep2-s1-bf16-ws4", 4, {"ep": 4}, {"expert_parallel": 4}),
     # to ZeRO stage 0 (one model-states file: fp32, the torch optimizer's state; bf16/fp16, FP16_UnfusedOptimizer's)
     "dense-s2-fp32-ws2>s0-ws3": ("dense-s2-fp32-ws2", 3, _S0, _S0),
     "dense-s1-fp16-ws2>s0": ("dense-s1-fp16-ws2", 2, _S0, _S0),
@@ -269,7 +277,7 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
 
 
 def source_spec(name: str) -> dict:
-    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS or ZERO_DENSE_SPECS entry."""
+    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS, ZERO_DENSE_SPECS or EP_ONE_SPECS entry."""
     return SOURCE_SPECS[name][0]
 
 

@@ -1,13 +1,14 @@
-"""#40: a MoE ZeRO-1/2 checkpoint (``deepspeed.moe.layer.MoE``) resharded to another world size at the same
-expert-parallel degree (``ckptspec reshard --world-size N [--stage S]``).
+"""#40: a MoE ZeRO-1/2 checkpoint (``deepspeed.moe.layer.MoE``) resharded to another world size, stage or
+expert-parallel degree (``ckptspec reshard --world-size N [--stage S] [--expert-parallel E]``).
 
 Ground truth: a real DeepSpeed job of the same MoE model at the target world size resumes from what ``ckptspec
 reshard`` wrote (``engine.load_checkpoint``: tests/_harness/optim_job.py, ``DEGREE_RESHARDS``) and records every
 parameter's fp32 master (``safe_get_full_fp32_param``), Adam moments (``safe_get_full_optimizer_state``), step,
 param groups and the logits of a fixed batch, by global name (an expert's on the ranks of its expert-parallel
 rank). The source's own job (its ``+optim`` entry) recorded the same after loading the source: every value must be
-equal, bit for bit. The target's expert-data-parallel groups differ in size from the source's (ws4: 2 ranks per
-expert group, ws2: 1), so each expert group's partitions are laid out anew as well as the dense group's.
+equal, bit for bit. The target's expert-data-parallel groups differ in size from the source's (ws4 ep2: 2 ranks per
+expert group, ws2 ep2: 1, ws2 ep1: 2), and with another expert degree each rank holds other experts under other
+local names, so each expert group's partitions are laid out anew as well as the dense group's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from _harness.parallel_oracles import (
     bits_equal,
     check_same_to_ckptspec,
@@ -29,6 +31,11 @@ import ckptspec
 from ckptspec.cli import cli
 from ckptspec.deepspeed.kinds import Kind
 
+# The logits of a bf16 MoE at another expert-parallel degree: the same masters and inputs, but each rank's experts
+# and the all-to-all that brings their bf16 outputs back differ, so bf16 sums are rounded in another order (fp32:
+# bit for bit). The bound: two bf16 epsilons at the largest logit (measured: 9.8e-4 at logits up to 0.27; 0.0041
+# allowed).
+LOGITS_BOUND = 2 * torch.finfo(torch.bfloat16).eps
 MOE = sorted(n for n, (source, *_) in DEGREE_RESHARDS.items() if source_spec(source).get("ep"))
 
 
@@ -39,7 +46,7 @@ def test_a_moe_job_resumes_the_resharded_checkpoint_bit_for_bit(name, ds):
     outcome = json.loads((entry / "optim.json").read_text())
     assert outcome.get("reshard_error") is None, outcome
     target, before = optim_records(entry), optim_records(ds.path(optim_name(source)))
-    assert len(target) == world_size and len(before) != world_size
+    assert len(target) == world_size
     masters, expected = union_of([r["master"] for r in target]), union_of([r["master"] for r in before])
     assert masters.keys() == expected.keys() and any("experts" in n for n in masters)
     for n, master in expected.items():
@@ -52,9 +59,16 @@ def test_a_moe_job_resumes_the_resharded_checkpoint_bit_for_bit(name, ds):
             assert bits_equal(held[n], value), (n, key)
     steps = {s for r in [*before, *target] for s in r["step"].values()}
     assert len(steps) == 1 and steps != {0}, steps
-    assert all(r["param_groups"] == before[0]["param_groups"] for r in target)
-    logits = logits_of(target)
-    assert logits.abs().max() > 0 and bits_equal(logits, logits_of(before))
+    # the same hyperparameters; DeepSpeed names the expert group by the job's expert-parallel degree
+    renamed = [{**g, "name": f"ep_size_{spec['ep']}"} if g.get("moe") else g for g in before[0]["param_groups"]]
+    assert any(g.get("moe") for g in renamed) and all(r["param_groups"] == renamed for r in target)
+    logits, expected = logits_of(target), logits_of(before)
+    assert logits.abs().max() > 0
+    if spec["ep"] == source_spec(source)["ep"] or spec["dtype"] == "fp32":
+        assert bits_equal(logits, expected)
+    else:  # LOGITS_BOUND: another expert degree combines bf16 expert outputs in another order
+        bound = LOGITS_BOUND * expected.abs().max().item()
+        assert (logits - expected).abs().max().item() <= bound, (logits - expected).abs().max()
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -67,7 +81,7 @@ def test_the_resharded_moe_checkpoint_is_the_source_to_ckptspec(name, ds):
     assert after.kind == Kind.MOE and after.index.topology.degrees.data == world_size
     assert after.index.topology.degrees.expert == spec["ep"]
     assert {d.configured_zero_stage for d in after.domains} == {spec["stage"]}
-    check_same_to_ckptspec(before, after)
+    check_same_to_ckptspec(before, after, expert_group_name=f"ep_size_{spec['ep']}")
 
 
 @pytest.mark.parametrize(
