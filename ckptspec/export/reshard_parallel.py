@@ -34,7 +34,7 @@ from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
 from .reshard_pipeline import pipeline_target, write_stages
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
-from .reshard_tensor import plan_tensor_merge
+from .reshard_tensor import plan_tensor_merge, refuse_unpartitioned
 
 
 def reshard_model_parallel(
@@ -151,8 +151,9 @@ def _written_stage(merge, stages, stage0, targets) -> int:
 
 
 def refuse_degree_changes(index: CheckpointIndex, tensor_parallel: int | None, pipeline_parallel: int | None) -> None:
-    """CK410 for a tensor degree other than the source's (not written yet), and for a pipeline degree change
-    together with one (``reshard_pipeline`` changes the pipeline degree at the same tensor degree)."""
+    """CK410 for a tensor degree other than the source's and other than 1 (``reshard_tensor`` merges to 1; splits
+    are not written yet), and for a pipeline degree change together with one (``reshard_pipeline`` changes the
+    pipeline degree at the same tensor degree)."""
     degrees = index.topology.degrees
     for flag, wanted, held in (
         ("--tensor-parallel", tensor_parallel, degrees.tensor),
@@ -199,14 +200,9 @@ def target_layouts(index: CheckpointIndex, world_size: int, zero_stage: int | No
             f"{model_parallel} parts",
         )
     data = world_size // model_parallel
+    refuse_unpartitioned(index, "the data axis of tensor/pipeline-parallel ZeRO-1/2 checkpoints is what is moved")
     out: dict[str, TargetLayout] = {}
     for d in index.domains:
-        if d.masters is not None or d.manifest.layout.zero_stage not in (1, 2):
-            raise ReshardUnsupported(
-                f"domain {d.id} is not a ZeRO stage 1 or 2 partition (stage {d.manifest.layout.zero_stage}); "
-                "the data axis of tensor/pipeline-parallel ZeRO-1/2 checkpoints is what reshard moves so far",
-                "resume at the same layout",
-            )
         if zero_stage not in (None, 1, 2):
             raise ReshardUnsupported(
                 f"--stage {zero_stage} for a tensor/pipeline-parallel checkpoint: stage 1 and 2 targets are written",

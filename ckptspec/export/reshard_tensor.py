@@ -94,15 +94,20 @@ def refuse_unmergeable(index: CheckpointIndex, world_size: int) -> None:
             f"--tensor-parallel 1 of a pipeline or MoE checkpoint (pp {degrees.pipeline}) is not supported yet",
             "AutoTP checkpoints (pipeline degree 1, no experts) are merged so far",
         )
+    refuse_unpartitioned(index, "tensor-parallel ZeRO-1/2 checkpoints are merged so far")
+    if world_size < 1:
+        raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
+
+
+def refuse_unpartitioned(index: CheckpointIndex, what_is_written: str) -> None:
+    """CK410 for a domain that is not a ZeRO stage 1 or 2 partition (ZeRO-3, or masters located apart)."""
     for d in index.domains:
         if d.masters is not None or d.manifest.layout.zero_stage not in (1, 2):
             raise ReshardUnsupported(
                 f"domain {d.id} is not a ZeRO stage 1 or 2 partition (stage {d.manifest.layout.zero_stage}); "
-                "tensor-parallel ZeRO-1/2 checkpoints are merged so far",
+                f"{what_is_written}",
                 "resume at the same layout",
             )
-    if world_size < 1:
-        raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
 
 
 def whole_manifest(

@@ -135,6 +135,19 @@ def union_of(per_rank: list[dict]) -> dict:
     return out
 
 
+def check_same_moments_and_step(target: list[dict], before: list[dict], names) -> None:
+    """Two optim_job.py tasks' records hold the same Adam moments for ``names`` (by name, on every rank holding
+    each), bit for bit, and one step, not 0, on every rank of both."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        held = union_of([{n: v[key] for n, v in r["state"].items()} for r in target])
+        moments = union_of([{n: v[key] for n, v in r["state"].items()} for r in before])
+        assert held.keys() == moments.keys() == set(names)
+        for n, value in moments.items():
+            assert bits_equal(held[n], value), (n, key)
+    steps = {s for r in [*before, *target] for s in r["step"].values()}
+    assert len(steps) == 1 and steps != {0}, steps
+
+
 def logits_of(records: list[dict]):
     """The logits of the fixed batch an optim_job.py task recorded: every rank's (data parallel, all the same)
     or the last pipeline stage's."""

@@ -18,6 +18,7 @@ import json
 import pytest
 from _harness.parallel_oracles import (
     bits_equal,
+    check_same_moments_and_step,
     check_same_to_ckptspec,
     info,
     logits_of,
@@ -58,14 +59,7 @@ def test_a_zero_job_resumes_the_stage0_checkpoint_bit_for_bit(name, ds):
     assert loaded.keys() in (set(), masters.keys()) and (loaded or spec.get("pp", 1) == 1)
     for n, master in masters.items():
         assert bits_equal(master, expected[n]) and (not loaded or bits_equal(master, loaded[n])), n
-    for key in ("exp_avg", "exp_avg_sq"):
-        held = union_of([{n: v[key] for n, v in r["state"].items()} for r in target])
-        moments = union_of([{n: v[key] for n, v in r["state"].items()} for r in before])
-        assert held.keys() == moments.keys() == masters.keys()
-        for n, value in moments.items():
-            assert bits_equal(held[n], value), (n, key)
-    steps = {s for r in [*before, *target] for s in r["step"].values()}
-    assert len(steps) == 1 and steps != {0}, steps
+    check_same_moments_and_step(target, before, masters)
     assert all(r["param_groups"] == before[0]["param_groups"] for r in target)
 
 

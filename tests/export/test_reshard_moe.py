@@ -19,6 +19,7 @@ import pytest
 import torch
 from _harness.parallel_oracles import (
     bits_equal,
+    check_same_moments_and_step,
     check_same_to_ckptspec,
     logits_of,
     optim_records,
@@ -51,14 +52,7 @@ def test_a_moe_job_resumes_the_resharded_checkpoint_bit_for_bit(name, ds):
     assert masters.keys() == expected.keys() and any("experts" in n for n in masters)
     for n, master in expected.items():
         assert bits_equal(masters[n], master), n
-    for key in ("exp_avg", "exp_avg_sq"):
-        held = union_of([{n: v[key] for n, v in r["state"].items()} for r in target])
-        moments = union_of([{n: v[key] for n, v in r["state"].items()} for r in before])
-        assert held.keys() == moments.keys() == masters.keys()
-        for n, value in moments.items():
-            assert bits_equal(held[n], value), (n, key)
-    steps = {s for r in [*before, *target] for s in r["step"].values()}
-    assert len(steps) == 1 and steps != {0}, steps
+    check_same_moments_and_step(target, before, masters)
     # the same hyperparameters; DeepSpeed names the expert group by the job's expert-parallel degree
     renamed = [{**g, "name": f"ep_size_{spec['ep']}"} if g.get("moe") else g for g in before[0]["param_groups"]]
     assert any(g.get("moe") for g in renamed) and all(r["param_groups"] == renamed for r in target)
