@@ -82,10 +82,11 @@ def reshard(
     manifest. A tensor- or pipeline-parallel ZeRO-1/2 checkpoint keeps its tensor and pipeline degrees:
     --world-size / (tp x pp) data-parallel ranks, each coordinate's ZeRO partitions resharded, the
     pipeline's layer files copied. --tensor-parallel 1 merges an AutoTP ZeRO-1/2 checkpoint for a job
-    without tensor parallelism on --world-size ranks; --pipeline-parallel N (ZeRO-1 pipelines, tensor degree 1)
-    gives the layers to N stages by --partition-method and rebuilds each stage's ZeRO groups; --expert-parallel N
-    regroups a MoE checkpoint's experts over N expert-parallel ranks. Never executes
-    pickled code; needs torch only to write the pickles, not DeepSpeed.
+    without tensor parallelism on --world-size ranks, another degree splits it by its own AutoTP rules;
+    --pipeline-parallel N (ZeRO-1 pipelines, tensor degree 1) gives the layers to N stages by
+    --partition-method and rebuilds each stage's ZeRO groups; --expert-parallel N regroups a MoE
+    checkpoint's experts over N expert-parallel ranks. Never executes pickled code; needs torch only to
+    write the pickles, not DeepSpeed.
     """
     from ..export.api import reshard as run
 

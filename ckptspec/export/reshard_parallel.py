@@ -35,6 +35,7 @@ from .reshard_moe import plan_moe
 from .reshard_pipeline import pipeline_target, write_stages
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_tensor import plan_tensor_merge, refuse_unpartitioned
+from .reshard_tensor_split import plan_tensor_split
 
 
 def reshard_model_parallel(
@@ -66,16 +67,22 @@ def reshard_model_parallel(
         if found is None or has_errors(findings):
             raise CheckpointInvalid(findings, str(checkpoint))
         src_dir = resolve_tag_dir(checkpoint, tag)
-        merge, stages, stage0, moe, targets = None, None, None, None, {}
+        merge, stages, stage0, moe, split, targets = None, None, None, None, None, {}
         try:  # CK410 before anything is written
-            refuse_degree_changes(found, tensor_parallel if tensor_parallel != 1 else None, pipeline_parallel)
+            degrees = found.topology.degrees
+            splitting = degrees.tensor > 1 and tensor_parallel not in (None, 1, degrees.tensor)
+            refuse_degree_changes(
+                found, None if tensor_parallel == 1 or splitting else tensor_parallel, pipeline_parallel
+            )
             if expert_parallel is not None and not found.expert_files:
                 raise ReshardUnsupported(
                     f"--expert-parallel {expert_parallel} of a checkpoint without experts",
                     "leave --expert-parallel out: it regroups a MoE checkpoint's experts",
                 )
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
-            if tensor_parallel == 1 and found.topology.degrees.tensor != 1:
+            if splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
+                split = plan_tensor_split(found, src_dir, plans, states, world_size, zero_stage, tensor_parallel)  # type: ignore[arg-type]
+            elif tensor_parallel == 1 and found.topology.degrees.tensor != 1:
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
             elif found.expert_files:  # MoE: the dense and expert groups, each over its own ranks
                 moe = plan_moe(found, src_dir, plans, states, world_size, zero_stage, expert_parallel)  # type: ignore[arg-type]
@@ -92,7 +99,9 @@ def reshard_model_parallel(
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         state_plans = (
-            {key: plan_optimizer_state(plan) for key, plan in plans.items()} if merge is stage0 is moe is None else {}
+            {key: plan_optimizer_state(plan) for key, plan in plans.items()}
+            if merge is stage0 is moe is split is None
+            else {}
         )
 
         def build(tmp: Path) -> list[Path]:
@@ -109,6 +118,9 @@ def reshard_model_parallel(
             elif stage0 is not None:
                 for d in found.domains:
                     files += stage0[d.id].write(states, tag_dir)
+            elif split is not None:
+                for write in split:
+                    files += write.write(states, tag_dir)
             elif moe is not None:
                 files += moe.write(states, tag_dir, src_dir)  # type: ignore[arg-type]
                 for expert in found.expert_files:  # one per global expert, whatever the world size
@@ -134,7 +146,7 @@ def reshard_model_parallel(
         src_dir.name,
         degrees.data * degrees.tensor * degrees.pipeline,
         world_size,
-        moe.zero_stage if moe is not None else _written_stage(merge, stages, stage0, targets),
+        moe.zero_stage if moe is not None else _written_stage(merge or (split and split[0]), stages, stage0, targets),
         [output / src_dir.name / f.name for f in files],
     )
 

@@ -27,8 +27,8 @@ from ..format.models import Manifest
 from .arrays import ShardReader
 from .compose import check_replicas
 from .compose_extras import extras_of
-from .compose_plan import IndexReconstructionPlan, compose_source, whole_plan
-from .model_plan import ReconstructionPlan, TensorSource
+from .compose_plan import compose_source, whole_plan
+from .model_plan import ModelPlan, ReconstructionPlan, TensorSource
 from .optimizer_state import OptimizerStatePlan
 from .reshard_files import ModelChanges, lazy_reader, write_files
 from .reshard_layout import TargetLayout, target_layout
@@ -44,15 +44,24 @@ class DataParallelTarget:
     stage-0 source: ``reshard_stage0_source``), planned before anything is written."""
 
     manifest: Manifest  # the whole model's ZeRO domain: tensor rank 0's, every tensor at its whole shape
-    plan: IndexReconstructionPlan  # the whole model's fp32 masters, frozen parameters and buffers
+    plan: ModelPlan  # the fp32 masters, frozen parameters and buffers it is written from
     state_plan: OptimizerStatePlan  # the whole model's optimizer states
     target: TargetLayout
     changes: ModelChanges
     source: SourceOptimizer | None = None  # made when the source has no ZeRO-1/2 optimizer files
+    mp_rank: int | None = None  # the tensor rank of the written files' names (``reshard_tensor_split``)
 
     def write(self, states: StateCache, tag_dir: Path) -> list[Path]:
         return write_files(
-            self.manifest, self.plan, self.state_plan, self.target, states, tag_dir, self.changes, source=self.source
+            self.manifest,
+            self.plan,
+            self.state_plan,
+            self.target,
+            states,
+            tag_dir,
+            self.changes,
+            mp_rank=self.mp_rank,
+            source=self.source,
         )
 
 

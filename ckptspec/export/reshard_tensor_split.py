@@ -1,0 +1,177 @@
+"""``ckptspec reshard --tensor-parallel T`` of an AutoTP ZeRO-1/2 checkpoint: its tensors split over T tensor ranks.
+
+The source's checkpoint index says how AutoTP splits each tensor: along one axis (a column-parallel weight and bias:
+axis 0, a row-parallel weight: axis 1) or not at all (replicated). The target keeps each tensor's rule at another
+degree. The whole model is composed as for the merge (``reshard_tensor``), then each tensor rank's shards are cut
+from it (no byte is held: a shard is the whole tensor's segments at the rank's runs). Each tensor rank is written by
+the ZeRO writer as a domain of ``world_size / T`` data-parallel ranks under its ``mp_rank_XX`` names.
+
+What an AutoTP job of degree T saves besides its shards, set here: ``mp_world_size`` T,
+``checkpoint_parallel_dimensions`` tp T, ``tensor_parallel.autotp_size`` T in the saved ``ds_config``, and
+``universal_checkpoint_info`` with the patterns and the ``affine_map`` (version 1) DeepSpeed 0.19 records: for every
+parameter, each rank's shard shape and the one piece of the whole tensor it holds.
+Refused by name (CK410): a split axis T does not divide, a source other than AutoTP ZeRO-1/2 at pipeline degree 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.states import StateCache
+from ..errors import ReshardUnsupported
+from ..format.index_models import CheckpointIndex, Split, SplitPlacement
+from .arrays import ShardReader
+from .compose import check_replicas
+from .compose_extras import extras_of
+from .compose_plan import _cut, _runs_of, whole_plan
+from .model_plan import ReconstructionPlan, TensorSource
+from .optimizer_state import OptimizerStatePlan
+from .reshard_files import ModelChanges
+from .reshard_layout import target_layout
+from .reshard_tensor import DataParallelTarget, _merged_module, refuse_unmergeable, whole_manifest
+
+
+def plan_tensor_split(
+    index: CheckpointIndex,
+    tag_dir: Path,
+    plans: dict[str, ReconstructionPlan],
+    states: StateCache,
+    world_size: int,
+    zero_stage: int | None,
+    degree: int,
+) -> list[DataParallelTarget]:
+    """One write per target tensor rank; CK410 before anything is written."""
+    refuse_unmergeable(index, world_size)
+    if world_size % degree:
+        raise ReshardUnsupported(
+            f"--world-size {world_size} is not a multiple of --tensor-parallel {degree}",
+            f"give a multiple of {degree}: each data-parallel rank holds one copy of the {degree} tensor ranks",
+        )
+    first = next(d for d in index.domains if d.coordinate.tensor == 0)
+    extras, ties = extras_of(index, tag_dir, plans, states)
+    whole = whole_plan(index, tag_dir, plans, extras, ties)
+    whole.states = states
+    with ShardReader() as files:
+        check_replicas(whole, files)  # a replicated copy that differs between tensor ranks: CK401
+    axes = _split_axes(index, extras, degree)
+    by_local = {s.local_name: p for p in index.parameters for s in p.shards if s.domain == first.id}
+    manifest = whole_manifest(first.manifest, by_local, {name: shape for name, (shape, _) in extras.items()})
+    state_plan = whole.optimizer_state_plan()
+    module = {**_merged_module(index, plans, tag_dir, states), **{n: whole.sources[n] for n in extras}}
+    config = _with_degree(degree)
+    info = universal_info(manifest, axes, degree)
+    writes = []
+    for rank in range(degree):
+        cut = {n: _shard(s, axes.get(n), rank, degree) for n, s in whole.sources.items()}
+        shard_manifest = _shard_manifest(manifest, cut, degree)
+        shard_plan = ReconstructionPlan(tag_dir, cut, dict(whole.aliases), list(whole.order), manifest=shard_manifest)
+        moments = {k: _shard(s, axes.get(k.rsplit(".", 1)[0]), rank, degree) for k, s in state_plan.sources.items()}
+        shard_states = OptimizerStatePlan(moments, state_plan.states, state_plan.metadata)
+        changes = ModelChanges(
+            module={n: _shard(s, axes.get(n), rank, degree) for n, s in module.items()},
+            set_keys={
+                "mp_world_size": degree,
+                "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": degree},
+                "universal_checkpoint_info": info,
+            },
+            drop_keys=(),
+            config=config,
+        )
+        target = target_layout(shard_manifest, world_size // degree, zero_stage, domain=True)
+        writes.append(DataParallelTarget(shard_manifest, shard_plan, shard_states, target, changes, mp_rank=rank))
+    return writes
+
+
+def _split_axes(index: CheckpointIndex, extras, degree: int) -> dict[str, int]:
+    """name -> the axis AutoTP splits it along (absent: replicated), from the source's placements: the parameters',
+    and the frozen parameters' and buffers' (``extras``: name -> (shape, shards))."""
+    placed = [(p.name, list(p.shape), [s for s in p.shards]) for p in index.parameters]
+    placed += [(name, shape, [s for s, _ in shards]) for name, (shape, shards) in extras.items()]
+    out = {}
+    for name, shape, shards in placed:
+        axes = {s.placement.split.axis for s in shards if isinstance(s.placement, SplitPlacement)}
+        if not axes:
+            continue
+        (axis,) = axes
+        if shape[axis] % degree:
+            raise ReshardUnsupported(
+                f"{name} has {shape[axis]} elements along its split axis {axis}: not a multiple of "
+                f"--tensor-parallel {degree}",
+                "give a degree that divides every split axis",
+            )
+        out[name] = axis
+    return out
+
+
+def _shard(source: TensorSource, axis: int | None, rank: int, degree: int) -> TensorSource:
+    """Tensor rank ``rank``'s shard of the whole ``source``: the segments of its runs (replicated: the whole)."""
+    if axis is None:
+        return source
+    whole = list(source.shape)
+    length = whole[axis] // degree
+    local = [*whole[:axis], length, *whole[axis + 1 :]]
+    placement = SplitPlacement(split=Split(axis=axis, offset=rank * length, length=length))
+    segments = [seg for start, _, count in _runs_of(placement, whole, local) for seg in _cut(source, start, count)]
+    return TensorSource(source.name, tuple(local), source.dtype, segments, source.role, None, source.origin)
+
+
+def _shard_manifest(manifest, cut: dict[str, TensorSource], degree: int):
+    """``manifest`` at each parameter's shard shape, tensor degree ``degree``."""
+    out = manifest.model_copy(deep=True)
+    for group in out.groups:
+        for p in group.params:
+            p.shape, p.numel = list(cut[p.name].shape), math.prod(cut[p.name].shape)
+    for f in out.frozen:
+        if f.name in cut:
+            f.shape, f.numel = list(cut[f.name].shape), math.prod(cut[f.name].shape)
+    out.layout.tensor_parallel_size = degree
+    return out
+
+
+def universal_info(manifest, axes: dict[str, int], degree: int) -> dict[str, Any]:
+    """DeepSpeed 0.19's ``universal_checkpoint_info`` of an AutoTP job of ``degree``: the row-parallel and
+    replicated patterns and, for every parameter, the piece of the whole tensor each rank holds (``affine_map``)."""
+    names = [p.name for g in manifest.groups for p in g.params] + [f.name for f in manifest.frozen]
+    shapes = {p.name: list(p.shape) for g in manifest.groups for p in g.params}
+    shapes.update({f.name: list(f.shape) for f in manifest.frozen})
+    params = {}
+    for name in names:
+        whole = shapes[name]
+        strides = [math.prod(whole[i + 1 :]) for i in range(len(whole))]
+        axis = axes.get(name)
+        ranks = {}
+        for rank in range(degree):
+            local = list(whole)
+            offset = 0
+            if axis is not None:
+                local[axis] = whole[axis] // degree
+                offset = rank * local[axis] * strides[axis]
+            local_strides = [math.prod(local[i + 1 :]) for i in range(len(local))]
+            piece = {"shape": local, "source": [offset, strides], "dest": [0, local_strides], "locations": [rank]}
+            ranks[rank] = {"shard_shape": local, "pieces": [piece]}
+        params[f"^{re.escape(name)}$"] = {"logical_shape": whole, "ranks": ranks}
+    return {
+        "universal_checkpoint_version": 0.4,
+        "parameter_with_row_parallelism_patterns": [f"^{re.escape(n)}$" for n in names if axes.get(n) == 1],
+        "tp_replicated_parameter_patterns": [f"^{re.escape(n)}$" for n in names if n not in axes],
+        "vocabulary_parameter_patterns": [],
+        "parameter_with_sub_params": [],
+        "autotp_unsupported_parameter_patterns": {},
+        "affine_map": {"version": 1, "params": params},
+    }
+
+
+def _with_degree(degree: int):
+    def config(saved: Any) -> Any:
+        """The saved ``ds_config`` with ``tensor_parallel.autotp_size`` the target's."""
+        if not isinstance(saved, dict):
+            return saved
+        out = copy.deepcopy(saved)
+        out.setdefault("tensor_parallel", {})["autotp_size"] = degree
+        return out
+
+    return config
