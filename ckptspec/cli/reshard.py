@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from ._common import OUTPUT_DIR, writing_deepspeed_files
@@ -52,6 +54,15 @@ from ._common import OUTPUT_DIR, writing_deepspeed_files
     default=None,
     help="With --pipeline-parallel: the target PipelineModule's partition_method (default: parameters, DeepSpeed's).",
 )
+@click.option(
+    "--ds-config",
+    "ds_config",
+    type=click.File("rb"),
+    default=None,
+    metavar="FILE",
+    help="With --tensor-parallel T of a data-parallel checkpoint: the target job's ds_config (JSON), whose "
+    "tensor_parallel.partition_config.layer_specs say how AutoTP splits each layer.",
+)
 @click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
 @click.option(
     "--manifest",
@@ -69,6 +80,7 @@ def reshard(
     pipeline_parallel: int | None,
     expert_parallel: int | None,
     partition_method: str | None,
+    ds_config,
     tag,
     manifest,
 ) -> None:
@@ -101,6 +113,7 @@ def reshard(
             pipeline_parallel=pipeline_parallel,
             expert_parallel=expert_parallel,
             partition_method=partition_method,
+            ds_config=_json_object(ds_config),
             tag=tag,
             manifest=manifest,
         )
@@ -108,3 +121,17 @@ def reshard(
         f"{result.output}: {result.tag} resharded from {result.source_world_size} to {result.world_size} ranks "
         f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with engine.load_checkpoint('{output}')"
     )
+
+
+def _json_object(file) -> dict | None:
+    """The --ds-config file's JSON object (at most 16 MiB); a usage error (exit 2) otherwise."""
+    if file is None:
+        return None
+    data = file.read(16 * 1024 * 1024 + 1)
+    try:
+        value = json.loads(data) if len(data) <= 16 * 1024 * 1024 else None
+    except ValueError as exc:
+        raise click.BadParameter(f"{file.name}: not JSON ({exc})", param_hint="--ds-config") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter(f"{file.name}: not a JSON object of at most 16 MiB", param_hint="--ds-config")
+    return value

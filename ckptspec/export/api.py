@@ -136,6 +136,7 @@ def reshard(
     pipeline_parallel: int | None = None,
     expert_parallel: int | None = None,
     partition_method: str | None = None,
+    ds_config: dict | None = None,
     manifest: Any = None,
     tag: str | None = None,
 ) -> Any:
@@ -144,7 +145,9 @@ def reshard(
     checkpoint keeps its tensor and pipeline degrees unless ``tensor_parallel`` / ``pipeline_parallel`` give
     the target's: ``world_size / (tp x pp)`` data-parallel ranks; a pipeline's layers go to the target's stages by
     ``partition_method`` (DeepSpeed's PipelineModule ``partition_method``: "parameters", its default, or "uniform");
-    a MoE checkpoint's experts are regrouped over ``expert_parallel`` expert-parallel ranks.
+    a MoE checkpoint's experts are regrouped over ``expert_parallel`` expert-parallel ranks. A data-parallel
+    checkpoint is split for an AutoTP job of ``tensor_parallel`` ranks by its ``ds_config`` (the target job's:
+    ``tensor_parallel.partition_config.layer_specs``).
     CK403 for a kind it does not reshard yet, CK410 for a target it cannot write; nothing written then."""
     require("reshard", checkpoint, manifest, tag)
     degrees = {
@@ -167,11 +170,20 @@ def reshard(
         )
     from .reshard_parallel import refuse_degrees_of_plain_zero
 
-    refuse_degrees_of_plain_zero(checkpoint, **degrees)  # a plain ZeRO checkpoint is tp 1, pp 1
+    # a plain ZeRO checkpoint is tp 1, pp 1: split for AutoTP by the target's ds_config, no other degree
+    refuse_degrees_of_plain_zero(checkpoint, None, pipeline_parallel, expert_parallel)
     from .reshard import reshard as reshard_zero
 
     return reshard_zero(
-        checkpoint, output, world_size, zero_stage=zero_stage, sub_group_size=sub_group_size, tag=tag, manifest=manifest
+        checkpoint,
+        output,
+        world_size,
+        zero_stage=zero_stage,
+        sub_group_size=sub_group_size,
+        tag=tag,
+        manifest=manifest,
+        tensor_parallel=tensor_parallel,
+        ds_config=ds_config,
     )
 
 

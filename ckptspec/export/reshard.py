@@ -59,8 +59,15 @@ def reshard(
     sub_group_size: int | None = None,
     tag: str | None = None,
     manifest: Manifest | str | os.PathLike | None = None,
+    tensor_parallel: int | None = None,
+    ds_config: dict | None = None,
 ) -> ReshardResult:
-    """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) into ``output``."""
+    """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) into ``output``;
+    ``tensor_parallel`` above 1: for an AutoTP job of that degree, by the rules of its ``ds_config``."""
+    if tensor_parallel not in (None, 1):
+        return _reshard_to_tensor_parallel(
+            checkpoint, output, world_size, zero_stage, tag, manifest, tensor_parallel, ds_config
+        )
     with held_new_output(output, "the resharded checkpoint") as out:
         found, states = validated_source(checkpoint, manifest, tag)
         try:
@@ -104,6 +111,41 @@ def reshard(
         target.zero_stage,
         [output / plan.tag_dir.name / f.name for f in files],
     )
+
+
+def _reshard_to_tensor_parallel(
+    checkpoint, output, world_size: int, zero_stage, tag, manifest, degree: int, ds_config
+) -> ReshardResult:
+    """A data-parallel ZeRO-1/2 checkpoint written for an AutoTP job of ``degree`` (``reshard_tensor_split``),
+    validated from its files as a tensor-parallel checkpoint index before it is put in place."""
+    from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
+    from .reshard_tensor_split import plan_data_parallel_split
+
+    with held_new_output(output, "the resharded checkpoint") as out:
+        found, states = validated_source(checkpoint, manifest, tag)
+        plan = plan_reconstruction(checkpoint, found, tag, states=states)
+        state_plan = plan_optimizer_state(plan)
+        try:  # CK410 before anything is written
+            writes = plan_data_parallel_split(
+                found, plan, state_plan, states, world_size, zero_stage, degree, ds_config
+            )
+        except ReshardUnsupported as exc:
+            raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
+
+        def build(tmp: Path) -> list:
+            tag_dir = tmp / plan.tag_dir.name
+            tag_dir.mkdir()
+            files = [f for write in writes for f in write.write(states, tag_dir)]
+            (tmp / "latest").write_text(plan.tag_dir.name)
+            written, findings = validate_index_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
+            if written is None or has_errors(findings):
+                raise CheckpointInvalid(findings, str(output))
+            return files
+
+        files = build_and_publish(out, build)
+    stage = writes[0].target.zero_stage
+    written = [Path(output) / plan.tag_dir.name / f.name for f in files]
+    return ReshardResult(Path(output), plan.tag_dir.name, found.layout.world_size, world_size, stage, written)
 
 
 def validated_source(checkpoint, manifest, tag) -> tuple[Manifest, StateCache]:

@@ -188,6 +188,7 @@ def write_files(
         doc = _model_states(states.state(model), found, target, lazy, full, files)
         if changes is not None:
             doc = {k: changes.set_keys.get(k, v) for k, v in doc.items() if k not in changes.drop_keys}
+            doc.update({k: v for k, v in changes.set_keys.items() if k not in doc})  # saved last, as DeepSpeed does
             doc["ds_config"] = config(doc["ds_config"])
         doc = {**doc, **(model_changes or {})}
         # the low-precision group buffers a chunk at a time; torch.save's bytes (shapes as tuples)

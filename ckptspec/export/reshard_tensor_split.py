@@ -30,7 +30,7 @@ from .compose_extras import extras_of
 from .compose_plan import _cut, _runs_of, whole_plan
 from .model_plan import ReconstructionPlan, TensorSource
 from .optimizer_state import OptimizerStatePlan
-from .reshard_files import ModelChanges
+from .reshard_files import ModelChanges, lazy_reader
 from .reshard_layout import target_layout
 from .reshard_tensor import DataParallelTarget, _merged_module, refuse_unmergeable, whole_manifest
 
@@ -60,8 +60,89 @@ def plan_tensor_split(
     axes = _split_axes(index, extras, degree)
     by_local = {s.local_name: p for p in index.parameters for s in p.shards if s.domain == first.id}
     manifest = whole_manifest(first.manifest, by_local, {name: shape for name, (shape, _) in extras.items()})
-    state_plan = whole.optimizer_state_plan()
     module = {**_merged_module(index, plans, tag_dir, states), **{n: whole.sources[n] for n in extras}}
+    return split_writes(manifest, whole, whole.optimizer_state_plan(), module, axes, world_size, zero_stage, degree)
+
+
+def plan_data_parallel_split(
+    found, plan, state_plan: OptimizerStatePlan, states: StateCache, world_size: int, zero_stage, degree: int, config
+) -> list[DataParallelTarget]:
+    """A data-parallel ZeRO-1/2 checkpoint (its format 1.x manifest ``found``) split over ``degree`` tensor ranks by
+    the target's AutoTP rules (``config``: its ``ds_config``); CK410 before anything is written."""
+    if found.layout.zero_stage not in (1, 2) or zero_stage not in (None, 1, 2):
+        raise ReshardUnsupported(
+            "--tensor-parallel of a ZeRO-3 checkpoint, or to stage 3, is not written yet",
+            "reshard a ZeRO-1/2 checkpoint to stage 1 or 2",
+        )
+    if world_size % degree:
+        raise ReshardUnsupported(
+            f"--world-size {world_size} is not a multiple of --tensor-parallel {degree}",
+            f"give a multiple of {degree}: each data-parallel rank holds one copy of the {degree} tensor ranks",
+        )
+    axes = axes_from_config(found, config, degree)
+    model = next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
+    with ShardReader() as files:
+        read = lazy_reader(plan.tag_dir / model, states, files)
+        saved = states.state(plan.tag_dir / model)["module"] or {}
+        module = {n: read.located(n, ref) for n, ref in saved.items()}
+    if any(source is None for source in module.values()):
+        raise ReshardUnsupported(f"{model}: a module tensor is not contiguous", "resume at the same layout")
+    module.update({n: s for n, s in plan.sources.items() if s.role in ("frozen", "buffer")})
+    manifest = found.model_copy(deep=True)
+    manifest.layout.zero_stage = zero_stage or found.layout.zero_stage
+    return split_writes(manifest, plan, state_plan, module, axes, world_size, zero_stage, degree)
+
+
+def axes_from_config(found, config, degree: int) -> dict[str, int]:
+    """name -> the axis AutoTP of ``degree`` splits it along, by the target ``ds_config``'s explicit
+    ``tensor_parallel.partition_config.layer_specs`` (DeepSpeed's ``find_matching_spec`` of a layer's
+    ``<module>.weight``, the first spec that matches): a column-parallel layer's weight and bias along axis 0, a
+    row-parallel layer's weight along axis 1 (its bias is replicated), any other tensor replicated."""
+    tp = (config or {}).get("tensor_parallel") or {}
+    partition = tp.get("partition_config") or {}
+    specs = partition.get("layer_specs")
+    if partition.get("use_default_specs", True) is not False or not specs:
+        raise ReshardUnsupported(
+            "--tensor-parallel of a data-parallel checkpoint needs the target's AutoTP rules: "
+            "tensor_parallel.partition_config.layer_specs with use_default_specs false in --ds-config",
+            "give the target job's ds_config with its layer_specs (DeepSpeed's preset rules are not read)",
+        )
+    for spec in specs:
+        extra = sorted(set(spec) - {"patterns", "partition_type"})
+        if extra or spec.get("partition_type", "column") not in ("column", "row", "skip"):
+            raise ReshardUnsupported(
+                f"a layer spec with {extra or spec.get('partition_type')} is not read yet", "give patterns and a type"
+            )
+    shapes = {p.name: list(p.shape) for g in found.groups for p in g.params}
+    shapes.update({f.name: list(f.shape) for f in found.frozen})
+    out = {}
+    for name, shape in shapes.items():
+        layer, _, attr = name.rpartition(".")
+        spec = next((s for s in specs if any(re.match(p, f"{layer}.weight") for p in s["patterns"])), None)
+        kind = None if spec is None else spec.get("partition_type", "column")
+        if attr not in ("weight", "bias") or kind in (None, "skip") or (kind == "row" and attr == "bias"):
+            continue
+        if len(shapes.get(f"{layer}.weight", [])) != 2:
+            raise ReshardUnsupported(
+                f"{layer}: matched by a {kind} layer spec, but its weight is not 2-D (not a Linear layer)",
+                "narrow the layer_specs patterns to Linear layers",
+            )
+        axis = 0 if kind == "column" else 1
+        if shape[axis] % degree:
+            raise ReshardUnsupported(
+                f"{name} has {shape[axis]} elements along axis {axis}: not a multiple of --tensor-parallel {degree}",
+                "give a degree that divides every split axis",
+            )
+        out[name] = axis
+    return out
+
+
+def split_writes(
+    manifest, whole, state_plan: OptimizerStatePlan, module: dict, axes, world_size: int, zero_stage, degree: int
+) -> list[DataParallelTarget]:
+    """One write per tensor rank of ``degree``: every tensor of the whole model (``whole``'s masters, frozen
+    parameters and buffers, ``state_plan``'s moments, ``module``'s saved weights) cut by ``axes``."""
+    tag_dir = whole.tag_dir
     config = _with_degree(degree)
     info = universal_info(manifest, axes, degree)
     writes = []

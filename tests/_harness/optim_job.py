@@ -102,7 +102,7 @@ def run(args, out: Path):
     spec = normalize({**args["spec"], "steps": 0, "save": False, "universal": False})
     load, reshard_error = args["load"], None
     if args.get("reshard"):
-        load, reshard_error = _resharded(load, out, args["reshard"])
+        load, reshard_error = _resharded(load, out, args["reshard"], spec)
         if reshard_error is not None:
             if dist.get_rank() == 0:
                 (out / "optim.json").write_text(json.dumps({"load": args["load"], "reshard_error": reshard_error}))
@@ -215,7 +215,7 @@ def _universal_engine(spec):
     return engine
 
 
-def _resharded(load: str, out: Path, how: dict) -> tuple[str, str | None]:
+def _resharded(load: str, out: Path, how: dict, spec: dict) -> tuple[str, str | None]:
     """Rank 0 writes ``load`` for this job's world size with ckptspec's reshard into OUT/resharded; every
     rank learns the outcome: (the path to load, the refusal or None)."""
     import torch.distributed as dist
@@ -233,6 +233,8 @@ def _resharded(load: str, out: Path, how: dict) -> tuple[str, str | None]:
                 (target / "latest_universal").write_text("universal")
             else:
                 options = {k: v for k, v in how.items() if k not in ("world_size", "stage")}  # degrees (#40)
+                if options.get("ds_config") == "target":  # the AutoTP rules of this job's own ds_config
+                    options["ds_config"] = ds_config(spec)
                 ckptspec.reshard(load, target, dist.get_world_size(), zero_stage=how.get("stage"), **options)
         except ckptspec.CkptspecError as exc:
             outcome = [f"{exc.code}: {exc.message}"]

@@ -219,6 +219,14 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s1-fp32-ws2>tp4": ("tp2-s1-fp32-ws2", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2dp2-s2-bf16-ws4>tp4": ("tp2dp2-s2-bf16-ws4", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2-s2-bf16-ws2-extras>tp4": ("tp2-s2-bf16-ws2-extras", 4, {"tp": 4}, {"tensor_parallel": 4}),
+    # a data-parallel checkpoint split for AutoTP by the target job's ds_config (its layer_specs)
+    "dense-s2-fp32-ws2>tp2": ("dense-s2-fp32-ws2", 2, {"tp": 2}, {"tensor_parallel": 2, "ds_config": "target"}),
+    "dense-s2-bf16-ws2>tp2-s1-ws4": (
+        "dense-s2-bf16-ws2",
+        4,
+        {"tp": 2, "stage": 1},
+        {"tensor_parallel": 2, "stage": 1, "ds_config": "target"},
+    ),
     "pp2-s1-fp32-ws2>pp1": ("pp2-s1-fp32-ws2", 2, _PP1, {"pipeline_parallel": 1}),  # pp2 -> pp1 x dp2
     "pp2-s1-bf16-ws2>pp1": ("pp2-s1-bf16-ws2", 2, _PP1, {"pipeline_parallel": 1}),
     "pp2dp2-s1-bf16-ws4>pp1": ("pp2dp2-s1-bf16-ws4", 2, _PP1, {"pipeline_parallel": 1}),  # pp2 x dp2 -> pp1 x dp2

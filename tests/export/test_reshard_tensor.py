@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 from _harness.parallel_oracles import check_same_to_ckptspec, optim_records
-from _harness.scenarios import DEGREE_RESHARDS, UNIVERSAL_TOO, optim_name, reshard_target
+from _harness.scenarios import DEGREE_RESHARDS, UNIVERSAL_TOO, optim_name, reshard_target, source_spec
 from click.testing import CliRunner
 
 import ckptspec
@@ -154,19 +154,23 @@ def test_the_merged_checkpoint_is_the_source_to_ckptspec(name, ds):
 
 
 def _whole_shapes(ds, source: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor's whole shape, as the job without tensor parallelism that loaded the source's merge holds it."""
-    merge = next(n for n in MERGES if DEGREE_RESHARDS[n][0] == source)
-    records = optim_records(ds.path(merge))
+    """Every tensor's whole shape, as a job without tensor parallelism holds it: the source's own (tp 1) or the
+    one that loaded the source's merge."""
+    if source_spec(source).get("tp", 1) == 1:
+        records = optim_records(ds.path(optim_name(source)))
+    else:
+        records = optim_records(ds.path(next(n for n in MERGES if DEGREE_RESHARDS[n][0] == source)))
     shapes = {n: tuple(v["master"].shape) for n, v in _held(records).items()}
     return {**shapes, **{n: tuple(t.shape) for n, t in records[0]["module"].items()}}
 
 
 @pytest.mark.parametrize("name", SPLITS)
 def test_a_job_of_more_tensor_ranks_resumes_the_split_checkpoint_bit_for_bit(name, ds):
-    """tp2 -> tp4: every tensor rank's masters, moments, frozen parameters and buffers, put together, are the
-    source's put together; step and param groups the same. Logits: the row-parallel layers now sum T partial
-    products (an all-reduce) where the source summed 2, so the bound is T epsilons at the largest logit (measured at
-    T = 4: 1.8e-7 in fp32 at logits up to 0.87, 0.0022 in bf16 at 0.95)."""
+    """tp2 -> tp4, tp1 -> tp2 (by the target's ds_config): every tensor rank's masters, moments, frozen parameters
+    and buffers, put together, are the source's put together; step and param groups the same. Logits: the
+    row-parallel layers now sum T partial products (an all-reduce) where the source summed another number, so the
+    bound is T epsilons at the largest logit (measured at T = 4: 1.8e-7 in fp32 at logits up to 0.87, 0.0022 in
+    bf16 at 0.95)."""
     source, world_size, spec = reshard_target(name)
     entry = ds.path(name)
     outcome = json.loads((entry / "optim.json").read_text())
@@ -210,14 +214,54 @@ def test_the_split_checkpoint_is_the_source_to_ckptspec(name, ds):
     check_same_to_ckptspec(before, after)
 
 
-def test_splitting_a_data_parallel_checkpoint_is_refused_by_name(ds, tmp_path):
-    """tp1 -> tp2 needs AutoTP's rules of the target (the source records none): not written yet, CK410."""
-    result = CliRunner().invoke(
-        cli,
-        ["reshard", str(ds.path("dense-s2-fp32-ws2")), str(tmp_path / "out"), "--world-size", "2"]
-        + ["--tensor-parallel", "2"],
-    )
-    assert result.exit_code == 1 and "CK410" in result.output and "--tensor-parallel 2" in result.output, result.output
+@pytest.mark.parametrize(
+    "config,says",
+    [
+        (None, "needs the target's AutoTP rules"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "needs the target's AutoTP rules"),  # DeepSpeed's presets
+        (
+            {
+                "tensor_parallel": {
+                    "partition_config": {
+                        "use_default_specs": False,
+                        "layer_specs": [
+                            {"patterns": [".*\\.down\\.weight$"], "partition_type": "row", "shape": [2, -1]}
+                        ],
+                    }
+                }
+            },
+            "a layer spec with ['shape'] is not read yet",
+        ),
+        (
+            {
+                "tensor_parallel": {
+                    "partition_config": {
+                        "use_default_specs": False,
+                        "layer_specs": [{"patterns": [".*\\.up\\.weight$"], "partition_type": "column"}],
+                    }
+                }
+            },
+            "not a multiple of --tensor-parallel 3",
+        ),
+    ],
+)
+def test_splitting_a_data_parallel_checkpoint_without_usable_rules_is_refused_by_name(config, says, ds, tmp_path):
+    """tp1 -> tp3 by what the target's ds_config says, or nothing: refused before anything is written (CK410)."""
+    args = ["reshard", str(ds.path("dense-s2-fp32-ws2")), str(tmp_path / "out"), "--world-size", "3"]
+    args += ["--tensor-parallel", "3"]
+    if config is not None:
+        (tmp_path / "ds_config.json").write_text(json.dumps(config))
+        args += ["--ds-config", str(tmp_path / "ds_config.json")]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1 and "CK410" in result.output and says in result.output, result.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_ds_config_that_is_not_json_is_a_usage_error(ds, tmp_path):
+    (tmp_path / "ds_config.json").write_text("{not json")
+    args = ["reshard", str(ds.path("dense-s2-fp32-ws2")), str(tmp_path / "out"), "--world-size", "2"]
+    result = CliRunner().invoke(cli, [*args, "--tensor-parallel", "2", "--ds-config", str(tmp_path / "ds_config.json")])
+    assert result.exit_code == 2 and "--ds-config" in result.output and "not JSON" in result.output, result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
