@@ -76,6 +76,21 @@ def plan_tensor_merge(
     """The merge of ``index``'s tensor-parallel domains into one data-parallel group of ``world_size`` ranks;
     CK410 for a source it cannot merge, CK401 where replicated copies differ: before anything is written."""
     refuse_unmergeable(index, world_size)
+    manifest, whole, _, module = whole_model(index, tag_dir, plans, states)
+    target = target_layout(manifest, world_size, zero_stage, domain=True)
+    changes = ModelChanges(
+        module=module,
+        set_keys={"mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}},
+        drop_keys=AUTOTP_ONLY_KEYS,
+        config=_without_tensor_parallel,
+    )
+    return DataParallelTarget(manifest, whole, whole.optimizer_state_plan(), target, changes)
+
+
+def whole_model(index: CheckpointIndex, tag_dir: Path, plans: dict[str, ReconstructionPlan], states: StateCache):
+    """The AutoTP checkpoint ``index`` as one model: (tensor rank 0's manifest at whole shapes, the whole plan, the
+    frozen parameters and buffers (``extras_of``), the module's saved weights merged). Replicated copies are
+    compared first (CK401)."""
     first = next(d for d in index.domains if d.coordinate.tensor == 0)
     extras, ties = extras_of(index, tag_dir, plans, states)
     whole = whole_plan(index, tag_dir, plans, extras, ties)
@@ -84,15 +99,8 @@ def plan_tensor_merge(
         check_replicas(whole, files)  # a replicated copy that differs between tensor ranks: CK401
     by_local = {s.local_name: p for p in index.parameters for s in p.shards if s.domain == first.id}
     manifest = whole_manifest(first.manifest, by_local, {name: shape for name, (shape, _) in extras.items()})
-    target = target_layout(manifest, world_size, zero_stage, domain=True)
     module = {**_merged_module(index, plans, tag_dir, states), **{n: whole.sources[n] for n in extras}}
-    changes = ModelChanges(
-        module=module,
-        set_keys={"mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}},
-        drop_keys=AUTOTP_ONLY_KEYS,
-        config=_without_tensor_parallel,
-    )
-    return DataParallelTarget(manifest, whole, whole.optimizer_state_plan(), target, changes)
+    return manifest, whole, extras, module
 
 
 def refuse_unmergeable(index: CheckpointIndex, world_size: int) -> None:

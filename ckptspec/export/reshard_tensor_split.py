@@ -25,14 +25,12 @@ from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.index_models import CheckpointIndex, Split, SplitPlacement
 from .arrays import ShardReader
-from .compose import check_replicas
-from .compose_extras import extras_of
-from .compose_plan import _cut, _runs_of, whole_plan
+from .compose_plan import _cut, _runs_of
 from .model_plan import ReconstructionPlan, TensorSource
 from .optimizer_state import OptimizerStatePlan
 from .reshard_files import ModelChanges, lazy_reader
 from .reshard_layout import target_layout
-from .reshard_tensor import DataParallelTarget, _merged_module, refuse_unmergeable, whole_manifest
+from .reshard_tensor import DataParallelTarget, refuse_unmergeable, whole_model
 
 
 def plan_tensor_split(
@@ -51,16 +49,8 @@ def plan_tensor_split(
             f"--world-size {world_size} is not a multiple of --tensor-parallel {degree}",
             f"give a multiple of {degree}: each data-parallel rank holds one copy of the {degree} tensor ranks",
         )
-    first = next(d for d in index.domains if d.coordinate.tensor == 0)
-    extras, ties = extras_of(index, tag_dir, plans, states)
-    whole = whole_plan(index, tag_dir, plans, extras, ties)
-    whole.states = states
-    with ShardReader() as files:
-        check_replicas(whole, files)  # a replicated copy that differs between tensor ranks: CK401
+    manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
     axes = _split_axes(index, extras, degree)
-    by_local = {s.local_name: p for p in index.parameters for s in p.shards if s.domain == first.id}
-    manifest = whole_manifest(first.manifest, by_local, {name: shape for name, (shape, _) in extras.items()})
-    module = {**_merged_module(index, plans, tag_dir, states), **{n: whole.sources[n] for n in extras}}
     return split_writes(manifest, whole, whole.optimizer_state_plan(), module, axes, world_size, zero_stage, degree)
 
 
