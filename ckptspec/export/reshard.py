@@ -88,10 +88,7 @@ def reshard(
             tag_dir.mkdir()
             if target.zero_stage == 0:  # described by a checkpoint index: validated as such from its files
                 files = write_stage0_files(found, plan, state_plan, target, states, tag_dir)
-                (tmp / "latest").write_text(plan.tag_dir.name)
-                written, findings = validate_index_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
-                if written is None or has_errors(findings):
-                    raise CheckpointInvalid(findings, str(output))
+                commit_and_validate_index(tmp, tag_dir, output)
                 return files
             if target.zero_stage == 3:
                 files = write_stage3_files(found, plan, state_plan, target, states, tag_dir, sub_group_size)
@@ -118,7 +115,6 @@ def _reshard_to_tensor_parallel(
 ) -> ReshardResult:
     """A data-parallel ZeRO-1/2 checkpoint written for an AutoTP job of ``degree`` (``reshard_tensor_split``),
     validated from its files as a tensor-parallel checkpoint index before it is put in place."""
-    from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
     from .reshard_tensor_split import plan_data_parallel_split
 
     with held_new_output(output, "the resharded checkpoint") as out:
@@ -136,10 +132,7 @@ def _reshard_to_tensor_parallel(
             tag_dir = tmp / plan.tag_dir.name
             tag_dir.mkdir()
             files = [f for write in writes for f in write.write(states, tag_dir)]
-            (tmp / "latest").write_text(plan.tag_dir.name)
-            written, findings = validate_index_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
-            if written is None or has_errors(findings):
-                raise CheckpointInvalid(findings, str(output))
+            commit_and_validate_index(tmp, tag_dir, output)
             return files
 
         files = build_and_publish(out, build)
@@ -155,6 +148,15 @@ def validated_source(checkpoint, manifest, tag) -> tuple[Manifest, StateCache]:
     if found is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(checkpoint))
     return found, states
+
+
+def commit_and_validate_index(tmp: Path, tag_dir: Path, output) -> None:
+    """``latest`` naming ``tag_dir``, then the checkpoint in ``tmp`` validated from its files as a checkpoint index
+    (a kind a format 1.x manifest does not describe), digests included: ``CheckpointInvalid`` naming ``output``."""
+    (tmp / "latest").write_text(tag_dir.name)
+    written, findings = validate_index_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
+    if written is None or has_errors(findings):
+        raise CheckpointInvalid(findings, str(output))
 
 
 def embed_and_validate(found: Manifest, tmp: Path, tag_dir: Path, output) -> None:
