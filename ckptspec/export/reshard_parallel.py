@@ -28,7 +28,7 @@ from .compose import domain_plan
 from .model_plan import Segment
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
-from .reshard import ReshardResult, embed_and_validate
+from .reshard import ReshardResult, commit_and_validate_index, embed_and_validate
 from .reshard_files import write_files
 from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
@@ -67,7 +67,10 @@ def reshard_model_parallel(
         if found is None or has_errors(findings):
             raise CheckpointInvalid(findings, str(checkpoint))
         src_dir = resolve_tag_dir(checkpoint, tag)
-        merge, stages, stage0, moe, split, targets = None, None, None, None, None, {}
+        # what is written: one data-parallel checkpoint (merge), ZeRO domains written from a plan each (writes: an
+        # AutoTP split's tensor ranks, a stage-0 pipeline's stages), a MoE, another number of stages, or each
+        # domain's data axis (targets)
+        merge, writes, moe, stages, targets = None, None, None, None, {}
         try:  # CK410 before anything is written
             degrees = found.topology.degrees
             splitting = degrees.tensor > 1 and tensor_parallel not in (None, 1, degrees.tensor)
@@ -81,7 +84,7 @@ def reshard_model_parallel(
                 )
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
             if splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
-                split = plan_tensor_split(found, src_dir, plans, states, world_size, zero_stage, tensor_parallel)  # type: ignore[arg-type]
+                writes = plan_tensor_split(found, src_dir, plans, states, world_size, zero_stage, tensor_parallel)  # type: ignore[arg-type]
             elif tensor_parallel == 1 and found.topology.degrees.tensor != 1:
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
             elif found.expert_files:  # MoE: the dense and expert groups, each over its own ranks
@@ -89,7 +92,9 @@ def reshard_model_parallel(
             elif is_stage0_source(found):  # written as ZeRO: the whole model (one domain), or each pipeline stage
                 stage0 = plan_stage0_source(found, src_dir, plans, states, world_size, zero_stage, pipeline_parallel)  # type: ignore[arg-type]
                 if found.topology.degrees.pipeline == 1:
-                    merge, stage0 = next(iter(stage0.values())), None
+                    merge = next(iter(stage0.values()))
+                else:
+                    writes = [stage0[d.id] for d in found.domains]
             elif pipeline_parallel not in (None, found.topology.degrees.pipeline):
                 stages = pipeline_target(
                     found, pipeline_parallel, world_size, zero_stage, partition_method, states, src_dir
@@ -99,9 +104,7 @@ def reshard_model_parallel(
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         state_plans = (
-            {key: plan_optimizer_state(plan) for key, plan in plans.items()}
-            if merge is stage0 is moe is split is None
-            else {}
+            {key: plan_optimizer_state(plan) for key, plan in plans.items()} if merge is writes is moe is None else {}
         )
 
         def build(tmp: Path) -> list[Path]:
@@ -115,11 +118,8 @@ def reshard_model_parallel(
             files: list[Path] = []
             if stages is not None:  # another number of stages: each target stage's files from every domain
                 files += write_stages(stages, found, plans, state_plans, states, tag_dir)
-            elif stage0 is not None:
-                for d in found.domains:
-                    files += stage0[d.id].write(states, tag_dir)
-            elif split is not None:
-                for write in split:
+            elif writes is not None:
+                for write in writes:
                     files += write.write(states, tag_dir)
             elif moe is not None:
                 files += moe.write(states, tag_dir, src_dir)  # type: ignore[arg-type]
@@ -132,10 +132,7 @@ def reshard_model_parallel(
             for layer in found.layer_files:  # a stage's layers, the same whatever the data degree
                 _copy(src_dir / layer.path, tag_dir / layer.path, layer.size)
                 files.append(tag_dir / layer.path)
-            (tmp / "latest").write_text(src_dir.name)
-            written, out_findings = validate_index_checkpoint(tmp, tag=src_dir.name, verify_digests=True)
-            if written is None or has_errors(out_findings):
-                raise CheckpointInvalid(out_findings, str(output))
+            commit_and_validate_index(tmp, tag_dir, output)
             return files
 
         files = build_and_publish(out, build)
@@ -146,25 +143,16 @@ def reshard_model_parallel(
         src_dir.name,
         degrees.data * degrees.tensor * degrees.pipeline,
         world_size,
-        moe.zero_stage if moe is not None else _written_stage(merge or (split and split[0]), stages, stage0, targets),
+        # the written ZeRO stage: the plan's, whichever way it was planned
+        (merge or (writes and writes[0]) or moe or stages or next(iter(targets.values()))).zero_stage,
         [output / src_dir.name / f.name for f in files],
     )
 
 
-def _written_stage(merge, stages, stage0, targets) -> int:
-    """The ZeRO stage of what was written, whichever way it was planned."""
-    if merge is not None:
-        return merge.target.zero_stage
-    if stages is not None:
-        return stages.zero_stage
-    if stage0:
-        return next(iter(stage0.values())).target.zero_stage
-    return next(iter(targets.values())).zero_stage
-
-
 def refuse_degree_changes(index: CheckpointIndex, tensor_parallel: int | None, pipeline_parallel: int | None) -> None:
-    """CK410 for a tensor degree other than the source's and other than 1 (``reshard_tensor`` merges to 1; splits
-    are not written yet), and for a pipeline degree change together with one (``reshard_pipeline`` changes the
+    """CK410 for a tensor degree other than the source's that the caller does not write (it passes None for an
+    AutoTP merge or split: ``reshard_tensor``, ``reshard_tensor_split``), e.g. above 1 for a pipeline, MoE or
+    stage-0 checkpoint; and for a pipeline degree change together with one (``reshard_pipeline`` changes the
     pipeline degree at the same tensor degree)."""
     degrees = index.topology.degrees
     for flag, wanted, held in (

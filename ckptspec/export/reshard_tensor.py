@@ -51,6 +51,10 @@ class DataParallelTarget:
     source: SourceOptimizer | None = None  # made when the source has no ZeRO-1/2 optimizer files
     mp_rank: int | None = None  # the tensor rank of the written files' names (``reshard_tensor_split``)
 
+    @property
+    def zero_stage(self) -> int:
+        return self.target.zero_stage
+
     def write(self, states: StateCache, tag_dir: Path) -> list[Path]:
         return write_files(
             self.manifest,
