@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import ReshardUnsupported
 from ..format.dtypes import ITEMSIZE
-from ..format.models import Group, Manifest
+from ..format.models import Group, Manifest, Optimizer
 from ..format.partition import ParamSpec, flat_group, natural_order, per_param_group
 
 STAGES = (1, 2, 3)  # the sources reshard reads
@@ -121,6 +121,15 @@ def target_layout(
             )
         groups.append(target)
     return TargetLayout(world_size, stage, groups)
+
+
+def located_target_layout(manifest: Manifest, optimizer_json: str, world_size: int, stage: int) -> TargetLayout:
+    """``target_layout`` of a domain whose masters and moments the checkpoint index locates apart from ZeRO
+    partitions (stage 0, MoE): ``manifest`` (a copy, changed here) is read at the target ``stage`` for its order,
+    dtypes and groups, with the optimizer the moments' state plan found (``optimizer_json``)."""
+    manifest.layout.zero_stage = stage
+    manifest.optimizer = Optimizer.model_validate_json(optimizer_json)
+    return target_layout(manifest, world_size, stage, domain=True)
 
 
 def target_sub_group_size(manifest: Manifest, sub_group_size: int | None) -> int:

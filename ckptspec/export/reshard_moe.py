@@ -30,7 +30,6 @@ from typing import Any
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.index_models import CheckpointIndex, Domain
-from ..format.models import Optimizer
 from . import ds_pickle
 from .arrays import ShardReader
 from .masters_state import masters_state_plan
@@ -44,7 +43,7 @@ from .reshard_files import (
     _storage_reader,
     lazy_reader,
 )
-from .reshard_layout import TargetLayout, natural_groups, target_layout
+from .reshard_layout import TargetLayout, located_target_layout, natural_groups
 from .reshard_source import with_stage
 
 _EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
@@ -64,7 +63,6 @@ class MoePart:
 
 @dataclass
 class MoeTarget:
-    index: CheckpointIndex
     world_size: int
     zero_stage: int
     dense_domain: Domain  # the source's: its rank-0 files are the templates
@@ -94,14 +92,13 @@ def plan_moe(
     by_name = {p.name: p for d in index.domains for g in d.manifest.groups for p in g.params}
     domain_of = {p.name: d.id for d in index.domains for g in d.manifest.groups for p in g.params}
 
+    sources = {k: v for m in moments.values() for k, v in m.sources.items()}  # every domain's moments
+
     def part(manifest, names: dict[str, str], size: int) -> MoePart:
         """``manifest``'s groups (local names) at ``size`` ranks; ``names``: local name -> global name."""
-        manifest.layout.zero_stage = stage  # read for the order, dtypes and groups only
-        manifest.optimizer = Optimizer.model_validate_json(moments[dense.id].metadata["ckptspec.optimizer"])
-        target = target_layout(manifest, size, stage, domain=True)
+        target = located_target_layout(manifest, moments[dense.id].metadata["ckptspec.optimizer"], size, stage)
         masters = {n: plans[domain_of[g]].sources[g] for n, g in names.items()}
         states = {n: moments[domain_of[g]].states[g] for n, g in names.items()}
-        sources = {k: v for m in moments.values() for k, v in m.sources.items()}
         natural = [[p.name for p in params] for _, params in natural_groups(manifest)]
         return MoePart(target, masters, states, sources, natural)
 
@@ -113,7 +110,7 @@ def plan_moe(
         group.params = [by_name[g].model_copy(update={"name": n}) for n, g in names.items()]
         expert_parts.append(part(template, names, world_size // ep))
     dense_part = part(dense.manifest.model_copy(deep=True), dense_names, world_size)
-    return MoeTarget(index, world_size, stage, dense, dense_part, expert_parts)
+    return MoeTarget(world_size, stage, dense, dense_part, expert_parts)
 
 
 def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None, ep: int) -> None:

@@ -30,14 +30,13 @@ from ..checkpoint.standins import LossScalerState
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.index_models import CheckpointIndex, Domain
-from ..format.models import Optimizer
 from .compose_extras import extras_of
 from .compose_plan import whole_plan
 from .masters_state import masters_state_plan
 from .model_plan import ReconstructionPlan
 from .optimizer_state import OptimizerStatePlan
 from .reshard_files import STAGE12_KEYS, ModelChanges
-from .reshard_layout import target_layout
+from .reshard_layout import located_target_layout
 from .reshard_source import SourceOptimizer, with_stage
 from .reshard_tensor import DataParallelTarget
 
@@ -96,9 +95,7 @@ def _domain_write(
             "resume at stage 0, or train with a static loss scale",
         )
     manifest = domain.manifest.model_copy(deep=True)
-    manifest.layout.zero_stage = zero_stage  # read for the order, dtypes and groups only (``target_layout``)
-    manifest.optimizer = Optimizer.model_validate_json(state_plan.metadata["ckptspec.optimizer"])
-    target = target_layout(manifest, data, zero_stage, domain=True)
+    target = located_target_layout(manifest, state_plan.metadata["ckptspec.optimizer"], data, zero_stage)
     moments = sorted({key for names in state_plan.states.values() for key in names})
     source = _zero_optimizer(saved, wrapper, moments, zero_stage, tag_dir / model_file, manifest)
     changes = ModelChanges(
