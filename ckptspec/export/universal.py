@@ -110,12 +110,10 @@ def write_folder(parts: list, states: StateCache, out: Path) -> int:
     zero.mkdir()
     count = 0
     with ShardReader() as files:
-        for found, plan, state_plan, source in parts:
-            count += _write_params(
-                found, plan, state_plan, source, _storage_reader(source.path, states, files), files, zero
-            )
-        first = parts[0][3]
-        ds_pickle.save(_optimizer_state(first, _storage_reader(first.path, states, files)), zero / "optimizer_state.pt")
+        readers = [_storage_reader(source.path, states, files) for _, _, _, source in parts]
+        for (found, plan, state_plan, source), read in zip(parts, readers):
+            count += _write_params(found, plan, state_plan, source, read, files, zero)
+        ds_pickle.save(_optimizer_state(parts[0][3], readers[0]), zero / "optimizer_state.pt")
     for found, plan, _, _ in parts:
         model = next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
         name = Path(model).name  # a stage-3 source's has a zero_pp_rank_0_ prefix: the folder's has none
