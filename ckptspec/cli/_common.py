@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import click
 
+from .._split import reports_findings
 from .._version import __version__
 from ..errors import CheckpointInvalid, CkptspecError, FileUnreadable, InputOutputError, InternalError
 from ..findings import Finding, has_errors
@@ -156,6 +157,8 @@ def writing_deepspeed_files(checkpoint: str, output: str, manifest: str | None, 
     try:
         yield
     except CheckpointInvalid as exc:
+        if not reports_findings():  # a torchrun split: every rank found the same, rank 0 prints them
+            sys.exit(EXIT_INVALID)
         echo_findings(exc.findings, manifest or checkpoint, err=True, always_name_target=False)
         click.echo(f"{checkpoint}: {not_done}: the checkpoint has errors; nothing was written", err=True)
         sys.exit(EXIT_INVALID)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
+from .._split import bytes_read, torchrun_share
 from ._common import OUTPUT_DIR, writing_deepspeed_files
 
 
@@ -98,11 +100,13 @@ def reshard(
     --pipeline-parallel N (ZeRO-1 pipelines, tensor degree 1) gives the layers to N stages by
     --partition-method and rebuilds each stage's ZeRO groups; --expert-parallel N regroups a MoE
     checkpoint's experts over N expert-parallel ranks. Never executes pickled code; needs torch only to
-    write the pickles, not DeepSpeed.
+    write the pickles, not DeepSpeed. Under torchrun (any number of processes and nodes; OUTPUT on a file system
+    they all mount) the ranks share the work: each writes every N-th file, reading only what its files need,
+    and the output is the same, byte for byte.
     """
     from ..export.api import reshard as run
 
-    with writing_deepspeed_files(checkpoint, output, manifest, "not resharded"):
+    with writing_deepspeed_files(checkpoint, output, manifest, "not resharded"), torchrun_share() as share:
         result = run(
             checkpoint,
             output,
@@ -117,10 +121,16 @@ def reshard(
             tag=tag,
             manifest=manifest,
         )
+        shares = share.exchange((len(share.written), bytes_read()))
+    if not share.first:
+        return
     click.echo(
         f"{result.output}: {result.tag} resharded from {result.source_world_size} to {result.world_size} ranks "
         f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with engine.load_checkpoint('{output}')"
     )
+    if "WORLD_SIZE" in os.environ:  # under torchrun: what each rank of the split did
+        for rank, (files, read) in enumerate(shares):
+            click.echo(f"  rank {rank} of {len(shares)}: wrote {files} files, read {read} checkpoint bytes")
 
 
 def _json_object(file) -> dict | None:

@@ -22,9 +22,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import _split
+from ..checkpoint.hashing import file_digests
 from ..checkpoint.states import StateCache
 from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 from ..deepspeed.check.zero import validate_checkpoint
+from ..deepspeed.describe.digests import add_digests
 from ..deepspeed.describe.zero import manifest_from_states
 from ..deepspeed.embed import embed_checkpoint
 from ..deepspeed.layout.tag_dir import scan_tag_dir
@@ -85,7 +88,7 @@ def reshard(
 
         def build(tmp: Path) -> list:
             tag_dir = tmp / plan.tag_dir.name
-            tag_dir.mkdir()
+            tag_dir.mkdir(exist_ok=True)  # every rank of a torchrun split
             if target.zero_stage == 0:  # described by a checkpoint index: validated as such from its files
                 files = write_stage0_files(found, plan, state_plan, target, states, tag_dir)
                 commit_and_validate_index(tmp, tag_dir, output)
@@ -94,7 +97,6 @@ def reshard(
                 files = write_stage3_files(found, plan, state_plan, target, states, tag_dir, sub_group_size)
             else:
                 files = write_files(found, plan, state_plan, target, states, tag_dir)
-            (tmp / "latest").write_text(plan.tag_dir.name)
             embed_and_validate(found, tmp, tag_dir, output)
             return files
 
@@ -130,7 +132,7 @@ def _reshard_to_tensor_parallel(
 
         def build(tmp: Path) -> list:
             tag_dir = tmp / plan.tag_dir.name
-            tag_dir.mkdir()
+            tag_dir.mkdir(exist_ok=True)  # every rank of a torchrun split
             files = [f for write in writes for f in write.write(states, tag_dir)]
             commit_and_validate_index(tmp, tag_dir, output)
             return files
@@ -152,20 +154,40 @@ def validated_source(checkpoint, manifest, tag) -> tuple[Manifest, StateCache]:
 
 def commit_and_validate_index(tmp: Path, tag_dir: Path, output) -> None:
     """``latest`` naming ``tag_dir``, then the checkpoint in ``tmp`` validated from its files as a checkpoint index
-    (a kind a format 1.x manifest does not describe), digests included: ``CheckpointInvalid`` naming ``output``."""
-    (tmp / "latest").write_text(tag_dir.name)
+    (a kind a format 1.x manifest does not describe), digests included: ``CheckpointInvalid`` naming ``output``.
+    Under a torchrun split, rank 0 writes ``latest`` once every rank wrote its files; the ranks share the validation."""
+    _split.current().first_only(lambda: (tmp / "latest").write_text(tag_dir.name))
     written, findings = validate_index_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
     if written is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(output))
 
 
 def embed_and_validate(found: Manifest, tmp: Path, tag_dir: Path, output) -> None:
-    """The new data-parallel checkpoint in ``tmp`` described (embedded), then validated from its files,
-    digests included: ``CheckpointInvalid`` (naming ``output``) on any error finding."""
-    _embed(found, tag_dir)
+    """``latest`` naming ``tag_dir`` and the new data-parallel checkpoint in ``tmp`` described (embedded), then
+    validated from its files, digests included: ``CheckpointInvalid`` (naming ``output``) on any error finding.
+    Under a torchrun split, rank 0 alone writes and embeds (reading every file), once every rank wrote its files;
+    the ranks share the validation."""
+
+    def commit() -> None:
+        (tmp / "latest").write_text(tag_dir.name)
+        _embed(found, tag_dir)
+
+    _hashed_together(tag_dir)
+    _split.current().first_only(commit)
     out_manifest, out_findings = validate_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
     if out_manifest is None or has_errors(out_findings):
         raise CheckpointInvalid(out_findings, str(output))
+
+
+def _hashed_together(tag_dir: Path) -> None:
+    """Under a torchrun split: every written file's hash and tensor digest, a share by each rank, before rank 0
+    embeds the manifest that records them (it then reads again only the model states file it rewrites)."""
+    share = _split.current()
+    if share.size == 1:
+        return
+    share.synchronize()  # every rank's files are written
+    file_digests(sorted(p for p in tag_dir.iterdir() if p.is_file()))
+    add_digests(manifest_from_states(scan_tag_dir(tag_dir), StateCache()), tag_dir)
 
 
 def _embed(found: Manifest, tag_dir: Path) -> None:

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .. import _split
 from ..checkpoint.states import StateCache
 from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 from ..deepspeed.layout.tag_dir import resolve_tag_dir
@@ -109,10 +110,9 @@ def reshard_model_parallel(
 
         def build(tmp: Path) -> list[Path]:
             tag_dir = tmp / src_dir.name
-            tag_dir.mkdir()
+            tag_dir.mkdir(exist_ok=True)  # every rank of a torchrun split
             if merge is not None:  # one data-parallel checkpoint: validated as such
                 merged = merge.write(states, tag_dir)
-                (tmp / "latest").write_text(src_dir.name)
                 embed_and_validate(merge.manifest, tmp, tag_dir, output)
                 return merged
             files: list[Path] = []
@@ -213,7 +213,10 @@ def target_layouts(index: CheckpointIndex, world_size: int, zero_stage: int | No
 
 
 def _copy(source: Path | RemotePath, target: Path, size: int) -> None:
-    """A file copied as saved, at most ``CHUNK_BYTES`` at a time (from a URL too: ranged reads)."""
+    """A file copied as saved, at most ``CHUNK_BYTES`` at a time (from a URL too: ranged reads); by one rank of a
+    torchrun split."""
+    if not _split.current().claims(target):
+        return
     with ShardReader() as files, open(target, "wb") as out:
         for start in range(0, size, CHUNK_BYTES):
             piece = bytearray(min(CHUNK_BYTES, size - start))

@@ -89,6 +89,21 @@ def run_torchrun(
     raise AssertionError("unreachable")
 
 
+def torchrun_command(nproc: int, *args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc ARGS`` (a module with ``-m``, or a script) on 127.0.0.1, on the CPU,
+    with the jobs' environment; its exit code and output, whatever they are (the caller asserts them)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        *map(str, args),
+    ]
+    return subprocess.run(cmd, env={**job_env(), **(env or {})}, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
 @dataclass(frozen=True)
 class Launch:
     """One launch of ``script`` with ``args`` on ``world_size`` ranks; ``workdir`` holds its log."""

@@ -174,6 +174,14 @@ def ckptspec_process():
 
 
 @pytest.fixture(scope="session")
+def torchrun():
+    """launch.torchrun_command: ``torchrun(nproc, *args, env=None)`` runs ``torchrun ARGS`` on 127.0.0.1, on CPU."""
+    from .launch import torchrun_command
+
+    return torchrun_command
+
+
+@pytest.fixture(scope="session")
 def crash(ckptspec_process):
     """crash.py: a writer stopped at a chosen step (``run(args, failpoint)``, ``steps``, ``points``)."""
     from . import crash
