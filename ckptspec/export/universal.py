@@ -102,10 +102,11 @@ def _write(found: Manifest, plan, state_plan, states: StateCache, out: Path) -> 
     return write_folder([(found, plan, state_plan, source)], states, out)
 
 
-def write_folder(parts: list, states: StateCache, out: Path) -> int:
+def write_folder(parts: list, states: StateCache, out: Path, model_files: list | None = None) -> int:
     """The folder of ``parts``: (manifest, plan, optimizer-state plan, ``SourceOptimizer`` with its ``path``) of
     each part of the model (a pipeline's stages; one part otherwise). The first part's optimizer entries are
-    written as ``zero/optimizer_state.pt``; every part's model-states file is copied."""
+    written as ``zero/optimizer_state.pt``; every part's model-states file is copied (or ``model_files``: an
+    AutoTP model, one part, has one per tensor rank)."""
     zero = out / "zero"
     zero.mkdir()
     count = 0
@@ -114,12 +115,17 @@ def write_folder(parts: list, states: StateCache, out: Path) -> int:
         for (found, plan, state_plan, source), read in zip(parts, readers):
             count += _write_params(found, plan, state_plan, source, read, files, zero)
         ds_pickle.save(_optimizer_state(parts[0][3], readers[0]), zero / "optimizer_state.pt")
-    for found, plan, _, _ in parts:
-        model = next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
-        name = Path(model).name  # a stage-3 source's has a zero_pp_rank_0_ prefix: the folder's has none
-        with open_binary(plan.tag_dir / model) as src, open(out / name[name.index("mp_rank_") :], "wb") as dst:
+    if model_files is None:
+        model_files = [plan.tag_dir / model_file(found) for found, plan, _, _ in parts]
+    for model in model_files:
+        name = model.name  # a stage-3 source's has a zero_pp_rank_0_ prefix: the folder's has none
+        with open_binary(model) as src, open(out / name[name.index("mp_rank_") :], "wb") as dst:
             shutil.copyfileobj(src, dst)  # a checkpoint at a URL too (its ranged reads)
     return count
+
+
+def model_file(found: Manifest) -> str:
+    return next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
 
 
 def _write_params(found: Manifest, plan, state_plan, source, read, files: ShardReader, zero: Path) -> int:
