@@ -1,4 +1,4 @@
-"""``ckptspec export-universal`` of a tensor- or pipeline-parallel ZeRO-1/2 checkpoint (AutoTP, ``PipelineModule``).
+"""``ckptspec export-universal`` of an AutoTP, ``PipelineModule`` or MoE ZeRO-1/2 checkpoint.
 
 The folder is the one ``universal.py`` describes, as DeepSpeed 0.19's ``ds_to_universal`` writes it for these
 sources: ``zero/<param>/`` per parameter (the whole tensor in fp32, its moments, the step),
@@ -13,10 +13,8 @@ never reads the module, the weights come from ``zero/``).
   DeepSpeed's loader cuts each tensor rank's slice back out of the whole tensor by the target job's own AutoTP
   metadata (``universal_checkpoint.py`` ``_resolve_autotp_partition``), or copies it whole without AutoTP.
 
-MoE checkpoints are refused (CK410): DeepSpeed 0.19.8 names a native MoE expert's folder by its *local* name
-(``...deepspeed_experts.<local index>``, ``base_optimizer.py`` ``load_hp_checkpoint_state_from_checkpoint_dir``:
-``self.param_names[lp]``), the same name on every expert-parallel rank for different experts, so a folder of whole,
-global experts cannot name them (docs/reshard.md).
+A MoE ZeRO-1/2 checkpoint: its dense group as any, its experts as ``universal_moe`` stacks them (DeepSpeed's loader
+names a native expert by its local name).
 """
 
 from __future__ import annotations
@@ -36,20 +34,16 @@ from .output_dir import build_and_publish, held_new_output
 from .reshard_source import source_optimizer
 from .reshard_stage0_source import is_stage0_source
 from .reshard_tensor import whole_model
+from .universal_moe import moe_parts
 from .universal_stage0 import stage0_parts
-
-MOE_REFUSAL = (
-    "MoE checkpoints are not exported as a universal folder: DeepSpeed 0.19.8's universal load reads each expert "
-    "from zero/<its local name> (base_optimizer.py load_hp_checkpoint_state_from_checkpoint_dir), the same name "
-    "on every expert-parallel rank for different experts, and its ds_to_universal fails on them"
-)
 
 
 def export_universal_index(
     checkpoint: str | os.PathLike, output: str | os.PathLike, *, tag: str | None = None, index=None
 ):
     """Validate ``checkpoint``, a kind a checkpoint index describes (digests included), then write its universal
-    folder as ``output``: stage 0 (``universal_stage0``), AutoTP or a pipeline (here); CK410 for the others."""
+    folder as ``output``: stage 0 (``universal_stage0``), AutoTP, a pipeline (here) or a MoE (``universal_moe``);
+    CK410 for what is not written."""
     from .universal import UniversalResult, model_file, write_folder
 
     with held_new_output(output, "the universal checkpoint") as out:
@@ -58,24 +52,22 @@ def export_universal_index(
         if found is None or has_errors(findings):
             raise CheckpointInvalid(findings, str(checkpoint))
         src_dir = resolve_tag_dir(checkpoint, tag)
-        copies = None  # each part's model-states file (stage 0), or every domain's
+        copies, entries = None, None  # each part's model-states file (stage 0), or every domain's
         try:  # CK410 before anything is written
             if is_stage0_source(found) and not found.expert_files:
                 parts = stage0_parts(found, src_dir, states)  # type: ignore[arg-type]
             else:
-                _refuse(found)
-                parts = _parts(found, src_dir, states)  # type: ignore[arg-type]
-                copies = [src_dir / model_file(d.manifest) for d in found.domains]  # every stage's and tensor rank's
+                parts, entries = _parts(found, src_dir, states)  # type: ignore[arg-type]
+                # every stage's and tensor rank's (a MoE's dense domain: rank 0's, the one it has)
+                copies = [src_dir / model_file(d.manifest) for d in found.domains if d.coordinate.expert is None]
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
-        count = build_and_publish(out, lambda tmp: write_folder(parts, states, tmp, copies))
+        count = build_and_publish(out, lambda tmp: write_folder(parts, states, tmp, copies, entries))
     return UniversalResult(Path(output), src_dir.name, count)
 
 
 def _refuse(index: CheckpointIndex) -> None:
     degrees = index.topology.degrees
-    if index.expert_files:
-        raise ReshardUnsupported(MOE_REFUSAL, "use `ckptspec reshard` for another world size or expert degree")
     for d in index.domains:
         if d.masters is not None or d.manifest.layout.zero_stage not in (1, 2):
             raise ReshardUnsupported(
@@ -104,17 +96,22 @@ def _refuse(index: CheckpointIndex) -> None:
         )
 
 
-def _parts(index: CheckpointIndex, src_dir: Path, states: StateCache) -> list[tuple]:
-    """``write_folder``'s parts: one per pipeline stage, or the whole AutoTP model as one."""
+def _parts(index: CheckpointIndex, src_dir: Path, states: StateCache) -> tuple[list[tuple], dict | None]:
+    """``write_folder``'s parts (one per pipeline stage, the whole AutoTP model as one, a MoE's dense group and
+    experts) and the entries of a MoE's expert files; CK410 for what is not written."""
     plans = {d.id: domain_plan(src_dir, d, states) for d in index.domains}
+    if index.expert_files:
+        return moe_parts(index, src_dir, plans, states, lambda d: _source(d, src_dir, states))
+    _refuse(index)
     if index.topology.degrees.tensor == 1:
-        return [
+        parts = [
             (d.manifest, plans[d.id], plan_optimizer_state(plans[d.id]), _source(d, src_dir, states))
             for d in index.domains
         ]
+        return parts, None
     manifest, whole, _, _ = whole_model(index, src_dir, plans, states)
     first = next(d for d in index.domains if d.coordinate.tensor == 0)
-    return [(manifest, whole, whole.optimizer_state_plan(), _source(first, src_dir, states))]
+    return [(manifest, whole, whole.optimizer_state_plan(), _source(first, src_dir, states))], None
 
 
 def _source(domain: Domain, src_dir: Path, states: StateCache):

@@ -262,6 +262,9 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s1-fp32-ws2>universal-tp1": ("tp2-s1-fp32-ws2", 2, _TP1, {"export_universal": True}),  # -> tp1 x dp2
     "tp2dp2-s2-bf16-ws4>universal-tp1-ws3": ("tp2dp2-s2-bf16-ws4", 3, _TP1, {"export_universal": True}),
     "tp2-s1-fp32-ws2>universal-ws4": ("tp2-s1-fp32-ws2", 4, {}, {"export_universal": True}),  # -> tp2 x dp2
+    # MoE through ckptspec's universal folder (UNIVERSAL_MOE): the same expert-parallel degree and experts per rank
+    "moe-ep2-s1-fp32-ws2>universal": ("moe-ep2-s1-fp32-ws2", 2, {}, {"export_universal": True}),
+    "moe-ep2-s2-bf16-ws4>universal-ws2": ("moe-ep2-s2-bf16-ws4", 2, {}, {"export_universal": True}),  # edp 2 -> 1
     # MoE at the same expert-parallel degree: the dense group over every rank, each expert group over its
     # expert-data-parallel ranks (ws4: 2 per expert group; ws2: 1)
     "moe-ep2-s1-bf16-ws4>ws2": ("moe-ep2-s1-bf16-ws4", 2, {}, {}),
@@ -287,6 +290,12 @@ UNIVERSAL_PARALLEL = {
     n
     for n, (source, _, _, options) in DEGREE_RESHARDS.items()
     if options.get("export_universal") and SOURCE_SPECS[source][0]["stage"] and source.startswith(("pp", "tp"))
+}
+# MoE: DeepSpeed's ds_to_universal fails on these sources, so there is no folder of its own to load beside
+UNIVERSAL_MOE = {
+    n
+    for n, (source, _, _, options) in DEGREE_RESHARDS.items()
+    if options.get("export_universal") and source.startswith("moe")
 }
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}

@@ -1,28 +1,39 @@
-"""#40: ``ckptspec export-universal`` of tensor-parallel (AutoTP) and pipeline (``PipelineModule``) ZeRO-1/2
-checkpoints, side by side with DeepSpeed's own ``ds_to_universal`` folder of the same source; what is not written
-(MoE, ZeRO-3, a weight tied across pipeline stages) refused by name.
+"""#40: ``ckptspec export-universal`` of tensor-parallel (AutoTP), pipeline (``PipelineModule``) and MoE ZeRO-1/2
+checkpoints, side by side with DeepSpeed's own ``ds_to_universal`` folder of the same source (which fails on MoE);
+what is not written (stage-0 MoE, tensor-parallel ZeRO-3, a weight tied across pipeline stages) refused by name.
 
-Ground truth: a real DeepSpeed job of the target layout (``scenarios.UNIVERSAL_PARALLEL``, tests/_harness/optim_job.py)
-loads ckptspec's folder with ``checkpoint.load_universal: true`` and records, on every rank, the fp32 masters
-(``safe_get_full_fp32_param``), the Adam moments (``safe_get_full_optimizer_state``), the step, the param groups and
-the logits of a fixed batch; the same job then loads DeepSpeed's folder of the same source (``universal.rank<R>.pt``).
-The source's own "+optim" entry is what a job of the source's layout holds after loading the source itself.
+Ground truth: a real DeepSpeed job of the target layout (``scenarios.UNIVERSAL_PARALLEL`` and ``UNIVERSAL_MOE``,
+tests/_harness/optim_job.py) loads ckptspec's folder with ``checkpoint.load_universal: true`` and records, on every
+rank, the fp32 masters (``safe_get_full_fp32_param``), the Adam moments (``safe_get_full_optimizer_state``), the
+step, the param groups and the logits of a fixed batch; the tensor/pipeline-parallel jobs then load DeepSpeed's
+folder of the same source too (``universal.rank<R>.pt``). The source's own "+optim" entry is what a job of the
+source's layout holds after loading the source itself.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 import torch
 from _harness.parallel_oracles import affine_pieces, bits_equal, info, logits_of, optim_records, shard_of, union_of
-from _harness.scenarios import DEGREE_RESHARDS, UNIVERSAL_PARALLEL, optim_name, reshard_target, source_spec
+from _harness.scenarios import (
+    DEGREE_RESHARDS,
+    UNIVERSAL_MOE,
+    UNIVERSAL_PARALLEL,
+    optim_name,
+    reshard_target,
+    source_spec,
+)
 from click.testing import CliRunner
 
 from ckptspec.cli import cli
 
 CASES = sorted(UNIVERSAL_PARALLEL)
+MOE_CASES = sorted(UNIVERSAL_MOE)
+_EXPERT = re.compile(r"deepspeed_experts\.(\d+)\.")
 SOURCES = sorted({DEGREE_RESHARDS[n][0] for n in CASES})
 # AutoTP's row-parallel layer adds the tensor ranks' partial sums, the whole layer all products in one matmul: a tp1
 # target's logits are rounded in another order (as test_reshard_tensor.py: 2 epsilons at the largest logit)
@@ -155,15 +166,57 @@ def _refused(source, ds, tmp_path, *words):
     return result
 
 
-@pytest.mark.parametrize("source", ["moe-ep2-s1-fp32-ws2", "moe-ep2-s2-bf16-ws4", "moe-ep2-s0-bf16-ws2"])
-def test_moe_checkpoints_are_refused_and_deepspeeds_converter_fails_on_them(source, ds, tmp_path):
-    """DeepSpeed 0.19.8's universal load names a native MoE expert's folder by its local name
-    (``deepspeed_experts.<local index>``: the same on every expert-parallel rank, for another expert on each),
-    so no folder of whole experts names them; its own ds_to_universal fails on the same sources (measured)."""
-    _refused(source, ds, tmp_path, "MoE", "load_hp_checkpoint_state_from_checkpoint_dir")
+@pytest.mark.parametrize("name", MOE_CASES)
+def test_a_moe_job_loads_ckptspecs_folder_bit_for_bit(name, ds):
+    """A MoE job of the same expert-parallel degree and experts per rank (another expert-data-parallel size) loads
+    the folder with load_universal: every rank's masters and moments (experts by global name), the step, the param
+    groups (the dense and the expert group) and the logits are the source job's, bit for bit."""
+    source, world_size, _ = reshard_target(name)
+    entry = ds.path(name)
+    outcome = json.loads((entry / "optim.json").read_text())
+    assert outcome.get("reshard_error") is None and outcome["load_checkpoint_error"] is None, outcome
+    target, before = optim_records(entry), optim_records(ds.path(optim_name(source)))
+    assert len(target) == world_size
+    held, expected = _held(target), _held(before)
+    assert held.keys() == expected.keys() and expected
+    assert {n for _, n, _ in expected if "deepspeed_experts" in n}, "no expert recorded"
+    assert [k for k, v in expected.items() if not bits_equal(held[k], v)] == []
+    steps = {s for r in [*before, *target] for s in r["step"].values()}
+    assert len(steps) == 1 and steps != {0}, steps
+    assert len(before[0]["param_groups"]) == 2
+    assert all(r["param_groups"] == before[0]["param_groups"] for r in target)
+    assert bits_equal(logits_of(target), logits_of(before))
+
+
+@pytest.mark.parametrize("name", MOE_CASES)
+def test_a_moe_folder_stacks_each_local_experts_name_over_the_expert_parallel_ranks(name, ds):
+    """zero/<local expert name>/ holds, on axis 0, the expert that name stands for on expert-parallel rank 0, 1...
+    (global expert r * L + j), as DeepSpeed held it (the source job's record); ``is_expert_param`` and
+    ``ep_num_experts`` (the expert-parallel degree) tell DeepSpeed's loader to keep its own rank's. DeepSpeed's
+    ds_to_universal fails on the same source (measured)."""
+    source, _, _ = reshard_target(name)
+    spec = source_spec(source)
+    folder = ds.path(name) / "resharded" / "universal" / "zero"
+    held = _held(optim_records(ds.path(optim_name(source))))
+    per_rank = spec["experts"] // spec["ep"]
+    experts = sorted(p.name for p in folder.iterdir() if "deepspeed_experts" in p.name)
+    assert experts and all(int(_EXPERT.search(n).group(1)) < per_rank for n in experts)
+    for local in experts:
+        j = int(_EXPERT.search(local).group(1))
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            saved = _load(folder / local / f"{state}.pt")
+            assert saved["is_expert_param"] is True and saved["ep_num_experts"] == spec["ep"], saved.keys()
+            assert saved["param"].shape[0] == spec["ep"]
+            for r in range(spec["ep"]):
+                global_name = _EXPERT.sub(f"deepspeed_experts.{r * per_rank + j}.", local, count=1)
+                want = held[(0, global_name, "master" if state == "fp32" else state)]
+                assert bits_equal(saved["param"][r], want.float()), (local, state, r)
     outcome = info(ds.path(source))["universal"]
-    if source_spec(source)["stage"]:
-        assert outcome["ok"] is False and outcome["error"].startswith("RuntimeError: shape"), outcome
+    assert outcome["ok"] is False and outcome["error"].startswith("RuntimeError: shape"), outcome
+
+
+def test_a_stage0_moe_checkpoint_is_refused(ds, tmp_path):
+    _refused("moe-ep2-s0-bf16-ws2", ds, tmp_path, "MoE", "stage 0")
 
 
 def test_a_tensor_parallel_zero3_checkpoint_is_refused(ds, tmp_path):
