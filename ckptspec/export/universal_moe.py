@@ -9,7 +9,8 @@ set as the stack of ``ep_num_experts`` tensors on a new axis 0 and keeps the one
 (``checkpoint/universal_checkpoint.py`` ``load_hp_checkpoint_state``, ``ep_size > 1``). So each local name's files
 hold, stacked, the E experts that name stands for on expert-parallel ranks 0 .. E-1, with ``ep_num_experts`` E; the
 dense parameters are written as any (``universal.py``). A job of another expert degree or number of experts per rank
-fails loudly in that loader (its numel and divisibility assertions), never loading another expert's values.
+fails loudly in that loader (measured with an ep1 job: its numel assertion, a missing local name), never loading
+another expert's values.
 
 DeepSpeed's own ``ds_to_universal`` fails on these checkpoints (``RuntimeError: shape ... is invalid``).
 """
