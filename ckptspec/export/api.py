@@ -193,10 +193,10 @@ def export_universal(
     """Validate ``checkpoint``, then write DeepSpeed's universal checkpoint folder (``ds_to_universal``'s
     output) as ``output`` (docs/reshard.md). CK403 for a kind it does not export yet."""
     require("export_universal", checkpoint, manifest, tag)
-    if described_by_index(checkpoint, manifest, tag):  # a stage-0 kind (the others are refused above)
-        from .universal_stage0 import export_universal_stage0
+    if described_by_index(checkpoint, manifest, tag):  # stage 0, AutoTP, a pipeline (MoE: CK410)
+        from .universal_parallel import export_universal_index
 
-        return export_universal_stage0(checkpoint, output, tag=tag, index=manifest)
+        return export_universal_index(checkpoint, output, tag=tag, index=manifest)
     from .universal import export_universal as export_zero
 
     return export_zero(checkpoint, output, tag=tag, manifest=manifest)

@@ -42,7 +42,8 @@ from .writers import WriteResult, to_torch
 CAPABILITIES: dict[str, frozenset[Kind]] = {
     # model parallel: the data axis and degrees (reshard_parallel.py); stage 0: as ZeRO-1/2 (reshard_stage0_source.py)
     "reshard": frozenset({Kind.ZERO, Kind.MODEL_PARALLEL, Kind.STAGE0, Kind.PIPELINE_STAGE0, Kind.MOE}),
-    "export_universal": frozenset({Kind.ZERO, Kind.STAGE0, Kind.PIPELINE_STAGE0}),  # stage 0: universal_stage0.py
+    # stage 0: universal_stage0.py; tensor/pipeline parallel: universal_parallel.py; MoE: universal_moe.py
+    "export_universal": frozenset({Kind.ZERO, Kind.STAGE0, Kind.PIPELINE_STAGE0, Kind.MODEL_PARALLEL, Kind.MOE}),
     "export_dcp": frozenset(Kind),
 }
 _DOING = {

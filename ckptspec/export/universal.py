@@ -102,27 +102,38 @@ def _write(found: Manifest, plan, state_plan, states: StateCache, out: Path) -> 
     return write_folder([(found, plan, state_plan, source)], states, out)
 
 
-def write_folder(parts: list, states: StateCache, out: Path) -> int:
+def write_folder(
+    parts: list, states: StateCache, out: Path, model_files: list | None = None, entries: dict | None = None
+) -> int:
     """The folder of ``parts``: (manifest, plan, optimizer-state plan, ``SourceOptimizer`` with its ``path``) of
     each part of the model (a pipeline's stages; one part otherwise). The first part's optimizer entries are
-    written as ``zero/optimizer_state.pt``; every part's model-states file is copied."""
+    written as ``zero/optimizer_state.pt``; every part's model-states file is copied (or ``model_files``: an
+    AutoTP model, one part, has one per tensor rank). ``entries``: parameter -> the entries its files hold beside
+    ``param`` (default ``cat_dim`` 0; a MoE expert's: ``universal_moe``)."""
     zero = out / "zero"
     zero.mkdir()
     count = 0
     with ShardReader() as files:
         readers = [_storage_reader(source.path, states, files) for _, _, _, source in parts]
         for (found, plan, state_plan, source), read in zip(parts, readers):
-            count += _write_params(found, plan, state_plan, source, read, files, zero)
+            count += _write_params(found, plan, state_plan, source, read, files, zero, entries or {})
         ds_pickle.save(_optimizer_state(parts[0][3], readers[0]), zero / "optimizer_state.pt")
-    for found, plan, _, _ in parts:
-        model = next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
-        name = Path(model).name  # a stage-3 source's has a zero_pp_rank_0_ prefix: the folder's has none
-        with open_binary(plan.tag_dir / model) as src, open(out / name[name.index("mp_rank_") :], "wb") as dst:
+    if model_files is None:
+        model_files = [plan.tag_dir / model_file(found) for found, plan, _, _ in parts]
+    for model in model_files:
+        name = model.name  # a stage-3 source's has a zero_pp_rank_0_ prefix: the folder's has none
+        with open_binary(model) as src, open(out / name[name.index("mp_rank_") :], "wb") as dst:
             shutil.copyfileobj(src, dst)  # a checkpoint at a URL too (its ranged reads)
     return count
 
 
-def _write_params(found: Manifest, plan, state_plan, source, read, files: ShardReader, zero: Path) -> int:
+def model_file(found: Manifest) -> str:
+    return next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
+
+
+def _write_params(
+    found: Manifest, plan, state_plan, source, read, files: ShardReader, zero: Path, entries: dict[str, dict]
+) -> int:
     """``zero/<param>/`` of every trainable and frozen parameter of ``plan`` (a tie's name too)."""
     group_of = {p.name: g.optimizer_group for g in found.groups for p in g.params}
     aliases: dict[str, list[str]] = {}
@@ -144,7 +155,8 @@ def _write_params(found: Manifest, plan, state_plan, source, read, files: ShardR
                 # the whole tensor in fp32, read and cast a chunk at a time as it is written
                 lazy = ds_pickle.Lazy("float32", tuple(tensor.shape), _chunks(tensor, files))
                 param = ds_pickle.View(lazy, lazy.shape, 0, _stride(tensor, files))
-                ds_pickle.save_streamed({"param": param, "cat_dim": 0}, folder / f"{key}.pt", shapes_as_tuples=True)
+                saved = {"param": param, **entries.get(name, {"cat_dim": 0})}
+                ds_pickle.save_streamed(saved, folder / f"{key}.pt", shapes_as_tuples=True)
             if "step" in scalars:
                 ds_pickle.save(ds_pickle.from_standins(scalars["step"], read), folder / "step.pt")
             count += 1

@@ -209,7 +209,15 @@ def _universal_engine(spec):
 
     torch.manual_seed(spec["seed"])
     model = build_model(spec)
-    optimizer = torch.optim.Adam([{"params": [p for p in model.parameters() if p.requires_grad]}], lr=1e-2)
+    if spec["ep"]:  # a MoE's experts in their own param groups, as job/parallel.py's
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        params = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "params"}
+        )
+    else:
+        params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    optimizer = torch.optim.Adam(params, lr=1e-2)
     config = {**ds_config(spec), "checkpoint": {"load_universal": True}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine

@@ -255,6 +255,16 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "s0-fp32-ws2>universal-s2": ("s0-fp32-ws2", 2, {"stage": 2}, {"export_universal": True}),
     "s0-bf16-ws2>universal-s1-ws3": ("s0-bf16-ws2", 3, {"stage": 1}, {"export_universal": True}),
     "pp2-s0-bf16-ws2>universal-s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"export_universal": True}),
+    # tensor/pipeline-parallel ZeRO-1/2 through ckptspec's universal folder (export-universal), loaded with
+    # load_universal; each job also loads DeepSpeed's own ds_to_universal folder of the source (UNIVERSAL_PARALLEL)
+    "pp2-s1-fp32-ws2>universal-ws4": ("pp2-s1-fp32-ws2", 4, {}, {"export_universal": True}),  # pp2 -> pp2 x dp2
+    "pp2dp2-s1-bf16-ws4>universal-ws2": ("pp2dp2-s1-bf16-ws4", 2, {}, {"export_universal": True}),  # -> pp2 x dp1
+    "tp2-s1-fp32-ws2>universal-tp1": ("tp2-s1-fp32-ws2", 2, _TP1, {"export_universal": True}),  # -> tp1 x dp2
+    "tp2dp2-s2-bf16-ws4>universal-tp1-ws3": ("tp2dp2-s2-bf16-ws4", 3, _TP1, {"export_universal": True}),
+    "tp2-s1-fp32-ws2>universal-ws4": ("tp2-s1-fp32-ws2", 4, {}, {"export_universal": True}),  # -> tp2 x dp2
+    # MoE through ckptspec's universal folder (UNIVERSAL_MOE): the same expert-parallel degree and experts per rank
+    "moe-ep2-s1-fp32-ws2>universal": ("moe-ep2-s1-fp32-ws2", 2, {}, {"export_universal": True}),
+    "moe-ep2-s2-bf16-ws4>universal-ws2": ("moe-ep2-s2-bf16-ws4", 2, {}, {"export_universal": True}),  # edp 2 -> 1
     # MoE at the same expert-parallel degree: the dense group over every rank, each expert group over its
     # expert-data-parallel ranks (ws4: 2 per expert group; ws2: 1)
     "moe-ep2-s1-bf16-ws4>ws2": ("moe-ep2-s1-bf16-ws4", 2, {}, {}),
@@ -274,6 +284,19 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
 }
 # Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
 UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}
+# The universal folders of tensor/pipeline-parallel sources (test_universal_parallel.py): the job loads ckptspec's
+# folder, then DeepSpeed's own of the same source, side by side.
+UNIVERSAL_PARALLEL = {
+    n
+    for n, (source, _, _, options) in DEGREE_RESHARDS.items()
+    if options.get("export_universal") and SOURCE_SPECS[source][0]["stage"] and source.startswith(("pp", "tp"))
+}
+# MoE: DeepSpeed's ds_to_universal fails on these sources, so there is no folder of its own to load beside
+UNIVERSAL_MOE = {
+    n
+    for n, (source, _, _, options) in DEGREE_RESHARDS.items()
+    if options.get("export_universal") and source.startswith("moe")
+}
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}
 )  # each with a +optim entry
@@ -469,7 +492,7 @@ def _registry() -> dict[str, Task]:
     for name, (source, ws, _, options) in DEGREE_RESHARDS.items():
         spec = reshard_target(name)[2]
         args = {"spec": spec, "source": source, "reshard": {"world_size": ws, **options}}
-        out[name] = Task("optim", {**args, "universal": name in UNIVERSAL_TOO}, ws, load=source)
+        out[name] = Task("optim", {**args, "universal": name in UNIVERSAL_TOO | UNIVERSAL_PARALLEL}, ws, load=source)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

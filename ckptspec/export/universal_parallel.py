@@ -1,0 +1,122 @@
+"""``ckptspec export-universal`` of an AutoTP, ``PipelineModule`` or MoE ZeRO-1/2 checkpoint.
+
+The folder is the one ``universal.py`` describes, as DeepSpeed 0.19's ``ds_to_universal`` writes it for these
+sources: ``zero/<param>/`` per parameter (the whole tensor in fp32, its moments, the step),
+``zero/optimizer_state.pt`` from the first domain's (pipeline stage 0, tensor rank 0) optimizer file, and every
+domain's ``mp_rank_XX_model_states.pt`` copied (a pipeline's layer files are not: DeepSpeed's universal load
+never reads the module, the weights come from ``zero/``).
+
+* A pipeline: each stage's parameters from its own domain (their ``PipelineModule`` names are unique across
+  stages). A parameter held by several stages (a ``TiedLayerSpec``) is refused (CK410): no job loaded one yet.
+* AutoTP: every parameter whole, its shards put together as the checkpoint index places them (the merge
+  ``reshard --tensor-parallel 1`` writes: ``reshard_tensor.whole_model``; replicated copies compared first, CK401).
+  DeepSpeed's loader cuts each tensor rank's slice back out of the whole tensor by the target job's own AutoTP
+  metadata (``universal_checkpoint.py`` ``_resolve_autotp_partition``), or copies it whole without AutoTP.
+
+A MoE ZeRO-1/2 checkpoint: its dense group as any, its experts as ``universal_moe`` stacks them (DeepSpeed's loader
+names a native expert by its local name).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..checkpoint.states import StateCache
+from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
+from ..deepspeed.layout.tag_dir import resolve_tag_dir
+from ..errors import CheckpointInvalid, ReshardUnsupported
+from ..findings import has_errors
+from ..format.index_models import CheckpointIndex, Domain
+from .compose import domain_plan
+from .optimizer_state import plan_optimizer_state
+from .output_dir import build_and_publish, held_new_output
+from .reshard_source import source_optimizer
+from .reshard_stage0_source import is_stage0_source
+from .reshard_tensor import whole_model
+from .universal_moe import moe_parts
+from .universal_stage0 import stage0_parts
+
+
+def export_universal_index(
+    checkpoint: str | os.PathLike, output: str | os.PathLike, *, tag: str | None = None, index=None
+):
+    """Validate ``checkpoint``, a kind a checkpoint index describes (digests included), then write its universal
+    folder as ``output``: stage 0 (``universal_stage0``), AutoTP, a pipeline (here) or a MoE (``universal_moe``);
+    CK410 for what is not written."""
+    from .universal import UniversalResult, model_file, write_folder
+
+    with held_new_output(output, "the universal checkpoint") as out:
+        states = StateCache()
+        found, findings = validate_index_checkpoint(checkpoint, index, tag, states=states, verify_digests=True)
+        if found is None or has_errors(findings):
+            raise CheckpointInvalid(findings, str(checkpoint))
+        src_dir = resolve_tag_dir(checkpoint, tag)
+        copies, entries = None, None  # each part's model-states file (stage 0), or every domain's
+        try:  # CK410 before anything is written
+            if is_stage0_source(found) and not found.expert_files:
+                parts = stage0_parts(found, src_dir, states)  # type: ignore[arg-type]
+            else:
+                parts, entries = _parts(found, src_dir, states)  # type: ignore[arg-type]
+                # every stage's and tensor rank's (a MoE's dense domain: rank 0's, the one it has)
+                copies = [src_dir / model_file(d.manifest) for d in found.domains if d.coordinate.expert is None]
+        except ReshardUnsupported as exc:
+            raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
+        count = build_and_publish(out, lambda tmp: write_folder(parts, states, tmp, copies, entries))
+    return UniversalResult(Path(output), src_dir.name, count)
+
+
+def _refuse(index: CheckpointIndex) -> None:
+    degrees = index.topology.degrees
+    for d in index.domains:
+        if d.masters is not None or d.manifest.layout.zero_stage not in (1, 2):
+            raise ReshardUnsupported(
+                f"domain {d.id} is not a ZeRO stage 1 or 2 partition (stage {d.manifest.layout.zero_stage}): the "
+                "universal folder of a tensor/pipeline-parallel checkpoint is written from ZeRO-1/2 files so far",
+                "use DeepSpeed's ds_to_universal",
+            )
+    if degrees.tensor > 1 and degrees.pipeline > 1:
+        raise ReshardUnsupported(
+            f"a checkpoint both tensor- and pipeline-parallel (tp {degrees.tensor} x pp {degrees.pipeline}) is not "
+            "exported as a universal folder yet",
+            "AutoTP checkpoints (pp 1) and pipelines (tp 1) are",
+        )
+    for d in index.domains:
+        if d.manifest.layout.tail_padding_saved:
+            raise ReshardUnsupported(
+                f"domain {d.id} was written by DeepSpeed's BF16_Optimizer, whose files are not read here yet",
+                "use DeepSpeed's ds_to_universal",
+            )
+    shared = [p.name for p in index.parameters if len({s.domain for s in p.shards}) > 1]
+    if degrees.pipeline > 1 and shared:
+        raise ReshardUnsupported(
+            f"{shared[0]} is held by several pipeline stages (a TiedLayerSpec): its universal folder is not "
+            "written yet",
+            "resume at the same layout, or reshard the data axis with `ckptspec reshard`",
+        )
+
+
+def _parts(index: CheckpointIndex, src_dir: Path, states: StateCache) -> tuple[list[tuple], dict | None]:
+    """``write_folder``'s parts (one per pipeline stage, the whole AutoTP model as one, a MoE's dense group and
+    experts) and the entries of a MoE's expert files; CK410 for what is not written."""
+    plans = {d.id: domain_plan(src_dir, d, states) for d in index.domains}
+    if index.expert_files:
+        return moe_parts(index, src_dir, plans, states, lambda d: _source(d, src_dir, states))
+    _refuse(index)
+    if index.topology.degrees.tensor == 1:
+        parts = [
+            (d.manifest, plans[d.id], plan_optimizer_state(plans[d.id]), _source(d, src_dir, states))
+            for d in index.domains
+        ]
+        return parts, None
+    manifest, whole, _, _ = whole_model(index, src_dir, plans, states)
+    first = next(d for d in index.domains if d.coordinate.tensor == 0)
+    return [(manifest, whole, whole.optimizer_state_plan(), _source(first, src_dir, states))], None
+
+
+def _source(domain: Domain, src_dir: Path, states: StateCache):
+    """The domain's rank-0 optimizer file as ``write_folder`` reads it (its entries, param groups, step)."""
+    path = src_dir / next(f.path for f in domain.manifest.files if f.role == "optimizer_states" and 0 in f.ranks)
+    source = source_optimizer(domain.manifest, states.state(path))
+    source.path = path
+    return source
