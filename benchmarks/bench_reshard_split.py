@@ -19,7 +19,6 @@ import filecmp
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -29,12 +28,7 @@ sys.path.insert(0, str(HERE))
 
 from child import load_line, run_child
 from make_big_checkpoint import build
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from torchrun import command
 
 
 def _same_tree(a: Path, b: Path) -> bool:
@@ -58,17 +52,15 @@ def main() -> None:
     size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
     start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-split-"))
-    reshard = ["-m", "ckptspec", "reshard", str(source)]
+    reshard = ["ckptspec", "reshard", str(source)]
     rows = []
     try:
         one = work / "one"
-        r = run_child([sys.executable, *reshard, str(one), "--world-size", str(args.world_size)], env)
+        r = run_child([sys.executable, "-m", *reshard, str(one), "--world-size", str(args.world_size)], env)
         rows.append(("one process (no torchrun)", r, [], True))
         for n in args.nproc:
             out = work / f"split{n}"
-            torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}"]
-            torchrun += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
-            r = run_child([*torchrun, *reshard, str(out), "--world-size", str(args.world_size)], env)
+            r = run_child(command("-m", n, *reshard, str(out), "--world-size", str(args.world_size)), env)
             rows.append((f"torchrun --nproc_per_node {n}", r, _ranks(r["out"]), _same_tree(one, out)))
             shutil.rmtree(out)
     finally:

@@ -26,7 +26,8 @@ def environment() -> dict[str, str]:
     return env
 
 
-def command(script: Path, nproc: int, *args: str) -> list[str]:
+def command(script: Path | str, nproc: int, *args: str) -> list[str]:
+    """``torchrun`` of ``script`` (or ``"-m"`` with the module as the first of ``args``) on ``nproc`` processes."""
     return [
         sys.executable,
         "-m",

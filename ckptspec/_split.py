@@ -77,6 +77,10 @@ class Share:
             raise _rank_failed(failed[0])
         return out
 
+    def report(self) -> list[tuple[int, int]]:
+        """Every rank's (files written, checkpoint bytes read), by rank."""
+        return self.exchange((len(self.written), bytes_read()))
+
     def synchronize(self) -> None:
         """Wait until every rank got here (each rank's files are written, say)."""
         self.exchange(None)

@@ -171,6 +171,13 @@ def writing_deepspeed_files(checkpoint: str, output: str, manifest: str | None, 
         fail_write(output, exc)
 
 
+def echo_split(shares: list[tuple[int, int]]) -> None:
+    """Under torchrun, what each rank of the split did (``_split.Share.report``), after the command's line."""
+    if "WORLD_SIZE" in os.environ:
+        for rank, (files, read) in enumerate(shares):
+            click.echo(f"  rank {rank} of {len(shares)}: wrote {files} files, read {read} checkpoint bytes")
+
+
 def tag_needs_a_directory(name: str, option: str = "--tag") -> click.UsageError:
     """``--tag`` (``--tag-a``, ``--tag-b``) given with a file argument: a usage error, in the same words everywhere."""
     return click.UsageError(f"{option} needs a checkpoint directory, and {name} is not one")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from ._common import OUTPUT_DIR, writing_deepspeed_files
+from .._split import torchrun_share
+from ._common import OUTPUT_DIR, echo_split, writing_deepspeed_files
 
 
 @click.command("export-universal")
@@ -25,12 +26,17 @@ def export_universal(checkpoint: str, output: str, tag, manifest) -> None:
     `checkpoint.load_universal: true` then loads it at any world size and ZeRO stage 1 or 2: put
     OUTPUT's name in a `latest_universal` file beside it and call engine.load_checkpoint(OUTPUT's
     parent). Positions come from the manifest, so round-robin checkpoints give the saved values.
+    Under torchrun the processes share the work, as for reshard: each writes every N-th file.
     """
     from ..export.api import export_universal as run
 
-    with writing_deepspeed_files(checkpoint, output, manifest, "not exported"):
+    with writing_deepspeed_files(checkpoint, output, manifest, "not exported"), torchrun_share() as share:
         result = run(checkpoint, output, tag=tag, manifest=manifest)
+        shares = share.report()
+    if not share.first:
+        return
     click.echo(
         f"{result.output}: universal checkpoint of {result.tag} ({result.params} parameters); load it with "
         f"checkpoint.load_universal: true and a latest_universal file naming '{result.output.name}'"
     )
+    echo_split(shares)

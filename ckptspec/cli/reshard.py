@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import click
 
-from .._split import bytes_read, torchrun_share
-from ._common import OUTPUT_DIR, writing_deepspeed_files
+from .._split import torchrun_share
+from ._common import OUTPUT_DIR, echo_split, writing_deepspeed_files
 
 
 @click.command()
@@ -121,16 +120,14 @@ def reshard(
             tag=tag,
             manifest=manifest,
         )
-        shares = share.exchange((len(share.written), bytes_read()))
+        shares = share.report()
     if not share.first:
         return
     click.echo(
         f"{result.output}: {result.tag} resharded from {result.source_world_size} to {result.world_size} ranks "
         f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with engine.load_checkpoint('{output}')"
     )
-    if "WORLD_SIZE" in os.environ:  # under torchrun: what each rank of the split did
-        for rank, (files, read) in enumerate(shares):
-            click.echo(f"  rank {rank} of {len(shares)}: wrote {files} files, read {read} checkpoint bytes")
+    echo_split(shares)
 
 
 def _json_object(file) -> dict | None:

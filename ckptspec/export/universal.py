@@ -28,6 +28,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import _split
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.models import Manifest
@@ -111,7 +112,7 @@ def write_folder(
     AutoTP model, one part, has one per tensor rank). ``entries``: parameter -> the entries its files hold beside
     ``param`` (default ``cat_dim`` 0; a MoE expert's: ``universal_moe``)."""
     zero = out / "zero"
-    zero.mkdir()
+    zero.mkdir(exist_ok=True)  # every rank of a torchrun split
     count = 0
     with ShardReader() as files:
         readers = [_storage_reader(source.path, states, files) for _, _, _, source in parts]
@@ -122,8 +123,12 @@ def write_folder(
         model_files = [plan.tag_dir / model_file(found) for found, plan, _, _ in parts]
     for model in model_files:
         name = model.name  # a stage-3 source's has a zero_pp_rank_0_ prefix: the folder's has none
-        with open_binary(model) as src, open(out / name[name.index("mp_rank_") :], "wb") as dst:
+        copy = out / name[name.index("mp_rank_") :]
+        if not _split.current().claims(copy):  # another rank of a torchrun split copies it
+            continue
+        with open_binary(model) as src, open(copy, "wb") as dst:
             shutil.copyfileobj(src, dst)  # a checkpoint at a URL too (its ranged reads)
+            _split.count_read(dst.tell())
     return count
 
 
@@ -150,7 +155,7 @@ def _write_params(
         scalars = source.group_scalars.get(group_of.get(name, -1), {}) if src.role == "trainable" else {}
         for target in [name, *aliases.get(name, [])]:
             folder = zero / target
-            folder.mkdir()
+            folder.mkdir(exist_ok=True)  # every rank of a torchrun split
             for key, tensor in tensors.items():
                 # the whole tensor in fp32, read and cast a chunk at a time as it is written
                 lazy = ds_pickle.Lazy("float32", tuple(tensor.shape), _chunks(tensor, files))

@@ -69,16 +69,7 @@ def run_torchrun(
     guard.reached(f"a torchrun launch of {script.name}")
     env = job_env(python)
     for attempt in range(3):
-        cmd = [
-            python,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={world_size}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
-            str(script),
-            *args,
-        ]
+        cmd = _torchrun(world_size, script, *args, python=python)
         returncode, log = _run_in_session(cmd, env, TIMEOUT_S)
         if returncode is None:
             raise HarnessError(f"{what} timed out after {TIMEOUT_S}s:\n{log[-20000:]}")
@@ -89,11 +80,10 @@ def run_torchrun(
     raise AssertionError("unreachable")
 
 
-def torchrun_command(nproc: int, *args, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node nproc ARGS`` (a module with ``-m``, or a script) on 127.0.0.1, on the CPU,
-    with the jobs' environment; its exit code and output, whatever they are (the caller asserts them)."""
-    cmd = [
-        sys.executable,
+def _torchrun(nproc: int, *args, python: str = sys.executable) -> list[str]:
+    """The command line of ``torchrun --nproc_per_node nproc ARGS`` on 127.0.0.1 (a free port)."""
+    return [
+        python,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
@@ -101,6 +91,12 @@ def torchrun_command(nproc: int, *args, env: dict | None = None) -> subprocess.C
         f"--master_port={_free_port()}",
         *map(str, args),
     ]
+
+
+def torchrun_command(nproc: int, *args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc ARGS`` (a module with ``-m``, or a script) on 127.0.0.1, on the CPU,
+    with the jobs' environment; its exit code and output, whatever they are (the caller asserts them)."""
+    cmd = _torchrun(nproc, *args)
     return subprocess.run(cmd, env={**job_env(), **(env or {})}, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 

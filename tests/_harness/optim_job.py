@@ -28,6 +28,11 @@ the optimizer state the live engine then holds. Every rank writes ``OUT/optim.ra
   logits        the logits of a fixed batch, fp32: a dense, AutoTP or MoE model's (``LOGITS_SEED``, eval mode); a
                 pipeline's: the last stage's output (job/parallel.py ``_logits``), None on other stages
 
+After recording, every task takes one more training step on the same global batch whatever the layout
+(``_one_more_step``) and records the same keys again as ``OUT/step.rank<R>.pt``: a "+optim" entry (the source
+resumed at its own layout) gives what a job that never stopped holds after that step, a reshard task what the
+target layout holds after it.
+
 A task with ``universal`` also loads, into a second engine of the same spec with ``checkpoint.load_universal``,
 the folder DeepSpeed's ``ds_to_universal`` wrote beside ``load`` (``latest_universal``): DeepSpeed's own path to
 the task's layout, recorded as ``OUT/universal.rank<R>.pt`` (``universal_error`` in optim.json when it fails).
@@ -58,10 +63,12 @@ if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` im
 
 from _harness.job import parallel
 from _harness.job.main import reset_deepspeed_globals
-from _harness.job.parallel_models import batch, build_model, ds_config, layout, normalize, torch_dtype
+from _harness.job.parallel_models import BATCH, batch, build_model, ds_config, layout, normalize, torch_dtype
 
 KEYS = ("exp_avg", "exp_avg_sq")
 LOGITS_SEED = 4040  # the fixed batch whose logits are recorded
+STEP_SEED = 5050  # the global batch of the one more step every task takes after loading
+STEP_SAMPLES = 24  # its samples: an equal share for 1, 2, 3 or 4 data ranks, two micro batches each for a pipeline
 
 
 def _by_master(opt):
@@ -127,6 +134,8 @@ def run(args, out: Path):
     rank = dist.get_rank()
     out.mkdir(parents=True, exist_ok=True)
     torch.save(_record(engine, spec), out / f"optim.rank{rank}.pt")
+    _one_more_step(engine, spec)
+    torch.save(_record(engine, spec), out / f"step.rank{rank}.pt")
     universal_error = None
     if args.get("universal"):  # DeepSpeed's own path to the target layout: its universal folder of the source
         dist.barrier()
@@ -149,6 +158,36 @@ def run(args, out: Path):
     dist.barrier()
     if hasattr(engine, "destroy"):
         engine.destroy()
+
+
+def _one_more_step(engine, spec) -> None:
+    """One training step on the same global batch whatever the layout (``STEP_SEED``, ``STEP_SAMPLES`` samples):
+    data-parallel rank d of D takes the d-th of D equal shares (every tensor rank of an AutoTP group the same, a
+    pipeline in two micro batches, a MoE job's ranks each its own), as the source job resumed at its own layout
+    does in its "+optim" entry: what a job that never stopped would do next, at either layout."""
+    import torch
+
+    micro = [batch(spec, STEP_SEED + i) for i in range(STEP_SAMPLES // BATCH)]
+    x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+    per_sample = len(y) // STEP_SAMPLES  # a MoE sample has MOE_TOKENS targets
+    share = STEP_SAMPLES // engine.dp_world_size
+    first = parallel._dp_rank(engine) * share
+    x, y = x[first : first + share].to(torch_dtype(spec)), y[first * per_sample : (first + share) * per_sample]
+    engine.module.train()
+    if layout(spec) == "pipe":  # stages pass activations of another batch size than the logits' batch: resized
+        half = share // 2
+        engine.reset_activation_shape()
+        engine.train_batch(data_iter=iter([(x[:half], y[:half]), (x[half:], y[half:])]))
+        engine.reset_activation_shape()
+        return
+    out = engine(x)
+    if layout(spec) == "moe":
+        out, l_aux = out
+        loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y) + 0.01 * l_aux
+    else:
+        loss = torch.nn.functional.cross_entropy(out.float(), y)
+    engine.backward(loss)
+    engine.step()
 
 
 def _record(engine, spec) -> dict:

@@ -1,4 +1,4 @@
-"""#40 item 3: ``ckptspec reshard`` under torchrun, the ranks sharing the work (ckptspec/_split.py).
+"""#40 item 3: ``ckptspec reshard`` and ``export-universal`` under torchrun, the ranks sharing the work (_split.py).
 
 Ground truth: the harness's reshard of the same source to the same layout, which a real DeepSpeed job of the
 target layout loaded and checked (test_reshard.py, test_reshard_moe.py, test_reshard_tensor.py). The split run,
@@ -18,18 +18,25 @@ from _harness.scenarios import DEGREE_RESHARDS, RESHARD_CASES
 
 SPLIT_FAILURE = Path(__file__).with_name("split_failure_job.py")
 
-# (harness entry whose "resharded" output a DeepSpeed job loaded, the reshard's command-line options, processes)
+# (harness entry whose "resharded" output a DeepSpeed job loaded, the command and its options, processes)
 CASES = {
-    "plain ZeRO-2 bf16 2 -> 3 ranks, 2 processes": ("reshard-s2-bf16-2to3", ["--world-size", "3"], 2),
-    "plain ZeRO-2 bf16 2 -> 3 ranks, 3 processes": ("reshard-s2-bf16-2to3", ["--world-size", "3"], 3),
+    "plain ZeRO-2 bf16 2 -> 3 ranks, 2 processes": ("reshard-s2-bf16-2to3", ["reshard", "--world-size", "3"], 2),
+    "plain ZeRO-2 bf16 2 -> 3 ranks, 3 processes": ("reshard-s2-bf16-2to3", ["reshard", "--world-size", "3"], 3),
     "MoE ep2 -> ep1, ws4 -> ws2, 3 processes": (
         "moe-ep2-s2-bf16-ws4>ep1-ws2",
-        ["--world-size", "2", "--expert-parallel", "1"],
+        ["reshard", "--world-size", "2", "--expert-parallel", "1"],
         3,
     ),
     "AutoTP tp2 x dp2 -> tp4, 2 processes": (
         "tp2dp2-s2-bf16-ws4>tp4",
-        ["--world-size", "4", "--tensor-parallel", "4"],
+        ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
+        2,
+    ),
+    # the universal folders, which jobs loaded with load_universal (OUT/resharded/universal)
+    "export-universal of a MoE ep2 ZeRO-2, 3 processes": ("moe-ep2-s2-bf16-ws4>universal-ws2", ["export-universal"], 3),
+    "export-universal of AutoTP tp2 x dp2, 2 processes": (
+        "tp2dp2-s2-bf16-ws4>universal-tp1-ws3",
+        ["export-universal"],
         2,
     ),
 }
@@ -52,16 +59,17 @@ def _per_rank(stdout: str) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_split_writes_the_files_a_deepspeed_job_resumed_byte_for_byte(case, ds, torchrun, tmp_path):
-    entry, options, nproc = CASES[case]
+    entry, (command, *options), nproc = CASES[case]
     checked = ds.path(entry) / "resharded"  # loaded by a DeepSpeed job of the target layout
+    checked = checked / "universal" if command == "export-universal" else checked
     out = tmp_path / "out"
-    run = torchrun(nproc, "-m", "ckptspec", "reshard", ds.path(_source(entry)), out, *options)
+    run = torchrun(nproc, "-m", "ckptspec", command, ds.path(_source(entry)), out, *options)
     assert run.returncode == 0, run.stdout + run.stderr
     assert _files(out) == _files(checked)
     ranks = _per_rank(run.stdout)
     assert len(ranks) == nproc
     written = sum(files for files, _ in ranks)
-    assert written == len(re.findall(r"\.pt$", "\n".join(_files(checked)), re.M))  # every DeepSpeed file once
+    assert written == len(re.findall(r"\.pt$", "\n".join(_files(checked)), re.M))  # every torch file once
     assert all(files >= 1 for files, _ in ranks)  # every rank did a share
 
 

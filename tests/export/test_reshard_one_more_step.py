@@ -1,0 +1,104 @@
+"""#40 ground truth: one more training step after resuming, at the target layout, against the source job resumed at
+its own layout taking the same step (the job that never stopped).
+
+Every optim_job.py task takes, after loading, one step on the same global batch whatever the layout (data rank d of
+D takes the d-th of D equal shares) and records again what the live engine holds (``step.rank<R>.pt``): the source's
+"+optim" entry at the source layout, each reshard entry at its target layout. Both started that step from the same
+masters and moments (bit for bit: the other test files), so any difference after it is the step's own arithmetic:
+another data-parallel reduction (all-reduce or reduce-scatter, over other shares), other AutoTP matmul partials,
+another pipeline or expert placement. The bounds say how far that may move a value, relative to the step's own
+movement of it (STEP_SHARE).
+
+Not comparable, so not compared: a MoE job at another world size. DeepSpeed's gate computes each rank's expert
+capacity and auxiliary loss from that rank's tokens, so the same global batch in other shares is another loss, not
+the same one summed in another order (measured: the masters then differ by 36-82% of the step). Their state before
+the step is checked bit for bit by test_reshard_moe.py. A stage-0 target's masters are not given by DeepSpeed's
+getter: its logits are compared.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from _harness.parallel_oracles import logits_of, optim_records
+from _harness.scenarios import DEGREE_RESHARDS, PARALLEL_RESHARDS, optim_name
+
+
+def _world_sizes(name: str) -> tuple[int, int]:
+    """(the source's world size, the target's)."""
+    source, world_size = (PARALLEL_RESHARDS.get(name) or DEGREE_RESHARDS[name])[:2]
+    return int(re.search(r"-ws(\d+)", source).group(1)), world_size
+
+
+# MoE at another world size: not comparable (the module docstring)
+MOE_OTHER_WORLD_SIZE = {n for n in DEGREE_RESHARDS if n.startswith("moe-") and len(set(_world_sizes(n))) == 2}
+# every other reshard a job of the target layout loaded (a universal folder's too), but from a ZeRO-3 source: its
+# "+optim" entry is optim_universal_job.py's, which records the source job's own state and takes no step
+CASES = sorted(
+    n for n in {**PARALLEL_RESHARDS, **DEGREE_RESHARDS} if not n.startswith("uc-") and n not in MOE_OTHER_WORLD_SIZE
+)
+# (masters, logits): how far the step at the target layout may leave a master from where the source's step left
+# it, as a share of that step, and the logits of the fixed batch after it, as a share of the largest logit. Another
+# reduction order only: measured at most 1.7e-6 of the step and 1.4e-7 of the logits in fp32, 1.8% and 0.53% in
+# bf16 (tests/export/test_reshard_one_more_step.py's cases, docs/reshard.md). A bf16 MoE at another expert degree
+# also sums its experts' bf16 outputs in another order after another all-to-all: measured 24% of the step on one
+# expert weight element, 0.7% of the logits.
+BOUNDS = {"fp32": (1e-4, 1e-6), "bf16": (0.03, 0.01), "moe-bf16-expert-degree": (0.5, 0.01)}
+# A DeepSpeed 0.19.8 defect, not the checkpoint's: at stage 0 in fp16 with a client optimizer
+# (FP16_UnfusedOptimizer), engine.backward scales the loss only for a ZeROOptimizer (runtime/engine.py, backward:
+# `if isinstance(self.optimizer, ZeROOptimizer): loss = self.optimizer.scale_if_loss(loss)`), yet the optimizer's
+# step divides the gradients by its loss scale (unfused_optimizer.py, unscale_and_clip_grads): every step of such a
+# job, resumed or never stopped, moves with gradients cur_scale (16 here) times too small. Measured: the step's
+# gradient (from the moments) is the source's times 0.0771 everywhere, norm 0.077 where the ZeRO-1 source clips to
+# 1.0: what an unclipped source norm of 16 x 0.077 = 1.23 gives. The moments, masters and logits before the step
+# are bit for bit (test_reshard_stage0.py). Strict: if DeepSpeed fixes it, this case passes and the mark must go.
+FP16_STAGE0 = {"dense-s1-fp16-ws2>s0"}
+
+
+def _source(name: str) -> str:
+    return PARALLEL_RESHARDS[name][0] if name in PARALLEL_RESHARDS else DEGREE_RESHARDS[name][0]
+
+
+def _masters(records: list[dict]) -> dict[tuple[int, str], np.ndarray]:
+    """(tensor rank, global name) -> the fp32 master DeepSpeed's getter gives (an AutoTP shard where split)."""
+    out: dict[tuple[int, str], np.ndarray] = {}
+    for r in records:
+        for name, value in r["master"].items():
+            out.setdefault((r["coords"].get("tp", 0), name), value.numpy())
+    return out
+
+
+def _bounds(name: str) -> tuple[float, float]:
+    options = DEGREE_RESHARDS[name][3] if name in DEGREE_RESHARDS else {}
+    dtype = "fp32" if "-fp32-" in _source(name) else "bf16"  # fp16 (finer than bf16): bf16's bounds
+    if name.startswith("moe-") and dtype == "bf16" and "expert_parallel" in options:
+        return BOUNDS["moe-bf16-expert-degree"]
+    return BOUNDS[dtype]
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xfail(strict=True)) if n in FP16_STAGE0 else n for n in CASES]
+)
+def test_one_more_step_moves_the_target_as_it_moves_the_source(name, ds):
+    entry, source = ds.path(name), ds.path(optim_name(_source(name)))
+    before, after = optim_records(source), optim_records(source, "step")
+    target = optim_records(entry, "step")
+    assert len(target) == len(before) or not name.startswith("moe-")  # MoE_OTHER_WORLD_SIZE is not compared
+    # the step happened, at both layouts, from the same step count
+    steps = {s for r in [*after, *target] for s in r["step"].values()}
+    assert steps == {s + 1 for r in before for s in r["step"].values()}, steps
+    moved, (share, logits_share) = _masters(before), _bounds(name)
+    held, reference = _masters(target), _masters(after)
+    if held and {k[0] for k in held} == {k[0] for k in reference}:  # the same tensor degree: compared directly
+        assert held.keys() == reference.keys()
+        for key, value in reference.items():
+            step = np.abs(value - moved[key]).max()  # how far the step moved it
+            assert step > 0, key
+            assert np.abs(held[key] - value).max() <= share * step + 1e-7, (key, step)
+    # else another tensor degree (shards of other shapes), or a stage-0 target (no getter masters): the logits
+    logits, expected = logits_of(target), logits_of(after)
+    assert logits.shape == expected.shape and not np.array_equal(expected, logits_of(before))  # the step moved them
+    diff = (logits - expected).abs().max().item()
+    assert diff <= logits_share * expected.abs().max().item(), diff
