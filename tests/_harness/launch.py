@@ -80,24 +80,49 @@ def run_torchrun(
     raise AssertionError("unreachable")
 
 
-def _torchrun(nproc: int, *args, python: str = sys.executable) -> list[str]:
-    """The command line of ``torchrun --nproc_per_node nproc ARGS`` on 127.0.0.1 (a free port)."""
+def _torchrun(nproc: int, *args, python: str = sys.executable, node: tuple[int, int, int] | None = None) -> list[str]:
+    """The command line of ``torchrun --nproc_per_node nproc ARGS`` on 127.0.0.1 (a free port); ``node``: (node
+    rank, number of nodes, the port node 0 listens on) for one node of a job of several."""
+    nodes = [] if node is None else [f"--nnodes={node[1]}", f"--node_rank={node[0]}"]
+    port = _free_port() if node is None else node[2]
     return [
         python,
         "-m",
         "torch.distributed.run",
+        *nodes,
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        f"--master_port={port}",
         *map(str, args),
     ]
 
 
-def torchrun_command(nproc: int, *args, env: dict | None = None) -> subprocess.CompletedProcess:
+def torchrun_command(nproc: int, *args, env: dict | None = None, nnodes: int = 1) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node nproc ARGS`` (a module with ``-m``, or a script) on 127.0.0.1, on the CPU,
-    with the jobs' environment; its exit code and output, whatever they are (the caller asserts them)."""
-    cmd = _torchrun(nproc, *args)
-    return subprocess.run(cmd, env={**job_env(), **(env or {})}, capture_output=True, text=True, timeout=TIMEOUT_S)
+    with the jobs' environment; its exit code and output, whatever they are (the caller asserts them). ``nnodes``
+    above 1: that many torchrun agents started at once (``--nnodes``, ``--node_rank``), as the nodes of one job would
+    start them; the highest exit code, and their outputs, node 0's first."""
+    env = {**job_env(), **(env or {})}
+    if nnodes == 1:
+        return subprocess.run(_torchrun(nproc, *args), env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    port = _free_port()
+    agents = [
+        subprocess.Popen(
+            _torchrun(nproc, *args, node=(rank, nnodes, port)),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(nnodes)
+    ]
+    outputs = [agent.communicate(timeout=TIMEOUT_S) for agent in agents]
+    return subprocess.CompletedProcess(
+        agents[0].args,
+        max(agent.returncode for agent in agents),
+        "".join(out for out, _ in outputs),
+        "".join(err for _, err in outputs),
+    )
 
 
 @dataclass(frozen=True)

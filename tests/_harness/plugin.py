@@ -175,7 +175,8 @@ def ckptspec_process():
 
 @pytest.fixture(scope="session")
 def torchrun():
-    """launch.torchrun_command: ``torchrun(nproc, *args, env=None)`` runs ``torchrun ARGS`` on 127.0.0.1, on CPU."""
+    """launch.torchrun_command: ``torchrun(nproc, *args, env=None, nnodes=1)`` runs ``torchrun ARGS`` on 127.0.0.1,
+    on CPU (``nnodes`` agents, as the nodes of one job)."""
     from .launch import torchrun_command
 
     return torchrun_command

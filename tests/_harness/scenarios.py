@@ -148,7 +148,10 @@ EXTRAS_SPECS = {
 EXTRAS = sorted(EXTRAS_SPECS)
 # A MoE at expert-parallel degree 1 (every rank holds both experts): the source of an expert degree change (issue
 # #40). Not in PARALLEL, loaded by its "+optim" entry and resharded by DEGREE_RESHARDS.
-EP_ONE_SPECS = {"moe-ep1-s1-fp32-ws2": ({"ep": 1, "experts": 2, "stage": 1, "dtype": "fp32"}, 2)}
+EP_ONE_SPECS = {
+    "moe-ep1-s1-fp32-ws2": ({"ep": 1, "experts": 2, "stage": 1, "dtype": "fp32"}, 2),
+    "moe-ep1-s2-bf16-ws2": ({"ep": 1, "experts": 2, "stage": 2, "dtype": "bf16"}, 2),  # ep1 -> ep2 at ZeRO-2
+}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS, **ZERO_DENSE_SPECS, **EP_ONE_SPECS}
 # Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries
@@ -274,6 +277,7 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "moe-ep2-s1-fp32-ws2>ep1": ("moe-ep2-s1-fp32-ws2", 2, {"ep": 1}, {"expert_parallel": 1}),
     "moe-ep2-s2-bf16-ws4>ep1-ws2": ("moe-ep2-s2-bf16-ws4", 2, {"ep": 1}, {"expert_parallel": 1}),
     "moe-ep1-s1-fp32-ws2>ep2": ("moe-ep1-s1-fp32-ws2", 2, {"ep": 2}, {"expert_parallel": 2}),
+    "moe-ep1-s2-bf16-ws2>ep2": ("moe-ep1-s2-bf16-ws2", 2, {"ep": 2}, {"expert_parallel": 2}),
     "moe-ep2-s1-bf16-ws4>ep4": ("moe-ep2-s1-bf16-ws4", 4, {"ep": 4}, {"expert_parallel": 4}),
     # to ZeRO stage 0 (one model-states file: fp32, the torch optimizer's state; bf16/fp16, FP16_UnfusedOptimizer's)
     "dense-s2-fp32-ws2>s0-ws3": ("dense-s2-fp32-ws2", 3, _S0, _S0),

@@ -73,6 +73,17 @@ def test_the_split_writes_the_files_a_deepspeed_job_resumed_byte_for_byte(case, 
     assert all(files >= 1 for files, _ in ranks)  # every rank did a share
 
 
+def test_two_nodes_write_what_one_process_writes(ds, torchrun, tmp_path):
+    """Two torchrun agents (``--nnodes 2``, one process each), as two machines sharing OUTPUT's file system would
+    run them: the same files as the harness's reshard, which a DeepSpeed job resumed."""
+    entry = "reshard-s2-bf16-2to3"
+    out = tmp_path / "out"
+    run = torchrun(1, "-m", "ckptspec", "reshard", ds.path(_source(entry)), out, "--world-size", "3", nnodes=2)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _files(out) == _files(ds.path(entry) / "resharded")
+    assert [files for files, _ in _per_rank(run.stdout)] == [2, 2]  # rank 0 on node 0, rank 1 on node 1
+
+
 def test_each_rank_reads_a_share_of_what_one_process_reads(ds, torchrun, tmp_path):
     source = ds.path("s2-bf16-ws2")
     one = torchrun(1, "-m", "ckptspec", "reshard", source, tmp_path / "one", "--world-size", "3")
