@@ -388,18 +388,6 @@ class RankFailed(InputOutputError):
     """CK918: another rank of a torchrun split failed: this rank stopped too, with that rank's exit code."""
 
 
-class OutputNotShared(InputOutputError):
-    """CK919: a rank of a torchrun split cannot see the directory rank 0 is building (exit 2)."""
-
-    def __init__(self, directory: str, rank: int):
-        super().__init__(
-            "CK919",
-            f"rank {rank} cannot see the temporary directory rank 0 made for the output",
-            "every rank writes its files into OUTPUT: give a directory on a file system every node mounts",
-            directory,
-        )
-
-
 class OutputBusy(InputOutputError):
     """Another ckptspec run is writing into the same directory (exit 2)."""
 

@@ -143,7 +143,7 @@ CODES: dict[str, str] = {
     "CK915": "remote-connection",
     "CK916": "remote-read-only",
     "CK917": "remote-backend",
-    # CK918-CK919: a torchrun split (_split.py)
+    # CK918-CK919: a torchrun split (split.py)
     "CK918": "rank-failed",
     "CK919": "output-not-shared",
     "CK999": "internal-error",

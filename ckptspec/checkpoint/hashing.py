@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
-from .. import _split
+from .. import split
 from ..format.models import Hash
 from ..location import RemotePath, iter_chunks, known_hash, remember_hash
 
@@ -29,12 +29,12 @@ def file_digest(path: str | Path | RemotePath, algorithm: str = "sha256") -> Has
                 digest.update(chunk)
             remember_hash(path, name, known := digest.hexdigest())
         return Hash(algorithm=name, digest=known)
-    key = (name, _split.file_identity(path)) if _split.looking_up() else None
-    known = _split.remembered(key) if key is not None else None
+    key = (name, split.file_identity(path)) if split.looking_up() else None
+    known = split.remembered(key) if key is not None else None
     if known is None:
         with open(path, "rb") as fh:
             known = hashlib.file_digest(fh, algorithm).hexdigest()
-            _split.count_read(fh.tell())
+            split.count_read(fh.tell())
     return Hash(algorithm=name, digest=known)
 
 
@@ -42,12 +42,12 @@ def file_digests(paths: list, algorithm: str = "sha256", jobs: int | None = None
     """``file_digest`` of each path, in order, several files at once: hashlib releases the GIL
     while it hashes, so threads use every core (``jobs``: at most this many, default one per CPU).
     The first error, in the order of ``paths``, is raised. The ranks of a torchrun split each hash a share."""
-    share, paths = _split.current(), list(paths)
+    share, paths = split.current(), list(paths)
     found = share.map_split(lambda mine: _file_digests(list(mine), algorithm, jobs), paths)
     if share.size > 1:  # for rank 0's commit, which hashes the files again
         for path, h in zip(paths, found):
             if not isinstance(path, RemotePath):
-                _split.remember((h.algorithm, _split.file_identity(path)), h.digest)
+                split.remember((h.algorithm, split.file_identity(path)), h.digest)
     return found
 
 

@@ -17,10 +17,10 @@ from typing import Any, NoReturn
 
 import click
 
-from .._split import reports_findings
 from .._version import __version__
 from ..errors import CheckpointInvalid, CkptspecError, FileUnreadable, InputOutputError, InternalError
 from ..findings import Finding, has_errors
+from ..split import reports_findings
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 REPORT_VERSION = "1.0"
@@ -172,7 +172,7 @@ def writing_deepspeed_files(checkpoint: str, output: str, manifest: str | None, 
 
 
 def echo_split(shares: list[tuple[int, int]]) -> None:
-    """Under torchrun, what each rank of the split did (``_split.Share.report``), after the command's line."""
+    """Under torchrun, what each rank of the split did (``split.Share.report``), after the command's line."""
     if "WORLD_SIZE" in os.environ:
         for rank, (files, read) in enumerate(shares):
             click.echo(f"  rank {rank} of {len(shares)}: wrote {files} files, read {read} checkpoint bytes")

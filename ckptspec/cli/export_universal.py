@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .._split import torchrun_share
+from ..export.torchrun import torchrun_share
 from ._common import OUTPUT_DIR, echo_split, writing_deepspeed_files
 
 

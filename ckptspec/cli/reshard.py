@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .._split import torchrun_share
+from ..export.torchrun import torchrun_share
 from ._common import OUTPUT_DIR, echo_split, writing_deepspeed_files
 
 

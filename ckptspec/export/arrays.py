@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .. import _split
+from .. import split
 from ..checkpoint.states import unreadable
 from ..errors import (
     FileHashMismatch,
@@ -132,7 +132,7 @@ class ShardReader:
 
     def copy(self, segment: Segment, writer: TensorSink) -> None:
         """Append the segment's bytes to ``writer``: in the kernel for a local file, piece by piece for a remote one."""
-        _split.count_read(segment.nbytes)
+        split.count_read(segment.nbytes)
         if isinstance(segment.path, RemotePath):
             for piece in self._pieces(segment):
                 writer.write(piece)
@@ -150,7 +150,7 @@ class ShardReader:
         return self._fds[path]
 
     def read_into(self, segment: Segment, out: memoryview) -> None:
-        _split.count_read(segment.nbytes)
+        split.count_read(segment.nbytes)
         if isinstance(segment.path, RemotePath):
             done = 0
             for piece in self._pieces(segment):

@@ -89,9 +89,9 @@ def save(obj: Any, path: Path) -> None:
     """``torch.save(obj, path)`` through the pickler above (protocol 2, torch's zip format)."""
     import torch
 
-    from .. import _split
+    from .. import split
 
-    if not _split.current().claims(path):  # another rank of a torchrun split writes this file
+    if not split.current().claims(path):  # another rank of a torchrun split writes this file
         return
     torch.save(obj, path, pickle_module=PICKLE_MODULE)
 
@@ -242,10 +242,10 @@ def save_streamed(obj: Any, path: Path, *, shapes_as_tuples: bool = False) -> No
 
     import torch
 
-    from .. import _split
+    from .. import split
     from ..checkpoint.torch_zip import TorchZipWriter
 
-    if not _split.current().claims(path):  # another rank of a torchrun split writes this file
+    if not split.current().claims(path):  # another rank of a torchrun split writes this file
         return
 
     keys: dict[int, str] = {}  # id(Lazy) -> its storage key (the same str object: pickled once, as torch does)

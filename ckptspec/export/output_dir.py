@@ -7,8 +7,8 @@ checked only once it is held. A new OUTPUT is created empty to be held (and remo
 run fails). A symlinked OUTPUT is written where it points, as ``reconstruct`` does: the temporary
 directory is built beside the target and takes its place; the link stays.
 
-Under a torchrun split (``_split``) rank 0 alone holds OUTPUT, makes the temporary directory and puts it in place
-once every rank built its share of it; the other ranks write into the directory rank 0 names.
+Under a torchrun split (``ckptspec.split``) rank 0 alone holds OUTPUT, makes the temporary directory and puts it
+in place once every rank built its share of it; the other ranks write into the directory rank 0 names.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from .. import _split
+from .. import split
 from .._fs import exclusive, publish_dir, sweep, temp_dir
-from ..errors import InputOutputError, OutputNotShared
+from ..errors import InputOutputError
 from ..location import refuse_write
 
 T = TypeVar("T")
@@ -34,7 +34,7 @@ def held_output(output: str | os.PathLike, what: str) -> Iterator[Path]:
     0 of a torchrun split only gets the directory: rank 0 holds it for the job."""
     refuse_write(output, what)
     out = Path(os.path.realpath(output))
-    if not _split.current().first:
+    if not split.current().first:
         yield out
         return
     created = _first_missing(out)  # what a run that fails removes again: OUTPUT and the parents it made
@@ -78,7 +78,7 @@ def _remove_empty(path: Path, up_to: Path) -> None:
 def held_new_output(output: str | os.PathLike, what: str) -> Iterator[Path]:
     """``held_output`` for a command that writes a new directory, never into one that holds anything (CK909)."""
     with held_output(output, what) as out:
-        if _split.current().first and any(out.iterdir()):
+        if split.current().first and any(out.iterdir()):
             raise InputOutputError(
                 "CK909", "the output exists and is not empty", "give a new directory", os.fspath(output)
             )
@@ -91,7 +91,7 @@ def build_and_publish(out: Path, build: Callable[[Path], T]) -> T:
     Returns what ``build`` returned. Under a torchrun split every rank builds (its files) in rank 0's directory,
     which rank 0 puts in place once every rank is done; on any rank's error, rank 0 removes it once every rank
     stopped writing."""
-    share = _split.current()
+    share = split.current()
 
     def make() -> Path:
         sweep(out.parent)  # a killed run's temporary directory beside OUTPUT: its writer is gone
@@ -100,7 +100,12 @@ def build_and_publish(out: Path, build: Callable[[Path], T]) -> T:
     tmp = share.from_first(make)
     try:
         if not tmp.is_dir():  # a rank on another node, OUTPUT on a disk of rank 0's
-            raise OutputNotShared(str(out), share.rank)
+            raise InputOutputError(
+                "CK919",
+                f"rank {share.rank} cannot see the temporary directory rank 0 made for the output",
+                "every rank writes its files into OUTPUT: give a directory on a file system every node mounts",
+                str(out),
+            )
         result = build(tmp)
         share.first_only(lambda: publish_dir(tmp, out))
         return result

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import _split
+from .. import split
 from ..checkpoint.hashing import file_digests
 from ..checkpoint.states import StateCache
 from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
@@ -156,7 +156,7 @@ def commit_and_validate_index(tmp: Path, tag_dir: Path, output) -> None:
     """``latest`` naming ``tag_dir``, then the checkpoint in ``tmp`` validated from its files as a checkpoint index
     (a kind a format 1.x manifest does not describe), digests included: ``CheckpointInvalid`` naming ``output``.
     Under a torchrun split, rank 0 writes ``latest`` once every rank wrote its files; the ranks share the validation."""
-    _split.current().first_only(lambda: (tmp / "latest").write_text(tag_dir.name))
+    split.current().first_only(lambda: (tmp / "latest").write_text(tag_dir.name))
     written, findings = validate_index_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
     if written is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(output))
@@ -173,7 +173,7 @@ def embed_and_validate(found: Manifest, tmp: Path, tag_dir: Path, output) -> Non
         _embed(found, tag_dir)
 
     _hashed_together(tag_dir)
-    _split.current().first_only(commit)
+    split.current().first_only(commit)
     out_manifest, out_findings = validate_checkpoint(tmp, tag=tag_dir.name, verify_digests=True)
     if out_manifest is None or has_errors(out_findings):
         raise CheckpointInvalid(out_findings, str(output))
@@ -182,7 +182,7 @@ def embed_and_validate(found: Manifest, tmp: Path, tag_dir: Path, output) -> Non
 def _hashed_together(tag_dir: Path) -> None:
     """Under a torchrun split: every written file's hash and tensor digest, a share by each rank, before rank 0
     embeds the manifest that records them (it then reads again only the model states file it rewrites)."""
-    share = _split.current()
+    share = split.current()
     if share.size == 1:
         return
     share.synchronize()  # every rank's files are written

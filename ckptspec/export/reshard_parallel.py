@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .. import _split
+from .. import split
 from ..checkpoint.states import StateCache
 from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
 from ..deepspeed.layout.tag_dir import resolve_tag_dir
@@ -215,7 +215,7 @@ def target_layouts(index: CheckpointIndex, world_size: int, zero_stage: int | No
 def _copy(source: Path | RemotePath, target: Path, size: int) -> None:
     """A file copied as saved, at most ``CHUNK_BYTES`` at a time (from a URL too: ranged reads); by one rank of a
     torchrun split."""
-    if not _split.current().claims(target):
+    if not split.current().claims(target):
         return
     with ShardReader() as files, open(target, "wb") as out:
         for start in range(0, size, CHUNK_BYTES):

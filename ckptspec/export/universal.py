@@ -28,7 +28,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import _split
+from .. import split
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.models import Manifest
@@ -124,11 +124,11 @@ def write_folder(
     for model in model_files:
         name = model.name  # a stage-3 source's has a zero_pp_rank_0_ prefix: the folder's has none
         copy = out / name[name.index("mp_rank_") :]
-        if not _split.current().claims(copy):  # another rank of a torchrun split copies it
+        if not split.current().claims(copy):  # another rank of a torchrun split copies it
             continue
         with open_binary(model) as src, open(copy, "wb") as dst:
             shutil.copyfileobj(src, dst)  # a checkpoint at a URL too (its ranged reads)
-            _split.count_read(dst.tell())
+            split.count_read(dst.tell())
     return count
 
 

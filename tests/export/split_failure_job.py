@@ -3,19 +3,20 @@
     torchrun --nproc_per_node 2 tests/export/split_failure_job.py OUTPUT
 
 Each rank prints how it ended (``rank R: ...``) and exits with its status: rank 1 its own OSError (a full disk),
-rank 0 what ``_split`` told it (CK918 naming rank 1, with rank 1's exit status).
+rank 0 what ``ckptspec.split`` told it (CK918 naming rank 1, with rank 1's exit status).
 """
 
 import errno
 import sys
 
-from ckptspec import _split
+from ckptspec import split
 from ckptspec.errors import CkptspecError
 from ckptspec.export.output_dir import build_and_publish, held_new_output
+from ckptspec.export.torchrun import torchrun_share
 
 
 def build(tmp):
-    share = _split.current()
+    share = split.current()
     if share.rank == 1:
         raise OSError(errno.ENOSPC, "No space left on device")
     (tmp / "rank0.bin").write_bytes(b"x" * 1024)  # rank 0's file: removed with the temporary directory
@@ -26,7 +27,7 @@ def build(tmp):
 def main() -> int:
     rank = "?"
     try:
-        with _split.torchrun_share() as share:
+        with torchrun_share() as share:
             rank = str(share.rank)
             with held_new_output(sys.argv[1], "the test output") as out:
                 build_and_publish(out, build)

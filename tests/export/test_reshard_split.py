@@ -1,4 +1,4 @@
-"""#40 item 3: ``ckptspec reshard`` and ``export-universal`` under torchrun, the ranks sharing the work (_split.py).
+"""#40 item 3: ``ckptspec reshard`` and ``export-universal`` under torchrun, the ranks sharing the work (split.py).
 
 Ground truth: the harness's reshard of the same source to the same layout, which a real DeepSpeed job of the
 target layout loaded and checked (test_reshard.py, test_reshard_moe.py, test_reshard_tensor.py). The split run,

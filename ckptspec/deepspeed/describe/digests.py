@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from ... import _split
+from ... import split
 from ..._forked import Forked
 from ...format.dtypes import ITEMSIZE
 from ...format.models import Digest, Locator, Manifest, ModelWeightsLocator, StateLocator, TensorLocator
@@ -115,27 +115,27 @@ def digests_of(covered: list[Covered], tag_dir: str | os.PathLike | RemotePath) 
     in one block of ``_BLOCK`` bytes is hashed from that block, read once (a 100k-tensor checkpoint has
     388k digests of a few hundred bytes: a read each cost more than the hashing), and a second CPU
     takes every other tensor (hashlib holds the GIL below 2 KiB; alternate ones spread large tensors).
-    The ranks of a torchrun split (``_split``) each hash a share of them."""
-    share = _split.current()
+    The ranks of a torchrun split (``ckptspec.split``) each hash a share of them."""
+    share = split.current()
     where = location(tag_dir)
-    if isinstance(where, Path) and _split.looking_up():  # rank 0's commit: what the ranks hashed before
+    if isinstance(where, Path) and split.looking_up():  # rank 0's commit: what the ranks hashed before
         return _remembered_or_hashed(covered, where)
-    _split.count_read(sum(nbytes for c in covered[share.rank :: share.size] for _, _, nbytes in c.ranges))
+    split.count_read(sum(nbytes for c in covered[share.rank :: share.size] for _, _, nbytes in c.ranges))
     found = share.map_split(lambda mine: _digests(list(mine), where), covered)
     if share.size > 1 and isinstance(where, Path):  # for rank 0's commit, which digests the files again
         for c, sha256 in zip(covered, found):
-            _split.remember(_key(c, where), sha256)
+            split.remember(_key(c, where), sha256)
     return found
 
 
 def _key(covered: Covered, tag_dir: Path) -> tuple:
-    return tuple((_split.file_identity(tag_dir / path), offset, nbytes) for path, offset, nbytes in covered.ranges)
+    return tuple((split.file_identity(tag_dir / path), offset, nbytes) for path, offset, nbytes in covered.ranges)
 
 
 def _remembered_or_hashed(covered: list[Covered], tag_dir: Path) -> list[str]:
-    known = [_split.remembered(_key(c, tag_dir)) for c in covered]
+    known = [split.remembered(_key(c, tag_dir)) for c in covered]
     missing = [c for c, sha256 in zip(covered, known) if sha256 is None]
-    _split.count_read(sum(nbytes for c in missing for _, _, nbytes in c.ranges))
+    split.count_read(sum(nbytes for c in missing for _, _, nbytes in c.ranges))
     hashed = iter(_digests(missing, tag_dir))
     return [sha256 if sha256 is not None else next(hashed) for sha256 in known]
 

@@ -13,7 +13,8 @@ Every rank runs the same command, the same code path, in the same order. Three t
 Every exchange between ranks is one ``all_gather_object`` of a status: a rank that fails sends its error at its
 next exchange (``failing_together``), and every other rank then raises ``RankFailed`` naming it, so no rank waits
 for a peer that stopped. Outside torchrun (or ``--nproc_per_node 1``) the share is one process and nothing is
-exchanged. torch is imported only when there is more than one rank.
+exchanged. The transport between ranks (torch.distributed's gloo group) is ``export/torchrun.py``'s: this module
+needs no torch.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Share:
 
     rank: int = 0
     size: int = 1
+    gather: Callable[[Any], list[Any]] | None = None  # every rank's value, by rank (the transport; None: one process)
     _files: int = 0  # files met so far: the same count on every rank
     written: list[str] = field(default_factory=list)  # this rank's files, as written
     _told: bool = False  # this rank's failure was sent already
@@ -65,12 +67,9 @@ class Share:
 
     def exchange(self, value: Any) -> list[Any]:
         """Every rank's ``value``, by rank; ``RankFailed`` if a rank sent a failure."""
-        if self.size == 1:
+        if self.size == 1 or self.gather is None:
             return [value]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, value)
+        out = self.gather(value)
         failed = [v for v in out if isinstance(v, _Failure)]
         if failed:
             self._told = True  # every rank saw it: nobody waits for another exchange
@@ -220,20 +219,11 @@ def reports_findings() -> bool:
 
 
 @contextlib.contextmanager
-def torchrun_share() -> Iterator[Share]:
-    """This process's share of a torchrun job (a gloo group over torchrun's environment), or one process."""
-    size = torchrun_size()
-    if size <= 1:
-        with sharing(Share()) as share:
-            yield share
-        return
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
+def shared_by(share: Share) -> Iterator[Share]:
+    """Run the command as ``share`` (its transport set up by the caller: ``export.torchrun``), each rank's failure
+    told to the others; what was remembered for the commit is forgotten after."""
     try:
-        with sharing(Share(dist.get_rank(), dist.get_world_size())) as share:
-            with share.failing_together():
-                yield share
+        with sharing(share), share.failing_together():
+            yield share
     finally:
         _known.clear()
-        dist.destroy_process_group()
