@@ -33,7 +33,9 @@ def master_sources(tag_dir: Path, domain: Domain) -> dict[str, TensorSource]:
         item = ITEMSIZE[loc.dtype]
         segment = Segment(tag_dir / loc.file, loc.data_offset + loc.element_offset * item, loc.numel * item)
         if loc.param in out:
-            out[loc.param].segments.append(segment)
+            segments = out[loc.param].segments
+            assert isinstance(segments, list)  # made just below, as a list
+            segments.append(segment)
         else:
             out[loc.param] = TensorSource(  # a 1.1 manifest's digest: checked as the bytes stream (CK222)
                 loc.param, shapes[loc.param], loc.dtype, [segment], "trainable", digests.get(loc.param), origin

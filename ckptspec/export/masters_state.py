@@ -46,7 +46,9 @@ def masters_state_plan(tag_dir: Path | RemotePath, domain: Domain, states: State
             name = f"{loc.param}.{key}"
             segment = Segment(tag_dir / found.file, offset, nbytes)
             if name in sources:
-                sources[name].segments.append(segment)
+                segments = sources[name].segments
+                assert isinstance(segments, list)  # made just below, as a list
+                segments.append(segment)
             else:
                 digest = digests[loc.param].get(key)  # generate --hash: checked as the bytes stream (CK222)
                 sources[name] = TensorSource(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
 
 from .._version import __version__
 from ..checkpoint.embedded import safetensors_metadata
@@ -41,6 +43,38 @@ MODULE_FP32_WEIGHT = "module_fp32_weight"  # the fp32 weights of a run without m
 UNIVERSAL_FP32 = "universal_fp32"  # zero/<name>/fp32.pt of a universal folder
 
 
+class RunSegments(Sequence[Segment]):
+    """The segments of runs of ``source``'s flat tensor (``runs()``: (element start, count), ascending), made each
+    time they are iterated, never held: a tensor split along an inner axis is one run per row (millions of segments
+    in a large model; held, they grew the memory of an AutoTP split with the model)."""
+
+    def __init__(self, source: TensorSource, runs: Callable[[], Iterable[tuple[int, int]]]):
+        self.source, self.runs = source, runs
+
+    def __iter__(self) -> Iterator[Segment]:
+        item = ITEMSIZE[self.source.dtype]
+        segments = iter(self.source.segments)
+        seg, first, end = None, 0, 0  # the source segment holding elements [first, end)
+        for pos, count in self.runs():
+            while count > 0:
+                while seg is None or pos >= end:
+                    seg = next(segments)
+                    first, end = end, end + seg.nbytes // item
+                take = min(count, end - pos)
+                yield Segment(seg.path, seg.offset + (pos - first) * item, take * item)
+                pos, count = pos + take, count - take
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @overload
+    def __getitem__(self, i: int) -> Segment: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Segment]: ...
+    def __getitem__(self, i):
+        return list(self)[i]  # rare (a plan's first file); iteration is the way to read them
+
+
 @dataclass
 class TensorSource:
     """Where one output tensor's bytes are: its segments, concatenated, are the flat tensor."""
@@ -48,7 +82,7 @@ class TensorSource:
     name: str
     shape: tuple[int, ...]
     dtype: str  # dtype of the bytes on disk
-    segments: list[Segment]
+    segments: list[Segment] | RunSegments  # RunSegments: a shard's, made as they are read
     role: str  # "trainable" (fp32 master), "frozen" (model dtype), "buffer", "state" (optimizer state)
     digest: str | None = None  # sha256 of the bytes of the segments (format 1.1), checked while they are read
     origin: str = ""  # what the bytes are (ORIGINS): the role's default unless a producer says otherwise

@@ -16,17 +16,18 @@ Refused by name (CK410): a split axis T does not divide, a source other than Aut
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
-from ..format.index_models import CheckpointIndex, Split, SplitPlacement
+from ..format.index_models import CheckpointIndex, SplitPlacement
 from .arrays import ShardReader
-from .compose_plan import _cut, _runs_of
-from .model_plan import ReconstructionPlan, TensorSource
+from .model_plan import ReconstructionPlan, RunSegments, TensorSource
 from .optimizer_state import OptimizerStatePlan
 from .reshard_files import ModelChanges, lazy_reader
 from .reshard_layout import target_layout
@@ -185,9 +186,16 @@ def _shard(source: TensorSource, axis: int | None, rank: int, degree: int) -> Te
     whole = list(source.shape)
     length = whole[axis] // degree
     local = [*whole[:axis], length, *whole[axis + 1 :]]
-    placement = SplitPlacement(split=Split(axis=axis, offset=rank * length, length=length))
-    segments = [seg for start, _, count in _runs_of(placement, whole, local) for seg in _cut(source, start, count)]
+    inner = math.prod(whole[axis + 1 :])
+    block, stride = length * inner, whole[axis] * inner
+    runs = functools.partial(_split_runs, math.prod(whole[:axis]), stride, rank * block, block)
+    segments = RunSegments(source, runs)  # one run per row along an inner axis: made when read, never held
     return TensorSource(source.name, tuple(local), source.dtype, segments, source.role, None, source.origin)
+
+
+def _split_runs(outer: int, stride: int, first: int, block: int) -> Iterator[tuple[int, int]]:
+    """(whole flat start, count) of a shard along one axis: ``block`` elements of every ``stride``, from ``first``."""
+    return ((o * stride + first, block) for o in range(outer) if block)
 
 
 def _shard_manifest(manifest, cut: dict[str, TensorSource], degree: int):
