@@ -25,6 +25,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import CkptspecError, RankFailed
@@ -204,13 +205,30 @@ _RENDEZVOUS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torch
 
 
 def torchrun_size() -> int:
-    """The number of processes torchrun started (1 outside torchrun, or without its rendezvous variables)."""
-    if not all(os.environ.get(name) for name in _RENDEZVOUS):
+    """The number of processes torchrun started (1 outside torchrun, without its rendezvous variables, or in a
+    process that a torchrun worker started: ``started_by_torchrun``)."""
+    if not all(os.environ.get(name) for name in _RENDEZVOUS) or not started_by_torchrun():
         return 1
     try:
         return int(os.environ["WORLD_SIZE"])
     except ValueError:
         return 1
+
+
+def started_by_torchrun() -> bool:
+    """Whether torchrun started this process itself. A training script's subprocess inherits ``RANK``,
+    ``WORLD_SIZE`` and ``MASTER_*`` from its torchrun worker: joining the job's group from there would wait for
+    ranks that never come (measured: a ``ckptspec reshard`` run by rank 0 of a 2-process job hung until killed).
+    On Linux the parent tells: torchrun's agent has no ``RANK`` of its own, a worker has. ``CKPTSPEC_SPLIT=1|0``
+    decides instead (e.g. ``torchrun --no-python sh -c "ckptspec ..."``, whose parent is the shell)."""
+    chosen = os.environ.get("CKPTSPEC_SPLIT")
+    if chosen in ("0", "1"):
+        return chosen == "1"
+    try:
+        parent = Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
+    except OSError:  # not Linux, or not readable: trust the variables
+        return True
+    return not any(variable.startswith(b"RANK=") for variable in parent)
 
 
 def reports_findings() -> bool:

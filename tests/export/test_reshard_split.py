@@ -17,6 +17,7 @@ import pytest
 from _harness.scenarios import DEGREE_RESHARDS, RESHARD_CASES
 
 SPLIT_FAILURE = Path(__file__).with_name("split_failure_job.py")
+SUBPROCESS = Path(__file__).with_name("subprocess_job.py")
 
 # (harness entry whose "resharded" output a DeepSpeed job loaded, the command and its options, processes)
 CASES = {
@@ -82,6 +83,19 @@ def test_two_nodes_write_what_one_process_writes(ds, torchrun, tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert _files(out) == _files(ds.path(entry) / "resharded")
     assert [files for files, _ in _per_rank(run.stdout)] == [2, 2]  # rank 0 on node 0, rank 1 on node 1
+
+
+def test_a_ckptspec_that_a_worker_starts_runs_alone(ds, torchrun, tmp_path):
+    """A training job's rank 0 runs ``ckptspec reshard`` as a subprocess, which inherits the worker's torchrun
+    variables: it must not join the job's group (it would wait for ranks that never come) but run as one process,
+    writing what the harness's reshard wrote."""
+    entry = "reshard-s2-bf16-2to3"
+    out = tmp_path / "out"
+    run = torchrun(2, SUBPROCESS, "reshard", ds.path(_source(entry)), out, "--world-size", "3")
+    assert "ckptspec exited 0" in run.stdout, run.stdout + run.stderr
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _files(out) == _files(ds.path(entry) / "resharded")
+    assert re.findall(r"rank (\d+) of (\d+): wrote", run.stdout) == [("0", "1")]  # one process, not a split
 
 
 def test_each_rank_reads_a_share_of_what_one_process_reads(ds, torchrun, tmp_path):
