@@ -37,11 +37,12 @@ KINDS = {  # kind label in the issue -> harness checkpoint
 WRITE_CAPABILITIES = ("reshard", "export_universal")
 # The kinds each writer takes; its own tests hold its outputs against DeepSpeed (reshard of tensor/pipeline-
 # parallel checkpoints: tests/export/test_reshard_parallel.py; a ZeRO-3 domain is then CK410, by target; of
-# stage-0 ones: tests/export/test_reshard_from_stage0.py).
+# stage-0 ones: tests/export/test_reshard_from_stage0.py; MoE: test_reshard_moe.py, from stage 0
+# test_reshard_moe_stage0.py).
 MODEL_PARALLEL = {"tp2", "tp2xdp2", "tp2 zero3", "pp2", "pp2xdp2 bf16"}
 STAGE0 = {"stage0 fp32", "stage0 bf16", "pp2 stage0 bf16"}
-MOE = {"moe ep2 s0 ws4", "moe ep2 s1 ws4", "moe ep2 s2 ws4"}  # stage 0: CK410 when planned (test_reshard_moe.py)
-# export_universal of stage-0 MoE and of a ZeRO-3 domain: CK410 when planned (tests/export/test_universal_parallel.py)
+MOE = {"moe ep2 s0 ws4", "moe ep2 s1 ws4", "moe ep2 s2 ws4"}
+# export_universal of a ZeRO-3 domain: CK410 when planned (tests/export/test_universal_parallel.py)
 SUPPORTED = {
     "reshard": {"zero2 bf16", *MODEL_PARALLEL, *STAGE0, *MOE},
     "export_universal": {"zero2 bf16", *MODEL_PARALLEL, *STAGE0, *MOE},

@@ -15,8 +15,16 @@ What stays as saved:
 - the expert files (one per global expert, whatever the world size): copied;
 - the model states: rank 0's, with ``dp_world_size`` and the dense flat buffer re-laid (``_model_states``);
 - ``param_shapes``: rank 0's groups, the same at any world size for the same E.
-Refused by name (CK410): another expert degree, a world size E does not divide, tensor/pipeline parallelism with
-experts, ZeRO-3 and stage 0 (their own kinds) and ``--stage 3``.
+
+A ZeRO stage-0 MoE source (``--stage 1|2`` required) keeps no partitions: the index locates its masters in the
+module (fp32), the expert files (fp32) or each expert-parallel rank's ``expp_rank_<e>`` optimizer file (bf16), and
+its moments beside them (``masters_state_plan``); its optimizer's entries (param groups, step, loss scale) are read
+by ``reshard_stage0_source.stage0_optimizer`` from the model states' ``optimizer``: expert-parallel rank 0's, whose
+groups are the dense and the expert group. Its model states are written as a ZeRO job saves them: ``optimizer``
+None and ``shared_params`` set. The rest is written as from a ZeRO-1/2 source.
+Refused by name (CK410): a world size E does not divide, an expert degree that does not divide the experts,
+tensor/pipeline parallelism with experts, ZeRO-3 (its own kind), ``--stage 3``, and a stage-0 target (a stage-0
+source without ``--stage`` too).
 """
 
 from __future__ import annotations
@@ -44,9 +52,13 @@ from .reshard_files import (
     lazy_reader,
 )
 from .reshard_layout import TargetLayout, located_target_layout, natural_groups
-from .reshard_source import with_stage
+from .reshard_source import SourceOptimizer, with_stage
+from .reshard_stage0_source import STAGE0_MASTERS, stage0_optimizer
 
 _EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
+# where a source domain's masters are, by its ZeRO stage: stage 0's where the index locates them (an expert's in
+# its expert file in fp32), ZeRO-1/2's in the partitions
+_MASTERS_AT = {0: (*STAGE0_MASTERS, "expert_files"), 1: ("optimizer_states",), 2: ("optimizer_states",)}
 
 
 @dataclass
@@ -65,9 +77,11 @@ class MoePart:
 class MoeTarget:
     world_size: int
     zero_stage: int
-    dense_domain: Domain  # the source's: its rank-0 files are the templates
+    dense_domain: Domain  # the source's: its model states are the template
     dense: MoePart
     experts: list[MoePart]  # by the target's expert-parallel rank
+    source: SourceOptimizer  # the optimizer entries besides the partitions, and the file they are read from
+    model_keys: dict[str, Any]  # model-states entries a ZeRO job saves otherwise than the source (stage 0)
 
     def write(self, states: StateCache, tag_dir: Path, src_dir: Path) -> list[Path]:
         return _write(self, states, tag_dir, src_dir)
@@ -89,6 +103,12 @@ def plan_moe(
     stage = zero_stage if zero_stage is not None else index.domains[0].configured_zero_stage
     dense = next(d for d in index.domains if d.coordinate.expert is None)
     moments = {d.id: masters_state_plan(tag_dir, d, states) for d in index.domains}
+    keys = sorted({key for m in moments.values() for names in m.states.values() for key in names})
+    if dense.configured_zero_stage == 0:
+        source = stage0_optimizer(tag_dir, dense, states, keys, stage)
+        model_keys = {"optimizer": None, "shared_params": {a.name: a.owner for a in dense.manifest.aliases}}
+    else:
+        source, model_keys = _zero_source(tag_dir, dense, states, keys), {}
     by_name = {p.name: p for d in index.domains for g in d.manifest.groups for p in g.params}
     domain_of = {p.name: d.id for d in index.domains for g in d.manifest.groups for p in g.params}
 
@@ -110,7 +130,20 @@ def plan_moe(
         group.params = [by_name[g].model_copy(update={"name": n}) for n, g in names.items()]
         expert_parts.append(part(template, names, world_size // ep))
     dense_part = part(dense.manifest.model_copy(deep=True), dense_names, world_size)
-    return MoeTarget(world_size, stage, dense, dense_part, expert_parts)
+    return MoeTarget(world_size, stage, dense, dense_part, expert_parts, source, model_keys)
+
+
+def _zero_source(tag_dir: Path, dense: Domain, states: StateCache, moments: list[str]) -> SourceOptimizer:
+    """Source rank 0's ZeRO-1/2 optimizer-state file, its entries as saved (each group's scalar state: ``step``)."""
+    first = next(p for p, r in dense.file_ranks.items() if r == 0 and "optim_states" in p)
+    template = states.state(tag_dir / first)
+    osd = template["optimizer_state_dict"]
+    base = osd["base_optimizer_state"]
+    groups = range(len(base["param_groups"]))
+    scalars = {g: {k: v for k, v in base["state"][g].items() if k not in moments} for g in groups}
+    keys = dict.fromkeys(groups, moments)
+    stage = dense.configured_zero_stage
+    return SourceOptimizer(template, osd, base["param_groups"], scalars, keys, stage, tag_dir / first, first)
 
 
 def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None, ep: int) -> None:
@@ -138,14 +171,22 @@ def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None, ep:
             "resume at the same layout",
         )
     for d in index.domains:
-        if d.configured_zero_stage not in (1, 2) or d.masters is None or d.masters.stored_in != "optimizer_states":
+        if d.masters is None or d.masters.stored_in not in _MASTERS_AT.get(d.configured_zero_stage, ()):
             raise ReshardUnsupported(
-                f"domain {d.id} is not a ZeRO stage 1 or 2 partition (stage {d.configured_zero_stage}); MoE "
-                "checkpoints at ZeRO-1/2 are resharded so far",
+                f"domain {d.id} is not a ZeRO stage 0, 1 or 2 MoE domain (stage {d.configured_zero_stage}, masters "
+                f"in {d.masters.stored_in if d.masters else 'ZeRO-3 partitions'}); MoE checkpoints at ZeRO-0/1/2 are "
+                "resharded so far",
                 "resume at the same layout",
             )
     if zero_stage not in (None, 1, 2):
-        raise ReshardUnsupported(f"--stage {zero_stage} for a MoE checkpoint: stage 1 and 2 are written", "give 1 or 2")
+        raise ReshardUnsupported(
+            f"--stage {zero_stage} for a MoE checkpoint: stage 1 and 2 are written (stage 0 not yet)", "give 1 or 2"
+        )
+    if zero_stage is None and index.domains[0].configured_zero_stage == 0:
+        raise ReshardUnsupported(
+            "no --stage for a stage-0 MoE checkpoint: ZeRO stage 1 and 2 targets are written (stage 0 ones not yet)",
+            "give --stage 1 or --stage 2",
+        )
 
 
 def _expert_ranks(index: CheckpointIndex, ep: int) -> list[dict[str, str]]:
@@ -177,24 +218,21 @@ def _expert_ranks(index: CheckpointIndex, ep: int) -> list[dict[str, str]]:
 
 def _write(moe: MoeTarget, states: StateCache, tag_dir: Path, src_dir: Path) -> list[Path]:
     """Each rank's optimizer-state file, the model states, the expert files."""
-    dense, ep = moe.dense, len(moe.experts)
-    first = next(p for p, r in moe.dense_domain.file_ranks.items() if r == 0 and "optim_states" in p)
-    template = states.state(src_dir / first)
-    osd = template["optimizer_state_dict"]
-    base = osd["base_optimizer_state"]
+    dense, ep, source = moe.dense, len(moe.experts), moe.source
+    assert source.path is not None and source.file_name is not None  # set by plan_moe
     written = []
     with ShardReader() as files:
-        read = _storage_reader(src_dir / first, states, files)
-        for rank, name in enumerate(_optim_file_names(first, moe.world_size)):
+        read = _storage_reader(source.path, states, files)
+        for rank, name in enumerate(_optim_file_names(source.file_name, moe.world_size)):
             parts = [(dense, rank), (moe.experts[rank % ep], rank // ep)]
-            out = _rank_osd(osd, base, parts, moe.zero_stage, ep, read, files)
+            out = _rank_osd(source, parts, moe.zero_stage, ep, read, files)
             doc = {
                 k: out
                 if k == "optimizer_state_dict"
                 else ds_pickle.from_standins(with_stage(v, moe.zero_stage), read)
                 if k == "ds_config"
                 else ds_pickle.from_standins(v, read)
-                for k, v in template.items()
+                for k, v in source.top.items()
             }
             ds_pickle.save_streamed(doc, tag_dir / name)
             written.append(tag_dir / name)
@@ -205,6 +243,7 @@ def _write(moe: MoeTarget, states: StateCache, tag_dir: Path, src_dir: Path) -> 
         saved = states.state(src_dir / model)
         doc = _model_states(saved, found, dense.target, lazy, {}, files)
         doc["ds_config"] = with_stage(doc["ds_config"], moe.zero_stage)
+        doc.update(moe.model_keys)
         # rank 0's groups in flat order: the dense one and its expert-parallel rank's (local names)
         groups = [g for part in (dense, moe.experts[0]) for g in part.target.groups]
         shapes = [collections.OrderedDict((p.name, tuple(p.shape)) for p in g.params) for g in groups]
@@ -214,7 +253,7 @@ def _write(moe: MoeTarget, states: StateCache, tag_dir: Path, src_dir: Path) -> 
     return written
 
 
-def _rank_osd(osd: dict, base: dict, parts: list[tuple[MoePart, int]], stage: int, ep: int, read, files) -> dict:
+def _rank_osd(source: SourceOptimizer, parts: list[tuple[MoePart, int]], stage: int, ep: int, read, files) -> dict:
     """The optimizer-state dict of one rank: every optimizer group of its parts, in optimizer-group order."""
     by_group: dict[int, tuple[MoePart, int, Any]] = {}
     for part, rank in parts:
@@ -229,9 +268,8 @@ def _rank_osd(osd: dict, base: dict, parts: list[tuple[MoePart, int]], stage: in
             sources = {p.name: part.moments[part.states[p.name][key]] for p in group.params}
             dtype = next(iter(sources.values())).dtype if sources else "float32"
             entry[key] = _lazy_partition(group, rank, sources, dtype, files)
-        for key, value in base["state"][g].items():  # step...: as saved
-            if key not in keys:
-                entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
+        for key, value in source.group_scalars.get(g, {}).items():  # step...: as saved
+            entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
         states[g] = entry
         masters.append(_lazy_partition(group, rank, part.masters, "float32", files, group.saved_numels[rank]))
         last = rank == part.target.world_size - 1
@@ -241,7 +279,7 @@ def _rank_osd(osd: dict, base: dict, parts: list[tuple[MoePart, int]], stage: in
         counts.append(part.target.world_size)
         natural = next(n for n in part.natural if set(n) == {p.name for p in group.params})
         mappings.append(_slice_mappings(group, rank, natural, False))
-    param_groups = ds_pickle.from_standins(base["param_groups"], _no_tensor)
+    param_groups = ds_pickle.from_standins(source.param_groups, _no_tensor)
     for g, pg in enumerate(param_groups):
         pg["params"] = [g]
         if pg.get("moe"):  # DeepSpeed names an expert group by its expert-parallel degree
@@ -256,5 +294,5 @@ def _rank_osd(osd: dict, base: dict, parts: list[tuple[MoePart, int]], stage: in
         "param_slice_mappings": mappings,
     }
     return collections.OrderedDict(
-        (k, replaced[k] if k in replaced else ds_pickle.from_standins(v, _no_tensor)) for k, v in osd.items()
+        (k, replaced[k] if k in replaced else ds_pickle.from_standins(v, _no_tensor)) for k, v in source.osd.items()
     )

@@ -9,7 +9,8 @@ partitions in its ``bf16_zero_pp_rank`` files, laid out by BF16_Optimizer's own 
 The checkpoint index locates them (``Domain.masters``; ``masters_state_plan`` for the moments). The target is what a
 ZeRO-1/2 job of the same model saves (a pipeline: ZeRO-1, each stage a domain). Its optimizer-state files are
 written by the ZeRO writer (``reshard_files.write_files``) from a ``SourceOptimizer`` built here from the stage-0
-optimizer's entries: the param groups, each group's step, ``clip_grad`` where saved, and a static loss scaler.
+optimizer's entries (``stage0_optimizer``, which the MoE writer ``reshard_moe`` reads a stage-0 MoE by too): the
+param groups, each group's step, ``clip_grad`` where saved, and a static loss scaler.
 Its model states are the source's, changed where a ZeRO job saves otherwise: ``optimizer`` None,
 ``param_shapes`` and ``shared_params`` as ZeRO saves them, and ``zero_optimization.stage`` set in the saved
 ``ds_config``.
@@ -18,7 +19,7 @@ Refused by name (CK410) before anything is written:
 - no ``--stage``, or a stage the target cannot run (2 for a pipeline);
 - fp16 with a dynamic loss scale: FP16_Optimizer does not save the hysteresis state that ZeRO's DynamicLossScaler
   pickles;
-- a tensor-parallel or MoE stage-0 checkpoint, and a pipeline's number of stages changed with the stage.
+- a tensor-parallel stage-0 checkpoint, and a pipeline's number of stages changed with the stage.
 """
 
 from __future__ import annotations
@@ -85,19 +86,10 @@ def _domain_write(
     domain: Domain, tag_dir: Path, plan, state_plan: OptimizerStatePlan, states: StateCache, data: int, zero_stage
 ) -> DataParallelTarget:
     """One stage-0 domain written as a ZeRO domain of ``data`` data-parallel ranks."""
-    model_file = next(f.path for f in domain.manifest.files if f.role == "model_states")
-    saved = states.state(tag_dir / model_file)
-    wrapper = saved["optimizer"]
-    if wrapper.get("dynamic_loss_scale"):
-        raise ReshardUnsupported(
-            f"{model_file}: an fp16 stage-0 checkpoint with a dynamic loss scale: its FP16_Optimizer does not save "
-            "the hysteresis state a ZeRO job's loss scaler holds",
-            "resume at stage 0, or train with a static loss scale",
-        )
     manifest = domain.manifest.model_copy(deep=True)
     target = located_target_layout(manifest, state_plan.metadata["ckptspec.optimizer"], data, zero_stage)
     moments = sorted({key for names in state_plan.states.values() for key in names})
-    source = _zero_optimizer(saved, wrapper, moments, zero_stage, tag_dir / model_file, manifest)
+    source = stage0_optimizer(tag_dir, domain, states, moments, zero_stage)
     changes = ModelChanges(
         module={n: s for n, s in plan.sources.items() if s.role == "frozen"},  # DeepSpeed saves them at stage 2
         set_keys={"optimizer": None, "shared_params": {a.name: a.owner for a in manifest.aliases}},
@@ -107,14 +99,32 @@ def _domain_write(
     return DataParallelTarget(manifest, plan, state_plan, target, changes, source)
 
 
+def stage0_optimizer(
+    tag_dir: Path, domain: Domain, states: StateCache, moments: list[str], zero_stage: int
+) -> SourceOptimizer:
+    """What the ZeRO ``zero_stage`` optimizer-state files of ``domain`` hold besides the partitions, from the
+    stage-0 optimizer its model states save (a MoE's dense domain: expert-parallel rank 0's, whose param groups
+    are the dense and the expert group); ``moments``: the per-element states the masters' state plans locate.
+    CK410 for an fp16 dynamic loss scale."""
+    model_file = next(f.path for f in domain.manifest.files if f.role == "model_states")
+    saved = states.state(tag_dir / model_file)
+    wrapper = saved["optimizer"]
+    if wrapper.get("dynamic_loss_scale"):
+        raise ReshardUnsupported(
+            f"{model_file}: an fp16 stage-0 checkpoint with a dynamic loss scale: its FP16_Optimizer does not save "
+            "the hysteresis state a ZeRO job's loss scaler holds",
+            "resume at stage 0, or train with a static loss scale",
+        )
+    return _zero_optimizer(saved, wrapper, moments, zero_stage, tag_dir / model_file, domain.manifest)
+
+
 def _refuse_unwritten(index: CheckpointIndex, zero_stage: int | None, world_size: int, pipeline_parallel) -> None:
     """CK410 for what is not written, by name."""
     degrees = index.topology.degrees
-    if degrees.tensor != 1 or index.expert_files:
+    if degrees.tensor != 1:  # a MoE's experts: reshard_moe's
         raise ReshardUnsupported(
-            f"a stage-0 checkpoint of tensor degree {degrees.tensor}{' with experts' if index.expert_files else ''} "
-            "is not written as ZeRO yet",
-            "stage-0 data-parallel and pipeline checkpoints are",
+            f"a stage-0 checkpoint of tensor degree {degrees.tensor} is not written as ZeRO yet",
+            "stage-0 data-parallel, pipeline and MoE checkpoints are",
         )
     for d in index.domains:
         if d.masters is None or d.masters.stored_in not in STAGE0_MASTERS:

@@ -1,5 +1,5 @@
-"""``ckptspec export-universal`` of a MoE ZeRO-1/2 checkpoint (DeepSpeed's ``deepspeed.moe.layer.MoE``), for a job
-of the same expert-parallel degree and experts per rank.
+"""``ckptspec export-universal`` of a MoE checkpoint at ZeRO stage 0, 1 or 2 (DeepSpeed's ``deepspeed.moe.layer.MoE``),
+for a job of the same expert-parallel degree and experts per rank.
 
 DeepSpeed 0.19.8's universal load reads every parameter from ``zero/<its name in the module>``
 (``runtime/base_optimizer.py`` ``load_hp_checkpoint_state_from_checkpoint_dir``: ``self.param_names[lp]``). A native
@@ -12,7 +12,12 @@ dense parameters are written as any (``universal.py``). A job of another expert 
 fails loudly in that loader (measured with an ep1 job: its numel assertion, a missing local name), never loading
 another expert's values.
 
-DeepSpeed's own ``ds_to_universal`` fails on these checkpoints (``RuntimeError: shape ... is invalid``).
+The values are those ``reshard`` moves (``reshard_moe.plan_moe``): a stage-0 source's masters and moments where
+the checkpoint index locates them, its param groups, step and loss scale from its stage-0 optimizer, read as the
+ZeRO-1 job of the same expert-parallel degree reads them.
+
+DeepSpeed's own ``ds_to_universal`` fails on these checkpoints (``RuntimeError: shape ... is invalid``; at stage 0
+``KeyError: 'optimizer_state_dict'``).
 """
 
 from __future__ import annotations
@@ -32,22 +37,17 @@ EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS = "is_expert_param", "ep_num_experts"
 
 
 def moe_parts(
-    index: CheckpointIndex, src_dir: Path, plans: dict[str, ReconstructionPlan], states: StateCache, source_of
+    index: CheckpointIndex, src_dir: Path, plans: dict[str, ReconstructionPlan], states: StateCache
 ) -> tuple[list[tuple], dict[str, dict]]:
     """``universal.write_folder``'s parts of the MoE checkpoint ``index`` (the dense group; each local expert name's
-    experts stacked) and the entries of the expert parameters' files. ``source_of(domain)``: its ``SourceOptimizer``
-    (rank 0's file). CK410 for what is not written."""
-    for d in index.domains:
-        if d.configured_zero_stage not in (1, 2):
-            raise ReshardUnsupported(
-                f"domain {d.id} is at ZeRO stage {d.configured_zero_stage}: the universal folder of a MoE checkpoint "
-                "is written from ZeRO-1/2 files",
-                "resume at stage 0 with the same layout",
-            )
+    experts stacked) and the entries of the expert parameters' files. CK410 for what is not written."""
     dense = next(d for d in index.domains if d.coordinate.expert is None)
-    moe = plan_moe(index, src_dir, plans, states, dense.size, None)  # the source's own layout: its refusals
-    ep = len(moe.experts)
-    dense_part = (dense.manifest, plans[dense.id], masters_state_plan(src_dir, dense, states), source_of(dense))
+    # the source's own layout (its refusals); a stage-0 one (domains of size 1) as the ZeRO-1 job of its expert
+    # degree, one rank per expert-parallel rank
+    ep = index.topology.degrees.expert
+    stage0 = dense.configured_zero_stage == 0
+    moe = plan_moe(index, src_dir, plans, states, ep if stage0 else dense.size, 1 if stage0 else None)
+    dense_part = (dense.manifest, plans[dense.id], masters_state_plan(src_dir, dense, states), moe.source)
     first = next(d for d in index.domains if d.coordinate.expert == 0)
     template = first.manifest.model_copy(deep=True)  # expert rank 0's group under the local names
     (group,) = template.groups  # one expert group (plan_moe's refusals)
@@ -67,7 +67,7 @@ def moe_parts(
             keys[n][key] = f"{n}.{key}"
             moments[f"{n}.{key}"] = _stacked(f"{n}.{key}", stacked, "state")
     plan = ReconstructionPlan(src_dir, sources, {}, local_names, manifest=template)
-    expert_part = (template, plan, OptimizerStatePlan(moments, keys, {}), source_of(dense))
+    expert_part = (template, plan, OptimizerStatePlan(moments, keys, {}), moe.source)
     entries = {n: {EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: ep} for n in local_names}
     return [dense_part, expert_part], entries
 

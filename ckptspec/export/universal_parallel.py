@@ -13,8 +13,8 @@ never reads the module, the weights come from ``zero/``).
   DeepSpeed's loader cuts each tensor rank's slice back out of the whole tensor by the target job's own AutoTP
   metadata (``universal_checkpoint.py`` ``_resolve_autotp_partition``), or copies it whole without AutoTP.
 
-A MoE ZeRO-1/2 checkpoint: its dense group as any, its experts as ``universal_moe`` stacks them (DeepSpeed's loader
-names a native expert by its local name).
+A MoE checkpoint (ZeRO stage 0, 1 or 2): its dense group as any, its experts as ``universal_moe`` stacks them
+(DeepSpeed's loader names a native expert by its local name).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _parts(index: CheckpointIndex, src_dir: Path, states: StateCache) -> tuple[l
     experts) and the entries of a MoE's expert files; CK410 for what is not written."""
     plans = {d.id: domain_plan(src_dir, d, states) for d in index.domains}
     if index.expert_files:
-        return moe_parts(index, src_dir, plans, states, lambda d: _source(d, src_dir, states))
+        return moe_parts(index, src_dir, plans, states)
     _refuse(index)
     if index.topology.degrees.tensor == 1:
         parts = [

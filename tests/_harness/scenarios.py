@@ -279,6 +279,13 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "moe-ep1-s1-fp32-ws2>ep2": ("moe-ep1-s1-fp32-ws2", 2, {"ep": 2}, {"expert_parallel": 2}),
     "moe-ep1-s2-bf16-ws2>ep2": ("moe-ep1-s2-bf16-ws2", 2, {"ep": 2}, {"expert_parallel": 2}),
     "moe-ep2-s1-bf16-ws4>ep4": ("moe-ep2-s1-bf16-ws4", 4, {"ep": 4}, {"expert_parallel": 4}),
+    # a MoE at ZeRO stage 0 -> ZeRO-1/2: the dense masters and moments out of the model states (fp32: the module) or
+    # expert-parallel rank 0's optimizer file (bf16), the experts' out of their files (fp32) or their rank's (bf16)
+    "moe-ep2-s0-fp32-ws2>s2": ("moe-ep2-s0-fp32-ws2", 2, {"stage": 2}, {"stage": 2}),
+    "moe-ep2-s0-bf16-ws2>s1-ep1": ("moe-ep2-s0-bf16-ws2", 2, {"stage": 1, "ep": 1}, {"stage": 1, "expert_parallel": 1}),
+    "moe-ep2-s0-bf16-ws4>s2-ws2": ("moe-ep2-s0-bf16-ws4", 2, {"stage": 2}, {"stage": 2}),  # edp 2 -> 1
+    # the same through ckptspec's universal folder, loaded with load_universal (DeepSpeed's ds_to_universal fails)
+    "moe-ep2-s0-fp32-ws4>universal-s1-ws2": ("moe-ep2-s0-fp32-ws4", 2, {"stage": 1}, {"export_universal": True}),
     # to ZeRO stage 0 (one model-states file: fp32, the torch optimizer's state; bf16/fp16, FP16_UnfusedOptimizer's)
     "dense-s2-fp32-ws2>s0-ws3": ("dense-s2-fp32-ws2", 3, _S0, _S0),
     "dense-s1-fp16-ws2>s0": ("dense-s1-fp16-ws2", 2, _S0, _S0),
@@ -295,11 +302,12 @@ UNIVERSAL_PARALLEL = {
     for n, (source, _, _, options) in DEGREE_RESHARDS.items()
     if options.get("export_universal") and SOURCE_SPECS[source][0]["stage"] and source.startswith(("pp", "tp"))
 }
-# MoE: DeepSpeed's ds_to_universal fails on these sources, so there is no folder of its own to load beside
+# MoE: DeepSpeed's ds_to_universal fails on these sources, so there is no folder of its own to load beside (a
+# stage-0 MoE's: test_reshard_moe_stage0.py, its masters read from the saving job's oracle)
 UNIVERSAL_MOE = {
     n
     for n, (source, _, _, options) in DEGREE_RESHARDS.items()
-    if options.get("export_universal") and source.startswith("moe")
+    if options.get("export_universal") and source.startswith("moe") and SOURCE_SPECS[source][0]["stage"]
 }
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}

@@ -37,10 +37,11 @@ from ckptspec.deepspeed.kinds import Kind
 # bit for bit). The bound: two bf16 epsilons at the largest logit (measured: 9.8e-4 at logits up to 0.27; 0.0041
 # allowed).
 LOGITS_BOUND = 2 * torch.finfo(torch.bfloat16).eps
+# the universal folders: test_universal_parallel.py; from stage 0: test_reshard_moe_stage0.py
 MOE = sorted(
     n
     for n, (source, _, _, options) in DEGREE_RESHARDS.items()
-    if source_spec(source).get("ep") and not options.get("export_universal")  # those: test_universal_parallel.py
+    if source_spec(source).get("ep") and source_spec(source)["stage"] and not options.get("export_universal")
 )
 
 

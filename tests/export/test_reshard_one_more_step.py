@@ -12,8 +12,8 @@ movement of it (STEP_SHARE).
 Not comparable, so not compared: a MoE job at another world size. DeepSpeed's gate computes each rank's expert
 capacity and auxiliary loss from that rank's tokens, so the same global batch in other shares is another loss, not
 the same one summed in another order (measured: the masters then differ by 36-82% of the step). Their state before
-the step is checked bit for bit by test_reshard_moe.py. A stage-0 target's masters are not given by DeepSpeed's
-getter: its logits are compared.
+the step is checked bit for bit by test_reshard_moe.py. A stage-0 job's masters (a stage-0 target's, or a stage-0
+source's resumed at its own layout) are not given by DeepSpeed's getter: the logits are compared.
 """
 
 from __future__ import annotations

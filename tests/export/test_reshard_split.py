@@ -28,6 +28,11 @@ CASES = {
         ["reshard", "--world-size", "2", "--expert-parallel", "1"],
         3,
     ),
+    "MoE ep2 at stage 0 -> ZeRO-2, ws4 -> ws2, 2 processes": (
+        "moe-ep2-s0-bf16-ws4>s2-ws2",
+        ["reshard", "--world-size", "2", "--stage", "2"],
+        2,
+    ),
     "AutoTP tp2 x dp2 -> tp4, 2 processes": (
         "tp2dp2-s2-bf16-ws4>tp4",
         ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
@@ -35,6 +40,11 @@ CASES = {
     ),
     # the universal folders, which jobs loaded with load_universal (OUT/resharded/universal)
     "export-universal of a MoE ep2 ZeRO-2, 3 processes": ("moe-ep2-s2-bf16-ws4>universal-ws2", ["export-universal"], 3),
+    "export-universal of a MoE ep2 at stage 0, 2 processes": (
+        "moe-ep2-s0-fp32-ws4>universal-s1-ws2",
+        ["export-universal"],
+        2,
+    ),
     "export-universal of AutoTP tp2 x dp2, 2 processes": (
         "tp2dp2-s2-bf16-ws4>universal-tp1-ws3",
         ["export-universal"],

@@ -1,6 +1,7 @@
 """#40: ``ckptspec export-universal`` of tensor-parallel (AutoTP), pipeline (``PipelineModule``) and MoE ZeRO-1/2
 checkpoints, side by side with DeepSpeed's own ``ds_to_universal`` folder of the same source (which fails on MoE);
-what is not written (stage-0 MoE, tensor-parallel ZeRO-3, a weight tied across pipeline stages) refused by name.
+what is not written (tensor-parallel ZeRO-3, a weight tied across pipeline stages) refused by name. A stage-0 MoE's
+folder: test_reshard_moe_stage0.py.
 
 Ground truth: a real DeepSpeed job of the target layout (``scenarios.UNIVERSAL_PARALLEL`` and ``UNIVERSAL_MOE``,
 tests/_harness/optim_job.py) loads ckptspec's folder with ``checkpoint.load_universal: true`` and records, on every
@@ -213,10 +214,6 @@ def test_a_moe_folder_stacks_each_local_experts_name_over_the_expert_parallel_ra
                 assert bits_equal(saved["param"][r], want.float()), (local, state, r)
     outcome = info(ds.path(source))["universal"]
     assert outcome["ok"] is False and outcome["error"].startswith("RuntimeError: shape"), outcome
-
-
-def test_a_stage0_moe_checkpoint_is_refused(ds, tmp_path):
-    _refused("moe-ep2-s0-bf16-ws2", ds, tmp_path, "MoE", "stage 0")
 
 
 def test_a_tensor_parallel_zero3_checkpoint_is_refused(ds, tmp_path):
