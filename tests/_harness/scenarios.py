@@ -239,6 +239,15 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         {"pp": 2, "pipe": False},
         {"pipeline_parallel": 2, "partition_method": "uniform"},
     ),
+    # a TiedLayerSpec on layers 0 and 4, a frozen weight (layer 2) and a buffer (layer 3): at one stage the tie
+    # is one module; at 3 ("uniform": layers 0-1, 2-3, 4-5) its layers run on stages 0 and 2, each a copy
+    "pp2-s1-fp32-ws2-extras>pp1": ("pp2-s1-fp32-ws2-extras", 2, _PP1, {"pipeline_parallel": 1}),
+    "pp2-s1-fp32-ws2-extras>pp3": (
+        "pp2-s1-fp32-ws2-extras",
+        3,
+        {"pp": 3},
+        {"pipeline_parallel": 3, "partition_method": "uniform"},
+    ),
     # DeepSpeed's default partition method, layers balanced by their parameter counts: at 3 stages it cuts
     # other layers than "uniform" does (at 2 both cut after layer 2)
     "pp1-s1-fp32-ws2>pp3-parameters": (
