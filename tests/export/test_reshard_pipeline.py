@@ -28,7 +28,13 @@ from ckptspec.export.reshard_pipeline import partition_balanced, partition_unifo
 
 RESHARDS = sorted(n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if "pipeline_parallel" in options)
 # a real job's save of the target layout, beside a reshard whose output has the same layout and model
-SAME_LAYOUT = {"pp2-s1-fp32-ws2>pp1": "pp1-s1-fp32-ws2", "pp1-s1-fp32-ws2>pp2": "pp2-s1-fp32-ws2"}
+SAME_LAYOUT = {
+    "pp2-s1-fp32-ws2>pp1": "pp1-s1-fp32-ws2",
+    "pp1-s1-fp32-ws2>pp2": "pp2-s1-fp32-ws2",
+    # a TiedLayerSpec, a frozen weight and a buffer (PIPE_TARGET_SPECS)
+    "pp2-s1-fp32-ws2-extras>pp1": "pp1-s1-fp32-ws2-extras",
+    "pp2-s1-fp32-ws2-extras>pp3": "pp3-s1-fp32-ws3-extras",
+}
 
 
 def _by_name(records: list[dict]) -> dict[str, dict]:
@@ -127,7 +133,8 @@ def _layout_entries(state: dict) -> dict:
             },
         }
     if "module" in state:  # model states
-        keep = ("param_shapes", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "module")
+        keep = ("param_shapes", "buffer_names", "shared_params", "dp_world_size", "mp_world_size")
+        keep += ("checkpoint_parallel_dimensions", "module", "frozen_param_shapes")
         return {"keys": list(state), **{k: state[k] for k in keep}}
     return {"keys": list(state), "shapes": {k: v.shape for k, v in state.items()}}  # a layer file
 
@@ -136,7 +143,8 @@ def _layout_entries(state: dict) -> dict:
 def test_the_files_are_named_and_laid_out_as_a_real_job_of_the_target_layout_saves_them(name, ds):
     """The reshard's files against a real save of the same model at the target layout (another training run:
     only what the layout decides is compared): names, keys, shapes, ZeRO paddings, partition counts, slice
-    mappings, the stage's param_shapes and the degrees its model states record."""
+    mappings, the stage's param_shapes, buffer_names and shared parameters and the degrees its model states
+    record; each layer file's keys and shapes (a tied module's copy in each of its layers' files)."""
     out = ds.path(name) / "resharded"
     real = ds.path(SAME_LAYOUT[name])
     tag, real_tag = (out / (out / "latest").read_text()), (real / (real / "latest").read_text())

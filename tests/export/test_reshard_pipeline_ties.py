@@ -10,6 +10,7 @@ and the target jobs' own records.
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -146,3 +147,18 @@ def test_parameters_partition_that_a_frozen_parameter_decides_is_refused():
     assert _bounds(layers, 2, "uniform") == [0, 2, 4]
     with pytest.raises(ReshardUnsupported, match="frozen '0.f'"):
         _bounds(layers, 2, "parameters")  # [100] * 4 cuts after layer 1, [1100, 100, 100, 100] after layer 0
+
+
+@pytest.mark.parametrize("name", ["pp1-s1-fp32-ws2-extras", "pp3-s1-fp32-ws3-extras"])
+def test_ckptspec_describes_real_saves_at_the_target_layouts(name, ds):
+    """Real DeepSpeed saves of the same model at the targets' layouts (PIPE_TARGET_SPECS): valid to ckptspec,
+    every layer file on the stage whose job ran it (at 3 stages the tie-only layers 0 and 4 lie at stage boundaries:
+    CK202 before), the frozen weight, the buffer and the tie as in the source's index."""
+    entry = ds.path(name)
+    assert CliRunner().invoke(cli, ["validate", str(entry)]).exit_code == 0
+    index = ckptspec.open(entry).index
+    ranks = json.loads((entry / "parallel.json").read_text())["ranks"]
+    runs = {layer: r["pp"] for r in ranks for layer in range(*r["stage_layers"])}
+    assert {f.layer: f.pipeline for f in index.layer_files} == runs
+    assert {e.name: e.role for e in index.extras} == {FROZEN: "frozen", BUFFER: "buffer"}
+    assert index.aliases == {"4.weight": "0.weight"}
