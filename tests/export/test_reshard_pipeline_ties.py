@@ -118,10 +118,7 @@ def test_ckptspec_reads_the_frozen_weight_buffer_and_tie_where_the_target_job_ru
 def test_tied_copies_that_differ_are_refused_before_anything_is_written(ds, tmp_path):
     """The second stage's copy of the tie's first moment changed by one bit: CK401, no output (either copy would be
     a guess). (A changed master copy is found first by validation: it is not the stage's saved weight, CK235.)"""
-    import shutil
-
-    source = tmp_path / "source"
-    shutil.copytree(ds.path(SOURCE), source, ignore=shutil.ignore_patterns("*.rank*.pt", "eval.pt"))
+    source = _copy_source(ds, tmp_path)
     path = _tag(source) / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
     state = torch.load(path, weights_only=False)
     moment = state["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"]
@@ -131,6 +128,53 @@ def test_tied_copies_that_differ_are_refused_before_anything_is_written(ds, tmp_
         cli, ["reshard", str(source), str(tmp_path / "out"), "--world-size", "2", "--pipeline-parallel", "1"]
     )
     assert result.exit_code == 1 and "CK401" in result.output and "'0.weight'" in result.output, result.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def _copy_source(ds, tmp_path):
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(ds.path(SOURCE), source, ignore=shutil.ignore_patterns("*.rank*.pt", "eval.pt"))
+    return source
+
+
+def test_a_source_stage_whose_optimizer_order_is_not_its_modules_is_refused(ds, tmp_path):
+    """The second stage saved as if its optimizer listed the tied module last (its flat masters, moments, slice
+    mappings and param_shapes rotated alike: a valid checkpoint, ckptspec reads it): not the order DeepSpeed's
+    PipelineModule gives, so the target stages' order would be a guess. CK410 by name, nothing written."""
+    source = _copy_source(ds, tmp_path)
+    optim = _tag(source) / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    state = torch.load(optim, weights_only=False)
+    osd = state["optimizer_state_dict"]
+    mapping = osd["param_slice_mappings"][0]
+    tie, used = mapping["tied_modules.emb.weight"].numel, sum(m.numel for m in mapping.values())
+
+    def rotated(flat):
+        return torch.cat([flat[tie:used], flat[:tie], flat[used:]])
+
+    osd["single_partition_of_fp32_groups"][0] = rotated(osd["single_partition_of_fp32_groups"][0])
+    moments = osd["base_optimizer_state"]["state"][0]
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments[key] = rotated(moments[key])
+    names = [*list(mapping)[1:], "tied_modules.emb.weight"]
+    address, start = type(mapping["tied_modules.emb.weight"]), 0
+    osd["param_slice_mappings"][0] = type(mapping)()
+    for n in names:
+        osd["param_slice_mappings"][0][n] = address(numel=mapping[n].numel, start=start)
+        start += mapping[n].numel
+    torch.save(state, optim)
+    model = _tag(source) / "mp_rank_01_model_states.pt"
+    states = torch.load(model, weights_only=False)
+    shapes = states["param_shapes"][0]
+    states["param_shapes"][0] = type(shapes)((n, shapes[n]) for n in names)
+    torch.save(states, model)
+    assert CliRunner().invoke(cli, ["validate", str(source)]).exit_code == 0
+    result = CliRunner().invoke(
+        cli, ["reshard", str(source), str(tmp_path / "out"), "--world-size", "2", "--pipeline-parallel", "1"]
+    )
+    assert result.exit_code == 1 and "CK410" in result.output, result.output
+    assert "optimizer order" in result.output and "not its module's parameter order" in result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
