@@ -98,7 +98,7 @@ def reshard_model_parallel(
                     writes = [stage0[d.id] for d in found.domains]
             elif pipeline_parallel not in (None, found.topology.degrees.pipeline):
                 stages = pipeline_target(
-                    found, pipeline_parallel, world_size, zero_stage, partition_method, states, src_dir
+                    found, pipeline_parallel, world_size, zero_stage, partition_method, states, src_dir, plans
                 )
             else:
                 targets = target_layouts(found, world_size, zero_stage)

@@ -5,16 +5,20 @@ states, whose module is None) and one file per layer (``layer_XX-model_states.pt
 index whatever the stage). The target's stages take the layers DeepSpeed's ``PipelineModule`` gives them
 (``_partition_layers``: ``partition_method`` "uniform", or "parameters", its default: layers balanced by their
 trainable parameter counts); each stage's ZeRO groups are laid out anew from the whole model's tensors in the
-stage's parameter order (its layers in order, each layer's parameters as saved), at ``world_size / N``
-data-parallel ranks, and written by ``reshard_files.write_files`` (masters and moments moved, step,
-hyperparameters and loss scaler copied from the source's first stage: every stage's must agree). The layer files
-carry over as saved: their names and keys do not depend on the stage.
+stage's parameter order (``reshard_pipeline_layers``: its tied modules, then its layers in order), at
+``world_size / N`` data-parallel ranks, and written by ``reshard_files.write_files`` (masters and moments moved,
+a tied module's to every stage that runs it; step, hyperparameters and loss scaler copied from the source's first
+stage: every stage's must agree; ``buffer_names`` the stage's layers'). The layer files carry over as saved:
+their names and keys do not depend on the stage; a tied module's copies, frozen parameters and buffers are in
+them.
 
 Refused by name (CK410) before anything is written: a tensor-parallel pipeline, a stage-0 (BF16_Optimizer) or
 ZeRO-3 source, a ZeRO-2/3 target (DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with
-pipeline parallelism"), ties (TiedLayerSpec), frozen parameters and buffers (not proven yet), a layer index
-without a file (a function layer: the layer count cannot be known), a target stage without trainable
-parameters, more stages than layers, stages whose optimizer groups or hyperparameters differ.
+pipeline parallelism"), frozen parameters or buffers of a tied module or outside the layer files, a source stage
+whose optimizer order or ``buffer_names`` are not its module's, partition method "parameters" where a frozen
+parameter decides the stages, a layer index without a file (a function layer: the layer count cannot be known),
+a target stage without trainable parameters, more stages than layers, stages whose optimizer groups or
+hyperparameters differ.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ..format.partition import ParamSpec, flat_group
 from .optimizer_state import OptimizerStatePlan
 from .reshard_files import write_files
 from .reshard_layout import TargetLayout, natural_groups, target_layout
+from .reshard_pipeline_layers import PipelineLayers, check_source_stages, check_tied_copies, pipeline_layers
 from .reshard_source import source_optimizer
 
 PARTITION_METHODS = ("parameters", "uniform")  # DeepSpeed's default first
@@ -86,6 +91,7 @@ class StageTarget:
     layers: range
     manifest: Manifest
     layout: TargetLayout
+    buffer_names: list[str]  # the stage's model states' (its layers' persistent buffers)
 
 
 @dataclass(frozen=True)
@@ -107,9 +113,11 @@ def pipeline_target(
     partition_method: str | None,
     states: StateCache,
     src_dir,
+    plans: dict,
 ) -> PipelineTarget:
     """The target stages of ``index``'s pipeline at ``stages`` stages and ``world_size`` ranks (CK410 where
-    it cannot be written); reads only the source stages' first optimizer files (their hyperparameters)."""
+    it cannot be written, CK401 where a tie's copies differ); reads the source stages' first optimizer files
+    (their hyperparameters) and the tied parameters' masters and moments."""
     method = partition_method or PARTITION_METHODS[0]
     degrees = index.topology.degrees
     _refuse_source(index, method)
@@ -125,32 +133,30 @@ def pipeline_target(
             f"{degrees.tensor})",
             f"give a multiple of {stages}: each data-parallel rank holds one copy of the {stages} stages",
         )
-    layer_of = _layer_of_params(index)
+    layers = pipeline_layers(index)
     num_layers = len(index.layer_files)
     if stages > num_layers:
         raise ReshardUnsupported(
             f"--pipeline-parallel {stages}: the pipeline has {num_layers} layers, fewer than the stages",
             f"give at most {num_layers} stages",
         )
+    check_source_stages(layers, index, states, src_dir)
+    bounds = _bounds(layers, stages, method)
     domains = sorted(index.domains, key=lambda d: d.coordinate.pipeline or 0)
-    ordered = [(g, p) for d in domains for g, params in natural_groups(d.manifest) for p in params]
-    weights = [0] * num_layers
-    for _, p in ordered:
-        weights[layer_of[p.name]] += p.numel
-    bounds = partition_uniform(num_layers, stages) if method == "uniform" else partition_balanced(weights, stages)
     template = domains[0]
     _refuse_differing_stages(domains, states, src_dir)
+    check_tied_copies(index, plans)
     data = world_size // stages
     targets = []
     for s in range(stages):
-        layers = range(bounds[s], bounds[s + 1])
-        mine = [(g, p) for g, p in ordered if layer_of[p.name] in layers]
+        held = range(bounds[s], bounds[s + 1])
+        mine = layers.order(held)
         groups = []
         for g in sorted({g for g, _ in natural_groups(template.manifest)}):
             specs = [ParamSpec(p.name, tuple(p.shape), p.dtype) for gg, p in mine if gg == g]
             if not specs:
                 raise ReshardUnsupported(
-                    f"target stage {s} (layers {layers.start}-{layers.stop - 1}, partition method {method!r}) "
+                    f"target stage {s} (layers {held.start}-{held.stop - 1}, partition method {method!r}) "
                     f"has no trainable parameter in optimizer group {g}",
                     "give fewer stages or another --partition-method: DeepSpeed's ZeRO optimizer needs parameters "
                     "in every group of every stage",
@@ -165,8 +171,25 @@ def pipeline_target(
                 ),
             }
         )
-        targets.append(StageTarget(s, layers, manifest, target_layout(manifest, data, 1, domain=True)))
+        layout = target_layout(manifest, data, 1, domain=True)
+        targets.append(StageTarget(s, held, manifest, layout, layers.buffer_names(held)))
     return PipelineTarget(targets, method, template)
+
+
+def _bounds(layers: PipelineLayers, stages: int, method: str) -> list[int]:
+    """The first layer of each target stage, and the layer count: DeepSpeed's ``_partition_layers``. The weights
+    of "parameters" with and without the frozen parameters must give the same stages (reshard_pipeline_layers)."""
+    if method == "uniform":
+        return partition_uniform(len(layers.tensors), stages)
+    bounds = partition_balanced(layers.weights(count_frozen=False), stages)
+    if layers.frozen and partition_balanced(layers.weights(count_frozen=True), stages) != bounds:
+        raise ReshardUnsupported(
+            f"--partition-method parameters at {stages} stages: DeepSpeed counts the frozen {layers.frozen[0]!r} "
+            "if it was frozen after the model was built, not if its layer froze it, and the stages differ; the "
+            "files cannot tell which",
+            "give --partition-method uniform, or another number of stages",
+        )
+    return bounds
 
 
 def write_stages(
@@ -202,7 +225,7 @@ def write_stages(
             states,
             tag_dir,
             mp_rank=stage.stage,
-            model_changes=changes,
+            model_changes={**changes, "buffer_names": stage.buffer_names},
         )
     return files
 
@@ -232,26 +255,14 @@ def _refuse_source(index: CheckpointIndex, method: str) -> None:
                 f"{' (BF16_Optimizer)' if d.masters is not None else ''}; ZeRO-1 pipelines are what reshard moves",
                 "resume at the same pipeline degree",
             )
-        for section in ("frozen", "buffers", "aliases"):
+        for section in ("frozen", "buffers", "aliases"):  # a stage's own, outside its layer files
             items = getattr(d.manifest, section)
             if items:
                 raise ReshardUnsupported(
-                    f"--pipeline-parallel: {section} ({items[0].name!r}) in stage {d.id}, not moved between stages yet",
+                    f"--pipeline-parallel: {section} ({items[0].name!r}) in stage {d.id}'s model states, not moved "
+                    "between stages yet",
                     "resume at the same pipeline degree",
                 )
-    if index.aliases:
-        alias, owner = next(iter(index.aliases.items()))
-        raise ReshardUnsupported(
-            f"--pipeline-parallel: {alias!r} is tied to {owner!r} (TiedLayerSpec); ties are not moved between "
-            "stages yet",
-            "resume at the same pipeline degree",
-        )
-    for extra in index.extras or ():
-        raise ReshardUnsupported(
-            f"--pipeline-parallel: {extra.name!r} is a {'frozen parameter' if extra.role == 'frozen' else 'buffer'}; "
-            "frozen parameters and buffers are not moved between stages yet",
-            "resume at the same pipeline degree",
-        )
     layers = sorted(f.layer for f in index.layer_files)
     missing = sorted(set(range(layers[-1] + 1)) - set(layers))
     if missing or len(set(layers)) != len(layers):
@@ -261,27 +272,6 @@ def _refuse_source(index: CheckpointIndex, method: str) -> None:
             "the pipeline's layer count cannot be known",
             "resume at the same pipeline degree",
         )
-
-
-def _layer_of_params(index: CheckpointIndex) -> dict[str, int]:
-    """Each trainable parameter's layer, from the layer files (a tensor that is not one: refused by name)."""
-    trainable = {p.name for d in index.domains for g in d.manifest.groups for p in g.params}
-    out: dict[str, int] = {}
-    for f in index.layer_files:
-        for key, name in f.tensors.items():
-            if name not in trainable:
-                raise ReshardUnsupported(
-                    f"--pipeline-parallel: {key!r} of {f.path} is not a trainable parameter (a buffer or frozen "
-                    "parameter), not moved between stages yet",
-                    "resume at the same pipeline degree",
-                )
-            out[name] = f.layer
-    unplaced = sorted(trainable - set(out))
-    if unplaced:
-        raise ReshardUnsupported(
-            f"--pipeline-parallel: parameter {unplaced[0]!r} is in no layer file", "resume at the same pipeline degree"
-        )
-    return out
 
 
 def _refuse_differing_stages(domains: list[Domain], states: StateCache, src_dir) -> None:

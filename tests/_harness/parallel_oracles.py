@@ -186,3 +186,13 @@ def check_same_to_ckptspec(
     for key, per_state in states.items():
         for state, array in per_state.items():
             assert _raw(states_after[key][state]) == _raw(array), (key, state)
+
+
+def running_layers(spec: dict, name: str) -> set[int]:
+    """The pipeline layers that run global parameter ``name`` (``<layer>.<attr>``): its own layer, or every layer
+    of its TiedLayerSpec's key (job/parallel_models.py ``_pipe_layers``)."""
+    from _harness.job.parallel_models import _pipe_layers, normalize
+
+    keys = [key for *_, key in _pipe_layers(normalize(spec))]
+    layer = int(name.split(".", 1)[0])
+    return {i for i, key in enumerate(keys) if key == keys[layer]} if keys[layer] else {layer}

@@ -120,6 +120,14 @@ PARALLEL = sorted(PARALLEL_SPECS)
 # The PipelineModule at one stage (the pp1 source of a pipeline degree change, issue #40): not in PARALLEL (no
 # +again, universal or hook entries), loaded by its "+optim" entry and resharded by DEGREE_RESHARDS.
 PIPE_ONE_SPECS = {"pp1-s1-fp32-ws2": ({"pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 2)}
+# The pipeline with a TiedLayerSpec, a frozen weight and a buffer (EXTRAS_SPECS' pp2 source) saved by real jobs at
+# the layouts of its pipeline degree changes (DEGREE_RESHARDS): what ckptspec writes is compared with their files
+# (tests/export/test_reshard_pipeline.py SAME_LAYOUT). Not in PARALLEL: no +again, universal or hook entries.
+_PIPE_EXTRAS = {"stage": 1, "dtype": "fp32", "frozen": True, "buffers": True, "tied": True}
+PIPE_TARGET_SPECS = {
+    "pp1-s1-fp32-ws2-extras": ({"pp": 1, "pipe": True, **_PIPE_EXTRAS}, 2),
+    "pp3-s1-fp32-ws3-extras": ({"pp": 3, **_PIPE_EXTRAS}, 3),
+}
 # The dense MLP at ZeRO 1/2 (issue #40): the sources of a reshard to stage 0 (DEGREE_RESHARDS), the dense model
 # of the "s0-" entries without ties or frozen parameters (a stage-0 checkpoint cannot tell them apart). Not in
 # PARALLEL (no +again, universal or hook entries), loaded by their "+optim" entries.
@@ -153,7 +161,14 @@ EP_ONE_SPECS = {
     "moe-ep1-s2-bf16-ws2": ({"ep": 1, "experts": 2, "stage": 2, "dtype": "bf16"}, 2),  # ep1 -> ep2 at ZeRO-2
 }
 # Every "parallel" job's spec and world size, by name.
-SOURCE_SPECS = {**PARALLEL_SPECS, **EXTRAS_SPECS, **PIPE_ONE_SPECS, **ZERO_DENSE_SPECS, **EP_ONE_SPECS}
+SOURCE_SPECS = {
+    **PARALLEL_SPECS,
+    **EXTRAS_SPECS,
+    **PIPE_ONE_SPECS,
+    **PIPE_TARGET_SPECS,
+    **ZERO_DENSE_SPECS,
+    **EP_ONE_SPECS,
+}
 # Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries
 # they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16).
 HOOKED = [
@@ -238,6 +253,15 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         2,
         {"pp": 2, "pipe": False},
         {"pipeline_parallel": 2, "partition_method": "uniform"},
+    ),
+    # a TiedLayerSpec on layers 0 and 4, a frozen weight (layer 2) and a buffer (layer 3): at one stage the tie
+    # is one module; at 3 ("uniform": layers 0-1, 2-3, 4-5) its layers run on stages 0 and 2, each a copy
+    "pp2-s1-fp32-ws2-extras>pp1": ("pp2-s1-fp32-ws2-extras", 2, _PP1, {"pipeline_parallel": 1}),
+    "pp2-s1-fp32-ws2-extras>pp3": (
+        "pp2-s1-fp32-ws2-extras",
+        3,
+        {"pp": 3},
+        {"pipeline_parallel": 3, "partition_method": "uniform"},
     ),
     # DeepSpeed's default partition method, layers balanced by their parameter counts: at 3 stages it cuts
     # other layers than "uniform" does (at 2 both cut after layer 2)
@@ -324,7 +348,7 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
 
 
 def source_spec(name: str) -> dict:
-    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS, ZERO_DENSE_SPECS or EP_ONE_SPECS entry."""
+    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS, PIPE_TARGET_SPECS, ZERO_DENSE_SPECS or EP_ONE_SPECS entry."""
     return SOURCE_SPECS[name][0]
 
 

@@ -18,7 +18,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from _harness.parallel_oracles import check_same_to_ckptspec, optim_records
+from _harness.parallel_oracles import check_same_to_ckptspec, optim_records, running_layers
 from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target
 from click.testing import CliRunner
 
@@ -28,7 +28,13 @@ from ckptspec.export.reshard_pipeline import partition_balanced, partition_unifo
 
 RESHARDS = sorted(n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if "pipeline_parallel" in options)
 # a real job's save of the target layout, beside a reshard whose output has the same layout and model
-SAME_LAYOUT = {"pp2-s1-fp32-ws2>pp1": "pp1-s1-fp32-ws2", "pp1-s1-fp32-ws2>pp2": "pp2-s1-fp32-ws2"}
+SAME_LAYOUT = {
+    "pp2-s1-fp32-ws2>pp1": "pp1-s1-fp32-ws2",
+    "pp1-s1-fp32-ws2>pp2": "pp2-s1-fp32-ws2",
+    # a TiedLayerSpec, a frozen weight and a buffer (PIPE_TARGET_SPECS)
+    "pp2-s1-fp32-ws2-extras>pp1": "pp1-s1-fp32-ws2-extras",
+    "pp2-s1-fp32-ws2-extras>pp3": "pp3-s1-fp32-ws3-extras",
+}
 
 
 def _by_name(records: list[dict]) -> dict[str, dict]:
@@ -71,10 +77,13 @@ def test_a_job_of_the_target_pipeline_degree_resumes_the_source_bit_for_bit(name
                     part,
                 )
     assert target[0]["param_groups"] == before[0]["param_groups"]
-    # each stage holds the parameters of the layers DeepSpeed's PipelineModule gave it, and no other
+    # each stage holds the parameters of the layers DeepSpeed's PipelineModule gave it (a tied module's where one of
+    # its layers runs), and no other
+    spec = reshard_target(name)[2]
     for record in target:
         start, stop = record["coords"]["stage_layers"]
-        assert {int(n.split(".")[0]) for n in record["master"]} <= set(range(start, stop)), record["coords"]
+        for n in record["master"]:
+            assert running_layers(spec, n) & set(range(start, stop)), (n, record["coords"])
 
 
 @pytest.mark.parametrize("name", RESHARDS)
@@ -124,7 +133,8 @@ def _layout_entries(state: dict) -> dict:
             },
         }
     if "module" in state:  # model states
-        keep = ("param_shapes", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "module")
+        keep = ("param_shapes", "buffer_names", "shared_params", "dp_world_size", "mp_world_size")
+        keep += ("checkpoint_parallel_dimensions", "module", "frozen_param_shapes")
         return {"keys": list(state), **{k: state[k] for k in keep}}
     return {"keys": list(state), "shapes": {k: v.shape for k, v in state.items()}}  # a layer file
 
@@ -133,7 +143,8 @@ def _layout_entries(state: dict) -> dict:
 def test_the_files_are_named_and_laid_out_as_a_real_job_of_the_target_layout_saves_them(name, ds):
     """The reshard's files against a real save of the same model at the target layout (another training run:
     only what the layout decides is compared): names, keys, shapes, ZeRO paddings, partition counts, slice
-    mappings, the stage's param_shapes and the degrees its model states record."""
+    mappings, the stage's param_shapes, buffer_names and shared parameters and the degrees its model states
+    record; each layer file's keys and shapes (a tied module's copy in each of its layers' files)."""
     out = ds.path(name) / "resharded"
     real = ds.path(SAME_LAYOUT[name])
     tag, real_tag = (out / (out / "latest").read_text()), (real / (real / "latest").read_text())
@@ -179,13 +190,18 @@ def test_a_zero2_target_is_refused_as_deepspeed_refuses_it(ds, tmp_path):
             "CK410",
             "--pipeline-parallel 1 of a stage-0 pipeline",
         ),
-        ("pp2-s1-fp32-ws2-extras", ["--world-size", "2", "--pipeline-parallel", "1"], "CK410", "(TiedLayerSpec)"),
+        (
+            "pp2-s1-fp32-ws2-extras",
+            ["--world-size", "6", "--pipeline-parallel", "6", "--partition-method", "uniform"],
+            "CK410",
+            "target stage 1 (layers 1-1, partition method 'uniform') has no trainable parameter",
+        ),
     ],
 )
 def test_what_a_pipeline_change_cannot_write_is_refused_by_name(source, args, code, says, ds, tmp_path):
     """Before anything is written: too many stages, a world size the stages do not divide, a stage-0
-    (BF16_Optimizer) pipeline's stages (it is written as a ZeRO-1 pipeline first), a pipeline with a TiedLayerSpec,
-    a frozen weight and a buffer."""
+    (BF16_Optimizer) pipeline's stages (it is written as a ZeRO-1 pipeline first), a stage holding only a layer
+    without parameters (the ReLU of the pipeline with a TiedLayerSpec, a frozen weight and a buffer)."""
     result = CliRunner().invoke(cli, ["reshard", str(ds.path(source)), str(tmp_path / "out"), *args])
     assert result.exit_code == 1 and code in result.output and says in result.output, result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

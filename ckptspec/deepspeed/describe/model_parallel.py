@@ -328,29 +328,45 @@ def _stages_of(layer: int, shapes: dict, by_stage: dict, rel: str) -> set[int]:
 
 def _stage_of(layer: int, stages_of: dict[int, set[int]], rel: str, shapes: dict, by_stage: dict) -> int:
     """A layer's stage: the one that trains its parameters; a layer without any of its own (no parameters,
-    or a tied module's only) lies between the stages of the layers around it (stages are contiguous)."""
+    or a tied module's only) lies between the stages of the layers around it (stages are contiguous). At a
+    boundary, a tied module's layer is on the one of those stages that trains the tie: DeepSpeed builds a
+    ``TiedLayerSpec``'s module, and trains it, on each stage that runs one of its layers."""
     if stages_of[layer]:
         return next(iter(stages_of[layer]))
     before = [next(iter(s)) for n, s in sorted(stages_of.items()) if n < layer and s]
     after = [next(iter(s)) for n, s in sorted(stages_of.items()) if n > layer and s]
     low = before[-1] if before else 0
     high = after[0] if after else max(by_stage)
-    if shapes and low != high:
+    if not shapes or low == high:
+        return low
+    training = [
+        s
+        for s in range(low, high + 1)
+        if s in by_stage and all(len(_tied(key, shape, by_stage[s])) == 1 for key, shape in shapes.items())
+    ]
+    if len(training) != 1:
         raise UnsupportedCheckpoint(
             f"{rel} holds no parameter of its own that a stage trains ({sorted(shapes)}: a tied module's, frozen "
-            f"or buffers) and lies between stages {low} and {high}",
+            f"or buffers) and lies between stages {low} and {high}, "
+            f"{'both' if training else 'neither'} of which train(s) a tied module of these keys",
             "the stage of such a layer at a stage boundary cannot be told from the files; it is not described",
             rel,
         )
-    return low
+    return training[0]
+
+
+def _tied(key: str, shape: list[int], stage_names: dict) -> list[str]:
+    """The stage's tied modules' parameters (``tied_modules.<key>.<attribute>``) a layer file's ``key`` of
+    ``shape`` may be."""
+    tied = [n for n in stage_names if n.startswith(TIED_PREFIX) and n.split(".", 2)[2] == key]
+    return [n for n in tied if list(stage_names[n][1].shape) == list(shape)]
 
 
 def _local_name(layer: int, key: str, shape: list[int], stage_names: dict, rel: str) -> str:
     """The stage's name of a layer file's tensor (the docstring of ``pipeline_parameters``)."""
     if f"{layer}.{key}" in stage_names:
         return f"{layer}.{key}"
-    tied = [n for n in stage_names if n.startswith(TIED_PREFIX) and n.split(".", 2)[2] == key]
-    tied = [n for n in tied if list(stage_names[n][1].shape) == list(shape)]
+    tied = _tied(key, shape, stage_names)
     if len(tied) > 1:
         raise UnsupportedCheckpoint(
             f"{rel} holds {key!r}, which may be any of the tied {tied}",
