@@ -104,6 +104,8 @@ class InterleavedSegments(LazySegments):
 
 
 def _numbered(shard: int, runs: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, int, int, int]]:
+    """The runs tagged with their shard's number (a function: a generator inside a comprehension would read the
+    comprehension's last number, not its own)."""
     return ((w, shard, lo, n) for w, lo, n in runs)
 
 
