@@ -12,8 +12,13 @@ or torch files, sharding, ``optimizer.safetensors``) then write it as they write
 from __future__ import annotations
 
 import bisect
+import functools
+import heapq
+import itertools
 import json
 import math
+import operator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,18 +28,31 @@ from ..errors import ReconstructMismatch
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import CheckpointIndex, IndexParameter, Shard
 from ..location import RemotePath
-from .model_plan import ModelPlan, ReconstructionPlan, Segment, TensorSource
+from .model_plan import LazySegments, ModelPlan, ReconstructionPlan, Segment, TensorSource
 from .optimizer_state import OptimizerStatePlan, plan_optimizer_state
 
+Runs = Callable[[], Iterable[tuple[int, int, int]]]  # a shard's (whole flat start, local flat start, count), in order
 
-def _runs_of(placement, whole: list[int], local: list[int]) -> list[tuple[int, int, int]]:
-    """(whole flat start, local flat start, count) of the shard's elements, in whole order."""
+
+def _runs_of(placement, whole: list[int], local: list[int]) -> Runs:
+    """The shard's elements as runs in whole order, made each time they are asked for (a split: one per row)."""
     if hasattr(placement, "split"):
         split = placement.split
         inner = math.prod(whole[split.axis + 1 :])
         outer = math.prod(whole[: split.axis])
         block, stride = split.length * inner, whole[split.axis] * inner
-        return [(o * stride + split.offset * inner, o * block, block) for o in range(outer) if block]
+        return functools.partial(_split_runs, outer, stride, split.offset * inner, block)
+    runs = _piece_runs(placement, whole, local)  # held: finding them walks the whole tensor
+    return lambda: runs
+
+
+def _split_runs(outer: int, stride: int, first: int, block: int) -> Iterator[tuple[int, int, int]]:
+    """``block`` elements of every ``stride`` of the whole tensor from ``first``: the shard's rows, in order."""
+    return ((o * stride + first, o * block, block) for o in range(outer) if block)
+
+
+def _piece_runs(placement, whole: list[int], local: list[int]) -> list[tuple[int, int, int]]:
+    """DeepSpeed's affine pieces, mapped element by element, then merged into runs."""
     from .arrays import _np
 
     np = _np()
@@ -57,23 +75,57 @@ def _runs_of(placement, whole: list[int], local: list[int]) -> list[tuple[int, i
     return runs
 
 
-def _cut(source: TensorSource, start: int, count: int) -> list[Segment]:
-    """The segments of elements ``[start, start + count)`` of ``source``'s flat tensor."""
-    item = ITEMSIZE[source.dtype]
-    ends = []
-    total = 0
-    for seg in source.segments:
-        total += seg.nbytes // item
-        ends.append(total)
-    out, pos = [], start
-    i = bisect.bisect_right(ends, pos)
-    while count > 0:
-        seg = source.segments[i]
-        first = ends[i] - seg.nbytes // item
-        take = min(count, ends[i] - pos)
-        out.append(Segment(seg.path, seg.offset + (pos - first) * item, take * item))
-        pos, count, i = pos + take, count - take, i + 1
-    return out
+class InterleavedSegments(LazySegments):
+    """A whole tensor's segments, from its shards' sources: the shards' runs merged in whole order, each cut from its
+    shard's segments, neighbours in one file joined. Made each time they are read: a weight split along an inner
+    axis is a segment per row of each shard (held for every tensor, they grew a merge's memory with the model)."""
+
+    def __init__(self, shards: list[tuple[TensorSource, Runs]]):
+        self.shards = shards
+
+    def runs(self) -> Iterator[tuple[int, int, int, int]]:
+        """(whole flat start, shard, local flat start, count) of every run, in whole order."""
+        each = [_numbered(i, runs()) for i, (_, runs) in enumerate(self.shards)]
+        return heapq.merge(*each, key=operator.itemgetter(0))
+
+    def __iter__(self) -> Iterator[Segment]:
+        cuts = [_Cuts(source) for source, _ in self.shards]
+        last = None
+        for _, i, lo, n in self.runs():
+            for seg in cuts[i].cut(lo, n):
+                if last is not None and last.path == seg.path and last.offset + last.nbytes == seg.offset:
+                    last = Segment(last.path, last.offset, last.nbytes + seg.nbytes)
+                    continue
+                if last is not None:
+                    yield last
+                last = seg
+        if last is not None:
+            yield last
+
+
+def _numbered(shard: int, runs: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, int, int, int]]:
+    """The runs tagged with their shard's number (a function: a generator inside a comprehension would read the
+    comprehension's last number, not its own)."""
+    return ((w, shard, lo, n) for w, lo, n in runs)
+
+
+class _Cuts:
+    """Pieces of one shard's flat tensor: the end element of each of its segments, found once per reading."""
+
+    def __init__(self, source: TensorSource):
+        self.item = ITEMSIZE[source.dtype]
+        self.segments = source.segments if isinstance(source.segments, list) else list(source.segments)
+        self.ends = list(itertools.accumulate(seg.nbytes // self.item for seg in self.segments))
+
+    def cut(self, start: int, count: int) -> Iterator[Segment]:
+        """The segments of elements ``[start, start + count)``."""
+        pos, i = start, bisect.bisect_right(self.ends, start)
+        while count > 0:
+            seg = self.segments[i]
+            first = self.ends[i] - seg.nbytes // self.item
+            take = min(count, self.ends[i] - pos)
+            yield Segment(seg.path, seg.offset + (pos - first) * self.item, take * self.item)
+            pos, count, i = pos + take, count - take, i + 1
 
 
 def compose_source(name: str, shape: list[int], shards: list[tuple[Shard, TensorSource]], role: str) -> TensorSource:
@@ -82,25 +134,25 @@ def compose_source(name: str, shape: list[int], shards: list[tuple[Shard, Tensor
     if placement in ("whole", "replicated"):
         primary = next(src for s, src in shards if s.primary or len(shards) == 1)
         return TensorSource(name, tuple(shape), primary.dtype, primary.segments, role, primary.digest, primary.origin)
-    runs = []
-    for shard, src in shards:
-        runs += [(w, src, lo, n) for w, lo, n in _runs_of(shard.placement, shape, shard.local_shape)]
-    runs.sort(key=lambda r: r[0])
-    segments: list[Segment] = []
+    segments = InterleavedSegments([(src, _runs_of(s.placement, shape, s.local_shape)) for s, src in shards])
+    _check_cover(name, segments, math.prod(shape))
+    return TensorSource(name, tuple(shape), shards[0][1].dtype, segments, role, origin=shards[0][1].origin)
+
+
+def _check_cover(name: str, segments: InterleavedSegments, numel: int) -> None:
+    """Every element of the whole tensor comes from one shard, inside that shard's source: checked on the runs
+    (a few per row) before anything is read, as the segments are made only then."""
     covered = 0
-    for w, src, lo, n in runs:
+    needs = [0] * len(segments.shards)
+    for w, i, lo, n in segments.runs():
         if w != covered:
             raise ReconstructMismatch(f"the shards of {name!r} leave elements {covered}..{w - 1} unset or overlap")
-        for seg in _cut(src, lo, n):
-            last = segments[-1] if segments else None
-            if last is not None and last.path == seg.path and last.offset + last.nbytes == seg.offset:
-                segments[-1] = Segment(last.path, last.offset, last.nbytes + seg.nbytes)
-            else:
-                segments.append(seg)
-        covered = w + n
-    if covered != math.prod(shape):
+        covered, needs[i] = w + n, max(needs[i], lo + n)
+    if covered != numel:
         raise ReconstructMismatch(f"the shards of {name!r} leave elements unset")
-    return TensorSource(name, tuple(shape), shards[0][1].dtype, segments, role, origin=shards[0][1].origin)
+    for (source, _), need in zip(segments.shards, needs):
+        if sum(seg.nbytes for seg in source.segments) < need * ITEMSIZE[source.dtype]:
+            raise ReconstructMismatch(f"{source.name!r} holds fewer elements than its place in {name!r} needs")
 
 
 @dataclass

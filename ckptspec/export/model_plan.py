@@ -43,10 +43,27 @@ MODULE_FP32_WEIGHT = "module_fp32_weight"  # the fp32 weights of a run without m
 UNIVERSAL_FP32 = "universal_fp32"  # zero/<name>/fp32.pt of a universal folder
 
 
-class RunSegments(Sequence[Segment]):
-    """The segments of runs of ``source``'s flat tensor (``runs()``: (element start, count), ascending), made each
-    time they are iterated, never held: a tensor split along an inner axis is one run per row (millions of segments
-    in a large model; held, they grew the memory of an AutoTP split with the model)."""
+class LazySegments(Sequence[Segment]):
+    """Segments made each time they are iterated, never held: a tensor split along an inner axis is one segment per
+    row (millions in a large model; held, they grew the memory of an AutoTP merge and split with the model)."""
+
+    def __iter__(self) -> Iterator[Segment]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @overload
+    def __getitem__(self, i: int) -> Segment: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Segment]: ...
+    def __getitem__(self, i):
+        return list(self)[i]  # rare (a plan's first file); iteration is the way to read them
+
+
+class RunSegments(LazySegments):
+    """The segments of runs of ``source``'s flat tensor (``runs()``: (element start, count), ascending): a tensor
+    rank's shard of a whole tensor (``reshard_tensor_split``)."""
 
     def __init__(self, source: TensorSource, runs: Callable[[], Iterable[tuple[int, int]]]):
         self.source, self.runs = source, runs
@@ -64,16 +81,6 @@ class RunSegments(Sequence[Segment]):
                 yield Segment(seg.path, seg.offset + (pos - first) * item, take * item)
                 pos, count = pos + take, count - take
 
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    @overload
-    def __getitem__(self, i: int) -> Segment: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Segment]: ...
-    def __getitem__(self, i):
-        return list(self)[i]  # rare (a plan's first file); iteration is the way to read them
-
 
 @dataclass
 class TensorSource:
@@ -82,7 +89,7 @@ class TensorSource:
     name: str
     shape: tuple[int, ...]
     dtype: str  # dtype of the bytes on disk
-    segments: list[Segment] | RunSegments  # RunSegments: a shard's, made as they are read
+    segments: list[Segment] | LazySegments  # LazySegments: made as they are read (a shard's, a composed tensor's)
     role: str  # "trainable" (fp32 master), "frozen" (model dtype), "buffer", "state" (optimizer state)
     digest: str | None = None  # sha256 of the bytes of the segments (format 1.1), checked while they are read
     origin: str = ""  # what the bytes are (ORIGINS): the role's default unless a producer says otherwise
