@@ -217,6 +217,8 @@ PARALLEL_RESHARDS = {
     "pp2dp2-s1-bf16-ws4>ws2": ("pp2dp2-s1-bf16-ws4", 2),  # pp2 x dp2 -> pp2 x dp1 (issue #40's matrix)
     "tp2-s1-fp32-ws2>ws4": ("tp2-s1-fp32-ws2", 4),  # tp2 x dp1 -> tp2 x dp2
     "pp2-s1-fp32-ws2>ws4": ("pp2-s1-fp32-ws2", 4),  # pp2 x dp1 -> pp2 x dp2
+    "tp2-s3-bf16-ws2>ws4": ("tp2-s3-bf16-ws2", 4),  # tp2 x dp1 -> tp2 x dp2 at ZeRO-3 (reshard_stage3's writer)
+    "tp2-s3-bf16-ws2>ws2": ("tp2-s3-bf16-ws2", 2),  # the same layout: one more step bit for bit (the same sums)
 }
 # The tensor, pipeline and expert degrees changed (issue #40): name -> (source PARALLEL entry, target world
 # size, the target job's spec changes, ckptspec.reshard's options). A job of the target layout loads what

@@ -100,9 +100,19 @@ def test_a_world_size_the_model_parallel_degrees_do_not_divide_is_refused(ds, tm
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-def test_a_tensor_parallel_zero3_checkpoint_is_refused_by_name(ds, tmp_path):
-    """Its domains are ZeRO-3 partitions, which this reshard does not write for tensor parallelism yet: CK410."""
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"zero_stage": 2}, "stage change of a tensor-parallel ZeRO-3"),
+        ({"zero_stage": 1}, "stage change of a tensor-parallel ZeRO-3"),
+        ({"zero_stage": 0}, "stage change of a tensor-parallel ZeRO-3"),
+        ({"tensor_parallel": 4}, "tensor degree of a ZeRO-3 checkpoint"),
+        ({"tensor_parallel": 1, "world_size": 2}, "tensor degree of a ZeRO-3 checkpoint"),
+    ],
+)
+def test_what_a_tensor_parallel_zero3_reshard_does_not_write_is_refused_by_name(options, named, ds, tmp_path):
+    """Its data axis is written at stage 3 (above); another stage or tensor degree is not: CK410, nothing written."""
     with pytest.raises(ckptspec.Unsupported) as refused:
-        ckptspec.reshard(ds.path("tp2-s3-bf16-ws2"), tmp_path / "out", world_size=4)
-    assert refused.value.code == "CK410" and "stage 1 or 2" in refused.value.message
+        ckptspec.reshard(ds.path("tp2-s3-bf16-ws2"), tmp_path / "out", **{"world_size": 4, **options})
+    assert refused.value.code == "CK410" and named in refused.value.message, refused.value.message
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
