@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 from _harness.parallel_oracles import optim_records
-from _harness.scenarios import PARALLEL_RESHARDS, optim_name
+from _harness.scenarios import PARALLEL_RESHARDS, PARALLEL_RESHARDS_UNIVERSAL, optim_name
 from click.testing import CliRunner
 
 import ckptspec
@@ -64,6 +64,27 @@ def test_a_job_of_the_target_world_size_resumes_the_source_bit_for_bit(name, ds)
                     part,
                 )
     assert [r["param_groups"] for r in target][0] == before[0]["param_groups"]
+
+
+@pytest.mark.parametrize("name", sorted(PARALLEL_RESHARDS_UNIVERSAL))
+def test_deepspeeds_own_path_holds_the_same_bits(name, ds):
+    """The same job loads DeepSpeed's ds_to_universal folder of the source (``load_universal``): on every rank the
+    same masters, moments, step, param groups and logits as from ckptspec's output."""
+    entry = ds.path(name)
+    assert json.loads((entry / "optim.json").read_text())["universal_error"] is None
+    ours, theirs = optim_records(entry), optim_records(entry, "universal")
+    assert [r["coords"] for r in ours] == [r["coords"] for r in theirs] and len(ours) == PARALLEL_RESHARDS[name][1]
+    for got, expected in zip(theirs, ours):
+        assert got["master"].keys() == expected["master"].keys() and expected["master"]
+        for param, master in expected["master"].items():
+            pairs = [
+                (got["master"][param], master),
+                *((got["state"][param][k], v) for k, v in expected["state"][param].items()),
+            ]
+            for a, b in pairs:
+                assert np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), param
+        assert got["step"] == expected["step"] and got["param_groups"] == expected["param_groups"]
+        assert np.array_equal(got["logits"].numpy().view(np.uint8), expected["logits"].numpy().view(np.uint8))
 
 
 @pytest.mark.parametrize("name", RESHARDS)
