@@ -60,9 +60,9 @@ FP16_STAGE0 = {"dense-s1-fp16-ws2>s0"}
 SAME_LAYOUT = {"tp2-s3-bf16-ws2>ws2"}
 # bf16 ZeRO-3 (tp2 x dp1 -> tp2 x dp2), measured: every master within 1.3% of its tensor's step, but two elements
 # (one each in blocks.0.up.weight and blocks.1.down.weight) where one job moved by 45% and 64% of the step and the
-# other not at all. Both had no gradient before (exp_avg_sq 0: a unit ReLU had kept off) and at this step a
-# gradient of 4e-8 and 3e-6 in one job, exactly 0 in the other (a pre-activation at ReLU's edge, rounded in bf16
-# over 12 or 6 samples a rank): Adam divides a first gradient by its own size, so any such gradient is a full
+# other not at all. Both had no gradient before (exp_avg_sq 0: most likely a unit ReLU had kept off) and at this step a
+# gradient of 4e-8 and 3e-6 in one job, exactly 0 in the other (likely a pre-activation at ReLU's edge, rounded in bf16
+# over 24 or 12 samples a rank): Adam divides a first gradient by its own size, so any such gradient is a full
 # step. Such an element (no history, |exp_avg| after the step below EDGE of its tensor's largest in both jobs) is
 # left out of the per-element bound; each tensor's whole difference stays within NORM_SHARE of the step's norm
 # (measured at most 7.0%, the two elements included; 2.8% over all) and the logits within the bf16 bound.
