@@ -166,6 +166,7 @@ def reshard(
             tag=tag,
             index=manifest,
             partition_method=partition_method,
+            sub_group_size=sub_group_size,
             **degrees,
         )
     from .reshard_parallel import refuse_degrees_of_plain_zero

@@ -35,6 +35,7 @@ from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
 from .reshard_pipeline import pipeline_target, write_stages
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
+from .reshard_stage3 import write_stage3_files
 from .reshard_tensor import plan_tensor_merge, refuse_unpartitioned
 from .reshard_tensor_split import plan_tensor_split
 
@@ -51,11 +52,13 @@ def reshard_model_parallel(
     pipeline_parallel: int | None = None,
     partition_method: str | None = None,
     expert_parallel: int | None = None,
+    sub_group_size: int | None = None,
 ) -> ReshardResult:
     """Validate ``checkpoint`` (digests included), then write it for ``world_size`` ranks in all: the same
     tensor and pipeline degrees, ``world_size / (tp x pp)`` data-parallel ranks (and ``zero_stage``).
     ``index``: the checkpoint index to read it by (a model, a validated report or a file), else its files'.
-    ``pipeline_parallel`` other than the source's: the stages rebuilt (``reshard_pipeline``, ``partition_method``)."""
+    ``pipeline_parallel`` other than the source's: the stages rebuilt (``reshard_pipeline``, ``partition_method``).
+    ``sub_group_size``: a tensor-parallel ZeRO-3 target's (default: the source's)."""
     with held_new_output(output, "the resharded checkpoint") as out:
         if isinstance(index, (str, os.PathLike)):
             from ..format.index_validate import validate_index_file
@@ -74,6 +77,7 @@ def reshard_model_parallel(
         merge, writes, moe, stages, targets = None, None, None, None, {}
         try:  # CK410 before anything is written
             degrees = found.topology.degrees
+            refuse_tensor_degree_of_zero3(found, tensor_parallel)
             splitting = degrees.tensor > 1 and tensor_parallel not in (None, 1, degrees.tensor)
             refuse_degree_changes(
                 found, None if tensor_parallel == 1 or splitting else tensor_parallel, pipeline_parallel
@@ -101,7 +105,7 @@ def reshard_model_parallel(
                     found, pipeline_parallel, world_size, zero_stage, partition_method, states, src_dir, plans
                 )
             else:
-                targets = target_layouts(found, world_size, zero_stage)
+                targets = target_layouts(found, world_size, zero_stage, sub_group_size)
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         state_plans = (
@@ -128,7 +132,12 @@ def reshard_model_parallel(
                     files.append(tag_dir / expert.path)
             else:
                 for d in found.domains:
-                    files += write_files(d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
+                    if targets[d.id].zero_stage == 3:  # the coordinate's ZeRO-3 partitions, its sub-group size
+                        files += write_stage3_files(
+                            d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir, sub_group_size
+                        )
+                    else:
+                        files += write_files(d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
             for layer in found.layer_files:  # a stage's layers, the same whatever the data degree
                 _copy(src_dir / layer.path, tag_dir / layer.path, layer.size)
                 files.append(tag_dir / layer.path)
@@ -188,8 +197,11 @@ def refuse_degrees_of_plain_zero(
             )
 
 
-def target_layouts(index: CheckpointIndex, world_size: int, zero_stage: int | None) -> dict[str, TargetLayout]:
-    """Each domain's target: its data axis at ``world_size / (tp x pp)`` ranks (CK410 where it cannot be)."""
+def target_layouts(
+    index: CheckpointIndex, world_size: int, zero_stage: int | None, sub_group_size: int | None = None
+) -> dict[str, TargetLayout]:
+    """Each domain's target: its data axis at ``world_size / (tp x pp)`` ranks (CK410 where it cannot be); a
+    ZeRO-3 domain's at stage 3, cut into sub-groups of ``sub_group_size`` (default: the source's)."""
     degrees = index.topology.degrees
     model_parallel = degrees.tensor * degrees.pipeline
     if world_size < 1 or world_size % model_parallel:
@@ -200,16 +212,47 @@ def target_layouts(index: CheckpointIndex, world_size: int, zero_stage: int | No
             f"{model_parallel} parts",
         )
     data = world_size // model_parallel
+    if all(d.masters is None and d.manifest.layout.zero_stage == 3 for d in index.domains):
+        refuse_stage_change_of_zero3(zero_stage)
+        return {d.id: target_layout(d.manifest, data, 3, sub_group_size, domain=True) for d in index.domains}
     refuse_unpartitioned(index, "the data axis of tensor/pipeline-parallel ZeRO-1/2 checkpoints is what is moved")
     out: dict[str, TargetLayout] = {}
     for d in index.domains:
         if zero_stage not in (None, 1, 2):
             raise ReshardUnsupported(
-                f"--stage {zero_stage} for a tensor/pipeline-parallel checkpoint: stage 1 and 2 targets are written",
+                f"--stage {zero_stage} for a tensor/pipeline-parallel ZeRO-1/2 checkpoint: stage 1 and 2 targets "
+                "are written",
                 "give --stage 1 or 2",
             )
         out[d.id] = target_layout(d.manifest, data, zero_stage, domain=True)
     return out
+
+
+def refuse_tensor_degree_of_zero3(index: CheckpointIndex, tensor_parallel: int | None) -> None:
+    """CK410 for another tensor degree (a merge or a split) of a tensor-parallel ZeRO-3 checkpoint: only its data
+    axis is written (``target_layouts``)."""
+    held = index.topology.degrees.tensor
+    if (
+        held > 1
+        and tensor_parallel not in (None, held)
+        and any(d.manifest.layout.zero_stage == 3 for d in index.domains)
+    ):
+        raise ReshardUnsupported(
+            f"--tensor-parallel {tensor_parallel} of a tensor-parallel ZeRO-3 checkpoint (degree {held}): changing "
+            "the tensor degree of a ZeRO-3 checkpoint is not written yet",
+            f"leave --tensor-parallel out (or give {held}): its data axis is what is resharded at stage 3",
+        )
+
+
+def refuse_stage_change_of_zero3(zero_stage: int | None) -> None:
+    """CK410 for another stage of a tensor-parallel ZeRO-3 checkpoint: its data axis is moved at stage 3 only
+    (each coordinate's partitions as ``reshard_stage3`` writes a plain ZeRO-3 checkpoint's)."""
+    if zero_stage not in (None, 3):
+        raise ReshardUnsupported(
+            f"--stage {zero_stage} of a tensor-parallel ZeRO-3 checkpoint: a stage change of a tensor-parallel "
+            "ZeRO-3 checkpoint is not written yet",
+            "leave --stage out (or give 3): its data axis is resharded at stage 3",
+        )
 
 
 def _copy(source: Path | RemotePath, target: Path, size: int) -> None:

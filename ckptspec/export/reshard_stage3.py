@@ -1,18 +1,17 @@
 """The files of a checkpoint resharded to ZeRO stage 3, from a stage 1/2 source (the change DeepSpeed's
 universal path cannot make), as DeepSpeed 0.19's ``DeepSpeedZeroOptimizer_Stage3`` saves them.
 
-* ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank: ``fp32_flat_groups`` (one flat
+* ``[bf16_]zero_pp_rank_R_mp_rank_XX_optim_states.pt`` per rank: ``fp32_flat_groups`` (one flat
   partition per sub-group: each param's ``ceil(numel / ws)`` share at its offset, padding zero), the
   torch optimizer's state per sub-group (``exp_avg``... laid out like the masters, ``step`` as saved)
   with each param group listing its sub-groups, ``partition_count``, ``zero_stage`` 3 and the loss
   scaler, ``dynamic_loss_scale`` and ``overflow`` as saved.
-* ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank: the source's model states with every
-  parameter (trainable, frozen, tied) as the empty placeholder stage 3 saves (a tie shares its
-  owner's), each frozen parameter's rank share in ``frozen_param_fragments``, ``param_shapes`` per
-  sub-group, ``shared_params`` on rank 0 only (as DeepSpeed writes them at stage 3),
-  ``dp_world_size`` and ``ds_config``'s stage set; buffers, counters, LR scheduler and client state
-  as saved. DeepSpeed rebuilds the low-precision weights from the masters on load, so none are
-  written.
+* ``zero_pp_rank_R_mp_rank_XX_model_states.pt`` per rank (``XX``: the source's, a tensor rank's): the source's
+  model states with every parameter (trainable, frozen, tied) as the empty placeholder stage 3 saves (a tie
+  shares its owner's), each frozen parameter's rank share in ``frozen_param_fragments``, ``param_shapes`` per
+  sub-group, ``shared_params`` on rank 0 only (as DeepSpeed writes them at stage 3), ``dp_world_size`` and
+  ``ds_config``'s stage set; buffers, counters, LR scheduler and client state as saved. DeepSpeed rebuilds the
+  low-precision weights from the masters on load, so none are written.
 
 Sub-groups follow DeepSpeed's ``_create_fp16_sub_groups`` for the target's ``sub_group_size``
 (``reshard_layout.sub_groups``); the target job must use the same value.
@@ -62,8 +61,11 @@ def write_stage3_files(
             }
             ds_pickle.save_streamed(doc, tag_dir / name)  # one partition in memory at a time
             written.append(tag_dir / name)
-        for rank in range(target.world_size):
-            path = tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        # zero_pp_rank_R_mp_rank_XX_model_states.pt: a tensor-parallel coordinate keeps its mp_rank_XX (a stage
+        # 1/2 source's model states are mp_rank_XX_model_states.pt)
+        first_model = model.name if model.name.startswith("zero_pp_rank_0_") else f"zero_pp_rank_0_{model.name}"
+        for rank, name in enumerate(_optim_file_names(first_model, target.world_size)):
+            path = tag_dir / name
             doc = _model_states(model_state, found, target, rank, lp, frozen, read_model, sub_group_size, files)
             ds_pickle.save_streamed(doc, path, shapes_as_tuples=True)  # torch.save's bytes, a chunk at a time
             written.append(path)

@@ -15,7 +15,7 @@ the optimizer state the live engine then holds. Every rank writes ``OUT/optim.ra
   param_groups  the wrapped torch optimizer's param groups, without ``params``
   group         global name -> the index of the torch param group the parameter is in
   source        global name -> where the value came from: ``safe_get_full_optimizer_state``
-                (ZeRO 1/2, BF16_Optimizer: every parameter with an ``_hp_mapping``), else the wrapped
+                (ZeRO 1/2, BF16_Optimizer: every parameter with an ``_hp_mapping``; ZeRO-3: gathered), else the wrapped
                 torch optimizer's state of the parameter's fp32 master (FP16_UnfusedOptimizer), of its
                 group's flat master cut the way FP16_Optimizer copies masters back
                 (``_unflatten_dense_tensors``), or of the parameter itself (stage 0 fp32: no masters)
@@ -93,10 +93,14 @@ def _by_master(opt):
 
 
 def _flat_groups(opt) -> dict:
+    """id(lp param) -> (its torch param group, the fp32 partition keying its optimizer state)."""
     if hasattr(opt, "bit16_groups"):  # DeepSpeedZeroOptimizer
         groups, parts = opt.bit16_groups, opt.single_partition_of_fp32_groups
     elif hasattr(opt, "bf16_groups"):  # BF16_Optimizer
         groups, parts = opt.bf16_groups, opt.fp32_groups_flat_partition
+    elif hasattr(opt, "fp32_partitioned_groups_flat"):  # DeepSpeedZeroOptimizer_Stage3: per sub-group
+        groups, parts, group_of = opt.fp16_groups, opt.fp32_partitioned_groups_flat, opt.sub_group_to_group_id
+        return {id(p): (group_of[s], parts[s]) for s, group in enumerate(groups) for p in group}
     else:
         return {}
     return {id(p): (g, parts[g]) for g, group in enumerate(groups) for p in group}
@@ -202,7 +206,7 @@ def _record(engine, spec) -> dict:
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
     by_master, fallback = _by_master(opt)
-    flat = _flat_groups(opt)  # ZeRO 1/2, BF16_Optimizer: id(lp param) -> (group, its fp32 partition)
+    flat = _flat_groups(opt)  # ZeRO 1/2/3, BF16_Optimizer: id(lp param) -> (group, its fp32 partition)
     record = {"state": {}, "step": {}, "group": {}, "source": {}, "getter": {}, "master": {}}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:

@@ -217,7 +217,11 @@ PARALLEL_RESHARDS = {
     "pp2dp2-s1-bf16-ws4>ws2": ("pp2dp2-s1-bf16-ws4", 2),  # pp2 x dp2 -> pp2 x dp1 (issue #40's matrix)
     "tp2-s1-fp32-ws2>ws4": ("tp2-s1-fp32-ws2", 4),  # tp2 x dp1 -> tp2 x dp2
     "pp2-s1-fp32-ws2>ws4": ("pp2-s1-fp32-ws2", 4),  # pp2 x dp1 -> pp2 x dp2
+    "tp2-s3-bf16-ws2>ws4": ("tp2-s3-bf16-ws2", 4),  # tp2 x dp1 -> tp2 x dp2 at ZeRO-3 (reshard_stage3's writer)
+    "tp2-s3-bf16-ws2>ws2": ("tp2-s3-bf16-ws2", 2),  # the same layout: one more step bit for bit (the same sums)
 }
+# The same job also loads DeepSpeed's own path to its layout (ds_to_universal's folder of the source, load_universal)
+PARALLEL_RESHARDS_UNIVERSAL = {"tp2-s3-bf16-ws2>ws4"}
 # The tensor, pipeline and expert degrees changed (issue #40): name -> (source PARALLEL entry, target world
 # size, the target job's spec changes, ckptspec.reshard's options). A job of the target layout loads what
 # rank 0 wrote (optim_job.py, "reshard") and records the masters and moments it then holds.
@@ -524,7 +528,10 @@ def _registry() -> dict[str, Task]:
         out[fsdp2_name(source, ws)] = Task("fsdp2", args, ws, load=source)
     for name, (source, ws) in PARALLEL_RESHARDS.items():
         spec = PARALLEL_SPECS[source][0]
-        out[name] = Task("optim", {"spec": spec, "source": source, "reshard": {"world_size": ws}}, ws, load=source)
+        args = {"spec": spec, "source": source, "reshard": {"world_size": ws}}
+        if name in PARALLEL_RESHARDS_UNIVERSAL:
+            args["universal"] = True
+        out[name] = Task("optim", args, ws, load=source)
     for name, (source, ws, _, options) in DEGREE_RESHARDS.items():
         spec = reshard_target(name)[2]
         args = {"spec": spec, "source": source, "reshard": {"world_size": ws, **options}}

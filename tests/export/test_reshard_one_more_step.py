@@ -55,6 +55,19 @@ BOUNDS = {"fp32": (1e-4, 1e-6), "bf16": (0.03, 0.01), "moe-bf16-expert-degree": 
 # 1.0: what an unclipped source norm of 16 x 0.077 = 1.23 gives. The moments, masters and logits before the step
 # are bit for bit (test_reshard_stage0.py). Strict: if DeepSpeed fixes it, this case passes and the mark must go.
 FP16_STAGE0 = {"dense-s1-fp16-ws2>s0"}
+# The same layout written anew (tp2 x dp1 at ZeRO-3 to tp2 x dp1): the same sums in the same order, so the step
+# leaves masters, moments and logits bit for bit where the never-stopped job's leaves them.
+SAME_LAYOUT = {"tp2-s3-bf16-ws2>ws2"}
+# bf16 ZeRO-3 (tp2 x dp1 -> tp2 x dp2), measured: every master within 1.3% of its tensor's step, but two elements
+# (one each in blocks.0.up.weight and blocks.1.down.weight) where one job moved by 45% and 64% of the step and the
+# other not at all. Both had no gradient before (exp_avg_sq 0: most likely a unit ReLU had kept off) and at this step a
+# gradient of 4e-8 and 3e-6 in one job, exactly 0 in the other (likely a pre-activation at ReLU's edge, rounded in bf16
+# over 24 or 12 samples a rank): Adam divides a first gradient by its own size, so any such gradient is a full
+# step. Such an element (no history, |exp_avg| after the step below EDGE of its tensor's largest in both jobs) is
+# left out of the per-element bound; each tensor's whole difference stays within NORM_SHARE of the step's norm
+# (measured at most 7.0%, the two elements included; 2.8% over all) and the logits within the bf16 bound.
+ZERO3_EDGE = {"tp2-s3-bf16-ws2>ws4"}
+EDGE, NORM_SHARE = 1e-4, 0.1
 
 
 def _source(name: str) -> str:
@@ -91,14 +104,53 @@ def test_one_more_step_moves_the_target_as_it_moves_the_source(name, ds):
     assert steps == {s + 1 for r in before for s in r["step"].values()}, steps
     moved, (share, logits_share) = _masters(before), _bounds(name)
     held, reference = _masters(target), _masters(after)
+    if name in SAME_LAYOUT:
+        _assert_bit_for_bit(target, after)
     if held and {k[0] for k in held} == {k[0] for k in reference}:  # the same tensor degree: compared directly
         assert held.keys() == reference.keys()
+        edge = _at_relu_edge(before, after, target) if name in ZERO3_EDGE else {}
         for key, value in reference.items():
             step = np.abs(value - moved[key]).max()  # how far the step moved it
             assert step > 0, key
-            assert np.abs(held[key] - value).max() <= share * step + 1e-7, (key, step)
+            off = np.abs(held[key] - value) > share * step + 1e-7
+            allowed = edge.get(key, np.zeros(off.shape, bool))
+            assert not (off & ~allowed).any(), (key, step, np.abs(held[key] - value).max())
+            if name in ZERO3_EDGE:
+                norm = np.linalg.norm(held[key] - value) / np.linalg.norm(value - moved[key])
+                assert norm <= NORM_SHARE, (key, norm)
     # else another tensor degree (shards of other shapes), or a stage-0 target (no getter masters): the logits
     logits, expected = logits_of(target), logits_of(after)
     assert logits.shape == expected.shape and not np.array_equal(expected, logits_of(before))  # the step moved them
     diff = (logits - expected).abs().max().item()
     assert diff <= logits_share * expected.abs().max().item(), diff
+
+
+def _moments(records: list[dict], key: str) -> dict[tuple[int, str], np.ndarray]:
+    out: dict[tuple[int, str], np.ndarray] = {}
+    for r in records:
+        for name, state in r["state"].items():
+            out.setdefault((r["coords"].get("tp", 0), name), state[key].numpy())
+    return out
+
+
+def _at_relu_edge(before: list[dict], *after: list[dict]) -> dict[tuple[int, str], np.ndarray]:
+    """(tensor rank, name) -> the elements without a gradient before the step (``exp_avg_sq`` 0) whose gradient
+    at it is below EDGE of their tensor's largest in every job of ``after`` (ZERO3_EDGE)."""
+    out = {key: history == 0 for key, history in _moments(before, "exp_avg_sq").items()}
+    for records in after:
+        for key, m in _moments(records, "exp_avg").items():
+            out[key] &= np.abs(m) <= EDGE * np.abs(m).max()
+    return out
+
+
+def _assert_bit_for_bit(target: list[dict], reference: list[dict]) -> None:
+    """Every rank's masters and moments after the step, and the logits, equal the reference's bit for bit."""
+    assert [r["coords"] for r in target] == [r["coords"] for r in reference]
+    for got, expected in zip(target, reference):
+        assert got["master"].keys() == expected["master"].keys() and expected["master"]
+        for name, master in expected["master"].items():
+            pairs = [(got["master"][name], master)]
+            pairs += [(got["state"][name][k], v) for k, v in expected["state"][name].items()]
+            for a, b in pairs:
+                assert np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), name
+    assert np.array_equal(logits_of(target).numpy().view(np.uint8), logits_of(reference).numpy().view(np.uint8))

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 from _harness.parallel_oracles import optim_records
-from _harness.scenarios import PARALLEL_RESHARDS, optim_name
+from _harness.scenarios import PARALLEL_RESHARDS, PARALLEL_RESHARDS_UNIVERSAL, optim_name
 from click.testing import CliRunner
 
 import ckptspec
@@ -66,6 +66,27 @@ def test_a_job_of_the_target_world_size_resumes_the_source_bit_for_bit(name, ds)
     assert [r["param_groups"] for r in target][0] == before[0]["param_groups"]
 
 
+@pytest.mark.parametrize("name", sorted(PARALLEL_RESHARDS_UNIVERSAL))
+def test_deepspeeds_own_path_holds_the_same_bits(name, ds):
+    """The same job loads DeepSpeed's ds_to_universal folder of the source (``load_universal``): on every rank the
+    same masters, moments, step, param groups and logits as from ckptspec's output."""
+    entry = ds.path(name)
+    assert json.loads((entry / "optim.json").read_text())["universal_error"] is None
+    ours, theirs = optim_records(entry), optim_records(entry, "universal")
+    assert [r["coords"] for r in ours] == [r["coords"] for r in theirs] and len(ours) == PARALLEL_RESHARDS[name][1]
+    for got, expected in zip(theirs, ours):
+        assert got["master"].keys() == expected["master"].keys() and expected["master"]
+        for param, master in expected["master"].items():
+            pairs = [
+                (got["master"][param], master),
+                *((got["state"][param][k], v) for k, v in expected["state"][param].items()),
+            ]
+            for a, b in pairs:
+                assert np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), param
+        assert got["step"] == expected["step"] and got["param_groups"] == expected["param_groups"]
+        assert np.array_equal(got["logits"].numpy().view(np.uint8), expected["logits"].numpy().view(np.uint8))
+
+
 @pytest.mark.parametrize("name", RESHARDS)
 def test_the_resharded_checkpoint_is_the_source_to_ckptspec(name, ds):
     """What ckptspec reads of the output: valid from its files, the same whole model and optimizer state."""
@@ -100,9 +121,19 @@ def test_a_world_size_the_model_parallel_degrees_do_not_divide_is_refused(ds, tm
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-def test_a_tensor_parallel_zero3_checkpoint_is_refused_by_name(ds, tmp_path):
-    """Its domains are ZeRO-3 partitions, which this reshard does not write for tensor parallelism yet: CK410."""
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"zero_stage": 2}, "stage change of a tensor-parallel ZeRO-3"),
+        ({"zero_stage": 1}, "stage change of a tensor-parallel ZeRO-3"),
+        ({"zero_stage": 0}, "stage change of a tensor-parallel ZeRO-3"),
+        ({"tensor_parallel": 4}, "tensor degree of a ZeRO-3 checkpoint"),
+        ({"tensor_parallel": 1, "world_size": 2}, "tensor degree of a ZeRO-3 checkpoint"),
+    ],
+)
+def test_what_a_tensor_parallel_zero3_reshard_does_not_write_is_refused_by_name(options, named, ds, tmp_path):
+    """Its data axis is written at stage 3 (above); another stage or tensor degree is not: CK410, nothing written."""
     with pytest.raises(ckptspec.Unsupported) as refused:
-        ckptspec.reshard(ds.path("tp2-s3-bf16-ws2"), tmp_path / "out", world_size=4)
-    assert refused.value.code == "CK410" and "stage 1 or 2" in refused.value.message
+        ckptspec.reshard(ds.path("tp2-s3-bf16-ws2"), tmp_path / "out", **{"world_size": 4, **options})
+    assert refused.value.code == "CK410" and named in refused.value.message, refused.value.message
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
