@@ -6,9 +6,10 @@ with ``checkpoint.load_universal: true`` reads (``runtime/base_optimizer.py``
 
 * ``zero/<param>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt`` (every per-element state): ``{"param": the
   whole tensor in fp32 in the parameter's shape, "cat_dim": 0}``; ``zero/<param>/step.pt``: the group's
-  step as saved. Written for every trainable parameter (a tie's name too, with its owner's values);
-  frozen parameters get ``fp32.pt`` alone, as ``ds_to_universal`` writes the module's values (DeepSpeed's
-  universal loader reads neither: it restores trainable parameters only).
+  step as saved. Written for every trainable parameter (a tie's name too, with its owner's values; a name
+  several parts hold, a pipeline's ``TiedLayerSpec`` module, once); frozen parameters get ``fp32.pt`` alone, as
+  ``ds_to_universal`` writes the module's values, and a pipeline's, in its layer files, none. DeepSpeed's
+  universal loader reads neither: it restores trainable parameters only.
 * ``zero/optimizer_state.pt``: the optimizer's global state (loss scaler, ``dynamic_loss_scale``,
   ``overflow``, ``clip_grad`` when saved, ``ds_version``...) and ``param_groups`` (the hyperparameters).
 * ``mp_rank_00_model_states.pt``: the source's (rank 0) model-states file, copied: DeepSpeed reads its
@@ -114,10 +115,11 @@ def write_folder(
     zero = out / "zero"
     zero.mkdir(exist_ok=True)  # every rank of a torchrun split
     count = 0
+    written: set[str] = set()  # a pipeline's tied module, on several stages: written from the first
     with ShardReader() as files:
         readers = [_storage_reader(source.path, states, files) for _, _, _, source in parts]
         for (found, plan, state_plan, source), read in zip(parts, readers):
-            count += _write_params(found, plan, state_plan, source, read, files, zero, entries or {})
+            count += _write_params(found, plan, state_plan, source, read, files, zero, entries or {}, written)
         ds_pickle.save(_optimizer_state(parts[0][3], readers[0]), zero / "optimizer_state.pt")
     if model_files is None:
         model_files = [plan.tag_dir / model_file(found) for found, plan, _, _ in parts]
@@ -137,17 +139,27 @@ def model_file(found: Manifest) -> str:
 
 
 def _write_params(
-    found: Manifest, plan, state_plan, source, read, files: ShardReader, zero: Path, entries: dict[str, dict]
+    found: Manifest,
+    plan,
+    state_plan,
+    source,
+    read,
+    files: ShardReader,
+    zero: Path,
+    entries: dict[str, dict],
+    written: set[str],
 ) -> int:
-    """``zero/<param>/`` of every trainable and frozen parameter of ``plan`` (a tie's name too)."""
+    """``zero/<param>/`` of every trainable and frozen parameter of ``plan`` (a tie's name too) not in ``written``
+    (an earlier part's), added to it."""
     group_of = {p.name: g.optimizer_group for g in found.groups for p in g.params}
     aliases: dict[str, list[str]] = {}
     for a in found.aliases:
         aliases.setdefault(a.owner, []).append(a.name)
     count = 0
     for name, src in plan.sources.items():
-        if src.role not in ("trainable", "frozen"):
+        if src.role not in ("trainable", "frozen") or name in written:
             continue
+        written.add(name)
         tensors = {"fp32": src}
         if src.role == "trainable":
             for key, state_name in sorted(state_plan.states.get(name, {}).items()):

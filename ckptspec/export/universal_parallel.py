@@ -7,7 +7,12 @@ domain's ``mp_rank_XX_model_states.pt`` copied (a pipeline's layer files are not
 never reads the module, the weights come from ``zero/``).
 
 * A pipeline: each stage's parameters from its own domain (their ``PipelineModule`` names are unique across
-  stages). A parameter held by several stages (a ``TiedLayerSpec``) is refused (CK410): no job loaded one yet.
+  stages). A ``TiedLayerSpec``'s module is built and trained on every stage running one of its layers, under the same
+  name there (``tied_modules.<key>.<param>``): its folder is written once, and DeepSpeed's loader gives it to each
+  such stage (``ds_to_universal`` writes each stage's copy to the same files: whichever it extracts last is kept).
+  The copies of its master and moments must be equal (CK401, ``reshard_pipeline_layers.check_tied_copies``): either
+  would be a guess. Frozen parameters and buffers live in the layer files, which the folder does not hold (nor does
+  ``ds_to_universal``'s): DeepSpeed's universal load never reads the module, the job keeps its own values.
 * AutoTP: every parameter whole, its shards put together as the checkpoint index places them (the merge
   ``reshard --tensor-parallel 1`` writes: ``reshard_tensor.whole_model``; replicated copies compared first, CK401).
   DeepSpeed's loader cuts each tensor rank's slice back out of the whole tensor by the target job's own AutoTP
@@ -31,6 +36,7 @@ from ..format.index_models import CheckpointIndex, Domain
 from .compose import domain_plan
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
+from .reshard_pipeline_layers import check_tied_copies
 from .reshard_source import source_optimizer
 from .reshard_stage0_source import is_stage0_source
 from .reshard_tensor import whole_model
@@ -87,13 +93,6 @@ def _refuse(index: CheckpointIndex) -> None:
                 f"domain {d.id} was written by DeepSpeed's BF16_Optimizer, whose files are not read here yet",
                 "use DeepSpeed's ds_to_universal",
             )
-    shared = [p.name for p in index.parameters if len({s.domain for s in p.shards}) > 1]
-    if degrees.pipeline > 1 and shared:
-        raise ReshardUnsupported(
-            f"{shared[0]} is held by several pipeline stages (a TiedLayerSpec): its universal folder is not "
-            "written yet",
-            "resume at the same layout, or reshard the data axis with `ckptspec reshard`",
-        )
 
 
 def _parts(index: CheckpointIndex, src_dir: Path, states: StateCache) -> tuple[list[tuple], dict | None]:
@@ -104,6 +103,7 @@ def _parts(index: CheckpointIndex, src_dir: Path, states: StateCache) -> tuple[l
         return moe_parts(index, src_dir, plans, states)
     _refuse(index)
     if index.topology.degrees.tensor == 1:
+        check_tied_copies(index, plans)  # a tie's folder is written once, from its first stage
         parts = [
             (d.manifest, plans[d.id], plan_optimizer_state(plans[d.id]), _source(d, src_dir, states))
             for d in index.domains

@@ -147,9 +147,9 @@ EXTRAS_SPECS = {
     "tp2-s1-fp32-ws2-extras": ({"tp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True}, 2),
     "tp2-s2-bf16-ws2-extras": ({"tp": 2, "stage": 2, "dtype": "bf16", "frozen": True, "buffers": True}, 2),
     # a PipelineModule over 2 stages: a frozen weight on stage 0, a buffer on stage 1, a TiedLayerSpec
-    # on both (layers 0 and 4); its own launch (pipeline family)
+    # on both (layers 0 and 4); its own launch (pipeline family); converted by ds_to_universal too
     "pp2-s1-fp32-ws2-extras": (
-        {"pp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True, "tied": True},
+        {"pp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True, "tied": True, **_UC_INJECT},
         2,
     ),
 }
@@ -293,6 +293,8 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s1-fp32-ws2>universal-tp1": ("tp2-s1-fp32-ws2", 2, _TP1, {"export_universal": True}),  # -> tp1 x dp2
     "tp2dp2-s2-bf16-ws4>universal-tp1-ws3": ("tp2dp2-s2-bf16-ws4", 3, _TP1, {"export_universal": True}),
     "tp2-s1-fp32-ws2>universal-ws4": ("tp2-s1-fp32-ws2", 4, {}, {"export_universal": True}),  # -> tp2 x dp2
+    # the tie (one zero/tied_modules.<key>.<param>/ for both stages), the frozen weight and the buffer: pp2 -> pp2 x dp2
+    "pp2-s1-fp32-ws2-extras>universal-ws4": ("pp2-s1-fp32-ws2-extras", 4, {}, {"export_universal": True}),
     # MoE through ckptspec's universal folder (UNIVERSAL_MOE): the same expert-parallel degree and experts per rank
     "moe-ep2-s1-fp32-ws2>universal": ("moe-ep2-s1-fp32-ws2", 2, {}, {"export_universal": True}),
     "moe-ep2-s2-bf16-ws4>universal-ws2": ("moe-ep2-s2-bf16-ws4", 2, {}, {"export_universal": True}),  # edp 2 -> 1

@@ -5,7 +5,9 @@ each trained there), a frozen weight in layer 2 and a persistent buffer in layer
 --pipeline-parallel 1`` and ``3`` (DEGREE_RESHARDS), loaded by real DeepSpeed jobs of the target layout
 (tests/_harness/optim_job.py). test_reshard_pipeline.py checks the masters and moments bit for bit; here: what
 the layer files and each stage's model states hold, and what ckptspec reads of them, against the source's files
-and the target jobs' own records.
+and the target jobs' own records. Its universal folder (``export-universal``, loaded by a pp2 x dp2 job beside
+DeepSpeed's own ``ds_to_universal`` folder; test_universal_parallel.py checks both bit for bit and file for file):
+the tie, the frozen weight and the buffer as that job holds them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ CASES = sorted(
     n for n, (source, *_, options) in DEGREE_RESHARDS.items() if source == SOURCE and "pipeline_parallel" in options
 )
 FROZEN, BUFFER, TIED = "2.up.weight", "3.running", ("layer_00-model_states.pt", "layer_04-model_states.pt")
+UNIVERSAL = f"{SOURCE}>universal-ws4"
 
 
 def _tag(path):
@@ -115,18 +118,47 @@ def test_ckptspec_reads_the_frozen_weight_buffer_and_tie_where_the_target_job_ru
     assert stages == {f"pp{runs[0]}-tp0", f"pp{runs[4]}-tp0"}
 
 
-def test_tied_copies_that_differ_are_refused_before_anything_is_written(ds, tmp_path):
+def test_a_job_loading_the_universal_folder_trains_the_tie_on_both_stages_and_keeps_its_own_module(ds):
+    """The folder holds the tie once (``zero/tied_modules.emb.weight/``, the name both stages train it under), equal
+    to both stages' saved copies, and neither the frozen weight nor the buffer: they are in the layer files, which
+    neither ckptspec's nor DeepSpeed's folder holds. The pp2 x dp2 job loading either holds the tie's master on both
+    stages, the source's; its module is its own, as DeepSpeed's universal load never reads one: the frozen weight
+    equals the source's only because the job builds it from the same seed, and the buffer, which training moved, is
+    the job's initial zeros, not the source's (``ckptspec reshard`` carries it: the tests above)."""
+    saved = {
+        f"{int(f.name[6:8])}.{k}": t for f in _tag(ds.path(SOURCE)).glob("layer_*.pt") for k, t in torch.load(f).items()
+    }
+    zero = ds.path(UNIVERSAL) / "resharded" / "universal" / "zero"
+    tie = torch.load(zero / "tied_modules.emb.weight" / "fp32.pt")["param"]
+    assert _bits(tie) == _bits(saved["0.weight"]) == _bits(saved["4.weight"])
+    assert {p.name for p in zero.iterdir()} & {FROZEN, BUFFER, "0.weight", "4.weight"} == set()
+    ours, theirs = optim_records(ds.path(UNIVERSAL)), optim_records(ds.path(UNIVERSAL), "universal")
+    assert sorted(r["coords"]["pp"] for r in ours) == [0, 0, 1, 1]
+    for records in (ours, theirs):
+        assert all(_bits(r["master"]["0.weight"]) == _bits(saved["0.weight"]) for r in records)
+        module = {}
+        for r in records:
+            for key, tensor in r["module"].items():
+                assert _bits(module.setdefault(key, tensor)) == _bits(tensor), key  # every data rank alike
+        assert sorted(module) == [FROZEN, BUFFER]
+        assert _bits(module[FROZEN]) == _bits(saved[FROZEN])
+        assert not module[BUFFER].any() and saved[BUFFER].any()
+
+
+@pytest.mark.parametrize(
+    "command", [["reshard", "--world-size", "2", "--pipeline-parallel", "1"], ["export-universal"]], ids=lambda c: c[0]
+)
+def test_tied_copies_that_differ_are_refused_before_anything_is_written(command, ds, tmp_path):
     """The second stage's copy of the tie's first moment changed by one bit: CK401, no output (either copy would be
-    a guess). (A changed master copy is found first by validation: it is not the stage's saved weight, CK235.)"""
+    a guess; DeepSpeed's ds_to_universal keeps whichever it extracts last). (A changed master copy is found first by
+    validation: it is not the stage's saved weight, CK235.)"""
     source = _copy_source(ds, tmp_path)
     path = _tag(source) / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
     state = torch.load(path, weights_only=False)
     moment = state["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"]
     moment.view(torch.int32)[0] ^= 1  # the tied module is the stage's first parameter
     torch.save(state, path)
-    result = CliRunner().invoke(
-        cli, ["reshard", str(source), str(tmp_path / "out"), "--world-size", "2", "--pipeline-parallel", "1"]
-    )
+    result = CliRunner().invoke(cli, [command[0], str(source), str(tmp_path / "out"), *command[1:]])
     assert result.exit_code == 1 and "CK401" in result.output and "'0.weight'" in result.output, result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
