@@ -235,7 +235,7 @@ def test_ties_and_frozen_parameters_are_refused_by_name(committed, tmp_path):
 
 def test_a_tensor_parallel_source_to_stage0_is_refused(ds, tmp_path):
     output = _refused([ds.path("tp2-s1-fp32-ws2"), "--world-size", "2", "--stage", "0"], tmp_path)
-    assert "--stage 0 for a tensor/pipeline-parallel checkpoint" in output
+    assert "--stage 0 for a tensor/pipeline-parallel ZeRO-1/2 checkpoint" in output
 
 
 def test_fused_adam_is_refused_by_name(ds):
