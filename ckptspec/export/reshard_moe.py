@@ -22,9 +22,11 @@ its moments beside them (``masters_state_plan``); its optimizer's entries (param
 by ``reshard_stage0_source.stage0_optimizer`` from the model states' ``optimizer``: expert-parallel rank 0's, whose
 groups are the dense and the expert group. Its model states are written as a ZeRO job saves them: ``optimizer``
 None and ``shared_params`` set. The rest is written as from a ZeRO-1/2 source.
+A stage-0 target (``--stage 0``, or a stage-0 source without ``--stage``) is planned here too, its parts without
+partitions (``MoePart.target`` None), and written by ``reshard_moe_stage0`` (what ``reshard_stage0.refuse_stage0``
+refuses of a dense stage-0 target is refused here first).
 Refused by name (CK410): a world size E does not divide, an expert degree that does not divide the experts,
-tensor/pipeline parallelism with experts, ZeRO-3 (its own kind), ``--stage 3``, and a stage-0 target (a stage-0
-source without ``--stage`` too).
+tensor/pipeline parallelism with experts, ZeRO-3 (its own kind) and ``--stage 3``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from .reshard_files import (
 )
 from .reshard_layout import TargetLayout, located_target_layout, natural_groups
 from .reshard_source import SourceOptimizer, with_stage
+from .reshard_stage0 import refuse_stage0
 from .reshard_stage0_source import STAGE0_MASTERS, stage0_optimizer
 
 _EXPERT = re.compile(r"(deepspeed_experts\.)(\d+)(\.)")
@@ -66,11 +69,16 @@ class MoePart:
     """One partitioning at the target (the dense group, or one expert-parallel rank's experts): its groups under
     the names the rank's files use."""
 
-    target: TargetLayout
+    target: TargetLayout | None  # None at stage 0 (no partitions)
     masters: dict  # local name -> its master's bytes
     states: dict[str, dict[str, str]]  # local name -> state -> the name of its bytes in ``moments``
     moments: dict  # state source name -> its bytes
-    natural: list[list[str]]  # each group's local names in model order (param_slice_mappings)
+    natural: list[tuple[int, list[str]]]  # each optimizer group's local names in model order
+
+    @property
+    def layout(self) -> TargetLayout:
+        assert self.target is not None, "a stage-0 target has no partitions"
+        return self.target
 
 
 @dataclass
@@ -84,6 +92,8 @@ class MoeTarget:
     model_keys: dict[str, Any]  # model-states entries a ZeRO job saves otherwise than the source (stage 0)
 
     def write(self, states: StateCache, tag_dir: Path, src_dir: Path) -> list[Path]:
+        """The ZeRO-1/2 files (a stage-0 target's: ``reshard_moe_stage0.write_moe_stage0``)."""
+        assert self.zero_stage, "a stage-0 MoE is written by reshard_moe_stage0"
         return _write(self, states, tag_dir, src_dir)
 
 
@@ -109,6 +119,8 @@ def plan_moe(
         model_keys = {"optimizer": None, "shared_params": {a.name: a.owner for a in dense.manifest.aliases}}
     else:
         source, model_keys = _zero_source(tag_dir, dense, states, keys), {}
+    if stage == 0:  # what a stage-0 checkpoint could not describe (reshard_moe_stage0)
+        refuse_stage0(dense.manifest, source.osd)
     by_name = {p.name: p for d in index.domains for g in d.manifest.groups for p in g.params}
     domain_of = {p.name: d.id for d in index.domains for g in d.manifest.groups for p in g.params}
 
@@ -116,10 +128,11 @@ def plan_moe(
 
     def part(manifest, names: dict[str, str], size: int) -> MoePart:
         """``manifest``'s groups (local names) at ``size`` ranks; ``names``: local name -> global name."""
-        target = located_target_layout(manifest, moments[dense.id].metadata["ckptspec.optimizer"], size, stage)
+        optimizer = moments[dense.id].metadata["ckptspec.optimizer"]
+        target = located_target_layout(manifest, optimizer, size, stage) if stage else None
         masters = {n: plans[domain_of[g]].sources[g] for n, g in names.items()}
         states = {n: moments[domain_of[g]].states[g] for n, g in names.items()}
-        natural = [[p.name for p in params] for _, params in natural_groups(manifest)]
+        natural = [(g, [p.name for p in params]) for g, params in natural_groups(manifest)]
         return MoePart(target, masters, states, sources, natural)
 
     dense_names = {p.name: p.name for g in dense.manifest.groups for p in g.params}
@@ -178,14 +191,9 @@ def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None, ep:
                 "resharded so far",
                 "resume at the same layout",
             )
-    if zero_stage not in (None, 1, 2):
+    if zero_stage not in (None, 0, 1, 2):
         raise ReshardUnsupported(
-            f"--stage {zero_stage} for a MoE checkpoint: stage 1 and 2 are written (stage 0 not yet)", "give 1 or 2"
-        )
-    if zero_stage is None and index.domains[0].configured_zero_stage == 0:
-        raise ReshardUnsupported(
-            "no --stage for a stage-0 MoE checkpoint: ZeRO stage 1 and 2 targets are written (stage 0 ones not yet)",
-            "give --stage 1 or --stage 2",
+            f"--stage {zero_stage} for a MoE checkpoint: stages 0, 1 and 2 are written", "give 0, 1 or 2"
         )
 
 
@@ -241,11 +249,11 @@ def _write(moe: MoeTarget, states: StateCache, tag_dir: Path, src_dir: Path) -> 
         found = moe.dense_domain.manifest.model_copy(deep=True)
         found.layout.zero_stage = moe.zero_stage
         saved = states.state(src_dir / model)
-        doc = _model_states(saved, found, dense.target, lazy, {}, files)
+        doc = _model_states(saved, found, dense.layout, lazy, {}, files)
         doc["ds_config"] = with_stage(doc["ds_config"], moe.zero_stage)
         doc.update(moe.model_keys)
         # rank 0's groups in flat order: the dense one and its expert-parallel rank's (local names)
-        groups = [g for part in (dense, moe.experts[0]) for g in part.target.groups]
+        groups = [g for part in (dense, moe.experts[0]) for g in part.layout.groups]
         shapes = [collections.OrderedDict((p.name, tuple(p.shape)) for p in g.params) for g in groups]
         doc["param_shapes"] = ds_pickle.sizes(shapes)
         ds_pickle.save_streamed(doc, tag_dir / model, shapes_as_tuples=True)
@@ -257,7 +265,7 @@ def _rank_osd(source: SourceOptimizer, parts: list[tuple[MoePart, int]], stage: 
     """The optimizer-state dict of one rank: every optimizer group of its parts, in optimizer-group order."""
     by_group: dict[int, tuple[MoePart, int, Any]] = {}
     for part, rank in parts:
-        for group in part.target.groups:
+        for group in part.layout.groups:
             by_group[group.optimizer_group] = (part, rank, group)
     states, masters, paddings, alignments, counts, mappings = {}, [], [], [], [], []
     for g in sorted(by_group):
@@ -272,18 +280,16 @@ def _rank_osd(source: SourceOptimizer, parts: list[tuple[MoePart, int]], stage: 
             entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
         states[g] = entry
         masters.append(_lazy_partition(group, rank, part.masters, "float32", files, group.saved_numels[rank]))
-        last = rank == part.target.world_size - 1
+        last = rank == part.layout.world_size - 1
         end = group.params[-1].offset + group.params[-1].numel if group.params else 0
         paddings.append(group.padded_numel - end if last else 0)
         alignments.append([p.padding for p in group.params])
-        counts.append(part.target.world_size)
-        natural = next(n for n in part.natural if set(n) == {p.name for p in group.params})
+        counts.append(part.layout.world_size)
+        natural = next(n for _, n in part.natural if set(n) == {p.name for p in group.params})
         mappings.append(_slice_mappings(group, rank, natural, False))
-    param_groups = ds_pickle.from_standins(source.param_groups, _no_tensor)
+    param_groups = expert_groups_named(ds_pickle.from_standins(source.param_groups, _no_tensor), ep)
     for g, pg in enumerate(param_groups):
         pg["params"] = [g]
-        if pg.get("moe"):  # DeepSpeed names an expert group by its expert-parallel degree
-            pg["name"] = f"ep_size_{ep}"
     replaced = {
         "base_optimizer_state": {"state": states, "param_groups": param_groups},
         "single_partition_of_fp32_groups": masters,
@@ -296,3 +302,11 @@ def _rank_osd(source: SourceOptimizer, parts: list[tuple[MoePart, int]], stage: 
     return collections.OrderedDict(
         (k, replaced[k] if k in replaced else ds_pickle.from_standins(v, _no_tensor)) for k, v in source.osd.items()
     )
+
+
+def expert_groups_named(param_groups: list, ep: int) -> list:
+    """``param_groups`` with each expert group named as DeepSpeed names it, by the expert-parallel degree ``ep``."""
+    for pg in param_groups:
+        if pg.get("moe"):
+            pg["name"] = f"ep_size_{ep}"
+    return param_groups

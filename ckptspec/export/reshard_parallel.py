@@ -33,6 +33,7 @@ from .reshard import ReshardResult, commit_and_validate_index, embed_and_validat
 from .reshard_files import write_files
 from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
+from .reshard_moe_stage0 import write_moe_stage0
 from .reshard_pipeline import pipeline_target, write_stages
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage3 import write_stage3_files
@@ -126,7 +127,10 @@ def reshard_model_parallel(
                 for write in writes:
                     files += write.write(states, tag_dir)
             elif moe is not None:
-                files += moe.write(states, tag_dir, src_dir)  # type: ignore[arg-type]
+                if moe.zero_stage == 0:  # a stage-0 MoE job's files
+                    files += write_moe_stage0(moe, states, tag_dir, src_dir)  # type: ignore[arg-type]
+                else:
+                    files += moe.write(states, tag_dir, src_dir)  # type: ignore[arg-type]
                 for expert in found.expert_files:  # one per global expert, whatever the world size
                     _copy(src_dir / expert.path, tag_dir / expert.path, expert.size)
                     files.append(tag_dir / expert.path)

@@ -90,32 +90,46 @@ def write_stage0_files(
     with ShardReader() as files:
         read_optim = _storage_reader(first, states, files)  # the scalars only (step): read small
         read_model = lazy_reader(model, states, files)  # nothing read until written
-        module = _module(found, plan, model_state["module"], read_model, files)
-        masters, torch_state = _torch_optimizer(found, plan, state_plan, source, read_optim, files)
-        if found.layout.model_dtype == "float32":  # no mixed precision: the client optimizer itself
-            optimizer: Any = torch_state
-        else:
-            optimizer = {**_loss_scale(source.osd, model_state), "optimizer_state_dict": torch_state}
-            optimizer["fp32_groups"] = masters
-        doc: dict[str, Any] = {}
-        for key, value in model_state.items():
-            if key == CLIENT_STATE_KEY:
-                continue  # the source's manifest; the output is described by its checkpoint index
-            if key == "module":
-                doc[key] = module
-            elif key == "optimizer":
-                doc[key] = optimizer
-            elif key in ZERO_OFF:
-                doc[key] = None
-            elif key == "dp_world_size":
-                doc[key] = target.world_size
-            elif key == "ds_config":
-                doc[key] = with_stage(value, 0)
-            else:
-                doc[key] = ds_pickle.from_standins(value, read_model)
+        module = stage0_module(found, plan.sources, model_state["module"], read_model, files)
+        groups = [(g, [p.name for p in params]) for g, params in natural_groups(found)]
+        masters, torch_state = torch_optimizer(
+            groups, plan.sources, state_plan.states, state_plan.sources, source, read_optim, files
+        )
+        optimizer = stage0_wrapper(found, source.osd, model_state, masters, torch_state)
+        doc = stage0_model_states(model_state, module, optimizer, target.world_size, read_model)
         path = tag_dir / MODEL_FILE
         ds_pickle.save_streamed(doc, path, shapes_as_tuples=True)  # torch.save's bytes, a chunk at a time
     return [path]
+
+
+def stage0_wrapper(found: Manifest, osd: dict, model_state: dict, masters: list, torch_state: dict) -> Any:
+    """What a stage-0 job's optimizer ``state_dict()`` is: fp32, the client torch optimizer's; bf16/fp16,
+    FP16_UnfusedOptimizer's (the loss scale from the source's ``osd``, ``fp32_groups`` the ``masters``)."""
+    if found.layout.model_dtype == "float32":  # no mixed precision: the client optimizer itself
+        return torch_state
+    return {**_loss_scale(osd, model_state), "optimizer_state_dict": torch_state, "fp32_groups": masters}
+
+
+def stage0_model_states(model_state: dict, module, optimizer, world_size: int, read) -> dict:
+    """The source's model states as a stage-0 job of ``world_size`` ranks saves them: ``module`` and ``optimizer``
+    given, the ZeRO entries None, ``zero_optimization.stage`` 0, the rest as saved (the source's manifest dropped)."""
+    doc: dict[str, Any] = {}
+    for key, value in model_state.items():
+        if key == CLIENT_STATE_KEY:
+            continue  # the source's manifest; the output is described by its checkpoint index
+        if key == "module":
+            doc[key] = module
+        elif key == "optimizer":
+            doc[key] = optimizer
+        elif key in ZERO_OFF:
+            doc[key] = None
+        elif key == "dp_world_size":
+            doc[key] = world_size
+        elif key == "ds_config":
+            doc[key] = with_stage(value, 0)
+        else:
+            doc[key] = ds_pickle.from_standins(value, read)
+    return doc
 
 
 def _lazy(source: TensorSource, dtype: str, files: ShardReader) -> ds_pickle.Lazy:
@@ -124,7 +138,7 @@ def _lazy(source: TensorSource, dtype: str, files: ShardReader) -> ds_pickle.Laz
     return ds_pickle.Lazy(dtype, tuple(source.shape), chunks)
 
 
-def _module(found: Manifest, plan, saved: dict, read, files: ShardReader) -> collections.OrderedDict:
+def stage0_module(found: Manifest, masters: dict, saved: dict, read, files: ShardReader) -> collections.OrderedDict:
     """The module with every tensor in a storage of its own, as a stage-0 job's ``module.state_dict()``."""
     dtype = found.layout.model_dtype
     aliases = {a.name: a.owner for a in found.aliases}
@@ -132,7 +146,7 @@ def _module(found: Manifest, plan, saved: dict, read, files: ShardReader) -> col
     for name, ref in saved.items():
         if name in aliases:
             continue
-        master = plan.sources.get(name)
+        master = masters.get(name)
         if master is not None and master.role == "trainable" and (found.layout.zero_stage == 3 or dtype == "float32"):
             # stage 3 saves placeholders: the master cast; in fp32 the weights are the masters at stage 0
             out[name] = _lazy(master, dtype, files)
@@ -147,26 +161,29 @@ def _module(found: Manifest, plan, saved: dict, read, files: ShardReader) -> col
     return collections.OrderedDict((name, out[name]) for name in saved)
 
 
-def _torch_optimizer(found: Manifest, plan, state_plan, source, read, files: ShardReader) -> tuple[list, dict]:
-    """(fp32_groups, the torch optimizer's ``state_dict()``) over every optimizer group's params in model order."""
-    masters, state, param_groups = [], {}, ds_pickle.from_standins(source.param_groups, read)
+def torch_optimizer(
+    groups: list, masters: dict, states: dict, moments: dict, source, read, files: ShardReader
+) -> tuple[list, dict]:
+    """(fp32_groups, the torch optimizer's ``state_dict()``) over ``groups`` (each optimizer group's parameter names
+    in model order): ``masters`` by name; ``states``: name -> state -> the name of its bytes in ``moments``."""
+    out, state, param_groups = [], {}, ds_pickle.from_standins(source.param_groups, read)
     index = 0
-    for g, params in natural_groups(found):
+    for g, names in groups:
         group_masters, numbers = [], []
-        for p in params:
+        for name in names:
             entry: dict[str, Any] = {}
             for key, value in source.group_scalars.get(g, {}).items():  # step: the group's, a copy per param
                 entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
             for key in source.state_keys.get(g, ()):
-                moment = state_plan.sources[state_plan.states[p.name][key]]
+                moment = moments[states[name][key]]
                 entry[key] = _lazy(moment, moment.dtype, files)
             state[index] = entry
             numbers.append(index)
-            group_masters.append(_lazy(plan.sources[p.name], "float32", files))
+            group_masters.append(_lazy(masters[name], "float32", files))
             index += 1
         param_groups[g]["params"] = numbers
-        masters.append(group_masters)
-    return masters, {"state": state, "param_groups": param_groups}
+        out.append(group_masters)
+    return out, {"state": state, "param_groups": param_groups}
 
 
 def _loss_scale(osd: dict, model_state: dict) -> dict:

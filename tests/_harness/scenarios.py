@@ -322,6 +322,12 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "dense-s2-bf16-ws2>s0": ("dense-s2-bf16-ws2", 2, _S0, _S0),
     # from ZeRO-3 (its "+optim" entry is optim_universal_job.py's: the source's record is "source.rank<R>.pt")
     "uc-s3-bf16-ws2>s0-ws3": ("uc-s3-bf16-ws2", 3, _S0, _S0),
+    # a MoE for a stage-0 MoE job (reshard_moe_stage0.py): each expert-parallel rank's optimizer file, the dense
+    # module and rank 0's optimizer in the model states; from ZeRO-1/2 (edp 2 -> stage 0 at ws2) and from stage 0
+    "moe-ep2-s1-fp32-ws2>s0": ("moe-ep2-s1-fp32-ws2", 2, _S0, _S0),
+    "moe-ep2-s2-bf16-ws4>s0-ws2": ("moe-ep2-s2-bf16-ws4", 2, _S0, _S0),
+    "moe-ep2-s0-bf16-ws2>ep1": ("moe-ep2-s0-bf16-ws2", 2, {"ep": 1}, {"expert_parallel": 1}),
+    "moe-ep2-s0-fp32-ws4>ws2": ("moe-ep2-s0-fp32-ws4", 2, {}, {}),
 }
 # Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
 UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}
@@ -356,6 +362,12 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
 def source_spec(name: str) -> dict:
     """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS, PIPE_TARGET_SPECS, ZERO_DENSE_SPECS or EP_ONE_SPECS entry."""
     return SOURCE_SPECS[name][0]
+
+
+def is_moe_to_stage0(name: str) -> bool:
+    """A DEGREE_RESHARDS entry writing a MoE for a stage-0 MoE job (tests/export/test_reshard_moe_to_stage0.py)."""
+    source, _, changes, _ = DEGREE_RESHARDS[name]
+    return bool(source_spec(source).get("ep")) and {**source_spec(source), **changes}["stage"] == 0
 
 
 def optim_name(name: str) -> str:

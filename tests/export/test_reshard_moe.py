@@ -25,7 +25,7 @@ from _harness.parallel_oracles import (
     optim_records,
     union_of,
 )
-from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target, source_spec
+from _harness.scenarios import DEGREE_RESHARDS, is_moe_to_stage0, optim_name, reshard_target, source_spec
 from click.testing import CliRunner
 
 import ckptspec
@@ -37,11 +37,15 @@ from ckptspec.deepspeed.kinds import Kind
 # bit for bit). The bound: two bf16 epsilons at the largest logit (measured: 9.8e-4 at logits up to 0.27; 0.0041
 # allowed).
 LOGITS_BOUND = 2 * torch.finfo(torch.bfloat16).eps
-# the universal folders: test_universal_parallel.py; from stage 0: test_reshard_moe_stage0.py
+# the universal folders: test_universal_parallel.py; from stage 0: test_reshard_moe_stage0.py; to stage 0:
+# test_reshard_moe_to_stage0.py
 MOE = sorted(
     n
     for n, (source, _, _, options) in DEGREE_RESHARDS.items()
-    if source_spec(source).get("ep") and source_spec(source)["stage"] and not options.get("export_universal")
+    if source_spec(source).get("ep")
+    and source_spec(source)["stage"]
+    and not options.get("export_universal")
+    and not is_moe_to_stage0(n)  # test_reshard_moe_to_stage0.py
 )
 
 

@@ -25,6 +25,7 @@ from _harness.scenarios import (
     OPTIM_UNIVERSAL_SOURCES,
     RESUME_SOURCE_SPECS,
     STAGE0_RESHARD_CASES,
+    is_moe_to_stage0,
     optim_name,
     reshard_target,
 )
@@ -38,7 +39,10 @@ from ckptspec.export.plan import plan_reconstruction
 from ckptspec.export.reshard import validated_source
 from ckptspec.export.reshard_stage0 import refuse_stage0, source_osd
 
-TO_STAGE0 = sorted(n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if options.get("stage") == 0)
+# dense ones (a MoE's: test_reshard_moe_to_stage0.py)
+TO_STAGE0 = sorted(
+    n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if options.get("stage") == 0 and not is_moe_to_stage0(n)
+)
 KEYS = ("exp_avg", "exp_avg_sq")
 # What DeepSpeed's stage-0 optimizer wrapper is, per dtype (optim_job.py's record "source")
 HELD_BY = {"fp32": "module (fp32, no masters)", "bf16": "FP16_UnfusedOptimizer.fp32_groups"}
