@@ -41,10 +41,23 @@ function compileSchema(file = SCHEMA_FILE, warnings = []) {
   return ajv.compile(JSON.parse(fs.readFileSync(file, 'utf8')));
 }
 
-// Every shipped schema, by MAJOR.MINOR; `file` (tests: a sloppy schema) stands for all of them.
-function compileSchemas(file = null, warnings = []) {
+// Every shipped schema, by MAJOR.MINOR; `file` (tests: a sloppy schema) stands for all of them. `lazy`: see byVersion.
+function compileSchemas(file = null, warnings = [], lazy = false) {
   if (file) return { '*': compileSchema(file, warnings) };
-  return Object.fromEntries(Object.entries(SCHEMA_FILES).map(([v, f]) => [v, compileSchema(f, warnings)]));
+  return byVersion(SCHEMA_FILES, (f) => compileSchema(f, warnings), lazy);
+}
+
+// {MAJOR.MINOR: schema file} -> {MAJOR.MINOR: its compiled validator}, each compiled now, or with `lazy` when a
+// document of that version first asks (the reader, which checks one document: compiling the schemas of the
+// versions it does not have was half its start-up). Lazy, a schema's compile warnings come at its first use.
+function byVersion(files, compile, lazy) {
+  if (!lazy) return Object.fromEntries(Object.entries(files).map(([v, f]) => [v, compile(f)]));
+  const validators = {};
+  for (const [v, f] of Object.entries(files)) {
+    let compiled;
+    Object.defineProperty(validators, v, { enumerable: true, get: () => (compiled ??= compile(f)) });
+  }
+  return validators;
 }
 
 // A document is checked against the schema of its own version (a 1.0 document may not carry 1.1's
@@ -402,6 +415,6 @@ function checkManifest(validators, doc) {
 }
 
 module.exports = {
-  SCHEMA_DIR, SCHEMA_FILE, SCHEMA_FILES, SEMVER, finding, compileSchema, compileSchemas, schemaFor, versionGate,
-  unsafeIntegers, schemaFindings, semanticFindings, checkManifest, jsonPath, fragmentNumel,
+  SCHEMA_DIR, SCHEMA_FILE, SCHEMA_FILES, SEMVER, finding, compileSchema, compileSchemas, byVersion, schemaFor,
+  versionGate, unsafeIntegers, schemaFindings, semanticFindings, checkManifest, jsonPath, fragmentNumel,
 };

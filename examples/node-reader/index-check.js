@@ -10,7 +10,7 @@
 const fs = require('fs');
 const path = require('path');
 const Ajv2020 = require('ajv/dist/2020');
-const { SCHEMA_DIR, SEMVER, finding, jsonPath, unsafeIntegers, schemaFindings, checkManifest } = require('./check');
+const { SCHEMA_DIR, SEMVER, byVersion, finding, jsonPath, unsafeIntegers, schemaFindings, checkManifest } = require('./check');
 const { ITEMSIZE } = require('./dtypes');
 
 const INDEX_SCHEMA_FILES = {
@@ -30,9 +30,9 @@ function compileOne(file, warnings) {
 }
 
 // One validator function (its `errors` as ajv's): FILE's schema, or each document's own version's.
-function compileIndexSchema(file = null, warnings = []) {
+function compileIndexSchema(file = null, warnings = [], lazy = false) {
   if (file) return compileOne(file, warnings);
-  const byLine = Object.fromEntries(Object.entries(INDEX_SCHEMA_FILES).map(([v, f]) => [v, compileOne(f, warnings)]));
+  const byLine = byVersion(INDEX_SCHEMA_FILES, (f) => compileOne(f, warnings), lazy);
   const validate = (doc) => {
     const version = doc !== null && typeof doc === 'object' ? doc.format_version : undefined;
     const line = typeof version === 'string' && SEMVER.test(version) ? version.split('.').slice(0, 2).join('.') : null;

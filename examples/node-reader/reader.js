@@ -49,7 +49,10 @@ function reconstruct(manifest, dir, out, checkHash) {
 
 // The document's findings on stderr; whether it may be read (no error).
 function checked(file, doc) {
-  const findings = isIndex(doc) ? checkIndex(compileIndexSchema(), compileSchemas(), doc) : checkManifest(compileSchemas(), doc);
+  const manifests = compileSchemas(null, [], true); // lazy: only the schemas of the versions the document has
+  const findings = isIndex(doc)
+    ? checkIndex(compileIndexSchema(null, [], true), manifests, doc)
+    : checkManifest(manifests, doc);
   for (const f of findings) {
     const label = f.severity === 'error' ? f.code : `${f.code} warning:`;
     process.stderr.write(`${file}: ${f.where}: ${label} ${f.message} (hint: ${f.hint})\n`);

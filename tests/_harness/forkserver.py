@@ -65,13 +65,31 @@ def _child(request: dict, stdio: list[int]) -> None:
         os._exit(code)
 
 
-def _run(request: dict, stdio: list[int]) -> int:
-    """Fork a child for ``request`` and wait for it: its exit code, or minus the signal that killed it."""
+def _start(request: dict, stdio: list[int], keep: list) -> int:
+    """Fork the child that runs ``request``; returns its pid. ``keep``: what only the server holds (its
+    sockets and wake-up pipe), closed in the child."""
     pid = os.fork()
     if pid == 0:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for held in keep:
+            held.close() if isinstance(held, socket.socket) else os.close(held)
         _child(request, stdio)
-    _, status = os.waitpid(pid, 0)
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    for fd in stdio:  # the child's now: a pipe's write end kept here would keep its reader waiting for EOF
+        os.close(fd)
+    return pid
+
+
+def _answer(waiting: dict[int, socket.socket]) -> None:
+    """Reply to the client of every child that has ended: its exit code, or minus the signal that killed it."""
+    while waiting:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        client = waiting.pop(pid)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        with client:
+            client.send(json.dumps({"returncode": code}).encode())
 
 
 def serve_socket(path: str) -> None:
@@ -81,21 +99,29 @@ def serve_socket(path: str) -> None:
     server.bind(path + ".starting")
     server.listen(64)
     os.rename(path + ".starting", path)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the per-client handlers are reaped by the kernel
+    # One fork per command: this loop forks each command's child itself and answers its client when
+    # the child ends (SIGCHLD wakes the select up), so clients still run side by side. A forked
+    # handler per client in between cost a second fork and exit of this large process: measured,
+    # 22 ms of CPU per command instead of 11 (`ckptspec --version`, torch imported).
+    wake, wake_in = os.pipe()
+    os.set_blocking(wake, False)
+    os.set_blocking(wake_in, False)
+    signal.set_wakeup_fd(wake_in)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    waiting: dict[int, socket.socket] = {}  # child pid -> its client
     while True:
         # stdin is a pipe from the test process that started this server: its end (EOF) ends the server.
-        ready, _, _ = select.select([server, sys.stdin], [], [])
+        ready, _, _ = select.select([server, sys.stdin, wake], [], [])
         if sys.stdin in ready:
             return
-        client, _ = server.accept()
-        if os.fork() == 0:  # a handler per client, so clients run side by side
-            server.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if wake in ready:
+            os.read(wake, 1 << 16)  # bytes left over only wake the loop again
+            _answer(waiting)
+        if server in ready:
+            client, _ = server.accept()  # a client sends its request at once (cli_process, forkclient)
             message, stdio, _, _ = socket.recv_fds(client, 1 << 20, 3)
-            code = _run(json.loads(message), stdio)
-            client.send(json.dumps({"returncode": code}).encode())
-            os._exit(0)
-        client.close()
+            pid = _start(json.loads(message), stdio, [server, client, wake, wake_in, *waiting.values()])
+            waiting[pid] = client
 
 
 if __name__ == "__main__":

@@ -94,19 +94,25 @@ WRITERS = {
 
 @pytest.fixture(scope="module")
 def baselines(crash, ds, tmp_path_factory) -> dict:
-    """writer -> (S0, S1, number of write steps)."""
+    """writer -> (S0, S1, number of write steps, a directory set up once in S0 that each run copies).
+
+    Set up once: a writer whose S0 holds an earlier output ran a whole reconstruct for each of its
+    ~45 runs to make it (a fifth of this module's commands); the copy has the same files, bytes
+    and modes (S0 compared below as before)."""
     out = {}
     for name, writer in WRITERS.items():
-        scratch = tmp_path_factory.mktemp(f"base-{name}")
-        writer.prepare(scratch, ds, crash)
+        template = tmp_path_factory.mktemp(f"s0-{name}")
+        writer.prepare(template, ds, crash)
+        scratch = _fresh(template, tmp_path_factory.mktemp(f"base-{name}") / "scratch")
         before = visible(scratch / writer.watched)
+        assert before == visible(template / writer.watched)
         total = crash.steps(writer.args(scratch), scratch.parent / f"{name}-count")
-        out[name] = (before, visible(scratch / writer.watched), total)
+        out[name] = (before, visible(scratch / writer.watched), total, template)
     return out
 
 
-def _fresh(writer: Writer, ds, crash, path: Path) -> Path:
-    writer.prepare(path, ds, crash)
+def _fresh(template: Path, path: Path) -> Path:
+    shutil.copytree(template, path, symlinks=True)
     return path
 
 
@@ -123,13 +129,13 @@ def _old_or_new(watched: Path, before: dict, after: dict, point: int) -> str:
 
 
 @pytest.mark.parametrize("name", WRITERS)
-def test_killed_at_any_step(crash, name, baselines, ds, tmp_path):
+def test_killed_at_any_step(crash, name, baselines, tmp_path):
     writer = WRITERS[name]
-    before, after, total = baselines[name]
+    before, after, total, template = baselines[name]
     assert before != after, "the writer changes nothing: the test proves nothing"
     seen = set()
     for point in points(total):
-        scratch = _fresh(writer, ds, crash, tmp_path / f"kill-{point}")
+        scratch = _fresh(template, tmp_path / f"kill-{point}")
         watched = scratch / writer.watched
         result = crash.run(writer.args(scratch), f"kill:{point}")
         assert result.returncode == -9, (point, result.returncode, result.stderr[-2000:])
@@ -142,13 +148,13 @@ def test_killed_at_any_step(crash, name, baselines, ds, tmp_path):
 
 
 @pytest.mark.parametrize("name", WRITERS)
-def test_a_failed_write_leaves_the_directory_as_it_was(crash, name, baselines, ds, tmp_path):
+def test_a_failed_write_leaves_the_directory_as_it_was(crash, name, baselines, tmp_path):
     """A full disk at a step: exit 2 with CK906, and the same old-or-new invariant, with no
     temporary left behind (a failing run removes its own)."""
     writer = WRITERS[name]
-    before, after, total = baselines[name]
+    before, after, total, template = baselines[name]
     for point in points(total, sample=5):
-        scratch = _fresh(writer, ds, crash, tmp_path / f"enospc-{point}")
+        scratch = _fresh(template, tmp_path / f"enospc-{point}")
         watched = scratch / writer.watched
         result = crash.run(writer.args(scratch), f"enospc:{point}")
         assert result.returncode == 2 and "CK906" in result.stderr, (point, result.stderr[-2000:])
@@ -159,16 +165,16 @@ def test_a_failed_write_leaves_the_directory_as_it_was(crash, name, baselines, d
 
 @pytest.mark.parametrize("name", WRITERS)
 @pytest.mark.parametrize("how,code,word", [("int", 130, "interrupted"), ("term", 143, "terminated")])
-def test_an_interrupted_run_says_what_it_left(crash, name, how, code, word, baselines, ds, tmp_path):
+def test_an_interrupted_run_says_what_it_left(crash, name, how, code, word, baselines, tmp_path):
     """Ctrl-C or SIGTERM at a step, the last ones (the commit, or a file's rename) all tried: the run
     removes its temporaries and says what it left, which is the old state ("nothing was written")
     or, stopped while committing, the new one (it finishes the renames first). Never a journal left
     for the next run (#37 item 11: was "nothing was written" over a half-done commit)."""
     writer = WRITERS[name]
-    before, after, total = baselines[name]
+    before, after, total, template = baselines[name]
     said = set()
     for point in sorted(set(points(total, sample=4)) | set(range(max(1, total - 11), total + 1))):
-        scratch = _fresh(writer, ds, crash, tmp_path / f"{how}-{point}")
+        scratch = _fresh(template, tmp_path / f"{how}-{point}")
         watched = scratch / writer.watched
         result = crash.run(writer.args(scratch), f"{how}:{point}")
         assert result.returncode == code, (point, result.stderr[-2000:])
@@ -194,5 +200,5 @@ def _leftovers(directory: Path) -> list[str]:
 
 def test_the_sample_covers_the_commit(baselines):
     """The sampled steps include the last ones, where the renames of a commit happen."""
-    for name, (_, _, total) in baselines.items():
+    for name, (_, _, total, _) in baselines.items():
         assert total in points(total) and total - 1 in points(total), name
