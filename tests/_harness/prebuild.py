@@ -25,7 +25,9 @@ def main() -> int:
     with cache.locked(cache.root() / "batch"):
         failed = tasks.build_missing()
     for name, error in sorted(failed.items()):
-        print(f"[harness] {name} failed (a test asking for it builds it again): {error[:2000]}", file=sys.stderr)
+        first, _, rest = error.partition("\n")  # the launch's task names, then its log: the end says why
+        print(f"[harness] {name} failed (a test asking for it builds it again): {first}", file=sys.stderr)
+        print(rest[-4000:], file=sys.stderr)
     return 1 if failed else 0
 
 

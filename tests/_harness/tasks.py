@@ -101,7 +101,11 @@ class Task:
         if self.kind == "reshard":  # reshard_job.py: launches of its own
             family = "reshard"
         if self.kind in ("optim", "optim_universal"):  # launches of their own, one family of engines each
-            family = f"{self.kind}-{parallel_models.layout(spec)}"
+            # and one set of degrees: DeepSpeed keeps the tensor- and expert-parallel groups of the process's
+            # first engine (a tp4 load after a tp2 one read the checkpoint as tp2; an ep1 stage-0 load after
+            # an ep2 one looked for expp_rank_1), so another degree in the same launch failed the whole launch
+            degrees = "-".join(f"{axis}{spec[axis]}" for axis in ("tp", "pp", "ep"))
+            family = f"{self.kind}-{parallel_models.layout(spec)}-{degrees}"
         return self.world_size, spec["stage"] == 3, self.deepspeed or "", family
 
     @property
