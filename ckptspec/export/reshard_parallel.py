@@ -205,7 +205,8 @@ def target_layouts(
     index: CheckpointIndex, world_size: int, zero_stage: int | None, sub_group_size: int | None = None
 ) -> dict[str, TargetLayout]:
     """Each domain's target: its data axis at ``world_size / (tp x pp)`` ranks (CK410 where it cannot be); a
-    ZeRO-3 domain's at stage 3, cut into sub-groups of ``sub_group_size`` (default: the source's)."""
+    ZeRO-3 domain's at stage 3, cut into sub-groups of ``sub_group_size`` (default: the source's), or at the stage
+    1 or 2 given."""
     degrees = index.topology.degrees
     model_parallel = degrees.tensor * degrees.pipeline
     if world_size < 1 or world_size % model_parallel:
@@ -217,8 +218,10 @@ def target_layouts(
         )
     data = world_size // model_parallel
     if all(d.masters is None and d.manifest.layout.zero_stage == 3 for d in index.domains):
-        refuse_stage_change_of_zero3(zero_stage)
-        return {d.id: target_layout(d.manifest, data, 3, sub_group_size, domain=True) for d in index.domains}
+        # each coordinate as a plain ZeRO-3 checkpoint: at stage 3 (reshard_stage3) or at stage 1/2 (write_files
+        # reads a stage-3 source); stage 0 is refused by target_layout (a domain's)
+        stage = 3 if zero_stage is None else zero_stage
+        return {d.id: target_layout(d.manifest, data, stage, sub_group_size, domain=True) for d in index.domains}
     refuse_unpartitioned(index, "the data axis of tensor/pipeline-parallel ZeRO-1/2 checkpoints is what is moved")
     out: dict[str, TargetLayout] = {}
     for d in index.domains:
@@ -245,17 +248,6 @@ def refuse_tensor_degree_of_zero3(index: CheckpointIndex, tensor_parallel: int |
             f"--tensor-parallel {tensor_parallel} of a tensor-parallel ZeRO-3 checkpoint (degree {held}): changing "
             "the tensor degree of a ZeRO-3 checkpoint is not written yet",
             f"leave --tensor-parallel out (or give {held}): its data axis is what is resharded at stage 3",
-        )
-
-
-def refuse_stage_change_of_zero3(zero_stage: int | None) -> None:
-    """CK410 for another stage of a tensor-parallel ZeRO-3 checkpoint: its data axis is moved at stage 3 only
-    (each coordinate's partitions as ``reshard_stage3`` writes a plain ZeRO-3 checkpoint's)."""
-    if zero_stage not in (None, 3):
-        raise ReshardUnsupported(
-            f"--stage {zero_stage} of a tensor-parallel ZeRO-3 checkpoint: a stage change of a tensor-parallel "
-            "ZeRO-3 checkpoint is not written yet",
-            "leave --stage out (or give 3): its data axis is resharded at stage 3",
         )
 
 

@@ -241,6 +241,10 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s1-fp32-ws2>tp4": ("tp2-s1-fp32-ws2", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2dp2-s2-bf16-ws4>tp4": ("tp2dp2-s2-bf16-ws4", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2-s2-bf16-ws2-extras>tp4": ("tp2-s2-bf16-ws2-extras", 4, {"tp": 4}, {"tensor_parallel": 4}),
+    # AutoTP ZeRO-3 -> ZeRO-1/2 at the same tensor degree: each tensor coordinate's ZeRO-3 partitions written as its
+    # ZeRO-1/2 partitions (tp2 x dp1 -> tp2 x dp1 at stage 2, tp2 x dp2 at stage 1; test_reshard_parallel.py)
+    "tp2-s3-bf16-ws2>s2": ("tp2-s3-bf16-ws2", 2, {"stage": 2}, {"stage": 2}),
+    "tp2-s3-bf16-ws2>s1-ws4": ("tp2-s3-bf16-ws2", 4, {"stage": 1}, {"stage": 1}),
     # a data-parallel checkpoint split for AutoTP by the target job's ds_config (its layer_specs)
     "dense-s2-fp32-ws2>tp2": ("dense-s2-fp32-ws2", 2, {"tp": 2}, {"tensor_parallel": 2, "ds_config": "target"}),
     "dense-s2-bf16-ws2>tp2-s1-ws4": (

@@ -1,8 +1,10 @@
-"""#40 (first step): the data axis of a tensor- or pipeline-parallel ZeRO checkpoint resharded, checked by DeepSpeed.
+"""#40 (first step): the data axis of a tensor- or pipeline-parallel ZeRO checkpoint resharded, checked by DeepSpeed;
+an AutoTP ZeRO-3 checkpoint's at stage 3 or, at the same tensor degree, at stage 1 or 2.
 
 Ground truth: a real job of the source's tensor/pipeline layout at the target world size resumes from what
 ``ckptspec reshard`` wrote (``engine.load_checkpoint``: tests/_harness/optim_job.py, ``PARALLEL_RESHARDS``)
-and records, on every rank, the fp32 masters (``safe_get_full_fp32_param``) and Adam moments
+(or ``DEGREE_RESHARDS``' stage changes of an AutoTP ZeRO-3 source, a job of the target stage) and records, on
+every rank, the fp32 masters (``safe_get_full_fp32_param``) and Adam moments
 (``safe_get_full_optimizer_state``) it then holds; a job of the source's own layout loading the source
 recorded the same (its ``+optim`` entry). Both must agree bit for bit at every (pipeline, tensor) coordinate,
 on every data rank, with the step and the hyperparameters.
@@ -15,13 +17,26 @@ import json
 import numpy as np
 import pytest
 from _harness.parallel_oracles import optim_records
-from _harness.scenarios import PARALLEL_RESHARDS, PARALLEL_RESHARDS_UNIVERSAL, optim_name
+from _harness.scenarios import (
+    DEGREE_RESHARDS,
+    PARALLEL_RESHARDS,
+    PARALLEL_RESHARDS_UNIVERSAL,
+    optim_name,
+    reshard_target,
+    source_spec,
+)
 from click.testing import CliRunner
 
 import ckptspec
 from ckptspec.cli import cli
 
-RESHARDS = sorted(PARALLEL_RESHARDS)
+# an AutoTP ZeRO-3 checkpoint written at stage 1 or 2, the same tensor degree (each coordinate's partitions)
+STAGE_CHANGES = sorted(
+    n
+    for n, (source, _, _, options) in DEGREE_RESHARDS.items()
+    if source_spec(source).get("tp", 1) > 1 and source_spec(source)["stage"] == 3 and set(options) == {"stage"}
+)
+RESHARDS = sorted(PARALLEL_RESHARDS) + STAGE_CHANGES
 
 
 def _by_coordinate(records: list[dict]) -> dict[tuple[int, int, str], dict]:
@@ -43,7 +58,7 @@ def _by_coordinate(records: list[dict]) -> dict[tuple[int, int, str], dict]:
 
 @pytest.mark.parametrize("name", RESHARDS)
 def test_a_job_of_the_target_world_size_resumes_the_source_bit_for_bit(name, ds):
-    source, world_size = PARALLEL_RESHARDS[name]
+    source, world_size, _ = reshard_target(name)
     entry = ds.path(name)
     outcome = json.loads((entry / "optim.json").read_text())
     assert outcome.get("reshard_error") is None, outcome
@@ -90,12 +105,13 @@ def test_deepspeeds_own_path_holds_the_same_bits(name, ds):
 @pytest.mark.parametrize("name", RESHARDS)
 def test_the_resharded_checkpoint_is_the_source_to_ckptspec(name, ds):
     """What ckptspec reads of the output: valid from its files, the same whole model and optimizer state."""
-    source, world_size = PARALLEL_RESHARDS[name]
+    source, world_size, spec = reshard_target(name)
     out = ds.path(name) / "resharded"
     assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
     before, after = ckptspec.open(ds.path(source)), ckptspec.open(out)
     degrees = after.index.topology.degrees
     assert degrees.data * degrees.tensor * degrees.pipeline == world_size
+    assert {d.manifest.layout.zero_stage for d in after.index.domains} == {spec["stage"]}
     assert (degrees.tensor, degrees.pipeline) == (
         before.index.topology.degrees.tensor,
         before.index.topology.degrees.pipeline,
@@ -124,15 +140,14 @@ def test_a_world_size_the_model_parallel_degrees_do_not_divide_is_refused(ds, tm
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({"zero_stage": 2}, "stage change of a tensor-parallel ZeRO-3"),
-        ({"zero_stage": 1}, "stage change of a tensor-parallel ZeRO-3"),
-        ({"zero_stage": 0}, "stage change of a tensor-parallel ZeRO-3"),
+        ({"zero_stage": 0}, "stage-0 target of a tensor- or pipeline-parallel"),
         ({"tensor_parallel": 4}, "tensor degree of a ZeRO-3 checkpoint"),
         ({"tensor_parallel": 1, "world_size": 2}, "tensor degree of a ZeRO-3 checkpoint"),
     ],
 )
 def test_what_a_tensor_parallel_zero3_reshard_does_not_write_is_refused_by_name(options, named, ds, tmp_path):
-    """Its data axis is written at stage 3 (above); another stage or tensor degree is not: CK410, nothing written."""
+    """Its data axis is written at stage 1, 2 or 3 (above); stage 0 or another tensor degree is not: CK410, nothing
+    written."""
     with pytest.raises(ckptspec.Unsupported) as refused:
         ckptspec.reshard(ds.path("tp2-s3-bf16-ws2"), tmp_path / "out", **{"world_size": 4, **options})
     assert refused.value.code == "CK410" and named in refused.value.message, refused.value.message
