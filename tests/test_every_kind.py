@@ -42,7 +42,7 @@ WRITE_CAPABILITIES = ("reshard", "export_universal")
 MODEL_PARALLEL = {"tp2", "tp2xdp2", "tp2 zero3", "pp2", "pp2xdp2 bf16"}
 STAGE0 = {"stage0 fp32", "stage0 bf16", "pp2 stage0 bf16"}
 MOE = {"moe ep2 s0 ws4", "moe ep2 s1 ws4", "moe ep2 s2 ws4"}
-# export_universal of a ZeRO-3 domain: CK410 when planned (tests/export/test_universal_parallel.py)
+# export_universal of an AutoTP ZeRO-3 checkpoint: ds_to_universal's folder (tests/export/test_universal_parallel.py)
 SUPPORTED = {
     "reshard": {"zero2 bf16", *MODEL_PARALLEL, *STAGE0, *MOE},
     "export_universal": {"zero2 bf16", *MODEL_PARALLEL, *STAGE0, *MOE},

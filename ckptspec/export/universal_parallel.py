@@ -24,6 +24,7 @@ A MoE checkpoint (ZeRO stage 0, 1 or 2): its dense group as any, its experts as 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -42,15 +43,16 @@ from .reshard_stage0_source import is_stage0_source
 from .reshard_tensor import whole_model
 from .universal_moe import moe_parts
 from .universal_stage0 import stage0_parts
+from .universal_tp_stage3 import is_tp_stage3, tp_stage3_part, write_tp_stage3
 
 
 def export_universal_index(
     checkpoint: str | os.PathLike, output: str | os.PathLike, *, tag: str | None = None, index=None
 ):
     """Validate ``checkpoint``, a kind a checkpoint index describes (digests included), then write its universal
-    folder as ``output``: stage 0 (``universal_stage0``), AutoTP, a pipeline (here) or a MoE (``universal_moe``);
-    CK410 for what is not written."""
-    from .universal import UniversalResult, model_file, write_folder
+    folder as ``output``: stage 0 (``universal_stage0``), AutoTP at ZeRO-1/2 (here) or 3 (``universal_tp_stage3``),
+    a pipeline (here) or a MoE (``universal_moe``); CK410 for what is not written."""
+    from .universal import UniversalResult
 
     with held_new_output(output, "the universal checkpoint") as out:
         states = StateCache()
@@ -58,18 +60,28 @@ def export_universal_index(
         if found is None or has_errors(findings):
             raise CheckpointInvalid(findings, str(checkpoint))
         src_dir = resolve_tag_dir(checkpoint, tag)
-        copies, entries = None, None  # each part's model-states file (stage 0), or every domain's
         try:  # CK410 before anything is written
-            if is_stage0_source(found) and not found.expert_files:
-                parts = stage0_parts(found, src_dir, states)  # type: ignore[arg-type]
-            else:
-                parts, entries = _parts(found, src_dir, states)  # type: ignore[arg-type]
-                # every stage's and tensor rank's (a MoE's dense domain: rank 0's, the one it has)
-                copies = [src_dir / model_file(d.manifest) for d in found.domains if d.coordinate.expert is None]
+            write = _writer(found, src_dir, states)  # type: ignore[arg-type]
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
-        count = build_and_publish(out, lambda tmp: write_folder(parts, states, tmp, copies, entries))
+        count = build_and_publish(out, write)
     return UniversalResult(Path(output), src_dir.name, count)
+
+
+def _writer(index: CheckpointIndex, src_dir: Path, states: StateCache):
+    """The folder's writer (its temporary directory -> the number of parameters written), planned; CK410 for what is
+    not written."""
+    from .universal import model_file, write_folder
+
+    if is_tp_stage3(index):
+        part = tp_stage3_part(index, src_dir, states)
+        return functools.partial(write_tp_stage3, part, states)
+    if is_stage0_source(index) and not index.expert_files:  # each part's model-states file
+        return functools.partial(write_folder, stage0_parts(index, src_dir, states), states)
+    parts, entries = _parts(index, src_dir, states)
+    # every stage's and tensor rank's (a MoE's dense domain: rank 0's, the one it has)
+    copies = [src_dir / model_file(d.manifest) for d in index.domains if d.coordinate.expert is None]
+    return lambda tmp: write_folder(parts, states, tmp, copies, entries)
 
 
 def _refuse(index: CheckpointIndex) -> None:

@@ -297,6 +297,8 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s1-fp32-ws2>universal-tp1": ("tp2-s1-fp32-ws2", 2, _TP1, {"export_universal": True}),  # -> tp1 x dp2
     "tp2dp2-s2-bf16-ws4>universal-tp1-ws3": ("tp2dp2-s2-bf16-ws4", 3, _TP1, {"export_universal": True}),
     "tp2-s1-fp32-ws2>universal-ws4": ("tp2-s1-fp32-ws2", 4, {}, {"export_universal": True}),  # -> tp2 x dp2
+    # AutoTP at ZeRO-3: the folder loads at stage 3 (its model states keep their zero_pp_rank_ names), tp2 -> tp2 x dp2
+    "tp2-s3-bf16-ws2>universal-ws4": ("tp2-s3-bf16-ws2", 4, {}, {"export_universal": True}),
     # the tie (one zero/tied_modules.<key>.<param>/ for both stages), the frozen weight and the buffer: pp2 -> pp2 x dp2
     "pp2-s1-fp32-ws2-extras>universal-ws4": ("pp2-s1-fp32-ws2-extras", 4, {}, {"export_universal": True}),
     # MoE through ckptspec's universal folder (UNIVERSAL_MOE): the same expert-parallel degree and experts per rank
