@@ -1,4 +1,4 @@
-"""``ckptspec reshard --tensor-parallel 1``: an AutoTP ZeRO-1/2 checkpoint merged for a job without tensor parallelism.
+"""``ckptspec reshard --tensor-parallel 1``: an AutoTP ZeRO checkpoint merged for a job without tensor parallelism.
 
 The checkpoint index places every shard of every whole tensor (row- or column-parallel splits, replicated copies:
 ``compose_plan``); the whole model's fp32 masters, Adam moments and module weights are composed from them, then
@@ -6,11 +6,14 @@ written as one ZeRO-1/2 data-parallel checkpoint at the target world size by the
 (``reshard_files.write_files``): the target's groups are tensor rank 0's in its parameter order (AutoTP keeps the
 model's parameters and names, only their shapes change), each parameter at its whole shape.
 
-The module's low-precision weights are the saved ones, merged (not re-cast from the masters); frozen parameters and
-buffers are the index's whole ones. What a job without tensor parallelism saves differs from an AutoTP job's in
-four entries, set here (``ModelChanges``): ``mp_world_size`` 1, ``checkpoint_parallel_dimensions`` tp 1, no
-``universal_checkpoint_info`` (its patterns and affine map describe tp shards) and no ``tensor_parallel`` section
-in the saved ``ds_config``. Replicated copies are compared before anything is written (CK401).
+The module's low-precision weights are the saved ones, merged (not re-cast from the masters); a ZeRO-3 source's
+module holds placeholders, so its weights are the whole masters cast to the model dtype (as the plain stage 3 -> 1/2
+reshard writes them, and what stage 1/2 rebuilds them from on load); such a merge is written at the stage 1 or 2
+given. Frozen parameters and buffers are the index's whole ones. What a job without tensor parallelism saves
+differs from an AutoTP job's in four entries, set here (``ModelChanges``): ``mp_world_size`` 1,
+``checkpoint_parallel_dimensions`` tp 1, no ``universal_checkpoint_info`` (its patterns and affine map describe tp
+shards) and no ``tensor_parallel`` section in the saved ``ds_config``. Replicated copies are compared before
+anything is written (CK401).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def plan_tensor_merge(
 ) -> DataParallelTarget:
     """The merge of ``index``'s tensor-parallel domains into one data-parallel group of ``world_size`` ranks;
     CK410 for a source it cannot merge, CK401 where replicated copies differ: before anything is written."""
-    refuse_unmergeable(index, world_size)
+    refuse_unmergeable(index, world_size, zero_stage, zero3=True)
     manifest, whole, _, module = whole_model(index, tag_dir, plans, states)
     target = target_layout(manifest, world_size, zero_stage, domain=True)
     changes = ModelChanges(
@@ -103,21 +106,41 @@ def whole_model(index: CheckpointIndex, tag_dir: Path, plans: dict[str, Reconstr
         check_replicas(whole, files)  # a replicated copy that differs between tensor ranks: CK401
     by_local = {s.local_name: p for p in index.parameters for s in p.shards if s.domain == first.id}
     manifest = whole_manifest(first.manifest, by_local, {name: shape for name, (shape, _) in extras.items()})
-    module = {**_merged_module(index, plans, tag_dir, states), **{n: whole.sources[n] for n in extras}}
+    if first.manifest.layout.zero_stage == 3:  # its module holds placeholders: the weights are the masters, cast
+        saved = {n: s for n, s in whole.sources.items() if s.role == "trainable"}
+    else:
+        saved = _merged_module(index, plans, tag_dir, states)
+    module = {**saved, **{n: whole.sources[n] for n in extras}}
     return manifest, whole, extras, module
 
 
-def refuse_unmergeable(index: CheckpointIndex, world_size: int) -> None:
-    """CK410: what this merge does not write, by name."""
+def refuse_unmergeable(
+    index: CheckpointIndex, world_size: int, zero_stage: int | None = None, *, zero3: bool = False
+) -> None:
+    """CK410: what this merge does not write, by name. ``zero3``: a ZeRO-3 source is merged too, at the stage 1 or
+    2 given (``plan_tensor_merge``; a split is of ZeRO-1/2 sources only)."""
     degrees = index.topology.degrees
     if degrees.pipeline != 1 or index.expert_files:
         raise ReshardUnsupported(
             f"--tensor-parallel 1 of a pipeline or MoE checkpoint (pp {degrees.pipeline}) is not supported yet",
             "AutoTP checkpoints (pipeline degree 1, no experts) are merged so far",
         )
-    refuse_unpartitioned(index, "tensor-parallel ZeRO-1/2 checkpoints are merged so far")
+    if zero3 and all(d.masters is None and d.manifest.layout.zero_stage == 3 for d in index.domains):
+        refuse_zero3_merge_stage(zero_stage)
+    else:
+        refuse_unpartitioned(index, "tensor-parallel ZeRO-1/2 checkpoints are merged so far")
     if world_size < 1:
         raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
+
+
+def refuse_zero3_merge_stage(zero_stage: int | None) -> None:
+    """CK410 for an AutoTP ZeRO-3 checkpoint merged at a stage other than 1 or 2 (given: no default is guessed)."""
+    if zero_stage not in (1, 2):
+        raise ReshardUnsupported(
+            f"--tensor-parallel 1 of a tensor-parallel ZeRO-3 checkpoint at stage {zero_stage or 3}: a merge of a "
+            "ZeRO-3 checkpoint is written at stage 1 or 2 so far",
+            "give --stage 1 or 2",
+        )
 
 
 def refuse_unpartitioned(index: CheckpointIndex, what_is_written: str) -> None:
