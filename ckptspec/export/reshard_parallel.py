@@ -92,7 +92,7 @@ def reshard_model_parallel(
             if splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
                 writes = plan_tensor_split(found, src_dir, plans, states, world_size, zero_stage, tensor_parallel)  # type: ignore[arg-type]
             elif tensor_parallel == 1 and found.topology.degrees.tensor != 1:
-                merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
+                merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage, sub_group_size)  # type: ignore[arg-type]
             elif found.expert_files:  # MoE: the dense and expert groups, each over its own ranks
                 moe = plan_moe(found, src_dir, plans, states, world_size, zero_stage, expert_parallel)  # type: ignore[arg-type]
             elif is_stage0_source(found):  # written as ZeRO: the whole model (one domain), or each pipeline stage

@@ -263,14 +263,3 @@ def test_a_ds_config_that_is_not_json_is_a_usage_error(ds, tmp_path):
     result = CliRunner().invoke(cli, [*args, "--tensor-parallel", "2", "--ds-config", str(tmp_path / "ds_config.json")])
     assert result.exit_code == 2 and "--ds-config" in result.output and "not JSON" in result.output, result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
-
-
-@pytest.mark.parametrize("stage", [None, 3])
-def test_a_tensor_parallel_zero3_checkpoint_is_not_merged_at_stage_3(stage, ds, tmp_path):
-    """Its merge is written at the stage 1 or 2 given (MERGES); at stage 3, or with no stage given: CK410."""
-    with pytest.raises(ckptspec.Unsupported) as refused:
-        ckptspec.reshard(
-            ds.path("tp2-s3-bf16-ws2"), tmp_path / "out", world_size=2, tensor_parallel=1, zero_stage=stage
-        )
-    assert refused.value.code == "CK410" and "merge of a ZeRO-3 checkpoint" in refused.value.message
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
