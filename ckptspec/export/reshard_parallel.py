@@ -92,7 +92,7 @@ def reshard_model_parallel(
             if splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
                 writes = plan_tensor_split(found, src_dir, plans, states, world_size, zero_stage, tensor_parallel)  # type: ignore[arg-type]
             elif tensor_parallel == 1 and found.topology.degrees.tensor != 1:
-                merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage)  # type: ignore[arg-type]
+                merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage, sub_group_size)  # type: ignore[arg-type]
             elif found.expert_files:  # MoE: the dense and expert groups, each over its own ranks
                 moe = plan_moe(found, src_dir, plans, states, world_size, zero_stage, expert_parallel)  # type: ignore[arg-type]
             elif is_stage0_source(found):  # written as ZeRO: the whole model (one domain), or each pipeline stage
@@ -236,18 +236,18 @@ def target_layouts(
 
 
 def refuse_tensor_degree_of_zero3(index: CheckpointIndex, tensor_parallel: int | None) -> None:
-    """CK410 for another tensor degree (a merge or a split) of a tensor-parallel ZeRO-3 checkpoint: only its data
-    axis is written (``target_layouts``)."""
+    """CK410 for a split (a tensor degree above 1, other than the source's) of a tensor-parallel ZeRO-3
+    checkpoint: its data axis is written (``target_layouts``), or its merge (``reshard_tensor``)."""
     held = index.topology.degrees.tensor
     if (
         held > 1
-        and tensor_parallel not in (None, held)
+        and tensor_parallel not in (None, 1, held)
         and any(d.manifest.layout.zero_stage == 3 for d in index.domains)
     ):
         raise ReshardUnsupported(
-            f"--tensor-parallel {tensor_parallel} of a tensor-parallel ZeRO-3 checkpoint (degree {held}): changing "
+            f"--tensor-parallel {tensor_parallel} of a tensor-parallel ZeRO-3 checkpoint (degree {held}): splitting "
             "the tensor degree of a ZeRO-3 checkpoint is not written yet",
-            f"leave --tensor-parallel out (or give {held}): its data axis is what is resharded at stage 3",
+            f"give --tensor-parallel 1 (a merge at --stage 1 or 2) or {held}: its data axis is resharded",
         )
 
 

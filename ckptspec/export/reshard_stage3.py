@@ -29,14 +29,24 @@ from ..format.models import Manifest
 from . import ds_pickle
 from .arrays import ShardReader
 from .model_plan import TensorSource
-from .reshard_files import _lazy_partition, _optim_file_names, _storage_reader, lazy_reader, placed_chunks
+from .reshard_files import ModelChanges, _lazy_partition, _optim_file_names, _storage_reader, lazy_reader, placed_chunks
 from .reshard_layout import TargetLayout, target_sub_group_size
 from .reshard_source import source_optimizer, with_stage
 
 
 def write_stage3_files(
-    found: Manifest, plan, state_plan, target: TargetLayout, states: StateCache, tag_dir: Path, sub_group_size
+    found: Manifest,
+    plan,
+    state_plan,
+    target: TargetLayout,
+    states: StateCache,
+    tag_dir: Path,
+    sub_group_size,
+    changes: ModelChanges | None = None,
 ) -> list[Path]:
+    """``changes``: the target's tensor degree differs (an AutoTP ZeRO-3 merge without frozen parameters or
+    buffers, ``reshard_tensor``); ``found`` then is the whole model's manifest."""
+    config = changes.config if changes is not None else (lambda value: value)
     src_dir = plan.tag_dir
     first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
     model = src_dir / next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
@@ -54,7 +64,7 @@ def write_stage3_files(
             doc = {
                 k: osd
                 if k == "optimizer_state_dict"
-                else with_stage(v, 3, sub_group_size)
+                else config(with_stage(v, 3, sub_group_size))
                 if k == "ds_config"
                 else ds_pickle.from_standins(v, read_optim)
                 for k, v in source.top.items()
@@ -67,6 +77,10 @@ def write_stage3_files(
         for rank, name in enumerate(_optim_file_names(first_model, target.world_size)):
             path = tag_dir / name
             doc = _model_states(model_state, found, target, rank, lp, frozen, read_model, sub_group_size, files)
+            if changes is not None:
+                doc = {k: changes.set_keys.get(k, v) for k, v in doc.items() if k not in changes.drop_keys}
+                doc.update({k: v for k, v in changes.set_keys.items() if k not in doc})  # last, as DeepSpeed does
+                doc["ds_config"] = config(doc["ds_config"])
             ds_pickle.save_streamed(doc, path, shapes_as_tuples=True)  # torch.save's bytes, a chunk at a time
             written.append(path)
     return written

@@ -1,14 +1,18 @@
-"""``ckptspec reshard --tensor-parallel 1``: an AutoTP ZeRO-1/2 checkpoint merged for a job without tensor parallelism.
+"""``ckptspec reshard --tensor-parallel 1``: an AutoTP ZeRO checkpoint merged for a job without tensor parallelism.
 
 The checkpoint index places every shard of every whole tensor (row- or column-parallel splits, replicated copies:
 ``compose_plan``); the whole model's fp32 masters, Adam moments and module weights are composed from them, then
-written as one ZeRO-1/2 data-parallel checkpoint at the target world size by the same writer as any ZeRO reshard
+written as one ZeRO data-parallel checkpoint at the target world size by the same writer as any ZeRO reshard
 (``reshard_files.write_files``): the target's groups are tensor rank 0's in its parameter order (AutoTP keeps the
 model's parameters and names, only their shapes change), each parameter at its whole shape.
 
-The module's low-precision weights are the saved ones, merged (not re-cast from the masters); frozen parameters and
-buffers are the index's whole ones. What a job without tensor parallelism saves differs from an AutoTP job's in
-four entries, set here (``ModelChanges``): ``mp_world_size`` 1, ``checkpoint_parallel_dimensions`` tp 1, no
+The module's low-precision weights are the saved ones, merged (not re-cast from the masters); a ZeRO-3 source's
+module holds placeholders, so its weights are the whole masters cast to the model dtype (as the plain stage 3 -> 1/2
+reshard writes them, and what stage 1/2 rebuilds them from on load); at stage 3 (its default) the whole model is
+written by the plain ZeRO-3 writer (``reshard_stage3``) with the same ``ModelChanges``. A ZeRO-3 source with frozen
+parameters or buffers is refused (CK410): no real job has checked one. Frozen parameters and buffers are the
+index's whole ones. What a job without tensor parallelism saves differs from an AutoTP job's in four entries,
+set here (``ModelChanges``): ``mp_world_size`` 1, ``checkpoint_parallel_dimensions`` tp 1, no
 ``universal_checkpoint_info`` (its patterns and affine map describe tp shards) and no ``tensor_parallel`` section
 in the saved ``ds_config``. Replicated copies are compared before anything is written (CK401).
 """
@@ -50,12 +54,26 @@ class DataParallelTarget:
     changes: ModelChanges
     source: SourceOptimizer | None = None  # made when the source has no ZeRO-1/2 optimizer files
     mp_rank: int | None = None  # the tensor rank of the written files' names (``reshard_tensor_split``)
+    sub_group_size: int | None = None  # a ZeRO-3 target's (an AutoTP ZeRO-3 merge; default: the source's)
 
     @property
     def zero_stage(self) -> int:
         return self.target.zero_stage
 
     def write(self, states: StateCache, tag_dir: Path) -> list[Path]:
+        if self.target.zero_stage == 3:  # an AutoTP ZeRO-3 merge kept at stage 3
+            from .reshard_stage3 import write_stage3_files
+
+            return write_stage3_files(
+                self.manifest,
+                self.plan,
+                self.state_plan,
+                self.target,
+                states,
+                tag_dir,
+                self.sub_group_size,
+                self.changes,
+            )
         return write_files(
             self.manifest,
             self.plan,
@@ -76,19 +94,24 @@ def plan_tensor_merge(
     states: StateCache,
     world_size: int,
     zero_stage: int | None,
+    sub_group_size: int | None = None,
 ) -> DataParallelTarget:
-    """The merge of ``index``'s tensor-parallel domains into one data-parallel group of ``world_size`` ranks;
-    CK410 for a source it cannot merge, CK401 where replicated copies differ: before anything is written."""
-    refuse_unmergeable(index, world_size)
-    manifest, whole, _, module = whole_model(index, tag_dir, plans, states)
-    target = target_layout(manifest, world_size, zero_stage, domain=True)
+    """The merge of ``index``'s tensor-parallel domains into one data-parallel group of ``world_size`` ranks (a
+    ZeRO-3 source's at stage 3 by default, cut into sub-groups of ``sub_group_size``); CK410 for a source it
+    cannot merge, CK401 where replicated copies differ: before anything is written."""
+    refuse_unmergeable(index, world_size, zero3=True)
+    manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
+    if extras and manifest.layout.zero_stage == 3:
+        refuse_zero3_extras(extras)
+    target = target_layout(manifest, world_size, zero_stage, sub_group_size, domain=True)
     changes = ModelChanges(
         module=module,
         set_keys={"mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}},
         drop_keys=AUTOTP_ONLY_KEYS,
         config=_without_tensor_parallel,
     )
-    return DataParallelTarget(manifest, whole, whole.optimizer_state_plan(), target, changes)
+    state_plan = whole.optimizer_state_plan()
+    return DataParallelTarget(manifest, whole, state_plan, target, changes, sub_group_size=sub_group_size)
 
 
 def whole_model(index: CheckpointIndex, tag_dir: Path, plans: dict[str, ReconstructionPlan], states: StateCache):
@@ -103,21 +126,36 @@ def whole_model(index: CheckpointIndex, tag_dir: Path, plans: dict[str, Reconstr
         check_replicas(whole, files)  # a replicated copy that differs between tensor ranks: CK401
     by_local = {s.local_name: p for p in index.parameters for s in p.shards if s.domain == first.id}
     manifest = whole_manifest(first.manifest, by_local, {name: shape for name, (shape, _) in extras.items()})
-    module = {**_merged_module(index, plans, tag_dir, states), **{n: whole.sources[n] for n in extras}}
+    if first.manifest.layout.zero_stage == 3:  # its module holds placeholders: the weights are the masters, cast
+        saved = {n: s for n, s in whole.sources.items() if s.role == "trainable"}
+    else:
+        saved = _merged_module(index, plans, tag_dir, states)
+    module = {**saved, **{n: whole.sources[n] for n in extras}}
     return manifest, whole, extras, module
 
 
-def refuse_unmergeable(index: CheckpointIndex, world_size: int) -> None:
-    """CK410: what this merge does not write, by name."""
+def refuse_unmergeable(index: CheckpointIndex, world_size: int, *, zero3: bool = False) -> None:
+    """CK410: what this merge does not write, by name. ``zero3``: a ZeRO-3 source (every domain a ZeRO-3
+    partition) is merged too (``plan_tensor_merge``; a split is of ZeRO-1/2 sources only)."""
     degrees = index.topology.degrees
     if degrees.pipeline != 1 or index.expert_files:
         raise ReshardUnsupported(
             f"--tensor-parallel 1 of a pipeline or MoE checkpoint (pp {degrees.pipeline}) is not supported yet",
             "AutoTP checkpoints (pipeline degree 1, no experts) are merged so far",
         )
-    refuse_unpartitioned(index, "tensor-parallel ZeRO-1/2 checkpoints are merged so far")
+    if not (zero3 and all(d.masters is None and d.manifest.layout.zero_stage == 3 for d in index.domains)):
+        refuse_unpartitioned(index, "tensor-parallel ZeRO-1/2 checkpoints, or ZeRO-3 ones, are merged so far")
     if world_size < 1:
         raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
+
+
+def refuse_zero3_extras(extras: dict) -> None:
+    """CK410 for an AutoTP ZeRO-3 merge of a model with frozen parameters or buffers: no real job checked it."""
+    raise ReshardUnsupported(
+        f"--tensor-parallel 1 of a tensor-parallel ZeRO-3 checkpoint with frozen parameters or buffers "
+        f"({', '.join(sorted(extras))}) is not written yet",
+        "AutoTP ZeRO-3 checkpoints whose every tensor is a trainable parameter are merged so far",
+    )
 
 
 def refuse_unpartitioned(index: CheckpointIndex, what_is_written: str) -> None:

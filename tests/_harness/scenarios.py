@@ -237,6 +237,12 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2dp2-s2-bf16-ws4>tp1-ws3": ("tp2dp2-s2-bf16-ws4", 3, _TP1, {"tensor_parallel": 1}),  # tp2 x dp2 -> dp3
     "tp2-s1-fp32-ws2>tp1-s2-ws3": ("tp2-s1-fp32-ws2", 3, {**_TP1, "stage": 2}, {"tensor_parallel": 1, "stage": 2}),
     "tp2-s2-bf16-ws2-extras>tp1": ("tp2-s2-bf16-ws2-extras", 2, _TP1, {"tensor_parallel": 1}),
+    # an AutoTP ZeRO-3 checkpoint merged at stage 3 (tp2 x dp1 -> dp2, dp3), or at stage 2 or 1: written at stage 1/2,
+    # the module's weights are the masters, cast (its saved ones are placeholders)
+    "tp2-s3-bf16-ws2>tp1": ("tp2-s3-bf16-ws2", 2, _TP1, {"tensor_parallel": 1}),
+    "tp2-s3-bf16-ws2>tp1-ws3": ("tp2-s3-bf16-ws2", 3, _TP1, {"tensor_parallel": 1}),
+    "tp2-s3-bf16-ws2>tp1-s2": ("tp2-s3-bf16-ws2", 2, {**_TP1, "stage": 2}, {"tensor_parallel": 1, "stage": 2}),
+    "tp2-s3-bf16-ws2>tp1-s1-ws3": ("tp2-s3-bf16-ws2", 3, {**_TP1, "stage": 1}, {"tensor_parallel": 1, "stage": 1}),
     # split: each tensor rank's shards cut from the whole model by the source's AutoTP rules
     "tp2-s1-fp32-ws2>tp4": ("tp2-s1-fp32-ws2", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2dp2-s2-bf16-ws4>tp4": ("tp2dp2-s2-bf16-ws4", 4, {"tp": 4}, {"tensor_parallel": 4}),

@@ -263,10 +263,3 @@ def test_a_ds_config_that_is_not_json_is_a_usage_error(ds, tmp_path):
     result = CliRunner().invoke(cli, [*args, "--tensor-parallel", "2", "--ds-config", str(tmp_path / "ds_config.json")])
     assert result.exit_code == 2 and "--ds-config" in result.output and "not JSON" in result.output, result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
-
-
-def test_a_tensor_parallel_zero3_checkpoint_is_not_merged(ds, tmp_path):
-    with pytest.raises(ckptspec.Unsupported) as refused:
-        ckptspec.reshard(ds.path("tp2-s3-bf16-ws2"), tmp_path / "out", world_size=2, tensor_parallel=1)
-    assert refused.value.code == "CK410" and "tensor degree of a ZeRO-3 checkpoint" in refused.value.message
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
