@@ -91,7 +91,7 @@ def placed_chunks(size: int, pieces, dtype: str, files: ShardReader):
     yield from iter_zeros(dtype, size - cursor)
 
 
-def _lazy_partition(group: Group, rank: int, sources, dtype: str, files: ShardReader, numel: int | None = None):
+def lazy_partition(group: Group, rank: int, sources, dtype: str, files: ShardReader, numel: int | None = None):
     """Rank ``rank``'s flat partition of ``group`` (its first ``numel`` elements; padding zero), read
     from the params' ``sources`` a chunk at a time when ``ds_pickle.save_streamed`` writes it."""
     size = group.partition_numel if numel is None else numel
@@ -118,7 +118,7 @@ def _slice_mappings(group: Group, rank: int, natural: list[str], round_robin: bo
     return out
 
 
-def _optim_file_names(first: str, world_size: int, mp_rank: int | None = None) -> list[str]:
+def optim_file_names(first: str, world_size: int, mp_rank: int | None = None) -> list[str]:
     """Rank 0's file name ``first`` with each target rank's: the prefix (``bf16_``) and the model-parallel rank
     kept (or ``mp_rank``'s)."""
     first = _with_mp_rank(first, mp_rank)
@@ -168,8 +168,8 @@ def write_files(
     master_dtype = found.layout.master_dtype
     written = []
     with ShardReader() as files:
-        read = _storage_reader(source.path, states, files)
-        for rank, name in enumerate(_optim_file_names(source.file_name, target.world_size, mp_rank)):
+        read = tensor_reader(source.path, states, files)
+        for rank, name in enumerate(optim_file_names(source.file_name, target.world_size, mp_rank)):
             osd = _optimizer_state_dict(found, source, read, target, rank, masters, state_plan, master_dtype, files)
             doc = {
                 k: osd
@@ -206,7 +206,7 @@ def _full_weights(found: Manifest, plan) -> dict[str, TensorSource]:
     return {name: s for name, s in plan.sources.items() if s.role in ("trainable", "frozen")}
 
 
-def _storage_reader(path: Path, states: StateCache, files: ShardReader):
+def tensor_reader(path: Path, states: StateCache, files: ShardReader):
     """Tensors of ``path`` as torch views of their storages, each storage read once (sharing kept)."""
     members = states.members(path)
 
@@ -349,12 +349,12 @@ def _optimizer_state_dict(found, source, read, target, rank, masters, state_plan
         for key in source.state_keys.get(g, ()):
             sources = {p.name: state_plan.sources[state_plan.states[p.name][key]] for p in group.params}
             dtype = next(iter(sources.values())).dtype if sources else "float32"
-            entry[key] = _lazy_partition(group, rank, sources, dtype, files)
+            entry[key] = lazy_partition(group, rank, sources, dtype, files)
         for key, value in source.group_scalars.get(g, {}).items():  # step...: as saved (equal on every rank)
             entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
         states[g] = entry
     masters_out = [  # tail padding dropped, as DeepSpeed saves the masters
-        _lazy_partition(group, rank, masters, master_dtype, files, group.saved_numels[rank]) for group in target.groups
+        lazy_partition(group, rank, masters, master_dtype, files, group.saved_numels[rank]) for group in target.groups
     ]
     natural = [[p.name for p in params] for _, params in natural_groups(found)]
     param_groups = ds_pickle.from_standins(source.param_groups, _no_tensor)

@@ -45,13 +45,13 @@ from .arrays import ShardReader
 from .masters_state import masters_state_plan
 from .model_plan import ReconstructionPlan
 from .reshard_files import (
-    _lazy_partition,
     _model_states,
     _no_tensor,
-    _optim_file_names,
     _slice_mappings,
-    _storage_reader,
+    lazy_partition,
     lazy_reader,
+    optim_file_names,
+    tensor_reader,
 )
 from .reshard_layout import TargetLayout, located_target_layout, natural_groups
 from .reshard_source import SourceOptimizer, with_stage
@@ -137,7 +137,7 @@ def plan_moe(
 
     dense_names = {p.name: p.name for g in dense.manifest.groups for p in g.params}
     expert_parts = []
-    for names in _expert_ranks(index, ep):
+    for names in expert_ranks(index, ep):
         template = next(d for d in index.domains if d.coordinate.expert is not None).manifest.model_copy(deep=True)
         (group,) = template.groups  # one expert group (_refuse)
         group.params = [by_name[g].model_copy(update={"name": n}) for n, g in names.items()]
@@ -197,7 +197,7 @@ def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None, ep:
         )
 
 
-def _expert_ranks(index: CheckpointIndex, ep: int) -> list[dict[str, str]]:
+def expert_ranks(index: CheckpointIndex, ep: int) -> list[dict[str, str]]:
     """For each target expert-parallel rank, in its module's order: local name -> global name of its experts'
     parameters. Rank e holds experts e*L .. e*L+L-1 of every MoE layer (L = experts / ep), named 0 .. L-1; each
     expert's parameters in the source's order (its expert-parallel rank 0's)."""
@@ -230,8 +230,8 @@ def _write(moe: MoeTarget, states: StateCache, tag_dir: Path, src_dir: Path) -> 
     assert source.path is not None and source.file_name is not None  # set by plan_moe
     written = []
     with ShardReader() as files:
-        read = _storage_reader(source.path, states, files)
-        for rank, name in enumerate(_optim_file_names(source.file_name, moe.world_size)):
+        read = tensor_reader(source.path, states, files)
+        for rank, name in enumerate(optim_file_names(source.file_name, moe.world_size)):
             parts = [(dense, rank), (moe.experts[rank % ep], rank // ep)]
             out = _rank_osd(source, parts, moe.zero_stage, ep, read, files)
             doc = {
@@ -275,11 +275,11 @@ def _rank_osd(source: SourceOptimizer, parts: list[tuple[MoePart, int]], stage: 
         for key in keys:
             sources = {p.name: part.moments[part.states[p.name][key]] for p in group.params}
             dtype = next(iter(sources.values())).dtype if sources else "float32"
-            entry[key] = _lazy_partition(group, rank, sources, dtype, files)
+            entry[key] = lazy_partition(group, rank, sources, dtype, files)
         for key, value in source.group_scalars.get(g, {}).items():  # step...: as saved
             entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
         states[g] = entry
-        masters.append(_lazy_partition(group, rank, part.masters, "float32", files, group.saved_numels[rank]))
+        masters.append(lazy_partition(group, rank, part.masters, "float32", files, group.saved_numels[rank]))
         last = rank == part.layout.world_size - 1
         end = group.params[-1].offset + group.params[-1].numel if group.params else 0
         paddings.append(group.padded_numel - end if last else 0)

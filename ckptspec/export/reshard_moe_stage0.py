@@ -27,7 +27,7 @@ from typing import Any
 from ..checkpoint.states import StateCache
 from . import ds_pickle
 from .arrays import ShardReader
-from .reshard_files import _storage_reader, lazy_reader
+from .reshard_files import lazy_reader, tensor_reader
 from .reshard_moe import MoePart, MoeTarget, expert_groups_named
 from .reshard_stage0 import MODEL_FILE, stage0_model_states, stage0_module, stage0_wrapper, torch_optimizer
 
@@ -40,7 +40,7 @@ def write_moe_stage0(moe: MoeTarget, states: StateCache, tag_dir: Path, src_dir:
     model_state = states.state(model)
     written = []
     with ShardReader() as files:
-        read = _storage_reader(source.path, states, files)  # the scalars only (step): read small
+        read = tensor_reader(source.path, states, files)  # the scalars only (step): read small
         read_model = lazy_reader(model, states, files)  # nothing read until written
 
         def optimizer(part: MoePart) -> Any:

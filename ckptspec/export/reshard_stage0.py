@@ -41,7 +41,7 @@ from ..format.models import Manifest
 from . import ds_pickle
 from .arrays import ShardReader, iter_chunks
 from .model_plan import TensorSource
-from .reshard_files import _storage_reader, lazy_reader
+from .reshard_files import lazy_reader, tensor_reader
 from .reshard_layout import TargetLayout, natural_groups
 from .reshard_source import source_optimizer, with_stage
 
@@ -88,7 +88,7 @@ def write_stage0_files(
     model = src_dir / _model_file(found)
     source, model_state = source_optimizer(found, states.state(first)), states.state(model)
     with ShardReader() as files:
-        read_optim = _storage_reader(first, states, files)  # the scalars only (step): read small
+        read_optim = tensor_reader(first, states, files)  # the scalars only (step): read small
         read_model = lazy_reader(model, states, files)  # nothing read until written
         module = stage0_module(found, plan.sources, model_state["module"], read_model, files)
         groups = [(g, [p.name for p in params]) for g, params in natural_groups(found)]

@@ -29,7 +29,7 @@ from ..format.models import Manifest
 from . import ds_pickle
 from .arrays import ShardReader
 from .model_plan import TensorSource
-from .reshard_files import ModelChanges, _lazy_partition, _optim_file_names, _storage_reader, lazy_reader, placed_chunks
+from .reshard_files import ModelChanges, lazy_partition, lazy_reader, optim_file_names, placed_chunks, tensor_reader
 from .reshard_layout import TargetLayout, target_sub_group_size
 from .reshard_source import source_optimizer, with_stage
 
@@ -55,11 +55,11 @@ def write_stage3_files(
     sub_group_size = target_sub_group_size(found, sub_group_size)
     written = []
     with ShardReader() as files:
-        read_optim = _storage_reader(first, states, files)
+        read_optim = tensor_reader(first, states, files)
         read_model = lazy_reader(model, states, files)  # nothing read until written
         lp = {name: read_model(ref) for name, ref in model_state["module"].items()}
         frozen = _frozen(found, plan)
-        for rank, name in enumerate(_optim_file_names(first.name, target.world_size)):
+        for rank, name in enumerate(optim_file_names(first.name, target.world_size)):
             osd = _optimizer_state_dict(source, read_optim, target, rank, masters, state_plan, files)
             doc = {
                 k: osd
@@ -74,7 +74,7 @@ def write_stage3_files(
         # zero_pp_rank_R_mp_rank_XX_model_states.pt: a tensor-parallel coordinate keeps its mp_rank_XX (a stage
         # 1/2 source's model states are mp_rank_XX_model_states.pt)
         first_model = model.name if model.name.startswith("zero_pp_rank_0_") else f"zero_pp_rank_0_{model.name}"
-        for rank, name in enumerate(_optim_file_names(first_model, target.world_size)):
+        for rank, name in enumerate(optim_file_names(first_model, target.world_size)):
             path = tag_dir / name
             doc = _model_states(model_state, found, target, rank, lp, frozen, read_model, sub_group_size, files)
             if changes is not None:
@@ -108,12 +108,12 @@ def _optimizer_state_dict(source, read, target, rank, masters, state_plan, files
     flats, state = [], {}
     for j, group in enumerate(target.groups):
         g = group.optimizer_group
-        flats.append(_lazy_partition(group, rank, masters, "float32", files))
+        flats.append(lazy_partition(group, rank, masters, "float32", files))
         entry = {}
         for key in source.state_keys.get(g, ()):
             sources = {p.name: state_plan.sources[state_plan.states[p.name][key]] for p in group.params}
             dtype = next(iter(sources.values())).dtype if sources else "float32"
-            entry[key] = _lazy_partition(group, rank, sources, dtype, files)
+            entry[key] = lazy_partition(group, rank, sources, dtype, files)
         for key, value in source.group_scalars.get(g, {}).items():
             # step: as saved (equal on every rank and group); a copy per sub-group, since the optimizer
             # increments it in place and sub-groups sharing one storage would count thrice

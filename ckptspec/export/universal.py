@@ -41,7 +41,7 @@ from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
 from .plan import plan_reconstruction
 from .reshard import validated_source
-from .reshard_files import _storage_reader
+from .reshard_files import tensor_reader
 from .reshard_source import source_optimizer
 
 # DeepSpeedZeroOptimizer's per-rank entries ds_to_universal leaves out of optimizer_state.pt
@@ -117,9 +117,9 @@ def write_folder(
     count = 0
     written: set[str] = set()  # a pipeline's tied module, on several stages: written from the first
     with ShardReader() as files:
-        readers = [_storage_reader(source.path, states, files) for _, _, _, source in parts]
+        readers = [tensor_reader(source.path, states, files) for _, _, _, source in parts]
         for (found, plan, state_plan, source), read in zip(parts, readers):
-            count += _write_params(found, plan, state_plan, source, read, files, zero, entries or {}, written)
+            count += write_params(found, plan, state_plan, source, read, files, zero, entries or {}, written)
         ds_pickle.save(_optimizer_state(parts[0][3], readers[0]), zero / "optimizer_state.pt")
     if model_files is None:
         model_files = [plan.tag_dir / model_file(found) for found, plan, _, _ in parts]
@@ -138,7 +138,7 @@ def model_file(found: Manifest) -> str:
     return next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
 
 
-def _write_params(
+def write_params(
     found: Manifest,
     plan,
     state_plan,

@@ -30,7 +30,7 @@ from ..format.index_models import CheckpointIndex
 from .masters_state import masters_state_plan
 from .model_plan import ReconstructionPlan, TensorSource
 from .optimizer_state import OptimizerStatePlan
-from .reshard_moe import _expert_ranks, plan_moe
+from .reshard_moe import expert_ranks, plan_moe
 
 # DeepSpeed 0.19.8's keys of an expert parameter's universal file (checkpoint/constants.py)
 EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS = "is_expert_param", "ep_num_experts"
@@ -52,7 +52,7 @@ def moe_parts(
     template = first.manifest.model_copy(deep=True)  # expert rank 0's group under the local names
     (group,) = template.groups  # one expert group (plan_moe's refusals)
     by_name = {p.name: p for p in group.params}
-    names = _expert_ranks(index, ep)[0]  # local name -> the global name it stands for on expert-parallel rank 0
+    names = expert_ranks(index, ep)[0]  # local name -> the global name it stands for on expert-parallel rank 0
     local_names = list(names)
     group.params = [by_name[names[n]].model_copy(update={"name": n}) for n in local_names]
     sources: dict[str, TensorSource] = {}

@@ -30,7 +30,7 @@ from .arrays import ShardReader
 from .compose import check_replicas, domain_plan
 from .compose_extras import extras_of
 from .compose_plan import whole_plan
-from .reshard_files import _storage_reader
+from .reshard_files import tensor_reader
 
 
 def is_tp_stage3(index: CheckpointIndex) -> bool:
@@ -71,7 +71,7 @@ def _refuse(index: CheckpointIndex) -> None:
 
 def write_tp_stage3(part: tuple, states: StateCache, out: Path) -> int:
     """``part``'s folder (``tp_stage3_part``) in ``out``; the number of parameters written."""
-    from .universal import _write_params
+    from .universal import write_params
 
     manifest, whole, state_plan, optim, models = part
     zero = out / "zero"
@@ -79,8 +79,8 @@ def write_tp_stage3(part: tuple, states: StateCache, out: Path) -> int:
     no_step = SimpleNamespace(group_scalars={})  # the step lives in optimizer_state.pt only
     bare: dict[str, dict] = {name: {} for name in whole.sources}  # no cat_dim, as ds_to_universal's stage-3 merge
     with ShardReader() as files:
-        read = _storage_reader(optim, states, files)
-        count = _write_params(manifest, whole, state_plan, no_step, read, files, zero, bare, set())
+        read = tensor_reader(optim, states, files)
+        count = write_params(manifest, whole, state_plan, no_step, read, files, zero, bare, set())
         ds_pickle.save(_optimizer_state(states.state(optim), read), zero / "optimizer_state.pt")
     for model in models:
         copy = out / model.name
