@@ -24,9 +24,9 @@ import pytest
 import torch
 from _harness.parallel_oracles import (
     bits_equal,
+    check_moe_groups_and_logits,
     check_same_moments_and_step,
     check_same_to_ckptspec,
-    logits_of,
     optim_records,
     rank_oracles,
     union_of,
@@ -48,7 +48,6 @@ from ckptspec.deepspeed.kinds import Kind
 CASES = sorted(n for n in DEGREE_RESHARDS if is_moe_to_stage0(n))
 # What DeepSpeed's stage-0 optimizer wrapper is, per dtype (optim_job.py's record "source")
 HELD_BY = {"fp32": "module (fp32, no masters)", "bf16": "FP16_UnfusedOptimizer.fp32_groups"}
-LOGITS_BOUND = 2 * torch.finfo(torch.bfloat16).eps  # test_reshard_moe.py's, at another expert degree
 _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
 
 
@@ -106,16 +105,7 @@ def test_a_stage0_moe_job_resumes_the_checkpoint_bit_for_bit(name, ds):
     assert masters.keys() == expected.keys() and any("deepspeed_experts" in n for n in masters)
     assert [n for n, master in expected.items() if not bits_equal(masters[n], master)] == []
     check_same_moments_and_step(target, before, masters)
-    # the same hyperparameters; DeepSpeed names the expert group by the job's expert-parallel degree
-    renamed = [{**g, "name": f"ep_size_{spec['ep']}"} if g.get("moe") else g for g in before[0]["param_groups"]]
-    assert any(g.get("moe") for g in renamed) and all(r["param_groups"] == renamed for r in target)
-    logits, expected_logits = logits_of(target), logits_of(before)
-    assert logits.abs().max() > 0
-    if spec["ep"] == source_spec(source)["ep"] or spec["dtype"] == "fp32":
-        assert bits_equal(logits, expected_logits)
-    else:
-        bound = LOGITS_BOUND * expected_logits.abs().max().item()
-        assert (logits - expected_logits).abs().max().item() <= bound, (logits - expected_logits).abs().max()
+    check_moe_groups_and_logits(target, before, spec, source_spec(source))
 
 
 def _native(name: str) -> str | None:
