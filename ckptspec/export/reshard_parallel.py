@@ -37,7 +37,7 @@ from .reshard_moe_stage0 import write_moe_stage0
 from .reshard_pipeline import pipeline_target, write_stages
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage3 import write_stage3_files
-from .reshard_tensor import plan_tensor_merge, refuse_unpartitioned
+from .reshard_tensor import all_zero3_partitions, plan_tensor_merge, refuse_unpartitioned
 from .reshard_tensor_split import plan_tensor_split
 
 
@@ -217,7 +217,7 @@ def target_layouts(
             f"{model_parallel} parts",
         )
     data = world_size // model_parallel
-    if all(d.masters is None and d.manifest.layout.zero_stage == 3 for d in index.domains):
+    if all_zero3_partitions(index):
         # each coordinate as a plain ZeRO-3 checkpoint: at stage 3 (reshard_stage3) or at stage 1/2 (write_files
         # reads a stage-3 source); stage 0 is refused by target_layout (a domain's)
         stage = 3 if zero_stage is None else zero_stage

@@ -143,7 +143,7 @@ def refuse_unmergeable(index: CheckpointIndex, world_size: int, *, zero3: bool =
             f"--tensor-parallel 1 of a pipeline or MoE checkpoint (pp {degrees.pipeline}) is not supported yet",
             "AutoTP checkpoints (pipeline degree 1, no experts) are merged so far",
         )
-    if not (zero3 and all(d.masters is None and d.manifest.layout.zero_stage == 3 for d in index.domains)):
+    if not (zero3 and all_zero3_partitions(index)):
         refuse_unpartitioned(index, "tensor-parallel ZeRO-1/2 checkpoints, or ZeRO-3 ones, are merged so far")
     if world_size < 1:
         raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
@@ -156,6 +156,11 @@ def refuse_zero3_extras(extras: dict) -> None:
         f"({', '.join(sorted(extras))}) is not written yet",
         "AutoTP ZeRO-3 checkpoints whose every tensor is a trainable parameter are merged so far",
     )
+
+
+def all_zero3_partitions(index: CheckpointIndex) -> bool:
+    """Every domain a ZeRO-3 partition with its masters in its own files (what the ZeRO-3 writers read)."""
+    return all(d.masters is None and d.manifest.layout.zero_stage == 3 for d in index.domains)
 
 
 def refuse_unpartitioned(index: CheckpointIndex, what_is_written: str) -> None:
