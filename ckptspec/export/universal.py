@@ -123,15 +123,21 @@ def write_folder(
         ds_pickle.save(_optimizer_state(parts[0][3], readers[0]), zero / "optimizer_state.pt")
     if model_files is None:
         model_files = [plan.tag_dir / model_file(found) for found, plan, _, _ in parts]
+    # a stage-3 source's name has a zero_pp_rank_0_ prefix: the folder's has none
+    copy_model_files(model_files, out, lambda name: name[name.index("mp_rank_") :])
+    return count
+
+
+def copy_model_files(model_files: list, out: Path, folder_name=lambda name: name) -> None:
+    """Each of ``model_files`` copied as saved into ``out`` under ``folder_name(its name)``, by the rank of a torchrun
+    split that claims it (a checkpoint at a URL too: its ranged reads)."""
     for model in model_files:
-        name = model.name  # a stage-3 source's has a zero_pp_rank_0_ prefix: the folder's has none
-        copy = out / name[name.index("mp_rank_") :]
+        copy = out / folder_name(model.name)
         if not split.current().claims(copy):  # another rank of a torchrun split copies it
             continue
         with open_binary(model) as src, open(copy, "wb") as dst:
-            shutil.copyfileobj(src, dst)  # a checkpoint at a URL too (its ranged reads)
+            shutil.copyfileobj(src, dst)
             split.count_read(dst.tell())
-    return count
 
 
 def model_file(found: Manifest) -> str:

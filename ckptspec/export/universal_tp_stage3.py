@@ -2,9 +2,9 @@
 ``ds_to_universal`` writes for it (its stage-3 path, tensor-parallel merge), file for file.
 
 * ``zero/<param>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``: ``{"param": the whole tensor in fp32}``, every
-  tensor rank's shard put together as the checkpoint index places them (``compose_plan.whole_plan``; replicated
-  copies compared first, CK401). No ``cat_dim`` and no ``step.pt``: ``ds_to_universal``'s stage-3 extraction writes
-  neither, and DeepSpeed's stage-3 universal loader (``stage3.py``
+  tensor rank's shard put together as the checkpoint index places them (``reshard_tensor.whole_model``, as the
+  merge; replicated copies compared first, CK401). No ``cat_dim`` and no ``step.pt``: ``ds_to_universal``'s
+  stage-3 extraction writes neither, and DeepSpeed's stage-3 universal loader (``stage3.py``
   ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) takes the step from ``optimizer_state.pt``.
 * ``zero/optimizer_state.pt``: the first optimizer file's (data rank 0, tensor rank 0) ``optimizer_state_dict``
   as saved, with ``param_groups`` beside it (the inner optimizer's): the loader reads the step of its sub-group 0
@@ -16,21 +16,17 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-from .. import split
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.index_models import CheckpointIndex
-from ..location import open_binary
 from . import ds_pickle
 from .arrays import ShardReader
-from .compose import check_replicas, domain_plan
-from .compose_extras import extras_of
-from .compose_plan import whole_plan
+from .compose import domain_plan
 from .reshard_files import tensor_reader
+from .reshard_tensor import whole_model
 
 
 def is_tp_stage3(index: CheckpointIndex) -> bool:
@@ -42,15 +38,11 @@ def tp_stage3_part(index: CheckpointIndex, src_dir: Path, states: StateCache) ->
     model-states file); CK410 for what is not written."""
     _refuse(index)
     plans = {d.id: domain_plan(src_dir, d, states) for d in index.domains}
-    extras, ties = extras_of(index, src_dir, plans, states)
-    whole = whole_plan(index, src_dir, plans, extras, ties)
-    whole.states = states
-    with ShardReader() as files:
-        check_replicas(whole, files)  # a replicated copy that differs between tensor ranks: CK401
+    manifest, whole, _, _ = whole_model(index, src_dir, plans, states)  # replicated copies compared: CK401
     first = next(d for d in index.domains if d.coordinate.tensor == 0)
     optim = next(f.path for f in first.manifest.files if f.role == "optimizer_states" and 0 in f.ranks)
     models = sorted({src_dir / f.path for d in index.domains for f in d.manifest.files if f.role == "model_states"})
-    return first.manifest, whole, whole.optimizer_state_plan(), src_dir / optim, models
+    return manifest, whole, whole.optimizer_state_plan(), src_dir / optim, models
 
 
 def _refuse(index: CheckpointIndex) -> None:
@@ -71,7 +63,7 @@ def _refuse(index: CheckpointIndex) -> None:
 
 def write_tp_stage3(part: tuple, states: StateCache, out: Path) -> int:
     """``part``'s folder (``tp_stage3_part``) in ``out``; the number of parameters written."""
-    from .universal import write_params
+    from .universal import copy_model_files, write_params
 
     manifest, whole, state_plan, optim, models = part
     zero = out / "zero"
@@ -82,13 +74,7 @@ def write_tp_stage3(part: tuple, states: StateCache, out: Path) -> int:
         read = tensor_reader(optim, states, files)
         count = write_params(manifest, whole, state_plan, no_step, read, files, zero, bare, set())
         ds_pickle.save(_optimizer_state(states.state(optim), read), zero / "optimizer_state.pt")
-    for model in models:
-        copy = out / model.name
-        if not split.current().claims(copy):  # another rank of a torchrun split copies it
-            continue
-        with open_binary(model) as src, open(copy, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-            split.count_read(dst.tell())
+    copy_model_files(models, out)  # under their own names
     return count
 
 
