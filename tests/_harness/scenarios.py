@@ -135,6 +135,8 @@ ZERO_DENSE_SPECS = {
     "dense-s2-fp32-ws2": ({"stage": 2, "dtype": "fp32", "buffers": True}, 2),
     "dense-s1-fp16-ws2": ({"stage": 1, "dtype": "fp16"}, 2),
     "dense-s2-bf16-ws2": ({"stage": 2, "dtype": "bf16", "buffers": True}, 2),
+    # at ZeRO-3: the source of a split for an AutoTP ZeRO-3 job (DEGREE_RESHARDS), in the stage-3 launches
+    "dense-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16"}, 2),
 }
 # Every tensor of a model-parallel checkpoint (issue #39, item 3): AutoTP runs whose module has frozen
 # parameters (one split by AutoTP, one left whole on every tensor rank) and persistent buffers, at
@@ -247,6 +249,11 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s1-fp32-ws2>tp4": ("tp2-s1-fp32-ws2", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2dp2-s2-bf16-ws4>tp4": ("tp2dp2-s2-bf16-ws4", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2-s2-bf16-ws2-extras>tp4": ("tp2-s2-bf16-ws2-extras", 4, {"tp": 4}, {"tensor_parallel": 4}),
+    # split at ZeRO-3: each tensor rank's shards written by the ZeRO-3 writer (reshard_stage3), from an AutoTP ZeRO-3
+    # source and from a ZeRO-1 one; an AutoTP ZeRO-3 source split at ZeRO-2 (one launch more: tp4 at ZeRO-3)
+    "tp2-s3-bf16-ws2>tp4": ("tp2-s3-bf16-ws2", 4, {"tp": 4}, {"tensor_parallel": 4}),
+    "tp2-s1-fp32-ws2>tp4-s3": ("tp2-s1-fp32-ws2", 4, {"tp": 4, "stage": 3}, {"tensor_parallel": 4, "stage": 3}),
+    "tp2-s3-bf16-ws2>tp4-s2": ("tp2-s3-bf16-ws2", 4, {"tp": 4, "stage": 2}, {"tensor_parallel": 4, "stage": 2}),
     # AutoTP ZeRO-3 -> ZeRO-1/2 at the same tensor degree: each tensor coordinate's ZeRO-3 partitions written as its
     # ZeRO-1/2 partitions (tp2 x dp1 -> tp2 x dp1 at stage 2, tp2 x dp2 at stage 1; test_reshard_parallel.py)
     "tp2-s3-bf16-ws2>s2": ("tp2-s3-bf16-ws2", 2, {"stage": 2}, {"stage": 2}),
@@ -259,6 +266,8 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         {"tp": 2, "stage": 1},
         {"tensor_parallel": 2, "stage": 1, "ds_config": "target"},
     ),
+    # a data-parallel ZeRO-3 checkpoint split for an AutoTP ZeRO-3 job: tp1 x dp2 -> tp2 x dp2
+    "dense-s3-bf16-ws2>tp2-ws4": ("dense-s3-bf16-ws2", 4, {"tp": 2}, {"tensor_parallel": 2, "ds_config": "target"}),
     "pp2-s1-fp32-ws2>pp1": ("pp2-s1-fp32-ws2", 2, _PP1, {"pipeline_parallel": 1}),  # pp2 -> pp1 x dp2
     "pp2-s1-bf16-ws2>pp1": ("pp2-s1-bf16-ws2", 2, _PP1, {"pipeline_parallel": 1}),
     "pp2dp2-s1-bf16-ws4>pp1": ("pp2dp2-s1-bf16-ws4", 2, _PP1, {"pipeline_parallel": 1}),  # pp2 x dp2 -> pp1 x dp2

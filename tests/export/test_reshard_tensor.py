@@ -204,14 +204,16 @@ def test_a_job_of_more_tensor_ranks_resumes_the_split_checkpoint_bit_for_bit(nam
 @pytest.mark.parametrize("name", SPLITS)
 def test_the_split_checkpoint_is_the_source_to_ckptspec(name, ds):
     """Valid from its files (its affine_map describes the new shards), T tensor ranks, the same whole model and
-    optimizer state."""
+    optimizer state (but ``clip_grad``, which ZeRO-3 files do not save, from a ZeRO-1/2 source to a ZeRO-3 target)."""
     source, world_size, spec = reshard_target(name)
     out = ds.path(name) / "resharded"
     assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
     before, after = ckptspec.open(ds.path(source)), ckptspec.open(out)
     assert after.kind == Kind.MODEL_PARALLEL and after.index.topology.degrees.tensor == spec["tp"]
     assert after.index.topology.degrees.data == world_size // spec["tp"]
-    check_same_to_ckptspec(before, after)
+    assert {d.manifest.layout.zero_stage for d in after.index.domains} == {spec["stage"]}
+    to_zero3 = spec["stage"] == 3 and source_spec(source)["stage"] != 3
+    check_same_to_ckptspec(before, after, optimizer_keys=("class", "groups", "loss_scaler") if to_zero3 else None)
 
 
 @pytest.mark.parametrize(
@@ -262,4 +264,23 @@ def test_a_ds_config_that_is_not_json_is_a_usage_error(ds, tmp_path):
     args = ["reshard", str(ds.path("dense-s2-fp32-ws2")), str(tmp_path / "out"), "--world-size", "2"]
     result = CliRunner().invoke(cli, [*args, "--tensor-parallel", "2", "--ds-config", str(tmp_path / "ds_config.json")])
     assert result.exit_code == 2 and "--ds-config" in result.output and "not JSON" in result.output, result.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize(
+    "source,options,named",
+    [
+        ("tp2-s2-bf16-ws2-extras", {"tensor_parallel": 4, "zero_stage": 3}, "blocks.0.up.weight"),
+        ("dense-s2-fp32-ws2", {"tensor_parallel": 2, "zero_stage": 3, "ds_config": "target"}, "running, step_count"),
+    ],
+)
+def test_a_split_to_zero3_with_frozen_parameters_or_buffers_is_refused_by_name(source, options, named, ds, tmp_path):
+    """No real job checked one: CK410 naming them, nothing written."""
+    if options.get("ds_config") == "target":
+        from _harness.job.parallel_models import ds_config, normalize
+
+        options = {**options, "ds_config": ds_config(normalize({**source_spec(source), "tp": 2}))}
+    with pytest.raises(ckptspec.Unsupported) as refused:
+        ckptspec.reshard(ds.path(source), tmp_path / "out", 4, **options)
+    assert refused.value.code == "CK410" and named in refused.value.message, refused.value.message
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
