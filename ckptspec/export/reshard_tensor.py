@@ -9,12 +9,12 @@ model's parameters and names, only their shapes change), each parameter at its w
 The module's low-precision weights are the saved ones, merged (not re-cast from the masters); a ZeRO-3 source's
 module holds placeholders, so its weights are the whole masters cast to the model dtype (as the plain stage 3 -> 1/2
 reshard writes them, and what stage 1/2 rebuilds them from on load); at stage 3 (its default) the whole model is
-written by the plain ZeRO-3 writer (``reshard_stage3``) with the same ``ModelChanges``. A ZeRO-3 source with frozen
-parameters or buffers is refused (CK410): no real job has checked one. Frozen parameters and buffers are the
-index's whole ones. What a job without tensor parallelism saves differs from an AutoTP job's in four entries,
-set here (``ModelChanges``): ``mp_world_size`` 1, ``checkpoint_parallel_dimensions`` tp 1, no
-``universal_checkpoint_info`` (its patterns and affine map describe tp shards) and no ``tensor_parallel`` section
-in the saved ``ds_config``. Replicated copies are compared before anything is written (CK401).
+written by the plain ZeRO-3 writer (``reshard_stage3``) with the same ``ModelChanges`` (frozen parameters' fragments
+and ``frozen_param_shapes`` at their whole shapes). Frozen parameters and buffers are the index's whole ones. What a
+job without tensor parallelism saves differs from an AutoTP job's in four entries, set here (``ModelChanges``):
+``mp_world_size`` 1, ``checkpoint_parallel_dimensions`` tp 1, no ``universal_checkpoint_info`` (its patterns and
+affine map describe tp shards) and no ``tensor_parallel`` section in the saved ``ds_config``. Replicated copies are
+compared before anything is written (CK401).
 """
 
 from __future__ import annotations
@@ -101,8 +101,7 @@ def plan_tensor_merge(
     ZeRO-3 source's at stage 3 by default, cut into sub-groups of ``sub_group_size``); CK410 for a source it
     cannot merge, CK401 where replicated copies differ: before anything is written."""
     refuse_unmergeable(index, world_size)
-    manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
-    refuse_zero3_extras(extras, manifest.layout.zero_stage, None)
+    manifest, whole, _, module = whole_model(index, tag_dir, plans, states)
     target = target_layout(manifest, world_size, zero_stage, sub_group_size, domain=True)
     changes = ModelChanges(
         module=module,
@@ -147,17 +146,6 @@ def refuse_unmergeable(index: CheckpointIndex, world_size: int) -> None:
         refuse_unpartitioned(index, "tensor-parallel ZeRO-1/2 checkpoints, or ZeRO-3 ones, are merged so far")
     if world_size < 1:
         raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
-
-
-def refuse_zero3_extras(extras, source_stage: int, zero_stage: int | None) -> None:
-    """CK410 for another tensor degree of a model with frozen parameters or buffers (``extras``: their names) from
-    a ZeRO-3 source or to a ZeRO-3 target (``zero_stage``, None: the source's): no real job checked one."""
-    if extras and 3 in (source_stage, zero_stage):
-        raise ReshardUnsupported(
-            f"--tensor-parallel of a ZeRO-3 checkpoint, or to ZeRO-3, with frozen parameters or buffers "
-            f"({', '.join(sorted(extras))}) is not written yet",
-            "checkpoints whose every tensor is a trainable parameter change their tensor degree at ZeRO-3 so far",
-        )
 
 
 def all_zero3_partitions(index: CheckpointIndex) -> bool:

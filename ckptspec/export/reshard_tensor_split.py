@@ -11,8 +11,7 @@ What an AutoTP job of degree T saves besides its shards, set here: ``mp_world_si
 ``checkpoint_parallel_dimensions`` tp T, ``tensor_parallel.autotp_size`` T in the saved ``ds_config``, and
 ``universal_checkpoint_info`` with the patterns and the ``affine_map`` (version 1) DeepSpeed 0.19 records: for every
 parameter, each rank's shard shape and the one piece of the whole tensor it holds.
-Refused by name (CK410): a split axis T does not divide, a source other than AutoTP ZeRO at pipeline degree 1, and
-frozen parameters or buffers from or to ZeRO-3 (no real job checked one).
+Refused by name (CK410): a split axis T does not divide, a source other than AutoTP ZeRO at pipeline degree 1.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from .model_plan import ReconstructionPlan, RunSegments, TensorSource
 from .optimizer_state import OptimizerStatePlan
 from .reshard_files import ModelChanges, lazy_reader
 from .reshard_layout import target_layout
-from .reshard_tensor import DataParallelTarget, refuse_unmergeable, refuse_zero3_extras, whole_model
+from .reshard_tensor import DataParallelTarget, refuse_unmergeable, whole_model
 
 
 def plan_tensor_split(
@@ -51,7 +50,6 @@ def plan_tensor_split(
     refuse_unmergeable(index, world_size)
     _refuse_indivisible_world(world_size, degree)
     manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
-    refuse_zero3_extras(extras, manifest.layout.zero_stage, zero_stage)
     axes = _split_axes(index, extras, degree)
     state_plan = whole.optimizer_state_plan()
     return split_writes(manifest, whole, state_plan, module, axes, world_size, zero_stage, degree, sub_group_size)
@@ -71,8 +69,6 @@ def plan_data_parallel_split(
     """A data-parallel ZeRO checkpoint (its format 1.x manifest ``found``) split over ``degree`` tensor ranks by
     the target's AutoTP rules (``config``: its ``ds_config``); CK410 before anything is written."""
     _refuse_indivisible_world(world_size, degree)
-    extras = {n for n, s in plan.sources.items() if s.role in ("frozen", "buffer")}
-    refuse_zero3_extras(extras, found.layout.zero_stage, zero_stage)
     axes = axes_from_config(found, config, degree)
     if found.layout.zero_stage == 3:  # its module holds placeholders: the weights are the masters, cast
         module = {n: s for n, s in plan.sources.items() if s.role == "trainable"}
