@@ -69,7 +69,7 @@ def reshard(
     ``tensor_parallel`` above 1: for an AutoTP job of that degree, by the rules of its ``ds_config``."""
     if tensor_parallel not in (None, 1):
         return _reshard_to_tensor_parallel(
-            checkpoint, output, world_size, zero_stage, tag, manifest, tensor_parallel, ds_config
+            checkpoint, output, world_size, zero_stage, tag, manifest, tensor_parallel, ds_config, sub_group_size
         )
     with held_new_output(output, "the resharded checkpoint") as out:
         found, states = validated_source(checkpoint, manifest, tag)
@@ -113,9 +113,9 @@ def reshard(
 
 
 def _reshard_to_tensor_parallel(
-    checkpoint, output, world_size: int, zero_stage, tag, manifest, degree: int, ds_config
+    checkpoint, output, world_size: int, zero_stage, tag, manifest, degree: int, ds_config, sub_group_size
 ) -> ReshardResult:
-    """A data-parallel ZeRO-1/2 checkpoint written for an AutoTP job of ``degree`` (``reshard_tensor_split``),
+    """A data-parallel ZeRO checkpoint written for an AutoTP job of ``degree`` (``reshard_tensor_split``),
     validated from its files as a tensor-parallel checkpoint index before it is put in place."""
     from .reshard_tensor_split import plan_data_parallel_split
 
@@ -125,7 +125,7 @@ def _reshard_to_tensor_parallel(
         state_plan = plan_optimizer_state(plan)
         try:  # CK410 before anything is written
             writes = plan_data_parallel_split(
-                found, plan, state_plan, states, world_size, zero_stage, degree, ds_config
+                found, plan, state_plan, states, world_size, zero_stage, degree, ds_config, sub_group_size
             )
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None

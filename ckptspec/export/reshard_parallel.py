@@ -59,7 +59,7 @@ def reshard_model_parallel(
     tensor and pipeline degrees, ``world_size / (tp x pp)`` data-parallel ranks (and ``zero_stage``).
     ``index``: the checkpoint index to read it by (a model, a validated report or a file), else its files'.
     ``pipeline_parallel`` other than the source's: the stages rebuilt (``reshard_pipeline``, ``partition_method``).
-    ``sub_group_size``: a tensor-parallel ZeRO-3 target's (default: the source's)."""
+    ``sub_group_size``: a ZeRO-3 target's (default: a ZeRO-3 source's, else DeepSpeed's)."""
     with held_new_output(output, "the resharded checkpoint") as out:
         if isinstance(index, (str, os.PathLike)):
             from ..format.index_validate import validate_index_file
@@ -78,7 +78,6 @@ def reshard_model_parallel(
         merge, writes, moe, stages, targets = None, None, None, None, {}
         try:  # CK410 before anything is written
             degrees = found.topology.degrees
-            refuse_tensor_degree_of_zero3(found, tensor_parallel)
             splitting = degrees.tensor > 1 and tensor_parallel not in (None, 1, degrees.tensor)
             refuse_degree_changes(
                 found, None if tensor_parallel == 1 or splitting else tensor_parallel, pipeline_parallel
@@ -90,7 +89,9 @@ def reshard_model_parallel(
                 )
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
             if splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
-                writes = plan_tensor_split(found, src_dir, plans, states, world_size, zero_stage, tensor_parallel)  # type: ignore[arg-type]
+                degree: int = tensor_parallel  # type: ignore[assignment]  # splitting: an int
+                split_args = (world_size, zero_stage, degree, sub_group_size)
+                writes = plan_tensor_split(found, src_dir, plans, states, *split_args)  # type: ignore[arg-type]
             elif tensor_parallel == 1 and found.topology.degrees.tensor != 1:
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage, sub_group_size)  # type: ignore[arg-type]
             elif found.expert_files:  # MoE: the dense and expert groups, each over its own ranks
@@ -233,22 +234,6 @@ def target_layouts(
             )
         out[d.id] = target_layout(d.manifest, data, zero_stage, domain=True)
     return out
-
-
-def refuse_tensor_degree_of_zero3(index: CheckpointIndex, tensor_parallel: int | None) -> None:
-    """CK410 for a split (a tensor degree above 1, other than the source's) of a tensor-parallel ZeRO-3
-    checkpoint: its data axis is written (``target_layouts``), or its merge (``reshard_tensor``)."""
-    held = index.topology.degrees.tensor
-    if (
-        held > 1
-        and tensor_parallel not in (None, 1, held)
-        and any(d.manifest.layout.zero_stage == 3 for d in index.domains)
-    ):
-        raise ReshardUnsupported(
-            f"--tensor-parallel {tensor_parallel} of a tensor-parallel ZeRO-3 checkpoint (degree {held}): splitting "
-            "the tensor degree of a ZeRO-3 checkpoint is not written yet",
-            f"give --tensor-parallel 1 (a merge at --stage 1 or 2) or {held}: its data axis is resharded",
-        )
 
 
 def _copy(source: Path | RemotePath, target: Path, size: int) -> None:

@@ -6,8 +6,8 @@ universal path cannot make), as DeepSpeed 0.19's ``DeepSpeedZeroOptimizer_Stage3
   torch optimizer's state per sub-group (``exp_avg``... laid out like the masters, ``step`` as saved)
   with each param group listing its sub-groups, ``partition_count``, ``zero_stage`` 3 and the loss
   scaler, ``dynamic_loss_scale`` and ``overflow`` as saved.
-* ``zero_pp_rank_R_mp_rank_XX_model_states.pt`` per rank (``XX``: the source's, a tensor rank's): the source's
-  model states with every parameter (trainable, frozen, tied) as the empty placeholder stage 3 saves (a tie
+* ``zero_pp_rank_R_mp_rank_XX_model_states.pt`` per rank (``XX``: the source's, or the target tensor rank's):
+  the source's model states with every parameter (trainable, frozen, tied) as the empty placeholder stage 3 saves (a tie
   shares its owner's), each frozen parameter's rank share in ``frozen_param_fragments``, ``param_shapes`` per
   sub-group, ``shared_params`` on rank 0 only (as DeepSpeed writes them at stage 3), ``dp_world_size`` and
   ``ds_config``'s stage set; buffers, counters, LR scheduler and client state as saved. DeepSpeed rebuilds the
@@ -43,9 +43,11 @@ def write_stage3_files(
     tag_dir: Path,
     sub_group_size,
     changes: ModelChanges | None = None,
+    mp_rank: int | None = None,
 ) -> list[Path]:
-    """``changes``: the target's tensor degree differs (an AutoTP ZeRO-3 merge without frozen parameters or
-    buffers, ``reshard_tensor``); ``found`` then is the whole model's manifest."""
+    """``changes``: the target's tensor degree differs (an AutoTP ZeRO-3 merge, ``reshard_tensor``, or split,
+    ``reshard_tensor_split``); ``found`` then is the whole model's manifest, or a target tensor rank's, whose files
+    are named for tensor rank ``mp_rank``."""
     config = changes.config if changes is not None else (lambda value: value)
     src_dir = plan.tag_dir
     first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
@@ -59,7 +61,7 @@ def write_stage3_files(
         read_model = lazy_reader(model, states, files)  # nothing read until written
         lp = {name: read_model(ref) for name, ref in model_state["module"].items()}
         frozen = _frozen(found, plan)
-        for rank, name in enumerate(optim_file_names(first.name, target.world_size)):
+        for rank, name in enumerate(optim_file_names(first.name, target.world_size, mp_rank)):
             osd = _optimizer_state_dict(source, read_optim, target, rank, masters, state_plan, files)
             doc = {
                 k: osd
@@ -74,9 +76,11 @@ def write_stage3_files(
         # zero_pp_rank_R_mp_rank_XX_model_states.pt: a tensor-parallel coordinate keeps its mp_rank_XX (a stage
         # 1/2 source's model states are mp_rank_XX_model_states.pt)
         first_model = model.name if model.name.startswith("zero_pp_rank_0_") else f"zero_pp_rank_0_{model.name}"
-        for rank, name in enumerate(optim_file_names(first_model, target.world_size)):
+        for rank, name in enumerate(optim_file_names(first_model, target.world_size, mp_rank)):
             path = tag_dir / name
-            doc = _model_states(model_state, found, target, rank, lp, frozen, read_model, sub_group_size, files)
+            doc = _model_states(
+                model_state, found, target, rank, lp, frozen, read_model, sub_group_size, files, changes is not None
+            )
             if changes is not None:
                 doc = {k: changes.set_keys.get(k, v) for k, v in doc.items() if k not in changes.drop_keys}
                 doc.update({k: v for k, v in changes.set_keys.items() if k not in doc})  # last, as DeepSpeed does
@@ -135,8 +139,10 @@ def _optimizer_state_dict(source, read, target, rank, masters, state_plan, files
 
 
 def _model_states(
-    state: dict, found: Manifest, target: TargetLayout, rank, lp, frozen, read, sub_group_size, files
+    state: dict, found: Manifest, target: TargetLayout, rank, lp, frozen, read, sub_group_size, files, reshaped: bool
 ) -> dict:
+    """``reshaped``: the tensor degree changes, so the frozen parameters' saved shapes (the source's shards) are not
+    the target's."""
     aliases = {a.name: a.owner for a in found.aliases}
     params = {p.name for g in found.groups for p in g.params} | {f.name for f in found.frozen}
     placeholders = {}
@@ -150,7 +156,7 @@ def _model_states(
         else:
             module[name] = lp[name]
     # Stage 1 records no frozen shapes or fragments (the module holds them); stage 3 needs both.
-    frozen_shapes = state.get("frozen_param_shapes") or collections.OrderedDict(
+    frozen_shapes = (None if reshaped else state.get("frozen_param_shapes")) or collections.OrderedDict(
         (f.name, tuple(f.shape)) for f in found.frozen if f.name in frozen
     )
     fragments = collections.OrderedDict((n, _share(s, rank, target.world_size, files)) for n, s in frozen.items())

@@ -9,12 +9,12 @@ model's parameters and names, only their shapes change), each parameter at its w
 The module's low-precision weights are the saved ones, merged (not re-cast from the masters); a ZeRO-3 source's
 module holds placeholders, so its weights are the whole masters cast to the model dtype (as the plain stage 3 -> 1/2
 reshard writes them, and what stage 1/2 rebuilds them from on load); at stage 3 (its default) the whole model is
-written by the plain ZeRO-3 writer (``reshard_stage3``) with the same ``ModelChanges``. A ZeRO-3 source with frozen
-parameters or buffers is refused (CK410): no real job has checked one. Frozen parameters and buffers are the
-index's whole ones. What a job without tensor parallelism saves differs from an AutoTP job's in four entries,
-set here (``ModelChanges``): ``mp_world_size`` 1, ``checkpoint_parallel_dimensions`` tp 1, no
-``universal_checkpoint_info`` (its patterns and affine map describe tp shards) and no ``tensor_parallel`` section
-in the saved ``ds_config``. Replicated copies are compared before anything is written (CK401).
+written by the plain ZeRO-3 writer (``reshard_stage3``) with the same ``ModelChanges`` (frozen parameters' fragments
+and ``frozen_param_shapes`` at their whole shapes). Frozen parameters and buffers are the index's whole ones. What a
+job without tensor parallelism saves differs from an AutoTP job's in four entries, set here (``ModelChanges``):
+``mp_world_size`` 1, ``checkpoint_parallel_dimensions`` tp 1, no ``universal_checkpoint_info`` (its patterns and
+affine map describe tp shards) and no ``tensor_parallel`` section in the saved ``ds_config``. Replicated copies are
+compared before anything is written (CK401).
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ class DataParallelTarget:
     changes: ModelChanges
     source: SourceOptimizer | None = None  # made when the source has no ZeRO-1/2 optimizer files
     mp_rank: int | None = None  # the tensor rank of the written files' names (``reshard_tensor_split``)
-    sub_group_size: int | None = None  # a ZeRO-3 target's (an AutoTP ZeRO-3 merge; default: the source's)
+    sub_group_size: int | None = None  # a ZeRO-3 target's (default: a ZeRO-3 source's, else DeepSpeed's)
 
     @property
     def zero_stage(self) -> int:
         return self.target.zero_stage
 
     def write(self, states: StateCache, tag_dir: Path) -> list[Path]:
-        if self.target.zero_stage == 3:  # an AutoTP ZeRO-3 merge kept at stage 3
+        if self.target.zero_stage == 3:  # an AutoTP merge or split to stage 3
             from .reshard_stage3 import write_stage3_files
 
             return write_stage3_files(
@@ -73,6 +73,7 @@ class DataParallelTarget:
                 tag_dir,
                 self.sub_group_size,
                 self.changes,
+                self.mp_rank,
             )
         return write_files(
             self.manifest,
@@ -99,10 +100,8 @@ def plan_tensor_merge(
     """The merge of ``index``'s tensor-parallel domains into one data-parallel group of ``world_size`` ranks (a
     ZeRO-3 source's at stage 3 by default, cut into sub-groups of ``sub_group_size``); CK410 for a source it
     cannot merge, CK401 where replicated copies differ: before anything is written."""
-    refuse_unmergeable(index, world_size, zero3=True)
-    manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
-    if extras and manifest.layout.zero_stage == 3:
-        refuse_zero3_extras(extras)
+    refuse_unmergeable(index, world_size)
+    manifest, whole, _, module = whole_model(index, tag_dir, plans, states)
     target = target_layout(manifest, world_size, zero_stage, sub_group_size, domain=True)
     changes = ModelChanges(
         module=module,
@@ -134,28 +133,19 @@ def whole_model(index: CheckpointIndex, tag_dir: Path, plans: dict[str, Reconstr
     return manifest, whole, extras, module
 
 
-def refuse_unmergeable(index: CheckpointIndex, world_size: int, *, zero3: bool = False) -> None:
-    """CK410: what this merge does not write, by name. ``zero3``: a ZeRO-3 source (every domain a ZeRO-3
-    partition) is merged too (``plan_tensor_merge``; a split is of ZeRO-1/2 sources only)."""
+def refuse_unmergeable(index: CheckpointIndex, world_size: int) -> None:
+    """CK410: what an AutoTP merge or split does not read, by name: ZeRO-1/2 sources are read, and ZeRO-3 ones
+    (every domain a ZeRO-3 partition)."""
     degrees = index.topology.degrees
     if degrees.pipeline != 1 or index.expert_files:
         raise ReshardUnsupported(
             f"--tensor-parallel 1 of a pipeline or MoE checkpoint (pp {degrees.pipeline}) is not supported yet",
             "AutoTP checkpoints (pipeline degree 1, no experts) are merged so far",
         )
-    if not (zero3 and all_zero3_partitions(index)):
+    if not all_zero3_partitions(index):
         refuse_unpartitioned(index, "tensor-parallel ZeRO-1/2 checkpoints, or ZeRO-3 ones, are merged so far")
     if world_size < 1:
         raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
-
-
-def refuse_zero3_extras(extras: dict) -> None:
-    """CK410 for an AutoTP ZeRO-3 merge of a model with frozen parameters or buffers: no real job checked it."""
-    raise ReshardUnsupported(
-        f"--tensor-parallel 1 of a tensor-parallel ZeRO-3 checkpoint with frozen parameters or buffers "
-        f"({', '.join(sorted(extras))}) is not written yet",
-        "AutoTP ZeRO-3 checkpoints whose every tensor is a trainable parameter are merged so far",
-    )
 
 
 def all_zero3_partitions(index: CheckpointIndex) -> bool:

@@ -1,16 +1,17 @@
-"""``ckptspec reshard --tensor-parallel T`` of an AutoTP ZeRO-1/2 checkpoint: its tensors split over T tensor ranks.
+"""``ckptspec reshard --tensor-parallel T`` of an AutoTP ZeRO-1/2/3 checkpoint: its tensors split over T tensor ranks.
 
 The source's checkpoint index says how AutoTP splits each tensor: along one axis (a column-parallel weight and bias:
 axis 0, a row-parallel weight: axis 1) or not at all (replicated). The target keeps each tensor's rule at another
 degree. The whole model is composed as for the merge (``reshard_tensor``), then each tensor rank's shards are cut
 from it (no byte is held: a shard is the whole tensor's segments at the rank's runs). Each tensor rank is written by
-the ZeRO writer as a domain of ``world_size / T`` data-parallel ranks under its ``mp_rank_XX`` names.
+the ZeRO writer (a ZeRO-3 target's: ``reshard_stage3``) as a domain of ``world_size / T`` data-parallel ranks under
+its ``mp_rank_XX`` names. A ZeRO-3 source's module holds placeholders: its weights are the masters, cast.
 
 What an AutoTP job of degree T saves besides its shards, set here: ``mp_world_size`` T,
 ``checkpoint_parallel_dimensions`` tp T, ``tensor_parallel.autotp_size`` T in the saved ``ds_config``, and
 ``universal_checkpoint_info`` with the patterns and the ``affine_map`` (version 1) DeepSpeed 0.19 records: for every
 parameter, each rank's shard shape and the one piece of the whole tensor it holds.
-Refused by name (CK410): a split axis T does not divide, a source other than AutoTP ZeRO-1/2 at pipeline degree 1.
+Refused by name (CK410): a split axis T does not divide, a source other than AutoTP ZeRO at pipeline degree 1.
 """
 
 from __future__ import annotations
@@ -42,35 +43,44 @@ def plan_tensor_split(
     world_size: int,
     zero_stage: int | None,
     degree: int,
+    sub_group_size: int | None = None,
 ) -> list[DataParallelTarget]:
-    """One write per target tensor rank; CK410 before anything is written."""
+    """One write per target tensor rank (a ZeRO-3 target's cut into sub-groups of ``sub_group_size``); CK410
+    before anything is written."""
     refuse_unmergeable(index, world_size)
-    if world_size % degree:
-        raise ReshardUnsupported(
-            f"--world-size {world_size} is not a multiple of --tensor-parallel {degree}",
-            f"give a multiple of {degree}: each data-parallel rank holds one copy of the {degree} tensor ranks",
-        )
+    _refuse_indivisible_world(world_size, degree)
     manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
     axes = _split_axes(index, extras, degree)
-    return split_writes(manifest, whole, whole.optimizer_state_plan(), module, axes, world_size, zero_stage, degree)
+    state_plan = whole.optimizer_state_plan()
+    return split_writes(manifest, whole, state_plan, module, axes, world_size, zero_stage, degree, sub_group_size)
 
 
 def plan_data_parallel_split(
-    found, plan, state_plan: OptimizerStatePlan, states: StateCache, world_size: int, zero_stage, degree: int, config
+    found,
+    plan,
+    state_plan: OptimizerStatePlan,
+    states: StateCache,
+    world_size: int,
+    zero_stage,
+    degree: int,
+    config,
+    sub_group_size: int | None = None,
 ) -> list[DataParallelTarget]:
-    """A data-parallel ZeRO-1/2 checkpoint (its format 1.x manifest ``found``) split over ``degree`` tensor ranks by
+    """A data-parallel ZeRO checkpoint (its format 1.x manifest ``found``) split over ``degree`` tensor ranks by
     the target's AutoTP rules (``config``: its ``ds_config``); CK410 before anything is written."""
-    if found.layout.zero_stage not in (1, 2) or zero_stage not in (None, 1, 2):
-        raise ReshardUnsupported(
-            "--tensor-parallel of a ZeRO-3 checkpoint, or to stage 3, is not written yet",
-            "reshard a ZeRO-1/2 checkpoint to stage 1 or 2",
-        )
-    if world_size % degree:
-        raise ReshardUnsupported(
-            f"--world-size {world_size} is not a multiple of --tensor-parallel {degree}",
-            f"give a multiple of {degree}: each data-parallel rank holds one copy of the {degree} tensor ranks",
-        )
+    _refuse_indivisible_world(world_size, degree)
     axes = axes_from_config(found, config, degree)
+    if found.layout.zero_stage == 3:  # its module holds placeholders: the weights are the masters, cast
+        module = {n: s for n, s in plan.sources.items() if s.role == "trainable"}
+    else:
+        module = _saved_module(found, plan, states)
+    module.update({n: s for n, s in plan.sources.items() if s.role in ("frozen", "buffer")})
+    manifest = found.model_copy(deep=True)
+    return split_writes(manifest, plan, state_plan, module, axes, world_size, zero_stage, degree, sub_group_size)
+
+
+def _saved_module(found, plan, states: StateCache) -> dict[str, TensorSource]:
+    """A ZeRO-1/2 checkpoint's module tensors as saved (its low-precision weights)."""
     model = next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
     with ShardReader() as files:
         read = lazy_reader(plan.tag_dir / model, states, files)
@@ -78,10 +88,15 @@ def plan_data_parallel_split(
         module = {n: read.located(n, ref) for n, ref in saved.items()}
     if any(source is None for source in module.values()):
         raise ReshardUnsupported(f"{model}: a module tensor is not contiguous", "resume at the same layout")
-    module.update({n: s for n, s in plan.sources.items() if s.role in ("frozen", "buffer")})
-    manifest = found.model_copy(deep=True)
-    manifest.layout.zero_stage = zero_stage or found.layout.zero_stage
-    return split_writes(manifest, plan, state_plan, module, axes, world_size, zero_stage, degree)
+    return module
+
+
+def _refuse_indivisible_world(world_size: int, degree: int) -> None:
+    if world_size % degree:
+        raise ReshardUnsupported(
+            f"--world-size {world_size} is not a multiple of --tensor-parallel {degree}",
+            f"give a multiple of {degree}: each data-parallel rank holds one copy of the {degree} tensor ranks",
+        )
 
 
 def axes_from_config(found, config, degree: int) -> dict[str, int]:
@@ -129,10 +144,20 @@ def axes_from_config(found, config, degree: int) -> dict[str, int]:
 
 
 def split_writes(
-    manifest, whole, state_plan: OptimizerStatePlan, module: dict, axes, world_size: int, zero_stage, degree: int
+    manifest,
+    whole,
+    state_plan: OptimizerStatePlan,
+    module: dict,
+    axes,
+    world_size: int,
+    zero_stage,
+    degree: int,
+    sub_group_size: int | None = None,
 ) -> list[DataParallelTarget]:
     """One write per tensor rank of ``degree``: every tensor of the whole model (``whole``'s masters, frozen
-    parameters and buffers, ``state_plan``'s moments, ``module``'s saved weights) cut by ``axes``."""
+    parameters and buffers, ``state_plan``'s moments, ``module``'s saved weights) cut by ``axes``; a ZeRO-3
+    target's written by the ZeRO-3 writer (``DataParallelTarget.write``), cut into sub-groups of
+    ``sub_group_size``."""
     tag_dir = whole.tag_dir
     config = _with_degree(degree)
     info = universal_info(manifest, axes, degree)
@@ -153,8 +178,12 @@ def split_writes(
             drop_keys=(),
             config=config,
         )
-        target = target_layout(shard_manifest, world_size // degree, zero_stage, domain=True)
-        writes.append(DataParallelTarget(shard_manifest, shard_plan, shard_states, target, changes, mp_rank=rank))
+        target = target_layout(shard_manifest, world_size // degree, zero_stage, sub_group_size, domain=True)
+        writes.append(
+            DataParallelTarget(
+                shard_manifest, shard_plan, shard_states, target, changes, mp_rank=rank, sub_group_size=sub_group_size
+            )
+        )
     return writes
 
 

@@ -135,6 +135,8 @@ ZERO_DENSE_SPECS = {
     "dense-s2-fp32-ws2": ({"stage": 2, "dtype": "fp32", "buffers": True}, 2),
     "dense-s1-fp16-ws2": ({"stage": 1, "dtype": "fp16"}, 2),
     "dense-s2-bf16-ws2": ({"stage": 2, "dtype": "bf16", "buffers": True}, 2),
+    # at ZeRO-3: the source of a split for an AutoTP ZeRO-3 job (DEGREE_RESHARDS), in the stage-3 launches
+    "dense-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16"}, 2),
 }
 # Every tensor of a model-parallel checkpoint (issue #39, item 3): AutoTP runs whose module has frozen
 # parameters (one split by AutoTP, one left whole on every tensor rank) and persistent buffers, at
@@ -160,8 +162,15 @@ EP_ONE_SPECS = {
     "moe-ep1-s1-fp32-ws2": ({"ep": 1, "experts": 2, "stage": 1, "dtype": "fp32"}, 2),
     "moe-ep1-s2-bf16-ws2": ({"ep": 1, "experts": 2, "stage": 2, "dtype": "bf16"}, 2),  # ep1 -> ep2 at ZeRO-2
 }
+# The AutoTP MLP at ZeRO-3 with a frozen parameter split by AutoTP, one left whole and the buffers (issue #40): the
+# source of a merge and a split that carry them (DEGREE_RESHARDS), in the AutoTP ZeRO-3 launches. Not in EXTRAS (no
+# hook or Node reader entries), loaded by its "+optim" entry.
+ZERO3_EXTRAS_SPECS = {
+    "tp2-s3-bf16-ws2-extras": ({"tp": 2, "stage": 3, "dtype": "bf16", "frozen": True, "buffers": True}, 2),
+}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
+    **ZERO3_EXTRAS_SPECS,
     **PARALLEL_SPECS,
     **EXTRAS_SPECS,
     **PIPE_ONE_SPECS,
@@ -243,10 +252,24 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s3-bf16-ws2>tp1-ws3": ("tp2-s3-bf16-ws2", 3, _TP1, {"tensor_parallel": 1}),
     "tp2-s3-bf16-ws2>tp1-s2": ("tp2-s3-bf16-ws2", 2, {**_TP1, "stage": 2}, {"tensor_parallel": 1, "stage": 2}),
     "tp2-s3-bf16-ws2>tp1-s1-ws3": ("tp2-s3-bf16-ws2", 3, {**_TP1, "stage": 1}, {"tensor_parallel": 1, "stage": 1}),
+    # with frozen parameters (one split by AutoTP, one whole) and buffers: their fragments and shapes the target's
+    "tp2-s3-bf16-ws2-extras>tp1": ("tp2-s3-bf16-ws2-extras", 2, _TP1, {"tensor_parallel": 1}),
+    "tp2-s3-bf16-ws2-extras>tp1-s2": (
+        "tp2-s3-bf16-ws2-extras",
+        2,
+        {**_TP1, "stage": 2},
+        {"tensor_parallel": 1, "stage": 2},
+    ),
     # split: each tensor rank's shards cut from the whole model by the source's AutoTP rules
     "tp2-s1-fp32-ws2>tp4": ("tp2-s1-fp32-ws2", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2dp2-s2-bf16-ws4>tp4": ("tp2dp2-s2-bf16-ws4", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2-s2-bf16-ws2-extras>tp4": ("tp2-s2-bf16-ws2-extras", 4, {"tp": 4}, {"tensor_parallel": 4}),
+    # split at ZeRO-3: each tensor rank's shards written by the ZeRO-3 writer (reshard_stage3), from an AutoTP ZeRO-3
+    # source and from a ZeRO-1 one; an AutoTP ZeRO-3 source split at ZeRO-2 (one launch more: tp4 at ZeRO-3)
+    "tp2-s3-bf16-ws2>tp4": ("tp2-s3-bf16-ws2", 4, {"tp": 4}, {"tensor_parallel": 4}),
+    "tp2-s1-fp32-ws2>tp4-s3": ("tp2-s1-fp32-ws2", 4, {"tp": 4, "stage": 3}, {"tensor_parallel": 4, "stage": 3}),
+    "tp2-s3-bf16-ws2>tp4-s2": ("tp2-s3-bf16-ws2", 4, {"tp": 4, "stage": 2}, {"tensor_parallel": 4, "stage": 2}),
+    "tp2-s3-bf16-ws2-extras>tp4": ("tp2-s3-bf16-ws2-extras", 4, {"tp": 4}, {"tensor_parallel": 4}),
     # AutoTP ZeRO-3 -> ZeRO-1/2 at the same tensor degree: each tensor coordinate's ZeRO-3 partitions written as its
     # ZeRO-1/2 partitions (tp2 x dp1 -> tp2 x dp1 at stage 2, tp2 x dp2 at stage 1; test_reshard_parallel.py)
     "tp2-s3-bf16-ws2>s2": ("tp2-s3-bf16-ws2", 2, {"stage": 2}, {"stage": 2}),
@@ -258,6 +281,15 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         4,
         {"tp": 2, "stage": 1},
         {"tensor_parallel": 2, "stage": 1, "ds_config": "target"},
+    ),
+    # a data-parallel ZeRO-3 checkpoint split for an AutoTP ZeRO-3 job: tp1 x dp2 -> tp2 x dp2; a ZeRO-2 one with
+    # buffers to tp2 x dp1 at ZeRO-3
+    "dense-s3-bf16-ws2>tp2-ws4": ("dense-s3-bf16-ws2", 4, {"tp": 2}, {"tensor_parallel": 2, "ds_config": "target"}),
+    "dense-s2-fp32-ws2>tp2-s3": (
+        "dense-s2-fp32-ws2",
+        2,
+        {"tp": 2, "stage": 3},
+        {"tensor_parallel": 2, "stage": 3, "ds_config": "target"},
     ),
     "pp2-s1-fp32-ws2>pp1": ("pp2-s1-fp32-ws2", 2, _PP1, {"pipeline_parallel": 1}),  # pp2 -> pp1 x dp2
     "pp2-s1-bf16-ws2>pp1": ("pp2-s1-bf16-ws2", 2, _PP1, {"pipeline_parallel": 1}),

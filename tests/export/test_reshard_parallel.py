@@ -141,13 +141,12 @@ def test_a_world_size_the_model_parallel_degrees_do_not_divide_is_refused(ds, tm
     ("options", "named"),
     [
         ({"zero_stage": 0}, "stage-0 target of a tensor- or pipeline-parallel"),
-        ({"tensor_parallel": 4}, "splitting the tensor degree of a ZeRO-3 checkpoint"),
         ({"tensor_parallel": 1, "zero_stage": 0}, "stage-0 target of a tensor- or pipeline-parallel"),
     ],
 )
 def test_what_a_tensor_parallel_zero3_reshard_does_not_write_is_refused_by_name(options, named, ds, tmp_path):
-    """Its data axis is written at stage 1, 2 or 3 (above), its merge too (test_reshard_tensor.py); stage 0 or a
-    split is not: CK410, nothing written."""
+    """Its data axis is written at stage 1, 2 or 3 (above), its merge and split too (test_reshard_tensor.py); stage
+    0 is not: CK410, nothing written."""
     with pytest.raises(ckptspec.Unsupported) as refused:
         ckptspec.reshard(ds.path("tp2-s3-bf16-ws2"), tmp_path / "out", **{"world_size": 4, **options})
     assert refused.value.code == "CK410" and named in refused.value.message, refused.value.message

@@ -124,6 +124,25 @@ def test_frozen_parameters_buffers_and_logits_carry_over(name, ds):
     assert (logits - expected).abs().max().item() <= bound, (logits - expected).abs().max()
 
 
+ZERO3_MERGES = [n for n in MERGES if reshard_target(n)[2].get("stage") == 3]
+
+
+@pytest.mark.parametrize("name", ZERO3_MERGES)
+def test_deepspeeds_zero_to_fp32_reads_the_merged_zero3_checkpoint_as_the_job_holds_it(name, ds):
+    """DeepSpeed's own reader of ZeRO-3 files (``zero_to_fp32``, which reads ``frozen_param_shapes`` where the load
+    does not): every master the target job holds, every frozen parameter and buffer as it loaded them, bit for bit."""
+    from _harness.oracles import zero_to_fp32
+
+    target = optim_records(ds.path(name))
+    read = zero_to_fp32(ds.path(name) / "resharded")
+    held, module = _held(target), target[0]["module"]
+    assert sorted(read) == sorted({*held, *module}), sorted(read)
+    for n, value in held.items():
+        assert _equal(read[n], value["master"]), n
+    for n, tensor in module.items():
+        assert _equal(read[n], tensor), n
+
+
 @pytest.mark.parametrize("name", sorted(UNIVERSAL_TOO))
 def test_deepspeeds_universal_path_to_the_same_layout_holds_the_same(name, ds):
     """DeepSpeed's own move (ds_to_universal, then load_universal into the same target job): the same masters,
@@ -204,14 +223,16 @@ def test_a_job_of_more_tensor_ranks_resumes_the_split_checkpoint_bit_for_bit(nam
 @pytest.mark.parametrize("name", SPLITS)
 def test_the_split_checkpoint_is_the_source_to_ckptspec(name, ds):
     """Valid from its files (its affine_map describes the new shards), T tensor ranks, the same whole model and
-    optimizer state."""
+    optimizer state (but ``clip_grad``, which ZeRO-3 files do not save, from a ZeRO-1/2 source to a ZeRO-3 target)."""
     source, world_size, spec = reshard_target(name)
     out = ds.path(name) / "resharded"
     assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
     before, after = ckptspec.open(ds.path(source)), ckptspec.open(out)
     assert after.kind == Kind.MODEL_PARALLEL and after.index.topology.degrees.tensor == spec["tp"]
     assert after.index.topology.degrees.data == world_size // spec["tp"]
-    check_same_to_ckptspec(before, after)
+    assert {d.manifest.layout.zero_stage for d in after.index.domains} == {spec["stage"]}
+    to_zero3 = spec["stage"] == 3 and source_spec(source)["stage"] != 3
+    check_same_to_ckptspec(before, after, optimizer_keys=("class", "groups", "loss_scaler") if to_zero3 else None)
 
 
 @pytest.mark.parametrize(
