@@ -1,0 +1,139 @@
+"""``ckptspec.DeepSpeedReader``: a DeepSpeed checkpoint loaded in place by ``dcp.load`` (issue #41), in one process.
+
+Every key the reader gives equals the same key of the checkpoint's DCP export (``export --format dcp``, whose
+loads by FSDP2 jobs tests/export/test_dcp.py and test_dcp_kinds.py hold against the live DeepSpeed engines),
+bit for bit and in dtype, read by torch's own ``FileSystemReader``; the reader reads the tensors' bytes and not
+one more. A box of a tensor (what one rank's shard asks for) reads exactly the box's bytes, wherever the
+tensor's ZeRO partitions cut it, and holds the whole tensor's elements of the box. The FSDP2 jobs that load
+through the reader at world sizes 1, 2 and 3 are tests/export/test_dcp_reader_jobs.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from _harness.parallel_oracles import bits_equal
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptspec
+
+# Plain ZeRO 1/2/3 in bf16 and fp32, each with two groups, a tie, a frozen parameter and buffers; a
+# tensor x data parallel, a pipeline x data parallel, a pipeline with a tie, a frozen weight and a buffer,
+# MoE and stage 0 (the kinds of tests/export/test_dcp_kinds.py).
+SOURCES = [
+    "dcp-s1-bf16-ws2-groups",
+    "dcp-s2-fp32-ws2-groups",
+    "dcp-s3-bf16-ws2-groups",
+    "dcp-s3-fp32-ws2-groups",
+    "tp2dp2-s2-bf16-ws4",
+    "pp2dp2-s1-bf16-ws4",
+    "pp2-s1-fp32-ws2-extras",
+    "moe-ep2-s2-bf16-ws2",
+    "s0-bf16-ws2",
+]
+
+
+def _load(state_keys, reader):
+    """``dcp.load`` into a flat state dict of ``state_keys``' shapes and dtypes (non-tensors as placeholders)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    state = {
+        key: torch.full(tuple(meta.size), 7, dtype=meta.properties.dtype)
+        if isinstance(meta, TensorStorageMetadata)
+        else "unset"
+        for key, meta in state_keys.items()
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_reader_gives_what_the_export_holds(ds, source, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ckptspec.export_dcp(ds.path(source), tmp_path / "dcp")
+    exported = dcp.FileSystemReader(str(tmp_path / "dcp"))
+    keys = exported.read_metadata().state_dict_metadata
+    reader = ckptspec.DeepSpeedReader(ds.path(source))
+    ours = reader.read_metadata().state_dict_metadata
+    assert list(ours) == list(keys)  # the same keys, in the same order
+    for key, meta in keys.items():
+        assert type(ours[key]) is type(meta), key
+        if isinstance(meta, TensorStorageMetadata):
+            assert (ours[key].size, ours[key].properties.dtype) == (meta.size, meta.properties.dtype), key
+
+    theirs, mine = _load(keys, exported), _load(keys, reader)
+    tensors = 0
+    for key, value in theirs.items():
+        if isinstance(keys[key], TensorStorageMetadata):
+            assert bits_equal(mine[key], value), key
+            if not key.endswith(".step"):  # the steps are made from the document, not read
+                tensors += value.numel() * value.element_size()
+        else:
+            assert value != "unset" and mine[key] == value, key
+    # Every tensor byte read once, and no other byte (no partition read whole for a part of it).
+    assert reader.bytes_read == tensors > 0
+
+
+def _cut_tensors(checkpoint):
+    """The tensors stored in more than one segment (cut by a partition boundary), with their segments."""
+    from ckptspec.export.dcp import plan_dcp
+
+    plan = plan_dcp(checkpoint)
+    return {key: s for key, s in plan.tensors.items() if len({seg.path for seg in s.segments}) > 1}
+
+
+@pytest.fixture(scope="module")
+def zero2(ds):
+    """A ZeRO-2 bf16 checkpoint's reader, its cut tensors and their whole values (read as torch's export does)."""
+    import torch
+
+    from ckptspec.export.arrays import ShardReader, read_array
+    from ckptspec.export.writers import to_torch
+
+    checkpoint = ckptspec.open(ds.path("dcp-s2-bf16-ws2-groups"))
+    cut = _cut_tensors(checkpoint)
+    with ShardReader() as files:
+        wholes = {key: to_torch(read_array(s, s.dtype, files), s.dtype) for key, s in cut.items()}
+    reader = ckptspec.DeepSpeedReader(ds.path("dcp-s2-bf16-ws2-groups"))
+    reader.read_metadata()
+    assert cut and all(t.dtype == torch.float32 for t in wholes.values())
+    return reader, cut, wholes
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_box_reads_exactly_its_bytes_across_a_partition_boundary(zero2, data):
+    from ckptspec.export.arrays import ShardReader
+
+    reader, cut, wholes = zero2
+    key = data.draw(st.sampled_from(sorted(cut)))
+    source, whole = cut[key], wholes[key]
+    offsets = [data.draw(st.integers(0, n - 1)) for n in whole.shape]
+    lengths = [data.draw(st.integers(1, n - o)) for n, o in zip(whole.shape, offsets)]
+    before = reader.bytes_read
+    with ShardReader() as files:
+        box = reader._read_box(source, offsets, lengths, files)
+    expected = whole[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+    assert bits_equal(box, expected), (key, offsets, lengths)
+    assert reader.bytes_read - before == expected.numel() * 4
+
+
+def test_a_row_box_across_the_boundary_is_one_range_per_file(zero2):
+    """A shard of whole rows (FSDP2's ``Shard(0)``) is one read in each partition file it spans."""
+    from ckptspec.export.dcp_source import box_segments
+
+    _, cut, wholes = zero2
+    key = next(k for k in sorted(cut) if wholes[k].dim() == 2)
+    source = cut[key]
+    rows = wholes[key].shape[0]
+    segments = list(box_segments(source, [0, 0], [rows, wholes[key].shape[1]]))
+    assert [s.path for s in segments] == [s.path for s in source.segments]
+    assert sum(s.nbytes for s in segments) == wholes[key].numel() * 4
