@@ -137,3 +137,24 @@ def test_a_row_box_across_the_boundary_is_one_range_per_file(zero2):
     segments = list(box_segments(source, [0, 0], [rows, wholes[key].shape[1]]))
     assert [s.path for s in segments] == [s.path for s in source.segments]
     assert sum(s.nbytes for s in segments) == wholes[key].numel() * 4
+
+
+def test_key_map_renames_and_leaves_out_keys(ds, tmp_path):
+    """The weights only, under another prefix: each renamed key holds its own key's tensor; nothing else is read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    source = ds.path("dcp-s3-bf16-ws2-groups")
+    ckptspec.export_dcp(source, tmp_path / "dcp")
+    exported = dcp.FileSystemReader(str(tmp_path / "dcp"))
+    keys = exported.read_metadata().state_dict_metadata
+    theirs = _load(keys, exported)
+
+    reader = ckptspec.DeepSpeedReader(source, key_map=lambda k: "net." + k[6:] if k.startswith("model.") else None)
+    renamed = reader.read_metadata().state_dict_metadata
+    assert sorted(renamed) == sorted("net." + k[6:] for k in keys if k.startswith("model."))
+    mine = _load(renamed, reader)
+    for key, value in mine.items():
+        assert isinstance(renamed[key], TensorStorageMetadata)
+        assert bits_equal(value, theirs["model." + key[4:]]), key
+    assert reader.bytes_read == sum(v.numel() * v.element_size() for v in mine.values())
