@@ -58,7 +58,8 @@ class DeepSpeedReader(StorageReader):
     ``{"model": ..., "optim": ...}``. ``process_group``: the group ``dcp.load`` runs on; ``collective``:
     validate on its rank 0 and broadcast the verdict (default: when ``torch.distributed`` is initialized;
     pass False for a ``dcp.load(..., no_dist=True)`` on some ranks only). ``bytes_read``: the checkpoint
-    bytes this reader read for tensors (this process's).
+    bytes this reader read for tensors (this process's); ``validated_here``: whether this process validated
+    the checkpoint (rank 0 of the group, or a process on its own) rather than received the verdict.
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class DeepSpeedReader(StorageReader):
         self.manifest, self.tag, self.key_map = manifest, tag, key_map
         self.process_group, self.collective = process_group, collective
         self.bytes_read = 0
+        self.validated_here = False
         self._plan: DcpPlan | None = None
         self._metadata: Metadata | None = None
         self._keys: dict[str, str] = {}  # the loading job's key -> ours
@@ -97,6 +99,12 @@ class DeepSpeedReader(StorageReader):
             return False
         return True
 
+    @property
+    def _remote(self) -> bool:
+        from ..location import is_remote
+
+        return is_remote(self.checkpoint_id)
+
     def read_metadata(self) -> Metadata:
         if self._metadata is None:
             self._plan = self._open()
@@ -117,13 +125,13 @@ class DeepSpeedReader(StorageReader):
         assert dcp_plan is not None, "read_metadata first"
         tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
         with ShardReader() as files:
-            # A remote file's ranges are fetched ahead, in the order they are read.
-            files.plan(
-                seg
-                for r in tensors
-                if (source := dcp_plan.tensors.get(self._keys[r.storage_index.fqn])) is not None
-                for seg in box_segments(source, r.storage_offsets, r.lengths)
-            )
+            if self._remote:  # a remote file's ranges are fetched ahead, in the order they are read
+                files.plan(
+                    seg
+                    for r in tensors
+                    if (source := dcp_plan.tensors.get(self._keys[r.storage_index.fqn])) is not None
+                    for seg in box_segments(source, r.storage_offsets, r.lengths)
+                )
             for item in plan.items:
                 key = self._keys[item.storage_index.fqn]
                 if item.type == LoadItemType.BYTE_IO:
@@ -136,15 +144,21 @@ class DeepSpeedReader(StorageReader):
                 if key in dcp_plan.steps:
                     target.copy_(torch.tensor(dcp_plan.steps[key], dtype=torch.float32))
                 else:
-                    target.copy_(self._read_box(dcp_plan.tensors[key], item.storage_offsets, item.lengths, files))
+                    self._read_box(dcp_plan.tensors[key], item.storage_offsets, item.lengths, files, target)
                 planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_box(self, source: TensorSource, offsets, lengths, files: ShardReader) -> torch.Tensor:
-        """The box of ``source``, as stored (its dtype), from its byte ranges only."""
-        box = torch.empty(tuple(lengths), dtype=getattr(torch, source.dtype))
+    def _read_box(
+        self, source: TensorSource, offsets, lengths, files: ShardReader, target: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The box of ``source`` from its byte ranges only: into ``target`` (cast to its dtype), read there
+        directly when it is a contiguous CPU tensor of the stored dtype, else through a buffer of it."""
+        dtype = getattr(torch, source.dtype)
+        direct = target is not None and target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
+        box = target if direct else torch.empty(tuple(lengths), dtype=dtype)
+        assert box is not None and tuple(box.shape) == tuple(lengths), (source.name, lengths)
         raw = memoryview(box.reshape(-1).view(torch.uint8).numpy())
         pos = 0
         for seg in box_segments(source, offsets, lengths):
@@ -154,6 +168,8 @@ class DeepSpeedReader(StorageReader):
         self.bytes_read += pos
         if source.digest is not None and whole(source.shape, offsets, lengths):
             check_digest(source, hashlib.sha256(raw))  # CK222
+        if target is not None and not direct:
+            target.copy_(box)
         return box
 
     def _open(self) -> DcpPlan:
@@ -166,9 +182,11 @@ class DeepSpeedReader(StorageReader):
         if collective is None:
             collective = dist.is_available() and dist.is_initialized()
         if not collective:
+            self.validated_here = True
             return validated(checkpoint, self.manifest, self.tag)[1]
         group = self.process_group
         if dist.get_rank(group) == 0:
+            self.validated_here = True
             error: BaseException | None = None
             try:
                 _, dcp_plan, verdict = validated(checkpoint, self.manifest, self.tag)

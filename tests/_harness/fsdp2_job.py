@@ -28,7 +28,8 @@ With ``"reader": true`` nothing is exported: every rank loads the checkpoint in 
 ``dcp.load(state, storage_reader=ckptspec.DeepSpeedReader(LOAD))``, and rank 0 also records
 
   bytes_read    per rank: (checkpoint bytes its reader read, its share: the bytes of the boxes its
-                shards hold, each tensor at its stored dtype; the steps are not read)
+                shards hold, each tensor at its stored dtype (the steps are not read), whether this
+                rank validated the checkpoint rather than received rank 0's verdict)
 
 With ``"expect_error": true`` as well (a corrupt checkpoint, launched by the test itself), the load must
 fail: each rank writes ``OUT/failure.rank<R>.json`` (the error's text, and whether every entry of the
@@ -209,7 +210,8 @@ def run(args, out: Path) -> None:
 
 
 def _bytes_read(state, reader) -> list:
-    """Per rank: (bytes its reader read, its share: each tensor's local shard at the stored dtype, steps aside)."""
+    """Per rank: (bytes its reader read, its share: each tensor's local shard at the stored dtype, steps aside,
+    whether it validated the checkpoint)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -221,7 +223,7 @@ def _bytes_read(state, reader) -> list:
             local = value.to_local() if hasattr(value, "to_local") else value
             share += local.numel() * torch.empty((), dtype=stored[key].properties.dtype).element_size()
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (reader.bytes_read, share))
+    dist.all_gather_object(gathered, (reader.bytes_read, share, reader.validated_here))
     return gathered
 
 

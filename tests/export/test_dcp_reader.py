@@ -158,3 +158,45 @@ def test_key_map_renames_and_leaves_out_keys(ds, tmp_path):
         assert isinstance(renamed[key], TensorStorageMetadata)
         assert bits_equal(value, theirs["model." + key[4:]]), key
     assert reader.bytes_read == sum(v.numel() * v.element_size() for v in mine.values())
+
+
+def test_a_corrupt_checkpoint_is_refused_before_any_tensor_is_read(ds, tmp_path):
+    """In one process (no torch.distributed), the reader validates for itself: the finding, nothing read."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from _harness import faults
+
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(ds.path("dcp-s2-bf16-ws2-groups"), copy)
+    faults.truncate_optim_rank1(copy, None)
+    finding = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: $.files[2] (rank 1): CK205 zip directory unreadable"
+    reader = ckptspec.DeepSpeedReader(copy)
+    with pytest.raises(ckptspec.CheckpointInvalid) as raised:
+        reader.read_metadata()
+    assert raised.value.code == "CK205" and finding in [f.to_line()[: len(finding)] for f in raised.value.findings]
+    state = {"model.l1.weight": torch.zeros(33, 16)}
+    with warnings.catch_warnings(), pytest.raises(BaseException, match="CK205 zip directory unreadable"):
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=ckptspec.DeepSpeedReader(copy), no_dist=True)  # DCP wraps it
+    assert reader.bytes_read == 0 and torch.equal(state["model.l1.weight"], torch.zeros(33, 16))
+
+
+def test_the_checkpoint_may_be_given_as_dcp_checkpoint_id(ds, tmp_path):
+    import torch
+
+    source = ds.path("dcp-s1-bf16-ws2-groups")
+    assert ckptspec.DeepSpeedReader.validate_checkpoint_id(source)
+    assert ckptspec.DeepSpeedReader.validate_checkpoint_id(next(source.glob("global_step*")))  # a tag directory
+    ckptspec.export_dcp(source, tmp_path / "dcp")
+    assert not ckptspec.DeepSpeedReader.validate_checkpoint_id(tmp_path / "dcp")  # torch's own format
+    assert not ckptspec.DeepSpeedReader.validate_checkpoint_id(tmp_path / "missing")
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model.l1.weight": torch.zeros(33, 16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(source), storage_reader=ckptspec.DeepSpeedReader(), no_dist=True)
+    assert torch.equal(state["model.l1.weight"], ckptspec.load_state_dict(source)["l1.weight"])

@@ -39,7 +39,8 @@ def test_fsdp2_loads_the_checkpoint_in_place(ds, source, world_size):
         check_plain_load(ds, source, world_size, got)
     read = got["bytes_read"]
     assert len(read) == world_size
-    for rank, (done, share) in enumerate(read):
+    assert [validated for _, _, validated in read] == [True] + [False] * (world_size - 1)  # once, on rank 0
+    for rank, (done, share, _) in enumerate(read):
         assert 0 < done <= share * OVERREAD, f"rank {rank} read {done} bytes, its share is {share}"
         assert done == share, f"rank {rank} read {done} bytes, its share is {share}"  # measured: exactly
 
