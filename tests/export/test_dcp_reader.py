@@ -200,3 +200,35 @@ def test_the_checkpoint_may_be_given_as_dcp_checkpoint_id(ds, tmp_path):
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=str(source), storage_reader=ckptspec.DeepSpeedReader(), no_dist=True)
     assert torch.equal(state["model.l1.weight"], ckptspec.load_state_dict(source)["l1.weight"])
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "ReconstructMismatch",  # CK401: replicated copies differ (check_copies)
+        "ReconstructUnsupported",  # CK402: no Adam state located
+        "CheckpointInvalid",  # the findings of validation
+        "RuntimeError",  # not ckptspec's: every rank must still fail
+    ],
+)
+def test_every_rank_raises_the_error_of_the_rank_that_validated(error):
+    """The verdict another rank receives (plain data) raises the validating rank's error: class, code, findings."""
+    from ckptspec import errors
+    from ckptspec.export.dcp_source import failed, planned
+    from ckptspec.findings import finding
+
+    found = [finding("CK205", "$.files[2]", "zip directory unreadable", "restore it", file="f.pt", rank=1)]
+    raised = {
+        "ReconstructMismatch": errors.ReconstructMismatch("replicated parameter 'w' differs", "/ckpt"),
+        "ReconstructUnsupported": errors.ReconstructUnsupported("no optimizer state", "regenerate"),
+        "CheckpointInvalid": errors.CheckpointInvalid(found, "/ckpt"),
+        "RuntimeError": RuntimeError("a bug"),
+    }[error]
+    with pytest.raises(BaseException) as again:
+        planned("/ckpt", failed(raised))
+    if error == "RuntimeError":
+        assert type(again.value) is RuntimeError and "RuntimeError: a bug" in str(again.value)
+        return
+    assert type(again.value) is type(raised) and str(again.value) == str(raised)
+    assert (again.value.code, again.value.hint, again.value.file) == (raised.code, raised.hint, raised.file)
+    assert getattr(again.value, "findings", None) == getattr(raised, "findings", None)
