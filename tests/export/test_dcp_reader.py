@@ -232,3 +232,44 @@ def test_every_rank_raises_the_error_of_the_rank_that_validated(error):
     assert type(again.value) is type(raised) and str(again.value) == str(raised)
     assert (again.value.code, again.value.hint, again.value.file) == (raised.code, raised.hint, raised.file)
     assert getattr(again.value, "findings", None) == getattr(raised, "findings", None)
+
+
+def test_a_whole_tensor_read_is_checked_against_its_recorded_digest(ds, tmp_path):
+    """A format 1.1 manifest records each tensor's digest: one bit of a master flipped after it was written (the
+    files' hashes left out, so that validation cannot tell) fails the read of that whole tensor with CK222."""
+    import json
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from click.testing import CliRunner
+
+    from ckptspec.cli import cli
+
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(ds.path("dcp-s2-bf16-ws2-groups"), copy)
+    manifest = tmp_path / "manifest.json"
+    assert CliRunner().invoke(cli, ["generate", str(copy), "--hash", "-o", str(manifest)]).exit_code == 0
+    doc = json.loads(manifest.read_text())
+    for f in doc["files"]:
+        del f["hash"]
+    manifest.write_text(json.dumps(doc))
+    source = ckptspec.open(copy, manifest=manifest).plan.sources["l2.weight"]
+    assert source.digest is not None
+    victim = source.segments[0]
+    with open(victim.path, "r+b") as f:  # the lowest bit of element 100's mantissa: bf16 rounding hides it
+        f.seek(victim.offset + 4 * 100)
+        byte = f.read(1)[0]
+        f.seek(victim.offset + 4 * 100)
+        f.write(bytes([byte ^ 1]))
+
+    def load(keys):
+        state = {key: torch.zeros(16, 33) for key in keys}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=ckptspec.DeepSpeedReader(copy, manifest=manifest), no_dist=True)
+        return state
+
+    load(["optim.state.l2.weight.exp_avg"])  # another tensor of the same partitions: read, its digest holds
+    with pytest.raises(BaseException, match="CK222 l2.weight: sha256 of the tensor's elements"):
+        load(["model.l2.weight"])
