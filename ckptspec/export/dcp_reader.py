@@ -82,6 +82,7 @@ class DeepSpeedReader(StorageReader):
         self._metadata: Metadata | None = None
         self._keys: dict[str, str] = {}  # the loading job's key -> ours
         self._values: dict[str, Any] = {}  # ours -> a param_groups value (bytes items)
+        self._owner: dict[str, str] = {}  # ours -> the first of our keys with the same tensor (a tie's owner)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None and checkpoint_id != self.checkpoint_id:
@@ -108,6 +109,8 @@ class DeepSpeedReader(StorageReader):
     def read_metadata(self) -> Metadata:
         if self._metadata is None:
             self._plan = self._open()
+            first: dict[int, str] = {}
+            self._owner = {key: first.setdefault(id(s), key) for key, s in self._plan.tensors.items()}
             self._metadata = self._build_metadata(self._plan)
         return self._metadata
 
@@ -123,14 +126,18 @@ class DeepSpeedReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         dcp_plan = self._plan
         assert dcp_plan is not None, "read_metadata first"
-        tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
+        # A tied alias is its owner's tensor under another key: each box is read once, then copied to the others.
+        boxes: dict[tuple, list] = {}  # (source, offsets, lengths) -> [source, offsets, lengths, items taking it]
+        for item in plan.items:
+            if (box := self._box(item)) is not None:
+                boxes.setdefault(box, [dcp_plan.tensors[box[0]], item.storage_offsets, item.lengths, 0])[3] += 1
+        held: dict[tuple, torch.Tensor] = {}  # a box read for an item, until the last item taking it
         with ShardReader() as files:
             if self._remote:  # a remote file's ranges are fetched ahead, in the order they are read
                 files.plan(
                     seg
-                    for r in tensors
-                    if (source := dcp_plan.tensors.get(self._keys[r.storage_index.fqn])) is not None
-                    for seg in box_segments(source, r.storage_offsets, r.lengths)
+                    for source, offsets, lengths, _ in boxes.values()
+                    for seg in box_segments(source, offsets, lengths)
                 )
             for item in plan.items:
                 key = self._keys[item.storage_index.fqn]
@@ -141,14 +148,31 @@ class DeepSpeedReader(StorageReader):
                     planner.load_bytes(item, value)
                     continue
                 target = planner.resolve_tensor(item).detach()
-                if key in dcp_plan.steps:
+                box = self._box(item)
+                if box is None:  # a step
                     target.copy_(torch.tensor(dcp_plan.steps[key], dtype=torch.float32))
+                elif box in held:
+                    target.copy_(held[box])
                 else:
-                    self._read_box(dcp_plan.tensors[key], item.storage_offsets, item.lengths, files, target)
+                    source, offsets, lengths, _ = boxes[box]
+                    held[box] = self._read_box(source, offsets, lengths, files, target)
+                if box is not None:
+                    boxes[box][3] -= 1
+                    if boxes[box][3] == 0:
+                        held.pop(box, None)
                 planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _box(self, item) -> tuple | None:
+        """What a tensor item reads: (the key of its source in the plan, offsets, lengths); None for a step
+        or a bytes item. A tied alias's key names its owner's source, so both take one box."""
+        assert self._plan is not None
+        key = self._keys[item.storage_index.fqn]
+        if item.type == LoadItemType.BYTE_IO or key in self._plan.steps:
+            return None
+        return self._owner.get(key, key), tuple(item.storage_offsets), tuple(item.lengths)
 
     def _read_box(
         self, source: TensorSource, offsets, lengths, files: ShardReader, target: torch.Tensor | None = None

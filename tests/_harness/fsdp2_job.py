@@ -28,7 +28,8 @@ With ``"reader": true`` nothing is exported: every rank loads the checkpoint in 
 ``dcp.load(state, storage_reader=ckptspec.DeepSpeedReader(LOAD))``, and rank 0 also records
 
   bytes_read    per rank: (checkpoint bytes its reader read, its share: the bytes of the boxes its
-                shards hold, each tensor at its stored dtype (the steps are not read), whether this
+                shards hold, each tensor at its stored dtype (the steps are not read, a tie's
+                parameter counts once), whether this
                 rank validated the checkpoint rather than received rank 0's verdict)
 
 With ``"expect_error": true`` as well (a corrupt checkpoint, launched by the test itself), the load must
@@ -217,11 +218,13 @@ def _bytes_read(state, reader) -> list:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     stored = reader.read_metadata().state_dict_metadata
-    share = 0
+    shards = {}  # a tie's names hold one parameter: its shard counts once
     for key, value in flatten_state_dict(state)[0].items():
         if isinstance(value, torch.Tensor) and not key.endswith(".step"):
             local = value.to_local() if hasattr(value, "to_local") else value
-            share += local.numel() * torch.empty((), dtype=stored[key].properties.dtype).element_size()
+            itemsize = torch.empty((), dtype=stored[key].properties.dtype).element_size()
+            shards[local.data_ptr() if local.numel() else key] = local.numel() * itemsize
+    share = sum(shards.values())
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (reader.bytes_read, share, reader.validated_here))
     return gathered
