@@ -127,7 +127,7 @@ class DeepSpeedReader(StorageReader):
         dcp_plan = self._plan
         assert dcp_plan is not None, "read_metadata first"
         # A tied alias is its owner's tensor under another key: each box is read once, then copied to the others.
-        boxes: dict[tuple, list] = {}  # (source, offsets, lengths) -> [source, offsets, lengths, items taking it]
+        boxes: dict[tuple, list] = {}  # (owner key, offsets, lengths) -> [source, offsets, lengths, items taking it]
         for item in plan.items:
             if (box := self._box(item)) is not None:
                 boxes.setdefault(box, [dcp_plan.tensors[box[0]], item.storage_offsets, item.lengths, 0])[3] += 1
