@@ -34,6 +34,7 @@ __all__ = [
     "FileUnreadable",
     "Finding",
     "CheckpointIndex",
+    "DeepSpeedReader",
     "IndexReport",
     "InputOutputError",
     "InternalError",
@@ -79,6 +80,7 @@ _LAZY = {
     "reshard": "ckptspec.export.api",
     "export_dcp": "ckptspec.export.api",
     "export_universal": "ckptspec.export.api",
+    "DeepSpeedReader": "ckptspec.export.dcp_reader",  # needs torch
 }
 
 

@@ -15,6 +15,7 @@ the same plan. No DeepSpeed, no pickle; torch only for ``--format torch``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from ..checkpoint.states import StateCache
@@ -51,12 +52,19 @@ def validated_index_plan(checkpoint: str | os.PathLike, index: Any = None, tag: 
     )
     if found is None or has_errors(findings):
         raise CheckpointInvalid(findings, str(checkpoint))
-    domain_plans = {d.id: domain_plan(tag_dir, d, states) for d in found.domains}
-    extras, aliases = extras_of(found, tag_dir, domain_plans, states)
-    plan = whole_plan(found, tag_dir, domain_plans, extras, aliases)
-    if isinstance(tag_dir, RemotePath):
-        plan.file_hashes = recorded_hashes(found, tag_dir)
+    plan = index_plan(found, tag_dir, states)
     plan.warnings = findings  # no error among them: the warnings (CK224, CK226, CK236), for the caller to show
+    return plan
+
+
+def index_plan(index: CheckpointIndex, tag_dir: Path | RemotePath, states: StateCache) -> IndexReconstructionPlan:
+    """The whole model of a checkpoint index validated already (here, or by another rank: ``dcp_open``),
+    from its domains' files (their metadata only: ``states``, what validation read, or read now)."""
+    domain_plans = {d.id: domain_plan(tag_dir, d, states) for d in index.domains}
+    extras, aliases = extras_of(index, tag_dir, domain_plans, states)
+    plan = whole_plan(index, tag_dir, domain_plans, extras, aliases)
+    if isinstance(tag_dir, RemotePath):
+        plan.file_hashes = recorded_hashes(index, tag_dir)
     plan.states = states
     return plan
 

@@ -24,6 +24,18 @@ step on a batch every rank shares. Rank 0 writes ``OUT/fsdp2.pt``:
   after         every parameter after the extra step (full_tensor())
   batch_seed    the seed of the shared batch (the test replays the step with plain AdamW)
 
+With ``"reader": true`` nothing is exported: every rank loads the checkpoint in place,
+``dcp.load(state, storage_reader=ckptspec.DeepSpeedReader(LOAD))``, and rank 0 also records
+
+  bytes_read    per rank: (checkpoint bytes its reader read, its share: the bytes of the boxes its
+                shards hold, each tensor at its stored dtype (the steps are not read, a tie's
+                parameter counts once), whether this
+                rank validated the checkpoint rather than received rank 0's verdict)
+
+With ``"expect_error": true`` as well (a corrupt checkpoint, launched by the test itself), the load must
+fail: each rank writes ``OUT/failure.rank<R>.json`` (the error's text, and whether every entry of the
+model's state dict is as before the load) and goes on to the next task.
+
 No DeepSpeed runs here; the launch is not the DeepSpeed job's, so its code is not in their cache key.
 """
 
@@ -124,7 +136,13 @@ def run(args, out: Path) -> None:
         spec = normalize_spec(args["spec"])
     rank = dist.get_rank()
     dcp_dir = out / "dcp"
-    if rank == 0:
+    reader = None
+    if args.get("reader"):  # the checkpoint in place, no export
+        from ckptspec import DeepSpeedReader
+
+        out.mkdir(parents=True, exist_ok=True)
+        reader = DeepSpeedReader(args["load"])
+    elif rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         _export(args["load"], dcp_dir)
     dist.barrier()
@@ -143,7 +161,13 @@ def run(args, out: Path) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     own_keys = sorted(flatten_state_dict(state)[0])
-    dcp.load(state, checkpoint_id=str(dcp_dir))
+    if args.get("expect_error"):
+        _fail_to_load(model, state, reader, out)
+        return
+    if reader is not None:
+        dcp.load(state, storage_reader=reader)
+    else:
+        dcp.load(state, checkpoint_id=str(dcp_dir))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     names = {p: n for n, p in model.named_parameters()}
@@ -168,8 +192,10 @@ def run(args, out: Path) -> None:
         optimizer.step()
         after = {n: _full(p) for n, p in model.named_parameters()}
 
+    read = _bytes_read(state, reader) if reader is not None else None
     if rank == 0:
-        dcp_keys = sorted(dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata)
+        metadata = reader.read_metadata() if reader is not None else dcp.FileSystemReader(str(dcp_dir)).read_metadata()
+        dcp_keys = sorted(metadata.state_dict_metadata)
         result = {
             "keys": {"export": dcp_keys, "fsdp2": own_keys},
             "loaded": loaded,
@@ -178,9 +204,48 @@ def run(args, out: Path) -> None:
             "after": after,
             "batch_seed": BATCH_SEED,
             "world_size": dist.get_world_size(),
+            "bytes_read": read,
         }
         torch.save(result, out / "fsdp2.pt")
         (out / "fsdp2.json").write_text(json.dumps({"loss": None if loss is None else float(loss)}))
+
+
+def _bytes_read(state, reader) -> list:
+    """Per rank: (bytes its reader read, its share: each tensor's local shard at the stored dtype, steps aside,
+    whether it validated the checkpoint)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    stored = reader.read_metadata().state_dict_metadata
+    shards = {}  # a tie's names hold one parameter: its shard counts once
+    for key, value in flatten_state_dict(state)[0].items():
+        if isinstance(value, torch.Tensor) and not key.endswith(".step"):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            itemsize = torch.empty((), dtype=stored[key].properties.dtype).element_size()
+            shards[local.data_ptr() if local.numel() else key] = local.numel() * itemsize
+    share = sum(shards.values())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (reader.bytes_read, share, reader.validated_here))
+    return gathered
+
+
+def _fail_to_load(model, state, reader, out: Path) -> None:
+    """The load of a corrupt checkpoint: it must raise on this rank, and leave the model as it was."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    before = {n: _full(t) for n, t in model.state_dict().items()}
+    try:
+        dcp.load(state, storage_reader=reader)
+        error = None
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        error = str(exc)
+    after = {n: _full(t) for n, t in model.state_dict().items()}
+    unchanged = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    record = {"error": error, "unchanged": unchanged, "read": reader.bytes_read}
+    (out / f"failure.rank{dist.get_rank()}.json").write_text(json.dumps(record))
 
 
 def main():

@@ -542,6 +542,16 @@ def fsdp2_name(source: str, world_size: int) -> str:
     return f"fsdp2-ws{world_size}-{source}"
 
 
+# The DCP reader (issue #41): FSDP2 jobs of world size 1, 2 and 3 load these checkpoints in place
+# (``ckptspec.DeepSpeedReader``, no export; fsdp2_job.py ``"reader": true``), in the launches of the loads above.
+DCP_READER_SOURCES = ["dcp-s2-bf16-ws2-groups", "dcp-s3-fp32-ws2-groups", *DCP_PARALLEL_SOURCES]
+
+
+def fsdp2_reader_name(source: str, world_size: int) -> str:
+    """The entry where an FSDP2 job of ``world_size`` loaded ``source`` through the DCP reader."""
+    return f"fsdp2-reader-ws{world_size}-{source}"
+
+
 # MATRIX checkpoints also committed to the repository (``scripts/compat.sh --refresh`` writes
 # them): a fault of tests/_harness/faults.py with base ``committed:<name>`` mutates a copy, so a
 # test of a new CK2xx check needs neither DeepSpeed nor a job.
@@ -566,6 +576,12 @@ def _registry() -> dict[str, Task]:
         spec = {**MATRIX_SPECS, **DCP_SOURCE_SPECS}[source][0]
         for ws in FSDP2_WORLD_SIZES:
             out[fsdp2_name(source, ws)] = Task("fsdp2", {"spec": spec, "source": source}, ws, load=source)
+    for source in DCP_READER_SOURCES:
+        parallel = source in DCP_PARALLEL_SOURCES
+        spec = (PARALLEL_SPECS if parallel else DCP_SOURCE_SPECS)[source][0]
+        args = {"spec": spec, "source": source, "reader": True, **({"parallel": True} if parallel else {})}
+        for ws in FSDP2_WORLD_SIZES:
+            out[fsdp2_reader_name(source, ws)] = Task("fsdp2", args, ws, load=source)
     for name, (spec, ws) in SOURCE_SPECS.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():

@@ -26,9 +26,8 @@ import json
 
 import pytest
 from _harness import scenarios
-from _harness.fsdp2_job import parallel_batch
-from _harness.job.parallel_models import reference_model
-from _harness.parallel_oracles import affine_pieces, bits_equal, check_masters, info, rank_oracles, read_dcp, shard_of
+from _harness.dcp_oracles import check_parallel_load
+from _harness.parallel_oracles import bits_equal, info, read_dcp
 
 import ckptspec
 
@@ -36,94 +35,14 @@ SOURCES = scenarios.DCP_PARALLEL_SOURCES
 WORLD_SIZE = scenarios.DCP_PARALLEL_WORLD_SIZE
 
 
-def _fsdp2(ds, source: str) -> dict:
+@pytest.mark.parametrize("source", SOURCES)
+def test_fsdp2_loads_every_kind_as_deepspeed_holds_it(ds, source):
+    """The oracles of tests/_harness/dcp_oracles.py (``check_parallel_load``): every rank's master, moments,
+    steps, groups and hyperparameters as DeepSpeed holds them, bit for bit; the extra step as plain Adam's."""
     import torch
 
     got = torch.load(ds.path(scenarios.fsdp2_name(source, WORLD_SIZE)) / "fsdp2.pt", weights_only=False)
-    assert got["world_size"] == WORLD_SIZE
-    return got
-
-
-def _optim_records(ds, source: str) -> list[dict]:
-    import torch
-
-    entry = ds.path(scenarios.optim_name(source))
-    return [
-        torch.load(entry / f"optim.rank{r}.pt", weights_only=True) for r in range(scenarios.REGISTRY[source].world_size)
-    ]
-
-
-@pytest.mark.parametrize("source", SOURCES)
-def test_fsdp2_loads_every_kind_as_deepspeed_holds_it(ds, source):
-    import torch
-
-    entry = ds.path(source)
-    spec = info(entry)["spec"]
-    got = _fsdp2(ds, source)
-
-    # The export has exactly the keys an FSDP2 job of the consolidated model asks for (and saves).
-    assert got["keys"]["export"] == got["keys"]["fsdp2"]
-
-    # Every rank's live master, bit for bit (a tensor-parallel rank's: its shard of the loaded whole).
-    loaded = got["loaded"]
-    assert all(t.dtype == torch.float32 for t in loaded.values())
-    assert check_masters(entry, loaded) >= len(loaded)
-    oracles = rank_oracles(entry)
-    assert {o["params"][local]["global_name"] for o in oracles for local in o["masters"]} == set(loaded)
-
-    # Adam's moments bit for bit, every parameter's step, group and hyperparameters, as DeepSpeed loads them.
-    records = _optim_records(ds, source)
-    coords = [o["coords"] for o in oracles]
-    group_of = {name: g for g, group in enumerate(got["param_groups"]) for name in group["params"]}
-    trainable = set()
-    for rank, record in enumerate(records):
-        assert record["param_groups"] == records[0]["param_groups"]
-        for name, states in record["state"].items():
-            trainable.add(name)
-            ours = got["state"][name]
-            assert set(ours) == {"exp_avg", "exp_avg_sq", "step"}, name
-            for key, theirs in states.items():
-                mine = ours[key]
-                if spec["tp"] > 1:
-                    tp = coords[rank]["tp"]
-                    mine = shard_of(mine, affine_pieces(entry, tp, name), theirs.shape)
-                assert bits_equal(mine, theirs), f"{source}: {name}.{key} (rank {rank})"
-            assert ours["step"].item() == record["step"][name], name
-            assert group_of[name] == record["group"][name], name
-    assert set(got["state"]) == trainable == set(group_of)
-    assert [{k: v for k, v in g.items() if k != "params"} for g in got["param_groups"]] == records[0]["param_groups"]
-
-    # One more step (not for MoE: its gate's training forward selects tokens at random): what plain
-    # torch.optim.Adam gives from the state just held against DeepSpeed's, on the same batch, bit for bit.
-    if spec["ep"]:
-        assert got["after"] == {}
-        return
-    expected = _replay(spec, got)
-    assert set(expected) == set(got["after"]) == set(loaded)
-    for name, theirs in expected.items():
-        assert bits_equal(got["after"][name], theirs), f"{name} after one step"
-        assert not torch.equal(theirs, loaded[name]), f"{name}: the step changed nothing"
-
-
-def _replay(spec, got) -> dict:
-    """One step of plain torch.optim.Adam on the consolidated model, from the loaded weights and state."""
-    import torch
-
-    model = reference_model(spec)
-    model.load_state_dict(got["loaded"])
-    names = dict(model.named_parameters())
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[n] for n in g["params"]]}
-        for g in got["param_groups"]
-    ]
-    optimizer = torch.optim.Adam(groups)
-    for group in got["param_groups"]:
-        for name in group["params"]:
-            optimizer.state[names[name]] = {k: v.clone() for k, v in got["state"][name].items()}
-    inputs, targets = parallel_batch(spec)
-    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
-    optimizer.step()
-    return {n: p.detach() for n, p in model.named_parameters()}
+    check_parallel_load(ds, source, WORLD_SIZE, got)
 
 
 EVERY_KIND = [
