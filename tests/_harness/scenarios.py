@@ -552,15 +552,14 @@ def fsdp2_reader_name(source: str, world_size: int) -> str:
     return f"fsdp2-reader-ws{world_size}-{source}"
 
 
-# The reader's jobs beyond one node (#41): name -> (source, world size, nodes, fsdp2_job.py options). The four of
-# world size 4 run as two torchrun agents of two ranks each (``--nnodes 2``; one launch): FSDP2 on a 1-D mesh, HSDP
-# on a 2x2 mesh (replicated across the nodes, sharded within each), and HSDP whose reader and ``dcp.load`` run
-# on each node's shard group (``process_group=``). The HTTP one reads the checkpoint from nginx's URL, in the
-# world-size-2 launch above.
+# The reader's jobs beyond one node (#41): name -> (source, world size, nodes, fsdp2_job.py options). Those of
+# world size 4 run as two torchrun agents of two ranks each (``--nnodes 2``; one launch): FSDP2 on a 1-D mesh (every
+# source above), HSDP on a 2x2 mesh (replicated across the nodes, sharded within each), and HSDP whose reader and
+# ``dcp.load`` run on each node's shard group (``process_group=``). The HTTP one reads the checkpoint from nginx's
+# URL, in the world-size-2 launch above.
 REMOTE_SMALL_READS = {"TAIL": 1024, "READ_AHEAD": 0, "CHUNK": 4096}  # validation keeps no tensor's bytes
 DCP_READER_JOBS = {
-    "fsdp2-reader-nodes2-dcp-s2-bf16-ws2-groups": ("dcp-s2-bf16-ws2-groups", 4, 2, {}),
-    "fsdp2-reader-nodes2-tp2dp2-s2-bf16-ws4": ("tp2dp2-s2-bf16-ws4", 4, 2, {}),
+    **{f"fsdp2-reader-nodes2-{source}": (source, 4, 2, {}) for source in DCP_READER_SOURCES},
     "fsdp2-reader-hsdp-nodes2-dcp-s2-bf16-ws2-groups": ("dcp-s2-bf16-ws2-groups", 4, 2, {"mesh": [2, 2]}),
     "fsdp2-reader-hsdp-group-nodes2-dcp-s3-fp32-ws2-groups": (
         "dcp-s3-fp32-ws2-groups",

@@ -1,8 +1,8 @@
 """The DCP reader in the jobs issue #41 names beyond one node of world size 1-3 (scenarios.DCP_READER_JOBS):
 
 - **two nodes**: FSDP2 jobs of world size 4 run as two torchrun agents on this machine (``--nnodes 2``,
-  ``--node_rank 0|1``, one rendezvous port, two ranks each; launch.run_nodes), loading a ZeRO-2 bf16 run and a
-  tp2 x dp2 one in place;
+  ``--node_rank 0|1``, one rendezvous port, two ranks each; launch.run_nodes), loading every source of the reader's
+  jobs of one node in place (ZeRO-2 bf16, ZeRO-3 fp32, tp2 x dp2, pp2 x dp2, MoE ep2, stage 0);
 - **HSDP**: a 2x2 mesh (``("replicate", "shard")``, ``fully_shard(..., mesh=mesh)``) over those two nodes, so each
   node holds one replica, sharded over its two ranks; once with the reader and ``dcp.load`` on the whole job, once
   on each node's shard group (``process_group=``: each replica validates and plans on its own);
