@@ -32,6 +32,19 @@ With ``"reader": true`` nothing is exported: every rank loads the checkpoint in 
                 parameter counts once), whether this
                 rank validated the checkpoint rather than received rank 0's verdict)
 
+and ``ranks``: per rank, its node (``GROUP_RANK`` of ``GROUP_WORLD_SIZE``, torchrun's), its local rank (of
+``LOCAL_WORLD_SIZE``) and its parent process (the node's agent). Options of a reader task:
+
+  mesh          ``[R, S]``: HSDP, a 2-D mesh (``"replicate"``, ``"shard"``), every unit ``fully_shard``ed on it
+  group         ``"shard"``: the reader and ``dcp.load`` run on this rank's shard group (``process_group=``),
+                so each replica validates and plans on its own
+  http          ``{SETTING: value}`` of ``ckptspec.location.settings`` (small reads: the tensors are not in
+                what validation fetched): rank 0 serves a copy of the checkpoint with the tests' nginx
+                (servers.py, started here, so the entry does not depend on a server of the test session) and
+                every rank reads it from its URL; rank 0 records ``http``: the URL, nginx's access log of the
+                job, and ``mark``, the number of its requests before ``dcp.load`` (validation and planning
+                done: the reader's ``read_metadata`` on every rank, then a barrier)
+
 With ``"expect_error": true`` as well (a corrupt checkpoint, launched by the test itself), the load must
 fail: each rank writes ``OUT/failure.rank<R>.json`` (the error's text, and whether every entry of the
 model's state dict is as before the load) and goes on to the next task.
@@ -136,18 +149,30 @@ def run(args, out: Path) -> None:
         spec = normalize_spec(args["spec"])
     rank = dist.get_rank()
     dcp_dir = out / "dcp"
-    reader = None
+    reader = server = group = None
+    if args.get("mesh"):  # HSDP: replicated over the first dimension, sharded over the second
+        mesh = init_device_mesh("cpu", tuple(args["mesh"]), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if args.get("reader"):  # the checkpoint in place, no export
         from ckptspec import DeepSpeedReader
 
         out.mkdir(parents=True, exist_ok=True)
-        reader = DeepSpeedReader(args["load"])
+        load = args["load"]
+        if args.get("http"):
+            from ckptspec.location import settings
+
+            for setting, value in args["http"].items():
+                setattr(settings, setting, value)
+            server, load = _serve(load)
+        if args.get("group"):
+            group = mesh.get_group(args["group"])
+        reader = DeepSpeedReader(load, process_group=group)
     elif rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         _export(args["load"], dcp_dir)
     dist.barrier()
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if args.get("parallel"):
         model, optimizer = _parallel_model(spec, mesh)
     else:
@@ -164,8 +189,13 @@ def run(args, out: Path) -> None:
     if args.get("expect_error"):
         _fail_to_load(model, state, reader, out)
         return
+    mark = None
+    if args.get("http"):  # validated and planned on every rank: what nginx sends next is the tensors
+        reader.read_metadata()
+        dist.barrier()
+        mark = server.mark() if server is not None else None
     if reader is not None:
-        dcp.load(state, storage_reader=reader)
+        dcp.load(state, storage_reader=reader, process_group=group)
     else:
         dcp.load(state, checkpoint_id=str(dcp_dir))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -193,6 +223,8 @@ def run(args, out: Path) -> None:
         after = {n: _full(p) for n, p in model.named_parameters()}
 
     read = _bytes_read(state, reader) if reader is not None else None
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, _where())
     if rank == 0:
         metadata = reader.read_metadata() if reader is not None else dcp.FileSystemReader(str(dcp_dir)).read_metadata()
         dcp_keys = sorted(metadata.state_dict_metadata)
@@ -205,9 +237,43 @@ def run(args, out: Path) -> None:
             "batch_seed": BATCH_SEED,
             "world_size": dist.get_world_size(),
             "bytes_read": read,
+            "ranks": ranks,
+            "http": _served(server, load, mark) if server is not None else None,
         }
         torch.save(result, out / "fsdp2.pt")
         (out / "fsdp2.json").write_text(json.dumps({"loss": None if loss is None else float(loss)}))
+
+
+def _where() -> dict:
+    """Where this rank runs: its node and local rank as torchrun set them, and its agent (parent process)."""
+    keys = ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    return {**{k.lower(): int(os.environ[k]) for k in keys}, "agent": os.getppid()}
+
+
+def _serve(load: str):
+    """Rank 0: nginx serving a copy of ``load``; every rank: its URL (rank 0 also the server)."""
+    import torch.distributed as dist
+
+    server, url = None, [None]
+    if dist.get_rank() == 0:
+        import tempfile
+
+        from _harness.servers import start_nginx
+
+        server = start_nginx(Path(tempfile.mkdtemp(prefix="fsdp2-http-")))
+        url = [server.url(server.serve(Path(load))[1])]
+    dist.broadcast_object_list(url, src=0)
+    return server, url[0]
+
+
+def _served(server, url: str, mark: int) -> dict:
+    """Rank 0, after the load: the URL, nginx's access log and the mark; the server stopped, its copy removed."""
+    import shutil
+
+    requests = server.since(0)
+    server.stop()
+    shutil.rmtree(server.work, ignore_errors=True)
+    return {"url": url, "requests": requests, "mark": mark}
 
 
 def _bytes_read(state, reader) -> list:

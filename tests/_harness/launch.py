@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,17 +106,7 @@ def torchrun_command(nproc: int, *args, env: dict | None = None, nnodes: int = 1
     env = {**job_env(), **(env or {})}
     if nnodes == 1:
         return subprocess.run(_torchrun(nproc, *args), env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    port = _free_port()
-    agents = [
-        subprocess.Popen(
-            _torchrun(nproc, *args, node=(rank, nnodes, port)),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(nnodes)
-    ]
+    agents = _start_agents(nproc, nnodes, args, env, sys.executable, subprocess.PIPE, cwd=None)
     outputs = [agent.communicate(timeout=TIMEOUT_S) for agent in agents]
     return subprocess.CompletedProcess(
         agents[0].args,
@@ -125,15 +116,69 @@ def torchrun_command(nproc: int, *args, env: dict | None = None, nnodes: int = 1
     )
 
 
+def _start_agents(
+    nproc: int, nnodes: int, args, env: dict, python: str, stderr, cwd: Path | None = REPO_ROOT
+) -> list[subprocess.Popen]:
+    """The ``nnodes`` torchrun agents of one job, one rendezvous port, each in a session of its own (a timeout
+    kills an agent with the ranks it started)."""
+    port = _free_port()
+    return [
+        subprocess.Popen(
+            _torchrun(nproc, *args, python=python, node=(rank, nnodes, port)),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        for rank in range(nnodes)
+    ]
+
+
+def run_nodes(launch: Launch, python: str = sys.executable) -> Done | HarnessError:
+    """``launch`` as ``launch.nodes`` torchrun agents on this machine (``--nnodes``, ``--node_rank``, one
+    rendezvous port), ``world_size / nodes`` ranks each, as the nodes of a job start them: not forked from
+    job/ranks.py, whose ranks are one node's. Its log: every agent's output, node 0's first."""
+    env = job_env(python)
+    nproc = launch.world_size // launch.nodes
+    for attempt in range(3):
+        start = time.monotonic()
+        agents = _start_agents(nproc, launch.nodes, [launch.script, *launch.args], env, python, subprocess.STDOUT)
+        deadline, timed_out, logs = start + TIMEOUT_S, False, []
+        for agent in agents:
+            try:
+                logs.append(agent.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                for other in agents:  # every agent, with the ranks it started
+                    if other.poll() is None:
+                        os.killpg(other.pid, signal.SIGKILL)
+                logs.append(agent.communicate()[0])
+        log = "".join(f"[node {rank}]\n{text}" for rank, text in enumerate(logs))
+        launch.log.write_text(log)
+        status = max(agent.returncode for agent in agents)
+        if timed_out:
+            return HarnessError(f"{launch.what} timed out after {TIMEOUT_S}s:\n{log[-20000:]}")
+        if status == 0:
+            return Done(log, round(time.monotonic() - start, 1))
+        if "address already in use" not in log.lower() or attempt == 2:
+            how = f"exit {status}, world_size={launch.world_size}, nodes={launch.nodes}"
+            return HarnessError(f"{launch.what} failed ({how}):\n{log[-20000:]}")
+    raise AssertionError("unreachable")
+
+
 @dataclass(frozen=True)
 class Launch:
-    """One launch of ``script`` with ``args`` on ``world_size`` ranks; ``workdir`` holds its log."""
+    """One launch of ``script`` with ``args`` on ``world_size`` ranks (over ``nodes`` agents); ``workdir`` holds its
+    log."""
 
     script: Path
     args: list[str]
     world_size: int
     workdir: Path
     what: str = "DeepSpeed job"
+    nodes: int = 1  # above 1: that many torchrun agents (run_nodes), not ranks forked by job/ranks.py
 
     @property
     def log(self) -> Path:
@@ -151,6 +196,9 @@ def run_launches(launches: list[Launch], python: str = sys.executable, jobs: int
     imported once for all of them and every launch's ranks are forked from it. Returns per launch
     its log and time, or the ``HarnessError`` that says how it failed."""
     guard.reached(f"a launch of DeepSpeed ranks ({', '.join(sorted({ln.script.name for ln in launches}))})")
+    if any(ln.nodes > 1 for ln in launches):  # the agents of several nodes: run_nodes, after the forked launches
+        forked = iter(run_launches([ln for ln in launches if ln.nodes == 1], python, jobs))
+        return [run_nodes(ln, python) if ln.nodes > 1 else next(forked) for ln in launches]
     if not launches:
         return []
     plan = {
@@ -181,12 +229,12 @@ def run_launches(launches: list[Launch], python: str = sys.executable, jobs: int
     return outcome
 
 
-def task_launch(tasks: list[dict], world_size: int, workdir: Path, script: Path = JOB_MAIN) -> Launch:
+def task_launch(tasks: list[dict], world_size: int, workdir: Path, script: Path = JOB_MAIN, nodes: int = 1) -> Launch:
     """The launch of ``script`` that runs job tasks (``{"kind", "args", "out"}``), set up in ``workdir``."""
     tasks_file = workdir / "tasks.json"
     tasks_file.write_text(json.dumps(tasks, indent=1))
     names = ", ".join(Path(t["out"]).parent.name.removeprefix(".tmp-") for t in tasks)
-    return Launch(script, ["--tasks", str(tasks_file)], world_size, workdir, f"DeepSpeed job [{names}]")
+    return Launch(script, ["--tasks", str(tasks_file)], world_size, workdir, f"DeepSpeed job [{names}]", nodes)
 
 
 def run_tasks(

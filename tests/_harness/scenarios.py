@@ -552,6 +552,25 @@ def fsdp2_reader_name(source: str, world_size: int) -> str:
     return f"fsdp2-reader-ws{world_size}-{source}"
 
 
+# The reader's jobs beyond one node (#41): name -> (source, world size, nodes, fsdp2_job.py options). Those of
+# world size 4 run as two torchrun agents of two ranks each (``--nnodes 2``; one launch): FSDP2 on a 1-D mesh (every
+# source above), HSDP on a 2x2 mesh (replicated across the nodes, sharded within each), and HSDP whose reader and
+# ``dcp.load`` run on each node's shard group (``process_group=``). The HTTP one reads the checkpoint from nginx's
+# URL, in the world-size-2 launch above.
+REMOTE_SMALL_READS = {"TAIL": 1024, "READ_AHEAD": 0, "CHUNK": 4096}  # validation keeps no tensor's bytes
+DCP_READER_JOBS = {
+    **{f"fsdp2-reader-nodes2-{source}": (source, 4, 2, {}) for source in DCP_READER_SOURCES},
+    "fsdp2-reader-hsdp-nodes2-dcp-s2-bf16-ws2-groups": ("dcp-s2-bf16-ws2-groups", 4, 2, {"mesh": [2, 2]}),
+    "fsdp2-reader-hsdp-group-nodes2-dcp-s3-fp32-ws2-groups": (
+        "dcp-s3-fp32-ws2-groups",
+        4,
+        2,
+        {"mesh": [2, 2], "group": "shard"},
+    ),
+    "fsdp2-reader-http-ws2-dcp-s2-bf16-ws2-groups": ("dcp-s2-bf16-ws2-groups", 2, 1, {"http": REMOTE_SMALL_READS}),
+}
+
+
 # MATRIX checkpoints also committed to the repository (``scripts/compat.sh --refresh`` writes
 # them): a fault of tests/_harness/faults.py with base ``committed:<name>`` mutates a copy, so a
 # test of a new CK2xx check needs neither DeepSpeed nor a job.
@@ -582,6 +601,11 @@ def _registry() -> dict[str, Task]:
         args = {"spec": spec, "source": source, "reader": True, **({"parallel": True} if parallel else {})}
         for ws in FSDP2_WORLD_SIZES:
             out[fsdp2_reader_name(source, ws)] = Task("fsdp2", args, ws, load=source)
+    for name, (source, ws, nodes, options) in DCP_READER_JOBS.items():
+        parallel = source in DCP_PARALLEL_SOURCES
+        spec = (PARALLEL_SPECS if parallel else DCP_SOURCE_SPECS)[source][0]
+        args = {"spec": spec, "source": source, "reader": True, **({"parallel": True} if parallel else {}), **options}
+        out[name] = Task("fsdp2", args, ws, load=source, nodes=nodes)
     for name, (spec, ws) in SOURCE_SPECS.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():

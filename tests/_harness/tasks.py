@@ -48,7 +48,8 @@ class Task:
 
     ``load`` names the registered task whose entry a resume loads. ``deepspeed`` is the version
     of an older DeepSpeed (tests/_harness/compat.py) to run it with; such tasks are built only
-    when asked for by name, never in the default batch.
+    when asked for by name, never in the default batch. ``nodes`` above 1: the job runs as that many
+    torchrun agents (``--nnodes``; launch.run_nodes), ``world_size / nodes`` ranks each, as on several machines.
     """
 
     kind: str
@@ -56,6 +57,7 @@ class Task:
     world_size: int
     load: str | None = None
     deepspeed: str | None = None
+    nodes: int = 1
 
     @property
     def python(self) -> str:
@@ -84,7 +86,7 @@ class Task:
         return {**self.args, "spec": normalize_spec(self.args["spec"])}  # resume, fsdp2, reshard
 
     @property
-    def launch_group(self) -> tuple[int, bool, str, str]:
+    def launch_group(self) -> tuple[int, bool, str, str, int]:
         """Tasks of one group may share a launch. ZeRO-3 leaves global state behind (tensor and
         module patches) that changes how a later stage-1/2 engine of the same process trains, so
         stage-3 jobs get launches of their own. Pipeline, AutoTP and MoE engines set DeepSpeed's
@@ -92,9 +94,10 @@ class Task:
         data-parallel engine would partition over the pipeline's data group; an AutoTP job leaves
         its tensor-parallel groups, and a later MoE engine fails in ``deepspeed.initialize``), so
         each of those layouts gets launches of its own; dense "parallel" jobs (stage 0, universal
-        sources) set none and share the data-parallel launches."""
+        sources) set none and share the data-parallel launches. A job of several nodes is a launch of its own
+        (its agents), shared with the tasks of the same group and number of nodes."""
         if self.kind == "fsdp2":  # no DeepSpeed engine: every FSDP2 load of a world size shares a launch
-            return self.world_size, False, "", "fsdp2"
+            return self.world_size, False, "", "fsdp2", self.nodes
         spec = self.normalized() if self.kind in ("train", "parallel") else self.normalized()["spec"]
         family = parallel_models.layout(spec) if self.kind == "parallel" else ""
         family = "" if family == "dense" else family
@@ -106,7 +109,7 @@ class Task:
             # an ep2 one looked for expp_rank_1), so another degree in the same launch failed the whole launch
             degrees = "-".join(f"{axis}{spec[axis]}" for axis in ("tp", "pp", "ep"))
             family = f"{self.kind}-{parallel_models.layout(spec)}-{degrees}"
-        return self.world_size, spec["stage"] == 3, self.deepspeed or "", family
+        return self.world_size, spec["stage"] == 3, self.deepspeed or "", family, self.nodes
 
     @property
     def runs_ckptspec(self) -> bool:
@@ -140,6 +143,8 @@ def task_key(name: str, task: Task) -> str | None:
         "ckptspec": cache.key({"recorder": RECORDER.read_text()}) if task.runs_ckptspec else None,
         "load": load.name if load else None,
     }
+    if task.nodes != 1:  # as several nodes (the keys of one node's tasks stay as they were)
+        identity["nodes"] = task.nodes
     if task.kind == "fsdp2":  # its own entry script (the other kinds' keys stay as they were)
         identity["script"] = cache.key({"fsdp2_job": FSDP2_MAIN.read_text()})
     if task.kind == "reshard":
@@ -241,7 +246,7 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
                 "optim": OPTIM_MAIN,
                 "optim_universal": OPTIM_UNIVERSAL_MAIN,
             }.get(batch[0][1].kind, JOB_MAIN)
-            launch = task_launch(tasks, batch[0][1].world_size, staged[0], script)
+            launch = task_launch(tasks, batch[0][1].world_size, staged[0], script, batch[0][1].nodes)
             if any(t.runs_ckptspec for _, t in batch):  # record the ckptspec modules its ranks import
                 (staged[0] / "imports").mkdir()
                 launch = replace(launch, script=RECORDER, args=[str(staged[0] / "imports"), str(script), *launch.args])
@@ -262,6 +267,7 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
                     "kind": task.kind,
                     "args": task.normalized(),
                     "world_size": task.world_size,
+                    "nodes": task.nodes,
                     "launch_seconds": outcome.seconds,
                     "launch_tasks": len(batch),
                 }
