@@ -28,7 +28,7 @@ from ..errors import ReconstructMismatch
 from ..format.dtypes import ITEMSIZE
 from ..format.index_models import CheckpointIndex, IndexParameter, Shard
 from ..location import RemotePath
-from .model_plan import LazySegments, ModelPlan, ReconstructionPlan, Segment, TensorSource
+from .model_plan import LazySegments, ModelPlan, ReconstructionPlan, Segment, TensorSource, coalesced
 from .optimizer_state import OptimizerStatePlan, plan_optimizer_state
 
 Runs = Callable[[], Iterable[tuple[int, int, int]]]  # a shard's (whole flat start, local flat start, count), in order
@@ -90,17 +90,7 @@ class InterleavedSegments(LazySegments):
 
     def __iter__(self) -> Iterator[Segment]:
         cuts = [_Cuts(source) for source, _ in self.shards]
-        last = None
-        for _, i, lo, n in self.runs():
-            for seg in cuts[i].cut(lo, n):
-                if last is not None and last.path == seg.path and last.offset + last.nbytes == seg.offset:
-                    last = Segment(last.path, last.offset, last.nbytes + seg.nbytes)
-                    continue
-                if last is not None:
-                    yield last
-                last = seg
-        if last is not None:
-            yield last
+        yield from coalesced(seg for _, i, lo, n in self.runs() for seg in cuts[i].cut(lo, n))
 
 
 def _numbered(shard: int, runs: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, int, int, int]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .. import errors
@@ -28,7 +28,7 @@ from ..findings import Finding
 from ..location import is_remote, location
 from .checkpoint import Checkpoint, open_checkpoint
 from .dcp import DcpPlan, plan_dcp
-from .model_plan import RunSegments, Segment, TensorSource
+from .model_plan import RunSegments, Segment, TensorSource, coalesced
 
 
 def validated(checkpoint: str | os.PathLike, manifest: Any = None, tag: str | None = None):
@@ -111,20 +111,6 @@ def box_segments(source: TensorSource, offsets: Sequence[int], lengths: Sequence
     """The byte ranges of the box, in the box's row-major order: stitched across the segments (partitions,
     shards) the tensor is stored in, adjacent ranges of one file coalesced into one read."""
     return coalesced(RunSegments(source, lambda: element_runs(source.shape, offsets, lengths)))
-
-
-def coalesced(segments: Iterable[Segment]) -> Iterator[Segment]:
-    """``segments`` with each run of adjacent ranges of one file made one range."""
-    held: Segment | None = None
-    for seg in segments:
-        if held is not None and seg.path == held.path and seg.offset == held.offset + held.nbytes:
-            held = Segment(held.path, held.offset, held.nbytes + seg.nbytes)
-            continue
-        if held is not None:
-            yield held
-        held = seg
-    if held is not None:
-        yield held
 
 
 def whole(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> bool:

@@ -43,6 +43,20 @@ MODULE_FP32_WEIGHT = "module_fp32_weight"  # the fp32 weights of a run without m
 UNIVERSAL_FP32 = "universal_fp32"  # zero/<name>/fp32.pt of a universal folder
 
 
+def coalesced(segments: Iterable[Segment]) -> Iterator[Segment]:
+    """``segments`` with each run of adjacent ranges of one file made one range."""
+    held: Segment | None = None
+    for seg in segments:
+        if held is not None and seg.path == held.path and seg.offset == held.offset + held.nbytes:
+            held = Segment(held.path, held.offset, held.nbytes + seg.nbytes)
+            continue
+        if held is not None:
+            yield held
+        held = seg
+    if held is not None:
+        yield held
+
+
 class LazySegments(Sequence[Segment]):
     """Segments made each time they are iterated, never held: a tensor split along an inner axis is one segment per
     row (millions in a large model; held, they grew the memory of an AutoTP merge and split with the model)."""
