@@ -3,8 +3,8 @@
     record_imports.py RECORD_DIR SCRIPT ARGS...
 
 Each process appends the module names, one a line, to ``RECORD_DIR/ckptspec-imports.<pid>``:
-first what it holds already (a rank forked from ranks.py's preloader), then every import as it
-happens (an audit hook: a script that leaves by ``os._exit`` is recorded as well). The cache keys
+first what it holds already (a rank forked from ranks.py's preloader), then every module as it is
+loaded (a finder first on ``sys.meta_path``: a script that leaves by ``os._exit`` is recorded as well). The cache keys
 an entry that runs ckptspec on the files of the modules recorded (cache.py), so an edit to a
 module no job imports rebuilds nothing.
 
@@ -37,11 +37,17 @@ def start(record_dir: Path) -> None:
     for name in [n for n in sys.modules if _is_ckptspec(n)]:
         note(name)
 
-    def hook(event: str, args: tuple) -> None:
-        if event == "import" and _is_ckptspec(args[0]):
-            note(args[0])
+    class Recorder:
+        """First on ``sys.meta_path``: told of every module about to be loaded, whichever way (the "import"
+        audit event misses ``importlib.import_module``, which ckptspec's lazy names use); finds nothing."""
 
-    sys.addaudithook(hook)
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if _is_ckptspec(name):
+                note(name)
+            return None
+
+    sys.meta_path.insert(0, Recorder)
 
 
 def read(record_dir: Path) -> set[str]:
