@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from .dcp import DcpPlan, _state_dict
 from .dcp_source import box_segments, failed, planned, validated, whole
 from .model_plan import TensorSource
 
-KeyMap = Callable[[str], "str | None"]
+KeyMap = Callable[[str], "str | Sequence[str] | None"]
 
 
 class DeepSpeedReader(StorageReader):
@@ -53,13 +53,15 @@ class DeepSpeedReader(StorageReader):
     stage 0; a directory or a URL) as a DCP checkpoint, read in place.
 
     ``manifest``, ``tag``: as ``ckptspec.open``'s. ``key_map``: our key (``model.<name>``,
-    ``optim.state.<param>.<state>``, ``optim.param_groups.<i>.<key>``) -> the loading job's key, or None to
-    leave it out; without it, the keys are those of ``get_state_dict(model, optimizer)`` saved as
-    ``{"model": ..., "optim": ...}``. ``process_group``: the group ``dcp.load`` runs on; ``collective``:
-    validate on its rank 0 and broadcast the verdict (default: when ``torch.distributed`` is initialized;
-    pass False for a ``dcp.load(..., no_dist=True)`` on some ranks only). ``bytes_read``: the checkpoint
-    bytes this reader read for tensors (this process's); ``validated_here``: whether this process validated
-    the checkpoint (rank 0 of the group, or a process on its own) rather than received the verdict.
+    ``optim.state.<param>.<state>``, ``optim.param_groups.<i>.<key>``) -> the loading job's key, None to
+    leave it out, or a list of keys that each take its value (torchtitan keys a group's hyperparameters per
+    parameter: ``optimizer.param_groups.<param>.<key>``); without it, the keys are those of
+    ``get_state_dict(model, optimizer)`` saved as ``{"model": ..., "optim": ...}``. ``process_group``: the
+    group ``dcp.load`` runs on; ``collective``: validate on its rank 0 and broadcast the verdict (default: when
+    ``torch.distributed`` is initialized; pass False for a ``dcp.load(..., no_dist=True)`` on some ranks only).
+    ``bytes_read``: the checkpoint bytes this reader read for tensors (this process's); ``validated_here``:
+    whether this process validated the checkpoint (rank 0 of the group, or a process on its own) rather than
+    received the verdict.
     """
 
     def __init__(
@@ -235,22 +237,30 @@ class DeepSpeedReader(StorageReader):
         planner_data: dict[str, Any] = {}
         self._keys, self._values = {}, {}
         for key, value in flat.items():
-            name = self.key_map(key) if self.key_map is not None else key
-            if name is None:
-                continue
-            if name in self._keys:
-                raise ValueError(f"key_map gives {name!r} to both {self._keys[name]!r} and {key!r}")
-            self._keys[name] = key
-            planner_data[name] = paths[key] if name == key else tuple(name.split("."))
-            if isinstance(value, torch.Tensor):
-                chunk = ChunkStorageMetadata(torch.Size([0] * value.dim()), value.size())
-                entries[name] = TensorStorageMetadata(TensorProperties(dtype=value.dtype), value.size(), [chunk])
-                storage[MetadataIndex(name, chunk.offsets)] = key
-            else:
-                self._values[key] = value
-                entries[name] = BytesStorageMetadata()
-                storage[MetadataIndex(name)] = key
+            for name in self._names(key):
+                if name in self._keys:
+                    raise ValueError(f"key_map gives {name!r} to both {self._keys[name]!r} and {key!r}")
+                self._keys[name] = key
+                planner_data[name] = paths[key] if name == key else tuple(name.split("."))
+                if isinstance(value, torch.Tensor):
+                    chunk = ChunkStorageMetadata(torch.Size([0] * value.dim()), value.size())
+                    entries[name] = TensorStorageMetadata(TensorProperties(dtype=value.dtype), value.size(), [chunk])
+                    storage[MetadataIndex(name, chunk.offsets)] = key
+                else:
+                    self._values[key] = value
+                    entries[name] = BytesStorageMetadata()
+                    storage[MetadataIndex(name)] = key
         return Metadata(state_dict_metadata=entries, planner_data=planner_data, storage_data=storage)
+
+    def _names(self, key: str) -> list[str]:
+        """The loading job's keys for our ``key``: several take one value when ``key_map`` gives a list (a
+        tensor's boxes are still read once, as a tie's)."""
+        if self.key_map is None:
+            return [key]
+        names = self.key_map(key)
+        if names is None:
+            return []
+        return [names] if isinstance(names, str) else list(names)
 
 
 def _global_rank_0(group: Any) -> int:

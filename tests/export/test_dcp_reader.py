@@ -162,6 +162,47 @@ def test_key_map_renames_and_leaves_out_keys(ds, tmp_path):
     assert ties and reader.bytes_read == sum(v.numel() * v.element_size() for k, v in mine.items() if k not in ties)
 
 
+def test_key_map_gives_one_value_to_several_keys(ds, tmp_path):
+    """torchtitan's layout (examples/torchtitan_resume.py): the model's keys without a prefix, the optimizer's
+    under ``optimizer``, each group's hyperparameters once per parameter of the group. Every key of a list
+    holds its key's value; a tensor under two keys is read once."""
+    import torch.distributed.checkpoint as dcp
+
+    source = ds.path("dcp-s2-bf16-ws2-groups")
+    ckptspec.export_dcp(source, tmp_path / "dcp")
+    exported = dcp.FileSystemReader(str(tmp_path / "dcp"))
+    keys = exported.read_metadata().state_dict_metadata
+    theirs = _load(keys, exported)
+    groups = [theirs["optim.param_groups.0.params"], theirs["optim.param_groups.1.params"]]
+
+    def key_map(key: str):
+        kind, _, rest = key.partition(".")
+        if kind == "model":
+            return [rest, f"copy.{rest}"] if rest == "l1.weight" else rest
+        if rest.startswith("state."):
+            return f"optimizer.{rest}"
+        _, index, name = rest.split(".", 2)
+        return None if name == "params" else [f"optimizer.param_groups.{fqn}.{name}" for fqn in groups[int(index)]]
+
+    expected = {}
+    for key in keys:
+        names = key_map(key)
+        for name in [names] if isinstance(names, str) else names or []:
+            expected[name] = theirs[key]
+    reader = ckptspec.DeepSpeedReader(source, key_map=key_map)
+    mine = _load(reader.read_metadata().state_dict_metadata, reader)
+    assert sorted(mine) == sorted(expected)
+    per_param = [k for k in mine if k.startswith("optimizer.param_groups.")]
+    assert len(per_param) == 11 * 5  # AdamW's 11 hyperparameters, for each of the 5 trainable parameters
+    assert mine["optimizer.param_groups.l1.bias.weight_decay"] == 0.0
+    assert mine["optimizer.param_groups.l1.weight.weight_decay"] == 0.01
+    for name, value in expected.items():
+        assert bits_equal(mine[name], value) if hasattr(value, "dtype") else mine[name] == value, name
+    plain = ckptspec.DeepSpeedReader(source)
+    _load(keys, plain)
+    assert reader.bytes_read == plain.bytes_read > 0  # copy.l1.weight took l1.weight's box: no byte twice
+
+
 def test_a_corrupt_checkpoint_is_refused_before_any_tensor_is_read(ds, tmp_path):
     """In one process (no torch.distributed), the reader validates for itself: the finding, nothing read."""
     import shutil
