@@ -96,6 +96,15 @@ def _item_elsewhere(d: Path, entry: Path) -> None:
     _edit_metadata(d, edit)
 
 
+def _item_dropped(d: Path, entry: Path) -> None:
+    """The storage item of l2.bias's first chunk dropped: the chunk stays in state_dict_metadata."""
+
+    def edit(m):
+        del m.storage_data[next(k for k in m.storage_data if k.fqn == "model.l2.bias" and tuple(k.offset) == (0,))]
+
+    _edit_metadata(d, edit)
+
+
 class _Payload:
     def __init__(self, sentinel):
         self.sentinel = str(sentinel)
@@ -146,6 +155,7 @@ FAULTS = {
     "metadata-gap": Fault(_gap, ["CK250"], [None], "loads wrong"),
     "metadata-overlap": Fault(_overlap, ["CK250"], [None], "raises AssertionError"),
     "bytes-item-payload": Fault(_bytes_item_payload, [], [], "loads right, runs the payload"),
+    "metadata-item-dropped": Fault(_item_dropped, ["CK251"], [None], "raises KeyError"),
     "metadata-item-elsewhere": Fault(_item_elsewhere, ["CK254"], [_R0], "raises IndexError"),
 }
 
