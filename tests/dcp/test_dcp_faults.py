@@ -159,6 +159,15 @@ FAULTS = {
     "metadata-item-elsewhere": Fault(_item_elsewhere, ["CK254"], [_R0], "raises IndexError"),
 }
 
+
+def _validate(directory: Path, output: str):
+    from click.testing import CliRunner
+
+    from ckptspec.cli import cli
+
+    return CliRunner().invoke(cli, ["validate", str(directory), "--format", output])
+
+
 MEASURE = Path(__file__).with_name("dcp_torch_load.py")
 
 
@@ -185,6 +194,11 @@ def test_fault(name, ds, tmp_path):
     meta, findings = check_dcp(directory)
     print([f.to_line() for f in findings])
     assert [(f.code, f.file) for f in findings] == list(zip(fault.codes, fault.files))
+    for output in ("text", "json"):  # the command: exit 1 with the codes, 0 when nothing is found, never a traceback
+        result = _validate(directory, output)
+        assert result.exit_code == (1 if fault.codes else 0), result.output
+        assert "Traceback" not in result.output
+    assert [f["code"] for f in json.loads(result.output)["findings"]] == fault.codes
     assert "optim.param_groups.0.lr" in bytes_entries(meta)  # listed, never read
     sentinel = tmp_path / "payload-ran"
     assert not sentinel.exists()
