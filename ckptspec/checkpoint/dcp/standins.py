@@ -3,7 +3,7 @@
 ``torch.distributed.checkpoint`` pickles its ``Metadata`` (dataclasses built with NEWOBJ then BUILD, a
 ``torch.Size`` per shape, dtypes as globals, the layout and memory format by name, the save's path as a
 ``pathlib`` path). Each allowlisted global (``ALLOWED``) maps to a class or function here: a record class
-takes its state once, as a dict (or ``TensorProperties``' tuple), and keeps a copy; nothing here reads a
+takes its state once, as a dict (or ``TensorProperties``' tuple); nothing here reads a
 file, imports a module or calls anything the pickle names. ``metadata.convert`` then reads these records
 field by field into plain, checked values: what a record holds is not trusted before that.
 """
@@ -45,7 +45,9 @@ class Record:
             state = state[1]  # a slotted dataclass's (None, slots) form
         if not isinstance(state, (dict, tuple)):
             raise ValueError(f"{self.torch_name} state is a {type(state).__name__}")
-        self.state = dict(state) if isinstance(state, dict) else tuple(state)  # a copy: later edits do not reach it
+        # What it holds is checked by metadata.convert, once the pickle has run to its end (a list it was given
+        # may still grow until then).
+        self.state = dict(state) if isinstance(state, dict) else tuple(state)
 
     def __repr__(self):
         return f"{self.torch_name}({self.state!r})"
