@@ -74,3 +74,50 @@ def test_tag_is_a_usage_error(ds):
     result = _run("validate", ds.path(dcp_save_name(1)) / "dcp", "--tag", "global_step2")
     assert result.exit_code == 2
     assert "a DCP checkpoint (.metadata) has none" in result.output
+
+
+@pytest.mark.parametrize("world_size", DCP_SAVE_WORLD_SIZES)
+def test_inspect_summarizes_a_save_from_its_metadata(world_size, ds):
+    import torch
+
+    entry = ds.path(dcp_save_name(world_size))
+    oracle = torch.load(entry / "oracle.pt", weights_only=True)
+    result = _run("inspect", entry / "dcp", "--format", "json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["valid"] is True and doc["kind"] == "dcp" and doc["version"] == "1.0.0"
+    params = oracle["params"]
+    moments = [t for m in oracle["state"].values() for t in m.values()]
+    assert doc["groups"]["model"] == {
+        "tensors": len(params),
+        "numel": sum(t.numel() for t in params.values()),
+        "nbytes": sum(t.numel() * t.element_size() for t in params.values()),
+    }
+    assert doc["groups"]["optim"]["tensors"] == len(moments)
+    assert doc["groups"]["optim"]["numel"] == sum(t.numel() for t in moments)
+    assert len(doc["bytes_entries"]) == 24
+    files = sorted((entry / "dcp").glob("*.distcp"))
+    assert [(f["name"], f["bytes"]) for f in doc["files"]] == [(f.name, f.stat().st_size) for f in files]
+    assert doc["largest"][0] == {
+        "name": "model.emb.weight",
+        "dtype": "float32",
+        "shape": [50, 16],
+        "chunks": world_size,
+    }
+
+    text = _run("inspect", entry / "dcp", "--top", "1")
+    assert text.exit_code == 0
+    assert (
+        text.output.splitlines()[0]
+        == f"{entry / 'dcp'}: torch DCP checkpoint (metadata version 1.0.0), {world_size} files"
+    )
+
+
+def test_inspect_does_not_summarize_a_damaged_save(ds, tmp_path):
+    directory = tmp_path / "dcp"
+    shutil.copytree(ds.path(dcp_save_name(2)) / "dcp", directory)
+    (directory / "__0_0.distcp").unlink()
+    result = _run("inspect", directory)
+    assert result.exit_code == 1
+    assert "CK252 __0_0.distcp is missing" in result.output
+    assert f"{directory}: not summarized: the checkpoint has errors" in result.output
