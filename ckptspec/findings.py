@@ -89,6 +89,12 @@ CODES: dict[str, str] = {
     "CK241": "index-expert-file-other",
     "CK242": "index-partition-count",
     "CK243": "index-master-copy-differs",
+    # CK25x: a torch DCP checkpoint's files against its .metadata (checkpoint/dcp/checks.py)
+    "CK250": "dcp-chunk-coverage",
+    "CK251": "dcp-storage-item",
+    "CK252": "dcp-file-missing",
+    "CK253": "dcp-item-bounds",
+    "CK254": "dcp-item-record",
     # CK3xx: embedded copies and migrations (checkpoint/embedded.py, deepspeed/embed.py, format/migrate.py)
     "CK301": "embedded-copies-disagree",
     "CK302": "embedded-manifest-unreadable",

@@ -169,6 +169,10 @@ def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
     from ..report.summary import summarize
 
     _json_errors(output_format, {"target": target})
+    if tag is None and _is_dcp(target):  # a torch DCP checkpoint: summarized from its .metadata
+        from .inspect_dcp import inspect_dcp
+
+        inspect_dcp(target, output_format, top)
     try:
         loaded = load_target(target, tag)
     except CkptspecError as exc:
@@ -187,6 +191,15 @@ def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
     from .render import render_summary
 
     click.echo(render_summary(_label(loaded), summary, color=_tty()), nl=False)
+
+
+def _is_dcp(target: str) -> bool:
+    from pathlib import Path
+
+    from ..checkpoint.dcp.metadata import is_dcp_dir
+    from ..location import is_remote
+
+    return not is_remote(target) and is_dcp_dir(Path(target))
 
 
 @click.command()

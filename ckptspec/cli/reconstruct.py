@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 import click
 
@@ -85,6 +86,8 @@ def reconstruct(
     and tied aliases. Needs neither DeepSpeed nor torch (except --format torch)
     and never executes pickled code.
     """
+    if _is_dcp(checkpoint):
+        _reconstruct_dcp(checkpoint, output_dir, quiet, manifest, tag, dtype, fmt, optimizer_state)
     from ..export.checkpoint import open_checkpoint
     from ..export.progress import progress_printer
     from ..export.writers import torch_available
@@ -133,3 +136,47 @@ def reconstruct(
             f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB, "
             f"{result.numel} elements) to {files}{source}"
         )
+
+
+def _is_dcp(checkpoint: str) -> bool:
+    from pathlib import Path
+
+    from ..checkpoint.dcp.metadata import is_dcp_dir
+    from ..location import is_remote
+
+    return not is_remote(checkpoint) and is_dcp_dir(Path(checkpoint))
+
+
+def _reconstruct_dcp(checkpoint, output_dir, quiet, manifest, tag, dtype, fmt, optimizer_state) -> NoReturn:
+    """A torch DCP checkpoint's model weights, at their saved dtype, as OUTPUT_DIR/model.safetensors (issue #42)."""
+    from ..export.dcp_input import reconstruct_dcp
+
+    refused = {
+        "--manifest": manifest is not None,
+        "--tag": tag is not None,
+        "--dtype other than fp32": dtype != "fp32",
+        "--format torch": fmt == "torch",
+        "--optimizer-state": optimizer_state,
+    }
+    named = [option for option, given in refused.items() if given]
+    if named:
+        raise click.UsageError(
+            f"{', '.join(named)}: not for a DCP checkpoint (.metadata) yet; it writes the model's tensors at their "
+            "saved dtype to model.safetensors"
+        )
+    try:
+        result = reconstruct_dcp(checkpoint, output_dir)
+    except CheckpointInvalid as exc:
+        echo_findings(exc.findings, checkpoint, err=True)
+        click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)
+        sys.exit(EXIT_INVALID)
+    except CkptspecError as exc:
+        fail(exc)
+    except OSError as exc:
+        fail_write(output_dir, exc)
+    if not quiet:
+        click.echo(
+            f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB) "
+            f"to {', '.join(result.files)}"
+        )
+    sys.exit(0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -81,6 +81,8 @@ def validate(
     validate MANIFEST --checkpoint DIR  then the files of DIR against MANIFEST
     validate DIR                        DIR against its sidecar ckptspec.json/.msgpack, or
                                         against a manifest generated from DeepSpeed's metadata
+    validate DCP_DIR                    a torch DCP checkpoint (.metadata): its files against
+                                        .metadata, read without running its pickle
 
     MANIFEST and DIR may be URLs (s3://, gs://, hf://, https://...; docs/remote.md): only what is
     checked is fetched, and the report says how many bytes that was.
@@ -94,6 +96,8 @@ def validate(
     except CkptspecError as exc:
         _emit(output_format, target, [], exc, remote)
         sys.exit(exc.exit_code)
+    if checkpoint is None and is_dir and not remote and _is_dcp(target):
+        _validate_dcp(target, output_format, tag)
     if checkpoint is None and not is_dir and (tag is not None or no_hash):
         raise click.UsageError(
             "--tag and --no-hash need a checkpoint: validate DIR, or validate MANIFEST --checkpoint DIR"
@@ -139,6 +143,36 @@ def validate(
         _emit(output_format, shown, [], exc, remote)
         sys.exit(exc.exit_code)
     _emit(output_format, shown, findings, None, remote, checkpoint_bytes)
+    sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
+
+
+def _is_dcp(target: str) -> bool:
+    from pathlib import Path
+
+    from ..checkpoint.dcp.metadata import is_dcp_dir
+
+    return is_dcp_dir(Path(target))
+
+
+def _validate_dcp(target: str, output_format: str, tag: str | None) -> NoReturn:
+    """A torch DCP checkpoint: ``.metadata`` read without running it, the files checked against it (CK250-CK254).
+    Its bytes entries are pickles of any object: listed, never unpickled."""
+    from pathlib import Path
+
+    from ..checkpoint.dcp.checks import bytes_entries, check_dcp
+
+    if tag is not None:
+        raise click.UsageError("--tag names a DeepSpeed tag directory; a DCP checkpoint (.metadata) has none")
+    try:
+        meta, findings = check_dcp(Path(target))
+    except CkptspecError as exc:
+        _emit(output_format, target, [], exc)
+        sys.exit(exc.exit_code)
+    listed = bytes_entries(meta)
+    if output_format == "text" and listed:
+        shown = ", ".join(listed[:3]) + (f", ... ({len(listed) - 3} more)" if len(listed) > 3 else "")
+        click.echo(f"{target}: not read: {len(listed)} bytes entries (pickled objects, never unpickled): {shown}")
+    _emit(output_format, target, findings)
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
 
 

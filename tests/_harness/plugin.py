@@ -11,6 +11,8 @@ fixture                what it gives                                            
                        (tasks.py; built once, cached)
 ``ds``                 the job results module itself (``ds.path``, ``ds.read_json``)  deepspeed
 ``zero_to_fp32``       DeepSpeed's own zero_to_fp32, in the test process (oracles.py)  deepspeed
+``fsdp2_launch``       ``fsdp2_launch(tasks, ws, workdir)``: fsdp2_job.py's tasks in  deepspeed
+                       one uncached torchrun launch (a checkpoint the test made)
 ``committed``          ``committed(name)``: a real checkpoint committed in            (none)
                        tests/data (no DeepSpeed, no job)
 ``ckptspec_cli``       ``ckptspec_cli(*args)``: a command in-process (click's         (none)
@@ -43,6 +45,7 @@ MARKED_BY = {
     "ds": "deepspeed",
     "ds_checkpoint": "deepspeed",
     "zero_to_fp32": "deepspeed",
+    "fsdp2_launch": "deepspeed",
     "crash": "subprocess",
     "ckptspec_process": "subprocess",
     "cli_server": "subprocess",
@@ -69,6 +72,7 @@ IMPORTABLE = {
     "job.model": "the jobs' model, built whole in the test (model and config keys)",
     "job.parallel_models": "the parallel jobs' models, built whole in the test",
     "fsdp2_job": "shared_batch, parallel_batch: the batches the FSDP2 job and the test both use",
+    "dcp_oracles": "checkers of what an FSDP2 job loaded against the DeepSpeed job's oracles (torch only)",
     "compat": "the older DeepSpeed's version and the folder of its committed checkpoints (constants)",
 }
 MARKERS = {
@@ -180,6 +184,18 @@ def torchrun():
     from .launch import torchrun_command
 
     return torchrun_command
+
+
+@pytest.fixture(scope="session")
+def fsdp2_launch():
+    """``fsdp2_launch(tasks, world_size, workdir)``: fsdp2_job.py's tasks in one uncached torchrun launch (for loads
+    of a checkpoint the test made, e.g. a corrupt copy); returns the launch log, raises on a failed launch."""
+    from .launch import FSDP2_MAIN, run_tasks
+
+    def run(tasks: list[dict], world_size: int, workdir: Path) -> str:
+        return run_tasks(tasks, world_size, workdir, script=FSDP2_MAIN)
+
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -571,6 +571,17 @@ DCP_READER_JOBS = {
 }
 
 
+# DCP as an input (issue #42): FSDP2 jobs of world size 1, 2 and 3 train the tiny model (two param groups, a tie, a
+# frozen parameter, buffers) with AdamW and save DCP checkpoints (tests/_harness/dcp_save_job.py): one launch each.
+DCP_SAVE_SPEC = {**FEATURES, "two_groups": True, "stage": 0, "dtype": "fp32"}
+DCP_SAVE_WORLD_SIZES = (1, 2, 3)
+
+
+def dcp_save_name(world_size: int) -> str:
+    """The entry where an FSDP2 job of ``world_size`` saved its DCP checkpoints and their oracles."""
+    return f"dcpsave-ws{world_size}"
+
+
 # MATRIX checkpoints also committed to the repository (``scripts/compat.sh --refresh`` writes
 # them): a fault of tests/_harness/faults.py with base ``committed:<name>`` mutates a copy, so a
 # test of a new CK2xx check needs neither DeepSpeed nor a job.
@@ -606,6 +617,8 @@ def _registry() -> dict[str, Task]:
         spec = (PARALLEL_SPECS if parallel else DCP_SOURCE_SPECS)[source][0]
         args = {"spec": spec, "source": source, "reader": True, **({"parallel": True} if parallel else {}), **options}
         out[name] = Task("fsdp2", args, ws, load=source, nodes=nodes)
+    for ws in DCP_SAVE_WORLD_SIZES:
+        out[dcp_save_name(ws)] = Task("dcp_save", {"spec": DCP_SAVE_SPEC}, ws)
     for name, (spec, ws) in SOURCE_SPECS.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():

@@ -24,6 +24,7 @@ from . import cache, guard, record_imports
 from .job import parallel_models
 from .job.model import normalize_spec
 from .launch import (
+    DCP_SAVE_MAIN,
     FSDP2_MAIN,
     JOB_MAIN,
     OPTIM_MAIN,
@@ -38,7 +39,7 @@ from .launch import (
 RECORDER = Path(record_imports.__file__)  # wraps the launches of tasks that run ckptspec
 RECORD_SITE = Path(__file__).resolve().parent / "record_site"  # the same in every process of an example
 
-KINDS = ("train", "resume", "parallel", "fsdp2", "reshard", "optim", "optim_universal")
+KINDS = ("train", "resume", "parallel", "fsdp2", "reshard", "optim", "optim_universal", "dcp_save")
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
 
 
@@ -83,7 +84,7 @@ class Task:
             return parallel_models.normalize(self.args)
         if self.kind in ("optim", "optim_universal") or self.args.get("parallel"):  # a parallel entry loaded
             return {**self.args, "spec": parallel_models.normalize(self.args["spec"])}
-        return {**self.args, "spec": normalize_spec(self.args["spec"])}  # resume, fsdp2, reshard
+        return {**self.args, "spec": normalize_spec(self.args["spec"])}  # resume, fsdp2, reshard, dcp_save
 
     @property
     def launch_group(self) -> tuple[int, bool, str, str, int]:
@@ -98,6 +99,8 @@ class Task:
         (its agents), shared with the tasks of the same group and number of nodes."""
         if self.kind == "fsdp2":  # no DeepSpeed engine: every FSDP2 load of a world size shares a launch
             return self.world_size, False, "", "fsdp2", self.nodes
+        if self.kind == "dcp_save":  # dcp_save_job.py: FSDP2 saves, a launch per world size
+            return self.world_size, False, "", "dcp_save", self.nodes
         spec = self.normalized() if self.kind in ("train", "parallel") else self.normalized()["spec"]
         family = parallel_models.layout(spec) if self.kind == "parallel" else ""
         family = "" if family == "dense" else family
@@ -117,6 +120,8 @@ class Task:
             return bool(self.args.get("reshard"))
         if self.kind == "parallel":
             return self.normalized()["save_with"] == "ckptspec"
+        if self.kind == "dcp_save":
+            return False
         spec = self.normalized() if self.kind == "train" else None
         return self.kind in ("resume", "fsdp2", "reshard") or bool(spec["hooks"]) or spec["save_with"] == "ckptspec"
 
@@ -147,6 +152,8 @@ def task_key(name: str, task: Task) -> str | None:
         identity["nodes"] = task.nodes
     if task.kind == "fsdp2":  # its own entry script (the other kinds' keys stay as they were)
         identity["script"] = cache.key({"fsdp2_job": FSDP2_MAIN.read_text()})
+    if task.kind == "dcp_save":
+        identity["script"] = cache.key({"dcp_save_job": DCP_SAVE_MAIN.read_text()})
     if task.kind == "reshard":
         identity["script"] = cache.key({"reshard_job": RESHARD_MAIN.read_text()})
     if task.kind == "optim":
@@ -245,6 +252,7 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
                 "reshard": RESHARD_MAIN,
                 "optim": OPTIM_MAIN,
                 "optim_universal": OPTIM_UNIVERSAL_MAIN,
+                "dcp_save": DCP_SAVE_MAIN,
             }.get(batch[0][1].kind, JOB_MAIN)
             launch = task_launch(tasks, batch[0][1].world_size, staged[0], script, batch[0][1].nodes)
             if any(t.runs_ckptspec for _, t in batch):  # record the ckptspec modules its ranks import

@@ -20,7 +20,6 @@ import shutil
 import pytest
 from _harness import faults, scenarios
 from _harness.dcp_oracles import check_parallel_load, check_plain_load
-from _harness.launch import FSDP2_MAIN, run_tasks
 
 OVERREAD = 1.05  # a rank reads at most its share of the tensors' bytes, plus this
 
@@ -66,7 +65,7 @@ FAULTS = {  # fault -> (source, how, the finding every rank must raise)
 }
 
 
-def test_a_corrupt_checkpoint_fails_every_rank_before_any_tensor_is_read(ds, tmp_path):
+def test_a_corrupt_checkpoint_fails_every_rank_before_any_tensor_is_read(ds, tmp_path, fsdp2_launch):
     from _harness.job.model import normalize_spec
 
     tasks = []
@@ -76,7 +75,7 @@ def test_a_corrupt_checkpoint_fails_every_rank_before_any_tensor_is_read(ds, tmp
         corrupt(copy, None)
         spec = normalize_spec(scenarios.DCP_SOURCE_SPECS[source][0])
         tasks.append(_job_task(spec, copy, tmp_path / fault / "out", parallel=False))
-    run_tasks(tasks, 2, tmp_path, script=FSDP2_MAIN)  # one launch of two ranks, both loads in it
+    fsdp2_launch(tasks, 2, tmp_path)  # one launch of two ranks, both loads in it
     for fault, (_, _, finding) in FAULTS.items():
         for rank in (0, 1):
             record = json.loads((tmp_path / fault / "out" / f"failure.rank{rank}.json").read_text())

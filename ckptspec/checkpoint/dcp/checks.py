@@ -1,0 +1,206 @@
+"""The checks of a torch DCP checkpoint's files against its ``.metadata`` (CK250-CK254): one rule, one function.
+
+``check_dcp(directory)`` reads ``.metadata`` (``metadata.read_metadata``: refused unread or unrun, CK204, CK205,
+CK225, raised) and runs every check, each reporting all it finds:
+
+- CK250 every tensor's chunks cover it exactly once: inside its size, no two overlapping, as many elements as it has;
+- CK251 every chunk and bytes entry has a storage item, and every item names one;
+- CK252 every file an item names is in the directory;
+- CK253 every item lies inside its file (offset + length <= the file's size);
+- CK254 every tensor item's bytes are a ``torch.save`` record of its chunk: its dtype and sizes (``records``).
+
+Bytes entries (``BytesStorage``: a pickle of any object) are listed by ``bytes_entries``, never read.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ...errors import FileUnreadable
+from ...findings import Finding, finding
+from .metadata import BytesEntry, DcpMetadata, Item, TensorEntry, read_metadata
+from .records import read_record
+
+Check = Callable[[Path, DcpMetadata], list[Finding]]
+
+
+def check_dcp(directory: Path) -> tuple[DcpMetadata, list[Finding]]:
+    """The metadata of the DCP checkpoint in ``directory`` and every finding of its checks."""
+    meta = read_metadata(directory)
+    findings: list[Finding] = []
+    for check in CHECKS:
+        findings.extend(check(directory, meta))
+    return meta, findings
+
+
+def bytes_entries(meta: DcpMetadata) -> list[str]:
+    """The bytes entries: pickles of Python objects, which ckptspec lists and never unpickles."""
+    return [fqn for fqn, entry in meta.entries.items() if isinstance(entry, BytesEntry)]
+
+
+def _tensors(meta: DcpMetadata) -> dict[str, TensorEntry]:
+    return {fqn: e for fqn, e in meta.entries.items() if isinstance(e, TensorEntry)}
+
+
+def _overlap(a, b) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def chunk_coverage(directory: Path, meta: DcpMetadata) -> list[Finding]:
+    """CK250: a tensor's chunks lie inside it, do not overlap, and together hold all of its elements."""
+    out = []
+    for fqn, entry in _tensors(meta).items():
+        where = f"$.state_dict_metadata[{fqn!r}]"
+        outside = [c for c in entry.chunks if any(o + s > w for o, s, w in zip(c.offsets, c.sizes, entry.size))]
+        for c in outside:
+            out.append(
+                _ck250(
+                    where, f"{fqn}: chunk at {list(c.offsets)} of sizes {list(c.sizes)} lies outside {list(entry.size)}"
+                )
+            )
+        chunks = sorted((c for c in entry.chunks if c not in outside), key=lambda c: c.offsets)
+        overlaps = _overlapping(chunks)
+        for a, b in overlaps[:4]:
+            out.append(_ck250(where, f"{fqn}: chunks at {list(a.offsets)} and {list(b.offsets)} overlap"))
+        held, whole = sum(c.numel for c in chunks), math.prod(entry.size)
+        if not outside and not overlaps and held != whole:
+            out.append(_ck250(where, f"{fqn}: its chunks hold {held} of its {whole} elements (a gap)"))
+    return out
+
+
+def _overlapping(chunks: list) -> list[tuple]:
+    """Pairs of non-empty chunks that overlap, ``chunks`` sorted by offsets: each is compared with the chunks that
+    start before it ends on the first dimension only (a world size of FSDP2's dim-0 shards: its neighbour)."""
+    out = []
+    for i, a in enumerate(chunks):
+        if not a.numel:
+            continue
+        for b in chunks[i + 1 :]:
+            if a.offsets and b.offsets[0] >= a.offsets[0] + a.sizes[0]:
+                break
+            if b.numel and _overlap(a, b):
+                out.append((a, b))
+    return out
+
+
+def _ck250(where: str, message: str) -> Finding:
+    hint = "the .metadata is not the one this save wrote (forged or edited): restore it from the save"
+    return finding("CK250", where, message, hint)
+
+
+def _item_key(item: Item) -> tuple:
+    return item.fqn, item.chunk_offset
+
+
+def storage_items(directory: Path, meta: DcpMetadata) -> list[Finding]:
+    """CK251: each chunk and bytes entry has one storage item; each item is one's."""
+    hint = "the .metadata's storage_data does not match its state_dict_metadata: restore the .metadata"
+    items = {_item_key(i) for i in meta.items}
+    wanted = set()
+    out = []
+    for fqn, entry in meta.entries.items():
+        keys = [(fqn, c.offsets) for c in entry.chunks] if isinstance(entry, TensorEntry) else [(fqn, None)]
+        for key in keys:
+            wanted.add(key)
+            if key not in items:
+                at = "" if key[1] is None else f" (chunk at {list(key[1])})"
+                out.append(finding("CK251", f"$.state_dict_metadata[{fqn!r}]", f"{fqn}{at} has no storage item", hint))
+    for item in meta.items:
+        if _item_key(item) not in wanted:
+            msg = f"storage item {item.fqn} at {item.chunk_offset} is no chunk of a saved entry"
+            out.append(finding("CK251", "$.storage_data", msg, hint, file=item.file))
+    return out
+
+
+def _by_file(meta: DcpMetadata) -> dict[str, list[Item]]:
+    """The items of each file, in the metadata's order."""
+    out: dict[str, list[Item]] = {}
+    for item in meta.items:
+        out.setdefault(item.file, []).append(item)
+    return out
+
+
+def _sizes(directory: Path, meta: DcpMetadata) -> dict[str, int | None]:
+    """Each named file's size (None: absent)."""
+    out: dict[str, int | None] = {}
+    for name in meta.files:
+        path = directory / name
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            out[name] = None  # DCP names files in its directory; anything else is not read
+            continue
+        try:
+            out[name] = os.stat(path).st_size
+        except FileNotFoundError:
+            out[name] = None
+        except OSError as exc:
+            raise FileUnreadable(path, exc) from None
+    return out
+
+
+def files_present(directory: Path, meta: DcpMetadata) -> list[Finding]:
+    """CK252: every file the items name is in the directory (a name, never a path)."""
+    hint = "restore the file from the save; without it the chunks it held are lost"
+    out = []
+    for name, size in _sizes(directory, meta).items():
+        if size is None:
+            count = len(_by_file(meta)[name])
+            out.append(finding("CK252", "$.storage_data", f"{name} is missing ({count} items in it)", hint, file=name))
+    return out
+
+
+def items_inside_files(directory: Path, meta: DcpMetadata) -> list[Finding]:
+    """CK253: every item ends inside its file."""
+    hint = "the file is cut short (an interrupted copy or save): restore it"
+    sizes = _sizes(directory, meta)
+    out = []
+    for name, size in sizes.items():
+        if size is None:
+            continue
+        past = [i for i in _by_file(meta)[name] if i.offset + i.length > size]
+        if past:
+            end = max(i.offset + i.length for i in past)
+            msg = f"{len(past)} items end past its {size} bytes (the last at byte {end}): first {past[0].fqn}"
+            out.append(finding("CK253", "$.storage_data", msg, hint, file=name))
+    return out
+
+
+def item_records(directory: Path, meta: DcpMetadata) -> list[Finding]:
+    """CK254: each tensor item (in a present file, inside it) is a torch.save record of its chunk."""
+    hint = "the file's bytes are not this save's (another save's file, swapped, overwritten): restore it"
+    sizes = _sizes(directory, meta)
+    tensors = _tensors(meta)
+    chunks = {(fqn, c.offsets): c for fqn, e in tensors.items() for c in e.chunks}
+    out = []
+    for name, size in sizes.items():
+        if size is None:
+            continue
+        items = [i for i in _by_file(meta)[name] if i.offset + i.length <= size and i.fqn in tensors]
+        bad = []
+        try:
+            with open(directory / name, "rb") as fh:
+                for item in items:
+                    chunk = chunks.get(_item_key(item))
+                    if chunk is None:
+                        continue  # CK251's
+                    try:
+                        record = read_record(fh, directory / name, item.offset, item.length)
+                    except ValueError as exc:
+                        bad.append(f"{item.fqn} at byte {item.offset}: {exc}")
+                        continue
+                    dtype = tensors[item.fqn].dtype
+                    if (record.dtype, record.shape) != (dtype, chunk.sizes) or not record.contiguous:
+                        got = f"{record.dtype} {list(record.shape)}" + ("" if record.contiguous else " (strided)")
+                        bad.append(f"{item.fqn} at byte {item.offset}: holds {got}, not {dtype} {list(chunk.sizes)}")
+        except OSError as exc:
+            raise FileUnreadable(directory / name, exc) from None
+        if bad:
+            msg = f"{len(bad)} of its {len(items)} tensor items are not their chunk's record: " + "; ".join(bad[:3])
+            out.append(finding("CK254", "$.storage_data", msg, hint, file=name))
+    return out
+
+
+CHECKS: list[Check] = [chunk_coverage, storage_items, files_present, items_inside_files, item_records]

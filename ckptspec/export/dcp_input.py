@@ -1,0 +1,133 @@
+"""``ckptspec reconstruct DCP_DIR OUT``: a torch DCP checkpoint's model weights as one safetensors file, at flat memory.
+
+The checkpoint is checked first (``checkpoint.dcp.checks``: any error finding, nothing is written). Every tensor
+entry under ``model.`` is written under its name without that prefix (a tie's two names both, as torch's
+``dcp_to_torch_save`` writes them), at its saved dtype. Each chunk's bytes are located in their ``.distcp`` file
+(the item's ``torch.save`` record, read through the restricted reader: ``checkpoint.dcp.records``) and copied into
+the tensor's place in the output, a contiguous run at a time (a whole row block for FSDP2's dim-0 shards), in the
+kernel where it can: no tensor is ever held in memory, whatever its size. Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoint.dcp.checks import check_dcp
+from ..checkpoint.dcp.metadata import Chunk, DcpMetadata, TensorEntry
+from ..checkpoint.dcp.records import read_record
+from ..errors import CheckpointInvalid, ReconstructUnsupported
+from ..findings import Finding, has_errors
+from ..format.dtypes import ITEMSIZE
+from .output_dir import build_and_publish, held_new_output
+from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter
+from .safetensors_writer import TensorEntry as OutputEntry
+
+MODEL_PREFIX = "model."  # get_state_dict's model state, saved as {"model": ..., "optim": ...}
+OUTPUT_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class DcpReconstruction:
+    output_dir: Path
+    files: list[str]
+    tensors: int
+    nbytes: int
+    findings: list[Finding]  # warnings of the checks (errors stop the run)
+
+
+def model_entries(meta: DcpMetadata) -> dict[str, TensorEntry]:
+    """The model's tensors, by their name in the output (``model.`` dropped), in the save's order."""
+    return {
+        fqn.removeprefix(MODEL_PREFIX): e
+        for fqn, e in meta.entries.items()
+        if fqn.startswith(MODEL_PREFIX) and isinstance(e, TensorEntry)
+    }
+
+
+def runs(whole: tuple[int, ...], chunk: Chunk) -> Iterator[tuple[int, int, int]]:
+    """The chunk's elements as contiguous runs of the whole tensor: (element offset in the chunk's row-major bytes,
+    element offset in the whole tensor's, elements). The trailing dimensions the chunk spans whole are one run."""
+    ndim = len(whole)
+    k = ndim  # dims k.. are spanned whole by the chunk
+    while k > 0 and chunk.offsets[k - 1] == 0 and chunk.sizes[k - 1] == whole[k - 1]:
+        k -= 1
+    if k == 0:
+        yield 0, 0, chunk.numel
+        return
+    # dim k-1 is the innermost partial one: a run is sizes[k-1] * prod(whole[k:]) elements
+    inner = math.prod(whole[k:])
+    length = chunk.sizes[k - 1] * inner
+    strides = [math.prod(whole[d + 1 :]) for d in range(ndim)]
+    src = 0
+    for outer in _indices(chunk.sizes[: k - 1]):
+        dst = sum((chunk.offsets[d] + i) * strides[d] for d, i in enumerate(outer))
+        dst += chunk.offsets[k - 1] * strides[k - 1]
+        yield src, dst, length
+        src += length
+
+
+def _indices(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    if not sizes:
+        yield ()
+        return
+    for i in range(sizes[0]):
+        for rest in _indices(sizes[1:]):
+            yield (i, *rest)
+
+
+def reconstruct_dcp(directory: str | os.PathLike, output: str | os.PathLike) -> DcpReconstruction:
+    """Check the DCP checkpoint in ``directory``, then write its model weights to ``output/model.safetensors``."""
+    source = Path(directory)
+    meta, findings = check_dcp(source)
+    if has_errors(findings):
+        raise CheckpointInvalid(findings, str(directory))
+    tensors = model_entries(meta)
+    if not tensors:
+        raise ReconstructUnsupported(
+            "no model tensors: no entry's name starts with 'model.'",
+            "save with dcp.save({'model': model_state_dict, ...}) (get_state_dict's model state)",
+            source,
+        )
+    for name, entry in tensors.items():
+        if entry.dtype not in SAFETENSORS_DTYPES:
+            raise ReconstructUnsupported(f"{name}: dtype {entry.dtype} has no safetensors code", "", source)
+    items = {(i.fqn, i.chunk_offset): i for i in meta.items}
+    with held_new_output(output, "the reconstruction") as out:
+
+        def build(tmp: Path) -> int:
+            entries = [OutputEntry(name, e.dtype, e.size) for name, e in tensors.items()]
+            writer = SafetensorsWriter(tmp / OUTPUT_NAME, entries, {"format": "pt"})
+            try:
+                regions = writer.regions()
+                handles: dict[str, int] = {}
+                try:
+                    for (name, entry), region in zip(tensors.items(), regions):
+                        itemsize = ITEMSIZE[entry.dtype]
+                        for chunk in entry.chunks:
+                            item = items[(MODEL_PREFIX + name, chunk.offsets)]  # CK251 checked it is there
+                            fd = handles.get(item.file)
+                            if fd is None:
+                                fd = handles[item.file] = os.open(source / item.file, os.O_RDONLY)
+                            with os.fdopen(os.dup(fd), "rb") as fh:
+                                record = read_record(fh, source / item.file, item.offset, item.length)
+                            for src, dst, n in runs(entry.size, chunk):
+                                part = region.part(dst * itemsize, n * itemsize)
+                                part.copy_range(fd, record.data_offset + src * itemsize, n * itemsize)
+                        region.pos = region.end  # its parts filled it: the chunks cover it exactly once (CK250)
+                finally:
+                    for fd in handles.values():
+                        os.close(fd)
+                writer.regions_done(regions)
+                writer.finish()
+                os.replace(writer.tmp_path, tmp / OUTPUT_NAME)
+            except BaseException:
+                writer.abort()
+                raise
+            return sum(e.nbytes for e in entries)
+
+        nbytes = build_and_publish(out, build)
+    return DcpReconstruction(out, [OUTPUT_NAME], len(tensors), nbytes, findings)
