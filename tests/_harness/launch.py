@@ -25,6 +25,7 @@ RESHARD_MAIN = HARNESS / "reshard_job.py"  # reshard and universal loads beyond 
 FSDP2_MAIN = HARNESS / "fsdp2_job.py"  # the FSDP2 loads of the DCP export: no DeepSpeed, a launch of its own
 DCP_SAVE_MAIN = HARNESS / "dcp_save_job.py"  # FSDP2 jobs that save DCP checkpoints (#42): a launch of its own
 OPTIM_MAIN = HARNESS / "optim_job.py"  # the optimizer state DeepSpeed loads from a parallel entry (its own key)
+BEFORE_LOAD = HARNESS / "before_load.py"  # imported by RESHARD_MAIN and OPTIM_MAIN (in their keys)
 OPTIM_UNIVERSAL_MAIN = HARNESS / "optim_universal_job.py"  # the same from a universal folder's source (its own key)
 SITE = HARNESS / "site"  # sitecustomize: no shm comm op compile (see its docstring)
 TIMEOUT_S = 900

@@ -5,7 +5,8 @@
 
 A task (``{"kind": "optim", "args": {"spec", "source", "load"}, "out"}``) names a "parallel" entry
 (``load``) and the spec it was trained with (job/parallel_models.py). Every rank builds the same
-engine (job/parallel.py's, no training step), loads the checkpoint with ``engine.load_checkpoint``
+engine (job/parallel.py's, no training step), fills its frozen parameters and buffers with values no checkpoint
+holds (before_load.py), loads the checkpoint with ``engine.load_checkpoint``
 (DeepSpeed's defaults: the optimizer states loaded) and records, per trainable parameter of its own,
 the optimizer state the live engine then holds. Every rank writes ``OUT/optim.rank<R>.pt``:
 
@@ -61,6 +62,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _harness.before_load import unlike_any_checkpoint
 from _harness.job import parallel
 from _harness.job.main import reset_deepspeed_globals
 from _harness.job.parallel_models import BATCH, batch, build_model, ds_config, layout, normalize, torch_dtype
@@ -119,7 +121,11 @@ def run(args, out: Path):
                 (out / "optim.json").write_text(json.dumps({"load": args["load"], "reshard_error": reshard_error}))
             return
     # ckptspec's universal folder of the source (export-universal) is loaded as DeepSpeed loads its own
-    engine = _universal_engine(spec) if args.get("reshard", {}).get("export_universal") else parallel._train(spec)[0]
+    universal = args.get("reshard", {}).get("export_universal")
+    engine = _universal_engine(spec) if universal else parallel._train(spec)[0]
+    # frozen parameters and buffers: only the load gives the source's back (load_universal reads no module: the
+    # job's own frozen parameters are kept, before_load.py)
+    unlike_any_checkpoint(engine.module, keep_frozen=bool(universal))
     load_error = None
     try:
         load_path, _ = engine.load_checkpoint(load)
@@ -149,6 +155,7 @@ def run(args, out: Path):
         gc.collect()
         reset_deepspeed_globals()
         engine = _universal_engine(spec)
+        unlike_any_checkpoint(engine.module, keep_frozen=True)
         try:
             assert engine.load_checkpoint(args["load"])[0] is not None, f"DeepSpeed loaded nothing from {args['load']}"
             torch.save(_record(engine, spec), out / f"universal.rank{rank}.pt")

@@ -66,6 +66,7 @@ IMPORTABLE = {
     "faults_parallel": "the fault corpus of the parallel checkpoints",
     "faults_copies": "the fault corpus of weights copied from another run",
     "states": "what a reader sees of a directory; which steps to stop a writer at",
+    "before_load": "the values a target job's frozen parameters and buffers hold before it loads (noise)",
     "oracles": "DEEPSPEED_VERSION (its zero_to_fp32 is guarded: take the `zero_to_fp32` fixture)",
     "parallel_oracles": "readers and checkers of the oracles a parallel job recorded (torch only)",
     "reconstruction": "checkers of a reconstruction (bits, same_bits, check_reconstruction)",

@@ -7,6 +7,8 @@ on ``load`` into OUT/resharded, every rank loads that with ``engine.load_checkpo
 parameters, buffers and ties checked after loading by job/model_checks.py, as resume.py does), plus
 what resume.py does not do:
 
+* before loading, the job's frozen parameters and buffers hold values no checkpoint holds (before_load.py): a
+  frozen parameter or buffer the output lacks is not the source's by chance of the same seed;
 * ``load_module_strict`` is false when the spec excludes frozen parameters: DeepSpeed saves none of
   them then, and its own strict module load refuses such a checkpoint (as it refuses DeepSpeed's);
 * ``universal`` ("ckptspec" or "deepspeed"): instead of resharding, rank 0 converts ``load`` to
@@ -28,6 +30,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _harness.before_load import unlike_any_checkpoint
 from _harness.job import resume
 from _harness.job.main import reset_deepspeed_globals
 from _harness.job.model import build_model, ds_config, live_fp32, normalize_spec, param_groups
@@ -86,6 +89,9 @@ def run(args, out: Path):
     if args.get("universal"):
         config["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    # frozen parameters and buffers: only the load gives the source's back (the job's own frozen parameters kept where
+    # nothing loaded holds them: excluded from the source, or a universal load, which reads no module)
+    unlike_any_checkpoint(model, keep_frozen=spec["exclude_frozen"] or bool(args.get("universal")))
 
     error = load_path = None
     if args.get("universal"):

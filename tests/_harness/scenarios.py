@@ -164,9 +164,9 @@ EP_ONE_SPECS = {
 }
 # The AutoTP MLP at ZeRO-3 with a frozen parameter split by AutoTP, one left whole and the buffers (issue #40): the
 # source of a merge and a split that carry them (DEGREE_RESHARDS), in the AutoTP ZeRO-3 launches. Not in EXTRAS (no
-# hook or Node reader entries), loaded by its "+optim" entry.
+# hook or Node reader entries), loaded by its "+optim" entry; converted by ds_to_universal too (UNIVERSAL_PARALLEL).
 ZERO3_EXTRAS_SPECS = {
-    "tp2-s3-bf16-ws2-extras": ({"tp": 2, "stage": 3, "dtype": "bf16", "frozen": True, "buffers": True}, 2),
+    "tp2-s3-bf16-ws2-extras": ({"tp": 2, "stage": 3, "dtype": "bf16", "frozen": True, "buffers": True, **_UC}, 2),
 }
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
@@ -337,6 +337,9 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s1-fp32-ws2>universal-ws4": ("tp2-s1-fp32-ws2", 4, {}, {"export_universal": True}),  # -> tp2 x dp2
     # AutoTP at ZeRO-3: the folder loads at stage 3 (its model states keep their zero_pp_rank_ names), tp2 -> tp2 x dp2
     "tp2-s3-bf16-ws2>universal-ws4": ("tp2-s3-bf16-ws2", 4, {}, {"export_universal": True}),
+    # with frozen parameters and buffers, at the same layout (tp2 x dp1): ds_to_universal fails on this source, so the
+    # job loads ckptspec's folder alone (test_universal_parallel.py DS_FAILS)
+    "tp2-s3-bf16-ws2-extras>universal": ("tp2-s3-bf16-ws2-extras", 2, {}, {"export_universal": True}),
     # the tie (one zero/tied_modules.<key>.<param>/ for both stages), the frozen weight and the buffer: pp2 -> pp2 x dp2
     "pp2-s1-fp32-ws2-extras>universal-ws4": ("pp2-s1-fp32-ws2-extras", 4, {}, {"export_universal": True}),
     # MoE through ckptspec's universal folder (UNIVERSAL_MOE): the same expert-parallel degree and experts per rank

@@ -24,6 +24,7 @@ from . import cache, guard, record_imports
 from .job import parallel_models
 from .job.model import normalize_spec
 from .launch import (
+    BEFORE_LOAD,
     DCP_SAVE_MAIN,
     FSDP2_MAIN,
     JOB_MAIN,
@@ -154,10 +155,10 @@ def task_key(name: str, task: Task) -> str | None:
         identity["script"] = cache.key({"fsdp2_job": FSDP2_MAIN.read_text()})
     if task.kind == "dcp_save":
         identity["script"] = cache.key({"dcp_save_job": DCP_SAVE_MAIN.read_text()})
-    if task.kind == "reshard":
-        identity["script"] = cache.key({"reshard_job": RESHARD_MAIN.read_text()})
+    if task.kind == "reshard":  # with the module both import (the values the load must replace)
+        identity["script"] = cache.key({"reshard_job": RESHARD_MAIN.read_text(), "before": BEFORE_LOAD.read_text()})
     if task.kind == "optim":
-        identity["script"] = cache.key({"optim_job": OPTIM_MAIN.read_text()})
+        identity["script"] = cache.key({"optim_job": OPTIM_MAIN.read_text(), "before": BEFORE_LOAD.read_text()})
     if task.kind == "optim_universal":
         identity["script"] = cache.key({"optim_universal_job": OPTIM_UNIVERSAL_MAIN.read_text()})
     return cache.key(identity)

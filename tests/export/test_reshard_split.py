@@ -38,6 +38,12 @@ CASES = {
         ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
         2,
     ),
+    # each tensor rank's files by the ZeRO-3 writer (its zero_pp_rank_ model states)
+    "AutoTP ZeRO-3 tp2 -> tp4 at stage 3, 3 processes": (
+        "tp2-s3-bf16-ws2>tp4",
+        ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
+        3,
+    ),
     # the universal folders, which jobs loaded with load_universal (OUT/resharded/universal)
     "export-universal of a MoE ep2 ZeRO-2, 3 processes": ("moe-ep2-s2-bf16-ws4>universal-ws2", ["export-universal"], 3),
     "export-universal of a MoE ep2 at stage 0, 2 processes": (
@@ -49,6 +55,13 @@ CASES = {
         "tp2dp2-s2-bf16-ws4>universal-tp1-ws3",
         ["export-universal"],
         2,
+    ),
+    "export-universal of AutoTP ZeRO-3, 2 processes": ("tp2-s3-bf16-ws2>universal-ws4", ["export-universal"], 2),
+    # a TiedLayerSpec on both stages (one folder), a frozen weight and a buffer
+    "export-universal of a tied pipeline, 3 processes": (
+        "pp2-s1-fp32-ws2-extras>universal-ws4",
+        ["export-universal"],
+        3,
     ),
 }
 

@@ -19,6 +19,7 @@ import shutil
 
 import pytest
 import torch
+from _harness.before_load import noise
 from _harness.parallel_oracles import affine_pieces, bits_equal, info, logits_of, optim_records, shard_of, union_of
 from _harness.scenarios import (
     DEGREE_RESHARDS,
@@ -35,7 +36,12 @@ from ckptspec.cli import cli
 CASES = sorted(UNIVERSAL_PARALLEL)
 MOE_CASES = sorted(UNIVERSAL_MOE)
 _EXPERT = re.compile(r"deepspeed_experts\.(\d+)\.")
-SOURCES = sorted({DEGREE_RESHARDS[n][0] for n in CASES})
+# ds_to_universal fails on these sources (measured): no folder of DeepSpeed's to compare or load beside ckptspec's. An
+# AutoTP frozen parameter left whole (head.bias) is among the replicated patterns the saved universal_checkpoint_info
+# lists, and no optimizer partition holds a slice of it.
+DS_FAILS = {"tp2-s3-bf16-ws2-extras": r"AssertionError: Unused patterns=['^head\\.bias$'] while merging tp slices"}
+SOURCES = sorted({DEGREE_RESHARDS[n][0] for n in CASES} - DS_FAILS.keys())
+BESIDE = sorted(n for n in CASES if DEGREE_RESHARDS[n][0] not in DS_FAILS)  # the job loaded DeepSpeed's folder too
 # AutoTP's row-parallel layer adds the tensor ranks' partial sums, the whole layer all products in one matmul: a tp1
 # target's logits are rounded in another order (as test_reshard_tensor.py: 2 epsilons at the largest logit)
 LOGITS_EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps}
@@ -102,7 +108,7 @@ def test_the_logits_are_the_source_jobs(name, ds):
         assert (logits - expected).abs().max().item() <= bound, (logits - expected).abs().max()
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", BESIDE)
 def test_deepspeeds_own_folder_loaded_by_the_same_job_holds_the_same_bits(name, ds):
     """Side by side: the same target job loading DeepSpeed's ds_to_universal folder of the same source holds the same
     masters, moments, step, param groups and logits as from ckptspec's, bit for bit."""
@@ -115,6 +121,48 @@ def test_deepspeeds_own_folder_loaded_by_the_same_job_holds_the_same_bits(name, 
     assert {s for r in ours for s in r["step"].values()} == {s for r in theirs for s in r["step"].values()}
     assert [r["param_groups"] for r in ours] == [r["param_groups"] for r in theirs]
     assert bits_equal(logits_of(ours), logits_of(theirs))
+
+
+BUFFERS = ("running", "step_count")  # the harness models' buffers (job/parallel_models.py)
+WITH_MODULE = sorted(n for n in CASES if any(source_spec(DEGREE_RESHARDS[n][0]).get(k) for k in ("frozen", "buffers")))
+
+
+def _module(records: list[dict]) -> dict[tuple[int, str], torch.Tensor]:
+    return union_of([{(r["coords"].get("tp", 0), n): t for n, t in r["module"].items()} for r in records])
+
+
+@pytest.mark.parametrize("name", WITH_MODULE)
+def test_neither_folder_gives_the_job_its_buffers_or_frozen_parameters(name, ds):
+    """DeepSpeed 0.19.8's ``load_universal`` never reads the module (``_load_checkpoint`` skips
+    ``load_module_state_dict``) and restores only what an optimizer trains: from ckptspec's folder and from
+    ds_to_universal's alike, every buffer is exactly what the job held before loading (before_load.py's noise), not the
+    source's, and every frozen parameter the job's own, kept as built (the source's only by the shared seed)."""
+    source, _, _ = reshard_target(name)
+    entry = ds.path(name)
+    built = _module(optim_records(ds.path(optim_name(source))))
+    loads = [optim_records(entry)] + ([optim_records(entry, "universal")] if name in BESIDE else [])
+    for records in loads:
+        module = _module(records)
+        buffers = {k for k in module if k[1].rsplit(".", 1)[-1] in BUFFERS}
+        assert module.keys() == built.keys() and buffers, sorted(module)
+        for (tp, n), t in module.items():
+            if (tp, n) in buffers:
+                assert bits_equal(t, noise(n, t)) and not bits_equal(t, built[(tp, n)]), n
+            else:
+                assert bits_equal(t, built[(tp, n)]), n
+
+
+@pytest.mark.parametrize("source", sorted(DS_FAILS))
+def test_ds_to_universal_fails_where_ckptspecs_folder_loads(source, ds):
+    """Side by side where DeepSpeed's converter fails: the source job's ds_to_universal raised (measured, recorded by
+    the job), so the target job found no folder of DeepSpeed's; the same job loaded ckptspec's folder of the source
+    and holds its state bit for bit (the tests above)."""
+    outcome = info(ds.path(source))["universal"]
+    assert outcome["ok"] is False and outcome["error"] == DS_FAILS[source], outcome
+    for name in (n for n in CASES if DEGREE_RESHARDS[n][0] == source):
+        outcome = json.loads((ds.path(name) / "optim.json").read_text())
+        assert outcome.get("reshard_error") is None and outcome["load_checkpoint_error"] is None, outcome
+        assert outcome["universal_error"].endswith("latest_universal does not exist"), outcome
 
 
 def _load(path):
