@@ -32,7 +32,7 @@ from typing import Any
 
 from .._version import __version__
 from ..checkpoint.dcp.checks import check_dcp
-from ..checkpoint.dcp.metadata import BytesEntry, DcpMetadata, TensorEntry
+from ..checkpoint.dcp.metadata import BytesEntry, DcpMetadata, Item, TensorEntry
 from ..checkpoint.dcp.records import read_record, read_value
 from ..checkpoint.standins import LossScalerState
 from ..checkpoint.states import StateCache
@@ -91,9 +91,11 @@ def _refuse(message: str, hint: str, where) -> ReshardUnsupported:
     return ReshardUnsupported(message, hint, os.fspath(where))
 
 
-def _located(directory: Path, meta: DcpMetadata, fqn: str, entry: TensorEntry) -> list[Segment]:
+Items = dict[tuple[str, tuple[int, ...] | None], Item]  # (fqn, chunk offsets; None for bytes) -> its storage item
+
+
+def _located(directory: Path, items: Items, fqn: str, entry: TensorEntry) -> list[Segment]:
     """The tensor's flat bytes as segments: each chunk's runs of the whole tensor, in the whole tensor's order."""
-    items = {(i.fqn, i.chunk_offset): i for i in meta.items if i.fqn == fqn}
     itemsize, placed = ITEMSIZE[entry.dtype], []
     for chunk in entry.chunks:
         if chunk.numel == 0:
@@ -106,8 +108,8 @@ def _located(directory: Path, meta: DcpMetadata, fqn: str, entry: TensorEntry) -
     return list(coalesced(seg for _, seg in sorted(placed, key=lambda p: p[0])))
 
 
-def _bytes_value(directory: Path, meta: DcpMetadata, fqn: str) -> Any:
-    item = next(i for i in meta.items if i.fqn == fqn)
+def _bytes_value(directory: Path, items: Items, fqn: str) -> Any:
+    item = items[(fqn, None)]
     with open(directory / item.file, "rb") as fh:
         try:
             return read_value(fh, directory / item.file, item.offset, item.length)
@@ -115,7 +117,7 @@ def _bytes_value(directory: Path, meta: DcpMetadata, fqn: str) -> Any:
             raise _refuse(f"{fqn}: {exc}", "save plain hyperparameters", directory) from None
 
 
-def _param_groups(directory: Path, meta: DcpMetadata) -> list[dict]:
+def _param_groups(directory: Path, meta: DcpMetadata, items: Items) -> list[dict]:
     """Each param group's hyperparameters and ``params`` (its parameters' names), in group order."""
     groups: dict[int, dict] = {}
     for fqn, entry in meta.entries.items():
@@ -123,7 +125,7 @@ def _param_groups(directory: Path, meta: DcpMetadata) -> list[dict]:
             index, _, key = fqn.removeprefix(GROUPS_PREFIX).partition(".")
             if not index.isdigit() or not key or not isinstance(entry, BytesEntry):
                 raise _refuse(f"{fqn}: not a param group's plain value", "save get_state_dict's optimizer", directory)
-            groups.setdefault(int(index), {})[key] = _bytes_value(directory, meta, fqn)
+            groups.setdefault(int(index), {})[key] = _bytes_value(directory, items, fqn)
     if not groups or sorted(groups) != list(range(len(groups))):
         raise _refuse("no optimizer param groups (optim.param_groups.*)", "save get_state_dict's optimizer", directory)
     for g, group in groups.items():
@@ -147,10 +149,10 @@ def _tensor(meta: DcpMetadata, fqn: str, shape, what: str, directory: Path) -> T
     return entry
 
 
-def _step(directory: Path, meta: DcpMetadata, fqn: str, entry) -> float:
+def _step(directory: Path, items: Items, fqn: str, entry) -> float:
     if not isinstance(entry, TensorEntry) or entry.size != () or entry.dtype not in _SCALARS:
         raise _refuse(f"{fqn}: not a scalar step", "save torch.optim.AdamW's state", directory)
-    item = next(i for i in meta.items if i.fqn == fqn)
+    item = items[(fqn, ())]
     with open(directory / item.file, "rb") as fh:
         record = read_record(fh, directory / item.file, item.offset, item.length)
         fh.seek(record.data_offset)
@@ -164,7 +166,8 @@ def read_dcp_source(directory: Path, meta: DcpMetadata, zero_stage: int) -> DcpS
     for name, entry in model.items():
         if isinstance(entry, BytesEntry):
             raise _refuse(f"model.{name}: saved as bytes; DeepSpeed's module holds tensors", "", directory)
-    groups = _param_groups(directory, meta)
+    items: Items = {(i.fqn, i.chunk_offset): i for i in meta.items}
+    groups = _param_groups(directory, meta, items)
     trainable = [n for g in groups for n in g["params"]]
     saved = {f.removeprefix(STATE_PREFIX).rsplit(".", 1)[0] for f in meta.entries if f.startswith(STATE_PREFIX)}
     for fqn in meta.entries:
@@ -183,17 +186,17 @@ def read_dcp_source(directory: Path, meta: DcpMetadata, zero_stage: int) -> DcpS
                 raise _refuse(f"{name}: a trained parameter without optimizer state", "save after a step", directory)
             entry = _tensor(meta, MODEL_PREFIX + name, None, "master", directory)
             sources[name] = TensorSource(
-                name, entry.size, "float32", _located(directory, meta, MODEL_PREFIX + name, entry), "trainable"
+                name, entry.size, "float32", _located(directory, items, MODEL_PREFIX + name, entry), "trainable"
             )
             for key in MOMENTS:
                 fqn = f"{STATE_PREFIX}{name}.{key}"
                 moment = _tensor(meta, fqn, entry.size, key, directory)
                 state_sources[f"{name}.{key}"] = TensorSource(
-                    f"{name}.{key}", entry.size, "float32", _located(directory, meta, fqn, moment), "state"
+                    f"{name}.{key}", entry.size, "float32", _located(directory, items, fqn, moment), "state"
                 )
                 state_names.setdefault(name, {})[key] = f"{name}.{key}"
             fqn = f"{STATE_PREFIX}{name}.step"
-            group_steps.add(_step(directory, meta, fqn, meta.entries.get(fqn)))
+            group_steps.add(_step(directory, items, fqn, meta.entries.get(fqn)))
         if len(group_steps) != 1:
             raise _refuse(f"param group {g}: its parameters' steps differ ({sorted(group_steps)})", "", directory)
         steps.append(group_steps.pop())
@@ -201,7 +204,7 @@ def read_dcp_source(directory: Path, meta: DcpMetadata, zero_stage: int) -> DcpS
         if name not in sources:
             assert isinstance(entry, TensorEntry)
             sources[name] = TensorSource(
-                name, entry.size, entry.dtype, _located(directory, meta, MODEL_PREFIX + name, entry), "buffer"
+                name, entry.size, entry.dtype, _located(directory, items, MODEL_PREFIX + name, entry), "buffer"
             )
     found = _manifest(groups, sources, steps, zero_stage)
     plan = ModelPlan(directory, sources, {}, list(sources))
