@@ -174,7 +174,11 @@ def read_dcp_source(directory: Path, meta: DcpMetadata, zero_stage: int) -> DcpS
         if fqn.startswith(STATE_PREFIX):
             param, key = fqn.removeprefix(STATE_PREFIX).rsplit(".", 1)
             if param not in trainable or key not in (*MOMENTS, "step"):
-                raise _refuse(f"{fqn}: a state DeepSpeed's ZeRO AdamW does not keep", "train with AdamW", directory)
+                raise _refuse(
+                    f"{fqn}: a state besides exp_avg, exp_avg_sq and step (DeepSpeed's ZeRO files hold no other here)",
+                    "train with Adam or AdamW without amsgrad",
+                    directory,
+                )
     sources: dict[str, TensorSource] = {}
     state_sources: dict[str, TensorSource] = {}
     state_names: dict[str, dict[str, str]] = {}

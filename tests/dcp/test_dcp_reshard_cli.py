@@ -91,3 +91,59 @@ def test_a_hyperparameter_that_is_not_a_plain_value_is_refused_and_never_run(ds,
     assert "posix.system" in result.output, result.output
     assert not (tmp_path / "ran").exists()
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def _single_process_save(directory, *, amsgrad=False, dtype=None, steps=((True, True),)):
+    """A DCP save of a Linear and its AdamW by torch's own writer in one process (``no_dist``): ``steps`` says, per
+    step, whether the weight and the bias get a gradient."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    if dtype is not None:
+        model.to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), amsgrad=amsgrad)
+    for weight, bias in steps:
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.ones(2, 4, dtype=model.weight.dtype)).sum().backward()
+        if not weight:
+            model.weight.grad = None
+        if not bias:
+            model.bias.grad = None
+        optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory), no_dist=True)
+
+
+@pytest.mark.parametrize(
+    ("save", "named"),
+    [
+        ({"amsgrad": True}, "optim.state.weight.max_exp_avg_sq: a state besides exp_avg, exp_avg_sq and step"),
+        ({"dtype": "bfloat16"}, "model.weight: bfloat16 [3, 4]: DeepSpeed's ZeRO master is fp32"),
+        ({"steps": ((True, True), (True, False))}, "param group 0: its parameters' steps differ ([1.0, 2.0])"),
+        ({"steps": ((True, False),)}, "bias: a trained parameter without optimizer state"),
+    ],
+)
+def test_what_a_zero_adamw_file_cannot_hold_is_refused_by_name(save, named, tmp_path):
+    import torch
+
+    if "dtype" in save:
+        save = {**save, "dtype": getattr(torch, save["dtype"])}
+    _single_process_save(tmp_path / "dcp", **save)
+    result = _run("reshard", tmp_path / "dcp", tmp_path / "out", "--world-size", "2", "--stage", "2")
+    assert result.exit_code == 1, result.output
+    assert "CK410" in result.output and named in result.output, result.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_single_process_save_is_written(tmp_path):
+    _single_process_save(tmp_path / "dcp")
+    result = _run("reshard", tmp_path / "dcp", tmp_path / "out", "--world-size", "3", "--stage", "1")
+    assert result.exit_code == 0, result.output
+    assert "global_step1 resharded from 1 to 3 ranks (ZeRO stage 1)" in result.output
