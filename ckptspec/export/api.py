@@ -148,7 +148,14 @@ def reshard(
     a MoE checkpoint's experts are regrouped over ``expert_parallel`` expert-parallel ranks. A data-parallel
     checkpoint is split for an AutoTP job of ``tensor_parallel`` ranks by its ``ds_config`` (the target job's:
     ``tensor_parallel.partition_config.layer_specs``).
+    A torch DCP directory (an FSDP checkpoint, ``.metadata``) is written as a ZeRO-1/2 checkpoint of an fp32 job
+    (``reshard_dcp``).
     CK403 for a kind it does not reshard yet, CK410 for a target it cannot write; nothing written then."""
+    if _is_dcp(checkpoint):
+        others: dict[str, Any] = {"--tensor-parallel": tensor_parallel, "--pipeline-parallel": pipeline_parallel}
+        others.update({"--expert-parallel": expert_parallel, "--partition-method": partition_method})
+        others.update({"--sub-group-size": sub_group_size, "--tag": tag, "--manifest": manifest})
+        return _reshard_dcp(checkpoint, output, world_size, zero_stage, {**others, "--ds-config": ds_config})
     require("reshard", checkpoint, manifest, tag)
     degrees = {
         "tensor_parallel": tensor_parallel,
@@ -249,3 +256,23 @@ def load_consolidated(output_dir: str | os.PathLike, framework: str = "torch") -
     for alias, owner in aliases.items():
         state.setdefault(alias, state[owner])
     return state
+
+
+def _is_dcp(checkpoint) -> bool:
+    from ..checkpoint.dcp.metadata import is_dcp_dir
+    from ..location import is_remote
+
+    return not is_remote(os.fspath(checkpoint)) and is_dcp_dir(Path(checkpoint))
+
+
+def _reshard_dcp(checkpoint, output, world_size: int, zero_stage, given: dict) -> Any:
+    """An FSDP checkpoint (torch DCP) as a DeepSpeed ZeRO checkpoint; CK410 naming an option it does not take."""
+    from ..errors import ReshardUnsupported
+    from .reshard_dcp import reshard_dcp
+
+    named = [option for option, value in given.items() if value is not None]
+    if named:
+        raise ReshardUnsupported(
+            f"{', '.join(named)}: not for a DCP checkpoint (.metadata)", "leave them out", os.fspath(checkpoint)
+        )
+    return reshard_dcp(checkpoint, output, world_size, zero_stage)

@@ -93,6 +93,9 @@ def run(args, out: Path):
     # nothing loaded holds them: excluded from the source, or a universal load, which reads no module)
     unlike_any_checkpoint(model, keep_frozen=spec["exclude_frozen"] or bool(args.get("universal")))
 
+    if args.get("dcp"):  # an FSDP2 job's DCP save (dcp_save_job.py), resharded: what the engine then holds
+        _dcp_load(engine, model, spec, load, out, args["reshard"], rank)
+        return
     error = load_path = None
     if args.get("universal"):
         reshard_error, target = _universal(load, out, args["universal"], rank)
@@ -122,6 +125,67 @@ def run(args, out: Path):
         (out / "resume.json").write_text(json.dumps(result, indent=1, sort_keys=True))
         if after is not None:
             torch.save(after, out / "after_step.pt")
+    dist.barrier()
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+
+
+def _dcp_load(engine, model, spec, load: Path, out: Path, reshard: dict, rank: int) -> None:
+    """Rank 0 reshards LOAD/dcp (an FSDP2 job's save, dcp_save_job.py) into OUT/resharded; every rank loads it and
+    rank 0 writes OUT/dcp_load.pt (the test compares it with LOAD/oracle.pt): ``master`` and ``state`` (exp_avg,
+    exp_avg_sq) of every trainable parameter from DeepSpeed's getters, ``step`` and ``hyperparameters`` per param
+    group of the wrapped torch optimizer, ``module`` (every frozen parameter and buffer as loaded), ``params2`` (the
+    fp32 masters after one more step on the batch the FSDP2 job's second step took, each rank the same one, as
+    every FSDP2 rank took it: the same mean gradient), and ``error`` / ``reshard_error`` (then nothing else)."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from _harness.dcp_save_job import BATCH_SEED
+    from _harness.job.model import SEQ, VOCAB
+
+    target, outcome = out / "resharded", [None]
+    if rank == 0:  # the public API (job/resume.py's _reshard calls the ZeRO one)
+        from ckptspec import reshard as run_reshard
+
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            run_reshard(load / "dcp", target, reshard["world_size"], zero_stage=reshard["stage"])
+        except Exception as exc:  # recorded: the test asserts there is none
+            outcome[0] = resume._first_line(exc)
+    dist.broadcast_object_list(outcome, src=0)
+    reshard_error = outcome[0]
+    record: dict = {"reshard_error": reshard_error, "error": None}
+    if reshard_error is None:
+        try:
+            engine.load_checkpoint(str(target))
+        except Exception as exc:  # the outcome under test: record it, do not crash
+            record["error"] = resume._first_line(exc)
+    if record["reshard_error"] is None and record["error"] is None:
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        opt = engine.optimizer
+        if hasattr(opt, "_hp_optimizer_states_linked"):  # as resume.py: the getters' mapping of the loaded state
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+        record["master"] = {n: safe_get_full_fp32_param(p).clone() for n, p in trainable}
+        record["state"] = {
+            n: {k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")} for n, p in trainable
+        }
+        inner = engine.optimizer.optimizer  # the wrapped torch AdamW: one flat master per group
+        record["step"] = [float(inner.state[g["params"][0]]["step"]) for g in inner.param_groups]
+        record["hyperparameters"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        saved = model.state_dict()  # the persistent buffers
+        record["module"] = {**frozen, **{n: b.detach().clone() for n, b in model.named_buffers() if n in saved}}
+        g = torch.Generator().manual_seed(BATCH_SEED + 2)  # dcp_save_job.py's second step, on every rank
+        tokens = torch.randint(0, VOCAB, (spec["micro_batch"], SEQ), generator=g)
+        targets = torch.randint(0, VOCAB, (spec["micro_batch"], SEQ), generator=g)
+        engine.backward(engine(tokens, targets))
+        engine.step()
+        record["params2"] = {n: safe_get_full_fp32_param(p).clone() for n, p in trainable}
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(record, out / "dcp_load.pt")
     dist.barrier()
     if hasattr(engine, "destroy"):
         engine.destroy()

@@ -585,6 +585,16 @@ def dcp_save_name(world_size: int) -> str:
     return f"dcpsave-ws{world_size}"
 
 
+# FSDP -> DeepSpeed (issue #42): ``ckptspec reshard`` of a DCP save above into a ZeRO checkpoint, loaded by a DeepSpeed
+# job of the same model and param groups (reshard_job.py "dcp"). name: (saving world size, target world size, stage).
+# One launch: both targets at world size 2, stage 1/2. The target jobs clip no gradient, as the FSDP2 job
+# (DeepSpeed's default gradient_clipping is 1.0): their one more step is the FSDP2 job's second.
+DCP_RESHARDS = {
+    "dcp-ws3>s2-ws2": (3, 2, 2),  # FSDP2's uneven row chunks (17/17/16 of 50)
+    "dcp-ws2>s1-ws2": (2, 2, 1),
+}
+
+
 # MATRIX checkpoints also committed to the repository (``scripts/compat.sh --refresh`` writes
 # them): a fault of tests/_harness/faults.py with base ``committed:<name>`` mutates a copy, so a
 # test of a new CK2xx check needs neither DeepSpeed nor a job.
@@ -663,6 +673,10 @@ def _registry() -> dict[str, Task]:
         reshard = {"world_size": ws, "stage": changes.get("stage"), "sub_group_size": changes.get("sub_group_size")}
         args = {"spec": spec, "reshard": reshard, "extra_step": EXTRA_STEP}
         out[name] = Task("reshard", args, ws, load=source)
+    for name, (saved, ws, stage) in DCP_RESHARDS.items():
+        spec = {**DCP_SAVE_SPEC, "stage": stage, "config": {"gradient_clipping": 0.0}}
+        args = {"spec": spec, "reshard": {"world_size": ws, "stage": stage}, "dcp": True}
+        out[name] = Task("reshard", args, ws, load=dcp_save_name(saved))
     for name, (source, ws, changes, how) in UNIVERSAL_CASES.items():
         spec = {**MATRIX_SPECS[source][0], **changes}
         out[name] = Task("reshard", {"spec": spec, "universal": how, "extra_step": EXTRA_STEP}, ws, load=source)
