@@ -69,25 +69,42 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+def _data_pkl(zf: zipfile.ZipFile) -> tuple[bytes, str, dict[str, zipfile.ZipInfo]]:
+    """The record's ``data.pkl`` (stored, at most ``MAX_RECORD_PICKLE`` bytes), its archive prefix, its members."""
+    infos = {info.filename: info for info in zf.infolist()}
+    names = list(infos)
+    prefix = names[0].split("/", 1)[0] if names and "/" in names[0] else ""
+    pkl = infos.get(f"{prefix}/data.pkl")
+    if pkl is None or pkl.file_size > MAX_RECORD_PICKLE or pkl.compress_type != zipfile.ZIP_STORED:
+        raise ValueError("no stored data.pkl of one value in the record")
+    try:
+        return zf.read(pkl), prefix, infos
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise ValueError(f"the record's data.pkl is unreadable ({exc})") from None
+
+
+def _open(fh: BinaryIO, offset: int, length: int) -> tuple[zipfile.ZipFile, _Window]:
+    window = _Window(fh, offset, length)
+    try:
+        return zipfile.ZipFile(window), window
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise ValueError(f"no torch.save record ({exc})") from None
+
+
+def read_value_pickle(fh: BinaryIO, offset: int, length: int) -> bytes:
+    """The ``data.pkl`` of a bytes item's record (``torch.save`` of any object), unread as a pickle: what
+    ``values.plain_value`` reads; ``ValueError`` says why the bytes hold no record."""
+    zf, _ = _open(fh, offset, length)
+    with zf:
+        return _data_pkl(zf)[0]
+
+
 def read_record(fh: BinaryIO, path: Path, offset: int, length: int) -> Record:
     """The record of the item at ``offset`` (``length`` bytes) of the open ``.distcp`` ``fh``; ``ValueError`` says
     why it is not one tensor's ``torch.save`` record inside those bytes."""
-    window = _Window(fh, offset, length)
-    try:
-        zf = zipfile.ZipFile(window)
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        raise ValueError(f"no torch.save record ({exc})") from None
+    zf, window = _open(fh, offset, length)
     with zf:
-        infos = {info.filename: info for info in zf.infolist()}
-        names = list(infos)
-        prefix = names[0].split("/", 1)[0] if names and "/" in names[0] else ""
-        pkl = infos.get(f"{prefix}/data.pkl")
-        if pkl is None or pkl.file_size > MAX_RECORD_PICKLE or pkl.compress_type != zipfile.ZIP_STORED:
-            raise ValueError("no stored data.pkl of one tensor in the record")
-        try:
-            data = zf.read(pkl)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-            raise ValueError(f"the record's data.pkl is unreadable ({exc})") from None
+        data, prefix, infos = _data_pkl(zf)
         raw = RawPickle(path, data, prefix, {n: i.file_size for n, i in infos.items()})
         try:
             tensor = decode_data_pkl(raw)
