@@ -22,6 +22,8 @@ from ..checkpoint.dcp.records import read_record
 from ..errors import CheckpointInvalid, ReconstructUnsupported
 from ..findings import Finding, has_errors
 from ..format.dtypes import ITEMSIZE
+from .dcp_optimizer import plan_dcp_optimizer
+from .optimizer_state import OPTIMIZER_FILE
 from .output_dir import build_and_publish, held_new_output
 from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter
 from .safetensors_writer import TensorEntry as OutputEntry
@@ -79,8 +81,46 @@ def _indices(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
             yield (i, *rest)
 
 
-def reconstruct_dcp(directory: str | os.PathLike, output: str | os.PathLike) -> DcpReconstruction:
-    """Check the DCP checkpoint in ``directory``, then write its model weights to ``output/model.safetensors``."""
+def _write(source: Path, meta: DcpMetadata, path: Path, tensors: dict[str, tuple[str, TensorEntry]], metadata) -> int:
+    """``tensors`` (output name -> its DCP fqn and entry) copied run by run from their chunks' records into the
+    safetensors file ``path``; its bytes of tensor data."""
+    items = {(i.fqn, i.chunk_offset): i for i in meta.items}
+    entries = [OutputEntry(name, e.dtype, e.size) for name, (_, e) in tensors.items()]
+    writer = SafetensorsWriter(path, entries, metadata)
+    try:
+        regions = writer.regions()
+        handles: dict[str, int] = {}
+        try:
+            for (fqn, entry), region in zip(tensors.values(), regions):
+                itemsize = ITEMSIZE[entry.dtype]
+                for chunk in entry.chunks:
+                    item = items[(fqn, chunk.offsets)]  # CK251 checked it is there
+                    fd = handles.get(item.file)
+                    if fd is None:
+                        fd = handles[item.file] = os.open(source / item.file, os.O_RDONLY)
+                    with os.fdopen(os.dup(fd), "rb") as fh:
+                        record = read_record(fh, source / item.file, item.offset, item.length)
+                    for src, dst, n in runs(entry.size, chunk):
+                        part = region.part(dst * itemsize, n * itemsize)
+                        part.copy_range(fd, record.data_offset + src * itemsize, n * itemsize)
+                region.pos = region.end  # its parts filled it: the chunks cover it exactly once (CK250)
+        finally:
+            for fd in handles.values():
+                os.close(fd)
+        writer.regions_done(regions)
+        writer.finish()
+        os.replace(writer.tmp_path, path)
+    except BaseException:
+        writer.abort()
+        raise
+    return sum(e.nbytes for e in entries)
+
+
+def reconstruct_dcp(
+    directory: str | os.PathLike, output: str | os.PathLike, optimizer_state: bool = False
+) -> DcpReconstruction:
+    """Check the DCP checkpoint in ``directory``, then write its model weights to ``output/model.safetensors``
+    (and with ``optimizer_state`` its optimizer state to ``output/optimizer.safetensors``: ``dcp_optimizer``)."""
     source = Path(directory)
     meta, findings = check_dcp(source)
     if has_errors(findings):
@@ -92,42 +132,20 @@ def reconstruct_dcp(directory: str | os.PathLike, output: str | os.PathLike) -> 
             "save with dcp.save({'model': model_state_dict, ...}) (get_state_dict's model state)",
             source,
         )
-    for name, entry in tensors.items():
+    optimizer = plan_dcp_optimizer(source, meta, tensors) if optimizer_state else None
+    moments = optimizer.tensors if optimizer is not None else {}
+    for name, entry in [*tensors.items(), *((n, e) for n, (_, e) in moments.items())]:
         if entry.dtype not in SAFETENSORS_DTYPES:
             raise ReconstructUnsupported(f"{name}: dtype {entry.dtype} has no safetensors code", "", source)
-    items = {(i.fqn, i.chunk_offset): i for i in meta.items}
     with held_new_output(output, "the reconstruction") as out:
 
         def build(tmp: Path) -> int:
-            entries = [OutputEntry(name, e.dtype, e.size) for name, e in tensors.items()]
-            writer = SafetensorsWriter(tmp / OUTPUT_NAME, entries, {"format": "pt"})
-            try:
-                regions = writer.regions()
-                handles: dict[str, int] = {}
-                try:
-                    for (name, entry), region in zip(tensors.items(), regions):
-                        itemsize = ITEMSIZE[entry.dtype]
-                        for chunk in entry.chunks:
-                            item = items[(MODEL_PREFIX + name, chunk.offsets)]  # CK251 checked it is there
-                            fd = handles.get(item.file)
-                            if fd is None:
-                                fd = handles[item.file] = os.open(source / item.file, os.O_RDONLY)
-                            with os.fdopen(os.dup(fd), "rb") as fh:
-                                record = read_record(fh, source / item.file, item.offset, item.length)
-                            for src, dst, n in runs(entry.size, chunk):
-                                part = region.part(dst * itemsize, n * itemsize)
-                                part.copy_range(fd, record.data_offset + src * itemsize, n * itemsize)
-                        region.pos = region.end  # its parts filled it: the chunks cover it exactly once (CK250)
-                finally:
-                    for fd in handles.values():
-                        os.close(fd)
-                writer.regions_done(regions)
-                writer.finish()
-                os.replace(writer.tmp_path, tmp / OUTPUT_NAME)
-            except BaseException:
-                writer.abort()
-                raise
-            return sum(e.nbytes for e in entries)
+            named = {name: (MODEL_PREFIX + name, e) for name, e in tensors.items()}
+            nbytes = _write(source, meta, tmp / OUTPUT_NAME, named, {"format": "pt"})
+            if optimizer is not None:  # one more file of the same commit
+                nbytes += _write(source, meta, tmp / OPTIMIZER_FILE, moments, optimizer.metadata)
+            return nbytes
 
         nbytes = build_and_publish(out, build)
-    return DcpReconstruction(out, [OUTPUT_NAME], len(tensors), nbytes, findings)
+    files = [OUTPUT_NAME] + ([OPTIMIZER_FILE] if optimizer is not None else [])
+    return DcpReconstruction(out, files, len(tensors) + len(moments), nbytes, findings)
