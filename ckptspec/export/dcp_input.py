@@ -10,15 +10,14 @@ kernel where it can: no tensor is ever held in memory, whatever its size. Standa
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.dcp.checks import check_dcp
-from ..checkpoint.dcp.metadata import Chunk, DcpMetadata, TensorEntry
+from ..checkpoint.dcp.metadata import DcpMetadata, TensorEntry
 from ..checkpoint.dcp.records import read_record
+from ..checkpoint.dcp.runs import runs
 from ..errors import CheckpointInvalid, ReconstructUnsupported
 from ..findings import Finding, has_errors
 from ..format.dtypes import ITEMSIZE
@@ -48,37 +47,6 @@ def model_entries(meta: DcpMetadata) -> dict[str, TensorEntry]:
         for fqn, e in meta.entries.items()
         if fqn.startswith(MODEL_PREFIX) and isinstance(e, TensorEntry)
     }
-
-
-def runs(whole: tuple[int, ...], chunk: Chunk) -> Iterator[tuple[int, int, int]]:
-    """The chunk's elements as contiguous runs of the whole tensor: (element offset in the chunk's row-major bytes,
-    element offset in the whole tensor's, elements). The trailing dimensions the chunk spans whole are one run."""
-    ndim = len(whole)
-    k = ndim  # dims k.. are spanned whole by the chunk
-    while k > 0 and chunk.offsets[k - 1] == 0 and chunk.sizes[k - 1] == whole[k - 1]:
-        k -= 1
-    if k == 0:
-        yield 0, 0, chunk.numel
-        return
-    # dim k-1 is the innermost partial one: a run is sizes[k-1] * prod(whole[k:]) elements
-    inner = math.prod(whole[k:])
-    length = chunk.sizes[k - 1] * inner
-    strides = [math.prod(whole[d + 1 :]) for d in range(ndim)]
-    src = 0
-    for outer in _indices(chunk.sizes[: k - 1]):
-        dst = sum((chunk.offsets[d] + i) * strides[d] for d, i in enumerate(outer))
-        dst += chunk.offsets[k - 1] * strides[k - 1]
-        yield src, dst, length
-        src += length
-
-
-def _indices(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    if not sizes:
-        yield ()
-        return
-    for i in range(sizes[0]):
-        for rest in _indices(sizes[1:]):
-            yield (i, *rest)
 
 
 def _write(source: Path, meta: DcpMetadata, path: Path, tensors: dict[str, tuple[str, TensorEntry]], metadata) -> int:
