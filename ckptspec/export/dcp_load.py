@@ -2,7 +2,7 @@
 
 The checkpoint is checked first (``checkpoint.dcp.checks``: any error finding raises ``CheckpointInvalid``, nothing
 read beyond what the checks read). Every tensor entry under ``model.`` is read under its name without that prefix,
-each chunk's runs read into their place of the whole tensor (``dcp_input.runs``), then cast as the DeepSpeed path
+each chunk's runs read into their place of the whole tensor (``checkpoint.dcp.runs``), then cast as the DeepSpeed path
 casts: floating tensors to ``dtype``, integer and bool ones kept. A DCP save records no tie: both names of a tied
 weight are read, each its own array (equal, not the same object).
 """
@@ -15,12 +15,13 @@ from typing import Any
 
 from ..checkpoint.dcp.checks import check_dcp
 from ..checkpoint.dcp.records import read_record
+from ..checkpoint.dcp.runs import runs
 from ..errors import CheckpointInvalid, FileUnreadable
 from ..findings import has_errors
 from ..format.dtypes import FLOATING, ITEMSIZE, output_dtype
 from .arrays import _np, _np_dtype, convert
 from .checkpoint import numpy_bfloat16
-from .dcp_input import MODEL_PREFIX, model_entries, runs
+from .dcp_input import MODEL_PREFIX, model_entries
 
 
 def dcp_state_dict(directory: str | os.PathLike, framework: str = "torch", dtype: Any = "fp32") -> dict[str, Any]:
