@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.dcp.checks import bytes_values
-from ..checkpoint.dcp.metadata import DcpMetadata, TensorEntry
+from ..checkpoint.dcp.metadata import DcpMetadata, Item, TensorEntry
 from ..checkpoint.dcp.records import read_record
 from ..deepspeed.describe.scalars import UNKNOWN_CLASS, plain_values
 from ..errors import FileUnreadable, ReconstructMismatch, ReconstructUnsupported
@@ -46,10 +46,10 @@ def _groups(directory: Path, meta: DcpMetadata) -> dict[int, dict]:
     return groups
 
 
-def _step(directory: Path, meta: DcpMetadata, fqn: str) -> float | int:
-    """The value of the 0-d tensor ``fqn`` (a parameter's ``step``), read from its record's bytes."""
+def _step(directory: Path, meta: DcpMetadata, fqn: str, items: dict[str, Item]) -> float | int:
+    """The value of the 0-d tensor ``fqn`` (a parameter's ``step``; ``items``: its one item), from its record."""
     entry = meta.entries[fqn]
-    item = next(i for i in meta.items if i.fqn == fqn)
+    item = items[fqn]
     assert isinstance(entry, TensorEntry)
     if entry.dtype not in _SCALARS:
         raise ReconstructUnsupported(f"{fqn}: a step of dtype {entry.dtype}", "", directory / item.file)
@@ -75,6 +75,7 @@ def plan_dcp_optimizer(directory: Path, meta: DcpMetadata, model: dict[str, Tens
             directory,
         )
     groups = _groups(directory, meta)
+    items = {i.fqn: i for i in meta.items if i.fqn in states and states[i.fqn].size == ()}  # the 0-d ones: one each
     tensors: dict[str, tuple[str, TensorEntry]] = {}
     by_param: dict[str, dict[str, str]] = {}
     group_of: dict[str, int] = {}
@@ -93,7 +94,7 @@ def plan_dcp_optimizer(directory: Path, meta: DcpMetadata, model: dict[str, Tens
                     continue
                 used.add(fqn)
                 if key == "step" and entry.size == ():
-                    steps[p] = _step(directory, meta, fqn)
+                    steps[p] = _step(directory, meta, fqn, items)
                 elif p in model and entry.size == model[p].size:
                     tensors[f"{p}.{key}"] = (fqn, entry)
                     by_param.setdefault(p, {})[key] = f"{p}.{key}"
