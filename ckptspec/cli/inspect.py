@@ -219,7 +219,8 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
     """What changed from A to B, and can a job laid out like B resume from checkpoint A.
 
     \b
-    A and B are manifests or checkpoint directories. Exit codes:
+    A and B are manifests or checkpoint directories, or two torch DCP directories (the entries and values
+    that changed; no resume verdict). Exit codes:
       0  B can resume from A's optimizer state (changes may still be listed)
       1  it cannot: every reason is printed with its code (CK501-CK510);
          or A or B is not a valid manifest
@@ -228,6 +229,10 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
     from ..report.diff import diff_manifests
 
     _json_errors(output_format, {"a": {"target": a}, "b": {"target": b}})
+    if any(dcp := [_is_dcp(a), _is_dcp(b)]):  # torch DCP directories: their entries and values compared
+        from .diff_dcp import diff_dcp_dirs
+
+        diff_dcp_dirs(a, b, dcp, [tag_a, tag_b], output_format)
     targets = []
     for name, tag, option in ((a, tag_a, "--tag-a"), (b, tag_b, "--tag-b")):
         try:

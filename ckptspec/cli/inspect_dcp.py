@@ -3,7 +3,7 @@
 The directory is checked first as ``validate DCP_DIR`` checks it (``checkpoint.dcp.checks``): one with an error
 finding is reported like ``validate`` reports it (exit 1) and not summarized. The summary: the tensors by the first
 part of their names (``model``, ``optim``), the largest tensors with their chunks, the bytes entries (pickled
-objects: named, never unpickled) and the files with their items.
+objects, named: read by the restricted reader when checked) and the files with their items.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def inspect_dcp(target: str, output_format: str, top: int) -> NoReturn:
             lines.append(f"    {t['name']}  {t['dtype']}  {t['shape']}  {t['chunks']} chunks")
     listed = summary["bytes_entries"]
     if listed:
-        lines.append(f"  bytes entries (pickled objects, never unpickled): {len(listed)}: {', '.join(listed)}")
+        lines.append(f"  bytes entries (pickles, read by the restricted reader): {len(listed)}: {', '.join(listed)}")
     lines.append("  files:")
     for f in summary["files"]:
         lines.append(f"    {f['name']}  {f['items']} items  {f['bytes']:,} bytes")

@@ -148,7 +148,8 @@ def _is_dcp(checkpoint: str) -> bool:
 
 
 def _reconstruct_dcp(checkpoint, output_dir, quiet, manifest, tag, dtype, fmt, optimizer_state) -> NoReturn:
-    """A torch DCP checkpoint's model weights, at their saved dtype, as OUTPUT_DIR/model.safetensors (issue #42)."""
+    """A torch DCP checkpoint's model weights, at their saved dtype, as OUTPUT_DIR/model.safetensors, and with
+    --optimizer-state its optimizer state as OUTPUT_DIR/optimizer.safetensors (issue #42)."""
     from ..export.dcp_input import reconstruct_dcp
 
     refused = {
@@ -156,16 +157,15 @@ def _reconstruct_dcp(checkpoint, output_dir, quiet, manifest, tag, dtype, fmt, o
         "--tag": tag is not None,
         "--dtype other than fp32": dtype != "fp32",
         "--format torch": fmt == "torch",
-        "--optimizer-state": optimizer_state,
     }
     named = [option for option, given in refused.items() if given]
     if named:
         raise click.UsageError(
             f"{', '.join(named)}: not for a DCP checkpoint (.metadata) yet; it writes the model's tensors at their "
-            "saved dtype to model.safetensors"
+            "saved dtype to model.safetensors (and optimizer.safetensors)"
         )
     try:
-        result = reconstruct_dcp(checkpoint, output_dir)
+        result = reconstruct_dcp(checkpoint, output_dir, optimizer_state=optimizer_state)
     except CheckpointInvalid as exc:
         echo_findings(exc.findings, checkpoint, err=True)
         click.echo(f"{checkpoint}: not reconstructed: the checkpoint has errors; nothing was written", err=True)

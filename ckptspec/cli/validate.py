@@ -156,7 +156,7 @@ def _is_dcp(target: str) -> bool:
 
 def _validate_dcp(target: str, output_format: str, tag: str | None) -> NoReturn:
     """A torch DCP checkpoint: ``.metadata`` read without running it, the files checked against it (CK250-CK254).
-    Its bytes entries are pickles of any object: listed, never unpickled."""
+    Its bytes entries (pickles) are read by the restricted reader: plain values only (CK204 names any global)."""
     from pathlib import Path
 
     from ..checkpoint.dcp.checks import bytes_entries, check_dcp
@@ -171,7 +171,9 @@ def _validate_dcp(target: str, output_format: str, tag: str | None) -> NoReturn:
     listed = bytes_entries(meta)
     if output_format == "text" and listed:
         shown = ", ".join(listed[:3]) + (f", ... ({len(listed) - 3} more)" if len(listed) > 3 else "")
-        click.echo(f"{target}: not read: {len(listed)} bytes entries (pickled objects, never unpickled): {shown}")
+        click.echo(
+            f"{target}: {len(listed)} bytes entries (pickles, read by the restricted reader, nothing run): {shown}"
+        )
     _emit(output_format, target, findings)
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
 

@@ -64,7 +64,8 @@ def load_state_dict(
     manifest: Any = None,
     tag: str | None = None,
 ) -> dict[str, Any]:
-    """The full state dict of a checkpoint of any kind: trainable (fp32 masters), frozen, buffers, aliases.
+    """The full state dict of a checkpoint of any kind: trainable (fp32 masters), frozen, buffers, aliases; of a
+    torch DCP directory (``.metadata``), its ``model.`` tensors (``export/dcp_load.py``).
 
     Validates the checkpoint first (raises ``CheckpointInvalid`` with the findings).
     ``framework="numpy"`` needs only numpy; bfloat16 arrays are then returned as
@@ -74,7 +75,20 @@ def load_state_dict(
     """
     if framework not in ("torch", "numpy"):
         raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
+    if _is_dcp(checkpoint):  # a torch DCP directory: its model state (docs/api.md)
+        if manifest is not None or tag is not None:
+            raise ValueError("manifest and tag name a DeepSpeed checkpoint's documents; a DCP checkpoint has none")
+        from .dcp_load import dcp_state_dict
+
+        return dcp_state_dict(checkpoint, framework, dtype)
     return open_checkpoint(checkpoint, document=manifest, tag=tag).state_dict(framework, dtype)
+
+
+def _is_dcp(checkpoint: str | os.PathLike) -> bool:
+    from ..checkpoint.dcp.metadata import is_dcp_dir
+    from ..location import is_remote
+
+    return not is_remote(os.fspath(checkpoint)) and is_dcp_dir(Path(checkpoint))
 
 
 def reconstruct(
@@ -256,13 +270,6 @@ def load_consolidated(output_dir: str | os.PathLike, framework: str = "torch") -
     for alias, owner in aliases.items():
         state.setdefault(alias, state[owner])
     return state
-
-
-def _is_dcp(checkpoint) -> bool:
-    from ..checkpoint.dcp.metadata import is_dcp_dir
-    from ..location import is_remote
-
-    return not is_remote(os.fspath(checkpoint)) and is_dcp_dir(Path(checkpoint))
 
 
 def _reshard_dcp(checkpoint, output, world_size: int, zero_stage, given: dict) -> Any:

@@ -138,13 +138,7 @@ class Checkpoint:
         if framework not in ("torch", "numpy"):
             raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
         dtype = output_dtype(dtype)
-        bf16_view = None
-        if framework == "numpy" and dtype == "bfloat16":
-            try:
-                import ml_dtypes
-            except ImportError:
-                raise ValueError("numpy has no bfloat16: install ml_dtypes, or use dtype='fp32'") from None
-            bf16_view = ml_dtypes.bfloat16
+        bf16_view = numpy_bfloat16() if framework == "numpy" and dtype == "bfloat16" else None
         self.check_copies()
         plan = self.plan
         out: dict[str, Any] = {}
@@ -206,6 +200,15 @@ class Checkpoint:
         return WholeTensor(
             source.name, source.shape, source.dtype, source.role, source.origin, tuple(chunks), source.digest
         )
+
+
+def numpy_bfloat16():
+    """``ml_dtypes.bfloat16``, the numpy dtype a bfloat16 array is viewed as; ``ValueError`` without ml_dtypes."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ValueError("numpy has no bfloat16: install ml_dtypes, or use dtype='fp32'") from None
+    return ml_dtypes.bfloat16
 
 
 def open_checkpoint(

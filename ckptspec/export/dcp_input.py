@@ -10,18 +10,19 @@ kernel where it can: no tensor is ever held in memory, whatever its size. Standa
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.dcp.checks import check_dcp
-from ..checkpoint.dcp.metadata import Chunk, DcpMetadata, TensorEntry
+from ..checkpoint.dcp.metadata import DcpMetadata, TensorEntry
 from ..checkpoint.dcp.records import read_record
+from ..checkpoint.dcp.runs import runs
 from ..errors import CheckpointInvalid, ReconstructUnsupported
 from ..findings import Finding, has_errors
 from ..format.dtypes import ITEMSIZE
+from .dcp_optimizer import plan_dcp_optimizer
+from .optimizer_state import OPTIMIZER_FILE
 from .output_dir import build_and_publish, held_new_output
 from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter
 from .safetensors_writer import TensorEntry as OutputEntry
@@ -48,39 +49,46 @@ def model_entries(meta: DcpMetadata) -> dict[str, TensorEntry]:
     }
 
 
-def runs(whole: tuple[int, ...], chunk: Chunk) -> Iterator[tuple[int, int, int]]:
-    """The chunk's elements as contiguous runs of the whole tensor: (element offset in the chunk's row-major bytes,
-    element offset in the whole tensor's, elements). The trailing dimensions the chunk spans whole are one run."""
-    ndim = len(whole)
-    k = ndim  # dims k.. are spanned whole by the chunk
-    while k > 0 and chunk.offsets[k - 1] == 0 and chunk.sizes[k - 1] == whole[k - 1]:
-        k -= 1
-    if k == 0:
-        yield 0, 0, chunk.numel
-        return
-    # dim k-1 is the innermost partial one: a run is sizes[k-1] * prod(whole[k:]) elements
-    inner = math.prod(whole[k:])
-    length = chunk.sizes[k - 1] * inner
-    strides = [math.prod(whole[d + 1 :]) for d in range(ndim)]
-    src = 0
-    for outer in _indices(chunk.sizes[: k - 1]):
-        dst = sum((chunk.offsets[d] + i) * strides[d] for d, i in enumerate(outer))
-        dst += chunk.offsets[k - 1] * strides[k - 1]
-        yield src, dst, length
-        src += length
+def _write(source: Path, meta: DcpMetadata, path: Path, tensors: dict[str, tuple[str, TensorEntry]], metadata) -> int:
+    """``tensors`` (output name -> its DCP fqn and entry) copied run by run from their chunks' records into the
+    safetensors file ``path``; its bytes of tensor data."""
+    items = {(i.fqn, i.chunk_offset): i for i in meta.items}
+    entries = [OutputEntry(name, e.dtype, e.size) for name, (_, e) in tensors.items()]
+    writer = SafetensorsWriter(path, entries, metadata)
+    try:
+        regions = writer.regions()
+        handles: dict[str, int] = {}
+        try:
+            for (fqn, entry), region in zip(tensors.values(), regions):
+                itemsize = ITEMSIZE[entry.dtype]
+                for chunk in entry.chunks:
+                    item = items[(fqn, chunk.offsets)]  # CK251 checked it is there
+                    fd = handles.get(item.file)
+                    if fd is None:
+                        fd = handles[item.file] = os.open(source / item.file, os.O_RDONLY)
+                    with os.fdopen(os.dup(fd), "rb") as fh:
+                        record = read_record(fh, source / item.file, item.offset, item.length)
+                    for src, dst, n in runs(entry.size, chunk):
+                        part = region.part(dst * itemsize, n * itemsize)
+                        part.copy_range(fd, record.data_offset + src * itemsize, n * itemsize)
+                region.pos = region.end  # its parts filled it: the chunks cover it exactly once (CK250)
+        finally:
+            for fd in handles.values():
+                os.close(fd)
+        writer.regions_done(regions)
+        writer.finish()
+        os.replace(writer.tmp_path, path)
+    except BaseException:
+        writer.abort()
+        raise
+    return sum(e.nbytes for e in entries)
 
 
-def _indices(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    if not sizes:
-        yield ()
-        return
-    for i in range(sizes[0]):
-        for rest in _indices(sizes[1:]):
-            yield (i, *rest)
-
-
-def reconstruct_dcp(directory: str | os.PathLike, output: str | os.PathLike) -> DcpReconstruction:
-    """Check the DCP checkpoint in ``directory``, then write its model weights to ``output/model.safetensors``."""
+def reconstruct_dcp(
+    directory: str | os.PathLike, output: str | os.PathLike, optimizer_state: bool = False
+) -> DcpReconstruction:
+    """Check the DCP checkpoint in ``directory``, then write its model weights to ``output/model.safetensors``
+    (and with ``optimizer_state`` its optimizer state to ``output/optimizer.safetensors``: ``dcp_optimizer``)."""
     source = Path(directory)
     meta, findings = check_dcp(source)
     if has_errors(findings):
@@ -92,42 +100,20 @@ def reconstruct_dcp(directory: str | os.PathLike, output: str | os.PathLike) -> 
             "save with dcp.save({'model': model_state_dict, ...}) (get_state_dict's model state)",
             source,
         )
-    for name, entry in tensors.items():
+    optimizer = plan_dcp_optimizer(source, meta, tensors) if optimizer_state else None
+    moments = optimizer.tensors if optimizer is not None else {}
+    for name, entry in [*tensors.items(), *((n, e) for n, (_, e) in moments.items())]:
         if entry.dtype not in SAFETENSORS_DTYPES:
             raise ReconstructUnsupported(f"{name}: dtype {entry.dtype} has no safetensors code", "", source)
-    items = {(i.fqn, i.chunk_offset): i for i in meta.items}
     with held_new_output(output, "the reconstruction") as out:
 
         def build(tmp: Path) -> int:
-            entries = [OutputEntry(name, e.dtype, e.size) for name, e in tensors.items()]
-            writer = SafetensorsWriter(tmp / OUTPUT_NAME, entries, {"format": "pt"})
-            try:
-                regions = writer.regions()
-                handles: dict[str, int] = {}
-                try:
-                    for (name, entry), region in zip(tensors.items(), regions):
-                        itemsize = ITEMSIZE[entry.dtype]
-                        for chunk in entry.chunks:
-                            item = items[(MODEL_PREFIX + name, chunk.offsets)]  # CK251 checked it is there
-                            fd = handles.get(item.file)
-                            if fd is None:
-                                fd = handles[item.file] = os.open(source / item.file, os.O_RDONLY)
-                            with os.fdopen(os.dup(fd), "rb") as fh:
-                                record = read_record(fh, source / item.file, item.offset, item.length)
-                            for src, dst, n in runs(entry.size, chunk):
-                                part = region.part(dst * itemsize, n * itemsize)
-                                part.copy_range(fd, record.data_offset + src * itemsize, n * itemsize)
-                        region.pos = region.end  # its parts filled it: the chunks cover it exactly once (CK250)
-                finally:
-                    for fd in handles.values():
-                        os.close(fd)
-                writer.regions_done(regions)
-                writer.finish()
-                os.replace(writer.tmp_path, tmp / OUTPUT_NAME)
-            except BaseException:
-                writer.abort()
-                raise
-            return sum(e.nbytes for e in entries)
+            named = {name: (MODEL_PREFIX + name, e) for name, e in tensors.items()}
+            nbytes = _write(source, meta, tmp / OUTPUT_NAME, named, {"format": "pt"})
+            if optimizer is not None:  # one more file of the same commit
+                nbytes += _write(source, meta, tmp / OPTIMIZER_FILE, moments, optimizer.metadata)
+            return nbytes
 
         nbytes = build_and_publish(out, build)
-    return DcpReconstruction(out, [OUTPUT_NAME], len(tensors), nbytes, findings)
+    files = [OUTPUT_NAME] + ([OPTIMIZER_FILE] if optimizer is not None else [])
+    return DcpReconstruction(out, files, len(tensors) + len(moments), nbytes, findings)

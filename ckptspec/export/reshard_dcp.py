@@ -4,7 +4,7 @@ A DCP directory saved the way FSDP2 users save (``dcp.save({"model": ..., "optim
 holds every tensor whole-model addressed: ``model.<name>``, ``optim.state.<param>.<state>`` and each param group's
 hyperparameters and parameter names as bytes items (``optim.param_groups.<g>.<key>``). Read here as the whole-model
 plan the ZeRO writer takes (``reshard_files.write_files``), nothing unpickled unsafely (the bytes items through the
-restricted reader, plain values only: ``records.read_value``):
+restricted reader, plain values only: ``values.plain_value``):
 
 * the fp32 masters are the parameters the param groups name, whose chunks' bytes (``runs``) are their segments;
   ``exp_avg`` and ``exp_avg_sq`` are located the same way; each group's ``step`` (one per group in DeepSpeed: every
@@ -33,10 +33,11 @@ from typing import Any
 from .._version import __version__
 from ..checkpoint.dcp.checks import check_dcp
 from ..checkpoint.dcp.metadata import BytesEntry, DcpMetadata, Item, TensorEntry
-from ..checkpoint.dcp.records import read_record, read_value
+from ..checkpoint.dcp.records import read_record, read_value_pickle
+from ..checkpoint.dcp.values import plain_value
 from ..checkpoint.standins import LossScalerState
 from ..checkpoint.states import StateCache
-from ..errors import CheckpointInvalid, ReshardUnsupported
+from ..errors import CheckpointInvalid, ReshardUnsupported, UnsafePickleError
 from ..findings import has_errors
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Manifest
@@ -112,8 +113,8 @@ def _bytes_value(directory: Path, items: Items, fqn: str) -> Any:
     item = items[(fqn, None)]
     with open(directory / item.file, "rb") as fh:
         try:
-            return read_value(fh, directory / item.file, item.offset, item.length)
-        except ValueError as exc:
+            return plain_value(read_value_pickle(fh, item.offset, item.length), directory / item.file, fqn)
+        except (UnsafePickleError, ValueError) as exc:
             raise _refuse(f"{fqn}: {exc}", "save plain hyperparameters", directory) from None
 
 

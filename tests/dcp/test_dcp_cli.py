@@ -27,7 +27,7 @@ def test_a_real_save_is_valid_and_its_pickles_listed(world_size, ds):
     result = _run("validate", directory)
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == [
-        f"{directory}: not read: 24 bytes entries (pickled objects, never unpickled): "
+        f"{directory}: 24 bytes entries (pickles, read by the restricted reader, nothing run): "
         "optim.param_groups.0.weight_decay, optim.param_groups.0.lr, optim.param_groups.0.betas, ... (21 more)",
         f"{directory}: valid",
     ]

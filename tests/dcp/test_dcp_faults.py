@@ -141,20 +141,27 @@ class Fault:
     codes: list  # check_dcp's codes, in order (the files' named in ``files``)
     files: list
     torch: str  # what dcp_to_torch_save did, measured: "raises <Type>", "loads wrong", "loads right"
+    says: str = ""  # in the first finding's message
 
 
 _R0, _R1 = "__0_0.distcp", "__1_0.distcp"
 FAULTS = {
     "truncated": Fault(_cut, ["CK253"], ["__1_0.distcp"], "raises RuntimeError"),
     "missing": Fault(_missing, ["CK252"], ["__1_0.distcp"], "raises FileNotFoundError"),
-    "swapped": Fault(_swapped, ["CK253", "CK254", "CK254"], [_R1, _R0, _R1], "raises AttributeError"),
+    "swapped": Fault(_swapped, ["CK253", "CK254", "CK254", "CK254"], [_R1, _R0, _R1, _R1], "raises AttributeError"),
     "other-save-same-layout": Fault(_other_save_same_layout, [], [], "loads wrong"),
     "other-save-other-layout": Fault(
-        _other_save_other_layout, ["CK253", "CK254"], [_R1, _R1], "raises UnpicklingError"
+        _other_save_other_layout, ["CK253", "CK254", "CK254"], [_R1, _R1, _R1], "raises UnpicklingError"
     ),
     "metadata-gap": Fault(_gap, ["CK250"], [None], "loads wrong"),
     "metadata-overlap": Fault(_overlap, ["CK250"], [None], "raises AssertionError"),
-    "bytes-item-payload": Fault(_bytes_item_payload, [], [], "loads right, runs the payload"),
+    "bytes-item-payload": Fault(
+        _bytes_item_payload,
+        ["CK204"],
+        [_R0],
+        "loads right, runs the payload",
+        "bytes item optim.param_groups.0.lr references global posix.system, which is not allowlisted",
+    ),
     "metadata-item-dropped": Fault(_item_dropped, ["CK251"], [None], "raises KeyError"),
     "metadata-item-elsewhere": Fault(_item_elsewhere, ["CK254"], [_R0], "raises IndexError"),
 }
@@ -194,14 +201,15 @@ def test_fault(name, ds, tmp_path):
     meta, findings = check_dcp(directory)
     print([f.to_line() for f in findings])
     assert [(f.code, f.file) for f in findings] == list(zip(fault.codes, fault.files))
+    assert fault.says in (findings[0].message if findings else "")
     for output in ("text", "json"):  # the command: exit 1 with the codes, 0 when nothing is found, never a traceback
         result = _validate(directory, output)
         assert result.exit_code == (1 if fault.codes else 0), result.output
         assert "Traceback" not in result.output
     assert [f["code"] for f in json.loads(result.output)["findings"]] == fault.codes
-    assert "optim.param_groups.0.lr" in bytes_entries(meta)  # listed, never read
+    assert "optim.param_groups.0.lr" in bytes_entries(meta)
     sentinel = tmp_path / "payload-ran"
-    assert not sentinel.exists()
+    assert not sentinel.exists()  # read by the restricted reader only: nothing it names ran
 
     measured = torch_outcome(directory, entry / "oracle.pt", tmp_path / "out.pt")
     print(measured)

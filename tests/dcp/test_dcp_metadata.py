@@ -17,6 +17,7 @@ import sys
 import pytest
 from _harness.scenarios import DCP_SAVE_WORLD_SIZES, dcp_save_name
 
+from ckptspec.checkpoint.dcp.checks import bytes_values
 from ckptspec.checkpoint.dcp.metadata import BytesEntry, read_metadata
 from ckptspec.errors import PickleOverCap, UnsafePickleError
 
@@ -43,11 +44,27 @@ def test_reads_what_torch_reads(world_size, save, ds):
         for k, v in theirs.storage_data.items()
     ]
     assert ours.files == [f"__{rank}_0.distcp" for rank in range(world_size)]
-    # The optimizer's hyperparameters are bytes items: pickles, listed and never read.
+    # The optimizer's hyperparameters are bytes items: pickles, read by the restricted reader (plain values only).
     assert sorted(k for k, e in ours.entries.items() if isinstance(e, BytesEntry))[:2] == [
         "optim.param_groups.0.amsgrad",
         "optim.param_groups.0.betas",
     ]
+
+
+@pytest.mark.parametrize("world_size", DCP_SAVE_WORLD_SIZES)
+def test_bytes_items_read_as_torch_reads_them(world_size, ds):
+    """Every bytes item of a real save is a plain value, equal (and of the same type) to what torch's own
+    consolidation of the save holds (the optimizer's param groups, flattened as DCP saves them)."""
+    import torch
+
+    entry = ds.path(dcp_save_name(world_size))
+    meta = read_metadata(entry / "dcp")
+    ours = bytes_values(entry / "dcp", meta)
+    groups = torch.load(entry / "torch_save.pt", weights_only=True)["optim"]["param_groups"]
+    theirs = {f"optim.param_groups.{i}.{k}": v for i, g in enumerate(groups) for k, v in g.items()}
+    assert len(ours) == 24 and sorted(ours) == sorted(theirs)
+    for fqn, value in ours.items():
+        assert (type(value), value) == (type(theirs[fqn]), theirs[fqn]), fqn
 
 
 class _Payload:

@@ -87,7 +87,8 @@ def test_a_hyperparameter_that_is_not_a_plain_value_is_refused_and_never_run(ds,
 
     result = _run("reshard", directory, tmp_path / "out", "--world-size", "2", "--stage", "2")
     assert result.exit_code == 1, result.output
-    assert "CK410" in result.output and "optim.param_groups.0.lr" in result.output, result.output
+    # the checks refuse it first (CK204, as validate does); the reshard's own reader would too (CK410)
+    assert "CK204" in result.output and "optim.param_groups.0.lr" in result.output, result.output
     assert "posix.system" in result.output, result.output
     assert not (tmp_path / "ran").exists()
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

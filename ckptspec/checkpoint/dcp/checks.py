@@ -7,9 +7,12 @@ CK225, raised) and runs every check, each reporting all it finds:
 - CK251 every chunk and bytes entry has a storage item, and every item names one;
 - CK252 every file an item names is in the directory;
 - CK253 every item lies inside its file (offset + length <= the file's size);
-- CK254 every tensor item's bytes are a ``torch.save`` record of its chunk: its dtype and sizes (``records``).
+- CK254 every tensor item's bytes are a ``torch.save`` record of its chunk: its dtype and sizes (``records``), and
+  every bytes item's a record of a value (an undamaged pickle);
+- CK204 every bytes item's pickle is of a plain value: it names no global but ``torch.Size`` and dtypes (``values``).
 
-Bytes entries (``BytesStorage``: a pickle of any object) are listed by ``bytes_entries``, never read.
+Bytes entries (``BytesStorage``: a ``torch.save`` of any object, which ``dcp.load`` unpickles unrestricted) are read
+by ``bytes_values`` through the restricted reader only: a global off its list is refused by name, never called.
 Standard library only.
 """
 
@@ -20,10 +23,11 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ...errors import FileUnreadable
+from ...errors import FileUnreadable, UnsafePickleError
 from ...findings import Finding, finding
 from .metadata import BytesEntry, DcpMetadata, Item, TensorEntry, read_metadata
-from .records import read_record
+from .records import read_record, read_value_pickle
+from .values import plain_value
 
 Check = Callable[[Path, DcpMetadata], list[Finding]]
 
@@ -40,6 +44,32 @@ def check_dcp(directory: Path) -> tuple[DcpMetadata, list[Finding]]:
 def bytes_entries(meta: DcpMetadata) -> list[str]:
     """The bytes entries: pickles of Python objects, which ckptspec lists and never unpickles."""
     return [fqn for fqn, entry in meta.entries.items() if isinstance(entry, BytesEntry)]
+
+
+def bytes_values(directory: Path, meta: DcpMetadata) -> dict[str, object]:
+    """Each bytes item's value (plain: ``values.plain_value``) or, for one that is not, the exception saying why
+    (``UnsafePickleError``: a global off the list; ``ValueError``: no record, a damaged pickle). Items of missing
+    files or past their file's end are left out (CK252's, CK253's)."""
+    sizes = _sizes(directory, meta)
+    out: dict[str, object] = {}
+    for name, items in _by_file(meta).items():
+        size = sizes.get(name)
+        wanted = [i for i in items if isinstance(meta.entries.get(i.fqn), BytesEntry) and i.chunk_offset is None]
+        wanted = [i for i in wanted if size is not None and i.offset + i.length <= size]
+        if not wanted:
+            continue
+        try:
+            with open(directory / name, "rb") as fh:
+                for item in wanted:
+                    try:
+                        out[item.fqn] = plain_value(
+                            read_value_pickle(fh, item.offset, item.length), directory / name, item.fqn
+                        )
+                    except (UnsafePickleError, ValueError) as exc:
+                        out[item.fqn] = exc
+        except OSError as exc:
+            raise FileUnreadable(directory / name, exc) from None
+    return out
 
 
 def _tensors(meta: DcpMetadata) -> dict[str, TensorEntry]:
@@ -203,4 +233,44 @@ def item_records(directory: Path, meta: DcpMetadata) -> list[Finding]:
     return out
 
 
-CHECKS: list[Check] = [chunk_coverage, storage_items, files_present, items_inside_files, item_records]
+def bytes_records(directory: Path, meta: DcpMetadata) -> list[Finding]:
+    """CK254: each bytes item (in a present file, inside it) is a ``torch.save`` record of a value."""
+    hint = "the file's bytes are not this save's (another save's file, swapped, overwritten): restore it"
+    files = {i.fqn: i.file for i in meta.items if i.chunk_offset is None}
+    out: dict[str, list[str]] = {}
+    for fqn, value in bytes_values(directory, meta).items():
+        if type(value) is ValueError:
+            out.setdefault(files[fqn], []).append(f"{fqn}: {value}")
+    return [
+        finding(
+            "CK254",
+            "$.storage_data",
+            f"{len(bad)} bytes items are no value's record: " + "; ".join(bad[:3]),
+            hint,
+            file=name,
+        )
+        for name, bad in out.items()
+    ]
+
+
+def bytes_plain(directory: Path, meta: DcpMetadata) -> list[Finding]:
+    """CK204: each bytes item's pickle is of a plain value, naming no global off ``values.ALLOWED``: ``dcp.load``
+    would unpickle it unrestricted and call what it names."""
+    hint = "the item's pickle would run code when torch loads it (a forged checkpoint): do not load it with dcp.load"
+    files = {i.fqn: i.file for i in meta.items if i.chunk_offset is None}
+    return [
+        finding("CK204", f"$.state_dict_metadata[{fqn!r}]", value.reason, hint, file=files[fqn])
+        for fqn, value in bytes_values(directory, meta).items()
+        if isinstance(value, UnsafePickleError)
+    ]
+
+
+CHECKS: list[Check] = [
+    chunk_coverage,
+    storage_items,
+    files_present,
+    items_inside_files,
+    item_records,
+    bytes_records,
+    bytes_plain,
+]

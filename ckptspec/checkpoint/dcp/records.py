@@ -4,19 +4,17 @@
 (``length`` bytes). ``read_record`` opens that zip through a window on the file (only its directory, its
 ``data.pkl`` and one local header are read), decodes ``data.pkl`` with the restricted ``.pt`` reader
 (``torchfile``) and locates the tensor's bytes in the file: what a reconstruction reads, and what a check
-compares with the chunk the metadata promises. ``read_value`` decodes a bytes item the same way (an optimizer
-hyperparameter, ``torch.save``d by DCP's planner) and gives it only when it is a plain value. Standard library only.
+compares with the chunk the metadata promises. Standard library only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from ..standins import TensorRef
 from ..torchfile import RawPickle, decode_data_pkl
@@ -71,55 +69,47 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
-PLAIN = (bool, int, float, str, type(None))  # what a hyperparameter may be (tuples and lists of them too)
-
-
-def read_value(fh: BinaryIO, path: Path, offset: int, length: int) -> Any:
-    """The plain value (``PLAIN``, or a tuple or list of them) a bytes item at ``offset`` of ``fh`` holds, decoded by
-    the restricted reader; ``ValueError`` names anything else (a tensor, a class instance: never built)."""
-    with _opened(fh, offset, length) as (zf, infos, prefix):
-        value = _decoded(zf, infos, prefix, path)
-    items = value if type(value) in (tuple, list) else (value,)
-    if not all(type(v) in PLAIN for v in items):
-        raise ValueError(f"the item holds a {type(value).__name__}, not a plain value")
-    return value
-
-
-@contextlib.contextmanager
-def _opened(fh: BinaryIO, offset: int, length: int):
-    """The ``torch.save`` zip of ``length`` bytes at ``offset``: (zip, its members by name, its prefix)."""
-    try:
-        zf = zipfile.ZipFile(_Window(fh, offset, length))
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        raise ValueError(f"no torch.save record ({exc})") from None
-    with zf:
-        infos = {info.filename: info for info in zf.infolist()}
-        names = list(infos)
-        yield zf, infos, names[0].split("/", 1)[0] if names and "/" in names[0] else ""
-
-
-def _decoded(zf: zipfile.ZipFile, infos: dict, prefix: str, path: Path) -> Any:
-    """The record's ``data.pkl``, decoded by the restricted reader (refused or damaged: ``ValueError``, never run)."""
+def _data_pkl(zf: zipfile.ZipFile) -> tuple[bytes, str, dict[str, zipfile.ZipInfo]]:
+    """The record's ``data.pkl`` (stored, at most ``MAX_RECORD_PICKLE`` bytes), its archive prefix, its members."""
+    infos = {info.filename: info for info in zf.infolist()}
+    names = list(infos)
+    prefix = names[0].split("/", 1)[0] if names and "/" in names[0] else ""
     pkl = infos.get(f"{prefix}/data.pkl")
     if pkl is None or pkl.file_size > MAX_RECORD_PICKLE or pkl.compress_type != zipfile.ZIP_STORED:
-        raise ValueError("no stored data.pkl of one tensor in the record")
+        raise ValueError("no stored data.pkl of one value in the record")
     try:
-        data = zf.read(pkl)
+        return zf.read(pkl), prefix, infos
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise ValueError(f"the record's data.pkl is unreadable ({exc})") from None
-    raw = RawPickle(path, data, prefix, {n: i.file_size for n, i in infos.items()})
+
+
+def _open(fh: BinaryIO, offset: int, length: int) -> tuple[zipfile.ZipFile, _Window]:
+    window = _Window(fh, offset, length)
     try:
-        return decode_data_pkl(raw)
-    except Exception as exc:  # TorchFileError: refused or damaged, never run
-        raise ValueError(f"the record's data.pkl: {getattr(exc, 'reason', exc)}") from None
+        return zipfile.ZipFile(window), window
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise ValueError(f"no torch.save record ({exc})") from None
+
+
+def read_value_pickle(fh: BinaryIO, offset: int, length: int) -> bytes:
+    """The ``data.pkl`` of a bytes item's record (``torch.save`` of any object), unread as a pickle: what
+    ``values.plain_value`` reads; ``ValueError`` says why the bytes hold no record."""
+    zf, _ = _open(fh, offset, length)
+    with zf:
+        return _data_pkl(zf)[0]
 
 
 def read_record(fh: BinaryIO, path: Path, offset: int, length: int) -> Record:
     """The record of the item at ``offset`` (``length`` bytes) of the open ``.distcp`` ``fh``; ``ValueError`` says
     why it is not one tensor's ``torch.save`` record inside those bytes."""
-    window = _Window(fh, offset, length)
-    with _opened(fh, offset, length) as (zf, infos, prefix):
-        tensor = _decoded(zf, infos, prefix, path)
+    zf, window = _open(fh, offset, length)
+    with zf:
+        data, prefix, infos = _data_pkl(zf)
+        raw = RawPickle(path, data, prefix, {n: i.file_size for n, i in infos.items()})
+        try:
+            tensor = decode_data_pkl(raw)
+        except Exception as exc:  # TorchFileError: refused or damaged, never run
+            raise ValueError(f"the record's data.pkl: {getattr(exc, 'reason', exc)}") from None
         if type(tensor) is not TensorRef:
             raise ValueError(f"the record holds a {type(tensor).__name__}, not a tensor")
         member = infos[tensor.storage.member]
