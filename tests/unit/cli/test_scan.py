@@ -1,0 +1,141 @@
+"""``ckptspec scan RUN_DIR`` on runs built from the committed real checkpoint (issue #43): each tag's verdict,
+the newest valid tag, ``--fix-latest`` (and a kill at every step of it), exit codes and bad input.
+
+The tags are copies of one real DeepSpeed save (tests/data), some damaged: a truncated file, a missing
+rank file. tests/export/test_scan.py holds the real run and DeepSpeed's resume from the fixed ``latest``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from _harness.states import points, visible
+
+SOURCE = "s2-bf16-ws2"
+OPTIM_1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+OPTIM_0 = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+def _tag(committed, run: Path, name: str) -> Path:
+    tag = run / name
+    shutil.copytree(committed(SOURCE) / "global_step2", tag)
+    return tag
+
+
+def _broken_run(committed, run: Path, latest: str | None = "global_step30") -> Path:
+    """global_step10 good, global_step20 without rank 1's optimizer file, global_step30 truncated."""
+    run.mkdir()
+    _tag(committed, run, "global_step10")
+    (_tag(committed, run, "global_step20") / OPTIM_1).unlink()
+    cut = _tag(committed, run, "global_step30") / OPTIM_0
+    cut.write_bytes(cut.read_bytes()[:4000])
+    if latest is not None:
+        (run / "latest").write_text(latest)
+    return run
+
+
+def _json(ckptspec_process, *args: str) -> tuple[int, dict]:
+    done = ckptspec_process(["scan", *args, "--format", "json"])
+    return done.returncode, json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("latest", ["global_step30", None, "global_step20", "gone"])
+def test_scan_names_the_good_older_tag(committed, ckptspec_process, tmp_path, latest):
+    run = _broken_run(committed, tmp_path / "run", latest)
+    code, report = _json(ckptspec_process, str(run))
+    assert code == 1
+    assert report["newest_valid"] == "global_step10"
+    assert report["problem"]["code"] == "CK261"
+    tags = {t["name"]: t for t in report["tags"]}
+    assert [t["name"] for t in report["tags"]] == ["global_step10", "global_step20", "global_step30"]
+    assert [t["step"] for t in report["tags"]] == [10, 20, 30]
+    assert tags["global_step10"]["valid"] and tags["global_step10"]["kind"] == "zero"
+    assert {f["code"] for f in tags["global_step20"]["findings"]} == {"CK206"}
+    assert "CK205" in {f["code"] for f in tags["global_step30"]["findings"]}
+    assert tags["global_step10"]["size"] == sum(p.stat().st_size for p in (run / "global_step10").iterdir())
+    text = ckptspec_process(["scan", str(run), "-q"])
+    assert text.returncode == 1 and f"{run}: newest valid tag: global_step10" in text.stdout
+    assert "CK261" in text.stderr and "Traceback" not in text.stderr
+
+
+@pytest.mark.parametrize("latest", ["global_step30", None])
+def test_fix_latest_points_at_the_good_tag_and_logs_it(committed, ckptspec_process, tmp_path, latest):
+    run = _broken_run(committed, tmp_path / "run", latest)
+    tags_before = {n: visible(run / n) for n in ("global_step10", "global_step20", "global_step30")}
+    done = ckptspec_process(["scan", str(run), "--fix-latest"])
+    assert done.returncode == 0, done.stderr
+    assert (run / "latest").read_bytes() == b"global_step10"
+    was = "'global_step30'" if latest else "no 'latest'"
+    line = f"latest: {was} -> 'global_step10' (the newest valid tag; newer and invalid: global_step20, global_step30)"
+    assert f"{run}: {line}" in done.stdout
+    assert (run / "ckptspec-scan.log").read_text().splitlines()[0].endswith(line)
+    assert {n: visible(run / n) for n in tags_before} == tags_before  # the tags are not touched
+    again = ckptspec_process(["scan", str(run), "--fix-latest"])  # nothing left to fix: no second line
+    assert again.returncode == 0 and len((run / "ckptspec-scan.log").read_text().splitlines()) == 1
+
+
+def test_a_valid_run_passes_and_newer_valid_tags_win(committed, ckptspec_process, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("global_step1", "global_step2"):
+        _tag(committed, run, name)
+    (run / "latest").write_text("global_step2")
+    assert _json(ckptspec_process, str(run))[0] == 0
+    (run / "latest").write_text("global_step1")  # an older valid tag: a resume would lose a step
+    code, report = _json(ckptspec_process, str(run))
+    assert code == 1 and report["problem"]["code"] == "CK261" and "older" in report["problem"]["message"]
+
+
+def test_trainer_folders(committed, ckptspec_process, tmp_path):
+    """Hugging Face Trainer's checkpoint-N/ folders, each with a DeepSpeed tag and its own latest."""
+    run = tmp_path / "trainer"
+    run.mkdir()
+    for step in (500, 1000):
+        folder = run / f"checkpoint-{step}"
+        folder.mkdir()
+        _tag(committed, folder, f"global_step{step}")
+        (folder / "latest").write_text(f"global_step{step}")
+    code, report = _json(ckptspec_process, str(run))
+    assert code == 0 and report["newest_valid"] == "checkpoint-1000/global_step1000"
+    (run / "checkpoint-1000" / "global_step1000" / OPTIM_1).unlink()
+    code, report = _json(ckptspec_process, str(run))
+    assert code == 1 and report["newest_valid"] == "checkpoint-500/global_step500"
+    assert report["problem"]["code"] == "CK261" and "resume_from_checkpoint=checkpoint-500" in report["problem"]["hint"]
+    assert ckptspec_process(["scan", str(run), "--fix-latest"]).returncode == 1  # no `latest` of the run's to fix
+    assert not (run / "latest").exists()
+
+
+def test_no_tag_no_valid_tag_and_bad_input(committed, ckptspec_process, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, report = _json(ckptspec_process, str(empty))
+    assert code == 1 and report["problem"]["code"] == "CK260" and report["tags"] == []
+    run = _broken_run(committed, tmp_path / "run")
+    shutil.rmtree(run / "global_step10")
+    done = ckptspec_process(["scan", str(run), "--fix-latest"])
+    assert done.returncode == 1 and "CK260" in done.stderr
+    assert (run / "latest").read_text() == "global_step30" and not (run / "ckptspec-scan.log").exists()
+    missing = ckptspec_process(["scan", str(tmp_path / "nope")])
+    assert missing.returncode == 2 and "CK901" in missing.stderr and "Traceback" not in missing.stderr
+    code, report = _json(ckptspec_process, str(tmp_path / "nope"))
+    assert code == 2 and report["error"]["code"] == "CK901"
+    url = ckptspec_process(["scan", "s3://bucket/run", "--fix-latest"])
+    assert url.returncode == 2 and "CK916" in url.stderr
+
+
+def test_a_kill_during_fix_latest_leaves_latest_old_or_new(committed, crash, tmp_path):
+    """SIGKILL at every sampled step of --fix-latest: `latest` names the old tag or the new one, never a part."""
+    args = lambda run: ["scan", str(run), "--fix-latest", "-q"]  # noqa: E731
+    total = crash.steps(args(_broken_run(committed, tmp_path / "count")), tmp_path / "steps")
+    assert total >= 4  # create, write, fsync, rename... of `latest`, then the log's line
+    for point in points(total, total):
+        run = _broken_run(committed, tmp_path / f"kill-{point}")
+        tags = {n: visible(run / n) for n in ("global_step10", "global_step20", "global_step30")}
+        assert crash.run(args(run), f"kill:{point}").returncode == -9
+        assert (run / "latest").read_bytes() in (b"global_step30", b"global_step10"), point
+        assert {n: visible(run / n) for n in tags} == tags
+        assert crash.run(args(run)).returncode == 0  # the next run finishes the job
+        assert (run / "latest").read_bytes() == b"global_step10"
