@@ -22,9 +22,19 @@ from ._common import EXIT_INVALID, EXIT_OK, FORMAT_CHOICE, echo_json, error_dict
     help="Point 'latest' at the newest valid tag (atomically); what it replaced is printed and appended "
     "to RUN_DIR/ckptspec-scan.log.",
 )
+@click.option(
+    "--keep",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Remove the run's tags that have at least N newer valid tags (never the one 'latest' names, never one "
+    "holding files ckptspec cannot attribute to a tag); logged in RUN_DIR/ckptspec-scan.log.",
+)
 @click.option("--format", "output_format", type=FORMAT_CHOICE, default="text", show_default=True)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def scan(run_dir: str, verify_hashes: bool, fix_latest: bool, output_format: str, quiet: bool) -> None:
+def scan(
+    run_dir: str, verify_hashes: bool, fix_latest: bool, keep: int | None, output_format: str, quiet: bool
+) -> None:
     """Every tag of a DeepSpeed run: step, kind, size, save time, verdict; and the newest valid tag.
 
     \b
@@ -46,8 +56,8 @@ def scan(run_dir: str, verify_hashes: bool, fix_latest: bool, output_format: str
         bar[0](1)
 
     try:
-        if fix_latest:
-            refuse_write(run_dir, "latest")
+        if fix_latest or keep is not None:
+            refuse_write(run_dir, "--fix-latest" if fix_latest else "--keep")
         found = scan_run(run_dir, verify_hashes, progress)
     except CkptspecError as exc:
         if output_format == "json":
@@ -57,19 +67,27 @@ def scan(run_dir: str, verify_hashes: bool, fix_latest: bool, output_format: str
     finally:
         if bar:
             bar[1]()
-    fixed = None
-    if fix_latest and found.newest_resumable is not None:
-        try:
+    fixed, plan, removed = None, None, []
+    try:
+        if fix_latest and found.newest_resumable is not None:
             fixed = rewrite_latest(found)
-        except OSError as exc:
-            from ._common import fail_write
+        if keep is not None:
+            from ..export.run_keep import plan_keep, remove_tags
 
-            fail_write(str(found.run_dir), exc)
+            plan = plan_keep(found, keep)
+            removed = remove_tags(found.run_dir, plan.remove, keep)
+    except CkptspecError as exc:  # CK908: another ckptspec run holds the run directory
+        fail(exc, run_dir)
+    except OSError as exc:
+        from ._common import fail_write
+
+        fail_write(str(found.run_dir), exc)
     problem = resume_problem(found)
+    kept = plan.kept if plan else {}
     if output_format == "json":
-        echo_json(_report(found, fixed, problem))
+        echo_json({**_report(found, fixed, problem), "removed": plan.remove if plan else [], "kept": kept})
     else:
-        _print(found, fixed, problem)
+        _print(found, fixed, problem, removed, kept)
     sys.exit(EXIT_INVALID if problem else EXIT_OK)
 
 
@@ -104,7 +122,7 @@ def _report(found, fixed: str | None, problem) -> dict[str, Any]:
     }
 
 
-def _print(found, fixed: str | None, problem) -> None:
+def _print(found, fixed: str | None, problem, removed: list[str], kept: dict[str, str]) -> None:
     run = found.run_dir
     for t in found.tags:
         step = "-" if t.step is None else str(t.step)
@@ -119,8 +137,12 @@ def _print(found, fixed: str | None, problem) -> None:
             click.echo(f"  {error_line(t.error)}")
     newest = found.newest_valid
     click.echo(f"{run}: newest valid tag: {newest.name if newest else 'none'}")
-    if fixed:
-        click.echo(f"{run}: {fixed}")
+    for line in [fixed] if fixed else []:
+        click.echo(f"{run}: {line}")
+    for line in removed:
+        click.echo(f"{run}: {line}")
+    for name, why in kept.items():
+        click.echo(f"{run}: kept {name!r}: {why}")
     if problem:
         code, message, hint = problem
         click.echo(f"{run}: {code} {message} (hint: {hint})", err=True)

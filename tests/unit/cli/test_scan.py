@@ -7,7 +7,9 @@ rank file. tests/export/test_scan.py holds the real run and DeepSpeed's resume f
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -139,3 +141,94 @@ def test_a_kill_during_fix_latest_leaves_latest_old_or_new(committed, crash, tmp
         assert {n: visible(run / n) for n in tags} == tags
         assert crash.run(args(run)).returncode == 0  # the next run finishes the job
         assert (run / "latest").read_bytes() == b"global_step10"
+
+
+def _kept_run(committed, run: Path) -> Path:
+    """global_step1..3 good (step 2 with a file of the user's), global_step4 without rank 1's optimizer file."""
+    run.mkdir()
+    for step in (1, 2, 3, 4):
+        _tag(committed, run, f"global_step{step}")
+    (run / "global_step2" / "notes.txt").write_text("the user's")
+    (run / "global_step4" / OPTIM_1).unlink()
+    (run / "latest").write_text("global_step3")
+    return run
+
+
+def test_keep_removes_only_tags_with_n_newer_valid_ones(committed, ckptspec_process, tmp_path):
+    run = _kept_run(committed, tmp_path / "run")
+    before = visible(run)
+    code, report = _json(ckptspec_process, str(run), "--keep", "2")  # global_step4 is invalid: only 1 has 2 newer valid
+    assert code == 0 and report["removed"] == ["global_step1"] and report["kept"] == {}
+    names = ["ckptspec-scan.log", "global_step2", "global_step3", "global_step4", "latest"]
+    assert sorted(p.name for p in run.iterdir()) == names
+    assert {k: v for k, v in visible(run).items() if not k.startswith("ckptspec-scan")} == {
+        k: v for k, v in before.items() if not k.startswith("global_step1/")
+    }  # nothing else touched: the invalid newer tag, the user's file, latest
+    assert "removed 'global_step1'" in (run / "ckptspec-scan.log").read_text()
+    code, report = _json(ckptspec_process, str(run), "--keep", "1")
+    assert code == 0 and report["removed"] == []
+    assert report["kept"] == {"global_step2": "holds what ckptspec cannot attribute to a tag: notes.txt"}
+    assert (run / "global_step2" / "notes.txt").read_text() == "the user's"
+    (run / "global_step2" / "notes.txt").unlink()
+    code, report = _json(ckptspec_process, str(run), "--keep", "1")
+    assert code == 0 and report["removed"] == ["global_step2"] and report["kept"] == {}
+    code, report = _json(ckptspec_process, str(run), "--keep", "1")  # global_step3: no newer valid tag
+    assert code == 0 and report["removed"] == []
+
+
+def test_keep_never_removes_what_latest_names(committed, ckptspec_process, tmp_path):
+    run = _kept_run(committed, tmp_path / "run")
+    (run / "latest").write_text("global_step1")
+    code, report = _json(ckptspec_process, str(run), "--keep", "1")
+    assert code == 1 and report["problem"]["code"] == "CK261"  # latest names an older tag: said, not fixed
+    assert report["removed"] == [] and report["kept"]["global_step1"] == "'latest' names it"
+    code, report = _json(ckptspec_process, str(run), "--keep", "1", "--fix-latest")  # fixed first, then kept
+    assert code == 0 and report["removed"] == ["global_step1"] and (run / "latest").read_text() == "global_step3"
+
+
+def test_keep_bad_input(committed, ckptspec_process, tmp_path):
+    run = _kept_run(committed, tmp_path / "run")
+    for bad in ("0", "-1", "x"):
+        done = ckptspec_process(["scan", str(run), "--keep", bad])
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert (run / "global_step1").is_dir()
+    url = ckptspec_process(["scan", "s3://bucket/run", "--keep", "1"])
+    assert url.returncode == 2 and "CK916" in url.stderr
+
+
+def test_a_kill_during_keep_leaves_each_tag_whole_or_gone(committed, crash, tmp_path):
+    """SIGKILL at every step of --keep 1 (two tags to remove): every tag in view is byte for byte as it was,
+    the older goes first, latest is untouched; the next run removes the hidden remains and finishes."""
+    args = lambda run: ["scan", str(run), "--keep", "1", "-q"]  # noqa: E731
+
+    def run_of(name: str) -> Path:
+        run = _kept_run(committed, tmp_path / name)
+        (run / "global_step2" / "notes.txt").unlink()
+        return run
+
+    total = crash.steps(args(run_of("count")), tmp_path / "steps")
+    assert total >= 6  # per tag: create, rename, remove (and the log's lines)
+    for point in points(total, total):
+        run = run_of(f"kill-{point}")
+        before = visible(run)
+        assert crash.run(args(run), f"kill:{point}").returncode == -9
+        tags = {p.name for p in run.iterdir() if p.is_dir() and not p.name.startswith(".")}
+        assert tags in ({"global_step1", "global_step2", "global_step3", "global_step4"},
+                        {"global_step2", "global_step3", "global_step4"},
+                        {"global_step3", "global_step4"}), (point, tags)  # fmt: skip
+        seen = {k: v for k, v in visible(run).items() if not k.startswith("ckptspec-scan")}
+        assert seen == {k: v for k, v in before.items() if k.split("/")[0] in tags | {"latest"}}, point
+        assert crash.run(args(run)).returncode == 0
+        assert {p.name for p in run.iterdir()} == {"global_step3", "global_step4", "latest", "ckptspec-scan.log"}
+
+
+def test_keep_in_a_run_another_ckptspec_run_holds_is_refused(committed, ckptspec_process, tmp_path):
+    run = _kept_run(committed, tmp_path / "run")
+    fd = os.open(run, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # what a running `scan --keep` holds
+        done = ckptspec_process(["scan", str(run), "--keep", "1"])
+    finally:
+        os.close(fd)
+    assert done.returncode == 2 and "CK908" in done.stderr and "Traceback" not in done.stderr
+    assert (run / "global_step1").is_dir() and not (run / "ckptspec-scan.log").exists()
