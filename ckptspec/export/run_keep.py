@@ -57,7 +57,7 @@ def unattributed(tag_dir: Path, kind: str | None) -> list[str]:
 def plan_keep(scan: RunScan, keep: int) -> KeepPlan:
     """Which of the run's own tags go: those with at least ``keep`` newer valid tags (``scan.tags`` is oldest first)."""
     plan = KeepPlan()
-    own = [t for t in scan.tags if t.top_level]
+    own = [t for t in scan.tags if t.latest_can_name]
     for i, tag in enumerate(own):
         newer_valid = sum(t.valid for t in own[i + 1 :])
         if newer_valid < keep:

@@ -24,7 +24,7 @@ from ..location import RemotePath, location, walk
 
 LOG_NAME = "ckptspec-scan.log"  # beside `latest`: what --fix-latest replaced, kept with the run
 _TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")  # transformers' Trainer: PREFIX_CHECKPOINT_DIR-<global step>
-_STEP = re.compile(r"(\d+)$")  # DeepSpeed's default tag, global_step<N>
+_STEP = re.compile(r"(\d+)\D*$")  # DeepSpeed's default tag, global_step<N> (and ds_to_universal's ..._universal)
 
 
 @dataclass
@@ -41,9 +41,10 @@ class TagScan:
     error: CkptspecError | None = None  # the tag could not be checked at all
 
     @property
-    def top_level(self) -> bool:
-        """A tag DeepSpeed's ``latest`` at the run's root can name."""
-        return "/" not in self.name
+    def latest_can_name(self) -> bool:
+        """A tag DeepSpeed's ``latest`` at the run's root names: not inside a Trainer folder, and not a universal
+        folder (which a job loads through ``latest_universal`` and ``load_universal``)."""
+        return "/" not in self.name and self.kind != "universal"
 
 
 @dataclass
@@ -54,13 +55,13 @@ class RunScan:
 
     @property
     def newest_valid(self) -> TagScan | None:
-        valid = [t for t in self.tags if t.valid]
-        return valid[-1] if valid else None
+        """The newest valid tag a resume would choose among: those ``latest`` can name, if the run has any."""
+        return self.newest_resumable or next((t for t in reversed(self.tags) if t.valid), None)
 
     @property
     def newest_resumable(self) -> TagScan | None:
         """The newest valid tag ``latest`` can name (a Trainer folder is chosen by the Trainer, by its number)."""
-        valid = [t for t in self.tags if t.valid and t.top_level]
+        valid = [t for t in self.tags if t.valid and t.latest_can_name]
         return valid[-1] if valid else None
 
 
@@ -163,7 +164,9 @@ def fix_latest(scan: RunScan) -> str | None:
     run = Path(scan.run_dir)
     write_atomic(run / "latest", target.name.encode("utf-8"))  # as DeepSpeed writes it: the name, no newline
     was = repr(scan.latest) if scan.latest is not None else "no 'latest'"
-    newer = [t.name for t in scan.tags if not t.valid and t.top_level and scan.tags.index(t) > scan.tags.index(target)]
+    newer = [
+        t.name for t in scan.tags if not t.valid and t.latest_can_name and scan.tags.index(t) > scan.tags.index(target)
+    ]
     line = f"latest: {was} -> {target.name!r} (the newest valid tag; newer and invalid: {', '.join(newer) or 'none'})"
     with open(run / LOG_NAME, "a", encoding="utf-8") as log:
         io_point("append")  # a kill here leaves `latest` new and the line unwritten
@@ -180,7 +183,7 @@ def resume_problem(scan: RunScan) -> tuple[str, str, str] | None:
             return "CK260", "no DeepSpeed tag found", "pass the directory the job saves into (its tags and 'latest')"
         found = f"none of its {len(scan.tags)} tags is valid"
         return "CK260", found, "a resume from this run would fail or start from scratch; see each tag's findings"
-    if not any(t.top_level for t in scan.tags):
+    if not any(t.latest_can_name for t in scan.tags):
         newest = scan.tags[-1]
         good = scan.newest_valid
         assert good is not None

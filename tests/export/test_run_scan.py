@@ -91,3 +91,23 @@ def test_deepspeed_resumes_from_the_tag_fix_latest_chose(saved, tmp_path, ds):
     resumed = json.loads((ds.launched({name: task}, WORLD_SIZE)[name] / "save" / "resume.json").read_text())
     assert resumed["error"] is None and resumed["loaded"]
     assert resumed["mismatched"] == [] and resumed["consistent"]  # every fp32 master equals global_step1's
+
+
+KINDS = {  # a real run of each kind (read in place: scan without --fix-latest or --keep writes nothing)
+    "uc-s2-bf16-ws2": {"global_step2": "zero", "global_step2_universal": "universal"},
+    "tp2dp2-s2-bf16-ws4": {"global_step2": "model_parallel", "global_step2_universal": "universal"},
+    "moe-ep2-s1-fp32-ws4": {"global_step2": "moe"},
+    "pp2-s0-bf16-ws2": {"global_step2": "pipeline_stage0"},
+}
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_every_kind_is_a_tag(ds, name):
+    """Universal folders are listed and checked, but `latest` names a tag of the run's own (a job loads a universal
+    folder through `latest_universal`)."""
+    run = ds.path(name)
+    code, report = _scan(run)
+    assert code == 0 and report["problem"] is None
+    assert {t["name"]: t["kind"] for t in report["tags"]} == KINDS[name]
+    assert all(t["valid"] and t["step"] == 2 for t in report["tags"])
+    assert report["newest_valid"] == report["latest"] == "global_step2"
