@@ -52,6 +52,7 @@ class RunScan:
     run_dir: str
     tags: list[TagScan]  # oldest first
     latest: str | None  # what the run's ``latest`` names (None: no such file)
+    is_a_tag: bool = False  # RUN_DIR is itself a tag directory (a common slip)
 
     @property
     def newest_valid(self) -> TagScan | None:
@@ -149,7 +150,7 @@ def scan_run(run_dir: str, verify_hashes: bool = False, progress: Callable[[int,
         if progress is not None:
             progress(len(scans), len(found))
     scans.sort(key=lambda s: (s.step is not None, s.step or 0, s.saved or 0.0, s.name))
-    return RunScan(str(run_dir), scans, read_latest(run))
+    return RunScan(str(run_dir), scans, read_latest(run), is_a_tag=not scans and is_tag_dir(run))
 
 
 def fix_latest(scan: RunScan) -> str | None:
@@ -180,7 +181,8 @@ def resume_problem(scan: RunScan) -> tuple[str, str, str] | None:
     DeepSpeed resumes from the tag ``latest`` names; the Trainer from its highest ``checkpoint-N``."""
     if not any(t.valid for t in scan.tags):
         if not scan.tags:
-            return "CK260", "no DeepSpeed tag found", "pass the directory the job saves into (its tags and 'latest')"
+            hint = "pass the directory the job saves into (its tags and 'latest')"
+            return "CK260", "no DeepSpeed tag found", hint + (": this is a tag directory" if scan.is_a_tag else "")
         found = f"none of its {len(scan.tags)} tags is valid"
         return "CK260", found, "a resume from this run would fail or start from scratch; see each tag's findings"
     if not any(t.latest_can_name for t in scan.tags):

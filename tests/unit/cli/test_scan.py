@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,8 @@ def test_no_tag_no_valid_tag_and_bad_input(committed, ckptspec_process, tmp_path
     empty.mkdir()
     code, report = _json(ckptspec_process, str(empty))
     assert code == 1 and report["problem"]["code"] == "CK260" and report["tags"] == []
+    code, report = _json(ckptspec_process, str(committed(SOURCE) / "global_step2"))  # a tag, not its run
+    assert code == 1 and report["problem"]["hint"].endswith(": this is a tag directory")
     run = _broken_run(committed, tmp_path / "run")
     shutil.rmtree(run / "global_step10")
     done = ckptspec_process(["scan", str(run), "--fix-latest"])
@@ -232,3 +235,19 @@ def test_keep_in_a_run_another_ckptspec_run_holds_is_refused(committed, ckptspec
         os.close(fd)
     assert done.returncode == 2 and "CK908" in done.stderr and "Traceback" not in done.stderr
     assert (run / "global_step1").is_dir() and not (run / "ckptspec-scan.log").exists()
+
+
+@pytest.mark.parametrize("with_tqdm", [True, False])
+def test_the_progress_bar_counts_tags(capsys, monkeypatch, with_tqdm):
+    from ckptspec.export.progress import progress_printer
+
+    if not with_tqdm:
+        monkeypatch.setitem(sys.modules, "tqdm", None)  # the percentage line instead
+    update, close = progress_printer(3, True, desc="scan", unit="tag")
+    for _ in range(3):
+        update(1)
+    close()
+    err = capsys.readouterr().err
+    assert "scan" in err and "/3 " in err and "tag" in err and "MiB" not in err  # tqdm redraws at most every 0.1 s
+    if not with_tqdm:
+        assert "scan 100% (3/3 tags)" in err
