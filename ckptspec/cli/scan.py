@@ -10,7 +10,16 @@ import click
 
 from .._version import __version__
 from ..errors import CkptspecError
-from ._common import EXIT_INVALID, EXIT_OK, FORMAT_CHOICE, echo_json, error_dict, error_line, fail
+from ._common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    FORMAT_CHOICE,
+    echo_json,
+    error_dict,
+    error_line,
+    fail,
+    json_error_with,
+)
 
 
 @click.command()
@@ -48,6 +57,8 @@ def scan(
     from ..export.run_scan import resume_problem, scan_run
     from ..location import refuse_write
 
+    if output_format == "json":  # an error no handler here catches (CK999) is still the one JSON object
+        json_error_with(lambda error: echo_json(_error_report(run_dir, error)))
     bar: list = []
 
     def progress(done: int, total: int) -> None:
@@ -61,7 +72,7 @@ def scan(
         found = scan_run(run_dir, verify_hashes, progress)
     except CkptspecError as exc:
         if output_format == "json":
-            echo_json({"tool": "ckptspec", "tool_version": __version__, "run_dir": run_dir, "error": error_dict(exc)})
+            echo_json(_error_report(run_dir, exc))
             sys.exit(exc.exit_code)
         fail(exc, run_dir)
     finally:
@@ -89,6 +100,10 @@ def scan(
     else:
         _print(found, fixed, problem, removed, kept)
     sys.exit(EXIT_INVALID if problem else EXIT_OK)
+
+
+def _error_report(run_dir: str, error: CkptspecError) -> dict[str, Any]:
+    return {"tool": "ckptspec", "tool_version": __version__, "run_dir": run_dir, "error": error_dict(error)}
 
 
 def _when(saved: float | None) -> str | None:

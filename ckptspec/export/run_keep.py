@@ -65,7 +65,11 @@ def plan_keep(scan: RunScan, keep: int) -> KeepPlan:
         if tag.name == scan.latest:
             plan.kept[tag.name] = "'latest' names it"
             continue
-        foreign = unattributed(Path(scan.run_dir) / tag.name, tag.kind)
+        try:
+            foreign = unattributed(Path(scan.run_dir) / tag.name, tag.kind)
+        except OSError as exc:
+            plan.kept[tag.name] = f"cannot be listed: {exc.strerror or exc}"
+            continue
         if foreign:
             plan.kept[tag.name] = f"holds what ckptspec cannot attribute to a tag: {', '.join(foreign[:5])}"
             continue

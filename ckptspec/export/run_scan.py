@@ -18,7 +18,7 @@ from .._fs import io_point, is_leftover, write_atomic
 from ..deepspeed.kinds import kind_of_dir
 from ..deepspeed.layout.names import EXPERT_RE, MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
 from ..deepspeed.layout.tag_dir import MAX_TAG_BYTES, UNIVERSAL_FOLDER, is_tag_name
-from ..errors import CkptspecError, InputOutputError
+from ..errors import CkptspecError, FileUnreadable, InputOutputError
 from ..findings import Finding
 from ..location import RemotePath, location, walk
 
@@ -67,8 +67,13 @@ class RunScan:
 
 
 def is_tag_dir(directory: Path | RemotePath) -> bool:
-    """DeepSpeed's states, or a universal folder: file names only."""
-    for entry in directory.iterdir():
+    """DeepSpeed's states, or a universal folder: file names only. A folder this user may not list may be one:
+    it is listed as a tag that cannot be read (CK901), never left out without a word."""
+    try:
+        entries: list[Path | RemotePath] = list(directory.iterdir())
+    except OSError:
+        return True
+    for entry in entries:
         name = entry.name
         if entry.is_dir():
             if name == UNIVERSAL_FOLDER:
@@ -137,15 +142,17 @@ def scan_run(run_dir: str, verify_hashes: bool = False, progress: Callable[[int,
         raise InputOutputError("CK901", "run directory not found", "pass the directory the run saves into", run_dir)
     scans, found = [], find_tags(run)
     for name, tag_dir, step in found:
-        size, saved = _size_and_time(tag_dir)
-        scan = TagScan(name, step, None, size, saved)
+        scan = TagScan(name, step, None, 0, None)
         try:
+            scan.size, scan.saved = _size_and_time(tag_dir)
             scan.kind = kind_of_dir(tag_dir).value
             findings = validate_checkpoint(str(tag_dir.parent), tag=tag_dir.name, verify_hashes=verify_hashes)
             scan.findings = [f for f in findings if f.severity == "error"]
             scan.valid = not scan.findings
         except CkptspecError as exc:  # CK201/CK202/CK203, or CK901: this tag cannot be read
             scan.error = exc
+        except OSError as exc:  # listing it, or telling its kind
+            scan.error = FileUnreadable(exc.filename or tag_dir, exc)
         scans.append(scan)
         if progress is not None:
             progress(len(scans), len(found))
