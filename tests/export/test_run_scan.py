@@ -11,7 +11,6 @@ real tags: ``global_step1`` (``first``, good), ``global_step2`` (``second`` with
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -80,13 +79,16 @@ def test_scan_names_the_good_older_tag(saved, tmp_path, latest):
 
 
 def test_deepspeed_resumes_from_the_tag_fix_latest_chose(saved, tmp_path, ds):
+    """--fix-latest and --keep 1 together, then a real 2-rank job's plain engine.load_checkpoint(RUN)."""
     run = _run(saved, tmp_path / "run")
-    code, report = _scan(run, "--fix-latest")
+    shutil.copytree(saved / "first", run / "global_step0")  # an older good tag, for --keep 1 to remove
+    code, report = _scan(run, "--fix-latest", "--keep", "1")
     assert code == 0 and report["fixed"].startswith("latest: no 'latest' -> 'global_step1'")
+    assert report["removed"] == ["global_step0"] and not (run / "global_step0").exists()
     assert (run / "latest").read_bytes() == b"global_step1"
     assert "-> 'global_step1'" in (run / "ckptspec-scan.log").read_text()
 
-    name = "scan-resume-" + hashlib.sha256(str(run).encode()).hexdigest()[:12]
+    name = "scan-resume"  # keyed on the task, whose `load` is this test's own directory: launched on every run
     task = {"kind": "resume", "args": {"spec": SPEC, "load": str(run)}}
     resumed = json.loads((ds.launched({name: task}, WORLD_SIZE)[name] / "save" / "resume.json").read_text())
     assert resumed["error"] is None and resumed["loaded"]
