@@ -28,6 +28,7 @@ from .generate import generate
 from .inspect import diff, inspect
 from .reconstruct import reconstruct
 from .reshard import reshard
+from .scan import scan
 from .schema import schema_command
 from .validate import validate
 
@@ -60,6 +61,7 @@ for _command in (
     migrate,
     diff,
     inspect,
+    scan,
 ):
     cli.add_command(_command)
 

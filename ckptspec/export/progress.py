@@ -1,4 +1,5 @@
-"""A byte progress bar on stderr for ``ckptspec reconstruct``: tqdm when installed, else a percentage line."""
+"""A progress bar on stderr (bytes for ``ckptspec reconstruct``, tags for ``scan``): tqdm when installed, else a
+percentage line."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import sys
 from collections.abc import Callable
 
 
-def progress_printer(total: int, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
-    """(update, close) for a byte progress bar on stderr; no-ops unless ``enabled``."""
+def progress_printer(
+    total: int, enabled: bool, desc: str = "reconstruct", unit: str = "B"
+) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """(update, close) for a progress bar on stderr counting ``unit`` (bytes: "B"); no-ops unless ``enabled``."""
     if not enabled:
         return (lambda n: None), (lambda: None)
     try:
@@ -15,8 +18,9 @@ def progress_printer(total: int, enabled: bool) -> tuple[Callable[[int], None], 
     except ImportError:
         tqdm = None
     if tqdm is not None:
+        scaled = unit == "B"
         bar = tqdm(
-            total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reconstruct", file=sys.stderr, leave=False
+            total=total, unit=unit, unit_scale=scaled, unit_divisor=1024, desc=desc, file=sys.stderr, leave=False
         )
         return bar.update, bar.close
     state = {"done": 0, "shown": -1}
@@ -26,7 +30,12 @@ def progress_printer(total: int, enabled: bool) -> tuple[Callable[[int], None], 
         percent = int(100 * state["done"] / total) if total else 100
         if percent != state["shown"]:
             state["shown"] = percent
-            sys.stderr.write(f"\rreconstruct {percent:3d}% ({state['done'] / 2**20:.0f}/{total / 2**20:.0f} MiB)")
+            done = (
+                f"{state['done'] / 2**20:.0f}/{total / 2**20:.0f} MiB"
+                if unit == "B"
+                else f"{state['done']}/{total} {unit}s"
+            )
+            sys.stderr.write(f"\r{desc} {percent:3d}% ({done})")
             sys.stderr.flush()
 
     def close() -> None:

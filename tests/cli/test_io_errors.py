@@ -155,3 +155,24 @@ def test_an_input_read_late_is_an_io_error_not_an_output_error(ckptspec_process,
     assert "CK901 cannot read: Permission denied" in result.stderr and "CK906" not in result.stderr, result.stderr
     assert str(universal / "zero") in result.stderr
     assert not list((checkpoint.parent / "out").iterdir())
+
+
+def test_scan_lists_a_tag_it_may_not_read_and_goes_on(_run, checkpoint):
+    """`scan`: a folder of the run this user may not list is a tag that cannot be read (CK901), shown, never
+    left out; the readable tags are still judged, and --keep leaves it alone."""
+    for step in ("global_step1", "global_step3"):
+        shutil.copytree(checkpoint / TAG, checkpoint / step)
+    (checkpoint / "latest").write_text("global_step3")
+    (checkpoint / TAG).chmod(0)
+    result = _run(["scan", "{ck}", "--format", "json", "--keep", "1"], checkpoint)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    tags = {t["name"]: t for t in report["tags"]}
+    assert tags[TAG]["error"]["code"] == "CK901" and not tags[TAG]["valid"]
+    assert tags["global_step1"]["valid"] and report["newest_valid"] == "global_step3"
+    assert report["removed"] == ["global_step1"]
+    assert report["kept"] == {TAG: "cannot be listed: Permission denied"}
+    (checkpoint / TAG).chmod(0o755)
+    assert sorted(p.name for p in (checkpoint / TAG).iterdir()) == sorted(
+        p.name for p in (checkpoint / "global_step3").iterdir()
+    )
