@@ -1,5 +1,6 @@
-"""What torch's ``dcp_to_torch_save`` does with a DCP directory, run by tests/dcp/test_dcp_faults.py in a process of
-its own: ``python dcp_torch_load.py DCP_DIR OUT.pt ORACLE.pt`` prints one JSON line, the outcome: "raises" (the
+"""What torch's ``dcp_to_torch_save`` does with DCP directories, run by tests/dcp/test_dcp_faults.py in a process of
+its own (one for every fault: torch is imported once): ``python dcp_torch_load.py JOBS.json``, where JOBS.json lists
+``[DCP_DIR, OUT.pt, ORACLE.pt]`` triples, prints one JSON line per triple, in order, the outcome: "raises" (the
 error's type and first line; DCP's ``CheckpointException`` is unwrapped to the failure it carries), "loads wrong"
 (the consolidated state differs from the saving job's ``params``/``state`` oracles: the names listed) or "loads
 right"."""
@@ -19,13 +20,11 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: " + (str(exc).splitlines() or [""])[0][:200]
 
 
-def main() -> None:
-    source, out, oracle = sys.argv[1:4]
+def outcome(source: str, out: str, oracle: str) -> dict:
     try:
         dcp_to_torch_save(source, out)
     except BaseException as exc:  # CheckpointException is a BaseException
-        print(json.dumps({"outcome": "raises", "error": _error(exc)}))
-        return
+        return {"outcome": "raises", "error": _error(exc)}
     got = torch.load(out, weights_only=True)
     want = torch.load(oracle, weights_only=True)
     wrong = [n for n, t in want["params"].items() if n not in got["model"] or not torch.equal(got["model"][n], t)]
@@ -34,7 +33,14 @@ def main() -> None:
             found = got["optim"]["state"].get(name, {}).get(key)
             if found is None or not torch.equal(found, tensor):
                 wrong.append(f"{name}.{key}")
-    print(json.dumps({"outcome": "loads wrong" if wrong else "loads right", "wrong": wrong}))
+    return {"outcome": "loads wrong" if wrong else "loads right", "wrong": wrong}
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        jobs = json.load(fh)
+    for source, out, oracle in jobs:
+        print(json.dumps(outcome(source, out, oracle)), flush=True)
 
 
 if __name__ == "__main__":
