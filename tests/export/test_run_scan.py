@@ -11,8 +11,10 @@ real tags: ``global_step1`` (``first``, good), ``global_step2`` (``second`` with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,14 @@ def test_scan_names_the_good_older_tag(saved, tmp_path, latest):
     assert hashed_code == 1 and hashed["newest_valid"] == "global_step1"
 
 
+def _digest(run: Path) -> str:
+    """What a DeepSpeed load of ``run`` reads, hashed (names and bytes; not the scan's log, which holds a time)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in run.rglob("*") if p.is_file() and p.name != "ckptspec-scan.log"):
+        h.update(str(path.relative_to(run)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def test_deepspeed_resumes_from_the_tag_fix_latest_chose(saved, tmp_path, ds):
     """--fix-latest and --keep 1 together, then a real 2-rank job's plain engine.load_checkpoint(RUN)."""
     run = _run(saved, tmp_path / "run")
@@ -88,9 +98,15 @@ def test_deepspeed_resumes_from_the_tag_fix_latest_chose(saved, tmp_path, ds):
     assert (run / "latest").read_bytes() == b"global_step1"
     assert "-> 'global_step1'" in (run / "ckptspec-scan.log").read_text()
 
-    name = "scan-resume"  # keyed on the task, whose `load` is this test's own directory: launched on every run
-    task = {"kind": "resume", "args": {"spec": SPEC, "load": str(run)}}
-    resumed = json.loads((ds.launched({name: task}, WORLD_SIZE)[name] / "save" / "resume.json").read_text())
+    name = "scan-resume"  # keyed on the task, whose `load` is named for what the run holds: built again on a change
+    load = Path(tempfile.gettempdir()) / f"ckptspec-scan-run-{_digest(run)}"
+    shutil.rmtree(load, ignore_errors=True)
+    shutil.copytree(run, load)
+    try:
+        task = {"kind": "resume", "args": {"spec": SPEC, "load": str(load)}}
+        resumed = json.loads((ds.launched({name: task}, WORLD_SIZE)[name] / "save" / "resume.json").read_text())
+    finally:
+        shutil.rmtree(load, ignore_errors=True)
     assert resumed["error"] is None and resumed["loaded"]
     assert resumed["mismatched"] == [] and resumed["consistent"]  # every fp32 master equals global_step1's
 
