@@ -20,15 +20,14 @@ and ``OUT/torch_save.pt``: ``dcp_to_torch_save`` of ``OUT/dcp`` (torch's own con
 No DeepSpeed and no ckptspec run here; the launch is its own (its cache key includes this file).
 """
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _harness.fsdp2_job import serve
 from _harness.job.model import SEQ, VOCAB, build_model, normalize_spec, param_groups
 
 BATCH_SEED = 8765
@@ -108,23 +107,7 @@ def run(args, out: Path) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tasks", required=True, type=Path)
-    tasks = json.loads(ap.parse_args().tasks.read_text())
-
-    import torch
-    import torch.distributed as dist
-
-    torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo")
-    for task in tasks:
-        print(f"[harness] rank {dist.get_rank()}: {task['kind']} -> {task['out']}", flush=True)
-        run(task["args"], Path(task["out"]))
-        dist.barrier()
-    # As fsdp2_job.py: leave without torch's teardown (gloo after FSDP2 sometimes aborted in it).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    serve(run)  # fsdp2_job.py's loop over the tasks, and its exit
 
 
 if __name__ == "__main__":

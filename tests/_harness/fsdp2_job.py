@@ -315,6 +315,12 @@ def _fail_to_load(model, state, reader, out: Path) -> None:
 
 
 def main():
+    serve(run)
+
+
+def serve(run_task) -> None:
+    """Run ``--tasks``' tasks in order on every rank (``run_task(args, out)``), then leave: the entry of this job
+    and of dcp_save_job.py, which share it."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tasks", required=True, type=Path)
     tasks = json.loads(ap.parse_args().tasks.read_text())
@@ -326,7 +332,7 @@ def main():
     dist.init_process_group("gloo")
     for task in tasks:
         print(f"[harness] rank {dist.get_rank()}: {task['kind']} -> {task['out']}", flush=True)
-        run(task["args"], Path(task["out"]))
+        run_task(task["args"], Path(task["out"]))
         dist.barrier()
     # Every rank has finished every task. Leave without torch's teardown: with gloo after FSDP2, a rank
     # sometimes aborted in it ("terminate called without an active exception", SIGABRT, twice in ~10

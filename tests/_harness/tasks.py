@@ -154,7 +154,8 @@ def task_key(name: str, task: Task) -> str | None:
     if task.kind == "fsdp2":  # its own entry script (the other kinds' keys stay as they were)
         identity["script"] = cache.key({"fsdp2_job": FSDP2_MAIN.read_text()})
     if task.kind == "dcp_save":
-        identity["script"] = cache.key({"dcp_save_job": DCP_SAVE_MAIN.read_text()})
+        scripts = {"dcp_save_job": DCP_SAVE_MAIN.read_text(), "fsdp2_job": FSDP2_MAIN.read_text()}  # it imports it
+        identity["script"] = cache.key(scripts)
     if task.kind == "reshard":  # with the module both import (the values the load must replace)
         identity["script"] = cache.key({"reshard_job": RESHARD_MAIN.read_text(), "before": BEFORE_LOAD.read_text()})
     if task.kind == "optim":
