@@ -18,6 +18,7 @@ from click.testing import CliRunner
 import ckptspec
 from ckptspec import location
 from ckptspec.cli import cli
+from ckptspec.errors import UnsafePickleError
 
 # small reads: a 1 KiB tail, no read-ahead, 4 KiB pieces, so that these small files (43 and 81 KB at ws 2) are not
 # each fetched whole by the first read of their tail (docs/remote.md's "small reads")
@@ -214,3 +215,47 @@ def test_s3_is_the_local_checkpoint(s3, s3_env, ds, tmp_path):
     broken = s3.upload(damaged)
     code, report = run_json("validate", broken)
     assert code == 1 and [f["code"] for f in report["findings"]] == ["CK252"], report
+
+
+class _Payload:
+    def __init__(self, sentinel):
+        self.sentinel = str(sentinel)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.sentinel}",)
+
+
+def test_the_metadata_at_a_url_is_capped_and_never_run(nginx, ds, tmp_path, monkeypatch):
+    """``.metadata`` over the pickle cap is refused (CK225) before nginx sends a byte of it; a forged one (a payload in
+    its ``version``) is refused by the global's name (CK204) and the payload never runs."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    source = ds.path(dcp_save_name(2)) / "dcp"
+    local, path = nginx.serve(source)
+    url = nginx.url(path)
+    size = (local / ".metadata").stat().st_size
+    monkeypatch.setenv("CKPTSPEC_MAX_PICKLE_BYTES", str(size - 1))
+    mark = nginx.mark()
+    code, report = run_json("validate", url)
+    assert code == 1 and report["error"]["code"] == "CK225", report
+    assert f"holds {size} bytes, over the cap of {size - 1}" in report["error"]["message"]
+    assert [line for line in nginx.since(mark) if line[0] == "GET" and line[1].endswith("/.metadata")] == []
+    monkeypatch.delenv("CKPTSPEC_MAX_PICKLE_BYTES")
+
+    sentinel = tmp_path / "payload-ran"
+    metadata = FileSystemReader(str(source)).read_metadata()
+    metadata.storage_meta = None
+    metadata.version = _Payload(sentinel)
+    (local / ".metadata").write_bytes(pickle.dumps(metadata))
+    for args in (("validate", url), ("reconstruct", url, tmp_path / "out"), ("inspect", url)):
+        result = run(*args)
+        assert result.exit_code == 1, result.output
+        assert "CK204" in result.output and "global posix.system, which is not allowlisted" in result.output
+    location.forget()
+    with pytest.raises(UnsafePickleError, match="posix.system"):
+        ckptspec.load_state_dict(url)
+    assert not sentinel.exists() and not (tmp_path / "out").exists()
