@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _harness.scenarios import dcp_save_name
+from _harness.scenarios import DCP_SAVE_WORLD_SIZES, dcp_save_name
 from click.testing import CliRunner
 
 import ckptspec
@@ -53,7 +53,7 @@ def ranges_sent(lines) -> list[tuple[str, int, int]]:
     return sorted(out)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", DCP_SAVE_WORLD_SIZES)
 def test_reconstruct_over_http_is_the_local_one_read_in_ranges(world_size, nginx, ds, tmp_path, monkeypatch):
     import torch
     from safetensors.torch import load_file
