@@ -14,12 +14,15 @@ from pathlib import Path
 import pytest
 from _harness.scenarios import DCP_SAVE_WORLD_SIZES, dcp_save_name
 from click.testing import CliRunner
+from jsonschema import Draft202012Validator
 
 import ckptspec
 from ckptspec import location
 from ckptspec.cli import cli
 from ckptspec.errors import UnsafePickleError
 
+ROOT = Path(__file__).resolve().parents[2]
+REPORT_1_1 = Draft202012Validator(json.loads((ROOT / "schema" / "report-1.1.schema.json").read_text("utf-8")))
 # small reads: a 1 KiB tail, no read-ahead, 4 KiB pieces, so that these small files (43 and 81 KB at ws 2) are not
 # each fetched whole by the first read of their tail (docs/remote.md's "small reads")
 SMALL = {"TAIL": 1024, "READ_AHEAD": 0, "CHUNK": 4096}
@@ -100,6 +103,7 @@ def test_validate_inspect_diff_load_over_http_are_the_local_ones(nginx, ds):
     code, on_disk = run_json("validate", local)
     remote_code, remote = run_json("validate", url)
     assert (code, remote_code) == (0, 0) and remote["valid"] and remote["findings"] == on_disk["findings"] == []
+    assert remote["report_version"] == "1.1" and not list(REPORT_1_1.iter_errors(remote))
     assert remote["fetched"]["checkpoint_bytes"] == sum(sizes(local).values())
     # each byte at most once; these files are smaller than what the default reads take at once (a 64 KiB tail,
     # 16 KiB reads ahead), so validation takes each whole; with small reads, the records but not the tensors
