@@ -19,7 +19,7 @@ from jsonschema import Draft202012Validator
 import ckptspec
 from ckptspec import location
 from ckptspec.cli import cli
-from ckptspec.errors import UnsafePickleError
+from ckptspec.errors import RemoteError, UnsafePickleError
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_1_1 = Draft202012Validator(json.loads((ROOT / "schema" / "report-1.1.schema.json").read_text("utf-8")))
@@ -186,8 +186,16 @@ def test_what_a_url_cannot_take_is_refused_by_name(nginx, ds, tmp_path):
     result = run("reshard", url, "s3://bucket/out", "--world-size", "2", "--stage", "1")
     assert result.exit_code == 2 and "CK916" in result.output, result.output
     assert [line for line in nginx.since(mark) if ".distcp" in line[1]] == []
-    result = run("validate", nginx.url(path, location="denied/"))
-    assert result.exit_code == 2 and "CK911" in result.output and "Traceback" not in result.output, result.output
+    denied = nginx.url(path, location="denied/")
+    out = tmp_path / "denied"
+    for args in (("validate", denied), ("inspect", denied), ("diff", local, denied), ("reconstruct", denied, out)):
+        result = run(*args)  # the URL's own code, never an internal error (CK999) or a traceback
+        assert result.exit_code == 2 and "CK911" in result.output, (args, result.output)
+        assert "CK999" not in result.output and not out.exists(), (args, result.output)
+    location.forget()
+    with pytest.raises(RemoteError) as raised:
+        ckptspec.load_state_dict(denied)
+    assert raised.value.code == "CK911"
 
 
 def test_s3_is_the_local_checkpoint(s3, s3_env, ds, tmp_path):
@@ -216,9 +224,15 @@ def test_s3_is_the_local_checkpoint(s3, s3_env, ds, tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(local, damaged)
     (damaged / "__2_0.distcp").unlink()
+    cut = damaged / "__1_0.distcp"
+    cut.write_bytes(cut.read_bytes()[:-100])
     broken = s3.upload(damaged)
     code, report = run_json("validate", broken)
-    assert code == 1 and [f["code"] for f in report["findings"]] == ["CK252"], report
+    found = sorted((f["code"], f["file"]) for f in report["findings"])
+    assert code == 1 and found == [("CK252", "__2_0.distcp"), ("CK253", "__1_0.distcp")], report
+    result = run("reconstruct", broken, tmp_path / "out")
+    assert result.exit_code == 1 and f"{broken}: __2_0.distcp: $.storage_data: CK252 " in result.output, result.output
+    assert not (tmp_path / "out").exists()
 
 
 class _Payload:
