@@ -7,13 +7,13 @@ verdict (``dcp.load`` reshards on load): exit 0 when both are valid, whatever ch
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 
 from ..errors import CkptspecError
 from ..findings import has_errors
+from ..location import location
 from ._common import EXIT_INVALID, EXIT_OK, echo_findings, echo_json, error_dict, error_line
 
 
@@ -31,14 +31,15 @@ def diff_dcp_dirs(a: str, b: str, is_dcp: list[bool], tags: list[str | None], ou
     checked = []
     for target in (a, b):
         try:
-            checked.append((target, *check_dcp(Path(target))))
+            where = location(target)  # a URL: ranged reads (docs/remote.md)
+            checked.append((where, *check_dcp(where)))
         except CkptspecError as exc:
             if output_format == "json":
                 echo_json({**sides, "valid": False, "findings": [], "error": {**error_dict(exc), "target": target}})
             else:
                 click.echo(error_line(exc, target), err=True)
             sys.exit(exc.exit_code)
-    bad = [(t, f) for t, _, f in checked if has_errors(f)]
+    bad = [(t, f) for t, (_, _, f) in zip((a, b), checked) if has_errors(f)]
     if bad:
         if output_format == "json":
             findings = [{**f.to_dict(), "target": t} for t, fs in bad for f in fs]
@@ -47,8 +48,8 @@ def diff_dcp_dirs(a: str, b: str, is_dcp: list[bool], tags: list[str | None], ou
             for t, fs in bad:
                 echo_findings(fs, t)
         sys.exit(EXIT_INVALID)
-    (_, meta_a, _), (_, meta_b, _) = checked
-    changes = diff_dcp(Path(a), meta_a, Path(b), meta_b)
+    (where_a, meta_a, _), (where_b, meta_b, _) = checked
+    changes = diff_dcp(where_a, meta_a, where_b, meta_b)
     result: dict[str, Any] = {
         "diff_version": DIFF_VERSION,
         "identical": not changes,

@@ -166,10 +166,15 @@ def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
     else one generated from DeepSpeed's metadata) and its files are checked as
     `validate DIR --no-hash` checks them: one with an error finding is not summarized.
     """
+    from ..checkpoint.dcp.metadata import is_dcp
     from ..report.summary import summarize
 
     _json_errors(output_format, {"target": target})
-    if tag is None and _is_dcp(target):  # a torch DCP checkpoint: summarized from its .metadata
+    try:
+        dcp = tag is None and is_dcp(target)  # a torch DCP checkpoint, local or at a URL
+    except CkptspecError as exc:
+        _fail(exc, target, output_format, {"target": target})
+    if dcp:  # a torch DCP checkpoint: summarized from its .metadata
         from .inspect_dcp import inspect_dcp
 
         inspect_dcp(target, output_format, top)
@@ -191,15 +196,6 @@ def inspect(target: str, tag: str | None, output_format: str, top: int) -> None:
     from .render import render_summary
 
     click.echo(render_summary(_label(loaded), summary, color=_tty()), nl=False)
-
-
-def _is_dcp(target: str) -> bool:
-    from pathlib import Path
-
-    from ..checkpoint.dcp.metadata import is_dcp_dir
-    from ..location import is_remote
-
-    return not is_remote(target) and is_dcp_dir(Path(target))
 
 
 @click.command()
@@ -226,10 +222,17 @@ def diff(a: str, b: str, tag_a: str | None, tag_b: str | None, output_format: st
          or A or B is not a valid manifest
       2  usage or I/O error
     """
+    from ..checkpoint.dcp.metadata import is_dcp
     from ..report.diff import diff_manifests
 
     _json_errors(output_format, {"a": {"target": a}, "b": {"target": b}})
-    if any(dcp := [_is_dcp(a), _is_dcp(b)]):  # torch DCP directories: their entries and values compared
+    dcp = []
+    for name in (a, b):
+        try:
+            dcp.append(is_dcp(name))  # a torch DCP checkpoint, local or at a URL
+        except CkptspecError as exc:
+            _fail(exc, name, output_format, {"a": {"target": a}, "b": {"target": b}}, {"target": name})
+    if any(dcp):  # torch DCP directories: their entries and values compared
         from .diff_dcp import diff_dcp_dirs
 
         diff_dcp_dirs(a, b, dcp, [tag_a, tag_b], output_format)

@@ -18,10 +18,11 @@ import click
 from ..errors import CkptspecError
 from ..findings import has_errors
 from ..format.dtypes import ITEMSIZE
+from ..location import RemotePath, location
 from ._common import EXIT_INVALID, EXIT_OK, echo_findings, echo_json, error_line, validation_report
 
 
-def summarize_dcp(directory: Path, top: int) -> tuple[dict[str, Any], list]:
+def summarize_dcp(directory: Path | RemotePath, top: int) -> tuple[dict[str, Any], list]:
     """The summary of the checked DCP checkpoint in ``directory`` (None when it has errors), and the findings."""
     from ..checkpoint.dcp.checks import bytes_entries, check_dcp
     from ..checkpoint.dcp.metadata import TensorEntry
@@ -55,7 +56,7 @@ def summarize_dcp(directory: Path, top: int) -> tuple[dict[str, Any], list]:
 
 def inspect_dcp(target: str, output_format: str, top: int) -> NoReturn:
     try:
-        summary, findings = summarize_dcp(Path(target), top)
+        summary, findings = summarize_dcp(location(target), top)
     except CkptspecError as exc:
         if output_format == "json":
             echo_json(validation_report(target, [], exc))

@@ -86,7 +86,13 @@ def reconstruct(
     and tied aliases. Needs neither DeepSpeed nor torch (except --format torch)
     and never executes pickled code.
     """
-    if _is_dcp(checkpoint):
+    from ..checkpoint.dcp.metadata import is_dcp
+
+    try:
+        dcp = is_dcp(checkpoint)  # a torch DCP checkpoint (.metadata), local or at a URL
+    except CkptspecError as exc:  # a URL that cannot be read: its code
+        fail(exc)
+    if dcp:
         _reconstruct_dcp(checkpoint, output_dir, quiet, manifest, tag, dtype, fmt, optimizer_state)
     from ..export.checkpoint import open_checkpoint
     from ..export.progress import progress_printer
@@ -138,15 +144,6 @@ def reconstruct(
         )
 
 
-def _is_dcp(checkpoint: str) -> bool:
-    from pathlib import Path
-
-    from ..checkpoint.dcp.metadata import is_dcp_dir
-    from ..location import is_remote
-
-    return not is_remote(checkpoint) and is_dcp_dir(Path(checkpoint))
-
-
 def _reconstruct_dcp(checkpoint, output_dir, quiet, manifest, tag, dtype, fmt, optimizer_state) -> NoReturn:
     """A torch DCP checkpoint's model weights, at their saved dtype, as OUTPUT_DIR/model.safetensors, and with
     --optimizer-state its optimizer state as OUTPUT_DIR/optimizer.safetensors (issue #42)."""
@@ -175,8 +172,12 @@ def _reconstruct_dcp(checkpoint, output_dir, quiet, manifest, tag, dtype, fmt, o
     except OSError as exc:
         fail_write(output_dir, exc)
     if not quiet:
+        from ..location import fetched, is_remote
+
+        done = fetched()
+        source = f"; fetched {done.bytes:,} bytes in {done.requests:,} requests" if is_remote(checkpoint) else ""
         click.echo(
             f"{result.output_dir}: wrote {result.tensors} tensors ({result.nbytes / 2**20:.1f} MiB) "
-            f"to {', '.join(result.files)}"
+            f"to {', '.join(result.files)}{source}"
         )
     sys.exit(0)

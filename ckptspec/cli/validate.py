@@ -87,17 +87,19 @@ def validate(
     MANIFEST and DIR may be URLs (s3://, gs://, hf://, https://...; docs/remote.md): only what is
     checked is fetched, and the report says how many bytes that was.
     """
+    from ..checkpoint.dcp.metadata import is_dcp
     from ..location import is_directory, is_remote
 
     remote = is_remote(target) or is_remote(checkpoint)  # then the report says what was fetched
     _json_errors_about(target, output_format, remote)
     try:
         is_dir = checkpoint is None and is_directory(target)
+        dcp = is_dir and is_dcp(target)  # a torch DCP checkpoint, local or at a URL
     except CkptspecError as exc:
         _emit(output_format, target, [], exc, remote)
         sys.exit(exc.exit_code)
-    if checkpoint is None and is_dir and not remote and _is_dcp(target):
-        _validate_dcp(target, output_format, tag)
+    if dcp:
+        _validate_dcp(target, output_format, tag, remote)
     if checkpoint is None and not is_dir and (tag is not None or no_hash):
         raise click.UsageError(
             "--tag and --no-hash need a checkpoint: validate DIR, or validate MANIFEST --checkpoint DIR"
@@ -146,27 +148,21 @@ def validate(
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
 
 
-def _is_dcp(target: str) -> bool:
-    from pathlib import Path
-
-    from ..checkpoint.dcp.metadata import is_dcp_dir
-
-    return is_dcp_dir(Path(target))
-
-
-def _validate_dcp(target: str, output_format: str, tag: str | None) -> NoReturn:
+def _validate_dcp(target: str, output_format: str, tag: str | None, remote: bool) -> NoReturn:
     """A torch DCP checkpoint: ``.metadata`` read without running it, the files checked against it (CK250-CK254).
-    Its bytes entries (pickles) are read by the restricted reader: plain values only (CK204 names any global)."""
-    from pathlib import Path
-
-    from ..checkpoint.dcp.checks import bytes_entries, check_dcp
+    Its bytes entries (pickles) are read by the restricted reader: plain values only (CK204 names any global).
+    At a URL the report says what was fetched, of how many bytes of files (docs/remote.md)."""
+    from ..checkpoint.dcp.checks import bytes_entries, check_dcp, files_bytes
+    from ..location import location
 
     if tag is not None:
         raise click.UsageError("--tag names a DeepSpeed tag directory; a DCP checkpoint (.metadata) has none")
     try:
-        meta, findings = check_dcp(Path(target))
+        where = location(target)
+        meta, findings = check_dcp(where)
+        checkpoint_bytes = files_bytes(where, meta) if remote else None
     except CkptspecError as exc:
-        _emit(output_format, target, [], exc)
+        _emit(output_format, target, [], exc, remote)
         sys.exit(exc.exit_code)
     listed = bytes_entries(meta)
     if output_format == "text" and listed:
@@ -174,7 +170,7 @@ def _validate_dcp(target: str, output_format: str, tag: str | None) -> NoReturn:
         click.echo(
             f"{target}: {len(listed)} bytes entries (pickles, read by the restricted reader, nothing run): {shown}"
         )
-    _emit(output_format, target, findings)
+    _emit(output_format, target, findings, None, remote, checkpoint_bytes)
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
 
 

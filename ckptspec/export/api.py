@@ -75,20 +75,15 @@ def load_state_dict(
     """
     if framework not in ("torch", "numpy"):
         raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
-    if _is_dcp(checkpoint):  # a torch DCP directory: its model state (docs/api.md)
+    from ..checkpoint.dcp.metadata import is_dcp
+
+    if is_dcp(checkpoint):  # a torch DCP directory, local or at a URL: its model state (docs/api.md)
         if manifest is not None or tag is not None:
             raise ValueError("manifest and tag name a DeepSpeed checkpoint's documents; a DCP checkpoint has none")
         from .dcp_load import dcp_state_dict
 
         return dcp_state_dict(checkpoint, framework, dtype)
     return open_checkpoint(checkpoint, document=manifest, tag=tag).state_dict(framework, dtype)
-
-
-def _is_dcp(checkpoint: str | os.PathLike) -> bool:
-    from ..checkpoint.dcp.metadata import is_dcp_dir
-    from ..location import is_remote
-
-    return not is_remote(os.fspath(checkpoint)) and is_dcp_dir(Path(checkpoint))
 
 
 def reconstruct(
@@ -165,7 +160,9 @@ def reshard(
     A torch DCP directory (an FSDP checkpoint, ``.metadata``) is written as a ZeRO-1/2 checkpoint of an fp32 job
     (``reshard_dcp``).
     CK403 for a kind it does not reshard yet, CK410 for a target it cannot write; nothing written then."""
-    if _is_dcp(checkpoint):
+    from ..checkpoint.dcp.metadata import is_dcp
+
+    if is_dcp(checkpoint):
         others: dict[str, Any] = {"--tensor-parallel": tensor_parallel, "--pipeline-parallel": pipeline_parallel}
         others.update({"--expert-parallel": expert_parallel, "--partition-method": partition_method})
         others.update({"--sub-group-size": sub_group_size, "--tag": tag, "--manifest": manifest})

@@ -4,8 +4,10 @@ The checkpoint is checked first (``checkpoint.dcp.checks``: any error finding, n
 entry under ``model.`` is written under its name without that prefix (a tie's two names both, as torch's
 ``dcp_to_torch_save`` writes them), at its saved dtype. Each chunk's bytes are located in their ``.distcp`` file
 (the item's ``torch.save`` record, read through the restricted reader: ``checkpoint.dcp.records``) and copied into
-the tensor's place in the output, a contiguous run at a time (a whole row block for FSDP2's dim-0 shards), in the
-kernel where it can: no tensor is ever held in memory, whatever its size. Standard library only.
+the output in the whole tensor's order, a contiguous run at a time (a whole row block for FSDP2's dim-0 shards), in
+the kernel where it can: no tensor is ever held in memory, whatever its size. A checkpoint at a URL is read through
+``location``: the records' few bytes, then each run in range requests, a few in flight (``ShardReader``), never a
+whole file. Standard library only.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.dcp.checks import check_dcp
-from ..checkpoint.dcp.metadata import DcpMetadata, TensorEntry
+from ..checkpoint.dcp.checks import Where, check_dcp
+from ..checkpoint.dcp.metadata import DcpMetadata, Item, TensorEntry
 from ..checkpoint.dcp.records import read_record
 from ..checkpoint.dcp.runs import runs
 from ..errors import CheckpointInvalid, ReconstructUnsupported
 from ..findings import Finding, has_errors
 from ..format.dtypes import ITEMSIZE
+from ..location import location, open_binary, refuse_write
+from .arrays import ShardReader
 from .dcp_optimizer import plan_dcp_optimizer
+from .model_plan import Segment, coalesced
 from .optimizer_state import OPTIMIZER_FILE
 from .output_dir import build_and_publish, held_new_output
 from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter
@@ -49,38 +54,50 @@ def model_entries(meta: DcpMetadata) -> dict[str, TensorEntry]:
     }
 
 
-def _write(source: Path, meta: DcpMetadata, path: Path, tensors: dict[str, tuple[str, TensorEntry]], metadata) -> int:
-    """``tensors`` (output name -> its DCP fqn and entry) copied run by run from their chunks' records into the
-    safetensors file ``path``; its bytes of tensor data."""
-    items = {(i.fqn, i.chunk_offset): i for i in meta.items}
+Items = dict[tuple[str, tuple[int, ...] | None], Item]  # (fqn, chunk offsets; None for bytes) -> its storage item
+
+
+def items_of(meta: DcpMetadata) -> Items:
+    return {(i.fqn, i.chunk_offset): i for i in meta.items}
+
+
+def located(directory: Where, items: Items, fqn: str, entry: TensorEntry) -> list[Segment]:
+    """The tensor's flat bytes as segments: each chunk's runs of the whole tensor, in the whole tensor's order
+    (the chunks cover it exactly once, CK250), the runs that follow each other in one file joined."""
+    itemsize, placed = ITEMSIZE[entry.dtype], []
+    for chunk in entry.chunks:
+        if chunk.numel == 0:
+            continue
+        item = items[(fqn, chunk.offsets)]  # CK251 checked it is there
+        with open_binary(directory / item.file) as fh:  # a URL: the record's few bytes, kept by the checks' read
+            record = read_record(fh, directory / item.file, item.offset, item.length)
+        for src, dst, n in runs(entry.size, chunk):
+            placed.append((dst, Segment(directory / item.file, record.data_offset + src * itemsize, n * itemsize)))
+    return list(coalesced(seg for _, seg in sorted(placed, key=lambda p: p[0])))
+
+
+def _write(source: Where, meta: DcpMetadata, path: Path, tensors: dict[str, tuple[str, TensorEntry]], metadata) -> int:
+    """``tensors`` (output name -> its DCP fqn and entry) copied from their chunks' records into the safetensors
+    file ``path``, tensor after tensor: a local file's runs in the kernel, a URL's fetched in range requests, a few
+    ahead (``ShardReader``); its bytes of tensor data."""
+    items = items_of(meta)
     entries = [OutputEntry(name, e.dtype, e.size) for name, (_, e) in tensors.items()]
+    segments = {name: located(source, items, fqn, e) for name, (fqn, e) in tensors.items()}
     writer = SafetensorsWriter(path, entries, metadata)
+    reader = ShardReader()
     try:
-        regions = writer.regions()
-        handles: dict[str, int] = {}
-        try:
-            for (fqn, entry), region in zip(tensors.values(), regions):
-                itemsize = ITEMSIZE[entry.dtype]
-                for chunk in entry.chunks:
-                    item = items[(fqn, chunk.offsets)]  # CK251 checked it is there
-                    fd = handles.get(item.file)
-                    if fd is None:
-                        fd = handles[item.file] = os.open(source / item.file, os.O_RDONLY)
-                    with os.fdopen(os.dup(fd), "rb") as fh:
-                        record = read_record(fh, source / item.file, item.offset, item.length)
-                    for src, dst, n in runs(entry.size, chunk):
-                        part = region.part(dst * itemsize, n * itemsize)
-                        part.copy_range(fd, record.data_offset + src * itemsize, n * itemsize)
-                region.pos = region.end  # its parts filled it: the chunks cover it exactly once (CK250)
-        finally:
-            for fd in handles.values():
-                os.close(fd)
-        writer.regions_done(regions)
+        reader.plan([seg for segs in segments.values() for seg in segs])
+        for name, segs in segments.items():
+            writer.begin(name)
+            for seg in segs:
+                reader.copy(seg, writer)
         writer.finish()
         os.replace(writer.tmp_path, path)
     except BaseException:
         writer.abort()
         raise
+    finally:
+        reader.close()
     return sum(e.nbytes for e in entries)
 
 
@@ -89,7 +106,8 @@ def reconstruct_dcp(
 ) -> DcpReconstruction:
     """Check the DCP checkpoint in ``directory``, then write its model weights to ``output/model.safetensors``
     (and with ``optimizer_state`` its optimizer state to ``output/optimizer.safetensors``: ``dcp_optimizer``)."""
-    source = Path(directory)
+    refuse_write(output, "the reconstruction")  # before anything is fetched
+    source = location(directory)  # a URL: ranged reads (docs/remote.md)
     meta, findings = check_dcp(source)
     if has_errors(findings):
         raise CheckpointInvalid(findings, str(directory))

@@ -2,7 +2,8 @@
 
 The checkpoint is checked first (``checkpoint.dcp.checks``: any error finding raises ``CheckpointInvalid``, nothing
 read beyond what the checks read). Every tensor entry under ``model.`` is read under its name without that prefix,
-each chunk's runs read into their place of the whole tensor (``checkpoint.dcp.runs``), then cast as the DeepSpeed path
+each chunk's runs read into their place of the whole tensor (``dcp_input.located``; at a URL in range requests, a few
+in flight, never a whole file), then cast as the DeepSpeed path
 casts: floating tensors to ``dtype``, integer and bool ones kept. A DCP save records no tie: both names of a tied
 weight are read, each its own array (equal, not the same object).
 """
@@ -10,18 +11,16 @@ weight are read, each its own array (equal, not the same object).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from ..checkpoint.dcp.checks import check_dcp
-from ..checkpoint.dcp.records import read_record
-from ..checkpoint.dcp.runs import runs
-from ..errors import CheckpointInvalid, FileUnreadable
+from ..errors import CheckpointInvalid
 from ..findings import has_errors
-from ..format.dtypes import FLOATING, ITEMSIZE, output_dtype
-from .arrays import _np, _np_dtype, convert
+from ..format.dtypes import FLOATING, output_dtype
+from ..location import location
+from .arrays import ShardReader, _np, _np_dtype, convert
 from .checkpoint import numpy_bfloat16
-from .dcp_input import MODEL_PREFIX, model_entries
+from .dcp_input import MODEL_PREFIX, items_of, located, model_entries
 
 
 def dcp_state_dict(directory: str | os.PathLike, framework: str = "torch", dtype: Any = "fp32") -> dict[str, Any]:
@@ -30,29 +29,24 @@ def dcp_state_dict(directory: str | os.PathLike, framework: str = "torch", dtype
         raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
     dtype = output_dtype(dtype)
     bf16_view = numpy_bfloat16() if framework == "numpy" and dtype == "bfloat16" else None
-    source = Path(directory)
+    source = location(directory)  # a URL: ranged reads (docs/remote.md)
     meta, findings = check_dcp(source)
     if has_errors(findings):
         raise CheckpointInvalid(findings, str(directory))
     np = _np()
-    items = {(i.fqn, i.chunk_offset): i for i in meta.items}
+    items = items_of(meta)
+    tensors = model_entries(meta)
+    segments = {name: located(source, items, MODEL_PREFIX + name, e) for name, e in tensors.items()}
     out: dict[str, Any] = {}
-    handles: dict[str, Any] = {}
+    reader = ShardReader()
     try:
-        for name, entry in model_entries(meta).items():
-            itemsize = ITEMSIZE[entry.dtype]
+        reader.plan([seg for segs in segments.values() for seg in segs])
+        for name, entry in tensors.items():
             raw = np.empty(int(np.prod(entry.size, dtype=np.int64)), dtype=_np_dtype(entry.dtype))
-            view = memoryview(raw).cast("B")
-            for chunk in entry.chunks:
-                item = items[(MODEL_PREFIX + name, chunk.offsets)]  # CK251 checked it is there
-                fh = handles.get(item.file)
-                if fh is None:
-                    fh = handles[item.file] = open(source / item.file, "rb")  # closed below
-                record = read_record(fh, source / item.file, item.offset, item.length)
-                for src, dst, n in runs(entry.size, chunk):
-                    fh.seek(record.data_offset + src * itemsize)
-                    if fh.readinto(view[dst * itemsize : (dst + n) * itemsize]) != n * itemsize:
-                        raise FileUnreadable(source / item.file, OSError("the file changed while read"))
+            view, pos = memoryview(raw).cast("B"), 0
+            for seg in segments[name]:  # in the whole tensor's order, covering it once (CK250)
+                reader.read_into(seg, view[pos : pos + seg.nbytes])
+                pos += seg.nbytes
             target = dtype if entry.dtype in FLOATING else entry.dtype
             array = convert(raw, entry.dtype, target).reshape(entry.size)
             if framework == "torch":
@@ -61,9 +55,6 @@ def dcp_state_dict(directory: str | os.PathLike, framework: str = "torch", dtype
                 out[name] = to_torch(array, target)
             else:
                 out[name] = array.view(bf16_view) if target == "bfloat16" else array
-    except OSError as exc:
-        raise FileUnreadable(source, exc) from None
     finally:
-        for fh in handles.values():
-            fh.close()
+        reader.close()
     return out

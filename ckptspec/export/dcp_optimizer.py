@@ -17,14 +17,14 @@ import json
 import re
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..checkpoint.dcp.checks import bytes_values
+from ..checkpoint.dcp.checks import Where, bytes_values
 from ..checkpoint.dcp.metadata import DcpMetadata, Item, TensorEntry
 from ..checkpoint.dcp.records import read_record
 from ..deepspeed.describe.scalars import UNKNOWN_CLASS, plain_values
 from ..errors import FileUnreadable, ReconstructMismatch, ReconstructUnsupported
 from ..format.models import Optimizer, OptimizerGroup
+from ..location import open_binary
 
 STATE_PREFIX = "optim.state."
 _GROUP_KEY = re.compile(r"optim\.param_groups\.(\d+)\.(.+)")
@@ -37,7 +37,7 @@ class DcpOptimizerPlan:
     metadata: dict[str, str]
 
 
-def _groups(directory: Path, meta: DcpMetadata) -> dict[int, dict]:
+def _groups(directory: Where, meta: DcpMetadata) -> dict[int, dict]:
     """Each param group's values by key, from its bytes items (``checks`` refused any that is not plain)."""
     groups: dict[int, dict] = {}
     for fqn, value in bytes_values(directory, meta).items():
@@ -46,7 +46,7 @@ def _groups(directory: Path, meta: DcpMetadata) -> dict[int, dict]:
     return groups
 
 
-def _step(directory: Path, meta: DcpMetadata, fqn: str, items: dict[str, Item]) -> float | int:
+def _step(directory: Where, meta: DcpMetadata, fqn: str, items: dict[str, Item]) -> float | int:
     """The value of the 0-d tensor ``fqn`` (a parameter's ``step``; ``items``: its one item), from its record."""
     entry = meta.entries[fqn]
     item = items[fqn]
@@ -55,7 +55,7 @@ def _step(directory: Path, meta: DcpMetadata, fqn: str, items: dict[str, Item]) 
         raise ReconstructUnsupported(f"{fqn}: a step of dtype {entry.dtype}", "", directory / item.file)
     path = directory / item.file
     try:
-        with open(path, "rb") as fh:
+        with open_binary(path) as fh:  # a URL: the record and its few bytes, in range requests
             record = read_record(fh, path, item.offset, item.length)
             fh.seek(record.data_offset)
             (value,) = struct.unpack(_SCALARS[entry.dtype], fh.read(record.nbytes))
@@ -64,7 +64,7 @@ def _step(directory: Path, meta: DcpMetadata, fqn: str, items: dict[str, Item]) 
     return int(value) if float(value).is_integer() else value
 
 
-def plan_dcp_optimizer(directory: Path, meta: DcpMetadata, model: dict[str, TensorEntry]) -> DcpOptimizerPlan:
+def plan_dcp_optimizer(directory: Where, meta: DcpMetadata, model: dict[str, TensorEntry]) -> DcpOptimizerPlan:
     """The optimizer state of the checked checkpoint in ``directory``, beside its ``model`` tensors (by output
     name): every per-element state of every parameter a param group lists, and each group's step."""
     states = {fqn: e for fqn, e in meta.entries.items() if fqn.startswith(STATE_PREFIX) and isinstance(e, TensorEntry)}

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..checkpoint.dcp.checks import check_dcp
-from ..checkpoint.dcp.metadata import BytesEntry, DcpMetadata, Item, TensorEntry
+from ..checkpoint.dcp.checks import Where, check_dcp
+from ..checkpoint.dcp.metadata import BytesEntry, DcpMetadata, TensorEntry
 from ..checkpoint.dcp.records import read_record, read_value_pickle
 from ..checkpoint.dcp.values import plain_value
 from ..checkpoint.standins import LossScalerState
@@ -42,9 +42,10 @@ from ..findings import has_errors
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Manifest
 from ..format.partition import ParamSpec, flat_group
+from ..location import RemotePath, location, open_binary, refuse_write
 from .arrays import _np
-from .dcp_input import MODEL_PREFIX, runs
-from .model_plan import ModelPlan, Segment, TensorSource, coalesced
+from .dcp_input import MODEL_PREFIX, Items, items_of, located
+from .model_plan import ModelPlan, TensorSource
 from .optimizer_state import OptimizerStatePlan
 from .output_dir import build_and_publish, held_new_output
 from .reshard import ReshardResult, embed_and_validate
@@ -76,12 +77,12 @@ class DcpSource:
 class _MadeStates(StateCache):
     """The writers read a source's decoded model states from a ``StateCache``: here one made, not read."""
 
-    def __init__(self, path: Path, state: dict):
+    def __init__(self, path: Path | RemotePath, state: dict):
         super().__init__()
         self._path, self._made = path, state
 
     def state(self, path, *args, **kwargs) -> Any:
-        assert Path(path) == self._path, path
+        assert str(path) == str(self._path), path
         return self._made
 
     def members(self, path, *args, **kwargs) -> Any:
@@ -92,33 +93,16 @@ def _refuse(message: str, hint: str, where) -> ReshardUnsupported:
     return ReshardUnsupported(message, hint, os.fspath(where))
 
 
-Items = dict[tuple[str, tuple[int, ...] | None], Item]  # (fqn, chunk offsets; None for bytes) -> its storage item
-
-
-def _located(directory: Path, items: Items, fqn: str, entry: TensorEntry) -> list[Segment]:
-    """The tensor's flat bytes as segments: each chunk's runs of the whole tensor, in the whole tensor's order."""
-    itemsize, placed = ITEMSIZE[entry.dtype], []
-    for chunk in entry.chunks:
-        if chunk.numel == 0:
-            continue
-        item = items[(fqn, chunk.offsets)]  # CK251 checked it is there
-        with open(directory / item.file, "rb") as fh:
-            record = read_record(fh, directory / item.file, item.offset, item.length)
-        for src, dst, n in runs(entry.size, chunk):
-            placed.append((dst, Segment(directory / item.file, record.data_offset + src * itemsize, n * itemsize)))
-    return list(coalesced(seg for _, seg in sorted(placed, key=lambda p: p[0])))
-
-
-def _bytes_value(directory: Path, items: Items, fqn: str) -> Any:
+def _bytes_value(directory: Where, items: Items, fqn: str) -> Any:
     item = items[(fqn, None)]
-    with open(directory / item.file, "rb") as fh:
+    with open_binary(directory / item.file) as fh:
         try:
             return plain_value(read_value_pickle(fh, item.offset, item.length), directory / item.file, fqn)
         except (UnsafePickleError, ValueError) as exc:
             raise _refuse(f"{fqn}: {exc}", "save plain hyperparameters", directory) from None
 
 
-def _param_groups(directory: Path, meta: DcpMetadata, items: Items) -> list[dict]:
+def _param_groups(directory: Where, meta: DcpMetadata, items: Items) -> list[dict]:
     """Each param group's hyperparameters and ``params`` (its parameters' names), in group order."""
     groups: dict[int, dict] = {}
     for fqn, entry in meta.entries.items():
@@ -136,7 +120,7 @@ def _param_groups(directory: Path, meta: DcpMetadata, items: Items) -> list[dict
     return [groups[g] for g in range(len(groups))]
 
 
-def _tensor(meta: DcpMetadata, fqn: str, shape, what: str, directory: Path) -> TensorEntry:
+def _tensor(meta: DcpMetadata, fqn: str, shape, what: str, directory: Where) -> TensorEntry:
     """The fp32 tensor entry ``fqn`` of ``shape`` (None: any); CK410 naming it otherwise."""
     entry = meta.entries.get(fqn)
     if not isinstance(entry, TensorEntry):
@@ -150,24 +134,24 @@ def _tensor(meta: DcpMetadata, fqn: str, shape, what: str, directory: Path) -> T
     return entry
 
 
-def _step(directory: Path, items: Items, fqn: str, entry) -> float:
+def _step(directory: Where, items: Items, fqn: str, entry) -> float:
     if not isinstance(entry, TensorEntry) or entry.size != () or entry.dtype not in _SCALARS:
         raise _refuse(f"{fqn}: not a scalar step", "save torch.optim.AdamW's state", directory)
     item = items[(fqn, ())]
-    with open(directory / item.file, "rb") as fh:
+    with open_binary(directory / item.file) as fh:
         record = read_record(fh, directory / item.file, item.offset, item.length)
         fh.seek(record.data_offset)
         return float(struct.unpack(_SCALARS[entry.dtype], fh.read(ITEMSIZE[entry.dtype]))[0])
 
 
-def read_dcp_source(directory: Path, meta: DcpMetadata, zero_stage: int) -> DcpSource:
+def read_dcp_source(directory: Where, meta: DcpMetadata, zero_stage: int) -> DcpSource:
     """The DCP checkpoint in ``directory`` as the ZeRO writer's source for a ``zero_stage`` target; CK410 naming
     what the target cannot hold, before anything is written."""
     model = {fqn.removeprefix(MODEL_PREFIX): e for fqn, e in meta.entries.items() if fqn.startswith(MODEL_PREFIX)}
     for name, entry in model.items():
         if isinstance(entry, BytesEntry):
             raise _refuse(f"model.{name}: saved as bytes; DeepSpeed's module holds tensors", "", directory)
-    items: Items = {(i.fqn, i.chunk_offset): i for i in meta.items}
+    items = items_of(meta)
     groups = _param_groups(directory, meta, items)
     trainable = [n for g in groups for n in g["params"]]
     saved = {f.removeprefix(STATE_PREFIX).rsplit(".", 1)[0] for f in meta.entries if f.startswith(STATE_PREFIX)}
@@ -191,13 +175,13 @@ def read_dcp_source(directory: Path, meta: DcpMetadata, zero_stage: int) -> DcpS
                 raise _refuse(f"{name}: a trained parameter without optimizer state", "save after a step", directory)
             entry = _tensor(meta, MODEL_PREFIX + name, None, "master", directory)
             sources[name] = TensorSource(
-                name, entry.size, "float32", _located(directory, items, MODEL_PREFIX + name, entry), "trainable"
+                name, entry.size, "float32", located(directory, items, MODEL_PREFIX + name, entry), "trainable"
             )
             for key in MOMENTS:
                 fqn = f"{STATE_PREFIX}{name}.{key}"
                 moment = _tensor(meta, fqn, entry.size, key, directory)
                 state_sources[f"{name}.{key}"] = TensorSource(
-                    f"{name}.{key}", entry.size, "float32", _located(directory, items, fqn, moment), "state"
+                    f"{name}.{key}", entry.size, "float32", located(directory, items, fqn, moment), "state"
                 )
                 state_names.setdefault(name, {})[key] = f"{name}.{key}"
             fqn = f"{STATE_PREFIX}{name}.step"
@@ -209,7 +193,7 @@ def read_dcp_source(directory: Path, meta: DcpMetadata, zero_stage: int) -> DcpS
         if name not in sources:
             assert isinstance(entry, TensorEntry)
             sources[name] = TensorSource(
-                name, entry.size, entry.dtype, _located(directory, items, MODEL_PREFIX + name, entry), "buffer"
+                name, entry.size, entry.dtype, located(directory, items, MODEL_PREFIX + name, entry), "buffer"
             )
     found = _manifest(groups, sources, steps, zero_stage)
     plan = ModelPlan(directory, sources, {}, list(sources))
@@ -307,7 +291,7 @@ def _model_states(sources: dict[str, TensorSource], step: int, stage: int) -> di
     }
 
 
-def _optimizer(groups: list[dict], steps: list[float], stage: int, directory: Path) -> SourceOptimizer:
+def _optimizer(groups: list[dict], steps: list[float], stage: int, directory: Where) -> SourceOptimizer:
     """What DeepSpeedZeroOptimizer's files hold besides the partitions: the param groups' hyperparameters, each
     group's step (a tensor, as torch's AdamW keeps it), a static loss scaler at 1."""
     from . import ds_pickle  # torch: only to write the step tensors
@@ -331,7 +315,8 @@ def reshard_dcp(
 ) -> ReshardResult:
     """Check the DCP checkpoint in ``directory``, then write it as a DeepSpeed ZeRO ``zero_stage`` checkpoint for
     ``world_size`` fp32 ranks into ``output``; CK410 for what the target cannot hold, nothing written then."""
-    source = Path(directory)
+    refuse_write(output, "the resharded checkpoint")  # before anything is fetched
+    source = location(directory)  # a URL: ranged reads (docs/remote.md)
     if zero_stage not in STAGES:
         asked = "no --stage" if zero_stage is None else f"--stage {zero_stage}"
         raise _refuse(

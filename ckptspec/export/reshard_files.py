@@ -33,6 +33,7 @@ from ..checkpoint.states import StateCache
 from ..errors import ReconstructMismatch
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Group, Manifest
+from ..location import RemotePath
 from . import ds_pickle
 from .arrays import ShardReader, _np, _np_dtype, iter_chunks, iter_zeros
 from .model_plan import Segment, TensorSource
@@ -206,7 +207,7 @@ def _full_weights(found: Manifest, plan) -> dict[str, TensorSource]:
     return {name: s for name, s in plan.sources.items() if s.role in ("trainable", "frozen")}
 
 
-def tensor_reader(path: Path, states: StateCache, files: ShardReader):
+def tensor_reader(path: Path | RemotePath, states: StateCache, files: ShardReader):
     """Tensors of ``path`` as torch views of their storages, each storage read once (sharing kept)."""
     members = states.members(path)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..format.models import Manifest
+from ..location import RemotePath
 
 
 @dataclass
@@ -28,7 +29,7 @@ class SourceOptimizer:
     zero_stage: int
     # made for a source without a ZeRO-1/2 optimizer file (``reshard_stage0_source``): the file its tensors are
     # read from, and the name of target rank 0's optimizer file
-    path: Path | None = None
+    path: Path | RemotePath | None = None
     file_name: str | None = None
 
     @property

@@ -109,7 +109,9 @@ class RemotePath:
             listed = self._store.listing(parent)
         if listed is not None:
             entry = listed.get(name)
-            return entry is not None and entry.get("type") == kind
+            # An HTTP index page hides dot files (nginx's autoindex, Apache's): one not listed is asked of the server.
+            if entry is not None or not (self._store.http and name.startswith(".")):
+                return entry is not None and entry.get("type") == kind
         info = self._info()
         return info is not None and info.get("type") == kind
 

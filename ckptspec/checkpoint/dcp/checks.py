@@ -25,14 +25,16 @@ from pathlib import Path
 
 from ...errors import FileUnreadable, UnsafePickleError
 from ...findings import Finding, finding
+from ...location import RemotePath, open_binary
 from .metadata import BytesEntry, DcpMetadata, Item, TensorEntry, read_metadata
 from .records import read_record, read_value_pickle
 from .values import plain_value
 
-Check = Callable[[Path, DcpMetadata], list[Finding]]
+Where = Path | RemotePath  # a DCP directory: local, or at a URL (read in ranges through ``location``)
+Check = Callable[[Where, DcpMetadata], list[Finding]]
 
 
-def check_dcp(directory: Path) -> tuple[DcpMetadata, list[Finding]]:
+def check_dcp(directory: Where) -> tuple[DcpMetadata, list[Finding]]:
     """The metadata of the DCP checkpoint in ``directory`` and every finding of its checks."""
     meta = read_metadata(directory)
     findings: list[Finding] = []
@@ -46,7 +48,7 @@ def bytes_entries(meta: DcpMetadata) -> list[str]:
     return [fqn for fqn, entry in meta.entries.items() if isinstance(entry, BytesEntry)]
 
 
-def bytes_values(directory: Path, meta: DcpMetadata) -> dict[str, object]:
+def bytes_values(directory: Where, meta: DcpMetadata) -> dict[str, object]:
     """Each bytes item's value (plain: ``values.plain_value``) or, for one that is not, the exception saying why
     (``UnsafePickleError``: a global off the list; ``ValueError``: no record, a damaged pickle). Items of missing
     files or past their file's end are left out (CK252's, CK253's)."""
@@ -59,7 +61,7 @@ def bytes_values(directory: Path, meta: DcpMetadata) -> dict[str, object]:
         if not wanted:
             continue
         try:
-            with open(directory / name, "rb") as fh:
+            with open_binary(directory / name) as fh:
                 for item in wanted:
                     try:
                         out[item.fqn] = plain_value(
@@ -80,7 +82,7 @@ def _overlap(a, b) -> bool:
     return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
 
 
-def chunk_coverage(directory: Path, meta: DcpMetadata) -> list[Finding]:
+def chunk_coverage(directory: Where, meta: DcpMetadata) -> list[Finding]:
     """CK250: a tensor's chunks lie inside it, do not overlap, and together hold all of its elements."""
     out = []
     for fqn, entry in _tensors(meta).items():
@@ -126,7 +128,7 @@ def _item_key(item: Item) -> tuple:
     return item.fqn, item.chunk_offset
 
 
-def storage_items(directory: Path, meta: DcpMetadata) -> list[Finding]:
+def storage_items(directory: Where, meta: DcpMetadata) -> list[Finding]:
     """CK251: each chunk and bytes entry has one storage item; each item is one's."""
     hint = "the .metadata's storage_data does not match its state_dict_metadata: restore the .metadata"
     items = {_item_key(i) for i in meta.items}
@@ -154,24 +156,35 @@ def _by_file(meta: DcpMetadata) -> dict[str, list[Item]]:
     return out
 
 
-def _sizes(directory: Path, meta: DcpMetadata) -> dict[str, int | None]:
+def _sizes(directory: Where, meta: DcpMetadata) -> dict[str, int | None]:
     """Each named file's size (None: absent)."""
     out: dict[str, int | None] = {}
     for name in meta.files:
-        path = directory / name
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             out[name] = None  # DCP names files in its directory; anything else is not read
             continue
-        try:
-            out[name] = os.stat(path).st_size
-        except FileNotFoundError:
-            out[name] = None
-        except OSError as exc:
-            raise FileUnreadable(path, exc) from None
+        out[name] = _size(directory / name)
     return out
 
 
-def files_present(directory: Path, meta: DcpMetadata) -> list[Finding]:
+def _size(path: Where) -> int | None:
+    """A file's size, None when it is not there (a URL: its directory's listing says, a request at most)."""
+    if isinstance(path, RemotePath):
+        return path.stat().st_size if path.is_file() else None
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise FileUnreadable(path, exc) from None
+
+
+def files_bytes(directory: Where, meta: DcpMetadata) -> int:
+    """The bytes of the checkpoint's files: ``.metadata`` and each named file that is there."""
+    return meta.size + sum(size for size in _sizes(directory, meta).values() if size is not None)
+
+
+def files_present(directory: Where, meta: DcpMetadata) -> list[Finding]:
     """CK252: every file the items name is in the directory (a name, never a path)."""
     hint = "restore the file from the save; without it the chunks it held are lost"
     out = []
@@ -182,7 +195,7 @@ def files_present(directory: Path, meta: DcpMetadata) -> list[Finding]:
     return out
 
 
-def items_inside_files(directory: Path, meta: DcpMetadata) -> list[Finding]:
+def items_inside_files(directory: Where, meta: DcpMetadata) -> list[Finding]:
     """CK253: every item ends inside its file."""
     hint = "the file is cut short (an interrupted copy or save): restore it"
     sizes = _sizes(directory, meta)
@@ -198,7 +211,7 @@ def items_inside_files(directory: Path, meta: DcpMetadata) -> list[Finding]:
     return out
 
 
-def item_records(directory: Path, meta: DcpMetadata) -> list[Finding]:
+def item_records(directory: Where, meta: DcpMetadata) -> list[Finding]:
     """CK254: each tensor item (in a present file, inside it) is a torch.save record of its chunk."""
     hint = "the file's bytes are not this save's (another save's file, swapped, overwritten): restore it"
     sizes = _sizes(directory, meta)
@@ -211,7 +224,7 @@ def item_records(directory: Path, meta: DcpMetadata) -> list[Finding]:
         items = [i for i in _by_file(meta)[name] if i.offset + i.length <= size and i.fqn in tensors]
         bad = []
         try:
-            with open(directory / name, "rb") as fh:
+            with open_binary(directory / name) as fh:
                 for item in items:
                     chunk = chunks.get(_item_key(item))
                     if chunk is None:
@@ -233,7 +246,7 @@ def item_records(directory: Path, meta: DcpMetadata) -> list[Finding]:
     return out
 
 
-def bytes_records(directory: Path, meta: DcpMetadata) -> list[Finding]:
+def bytes_records(directory: Where, meta: DcpMetadata) -> list[Finding]:
     """CK254: each bytes item (in a present file, inside it) is a ``torch.save`` record of a value."""
     hint = "the file's bytes are not this save's (another save's file, swapped, overwritten): restore it"
     files = {i.fqn: i.file for i in meta.items if i.chunk_offset is None}
@@ -253,7 +266,7 @@ def bytes_records(directory: Path, meta: DcpMetadata) -> list[Finding]:
     ]
 
 
-def bytes_plain(directory: Path, meta: DcpMetadata) -> list[Finding]:
+def bytes_plain(directory: Where, meta: DcpMetadata) -> list[Finding]:
     """CK204: each bytes item's pickle is of a plain value, naming no global off ``values.ALLOWED``: ``dcp.load``
     would unpickle it unrestricted and call what it names."""
     hint = "the item's pickle would run code when torch loads it (a forged checkpoint): do not load it with dcp.load"

@@ -8,10 +8,9 @@ writes (``kind``, ``path``: the entry's place in B's ``.metadata``, A's for what
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from .checks import bytes_values
+from .checks import Where, bytes_values
 from .digest import tensor_digest
 from .metadata import DcpMetadata, TensorEntry
 
@@ -29,7 +28,7 @@ def _where(fqn: str) -> str:
     return f"$.state_dict_metadata[{fqn!r}]"
 
 
-def diff_dcp(a: Path, meta_a: DcpMetadata, b: Path, meta_b: DcpMetadata) -> list[dict[str, Any]]:
+def diff_dcp(a: Where, meta_a: DcpMetadata, b: Where, meta_b: DcpMetadata) -> list[dict[str, Any]]:
     """The changes from the checked DCP checkpoint ``a`` to ``b``, in B's entry order (then A's removed ones)."""
     out: list[dict[str, Any]] = []
     values_a: dict[str, Any] | None = None

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ...errors import FileUnreadable
 from ...format.dtypes import ITEMSIZE
+from ...location import RemotePath, open_binary
 from .metadata import DcpMetadata, TensorEntry
 from .records import read_record
 from .runs import runs
@@ -17,8 +18,8 @@ from .runs import runs
 _PIECE = 1 << 20
 
 
-def tensor_digest(directory: Path, meta: DcpMetadata, fqn: str) -> str:
-    """``sha256:<hex>`` of the tensor entry ``fqn`` of the checked checkpoint in ``directory``."""
+def tensor_digest(directory: Path | RemotePath, meta: DcpMetadata, fqn: str) -> str:
+    """``sha256:<hex>`` of the tensor entry ``fqn`` of the checked checkpoint in ``directory`` (local or a URL)."""
     entry = meta.entries[fqn]
     assert isinstance(entry, TensorEntry)
     itemsize = ITEMSIZE[entry.dtype]
@@ -33,7 +34,7 @@ def tensor_digest(directory: Path, meta: DcpMetadata, fqn: str) -> str:
             item = items[(fqn, chunk.offsets)]
             fh = handles.get(item.file)
             if fh is None:
-                fh = handles[item.file] = open(directory / item.file, "rb")  # closed below
+                fh = handles[item.file] = open_binary(directory / item.file)  # closed below
             record = read_record(fh, directory / item.file, item.offset, item.length)
             placed.extend(
                 (dst, item.file, record.data_offset + src * itemsize, n) for src, dst, n in runs(entry.size, chunk)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import FileUnreadable, PickleOverCap, TorchFileError, UnsafePickleError
+from ...location import AnyPath, RemotePath, location, open_binary
 from ..pickle_scan import scan_pickle
 from ..torchfile import pickle_cap
 from . import standins
@@ -77,14 +78,16 @@ class DcpMetadata:
         return sorted({item.file for item in self.items})
 
 
-def is_dcp_dir(path: Path) -> bool:
-    """A directory that holds a DCP ``.metadata``."""
-    return path.is_dir() and (path / METADATA_NAME).is_file()
+def is_dcp(name: AnyPath) -> bool:
+    """A torch DCP checkpoint: a directory, local or at a URL, that holds a ``.metadata`` file. The one test every
+    command makes before it reads a directory as a DeepSpeed checkpoint."""
+    where = location(name)
+    return where.is_dir() and (where / METADATA_NAME).is_file()
 
 
 class _Unpickler(pickle.Unpickler):
     # find_class is the only way a pickle obtains a callable: REDUCE, NEWOBJ and BUILD reach the stand-ins only.
-    def __init__(self, data: bytes, path: Path):
+    def __init__(self, data: bytes, path: Path | RemotePath):
         super().__init__(io.BytesIO(data))
         self._path = path
 
@@ -100,16 +103,18 @@ class _Unpickler(pickle.Unpickler):
         raise TorchFileError(self._path, f".metadata holds a persistent id {pid!r:.80}, which DCP never writes")
 
 
-def read_metadata(directory: Path) -> DcpMetadata:
-    """The checked ``.metadata`` of the DCP checkpoint in ``directory``; raises a ``CkptspecError``."""
+def read_metadata(directory: Path | RemotePath) -> DcpMetadata:
+    """The checked ``.metadata`` of the DCP checkpoint in ``directory`` (local or at a URL: ranged reads, the size
+    refused before a byte is read); raises a ``CkptspecError``."""
     path = directory / METADATA_NAME
     cap = pickle_cap()
     try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+        with open_binary(path) as fh:
+            size = fh.seek(0, os.SEEK_END)
             if size > cap:
                 raise PickleOverCap(path, f".metadata holds {size} bytes, over the cap of {cap}")
-            data = fh.read(cap + 1)
+            fh.seek(0)
+            data = fh.read(size + 1)  # a byte past the size seen: a file that grew past the cap is refused
     except OSError as exc:
         raise FileUnreadable(path, exc) from None
     if len(data) > cap:  # grew while read

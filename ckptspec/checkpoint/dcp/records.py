@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ...location import RemotePath
 from ..standins import TensorRef
 from ..torchfile import RawPickle, decode_data_pkl
 
@@ -99,7 +100,7 @@ def read_value_pickle(fh: BinaryIO, offset: int, length: int) -> bytes:
         return _data_pkl(zf)[0]
 
 
-def read_record(fh: BinaryIO, path: Path, offset: int, length: int) -> Record:
+def read_record(fh: BinaryIO, path: Path | RemotePath, offset: int, length: int) -> Record:
     """The record of the item at ``offset`` (``length`` bytes) of the open ``.distcp`` ``fh``; ``ValueError`` says
     why it is not one tensor's ``torch.save`` record inside those bytes."""
     zf, window = _open(fh, offset, length)

@@ -18,6 +18,7 @@ from typing import Any
 
 from ...errors import UnsafePickleError
 from ...format.dtypes import ITEMSIZE
+from ...location import RemotePath
 from ..pickle_scan import scan_pickle
 from .standins import DTypeName, size
 
@@ -26,7 +27,7 @@ ALLOWED: dict[tuple[str, str], Any] = {("torch", "Size"): size, **{("torch", n):
 
 class _Unpickler(pickle.Unpickler):
     # find_class is the only way a pickle obtains a callable: REDUCE and NEWOBJ reach torch.Size's stand-in only.
-    def __init__(self, data: bytes, path: Path, fqn: str):
+    def __init__(self, data: bytes, path: Path | RemotePath, fqn: str):
         super().__init__(io.BytesIO(data))
         self._path, self._fqn = path, fqn
 
@@ -42,7 +43,7 @@ class _Unpickler(pickle.Unpickler):
         raise ValueError("it holds a tensor (a persistent id): a bytes item of plain values never does")
 
 
-def plain_value(data: bytes, path: Path, fqn: str) -> Any:
+def plain_value(data: bytes, path: Path | RemotePath, fqn: str) -> Any:
     """The value the bytes item ``fqn`` (of ``path``) pickles in ``data``; raises ``UnsafePickleError`` naming a
     global off the list, ``ValueError`` saying how the pickle is damaged."""
     try:
