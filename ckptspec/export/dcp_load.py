@@ -21,7 +21,7 @@ from ..findings import has_errors
 from ..format.dtypes import FLOATING, ITEMSIZE, output_dtype
 from .arrays import _np, _np_dtype, convert
 from .checkpoint import numpy_bfloat16
-from .dcp_input import MODEL_PREFIX, model_entries
+from .dcp_input import model_entries, model_fqn
 
 
 def dcp_state_dict(directory: str | os.PathLike, framework: str = "torch", dtype: Any = "fp32") -> dict[str, Any]:
@@ -44,7 +44,7 @@ def dcp_state_dict(directory: str | os.PathLike, framework: str = "torch", dtype
             raw = np.empty(int(np.prod(entry.size, dtype=np.int64)), dtype=_np_dtype(entry.dtype))
             view = memoryview(raw).cast("B")
             for chunk in entry.chunks:
-                item = items[(MODEL_PREFIX + name, chunk.offsets)]  # CK251 checked it is there
+                item = items[(model_fqn(meta, name), chunk.offsets)]  # CK251 checked it is there
                 fh = handles.get(item.file)
                 if fh is None:
                     fh = handles[item.file] = open(source / item.file, "rb")  # closed below
