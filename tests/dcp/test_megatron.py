@@ -4,7 +4,8 @@
 The checkpoint is the committed copy a real Megatron-core 0.16.1 job wrote (``tests/_harness/megatron_job.py``, 2
 ranks under torchrun, CPU, gloo; ``scripts/megatron.sh`` runs it in ``.venv-megatron`` and refreshes the copy):
 ``checkpoint/`` as Megatron saved it, ``loaded.pt`` what its load of the whole tensors returned, ``job.json`` the
-versions and the job script's sha256 (a changed job without a refreshed copy fails here)."""
+versions and the job script's sha256 (a changed job without a refreshed copy fails here). ``./scripts/megatron.sh
+--check`` runs the job again and these tests on its output (``CKPTSPEC_MEGATRON_DATA``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "megatron-core-0.16.1"
+DATA = Path(
+    os.environ.get("CKPTSPEC_MEGATRON_DATA") or Path(__file__).resolve().parents[1] / "data" / "megatron-core-0.16.1"
+)
 JOB = Path(__file__).resolve().parents[1] / "_harness" / "megatron_job.py"
 
 
