@@ -190,3 +190,19 @@ def test_a_missing_common_pt_is_a_finding(tmp_path):
     assert [(f["code"], f["message"]) for f in report["findings"]] == [
         ("CK252", "common.pt is missing (Megatron's common state)")
     ]
+
+
+def test_an_args_namespace_in_common_pt_is_refused_by_name(tmp_path):
+    """Megatron-LM's training loop saves its ``args`` (an ``argparse.Namespace``) in the common state: not on the
+    restricted reader's allowlist (nor on torch.load's weights_only one), so refused by name, not read."""
+    import argparse
+    import pickle
+
+    import torch
+
+    directory = _copy(tmp_path)
+    torch.save({"iteration": 7, "args": argparse.Namespace(lr=0.01)}, directory / "common.pt")
+    text = _run("validate", directory).output
+    assert text.startswith(f"{directory / 'common.pt'}: CK204 data.pkl references global argparse.Namespace"), text
+    with pytest.raises(pickle.UnpicklingError, match="argparse.Namespace"):
+        torch.load(directory / "common.pt", map_location="cpu")  # Megatron's own call, without add_safe_globals
