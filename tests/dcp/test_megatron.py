@@ -206,3 +206,21 @@ def test_an_args_namespace_in_common_pt_is_refused_by_name(tmp_path):
     assert text.startswith(f"{directory / 'common.pt'}: CK204 data.pkl references global argparse.Namespace"), text
     with pytest.raises(pickle.UnpicklingError, match="argparse.Namespace"):
         torch.load(directory / "common.pt", map_location="cpu")  # Megatron's own call, without add_safe_globals
+
+
+def test_diff_compares_the_common_states_key_by_key(tmp_path):
+    import torch
+
+    directory = _copy(tmp_path)
+    assert _run("diff", DATA / "checkpoint", directory, "--format", "json").output.count('"changes": []') == 1
+    torch.save({"iteration": 9, "checkpoint_version": 3.0, "extra": torch.zeros(2)}, directory / "common.pt")
+    result = _run("diff", DATA / "checkpoint", directory, "--format", "json")
+    assert result.exit_code == 0, result.output
+    scheduler = {"max_lr": 3e-4, "num_steps": 7, "decay_style": "cosine"}
+    assert [(c["kind"], c["name"], c["a"], c["b"], c["role"]) for c in json.loads(result.output)["changes"]] == [
+        ("values", "iteration", 7, 9, "common"),
+        ("added", "extra", None, {"tensor": "float32", "shape": [2]}, "common"),
+        ("removed", "opt_param_scheduler", scheduler, None, "common"),
+    ]  # the sharded tensors and bytes items are the same: no other row
+    text = _run("diff", DATA / "checkpoint", directory).output
+    assert text.startswith(f"A: {DATA / 'checkpoint'} (Megatron-core torch_dist)\n"), text
