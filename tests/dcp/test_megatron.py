@@ -224,3 +224,13 @@ def test_diff_compares_the_common_states_key_by_key(tmp_path):
     ]  # the sharded tensors and bytes items are the same: no other row
     text = _run("diff", DATA / "checkpoint", directory).output
     assert text.startswith(f"A: {DATA / 'checkpoint'} (Megatron-core torch_dist)\n"), text
+
+
+def test_another_tools_metadata_json_leaves_a_plain_dcp_save(tmp_path):
+    directory = _copy(tmp_path)
+    (directory / "metadata.json").write_text('{"format": "another tool", "step": 7}')
+    (directory / "common.pt").unlink()  # not Megatron's: not looked for
+    result = _run("inspect", directory, "--format", "json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["kind"] == "dcp" and "megatron" not in summary

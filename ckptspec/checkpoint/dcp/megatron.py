@@ -6,7 +6,7 @@
   linear_fc2.weight``: a model's layers stacked on a leading axis), each ``ShardedObject`` as bytes entries
   ``<key>/shard_<offsets>_<shape>``; its ``.metadata`` also holds ``all_local_plans`` (``standins``);
 - ``metadata.json``: the backends (``{"sharded_backend": "torch_dist", ..., "common_backend": "torch"}``), read
-  here as JSON under a size cap;
+  here as JSON under a size cap (an object without ``sharded_backend`` is another tool's: the save is a plain DCP one);
 - ``common.pt``: the state that is no sharded tensor (the iteration, the scheduler's state, ``args``), a
   ``torch.save`` rank 0 wrote, which Megatron's load unpickles unrestricted. Read here by the restricted ``.pt``
   reader (``torchfile``): a global off its allowlist is refused by name (CK204), never called.
@@ -40,12 +40,13 @@ class MegatronParts:
 
 
 def is_megatron_dir(path: Path) -> bool:
-    """A DCP directory Megatron-core saved: it holds ``metadata.json``."""
+    """A DCP directory Megatron-core may have saved: it holds ``metadata.json`` (``read_megatron`` tells)."""
     return (path / CONFIG_NAME).is_file()
 
 
-def read_config(directory: Path) -> dict[str, Any]:
-    """``metadata.json``, checked: a JSON object of at most ``CONFIG_CAP`` bytes naming the torch_dist backend."""
+def read_config(directory: Path) -> dict[str, Any] | None:
+    """``metadata.json``, checked: a JSON object of at most ``CONFIG_CAP`` bytes naming the torch_dist backend; None
+    for an object without ``sharded_backend`` (another tool's file beside a plain DCP save: not Megatron's)."""
     path = directory / CONFIG_NAME
     try:
         with open(path, "rb") as fh:
@@ -60,6 +61,8 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise TorchFileError(path, f"{CONFIG_NAME} is not JSON: {exc}") from None
     if type(config) is not dict:
         raise TorchFileError(path, f"{CONFIG_NAME} holds a {type(config).__name__}, not Megatron's backend config")
+    if "sharded_backend" not in config:
+        return None
     backend = config.get("sharded_backend")
     if backend != "torch_dist" or config.get("common_backend", "torch") != "torch":
         raise UnsupportedCheckpoint(
@@ -82,9 +85,11 @@ def read_common(directory: Path) -> dict[str, Any] | None:
     return tree
 
 
-def read_megatron(directory: Path) -> MegatronParts:
-    """The parts beside the DCP part; raises a ``CkptspecError`` (CK202, CK204, CK205, CK225, CK901)."""
-    return MegatronParts(read_config(directory), read_common(directory))
+def read_megatron(directory: Path) -> MegatronParts | None:
+    """The parts beside the DCP part (None: ``metadata.json`` is not Megatron's); raises a ``CkptspecError`` (CK202,
+    CK204, CK205, CK225, CK901)."""
+    config = read_config(directory)
+    return None if config is None else MegatronParts(config, read_common(directory))
 
 
 def is_model_key(fqn: str) -> bool:
