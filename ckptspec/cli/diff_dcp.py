@@ -61,7 +61,8 @@ def diff_dcp_dirs(a: str, b: str, is_dcp: list[bool], tags: list[str | None], ou
         from .render import render_diff
 
         shown = [{**c, "a": _short(c["a"]), "b": _short(c["b"])} for c in result["changes"]]
-        click.echo(render_diff(f"{a} (torch DCP)", f"{b} (torch DCP)", {**result, "changes": shown}), nl=False)
+        kind = "Megatron-core torch_dist" if meta_a.megatron and meta_b.megatron else "torch DCP"
+        click.echo(render_diff(f"{a} ({kind})", f"{b} ({kind})", {**result, "changes": shown}), nl=False)
     sys.exit(EXIT_OK)
 
 

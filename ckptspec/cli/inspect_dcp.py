@@ -3,7 +3,9 @@
 The directory is checked first as ``validate DCP_DIR`` checks it (``checkpoint.dcp.checks``): one with an error
 finding is reported like ``validate`` reports it (exit 1) and not summarized. The summary: the tensors by the first
 part of their names (``model``, ``optim``), the largest tensors with their chunks, the bytes entries (pickled
-objects, named: read by the restricted reader when checked) and the files with their items.
+objects, named: read by the restricted reader when checked) and the files with their items; for a Megatron-core
+``torch_dist`` save, its backends (``metadata.json``) and its common state (``common.pt``, read by the restricted
+reader: values, tensors by dtype and shape).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ._common import EXIT_INVALID, EXIT_OK, echo_findings, echo_json, error_line
 def summarize_dcp(directory: Path | RemotePath, top: int) -> tuple[dict[str, Any], list]:
     """The summary of the checked DCP checkpoint in ``directory`` (None when it has errors), and the findings."""
     from ..checkpoint.dcp.checks import bytes_entries, check_dcp
+    from ..checkpoint.dcp.megatron import describe
     from ..checkpoint.dcp.metadata import TensorEntry
 
     meta, findings = check_dcp(directory)
@@ -42,7 +45,7 @@ def summarize_dcp(directory: Path | RemotePath, top: int) -> tuple[dict[str, Any
         files[item.file]["items"] += 1
         files[item.file]["bytes"] = max(files[item.file]["bytes"], item.offset + item.length)
     summary = {
-        "kind": "dcp",
+        "kind": "dcp" if meta.megatron is None else "megatron-torch_dist",
         "version": meta.version,
         "groups": groups,
         "largest": [
@@ -51,6 +54,8 @@ def summarize_dcp(directory: Path | RemotePath, top: int) -> tuple[dict[str, Any
         "bytes_entries": bytes_entries(meta),
         "files": [{"name": name, **counts} for name, counts in files.items()],
     }
+    if meta.megatron is not None:
+        summary["megatron"] = {"config": meta.megatron.config, "common": describe(meta.megatron.common)}
     return summary, findings
 
 
@@ -73,7 +78,8 @@ def inspect_dcp(target: str, output_format: str, top: int) -> NoReturn:
     if output_format == "json":
         echo_json({"target": target, "valid": True, "findings": [f.to_dict() for f in findings], **summary})
         sys.exit(EXIT_OK)
-    lines = [f"{target}: torch DCP checkpoint (metadata version {summary['version']}), {len(summary['files'])} files"]
+    what = "torch DCP" if "megatron" not in summary else "Megatron-core torch_dist"
+    lines = [f"{target}: {what} checkpoint (metadata version {summary['version']}), {len(summary['files'])} files"]
     for name, g in summary["groups"].items():
         lines.append(f"  {name}: {g['tensors']} tensors, {g['numel']:,} elements, {g['nbytes'] / 2**20:.1f} MiB")
     if summary["largest"]:
@@ -83,6 +89,10 @@ def inspect_dcp(target: str, output_format: str, top: int) -> NoReturn:
     listed = summary["bytes_entries"]
     if listed:
         lines.append(f"  bytes entries (pickles, read by the restricted reader): {len(listed)}: {', '.join(listed)}")
+    if "megatron" in summary:
+        common = summary["megatron"]["common"]
+        shown = ", ".join(f"{k}={v!r:.60}" for k, v in common.items()) if isinstance(common, dict) else "missing"
+        lines.append(f"  common.pt (read by the restricted reader): {shown}")
     lines.append("  files:")
     for f in summary["files"]:
         lines.append(f"    {f['name']}  {f['items']} items  {f['bytes']:,} bytes")

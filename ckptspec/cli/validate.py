@@ -165,6 +165,8 @@ def _validate_dcp(target: str, output_format: str, tag: str | None, remote: bool
         _emit(output_format, target, [], exc, remote)
         sys.exit(exc.exit_code)
     listed = bytes_entries(meta)
+    if output_format == "text" and meta.megatron is not None:
+        click.echo(f"{target}: Megatron-core torch_dist: metadata.json and common.pt read, nothing run")
     if output_format == "text" and listed:
         shown = ", ".join(listed[:3]) + (f", ... ({len(listed) - 3} more)" if len(listed) > 3 else "")
         click.echo(

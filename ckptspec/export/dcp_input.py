@@ -2,12 +2,14 @@
 
 The checkpoint is checked first (``checkpoint.dcp.checks``: any error finding, nothing is written). Every tensor
 entry under ``model.`` is written under its name without that prefix (a tie's two names both, as torch's
-``dcp_to_torch_save`` writes them), at its saved dtype. Each chunk's bytes are located in their ``.distcp`` file
-(the item's ``torch.save`` record, read through the restricted reader: ``checkpoint.dcp.records``) and copied into
-the output in the whole tensor's order, a contiguous run at a time (a whole row block for FSDP2's dim-0 shards), in
-the kernel where it can: no tensor is ever held in memory, whatever its size. A checkpoint at a URL is read through
-``location``: the records' few bytes, then each run in range requests, a few in flight (``ShardReader``), never a
-whole file. Standard library only.
+``dcp_to_torch_save`` writes them), at its saved dtype. A Megatron-core ``torch_dist`` save (``metadata.json``) has
+no ``model.`` prefix: every tensor not under ``optimizer.`` is written under its Megatron key, as Megatron's
+``dist_checkpointing.load`` of the whole tensor returns it (a model's layers stacked on a leading axis). Each chunk's
+bytes are located in their ``.distcp`` file (the item's ``torch.save`` record, read through the restricted reader:
+``checkpoint.dcp.records``) and copied into the output in the whole tensor's order, a contiguous run at a time (a
+whole row block for FSDP2's dim-0 shards), in the kernel where it can: no tensor is ever held in memory, whatever
+its size. A checkpoint at a URL is read through ``location``: the records' few bytes, then each run in range
+requests, a few in flight (``ShardReader``), never a whole file. Standard library only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.dcp.checks import Where, check_dcp
+from ..checkpoint.dcp.megatron import is_model_key
 from ..checkpoint.dcp.metadata import DcpMetadata, Item, TensorEntry
 from ..checkpoint.dcp.records import read_record
 from ..checkpoint.dcp.runs import runs
@@ -46,7 +49,10 @@ class DcpReconstruction:
 
 
 def model_entries(meta: DcpMetadata) -> dict[str, TensorEntry]:
-    """The model's tensors, by their name in the output (``model.`` dropped), in the save's order."""
+    """The model's tensors, by their name in the output (``model.`` dropped; a Megatron save's as they are), in the
+    save's order."""
+    if meta.megatron is not None:
+        return {fqn: e for fqn, e in meta.entries.items() if is_model_key(fqn) and isinstance(e, TensorEntry)}
     return {
         fqn.removeprefix(MODEL_PREFIX): e
         for fqn, e in meta.entries.items()
@@ -74,6 +80,11 @@ def located(directory: Where, items: Items, fqn: str, entry: TensorEntry) -> lis
         for src, dst, n in runs(entry.size, chunk):
             placed.append((dst, Segment(directory / item.file, record.data_offset + src * itemsize, n * itemsize)))
     return list(coalesced(seg for _, seg in sorted(placed, key=lambda p: p[0])))
+
+
+def model_fqn(meta: DcpMetadata, name: str) -> str:
+    """The DCP key of the model tensor ``model_entries`` names ``name``."""
+    return name if meta.megatron is not None else MODEL_PREFIX + name
 
 
 def _write(source: Where, meta: DcpMetadata, path: Path, tensors: dict[str, tuple[str, TensorEntry]], metadata) -> int:
@@ -118,6 +129,12 @@ def reconstruct_dcp(
             "save with dcp.save({'model': model_state_dict, ...}) (get_state_dict's model state)",
             source,
         )
+    if optimizer_state and meta.megatron is not None:
+        raise ReconstructUnsupported(
+            "--optimizer-state of a Megatron-core torch_dist checkpoint: its optimizer.* layout is not read yet",
+            "reconstruct the model weights (without --optimizer-state)",
+            source,
+        )
     optimizer = plan_dcp_optimizer(source, meta, tensors) if optimizer_state else None
     moments = optimizer.tensors if optimizer is not None else {}
     for name, entry in [*tensors.items(), *((n, e) for n, (_, e) in moments.items())]:
@@ -126,7 +143,7 @@ def reconstruct_dcp(
     with held_new_output(output, "the reconstruction") as out:
 
         def build(tmp: Path) -> int:
-            named = {name: (MODEL_PREFIX + name, e) for name, e in tensors.items()}
+            named = {name: (model_fqn(meta, name), e) for name, e in tensors.items()}
             nbytes = _write(source, meta, tmp / OUTPUT_NAME, named, {"format": "pt"})
             if optimizer is not None:  # one more file of the same commit
                 nbytes += _write(source, meta, tmp / OPTIMIZER_FILE, moments, optimizer.metadata)

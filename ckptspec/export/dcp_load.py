@@ -20,7 +20,7 @@ from ..format.dtypes import FLOATING, output_dtype
 from ..location import location
 from .arrays import ShardReader, _np, _np_dtype, convert
 from .checkpoint import numpy_bfloat16
-from .dcp_input import MODEL_PREFIX, items_of, located, model_entries
+from .dcp_input import items_of, located, model_entries, model_fqn
 
 
 def dcp_state_dict(directory: str | os.PathLike, framework: str = "torch", dtype: Any = "fp32") -> dict[str, Any]:
@@ -36,7 +36,7 @@ def dcp_state_dict(directory: str | os.PathLike, framework: str = "torch", dtype
     np = _np()
     items = items_of(meta)
     tensors = model_entries(meta)
-    segments = {name: located(source, items, MODEL_PREFIX + name, e) for name, e in tensors.items()}
+    segments = {name: located(source, items, model_fqn(meta, name), e) for name, e in tensors.items()}
     out: dict[str, Any] = {}
     reader = ShardReader()
     try:

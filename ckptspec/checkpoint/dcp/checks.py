@@ -9,7 +9,11 @@ CK225, raised) and runs every check, each reporting all it finds:
 - CK253 every item lies inside its file (offset + length <= the file's size);
 - CK254 every tensor item's bytes are a ``torch.save`` record of its chunk: its dtype and sizes (``records``), and
   every bytes item's a record of a value (an undamaged pickle);
-- CK204 every bytes item's pickle is of a plain value: it names no global but ``torch.Size`` and dtypes (``values``).
+- CK204 every bytes item's pickle is of a plain value: it names no global but ``torch.Size`` and dtypes (``values``);
+- CK252 a Megatron-core torch_dist save (``metadata.json`` beside ``.metadata``) has its ``common.pt``.
+
+A Megatron save's ``metadata.json`` and ``common.pt`` are read first (``megatron.read_megatron``: ``common.pt`` by the
+restricted reader, a global off its list refused by name, CK204, raised like a forged ``.metadata``).
 
 Bytes entries (``BytesStorage``: a ``torch.save`` of any object, which ``dcp.load`` unpickles unrestricted) are read
 by ``bytes_values`` through the restricted reader only: a global off its list is refused by name, never called.
@@ -21,11 +25,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from ...errors import FileUnreadable, UnsafePickleError
 from ...findings import Finding, finding
 from ...location import RemotePath, open_binary
+from .megatron import COMMON_NAME, is_megatron_dir, read_megatron
 from .metadata import BytesEntry, DcpMetadata, Item, TensorEntry, read_metadata
 from .records import read_record, read_value_pickle
 from .values import plain_value
@@ -37,6 +43,8 @@ Check = Callable[[Where, DcpMetadata], list[Finding]]
 def check_dcp(directory: Where) -> tuple[DcpMetadata, list[Finding]]:
     """The metadata of the DCP checkpoint in ``directory`` and every finding of its checks."""
     meta = read_metadata(directory)
+    if is_megatron_dir(directory):
+        meta = replace(meta, megatron=read_megatron(directory))
     findings: list[Finding] = []
     for check in CHECKS:
         findings.extend(check(directory, meta))
@@ -278,6 +286,14 @@ def bytes_plain(directory: Where, meta: DcpMetadata) -> list[Finding]:
     ]
 
 
+def megatron_common(directory: Where, meta: DcpMetadata) -> list[Finding]:
+    """CK252: a Megatron-core save has its common.pt (rank 0 writes it; Megatron's load reads it first)."""
+    if meta.megatron is None or meta.megatron.common is not None:
+        return []
+    hint = "restore common.pt from the save: it holds the state that is no sharded tensor (iteration, scheduler)"
+    return [finding("CK252", "$", f"{COMMON_NAME} is missing (Megatron's common state)", hint, file=COMMON_NAME)]
+
+
 CHECKS: list[Check] = [
     chunk_coverage,
     storage_items,
@@ -286,4 +302,5 @@ CHECKS: list[Check] = [
     item_records,
     bytes_records,
     bytes_plain,
+    megatron_common,
 ]

@@ -3,7 +3,9 @@ and those that hold other values (tensors by digest, ``digest``; bytes items by 
 
 Both are checked first (the CLI reports errors as ``validate`` does). Each change is the row the DeepSpeed diff
 writes (``kind``, ``path``: the entry's place in B's ``.metadata``, A's for what B lacks; ``a``, ``b``; ``name``;
-``role``: ``tensor`` or ``bytes``), with one more kind: ``values``. Standard library only.
+``role``: ``tensor`` or ``bytes``), with one more kind: ``values``. Two Megatron-core torch_dist saves also have their
+common states compared key by key (``role`` ``common``, ``path`` ``$.common[key]``; a value as ``megatron.describe``
+gives it: a tensor in common.pt by dtype and shape, not its values). Standard library only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from .checks import Where, bytes_values
 from .digest import tensor_digest
+from .megatron import describe
 from .metadata import DcpMetadata, TensorEntry
 
 
@@ -55,4 +58,20 @@ def diff_dcp(a: Where, meta_a: DcpMetadata, b: Where, meta_b: DcpMetadata) -> li
     for fqn, ea in meta_a.entries.items():
         if fqn not in meta_b.entries:
             out.append(_change("removed", _where(fqn), _role(ea), None, fqn, _role(ea)))
+    return out + _common_changes(meta_a, meta_b)
+
+
+def _common_changes(meta_a: DcpMetadata, meta_b: DcpMetadata) -> list[dict[str, Any]]:
+    """Two Megatron saves' common states (common.pt), key by key: added, removed, values (B's order, then A's)."""
+    if meta_a.megatron is None or meta_b.megatron is None:
+        return []
+    ca, cb = describe(meta_a.megatron.common or {}), describe(meta_b.megatron.common or {})
+    out = []
+    for key, vb in cb.items():
+        where = f"$.common[{key!r}]"
+        if key not in ca:
+            out.append(_change("added", where, None, vb, key, "common"))
+        elif ca[key] != vb:
+            out.append(_change("values", where, ca[key], vb, key, "common"))
+    out += [_change("removed", f"$.common[{k!r}]", va, None, k, "common") for k, va in ca.items() if k not in cb]
     return out

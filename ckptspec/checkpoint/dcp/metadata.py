@@ -16,6 +16,7 @@ import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...errors import FileUnreadable, PickleOverCap, TorchFileError, UnsafePickleError
 from ...location import AnyPath, RemotePath, location, open_binary
@@ -23,6 +24,9 @@ from ..pickle_scan import scan_pickle
 from ..torchfile import pickle_cap
 from . import standins
 from .standins import ALLOWED, Record
+
+if TYPE_CHECKING:
+    from .megatron import MegatronParts
 
 METADATA_NAME = ".metadata"
 
@@ -72,6 +76,7 @@ class DcpMetadata:
     items: tuple[Item, ...]
     version: str | None
     size: int  # of .metadata, in bytes
+    megatron: MegatronParts | None = None  # a Megatron-core torch_dist save's metadata.json and common.pt
 
     @property
     def files(self) -> list[str]:
@@ -195,6 +200,15 @@ def _item(key, info) -> Item:
     return Item(fqn, offset, index, file, start, length)
 
 
+def _plans(value) -> None:
+    """Megatron-core's ``all_local_plans`` (torch_dist: each rank's ``SavePlan``, kept to reuse at the next save):
+    a list of plans or absent. Not used: the storage items say where every byte is."""
+    if value is None:
+        return
+    if type(value) is not list or not all(type(p) is standins.SavePlan for p in value):
+        raise ValueError(f"all_local_plans is {type(value).__name__}, not a list of SavePlan")
+
+
 def convert(root, size: int) -> DcpMetadata:
     """The stand-ins of an unpickled ``.metadata`` as checked records; ``ValueError`` names what is wrong."""
     state = _state(root, standins.Metadata, ".metadata's root")
@@ -213,5 +227,6 @@ def convert(root, size: int) -> DcpMetadata:
     if type(storage) is not dict:
         raise ValueError(f"storage_data is {type(storage).__name__} (a DCP save's FileSystemWriter writes a dict)")
     items = tuple(_item(key, info) for key, info in storage.items())
+    _plans(state.get("all_local_plans"))
     version = state.get("version")
     return DcpMetadata(entries, items, version if type(version) is str else None, size)

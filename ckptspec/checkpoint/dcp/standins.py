@@ -1,11 +1,12 @@
 """The inert stand-ins the restricted reader of a DCP ``.metadata`` builds instead of torch's objects.
 
 ``torch.distributed.checkpoint`` pickles its ``Metadata`` (dataclasses built with NEWOBJ then BUILD, a
-``torch.Size`` per shape, dtypes as globals, the layout and memory format by name, the save's path as a
-``pathlib`` path). Each allowlisted global (``ALLOWED``) maps to a class or function here: a record class
-takes its state once, as a dict (or ``TensorProperties``' tuple); nothing here reads a
-file, imports a module or calls anything the pickle names. ``metadata.convert`` then reads these records
-field by field into plain, checked values: what a record holds is not trusted before that.
+``torch.Size`` per shape, dtypes as globals, the layout and memory format by name, the save's path as a ``pathlib``
+path; Megatron-core's ``torch_dist`` adds ``all_local_plans``, each rank's ``SavePlan``). Each allowlisted global
+(``ALLOWED``) maps to a class or function here: a record class takes its state once, as a dict (or
+``TensorProperties``' tuple); nothing here reads a file, imports a module or calls anything the pickle names.
+``metadata.convert`` then reads these records field by field into plain, checked values: what a record holds is not
+trusted before that.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, ClassVar
 from ...format.dtypes import ITEMSIZE
 
 _METADATA = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
 _MAX_NDIM = 64  # as the manifest schema and the .pt reader
 _INT64 = 2**63
 
@@ -65,6 +67,11 @@ TensorProperties = _record("TensorProperties")
 MetadataIndex = _record("MetadataIndex")
 StorageMeta = _record("StorageMeta")
 StorageInfo = _record("_StorageInfo", "torch.distributed.checkpoint.filesystem")
+# Megatron-core's cache of each rank's save plan (``Metadata.all_local_plans``): kept as built, never used.
+SavePlan = _record("SavePlan", _PLANNER)
+WriteItem = _record("WriteItem", _PLANNER)
+TensorWriteData = _record("TensorWriteData", _PLANNER)
+BytesIOWriteData = _record("BytesIOWriteData", _PLANNER)
 
 
 class DTypeName(str):
@@ -114,6 +121,16 @@ def memory_format(value):
     return Marker(_MEMORY_FORMATS[value])
 
 
+_WRITE_ITEM_TYPES = {1: "TENSOR", 2: "SHARD", 3: "BYTE_IO"}
+
+
+def write_item_type(value):
+    """``WriteItemType(value)``: the enum's member, by name."""
+    if type(value) is not int or value not in _WRITE_ITEM_TYPES:
+        raise ValueError(f"unknown WriteItemType {value!r:.80}")
+    return Marker(_WRITE_ITEM_TYPES[value])
+
+
 def path(*parts):
     """``pathlib.PosixPath(*parts)`` (the save's ``checkpoint_id``): the path as text, never touched."""
     if not parts or not all(type(p) is str and len(p) < 4096 for p in parts):
@@ -135,6 +152,8 @@ ALLOWED: dict[tuple[str, str], Any] = {
         )
     },  # fmt: skip
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
+    **{(_PLANNER, r.torch_name.rsplit(".", 1)[1]): r for r in (SavePlan, WriteItem, TensorWriteData, BytesIOWriteData)},
+    (_PLANNER, "WriteItemType"): write_item_type,
     ("torch", "Size"): size,
     ("torch.serialization", "_get_layout"): get_layout,
     (_METADATA, "_MEM_FORMAT_ENCODING"): memory_format,

@@ -123,3 +123,42 @@ def test_what_a_record_holds_is_checked_after_the_pickle_ran(tmp_path):
     data = metadata(entry)
     with pytest.raises(TorchFileError, match="w: chunk 1 is a int"):
         read_metadata(write(tmp_path, data[:-1] + late + b"."))
+
+
+PLANNER = "torch.distributed.checkpoint.planner"
+
+
+def with_plans(plans: bytes) -> bytes:
+    """A Metadata whose state also holds Megatron-core's ``all_local_plans``."""
+    state = mapping(
+        (text("state_dict_metadata"), mapping((text("w"), tensor(b"]" + chunk(0, 4) + b"a")))),
+        (text("storage_data"), mapping(item(0))),
+        (text("all_local_plans"), plans),
+    )
+    return b"\x80\x02" + record("Metadata", state) + b"."
+
+
+def plan(kind: int) -> bytes:
+    """A rank's ``SavePlan`` as Megatron-core's torch_dist pickles it: its write items, each typed by the enum."""
+    kind_ = glob(PLANNER, "WriteItemType") + b"(" + num(kind) + b"tR"
+    write_item = record("WriteItem", mapping((text("type"), kind_), (text("bytes_io_data"), b"N")), PLANNER)
+    return record("SavePlan", mapping((text("items"), b"]" + write_item + b"a"), (text("usable"), b"\x88")), PLANNER)
+
+
+def test_megatrons_save_plans_are_read_and_not_used(tmp_path):
+    meta = read_metadata(write(tmp_path, with_plans(b"](" + plan(1) + plan(3) + b"e")))
+    assert list(meta.entries) == ["w"] and len(meta.items) == 1
+
+
+@pytest.mark.parametrize(
+    ("plans", "message"),
+    [
+        (text("plans"), "all_local_plans is str, not a list of SavePlan"),
+        (b"]" + tensor(b"]" + chunk(0, 4) + b"a") + b"a", "all_local_plans is list, not a list of SavePlan"),
+        (b"]" + plan(9) + b"a", "unknown WriteItemType 9"),
+    ],
+)
+def test_what_megatron_never_writes_in_its_plans_is_refused(tmp_path, plans, message):
+    with pytest.raises(TorchFileError, match=message) as e:
+        read_metadata(write(tmp_path, with_plans(plans)))
+    assert e.value.code == "CK205"
