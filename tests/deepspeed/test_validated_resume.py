@@ -76,3 +76,60 @@ def test_fallback_resumes_from_the_older_tag_bit_for_bit(resumed, name):
             assert "resuming from global_step1" in warning and f"global_step2 ({CODE[fault]}:" in warning
         else:
             assert result["warned"] == []  # rank 0 says it, once
+
+
+class _Engine:
+    """What load_checkpoint asks of the engine, recorded (outside a distributed job: this process validates)."""
+
+    def __init__(self, universal=False):
+        self.calls, self.universal = [], universal
+
+    def load_universal_checkpoint(self):
+        return self.universal
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        self.calls.append((load_dir, tag, kwargs))
+        return f"{load_dir}/{tag}", {"ckptspec_manifest": "{}", "step": 7}
+
+
+@pytest.fixture
+def run(committed, tmp_path):
+    """global_step1 good, global_step2 without rank 1's optimizer file."""
+    import shutil
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        shutil.copytree(committed("s2-bf16-ws2") / "global_step2", run / f"global_step{step}")
+    (run / "global_step2" / OPTIM_1).unlink()
+    (run / "latest").write_text("global_step2")
+    return run
+
+
+def test_the_engine_is_asked_for_the_tag_chosen_by_name(run):
+    """One call of engine.load_checkpoint, with the tag chosen and the caller's own arguments; its client state
+    without the save hook's manifest; the skipped tag warned about."""
+    from ckptspec.deepspeed import load_checkpoint
+
+    engine = _Engine()
+    with pytest.warns(UserWarning, match=r"resuming from global_step1 of .*; skipped global_step2 \(CK206: "):
+        resumed = load_checkpoint(engine, run, load_optimizer_states=False)
+    assert engine.calls == [(str(run), "global_step1", {"load_optimizer_states": False})]
+    assert (resumed.load_path, resumed.tag) == (f"{run}/global_step1", "global_step1")
+    assert resumed.client_state == {"step": 7}
+    [skipped] = resumed.skipped
+    assert (skipped.tag, skipped.code) == ("global_step2", "CK206")
+    assert [f.file for f in skipped.findings] == [f"global_step2/{OPTIM_1}"]
+
+
+def test_refusals_ask_nothing_of_the_engine(run):
+    from ckptspec import NoValidTag, UnsupportedEngine
+    from ckptspec.deepspeed import load_checkpoint
+
+    engine = _Engine()
+    with pytest.raises(NoValidTag):
+        load_checkpoint(engine, run, fallback=False)
+    with pytest.raises(ValueError, match="is a URL: DeepSpeed's load_checkpoint reads local files"):
+        load_checkpoint(engine, "s3://bucket/run")
+    with pytest.raises(UnsupportedEngine, match="checkpoint.load_universal"):
+        load_checkpoint(_Engine(universal=True), run)
+    assert engine.calls == []

@@ -86,8 +86,6 @@ def load_checkpoint(
             "choose among",
             "validate the universal folder with `ckptspec validate`, then call engine.load_checkpoint",
         )
-    if "tag" in load_kwargs:
-        raise TypeError("load_checkpoint() got 'tag' twice")
     with no_forks():  # a training rank's process holds threads a fork would copy mid-work
         verdict, rank = _verdict(load_dir, tag, fallback, verify_hashes)
     skipped = tuple(_skipped(s) for s in verdict["skipped"])
