@@ -6,7 +6,7 @@ A task (``{"kind": "validated_resume", "args": {"spec", "load", "scenarios"}, "o
 a ``save_crash`` job (``load``: its complete tags ``first`` and ``second``, and ``masters.pt``, the fp32 masters
 the job held at each save) and the spec it ran (job/model.py). Each scenario (``{"name", "faults", "tag",
 "fallback"}``) is a run rank 0 builds in OUT/<name>/run: ``global_step1`` a copy of ``first``, ``global_step2`` of
-``second``, then ``faults`` (``{"global_step2": "truncate" | "remove"}``: rank 1's optimizer file cut to half its
+``second``, then ``faults`` (``{"global_step2": ["truncate" | "remove", FILE]}``: the tag's FILE cut to half its
 size, or removed). Every rank then builds a fresh engine of the spec, fills its frozen parameters and buffers with
 values no checkpoint holds (before_load.py), and calls ``load_checkpoint(engine, RUN, tag, fallback)``, with every
 file DeepSpeed reads recorded (``engine.checkpoint_engine.load``, through which DeepSpeed reads every states file).
@@ -41,7 +41,6 @@ from _harness.before_load import unlike_any_checkpoint
 from _harness.job.main import reset_deepspeed_globals
 from _harness.job.model import build_model, ds_config, live_fp32, normalize_spec, param_groups
 
-OPTIM_1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"  # rank 1's optimizer file (ZeRO 1/2, bf16)
 STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -89,8 +88,8 @@ def _build_run(load: Path, run: Path, faults: dict) -> None:
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(load / "first", run / "global_step1")
     shutil.copytree(load / "second", run / "global_step2")
-    for tag, fault in faults.items():
-        target = run / tag / OPTIM_1
+    for tag, (fault, name) in faults.items():
+        target = run / tag / name
         if fault == "truncate":
             target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
         elif fault == "remove":

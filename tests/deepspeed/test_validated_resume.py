@@ -1,11 +1,11 @@
-"""The validated resume, ``ckptspec.deepspeed.load_checkpoint``, in a real 2-rank DeepSpeed job (issue #43).
+"""The validated resume, ``ckptspec.deepspeed.load_checkpoint``, in real 2-rank DeepSpeed jobs (issue #43).
 
-The run is built from the ``save_crash`` job's two real tags (entry ``save-crash-second-None``, shared with
-export/test_run_scan.py): ``global_step1`` (``first``) and ``global_step2`` (``second``, one training step later),
-``latest`` naming ``global_step2``, which is then corrupted: rank 1's optimizer file cut to half (``truncate``) or
-removed (``remove``). One launch of ``_harness/resume_job.py`` runs every scenario, each on a fresh engine whose
-frozen parameters and buffers hold values no checkpoint holds, with every file DeepSpeed reads recorded.
-"""
+Each run is built from a ``save_crash`` job's two real tags (ZeRO-2 bf16: entry ``save-crash-second-None``, shared
+with export/test_run_scan.py; ZeRO-3 bf16: ``save-crash-second-None-s3``): ``global_step1`` (``first``) and
+``global_step2`` (``second``, one training step later), ``latest`` naming ``global_step2``, which is then damaged:
+rank 1's optimizer file cut to half (``truncate``), or rank 1's optimizer file (ZeRO-2) or model states (ZeRO-3)
+removed (``remove``). One launch of ``_harness/resume_job.py`` per stage runs every scenario, each on a fresh engine
+whose frozen parameters and buffers hold values no checkpoint holds, with every file DeepSpeed reads recorded."""
 
 from __future__ import annotations
 
@@ -13,11 +13,17 @@ import json
 
 import pytest
 
-SPEC = {"stage": 2, "dtype": "bf16", "tied": True, "frozen": True, "buffers": True}
 WORLD_SIZE = 2
-SAVE = "save-crash-second-None"
 OPTIM_1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-SCENARIOS = {  # name -> (faults, tag, fallback)
+RUNS = {  # ZeRO stage -> (the save_crash job's spec and entry, the file each fault damages in global_step2)
+    2: ({"stage": 2, "dtype": "bf16", "tied": True, "frozen": True, "buffers": True}, "save-crash-second-None"),
+    3: ({"stage": 3, "dtype": "bf16", "tied": True, "frozen": True, "buffers": True}, "save-crash-second-None-s3"),
+}
+FILES = {  # stage -> fault -> the rank-1 file it damages: its optimizer state, or at ZeRO-3 its model states
+    2: {"truncate": OPTIM_1, "remove": OPTIM_1},
+    3: {"truncate": OPTIM_1, "remove": "zero_pp_rank_1_mp_rank_00_model_states.pt"},
+}
+SCENARIOS = {  # name -> (faults: tag -> fault, tag, fallback)
     "truncate-strict": ({"global_step2": "truncate"}, None, False),
     "remove-strict": ({"global_step2": "remove"}, None, False),
     "truncate-fallback": ({"global_step2": "truncate"}, None, True),
@@ -29,22 +35,31 @@ RESUMED = ("truncate-fallback", "remove-fallback-tag")
 CODE = {"truncate": "CK208", "remove": "CK206"}  # the first finding of each fault: the size recorded, the file missing
 
 
-@pytest.fixture(scope="module")
-def resumed(ds) -> dict:
-    """scenario -> [rank 0's result, rank 1's] (resume_job.py's OUT/<name>.rank<R>.json)."""
-    task = {"kind": "save_crash", "args": {"spec": SPEC, "second_tag": "second", "kill_at": None}}
-    saved = ds.launched({SAVE: task}, WORLD_SIZE)[SAVE] / "save"
-    scenarios = [{"name": n, "faults": f, "tag": t, "fallback": b} for n, (f, t, b) in SCENARIOS.items()]
-    task = {"kind": "validated_resume", "args": {"spec": SPEC, "load": str(saved), "scenarios": scenarios}}
-    out = ds.launched({"validated-resume": task}, WORLD_SIZE)["validated-resume"] / "save"
-    return {n: [json.loads((out / f"{n}.rank{r}.json").read_text()) for r in range(WORLD_SIZE)] for n in SCENARIOS}
+@pytest.fixture(scope="module", params=sorted(RUNS), ids=lambda stage: f"s{stage}")
+def resumed(ds, request) -> tuple[int, dict]:
+    """(stage, scenario -> [rank 0's result, rank 1's]) (resume_job.py's OUT/<name>.rank<R>.json): one save_crash
+    launch and one validated_resume launch per stage."""
+    stage = request.param
+    spec, save = RUNS[stage]
+    task = {"kind": "save_crash", "args": {"spec": spec, "second_tag": "second", "kill_at": None}}
+    saved = ds.launched({save: task}, WORLD_SIZE)[save] / "save"
+    scenarios = [
+        {"name": n, "faults": {t: [f, FILES[stage][f]] for t, f in faults.items()}, "tag": tag, "fallback": fallback}
+        for n, (faults, tag, fallback) in SCENARIOS.items()
+    ]
+    task = {"kind": "validated_resume", "args": {"spec": spec, "load": str(saved), "scenarios": scenarios}}
+    name = f"validated-resume-s{stage}"
+    out = ds.launched({name: task}, WORLD_SIZE)[name] / "save"
+    results = {n: [json.loads((out / f"{n}.rank{r}.json").read_text()) for r in range(WORLD_SIZE)] for n in SCENARIOS}
+    return stage, results
 
 
 @pytest.mark.parametrize("name", REFUSED)
 def test_every_rank_refuses_before_deepspeed_reads_a_byte(resumed, name):
     """The same error and findings on both ranks; DeepSpeed read no file; masters, frozen parameters and buffers
     are still what the engine held before the call."""
-    rank0, rank1 = resumed[name]
+    stage, results = resumed
+    rank0, rank1 = results[name]
     assert rank0["error"] == rank1["error"] and rank0["error"] is not None
     error = rank0["error"]
     assert (error["class"], error["code"]) == ("NoValidTag", "CK260")
@@ -54,7 +69,8 @@ def test_every_rank_refuses_before_deepspeed_reads_a_byte(resumed, name):
     for tag, fault in faults.items():
         codes = {f["code"] for f in error["findings"] if f["file"].startswith(f"{tag}/")}
         assert CODE[fault] in codes and f"{tag}: " in error["message"]
-    assert any(f["file"] == f"global_step2/{OPTIM_1}" for f in error["findings"])
+    damaged = FILES[stage][faults["global_step2"]]
+    assert any(f["file"] == f"global_step2/{damaged}" for f in error["findings"])
     for rank in (rank0, rank1):
         assert rank["read"] == [] and rank["untouched"] and rank["tag"] is None
 
@@ -64,7 +80,7 @@ def test_fallback_resumes_from_the_older_tag_bit_for_bit(resumed, name):
     """global_step1 loaded on both ranks, DeepSpeed reading its files only; masters equal the saving job's at
     ``first`` and, with the Adam moments, what DeepSpeed's own load of the untouched tag gives, bit for bit."""
     fault = SCENARIOS[name][0]["global_step2"]
-    for rank, result in enumerate(resumed[name]):
+    for rank, result in enumerate(resumed[1][name]):
         assert result["error"] is None and result["tag"] == "global_step1"
         assert result["skipped"] == [["global_step2", CODE[fault]]]
         assert result["read"] and all(path.startswith("global_step1/") for path in result["read"])
