@@ -104,3 +104,29 @@ def test_universal_and_trainer_folders_are_not_tags_to_resume_from(committed, tm
     with pytest.raises(NoValidTag, match="only universal or Trainer folders"):
         choose(str(run), None, True, True)
     assert choose(str(run / "checkpoint-2"), None, True, True) == {"tag": "global_step2", "skipped": []}
+
+
+def test_the_newest_valid_tag_is_loaded_even_where_latest_lags(run):
+    """A save stopped between its files and ``latest``: its complete tag is newer than what ``latest`` names, and it
+    is the one loaded (``scan``'s newest valid tag), not the older one ``latest`` names."""
+    shutil.rmtree(run / "global_step3")
+    shutil.rmtree(run / "global_step2")
+    shutil.copytree(run / "global_step1", run / "global_step2")
+    (run / "latest").write_text("global_step1")
+    assert choose(str(run), None, False, True) == {"tag": "global_step2", "skipped": []}
+
+
+def test_each_tag_is_validated_once_and_none_after_the_first_valid(run, monkeypatch):
+    from ckptspec.deepspeed.load import choice
+
+    checked = []
+    check_tag = choice.check_tag
+
+    def counted(scan, verify_hashes=False):
+        checked.append(scan.name)
+        return check_tag(scan, verify_hashes)
+
+    monkeypatch.setattr(choice, "check_tag", counted)
+    shutil.copytree(run / "global_step1", run / "global_step0")  # older than the first valid tag: never checked
+    assert choose(str(run), None, True, True)["tag"] == "global_step1"
+    assert checked == ["global_step3", "global_step2", "global_step1"]
