@@ -196,6 +196,14 @@ class CheckpointInvalid(InvalidCheckpoint):
         )
 
 
+class NoValidTag(InvalidCheckpoint):
+    """CK260: no tag to resume from is valid (``deepspeed.load_checkpoint``); ``findings``: every tag's tried."""
+
+    def __init__(self, message: str, hint: str, run_dir: str, findings: list[Finding]):
+        super().__init__("CK260", message, hint, run_dir)
+        self.findings = findings
+
+
 class RecordMismatch(CheckpointInvalid):
     """The files no longer match the record a writer would replace or build on (``embed``,
     ``migrate --checkpoint``); ``findings`` lists how. Nothing was written (exit 1)."""

@@ -95,7 +95,7 @@ CODES: dict[str, str] = {
     "CK252": "dcp-file-missing",
     "CK253": "dcp-item-bounds",
     "CK254": "dcp-item-record",
-    # CK26x: a training run's tags (export/run_scan.py, `ckptspec scan`)
+    # CK26x: a training run's tags (deepspeed/check/run.py: `ckptspec scan`, the validated resume)
     "CK260": "no-valid-tag",
     "CK261": "latest-not-newest-valid",
     # CK3xx: embedded copies and migrations (checkpoint/embedded.py, deepspeed/embed.py, format/migrate.py)

@@ -47,13 +47,9 @@ def validate_checkpoint(
 ) -> list[Finding]:
     """The findings of validating a checkpoint of any kind against its document (``validate DIR``):
     the document's rules, then every file. Raises ``CkptspecError`` only when it cannot be checked at all."""
-    if described_by_index(checkpoint, manifest, tag):
-        from ..deepspeed.check.checkpoint_index import validate_index_checkpoint
+    from ..deepspeed.check import validate_checkpoint as validate_any
 
-        return validate_index_checkpoint(checkpoint, manifest, tag, verify_hashes=verify_hashes)[1]
-    from ..deepspeed.check.zero import validate_checkpoint as validate_zero
-
-    return validate_zero(checkpoint, manifest, tag, verify_hashes=verify_hashes)[1]
+    return validate_any(checkpoint, manifest, tag, verify_hashes=verify_hashes)
 
 
 def load_state_dict(

@@ -38,11 +38,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..deepspeed.load.verdict import on_rank_0
 from ..errors import CkptspecError
 from ..format.dtypes import ITEMSIZE
 from .arrays import ShardReader, check_digest
 from .dcp import DcpPlan, _state_dict
-from .dcp_source import box_segments, failed, planned, validated, whole
+from .dcp_source import box_segments, planned, validated, whole
 from .model_plan import TensorSource
 
 KeyMap = Callable[[str], "str | Sequence[str] | None"]
@@ -211,20 +212,11 @@ class DeepSpeedReader(StorageReader):
             self.validated_here = True
             return validated(checkpoint, self.manifest, self.tag)[1]
         group = self.process_group
-        if dist.get_rank(group) == 0:
-            self.validated_here = True
-            error: BaseException | None = None
-            try:
-                _, dcp_plan, verdict = validated(checkpoint, self.manifest, self.tag)
-            except Exception as exc:  # every rank must hear of it, whatever it is
-                error, verdict = exc, failed(exc)
-            dist.broadcast_object_list([verdict], src=_global_rank_0(group), group=group)
-            if error is not None:
-                raise error
-            return dcp_plan
-        received: list[Any] = [None]
-        dist.broadcast_object_list(received, src=_global_rank_0(group), group=group)
-        return planned(checkpoint, received[0])[1]
+        self.validated_here = dist.get_rank(group) == 0
+        dcp_plan, verdict = on_rank_0(
+            lambda: validated(checkpoint, self.manifest, self.tag)[1:], group, str(checkpoint)
+        )
+        return dcp_plan if dcp_plan is not None else planned(checkpoint, verdict)[1]
 
     def _build_metadata(self, dcp_plan: DcpPlan) -> Metadata:
         """DCP's metadata of the plan: every tensor one whole chunk, every param_groups value a bytes item,
@@ -261,7 +253,3 @@ class DeepSpeedReader(StorageReader):
         if names is None:
             return []
         return [names] if isinstance(names, str) else list(names)
-
-
-def _global_rank_0(group: Any) -> int:
-    return 0 if group is None else dist.get_global_rank(group, 0)

@@ -3,9 +3,9 @@ byte ranges of a box of a tensor.
 
 Validated once: one process (rank 0 of the loading job) opens the checkpoint as ``ckptspec.open`` does (every
 kind: the document's rules, every file, ``check_copies``) and makes the DCP plan (``plan_dcp``: CK402), and gives
-a *verdict*, plain data the others receive: the document it validated and the tag it read, or the error with its
-findings. Each other process plans the same checkpoint from that document (the files' metadata only, no
-validation again) or raises the same error, before any tensor is read.
+a *verdict*, plain data the others receive (``deepspeed/load/verdict.py``, the broadcast): the document it
+validated and the tag it read, or the error with its findings. Each other process plans the same checkpoint from
+that document (the files' metadata only, no validation again) or raises the same error, before any tensor is read.
 
 A box (``storage_offsets``, ``lengths`` of a DCP read item) of a whole row-major tensor is a set of runs of its
 flat elements; each run is located in the tensor's segments (``model_plan.RunSegments``: a run that a ZeRO
@@ -20,11 +20,9 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .. import errors
 from ..deepspeed.kinds import Kind, kind_of_index
 from ..deepspeed.layout.tag_dir import resolve_tag_dir
-from ..errors import CkptspecError
-from ..findings import Finding
+from ..deepspeed.load.verdict import raised
 from ..location import is_remote, location
 from .checkpoint import Checkpoint, open_checkpoint
 from .dcp import DcpPlan, plan_dcp
@@ -43,20 +41,11 @@ def validated(checkpoint: str | os.PathLike, manifest: Any = None, tag: str | No
     return opened, dcp_plan, {"document": opened.document.to_dict(), "tag": pinned}
 
 
-def failed(exc: BaseException) -> dict[str, Any]:
-    """The verdict of a checkpoint that could not be opened: the error, as data every rank raises again."""
-    if not isinstance(exc, CkptspecError):
-        return {"error": {"class": None, "message": f"{type(exc).__name__}: {exc}"}}
-    found = [f.to_dict() for f in getattr(exc, "findings", None) or []]
-    error = {"class": type(exc).__name__, "code": exc.code, "message": exc.message, "hint": exc.hint, "file": exc.file}
-    return {"error": {**error, "findings": found}}
-
-
 def planned(checkpoint: str | os.PathLike, verdict: dict[str, Any]) -> tuple[Checkpoint, DcpPlan]:
     """The checkpoint another process validated (``verdict``), planned here from the document it validated;
     its error raised again when it failed."""
     if "error" in verdict:
-        raise _error(verdict["error"], os.fspath(checkpoint))
+        raise raised(verdict["error"], os.fspath(checkpoint))
     from ..format.documents import validate
     from ..format.index_models import CheckpointIndex
 
@@ -76,18 +65,6 @@ def planned(checkpoint: str | os.PathLike, verdict: dict[str, Any]) -> tuple[Che
         opened = Checkpoint(os.fspath(checkpoint), Kind.ZERO, document, zero, [])
     opened._copies_checked = True  # by the process that validated it
     return opened, plan_dcp(opened)
-
-
-def _error(error: dict[str, Any], checkpoint: str) -> BaseException:
-    """The error another process raised, of its class (a ckptspec error: its code, message, findings)."""
-    cls = getattr(errors, error["class"] or "", None)
-    if not (isinstance(cls, type) and issubclass(cls, CkptspecError)):
-        return RuntimeError(f"the process that validated {checkpoint} failed: {error['message']}")
-    exc = cls.__new__(cls)  # the classes' own constructors differ; every one is a CkptspecError underneath
-    CkptspecError.__init__(exc, error["code"], error["message"], error["hint"], error["file"])
-    if error["findings"]:
-        exc.findings = [Finding(**f) for f in error["findings"]]  # type: ignore[attr-defined]
-    return exc
 
 
 def element_runs(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> Iterator[tuple[int, int]]:

@@ -31,6 +31,7 @@ from .launch import (
     OPTIM_MAIN,
     OPTIM_UNIVERSAL_MAIN,
     RESHARD_MAIN,
+    RESUME_MAIN,
     HarnessError,
     job_env,
     run_launches,
@@ -41,6 +42,8 @@ RECORDER = Path(record_imports.__file__)  # wraps the launches of tasks that run
 RECORD_SITE = Path(__file__).resolve().parent / "record_site"  # the same in every process of an example
 
 KINDS = ("train", "resume", "parallel", "fsdp2", "reshard", "optim", "optim_universal", "dcp_save")
+# The kinds ``launched`` runs with a script of their own (job/main.py's otherwise), keyed with it and what it imports
+LAUNCHED_SCRIPTS = {"validated_resume": (RESUME_MAIN, BEFORE_LOAD)}
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
 
 
@@ -302,7 +305,8 @@ def read_json(name: str, filename: str) -> dict:
 
 def launched(tasks: dict[str, dict], world_size: int, failed_ok=None) -> dict[str, Path]:
     """The entries of job tasks run outside the registry (name -> ``{"kind", "args"}`` of
-    job/main.py), each in a launch of its own at ``world_size``; the missing ones built in one go,
+    job/main.py, or of a script of its own: ``LAUNCHED_SCRIPTS``), each in a launch of its own at ``world_size``;
+    the missing ones built in one go,
     two at a time, forked from one process that imported torch and DeepSpeed once.
 
     Keyed as the registered tasks that run ckptspec: the task, the job code, the versions, and the
@@ -327,7 +331,8 @@ def launched(tasks: dict[str, dict], world_size: int, failed_ok=None) -> dict[st
                     (stage / "out").mkdir()
                     (stage / "imports").mkdir()
                     job = [{**tasks[name], "out": str(stage / "out" / "save")}]
-                    launch = task_launch(job, world_size, stage)
+                    script = LAUNCHED_SCRIPTS.get(tasks[name]["kind"], (JOB_MAIN,))[0]
+                    launch = task_launch(job, world_size, stage, script)
                     args = [str(stage / "imports"), str(launch.script), *launch.args]
                     launches.append(replace(launch, script=RECORDER, args=args))
                 for (name, stage), outcome in zip(stages.items(), run_launches(launches)):
@@ -353,6 +358,8 @@ def _launched_key(task: dict, world_size: int) -> str:
         "job": cache.tree_digest(*cache.JOB_SOURCES),
         "ckptspec": cache.key({"recorder": RECORDER.read_text()}),  # the modules: the entry's suffix
     }
+    if task["kind"] in LAUNCHED_SCRIPTS:  # its own script (the other kinds' keys stay as they were)
+        identity["script"] = cache.key({p.name: p.read_text() for p in LAUNCHED_SCRIPTS[task["kind"]]})
     return cache.key(identity)
 
 

@@ -257,7 +257,8 @@ def test_the_checkpoint_may_be_given_as_dcp_checkpoint_id(ds, tmp_path):
 def test_every_rank_raises_the_error_of_the_rank_that_validated(error):
     """The verdict another rank receives (plain data) raises the validating rank's error: class, code, findings."""
     from ckptspec import errors
-    from ckptspec.export.dcp_source import failed, planned
+    from ckptspec.deepspeed.load.verdict import failed
+    from ckptspec.export.dcp_source import planned
     from ckptspec.findings import finding
 
     found = [finding("CK205", "$.files[2]", "zip directory unreadable", "restore it", file="f.pt", rank=1)]
