@@ -6,8 +6,8 @@ from how FSDP saved them:
   parameter, one saved whole by one rank a buffer;
 * a parameter the param groups do not name is frozen, unless it is a trained parameter under a second name (a tie:
   ``state_dict`` saves the one parameter under both names, DCP writes each apart): saved in the same chunks with the
-  same dtype and bytes as a trained parameter (compared by sha256, each tensor read once, only where the chunks and
-  dtype match).
+  same dtype and bytes as a trained parameter (compared where the chunks and dtype match: their first 64 KiB, then,
+  where those are equal, the sha256 of the whole; each tensor read at most once each way).
 
 A save of one rank holds every entry whole: its frozen parameters are not told from buffers (listed as buffers and
 as ``unsure``: a ZeRO-3 target, which keeps them apart, is refused; a tie is still found by its bytes).
@@ -23,6 +23,7 @@ from ..checkpoint.dcp.metadata import TensorEntry
 from .model_plan import Segment, TensorSource
 
 CHUNK = 16 * 1024 * 1024  # bytes hashed per read
+HEAD = 64 * 1024  # compared before a whole tensor is hashed: a frozen layer shaped as a trained one differs early
 
 
 @dataclass
@@ -39,19 +40,21 @@ def _sharded(entry: TensorEntry) -> bool:
     return not whole
 
 
-def _digest(segments: list[Segment]) -> str:
-    h = hashlib.sha256()
+def _digest(segments: list[Segment], limit: int | None = None) -> str:
+    """The sha256 of the segments' bytes (their first ``limit`` bytes)."""
+    h, budget = hashlib.sha256(), limit
     for seg in segments:
         assert isinstance(seg.path, Path)  # a DCP directory is local
         with open(seg.path, "rb") as fh:
             fh.seek(seg.offset)
-            left = seg.nbytes
+            left = seg.nbytes if budget is None else min(seg.nbytes, budget)
             while left:
                 data = fh.read(min(left, CHUNK))
                 if not data:
                     break
                 h.update(data)
                 left -= len(data)
+                budget = None if budget is None else budget - len(data)
     return h.hexdigest()
 
 
@@ -61,17 +64,20 @@ def model_roles(
     """``entries``: every model tensor's DCP entry, by name; ``trained``: the trained parameters' masters;
     ``located``: every other model tensor's bytes."""
     roles = ModelRoles()
-    digests: dict[str, str] = {}
+    digests: dict[tuple[str, int | None], str] = {}
 
-    def digest(source: TensorSource) -> str:
-        if source.name not in digests:
-            digests[source.name] = _digest(list(source.segments))
-        return digests[source.name]
+    def digest(source: TensorSource, limit: int | None = None) -> str:
+        if (source.name, limit) not in digests:
+            digests[(source.name, limit)] = _digest(list(source.segments), limit)
+        return digests[(source.name, limit)]
+
+    def same_bytes(a: TensorSource, b: TensorSource) -> bool:
+        return digest(a, HEAD) == digest(b, HEAD) and digest(a) == digest(b)
 
     for name, source in located.items():
         chunks = entries[name].chunks
         same = [t for t in trained.values() if entries[t.name].chunks == chunks and t.dtype == source.dtype]
-        owner = next((t.name for t in same if digest(t) == digest(source)), None)
+        owner = next((t.name for t in same if same_bytes(t, source)), None)
         if owner is not None:
             roles.aliases[name] = owner
         elif _sharded(entries[name]):

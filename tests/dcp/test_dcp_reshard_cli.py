@@ -208,3 +208,32 @@ def test_a_single_process_save_is_written(tmp_path):
     result = _run("reshard", tmp_path / "dcp", tmp_path / "out", "--world-size", "3", "--stage", "1")
     assert result.exit_code == 0, result.output
     assert "global_step1 resharded from 1 to 3 ranks (ZeRO stage 1)" in result.output
+
+
+def test_a_tie_is_told_from_a_frozen_parameter_of_the_same_shape(tmp_path):
+    """torch's own single-process save of a model whose ``b.weight`` is ``a.weight`` (a tie) and whose ``c`` is a
+    frozen Linear of the same shape: only the tie, whose bytes are its owner's, is written as an alias."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckptspec.deepspeed.check.zero import validate_checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({k: torch.nn.Linear(4, 4, bias=False) for k in "abc"})
+    model["b"].weight = model["a"].weight
+    model["c"].requires_grad_(False)
+    optimizer = torch.optim.AdamW([model["a"].weight])
+    (model["a"](torch.ones(2, 4)) + model["c"](torch.ones(2, 4))).sum().backward()
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    result = _run("reshard", tmp_path / "dcp", tmp_path / "out", "--world-size", "2", "--stage", "2")
+    assert result.exit_code == 0, result.output
+    manifest, _ = validate_checkpoint(tmp_path / "out")
+    assert [(a.name, a.owner) for a in manifest.aliases] == [("b.weight", "a.weight")]
+    assert [b.name for b in manifest.buffers] == ["c.weight"]  # one rank: frozen and buffers alike (see above)
