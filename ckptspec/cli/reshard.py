@@ -64,6 +64,19 @@ from ._common import OUTPUT_DIR, echo_split, writing_deepspeed_files
     help="With --tensor-parallel T of a data-parallel checkpoint: the target job's ds_config (JSON), whose "
     "tensor_parallel.partition_config.layer_specs say how AutoTP splits each layer.",
 )
+@click.option(
+    "--to",
+    "to",
+    default=None,
+    metavar="FRAMEWORK",
+    help="The framework written: deepspeed (the only one, and the default; a DCP checkpoint's target).",
+)
+@click.option(
+    "--model-dtype",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default=None,
+    help="A DCP checkpoint's target job's model dtype (default fp32; its masters are fp32 either way).",
+)
 @click.option("--tag", default=None, help="Tag directory to read (default: the one named by 'latest').")
 @click.option(
     "--manifest",
@@ -82,6 +95,8 @@ def reshard(
     expert_parallel: int | None,
     partition_method: str | None,
     ds_config,
+    to,
+    model_dtype,
     tag,
     manifest,
 ) -> None:
@@ -98,10 +113,11 @@ def reshard(
     without tensor parallelism on --world-size ranks, another degree splits it by its own AutoTP rules;
     --pipeline-parallel N (ZeRO-1 pipelines, tensor degree 1) gives the layers to N stages by
     --partition-method and rebuilds each stage's ZeRO groups; --expert-parallel N regroups a MoE
-    checkpoint's experts over N expert-parallel ranks. Never executes pickled code; needs torch only to
-    write the pickles, not DeepSpeed. Under torchrun (any number of processes and nodes; OUTPUT on a file system
-    they all mount) the ranks share the work: each writes every N-th file, reading only what its files need,
-    and the output is the same, byte for byte.
+    checkpoint's experts over N expert-parallel ranks. A torch DCP directory (an FSDP checkpoint) is written as the
+    ZeRO-1/2/3 checkpoint (--stage required) of a DeepSpeed job of --model-dtype. Never executes pickled code; needs
+    torch only to write the pickles, not DeepSpeed. Under torchrun (any number of processes and nodes; OUTPUT on a
+    file system they all mount) the ranks share the work: each writes every N-th file, reading only what its files
+    need, and the output is the same, byte for byte.
     """
     from ..export.api import reshard as run
 
@@ -119,6 +135,8 @@ def reshard(
             ds_config=_json_object(ds_config),
             tag=tag,
             manifest=manifest,
+            to=to,
+            model_dtype=_DTYPES.get(model_dtype, model_dtype),
         )
         shares = share.report()
     if not share.first:
@@ -128,6 +146,9 @@ def reshard(
         f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with engine.load_checkpoint('{output}')"
     )
     echo_split(shares)
+
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _json_object(file) -> dict | None:

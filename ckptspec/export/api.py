@@ -144,6 +144,8 @@ def reshard(
     ds_config: dict | None = None,
     manifest: Any = None,
     tag: str | None = None,
+    to: str | None = None,
+    model_dtype: str | None = None,
 ) -> Any:
     """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) as a DeepSpeed
     checkpoint ``output`` that ``engine.load_checkpoint`` resumes (docs/reshard.md). A tensor/pipeline-parallel
@@ -153,16 +155,26 @@ def reshard(
     a MoE checkpoint's experts are regrouped over ``expert_parallel`` expert-parallel ranks. A data-parallel
     checkpoint is split for an AutoTP job of ``tensor_parallel`` ranks by its ``ds_config`` (the target job's:
     ``tensor_parallel.partition_config.layer_specs``).
-    A torch DCP directory (an FSDP checkpoint, ``.metadata``) is written as a ZeRO-1/2 checkpoint of an fp32 job
-    (``reshard_dcp``).
+    A torch DCP directory (an FSDP checkpoint, ``.metadata``) is written as a ZeRO-1/2/3 checkpoint of an fp32 job
+    (``reshard_dcp``), for a job of ``model_dtype`` ("float32", the default, or "bfloat16"; fp32 masters either way).
+    ``to``: the framework written, DeepSpeed (the only one, and the default).
     CK403 for a kind it does not reshard yet, CK410 for a target it cannot write; nothing written then."""
     from ..checkpoint.dcp.metadata import is_dcp
 
+    _refuse_framework(checkpoint, to)
     if is_dcp(checkpoint):
         others: dict[str, Any] = {"--tensor-parallel": tensor_parallel, "--pipeline-parallel": pipeline_parallel}
         others.update({"--expert-parallel": expert_parallel, "--partition-method": partition_method})
-        others.update({"--sub-group-size": sub_group_size, "--tag": tag, "--manifest": manifest})
-        return _reshard_dcp(checkpoint, output, world_size, zero_stage, {**others, "--ds-config": ds_config})
+        others.update({"--tag": tag, "--manifest": manifest, "--ds-config": ds_config})
+        return _reshard_dcp(checkpoint, output, world_size, zero_stage, sub_group_size, model_dtype, others)
+    if model_dtype is not None:  # a ZeRO checkpoint's target keeps its dtypes
+        from ..errors import ReshardUnsupported
+
+        raise ReshardUnsupported(
+            "--model-dtype: for a DCP checkpoint only (a DeepSpeed checkpoint keeps its dtypes)",
+            "leave it out",
+            os.fspath(checkpoint),
+        )
     require("reshard", checkpoint, manifest, tag)
     degrees = {
         "tensor_parallel": tensor_parallel,
@@ -265,7 +277,19 @@ def load_consolidated(output_dir: str | os.PathLike, framework: str = "torch") -
     return state
 
 
-def _reshard_dcp(checkpoint, output, world_size: int, zero_stage, given: dict) -> Any:
+def _refuse_framework(checkpoint, to: str | None) -> None:
+    """``--to``: reshard writes DeepSpeed checkpoints only; CK410 naming any other framework."""
+    if to is not None and to != "deepspeed":
+        from ..errors import ReshardUnsupported
+
+        raise ReshardUnsupported(
+            f"--to {to}: reshard writes DeepSpeed checkpoints only (--to deepspeed)",
+            "leave --to out, or give --to deepspeed",
+            os.fspath(checkpoint),
+        )
+
+
+def _reshard_dcp(checkpoint, output, world_size: int, zero_stage, sub_group_size, model_dtype, given: dict) -> Any:
     """An FSDP checkpoint (torch DCP) as a DeepSpeed ZeRO checkpoint; CK410 naming an option it does not take."""
     from ..errors import ReshardUnsupported
     from .reshard_dcp import reshard_dcp
@@ -275,4 +299,4 @@ def _reshard_dcp(checkpoint, output, world_size: int, zero_stage, given: dict) -
         raise ReshardUnsupported(
             f"{', '.join(named)}: not for a DCP checkpoint (.metadata)", "leave them out", os.fspath(checkpoint)
         )
-    return reshard_dcp(checkpoint, output, world_size, zero_stage)
+    return reshard_dcp(checkpoint, output, world_size, zero_stage, sub_group_size, model_dtype or "float32")

@@ -1,28 +1,29 @@
-"""``ckptspec reshard DCP_DIR OUT --world-size N --stage 1|2``: an FSDP checkpoint (torch DCP) as a DeepSpeed ZeRO one.
+"""``ckptspec reshard DCP_DIR OUT --to deepspeed --world-size N --stage 1|2|3 [--model-dtype bf16]``: an FSDP
+checkpoint (torch DCP) as a DeepSpeed ZeRO one.
 
 A DCP directory saved the way FSDP2 users save (``dcp.save({"model": ..., "optim": ...})`` from ``get_state_dict``)
 holds every tensor whole-model addressed: ``model.<name>``, ``optim.state.<param>.<state>`` and each param group's
 hyperparameters and parameter names as bytes items (``optim.param_groups.<g>.<key>``). Read here as the whole-model
-plan the ZeRO writer takes (``reshard_files.write_files``), nothing unpickled unsafely (the bytes items through the
-restricted reader, plain values only: ``values.plain_value``):
+plan the ZeRO writers take (``reshard_files.write_files``, ``reshard_stage3.write_stage3_files``), nothing unpickled
+unsafely (the bytes items through the restricted reader, plain values only: ``values.plain_value``):
 
 * the fp32 masters are the parameters the param groups name, whose chunks' bytes (``runs``) are their segments;
   ``exp_avg`` and ``exp_avg_sq`` are located the same way; each group's ``step`` (one per group in DeepSpeed: every
   parameter of a group must hold the same) and hyperparameters are the group's;
-* every other model tensor (buffers, frozen parameters, a tie's second name: DCP does not say which) is written
-  under its name in the module, with its own saved bytes, and listed in ``buffer_names``;
-* the model states are what a DeepSpeed fp32 job of the target stage saves (``global_steps`` the step; no LR
-  scheduler, no ``global_samples``: DeepSpeed derives it), the loss scaler static at 1, no ``clip_grad`` (the
-  target job's ``gradient_clipping`` applies, as DeepSpeed's loader does for a missing one).
+* every other model tensor is a frozen parameter, a tie's second name or a buffer (``dcp_roles``), written as a
+  DeepSpeed job of the model saves it (stage 3: frozen parameters as rank fragments, parameters as placeholders);
+* the model states are what a DeepSpeed job of the target stage and model dtype saves (``dcp_target``:
+  ``global_steps`` the step; no LR scheduler, no ``global_samples``: DeepSpeed derives it), the loss scaler static
+  at 1, no ``clip_grad`` (the target job's ``gradient_clipping`` applies, as DeepSpeed's loader does for a missing
+  one). A bf16 job's weights and frozen parameters are the fp32 values cast to bf16 (its masters stay fp32).
 
-Refused by name (CK410) before anything is written: another target stage, a target job in bf16/fp16, masters or
-moments not fp32, a state besides ``exp_avg``/``exp_avg_sq``/``step`` (amsgrad's ``max_exp_avg_sq``...), a
-parameter without state, steps that differ inside a group, a model entry saved as bytes (``extra_state``).
+Refused by name (CK410) before anything is written: stage 0, an fp16 target job, masters or moments not fp32, a
+state besides ``exp_avg``/``exp_avg_sq``/``step`` (amsgrad's ``max_exp_avg_sq``...), a parameter without state,
+steps that differ inside a group, a model entry saved as bytes (``extra_state``).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import struct
@@ -30,34 +31,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._version import __version__
 from ..checkpoint.dcp.checks import Where, check_dcp
 from ..checkpoint.dcp.metadata import BytesEntry, DcpMetadata, TensorEntry
 from ..checkpoint.dcp.records import read_record, read_value_pickle
 from ..checkpoint.dcp.values import plain_value
-from ..checkpoint.standins import LossScalerState
 from ..checkpoint.states import StateCache
 from ..errors import CheckpointInvalid, ReshardUnsupported, UnsafePickleError
 from ..findings import has_errors
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Manifest
-from ..format.partition import ParamSpec, flat_group
 from ..location import RemotePath, location, open_binary, refuse_write
-from .arrays import _np
 from .dcp_input import MODEL_PREFIX, Items, items_of, located
+from .dcp_roles import model_roles
+from .dcp_target import MODEL_DTYPES, MODEL_FILE, MOMENTS, dcp_manifest, dcp_optimizer, model_states_template
 from .model_plan import ModelPlan, TensorSource
 from .optimizer_state import OptimizerStatePlan
 from .output_dir import build_and_publish, held_new_output
 from .reshard import ReshardResult, embed_and_validate
-from .reshard_files import STAGE12_KEYS, ModelChanges, write_files
+from .reshard_files import ModelChanges, write_files
 from .reshard_layout import target_layout
 from .reshard_source import SourceOptimizer
+from .reshard_stage3 import write_stage3_files
 
 STATE_PREFIX, GROUPS_PREFIX = "optim.state.", "optim.param_groups."
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element states, as DeepSpeed keeps them per group
-STAGES = (1, 2)  # the targets written from a DCP checkpoint
-DS_VERSION = "0.19.8"  # the DeepSpeed release whose files the writers reproduce (its loader needs a ds_version)
-MODEL_FILE = "mp_rank_00_model_states.pt"
+STAGES = (1, 2, 3)  # the targets written from a DCP checkpoint
 _SCALARS = {"float32": "<f", "float64": "<d", "int64": "<q"}  # a step's dtypes
 
 
@@ -67,6 +64,7 @@ class DcpSource:
 
     found: Manifest  # the target's whole-model manifest (one flat group per param group, in its order)
     plan: ModelPlan
+    module: dict[str, TensorSource]  # every model tensor whole, a tie's second name with its owner's bytes
     state_plan: OptimizerStatePlan
     optimizer: SourceOptimizer
     states: StateCache  # gives the model states DeepSpeed would have saved, made here
@@ -144,7 +142,7 @@ def _step(directory: Where, items: Items, fqn: str, entry) -> float:
         return float(struct.unpack(_SCALARS[entry.dtype], fh.read(ITEMSIZE[entry.dtype]))[0])
 
 
-def read_dcp_source(directory: Where, meta: DcpMetadata, zero_stage: int) -> DcpSource:
+def read_dcp_source(directory: Where, meta: DcpMetadata, zero_stage: int, model_dtype: str = "float32") -> DcpSource:
     """The DCP checkpoint in ``directory`` as the ZeRO writer's source for a ``zero_stage`` target; CK410 naming
     what the target cannot hold, before anything is written."""
     model = {fqn.removeprefix(MODEL_PREFIX): e for fqn, e in meta.entries.items() if fqn.startswith(MODEL_PREFIX)}
@@ -189,158 +187,103 @@ def read_dcp_source(directory: Where, meta: DcpMetadata, zero_stage: int) -> Dcp
         if len(group_steps) != 1:
             raise _refuse(f"param group {g}: its parameters' steps differ ({sorted(group_steps)})", "", directory)
         steps.append(group_steps.pop())
-    for name, entry in model.items():
-        if name not in sources:
-            assert isinstance(entry, TensorEntry)
-            sources[name] = TensorSource(
-                name, entry.size, entry.dtype, located(directory, items, MODEL_PREFIX + name, entry), "buffer"
-            )
-    found = _manifest(groups, sources, steps, zero_stage)
-    plan = ModelPlan(directory, sources, {}, list(sources))
+    others = {
+        name: TensorSource(name, e.size, e.dtype, located(directory, items, MODEL_PREFIX + name, e), "buffer")
+        for name, e in model.items()
+        if name not in sources and isinstance(e, TensorEntry)
+    }
+    roles = model_roles({n: e for n, e in model.items() if isinstance(e, TensorEntry)}, dict(sources), others)
+    if zero_stage == 3 and roles.unsure:
+        raise _refuse(
+            f"{', '.join(roles.unsure)}: saved whole by one rank, as FSDP saves a buffer or (on one rank) a frozen "
+            "parameter; a ZeRO-3 target keeps them apart",
+            "reshard to --stage 1 or 2 (their module holds both alike), or from a save of two ranks or more",
+            directory,
+        )
+    for name in roles.frozen:
+        old = others[name]
+        others[name] = TensorSource(name, old.shape, old.dtype, old.segments, "frozen")
+    # a tie's second name is its owner's parameter (cast and placed as its owner)
+    module = {name: others.get(name) or sources[name] for name in model}
+    module.update((alias, sources[owner]) for alias, owner in roles.aliases.items())
+    sources.update((name, s) for name, s in others.items() if name not in roles.aliases)
+    found = dcp_manifest(groups, sources, roles, steps, zero_stage, model_dtype)
+    plan = ModelPlan(directory, sources, roles.aliases, list(model))
     optimizer = json.dumps(found.optimizer.model_dump(mode="json", by_alias=True, exclude_unset=True))
     state_plan = OptimizerStatePlan(state_sources, state_names, {"ckptspec.optimizer": optimizer})
     step = int(steps[0])
-    template = _model_states(sources, step, zero_stage)
+    template = model_states_template(list(model), roles, step, zero_stage, model_dtype)
     return DcpSource(
         found,
         plan,
+        module,
         state_plan,
-        _optimizer(groups, steps, zero_stage, directory),
+        dcp_optimizer(groups, steps, zero_stage, model_dtype, directory),
         _MadeStates(directory / MODEL_FILE, template),
         step,
         len(meta.files),
     )
 
 
-def _manifest(groups: list[dict], sources: dict[str, TensorSource], steps: list[float], stage: int) -> Manifest:
-    """The whole model as one rank of an fp32 ZeRO ``stage`` job: what ``target_layout`` lays out for the target."""
-    flat = [
-        flat_group(
-            [ParamSpec(n, tuple(sources[n].shape), "float32") for n in group["params"]],
-            optimizer_group=g,
-            partition_count=1,
-            zero_stage=stage,
-        )
-        for g, group in enumerate(groups)
-    ]
-    extras = [s for s in sources.values() if s.role == "buffer"]
-    # the manifest's values are plain and never null (as a DeepSpeed checkpoint's manifest leaves foreach: None out)
-    hyper = [
-        {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params" and v is not None}
-        for group in groups
-    ]
-    return Manifest.model_validate(
-        {
-            "format": "ckptspec.manifest",
-            "format_version": "1.1.0",
-            "producer": {
-                "tool": "ckptspec",
-                "tool_version": __version__,
-                "framework": "deepspeed",
-                "framework_version": DS_VERSION,
-            },
-            "layout": {
-                "zero_stage": stage,
-                "world_size": 1,
-                "tensor_parallel_size": 1,
-                "pipeline_parallel_size": 1,
-                "model_dtype": "float32",
-                "master_dtype": "float32",
-                "round_robin": False,
-                "parameter_alignment": False,
-                "tail_padding_saved": False,
-            },
-            "groups": [g.model_dump(mode="json", exclude_unset=True) for g in flat],
-            "frozen": [],
-            "buffers": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in extras],
-            "aliases": [],
-            "excluded": [],
-            "files": [{"path": MODEL_FILE, "role": "model_states", "ranks": [0], "size": 0, "partitions": []}],
-            "optimizer": {
-                "class": "unknown",
-                "groups": [
-                    {"optimizer_group": g, "hyperparameters": h, "step": s}
-                    for g, (h, s) in enumerate(zip(hyper, steps))
-                ],
-                "loss_scaler": {"kind": "LossScaler", "state": {"cur_scale": 1.0, "dynamic": False}},
-            },
-        }
-    )
-
-
-def _model_states(sources: dict[str, TensorSource], step: int, stage: int) -> dict:
-    """The model states an fp32 DeepSpeed job saves, in its order; the writer re-lays and fills them
-    (``module`` from the plan, ``param_shapes`` and ``dp_world_size`` for the target)."""
-    return {
-        "module": collections.OrderedDict((n, None) for n in sources),
-        "buffer_names": [n for n, s in sources.items() if s.role == "buffer"],
-        "optimizer": None,
-        "param_shapes": None,
-        "frozen_param_shapes": None,
-        "shared_params": {},
-        "frozen_param_fragments": None,
-        "lr_scheduler": None,
-        "data_sampler": None,
-        "random_ltd": None,
-        "skipped_steps": 0,
-        "global_steps": step,
-        "dp_world_size": 1,
-        "mp_world_size": 1,
-        "ds_config": {"zero_optimization": {"stage": stage}},
-        "ds_version": DS_VERSION,
-    }
-
-
-def _optimizer(groups: list[dict], steps: list[float], stage: int, directory: Where) -> SourceOptimizer:
-    """What DeepSpeedZeroOptimizer's files hold besides the partitions: the param groups' hyperparameters, each
-    group's step (a tensor, as torch's AdamW keeps it), a static loss scaler at 1."""
-    from . import ds_pickle  # torch: only to write the step tensors
-
-    scalars = {g: {"step": ds_pickle.tensor(_np().array(s, dtype=_np().float32))} for g, s in enumerate(steps)}
-    param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": []} for group in groups]
-    osd: dict[str, Any] = dict.fromkeys(STAGE12_KEYS)
-    osd.update(loss_scaler=LossScalerState({"cur_scale": 1.0, "dynamic": False}), dynamic_loss_scale=False)
-    osd.update(overflow=False, ds_version=DS_VERSION)
-    del osd["clip_grad"]  # the target job's gradient_clipping applies
-    top = {"optimizer_state_dict": None, "ds_config": {"zero_optimization": {"stage": stage}}, "ds_version": DS_VERSION}
-    moments = dict.fromkeys(range(len(groups)), list(MOMENTS))
-    file_name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    return SourceOptimizer(
-        top, osd, param_groups, scalars, moments, stage, path=directory / MODEL_FILE, file_name=file_name
-    )
-
-
 def reshard_dcp(
-    directory: str | os.PathLike, output: str | os.PathLike, world_size: int, zero_stage: int | None
+    directory: str | os.PathLike,
+    output: str | os.PathLike,
+    world_size: int,
+    zero_stage: int | None,
+    sub_group_size: int | None = None,
+    model_dtype: str = "float32",
 ) -> ReshardResult:
     """Check the DCP checkpoint in ``directory``, then write it as a DeepSpeed ZeRO ``zero_stage`` checkpoint for
-    ``world_size`` fp32 ranks into ``output``; CK410 for what the target cannot hold, nothing written then."""
+    ``world_size`` ranks of ``model_dtype`` (fp32 masters) into ``output`` (stage 3: sub-groups of the target's
+    ``sub_group_size``, DeepSpeed's default if None); CK410 for what the target cannot hold, nothing written then."""
     refuse_write(output, "the resharded checkpoint")  # before anything is fetched
     source = location(directory)  # a URL: ranged reads (docs/remote.md)
     if zero_stage not in STAGES:
         asked = "no --stage" if zero_stage is None else f"--stage {zero_stage}"
         raise _refuse(
-            f"{asked} for a DCP checkpoint: ZeRO stage 1 and 2 targets are written (stage 0 and 3 not yet)",
-            "give --stage 1 or --stage 2",
+            f"{asked} for a DCP checkpoint: ZeRO stage 1, 2 and 3 targets are written (stage 0 not yet)",
+            "give --stage 1, 2 or 3",
             source,
         )
+    if model_dtype not in MODEL_DTYPES:
+        raise _refuse(
+            f"a {model_dtype} target job (--model-dtype): fp32 and bf16 ones are written (an fp16 job's dynamic loss "
+            "scaler is not)",
+            "give --model-dtype fp32 or bf16",
+            source,
+        )
+    if sub_group_size is not None and zero_stage != 3:
+        raise _refuse(f"--sub-group-size: a stage-3 option, not for --stage {zero_stage}", "leave it out", source)
     meta, findings = check_dcp(source)
     if has_errors(findings):
         raise CheckpointInvalid(findings, str(directory))
     with held_new_output(output, "the resharded checkpoint") as out:
-        dcp = read_dcp_source(source, meta, zero_stage)
+        dcp = read_dcp_source(source, meta, zero_stage, model_dtype)
         try:  # CK410 before anything is written
-            target = target_layout(dcp.found, world_size, zero_stage, domain=True)
+            target = target_layout(dcp.found, world_size, zero_stage, sub_group_size, domain=True)
         except ReshardUnsupported as exc:
             raise _refuse(exc.message, exc.hint, source) from None
-        changes = ModelChanges(dcp.plan.sources, {}, (), lambda config: config)
+        changes = ModelChanges(dcp.module, {}, (), lambda config: config)
 
         def build(tmp: Path) -> list:
             tag_dir = tmp / f"global_step{dcp.step}"
             tag_dir.mkdir(exist_ok=True)
-            files = write_files(
-                dcp.found, dcp.plan, dcp.state_plan, target, dcp.states, tag_dir, changes, source=dcp.optimizer
-            )
+            if zero_stage == 3:
+                files = write_stage3_files(
+                    dcp.found,
+                    dcp.plan,
+                    dcp.state_plan,
+                    target,
+                    dcp.states,
+                    tag_dir,
+                    sub_group_size,
+                    changes,
+                    source=dcp.optimizer,
+                )
+            else:
+                files = write_files(
+                    dcp.found, dcp.plan, dcp.state_plan, target, dcp.states, tag_dir, changes, source=dcp.optimizer
+                )
             embed_and_validate(dcp.found, tmp, tag_dir, output)
             return files
 

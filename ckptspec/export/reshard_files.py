@@ -260,8 +260,9 @@ def _model_states(state: dict, found: Manifest, target: TargetLayout, read, full
     for name, ref in module.items():
         if name in full:
             source = full[name]
-            # a master is cast to the model dtype; a saved module tensor (frozen, buffer, weight) keeps its own
-            out_dtype = dtype if source.role == "trainable" else source.dtype
+            # a master or frozen parameter is in the model dtype (DeepSpeed casts the module's parameters; a source's
+            # frozen ones already are, an FSDP checkpoint's are fp32); a buffer or weight keeps its own
+            out_dtype = dtype if source.role in ("trainable", "frozen") else source.dtype
             chunks = functools.partial(iter_chunks, source.segments, source.dtype, out_dtype, files, source)
             lp[name] = ds_pickle.Lazy(out_dtype, tuple(source.shape), chunks)
         else:

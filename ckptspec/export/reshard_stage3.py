@@ -20,6 +20,7 @@ Sub-groups follow DeepSpeed's ``_create_fp16_sub_groups`` for the target's ``sub
 from __future__ import annotations
 
 import collections
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,11 @@ from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.states import StateCache
 from ..format.models import Manifest
 from . import ds_pickle
-from .arrays import ShardReader
+from .arrays import ShardReader, iter_chunks
 from .model_plan import TensorSource
 from .reshard_files import ModelChanges, lazy_partition, lazy_reader, optim_file_names, placed_chunks, tensor_reader
 from .reshard_layout import TargetLayout, target_sub_group_size
-from .reshard_source import source_optimizer, with_stage
+from .reshard_source import SourceOptimizer, source_optimizer, with_stage
 
 
 def write_stage3_files(
@@ -44,24 +45,36 @@ def write_stage3_files(
     sub_group_size,
     changes: ModelChanges | None = None,
     mp_rank: int | None = None,
+    source: SourceOptimizer | None = None,
 ) -> list[Path]:
     """``changes``: the target's tensor degree differs (an AutoTP ZeRO-3 merge, ``reshard_tensor``, or split,
     ``reshard_tensor_split``); ``found`` then is the whole model's manifest, or a target tensor rank's, whose files
-    are named for tensor rank ``mp_rank``."""
+    are named for tensor rank ``mp_rank``. ``source``: the optimizer entries of a source without ZeRO optimizer
+    files (an FSDP checkpoint's, ``reshard_dcp``), whose made model states hold no tensor (each one whole in
+    ``changes.module``)."""
     config = changes.config if changes is not None else (lambda value: value)
     src_dir = plan.tag_dir
-    first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
     model = src_dir / next(f.path for f in found.files if f.role == "model_states" and 0 in (f.ranks or [0]))
-    source, model_state = source_optimizer(found, states.state(first)), states.state(model)
+    if source is None:
+        first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+        source, first_name = source_optimizer(found, states.state(first)), first.name
+    else:
+        assert source.path is not None and source.file_name is not None
+        first, first_name = source.path, source.file_name
+    model_state = states.state(model)
     masters = {name: s for name, s in plan.sources.items() if s.role == "trainable"}
     sub_group_size = target_sub_group_size(found, sub_group_size)
     written = []
     with ShardReader() as files:
         read_optim = tensor_reader(first, states, files)
         read_model = lazy_reader(model, states, files)  # nothing read until written
-        lp = {name: read_model(ref) for name, ref in model_state["module"].items()}
+        dtype = found.layout.model_dtype
+        lp = {
+            name: read_model(ref) if ref is not None else _whole(changes.module[name], dtype, files)  # type: ignore[union-attr]
+            for name, ref in model_state["module"].items()
+        }
         frozen = _frozen(found, plan)
-        for rank, name in enumerate(optim_file_names(first.name, target.world_size, mp_rank)):
+        for rank, name in enumerate(optim_file_names(first_name, target.world_size, mp_rank)):
             osd = _optimizer_state_dict(source, read_optim, target, rank, masters, state_plan, files)
             doc = {
                 k: osd
@@ -90,6 +103,14 @@ def write_stage3_files(
     return written
 
 
+def _whole(source: TensorSource, model_dtype: str, files: ShardReader) -> ds_pickle.View:
+    """A tensor of the module as its own storage, read when written: a parameter (master or frozen) in the model
+    dtype, a buffer in its own."""
+    dtype = model_dtype if source.role in ("trainable", "frozen") else source.dtype
+    chunks = functools.partial(iter_chunks, source.segments, source.dtype, dtype, files, source)
+    return ds_pickle.View(ds_pickle.Lazy(dtype, (source.numel,), chunks), tuple(source.shape))
+
+
 def _frozen(found: Manifest, plan) -> dict[str, TensorSource]:
     """Where every frozen parameter's bytes are (a stage-3 source holds them as rank fragments)."""
     out = {}
@@ -100,12 +121,13 @@ def _frozen(found: Manifest, plan) -> dict[str, TensorSource]:
     return out
 
 
-def _share(source: TensorSource, rank: int, world_size: int, files: ShardReader) -> ds_pickle.Lazy:
-    """Rank ``rank``'s ``ceil(numel / ws)`` share of a frozen parameter (flat, the tail zero), read when written."""
+def _share(source: TensorSource, dtype: str, rank: int, world_size: int, files: ShardReader) -> ds_pickle.Lazy:
+    """Rank ``rank``'s ``ceil(numel / ws)`` share of a frozen parameter (flat, the tail zero) in ``dtype`` (the
+    model's), read when written."""
     size = -(-source.numel // world_size)
     count = max(0, min(size, source.numel - rank * size))
     pieces = [(0, source, rank * size, count)] if count else []
-    return ds_pickle.Lazy(source.dtype, (size,), lambda: placed_chunks(size, pieces, source.dtype, files))
+    return ds_pickle.Lazy(dtype, (size,), lambda: placed_chunks(size, pieces, dtype, files))
 
 
 def _optimizer_state_dict(source, read, target, rank, masters, state_plan, files) -> dict:
@@ -159,7 +181,10 @@ def _model_states(
     frozen_shapes = (None if reshaped else state.get("frozen_param_shapes")) or collections.OrderedDict(
         (f.name, tuple(f.shape)) for f in found.frozen if f.name in frozen
     )
-    fragments = collections.OrderedDict((n, _share(s, rank, target.world_size, files)) for n, s in frozen.items())
+    dtype = found.layout.model_dtype
+    fragments = collections.OrderedDict(
+        (n, _share(s, dtype, rank, target.world_size, files)) for n, s in frozen.items()
+    )
     out: dict[str, Any] = {}
     for key, value in state.items():
         if key == CLIENT_STATE_KEY:

@@ -133,10 +133,12 @@ def run(args, out: Path):
 def _dcp_load(engine, model, spec, load: Path, out: Path, reshard: dict, rank: int) -> None:
     """Rank 0 reshards LOAD/dcp (an FSDP2 job's save, dcp_save_job.py) into OUT/resharded; every rank loads it and
     rank 0 writes OUT/dcp_load.pt (the test compares it with LOAD/oracle.pt): ``master`` and ``state`` (exp_avg,
-    exp_avg_sq) of every trainable parameter from DeepSpeed's getters, ``step`` and ``hyperparameters`` per param
-    group of the wrapped torch optimizer, ``module`` (every frozen parameter and buffer as loaded), ``params2`` (the
+    exp_avg_sq) of every trainable parameter from DeepSpeed's getters, ``weights`` (the module's trainable parameters:
+    the job's model dtype), ``step`` and ``hyperparameters`` per param group of the wrapped torch optimizer,
+    ``module`` (every frozen parameter and buffer as loaded), ``params2`` (the
     fp32 masters after one more step on the batch the FSDP2 job's second step took, each rank the same one, as
     every FSDP2 rank took it: the same mean gradient), and ``error`` / ``reshard_error`` (then nothing else)."""
+    import deepspeed
     import torch
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -150,7 +152,8 @@ def _dcp_load(engine, model, spec, load: Path, out: Path, reshard: dict, rank: i
 
         out.mkdir(parents=True, exist_ok=True)
         try:
-            run_reshard(load / "dcp", target, reshard["world_size"], zero_stage=reshard["stage"])
+            dtype = {"fp32": "float32", "bf16": "bfloat16"}[reshard.get("model_dtype", "fp32")]
+            run_reshard(load / "dcp", target, reshard["world_size"], zero_stage=reshard["stage"], model_dtype=dtype)
         except Exception as exc:  # recorded: the test asserts there is none
             outcome[0] = resume._first_line(exc)
     dist.broadcast_object_list(outcome, src=0)
@@ -171,10 +174,19 @@ def _dcp_load(engine, model, spec, load: Path, out: Path, reshard: dict, rank: i
         record["state"] = {
             n: {k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")} for n, p in trainable
         }
-        inner = engine.optimizer.optimizer  # the wrapped torch AdamW: one flat master per group
-        record["step"] = [float(inner.state[g["params"][0]]["step"]) for g in inner.param_groups]
+        inner = engine.optimizer.optimizer  # the wrapped torch AdamW: one flat master per group (ZeRO-3: sub-group)
+        if spec["stage"] == 3:  # its param groups list no flat (DeepSpeed steps them one sub-group at a time)
+            firsts: dict = {}  # param group -> its first sub-group's flat master
+            for j, flat in enumerate(opt.fp32_partitioned_groups_flat):
+                firsts.setdefault(int(opt.sub_group_to_group_id[j]), flat)
+            record["step"] = [float(inner.state[firsts[g]]["step"]) for g in range(len(inner.param_groups))]
+        else:
+            record["step"] = [float(inner.state[g["params"][0]]["step"]) for g in inner.param_groups]
         record["hyperparameters"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-        frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        params = list(model.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=spec["stage"] == 3):
+            frozen = {n: p.detach().clone() for n, p in params if not p.requires_grad}
+            record["weights"] = {n: p.detach().clone() for n, p in params if p.requires_grad}  # the job's dtype
         saved = model.state_dict()  # the persistent buffers
         record["module"] = {**frozen, **{n: b.detach().clone() for n, b in model.named_buffers() if n in saved}}
         g = torch.Generator().manual_seed(BATCH_SEED + 2)  # dcp_save_job.py's second step, on every rank

@@ -586,12 +586,28 @@ def dcp_save_name(world_size: int) -> str:
 
 
 # FSDP -> DeepSpeed (issue #42): ``ckptspec reshard`` of a DCP save above into a ZeRO checkpoint, loaded by a DeepSpeed
-# job of the same model and param groups (reshard_job.py "dcp"). name: (saving world size, target world size, stage).
-# One launch: both targets at world size 2, stage 1/2. The target jobs clip no gradient, as the FSDP2 job
-# (DeepSpeed's default gradient_clipping is 1.0): their one more step is the FSDP2 job's second.
+# job of the same model and param groups (reshard_job.py "dcp"). name: (saving world size, target world size, stage,
+# the target job's dtype). Four launches (ZeRO-3 jobs apart, tasks.py): stage 1/2 at world size 2 and 3, stage 3 at
+# world size 2 and 3; every stage at both target world sizes and in bf16, every saving world size once at least. The
+# target jobs clip no gradient, as the FSDP2 job (DeepSpeed's default gradient_clipping is 1.0): their one more step
+# is the FSDP2 job's second (in bf16: on bf16 weights).
 DCP_RESHARDS = {
-    "dcp-ws3>s2-ws2": (3, 2, 2),  # FSDP2's uneven row chunks (17/17/16 of 50)
-    "dcp-ws2>s1-ws2": (2, 2, 1),
+    "dcp-ws3>s2-ws2": (3, 2, 2, "fp32"),  # FSDP2's uneven row chunks (17/17/16 of 50)
+    "dcp-ws2>s1-ws2": (2, 2, 1, "fp32"),
+    "dcp-ws3>s2-ws2-bf16": (3, 2, 2, "bf16"),
+    "dcp-ws2>s1-ws3": (2, 3, 1, "fp32"),
+    "dcp-ws3>s2-ws3": (3, 3, 2, "fp32"),
+    "dcp-ws1>s2-ws3": (
+        1,
+        3,
+        2,
+        "fp32",
+    ),  # a save of one rank: every entry whole (its frozen parameters read as buffers)
+    "dcp-ws2>s1-ws3-bf16": (2, 3, 1, "bf16"),
+    "dcp-ws3>s3-ws2": (3, 2, 3, "fp32"),
+    "dcp-ws2>s3-ws2-bf16": (2, 2, 3, "bf16"),
+    "dcp-ws2>s3-ws3": (2, 3, 3, "fp32"),
+    "dcp-ws3>s3-ws3": (3, 3, 3, "fp32"),
 }
 
 
@@ -673,9 +689,9 @@ def _registry() -> dict[str, Task]:
         reshard = {"world_size": ws, "stage": changes.get("stage"), "sub_group_size": changes.get("sub_group_size")}
         args = {"spec": spec, "reshard": reshard, "extra_step": EXTRA_STEP}
         out[name] = Task("reshard", args, ws, load=source)
-    for name, (saved, ws, stage) in DCP_RESHARDS.items():
-        spec = {**DCP_SAVE_SPEC, "stage": stage, "config": {"gradient_clipping": 0.0}}
-        args = {"spec": spec, "reshard": {"world_size": ws, "stage": stage}, "dcp": True}
+    for name, (saved, ws, stage, dtype) in DCP_RESHARDS.items():
+        spec = {**DCP_SAVE_SPEC, "stage": stage, "dtype": dtype, "config": {"gradient_clipping": 0.0}}
+        args = {"spec": spec, "reshard": {"world_size": ws, "stage": stage, "model_dtype": dtype}, "dcp": True}
         out[name] = Task("reshard", args, ws, load=dcp_save_name(saved))
     for name, (source, ws, changes, how) in UNIVERSAL_CASES.items():
         spec = {**MATRIX_SPECS[source][0], **changes}
