@@ -1,10 +1,13 @@
 """examples/node-reader reads a torch DCP document too (issue #42): its verdicts are ckptspec's, and every tensor it
 rebuilds from the document alone (no torch, no pickle, no zip) is the FSDP2 job's ``full_tensor()`` bit for bit.
 
-``node validate.js`` gives every file of tests/conformance/dcp-1.0 exactly the codes of its ``expected.json`` (and its
-JSON Schema verdict, ajv alone, is the schema's). For the real FSDP2 saves of the harness (world size 1, 2, 3, both
-steps), ``ckptspec generate --hash`` writes the document and ``node reader.js DOC DCP_DIR OUT.safetensors`` writes
-every tensor of the saved state dict, in its saved dtype. A directory that is not the document's (a file of the other
+``node validate.js`` gives every file of tests/conformance/dcp-1.0 exactly the codes of its ``expected.json``, and the
+schema alone (``schema/dcp-1.0.schema.json``) gives every file of version 1.0 ckptspec's reference verdict in ajv 8
+strict (through validate.js) and in check-jsonschema (ECMA-262 regexes, at ckptspec's paths).
+
+For the real FSDP2 saves of the harness (world size 1, 2, 3, both steps), ``ckptspec generate --hash`` writes the
+document and ``node reader.js DOC DCP_DIR OUT.safetensors`` writes every tensor of the saved state dict, in its
+saved dtype. A directory that is not the document's (a file of the other
 save, of the same size; a file cut short) and a document with a gap are refused with ckptspec's codes, nothing
 written.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +27,8 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from ckptspec.cli import cli
+from ckptspec.format.codec import load_document
+from ckptspec.format.schemas import DCP_SCHEMAS, schema, schema_findings
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_DIR = ROOT / "examples" / "node-reader"
@@ -51,6 +57,33 @@ def test_node_gives_the_corpus_verdicts():
         assert (got["codes"], got["warnings"]) == (want["codes"], want["warnings"]), file.name
         if want["codes"] in (["CK001"], []) and not want["warnings"]:
             assert got["raw_valid"] == (want["codes"] == []), file.name
+
+
+def test_other_engines_give_the_schema_verdicts():
+    """Raw schema verdicts: ajv and check-jsonschema refuse a 1.0 document exactly when ckptspec's reference
+    validator does, check-jsonschema at exactly its paths."""
+    files = [f for f in sorted(CORPUS.glob("*/*.json")) if load_document(f)["format_version"].startswith("1.0.")]
+    dcp_schema = ROOT / "schema" / DCP_SCHEMAS["1.0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--schemafile", str(dcp_schema), "-o", "json"]
+        + ["--regex-variant", "default", *map(str, files)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    errors: dict[str, set[str]] = {str(f): set() for f in files}
+    for error in json.loads(proc.stdout).get("errors", []):
+        errors[error["filename"]].add(error["path"])
+    run = node(NODE_DIR / "validate.js", *files)
+    ajv = {json.loads(line)["file"]: json.loads(line) for line in run.stdout.splitlines()}
+    refused = 0
+    for f in files:
+        reference = {finding.path for finding in schema_findings(load_document(f), schema(DCP_SCHEMAS["1.0"]))}
+        assert ajv[str(f)]["raw_valid"] == (not reference), f.name
+        assert errors[str(f)] == reference, f.name
+        refused += bool(reference)
+    assert refused == 5  # the CK001 files
 
 
 @pytest.mark.parametrize("save", ["dcp", "dcp-step2"])
