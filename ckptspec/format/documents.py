@@ -32,7 +32,11 @@ _LOAD_HINT = (
 
 
 def _not_a_manifest(doc: Any = None) -> Finding:
-    what = "a torch DCP document (format ckptspec.dcp)" if is_dcp_document(doc) else "a checkpoint index"
+    what = (
+        "a torch DCP document (format ckptspec.dcp)"
+        if is_dcp_document(doc)
+        else "a checkpoint index (format ckptspec.checkpoint)"
+    )
     return finding("CK005", "$.format", f"this is {what}, not a manifest", _LOAD_HINT)
 
 
