@@ -200,3 +200,34 @@ def test_reconstruct_through_the_document(ds, tmp_path):
     assert "nothing was written" in stale.output and not (tmp_path / "stale").exists()
     manifest = ROOT / "examples" / "manifests" / "zero2-bf16-2ranks.json"
     assert _run("reconstruct", entry / "dcp", tmp_path / "x", "--manifest", manifest).exit_code == 2
+
+
+class _Payload:
+    def __init__(self, sentinel):
+        self.sentinel = str(sentinel)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.sentinel}",)
+
+
+def test_a_forged_metadata_is_refused_with_its_document(ds, tmp_path):
+    """The document does not vouch for a forged ``.metadata``: it is read as ``validate DCP_DIR`` reads it (CK204,
+    nothing run) before anything is compared, and ``generate`` describes nothing."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    directory = tmp_path / "dcp"
+    shutil.copytree(ds.path(dcp_save_name(2)) / "dcp", directory)
+    doc = tmp_path / "doc.json"
+    _generate(directory, doc)
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    metadata.storage_meta, metadata.version = None, _Payload(tmp_path / "ran")
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    result = _run("validate", doc, "--checkpoint", directory, "--format", "json")
+    assert result.exit_code == 1 and json.loads(result.stdout)["error"]["code"] == "CK204", result.output
+    result = _run("generate", directory, "-o", tmp_path / "again.json")
+    assert result.exit_code == 1 and "CK204" in result.output, result.output
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "again.json").exists()
