@@ -231,3 +231,22 @@ def test_a_forged_metadata_is_refused_with_its_document(ds, tmp_path):
     result = _run("generate", directory, "-o", tmp_path / "again.json")
     assert result.exit_code == 1 and "CK204" in result.output, result.output
     assert not (tmp_path / "ran").exists() and not (tmp_path / "again.json").exists()
+
+
+def test_an_edited_document_is_refused_where_it_differs(ds, tmp_path):
+    """A valid document (its rules pass) that says another place than the save: a chunk's elements two elements on
+    inside their record, a bytes item renamed: CK255 at exactly those paths."""
+    directory = ds.path(dcp_save_name(2)) / "dcp"
+    doc = _generate(directory, tmp_path / "doc.json")
+    doc["tensors"][2]["chunks"][1]["data_offset"] += 8
+    doc["bytes"][3]["name"] = "optim.param_groups.0.renamed"
+    (tmp_path / "edited.json").write_text(json.dumps(doc))
+    assert _run("validate", tmp_path / "edited.json").exit_code == 0
+    result = _run("validate", tmp_path / "edited.json", "--checkpoint", directory, "--format", "json", "--no-hash")
+    assert result.exit_code == 1, result.output
+    found = {(f["code"], f["path"]) for f in json.loads(result.stdout)["findings"]}
+    assert found == {
+        ("CK255", "$.tensors[2].chunks[1].data_offset"),
+        ("CK255", "$.bytes[3]"),
+        ("CK255", "$.bytes"),  # .metadata's item the document no longer names
+    }
