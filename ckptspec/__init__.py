@@ -21,6 +21,7 @@ from .errors import (
     UnsupportedEngine,
 )
 from .findings import Finding
+from .format.dcp_validate import DcpReport
 from .format.documents import load, load_manifest, validate, validate_document, validate_file
 from .format.index_validate import IndexReport
 from .format.validate import Report
@@ -35,6 +36,8 @@ __all__ = [
     "FileUnreadable",
     "Finding",
     "CheckpointIndex",
+    "DcpDocument",
+    "DcpReport",
     "DeepSpeedReader",
     "IndexReport",
     "InputOutputError",
@@ -50,6 +53,7 @@ __all__ = [
     "Manifest",
     "Report",
     "describe",
+    "describe_dcp",
     "export_dcp",
     "export_universal",
     "load",
@@ -72,7 +76,9 @@ __all__ = [
 _LAZY = {
     "Manifest": "ckptspec.format.models",
     "CheckpointIndex": "ckptspec.format.index_models",
+    "DcpDocument": "ckptspec.format.dcp_models",
     "describe": "ckptspec.deepspeed.describe",
+    "describe_dcp": "ckptspec.checkpoint.dcp.describe",
     "Checkpoint": "ckptspec.export.checkpoint",
     "open": "ckptspec.export.api",
     "validate_checkpoint": "ckptspec.export.api",

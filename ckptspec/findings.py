@@ -95,6 +95,10 @@ CODES: dict[str, str] = {
     "CK252": "dcp-file-missing",
     "CK253": "dcp-item-bounds",
     "CK254": "dcp-item-record",
+    # CK255-CK257: a torch DCP checkpoint's files against its document (checkpoint/dcp/against.py)
+    "CK255": "dcp-document-other-save",
+    "CK256": "dcp-file-differs",
+    "CK257": "dcp-chunk-digest",
     # CK26x: a training run's tags (deepspeed/check/run.py: `ckptspec scan`, the validated resume)
     "CK260": "no-valid-tag",
     "CK261": "latest-not-newest-valid",
@@ -133,6 +137,12 @@ CODES: dict[str, str] = {
     "CK608": "index-placement-source",
     "CK609": "index-master-dtype",
     "CK610": "index-extras",
+    # CK7xx: rules of a torch DCP document (format/dcp_rules.py)
+    "CK701": "dcp-doc-chunk-coverage",
+    "CK702": "dcp-doc-names",
+    "CK703": "dcp-doc-item-place",
+    "CK704": "dcp-doc-item-overlap",
+    "CK705": "dcp-doc-world-size",
     # CK9xx: input and output (format/codec.py, the CLI)
     "CK901": "file-unreadable",
     "CK902": "file-too-large",

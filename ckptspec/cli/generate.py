@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 import click
 
@@ -33,10 +34,14 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
 
     A tensor- or pipeline-parallel checkpoint gets a checkpoint index
     (ckptspec.checkpoint 1.0: one manifest per model-parallel rank and the whole-model view).
+    A torch DCP directory (.metadata) gets a DCP document (ckptspec.dcp 1.0: every tensor,
+    its chunks and where their bytes are; docs/spec-dcp.md).
 
     Reads only metadata (no tensor data unless --hash), needs neither DeepSpeed nor
     torch, and never executes pickled code.
     """
+    if _is_dcp(checkpoint):
+        _generate_dcp(checkpoint, tag, output, hash_algorithm)
     from ..deepspeed.kinds import described_by_index
     from ..format.codec import gc_paused
 
@@ -60,3 +65,32 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
         sys.exit(EXIT_INVALID)
     except CkptspecError as exc:
         fail(exc)
+
+
+def _is_dcp(checkpoint: str) -> bool:
+    from ..checkpoint.dcp.metadata import is_dcp
+
+    return is_dcp(checkpoint)  # local or at a URL (a URL is refused by name below, not taken for DeepSpeed's)
+
+
+def _generate_dcp(checkpoint: str, tag: str | None, output: str, hash_algorithm: str | None) -> NoReturn:
+    """A torch DCP checkpoint's document, written when the directory has no error finding (CK250-CK254, CK204)."""
+    from pathlib import Path
+
+    from ..checkpoint.dcp.describe import describe_dcp
+    from ..format.codec import write_manifest
+    from ..location import is_remote
+
+    if tag is not None:
+        raise click.UsageError("--tag names a DeepSpeed tag directory; a DCP checkpoint (.metadata) has none")
+    if is_remote(checkpoint):
+        raise click.UsageError(f"{checkpoint}: a DCP checkpoint is described from a local directory; copy it first")
+    try:
+        write_manifest(describe_dcp(Path(checkpoint), hash_algorithm).to_dict(), output)
+    except CheckpointInvalid as exc:
+        echo_findings(exc.findings, checkpoint, err=True)
+        click.echo(f"{checkpoint}: not described: the checkpoint has errors; nothing was written", err=True)
+        sys.exit(EXIT_INVALID)
+    except CkptspecError as exc:
+        fail(exc)
+    sys.exit(0)

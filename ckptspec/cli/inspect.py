@@ -58,6 +58,8 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
     A directory's manifest is the one ``validate DIR`` would check the files against
     (``choose_manifest``), and the files are checked against it (hashes aside).
     """
+    from ..errors import UnsupportedCheckpoint
+    from ..format.dcp_validate import DcpReport
     from ..format.documents import validate_file
     from ..location import is_directory
 
@@ -65,6 +67,12 @@ def load_target(name: str, tag: str | None = None, max_bytes: int = DEFAULT_MAX_
         if tag is not None:
             raise tag_needs_a_directory(name, option)
         report = validate_file(name, max_bytes)  # a manifest or a checkpoint index
+        if isinstance(report, DcpReport):
+            raise UnsupportedCheckpoint(
+                f"{name} is a torch DCP document (ckptspec.dcp): inspect and diff read a DCP checkpoint itself",
+                "inspect or diff the DCP directory (.metadata); `validate DOC --checkpoint DCP_DIR` checks it",
+                name,
+            )
         return Target(name, "manifest", report.manifest if report.ok else None, report.findings)
 
     from ..deepspeed.check.zero import check_tag_dir

@@ -144,13 +144,36 @@ def reconstruct(
         )
 
 
+def _check_dcp_document(checkpoint: str, manifest: str) -> None:
+    """``--manifest`` of a DCP checkpoint: a valid DCP document (``ckptspec.dcp``) that the directory matches, or
+    ``CheckpointInvalid`` with the findings (the document's, or the directory's against it)."""
+    from pathlib import Path
+
+    from ..checkpoint.dcp.against import check_against_document
+    from ..findings import has_errors
+    from ..format.dcp_validate import DcpReport
+    from ..format.documents import validate_file
+    from ..location import is_remote
+
+    if is_remote(checkpoint):
+        raise click.UsageError(f"{checkpoint}: --manifest checks a local DCP directory only; leave it out for a URL")
+    report = validate_file(manifest)
+    if not isinstance(report, DcpReport):
+        raise click.UsageError(f"{manifest}: a DCP checkpoint is reconstructed as a DCP document (ckptspec.dcp) says")
+    if not report.ok or report.document is None:
+        raise CheckpointInvalid(report.findings, manifest)
+    _, findings = check_against_document(Path(checkpoint), report.document)
+    if has_errors(findings):
+        raise CheckpointInvalid(findings, checkpoint)
+
+
 def _reconstruct_dcp(checkpoint, output_dir, quiet, manifest, tag, dtype, fmt, optimizer_state) -> NoReturn:
     """A torch DCP checkpoint's model weights, at their saved dtype, as OUTPUT_DIR/model.safetensors, and with
-    --optimizer-state its optimizer state as OUTPUT_DIR/optimizer.safetensors (issue #42)."""
+    --optimizer-state its optimizer state as OUTPUT_DIR/optimizer.safetensors (issue #42); with --manifest, after the
+    directory is checked against that DCP document."""
     from ..export.dcp_input import reconstruct_dcp
 
     refused = {
-        "--manifest": manifest is not None,
         "--tag": tag is not None,
         "--dtype other than fp32": dtype != "fp32",
         "--format torch": fmt == "torch",
@@ -162,6 +185,8 @@ def _reconstruct_dcp(checkpoint, output_dir, quiet, manifest, tag, dtype, fmt, o
             "saved dtype to model.safetensors (and optimizer.safetensors)"
         )
     try:
+        if manifest is not None:  # the directory must be the document's save (CK255-CK257) before anything is written
+            _check_dcp_document(checkpoint, manifest)
         result = reconstruct_dcp(checkpoint, output_dir, optimizer_state=optimizer_state)
     except CheckpointInvalid as exc:
         echo_findings(exc.findings, checkpoint, err=True)

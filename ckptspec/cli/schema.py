@@ -28,22 +28,25 @@ from ._common import EXIT_USAGE
     help="Print the schema of the checkpoint index (format ckptspec.checkpoint) instead.",
 )
 @click.option(
+    "--dcp", "dcp", is_flag=True, help="Print the schema of the torch DCP document (format ckptspec.dcp) instead."
+)
+@click.option(
     "--list", "list_all", is_flag=True, help="List every shipped schema: kind, version, file, '*' the latest."
 )
-def schema_command(version: str | None, report: bool, index: bool, list_all: bool) -> None:
-    """Print the manifest JSON Schema (or the checkpoint index's, or the report's)."""
-    if report and index:
-        raise click.UsageError("--report and --checkpoint-index name two kinds of document: choose one")
+def schema_command(version: str | None, report: bool, index: bool, dcp: bool, list_all: bool) -> None:
+    """Print the manifest JSON Schema (or the checkpoint index's, the DCP document's, or the report's)."""
+    if report + index + dcp > 1:
+        raise click.UsageError("--report, --checkpoint-index and --dcp name kinds of document: choose one")
     if list_all:
         for kind, (files, latest) in SCHEMAS_BY_KIND.items():
             for line, filename in sorted(files.items(), key=lambda item: version_order(item[0])):
                 click.echo(f"{kind} {line} {filename}{' *' if line == latest else ''}")
         return
-    kind = "report" if report else "checkpoint-index" if index else "manifest"
+    kind = "report" if report else "checkpoint-index" if index else "dcp" if dcp else "manifest"
     try:
         filename = schema_file(kind, version)
     except KeyError as exc:
-        flag = {"manifest": "", "report": " --report", "checkpoint-index": " --checkpoint-index"}[kind]
+        flag = {"manifest": "", "report": " --report", "checkpoint-index": " --checkpoint-index", "dcp": " --dcp"}[kind]
         click.echo(f"CK905 {exc.args[0]} (hint: run `ckptspec schema{flag}` for the latest)", err=True)
         sys.exit(EXIT_USAGE)
     click.echo(schema_text(filename), nl=False)

@@ -124,6 +124,8 @@ def validate(
             if not manifest.ok or manifest.manifest is None:
                 _emit(output_format, target, manifest.findings, None, remote)
                 sys.exit(EXIT_INVALID)
+            if _is_dcp_report(manifest):
+                _validate_dcp_against(manifest.manifest, checkpoint, output_format, tag, no_hash, remote)
         _json_errors_about(shown, output_format, remote)  # the report is about DIR from here
         # The report is handed over: the manifest is not validated a second time.
         if described_by_index(shown, manifest, tag):  # the checkpoint index and every domain's files
@@ -173,6 +175,33 @@ def _validate_dcp(target: str, output_format: str, tag: str | None, remote: bool
             f"{target}: {len(listed)} bytes entries (pickles, read by the restricted reader, nothing run): {shown}"
         )
     _emit(output_format, target, findings, None, remote, checkpoint_bytes)
+    sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
+
+
+def _is_dcp_report(report) -> bool:
+    from ..format.dcp_validate import DcpReport
+
+    return isinstance(report, DcpReport)
+
+
+def _validate_dcp_against(document, checkpoint: str, output_format: str, tag, no_hash: bool, remote: bool) -> NoReturn:
+    """A torch DCP checkpoint's files against its document (``ckptspec.dcp``): ``.metadata`` and the files checked
+    as ``validate DCP_DIR`` checks them, then against the document (CK255-CK257)."""
+    from pathlib import Path
+
+    from ..checkpoint.dcp.against import check_against_document
+    from ..checkpoint.dcp.metadata import is_dcp
+
+    if tag is not None:
+        raise click.UsageError("--tag names a DeepSpeed tag directory; a DCP checkpoint (.metadata) has none")
+    if remote or not is_dcp(checkpoint):
+        raise click.UsageError(f"{checkpoint}: a DCP document is checked against a local DCP directory (.metadata)")
+    try:
+        _, findings = check_against_document(Path(checkpoint), document, verify_hashes=not no_hash)
+    except CkptspecError as exc:
+        _emit(output_format, checkpoint, [], exc)
+        sys.exit(exc.exit_code)
+    _emit(output_format, checkpoint, findings)
     sys.exit(EXIT_INVALID if has_errors(findings) else EXIT_OK)
 
 

@@ -48,9 +48,10 @@ def planned(checkpoint: str | os.PathLike, verdict: dict[str, Any]) -> tuple[Che
         raise raised(verdict["error"], os.fspath(checkpoint))
     from ..format.documents import validate
     from ..format.index_models import CheckpointIndex
+    from ..format.models import Manifest
 
     document = validate(verdict["document"]).manifest  # the document's own rules: no file is read
-    assert document is not None, "a validated document"
+    assert isinstance(document, (Manifest, CheckpointIndex)), "a validated DeepSpeed document"
     tag = verdict["tag"]
     if isinstance(document, CheckpointIndex):
         from ..checkpoint.states import StateCache

@@ -30,12 +30,16 @@ REPORT_SCHEMAS = {"1.0": REPORT_SCHEMA, "1.1": "report-1.1.schema.json"}
 LATEST_REPORT = "1.1"
 INDEX_SCHEMAS = {"1.0": INDEX_SCHEMA, "1.1": "checkpoint-1.1.schema.json"}
 LATEST_INDEX = "1.1"
+# The torch DCP document (a torch.distributed.checkpoint directory): a kind and version line of its own.
+DCP_SCHEMAS = {"1.0": "dcp-1.0.schema.json"}
+LATEST_DCP = "1.0"
 
 # Every shipped schema by document kind (`ckptspec schema --list`): kind -> ({MAJOR.MINOR: file}, latest).
 SCHEMAS_BY_KIND = {
     "manifest": (MANIFEST_SCHEMAS, LATEST_MANIFEST),
     "checkpoint-index": (INDEX_SCHEMAS, LATEST_INDEX),
     "report": (REPORT_SCHEMAS, LATEST_REPORT),
+    "dcp": (DCP_SCHEMAS, LATEST_DCP),
 }
 
 

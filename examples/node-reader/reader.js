@@ -5,11 +5,12 @@
 // give the byte offset of every rank's flat master partition inside the .pt files, and (format
 // 1.1, docs/spec.md#tensor-locators) of every frozen parameter and buffer. Given a checkpoint index
 // (docs/spec-checkpoint.md: tensor/pipeline parallel, MoE, stage 0, universal folders), the whole
-// model composed from every domain's tensors (compose.js).
+// model composed from every domain's tensors (compose.js). Given a torch DCP document (docs/spec-dcp.md),
+// every tensor of the saved state dict from its chunks' elements, in its saved dtype (dcp.js).
 //
 //   node reader.js [--no-hash] MANIFEST.json CHECKPOINT OUT.safetensors
 //
-// MANIFEST.json is a manifest or a checkpoint index (told apart by `format`). CHECKPOINT is the
+// MANIFEST.json is a manifest, a checkpoint index or a DCP document (told apart by `format`). CHECKPOINT is the
 // directory the document's file paths are relative to (the tag directory), or the save directory
 // above it, whose `latest` file names the tag. Exit status: 0 written, 1 invalid document or
 // checkpoint files, 2 usage or I/O error. Nothing is written unless all is well.
@@ -21,6 +22,7 @@ const { reconstructIndex } = require('./compose');
 const { Refusal, readDocument, tagDirectory, openFiles } = require('./files');
 const { refuseUnreadable, planManifest, addAliases, readTensor } = require('./plan');
 const { writeStateDict } = require('./safetensors');
+const { isDcp, compileDcpSchema, checkDcp, reconstructDcp } = require('./dcp');
 
 const USAGE = 'usage: node reader.js [--no-hash] MANIFEST.json CHECKPOINT OUT.safetensors';
 
@@ -50,9 +52,9 @@ function reconstruct(manifest, dir, out, checkHash) {
 // The document's findings on stderr; whether it may be read (no error).
 function checked(file, doc) {
   const manifests = compileSchemas(null, [], true); // lazy: only the schemas of the versions the document has
-  const findings = isIndex(doc)
-    ? checkIndex(compileIndexSchema(null, [], true), manifests, doc)
-    : checkManifest(manifests, doc);
+  const findings = isDcp(doc) ? checkDcp(compileDcpSchema(), doc)
+    : isIndex(doc) ? checkIndex(compileIndexSchema(null, [], true), manifests, doc)
+      : checkManifest(manifests, doc);
   for (const f of findings) {
     const label = f.severity === 'error' ? f.code : `${f.code} warning:`;
     process.stderr.write(`${file}: ${f.where}: ${label} ${f.message} (hint: ${f.hint})\n`);
@@ -74,7 +76,8 @@ function main(argv) {
     if (!fs.statSync(checkpoint, { throwIfNoEntry: false })?.isDirectory()) {
       throw new Refusal('CK901', checkpoint, 'is not a directory', 'pass the checkpoint (save or tag) directory', 2);
     }
-    const done = (isIndex(doc) ? reconstructIndex : reconstruct)(doc, tagDirectory(checkpoint), out, checkHash);
+    const done = isDcp(doc) ? reconstructDcp(doc, checkpoint, out, checkHash)
+      : (isIndex(doc) ? reconstructIndex : reconstruct)(doc, tagDirectory(checkpoint), out, checkHash);
     process.stdout.write(`${out}: ${done.tensors} tensors (${done.aliases} of them tied aliases, written as copies)\n`);
     if (done.absent.length) process.stdout.write(`not in the output (see its ckptspec.absent metadata): ${done.absent.join(', ')}\n`);
     return 0;

@@ -3,12 +3,14 @@
 // Validate many JSON manifests and checkpoint indexes in one process; print one JSON object per file on stdout:
 //   {"file", "raw_valid", "raw_errors", "codes", "warnings"}
 // raw_*: the JSON Schema of the document's kind and version alone (ajv), nothing else. codes/warnings: the full check
-// of check.js, or of index-check.js for an index (version gate, schema, semantic rules), as `ckptspec validate` reports them.
+// of check.js, or of index-check.js for an index, or of dcp.js for a DCP document (version gate, schema, semantic rules),
+// as `ckptspec validate` reports them.
 // Usage: node validate.js [--schema FILE] DOCUMENT.json...   (exit 0 all valid, 1 some invalid, 2 usage)
 // --schema FILE checks manifests against FILE instead of the shipped manifest schemas.
 const fs = require('fs');
 const { compileSchemas, schemaFor, checkManifest } = require('./check');
 const { compileIndexSchema, checkIndex, isIndex } = require('./index-check');
+const { compileDcpSchema, checkDcp, isDcp } = require('./dcp');
 
 function main(argv) {
   let schemaFile = null; // default: each document's own version's schema
@@ -20,9 +22,11 @@ function main(argv) {
   const warnings = [];
   let validators;
   let indexValidator;
+  let dcpValidator;
   try {
     validators = compileSchemas(schemaFile, warnings);
     indexValidator = compileIndexSchema(undefined, warnings);
+    dcpValidator = compileDcpSchema(warnings);
   } catch (err) { // strict mode refuses unknown keywords and formats, ambiguous types...
     process.stderr.write(`${schemaFile ?? 'schema/'}: ajv cannot compile the schema: ${err.message}\n`);
     return 2;
@@ -39,9 +43,11 @@ function main(argv) {
       continue;
     }
     const index = isIndex(doc);
-    const validate = index ? indexValidator : schemaFor(validators, doc);
+    const dcp = isDcp(doc);
+    const validate = dcp ? dcpValidator : index ? indexValidator : schemaFor(validators, doc);
     const raw = validate(doc);
-    const findings = index ? checkIndex(indexValidator, validators, doc) : checkManifest(validators, doc);
+    const findings = dcp ? checkDcp(dcpValidator, doc)
+      : index ? checkIndex(indexValidator, validators, doc) : checkManifest(validators, doc);
     const codes = (severity) => [...new Set(findings.filter((f) => f.severity === severity).map((f) => f.code))].sort();
     const verdict = {
       file,

@@ -34,6 +34,7 @@ from .copies import embedded_findings
 from .domain import check_checkpoint
 
 if TYPE_CHECKING:
+    from ...format.dcp_validate import DcpReport
     from ...format.index_validate import IndexReport
 
 
@@ -142,12 +143,13 @@ def validate_checkpoint(
     (a bad ``latest``, no model states, an unsupported layout) and ``CkptspecError``
     (exit 2) when the directory or a manifest file cannot be read.
     """
-    given: Manifest | Report | IndexReport | None = (
+    given: Manifest | Report | IndexReport | DcpReport | None = (
         validate_file(manifest) if isinstance(manifest, (str, os.PathLike)) else manifest  # an index: IndexReport
     )
     if not isinstance(given, (Manifest, Report)) and given is not None:  # a checkpoint index
         raise UnsupportedCheckpoint(
-            "the manifest given is a checkpoint index; this function checks ZeRO data-parallel checkpoints "
+            "the manifest given is a checkpoint index or a DCP document; this function checks ZeRO data-parallel "
+            "checkpoints "
             "against a manifest 1.x",
             "check it with validate_index.validate_index_checkpoint, or `ckptspec validate INDEX --checkpoint DIR`",
             str(checkpoint_dir),

@@ -87,14 +87,17 @@ def test_schema_list_names_every_shipped_schema():
     rows = [line.split() for line in result.stdout.splitlines()]
     assert sorted(row[2] for row in rows) == sorted(p.name for p in SCHEMA_DIR.glob("*.schema.json"))
     for row in rows:
-        kind_prefix = {"manifest": "manifest", "checkpoint-index": "checkpoint", "report": "report"}[row[0]]
+        kind_prefix = {"manifest": "manifest", "checkpoint-index": "checkpoint", "report": "report", "dcp": "dcp"}[
+            row[0]
+        ]
         assert row[2] == f"{kind_prefix}-{row[1]}.schema.json"
     latest = {row[0]: row[1] for row in rows if row[3:] == ["*"]}
-    assert latest == {"manifest": "1.1", "checkpoint-index": "1.1", "report": "1.1"}
+    assert latest == {"manifest": "1.1", "checkpoint-index": "1.1", "report": "1.1", "dcp": "1.0"}
 
 
 @pytest.mark.parametrize(
-    ("flags", "prefix"), [((), "manifest"), (("--checkpoint-index",), "checkpoint"), (("--report",), "report")]
+    ("flags", "prefix"),
+    [((), "manifest"), (("--checkpoint-index",), "checkpoint"), (("--report",), "report"), (("--dcp",), "dcp")],
 )
 def test_schema_prints_every_kind_at_every_version(flags, prefix):
     files = sorted(SCHEMA_DIR.glob(f"{prefix}-*.schema.json"))
@@ -114,6 +117,7 @@ def test_schema_prints_every_kind_at_every_version(flags, prefix):
         (("--version", "2.0"), "CK905 no manifest schema for format version 2.0 (known: 1.0, 1.1)"),
         (("--checkpoint-index", "--version", "1.2"), "CK905 no checkpoint-index schema for format version 1.2"),
         (("--report", "--version", "0.9"), "CK905 no report schema for format version 0.9"),
+        (("--dcp", "--version", "1.1"), "CK905 no dcp schema for format version 1.1"),
     ],
 )
 def test_schema_refuses_an_unknown_version_of_its_kind(flags, message):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from ckptspec.format import index_models, models, partition
+from ckptspec.format import dcp_models, index_models, models, partition
 from ckptspec.format.integral import integral_floats
 from ckptspec.format.models import Digest, Layout, Manifest, Param, TolerantDigest
 from ckptspec.format.tolerant import from_document, tolerant
@@ -29,7 +29,9 @@ def _models(module) -> list[type[BaseModel]]:
     return [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, BaseModel) and v is not BaseModel]
 
 
-@pytest.mark.parametrize("cls", sorted({*_models(models), *_models(index_models)} - {TolerantDigest}, key=str))
+@pytest.mark.parametrize(
+    "cls", sorted({*_models(models), *_models(index_models), *_models(dcp_models)} - {TolerantDigest}, key=str)
+)
 def test_no_model_runs_a_python_validator(cls):
     decorators = cls.__pydantic_decorators__
     assert not (decorators.validators or decorators.field_validators or decorators.model_validators), cls

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
-from ckptspec.format.schemas import INDEX_SCHEMAS, MANIFEST_SCHEMAS, REPORT_SCHEMAS, schema
+from ckptspec.format.schemas import DCP_SCHEMAS, INDEX_SCHEMAS, MANIFEST_SCHEMAS, REPORT_SCHEMAS, schema
 
 ROOT = Path(__file__).resolve().parents[3]
 SCHEMA_DIR = ROOT / "schema"
@@ -39,9 +39,14 @@ def test_installed_package_data_matches_schema_directory():
 
 def test_every_schema_file_is_registered():
     assert SCHEMA_FILES, "no schema files found"
-    registered = set(MANIFEST_SCHEMAS.values()) | set(REPORT_SCHEMAS.values()) | set(INDEX_SCHEMAS.values())
+    registered = (
+        set(MANIFEST_SCHEMAS.values())
+        | set(REPORT_SCHEMAS.values())
+        | set(INDEX_SCHEMAS.values())
+        | set(DCP_SCHEMAS.values())
+    )
     assert set(SCHEMA_FILES) == registered
-    for version, name in {**MANIFEST_SCHEMAS, **INDEX_SCHEMAS}.items():
+    for version, name in {**MANIFEST_SCHEMAS, **INDEX_SCHEMAS, **DCP_SCHEMAS}.items():
         assert f"-{version}.schema.json" in name
 
 
