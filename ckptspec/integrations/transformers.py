@@ -24,10 +24,10 @@ from transformers import TrainerCallback
 from .._fs import is_leftover
 from ..deepspeed.embed import embed_checkpoint
 from ..errors import CheckpointInvalid, CkptspecError, InvalidCheckpoint
-from ..export.api import validate_checkpoint
 from ..export.run_scan import read_latest
 from ..findings import Finding, finding
 from ..format.codec import Encoding
+from .checks import tag_findings
 from .ranks import on_rank_0
 
 __all__ = ["CkptspecCallback", "resume_from"]
@@ -141,8 +141,4 @@ def folder_findings(folder: Path, verify_hashes: bool) -> list[Finding]:
         hint = "resume from an older checkpoint folder"
         return [finding("CK261", "$", f"{folder.name} {why}", hint, file=str(folder))]
     assert tag is not None
-    try:
-        found = validate_checkpoint(str(folder), tag=tag, verify_hashes=verify_hashes)
-    except CkptspecError as exc:  # the tag cannot be read at all (CK201-CK203, CK901)
-        return [finding(exc.code, "$", exc.message, exc.hint, file=exc.file)]
-    return [f for f in found if f.severity == "error"]
+    return tag_findings(folder, tag, verify_hashes)

@@ -25,6 +25,7 @@ RESHARD_MAIN = HARNESS / "reshard_job.py"  # reshard and universal loads beyond 
 FSDP2_MAIN = HARNESS / "fsdp2_job.py"  # the FSDP2 loads of the DCP export: no DeepSpeed, a launch of its own
 DCP_SAVE_MAIN = HARNESS / "dcp_save_job.py"  # FSDP2 jobs that save DCP checkpoints (#42): a launch of its own
 TRAINER_MAIN = HARNESS / "trainer_job.py"  # transformers' Trainer on DeepSpeed with ckptspec's callback (#43)
+ACCELERATE_MAIN = HARNESS / "accelerate_job.py"  # accelerate's save_state/load_state on DeepSpeed, through ckptspec
 OPTIM_MAIN = HARNESS / "optim_job.py"  # the optimizer state DeepSpeed loads from a parallel entry (its own key)
 BEFORE_LOAD = HARNESS / "before_load.py"  # imported by RESHARD_MAIN and OPTIM_MAIN (in their keys)
 OPTIM_UNIVERSAL_MAIN = HARNESS / "optim_universal_job.py"  # the same from a universal folder's source (its own key)

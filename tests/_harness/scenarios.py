@@ -605,6 +605,8 @@ COMMITTED = {"s2-bf16-ws2": COMMITTED_DIR / "s2-bf16-ws2"}
 # transformers' Trainer on DeepSpeed with ckptspec's callback (issue #43, tests/integrations): ZeRO-2 and ZeRO-3 at
 # world size 2, four steps saved every two (checkpoint-2, checkpoint-4), then the resume from a corrupted copy.
 TRAINER_RUNS = {f"trainer-s{stage}-ws2": {"stage": stage, "steps": 4, "save_steps": 2, "seed": 0} for stage in (2, 3)}
+# accelerate's save_state/load_state through ckptspec (accelerate_job.py): saves at steps 2 and 4, then the loads
+ACCELERATE_RUNS = {f"accelerate-s{stage}-ws2": {"stage": stage, "seed": 0} for stage in (2, 3)}
 
 
 def engine_name(name: str) -> str:
@@ -639,6 +641,8 @@ def _registry() -> dict[str, Task]:
         out[dcp_save_name(ws)] = Task("dcp_save", {"spec": DCP_SAVE_SPEC}, ws)
     for name, args in TRAINER_RUNS.items():
         out[name] = Task("trainer", args, 2)
+    for name, args in ACCELERATE_RUNS.items():
+        out[name] = Task("accelerate", args, 2)
     for name, (spec, ws) in SOURCE_SPECS.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():

@@ -24,6 +24,7 @@ from . import cache, guard, record_imports
 from .job import parallel_models
 from .job.model import normalize_spec
 from .launch import (
+    ACCELERATE_MAIN,
     BEFORE_LOAD,
     DCP_SAVE_MAIN,
     FSDP2_MAIN,
@@ -41,7 +42,18 @@ from .launch import (
 RECORDER = Path(record_imports.__file__)  # wraps the launches of tasks that run ckptspec
 RECORD_SITE = Path(__file__).resolve().parent / "record_site"  # the same in every process of an example
 
-KINDS = ("train", "resume", "parallel", "fsdp2", "reshard", "optim", "optim_universal", "dcp_save", "trainer")
+KINDS = (
+    "train",
+    "resume",
+    "parallel",
+    "fsdp2",
+    "reshard",
+    "optim",
+    "optim_universal",
+    "dcp_save",
+    "trainer",
+    "accelerate",
+)
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
 
 
@@ -82,7 +94,7 @@ class Task:
     def normalized(self) -> dict:
         if self.kind == "train":
             return normalize_spec(self.args)
-        if self.kind == "trainer":  # trainer_job.py's own arguments, no job/model.py spec
+        if self.kind in ("trainer", "accelerate"):  # their scripts' own arguments, no job/model.py spec
             return dict(self.args)
         if self.kind == "parallel":
             return parallel_models.normalize(self.args)
@@ -105,8 +117,8 @@ class Task:
             return self.world_size, False, "", "fsdp2", self.nodes
         if self.kind == "dcp_save":  # dcp_save_job.py: FSDP2 saves, a launch per world size
             return self.world_size, False, "", "dcp_save", self.nodes
-        if self.kind == "trainer":  # trainer_job.py: Trainer runs, a launch per world size and ZeRO-3 or not
-            return self.world_size, self.args["stage"] == 3, "", "trainer", self.nodes
+        if self.kind in ("trainer", "accelerate"):  # their own scripts: a launch per world size and ZeRO-3 or not
+            return self.world_size, self.args["stage"] == 3, "", self.kind, self.nodes
         spec = self.normalized() if self.kind in ("train", "parallel") else self.normalized()["spec"]
         family = parallel_models.layout(spec) if self.kind == "parallel" else ""
         family = "" if family == "dense" else family
@@ -128,7 +140,7 @@ class Task:
             return self.normalized()["save_with"] == "ckptspec"
         if self.kind == "dcp_save":
             return False
-        if self.kind == "trainer":  # ckptspec's callback and resume_from run in every rank
+        if self.kind in ("trainer", "accelerate"):  # ckptspec's integrations run in every rank
             return True
         spec = self.normalized() if self.kind == "train" else None
         return self.kind in ("resume", "fsdp2", "reshard") or bool(spec["hooks"]) or spec["save_with"] == "ckptspec"
@@ -165,6 +177,9 @@ def task_key(name: str, task: Task) -> str | None:
         identity["script"] = cache.key(scripts)
     if task.kind == "trainer":
         identity["script"] = cache.key({"trainer_job": TRAINER_MAIN.read_text(), "fsdp2_job": FSDP2_MAIN.read_text()})
+    if task.kind == "accelerate":  # it imports trainer_job.py (outcome) and fsdp2_job.py (serve)
+        scripts = {"accelerate_job": ACCELERATE_MAIN, "trainer_job": TRAINER_MAIN, "fsdp2_job": FSDP2_MAIN}
+        identity["script"] = cache.key({name: path.read_text() for name, path in scripts.items()})
     if task.kind == "reshard":  # with the module both import (the values the load must replace)
         identity["script"] = cache.key({"reshard_job": RESHARD_MAIN.read_text(), "before": BEFORE_LOAD.read_text()})
     if task.kind == "optim":
@@ -265,6 +280,7 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
                 "optim_universal": OPTIM_UNIVERSAL_MAIN,
                 "dcp_save": DCP_SAVE_MAIN,
                 "trainer": TRAINER_MAIN,
+                "accelerate": ACCELERATE_MAIN,
             }.get(batch[0][1].kind, JOB_MAIN)
             launch = task_launch(tasks, batch[0][1].world_size, staged[0], script, batch[0][1].nodes)
             if any(t.runs_ckptspec for _, t in batch):  # record the ckptspec modules its ranks import

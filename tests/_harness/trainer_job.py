@@ -116,7 +116,7 @@ def trainer(args: dict, output_dir: Path, out: Path, prefix: str):
     return Trainer(model=build_model(args["seed"]), args=training, train_dataset=dataset(), callbacks=callbacks)
 
 
-def _outcome(call) -> dict:
+def outcome(call) -> dict:
     try:
         return {"returned": call()}
     except Exception as exc:
@@ -147,8 +147,8 @@ def run(args, out: Path) -> None:
         newest = corrupt / f"checkpoint-{args['steps']}" / f"global_step{args['steps']}" / CORRUPTED
         newest.write_bytes(newest.read_bytes()[:-1])
     dist.barrier()
-    refused = _outcome(lambda: resume_from(corrupt))
-    picked = _outcome(lambda: resume_from(corrupt, fallback=True))
+    refused = outcome(lambda: resume_from(corrupt))
+    picked = outcome(lambda: resume_from(corrupt, fallback=True))
     outcomes: list = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, {"refused": refused, "fallback": picked})
     if rank == 0:
