@@ -58,3 +58,15 @@ def test_a_damaged_save_is_refused_on_every_rank_before_deepspeed_reads_it(name,
     assert [o["loaded"] for o in outcomes] == [{"returned": None}] * 2
     loaded, step2 = _load(run / "loaded-step2.pt"), _load(run / "masters-step2.pt")
     assert all(same_bits(loaded[param], master) for param, master in step2.items())
+
+
+def test_an_accelerator_without_deepspeed_is_refused_before_anything_runs(tmp_path):
+    from accelerate import Accelerator
+
+    from ckptspec.integrations.accelerate import load_state, save_state
+
+    accelerator = Accelerator(cpu=True)
+    for call in (save_state, load_state):
+        with pytest.raises(ValueError, match="deepspeed_plugin"):
+            call(accelerator, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []

@@ -123,3 +123,13 @@ def test_resume_from_a_run_without_a_valid_folder(run_copy, tmp_path):
     with pytest.raises(CkptspecError) as none:
         resume_from(run_copy, fallback=True, verify_hashes=True)
     assert none.value.code == "CK260" and "checkpoint-4" in str(none.value) and "checkpoint-2" in str(none.value)
+
+
+def test_the_callback_refuses_a_trainer_without_deepspeed_before_the_first_step(tmp_path):
+    from transformers import TrainingArguments
+
+    from ckptspec.integrations.transformers import CkptspecCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="deepspeed="):
+        CkptspecCallback().on_train_begin(args, None, None)
