@@ -618,6 +618,13 @@ COMMITTED_DIR = Path(__file__).resolve().parents[1] / "data" / "deepspeed-0.19.8
 COMMITTED = {"s2-bf16-ws2": COMMITTED_DIR / "s2-bf16-ws2"}
 
 
+# transformers' Trainer on DeepSpeed with ckptspec's callback (issue #43, tests/integrations): ZeRO-2 and ZeRO-3 at
+# world size 2, four steps saved every two (checkpoint-2, checkpoint-4), then the resume from a corrupted copy.
+TRAINER_RUNS = {f"trainer-s{stage}-ws2": {"stage": stage, "steps": 4, "save_steps": 2, "seed": 0} for stage in (2, 3)}
+# accelerate's save_state/load_state through ckptspec (accelerate_job.py): saves at steps 2 and 4, then the loads
+ACCELERATE_RUNS = {f"accelerate-s{stage}-ws2": {"stage": stage, "seed": 0} for stage in (2, 3)}
+
+
 def engine_name(name: str) -> str:
     """The entry holding the live engine's manifests of MATRIX checkpoint ``name``."""
     return f"{name}+engine"
@@ -648,6 +655,10 @@ def _registry() -> dict[str, Task]:
         out[name] = Task("fsdp2", args, ws, load=source, nodes=nodes)
     for ws in DCP_SAVE_WORLD_SIZES:
         out[dcp_save_name(ws)] = Task("dcp_save", {"spec": DCP_SAVE_SPEC}, ws)
+    for name, args in TRAINER_RUNS.items():
+        out[name] = Task("trainer", args, 2)
+    for name, args in ACCELERATE_RUNS.items():
+        out[name] = Task("accelerate", args, 2)
     for name, (spec, ws) in SOURCE_SPECS.items():
         out[name] = Task("parallel", spec, ws)
     for name, (spec, ws) in PARALLEL_SPECS.items():

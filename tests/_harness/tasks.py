@@ -24,6 +24,7 @@ from . import cache, guard, record_imports
 from .job import parallel_models
 from .job.model import normalize_spec
 from .launch import (
+    ACCELERATE_MAIN,
     BEFORE_LOAD,
     DCP_SAVE_MAIN,
     FSDP2_MAIN,
@@ -32,6 +33,7 @@ from .launch import (
     OPTIM_UNIVERSAL_MAIN,
     RESHARD_MAIN,
     RESUME_MAIN,
+    TRAINER_MAIN,
     HarnessError,
     job_env,
     run_launches,
@@ -41,7 +43,18 @@ from .launch import (
 RECORDER = Path(record_imports.__file__)  # wraps the launches of tasks that run ckptspec
 RECORD_SITE = Path(__file__).resolve().parent / "record_site"  # the same in every process of an example
 
-KINDS = ("train", "resume", "parallel", "fsdp2", "reshard", "optim", "optim_universal", "dcp_save")
+KINDS = (
+    "train",
+    "resume",
+    "parallel",
+    "fsdp2",
+    "reshard",
+    "optim",
+    "optim_universal",
+    "dcp_save",
+    "trainer",
+    "accelerate",
+)
 # The kinds ``launched`` runs with a script of their own (job/main.py's otherwise), keyed with it and what it imports
 LAUNCHED_SCRIPTS = {"validated_resume": (RESUME_MAIN, BEFORE_LOAD)}
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
@@ -84,6 +97,8 @@ class Task:
     def normalized(self) -> dict:
         if self.kind == "train":
             return normalize_spec(self.args)
+        if self.kind in ("trainer", "accelerate"):  # their scripts' own arguments, no job/model.py spec
+            return dict(self.args)
         if self.kind == "parallel":
             return parallel_models.normalize(self.args)
         if self.kind in ("optim", "optim_universal") or self.args.get("parallel"):  # a parallel entry loaded
@@ -105,6 +120,8 @@ class Task:
             return self.world_size, False, "", "fsdp2", self.nodes
         if self.kind == "dcp_save":  # dcp_save_job.py: FSDP2 saves, a launch per world size
             return self.world_size, False, "", "dcp_save", self.nodes
+        if self.kind in ("trainer", "accelerate"):  # their own scripts: a launch per world size and ZeRO-3 or not
+            return self.world_size, self.args["stage"] == 3, "", self.kind, self.nodes
         spec = self.normalized() if self.kind in ("train", "parallel") else self.normalized()["spec"]
         family = parallel_models.layout(spec) if self.kind == "parallel" else ""
         family = "" if family == "dense" else family
@@ -126,6 +143,8 @@ class Task:
             return self.normalized()["save_with"] == "ckptspec"
         if self.kind == "dcp_save":
             return False
+        if self.kind in ("trainer", "accelerate"):  # ckptspec's integrations run in every rank
+            return True
         spec = self.normalized() if self.kind == "train" else None
         return self.kind in ("resume", "fsdp2", "reshard") or bool(spec["hooks"]) or spec["save_with"] == "ckptspec"
 
@@ -159,6 +178,11 @@ def task_key(name: str, task: Task) -> str | None:
     if task.kind == "dcp_save":
         scripts = {"dcp_save_job": DCP_SAVE_MAIN.read_text(), "fsdp2_job": FSDP2_MAIN.read_text()}  # it imports it
         identity["script"] = cache.key(scripts)
+    if task.kind == "trainer":
+        identity["script"] = cache.key({"trainer_job": TRAINER_MAIN.read_text(), "fsdp2_job": FSDP2_MAIN.read_text()})
+    if task.kind == "accelerate":  # it imports trainer_job.py (outcome) and fsdp2_job.py (serve)
+        scripts = {"accelerate_job": ACCELERATE_MAIN, "trainer_job": TRAINER_MAIN, "fsdp2_job": FSDP2_MAIN}
+        identity["script"] = cache.key({name: path.read_text() for name, path in scripts.items()})
     if task.kind == "reshard":  # with the module both import (the values the load must replace)
         identity["script"] = cache.key({"reshard_job": RESHARD_MAIN.read_text(), "before": BEFORE_LOAD.read_text()})
     if task.kind == "optim":
@@ -258,6 +282,8 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
                 "optim": OPTIM_MAIN,
                 "optim_universal": OPTIM_UNIVERSAL_MAIN,
                 "dcp_save": DCP_SAVE_MAIN,
+                "trainer": TRAINER_MAIN,
+                "accelerate": ACCELERATE_MAIN,
             }.get(batch[0][1].kind, JOB_MAIN)
             launch = task_launch(tasks, batch[0][1].world_size, staged[0], script, batch[0][1].nodes)
             if any(t.runs_ckptspec for _, t in batch):  # record the ckptspec modules its ranks import

@@ -227,8 +227,9 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
     or with the data-parallel matrix; dense ones (stage 0, universal sources) run in the matrix's
     launches, after its jobs; jobs of one layout share (the ``+again`` test). The FSDP2 loads of the
     DCP export and the FSDP2 saves of DCP checkpoints (``dcp_save_job.py``) run no DeepSpeed engine and scripts of
-    their own, and the reshard loads another script
-    (``reshard_job.py``) and the optimizer-state loads (``optim_job.py``, ``optim_universal_job.py``: one
+    their own, the Hugging Face Trainer and accelerate runs (``trainer_job.py``,
+    ``accelerate_job.py``) scripts of their own, and the reshard loads
+    another script (``reshard_job.py``) and the optimizer-state loads (``optim_job.py``, ``optim_universal_job.py``: one
     launch family per script and layout): launches of their own."""
     registry = scenarios.REGISTRY
     by_group = {}
@@ -240,7 +241,13 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
     for group, members in by_group.items():
         layouts = {_layout_of(m) for m in members}
         assert len(layouts) == 1, (group, sorted(members))
-        for script in ("fsdp2", "reshard", "dcp_save"):  # jobs of another script: launches of their own
+        for script in (
+            "fsdp2",
+            "reshard",
+            "dcp_save",
+            "trainer",
+            "accelerate",
+        ):  # jobs of another script: launches of their own
             assert (group[3] == script) == (layouts == {script}), (group, sorted(members))
         # optim_job.py's and optim_universal_job.py's loads (#39): launches of their own, one layout each
         optim = group[3].startswith(("optim-", "optim_universal-"))
@@ -260,7 +267,7 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
 def _layout_of(member):
     from _harness.job.parallel_models import layout, normalize
 
-    if member in ("fsdp2", "reshard", "dcp_save"):
+    if member in ("fsdp2", "reshard", "dcp_save", "trainer", "accelerate"):
         return member
     if member.endswith("+optim"):
         return f"optim-{layout(_spec(member.removesuffix('+optim'))[0])}"
