@@ -19,11 +19,11 @@ import os
 import re
 from pathlib import Path
 
+from ..deepspeed.check.run import is_tag_dir
+from ..deepspeed.load.verdict import same_on_every_rank
 from ..errors import CheckpointInvalid, CkptspecError
-from ..export.run_scan import is_tag_dir
 from ..format.codec import Encoding
 from .checks import tag_findings
-from .ranks import on_rank_0
 
 __all__ = ["load_state", "save_state"]
 
@@ -36,7 +36,7 @@ def save_state(accelerator, output_dir=None, *, hash: bool = True, encoding: Enc
     does not run DeepSpeed (no tag to describe)."""
     _refuse_without_deepspeed(accelerator)
     location = accelerator.save_state(output_dir, **kwargs)
-    on_rank_0(lambda: _embed_tags(Path(location), hash, encoding))
+    same_on_every_rank(lambda: _embed_tags(Path(location), hash, encoding))
     return location
 
 
@@ -47,7 +47,7 @@ def load_state(accelerator, input_dir=None, *, verify_hashes: bool = False, **kw
     the same findings on every rank before anything is loaded."""
     _refuse_without_deepspeed(accelerator)
     where = Path(input_dir) if input_dir is not None else _newest_automatic(accelerator)
-    on_rank_0(lambda: _validate_tags(where, verify_hashes))
+    same_on_every_rank(lambda: _validate_tags(where, verify_hashes))
     return accelerator.load_state(str(where), **kwargs)
 
 

@@ -22,13 +22,13 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from .._fs import is_leftover
+from ..deepspeed.check.run import read_latest
 from ..deepspeed.embed import embed_checkpoint
+from ..deepspeed.load.verdict import same_on_every_rank
 from ..errors import CheckpointInvalid, CkptspecError, InvalidCheckpoint
-from ..export.run_scan import read_latest
 from ..findings import Finding, finding
 from ..format.codec import Encoding
 from .checks import tag_findings
-from .ranks import on_rank_0
 
 __all__ = ["CkptspecCallback", "resume_from"]
 
@@ -56,7 +56,7 @@ class CkptspecCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         # Every rank is past DeepSpeed's save (it ends in a barrier); rank 0 embeds, every rank learns how it went.
-        on_rank_0(lambda: embed_saved(folder, self.hash, self.encoding))
+        same_on_every_rank(lambda: embed_saved(folder, self.hash, self.encoding))
 
 
 def embed_saved(folder: Path, hash: bool, encoding: Encoding) -> Path:
@@ -88,7 +88,7 @@ def resume_from(checkpoint: str | Path, *, fallback: bool = False, verify_hashes
     Raises, on every rank: ``CheckpointInvalid`` with the folder's findings (the DeepSpeed tag its ``latest``
     names, checked as ``ckptspec validate`` does); CK260 when no folder of the run is valid.
     """
-    return on_rank_0(lambda: _choose(Path(checkpoint), fallback, verify_hashes))
+    return same_on_every_rank(lambda: _choose(Path(checkpoint), fallback, verify_hashes))
 
 
 def _choose(checkpoint: Path, fallback: bool, verify_hashes: bool) -> str | None:

@@ -4,7 +4,8 @@ Rank 0 runs ``decide`` (a validation: it reads files) and broadcasts its *verdic
 rank receives it instead of deciding again. When ``decide`` raises, the verdict is the error as data
 (``failed``) and every rank raises it again (``raised``): its class, code, message, hint and findings, so
 that no rank is left waiting in a collective and none goes on. Used by the validated resume
-(``load_checkpoint``) and by the DCP reader (``export/dcp_reader.py``).
+(``load_checkpoint``), the DCP reader (``export/dcp_reader.py``) and the training-framework integrations
+(``same_on_every_rank``).
 """
 
 from __future__ import annotations
@@ -65,3 +66,14 @@ def raised(error: dict[str, Any], what: str) -> BaseException:
     if error["findings"] is not None:
         exc.findings = [Finding(**f) for f in error["findings"]]  # type: ignore[attr-defined]
     return exc
+
+
+def same_on_every_rank(work: Callable[[], T], what: str = "") -> T:
+    """``work()``'s value (plain data) on every rank, computed on rank 0; its error raised on every rank. Without a
+    process group (one process), just ``work()``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return work()
+    value, verdict = on_rank_0(lambda: (None, {"value": work()}), what=what)
+    return verdict["value"]
