@@ -42,6 +42,7 @@ from ..findings import has_errors
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Manifest
 from ..format.partition import ParamSpec, flat_group
+from ..location import RemotePath, location
 from .arrays import _np
 from .dcp_input import MODEL_PREFIX, runs
 from .model_plan import ModelPlan, Segment, TensorSource, coalesced
@@ -361,5 +362,5 @@ def reshard_dcp(
 
         files = build_and_publish(out, build)
     tag = f"global_step{dcp.step}"
-    written = [Path(output) / tag / f.name for f in files]
-    return ReshardResult(Path(output), tag, dcp.ranks, world_size, zero_stage, written)
+    written: list[Path | RemotePath] = [location(output) / tag / f.name for f in files]
+    return ReshardResult(location(output), tag, dcp.ranks, world_size, zero_stage, written)
