@@ -21,9 +21,10 @@ ETag (s3fs does the same for S3) and every answer must hold the bytes asked for,
 changed while it was read is refused (CK913), never mixed. A problem is a ``RemoteError`` with a
 code: not found (CK910), access denied (CK911), no range requests (CK912), changed (CK913), timeout
 (CK914), connection (CK915); writing to an HTTP URL, and by the commands that do not upload (``embed``,
-``generate -o``, ``scan --fix-latest``...), is refused (CK916); a URL whose backend is not installed or not known is
-CK917. ``reconstruct``, ``reshard``, ``export`` and ``export-universal`` write to object stores (``upload``:
-built locally, uploaded object by object, the object readers look for last, each verified; CK920 when one differs).
+``scan --fix-latest``, ``--keep``), is refused (CK916); a URL whose backend is not installed or not known is
+CK917. ``reconstruct``, ``reshard``, ``export``, ``export-universal`` and the manifest writers (``generate -o``,
+``convert``, ``migrate``, ``extract -o``) write to object stores (``upload``: built locally, uploaded object by
+object, the object readers look for last, each verified; CK920 when one differs).
 
 What a process has seen of a remote file (size, ETag, listings) is kept until ``forget()``
 (each ``ckptspec`` command starts with it), so that a file read by validation and again by
@@ -107,9 +108,9 @@ def refuse_write(name: str | os.PathLike, what: str) -> None:
     if is_remote(name):
         raise RemoteError(
             "CK916",
-            f"{what} cannot be written to a URL: read-only for ckptspec here (outputs of reconstruct, reshard, export "
-            "and export-universal go to object stores)",
-            "write to a local path (and copy the result with your storage's own tool, e.g. `aws s3 cp`)",
+            f"{what} cannot be written to this URL: read-only for ckptspec",
+            "write to a local path, or to an object store's URL (s3://, gs://...) where the command writes one "
+            "(reconstruct, reshard, export, export-universal, generate -o, convert, migrate, extract -o)",
             str(name),
         )
 

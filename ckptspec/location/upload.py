@@ -99,6 +99,19 @@ def publish(local: Path, url: str, visible: Sequence[str], removals: Sequence[st
     return done
 
 
+def put(url: str, data: bytes) -> Uploaded:
+    """One file's bytes (a manifest: ``generate -o``, ``convert``, ``migrate``,
+    ``extract -o``) as the object ``url``: it appears whole
+    when its upload completes, or not at all (an object replaced keeps its earlier bytes until then); verified."""
+    import tempfile
+
+    store = store_for(url)
+    with tempfile.NamedTemporaryFile(prefix="ckptspec-put-") as staged:
+        staged.write(data)
+        staged.flush()
+        return _upload(store, Path(staged.name), store.key(url), url.rstrip("/").rsplit("/", 1)[-1])
+
+
 def _failed(exc: BaseException, url: str, what: str) -> RemoteError:
     error, _ = classify(exc, url)
     return RemoteError(error.code, f"{what} failed: {error.message}", error.hint, url)
@@ -210,4 +223,4 @@ def _mismatch(url: str, what: str) -> RemoteError:
     )
 
 
-__all__ = ["Uploaded", "local_files", "objects", "part_size", "publish"]
+__all__ = ["Uploaded", "local_files", "objects", "part_size", "publish", "put"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,38 @@ def test_store_gone_mid_upload_is_an_error_naming_the_url(ds, s3_factory, tmp_pa
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"{url}/model-00002-of-00006.safetensors: CK915 upload failed: "), line
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob(f".ckptspec-upload.ckptspec-*-{os.getpid()}-*"))
+
+
+def test_export_universal_to_s3_is_the_local_output(ds, s3, url, tmp_path):
+    local = tmp_path / "local"
+    assert run("export-universal", ds.path(CHECKPOINT), local).exit_code == 0
+    result = run("export-universal", ds.path(CHECKPOINT), url)
+    assert result.exit_code == 0, result.output
+    assert stored(s3, url) == visible(local)
+
+
+def test_export_to_s3_is_the_local_output(ds, s3, url, tmp_path):
+    """Every object; DCP's ``.metadata`` records the directory torch wrote into (it differs between two local runs
+    too): the rest of it, the entries and where their bytes are, is the same."""
+    local = tmp_path / "local"
+    assert run("export", ds.path(CHECKPOINT), local, "-q").exit_code == 0
+    result = run("export", ds.path(CHECKPOINT), url, "-q")
+    assert result.exit_code == 0, result.output
+    objects, files = stored(s3, url), visible(local) | {".metadata": (local / ".metadata").read_bytes()}
+    assert sorted(objects) == sorted(files)
+    metadata = (objects.pop(".metadata"), files.pop(".metadata"))
+    assert objects == files
+    remote, written = (pickle.loads(m) for m in metadata)  # torch's own pickle of what this test's export wrote
+    assert remote.state_dict_metadata == written.state_dict_metadata
+    assert remote.storage_data == written.storage_data
+
+
+def test_manifest_writers_to_s3(ds, s3, url, tmp_path):
+    """``generate -o``, ``convert``: one object, the local file's bytes."""
+    local, remote = tmp_path / "m.json", f"{url}/m.json"
+    assert run("generate", ds.path(CHECKPOINT), "-o", local).exit_code == 0
+    assert run("generate", ds.path(CHECKPOINT), "-o", remote).exit_code == 0
+    assert run("convert", local, tmp_path / "m.msgpack").exit_code == 0
+    assert run("convert", remote, f"{url}/m.msgpack").exit_code == 0  # read from the URL, written to one
+    assert stored(s3, url) == {"m.json": local.read_bytes(), "m.msgpack": (tmp_path / "m.msgpack").read_bytes()}
+    assert run("validate", remote, "--checkpoint", ds.path(CHECKPOINT)).exit_code == 0
