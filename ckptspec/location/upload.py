@@ -69,6 +69,7 @@ def objects(url: str) -> list[str]:
     """The objects below ``url`` (a directory's prefix), as sorted names relative to it; [] when there are none."""
     store = store_for(url)
     base = store.key(url)
+    store.fs.invalidate_cache(base)  # the backend's own listing cache: objects written since must be seen
     try:
         found = store.call(url, store.fs.find, base)
     except RemoteError as exc:
@@ -95,8 +96,19 @@ def publish(local: Path, url: str, visible: Sequence[str], removals: Sequence[st
     for name in removals:
         if name not in names:
             _delete(store, f"{base}/{name}")
-    store.fs.invalidate_cache(base)
+    _forget_below(store, base)
     return done
+
+
+def _forget_below(store: _Store, base: str) -> None:
+    """What this process saw of ``base`` and below (infos, listings, open handles) is stale now: a later read
+    of the same process (``ckptspec.reconstruct`` to the URL again, a ``validate``) asks the store again."""
+    store.fs.invalidate_cache(base)
+    for seen in (store._infos, store._listings, store._handles):
+        for key in [k for k in seen if k == base or k.startswith(base + "/")]:
+            del seen[key]
+    parent = base.rpartition("/")[0]
+    store._listings.pop(parent, None)  # its listing may lack the new directory
 
 
 def put(url: str, data: bytes) -> Uploaded:

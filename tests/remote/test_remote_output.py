@@ -250,3 +250,15 @@ def test_manifest_writers_to_s3(ds, s3, url, tmp_path):
     assert run("convert", remote, f"{url}/m.msgpack").exit_code == 0  # read from the URL, written to one
     assert stored(s3, url) == {"m.json": local.read_bytes(), "m.msgpack": (tmp_path / "m.msgpack").read_bytes()}
     assert run("validate", remote, "--checkpoint", ds.path(CHECKPOINT)).exit_code == 0
+
+
+def test_reconstruct_to_the_same_url_twice_in_one_process(ds, s3, url, tmp_path):
+    """The Python API in a long-running process: what it saw of the URL before its own upload is not taken for what
+    is there after it (the second run finds the first's shards and removes them)."""
+    import ckptspec
+
+    ckptspec.reconstruct(ds.path(CHECKPOINT), url, max_shard_size=2000)
+    ckptspec.reconstruct(ds.path(CHECKPOINT), url, max_shard_size=4000)
+    assert stored(s3, url) == local_output(ds, tmp_path, "new", "--max-shard-size", "4000")
+    ckptspec.reconstruct(ds.path(CHECKPOINT), url)
+    assert stored(s3, url) == local_output(ds, tmp_path, "single")
