@@ -87,17 +87,34 @@ def publish(local: Path, url: str, visible: Sequence[str], removals: Sequence[st
     names = local_files(local)
     data = [n for n in names if n not in visible]
     before = set(objects(url))
-    if before & set(data):
-        for name in visible:
-            if name in before:
-                _delete(store, f"{base}/{name}")
-    done = [_upload(store, local / name, f"{base}/{name}", name) for name in data]
-    done += [_upload(store, local / name, f"{base}/{name}", name) for name in visible]
-    for name in removals:
-        if name not in names:
+    hidden = [name for name in visible if name in before] if before & set(data) else []
+    done: list[Uploaded] = []
+    removed: list[str] = []
+    try:
+        for name in hidden:
             _delete(store, f"{base}/{name}")
+            removed.append(name)
+        for name in data + list(visible):
+            done.append(_upload(store, local / name, f"{base}/{name}", name))
+        for name in removals:
+            if name not in names:
+                _delete(store, f"{base}/{name}")
+    except BaseException as stopped:  # an error, Ctrl-C, SIGTERM: the CLI says what readers see now
+        stopped.ckptspec_upload = _left(url, removed, done, len(names))  # type: ignore[attr-defined]  # any exception
+        raise
     _forget_below(store, base)
     return done
+
+
+def _left(url: str, hidden: list[str], done: list[Uploaded], objects: int) -> str:
+    """What readers of ``url`` see after an upload stopped (of ``objects``, ``done`` were uploaded)."""
+    if len(done) == objects:
+        return f"{url} holds the complete new output (objects of the earlier one it does not use: until the next run)"
+    if hidden:
+        return f"{url} holds no output: the earlier one's {hidden[0]} was removed first, its files being rewritten"
+    if done:
+        return f"{url} shows the earlier output, if any: {len(done)} objects of the new one uploaded, not the last"
+    return "nothing was written"
 
 
 def _forget_below(store: _Store, base: str) -> None:

@@ -262,3 +262,22 @@ def test_reconstruct_to_the_same_url_twice_in_one_process(ds, s3, url, tmp_path)
     assert stored(s3, url) == local_output(ds, tmp_path, "new", "--max-shard-size", "4000")
     ckptspec.reconstruct(ds.path(CHECKPOINT), url)
     assert stored(s3, url) == local_output(ds, tmp_path, "single")
+
+
+def test_sigterm_during_upload_says_what_readers_see(ds, s3, url, tmp_path, crash):
+    """Stopped at the last step of the upload, the line says what readers see, not "nothing was written": over shards
+    of the same names, no output (the earlier index was removed first); beside them, the new output (the last step
+    removes one of the earlier output's shards)."""
+    source = ds.path(CHECKPOINT)
+    previous = local_output(ds, tmp_path, "previous", *PREVIOUS)
+    for args, says, readers in (
+        (OVERWRITES, f"terminated; {url} holds no output: ", {}),
+        (BESIDE, f"terminated; {url} holds the complete new output ", local_output(ds, tmp_path, "beside", *BESIDE)),
+    ):
+        put(s3, url, previous)
+        command = ["reconstruct", source, url, "-q", *args]
+        last = crash.steps(command, tmp_path / "count")
+        put(s3, url, previous)
+        stopped = crash.run(command, f"term:{last}")
+        assert stopped.returncode == 143 and says in stopped.stderr, stopped.stderr
+        assert seen(s3, url) == readers
