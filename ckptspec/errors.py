@@ -348,8 +348,9 @@ class PickleOverCap(TorchFileError):
 
 class RemoteError(InputOutputError):
     """A file at a URL cannot be read (exit 2): not found, access denied, no range requests, changed
-    while read, a timeout, a dropped connection (CK910-CK915), a write to a URL (CK916), a backend
-    that is not installed (CK917). See ``ckptspec.location``."""
+    while read, a timeout, a dropped connection (CK910-CK915), a write to a URL that cannot be written (CK916), a
+    backend that is not installed (CK917), an uploaded object that differs from the output written (CK920).
+    See ``ckptspec.location``."""
 
 
 # --------------------------------------------------------------------------- producers and writers

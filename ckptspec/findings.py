@@ -165,6 +165,8 @@ CODES: dict[str, str] = {
     # CK918-CK919: a torchrun split (split.py)
     "CK918": "rank-failed",
     "CK919": "output-not-shared",
+    # CK920: an output uploaded to a URL (location/upload.py)
+    "CK920": "remote-upload-differs",
     "CK999": "internal-error",
 }
 

@@ -141,6 +141,9 @@ def what_was_written(stopped: BaseException) -> str:
     so nothing, unless it stopped while putting its output in place (``_commit.commit_outcome``)."""
     from .._commit import JOURNAL, commit_outcome
 
+    uploaded = getattr(stopped, "ckptspec_upload", None)  # an upload to a URL (location.upload.publish)
+    if isinstance(uploaded, str):
+        return uploaded
     state, where = commit_outcome(stopped) or ("", None)
     if where is None or not where.exists():  # none, or into a temporary directory, removed since
         return "nothing was written"

@@ -98,12 +98,12 @@ def reconstruct(
     from ..export.progress import progress_printer
     from ..export.writers import torch_available
     from ..format.dtypes import output_dtype
-    from ..location import fetched, is_remote, refuse_write
+    from ..location import fetched, is_remote, writable
 
     if fmt == "torch" and not torch_available():
         raise click.UsageError("--format torch needs torch (pip install torch); --format safetensors does not")
     try:
-        refuse_write(output_dir, "the reconstruction")  # before anything is fetched
+        writable(output_dir, "the reconstruction")  # CK916 (HTTP), CK917, before anything is fetched
         try:
             # Tensor digests are checked while the tensors stream, not in a pass of their own; so are a
             # remote checkpoint's file hashes, so that each byte is fetched once (ShardReader.verify).

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..deepspeed.kinds import described_by_index
 from ..findings import Finding
-from ..location import refuse_write
+from ..location import writable
 from .checkpoint import Checkpoint, open_checkpoint, require
 from .writers import DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, WriteResult
 
@@ -100,7 +100,7 @@ def reconstruct(
     and with ``optimizer_state`` the per-parameter optimizer state as ``optimizer.safetensors``
     (``export/optimizer_state.py``). ``jobs``: threads writing each file.
     Runs in this process only unless ``CKPTSPEC_WORKERS=2`` lets it fork (docs/performance.md)."""
-    refuse_write(output_dir, "the reconstruction")  # before the checkpoint is read
+    writable(output_dir, "the reconstruction")  # CK916 (HTTP), CK917, before the checkpoint is read
     return open_checkpoint(checkpoint, document=manifest, tag=tag).reconstruct(
         output_dir,
         dtype=dtype,

@@ -38,6 +38,7 @@ from .._version import __version__
 from ..errors import ForeignOutput, ReconstructUnsupported
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Manifest, Optimizer
+from ..location import RemotePath, location
 from .arrays import ShardReader, read_array
 from .checkpoint import Checkpoint
 from .model_plan import ModelPlan, ReconstructionPlan, TensorSource
@@ -65,7 +66,7 @@ class DcpPlan:
 
 @dataclass
 class DcpResult:
-    output_dir: Path
+    output_dir: Path | RemotePath  # a URL's is a RemotePath
     tensors: int
     nbytes: int
     files: int
@@ -248,4 +249,4 @@ def write_dcp(
         with held_export_output(output_dir) as out:
             written = build_and_publish(out, build)
     keys = len(dcp_plan.tensors) + len(dcp_plan.steps)
-    return DcpResult(Path(output_dir), keys, dcp_plan.nbytes, written, dcp_plan.not_carried)
+    return DcpResult(location(output_dir), keys, dcp_plan.nbytes, written, dcp_plan.not_carried)

@@ -26,7 +26,7 @@ from ..checkpoint.dcp.runs import runs
 from ..errors import CheckpointInvalid, ReconstructUnsupported
 from ..findings import Finding, has_errors
 from ..format.dtypes import ITEMSIZE
-from ..location import location, open_binary, refuse_write
+from ..location import location, open_binary, writable
 from .arrays import ShardReader
 from .dcp_optimizer import plan_dcp_optimizer
 from .model_plan import Segment, coalesced
@@ -117,7 +117,7 @@ def reconstruct_dcp(
 ) -> DcpReconstruction:
     """Check the DCP checkpoint in ``directory``, then write its model weights to ``output/model.safetensors``
     (and with ``optimizer_state`` its optimizer state to ``output/optimizer.safetensors``: ``dcp_optimizer``)."""
-    refuse_write(output, "the reconstruction")  # before anything is fetched
+    writable(output, "the reconstruction")  # before anything is fetched: an object store stages and uploads
     source = location(directory)  # a URL: ranged reads (docs/remote.md)
     meta, findings = check_dcp(source)
     if has_errors(findings):

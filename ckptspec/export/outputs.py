@@ -13,13 +13,13 @@ and is never touched (``ForeignOutput``, CK909).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.embedded import read_safetensors_metadata
 from ..checkpoint.output_names import OUTPUT_NAME
 from ..errors import CkptspecError
+from ..location import RemotePath
 
 _MAX_INDEX_BYTES = 256 * 1024 * 1024  # an index holds names and one manifest
 
@@ -34,7 +34,7 @@ def _is_ours(meta: object) -> bool:
     return isinstance(meta, dict) and any(isinstance(k, str) and k.startswith("ckptspec.") for k in meta)
 
 
-def _read_index(path: Path) -> dict | None:
+def _read_index(path: Path | RemotePath) -> dict | None:
     try:
         if path.stat().st_size > _MAX_INDEX_BYTES:
             return None
@@ -44,9 +44,11 @@ def _read_index(path: Path) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def existing_outputs(out: Path) -> ExistingOutputs:
-    """Sort the files of ``out`` that carry an output's name into ckptspec's and others'."""
-    names = sorted(n for n in os.listdir(out) if OUTPUT_NAME.match(n) and (out / n).is_file())
+def existing_outputs(out: Path | RemotePath) -> ExistingOutputs:
+    """Sort the files of ``out`` (a directory, or a URL's prefix) that carry an output's name into ckptspec's and
+    others'."""
+    listed = out.iterdir() if out.is_dir() else iter(())  # a URL with no object yet is no directory
+    names = sorted(p.name for p in listed if OUTPUT_NAME.match(p.name) and p.is_file())
     found = ExistingOutputs()
     for name in (n for n in names if n.endswith(".index.json")):
         index = _read_index(out / name)

@@ -34,6 +34,7 @@ from ..deepspeed.layout.tag_dir import scan_tag_dir
 from ..errors import CheckpointInvalid, ReshardUnsupported
 from ..findings import has_errors
 from ..format.models import Manifest
+from ..location import RemotePath, location
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
 from .plan import plan_reconstruction
@@ -45,12 +46,12 @@ from .reshard_stage3 import write_stage3_files
 
 @dataclass
 class ReshardResult:
-    output: Path
+    output: Path | RemotePath  # a URL's is a RemotePath
     tag: str
     source_world_size: int
     world_size: int
     zero_stage: int
-    files: list[Path]
+    files: list[Path | RemotePath]
 
 
 def reshard(
@@ -101,14 +102,14 @@ def reshard(
             return files
 
         files = build_and_publish(out, build)
-    output = Path(output)
+    written_to = location(output)
     return ReshardResult(
-        output,
+        written_to,
         plan.tag_dir.name,
         found.layout.world_size,
         world_size,
         target.zero_stage,
-        [output / plan.tag_dir.name / f.name for f in files],
+        [written_to / plan.tag_dir.name / f.name for f in files],
     )
 
 
@@ -139,8 +140,8 @@ def _reshard_to_tensor_parallel(
 
         files = build_and_publish(out, build)
     stage = writes[0].target.zero_stage
-    written = [Path(output) / plan.tag_dir.name / f.name for f in files]
-    return ReshardResult(Path(output), plan.tag_dir.name, found.layout.world_size, world_size, stage, written)
+    written: list[Path | RemotePath] = [location(output) / plan.tag_dir.name / f.name for f in files]
+    return ReshardResult(location(output), plan.tag_dir.name, found.layout.world_size, world_size, stage, written)
 
 
 def validated_source(checkpoint, manifest, tag) -> tuple[Manifest, StateCache]:

@@ -40,7 +40,7 @@ from ..errors import CheckpointInvalid, ReshardUnsupported, UnsafePickleError
 from ..findings import has_errors
 from ..format.dtypes import ITEMSIZE
 from ..format.models import Manifest
-from ..location import RemotePath, location, open_binary, refuse_write
+from ..location import RemotePath, location, open_binary, writable
 from .dcp_input import MODEL_PREFIX, Items, items_of, located
 from .dcp_roles import model_roles
 from .dcp_target import MODEL_DTYPES, MODEL_FILE, MOMENTS, dcp_manifest, dcp_optimizer, model_states_template
@@ -236,7 +236,7 @@ def reshard_dcp(
     """Check the DCP checkpoint in ``directory``, then write it as a DeepSpeed ZeRO ``zero_stage`` checkpoint for
     ``world_size`` ranks of ``model_dtype`` (fp32 masters) into ``output`` (stage 3: sub-groups of the target's
     ``sub_group_size``, DeepSpeed's default if None); CK410 for what the target cannot hold, nothing written then."""
-    refuse_write(output, "the resharded checkpoint")  # before anything is fetched
+    writable(output, "the resharded checkpoint")  # before anything is fetched: an object store stages and uploads
     source = location(directory)  # a URL: ranged reads (docs/remote.md)
     if zero_stage not in STAGES:
         asked = "no --stage" if zero_stage is None else f"--stage {zero_stage}"
@@ -289,5 +289,5 @@ def reshard_dcp(
 
         files = build_and_publish(out, build)
     tag = f"global_step{dcp.step}"
-    written = [Path(output) / tag / f.name for f in files]
-    return ReshardResult(Path(output), tag, dcp.ranks, world_size, zero_stage, written)
+    written: list[Path | RemotePath] = [location(output) / tag / f.name for f in files]
+    return ReshardResult(location(output), tag, dcp.ranks, world_size, zero_stage, written)

@@ -23,7 +23,7 @@ from ..deepspeed.layout.tag_dir import resolve_tag_dir
 from ..errors import CheckpointInvalid, ReshardUnsupported
 from ..findings import has_errors
 from ..format.index_models import CheckpointIndex
-from ..location import RemotePath
+from ..location import RemotePath, location
 from .arrays import CHUNK_BYTES, ShardReader
 from .compose import domain_plan
 from .model_plan import Segment
@@ -150,16 +150,16 @@ def reshard_model_parallel(
             return files
 
         files = build_and_publish(out, build)
-    output = Path(output)
+    written_to = location(output)
     degrees = found.topology.degrees
     return ReshardResult(
-        output,
+        written_to,
         src_dir.name,
         degrees.data * degrees.tensor * degrees.pipeline,
         world_size,
         # the written ZeRO stage: the plan's, whichever way it was planned
         (merge or (writes and writes[0]) or moe or stages or next(iter(targets.values()))).zero_stage,
-        [output / src_dir.name / f.name for f in files],
+        [written_to / src_dir.name / f.name for f in files],
     )
 
 

@@ -33,7 +33,7 @@ from .. import split
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.models import Manifest
-from ..location import open_binary
+from ..location import RemotePath, location, open_binary
 from . import ds_pickle
 from .arrays import ShardReader, iter_chunks, read_array
 from .model_plan import TensorSource
@@ -51,7 +51,7 @@ STAGE3_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "zero_stage", "p
 
 @dataclass
 class UniversalResult:
-    output: Path
+    output: Path | RemotePath  # a URL's is a RemotePath
     tag: str
     params: int
 
@@ -73,7 +73,7 @@ def export_universal(
         plan = plan_reconstruction(checkpoint, found, tag, states=states)
         state_plan = plan_optimizer_state(plan)
         count = build_and_publish(out, lambda tmp: _write(found, plan, state_plan, states, tmp))
-    return UniversalResult(Path(output), plan.tag_dir.name, count)
+    return UniversalResult(location(output), plan.tag_dir.name, count)
 
 
 def _refuse(found: Manifest) -> None:

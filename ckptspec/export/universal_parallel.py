@@ -34,6 +34,7 @@ from ..deepspeed.layout.tag_dir import resolve_tag_dir
 from ..errors import CheckpointInvalid, ReshardUnsupported
 from ..findings import has_errors
 from ..format.index_models import CheckpointIndex, Domain
+from ..location import location
 from .compose import domain_plan
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
@@ -65,7 +66,7 @@ def export_universal_index(
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         count = build_and_publish(out, write)
-    return UniversalResult(Path(output), src_dir.name, count)
+    return UniversalResult(location(output), src_dir.name, count)
 
 
 def _writer(index: CheckpointIndex, src_dir: Path, states: StateCache):

@@ -28,7 +28,7 @@ from ..checkpoint.embedded import SAFETENSORS_KEY as MANIFEST_KEY
 from ..checkpoint.embedded import pointer_metadata
 from ..errors import ForeignOutput, InputOutputError, ReconstructUnsupported
 from ..format.dtypes import output_dtype
-from ..location import RemotePath, refuse_write
+from ..location import RemotePath, is_remote, location
 from .arrays import ShardReader, read_array, stream
 from .model_plan import ModelPlan
 from .optimizer_state import optimizer_state_temporary
@@ -87,7 +87,7 @@ def _shard_names(count: int, fmt: str) -> list[str]:
 
 @dataclass
 class WriteResult:
-    output_dir: Path
+    output_dir: Path | RemotePath  # a URL's is a RemotePath
     files: list[str]
     tensors: int
     nbytes: int
@@ -118,7 +118,26 @@ def write_consolidated(
     dtype = output_dtype(dtype)
     if fmt not in ("safetensors", "torch"):
         raise ValueError(f"unknown output format {fmt!r}")
-    refuse_write(output_dir, "the reconstruction")
+    if is_remote(output_dir):  # built locally, then uploaded with its index (or single file) last
+        from .output_dir import reconstruct_to_url
+
+        local = reconstruct_to_url(
+            str(output_dir),
+            plan.tag_dir,
+            lambda out: write_consolidated(
+                plan,
+                out,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                fmt=fmt,
+                untie=untie,
+                progress=progress,
+                optimizer_state=optimizer_state,
+                jobs=jobs,
+            ),
+        )
+        local.output_dir = location(output_dir)
+        return local
     out = Path(output_dir)
     _refuse_inside(out, plan.tag_dir)
     progress = progress or (lambda n: None)

@@ -36,7 +36,7 @@ import msgpack
 
 from .._fs import write_atomic
 from ..errors import InputOutputError, InvalidDocument, NotEncodable
-from ..location import AnyPath, RemotePath, is_remote, location, not_found, refuse_write
+from ..location import AnyPath, RemotePath, is_remote, location, not_found, upload, writable
 from .json_fast import dumps_compact, dumps_indented, dumps_reference
 
 if TYPE_CHECKING:
@@ -392,7 +392,10 @@ def write_manifest(manifest: Manifest | CheckpointIndex | dict, output: str, enc
         sys.stdout.buffer.write(data)
         sys.stdout.flush()
         return
-    refuse_write(output, "a manifest")
+    if is_remote(output):
+        writable(output, "a manifest")  # CK916 for HTTP, CK917
+        upload.put(output, data)
+        return
     try:
         write_atomic(output, data)
     except OSError as exc:

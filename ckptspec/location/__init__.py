@@ -20,8 +20,11 @@ Every request is retried with backoff on transient errors (a dropped connection,
 ETag (s3fs does the same for S3) and every answer must hold the bytes asked for, so a file that
 changed while it was read is refused (CK913), never mixed. A problem is a ``RemoteError`` with a
 code: not found (CK910), access denied (CK911), no range requests (CK912), changed (CK913), timeout
-(CK914), connection (CK915); writing to a URL is refused (CK916); a URL whose backend is not
-installed or not known is CK917.
+(CK914), connection (CK915); writing to an HTTP URL, and by the commands that do not upload (``embed``,
+``scan --fix-latest``, ``--keep``), is refused (CK916); a URL whose backend is not installed or not known is
+CK917. ``reconstruct``, ``reshard``, ``export``, ``export-universal`` and the manifest writers (``generate -o``,
+``convert``, ``migrate``, ``extract -o``) write to object stores (``upload``: built locally, uploaded object by
+object, the object readers look for last, each verified; CK920 when one differs).
 
 What a process has seen of a remote file (size, ETag, listings) is kept until ``forget()``
 (each ``ckptspec`` command starts with it), so that a file read by validation and again by
@@ -91,13 +94,23 @@ def exists(name: str | os.PathLike) -> bool:
     return where.exists() if isinstance(where, RemotePath) else os.path.exists(where)
 
 
+def writable(name: str | os.PathLike, what: str = "the output") -> None:
+    """Before a command reads anything: an output at a URL needs its backend (CK917) and a store that takes
+    writes: HTTP is read-only (CK916); a local one, nothing."""
+    if is_remote(name):
+        if os.fspath(name).lower().startswith(("http://", "https://")):
+            refuse_write(name, what)
+        store_for(os.fspath(name))
+
+
 def refuse_write(name: str | os.PathLike, what: str) -> None:
-    """Raise CK916 when ``name`` is remote: ckptspec writes only local files."""
+    """Raise CK916 when ``name`` is remote: for a writer that does not upload (``upload`` is the one that does)."""
     if is_remote(name):
         raise RemoteError(
             "CK916",
-            f"{what} cannot be written to a URL: remote locations are read-only for ckptspec",
-            "write to a local path (and copy the result with your storage's own tool, e.g. `aws s3 cp`)",
+            f"{what} cannot be written to this URL: read-only for ckptspec",
+            "write to a local path, or to an object store's URL (s3://, gs://...) where the command writes one "
+            "(reconstruct, reshard, export, export-universal, generate -o, convert, migrate, extract -o)",
             str(name),
         )
 
@@ -174,4 +187,5 @@ __all__ = [
     "relative_name",
     "remember_hash",
     "walk",
+    "writable",
 ]

@@ -172,8 +172,8 @@ def test_a_file_missing_or_cut_short_at_the_url_has_the_local_code(fault, code, 
 
 
 def test_what_a_url_cannot_take_is_refused_by_name(nginx, ds, tmp_path):
-    """Options a DCP checkpoint does not take are refused at a URL as on disk, and an output at a URL is CK916,
-    before anything is fetched."""
+    """Options a DCP checkpoint does not take are refused at a URL as on disk, and an output at an HTTP URL is
+    CK916, before anything is fetched."""
     local, path = nginx.serve(ds.path(dcp_save_name(1)) / "dcp")
     url = nginx.url(path)
     result = run("reconstruct", url, tmp_path / "out", "--dtype", "bf16")
@@ -181,9 +181,10 @@ def test_what_a_url_cannot_take_is_refused_by_name(nginx, ds, tmp_path):
         result.exit_code == 2 and "--dtype other than fp32: not for a DCP checkpoint (.metadata) yet" in result.output
     )
     mark = nginx.mark()
-    result = run("reconstruct", url, "s3://bucket/out")
-    assert result.exit_code == 2 and "CK916" in result.output and "cannot be written to a URL" in result.output
-    result = run("reshard", url, "s3://bucket/out", "--world-size", "2", "--stage", "1")
+    out_url = nginx.url("out/")  # HTTP takes no writes (an object store's URL does: test_remote_output.py)
+    result = run("reconstruct", url, out_url)
+    assert result.exit_code == 2 and "CK916" in result.output and "cannot be written to this URL" in result.output
+    result = run("reshard", url, out_url, "--world-size", "2", "--stage", "1")
     assert result.exit_code == 2 and "CK916" in result.output, result.output
     assert [line for line in nginx.since(mark) if ".distcp" in line[1]] == []
     denied = nginx.url(path, location="denied/")

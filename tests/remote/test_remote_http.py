@@ -214,8 +214,8 @@ def test_writes_to_urls_are_refused(served, tmp_path):
     for args in (
         ["embed", url],
         ["embed", url, "--sidecar-only"],
-        ["reconstruct", local, "s3://bucket/out"],
-        ["reshard", local, "s3://bucket/out", "--world-size", "2"],
+        ["reconstruct", local, "https://example.invalid/out"],  # HTTP: read-only (object stores take outputs)
+        ["reshard", local, url + "-out", "--world-size", "2"],
         ["generate", local, "-o", "https://example.invalid/manifest.json"],
     ):
         result = run(*args)
