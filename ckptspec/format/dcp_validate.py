@@ -10,6 +10,7 @@ from ..findings import Finding, finding, has_errors, json_path
 from .codec import gc_paused
 from .dcp_rules import check_dcp_rules
 from .schemas import DCP_SCHEMAS, LATEST_DCP, schema, schema_findings
+from .version import line_version_findings
 
 if TYPE_CHECKING:
     from .dcp_models import DcpDocument
@@ -37,31 +38,12 @@ class DcpReport:
 
 
 def _version_findings(doc: dict) -> tuple[list[Finding], bool]:
-    version = doc.get("format_version")
-    try:
-        major, minor = (int(x) for x in str(version).split(".")[:2])
-    except ValueError:
-        return [], False  # the schema reports it
-    if major != DCP_MAJOR:
-        return [
-            finding(
-                "CK003",
-                json_path("format_version"),
-                f"DCP document version {version} has major {major}; this reader understands {DCP_MAJOR}",
-                "upgrade ckptspec, or describe the checkpoint again with `ckptspec generate`",
-            )
-        ], True
-    if minor > DCP_MINOR:
-        return [
-            finding(
-                "CK004",
-                json_path("format_version"),
-                f"DCP document version {version} is newer than {DCP_MAJOR}.{DCP_MINOR}",
-                "upgrade ckptspec to check every field",
-                severity="warning",
-            )
-        ], False
-    return [], False
+    return line_version_findings(
+        doc,
+        "DCP document",
+        (DCP_MAJOR, DCP_MINOR),
+        "upgrade ckptspec, or describe the checkpoint again with `ckptspec generate`",
+    )
 
 
 def validate_dcp_document(doc: Any) -> DcpReport:

@@ -19,6 +19,7 @@ from .codec import DEFAULT_MAX_BYTES, Encoding, gc_paused, read_document
 from .index_rules import check_index_rules
 from .schemas import INDEX_SCHEMAS, LATEST_INDEX, schema, schema_findings
 from .validate import validate_document
+from .version import line_version_findings
 
 if TYPE_CHECKING:
     from .index_models import CheckpointIndex
@@ -46,31 +47,7 @@ class IndexReport:
 
 
 def _version_findings(doc: dict) -> tuple[list[Finding], bool]:
-    version = doc.get("format_version")
-    try:
-        major, minor = (int(x) for x in str(version).split(".")[:2])
-    except ValueError:
-        return [], False  # the schema reports it
-    if major != INDEX_MAJOR:
-        return [
-            finding(
-                "CK003",
-                json_path("format_version"),
-                f"checkpoint index version {version} has major {major}; this reader understands {INDEX_MAJOR}",
-                "upgrade ckptspec",
-            )
-        ], True
-    if minor > INDEX_MINOR:
-        return [
-            finding(
-                "CK004",
-                json_path("format_version"),
-                f"checkpoint index version {version} is newer than {INDEX_MAJOR}.{INDEX_MINOR}",
-                "upgrade ckptspec to check every field",
-                severity="warning",
-            )
-        ], False
-    return [], False
+    return line_version_findings(doc, "checkpoint index", (INDEX_MAJOR, INDEX_MINOR), "upgrade ckptspec")
 
 
 def _prefixed(found: Finding, *parts: str | int) -> Finding:

@@ -76,3 +76,35 @@ def version_findings(doc: dict) -> tuple[list[Finding], bool]:
             )
         ], False
     return [], False
+
+
+def line_version_findings(
+    doc: dict, kind: str, supported: tuple[int, int], major_hint: str
+) -> tuple[list[Finding], bool]:
+    """``version_findings`` for a document kind with a version line of its own (``kind``: "checkpoint index", "DCP
+    document"; ``supported``: the newest (major, minor) this reader knows); the same (findings, stop)."""
+    version = doc.get("format_version")
+    try:
+        major, minor = (int(x) for x in str(version).split(".")[:2])
+    except ValueError:
+        return [], False  # the schema reports it
+    if major != supported[0]:
+        return [
+            finding(
+                "CK003",
+                json_path("format_version"),
+                f"{kind} version {version} has major {major}; this reader understands {supported[0]}",
+                major_hint,
+            )
+        ], True
+    if minor > supported[1]:
+        return [
+            finding(
+                "CK004",
+                json_path("format_version"),
+                f"{kind} version {version} is newer than {supported[0]}.{supported[1]}",
+                "upgrade ckptspec to check every field",
+                severity="warning",
+            )
+        ], False
+    return [], False
