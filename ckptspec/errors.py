@@ -347,10 +347,9 @@ class PickleOverCap(TorchFileError):
 
 
 class RemoteError(InputOutputError):
-    """A file at a URL cannot be read (exit 2): not found, access denied, no range requests, changed
-    while read, a timeout, a dropped connection (CK910-CK915), a write to a URL that cannot be written (CK916), a
-    backend that is not installed (CK917), an uploaded object that differs from the output written (CK920).
-    See ``ckptspec.location``."""
+    """A URL cannot be read or written (exit 2): not found, access denied, no range requests, changed while read, a
+    timeout, a dropped connection (CK910-CK915), a URL that takes no writes (CK916), a backend that is not installed
+    (CK917), an uploaded object that differs from the output written (CK920). See ``ckptspec.location``."""
 
 
 # --------------------------------------------------------------------------- producers and writers

@@ -2,7 +2,7 @@
 document by its ``format`` and hands it to that kind's module (validation: ``validate.py``, ``index_validate.py``,
 ``dcp_validate.py``; migration: ``migrate.py``, ``index_migrate.py``), so no kind's module imports another's.
 
-``validate`` and ``load`` (``ckptspec.validate``, ``ckptspec.load``) take either kind, as
+``validate`` and ``load`` (``ckptspec.validate``, ``ckptspec.load``) take every kind, as
 ``jsonschema.validators.validator_for`` picks a validator by ``$schema``; ``load_manifest`` and
 ``validate_document`` read manifests only and refuse an index by name (``CK005``)."""
 

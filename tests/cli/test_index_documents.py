@@ -78,4 +78,4 @@ def test_load_manifest_says_it_is_an_index():
     with pytest.raises(ckptspec.InvalidManifest) as caught:
         ckptspec.load_manifest(INDEX)
     assert [f.code for f in caught.value.findings] == ["CK005"]
-    assert "ckptspec.load reads either kind" in caught.value.findings[0].hint
+    assert "ckptspec.load reads every kind" in caught.value.findings[0].hint
