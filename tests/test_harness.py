@@ -1,6 +1,7 @@
 """The real-DeepSpeed harness itself: its oracles agree with DeepSpeed's, and its cache is sound."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from _harness import cache, scenarios
@@ -129,3 +130,19 @@ def test_forked_ranks_get_what_torchrun_gives_its_ranks(ds, tmp_path):  # ds: it
     agent_only = ("TORCHELASTIC_", "TORCH_NCCL_")
     assert [{k: v for k, v in r.items() if not k.startswith(agent_only)} for r in added["torchrun"]] == added["ranks"]
     assert [r["RANK"] for r in added["ranks"]] == ["0", "1"]
+
+
+def test_an_http_reader_load_is_keyed_on_the_server_it_starts(tmp_path, monkeypatch):
+    """Rank 0 of an FSDP2 "http" load starts nginx with servers.py: an edit to it rebuilds that entry, and only it."""
+    from _harness import tasks
+
+    # without the entry they load, whose key is in theirs once it is built (a cold cache has none)
+    registry = {n: replace(t, load=None) for n, t in scenarios.REGISTRY.items() if t.kind == "fsdp2"}
+    http = next(n for n, t in registry.items() if t.args.get("http"))
+    local = next(n for n, t in registry.items() if not t.args.get("http"))
+    before = {n: task_key(n, registry[n]) for n in (http, local)}
+    edited = tmp_path / "servers.py"
+    edited.write_text(tasks.SERVERS.read_text() + "\n# edited\n")
+    monkeypatch.setattr(tasks, "SERVERS", edited)
+    assert task_key(http, registry[http]) != before[http]
+    assert task_key(local, registry[local]) == before[local]

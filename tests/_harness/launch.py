@@ -27,6 +27,7 @@ DCP_SAVE_MAIN = HARNESS / "dcp_save_job.py"  # FSDP2 jobs that save DCP checkpoi
 OPTIM_MAIN = HARNESS / "optim_job.py"  # the optimizer state DeepSpeed loads from a parallel entry (its own key)
 BEFORE_LOAD = HARNESS / "before_load.py"  # imported by RESHARD_MAIN and OPTIM_MAIN (in their keys)
 OPTIM_UNIVERSAL_MAIN = HARNESS / "optim_universal_job.py"  # the same from a universal folder's source (its own key)
+SERVERS = HARNESS / "servers.py"  # nginx, which FSDP2_MAIN's "http" loads start on rank 0 (in their keys)
 SITE = HARNESS / "site"  # sitecustomize: no shm comm op compile (see its docstring)
 TIMEOUT_S = 900
 
