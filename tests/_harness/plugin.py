@@ -189,12 +189,13 @@ def torchrun():
 
 @pytest.fixture(scope="session")
 def fsdp2_launch():
-    """``fsdp2_launch(tasks, world_size, workdir)``: fsdp2_job.py's tasks in one uncached torchrun launch (for loads
-    of a checkpoint the test made, e.g. a corrupt copy); returns the launch log, raises on a failed launch."""
+    """``fsdp2_launch(tasks, world_size, workdir, env=None)``: fsdp2_job.py's tasks in one uncached torchrun launch
+    (for loads of a checkpoint the test made, e.g. a corrupt copy; ``env``: a ``ds.cached`` build's, to cache it);
+    returns the launch log, raises on a failed launch."""
     from .launch import FSDP2_MAIN, run_tasks
 
-    def run(tasks: list[dict], world_size: int, workdir: Path) -> str:
-        return run_tasks(tasks, world_size, workdir, script=FSDP2_MAIN)
+    def run(tasks: list[dict], world_size: int, workdir: Path, env: dict | None = None) -> str:
+        return run_tasks(tasks, world_size, workdir, script=FSDP2_MAIN, env=env)
 
     return run
 
