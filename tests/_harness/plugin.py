@@ -11,8 +11,9 @@ fixture                what it gives                                            
                        (tasks.py; built once, cached)
 ``ds``                 the job results module itself (``ds.path``, ``ds.read_json``)  deepspeed
 ``zero_to_fp32``       DeepSpeed's own zero_to_fp32, in the test process (oracles.py)  deepspeed
-``fsdp2_launch``       ``fsdp2_launch(tasks, ws, workdir)``: fsdp2_job.py's tasks in  deepspeed
-                       one uncached torchrun launch (a checkpoint the test made)
+``fsdp2_launch``       ``fsdp2_launch(tasks, ws, workdir, env=)``: fsdp2_job.py's     deepspeed
+                       tasks in one torchrun launch (a checkpoint the test made;
+                       ``env``: a ``ds.cached`` build's, to cache it)
 ``committed``          ``committed(name)``: a real checkpoint committed in            (none)
                        tests/data (no DeepSpeed, no job)
 ``ckptspec_cli``       ``ckptspec_cli(*args)``: a command in-process (click's         (none)
