@@ -1,6 +1,10 @@
 """The real-DeepSpeed harness itself: its oracles agree with DeepSpeed's, and its cache is sound."""
 
+import inspect
 import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from _harness import cache, scenarios
@@ -96,36 +100,85 @@ def test_committed_checkpoints_are_what_the_harness_builds(ds, name):
     }
 
 
-def test_forked_ranks_get_what_torchrun_gives_its_ranks(ds, tmp_path):  # ds: its launches import DeepSpeed
+RANKS_ENV_SCRIPT = (  # a job script that writes what its rank was started with (ranks.py's preloads first)
+    "import json, os, sys\n"
+    "sys.path.insert(0, sys.argv[2])\n"
+    "import ranks\n"
+    "ranks.preload()\n"
+    "out = os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + '.json')\n"
+    "json.dump({'env': dict(os.environ), 'name': __name__, 'argv': sys.argv[1:]}, open(out, 'w'))\n"
+)
+
+
+def _launchers_started(directory, _env) -> None:
+    """Both launchers run RANKS_ENV_SCRIPT on two ranks; kept per launcher and rank: the script's ``__name__``, its
+    arguments (the output folder as ``{out}``, job/ as ``{job}``), ``MASTER_PORT`` beside the test environment's,
+    and the variables it set (those whose values differ from launch.job_env's; the environment itself is not kept)."""
+    from _harness.launch import RANKS, Done, Launch, job_env, run_launches, run_torchrun
+
+    script = directory / "ranks_env.py"
+    directory.mkdir()
+    script.write_text(RANKS_ENV_SCRIPT)
+    env = job_env()
+    kept = {}
+    for launcher in ("torchrun", "ranks"):
+        out = directory / launcher
+        out.mkdir()
+        args = [str(out), str(RANKS.parent)]
+        if launcher == "torchrun":
+            run_torchrun(script, args, 2)
+        else:
+            (outcome,) = run_launches([Launch(script, args, 2, out)])
+            assert isinstance(outcome, Done), outcome
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        kept[launcher] = [
+            {
+                "name": r["name"],
+                "argv": [{str(out): "{out}", str(RANKS.parent): "{job}"}.get(a, a) for a in r["argv"]],
+                "ports": [r["env"]["MASTER_PORT"], env.get("MASTER_PORT")],
+                "added": {k: v for k, v in r["env"].items() if env.get(k) != v and k != "MASTER_PORT"},
+            }
+            for r in ranks
+        ]
+        shutil.rmtree(out)
+    (directory / "launchers.json").write_text(json.dumps(kept, indent=1))
+
+
+def test_forked_ranks_get_what_torchrun_gives_its_ranks(ds):  # ds: its launches import DeepSpeed
     """The harness's launches (``run_launches``: job/ranks.py) start each rank with torchrun's
     environment (the elastic agent's own TORCHELASTIC_* and NCCL variables aside) and run the
     script as ``__main__`` with its arguments. The script imports what ranks.py preloads first, as
-    every job does (torch and DeepSpeed set a few variables of their own when imported)."""
-    from _harness.launch import RANKS, Done, Launch, job_env, run_launches, run_torchrun
+    every job does (torch and DeepSpeed set a few variables of their own when imported).
 
-    script = tmp_path / "ranks_env.py"
-    script.write_text(
-        "import json, os, sys\n"
-        f"sys.path.insert(0, {str(RANKS.parent)!r})\n"
-        "import ranks\n"
-        "ranks.preload()\n"
-        "out = os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + '.json')\n"
-        "json.dump({'env': dict(os.environ), 'name': __name__, 'argv': sys.argv[1:]}, open(out, 'w'))\n"
-    )
-    env = job_env()
+    Cached (``ds.cached``): keyed on launch.py, this script and what records it, with the job's code (ranks.py) and
+    torch's and DeepSpeed's versions."""
+    from _harness import launch
+
+    code = {"launch": Path(launch.__file__).read_text(), "build": inspect.getsource(_launchers_started)}
+    entry = ds.cached("launchers-env", {"script": RANKS_ENV_SCRIPT, **code}, _launchers_started)
+    kept = json.loads((entry / "launchers.json").read_text())
     added = {}  # launcher -> per rank, the variables it set (MASTER_PORT apart: a free port each time)
-    for launcher in ("torchrun", "ranks"):
-        out = tmp_path / launcher
-        out.mkdir()
-        if launcher == "torchrun":
-            run_torchrun(script, [str(out)], 2)
-        else:
-            (outcome,) = run_launches([Launch(script, [str(out)], 2, out)])
-            assert isinstance(outcome, Done), outcome
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-        assert [(r["name"], r["argv"]) for r in ranks] == [("__main__", [str(out)])] * 2
-        assert ranks[0]["env"]["MASTER_PORT"] == ranks[1]["env"]["MASTER_PORT"] != env.get("MASTER_PORT")
-        added[launcher] = [{k: v for k, v in r["env"].items() if env.get(k) != v and k != "MASTER_PORT"} for r in ranks]
+    for launcher, ranks in kept.items():
+        assert [(r["name"], r["argv"]) for r in ranks] == [("__main__", ["{out}", "{job}"])] * 2
+        (port, test_port), (other, _) = ranks[0]["ports"], ranks[1]["ports"]
+        assert port == other != test_port
+        added[launcher] = [r["added"] for r in ranks]
     agent_only = ("TORCHELASTIC_", "TORCH_NCCL_")
     assert [{k: v for k, v in r.items() if not k.startswith(agent_only)} for r in added["torchrun"]] == added["ranks"]
     assert [r["RANK"] for r in added["ranks"]] == ["0", "1"]
+
+
+def test_an_http_reader_load_is_keyed_on_the_server_it_starts(tmp_path, monkeypatch):
+    """Rank 0 of an FSDP2 "http" load starts nginx with servers.py: an edit to it rebuilds that entry, and only it."""
+    from _harness import tasks
+
+    # without the entry they load, whose key is in theirs once it is built (a cold cache has none)
+    registry = {n: replace(t, load=None) for n, t in scenarios.REGISTRY.items() if t.kind == "fsdp2"}
+    http = next(n for n, t in registry.items() if t.args.get("http"))
+    local = next(n for n, t in registry.items() if not t.args.get("http"))
+    before = {n: task_key(n, registry[n]) for n in (http, local)}
+    edited = tmp_path / "servers.py"
+    edited.write_text(tasks.SERVERS.read_text() + "\n# edited\n")
+    monkeypatch.setattr(tasks, "SERVERS", edited)
+    assert task_key(http, registry[http]) != before[http]
+    assert task_key(local, registry[local]) == before[local]

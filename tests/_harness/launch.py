@@ -30,6 +30,7 @@ OPTIM_MAIN = HARNESS / "optim_job.py"  # the optimizer state DeepSpeed loads fro
 BEFORE_LOAD = HARNESS / "before_load.py"  # imported by RESHARD_MAIN and OPTIM_MAIN (in their keys)
 OPTIM_UNIVERSAL_MAIN = HARNESS / "optim_universal_job.py"  # the same from a universal folder's source (its own key)
 RESUME_MAIN = HARNESS / "resume_job.py"  # ckptspec's validated resume of a run tasks.launched builds (its own key)
+SERVERS = HARNESS / "servers.py"  # nginx, which FSDP2_MAIN's "http" loads start on rank 0 (in their keys)
 SITE = HARNESS / "site"  # sitecustomize: no shm comm op compile (see its docstring)
 TIMEOUT_S = 900
 
@@ -69,11 +70,17 @@ def _run_in_session(cmd: list[str], env: dict, timeout: float) -> tuple[int | No
 
 
 def run_torchrun(
-    script: Path, args: list[str], world_size: int, python: str = sys.executable, what: str = "DeepSpeed job"
+    script: Path,
+    args: list[str],
+    world_size: int,
+    python: str = sys.executable,
+    what: str = "DeepSpeed job",
+    env: dict | None = None,
 ) -> str:
-    """Run ``script`` under torchrun on the CPU; returns its log, raises ``HarnessError``."""
+    """Run ``script`` under torchrun on the CPU (the jobs' environment, and ``env``); returns its log, raises
+    ``HarnessError``."""
     guard.reached(f"a torchrun launch of {script.name}")
-    env = job_env(python)
+    env = {**job_env(python), **(env or {})}
     for attempt in range(3):
         cmd = _torchrun(world_size, script, *args, python=python)
         returncode, log = _run_in_session(cmd, env, TIMEOUT_S)
@@ -243,9 +250,14 @@ def task_launch(tasks: list[dict], world_size: int, workdir: Path, script: Path 
 
 
 def run_tasks(
-    tasks: list[dict], world_size: int, workdir: Path, python: str = sys.executable, script: Path = JOB_MAIN
+    tasks: list[dict],
+    world_size: int,
+    workdir: Path,
+    python: str = sys.executable,
+    script: Path = JOB_MAIN,
+    env: dict | None = None,
 ) -> str:
     """Run job tasks in one torchrun launch of ``script``, as a user starts a job (``examples/demo.py``;
     the harness's own launches go through ``run_launches``); returns the launch log, raises ``HarnessError``."""
     launch = task_launch(tasks, world_size, workdir, script)
-    return run_torchrun(launch.script, launch.args, world_size, python, launch.what)
+    return run_torchrun(launch.script, launch.args, world_size, python, launch.what, env)

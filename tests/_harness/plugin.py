@@ -11,8 +11,9 @@ fixture                what it gives                                            
                        (tasks.py; built once, cached)
 ``ds``                 the job results module itself (``ds.path``, ``ds.read_json``)  deepspeed
 ``zero_to_fp32``       DeepSpeed's own zero_to_fp32, in the test process (oracles.py)  deepspeed
-``fsdp2_launch``       ``fsdp2_launch(tasks, ws, workdir)``: fsdp2_job.py's tasks in  deepspeed
-                       one uncached torchrun launch (a checkpoint the test made)
+``fsdp2_launch``       ``fsdp2_launch(tasks, ws, workdir, env=)``: fsdp2_job.py's     deepspeed
+                       tasks in one torchrun launch (a checkpoint the test made;
+                       ``env``: a ``ds.cached`` build's, to cache it)
 ``committed``          ``committed(name)``: a real checkpoint committed in            (none)
                        tests/data (no DeepSpeed, no job)
 ``ckptspec_cli``       ``ckptspec_cli(*args)``: a command in-process (click's         (none)
@@ -189,12 +190,13 @@ def torchrun():
 
 @pytest.fixture(scope="session")
 def fsdp2_launch():
-    """``fsdp2_launch(tasks, world_size, workdir)``: fsdp2_job.py's tasks in one uncached torchrun launch (for loads
-    of a checkpoint the test made, e.g. a corrupt copy); returns the launch log, raises on a failed launch."""
+    """``fsdp2_launch(tasks, world_size, workdir, env=None)``: fsdp2_job.py's tasks in one uncached torchrun launch
+    (for loads of a checkpoint the test made, e.g. a corrupt copy; ``env``: a ``ds.cached`` build's, to cache it);
+    returns the launch log, raises on a failed launch."""
     from .launch import FSDP2_MAIN, run_tasks
 
-    def run(tasks: list[dict], world_size: int, workdir: Path) -> str:
-        return run_tasks(tasks, world_size, workdir, script=FSDP2_MAIN)
+    def run(tasks: list[dict], world_size: int, workdir: Path, env: dict | None = None) -> str:
+        return run_tasks(tasks, world_size, workdir, script=FSDP2_MAIN, env=env)
 
     return run
 

@@ -33,6 +33,7 @@ from .launch import (
     OPTIM_UNIVERSAL_MAIN,
     RESHARD_MAIN,
     RESUME_MAIN,
+    SERVERS,
     TRAINER_MAIN,
     HarnessError,
     job_env,
@@ -174,7 +175,10 @@ def task_key(name: str, task: Task) -> str | None:
     if task.nodes != 1:  # as several nodes (the keys of one node's tasks stay as they were)
         identity["nodes"] = task.nodes
     if task.kind == "fsdp2":  # its own entry script (the other kinds' keys stay as they were)
-        identity["script"] = cache.key({"fsdp2_job": FSDP2_MAIN.read_text()})
+        scripts = {"fsdp2_job": FSDP2_MAIN.read_text()}
+        if task.args.get("http"):  # rank 0 starts nginx with servers.py (the other loads' keys stay as they were)
+            scripts["servers"] = SERVERS.read_text()
+        identity["script"] = cache.key(scripts)
     if task.kind == "dcp_save":
         scripts = {"dcp_save_job": DCP_SAVE_MAIN.read_text(), "fsdp2_job": FSDP2_MAIN.read_text()}  # it imports it
         identity["script"] = cache.key(scripts)

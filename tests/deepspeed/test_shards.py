@@ -5,6 +5,7 @@ tests/_harness/faults.py is reported with its own code, naming the file and rank
 traceback, nothing written and no pickled code run.
 """
 
+import inspect
 import json
 import os
 import shutil
@@ -397,19 +398,32 @@ def test_optimizer_header_says_stage_numbers_and_what_the_counts_mean(built, tmp
         assert partition and all(counts in line for line in partition), partition
 
 
-def test_universal_checkpoint_is_named_as_such(built, tmp_path):
+UNIVERSAL_ARGS = ["--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+
+
+def test_universal_checkpoint_is_named_as_such(ds, built, tmp_path):
     """Defect 10: a folder written by DeepSpeed's ds_to_universal is not "ZeRO stage 0": since #17 it
-    is described (a checkpoint index of kind "universal") by every command."""
-    save_dir = _copy(built("committed:s2-bf16-ws2"), tmp_path)
+    is described (a checkpoint index of kind "universal") by every command. DeepSpeed's folder is made once
+    and cached (``ds.cached``, keyed on the committed checkpoint's files, the command and DeepSpeed's version)."""
+    committed = built("committed:s2-bf16-ws2")
+
+    def convert(directory: Path, env: dict) -> None:
+        source = _copy(committed, directory)  # a copy, as before: the committed files are never a tool's input
+        subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir(source))]
+            + ["--output_folder", str(directory / "global_step2_universal"), *UNIVERSAL_ARGS],
+            check=True,
+            capture_output=True,
+            env={**env, "DS_ACCELERATOR": "cpu"},
+        )
+        shutil.rmtree(source)
+
+    identity = {"build": inspect.getsource(convert)}  # the command, its arguments
+    converted = ds.cached("ds-to-universal-s2-bf16-ws2", identity, convert, sources=[committed])
+    save_dir = _copy(committed, tmp_path)
     universal = save_dir / "global_step2_universal"
-    subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir(save_dir))]
-        + ["--output_folder", str(universal), "--inject_missing_state"]
-        + ["--num_extract_workers", "1", "--num_merge_workers", "1"],
-        check=True,
-        capture_output=True,
-        env={**os.environ, "DS_ACCELERATOR": "cpu"},
-    )
+    shutil.copytree(converted / universal.name, universal)
+    shutil.copy(converted / "latest_universal", save_dir)  # written beside its output folder, as in a run
     assert (universal / "zero").is_dir() and not list(universal.glob("*_optim_states.pt"))
     for args in (
         ["validate", str(save_dir), "--tag", universal.name],

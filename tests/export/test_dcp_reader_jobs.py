@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from _harness import faults, scenarios
@@ -65,20 +66,41 @@ FAULTS = {  # fault -> (source, how, the finding every rank must raise)
 }
 
 
-def test_a_corrupt_checkpoint_fails_every_rank_before_any_tensor_is_read(ds, tmp_path, fsdp2_launch):
+@pytest.fixture(scope="module")
+def corrupt_loads(ds, fsdp2_launch):
+    """Fault -> the folder of the FSDP2 job's records (``failure.rank<r>.json``): both faults' copies loaded in one
+    launch of two ranks, cached (``ds.cached``) on the sources, fsdp2_job.py, the faults, this file and the ckptspec
+    modules the ranks imported."""
+    from _harness import fsdp2_job
     from _harness.job.model import normalize_spec
 
-    tasks = []
-    for fault, (source, corrupt, _) in FAULTS.items():
-        copy = tmp_path / fault / "checkpoint"
-        shutil.copytree(ds.path(source), copy)
-        corrupt(copy, None)
-        spec = normalize_spec(scenarios.DCP_SOURCE_SPECS[source][0])
-        tasks.append(_job_task(spec, copy, tmp_path / fault / "out", parallel=False))
-    fsdp2_launch(tasks, 2, tmp_path)  # one launch of two ranks, both loads in it
+    sources = {source: ds.path(source) for source, _, _ in FAULTS.values()}
+    code = {Path(m.__file__).name: Path(m.__file__).read_text() for m in (fsdp2_job, faults)}
+    identity = {
+        "sources": {n: p.name for n, p in sources.items()},
+        "code": {**code, "test": Path(__file__).read_text()},
+    }
+
+    def build(directory: Path, env: dict) -> None:
+        tasks = []
+        for fault, (source, corrupt, _) in FAULTS.items():
+            copy = directory / fault / "checkpoint"
+            shutil.copytree(sources[source], copy)
+            corrupt(copy, None)
+            spec = normalize_spec(scenarios.DCP_SOURCE_SPECS[source][0])
+            tasks.append(_job_task(spec, copy, directory / fault / "out", parallel=False))
+        fsdp2_launch(tasks, 2, directory, env=env)  # one launch of two ranks, both loads in it
+        for fault in FAULTS:
+            shutil.rmtree(directory / fault / "checkpoint")  # a copy of a cached entry: not kept
+
+    entry = ds.cached("dcp-reader-corrupt", identity, build)
+    return {fault: entry / fault / "out" for fault in FAULTS}
+
+
+def test_a_corrupt_checkpoint_fails_every_rank_before_any_tensor_is_read(corrupt_loads):
     for fault, (_, _, finding) in FAULTS.items():
         for rank in (0, 1):
-            record = json.loads((tmp_path / fault / "out" / f"failure.rank{rank}.json").read_text())
+            record = json.loads((corrupt_loads[fault] / f"failure.rank{rank}.json").read_text())
             assert record["error"] is not None, f"{fault}: rank {rank} loaded a corrupt checkpoint"
             # DCP's CheckpointException carries every rank's own failure: each names the finding.
             failures = record["error"].split("Traceback (most recent call last): (RANK ")[1:]

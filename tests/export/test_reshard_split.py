@@ -5,10 +5,16 @@ target layout loaded and checked (test_reshard.py, test_reshard_moe.py, test_res
 at 2 and 3 processes of a real torchrun (gloo), must write those files byte for byte, each rank a share of the
 files, reading less than one process reads; a corrupt source or a failing rank stops every rank with nothing
 written.
+
+Every torchrun run of this file is one cached entry (``ds.cached``, the ``split_runs`` fixture): its outputs, exit
+statuses, logs and what each run's directory held afterwards, keyed on the runs (commands, the source entries they
+read), the two job scripts and, as the jobs, the ckptspec modules the runs' processes imported; a warm run starts
+none of them, an edit to the code they run starts them all again. The tests assert on what the runs left.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -64,10 +70,76 @@ CASES = {
         3,
     ),
 }
+CORRUPT_SOURCE = "s2-bf16-ws2"  # copied and its rank 1 optimizer states truncated
 
 
 def _source(entry: str) -> str:
     return RESHARD_CASES[entry][0] if entry in RESHARD_CASES else DEGREE_RESHARDS[entry][0]
+
+
+def _runs() -> dict[str, dict]:
+    """Every torchrun run of this file: run id -> processes, nodes, what it runs (``{source}``: the source entry's
+    path, ``{out}``: the run's output, in a directory of its own) and the source entry it reads."""
+    runs = {}
+    for case, (entry, (command, *options), nproc) in CASES.items():
+        args = ["-m", "ckptspec", command, "{source}", "{out}", *options]
+        runs[f"case: {case}"] = {"nproc": nproc, "args": args, "source": _source(entry)}
+    reshard = ["-m", "ckptspec", "reshard", "{source}", "{out}", "--world-size", "3"]
+    plain = _source("reshard-s2-bf16-2to3")
+    runs["two nodes"] = {"nproc": 1, "nnodes": 2, "args": reshard, "source": plain}
+    runs["a worker's subprocess"] = {
+        "nproc": 2,
+        "args": [SUBPROCESS.name, "reshard", "{source}", "{out}", "--world-size", "3"],
+        "source": plain,
+    }
+    runs["shares: one process"] = {"nproc": 1, "args": reshard, "source": "s2-bf16-ws2"}
+    runs["shares: three processes"] = {"nproc": 3, "args": reshard, "source": "s2-bf16-ws2"}
+    runs["corrupt source"] = {"nproc": 2, "args": reshard, "source": CORRUPT_SOURCE, "corrupt": True}
+    runs["a rank fails"] = {"nproc": 2, "args": [SPLIT_FAILURE.name, "{out}"]}
+    return runs
+
+
+def _truncate(source: Path) -> None:
+    optim = next((source / "global_step2").glob("*zero_pp_rank_1_*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:-100])  # truncated
+
+
+@pytest.fixture(scope="module")
+def split_runs(ds, torchrun):
+    """Run id -> the run's directory (``out``: what it wrote, if anything) and ``run.json`` (exit status, stdout,
+    stderr, the names its directory held after the run), every run built once in one cached entry."""
+    runs = _runs()
+    sources = {run["source"] for run in runs.values() if "source" in run}
+    entries = {name: ds.path(name) for name in sorted(sources)}  # their names carry their keys
+    scripts = {path.name: str(path) for path in (SPLIT_FAILURE, SUBPROCESS)}
+    # the job scripts, and this file (the runs, the corruption, how a run is recorded)
+    code = {path.name: path.read_text() for path in (SPLIT_FAILURE, SUBPROCESS, Path(__file__))}
+    identity = {"runs": runs, "sources": {name: path.name for name, path in entries.items()}, "code": code}
+
+    def build(directory: Path, env: dict) -> None:
+        for number, (run_id, run) in enumerate(runs.items()):
+            work = directory / f"run-{number:02d}"
+            work.mkdir(parents=True)
+            source = entries.get(run.get("source"))
+            if run.get("corrupt"):
+                shutil.copytree(source, work / "source")
+                _truncate(work / "source")
+                source = work / "source"
+            where = {"{source}": str(source), "{out}": str(work / "out"), **scripts}
+            args = [where.get(arg, arg) for arg in run["args"]]
+            done = torchrun(run["nproc"], *args, env=env, nnodes=run.get("nnodes", 1))
+            listing = sorted(p.name for p in work.iterdir())
+            shutil.rmtree(work / "source", ignore_errors=True)  # a copy of a cached entry: not kept
+            outcome = {"run": run_id, "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+            (work / "run.json").write_text(json.dumps({**outcome, "listing": listing}, indent=1))
+
+    entry = ds.cached("reshard-split", identity, build)
+    found = {}
+    for work in sorted(entry.glob("run-*")):
+        run = json.loads((work / "run.json").read_text())
+        found[run["run"]] = (work, run)
+    assert sorted(found) == sorted(runs)
+    return found
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -82,52 +154,45 @@ def _per_rank(stdout: str) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_split_writes_the_files_a_deepspeed_job_resumed_byte_for_byte(case, ds, torchrun, tmp_path):
-    entry, (command, *options), nproc = CASES[case]
+def test_the_split_writes_the_files_a_deepspeed_job_resumed_byte_for_byte(case, ds, split_runs):
+    entry, (command, *_), nproc = CASES[case]
     checked = ds.path(entry) / "resharded"  # loaded by a DeepSpeed job of the target layout
     checked = checked / "universal" if command == "export-universal" else checked
-    out = tmp_path / "out"
-    run = torchrun(nproc, "-m", "ckptspec", command, ds.path(_source(entry)), out, *options)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert _files(out) == _files(checked)
-    ranks = _per_rank(run.stdout)
+    work, run = split_runs[f"case: {case}"]
+    assert run["returncode"] == 0, run["stdout"] + run["stderr"]
+    assert _files(work / "out") == _files(checked)
+    ranks = _per_rank(run["stdout"])
     assert len(ranks) == nproc
     written = sum(files for files, _ in ranks)
     assert written == len(re.findall(r"\.pt$", "\n".join(_files(checked)), re.M))  # every torch file once
     assert all(files >= 1 for files, _ in ranks)  # every rank did a share
 
 
-def test_two_nodes_write_what_one_process_writes(ds, torchrun, tmp_path):
+def test_two_nodes_write_what_one_process_writes(ds, split_runs):
     """Two torchrun agents (``--nnodes 2``, one process each), as two machines sharing OUTPUT's file system would
     run them: the same files as the harness's reshard, which a DeepSpeed job resumed."""
-    entry = "reshard-s2-bf16-2to3"
-    out = tmp_path / "out"
-    run = torchrun(1, "-m", "ckptspec", "reshard", ds.path(_source(entry)), out, "--world-size", "3", nnodes=2)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert _files(out) == _files(ds.path(entry) / "resharded")
-    assert [files for files, _ in _per_rank(run.stdout)] == [2, 2]  # rank 0 on node 0, rank 1 on node 1
+    work, run = split_runs["two nodes"]
+    assert run["returncode"] == 0, run["stdout"] + run["stderr"]
+    assert _files(work / "out") == _files(ds.path("reshard-s2-bf16-2to3") / "resharded")
+    assert [files for files, _ in _per_rank(run["stdout"])] == [2, 2]  # rank 0 on node 0, rank 1 on node 1
 
 
-def test_a_ckptspec_that_a_worker_starts_runs_alone(ds, torchrun, tmp_path):
+def test_a_ckptspec_that_a_worker_starts_runs_alone(ds, split_runs):
     """A training job's rank 0 runs ``ckptspec reshard`` as a subprocess, which inherits the worker's torchrun
     variables: it must not join the job's group (it would wait for ranks that never come) but run as one process,
     writing what the harness's reshard wrote."""
-    entry = "reshard-s2-bf16-2to3"
-    out = tmp_path / "out"
-    run = torchrun(2, SUBPROCESS, "reshard", ds.path(_source(entry)), out, "--world-size", "3")
-    assert "ckptspec exited 0" in run.stdout, run.stdout + run.stderr
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert _files(out) == _files(ds.path(entry) / "resharded")
-    assert re.findall(r"rank (\d+) of (\d+): wrote", run.stdout) == [("0", "1")]  # one process, not a split
+    work, run = split_runs["a worker's subprocess"]
+    assert "ckptspec exited 0" in run["stdout"], run["stdout"] + run["stderr"]
+    assert run["returncode"] == 0, run["stdout"] + run["stderr"]
+    assert _files(work / "out") == _files(ds.path("reshard-s2-bf16-2to3") / "resharded")
+    assert re.findall(r"rank (\d+) of (\d+): wrote", run["stdout"]) == [("0", "1")]  # one process, not a split
 
 
-def test_each_rank_reads_a_share_of_what_one_process_reads(ds, torchrun, tmp_path):
-    source = ds.path("s2-bf16-ws2")
-    one = torchrun(1, "-m", "ckptspec", "reshard", source, tmp_path / "one", "--world-size", "3")
-    three = torchrun(3, "-m", "ckptspec", "reshard", source, tmp_path / "three", "--world-size", "3")
-    assert one.returncode == three.returncode == 0, one.stderr + three.stderr
-    [(_, alone)] = _per_rank(one.stdout)
-    shares = [read for _, read in _per_rank(three.stdout)]
+def test_each_rank_reads_a_share_of_what_one_process_reads(split_runs):
+    (_, one), (_, three) = split_runs["shares: one process"], split_runs["shares: three processes"]
+    assert one["returncode"] == three["returncode"] == 0, one["stderr"] + three["stderr"]
+    [(_, alone)] = _per_rank(one["stdout"])
+    shares = [read for _, read in _per_rank(three["stdout"])]
     assert len(shares) == 3
     # each rank: its files' source ranges, a third of the hashing before and after the write (unsplit, that alone
     # is most of what one process reads); rank 0 also the commit (the model-states file it rewrites with the
@@ -136,25 +201,19 @@ def test_each_rank_reads_a_share_of_what_one_process_reads(ds, torchrun, tmp_pat
     assert sum(shares) <= alone, (shares, alone)  # nothing read twice by two ranks
 
 
-def test_a_corrupt_source_stops_every_rank_and_nothing_is_written(ds, torchrun, tmp_path):
-    source = tmp_path / "source"
-    shutil.copytree(ds.path("s2-bf16-ws2"), source)
-    optim = next((source / "global_step2").glob("*zero_pp_rank_1_*optim_states.pt"))
-    optim.write_bytes(optim.read_bytes()[:-100])  # truncated
-    out = tmp_path / "out"
-    run = torchrun(2, "-m", "ckptspec", "reshard", source, out, "--world-size", "3")
-    assert run.returncode != 0
-    assert "nothing was written" in run.stderr and " CK2" in run.stderr, run.stderr
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+def test_a_corrupt_source_stops_every_rank_and_nothing_is_written(split_runs):
+    _, run = split_runs["corrupt source"]
+    assert run["returncode"] != 0
+    assert "nothing was written" in run["stderr"] and " CK2" in run["stderr"], run["stderr"]
+    assert run["listing"] == ["source"]  # no output, nothing beside it
 
 
-def test_a_rank_that_fails_stops_the_others_and_rank_0_removes_the_output(torchrun, tmp_path):
+def test_a_rank_that_fails_stops_the_others_and_rank_0_removes_the_output(split_runs):
     """A failure of rank 1 alone while rank 0 writes (its disk, say): rank 0 learns it at its next exchange,
     names rank 1 and its error (CK918), exits with rank 1's status and leaves nothing behind."""
-    out = tmp_path / "out"
-    run = torchrun(2, SPLIT_FAILURE, out)
-    logs = run.stdout + run.stderr
-    assert run.returncode != 0
+    _, run = split_runs["a rank fails"]
+    logs = run["stdout"] + run["stderr"]
+    assert run["returncode"] != 0
     assert "rank 1: OSError" in logs and "[Errno 28]" in logs, logs
     assert re.search(r"rank 0: CK918 rank 1 failed: OSError: \[Errno 28\].* exit 2", logs), logs
-    assert list(tmp_path.iterdir()) == []
+    assert run["listing"] == []
