@@ -70,23 +70,19 @@ def generate(checkpoint: str, tag: str | None, output: str, hash_algorithm: str 
 def _is_dcp(checkpoint: str) -> bool:
     from ..checkpoint.dcp.metadata import is_dcp
 
-    return is_dcp(checkpoint)  # local or at a URL (a URL is refused by name below, not taken for DeepSpeed's)
+    return is_dcp(checkpoint)  # local or at a URL
 
 
 def _generate_dcp(checkpoint: str, tag: str | None, output: str, hash_algorithm: str | None) -> NoReturn:
     """A torch DCP checkpoint's document, written when the directory has no error finding (CK250-CK254, CK204)."""
-    from pathlib import Path
 
     from ..checkpoint.dcp.describe import describe_dcp
     from ..format.codec import write_manifest
-    from ..location import is_remote
 
     if tag is not None:
         raise click.UsageError("--tag names a DeepSpeed tag directory; a DCP checkpoint (.metadata) has none")
-    if is_remote(checkpoint):
-        raise click.UsageError(f"{checkpoint}: a DCP checkpoint is described from a local directory; copy it first")
     try:
-        write_manifest(describe_dcp(Path(checkpoint), hash_algorithm).to_dict(), output)
+        write_manifest(describe_dcp(checkpoint, hash_algorithm).to_dict(), output)
     except CheckpointInvalid as exc:
         echo_findings(exc.findings, checkpoint, err=True)
         click.echo(f"{checkpoint}: not described: the checkpoint has errors; nothing was written", err=True)

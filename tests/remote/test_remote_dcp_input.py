@@ -199,6 +199,24 @@ def test_what_a_url_cannot_take_is_refused_by_name(nginx, ds, tmp_path):
     assert raised.value.code == "CK911"
 
 
+def test_generate_of_a_url_is_the_local_document(nginx, s3, s3_env, ds, tmp_path):
+    """``generate`` describes a DCP checkpoint at a URL as on disk: the same document byte for byte, with hashes and
+    chunk digests too (over HTTP, through the index page; on S3, its listing), and it validates the local directory."""
+    local = ds.path(dcp_save_name(2)) / "dcp"
+    _, path = nginx.serve(local)
+    for hashed in ([], ["--hash", "sha256"]):
+        documents = {}
+        for where, source in (("local", local), ("http", nginx.url(path)), ("s3", s3.upload(local))):
+            location.forget()
+            out = tmp_path / f"{where}{len(hashed)}.json"
+            result = run("generate", source, "-o", out, *hashed)
+            assert result.exit_code == 0, (where, result.output)
+            documents[where] = out.read_bytes()
+        assert documents["http"] == documents["local"] == documents["s3"], hashed
+        result = run("validate", tmp_path / f"s3{len(hashed)}.json", "--checkpoint", local)
+        assert result.exit_code == 0, result.output
+
+
 def test_s3_is_the_local_checkpoint(s3, s3_env, ds, tmp_path):
     """The same commands against moto's S3 (its listing holds ``.metadata``, which an index page hides)."""
     import torch

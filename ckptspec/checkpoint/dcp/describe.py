@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-from pathlib import Path
 from typing import Any
 
 from ..._version import __version__
@@ -21,17 +19,19 @@ from ...findings import has_errors
 from ...format.dcp_models import DCP_FORMAT, DCP_VERSION, DcpDocument
 from ...format.dcp_rules import RANK_FILE
 from ...format.dtypes import ITEMSIZE
+from ...location import location, open_binary
 from ..hashing import file_digest
-from .checks import check_dcp
+from .checks import Where, check_dcp
 from .metadata import METADATA_NAME, BytesEntry, DcpMetadata, Item, TensorEntry
 from .records import read_record
 
 _PIECE = 1 << 20
 
 
-def describe_dcp(directory: Path, hash_algorithm: str | None = None) -> DcpDocument:
-    """The DCP document of the checked checkpoint in ``directory``; raises ``CheckpointInvalid`` listing the
-    findings of one that has errors (nothing described)."""
+def describe_dcp(directory: Where | str, hash_algorithm: str | None = None) -> DcpDocument:
+    """The DCP document of the checked checkpoint in ``directory`` (a path or a URL: ranged reads through
+    ``location``); raises ``CheckpointInvalid`` listing the findings of one that has errors (nothing described)."""
+    directory = location(directory)
     meta, findings = check_dcp(directory)
     if has_errors(findings):
         raise CheckpointInvalid(findings, str(directory))
@@ -63,21 +63,21 @@ def describe_dcp(directory: Path, hash_algorithm: str | None = None) -> DcpDocum
     return DcpDocument.model_validate(doc)
 
 
-def saving_world_size(directory: Path) -> int | None:
+def saving_world_size(directory: Where) -> int | None:
     """The saving job's world size, when the directory says it: ``FileSystemWriter`` writes ``__<rank>_<n>.distcp``
     on every rank, an empty one for a rank without items, so ranks 0 .. N-1 each with a file are a world of N; a
     gap in them (a file lost, or named otherwise) says nothing."""
     try:
-        ranks = {int(m.group(1)) for name in os.listdir(directory) if (m := RANK_FILE.match(name))}
+        ranks = {int(m.group(1)) for p in directory.iterdir() if (m := RANK_FILE.match(p.name))}
     except OSError as exc:
         raise FileUnreadable(directory, exc) from None
     return len(ranks) if ranks and ranks == set(range(len(ranks))) else None
 
 
-def _file(directory: Path, name: str, hash_algorithm: str | None) -> dict[str, Any]:
+def _file(directory: Where, name: str, hash_algorithm: str | None) -> dict[str, Any]:
     path = directory / name
     try:
-        out: dict[str, Any] = {"path": name, "size": os.stat(path).st_size}
+        out: dict[str, Any] = {"path": name, "size": path.stat().st_size}
     except OSError as exc:
         raise FileUnreadable(path, exc) from None
     if hash_algorithm:
@@ -85,7 +85,7 @@ def _file(directory: Path, name: str, hash_algorithm: str | None) -> dict[str, A
     return out
 
 
-def _tensors(directory: Path, meta: DcpMetadata, digests: bool) -> list[dict[str, Any]]:
+def _tensors(directory: Where, meta: DcpMetadata, digests: bool) -> list[dict[str, Any]]:
     items = {(i.fqn, i.chunk_offset): i for i in meta.items}
     handles: dict[str, Any] = {}
     out = []
@@ -98,7 +98,7 @@ def _tensors(directory: Path, meta: DcpMetadata, digests: bool) -> list[dict[str
                 item = items[(fqn, chunk.offsets)]
                 fh = handles.get(item.file)
                 if fh is None:
-                    fh = handles[item.file] = open(directory / item.file, "rb")  # closed below
+                    fh = handles[item.file] = open_binary(directory / item.file)  # closed below
                 chunks.append(_chunk(fh, directory, item, chunk.sizes, entry.dtype, digests))
             out.append({"name": fqn, "dtype": entry.dtype, "shape": list(entry.size), "chunks": chunks})
     except OSError as exc:
@@ -109,7 +109,7 @@ def _tensors(directory: Path, meta: DcpMetadata, digests: bool) -> list[dict[str
     return out
 
 
-def _chunk(fh, directory: Path, item: Item, sizes: tuple[int, ...], dtype: str, digest: bool) -> dict[str, Any]:
+def _chunk(fh, directory: Where, item: Item, sizes: tuple[int, ...], dtype: str, digest: bool) -> dict[str, Any]:
     record = read_record(fh, directory / item.file, item.offset, item.length)  # checked by CK254 already
     out: dict[str, Any] = {
         "offsets": list(item.chunk_offset or ()),
