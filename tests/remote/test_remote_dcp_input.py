@@ -204,7 +204,7 @@ def test_generate_of_a_url_is_the_local_document(nginx, s3, s3_env, ds, tmp_path
     chunk digests too (over HTTP, through the index page; on S3, its listing), and it validates the local directory."""
     local = ds.path(dcp_save_name(2)) / "dcp"
     _, path = nginx.serve(local)
-    for hashed in ([], ["--hash", "sha256"]):
+    for hashed in ([], ["--hash"]):
         documents = {}
         for where, source in (("local", local), ("http", nginx.url(path)), ("s3", s3.upload(local))):
             location.forget()
@@ -213,6 +213,7 @@ def test_generate_of_a_url_is_the_local_document(nginx, s3, s3_env, ds, tmp_path
             assert result.exit_code == 0, (where, result.output)
             documents[where] = out.read_bytes()
         assert documents["http"] == documents["local"] == documents["s3"], hashed
+        assert (b'"digest"' in documents["local"]) == bool(hashed)  # --hash: every chunk's digest, read remotely too
         result = run("validate", tmp_path / f"s3{len(hashed)}.json", "--checkpoint", local)
         assert result.exit_code == 0, result.output
 
