@@ -32,8 +32,10 @@ import ckptspec.deepspeed.check.zero
 import ckptspec.export.api
 
 # What the commands import, imported once here (every import a child makes afterwards is its own).
-# Only what is installed: the unit tier's environment has no torch, and its commands never need it.
-for _name in ("numpy", "safetensors.numpy", "torch"):
+# Only what is installed: the unit tier's environment has no torch, and its commands never need it. The URL
+# backends too: the crash tests of uploads run a command per kill point, each importing s3fs and botocore
+# otherwise. None of them starts a thread or an event loop on import (fsspec's loop starts at first use).
+for _name in ("numpy", "safetensors.numpy", "torch", "s3fs", "fsspec.implementations.http"):
     if find_spec(_name.partition(".")[0]):
         import_module(_name)
 
