@@ -25,7 +25,7 @@ from ...format.dcp_models import DcpDocument
 from ...format.dtypes import ITEMSIZE
 from ..hashing import file_digest
 from .checks import check_dcp
-from .describe import element_digest
+from .digest import element_digest
 from .metadata import METADATA_NAME, BytesEntry, DcpMetadata, TensorEntry
 from .records import read_record
 

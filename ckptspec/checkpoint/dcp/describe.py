@@ -9,7 +9,6 @@ Standard library only.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any
 
@@ -22,10 +21,9 @@ from ...format.dtypes import ITEMSIZE
 from ...location import location, open_binary
 from ..hashing import file_digest
 from .checks import Where, check_dcp
+from .digest import element_digest
 from .metadata import METADATA_NAME, BytesEntry, DcpMetadata, Item, TensorEntry
 from .records import read_record
-
-_PIECE = 1 << 20
 
 
 def describe_dcp(directory: Where | str, hash_algorithm: str | None = None) -> DcpDocument:
@@ -122,17 +120,3 @@ def _chunk(fh, directory: Where, item: Item, sizes: tuple[int, ...], dtype: str,
     if digest:
         out["digest"] = {"sha256": element_digest(fh, record.data_offset, math.prod(sizes) * ITEMSIZE[dtype])}
     return out
-
-
-def element_digest(fh, start: int, nbytes: int) -> str:
-    """sha256 (hex) of ``nbytes`` bytes at ``start`` of the open file, a MiB at a time."""
-    h = hashlib.sha256()
-    fh.seek(start)
-    left = nbytes
-    while left:
-        data = fh.read(min(left, _PIECE))
-        if not data:
-            raise OSError("the file ends inside a chunk (it changed while read)")
-        h.update(data)
-        left -= len(data)
-    return h.hexdigest()

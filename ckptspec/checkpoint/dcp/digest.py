@@ -40,18 +40,33 @@ def tensor_digest(directory: Path | RemotePath, meta: DcpMetadata, fqn: str) -> 
                 (dst, item.file, record.data_offset + src * itemsize, n) for src, dst, n in runs(entry.size, chunk)
             )
         for _, name, start, n in sorted(placed):
-            fh = handles[name]
-            fh.seek(start)
-            left = n * itemsize
-            while left:
-                data = fh.read(min(left, _PIECE))
-                if not data:
-                    raise FileUnreadable(directory / name, OSError("the file changed while read"))
-                h.update(data)
-                left -= len(data)
+            try:
+                hash_range(h, handles[name], start, n * itemsize)
+            except OSError as exc:
+                raise FileUnreadable(directory / name, exc) from None
     except OSError as exc:
         raise FileUnreadable(directory, exc) from None
     finally:
         for fh in handles.values():
             fh.close()
     return f"sha256:{h.hexdigest()}"
+
+
+def hash_range(h, fh, start: int, nbytes: int) -> None:
+    """Feed ``nbytes`` bytes at ``start`` of the open file to the hash ``h``, a MiB at a time; ``OSError`` when the
+    file ends first."""
+    fh.seek(start)
+    left = nbytes
+    while left:
+        data = fh.read(min(left, _PIECE))
+        if not data:
+            raise OSError("the file ends inside a chunk (it changed while read)")
+        h.update(data)
+        left -= len(data)
+
+
+def element_digest(fh, start: int, nbytes: int) -> str:
+    """sha256 (hex) of ``nbytes`` bytes at ``start`` of the open file."""
+    h = hashlib.sha256()
+    hash_range(h, fh, start, nbytes)
+    return h.hexdigest()
