@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CkptspecError
-from ..export.api import validate_checkpoint
+from ..deepspeed.check.run import tag_verdict
 from ..findings import Finding, finding
 
 
 def tag_findings(parent: Path, tag: str, verify_hashes: bool) -> list[Finding]:
-    """The errors of tag ``tag`` in ``parent``; a tag that cannot be read at all (CK201-CK203, CK901) is one."""
-    try:
-        found = validate_checkpoint(str(parent), tag=tag, verify_hashes=verify_hashes)
-    except CkptspecError as exc:
-        return [finding(exc.code, "$", exc.message, exc.hint, file=exc.file)]
-    return [f for f in found if f.severity == "error"]
+    """The errors of tag ``tag`` in ``parent`` (``scan``'s verdict); a tag that cannot be read at all (CK201-CK203,
+    CK901) is one."""
+    findings, error = tag_verdict(parent / tag, verify_hashes)
+    if error is not None:
+        return [finding(error.code, "$", error.message, error.hint, file=error.file)]
+    return findings

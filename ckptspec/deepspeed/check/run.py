@@ -154,23 +154,28 @@ def list_run(run_dir: str) -> RunScan:
 
 
 def check_tag(scan: TagScan, verify_hashes: bool = False) -> TagScan:
-    """``scan`` given its verdict: the errors of ``validate_checkpoint`` (warnings are not a verdict), or the
-    error that kept it from being checked. Once: a tag already checked is returned as it is."""
-    from . import validate_checkpoint
-
+    """``scan`` given its verdict (``tag_verdict``). Once: a tag already checked is returned as it is."""
     if scan.checked:
         return scan
     assert scan.directory is not None
-    try:
-        findings = validate_checkpoint(str(scan.directory.parent), tag=scan.directory.name, verify_hashes=verify_hashes)
-        scan.findings = [f for f in findings if f.severity == "error"]
-        scan.valid = not scan.findings
-    except CkptspecError as exc:  # CK201/CK202/CK203, or CK901: this tag cannot be read
-        scan.error = exc
-    except OSError as exc:
-        scan.error = FileUnreadable(exc.filename or scan.directory, exc)
+    scan.findings, scan.error = tag_verdict(scan.directory, verify_hashes)
+    scan.valid = scan.error is None and not scan.findings
     scan.checked = True
     return scan
+
+
+def tag_verdict(tag_dir: Path | RemotePath, verify_hashes: bool = False) -> tuple[list[Finding], CkptspecError | None]:
+    """The errors of ``validate_checkpoint`` on the tag directory (warnings are not a verdict), or the error that kept
+    it from being checked (CK201/CK202/CK203, or CK901: it cannot be read) and no findings."""
+    from . import validate_checkpoint
+
+    try:
+        findings = validate_checkpoint(str(tag_dir.parent), tag=tag_dir.name, verify_hashes=verify_hashes)
+    except CkptspecError as exc:
+        return [], exc
+    except OSError as exc:
+        return [], FileUnreadable(exc.filename or tag_dir, exc)
+    return [f for f in findings if f.severity == "error"], None
 
 
 def scan_run(run_dir: str, verify_hashes: bool = False, progress: Callable[[int, int], None] | None = None) -> RunScan:
