@@ -187,6 +187,8 @@ def task_key(name: str, task: Task) -> str | None:
     if task.kind == "accelerate":  # it imports trainer_job.py (outcome) and fsdp2_job.py (serve)
         scripts = {"accelerate_job": ACCELERATE_MAIN, "trainer_job": TRAINER_MAIN, "fsdp2_job": FSDP2_MAIN}
         identity["script"] = cache.key({name: path.read_text() for name, path in scripts.items()})
+    if task.kind == "resume" and task.args.get("reshard"):  # job/resume.py imports it then
+        identity["script"] = cache.key({"before": BEFORE_LOAD.read_text()})
     if task.kind == "reshard":  # with the module both import (the values the load must replace)
         identity["script"] = cache.key({"reshard_job": RESHARD_MAIN.read_text(), "before": BEFORE_LOAD.read_text()})
     if task.kind == "optim":
