@@ -300,6 +300,9 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
             if isinstance(outcome, HarnessError):
                 failed.update({n: str(outcome) for n, _ in batch})
                 continue
+            # One line per launch in the prebuild log: where a cold run's minutes go
+            names = ", ".join(n for n, _ in batch)
+            print(f"[harness] {outcome.seconds:6.1f}s ws={batch[0][1].world_size} {names}", file=sys.stderr)
             modules = sorted(record_imports.read(staged[0] / "imports")) if (staged[0] / "imports").is_dir() else []
             for (name, task), stage in zip(batch, staged):
                 (stage / "out" / "job.log").write_text(outcome.log)
