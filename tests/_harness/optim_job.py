@@ -53,7 +53,6 @@ The checkpoint's saving job did not record its optimizer state (job/parallel.py 
 and changing it would re-key every job; loading is DeepSpeed's own reading of the same files.
 """
 
-import argparse
 import gc
 import json
 import sys
@@ -64,7 +63,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` im
 
 from _harness.before_load import unlike_any_checkpoint
 from _harness.job import parallel
-from _harness.job.main import reset_deepspeed_globals
+from _harness.job.main import reset_deepspeed_globals, serve
 from _harness.job.parallel_models import BATCH, batch, build_model, ds_config, layout, normalize, torch_dtype
 
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -301,25 +300,7 @@ def _resharded(load: str, out: Path, how: dict, spec: dict) -> tuple[str, str | 
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tasks", required=True, type=Path)
-    tasks = json.loads(ap.parse_args().tasks.read_text())
-
-    import deepspeed
-    import torch
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
-    get_accelerator().is_fp16_supported = lambda: True  # as job/main.py
-    torch.use_deterministic_algorithms(True)
-    deepspeed.init_distributed()
-    for task in tasks:
-        print(f"[harness] rank {dist.get_rank()}: {task['kind']} -> {task['out']}", flush=True)
-        reset_deepspeed_globals()
-        run(task["args"], Path(task["out"]))
-        dist.barrier()
-        gc.collect()
-    dist.destroy_process_group()
+    serve(lambda task: run(task["args"], Path(task["out"])))
 
 
 if __name__ == "__main__":

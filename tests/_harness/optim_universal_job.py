@@ -23,7 +23,6 @@ optim_job.py (the other kinds' "optim" tasks) does not know ZeRO-3's partitioned
 as it is so that its entries keep their keys.
 """
 
-import argparse
 import gc
 import json
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness.job.main import reset_deepspeed_globals
+from _harness.job.main import reset_deepspeed_globals, serve
 from _harness.job.parallel_models import build_model, ds_config, normalize
 
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -118,24 +117,7 @@ def run(args, out: Path):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tasks", required=True, type=Path)
-    tasks = json.loads(ap.parse_args().tasks.read_text())
-
-    import deepspeed
-    import torch
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
-    get_accelerator().is_fp16_supported = lambda: True  # as job/main.py
-    torch.use_deterministic_algorithms(True)
-    deepspeed.init_distributed()
-    for task in tasks:
-        print(f"[harness] rank {dist.get_rank()}: {task['kind']} -> {task['out']}", flush=True)
-        run(task["args"], Path(task["out"]))
-        dist.barrier()
-        gc.collect()
-    dist.destroy_process_group()
+    serve(lambda task: run(task["args"], Path(task["out"])), reset=False)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ MARKED_BY = {
     "crash": "subprocess",
     "ckptspec_process": "subprocess",
     "cli_server": "subprocess",
+    "torchrun": "subprocess",
     "nginx": "remote",
     "s3": "remote",
     "s3_factory": "remote",

@@ -21,7 +21,6 @@ resume.json and after_step.pt are resume.py's (same keys), plus the ones above.
 
 import argparse
 import contextlib
-import gc
 import io
 import json
 import sys
@@ -32,7 +31,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make `_harness` im
 
 from _harness.before_load import unlike_any_checkpoint
 from _harness.job import resume
-from _harness.job.main import reset_deepspeed_globals
+from _harness.job.main import serve
 from _harness.job.model import build_model, ds_config, live_fp32, normalize_spec, param_groups
 from _harness.job.model_checks import model_checks
 
@@ -204,25 +203,7 @@ def _dcp_load(engine, model, spec, load: Path, out: Path, reshard: dict, rank: i
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tasks", required=True, type=Path)
-    tasks = json.loads(ap.parse_args().tasks.read_text())
-
-    import deepspeed
-    import torch
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
-    get_accelerator().is_fp16_supported = lambda: True  # as job/main.py
-    torch.use_deterministic_algorithms(True)
-    deepspeed.init_distributed()
-    for task in tasks:
-        print(f"[harness] rank {dist.get_rank()}: {task['kind']} -> {task['out']}", flush=True)
-        reset_deepspeed_globals()
-        run(task["args"], Path(task["out"]))
-        dist.barrier()
-        gc.collect()
-    dist.destroy_process_group()
+    serve(lambda task: run(task["args"], Path(task["out"])))
 
 
 if __name__ == "__main__":

@@ -187,6 +187,8 @@ def task_key(name: str, task: Task) -> str | None:
     if task.kind == "accelerate":  # it imports trainer_job.py (outcome) and fsdp2_job.py (serve)
         scripts = {"accelerate_job": ACCELERATE_MAIN, "trainer_job": TRAINER_MAIN, "fsdp2_job": FSDP2_MAIN}
         identity["script"] = cache.key({name: path.read_text() for name, path in scripts.items()})
+    if task.kind == "resume" and task.args.get("reshard"):  # job/resume.py imports it then
+        identity["script"] = cache.key({"before": BEFORE_LOAD.read_text()})
     if task.kind == "reshard":  # with the module both import (the values the load must replace)
         identity["script"] = cache.key({"reshard_job": RESHARD_MAIN.read_text(), "before": BEFORE_LOAD.read_text()})
     if task.kind == "optim":
@@ -298,6 +300,9 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
             if isinstance(outcome, HarnessError):
                 failed.update({n: str(outcome) for n, _ in batch})
                 continue
+            # One line per launch in the prebuild log: where a cold run's minutes go
+            names = ", ".join(n for n, _ in batch)
+            print(f"[harness] {outcome.seconds:6.1f}s ws={batch[0][1].world_size} {names}", file=sys.stderr)
             modules = sorted(record_imports.read(staged[0] / "imports")) if (staged[0] / "imports").is_dir() else []
             for (name, task), stage in zip(batch, staged):
                 (stage / "out" / "job.log").write_text(outcome.log)

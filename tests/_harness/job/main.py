@@ -35,11 +35,12 @@ def reset_deepspeed_globals():
     Init.param_id = 0  # ZeRO-3 numbers parameters (ds_id) from a class-level counter
 
 
-def main():
+def serve(run_task, reset: bool = True) -> None:
+    """Every job script's entry: set up the process group, then ``run_task(task)`` for each task of
+    ``--tasks`` in order (each into its own ``out``), DeepSpeed's globals reset before each when ``reset``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tasks", required=True, type=Path)
-    args = ap.parse_args()
-    tasks = json.loads(args.tasks.read_text())
+    tasks = json.loads(ap.parse_args().tasks.read_text())
 
     import deepspeed
     import torch
@@ -52,11 +53,16 @@ def main():
     deepspeed.init_distributed()
     for task in tasks:
         print(f"[harness] rank {dist.get_rank()}: {task['kind']} -> {task['out']}", flush=True)
-        reset_deepspeed_globals()
-        KINDS[task["kind"]](task["args"], Path(task["out"]))
+        if reset:
+            reset_deepspeed_globals()
+        run_task(task)
         dist.barrier()
         gc.collect()
     dist.destroy_process_group()
+
+
+def main():
+    serve(lambda task: KINDS[task["kind"]](task["args"], Path(task["out"])))
 
 
 if __name__ == "__main__":

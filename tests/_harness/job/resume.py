@@ -16,7 +16,8 @@ defaults (strict module load, optimizer states loaded). Rank 0 writes into OUT:
                    DeepSpeed can "load" and still leave wrong masters
                  mismatched: names whose masters are missing, reshaped or differ
 
-With ``reshard`` (``{"world_size": N, "stage": S, "sub_group_size": G}``), rank 0 first runs ``ckptspec.export.reshard``
+With ``reshard`` (``{"world_size": N, "stage": S, "sub_group_size": G}``), the job's frozen parameters and
+buffers are first filled with noise (_harness/before_load.py), then rank 0 runs ``ckptspec.export.reshard``
 on ``load`` into OUT/resharded and every rank loads that instead (the job's own world size and
 spec are the target's). With ``extra_step`` (``{"global_batch": G}``), one more training step
 follows the checks, on G samples split evenly over the ranks (each sample seeded by its index in
@@ -98,6 +99,11 @@ def run(args, out: Path):
     load_path = None
     reshard = args.get("reshard")
     if reshard:
+        # The job shares the source's seed: only noise makes a frozen parameter or buffer the load left alone
+        # differ from the source's (model_checks then names it)
+        from _harness.before_load import unlike_any_checkpoint
+
+        unlike_any_checkpoint(model)
         reshard_error, load = _reshard(load, out, reshard, rank)
     if reshard_error is None:
         try:
