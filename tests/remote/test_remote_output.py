@@ -309,30 +309,37 @@ OPT1 = f"{TAG}/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 
 @pytest.fixture
-def at_url(ds, s3, s3_env) -> tuple[Path, str]:
-    """(the save directory, a new copy of it at an s3:// URL) of the real ZeRO-2 checkpoint."""
+def at_url(ds, s3, s3_env) -> str:
+    """A new copy of the real ZeRO-2 checkpoint (no sidecar) at an s3:// URL."""
     local = ds.path(CHECKPOINT)
     assert (local / "latest").read_text().strip() == TAG and not list(local.glob("*/ckptspec.*"))
-    return local, s3.upload(local)
+    return s3.upload(local)
 
 
-@pytest.mark.parametrize("options", [[], ["--no-hash", "--encoding", "msgpack"]], ids=["hashed-json", "msgpack"])
-def test_embed_sidecar_at_s3_is_the_local_sidecar(at_url, s3, tmp_path, options):
-    """One object added, the bytes the local ``embed --sidecar-only`` writes; every other object untouched; the
-    checkpoint at the URL then reads as valid against it."""
-    local, url = at_url
-    copy = tmp_path / "local"
+@pytest.mark.parametrize(
+    ("checkpoint", "options"),
+    [(CHECKPOINT, []), (CHECKPOINT, ["--no-hash", "--encoding", "msgpack"]), ("embed-s2-bf16-ws3-rr-exclude", [])],
+    ids=["hashed-json", "msgpack", "saved-with-ckptspec"],
+)
+def test_embed_sidecar_at_s3_is_the_local_sidecar(ds, s3, s3_env, tmp_path, checkpoint, options):
+    """One object written, the bytes the local ``embed --sidecar-only`` writes; every other object untouched; the
+    checkpoint at the URL then reads as valid against it. Saved with ckptspec (a sidecar there already, the layout in
+    the model states, frozen parameters excluded: names only that layout knows): the same, the sidecar rewritten."""
+    local = ds.path(checkpoint)
+    url, copy = s3.upload(local), tmp_path / "local"
     shutil.copytree(local, copy)
-    assert run("embed", copy, "--sidecar-only", *options).exit_code == 0
+    here = run("embed", copy, "--sidecar-only", *options)
+    assert here.exit_code == 0, here.output
     name = "ckptspec.msgpack" if "msgpack" in options else "ckptspec.json"
     before = stored(s3, url)
     result = run("embed", url, "--sidecar-only", *options)
     assert result.exit_code == 0, result.output
-    assert result.stdout == f"{url}/{TAG}/{name}: written (3 files)\n"
-    assert stored(s3, url) == {**before, f"{TAG}/{name}": (copy / TAG / name).read_bytes()}
+    tag = (local / "latest").read_text().strip()
+    assert result.stdout == here.stdout.replace(str(copy), url) and result.stdout.startswith(f"{url}/{tag}/{name}: ")
+    assert stored(s3, url) == {**before, f"{tag}/{name}": (copy / tag / name).read_bytes()}
     assert run("validate", url).exit_code == 0
-    assert run("validate", f"{url}/{TAG}/{name}", "--checkpoint", url).exit_code == 0
-    assert run("extract", url, "--list").stdout.startswith(f"{url}/{TAG}/{name}: sidecar, format 1.1.0, 3 files")
+    assert run("validate", f"{url}/{tag}/{name}", "--checkpoint", url).exit_code == 0
+    assert run("extract", url, "--list").stdout.startswith(f"{url}/{tag}/{name}: sidecar, format 1.1.0, ")
 
 
 def flip_a_byte(data: bytes) -> bytes:
@@ -354,7 +361,7 @@ def flip_a_byte(data: bytes) -> bytes:
 def test_embed_at_s3_refuses_files_that_disagree_with_the_sidecar_unless_rehash(at_url, s3):
     """As the local embed: files that no longer match the sidecar are not re-recorded (exit 1, nothing written),
     and ``validate`` still catches them; ``--rehash`` records them as they are."""
-    _, url = at_url
+    url = at_url
     assert run("embed", url, "--sidecar-only").exit_code == 0
     fs, key = s3.filesystem(), f"{url.removeprefix('s3://')}/{OPT1}"
     damaged = flip_a_byte(fs.cat_file(key))
@@ -383,7 +390,7 @@ def test_embed_at_s3_refuses_files_that_disagree_with_the_sidecar_unless_rehash(
 
 
 def test_embed_at_a_url_without_sidecar_only_is_refused_by_name(at_url, s3):
-    _, url = at_url
+    url = at_url
     before = stored(s3, url)
     result = run("embed", url)
     assert result.exit_code == 2, result.output
@@ -397,7 +404,7 @@ def test_embed_at_a_url_without_sidecar_only_is_refused_by_name(at_url, s3):
 def test_embed_killed_during_the_upload_leaves_the_previous_sidecar_or_the_new_one(at_url, s3, tmp_path, crash):
     """SIGKILL at every step of the upload (the sidecar's part, its completion, the removal of the previous one of
     the other encoding): readers find the previous sidecar or the new one, whole, and the checkpoint valid."""
-    _, url = at_url
+    url = at_url
     assert run("embed", url, "--sidecar-only", "--no-hash", "--encoding", "msgpack").exit_code == 0
     previous = stored(s3, url)
     command = ["embed", url, "--sidecar-only"]
