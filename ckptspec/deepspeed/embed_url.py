@@ -83,7 +83,14 @@ def embed_at_url(
     complete, replaced = sidecar_manifest(tag_dir, manifest, hash_algorithm, rehash)
     target = tag_dir / SIDECAR_NAMES[encoding]
     upload.put(str(target), dumps(complete, encoding))  # the one object readers look for: written last
-    _remove_other_encodings(tag_dir, target.name)
+    try:
+        _remove_other_encodings(tag_dir, target.name)
+    except BaseException as stopped:  # an error, Ctrl-C, SIGTERM: the CLI says what readers see now
+        stopped.ckptspec_upload = (  # type: ignore[attr-defined]  # any exception
+            f"{target} was written; the earlier sidecar of the other encoding is still there (the next embed "
+            "removes it)"
+        )
+        raise
     return SidecarUploaded(complete, str(target), replaced)
 
 

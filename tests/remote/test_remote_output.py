@@ -425,6 +425,10 @@ def test_embed_killed_during_the_upload_leaves_the_previous_sidecar_or_the_new_o
         assert run(*command).exit_code == 0, step
         assert stored(s3, url) == new, step
     assert states == {"previous", "new"}, states
+    put(s3, url, previous)
+    stopped = crash.run(command, f"term:{steps}")  # SIGTERM while removing the previous one: says what is there
+    assert stopped.returncode == 143, stopped.stderr
+    assert f"terminated; {url}/{TAG}/ckptspec.json was written; the earlier sidecar " in stopped.stderr, stopped.stderr
 
 
 def test_embed_at_s3_store_gone_mid_upload_is_an_error_naming_the_sidecar(ds, s3_factory, monkeypatch):
