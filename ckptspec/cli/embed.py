@@ -136,9 +136,14 @@ def embed(
     sidecar ckptspec.json of the tag directory. What is recorded already (the sidecar;
     M when it lists files) is checked against the files first, hashes and digests
     included: if they no longer match it, nothing is written (exit 1) unless --rehash.
+
+    A checkpoint at an object store's URL (s3://...) takes --sidecar-only: the sidecar
+    is uploaded last, as one verified object (the model-states objects are not rewritten).
     """
     from ..deepspeed.embed import embed_checkpoint
+    from ..deepspeed.embed_url import embed_at_url
     from ..errors import RecordMismatch
+    from ..location import is_remote
 
     try:
         manifest = None
@@ -146,7 +151,8 @@ def embed(
             manifest = load_document(manifest_path)
             _check_input(manifest_path, manifest)
             _refuse_an_index(manifest_path, manifest)
-        result = embed_checkpoint(
+        # At a URL: the sidecar only, uploaded (without --sidecar-only: CK916, by name)
+        result = (embed_at_url if is_remote(checkpoint) else embed_checkpoint)(
             checkpoint,
             manifest,
             tag=tag,

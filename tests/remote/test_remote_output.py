@@ -9,13 +9,18 @@ readers of the URL see with the same command's local output, byte for byte:
   output visible, and what it names) sees the previous complete output or none, never a mix; the command run
   again then leaves the new output;
 * a store that goes away mid-upload: exit 2 with the code of the failure naming the object's URL, no traceback.
+
+``embed URL --sidecar-only`` writes one object into a checkpoint already at the URL: the local embed's sidecar, byte
+for byte, after the files were checked against what is recorded; stopped anywhere, the previous sidecar or the new one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -295,3 +300,151 @@ def test_sigterm_during_upload_says_what_readers_see(ds, s3, url, tmp_path, cras
         stopped = crash.run(command, f"term:{last}")
         assert stopped.returncode == 143 and says in stopped.stderr, stopped.stderr
         assert seen(s3, url) == readers
+
+
+# --------------------------------------------------------------------------- embed URL --sidecar-only
+
+TAG = "global_step2"
+OPT1 = f"{TAG}/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+@pytest.fixture
+def at_url(ds, s3, s3_env) -> str:
+    """A new copy of the real ZeRO-2 checkpoint (no sidecar) at an s3:// URL."""
+    local = ds.path(CHECKPOINT)
+    assert (local / "latest").read_text().strip() == TAG and not list(local.glob("*/ckptspec.*"))
+    return s3.upload(local)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "options"),
+    [(CHECKPOINT, []), (CHECKPOINT, ["--no-hash", "--encoding", "msgpack"]), ("embed-s2-bf16-ws3-rr-exclude", [])],
+    ids=["hashed-json", "msgpack", "saved-with-ckptspec"],
+)
+def test_embed_sidecar_at_s3_is_the_local_sidecar(ds, s3, s3_env, tmp_path, checkpoint, options):
+    """One object written, the bytes the local ``embed --sidecar-only`` writes; every other object untouched; the
+    checkpoint at the URL then reads as valid against it. Saved with ckptspec (a sidecar there already, the layout in
+    the model states, frozen parameters excluded: names only that layout knows): the same, the sidecar rewritten."""
+    local = ds.path(checkpoint)
+    url, copy = s3.upload(local), tmp_path / "local"
+    shutil.copytree(local, copy)
+    here = run("embed", copy, "--sidecar-only", *options)
+    assert here.exit_code == 0, here.output
+    name = "ckptspec.msgpack" if "msgpack" in options else "ckptspec.json"
+    before = stored(s3, url)
+    result = run("embed", url, "--sidecar-only", *options)
+    assert result.exit_code == 0, result.output
+    tag = (local / "latest").read_text().strip()
+    assert result.stdout == here.stdout.replace(str(copy), url) and result.stdout.startswith(f"{url}/{tag}/{name}: ")
+    assert stored(s3, url) == {**before, f"{tag}/{name}": (copy / tag / name).read_bytes()}
+    assert run("validate", url).exit_code == 0
+    assert run("validate", f"{url}/{tag}/{name}", "--checkpoint", url).exit_code == 0
+    assert run("extract", url, "--list").stdout.startswith(f"{url}/{tag}/{name}: sidecar, format 1.1.0, ")
+
+
+def flip_a_byte(data: bytes) -> bytes:
+    """One bit of the first tensor's bytes, the file's size and structure kept: only a recorded hash tells."""
+    import io
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        member = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size >= 8)
+    name_length, extra_length = struct.unpack("<HH", data[member.header_offset + 26 : member.header_offset + 30])
+    start = member.header_offset + 30 + name_length + extra_length  # past the local header (torch pads its extra)
+    assert data[start : start + member.file_size] == zipfile.ZipFile(io.BytesIO(data)).read(member)
+    flipped = bytearray(data)
+    flipped[start + 5] ^= 0x10
+    return bytes(flipped)
+
+
+def test_embed_at_s3_refuses_files_that_disagree_with_the_sidecar_unless_rehash(at_url, s3):
+    """As the local embed: files that no longer match the sidecar are not re-recorded (exit 1, nothing written),
+    and ``validate`` still catches them; ``--rehash`` records them as they are."""
+    url = at_url
+    assert run("embed", url, "--sidecar-only").exit_code == 0
+    fs, key = s3.filesystem(), f"{url.removeprefix('s3://')}/{OPT1}"
+    damaged = flip_a_byte(fs.cat_file(key))
+    fs.pipe_file(key, damaged)
+    before = stored(s3, url)
+
+    result = run("embed", url, "--sidecar-only")
+    assert result.exit_code == 1, result.output
+    assert ": CK209 " in result.stderr and result.stdout == ""
+    assert result.stderr.splitlines()[-1] == (
+        f"{url}: not embedded: the files do not match what ckptspec.json records; nothing was written "
+        "(hint: restore the files the record describes; if they changed on purpose, record them as they "
+        f"are now with `ckptspec embed {url} --rehash`)"
+    )
+    assert stored(s3, url) == before
+    caught = run("validate", url)  # the sidecar's hash still catches the damage
+    assert caught.exit_code == 1 and f"{OPT1.split('/')[1]}: $.files[2].hash (rank 1): CK209 " in caught.stdout
+
+    result = run("embed", url, "--sidecar-only", "--rehash")
+    assert result.exit_code == 0, result.output
+    assert "re-recorded from the files as they are now (CK209" in result.stdout
+    sidecar = json.loads(stored(s3, url)[f"{TAG}/ckptspec.json"])
+    recorded = next(f for f in sidecar["files"] if f"{TAG}/{f['path']}" == OPT1)["hash"]["digest"]
+    assert recorded == hashlib.sha256(damaged).hexdigest()
+    assert run("validate", url).exit_code == 0  # what the user asked for, explicitly
+
+
+def test_embed_at_a_url_without_sidecar_only_is_refused_by_name(at_url, s3):
+    url = at_url
+    before = stored(s3, url)
+    result = run("embed", url)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"{url}: CK916 embed cannot rewrite the model-states objects at a URL")
+    assert f"`ckptspec embed {url} --sidecar-only`" in result.stderr
+    assert stored(s3, url) == before
+    http = run("embed", "https://example.invalid/ckpt", "--sidecar-only")  # HTTP: read-only, before any request
+    assert http.exit_code == 2 and "CK916" in http.stderr and "read-only" in http.stderr, http.output
+
+
+def test_embed_killed_during_the_upload_leaves_the_previous_sidecar_or_the_new_one(at_url, s3, tmp_path, crash):
+    """SIGKILL at every step of the upload (the sidecar's part, its completion, the removal of the previous one of
+    the other encoding): readers find the previous sidecar or the new one, whole, and the checkpoint valid."""
+    url = at_url
+    assert run("embed", url, "--sidecar-only", "--no-hash", "--encoding", "msgpack").exit_code == 0
+    previous = stored(s3, url)
+    command = ["embed", url, "--sidecar-only"]
+    steps = crash.steps(command, tmp_path / "count")
+    new = stored(s3, url)
+    assert sorted(set(new) ^ set(previous)) == [f"{TAG}/ckptspec.json", f"{TAG}/ckptspec.msgpack"]
+    assert steps == 3
+    states = set()
+    for step in points(steps):
+        put(s3, url, previous)
+        killed = crash.run(command, f"kill:{step}")
+        assert killed.returncode == -9, (step, killed.stderr)
+        objects = stored(s3, url)
+        sidecars = [f"{TAG}/{name}" for name in ("ckptspec.json", "ckptspec.msgpack") if f"{TAG}/{name}" in objects]
+        read = objects[sidecars[0]] if sidecars else None  # what readers take: ckptspec.json first
+        states.add("previous" if objects == previous else "new" if read == new[f"{TAG}/ckptspec.json"] else "other")
+        assert run("validate", url).exit_code == 0, step
+        assert run(*command).exit_code == 0, step
+        assert stored(s3, url) == new, step
+    assert states == {"previous", "new"}, states
+    put(s3, url, previous)
+    stopped = crash.run(command, f"term:{steps}")  # SIGTERM while removing the previous one: says what is there
+    assert stopped.returncode == 143, stopped.stderr
+    assert f"terminated; {url}/{TAG}/ckptspec.json was written; the earlier sidecar " in stopped.stderr, stopped.stderr
+
+
+def test_embed_at_s3_store_gone_mid_upload_is_an_error_naming_the_sidecar(ds, s3_factory, monkeypatch):
+    server = s3_factory()
+    for key, value in {**server.env, "CKPTSPEC_REMOTE_TIMEOUT": "1", "CKPTSPEC_REMOTE_RETRIES": "0"}.items():
+        monkeypatch.setenv(key, value)
+    url = server.upload(ds.path(CHECKPOINT))
+    real = upload._upload
+
+    def stop_then_upload(store, source, path, name):
+        server.stop()  # the store goes away once everything was read and checked
+        return real(store, source, path, name)
+
+    monkeypatch.setattr(upload, "_upload", stop_then_upload)
+    result = run("embed", url, "--sidecar-only")
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"{url}/{TAG}/ckptspec.json: CK915 upload failed: "), line
