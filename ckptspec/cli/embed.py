@@ -141,9 +141,7 @@ def embed(
     is uploaded last, as one verified object (the model-states objects are not rewritten).
     """
     from ..deepspeed.embed import embed_checkpoint
-    from ..deepspeed.embed_url import embed_at_url
     from ..errors import RecordMismatch
-    from ..location import is_remote
 
     try:
         manifest = None
@@ -152,7 +150,7 @@ def embed(
             _check_input(manifest_path, manifest)
             _refuse_an_index(manifest_path, manifest)
         # At a URL: the sidecar only, uploaded (without --sidecar-only: CK916, by name)
-        result = (embed_at_url if is_remote(checkpoint) else embed_checkpoint)(
+        result = embed_checkpoint(
             checkpoint,
             manifest,
             tag=tag,

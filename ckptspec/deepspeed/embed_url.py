@@ -20,33 +20,21 @@ name (CK916); HTTP is read-only (CK916) either way.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.embedded import (
-    NOT_LAYOUT,
-    agreement_findings,
-    as_document,
-    first_difference,
-    read_client_state_copy,
-)
 from ..checkpoint.sidecar import SIDECAR_NAMES
 from ..checkpoint.states import StateCache
-from ..errors import EmbedError, RemoteError
+from ..errors import RemoteError
 from ..findings import Finding
 from ..format.codec import Encoding, dumps
 from ..format.models import Manifest
-from ..format.tolerant import from_document
-from ..format.validate import validate_document
-from ..format.version import version_key
 from ..location import RemotePath, upload, writable
 from ..location.store import store_for
 from .check.recorded import check_records, recorded_manifests
-from .describe.digests import add_digests
 from .describe.zero import describe_files, manifest_from_states
-from .embed import REHASH_HINT
-from .layout.tag_dir import ShardSet, resolve_tag_dir, scan_tag_dir
+from .embed_steps import REHASH_HINT, check_completed, digested_sections, embedded_document
+from .layout.tag_dir import resolve_tag_dir, scan_tag_dir
 
 
 @dataclass
@@ -79,7 +67,7 @@ def embed_at_url(
             url,
         )
     tag_dir = resolve_tag_dir(url, tag)
-    assert isinstance(tag_dir, RemotePath)  # the CLI's dispatch: a remote URL (file:// is embed_checkpoint's)
+    assert isinstance(tag_dir, RemotePath)  # embed_checkpoint's dispatch: a remote URL (file:// is its own)
     complete, replaced = sidecar_manifest(tag_dir, manifest, hash_algorithm, rehash)
     target = tag_dir / SIDECAR_NAMES[encoding]
     upload.put(str(target), dumps(complete, encoding))  # the one object readers look for: written last
@@ -98,76 +86,18 @@ def sidecar_manifest(
     tag_dir: Path | RemotePath, manifest: Manifest | dict | None, hash_algorithm: str | None, rehash: bool
 ) -> tuple[dict, list[Finding]]:
     """The complete manifest ``embed --sidecar-only`` writes for ``tag_dir`` (reads only), and what ``rehash``
-    re-recorded (``check_records``). These are ``embed_checkpoint``'s steps without its rewrites, repeated here
-    (tests/remote/test_remote_output.py checks that both sidecars are the same bytes)."""
+    re-recorded (``check_records``): ``embed_checkpoint``'s steps (embed_steps.py), without its rewrites."""
     shards = scan_tag_dir(tag_dir)
     states = StateCache()  # each file is read once, here
     described = manifest_from_states(shards, states)
-    doc = _embedded_document(shards, states, described, manifest, tag_dir)
+    doc = embedded_document(shards, states, described, manifest, tag_dir)
     records = recorded_manifests(tag_dir, manifest)  # type: ignore[arg-type]  # a RemotePath reads as a Path
     replaced = check_records(tag_dir, records, states, rehash=rehash, hint=REHASH_HINT)
-    target, digested = _digested(shards, described, doc, states) if hash_algorithm else (None, {})
-    if target is None and version_key(str(doc.get("format_version", "1.0"))) != "1.0":
-        target = from_document(Manifest, doc)
+    target, digested = digested_sections(shards, described, doc, states, hash_algorithm)
     files = describe_files(shards, described.layout.zero_stage, hash_algorithm, states, target)
     complete = {**doc, **digested, "files": [f.model_dump(mode="json", exclude_unset=True) for f in files]}
-    report = validate_document(complete)
-    if not report.ok:
-        first = next(f for f in report.findings if f.severity == "error")
-        raise EmbedError(
-            "CK304",
-            f"the completed manifest is not valid: {first.path}: {first.code} {first.message}",
-            "check the manifest with `ckptspec validate`",
-            str(tag_dir),
-        )
+    check_completed(complete, tag_dir)
     return complete, replaced
-
-
-def _embedded_document(
-    shards: ShardSet, states: StateCache, described: Manifest, manifest: Manifest | dict | None, tag_dir
-) -> dict:
-    """The layout to record: ``manifest`` when given (CK304 unless it describes the files), else the one the
-    model states carry (a live engine's: it knows the excluded names; CK301 when their copies disagree), else
-    the one the files give."""
-    derived = described.to_dict()
-    if manifest is None:
-        read = [read_client_state_copy(path, states.state(path)) for _, path in sorted(shards.model_files.items())]
-        embedded = [c for c in read if c is not None]
-        disagree = agreement_findings(embedded)
-        if disagree:
-            first = disagree[0]
-            name = os.path.basename(first.file or "")
-            raise EmbedError("CK301", f"{name}: {first.path}: {first.message}", first.hint, str(tag_dir))
-        if not embedded:
-            return derived
-        manifest = embedded[0].document
-    doc = as_document(manifest)
-    ignore = NOT_LAYOUT + ("excluded",)  # the files cannot know exclude_frozen_parameters' names, nor the producer
-    diff = first_difference(
-        {k: v for k, v in derived.items() if k not in ignore},
-        {k: v for k, v in doc.items() if k not in ignore},
-        lenient=True,
-    )
-    if diff:
-        where, on_disk, in_manifest = diff
-        raise EmbedError(
-            "CK304",
-            f"the manifest does not describe this checkpoint: at {where} the files say {on_disk}, "
-            f"the manifest {in_manifest}",
-            "embed the manifest of this checkpoint, or omit --manifest to generate it",
-            str(tag_dir),
-        )
-    return doc
-
-
-def _digested(shards: ShardSet, described: Manifest, doc: dict, states: StateCache) -> tuple[Manifest | None, dict]:
-    """For a format 1.1 ``doc``: its model, and the sections whose tensor digests the files give."""
-    if version_key(str(doc.get("format_version", "1.0"))) == "1.0":
-        return None, {}
-    target = from_document(Manifest, doc)
-    target.files = describe_files(shards, described.layout.zero_stage, None, states, target)
-    add_digests(target, shards.tag_dir)
-    return target, {key: target.to_dict()[key] for key in ("groups", "frozen", "buffers")}
 
 
 def _remove_other_encodings(tag_dir: RemotePath, written: str) -> None:
@@ -175,4 +105,4 @@ def _remove_other_encodings(tag_dir: RemotePath, written: str) -> None:
     for name in SIDECAR_NAMES.values():
         if name != written and (tag_dir / name).is_file():
             store = store_for(str(tag_dir))
-            upload._delete(store, store.key(str(tag_dir / name)))  # its failure: the code, naming the object
+            upload.delete(store, store.key(str(tag_dir / name)))  # its failure: the code, naming the object

@@ -73,6 +73,7 @@ def embed_saved(folder: Path, hash: bool, encoding: Encoding) -> Path:
     # that folder's sidecar describes; what is on disk now is this save's, so it is recorded as it is.
     algorithm = "sha256" if hash else None
     result = embed_checkpoint(folder, tag=tag, hash_algorithm=algorithm, encoding=encoding, rehash=True)
+    assert isinstance(result.sidecar, Path)  # the Trainer's output folder is local
     return result.sidecar
 
 

@@ -20,11 +20,12 @@ Every request is retried with backoff on transient errors (a dropped connection,
 ETag (s3fs does the same for S3) and every answer must hold the bytes asked for, so a file that
 changed while it was read is refused (CK913), never mixed. A problem is a ``RemoteError`` with a
 code: not found (CK910), access denied (CK911), no range requests (CK912), changed (CK913), timeout
-(CK914), connection (CK915); writing to an HTTP URL, and by the commands that do not upload (``embed``,
-``scan --fix-latest``, ``--keep``), is refused (CK916); a URL whose backend is not installed or not known is
-CK917. ``reconstruct``, ``reshard``, ``export``, ``export-universal`` and the manifest writers (``generate -o``,
-``convert``, ``migrate``, ``extract -o``) write to object stores (``upload``: built locally, uploaded object by
-object, the object readers look for last, each verified; CK920 when one differs).
+(CK914), connection (CK915); writing to an HTTP URL, and by the commands that do not upload (``embed``
+without ``--sidecar-only``, ``scan --fix-latest``, ``--keep``), is refused (CK916); a URL whose backend is not
+installed or not known is CK917. ``reconstruct``, ``reshard``, ``export``, ``export-universal``,
+``embed --sidecar-only`` and the manifest writers (``generate -o``, ``convert``, ``migrate``, ``extract -o``)
+write to object stores (``upload``: built locally, uploaded object by object, the object readers look for last,
+each verified; CK920 when one differs).
 
 What a process has seen of a remote file (size, ETag, listings) is kept until ``forget()``
 (each ``ckptspec`` command starts with it), so that a file read by validation and again by
@@ -110,7 +111,8 @@ def refuse_write(name: str | os.PathLike, what: str) -> None:
             "CK916",
             f"{what} cannot be written to this URL: read-only for ckptspec",
             "write to a local path, or to an object store's URL (s3://, gs://...) where the command writes one "
-            "(reconstruct, reshard, export, export-universal, generate -o, convert, migrate, extract -o)",
+            "(reconstruct, reshard, export, export-universal, embed --sidecar-only, generate -o, convert, migrate, "
+            "extract -o)",
             str(name),
         )
 

@@ -92,13 +92,13 @@ def publish(local: Path, url: str, visible: Sequence[str], removals: Sequence[st
     removed: list[str] = []
     try:
         for name in hidden:
-            _delete(store, f"{base}/{name}")
+            delete(store, f"{base}/{name}")
             removed.append(name)
         for name in data + list(visible):
             done.append(_upload(store, local / name, f"{base}/{name}", name))
         for name in removals:
             if name not in names:
-                _delete(store, f"{base}/{name}")
+                delete(store, f"{base}/{name}")
     except BaseException as stopped:  # an error, Ctrl-C, SIGTERM: the CLI says what readers see now
         stopped.ckptspec_upload = _left(url, removed, done, len(names))  # type: ignore[attr-defined]  # any exception
         raise
@@ -146,7 +146,8 @@ def _failed(exc: BaseException, url: str, what: str) -> RemoteError:
     return RemoteError(error.code, f"{what} failed: {error.message}", error.hint, url)
 
 
-def _delete(store: _Store, path: str) -> None:
+def delete(store: _Store, path: str) -> None:
+    """Remove one object (already gone: nothing); a failure raised with its code, naming the object."""
     url = store.url(path)
     io_point("remove")
     try:
