@@ -168,8 +168,19 @@ EP_ONE_SPECS = {
 ZERO3_EXTRAS_SPECS = {
     "tp2-s3-bf16-ws2-extras": ({"tp": 2, "stage": 3, "dtype": "bf16", "frozen": True, "buffers": True, **_UC}, 2),
 }
+# Tensor x pipeline parallelism (issue #40): Megatron-style column/row-parallel layers inside a PipelineModule
+# over a PipeModelDataParallelTopology (job/tp_layers.py; AutoTP cannot run in a pipeline), tp2 x pp2 at world
+# size 4, the split rules saved as Megatron-DeepSpeed saves them (``universal_checkpoint_info`` in the client
+# state); each rank records its masters, module and Adam moments gathered whole over its tensor group, rank 0
+# DeepSpeed's ds_to_universal. In the pipeline family's world-size-4 launch. Not in PARALLEL (no +again or hook
+# entries).
+TP_PIPE_SPECS = {
+    "tp2pp2-s1-fp32-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "fp32", **_UC}, 4),
+    "tp2pp2-s1-bf16-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "bf16", **_UC}, 4),
+}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
+    **TP_PIPE_SPECS,
     **ZERO3_EXTRAS_SPECS,
     **PARALLEL_SPECS,
     **EXTRAS_SPECS,
