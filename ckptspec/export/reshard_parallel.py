@@ -39,6 +39,7 @@ from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage3 import write_stage3_files
 from .reshard_tensor import all_zero3_partitions, plan_tensor_merge, refuse_unpartitioned
 from .reshard_tensor_split import plan_tensor_split
+from .reshard_tp_pipeline import plan_tensor_pipeline_merge
 
 
 def reshard_model_parallel(
@@ -75,7 +76,9 @@ def reshard_model_parallel(
         # what is written: one data-parallel checkpoint (merge), ZeRO domains written from a plan each (writes: an
         # AutoTP split's tensor ranks, a stage-0 pipeline's stages), a MoE, another number of stages, or each
         # domain's data axis (targets)
-        merge, writes, moe, stages, targets = None, None, None, None, {}
+        merge, moe, stages, targets = None, None, None, {}
+        writes: list[Any] | None = None  # each with .write(states, tag_dir) and .zero_stage
+        merged_layers = False  # the source's layer files are written anew (not copied)
         try:  # CK410 before anything is written
             degrees = found.topology.degrees
             splitting = degrees.tensor > 1 and tensor_parallel not in (None, 1, degrees.tensor)
@@ -92,6 +95,10 @@ def reshard_model_parallel(
                 degree: int = tensor_parallel  # type: ignore[assignment]  # splitting: an int
                 split_args = (world_size, zero_stage, degree, sub_group_size)
                 writes = plan_tensor_split(found, src_dir, plans, states, *split_args)  # type: ignore[arg-type]
+            elif tensor_parallel == 1 and degrees.tensor != 1 and any(f.tensor is not None for f in found.layer_files):
+                merged_layers = True  # a tensor-parallel pipeline: each stage merged, its layer files too
+                merge_args = (world_size, zero_stage, pipeline_parallel)
+                writes = [plan_tensor_pipeline_merge(found, src_dir, plans, states, *merge_args)]  # type: ignore[arg-type]
             elif tensor_parallel == 1 and found.topology.degrees.tensor != 1:
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage, sub_group_size)  # type: ignore[arg-type]
             elif found.expert_files:  # MoE: the dense and expert groups, each over its own ranks
@@ -143,7 +150,7 @@ def reshard_model_parallel(
                         )
                     else:
                         files += write_files(d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
-            for layer in found.layer_files:  # a stage's layers, the same whatever the data degree
+            for layer in [] if merged_layers else found.layer_files:  # a stage's layers, whatever the data degree
                 _copy(src_dir / layer.path, tag_dir / layer.path, layer.size)
                 files.append(tag_dir / layer.path)
             commit_and_validate_index(tmp, tag_dir, output)

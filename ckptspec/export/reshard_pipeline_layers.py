@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.states import StateCache
-from ..deepspeed.describe.model_parallel import TIED_PREFIX
+from ..deepspeed.describe.pipeline_params import TIED_PREFIX
 from ..errors import ReconstructMismatch, ReshardUnsupported
 from ..format.index_models import CheckpointIndex
 from ..format.models import Param

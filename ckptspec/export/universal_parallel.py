@@ -17,6 +17,11 @@ never reads the module, the weights come from ``zero/``).
   ``reshard --tensor-parallel 1`` writes: ``reshard_tensor.whole_model``; replicated copies compared first, CK401).
   DeepSpeed's loader cuts each tensor rank's slice back out of the whole tensor by the target job's own AutoTP
   metadata (``universal_checkpoint.py`` ``_resolve_autotp_partition``), or copies it whole without AutoTP.
+* A tensor-parallel pipeline (Megatron-style layers): each stage's parameters whole, as ``reshard --tensor-parallel
+  1`` merges them (``reshard_tp_pipeline.whole_stages``), its first tensor rank's optimizer file for the scalars; a
+  split tensor's files say its split dim (``cat_dim``: 1 for a row-parallel weight), a replicated one's none, as
+  ``ds_to_universal`` writes them from the same ``universal_checkpoint_info`` patterns: DeepSpeed's loader cuts a
+  tensor-parallel target's slice along ``cat_dim``.
 
 A MoE checkpoint (ZeRO stage 0, 1 or 2): its dense group as any, its experts as ``universal_moe`` stacks them
 (DeepSpeed's loader names a native expert by its local name).
@@ -42,6 +47,7 @@ from .reshard_pipeline_layers import check_tied_copies
 from .reshard_source import source_optimizer
 from .reshard_stage0_source import is_stage0_source
 from .reshard_tensor import whole_model
+from .reshard_tp_pipeline import universal_entries, whole_stages
 from .universal_moe import moe_parts
 from .universal_stage0 import stage0_parts
 from .universal_tp_stage3 import is_tp_stage3, tp_stage3_part, write_tp_stage3
@@ -86,7 +92,6 @@ def _writer(index: CheckpointIndex, src_dir: Path, states: StateCache):
 
 
 def _refuse(index: CheckpointIndex) -> None:
-    degrees = index.topology.degrees
     for d in index.domains:
         if d.masters is not None or d.manifest.layout.zero_stage not in (1, 2):
             raise ReshardUnsupported(
@@ -94,12 +99,6 @@ def _refuse(index: CheckpointIndex) -> None:
                 "universal folder of a tensor/pipeline-parallel checkpoint is written from ZeRO-1/2 files so far",
                 "use DeepSpeed's ds_to_universal",
             )
-    if degrees.tensor > 1 and degrees.pipeline > 1:
-        raise ReshardUnsupported(
-            f"a checkpoint both tensor- and pipeline-parallel (tp {degrees.tensor} x pp {degrees.pipeline}) is not "
-            "exported as a universal folder yet",
-            "AutoTP checkpoints (pp 1) and pipelines (tp 1) are",
-        )
     for d in index.domains:
         if d.manifest.layout.tail_padding_saved:
             raise ReshardUnsupported(
@@ -122,6 +121,10 @@ def _parts(index: CheckpointIndex, src_dir: Path, states: StateCache) -> tuple[l
             for d in index.domains
         ]
         return parts, None
+    if index.topology.degrees.pipeline > 1:  # a tensor-parallel pipeline: each stage's tensors whole
+        whole, state_plan, stages = whole_stages(index, src_dir, plans, states)
+        parts = [(manifest, plan, state_plan, _source(first, src_dir, states)) for manifest, first, plan in stages]
+        return parts, universal_entries(index)
     manifest, whole, _, _ = whole_model(index, src_dir, plans, states)
     first = next(d for d in index.domains if d.coordinate.tensor == 0)
     return [(manifest, whole, whole.optimizer_state_plan(), _source(first, src_dir, states))], None

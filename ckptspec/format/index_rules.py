@@ -329,6 +329,7 @@ _LAYER_HINT = "each pipeline layer has one layer file, written by the stage that
 @rule("CK608")
 def placement_source(doc: dict) -> Iterator[Finding]:
     """Where a merge rule came from is recorded, and it fits the placements."""
+    tensor_pipeline = any(lf.get("tensor") is not None for lf in doc["layer_files"])
     for i, param in enumerate(doc["parameters"]):
         source = param["placement_source"]
         split = any(not isinstance(s["placement"], str) for s in param["shards"])
@@ -341,7 +342,9 @@ def placement_source(doc: dict) -> Iterator[Finding]:
                 "live engine; an unknown rule is refused, never guessed",
             )
         layered = any("layer_file" in s for s in param["shards"])
-        if layered != (source == "pipeline_layer") and not split:
+        # a tensor-parallel pipeline's layer files hold shards whose merge rule is the recorded one, replicated too
+        ruled = layered and tensor_pipeline and source in ("affine_map", "universal_checkpoint_info")
+        if layered != (source == "pipeline_layer") and not split and not ruled:
             yield finding(
                 "CK608",
                 json_path("parameters", i, "placement_source"),

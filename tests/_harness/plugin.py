@@ -74,6 +74,7 @@ IMPORTABLE = {
     "reconstruction": "checkers of a reconstruction (bits, same_bits, check_reconstruction)",
     "job.model": "the jobs' model, built whole in the test (model and config keys)",
     "job.parallel_models": "the parallel jobs' models, built whole in the test",
+    "job.tp_layers": "UNIVERSAL_INFO: the split rules the tensor-parallel pipeline job saves (data)",
     "fsdp2_job": "shared_batch, parallel_batch: the batches the FSDP2 job and the test both use",
     "dcp_oracles": "checkers of what an FSDP2 job loaded against the DeepSpeed job's oracles (torch only)",
     "compat": "the older DeepSpeed's version and the folder of its committed checkpoints (constants)",

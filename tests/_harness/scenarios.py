@@ -168,8 +168,19 @@ EP_ONE_SPECS = {
 ZERO3_EXTRAS_SPECS = {
     "tp2-s3-bf16-ws2-extras": ({"tp": 2, "stage": 3, "dtype": "bf16", "frozen": True, "buffers": True, **_UC}, 2),
 }
+# Tensor x pipeline parallelism (issue #40): Megatron-style column/row-parallel layers inside a PipelineModule
+# over a PipeModelDataParallelTopology (job/tp_layers.py; AutoTP cannot run in a pipeline), tp2 x pp2 at world
+# size 4, the split rules saved as Megatron-DeepSpeed saves them (``universal_checkpoint_info`` in the client
+# state); each rank records its masters, module and Adam moments gathered whole over its tensor group, rank 0
+# DeepSpeed's ds_to_universal. In the pipeline family's world-size-4 launch. Not in PARALLEL (no +again or hook
+# entries).
+TP_PIPE_SPECS = {
+    "tp2pp2-s1-fp32-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "fp32", **_UC}, 4),
+    "tp2pp2-s1-bf16-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "bf16", **_UC}, 4),
+}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
+    **TP_PIPE_SPECS,
     **ZERO3_EXTRAS_SPECS,
     **PARALLEL_SPECS,
     **EXTRAS_SPECS,
@@ -392,17 +403,29 @@ UNIVERSAL_MOE = {
     for n, (source, _, _, options) in DEGREE_RESHARDS.items()
     if options.get("export_universal") and source.startswith("moe") and SOURCE_SPECS[source][0]["stage"]
 }
+# A tensor-parallel pipeline's tensor ranks merged (issue #40): loaded by the plain PipelineModule at the same number
+# of stages (the target spec: tp 1, in the pipeline optim launches of its world size), which also loads DeepSpeed's
+# ds_to_universal folder of the source (load_universal). Not in DEGREE_RESHARDS: the masters and moments are
+# compared with what the source job gathered whole over its tensor groups (its training oracle), so the source has
+# no "+optim" entry (a world-size-4 launch of its own), and no one-more-step reference.
+TP_PIPE_RESHARDS = {
+    "tp2pp2-s1-fp32-ws4>tp1": ("tp2pp2-s1-fp32-ws4", 2, {"tp": 1}, {"tensor_parallel": 1}),  # -> tp1 x pp2 x dp1
+    "tp2pp2-s1-bf16-ws4>tp1-ws4": ("tp2pp2-s1-bf16-ws4", 4, {"tp": 1}, {"tensor_parallel": 1}),  # -> tp1 x pp2 x dp2
+    # ckptspec's universal folder of the source (export-universal), loaded with load_universal by the same target
+    "tp2pp2-s1-fp32-ws4>universal-tp1": ("tp2pp2-s1-fp32-ws4", 2, {"tp": 1}, {"export_universal": True}),
+}
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}
 )  # each with a +optim entry
 
 
 def reshard_target(name: str) -> tuple[str, int, dict]:
-    """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS or DEGREE_RESHARDS."""
+    """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS, DEGREE_RESHARDS or
+    TP_PIPE_RESHARDS."""
     if name in PARALLEL_RESHARDS:
         source, ws = PARALLEL_RESHARDS[name]
         return source, ws, PARALLEL_SPECS[source][0]
-    source, ws, changes, _ = DEGREE_RESHARDS[name]
+    source, ws, changes, _ = DEGREE_RESHARDS[name] if name in DEGREE_RESHARDS else TP_PIPE_RESHARDS[name]
     return source, ws, {**source_spec(source), **changes}
 
 
@@ -687,6 +710,9 @@ def _registry() -> dict[str, Task]:
         spec = reshard_target(name)[2]
         args = {"spec": spec, "source": source, "reshard": {"world_size": ws, **options}}
         out[name] = Task("optim", {**args, "universal": name in UNIVERSAL_TOO | UNIVERSAL_PARALLEL}, ws, load=source)
+    for name, (source, ws, _, options) in TP_PIPE_RESHARDS.items():
+        args = {"spec": reshard_target(name)[2], "source": source, "reshard": {"world_size": ws, **options}}
+        out[name] = Task("optim", {**args, "universal": True}, ws, load=source)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

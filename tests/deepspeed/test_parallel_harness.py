@@ -252,7 +252,9 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
         # optim_job.py's and optim_universal_job.py's loads (#39): launches of their own, one layout each
         optim = group[3].startswith(("optim-", "optim_universal-"))
         loads = all(
-            m.endswith("+optim") or m in scenarios.PARALLEL_RESHARDS or m in scenarios.DEGREE_RESHARDS for m in members
+            m.endswith("+optim")
+            or m in {**scenarios.PARALLEL_RESHARDS, **scenarios.DEGREE_RESHARDS, **scenarios.TP_PIPE_RESHARDS}
+            for m in members
         )
         assert optim == loads, (group, sorted(members))
     for name in PARALLEL:
@@ -271,7 +273,7 @@ def _layout_of(member):
         return member
     if member.endswith("+optim"):
         return f"optim-{layout(_spec(member.removesuffix('+optim'))[0])}"
-    if member in scenarios.PARALLEL_RESHARDS or member in scenarios.DEGREE_RESHARDS:
+    if member in {**scenarios.PARALLEL_RESHARDS, **scenarios.DEGREE_RESHARDS, **scenarios.TP_PIPE_RESHARDS}:
         # loaded by optim_job.py (#40): the target's layout
         return f"optim-{layout(normalize(scenarios.reshard_target(member)[2]))}"
     kind = (

@@ -2,7 +2,8 @@
 
 DeepSpeed 0.19 numbers a checkpoint's model-parallel rank ``mp = pipeline * tp_degree + tensor``
 (``PipelineModule``/AutoTP); each mp rank writes the file set of one ZeRO data-parallel group under
-``mp_rank_<mp>``, and a pipeline also writes one ``layer_<LL>-model_states.pt`` per layer. The
+``mp_rank_<mp>``, and a pipeline also writes one ``layer_<LL>-model_states.pt`` per layer (with tensor
+parallelism, a PipeModelDataParallelTopology's: ``layer_<LL>-model_<TT>-model_states.pt`` per tensor rank). The
 degrees come from ``checkpoint_parallel_dimensions`` (DeepSpeed >= 0.19.5) or are derived from
 ``mp_world_size`` and the names; a split of ``mp_world_size`` the names do not decide is refused,
 never defaulted.
@@ -28,6 +29,8 @@ class ParallelFiles:
     tag_dir: Path | RemotePath
     by_mp_rank: dict[int, ShardSet] = field(default_factory=dict)
     layer_files: dict[int, Path | RemotePath] = field(default_factory=dict)  # layer index -> file
+    # a tensor-parallel pipeline's (layer_XX-model_YY-model_states.pt): (layer index, tensor rank) -> file
+    tensor_layer_files: dict[tuple[int, int], Path | RemotePath] = field(default_factory=dict)
     other_files: list[Path | RemotePath] = field(default_factory=list)
 
 
@@ -62,13 +65,9 @@ def scan_parallel(tag_dir: Path | RemotePath) -> ParallelFiles:
             )
         if m := PIPE_LAYER_RE.match(name):
             if m.group(2) is not None:
-                raise UnsupportedCheckpoint(
-                    f"Megatron pipeline x tensor layer file {name}",
-                    "pp x tp checkpoints (layer_XX-model_YY files) are not described: no real one backs the format "
-                    "yet (DeepSpeed 0.19.8's AutoTP cannot run inside a PipelineModule)",
-                    str(path),
-                )
-            out.layer_files[int(m.group(1))] = path
+                out.tensor_layer_files[int(m.group(1)), int(m.group(2))] = path
+            else:
+                out.layer_files[int(m.group(1))] = path
         elif m := OPTIM_RE.match(name):
             shards = out.by_mp_rank.setdefault(int(m.group(2)), ShardSet(tag_dir))
             shards.optim_files[int(m.group(1))] = path
@@ -84,6 +83,14 @@ def scan_parallel(tag_dir: Path | RemotePath) -> ParallelFiles:
             "(DeepSpeed loads this one with checkpoint.load_universal)",
             str(tag_dir / UNIVERSAL_FOLDER),
         )
+    if out.layer_files and out.tensor_layer_files:
+        path = out.tensor_layer_files[min(out.tensor_layer_files)]
+        raise UnsupportedCheckpoint(
+            f"layer files of a tensor-parallel pipeline ({path.name}) beside a plain pipeline's "
+            f"({out.layer_files[min(out.layer_files)].name})",
+            "files of two runs or layouts in one tag directory; remove the other run's",
+            str(path),
+        )
     if not any(s.model_files for s in out.by_mp_rank.values()):
         raise InvalidCheckpoint(
             "CK203", "no *_model_states.pt file", "is this a DeepSpeed checkpoint tag directory?", str(tag_dir)
@@ -91,10 +98,17 @@ def scan_parallel(tag_dir: Path | RemotePath) -> ParallelFiles:
     return out
 
 
-def layer_file_name(param: str) -> str:
-    """The layer file DeepSpeed writes a pipeline parameter ``<layer>.<key>`` into."""
+def layer_file_name(param: str, tensor: int | None = None) -> str:
+    """The layer file DeepSpeed writes a pipeline parameter ``<layer>.<key>`` into (tensor rank ``tensor``'s
+    in a tensor-parallel pipeline: the topology's ``model`` coordinate in the name)."""
     layer = param.split(".", 1)[0]
-    return f"layer_{int(layer):02d}-model_states.pt" if layer.isdigit() else layer
+    if not layer.isdigit():
+        return layer
+    return (
+        f"layer_{int(layer):02d}-model_{tensor:02d}-model_states.pt"
+        if tensor is not None
+        else (f"layer_{int(layer):02d}-model_states.pt")
+    )
 
 
 def missing_layer_files(missing: dict[str, list[str]], tag_dir) -> CheckpointInvalid:

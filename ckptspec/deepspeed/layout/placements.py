@@ -8,9 +8,11 @@ along one axis becomes ``{"split": {axis, offset, length}}``; a piece covering t
 ``"replicated"``; anything else (fused QKV sub-parameters, uneven splits) is kept as the pieces.
 
 A parameter no entry matches is refused by name (CK202): a wrong merge is worse than none
-(EleutherAI/gpt-neox #880). The older regular expressions of ``universal_checkpoint_info``
-(row-parallel, replicated patterns) without an affine map are refused too, for now: they do not
-say the offsets of uneven or sub-parameter splits.
+(EleutherAI/gpt-neox #880). The older regular expressions of ``universal_checkpoint_info`` that
+Megatron-DeepSpeed saves in its client state (``rule_placement``) are read for even splits only: a
+``tp_replicated_parameter_patterns`` match is replicated, a ``parameter_with_row_parallelism_patterns``
+one split along dim 1, any other along dim 0 (ds_to_universal's rules), every tensor rank holding an
+equal block; a vocabulary (padded), averaged or sub-parameter pattern's match is refused by name.
 """
 
 from __future__ import annotations
@@ -112,3 +114,55 @@ def _simplest(pieces: list[dict], whole: list[int], local: list[int]) -> Any:
 
 def numel(shape: list[int]) -> int:
     return math.prod(shape)
+
+
+RULE_KEYS = {  # universal_checkpoint_info's pattern lists whose merge an even split cannot express
+    "vocabulary_parameter_patterns": "its vocabulary padding",
+    "parameter_to_average_patterns": "it is averaged over the tensor ranks",
+    "parameter_with_2_sub_params_cat_dim_0": "its two sub-parameters",
+}
+
+
+def rule_info(model_states: Any) -> dict | None:
+    """The model states' ``universal_checkpoint_info`` when it holds Megatron's pattern lists (no affine map)."""
+    info = model_states.get("universal_checkpoint_info") if isinstance(model_states, dict) else None
+    keys = ("parameter_with_row_parallelism_patterns", "tp_replicated_parameter_patterns")
+    return info if isinstance(info, dict) and any(isinstance(info.get(k), list) for k in keys) else None
+
+
+def _matches(info: dict, key: str, name: str) -> bool:
+    return any(isinstance(p, str) and re.match(p, name) for p in info.get(key) or [])
+
+
+def rule_placement(info: dict | None, name: str, tp_rank: int, tp: int, local_shape: list[int], file: str):
+    """(whole shape, placement) of ``name``'s shard on tensor rank ``tp_rank`` of ``tp`` by the pattern lists
+    (module docstring): replicated, or an even split along dim 1 (row-parallel) or dim 0."""
+    if info is None:
+        raise UnsupportedCheckpoint(
+            f"no tensor-parallel merge rule for {name!r}: the model states have no universal_checkpoint_info",
+            "ckptspec never guesses how tensor-parallel shards compose; save the split rules with the checkpoint "
+            "(Megatron-DeepSpeed's universal_checkpoint_info client state)",
+            file,
+        )
+    subparams = [s for s in info.get("parameter_with_sub_params") or [] if isinstance(s, dict)]
+    refused = [why for key, why in RULE_KEYS.items() if _matches(info, key, name)]
+    refused += ["its sub-parameters" for s in subparams if _matches(s, "patterns", name)]
+    if refused:
+        raise UnsupportedCheckpoint(
+            f"{name!r} matches a universal_checkpoint_info pattern an even split cannot merge ({refused[0]})",
+            "only replicated, row-parallel and column-parallel parameters are described",
+            file,
+        )
+    if _matches(info, "tp_replicated_parameter_patterns", name):
+        return list(local_shape), "replicated"
+    axis = 1 if _matches(info, "parameter_with_row_parallelism_patterns", name) else 0
+    if len(local_shape) <= axis:
+        raise UnsupportedCheckpoint(
+            f"{name!r} of shape {list(local_shape)} has no dim {axis} to split along",
+            "the universal_checkpoint_info patterns do not describe this parameter",
+            file,
+        )
+    whole = list(local_shape)
+    whole[axis] *= tp
+    length = local_shape[axis]
+    return whole, {"split": {"axis": axis, "offset": tp_rank * length, "length": length}}

@@ -23,6 +23,9 @@ and record DeepSpeed's own answers about it (the ground truth of model-parallel 
                      ``logits``: this rank's output on the fixed batch (None on a pipeline stage
                      that is not the last)
   eval.pt            (rank 0) the fixed batch: ``inputs`` (fp32; the job casts them to its dtype)
+  oracle ``whole_masters``, ``whole_module``, ``whole_moments`` (a tensor-parallel pipeline, every rank) its
+                     masters, module parameters and Adam moments whole: gathered over the tensor group along
+                     each one's split dim (job/tp_layers.py)
   consolidated.pt    (rank 0, AutoTP) ``engine._consolidated_16bit_state_dict()``: DeepSpeed's own
                      merge of the tensor-parallel module weights (the training dtype)
   universal.log      (rank 0, when asked) ds_to_universal's output
@@ -52,6 +55,7 @@ from _harness.job.parallel_models import (
     reference_model,
     torch_dtype,
 )
+from _harness.job.tp_layers import UNIVERSAL_INFO, gather_whole, whole_moments
 
 EXPERTS_PREFIX = "deepspeed_experts."
 
@@ -63,7 +67,7 @@ def _train(spec):
 
     torch.manual_seed(spec["seed"])
     model = build_model(spec)  # same seed on every rank -> identical initial weights
-    global_shapes = {n: list(p.shape) for n, p in model.named_parameters()} if spec["tp"] > 1 else None
+    global_shapes = {n: list(p.shape) for n, p in model.named_parameters()} if layout(spec) == "autotp" else None
     if spec["ep"]:
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -308,6 +312,7 @@ def run(args, out: Path):
     import torch.distributed as dist
 
     spec = normalize(args)
+    kind = layout(spec)
     engine, global_shapes = _train(spec)
     rank = dist.get_rank()
     masters, sources = _masters(engine, spec)
@@ -336,10 +341,16 @@ def run(args, out: Path):
         "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers()},
         "logits": logits,
     }
+    if kind == "pipe" and spec["tp"] > 1:  # Megatron-style layers: the whole tensors, gathered over the tensor group
+        oracle["whole_masters"] = gather_whole(engine.module, masters)
+        oracle["whole_module"] = gather_whole(engine.module, oracle["module"])
+        oracle["whole_moments"] = whole_moments(engine)
     torch.save(oracle, out / f"oracle.rank{rank}.pt")
     tag = f"global_step{engine.global_steps}"
     if spec["save"] and spec["save_with"] == "ckptspec":
         _save_with_ckptspec(engine, out, rank)
+    elif spec["save"] and kind == "pipe" and spec["tp"] > 1:  # the split rules where Megatron-DeepSpeed puts them
+        engine.save_checkpoint(str(out), client_state={"universal_checkpoint_info": UNIVERSAL_INFO})
     elif spec["save"]:
         engine.save_checkpoint(str(out))
     dist.barrier()

@@ -6,8 +6,9 @@ imported inside the functions. Everything in this folder is part of every job's 
 
 Spec keys (JSON object) are listed in DEFAULTS; unknown keys are an error. The layout follows
 from the degrees: ``pp`` > 1 is a ``PipelineModule``, ``tp`` > 1 is AutoTP training
-(``tensor_parallel.autotp_size``), ``ep`` > 0 is a model with a ``deepspeed.moe.layer.MoE`` of
-``experts`` experts; none of them is the dense MLP.
+(``tensor_parallel.autotp_size``) or, in a pipeline, Megatron-style tensor-parallel layers
+(tp_layers.py), ``ep`` > 0 is a model with a ``deepspeed.moe.layer.MoE`` of ``experts`` experts;
+none of them is the dense MLP.
 """
 
 import copy
@@ -65,12 +66,11 @@ def normalize(spec):
         raise ValueError(f"tied layers are in the pipeline or the AutoTP MLP only: {spec}")
     if out["ep"] and (out["pp"] > 1 or out["pipe"] or out["tp"] > 1 or out["experts"] % out["ep"]):
         raise ValueError(f"MoE jobs are data/expert parallel only, experts divisible by ep: {spec}")
-    if layout(out) == "pipe" and out["tp"] > 1:
-        # DeepSpeed 0.19.8: AutoTP builds its groups on a (world/tp, tp) mesh that ignores the pipeline
-        # axis, so engine._broadcast_model broadcasts one stage's weights to the other (gloo:
-        # "Received data size doesn't match expected size"), with or without a
-        # PipeModelDataParallelTopology.
-        raise ValueError(f"AutoTP inside a PipelineModule does not train in DeepSpeed 0.19.8: {spec}")
+    if layout(out) == "pipe" and out["tp"] > 1 and (out["frozen"] or out["buffers"] or out["tied"] or out["stage"] > 1):
+        # Megatron-style tensor-parallel layers (job/tp_layers.py), not AutoTP: DeepSpeed 0.19.8's AutoTP builds
+        # its groups on a (world/tp, tp) mesh that ignores the pipeline axis, so engine._broadcast_model
+        # broadcasts one stage's weights to the other (gloo: "Received data size doesn't match expected size")
+        raise ValueError(f"a tensor-parallel pipeline is the plain one at ZeRO 0/1: {spec}")
     if out["partition"] not in ("uniform", "parameters"):
         raise ValueError(f"bad partition in parallel spec: {spec}")
     if out["save_with"] not in ("deepspeed", "ckptspec"):
@@ -233,6 +233,10 @@ def build_model(spec):
     kind = layout(spec)
     if kind == "moe":
         return _moe_net(spec, spec["ep"])
+    if kind == "pipe" and spec["tp"] > 1:
+        from _harness.job.tp_layers import build_tp_pipe
+
+        return build_tp_pipe(spec)
     if kind == "pipe":
         import torch
         from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -291,7 +295,7 @@ def ds_config(spec):
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 4}
     if spec["grad_accum_dtype"]:
         cfg["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
-    if spec["tp"] > 1:
+    if spec["tp"] > 1 and layout(spec) == "autotp":
         cfg["tensor_parallel"] = {
             "autotp_size": spec["tp"],
             "partition_config": {"use_default_specs": False, "layer_specs": TP_LAYER_SPECS},
