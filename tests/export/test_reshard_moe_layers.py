@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from _harness.parallel_oracles import optim_records
+from _harness.parallel_oracles import info, optim_records
 from _harness.scenarios import DEGREE_RESHARDS, MOE_LAYERS_SPECS, optim_name, reshard_target, source_spec
 
 _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
@@ -128,3 +128,14 @@ def test_the_fp16_loss_scaler_moves_with_the_checkpoint(name, ds):
             else:
                 assert held["dynamic_loss_scale"] is True, held
                 assert {k: held[k] for k in STAGE0_SCALER} == {k: expected[k] for k in STAGE0_SCALER}, (prefix, held)
+
+
+def test_ds_to_universal_crashes_on_the_two_layer_moe_where_ckptspecs_folder_loads(ds):
+    """Side by side: DeepSpeed's converter, run by the source job on its own tag, fails (the same error as on the
+    one-layer ZeRO-2 bf16 MoE at 4 ranks); a job of the source's layout loads ckptspec's folder of it and holds its
+    state bit for bit (test_universal_parallel.py, ``moe2-ep2-s2-bf16-ws2>universal``)."""
+    outcome = info(ds.path("moe2-ep2-s2-bf16-ws2"))["universal"]
+    assert outcome["ok"] is False and outcome["inject_missing_state"] is True, outcome
+    assert outcome["error"] == "RuntimeError: shape '[32, 16]' is invalid for input of size 1024", outcome
+    folder = ds.path("moe2-ep2-s2-bf16-ws2>universal") / "resharded" / "universal" / "zero"
+    assert (folder / "moe2.deepspeed_moe.experts.deepspeed_experts.0.0.weight" / "fp32.pt").is_file()
