@@ -175,6 +175,8 @@ MOE_LAYERS_SPECS = {
     "moe2-ep2-s2-bf16-ws4": ({"ep": 2, **_MOE2, "experts": 4, "stage": 2, "dtype": "bf16", "seed": 1235}, 4),
     # the dynamic scale doubled at each step (16 -> 64), its counters moved: none a new job starts with
     "moe2-ep2-s1-fp16-ws2": ({"ep": 2, **_MOE2, "stage": 1, "dtype": "fp16", "loss_scale_window": 1}, 2),
+    # DeepSpeed's own save at the target layout of ws4 -> ws2 (4 experts on 2 ranks): compared with, not resharded
+    "moe2-ep2-s2-bf16-ws2-x4": ({"ep": 2, **_MOE2, "experts": 4, "stage": 2, "dtype": "bf16"}, 2),
 }
 # The AutoTP MLP at ZeRO-3 with a frozen parameter split by AutoTP, one left whole and the buffers (issue #40): the
 # source of a merge and a split that carry them (DEGREE_RESHARDS), in the AutoTP ZeRO-3 launches. Not in EXTRAS (no
