@@ -392,13 +392,20 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "moe-ep2-s2-bf16-ws4>s0-ws2": ("moe-ep2-s2-bf16-ws4", 2, _S0, _S0),
     "moe-ep2-s0-bf16-ws2>ep1": ("moe-ep2-s0-bf16-ws2", 2, {"ep": 1}, {"expert_parallel": 1}),
     "moe-ep2-s0-fp32-ws4>ws2": ("moe-ep2-s0-fp32-ws4", 2, {}, {}),
-    # two MoE layers: ep2 -> ep1 (ZeRO-2 -> 1), ep1 -> ep2, ws4 -> ws2 at ep2, the universal folder; fp16 (dynamic loss
-    # scale) ep2 -> ep1 at ZeRO-1 and at ZeRO-2, and for a stage-0 job
+    # two MoE layers: ep2 -> ep1 and ep1 -> ep2 (each at ZeRO-2 and to ZeRO-1), ws4 -> ws2 at ep2, the universal
+    # folder; fp16 (dynamic loss scale) ep2 -> ep1 at ZeRO-1 and at ZeRO-2, and for a stage-0 job
     "moe2-ep2-s2-bf16-ws2>ep1-s1": (
         "moe2-ep2-s2-bf16-ws2",
         2,
         {"ep": 1, "stage": 1},
         {"expert_parallel": 1, "stage": 1},
+    ),
+    "moe2-ep2-s2-bf16-ws2>ep1": ("moe2-ep2-s2-bf16-ws2", 2, {"ep": 1}, {"expert_parallel": 1}),
+    "moe2-ep1-s2-bf16-ws2>ep2-s1": (
+        "moe2-ep1-s2-bf16-ws2",
+        2,
+        {"ep": 2, "stage": 1},
+        {"expert_parallel": 2, "stage": 1},
     ),
     "moe2-ep1-s2-bf16-ws2>ep2": ("moe2-ep1-s2-bf16-ws2", 2, {"ep": 2}, {"expert_parallel": 2}),
     "moe2-ep2-s2-bf16-ws4>ws2": ("moe2-ep2-s2-bf16-ws4", 2, {}, {}),

@@ -31,7 +31,9 @@ _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt
 # The target's layout saved by DeepSpeed itself: the same model, expert degree, experts, world size and dtype.
 NATIVE = {
     "moe2-ep2-s2-bf16-ws2>ep1-s1": "moe2-ep1-s2-bf16-ws2",
+    "moe2-ep2-s2-bf16-ws2>ep1": "moe2-ep1-s2-bf16-ws2",
     "moe2-ep1-s2-bf16-ws2>ep2": "moe2-ep2-s2-bf16-ws2",
+    "moe2-ep1-s2-bf16-ws2>ep2-s1": "moe2-ep2-s2-bf16-ws2",
     "moe2-ep2-s2-bf16-ws4>ws2": "moe2-ep2-s2-bf16-ws2-x4",
 }
 FP16 = sorted(n for n, (source, *_) in DEGREE_RESHARDS.items() if source in MOE_LAYERS_SPECS and "fp16" in source)
