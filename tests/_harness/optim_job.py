@@ -24,6 +24,9 @@ the optimizer state the live engine then holds. Every rank writes ``OUT/optim.ra
                 None at stage 0 outside BF16_Optimizer: there is no fragment mapping)
 
   master        global name -> the fp32 master ``safe_get_full_fp32_param`` gives (where it answers)
+  loss_scaler   the wrapper's loss scaler as loaded, its numbers: ``cur_scale`` and the dynamic scaler's counters
+                (``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``...; ZeRO's ``loss_scaler``, a stage-0
+                fp16/bf16 wrapper's ``loss_scale_config``), None where there is none
   coords        this rank's coordinates (job/parallel.py ``_coords``: pp, tp, dp, ...)
   module        local name -> every frozen parameter and buffer of the module's state dict, as loaded
   logits        the logits of a fixed batch, fp32: a dense, AutoTP or MoE model's (``LOGITS_SEED``, eval mode); a
@@ -235,6 +238,7 @@ def _record(engine, spec) -> dict:
         record["step"][global_name] = float(inner.state[part]["step"])
         record["group"][global_name] = g
     record["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    record["loss_scaler"] = _loss_scaler(opt)
     record["coords"] = parallel._coords(engine, spec)  # pipeline stage, tensor and data rank (job/parallel.py)
     trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
     record["module"] = {  # frozen parameters and buffers as loaded (local names; an AutoTP shard where split)
@@ -249,6 +253,14 @@ def _record(engine, spec) -> dict:
             out = engine.module(x)
         record["logits"] = (out[0] if isinstance(out, tuple) else out).detach().float().clone()  # MoE: (logits, l_aux)
     return record
+
+
+def _loss_scaler(opt) -> dict | None:
+    """The numbers of the loss scaler ``opt`` holds: ZeRO-1/2's ``loss_scaler`` object, or a stage-0 wrapper's
+    ``loss_scale_config`` (FP16_UnfusedOptimizer's scale and counters)."""
+    scaler = getattr(opt, "loss_scaler", None) or getattr(opt, "loss_scale_config", None)
+    held = vars(scaler) if scaler is not None else {}
+    return {k: v for k, v in held.items() if isinstance(v, bool | int | float)} or None
 
 
 def _universal_engine(spec):

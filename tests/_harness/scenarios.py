@@ -162,6 +162,22 @@ EP_ONE_SPECS = {
     "moe-ep1-s1-fp32-ws2": ({"ep": 1, "experts": 2, "stage": 1, "dtype": "fp32"}, 2),
     "moe-ep1-s2-bf16-ws2": ({"ep": 1, "experts": 2, "stage": 2, "dtype": "bf16"}, 2),  # ep1 -> ep2 at ZeRO-2
 }
+# Two MoE layers (``moe``, ``moe2``: DeepSpeed's expert files layer_0_expert_* and layer_1_expert_*), and an fp16
+# MoE with its dynamic loss scaler (issue #40): sources of expert-degree, world-size and stage changes and of a
+# universal folder (DEGREE_RESHARDS), in the MoE launches of their world size. The ep2 and ep1 ones are each other's
+# DeepSpeed save at the target layout (tests/export/test_reshard_moe_layers.py). Not in PARALLEL (no +again or hook
+# entries), loaded by their "+optim" entries.
+_MOE2 = {"moe_layers": 2, "experts": 2}
+MOE_LAYERS_SPECS = {
+    "moe2-ep2-s2-bf16-ws2": ({"ep": 2, **_MOE2, "stage": 2, "dtype": "bf16", **_UC_INJECT}, 2),
+    "moe2-ep1-s2-bf16-ws2": ({"ep": 1, **_MOE2, "stage": 2, "dtype": "bf16"}, 2),
+    # seed 1235: at 1234 moe2's gate sent no token to its experts 0 and 1 (left as built, copies of one another)
+    "moe2-ep2-s2-bf16-ws4": ({"ep": 2, **_MOE2, "experts": 4, "stage": 2, "dtype": "bf16", "seed": 1235}, 4),
+    # the dynamic scale doubled at each step (16 -> 64), its counters moved: none a new job starts with
+    "moe2-ep2-s1-fp16-ws2": ({"ep": 2, **_MOE2, "stage": 1, "dtype": "fp16", "loss_scale_window": 1}, 2),
+    # DeepSpeed's own save at the target layout of ws4 -> ws2 (4 experts on 2 ranks): compared with, not resharded
+    "moe2-ep2-s2-bf16-ws2-x4": ({"ep": 2, **_MOE2, "experts": 4, "stage": 2, "dtype": "bf16"}, 2),
+}
 # The AutoTP MLP at ZeRO-3 with a frozen parameter split by AutoTP, one left whole and the buffers (issue #40): the
 # source of a merge and a split that carry them (DEGREE_RESHARDS), in the AutoTP ZeRO-3 launches. Not in EXTRAS (no
 # hook or Node reader entries), loaded by its "+optim" entry; converted by ds_to_universal too (UNIVERSAL_PARALLEL).
@@ -188,6 +204,7 @@ SOURCE_SPECS = {
     **PIPE_TARGET_SPECS,
     **ZERO_DENSE_SPECS,
     **EP_ONE_SPECS,
+    **MOE_LAYERS_SPECS,
 }
 # Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries
 # they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16).
@@ -386,6 +403,32 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "moe-ep2-s2-bf16-ws4>s0-ws2": ("moe-ep2-s2-bf16-ws4", 2, _S0, _S0),
     "moe-ep2-s0-bf16-ws2>ep1": ("moe-ep2-s0-bf16-ws2", 2, {"ep": 1}, {"expert_parallel": 1}),
     "moe-ep2-s0-fp32-ws4>ws2": ("moe-ep2-s0-fp32-ws4", 2, {}, {}),
+    # two MoE layers: ep2 -> ep1 and ep1 -> ep2 (each at ZeRO-2 and to ZeRO-1), ws4 -> ws2 at ep2, the universal
+    # folder; fp16 (dynamic loss scale) ep2 -> ep1 at ZeRO-1 and at ZeRO-2, and for a stage-0 job
+    "moe2-ep2-s2-bf16-ws2>ep1-s1": (
+        "moe2-ep2-s2-bf16-ws2",
+        2,
+        {"ep": 1, "stage": 1},
+        {"expert_parallel": 1, "stage": 1},
+    ),
+    "moe2-ep2-s2-bf16-ws2>ep1": ("moe2-ep2-s2-bf16-ws2", 2, {"ep": 1}, {"expert_parallel": 1}),
+    "moe2-ep1-s2-bf16-ws2>ep2-s1": (
+        "moe2-ep1-s2-bf16-ws2",
+        2,
+        {"ep": 2, "stage": 1},
+        {"expert_parallel": 2, "stage": 1},
+    ),
+    "moe2-ep1-s2-bf16-ws2>ep2": ("moe2-ep1-s2-bf16-ws2", 2, {"ep": 2}, {"expert_parallel": 2}),
+    "moe2-ep2-s2-bf16-ws4>ws2": ("moe2-ep2-s2-bf16-ws4", 2, {}, {}),
+    "moe2-ep2-s2-bf16-ws2>universal": ("moe2-ep2-s2-bf16-ws2", 2, {}, {"export_universal": True}),
+    "moe2-ep2-s1-fp16-ws2>ep1": ("moe2-ep2-s1-fp16-ws2", 2, {"ep": 1}, {"expert_parallel": 1}),
+    "moe2-ep2-s1-fp16-ws2>ep1-s2": (
+        "moe2-ep2-s1-fp16-ws2",
+        2,
+        {"ep": 1, "stage": 2},
+        {"expert_parallel": 1, "stage": 2},
+    ),
+    "moe2-ep2-s1-fp16-ws2>s0": ("moe2-ep2-s1-fp16-ws2", 2, _S0, _S0),
 }
 # Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
 UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}
@@ -430,7 +473,8 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
 
 
 def source_spec(name: str) -> dict:
-    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS, PIPE_TARGET_SPECS, ZERO_DENSE_SPECS or EP_ONE_SPECS entry."""
+    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS, PIPE_TARGET_SPECS, ZERO_DENSE_SPECS, EP_ONE_SPECS or
+    MOE_LAYERS_SPECS entry."""
     return SOURCE_SPECS[name][0]
 
 

@@ -13,7 +13,10 @@ from click.testing import CliRunner
 from ckptspec.cli import cli
 
 STAGE0 = sorted(n for n in scenarios.PARALLEL if n.startswith(("s0-", "moe-ep2-s0-")) and not n.endswith("ws1"))
-MOE_ZERO = sorted(n for n in scenarios.PARALLEL if n.startswith(("moe-ep2-s1-", "moe-ep2-s2-")))
+# with the two-layer and fp16 MoE sources (issue #40)
+MOE_ZERO = sorted(n for n in scenarios.PARALLEL if n.startswith(("moe-ep2-s1-", "moe-ep2-s2-"))) + sorted(
+    scenarios.MOE_LAYERS_SPECS
+)
 UNIVERSAL = ["uc-s2-bf16-ws2", "uc-s3-bf16-ws2"]
 PIPELINE_S0 = ["pp2-s0-bf16-ws2"]  # BF16_Optimizer: masters partitioned like stage 1, param_shapes None
 ALL = STAGE0 + MOE_ZERO + PIPELINE_S0

@@ -47,7 +47,7 @@ from ckptspec.deepspeed.kinds import Kind
 
 CASES = sorted(n for n in DEGREE_RESHARDS if is_moe_to_stage0(n))
 # What DeepSpeed's stage-0 optimizer wrapper is, per dtype (optim_job.py's record "source")
-HELD_BY = {"fp32": "module (fp32, no masters)", "bf16": "FP16_UnfusedOptimizer.fp32_groups"}
+HELD_BY = {"fp32": "module (fp32, no masters)", **dict.fromkeys(("bf16", "fp16"), "FP16_UnfusedOptimizer.fp32_groups")}
 _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
 
 

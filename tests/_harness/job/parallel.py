@@ -198,7 +198,7 @@ def _names(engine, spec):
         if kind == "moe" and EXPERTS_PREFIX in name:
             head, rest = name.split(EXPERTS_PREFIX)
             local_id, tail = rest.split(".", 1)
-            moe_layer = engine.module.moe
+            moe_layer = engine.module.get_submodule(head.split(".deepspeed_moe.")[0])  # moe, moe2
             ep_rank = groups._get_expert_parallel_rank(moe_layer.expert_group_name)
             # engine._save_moe_checkpoint: global_expert_id = expp_rank * num_local_experts + local_expert_id
             expert = ep_rank * moe_layer.num_local_experts + int(local_id)

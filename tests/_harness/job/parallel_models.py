@@ -33,7 +33,11 @@ DEFAULTS = {
     "tp": 1,  # AutoTP degree
     "ep": 0,  # expert-parallel degree of the MoE layer (0: no MoE)
     "experts": 0,  # experts of the MoE layer
+    "moe_layers": 1,  # MoE layers one after the other (``moe``, then ``moe2``: DeepSpeed's layer_1_expert_* files)
     "grad_accum_dtype": None,  # data_types.grad_accum_dtype
+    # fp16: DeepSpeed's fp16.loss_scale_window (its default 1000); 1 doubles the dynamic scale after every step
+    # without overflow, so a checkpoint's scale is none a new job starts with
+    "loss_scale_window": None,
     "steps": 2,
     "seed": 1234,
     "save": True,  # False: train and record, write no checkpoint (the "+again" entries)
@@ -66,6 +70,10 @@ def normalize(spec):
         raise ValueError(f"tied layers are in the pipeline or the AutoTP MLP only: {spec}")
     if out["ep"] and (out["pp"] > 1 or out["pipe"] or out["tp"] > 1 or out["experts"] % out["ep"]):
         raise ValueError(f"MoE jobs are data/expert parallel only, experts divisible by ep: {spec}")
+    if out["loss_scale_window"] is not None and out["dtype"] != "fp16":
+        raise ValueError(f"loss_scale_window is an fp16 setting: {spec}")
+    if out["moe_layers"] not in (1, 2) or (out["moe_layers"] != 1 and not out["ep"]):
+        raise ValueError(f"moe_layers is 1 or 2, in a MoE job: {spec}")
     if layout(out) == "pipe" and out["tp"] > 1 and (out["frozen"] or out["buffers"] or out["tied"] or out["stage"] > 1):
         # Megatron-style tensor-parallel layers (job/tp_layers.py), not AutoTP: DeepSpeed 0.19.8's AutoTP builds
         # its groups on a (world/tp, tp) mesh that ignores the pipeline axis, so engine._broadcast_model
@@ -204,25 +212,33 @@ def _moe_net(spec, ep_size):
     from deepspeed.moe.layer import MoE
     from torch import nn
 
+    def moe_layer():
+        expert = nn.Sequential(nn.Linear(W, H), nn.ReLU(), nn.Linear(H, W))
+        # eval_capacity_factor = experts: an expert's capacity is every token, so evaluation
+        # drops none and the logits do not depend on the random token selection.
+        return MoE(
+            hidden_size=W,
+            expert=expert,
+            num_experts=spec["experts"],
+            ep_size=ep_size,
+            k=1,
+            eval_capacity_factor=float(spec["experts"]),
+        )
+
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.inp = nn.Linear(W, W)
-            expert = nn.Sequential(nn.Linear(W, H), nn.ReLU(), nn.Linear(H, W))
-            # eval_capacity_factor = experts: an expert's capacity is every token, so evaluation
-            # drops none and the logits do not depend on the random token selection.
-            self.moe = MoE(
-                hidden_size=W,
-                expert=expert,
-                num_experts=spec["experts"],
-                ep_size=ep_size,
-                k=1,
-                eval_capacity_factor=float(spec["experts"]),
-            )
+            self.moe = moe_layer()
+            if spec["moe_layers"] == 2:  # DeepSpeed numbers MoE layers in module order: its files layer_1_expert_*
+                self.moe2 = moe_layer()
             self.head = nn.Linear(W, C)
 
         def forward(self, x):
             h, l_aux, _ = self.moe(torch.relu(self.inp(x)))
+            if spec["moe_layers"] == 2:  # no ReLU before its gate: its tokens of every sign reach both its experts
+                h, l_aux2, _ = self.moe2(h)
+                l_aux = l_aux + l_aux2
             return self.head(h), l_aux
 
     return Net()
@@ -293,6 +309,8 @@ def ds_config(spec):
     elif spec["dtype"] == "fp16":
         # A small initial loss scale: overflow-skipped steps would leave the weights untouched.
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 4}
+        if spec["loss_scale_window"]:
+            cfg["fp16"]["loss_scale_window"] = spec["loss_scale_window"]
     if spec["grad_accum_dtype"]:
         cfg["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
     if spec["tp"] > 1 and layout(spec) == "autotp":
