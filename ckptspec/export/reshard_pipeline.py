@@ -8,13 +8,13 @@ trainable parameter counts); each stage's ZeRO groups are laid out anew from the
 stage's parameter order (``reshard_pipeline_layers``: its tied modules, then its layers in order), at
 ``world_size / N`` data-parallel ranks, and written by ``reshard_files.write_files`` (masters and moments moved,
 a tied module's to every stage that runs it; step, hyperparameters and loss scaler copied from the source's first
-stage: every stage's must agree; ``buffer_names`` the stage's layers'). The layer files carry over as saved:
-their names and keys do not depend on the stage; a tied module's copies, frozen parameters and buffers are in
-them.
+stage: every stage's must agree; ``buffer_names`` the stage's layers', its tied modules' first). The layer files
+carry over as saved: their names and keys do not depend on the stage; a tied module's copies (its frozen parameters
+and buffers too: each stage's own), frozen parameters and buffers are in them.
 
 Refused by name (CK410) before anything is written: a tensor-parallel pipeline, a stage-0 (BF16_Optimizer) or
 ZeRO-3 source, a ZeRO-2/3 target (DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with
-pipeline parallelism"), frozen parameters or buffers of a tied module or outside the layer files, a source stage
+pipeline parallelism"), frozen parameters or buffers outside the layer files, a source stage
 whose optimizer order or ``buffer_names`` are not its module's, partition method "parameters" where a frozen
 parameter decides the stages, a layer index without a file (a function layer: the layer count cannot be known),
 a target stage without trainable parameters, more stages than layers, stages whose optimizer groups or

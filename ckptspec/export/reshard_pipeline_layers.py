@@ -9,8 +9,13 @@ stages is DeepSpeed's, for any set of layers (``PipelineLayers``), and each sour
 * a stage's optimizer order is its module's ``parameters()``: the tied modules first (``PipelineModule``
   registers ``tied_modules`` before its layers; by their first layer on the stage), then the layers' own
   parameters in layer order (within a layer, as the source orders them);
-* its ``buffer_names`` (``engine._get_buffer_names``): each layer's persistent buffers, in layer order, as the
-  layer file keys them;
+* its ``buffer_names`` (``engine._get_buffer_names``, the module's ``named_buffers``): its tied modules'
+  persistent buffers first (``tied_modules.<key>.<buffer>``, once however many of its layers the stage runs),
+  then each layer's own, in layer order, as the layer file keys them;
+* a tied module's frozen parameters and buffers are not synchronized between stages (``PipelineModule`` broadcasts
+  the tied weights alone): each of its layer files keeps its stage's copy, carried over as saved. A stage running
+  several of its layers loads their files into its one module in layer order (``load_state_dir``), so it holds the
+  last one's, as a job at that layout does after loading;
 * partition method "parameters" (``_count_layer_params``) weighs each layer by its trainable parameters, a tied
   module's at each of its layers. It builds each layer anew to count, so a parameter frozen after the model was
   built counts, one frozen in its layer's constructor does not: the files cannot tell which, so a move whose
@@ -54,9 +59,10 @@ class PipelineLayers:
         return tied + sorted(own, key=lambda gp: int(gp[1].name.split(".", 1)[0]))
 
     def buffer_names(self, layers) -> list[str]:
-        return [
-            f"{layer}.{key}" for layer in layers for key in self.tensors[layer] if self._role(layer, key) == "buffer"
-        ]
+        """A stage's ``buffer_names``: its module's buffers by their local names, its tied modules' first (once)."""
+        names = [n for layer in layers for key, n in self.tensors[layer].items() if self._role(layer, key) == "buffer"]
+        tied = [n for n in names if n.startswith(TIED_PREFIX)]
+        return list(dict.fromkeys(tied)) + [n for n in names if not n.startswith(TIED_PREFIX)]
 
     def weights(self, count_frozen: bool) -> list[int]:
         """Each layer's weight for partition method "parameters" (``count_frozen``: its frozen parameters too)."""
@@ -94,19 +100,11 @@ def pipeline_layers(index: CheckpointIndex) -> PipelineLayers:
         extras[extra.name] = (extra.role, math.prod(extra.shape))
     tensors = {f.layer: dict(f.tensors) for f in index.layer_files}
     for layer, keys in sorted(tensors.items()):
-        tied = [n for n in keys.values() if n.startswith(TIED_PREFIX)]
         for key, name in keys.items():
-            whole = f"{layer}.{key}"
-            if name not in trainable and whole not in extras:
+            if name not in trainable and f"{layer}.{key}" not in extras:
                 raise ReshardUnsupported(
                     f"--pipeline-parallel: {key!r} of layer {layer} is neither a trainable parameter, a frozen "
                     "parameter nor a buffer the checkpoint index places",
-                    RESUME,
-                )
-            if tied and whole in extras:
-                raise ReshardUnsupported(
-                    f"--pipeline-parallel: the {extras[whole][0]} {whole!r} is in a TiedLayerSpec's module; frozen "
-                    "parameters and buffers of tied modules are not moved between stages yet",
                     RESUME,
                 )
     placed = {n for keys in tensors.values() for n in keys.values()}

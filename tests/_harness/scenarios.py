@@ -120,9 +120,10 @@ PARALLEL = sorted(PARALLEL_SPECS)
 # The PipelineModule at one stage (the pp1 source of a pipeline degree change, issue #40): not in PARALLEL (no
 # +again, universal or hook entries), loaded by its "+optim" entry and resharded by DEGREE_RESHARDS.
 PIPE_ONE_SPECS = {"pp1-s1-fp32-ws2": ({"pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 2)}
-# The pipeline with a TiedLayerSpec, a frozen weight and a buffer (EXTRAS_SPECS' pp2 source) saved by real jobs at
-# the layouts of its pipeline degree changes (DEGREE_RESHARDS): what ckptspec writes is compared with their files
-# (tests/export/test_reshard_pipeline.py SAME_LAYOUT). Not in PARALLEL: no +again, universal or hook entries.
+# The pipeline with a TiedLayerSpec (holding a frozen gain and a buffer), a frozen weight and a buffer (EXTRAS_SPECS'
+# pp2 source) saved by real jobs at the layouts of its pipeline degree changes (DEGREE_RESHARDS): what ckptspec
+# writes is compared with their files (tests/export/test_reshard_pipeline.py SAME_LAYOUT); the pp1 one is also the
+# source of a pp1 -> pp2 change (its "+optim" entry). Not in PARALLEL: no +again, universal or hook entries.
 _PIPE_EXTRAS = {"stage": 1, "dtype": "fp32", "frozen": True, "buffers": True, "tied": True}
 PIPE_TARGET_SPECS = {
     "pp1-s1-fp32-ws2-extras": ({"pp": 1, "pipe": True, **_PIPE_EXTRAS}, 2),
@@ -149,7 +150,8 @@ EXTRAS_SPECS = {
     "tp2-s1-fp32-ws2-extras": ({"tp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True}, 2),
     "tp2-s2-bf16-ws2-extras": ({"tp": 2, "stage": 2, "dtype": "bf16", "frozen": True, "buffers": True}, 2),
     # a PipelineModule over 2 stages: a frozen weight on stage 0, a buffer on stage 1, a TiedLayerSpec
-    # on both (layers 0 and 4); its own launch (pipeline family); converted by ds_to_universal too
+    # on both (layers 0 and 4, with a frozen gain and a buffer of its own: each stage's copy of that buffer is the
+    # stage's); its own launch (pipeline family); converted by ds_to_universal too
     "pp2-s1-fp32-ws2-extras": (
         {"pp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True, "tied": True, **_UC_INJECT},
         2,
@@ -336,6 +338,14 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         3,
         {"pp": 3},
         {"pipeline_parallel": 3, "partition_method": "uniform"},
+    ),
+    # the same model's real pp1 save (PIPE_TARGET_SPECS) -> pp2: the tie's one module (its gain and buffer one value in
+    # layers 0 and 4) trained on both stages again
+    "pp1-s1-fp32-ws2-extras>pp2": (
+        "pp1-s1-fp32-ws2-extras",
+        2,
+        {"pp": 2, "pipe": False},
+        {"pipeline_parallel": 2, "partition_method": "uniform"},
     ),
     # DeepSpeed's default partition method, layers balanced by their parameter counts: at 3 stages it cuts
     # other layers than "uniform" does (at 2 both cut after layer 2)

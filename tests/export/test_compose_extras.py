@@ -136,7 +136,9 @@ def test_a_pipeline_writes_its_frozen_parameters_buffers_and_ties(ckptspec_cli, 
         aliases = json.loads(f.metadata()["ckptspec.aliases"])
         sources = json.loads(f.metadata()["ckptspec.sources"])
     assert aliases == {"4.weight": "0.weight"} and "4.weight" not in whole  # stored once, as 1.x stores ties
-    assert sources["frozen_weight"] == ["2.up.weight"] and sources["buffer"] == ["3.running"]
+    # the tied module's frozen gain and buffer: one tensor per layer file (the stages' copies of the buffer differ)
+    assert sources["frozen_weight"] == ["0.gain", "2.up.weight", "4.gain"]
+    assert sources["buffer"] == ["0.seen", "3.running", "4.seen"]
 
     ckptspec_cli("reconstruct", str(entry), str(tmp_path / "untied"), "--untie", "--quiet")
     from safetensors.torch import load_file
@@ -153,6 +155,11 @@ def test_a_pipeline_writes_its_frozen_parameters_buffers_and_ties(ckptspec_cli, 
     assert "2.up.weight" not in oracles[0]["masters"]
     assert bits_equal(untied["3.running"], oracles[1]["buffers"]["3.running"])
     assert untied["3.running"].abs().sum() > 0  # the training forward moved it
+    # The tied module's gain and buffer as each stage's module held them: layer 0's stage 0's, layer 4's stage 1's.
+    for stage, layer in enumerate((0, 4)):
+        assert bits_equal(untied[f"{layer}.gain"], oracles[stage]["module"]["tied_modules.emb.gain"])
+        assert bits_equal(untied[f"{layer}.seen"], oracles[stage]["buffers"]["tied_modules.emb.seen"])
+    assert not bits_equal(untied["0.seen"], untied["4.seen"])
     # The tp1 model (one Linear at layers 0 and 4) with the output gives the last stage's logits, bit for bit.
     model = reference_model(spec)
     model.load_state_dict(untied, strict=True)

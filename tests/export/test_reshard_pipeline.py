@@ -34,6 +34,7 @@ SAME_LAYOUT = {
     # a TiedLayerSpec, a frozen weight and a buffer (PIPE_TARGET_SPECS)
     "pp2-s1-fp32-ws2-extras>pp1": "pp1-s1-fp32-ws2-extras",
     "pp2-s1-fp32-ws2-extras>pp3": "pp3-s1-fp32-ws3-extras",
+    "pp1-s1-fp32-ws2-extras>pp2": "pp2-s1-fp32-ws2-extras",
 }
 
 

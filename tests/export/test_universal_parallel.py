@@ -123,12 +123,14 @@ def test_deepspeeds_own_folder_loaded_by_the_same_job_holds_the_same_bits(name, 
     assert bits_equal(logits_of(ours), logits_of(theirs))
 
 
-BUFFERS = ("running", "step_count")  # the harness models' buffers (job/parallel_models.py)
+BUFFERS = ("running", "step_count", "seen")  # the harness models' buffers (job/parallel_models.py)
 WITH_MODULE = sorted(n for n in CASES if any(source_spec(DEGREE_RESHARDS[n][0]).get(k) for k in ("frozen", "buffers")))
 
 
-def _module(records: list[dict]) -> dict[tuple[int, str], torch.Tensor]:
-    return union_of([{(r["coords"].get("tp", 0), n): t for n, t in r["module"].items()} for r in records])
+def _module(records: list[dict]) -> dict[tuple[int, int, str], torch.Tensor]:
+    """(tensor rank, stage, local name) -> the tensor: a tied module's buffer is each stage's own."""
+    coords = [(r["coords"].get("tp", 0), r["coords"].get("pp", 0)) for r in records]
+    return union_of([{(*c, n): t for n, t in r["module"].items()} for c, r in zip(coords, records)])
 
 
 @pytest.mark.parametrize("name", WITH_MODULE)
@@ -143,13 +145,13 @@ def test_neither_folder_gives_the_job_its_buffers_or_frozen_parameters(name, ds)
     loads = [optim_records(entry)] + ([optim_records(entry, "universal")] if name in BESIDE else [])
     for records in loads:
         module = _module(records)
-        buffers = {k for k in module if k[1].rsplit(".", 1)[-1] in BUFFERS}
+        buffers = {k for k in module if k[-1].rsplit(".", 1)[-1] in BUFFERS}
         assert module.keys() == built.keys() and buffers, sorted(module)
-        for (tp, n), t in module.items():
-            if (tp, n) in buffers:
-                assert bits_equal(t, noise(n, t)) and not bits_equal(t, built[(tp, n)]), n
+        for (*coords, n), t in module.items():
+            if (*coords, n) in buffers:
+                assert bits_equal(t, noise(n, t)) and not bits_equal(t, built[(*coords, n)]), n
             else:
-                assert bits_equal(t, built[(tp, n)]), n
+                assert bits_equal(t, built[(*coords, n)]), n
 
 
 @pytest.mark.parametrize("source", sorted(DS_FAILS))

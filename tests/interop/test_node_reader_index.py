@@ -122,9 +122,9 @@ def test_node_reader_rebuilds_the_whole_model_of_an_index(point, ds, tmp_path):
             frozen, buffers = ["blocks.0.up.weight", "head.bias"], ["running", "step_count"]
             assert roles == {**dict.fromkeys(frozen, "frozen"), **dict.fromkeys(buffers, "buffer")}
         else:  # the pipeline: a layer file's bytes through each shard's locator, the tie across stages
-            assert roles == {"2.up.weight": "frozen", "3.running": "buffer"} and doc["aliases"] == {
-                "4.weight": "0.weight"
-            }
+            tie = {f"{layer}.{key}": role for layer in (0, 4) for key, role in (("gain", "frozen"), ("seen", "buffer"))}
+            assert roles == {"2.up.weight": "frozen", "3.running": "buffer", **tie}
+            assert doc["aliases"] == {"4.weight": "0.weight"}
             assert all("locator" in s for e in doc["extras"] for s in e["shards"])
         assert set(roles) | set(doc.get("aliases", {})) <= set(mine)
     else:

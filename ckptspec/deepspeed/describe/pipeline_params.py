@@ -44,7 +44,9 @@ def pipeline_parameters(
     A layer file's key ``k`` of layer ``L`` is the stage's parameter ``L.k``, or the stage's
     ``tied_modules.<key>.k`` (a ``TiedLayerSpec``'s module, which every stage running it trains and
     saves in each of its layer files), or else a frozen parameter or buffer of the stage (the file's
-    key set is the index's, CK230; readers take it from the file). A tied module's whole-model name is
+    key set is the index's, CK230; readers take it from the file): the tied module's
+    ``tied_modules.<key>.k`` in a layer file of a tie (its file holds that module's whole state dict),
+    else ``L.k``. A tied module's whole-model name is
     ``<first layer>.<attribute>``, its stages' masters replicated shards (the first layer's stage
     primary); a reader names its other layers' keys as ties of it.
     """
@@ -57,7 +59,8 @@ def pipeline_parameters(
     where_held: dict[tuple[int, str], tuple[str, str, int]] = {}  # (stage, local name) -> (file, key, layer)
     for layer, (rel, shapes) in sorted(layers.items()):
         stage = _stage_of(layer, stages_of, rel, shapes, by_stage)
-        tensors = {key: _local_name(layer, key, shape, by_stage[stage], rel) for key, shape in shapes.items()}
+        tie = _layer_tie(layer, shapes, by_stage[stage], rel)
+        tensors = {key: _local_name(layer, key, shape, by_stage[stage], tie, rel) for key, shape in shapes.items()}
         for key, name in tensors.items():
             if name in by_stage[stage]:
                 where_held.setdefault((stage, name), (rel, key, layer))
@@ -132,11 +135,7 @@ def _stage_of(layer: int, stages_of: dict[int, set[int]], rel: str, shapes: dict
     high = after[0] if after else max(by_stage)
     if not shapes or low == high:
         return low
-    training = [
-        s
-        for s in range(low, high + 1)
-        if s in by_stage and all(len(_tied(key, shape, by_stage[s])) == 1 for key, shape in shapes.items())
-    ]
+    training = [s for s in range(low, high + 1) if s in by_stage and len(_ties_of(shapes, by_stage[s])) == 1]
     if len(training) != 1:
         raise UnsupportedCheckpoint(
             f"{rel} holds no parameter of its own that a stage trains ({sorted(shapes)}: a tied module's, frozen "
@@ -155,7 +154,29 @@ def _tied(key: str, shape: list[int], stage_names: dict) -> list[str]:
     return [n for n in tied if list(stage_names[n][1].shape) == list(shape)]
 
 
-def _local_name(layer: int, key: str, shape: list[int], stage_names: dict, rel: str) -> str:
+def _ties_of(shapes: dict, stage_names: dict) -> set[str]:
+    """The stage's tied modules (``tied_modules.<key>.``) whose trained parameters a layer file's keys may be."""
+    return {
+        ".".join(n.split(".", 2)[:2]) + "." for key, shape in shapes.items() for n in _tied(key, shape, stage_names)
+    }
+
+
+def _layer_tie(layer: int, shapes: dict, stage_names: dict, rel: str) -> str | None:
+    """The ``tied_modules.<key>.`` prefix of the layer's module if it is a ``TiedLayerSpec``'s (none of its keys is
+    the stage's ``L.k``, some are one tied module's trained parameters), else None; several tied modules: refused."""
+    if any(f"{layer}.{key}" in stage_names for key in shapes):
+        return None
+    ties = _ties_of(shapes, stage_names)
+    if len(ties) > 1:
+        raise UnsupportedCheckpoint(
+            f"{rel} holds {sorted(shapes)}, which may be the parameters of any of the tied modules {sorted(ties)}",
+            "which TiedLayerSpec a layer runs is not in the files; it is not described",
+            rel,
+        )
+    return next(iter(ties), None)
+
+
+def _local_name(layer: int, key: str, shape: list[int], stage_names: dict, tie: str | None, rel: str) -> str:
     """The stage's name of a layer file's tensor (the docstring of ``pipeline_parameters``)."""
     if f"{layer}.{key}" in stage_names:
         return f"{layer}.{key}"
@@ -166,4 +187,6 @@ def _local_name(layer: int, key: str, shape: list[int], stage_names: dict, rel: 
             "which TiedLayerSpec a layer runs is not in the files; it is not described",
             rel,
         )
-    return tied[0] if tied else f"{layer}.{key}"  # else a frozen parameter or buffer of the stage
+    if tied:
+        return tied[0]
+    return f"{tie}{key}" if tie else f"{layer}.{key}"  # a frozen parameter or buffer of the tied module or the stage

@@ -23,7 +23,8 @@ DEFAULTS = {
     # the dense or AutoTP MLP: blocks.0.up.weight (AutoTP splits it, column-parallel) and head.bias
     # (AutoTP leaves it whole on every tensor rank) frozen; a pipeline: layer 2's up.weight
     "frozen": False,
-    # a pipeline: layer 0 and layer 4 one bias-free Linear (TiedLayerSpec "emb", one on each stage); the AutoTP
+    # a pipeline: layer 0 and layer 4 one bias-free Linear (TiedLayerSpec "emb", one on each stage; with ``frozen``
+    # and ``buffers`` it holds a frozen gain and a buffer too: _tied_class); the AutoTP
     # MLP: ``inp`` and ``out``, two bias-free Linear layers sharing one weight that AutoTP leaves whole (AutoTP
     # 0.19.8 cannot split a tied weight: deepspeed.initialize fails, or slices the other use with it)
     "tied": False,
@@ -183,10 +184,36 @@ def _buffer_block_class():
     return BufferBlock
 
 
+def _tied_class(frozen, buffers):
+    import torch
+    from torch import nn
+
+    class Tied(nn.Linear):
+        """The TiedLayerSpec's module, a bias-free Linear. ``frozen``: a gain its constructor freezes, the same
+        values on every stage (PipelineModule broadcasts only the tied weight, each stage builds its own gain);
+        ``buffers``: a persistent buffer its training forward updates, so each stage's copy holds its own value."""
+
+        def __init__(self):
+            super().__init__(W, W, bias=False)
+            if frozen:
+                self.gain = nn.Parameter(torch.linspace(0.5, 1.5, W), requires_grad=False)
+            if buffers:
+                self.register_buffer("seen", torch.zeros(W))
+
+        def forward(self, x):
+            if buffers and self.training:
+                with torch.no_grad():
+                    self.seen.mul_(0.5).add_(x.detach().float().mean(0).to(self.seen.dtype), alpha=0.5)
+            out = super().forward(x)
+            return out * self.gain.to(out.dtype) if frozen else out
+
+    return Tied
+
+
 def _pipe_layers(spec=None):
     """(class, args, kwargs, tie key) of each pipeline layer; layer 1 has no parameters (its file is an
     empty dict). With ``tied``, layer 0 is a bias-free Linear that layer 4 repeats (six layers: 0-2 on
-    stage 0, 3-5 on stage 1); with ``buffers``, layer 3 holds a buffer."""
+    stage 0, 3-5 on stage 1); with ``buffers``, layer 3 holds a buffer (and the tied module one)."""
     from torch import nn
 
     spec = spec or DEFAULTS
@@ -200,7 +227,7 @@ def _pipe_layers(spec=None):
             third,
             (nn.Linear, (W, C), {}, None),
         ]
-    tied = (nn.Linear, (W, W), {"bias": False}, "emb")
+    tied = (_tied_class(spec["frozen"], spec["buffers"]), (), {}, "emb")
     return [tied, (nn.ReLU, (), {}, None), (Block, (), {}, None), third, tied, (nn.Linear, (W, C), {}, None)]
 
 
