@@ -148,6 +148,8 @@ def stage0_model_states(model_state: dict, module, optimizer, world_size: int, r
             doc[key] = changes.set_keys[key]
         else:
             doc[key] = ds_pickle.from_standins(value, read)
+    if changes is not None:  # an AutoTP job's entries a data-parallel source lacks: saved last, as DeepSpeed does
+        doc.update({k: v for k, v in changes.set_keys.items() if k not in doc})
     return doc
 
 
