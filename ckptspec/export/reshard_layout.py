@@ -84,12 +84,15 @@ def target_layout(
     sub_group_size: int | None = None,
     *,
     domain: bool = False,
+    writes_stage0: bool = False,
 ) -> TargetLayout:
     """The groups of ``manifest``'s checkpoint re-laid out for ``world_size`` (and ``zero_stage``).
-    ``domain``: the manifest is one domain of a tensor/pipeline-parallel checkpoint (its data axis)."""
+    ``domain``: the manifest is one domain of a tensor/pipeline-parallel checkpoint (its data axis);
+    ``writes_stage0``: the caller writes that domain at stage 0 (``reshard_stage0``: an AutoTP merge, or each tensor
+    rank of an AutoTP checkpoint)."""
     layout = manifest.layout
     stage = layout.zero_stage if zero_stage is None else zero_stage
-    _refuse(manifest, world_size, stage, domain)
+    _refuse(manifest, world_size, stage, domain, writes_stage0)
     if stage == 0:  # one file, every parameter whole: nothing to lay out (reshard_stage0)
         return TargetLayout(world_size, 0, [])
     if stage == 3:
@@ -141,7 +144,7 @@ def target_sub_group_size(manifest: Manifest, sub_group_size: int | None) -> int
     return DEFAULT_SUB_GROUP_SIZE
 
 
-def _refuse(manifest: Manifest, world_size: int, stage: int, domain: bool) -> None:
+def _refuse(manifest: Manifest, world_size: int, stage: int, domain: bool, writes_stage0: bool = False) -> None:
     layout = manifest.layout
     if world_size < 1:
         raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
@@ -151,10 +154,10 @@ def _refuse(manifest: Manifest, world_size: int, stage: int, domain: bool) -> No
             "(stage 1, 2 and 3 sources, to stage 0, 1, 2 or 3, are)",
             "reshard a stage 1, 2 or 3 checkpoint",
         )
-    if stage == 0 and domain:  # a tensor/pipeline coordinate's data axis (reshard_stage0 writes dense ones only)
+    if stage == 0 and domain and not writes_stage0:  # reshard_stage0 writes AutoTP's tensor ranks, no pipeline stage
         raise ReshardUnsupported(
-            "a stage-0 target of a tensor- or pipeline-parallel checkpoint is not written yet",
-            "reshard it to stage 1 or 2",
+            "a stage-0 target of a pipeline-parallel checkpoint is not written yet",
+            "reshard it to stage 1 or 2 (AutoTP checkpoints are written at stage 0)",
         )
     if not domain and (layout.tensor_parallel_size != 1 or layout.pipeline_parallel_size != 1):
         raise ReshardUnsupported(

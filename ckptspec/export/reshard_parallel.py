@@ -7,7 +7,8 @@ the file names keeping the coordinate's ``mp_rank_XX``); a pipeline's layer file
 whatever the data degree, are copied as saved. The tensor and pipeline degrees stay as they are: the target's
 world size must be a multiple of their product. The output is validated from its files (its checkpoint index
 generated anew) before it is renamed into place; nothing is written when the source has an error finding or
-the target cannot be expressed (CK410).
+the target cannot be expressed (CK410). At ``--stage 0`` each AutoTP tensor rank's domain is written as the model
+states of its stage-0 job (``reshard_stage0``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
 from .reshard_moe_stage0 import write_moe_stage0
 from .reshard_pipeline import pipeline_target, write_stages
+from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage3 import write_stage3_files
 from .reshard_tensor import all_zero3_partitions, plan_tensor_merge, refuse_unpartitioned
@@ -115,6 +117,9 @@ def reshard_model_parallel(
                 )
             else:
                 targets = target_layouts(found, world_size, zero_stage, sub_group_size)
+                for d in found.domains:  # what a stage-0 checkpoint could not describe (ties, frozen parameters...)
+                    if targets[d.id].zero_stage == 0:
+                        refuse_stage0(d.manifest, source_osd(d.manifest, plans[d.id], states))
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         state_plans = (
@@ -126,7 +131,10 @@ def reshard_model_parallel(
             tag_dir.mkdir(exist_ok=True)  # every rank of a torchrun split
             if merge is not None:  # one data-parallel checkpoint: validated as such
                 merged = merge.write(states, tag_dir)
-                embed_and_validate(merge.manifest, tmp, tag_dir, output)
+                if merge.zero_stage == 0:  # a stage-0 checkpoint is described by a checkpoint index
+                    commit_and_validate_index(tmp, tag_dir, output)
+                else:
+                    embed_and_validate(merge.manifest, tmp, tag_dir, output)
                 return merged
             files: list[Path] = []
             if stages is not None:  # another number of stages: each target stage's files from every domain
@@ -144,7 +152,10 @@ def reshard_model_parallel(
                     files.append(tag_dir / expert.path)
             else:
                 for d in found.domains:
-                    if targets[d.id].zero_stage == 3:  # the coordinate's ZeRO-3 partitions, its sub-group size
+                    if targets[d.id].zero_stage == 0:  # a tensor rank's model states, as its stage-0 job saves them
+                        args = (d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
+                        files += write_stage0_files(*args, mp_rank=d.coordinate.tensor)
+                    elif targets[d.id].zero_stage == 3:  # the coordinate's ZeRO-3 partitions, its sub-group size
                         files += write_stage3_files(
                             d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir, sub_group_size
                         )
@@ -214,7 +225,7 @@ def target_layouts(
 ) -> dict[str, TargetLayout]:
     """Each domain's target: its data axis at ``world_size / (tp x pp)`` ranks (CK410 where it cannot be); a
     ZeRO-3 domain's at stage 3, cut into sub-groups of ``sub_group_size`` (default: the source's), or at the stage
-    1 or 2 given."""
+    1 or 2 given; an AutoTP domain's at stage 0 when given."""
     degrees = index.topology.degrees
     model_parallel = degrees.tensor * degrees.pipeline
     if world_size < 1 or world_size % model_parallel:
@@ -225,9 +236,15 @@ def target_layouts(
             f"{model_parallel} parts",
         )
     data = world_size // model_parallel
+    if zero_stage == 0 and degrees.pipeline == 1 and not index.layer_files:
+        # AutoTP: each tensor rank's model states as an AutoTP stage-0 job saves them (reshard_stage0), from its ZeRO
+        # partitions (ZeRO-3 ones too: the plain ZeRO-3 source's reading)
+        if not all_zero3_partitions(index):
+            refuse_unpartitioned(index, "AutoTP ZeRO-1/2/3 checkpoints are written at stage 0")
+        return {d.id: target_layout(d.manifest, data, 0, domain=True, writes_stage0=True) for d in index.domains}
     if all_zero3_partitions(index):
         # each coordinate as a plain ZeRO-3 checkpoint: at stage 3 (reshard_stage3) or at stage 1/2 (write_files
-        # reads a stage-3 source); stage 0 is refused by target_layout (a domain's)
+        # reads a stage-3 source); a pipeline's stage 0 is refused by target_layout (a domain's)
         stage = 3 if zero_stage is None else zero_stage
         return {d.id: target_layout(d.manifest, data, stage, sub_group_size, domain=True) for d in index.domains}
     refuse_unpartitioned(index, "the data axis of tensor/pipeline-parallel ZeRO-1/2 checkpoints is what is moved")

@@ -18,6 +18,10 @@ it (``engine._save_checkpoint``: ``optimizer`` is the optimizer's own ``state_di
   ``dp_world_size`` the target's, ``ds_config`` with ``zero_optimization.stage`` 0; LR scheduler, counters and
   client state as saved (the source's embedded manifest dropped).
 
+An AutoTP job at stage 0 saves this file per tensor rank (``mp_rank_XX``): each written from the tensor rank's
+shards (``reshard_parallel``), or from an AutoTP merge's or split's (``reshard_tensor.DataParallelTarget``, with its
+``ModelChanges``: the module and the model-states entries of the target's tensor degree).
+
 What a stage-0 job of the source's settings would keep elsewhere is refused (``refuse_stage0``, CK410). A bf16
 source trained with ``data_types.grad_accum_dtype`` fp32 (ZeRO-2) is written as any bf16 one: DeepSpeed 0.19.8 runs
 no dense stage-0 bf16 job with it (``NotImplementedError: unsupported mix of model_dtype and grad_accum_dtype``;
@@ -41,7 +45,7 @@ from ..format.models import Manifest
 from . import ds_pickle
 from .arrays import ShardReader, iter_chunks
 from .model_plan import TensorSource
-from .reshard_files import lazy_reader, tensor_reader
+from .reshard_files import ModelChanges, lazy_reader, tensor_reader
 from .reshard_layout import TargetLayout, natural_groups
 from .reshard_source import source_optimizer, with_stage
 
@@ -81,8 +85,19 @@ def refuse_stage0(found: Manifest, source_osd: dict) -> None:
 
 
 def write_stage0_files(
-    found: Manifest, plan, state_plan, target: TargetLayout, states: StateCache, tag_dir: Path
+    found: Manifest,
+    plan,
+    state_plan,
+    target: TargetLayout,
+    states: StateCache,
+    tag_dir: Path,
+    changes: ModelChanges | None = None,
+    mp_rank: int | None = None,
 ) -> list[Path]:
+    """``changes``: an AutoTP merge's or split's (``reshard_tensor``): the module's tensors and the entries a job of
+    the target's tensor degree saves otherwise; ``found`` and ``plan`` are then that model's, read from tensor rank 0's
+    files. ``mp_rank``: the tensor rank whose model states these are (``mp_rank_XX_model_states.pt``: an AutoTP
+    job's, one per tensor rank)."""
     src_dir = plan.tag_dir
     first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
     model = src_dir / _model_file(found)
@@ -90,14 +105,15 @@ def write_stage0_files(
     with ShardReader() as files:
         read_optim = tensor_reader(first, states, files)  # the scalars only (step): read small
         read_model = lazy_reader(model, states, files)  # nothing read until written
-        module = stage0_module(found, plan.sources, model_state["module"], read_model, files)
+        whole = changes.module if changes is not None else None
+        module = stage0_module(found, plan.sources, model_state["module"], read_model, files, whole)
         groups = [(g, [p.name for p in params]) for g, params in natural_groups(found)]
         masters, torch_state = torch_optimizer(
             groups, plan.sources, state_plan.states, state_plan.sources, source, read_optim, files
         )
         optimizer = stage0_wrapper(found, source.osd, model_state, masters, torch_state)
-        doc = stage0_model_states(model_state, module, optimizer, target.world_size, read_model)
-        path = tag_dir / MODEL_FILE
+        doc = stage0_model_states(model_state, module, optimizer, target.world_size, read_model, changes)
+        path = tag_dir / (MODEL_FILE if mp_rank is None else f"mp_rank_{mp_rank:02d}_model_states.pt")
         ds_pickle.save_streamed(doc, path, shapes_as_tuples=True)  # torch.save's bytes, a chunk at a time
     return [path]
 
@@ -110,13 +126,14 @@ def stage0_wrapper(found: Manifest, osd: dict, model_state: dict, masters: list,
     return {**_loss_scale(osd, model_state), "optimizer_state_dict": torch_state, "fp32_groups": masters}
 
 
-def stage0_model_states(model_state: dict, module, optimizer, world_size: int, read) -> dict:
+def stage0_model_states(model_state: dict, module, optimizer, world_size: int, read, changes=None) -> dict:
     """The source's model states as a stage-0 job of ``world_size`` ranks saves them: ``module`` and ``optimizer``
-    given, the ZeRO entries None, ``zero_optimization.stage`` 0, the rest as saved (the source's manifest dropped)."""
+    given, the ZeRO entries None, ``zero_optimization.stage`` 0, the rest as saved (the source's manifest dropped);
+    ``changes`` (``ModelChanges``): the entries a job of another tensor degree saves otherwise."""
     doc: dict[str, Any] = {}
     for key, value in model_state.items():
-        if key == CLIENT_STATE_KEY:
-            continue  # the source's manifest; the output is described by its checkpoint index
+        if key == CLIENT_STATE_KEY or (changes is not None and key in changes.drop_keys):
+            continue  # the source's manifest (the output is described by its checkpoint index); an AutoTP entry
         if key == "module":
             doc[key] = module
         elif key == "optimizer":
@@ -126,9 +143,13 @@ def stage0_model_states(model_state: dict, module, optimizer, world_size: int, r
         elif key == "dp_world_size":
             doc[key] = world_size
         elif key == "ds_config":
-            doc[key] = with_stage(value, 0)
+            doc[key] = with_stage(value if changes is None else changes.config(value), 0)
+        elif changes is not None and key in changes.set_keys:
+            doc[key] = changes.set_keys[key]
         else:
             doc[key] = ds_pickle.from_standins(value, read)
+    if changes is not None:  # an AutoTP job's entries a data-parallel source lacks: saved last, as DeepSpeed does
+        doc.update({k: v for k, v in changes.set_keys.items() if k not in doc})
     return doc
 
 
@@ -138,8 +159,11 @@ def _lazy(source: TensorSource, dtype: str, files: ShardReader) -> ds_pickle.Laz
     return ds_pickle.Lazy(dtype, tuple(source.shape), chunks)
 
 
-def stage0_module(found: Manifest, masters: dict, saved: dict, read, files: ShardReader) -> collections.OrderedDict:
-    """The module with every tensor in a storage of its own, as a stage-0 job's ``module.state_dict()``."""
+def stage0_module(
+    found: Manifest, masters: dict, saved: dict, read, files: ShardReader, whole: dict | None = None
+) -> collections.OrderedDict:
+    """The module with every tensor in a storage of its own, as a stage-0 job's ``module.state_dict()``; ``whole``:
+    an AutoTP merge's module tensors by name (the saved ones are tensor shards)."""
     dtype = found.layout.model_dtype
     aliases = {a.name: a.owner for a in found.aliases}
     out: collections.OrderedDict = collections.OrderedDict()
@@ -151,7 +175,8 @@ def stage0_module(found: Manifest, masters: dict, saved: dict, read, files: Shar
             # stage 3 saves placeholders: the master cast; in fp32 the weights are the masters at stage 0
             out[name] = _lazy(master, dtype, files)
             continue
-        located = read.located(name, ref)  # the saved weight (a view into a flat buffer at stage 1/2), a buffer
+        # the saved weight (a view into a flat buffer at stage 1/2), a buffer; merged ones whole
+        located = read.located(name, ref) if whole is None else whole[name]
         if located is None:
             raise ReconstructMismatch(f"{name}: the saved module tensor is not contiguous")
         out[name] = _lazy(located, located.dtype, files)

@@ -61,6 +61,11 @@ class DataParallelTarget:
         return self.target.zero_stage
 
     def write(self, states: StateCache, tag_dir: Path) -> list[Path]:
+        if self.target.zero_stage == 0:  # for a stage-0 job: one model-states file (a tensor rank's)
+            from .reshard_stage0 import write_stage0_files
+
+            args = (self.manifest, self.plan, self.state_plan, self.target, states, tag_dir)
+            return write_stage0_files(*args, self.changes, self.mp_rank)
         if self.target.zero_stage == 3:  # an AutoTP merge or split to stage 3
             from .reshard_stage3 import write_stage3_files
 
@@ -102,7 +107,11 @@ def plan_tensor_merge(
     cannot merge, CK401 where replicated copies differ: before anything is written."""
     refuse_unmergeable(index, world_size)
     manifest, whole, _, module = whole_model(index, tag_dir, plans, states)
-    target = target_layout(manifest, world_size, zero_stage, sub_group_size, domain=True)
+    target = target_layout(manifest, world_size, zero_stage, sub_group_size, domain=True, writes_stage0=True)
+    if target.zero_stage == 0:  # what a stage-0 checkpoint could not describe (ties, frozen parameters...)
+        from .reshard_stage0 import refuse_stage0, source_osd
+
+        refuse_stage0(manifest, source_osd(manifest, whole, states))
     changes = ModelChanges(
         module=module,
         set_keys={"mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}},

@@ -52,7 +52,8 @@ def plan_tensor_split(
     manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
     axes = _split_axes(index, extras, degree)
     state_plan = whole.optimizer_state_plan()
-    return split_writes(manifest, whole, state_plan, module, axes, world_size, zero_stage, degree, sub_group_size)
+    writes = split_writes(manifest, whole, state_plan, module, axes, world_size, zero_stage, degree, sub_group_size)
+    return _refused_at_stage0(writes, whole, states)
 
 
 def plan_data_parallel_split(
@@ -76,7 +77,18 @@ def plan_data_parallel_split(
         module = _saved_module(found, plan, states)
     module.update({n: s for n, s in plan.sources.items() if s.role in ("frozen", "buffer")})
     manifest = found.model_copy(deep=True)
-    return split_writes(manifest, plan, state_plan, module, axes, world_size, zero_stage, degree, sub_group_size)
+    writes = split_writes(manifest, plan, state_plan, module, axes, world_size, zero_stage, degree, sub_group_size)
+    return _refused_at_stage0(writes, plan, states)
+
+
+def _refused_at_stage0(writes: list[DataParallelTarget], plan, states: StateCache) -> list[DataParallelTarget]:
+    """``writes``, after CK410 for a stage-0 target that a stage-0 checkpoint could not describe (ties, frozen
+    parameters...: ``reshard_stage0.refuse_stage0``, from the source's rank-0 optimizer file)."""
+    if writes[0].zero_stage == 0:
+        from .reshard_stage0 import refuse_stage0, source_osd
+
+        refuse_stage0(writes[0].manifest, source_osd(writes[0].manifest, plan, states))
+    return writes
 
 
 def _saved_module(found, plan, states: StateCache) -> dict[str, TensorSource]:
@@ -178,7 +190,9 @@ def split_writes(
             drop_keys=(),
             config=config,
         )
-        target = target_layout(shard_manifest, world_size // degree, zero_stage, sub_group_size, domain=True)
+        target = target_layout(
+            shard_manifest, world_size // degree, zero_stage, sub_group_size, domain=True, writes_stage0=True
+        )
         writes.append(
             DataParallelTarget(
                 shard_manifest, shard_plan, shard_states, target, changes, mp_rank=rank, sub_group_size=sub_group_size

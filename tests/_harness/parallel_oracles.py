@@ -126,6 +126,31 @@ def optim_records(entry: Path, prefix: str = "optim") -> list[dict]:
     return [torch.load(f, weights_only=False) for f in files]
 
 
+def merged(records: list[dict], pick, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """name -> the whole tensor an AutoTP job's optim_job.py records hold (``pick``: a record's name -> tensor), put
+    together by the rule of tests/export/test_reshard_tensor.py's docstring: a shard of the whole tensor's shape
+    (``shapes``) is a replicated copy (every tensor rank's equal), else the shards are concatenated in tensor-rank
+    order along the one axis where they are smaller."""
+    import torch
+
+    by_rank: dict[int, dict] = {}  # every data rank of a tensor rank holds the same
+    for record in records:
+        values = by_rank.setdefault(record["coords"]["tp"], {})
+        for name, value in pick(record).items():
+            assert bits_equal(values.setdefault(name, value), value), (name, record["coords"])
+    out = {}
+    for name in by_rank[0]:
+        shards, shape = [by_rank[tp][name] for tp in sorted(by_rank)], shapes[name]
+        if tuple(shards[0].shape) == shape:
+            assert all(bits_equal(s, shards[0]) for s in shards), f"replicated copies of {name} differ"
+            out[name] = shards[0]
+            continue
+        axes = [a for a, (n, m) in enumerate(zip(shards[0].shape, shape)) if n != m]
+        assert len(axes) == 1, (name, shards[0].shape, shape)
+        out[name] = torch.cat(shards, dim=axes[0])
+    return out
+
+
 def union_of(per_rank: list[dict]) -> dict:
     """name -> its tensor on every rank that holds it (each the same, bit for bit: asserted)."""
     out: dict = {}

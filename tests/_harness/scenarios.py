@@ -196,9 +196,14 @@ TP_PIPE_SPECS = {
     "tp2pp2-s1-fp32-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "fp32", **_UC}, 4),
     "tp2pp2-s1-bf16-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "bf16", **_UC}, 4),
 }
+# DeepSpeed's own save of the AutoTP MLP at ZeRO stage 0 (issue #40): what the AutoTP stage-0 targets of
+# DEGREE_RESHARDS are compared with (tests/export/test_reshard_stage0.py), in the AutoTP training launch. Not in
+# PARALLEL (no +again, universal or hook entries).
+AUTOTP_STAGE0_SPECS = {"tp2-s0-bf16-ws2": ({"tp": 2, "stage": 0, "dtype": "bf16"}, 2)}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
     **TP_PIPE_SPECS,
+    **AUTOTP_STAGE0_SPECS,
     **ZERO3_EXTRAS_SPECS,
     **PARALLEL_SPECS,
     **EXTRAS_SPECS,
@@ -407,6 +412,15 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "dense-s2-bf16-ws2>s0": ("dense-s2-bf16-ws2", 2, _S0, _S0),
     # from ZeRO-3 (its "+optim" entry is optim_universal_job.py's: the source's record is "source.rank<R>.pt")
     "uc-s3-bf16-ws2>s0-ws3": ("uc-s3-bf16-ws2", 3, _S0, _S0),
+    # an AutoTP checkpoint for an AutoTP stage-0 job (each tensor rank's mp_rank_XX_model_states.pt): ZeRO-3 bf16 at
+    # the same tensor degree (tp2 x dp1 -> tp2 x dp1, tp2 x dp2) and split (tp4 x dp1), in the launches of the AutoTP
+    # loads of those degrees and world sizes; merged for a stage-0 job without tensor parallelism: ZeRO-3 bf16 (tp2 x
+    # dp1 -> 2 ranks), ZeRO-1 fp32 (tp2 x dp1 -> 3 ranks), in the launches of the dense stage-0 loads above
+    "tp2-s3-bf16-ws2>s0": ("tp2-s3-bf16-ws2", 2, _S0, _S0),
+    "tp2-s3-bf16-ws2>s0-ws4": ("tp2-s3-bf16-ws2", 4, _S0, _S0),
+    "tp2-s3-bf16-ws2>tp4-s0": ("tp2-s3-bf16-ws2", 4, {"tp": 4, **_S0}, {"tensor_parallel": 4, **_S0}),
+    "tp2-s3-bf16-ws2>tp1-s0": ("tp2-s3-bf16-ws2", 2, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
+    "tp2-s1-fp32-ws2>tp1-s0-ws3": ("tp2-s1-fp32-ws2", 3, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
     # a MoE for a stage-0 MoE job (reshard_moe_stage0.py): each expert-parallel rank's optimizer file, the dense
     # module and rank 0's optimizer in the model states; from ZeRO-1/2 (edp 2 -> stage 0 at ws2) and from stage 0
     "moe-ep2-s1-fp32-ws2>s0": ("moe-ep2-s1-fp32-ws2", 2, _S0, _S0),

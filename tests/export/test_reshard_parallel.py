@@ -34,7 +34,10 @@ from ckptspec.cli import cli
 STAGE_CHANGES = sorted(
     n
     for n, (source, _, _, options) in DEGREE_RESHARDS.items()
-    if source_spec(source).get("tp", 1) > 1 and source_spec(source)["stage"] == 3 and set(options) == {"stage"}
+    if source_spec(source).get("tp", 1) > 1
+    and source_spec(source)["stage"] == 3
+    and set(options) == {"stage"}
+    and options["stage"] != 0  # a stage-0 job: test_reshard_stage0.py (DeepSpeed's getters give no masters)
 )
 RESHARDS = sorted(PARALLEL_RESHARDS) + STAGE_CHANGES
 
@@ -134,20 +137,4 @@ def test_a_world_size_the_model_parallel_degrees_do_not_divide_is_refused(ds, tm
         cli, ["reshard", str(ds.path("tp2dp2-s2-bf16-ws4")), str(tmp_path / "out"), "--world-size", "3"]
     )
     assert result.exit_code == 1 and "CK410" in result.output and "tensor x pipeline" in result.output, result.output
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
-
-
-@pytest.mark.parametrize(
-    ("options", "named"),
-    [
-        ({"zero_stage": 0}, "stage-0 target of a tensor- or pipeline-parallel"),
-        ({"tensor_parallel": 1, "zero_stage": 0}, "stage-0 target of a tensor- or pipeline-parallel"),
-    ],
-)
-def test_what_a_tensor_parallel_zero3_reshard_does_not_write_is_refused_by_name(options, named, ds, tmp_path):
-    """Its data axis is written at stage 1, 2 or 3 (above), its merge and split too (test_reshard_tensor.py); stage
-    0 is not: CK410, nothing written."""
-    with pytest.raises(ckptspec.Unsupported) as refused:
-        ckptspec.reshard(ds.path("tp2-s3-bf16-ws2"), tmp_path / "out", **{"world_size": 4, **options})
-    assert refused.value.code == "CK410" and named in refused.value.message, refused.value.message
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -19,7 +19,7 @@ import json
 
 import pytest
 import torch
-from _harness.parallel_oracles import check_same_to_ckptspec, optim_records, rank_oracles
+from _harness.parallel_oracles import check_same_to_ckptspec, info, merged, optim_records, rank_oracles
 from _harness.scenarios import (
     DEGREE_RESHARDS,
     OPTIM_UNIVERSAL_SOURCES,
@@ -28,6 +28,7 @@ from _harness.scenarios import (
     is_moe_to_stage0,
     optim_name,
     reshard_target,
+    source_spec,
 )
 from click.testing import CliRunner
 
@@ -47,8 +48,10 @@ KEYS = ("exp_avg", "exp_avg_sq")
 # What DeepSpeed's stage-0 optimizer wrapper is, per dtype (optim_job.py's record "source")
 HELD_BY = {"fp32": "module (fp32, no masters)", "bf16": "FP16_UnfusedOptimizer.fp32_groups"}
 HELD_BY["fp16"] = HELD_BY["bf16"]
-# A real stage-0 save of the same model and dtype (a client torch Adam): the file's shape is compared with it
-NATIVE = {"fp32": "s0-fp32-ws2", "bf16": "s0-bf16-ws2", "fp16": "s0-fp16-ws2"}
+# A real stage-0 save of the same model, dtype and tensor degree (a client torch Adam): the file's shape is compared
+# with it (an AutoTP one of degree 2 in bf16 only)
+NATIVE = {("fp32", 1): "s0-fp32-ws2", ("bf16", 1): "s0-bf16-ws2", ("fp16", 1): "s0-fp16-ws2"}
+NATIVE[("bf16", 2)] = "tp2-s0-bf16-ws2"
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -73,25 +76,42 @@ def _one_value(records: list[dict], key: str) -> dict:
 
 
 def _source(ds, source: str) -> dict:
-    """What a job of the source's layout held after loading it: masters, moments, steps, param groups."""
+    """What a job of the source's layout held after loading it: masters, moments, steps, param groups (an AutoTP
+    source's tensor shards put together: ``parallel_oracles.merged``, by the whole shapes the job recorded)."""
     if source in OPTIM_UNIVERSAL_SOURCES:  # ZeRO-3: optim_universal_job.py's load of the ZeRO tag
         records = optim_records(ds.path(optim_name(source)), "source")
         masters = {n: m for oracle in rank_oracles(ds.path(source)) for n, m in oracle["masters"].items()}
+        state = _one_value(records, "state")
+    elif _is_autotp(source):
+        records = optim_records(ds.path(optim_name(source)))
+        shapes = {n: tuple(shape) for n, shape in info(ds.path(source))["global_shapes"].items()}
+        masters, state = merged(records, lambda r: r["master"], shapes), _whole_state(records, shapes)
     else:
         records = optim_records(ds.path(optim_name(source)))
-        masters = _one_value(records, "master")
+        masters, state = _one_value(records, "master"), _one_value(records, "state")
     return {
         "records": records,
         "masters": masters,
-        "state": _one_value(records, "state"),
+        "state": state,
         "steps": {s for r in records for s in r["step"].values()},
     }
 
 
-def _written(ds, name: str) -> dict:
+def _is_autotp(source: str) -> bool:
+    return source_spec(source).get("tp", 1) > 1
+
+
+def _whole_state(records: list[dict], shapes: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """name -> its moments, whole (an AutoTP job's tensor ranks' shards put together; every data rank the same)."""
+    moments = {k: merged(records, lambda r, k=k: {n: s[k] for n, s in r["state"].items()}, shapes) for k in KEYS}
+    return {n: {k: moments[k][n] for k in KEYS} for n in moments[KEYS[0]]}
+
+
+def _written(ds, name: str, mp_rank: int = 0) -> dict:
     out = ds.path(name) / "resharded"
     tag = (out / "latest").read_text().strip()
-    return torch.load(out / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    path = out / tag / f"mp_rank_{mp_rank:02d}_model_states.pt"
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _file_masters(states: dict, dtype: str) -> dict[str, torch.Tensor]:
@@ -106,6 +126,16 @@ def _file_masters(states: dict, dtype: str) -> dict[str, torch.Tensor]:
     return dict(zip(names, flat))
 
 
+def _written_masters(ds, name: str, shapes: dict) -> dict[str, torch.Tensor]:
+    """The masters of every tensor rank's written file (one without tensor parallelism), put together."""
+    spec = reshard_target(name)[2]
+    per_rank = [
+        {"coords": {"tp": tp}, "masters": _file_masters(_written(ds, name, tp), spec["dtype"])}
+        for tp in range(spec.get("tp", 1))
+    ]
+    return merged(per_rank, lambda r: r["masters"], shapes)
+
+
 @pytest.mark.parametrize("name", TO_STAGE0)
 def test_a_stage0_job_resumes_the_resharded_checkpoint_bit_for_bit(name, ds):
     source, world_size, spec = reshard_target(name)
@@ -115,7 +145,9 @@ def test_a_stage0_job_resumes_the_resharded_checkpoint_bit_for_bit(name, ds):
     target, before = optim_records(entry), _source(ds, source)
     assert len(target) == world_size
     assert {s for r in target for s in r["source"].values()} == {HELD_BY[spec["dtype"]]}
-    held = _one_value(target, "state")
+    assert {r["coords"]["mp_world_size"] for r in target} == {spec.get("tp", 1)}
+    shapes = {n: tuple(m.shape) for n, m in before["masters"].items()}
+    held = _whole_state(target, shapes)
     assert held.keys() == before["state"].keys() == before["masters"].keys() and held
     for n, value in held.items():
         for key in KEYS:
@@ -123,16 +155,23 @@ def test_a_stage0_job_resumes_the_resharded_checkpoint_bit_for_bit(name, ds):
     steps = {s for r in target for s in r["step"].values()}
     assert steps == before["steps"] and len(steps) == 1, (steps, before["steps"])
     assert all(r["param_groups"] == before["records"][0]["param_groups"] for r in target)
-    masters = _file_masters(_written(ds, name), spec["dtype"])
+    masters = _written_masters(ds, name, shapes)
     assert masters.keys() == before["masters"].keys()
     for n, master in masters.items():
         assert _equal(master, before["masters"][n]), n
 
 
+# Another tensor degree's logits: AutoTP's row-parallel layers sum the tensor ranks' partial products (an all-reduce)
+# where the whole layer sums them in one matmul: T epsilons of the dtype at the largest logit (T the larger degree),
+# as test_reshard_tensor.py's
+LOGITS_EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps}
+
+
 @pytest.mark.parametrize("name", [n for n in TO_STAGE0 if reshard_target(n)[0] not in OPTIM_UNIVERSAL_SOURCES])
 def test_buffers_and_logits_carry_over(name, ds):
     """The buffers as loaded and the logits of a fixed batch equal the source job's, bit for bit: every rank of a
-    stage-0 job holds the whole model, so the forward is the source's, whatever the world size."""
+    stage-0 job holds the whole model, so the forward is the source's, whatever the world size (an AutoTP source's:
+    within LOGITS_EPS)."""
     source, _, spec = reshard_target(name)
     target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
     module = target[0]["module"]
@@ -141,24 +180,44 @@ def test_buffers_and_logits_carry_over(name, ds):
     for record in target:
         for n, t in record["module"].items():
             assert _equal(t, before[0]["module"][n]), n
-    logits = target[0]["logits"]
-    assert logits.abs().max() > 0 and all(_equal(r["logits"], before[0]["logits"]) for r in target)
+    logits, expected = target[0]["logits"], before[0]["logits"]
+    assert logits.abs().max() > 0 and all(_equal(r["logits"], logits) for r in target)
+    degrees = (source_spec(source).get("tp", 1), spec.get("tp", 1))
+    if degrees[0] == degrees[1]:  # the same sums in the same order
+        assert _equal(logits, expected)
+        return
+    bound = max(degrees) * LOGITS_EPS[spec["dtype"]] * expected.abs().max().item()
+    assert logits.shape == expected.shape and (logits - expected).abs().max().item() <= bound
 
 
-@pytest.mark.parametrize("name", TO_STAGE0)
-def test_the_file_has_the_shape_of_a_real_stage0_save(name, ds):
-    """The same entries as DeepSpeed's own stage-0 save of the same model and dtype (``s0-*``): keys, the optimizer's
-    keys, every tensor's dtype and shape, the entries a stage-0 save leaves None; only the world size recorded
-    differs. The loss scale is the source's (its loss scaler's ``cur_scale``)."""
+def _native(name: str) -> str | None:
+    spec = reshard_target(name)[2]
+    return NATIVE.get((spec["dtype"], spec.get("tp", 1)))
+
+
+@pytest.mark.parametrize(
+    ("name", "mp_rank"), [(n, r) for n in TO_STAGE0 if _native(n) for r in range(reshard_target(n)[2].get("tp", 1))]
+)
+def test_the_file_has_the_shape_of_a_real_stage0_save(name, mp_rank, ds):
+    """The same entries as DeepSpeed's own stage-0 save of the same model, dtype and tensor degree (``s0-*``,
+    ``tp2-s0-*``: each tensor rank's file): keys, the optimizer's keys, every tensor's dtype and shape, the entries a
+    stage-0 save leaves None; only the world size recorded differs. The loss scale is the source's (its loss scaler's
+    ``cur_scale``)."""
     source, world_size, spec = reshard_target(name)
-    ours = _written(ds, name)
-    native_dir = ds.path(NATIVE[spec["dtype"]])
+    ours = _written(ds, name, mp_rank)
+    native_dir = ds.path(_native(name))
     tag = (native_dir / "latest").read_text().strip()
-    theirs = torch.load(native_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    path = native_dir / tag / f"mp_rank_{mp_rank:02d}_model_states.pt"
+    theirs = torch.load(path, map_location="cpu", weights_only=False)
     assert list(ours) == list(theirs)
     for key in ("param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments"):
         assert ours[key] is None and theirs[key] is None, key
-    assert ours["dp_world_size"] == world_size and ours["ds_config"]["zero_optimization"]["stage"] == 0
+    assert ours["dp_world_size"] == world_size // spec.get("tp", 1)
+    assert ours["ds_config"]["zero_optimization"]["stage"] == 0
+    assert (ours["mp_world_size"], ours["ds_config"].get("tensor_parallel")) == (
+        theirs["mp_world_size"],
+        theirs["ds_config"].get("tensor_parallel"),
+    )
     trainable = [n for n in ours["module"] if n not in set(ours["buffer_names"])]
     assert trainable == list(theirs["module"])
     for n in trainable:
@@ -222,6 +281,23 @@ def test_a_stage0_job_holds_the_source_masters_and_steps_as_the_job_that_never_s
     assert worst <= STEP_TOLERANCE[dtype], worst
 
 
+def test_deepspeeds_own_autotp_stage0_save_is_read_as_the_job_held_it(ds):
+    """DeepSpeed's AutoTP job at stage 0 saves one model-states file per tensor rank, each its FP16_UnfusedOptimizer
+    (``fp32_groups`` of its shards): valid from its files, one domain per tensor rank, and the whole masters ckptspec
+    reads are the job's own on its tensor ranks (its oracle), put together, bit for bit."""
+    entry = ds.path("tp2-s0-bf16-ws2")
+    assert CliRunner().invoke(cli, ["validate", str(entry)]).exit_code == 0
+    opened = ckptspec.open(entry)
+    assert opened.kind == Kind.STAGE0 and [d.coordinate.tensor for d in opened.domains] == [0, 1]
+    shapes = {n: tuple(shape) for n, shape in info(entry)["global_shapes"].items()}
+    oracles = rank_oracles(entry)
+    assert {o["master_source"][n] for o in oracles for n in o["masters"]} == {HELD_BY["bf16"]}
+    masters, read = merged(oracles, lambda o: o["masters"], shapes), opened.state_dict()
+    assert masters.keys() == read.keys() and any(masters[n].shape != oracles[0]["masters"][n].shape for n in masters)
+    for n, master in masters.items():
+        assert _equal(read[n], master), n
+
+
 def _refused(args, tmp_path) -> str:
     out = tmp_path / "out"
     result = CliRunner().invoke(cli, ["reshard", *map(str, args[:1]), str(out), *map(str, args[1:])])
@@ -237,9 +313,20 @@ def test_ties_and_frozen_parameters_are_refused_by_name(committed, tmp_path):
     assert "tied or frozen" in output
 
 
-def test_a_tensor_parallel_source_to_stage0_is_refused(ds, tmp_path):
-    output = _refused([ds.path("tp2-s1-fp32-ws2"), "--world-size", "2", "--stage", "0"], tmp_path)
+def test_a_pipeline_source_to_stage0_is_refused(ds, tmp_path):
+    output = _refused([ds.path("pp2-s1-fp32-ws2"), "--world-size", "2", "--stage", "0"], tmp_path)
     assert "--stage 0 for a tensor/pipeline-parallel ZeRO-1/2 checkpoint" in output
+
+
+def test_frozen_parameters_of_an_autotp_source_are_refused_at_stage0(ds, tmp_path):
+    """The AutoTP ZeRO-3 source with a frozen weight AutoTP splits, a frozen bias it leaves whole and buffers: a
+    stage-0 job could load them (its module holds them), but a stage-0 checkpoint's masters could not be told apart
+    from them (the dense refusal above): at its tensor degree, merged and split alike."""
+    source = ds.path("tp2-s3-bf16-ws2-extras")
+    for i, degree in enumerate(([], ["--tensor-parallel", "1"], ["--tensor-parallel", "4"])):
+        (tmp_path / str(i)).mkdir()
+        output = _refused([source, "--world-size", "4", "--stage", "0", *degree], tmp_path / str(i))
+        assert "tied or frozen" in output, degree
 
 
 def test_fused_adam_is_refused_by_name(ds):

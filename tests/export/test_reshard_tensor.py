@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from _harness.parallel_oracles import check_same_to_ckptspec, optim_records
+from _harness.parallel_oracles import check_same_to_ckptspec, merged, optim_records
 from _harness.scenarios import DEGREE_RESHARDS, UNIVERSAL_TOO, optim_name, reshard_target, source_spec
 from click.testing import CliRunner
 
@@ -26,8 +26,17 @@ import ckptspec
 from ckptspec.cli import cli
 from ckptspec.deepspeed.kinds import Kind
 
-MERGES = sorted(n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if options.get("tensor_parallel") == 1)
-SPLITS = sorted(n for n, (_, _, _, options) in DEGREE_RESHARDS.items() if options.get("tensor_parallel", 1) > 1)
+# a merge for a stage-0 job: test_reshard_stage0.py (DeepSpeed's getters give no masters at stage 0)
+MERGES = sorted(
+    n
+    for n, (_, _, _, options) in DEGREE_RESHARDS.items()
+    if options.get("tensor_parallel") == 1 and options.get("stage") != 0
+)
+SPLITS = sorted(
+    n
+    for n, (_, _, _, options) in DEGREE_RESHARDS.items()
+    if options.get("tensor_parallel", 1) > 1 and options.get("stage") != 0
+)
 # The logits of the merged model against the tensor-parallel one: AutoTP's row-parallel layer sums the two tensor
 # ranks' partial products (an all-reduce) where the whole layer sums all products in one matmul, so the float sums
 # are rounded in another order. The bound: twice the dtype's epsilon at the largest logit (measured: one unit in
@@ -41,32 +50,6 @@ def _bits(t: torch.Tensor) -> bytes:
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and _bits(a) == _bits(b)
-
-
-def _whole(shards: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-    """One tensor from its tensor ranks' shards, in rank order (the module docstring's rule)."""
-    if tuple(shards[0].shape) == shape:
-        assert all(_equal(s, shards[0]) for s in shards), "replicated copies differ"
-        return shards[0]
-    axes = [a for a, (n, m) in enumerate(zip(shards[0].shape, shape)) if n != m]
-    assert len(axes) == 1, (shards[0].shape, shape)
-    return torch.cat(shards, dim=axes[0])
-
-
-def _per_tensor_rank(records: list[dict], pick) -> dict[str, list[torch.Tensor]]:
-    """name -> its value on tensor ranks 0, 1, ... (every data rank of a tensor rank holds the same)."""
-    by_rank: dict[int, dict[str, torch.Tensor]] = {}
-    for record in records:
-        values = by_rank.setdefault(record["coords"]["tp"], {})
-        for name, value in pick(record).items():
-            if name in values:
-                assert _equal(values[name], value), (name, record["coords"])
-            values[name] = value
-    return {name: [by_rank[tp][name] for tp in sorted(by_rank)] for name in by_rank[0]}
-
-
-def _merged(records: list[dict], pick, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    return {name: _whole(shards, shapes[name]) for name, shards in _per_tensor_rank(records, pick).items()}
 
 
 def _held(records: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
@@ -91,10 +74,10 @@ def test_a_job_without_tensor_parallelism_resumes_the_merged_checkpoint_bit_for_
     assert {r["coords"]["mp_world_size"] for r in target} == {1}
     held = _held(target)
     shapes = {n: tuple(v["master"].shape) for n, v in held.items()}
-    masters = _merged(before, lambda r: r["master"], shapes)
+    masters = merged(before, lambda r: r["master"], shapes)
     assert masters.keys() == held.keys() and held
     for key in ("exp_avg", "exp_avg_sq"):
-        moments = _merged(before, lambda r, key=key: {n: s[key] for n, s in r["state"].items()}, shapes)
+        moments = merged(before, lambda r, key=key: {n: s[key] for n, s in r["state"].items()}, shapes)
         for n, value in held.items():
             assert _equal(value[key], moments[n]), (n, key)
     for n, value in held.items():
@@ -112,10 +95,10 @@ def test_frozen_parameters_buffers_and_logits_carry_over(name, ds):
     target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
     module = target[0]["module"]
     assert all(_equal(r["module"][n], t) for r in target for n, t in module.items())
-    merged = _merged(before, lambda r: r["module"], {n: tuple(t.shape) for n, t in module.items()})
-    assert merged.keys() == module.keys()
+    whole = merged(before, lambda r: r["module"], {n: tuple(t.shape) for n, t in module.items()})
+    assert whole.keys() == module.keys()
     for n, t in module.items():
-        assert _equal(t, merged[n]), n
+        assert _equal(t, whole[n]), n
     if spec.get("frozen") or spec.get("buffers"):
         assert module, "the spec has frozen parameters or buffers: none recorded"
     logits, expected = target[0]["logits"], before[0]["logits"]
@@ -205,12 +188,12 @@ def test_a_job_of_more_tensor_ranks_resumes_the_split_checkpoint_bit_for_bit(nam
         "module": lambda r: r["module"],
     }
     for what, pick in picks.items():
-        got, expected = _merged(target, pick, shapes), _merged(before, pick, shapes)
+        got, expected = merged(target, pick, shapes), merged(before, pick, shapes)
         assert got.keys() == expected.keys() and (got or what == "module"), what
         for n, value in expected.items():
             assert _equal(got[n], value), (what, n)
     if spec.get("frozen") or spec.get("buffers"):
-        assert _merged(target, picks["module"], shapes), "the spec has frozen parameters or buffers: none recorded"
+        assert merged(target, picks["module"], shapes), "the spec has frozen parameters or buffers: none recorded"
     steps = {s for r in [*before, *target] for s in r["step"].values()}
     assert len(steps) == 1, steps
     assert all(r["param_groups"] == before[0]["param_groups"] for r in target)

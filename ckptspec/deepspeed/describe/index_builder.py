@@ -275,9 +275,12 @@ class IndexBuilder:
         )
 
 
-def files_of(b: IndexBuilder, masters, replicas, ranks: dict[str, int] | None = None) -> list[ShardFile]:
-    """The model states and every optimizer file the masters (and their copies) are read from."""
-    rels = {MODEL_FILE} if (b.folder / MODEL_FILE).is_file() else set()
+def files_of(
+    b: IndexBuilder, masters, replicas, ranks: dict[str, int] | None = None, model: str = MODEL_FILE
+) -> list[ShardFile]:
+    """The model states (``model``: another tensor rank's) and every optimizer file the masters (and their copies)
+    are read from."""
+    rels = {model} if (b.folder / model).is_file() else set()
     rels |= {seg[0] for m in masters for seg in m.segments}
     rels |= {seg[0] for _, c in replicas for seg in c.segments}
     out = []

@@ -101,7 +101,7 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
     elif pipe_module:
         layer_files, parameters = pipeline_view(files, states, domains, hash_algorithm)
     else:
-        layer_files, parameters = [], _tensor_view(files, states, domains, degrees.tensor)
+        layer_files, parameters = [], tensor_view(files, states, domains, degrees.tensor)
     index = CheckpointIndex(
         format=INDEX_FORMAT,
         format_version=INDEX_VERSION,
@@ -132,7 +132,7 @@ def _refuse_outside(files: ParallelFiles, degrees) -> None:
             )
 
 
-def _tensor_view(files: ParallelFiles, states: StateCache, domains: list[Domain], tp: int) -> list[IndexParameter]:
+def tensor_view(files: ParallelFiles, states: StateCache, domains: list[Domain], tp: int) -> list[IndexParameter]:
     by_name: dict[str, IndexParameter] = {}
     for domain in domains:
         tensor = domain.coordinate.tensor

@@ -117,12 +117,15 @@ def _named_group(
     return out
 
 
-def stage0_masters(folder: Path, states: StateCache | None = None) -> dict[str, MasterTensor]:
-    """Every parameter's master in a stage-0 tag directory (dense or native MoE), by global name."""
+def stage0_masters(
+    folder: Path, states: StateCache | None = None, model_file: str = MODEL_FILE
+) -> dict[str, MasterTensor]:
+    """Every parameter's master in a stage-0 tag directory (dense or native MoE), by global name; ``model_file``: the
+    model states of another tensor rank (AutoTP at stage 0: one file per tensor rank, no experts)."""
     states = states if states is not None else StateCache()
-    model = states.state(folder / MODEL_FILE)
+    model = states.state(folder / model_file)
     if not isinstance(model, dict) or not isinstance(model.get("module"), dict):
-        raise UnsupportedCheckpoint("model states hold no 'module'", _HINT, MODEL_FILE)
+        raise UnsupportedCheckpoint("model states hold no 'module'", _HINT, model_file)
     dense = _trainable_names(model)
     experts = expert_params(folder, states)
     optimizer: Any = model.get("optimizer")  # decoded, unchecked: each branch below tests what it reads
@@ -134,14 +137,14 @@ def stage0_masters(folder: Path, states: StateCache | None = None) -> dict[str, 
                 "ZeRO stage 0 MoE with FP16_Optimizer (optimizer/fp32_groups_flat): its flat expert groups "
                 "are not described",
                 _HINT,
-                MODEL_FILE,
+                model_file,
             )
-        return _flat_groups(folder, optimizer["fp32_groups_flat"], dense, states)
+        return _flat_groups(folder, optimizer["fp32_groups_flat"], dense, states, model_file)
     if not unfused:  # no mixed precision: the fp32 weights are the masters
         module = model["module"]
         for name, _ in dense:
             out[name] = _fp32_weight(
-                _locate(folder, MODEL_FILE, module[name], name, ("module", name), states), optimizer
+                _locate(folder, model_file, module[name], name, ("module", name), states), optimizer
             )
         for rel, name, ref in experts:
             out[name] = _fp32_weight(_locate(folder, rel, ref, name, (name,), states), optimizer)
@@ -153,13 +156,13 @@ def stage0_masters(folder: Path, states: StateCache | None = None) -> dict[str, 
                 f"ZeRO stage 0: optimizer/fp32_groups holds {sum(len(g) for g in groups)} masters for {len(dense)} "
                 "trainable parameters (tied or shared parameters are not told apart at stage 0)",
                 _HINT,
-                MODEL_FILE,
+                model_file,
             )
         start = 0
         for g, group in enumerate(groups):  # the groups take the parameters in order
             names = dense[start : start + len(group)]
             start += len(group)
-            for m in _named_group(folder, MODEL_FILE, group, names, ("optimizer", "fp32_groups", g), states):
+            for m in _named_group(folder, model_file, group, names, ("optimizer", "fp32_groups", g), states):
                 out[m.name] = m
         return out
     return _moe_unfused(folder, model, dense, experts, states)
@@ -178,21 +181,21 @@ def _fp32_weight(weight: MasterTensor, optimizer) -> MasterTensor:
     return weight
 
 
-def _flat_groups(folder: Path, groups, dense, states: StateCache) -> dict[str, MasterTensor]:
+def _flat_groups(folder: Path, groups, dense, states: StateCache, model_file: str) -> dict[str, MasterTensor]:
     """FP16_Optimizer: ``fp32_groups_flat[g]`` is its group's trainable parameters' masters back to back.
     The groups take the module's trainable parameters in order; each must end where a parameter ends."""
     if not isinstance(groups, list) or not groups:
-        raise UnsupportedCheckpoint("optimizer/fp32_groups_flat is not a list of flat tensors", _HINT, MODEL_FILE)
+        raise UnsupportedCheckpoint("optimizer/fp32_groups_flat is not a list of flat tensors", _HINT, model_file)
     out: dict[str, MasterTensor] = {}
     i = 0
     for g, ref in enumerate(groups):
         key = ("optimizer", "fp32_groups_flat", g)
-        flat = _locate(folder, MODEL_FILE, ref, f"group {g}", key, states)
+        flat = _locate(folder, model_file, ref, f"group {g}", key, states)
         if flat.dtype != "float32" or len(flat.shape) != 1:
             raise UnsupportedCheckpoint(
                 f"optimizer/fp32_groups_flat/{g} is {flat.dtype} of shape {list(flat.shape)}, not a flat fp32 tensor",
                 _HINT,
-                MODEL_FILE,
+                model_file,
             )
         (_, start, nbytes), filled = flat.segments[0], 0
         while filled < nbytes:
@@ -200,7 +203,7 @@ def _flat_groups(folder: Path, groups, dense, states: StateCache) -> dict[str, M
                 raise UnsupportedCheckpoint(
                     f"optimizer/fp32_groups_flat holds more elements than the {len(dense)} trainable parameters",
                     _HINT,
-                    MODEL_FILE,
+                    model_file,
                 )
             name, shape = dense[i]
             size = math.prod(shape) * 4
@@ -209,16 +212,16 @@ def _flat_groups(folder: Path, groups, dense, states: StateCache) -> dict[str, M
                     f"optimizer/fp32_groups_flat/{g} ({nbytes // 4} elements) does not take {name!r} whole "
                     "(frozen, tied or zero-element parameters are not told apart at stage 0)",
                     _HINT,
-                    MODEL_FILE,
+                    model_file,
                 )
-            out[name] = MasterTensor(name, shape, "float32", ((MODEL_FILE, start + filled, size),), key)
+            out[name] = MasterTensor(name, shape, "float32", ((model_file, start + filled, size),), key)
             filled, i = filled + size, i + 1
     if i != len(dense):
         raise UnsupportedCheckpoint(
             f"optimizer/fp32_groups_flat holds the masters of {i} of the {len(dense)} trainable parameters "
             "(frozen or tied parameters are not told apart at stage 0)",
             _HINT,
-            MODEL_FILE,
+            model_file,
         )
     return out
 
