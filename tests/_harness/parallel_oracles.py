@@ -244,3 +244,21 @@ def running_layers(spec: dict, name: str) -> set[int]:
     keys = [key for *_, key in _pipe_layers(normalize(spec))]
     layer = int(name.split(".", 1)[0])
     return {i for i, key in enumerate(keys) if key == keys[layer]} if keys[layer] else {layer}
+
+
+def saved_entries(doc, prefix=""):
+    """(path, a tensor's dtype and shape, an object's attributes, or the value) of every leaf of a saved file."""
+    import torch
+
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            yield from saved_entries(value, f"{prefix}/{key}")
+    elif isinstance(doc, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list)) for v in doc):
+        for i, value in enumerate(doc):
+            yield from saved_entries(value, f"{prefix}/{i}")
+    elif isinstance(doc, torch.Tensor):
+        yield prefix, (doc.dtype, tuple(doc.shape))
+    elif hasattr(doc, "__dict__") and not isinstance(doc, type):  # the loss scaler: its class and numbers
+        yield prefix, (type(doc).__name__, vars(doc))
+    else:
+        yield prefix, doc

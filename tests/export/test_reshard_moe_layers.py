@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from _harness.parallel_oracles import info, optim_records
+from _harness.parallel_oracles import info, optim_records, saved_entries
 from _harness.scenarios import (
     DEGREE_RESHARDS,
     MOE_LAYERS_SPECS,
@@ -47,22 +47,6 @@ def _load(path):
 
 def _tag_dir(root):
     return root / (root / "latest").read_text().strip()
-
-
-def _entries(doc, prefix=""):
-    """(path, a tensor's dtype and shape, an object's attributes, or the value) of every leaf of a saved file."""
-    if isinstance(doc, dict):
-        for key, value in doc.items():
-            yield from _entries(value, f"{prefix}/{key}")
-    elif isinstance(doc, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list)) for v in doc):
-        for i, value in enumerate(doc):
-            yield from _entries(value, f"{prefix}/{i}")
-    elif isinstance(doc, torch.Tensor):
-        yield prefix, (doc.dtype, tuple(doc.shape))
-    elif hasattr(doc, "__dict__") and not isinstance(doc, type):  # the loss scaler: its class and numbers
-        yield prefix, (type(doc).__name__, vars(doc))
-    else:
-        yield prefix, doc
 
 
 @pytest.mark.parametrize("source", sorted(MOE_LAYERS_SPECS))
@@ -116,7 +100,7 @@ def test_the_files_are_deepspeeds_own_save_at_the_target_layout(name, ds):
     if SOURCE_SPECS[source][1] != world_size:  # the source's training history: the samples it saw at its world size
         allowed.add("/global_samples")
     for file in files:
-        mine, native = dict(_entries(_load(ours / file))), dict(_entries(_load(theirs / file)))
+        mine, native = dict(saved_entries(_load(ours / file))), dict(saved_entries(_load(theirs / file)))
         assert sorted(mine) == sorted(native), file
         in_state = "/base_optimizer_state/state/"
         assert [k for k in mine if in_state not in k] == [k for k in native if in_state not in k], file

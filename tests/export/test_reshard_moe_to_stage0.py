@@ -29,6 +29,7 @@ from _harness.parallel_oracles import (
     check_same_to_ckptspec,
     optim_records,
     rank_oracles,
+    saved_entries,
     union_of,
 )
 from _harness.scenarios import (
@@ -116,20 +117,6 @@ def _native(name: str) -> str | None:
     return native if native in PARALLEL_SPECS else None
 
 
-def _entries(doc, prefix=""):
-    """(path, dtype and shape of a tensor, or the value) of every leaf of a saved file, in order."""
-    if isinstance(doc, dict):
-        for key, value in doc.items():
-            yield from _entries(value, f"{prefix}/{key}")
-    elif isinstance(doc, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list)) for v in doc):
-        for i, value in enumerate(doc):
-            yield from _entries(value, f"{prefix}/{i}")
-    elif isinstance(doc, torch.Tensor):
-        yield prefix, (doc.dtype, tuple(doc.shape))
-    else:
-        yield prefix, doc
-
-
 @pytest.mark.parametrize("name", [n for n in CASES if _native(n)])
 def test_the_files_have_the_shape_of_a_real_stage0_moe_save(name, ds):
     """The same files, and in each the same entries in the same order, tensor dtypes and shapes and other values as
@@ -139,7 +126,7 @@ def test_the_files_have_the_shape_of_a_real_stage0_moe_save(name, ds):
     files = sorted(p.name for p in theirs.iterdir())
     assert sorted(p.name for p in ours.iterdir()) == files
     for file in files:
-        mine, native = dict(_entries(_load(ours / file))), dict(_entries(_load(theirs / file)))
+        mine, native = dict(saved_entries(_load(ours / file))), dict(saved_entries(_load(theirs / file)))
         assert list(mine) == list(native), file
         differ = {k for k in mine if mine[k] != native[k]}
         assert differ <= {"/dp_world_size"}, (file, {k: (mine[k], native[k]) for k in differ})
