@@ -199,8 +199,11 @@ def write_stages(
     state_plans: dict[str, OptimizerStatePlan],
     states: StateCache,
     tag_dir: Path,
+    tensor: int = 0,
+    tensor_degree: int = 1,
 ) -> list[Path]:
-    """Every target stage's optimizer and model-states files (the layer files are the caller's)."""
+    """Every target stage's optimizer and model-states files (the layer files are the caller's); of tensor rank
+    ``tensor`` of ``tensor_degree`` (``reshard_tp_pipeline_stages``): ``mp_rank = stage * tp + tensor``."""
     first = plans[target.template.id]
     sources = {name: s for plan in plans.values() for name, s in plan.sources.items()}
     plan = dataclasses.replace(first, sources=sources)
@@ -212,9 +215,9 @@ def write_stages(
     stages = len(target.stages)
     model = next(f for f in target.template.manifest.files if f.role == "model_states")
     template_state = states.state(first.tag_dir / model.path)
-    changes: dict = {"mp_world_size": stages}  # pp x tp, tp 1
+    changes: dict = {"mp_world_size": stages * tensor_degree}  # pp x tp
     if isinstance(template_state.get("checkpoint_parallel_dimensions"), dict):
-        changes["checkpoint_parallel_dimensions"] = {"pp_degree": stages, "tp_degree": 1}
+        changes["checkpoint_parallel_dimensions"] = {"pp_degree": stages, "tp_degree": tensor_degree}
     files: list[Path] = []
     for stage in target.stages:
         files += write_files(
@@ -224,7 +227,7 @@ def write_stages(
             stage.layout,
             states,
             tag_dir,
-            mp_rank=stage.stage,
+            mp_rank=stage.stage * tensor_degree + tensor,
             model_changes={**changes, "buffer_names": stage.buffer_names},
         )
     return files
