@@ -62,7 +62,8 @@ def reshard_model_parallel(
     """Validate ``checkpoint`` (digests included), then write it for ``world_size`` ranks in all: the same
     tensor and pipeline degrees, ``world_size / (tp x pp)`` data-parallel ranks (and ``zero_stage``).
     ``index``: the checkpoint index to read it by (a model, a validated report or a file), else its files'.
-    ``pipeline_parallel`` other than the source's: the stages rebuilt (``reshard_pipeline``, ``partition_method``).
+    ``pipeline_parallel`` other than the source's: the stages rebuilt (``reshard_pipeline``, ``partition_method``;
+    a tensor-parallel pipeline's tensor ranks each, or merged first: ``reshard_tp_pipeline_stages``).
     ``sub_group_size``: a ZeRO-3 target's (default: a ZeRO-3 source's, else DeepSpeed's)."""
     with held_new_output(output, "the resharded checkpoint") as out:
         if isinstance(index, (str, os.PathLike)):
@@ -144,7 +145,7 @@ def reshard_model_parallel(
                 files += write_stages(stages, found, plans, state_plans, states, tag_dir)
             elif restage is not None:
                 tag = src_dir.name
-                args = (writes[0], states, tag, tag_dir, world_size, zero_stage, restage, partition_method)  # type: ignore[index]
+                args = (writes[0], states, tmp, tag, world_size, zero_stage, restage, partition_method)  # type: ignore[index]
                 split.current().first_only(lambda: files.extend(_merge_then_restage(*args)))
             elif writes is not None:
                 for write in writes:
@@ -186,11 +187,13 @@ def reshard_model_parallel(
 
 
 def _merge_then_restage(
-    merge, states, tag: str, tag_dir: Path, world_size: int, zero_stage, stages: int, partition_method
+    merge, states, tmp: Path, tag: str, world_size: int, zero_stage, stages: int, partition_method
 ) -> list[Path]:
-    """A tensor pipeline's merge (at its stages) written to a temporary directory, then resharded to ``stages``
-    stages there (``reshard_tp_pipeline_stages``'s module docstring); the result's files moved into ``tag_dir``."""
-    with tempfile.TemporaryDirectory(prefix="ckptspec-tp-merged-") as mid:
+    """A tensor pipeline's merge (at its stages) written to a temporary directory in ``tmp`` (the output's staging
+    directory: its file system), then resharded to ``stages`` stages there (``reshard_tp_pipeline_stages``'s module
+    docstring); the result's files moved into ``tmp / tag``, the temporary directory removed before the commit."""
+    tag_dir = tmp / tag
+    with tempfile.TemporaryDirectory(prefix=".tp-merged-", dir=tmp) as mid:
         merged, moved = Path(mid) / "merged", Path(mid) / "moved"
         (merged / tag).mkdir(parents=True)
         merge.write(states, merged / tag)

@@ -12,10 +12,11 @@ stage: every stage's must agree; ``buffer_names`` the stage's layers', its tied 
 carry over as saved: their names and keys do not depend on the stage; a tied module's copies (its frozen parameters
 and buffers too: each stage's own), frozen parameters and buffers are in them.
 
-Refused by name (CK410) before anything is written: a tensor-parallel pipeline, a stage-0 (BF16_Optimizer) or
-ZeRO-3 source, a ZeRO-2/3 target (DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with
-pipeline parallelism"), frozen parameters or buffers outside the layer files, a source stage
-whose optimizer order or ``buffer_names`` are not its module's, partition method "parameters" where a frozen
+A tensor-parallel pipeline's tensor ranks are each given here as a pipeline of tensor degree 1
+(``reshard_tp_pipeline_stages``); given whole, it is refused. Refused by name (CK410) before anything is written:
+a stage-0 (BF16_Optimizer) or ZeRO-3 source, a ZeRO-2/3 target (DeepSpeed's PipelineEngine asserts "ZeRO-2 and
+ZeRO-3 are incompatible with pipeline parallelism"), frozen parameters or buffers outside the layer files, a source
+stage whose optimizer order or ``buffer_names`` are not its module's, partition method "parameters" where a frozen
 parameter decides the stages, a layer index without a file (a function layer: the layer count cannot be known),
 a target stage without trainable parameters, more stages than layers, stages whose optimizer groups or
 hyperparameters differ.

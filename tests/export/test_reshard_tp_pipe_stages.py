@@ -131,6 +131,33 @@ def test_the_files_are_deepspeeds_at_tp2_pp1(ds, name):
             assert _shapes(a["optimizer_state_dict"]) == _shapes(b["optimizer_state_dict"]), file
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_the_layer_files_are_the_sources_or_merged_and_the_model_states_name_the_degrees(ds, name):
+    """At tp2 each layer_LL-model_TT file is the source's, byte for byte (their names do not depend on the stage); at
+    tp1 each layer_LL file holds the module the source gathered whole, bit for bit. The model states: one stage."""
+    tag = ds.path(name) / "resharded" / "global_step2"
+    source = ds.path(_source(name)) / info(ds.path(_source(name)))["tag"]
+    tp = _tensor_degree(name)
+    whole = {}
+    for oracle in rank_oracles(ds.path(_source(name))):
+        whole.update(oracle["whole_module"])
+    for layer in range(5):
+        if tp > 1:
+            for tensor in range(tp):
+                file = f"layer_{layer:02d}-model_{tensor:02d}-model_states.pt"
+                assert (tag / file).read_bytes() == (source / file).read_bytes(), file
+            continue
+        saved = torch.load(tag / f"layer_{layer:02d}-model_states.pt", weights_only=True)
+        assert sorted(saved) == sorted(k.split(".", 1)[1] for k in whole if k.split(".")[0] == str(layer))
+        for key, value in saved.items():
+            assert bits_equal(value, whole[f"{layer}.{key}"]), (layer, key)
+    for mp in range(tp):
+        states = _load(tag / f"mp_rank_{mp:02d}_model_states.pt")
+        assert states["mp_world_size"] == tp and states["dp_world_size"] == 2 // tp
+        assert states["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": tp}
+        assert states["module"] is None and "universal_checkpoint_info" in states  # the client state, as saved
+
+
 def _cli(*args):
     result = CliRunner().invoke(cli, [str(a) for a in args])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
