@@ -104,7 +104,7 @@ def reshard_model_parallel(
                 merged_layers = True  # a tensor-parallel pipeline: each stage merged, its layer files too
                 merge_args = (world_size, zero_stage)
                 if pipeline_parallel not in (None, degrees.pipeline):  # merged first, then moved (restage)
-                    refuse_merge_and_stages(found, world_size, pipeline_parallel)
+                    refuse_merge_and_stages(found, world_size, pipeline_parallel, partition_method)
                     restage = pipeline_parallel
                     merge_args = (degrees.pipeline, zero_stage)  # at the source's stages, one data rank
                 writes = [plan_tensor_pipeline_merge(found, src_dir, plans, states, *merge_args)]  # type: ignore[arg-type]

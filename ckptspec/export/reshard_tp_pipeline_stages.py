@@ -28,7 +28,7 @@ from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.index_models import CheckpointIndex
 from .optimizer_state import plan_optimizer_state
-from .reshard_pipeline import PipelineTarget, pipeline_target, write_stages
+from .reshard_pipeline import PARTITION_METHODS, PipelineTarget, pipeline_target, write_stages
 
 
 @dataclass
@@ -111,10 +111,15 @@ def plan_tensor_pipeline_stages(
     return out
 
 
-def refuse_merge_and_stages(index: CheckpointIndex, world_size: int, stages: int) -> None:
+def refuse_merge_and_stages(index: CheckpointIndex, world_size: int, stages: int, partition_method: str | None) -> None:
     """CK410 for ``--tensor-parallel 1 --pipeline-parallel N`` before anything is written, beyond the merge's own
     refusals (checked by planning it)."""
     layers = len({f.layer for f in index.layer_files})
+    if partition_method not in (None, *PARTITION_METHODS):
+        raise ReshardUnsupported(
+            f"--partition-method {partition_method!r} is not supported",
+            f"give one of {', '.join(PARTITION_METHODS)} (DeepSpeed's PipelineModule partition_method)",
+        )
     if world_size % stages:
         raise ReshardUnsupported(
             f"--world-size {world_size} is not a multiple of --pipeline-parallel {stages}",

@@ -184,9 +184,25 @@ def _cli(*args):
             ["--world-size", "4", "--pipeline-parallel", "3", "--tensor-parallel", "1"],
             "--world-size 4 is not a multiple of --pipeline-parallel 3",
         ),
+        (
+            ["--world-size", "2", "--pipeline-parallel", "1", "--tensor-parallel", "1", "--stage", "2"],
+            "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism",
+        ),
     ],
 )
 def test_what_is_not_written_is_refused_by_name_before_writing(ds, tmp_path, options, message):
     result = _cli("reshard", ds.path(_source(CASES[0])), tmp_path / "out", *options)
     assert result.exit_code != 0 and "CK410" in result.output and message in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_partition_method_deepspeed_has_not_is_refused_before_the_merge_is_written(ds, tmp_path):
+    """Through the Python API (the command line offers the two methods only): refused before the merge, whose
+    temporary directory would otherwise be written first."""
+    from ckptspec.errors import ReshardUnsupported
+    from ckptspec.export.api import reshard
+
+    source = ds.path(_source(CASES[0]))
+    with pytest.raises(ReshardUnsupported, match="--partition-method 'type:Linear' is not supported"):
+        reshard(source, tmp_path / "out", 2, tensor_parallel=1, pipeline_parallel=1, partition_method="type:Linear")
     assert not (tmp_path / "out").exists()
