@@ -471,14 +471,16 @@ TP_PIPE_RESHARDS = {
     # ckptspec's universal folder of the source (export-universal), loaded with load_universal by the same target
     "tp2pp2-s1-fp32-ws4>universal-tp1": ("tp2pp2-s1-fp32-ws4", 2, {"tp": 1}, {"export_universal": True}),
 }
-# A tensor-parallel pipeline moved to one stage (issue #40): at its tensor degree (``--pipeline-parallel 1``: each
-# tensor rank's stages moved as a pipeline of their own; tp2 x pp1, a launch of its own: one set of degrees a
-# launch), or merged too (``--tensor-parallel 1 --pipeline-parallel 1``: tp1 x pp1, in the PipelineModule's pp1
-# optim launch). Loaded by the target's job, which also loads ds_to_universal's folder of the source; compared with
-# what the source gathered whole over its tensor groups (tests/export/test_reshard_tp_pipe_stages.py).
+# A tensor-parallel pipeline at another number of stages (issue #40): at its tensor degree (``--pipeline-parallel``:
+# each tensor rank's stages moved as a pipeline of their own; tp2 x pp1 and tp2 x pp2 targets, a launch each: one
+# set of degrees a launch), or merged too (``--tensor-parallel 1 --pipeline-parallel 1``: tp1 x pp1, in the
+# PipelineModule's pp1 optim launch). Loaded by the target's job, which also loads ds_to_universal's folder of a
+# tp2 x pp2 source; compared with what the source gathered (tests/export/test_reshard_tp_pipe_stages.py).
 TP_PIPE_STAGE_RESHARDS = {
     "tp2pp2-s1-fp32-ws4>pp1": ("tp2pp2-s1-fp32-ws4", 2, {"pp": 1, "pipe": True}, {"pipeline_parallel": 1}),
     "tp2pp2-s1-bf16-ws4>pp1": ("tp2pp2-s1-bf16-ws4", 2, {"pp": 1, "pipe": True}, {"pipeline_parallel": 1}),
+    # the other way: DeepSpeed's tp2 x pp1 save to two stages (tp2 x pp2 at 4 ranks: mp_rank = stage x 2 + tensor)
+    "tp2pp1-s1-fp32-ws2>pp2": ("tp2pp1-s1-fp32-ws2", 4, {"pp": 2}, {"pipeline_parallel": 2}),
     "tp2pp2-s1-fp32-ws4>tp1-pp1": (
         "tp2pp2-s1-fp32-ws4",
         2,
@@ -785,7 +787,8 @@ def _registry() -> dict[str, Task]:
         out[name] = Task("optim", {**args, "universal": name in UNIVERSAL_TOO | UNIVERSAL_PARALLEL}, ws, load=source)
     for name, (source, ws, _, options) in {**TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS}.items():
         args = {"spec": reshard_target(name)[2], "source": source, "reshard": {"world_size": ws, **options}}
-        out[name] = Task("optim", {**args, "universal": True}, ws, load=source)
+        # and ds_to_universal's folder of the source, where its job wrote one
+        out[name] = Task("optim", {**args, "universal": bool(source_spec(source).get("universal"))}, ws, load=source)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

@@ -1,12 +1,14 @@
 """Issue #40: a tensor x pipeline-parallel checkpoint (tp2 x pp2, Megatron-style layers: scenarios.TP_PIPE_SPECS)
 moved to one stage, keeping its tensor degree (``reshard --pipeline-parallel 1``: tp2 x pp1) or merged too
-(``--tensor-parallel 1 --pipeline-parallel 1``: tp1 x pp1), each loaded by a real job of the target layout
-(scenarios.TP_PIPE_STAGE_RESHARDS, tests/_harness/optim_job.py).
+(``--tensor-parallel 1 --pipeline-parallel 1``: tp1 x pp1), and DeepSpeed's tp2 x pp1 save moved to two stages
+(tp2 x pp2), each loaded by a real job of the target layout (scenarios.TP_PIPE_STAGE_RESHARDS,
+tests/_harness/optim_job.py).
 
 Ground truth: what the source job recorded from the live engine (each rank's own masters, and the masters, Adam
 moments and module gathered whole over its tensor groups: job/tp_layers.py) and its logits; the tp2 x pp1 files
-against what DeepSpeed itself saves at that layout (scenarios.TP_PIPE_ONE_SPECS). The same target job also loaded
-DeepSpeed's path, ``ds_to_universal`` of the source with ``load_universal`` (``universal.rank<R>.pt``).
+against what DeepSpeed itself saves at that layout (scenarios.TP_PIPE_ONE_SPECS; tp2 x pp2: TP_PIPE_SPECS). The
+same target job also loaded DeepSpeed's path, ``ds_to_universal`` of a tp2 x pp2 source with ``load_universal``
+(``universal.rank<R>.pt``).
 """
 
 import json
@@ -21,8 +23,11 @@ from click.testing import CliRunner
 from ckptspec.cli import cli
 
 CASES = sorted(scenarios.TP_PIPE_STAGE_RESHARDS)
-KEPT = [n for n in CASES if "tensor_parallel" not in scenarios.TP_PIPE_STAGE_RESHARDS[n][3]]  # tp2 x pp1
-SAVED = "tp2pp1-s1-fp32-ws2"  # DeepSpeed's own save at tp2 x pp1
+KEPT = [n for n in CASES if "tensor_parallel" not in scenarios.TP_PIPE_STAGE_RESHARDS[n][3]]  # tp2 kept
+UNIVERSAL = [n for n in CASES if scenarios.REGISTRY[n].args["universal"]]  # the source has a ds_to_universal folder
+SAVED = {1: "tp2pp1-s1-fp32-ws2", 2: "tp2pp2-s1-fp32-ws4"}  # DeepSpeed's own fp32 saves at tp2, by stages
+REFUSED = "tp2pp2-s1-bf16-ws4"  # the source of the refusals below
+STAGE_LAYERS = {1: [[0, 5]], 2: [[0, 3], [3, 5]]}  # partition "uniform" of the five layers, by stages
 # the merged blocks compute each output in one matmul where the source summed two tensor ranks' partials
 # (test_reshard_tp_pipe.py); at the tensor degree kept, the same sums
 LOGITS_SHARE = {"fp32": 1e-6, "bf16": 0.01}
@@ -32,8 +37,16 @@ def _source(name):
     return scenarios.TP_PIPE_STAGE_RESHARDS[name][0]
 
 
+def info_spec(name):
+    return scenarios.source_spec(_source(name))
+
+
 def _tensor_degree(name):
     return scenarios.reshard_target(name)[2]["tp"]
+
+
+def _stages(name):
+    return scenarios.reshard_target(name)[2]["pp"]
 
 
 def _expected(ds, source, tp):
@@ -78,9 +91,10 @@ def test_the_target_job_holds_the_sources_masters_moments_and_step(ds, name):
     outcome = json.loads((ds.path(name) / "optim.json").read_text())
     assert "reshard_error" not in outcome and outcome["load_checkpoint_error"] is None, outcome
     records = optim_records(ds.path(name))
-    tp = _tensor_degree(name)
+    tp, pp = _tensor_degree(name), _stages(name)
+    per_stage = len(records) // pp  # the grid's ranks: pipeline-major, then data, then tensor
     assert [(r["coords"]["pp"], r["coords"]["tp"], r["coords"]["stage_layers"]) for r in records] == [
-        (0, rank % tp, [0, 5]) for rank in range(len(records))
+        (rank // per_stage, rank % tp, STAGE_LAYERS[pp][rank // per_stage]) for rank in range(len(records))
     ]
     _check_loaded(records, _expected(ds, _source(name), tp), tp)
     dtype = info(ds.path(_source(name)))["spec"]["dtype"]
@@ -89,7 +103,7 @@ def test_the_target_job_holds_the_sources_masters_moments_and_step(ds, name):
     assert off <= LOGITS_SHARE[dtype] * np.abs(source_logits).max(), off
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", UNIVERSAL)
 def test_deepspeeds_universal_path_gives_the_same(ds, name):
     assert json.loads((ds.path(name) / "optim.json").read_text())["universal_error"] is None
     tp = _tensor_degree(name)
@@ -111,12 +125,15 @@ def _shapes(value):
     return type(value).__name__
 
 
-@pytest.mark.parametrize("name", [n for n in KEPT if _source(n) == "tp2pp2-s1-fp32-ws4"])
-def test_the_files_are_deepspeeds_at_tp2_pp1(ds, name):
-    """The written tag against DeepSpeed's own save of the same PipelineModule at tp2 x pp1 (fp32): the same file
-    names; the layer files' and optimizer files' keys and tensor shapes, the model states' layout entries the same."""
+@pytest.mark.parametrize("name", [n for n in KEPT if info_spec(n)["dtype"] == "fp32"])
+def test_the_files_are_deepspeeds_at_the_target_layout(ds, name):
+    """The written tag against DeepSpeed's own save of the same PipelineModule at the target's tp2 x pp (fp32, the
+    same world size): the same file names; the layer files' and optimizer files' keys and tensor shapes, the model
+    states' layout entries the same."""
+    saved = SAVED[_stages(name)]
+    assert scenarios.SOURCE_SPECS[saved][1] == scenarios.TP_PIPE_STAGE_RESHARDS[name][1]
     ours = ds.path(name) / "resharded" / "global_step2"
-    theirs = ds.path(SAVED) / info(ds.path(SAVED))["tag"]
+    theirs = ds.path(saved) / info(ds.path(saved))["tag"]
     names = sorted(p.name for p in theirs.iterdir())
     assert sorted(p.name for p in ours.iterdir()) == names
     for file in names:
@@ -134,10 +151,12 @@ def test_the_files_are_deepspeeds_at_tp2_pp1(ds, name):
 @pytest.mark.parametrize("name", CASES)
 def test_the_layer_files_are_the_sources_or_merged_and_the_model_states_name_the_degrees(ds, name):
     """At tp2 each layer_LL-model_TT file is the source's, byte for byte (their names do not depend on the stage); at
-    tp1 each layer_LL file holds the module the source gathered whole, bit for bit. The model states: one stage."""
+    tp1 each layer_LL file holds the module the source gathered whole, bit for bit. The model states name the
+    target's degrees."""
     tag = ds.path(name) / "resharded" / "global_step2"
     source = ds.path(_source(name)) / info(ds.path(_source(name)))["tag"]
-    tp = _tensor_degree(name)
+    tp, pp = _tensor_degree(name), _stages(name)
+    world_size = scenarios.TP_PIPE_STAGE_RESHARDS[name][1]
     whole = {}
     for oracle in rank_oracles(ds.path(_source(name))):
         whole.update(oracle["whole_module"])
@@ -151,10 +170,10 @@ def test_the_layer_files_are_the_sources_or_merged_and_the_model_states_name_the
         assert sorted(saved) == sorted(k.split(".", 1)[1] for k in whole if k.split(".")[0] == str(layer))
         for key, value in saved.items():
             assert bits_equal(value, whole[f"{layer}.{key}"]), (layer, key)
-    for mp in range(tp):
+    for mp in range(tp * pp):
         states = _load(tag / f"mp_rank_{mp:02d}_model_states.pt")
-        assert states["mp_world_size"] == tp and states["dp_world_size"] == 2 // tp
-        assert states["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": tp}
+        assert states["mp_world_size"] == tp * pp and states["dp_world_size"] == world_size // (tp * pp)
+        assert states["checkpoint_parallel_dimensions"] == {"pp_degree": pp, "tp_degree": tp}
         assert states["module"] is None and "universal_checkpoint_info" in states  # the client state, as saved
 
 
@@ -191,7 +210,7 @@ def _cli(*args):
     ],
 )
 def test_what_is_not_written_is_refused_by_name_before_writing(ds, tmp_path, options, message):
-    result = _cli("reshard", ds.path(_source(CASES[0])), tmp_path / "out", *options)
+    result = _cli("reshard", ds.path(REFUSED), tmp_path / "out", *options)
     assert result.exit_code != 0 and "CK410" in result.output and message in result.output, result.output
     assert not (tmp_path / "out").exists()
 
@@ -202,7 +221,7 @@ def test_a_partition_method_deepspeed_has_not_is_refused_before_the_merge_is_wri
     from ckptspec.errors import ReshardUnsupported
     from ckptspec.export.api import reshard
 
-    source = ds.path(_source(CASES[0]))
+    source = ds.path(REFUSED)
     with pytest.raises(ReshardUnsupported, match="--partition-method 'type:Linear' is not supported"):
         reshard(source, tmp_path / "out", 2, tensor_parallel=1, pipeline_parallel=1, partition_method="type:Linear")
     assert not (tmp_path / "out").exists()
