@@ -111,13 +111,13 @@ def reshard(
     --world-size / (tp x pp) data-parallel ranks, each coordinate's ZeRO partitions resharded, the
     pipeline's layer files copied. --tensor-parallel 1 merges an AutoTP ZeRO-1/2 checkpoint for a job
     without tensor parallelism on --world-size ranks, another degree splits it by its own AutoTP rules;
-    --pipeline-parallel N (ZeRO-1 pipelines, tensor degree 1) gives the layers to N stages by
-    --partition-method and rebuilds each stage's ZeRO groups; --expert-parallel N regroups a MoE
-    checkpoint's experts over N expert-parallel ranks. A torch DCP directory (an FSDP checkpoint) is written as the
-    ZeRO-1/2/3 checkpoint (--stage required) of a DeepSpeed job of --model-dtype. Never executes pickled code; needs
-    torch only to write the pickles, not DeepSpeed. Under torchrun (any number of processes and nodes; OUTPUT on a
-    file system they all mount) the ranks share the work: each writes every N-th file, reading only what its files
-    need, and the output is the same, byte for byte.
+    --pipeline-parallel N (ZeRO-1 pipelines; a tensor-parallel one keeps its tensor degree, or is merged too with
+    --tensor-parallel 1) gives the layers to N stages by --partition-method and rebuilds each stage's ZeRO groups;
+    --expert-parallel N regroups a MoE checkpoint's experts over N expert-parallel ranks. A torch DCP directory (an
+    FSDP checkpoint) is written as the ZeRO-1/2/3 checkpoint (--stage required) of a DeepSpeed job of --model-dtype.
+    Never executes pickled code; needs torch only to write the pickles, not DeepSpeed. Under torchrun (any number of
+    processes and nodes; OUTPUT on a file system they all mount) the ranks share the work: each writes every N-th
+    file, reading only what its files need, and the output is the same, byte for byte.
     """
     from ..export.api import reshard as run
 

@@ -14,6 +14,8 @@ states of its stage-0 job (``reshard_stage0``).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from .reshard_stage3 import write_stage3_files
 from .reshard_tensor import all_zero3_partitions, plan_tensor_merge, refuse_unpartitioned
 from .reshard_tensor_split import plan_tensor_split
 from .reshard_tp_pipeline import plan_tensor_pipeline_merge
+from .reshard_tp_pipeline_stages import is_tensor_pipeline, plan_tensor_pipeline_stages, refuse_merge_and_stages
 
 
 def reshard_model_parallel(
@@ -61,7 +64,8 @@ def reshard_model_parallel(
     """Validate ``checkpoint`` (digests included), then write it for ``world_size`` ranks in all: the same
     tensor and pipeline degrees, ``world_size / (tp x pp)`` data-parallel ranks (and ``zero_stage``).
     ``index``: the checkpoint index to read it by (a model, a validated report or a file), else its files'.
-    ``pipeline_parallel`` other than the source's: the stages rebuilt (``reshard_pipeline``, ``partition_method``).
+    ``pipeline_parallel`` other than the source's: the stages rebuilt (``reshard_pipeline``, ``partition_method``;
+    a tensor-parallel pipeline's tensor ranks each, or merged first: ``reshard_tp_pipeline_stages``).
     ``sub_group_size``: a ZeRO-3 target's (default: a ZeRO-3 source's, else DeepSpeed's)."""
     with held_new_output(output, "the resharded checkpoint") as out:
         if isinstance(index, (str, os.PathLike)):
@@ -81,6 +85,7 @@ def reshard_model_parallel(
         merge, moe, stages, targets = None, None, None, {}
         writes: list[Any] | None = None  # each with .write(states, tag_dir) and .zero_stage
         merged_layers = False  # the source's layer files are written anew (not copied)
+        restage: int | None = None  # a tensor pipeline merged, then moved to this many stages
         try:  # CK410 before anything is written
             degrees = found.topology.degrees
             splitting = degrees.tensor > 1 and tensor_parallel not in (None, 1, degrees.tensor)
@@ -97,10 +102,17 @@ def reshard_model_parallel(
                 degree: int = tensor_parallel  # type: ignore[assignment]  # splitting: an int
                 split_args = (world_size, zero_stage, degree, sub_group_size)
                 writes = plan_tensor_split(found, src_dir, plans, states, *split_args)  # type: ignore[arg-type]
-            elif tensor_parallel == 1 and degrees.tensor != 1 and any(f.tensor is not None for f in found.layer_files):
+            elif tensor_parallel == 1 and is_tensor_pipeline(found):
                 merged_layers = True  # a tensor-parallel pipeline: each stage merged, its layer files too
-                merge_args = (world_size, zero_stage, pipeline_parallel)
+                merge_args = (world_size, zero_stage)
+                if pipeline_parallel not in (None, degrees.pipeline):  # merged first, then moved (restage)
+                    refuse_merge_and_stages(found, world_size, pipeline_parallel, partition_method)
+                    restage = pipeline_parallel
+                    merge_args = (degrees.pipeline, zero_stage)  # at the source's stages, one data rank
                 writes = [plan_tensor_pipeline_merge(found, src_dir, plans, states, *merge_args)]  # type: ignore[arg-type]
+            elif is_tensor_pipeline(found) and pipeline_parallel not in (None, degrees.pipeline):
+                stage_args = (world_size, zero_stage, pipeline_parallel, partition_method)
+                writes = plan_tensor_pipeline_stages(found, src_dir, plans, states, *stage_args)  # type: ignore[arg-type]
             elif tensor_parallel == 1 and found.topology.degrees.tensor != 1:
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage, sub_group_size)  # type: ignore[arg-type]
             elif found.expert_files:  # MoE: the dense and expert groups, each over its own ranks
@@ -139,6 +151,12 @@ def reshard_model_parallel(
             files: list[Path] = []
             if stages is not None:  # another number of stages: each target stage's files from every domain
                 files += write_stages(stages, found, plans, state_plans, states, tag_dir)
+            elif restage is not None:
+                tag = src_dir.name
+                args = (writes[0], states, tmp, tag, world_size, zero_stage, restage, partition_method)  # type: ignore[index]
+                share = split.current()  # rank 0 writes both steps alone (the merge is read back whole)
+                share.first_only(lambda: files.extend(_merge_then_restage(*args)))
+                share.written.extend(str(path) for path in files)  # rank 0's, for its report
             elif writes is not None:
                 for write in writes:
                     files += write.write(states, tag_dir)
@@ -179,6 +197,33 @@ def reshard_model_parallel(
         (merge or (writes and writes[0]) or moe or stages or next(iter(targets.values()))).zero_stage,
         [written_to / src_dir.name / f.name for f in files],
     )
+
+
+def _merge_then_restage(
+    merge, states, tmp: Path, tag: str, world_size: int, zero_stage, stages: int, partition_method
+) -> list[Path]:
+    """A tensor pipeline's merge (at its stages) written to a temporary directory in ``tmp`` (the output's staging
+    directory: its file system), then resharded to ``stages`` stages there (``reshard_tp_pipeline_stages``'s module
+    docstring); the result's files moved into ``tmp / tag``, the temporary directory removed before the commit."""
+    tag_dir = tmp / tag
+    with tempfile.TemporaryDirectory(prefix=".tp-merged-", dir=tmp) as mid:
+        merged, moved = Path(mid) / "merged", Path(mid) / "moved"
+        (merged / tag).mkdir(parents=True)
+        merge.write(states, merged / tag)
+        reshard_model_parallel(
+            merged,
+            moved,
+            world_size,
+            zero_stage=zero_stage,
+            tag=tag,
+            pipeline_parallel=stages,
+            partition_method=partition_method,
+        )
+        out = []
+        for path in sorted((moved / tag).iterdir()):
+            shutil.move(path, tag_dir / path.name)
+            out.append(tag_dir / path.name)
+        return out
 
 
 def refuse_degree_changes(index: CheckpointIndex, tensor_parallel: int | None, pipeline_parallel: int | None) -> None:

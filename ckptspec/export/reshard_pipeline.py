@@ -12,10 +12,11 @@ stage: every stage's must agree; ``buffer_names`` the stage's layers', its tied 
 carry over as saved: their names and keys do not depend on the stage; a tied module's copies (its frozen parameters
 and buffers too: each stage's own), frozen parameters and buffers are in them.
 
-Refused by name (CK410) before anything is written: a tensor-parallel pipeline, a stage-0 (BF16_Optimizer) or
-ZeRO-3 source, a ZeRO-2/3 target (DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with
-pipeline parallelism"), frozen parameters or buffers outside the layer files, a source stage
-whose optimizer order or ``buffer_names`` are not its module's, partition method "parameters" where a frozen
+A tensor-parallel pipeline's tensor ranks are each given here as a pipeline of tensor degree 1
+(``reshard_tp_pipeline_stages``); given whole, it is refused. Refused by name (CK410) before anything is written:
+a stage-0 (BF16_Optimizer) or ZeRO-3 source, a ZeRO-2/3 target (DeepSpeed's PipelineEngine asserts "ZeRO-2 and
+ZeRO-3 are incompatible with pipeline parallelism"), frozen parameters or buffers outside the layer files, a source
+stage whose optimizer order or ``buffer_names`` are not its module's, partition method "parameters" where a frozen
 parameter decides the stages, a layer index without a file (a function layer: the layer count cannot be known),
 a target stage without trainable parameters, more stages than layers, stages whose optimizer groups or
 hyperparameters differ.
@@ -199,8 +200,11 @@ def write_stages(
     state_plans: dict[str, OptimizerStatePlan],
     states: StateCache,
     tag_dir: Path,
+    tensor: int = 0,
+    tensor_degree: int = 1,
 ) -> list[Path]:
-    """Every target stage's optimizer and model-states files (the layer files are the caller's)."""
+    """Every target stage's optimizer and model-states files (the layer files are the caller's); of tensor rank
+    ``tensor`` of ``tensor_degree`` (``reshard_tp_pipeline_stages``): ``mp_rank = stage * tp + tensor``."""
     first = plans[target.template.id]
     sources = {name: s for plan in plans.values() for name, s in plan.sources.items()}
     plan = dataclasses.replace(first, sources=sources)
@@ -212,9 +216,9 @@ def write_stages(
     stages = len(target.stages)
     model = next(f for f in target.template.manifest.files if f.role == "model_states")
     template_state = states.state(first.tag_dir / model.path)
-    changes: dict = {"mp_world_size": stages}  # pp x tp, tp 1
+    changes: dict = {"mp_world_size": stages * tensor_degree}  # pp x tp
     if isinstance(template_state.get("checkpoint_parallel_dimensions"), dict):
-        changes["checkpoint_parallel_dimensions"] = {"pp_degree": stages, "tp_degree": 1}
+        changes["checkpoint_parallel_dimensions"] = {"pp_degree": stages, "tp_degree": tensor_degree}
     files: list[Path] = []
     for stage in target.stages:
         files += write_files(
@@ -224,7 +228,7 @@ def write_stages(
             stage.layout,
             states,
             tag_dir,
-            mp_rank=stage.stage,
+            mp_rank=stage.stage * tensor_degree + tensor,
             model_changes={**changes, "buffer_names": stage.buffer_names},
         )
     return files

@@ -12,7 +12,8 @@ the order of the saved keys. The model states change as a tp1 pipeline saves the
 ``checkpoint_parallel_dimensions`` tp 1; the client state (Megatron-DeepSpeed's ``universal_checkpoint_info``
 patterns too: they still hold at tp 1) is carried as saved.
 
-Refused by name (CK410) before anything is written: another number of stages at once, a ZeRO stage other than 1
+Another number of stages at once: the merge at the source's stages, then moved (``reshard_tp_pipeline_stages``).
+Refused by name (CK410) before anything is written: a ZeRO stage other than 1
 (DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"), a world size
 that is not a multiple of the stages, a domain that is not a ZeRO-1/2 partition.
 """
@@ -71,11 +72,10 @@ def plan_tensor_pipeline_merge(
     states: StateCache,
     world_size: int,
     zero_stage: int | None,
-    pipeline_parallel: int | None,
 ) -> TensorPipelineMerge:
     """The merge of ``index``'s tensor ranks, stage by stage (module docstring); CK410/CK401 before writing."""
     stages = index.topology.degrees.pipeline
-    _refuse(index, world_size, zero_stage, pipeline_parallel)
+    _refuse(index, world_size, zero_stage)
     whole, state_plan, manifests = whole_stages(index, tag_dir, plans, states)
     changes = ModelChanges(
         module={},  # a stage's module is None: its weights are the layer files'
@@ -139,14 +139,8 @@ def _merged_layers(index: CheckpointIndex, tag_dir: Path, states: StateCache) ->
     return out
 
 
-def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None, pipeline_parallel: int | None) -> None:
+def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None) -> None:
     stages = index.topology.degrees.pipeline
-    if pipeline_parallel not in (None, stages):
-        raise ReshardUnsupported(
-            f"--pipeline-parallel {pipeline_parallel} with --tensor-parallel 1 of a tensor-parallel pipeline "
-            f"(pp {stages}): one degree at a time",
-            "merge the tensor ranks first, then change the number of stages of the result",
-        )
     if zero_stage not in (None, 1):
         raise ReshardUnsupported(
             f"--stage {zero_stage} for a pipeline: DeepSpeed's PipelineEngine asserts \"ZeRO-2 and ZeRO-3 are "

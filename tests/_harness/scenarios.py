@@ -200,9 +200,13 @@ TP_PIPE_SPECS = {
 # DEGREE_RESHARDS are compared with (tests/export/test_reshard_stage0.py), in the AutoTP training launch. Not in
 # PARALLEL (no +again, universal or hook entries).
 AUTOTP_STAGE0_SPECS = {"tp2-s0-bf16-ws2": ({"tp": 2, "stage": 0, "dtype": "bf16"}, 2)}
+# The same PipelineModule at one stage, tp2 x pp1 (``pipe``): what DeepSpeed writes at the layout
+# ``reshard --pipeline-parallel 1`` writes of a tp2 x pp2 checkpoint (TP_PIPE_STAGE_RESHARDS), file for file.
+TP_PIPE_ONE_SPECS = {"tp2pp1-s1-fp32-ws2": ({"tp": 2, "pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 2)}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
     **TP_PIPE_SPECS,
+    **TP_PIPE_ONE_SPECS,
     **AUTOTP_STAGE0_SPECS,
     **ZERO3_EXTRAS_SPECS,
     **PARALLEL_SPECS,
@@ -481,18 +485,35 @@ TP_PIPE_RESHARDS = {
     # ckptspec's universal folder of the source (export-universal), loaded with load_universal by the same target
     "tp2pp2-s1-fp32-ws4>universal-tp1": ("tp2pp2-s1-fp32-ws4", 2, {"tp": 1}, {"export_universal": True}),
 }
+# A tensor-parallel pipeline at another number of stages (issue #40): at its tensor degree (``--pipeline-parallel``:
+# each tensor rank's stages moved as a pipeline of their own; tp2 x pp1 and tp2 x pp2 targets, a launch each: one
+# set of degrees a launch), or merged too (``--tensor-parallel 1 --pipeline-parallel 1``: tp1 x pp1, in the
+# PipelineModule's pp1 optim launch). Loaded by the target's job, which also loads ds_to_universal's folder of a
+# tp2 x pp2 source; compared with what the source gathered (tests/export/test_reshard_tp_pipe_stages.py).
+TP_PIPE_STAGE_RESHARDS = {
+    "tp2pp2-s1-fp32-ws4>pp1": ("tp2pp2-s1-fp32-ws4", 2, {"pp": 1, "pipe": True}, {"pipeline_parallel": 1}),
+    "tp2pp2-s1-bf16-ws4>pp1": ("tp2pp2-s1-bf16-ws4", 2, {"pp": 1, "pipe": True}, {"pipeline_parallel": 1}),
+    # the other way: DeepSpeed's tp2 x pp1 save to two stages (tp2 x pp2 at 4 ranks: mp_rank = stage x 2 + tensor)
+    "tp2pp1-s1-fp32-ws2>pp2": ("tp2pp1-s1-fp32-ws2", 4, {"pp": 2}, {"pipeline_parallel": 2}),
+    "tp2pp2-s1-fp32-ws4>tp1-pp1": (
+        "tp2pp2-s1-fp32-ws4",
+        2,
+        {"tp": 1, "pp": 1, "pipe": True},
+        {"tensor_parallel": 1, "pipeline_parallel": 1},
+    ),
+}
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}
 )  # each with a +optim entry
 
 
 def reshard_target(name: str) -> tuple[str, int, dict]:
-    """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS, DEGREE_RESHARDS or
-    TP_PIPE_RESHARDS."""
+    """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS, DEGREE_RESHARDS,
+    TP_PIPE_RESHARDS or TP_PIPE_STAGE_RESHARDS."""
     if name in PARALLEL_RESHARDS:
         source, ws = PARALLEL_RESHARDS[name]
         return source, ws, PARALLEL_SPECS[source][0]
-    source, ws, changes, _ = DEGREE_RESHARDS[name] if name in DEGREE_RESHARDS else TP_PIPE_RESHARDS[name]
+    source, ws, changes, _ = {**DEGREE_RESHARDS, **TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS}[name]
     return source, ws, {**source_spec(source), **changes}
 
 
@@ -778,9 +799,10 @@ def _registry() -> dict[str, Task]:
         spec = reshard_target(name)[2]
         args = {"spec": spec, "source": source, "reshard": {"world_size": ws, **options}}
         out[name] = Task("optim", {**args, "universal": name in UNIVERSAL_TOO | UNIVERSAL_PARALLEL}, ws, load=source)
-    for name, (source, ws, _, options) in TP_PIPE_RESHARDS.items():
+    for name, (source, ws, _, options) in {**TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS}.items():
         args = {"spec": reshard_target(name)[2], "source": source, "reshard": {"world_size": ws, **options}}
-        out[name] = Task("optim", {**args, "universal": True}, ws, load=source)
+        # and ds_to_universal's folder of the source, where its job wrote one
+        out[name] = Task("optim", {**args, "universal": bool(source_spec(source).get("universal"))}, ws, load=source)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

@@ -20,6 +20,13 @@ from _harness.job.parallel_models import normalize, reference_model, torch_dtype
 from _harness.oracles import DEEPSPEED_VERSION
 
 PARALLEL = scenarios.PARALLEL
+# the reshard outputs optim_job.py loads (#40)
+RESHARD_LOADS = {
+    **scenarios.PARALLEL_RESHARDS,
+    **scenarios.DEGREE_RESHARDS,
+    **scenarios.TP_PIPE_RESHARDS,
+    **scenarios.TP_PIPE_STAGE_RESHARDS,
+}
 
 
 def _spec(name):
@@ -251,11 +258,7 @@ def test_layouts_that_cannot_share_a_process_get_launches_of_their_own():
             assert (group[3] == script) == (layouts == {script}), (group, sorted(members))
         # optim_job.py's and optim_universal_job.py's loads (#39): launches of their own, one layout each
         optim = group[3].startswith(("optim-", "optim_universal-"))
-        loads = all(
-            m.endswith("+optim")
-            or m in {**scenarios.PARALLEL_RESHARDS, **scenarios.DEGREE_RESHARDS, **scenarios.TP_PIPE_RESHARDS}
-            for m in members
-        )
+        loads = all(m.endswith("+optim") or m in RESHARD_LOADS for m in members)
         assert optim == loads, (group, sorted(members))
     for name in PARALLEL:
         task, again = registry[name], registry[scenarios.again_name(name)]
@@ -273,7 +276,7 @@ def _layout_of(member):
         return member
     if member.endswith("+optim"):
         return f"optim-{layout(_spec(member.removesuffix('+optim'))[0])}"
-    if member in {**scenarios.PARALLEL_RESHARDS, **scenarios.DEGREE_RESHARDS, **scenarios.TP_PIPE_RESHARDS}:
+    if member in RESHARD_LOADS:
         # loaded by optim_job.py (#40): the target's layout
         return f"optim-{layout(normalize(scenarios.reshard_target(member)[2]))}"
     kind = (

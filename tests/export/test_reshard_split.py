@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _harness.scenarios import DEGREE_RESHARDS, RESHARD_CASES
+from _harness.scenarios import DEGREE_RESHARDS, RESHARD_CASES, TP_PIPE_STAGE_RESHARDS
 
 SPLIT_FAILURE = Path(__file__).with_name("split_failure_job.py")
 SUBPROCESS = Path(__file__).with_name("subprocess_job.py")
@@ -64,17 +64,30 @@ CASES = {
     ),
     "export-universal of AutoTP ZeRO-3, 2 processes": ("tp2-s3-bf16-ws2>universal-ws4", ["export-universal"], 2),
     # a TiedLayerSpec on both stages (one folder), a frozen weight and a buffer
+    # a tensor-parallel pipeline's tensor ranks each moved to one stage; merged, then moved (rank 0 alone)
+    "tp2 x pp2 -> tp2 x pp1, 2 processes": (
+        "tp2pp2-s1-fp32-ws4>pp1",
+        ["reshard", "--world-size", "2", "--pipeline-parallel", "1"],
+        2,
+    ),
+    "tp2 x pp2 -> tp1 x pp1, 2 processes": (
+        "tp2pp2-s1-fp32-ws4>tp1-pp1",
+        ["reshard", "--world-size", "2", "--tensor-parallel", "1", "--pipeline-parallel", "1"],
+        2,
+    ),
     "export-universal of a tied pipeline, 3 processes": (
         "pp2-s1-fp32-ws2-extras>universal-ws4",
         ["export-universal"],
         3,
     ),
 }
+# merged to a temporary directory, then moved: rank 0 writes both steps alone (reshard_parallel._merge_then_restage)
+RANK_0_ALONE = {"tp2 x pp2 -> tp1 x pp1, 2 processes"}
 CORRUPT_SOURCE = "s2-bf16-ws2"  # copied and its rank 1 optimizer states truncated
 
 
 def _source(entry: str) -> str:
-    return RESHARD_CASES[entry][0] if entry in RESHARD_CASES else DEGREE_RESHARDS[entry][0]
+    return {**RESHARD_CASES, **DEGREE_RESHARDS, **TP_PIPE_STAGE_RESHARDS}[entry][0]
 
 
 def _runs() -> dict[str, dict]:
@@ -165,7 +178,10 @@ def test_the_split_writes_the_files_a_deepspeed_job_resumed_byte_for_byte(case, 
     assert len(ranks) == nproc
     written = sum(files for files, _ in ranks)
     assert written == len(re.findall(r"\.pt$", "\n".join(_files(checked)), re.M))  # every torch file once
-    assert all(files >= 1 for files, _ in ranks)  # every rank did a share
+    if case in RANK_0_ALONE:
+        assert [files for files, _ in ranks[1:]] == [0] * (nproc - 1)
+    else:
+        assert all(files >= 1 for files, _ in ranks)  # every rank did a share
 
 
 def test_two_nodes_write_what_one_process_writes(ds, split_runs):

@@ -144,7 +144,6 @@ def _cli(*args):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (["--pipeline-parallel", "1"], "--pipeline-parallel 1 with --tensor-parallel 1 of a tensor-parallel pipeline"),
         (["--stage", "2"], "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
         (["--world-size", "3"], "--world-size 3 is not a multiple of the pipeline degree 2"),
     ],
