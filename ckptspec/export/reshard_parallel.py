@@ -153,9 +153,9 @@ def reshard_model_parallel(
                 files += write_stages(stages, found, plans, state_plans, states, tag_dir)
             elif restage is not None:
                 tag = src_dir.name
-                args = (writes[0], states, tmp, tag, world_size, zero_stage, restage, partition_method)  # type: ignore[index]
+                steps = (writes[0], states, tmp, tag, world_size, zero_stage, restage, partition_method)  # type: ignore[index]
                 share = split.current()  # rank 0 writes both steps alone (the merge is read back whole)
-                share.first_only(lambda: files.extend(_merge_then_restage(*args)))
+                share.first_only(lambda: files.extend(_merge_then_restage(*steps)))
                 share.written.extend(str(path) for path in files)  # rank 0's, for its report
             elif writes is not None:
                 for write in writes:
