@@ -148,8 +148,10 @@ def refuse_unmergeable(index: CheckpointIndex, world_size: int) -> None:
     degrees = index.topology.degrees
     if degrees.pipeline != 1 or index.expert_files:
         raise ReshardUnsupported(
-            f"--tensor-parallel 1 of a pipeline or MoE checkpoint (pp {degrees.pipeline}) is not supported yet",
-            "AutoTP checkpoints (pipeline degree 1, no experts) are merged so far",
+            f"another --tensor-parallel degree of a pipeline or MoE checkpoint (pp {degrees.pipeline}) is not "
+            "supported yet",
+            "AutoTP checkpoints (pipeline degree 1, no experts) are merged and split; a tensor-parallel pipeline is "
+            "merged (--tensor-parallel 1)",
         )
     if not all_zero3_partitions(index):
         refuse_unpartitioned(index, "tensor-parallel ZeRO-1/2 checkpoints, or ZeRO-3 ones, are merged so far")
