@@ -35,6 +35,7 @@ from ckptspec.format import models
 from ckptspec.format.codec import load_document
 from ckptspec.format.integral import integral_floats
 from ckptspec.format.models import Manifest
+from ckptspec.format.schemas import ecma_regex
 from ckptspec.format.schemas import validator as reference_validator
 from ckptspec.format.tolerant import tolerant
 
@@ -380,6 +381,8 @@ def bounded_schema(max_items: int = 2, max_length: int = 8) -> dict:
                     node[key] = min(node[key], max_items)
             if "maxLength" in node and "pattern" not in node:
                 node["maxLength"] = min(node["maxLength"], max_length)
+            if isinstance(node.get("pattern"), str):  # the generators read Python's '$', which allows a final
+                node["pattern"] = ecma_regex(node["pattern"]).pattern  # newline; the schema's ECMA '$' does not
             return node
         if isinstance(node, list):
             return [walk(v) for v in node]
