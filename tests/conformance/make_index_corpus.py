@@ -550,13 +550,14 @@ def corpus() -> dict[Path, str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def sync(files: dict[Path, str], corpus_dir: Path, description: str, argv: list[str] | None = None) -> int:
+    """A generator script's command line: write ``files`` into ``corpus_dir`` (and remove the corpus files it no
+    longer makes), or with ``--check`` only say which differ from the committed ones (exit 1)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--check", action="store_true", help="only compare with the committed files")
     args = parser.parse_args(argv)
-    files = corpus()
     stale = [p for p, text in files.items() if not p.exists() or p.read_text("utf-8") != text]
-    extra = [p for p in CORPUS.glob("*/*.json") if p not in files]
+    extra = [p for p in corpus_dir.glob("*/*.json") if p not in files]
     if args.check:
         if stale or extra:
             names = [p.relative_to(HERE).as_posix() for p in stale + extra]
@@ -568,8 +569,12 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(files[path], "utf-8")
     for path in extra:
         path.unlink()
-    print(f"wrote {len(stale)} file(s), removed {len(extra)} in {CORPUS}")
+    print(f"wrote {len(stale)} file(s), removed {len(extra)} in {corpus_dir}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return sync(corpus(), CORPUS, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ nothing is imported from ckptspec. expected.json is written too.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_index_corpus import Edit, _pop, _set, render
+from make_index_corpus import Edit, _pop, _set, render, sync
 
 HERE = Path(__file__).resolve().parent
 SOURCES = HERE / "index-1.1"
@@ -199,25 +198,7 @@ def corpus() -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only compare with the committed files")
-    args = parser.parse_args(argv)
-    files = corpus()
-    stale = [p for p, text in files.items() if not p.exists() or p.read_text("utf-8") != text]
-    extra = [p for p in CORPUS.glob("*/*.json") if p not in files]
-    if args.check:
-        if stale or extra:
-            names = [p.relative_to(HERE).as_posix() for p in stale + extra]
-            print("out of date: " + ", ".join(names), file=sys.stderr)
-            return 1
-        return 0
-    for path in stale:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(files[path], "utf-8")
-    for path in extra:
-        path.unlink()
-    print(f"wrote {len(stale)} file(s), removed {len(extra)} in {CORPUS}")
-    return 0
+    return sync(corpus(), CORPUS, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":
