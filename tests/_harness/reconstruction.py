@@ -33,6 +33,16 @@ def cli(*args: str):
     return result
 
 
+def invoke(*args):
+    """A ckptspec command in-process, whatever its exit code (a refusal is a result to check); anything it raises
+    but SystemExit fails the test: a user never gets a traceback."""
+    from ckptspec.cli import cli as command
+
+    result = CliRunner().invoke(command, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
 def roles(save_dir: Path) -> dict[str, str]:
     from ckptspec.deepspeed.describe import describe
 

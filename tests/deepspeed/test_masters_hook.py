@@ -17,10 +17,9 @@ import shutil
 
 import pytest
 from _harness.parallel_oracles import bits_equal, check_masters, info, rank_oracles
+from _harness.reconstruction import invoke
 from _harness.scenarios import MASTERS_HOOKED, hook_name
-from click.testing import CliRunner
 
-from ckptspec.cli import cli
 from ckptspec.deepspeed.describe import describe
 
 # What only the live engine knows, compared apart: the global rank of every coordinate
@@ -44,12 +43,6 @@ def _engine_only(doc: dict) -> tuple[dict, dict]:
 
 def _ranks(entry, prefix):
     return [json.loads((entry / f"{prefix}.rank{r}.json").read_text()) for r in range(info(entry)["world_size"])]
-
-
-def _cli(*args):
-    result = CliRunner().invoke(cli, list(args))
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result
 
 
 @pytest.mark.parametrize("name", MASTERS_HOOKED)
@@ -122,7 +115,7 @@ def test_the_engine_records_deepspeeds_rank_grid_and_expert_groups(ds, name):
 @pytest.mark.parametrize("name", ["s0-bf16-ws2", "moe-ep2-s1-bf16-ws4", "pp2-s0-bf16-ws2"])
 def test_validate_dir_checks_the_files_against_the_hooks_sidecar(ds, name, tmp_path):
     entry = ds.path(hook_name(name))
-    result = _cli("validate", str(entry), "--format", "json")
+    result = invoke("validate", str(entry), "--format", "json")
     assert result.exit_code == 0 and json.loads(result.stdout)["findings"] == [], result.stdout
     tag = info(entry)["tag"]
     copy_dir = tmp_path / "ckpt"
@@ -136,11 +129,11 @@ def test_validate_dir_checks_the_files_against_the_hooks_sidecar(ds, name, tmp_p
             if f["path"] == victim["path"]:
                 f["hash"]["digest"] = "0" * 64  # only the sidecar's hashes can say this
     sidecar.write_text(json.dumps(doc))
-    result = _cli("validate", str(copy_dir), "--format", "json")
+    result = invoke("validate", str(copy_dir), "--format", "json")
     codes = {(f["code"], f.get("file")) for f in json.loads(result.stdout)["findings"]}
     assert result.exit_code == 1 and ("CK209", victim["path"]) in codes, result.stdout
     sidecar.unlink()  # generated from the files instead: no recorded hash to disagree with
-    assert _cli("validate", str(copy_dir)).exit_code == 0
+    assert invoke("validate", str(copy_dir)).exit_code == 0
 
 
 @pytest.mark.parametrize("name", MASTERS_HOOKED)
@@ -153,7 +146,7 @@ def test_the_hooked_checkpoint_reconstructs_to_the_live_masters(ds, name, tmp_pa
     wholes = []
     for source in (entry, original):
         out = tmp_path / source.name
-        result = _cli("reconstruct", str(source), str(out), "--quiet")
+        result = invoke("reconstruct", str(source), str(out), "--quiet")
         assert result.exit_code == 0, result.stderr
         wholes.append(load_file(out / "model.safetensors"))
     hooked, native = wholes

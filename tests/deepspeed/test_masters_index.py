@@ -8,9 +8,7 @@ import json
 
 import pytest
 from _harness import scenarios
-from click.testing import CliRunner
-
-from ckptspec.cli import cli
+from _harness.reconstruction import invoke
 
 STAGE0 = sorted(n for n in scenarios.PARALLEL if n.startswith(("s0-", "moe-ep2-s0-")) and not n.endswith("ws1"))
 # with the two-layer and fp16 MoE sources (issue #40)
@@ -20,12 +18,6 @@ MOE_ZERO = sorted(n for n in scenarios.PARALLEL if n.startswith(("moe-ep2-s1-", 
 UNIVERSAL = ["uc-s2-bf16-ws2", "uc-s3-bf16-ws2"]
 PIPELINE_S0 = ["pp2-s0-bf16-ws2"]  # BF16_Optimizer: masters partitioned like stage 1, param_shapes None
 ALL = STAGE0 + MOE_ZERO + PIPELINE_S0
-
-
-def _cli(*args):
-    result = CliRunner().invoke(cli, list(args))
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result
 
 
 def _info(ds, name):
@@ -104,16 +96,16 @@ def test_generate_validate_reconstruct_equal_the_live_masters(ds, name, tmp_path
 
     folder = _folder(ds, name)
     doc = tmp_path / "index.json"
-    result = _cli("generate", str(folder), "-o", str(doc))
+    result = invoke("generate", str(folder), "-o", str(doc))
     assert result.exit_code == 0, result.stderr
     index = json.loads(doc.read_text())
     assert index["format"] == "ckptspec.checkpoint"
     assert index["kind"] == ("universal" if name in UNIVERSAL else "zero")
     assert all("masters" in d for d in index["domains"])
-    result = _cli("validate", str(doc), "--checkpoint", str(folder))
+    result = invoke("validate", str(doc), "--checkpoint", str(folder))
     assert result.exit_code == 0, result.stdout + result.stderr
     out = tmp_path / "out"
-    result = _cli("reconstruct", str(folder), str(out), "--quiet")
+    result = invoke("reconstruct", str(folder), str(out), "--quiet")
     assert result.exit_code == 0, result.stderr
     got = load_file(out / "model.safetensors")
     live, buffers = _live_masters(ds, name), _live_buffers(ds, name)
@@ -186,7 +178,7 @@ def test_stage0_weights_without_fp32_masters_are_never_taken_for_masters(ds, tmp
     state = torch.load(path, map_location="cpu", weights_only=False)  # the test's own copy: torch as the editor
     del state["optimizer"]["fp32_groups_flat"]
     torch.save(state, path)
-    result = _cli("reconstruct", str(tag), str(tmp_path / "out"))
+    result = invoke("reconstruct", str(tag), str(tmp_path / "out"))
     assert result.exit_code == 1, result.output
     assert "CK202" in result.stderr and "'blocks.0.up.weight' is saved in bfloat16" in result.stderr
     assert not (tmp_path / "out").exists()
@@ -197,20 +189,20 @@ def test_an_index_that_locates_bf16_weights_as_masters_is_refused(ds, tmp_path):
     in the module's bf16 weights. The index is refused (CK609), nothing is written."""
     folder = _folder(ds, "s0-bf16-ws2-fused")
     doc = tmp_path / "index.json"
-    assert _cli("generate", str(folder), "-o", str(doc)).exit_code == 0
+    assert invoke("generate", str(folder), "-o", str(doc)).exit_code == 0
     index = json.loads(doc.read_text())
     assert all(loc["dtype"] == "float32" for loc in index["domains"][0]["masters"]["tensors"])
     for loc in index["domains"][0]["masters"]["tensors"]:  # as the earlier producer located them
         loc.update(key=["module", loc["param"]], dtype="bfloat16")
     doc.write_text(json.dumps(index))
-    result = _cli("reconstruct", str(folder), str(tmp_path / "out"), "--manifest", str(doc))
+    result = invoke("reconstruct", str(folder), str(tmp_path / "out"), "--manifest", str(doc))
     assert result.exit_code == 1, result.output
     assert "CK609" in result.stderr and "bfloat16" in result.stderr
     assert not (tmp_path / "out").exists()
 
 
 def test_inspect_shows_domains_masters_and_expert_files(ds):
-    result = _cli("inspect", str(_folder(ds, "moe-ep2-s0-bf16-ws4")), "--format", "json")
+    result = invoke("inspect", str(_folder(ds, "moe-ep2-s0-bf16-ws4")), "--format", "json")
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["degrees"] == {"pipeline": 1, "tensor": 1, "data": 4, "expert": 2}
@@ -222,21 +214,21 @@ def test_inspect_shows_domains_masters_and_expert_files(ds):
     # the dense masters: expp_rank_1's copy and mp_rank_00's; expert rank 0's: mp_rank_00's (18 copies at ws4)
     assert sum(d["replicas"] for d in summary["domains"]) == 18
     assert summary["expert_files"] == 4
-    stage2 = json.loads(_cli("inspect", str(_folder(ds, "moe-ep2-s2-fp32-ws4")), "--format", "json").stdout)
+    stage2 = json.loads(invoke("inspect", str(_folder(ds, "moe-ep2-s2-fp32-ws4")), "--format", "json").stdout)
     # partition_count [4, 2]: the dense group over 4 ranks, each expert group over its 2 expert-data ranks
     assert [(d["size"], d["zero_stage"]) for d in stage2["domains"]] == [(4, 2), (2, 2), (2, 2)]
-    text = _cli("inspect", str(_folder(ds, "uc-s2-bf16-ws2")))
+    text = invoke("inspect", str(_folder(ds, "uc-s2-bf16-ws2")))
     assert text.exit_code == 0 and "(universal)" in text.stdout and "masters in universal" in text.stdout
 
 
 def test_diff(ds):
     """The same checkpoint: nothing differs and B can resume; a stage-0 MoE against a stage-2 one: the
     stages differ (DeepSpeed cannot load one's optimizer state into the other)."""
-    same = _cli(
+    same = invoke(
         "diff", str(_folder(ds, "moe-ep2-s1-fp32-ws2")), str(_folder(ds, "moe-ep2-s1-fp32-ws2")), "--format", "json"
     )
     assert same.exit_code == 0 and json.loads(same.stdout)["resume"]["ok"], same.stdout + same.stderr
-    other = _cli("diff", str(_folder(ds, "s0-fp32-ws2")), str(_folder(ds, "moe-ep2-s0-fp32-ws2")), "--format", "json")
+    other = invoke("diff", str(_folder(ds, "s0-fp32-ws2")), str(_folder(ds, "moe-ep2-s0-fp32-ws2")), "--format", "json")
     assert other.exit_code == 1, other.stdout + other.stderr
 
 
@@ -258,7 +250,7 @@ def test_a_master_of_another_shape_is_refused_by_name(ds, tmp_path, command):
     torch.save(state, path)
     out = tmp_path / ("index.json" if command == "generate" else "out")
     args = [command, str(tag), "-o", str(out)] if command == "generate" else [command, str(tag), str(out)]
-    result = _cli(*args)
+    result = invoke(*args)
     assert result.exit_code == 1, result.output
     assert "CK202" in result.stderr and "blocks.0.up.weight" in result.stderr
     assert not out.exists()
@@ -276,7 +268,7 @@ def test_a_swapped_layer_file_of_a_stage0_pipeline_is_named_once(ds, tmp_path):
     a.rename(tag / "swap.tmp")
     b.rename(a)
     (tag / "swap.tmp").rename(b)
-    result = _cli("validate", str(tag), "--no-hash", "--format", "json")
+    result = invoke("validate", str(tag), "--no-hash", "--format", "json")
     found = [f for f in json.loads(result.stdout)["findings"] if f["code"] == "CK235"]
     assert result.exit_code == 1 and found
     files = [f["file"] for f in found]

@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 from _harness import scenarios
 from _harness.job.parallel_models import reference_model, torch_dtype
-from click.testing import CliRunner
+from _harness.reconstruction import invoke
 from jsonschema import Draft202012Validator
-
-from ckptspec.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX_SCHEMA = Draft202012Validator(json.loads((ROOT / "schema" / "checkpoint-1.0.schema.json").read_text()))
@@ -42,8 +40,7 @@ class _Result:
 
 def _cli(*args):
     """The command in-process (the machine is shared: no interpreter start-up per call)."""
-    result = CliRunner().invoke(cli, list(args))
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    result = invoke(*args)
     return _Result(result.exit_code, result.stdout, result.stderr)
 
 

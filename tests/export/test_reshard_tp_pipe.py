@@ -14,9 +14,7 @@ import pytest
 import torch
 from _harness import scenarios
 from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles
-from click.testing import CliRunner
-
-from ckptspec.cli import cli
+from _harness.reconstruction import invoke
 
 CASES = sorted(scenarios.TP_PIPE_RESHARDS)
 MERGES = [n for n in CASES if "tensor_parallel" in scenarios.TP_PIPE_RESHARDS[n][3]]
@@ -135,12 +133,6 @@ def test_ckptspecs_universal_folder_is_ds_to_universals_file_for_file(ds):
     assert sum(len(files) for _, _, files in os.walk(ours)) == compared
 
 
-def _cli(*args):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result
-
-
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -150,7 +142,7 @@ def _cli(*args):
 )
 def test_what_the_merge_does_not_write_is_refused_by_name_before_writing(ds, tmp_path, options, message):
     world = [] if "--world-size" in options else ["--world-size", "2"]
-    result = _cli(
+    result = invoke(
         "reshard",
         ds.path(scenarios.TP_PIPE_RESHARDS[MERGES[0]][0]),
         tmp_path / "out",

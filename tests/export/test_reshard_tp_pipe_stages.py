@@ -18,9 +18,7 @@ import pytest
 import torch
 from _harness import scenarios
 from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles
-from click.testing import CliRunner
-
-from ckptspec.cli import cli
+from _harness.reconstruction import invoke
 
 CASES = sorted(scenarios.TP_PIPE_STAGE_RESHARDS)
 KEPT = [n for n in CASES if "tensor_parallel" not in scenarios.TP_PIPE_STAGE_RESHARDS[n][3]]  # tp2 kept
@@ -177,12 +175,6 @@ def test_the_layer_files_are_the_sources_or_merged_and_the_model_states_name_the
         assert states["module"] is None and "universal_checkpoint_info" in states  # the client state, as saved
 
 
-def _cli(*args):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result
-
-
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -210,7 +202,7 @@ def _cli(*args):
     ],
 )
 def test_what_is_not_written_is_refused_by_name_before_writing(ds, tmp_path, options, message):
-    result = _cli("reshard", ds.path(REFUSED), tmp_path / "out", *options)
+    result = invoke("reshard", ds.path(REFUSED), tmp_path / "out", *options)
     assert result.exit_code != 0 and "CK410" in result.output and message in result.output, result.output
     assert not (tmp_path / "out").exists()
 

@@ -14,20 +14,12 @@ import pytest
 import torch
 from _harness import scenarios
 from _harness.parallel_oracles import bits_equal, info, rank_oracles
-from click.testing import CliRunner
+from _harness.reconstruction import invoke
 from safetensors.torch import load_file
-
-from ckptspec.cli import cli
 
 NAMES = sorted(scenarios.TP_PIPE_SPECS)
 TP = 2
 SPLIT = {"up.weight": 0, "up.bias": 0, "down.weight": 1}  # the blocks' (layers 2 and 3); every other tensor whole
-
-
-def _cli(*args):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result
 
 
 def _whole(oracles, key, sub=None):
@@ -47,12 +39,12 @@ def _split_dim(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_index_places_each_tensor_ranks_shard_by_the_saved_rules(ds, name, tmp_path):
-    result = _cli("validate", ds.path(name))
+    result = invoke("validate", ds.path(name))
     assert result.exit_code == 0 and result.stdout.strip().endswith("valid"), result.stdout
-    result = _cli("inspect", ds.path(name))
+    result = invoke("inspect", ds.path(name))
     assert "pipeline 2 x tensor 2 x data 1 (checkpoint_parallel_dimensions)" in result.stdout
     assert "12 parameters (2501 elements; 6 replicated, 6 split), 10 layer files" in result.stdout
-    assert _cli("generate", ds.path(name), "-o", tmp_path / "index.json").exit_code == 0
+    assert invoke("generate", ds.path(name), "-o", tmp_path / "index.json").exit_code == 0
     doc = json.loads((tmp_path / "index.json").read_text())
     assert doc["topology"]["degrees"] == {"pipeline": 2, "tensor": 2, "data": 1}
     shapes = info(ds.path(name))["global_shapes"]
@@ -71,12 +63,12 @@ def test_the_index_places_each_tensor_ranks_shard_by_the_saved_rules(ds, name, t
     assert [(f["layer"], f["tensor"], f["pipeline"]) for f in doc["layer_files"]] == [
         (layer, tp, 0 if layer < 3 else 1) for layer in range(5) for tp in range(TP)
     ]
-    assert _cli("validate", tmp_path / "index.json", "--checkpoint", ds.path(name)).exit_code == 0
+    assert invoke("validate", tmp_path / "index.json", "--checkpoint", ds.path(name)).exit_code == 0
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_reconstruct_gives_the_gathered_masters_and_moments_bit_for_bit(ds, name, tmp_path):
-    result = _cli("reconstruct", ds.path(name), tmp_path / "out", "--optimizer-state")
+    result = invoke("reconstruct", ds.path(name), tmp_path / "out", "--optimizer-state")
     assert result.exit_code == 0, result.output
     oracles = rank_oracles(ds.path(name))
     masters = _whole(oracles, "whole_masters")
@@ -100,7 +92,7 @@ def _copy(ds, name, tmp_path):
 def test_a_layer_file_one_tensor_rank_lacks_is_missing_by_name(ds, tmp_path):
     tag = _copy(ds, NAMES[0], tmp_path)
     (tag / "layer_03-model_01-model_states.pt").unlink()
-    result = _cli("validate", tmp_path / "ckpt")
+    result = invoke("validate", tmp_path / "ckpt")
     assert result.exit_code == 1
     assert "layer_03-model_01-model_states.pt: $.layer_files: CK230 pipeline layer file of 3.up.weight" in result.stdout
 
@@ -111,7 +103,7 @@ def test_a_tensor_ranks_layer_file_of_another_save_is_caught(ds, tmp_path):
     saved = torch.load(path, weights_only=True)
     saved["weight"][0, 0] += 1
     torch.save(saved, path)
-    result = _cli("validate", tmp_path / "ckpt")
+    result = invoke("validate", tmp_path / "ckpt")
     assert result.exit_code == 1 and "CK235 0.weight" in result.stdout, result.stdout
 
 
@@ -139,6 +131,6 @@ def _edit_rules(tag, edit):
 )
 def test_a_merge_rule_an_even_split_cannot_express_is_refused_by_name(ds, tmp_path, edit, message):
     _edit_rules(_copy(ds, NAMES[0], tmp_path), edit)
-    result = _cli("reconstruct", tmp_path / "ckpt", tmp_path / "out")
+    result = invoke("reconstruct", tmp_path / "ckpt", tmp_path / "out")
     assert result.exit_code != 0 and "CK202" in result.output and message in result.output, result.output
     assert not (tmp_path / "out").exists()

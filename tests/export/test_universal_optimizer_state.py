@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 from _harness import scenarios
 from _harness.parallel_oracles import bits_equal, check_exported_optimizer_state, info, plain_settings
-from click.testing import CliRunner
+from _harness.reconstruction import invoke
 
 import ckptspec
-from ckptspec.cli import cli
 
 SOURCES = scenarios.OPTIM_UNIVERSAL_SOURCES
 KEYS = {"exp_avg", "exp_avg_sq"}
@@ -48,18 +47,12 @@ def _oracle(ds, name: str, load: str) -> dict:
     return records[0]
 
 
-def _cli(*args):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result
-
-
 @pytest.mark.parametrize("load", ["source", "universal"])
 @pytest.mark.parametrize("name", SOURCES)
 def test_exported_state_is_what_deepspeed_holds(ds, name, load, tmp_path):
     oracle = _oracle(ds, name, load)
     out = tmp_path / "out"
-    result = _cli("reconstruct", _folder(ds, name), out, "--quiet", "--optimizer-state")
+    result = invoke("reconstruct", _folder(ds, name), out, "--quiet", "--optimizer-state")
     assert result.exit_code == 0 and result.output == "", result.output
     optimizer = check_exported_optimizer_state(out, oracle, name)
     assert {g["optimizer_group"]: g["step"] for g in optimizer["groups"]} == {0: 2.0}
@@ -118,7 +111,7 @@ def test_generate_hash_digests_every_moment_and_a_changed_byte_is_found(ds, name
     oracle = _oracle(ds, name, "source")
     copy = _copy(ds, name, tmp_path)
     doc = tmp_path / "index.json"
-    assert _cli("generate", copy, "-o", doc, "--hash").exit_code == 0
+    assert invoke("generate", copy, "-o", doc, "--hash").exit_code == 0
     index = json.loads(doc.read_text())
     (domain,) = index["domains"]
     params = [p for g in domain["manifest"]["groups"] for p in g["params"]]
@@ -130,15 +123,15 @@ def test_generate_hash_digests_every_moment_and_a_changed_byte_is_found(ds, name
     for f in domain["manifest"]["files"]:
         f.pop("hash", None)
     doc.write_text(json.dumps(index))
-    assert _cli("validate", doc, "--checkpoint", copy).exit_code == 0
+    assert invoke("validate", doc, "--checkpoint", copy).exit_code == 0
     k, param = next((k, p) for k, p in enumerate(params) if p["name"] == "head.weight")
     chunk = ckptspec.open(copy).optimizer_tensors["head.weight.exp_avg_sq"].chunks[0]
     _flip(copy / chunk.file, chunk.offset + 4)
-    result = _cli("validate", doc, "--checkpoint", copy)
+    result = invoke("validate", doc, "--checkpoint", copy)
     assert result.exit_code == 1, result.output
     assert f"$.domains[0].manifest.groups[0].params[{k}].state_digests.exp_avg_sq: CK222" in result.output
     out = tmp_path / "out"
-    result = _cli("reconstruct", copy, out, "--manifest", doc, "--quiet", "--optimizer-state")
+    result = invoke("reconstruct", copy, out, "--manifest", doc, "--quiet", "--optimizer-state")
     assert result.exit_code == 1 and "CK222" in result.output and "head.weight" in result.output, result.output
     assert not out.exists()
 
@@ -159,7 +152,7 @@ def test_a_lost_or_damaged_moment_file_is_refused_by_name(ds, damage, tmp_path):
     else:
         target.write_bytes(target.read_bytes()[:-200])
     out = tmp_path / "out"
-    result = _cli("reconstruct", copy, out, "--quiet", "--optimizer-state")
+    result = invoke("reconstruct", copy, out, "--quiet", "--optimizer-state")
     assert result.exit_code == 1, result.output
     code = "CK205" if how == "truncated" else "CK206"
     assert f"{code} " in result.output and target.relative_to(copy).as_posix() in result.output, result.output
@@ -167,7 +160,7 @@ def test_a_lost_or_damaged_moment_file_is_refused_by_name(ds, damage, tmp_path):
     with pytest.raises(ckptspec.InvalidCheckpoint) as refused:
         ckptspec.load_optimizer_state(copy)
     assert refused.value.code == code
-    assert _cli("reconstruct", copy, out, "--quiet").exit_code == 0
+    assert invoke("reconstruct", copy, out, "--quiet").exit_code == 0
 
 
 @pytest.mark.parametrize("point", ["s2-bf16-ws2", "s2-fp16-ws2-groups", "s3-fp16-ws3-groups"])
@@ -179,7 +172,7 @@ def test_export_universal_folders_give_the_live_state_back(ds, point, tmp_path):
     import torch
 
     folder = tmp_path / "uc"
-    assert _cli("export-universal", ds.path(point), folder).exit_code == 0
+    assert invoke("export-universal", ds.path(point), folder).exit_code == 0
     assert (folder / "zero" / "frozen.weight").is_dir() and not (
         folder / "zero" / "frozen.weight" / "exp_avg.pt"
     ).exists()
