@@ -17,6 +17,7 @@ side by side. The clients: ``cli_process.py`` (the tests) and ``forkclient.py`` 
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -38,6 +39,9 @@ import ckptspec.export.api
 for _name in ("numpy", "safetensors.numpy", "torch", "s3fs", "fsspec.implementations.http"):
     if find_spec(_name.partition(".")[0]):
         import_module(_name)
+# Every child inherits these modules' objects: frozen, a child's full collection no longer scans them
+# (measured 0.33 s -> 0.000 s per collection with torch imported), and their pages stay shared.
+gc.freeze()
 
 
 def _child(request: dict, stdio: list[int]) -> None:

@@ -18,6 +18,7 @@ a launch over its time is stopped, and one that lost its port to another process
 """
 
 import argparse
+import gc
 import json
 import os
 import runpy
@@ -55,6 +56,10 @@ def preload() -> None:
             pass
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         raise SystemExit("ranks.py: a thread was started before the fork; use torchrun")
+    # The preloaded modules' objects live as long as the ranks: out of the collector's sight, the
+    # gc.collect() a job script runs between its tasks no longer scans millions of them in every rank
+    # (measured: a 38-task launch 91 s -> 36 s on a loaded machine), and the forked ranks share their pages.
+    gc.freeze()
 
 
 def rank_environment(rank: int, world_size: int, master_port: int) -> dict:
