@@ -448,3 +448,54 @@ def test_embed_at_s3_store_gone_mid_upload_is_an_error_naming_the_sidecar(ds, s3
     assert "Traceback" not in result.output
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"{url}/{TAG}/ckptspec.json: CK915 upload failed: "), line
+
+
+# --------------------------------------------------------------------------- embed URL --sidecar-only: index kinds
+
+
+@pytest.mark.parametrize("name", ["tp2pp2-s1-fp32-ws4", "moe-ep2-s1-fp32-ws2", "s0-bf16-ws2"])
+def test_embed_index_sidecar_at_s3_is_the_local_sidecar(ds, s3, s3_env, tmp_path, name):
+    """A checkpoint a checkpoint index describes (tensor x pipeline, MoE, stage 0): one object written, the bytes the
+    local ``embed --sidecar-only`` writes (generate's index); ``validate``, ``validate SIDECAR --checkpoint`` and
+    ``extract --list`` of the URL read it."""
+    local = ds.path(name)
+    url, copy = s3.upload(local), tmp_path / "local"
+    shutil.copytree(local, copy)
+    here = run("embed", copy, "--sidecar-only")
+    assert here.exit_code == 0, here.output
+    before = stored(s3, url)
+    result = run("embed", url, "--sidecar-only")
+    assert result.exit_code == 0, result.output
+    tag = (local / "latest").read_text().strip()
+    assert result.stdout == here.stdout.replace(str(copy), url) and ": written (checkpoint index, " in result.stdout
+    assert stored(s3, url) == {**before, f"{tag}/ckptspec.json": (copy / tag / "ckptspec.json").read_bytes()}
+    assert run("validate", url).exit_code == 0
+    assert run("validate", f"{url}/{tag}/ckptspec.json", "--checkpoint", url).exit_code == 0
+    assert run("extract", url, "--list").stdout.startswith(f"{url}/{tag}/ckptspec.json: sidecar, checkpoint index ")
+    refused = run("embed", url)  # the model-states objects: CK916 before anything is read, naming --sidecar-only
+    assert refused.exit_code == 2 and f"`ckptspec embed {url} --sidecar-only`" in refused.stderr
+
+
+def test_embed_index_at_s3_refuses_a_flipped_bit_unless_rehash(ds, s3, s3_env):
+    """The index recorded at the URL catches a bit flipped in a file there afterwards (an optimizer file of the second
+    stage, which no other file repeats): nothing written, exit 1; ``--rehash`` records the files as they are."""
+    local = ds.path("pp2-s1-fp32-ws2")
+    url, tag = s3.upload(local), (local / "latest").read_text().strip()
+    assert run("embed", url, "--sidecar-only").exit_code == 0
+    optim = "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    fs, key = s3.filesystem(), f"{url.removeprefix('s3://')}/{tag}/{optim}"
+    fs.pipe_file(key, flip_a_byte(fs.cat_file(key)))
+    before = stored(s3, url)
+
+    result = run("embed", url, "--sidecar-only")
+    assert result.exit_code == 1 and result.stdout == "", result.output
+    assert result.stderr.startswith(f"{optim}: $.domains[1].manifest.files[1].hash (rank 0): CK209 "), result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        f"{url}: not embedded: the files do not match what ckptspec.json records; nothing was written "
+    )
+    assert stored(s3, url) == before
+    assert run("validate", url).exit_code == 1  # the sidecar's hash still catches it
+
+    rehashed = run("embed", url, "--sidecar-only", "--rehash")
+    assert rehashed.exit_code == 0 and "re-recorded from the files as they are now (CK209" in rehashed.stdout
+    assert run("validate", url).exit_code == 0
