@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _harness.scenarios import COMMITTED
+from _harness.scenarios import COMMITTED, hook_name
 from _harness.states import hidden, points
 from click.testing import CliRunner
 
@@ -48,12 +48,12 @@ def contents(tag_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(tag_dir.iterdir())}
 
 
-def copy_of(ds, name: str, tmp_path: Path) -> tuple[Path, Path]:
-    """(a scratch copy of the save directory, its tag directory): no sidecar there yet."""
+def copy_of(ds, name: str, tmp_path: Path, sidecar: bool = False) -> tuple[Path, Path]:
+    """(a scratch copy of the save directory, its tag directory): a sidecar there only if ``sidecar`` (the hook's)."""
     copy = tmp_path / name
     shutil.copytree(ds.path(name), copy)
     tag_dir = copy / (copy / "latest").read_text().strip()
-    assert not list(tag_dir.glob("ckptspec.*"))
+    assert [p.name for p in tag_dir.glob("ckptspec.*")] == (["ckptspec.json"] if sidecar else [])
     return copy, tag_dir
 
 
@@ -220,3 +220,20 @@ def test_a_universal_folder_gets_its_index(ds, tmp_path):
     assert (copy / tag / "ckptspec.json").read_bytes() == (tmp_path / "generated.json").read_bytes()
     assert run("validate", copy, "--tag", tag).exit_code == 0
     assert run("validate", copy / tag / "ckptspec.json", "--checkpoint", copy, "--tag", tag).exit_code == 0
+
+
+@pytest.mark.parametrize("name", [hook_name(n) for n in ("pp2-s1-fp32-ws2", "tp2-s1-fp32-ws2", "moe-ep2-s0-bf16-ws2")])
+def test_the_save_hooks_index_is_a_record_and_describes_the_layout(ds, name, tmp_path):
+    """Saved through ckptspec.deepspeed.save_checkpoint: the hook's sidecar (what only the live engine knows: ranks,
+    members, degrees and placement sources, the optimizer's class) is checked as a record and, given as M, agrees
+    with the layout generated from the files; the sidecar written is generate's index."""
+    copy, tag_dir = copy_of(ds, name, tmp_path, sidecar=True)
+    hooked = tmp_path / "hooked.json"
+    shutil.copy(tag_dir / "ckptspec.json", hooked)
+    assert json.loads(hooked.read_text())["topology"]["degrees_source"] == "engine"
+    assert run("generate", copy, "--hash", "-o", tmp_path / "generated.json").exit_code == 0
+    for args in ([], ["--manifest", hooked]):
+        result = run("embed", copy, "--sidecar-only", *args)
+        assert result.exit_code == 0, result.output
+        assert (tag_dir / "ckptspec.json").read_bytes() == (tmp_path / "generated.json").read_bytes()
+        assert run("validate", copy).exit_code == 0
