@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _harness.faults import flip_a_byte
 from _harness.scenarios import dcp_save_name
 from _harness.states import points, visible
 from click.testing import CliRunner
@@ -340,22 +341,6 @@ def test_embed_sidecar_at_s3_is_the_local_sidecar(ds, s3, s3_env, tmp_path, chec
     assert run("validate", url).exit_code == 0
     assert run("validate", f"{url}/{tag}/{name}", "--checkpoint", url).exit_code == 0
     assert run("extract", url, "--list").stdout.startswith(f"{url}/{tag}/{name}: sidecar, format 1.1.0, ")
-
-
-def flip_a_byte(data: bytes) -> bytes:
-    """One bit of the first tensor's bytes, the file's size and structure kept: only a recorded hash tells."""
-    import io
-    import struct
-    import zipfile
-
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        member = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size >= 8)
-    name_length, extra_length = struct.unpack("<HH", data[member.header_offset + 26 : member.header_offset + 30])
-    start = member.header_offset + 30 + name_length + extra_length  # past the local header (torch pads its extra)
-    assert data[start : start + member.file_size] == zipfile.ZipFile(io.BytesIO(data)).read(member)
-    flipped = bytearray(data)
-    flipped[start + 5] ^= 0x10
-    return bytes(flipped)
 
 
 def test_embed_at_s3_refuses_files_that_disagree_with_the_sidecar_unless_rehash(at_url, s3):
