@@ -12,6 +12,7 @@ readers of the URL see with the same command's local output, byte for byte:
 
 ``embed URL --sidecar-only`` writes one object into a checkpoint already at the URL: the local embed's sidecar, byte
 for byte, after the files were checked against what is recorded; stopped anywhere, the previous sidecar or the new one.
+Of a checkpoint a checkpoint index describes (tensor x pipeline, MoE, stage 0, pipeline): its index, the same way.
 """
 
 from __future__ import annotations
