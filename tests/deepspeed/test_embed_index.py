@@ -226,3 +226,29 @@ def test_the_save_hooks_index_is_a_record_and_describes_the_layout(ds, name, tmp
         assert result.exit_code == 0, result.output
         assert (tag_dir / "ckptspec.json").read_bytes() == (tmp_path / "generated.json").read_bytes()
         assert run("validate", copy).exit_code == 0
+
+
+# (kind, a file its hash check covers, the code when that file changed)
+NEWER = {
+    "layer": (KINDS["pipeline-pp2"], "layer_00-model_states.pt", "CK230"),
+    "expert": (KINDS["moe-ep2"], "layer_0_expert_0_mp_rank_00_model_states.pt", "CK241"),
+    "masters": (KINDS["stage0"], "mp_rank_00_model_states.pt", "CK209"),
+}
+
+
+@pytest.mark.parametrize(("name", "shard", "code"), NEWER.values(), ids=NEWER.keys())
+def test_the_hashes_of_an_index_of_a_newer_minor_are_checked_as_any(ds, name, shard, code, tmp_path):
+    """A sidecar of a newer 1.x minor (read by the models' tolerant twins, CK004): the hashes of its layer, expert and
+    masters files match the files (a twin's hash never equalled a computed one: every such file was "changed"), and a
+    flipped bit is still caught by the hash."""
+    copy, tag_dir = copy_of(ds, name, tmp_path)
+    assert run("embed", copy, "--sidecar-only").exit_code == 0
+    sidecar = tag_dir / "ckptspec.json"
+    newer = {**json.loads(sidecar.read_text()), "format_version": "1.9.0", "a_later_field": 1}
+    sidecar.write_text(json.dumps(newer))
+    result = run("validate", copy, "--format", "json")
+    assert result.exit_code == 0 and [f["code"] for f in json.loads(result.stdout)["findings"]] == ["CK004"]
+    flip_a_bit(tag_dir / shard)
+    caught = run("validate", copy, "--format", "json")
+    assert caught.exit_code == 1
+    assert (code, shard) in {(f["code"], f.get("file")) for f in json.loads(caught.stdout)["findings"]}, caught.stdout
