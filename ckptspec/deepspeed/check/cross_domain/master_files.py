@@ -86,7 +86,7 @@ def check_masters_domain(
             out.append(
                 finding("CK208", at, f"size {path.stat().st_size}, the index says {f.size}", "restore it", file=f.path)
             )
-        elif verify_hashes and f.hash is not None and file_digest(path, f.hash.algorithm) != f.hash:
+        elif verify_hashes and f.hash is not None and file_digest(path, f.hash.algorithm).digest != f.hash.digest:
             out.append(finding("CK209", at, "content hash differs from the index's", "restore it", file=f.path))
     out += located
     if not out and digests:
@@ -182,7 +182,7 @@ def expert_file_other(ctx: IndexContext) -> Iterator[Finding]:
         others = sorted({int(m.group(1)) for k in keys if (m := _EXPERT_ID.search(k))} - {ef.expert})
         why = None
         if path.stat().st_size != ef.size or (
-            ctx.verify_hashes and ef.hash is not None and file_digest(path, ef.hash.algorithm) != ef.hash
+            ctx.verify_hashes and ef.hash is not None and file_digest(path, ef.hash.algorithm).digest != ef.hash.digest
         ):
             why = "changed since the index was written (size or hash)"
         elif others:
