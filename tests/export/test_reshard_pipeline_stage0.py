@@ -175,6 +175,23 @@ def test_deepspeeds_own_save_of_two_data_ranks_reads_as_its_job_held_it(ds):
     assert read.keys() == masters.keys() and all(bits_equal(read[n], m) for n, m in masters.items())
 
 
+def test_deepspeeds_fp32_stage0_pipeline_is_another_layout(ds):
+    """Why an fp32 pipeline stays refused at stage 0: DeepSpeed 0.19.8's fp32 pipeline job at stage 0 runs the torch
+    optimizer itself (no BF16_Optimizer): no optimizer-state files, each stage's model states hold the torch
+    optimizer's state per parameter, its masters are the layer files' fp32 weights. ckptspec does not describe that
+    save yet: CK202, nothing described wrongly."""
+    entry = ds.path("pp2-s0-fp32-ws2")
+    tag = _tag_dir(entry)
+    names = sorted(p.name for p in tag.iterdir())
+    assert not any("optim_states" in n for n in names) and "mp_rank_01_model_states.pt" in names
+    states = _load(tag / "mp_rank_00_model_states.pt")
+    assert states["param_shapes"] is None and list(states["optimizer"]) == ["state", "param_groups"]
+    shapes = [tuple(s["exp_avg"].shape) for s in states["optimizer"]["state"].values()]
+    assert shapes == [(16, 16), (16,), (32, 16), (32,), (16, 32), (16,)]  # stage 0's parameters, whole
+    result = CliRunner().invoke(cli, ["validate", str(entry)])
+    assert result.exit_code == 1 and "CK202" in result.output, result.output
+
+
 @pytest.mark.parametrize(
     "source,options,refusal",
     [
