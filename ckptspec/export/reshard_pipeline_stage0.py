@@ -10,8 +10,9 @@ there) and ``param_shapes``/``shared_params`` None; the layer files are as saved
 
 Each stage is written by the ZeRO writer (``reshard_files.write_files``) from the source stage's masters and moments:
 a ZeRO-1 pipeline's partitions, or a stage-0 pipeline's BF16 partitions (``reshard_stage0_source.stage0_optimizer``
-reads its entries) at another data degree. ``--pipeline-parallel Q`` of a ZeRO-1 source: moved to Q stages at ZeRO-1
-first (``reshard_pipeline``, into a directory beside the output's), then written at stage 0 here.
+reads its entries) at another data degree. ``--pipeline-parallel Q``: moved to Q stages at ZeRO-1 first
+(``reshard_pipeline``, into a directory beside the output's; a stage-0 source written as a ZeRO-1 pipeline before
+that), then written at stage 0 here.
 
 DeepSpeed 0.19.8's ``engine.load_checkpoint`` cannot load the optimizer state of such a checkpoint, its own save
 included: it hands ``BF16_Optimizer.load_state_dict`` the model states' copy (a dict) where it indexes every rank's
@@ -20,8 +21,8 @@ list (``KeyError: 0``). ``load_checkpoint(..., load_optimizer_states=False)`` th
 
 Refused by name (CK410) before anything is written: fp32 and fp16 pipelines (their stage-0 optimizers are the torch
 optimizer and FP16_Optimizer, which keep their state in the model states: not written yet), tensor-parallel
-pipelines, ``round_robin_gradients`` or ``parameter_alignment`` sources (BF16_Optimizer lays out neither), another
-number of stages of a stage-0 source, what the ZeRO-1 restage refuses.
+pipelines, ``round_robin_gradients`` or ``parameter_alignment`` sources (BF16_Optimizer lays out neither), what the
+ZeRO-1 restage refuses (a stage-0 source's: once its ZeRO-1 pipeline is written, beside the output, not published).
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ class Bf16StageWrite:
 @dataclass
 class RestagedStage0Write:
     """A ZeRO-1 pipeline moved to ``stages`` stages (``restage``: ``reshard_model_parallel`` at ZeRO-1) in a directory
-    beside the output's, then written at stage 0 (``restage`` again); the files moved into the output's tag."""
+    beside the output's, then written at stage 0 (``restage`` again); the files moved into the output's tag. A
+    stage-0 source (``source_stages``: its number of stages) is written as a ZeRO-1 pipeline of one data rank per
+    stage first. What a step refuses (CK410) names the source; the output is not published."""
 
     checkpoint: Path | RemotePath
     tag: str
@@ -99,6 +102,7 @@ class RestagedStage0Write:
     stages: int
     partition_method: str | None
     restage: Callable[..., object]
+    source_stages: int | None = None  # a stage-0 source's
 
     zero_stage = 0
 
@@ -110,10 +114,19 @@ class RestagedStage0Write:
         return out
 
     def _both_steps(self, tag_dir: Path) -> list[Path]:
+        try:
+            return self._steps(tag_dir)
+        except ReshardUnsupported as exc:  # a step's refusal, of a temporary directory: the source's
+            raise ReshardUnsupported(exc.message, exc.hint, str(self.checkpoint)) from None
+
+    def _steps(self, tag_dir: Path) -> list[Path]:
         with tempfile.TemporaryDirectory(prefix=".pp-restaged-", dir=tag_dir.parent) as mid:
-            moved, written = Path(mid) / "moved", Path(mid) / "stage0"
+            moved, written, source = Path(mid) / "moved", Path(mid) / "stage0", self.checkpoint
+            if self.source_stages is not None:  # BF16_Optimizer's partitions as ZeRO-1's (reshard_stage0_source)
+                source = Path(mid) / "zero1"
+                self.restage(self.checkpoint, source, self.source_stages, zero_stage=1, tag=self.tag)
             options = {"tag": self.tag, "pipeline_parallel": self.stages, "partition_method": self.partition_method}
-            self.restage(self.checkpoint, moved, self.world_size, zero_stage=1, **options)
+            self.restage(source, moved, self.world_size, zero_stage=1, **options)
             self.restage(moved, written, self.world_size, zero_stage=0, tag=self.tag)
             out = []
             for path in sorted((written / self.tag).iterdir()):
@@ -137,11 +150,17 @@ def plan_pipeline_stage0(
     degrees = index.topology.degrees
     _refuse(index, world_size, pipeline_parallel)
     if pipeline_parallel not in (None, degrees.pipeline):
+        restaged = (src_dir.parent, src_dir.name, world_size, pipeline_parallel, partition_method, restage)
+        if is_stage0_source(index):  # its ZeRO-1 pipeline, written first, is what the restage plans and refuses
+            if world_size < 1 or world_size % pipeline_parallel:
+                raise ReshardUnsupported(
+                    f"--world-size {world_size} is not a multiple of --pipeline-parallel {pipeline_parallel}",
+                    f"give a multiple of {pipeline_parallel}: each data-parallel rank holds one copy of the stages",
+                )
+            return [RestagedStage0Write(*restaged, source_stages=degrees.pipeline)]
         # what the ZeRO-1 restage refuses, before anything is written (its target is planned again when written)
         pipeline_target(index, pipeline_parallel, world_size, 1, partition_method, states, src_dir, plans)
-        return [
-            RestagedStage0Write(src_dir.parent, src_dir.name, world_size, pipeline_parallel, partition_method, restage)
-        ]
+        return [RestagedStage0Write(*restaged)]
     data = world_size // degrees.pipeline
     return [_stage_write(d, src_dir, plans[d.id], states, data) for d in index.domains]
 
@@ -203,13 +222,6 @@ def _refuse(index: CheckpointIndex, world_size: int, pipeline_parallel: int | No
                 "BF16_Optimizer lays out neither",
                 "reshard it without --stage 0",
             )
-    if stage0 and pipeline_parallel not in (None, degrees.pipeline):
-        raise ReshardUnsupported(
-            f"--pipeline-parallel {pipeline_parallel} of a stage-0 pipeline ({degrees.pipeline} stages) is not "
-            "written yet",
-            "write it as a ZeRO-1 pipeline first (--stage 1), move that one to another number of stages, then "
-            "write it at stage 0",
-        )
     if pipeline_parallel in (None, degrees.pipeline) and (world_size < 1 or world_size % degrees.pipeline):
         raise ReshardUnsupported(
             f"--world-size {world_size} is not a multiple of the pipeline degree ({degrees.pipeline}), which is kept",

@@ -383,7 +383,8 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "pp2-s0-bf16-ws2>s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"stage": 1}),
     # a bf16 pipeline written for a stage-0 pipeline job (BF16_Optimizer's files, reshard_pipeline_stage0.py): ZeRO-1
     # pp2 x dp1 -> pp2 x dp1 and pp2 x dp2 -> pp2 x dp1 at stage 0; the stage-0 pp2 x dp1 save -> pp2 x dp2 (no --stage:
-    # it keeps its stage); ZeRO-1 pp2 -> pp3 (uniform) at stage 0 (restaged at ZeRO-1 first)
+    # it keeps its stage); ZeRO-1 pp2 -> pp3 (uniform) at stage 0 (restaged at ZeRO-1 first), and the stage-0 pp2 save
+    # -> pp3 (written as ZeRO-1 first, then restaged)
     "pp2-s1-bf16-ws2>s0": ("pp2-s1-bf16-ws2", 2, _S0, _S0),
     "pp2dp2-s1-bf16-ws4>s0-ws2": ("pp2dp2-s1-bf16-ws4", 2, _S0, _S0),
     "pp2-s0-bf16-ws2>ws4": ("pp2-s0-bf16-ws2", 4, {}, {}),
@@ -393,6 +394,7 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         {"pp": 3, **_S0},
         {"pipeline_parallel": 3, "partition_method": "uniform", **_S0},
     ),
+    "pp2-s0-bf16-ws2>pp3": ("pp2-s0-bf16-ws2", 3, {"pp": 3}, {"pipeline_parallel": 3, "partition_method": "uniform"}),
     # the same through ckptspec's universal folder (export-universal), loaded with load_universal: DeepSpeed's
     # ds_to_universal refuses stage 0
     "s0-fp32-ws2>universal-s2": ("s0-fp32-ws2", 2, {"stage": 2}, {"export_universal": True}),

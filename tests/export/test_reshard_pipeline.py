@@ -30,7 +30,7 @@ from ckptspec.export.reshard_pipeline import partition_balanced, partition_unifo
 RESHARDS = sorted(
     n
     for n, (_, _, _, options) in DEGREE_RESHARDS.items()
-    if "pipeline_parallel" in options and options.get("stage") != 0
+    if "pipeline_parallel" in options and reshard_target(n)[2]["stage"] != 0
 )
 # a real job's save of the target layout, beside a reshard whose output has the same layout and model
 SAME_LAYOUT = {

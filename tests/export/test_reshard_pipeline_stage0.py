@@ -195,8 +195,8 @@ def test_deepspeeds_fp32_stage0_pipeline_is_another_layout(ds):
 @pytest.mark.parametrize(
     "source,options,refusal",
     [
-        # one move at a time: a ZeRO-1 pipeline is restaged, a stage-0 one is not yet
-        ("pp2-s0-bf16-ws2", {"pipeline_parallel": 3}, "--pipeline-parallel 3 of a stage-0 pipeline"),
+        # refused by the restage of its ZeRO-1 pipeline (written first, in a temporary directory): named as the source
+        ("pp2-s0-bf16-ws2", {"pipeline_parallel": 6}, "5 layers, fewer than the stages"),
         ("tp2pp2-s1-bf16-ws4", {}, "--stage 0 of a tensor-parallel pipeline"),
         ("pp2-s1-fp32-ws2", {}, "--stage 0 of a float32 pipeline"),
         ("pp2-s1-bf16-ws2", {"pipeline_parallel": 6}, "5 layers, fewer than the stages"),  # the restage's own
@@ -208,6 +208,7 @@ def test_what_is_not_written_is_refused_by_name(source, options, refusal, ds, tm
     with pytest.raises(ckptspec.Unsupported) as refused:
         reshard_model_parallel(ds.path(source), tmp_path / "out", 6, zero_stage=0, **options)
     assert refused.value.code == "CK410" and refusal in refused.value.message, refused.value.message
+    assert refused.value.file == str(ds.path(source)), refused.value.file
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
