@@ -38,6 +38,7 @@ from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
 from .reshard_moe_stage0 import write_moe_stage0
 from .reshard_pipeline import pipeline_target, write_stages
+from .reshard_pipeline_stage0 import is_pipeline_stage0_target, plan_pipeline_stage0
 from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage3 import write_stage3_files
@@ -98,7 +99,19 @@ def reshard_model_parallel(
                     "leave --expert-parallel out: it regroups a MoE checkpoint's experts",
                 )
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
-            if splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
+            if is_pipeline_stage0_target(found, zero_stage):  # a stage-0 bf16 pipeline job's files
+                writes = plan_pipeline_stage0(
+                    found,
+                    src_dir,
+                    plans,
+                    states,
+                    world_size,
+                    pipeline_parallel,
+                    partition_method,
+                    reshard_model_parallel,
+                )
+                merged_layers = pipeline_parallel not in (None, degrees.pipeline)  # the restage writes them
+            elif splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
                 degree: int = tensor_parallel  # type: ignore[assignment]  # splitting: an int
                 split_args = (world_size, zero_stage, degree, sub_group_size)
                 writes = plan_tensor_split(found, src_dir, plans, states, *split_args)  # type: ignore[arg-type]

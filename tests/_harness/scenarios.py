@@ -200,6 +200,16 @@ TP_PIPE_SPECS = {
 # DEGREE_RESHARDS are compared with (tests/export/test_reshard_stage0.py), in the AutoTP training launch. Not in
 # PARALLEL (no +again, universal or hook entries).
 AUTOTP_STAGE0_SPECS = {"tp2-s0-bf16-ws2": ({"tp": 2, "stage": 0, "dtype": "bf16"}, 2)}
+# DeepSpeed's own save of the bf16 pipeline at stage 0 (BF16_Optimizer) at pp2 x dp2 (issue #40): what the pp2 x dp2
+# stage-0 targets of DEGREE_RESHARDS are compared with, file for file (tests/export/test_reshard_pipeline_stage0.py;
+# the pp2 x dp1 ones with pp2-s0-bf16-ws2), in the pipeline family's world-size-4 launch. Not in PARALLEL (no +again,
+# universal or hook entries).
+PIPE_STAGE0_SPECS = {
+    "pp2dp2-s0-bf16-ws4": ({"pp": 2, "stage": 0, "dtype": "bf16"}, 4),
+    # fp32 at stage 0: no BF16_Optimizer (the torch optimizer's state in each stage's model states), what
+    # ``reshard --stage 0`` refuses for fp32 pipelines (not written yet), in the pipeline family's world-size-2 launch
+    "pp2-s0-fp32-ws2": ({"pp": 2, "stage": 0, "dtype": "fp32"}, 2),
+}
 # The same PipelineModule at one stage, tp2 x pp1 (``pipe``): what DeepSpeed writes at the layout
 # ``reshard --pipeline-parallel 1`` writes of a tp2 x pp2 checkpoint (TP_PIPE_STAGE_RESHARDS), file for file.
 TP_PIPE_ONE_SPECS = {"tp2pp1-s1-fp32-ws2": ({"tp": 2, "pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 2)}
@@ -208,6 +218,7 @@ SOURCE_SPECS = {
     **TP_PIPE_SPECS,
     **TP_PIPE_ONE_SPECS,
     **AUTOTP_STAGE0_SPECS,
+    **PIPE_STAGE0_SPECS,
     **ZERO3_EXTRAS_SPECS,
     **PARALLEL_SPECS,
     **EXTRAS_SPECS,
@@ -370,6 +381,20 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     # a bf16 pipeline at stage 0 (BF16_Optimizer) -> ZeRO-1, pp2 x dp1 and pp2 x dp2
     "pp2-s0-bf16-ws2>s1": ("pp2-s0-bf16-ws2", 2, {"stage": 1}, {"stage": 1}),
     "pp2-s0-bf16-ws2>s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"stage": 1}),
+    # a bf16 pipeline written for a stage-0 pipeline job (BF16_Optimizer's files, reshard_pipeline_stage0.py): ZeRO-1
+    # pp2 x dp1 -> pp2 x dp1 and pp2 x dp2 -> pp2 x dp1 at stage 0; the stage-0 pp2 x dp1 save -> pp2 x dp2 (no --stage:
+    # it keeps its stage); ZeRO-1 pp2 -> pp3 (uniform) at stage 0 (restaged at ZeRO-1 first), and the stage-0 pp2 save
+    # -> pp3 (written as ZeRO-1 first, then restaged)
+    "pp2-s1-bf16-ws2>s0": ("pp2-s1-bf16-ws2", 2, _S0, _S0),
+    "pp2dp2-s1-bf16-ws4>s0-ws2": ("pp2dp2-s1-bf16-ws4", 2, _S0, _S0),
+    "pp2-s0-bf16-ws2>ws4": ("pp2-s0-bf16-ws2", 4, {}, {}),
+    "pp2-s1-bf16-ws2>pp3-s0": (
+        "pp2-s1-bf16-ws2",
+        3,
+        {"pp": 3, **_S0},
+        {"pipeline_parallel": 3, "partition_method": "uniform", **_S0},
+    ),
+    "pp2-s0-bf16-ws2>pp3": ("pp2-s0-bf16-ws2", 3, {"pp": 3}, {"pipeline_parallel": 3, "partition_method": "uniform"}),
     # the same through ckptspec's universal folder (export-universal), loaded with load_universal: DeepSpeed's
     # ds_to_universal refuses stage 0
     "s0-fp32-ws2>universal-s2": ("s0-fp32-ws2", 2, {"stage": 2}, {"export_universal": True}),
@@ -518,8 +543,8 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
 
 
 def source_spec(name: str) -> dict:
-    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS, PIPE_TARGET_SPECS, ZERO_DENSE_SPECS, EP_ONE_SPECS or
-    MOE_LAYERS_SPECS entry."""
+    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS, PIPE_TARGET_SPECS, PIPE_STAGE0_SPECS, ZERO_DENSE_SPECS,
+    EP_ONE_SPECS or MOE_LAYERS_SPECS entry."""
     return SOURCE_SPECS[name][0]
 
 
