@@ -143,7 +143,8 @@ def reshard(
         return
     click.echo(
         f"{result.output}: {result.tag} resharded from {result.source_world_size} to {result.world_size} ranks "
-        f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with engine.load_checkpoint('{output}')"
+        f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with "
+        + result.resume_with.format(output=output)
     )
     echo_split(shares)
 

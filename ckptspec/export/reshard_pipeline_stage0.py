@@ -62,6 +62,12 @@ BF16_KEYS = (
 )
 # model-states entries a stage-0 engine saves as None (ZeRO off); ``optimizer`` is written by ``write_files``
 _ZERO_OFF = ("param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments")
+# DeepSpeed 0.19.8's load_checkpoint hands BF16_Optimizer the model states' copy of rank 0's state and fails
+# (KeyError: 0, on its own save too): the module first, then its reader of the bf16_zero_pp_rank_* files.
+PIPELINE_STAGE0_RESUME = (
+    "engine.load_checkpoint('{output}', load_optimizer_states=False), then "
+    "engine._load_zero_checkpoint('{output}', tag, load_optimizer_states=True) (docs/reshard.md)"
+)
 
 
 def is_pipeline_stage0_target(index: CheckpointIndex, zero_stage: int | None) -> bool:

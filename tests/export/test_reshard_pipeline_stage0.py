@@ -123,9 +123,13 @@ def test_the_files_are_deepspeeds_own_stage0_save(name, ds):
 
 def test_the_same_layout_is_deepspeeds_save_bit_for_bit(ds, tmp_path):
     """DeepSpeed's stage-0 pipeline save written anew at its own layout: every file, key and value (tensors bit for
-    bit) is the saved one."""
+    bit) is the saved one; the command names the load that resumes it (load_checkpoint alone fails, KeyError: 0)."""
     source = ds.path("pp2-s0-bf16-ws2")
-    ckptspec.reshard(source, tmp_path / "out", world_size=2, zero_stage=0)
+    result = CliRunner().invoke(
+        cli, ["reshard", str(source), str(tmp_path / "out"), "--world-size", "2", "--stage", "0"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "load_optimizer_states=False), then engine._load_zero_checkpoint(" in result.output
     ours, theirs = _tag_dir(tmp_path / "out"), _tag_dir(source)
     files = sorted(p.name for p in theirs.iterdir())
     assert sorted(p.name for p in ours.iterdir()) == files
