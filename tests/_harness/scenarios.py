@@ -507,15 +507,17 @@ TP_PIPE_STAGE_RESHARDS = {
         {"tensor_parallel": 1, "pipeline_parallel": 1},
     ),
 }
-# A tensor-parallel pipeline split to more tensor ranks (issue #40, ``--tensor-parallel 4``): from tp2 x pp1 (fp32) at
-# its stages, and from tp2 x pp2 (fp32, bf16) to one stage too (``--pipeline-parallel 1``). Loaded by a tp4 x pp1 job
-# (4 ranks: one launch, one set of degrees), which also loads ds_to_universal's folder of a tp2 x pp2 source;
-# compared with what the source gathered (tests/export/test_reshard_tp_pipe_split.py).
+# A tensor-parallel pipeline at another tensor degree (issue #40, ``--tensor-parallel 4``): from tp2 x pp1 (fp32) at
+# its stages, and from tp2 x pp2 (fp32, bf16) to one stage too (``--pipeline-parallel 1``), loaded by a tp4 x pp1 job
+# (4 ranks: one launch, one set of degrees), which also loads ds_to_universal's folder of a tp2 x pp2 source; and the
+# tp4 x pp1 save to tp2. Compared with what the source gathered (tests/export/test_reshard_tp_pipe_split.py).
 _TP4 = {"tp": 4, "pp": 1, "pipe": True}
 TP_PIPE_SPLITS = {
     "tp2pp1-s1-fp32-ws2>tp4": ("tp2pp1-s1-fp32-ws2", 4, _TP4, {"tensor_parallel": 4}),
     "tp2pp2-s1-fp32-ws4>tp4-pp1": ("tp2pp2-s1-fp32-ws4", 4, _TP4, {"tensor_parallel": 4, "pipeline_parallel": 1}),
     "tp2pp2-s1-bf16-ws4>tp4-pp1": ("tp2pp2-s1-bf16-ws4", 4, _TP4, {"tensor_parallel": 4, "pipeline_parallel": 1}),
+    # fewer tensor ranks: DeepSpeed's tp4 save to tp2 (in the tp2 x pp1 optim launch of TP_PIPE_STAGE_RESHARDS)
+    "tp4pp1-s1-fp32-ws4>tp2": ("tp4pp1-s1-fp32-ws4", 2, {"tp": 2}, {"tensor_parallel": 2}),
 }
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}
