@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 from _harness import scenarios
-from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles
+from _harness.parallel_oracles import (
+    bits_equal,
+    gathered_whole,
+    info,
+    logits_of,
+    optim_records,
+    rank_oracles,
+    structure,
+)
 from _harness.reconstruction import invoke
 
 CASES = sorted(scenarios.TP_PIPE_SPLITS)
@@ -31,15 +39,7 @@ def _source(name):
 
 
 def _whole(ds, source):
-    """The source job's whole masters, moments and module (every holder's the same, bit for bit)."""
-    out: dict = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
-    for oracle in rank_oracles(ds.path(source)):
-        values = {"master": oracle["whole_masters"], "module": oracle["whole_module"], **oracle["whole_moments"]}
-        for key, by_name in values.items():
-            for n, v in by_name.items():
-                assert n not in out[key] or bits_equal(out[key][n], v), (key, n)
-                out[key][n] = v
-    return out
+    return gathered_whole(ds.path(source))
 
 
 def _tp(name):
@@ -99,17 +99,6 @@ def _load(path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _shapes(value, dtypes):
-    """A file's structure: its keys, nesting and tensor shapes (and dtypes: ``dtypes``), values aside."""
-    if torch.is_tensor(value):
-        return ("tensor", tuple(value.shape), str(value.dtype) if dtypes else None)
-    if isinstance(value, dict):
-        return {k: _shapes(v, dtypes) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_shapes(v, dtypes) for v in value]
-    return type(value).__name__
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_the_files_are_deepspeeds_at_the_target_layout(ds, name):
     """The written tag against DeepSpeed's own save of the same PipelineModule at tp4 x pp1 (4 ranks, fp32): the same
@@ -132,9 +121,9 @@ def test_the_files_are_deepspeeds_at_the_target_layout(ds, name):
                 assert a.get(key) == b.get(key), (file, key)
             assert [dict(s) for s in a["param_shapes"]] == [dict(s) for s in b["param_shapes"]], file
         elif file.startswith("layer_"):
-            assert _shapes(a, dtypes) == _shapes(b, dtypes), file
+            assert structure(a, dtypes) == structure(b, dtypes), file
         else:
-            assert _shapes(a["optimizer_state_dict"], dtypes) == _shapes(b["optimizer_state_dict"], dtypes), file
+            assert structure(a["optimizer_state_dict"], dtypes) == structure(b["optimizer_state_dict"], dtypes), file
 
 
 @pytest.mark.parametrize("name", CASES)
