@@ -45,6 +45,7 @@ from .reshard_stage3 import write_stage3_files
 from .reshard_tensor import all_zero3_partitions, plan_tensor_merge, refuse_unpartitioned
 from .reshard_tensor_split import plan_tensor_split
 from .reshard_tp_pipeline import plan_tensor_pipeline_merge
+from .reshard_tp_pipeline_split import plan_tensor_pipeline_split, refuse_split_and_stages
 from .reshard_tp_pipeline_stages import is_tensor_pipeline, plan_tensor_pipeline_stages, refuse_merge_and_stages
 
 
@@ -111,6 +112,15 @@ def reshard_model_parallel(
                     reshard_model_parallel,
                 )
                 merged_layers = pipeline_parallel not in (None, degrees.pipeline)  # the restage writes them
+            elif splitting and is_tensor_pipeline(found):  # each stage's tensor ranks cut anew (then moved: restage)
+                merged_layers = True
+                split_world: int = world_size
+                if pipeline_parallel not in (None, degrees.pipeline):  # split at the source's stages, then moved
+                    refuse_split_and_stages(found, world_size, tensor_parallel, pipeline_parallel, partition_method)  # type: ignore[arg-type]
+                    restage = pipeline_parallel
+                    split_world = tensor_parallel * degrees.pipeline  # type: ignore[operator]  # one data rank
+                args = (found, src_dir, plans, states, split_world, zero_stage, tensor_parallel)
+                writes = [plan_tensor_pipeline_split(*args)]  # type: ignore[arg-type]
             elif splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
                 degree: int = tensor_parallel  # type: ignore[assignment]  # splitting: an int
                 split_args = (world_size, zero_stage, degree, sub_group_size)
@@ -216,9 +226,10 @@ def reshard_model_parallel(
 def _merge_then_restage(
     merge, states, tmp: Path, tag: str, world_size: int, zero_stage, stages: int, partition_method
 ) -> list[Path]:
-    """A tensor pipeline's merge (at its stages) written to a temporary directory in ``tmp`` (the output's staging
-    directory: its file system), then resharded to ``stages`` stages there (``reshard_tp_pipeline_stages``'s module
-    docstring); the result's files moved into ``tmp / tag``, the temporary directory removed before the commit."""
+    """A tensor pipeline's merge or split (at its stages) written to a temporary directory in ``tmp`` (the output's
+    staging directory: its file system), then resharded to ``stages`` stages there (``reshard_tp_pipeline_stages``'s
+    module docstring); the result's files moved into ``tmp / tag``, the temporary directory removed before the
+    commit."""
     tag_dir = tmp / tag
     with tempfile.TemporaryDirectory(prefix=".tp-merged-", dir=tmp) as mid:
         merged, moved = Path(mid) / "merged", Path(mid) / "moved"

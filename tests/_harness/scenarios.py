@@ -213,10 +213,15 @@ PIPE_STAGE0_SPECS = {
 # The same PipelineModule at one stage, tp2 x pp1 (``pipe``): what DeepSpeed writes at the layout
 # ``reshard --pipeline-parallel 1`` writes of a tp2 x pp2 checkpoint (TP_PIPE_STAGE_RESHARDS), file for file.
 TP_PIPE_ONE_SPECS = {"tp2pp1-s1-fp32-ws2": ({"tp": 2, "pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 2)}
+# The same PipelineModule at tp4 x pp1 (``pipe``, 4 ranks): what DeepSpeed writes at the layout ``reshard
+# --tensor-parallel 4`` writes of the tp2 sources (TP_PIPE_SPLITS), file for file; in the pipeline family's
+# world-size-4 launch.
+TP_PIPE_FOUR_SPECS = {"tp4pp1-s1-fp32-ws4": ({"tp": 4, "pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 4)}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
     **TP_PIPE_SPECS,
     **TP_PIPE_ONE_SPECS,
+    **TP_PIPE_FOUR_SPECS,
     **AUTOTP_STAGE0_SPECS,
     **PIPE_STAGE0_SPECS,
     **ZERO3_EXTRAS_SPECS,
@@ -527,6 +532,18 @@ TP_PIPE_STAGE_RESHARDS = {
         {"tensor_parallel": 1, "pipeline_parallel": 1},
     ),
 }
+# A tensor-parallel pipeline at another tensor degree (issue #40, ``--tensor-parallel 4``): from tp2 x pp1 (fp32) at
+# its stages, and from tp2 x pp2 (fp32, bf16) to one stage too (``--pipeline-parallel 1``), loaded by a tp4 x pp1 job
+# (4 ranks: one launch, one set of degrees), which also loads ds_to_universal's folder of a tp2 x pp2 source; and the
+# tp4 x pp1 save to tp2. Compared with what the source gathered (tests/export/test_reshard_tp_pipe_split.py).
+_TP4 = {"tp": 4, "pp": 1, "pipe": True}
+TP_PIPE_SPLITS = {
+    "tp2pp1-s1-fp32-ws2>tp4": ("tp2pp1-s1-fp32-ws2", 4, _TP4, {"tensor_parallel": 4}),
+    "tp2pp2-s1-fp32-ws4>tp4-pp1": ("tp2pp2-s1-fp32-ws4", 4, _TP4, {"tensor_parallel": 4, "pipeline_parallel": 1}),
+    "tp2pp2-s1-bf16-ws4>tp4-pp1": ("tp2pp2-s1-bf16-ws4", 4, _TP4, {"tensor_parallel": 4, "pipeline_parallel": 1}),
+    # fewer tensor ranks: DeepSpeed's tp4 save to tp2 (in the tp2 x pp1 optim launch of TP_PIPE_STAGE_RESHARDS)
+    "tp4pp1-s1-fp32-ws4>tp2": ("tp4pp1-s1-fp32-ws4", 2, {"tp": 2}, {"tensor_parallel": 2}),
+}
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}
 )  # each with a +optim entry
@@ -534,11 +551,11 @@ RESHARD_SOURCES = sorted(
 
 def reshard_target(name: str) -> tuple[str, int, dict]:
     """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS, DEGREE_RESHARDS,
-    TP_PIPE_RESHARDS or TP_PIPE_STAGE_RESHARDS."""
+    TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS or TP_PIPE_SPLITS."""
     if name in PARALLEL_RESHARDS:
         source, ws = PARALLEL_RESHARDS[name]
         return source, ws, PARALLEL_SPECS[source][0]
-    source, ws, changes, _ = {**DEGREE_RESHARDS, **TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS}[name]
+    source, ws, changes, _ = {**DEGREE_RESHARDS, **TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS, **TP_PIPE_SPLITS}[name]
     return source, ws, {**source_spec(source), **changes}
 
 
@@ -824,7 +841,7 @@ def _registry() -> dict[str, Task]:
         spec = reshard_target(name)[2]
         args = {"spec": spec, "source": source, "reshard": {"world_size": ws, **options}}
         out[name] = Task("optim", {**args, "universal": name in UNIVERSAL_TOO | UNIVERSAL_PARALLEL}, ws, load=source)
-    for name, (source, ws, _, options) in {**TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS}.items():
+    for name, (source, ws, _, options) in {**TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS, **TP_PIPE_SPLITS}.items():
         args = {"spec": reshard_target(name)[2], "source": source, "reshard": {"world_size": ws, **options}}
         # and ds_to_universal's folder of the source, where its job wrote one
         out[name] = Task("optim", {**args, "universal": bool(source_spec(source).get("universal"))}, ws, load=source)
