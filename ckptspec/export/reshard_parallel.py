@@ -43,6 +43,7 @@ from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage3 import write_stage3_files
 from .reshard_tensor import all_zero3_partitions, plan_tensor_merge, refuse_unpartitioned
 from .reshard_tensor_split import plan_tensor_split
+from .reshard_tensor_stage0 import is_autotp_stage0, plan_autotp_stage0
 from .reshard_tp_pipeline import plan_tensor_pipeline_merge
 from .reshard_tp_pipeline_stages import is_tensor_pipeline, plan_tensor_pipeline_stages, refuse_merge_and_stages
 
@@ -98,7 +99,11 @@ def reshard_model_parallel(
                     "leave --expert-parallel out: it regroups a MoE checkpoint's experts",
                 )
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
-            if splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
+            if is_autotp_stage0(found):  # AutoTP at stage 0: each tensor rank as ZeRO, at its degree, merged or split
+                writes = plan_autotp_stage0(found, src_dir, plans, states, world_size, zero_stage, tensor_parallel)  # type: ignore[arg-type]
+                if tensor_parallel == 1:  # merged: one data-parallel checkpoint, validated as such
+                    merge, writes = writes[0], None
+            elif splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
                 degree: int = tensor_parallel  # type: ignore[assignment]  # splitting: an int
                 split_args = (world_size, zero_stage, degree, sub_group_size)
                 writes = plan_tensor_split(found, src_dir, plans, states, *split_args)  # type: ignore[arg-type]

@@ -1,0 +1,161 @@
+"""#40: an AutoTP checkpoint saved at ZeRO stage 0 (one ``mp_rank_XX_model_states.pt`` per tensor rank, each with its
+own copy of the buffers) written as ZeRO-1/2 (``reshard --stage 1|2``, export/reshard_tensor_stage0.py): at its
+tensor degree, merged (``--tensor-parallel 1``), split (``--tensor-parallel 4``); and as DeepSpeed's universal folder
+(``export-universal``), which DeepSpeed's own ``ds_to_universal`` cannot write from it.
+
+Ground truth: a real DeepSpeed job of the target layout resumes from what ckptspec wrote (``engine.load_checkpoint``,
+or ``load_universal`` for the folder: tests/_harness/optim_job.py, ``DEGREE_RESHARDS``) and records the fp32 masters
+(``safe_get_full_fp32_param``), Adam moments, step, param groups, buffers and the logits of a fixed batch. The
+stage-0 job answers no getter (no fragment mapping), so the masters are compared with the ones the source job held
+when it saved (its oracle, ``FP16_UnfusedOptimizer.fp32_groups`` per tensor rank), the rest with what a stage-0 job
+of the source's layout holds after loading the source (its ``+optim`` entry). Each side's tensor shards are put
+together by ``parallel_oracles.merged``, by the whole shapes the source job recorded.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _harness.parallel_oracles import (
+    bits_equal,
+    check_same_to_ckptspec,
+    info,
+    logits_of,
+    merged,
+    optim_records,
+    rank_oracles,
+    union_of,
+)
+from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target, source_spec
+from click.testing import CliRunner
+
+import ckptspec
+from ckptspec.cli import cli
+from ckptspec.deepspeed.kinds import Kind
+
+MOVES = sorted(
+    n
+    for n, (source, *_) in DEGREE_RESHARDS.items()
+    if source_spec(source)["stage"] == 0 and source_spec(source).get("tp", 1) > 1
+)
+VIA_UNIVERSAL = {n for n in MOVES if DEGREE_RESHARDS[n][3].get("export_universal")}
+SOURCE = "tp2-s0-bf16-ws2-buffers"
+KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _shapes(ds, source: str) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(shape) for n, shape in info(ds.path(source))["global_shapes"].items()}
+
+
+def _state(records: list[dict], key: str, shapes) -> dict:
+    return merged(records, lambda r: {n: s[key] for n, s in r["state"].items()}, shapes)
+
+
+def test_the_moves_are_registered():
+    assert len(MOVES) == 5 and len(VIA_UNIVERSAL) == 1 and {DEGREE_RESHARDS[n][0] for n in MOVES} == {SOURCE}
+
+
+@pytest.mark.parametrize("name", MOVES)
+def test_the_target_job_holds_the_stage0_masters_moments_and_step_bit_for_bit(name, ds):
+    source, world_size, spec = reshard_target(name)
+    entry = ds.path(name)
+    outcome = json.loads((entry / "optim.json").read_text())
+    assert outcome.get("reshard_error") is None, outcome
+    target, before = optim_records(entry), optim_records(ds.path(optim_name(source)))
+    assert len(target) == world_size and {r["coords"]["tp"] for r in before} == {0, 1}
+    assert {r["coords"].get("tp", 0) for r in target} == set(range(spec.get("tp", 1)))
+    shapes = _shapes(ds, source)
+    masters = merged(target, lambda r: r["master"], shapes)
+    # what the stage-0 job held when it saved (the getter answers None at stage 0, after loading too)
+    expected = merged(rank_oracles(ds.path(source)), lambda o: o["masters"], shapes)
+    assert masters.keys() == expected.keys() == shapes.keys() and not any(r["master"] for r in before)
+    for n, master in masters.items():
+        assert bits_equal(master, expected[n]), n
+    for key in KEYS:
+        held, loaded = _state(target, key, shapes), _state(before, key, shapes)
+        assert held.keys() == loaded.keys() == shapes.keys()
+        for n, value in loaded.items():
+            assert bits_equal(held[n], value), (n, key)
+    steps = {s for r in [*before, *target] for s in r["step"].values()}
+    assert len(steps) == 1 and steps != {0}, steps
+    assert all(r["param_groups"] == before[0]["param_groups"] for r in target)
+
+
+@pytest.mark.parametrize("name", MOVES)
+def test_buffers_and_logits_carry_over(name, ds):
+    """Every rank's buffers as loaded are the source's (each tensor rank's file held its own copy); through the
+    universal folder they are the job's own (DeepSpeed's universal load never reads the module: docs/reshard.md).
+    The logits of a fixed batch: bit for bit at the source's tensor degree, else within one bf16 epsilon per tensor
+    rank of the larger degree at the largest logit (the row-parallel partial sums added in another order)."""
+    source, _, spec = reshard_target(name)
+    target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
+    module, expected = union_of([r["module"] for r in target]), union_of([r["module"] for r in before])
+    assert module.keys() == expected.keys() == {"running", "step_count"}
+    same = [bits_equal(t, expected[n]) for n, t in module.items()]
+    assert all(same) if name not in VIA_UNIVERSAL else not any(same), name
+    logits, reference = logits_of(target), logits_of(before)
+    assert logits.abs().max() > 0 and logits.shape == reference.shape
+    if spec.get("tp", 1) == source_spec(source)["tp"]:
+        assert bits_equal(logits, reference)
+    else:
+        bound = max(spec.get("tp", 1), 2) * torch.finfo(torch.bfloat16).eps * reference.abs().max().item()
+        assert (logits - reference).abs().max().item() <= bound, (logits - reference).abs().max()
+
+
+@pytest.mark.parametrize("name", sorted(set(MOVES) - VIA_UNIVERSAL))
+def test_the_output_is_the_source_to_ckptspec(name, ds):
+    """Valid from its files, a ZeRO checkpoint of the target stage and layout, the same whole model and optimizer
+    state (a static loss scaler of scale 1 added: every ZeRO file pickles one)."""
+    source, world_size, spec = reshard_target(name)
+    out = ds.path(name) / "resharded"
+    assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
+    before, after = ckptspec.open(ds.path(source)), ckptspec.open(out)
+    tp = spec.get("tp", 1)
+    assert before.kind == Kind.STAGE0 and after.kind == (Kind.MODEL_PARALLEL if tp > 1 else Kind.ZERO)
+    assert len(after.domains) == tp
+    for domain in after.domains:
+        layout = domain.manifest.layout
+        assert (layout.zero_stage, layout.world_size) == (spec["stage"], world_size // tp)
+    check_same_to_ckptspec(before, after, unit_scaler_added=True)
+
+
+def test_deepspeeds_own_converter_fails_on_the_same_source(ds):
+    """Side by side: the saving job ran DeepSpeed's ``ds_to_universal`` on the same tag, which finds no
+    ``*_optim_states.pt`` at stage 0."""
+    outcome = info(ds.path(SOURCE))["universal"]
+    assert outcome["ok"] is False and "can't find *_optim_states.pt files" in outcome["error"], outcome
+
+
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        (["--world-size", "2"], "no --stage for an AutoTP stage-0 checkpoint"),
+        (["--world-size", "2", "--stage", "0"], "--stage 0 for an AutoTP stage-0 checkpoint"),
+        (["--world-size", "2", "--stage", "0", "--tensor-parallel", "1"], "--stage 0 for an AutoTP stage-0"),
+        (["--world-size", "2", "--stage", "3"], "--stage 3 for an AutoTP stage-0 checkpoint"),
+        (["--world-size", "4", "--stage", "3", "--tensor-parallel", "4"], "--stage 3 for an AutoTP stage-0"),
+        (["--world-size", "3", "--stage", "1"], "--world-size 3 is not a multiple of the target's tensor degree (2)"),
+    ],
+)
+def test_what_is_not_written_is_refused_by_name(args, refusal, ds, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["reshard", str(ds.path(SOURCE)), str(out), *args])
+    assert result.exit_code == 1 and "CK410" in result.output and refusal in result.output, result.output
+    assert "Traceback" not in result.output
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize("command", [["reshard", "--world-size", "2", "--stage", "1"], ["export-universal"]])
+def test_frozen_parameters_are_refused(command, ds, tmp_path):
+    """A frozen weight AutoTP splits and a frozen bias it leaves whole: the stage-0 job's fp32_groups hold 8 masters for
+    the 10 parameters its module lists, so no file names them and the checkpoint is not described (CK202, before
+    anything is written). (An index the save hook recorded names them from the live engine: then reshard_tensor_stage0
+    refuses them by name, CK410.)"""
+    out = tmp_path / "out"
+    source = str(ds.path("tp2-s0-bf16-ws2-frozen"))
+    result = CliRunner().invoke(cli, [command[0], source, str(out), *command[1:]])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "CK202" in result.output and "8 masters for 10 trainable parameters (frozen" in result.output, result.output
+    assert not out.exists() or not any(out.iterdir())
