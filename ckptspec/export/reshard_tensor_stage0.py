@@ -61,10 +61,11 @@ def plan_autotp_stage0(
     data = world_size // degree
     if degree == held:  # each tensor rank's domain as a dense stage-0 source's, its files keeping their mp_rank
         domains = sorted(index.domains, key=lambda d: d.coordinate.tensor)
-        return [
+        writes = [
             stage0_domain_write(d, tag_dir, plans[d.id], masters_state_plan(tag_dir, d, states), states, data, stage)
             for d in domains
         ]
+        return _with_frozen_entries(writes, stage)
     manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
     state_plan = whole.optimizer_state_plan()
     first = next(d for d in index.domains if d.coordinate.tensor == 0)
@@ -84,7 +85,7 @@ def plan_autotp_stage0(
             drop_keys=AUTOTP_ONLY_KEYS,
             config=lambda config: without_tensor_parallel(with_stage(config, stage)),
         )
-        return [DataParallelTarget(manifest, whole, state_plan, target, changes, source)]
+        return _with_frozen_entries([DataParallelTarget(manifest, whole, state_plan, target, changes, source)], stage)
     axes = split_axes(index, extras, degree)
     writes = split_writes(manifest, whole, state_plan, module, axes, world_size, stage, degree)
     out = []
@@ -96,7 +97,17 @@ def plan_autotp_stage0(
             config=lambda saved, config=config: config(with_stage(saved, stage)),  # type: ignore[misc]
         )
         out.append(replace(write, changes=changes, source=source))
-    return out
+    return _with_frozen_entries(out, stage)
+
+
+def _with_frozen_entries(writes: list[DataParallelTarget], stage: int) -> list[DataParallelTarget]:
+    """``writes`` with the two entries a ZeRO-2 job saves where a stage-0 one saves None: DeepSpeed 0.19.8 records
+    the frozen parameters' shapes and fragments when it partitions gradients, empty without frozen parameters (the
+    only model written here)."""
+    if stage != 2:
+        return writes
+    keys: dict[str, Any] = {"frozen_param_shapes": {}, "frozen_param_fragments": {}}
+    return [replace(w, changes=replace(w.changes, set_keys={**w.changes.set_keys, **keys})) for w in writes]
 
 
 def _refused_or_stage(index: CheckpointIndex, world_size: int, zero_stage: int | None, degree: int) -> int:

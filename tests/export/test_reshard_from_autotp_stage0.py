@@ -121,6 +121,57 @@ def test_the_output_is_the_source_to_ckptspec(name, ds):
     check_same_to_ckptspec(before, after, unit_scaler_added=True)
 
 
+# DeepSpeed's own save of the same AutoTP MLP at a target layout (tp2 x dp2 ZeRO-2 bf16, without the buffers): the
+# files a move to that layout writes are compared with it entry for entry
+NATIVE = {"tp2-s0-bf16-ws2-buffers>s2-ws4": "tp2dp2-s2-bf16-ws4"}
+
+
+def _shape_of(value):
+    """Every entry's type, every tensor's dtype and shape, nested as saved."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape))
+    if isinstance(value, dict):
+        return {k: _shape_of(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_shape_of(v) for v in value]
+    return type(value).__name__
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_the_files_have_the_shape_of_deepspeeds_own_save(name, ds):
+    """The same files as DeepSpeed's own save at the target layout; in each, the same keys in the same order, every
+    tensor's dtype and shape, the entries a ZeRO-2 job saves (``frozen_param_shapes`` and ``frozen_param_fragments``
+    empty). What differs, by design: the buffers (the source has them, DeepSpeed's save of this model not), a torch
+    state's key order, and ``clip_grad``, which a stage-0 wrapper does not save (the target job's
+    ``gradient_clipping`` applies, as DeepSpeed's loader does)."""
+    ours_dir = ds.path(name) / "resharded"
+    native_dir = ds.path(NATIVE[name])
+    tag = (native_dir / "latest").read_text().strip()
+    files = sorted(p.name for p in (native_dir / tag).iterdir())
+    assert sorted(p.name for p in (ours_dir / tag).iterdir()) == files
+    for file in files:
+        ours, theirs = (
+            torch.load(d / tag / file, map_location="cpu", weights_only=False) for d in (ours_dir, native_dir)
+        )
+        assert list(ours) == list(theirs), file
+        if file.endswith("_model_states.pt"):
+            buffers = set(ours["buffer_names"])
+            ours["module"] = {n: t for n, t in ours["module"].items() if n not in buffers}
+            ours["buffer_names"] = []
+            assert _shape_of(ours) == _shape_of(theirs), file
+            assert ours["frozen_param_shapes"] == ours["frozen_param_fragments"] == {}
+            continue
+        osd, native = ours["optimizer_state_dict"], theirs["optimizer_state_dict"]
+        assert [k for k in native if k != "clip_grad"] == list(osd), file
+        for key in osd:
+            if key == "base_optimizer_state":
+                sort = lambda state: {g: dict(sorted(s.items())) for g, s in state["state"].items()}  # noqa: E731
+                assert _shape_of(sort(osd[key])) == _shape_of(sort(native[key])), file
+                assert _shape_of(osd[key]["param_groups"]) == _shape_of(native[key]["param_groups"]), file
+            else:
+                assert _shape_of(osd[key]) == _shape_of(native[key]), (file, key)
+
+
 def test_deepspeeds_own_converter_fails_on_the_same_source(ds):
     """Side by side: the saving job ran DeepSpeed's ``ds_to_universal`` on the same tag, which finds no
     ``*_optim_states.pt`` at stage 0."""
