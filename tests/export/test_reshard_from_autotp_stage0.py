@@ -210,3 +210,26 @@ def test_frozen_parameters_are_refused(command, ds, tmp_path):
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert "CK202" in result.output and "8 masters for 10 trainable parameters (frozen" in result.output, result.output
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_frozen_parameters_an_index_names_are_refused_by_name(ds, tmp_path):
+    """One rule: an index that names a frozen parameter in a domain (as one the save hook records from the live
+    engine would; no such real save yet) is refused by name (CK410) before anything is written, at every degree."""
+    from ckptspec.checkpoint.states import StateCache
+    from ckptspec.deepspeed.check.checkpoint_index import validate_index_checkpoint
+    from ckptspec.errors import ReshardUnsupported
+    from ckptspec.export.compose import domain_plan
+    from ckptspec.export.reshard_tensor_stage0 import plan_autotp_stage0
+    from ckptspec.format.models import FrozenParam
+
+    source, states = ds.path(SOURCE), StateCache()
+    index, _ = validate_index_checkpoint(source, None, None, states=states)
+    tag_dir = source / (source / "latest").read_text().strip()
+    plans = {d.id: domain_plan(tag_dir, d, states) for d in index.domains}
+    assert plan_autotp_stage0(index, tag_dir, plans, states, 2, 1, None)  # as recorded: written
+    gain = FrozenParam(name="blocks.0.gain", shape=[16], numel=16, dtype="bfloat16", stored_in="module")
+    index.domains[1].manifest.frozen.append(gain)
+    for degree in (None, 1, 4):
+        with pytest.raises(ReshardUnsupported, match=r"frozen parameters \(blocks\.0\.gain\)") as refused:
+            plan_autotp_stage0(index, tag_dir, plans, states, 4, 1, degree)
+        assert refused.value.code == "CK410"
