@@ -100,7 +100,8 @@ def reshard_model_parallel(
                 )
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
             if is_autotp_stage0(found):  # AutoTP at stage 0: each tensor rank as ZeRO, at its degree, merged or split
-                writes = plan_autotp_stage0(found, src_dir, plans, states, world_size, zero_stage, tensor_parallel)  # type: ignore[arg-type]
+                stage0_args = (world_size, zero_stage, tensor_parallel, sub_group_size)
+                writes = plan_autotp_stage0(found, src_dir, plans, states, *stage0_args)  # type: ignore[arg-type]
                 if tensor_parallel == 1:  # merged: one data-parallel checkpoint, validated as such
                     merge, writes = writes[0], None
             elif splitting:  # another tensor degree: each tensor rank's shards cut from the whole model

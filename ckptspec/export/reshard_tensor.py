@@ -79,6 +79,7 @@ class DataParallelTarget:
                 self.sub_group_size,
                 self.changes,
                 self.mp_rank,
+                source=self.source,
             )
         return write_files(
             self.manifest,

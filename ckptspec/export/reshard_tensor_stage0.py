@@ -30,7 +30,7 @@ from ..format.index_models import CheckpointIndex
 from .masters_state import masters_state_plan
 from .model_plan import ReconstructionPlan
 from .reshard_files import ModelChanges
-from .reshard_layout import located_target_layout
+from .reshard_layout import located_target_layout, target_layout
 from .reshard_source import with_stage
 from .reshard_stage0_source import stage0_domain_write, stage0_optimizer
 from .reshard_tensor import AUTOTP_ONLY_KEYS, DataParallelTarget, whole_model, without_tensor_parallel
@@ -52,12 +52,14 @@ def plan_autotp_stage0(
     world_size: int,
     zero_stage: int | None,
     tensor_parallel: int | None,
+    sub_group_size: int | None = None,
 ) -> list[DataParallelTarget]:
     """One write per target tensor rank of ``tensor_parallel`` (default: the source's degree), each a ZeRO
-    ``zero_stage`` domain of ``world_size / tensor_parallel`` data-parallel ranks; CK410 before anything is written."""
+    ``zero_stage`` domain of ``world_size / tensor_parallel`` data-parallel ranks (ZeRO-3: cut into sub-groups of
+    ``sub_group_size``, default DeepSpeed's); CK410 before anything is written."""
     held = index.topology.degrees.tensor
     degree = held if tensor_parallel is None else tensor_parallel
-    stage = _refused_or_stage(index, world_size, zero_stage, degree)
+    stage = _refused_or_stage(index, world_size, zero_stage, degree, sub_group_size)
     data = world_size // degree
     if degree == held:  # each tensor rank's domain as a dense stage-0 source's, its files keeping their mp_rank
         domains = sorted(index.domains, key=lambda d: d.coordinate.tensor)
@@ -65,7 +67,7 @@ def plan_autotp_stage0(
             stage0_domain_write(d, tag_dir, plans[d.id], masters_state_plan(tag_dir, d, states), states, data, stage)
             for d in domains
         ]
-        return _with_frozen_entries(writes, stage)
+        return _as_saved_at(writes, stage, sub_group_size)
     manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
     state_plan = whole.optimizer_state_plan()
     first = next(d for d in index.domains if d.coordinate.tensor == 0)
@@ -85,9 +87,11 @@ def plan_autotp_stage0(
             drop_keys=AUTOTP_ONLY_KEYS,
             config=lambda config: without_tensor_parallel(with_stage(config, stage)),
         )
-        return _with_frozen_entries([DataParallelTarget(manifest, whole, state_plan, target, changes, source)], stage)
+        return _as_saved_at(
+            [DataParallelTarget(manifest, whole, state_plan, target, changes, source)], stage, sub_group_size
+        )
     axes = split_axes(index, extras, degree)
-    writes = split_writes(manifest, whole, state_plan, module, axes, world_size, stage, degree)
+    writes = split_writes(manifest, whole, state_plan, module, axes, world_size, stage, degree, sub_group_size)
     out = []
     for write in writes:  # the split's entries, and a stage-0 source's
         config = write.changes.config
@@ -97,28 +101,43 @@ def plan_autotp_stage0(
             config=lambda saved, config=config: config(with_stage(saved, stage)),  # type: ignore[misc]
         )
         out.append(replace(write, changes=changes, source=source))
-    return _with_frozen_entries(out, stage)
+    return _as_saved_at(out, stage, sub_group_size)
 
 
-def _with_frozen_entries(writes: list[DataParallelTarget], stage: int) -> list[DataParallelTarget]:
-    """``writes`` with the two entries a ZeRO-2 job saves where a stage-0 one saves None: DeepSpeed 0.19.8 records
-    the frozen parameters' shapes and fragments when it partitions gradients, empty without frozen parameters (the
-    only model written here)."""
+def _as_saved_at(writes: list[DataParallelTarget], stage: int, sub_group_size: int | None) -> list[DataParallelTarget]:
+    """``writes`` as a ZeRO ``stage`` job saves them. ZeRO-2: with the two entries a stage-0 one saves None (DeepSpeed
+    0.19.8 records the frozen parameters' shapes and fragments when it partitions gradients; empty without frozen
+    parameters, the only model written here). ZeRO-3: cut into sub-groups of ``sub_group_size`` (the ZeRO-3 writer's
+    model states have their own entries), the size recorded in the saved ``ds_config`` when given."""
+    if stage == 3:
+        out = []
+        for w in writes:
+            target = target_layout(w.manifest, w.target.world_size, 3, sub_group_size, domain=True)
+            config = w.changes.config
+            changes = replace(w.changes, config=lambda saved, c=config: with_stage(c(saved), 3, sub_group_size))  # type: ignore[misc]
+            out.append(replace(w, target=target, changes=changes, sub_group_size=sub_group_size))
+        return out
     if stage != 2:
         return writes
     keys: dict[str, Any] = {"frozen_param_shapes": {}, "frozen_param_fragments": {}}
     return [replace(w, changes=replace(w.changes, set_keys={**w.changes.set_keys, **keys})) for w in writes]
 
 
-def _refused_or_stage(index: CheckpointIndex, world_size: int, zero_stage: int | None, degree: int) -> int:
+def _refused_or_stage(
+    index: CheckpointIndex, world_size: int, zero_stage: int | None, degree: int, sub_group_size: int | None
+) -> int:
     """The target's ZeRO stage; CK410, by name, for what is not written."""
     held = index.topology.degrees.tensor
-    if zero_stage not in (1, 2):
+    if zero_stage not in (1, 2, 3):
         asked = "no --stage" if zero_stage is None else f"--stage {zero_stage}"
         raise ReshardUnsupported(
-            f"{asked} for an AutoTP stage-0 checkpoint (tensor degree {held}): ZeRO stage 1 and 2 targets are "
-            "written (stage 0 and 3 ones not yet)",
-            "give --stage 1 or --stage 2",
+            f"{asked} for an AutoTP stage-0 checkpoint (tensor degree {held}): ZeRO stage 1, 2 and 3 targets are "
+            "written (stage 0 ones not yet)",
+            "give --stage 1, 2 or 3",
+        )
+    if sub_group_size is not None and zero_stage != 3:
+        raise ReshardUnsupported(
+            f"--sub-group-size {sub_group_size} with --stage {zero_stage}: a ZeRO-3 target's", "leave it out"
         )
     if degree < 1 or world_size < 1 or world_size % degree:
         raise ReshardUnsupported(

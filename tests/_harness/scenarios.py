@@ -450,6 +450,14 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         {"tensor_parallel": 4, "stage": 1},
     ),
     "tp2-s0-bf16-ws2-buffers>universal-s1": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 1}, {"export_universal": True}),
+    # ... and for ZeRO-3 jobs: tp2 x dp1, and merged (tp1 x dp2), in the ZeRO-3 launches of those layouts
+    "tp2-s0-bf16-ws2-buffers>s3": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 3}, {"stage": 3}),
+    "tp2-s0-bf16-ws2-buffers>tp1-s3": (
+        "tp2-s0-bf16-ws2-buffers",
+        2,
+        {**_TP1, "stage": 3},
+        {"tensor_parallel": 1, "stage": 3},
+    ),
     # a MoE for a stage-0 MoE job (reshard_moe_stage0.py): each expert-parallel rank's optimizer file, the dense
     # module and rank 0's optimizer in the model states; from ZeRO-1/2 (edp 2 -> stage 0 at ws2) and from stage 0
     "moe-ep2-s1-fp32-ws2>s0": ("moe-ep2-s1-fp32-ws2", 2, _S0, _S0),
