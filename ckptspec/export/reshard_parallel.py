@@ -44,6 +44,7 @@ from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage3 import write_stage3_files
 from .reshard_tensor import all_zero3_partitions, plan_tensor_merge, refuse_unpartitioned
 from .reshard_tensor_split import plan_tensor_split
+from .reshard_tensor_stage0 import is_autotp_stage0, plan_autotp_stage0
 from .reshard_tp_pipeline import plan_tensor_pipeline_merge
 from .reshard_tp_pipeline_split import plan_tensor_pipeline_split, refuse_split_and_stages
 from .reshard_tp_pipeline_stages import is_tensor_pipeline, plan_tensor_pipeline_stages, refuse_merge_and_stages
@@ -112,6 +113,11 @@ def reshard_model_parallel(
                     reshard_model_parallel,
                 )
                 merged_layers = pipeline_parallel not in (None, degrees.pipeline)  # the restage writes them
+            elif is_autotp_stage0(found):  # AutoTP at stage 0: each tensor rank as ZeRO, at its degree, merged or split
+                stage0_args = (world_size, zero_stage, tensor_parallel, sub_group_size)
+                writes = plan_autotp_stage0(found, src_dir, plans, states, *stage0_args)  # type: ignore[arg-type]
+                if tensor_parallel == 1:  # merged: one data-parallel checkpoint, validated as such
+                    merge, writes = writes[0], None
             elif splitting and is_tensor_pipeline(found):  # each stage's tensor ranks cut anew (then moved: restage)
                 merged_layers = True
                 split_world: int = world_size

@@ -31,7 +31,7 @@ from ..errors import ReshardUnsupported
 from ..format.index_models import CheckpointIndex
 from .model_plan import ReconstructionPlan, TensorSource
 from .reshard_files import ModelChanges
-from .reshard_tensor_split import _shard, _split_axes, split_writes
+from .reshard_tensor_split import _shard, split_axes, split_writes
 from .reshard_tp_pipeline import TensorPipelineMerge, _merged_layers, _refuse, whole_stages
 from .reshard_tp_pipeline_stages import refuse_merge_and_stages
 
@@ -56,7 +56,7 @@ def plan_tensor_pipeline_split(
         )
     _refuse(index, world_size, zero_stage)
     _refuse_unplaced(index, tag_dir, states)
-    axes = _split_axes(index, {}, degree)  # the source's placements: CK410 for an axis ``degree`` does not divide
+    axes = split_axes(index, {}, degree)  # the source's placements: CK410 for an axis ``degree`` does not divide
     whole, state_plan, manifests = whole_stages(index, tag_dir, plans, states)
     changes = ModelChanges(
         module={},  # a stage's module is None: its weights are the layer files'

@@ -199,7 +199,14 @@ TP_PIPE_SPECS = {
 # DeepSpeed's own save of the AutoTP MLP at ZeRO stage 0 (issue #40): what the AutoTP stage-0 targets of
 # DEGREE_RESHARDS are compared with (tests/export/test_reshard_stage0.py), in the AutoTP training launch. Not in
 # PARALLEL (no +again, universal or hook entries).
-AUTOTP_STAGE0_SPECS = {"tp2-s0-bf16-ws2": ({"tp": 2, "stage": 0, "dtype": "bf16"}, 2)}
+AUTOTP_STAGE0_SPECS = {
+    "tp2-s0-bf16-ws2": ({"tp": 2, "stage": 0, "dtype": "bf16"}, 2),
+    # with the MLP's two buffers (each tensor rank's file holds its own copy), converted by ds_to_universal too (which
+    # fails on it): the source of the AutoTP stage-0 moves to ZeRO (DEGREE_RESHARDS; test_reshard_from_autotp_stage0.py)
+    "tp2-s0-bf16-ws2-buffers": ({"tp": 2, "stage": 0, "dtype": "bf16", "buffers": True, **_UC}, 2),
+    # with a frozen weight AutoTP splits and a frozen bias it leaves whole: what reshard refuses to write as ZeRO
+    "tp2-s0-bf16-ws2-frozen": ({"tp": 2, "stage": 0, "dtype": "bf16", "frozen": True}, 2),
+}
 # DeepSpeed's own save of the bf16 pipeline at stage 0 (BF16_Optimizer) at pp2 x dp2 (issue #40): what the pp2 x dp2
 # stage-0 targets of DEGREE_RESHARDS are compared with, file for file (tests/export/test_reshard_pipeline_stage0.py;
 # the pp2 x dp1 ones with pp2-s0-bf16-ws2), in the pipeline family's world-size-4 launch. Not in PARALLEL (no +again,
@@ -455,6 +462,32 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s3-bf16-ws2>tp4-s0": ("tp2-s3-bf16-ws2", 4, {"tp": 4, **_S0}, {"tensor_parallel": 4, **_S0}),
     "tp2-s3-bf16-ws2>tp1-s0": ("tp2-s3-bf16-ws2", 2, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
     "tp2-s1-fp32-ws2>tp1-s0-ws3": ("tp2-s1-fp32-ws2", 3, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
+    # an AutoTP checkpoint saved at stage 0 -> ZeRO-1/2 (reshard_tensor_stage0.py): at its tensor degree (tp2 x dp1
+    # ZeRO-1, tp2 x dp2 ZeRO-2), merged (tp1 x dp2 ZeRO-2), split (tp4 x dp1 ZeRO-1), and through ckptspec's universal
+    # folder (tp2 x dp1 ZeRO-1; DeepSpeed's ds_to_universal fails on the source), in those layouts' launches
+    "tp2-s0-bf16-ws2-buffers>s1": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 1}, {"stage": 1}),
+    "tp2-s0-bf16-ws2-buffers>s2-ws4": ("tp2-s0-bf16-ws2-buffers", 4, {"stage": 2}, {"stage": 2}),
+    "tp2-s0-bf16-ws2-buffers>tp1-s2": (
+        "tp2-s0-bf16-ws2-buffers",
+        2,
+        {**_TP1, "stage": 2},
+        {"tensor_parallel": 1, "stage": 2},
+    ),
+    "tp2-s0-bf16-ws2-buffers>tp4-s1": (
+        "tp2-s0-bf16-ws2-buffers",
+        4,
+        {"tp": 4, "stage": 1},
+        {"tensor_parallel": 4, "stage": 1},
+    ),
+    "tp2-s0-bf16-ws2-buffers>universal-s1": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 1}, {"export_universal": True}),
+    # ... and for ZeRO-3 jobs: tp2 x dp1, and merged (tp1 x dp2), in the ZeRO-3 launches of those layouts
+    "tp2-s0-bf16-ws2-buffers>s3": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 3}, {"stage": 3}),
+    "tp2-s0-bf16-ws2-buffers>tp1-s3": (
+        "tp2-s0-bf16-ws2-buffers",
+        2,
+        {**_TP1, "stage": 3},
+        {"tensor_parallel": 1, "stage": 3},
+    ),
     # a MoE for a stage-0 MoE job (reshard_moe_stage0.py): each expert-parallel rank's optimizer file, the dense
     # module and rank 0's optimizer in the model states; from ZeRO-1/2 (edp 2 -> stage 0 at ws2) and from stage 0
     "moe-ep2-s1-fp32-ws2>s0": ("moe-ep2-s1-fp32-ws2", 2, _S0, _S0),
