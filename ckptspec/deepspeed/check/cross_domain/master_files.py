@@ -30,7 +30,7 @@ from ....format.index_models import Domain, MasterLocator
 from ....format.paths import join_inside
 from ....location import RemotePath, read_range
 from ...layout.masters import value_at
-from ...layout.names import OPTIM_RE
+from ...layout.names import MODEL_RE, OPTIM_RE
 from ..domain.files import SAVED_AS_HINT, saved_as
 from .context import IndexContext, check
 
@@ -109,9 +109,13 @@ def check_masters_domain(
 
 
 def _saved_as(path: Path | RemotePath, name: str, states: StateCache) -> str | None:
-    """CK210's rule for a file of a domain whose index locates its masters (``domain.files.saved_as``)."""
+    """CK210's rule for a file of a domain whose index locates its masters (``domain.files.saved_as``). A universal
+    folder's model states are a ZeRO-3 rank's file (``zero_pp_rank_0_mp_rank_XX``) copied as ``mp_rank_XX``, as
+    ``ds_to_universal`` copies them: saved under the same model-parallel rank's name, they were not swapped."""
     loaded = states.load(path)
-    return None if loaded.error is not None else saved_as(name, loaded.state)
+    saved = None if loaded.error is not None else saved_as(name, loaded.state)
+    here, there = MODEL_RE.match(Path(name).name), MODEL_RE.match(saved or "")
+    return None if here and there and here.group(2) == there.group(2) else saved
 
 
 def _locator_findings(domain: Domain, i: int, tag_dir: Path | RemotePath, states: StateCache) -> list[Finding]:
