@@ -14,7 +14,8 @@ patterns too: they still hold at tp 1) is carried as saved.
 
 A ``TiedLayerSpec``'s module (replicated on every tensor rank, ``describe/tp_pipeline.py``) keeps its stage name
 (``tied_modules.<key>.<attribute>``) in each stage's optimizer; its copies on every stage and tensor rank are
-compared first (CK401), as are the tensor ranks' copies of a buffer. Each layer file's frozen parameters and buffers
+compared first (CK401: masters, and moments as ``reshard_pipeline_layers.check_tied_copies`` compares a tp1
+pipeline's), as are the tensor ranks' copies of a buffer. Each layer file's frozen parameters and buffers
 (the index's extras) are composed like its trainable weights: a frozen shard by the rules, a buffer tensor rank 0's
 copy; a key that is a tie of a parameter another of its stage's layer files holds (its ``aliases``) takes that one.
 
@@ -44,6 +45,7 @@ from .compose_plan import compose_source, whole_plan
 from .model_plan import ReconstructionPlan, TensorSource
 from .reshard_files import ModelChanges, lazy_reader
 from .reshard_layout import target_layout
+from .reshard_pipeline_layers import check_tied_copies
 from .reshard_tensor import DataParallelTarget, refuse_unpartitioned, whole_manifest
 
 RESUME = "resume at the same tensor degree"
@@ -111,6 +113,10 @@ def whole_stages(index: CheckpointIndex, tag_dir: Path, plans: dict[str, Reconst
     whole.states = states
     with ShardReader() as files:
         check_replicas(whole, files)  # a replicated copy that differs between tensor ranks or stages: CK401
+    stage_of = {d.id: d.coordinate.pipeline for d in index.domains}
+    ties = [p for p in index.parameters if len({stage_of[s.domain] for s in p.shards}) > 1]
+    if ties:  # each stage is given one copy of a tie's moments too: every copy's must be equal (CK401)
+        check_tied_copies(index.model_copy(update={"parameters": ties}), plans)
     state_plan = whole.optimizer_state_plan()
     manifests = []
     for stage in range(stages):

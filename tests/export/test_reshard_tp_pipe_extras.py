@@ -251,3 +251,37 @@ def test_deepspeeds_universal_path_gives_the_same_masters_moments_and_step(ds, n
     """The same tp1 x pp2 target job loading ds_to_universal's folder of the source (load_universal)."""
     assert json.loads((ds.path(name) / "optim.json").read_text())["universal_error"] is None
     _check_trainables(optim_records(ds.path(name), "universal"), _merged_expected(ds))
+
+
+def test_at_one_stage_each_tensor_rank_names_the_tie_and_its_buffer_once(ds):
+    """tp2 x pp1: each tensor rank's one stage runs both of the tie's layers and trains one tied module: its model
+    states name the tie first in the optimizer and its buffer once, then layer 3's (DeepSpeed's ``buffer_names``, the
+    module's ``named_buffers``: a module reached twice is listed once), as the source stages named theirs."""
+    tag = ds.path(STAGES) / "resharded" / "global_step2"
+    source = ds.path(SOURCE) / info(ds.path(SOURCE))["tag"]
+    saved = [torch.load(source / f"mp_rank_{mp:02d}_model_states.pt", weights_only=False) for mp in range(4)]
+    assert [s["buffer_names"] for s in saved] == [[TIE_BUFFER]] * 2 + [[TIE_BUFFER, BUFFER]] * 2
+    for tensor in range(2):
+        states = torch.load(tag / f"mp_rank_{tensor:02d}_model_states.pt", weights_only=False)
+        assert states["buffer_names"] == [TIE_BUFFER, BUFFER] and states["mp_world_size"] == 2
+        assert list(states["param_shapes"][0])[:2] == [TIE, "2.up.bias"]  # the tie first, layer 2's frozen weight out
+
+
+@pytest.mark.parametrize("move", [["--pipeline-parallel", "1"], ["--tensor-parallel", "1"]])
+def test_a_tie_whose_copy_on_one_stage_differs_is_refused_before_writing(ds, tmp_path, move):
+    """Each target stage running the tie is given one copy of its master and moments: a stage-1 copy of its first
+    moment that differs from stage 0's (tensor rank 0's optimizer file at mp_rank 02; a changed master is its layer
+    file's CK235 already) is CK401, nothing written."""
+    import shutil
+
+    src = ds.path(SOURCE) / info(ds.path(SOURCE))["tag"]
+    tag = tmp_path / "ckpt" / src.name
+    shutil.copytree(src, tag)
+    (tmp_path / "ckpt" / "latest").write_text(src.name)
+    path = tag / "zero_pp_rank_0_mp_rank_02_optim_states.pt"
+    saved = torch.load(path, weights_only=False)
+    saved["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"][0] += 1  # the tie's first element
+    torch.save(saved, path)
+    result = invoke("reshard", tmp_path / "ckpt", tmp_path / "out", *move, "--world-size", "2")
+    assert result.exit_code == 1 and "CK401" in result.output and "0.weight" in result.output, result.output
+    assert not (tmp_path / "out").exists()
