@@ -515,8 +515,8 @@ TP_PIPE_STAGE_RESHARDS = {
 }
 # The extras source's moves (TP_PIPE_EXTRAS_SPECS; tests/export/test_reshard_tp_pipe_extras.py): merged (tp1 x pp2, the
 # plain pipeline's extras model, in the pipeline optim launch of its degrees), at one stage keeping tp2 (tp2 x pp1),
-# exported (ckptspec's universal folder loaded by a tp1 x pp2 job). Each target job also loads ds_to_universal's folder
-# of the source where its job wrote one.
+# both (tp1 x pp1), exported (ckptspec's universal folder loaded by a tp1 x pp2 job). Each target job also loads
+# ds_to_universal's folder of the source where its job wrote one.
 TP_PIPE_EXTRAS_RESHARDS = {
     "tp2pp2-s1-fp32-ws4-extras>tp1": ("tp2pp2-s1-fp32-ws4-extras", 2, {"tp": 1}, {"tensor_parallel": 1}),
     "tp2pp2-s1-fp32-ws4-extras>pp1": (
@@ -530,6 +530,13 @@ TP_PIPE_EXTRAS_RESHARDS = {
         2,
         {"tp": 1},
         {"export_universal": True},
+    ),
+    # merged and at one stage (tp1 x pp1 x dp2, in the PipelineModule's pp1 optim launch): the tie one module
+    "tp2pp2-s1-fp32-ws4-extras>tp1-pp1": (
+        "tp2pp2-s1-fp32-ws4-extras",
+        2,
+        {"tp": 1, "pp": 1, "pipe": True},
+        {"tensor_parallel": 1, "pipeline_parallel": 1},
     ),
 }
 RESHARD_SOURCES = sorted(

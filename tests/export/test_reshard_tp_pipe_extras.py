@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 SOURCE = "tp2pp2-s1-fp32-ws4-extras"
 MERGE, STAGES, UNIVERSAL = (f"{SOURCE}>tp1", f"{SOURCE}>pp1", f"{SOURCE}>universal-tp1")
+BOTH = f"{SOURCE}>tp1-pp1"  # merged, then moved to one stage
 TIE, TIE_GAIN, TIE_BUFFER = "tied_modules.emb.weight", "tied_modules.emb.gain", "tied_modules.emb.seen"
 FROZEN, BUFFER = "2.up.weight", "3.running"
 # the index's extras: the frozen weight split like up.weight, the tie's gain and buffer one per layer file
@@ -64,7 +65,7 @@ def _loaded(ds, name):
 
 
 def test_every_move_of_the_source_is_checked():
-    assert sorted(scenarios.TP_PIPE_EXTRAS_RESHARDS) == sorted([MERGE, STAGES, UNIVERSAL])
+    assert sorted(scenarios.TP_PIPE_EXTRAS_RESHARDS) == sorted([MERGE, STAGES, UNIVERSAL, BOTH])
     assert all(source == SOURCE for source, *_ in scenarios.TP_PIPE_EXTRAS_RESHARDS.values())
 
 
@@ -158,15 +159,16 @@ def _kept_expected(ds):
     return out
 
 
-@pytest.mark.parametrize("name", [MERGE, STAGES])
+@pytest.mark.parametrize("name", [MERGE, STAGES, BOTH])
 def test_the_target_job_holds_the_masters_moments_step_tie_frozen_weight_and_buffers(ds, name):
-    """Merged (tp1 x pp2) or at one stage keeping tp2 (tp2 x pp1): each target rank holds the source's masters and
+    """Merged (tp1 x pp2), at one stage keeping tp2 (tp2 x pp1) or both (tp1 x pp1 x dp2): each target rank holds the
+    source's masters and
     moments of its tensors (the tie's on every stage running it), the step, the frozen weight (whole, or its tensor
     rank's shard), the layer 3 buffer and, on each stage running the tie, the gain and buffer of the last of its
     layers it runs (DeepSpeed loads a stage's layer files in layer order into its one module): merged, each stage's
     own; at one stage, layer 4's (the source's stage 1). The frozen parameters and buffers held noise before loading."""
     records = _loaded(ds, name)
-    merged = name == MERGE
+    merged = name != STAGES
     _check_trainables(records, _merged_expected(ds) if merged else _kept_expected(ds))
     whole = _whole(ds)
     frozen_seen, tie_stages = 0, set()
@@ -185,7 +187,7 @@ def test_the_target_job_holds_the_masters_moments_step_tie_frozen_weight_and_buf
         assert bits_equal(r["module"][TIE_GAIN], source["module"][TIE_GAIN]), (pp, tp)
         assert bits_equal(r["master"]["0.weight"], whole["master"]["0.weight"]) or not merged
         tie_stages.add(pp)
-    assert frozen_seen == (1 if merged else 2) and tie_stages == ({0, 1} if merged else {0})
+    assert frozen_seen == (1 if name == MERGE else 2) and tie_stages == ({0, 1} if name == MERGE else {0})
     source_logits = logits_of(_oracles(ds))
     off = np.abs(logits_of(records).float().numpy() - source_logits.float().numpy()).max()
     assert off <= LOGITS_SHARE * np.abs(source_logits.float().numpy()).max(), off
@@ -246,9 +248,9 @@ def test_ckptspecs_universal_folder_is_ds_to_universals_file_for_file(ds):
             assert bits_equal(a[key], b[key]) if torch.is_tensor(a[key]) else repr(a[key]) == repr(b[key]), (rel, key)
 
 
-@pytest.mark.parametrize("name", [MERGE, UNIVERSAL])
+@pytest.mark.parametrize("name", [MERGE, UNIVERSAL, BOTH])
 def test_deepspeeds_universal_path_gives_the_same_masters_moments_and_step(ds, name):
-    """The same tp1 x pp2 target job loading ds_to_universal's folder of the source (load_universal)."""
+    """The same tp1 target job (pp2, or pp1) loading ds_to_universal's folder of the source (load_universal)."""
     assert json.loads((ds.path(name) / "optim.json").read_text())["universal_error"] is None
     _check_trainables(optim_records(ds.path(name), "universal"), _merged_expected(ds))
 
