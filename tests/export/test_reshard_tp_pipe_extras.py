@@ -287,3 +287,25 @@ def test_a_tie_whose_copy_on_one_stage_differs_is_refused_before_writing(ds, tmp
     result = invoke("reshard", tmp_path / "ckpt", tmp_path / "out", *move, "--world-size", "2")
     assert result.exit_code == 1 and "CK401" in result.output and "0.weight" in result.output, result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tie_the_rules_split_over_the_tensor_ranks_is_refused_by_name(ds, tmp_path):
+    """The rules must name a TiedLayerSpec's parameters replicated: without the pattern, ``0.weight`` would be split
+    along dim 0 over the tensor ranks of every stage (each stage's copies a whole set of shards), which is not
+    described (CK202, nothing written)."""
+    import shutil
+
+    src = ds.path(SOURCE) / info(ds.path(SOURCE))["tag"]
+    tag = tmp_path / "ckpt" / src.name
+    shutil.copytree(src, tag)
+    (tmp_path / "ckpt" / "latest").write_text(src.name)
+    for mp in range(4):
+        path = tag / f"mp_rank_{mp:02d}_model_states.pt"
+        states = torch.load(path, weights_only=False)
+        rules = states["universal_checkpoint_info"]["tp_replicated_parameter_patterns"]
+        rules[:] = [r for r in rules if "tied_modules" not in r]
+        torch.save(states, path)
+    result = invoke("reshard", tmp_path / "ckpt", tmp_path / "out", "--tensor-parallel", "1", "--world-size", "2")
+    assert result.exit_code == 1 and "CK202" in result.output, result.output
+    assert "the tied '0.weight' is split over the tensor ranks" in result.output
+    assert not (tmp_path / "out").exists()
