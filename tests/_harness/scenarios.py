@@ -199,12 +199,12 @@ TP_PIPE_SPECS = {
 # The same tp2 x pp2 pipeline with the plain pipeline's extras (issue #40; job/tp_layers.py): a TiedLayerSpec at layers
 # 0 and 4 replicated on every tensor rank (with a frozen gain and a buffer of its own), layer 2's column-parallel
 # up.weight frozen (a shard per tensor rank), a buffer in layer 3's block. In the same world-size-4 launch; not in
-# TP_PIPE_SPECS (whose tests read the five-layer model).
+# TP_PIPE_SPECS (whose tests read the five-layer model). ``tp2pp1-...-ws2-extras``: DeepSpeed's own save of the same
+# model at tp2 x pp1 (the pipeline launch of world size 2), what ``--pipeline-parallel 1`` of it is compared with.
+_TP_PIPE_EXTRAS = {"tp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True, "tied": True}
 TP_PIPE_EXTRAS_SPECS = {
-    "tp2pp2-s1-fp32-ws4-extras": (
-        {"tp": 2, "pp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True, "tied": True, **_UC},
-        4,
-    ),
+    "tp2pp2-s1-fp32-ws4-extras": ({**_TP_PIPE_EXTRAS, "pp": 2, **_UC}, 4),
+    "tp2pp1-s1-fp32-ws2-extras": ({**_TP_PIPE_EXTRAS, "pp": 1, "pipe": True}, 2),
 }
 # DeepSpeed's own save of the AutoTP MLP at ZeRO stage 0 (issue #40): what the AutoTP stage-0 targets of
 # DEGREE_RESHARDS are compared with (tests/export/test_reshard_stage0.py), in the AutoTP training launch. Not in

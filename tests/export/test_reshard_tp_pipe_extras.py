@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from _harness import scenarios
+from _harness.job.parallel_models import normalize
 from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles
 from _harness.reconstruction import invoke
 from safetensors.torch import load_file
@@ -309,3 +310,46 @@ def test_a_tie_the_rules_split_over_the_tensor_ranks_is_refused_by_name(ds, tmp_
     assert result.exit_code == 1 and "CK202" in result.output, result.output
     assert "the tied '0.weight' is split over the tensor ranks" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def _shapes(value):
+    """A pickled structure with every tensor replaced by its dtype and shape."""
+    if torch.is_tensor(value):
+        return (str(value.dtype), tuple(value.shape))
+    if isinstance(value, dict):
+        return {k: _shapes(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_shapes(v) for v in value]
+    return type(value).__name__
+
+
+# DeepSpeed's own saves of the same model at each target's layout and world size: the plain pipeline's extras model
+# (EXTRAS_SPECS, PIPE_TARGET_SPECS) for the merges, its tp2 x pp1 save (TP_PIPE_EXTRAS_SPECS) for the move
+SAVED = {MERGE: "pp2-s1-fp32-ws2-extras", BOTH: "pp1-s1-fp32-ws2-extras", STAGES: "tp2pp1-s1-fp32-ws2-extras"}
+
+
+@pytest.mark.parametrize("name", sorted(SAVED))
+def test_the_files_are_deepspeeds_at_the_target_layout(ds, name):
+    """What ckptspec wrote against DeepSpeed's own save of the same model at the target layout: the same file names;
+    the layer files' and optimizer files' keys and tensor shapes; the model states' degrees, ``buffer_names`` (the
+    tie's buffer once, first), ``param_shapes`` (the tie first, under its stage name) the same."""
+    saved = SAVED[name]
+    assert scenarios.SOURCE_SPECS[saved][1] == scenarios.TP_PIPE_EXTRAS_RESHARDS[name][1]
+    conversion = ("universal", "inject_missing_state")  # what the saving job did after the save
+    same = [normalize(scenarios.source_spec(saved)), normalize(scenarios.reshard_target(name)[2])]
+    kept = [{k: v for k, v in spec.items() if k not in conversion} for spec in same]
+    assert kept[0] == kept[1]
+    ours = ds.path(name) / "resharded" / "global_step2"
+    theirs = ds.path(saved) / info(ds.path(saved))["tag"]
+    names = sorted(p.name for p in theirs.iterdir())
+    assert sorted(p.name for p in ours.iterdir()) == names
+    for file in names:
+        a, b = torch.load(theirs / file, weights_only=False), torch.load(ours / file, weights_only=False)
+        if file.startswith("layer_"):
+            assert _shapes(a) == _shapes(b), file
+        elif "model_states" in file:
+            for key in ("mp_world_size", "dp_world_size", "checkpoint_parallel_dimensions", "buffer_names", "module"):
+                assert a.get(key) == b.get(key), (file, key)
+            assert [dict(s) for s in a["param_shapes"]] == [dict(s) for s in b["param_shapes"]], file
+        else:
+            assert _shapes(a["optimizer_state_dict"]) == _shapes(b["optimizer_state_dict"]), file
