@@ -538,6 +538,13 @@ TP_PIPE_EXTRAS_RESHARDS = {
         {"tp": 1, "pp": 1, "pipe": True},
         {"tensor_parallel": 1, "pipeline_parallel": 1},
     ),
+    # the other way: DeepSpeed's tp2 x pp1 save to two stages (tp2 x pp2 at 4 ranks): the one tied module's copy on each
+    "tp2pp1-s1-fp32-ws2-extras>pp2": (
+        "tp2pp1-s1-fp32-ws2-extras",
+        4,
+        {"pp": 2, "pipe": False},
+        {"pipeline_parallel": 2},
+    ),
 }
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}

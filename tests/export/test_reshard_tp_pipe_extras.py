@@ -26,6 +26,8 @@ from safetensors.torch import load_file
 SOURCE = "tp2pp2-s1-fp32-ws4-extras"
 MERGE, STAGES, UNIVERSAL = (f"{SOURCE}>tp1", f"{SOURCE}>pp1", f"{SOURCE}>universal-tp1")
 BOTH = f"{SOURCE}>tp1-pp1"  # merged, then moved to one stage
+ONE_STAGE = "tp2pp1-s1-fp32-ws2-extras"  # DeepSpeed's save of the same model at tp2 x pp1
+REVERSE = f"{ONE_STAGE}>pp2"  # moved to two stages
 TIE, TIE_GAIN, TIE_BUFFER = "tied_modules.emb.weight", "tied_modules.emb.gain", "tied_modules.emb.seen"
 FROZEN, BUFFER = "2.up.weight", "3.running"
 # the index's extras: the frozen weight split like up.weight, the tie's gain and buffer one per layer file
@@ -34,8 +36,8 @@ EXTRAS.update({"0.seen": "buffer", "4.seen": "buffer"})
 LOGITS_SHARE = 1e-6  # fp32: the merged blocks sum in one matmul what the source summed over two tensor ranks
 
 
-def _oracles(ds):
-    return rank_oracles(ds.path(SOURCE))
+def _oracles(ds, source=SOURCE):
+    return rank_oracles(ds.path(source))
 
 
 def _global(oracle, local):
@@ -55,8 +57,8 @@ def _whole(ds):
     return out
 
 
-def _source_rank(ds, pp, tp):
-    return next(o for o in _oracles(ds) if (o["coords"]["pp"], o["coords"]["tp"]) == (pp, tp))
+def _source_rank(ds, pp, tp, source=SOURCE):
+    return next(o for o in _oracles(ds, source) if (o["coords"]["pp"], o["coords"]["tp"]) == (pp, tp))
 
 
 def _loaded(ds, name):
@@ -66,8 +68,8 @@ def _loaded(ds, name):
 
 
 def test_every_move_of_the_source_is_checked():
-    assert sorted(scenarios.TP_PIPE_EXTRAS_RESHARDS) == sorted([MERGE, STAGES, UNIVERSAL, BOTH])
-    assert all(source == SOURCE for source, *_ in scenarios.TP_PIPE_EXTRAS_RESHARDS.values())
+    assert sorted(scenarios.TP_PIPE_EXTRAS_RESHARDS) == sorted([MERGE, STAGES, UNIVERSAL, BOTH, REVERSE])
+    assert [v[0] for v in scenarios.TP_PIPE_EXTRAS_RESHARDS.values()].count(SOURCE) == 4
 
 
 def test_the_source_holds_a_tie_on_both_stages_and_tensor_ranks_a_frozen_shard_and_buffers(ds):
@@ -145,10 +147,10 @@ def _merged_expected(ds):
     return {(0, n): {k: whole[k][n] for k in ("master", "exp_avg", "exp_avg_sq")} for n in whole["master"]}
 
 
-def _kept_expected(ds):
+def _kept_expected(ds, source=SOURCE):
     """(tensor rank, global name) -> the source rank's own master and its shard of the whole moments."""
     out = {}
-    for oracle in _oracles(ds):
+    for oracle in _oracles(ds, source):
         tp = oracle["coords"]["tp"]
         for local, master in oracle["masters"].items():
             entry = {"master": master}
@@ -325,7 +327,7 @@ def _shapes(value):
 
 # DeepSpeed's own saves of the same model at each target's layout and world size: the plain pipeline's extras model
 # (EXTRAS_SPECS, PIPE_TARGET_SPECS) for the merges, its tp2 x pp1 save (TP_PIPE_EXTRAS_SPECS) for the move
-SAVED = {MERGE: "pp2-s1-fp32-ws2-extras", BOTH: "pp1-s1-fp32-ws2-extras", STAGES: "tp2pp1-s1-fp32-ws2-extras"}
+SAVED = {MERGE: "pp2-s1-fp32-ws2-extras", BOTH: "pp1-s1-fp32-ws2-extras", STAGES: ONE_STAGE, REVERSE: SOURCE}
 
 
 @pytest.mark.parametrize("name", sorted(SAVED))
@@ -353,3 +355,32 @@ def test_the_files_are_deepspeeds_at_the_target_layout(ds, name):
             assert [dict(s) for s in a["param_shapes"]] == [dict(s) for s in b["param_shapes"]], file
         else:
             assert _shapes(a["optimizer_state_dict"]) == _shapes(b["optimizer_state_dict"]), file
+
+
+def test_a_tp2_pp1_save_moved_to_two_stages_gives_each_stage_the_one_tied_modules_copy(ds):
+    """DeepSpeed's tp2 x pp1 save of the model (one tied module per tensor rank, run at layers 0 and 4) moved to
+    tp2 x pp2 (``--pipeline-parallel 2``): a real job of that layout holds each tensor rank's masters and moments as
+    the saving job held them (the tie's on both stages), the step, the frozen shard, and on both stages the one
+    module's gain and buffer (the same value in both of its layer files); its frozen parameters and buffers held noise
+    before loading."""
+    records = _loaded(ds, REVERSE)
+    _check_trainables(records, _kept_expected(ds, ONE_STAGE))
+    stages = set()
+    for r in records:
+        pp, tp = r["coords"]["pp"], r["coords"]["tp"]
+        start, stop = r["coords"]["stage_layers"]
+        source = _source_rank(ds, 0, tp, ONE_STAGE)
+        expected = {TIE_GAIN: source["module"][TIE_GAIN], TIE_BUFFER: source["buffers"][TIE_BUFFER]}
+        if start <= 2 < stop:
+            expected[FROZEN] = source["module"][FROZEN]
+        if start <= 3 < stop:
+            expected[BUFFER] = source["buffers"][BUFFER]
+        assert sorted(r["module"]) == sorted(expected), (pp, tp)
+        for local, value in expected.items():
+            assert bits_equal(r["module"][local], value), (pp, tp, local)
+        assert "0.weight" in r["master"]
+        stages.add(pp)
+    assert stages == {0, 1}
+    source_logits = logits_of(_oracles(ds, ONE_STAGE))
+    off = np.abs(logits_of(records).float().numpy() - source_logits.float().numpy()).max()
+    assert off <= LOGITS_SHARE * np.abs(source_logits.float().numpy()).max(), off
