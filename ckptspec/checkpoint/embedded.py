@@ -41,6 +41,7 @@ from .sidecar import SIDECAR_NAMES
 from .states import read_state
 
 if TYPE_CHECKING:
+    from ..format.index_models import CheckpointIndex
     from ..format.models import Manifest
 
 CLIENT_STATE_KEY = "ckptspec_manifest"
@@ -78,8 +79,8 @@ class EmbeddedCopy:
 # --------------------------------------------------------------------------- the values written
 
 
-def as_document(manifest: Manifest | dict) -> dict:
-    """A manifest as a plain document (a copy: the caller may change it)."""
+def as_document(manifest: Manifest | CheckpointIndex | dict) -> dict:
+    """A manifest (or checkpoint index) as a plain document (a copy: the caller may change it)."""
     return copy.deepcopy(manifest) if isinstance(manifest, dict) else manifest.to_dict()
 
 

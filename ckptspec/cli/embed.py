@@ -81,19 +81,6 @@ def convert(source: str, output: str, encoding: Encoding | None, input_encoding:
         click.echo(f"{output}: written ({encoding_for_output(output, encoding)}, {size} bytes)")
 
 
-def _refuse_an_index(name: str, doc) -> None:
-    from ..errors import EmbedError
-    from ..format.index_validate import is_index
-
-    if is_index(doc):
-        raise EmbedError(
-            "CK305",
-            f"{name} is a checkpoint index: embed writes the manifest of one data-parallel ZeRO checkpoint "
-            "into its model-states files, and an index (tensor/pipeline parallel, MoE, stage 0) has no such place",
-            "keep the index beside the checkpoint: `ckptspec validate INDEX --checkpoint DIR` checks the files",
-        )
-
-
 @click.command()
 @click.argument("checkpoint", metavar="CHECKPOINT")
 @click.option(
@@ -101,7 +88,7 @@ def _refuse_an_index(name: str, doc) -> None:
     "manifest_path",
     default=None,
     metavar="M",
-    help="Embed this manifest (it must describe the checkpoint) instead of generating one.",
+    help="Embed this manifest (or, for a checkpoint an index describes, this index): it must describe the checkpoint.",
 )
 @click.option("--tag", default=None, help="Tag directory (default: the one named by 'latest').")
 @click.option(
@@ -139,16 +126,20 @@ def embed(
 
     A checkpoint at an object store's URL (s3://...) takes --sidecar-only: the sidecar
     is uploaded last, as one verified object (the model-states objects are not rewritten).
+
+    A tensor/pipeline-parallel, MoE or ZeRO stage-0 checkpoint takes --sidecar-only too:
+    its checkpoint index (as `ckptspec generate` makes it) is written as the sidecar.
     """
     from ..deepspeed.embed import embed_checkpoint
+    from ..deepspeed.embed_index import files_recorded
     from ..errors import RecordMismatch
+    from ..format.index_validate import is_index
 
     try:
         manifest = None
         if manifest_path is not None:
             manifest = load_document(manifest_path)
             _check_input(manifest_path, manifest)
-            _refuse_an_index(manifest_path, manifest)
         # At a URL: the sidecar only, uploaded (without --sidecar-only: CK916, by name)
         result = embed_checkpoint(
             checkpoint,
@@ -168,7 +159,8 @@ def embed(
         click.echo(f"{path}: manifest embedded in the client state")
     codes = ", ".join(dict.fromkeys(f.code for f in result.replaced))
     again = f"; re-recorded from the files as they are now ({codes} against the previous record)" if codes else ""
-    click.echo(f"{result.sidecar}: written ({len(result.manifest['files'])} files{again})")
+    what = "checkpoint index, " if is_index(result.manifest) else ""
+    click.echo(f"{result.sidecar}: written ({what}{files_recorded(result.manifest)} files{again})")
 
 
 @click.command()
@@ -212,10 +204,10 @@ def extract(target: str, tag: str | None, output: str, encoding: Encoding | None
         fail(exc, target)
     if not copies:
         hint = "add one with `ckptspec embed CHECKPOINT`, or save with ckptspec.deepspeed.save_checkpoint"
-        if _index_kind(target, tag):  # embed refuses these: the hint must not send the user there
+        if _index_kind(target, tag):  # embed writes these only as the sidecar: the hint says so
             hint = (
-                "this kind of checkpoint carries its checkpoint index only when saved with "
-                "ckptspec.deepspeed.save_checkpoint; `ckptspec generate CHECKPOINT -o index.json` writes one"
+                "write its checkpoint index as the sidecar with `ckptspec embed CHECKPOINT --sidecar-only`, "
+                "or save with ckptspec.deepspeed.save_checkpoint"
             )
         fail(EmbedError("CK303", "no embedded manifest found", hint, target))
     disagree = agreement_findings(copies)

@@ -102,22 +102,21 @@ def reshard(
 ) -> None:
     """Write CHECKPOINT for a job of --world-size ranks (and --stage) into OUTPUT.
 
-    The source is validated first (digests included); on any error finding, or a layout reshard
-    cannot write (CK410), nothing is written and the exit code is 1. OUTPUT (new or empty) then
-    holds a DeepSpeed checkpoint the target job loads with a plain engine.load_checkpoint(OUTPUT):
-    fp32 masters, optimizer state, step, hyperparameters, loss scaler, model weights, frozen
-    parameters, buffers, LR scheduler and client state, plus `latest` and the checkpoint's format 1.1
-    manifest. A tensor- or pipeline-parallel ZeRO-1/2 checkpoint keeps its tensor and pipeline degrees:
-    --world-size / (tp x pp) data-parallel ranks, each coordinate's ZeRO partitions resharded, the
-    pipeline's layer files copied. --tensor-parallel 1 merges an AutoTP ZeRO-1/2 checkpoint for a job
-    without tensor parallelism on --world-size ranks, another degree splits it by its own AutoTP rules;
-    --pipeline-parallel N (ZeRO-1 pipelines; a tensor-parallel one keeps its tensor degree, or is merged too with
-    --tensor-parallel 1) gives the layers to N stages by --partition-method and rebuilds each stage's ZeRO groups;
-    --expert-parallel N regroups a MoE checkpoint's experts over N expert-parallel ranks. A torch DCP directory (an
-    FSDP checkpoint) is written as the ZeRO-1/2/3 checkpoint (--stage required) of a DeepSpeed job of --model-dtype.
-    Never executes pickled code; needs torch only to write the pickles, not DeepSpeed. Under torchrun (any number of
-    processes and nodes; OUTPUT on a file system they all mount) the ranks share the work: each writes every N-th
-    file, reading only what its files need, and the output is the same, byte for byte.
+    The source is validated first (digests included); on any error finding, or a layout reshard cannot write (CK410),
+    nothing is written and the exit code is 1. OUTPUT (new or empty) then holds a DeepSpeed checkpoint the target job
+    loads with a plain engine.load_checkpoint(OUTPUT): fp32 masters, optimizer state, step, hyperparameters, loss
+    scaler, model weights, frozen parameters, buffers, LR scheduler and client state, plus `latest` and the checkpoint's
+    format 1.1 manifest. A tensor- or pipeline-parallel ZeRO-1/2 checkpoint keeps its tensor and pipeline degrees:
+    --world-size / (tp x pp) data-parallel ranks, each coordinate's ZeRO partitions resharded, the pipeline's layer
+    files copied. --tensor-parallel 1 merges an AutoTP ZeRO-1/2 checkpoint for a job without tensor parallelism on
+    --world-size ranks, another degree splits it (or a tensor-parallel pipeline) by its own saved rules;
+    --pipeline-parallel N (ZeRO-1 pipelines; a tensor-parallel one keeps its tensor degree, or is merged or split too
+    with --tensor-parallel) gives the layers to N stages by --partition-method and rebuilds each stage's ZeRO groups;
+    --expert-parallel N regroups a MoE checkpoint's experts over N expert-parallel ranks. A torch DCP directory (an FSDP
+    checkpoint) is written as the ZeRO-1/2/3 checkpoint (--stage required) of a DeepSpeed job of --model-dtype. Never
+    executes pickled code; needs torch only to write the pickles, not DeepSpeed. Under torchrun (any number of processes
+    and nodes; OUTPUT on a file system they all mount) the ranks share the work: each writes every N-th file, reading
+    only what its files need, and the output is the same, byte for byte.
     """
     from ..export.api import reshard as run
 
@@ -143,7 +142,8 @@ def reshard(
         return
     click.echo(
         f"{result.output}: {result.tag} resharded from {result.source_world_size} to {result.world_size} ranks "
-        f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with engine.load_checkpoint('{output}')"
+        f"(ZeRO stage {result.zero_stage}): {len(result.files)} files; resume with "
+        + result.resume_with.format(output=output)
     )
     echo_split(shares)
 

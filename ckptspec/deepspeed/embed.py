@@ -22,14 +22,15 @@ from ..checkpoint.embedded import (
 from ..checkpoint.pt_rewrite import rewritten_pt
 from ..checkpoint.sidecar import sidecar_commit
 from ..checkpoint.states import StateCache
-from ..errors import CkptspecError, InputOutputError
 from ..findings import Finding
 from ..format.codec import Encoding
 from ..format.models import Manifest
 from ..location import is_remote
 from .check.recorded import check_records, recorded_manifests
 from .describe.zero import describe_files, manifest_from_states
-from .embed_steps import REHASH_HINT, check_completed, digested_sections, embedded_document
+from .embed_index import refuse_model_states, write_index_sidecar
+from .embed_steps import REHASH_HINT, check_completed, digested_sections, embedded_document, write_failed
+from .kinds import needs_index
 from .layout.tag_dir import ShardSet, resolve_tag_dir, scan_tag_dir
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class EmbedResult:
-    manifest: dict  # the complete manifest written as the sidecar
+    manifest: dict  # the complete manifest (or checkpoint index) written as the sidecar
     sidecar: Path
     model_states: list[Path]  # files whose client state now holds the layout manifest
     replaced: list[Finding] = field(default_factory=list)  # rehash: how the files differed from the old record
@@ -55,6 +56,9 @@ def embed_checkpoint(
     rehash: bool = False,
 ) -> EmbedResult | SidecarUploaded:
     """Add a manifest to an existing DeepSpeed checkpoint: model-states client state, then the sidecar.
+
+    A checkpoint a checkpoint index describes (tensor/pipeline parallel, MoE, stage 0) gets its index as the sidecar
+    only (``embed_index.py``; ``model_states`` is refused for it, CK202); ``manifest`` may then be its index.
 
     ``manifest`` (valid, already checked by the caller) is used when given; it must describe
     this checkpoint's layout (CK304 otherwise). Without it the manifest is generated from the
@@ -83,6 +87,11 @@ def embed_checkpoint(
         )
     tag_dir = resolve_tag_dir(checkpoint, tag)
     assert isinstance(tag_dir, Path)  # a URL went to embed_at_url just above
+    if needs_index(tag_dir):  # tensor/pipeline parallel, MoE, stage 0: its checkpoint index, as the sidecar only
+        if model_states:
+            raise refuse_model_states(tag_dir, str(checkpoint))
+        index, sidecar, replaced = write_index_sidecar(tag_dir, manifest, hash_algorithm, encoding, rehash)
+        return EmbedResult(index, sidecar, [], replaced)
     given = manifest
     shards = scan_tag_dir(tag_dir)
     states = StateCache()  # each file is read once, here
@@ -111,22 +120,13 @@ def embed_checkpoint(
             for tmp, _ in renames:
                 tmp.unlink(missing_ok=True)
             if isinstance(exc, OSError):
-                raise _write_failed(exc, tag_dir) from None
+                raise write_failed(exc, tag_dir) from None
             raise
         try:  # model states first, the sidecar last: it marks the checkpoint complete
             commit(tag_dir, renames + sidecar_renames, removals)
         except OSError as exc:
-            raise _write_failed(exc, tag_dir) from None
+            raise write_failed(exc, tag_dir) from None
     return EmbedResult(complete, sidecar_renames[0][1], [final for _, final in renames], replaced)
-
-
-def _write_failed(exc: OSError, tag_dir: Path) -> CkptspecError:
-    return InputOutputError(
-        "CK906",
-        f"cannot write: {exc.strerror or exc}",
-        "check free space and permissions; an interrupted embed is finished by the next one",
-        str(tag_dir),
-    )
 
 
 def _described(shards, stage: int, hash_algorithm, states: StateCache, renames, target: Manifest | None) -> list:

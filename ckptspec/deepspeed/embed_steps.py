@@ -4,6 +4,7 @@ URL (``embed_url.py``), so that both record the same manifest for the same check
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from ..checkpoint.embedded import (
     NOT_LAYOUT,
@@ -13,7 +14,8 @@ from ..checkpoint.embedded import (
     read_client_state_copy,
 )
 from ..checkpoint.states import StateCache
-from ..errors import EmbedError
+from ..errors import CkptspecError, EmbedError, InputOutputError
+from ..format.index_validate import is_index, validate_index_document
 from ..format.models import Manifest
 from ..format.tolerant import from_document
 from ..format.validate import validate_document
@@ -47,22 +49,40 @@ def embedded_document(
             return derived
         manifest = embedded[0].document
     doc = as_document(manifest)
+    if is_index(doc):
+        raise another_kind("a checkpoint index", "ZeRO data-parallel checkpoint (a format 1.x manifest)", tag_dir)
     ignore = NOT_LAYOUT + ("excluded",)  # the files cannot know exclude_frozen_parameters' names, nor the producer
-    diff = first_difference(
+    layout_agrees(
         {k: v for k, v in derived.items() if k not in ignore},
         {k: v for k, v in doc.items() if k not in ignore},
-        lenient=True,
+        tag_dir,
     )
+    return doc
+
+
+def layout_agrees(on_disk: dict, given: dict, tag_dir) -> None:
+    """CK304 at the first place the layout the files give differs from the one given (keys on one side only are
+    not compared)."""
+    diff = first_difference(on_disk, given, lenient=True)
     if diff:
-        where, on_disk, in_manifest = diff
+        where, says, in_manifest = diff
         raise EmbedError(
             "CK304",
-            f"the manifest does not describe this checkpoint: at {where} the files say {on_disk}, "
+            f"the manifest does not describe this checkpoint: at {where} the files say {says}, "
             f"the manifest {in_manifest}",
             "embed the manifest of this checkpoint, or omit --manifest to generate it",
             str(tag_dir),
         )
-    return doc
+
+
+def another_kind(given: str, checkpoint: str, tag_dir) -> EmbedError:
+    """CK304 for a document of the other kind: a checkpoint index given for a plain ZeRO checkpoint, or the reverse."""
+    return EmbedError(
+        "CK304",
+        f"the manifest given is {given}, but this is a {checkpoint}",
+        "embed the manifest of this checkpoint, or omit --manifest to generate it",
+        str(tag_dir),
+    )
 
 
 def digested_sections(
@@ -81,8 +101,8 @@ def digested_sections(
 
 
 def check_completed(complete: dict, where) -> None:
-    """CK304 when the manifest about to be written is not valid."""
-    report = validate_document(complete)
+    """CK304 when the manifest (or checkpoint index) about to be written is not valid."""
+    report = validate_index_document(complete) if is_index(complete) else validate_document(complete)
     if not report.ok:
         first = next(f for f in report.findings if f.severity == "error")
         raise EmbedError(
@@ -91,3 +111,13 @@ def check_completed(complete: dict, where) -> None:
             "check the manifest with `ckptspec validate`",
             str(where),
         )
+
+
+def write_failed(exc: OSError, tag_dir: Path) -> CkptspecError:
+    """CK906 for a write into the tag directory that failed (the journal lets the next embed finish a commit)."""
+    return InputOutputError(
+        "CK906",
+        f"cannot write: {exc.strerror or exc}",
+        "check free space and permissions; an interrupted embed is finished by the next one",
+        str(tag_dir),
+    )

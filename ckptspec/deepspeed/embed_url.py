@@ -33,13 +33,15 @@ from ..location import RemotePath, upload, writable
 from ..location.store import store_for
 from .check.recorded import check_records, recorded_manifests
 from .describe.zero import describe_files, manifest_from_states
+from .embed_index import checked_index
 from .embed_steps import REHASH_HINT, check_completed, digested_sections, embedded_document
+from .kinds import needs_index
 from .layout.tag_dir import resolve_tag_dir, scan_tag_dir
 
 
 @dataclass
 class SidecarUploaded:
-    manifest: dict  # the complete manifest, the sidecar's bytes decoded
+    manifest: dict  # the complete manifest (or checkpoint index), the sidecar's bytes decoded
     sidecar: str  # its URL
     replaced: list[Finding] = field(default_factory=list)  # rehash: how the files differed from the old record
     model_states: list[Path] = field(default_factory=list)  # none: a URL's model states are not rewritten
@@ -86,7 +88,10 @@ def sidecar_manifest(
     tag_dir: Path | RemotePath, manifest: Manifest | dict | None, hash_algorithm: str | None, rehash: bool
 ) -> tuple[dict, list[Finding]]:
     """The complete manifest ``embed --sidecar-only`` writes for ``tag_dir`` (reads only), and what ``rehash``
-    re-recorded (``check_records``): ``embed_checkpoint``'s steps (embed_steps.py), without its rewrites."""
+    re-recorded (``check_records``): ``embed_checkpoint``'s steps (embed_steps.py), without its rewrites. A checkpoint
+    a checkpoint index describes: its index (``embed_index.py``)."""
+    if needs_index(tag_dir):
+        return checked_index(tag_dir, manifest, hash_algorithm, rehash)
     shards = scan_tag_dir(tag_dir)
     states = StateCache()  # each file is read once, here
     described = manifest_from_states(shards, states)

@@ -205,6 +205,10 @@ def whole_plan(
     # Buffers and ties a domain whose index locates its masters names (stage 0, MoE's dense domain, a
     # universal folder): its names are the whole model's.
     located_apart = {d.id for d in index.domains if d.masters is not None}
+    # An AutoTP job at stage 0 saves a copy of every buffer in each tensor rank's file: the copies (compared by
+    # check_replicas, CK401), the first tensor rank's taken
+    copies: dict[str, list[tuple[Shard, TensorSource]]] = {}
+    tensor_copies = index.topology.degrees.tensor > 1 and located_apart == {d.id for d in index.domains}
     for domain_id, plan in domain_plans.items():
         if domain_id not in located_apart:
             continue
@@ -213,14 +217,31 @@ def whole_plan(
                 aliases[name] = plan.aliases[name]
             elif plan.sources[name].role == "trainable":
                 continue
+            elif name in copies:
+                copies[name].append((_copy(domain_id, plan.sources[name], False), plan.sources[name]))
+                continue
             elif name in sources:
                 raise ReconstructMismatch(f"{name!r} names two tensors of the whole model", tag_dir)
             else:
                 sources[name] = plan.sources[name]
+                if tensor_copies:
+                    copies[name] = [(_copy(domain_id, plan.sources[name], True), plan.sources[name])]
             order.append(name)
     whole = IndexReconstructionPlan(tag_dir, sources, aliases, order, index=index, domain_plans=domain_plans)
     whole.extra_shards = {name: shards for name, (_, shards) in (extras or {}).items()}
+    whole.extra_shards.update({name: shards for name, shards in copies.items() if len(shards) > 1})
     return whole
+
+
+def _copy(domain_id: str, source: TensorSource, primary: bool) -> Shard:
+    """A whole copy of ``source`` that domain ``domain_id`` holds under its own name."""
+    return Shard(
+        domain=domain_id,
+        local_name=source.name,
+        local_shape=list(source.shape),
+        placement="replicated",
+        primary=primary,
+    )
 
 
 def replicas(param: IndexParameter, domain_plans: dict[str, ReconstructionPlan]) -> list[tuple[Shard, TensorSource]]:

@@ -52,6 +52,9 @@ class ReshardResult:
     world_size: int
     zero_stage: int
     files: list[Path | RemotePath]
+    # How a job resumes the output ({output}: where it was written). DeepSpeed 0.19.8's load_checkpoint fails on a
+    # stage-0 bf16 pipeline's optimizer state (KeyError: 0, on its own save too); its ZeRO reader loads it.
+    resume_with: str = "engine.load_checkpoint('{output}')"
 
 
 def reshard(

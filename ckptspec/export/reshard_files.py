@@ -153,11 +153,14 @@ def write_files(
     mp_rank: int | None = None,
     model_changes: dict | None = None,
     source: SourceOptimizer | None = None,
+    optimizer_in_model_states: bool = False,
 ) -> list[Path]:
     """``changes``: the target's tensor degree differs (``reshard_tensor``); ``found`` then is the target's
     whole-model manifest. ``mp_rank``: the model-parallel rank of the written files' names (another pipeline
     stage's, issue #40), ``model_changes``: model-states entries replaced (``mp_world_size``...). ``source``:
-    the optimizer entries of a source without ZeRO-1/2 optimizer files (``reshard_stage0_source``)."""
+    the optimizer entries of a source without ZeRO-1/2 optimizer files (``reshard_stage0_source``).
+    ``optimizer_in_model_states``: the model states' ``optimizer`` is a copy of rank 0's optimizer state dict, as
+    a stage-0 bf16 pipeline saves it (``reshard_pipeline_stage0``)."""
     src_dir = plan.tag_dir
     config = changes.config if changes is not None else (lambda value: value)
     if source is None:
@@ -192,6 +195,10 @@ def write_files(
             doc.update({k: v for k, v in changes.set_keys.items() if k not in doc})  # saved last, as DeepSpeed does
             doc["ds_config"] = config(doc["ds_config"])
         doc = {**doc, **(model_changes or {})}
+        if optimizer_in_model_states:
+            doc["optimizer"] = _optimizer_state_dict(
+                found, source, read, target, 0, masters, state_plan, master_dtype, files
+            )
         # the low-precision group buffers a chunk at a time; torch.save's bytes (shapes as tuples)
         # mp_rank_XX_model_states.pt (a stage-3 source's name has a zero_pp_rank_R_ prefix)
         name = _with_mp_rank(model.name[model.name.index("mp_rank_") :], mp_rank)
@@ -348,12 +355,12 @@ def _optimizer_state_dict(found, source, read, target, rank, masters, state_plan
     states = {}
     for g, group in enumerate(target.groups):
         entry = {}
-        for key in source.state_keys.get(g, ()):
+        for key, value in source.group_scalars.get(g, {}).items():  # step...: as saved (equal on every rank)
+            entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
+        for key in source.state_keys.get(g, ()):  # after step, in torch's order (Adam makes step first)
             sources = {p.name: state_plan.sources[state_plan.states[p.name][key]] for p in group.params}
             dtype = next(iter(sources.values())).dtype if sources else "float32"
             entry[key] = lazy_partition(group, rank, sources, dtype, files)
-        for key, value in source.group_scalars.get(g, {}).items():  # step...: as saved (equal on every rank)
-            entry[key] = ds_pickle.copied(ds_pickle.from_standins(value, read))
         states[g] = entry
     masters_out = [  # tail padding dropped, as DeepSpeed saves the masters
         lazy_partition(group, rank, masters, master_dtype, files, group.saved_numels[rank]) for group in target.groups

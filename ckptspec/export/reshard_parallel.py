@@ -38,12 +38,15 @@ from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
 from .reshard_moe_stage0 import write_moe_stage0
 from .reshard_pipeline import pipeline_target, write_stages
+from .reshard_pipeline_stage0 import PIPELINE_STAGE0_RESUME, is_pipeline_stage0_target, plan_pipeline_stage0
 from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage3 import write_stage3_files
 from .reshard_tensor import all_zero3_partitions, plan_tensor_merge, refuse_unpartitioned
 from .reshard_tensor_split import plan_tensor_split
+from .reshard_tensor_stage0 import is_autotp_stage0, plan_autotp_stage0
 from .reshard_tp_pipeline import plan_tensor_pipeline_merge
+from .reshard_tp_pipeline_split import plan_tensor_pipeline_split, refuse_split_and_stages
 from .reshard_tp_pipeline_stages import is_tensor_pipeline, plan_tensor_pipeline_stages, refuse_merge_and_stages
 
 
@@ -98,7 +101,33 @@ def reshard_model_parallel(
                     "leave --expert-parallel out: it regroups a MoE checkpoint's experts",
                 )
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
-            if splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
+            if is_pipeline_stage0_target(found, zero_stage):  # a stage-0 bf16 pipeline job's files
+                writes = plan_pipeline_stage0(
+                    found,
+                    src_dir,
+                    plans,
+                    states,
+                    world_size,
+                    pipeline_parallel,
+                    partition_method,
+                    reshard_model_parallel,
+                )
+                merged_layers = pipeline_parallel not in (None, degrees.pipeline)  # the restage writes them
+            elif is_autotp_stage0(found):  # AutoTP at stage 0: each tensor rank as ZeRO, at its degree, merged or split
+                stage0_args = (world_size, zero_stage, tensor_parallel, sub_group_size)
+                writes = plan_autotp_stage0(found, src_dir, plans, states, *stage0_args)  # type: ignore[arg-type]
+                if tensor_parallel == 1:  # merged: one data-parallel checkpoint, validated as such
+                    merge, writes = writes[0], None
+            elif splitting and is_tensor_pipeline(found):  # each stage's tensor ranks cut anew (then moved: restage)
+                merged_layers = True
+                split_world: int = world_size
+                if pipeline_parallel not in (None, degrees.pipeline):  # split at the source's stages, then moved
+                    refuse_split_and_stages(found, world_size, tensor_parallel, pipeline_parallel, partition_method)  # type: ignore[arg-type]
+                    restage = pipeline_parallel
+                    split_world = tensor_parallel * degrees.pipeline  # type: ignore[operator]  # one data rank
+                args = (found, src_dir, plans, states, split_world, zero_stage, tensor_parallel)
+                writes = [plan_tensor_pipeline_split(*args)]  # type: ignore[arg-type]
+            elif splitting:  # another tensor degree: each tensor rank's shards cut from the whole model
                 degree: int = tensor_parallel  # type: ignore[assignment]  # splitting: an int
                 split_args = (world_size, zero_stage, degree, sub_group_size)
                 writes = plan_tensor_split(found, src_dir, plans, states, *split_args)  # type: ignore[arg-type]
@@ -196,15 +225,17 @@ def reshard_model_parallel(
         # the written ZeRO stage: the plan's, whichever way it was planned
         (merge or (writes and writes[0]) or moe or stages or next(iter(targets.values()))).zero_stage,
         [written_to / src_dir.name / f.name for f in files],
+        *([PIPELINE_STAGE0_RESUME] if is_pipeline_stage0_target(found, zero_stage) else []),
     )
 
 
 def _merge_then_restage(
     merge, states, tmp: Path, tag: str, world_size: int, zero_stage, stages: int, partition_method
 ) -> list[Path]:
-    """A tensor pipeline's merge (at its stages) written to a temporary directory in ``tmp`` (the output's staging
-    directory: its file system), then resharded to ``stages`` stages there (``reshard_tp_pipeline_stages``'s module
-    docstring); the result's files moved into ``tmp / tag``, the temporary directory removed before the commit."""
+    """A tensor pipeline's merge or split (at its stages) written to a temporary directory in ``tmp`` (the output's
+    staging directory: its file system), then resharded to ``stages`` stages there (``reshard_tp_pipeline_stages``'s
+    module docstring); the result's files moved into ``tmp / tag``, the temporary directory removed before the
+    commit."""
     tag_dir = tmp / tag
     with tempfile.TemporaryDirectory(prefix=".tp-merged-", dir=tmp) as mid:
         merged, moved = Path(mid) / "merged", Path(mid) / "moved"

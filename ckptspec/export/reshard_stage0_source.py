@@ -99,6 +99,9 @@ def _domain_write(
     return DataParallelTarget(manifest, plan, state_plan, target, changes, source)
 
 
+stage0_domain_write = _domain_write  # an AutoTP stage-0 source's tensor ranks, each (reshard_tensor_stage0)
+
+
 def stage0_optimizer(
     tag_dir: Path, domain: Domain, states: StateCache, moments: list[str], zero_stage: int
 ) -> SourceOptimizer:

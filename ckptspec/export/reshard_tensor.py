@@ -79,6 +79,7 @@ class DataParallelTarget:
                 self.sub_group_size,
                 self.changes,
                 self.mp_rank,
+                source=self.source,
             )
         return write_files(
             self.manifest,
@@ -116,7 +117,7 @@ def plan_tensor_merge(
         module=module,
         set_keys={"mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}},
         drop_keys=AUTOTP_ONLY_KEYS,
-        config=_without_tensor_parallel,
+        config=without_tensor_parallel,
     )
     state_plan = whole.optimizer_state_plan()
     return DataParallelTarget(manifest, whole, state_plan, target, changes, sub_group_size=sub_group_size)
@@ -226,7 +227,7 @@ def _merged_module(
     return out
 
 
-def _without_tensor_parallel(config: Any) -> Any:
+def without_tensor_parallel(config: Any) -> Any:
     """The saved ``ds_config`` as a job without tensor parallelism's: no ``tensor_parallel`` section."""
     if isinstance(config, dict):
         return {k: v for k, v in config.items() if k != "tensor_parallel"}

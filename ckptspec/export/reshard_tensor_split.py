@@ -50,7 +50,7 @@ def plan_tensor_split(
     refuse_unmergeable(index, world_size)
     _refuse_indivisible_world(world_size, degree)
     manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
-    axes = _split_axes(index, extras, degree)
+    axes = split_axes(index, extras, degree)
     state_plan = whole.optimizer_state_plan()
     writes = split_writes(manifest, whole, state_plan, module, axes, world_size, zero_stage, degree, sub_group_size)
     return _refused_at_stage0(writes, whole, states)
@@ -201,7 +201,7 @@ def split_writes(
     return writes
 
 
-def _split_axes(index: CheckpointIndex, extras, degree: int) -> dict[str, int]:
+def split_axes(index: CheckpointIndex, extras, degree: int) -> dict[str, int]:
     """name -> the axis AutoTP splits it along (absent: replicated), from the source's placements: the parameters',
     and the frozen parameters' and buffers' (``extras``: name -> (shape, shards))."""
     placed = [(p.name, list(p.shape), [s for s in p.shards]) for p in index.parameters]

@@ -47,9 +47,10 @@ from .reshard_pipeline_layers import check_tied_copies
 from .reshard_source import source_optimizer
 from .reshard_stage0_source import is_stage0_source
 from .reshard_tensor import whole_model
+from .reshard_tensor_stage0 import is_autotp_stage0
 from .reshard_tp_pipeline import universal_entries, whole_stages
 from .universal_moe import moe_parts
-from .universal_stage0 import stage0_parts
+from .universal_stage0 import autotp_stage0_parts, stage0_parts
 from .universal_tp_stage3 import is_tp_stage3, tp_stage3_part, write_tp_stage3
 
 
@@ -83,6 +84,9 @@ def _writer(index: CheckpointIndex, src_dir: Path, states: StateCache):
     if is_tp_stage3(index):
         part = tp_stage3_part(index, src_dir, states)
         return functools.partial(write_tp_stage3, part, states)
+    if is_autotp_stage0(index):  # the whole model, every tensor rank's model states
+        parts, copies = autotp_stage0_parts(index, src_dir, states)
+        return lambda tmp: write_folder(parts, states, tmp, copies)
     if is_stage0_source(index) and not index.expert_files:  # each part's model-states file
         return functools.partial(write_folder, stage0_parts(index, src_dir, states), states)
     parts, entries = _parts(index, src_dir, states)

@@ -100,6 +100,17 @@ def swap_tp_optimizer_files(save_dir: Path, env: FaultEnv) -> None:
     torch.save(state_a, b)
 
 
+def swap_tp_stage0_model_files(save_dir: Path, env: FaultEnv) -> None:
+    """An AutoTP stage-0 checkpoint's two model-states files (tensor ranks 0 and 1) renamed to each other's names:
+    same keys, shapes and sizes, each file's masters and weights still agree; the archive name inside each zip is
+    the other file's."""
+    a, b = (tag_dir(save_dir) / f"mp_rank_{tp:02d}_model_states.pt" for tp in (0, 1))
+    tmp = a.with_name("swap.tmp")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+
+
 PARALLEL_FAULTS = [
     Fault(
         "missing-tp-rank",
@@ -196,6 +207,15 @@ PARALLEL_FAULTS = [
         "CK235",
         "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
         swap_tp_optimizer_files,
+    ),
+    Fault(
+        "swapped-tp-stage0-model-files",
+        "tp2-s0-bf16-ws2",
+        "AutoTP tp2 at ZeRO stage 0: the two tensor ranks' model-states files (each its shards' masters, moments and "
+        "weights) swapped by renaming; re-saved under each other's names instead, nothing tells them apart",
+        "CK210",
+        "mp_rank_00_model_states.pt",
+        swap_tp_stage0_model_files,
     ),
     Fault(
         "tp-rank-of-another-save",

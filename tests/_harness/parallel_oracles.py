@@ -20,6 +20,33 @@ def rank_oracles(entry: Path) -> list[dict]:
     return [torch.load(entry / f"oracle.rank{r}.pt", weights_only=True) for r in range(info(entry)["world_size"])]
 
 
+def gathered_whole(entry: Path) -> dict:
+    """A tensor-parallel pipeline job's whole masters, Adam moments and module, as its ranks gathered them over their
+    tensor groups (job/tp_layers.py): "master", "exp_avg", "exp_avg_sq", "module" -> global name -> tensor (every
+    holder's the same, bit for bit)."""
+    out: dict = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
+    for oracle in rank_oracles(entry):
+        values = {"master": oracle["whole_masters"], "module": oracle["whole_module"], **oracle["whole_moments"]}
+        for key, by_name in values.items():
+            for n, v in by_name.items():
+                assert n not in out[key] or bits_equal(out[key][n], v), (key, n)
+                out[key][n] = v
+    return out
+
+
+def structure(value, dtypes: bool = True):
+    """A saved file's structure: its keys, nesting and tensor shapes (and dtypes: ``dtypes``), values aside."""
+    import torch
+
+    if torch.is_tensor(value):
+        return ("tensor", tuple(value.shape), str(value.dtype) if dtypes else None)
+    if isinstance(value, dict):
+        return {k: structure(v, dtypes) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [structure(v, dtypes) for v in value]
+    return type(value).__name__
+
+
 def bits_equal(a, b) -> bool:
     import torch
 

@@ -209,16 +209,39 @@ TP_PIPE_EXTRAS_SPECS = {
 # DeepSpeed's own save of the AutoTP MLP at ZeRO stage 0 (issue #40): what the AutoTP stage-0 targets of
 # DEGREE_RESHARDS are compared with (tests/export/test_reshard_stage0.py), in the AutoTP training launch. Not in
 # PARALLEL (no +again, universal or hook entries).
-AUTOTP_STAGE0_SPECS = {"tp2-s0-bf16-ws2": ({"tp": 2, "stage": 0, "dtype": "bf16"}, 2)}
+AUTOTP_STAGE0_SPECS = {
+    "tp2-s0-bf16-ws2": ({"tp": 2, "stage": 0, "dtype": "bf16"}, 2),
+    # with the MLP's two buffers (each tensor rank's file holds its own copy), converted by ds_to_universal too (which
+    # fails on it): the source of the AutoTP stage-0 moves to ZeRO (DEGREE_RESHARDS; test_reshard_from_autotp_stage0.py)
+    "tp2-s0-bf16-ws2-buffers": ({"tp": 2, "stage": 0, "dtype": "bf16", "buffers": True, **_UC}, 2),
+    # with a frozen weight AutoTP splits and a frozen bias it leaves whole: what reshard refuses to write as ZeRO
+    "tp2-s0-bf16-ws2-frozen": ({"tp": 2, "stage": 0, "dtype": "bf16", "frozen": True}, 2),
+}
+# DeepSpeed's own save of the bf16 pipeline at stage 0 (BF16_Optimizer) at pp2 x dp2 (issue #40): what the pp2 x dp2
+# stage-0 targets of DEGREE_RESHARDS are compared with, file for file (tests/export/test_reshard_pipeline_stage0.py;
+# the pp2 x dp1 ones with pp2-s0-bf16-ws2), in the pipeline family's world-size-4 launch. Not in PARALLEL (no +again,
+# universal or hook entries).
+PIPE_STAGE0_SPECS = {
+    "pp2dp2-s0-bf16-ws4": ({"pp": 2, "stage": 0, "dtype": "bf16"}, 4),
+    # fp32 at stage 0: no BF16_Optimizer (the torch optimizer's state in each stage's model states), what
+    # ``reshard --stage 0`` refuses for fp32 pipelines (not written yet), in the pipeline family's world-size-2 launch
+    "pp2-s0-fp32-ws2": ({"pp": 2, "stage": 0, "dtype": "fp32"}, 2),
+}
 # The same PipelineModule at one stage, tp2 x pp1 (``pipe``): what DeepSpeed writes at the layout
 # ``reshard --pipeline-parallel 1`` writes of a tp2 x pp2 checkpoint (TP_PIPE_STAGE_RESHARDS), file for file.
 TP_PIPE_ONE_SPECS = {"tp2pp1-s1-fp32-ws2": ({"tp": 2, "pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 2)}
+# The same PipelineModule at tp4 x pp1 (``pipe``, 4 ranks): what DeepSpeed writes at the layout ``reshard
+# --tensor-parallel 4`` writes of the tp2 sources (TP_PIPE_SPLITS), file for file; in the pipeline family's
+# world-size-4 launch.
+TP_PIPE_FOUR_SPECS = {"tp4pp1-s1-fp32-ws4": ({"tp": 4, "pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 4)}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
     **TP_PIPE_SPECS,
     **TP_PIPE_EXTRAS_SPECS,
     **TP_PIPE_ONE_SPECS,
+    **TP_PIPE_FOUR_SPECS,
     **AUTOTP_STAGE0_SPECS,
+    **PIPE_STAGE0_SPECS,
     **ZERO3_EXTRAS_SPECS,
     **PARALLEL_SPECS,
     **EXTRAS_SPECS,
@@ -381,6 +404,20 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     # a bf16 pipeline at stage 0 (BF16_Optimizer) -> ZeRO-1, pp2 x dp1 and pp2 x dp2
     "pp2-s0-bf16-ws2>s1": ("pp2-s0-bf16-ws2", 2, {"stage": 1}, {"stage": 1}),
     "pp2-s0-bf16-ws2>s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"stage": 1}),
+    # a bf16 pipeline written for a stage-0 pipeline job (BF16_Optimizer's files, reshard_pipeline_stage0.py): ZeRO-1
+    # pp2 x dp1 -> pp2 x dp1 and pp2 x dp2 -> pp2 x dp1 at stage 0; the stage-0 pp2 x dp1 save -> pp2 x dp2 (no --stage:
+    # it keeps its stage); ZeRO-1 pp2 -> pp3 (uniform) at stage 0 (restaged at ZeRO-1 first), and the stage-0 pp2 save
+    # -> pp3 (written as ZeRO-1 first, then restaged)
+    "pp2-s1-bf16-ws2>s0": ("pp2-s1-bf16-ws2", 2, _S0, _S0),
+    "pp2dp2-s1-bf16-ws4>s0-ws2": ("pp2dp2-s1-bf16-ws4", 2, _S0, _S0),
+    "pp2-s0-bf16-ws2>ws4": ("pp2-s0-bf16-ws2", 4, {}, {}),
+    "pp2-s1-bf16-ws2>pp3-s0": (
+        "pp2-s1-bf16-ws2",
+        3,
+        {"pp": 3, **_S0},
+        {"pipeline_parallel": 3, "partition_method": "uniform", **_S0},
+    ),
+    "pp2-s0-bf16-ws2>pp3": ("pp2-s0-bf16-ws2", 3, {"pp": 3}, {"pipeline_parallel": 3, "partition_method": "uniform"}),
     # the same through ckptspec's universal folder (export-universal), loaded with load_universal: DeepSpeed's
     # ds_to_universal refuses stage 0
     "s0-fp32-ws2>universal-s2": ("s0-fp32-ws2", 2, {"stage": 2}, {"export_universal": True}),
@@ -436,6 +473,32 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s3-bf16-ws2>tp4-s0": ("tp2-s3-bf16-ws2", 4, {"tp": 4, **_S0}, {"tensor_parallel": 4, **_S0}),
     "tp2-s3-bf16-ws2>tp1-s0": ("tp2-s3-bf16-ws2", 2, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
     "tp2-s1-fp32-ws2>tp1-s0-ws3": ("tp2-s1-fp32-ws2", 3, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
+    # an AutoTP checkpoint saved at stage 0 -> ZeRO-1/2 (reshard_tensor_stage0.py): at its tensor degree (tp2 x dp1
+    # ZeRO-1, tp2 x dp2 ZeRO-2), merged (tp1 x dp2 ZeRO-2), split (tp4 x dp1 ZeRO-1), and through ckptspec's universal
+    # folder (tp2 x dp1 ZeRO-1; DeepSpeed's ds_to_universal fails on the source), in those layouts' launches
+    "tp2-s0-bf16-ws2-buffers>s1": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 1}, {"stage": 1}),
+    "tp2-s0-bf16-ws2-buffers>s2-ws4": ("tp2-s0-bf16-ws2-buffers", 4, {"stage": 2}, {"stage": 2}),
+    "tp2-s0-bf16-ws2-buffers>tp1-s2": (
+        "tp2-s0-bf16-ws2-buffers",
+        2,
+        {**_TP1, "stage": 2},
+        {"tensor_parallel": 1, "stage": 2},
+    ),
+    "tp2-s0-bf16-ws2-buffers>tp4-s1": (
+        "tp2-s0-bf16-ws2-buffers",
+        4,
+        {"tp": 4, "stage": 1},
+        {"tensor_parallel": 4, "stage": 1},
+    ),
+    "tp2-s0-bf16-ws2-buffers>universal-s1": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 1}, {"export_universal": True}),
+    # ... and for ZeRO-3 jobs: tp2 x dp1, and merged (tp1 x dp2), in the ZeRO-3 launches of those layouts
+    "tp2-s0-bf16-ws2-buffers>s3": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 3}, {"stage": 3}),
+    "tp2-s0-bf16-ws2-buffers>tp1-s3": (
+        "tp2-s0-bf16-ws2-buffers",
+        2,
+        {**_TP1, "stage": 3},
+        {"tensor_parallel": 1, "stage": 3},
+    ),
     # a MoE for a stage-0 MoE job (reshard_moe_stage0.py): each expert-parallel rank's optimizer file, the dense
     # module and rank 0's optimizer in the model states; from ZeRO-1/2 (edp 2 -> stage 0 at ws2) and from stage 0
     "moe-ep2-s1-fp32-ws2>s0": ("moe-ep2-s1-fp32-ws2", 2, _S0, _S0),
@@ -513,6 +576,18 @@ TP_PIPE_STAGE_RESHARDS = {
         {"tensor_parallel": 1, "pipeline_parallel": 1},
     ),
 }
+# A tensor-parallel pipeline at another tensor degree (issue #40, ``--tensor-parallel 4``): from tp2 x pp1 (fp32) at
+# its stages, and from tp2 x pp2 (fp32, bf16) to one stage too (``--pipeline-parallel 1``), loaded by a tp4 x pp1 job
+# (4 ranks: one launch, one set of degrees), which also loads ds_to_universal's folder of a tp2 x pp2 source; and the
+# tp4 x pp1 save to tp2. Compared with what the source gathered (tests/export/test_reshard_tp_pipe_split.py).
+_TP4 = {"tp": 4, "pp": 1, "pipe": True}
+TP_PIPE_SPLITS = {
+    "tp2pp1-s1-fp32-ws2>tp4": ("tp2pp1-s1-fp32-ws2", 4, _TP4, {"tensor_parallel": 4}),
+    "tp2pp2-s1-fp32-ws4>tp4-pp1": ("tp2pp2-s1-fp32-ws4", 4, _TP4, {"tensor_parallel": 4, "pipeline_parallel": 1}),
+    "tp2pp2-s1-bf16-ws4>tp4-pp1": ("tp2pp2-s1-bf16-ws4", 4, _TP4, {"tensor_parallel": 4, "pipeline_parallel": 1}),
+    # fewer tensor ranks: DeepSpeed's tp4 save to tp2 (in the tp2 x pp1 optim launch of TP_PIPE_STAGE_RESHARDS)
+    "tp4pp1-s1-fp32-ws4>tp2": ("tp4pp1-s1-fp32-ws4", 2, {"tp": 2}, {"tensor_parallel": 2}),
+}
 # The extras source's moves (TP_PIPE_EXTRAS_SPECS; tests/export/test_reshard_tp_pipe_extras.py): merged (tp1 x pp2, the
 # plain pipeline's extras model, in the pipeline optim launch of its degrees), at one stage keeping tp2 (tp2 x pp1),
 # both (tp1 x pp1), exported (ckptspec's universal folder loaded by a tp1 x pp2 job). Each target job also loads
@@ -553,7 +628,7 @@ RESHARD_SOURCES = sorted(
 
 def reshard_target(name: str) -> tuple[str, int, dict]:
     """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS, DEGREE_RESHARDS,
-    TP_PIPE_RESHARDS or TP_PIPE_STAGE_RESHARDS."""
+    TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS, TP_PIPE_SPLITS or TP_PIPE_EXTRAS_RESHARDS."""
     if name in PARALLEL_RESHARDS:
         source, ws = PARALLEL_RESHARDS[name]
         return source, ws, PARALLEL_SPECS[source][0]
@@ -561,14 +636,15 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
         **DEGREE_RESHARDS,
         **TP_PIPE_RESHARDS,
         **TP_PIPE_STAGE_RESHARDS,
+        **TP_PIPE_SPLITS,
         **TP_PIPE_EXTRAS_RESHARDS,
     }[name]
     return source, ws, {**source_spec(source), **changes}
 
 
 def source_spec(name: str) -> dict:
-    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS, PIPE_TARGET_SPECS, ZERO_DENSE_SPECS, EP_ONE_SPECS or
-    MOE_LAYERS_SPECS entry."""
+    """The spec of a PARALLEL, EXTRAS, PIPE_ONE_SPECS, PIPE_TARGET_SPECS, PIPE_STAGE0_SPECS, ZERO_DENSE_SPECS,
+    EP_ONE_SPECS or MOE_LAYERS_SPECS entry."""
     return SOURCE_SPECS[name][0]
 
 
@@ -851,6 +927,7 @@ def _registry() -> dict[str, Task]:
     for name, (source, ws, _, options) in {
         **TP_PIPE_RESHARDS,
         **TP_PIPE_STAGE_RESHARDS,
+        **TP_PIPE_SPLITS,
         **TP_PIPE_EXTRAS_RESHARDS,
     }.items():
         args = {"spec": reshard_target(name)[2], "source": source, "reshard": {"world_size": ws, **options}}

@@ -102,10 +102,11 @@ def test_ck202_hints_name_the_checkpoint_index(ds, tmp_path, name):
     result = run("embed", copy, "--no-hash")
     assert result.exit_code == 1 and "CK202" in result.stderr
     assert "format 1.0" not in result.stderr and "checkpoint index" in result.stderr
+    assert f"(hint: write the checkpoint index as the sidecar: `ckptspec embed {copy} --sidecar-only`" in result.stderr
 
 
-def test_extract_on_an_index_kind_does_not_send_the_user_to_embed(ds):
-    """Second pass: CK303's hint said "add one with `ckptspec embed CHECKPOINT`", which refuses these kinds."""
+def test_extract_on_an_index_kind_sends_the_user_to_embed_sidecar_only(ds):
+    """CK303's hint: plain `ckptspec embed CHECKPOINT` refuses these kinds; `--sidecar-only` writes their index."""
     result = run("extract", _tag(ds, "moe-ep2-s1-fp32-ws2"))
     assert result.exit_code == 1 and "CK303" in result.stderr
-    assert "ckptspec embed" not in result.stderr and "ckptspec generate" in result.stderr
+    assert "`ckptspec embed CHECKPOINT --sidecar-only`" in result.stderr

@@ -33,12 +33,15 @@ import ckptspec
 from ckptspec.cli import cli
 from ckptspec.deepspeed.kinds import Kind
 
-# a stage-0 MoE's: test_reshard_moe_stage0.py
+# a stage-0 MoE's: test_reshard_moe_stage0.py; an AutoTP one's: test_reshard_from_autotp_stage0.py
 FROM_STAGE0 = sorted(
     n
     for n, (source, *_) in DEGREE_RESHARDS.items()
-    if source_spec(source)["stage"] == 0 and not source_spec(source).get("ep")
-)
+    if source_spec(source)["stage"] == 0
+    and not source_spec(source).get("ep")
+    and source_spec(source).get("tp", 1) == 1
+    and reshard_target(n)[2]["stage"] != 0
+)  # a stage-0 pipeline kept at stage 0: test_reshard_pipeline_stage0.py; AutoTP: test_reshard_from_autotp_stage0.py
 # those through ckptspec's universal folder (export-universal), loaded with DeepSpeed's load_universal
 VIA_UNIVERSAL = {n for n in FROM_STAGE0 if DEGREE_RESHARDS[n][3].get("export_universal")}
 

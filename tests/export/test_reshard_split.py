@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _harness.scenarios import DEGREE_RESHARDS, RESHARD_CASES, TP_PIPE_STAGE_RESHARDS
+from _harness.scenarios import DEGREE_RESHARDS, RESHARD_CASES, TP_PIPE_SPLITS, TP_PIPE_STAGE_RESHARDS
 
 SPLIT_FAILURE = Path(__file__).with_name("split_failure_job.py")
 SUBPROCESS = Path(__file__).with_name("subprocess_job.py")
@@ -75,6 +75,12 @@ CASES = {
         ["reshard", "--world-size", "2", "--tensor-parallel", "1", "--pipeline-parallel", "1"],
         2,
     ),
+    # a tensor-parallel pipeline split to more tensor ranks: each (stage, tensor rank) and layer piece a file
+    "tp2 x pp1 -> tp4 x pp1, 2 processes": (
+        "tp2pp1-s1-fp32-ws2>tp4",
+        ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
+        2,
+    ),
     "export-universal of a tied pipeline, 3 processes": (
         "pp2-s1-fp32-ws2-extras>universal-ws4",
         ["export-universal"],
@@ -87,7 +93,7 @@ CORRUPT_SOURCE = "s2-bf16-ws2"  # copied and its rank 1 optimizer states truncat
 
 
 def _source(entry: str) -> str:
-    return {**RESHARD_CASES, **DEGREE_RESHARDS, **TP_PIPE_STAGE_RESHARDS}[entry][0]
+    return {**RESHARD_CASES, **DEGREE_RESHARDS, **TP_PIPE_STAGE_RESHARDS, **TP_PIPE_SPLITS}[entry][0]
 
 
 def _runs() -> dict[str, dict]:

@@ -26,16 +26,17 @@ import ckptspec
 from ckptspec.cli import cli
 from ckptspec.deepspeed.kinds import Kind
 
-# a merge for a stage-0 job: test_reshard_stage0.py (DeepSpeed's getters give no masters at stage 0)
+# a merge for a stage-0 job: test_reshard_stage0.py, and of a stage-0 source: test_reshard_from_autotp_stage0.py
+# (DeepSpeed's getters give no masters at stage 0)
 MERGES = sorted(
     n
-    for n, (_, _, _, options) in DEGREE_RESHARDS.items()
-    if options.get("tensor_parallel") == 1 and options.get("stage") != 0
+    for n, (source, _, _, options) in DEGREE_RESHARDS.items()
+    if options.get("tensor_parallel") == 1 and options.get("stage") != 0 and source_spec(source)["stage"] != 0
 )
 SPLITS = sorted(
     n
-    for n, (_, _, _, options) in DEGREE_RESHARDS.items()
-    if options.get("tensor_parallel", 1) > 1 and options.get("stage") != 0
+    for n, (source, _, _, options) in DEGREE_RESHARDS.items()
+    if options.get("tensor_parallel", 1) > 1 and options.get("stage") != 0 and source_spec(source)["stage"] != 0
 )
 # The logits of the merged model against the tensor-parallel one: AutoTP's row-parallel layer sums the two tensor
 # ranks' partial products (an all-reduce) where the whole layer sums all products in one matmul, so the float sums

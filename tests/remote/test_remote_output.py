@@ -12,6 +12,7 @@ readers of the URL see with the same command's local output, byte for byte:
 
 ``embed URL --sidecar-only`` writes one object into a checkpoint already at the URL: the local embed's sidecar, byte
 for byte, after the files were checked against what is recorded; stopped anywhere, the previous sidecar or the new one.
+Of a checkpoint a checkpoint index describes (tensor x pipeline, MoE, stage 0, pipeline): its index, the same way.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _harness.faults import flip_a_byte
 from _harness.scenarios import dcp_save_name
 from _harness.states import points, visible
 from click.testing import CliRunner
@@ -342,22 +344,6 @@ def test_embed_sidecar_at_s3_is_the_local_sidecar(ds, s3, s3_env, tmp_path, chec
     assert run("extract", url, "--list").stdout.startswith(f"{url}/{tag}/{name}: sidecar, format 1.1.0, ")
 
 
-def flip_a_byte(data: bytes) -> bytes:
-    """One bit of the first tensor's bytes, the file's size and structure kept: only a recorded hash tells."""
-    import io
-    import struct
-    import zipfile
-
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        member = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size >= 8)
-    name_length, extra_length = struct.unpack("<HH", data[member.header_offset + 26 : member.header_offset + 30])
-    start = member.header_offset + 30 + name_length + extra_length  # past the local header (torch pads its extra)
-    assert data[start : start + member.file_size] == zipfile.ZipFile(io.BytesIO(data)).read(member)
-    flipped = bytearray(data)
-    flipped[start + 5] ^= 0x10
-    return bytes(flipped)
-
-
 def test_embed_at_s3_refuses_files_that_disagree_with_the_sidecar_unless_rehash(at_url, s3):
     """As the local embed: files that no longer match the sidecar are not re-recorded (exit 1, nothing written),
     and ``validate`` still catches them; ``--rehash`` records them as they are."""
@@ -448,3 +434,54 @@ def test_embed_at_s3_store_gone_mid_upload_is_an_error_naming_the_sidecar(ds, s3
     assert "Traceback" not in result.output
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"{url}/{TAG}/ckptspec.json: CK915 upload failed: "), line
+
+
+# --------------------------------------------------------------------------- embed URL --sidecar-only: index kinds
+
+
+@pytest.mark.parametrize("name", ["tp2pp2-s1-fp32-ws4", "moe-ep2-s1-fp32-ws2", "s0-bf16-ws2"])
+def test_embed_index_sidecar_at_s3_is_the_local_sidecar(ds, s3, s3_env, tmp_path, name):
+    """A checkpoint a checkpoint index describes (tensor x pipeline, MoE, stage 0): one object written, the bytes the
+    local ``embed --sidecar-only`` writes (generate's index); ``validate``, ``validate SIDECAR --checkpoint`` and
+    ``extract --list`` of the URL read it."""
+    local = ds.path(name)
+    url, copy = s3.upload(local), tmp_path / "local"
+    shutil.copytree(local, copy)
+    here = run("embed", copy, "--sidecar-only")
+    assert here.exit_code == 0, here.output
+    before = stored(s3, url)
+    result = run("embed", url, "--sidecar-only")
+    assert result.exit_code == 0, result.output
+    tag = (local / "latest").read_text().strip()
+    assert result.stdout == here.stdout.replace(str(copy), url) and ": written (checkpoint index, " in result.stdout
+    assert stored(s3, url) == {**before, f"{tag}/ckptspec.json": (copy / tag / "ckptspec.json").read_bytes()}
+    assert run("validate", url).exit_code == 0
+    assert run("validate", f"{url}/{tag}/ckptspec.json", "--checkpoint", url).exit_code == 0
+    assert run("extract", url, "--list").stdout.startswith(f"{url}/{tag}/ckptspec.json: sidecar, checkpoint index ")
+    refused = run("embed", url)  # the model-states objects: CK916 before anything is read, naming --sidecar-only
+    assert refused.exit_code == 2 and f"`ckptspec embed {url} --sidecar-only`" in refused.stderr
+
+
+def test_embed_index_at_s3_refuses_a_flipped_bit_unless_rehash(ds, s3, s3_env):
+    """The index recorded at the URL catches a bit flipped in a file there afterwards (an optimizer file of the second
+    stage, which no other file repeats): nothing written, exit 1; ``--rehash`` records the files as they are."""
+    local = ds.path("pp2-s1-fp32-ws2")
+    url, tag = s3.upload(local), (local / "latest").read_text().strip()
+    assert run("embed", url, "--sidecar-only").exit_code == 0
+    optim = "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    fs, key = s3.filesystem(), f"{url.removeprefix('s3://')}/{tag}/{optim}"
+    fs.pipe_file(key, flip_a_byte(fs.cat_file(key)))
+    before = stored(s3, url)
+
+    result = run("embed", url, "--sidecar-only")
+    assert result.exit_code == 1 and result.stdout == "", result.output
+    assert result.stderr.startswith(f"{optim}: $.domains[1].manifest.files[1].hash (rank 0): CK209 "), result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        f"{url}: not embedded: the files do not match what ckptspec.json records; nothing was written "
+    )
+    assert stored(s3, url) == before
+    assert run("validate", url).exit_code == 1  # the sidecar's hash still catches it
+
+    rehashed = run("embed", url, "--sidecar-only", "--rehash")
+    assert rehashed.exit_code == 0 and "re-recorded from the files as they are now (CK209" in rehashed.stdout
+    assert run("validate", url).exit_code == 0

@@ -92,7 +92,7 @@ def layer_gaps(index: CheckpointIndex) -> list[Finding]:
 
 
 def validate_index_checkpoint(
-    checkpoint: str | os.PathLike,
+    checkpoint: str | os.PathLike | RemotePath,
     index: CheckpointIndex | IndexReport | None = None,
     tag: str | None = None,
     *,

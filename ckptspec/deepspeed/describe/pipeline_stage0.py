@@ -81,6 +81,8 @@ def _stage_masters(folder: Path, by_rank: dict[int, Path | RemotePath], shapes, 
         key = (*(_KEY if copy_of is None else ("optimizer", "single_partition_of_fp32_groups")), segments[0][3])
         master = MasterTensor(name, shapes[name], dtype, tuple(s[:3] for s in segments), key)
         if sum(s[2] for s in segments) != ITEMSIZE[dtype] * math.prod(master.shape):
+            if copy_of is not None:  # data rank 0's copy holds its own partition: a master it holds in part is no copy
+                continue
             raise UnsupportedCheckpoint(f"the fragments of {name!r} do not make its shape {list(master.shape)}", _HINT)
         out.append(master)
     return out

@@ -154,7 +154,7 @@ def stage0_masters(
         if sum(len(group) for group in groups) != len(dense):
             raise UnsupportedCheckpoint(
                 f"ZeRO stage 0: optimizer/fp32_groups holds {sum(len(g) for g in groups)} masters for {len(dense)} "
-                "trainable parameters (tied or shared parameters are not told apart at stage 0)",
+                "trainable parameters (frozen, tied or shared parameters are not told apart at stage 0)",
                 _HINT,
                 model_file,
             )

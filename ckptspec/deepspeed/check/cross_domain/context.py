@@ -102,7 +102,7 @@ def layer_files(ctx: IndexContext) -> Iterator[Finding]:
         # Its metadata before its hash: a remote file's hash then takes those bytes from memory (fetched once).
         loaded = ctx.states.load(path) if path.stat().st_size == lf.size else None
         if loaded is None or (
-            ctx.verify_hashes and lf.hash is not None and file_digest(path, lf.hash.algorithm) != lf.hash
+            ctx.verify_hashes and lf.hash is not None and file_digest(path, lf.hash.algorithm).digest != lf.hash.digest
         ):
             yield finding(
                 "CK230",

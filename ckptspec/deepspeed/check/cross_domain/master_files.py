@@ -1,7 +1,8 @@
 """The files of a checkpoint whose index locates masters (#17: stage 0, MoE, universal folders).
 
 A domain with ``masters`` is not checked by the 1.x checks (its manifest locates no partition);
-``check_masters_domain`` checks its files (CK206 missing, CK208 size, CK209 hash) and every master
+``check_masters_domain`` checks its files (CK206 missing, CK208 size, CK209 hash, CK210 saved under another
+file's name: two tensor ranks' stage-0 model states swapped) and every master
 and replica locator against the zip directory and the pickle (CK221). The whole set's checks
 (registered into ``INDEX_CHECKS``, run after the domains'):
 
@@ -30,6 +31,7 @@ from ....format.paths import join_inside
 from ....location import RemotePath, read_range
 from ...layout.masters import value_at
 from ...layout.names import OPTIM_RE
+from ..domain.files import SAVED_AS_HINT, saved_as
 from .context import IndexContext, check
 
 _EXPERT_ID = re.compile(r"\.deepspeed_experts\.(\d+)\.")
@@ -86,12 +88,30 @@ def check_masters_domain(
             out.append(
                 finding("CK208", at, f"size {path.stat().st_size}, the index says {f.size}", "restore it", file=f.path)
             )
-        elif verify_hashes and f.hash is not None and file_digest(path, f.hash.algorithm) != f.hash:
+        elif verify_hashes and f.hash is not None and file_digest(path, f.hash.algorithm).digest != f.hash.digest:
             out.append(finding("CK209", at, "content hash differs from the index's", "restore it", file=f.path))
+        elif (saved := _saved_as(path, f.path, states)) is not None:  # two tensor ranks' stage-0 files swapped...
+            message = f"the file was saved as {saved} (the name recorded inside it), not as {path.name}"
+            out.append(
+                finding(
+                    "CK210",
+                    json_path("domains", i, "manifest", "files", j, "path"),
+                    message,
+                    SAVED_AS_HINT,
+                    file=f.path,
+                    rank=min(f.ranks) if f.ranks else None,
+                )
+            )
     out += located
     if not out and digests:
         out += digests
     return out
+
+
+def _saved_as(path: Path | RemotePath, name: str, states: StateCache) -> str | None:
+    """CK210's rule for a file of a domain whose index locates its masters (``domain.files.saved_as``)."""
+    loaded = states.load(path)
+    return None if loaded.error is not None else saved_as(name, loaded.state)
 
 
 def _locator_findings(domain: Domain, i: int, tag_dir: Path | RemotePath, states: StateCache) -> list[Finding]:
@@ -182,7 +202,7 @@ def expert_file_other(ctx: IndexContext) -> Iterator[Finding]:
         others = sorted({int(m.group(1)) for k in keys if (m := _EXPERT_ID.search(k))} - {ef.expert})
         why = None
         if path.stat().st_size != ef.size or (
-            ctx.verify_hashes and ef.hash is not None and file_digest(path, ef.hash.algorithm) != ef.hash
+            ctx.verify_hashes and ef.hash is not None and file_digest(path, ef.hash.algorithm).digest != ef.hash.digest
         ):
             why = "changed since the index was written (size or hash)"
         elif others:

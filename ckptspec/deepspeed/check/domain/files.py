@@ -253,22 +253,31 @@ def _archive_name(state: Any) -> str | None:
     return None
 
 
+def saved_as(name: str, state: Any) -> str | None:
+    """The DeepSpeed file name ``torch.save`` recorded inside ``state``'s zip when it is not ``name``'s, else None."""
+    archive = _archive_name(state)
+    base = Path(name).name
+    if archive is None or archive == base.removesuffix(".pt"):
+        return None
+    return archive + ".pt" if OPTIM_RE.match(archive + ".pt") or MODEL_RE.match(archive + ".pt") else None
+
+
+SAVED_AS_HINT = "rank files were swapped or renamed; put each file back under the name it was saved as"
+
+
 @check("CK210")
 def shard_identity(ctx: Context) -> Iterator[Finding]:
     """torch.save records the file name inside the zip: a DeepSpeed shard saved as another rank's file was moved."""
     for f in ctx.files:
         if f.state is None:
             continue
-        archive = _archive_name(f.state)
-        base = Path(f.name).name
-        if archive is None or archive == base.removesuffix(".pt"):
-            continue
-        if OPTIM_RE.match(archive + ".pt") or MODEL_RE.match(archive + ".pt"):
+        saved = saved_as(f.name, f.state)
+        if saved is not None:
             yield finding(
                 "CK210",
                 f.at("path"),
-                f"the file was saved as {archive}.pt (the name recorded inside it), not as {base}",
-                "rank files were swapped or renamed; put each file back under the name it was saved as",
+                f"the file was saved as {saved} (the name recorded inside it), not as {Path(f.name).name}",
+                SAVED_AS_HINT,
                 file=f.name,
                 rank=f.rank,
             )

@@ -1,0 +1,161 @@
+"""``ckptspec reshard --stage 1|2`` of an AutoTP checkpoint saved at ZeRO stage 0: at its degree, merged or split.
+
+An AutoTP job at stage 0 saves one ``mp_rank_XX_model_states.pt`` per tensor rank: its shards' fp32 masters in the
+wrapper's ``fp32_groups`` and their Adam moments in the wrapped torch optimizer's state (every data rank the same).
+The checkpoint index has one stage-0 domain per tensor rank, placed by the ``affine_map`` the files record.
+The parts already written for other moves compose:
+- at the source's tensor degree, each tensor rank's domain is written as a dense stage-0 source's
+  (``reshard_stage0_source.stage0_domain_write``): its files keep their ``mp_rank_XX``, its module (its own copy of
+  the buffers) is its file's;
+- ``--tensor-parallel 1`` or another degree: the whole model composed as for an AutoTP ZeRO merge
+  (``reshard_tensor.whole_model``: replicated copies, buffers too, compared first: CK401), then written as the
+  merge or cut as the split (``reshard_tensor_split.split_writes``) writes it.
+Either way the optimizer files' param groups, steps and loss scale come from the stage-0 optimizer's entries
+(``stage0_optimizer``), and the model states change as for a dense stage-0 source (``optimizer`` None,
+``zero_optimization.stage``) besides the merge's or split's entries.
+
+Refused by name (CK410) before anything is written: a target at stage 0 or 3 (not written yet), frozen parameters
+(a stage-0 job's ``fp32_groups`` do not name them), a world size the target's tensor degree does not divide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.states import StateCache
+from ..errors import ReshardUnsupported
+from ..format.index_models import CheckpointIndex
+from .masters_state import masters_state_plan
+from .model_plan import ReconstructionPlan
+from .reshard_files import ModelChanges
+from .reshard_layout import located_target_layout, target_layout
+from .reshard_source import with_stage
+from .reshard_stage0_source import stage0_domain_write, stage0_optimizer
+from .reshard_tensor import AUTOTP_ONLY_KEYS, DataParallelTarget, whole_model, without_tensor_parallel
+from .reshard_tensor_split import split_axes, split_writes
+
+
+def is_autotp_stage0(index: CheckpointIndex) -> bool:
+    """An AutoTP checkpoint of a stage-0 job: tensor degree above 1, every domain a stage-0 one, no pipeline."""
+    degrees = index.topology.degrees
+    stage0 = all(d.configured_zero_stage == 0 for d in index.domains)
+    return stage0 and degrees.tensor > 1 and degrees.pipeline == 1 and not index.expert_files
+
+
+def plan_autotp_stage0(
+    index: CheckpointIndex,
+    tag_dir: Path,
+    plans: dict[str, ReconstructionPlan],
+    states: StateCache,
+    world_size: int,
+    zero_stage: int | None,
+    tensor_parallel: int | None,
+    sub_group_size: int | None = None,
+) -> list[DataParallelTarget]:
+    """One write per target tensor rank of ``tensor_parallel`` (default: the source's degree), each a ZeRO
+    ``zero_stage`` domain of ``world_size / tensor_parallel`` data-parallel ranks (ZeRO-3: cut into sub-groups of
+    ``sub_group_size``, default DeepSpeed's); CK410 before anything is written."""
+    held = index.topology.degrees.tensor
+    degree = held if tensor_parallel is None else tensor_parallel
+    stage = _refused_or_stage(index, world_size, zero_stage, degree, sub_group_size)
+    data = world_size // degree
+    if degree == held:  # each tensor rank's domain as a dense stage-0 source's, its files keeping their mp_rank
+        domains = sorted(index.domains, key=lambda d: d.coordinate.tensor)
+        writes = [
+            stage0_domain_write(d, tag_dir, plans[d.id], masters_state_plan(tag_dir, d, states), states, data, stage)
+            for d in domains
+        ]
+        return _as_saved_at(writes, stage, sub_group_size)
+    manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
+    state_plan = whole.optimizer_state_plan()
+    first = next(d for d in index.domains if d.coordinate.tensor == 0)
+    moments = sorted({key for names in state_plan.states.values() for key in names})
+    source = stage0_optimizer(tag_dir, first, states, moments, stage)
+    # the whole manifest read at the target stage (a merge's target; a split's shards are laid out from it)
+    target = located_target_layout(manifest, state_plan.metadata["ckptspec.optimizer"], data, stage)
+    stage0_keys: dict[str, Any] = {
+        "optimizer": None,
+        "shared_params": {},
+    }  # no ties: a stage-0 checkpoint's are not described
+    if degree == 1:  # merged: what a job without tensor parallelism saves (reshard_tensor)
+        merge = {"mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}}
+        changes = ModelChanges(
+            module=module,
+            set_keys={**merge, **stage0_keys},
+            drop_keys=AUTOTP_ONLY_KEYS,
+            config=lambda config: without_tensor_parallel(with_stage(config, stage)),
+        )
+        return _as_saved_at(
+            [DataParallelTarget(manifest, whole, state_plan, target, changes, source)], stage, sub_group_size
+        )
+    axes = split_axes(index, extras, degree)
+    writes = split_writes(manifest, whole, state_plan, module, axes, world_size, stage, degree, sub_group_size)
+    out = []
+    for write in writes:  # the split's entries, and a stage-0 source's
+        config = write.changes.config
+        changes = replace(
+            write.changes,
+            set_keys={**write.changes.set_keys, **stage0_keys},
+            config=lambda saved, config=config: config(with_stage(saved, stage)),  # type: ignore[misc]
+        )
+        out.append(replace(write, changes=changes, source=source))
+    return _as_saved_at(out, stage, sub_group_size)
+
+
+def _as_saved_at(writes: list[DataParallelTarget], stage: int, sub_group_size: int | None) -> list[DataParallelTarget]:
+    """``writes`` as a ZeRO ``stage`` job saves them. ZeRO-2: with the two entries a stage-0 one saves None (DeepSpeed
+    0.19.8 records the frozen parameters' shapes and fragments when it partitions gradients; empty without frozen
+    parameters, the only model written here). ZeRO-3: cut into sub-groups of ``sub_group_size`` (the ZeRO-3 writer's
+    model states have their own entries), the size recorded in the saved ``ds_config`` when given."""
+    if stage == 3:
+        out = []
+        for w in writes:
+            target = target_layout(w.manifest, w.target.world_size, 3, sub_group_size, domain=True)
+            config = w.changes.config
+            changes = replace(w.changes, config=lambda saved, c=config: with_stage(c(saved), 3, sub_group_size))  # type: ignore[misc]
+            out.append(replace(w, target=target, changes=changes, sub_group_size=sub_group_size))
+        return out
+    if stage != 2:
+        return writes
+    keys: dict[str, Any] = {"frozen_param_shapes": {}, "frozen_param_fragments": {}}
+    return [replace(w, changes=replace(w.changes, set_keys={**w.changes.set_keys, **keys})) for w in writes]
+
+
+def _refused_or_stage(
+    index: CheckpointIndex, world_size: int, zero_stage: int | None, degree: int, sub_group_size: int | None
+) -> int:
+    """The target's ZeRO stage; CK410, by name, for what is not written."""
+    held = index.topology.degrees.tensor
+    if zero_stage not in (1, 2, 3):
+        asked = "no --stage" if zero_stage is None else f"--stage {zero_stage}"
+        raise ReshardUnsupported(
+            f"{asked} for an AutoTP stage-0 checkpoint (tensor degree {held}): ZeRO stage 1, 2 and 3 targets are "
+            "written (stage 0 ones not yet)",
+            "give --stage 1, 2 or 3",
+        )
+    if sub_group_size is not None and zero_stage != 3:
+        raise ReshardUnsupported(
+            f"--sub-group-size {sub_group_size} with --stage {zero_stage}: a ZeRO-3 target's", "leave it out"
+        )
+    if degree < 1 or world_size < 1 or world_size % degree:
+        raise ReshardUnsupported(
+            f"--world-size {world_size} is not a multiple of the target's tensor degree ({degree})",
+            f"give a multiple of {degree}: each data-parallel rank holds one copy of the {degree} tensor ranks",
+        )
+    for d in index.domains:
+        if d.masters is None or d.masters.stored_in not in ("module", "model_states"):
+            raise ReshardUnsupported(
+                f"domain {d.id}: stage-0 masters in {d.masters.stored_in if d.masters else 'ZeRO partitions'} are "
+                "not written as ZeRO yet",
+                "resume at the same layout",
+            )
+    frozen = sorted({f.name for d in index.domains for f in d.manifest.frozen})
+    if frozen:
+        raise ReshardUnsupported(
+            f"frozen parameters ({', '.join(frozen)}) in an AutoTP stage-0 checkpoint: its fp32_groups "
+            "do not name them, so the masters could not be told apart",
+            "resume at the same layout",
+        )
+    return zero_stage
