@@ -12,6 +12,13 @@ the order of the saved keys. The model states change as a tp1 pipeline saves the
 ``checkpoint_parallel_dimensions`` tp 1; the client state (Megatron-DeepSpeed's ``universal_checkpoint_info``
 patterns too: they still hold at tp 1) is carried as saved.
 
+A ``TiedLayerSpec``'s module (replicated on every tensor rank, ``describe/tp_pipeline.py``) keeps its stage name
+(``tied_modules.<key>.<attribute>``) in each stage's optimizer; its copies on every stage and tensor rank are
+compared first (CK401: masters, and moments as ``reshard_pipeline_layers.check_tied_copies`` compares a tp1
+pipeline's), as are the tensor ranks' copies of a buffer. Each layer file's frozen parameters and buffers
+(the index's extras) are composed like its trainable weights: a frozen shard by the rules, a buffer tensor rank 0's
+copy; a key that is a tie of a parameter another of its stage's layer files holds (its ``aliases``) takes that one.
+
 Another number of stages at once: the merge at the source's stages, then moved (``reshard_tp_pipeline_stages``).
 Refused by name (CK410) before anything is written: a ZeRO stage other than 1
 (DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"), a world size
@@ -27,16 +34,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.states import StateCache
+from ..deepspeed.describe.pipeline_params import TIED_PREFIX
 from ..errors import ReshardUnsupported
-from ..format.index_models import CheckpointIndex, SplitPlacement
+from ..format.index_models import CheckpointIndex, Shard, SplitPlacement
 from . import ds_pickle
 from .arrays import ShardReader, iter_chunks
 from .compose import check_replicas
+from .compose_extras import extras_of
 from .compose_plan import compose_source, whole_plan
 from .model_plan import ReconstructionPlan, TensorSource
 from .reshard_files import ModelChanges, lazy_reader
 from .reshard_layout import target_layout
+from .reshard_pipeline_layers import check_tied_copies
 from .reshard_tensor import DataParallelTarget, refuse_unpartitioned, whole_manifest
+
+RESUME = "resume at the same tensor degree"
 
 
 @dataclass
@@ -96,25 +108,38 @@ def whole_stages(index: CheckpointIndex, tag_dir: Path, plans: dict[str, Reconst
     whole plan's tensors of its parameters. Replicated copies are compared first (CK401). ``export-universal`` writes
     its folder from the same (``universal_parallel``: each stage's parameters with its own step)."""
     stages = index.topology.degrees.pipeline
-    whole = whole_plan(index, tag_dir, plans, {}, {})
+    extras, _ = extras_of(index, tag_dir, plans, states)
+    whole = whole_plan(index, tag_dir, plans, extras, {})
     whole.states = states
     with ShardReader() as files:
-        check_replicas(whole, files)  # a replicated copy that differs between tensor ranks: CK401
+        check_replicas(whole, files)  # a replicated copy that differs between tensor ranks or stages: CK401
+    stage_of = {d.id: d.coordinate.pipeline for d in index.domains}
+    ties = [p for p in index.parameters if len({stage_of[s.domain] for s in p.shards}) > 1]
+    if ties:  # each stage is given one copy of a tie's moments too: every copy's must be equal (CK401)
+        check_tied_copies(index.model_copy(update={"parameters": ties}), plans)
+    state_plan = whole.optimizer_state_plan()
     manifests = []
     for stage in range(stages):
         first = next(d for d in index.domains if d.coordinate.pipeline == stage and d.coordinate.tensor == 0)
         by_local = {s.local_name: p for p in index.parameters for s in p.shards if s.domain == first.id}
         manifest = whole_manifest(first.manifest, by_local, {})
         manifest.layout.pipeline_parallel_size = manifest.layout.model_parallel_size = stages
-        names = {p.name for g in manifest.groups for p in g.params}
-        plan = dataclasses.replace(whole, sources={n: s for n, s in whole.sources.items() if n in names})
+        sources = {}
+        for group, local in zip(manifest.groups, first.manifest.groups):
+            for p, own in zip(group.params, local.params):
+                if own.name.startswith(TIED_PREFIX):  # the stage's name of the tie, as a tp1 stage trains it
+                    state_plan.states[own.name] = state_plan.states[p.name]
+                    sources[own.name], p.name = whole.sources[p.name], own.name
+                else:
+                    sources[p.name] = whole.sources[p.name]
+        plan = dataclasses.replace(whole, sources=sources)
         manifests.append((manifest, first, plan))
-    return whole, whole.optimizer_state_plan(), manifests
+    return whole, state_plan, manifests
 
 
 def _merged_layers(index: CheckpointIndex, tag_dir: Path, states: StateCache) -> dict[str, dict[str, TensorSource]]:
     """Each layer's file at tensor degree 1: tensor rank 0's keys, each its tensor ranks' saved weights composed
-    as the index places the parameter they are shards of."""
+    as the index places the parameter, frozen parameter or buffer they are shards of (module docstring)."""
     located: dict[tuple[str, str], TensorSource] = {}
     with ShardReader() as files:
         for lf in index.layer_files:
@@ -125,17 +150,32 @@ def _merged_layers(index: CheckpointIndex, tag_dir: Path, states: StateCache) ->
                 if source is None:
                     raise ReshardUnsupported(f"{lf.path}: {key!r} is not contiguous", "resume at the same layout")
                 located[lf.path, key] = source
-    whole = {
-        (s.layer_file, s.layer_key): compose_source(
-            p.name, p.shape, [(t, located[t.layer_file, t.layer_key]) for t in p.shards], "lp"
-        )
-        for p in index.parameters
-        for s in p.shards[:1]
-    }
+    layer_of = {f.path: f.layer for f in index.layer_files}
+    tensor_of = {d.id: d.coordinate.tensor for d in index.domains}
+    placed = [(p.name, p.shape, p.shards) for p in index.parameters]
+    placed += [(e.name, e.shape, e.shards) for e in index.extras or ()]
+    whole: dict[tuple[int, str], TensorSource] = {}  # (layer, key) -> its tensor, whole
+    first: dict[str, TensorSource] = {}  # whole name -> its first layer's tensor
+    for name, shape, shards in placed:
+        by_layer: dict[int, list[Shard]] = {}
+        for s in shards:
+            by_layer.setdefault(layer_of[s.layer_file], []).append(s)
+        for layer, own in sorted(by_layer.items()):  # a tie: each of its layer files' copies, on its own
+            own = [s.model_copy(update={"primary": tensor_of[s.domain] == 0}) for s in own]
+            source = compose_source(name, shape, [(t, located[t.layer_file, t.layer_key]) for t in own], "lp")
+            whole[layer, own[0].layer_key] = source
+            first.setdefault(name, source)
+    aliases = dict(index.aliases or {})
     out: dict[str, dict[str, TensorSource]] = {}
     for lf in sorted((f for f in index.layer_files if f.tensor == 0), key=lambda f: f.layer):
         keys = [k for k in states.state(tag_dir / lf.path)]
-        out[f"layer_{lf.layer:02d}-model_states.pt"] = {k: whole[lf.path, k] for k in keys}
+        tensors = {}
+        for k in keys:  # a tie's second layer on one stage: no shard of its own, the owner's copy
+            held = whole.get((lf.layer, k)) or first.get(aliases.get(f"{lf.layer}.{k}", ""))
+            if held is None:
+                raise ReshardUnsupported(f"{lf.path}: {k!r} is placed by no parameter or extra of the index", RESUME)
+            tensors[k] = held
+        out[f"layer_{lf.layer:02d}-model_states.pt"] = tensors
     return out
 
 
@@ -157,9 +197,11 @@ def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None) -> 
 
 def universal_entries(index: CheckpointIndex) -> dict[str, dict]:
     """Each parameter's entries beside ``param`` in a universal folder, as ``ds_to_universal`` writes them from the
-    pattern lists: a split tensor's split dim (``cat_dim``), none for a replicated one."""
+    pattern lists: a split tensor's split dim (``cat_dim``), none for a replicated one (a tie's under its stage name
+    too, ``tied_modules.<key>.<attribute>``, the name its folder has)."""
     out: dict[str, dict] = {}
     for p in index.parameters:
         placement = p.shards[0].placement
         out[p.name] = {"cat_dim": placement.split.axis} if isinstance(placement, SplitPlacement) else {}
+        out.update({s.local_name: out[p.name] for s in p.shards if s.local_name.startswith(TIED_PREFIX)})
     return out

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
-from ..format.index_models import CheckpointIndex
+from ..format.index_models import CheckpointIndex, Shard
 from .optimizer_state import plan_optimizer_state
 from .reshard_pipeline import PARTITION_METHODS, PipelineTarget, pipeline_target, write_stages
 
@@ -59,7 +59,7 @@ def is_tensor_pipeline(index: CheckpointIndex) -> bool:
 
 def tensor_rank_pipeline(index: CheckpointIndex, tensor: int) -> CheckpointIndex:
     """Tensor rank ``tensor``'s stages and layer files as a pipeline of tensor degree 1 (local names and shapes: its
-    domains' manifests; no whole parameter: each is a shard of this rank's, and a tensor pipeline has no ties)."""
+    domains' manifests; its ties, frozen parameters and buffers: ``_own_shards``)."""
     degrees = index.topology.degrees.model_copy(update={"tensor": 1})
     topology = index.topology.model_copy(
         update={"degrees": degrees, "model_parallel_size": degrees.pipeline, "ranks": None}
@@ -69,10 +69,31 @@ def tensor_rank_pipeline(index: CheckpointIndex, tensor: int) -> CheckpointIndex
             "topology": topology,
             "domains": [d for d in index.domains if d.coordinate.tensor == tensor],
             "layer_files": [f.model_copy(update={"tensor": None}) for f in index.layer_files if f.tensor == tensor],
-            "parameters": [],
-            "extras": None,
+            "parameters": _own_shards(index.parameters, index, tensor, ties_only=True),
+            "extras": _own_shards(index.extras or [], index, tensor) or None,
         }
     )
+
+
+def _own_shards(items: list, index: CheckpointIndex, tensor: int, ties_only: bool = False) -> list:
+    """The whole model's parameters (``ties_only``: those on several stages, a ``TiedLayerSpec``'s) or extras as
+    tensor rank ``tensor``'s pipeline holds them: its shards, at its local shape, whole on one stage or replicated
+    over the stages running a tie (the whole one's primary stage primary)."""
+    tensor_of = {d.id: d.coordinate.tensor for d in index.domains}
+    stage_of = {d.id: d.coordinate.pipeline for d in index.domains}
+    out = []
+    for item in items:
+        own = [s for s in item.shards if tensor_of[s.domain] == tensor]
+        if ties_only and len(own) < 2:
+            continue
+        primary = next((stage_of[s.domain] for s in item.shards if s.primary), stage_of[own[0].domain])
+        shards = []
+        for s in own:
+            kept = s.model_dump(exclude_unset=True, exclude={"placement", "primary"})
+            tie = {"placement": "replicated", "primary": stage_of[s.domain] == primary}
+            shards.append(Shard.model_validate({**kept, **(tie if len(own) > 1 else {"placement": "whole"})}))
+        out.append(item.model_copy(update={"shape": list(own[0].local_shape), "shards": shards}))
+    return out
 
 
 def plan_tensor_pipeline_stages(

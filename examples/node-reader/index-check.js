@@ -244,6 +244,7 @@ function layerFiles(doc, add) {
 
 // CK608: where a merge rule came from is recorded, and it fits the placements.
 function placementSource(doc, add) {
+  const tensorPipeline = doc.layer_files.some((lf) => lf.tensor !== undefined && lf.tensor !== null);
   doc.parameters.forEach((param, i) => {
     const source = param.placement_source;
     const split = param.shards.some((s) => typeof s.placement !== 'string');
@@ -253,7 +254,9 @@ function placementSource(doc, add) {
         + 'an unknown rule is refused, never guessed');
     }
     const layered = param.shards.some((s) => 'layer_file' in s);
-    if (layered !== (source === 'pipeline_layer') && !split) {
+    // a tensor-parallel pipeline's layer files hold shards whose merge rule is the recorded one, replicated too
+    const ruled = layered && tensorPipeline && ['affine_map', 'universal_checkpoint_info'].includes(source);
+    if (layered !== (source === 'pipeline_layer') && !split && !ruled) {
       add('CK608', ['parameters', i, 'placement_source'], `${param.name}: placement_source ${JSON.stringify(source)} `
         + `${layered ? 'with' : 'without'} a layer file`, 'pipeline_layer is the source exactly when the shard lives in a pipeline layer file');
     }

@@ -196,6 +196,16 @@ TP_PIPE_SPECS = {
     "tp2pp2-s1-fp32-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "fp32", **_UC}, 4),
     "tp2pp2-s1-bf16-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "bf16", **_UC}, 4),
 }
+# The same tp2 x pp2 pipeline with the plain pipeline's extras (issue #40; job/tp_layers.py): a TiedLayerSpec at layers
+# 0 and 4 replicated on every tensor rank (with a frozen gain and a buffer of its own), layer 2's column-parallel
+# up.weight frozen (a shard per tensor rank), a buffer in layer 3's block. In the same world-size-4 launch; not in
+# TP_PIPE_SPECS (whose tests read the five-layer model). ``tp2pp1-...-ws2-extras``: DeepSpeed's own save of the same
+# model at tp2 x pp1 (the pipeline launch of world size 2), what ``--pipeline-parallel 1`` of it is compared with.
+_TP_PIPE_EXTRAS = {"tp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffers": True, "tied": True}
+TP_PIPE_EXTRAS_SPECS = {
+    "tp2pp2-s1-fp32-ws4-extras": ({**_TP_PIPE_EXTRAS, "pp": 2, **_UC}, 4),
+    "tp2pp1-s1-fp32-ws2-extras": ({**_TP_PIPE_EXTRAS, "pp": 1, "pipe": True}, 2),
+}
 # DeepSpeed's own save of the AutoTP MLP at ZeRO stage 0 (issue #40): what the AutoTP stage-0 targets of
 # DEGREE_RESHARDS are compared with (tests/export/test_reshard_stage0.py), in the AutoTP training launch. Not in
 # PARALLEL (no +again, universal or hook entries).
@@ -227,6 +237,7 @@ TP_PIPE_FOUR_SPECS = {"tp4pp1-s1-fp32-ws4": ({"tp": 4, "pp": 1, "pipe": True, "s
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
     **TP_PIPE_SPECS,
+    **TP_PIPE_EXTRAS_SPECS,
     **TP_PIPE_ONE_SPECS,
     **TP_PIPE_FOUR_SPECS,
     **AUTOTP_STAGE0_SPECS,
@@ -577,6 +588,39 @@ TP_PIPE_SPLITS = {
     # fewer tensor ranks: DeepSpeed's tp4 save to tp2 (in the tp2 x pp1 optim launch of TP_PIPE_STAGE_RESHARDS)
     "tp4pp1-s1-fp32-ws4>tp2": ("tp4pp1-s1-fp32-ws4", 2, {"tp": 2}, {"tensor_parallel": 2}),
 }
+# The extras source's moves (TP_PIPE_EXTRAS_SPECS; tests/export/test_reshard_tp_pipe_extras.py): merged (tp1 x pp2, the
+# plain pipeline's extras model, in the pipeline optim launch of its degrees), at one stage keeping tp2 (tp2 x pp1),
+# both (tp1 x pp1), exported (ckptspec's universal folder loaded by a tp1 x pp2 job). Each target job also loads
+# ds_to_universal's folder of the source where its job wrote one.
+TP_PIPE_EXTRAS_RESHARDS = {
+    "tp2pp2-s1-fp32-ws4-extras>tp1": ("tp2pp2-s1-fp32-ws4-extras", 2, {"tp": 1}, {"tensor_parallel": 1}),
+    "tp2pp2-s1-fp32-ws4-extras>pp1": (
+        "tp2pp2-s1-fp32-ws4-extras",
+        2,
+        {"pp": 1, "pipe": True},
+        {"pipeline_parallel": 1},
+    ),
+    "tp2pp2-s1-fp32-ws4-extras>universal-tp1": (
+        "tp2pp2-s1-fp32-ws4-extras",
+        2,
+        {"tp": 1},
+        {"export_universal": True},
+    ),
+    # merged and at one stage (tp1 x pp1 x dp2, in the PipelineModule's pp1 optim launch): the tie one module
+    "tp2pp2-s1-fp32-ws4-extras>tp1-pp1": (
+        "tp2pp2-s1-fp32-ws4-extras",
+        2,
+        {"tp": 1, "pp": 1, "pipe": True},
+        {"tensor_parallel": 1, "pipeline_parallel": 1},
+    ),
+    # the other way: DeepSpeed's tp2 x pp1 save to two stages (tp2 x pp2 at 4 ranks): the one tied module's copy on each
+    "tp2pp1-s1-fp32-ws2-extras>pp2": (
+        "tp2pp1-s1-fp32-ws2-extras",
+        4,
+        {"pp": 2, "pipe": False},
+        {"pipeline_parallel": 2},
+    ),
+}
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}
 )  # each with a +optim entry
@@ -584,11 +628,17 @@ RESHARD_SOURCES = sorted(
 
 def reshard_target(name: str) -> tuple[str, int, dict]:
     """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS, DEGREE_RESHARDS,
-    TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS or TP_PIPE_SPLITS."""
+    TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS, TP_PIPE_SPLITS or TP_PIPE_EXTRAS_RESHARDS."""
     if name in PARALLEL_RESHARDS:
         source, ws = PARALLEL_RESHARDS[name]
         return source, ws, PARALLEL_SPECS[source][0]
-    source, ws, changes, _ = {**DEGREE_RESHARDS, **TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS, **TP_PIPE_SPLITS}[name]
+    source, ws, changes, _ = {
+        **DEGREE_RESHARDS,
+        **TP_PIPE_RESHARDS,
+        **TP_PIPE_STAGE_RESHARDS,
+        **TP_PIPE_SPLITS,
+        **TP_PIPE_EXTRAS_RESHARDS,
+    }[name]
     return source, ws, {**source_spec(source), **changes}
 
 
@@ -874,7 +924,12 @@ def _registry() -> dict[str, Task]:
         spec = reshard_target(name)[2]
         args = {"spec": spec, "source": source, "reshard": {"world_size": ws, **options}}
         out[name] = Task("optim", {**args, "universal": name in UNIVERSAL_TOO | UNIVERSAL_PARALLEL}, ws, load=source)
-    for name, (source, ws, _, options) in {**TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS, **TP_PIPE_SPLITS}.items():
+    for name, (source, ws, _, options) in {
+        **TP_PIPE_RESHARDS,
+        **TP_PIPE_STAGE_RESHARDS,
+        **TP_PIPE_SPLITS,
+        **TP_PIPE_EXTRAS_RESHARDS,
+    }.items():
         args = {"spec": reshard_target(name)[2], "source": source, "reshard": {"world_size": ws, **options}}
         # and ds_to_universal's folder of the source, where its job wrote one
         out[name] = Task("optim", {**args, "universal": bool(source_spec(source).get("universal"))}, ws, load=source)

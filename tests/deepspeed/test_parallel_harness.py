@@ -26,6 +26,7 @@ RESHARD_LOADS = {
     **scenarios.DEGREE_RESHARDS,
     **scenarios.TP_PIPE_RESHARDS,
     **scenarios.TP_PIPE_STAGE_RESHARDS,
+    **scenarios.TP_PIPE_EXTRAS_RESHARDS,
     **scenarios.TP_PIPE_SPLITS,
 }
 

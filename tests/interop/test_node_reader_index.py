@@ -131,6 +131,22 @@ def test_node_reader_rebuilds_the_whole_model_of_an_index(point, ds, tmp_path):
         assert doc["format_version"] == "1.0.0" and "extras" not in doc
 
 
+def test_node_reader_rebuilds_a_tensor_parallel_pipeline_with_a_tie_frozen_shards_and_buffers(ds, tmp_path):
+    """The tp2 x pp2 pipeline with the plain pipeline's extras (scenarios.TP_PIPE_EXTRAS_SPECS): the tie's shards on
+    every stage and tensor rank, the frozen column-parallel weight's shards put together along dim 0 from their layer
+    files' locators, the buffers replicated: every tensor, as ckptspec reconstructs it."""
+    point = "tp2pp2-s1-fp32-ws4-extras"
+    tag = tag_dir(ds, point)
+    index = tmp_path / "index.json"
+    ckptspec("generate", tag, "-o", index, "--hash")
+    doc, mine, absent = assert_same_model(index, tag, tmp_path)
+    assert doc["format_version"] == "1.1.0" and not absent and doc["aliases"] == {"4.weight": "0.weight"}
+    frozen = next(e for e in doc["extras"] if e["name"] == "2.up.weight")
+    assert [s["placement"]["split"]["axis"] for s in frozen["shards"]] == [0, 0]
+    assert mine["2.up.weight"].shape == (32, 16)
+    assert {"0.seen", "4.seen", "3.running", "0.gain", "4.gain"} <= set(mine)
+
+
 @pytest.mark.parametrize("point", ["s2-bf16-ws2", "s3-fp16-ws3-groups"])
 def test_node_reader_reads_a_universal_folder_with_ties_frozen_parameters_and_buffers(point, ds, tmp_path):
     """`ckptspec export-universal` of matrix checkpoints: the tie written as a copy of its owner, the frozen

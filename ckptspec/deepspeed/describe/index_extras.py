@@ -14,13 +14,16 @@ tensor- or pipeline-parallel checkpoint's whole model, placed once, here, for ev
   checked against the file, CK230) is ``<layer>.<key>`` of the whole model. A key that is its stage's
   trainable shard elsewhere (a ``TiedLayerSpec`` run at several layers) is a tie of that parameter;
   a key that is none of the stage's trainables is a buffer if the stage's model states name it in
-  ``buffer_names``, else a frozen parameter, located in the layer file (``Shard.locator``).
+  ``buffer_names``, else a frozen parameter, located in the layer file (``Shard.locator``). In a
+  tensor-parallel pipeline (a layer file per tensor rank, ``tp_pipeline.py``) each tensor rank's copy is a
+  shard: a frozen parameter placed by the ``universal_checkpoint_info`` rules as a trainable one, a buffer
+  replicated (the rules name parameters only), tensor rank 0's primary.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef
@@ -29,7 +32,7 @@ from ...format.dtypes import Dtype
 from ...format.index_models import CheckpointIndex, IndexExtra, Shard, ShardLocator
 from ...format.paths import join_inside
 from ...location import RemotePath
-from ..layout.placements import affine_params, untrainable_placement
+from ..layout.placements import affine_params, rule_info, rule_placement, untrainable_placement
 
 Role = Literal["frozen", "buffer"]
 
@@ -115,58 +118,81 @@ def _model_parallel_extras(index: CheckpointIndex, tag_dir: Path | RemotePath, s
 def _pipeline_extras(
     index: CheckpointIndex, tag_dir: Path | RemotePath, states: StateCache
 ) -> tuple[list[IndexExtra], dict[str, str]]:
-    stage_domain = {d.coordinate.pipeline: d for d in index.domains if d.masters is None}
-    stage_of = {d.id: d.coordinate.pipeline for d in index.domains}
-    owner = {(stage_of[s.domain], s.local_name): p.name for p in index.parameters for s in p.shards}
-    buffer_names: dict[int, set[str]] = {}
-    for stage, domain in stage_domain.items():
+    domain_of = {(d.coordinate.pipeline, d.coordinate.tensor): d for d in index.domains if d.masters is None}
+    owner = {(s.domain, s.local_name): p.name for p in index.parameters for s in p.shards}
+    tp = index.topology.degrees.tensor
+    buffer_names: dict[str, set[str]] = {}
+    models: dict[str, tuple[str, Any]] = {}  # domain -> (model-states file, its state)
+    for domain in domain_of.values():
         model = next(f.path for f in domain.manifest.files if f.role == "model_states")
-        names = states.state(_file(tag_dir, model)).get("buffer_names") or []
-        buffer_names[stage] = {str(n) for n in names}
-    extras: list[IndexExtra] = []
+        models[domain.id] = (model, states.state(_file(tag_dir, model)))
+        buffer_names[domain.id] = {str(n) for n in models[domain.id][1].get("buffer_names") or []}
+    by_name: dict[str, IndexExtra] = {}
     aliases: dict[str, str] = {}
-    found: dict[int, set[str]] = {stage: set() for stage in stage_domain}
+    found: dict[str, set[str]] = {d: set() for d in buffer_names}
     for lf in index.layer_files:
-        if lf.pipeline not in stage_domain:
+        if (lf.pipeline, lf.tensor or 0) not in domain_of:
             continue
+        domain = domain_of[lf.pipeline, lf.tensor or 0]
         path = _file(tag_dir, lf.path)
         state = states.state(path)
         for key, local in lf.tensors.items():
             whole = f"{lf.layer}.{key}"
-            if (lf.pipeline, local) in owner:
-                if owner[(lf.pipeline, local)] != whole:
-                    aliases[whole] = owner[(lf.pipeline, local)]
+            if (domain.id, local) in owner:
+                if owner[(domain.id, local)] != whole:
+                    aliases[whole] = owner[(domain.id, local)]
                 continue
-            role: Role = "buffer" if local in buffer_names[lf.pipeline] else "frozen"
-            found[lf.pipeline].add(local)
+            role: Role = "buffer" if local in buffer_names[domain.id] else "frozen"
+            found[domain.id].add(local)
             ref = _contiguous(state.get(key) if isinstance(state, dict) else None, path, whole)
-            locator = _locator(ref, path, states, whole)
+            shape, placement = list(ref.shape), cast(Any, "whole")
+            if lf.tensor is not None:  # a tensor-parallel pipeline's (module docstring)
+                shape, placement = list(ref.shape), "replicated"
+                if role == "frozen":
+                    model, model_state = models[domain.id]
+                    shape, placement = rule_placement(rule_info(model_state), whole, lf.tensor, tp, shape, model)
             shard = Shard(
-                domain=stage_domain[lf.pipeline].id,
+                domain=domain.id,
                 local_name=local,
                 local_shape=list(ref.shape),
-                placement="whole",
+                placement=placement,
                 layer_file=lf.path,
                 layer_key=key,
-                locator=locator,
+                locator=_locator(ref, path, states, whole),
             )
-            extras.append(
-                IndexExtra(
+            known = by_name.get(whole)
+            if known is None:
+                by_name[whole] = IndexExtra(
                     name=whole,
-                    shape=list(ref.shape),
+                    shape=shape,
                     dtype=ref.dtype,
                     role=role,
                     shards=[shard],
                     placement_source="pipeline_layer",
                 )
-            )
-    for stage, names in buffer_names.items():
-        if names - found[stage]:
+                continue
+            if (known.shape, known.dtype, known.role) != (shape, ref.dtype, role):
+                raise ReconstructMismatch(
+                    f"{whole!r} is a {role} of shape {shape} ({ref.dtype}) in {lf.path}, a {known.role} of shape "
+                    f"{known.shape} ({known.dtype}) in {known.shards[0].layer_file}",
+                    tag_dir,
+                )
+            known.shards.append(shard)
+    for (stage, tensor), domain in domain_of.items():
+        if buffer_names[domain.id] - found[domain.id]:
+            rank = f" (tensor rank {tensor})" if tp > 1 else ""
             raise ReconstructMismatch(
-                f"stage {stage}'s model states name buffers {sorted(names - found[stage])} that no layer file holds",
+                f"stage {stage}{rank}'s model states name buffers {sorted(buffer_names[domain.id] - found[domain.id])} "
+                "that no layer file holds",
                 tag_dir,
             )
-    return extras, aliases
+    for extra in by_name.values():
+        if tp > 1 and len(extra.shards) != tp:
+            raise ReconstructMismatch(f"{extra.name!r} is in {len(extra.shards)} of {tp} tensor ranks' files", tag_dir)
+        if extra.shards[0].placement == "replicated":
+            for s in extra.shards:
+                s.primary = s is extra.shards[0]
+    return list(by_name.values()), aliases
 
 
 def _contiguous(ref: object, path: Path | RemotePath, name: str) -> TensorRef:

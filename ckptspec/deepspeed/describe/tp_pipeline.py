@@ -8,8 +8,13 @@ one parameter on the tensor ranks are then placed in the whole tensor by the spl
 record (``layout/placements``: AutoTP's affine_map, else the ``universal_checkpoint_info`` pattern lists
 Megatron-DeepSpeed saves in its client state). Every parameter is on the same stage on every tensor rank.
 
-Refused by name (CK202): a TiedLayerSpec, frozen parameters or buffers (layer-file keys that are no stage's
-trainable parameter), a parameter some tensor rank lacks,
+A ``TiedLayerSpec``'s module is replicated on every tensor rank (the rules name it replicated): its trainable
+parameters are one whole-model parameter (named after its first layer, ``pipeline_params``) whose shards are every
+(stage, tensor rank)'s copy, the first layer's stage at tensor rank 0 primary. Frozen parameters and buffers (the
+layer-file keys that are no stage's trainable parameter) are the index's extras (``index_extras``): a frozen one
+placed by the same rules, a buffer replicated on every tensor rank.
+
+Refused by name (CK202): a tied parameter the rules split, a parameter some tensor rank lacks,
 shards whose placements do not give one whole shape. A layer file one tensor rank lacks is CK230.
 """
 
@@ -22,7 +27,7 @@ from ...errors import UnsupportedCheckpoint
 from ...format.index_models import Domain, IndexParameter, LayerFile, Shard
 from ..layout.parallel_files import ParallelFiles, layer_file_name, missing_layer_files
 from ..layout.placements import affine_params, rule_info, rule_placement, tp_placement
-from .pipeline_params import TIED_PREFIX, pipeline_parameters
+from .pipeline_params import pipeline_parameters
 
 
 def tensor_pipeline_view(
@@ -39,7 +44,6 @@ def tensor_pipeline_view(
             n: (p.name, _keys(states, p)) for (n, t), p in sorted(files.tensor_layer_files.items()) if t == tensor
         }
         found, params = pipeline_parameters(own, loaded, where, tensor)
-        _refuse_untrained_keys(found, own)
         for entry in found:
             path = files.tensor_layer_files[entry.layer, tensor]
             entry.size = path.stat().st_size
@@ -48,8 +52,9 @@ def tensor_pipeline_view(
         layer_files += found
         for param in params:
             _place(param, tensor, tp, _rules(files, states, own, param), parameters)
+    tensor_of = {d.id: d.coordinate.tensor for d in domains}
     for param in parameters.values():
-        _check_whole(param, tp, where)
+        _check_whole(param, tp, where, tensor_of)
     return sorted(layer_files, key=lambda f: (f.layer, f.tensor)), list(parameters.values())
 
 
@@ -73,18 +78,6 @@ def _missing_layers(files: ParallelFiles, states: StateCache, tp: int) -> None:
         raise missing_layer_files(missing, str(files.tag_dir))
 
 
-def _refuse_untrained_keys(found: list[LayerFile], domains: list[Domain]) -> None:
-    trained = {p.name for d in domains for g in d.manifest.groups for p in g.params}
-    for entry in found:
-        for key, local in entry.tensors.items():
-            if local not in trained or local.startswith(TIED_PREFIX):
-                raise UnsupportedCheckpoint(
-                    f"{entry.path} holds {key!r}, a tied module's, frozen parameter or buffer",
-                    "tensor-parallel pipelines are described with trainable, untied layer parameters only",
-                    entry.path,
-                )
-
-
 def _rules(files: ParallelFiles, states: StateCache, domains: list[Domain], param: IndexParameter):
     """(affine map, pattern lists, model-states file) of the domain holding ``param``'s shard."""
     domain = next(d for d in domains if d.id == param.shards[0].domain)
@@ -94,22 +87,27 @@ def _rules(files: ParallelFiles, states: StateCache, domains: list[Domain], para
 
 
 def _place(param: IndexParameter, tensor: int, tp: int, rules, parameters: dict[str, IndexParameter]) -> None:
-    """Tensor rank ``tensor``'s shard of ``param`` (its stage's, placed "whole" in its pipeline) placed in the
-    whole tensor, added to the whole model's parameter of that name."""
+    """Tensor rank ``tensor``'s shards of ``param`` (its stage's, placed "whole" in its pipeline; a tie's, one per
+    stage running it) placed in the whole tensor, added to the whole model's parameter of that name."""
     amap, info, model = rules
-    (shard,) = param.shards  # no ties (refused above): one stage holds it
-    if amap is not None:
-        whole, placement = tp_placement(amap, param.name, tensor, shard.local_shape, model)
-        source = "affine_map"
-    else:
-        whole, placement = rule_placement(info, param.name, tensor, tp, shard.local_shape, model)
-        source = "universal_checkpoint_info"
-    shard = Shard.model_validate({**shard.model_dump(exclude_unset=True), "placement": placement})
+    shards = []
+    for shard in param.shards:
+        if amap is not None:
+            whole, placement = tp_placement(amap, param.name, tensor, shard.local_shape, model)
+            source = "affine_map"
+        else:
+            whole, placement = rule_placement(info, param.name, tensor, tp, shard.local_shape, model)
+            source = "universal_checkpoint_info"
+        if len(param.shards) > 1 and placement != "replicated":
+            raise UnsupportedCheckpoint(
+                f"the tied {param.name!r} is split over the tensor ranks ({placement})",
+                "a TiedLayerSpec's module is described replicated on every tensor rank only",
+                model,
+            )
+        shards.append(Shard.model_validate({**shard.model_dump(exclude_unset=True), "placement": placement}))
     known = parameters.get(param.name)
     if known is None:
-        parameters[param.name] = param.model_copy(
-            update={"shape": whole, "placement_source": source, "shards": [shard]}
-        )
+        parameters[param.name] = param.model_copy(update={"shape": whole, "placement_source": source, "shards": shards})
         return
     if known.shape != whole or known.dtype != param.dtype:
         raise UnsupportedCheckpoint(
@@ -118,17 +116,20 @@ def _place(param: IndexParameter, tensor: int, tp: int, rules, parameters: dict[
             "the mp ranks' files come from different saves or models",
             model,
         )
-    known.shards.append(shard)
+    known.shards += shards
 
 
-def _check_whole(param: IndexParameter, tp: int, where: str) -> None:
-    """Every tensor rank holds a shard; a replicated parameter's first shard is its primary."""
-    if len(param.shards) != tp:
+def _check_whole(param: IndexParameter, tp: int, where: str, tensor_of: dict[str, int]) -> None:
+    """Every tensor rank holds a shard (a tie's: one on each stage running it); a replicated parameter's primary is
+    tensor rank 0's (a tie's: on its first layer's stage)."""
+    held = [tensor_of[s.domain] for s in param.shards]
+    if sorted(set(held)) != list(range(tp)) or len({held.count(t) for t in range(tp)}) != 1:
         raise UnsupportedCheckpoint(
-            f"{param.name!r} has shards on {len(param.shards)} of {tp} tensor ranks",
+            f"{param.name!r} has shards on {len(set(held))} of {tp} tensor ranks",
             "every tensor rank of a stage trains each of its parameters; restore the files of one save",
             where,
         )
     if all(s.placement == "replicated" for s in param.shards):
+        first = next(s for s, t in zip(param.shards, held) if t == 0 and s.primary is not False)
         for s in param.shards:
-            s.primary = s is param.shards[0]
+            s.primary = s is first

@@ -55,7 +55,7 @@ from _harness.job.parallel_models import (
     reference_model,
     torch_dtype,
 )
-from _harness.job.tp_layers import UNIVERSAL_INFO, gather_whole, whole_moments
+from _harness.job.tp_layers import gather_whole, universal_info, whole_moments
 
 EXPERTS_PREFIX = "deepspeed_experts."
 
@@ -350,7 +350,7 @@ def run(args, out: Path):
     if spec["save"] and spec["save_with"] == "ckptspec":
         _save_with_ckptspec(engine, out, rank)
     elif spec["save"] and kind == "pipe" and spec["tp"] > 1:  # the split rules where Megatron-DeepSpeed puts them
-        engine.save_checkpoint(str(out), client_state={"universal_checkpoint_info": UNIVERSAL_INFO})
+        engine.save_checkpoint(str(out), client_state={"universal_checkpoint_info": universal_info(spec)})
     elif spec["save"]:
         engine.save_checkpoint(str(out))
     dist.barrier()

@@ -75,11 +75,11 @@ def normalize(spec):
         raise ValueError(f"loss_scale_window is an fp16 setting: {spec}")
     if out["moe_layers"] not in (1, 2) or (out["moe_layers"] != 1 and not out["ep"]):
         raise ValueError(f"moe_layers is 1 or 2, in a MoE job: {spec}")
-    if layout(out) == "pipe" and out["tp"] > 1 and (out["frozen"] or out["buffers"] or out["tied"] or out["stage"] > 1):
+    if layout(out) == "pipe" and out["tp"] > 1 and out["stage"] > 1:
         # Megatron-style tensor-parallel layers (job/tp_layers.py), not AutoTP: DeepSpeed 0.19.8's AutoTP builds
         # its groups on a (world/tp, tp) mesh that ignores the pipeline axis, so engine._broadcast_model
         # broadcasts one stage's weights to the other (gloo: "Received data size doesn't match expected size")
-        raise ValueError(f"a tensor-parallel pipeline is the plain one at ZeRO 0/1: {spec}")
+        raise ValueError(f"a tensor-parallel pipeline is at ZeRO 0/1: {spec}")
     if out["partition"] not in ("uniform", "parameters"):
         raise ValueError(f"bad partition in parallel spec: {spec}")
     if out["save_with"] not in ("deepspeed", "ckptspec"):

@@ -18,9 +18,15 @@ attribute; None: replicated); the job gathers whole tensors with it (``gather_wh
 The split rules are also saved the way Megatron-DeepSpeed saves them: ``universal_checkpoint_info`` in the
 client state (``UNIVERSAL_INFO``: row-parallel and tensor-replicated parameter-name patterns; every other
 parameter is split along dim 0), which DeepSpeed's ds_to_universal reads.
+
+With ``tied``, ``frozen`` and ``buffers`` (issue #40's extras): the plain pipeline's (parallel_models._pipe_layers)
+TiedLayerSpec at layers 0 and 4, replicated on every tensor rank (its frozen gain and its buffer too), layer 2's
+column-parallel ``up.weight`` frozen (a frozen shard per tensor rank), a persistent buffer in layer 3's block
+(replicated: every tensor rank of a stage sees the same input). ``UNIVERSAL_INFO_EXTRAS`` names that model's
+replicated parameters (the tie under both its stage name and its whole-model names) and frozen gain.
 """
 
-from _harness.job.parallel_models import C, H, W
+from _harness.job.parallel_models import PIPE_FROZEN, C, H, W
 
 # The pipeline's parameters (PipelineModule names them ``<layer>.<name>``): layers 0 and 4 plain Linear layers
 # (replicated on every tensor rank), 2 and 3 tensor-parallel blocks.
@@ -30,6 +36,22 @@ UNIVERSAL_INFO = {
     "tp_replicated_parameter_patterns": [r"^\d+\.down\.bias$", r"^0\.(weight|bias)$", r"^4\.(weight|bias)$"],
     "vocabulary_parameter_patterns": [],
 }
+# The extras model (six layers: the tie at 0 and 4, the last Linear at 5). ds_to_universal's strict check wants each
+# pattern to match a trainable parameter: the gain shares one with the tied weight, the buffers none (they are never
+# in its folder; replicated on every tensor rank, as any buffer of these layers).
+UNIVERSAL_INFO_EXTRAS = {
+    **UNIVERSAL_INFO,
+    "tp_replicated_parameter_patterns": [
+        r"^\d+\.down\.bias$",
+        r"^(tied_modules\.emb|0|4)\.(weight|gain)$",
+        r"^5\.(weight|bias)$",
+    ],
+}
+
+
+def universal_info(spec):
+    """The ``universal_checkpoint_info`` the job saves for ``spec``'s model."""
+    return UNIVERSAL_INFO_EXTRAS if spec["tied"] else UNIVERSAL_INFO
 
 
 class TensorGroup:
@@ -118,31 +140,66 @@ def tp_block_class():
     return TensorParallelBlock
 
 
-def tp_pipe_layers(tg):
-    """(class, args) of each pipeline layer: the plain pipeline's (parallel_models._pipe_layers) with its two
-    blocks tensor-parallel."""
-    from torch import nn
+def tp_buffer_block_class():
+    """The tensor-parallel block with a persistent buffer its training forward updates (parallel_models'
+    BufferBlock's), the same on every tensor rank."""
+    import torch
 
     block = tp_block_class()
-    return [(nn.Linear, (W, W)), (nn.ReLU, ()), (block, (tg,)), (block, (tg,)), (nn.Linear, (W, C))]
+
+    class TensorParallelBufferBlock(block):
+        def __init__(self, tg):
+            super().__init__(tg)
+            self.register_buffer("running", torch.zeros(W))
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.running.mul_(0.5).add_(x.detach().float().mean(0).to(self.running.dtype), alpha=0.5)
+            return super().forward(x)
+
+    return TensorParallelBufferBlock
+
+
+def tp_pipe_layers(tg, spec=None):
+    """(class, args, tie key) of each pipeline layer: the plain pipeline's (parallel_models._pipe_layers) with its
+    two blocks tensor-parallel; with ``tied`` its six layers (the tie replicated on every tensor rank)."""
+    from torch import nn
+
+    from _harness.job.parallel_models import _tied_class
+
+    block = tp_block_class()
+    if not (spec and spec["tied"]):
+        return [(nn.Linear, (W, W), None), (nn.ReLU, (), None), (block, (tg,), None), (block, (tg,), None)] + [
+            (nn.Linear, (W, C), None)
+        ]
+    third = tp_buffer_block_class() if spec["buffers"] else block
+    tied = (_tied_class(spec["frozen"], spec["buffers"]), (), "emb")
+    return [tied, (nn.ReLU, (), None), (block, (tg,), None), (third, (tg,), None), tied, (nn.Linear, (W, C), None)]
 
 
 def build_tp_pipe(spec):
     """The PipelineModule over a PipeModelDataParallelTopology(pp, tp, world / (pp * tp))."""
     import torch
     import torch.distributed as dist
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     dp = dist.get_world_size() // (spec["pp"] * spec["tp"])
     topology = PipeModelDataParallelTopology(num_pp=spec["pp"], num_mp=spec["tp"], num_dp=dp)
     tg = tensor_group(topology)
     model = PipelineModule(
-        layers=[LayerSpec(cls, *args) for cls, args in tp_pipe_layers(tg)],
+        layers=[
+            TiedLayerSpec(key, cls, *args) if key else LayerSpec(cls, *args)
+            for cls, args, key in tp_pipe_layers(tg, spec)
+        ],
         topology=topology,
         loss_fn=torch.nn.CrossEntropyLoss(),
         partition_method=spec["partition"],
     )
+    for name, param in model.named_parameters():  # only the stage that builds layer 2 has it
+        if spec["frozen"] and name == PIPE_FROZEN:
+            param.requires_grad_(False)
     model.tensor_group = tg
     return model
 
