@@ -14,9 +14,11 @@ smaller than the whole one, in tensor rank order) and compared by global name.
 Bit for bit where the tensor degree and data degree are the source's (only the stages moved, SAME_SUMS): every rank
 computes the same matmuls on the same micro batches and reduces over the same tensor ranks. Otherwise within BOUNDS,
 because the fp32 (or bf16) sums are taken in another order: a row-parallel block adds T partial sums of its
-``down`` matmul (T = 1, 2 or 4: the merged block sums all H products in one matmul), which moves the loss, the
-gradients and their clipping norm by a few ulps, and Adam's first step on a gradient near zero divides it by its own
-size (the masters' bound is a share of how far the step moved each tensor).
+``down`` matmul (T = 1, 2 or 4: the merged block sums all H products in one matmul), which moves the loss and the
+gradients by a few ulps of their precision, and Adam's first step on a gradient near zero divides it by its own size
+(the masters' bound is a share of how far the step moved each tensor). Gradient clipping does not act at this step
+(the gradient's norm, from the moments, is 0.67 to 0.82, below the saved ``clip_grad`` 1.0); a ``clip_grad`` written
+wrong in the output still changes the step (CHANGELOG's mutation).
 """
 
 from __future__ import annotations
