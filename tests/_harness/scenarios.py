@@ -551,8 +551,8 @@ UNIVERSAL_MOE = {
 # A tensor-parallel pipeline's tensor ranks merged (issue #40): loaded by the plain PipelineModule at the same number
 # of stages (the target spec: tp 1, in the pipeline optim launches of its world size), which also loads DeepSpeed's
 # ds_to_universal folder of the source (load_universal). Not in DEGREE_RESHARDS: the masters and moments are
-# compared with what the source job gathered whole over its tensor groups (its training oracle), so the source has
-# no "+optim" entry (a world-size-4 launch of its own), and no one-more-step reference.
+# compared with what the source job gathered whole over its tensor groups (its training oracle); its "+optim" entry
+# (TP_PIPE_STEP_SOURCES) is the one-more-step reference only.
 TP_PIPE_RESHARDS = {
     "tp2pp2-s1-fp32-ws4>tp1": ("tp2pp2-s1-fp32-ws4", 2, {"tp": 1}, {"tensor_parallel": 1}),  # -> tp1 x pp2 x dp1
     "tp2pp2-s1-bf16-ws4>tp1-ws4": ("tp2pp2-s1-bf16-ws4", 4, {"tp": 1}, {"tensor_parallel": 1}),  # -> tp1 x pp2 x dp2
@@ -621,6 +621,11 @@ TP_PIPE_EXTRAS_RESHARDS = {
         {"pipeline_parallel": 2},
     ),
 }
+# The tensor x pipeline sources of TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS and TP_PIPE_SPLITS, each resumed at its
+# own layout by a "+optim" entry that takes the one more step (tests/export/test_reshard_tp_pipe_step.py): in the optim
+# launch of that layout's degrees, beside the reshard targets of the same degrees (tp2 x pp2: tp2pp1>pp2's; tp2 x pp1:
+# the >pp1 and tp4>tp2 targets'; tp4 x pp1: the splits'), so no launch of their own.
+TP_PIPE_STEP_SOURCES = sorted({v[0] for v in {**TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS, **TP_PIPE_SPLITS}.values()})
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}
 )  # each with a +optim entry
@@ -904,7 +909,7 @@ def _registry() -> dict[str, Task]:
     for name in HOOKED + MASTERS_HOOKED:
         spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
-    for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES}):
+    for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES, *TP_PIPE_STEP_SOURCES}):
         spec, ws = SOURCE_SPECS[name]
         out[optim_name(name)] = Task("optim", {"spec": spec, "source": name}, ws, load=name)
     for name in OPTIM_UNIVERSAL_SOURCES:
