@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from _harness import scenarios
-from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles
+from _harness.parallel_oracles import bits_equal, gathered_whole, info, logits_of, optim_records, rank_oracles
 from _harness.reconstruction import invoke
 
 CASES = sorted(scenarios.TP_PIPE_RESHARDS)
@@ -26,18 +26,6 @@ LOGITS_SHARE = {"fp32": 1e-6, "bf16": 0.01}
 
 def _source(name):
     return scenarios.TP_PIPE_RESHARDS[name][0]
-
-
-def _whole(ds, source):
-    """The source job's whole masters, moments and module (every holder's the same, bit for bit)."""
-    out: dict = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
-    for oracle in rank_oracles(ds.path(source)):
-        values = {"master": oracle["whole_masters"], "module": oracle["whole_module"], **oracle["whole_moments"]}
-        for key, by_name in values.items():
-            for n, v in by_name.items():
-                assert n not in out[key] or bits_equal(out[key][n], v), (key, n)
-                out[key][n] = v
-    return out
 
 
 def _check_loaded(records, whole):
@@ -63,7 +51,7 @@ def test_the_target_job_holds_the_sources_whole_masters_moments_and_step(ds, nam
     assert [(r["coords"]["pp"], r["coords"]["tp"]) for r in records] == [
         (rank * 2 // len(records), 0) for rank in range(len(records))
     ]
-    whole = _whole(ds, _source(name))
+    whole = gathered_whole(ds.path(_source(name)))
     _check_loaded(records, whole)
     dtype = info(ds.path(_source(name)))["spec"]["dtype"]
     source_logits = logits_of(rank_oracles(ds.path(_source(name))))
@@ -78,13 +66,13 @@ def test_deepspeeds_universal_path_gives_the_same(ds, name):
     import json
 
     assert json.loads((ds.path(name) / "optim.json").read_text())["universal_error"] is None
-    _check_loaded(optim_records(ds.path(name), "universal"), _whole(ds, _source(name)))
+    _check_loaded(optim_records(ds.path(name), "universal"), gathered_whole(ds.path(_source(name))))
 
 
 @pytest.mark.parametrize("name", MERGES)
 def test_the_merged_layer_files_and_model_states_are_a_tp1_pipelines(ds, name):
     tag = ds.path(name) / "resharded" / "global_step2"
-    whole = _whole(ds, _source(name))["module"]
+    whole = gathered_whole(ds.path(_source(name)))["module"]
     files = sorted(os.listdir(tag))
     assert [f for f in files if f.startswith("layer_")] == [f"layer_{i:02d}-model_states.pt" for i in range(5)]
     for layer in range(5):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from _harness import scenarios
 from _harness.job.parallel_models import normalize
-from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles
+from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles, structure
 from _harness.reconstruction import invoke
 from safetensors.torch import load_file
 
@@ -314,17 +314,6 @@ def test_a_tie_the_rules_split_over_the_tensor_ranks_is_refused_by_name(ds, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def _shapes(value):
-    """A pickled structure with every tensor replaced by its dtype and shape."""
-    if torch.is_tensor(value):
-        return (str(value.dtype), tuple(value.shape))
-    if isinstance(value, dict):
-        return {k: _shapes(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_shapes(v) for v in value]
-    return type(value).__name__
-
-
 # DeepSpeed's own saves of the same model at each target's layout and world size: the plain pipeline's extras model
 # (EXTRAS_SPECS, PIPE_TARGET_SPECS) for the merges, its tp2 x pp1 save (TP_PIPE_EXTRAS_SPECS) for the move
 SAVED = {MERGE: "pp2-s1-fp32-ws2-extras", BOTH: "pp1-s1-fp32-ws2-extras", STAGES: ONE_STAGE, REVERSE: SOURCE}
@@ -348,13 +337,13 @@ def test_the_files_are_deepspeeds_at_the_target_layout(ds, name):
     for file in names:
         a, b = torch.load(theirs / file, weights_only=False), torch.load(ours / file, weights_only=False)
         if file.startswith("layer_"):
-            assert _shapes(a) == _shapes(b), file
+            assert structure(a) == structure(b), file
         elif "model_states" in file:
             for key in ("mp_world_size", "dp_world_size", "checkpoint_parallel_dimensions", "buffer_names", "module"):
                 assert a.get(key) == b.get(key), (file, key)
             assert [dict(s) for s in a["param_shapes"]] == [dict(s) for s in b["param_shapes"]], file
         else:
-            assert _shapes(a["optimizer_state_dict"]) == _shapes(b["optimizer_state_dict"]), file
+            assert structure(a["optimizer_state_dict"]) == structure(b["optimizer_state_dict"]), file
 
 
 def test_a_tp2_pp1_save_moved_to_two_stages_gives_each_stage_the_one_tied_modules_copy(ds):

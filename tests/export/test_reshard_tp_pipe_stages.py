@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from _harness import scenarios
-from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles
+from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles, structure
 from _harness.reconstruction import invoke
 
 CASES = sorted(scenarios.TP_PIPE_STAGE_RESHARDS)
@@ -112,17 +112,6 @@ def _load(path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _shapes(value):
-    """A file's structure: its keys, nesting and tensor shapes and dtypes (values aside)."""
-    if torch.is_tensor(value):
-        return ("tensor", tuple(value.shape), str(value.dtype))
-    if isinstance(value, dict):
-        return {k: _shapes(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_shapes(v) for v in value]
-    return type(value).__name__
-
-
 @pytest.mark.parametrize("name", [n for n in KEPT if info_spec(n)["dtype"] == "fp32"])
 def test_the_files_are_deepspeeds_at_the_target_layout(ds, name):
     """The written tag against DeepSpeed's own save of the same PipelineModule at the target's tp2 x pp (fp32, the
@@ -141,9 +130,9 @@ def test_the_files_are_deepspeeds_at_the_target_layout(ds, name):
                 assert a.get(key) == b.get(key), (file, key)
             assert [dict(s) for s in a["param_shapes"]] == [dict(s) for s in b["param_shapes"]], file
         elif file.startswith("layer_"):
-            assert _shapes(a) == _shapes(b), file
+            assert structure(a) == structure(b), file
         else:
-            assert _shapes(a["optimizer_state_dict"]) == _shapes(b["optimizer_state_dict"]), file
+            assert structure(a["optimizer_state_dict"]) == structure(b["optimizer_state_dict"]), file
 
 
 @pytest.mark.parametrize("name", CASES)
