@@ -31,7 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LOCATIONS = ("", "norange/", "stall/", "drop/", "denied/")
@@ -209,6 +209,7 @@ class S3Server:
     port: int
     proc: subprocess.Popen
     log: Path
+    _filesystem: object = field(default=None, repr=False, compare=False)
 
     @property
     def endpoint(self) -> str:
@@ -226,17 +227,22 @@ class S3Server:
         }
 
     def filesystem(self):
-        """An s3fs filesystem on this server, for the tests' own uploads (as a user would upload)."""
-        import s3fs
+        """An s3fs filesystem on this server, for the tests' own uploads and listings (as a user would upload).
+        One for the server's life: a new one made a botocore client again, 0.15 CPU-s and 0.3 s each, and the crash
+        tests list the bucket a few times per kill. It caches no listing (``use_listings_cache=False``): every call
+        asks the server."""
+        if self._filesystem is None:
+            import s3fs
 
-        return s3fs.S3FileSystem(
-            key="testing",
-            secret="testing",
-            endpoint_url=self.endpoint,
-            client_kwargs={"region_name": "us-east-1"},
-            skip_instance_cache=True,
-            use_listings_cache=False,
-        )
+            self._filesystem = s3fs.S3FileSystem(
+                key="testing",
+                secret="testing",
+                endpoint_url=self.endpoint,
+                client_kwargs={"region_name": "us-east-1"},
+                skip_instance_cache=True,
+                use_listings_cache=False,
+            )
+        return self._filesystem
 
     def upload(self, save_dir: Path, bucket: str = "ckpts") -> str:
         """``save_dir`` put into ``bucket`` with s3fs, as a user would upload it: its ``s3://`` URL."""
