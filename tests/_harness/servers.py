@@ -253,8 +253,8 @@ class S3Server:
 
 
 def start_s3(work: Path, env: dict[str, str] | None = None) -> S3Server:
-    """moto's S3 server (``moto_server``, from the ``moto[server]`` test dependency) on a free port;
-    ``env``: more environment for it (moto's own settings)."""
+    """moto's S3 server (``moto_server``, from the ``moto[server]`` test dependency, run by moto_s3.py) on a free
+    port; ``env``: more environment for it (moto's own settings)."""
     work.mkdir(parents=True, exist_ok=True)
     binary = Path(sys.executable).with_name("moto_server")
     if not binary.exists():
@@ -262,7 +262,8 @@ def start_s3(work: Path, env: dict[str, str] | None = None) -> S3Server:
     port = free_port()
     log = work / "moto.log"
     proc = subprocess.Popen(
-        [str(binary), "-H", "127.0.0.1", "-p", str(port)],
+        # -P: the harness's folder is not put first on the path (its cache.py, compat.py... shadow no module of moto's)
+        [sys.executable, "-P", str(Path(__file__).with_name("moto_s3.py")), "-H", "127.0.0.1", "-p", str(port)],
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
