@@ -13,7 +13,7 @@ env, cwd) with its own stdin, stdout and stderr as file descriptors (``SCM_RIGHT
 one JSON reply with the child's exit status (negative: killed by that signal); a request with
 ``python`` (the code) instead runs that code as ``python -c`` would. Many clients run
 side by side. The clients: ``cli_process.py`` (the tests) and ``forkclient.py`` (a drop-in
-``ckptspec`` executable for the docs' console transcripts).
+``ckptspec`` executable for the docs' console transcripts; ``--python-c`` for their ``python run`` blocks).
 """
 
 from __future__ import annotations
