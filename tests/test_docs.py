@@ -25,8 +25,9 @@ Fenced blocks in docs/*.md and README.md follow these conventions:
   With ``checkpoint=NAME`` (a MATRIX or PARALLEL name of tests/_harness/scenarios.py), a real DeepSpeed checkpoint
   (``latest``, the tag directory, DeepSpeed's scripts; not the harness's own files) is first
   *copied* to ``./checkpoint/``, so a block may corrupt it.
-* ```` ```python run ```` (docs/ only, optionally ``checkpoint=NAME`` as above): run with this
-  interpreter in such a scratch directory; it must exit 0 with nothing on stderr. Make it
+* ```` ```python run ```` (docs/ only, optionally ``checkpoint=NAME`` as above): run as ``python -c``
+  with this interpreter in such a scratch directory (forked from the fork server, which has imported
+  torch and ckptspec once: tests/_harness/forkserver.py); it must exit 0 with nothing on stderr. Make it
   ``assert`` what it claims.
 * ```` ```python excerpt=examples/PATH ```` (or any other language, ```` ```js excerpt=... ````):
   consecutive lines of that file (compared after removing their common indentation), and the
@@ -52,6 +53,7 @@ import json
 import operator
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -527,6 +529,9 @@ def test_lines_match():
     assert not _lines_match(["a"], ["a", "b"])
 
 
+FORKCLIENT = [sys.executable, "-S", "-I", str(ROOT / "tests" / "_harness" / "forkclient.py")]
+
+
 @pytest.fixture(scope="module")
 def console_env(tmp_path_factory, cli_server):
     """PATH with a `ckptspec` and a `python` that run this interpreter. `ckptspec` is served by a
@@ -538,7 +543,7 @@ def console_env(tmp_path_factory, cli_server):
     env["LC_ALL"] = "C.UTF-8"
     env["PYTHONIOENCODING"] = "utf-8"
     env["DS_ACCELERATOR"] = "cpu"
-    client = f'"{sys.executable}" -S -I "{ROOT / "tests" / "_harness" / "forkclient.py"}"'
+    client = shlex.join(FORKCLIENT)
     for name, command in (("ckptspec", client), ("python", f'"{sys.executable}"')):
         shim = bindir / name
         shim.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
@@ -611,7 +616,7 @@ def doc_runs(tmp_path_factory, console_env, doc_checkpoints) -> dict[str, tuple[
         argv = (
             ["bash", "-c", _console_script(block)]
             if block.words[0] == "console"
-            else [sys.executable, "-c", block.text]
+            else [*FORKCLIENT, "--python-c", block.text]  # `python -c TEXT`, forked from the server (torch imported)
         )
         procs[block.where()] = subprocess.Popen(
             argv, cwd=cwd, env=console_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

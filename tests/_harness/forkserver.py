@@ -5,18 +5,21 @@ as ``python -m ckptspec`` each run paid the interpreter start and the imports ag
 1.3 s), which was most of their time. A forked child is still a separate process: it gets its
 own environment (``CKPTSPEC_FAILPOINT`` included, which ckptspec reads at its first write step),
 its own working directory and output files, and is really killed by the signal a failpoint
-sends. It runs ``ckptspec.cli.main``, as ``python -m ckptspec`` does.
+sends. It runs ``ckptspec.cli.main``, as ``python -m ckptspec`` does; or, for the docs' ``python run``
+blocks, a program as ``python -c CODE`` runs it (``__main__``, the working directory first on the path).
 
 One way in, a Unix socket (``forkserver.py --socket PATH``): each client sends one request (args,
 env, cwd) with its own stdin, stdout and stderr as file descriptors (``SCM_RIGHTS``), and reads
-one JSON reply with the child's exit status (negative: killed by that signal). Many clients run
+one JSON reply with the child's exit status (negative: killed by that signal); a request with
+``python`` (the code) instead runs that code as ``python -c`` would. Many clients run
 side by side. The clients: ``cli_process.py`` (the tests) and ``forkclient.py`` (a drop-in
-``ckptspec`` executable for the docs' console transcripts).
+``ckptspec`` executable for the docs' console transcripts; ``--python-c`` for their ``python run`` blocks).
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import gc
 import json
 import os
@@ -24,7 +27,10 @@ import select
 import signal
 import socket
 import sys
+import threading
 import traceback
+import types
+import warnings
 from importlib import import_module
 from importlib.util import find_spec
 
@@ -36,9 +42,12 @@ import ckptspec.export.api
 # Only what is installed: the unit tier's environment has no torch, and its commands never need it. The URL
 # backends too: the crash tests of uploads run a command per kill point, each importing s3fs and botocore
 # otherwise. None of them starts a thread or an event loop on import (fsspec's loop starts at first use).
-for _name in ("numpy", "safetensors.numpy", "torch", "s3fs", "fsspec.implementations.http"):
-    if find_spec(_name.partition(".")[0]):
-        import_module(_name)
+# Warnings these imports give are recorded: a fresh interpreter running a `python run` block would print them, so
+# that block's child prints them too (_python).
+with warnings.catch_warnings(record=True) as _IMPORT_WARNINGS:
+    for _name in ("numpy", "safetensors.numpy", "torch", "s3fs", "fsspec.implementations.http"):
+        if find_spec(_name.partition(".")[0]):
+            import_module(_name)
 # Every child inherits these modules' objects: frozen, a child's full collection no longer scans them
 # (measured 0.33 s -> 0.000 s per collection with torch imported), and their pages stay shared.
 gc.freeze()
@@ -56,11 +65,16 @@ def _child(request: dict, stdio: list[int]) -> None:
         # As a terminal gives it, whatever the server inherited (a suite started in the background
         # ignores SIGINT): Python's own handler, so Ctrl-C is a KeyboardInterrupt.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.argv = ["ckptspec", *request["args"]]  # the name the installed command runs under
-        ckptspec.cli.main()
+        if "python" in request:
+            _python(request["python"], request["args"])
+        else:
+            sys.argv = ["ckptspec", *request["args"]]  # the name the installed command runs under
+            ckptspec.cli.main()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)  # as the interpreter does with sys.exit("message")
     except BaseException:  # what an uncaught exception does to `python -m ckptspec`
         traceback.print_exc()
         code = 1
@@ -69,6 +83,22 @@ def _child(request: dict, stdio: list[int]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _python(code: str, args: list[str]) -> None:
+    """``python -c CODE ARGS`` in this child: the code runs as a new ``__main__`` with ``sys.argv`` and the path's
+    first entry (the working directory) as ``-c`` gives them; then, as at the interpreter's exit, it waits for the
+    threads the code started. The modules imported here before the fork are not imported again (their
+    ``__main__``-independent state is what a fresh import gives: nothing ran in them since)."""
+    for message in _IMPORT_WARNINGS:
+        warnings.showwarning(message.message, message.category, message.filename, message.lineno)
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    sys.argv = ["-c", *args]
+    sys.path[0] = ""
+    exec(compile(code, "<string>", "exec"), main.__dict__)
+    threading._shutdown()
 
 
 def _start(request: dict, stdio: list[int], keep: list) -> int:

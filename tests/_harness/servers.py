@@ -31,7 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LOCATIONS = ("", "norange/", "stall/", "drop/", "denied/")
@@ -209,6 +209,7 @@ class S3Server:
     port: int
     proc: subprocess.Popen
     log: Path
+    _filesystem: object = field(default=None, repr=False, compare=False)
 
     @property
     def endpoint(self) -> str:
@@ -226,17 +227,22 @@ class S3Server:
         }
 
     def filesystem(self):
-        """An s3fs filesystem on this server, for the tests' own uploads (as a user would upload)."""
-        import s3fs
+        """An s3fs filesystem on this server, for the tests' own uploads and listings (as a user would upload).
+        One for the server's life: a new one made a botocore client again, 0.15 CPU-s and 0.3 s each, and the crash
+        tests list the bucket a few times per kill. It caches no listing (``use_listings_cache=False``): every call
+        asks the server."""
+        if self._filesystem is None:
+            import s3fs
 
-        return s3fs.S3FileSystem(
-            key="testing",
-            secret="testing",
-            endpoint_url=self.endpoint,
-            client_kwargs={"region_name": "us-east-1"},
-            skip_instance_cache=True,
-            use_listings_cache=False,
-        )
+            self._filesystem = s3fs.S3FileSystem(
+                key="testing",
+                secret="testing",
+                endpoint_url=self.endpoint,
+                client_kwargs={"region_name": "us-east-1"},
+                skip_instance_cache=True,
+                use_listings_cache=False,
+            )
+        return self._filesystem
 
     def upload(self, save_dir: Path, bucket: str = "ckpts") -> str:
         """``save_dir`` put into ``bucket`` with s3fs, as a user would upload it: its ``s3://`` URL."""
@@ -247,8 +253,8 @@ class S3Server:
 
 
 def start_s3(work: Path, env: dict[str, str] | None = None) -> S3Server:
-    """moto's S3 server (``moto_server``, from the ``moto[server]`` test dependency) on a free port;
-    ``env``: more environment for it (moto's own settings)."""
+    """moto's S3 server (``moto_server``, from the ``moto[server]`` test dependency, run by moto_s3.py) on a free
+    port; ``env``: more environment for it (moto's own settings)."""
     work.mkdir(parents=True, exist_ok=True)
     binary = Path(sys.executable).with_name("moto_server")
     if not binary.exists():
@@ -256,7 +262,8 @@ def start_s3(work: Path, env: dict[str, str] | None = None) -> S3Server:
     port = free_port()
     log = work / "moto.log"
     proc = subprocess.Popen(
-        [str(binary), "-H", "127.0.0.1", "-p", str(port)],
+        # -P: the harness's folder is not put first on the path (its cache.py, compat.py... shadow no module of moto's)
+        [sys.executable, "-P", str(Path(__file__).with_name("moto_s3.py")), "-H", "127.0.0.1", "-p", str(port)],
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
