@@ -119,11 +119,28 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+# The files that take longest (a warm run's --durations, summed per file), run first: xdist hands whole files out in
+# collection order (--dist loadfile), and these came near the end (test_remote_output 103rd of 116), so one worker
+# ran the last of them while the other had nothing left.
+LONGEST_FIRST = (
+    "tests/remote/test_remote_output.py",
+    "tests/cli/test_crash_safety.py",
+    "tests/interop/test_node_reader_index.py",
+    "tests/deepspeed/test_shards.py",
+    "tests/checkpoint/test_torchfile_fuzz.py",
+    "tests/remote/test_remote_index.py",
+    "tests/test_docs.py",
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items):
     for item in items:
         for marker in sorted({MARKED_BY[f] for f in getattr(item, "fixturenames", ()) if f in MARKED_BY}):
             item.add_marker(marker)
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    # a stable sort: each file's tests stay together and in order, the other files as collected
+    items.sort(key=lambda item: rank.get(getattr(item, "nodeid", "").partition("::")[0], len(rank)))
 
 
 @pytest.fixture(scope="session")
