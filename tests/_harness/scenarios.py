@@ -386,6 +386,9 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     # a bf16 pipeline at stage 0 (BF16_Optimizer) -> ZeRO-1, pp2 x dp1 and pp2 x dp2
     "pp2-s0-bf16-ws2>s1": ("pp2-s0-bf16-ws2", 2, {"stage": 1}, {"stage": 1}),
     "pp2-s0-bf16-ws2>s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"stage": 1}),
+    # an fp32 pipeline at stage 0 (the torch optimizer's state in each stage's model states) -> ZeRO-1, pp2 x dp1, x dp2
+    "pp2-s0-fp32-ws2>s1": ("pp2-s0-fp32-ws2", 2, {"stage": 1}, {"stage": 1}),
+    "pp2-s0-fp32-ws2>s1-ws4": ("pp2-s0-fp32-ws2", 4, {"stage": 1}, {"stage": 1}),
     # a bf16 pipeline written for a stage-0 pipeline job (BF16_Optimizer's files, reshard_pipeline_stage0.py): ZeRO-1
     # pp2 x dp1 -> pp2 x dp1 and pp2 x dp2 -> pp2 x dp1 at stage 0; the stage-0 pp2 x dp1 save -> pp2 x dp2 (no --stage:
     # it keeps its stage); ZeRO-1 pp2 -> pp3 (uniform) at stage 0 (restaged at ZeRO-1 first), and the stage-0 pp2 save

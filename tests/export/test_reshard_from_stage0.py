@@ -61,7 +61,8 @@ def test_a_zero_job_resumes_the_stage0_checkpoint_bit_for_bit(name, ds):
     expected = union_of([oracle["masters"] for oracle in rank_oracles(ds.path(source))])
     assert masters.keys() == expected.keys() and masters
     loaded = union_of([r["master"] for r in before])
-    assert loaded.keys() in (set(), masters.keys()) and (loaded or spec.get("pp", 1) == 1)
+    bf16_optimizer = spec.get("pp", 1) > 1 and source_spec(source)["dtype"] == "bf16"  # a stage-0 bf16 pipeline's
+    assert loaded.keys() in (set(), masters.keys()) and (loaded or not bf16_optimizer)
     for n, master in masters.items():
         assert bits_equal(master, expected[n]) and (not loaded or bits_equal(master, loaded[n])), n
     check_same_moments_and_step(target, before, masters)
