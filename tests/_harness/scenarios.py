@@ -417,6 +417,7 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "s0-fp32-ws2>universal-s2": ("s0-fp32-ws2", 2, {"stage": 2}, {"export_universal": True}),
     "s0-bf16-ws2>universal-s1-ws3": ("s0-bf16-ws2", 3, {"stage": 1}, {"export_universal": True}),
     "pp2-s0-bf16-ws2>universal-s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"export_universal": True}),
+    "pp2-s0-fp32-ws2>universal-s1-ws4": ("pp2-s0-fp32-ws2", 4, {"stage": 1}, {"export_universal": True}),
     # tensor/pipeline-parallel ZeRO-1/2 through ckptspec's universal folder (export-universal), loaded with
     # load_universal; each job also loads DeepSpeed's own ds_to_universal folder of the source (UNIVERSAL_PARALLEL)
     "pp2-s1-fp32-ws2>universal-ws4": ("pp2-s1-fp32-ws2", 4, {}, {"export_universal": True}),  # pp2 -> pp2 x dp2
