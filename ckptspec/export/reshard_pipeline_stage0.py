@@ -20,13 +20,14 @@ included: it hands ``BF16_Optimizer.load_state_dict`` the model states' copy (a 
 list (``KeyError: 0``). ``load_checkpoint(..., load_optimizer_states=False)`` then ``engine._load_zero_checkpoint``
 (DeepSpeed's reader of the ``bf16_zero_pp_rank_*`` files) loads both alike.
 
-An fp32 pipeline's stage-0 job runs the torch optimizer instead, its state in each stage's model states: written at
-the source's stages by ``reshard_pipeline_stage0_fp32`` (``Fp32StageWrite``), loaded by plain ``load_checkpoint``.
+An fp32 pipeline's stage-0 job runs the torch optimizer instead, its state in each stage's model states: each stage
+written by ``reshard_pipeline_stage0_fp32`` (``Fp32StageWrite``; restaged first as above), loaded by plain
+``load_checkpoint``.
 
 Refused by name (CK410) before anything is written: fp16 pipelines (their stage-0 optimizer is FP16_Optimizer, which
-keeps its state in the model states: not written yet), fp32 ones at another number of stages, tensor-parallel
-pipelines, ``round_robin_gradients`` or ``parameter_alignment`` sources (BF16_Optimizer lays out neither), what the
-ZeRO-1 restage refuses (a stage-0 source's: once its ZeRO-1 pipeline is written, beside the output, not published).
+keeps its state in the model states: not written yet), tensor-parallel pipelines, ``round_robin_gradients`` or
+``parameter_alignment`` sources (BF16_Optimizer lays out neither), what the ZeRO-1 restage refuses (a stage-0
+source's: once its ZeRO-1 pipeline is written, beside the output, not published).
 """
 
 from __future__ import annotations
@@ -230,12 +231,6 @@ def _refuse(index: CheckpointIndex, world_size: int, pipeline_parallel: int | No
                 "FP16_Optimizer there, whose files are not written yet",
                 "bf16 (BF16_Optimizer) and fp32 (the torch optimizer) pipelines are written at stage 0; keep this one "
                 "at ZeRO-1",
-            )
-        if layout.model_dtype == "float32" and pipeline_parallel not in (None, degrees.pipeline):
-            raise ReshardUnsupported(
-                f"--stage 0 --pipeline-parallel {pipeline_parallel} of a float32 pipeline (stage {d.id}) is not "
-                "written yet",
-                f"reshard it at its {degrees.pipeline} stages to stage 0, or restage it at ZeRO-1",
             )
         if not stage0 and (d.masters is not None or layout.zero_stage != 1):
             raise ReshardUnsupported(

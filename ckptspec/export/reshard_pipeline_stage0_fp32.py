@@ -9,7 +9,8 @@ numbers), ``param_shapes``/``shared_params``/frozen entries None, ``dp_world_siz
 files (the fp32 weights, which are the masters) are as saved.
 
 Each stage is written from the source stage's masters and moments (``reshard_stage0.torch_optimizer``, the dense
-stage-0 writer's): a ZeRO-1 pipeline's partitions, or a stage-0 fp32 pipeline's own state at another data degree.
+stage-0 writer's): a ZeRO-1 pipeline's partitions, or a stage-0 fp32 pipeline's own state at another data degree;
+at another number of stages the restage of ``reshard_pipeline_stage0`` runs first (``RestagedStage0Write``).
 ``engine.load_checkpoint`` loads it as it loads DeepSpeed's own save.
 """
 

@@ -412,6 +412,14 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "pp2-s1-fp32-ws2>s0": ("pp2-s1-fp32-ws2", 2, _S0, _S0),
     "pp2dp2-s1-fp32-ws4>s0-ws2": ("pp2dp2-s1-fp32-ws4", 2, _S0, _S0),
     "pp2-s0-fp32-ws2>ws4": ("pp2-s0-fp32-ws2", 4, {}, {}),
+    # and at 3 stages (uniform): restaged at ZeRO-1 first, as the bf16 ones
+    "pp2-s1-fp32-ws2>pp3-s0": (
+        "pp2-s1-fp32-ws2",
+        3,
+        {"pp": 3, **_S0},
+        {"pipeline_parallel": 3, "partition_method": "uniform", **_S0},
+    ),
+    "pp2-s0-fp32-ws2>pp3": ("pp2-s0-fp32-ws2", 3, {"pp": 3}, {"pipeline_parallel": 3, "partition_method": "uniform"}),
     # the same through ckptspec's universal folder (export-universal), loaded with load_universal: DeepSpeed's
     # ds_to_universal refuses stage 0
     "s0-fp32-ws2>universal-s2": ("s0-fp32-ws2", 2, {"stage": 2}, {"export_universal": True}),
