@@ -26,6 +26,7 @@ KINDS = {  # kind label in the issue -> harness checkpoint
     "pp2": "pp2-s1-fp32-ws2",
     "pp2xdp2 bf16": "pp2dp2-s1-bf16-ws4",
     "pp2 stage0 bf16": "pp2-s0-bf16-ws2",
+    "pp2 stage0 fp32": "pp2-s0-fp32-ws2",  # the torch optimizer's state in each stage's model states
     "moe ep2 s0 ws4": "moe-ep2-s0-bf16-ws4",
     "moe ep2 s1 ws4": "moe-ep2-s1-fp32-ws4",
     "moe ep2 s2 ws4": "moe-ep2-s2-bf16-ws4",
@@ -40,7 +41,7 @@ WRITE_CAPABILITIES = ("reshard", "export_universal")
 # stage-0 ones: tests/export/test_reshard_from_stage0.py; MoE: test_reshard_moe.py, from stage 0
 # test_reshard_moe_stage0.py).
 MODEL_PARALLEL = {"tp2", "tp2xdp2", "tp2 zero3", "pp2", "pp2xdp2 bf16"}
-STAGE0 = {"stage0 fp32", "stage0 bf16", "pp2 stage0 bf16"}
+STAGE0 = {"stage0 fp32", "stage0 bf16", "pp2 stage0 bf16", "pp2 stage0 fp32"}
 MOE = {"moe ep2 s0 ws4", "moe ep2 s1 ws4", "moe ep2 s2 ws4"}
 # export_universal of an AutoTP ZeRO-3 checkpoint: ds_to_universal's folder (tests/export/test_universal_parallel.py)
 SUPPORTED = {
@@ -158,7 +159,7 @@ def test_what_a_kind_cannot_do_is_refused_by_capability(ds, label, tmp_path):
 def _moments_oracle(ds, name: str) -> dict:
     """DeepSpeed's answer for every parameter's exp_avg and exp_avg_sq, by whole-model name: the live engine's
     state before saving (ZeRO: ``live_optim.pt``), the state DeepSpeed holds after loading the checkpoint
-    (stage 0, MoE, the stage-0 pipeline, a universal folder's source tag: ``<name>+optim``), or
+    (stage 0, MoE, the stage-0 pipelines, a universal folder's source tag: ``<name>+optim``), or
     ``ds_to_universal``'s merge of every rank's partitions (tensor/pipeline parallel: ``exp_avg.pt``)."""
     import torch
     from _harness import scenarios
@@ -166,7 +167,9 @@ def _moments_oracle(ds, name: str) -> dict:
     entry = ds.path(name)
     if (entry / "live_optim.pt").is_file():
         return torch.load(entry / "live_optim.pt", weights_only=True)["state"]
-    if name in scenarios.OPTIM_SOURCES or name in scenarios.OPTIM_UNIVERSAL_SOURCES:
+    # (a stage-0 pipeline of PIPE_STAGE0_SPECS: its "+optim" load, made for its reshards)
+    loaded = name in scenarios.PIPE_STAGE0_SPECS and name in scenarios.RESHARD_SOURCES
+    if name in scenarios.OPTIM_SOURCES or name in scenarios.OPTIM_UNIVERSAL_SOURCES or loaded:
         optim = ds.path(scenarios.optim_name(name))
         prefix = "source" if name in scenarios.OPTIM_UNIVERSAL_SOURCES else "optim"
         merged: dict = {}

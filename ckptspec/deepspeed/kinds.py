@@ -17,6 +17,7 @@ from ..checkpoint.states import StateCache
 from ..location import RemotePath
 from .layout.masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE
 from .layout.names import MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
+from .layout.pipeline_torch_optimizer import is_torch_optimizer_state
 from .layout.tag_dir import UNIVERSAL_FOLDER
 
 if TYPE_CHECKING:  # the models load pydantic: `generate` asks the kind before it needs them
@@ -158,13 +159,18 @@ def _index_kind(tag_dir: Path | RemotePath) -> str | None:
 
 
 def is_pipeline_stage0(tag_dir: Path | RemotePath, states: StateCache) -> bool:
-    """Layer files, and model states with ``param_shapes`` None and BF16_Optimizer's partitions."""
+    """Layer files, and model states with ``param_shapes`` None and BF16_Optimizer's partitions, or (fp32, no
+    optimizer-state files) the torch optimizer's own state per parameter."""
     model = tag_dir / "mp_rank_00_model_states.pt"
     if not model.is_file() or not any(tag_dir.glob("layer_*-model_states.pt")):
         return False
     state = states.state(model)
     optimizer = state.get("optimizer") if isinstance(state, dict) else None
-    return state.get("param_shapes", []) is None and isinstance(optimizer, dict) and "param_slice_mappings" in optimizer
+    if state.get("param_shapes", []) is not None or not isinstance(optimizer, dict):
+        return False
+    if is_torch_optimizer_state(optimizer):
+        return not any(OPTIM_RE.match(p.name) for p in tag_dir.iterdir())
+    return "param_slice_mappings" in optimizer
 
 
 def _masters_kind(engine) -> str | None:

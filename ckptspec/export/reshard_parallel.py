@@ -38,7 +38,7 @@ from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
 from .reshard_moe_stage0 import write_moe_stage0
 from .reshard_pipeline import pipeline_target, write_stages
-from .reshard_pipeline_stage0 import PIPELINE_STAGE0_RESUME, is_pipeline_stage0_target, plan_pipeline_stage0
+from .reshard_pipeline_stage0 import is_pipeline_stage0_target, pipeline_stage0_resume, plan_pipeline_stage0
 from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage3 import write_stage3_files
@@ -101,7 +101,7 @@ def reshard_model_parallel(
                     "leave --expert-parallel out: it regroups a MoE checkpoint's experts",
                 )
             plans = {d.id: domain_plan(src_dir, d, states) for d in found.domains}
-            if is_pipeline_stage0_target(found, zero_stage):  # a stage-0 bf16 pipeline job's files
+            if is_pipeline_stage0_target(found, zero_stage):  # a stage-0 bf16 or fp32 pipeline job's files
                 writes = plan_pipeline_stage0(
                     found,
                     src_dir,
@@ -225,7 +225,7 @@ def reshard_model_parallel(
         # the written ZeRO stage: the plan's, whichever way it was planned
         (merge or (writes and writes[0]) or moe or stages or next(iter(targets.values()))).zero_stage,
         [written_to / src_dir.name / f.name for f in files],
-        *([PIPELINE_STAGE0_RESUME] if is_pipeline_stage0_target(found, zero_stage) else []),
+        *pipeline_stage0_resume(found, zero_stage),
     )
 
 

@@ -1,4 +1,5 @@
-"""``ckptspec reshard --stage 0`` of a bf16 PipelineModule checkpoint: what a pipeline job at ZeRO stage 0 saves.
+"""``ckptspec reshard --stage 0`` of a bf16 (or fp32) PipelineModule checkpoint: what a pipeline job at ZeRO stage 0
+saves.
 
 DeepSpeed's PipelineEngine at stage 0 in bf16 runs ``BF16_Optimizer`` (``engine._do_optimizer_sanity_check``). Per
 stage it partitions the stage's trainable parameters like ZeRO-1 (one flat buffer per param group in the module's
@@ -19,10 +20,14 @@ included: it hands ``BF16_Optimizer.load_state_dict`` the model states' copy (a 
 list (``KeyError: 0``). ``load_checkpoint(..., load_optimizer_states=False)`` then ``engine._load_zero_checkpoint``
 (DeepSpeed's reader of the ``bf16_zero_pp_rank_*`` files) loads both alike.
 
-Refused by name (CK410) before anything is written: fp32 and fp16 pipelines (their stage-0 optimizers are the torch
-optimizer and FP16_Optimizer, which keep their state in the model states: not written yet), tensor-parallel
-pipelines, ``round_robin_gradients`` or ``parameter_alignment`` sources (BF16_Optimizer lays out neither), what the
-ZeRO-1 restage refuses (a stage-0 source's: once its ZeRO-1 pipeline is written, beside the output, not published).
+An fp32 pipeline's stage-0 job runs the torch optimizer instead, its state in each stage's model states: each stage
+written by ``reshard_pipeline_stage0_fp32`` (``Fp32StageWrite``; restaged first as above), loaded by plain
+``load_checkpoint``.
+
+Refused by name (CK410) before anything is written: fp16 pipelines (their stage-0 optimizer is FP16_Optimizer, which
+keeps its state in the model states: not written yet), tensor-parallel pipelines, ``round_robin_gradients`` or
+``parameter_alignment`` sources (BF16_Optimizer lays out neither), what the ZeRO-1 restage refuses (a stage-0
+source's: once its ZeRO-1 pipeline is written, beside the output, not published).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from .optimizer_state import OptimizerStatePlan, plan_optimizer_state
 from .reshard_files import ModelChanges, write_files
 from .reshard_layout import TargetLayout, natural_groups
 from .reshard_pipeline import pipeline_target
+from .reshard_pipeline_stage0_fp32 import Fp32StageWrite
 from .reshard_source import SourceOptimizer, source_optimizer, with_stage
 from .reshard_stage0_source import is_stage0_source, stage0_optimizer
 
@@ -73,6 +79,12 @@ PIPELINE_STAGE0_RESUME = (
 def is_pipeline_stage0_target(index: CheckpointIndex, zero_stage: int | None) -> bool:
     """A pipeline (layer files) asked at stage 0, or a stage-0 pipeline without ``--stage`` (it keeps its stage)."""
     return bool(index.layer_files) and (zero_stage == 0 or (zero_stage is None and is_stage0_source(index)))
+
+
+def pipeline_stage0_resume(index: CheckpointIndex, zero_stage: int | None) -> list[str]:
+    """The resume line of a bf16 stage-0 pipeline output (an fp32 one's is load_checkpoint's: none here)."""
+    bf16 = all(d.manifest.layout.model_dtype == "bfloat16" for d in index.domains)
+    return [PIPELINE_STAGE0_RESUME] if bf16 and is_pipeline_stage0_target(index, zero_stage) else []
 
 
 @dataclass
@@ -150,7 +162,7 @@ def plan_pipeline_stage0(
     pipeline_parallel: int | None,
     partition_method: str | None,
     restage: Callable[..., object],
-) -> list[Bf16StageWrite] | list[RestagedStage0Write]:
+) -> list[Bf16StageWrite] | list[RestagedStage0Write] | list[Fp32StageWrite]:
     """``index``'s pipeline written for a stage-0 bf16 pipeline job of ``world_size`` ranks: one write per stage,
     or the restage then stage 0 (``pipeline_parallel`` other than the source's). CK410 before anything is written."""
     degrees = index.topology.degrees
@@ -183,6 +195,9 @@ def _stage_write(domain: Domain, src_dir: Path | RemotePath, plan: Reconstructio
         first = next(f.path for f in manifest.files if f.role == "optimizer_states" and 0 in f.ranks)
         source = source_optimizer(manifest, states.state(src_dir / first))
         source.path, source.file_name = src_dir / first, first
+    if manifest.layout.model_dtype == "float32":  # the torch optimizer's state in the model states, no optimizer files
+        model = src_dir / next(f.path for f in manifest.files if f.role == "model_states")
+        return Fp32StageWrite(manifest, plan, state_plan, source, model, data, domain.coordinate.pipeline)  # type: ignore[arg-type]
     # BF16_Optimizer's keys: those write_files recomputes for the target, the rest (clip_grad) as saved
     osd = {key: source.osd.get(key) for key in BF16_KEYS}
     return Bf16StageWrite(
@@ -210,11 +225,12 @@ def _refuse(index: CheckpointIndex, world_size: int, pipeline_parallel: int | No
     stage0 = is_stage0_source(index)
     for d in index.domains:
         layout = d.manifest.layout
-        if layout.model_dtype != "bfloat16":
+        if layout.model_dtype not in ("bfloat16", "float32"):
             raise ReshardUnsupported(
-                f"--stage 0 of a {layout.model_dtype} pipeline (stage {d.id}): DeepSpeed's stage-0 pipeline runs the "
-                "torch optimizer (fp32) or FP16_Optimizer (fp16) there, whose files are not written yet",
-                "bf16 pipelines (BF16_Optimizer) are written at stage 0; keep this one at ZeRO-1",
+                f"--stage 0 of a {layout.model_dtype} pipeline (stage {d.id}): DeepSpeed's stage-0 pipeline runs "
+                "FP16_Optimizer there, whose files are not written yet",
+                "bf16 (BF16_Optimizer) and fp32 (the torch optimizer) pipelines are written at stage 0; keep this one "
+                "at ZeRO-1",
             )
         if not stage0 and (d.masters is not None or layout.zero_stage != 1):
             raise ReshardUnsupported(

@@ -224,8 +224,11 @@ AUTOTP_STAGE0_SPECS = {
 PIPE_STAGE0_SPECS = {
     "pp2dp2-s0-bf16-ws4": ({"pp": 2, "stage": 0, "dtype": "bf16"}, 4),
     # fp32 at stage 0: no BF16_Optimizer (the torch optimizer's state in each stage's model states), what
-    # ``reshard --stage 0`` refuses for fp32 pipelines (not written yet), in the pipeline family's world-size-2 launch
+    # ``reshard --stage 0`` writes for fp32 pipelines, in the pipeline family's world-size-2 launch
     "pp2-s0-fp32-ws2": ({"pp": 2, "stage": 0, "dtype": "fp32"}, 2),
+    # and at pp2 x dp2: what the pp2 x dp2 fp32 stage-0 targets of DEGREE_RESHARDS are compared with, file for file
+    # (tests/export/test_reshard_pipeline_stage0_fp32.py), in the world-size-4 launch
+    "pp2dp2-s0-fp32-ws4": ({"pp": 2, "stage": 0, "dtype": "fp32"}, 4),
 }
 # The same PipelineModule at one stage, tp2 x pp1 (``pipe``): what DeepSpeed writes at the layout
 # ``reshard --pipeline-parallel 1`` writes of a tp2 x pp2 checkpoint (TP_PIPE_STAGE_RESHARDS), file for file.
@@ -404,6 +407,9 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     # a bf16 pipeline at stage 0 (BF16_Optimizer) -> ZeRO-1, pp2 x dp1 and pp2 x dp2
     "pp2-s0-bf16-ws2>s1": ("pp2-s0-bf16-ws2", 2, {"stage": 1}, {"stage": 1}),
     "pp2-s0-bf16-ws2>s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"stage": 1}),
+    # an fp32 pipeline at stage 0 (the torch optimizer's state in each stage's model states) -> ZeRO-1, pp2 x dp1, x dp2
+    "pp2-s0-fp32-ws2>s1": ("pp2-s0-fp32-ws2", 2, {"stage": 1}, {"stage": 1}),
+    "pp2-s0-fp32-ws2>s1-ws4": ("pp2-s0-fp32-ws2", 4, {"stage": 1}, {"stage": 1}),
     # a bf16 pipeline written for a stage-0 pipeline job (BF16_Optimizer's files, reshard_pipeline_stage0.py): ZeRO-1
     # pp2 x dp1 -> pp2 x dp1 and pp2 x dp2 -> pp2 x dp1 at stage 0; the stage-0 pp2 x dp1 save -> pp2 x dp2 (no --stage:
     # it keeps its stage); ZeRO-1 pp2 -> pp3 (uniform) at stage 0 (restaged at ZeRO-1 first), and the stage-0 pp2 save
@@ -418,11 +424,26 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         {"pipeline_parallel": 3, "partition_method": "uniform", **_S0},
     ),
     "pp2-s0-bf16-ws2>pp3": ("pp2-s0-bf16-ws2", 3, {"pp": 3}, {"pipeline_parallel": 3, "partition_method": "uniform"}),
+    # an fp32 pipeline written for a stage-0 fp32 pipeline job (the torch optimizer's state in each stage's model
+    # states, reshard_pipeline_stage0_fp32.py): ZeRO-1 pp2 x dp1 and pp2 x dp2 -> pp2 x dp1, the stage-0 pp2 x dp1
+    # save -> pp2 x dp2 (no --stage: it keeps its stage)
+    "pp2-s1-fp32-ws2>s0": ("pp2-s1-fp32-ws2", 2, _S0, _S0),
+    "pp2dp2-s1-fp32-ws4>s0-ws2": ("pp2dp2-s1-fp32-ws4", 2, _S0, _S0),
+    "pp2-s0-fp32-ws2>ws4": ("pp2-s0-fp32-ws2", 4, {}, {}),
+    # and at 3 stages (uniform): restaged at ZeRO-1 first, as the bf16 ones
+    "pp2-s1-fp32-ws2>pp3-s0": (
+        "pp2-s1-fp32-ws2",
+        3,
+        {"pp": 3, **_S0},
+        {"pipeline_parallel": 3, "partition_method": "uniform", **_S0},
+    ),
+    "pp2-s0-fp32-ws2>pp3": ("pp2-s0-fp32-ws2", 3, {"pp": 3}, {"pipeline_parallel": 3, "partition_method": "uniform"}),
     # the same through ckptspec's universal folder (export-universal), loaded with load_universal: DeepSpeed's
     # ds_to_universal refuses stage 0
     "s0-fp32-ws2>universal-s2": ("s0-fp32-ws2", 2, {"stage": 2}, {"export_universal": True}),
     "s0-bf16-ws2>universal-s1-ws3": ("s0-bf16-ws2", 3, {"stage": 1}, {"export_universal": True}),
     "pp2-s0-bf16-ws2>universal-s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"export_universal": True}),
+    "pp2-s0-fp32-ws2>universal-s1-ws4": ("pp2-s0-fp32-ws2", 4, {"stage": 1}, {"export_universal": True}),
     # tensor/pipeline-parallel ZeRO-1/2 through ckptspec's universal folder (export-universal), loaded with
     # load_universal; each job also loads DeepSpeed's own ds_to_universal folder of the source (UNIVERSAL_PARALLEL)
     "pp2-s1-fp32-ws2>universal-ws4": ("pp2-s1-fp32-ws2", 4, {}, {"export_universal": True}),  # pp2 -> pp2 x dp2

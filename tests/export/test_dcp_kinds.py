@@ -13,7 +13,7 @@ optimizer's state; a tensor-parallel rank's in its local shape): Adam's moments,
 its param group and the group's hyperparameters. The FSDP2 job's extra step (all but MoE) is replayed
 here with plain ``torch.optim.Adam`` on the consolidated model from that state and the same batch.
 
-Every other kind (tensor parallel at ZeRO-1 and ZeRO-3, the stage-0 pipeline, MoE at stages 0 and 1,
+Every other kind (tensor parallel at ZeRO-1 and ZeRO-3, the stage-0 pipelines (bf16, fp32), MoE at stages 0 and 1,
 stage 0 fp32) is exported here and read back with torch's DCP reader: every key equals the tensors the
 one ``Checkpoint`` model gives (``state_dict``, ``optimizer_state``), which tests/test_every_kind.py and
 tests/export/test_masters_optimizer_state.py hold against the live masters and DeepSpeed's loaded state.
@@ -50,6 +50,7 @@ EVERY_KIND = [
     "tp2-s3-bf16-ws2",
     "pp2-s1-fp32-ws2",
     "pp2-s0-bf16-ws2",
+    "pp2-s0-fp32-ws2",
     "moe-ep2-s0-bf16-ws4",
     "moe-ep2-s1-fp32-ws4",
     "s0-fp32-ws2",

@@ -64,7 +64,8 @@ def test_a_zero_job_resumes_the_stage0_checkpoint_bit_for_bit(name, ds):
     expected = union_of([oracle["masters"] for oracle in rank_oracles(ds.path(source))])
     assert masters.keys() == expected.keys() and masters
     loaded = union_of([r["master"] for r in before])
-    assert loaded.keys() in (set(), masters.keys()) and (loaded or spec.get("pp", 1) == 1)
+    bf16_optimizer = spec.get("pp", 1) > 1 and source_spec(source)["dtype"] == "bf16"  # a stage-0 bf16 pipeline's
+    assert loaded.keys() in (set(), masters.keys()) and (loaded or not bf16_optimizer)
     for n, master in masters.items():
         assert bits_equal(master, expected[n]) and (not loaded or bits_equal(master, loaded[n])), n
     check_same_moments_and_step(target, before, masters)
@@ -124,7 +125,10 @@ def test_what_is_not_written_is_refused_by_name(source, code, refusal, ds, tmp_p
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-@pytest.mark.parametrize("name", sorted(VIA_UNIVERSAL))
+# where the saving job ran ds_to_universal too (the fp32 stage-0 pipeline's did not)
+@pytest.mark.parametrize(
+    "name", sorted(n for n in VIA_UNIVERSAL if source_spec(DEGREE_RESHARDS[n][0]).get("universal"))
+)
 def test_deepspeeds_own_converter_fails_on_the_same_source(name, ds):
     """Side by side: the saving job ran DeepSpeed's ``ds_to_universal`` on the same tag, which fails there (no
     ``*_optim_states.pt`` at stage 0; ``param_shapes`` not dictionaries in the BF16_Optimizer pipeline)."""

@@ -41,8 +41,8 @@ from ckptspec.export.reshard_pipeline import partition_uniform
 CASES = sorted(
     n
     for n, (source, *_) in DEGREE_RESHARDS.items()
-    if source_spec(source).get("pp") and reshard_target(n)[2]["stage"] == 0
-)
+    if source_spec(source).get("pp") and reshard_target(n)[2]["stage"] == 0 and source_spec(source)["dtype"] == "bf16"
+)  # an fp32 pipeline's: test_reshard_pipeline_stage0_fp32.py
 # DeepSpeed's own stage-0 save of the same bf16 pipeline, by (stages, world size)
 NATIVE = {(2, 2): "pp2-s0-bf16-ws2", (2, 4): "pp2dp2-s0-bf16-ws4"}
 LAYERS = 5  # job/parallel_models.py's pipeline (layer 1 without parameters)
@@ -180,10 +180,11 @@ def test_deepspeeds_own_save_of_two_data_ranks_reads_as_its_job_held_it(ds):
 
 
 def test_deepspeeds_fp32_stage0_pipeline_is_another_layout(ds):
-    """Why an fp32 pipeline stays refused at stage 0: DeepSpeed 0.19.8's fp32 pipeline job at stage 0 runs the torch
-    optimizer itself (no BF16_Optimizer): no optimizer-state files, each stage's model states hold the torch
-    optimizer's state per parameter, its masters are the layer files' fp32 weights. ckptspec does not describe that
-    save yet: CK202, nothing described wrongly."""
+    """Why an fp32 pipeline is not written as BF16_Optimizer's files at stage 0: DeepSpeed 0.19.8's fp32 pipeline
+    job at stage 0 runs the torch optimizer itself (no BF16_Optimizer): no optimizer-state files, each stage's model
+    states hold the torch optimizer's state per parameter, its masters are the layer files' fp32 weights. ckptspec
+    describes that save (tests/deepspeed/test_fp32_pipeline_stage0.py) and writes it
+    (test_reshard_pipeline_stage0_fp32.py)."""
     entry = ds.path("pp2-s0-fp32-ws2")
     tag = _tag_dir(entry)
     names = sorted(p.name for p in tag.iterdir())
@@ -192,8 +193,8 @@ def test_deepspeeds_fp32_stage0_pipeline_is_another_layout(ds):
     assert states["param_shapes"] is None and list(states["optimizer"]) == ["state", "param_groups"]
     shapes = [tuple(s["exp_avg"].shape) for s in states["optimizer"]["state"].values()]
     assert shapes == [(16, 16), (16,), (32, 16), (32,), (16, 32), (16,)]  # stage 0's parameters, whole
-    result = CliRunner().invoke(cli, ["validate", str(entry)])
-    assert result.exit_code == 1 and "CK202" in result.output, result.output
+    opened = ckptspec.open(entry)
+    assert opened.kind == Kind.PIPELINE_STAGE0 and all(d.masters.stored_in == "module" for d in opened.domains)
 
 
 @pytest.mark.parametrize(
@@ -202,7 +203,8 @@ def test_deepspeeds_fp32_stage0_pipeline_is_another_layout(ds):
         # refused by the restage of its ZeRO-1 pipeline (written first, in a temporary directory): named as the source
         ("pp2-s0-bf16-ws2", {"pipeline_parallel": 6}, "5 layers, fewer than the stages"),
         ("tp2pp2-s1-bf16-ws4", {}, "--stage 0 of a tensor-parallel pipeline"),
-        ("pp2-s1-fp32-ws2", {}, "--stage 0 of a float32 pipeline"),
+        ("pp2-s1-fp32-ws2", {"pipeline_parallel": 6}, "5 layers, fewer than the stages"),  # fp32 too
+        ("pp2-s0-fp32-ws2", {"pipeline_parallel": 6}, "5 layers, fewer than the stages"),
         ("pp2-s1-bf16-ws2", {"pipeline_parallel": 6}, "5 layers, fewer than the stages"),  # the restage's own
     ],
 )

@@ -65,8 +65,10 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
         model_path = shards.model_files[min(shards.model_files)]
         if isinstance(model := states.state(model_path), dict) and model.get("param_shapes", []) is None:
             raise UnsupportedCheckpoint(  # DeepSpeed's stage-0 optimizers record no param_shapes
-                "model states have 'param_shapes' None (ZeRO stage 0: BF16_Optimizer in a pipeline)",
-                "ZeRO stage 0 checkpoints are not described by this ckptspec",
+                "model states have 'param_shapes' None (a ZeRO stage-0 pipeline), and their optimizer is neither "
+                f"BF16_Optimizer's partitions nor the torch optimizer's own state ({_keys(model.get('optimizer'))})",
+                "stage-0 pipelines of bf16 (BF16_Optimizer) and fp32 (the torch optimizer) are described; this "
+                "optimizer's (fp16: FP16_Optimizer) is not yet",
                 str(model_path),
             )
         manifest = manifest_from_states(
@@ -117,6 +119,10 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
         parameters=parameters,
     )
     return with_extras(index, files.tag_dir, states)
+
+
+def _keys(optimizer) -> str:
+    return f"optimizer keys {sorted(map(str, optimizer))}" if isinstance(optimizer, dict) else "no optimizer dict"
 
 
 def _refuse_outside(files: ParallelFiles, degrees) -> None:

@@ -12,6 +12,10 @@ of its weight in the layer file (``<layer>.<key>``).
 One domain per stage (``pp<p>-tp0``, size = the data-parallel degree) with ``masters`` in the
 optimizer files and the model states' copy as ``replicas``; the whole-model view is the pipeline one
 (``model_parallel.pipeline_view``). Metadata only, no pickle code.
+
+An fp32 pipeline at stage 0 runs the torch optimizer itself: no optimizer files, its state per parameter in each
+stage's model states, the layer files' fp32 weights its masters (``stored_in: module``), named by
+``layout.pipeline_torch_optimizer``; each stage's domain lists its model states (the moments' file).
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from pathlib import Path
 
 from ...checkpoint.standins import FragmentAddress
 from ...checkpoint.states import StateCache
-from ...checkpoint.torchfile import TensorRef
+from ...checkpoint.torchfile import TensorRef, tensor_byte_range
 from ...errors import UnsupportedCheckpoint
 from ...format.dtypes import ITEMSIZE, Dtype
 from ...format.index_models import Coordinate
 from ...location import RemotePath
 from ..layout.masters import MasterTensor
 from ..layout.parallel_files import degrees_of, layer_file_name, missing_layer_files, scan_parallel
+from ..layout.pipeline_torch_optimizer import is_torch_optimizer_state, stage_params
 from .index_builder import IndexBuilder
 
 _HINT = "the masters of this stage-0 pipeline cannot be named from its files; it is not described"
@@ -88,6 +93,12 @@ def _stage_masters(folder: Path, by_rank: dict[int, Path | RemotePath], shapes, 
     return out
 
 
+def _weight(folder: Path, rel: str, name: str, key: str, ref: TensorRef, states: StateCache) -> MasterTensor:
+    """A layer file's fp32 weight taken for its master (a pipeline without mixed precision)."""
+    offset, nbytes = tensor_byte_range(ref, states.members(folder / rel))
+    return MasterTensor(name, tuple(ref.shape), ref.dtype, ((rel, offset, nbytes),), (key,))
+
+
 def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None, live=None):
     """``live``: the live engine's masters and copies of each model-parallel rank (live/masters.py)."""
     from .model_parallel import pipeline_view
@@ -102,11 +113,16 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
     b.model_dtypes.update({n: r.dtype for n, r in weights.items()})
     if live is not None:
         b.model_dtypes.update(live.dtypes)
+    fp32 = None  # the torch optimizer's own state in the model states: the layer files' weights are the masters
+    if live is None and is_torch_optimizer_state(b.model.get("optimizer")):
+        fp32 = stage_params(files, states)
     domains = []
     for mp, shards in sorted(files.by_mp_rank.items()):
         model = shards.model_files[min(shards.model_files)]
         if live is not None:
             masters, copies = live.by_mp_rank[mp]
+        elif fp32 is not None:
+            masters, copies = [_weight(folder, p.layer_file, p.name, p.key, p.ref, states) for p in fp32[mp]], []
         else:
             masters = _stage_masters(folder, shards.optim_files, shapes, states)
             copies = _stage_masters(folder, {0: model}, shapes, states, copy_of=0) if shards.optim_files.get(0) else []
@@ -121,9 +137,9 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
             Coordinate(pipeline=pipeline, tensor=tensor),
             "data_parallel",
             masters,
-            "optimizer_states",
+            "optimizer_states" if fp32 is None else "module",
             listed,
-            size=len(shards.optim_files),
+            size=len(shards.optim_files) if fp32 is None else degrees.data,
             replicas=replicas,
             add_parameters=False,
         )

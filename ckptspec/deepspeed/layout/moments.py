@@ -18,7 +18,9 @@ Without mixed precision (stage 0 fp32) a weight is its own master (``module/<nam
 an expert file) and the client optimizer's ``state_dict()`` is ``optimizer`` of the model states, its
 groups taking the trainable parameters in module order, or with MoE ``optimizer`` of each
 ``expp_rank_<R>`` file: group 0 the dense parameters (rank 0's file is authoritative, as for the
-masters), group 1 expert-parallel rank R's experts (by layer, expert, key: ``masters.expert_params``).
+masters), group 1 expert-parallel rank R's experts (by layer, expert, key: ``masters.expert_params``); in
+an fp32 pipeline at stage 0 each layer file's weight is its own master and its stage's model states hold
+``optimizer`` (``pipeline_torch_optimizer.stage_params``).
 A state is taken only when it is one contiguous tensor of at least the master tensor's elements (the
 state of the last ZeRO partition keeps the padding its saved fp32 partition drops); anything else is
 refused by name. Metadata only: no tensor bytes, no pickle code.
@@ -35,6 +37,9 @@ from ...checkpoint.torchfile import TensorRef, tensor_byte_range
 from ...errors import UnsupportedCheckpoint
 from ...location import RemotePath
 from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, expert_params, list_expert_files, value_at
+from .names import PIPE_LAYER_RE
+from .parallel_files import scan_parallel
+from .pipeline_torch_optimizer import stage_params
 
 _HINT = "the optimizer state of this checkpoint cannot be located from its files; reconstruct without it"
 _FLAT_KEYS = {
@@ -102,6 +107,10 @@ class MomentFinder:
     def _plain_slots(self) -> dict[str, tuple[str, int, int]]:
         """name -> (file, state entry key, group) where the weights are the masters (stage 0 fp32)."""
         if self._plain is not None:
+            return self._plain
+        if any(PIPE_LAYER_RE.match(p.name) for p in self.folder.iterdir()):  # an fp32 pipeline: its layer weights
+            stages = stage_params(scan_parallel(self.folder), self.states)
+            self._plain = {p.name: (p.model_file, p.entry, p.group) for params in stages.values() for p in params}
             return self._plain
         model = self.states.state(self.folder / MODEL_FILE)
         module = model.get("module") if isinstance(model, dict) else None

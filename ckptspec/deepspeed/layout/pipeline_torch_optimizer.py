@@ -1,0 +1,98 @@
+"""Which layer-file weight each optimizer state entry of a pipeline at ZeRO stage 0 without mixed precision is (#40).
+
+DeepSpeed 0.19.8's fp32 pipeline at stage 0 steps the client's torch optimizer itself: no optimizer-state files,
+each stage's ``mp_rank_<s>_model_states.pt`` holds that optimizer's ``state_dict()`` (``optimizer``: ``state`` per
+parameter index, ``param_groups``), ``param_shapes`` None, and the fp32 weights in the layer files are the masters.
+The state names no parameter: its groups take the stage's trainable parameters in module order, which for a
+``PipelineModule`` is layer order, then each layer's key order (its state dict's). So the stages, in order, take
+the layer files' tensors in order, each as many as its groups list; every taken weight must have its entry's
+``exp_avg`` shape and be fp32, a layer must lie on one stage, and every tensor must be taken (frozen parameters,
+buffers and ties are not told apart here: refused). Metadata only, no pickle code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...checkpoint.states import StateCache
+from ...checkpoint.torchfile import TensorRef
+from ...errors import UnsupportedCheckpoint
+from .parallel_files import ParallelFiles
+
+_HINT = "the parameters of this fp32 stage-0 pipeline cannot be told from its files; it is not described"
+
+
+def is_torch_optimizer_state(optimizer: Any) -> bool:
+    """A torch optimizer's own ``state_dict()`` (no DeepSpeed wrapper around it)."""
+    return isinstance(optimizer, dict) and set(optimizer) == {"state", "param_groups"}
+
+
+@dataclass(frozen=True)
+class StageParam:
+    """One trainable parameter of a stage: ``<layer>.<key>``, its weight in ``layer_file`` (the master), and its
+    torch optimizer state entry ``entry`` of group ``group`` in the stage's ``model_file``."""
+
+    name: str
+    layer_file: str
+    key: str
+    ref: TensorRef
+    model_file: str
+    entry: Any
+    group: int
+
+
+def _entries(model_file: str, optimizer: Any) -> list[tuple[Any, int, tuple]]:
+    """(state entry key, group, its ``exp_avg`` shape) of every parameter the stage's optimizer steps, in order."""
+    if not is_torch_optimizer_state(optimizer):
+        raise UnsupportedCheckpoint("the model states hold no torch optimizer state_dict", _HINT, model_file)
+    out = []
+    for g, group in enumerate(optimizer["param_groups"] if isinstance(optimizer["param_groups"], list) else []):
+        for entry in group.get("params", []) if isinstance(group, dict) else []:
+            state = optimizer["state"].get(entry) if isinstance(optimizer["state"], dict) else None
+            moment = state.get("exp_avg") if isinstance(state, dict) else None
+            if not isinstance(moment, TensorRef):
+                raise UnsupportedCheckpoint(f"optimizer state entry {entry} holds no exp_avg", _HINT, model_file)
+            out.append((entry, g, tuple(moment.shape)))
+    return out
+
+
+def stage_params(files: ParallelFiles, states: StateCache) -> dict[int, list[StageParam]]:
+    """Every stage's trainable parameters (model-parallel rank -> in its optimizer's order)."""
+    tensors = []  # (layer, file, key, ref) of every layer file's tensor, in module order
+    for layer, path in sorted(files.layer_files.items()):
+        state = states.state(path)
+        if not isinstance(state, dict) or not all(isinstance(r, TensorRef) for r in state.values()):
+            raise UnsupportedCheckpoint("a pipeline layer file that is not a dict of tensors", "restore it", path.name)
+        tensors += [(layer, path.name, key, ref) for key, ref in state.items()]
+    out: dict[int, list[StageParam]] = {}
+    taken = 0
+    stage_of_layer: dict[int, int] = {}  # layer -> the stage that took its first tensor
+    for mp, shards in sorted(files.by_mp_rank.items()):
+        model = shards.model_files[min(shards.model_files)]
+        state = states.state(model)
+        entries = _entries(model.name, state.get("optimizer") if isinstance(state, dict) else None)
+        out[mp] = []
+        for entry, g, shape in entries:
+            if taken >= len(tensors):
+                raise UnsupportedCheckpoint(
+                    f"the optimizer of stage {mp} steps more parameters than the layer files hold", _HINT, model.name
+                )
+            layer, rel, key, ref = tensors[taken]
+            taken += 1
+            if tuple(ref.shape) != shape or ref.dtype != "float32":
+                raise UnsupportedCheckpoint(
+                    f"state entry {entry} of stage {mp} has shape {list(shape)}, the next layer weight "
+                    f"{layer}.{key} ({rel}) {list(ref.shape)} {ref.dtype}",
+                    _HINT,
+                    model.name,
+                )
+            if stage_of_layer.setdefault(layer, mp) != mp:
+                raise UnsupportedCheckpoint(f"{rel} would hold parameters of two stages", _HINT, rel)
+            out[mp].append(StageParam(f"{layer}.{key}", rel, key, ref, model.name, entry, g))
+    if taken != len(tensors):
+        layer, rel, key, _ = tensors[taken]
+        raise UnsupportedCheckpoint(
+            f"{rel} holds {key!r}, which no stage's optimizer steps (a frozen parameter, buffer or tie)", _HINT, rel
+        )
+    return out
