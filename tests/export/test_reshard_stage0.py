@@ -316,13 +316,6 @@ def test_ties_and_frozen_parameters_are_refused_by_name(committed, tmp_path):
     assert "tied or frozen" in output
 
 
-def test_an_fp32_pipeline_source_to_stage0_is_refused(ds, tmp_path):
-    """A bf16 pipeline is written at stage 0 (BF16_Optimizer: test_reshard_pipeline_stage0.py); an fp32 one's stage-0
-    job keeps the torch optimizer's state in its model states, not written yet."""
-    output = _refused([ds.path("pp2-s1-fp32-ws2"), "--world-size", "2", "--stage", "0"], tmp_path)
-    assert "--stage 0 of a float32 pipeline" in output
-
-
 def test_frozen_parameters_of_an_autotp_source_are_refused_at_stage0(ds, tmp_path):
     """The AutoTP ZeRO-3 source with a frozen weight AutoTP splits, a frozen bias it leaves whole and buffers: a
     stage-0 job could load them (its module holds them), but a stage-0 checkpoint's masters could not be told apart
