@@ -81,6 +81,23 @@ CASES = {
         ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
         2,
     ),
+    # a bf16 pipeline written for a stage-0 job (BF16_Optimizer's files), an fp32 stage-0 pipeline at another data
+    # degree (the torch optimizer's state in each stage's model states), an AutoTP stage-0 source split at ZeRO-1
+    "bf16 pipeline ZeRO-1 -> stage 0, 2 processes": (
+        "pp2-s1-bf16-ws2>s0",
+        ["reshard", "--world-size", "2", "--stage", "0"],
+        2,
+    ),
+    "fp32 stage-0 pipeline pp2 x dp1 -> pp2 x dp2, 2 processes": (
+        "pp2-s0-fp32-ws2>ws4",
+        ["reshard", "--world-size", "4"],
+        2,
+    ),
+    "AutoTP stage-0 tp2 -> tp4 at ZeRO-1, 3 processes": (
+        "tp2-s0-bf16-ws2-buffers>tp4-s1",
+        ["reshard", "--world-size", "4", "--tensor-parallel", "4", "--stage", "1"],
+        3,
+    ),
     "export-universal of a tied pipeline, 3 processes": (
         "pp2-s1-fp32-ws2-extras>universal-ws4",
         ["export-universal"],
