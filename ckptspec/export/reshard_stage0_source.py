@@ -71,18 +71,20 @@ def plan_stage0_source(
         whole.states = states
         domain = index.domains[0]
         return {
-            domain.id: _domain_write(
+            domain.id: stage0_domain_write(
                 domain, tag_dir, whole, whole.optimizer_state_plan(), states, world_size, zero_stage
             )
         }
     data = world_size // degrees.pipeline
     return {
-        d.id: _domain_write(d, tag_dir, plans[d.id], masters_state_plan(tag_dir, d, states), states, data, zero_stage)
+        d.id: stage0_domain_write(
+            d, tag_dir, plans[d.id], masters_state_plan(tag_dir, d, states), states, data, zero_stage
+        )
         for d in index.domains
     }
 
 
-def _domain_write(
+def stage0_domain_write(
     domain: Domain, tag_dir: Path, plan, state_plan: OptimizerStatePlan, states: StateCache, data: int, zero_stage
 ) -> DataParallelTarget:
     """One stage-0 domain written as a ZeRO domain of ``data`` data-parallel ranks."""
@@ -97,9 +99,6 @@ def _domain_write(
         config=lambda config: with_stage(config, zero_stage),
     )
     return DataParallelTarget(manifest, plan, state_plan, target, changes, source)
-
-
-stage0_domain_write = _domain_write  # an AutoTP stage-0 source's tensor ranks, each (reshard_tensor_stage0)
 
 
 def stage0_optimizer(
