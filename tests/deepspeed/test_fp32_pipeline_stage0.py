@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _harness.faults import tag_dir
 from _harness.parallel_oracles import bits_equal, rank_oracles, union_of
 from click.testing import CliRunner
 
@@ -24,16 +25,12 @@ from ckptspec.deepspeed.kinds import Kind
 ENTRY = "pp2-s0-fp32-ws2"
 
 
-def _tag_dir(root: Path) -> Path:
-    return root / (root / "latest").read_text().strip()
-
-
 def _saved_states(entry: Path) -> dict[str, dict[str, torch.Tensor]]:
     """``<name>`` -> the Adam state the job saved for it: each stage's entries in its oracle's parameter order."""
     out = {}
     for oracle in rank_oracles(entry):
         stage = oracle["coords"]["pp"]
-        saved = torch.load(_tag_dir(entry) / f"mp_rank_{stage:02d}_model_states.pt", weights_only=False)
+        saved = torch.load(tag_dir(entry) / f"mp_rank_{stage:02d}_model_states.pt", weights_only=False)
         assert [g["params"] for g in saved["optimizer"]["param_groups"]] == [list(range(len(oracle["masters"])))]
         for i, name in enumerate(oracle["masters"]):
             out[name] = saved["optimizer"]["state"][i]
@@ -93,8 +90,8 @@ def test_what_cannot_be_named_is_refused_by_name(change, layer, refusal, ds, tmp
     """The state names no parameter: a layer tensor the stages' optimizers do not take in order is CK202."""
     copy = tmp_path / "ckpt"
     shutil.copytree(ds.path(ENTRY), copy, ignore=shutil.ignore_patterns("*.pt", "eval*", "job.log"))
-    shutil.copytree(_tag_dir(ds.path(ENTRY)), _tag_dir(copy), dirs_exist_ok=True)
-    changed = _tag_dir(copy) / f"layer_{layer:02d}-model_states.pt"
+    shutil.copytree(tag_dir(ds.path(ENTRY)), tag_dir(copy), dirs_exist_ok=True)
+    changed = tag_dir(copy) / f"layer_{layer:02d}-model_states.pt"
     tensors = torch.load(changed, weights_only=True)
     if change == "frozen":
         tensors["extra"] = torch.zeros(3)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _harness.faults import tag_dir
 from _harness.parallel_oracles import (
     bits_equal,
     check_same_moments_and_step,
@@ -46,10 +47,6 @@ CASES = sorted(
 # DeepSpeed's own stage-0 save of the same bf16 pipeline, by (stages, world size)
 NATIVE = {(2, 2): "pp2-s0-bf16-ws2", (2, 4): "pp2dp2-s0-bf16-ws4"}
 LAYERS = 5  # job/parallel_models.py's pipeline (layer 1 without parameters)
-
-
-def _tag_dir(root: Path) -> Path:
-    return root / (root / "latest").read_text().strip()
 
 
 def _load(path: Path):
@@ -109,7 +106,7 @@ def test_the_files_are_deepspeeds_own_stage0_save(name, ds):
     ``param_slice_mappings``, degrees, the saved stage) of DeepSpeed's own stage-0 save at the target layout. Its run
     is another training run: values that depend on it (tensors, the samples seen) are not compared here."""
     source, world_size, spec = reshard_target(name)
-    ours, theirs = _tag_dir(ds.path(name) / "resharded"), _tag_dir(ds.path(NATIVE[(spec["pp"], world_size)]))
+    ours, theirs = tag_dir(ds.path(name) / "resharded"), tag_dir(ds.path(NATIVE[(spec["pp"], world_size)]))
     files = sorted(p.name for p in theirs.iterdir())
     assert sorted(p.name for p in ours.iterdir()) == files
     assert sum(f.startswith("bf16_zero_pp_rank_") for f in files) == world_size
@@ -130,7 +127,7 @@ def test_the_same_layout_is_deepspeeds_save_bit_for_bit(ds, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "load_optimizer_states=False), then engine._load_zero_checkpoint(" in result.output
-    ours, theirs = _tag_dir(tmp_path / "out"), _tag_dir(source)
+    ours, theirs = tag_dir(tmp_path / "out"), tag_dir(source)
     files = sorted(p.name for p in theirs.iterdir())
     assert sorted(p.name for p in ours.iterdir()) == files
     for file in files:
@@ -186,7 +183,7 @@ def test_deepspeeds_fp32_stage0_pipeline_is_another_layout(ds):
     describes that save (tests/deepspeed/test_fp32_pipeline_stage0.py) and writes it
     (test_reshard_pipeline_stage0_fp32.py)."""
     entry = ds.path("pp2-s0-fp32-ws2")
-    tag = _tag_dir(entry)
+    tag = tag_dir(entry)
     names = sorted(p.name for p in tag.iterdir())
     assert not any("optim_states" in n for n in names) and "mp_rank_01_model_states.pt" in names
     states = _load(tag / "mp_rank_00_model_states.pt")

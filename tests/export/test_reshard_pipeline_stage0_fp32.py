@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _harness.faults import tag_dir
 from _harness.parallel_oracles import (
     bits_equal,
     check_same_moments_and_step,
@@ -45,10 +46,6 @@ CASES = sorted(
 # DeepSpeed's own fp32 stage-0 save of the same pipeline, by (stages, world size)
 NATIVE = {(2, 2): "pp2-s0-fp32-ws2", (2, 4): "pp2dp2-s0-fp32-ws4"}
 LAYERS = 5  # job/parallel_models.py's pipeline (layer 1 without parameters)
-
-
-def _tag_dir(root: Path) -> Path:
-    return root / (root / "latest").read_text().strip()
 
 
 def _load(path: Path):
@@ -111,7 +108,7 @@ def test_the_files_are_deepspeeds_own_stage0_save(name, ds):
     groups) of DeepSpeed's own fp32 stage-0 save at the target layout: no optimizer-state files. Its run is another
     training run: the samples it saw at its world size may differ."""
     source, world_size, spec = reshard_target(name)
-    ours, theirs = _tag_dir(ds.path(name) / "resharded"), _tag_dir(ds.path(NATIVE[(spec["pp"], world_size)]))
+    ours, theirs = tag_dir(ds.path(name) / "resharded"), tag_dir(ds.path(NATIVE[(spec["pp"], world_size)]))
     files = sorted(p.name for p in theirs.iterdir())
     assert sorted(p.name for p in ours.iterdir()) == files and not any("optim_states" in f for f in files)
     for file in files:
@@ -130,7 +127,7 @@ def test_the_same_layout_is_deepspeeds_save_byte_for_byte(ds, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert f"resume with engine.load_checkpoint('{tmp_path / 'out'}')" in result.output, result.output
-    ours, theirs = _tag_dir(tmp_path / "out"), _tag_dir(source)
+    ours, theirs = tag_dir(tmp_path / "out"), tag_dir(source)
     files = sorted(p.name for p in theirs.iterdir())
     assert sorted(p.name for p in ours.iterdir()) == files
     for file in files:
