@@ -24,7 +24,9 @@ Fenced blocks in docs/*.md and README.md follow these conventions:
   ``...`` matches any number of lines (for output that legitimately varies; keep it rare).
   With ``checkpoint=NAME`` (a MATRIX or PARALLEL name of tests/_harness/scenarios.py), a real DeepSpeed checkpoint
   (``latest``, the tag directory, DeepSpeed's scripts; not the harness's own files) is first
-  *copied* to ``./checkpoint/``, so a block may corrupt it.
+  *copied* to ``./checkpoint/``, so a block may corrupt it. ``checkpoint=committed/NAME`` copies the one committed
+  in tests/data (scenarios.COMMITTED) instead: its bytes are the same on every machine, so a block may show hashes
+  (a job's bf16 masters differ by an ulp from one CPU to another, and so do the hashes of its files).
 * ```` ```python run ```` (docs/ only, optionally ``checkpoint=NAME`` as above): run as ``python -c``
   with this interpreter in such a scratch directory (forked from the fork server, which has imported
   torch and ckptspec once: tests/_harness/forkserver.py); it must exit 0 with nothing on stderr. Make it
@@ -585,11 +587,13 @@ def doc_checkpoints(ds) -> dict[str, Path]:
     names = sorted({b.options["checkpoint"] for b in blocks if "checkpoint" in b.options})
     if not names:
         return {}
-    from _harness.scenarios import MATRIX, PARALLEL
+    from _harness.scenarios import COMMITTED, MATRIX, PARALLEL
 
-    unknown = [n for n in names if n not in MATRIX and n not in PARALLEL]
-    assert not unknown, f"checkpoint= names that tests/_harness/scenarios.py MATRIX and PARALLEL lack: {unknown}"
-    return {name: ds.path(name) for name in names}
+    committed = {n: COMMITTED[n.removeprefix("committed/")] for n in names if n.removeprefix("committed/") in COMMITTED}
+    built = [n for n in names if not n.startswith("committed/")]
+    unknown = [n for n in names if n not in committed and n not in MATRIX and n not in PARALLEL]
+    assert not unknown, f"checkpoint= names that scenarios.py MATRIX, PARALLEL and COMMITTED lack: {unknown}"
+    return {**committed, **{name: ds.path(name) for name in built}}
 
 
 def _scratch(tmp_path_factory, block: Block, checkpoints: dict[str, Path]) -> Path:

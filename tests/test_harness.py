@@ -12,6 +12,15 @@ from _harness.oracles import DEEPSPEED_VERSION
 from _harness.tasks import Task, task_key
 
 
+def _apart_in_eps_of_largest(a, b) -> float:
+    """The largest elementwise difference, in fp32 epsilons (2**-23) of ``b``'s largest magnitude (0: equal)."""
+    import torch
+
+    assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+    largest = float(b.abs().max()) if b.numel() else 0.0
+    return float((a - b).abs().max()) / (largest * 2**-23) if largest else float((a - b).abs().max())
+
+
 def _bits_equal(a, b) -> bool:
     import torch
 
@@ -93,7 +102,11 @@ def test_committed_checkpoints_are_what_the_harness_builds(ds, name):
     built, committed = ds.path(name), scenarios.COMMITTED[name]
     fresh = torch.load(built / "live_fp32.pt", weights_only=True)
     kept = torch.load(committed / "live_fp32.pt", weights_only=True)
-    assert sorted(fresh) == sorted(kept) and all(_bits_equal(fresh[k], kept[k]) for k in kept)
+    # Within 4 epsilons of each tensor's largest master, not bit for bit: the same job on another CPU rounds a few
+    # fp32 masters differently (measured: a machine with AMX and AVX512-BF16 held 59 of 2705 masters, in 4 of the 6
+    # tensors, at most 6e-8 or 0.65 epsilon of the largest from the committed ones, whatever oneDNN, ATen or MKL ISA it
+    # was pinned to). A changed job (another seed, step or learning rate) moves them by thousands of epsilons.
+    assert sorted(fresh) == sorted(kept) and all(_apart_in_eps_of_largest(fresh[k], kept[k]) <= 4 for k in kept)
     layouts = [describe(d).to_dict() for d in (built, committed)]
     assert [{k: v for k, v in doc.items() if k != "producer"} for doc in layouts][0] == {
         k: v for k, v in layouts[1].items() if k != "producer"
