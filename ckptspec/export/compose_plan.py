@@ -42,8 +42,7 @@ def _runs_of(placement, whole: list[int], local: list[int]) -> Runs:
         outer = math.prod(whole[: split.axis])
         block, stride = split.length * inner, whole[split.axis] * inner
         return functools.partial(_split_runs, outer, stride, split.offset * inner, block)
-    runs = _piece_runs(placement, whole, local)  # held: finding them walks the whole tensor
-    return lambda: runs
+    return functools.partial(_piece_runs, tuple(placement.pieces))
 
 
 def _split_runs(outer: int, stride: int, first: int, block: int) -> Iterator[tuple[int, int, int]]:
@@ -51,28 +50,49 @@ def _split_runs(outer: int, stride: int, first: int, block: int) -> Iterator[tup
     return ((o * stride + first, o * block, block) for o in range(outer) if block)
 
 
-def _piece_runs(placement, whole: list[int], local: list[int]) -> list[tuple[int, int, int]]:
-    """DeepSpeed's affine pieces, mapped element by element, then merged into runs."""
-    from .arrays import _np
+def _piece_runs(pieces: tuple) -> Iterator[tuple[int, int, int]]:
+    """DeepSpeed's affine pieces as runs in whole order: each piece's rows, the pieces merged by where their rows
+    start, neighbours joined. Made as they are read (a row at a time): mapping the pieces element by element held
+    an index of the whole tensor, 8 bytes an element."""
+    rows = heapq.merge(*(_box_rows(piece) for piece in pieces), key=operator.itemgetter(0))
+    return _joined(rows)
 
-    np = _np()
-    numel = math.prod(whole)
-    target = np.full(numel, -1, dtype=np.int64)
-    local_index = np.arange(math.prod(local), dtype=np.int64)
-    item = target.itemsize
-    for piece in placement.pieces:
-        (src_off, src_strides), (dst_off, dst_strides) = piece.source, piece.dest
-        dst = np.lib.stride_tricks.as_strided(target[src_off:], piece.shape, [s * item for s in src_strides])
-        src = np.lib.stride_tricks.as_strided(local_index[dst_off:], piece.shape, [s * item for s in dst_strides])
-        dst[...] = src  # whole element -> the local element it comes from
-    mine = np.flatnonzero(target >= 0)
-    runs = []
-    if len(mine):
-        # Runs where both the whole and the local index advance by one.
-        breaks = np.flatnonzero((np.diff(mine) != 1) | (np.diff(target[mine]) != 1)) + 1
-        for chunk in np.split(mine, breaks):
-            runs.append((int(chunk[0]), int(target[chunk[0]]), len(chunk)))
-    return runs
+
+def _box_rows(piece) -> Iterator[tuple[int, int, int]]:
+    """(whole flat start, local flat start, count) of one piece's rows, in whole order: its axes from the largest
+    source stride in (a piece of DeepSpeed's is a row-major block, so its rows come out in whole order; one that
+    is not is refused by ``_check_cover``), the innermost axis one row where it is contiguous on both sides."""
+    shape = list(piece.shape)
+    if not all(shape):
+        return iter(())
+    (src_at, src_strides), (dst_at, dst_strides) = piece.source, piece.dest
+    axes = sorted(range(len(shape)), key=lambda a: -src_strides[a])
+    row = 1
+    if axes and src_strides[axes[-1]] == 1 and dst_strides[axes[-1]] == 1:
+        row = shape[axes.pop()]
+    starts = itertools.product(*(range(shape[a]) for a in axes))
+    return (
+        (
+            src_at + sum(i * src_strides[a] for i, a in zip(at, axes, strict=True)),
+            dst_at + sum(i * dst_strides[a] for i, a in zip(at, axes, strict=True)),
+            row,
+        )
+        for at in starts
+    )
+
+
+def _joined(runs: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, int, int]]:
+    """The runs with each one that continues the last on both sides (whole and local) joined to it."""
+    last: tuple[int, int, int] | None = None
+    for w, lo, n in runs:
+        if last is not None and last[0] + last[2] == w and last[1] + last[2] == lo:
+            last = (last[0], last[1], last[2] + n)
+            continue
+        if last is not None:
+            yield last
+        last = (w, lo, n)
+    if last is not None:
+        yield last
 
 
 class InterleavedSegments(LazySegments):
