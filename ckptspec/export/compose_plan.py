@@ -4,7 +4,7 @@ Every whole-model tensor (a parameter's fp32 master, and with ``--optimizer-stat
 optimizer states) becomes one ``TensorSource`` whose segments, concatenated, are the whole tensor
 in row-major order: the shards' own byte ranges cut where the placement interleaves them (a split
 along axis ``a`` interleaves each shard's blocks of ``prod(shape[a:])`` elements; DeepSpeed's affine
-pieces are mapped element by element, then merged into runs). A ``whole`` or ``replicated`` tensor
+pieces are read a row at a time, merged in whole order). A ``whole`` or ``replicated`` tensor
 is its primary shard's source unchanged. The 1.x writers (``writers.write_consolidated``: safetensors
 or torch files, sharding, ``optimizer.safetensors``) then write it as they write any plan.
 """
