@@ -27,6 +27,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import traceback
 import types
@@ -60,6 +61,7 @@ def _child(request: dict, stdio: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # found again from this environment's TMPDIR, as a new process finds it
         for fd, source in enumerate(stdio):
             os.dup2(source, fd)
         # As a terminal gives it, whatever the server inherited (a suite started in the background
