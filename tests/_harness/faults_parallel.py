@@ -104,6 +104,15 @@ def tie_moment_copy_differs(save_dir: Path, env: FaultEnv) -> None:
     _bump_flat(save_dir, 2, "tied_modules.emb.weight", "exp_avg", 0)
 
 
+def layer_buffer_copy_differs(save_dir: Path, env: FaultEnv) -> None:
+    """Stage 1, tensor rank 1's copy of layer 3's buffer ``running`` in its layer file (rank 0's unchanged)."""
+
+    def change(state):
+        state["running"].add_(1.0)
+
+    _edit(tag_dir(save_dir) / "layer_03-model_01-model_states.pt", change)
+
+
 def stage0_buffer_copy_differs(save_dir: Path, env: FaultEnv) -> None:
     """AutoTP stage 0: tensor rank 1's copy of the buffer ``running`` (every tensor rank saves it whole)."""
 
@@ -303,6 +312,16 @@ PARALLEL_FAULTS = [
         "CK237",
         "zero_pp_rank_0_mp_rank_02_optim_states.pt",
         tie_moment_copy_differs,
+        reads_data=True,
+    ),
+    Fault(
+        "tp-pipe-buffer-copy-differs",
+        TPPP_EXTRAS,
+        "tp2 x pp2: tensor rank 1's copy of layer 3's replicated buffer `running` (its layer file) differs from tensor "
+        "rank 0's",
+        "CK237",
+        "layer_03-model_01-model_states.pt",
+        layer_buffer_copy_differs,
         reads_data=True,
     ),
     Fault(
