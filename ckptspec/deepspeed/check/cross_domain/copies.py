@@ -43,9 +43,12 @@ def copies_agree(ctx: IndexContext) -> Iterator[Finding]:
     equals the primary's bytes."""
     if not ctx.verify_hashes:
         return  # --no-hash: metadata and sampled elements only (module docstring)
-    located = {d.id: _located(d) for d in ctx.index.domains}
-    for j, param in enumerate(ctx.index.parameters):
-        shards = _replicated(param.shards)
+    replicated = [
+        (j, param, shards) for j, param in enumerate(ctx.index.parameters) if (shards := _replicated(param.shards))
+    ]
+    holding = {s.domain for _, _, shards in replicated for s in shards}
+    located = {d.id: _located(d) for d in ctx.index.domains if d.id in holding}  # only where a copy is
+    for j, param, shards in replicated:
         for what in sorted({w for s in shards for w in located[s.domain].get(s.local_name, {})}):
             copies = [(s.domain, located[s.domain].get(s.local_name, {}).get(what)) for s in shards]
             yield from _differing(ctx, json_path("parameters", j), param.name, what, copies)
