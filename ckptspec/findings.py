@@ -85,6 +85,7 @@ CODES: dict[str, str] = {
     "CK234": "index-replica-differs",
     "CK235": "index-weights-not-masters",
     "CK236": "index-layer-file-gap",
+    "CK237": "index-copy-differs",
     "CK240": "index-expert-file-missing",
     "CK241": "index-expert-file-other",
     "CK242": "index-partition-count",

@@ -40,6 +40,7 @@ class Fault:
     hashed_manifest: bool = False  # validate against a `generate --hash` manifest made before the corruption
     severity: str = "error"  # "warning": reported, but the checkpoint stays valid and readable
     digests_only: bool = False  # ... with the files' hashes removed: only its tensor digests can tell (format 1.1)
+    reads_data: bool = False  # found where the files' data is read (validate, reconstruct); not by --no-hash, inspect
 
 
 def base_dir(base: str, ds) -> Path:

@@ -13,6 +13,8 @@ TP = "tp2-s1-fp32-ws2"
 TPDP = "tp2dp2-s2-bf16-ws4"
 PP = "pp2-s1-fp32-ws2"
 PP_S0 = "pp2-s0-bf16-ws2"  # BF16_Optimizer: the index locates its masters
+TPPP_EXTRAS = "tp2pp2-s1-fp32-ws4-extras"  # a tie across the stages, frozen parameters and buffers
+TP_S0_BUFFERS = "tp2-s0-bf16-ws2-buffers"  # AutoTP at stage 0: each tensor rank saves the buffers whole
 
 
 def drop_tp_rank(save_dir: Path, env: FaultEnv) -> None:
@@ -73,6 +75,49 @@ def replica_differs(save_dir: Path, env: FaultEnv) -> None:
 
     def change(state):
         state["module"]["head.bias"].add_(1.0)
+
+    _edit(tag_dir(save_dir) / "mp_rank_01_model_states.pt", change)
+
+
+def _bump_flat(save_dir: Path, mp_rank: int, name: str, moment: str | None, element: int) -> None:
+    """One element of tensor-parallel/pipeline rank ``mp_rank``'s copy of ``name`` in its ZeRO-1 optimizer file
+    (data rank 0) changed by +1: its fp32 master, or Adam's ``moment``; located by the file's own
+    ``param_slice_mappings``."""
+
+    def change(state):
+        osd = state["optimizer_state_dict"]
+        start = osd["param_slice_mappings"][0][name].start
+        flat = osd["base_optimizer_state"]["state"][0][moment] if moment else osd["single_partition_of_fp32_groups"][0]
+        flat.data[start + element] += 1.0  # the fp32 partition is a leaf that requires grad
+
+    _edit(next(tag_dir(save_dir).glob(f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt")), change)
+
+
+def replicated_master_copy_differs(save_dir: Path, env: FaultEnv) -> None:
+    """Stage 1, tensor rank 1's copy (mp_rank_03) of the replicated head bias 5.bias: its fp32 master's last element."""
+    _bump_flat(save_dir, 3, "5.bias", None, 4)
+
+
+def tie_moment_copy_differs(save_dir: Path, env: FaultEnv) -> None:
+    """Stage 1, tensor rank 0's copy (mp_rank_02) of the tied embedding: its exp_avg's first element (stage 0's
+    copies, mp_rank_00 and mp_rank_01, unchanged)."""
+    _bump_flat(save_dir, 2, "tied_modules.emb.weight", "exp_avg", 0)
+
+
+def layer_buffer_copy_differs(save_dir: Path, env: FaultEnv) -> None:
+    """Stage 1, tensor rank 1's copy of layer 3's buffer ``running`` in its layer file (rank 0's unchanged)."""
+
+    def change(state):
+        state["running"].add_(1.0)
+
+    _edit(tag_dir(save_dir) / "layer_03-model_01-model_states.pt", change)
+
+
+def stage0_buffer_copy_differs(save_dir: Path, env: FaultEnv) -> None:
+    """AutoTP stage 0: tensor rank 1's copy of the buffer ``running`` (every tensor rank saves it whole)."""
+
+    def change(state):
+        state["module"]["running"].add_(1.0)
 
     _edit(tag_dir(save_dir) / "mp_rank_01_model_states.pt", change)
 
@@ -248,6 +293,45 @@ PARALLEL_FAULTS = [
         "CK234",
         "mp_rank_01_model_states.pt",
         replica_differs,
+    ),
+    Fault(
+        "tp-pipe-master-copy-differs",
+        TPPP_EXTRAS,
+        "tp2 x pp2: stage 1's tensor rank 1 holds another fp32 master of the replicated 5.bias than tensor rank 0 "
+        "(one element; its saved weight unchanged): a reader takes one of the two",
+        "CK237",
+        "zero_pp_rank_0_mp_rank_03_optim_states.pt",
+        replicated_master_copy_differs,
+        reads_data=True,
+    ),
+    Fault(
+        "tp-pipe-tie-moment-copy-differs",
+        TPPP_EXTRAS,
+        "tp2 x pp2 with a tied embedding: stage 1's copy of the tie's exp_avg (tensor rank 0) differs from stage "
+        "0's; each target stage running the tie is given one of them",
+        "CK237",
+        "zero_pp_rank_0_mp_rank_02_optim_states.pt",
+        tie_moment_copy_differs,
+        reads_data=True,
+    ),
+    Fault(
+        "tp-pipe-buffer-copy-differs",
+        TPPP_EXTRAS,
+        "tp2 x pp2: tensor rank 1's copy of layer 3's replicated buffer `running` (its layer file) differs from tensor "
+        "rank 0's",
+        "CK237",
+        "layer_03-model_01-model_states.pt",
+        layer_buffer_copy_differs,
+        reads_data=True,
+    ),
+    Fault(
+        "tp-stage0-buffer-copy-differs",
+        TP_S0_BUFFERS,
+        "AutoTP tp2 at ZeRO stage 0: tensor rank 1's copy of the buffer `running` differs from tensor rank 0's",
+        "CK237",
+        "mp_rank_01_model_states.pt",
+        stage0_buffer_copy_differs,
+        reads_data=True,
     ),
     Fault(
         "tp-merge-rule-unknown",

@@ -35,6 +35,7 @@ from .launch import (
     RESUME_MAIN,
     SERVERS,
     TRAINER_MAIN,
+    Done,
     HarnessError,
     job_env,
     run_launches,
@@ -59,6 +60,7 @@ KINDS = (
 # The kinds ``launched`` runs with a script of their own (job/main.py's otherwise), keyed with it and what it imports
 LAUNCHED_SCRIPTS = {"validated_resume": (RESUME_MAIN, BEFORE_LOAD)}
 _FAILED: dict[str, str] = {}  # name -> error, in this process: not retried in a batch
+_OWN_ERROR: set[str] = set()  # of _FAILED, those whose launch failed in their own task: not run again alone
 
 
 @dataclass(frozen=True)
@@ -228,11 +230,13 @@ def path(name: str, task: Task | None = None) -> Path:
         target = entry(name, task)
         if cache.is_done(target):
             return target
-    # Not registered, or its batch failed: alone, so that the error is this task's own.
+    if registered and name in _OWN_ERROR:  # its batch failed in this task: the error is its own already
+        raise HarnessError(_FAILED[name])
+    # Not registered, or its batch failed before any task ran: alone, so that the error is this task's own.
     _FAILED.pop(name, None)
     with cache.locked(target):
         if not cache.is_done(entry(name, task)):
-            failed = _launch_all([[(name, task)]], task.python, 1)
+            failed = _launch_all([[(name, task)]], task.python, 1).failed
             if failed:
                 raise HarnessError(failed[name])
     return entry(name, task)
@@ -261,7 +265,10 @@ def build_missing(names: list[str] | None = None, jobs: int | None = None) -> di
         # Largest world sizes first: they take longest, so the launches finish together.
         ordered = [launches[group] for group in sorted(launches, reverse=True)]
         for python in dict.fromkeys(batch[0][1].python for batch in ordered):
-            failed.update(_launch_all([b for b in ordered if b[0][1].python == python], python, jobs))
+            done = _launch_all([b for b in ordered if b[0][1].python == python], python, jobs)
+            failed.update(done.failed)
+            # A launch that failed in one task left the tasks after it unrun: they go again, in the next wave
+            todo.update({n: registry[n] for n in done.unrun})
     _FAILED.update(failed)
     if names is None:
         cache.prune({n: entry(n) for n in registry})
@@ -269,10 +276,28 @@ def build_missing(names: list[str] | None = None, jobs: int | None = None) -> di
     return failed
 
 
-def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -> dict[str, str]:
+@dataclass
+class _Launched:
+    failed: dict[str, str] = field(default_factory=dict)  # name -> error
+    unrun: list[str] = field(default_factory=list)  # tasks after the one a launch failed in: never started
+
+
+def _started(log: str, staged: list[Path]) -> int | None:
+    """The index of the last task of a launch any rank started (job/main.py's serve prints ``[harness] rank R:
+    KIND -> OUT`` before each task, and every rank passes a barrier after it, so every task before that one
+    completed on every rank); None when the launch failed before its first task."""
+    outs = {f" -> {stage / 'out'}\n": i for i, stage in enumerate(staged)}
+    lines = [line for line in log.splitlines(keepends=True) if line.startswith("[harness] rank ")]
+    return max((i for line in lines for out, i in outs.items() if line.endswith(out)), default=None)
+
+
+def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -> _Launched:
     """One launch per batch (its tasks all of one launch group), ``jobs`` at a time, all forked from
-    one job/ranks.py process; each entry published on success. Returns name -> error."""
-    planned, launches, failed = [], [], {}
+    one job/ranks.py process; each entry published on success. A launch that failed in one of its tasks
+    (``_started``) publishes the tasks before it, fails that task with the launch's error (its own: the caller
+    does not run it again alone) and returns the tasks after it as unrun; one that failed before its first task
+    fails them all."""
+    planned, launches, done = [], [], _Launched()
     try:
         for batch in batches:
             assert len({t.launch_group for _, t in batch}) == 1
@@ -296,10 +321,20 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
                 (staged[0] / "imports").mkdir()
                 launch = replace(launch, script=RECORDER, args=[str(staged[0] / "imports"), str(script), *launch.args])
             launches.append(launch)
-        for (batch, staged), outcome in zip(planned, run_launches(launches, python, max(1, jobs))):
+        for (batch, staged), launch, outcome in zip(planned, launches, run_launches(launches, python, max(1, jobs))):
             if isinstance(outcome, HarnessError):
-                failed.update({n: str(outcome) for n, _ in batch})
-                continue
+                at = _started(launch.log.read_text(errors="replace") if launch.log.is_file() else "", staged)
+                if at is None:
+                    done.failed.update({n: str(outcome) for n, _ in batch})
+                    continue
+                name = batch[at][0]
+                done.failed[name] = f"task {name} failed (the tasks before it in its launch completed):\n{outcome}"
+                _OWN_ERROR.add(name)
+                done.unrun += [n for n, _ in batch[at + 1 :]]
+                batch, staged = batch[:at], staged[:at]
+                if not batch:
+                    continue
+                outcome = Done(str(outcome), 0.0)  # the tasks before it completed: published, with the launch's log
             # One line per launch in the prebuild log: where a cold run's minutes go
             names = ", ".join(n for n, _ in batch)
             print(f"[harness] {outcome.seconds:6.1f}s ws={batch[0][1].world_size} {names}", file=sys.stderr)
@@ -324,7 +359,7 @@ def _launch_all(batches: list[list[tuple[str, Task]]], python: str, jobs: int) -
         for _, staged in planned:
             for stage in staged:
                 shutil.rmtree(stage, ignore_errors=True)
-    return failed
+    return done
 
 
 def _job_args(task: Task) -> dict:

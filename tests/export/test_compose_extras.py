@@ -108,11 +108,11 @@ def test_the_index_places_trainables_and_the_domains_name_the_rest(ckptspec_cli,
 
 
 def test_replicated_buffers_that_differ_are_refused(ckptspec_cli, ds, tmp_path):
-    """A buffer every tensor rank holds whole must be the same on each: one rank's changed, nothing is
-    written (CK401)."""
+    """A buffer every tensor rank holds whole must be the same on each: one rank's changed, refused by the
+    validation ``reconstruct`` starts with (CK237, naming the file), nothing written."""
     import torch
 
-    from ckptspec.errors import ReconstructMismatch
+    from ckptspec.errors import CheckpointInvalid
 
     copy = tmp_path / "ckpt"
     shutil.copytree(ds.path("tp2-s1-fp32-ws2-extras"), copy)
@@ -120,8 +120,10 @@ def test_replicated_buffers_that_differ_are_refused(ckptspec_cli, ds, tmp_path):
     states = torch.load(path, map_location="cpu", weights_only=False)
     states["module"]["running"] = states["module"]["running"] + 1
     torch.save(states, path)
-    with pytest.raises(ReconstructMismatch, match="replicated buffer 'running' differs"):
+    with pytest.raises(CheckpointInvalid) as refused:
         ckptspec.reconstruct(copy, tmp_path / "out")
+    [found] = [f for f in refused.value.findings if f.code == "CK237"]
+    assert found.file == "mp_rank_01_model_states.pt" and "'running' (buffer)" in found.message
     assert not (tmp_path / "out").exists()
 
 

@@ -187,9 +187,9 @@ def test_a_job_loading_the_universal_folder_trains_the_tie_on_both_stages_and_ke
     "command", [["reshard", "--world-size", "2", "--pipeline-parallel", "1"], ["export-universal"]], ids=lambda c: c[0]
 )
 def test_tied_copies_that_differ_are_refused_before_anything_is_written(command, ds, tmp_path):
-    """The second stage's copy of the tie's first moment changed by one bit: CK401, no output (either copy would be
-    a guess; DeepSpeed's ds_to_universal keeps whichever it extracts last). (A changed master copy is found first by
-    validation: it is not the stage's saved weight, CK235.)"""
+    """The second stage's copy of the tie's first moment changed by one bit: refused by validation (CK237, naming
+    the file), no output (either copy would be a guess; DeepSpeed's ds_to_universal keeps whichever it extracts
+    last). (A changed master copy is also not the stage's saved weight, CK235.)"""
     source = _copy_source(ds, tmp_path)
     path = _tag(source) / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
     state = torch.load(path, weights_only=False)
@@ -197,7 +197,8 @@ def test_tied_copies_that_differ_are_refused_before_anything_is_written(command,
     moment.view(torch.int32)[0] ^= 1  # the tied module is the stage's first parameter
     torch.save(state, path)
     result = CliRunner().invoke(cli, [command[0], str(source), str(tmp_path / "out"), *command[1:]])
-    assert result.exit_code == 1 and "CK401" in result.output and "'0.weight'" in result.output, result.output
+    assert result.exit_code == 1 and "CK237" in result.output and "'0.weight'" in result.output, result.output
+    assert "zero_pp_rank_0_mp_rank_01_optim_states.pt" in result.output, result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 

@@ -276,7 +276,8 @@ def test_at_one_stage_each_tensor_rank_names_the_tie_and_its_buffer_once(ds):
 def test_a_tie_whose_copy_on_one_stage_differs_is_refused_before_writing(ds, tmp_path, move):
     """Each target stage running the tie is given one copy of its master and moments: a stage-1 copy of its first
     moment that differs from stage 0's (tensor rank 0's optimizer file at mp_rank 02; a changed master is its layer
-    file's CK235 already) is CK401, nothing written."""
+    file's CK235 already) is refused by the validation every command starts with (CK237, naming the file), nothing
+    written; the merge's own comparison (CK401) stays behind it."""
     import shutil
 
     src = ds.path(SOURCE) / info(ds.path(SOURCE))["tag"]
@@ -288,7 +289,8 @@ def test_a_tie_whose_copy_on_one_stage_differs_is_refused_before_writing(ds, tmp
     saved["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"][0] += 1  # the tie's first element
     torch.save(saved, path)
     result = invoke("reshard", tmp_path / "ckpt", tmp_path / "out", *move, "--world-size", "2")
-    assert result.exit_code == 1 and "CK401" in result.output and "0.weight" in result.output, result.output
+    assert result.exit_code == 1 and "CK237" in result.output and "0.weight" in result.output, result.output
+    assert "zero_pp_rank_0_mp_rank_02_optim_states.pt" in result.output, result.output
     assert not (tmp_path / "out").exists()
 
 

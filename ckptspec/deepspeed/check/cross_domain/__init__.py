@@ -11,7 +11,7 @@ from ....checkpoint.states import StateCache
 from ....findings import Finding
 from ....format.index_models import CheckpointIndex
 from ....location import RemotePath
-from . import master_files, weights_vs_masters  # noqa: F401  (they register CK235 and CK240-CK243)
+from . import copies, master_files, weights_vs_masters  # noqa: F401  (they register CK235, CK237 and CK240-CK243)
 from .context import INDEX_CHECKS, IndexContext
 
 __all__ = ["INDEX_CHECKS", "check_index_files_in_two"]
