@@ -655,11 +655,15 @@ TP_PIPE_EXTRAS_RESHARDS = {
 }
 # A tensor x pipeline checkpoint's ZeRO stage changed (issue #40; tests/export/test_reshard_tp_pipe_stage0.py): the
 # stage-0 sources (TP_PIPE_STAGE0_SPECS) written as ZeRO-1, each (stage, tensor rank) domain on its own
-# (reshard_stage0_source), loaded by a tp2 x pp2 ZeRO-1 job (the optim launch of those degrees); compared with what
-# the source job held (its oracle's masters, its "+optim" entry's moments and step).
+# (reshard_stage0_source), loaded by a tp2 x pp2 ZeRO-1 job; the ZeRO-1 sources (TP_PIPE_SPECS) written for a stage-0
+# job (reshard_pipeline_stage0), loaded by a tp2 x pp2 stage-0 job (bf16: the load_optimizer_states=False +
+# _load_zero_checkpoint load). In the optim launch of those degrees; compared with what the source job held (its
+# oracle's masters, its "+optim" entry's moments, step and one more step).
 TP_PIPE_STAGE0_RESHARDS = {
     "tp2pp2-s0-bf16-ws4>s1": ("tp2pp2-s0-bf16-ws4", 4, {"stage": 1}, {"stage": 1}),
     "tp2pp2-s0-fp32-ws4>s1": ("tp2pp2-s0-fp32-ws4", 4, {"stage": 1}, {"stage": 1}),
+    "tp2pp2-s1-bf16-ws4>s0": ("tp2pp2-s1-bf16-ws4", 4, {"stage": 0}, {"stage": 0}),
+    "tp2pp2-s1-fp32-ws4>s0": ("tp2pp2-s1-fp32-ws4", 4, {"stage": 0}, {"stage": 0}),
 }
 # The tensor x pipeline sources of TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS and TP_PIPE_SPLITS, each resumed at its
 # own layout by a "+optim" entry that takes the one more step (tests/export/test_reshard_tp_pipe_step.py): in the optim

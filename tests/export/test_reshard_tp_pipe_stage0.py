@@ -1,7 +1,8 @@
 """#40: a tensor x pipeline checkpoint at ZeRO stage 0 (scenarios.TP_PIPE_STAGE0_SPECS: the Megatron-style tp2 x pp2
 PipelineModule of job/tp_layers.py trained at stage 0: bf16 with BF16_Optimizer, fp32 with the torch optimizer itself)
 described, validated, reconstructed and written as ZeRO-1 (``reshard --stage 1``: each (stage, tensor rank) domain on
-its own, reshard_stage0_source).
+its own, reshard_stage0_source); and the ZeRO-1 tp x pp checkpoints (TP_PIPE_SPECS) written for a stage-0 job of the
+same degrees (``reshard --stage 0``, reshard_pipeline_stage0), compared with DeepSpeed's own stage-0 saves.
 
 Ground truth: DeepSpeed 0.19.8 saves these jobs on the CPU and resumes them at their own layout (their ``+optim``
 entries: bf16 with the ``load_optimizer_states=False`` + ``_load_zero_checkpoint`` load, as every bf16 stage-0
@@ -9,7 +10,8 @@ pipeline); a real tp2 x pp2 ZeRO-1 job loads ckptspec's output (scenarios.TP_PIP
 holds, rank by rank, the masters the saving job held (its oracle), the moments, step and param groups its own resume
 holds, the same logits, and after one more training step the same state as that resume after the same step. The
 whole tensors are put together by the job's own split rules (job/tp_layers.py), never by ckptspec's reading of the
-saved patterns.
+saved patterns. The stage-0 targets are loaded by real tp2 x pp2 stage-0 jobs the same way and compared with the
+ZeRO-1 source's job and resume.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from safetensors.torch import load_file
 import ckptspec
 from ckptspec.deepspeed.kinds import Kind
 
-TO_ZERO1 = sorted(TP_PIPE_STAGE0_RESHARDS)
+TO_ZERO1 = sorted(n for n in TP_PIPE_STAGE0_RESHARDS if reshard_target(n)[2]["stage"] == 1)
+TO_STAGE0 = sorted(n for n in TP_PIPE_STAGE0_RESHARDS if reshard_target(n)[2]["stage"] == 0)
 TP = 2
 SPLIT = {"up.weight": 0, "up.bias": 0, "down.weight": 1}  # the blocks' (layers 2 and 3); every other tensor whole
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -189,6 +192,130 @@ def test_the_files_are_deepspeeds_own_zero1_tp_pipeline_save(ds, name):
         expected = [k for k in native if not (file.endswith("optim_states.pt") and k in absent)]
         assert list(mine) == expected, file
         assert {k: v for k, v in mine.items() if v != native[k]} == {}, file
+
+
+def test_the_cases_cover_both_ways_in_both_dtypes():
+    assert sorted(reshard_target(n)[0] for n in TO_ZERO1) == TP_PIPE_STAGE0
+    assert sorted(reshard_target(n)[0] for n in TO_STAGE0) == ["tp2pp2-s1-bf16-ws4", "tp2pp2-s1-fp32-ws4"]
+
+
+@pytest.mark.parametrize("name", TO_STAGE0)
+def test_a_stage0_tp_pipeline_job_resumes_the_output_bit_for_bit(ds, name):
+    """A ZeRO-1 tp x pp checkpoint written for a stage-0 job of the same degrees: rank by rank, the masters (bf16:
+    BF16_Optimizer's getter; fp32: the layer files' weights the job trains, as written) the ZeRO-1 job held, the
+    moments, step and param groups its resume holds, the same logits, and after one more step what that resume holds
+    after it (moments, logits, and the bf16 masters).
+    The bf16 job loads it as DeepSpeed's own stage-0 save: load_checkpoint fails the same way (KeyError: 0); DeepSpeed's
+    own path, ds_to_universal of the source with load_universal, fails in the same stage-0 job."""
+    source, world_size, spec = reshard_target(name)
+    bf16 = spec["dtype"] == "bf16"
+    outcome = json.loads((ds.path(name) / "optim.json").read_text())
+    native = json.loads((ds.path(optim_name(f"tp2pp2-s0-{spec['dtype']}-ws4")) / "optim.json").read_text())
+    assert outcome.get("reshard_error") is None, outcome
+    assert outcome["load_checkpoint_error"] == native["load_checkpoint_error"] == ("KeyError: 0" if bf16 else None)
+    failed = outcome["universal_error"]
+    assert failed == (
+        "TypeError: 'NoneType' object is not subscriptable"
+        if bf16
+        else "AttributeError: 'NoneType' object has no attribute 'copy'"
+    ), failed
+    target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
+    oracles, tag = rank_oracles(ds.path(source)), tag_dir(ds.path(name) / "resharded")
+    assert len(target) == world_size == 4 and spec["stage"] == 0
+    for mine, theirs, oracle in zip(target, before, oracles):
+        assert mine["coords"] == theirs["coords"] == oracle["coords"]
+        assert all(mine["getter"].values()) == bf16  # DeepSpeed's getters answer for BF16_Optimizer only
+        assert mine["state"].keys() == oracle["masters"].keys() == theirs["state"].keys()
+        tp = mine["coords"]["tp"]
+        for local, master in oracle["masters"].items():
+            if bf16:
+                assert bits_equal(mine["master"][local], master), (mine["coords"], local)
+            else:
+                layer, key = local.split(".", 1)
+                saved = torch.load(tag / f"layer_{int(layer):02d}-model_{tp:02d}-model_states.pt", weights_only=True)
+                assert bits_equal(saved[key], master), (mine["coords"], local)
+            for key in MOMENTS:
+                assert bits_equal(mine["state"][local][key], theirs["state"][local][key]), (local, key)
+        assert mine["step"] == theirs["step"] and set(mine["step"].values()) == {2.0}
+        assert mine["param_groups"] == theirs["param_groups"]
+        if theirs["logits"] is not None:
+            assert mine["logits"].abs().max() > 0 and bits_equal(mine["logits"], theirs["logits"])
+    stepped, stepped_before = optim_records(ds.path(name), "step"), optim_records(ds.path(optim_name(source)), "step")
+    for mine, theirs in zip(stepped, stepped_before):
+        assert set(mine["step"].values()) == set(theirs["step"].values()) == {3.0}
+        for local, by_key in theirs["state"].items():
+            for key in MOMENTS:
+                assert bits_equal(mine["state"][local][key], by_key[key]), (mine["coords"], local, key)
+        if bf16:  # the fp32 stage-0 job has no getter: its stepped weights show in the logits below
+            assert mine["master"].keys() == theirs["master"].keys()
+            assert all(bits_equal(mine["master"][n], m) for n, m in theirs["master"].items())
+        if theirs["logits"] is not None:  # the fixed batch through the stepped weights
+            assert bits_equal(mine["logits"], theirs["logits"])
+
+
+@pytest.mark.parametrize("name", TO_STAGE0)
+def test_the_files_are_deepspeeds_own_stage0_tp_pipeline_save(ds, name):
+    """The file names, every key, tensor dtype and shape and every other value (the layout entries, degrees, the
+    saved stage, the split rules) of DeepSpeed's own stage-0 save of the same model at the same layout."""
+    _, _, spec = reshard_target(name)
+    ours, theirs = tag_dir(ds.path(name) / "resharded"), tag_dir(ds.path(f"tp2pp2-s0-{spec['dtype']}-ws4"))
+    files = sorted(p.name for p in theirs.iterdir())
+    assert sorted(p.name for p in ours.iterdir()) == files
+    assert sum("optim_states" in f for f in files) == (4 if spec["dtype"] == "bf16" else 0)
+    for file in files:
+        mine, native = dict(saved_entries(_load(ours / file))), dict(saved_entries(_load(theirs / file)))
+        assert list(mine) == list(native), file
+        assert {k: v for k, v in mine.items() if v != native[k]} == {}, file
+
+
+@pytest.mark.parametrize("name", TP_PIPE_STAGE0)
+def test_the_same_layout_is_deepspeeds_save_value_for_value(ds, name, tmp_path):
+    """DeepSpeed's stage-0 tp x pp save written anew at its own layout: every file, key and value (tensors bit for
+    bit); the command names the load that resumes a bf16 one (load_checkpoint alone fails, KeyError: 0)."""
+    result = invoke("reshard", ds.path(name), tmp_path / "out", "--world-size", "4", "--stage", "0")
+    assert result.exit_code == 0, result.output
+    bf16 = info(ds.path(name))["spec"]["dtype"] == "bf16"
+    assert ("load_optimizer_states=False), then engine._load_zero_checkpoint(" in result.output) == bf16
+    ours, theirs = tag_dir(tmp_path / "out"), tag_dir(ds.path(name))
+    files = sorted(p.name for p in theirs.iterdir())
+    assert sorted(p.name for p in ours.iterdir()) == files
+    for file in files:
+        _same(_load(ours / file), _load(theirs / file), file)
+
+
+def _same(a, b, where: str) -> None:
+    """``a`` is ``b``: the same types, keys in the same order, values, tensors bit for bit."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert bits_equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            _same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize(
+    ("source", "options", "refusal"),
+    [
+        ("tp2pp2-s1-bf16-ws4", {"zero_stage": 0, "pipeline_parallel": 1}, "--stage 0 with --pipeline-parallel 1 of a"),
+        ("tp2pp2-s1-fp32-ws4", {"zero_stage": 0, "world_size": 6}, "not a multiple of the pipeline x tensor degrees"),
+    ],
+)
+def test_what_is_not_written_at_stage0_is_refused_by_name(ds, tmp_path, source, options, refusal):
+    from ckptspec.export.reshard_parallel import reshard_model_parallel
+
+    world_size = options.pop("world_size", 4)
+    with pytest.raises(ckptspec.Unsupported) as refused:
+        reshard_model_parallel(ds.path(source), tmp_path / "out", world_size, **options)
+    assert refused.value.code == "CK410" and refusal in refused.value.message, refused.value.message
+    assert refused.value.file == str(ds.path(source))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 @pytest.mark.parametrize(
