@@ -38,11 +38,10 @@ from .reshard_tensor_split import split_axes, split_writes
 
 
 def is_autotp_stage0(index: CheckpointIndex) -> bool:
-    """An AutoTP checkpoint of a stage-0 job: tensor degree above 1, every domain a stage-0 one, no pipeline (no
-    layer files: a tensor-parallel PipelineModule at one stage is a pipeline)."""
+    """An AutoTP checkpoint of a stage-0 job: tensor degree above 1, every domain a stage-0 one, no pipeline."""
     degrees = index.topology.degrees
     stage0 = all(d.configured_zero_stage == 0 for d in index.domains)
-    return stage0 and degrees.tensor > 1 and degrees.pipeline == 1 and not index.expert_files and not index.layer_files
+    return stage0 and degrees.tensor > 1 and degrees.pipeline == 1 and not index.expert_files
 
 
 def plan_autotp_stage0(
