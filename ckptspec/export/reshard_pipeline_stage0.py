@@ -24,8 +24,13 @@ An fp32 pipeline's stage-0 job runs the torch optimizer instead, its state in ea
 written by ``reshard_pipeline_stage0_fp32`` (``Fp32StageWrite``; restaged first as above), loaded by plain
 ``load_checkpoint``.
 
+A tensor-parallel pipeline (Megatron-style layers, ``PipeModelDataParallelTopology``) is written the same way per
+(stage, tensor rank) domain, its files named by DeepSpeed's ``mp_rank = stage x tp + tensor``, its layer files
+(``layer_XX-model_YY``) and the saved split rules (``universal_checkpoint_info``) kept as saved.
+
 Refused by name (CK410) before anything is written: fp16 pipelines (their stage-0 optimizer is FP16_Optimizer, which
-keeps its state in the model states: not written yet), tensor-parallel pipelines, ``round_robin_gradients`` or
+keeps its state in the model states: not written yet), a tensor-parallel pipeline at another number of stages,
+``round_robin_gradients`` or
 ``parameter_alignment`` sources (BF16_Optimizer lays out neither), what the ZeRO-1 restage refuses (a stage-0
 source's: once its ZeRO-1 pipeline is written, beside the output, not published).
 """
@@ -179,12 +184,15 @@ def plan_pipeline_stage0(
         # what the ZeRO-1 restage refuses, before anything is written (its target is planned again when written)
         pipeline_target(index, pipeline_parallel, world_size, 1, partition_method, states, src_dir, plans)
         return [RestagedStage0Write(*restaged)]
-    data = world_size // degrees.pipeline
-    return [_stage_write(d, src_dir, plans[d.id], states, data) for d in index.domains]
+    data = world_size // (degrees.pipeline * degrees.tensor)  # a tensor-parallel one: each (stage, tensor rank)
+    return [_stage_write(d, src_dir, plans[d.id], states, data, degrees.tensor) for d in index.domains]
 
 
-def _stage_write(domain: Domain, src_dir: Path | RemotePath, plan: ReconstructionPlan, states: StateCache, data: int):
-    """One stage: its masters and moments (a ZeRO-1 stage's partitions, or a stage-0 one's BF16 partitions)."""
+def _stage_write(
+    domain: Domain, src_dir: Path | RemotePath, plan: ReconstructionPlan, states: StateCache, data: int, tp: int
+):
+    """One stage (of a tensor-parallel pipeline: one tensor rank's; ``tp`` its tensor degree): its masters and moments
+    (a ZeRO-1 stage's partitions, or a stage-0 one's BF16 partitions)."""
     manifest = domain.manifest
     if domain.masters is not None:  # a stage-0 (BF16_Optimizer) stage: the index locates them
         state_plan = masters_state_plan(src_dir, domain, states)
@@ -197,7 +205,8 @@ def _stage_write(domain: Domain, src_dir: Path | RemotePath, plan: Reconstructio
         source.path, source.file_name = src_dir / first, first
     if manifest.layout.model_dtype == "float32":  # the torch optimizer's state in the model states, no optimizer files
         model = src_dir / next(f.path for f in manifest.files if f.role == "model_states")
-        return Fp32StageWrite(manifest, plan, state_plan, source, model, data, domain.coordinate.pipeline)  # type: ignore[arg-type]
+        mp_rank = domain.coordinate.pipeline * tp + domain.coordinate.tensor  # DeepSpeed's numbering of (stage, tensor)
+        return Fp32StageWrite(manifest, plan, state_plan, source, model, data, mp_rank)  # type: ignore[arg-type]
     # BF16_Optimizer's keys: those write_files recomputes for the target, the rest (clip_grad) as saved
     osd = {key: source.osd.get(key) for key in BF16_KEYS}
     return Bf16StageWrite(
@@ -217,10 +226,11 @@ def _bf16_layout(manifest: Manifest, data: int) -> TargetLayout:
 def _refuse(index: CheckpointIndex, world_size: int, pipeline_parallel: int | None) -> None:
     """CK410 for what is not written, by name."""
     degrees = index.topology.degrees
-    if degrees.tensor != 1:
+    if degrees.tensor != 1 and pipeline_parallel not in (None, degrees.pipeline):
         raise ReshardUnsupported(
-            f"--stage 0 of a tensor-parallel pipeline (tensor degree {degrees.tensor}) is not written yet",
-            "reshard it at ZeRO-1 (--tensor-parallel 1 merges it), then to stage 0",
+            f"--stage 0 with --pipeline-parallel {pipeline_parallel} of a tensor-parallel pipeline (tensor degree "
+            f"{degrees.tensor}) is not written yet",
+            "write it at ZeRO-1 with --pipeline-parallel first, then reshard that to --stage 0 at its stages",
         )
     stage0 = is_stage0_source(index)
     for d in index.domains:
@@ -244,8 +254,9 @@ def _refuse(index: CheckpointIndex, world_size: int, pipeline_parallel: int | No
                 "BF16_Optimizer lays out neither",
                 "reshard it without --stage 0",
             )
-    if pipeline_parallel in (None, degrees.pipeline) and (world_size < 1 or world_size % degrees.pipeline):
+    kept = degrees.pipeline * degrees.tensor
+    if pipeline_parallel in (None, degrees.pipeline) and (world_size < 1 or world_size % kept):
+        which = f"pipeline degree ({kept})" if degrees.tensor == 1 else f"pipeline x tensor degrees ({kept})"
         raise ReshardUnsupported(
-            f"--world-size {world_size} is not a multiple of the pipeline degree ({degrees.pipeline}), which is kept",
-            f"give a multiple of {degrees.pipeline}",
+            f"--world-size {world_size} is not a multiple of the {which}, which is kept", f"give a multiple of {kept}"
         )

@@ -19,7 +19,9 @@ Refused by name (CK410) before anything is written:
 - no ``--stage``, or a stage the target cannot run (2 for a pipeline);
 - fp16 with a dynamic loss scale: FP16_Optimizer does not save the hysteresis state that ZeRO's DynamicLossScaler
   pickles;
-- a tensor-parallel stage-0 checkpoint, and a pipeline's number of stages changed with the stage.
+- a pipeline's number of stages changed with the stage.
+A tensor-parallel pipeline's (stage, tensor rank) domains are each written so, at ``world_size / (pp x tp)`` data
+ranks; its layer files are kept as saved.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def plan_stage0_source(
     is not written, before anything is."""
     degrees = index.topology.degrees
     _refuse_unwritten(index, zero_stage, world_size, pipeline_parallel)
-    if degrees.pipeline == 1:  # the whole model: ties, buffers and frozen parameters as reconstruct composes them
+    if degrees.pipeline == degrees.tensor == 1:  # the whole model: its ties, buffers and frozen parameters too
         extras, ties = extras_of(index, tag_dir, plans, states)
         whole = whole_plan(index, tag_dir, plans, extras, ties)
         whole.states = states
@@ -75,7 +77,7 @@ def plan_stage0_source(
                 domain, tag_dir, whole, whole.optimizer_state_plan(), states, world_size, zero_stage
             )
         }
-    data = world_size // degrees.pipeline
+    data = world_size // (degrees.pipeline * degrees.tensor)  # each (stage, tensor rank) its own ZeRO domain
     return {
         d.id: stage0_domain_write(
             d, tag_dir, plans[d.id], masters_state_plan(tag_dir, d, states), states, data, zero_stage
@@ -123,10 +125,10 @@ def stage0_optimizer(
 def _refuse_unwritten(index: CheckpointIndex, zero_stage: int | None, world_size: int, pipeline_parallel) -> None:
     """CK410 for what is not written, by name."""
     degrees = index.topology.degrees
-    if degrees.tensor != 1:  # a MoE's experts: reshard_moe's
+    if degrees.tensor != 1 and not index.layer_files:  # a MoE's experts: reshard_moe's; AutoTP: reshard_tensor_stage0
         raise ReshardUnsupported(
             f"a stage-0 checkpoint of tensor degree {degrees.tensor} is not written as ZeRO yet",
-            "stage-0 data-parallel, pipeline and MoE checkpoints are",
+            "stage-0 data-parallel, pipeline, tensor-parallel pipeline, AutoTP and MoE checkpoints are",
         )
     for d in index.domains:
         if d.masters is None or d.masters.stored_in not in STAGE0_MASTERS:
@@ -150,10 +152,11 @@ def _refuse_unwritten(index: CheckpointIndex, zero_stage: int | None, world_size
             "supported yet",
             f"give --pipeline-parallel {degrees.pipeline} (or leave it out), then reshard the ZeRO-1 pipeline",
         )
-    if world_size < 1 or world_size % degrees.pipeline:
+    kept = degrees.pipeline * degrees.tensor
+    if world_size < 1 or world_size % kept:
+        which = f"pipeline degree ({kept})" if degrees.tensor == 1 else f"pipeline x tensor degrees ({kept})"
         raise ReshardUnsupported(
-            f"--world-size {world_size} is not a multiple of the pipeline degree ({degrees.pipeline}), which is kept",
-            f"give a multiple of {degrees.pipeline}",
+            f"--world-size {world_size} is not a multiple of the {which}, which is kept", f"give a multiple of {kept}"
         )
 
 

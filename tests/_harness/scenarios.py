@@ -230,6 +230,16 @@ PIPE_STAGE0_SPECS = {
     # (tests/export/test_reshard_pipeline_stage0_fp32.py), in the world-size-4 launch
     "pp2dp2-s0-fp32-ws4": ({"pp": 2, "stage": 0, "dtype": "fp32"}, 4),
 }
+# The tensor x pipeline model (TP_PIPE_SPECS') at ZeRO stage 0 (issue #40): bf16 trains with BF16_Optimizer (its
+# bf16_zero_pp_rank_* files per stage and tensor rank), fp32 with the torch optimizer (its state in each stage and
+# tensor rank's model states). Sources of the stage-0 tp x pp moves and what ``reshard --stage 0`` of a tp x pp
+# checkpoint is compared with, file for file; in the pipeline family's world-size-4 launch. Converted by ds_to_universal
+# too (its outcome recorded: it fails on them).
+TP_PIPE_STAGE0_SPECS = {
+    "tp2pp2-s0-bf16-ws4": ({"tp": 2, "pp": 2, "stage": 0, "dtype": "bf16", **_UC}, 4),
+    "tp2pp2-s0-fp32-ws4": ({"tp": 2, "pp": 2, "stage": 0, "dtype": "fp32", **_UC}, 4),
+}
+TP_PIPE_STAGE0 = sorted(TP_PIPE_STAGE0_SPECS)  # each resumed at its own layout by its "+optim" entry
 # The same PipelineModule at one stage, tp2 x pp1 (``pipe``): what DeepSpeed writes at the layout
 # ``reshard --pipeline-parallel 1`` writes of a tp2 x pp2 checkpoint (TP_PIPE_STAGE_RESHARDS), file for file.
 TP_PIPE_ONE_SPECS = {"tp2pp1-s1-fp32-ws2": ({"tp": 2, "pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 2)}
@@ -240,6 +250,7 @@ TP_PIPE_FOUR_SPECS = {"tp4pp1-s1-fp32-ws4": ({"tp": 4, "pp": 1, "pipe": True, "s
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
     **TP_PIPE_SPECS,
+    **TP_PIPE_STAGE0_SPECS,
     **TP_PIPE_EXTRAS_SPECS,
     **TP_PIPE_ONE_SPECS,
     **TP_PIPE_FOUR_SPECS,
@@ -642,6 +653,18 @@ TP_PIPE_EXTRAS_RESHARDS = {
         {"pipeline_parallel": 2},
     ),
 }
+# A tensor x pipeline checkpoint's ZeRO stage changed (issue #40; tests/export/test_reshard_tp_pipe_stage0.py): the
+# stage-0 sources (TP_PIPE_STAGE0_SPECS) written as ZeRO-1, each (stage, tensor rank) domain on its own
+# (reshard_stage0_source), loaded by a tp2 x pp2 ZeRO-1 job; the ZeRO-1 sources (TP_PIPE_SPECS) written for a stage-0
+# job (reshard_pipeline_stage0), loaded by a tp2 x pp2 stage-0 job (bf16: the load_optimizer_states=False +
+# _load_zero_checkpoint load). In the optim launch of those degrees; compared with what the source job held (its
+# oracle's masters, its "+optim" entry's moments, step and one more step).
+TP_PIPE_STAGE0_RESHARDS = {
+    "tp2pp2-s0-bf16-ws4>s1": ("tp2pp2-s0-bf16-ws4", 4, {"stage": 1}, {"stage": 1}),
+    "tp2pp2-s0-fp32-ws4>s1": ("tp2pp2-s0-fp32-ws4", 4, {"stage": 1}, {"stage": 1}),
+    "tp2pp2-s1-bf16-ws4>s0": ("tp2pp2-s1-bf16-ws4", 4, {"stage": 0}, {"stage": 0}),
+    "tp2pp2-s1-fp32-ws4>s0": ("tp2pp2-s1-fp32-ws4", 4, {"stage": 0}, {"stage": 0}),
+}
 # The tensor x pipeline sources of TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS and TP_PIPE_SPLITS, each resumed at its
 # own layout by a "+optim" entry that takes the one more step (tests/export/test_reshard_tp_pipe_step.py): in the optim
 # launch of that layout's degrees, beside the reshard targets of the same degrees (tp2 x pp2: tp2pp1>pp2's; tp2 x pp1:
@@ -654,7 +677,7 @@ RESHARD_SOURCES = sorted(
 
 def reshard_target(name: str) -> tuple[str, int, dict]:
     """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS, DEGREE_RESHARDS,
-    TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS, TP_PIPE_SPLITS or TP_PIPE_EXTRAS_RESHARDS."""
+    TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS, TP_PIPE_SPLITS, TP_PIPE_EXTRAS_RESHARDS or TP_PIPE_STAGE0_RESHARDS."""
     if name in PARALLEL_RESHARDS:
         source, ws = PARALLEL_RESHARDS[name]
         return source, ws, PARALLEL_SPECS[source][0]
@@ -664,6 +687,7 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
         **TP_PIPE_STAGE_RESHARDS,
         **TP_PIPE_SPLITS,
         **TP_PIPE_EXTRAS_RESHARDS,
+        **TP_PIPE_STAGE0_RESHARDS,
     }[name]
     return source, ws, {**source_spec(source), **changes}
 
@@ -930,7 +954,7 @@ def _registry() -> dict[str, Task]:
     for name in HOOKED + MASTERS_HOOKED:
         spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
-    for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES, *TP_PIPE_STEP_SOURCES}):
+    for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES, *TP_PIPE_STEP_SOURCES, *TP_PIPE_STAGE0}):
         spec, ws = SOURCE_SPECS[name]
         out[optim_name(name)] = Task("optim", {"spec": spec, "source": name}, ws, load=name)
     for name in OPTIM_UNIVERSAL_SOURCES:
@@ -955,10 +979,12 @@ def _registry() -> dict[str, Task]:
         **TP_PIPE_STAGE_RESHARDS,
         **TP_PIPE_SPLITS,
         **TP_PIPE_EXTRAS_RESHARDS,
+        **TP_PIPE_STAGE0_RESHARDS,
     }.items():
         args = {"spec": reshard_target(name)[2], "source": source, "reshard": {"world_size": ws, **options}}
-        # and ds_to_universal's folder of the source, where its job wrote one
-        out[name] = Task("optim", {**args, "universal": bool(source_spec(source).get("universal"))}, ws, load=source)
+        # and ds_to_universal's folder of the source, where its job wrote one (it fails on a stage-0 source)
+        universal = bool(source_spec(source).get("universal")) and source_spec(source)["stage"] > 0
+        out[name] = Task("optim", {**args, "universal": universal}, ws, load=source)
     for name, (source, changes, ws, change) in RESUME_CASES.items():
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)

@@ -199,7 +199,6 @@ def test_deepspeeds_fp32_stage0_pipeline_is_another_layout(ds):
     [
         # refused by the restage of its ZeRO-1 pipeline (written first, in a temporary directory): named as the source
         ("pp2-s0-bf16-ws2", {"pipeline_parallel": 6}, "5 layers, fewer than the stages"),
-        ("tp2pp2-s1-bf16-ws4", {}, "--stage 0 of a tensor-parallel pipeline"),
         ("pp2-s1-fp32-ws2", {"pipeline_parallel": 6}, "5 layers, fewer than the stages"),  # fp32 too
         ("pp2-s0-fp32-ws2", {"pipeline_parallel": 6}, "5 layers, fewer than the stages"),
         ("pp2-s1-bf16-ws2", {"pipeline_parallel": 6}, "5 layers, fewer than the stages"),  # the restage's own

@@ -31,7 +31,13 @@ from ...format.dtypes import ITEMSIZE, Dtype
 from ...format.index_models import Coordinate
 from ...location import RemotePath
 from ..layout.masters import MasterTensor
-from ..layout.parallel_files import degrees_of, layer_file_name, missing_layer_files, scan_parallel
+from ..layout.parallel_files import (
+    degrees_of,
+    layer_file_name,
+    missing_layer_files,
+    scan_parallel,
+    tensor_rank_files,
+)
 from ..layout.pipeline_torch_optimizer import is_torch_optimizer_state, stage_params
 from .index_builder import IndexBuilder
 
@@ -50,8 +56,11 @@ def _layer_tensors(files, states: StateCache) -> dict[str, TensorRef]:
     return out
 
 
-def _stage_masters(folder: Path, by_rank: dict[int, Path | RemotePath], shapes, states: StateCache, copy_of=None):
-    """Every master of one stage: each parameter's fragments over the data-parallel ranks, in rank order."""
+def _stage_masters(
+    folder: Path, by_rank: dict[int, Path | RemotePath], shapes, states: StateCache, copy_of=None, tensor=None
+):
+    """Every master of one stage: each parameter's fragments over the data-parallel ranks, in rank order.
+    ``tensor``: the stage's tensor rank in a tensor-parallel pipeline (whose layer files hold the shapes)."""
     pieces: dict[str, list] = {}
     dtype: Dtype = "float32"
     for _, path in sorted(by_rank.items()):  # rank order: the flat buffer's
@@ -78,7 +87,7 @@ def _stage_masters(folder: Path, by_rank: dict[int, Path | RemotePath], shapes, 
     missing: dict[str, list[str]] = {}  # a master without a weight in a layer file: its shape is unknown
     for name in pieces:
         if name not in shapes:
-            missing.setdefault(layer_file_name(name), []).append(name)
+            missing.setdefault(layer_file_name(name, tensor), []).append(name)
     if missing:
         raise missing_layer_files(missing, folder)
     out = []
@@ -102,15 +111,23 @@ def _weight(folder: Path, rel: str, name: str, key: str, ref: TensorRef, states:
 def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None, live=None):
     """``live``: the live engine's masters and copies of each model-parallel rank (live/masters.py)."""
     from .model_parallel import pipeline_view
+    from .tp_pipeline import tensor_pipeline_view
 
     files = scan_parallel(folder)
     degrees = degrees_of(files, states)
-    if degrees.tensor != 1:
-        raise UnsupportedCheckpoint(f"tensor degree {degrees.tensor} with a stage-0 pipeline", _HINT, str(folder))
+    if degrees.tensor != 1 and live is not None:
+        raise UnsupportedCheckpoint(
+            f"tensor degree {degrees.tensor} with a stage-0 pipeline, from the live engine",
+            "save it with engine.save_checkpoint and describe the saved files",
+            str(folder),
+        )
+    # Each tensor rank's stages and layer files are a pipeline of their own (its shards' names and shapes)
+    views = {t: tensor_rank_files(files, degrees, t) for t in range(degrees.tensor)}
+    tensor_of = {mp: degrees.coordinate(mp)[1] for mp in files.by_mp_rank}
     b = IndexBuilder(folder, states, hash_algorithm)
-    weights = _layer_tensors(files, states)
-    shapes = {n: tuple(r.shape) for n, r in weights.items()}
-    b.model_dtypes.update({n: r.dtype for n, r in weights.items()})
+    weights = {t: _layer_tensors(view, states) for t, view in views.items()}
+    shapes = {t: {n: tuple(r.shape) for n, r in w.items()} for t, w in weights.items()}
+    b.model_dtypes.update({n: r.dtype for w in weights.values() for n, r in w.items()})
     if live is not None:
         b.model_dtypes.update(live.dtypes)
     fp32 = None  # the torch optimizer's own state in the model states: the layer files' weights are the masters
@@ -119,13 +136,18 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
     domains = []
     for mp, shards in sorted(files.by_mp_rank.items()):
         model = shards.model_files[min(shards.model_files)]
+        own, tensor = shapes[tensor_of[mp]], (tensor_of[mp] if degrees.tensor > 1 else None)
         if live is not None:
             masters, copies = live.by_mp_rank[mp]
         elif fp32 is not None:
             masters, copies = [_weight(folder, p.layer_file, p.name, p.key, p.ref, states) for p in fp32[mp]], []
         else:
-            masters = _stage_masters(folder, shards.optim_files, shapes, states)
-            copies = _stage_masters(folder, {0: model}, shapes, states, copy_of=0) if shards.optim_files.get(0) else []
+            masters = _stage_masters(folder, shards.optim_files, own, states, tensor=tensor)
+            copies = (
+                _stage_masters(folder, {0: model}, own, states, copy_of=0, tensor=tensor)
+                if shards.optim_files.get(0)
+                else []
+            )
         by_name = {m.name: m for m in masters}
         replicas = [(by_name[c.name], c) for c in copies if c.name in by_name]
         ranks = {p.name: r for r, p in shards.optim_files.items()}
@@ -144,12 +166,17 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
             add_parameters=False,
         )
         domain.manifest.layout.pipeline_parallel_size = degrees.pipeline
+        domain.manifest.layout.tensor_parallel_size = degrees.tensor
         domains.append(domain)
-    layer_files, parameters = pipeline_view(files, states, domains, hash_algorithm)
+    if degrees.tensor > 1:  # each tensor rank's shards placed in the whole tensors by the recorded split rules
+        layer_files, parameters = tensor_pipeline_view(files, states, domains, degrees.tensor, hash_algorithm)
+    else:
+        layer_files, parameters = pipeline_view(files, states, domains, hash_algorithm)
     b.parameters = parameters
     index = b.index("zero", domains)
     index.layer_files = layer_files
     index.topology.degrees.pipeline = degrees.pipeline
+    index.topology.degrees.tensor = degrees.tensor
     index.topology.model_parallel_size = degrees.model_parallel
     index.topology.degrees_source = degrees.source
     return index

@@ -79,7 +79,7 @@ class MomentFinder:
 
     def __init__(self, folder: Path | RemotePath, states: StateCache):
         self.folder, self.states = folder, states
-        self._plain: dict[str, tuple[str, int, int]] | None = None
+        self._plain: dict[str | tuple[str, str], tuple[str, int, int]] | None = None
 
     def _slot(self, name: str, rel: str, key: list) -> tuple[str, list, Any, int]:
         """(file, key of the torch state dict in it, state entry key, group) of the tensor at ``key``."""
@@ -99,25 +99,29 @@ class MomentFinder:
                     f"optimizer param group {key[2]} holds {len(params)} flat tensors", _HINT, rel
                 )
             return rel, inner_key, params[0], key[2]
-        found = self._plain_slots().get(name)
+        slots = self._plain_slots()
+        found = slots.get((rel, name), slots.get(name))  # a pipeline's by its layer file: tensor ranks share names
         if found is None:
             raise UnsupportedCheckpoint(f"no optimizer state entry of {name!r} ({'/'.join(map(str, key))})", _HINT, rel)
         return found[0], ["optimizer"], found[1], found[2]
 
-    def _plain_slots(self) -> dict[str, tuple[str, int, int]]:
-        """name -> (file, state entry key, group) where the weights are the masters (stage 0 fp32)."""
+    def _plain_slots(self) -> dict[str | tuple[str, str], tuple[str, int, int]]:
+        """name (a pipeline's: (layer file, name)) -> (file, state entry key, group) where the weights are the
+        masters (stage 0 fp32)."""
         if self._plain is not None:
             return self._plain
         if any(PIPE_LAYER_RE.match(p.name) for p in self.folder.iterdir()):  # an fp32 pipeline: its layer weights
             stages = stage_params(scan_parallel(self.folder), self.states)
-            self._plain = {p.name: (p.model_file, p.entry, p.group) for params in stages.values() for p in params}
+            self._plain = {
+                (p.layer_file, p.name): (p.model_file, p.entry, p.group) for params in stages.values() for p in params
+            }
             return self._plain
         model = self.states.state(self.folder / MODEL_FILE)
         module = model.get("module") if isinstance(model, dict) else None
         buffers = set(model.get("buffer_names") or []) if isinstance(model, dict) else set()
         dense = [n for n, r in (module or {}).items() if n not in buffers and isinstance(r, TensorRef)]
         expp = sorted((int(m.group(1)), p.name) for p in self.folder.iterdir() if (m := EXPP_RE.match(p.name)))
-        out: dict[str, tuple[str, int, int]] = {}
+        out: dict[str | tuple[str, str], tuple[str, int, int]] = {}
         if not expp:
             self._pair(out, MODEL_FILE, None, dense)
         else:

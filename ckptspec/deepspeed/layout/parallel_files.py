@@ -98,6 +98,18 @@ def scan_parallel(tag_dir: Path | RemotePath) -> ParallelFiles:
     return out
 
 
+def tensor_rank_files(files: ParallelFiles, degrees: Degrees, tensor: int) -> ParallelFiles:
+    """Tensor rank ``tensor``'s stages and layer files of a tensor-parallel pipeline, as a pipeline of their own
+    (its layer files under ``layer_files``); a pipeline without tensor parallelism is its own."""
+    if degrees.tensor == 1:
+        return files
+    return ParallelFiles(
+        files.tag_dir,
+        by_mp_rank={mp: s for mp, s in files.by_mp_rank.items() if degrees.coordinate(mp)[1] == tensor},
+        layer_files={layer: p for (layer, t), p in files.tensor_layer_files.items() if t == tensor},
+    )
+
+
 def layer_file_name(param: str, tensor: int | None = None) -> str:
     """The layer file DeepSpeed writes a pipeline parameter ``<layer>.<key>`` into (tensor rank ``tensor``'s
     in a tensor-parallel pipeline: the topology's ``model`` coordinate in the name)."""

@@ -7,7 +7,8 @@ The state names no parameter: its groups take the stage's trainable parameters i
 ``PipelineModule`` is layer order, then each layer's key order (its state dict's). So the stages, in order, take
 the layer files' tensors in order, each as many as its groups list; every taken weight must have its entry's
 ``exp_avg`` shape and be fp32, a layer must lie on one stage, and every tensor must be taken (frozen parameters,
-buffers and ties are not told apart here: refused). Metadata only, no pickle code.
+buffers and ties are not told apart here: refused). A tensor-parallel pipeline's stages of each tensor rank are such a
+pipeline, taking that rank's layer files. Metadata only, no pickle code.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef
 from ...errors import UnsupportedCheckpoint
-from .parallel_files import ParallelFiles
+from .parallel_files import ParallelFiles, degrees_of, tensor_rank_files
 
 _HINT = "the parameters of this fp32 stage-0 pipeline cannot be told from its files; it is not described"
 
@@ -58,7 +59,16 @@ def _entries(model_file: str, optimizer: Any) -> list[tuple[Any, int, tuple]]:
 
 
 def stage_params(files: ParallelFiles, states: StateCache) -> dict[int, list[StageParam]]:
-    """Every stage's trainable parameters (model-parallel rank -> in its optimizer's order)."""
+    """Every stage's trainable parameters (model-parallel rank -> in its optimizer's order); in a tensor-parallel
+    pipeline each tensor rank's stages take its own layer files (``layer_XX-model_YY``), a pipeline of their own."""
+    degrees = degrees_of(files, states)
+    out: dict[int, list[StageParam]] = {}
+    for tensor in range(degrees.tensor):
+        out.update(_pipeline_params(tensor_rank_files(files, degrees, tensor), states))
+    return out
+
+
+def _pipeline_params(files: ParallelFiles, states: StateCache) -> dict[int, list[StageParam]]:
     tensors = []  # (layer, file, key, ref) of every layer file's tensor, in module order
     for layer, path in sorted(files.layer_files.items()):
         state = states.state(path)
