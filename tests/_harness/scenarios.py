@@ -208,6 +208,9 @@ TP_PIPE_EXTRAS_SPECS = {
     # DeepSpeed's own save at tp4 x pp1 (the pipeline launch of world size 4): what ``--tensor-parallel 4`` of the two
     # above is compared with, and the source of a split to fewer tensor ranks (TP_PIPE_EXTRAS_RESHARDS)
     "tp4pp1-s1-fp32-ws4-extras": ({**_TP_PIPE_EXTRAS, "tp": 4, "pp": 1, "pipe": True}, 4),
+    # the same tp2 x pp2 model in bf16 (its module, frozen parameters and buffers bf16, fp32 masters): the source of
+    # the same moves (TP_PIPE_EXTRAS_RESHARDS, tests/export/test_reshard_tp_pipe_extras_bf16.py)
+    "tp2pp2-s1-bf16-ws4-extras": ({**_TP_PIPE_EXTRAS, "dtype": "bf16", "pp": 2, **_UC}, 4),
 }
 # DeepSpeed's own save of the AutoTP MLP at ZeRO stage 0 (issue #40): what the AutoTP stage-0 targets of
 # DEGREE_RESHARDS are compared with (tests/export/test_reshard_stage0.py), in the AutoTP training launch. Not in
@@ -656,6 +659,15 @@ TP_PIPE_EXTRAS_RESHARDS = {
     "tp2pp1-s1-fp32-ws2-extras>tp4": ("tp2pp1-s1-fp32-ws2-extras", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp4pp1-s1-fp32-ws4-extras>tp2": ("tp4pp1-s1-fp32-ws4-extras", 2, {"tp": 2}, {"tensor_parallel": 2}),
 }
+# The bf16 extras source's moves (tests/export/test_reshard_tp_pipe_extras_bf16.py): every move of the fp32 tp2 x pp2
+# one, each in the optim launch of the fp32 move of the same target degrees.
+TP_PIPE_EXTRAS_RESHARDS.update(
+    {
+        name.replace("-fp32-", "-bf16-"): ("tp2pp2-s1-bf16-ws4-extras", *rest)
+        for name, (source, *rest) in list(TP_PIPE_EXTRAS_RESHARDS.items())
+        if source == "tp2pp2-s1-fp32-ws4-extras"
+    }
+)
 # The tensor x pipeline sources of TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS and TP_PIPE_SPLITS, each resumed at its
 # own layout by a "+optim" entry that takes the one more step (tests/export/test_reshard_tp_pipe_step.py): in the optim
 # launch of that layout's degrees, beside the reshard targets of the same degrees (tp2 x pp2: tp2pp1>pp2's; tp2 x pp1:
