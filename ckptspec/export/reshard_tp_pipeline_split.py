@@ -15,10 +15,16 @@ DeepSpeed's ``universal_checkpoint_info`` pattern lists: name patterns, they hol
 ``--pipeline-parallel Q`` too: the split at the source's stages into a temporary directory, then that tp T pipeline
 moved to Q stages at its tensor degree (``reshard_tp_pipeline_stages``), as the merge then restage does.
 
+Frozen parameters, buffers and a ``TiedLayerSpec``'s module are cut the same way, from the index's placements of them
+(its extras): a frozen shard of a column-parallel layer along its axis at T, as a tp T job's own layers hold it, a
+replicated frozen parameter or buffer whole in every tensor rank's layer file (each layer file's own copy: a tie's
+buffer on two stages keeps each stage's), a tie's key on a layer file that holds no shard of its own (``aliases``) its
+owner's, replicated; the tie's masters and moments stay under each stage's name (``tied_modules.<key>.<attribute>``).
+
 Refused by name (CK410) before anything is written: a ZeRO stage other than 1, a world size stages x T does not
-divide, a split axis T does not divide, a domain that is not a ZeRO-1/2 partition, frozen parameters, buffers or ties
-(a layer-file key that is no parameter's shard: the rules do not place it), and saved split rules that name shards
-at the source's degree (an AutoTP ``affine_map``).
+divide, a split axis T does not divide (a frozen parameter's too), a domain that is not a ZeRO-1/2 partition, a
+layer-file key that is no shard of a parameter, frozen parameter or buffer of the index nor a tie of one (the rules
+do not place it), and saved split rules that name shards at the source's degree (an AutoTP ``affine_map``).
 """
 
 from __future__ import annotations
@@ -56,7 +62,8 @@ def plan_tensor_pipeline_split(
         )
     _refuse(index, world_size, zero_stage)
     _refuse_unplaced(index, tag_dir, states)
-    axes = split_axes(index, {}, degree)  # the source's placements: CK410 for an axis ``degree`` does not divide
+    extras = {e.name: (list(e.shape), [(s, None) for s in e.shards]) for e in index.extras or ()}
+    axes = split_axes(index, extras, degree)  # the source's placements: CK410 for an axis ``degree`` does not divide
     whole, state_plan, manifests = whole_stages(index, tag_dir, plans, states)
     changes = ModelChanges(
         module={},  # a stage's module is None: its weights are the layer files'
@@ -92,42 +99,33 @@ def _split_layers(
 
 
 def _layer_parameters(index: CheckpointIndex) -> dict[tuple[int, str], str]:
-    """(layer, key of its tensor rank 0 file) -> the parameter whose shard that key holds."""
+    """(layer, key of its tensor rank 0 file) -> the parameter, frozen parameter or buffer whose shard that key
+    holds; a tie's key on a layer that holds no shard of its own (``aliases``): its owner's."""
     layer_of = {f.path: f.layer for f in index.layer_files if f.tensor == 0}
-    return {
-        (layer_of[s.layer_file], s.layer_key): p.name
-        for p in index.parameters
-        for s in p.shards
+    placed = [(p.name, p.shards) for p in index.parameters] + [(e.name, e.shards) for e in index.extras or ()]
+    out = {
+        (layer_of[s.layer_file], s.layer_key): name
+        for name, shards in placed
+        for s in shards
         if s.layer_file in layer_of
     }
+    for tie, owner in (index.aliases or {}).items():
+        layer, _, key = tie.partition(".")
+        if layer.isdigit():  # a pipeline's names: ``<layer>.<key>``
+            out.setdefault((int(layer), key), owner)
+    return out
 
 
 def _refuse_unplaced(index: CheckpointIndex, tag_dir: Path, states: StateCache) -> None:
-    """CK410 for what the saved rules do not place: a layer-file key that is no parameter's shard (a frozen
-    parameter, a buffer, a tie), frozen parameters, buffers or ties elsewhere, an AutoTP ``affine_map``."""
-    for d in index.domains:
-        for section in ("frozen", "buffers", "aliases"):
-            items = getattr(d.manifest, section)
-            if items:
-                raise ReshardUnsupported(
-                    f"--tensor-parallel of a tensor-parallel pipeline: {section} ({items[0].name!r}) in domain {d.id} "
-                    "are not split yet",
-                    "resume at the same tensor degree, or merge it (--tensor-parallel 1)",
-                )
-    if index.extras or index.aliases:
-        what = index.extras[0].name if index.extras else next(iter(index.aliases))
-        raise ReshardUnsupported(
-            f"--tensor-parallel of a tensor-parallel pipeline: {what!r} (a frozen parameter, buffer or tie) is not "
-            "split yet",
-            "resume at the same tensor degree",
-        )
+    """CK410 for what the saved rules do not place: a layer-file key that is no parameter's, frozen parameter's or
+    buffer's shard and no tie of one (``_layer_parameters``), an AutoTP ``affine_map``."""
     placed = _layer_parameters(index)
     for lf in (f for f in index.layer_files if f.tensor == 0):
         for key in states.state(tag_dir / lf.path):
             if (lf.layer, key) not in placed:
                 raise ReshardUnsupported(
-                    f"{lf.path}: {key!r} is no parameter's shard (a frozen parameter or buffer): the saved split rules "
-                    "do not place it",
+                    f"{lf.path}: {key!r} is no shard of a parameter, frozen parameter or buffer of the index, nor a "
+                    "tie of one: the saved split rules do not place it",
                     "resume at the same tensor degree",
                 )
     for d in index.domains:

@@ -205,6 +205,12 @@ _TP_PIPE_EXTRAS = {"tp": 2, "stage": 1, "dtype": "fp32", "frozen": True, "buffer
 TP_PIPE_EXTRAS_SPECS = {
     "tp2pp2-s1-fp32-ws4-extras": ({**_TP_PIPE_EXTRAS, "pp": 2, **_UC}, 4),
     "tp2pp1-s1-fp32-ws2-extras": ({**_TP_PIPE_EXTRAS, "pp": 1, "pipe": True}, 2),
+    # DeepSpeed's own save at tp4 x pp1 (the pipeline launch of world size 4): what ``--tensor-parallel 4`` of the two
+    # above is compared with, and the source of a split to fewer tensor ranks (TP_PIPE_EXTRAS_RESHARDS)
+    "tp4pp1-s1-fp32-ws4-extras": ({**_TP_PIPE_EXTRAS, "tp": 4, "pp": 1, "pipe": True}, 4),
+    # the same tp2 x pp2 model in bf16 (its module, frozen parameters and buffers bf16, fp32 masters): the source of
+    # the same moves (TP_PIPE_EXTRAS_RESHARDS, tests/export/test_reshard_tp_pipe_extras_bf16.py)
+    "tp2pp2-s1-bf16-ws4-extras": ({**_TP_PIPE_EXTRAS, "dtype": "bf16", "pp": 2, **_UC}, 4),
 }
 # DeepSpeed's own save of the AutoTP MLP at ZeRO stage 0 (issue #40): what the AutoTP stage-0 targets of
 # DEGREE_RESHARDS are compared with (tests/export/test_reshard_stage0.py), in the AutoTP training launch. Not in
@@ -652,6 +658,17 @@ TP_PIPE_EXTRAS_RESHARDS = {
         {"pp": 2, "pipe": False},
         {"pipeline_parallel": 2},
     ),
+    # another tensor degree (tests/export/test_reshard_tp_pipe_split_extras.py): split to tp4 x pp1 from tp2 x pp2 (at
+    # the source's stages, then restaged) and from tp2 x pp1, loaded by tp4 x pp1 jobs (the optim launch of the tp4
+    # splits); DeepSpeed's tp4 x pp1 save split to fewer tensor ranks (tp2 x pp1, the optim launch of the >pp1 targets)
+    "tp2pp2-s1-fp32-ws4-extras>tp4-pp1": (
+        "tp2pp2-s1-fp32-ws4-extras",
+        4,
+        {"tp": 4, "pp": 1, "pipe": True},
+        {"tensor_parallel": 4, "pipeline_parallel": 1},
+    ),
+    "tp2pp1-s1-fp32-ws2-extras>tp4": ("tp2pp1-s1-fp32-ws2-extras", 4, {"tp": 4}, {"tensor_parallel": 4}),
+    "tp4pp1-s1-fp32-ws4-extras>tp2": ("tp4pp1-s1-fp32-ws4-extras", 2, {"tp": 2}, {"tensor_parallel": 2}),
 }
 # A tensor x pipeline checkpoint's ZeRO stage changed (issue #40; tests/export/test_reshard_tp_pipe_stage0.py): the
 # stage-0 sources (TP_PIPE_STAGE0_SPECS) written as ZeRO-1, each (stage, tensor rank) domain on its own
@@ -665,6 +682,15 @@ TP_PIPE_STAGE0_RESHARDS = {
     "tp2pp2-s1-bf16-ws4>s0": ("tp2pp2-s1-bf16-ws4", 4, {"stage": 0}, {"stage": 0}),
     "tp2pp2-s1-fp32-ws4>s0": ("tp2pp2-s1-fp32-ws4", 4, {"stage": 0}, {"stage": 0}),
 }
+# The bf16 extras source's moves (tests/export/test_reshard_tp_pipe_extras_bf16.py): every move of the fp32 tp2 x pp2
+# one, each in the optim launch of the fp32 move of the same target degrees.
+TP_PIPE_EXTRAS_RESHARDS.update(
+    {
+        name.replace("-fp32-", "-bf16-"): ("tp2pp2-s1-bf16-ws4-extras", *rest)
+        for name, (source, *rest) in list(TP_PIPE_EXTRAS_RESHARDS.items())
+        if source == "tp2pp2-s1-fp32-ws4-extras"
+    }
+)
 # The tensor x pipeline sources of TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS and TP_PIPE_SPLITS, each resumed at its
 # own layout by a "+optim" entry that takes the one more step (tests/export/test_reshard_tp_pipe_step.py): in the optim
 # launch of that layout's degrees, beside the reshard targets of the same degrees (tp2 x pp2: tp2pp1>pp2's; tp2 x pp1:

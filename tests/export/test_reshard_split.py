@@ -20,7 +20,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _harness.scenarios import DEGREE_RESHARDS, RESHARD_CASES, TP_PIPE_SPLITS, TP_PIPE_STAGE_RESHARDS
+from _harness.scenarios import (
+    DEGREE_RESHARDS,
+    RESHARD_CASES,
+    TP_PIPE_EXTRAS_RESHARDS,
+    TP_PIPE_SPLITS,
+    TP_PIPE_STAGE_RESHARDS,
+)
 
 SPLIT_FAILURE = Path(__file__).with_name("split_failure_job.py")
 SUBPROCESS = Path(__file__).with_name("subprocess_job.py")
@@ -81,6 +87,12 @@ CASES = {
         ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
         2,
     ),
+    # ... with a TiedLayerSpec, a frozen column-parallel weight and buffers: each layer piece a file of its own
+    "tp2 x pp1 -> tp4 x pp1, a tie, a frozen weight and buffers, 2 processes": (
+        "tp2pp1-s1-fp32-ws2-extras>tp4",
+        ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
+        2,
+    ),
     # a bf16 pipeline written for a stage-0 job (BF16_Optimizer's files), an fp32 stage-0 pipeline at another data
     # degree (the torch optimizer's state in each stage's model states), an AutoTP stage-0 source split at ZeRO-1
     "bf16 pipeline ZeRO-1 -> stage 0, 2 processes": (
@@ -110,7 +122,9 @@ CORRUPT_SOURCE = "s2-bf16-ws2"  # copied and its rank 1 optimizer states truncat
 
 
 def _source(entry: str) -> str:
-    return {**RESHARD_CASES, **DEGREE_RESHARDS, **TP_PIPE_STAGE_RESHARDS, **TP_PIPE_SPLITS}[entry][0]
+    return {**RESHARD_CASES, **DEGREE_RESHARDS, **TP_PIPE_STAGE_RESHARDS, **TP_PIPE_SPLITS, **TP_PIPE_EXTRAS_RESHARDS}[
+        entry
+    ][0]
 
 
 def _runs() -> dict[str, dict]:

@@ -182,8 +182,8 @@ def test_what_is_not_written_is_refused_by_name_before_writing(ds, tmp_path, opt
 
 
 def _plan_with(ds, tmp_path, change):
-    """The split of the real tp2 x pp1 source to tp4 planned from its checkpoint index changed by ``change`` (what a
-    source with a tie or a buffer would give: the describer refuses such tensor-parallel pipelines today, CK202)."""
+    """The split of the real tp2 x pp1 source to tp4 planned from its checkpoint index changed by ``change`` (an index
+    the describer would not write from these files)."""
     from ckptspec.checkpoint.states import StateCache
     from ckptspec.deepspeed.check.checkpoint_index import validate_index_checkpoint
     from ckptspec.deepspeed.layout.tag_dir import resolve_tag_dir
@@ -195,20 +195,16 @@ def _plan_with(ds, tmp_path, change):
     return plan_tensor_pipeline_split(change(found), resolve_tag_dir(source, None), {}, states, 4, None, 4)
 
 
-def test_a_tie_is_refused_by_name(ds, tmp_path):
-    from ckptspec.errors import ReshardUnsupported
-
-    with pytest.raises(ReshardUnsupported, match=r"'4.weight' \(a frozen parameter, buffer or tie\) is not split yet"):
-        _plan_with(ds, tmp_path, lambda index: index.model_copy(update={"aliases": {"4.weight": "0.weight"}}))
-
-
 def test_a_layer_key_no_rule_places_is_refused_by_name(ds, tmp_path):
-    """A layer file's tensor that is no parameter's shard (here ``4.bias``'s, its parameter left out of the index:
-    as a buffer's would be) is not guessed."""
+    """A layer file's tensor that is no shard of a parameter, frozen parameter or buffer of the index (here
+    ``4.bias``'s, its parameter left out of the index) is not guessed."""
     from ckptspec.errors import ReshardUnsupported
 
     def without_bias(index):
         return index.model_copy(update={"parameters": [p for p in index.parameters if p.name != "4.bias"]})
 
-    with pytest.raises(ReshardUnsupported, match=r"layer_04-model_00-model_states.pt: 'bias' is no parameter's shard"):
+    with pytest.raises(
+        ReshardUnsupported,
+        match=r"layer_04-model_00-model_states.pt: 'bias' is no shard of a parameter, frozen parameter or buffer",
+    ):
         _plan_with(ds, tmp_path, without_bias)
