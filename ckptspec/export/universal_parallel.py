@@ -106,7 +106,8 @@ def _refuse(index: CheckpointIndex) -> None:
     for d in index.domains:
         if d.manifest.layout.tail_padding_saved:
             raise ReshardUnsupported(
-                f"domain {d.id} was written by DeepSpeed's BF16_Optimizer, whose files are not read here yet",
+                f"domain {d.id} was written by DeepSpeed's BF16_Optimizer at ZeRO stage 1: the universal folder of a "
+                "tensor- or pipeline-parallel one is not written yet (a data-parallel one's is)",
                 "use DeepSpeed's ds_to_universal",
             )
 

@@ -737,6 +737,11 @@ RESHARD_CASES = {
     # from ZeRO-3 (more in RESHARD_JOB_CASES)
     "reshard-s3-fp16-groups-3to2": ("s3-fp16-ws3-groups", 2, {}),
     "reshard-s3-to-s2-fp16-groups-3to2": ("s3-fp16-ws3-groups", 2, {"stage": 2}),
+    # DeepSpeed's BF16_Optimizer (bf16, grad_accum_dtype fp32, stage 1; #40): the same job config at another world
+    # size (BF16_Optimizer again), and plain ZeRO-2 and ZeRO-3 jobs (bf16 gradient accumulation)
+    "reshard-s1-bf16opt-2to3": ("s1-bf16-ws2-bf16opt", 3, {}),
+    "reshard-s1-bf16opt-to-s2-2to3": ("s1-bf16-ws2-bf16opt", 3, {"stage": 2, "grad_accum_dtype": None}),
+    "reshard-s1-bf16opt-to-s3-2to2": ("s1-bf16-ws2-bf16opt", 2, {"stage": 3, "grad_accum_dtype": None}),
 }
 # The same, through tests/_harness/reshard_job.py (launches of their own): loads the
 # exclude_frozen_parameters checkpoints (which DeepSpeed's strict module load refuses) non-strict.
@@ -763,6 +768,9 @@ UNIVERSAL_CASES = {
     "universal-s3-to-s2-bf16-sub-2to3": ("s3-bf16-ws2-sub", 3, {"stage": 2}, "ckptspec"),
     "universal-s2-fp32-rr-3to3-plain": ("s2-fp32-ws3-rr", 3, {"round_robin": False}, "ckptspec"),
     "universal-ds-s2-fp32-rr-3to3-plain": ("s2-fp32-ws3-rr", 3, {"round_robin": False}, "deepspeed"),
+    # DeepSpeed's BF16_Optimizer (#40), loaded by the same job config (BF16_Optimizer) at 3 ranks, from both folders
+    "universal-s1-bf16opt-2to3": ("s1-bf16-ws2-bf16opt", 3, {}, "ckptspec"),
+    "universal-ds-s1-bf16opt-2to3": ("s1-bf16-ws2-bf16opt", 3, {}, "deepspeed"),
 }
 # ckptspec reshard --stage 0 (issue #40), then a real resume of its output by a stage-0 job (job/resume.py, as
 # RESHARD_CASES: the masters it holds against the source's live ones, one more step against NATIVE_RESUMES).
