@@ -7,7 +7,9 @@ ZeRO-1's), the fp32 partitions with their tail padding, ``group_paddings``, ``pa
 ``DeepSpeedZeroOptimizer.state_dict()``'s keys (``reshard_files.STAGE12_KEYS``); what BF16_Optimizer keeps none of
 is what a bf16 ZeRO job saves for it: a static loss scaler of scale 1, no dynamic scale, no overflow. The rest (the
 partitions, paddings, counts, stage, mappings) the ZeRO writers recompute for the target. A stage-1 target needs
-none of this: it is BF16_Optimizer's again (``reshard_layout``), written from the source's own keys.
+none of this: it is BF16_Optimizer's again (``reshard_layout``), written from the source's own keys; so is each stage
+of a pipeline's (Megatron-DeepSpeed's) moved along its data axis. Anything else of a tensor/pipeline-parallel one is
+refused by name (``refuse_bf16_model_parallel``, CK410).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from ..checkpoint.standins import LossScalerState
 from ..checkpoint.states import StateCache
+from ..errors import ReshardUnsupported
 from ..format.models import Manifest
 from .reshard_files import STAGE12_KEYS
 from .reshard_source import SourceOptimizer, source_optimizer
@@ -39,3 +42,26 @@ def zero_source(found: Manifest, plan, states: StateCache) -> SourceOptimizer:
     if "clip_grad" not in source.osd:
         del osd["clip_grad"]  # the target job's gradient_clipping applies, as DeepSpeed's loader does
     return dataclasses.replace(source, osd=osd, path=plan.tag_dir / first, file_name=first)
+
+
+def refuse_bf16_model_parallel(index, tensor_parallel: int | None, pipeline_parallel: int | None, zero_stage) -> None:
+    """CK410 by name for a tensor/pipeline-parallel BF16_Optimizer checkpoint (``index``: a checkpoint index) moved
+    otherwise than along its data axis at stage 1 (``reshard_parallel.target_layouts``: a pipeline's stages, each
+    BF16_Optimizer's again). A tensor-parallel one, another stage, a degree change or a MoE is not written yet."""
+    if not any(d.manifest.layout.tail_padding_saved for d in index.domains):
+        return
+    degrees = index.topology.degrees
+    moved = [
+        f"--stage {zero_stage}" if zero_stage not in (None, 1) else "",
+        f"--pipeline-parallel {pipeline_parallel}" if pipeline_parallel not in (None, degrees.pipeline) else "",
+        f"--tensor-parallel {tensor_parallel}" if tensor_parallel not in (None, degrees.tensor) else "",
+        f"tensor degree {degrees.tensor}" if degrees.tensor != 1 else "",
+        "experts" if index.expert_files else "",
+    ]
+    asked = ", ".join(m for m in moved if m)
+    if asked:
+        raise ReshardUnsupported(
+            f"a tensor/pipeline-parallel checkpoint of DeepSpeed's BF16_Optimizer (bf16 with grad_accum_dtype fp32 at "
+            f"ZeRO-1) is written only along its data axis at stage 1 so far, not with {asked}",
+            "reshard it with --world-size alone (a pipeline's stages stay BF16_Optimizer's)",
+        )

@@ -177,12 +177,6 @@ def _refuse(manifest: Manifest, world_size: int, stage: int, domain: bool, write
             f"pp {layout.pipeline_parallel_size}); reshard changes data parallelism only",
             "use DeepSpeed's ds_to_universal for tensor- or pipeline-parallel checkpoints",
         )
-    if layout.tail_padding_saved and domain:
-        raise ReshardUnsupported(
-            "a tensor- or pipeline-parallel checkpoint written by DeepSpeed's BF16_Optimizer at ZeRO stage 1 is not "
-            "resharded yet (data-parallel ones are)",
-            "convert it with DeepSpeed's ds_to_universal",
-        )
     if layout.tail_padding_saved and stage == 0:
         raise ReshardUnsupported(
             "a stage-0 target of a BF16_Optimizer checkpoint (bf16 with grad_accum_dtype fp32 at stage 1) is not "

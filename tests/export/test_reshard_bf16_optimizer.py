@@ -110,3 +110,48 @@ def test_a_stage0_target_is_refused_by_name_before_writing(ds, tmp_path):
     assert result.exit_code == 1, result.output
     assert "CK410" in result.output and "BF16_Optimizer" in result.output and "grad_accum_dtype" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+PIPELINE = "pp2-s1-bf16-ws2-bf16opt"  # BF16_Optimizer per stage (Megatron-DeepSpeed's configuration)
+
+
+def test_a_pipelines_stages_are_bf16_optimizers_at_the_target_data_degree(ds):
+    """pp2 x dp1 -> pp2 x dp2 (PARALLEL_RESHARDS, loaded by a real pp2 x dp2 job: test_reshard_parallel.py): each
+    stage's files are BF16_Optimizer's at 2 data ranks: its keys, every partition and its moments whole (the stage's
+    elements padded to a multiple of 4, halved), the padding recorded on the last data rank only."""
+    out = tag_dir(ds.path(f"{PIPELINE}>ws4") / "resharded")
+    for stage in range(2):
+        source = _load(tag_dir(ds.path(PIPELINE)) / f"bf16_zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt")
+        source = source["optimizer_state_dict"]
+        numel = source["single_partition_of_fp32_groups"][0].numel() - source["group_paddings"][0]
+        padded = -(-numel // 4) * 4
+        for rank in range(2):
+            osd = _load(out / f"bf16_zero_pp_rank_{rank}_mp_rank_{stage:02d}_optim_states.pt")["optimizer_state_dict"]
+            assert list(osd) == list(source) and "loss_scaler" not in osd
+            (master,) = osd["single_partition_of_fp32_groups"]
+            state = osd["base_optimizer_state"]["state"][0]
+            assert master.numel() == state["exp_avg"].numel() == state["exp_avg_sq"].numel() == padded // 2
+            assert osd["partition_count"] == [2]
+            assert osd["group_paddings"] == [padded - numel if rank == 1 else 0], (stage, rank, osd["group_paddings"])
+
+
+def test_a_pipeline_at_its_own_layout_is_deepspeeds_save(ds, tmp_path):
+    source = tag_dir(ds.path(PIPELINE))
+    result = _run("reshard", ds.path(PIPELINE), tmp_path / "out", "--world-size", 2)
+    assert result.exit_code == 0, result.output
+    for path in sorted(source.iterdir()):
+        _same(_load(tag_dir(tmp_path / "out") / path.name), _load(path), path.name)
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--world-size", 2, "--stage", 0], "--stage 0"),
+        (["--world-size", 2, "--pipeline-parallel", 1], "--pipeline-parallel 1"),
+    ],
+)
+def test_a_pipeline_moved_otherwise_is_refused_by_name_before_writing(ds, tmp_path, args, named):
+    result = _run("reshard", ds.path(PIPELINE), tmp_path / "out", *args)
+    assert result.exit_code == 1, result.output
+    assert "CK410" in result.output and "BF16_Optimizer" in result.output and f"not with {named}" in result.output
+    assert list(tmp_path.iterdir()) == []
