@@ -38,6 +38,7 @@ from ..location import RemotePath, location
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
 from .plan import plan_reconstruction
+from .reshard_bf16 import is_bf16_optimizer, zero_source
 from .reshard_files import write_files
 from .reshard_layout import target_layout
 from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
@@ -97,10 +98,14 @@ def reshard(
                 files = write_stage0_files(found, plan, state_plan, target, states, tag_dir)
                 commit_and_validate_index(tmp, tag_dir, output)
                 return files
+            # a BF16_Optimizer source written for a ZeRO-2/3 job: its entries as DeepSpeed's ZeRO optimizer's
+            zero = zero_source(found, plan, states) if is_bf16_optimizer(found) and target.zero_stage > 1 else None
             if target.zero_stage == 3:
-                files = write_stage3_files(found, plan, state_plan, target, states, tag_dir, sub_group_size)
+                files = write_stage3_files(
+                    found, plan, state_plan, target, states, tag_dir, sub_group_size, source=zero
+                )
             else:
-                files = write_files(found, plan, state_plan, target, states, tag_dir)
+                files = write_files(found, plan, state_plan, target, states, tag_dir, source=zero)
             embed_and_validate(found, tmp, tag_dir, output)
             return files
 

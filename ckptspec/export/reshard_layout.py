@@ -7,6 +7,10 @@ concatenated), with a gap after every param but the last when ``parameter_alignm
 (16 bytes: ``16 // gcd(16, itemsize)`` elements), padded to 2 x ws and split evenly. The order and
 the gaps both depend on the world size, so they are recomputed from the natural order here
 (deepspeed ``runtime/zero/stage_1_and_2.py`` ``__init__`` and ``_round_robin_reorder``).
+DeepSpeed's ``BF16_Optimizer`` (bf16 with fp32 gradient accumulation at stage 1) lays its groups out as ZeRO-1
+does (natural order, no alignment gaps, padded to 2 x ws) and saves every partition whole, the tail padding
+included (``tail_padding_saved``): a stage-1 target of such a source is one again (what the same job config
+runs at any world size); ``--stage 2|3`` gives DeepSpeed's ZeRO optimizer's layout (``reshard_bf16``).
 What reshard cannot write is refused here, before anything is read: ``ReshardUnsupported`` (CK410).
 """
 
@@ -112,7 +116,15 @@ def target_layout(
             else None
         )
         specs = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in ordered]
-        target = flat_group(specs, optimizer_group=g, partition_count=world_size, zero_stage=stage, paddings=paddings)
+        bf16_optimizer = layout.tail_padding_saved and stage == 1  # BF16_Optimizer again: its partitions whole
+        target = flat_group(
+            specs,
+            optimizer_group=g,
+            partition_count=world_size,
+            zero_stage=stage,
+            paddings=paddings,
+            tail_padding_saved=bf16_optimizer,
+        )
         end = target.params[-1].offset + target.params[-1].numel if target.params else 0
         if target.padded_numel - end > target.partition_numel:
             # DeepSpeed records the tail padding on the last rank only (groups_padding); a tail longer
@@ -165,10 +177,11 @@ def _refuse(manifest: Manifest, world_size: int, stage: int, domain: bool, write
             f"pp {layout.pipeline_parallel_size}); reshard changes data parallelism only",
             "use DeepSpeed's ds_to_universal for tensor- or pipeline-parallel checkpoints",
         )
-    if layout.tail_padding_saved:
+    if layout.tail_padding_saved and stage == 0:
         raise ReshardUnsupported(
-            "the checkpoint was written by DeepSpeed's BF16_Optimizer, whose files reshard does not write yet",
-            "resume on the same world size, or convert with DeepSpeed's ds_to_universal",
+            "a stage-0 target of a BF16_Optimizer checkpoint (bf16 with grad_accum_dtype fp32 at stage 1) is not "
+            "written yet: DeepSpeed 0.19.8 runs no dense stage-0 job with fp32 gradient accumulation",
+            "reshard it to --stage 1 (BF16_Optimizer again), 2 or 3",
         )
     # a domain's moments may be located apart from its manifest's files (a stage-0 source's: masters_state_plan)
     if manifest.optimizer is None or not (domain or any(f.state_partitions for f in manifest.files)):

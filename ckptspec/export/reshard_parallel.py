@@ -33,6 +33,7 @@ from .model_plan import Segment
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
 from .reshard import ReshardResult, commit_and_validate_index, embed_and_validate
+from .reshard_bf16 import refuse_bf16_model_parallel
 from .reshard_files import write_files
 from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
@@ -95,6 +96,7 @@ def reshard_model_parallel(
             refuse_degree_changes(
                 found, None if tensor_parallel == 1 or splitting else tensor_parallel, pipeline_parallel
             )
+            refuse_bf16_model_parallel(found, tensor_parallel, pipeline_parallel, zero_stage)
             if expert_parallel is not None and not found.expert_files:
                 raise ReshardUnsupported(
                     f"--expert-parallel {expert_parallel} of a checkpoint without experts",

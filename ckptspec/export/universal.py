@@ -6,7 +6,8 @@ with ``checkpoint.load_universal: true`` reads (``runtime/base_optimizer.py``
 
 * ``zero/<param>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt`` (every per-element state): ``{"param": the
   whole tensor in fp32 in the parameter's shape, "cat_dim": 0}``; ``zero/<param>/step.pt``: the group's
-  step as saved. Written for every trainable parameter (a tie's name too, with its owner's values; a name
+  step as saved (a ``BF16_Optimizer`` checkpoint's masters too: its partitions' tail padding is no parameter's).
+  Written for every trainable parameter (a tie's name too, with its owner's values; a name
   several parts hold, a pipeline's ``TiedLayerSpec`` module, once); frozen parameters get ``fp32.pt`` alone, as
   ``ds_to_universal`` writes the module's values, and a pipeline's, in its layer files, none. DeepSpeed's
   universal loader reads neither: it restores trainable parameters only.
@@ -83,11 +84,6 @@ def _refuse(found: Manifest) -> None:
     if layout.tensor_parallel_size != 1 or layout.pipeline_parallel_size != 1:
         raise ReshardUnsupported(
             "the checkpoint is tensor- or pipeline-parallel; export-universal writes data-parallel checkpoints only",
-            "use DeepSpeed's ds_to_universal",
-        )
-    if layout.tail_padding_saved:
-        raise ReshardUnsupported(
-            "the checkpoint was written by DeepSpeed's BF16_Optimizer, whose files are not read here yet",
             "use DeepSpeed's ds_to_universal",
         )
     if found.optimizer is None or not any(f.state_partitions for f in found.files):

@@ -103,12 +103,6 @@ def _refuse(index: CheckpointIndex) -> None:
                 "universal folder of a tensor/pipeline-parallel checkpoint is written from ZeRO-1/2 files so far",
                 "use DeepSpeed's ds_to_universal",
             )
-    for d in index.domains:
-        if d.manifest.layout.tail_padding_saved:
-            raise ReshardUnsupported(
-                f"domain {d.id} was written by DeepSpeed's BF16_Optimizer, whose files are not read here yet",
-                "use DeepSpeed's ds_to_universal",
-            )
 
 
 def _parts(index: CheckpointIndex, src_dir: Path, states: StateCache) -> tuple[list[tuple], dict | None]:

@@ -253,8 +253,15 @@ TP_PIPE_ONE_SPECS = {"tp2pp1-s1-fp32-ws2": ({"tp": 2, "pp": 1, "pipe": True, "st
 # --tensor-parallel 4`` writes of the tp2 sources (TP_PIPE_SPLITS), file for file; in the pipeline family's
 # world-size-4 launch.
 TP_PIPE_FOUR_SPECS = {"tp4pp1-s1-fp32-ws4": ({"tp": 4, "pp": 1, "pipe": True, "stage": 1, "dtype": "fp32"}, 4)}
+# The PipelineModule at ZeRO-1 in bf16 with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer per stage (the
+# configuration of Megatron-DeepSpeed's runs, #40), converted by ds_to_universal too; in the pipeline family's
+# world-size-2 launch. Not in PARALLEL: no +again, universal or hook entries.
+PIPE_BF16OPT_SPECS = {
+    "pp2-s1-bf16-ws2-bf16opt": ({"pp": 2, "stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32", **_UC_INJECT}, 2)
+}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
+    **PIPE_BF16OPT_SPECS,
     **TP_PIPE_SPECS,
     **TP_PIPE_STAGE0_SPECS,
     **TP_PIPE_EXTRAS_SPECS,
@@ -321,9 +328,11 @@ PARALLEL_RESHARDS = {
     "pp2-s1-fp32-ws2>ws4": ("pp2-s1-fp32-ws2", 4),  # pp2 x dp1 -> pp2 x dp2
     "tp2-s3-bf16-ws2>ws4": ("tp2-s3-bf16-ws2", 4),  # tp2 x dp1 -> tp2 x dp2 at ZeRO-3 (reshard_stage3's writer)
     "tp2-s3-bf16-ws2>ws2": ("tp2-s3-bf16-ws2", 2),  # the same layout: one more step bit for bit (the same sums)
+    # BF16_Optimizer per stage (bf16, grad_accum_dtype fp32, ZeRO-1: Megatron-DeepSpeed's), pp2 x dp1 -> pp2 x dp2
+    "pp2-s1-bf16-ws2-bf16opt>ws4": ("pp2-s1-bf16-ws2-bf16opt", 4),
 }
 # The same job also loads DeepSpeed's own path to its layout (ds_to_universal's folder of the source, load_universal)
-PARALLEL_RESHARDS_UNIVERSAL = {"tp2-s3-bf16-ws2>ws4"}
+PARALLEL_RESHARDS_UNIVERSAL = {"tp2-s3-bf16-ws2>ws4", "pp2-s1-bf16-ws2-bf16opt>ws4"}
 # The tensor, pipeline and expert degrees changed (issue #40): name -> (source PARALLEL entry, target world
 # size, the target job's spec changes, ckptspec.reshard's options). A job of the target layout loads what
 # rank 0 wrote (optim_job.py, "reshard") and records the masters and moments it then holds.
@@ -464,6 +473,7 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     # tensor/pipeline-parallel ZeRO-1/2 through ckptspec's universal folder (export-universal), loaded with
     # load_universal; each job also loads DeepSpeed's own ds_to_universal folder of the source (UNIVERSAL_PARALLEL)
     "pp2-s1-fp32-ws2>universal-ws4": ("pp2-s1-fp32-ws2", 4, {}, {"export_universal": True}),  # pp2 -> pp2 x dp2
+    "pp2-s1-bf16-ws2-bf16opt>universal-ws4": ("pp2-s1-bf16-ws2-bf16opt", 4, {}, {"export_universal": True}),
     "pp2dp2-s1-bf16-ws4>universal-ws2": ("pp2dp2-s1-bf16-ws4", 2, {}, {"export_universal": True}),  # -> pp2 x dp1
     "tp2-s1-fp32-ws2>universal-tp1": ("tp2-s1-fp32-ws2", 2, _TP1, {"export_universal": True}),  # -> tp1 x dp2
     "tp2dp2-s2-bf16-ws4>universal-tp1-ws3": ("tp2dp2-s2-bf16-ws4", 3, _TP1, {"export_universal": True}),
@@ -706,7 +716,7 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
     TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS, TP_PIPE_SPLITS, TP_PIPE_EXTRAS_RESHARDS or TP_PIPE_STAGE0_RESHARDS."""
     if name in PARALLEL_RESHARDS:
         source, ws = PARALLEL_RESHARDS[name]
-        return source, ws, PARALLEL_SPECS[source][0]
+        return source, ws, SOURCE_SPECS[source][0]
     source, ws, changes, _ = {
         **DEGREE_RESHARDS,
         **TP_PIPE_RESHARDS,
@@ -787,6 +797,11 @@ RESHARD_CASES = {
     # from ZeRO-3 (more in RESHARD_JOB_CASES)
     "reshard-s3-fp16-groups-3to2": ("s3-fp16-ws3-groups", 2, {}),
     "reshard-s3-to-s2-fp16-groups-3to2": ("s3-fp16-ws3-groups", 2, {"stage": 2}),
+    # DeepSpeed's BF16_Optimizer (bf16, grad_accum_dtype fp32, stage 1; #40): the same job config at another world
+    # size (BF16_Optimizer again), and plain ZeRO-2 and ZeRO-3 jobs (bf16 gradient accumulation)
+    "reshard-s1-bf16opt-2to3": ("s1-bf16-ws2-bf16opt", 3, {}),
+    "reshard-s1-bf16opt-to-s2-2to3": ("s1-bf16-ws2-bf16opt", 3, {"stage": 2, "grad_accum_dtype": None}),
+    "reshard-s1-bf16opt-to-s3-2to2": ("s1-bf16-ws2-bf16opt", 2, {"stage": 3, "grad_accum_dtype": None}),
 }
 # The same, through tests/_harness/reshard_job.py (launches of their own): loads the
 # exclude_frozen_parameters checkpoints (which DeepSpeed's strict module load refuses) non-strict.
@@ -813,6 +828,9 @@ UNIVERSAL_CASES = {
     "universal-s3-to-s2-bf16-sub-2to3": ("s3-bf16-ws2-sub", 3, {"stage": 2}, "ckptspec"),
     "universal-s2-fp32-rr-3to3-plain": ("s2-fp32-ws3-rr", 3, {"round_robin": False}, "ckptspec"),
     "universal-ds-s2-fp32-rr-3to3-plain": ("s2-fp32-ws3-rr", 3, {"round_robin": False}, "deepspeed"),
+    # DeepSpeed's BF16_Optimizer (#40), loaded by the same job config (BF16_Optimizer) at 3 ranks, from both folders
+    "universal-s1-bf16opt-2to3": ("s1-bf16-ws2-bf16opt", 3, {}, "ckptspec"),
+    "universal-ds-s1-bf16opt-2to3": ("s1-bf16-ws2-bf16opt", 3, {}, "deepspeed"),
 }
 # ckptspec reshard --stage 0 (issue #40), then a real resume of its output by a stage-0 job (job/resume.py, as
 # RESHARD_CASES: the masters it holds against the source's live ones, one more step against NATIVE_RESUMES).
@@ -991,7 +1009,7 @@ def _registry() -> dict[str, Task]:
         args = {"spec": spec, "source": source, "parallel": True}
         out[fsdp2_name(source, ws)] = Task("fsdp2", args, ws, load=source)
     for name, (source, ws) in PARALLEL_RESHARDS.items():
-        spec = PARALLEL_SPECS[source][0]
+        spec = SOURCE_SPECS[source][0]
         args = {"spec": spec, "source": source, "reshard": {"world_size": ws}}
         if name in PARALLEL_RESHARDS_UNIVERSAL:
             args["universal"] = True

@@ -16,7 +16,7 @@ import json
 
 import numpy as np
 import pytest
-from _harness.parallel_oracles import optim_records
+from _harness.parallel_oracles import bits_equal, optim_records
 from _harness.scenarios import (
     DEGREE_RESHARDS,
     PARALLEL_RESHARDS,
@@ -102,7 +102,10 @@ def test_deepspeeds_own_path_holds_the_same_bits(name, ds):
             for a, b in pairs:
                 assert np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), param
         assert got["step"] == expected["step"] and got["param_groups"] == expected["param_groups"]
-        assert np.array_equal(got["logits"].numpy().view(np.uint8), expected["logits"].numpy().view(np.uint8))
+        if expected["logits"] is None:  # a pipeline's: its last stage's ranks record them
+            assert got["logits"] is None
+            continue
+        assert bits_equal(got["logits"], expected["logits"])  # bf16 too
 
 
 @pytest.mark.parametrize("name", RESHARDS)

@@ -105,10 +105,46 @@ def test_an_invalid_source_is_refused_and_nothing_written(ds, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-def test_bf16_optimizer_checkpoints_are_refused(ds, tmp_path):
-    result = _run("export-universal", ds.path("s1-bf16-ws2-bf16opt"), tmp_path / "out")
-    assert result.exit_code == 1 and "CK410" in result.output, result.output
-    assert list(tmp_path.iterdir()) == []
+def _files(folder) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_the_bf16_optimizer_folder_is_ds_to_universals_file_for_file(ds):
+    """DeepSpeed's BF16_Optimizer (bf16, grad_accum_dtype fp32, stage 1), the checkpoint ds_to_universal was written
+    for: export-universal's folder against ds_to_universal's of the same tag (both written by the jobs that loaded
+    them, UNIVERSAL_CASES). Every trainable parameter's master, moments and step bit for bit, ``cat_dim`` 0, the same
+    ``optimizer_state.pt`` and the model states byte for byte. Where they differ, they differ as every data-parallel
+    folder does: ds_to_universal writes the buffers and the module's bf16 weights for the tie and frozen parameters
+    (no ``cat_dim``), ckptspec the tie as its owner (master, moments, step) and no buffer; a universal load reads
+    neither (both jobs hold the same bits)."""
+    import torch
+
+    ours = ds.path("universal-s1-bf16opt-2to3") / "uc" / "global_step2_universal"
+    theirs = ds.path("universal-ds-s1-bf16opt-2to3") / "uc" / "global_step2_universal"
+    tie = {f"zero/head.weight/{f}.pt" for f in ("exp_avg", "exp_avg_sq", "step")}
+    assert _files(ours) - _files(theirs) == tie
+    assert _files(theirs) - _files(ours) == {"zero/running/fp32.pt", "zero/step_count/fp32.pt"}
+    compared = 0
+    for name in sorted(_files(ours) & _files(theirs)):
+        if name == "mp_rank_00_model_states.pt":
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes()
+            continue
+        a, b = torch.load(ours / name, weights_only=False), torch.load(theirs / name, weights_only=False)
+        if name == "zero/optimizer_state.pt":
+            assert repr(a) == repr(b) and "loss_scaler" not in a and a["group_paddings"] == [0], (a, b)
+        elif name.endswith("/step.pt"):
+            assert bits_equal(a, b) and a.item() == 2, name
+        elif name.startswith(("zero/frozen.", "zero/head.weight/")):  # the module's weight, no cat_dim
+            assert a.pop("cat_dim") == 0 and list(b) == ["param"], (name, b)
+            assert bits_equal(a["param"], b["param"]) == name.startswith("zero/frozen."), name
+        else:
+            assert bits_equal(a.pop("param"), b.pop("param")), name
+            assert a == b == {"cat_dim": 0}, (name, a, b)
+            compared += 1
+    assert compared == 5 * 3  # emb, l1, l2 weights and biases: fp32, exp_avg, exp_avg_sq
+    # the tie's master, which ds_to_universal leaves out (it writes the bf16 weight): emb.weight's, bit for bit
+    tied = torch.load(ours / "zero/head.weight/fp32.pt", weights_only=False)["param"]
+    assert bits_equal(tied, torch.load(ours / "zero/emb.weight/fp32.pt", weights_only=False)["param"])
 
 
 def _reconstructed(folder, out) -> tuple[dict, dict]:
