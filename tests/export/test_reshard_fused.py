@@ -155,6 +155,11 @@ def test_merged_and_split_checkpoints_are_resumed_bit_for_bit(ds):
         _assert_same(_held_whole(ds, name), expected, name)
         assert _steps(target) == _steps(before) and len(_steps(before)) == 1
         assert all(r["param_groups"] == before[0]["param_groups"] for r in target)
+        # the row-parallel down_proj now sums T partial products where the source summed 2 (test_reshard_tensor.py)
+        logits, expected_logits = target[0]["logits"], before[0]["logits"]
+        assert logits.abs().max() > 0 and logits.shape == expected_logits.shape
+        bound = max(spec["tp"], 2) * torch.finfo(torch.float32).eps * expected_logits.abs().max().item()
+        assert (logits - expected_logits).abs().max().item() <= bound, (name, (logits - expected_logits).abs().max())
         out = ds.path(name) / "resharded"
         assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
         check_same_to_ckptspec(ckptspec.open(ds.path(SOURCE)), ckptspec.open(out))
