@@ -20,19 +20,19 @@ import copy
 import functools
 import math
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
-from ..format.index_models import CheckpointIndex, SplitPlacement
+from ..format.index_models import CheckpointIndex, PiecesPlacement, SplitPlacement
 from .arrays import ShardReader
 from .model_plan import ReconstructionPlan, RunSegments, TensorSource
 from .optimizer_state import OptimizerStatePlan
 from .reshard_files import ModelChanges, lazy_reader
 from .reshard_layout import target_layout
 from .reshard_tensor import DataParallelTarget, refuse_unmergeable, whole_model
+from .tensor_cuts import Cut, affine_pieces, check_degree, cut_of_pieces, plain, shard_runs, shard_shape
 
 
 def plan_tensor_split(
@@ -111,7 +111,7 @@ def _refuse_indivisible_world(world_size: int, degree: int) -> None:
         )
 
 
-def axes_from_config(found, config, degree: int) -> dict[str, int]:
+def axes_from_config(found, config, degree: int) -> dict[str, Cut]:
     """name -> the axis AutoTP of ``degree`` splits it along, by the target ``ds_config``'s explicit
     ``tensor_parallel.partition_config.layer_specs`` (DeepSpeed's ``find_matching_spec`` of a layer's
     ``<module>.weight``, the first spec that matches): a column-parallel layer's weight and bias along axis 0, a
@@ -151,7 +151,7 @@ def axes_from_config(found, config, degree: int) -> dict[str, int]:
                 f"{name} has {shape[axis]} elements along axis {axis}: not a multiple of --tensor-parallel {degree}",
                 "give a degree that divides every split axis",
             )
-        out[name] = axis
+        out[name] = plain(shape, axis)
     return out
 
 
@@ -201,44 +201,38 @@ def split_writes(
     return writes
 
 
-def split_axes(index: CheckpointIndex, extras, degree: int) -> dict[str, int]:
-    """name -> the axis AutoTP splits it along (absent: replicated), from the source's placements: the parameters',
-    and the frozen parameters' and buffers' (``extras``: name -> (shape, shards))."""
+def split_axes(index: CheckpointIndex, extras, degree: int) -> dict[str, Cut]:
+    """name -> how AutoTP cuts it (absent: replicated), from the source's placements: the parameters', and the frozen
+    parameters' and buffers' (``extras``: name -> (shape, shards)). A split is one block along its axis; affine
+    pieces are read as sub-parameter blocks (``tensor_cuts.cut_of_pieces``: a fused weight)."""
     placed = [(p.name, list(p.shape), [s for s in p.shards]) for p in index.parameters]
     placed += [(name, shape, [s for s, _ in shards]) for name, (shape, shards) in extras.items()]
+    tensor = {d.id: d.coordinate.tensor for d in index.domains}
     out = {}
     for name, shape, shards in placed:
         axes = {s.placement.split.axis for s in shards if isinstance(s.placement, SplitPlacement)}
-        if not axes:
+        pieces = {tensor[s.domain]: s.placement.pieces for s in shards if isinstance(s.placement, PiecesPlacement)}
+        if pieces:
+            cut = cut_of_pieces(name, shape, [pieces[r] for r in sorted(pieces)])
+        elif axes:
+            (axis,) = axes
+            cut = plain(shape, axis)
+        else:
             continue
-        (axis,) = axes
-        if shape[axis] % degree:
-            raise ReshardUnsupported(
-                f"{name} has {shape[axis]} elements along its split axis {axis}: not a multiple of "
-                f"--tensor-parallel {degree}",
-                "give a degree that divides every split axis",
-            )
-        out[name] = axis
+        check_degree(name, cut, degree)
+        out[name] = cut
     return out
 
 
-def _shard(source: TensorSource, axis: int | None, rank: int, degree: int) -> TensorSource:
+def _shard(source: TensorSource, cut: Cut | None, rank: int, degree: int) -> TensorSource:
     """Tensor rank ``rank``'s shard of the whole ``source``: the segments of its runs (replicated: the whole)."""
-    if axis is None:
+    if cut is None:
         return source
     whole = list(source.shape)
-    length = whole[axis] // degree
-    local = [*whole[:axis], length, *whole[axis + 1 :]]
-    inner = math.prod(whole[axis + 1 :])
-    block, stride = length * inner, whole[axis] * inner
-    runs = functools.partial(_split_runs, math.prod(whole[:axis]), stride, rank * block, block)
-    segments = RunSegments(source, runs)  # one run per row along an inner axis: made when read, never held
-    return TensorSource(source.name, tuple(local), source.dtype, segments, source.role, None, source.origin)
-
-
-def _split_runs(outer: int, stride: int, first: int, block: int) -> Iterator[tuple[int, int]]:
-    """(whole flat start, count) of a shard along one axis: ``block`` elements of every ``stride``, from ``first``."""
-    return ((o * stride + first, block) for o in range(outer) if block)
+    runs = functools.partial(shard_runs, whole, cut, rank, degree)
+    segments = RunSegments(source, runs)  # one run per row and block: made when read, never held
+    local = tuple(shard_shape(whole, cut, degree))
+    return TensorSource(source.name, local, source.dtype, segments, source.role, None, source.origin)
 
 
 def _shard_manifest(manifest, cut: dict[str, TensorSource], degree: int):
@@ -254,35 +248,40 @@ def _shard_manifest(manifest, cut: dict[str, TensorSource], degree: int):
     return out
 
 
-def universal_info(manifest, axes: dict[str, int], degree: int) -> dict[str, Any]:
+def universal_info(manifest, axes: dict[str, Cut], degree: int) -> dict[str, Any]:
     """DeepSpeed 0.19's ``universal_checkpoint_info`` of an AutoTP job of ``degree``: the row-parallel and
-    replicated patterns and, for every parameter, the piece of the whole tensor each rank holds (``affine_map``)."""
+    replicated patterns, the fused weights' sub-parameters (as its SubParamColumnParallel layers record them) and,
+    for every parameter, the pieces of the whole tensor each rank holds (``affine_map``: one per block)."""
     names = [p.name for g in manifest.groups for p in g.params] + [f.name for f in manifest.frozen]
     shapes = {p.name: list(p.shape) for g in manifest.groups for p in g.params}
     shapes.update({f.name: list(f.shape) for f in manifest.frozen})
-    params = {}
+    params, sub_params, widths = {}, [], {}
     for name in names:
-        whole = shapes[name]
-        strides = [math.prod(whole[i + 1 :]) for i in range(len(whole))]
-        axis = axes.get(name)
+        whole, pattern = shapes[name], f"^{re.escape(name)}$"
+        cut = axes.get(name) or Cut(0, (whole[0],) if whole else ())
         ranks = {}
         for rank in range(degree):
-            local = list(whole)
-            offset = 0
-            if axis is not None:
-                local[axis] = whole[axis] // degree
-                offset = rank * local[axis] * strides[axis]
-            local_strides = [math.prod(local[i + 1 :]) for i in range(len(local))]
-            piece = {"shape": local, "source": [offset, strides], "dest": [0, local_strides], "locations": [rank]}
-            ranks[rank] = {"shard_shape": local, "pieces": [piece]}
-        params[f"^{re.escape(name)}$"] = {"logical_shape": whole, "ranks": ranks}
+            if name in axes:
+                pieces = affine_pieces(whole, cut, rank, degree)
+                local = shard_shape(whole, cut, degree)
+            else:  # replicated: the whole tensor, on this rank
+                local, strides = whole, [math.prod(whole[i + 1 :]) for i in range(len(whole))]
+                pieces = [{"shape": whole, "source": [0, strides], "dest": [0, strides], "locations": [rank]}]
+            ranks[rank] = {"shard_shape": local, "pieces": pieces}
+        params[pattern] = {"logical_shape": whole, "ranks": ranks}
+        if name in axes and len(cut.blocks) > 1:
+            shape = [*whole[: cut.axis], list(cut.blocks), *whole[cut.axis + 1 :]]
+            sub_params.append({"patterns": [pattern], "shape": shape, "partition_dim": cut.axis})
+            widths[pattern] = [[b // degree] * degree for b in cut.blocks]
+    plain_axes = {n: c.axis for n, c in axes.items() if len(c.blocks) == 1}
     return {
         "universal_checkpoint_version": 0.4,
-        "parameter_with_row_parallelism_patterns": [f"^{re.escape(n)}$" for n in names if axes.get(n) == 1],
+        "parameter_with_row_parallelism_patterns": [f"^{re.escape(n)}$" for n in names if plain_axes.get(n) == 1],
         "tp_replicated_parameter_patterns": [f"^{re.escape(n)}$" for n in names if n not in axes],
         "vocabulary_parameter_patterns": [],
-        "parameter_with_sub_params": [],
+        "parameter_with_sub_params": sub_params,
         "autotp_unsupported_parameter_patterns": {},
+        **({"sub_param_shard_widths": widths} if widths else {}),
         "affine_map": {"version": 1, "params": params},
     }
 

@@ -40,6 +40,7 @@ from .reshard_files import ModelChanges
 from .reshard_tensor_split import _shard, split_axes, split_writes
 from .reshard_tp_pipeline import TensorPipelineMerge, _merged_layers, _refuse, whole_stages
 from .reshard_tp_pipeline_stages import refuse_merge_and_stages
+from .tensor_cuts import Cut
 
 
 def plan_tensor_pipeline_split(
@@ -84,7 +85,7 @@ def plan_tensor_pipeline_split(
 
 
 def _split_layers(
-    index: CheckpointIndex, tag_dir: Path, states: StateCache, axes: dict[str, int], degree: int
+    index: CheckpointIndex, tag_dir: Path, states: StateCache, axes: dict[str, Cut], degree: int
 ) -> dict[str, dict[str, TensorSource]]:
     """Each layer's ``degree`` tensor-rank files: the merged layer's tensors, each cut as the parameter it holds."""
     names = _layer_parameters(index)

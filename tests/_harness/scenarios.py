@@ -259,9 +259,17 @@ TP_PIPE_FOUR_SPECS = {"tp4pp1-s1-fp32-ws4": ({"tp": 4, "pp": 1, "pipe": True, "s
 PIPE_BF16OPT_SPECS = {
     "pp2-s1-bf16-ws2-bf16opt": ({"pp": 2, "stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32", **_UC_INJECT}, 2)
 }
+# An AutoTP MLP of fused blocks (issue #40; parallel_models._fused_net): DeepSpeed's heuristic AutoTP makes each
+# ``gate_up_proj`` a GateUpPack_LinearLayer, whose shard on a tensor rank is one piece of the gate half and one of the
+# up half (a two-piece affine_map entry); ``down_proj`` row-parallel, ``head`` replicated. fp32, so the consolidated
+# weights DeepSpeed gathers (``consolidated.pt``) are the masters. In the AutoTP training launch; converted by
+# ds_to_universal too. Not in PARALLEL (no +again or hook entries), loaded by its "+optim" entry and resharded by
+# FUSED_RESHARDS (tests/export/test_reshard_fused.py).
+FUSED_SPECS = {"tp2-s1-fp32-ws2-fused": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": True, **_UC}, 2)}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
     **PIPE_BF16OPT_SPECS,
+    **FUSED_SPECS,
     **TP_PIPE_SPECS,
     **TP_PIPE_STAGE0_SPECS,
     **TP_PIPE_EXTRAS_SPECS,
@@ -706,8 +714,20 @@ TP_PIPE_EXTRAS_RESHARDS.update(
 # launch of that layout's degrees, beside the reshard targets of the same degrees (tp2 x pp2: tp2pp1>pp2's; tp2 x pp1:
 # the >pp1 and tp4>tp2 targets'; tp4 x pp1: the splits'), so no launch of their own.
 TP_PIPE_STEP_SOURCES = sorted({v[0] for v in {**TP_PIPE_RESHARDS, **TP_PIPE_STAGE_RESHARDS, **TP_PIPE_SPLITS}.values()})
+# The fused source's moves (FUSED_SPECS): merged (tp1 x dp2, the same fused MLP without tensor parallelism; it also
+# loads ds_to_universal's folder of the source), split over 4 tensor ranks (each rank's shard one piece of each half,
+# as DeepSpeed's GateUpPack cuts it at tp4), and ckptspec's universal folder loaded at tp1 and at tp2 beside
+# DeepSpeed's own (load_universal), in the optim launches of those degrees.
+FUSED_RESHARDS = {
+    "tp2-s1-fp32-ws2-fused>tp1": ("tp2-s1-fp32-ws2-fused", 2, {"tp": 1}, {"tensor_parallel": 1}),
+    "tp2-s1-fp32-ws2-fused>tp4": ("tp2-s1-fp32-ws2-fused", 4, {"tp": 4}, {"tensor_parallel": 4}),
+    "tp2-s1-fp32-ws2-fused>universal-tp1": ("tp2-s1-fp32-ws2-fused", 2, {"tp": 1}, {"export_universal": True}),
+    "tp2-s1-fp32-ws2-fused>universal-tp2": ("tp2-s1-fp32-ws2-fused", 2, {}, {"export_universal": True}),
+}
 RESHARD_SOURCES = sorted(
-    {source for source, _ in PARALLEL_RESHARDS.values()} | {v[0] for v in DEGREE_RESHARDS.values()}
+    {source for source, _ in PARALLEL_RESHARDS.values()}
+    | {v[0] for v in DEGREE_RESHARDS.values()}
+    | {v[0] for v in FUSED_RESHARDS.values()}
 )  # each with a +optim entry
 
 
@@ -724,6 +744,7 @@ def reshard_target(name: str) -> tuple[str, int, dict]:
         **TP_PIPE_SPLITS,
         **TP_PIPE_EXTRAS_RESHARDS,
         **TP_PIPE_STAGE0_RESHARDS,
+        **FUSED_RESHARDS,
     }[name]
     return source, ws, {**source_spec(source), **changes}
 
@@ -1024,6 +1045,7 @@ def _registry() -> dict[str, Task]:
         **TP_PIPE_SPLITS,
         **TP_PIPE_EXTRAS_RESHARDS,
         **TP_PIPE_STAGE0_RESHARDS,
+        **FUSED_RESHARDS,
     }.items():
         args = {"spec": reshard_target(name)[2], "source": source, "reshard": {"world_size": ws, **options}}
         # and ds_to_universal's folder of the source, where its job wrote one (it fails on a stage-0 source)

@@ -28,6 +28,10 @@ DEFAULTS = {
     # MLP: ``inp`` and ``out``, two bias-free Linear layers sharing one weight that AutoTP leaves whole (AutoTP
     # 0.19.8 cannot split a tied weight: deepspeed.initialize fails, or slices the other use with it)
     "tied": False,
+    # the dense or AutoTP MLP with fused blocks (_fused_net): each a ``gate_up_proj`` Linear (gate and up halves)
+    # and a ``down_proj``; under AutoTP DeepSpeed's heuristic rules (no partition_config) make gate_up_proj a
+    # GateUpPack_LinearLayer, whose shard holds one piece of each half (a multi-piece affine_map entry)
+    "fused": False,
     "pp": 1,  # pipeline stages (a PipelineModule when above 1)
     "pipe": False,  # a PipelineModule whatever ``pp`` (at pp 1: the whole pipeline on one stage)
     "partition": "uniform",  # the PipelineModule's partition_method: "uniform" | "parameters"
@@ -67,6 +71,8 @@ def normalize(spec):
     for key in ("buffers", "frozen"):
         if out[key] and layout(out) not in ("dense", "autotp", "pipe"):
             raise ValueError(f"{key} are in the dense or AutoTP MLP or the pipeline only: {spec}")
+    if out["fused"] and (layout(out) not in ("dense", "autotp") or out["frozen"] or out["buffers"] or out["tied"]):
+        raise ValueError(f"fused blocks are in the plain dense or AutoTP MLP only: {spec}")
     if out["tied"] and layout(out) not in ("pipe", "autotp"):
         raise ValueError(f"tied layers are in the pipeline or the AutoTP MLP only: {spec}")
     if out["ep"] and (out["pp"] > 1 or out["pipe"] or out["tp"] > 1 or out["experts"] % out["ep"]):
@@ -161,6 +167,37 @@ def _mlp_net(buffers=False, frozen=False, tied=False):
             return self.head(x)
 
     return Net()
+
+
+def _fused_net():
+    import torch
+    from torch import nn
+
+    class FusedBlock(nn.Module):
+        """x + down_proj(silu(gate) * up), gate and up the two halves of ``gate_up_proj``'s output."""
+
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Linear(W, 2 * H)
+            self.down_proj = nn.Linear(H, W)
+
+        def forward(self, x):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return x + self.down_proj(nn.functional.silu(gate) * up)
+
+    # AutoTP's heuristic rules want a model class named ``...Model`` (AutoTP.supported)
+    class FusedMlpModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([FusedBlock() for _ in range(2)])
+            self.head = nn.Linear(W, C)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(torch.relu(x))
+
+    return FusedMlpModel()
 
 
 def _buffer_block_class():
@@ -298,6 +335,8 @@ def build_model(spec):
             if spec["frozen"] and name == PIPE_FROZEN:
                 param.requires_grad_(False)
         return model
+    if spec["fused"]:
+        return _fused_net()
     return _mlp_net(spec["buffers"], spec["frozen"], spec["tied"])
 
 
@@ -319,6 +358,8 @@ def reference_model(spec):
                 built[key] = module
             layers.append(module)
         return nn.Sequential(*layers)
+    if spec["fused"]:
+        return _fused_net()
     return _mlp_net(spec["buffers"], spec["frozen"], spec["tied"])
 
 
@@ -340,7 +381,9 @@ def ds_config(spec):
             cfg["fp16"]["loss_scale_window"] = spec["loss_scale_window"]
     if spec["grad_accum_dtype"]:
         cfg["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
-    if spec["tp"] > 1 and layout(spec) == "autotp":
+    if spec["tp"] > 1 and layout(spec) == "autotp" and spec["fused"]:
+        cfg["tensor_parallel"] = {"autotp_size": spec["tp"]}  # DeepSpeed's heuristic rules: GateUpPack_LinearLayer
+    elif spec["tp"] > 1 and layout(spec) == "autotp":
         cfg["tensor_parallel"] = {
             "autotp_size": spec["tp"],
             "partition_config": {"use_default_specs": False, "layer_specs": TP_LAYER_SPECS},
