@@ -228,7 +228,7 @@ def tensor_reader(path: Path | RemotePath, states: StateCache, files: ShardReade
     return ds_pickle.storage_reader(read_storage)
 
 
-def lazy_reader(path: Path, states: StateCache, files: ShardReader):
+def lazy_reader(path: Path | RemotePath, states: StateCache, files: ShardReader):
     """Tensors of ``path`` as ``ds_pickle.View``s of lazy storages (one per storage: sharing kept), read
     a chunk at a time when ``save_streamed`` writes them; ``.located(ref)``: a contiguous tensor's bytes
     as a ``TensorSource``."""

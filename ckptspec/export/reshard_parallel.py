@@ -42,6 +42,7 @@ from .reshard_pipeline import pipeline_target, write_stages
 from .reshard_pipeline_stage0 import is_pipeline_stage0_target, pipeline_stage0_resume, plan_pipeline_stage0
 from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
+from .reshard_stage0_world import keeps_dense_stage0, plan_stage0_world
 from .reshard_stage3 import write_stage3_files
 from .reshard_tensor import all_zero3_partitions, plan_tensor_merge, refuse_unpartitioned
 from .reshard_tensor_split import plan_tensor_split
@@ -148,8 +149,11 @@ def reshard_model_parallel(
                 merge = plan_tensor_merge(found, src_dir, plans, states, world_size, zero_stage, sub_group_size)  # type: ignore[arg-type]
             elif found.expert_files:  # MoE: the dense and expert groups, each over its own ranks
                 moe = plan_moe(found, src_dir, plans, states, world_size, zero_stage, expert_parallel)  # type: ignore[arg-type]
+            elif keeps_dense_stage0(found, zero_stage):  # its one file, for a stage-0 job of another world size
+                writes = [plan_stage0_world(found, src_dir, world_size, sub_group_size)]
             elif is_stage0_source(found):  # written as ZeRO: the whole model (one domain), or each pipeline stage
-                stage0 = plan_stage0_source(found, src_dir, plans, states, world_size, zero_stage, pipeline_parallel)  # type: ignore[arg-type]
+                to_zero = (world_size, zero_stage, pipeline_parallel, sub_group_size)
+                stage0 = plan_stage0_source(found, src_dir, plans, states, *to_zero)  # type: ignore[arg-type]
                 if found.topology.degrees.pipeline == 1:
                     merge = next(iter(stage0.values()))
                 else:

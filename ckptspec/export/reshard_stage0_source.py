@@ -1,4 +1,4 @@
-"""``ckptspec reshard --stage 1|2`` of a ZeRO stage-0 checkpoint: written as a ZeRO-1/2 checkpoint.
+"""``ckptspec reshard --stage 1|2|3`` of a ZeRO stage-0 checkpoint: written as a ZeRO-1/2/3 checkpoint.
 
 A stage-0 job keeps no ZeRO partitions. A data-parallel one keeps everything in ``mp_rank_00_model_states.pt``:
 - the fp32 masters are the module's weights (fp32) or the mixed-precision wrapper's ``fp32_groups`` (bf16);
@@ -7,16 +7,20 @@ A bf16 pipeline at stage 0 runs DeepSpeed's BF16_Optimizer instead: each stage's
 partitions in its ``bf16_zero_pp_rank`` files, laid out by BF16_Optimizer's own rules.
 
 The checkpoint index locates them (``Domain.masters``; ``masters_state_plan`` for the moments). The target is what a
-ZeRO-1/2 job of the same model saves (a pipeline: ZeRO-1, each stage a domain). Its optimizer-state files are
-written by the ZeRO writer (``reshard_files.write_files``) from a ``SourceOptimizer`` built here from the stage-0
+ZeRO-1/2 job of the same model saves (a pipeline: ZeRO-1, each stage a domain), or a data-parallel one's ZeRO-3 job
+(``at_stage3``: cut into the sub-groups of ``--sub-group-size``). Its optimizer-state files are written by the ZeRO
+writer (``reshard_files.write_files``; ZeRO-3: ``reshard_stage3.write_stage3_files``) from a ``SourceOptimizer`` built
+here from the stage-0
 optimizer's entries (``stage0_optimizer``, which the MoE writer ``reshard_moe`` reads a stage-0 MoE by too): the
 param groups, each group's step, ``clip_grad`` where saved, and a static loss scaler.
 Its model states are the source's, changed where a ZeRO job saves otherwise: ``optimizer`` None,
 ``param_shapes`` and ``shared_params`` as ZeRO saves them, and ``zero_optimization.stage`` set in the saved
 ``ds_config``.
 
+A data-parallel stage-0 checkpoint for a stage-0 job (``--stage 0``, or none) is ``reshard_stage0_world``'s.
+
 Refused by name (CK410) before anything is written:
-- no ``--stage``, or a stage the target cannot run (2 for a pipeline);
+- a stage the target cannot run (2 or 3 for a pipeline), ``--sub-group-size`` for a target not at ZeRO-3;
 - fp16 with a dynamic loss scale: FP16_Optimizer does not save the hysteresis state that ZeRO's DynamicLossScaler
   pickles;
 - a pipeline's number of stages changed with the stage.
@@ -26,6 +30,7 @@ ranks; its layer files are kept as saved.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +44,7 @@ from .masters_state import masters_state_plan
 from .model_plan import ReconstructionPlan
 from .optimizer_state import OptimizerStatePlan
 from .reshard_files import STAGE12_KEYS, ModelChanges
-from .reshard_layout import located_target_layout
+from .reshard_layout import located_target_layout, target_layout
 from .reshard_source import SourceOptimizer, with_stage
 from .reshard_tensor import DataParallelTarget
 
@@ -61,22 +66,21 @@ def plan_stage0_source(
     world_size: int,
     zero_stage: int | None,
     pipeline_parallel: int | None = None,
+    sub_group_size: int | None = None,
 ) -> dict[str, DataParallelTarget]:
     """The stage-0 checkpoint ``index`` as a ZeRO ``zero_stage`` checkpoint of ``world_size`` ranks in all, one
-    write per domain (a pipeline's: one per stage, at ``world_size / stages`` data-parallel ranks); CK410 for what
-    is not written, before anything is."""
+    write per domain (a pipeline's: one per stage, at ``world_size / stages`` data-parallel ranks; ZeRO-3: cut into
+    sub-groups of ``sub_group_size``, default DeepSpeed's); CK410 for what is not written, before anything is."""
     degrees = index.topology.degrees
-    _refuse_unwritten(index, zero_stage, world_size, pipeline_parallel)
-    if degrees.pipeline == degrees.tensor == 1:  # the whole model: its ties, buffers and frozen parameters too
+    _refuse_unwritten(index, zero_stage, world_size, pipeline_parallel, sub_group_size)
+    if degrees.pipeline == degrees.tensor == 1:  # the whole model: ties, buffers and frozen parameters too
         extras, ties = extras_of(index, tag_dir, plans, states)
         whole = whole_plan(index, tag_dir, plans, extras, ties)
         whole.states = states
         domain = index.domains[0]
-        return {
-            domain.id: stage0_domain_write(
-                domain, tag_dir, whole, whole.optimizer_state_plan(), states, world_size, zero_stage
-            )
-        }
+        state_plan = whole.optimizer_state_plan()
+        write = stage0_domain_write(domain, tag_dir, whole, state_plan, states, world_size, zero_stage)
+        return {domain.id: at_stage3(write, sub_group_size) if zero_stage == 3 else write}
     data = world_size // (degrees.pipeline * degrees.tensor)  # each (stage, tensor rank) its own ZeRO domain
     return {
         d.id: stage0_domain_write(
@@ -122,7 +126,19 @@ def stage0_optimizer(
     return _zero_optimizer(saved, wrapper, moments, zero_stage, tag_dir / model_file, domain.manifest)
 
 
-def _refuse_unwritten(index: CheckpointIndex, zero_stage: int | None, world_size: int, pipeline_parallel) -> None:
+def at_stage3(write: DataParallelTarget, sub_group_size: int | None) -> DataParallelTarget:
+    """``write`` (a stage-0 domain's, at stage 3) as a ZeRO-3 job of ``sub_group_size`` saves it: cut into its
+    sub-groups (the ZeRO-3 writer's model states have their own entries), the size recorded in the saved
+    ``ds_config`` when given (else DeepSpeed's default is the job's)."""
+    target = target_layout(write.manifest, write.target.world_size, 3, sub_group_size, domain=True)
+    config = write.changes.config
+    changes = replace(write.changes, config=lambda saved: with_stage(config(saved), 3, sub_group_size))
+    return replace(write, target=target, changes=changes, sub_group_size=sub_group_size)
+
+
+def _refuse_unwritten(
+    index: CheckpointIndex, zero_stage: int | None, world_size: int, pipeline_parallel, sub_group_size: int | None
+) -> None:
     """CK410 for what is not written, by name."""
     degrees = index.topology.degrees
     if degrees.tensor != 1 and not index.layer_files:  # a MoE's experts: reshard_moe's; AutoTP: reshard_tensor_stage0
@@ -137,14 +153,20 @@ def _refuse_unwritten(index: CheckpointIndex, zero_stage: int | None, world_size
                 "are not written as ZeRO yet",
                 "resume at the same layout",
             )
-    stages = (1,) if degrees.pipeline > 1 else (1, 2)  # DeepSpeed's PipelineEngine runs ZeRO-1 at most
+    # DeepSpeed's PipelineEngine runs ZeRO-1 at most; a stage-0 target is reshard_stage0_world's (data-parallel) or
+    # reshard_pipeline_stage0's (a pipeline)
+    stages = (1,) if degrees.pipeline > 1 else (1, 2, 3)
     if zero_stage not in stages:
         kind = "pipeline " if degrees.pipeline > 1 else ""
         asked = "no --stage" if zero_stage is None else f"--stage {zero_stage}"
         raise ReshardUnsupported(
-            f"{asked} for a stage-0 {kind}checkpoint: ZeRO stage {' and '.join(map(str, stages))} targets are "
-            "written (stage 0 ones not yet)",
-            f"give --stage {' or --stage '.join(map(str, stages))}",
+            f"{asked} for a stage-0 {kind}checkpoint: ZeRO stage {', '.join(map(str, stages))} and stage-0 targets "
+            "are written",
+            f"give --stage {' or --stage '.join(map(str, (*stages, 0)))}",
+        )
+    if sub_group_size is not None and zero_stage != 3:
+        raise ReshardUnsupported(
+            f"--sub-group-size {sub_group_size} with --stage {zero_stage}: a ZeRO-3 target's", "leave it out"
         )
     if pipeline_parallel not in (None, degrees.pipeline):
         raise ReshardUnsupported(

@@ -30,9 +30,9 @@ from ..format.index_models import CheckpointIndex
 from .masters_state import masters_state_plan
 from .model_plan import ReconstructionPlan
 from .reshard_files import ModelChanges
-from .reshard_layout import located_target_layout, target_layout
+from .reshard_layout import located_target_layout
 from .reshard_source import with_stage
-from .reshard_stage0_source import stage0_domain_write, stage0_optimizer
+from .reshard_stage0_source import at_stage3, stage0_domain_write, stage0_optimizer
 from .reshard_tensor import AUTOTP_ONLY_KEYS, DataParallelTarget, whole_model, without_tensor_parallel
 from .reshard_tensor_split import split_axes, split_writes
 
@@ -110,13 +110,7 @@ def _as_saved_at(writes: list[DataParallelTarget], stage: int, sub_group_size: i
     parameters, the only model written here). ZeRO-3: cut into sub-groups of ``sub_group_size`` (the ZeRO-3 writer's
     model states have their own entries), the size recorded in the saved ``ds_config`` when given."""
     if stage == 3:
-        out = []
-        for w in writes:
-            target = target_layout(w.manifest, w.target.world_size, 3, sub_group_size, domain=True)
-            config = w.changes.config
-            changes = replace(w.changes, config=lambda saved, c=config: with_stage(c(saved), 3, sub_group_size))  # type: ignore[misc]
-            out.append(replace(w, target=target, changes=changes, sub_group_size=sub_group_size))
-        return out
+        return [at_stage3(w, sub_group_size) for w in writes]
     if stage != 2:
         return writes
     keys: dict[str, Any] = {"frozen_param_shapes": {}, "frozen_param_fragments": {}}

@@ -438,6 +438,16 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     # ZeRO stage 0 -> 1/2: masters and moments out of the stage-0 model states into ZeRO partitions
     "s0-fp32-ws2>s2": ("s0-fp32-ws2", 2, {"stage": 2}, {"stage": 2}),
     "s0-bf16-ws2>s1-ws3": ("s0-bf16-ws2", 3, {"stage": 1}, {"stage": 1}),
+    # ... and -> ZeRO-3 (the ZeRO-3 writer, one sub-group: DeepSpeed's default size), in the ZeRO-3 launches of the
+    # dense loads of those world sizes
+    "s0-fp32-ws2>s3-ws3": ("s0-fp32-ws2", 3, {"stage": 3}, {"stage": 3}),
+    "s0-bf16-ws2>s3": ("s0-bf16-ws2", 2, {"stage": 3}, {"stage": 3}),
+    # ZeRO stage 0 -> stage 0 at another world size (reshard_stage0_world.py: the source's file, dp_world_size the
+    # target's): every dtype and stage-0 optimizer wrapper the harness saves (the client torch Adam in fp32,
+    # FP16_UnfusedOptimizer in bf16 and fp16 with its dynamic loss scale, FP16_Optimizer of DeepSpeed's FusedAdam with
+    # buffers in bf16 and fp16), 2 -> 3 ranks, in the dense loads' world-size-3 launch
+    **{f"{s}>s0-ws3": (s, 3, _S0, _S0) for s in ("s0-fp32-ws2", "s0-bf16-ws2", "s0-fp16-ws2")},
+    **{f"{s}>s0-ws3": (s, 3, _S0, _S0) for s in ("s0-bf16-ws2-fused", "s0-fp16-ws2-fused")},
     # a bf16 pipeline at stage 0 (BF16_Optimizer) -> ZeRO-1, pp2 x dp1 and pp2 x dp2
     "pp2-s0-bf16-ws2>s1": ("pp2-s0-bf16-ws2", 2, {"stage": 1}, {"stage": 1}),
     "pp2-s0-bf16-ws2>s1-ws4": ("pp2-s0-bf16-ws2", 4, {"stage": 1}, {"stage": 1}),

@@ -1,5 +1,6 @@
-"""#40: a ZeRO stage-0 checkpoint written as a ZeRO-1/2 checkpoint (``reshard --stage 1|2`` of a stage-0 source):
-a data-parallel one (fp32, bf16) and a bf16 pipeline (DeepSpeed's BF16_Optimizer) as a ZeRO-1 pipeline; and as
+"""#40: a ZeRO stage-0 checkpoint written as a ZeRO-1/2/3 checkpoint (``reshard --stage 1|2|3`` of a stage-0
+source): a data-parallel one (fp32, bf16; ZeRO-3 too: the ZeRO-3 writer) and a bf16 pipeline (DeepSpeed's
+BF16_Optimizer) as a ZeRO-1 pipeline; and as
 DeepSpeed's universal folder (``export-universal``; DeepSpeed's ``ds_to_universal`` refuses stage 0), loaded by a
 ZeRO job with ``load_universal``.
 
@@ -102,26 +103,20 @@ def test_the_zero_checkpoint_is_the_source_to_ckptspec(name, ds):
     check_same_to_ckptspec(before, after, unit_scaler_added=True)
 
 
-def test_a_stage0_target_stage_must_be_given(ds, tmp_path):
-    """Without --stage a stage-0 source would stay at stage 0: refused by name (CK410), nothing written."""
-    result = CliRunner().invoke(
-        cli, ["reshard", str(ds.path("s0-fp32-ws2")), str(tmp_path / "out"), "--world-size", "2"]
-    )
-    assert result.exit_code == 1 and "CK410" in result.output and "--stage" in result.output, result.output
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
-
-
 @pytest.mark.parametrize(
-    "source,code,refusal",
+    "source,stage,options,refusal",
     [
-        ("s0-fp16-ws2", "CK410", "dynamic loss scale"),  # FP16_Optimizer saves no hysteresis state
-        ("pp2-s0-bf16-ws2", "CK410", "--stage 2 for a stage-0 pipeline"),  # DeepSpeed pipelines: ZeRO-1 at most
+        ("s0-fp16-ws2", 2, {}, "dynamic loss scale"),  # FP16_UnfusedOptimizer saves no hysteresis state
+        ("s0-fp16-ws2", 3, {}, "dynamic loss scale"),
+        ("pp2-s0-bf16-ws2", 2, {}, "--stage 2 for a stage-0 pipeline"),  # DeepSpeed pipelines: ZeRO-1 at most
+        ("pp2-s0-bf16-ws2", 3, {}, "--stage 3 for a stage-0 pipeline"),
+        ("s0-bf16-ws2", 1, {"sub_group_size": 300}, "--sub-group-size 300 with --stage 1"),  # a ZeRO-3 target's
     ],
 )
-def test_what_is_not_written_is_refused_by_name(source, code, refusal, ds, tmp_path):
+def test_what_is_not_written_is_refused_by_name(source, stage, options, refusal, ds, tmp_path):
     with pytest.raises(ckptspec.Unsupported) as refused:
-        ckptspec.reshard(ds.path(source), tmp_path / "out", world_size=2, zero_stage=2)
-    assert refused.value.code == code and refusal in refused.value.message, refused.value.message
+        ckptspec.reshard(ds.path(source), tmp_path / "out", world_size=2, zero_stage=stage, **options)
+    assert refused.value.code == "CK410" and refusal in refused.value.message, refused.value.message
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 

@@ -44,8 +44,12 @@ from ckptspec.export.reshard_stage0 import refuse_stage0, source_osd
 TO_STAGE0 = sorted(
     n
     for n, (source, _, _, options) in DEGREE_RESHARDS.items()
-    # a pipeline's (BF16_Optimizer's files): test_reshard_pipeline_stage0.py
-    if options.get("stage") == 0 and not is_moe_to_stage0(n) and not source_spec(source).get("pp")
+    # a pipeline's (BF16_Optimizer's files): test_reshard_pipeline_stage0.py; a stage-0 source's:
+    # test_reshard_stage0_world.py
+    if options.get("stage") == 0
+    and not is_moe_to_stage0(n)
+    and not source_spec(source).get("pp")
+    and source_spec(source)["stage"] != 0
 )
 KEYS = ("exp_avg", "exp_avg_sq")
 # What DeepSpeed's stage-0 optimizer wrapper is, per dtype (optim_job.py's record "source")
