@@ -734,6 +734,17 @@ FUSED_RESHARDS = {
     "tp2-s1-fp32-ws2-fused>universal-tp1": ("tp2-s1-fp32-ws2-fused", 2, {"tp": 1}, {"export_universal": True}),
     "tp2-s1-fp32-ws2-fused>universal-tp2": ("tp2-s1-fp32-ws2-fused", 2, {}, {"export_universal": True}),
 }
+# Every reshard load of a changed degree or stage, by name: (source, target world size, target spec changes,
+# reshard options); each loaded by its target's optim job.
+DEGREE_TARGETS = {
+    **DEGREE_RESHARDS,
+    **TP_PIPE_RESHARDS,
+    **TP_PIPE_STAGE_RESHARDS,
+    **TP_PIPE_SPLITS,
+    **TP_PIPE_EXTRAS_RESHARDS,
+    **TP_PIPE_STAGE0_RESHARDS,
+    **FUSED_RESHARDS,
+}
 RESHARD_SOURCES = sorted(
     {source for source, _ in PARALLEL_RESHARDS.values()}
     | {v[0] for v in DEGREE_RESHARDS.values()}
@@ -742,20 +753,11 @@ RESHARD_SOURCES = sorted(
 
 
 def reshard_target(name: str) -> tuple[str, int, dict]:
-    """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS, DEGREE_RESHARDS,
-    TP_PIPE_RESHARDS, TP_PIPE_STAGE_RESHARDS, TP_PIPE_SPLITS, TP_PIPE_EXTRAS_RESHARDS or TP_PIPE_STAGE0_RESHARDS."""
+    """A reshard load's (source, target world size, target job's spec): PARALLEL_RESHARDS or DEGREE_TARGETS."""
     if name in PARALLEL_RESHARDS:
         source, ws = PARALLEL_RESHARDS[name]
         return source, ws, SOURCE_SPECS[source][0]
-    source, ws, changes, _ = {
-        **DEGREE_RESHARDS,
-        **TP_PIPE_RESHARDS,
-        **TP_PIPE_STAGE_RESHARDS,
-        **TP_PIPE_SPLITS,
-        **TP_PIPE_EXTRAS_RESHARDS,
-        **TP_PIPE_STAGE0_RESHARDS,
-        **FUSED_RESHARDS,
-    }[name]
+    source, ws, changes, _ = DEGREE_TARGETS[name]
     return source, ws, {**source_spec(source), **changes}
 
 
@@ -1049,14 +1051,9 @@ def _registry() -> dict[str, Task]:
         spec = reshard_target(name)[2]
         args = {"spec": spec, "source": source, "reshard": {"world_size": ws, **options}}
         out[name] = Task("optim", {**args, "universal": name in UNIVERSAL_TOO | UNIVERSAL_PARALLEL}, ws, load=source)
-    for name, (source, ws, _, options) in {
-        **TP_PIPE_RESHARDS,
-        **TP_PIPE_STAGE_RESHARDS,
-        **TP_PIPE_SPLITS,
-        **TP_PIPE_EXTRAS_RESHARDS,
-        **TP_PIPE_STAGE0_RESHARDS,
-        **FUSED_RESHARDS,
-    }.items():
+    for name, (source, ws, _, options) in DEGREE_TARGETS.items():
+        if name in DEGREE_RESHARDS:
+            continue
         args = {"spec": reshard_target(name)[2], "source": source, "reshard": {"world_size": ws, **options}}
         # and ds_to_universal's folder of the source, where its job wrote one (it fails on a stage-0 source)
         universal = bool(source_spec(source).get("universal")) and source_spec(source)["stage"] > 0

@@ -21,14 +21,7 @@ from _harness.oracles import DEEPSPEED_VERSION
 
 PARALLEL = scenarios.PARALLEL
 # the reshard outputs optim_job.py loads (#40)
-RESHARD_LOADS = {
-    **scenarios.PARALLEL_RESHARDS,
-    **scenarios.DEGREE_RESHARDS,
-    **scenarios.TP_PIPE_RESHARDS,
-    **scenarios.TP_PIPE_STAGE_RESHARDS,
-    **scenarios.TP_PIPE_EXTRAS_RESHARDS,
-    **scenarios.TP_PIPE_SPLITS,
-}
+RESHARD_LOADS = {**scenarios.PARALLEL_RESHARDS, **scenarios.DEGREE_TARGETS}
 
 
 def _spec(name):
