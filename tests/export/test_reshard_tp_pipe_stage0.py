@@ -321,7 +321,7 @@ def test_what_is_not_written_at_stage0_is_refused_by_name(ds, tmp_path, source, 
 @pytest.mark.parametrize(
     ("options", "refusal"),
     [
-        ({"zero_stage": 2}, "ZeRO stage 1 targets are written"),
+        ({"zero_stage": 2}, "ZeRO stage 1 and stage-0 targets are written"),
         ({"zero_stage": 1, "world_size": 6}, "--world-size 6 is not a multiple of the pipeline x tensor degrees (4)"),
     ],
 )
