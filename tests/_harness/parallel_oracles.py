@@ -47,6 +47,26 @@ def structure(value, dtypes: bool = True):
     return type(value).__name__
 
 
+def assert_same(a, b, where: str) -> None:
+    """``a`` is ``b``: the same types, keys in the same order, values, tensors bit for bit (``where``: the path so far,
+    in the assertion's message)."""
+    import torch
+
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert bits_equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
 def bits_equal(a, b) -> bool:
     import torch
 

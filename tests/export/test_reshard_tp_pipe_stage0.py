@@ -22,7 +22,15 @@ from pathlib import Path
 import pytest
 import torch
 from _harness.faults import tag_dir
-from _harness.parallel_oracles import bits_equal, gathered_whole, info, optim_records, rank_oracles, saved_entries
+from _harness.parallel_oracles import (
+    assert_same,
+    bits_equal,
+    gathered_whole,
+    info,
+    optim_records,
+    rank_oracles,
+    saved_entries,
+)
 from _harness.reconstruction import invoke
 from _harness.scenarios import TP_PIPE_STAGE0, TP_PIPE_STAGE0_RESHARDS, optim_name, reshard_target
 from safetensors.torch import load_file
@@ -280,24 +288,7 @@ def test_the_same_layout_is_deepspeeds_save_value_for_value(ds, name, tmp_path):
     files = sorted(p.name for p in theirs.iterdir())
     assert sorted(p.name for p in ours.iterdir()) == files
     for file in files:
-        _same(_load(ours / file), _load(theirs / file), file)
-
-
-def _same(a, b, where: str) -> None:
-    """``a`` is ``b``: the same types, keys in the same order, values, tensors bit for bit."""
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert bits_equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for key in a:
-            _same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}/{i}")
-    else:
-        assert a == b, where
+        assert_same(_load(ours / file), _load(theirs / file), file)
 
 
 @pytest.mark.parametrize(
