@@ -48,7 +48,7 @@ def refuse_bf16_model_parallel(index, tensor_parallel: int | None, pipeline_para
     """CK410 by name for a tensor/pipeline-parallel BF16_Optimizer checkpoint (``index``: a checkpoint index) moved
     otherwise than along its data axis at stage 1 (``reshard_parallel.target_layouts``: a pipeline's stages, each
     BF16_Optimizer's again). A tensor-parallel one, another stage, a degree change or a MoE is not written yet."""
-    if not any(d.manifest.layout.tail_padding_saved for d in index.domains):
+    if not any(is_bf16_optimizer(d.manifest) for d in index.domains):
         return
     degrees = index.topology.degrees
     moved = [

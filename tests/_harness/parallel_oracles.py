@@ -67,6 +67,26 @@ def assert_same(a, b, where: str) -> None:
         assert a == b, where
 
 
+def assert_universal_folders_equal(ours: Path, theirs: Path, files: int) -> None:
+    """ckptspec's universal folder ``ours`` is ds_to_universal's ``theirs``: the same ``files`` files, the model
+    states byte for byte, every tensor bit for bit, every other value of the same repr."""
+    import torch
+
+    names = sorted(p.relative_to(theirs) for p in theirs.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file()) and len(names) == files
+    for rel in names:
+        if rel.name.startswith("mp_rank_"):
+            assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
+            continue
+        a, b = torch.load(theirs / rel, weights_only=False), torch.load(ours / rel, weights_only=False)
+        if torch.is_tensor(a):
+            assert bits_equal(a, b), rel
+            continue
+        assert sorted(a) == sorted(b), rel
+        for key in a:
+            assert bits_equal(a[key], b[key]) if torch.is_tensor(a[key]) else repr(a[key]) == repr(b[key]), (rel, key)
+
+
 def bits_equal(a, b) -> bool:
     import torch
 

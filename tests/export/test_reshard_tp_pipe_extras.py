@@ -19,7 +19,15 @@ import pytest
 import torch
 from _harness import scenarios
 from _harness.job.parallel_models import normalize
-from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles, structure
+from _harness.parallel_oracles import (
+    assert_universal_folders_equal,
+    bits_equal,
+    info,
+    logits_of,
+    optim_records,
+    rank_oracles,
+    structure,
+)
 from _harness.reconstruction import invoke
 from safetensors.torch import load_file
 
@@ -240,19 +248,7 @@ def test_ckptspecs_universal_folder_is_ds_to_universals_file_for_file(ds):
     bit, the model states byte for byte."""
     ours = ds.path(UNIVERSAL) / "resharded" / "universal"
     theirs = ds.path(SOURCE) / info(ds.path(SOURCE))["universal"]["output_folder"]
-    files = sorted(p.relative_to(theirs) for p in theirs.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file()) and len(files) == 45
-    for rel in files:
-        if rel.name.startswith("mp_rank_"):
-            assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
-            continue
-        a, b = torch.load(theirs / rel, weights_only=False), torch.load(ours / rel, weights_only=False)
-        if torch.is_tensor(a):
-            assert bits_equal(a, b), rel
-            continue
-        assert sorted(a) == sorted(b), rel
-        for key in a:
-            assert bits_equal(a[key], b[key]) if torch.is_tensor(a[key]) else repr(a[key]) == repr(b[key]), (rel, key)
+    assert_universal_folders_equal(ours, theirs, 45)
 
 
 @pytest.mark.parametrize("name", [MERGE, UNIVERSAL, BOTH])
