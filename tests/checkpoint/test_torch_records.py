@@ -175,7 +175,8 @@ def _set_index(data: bytes, field: tuple[int, int, str], index: int, short: bool
 FIRST = RECORDS[0]
 NAME_PUT, STORAGE_READ = _fields(FIRST)[0], _fields(FIRST)[2]
 OWN_PUT = struct.unpack_from("<I", BASE, _fields(FIRST)[-1][0])[0]  # the tensor's own put
-_IN_RUNS = [k for k, m in enumerate(RECORDS) if m.group(3) and _within(NAMES[m.start()], _taken(BASE))]
+_SPANS = _taken(BASE)  # once: each walk takes a few seconds, and collection runs this module in every worker
+_IN_RUNS = [k for k, m in enumerate(RECORDS) if m.group(3) and _within(NAMES[m.start()], _SPANS)]
 MIDDLE, BEFORE = RECORDS[_IN_RUNS[10]], RECORDS[_IN_RUNS[10] - 1]  # a tensor's, inside a run
 MIDDLE_PUT, MIDDLE_READ = _fields(MIDDLE)[0], _fields(MIDDLE)[2]
 EARLIER_PUT = struct.unpack_from("<I", BASE, _fields(BEFORE)[-1][0])[0]  # the record before's last put

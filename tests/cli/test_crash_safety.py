@@ -173,7 +173,10 @@ def test_an_interrupted_run_says_what_it_left(crash, name, how, code, word, base
     writer = WRITERS[name]
     before, after, total, template = baselines[name]
     said = set()
-    for point in sorted(set(points(total, sample=4)) | set(range(max(1, total - 11), total + 1))):
+    # The last 12 steps (the commit) with SIGTERM; Ctrl-C unwinds the same way (both are BaseExceptions raised in the
+    # main thread, cli.main), so it tries the last 3 and the sample only: 70 fewer runs of the module's 450.
+    last = 12 if how == "term" else 3
+    for point in sorted(set(points(total, sample=4)) | set(range(max(1, total - last + 1), total + 1))):
         scratch = _fresh(template, tmp_path / f"{how}-{point}")
         watched = scratch / writer.watched
         result = crash.run(writer.args(scratch), f"{how}:{point}")

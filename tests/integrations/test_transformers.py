@@ -18,7 +18,6 @@ from _harness.scenarios import TRAINER_RUNS
 from ckptspec import load_state_dict
 from ckptspec.errors import CheckpointInvalid, CkptspecError
 from ckptspec.export.api import validate_checkpoint
-from ckptspec.integrations.transformers import resume_from
 
 STEPS = (2, 4)  # the saves of every run: checkpoint-2 and checkpoint-4
 
@@ -91,6 +90,14 @@ def run_copy(ds, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(ds.path("trainer-s2-ws2") / "run", copy)
     return copy
+
+
+def resume_from(*args, **kwargs):
+    """ckptspec's, imported when a test calls it: importing transformers takes seconds, and collection imports this
+    module in every worker."""
+    from ckptspec.integrations.transformers import resume_from
+
+    return resume_from(*args, **kwargs)
 
 
 def test_resume_from_picks_the_newest_valid_folder_outside_a_job(run_copy):
