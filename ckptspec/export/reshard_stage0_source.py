@@ -21,8 +21,8 @@ A data-parallel stage-0 checkpoint for a stage-0 job (``--stage 0``, or none) is
 
 Refused by name (CK410) before anything is written:
 - a stage the target cannot run (2 or 3 for a pipeline), ``--sub-group-size`` for a target not at ZeRO-3;
-- fp16 with a dynamic loss scale: FP16_Optimizer does not save the hysteresis state that ZeRO's DynamicLossScaler
-  pickles;
+- fp16 with a dynamic loss scale: FP16_UnfusedOptimizer (FP16_Optimizer of DeepSpeed's FusedAdam) does not save
+  the hysteresis state that ZeRO's DynamicLossScaler pickles;
 - a pipeline's number of stages changed with the stage.
 A tensor-parallel pipeline's (stage, tensor rank) domains are each written so, at ``world_size / (pp x tp)`` data
 ranks; its layer files are kept as saved.
@@ -118,8 +118,10 @@ def stage0_optimizer(
     saved = states.state(tag_dir / model_file)
     wrapper = saved["optimizer"]
     if wrapper.get("dynamic_loss_scale"):
+        # the wrapper that saved it, told by where its masters are (DeepSpeed's FusedAdam: flat ones)
+        name = "FP16_Optimizer" if "fp32_groups_flat" in wrapper else "FP16_UnfusedOptimizer"
         raise ReshardUnsupported(
-            f"{model_file}: an fp16 stage-0 checkpoint with a dynamic loss scale: its FP16_Optimizer does not save "
+            f"{model_file}: an fp16 stage-0 checkpoint with a dynamic loss scale: its {name} does not save "
             "the hysteresis state a ZeRO job's loss scaler holds",
             "resume at stage 0, or train with a static loss scale",
         )

@@ -106,8 +106,9 @@ def test_the_zero_checkpoint_is_the_source_to_ckptspec(name, ds):
 @pytest.mark.parametrize(
     "source,stage,options,refusal",
     [
-        ("s0-fp16-ws2", 2, {}, "dynamic loss scale"),  # FP16_UnfusedOptimizer saves no hysteresis state
-        ("s0-fp16-ws2", 3, {}, "dynamic loss scale"),
+        ("s0-fp16-ws2", 2, {}, "dynamic loss scale: its FP16_UnfusedOptimizer does not save"),  # no hysteresis
+        ("s0-fp16-ws2", 3, {}, "dynamic loss scale: its FP16_UnfusedOptimizer does not save"),
+        ("s0-fp16-ws2-fused", 2, {}, "dynamic loss scale: its FP16_Optimizer does not save"),  # DeepSpeed's FusedAdam
         ("pp2-s0-bf16-ws2", 2, {}, "--stage 2 for a stage-0 pipeline"),  # DeepSpeed pipelines: ZeRO-1 at most
         ("pp2-s0-bf16-ws2", 3, {}, "--stage 3 for a stage-0 pipeline"),
         ("s0-bf16-ws2", 1, {"sub_group_size": 300}, "--sub-group-size 300 with --stage 1"),  # a ZeRO-3 target's
