@@ -47,7 +47,10 @@ def run(args, out: Path) -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 4}
-    plugin = DeepSpeedPlugin(hf_ds_config={**config, "zero_optimization": {"stage": args["stage"]}})
+    # small buckets: DeepSpeed's default (5e8 elements) is a 2 GB buffer per micro step that torch fills with NaN
+    # under use_deterministic_algorithms (trainer_job.BUCKETS)
+    buckets = {"reduce_bucket_size": 2**16, "allgather_bucket_size": 2**16, "stage3_prefetch_bucket_size": 2**16}
+    plugin = DeepSpeedPlugin(hf_ds_config={**config, "zero_optimization": {"stage": args["stage"], **buckets}})
     accelerator = Accelerator(deepspeed_plugin=plugin)
     torch.manual_seed(args["seed"])
     model = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
