@@ -39,7 +39,13 @@ from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
 from .reshard_moe_stage0 import write_moe_stage0
 from .reshard_pipeline import pipeline_target, write_stages
-from .reshard_pipeline_stage0 import is_pipeline_stage0_target, pipeline_stage0_resume, plan_pipeline_stage0
+from .reshard_pipeline_stage0 import (
+    is_pipeline_stage0_target,
+    pipeline_stage0_resume,
+    plan_pipeline_stage0,
+    plan_restaged,
+    restages_stage0_source,
+)
 from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage0_world import keeps_dense_stage0, plan_stage0_world
@@ -114,8 +120,13 @@ def reshard_model_parallel(
                     pipeline_parallel,
                     partition_method,
                     reshard_model_parallel,
+                    tensor_parallel,
                 )
                 merged_layers = pipeline_parallel not in (None, degrees.pipeline)  # the restage writes them
+            elif restages_stage0_source(found, tensor_parallel, pipeline_parallel):  # written as ZeRO-1, then moved
+                restaged = (world_size, pipeline_parallel, partition_method, reshard_model_parallel, zero_stage)
+                writes = [plan_restaged(found, src_dir, plans, states, *restaged)]  # type: ignore[arg-type]
+                merged_layers = True  # the restage writes them
             elif is_autotp_stage0(found):  # AutoTP at stage 0: each tensor rank as ZeRO, at its degree, merged or split
                 stage0_args = (world_size, zero_stage, tensor_parallel, sub_group_size)
                 writes = plan_autotp_stage0(found, src_dir, plans, states, *stage0_args)  # type: ignore[arg-type]

@@ -13,13 +13,14 @@ carry over as saved: their names and keys do not depend on the stage; a tied mod
 and buffers too: each stage's own), frozen parameters and buffers are in them.
 
 A tensor-parallel pipeline's tensor ranks are each given here as a pipeline of tensor degree 1
-(``reshard_tp_pipeline_stages``); given whole, it is refused. Refused by name (CK410) before anything is written:
-a stage-0 (BF16_Optimizer) or ZeRO-3 source, a ZeRO-2/3 target (DeepSpeed's PipelineEngine asserts "ZeRO-2 and
-ZeRO-3 are incompatible with pipeline parallelism"), frozen parameters or buffers outside the layer files, a source
-stage whose optimizer order or ``buffer_names`` are not its module's, partition method "parameters" where a frozen
-parameter decides the stages, a layer index without a file (a function layer: the layer count cannot be known),
-a target stage without trainable parameters, more stages than layers, stages whose optimizer groups or
-hyperparameters differ.
+(``reshard_tp_pipeline_stages``); given whole, it is refused. A stage-0 source is written as a ZeRO-1 pipeline first
+(``reshard_pipeline_stage0.plan_restaged``, which plans it here as that pipeline: ``stage0_source``). Refused by
+name (CK410) before anything is written: a stage-0 (BF16_Optimizer) source given as it is, a ZeRO-3 source, a
+ZeRO-2/3 target (DeepSpeed's PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
+frozen parameters or buffers outside the layer files, a source stage whose optimizer order or ``buffer_names`` are
+not its module's, partition method "parameters" where a frozen parameter decides the stages, a layer index without a
+file (a function layer: the layer count cannot be known), a target stage without trainable parameters, more stages
+than layers, stages whose optimizer groups or hyperparameters differ.
 """
 
 from __future__ import annotations
@@ -115,13 +116,17 @@ def pipeline_target(
     states: StateCache,
     src_dir,
     plans: dict,
+    stage0_source: bool = False,
 ) -> PipelineTarget:
     """The target stages of ``index``'s pipeline at ``stages`` stages and ``world_size`` ranks (CK410 where
     it cannot be written, CK401 where a tie's copies differ); reads the source stages' first optimizer files
-    (their hyperparameters) and the tied parameters' masters and moments."""
+    (their hyperparameters) and the tied parameters' masters and moments. ``stage0_source``: ``index`` is a stage-0
+    pipeline, its domains' manifests those of the ZeRO-1 pipeline it is written as first
+    (``reshard_pipeline_stage0.plan_restaged``): what the stages' layers, parameters and the target's ranks decide is
+    refused here; its stages' hyperparameters and its ties' copies are compared when that ZeRO-1 pipeline is moved."""
     method = partition_method or PARTITION_METHODS[0]
     degrees = index.topology.degrees
-    _refuse_source(index, method)
+    _refuse_source(index, method, stage0_source)
     if zero_stage not in (None, 1):
         raise ReshardUnsupported(
             f"--stage {zero_stage} with --pipeline-parallel: DeepSpeed's PipelineEngine asserts \"ZeRO-2 and "
@@ -145,8 +150,12 @@ def pipeline_target(
     bounds = _bounds(layers, stages, method)
     domains = sorted(index.domains, key=lambda d: d.coordinate.pipeline or 0)
     template = domains[0]
-    _refuse_differing_stages(domains, states, src_dir)
-    check_tied_copies(index, plans)
+    if stage0_source:  # its ZeRO-1 pipeline's layout: DeepSpeedZeroOptimizer's partitions
+        zero1 = template.manifest.layout.model_copy(update={"tail_padding_saved": False})
+        template = template.model_copy(update={"manifest": template.manifest.model_copy(update={"layout": zero1})})
+    else:
+        _refuse_differing_stages(domains, states, src_dir)
+        check_tied_copies(index, plans)
     data = world_size // stages
     targets = []
     for s in range(stages):
@@ -234,7 +243,7 @@ def write_stages(
     return files
 
 
-def _refuse_source(index: CheckpointIndex, method: str) -> None:
+def _refuse_source(index: CheckpointIndex, method: str, stage0_source: bool = False) -> None:
     degrees = index.topology.degrees
     if method not in PARTITION_METHODS:
         raise ReshardUnsupported(
@@ -253,7 +262,7 @@ def _refuse_source(index: CheckpointIndex, method: str) -> None:
         )
     for d in index.domains:
         stage = d.manifest.layout.zero_stage
-        if d.masters is not None or stage != 1:
+        if not stage0_source and (d.masters is not None or stage != 1):
             raise ReshardUnsupported(
                 f"--pipeline-parallel: domain {d.id} is ZeRO stage {stage}"
                 f"{' (BF16_Optimizer)' if d.masters is not None else ''}; ZeRO-1 pipelines are what reshard moves",

@@ -12,8 +12,9 @@ there) and ``param_shapes``/``shared_params`` None; the layer files are as saved
 Each stage is written by the ZeRO writer (``reshard_files.write_files``) from the source stage's masters and moments:
 a ZeRO-1 pipeline's partitions, or a stage-0 pipeline's BF16 partitions (``reshard_stage0_source.stage0_optimizer``
 reads its entries) at another data degree. ``--pipeline-parallel Q``: moved to Q stages at ZeRO-1 first
-(``reshard_pipeline``, into a directory beside the output's; a stage-0 source written as a ZeRO-1 pipeline before
-that), then written at stage 0 here.
+(``reshard_pipeline``, a tensor-parallel pipeline's tensor ranks each: ``reshard_tp_pipeline_stages``; into a directory
+beside the output's; a stage-0 source written as a ZeRO-1 pipeline before that), then written at stage 0 here
+(``plan_restaged``). A stage-0 source asked at Q stages and ``--stage 1`` is the same chain without its last step.
 
 DeepSpeed 0.19.8's ``engine.load_checkpoint`` cannot load the optimizer state of such a checkpoint, its own save
 included: it hands ``BF16_Optimizer.load_state_dict`` the model states' copy (a dict) where it indexes every rank's
@@ -28,11 +29,13 @@ A tensor-parallel pipeline (Megatron-style layers, ``PipeModelDataParallelTopolo
 (stage, tensor rank) domain, its files named by DeepSpeed's ``mp_rank = stage x tp + tensor``, its layer files
 (``layer_XX-model_YY``) and the saved split rules (``universal_checkpoint_info``) kept as saved.
 
-Refused by name (CK410) before anything is written: fp16 pipelines (their stage-0 optimizer is FP16_Optimizer, which
-keeps its state in the model states: not written yet), a tensor-parallel pipeline at another number of stages,
-``round_robin_gradients`` or
-``parameter_alignment`` sources (BF16_Optimizer lays out neither), what the ZeRO-1 restage refuses (a stage-0
-source's: once its ZeRO-1 pipeline is written, beside the output, not published).
+Refused by name (CK410) before anything is written: fp16 pipelines (DeepSpeed 0.19.8 saves one at stage 0 on the CPU
+with FP16_UnfusedOptimizer, its fp32 masters, Adam state and dynamic loss scale in each stage's model states: not
+described, CK202, nor written yet), another tensor degree, ``round_robin_gradients`` or
+``parameter_alignment`` sources (BF16_Optimizer lays out neither), what a step of the chain refuses (each step planned
+first; a stage-0 source's stages planned as the ZeRO-1 pipeline it is written as). What only that written ZeRO-1
+pipeline's values show (its stages' optimizer groups or hyperparameters differing, a tie's copies differing) is
+refused when it is moved, beside the output, not published.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ from .reshard_layout import TargetLayout, natural_groups
 from .reshard_pipeline import pipeline_target
 from .reshard_pipeline_stage0_fp32 import Fp32StageWrite
 from .reshard_source import SourceOptimizer, source_optimizer, with_stage
-from .reshard_stage0_source import is_stage0_source, stage0_optimizer
+from .reshard_stage0_source import is_stage0_source, plan_stage0_source, stage0_optimizer
+from .reshard_tp_pipeline_stages import is_tensor_pipeline, plan_tensor_pipeline_stages
 
 # BF16_Optimizer.state_dict()'s keys, in its order
 BF16_KEYS = (
@@ -84,6 +88,18 @@ PIPELINE_STAGE0_RESUME = (
 def is_pipeline_stage0_target(index: CheckpointIndex, zero_stage: int | None) -> bool:
     """A pipeline (layer files) asked at stage 0, or a stage-0 pipeline without ``--stage`` (it keeps its stage)."""
     return bool(index.layer_files) and (zero_stage == 0 or (zero_stage is None and is_stage0_source(index)))
+
+
+def restages_stage0_source(index: CheckpointIndex, tensor_parallel: int | None, pipeline_parallel: int | None) -> bool:
+    """A stage-0 pipeline (a tensor-parallel one at its tensor degree) asked at another number of stages and a ZeRO
+    stage (``is_pipeline_stage0_target`` otherwise): written as ZeRO-1, then moved (``plan_restaged``)."""
+    degrees = index.topology.degrees
+    return (
+        bool(index.layer_files)
+        and is_stage0_source(index)
+        and pipeline_parallel not in (None, degrees.pipeline)
+        and tensor_parallel in (None, degrees.tensor)
+    )
 
 
 def pipeline_stage0_resume(index: CheckpointIndex, zero_stage: int | None) -> list[str]:
@@ -115,9 +131,11 @@ class Bf16StageWrite:
 @dataclass
 class RestagedStage0Write:
     """A ZeRO-1 pipeline moved to ``stages`` stages (``restage``: ``reshard_model_parallel`` at ZeRO-1) in a directory
-    beside the output's, then written at stage 0 (``restage`` again); the files moved into the output's tag. A
-    stage-0 source (``source_stages``: its number of stages) is written as a ZeRO-1 pipeline of one data rank per
-    stage first. What a step refuses (CK410) names the source; the output is not published."""
+    beside the output's, then written at stage 0 (``restage`` again; ``zero_stage`` 1: the moved ZeRO-1 pipeline is
+    the output); the files moved into the output's tag. A stage-0 source (``source_ranks``: its stages x tensor
+    degree) is written as a ZeRO-1 pipeline of one data rank per (stage, tensor rank) first. Each step was planned,
+    and what it refuses refused, before anything is written (``plan_restaged``); a refusal left to a step (CK410) names
+    the source, and the output is not published."""
 
     checkpoint: Path | RemotePath
     tag: str
@@ -125,13 +143,12 @@ class RestagedStage0Write:
     stages: int
     partition_method: str | None
     restage: Callable[..., object]
-    source_stages: int | None = None  # a stage-0 source's
-
-    zero_stage = 0
+    source_ranks: int | None = None  # a stage-0 source's pp x tp
+    zero_stage: int = 0  # the output's: 0, or 1 (a stage-0 source's ZeRO-1 pipeline, moved)
 
     def write(self, states: StateCache, tag_dir: Path) -> list[Path]:
         out: list[Path] = []
-        share = split.current()  # rank 0 writes both steps alone (the restage is read back whole)
+        share = split.current()  # rank 0 writes every step alone (each step is read back whole)
         share.first_only(lambda: out.extend(self._both_steps(tag_dir)))
         share.written.extend(str(path) for path in out)
         return out
@@ -145,17 +162,53 @@ class RestagedStage0Write:
     def _steps(self, tag_dir: Path) -> list[Path]:
         with tempfile.TemporaryDirectory(prefix=".pp-restaged-", dir=tag_dir.parent) as mid:
             moved, written, source = Path(mid) / "moved", Path(mid) / "stage0", self.checkpoint
-            if self.source_stages is not None:  # BF16_Optimizer's partitions as ZeRO-1's (reshard_stage0_source)
+            if self.source_ranks is not None:  # the stage-0 optimizer's masters and moments as ZeRO-1's
                 source = Path(mid) / "zero1"
-                self.restage(self.checkpoint, source, self.source_stages, zero_stage=1, tag=self.tag)
+                self.restage(self.checkpoint, source, self.source_ranks, zero_stage=1, tag=self.tag)
             options = {"tag": self.tag, "pipeline_parallel": self.stages, "partition_method": self.partition_method}
             self.restage(source, moved, self.world_size, zero_stage=1, **options)
-            self.restage(moved, written, self.world_size, zero_stage=0, tag=self.tag)
+            if self.zero_stage == 0:
+                self.restage(moved, written, self.world_size, zero_stage=0, tag=self.tag)
             out = []
-            for path in sorted((written / self.tag).iterdir()):
+            for path in sorted(((written if self.zero_stage == 0 else moved) / self.tag).iterdir()):
                 shutil.move(path, tag_dir / path.name)
                 out.append(tag_dir / path.name)
             return out
+
+
+def plan_restaged(
+    index: CheckpointIndex,
+    src_dir: Path | RemotePath,
+    plans: dict[str, ReconstructionPlan],
+    states: StateCache,
+    world_size: int,
+    stages: int,
+    partition_method: str | None,
+    restage: Callable[..., object],
+    zero_stage: int,
+) -> RestagedStage0Write:
+    """``index``'s pipeline (a tensor-parallel one's tensor ranks each) at ``stages`` stages, at ``zero_stage`` 0 (a
+    ZeRO-1 or stage-0 source), or at ZeRO-1 (a stage-0 source): the steps of ``RestagedStage0Write``, each planned
+    here first, so that what one refuses (CK410) is refused before anything is written: a stage-0 source written as
+    ZeRO-1 (``plan_stage0_source``), its stages moved (``reshard_pipeline.pipeline_target``, or each tensor rank's:
+    ``reshard_tp_pipeline_stages``; a stage-0 source's planned as the ZeRO-1 pipeline it is written as). The
+    stages' optimizer groups and hyperparameters, and a tie's copies, of a stage-0 source are compared when its
+    ZeRO-1 pipeline is moved (CK410/CK401 then, the output not published)."""
+    degrees = index.topology.degrees
+    stage0 = is_stage0_source(index)
+    ranks = degrees.pipeline * degrees.tensor
+    planned = index
+    if stage0:  # what writing it as ZeRO-1 at its own stages refuses (a stage the target cannot run too); its domains
+        zero1 = plan_stage0_source(index, src_dir, plans, states, ranks, zero_stage or 1)  # type: ignore[arg-type]
+        domains = [d.model_copy(update={"manifest": zero1[d.id].manifest}) for d in index.domains]
+        planned = index.model_copy(update={"domains": domains})  # as that ZeRO-1 pipeline's manifests lay them out
+    if is_tensor_pipeline(index):
+        args = (world_size, 1, stages, partition_method, stage0)
+        plan_tensor_pipeline_stages(planned, src_dir, plans, states, *args)  # type: ignore[arg-type]
+    else:
+        pipeline_target(planned, stages, world_size, 1, partition_method, states, src_dir, plans, stage0)
+    restaged = (src_dir.parent, src_dir.name, world_size, stages, partition_method, restage)
+    return RestagedStage0Write(*restaged, source_ranks=ranks if stage0 else None, zero_stage=zero_stage)
 
 
 def plan_pipeline_stage0(
@@ -167,23 +220,15 @@ def plan_pipeline_stage0(
     pipeline_parallel: int | None,
     partition_method: str | None,
     restage: Callable[..., object],
+    tensor_parallel: int | None = None,
 ) -> list[Bf16StageWrite] | list[RestagedStage0Write] | list[Fp32StageWrite]:
     """``index``'s pipeline written for a stage-0 bf16 pipeline job of ``world_size`` ranks: one write per stage,
     or the restage then stage 0 (``pipeline_parallel`` other than the source's). CK410 before anything is written."""
     degrees = index.topology.degrees
-    _refuse(index, world_size, pipeline_parallel)
-    if pipeline_parallel not in (None, degrees.pipeline):
-        restaged = (src_dir.parent, src_dir.name, world_size, pipeline_parallel, partition_method, restage)
-        if is_stage0_source(index):  # its ZeRO-1 pipeline, written first, is what the restage plans and refuses
-            if world_size < 1 or world_size % pipeline_parallel:
-                raise ReshardUnsupported(
-                    f"--world-size {world_size} is not a multiple of --pipeline-parallel {pipeline_parallel}",
-                    f"give a multiple of {pipeline_parallel}: each data-parallel rank holds one copy of the stages",
-                )
-            return [RestagedStage0Write(*restaged, source_stages=degrees.pipeline)]
-        # what the ZeRO-1 restage refuses, before anything is written (its target is planned again when written)
-        pipeline_target(index, pipeline_parallel, world_size, 1, partition_method, states, src_dir, plans)
-        return [RestagedStage0Write(*restaged)]
+    _refuse(index, world_size, pipeline_parallel, tensor_parallel)
+    if pipeline_parallel not in (None, degrees.pipeline):  # moved at ZeRO-1 first (a stage-0 source: written so)
+        args = (world_size, pipeline_parallel, partition_method, restage, 0)
+        return [plan_restaged(index, src_dir, plans, states, *args)]
     data = world_size // (degrees.pipeline * degrees.tensor)  # a tensor-parallel one: each (stage, tensor rank)
     return [_stage_write(d, src_dir, plans[d.id], states, data, degrees.tensor) for d in index.domains]
 
@@ -223,14 +268,17 @@ def _bf16_layout(manifest: Manifest, data: int) -> TargetLayout:
     return TargetLayout(data, 0, groups)
 
 
-def _refuse(index: CheckpointIndex, world_size: int, pipeline_parallel: int | None) -> None:
+def _refuse(
+    index: CheckpointIndex, world_size: int, pipeline_parallel: int | None, tensor_parallel: int | None
+) -> None:
     """CK410 for what is not written, by name."""
     degrees = index.topology.degrees
-    if degrees.tensor != 1 and pipeline_parallel not in (None, degrees.pipeline):
+    if tensor_parallel not in (None, degrees.tensor):  # each (stage, tensor rank) is written at its tensor degree
         raise ReshardUnsupported(
-            f"--stage 0 with --pipeline-parallel {pipeline_parallel} of a tensor-parallel pipeline (tensor degree "
-            f"{degrees.tensor}) is not written yet",
-            "write it at ZeRO-1 with --pipeline-parallel first, then reshard that to --stage 0 at its stages",
+            f"--tensor-parallel {tensor_parallel} of a pipeline of tensor degree {degrees.tensor} at stage 0 is not "
+            "written yet",
+            f"write it as a ZeRO-1 pipeline (--stage 1), that with --tensor-parallel {tensor_parallel}, then the "
+            "result with --stage 0",
         )
     stage0 = is_stage0_source(index)
     for d in index.domains:
@@ -238,7 +286,8 @@ def _refuse(index: CheckpointIndex, world_size: int, pipeline_parallel: int | No
         if layout.model_dtype not in ("bfloat16", "float32"):
             raise ReshardUnsupported(
                 f"--stage 0 of a {layout.model_dtype} pipeline (stage {d.id}): DeepSpeed's stage-0 pipeline runs "
-                "FP16_Optimizer there, whose files are not written yet",
+                "FP16_UnfusedOptimizer there (FP16_Optimizer with a FusedAdam), its masters and dynamic loss scale in "
+                "each stage's model states, which are not written yet",
                 "bf16 (BF16_Optimizer) and fp32 (the torch optimizer) pipelines are written at stage 0; keep this one "
                 "at ZeRO-1",
             )

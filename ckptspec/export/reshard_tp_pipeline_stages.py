@@ -105,8 +105,10 @@ def plan_tensor_pipeline_stages(
     zero_stage: int | None,
     stages: int,
     partition_method: str | None,
+    stage0_source: bool = False,
 ) -> list[TensorRankStages]:
-    """Every tensor rank's pipeline at ``stages`` stages (module docstring); CK410 before anything is written."""
+    """Every tensor rank's pipeline at ``stages`` stages (module docstring); CK410 before anything is written.
+    ``stage0_source``: a stage-0 one planned as the ZeRO-1 pipeline it is written as first (``pipeline_target``'s)."""
     tp = index.topology.degrees.tensor
     if world_size % (tp * stages):
         raise ReshardUnsupported(
@@ -119,7 +121,7 @@ def plan_tensor_pipeline_stages(
         own = tensor_rank_pipeline(index, tensor)
         own_plans = {d.id: plans[d.id] for d in own.domains}
         target = pipeline_target(
-            own, stages, world_size // tp, zero_stage, partition_method, states, src_dir, own_plans
+            own, stages, world_size // tp, zero_stage, partition_method, states, src_dir, own_plans, stage0_source
         )
         if out and [s.layers for s in target.stages] != [s.layers for s in out[0].target.stages]:
             raise ReshardUnsupported(

@@ -135,8 +135,9 @@ def run(args, out: Path):
         # A stage-0 bf16 pipeline (BF16_Optimizer): load_checkpoint hands the optimizer the model states'
         # copy of rank 0's state (a dict) where BF16_Optimizer.load_state_dict takes every rank's list
         # (KeyError: 0). DeepSpeed's own reader of the files it wrote for it, bf16_zero_pp_rank_*, is the
-        # ZeRO one: the module and counters through load_checkpoint, the optimizer state through it.
-        if not (spec["pp"] > 1 and spec["stage"] == 0 and spec["dtype"] == "bf16"):
+        # ZeRO one: the module and counters through load_checkpoint, the optimizer state through it. A PipelineModule
+        # at one stage (``pipe``) runs BF16_Optimizer too.
+        if not (layout(spec) == "pipe" and spec["stage"] == 0 and spec["dtype"] == "bf16"):
             raise
         load_error = f"{type(exc).__name__}: {exc}"
         load_path, _ = engine.load_checkpoint(load, load_optimizer_states=False)

@@ -710,6 +710,28 @@ TP_PIPE_STAGE0_RESHARDS = {
     "tp2pp2-s1-bf16-ws4>s0": ("tp2pp2-s1-bf16-ws4", 4, {"stage": 0}, {"stage": 0}),
     "tp2pp2-s1-fp32-ws4>s0": ("tp2pp2-s1-fp32-ws4", 4, {"stage": 0}, {"stage": 0}),
 }
+# A tensor x pipeline checkpoint at another number of stages and ZeRO stage at once (issue #40;
+# tests/export/test_reshard_tp_pipe_stage0_stages.py): a stage-0 source at stage 0 (written as ZeRO-1, moved, written at
+# stage 0: the bf16 one's BF16_Optimizer files) and at ZeRO-1 (written as ZeRO-1, moved), loaded by tp2 x pp1 jobs (the
+# optim launch of the >pp1 targets); and DeepSpeed's tp2 x pp1 ZeRO-1 save at stage 0 on two stages (moved, written at
+# stage 0), loaded by a tp2 x pp2 stage-0 job (the optim launch of the stage-0 sources' resumes), its files compared
+# with DeepSpeed's own tp2 x pp2 stage-0 save. Compared with what the source held (its oracle's masters, its "+optim"
+# entry's moments, step, logits and one more step).
+TP_PIPE_STAGE0_STAGES = {
+    "tp2pp2-s0-bf16-ws4>pp1-s0": ("tp2pp2-s0-bf16-ws4", 2, _PP1, {"pipeline_parallel": 1, "stage": 0}),
+    "tp2pp2-s0-fp32-ws4>pp1-s1": (
+        "tp2pp2-s0-fp32-ws4",
+        2,
+        {**_PP1, "stage": 1},
+        {"pipeline_parallel": 1, "stage": 1},
+    ),
+    "tp2pp1-s1-fp32-ws2>pp2-s0": (
+        "tp2pp1-s1-fp32-ws2",
+        4,
+        {"pp": 2, "stage": 0},
+        {"pipeline_parallel": 2, "stage": 0},
+    ),
+}
 # The bf16 extras source's moves (tests/export/test_reshard_tp_pipe_extras_bf16.py): every move of the fp32 tp2 x pp2
 # one, each in the optim launch of the fp32 move of the same target degrees.
 TP_PIPE_EXTRAS_RESHARDS.update(
@@ -743,6 +765,7 @@ DEGREE_TARGETS = {
     **TP_PIPE_SPLITS,
     **TP_PIPE_EXTRAS_RESHARDS,
     **TP_PIPE_STAGE0_RESHARDS,
+    **TP_PIPE_STAGE0_STAGES,
     **FUSED_RESHARDS,
 }
 RESHARD_SOURCES = sorted(

@@ -192,9 +192,9 @@ def test_a_zero2_target_is_refused_as_deepspeed_refuses_it(ds, tmp_path):
         ("pp1-s1-fp32-ws2", ["--world-size", "3", "--pipeline-parallel", "2"], "CK410", "not a multiple of --pipeline"),
         (
             "pp2-s0-bf16-ws2",
-            ["--world-size", "2", "--pipeline-parallel", "1", "--stage", "1"],
+            ["--world-size", "6", "--pipeline-parallel", "6", "--stage", "1"],
             "CK410",
-            "--pipeline-parallel 1 of a stage-0 pipeline",
+            "5 layers, fewer than the",
         ),
         (
             "pp2-s1-fp32-ws2-extras",
@@ -205,8 +205,8 @@ def test_a_zero2_target_is_refused_as_deepspeed_refuses_it(ds, tmp_path):
     ],
 )
 def test_what_a_pipeline_change_cannot_write_is_refused_by_name(source, args, code, says, ds, tmp_path):
-    """Before anything is written: too many stages, a world size the stages do not divide, a stage-0
-    (BF16_Optimizer) pipeline's stages (it is written as a ZeRO-1 pipeline first), a stage holding only a layer
+    """Before anything is written: too many stages (of a stage-0 BF16_Optimizer pipeline too, planned as the ZeRO-1
+    pipeline it is written as first), a world size the stages do not divide, a stage holding only a layer
     without parameters (the ReLU of the pipeline with a TiedLayerSpec, a frozen weight and a buffer)."""
     result = CliRunner().invoke(cli, ["reshard", str(ds.path(source)), str(tmp_path / "out"), *args])
     assert result.exit_code == 1 and code in result.output and says in result.output, result.output

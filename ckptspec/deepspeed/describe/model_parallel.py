@@ -68,7 +68,7 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
                 "model states have 'param_shapes' None (a ZeRO stage-0 pipeline), and their optimizer is neither "
                 f"BF16_Optimizer's partitions nor the torch optimizer's own state ({_keys(model.get('optimizer'))})",
                 "stage-0 pipelines of bf16 (BF16_Optimizer) and fp32 (the torch optimizer) are described; this "
-                "optimizer's (fp16: FP16_Optimizer) is not yet",
+                "optimizer's (fp16: FP16_UnfusedOptimizer, or FP16_Optimizer with a FusedAdam) is not yet",
                 str(model_path),
             )
         manifest = manifest_from_states(
