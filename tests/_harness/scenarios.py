@@ -265,7 +265,15 @@ PIPE_BF16OPT_SPECS = {
 # weights DeepSpeed gathers (``consolidated.pt``) are the masters. In the AutoTP training launch; converted by
 # ds_to_universal too. Not in PARALLEL (no +again or hook entries), loaded by its "+optim" entry and resharded by
 # FUSED_RESHARDS (tests/export/test_reshard_fused.py).
-FUSED_SPECS = {"tp2-s1-fp32-ws2-fused": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": True, **_UC}, 2)}
+# Two more fused models in the same launch: "qkv", a ``qkv_proj`` DeepSpeed's heuristic rules make a fused_LinearLayer
+# (q, k, v thirds: three pieces per rank); "subparam", by partition_config ``shape`` specs, a SubParamLinearLayer of
+# unequal sub-parameters (32, 16, 16 rows) feeding the row-parallel SubParamLinearAllreduce (the same three along its
+# input columns), in bf16 at ZeRO 2 (tests/export/test_reshard_fused_layers.py).
+FUSED_SPECS = {
+    "tp2-s1-fp32-ws2-fused": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": True, **_UC}, 2),
+    "tp2-s1-fp32-ws2-fused-qkv": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": "qkv", **_UC}, 2),
+    "tp2-s2-bf16-ws2-fused-subparam": ({"tp": 2, "stage": 2, "dtype": "bf16", "fused": "subparam", **_UC}, 2),
+}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
     **PIPE_BF16OPT_SPECS,
@@ -733,6 +741,12 @@ FUSED_RESHARDS = {
     "tp2-s1-fp32-ws2-fused>tp4": ("tp2-s1-fp32-ws2-fused", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2-s1-fp32-ws2-fused>universal-tp1": ("tp2-s1-fp32-ws2-fused", 2, {"tp": 1}, {"export_universal": True}),
     "tp2-s1-fp32-ws2-fused>universal-tp2": ("tp2-s1-fp32-ws2-fused", 2, {}, {"export_universal": True}),
+    # the fused_LinearLayer and SubParam sources merged (tp1 x dp2) and split (tp4 x dp1), in the same launches
+    **{
+        f"{source}>tp{tp}": (source, ws, {"tp": tp}, {"tensor_parallel": tp})
+        for source in ("tp2-s1-fp32-ws2-fused-qkv", "tp2-s2-bf16-ws2-fused-subparam")
+        for tp, ws in ((1, 2), (4, 4))
+    },
 }
 # Every reshard load of a changed degree or stage, by name: (source, target world size, target spec changes,
 # reshard options); each loaded by its target's optim job.
