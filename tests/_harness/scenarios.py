@@ -268,11 +268,13 @@ PIPE_BF16OPT_SPECS = {
 # Two more fused models in the same launch: "qkv", a ``qkv_proj`` DeepSpeed's heuristic rules make a fused_LinearLayer
 # (q, k, v thirds: three pieces per rank); "subparam", by partition_config ``shape`` specs, a SubParamLinearLayer of
 # unequal sub-parameters (32, 16, 16 rows) feeding the row-parallel SubParamLinearAllreduce (the same three along its
-# input columns), in bf16 at ZeRO 2 (tests/export/test_reshard_fused_layers.py).
+# input columns), in bf16 at ZeRO 2; and the gate_up_proj model at ZeRO 3 in bf16, in the AutoTP ZeRO-3 launch
+# (tests/export/test_reshard_fused_layers.py).
 FUSED_SPECS = {
     "tp2-s1-fp32-ws2-fused": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": True, **_UC}, 2),
     "tp2-s1-fp32-ws2-fused-qkv": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": "qkv", **_UC}, 2),
     "tp2-s2-bf16-ws2-fused-subparam": ({"tp": 2, "stage": 2, "dtype": "bf16", "fused": "subparam", **_UC}, 2),
+    "tp2-s3-bf16-ws2-fused": ({"tp": 2, "stage": 3, "dtype": "bf16", "fused": True, **_UC}, 2),
 }
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
@@ -741,10 +743,10 @@ FUSED_RESHARDS = {
     "tp2-s1-fp32-ws2-fused>tp4": ("tp2-s1-fp32-ws2-fused", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2-s1-fp32-ws2-fused>universal-tp1": ("tp2-s1-fp32-ws2-fused", 2, {"tp": 1}, {"export_universal": True}),
     "tp2-s1-fp32-ws2-fused>universal-tp2": ("tp2-s1-fp32-ws2-fused", 2, {}, {"export_universal": True}),
-    # the fused_LinearLayer and SubParam sources merged (tp1 x dp2) and split (tp4 x dp1), in the same launches
+    # the fused_LinearLayer, SubParam and ZeRO-3 sources merged (tp1 x dp2) and split (tp4 x dp1)
     **{
         f"{source}>tp{tp}": (source, ws, {"tp": tp}, {"tensor_parallel": tp})
-        for source in ("tp2-s1-fp32-ws2-fused-qkv", "tp2-s2-bf16-ws2-fused-subparam")
+        for source in ("tp2-s1-fp32-ws2-fused-qkv", "tp2-s2-bf16-ws2-fused-subparam", "tp2-s3-bf16-ws2-fused")
         for tp, ws in ((1, 2), (4, 4))
     },
 }

@@ -1,8 +1,11 @@
-"""#40: AutoTP's other fused sub-parameter layers, read, merged and split (scenarios.FUSED_SPECS, FUSED_RESHARDS).
+"""#40: AutoTP's other fused sub-parameter layers, and a fused weight at ZeRO-3, read, merged and split
+(scenarios.FUSED_SPECS, FUSED_RESHARDS).
 
-Two sources of the AutoTP training launch (job/parallel_models.py ``fused``):
+Three sources of the AutoTP training launches (job/parallel_models.py ``fused``):
 - ``qkv``: a ``qkv_proj`` Linear in a ``...DecoderLayer`` block, which DeepSpeed 0.19.8's heuristic rules make its
   fused-QKV ``fused_LinearLayer`` (glm layout: each rank holds its part of the q, the k and the v third), fp32 ZeRO-1;
+- ``True`` at ZeRO-3 in bf16: the ``gate_up_proj`` model (DeepSpeed's ``GateUpPack_LinearLayer``: gate and up
+  halves) of test_reshard_fused.py, in the AutoTP ZeRO-3 launch;
 - ``subparam``: by partition_config ``shape`` specs, a column ``SubParamLinearLayer`` of unequal sub-parameters (32,
   16 and 16 rows) and the row-parallel ``SubParamLinearAllreduce`` taking the same three along its input columns
   (pieces along axis 1; its bias replicated), bf16 ZeRO-2.
@@ -31,7 +34,7 @@ import ckptspec
 from ckptspec.cli import cli
 from ckptspec.format.index_models import PiecesPlacement
 
-QKV, SUBPARAM = "tp2-s1-fp32-ws2-fused-qkv", "tp2-s2-bf16-ws2-fused-subparam"
+QKV, SUBPARAM, ZERO3 = "tp2-s1-fp32-ws2-fused-qkv", "tp2-s2-bf16-ws2-fused-subparam", "tp2-s3-bf16-ws2-fused"
 # The fused tensors of each source: name -> (axis, sub-parameter lengths along it), as the model was built.
 LAYOUTS = {
     QKV: {f"blocks.{i}.qkv_proj.{kind}": (0, (32, 32, 32)) for i in (0, 1) for kind in ("weight", "bias")},
@@ -39,6 +42,7 @@ LAYOUTS = {
         **{f"blocks.{i}.qkv.{kind}": (0, (32, 16, 16)) for i in (0, 1) for kind in ("weight", "bias")},
         **{f"blocks.{i}.o.weight": (1, (32, 16, 16)) for i in (0, 1)},
     },
+    ZERO3: {f"blocks.{i}.gate_up_proj.{kind}": (0, (32, 32)) for i in (0, 1) for kind in ("weight", "bias")},
 }
 SOURCES = sorted(LAYOUTS)
 MOVES = sorted(n for n in FUSED_RESHARDS if FUSED_RESHARDS[n][0] in LAYOUTS)
@@ -110,6 +114,13 @@ def _assert_same(got: dict, expected: dict, what: str) -> None:
             assert bits_equal(got[key][name], value), (what, key, name)
 
 
+def _uc_info(tag, tp: int, stage: int) -> dict:
+    """Tensor rank ``tp``'s saved ``universal_checkpoint_info`` (ZeRO-3 names its model states per data rank)."""
+    prefix = "zero_pp_rank_0_" if stage == 3 else ""
+    states = torch.load(tag / f"{prefix}mp_rank_{tp:02d}_model_states.pt", weights_only=False)
+    return states["universal_checkpoint_info"]
+
+
 def _steps(records: list[dict]) -> set:
     return {s for r in records for s in r["step"].values()}
 
@@ -121,7 +132,7 @@ def test_deepspeed_cut_each_fused_tensor_in_one_piece_per_sub_parameter(source, 
     widths say the same; ckptspec's index keeps them as pieces."""
     tag = ds.path(source) / "global_step2"
     for tp in (0, 1):
-        info = torch.load(tag / f"mp_rank_{tp:02d}_model_states.pt", weights_only=False)["universal_checkpoint_info"]
+        info = _uc_info(tag, tp, source_spec(source)["stage"])
         for name, (axis, blocks) in LAYOUTS[source].items():
             pattern = "^" + name.replace(".", r"\.") + "$"
             pieces = info["affine_map"]["params"][pattern]["ranks"][tp]["pieces"]
@@ -203,10 +214,10 @@ def test_the_split_records_each_rank_one_piece_of_each_sub_parameter(name, ds):
     SubParamLinearAllreduce weight among the row-parallel ones), each sub-parameter pattern's partition_dim."""
     source = FUSED_RESHARDS[name][0]
     tag = ds.path(name) / "resharded" / "global_step2"
-    saved = torch.load(ds.path(source) / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)
-    theirs = saved["universal_checkpoint_info"]
+    stage = source_spec(source)["stage"]
+    theirs = _uc_info(ds.path(source) / "global_step2", 0, stage)
     for tp in range(4):
-        info = torch.load(tag / f"mp_rank_{tp:02d}_model_states.pt", weights_only=False)["universal_checkpoint_info"]
+        info = _uc_info(tag, tp, stage)
         for key in ("parameter_with_row_parallelism_patterns", "tp_replicated_parameter_patterns"):
             assert sorted(info[key]) == sorted(theirs[key]), key
         dims = {p: s["partition_dim"] for s in info["parameter_with_sub_params"] for p in s["patterns"]}
