@@ -275,6 +275,8 @@ FUSED_SPECS = {
     "tp2-s1-fp32-ws2-fused-qkv": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": "qkv", **_UC}, 2),
     "tp2-s2-bf16-ws2-fused-subparam": ({"tp": 2, "stage": 2, "dtype": "bf16", "fused": "subparam", **_UC}, 2),
     "tp2-s3-bf16-ws2-fused": ({"tp": 2, "stage": 3, "dtype": "bf16", "fused": True, **_UC}, 2),
+    # sub-parameters DeepSpeed cuts unevenly (30, 17, 17 over 2 ranks): read and merged; a split of it refused (CK410)
+    "tp2-s1-fp32-ws2-fused-uneven": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": "subparam-uneven", **_UC}, 2),
 }
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
@@ -749,6 +751,8 @@ FUSED_RESHARDS = {
         for source in ("tp2-s1-fp32-ws2-fused-qkv", "tp2-s2-bf16-ws2-fused-subparam", "tp2-s3-bf16-ws2-fused")
         for tp, ws in ((1, 2), (4, 4))
     },
+    # the uneven one merged only (its split is refused: the target's widths are not in the checkpoint)
+    "tp2-s1-fp32-ws2-fused-uneven>tp1": ("tp2-s1-fp32-ws2-fused-uneven", 2, {"tp": 1}, {"tensor_parallel": 1}),
 }
 # Every reshard load of a changed degree or stage, by name: (source, target world size, target spec changes,
 # reshard options); each loaded by its target's optim job.

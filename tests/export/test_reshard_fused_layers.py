@@ -1,11 +1,13 @@
 """#40: AutoTP's other fused sub-parameter layers, and a fused weight at ZeRO-3, read, merged and split
 (scenarios.FUSED_SPECS, FUSED_RESHARDS).
 
-Three sources of the AutoTP training launches (job/parallel_models.py ``fused``):
+Four sources of the AutoTP training launches (job/parallel_models.py ``fused``):
 - ``qkv``: a ``qkv_proj`` Linear in a ``...DecoderLayer`` block, which DeepSpeed 0.19.8's heuristic rules make its
   fused-QKV ``fused_LinearLayer`` (glm layout: each rank holds its part of the q, the k and the v third), fp32 ZeRO-1;
 - ``True`` at ZeRO-3 in bf16: the ``gate_up_proj`` model (DeepSpeed's ``GateUpPack_LinearLayer``: gate and up
   halves) of test_reshard_fused.py, in the AutoTP ZeRO-3 launch;
+- ``subparam-uneven``: the same model of 30, 17 and 17 rows, which DeepSpeed cuts unevenly over 2 ranks (15/15,
+  9/8, 9/8), fp32 ZeRO-1: read and merged; its split refused;
 - ``subparam``: by partition_config ``shape`` specs, a column ``SubParamLinearLayer`` of unequal sub-parameters (32,
   16 and 16 rows) and the row-parallel ``SubParamLinearAllreduce`` taking the same three along its input columns
   (pieces along axis 1; its bias replicated), bf16 ZeRO-2.
@@ -35,6 +37,7 @@ from ckptspec.cli import cli
 from ckptspec.format.index_models import PiecesPlacement
 
 QKV, SUBPARAM, ZERO3 = "tp2-s1-fp32-ws2-fused-qkv", "tp2-s2-bf16-ws2-fused-subparam", "tp2-s3-bf16-ws2-fused"
+UNEVEN = "tp2-s1-fp32-ws2-fused-uneven"
 # The fused tensors of each source: name -> (axis, sub-parameter lengths along it), as the model was built.
 LAYOUTS = {
     QKV: {f"blocks.{i}.qkv_proj.{kind}": (0, (32, 32, 32)) for i in (0, 1) for kind in ("weight", "bias")},
@@ -43,9 +46,19 @@ LAYOUTS = {
         **{f"blocks.{i}.o.weight": (1, (32, 16, 16)) for i in (0, 1)},
     },
     ZERO3: {f"blocks.{i}.gate_up_proj.{kind}": (0, (32, 32)) for i in (0, 1) for kind in ("weight", "bias")},
+    UNEVEN: {
+        **{f"blocks.{i}.qkv.{kind}": (0, (30, 17, 17)) for i in (0, 1) for kind in ("weight", "bias")},
+        **{f"blocks.{i}.o.weight": (1, (30, 17, 17)) for i in (0, 1)},
+    },
 }
 SOURCES = sorted(LAYOUTS)
 MOVES = sorted(n for n in FUSED_RESHARDS if FUSED_RESHARDS[n][0] in LAYOUTS)
+
+
+def _widths(block: int, degree: int) -> list[int]:
+    """Each tensor rank's part of a sub-parameter of ``block`` rows: near-equal, the first ranks one more (DeepSpeed
+    0.19.8's get_shard_size without a head count or grain: 17 over 2 ranks is 9 and 8)."""
+    return [block // degree + (1 if r < block % degree else 0) for r in range(degree)]
 
 
 def _whole(per_tp: dict[int, dict[str, torch.Tensor]], shapes: dict, fused: dict) -> dict[str, torch.Tensor]:
@@ -58,7 +71,7 @@ def _whole(per_tp: dict[int, dict[str, torch.Tensor]], shapes: dict, fused: dict
         shards, shape = [r[name] for r in ranks], tuple(shapes[name])
         if name in fused:
             axis, blocks = fused[name]
-            parts = [s.split([b // len(shards) for b in blocks], dim=axis) for s in shards]
+            parts = [s.split([_widths(b, len(shards))[r] for b in blocks], dim=axis) for r, s in enumerate(shards)]
             out[name] = torch.cat([p[j] for j in range(len(blocks)) for p in parts], dim=axis)
         elif tuple(shards[0].shape) == shape:
             assert all(bits_equal(s, shards[0]) for s in shards), name
@@ -138,11 +151,11 @@ def test_deepspeed_cut_each_fused_tensor_in_one_piece_per_sub_parameter(source, 
             pieces = info["affine_map"]["params"][pattern]["ranks"][tp]["pieces"]
             whole = _shapes(ds, source)[name]
             stride = 1 if axis == len(whole) - 1 else whole[-1]
-            starts = [sum(blocks[:j]) + tp * b // 2 for j, b in enumerate(blocks)]
+            starts = [sum(blocks[:j]) + sum(_widths(b, 2)[:tp]) for j, b in enumerate(blocks)]
             assert [p["source"][0] for p in pieces] == [s * stride for s in starts], (name, pieces)
-            assert [p["shape"][axis] for p in pieces] == [b // 2 for b in blocks], name
+            assert [p["shape"][axis] for p in pieces] == [_widths(b, 2)[tp] for b in blocks], name
             assert any(pattern in s["patterns"] for s in info["parameter_with_sub_params"]), name
-            assert info["sub_param_shard_widths"][pattern] == [[b // 2] * 2 for b in blocks], name
+            assert info["sub_param_shard_widths"][pattern] == [_widths(b, 2) for b in blocks], name
     index = ckptspec.open(ds.path(source)).index
     placements = {p.name: [s.placement for s in p.shards] for p in index.parameters}
     for name, (_, blocks) in LAYOUTS[source].items():
@@ -230,3 +243,15 @@ def test_the_split_records_each_rank_one_piece_of_each_sub_parameter(name, ds):
             starts = [sum(blocks[:j]) + tp * b // 4 for j, b in enumerate(blocks)]
             assert [p["source"][0] for p in pieces] == [s * stride for s in starts], (tensor, tp)
             assert info["sub_param_shard_widths"][pattern] == [[b // 4] * 4 for b in blocks], tensor
+
+
+def test_a_split_of_sub_parameters_cut_unevenly_is_refused_by_name(ds, tmp_path):
+    """The uneven source (DeepSpeed cut 17 rows as 9 and 8, checked above) is read and merged, but not split: the
+    target's widths are DeepSpeed's to choose when the target job builds its layers; CK410 names the fused weight
+    before anything is written."""
+    out = tmp_path / "out"
+    args = ["reshard", str(ds.path(UNEVEN)), str(out), "--world-size", "4", "--tensor-parallel", "4"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1 and "CK410" in result.output, result.output
+    assert "blocks.0.qkv.weight" in result.output and "cut unevenly" in result.output
+    assert not out.exists() or not any(out.iterdir())

@@ -35,7 +35,8 @@ DEFAULTS = {
     # rules make DeepSpeed's fused_LinearLayer (glm layout: one piece of each third per rank), and a ``down_proj``.
     # "subparam": blocks of a fused ``qkv`` of unequal sub-parameters (FUSED_QKV_SIZES) and an ``o`` whose input is
     # the same three, by partition_config ``shape`` specs (FUSED_SUBPARAM_SPECS): SubParamLinearLayer and the
-    # row-parallel SubParamLinearAllreduce (its pieces cut along axis 1)
+    # row-parallel SubParamLinearAllreduce (its pieces cut along axis 1); "subparam-uneven": the same of 30, 17 and 17
+    # (FUSED_QKV_SIZES_UNEVEN), which DeepSpeed cuts unevenly over 2 ranks (15/15, 9/8, 9/8)
     "fused": False,
     "pp": 1,  # pipeline stages (a PipelineModule when above 1)
     "pipe": False,  # a PipelineModule whatever ``pp`` (at pp 1: the whole pipeline on one stage)
@@ -76,7 +77,7 @@ def normalize(spec):
     for key in ("buffers", "frozen"):
         if out[key] and layout(out) not in ("dense", "autotp", "pipe"):
             raise ValueError(f"{key} are in the dense or AutoTP MLP or the pipeline only: {spec}")
-    if out["fused"] not in (False, True, "qkv", "subparam"):
+    if out["fused"] not in (False, True, "qkv", "subparam", "subparam-uneven"):
         raise ValueError(f"bad fused in parallel spec: {spec}")
     if out["fused"] and (layout(out) not in ("dense", "autotp") or out["frozen"] or out["buffers"] or out["tied"]):
         raise ValueError(f"fused blocks are in the plain dense or AutoTP MLP only: {spec}")
@@ -121,10 +122,17 @@ TP_LAYER_SPECS = [
 # The "subparam" model's fused widths (q, k, v: fewer key/value rows, as a grouped-query attention's) and its
 # partition_config specs: ``qkv`` cut per sub-parameter along its output rows, ``o`` along its input columns.
 FUSED_QKV_SIZES = [32, 16, 16]
-FUSED_SUBPARAM_SPECS = [
-    {"patterns": [r".*\.qkv\.weight$", r".*\.qkv\.bias$"], "partition_type": "column", "shape": [FUSED_QKV_SIZES, -1]},
-    {"patterns": [r".*\.o\.weight$"], "partition_type": "row", "shape": [-1, FUSED_QKV_SIZES], "partition_dim": 1},
-]
+FUSED_QKV_SIZES_UNEVEN = [30, 17, 17]
+
+
+def _subparam_specs(sizes):
+    return [
+        {"patterns": [r".*\.qkv\.weight$", r".*\.qkv\.bias$"], "partition_type": "column", "shape": [sizes, -1]},
+        {"patterns": [r".*\.o\.weight$"], "partition_type": "row", "shape": [-1, sizes], "partition_dim": 1},
+    ]
+
+
+FUSED_SUBPARAM_SPECS = _subparam_specs(FUSED_QKV_SIZES)
 
 
 def _block_class():
@@ -246,7 +254,7 @@ def _fused_qkv_net():
     return FusedQkvModel()
 
 
-def _fused_subparam_net():
+def _fused_subparam_net(sizes):
     import torch
     from torch import nn
 
@@ -255,8 +263,8 @@ def _fused_subparam_net():
 
         def __init__(self):
             super().__init__()
-            self.qkv = nn.Linear(W, sum(FUSED_QKV_SIZES))
-            self.o = nn.Linear(sum(FUSED_QKV_SIZES), W)
+            self.qkv = nn.Linear(W, sum(sizes))
+            self.o = nn.Linear(sum(sizes), W)
 
         def forward(self, x):
             return x + self.o(nn.functional.silu(self.qkv(x)))
@@ -276,7 +284,9 @@ def _fused_subparam_net():
 
 
 def _fused_model(kind):
-    return {True: _fused_net, "qkv": _fused_qkv_net, "subparam": _fused_subparam_net}[kind]()
+    if kind in ("subparam", "subparam-uneven"):
+        return _fused_subparam_net(FUSED_QKV_SIZES if kind == "subparam" else FUSED_QKV_SIZES_UNEVEN)
+    return {True: _fused_net, "qkv": _fused_qkv_net}[kind]()
 
 
 def _buffer_block_class():
@@ -460,10 +470,11 @@ def ds_config(spec):
             cfg["fp16"]["loss_scale_window"] = spec["loss_scale_window"]
     if spec["grad_accum_dtype"]:
         cfg["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
-    if spec["tp"] > 1 and layout(spec) == "autotp" and spec["fused"] == "subparam":
+    if spec["tp"] > 1 and layout(spec) == "autotp" and spec["fused"] in ("subparam", "subparam-uneven"):
+        sizes = FUSED_QKV_SIZES if spec["fused"] == "subparam" else FUSED_QKV_SIZES_UNEVEN
         cfg["tensor_parallel"] = {
             "autotp_size": spec["tp"],
-            "partition_config": {"use_default_specs": False, "layer_specs": FUSED_SUBPARAM_SPECS},
+            "partition_config": {"use_default_specs": False, "layer_specs": _subparam_specs(sizes)},
         }
     elif spec["tp"] > 1 and layout(spec) == "autotp" and spec["fused"]:
         cfg["tensor_parallel"] = {"autotp_size": spec["tp"]}  # DeepSpeed's heuristic rules: GateUpPack_LinearLayer
