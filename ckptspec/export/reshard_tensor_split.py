@@ -273,10 +273,11 @@ def universal_info(manifest, axes: dict[str, Cut], degree: int) -> dict[str, Any
             shape = [*whole[: cut.axis], list(cut.blocks), *whole[cut.axis + 1 :]]
             sub_params.append({"patterns": [pattern], "shape": shape, "partition_dim": cut.axis})
             widths[pattern] = [[b // degree] * degree for b in cut.blocks]
-    plain_axes = {n: c.axis for n, c in axes.items() if len(c.blocks) == 1}
+    # a row-parallel weight (split along axis 1), fused or not: DeepSpeed lists its SubParamLinearAllreduce's too
+    row = {n for n, c in axes.items() if c.axis == 1}
     return {
         "universal_checkpoint_version": 0.4,
-        "parameter_with_row_parallelism_patterns": [f"^{re.escape(n)}$" for n in names if plain_axes.get(n) == 1],
+        "parameter_with_row_parallelism_patterns": [f"^{re.escape(n)}$" for n in names if n in row],
         "tp_replicated_parameter_patterns": [f"^{re.escape(n)}$" for n in names if n not in axes],
         "vocabulary_parameter_patterns": [],
         "parameter_with_sub_params": sub_params,

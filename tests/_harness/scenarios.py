@@ -265,7 +265,19 @@ PIPE_BF16OPT_SPECS = {
 # weights DeepSpeed gathers (``consolidated.pt``) are the masters. In the AutoTP training launch; converted by
 # ds_to_universal too. Not in PARALLEL (no +again or hook entries), loaded by its "+optim" entry and resharded by
 # FUSED_RESHARDS (tests/export/test_reshard_fused.py).
-FUSED_SPECS = {"tp2-s1-fp32-ws2-fused": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": True, **_UC}, 2)}
+# Two more fused models in the same launch: "qkv", a ``qkv_proj`` DeepSpeed's heuristic rules make a fused_LinearLayer
+# (q, k, v thirds: three pieces per rank); "subparam", by partition_config ``shape`` specs, a SubParamLinearLayer of
+# unequal sub-parameters (32, 16, 16 rows) feeding the row-parallel SubParamLinearAllreduce (the same three along its
+# input columns), in bf16 at ZeRO 2; and the gate_up_proj model at ZeRO 3 in bf16, in the AutoTP ZeRO-3 launch
+# (tests/export/test_reshard_fused_layers.py).
+FUSED_SPECS = {
+    "tp2-s1-fp32-ws2-fused": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": True, **_UC}, 2),
+    "tp2-s1-fp32-ws2-fused-qkv": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": "qkv", **_UC}, 2),
+    "tp2-s2-bf16-ws2-fused-subparam": ({"tp": 2, "stage": 2, "dtype": "bf16", "fused": "subparam", **_UC}, 2),
+    "tp2-s3-bf16-ws2-fused": ({"tp": 2, "stage": 3, "dtype": "bf16", "fused": True, **_UC}, 2),
+    # sub-parameters DeepSpeed cuts unevenly (30, 17, 17 over 2 ranks): read and merged; a split of it refused (CK410)
+    "tp2-s1-fp32-ws2-fused-uneven": ({"tp": 2, "stage": 1, "dtype": "fp32", "fused": "subparam-uneven", **_UC}, 2),
+}
 # Every "parallel" job's spec and world size, by name.
 SOURCE_SPECS = {
     **PIPE_BF16OPT_SPECS,
@@ -755,6 +767,14 @@ FUSED_RESHARDS = {
     "tp2-s1-fp32-ws2-fused>tp4": ("tp2-s1-fp32-ws2-fused", 4, {"tp": 4}, {"tensor_parallel": 4}),
     "tp2-s1-fp32-ws2-fused>universal-tp1": ("tp2-s1-fp32-ws2-fused", 2, {"tp": 1}, {"export_universal": True}),
     "tp2-s1-fp32-ws2-fused>universal-tp2": ("tp2-s1-fp32-ws2-fused", 2, {}, {"export_universal": True}),
+    # the fused_LinearLayer, SubParam and ZeRO-3 sources merged (tp1 x dp2) and split (tp4 x dp1)
+    **{
+        f"{source}>tp{tp}": (source, ws, {"tp": tp}, {"tensor_parallel": tp})
+        for source in ("tp2-s1-fp32-ws2-fused-qkv", "tp2-s2-bf16-ws2-fused-subparam", "tp2-s3-bf16-ws2-fused")
+        for tp, ws in ((1, 2), (4, 4))
+    },
+    # the uneven one merged only (its split is refused: the target's widths are not in the checkpoint)
+    "tp2-s1-fp32-ws2-fused-uneven>tp1": ("tp2-s1-fp32-ws2-fused-uneven", 2, {"tp": 1}, {"tensor_parallel": 1}),
 }
 # Every reshard load of a changed degree or stage, by name: (source, target world size, target spec changes,
 # reshard options); each loaded by its target's optim job.

@@ -41,7 +41,8 @@ _EXPERT = re.compile(r"deepspeed_experts\.(\d+)\.")
 # AutoTP frozen parameter left whole (head.bias) is among the replicated patterns the saved universal_checkpoint_info
 # lists, and no optimizer partition holds a slice of it.
 DS_FAILS = {"tp2-s3-bf16-ws2-extras": r"AssertionError: Unused patterns=['^head\\.bias$'] while merging tp slices"}
-# and the AutoTP MLP of fused gate_up_proj weights (its moves: tests/export/test_reshard_fused.py)
+# and the AutoTP MLPs of fused weights (gate_up_proj, fused QKV, SubParam layers; their moves:
+# tests/export/test_reshard_fused.py, test_reshard_fused_layers.py)
 SOURCES = sorted(({DEGREE_RESHARDS[n][0] for n in CASES} | FUSED_SPECS.keys()) - DS_FAILS.keys())
 BESIDE = sorted(n for n in CASES if DEGREE_RESHARDS[n][0] not in DS_FAILS)  # the job loaded DeepSpeed's folder too
 # AutoTP's row-parallel layer adds the tensor ranks' partial sums, the whole layer all products in one matmul: a tp1

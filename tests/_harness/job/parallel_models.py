@@ -30,7 +30,13 @@ DEFAULTS = {
     "tied": False,
     # the dense or AutoTP MLP with fused blocks (_fused_net): each a ``gate_up_proj`` Linear (gate and up halves)
     # and a ``down_proj``; under AutoTP DeepSpeed's heuristic rules (no partition_config) make gate_up_proj a
-    # GateUpPack_LinearLayer, whose shard holds one piece of each half (a multi-piece affine_map entry)
+    # GateUpPack_LinearLayer, whose shard holds one piece of each half (a multi-piece affine_map entry).
+    # "qkv": blocks of a fused ``qkv_proj`` (q, k, v thirds) in a class named ``...DecoderLayer``, which the heuristic
+    # rules make DeepSpeed's fused_LinearLayer (glm layout: one piece of each third per rank), and a ``down_proj``.
+    # "subparam": blocks of a fused ``qkv`` of unequal sub-parameters (FUSED_QKV_SIZES) and an ``o`` whose input is
+    # the same three, by partition_config ``shape`` specs (FUSED_SUBPARAM_SPECS): SubParamLinearLayer and the
+    # row-parallel SubParamLinearAllreduce (its pieces cut along axis 1); "subparam-uneven": the same of 30, 17 and 17
+    # (FUSED_QKV_SIZES_UNEVEN), which DeepSpeed cuts unevenly over 2 ranks (15/15, 9/8, 9/8)
     "fused": False,
     "pp": 1,  # pipeline stages (a PipelineModule when above 1)
     "pipe": False,  # a PipelineModule whatever ``pp`` (at pp 1: the whole pipeline on one stage)
@@ -71,6 +77,8 @@ def normalize(spec):
     for key in ("buffers", "frozen"):
         if out[key] and layout(out) not in ("dense", "autotp", "pipe"):
             raise ValueError(f"{key} are in the dense or AutoTP MLP or the pipeline only: {spec}")
+    if out["fused"] not in (False, True, "qkv", "subparam", "subparam-uneven"):
+        raise ValueError(f"bad fused in parallel spec: {spec}")
     if out["fused"] and (layout(out) not in ("dense", "autotp") or out["frozen"] or out["buffers"] or out["tied"]):
         raise ValueError(f"fused blocks are in the plain dense or AutoTP MLP only: {spec}")
     if out["tied"] and layout(out) not in ("pipe", "autotp"):
@@ -111,6 +119,20 @@ TP_LAYER_SPECS = [
     {"patterns": [r".*\.up\.weight$", r".*\.up\.bias$"], "partition_type": "column"},
     {"patterns": [r".*\.down\.weight$"], "partition_type": "row"},
 ]
+# The "subparam" model's fused widths (q, k, v: fewer key/value rows, as a grouped-query attention's) and its
+# partition_config specs: ``qkv`` cut per sub-parameter along its output rows, ``o`` along its input columns.
+FUSED_QKV_SIZES = [32, 16, 16]
+FUSED_QKV_SIZES_UNEVEN = [30, 17, 17]
+
+
+def _subparam_specs(sizes):
+    return [
+        {"patterns": [r".*\.qkv\.weight$", r".*\.qkv\.bias$"], "partition_type": "column", "shape": [sizes, -1]},
+        {"patterns": [r".*\.o\.weight$"], "partition_type": "row", "shape": [-1, sizes], "partition_dim": 1},
+    ]
+
+
+FUSED_SUBPARAM_SPECS = _subparam_specs(FUSED_QKV_SIZES)
 
 
 def _block_class():
@@ -198,6 +220,73 @@ def _fused_net():
             return self.head(torch.relu(x))
 
     return FusedMlpModel()
+
+
+def _fused_qkv_net():
+    import torch
+    from torch import nn
+
+    # AutoTP's heuristic rules make a Linear named ``qkv_proj`` a fused_LinearLayer; the class name holds
+    # ``DecoderLayer``, which its fused-QKV table reads as the glm layout (q, k, v thirds, each split over the ranks)
+    class QkvDecoderLayer(nn.Module):
+        """x + down_proj(silu(q) * k + v), q, k and v the three thirds of ``qkv_proj``'s output."""
+
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj = nn.Linear(W, 3 * H)
+            self.down_proj = nn.Linear(H, W)
+
+        def forward(self, x):
+            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+            return x + self.down_proj(nn.functional.silu(q) * k + v)
+
+    class FusedQkvModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([QkvDecoderLayer() for _ in range(2)])
+            self.head = nn.Linear(W, C)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(torch.relu(x))
+
+    return FusedQkvModel()
+
+
+def _fused_subparam_net(sizes):
+    import torch
+    from torch import nn
+
+    class SubParamBlock(nn.Module):
+        """x + o(silu(qkv(x))): ``o``'s input columns are ``qkv``'s output rows, both cut per sub-parameter."""
+
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(W, sum(sizes))
+            self.o = nn.Linear(sum(sizes), W)
+
+        def forward(self, x):
+            return x + self.o(nn.functional.silu(self.qkv(x)))
+
+    class FusedSubParamModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([SubParamBlock() for _ in range(2)])
+            self.head = nn.Linear(W, C)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(torch.relu(x))
+
+    return FusedSubParamModel()
+
+
+def _fused_model(kind):
+    if kind in ("subparam", "subparam-uneven"):
+        return _fused_subparam_net(FUSED_QKV_SIZES if kind == "subparam" else FUSED_QKV_SIZES_UNEVEN)
+    return {True: _fused_net, "qkv": _fused_qkv_net}[kind]()
 
 
 def _buffer_block_class():
@@ -336,7 +425,7 @@ def build_model(spec):
                 param.requires_grad_(False)
         return model
     if spec["fused"]:
-        return _fused_net()
+        return _fused_model(spec["fused"])
     return _mlp_net(spec["buffers"], spec["frozen"], spec["tied"])
 
 
@@ -359,7 +448,7 @@ def reference_model(spec):
             layers.append(module)
         return nn.Sequential(*layers)
     if spec["fused"]:
-        return _fused_net()
+        return _fused_model(spec["fused"])
     return _mlp_net(spec["buffers"], spec["frozen"], spec["tied"])
 
 
@@ -381,7 +470,13 @@ def ds_config(spec):
             cfg["fp16"]["loss_scale_window"] = spec["loss_scale_window"]
     if spec["grad_accum_dtype"]:
         cfg["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
-    if spec["tp"] > 1 and layout(spec) == "autotp" and spec["fused"]:
+    if spec["tp"] > 1 and layout(spec) == "autotp" and spec["fused"] in ("subparam", "subparam-uneven"):
+        sizes = FUSED_QKV_SIZES if spec["fused"] == "subparam" else FUSED_QKV_SIZES_UNEVEN
+        cfg["tensor_parallel"] = {
+            "autotp_size": spec["tp"],
+            "partition_config": {"use_default_specs": False, "layer_specs": _subparam_specs(sizes)},
+        }
+    elif spec["tp"] > 1 and layout(spec) == "autotp" and spec["fused"]:
         cfg["tensor_parallel"] = {"autotp_size": spec["tp"]}  # DeepSpeed's heuristic rules: GateUpPack_LinearLayer
     elif spec["tp"] > 1 and layout(spec) == "autotp":
         cfg["tensor_parallel"] = {
