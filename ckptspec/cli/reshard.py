@@ -26,6 +26,13 @@ from ._common import OUTPUT_DIR, echo_split, writing_deepspeed_files
     help="ZeRO stage of the target job (default: the checkpoint's): 0, 1, 2 or 3.",
 )
 @click.option(
+    "--grad-accum-dtype",
+    type=click.Choice(["fp32", "bf16"]),
+    default=None,
+    help="The target job's data_types.grad_accum_dtype (default: the checkpoint's optimizer kept). A bf16 job's at "
+    "stage 1 picks its optimizer: fp32 DeepSpeed's BF16_Optimizer, bf16 its ZeRO optimizer.",
+)
+@click.option(
     "--sub-group-size",
     type=click.IntRange(min=1),
     default=None,
@@ -89,6 +96,7 @@ def reshard(
     output: str,
     world_size: int,
     stage: int | None,
+    grad_accum_dtype: str | None,
     sub_group_size: int | None,
     tensor_parallel: int | None,
     pipeline_parallel: int | None,
@@ -112,11 +120,12 @@ def reshard(
     --world-size ranks, another degree splits it (or a tensor-parallel pipeline) by its own saved rules;
     --pipeline-parallel N (ZeRO-1 pipelines; a tensor-parallel one keeps its tensor degree, or is merged or split too
     with --tensor-parallel) gives the layers to N stages by --partition-method and rebuilds each stage's ZeRO groups;
-    --expert-parallel N regroups a MoE checkpoint's experts over N expert-parallel ranks. A torch DCP directory (an FSDP
-    checkpoint) is written as the ZeRO-1/2/3 checkpoint (--stage required) of a DeepSpeed job of --model-dtype. Never
-    executes pickled code; needs torch only to write the pickles, not DeepSpeed. Under torchrun (any number of processes
-    and nodes; OUTPUT on a file system they all mount) the ranks share the work: each writes every N-th file, reading
-    only what its files need, and the output is the same, byte for byte.
+    --expert-parallel N regroups a MoE checkpoint's experts over N expert-parallel ranks. --grad-accum-dtype fp32 writes
+    a bf16 ZeRO checkpoint for a stage-1 BF16_Optimizer job, bf16 a BF16_Optimizer one for a ZeRO job. A torch DCP
+    directory (an FSDP checkpoint) is written as the ZeRO-1/2/3 checkpoint (--stage required) of a DeepSpeed job of
+    --model-dtype. Never executes pickled code; needs torch only to write the pickles, not DeepSpeed. Under torchrun
+    (any number of processes and nodes; OUTPUT on a file system they all mount) the ranks share the work: each writes
+    every N-th file, reading only what its files need, and the output is the same, byte for byte.
     """
     from ..export.api import reshard as run
 
@@ -136,6 +145,7 @@ def reshard(
             manifest=manifest,
             to=to,
             model_dtype=_DTYPES.get(model_dtype, model_dtype),
+            grad_accum_dtype=_DTYPES[grad_accum_dtype] if grad_accum_dtype else None,
         )
         shares = share.report()
     if not share.first:

@@ -146,6 +146,7 @@ def reshard(
     tag: str | None = None,
     to: str | None = None,
     model_dtype: str | None = None,
+    grad_accum_dtype: str | None = None,
 ) -> Any:
     """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) as a DeepSpeed
     checkpoint ``output`` that ``engine.load_checkpoint`` resumes (docs/reshard.md). A tensor/pipeline-parallel
@@ -157,7 +158,9 @@ def reshard(
     ``tensor_parallel.partition_config.layer_specs``).
     A torch DCP directory (an FSDP checkpoint, ``.metadata``) is written as a ZeRO-1/2/3 checkpoint of an fp32 job
     (``reshard_dcp``), for a job of ``model_dtype`` ("float32", the default, or "bfloat16"; fp32 masters either way).
-    ``to``: the framework written, DeepSpeed (the only one, and the default).
+    ``to``: the framework written, DeepSpeed (the only one, and the default). ``grad_accum_dtype``: the target
+    job's ``data_types.grad_accum_dtype`` ("float32" or "bfloat16"; default: the source's kind kept), which picks a
+    bf16 job's optimizer at stage 1: "float32" DeepSpeed's BF16_Optimizer, "bfloat16" its ZeRO optimizer.
     CK403 for a kind it does not reshard yet, CK410 for a target it cannot write; nothing written then."""
     from ..checkpoint.dcp.metadata import is_dcp
 
@@ -166,6 +169,7 @@ def reshard(
         others: dict[str, Any] = {"--tensor-parallel": tensor_parallel, "--pipeline-parallel": pipeline_parallel}
         others.update({"--expert-parallel": expert_parallel, "--partition-method": partition_method})
         others.update({"--tag": tag, "--manifest": manifest, "--ds-config": ds_config})
+        others["--grad-accum-dtype"] = grad_accum_dtype
         return _reshard_dcp(checkpoint, output, world_size, zero_stage, sub_group_size, model_dtype, others)
     if model_dtype is not None:  # a ZeRO checkpoint's target keeps its dtypes
         from ..errors import ReshardUnsupported
@@ -182,8 +186,10 @@ def reshard(
         "expert_parallel": expert_parallel,
     }
     if described_by_index(checkpoint, manifest, tag):
+        from .reshard_bf16 import refuse_grad_accum_dtype_model_parallel
         from .reshard_parallel import reshard_model_parallel
 
+        refuse_grad_accum_dtype_model_parallel(checkpoint, grad_accum_dtype)  # CK410 before anything is read
         return reshard_model_parallel(
             checkpoint,
             output,
@@ -211,6 +217,7 @@ def reshard(
         manifest=manifest,
         tensor_parallel=tensor_parallel,
         ds_config=ds_config,
+        grad_accum_dtype=grad_accum_dtype,
     )
 
 

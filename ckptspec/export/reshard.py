@@ -38,7 +38,7 @@ from ..location import RemotePath, location
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
 from .plan import plan_reconstruction
-from .reshard_bf16 import is_bf16_optimizer, zero_source
+from .reshard_bf16 import is_bf16_optimizer, refuse_grad_accum_dtype_model_parallel, target_config, zero_source
 from .reshard_files import write_files
 from .reshard_layout import target_layout
 from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
@@ -69,10 +69,14 @@ def reshard(
     manifest: Manifest | str | os.PathLike | None = None,
     tensor_parallel: int | None = None,
     ds_config: dict | None = None,
+    grad_accum_dtype: str | None = None,
 ) -> ReshardResult:
     """Validate ``checkpoint``, then write it for ``world_size`` ranks (and ``zero_stage``) into ``output``;
-    ``tensor_parallel`` above 1: for an AutoTP job of that degree, by the rules of its ``ds_config``."""
+    ``tensor_parallel`` above 1: for an AutoTP job of that degree, by the rules of its ``ds_config``.
+    ``grad_accum_dtype``: the target job's ``data_types.grad_accum_dtype`` ("float32", "bfloat16"), which picks a
+    stage-1 bf16 job's optimizer (``reshard_bf16``); default: the source's kind."""
     if tensor_parallel not in (None, 1):
+        refuse_grad_accum_dtype_model_parallel(checkpoint, grad_accum_dtype)  # CK410 before anything is read
         return _reshard_to_tensor_parallel(
             checkpoint, output, world_size, zero_stage, tag, manifest, tensor_parallel, ds_config, sub_group_size
         )
@@ -80,7 +84,7 @@ def reshard(
         found, states = validated_source(checkpoint, manifest, tag)
         try:
             # CK410 before anything is read or written
-            target = target_layout(found, world_size, zero_stage, sub_group_size)
+            target = target_layout(found, world_size, zero_stage, sub_group_size, grad_accum_dtype=grad_accum_dtype)
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         plan = plan_reconstruction(checkpoint, found, tag, states=states)
@@ -98,14 +102,15 @@ def reshard(
                 files = write_stage0_files(found, plan, state_plan, target, states, tag_dir)
                 commit_and_validate_index(tmp, tag_dir, output)
                 return files
-            # a BF16_Optimizer source written for a ZeRO-2/3 job: its entries as DeepSpeed's ZeRO optimizer's
-            zero = zero_source(found, plan, states) if is_bf16_optimizer(found) and target.zero_stage > 1 else None
+            # a BF16_Optimizer source written for a ZeRO-1/2/3 job: its entries as DeepSpeed's ZeRO optimizer's
+            zero = zero_source(found, plan, states) if is_bf16_optimizer(found) and not target.bf16_optimizer else None
             if target.zero_stage == 3:
                 files = write_stage3_files(
                     found, plan, state_plan, target, states, tag_dir, sub_group_size, source=zero
                 )
-            else:
-                files = write_files(found, plan, state_plan, target, states, tag_dir, source=zero)
+            else:  # a ZeRO source for a BF16_Optimizer job: reshard_files writes its keys
+                config = target_config(found, target)
+                files = write_files(found, plan, state_plan, target, states, tag_dir, source=zero, config=config)
             embed_and_validate(found, tmp, tag_dir, output)
             return files
 

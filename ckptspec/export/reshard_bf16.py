@@ -1,5 +1,5 @@
 """A DeepSpeed ``BF16_Optimizer`` checkpoint (bf16 with ``data_types.grad_accum_dtype: fp32`` at ZeRO stage 1, as
-BLOOM and Megatron-DeepSpeed runs train) written for a ZeRO-2 or ZeRO-3 job.
+BLOOM and Megatron-DeepSpeed runs train) written for a ZeRO-1/2/3 job, and a bf16 ZeRO one for a BF16_Optimizer job.
 
 ``BF16_Optimizer.state_dict()`` holds ``clip_grad``, the torch optimizer's state (one flat partition per group, as
 ZeRO-1's), the fp32 partitions with their tail padding, ``group_paddings``, ``partition_count``, ``ds_version`` and
@@ -10,11 +10,19 @@ partitions, paddings, counts, stage, mappings) the ZeRO writers recompute for th
 none of this: it is BF16_Optimizer's again (``reshard_layout``), written from the source's own keys; so is each stage
 of a pipeline's (Megatron-DeepSpeed's) moved along its data axis. Anything else of a tensor/pipeline-parallel one is
 refused by name (``refuse_bf16_model_parallel``, CK410).
+
+``--grad-accum-dtype`` (``reshard_layout.runs_bf16_optimizer``) changes the kind at stage 1: ``bf16`` writes a
+BF16_Optimizer source for a plain ZeRO-1 job (``zero_source``, as for ZeRO-2), ``fp32`` a bf16 ZeRO-1/2/3 source for a
+BF16_Optimizer job: its ZeRO optimizer's entries but the loss scaler, overflow, stage and alignment paddings (which
+BF16_Optimizer keeps none of), the partitions re-laid in natural order and saved whole (``reshard_files``). The
+saved ds_config then says what the target job runs (``target_config``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from ..checkpoint.standins import LossScalerState
@@ -22,6 +30,7 @@ from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.models import Manifest
 from .reshard_files import STAGE12_KEYS
+from .reshard_layout import TargetLayout
 from .reshard_source import SourceOptimizer, source_optimizer
 
 
@@ -42,6 +51,49 @@ def zero_source(found: Manifest, plan, states: StateCache) -> SourceOptimizer:
     if "clip_grad" not in source.osd:
         del osd["clip_grad"]  # the target job's gradient_clipping applies, as DeepSpeed's loader does
     return dataclasses.replace(source, osd=osd, path=plan.tag_dir / first, file_name=first)
+
+
+def target_config(found: Manifest, target: TargetLayout) -> Callable[[Any], Any] | None:
+    """The saved ds_config as the target job's where ``--grad-accum-dtype`` changed its optimizer (a stage-1 target
+    of the other kind): ``data_types.grad_accum_dtype`` fp32 for BF16_Optimizer (``zero_optimization.stage`` 1; its
+    ``round_robin_gradients`` and ``parameter_alignment`` dropped: BF16_Optimizer runs neither, and ckptspec reads the
+    layout's by them), none for a bf16 ZeRO-1 job (the default: the model dtype, as a plain bf16 job saves it).
+    None (the config as saved) otherwise: at stage 2 or 3 DeepSpeed runs its ZeRO optimizer whatever it says."""
+    if target.zero_stage != 1 or target.bf16_optimizer == is_bf16_optimizer(found):
+        return None
+
+    def config(value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        value = copy.deepcopy(value)
+        types = dict(value.get("data_types") or {})
+        if target.bf16_optimizer:
+            types["grad_accum_dtype"] = "fp32"
+            zero = value.get("zero_optimization")
+            if isinstance(zero, dict):
+                zero["stage"] = 1
+                zero.pop("round_robin_gradients", None)
+                zero.pop("parameter_alignment", None)
+        else:
+            types.pop("grad_accum_dtype", None)
+        value.pop("data_types", None)
+        if types:
+            value["data_types"] = types  # last, where a job's config that names it has it here
+        return value
+
+    return config
+
+
+def refuse_grad_accum_dtype_model_parallel(checkpoint, grad_accum_dtype: str | None) -> None:
+    """CK410 by name for ``--grad-accum-dtype`` asked of a tensor/pipeline-parallel, MoE or stage-0 checkpoint (a
+    checkpoint index), or with a data-parallel one's ``--tensor-parallel`` split: not written yet."""
+    if grad_accum_dtype is not None:
+        raise ReshardUnsupported(
+            "--grad-accum-dtype is written for a data-parallel ZeRO-1/2/3 checkpoint moved along its data axis only so "
+            "far, not for a tensor/pipeline-parallel, MoE or stage-0 checkpoint or a --tensor-parallel split",
+            "leave --grad-accum-dtype out (a pipeline's BF16_Optimizer stages stay BF16_Optimizer's at stage 1)",
+            str(checkpoint),
+        )
 
 
 def refuse_bf16_model_parallel(index, tensor_parallel: int | None, pipeline_parallel: int | None, zero_stage) -> None:

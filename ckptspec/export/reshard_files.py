@@ -154,15 +154,17 @@ def write_files(
     model_changes: dict | None = None,
     source: SourceOptimizer | None = None,
     optimizer_in_model_states: bool = False,
+    config: Callable[[Any], Any] | None = None,
 ) -> list[Path]:
     """``changes``: the target's tensor degree differs (``reshard_tensor``); ``found`` then is the target's
     whole-model manifest. ``mp_rank``: the model-parallel rank of the written files' names (another pipeline
     stage's, issue #40), ``model_changes``: model-states entries replaced (``mp_world_size``...). ``source``:
     the optimizer entries of a source without ZeRO-1/2 optimizer files (``reshard_stage0_source``).
     ``optimizer_in_model_states``: the model states' ``optimizer`` is a copy of rank 0's optimizer state dict, as
-    a stage-0 bf16 pipeline saves it (``reshard_pipeline_stage0``)."""
+    a stage-0 bf16 pipeline saves it (``reshard_pipeline_stage0``). ``config``: the saved ds_config as the target
+    job's (``reshard_bf16.target_config``), in every file, when the degrees stay."""
     src_dir = plan.tag_dir
-    config = changes.config if changes is not None else (lambda value: value)
+    config = changes.config if changes is not None else config or (lambda value: value)
     if source is None:
         first = next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
         source = source_optimizer(found, states.state(src_dir / first))
@@ -193,6 +195,7 @@ def write_files(
         if changes is not None:
             doc = {k: changes.set_keys.get(k, v) for k, v in doc.items() if k not in changes.drop_keys}
             doc.update({k: v for k, v in changes.set_keys.items() if k not in doc})  # saved last, as DeepSpeed does
+        if "ds_config" in doc:
             doc["ds_config"] = config(doc["ds_config"])
         doc = {**doc, **(model_changes or {})}
         if optimizer_in_model_states:
@@ -349,6 +352,16 @@ STAGE12_KEYS = (
     "ds_version",
     "param_slice_mappings",
 )
+# BF16_Optimizer.state_dict()'s keys, in its order (a ZeRO-3 source has no clip_grad: as above)
+BF16_OPTIMIZER_KEYS = (
+    "clip_grad",
+    "base_optimizer_state",
+    "single_partition_of_fp32_groups",
+    "group_paddings",
+    "partition_count",
+    "ds_version",
+    "param_slice_mappings",
+)
 
 
 def _optimizer_state_dict(found, source, read, target, rank, masters, state_plan, master_dtype, files) -> dict:
@@ -381,7 +394,12 @@ def _optimizer_state_dict(found, source, read, target, rank, masters, state_plan
         ],
         "ds_version": source.ds_version,
     }
-    keys = list(source.osd) if source.zero_stage != 3 else [k for k in STAGE12_KEYS if k in replaced or k in source.osd]
+    if target.bf16_optimizer:  # a ZeRO source's entries as BF16_Optimizer saves them (no loss scaler, no stage)
+        keys = [k for k in BF16_OPTIMIZER_KEYS if k in replaced or k in source.osd]
+    elif source.zero_stage == 3:
+        keys = [k for k in STAGE12_KEYS if k in replaced or k in source.osd]
+    else:
+        keys = list(source.osd)
     return {k: replaced[k] if k in replaced else ds_pickle.from_standins(source.osd[k], _no_tensor) for k in keys}
 
 

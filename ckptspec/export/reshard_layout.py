@@ -11,6 +11,8 @@ DeepSpeed's ``BF16_Optimizer`` (bf16 with fp32 gradient accumulation at stage 1)
 does (natural order, no alignment gaps, padded to 2 x ws) and saves every partition whole, the tail padding
 included (``tail_padding_saved``): a stage-1 target of such a source is one again (what the same job config
 runs at any world size); ``--stage 2|3`` gives DeepSpeed's ZeRO optimizer's layout (``reshard_bf16``).
+``--grad-accum-dtype`` (the target job's ``data_types.grad_accum_dtype``) changes the kind at stage 1: ``fp32`` writes
+a bf16 ZeRO-1/2/3 checkpoint for a BF16_Optimizer job, ``bf16`` a BF16_Optimizer one for a plain ZeRO-1 job.
 What reshard cannot write is refused here, before anything is read: ``ReshardUnsupported`` (CK410).
 """
 
@@ -34,6 +36,7 @@ class TargetLayout:
     world_size: int
     zero_stage: int
     groups: list[Group]  # stage 1/2: one per source group; stage 3: its sub-groups, in order
+    bf16_optimizer: bool = False  # DeepSpeed's BF16_Optimizer's files (its keys, every partition whole)
 
 
 def round_robin_order(params: list, partition_count: int) -> list:
@@ -89,14 +92,18 @@ def target_layout(
     *,
     domain: bool = False,
     writes_stage0: bool = False,
+    grad_accum_dtype: str | None = None,
 ) -> TargetLayout:
     """The groups of ``manifest``'s checkpoint re-laid out for ``world_size`` (and ``zero_stage``).
     ``domain``: the manifest is one domain of a tensor/pipeline-parallel checkpoint (its data axis);
     ``writes_stage0``: the caller writes that domain at stage 0 (``reshard_stage0``: an AutoTP merge, or each tensor
-    rank of an AutoTP checkpoint)."""
+    rank of an AutoTP checkpoint). ``grad_accum_dtype``: the target job's ``data_types.grad_accum_dtype`` ("float32"
+    or "bfloat16"; None: the source's kind kept), which decides at stage 1 whether it runs BF16_Optimizer."""
     layout = manifest.layout
     stage = layout.zero_stage if zero_stage is None else zero_stage
     _refuse(manifest, world_size, stage, domain, writes_stage0)
+    refuse_grad_accum_dtype(manifest, stage, grad_accum_dtype)
+    bf16_optimizer = runs_bf16_optimizer(manifest, stage, grad_accum_dtype)
     if stage == 0:  # one file, every parameter whole: nothing to lay out (reshard_stage0)
         return TargetLayout(world_size, 0, [])
     if stage == 3:
@@ -109,14 +116,14 @@ def target_layout(
         return TargetLayout(world_size, stage, groups)
     groups = []
     for g, natural in natural_groups(manifest):
-        ordered = round_robin_order(natural, world_size) if layout.round_robin else natural
+        # BF16_Optimizer: natural order, no alignment gaps, its partitions whole (it runs neither option)
+        ordered = round_robin_order(natural, world_size) if layout.round_robin and not bf16_optimizer else natural
         paddings = (
             alignment_paddings([p.numel for p in ordered], ITEMSIZE[layout.model_dtype])
-            if layout.parameter_alignment
+            if layout.parameter_alignment and not bf16_optimizer
             else None
         )
         specs = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in ordered]
-        bf16_optimizer = layout.tail_padding_saved and stage == 1  # BF16_Optimizer again: its partitions whole
         target = flat_group(
             specs,
             optimizer_group=g,
@@ -135,7 +142,16 @@ def target_layout(
                 "reshard to fewer ranks",
             )
         groups.append(target)
-    return TargetLayout(world_size, stage, groups)
+    return TargetLayout(world_size, stage, groups, bf16_optimizer)
+
+
+def runs_bf16_optimizer(manifest: Manifest, stage: int, grad_accum_dtype: str | None) -> bool:
+    """Whether the target job runs DeepSpeed's BF16_Optimizer: bf16 with fp32 gradient accumulation at stage 1
+    (DeepSpeed 0.19.8's ``_do_optimizer_sanity_check``). Without ``grad_accum_dtype``: a stage-1 target of a
+    BF16_Optimizer source, as the same job config runs at any world size."""
+    if grad_accum_dtype is None:
+        return manifest.layout.tail_padding_saved and stage == 1
+    return stage == 1 and manifest.layout.model_dtype == "bfloat16" and grad_accum_dtype == "float32"
 
 
 def located_target_layout(manifest: Manifest, optimizer_json: str, world_size: int, stage: int) -> TargetLayout:
@@ -154,6 +170,36 @@ def target_sub_group_size(manifest: Manifest, sub_group_size: int | None) -> int
     if manifest.layout.zero_stage == 3 and manifest.layout.sub_group_size:
         return manifest.layout.sub_group_size
     return DEFAULT_SUB_GROUP_SIZE
+
+
+GRAD_ACCUM_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # what --grad-accum-dtype takes (DeepSpeed's names)
+
+
+def refuse_grad_accum_dtype(manifest: Manifest, stage: int, grad_accum_dtype: str | None) -> None:
+    """CK410 for a ``--grad-accum-dtype`` the target cannot express: one of a checkpoint not in bf16 (only a bf16
+    job's gradient accumulation dtype picks its optimizer: BF16_Optimizer or DeepSpeed's ZeRO optimizer), or fp32
+    at stage 0 (DeepSpeed 0.19.8 runs no dense stage-0 job with it). At stage 2 or 3 fp32 is taken: DeepSpeed runs
+    its ZeRO optimizer whatever it says."""
+    if grad_accum_dtype is None:
+        return
+    named = GRAD_ACCUM_DTYPES.get(grad_accum_dtype, grad_accum_dtype)
+    if grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+        raise ReshardUnsupported(
+            f"--grad-accum-dtype {named}: not a gradient accumulation dtype reshard writes for",
+            "give fp32 (BF16_Optimizer at stage 1) or bf16 (DeepSpeed's ZeRO optimizer)",
+        )
+    if manifest.layout.model_dtype != "bfloat16":
+        raise ReshardUnsupported(
+            f"--grad-accum-dtype {named} of a {manifest.layout.model_dtype} checkpoint: only a bf16 job's "
+            "data_types.grad_accum_dtype decides its optimizer (fp32: BF16_Optimizer at stage 1)",
+            "leave --grad-accum-dtype out (the target job accumulates in its model dtype)",
+        )
+    if stage == 0 and grad_accum_dtype == "float32":
+        raise ReshardUnsupported(
+            "--grad-accum-dtype fp32 with a stage-0 target: DeepSpeed 0.19.8 runs no dense stage-0 job with fp32 "
+            "gradient accumulation (NotImplementedError: unsupported mix of model_dtype and grad_accum_dtype)",
+            "reshard it to --stage 1 (BF16_Optimizer), 2 or 3, or give --grad-accum-dtype bf16",
+        )
 
 
 def _refuse(manifest: Manifest, world_size: int, stage: int, domain: bool, writes_stage0: bool = False) -> None:

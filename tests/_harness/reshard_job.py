@@ -14,7 +14,9 @@ what resume.py does not do:
 * ``universal`` ("ckptspec" or "deepspeed"): instead of resharding, rank 0 converts ``load`` to
   DeepSpeed's universal folder (``ckptspec export-universal`` in-process, or DeepSpeed's own
   ``ds_to_universal --inject_missing_state``) into OUT/uc, and the job loads it with
-  ``checkpoint.load_universal: true``; ``reshard_error`` holds the conversion's error.
+  ``checkpoint.load_universal: true``; ``reshard_error`` holds the conversion's error;
+* ``reshard`` with ``grad_accum_dtype`` (the target job's optimizer kind changed: BF16_Optimizer or ZeRO's), passed to
+  the public ``ckptspec.reshard``.
 
 resume.json and after_step.pt are resume.py's (same keys), plus the ones above.
 """
@@ -74,6 +76,33 @@ def _universal(load: Path, out: Path, how: str, rank: int):
     return outcome[0], base
 
 
+def _reshard(load: Path, out: Path, reshard: dict, rank: int):
+    """job/resume.py's ``_reshard``, through the public ``ckptspec.reshard`` with the target job's ``grad_accum_dtype``
+    where the task gives one (``--grad-accum-dtype``: it picks the target's optimizer kind)."""
+    if "grad_accum_dtype" not in reshard:
+        return resume._reshard(load, out, reshard, rank)
+    import torch.distributed as dist
+
+    target, outcome = out / "resharded", [None]
+    if rank == 0:
+        from ckptspec import reshard as run_reshard
+
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            run_reshard(
+                load,
+                target,
+                reshard["world_size"],
+                zero_stage=reshard.get("stage"),
+                sub_group_size=reshard.get("sub_group_size"),
+                grad_accum_dtype=reshard["grad_accum_dtype"],
+            )
+        except Exception as exc:  # recorded: a test asserts there is none
+            outcome[0] = resume._first_line(exc)
+    dist.broadcast_object_list(outcome, src=0)
+    return outcome[0], target
+
+
 def run(args, out: Path):
     import deepspeed
     import torch
@@ -99,7 +128,7 @@ def run(args, out: Path):
     if args.get("universal"):
         reshard_error, target = _universal(load, out, args["universal"], rank)
     else:
-        reshard_error, target = resume._reshard(load, out, args["reshard"], rank)
+        reshard_error, target = _reshard(load, out, args["reshard"], rank)
     if reshard_error is None:
         try:
             load_path, _ = engine.load_checkpoint(str(target), load_module_strict=not spec["exclude_frozen"])

@@ -892,6 +892,13 @@ RESHARD_JOB_CASES = {
     "reshard-s3-fp32-exclude-2to3": ("s3-fp32-ws2-exclude", 3, {}),
     "reshard-s2-to-s3-bf16-exclude-2to3": ("s2-bf16-ws2-exclude", 3, {"stage": 3}),
     "reshard-s2-bf16-zero-elem-2to3": ("s2-bf16-ws2-zero-elem", 3, {}),
+    # the optimizer kind changed by the target job's data_types.grad_accum_dtype (#40, ``--grad-accum-dtype``): bf16
+    # ZeRO-1, ZeRO-2 and ZeRO-3 sources for BF16_Optimizer jobs (fp32: the same config as s1-bf16-ws2-bf16opt's), and
+    # the BF16_Optimizer source for a plain ZeRO-1 job (bf16), in the launches of the loads above
+    "reshard-s1-bf16-to-bf16opt-2to3": ("s1-bf16-ws2", 3, {"grad_accum_dtype": "fp32"}),
+    "reshard-s2-bf16-to-s1-bf16opt-2to2": ("s2-bf16-ws2", 2, {"stage": 1, "grad_accum_dtype": "fp32"}),
+    "reshard-s3-bf16-sub-to-s1-bf16opt-2to3": ("s3-bf16-ws2-sub", 3, {"stage": 1, "grad_accum_dtype": "fp32"}),
+    "reshard-s1-bf16opt-to-s1-bf16-2to3": ("s1-bf16-ws2-bf16opt", 3, {"grad_accum_dtype": "bf16"}),
 }
 # Universal checkpoints (tests/_harness/reshard_job.py "universal"): the source converted by
 # ``ckptspec export-universal`` or by DeepSpeed's own ``ds_to_universal --inject_missing_state``, loaded
@@ -1112,6 +1119,8 @@ def _registry() -> dict[str, Task]:
     for name, (source, ws, changes) in RESHARD_JOB_CASES.items():
         spec = {**MATRIX_SPECS[source][0], **changes}
         reshard = {"world_size": ws, "stage": changes.get("stage"), "sub_group_size": changes.get("sub_group_size")}
+        if changes.get("grad_accum_dtype"):  # ckptspec.reshard's grad_accum_dtype (the other tasks' keys as they were)
+            reshard["grad_accum_dtype"] = {"fp32": "float32", "bf16": "bfloat16"}[changes["grad_accum_dtype"]]
         args = {"spec": spec, "reshard": reshard, "extra_step": EXTRA_STEP}
         out[name] = Task("reshard", args, ws, load=source)
     for name, (saved, ws, stage, dtype) in DCP_RESHARDS.items():

@@ -37,16 +37,23 @@ STEP_TOLERANCE = {"bf16": 1e-3, "fp16": 1e-4, "fp32": 1e-5}
 ALL_CASES = {**RESHARD_CASES, **RESHARD_JOB_CASES}
 
 
+def _runs_bf16_optimizer(spec: dict) -> bool:
+    """DeepSpeed runs its BF16_Optimizer for a bf16 job with fp32 gradient accumulation at stage 1."""
+    return spec["dtype"] == "bf16" and spec.get("grad_accum_dtype") == "fp32" and spec["stage"] == 1
+
+
 def _expected_scale(ds, source: str, target_spec: dict) -> float | None:
-    """The loss scale the target job holds: the source's. DeepSpeed's BF16_Optimizer keeps none (None); a bf16 ZeRO
-    job resuming it holds the static scale 1.0 every bf16 ZeRO job has."""
+    """The loss scale the target job holds: the source's. DeepSpeed's BF16_Optimizer keeps none (None), whatever
+    it resumed; a bf16 ZeRO job resuming it holds the static scale 1.0 every bf16 ZeRO job has."""
     import torch
 
+    if _runs_bf16_optimizer(target_spec):
+        return None
     tag = ds.path(source) / "global_step2"
     first = sorted(tag.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))[0]
     osd = torch.load(first, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     if "loss_scaler" not in osd:  # BF16_Optimizer's
-        return None if target_spec.get("grad_accum_dtype") == "fp32" and target_spec["stage"] == 1 else 1.0
+        return 1.0
     return float(osd["loss_scaler"].cur_scale)
 
 
@@ -68,6 +75,9 @@ def test_target_job_loads_the_source_state_bit_for_bit(case, ds):
     manifest = json.loads((ds.path(case) / "resharded" / "global_step2" / "ckptspec.json").read_text())
     assert manifest["layout"]["world_size"] == world_size
     assert manifest["layout"]["zero_stage"] == changes.get("stage", MATRIX_SPECS[source][0]["stage"])
+    # the files are of the optimizer the target job runs (its loss scale above: None under BF16_Optimizer)
+    bf16_optimizer = _runs_bf16_optimizer({**MATRIX_SPECS[source][0], **changes})
+    assert (manifest["layout"]["optimizer"] == "BF16_Optimizer") == bf16_optimizer, manifest["layout"]
     # frozen parameters (gathered at stage 3), buffers and the tie, against the source's files and masters
     assert outcome["model_mismatched"] == [], outcome["model_mismatched"]
     assert outcome["buffers_checked"] == ["running", "step_count"]
@@ -96,7 +106,10 @@ def test_one_more_step_equals_the_job_that_never_stopped(case, ds):
     before = torch.load(ds.path(source) / "live_fp32.pt", weights_only=True)
     assert resumed.keys() == never_stopped.keys() == before.keys()
     assert any(not torch.equal(never_stopped[n], before[n].float()) for n in before)  # the step moved them
-    if world_size == source_ws and 3 not in _stage(case):
+    # bitwise at the same world size and optimizer kind; BF16_Optimizer accumulates and reduces the gradients in fp32,
+    # DeepSpeed's ZeRO optimizer in bf16: ZeRO-2 -> BF16_Optimizer at 2 ranks, observed max |diff| 6.0e-8
+    same_kind = _runs_bf16_optimizer(spec) == _runs_bf16_optimizer({**spec, **changes})
+    if world_size == source_ws and 3 not in _stage(case) and same_kind:
         assert all(torch.equal(resumed[n], never_stopped[n]) for n in never_stopped)
     else:
         worst = max((resumed[n] - never_stopped[n]).abs().max().item() for n in never_stopped)

@@ -11,6 +11,8 @@ themselves, against the source's and against DeepSpeed's own ZeRO saves.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from _harness.faults import tag_dir
@@ -154,4 +156,140 @@ def test_a_pipeline_moved_otherwise_is_refused_by_name_before_writing(ds, tmp_pa
     result = _run("reshard", ds.path(PIPELINE), tmp_path / "out", *args)
     assert result.exit_code == 1, result.output
     assert "CK410" in result.output and "BF16_Optimizer" in result.output and f"not with {named}" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+# --grad-accum-dtype: the target job's data_types.grad_accum_dtype, which picks a stage-1 bf16 job's optimizer. The
+# real-job ground truth is test_reshard.py's (RESHARD_JOB_CASES "reshard-*-to-*bf16opt-*", "reshard-s1-bf16opt-to-s1-*":
+# BF16_Optimizer jobs load bf16 ZeRO-1/2/3 sources, a plain ZeRO-1 job the BF16_Optimizer one). Here: the files.
+ZERO1 = "s1-bf16-ws2"  # the same job config as SOURCE's but data_types
+
+
+@pytest.mark.parametrize(("start", "there", "back"), [(ZERO1, "fp32", "bf16"), (SOURCE, "bf16", "fp32")])
+def test_the_other_kind_and_back_gives_the_source_files(ds, tmp_path, start, there, back):
+    """2 ranks -> 3 of the other kind -> 2 of the source's: every file, key and value of DeepSpeed's own save, its
+    ds_config included, bit for bit; only the manifest is added (embedded, and beside them)."""
+    source = tag_dir(ds.path(start))
+    other, again = tmp_path / "other", tmp_path / "again"
+    result = _run("reshard", ds.path(start), other, "--world-size", 3, "--grad-accum-dtype", there)
+    assert result.exit_code == 0, result.output
+    result = _run("reshard", other, again, "--world-size", 2, "--grad-accum-dtype", back)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tag_dir(again).glob("*.pt")) == sorted(p.name for p in source.iterdir())
+    for path in sorted(source.iterdir()):
+        ours = _load(tag_dir(again) / path.name)
+        ours.pop(CLIENT_STATE_KEY, None)
+        _same(ours, _load(path), path.name)
+
+
+def _structure(value):
+    """``value`` with each tensor as its dtype and shape: keys in order, every other value as saved (its repr)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, tuple(value.shape)
+    if isinstance(value, dict):
+        return type(value).__name__, [(k, _structure(v)) for k, v in value.items()]
+    if isinstance(value, list | tuple):
+        return type(value).__name__, [_structure(v) for v in value]
+    return repr(value)
+
+
+# ZeRO-2 saves the frozen parameters' shapes and fragments, which a stage-1 job does not: kept from the source, as
+# every stage-2 source written at stage 1 keeps them (DeepSpeed's load reads the module)
+_STAGE2_ONLY = ("frozen_param_shapes", "frozen_param_fragments")
+
+
+@pytest.mark.parametrize(
+    ("start", "args", "native"),
+    [
+        (ZERO1, ["--grad-accum-dtype", "fp32"], SOURCE),
+        ("s2-bf16-ws2", ["--stage", 1, "--grad-accum-dtype", "fp32"], SOURCE),
+        (SOURCE, ["--grad-accum-dtype", "bf16"], ZERO1),
+    ],
+)
+def test_the_other_kind_is_deepspeeds_own_save_of_it(ds, tmp_path, start, args, native):
+    """At 2 ranks, every file is what DeepSpeed saves for a job of the target's kind (``native``: the same model and
+    config but data_types, trained the same steps): the same files and keys in the same order, the same scalars and
+    ds_config, every tensor of the same dtype and shape (BF16_Optimizer: no loss scaler, no stage, each partition
+    whole); only the values of the masters, moments and weights differ (another training)."""
+    out = tmp_path / "out"
+    result = _run("reshard", ds.path(start), out, "--world-size", 2, *args)
+    assert result.exit_code == 0, result.output
+    theirs = tag_dir(ds.path(native))
+    assert sorted(p.name for p in tag_dir(out).glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
+    for path in sorted(theirs.glob("*.pt")):
+        ours, native_doc = _load(tag_dir(out) / path.name), _load(path)
+        ours.pop(CLIENT_STATE_KEY, None)
+        if start == "s2-bf16-ws2":  # its job's config is another (no bucket sizes): the source's, at stage 1
+            config = _load(tag_dir(ds.path(start)) / "mp_rank_00_model_states.pt")["ds_config"]
+            native_doc["ds_config"] = {
+                **config,
+                "zero_optimization": {"stage": 1},
+                "data_types": {"grad_accum_dtype": "fp32"},
+            }
+            if "module" in native_doc:
+                for key in _STAGE2_ONLY:
+                    assert ours.pop(key) is not None and native_doc.pop(key) is None, key
+        assert _structure(ours) == _structure(native_doc), path.name
+
+
+def test_an_aligned_source_is_written_in_bf16_optimizers_layout(ds, tmp_path):
+    """parameter_alignment (ZeRO-2 with its gaps): BF16_Optimizer runs none, so the target has no gap, and its
+    ds_config no parameter_alignment (by which ckptspec reads the layout; the output is validated so)."""
+    out = tmp_path / "out"
+    result = _run(
+        "reshard", ds.path("s2-bf16-ws2-align"), out, "--world-size", 3, "--stage", 1, "--grad-accum-dtype", "fp32"
+    )
+    assert result.exit_code == 0, result.output
+    source_config = _load(tag_dir(ds.path("s2-bf16-ws2-align")) / "mp_rank_00_model_states.pt")["ds_config"]
+    assert source_config["zero_optimization"]["parameter_alignment"] is True
+    model = _load(tag_dir(out) / "mp_rank_00_model_states.pt")
+    assert "parameter_alignment" not in model["ds_config"]["zero_optimization"]
+    assert model["ds_config"]["data_types"] == {"grad_accum_dtype": "fp32"}
+    layout = json.loads((tag_dir(out) / "ckptspec.json").read_text())["layout"]
+    assert (
+        layout["optimizer"] == "BF16_Optimizer" and layout["tail_padding_saved"] and not layout["parameter_alignment"]
+    )
+    for rank in range(3):
+        osd = _load(tag_dir(out) / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        assert "param_alignment_paddings" not in osd and [
+            t.numel() for t in osd["single_partition_of_fp32_groups"]
+        ] == [636]
+
+
+def test_fp32_accumulation_at_stage_2_is_deepspeeds_zero_optimizer(ds, tmp_path):
+    """At stage 2 DeepSpeed runs its ZeRO optimizer whatever data_types says: the files of ``--stage 2`` alone."""
+    plain, fp32 = tmp_path / "plain", tmp_path / "fp32"
+    assert _run("reshard", ds.path(ZERO1), plain, "--world-size", 3, "--stage", 2).exit_code == 0
+    result = _run("reshard", ds.path(ZERO1), fp32, "--world-size", 3, "--stage", 2, "--grad-accum-dtype", "fp32")
+    assert result.exit_code == 0, result.output
+    for path in sorted(tag_dir(plain).iterdir()):
+        assert (tag_dir(fp32) / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+@pytest.mark.parametrize(
+    ("source", "args", "named"),
+    [
+        ("s1-fp32-ws3-rr", ["--grad-accum-dtype", "fp32"], "--grad-accum-dtype fp32 of a float32 checkpoint"),
+        ("s1-fp16-ws2", ["--grad-accum-dtype", "bf16"], "--grad-accum-dtype bf16 of a float16 checkpoint"),
+        (ZERO1, ["--stage", 0, "--grad-accum-dtype", "fp32"], "--grad-accum-dtype fp32 with a stage-0 target"),
+        (ZERO1, ["--tensor-parallel", 2, "--grad-accum-dtype", "fp32"], "--grad-accum-dtype is written for a data"),
+        (PIPELINE, ["--grad-accum-dtype", "fp32"], "--grad-accum-dtype is written for a data-parallel"),
+    ],
+)
+def test_a_grad_accum_dtype_the_target_cannot_express_is_refused_by_name_before_writing(
+    ds, tmp_path, source, args, named
+):
+    result = _run("reshard", ds.path(source), tmp_path / "out", "--world-size", 2, *args)
+    assert result.exit_code == 1, result.output
+    assert "CK410" in result.output and named in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_api_refuses_a_dtype_it_does_not_write_for(ds, tmp_path):
+    import ckptspec
+
+    with pytest.raises(ckptspec.CkptspecError) as raised:
+        ckptspec.reshard(ds.path(ZERO1), tmp_path / "out", 2, grad_accum_dtype="float16")
+    assert raised.value.code == "CK410" and "--grad-accum-dtype fp16" not in raised.value.message
+    assert "float16: not a gradient accumulation dtype" in raised.value.message
     assert list(tmp_path.iterdir()) == []
