@@ -116,7 +116,7 @@ def reshard_model_parallel(
                     reshard_model_parallel,
                 )
                 merged_layers = pipeline_parallel not in (None, degrees.pipeline)  # the restage writes them
-            elif is_autotp_stage0(found):  # AutoTP at stage 0: each tensor rank as ZeRO, at its degree, merged or split
+            elif is_autotp_stage0(found):  # AutoTP at stage 0: as ZeRO or stage 0, at its degree, merged or split
                 stage0_args = (world_size, zero_stage, tensor_parallel, sub_group_size)
                 writes = plan_autotp_stage0(found, src_dir, plans, states, *stage0_args)  # type: ignore[arg-type]
                 if tensor_parallel == 1:  # merged: one data-parallel checkpoint, validated as such
