@@ -46,15 +46,19 @@ def master_sources(tag_dir: Path, domain: Domain) -> dict[str, TensorSource]:
 def named_extras(
     tag_dir: Path, domain: Domain, masters: dict[str, TensorSource], states: StateCache
 ) -> tuple[dict[str, TensorSource], dict[str, str]]:
-    """(buffer name -> its bytes, alias -> owner) of a domain whose index locates its masters."""
+    """(buffer or frozen parameter name -> its bytes, alias -> owner) of a domain whose index locates its masters
+    (a stage-0 one's frozen parameters: its module's weights that hold no master, ``layout/masters.frozen_apart``)."""
     buffers: dict[str, TensorSource] = {}
-    if domain.manifest.buffers:
+    if domain.manifest.buffers or domain.manifest.frozen:
         model = next((f.path for f in domain.manifest.files if MODEL_RE.match(Path(f.path).name)), None)
         if model is None:
             raise ReconstructMismatch(f"domain {domain.id} names buffers but lists no model states", tag_dir)
         path = _inside(tag_dir, model)
         for buffer in domain.manifest.buffers:
             buffers[buffer.name] = buffer_source(buffer, path, states)
+        for frozen in domain.manifest.frozen:  # in the module, as saved (stored_in "module")
+            located = buffer_source(frozen, path, states)
+            buffers[frozen.name] = TensorSource(frozen.name, located.shape, located.dtype, located.segments, "frozen")
     aliases = {}
     for alias in domain.manifest.aliases:
         owner = masters.get(alias.owner)

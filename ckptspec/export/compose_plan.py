@@ -235,8 +235,8 @@ def whole_plan(
         for name in plan.order:
             if name in plan.aliases:
                 aliases[name] = plan.aliases[name]
-            elif plan.sources[name].role == "trainable":
-                continue
+            elif plan.sources[name].role == "trainable" or name in (extras or {}):
+                continue  # a master; a frozen parameter the index places (an AutoTP stage-0 one: index_extras)
             elif name in copies:
                 copies[name].append((_copy(domain_id, plan.sources[name], False), plan.sources[name]))
                 continue

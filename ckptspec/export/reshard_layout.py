@@ -154,13 +154,16 @@ def runs_bf16_optimizer(manifest: Manifest, stage: int, grad_accum_dtype: str | 
     return stage == 1 and manifest.layout.model_dtype == "bfloat16" and grad_accum_dtype == "float32"
 
 
-def located_target_layout(manifest: Manifest, optimizer_json: str, world_size: int, stage: int) -> TargetLayout:
+def located_target_layout(
+    manifest: Manifest, optimizer_json: str, world_size: int, stage: int, writes_stage0: bool = False
+) -> TargetLayout:
     """``target_layout`` of a domain whose masters and moments the checkpoint index locates apart from ZeRO
     partitions (stage 0, MoE): ``manifest`` (a copy, changed here) is read at the target ``stage`` for its order,
-    dtypes and groups, with the optimizer the moments' state plan found (``optimizer_json``)."""
+    dtypes and groups, with the optimizer the moments' state plan found (``optimizer_json``); ``writes_stage0`` as
+    ``target_layout``'s (an AutoTP stage-0 source merged or split for a stage-0 job)."""
     manifest.layout.zero_stage = stage
     manifest.optimizer = Optimizer.model_validate_json(optimizer_json)
-    return target_layout(manifest, world_size, stage, domain=True)
+    return target_layout(manifest, world_size, stage, domain=True, writes_stage0=writes_stage0)
 
 
 def target_sub_group_size(manifest: Manifest, sub_group_size: int | None) -> int:
@@ -206,7 +209,9 @@ def _refuse(manifest: Manifest, world_size: int, stage: int, domain: bool, write
     layout = manifest.layout
     if world_size < 1:
         raise ReshardUnsupported(f"--world-size must be at least 1, not {world_size}", "give a positive world size")
-    if layout.zero_stage not in STAGES or stage not in TARGET_STAGES:
+    # an AutoTP stage-0 domain (its masters located apart) merged or split for a stage-0 job: reshard_tensor_stage0
+    read = layout.zero_stage in STAGES or (writes_stage0 and layout.zero_stage == 0 == stage)
+    if not read or stage not in TARGET_STAGES:
         raise ReshardUnsupported(
             f"resharding ZeRO stage {layout.zero_stage} to stage {stage} is not supported yet "
             "(stage 1, 2 and 3 sources, to stage 0, 1, 2 or 3, are)",

@@ -127,7 +127,7 @@ def reshard_model_parallel(
                 restaged = (world_size, pipeline_parallel, partition_method, reshard_model_parallel, zero_stage)
                 writes = [plan_restaged(found, src_dir, plans, states, *restaged)]  # type: ignore[arg-type]
                 merged_layers = True  # the restage writes them
-            elif is_autotp_stage0(found):  # AutoTP at stage 0: each tensor rank as ZeRO, at its degree, merged or split
+            elif is_autotp_stage0(found):  # AutoTP at stage 0: as ZeRO or stage 0, at its degree, merged or split
                 stage0_args = (world_size, zero_stage, tensor_parallel, sub_group_size)
                 writes = plan_autotp_stage0(found, src_dir, plans, states, *stage0_args)  # type: ignore[arg-type]
                 if tensor_parallel == 1:  # merged: one data-parallel checkpoint, validated as such

@@ -47,7 +47,7 @@ from .arrays import ShardReader, iter_chunks
 from .model_plan import TensorSource
 from .reshard_files import ModelChanges, lazy_reader, tensor_reader
 from .reshard_layout import TargetLayout, natural_groups
-from .reshard_source import source_optimizer, with_stage
+from .reshard_source import SourceOptimizer, source_optimizer, with_stage
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 ZERO_OFF = ("param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments")
@@ -93,15 +93,22 @@ def write_stage0_files(
     tag_dir: Path,
     changes: ModelChanges | None = None,
     mp_rank: int | None = None,
+    source: SourceOptimizer | None = None,
 ) -> list[Path]:
     """``changes``: an AutoTP merge's or split's (``reshard_tensor``): the module's tensors and the entries a job of
     the target's tensor degree saves otherwise; ``found`` and ``plan`` are then that model's, read from tensor rank 0's
     files. ``mp_rank``: the tensor rank whose model states these are (``mp_rank_XX_model_states.pt``: an AutoTP
-    job's, one per tensor rank)."""
+    job's, one per tensor rank). ``source``: the optimizer entries of a source without ZeRO optimizer files (an AutoTP
+    stage-0 one: ``reshard_tensor_stage0``), read from ``source.path``; else source rank 0's optimizer file's."""
     src_dir = plan.tag_dir
-    first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+    if source is None:
+        first = src_dir / next(f.path for f in found.files if f.role == "optimizer_states" and 0 in f.ranks)
+        source = source_optimizer(found, states.state(first))
+    else:
+        assert source.path is not None  # reshard_stage0_source.stage0_optimizer's: the model states it read
+        first = source.path
     model = src_dir / _model_file(found)
-    source, model_state = source_optimizer(found, states.state(first)), states.state(model)
+    model_state = states.state(model)
     with ShardReader() as files:
         read_optim = tensor_reader(first, states, files)  # the scalars only (step): read small
         read_model = lazy_reader(model, states, files)  # nothing read until written

@@ -65,7 +65,7 @@ class DataParallelTarget:
             from .reshard_stage0 import write_stage0_files
 
             args = (self.manifest, self.plan, self.state_plan, self.target, states, tag_dir)
-            return write_stage0_files(*args, self.changes, self.mp_rank)
+            return write_stage0_files(*args, self.changes, self.mp_rank, self.source)
         if self.target.zero_stage == 3:  # an AutoTP merge or split to stage 3
             from .reshard_stage3 import write_stage3_files
 

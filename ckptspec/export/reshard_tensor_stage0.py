@@ -1,4 +1,4 @@
-"""``ckptspec reshard --stage 1|2`` of an AutoTP checkpoint saved at ZeRO stage 0: at its degree, merged or split.
+"""``ckptspec reshard [--stage 0|1|2|3]`` of an AutoTP checkpoint saved at ZeRO stage 0: at its degree, merged or split.
 
 An AutoTP job at stage 0 saves one ``mp_rank_XX_model_states.pt`` per tensor rank: its shards' fp32 masters in the
 wrapper's ``fp32_groups`` and their Adam moments in the wrapped torch optimizer's state (every data rank the same).
@@ -14,8 +14,17 @@ Either way the optimizer files' param groups, steps and loss scale come from the
 (``stage0_optimizer``), and the model states change as for a dense stage-0 source (``optimizer`` None,
 ``zero_optimization.stage``) besides the merge's or split's entries.
 
-Refused by name (CK410) before anything is written: a target at stage 0 or 3 (not written yet), frozen parameters
-(a stage-0 job's ``fp32_groups`` do not name them), a world size the target's tensor degree does not divide.
+For an AutoTP stage-0 job (``--stage 0``, or no ``--stage``: the checkpoint's own):
+- at the source's tensor degree, each tensor rank's file as saved with ``dp_world_size`` the target's
+  (``reshard_stage0_world.Stage0WorldWrite``, as for a dense stage-0 source: DeepSpeed's stage-0 job records the
+  data-parallel size and never compares it), frozen parameters included;
+- merged or split, the whole model written by the stage-0 writer (``reshard_stage0.write_stage0_files``) from the
+  stage-0 optimizer's entries, the wrapper's loss scale and ``cur_iter`` as saved, the buffers each tensor rank's
+  copy (compared first: CK401).
+
+Refused by name (CK410) before anything is written: frozen parameters (``layout/masters.frozen_apart`` names them)
+anywhere but a stage-0 target of the source's tensor degree (not written yet), a world size the target's tensor degree
+does not divide, ``--sub-group-size`` for a target not at ZeRO-3.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.standins import LossScalerState
 from ..checkpoint.states import StateCache
 from ..errors import ReshardUnsupported
 from ..format.index_models import CheckpointIndex
@@ -31,8 +41,10 @@ from .masters_state import masters_state_plan
 from .model_plan import ReconstructionPlan
 from .reshard_files import ModelChanges
 from .reshard_layout import located_target_layout
-from .reshard_source import with_stage
+from .reshard_source import SourceOptimizer, with_stage
+from .reshard_stage0 import refuse_stage0
 from .reshard_stage0_source import at_stage3, stage0_domain_write, stage0_optimizer
+from .reshard_stage0_world import Stage0WorldWrite
 from .reshard_tensor import AUTOTP_ONLY_KEYS, DataParallelTarget, whole_model, without_tensor_parallel
 from .reshard_tensor_split import split_axes, split_writes
 
@@ -61,6 +73,10 @@ def plan_autotp_stage0(
     degree = held if tensor_parallel is None else tensor_parallel
     stage = _refused_or_stage(index, world_size, zero_stage, degree, sub_group_size)
     data = world_size // degree
+    if stage == 0 and degree == held:  # each tensor rank's file as saved, dp_world_size the target's
+        domains = sorted(index.domains, key=lambda d: d.coordinate.tensor)
+        files = [next(f.path for f in d.manifest.files if f.role == "model_states") for d in domains]
+        return [Stage0WorldWrite(tag_dir / f, data) for f in files]  # type: ignore[misc]
     if degree == held:  # each tensor rank's domain as a dense stage-0 source's, its files keeping their mp_rank
         domains = sorted(index.domains, key=lambda d: d.coordinate.tensor)
         writes = [
@@ -69,12 +85,17 @@ def plan_autotp_stage0(
         ]
         return _as_saved_at(writes, stage, sub_group_size)
     manifest, whole, extras, module = whole_model(index, tag_dir, plans, states)
+    if stage == 0:  # a stage-0 module holds the buffers too: the whole plan's (each tensor rank's copy compared)
+        module = {**module, **{n: s for n, s in whole.sources.items() if s.role == "buffer" and n not in module}}
     state_plan = whole.optimizer_state_plan()
     first = next(d for d in index.domains if d.coordinate.tensor == 0)
     moments = sorted({key for names in state_plan.states.values() for key in names})
     source = stage0_optimizer(tag_dir, first, states, moments, stage)
     # the whole manifest read at the target stage (a merge's target; a split's shards are laid out from it)
-    target = located_target_layout(manifest, state_plan.metadata["ckptspec.optimizer"], data, stage)
+    target = located_target_layout(manifest, state_plan.metadata["ckptspec.optimizer"], data, stage, stage == 0)
+    if stage == 0:  # FP16_UnfusedOptimizer's loss-scale entries as the source's wrapper saved them (reshard_stage0)
+        source = _with_wrapper_scale(source, states.state(source.path)["optimizer"])  # type: ignore[arg-type]
+        refuse_stage0(manifest, source.osd)
     stage0_keys: dict[str, Any] = {
         "optimizer": None,
         "shared_params": {},
@@ -104,6 +125,13 @@ def plan_autotp_stage0(
     return _as_saved_at(out, stage, sub_group_size)
 
 
+def _with_wrapper_scale(source: SourceOptimizer, wrapper: dict) -> SourceOptimizer:
+    """``source`` with the stage-0 wrapper's static loss scale and its iteration count (``cur_iter``), which a
+    stage-0 target's wrapper saves as they were (``stage0_optimizer`` refused a dynamic one)."""
+    kept = {k: wrapper[k] for k in ("cur_scale", "cur_iter") if k in wrapper}
+    return replace(source, osd={**source.osd, "loss_scaler": LossScalerState({**kept, "dynamic": False})})
+
+
 def _as_saved_at(writes: list[DataParallelTarget], stage: int, sub_group_size: int | None) -> list[DataParallelTarget]:
     """``writes`` as a ZeRO ``stage`` job saves them. ZeRO-2: with the two entries a stage-0 one saves None (DeepSpeed
     0.19.8 records the frozen parameters' shapes and fragments when it partitions gradients; empty without frozen
@@ -122,12 +150,10 @@ def _refused_or_stage(
 ) -> int:
     """The target's ZeRO stage; CK410, by name, for what is not written."""
     held = index.topology.degrees.tensor
-    if zero_stage not in (1, 2, 3):
-        asked = "no --stage" if zero_stage is None else f"--stage {zero_stage}"
+    zero_stage = 0 if zero_stage is None else zero_stage  # the checkpoint's own stage
+    if zero_stage not in (0, 1, 2, 3):
         raise ReshardUnsupported(
-            f"{asked} for an AutoTP stage-0 checkpoint (tensor degree {held}): ZeRO stage 1, 2 and 3 targets are "
-            "written (stage 0 ones not yet)",
-            "give --stage 1, 2 or 3",
+            f"--stage {zero_stage} for an AutoTP stage-0 checkpoint (tensor degree {held})", "give --stage 0, 1, 2 or 3"
         )
     if sub_group_size is not None and zero_stage != 3:
         raise ReshardUnsupported(
@@ -146,10 +172,10 @@ def _refused_or_stage(
                 "resume at the same layout",
             )
     frozen = sorted({f.name for d in index.domains for f in d.manifest.frozen})
-    if frozen:
+    if frozen and (zero_stage != 0 or degree != held):
         raise ReshardUnsupported(
-            f"frozen parameters ({', '.join(frozen)}) in an AutoTP stage-0 checkpoint: its fp32_groups "
-            "do not name them, so the masters could not be told apart",
-            "resume at the same layout",
+            f"frozen parameters ({', '.join(frozen)}) in an AutoTP stage-0 checkpoint are not written as ZeRO, "
+            "merged or split yet",
+            f"reshard it for a stage-0 job of tensor degree {held} (--stage 0), or resume at the same layout",
         )
     return zero_stage

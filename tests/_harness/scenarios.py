@@ -220,7 +220,8 @@ AUTOTP_STAGE0_SPECS = {
     # with the MLP's two buffers (each tensor rank's file holds its own copy), converted by ds_to_universal too (which
     # fails on it): the source of the AutoTP stage-0 moves to ZeRO (DEGREE_RESHARDS; test_reshard_from_autotp_stage0.py)
     "tp2-s0-bf16-ws2-buffers": ({"tp": 2, "stage": 0, "dtype": "bf16", "buffers": True, **_UC}, 2),
-    # with a frozen weight AutoTP splits and a frozen bias it leaves whole: what reshard refuses to write as ZeRO
+    # with a frozen weight AutoTP splits and a frozen bias it leaves whole: written for a stage-0 job of its tensor
+    # degree (DEGREE_RESHARDS), refused as ZeRO, merged or split (CK410)
     "tp2-s0-bf16-ws2-frozen": ({"tp": 2, "stage": 0, "dtype": "bf16", "frozen": True}, 2),
 }
 # DeepSpeed's own save of the bf16 pipeline at stage 0 (BF16_Optimizer) at pp2 x dp2 (issue #40): what the pp2 x dp2
@@ -576,6 +577,25 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         2,
         {**_TP1, "stage": 3},
         {"tensor_parallel": 1, "stage": 3},
+    ),
+    # ... and for AutoTP stage-0 jobs (reshard_tensor_stage0.py): at its tensor degree, another data-parallel size
+    # (tp2 x dp1 -> tp2 x dp2, no --stage: it keeps its stage; each tensor rank's file, dp_world_size the target's),
+    # merged (tp1 x dp2) and split (tp4 x dp1), in the launches of the AutoTP stage-0 loads of those degrees and sizes
+    "tp2-s0-bf16-ws2-buffers>ws4": ("tp2-s0-bf16-ws2-buffers", 4, {}, {}),
+    # with frozen parameters (a weight AutoTP splits, a bias it leaves whole; named by the masters' shapes), at its
+    # tensor degree (its other moves: CK410)
+    "tp2-s0-bf16-ws2-frozen>ws4": ("tp2-s0-bf16-ws2-frozen", 4, {}, {}),
+    "tp2-s0-bf16-ws2-buffers>tp1-s0": (
+        "tp2-s0-bf16-ws2-buffers",
+        2,
+        {**_TP1, **_S0},
+        {"tensor_parallel": 1, **_S0},
+    ),
+    "tp2-s0-bf16-ws2-buffers>tp4-s0": (
+        "tp2-s0-bf16-ws2-buffers",
+        4,
+        {"tp": 4, **_S0},
+        {"tensor_parallel": 4, **_S0},
     ),
     # a MoE for a stage-0 MoE job (reshard_moe_stage0.py): each expert-parallel rank's optimizer file, the dense
     # module and rank 0's optimizer in the model states; from ZeRO-1/2 (edp 2 -> stage 0 at ws2) and from stage 0

@@ -35,10 +35,10 @@ import ckptspec
 from ckptspec.cli import cli
 from ckptspec.deepspeed.kinds import Kind
 
-MOVES = sorted(
+MOVES = sorted(  # to ZeRO (for a stage-0 job: test_reshard_autotp_stage0_world.py)
     n
     for n, (source, *_) in DEGREE_RESHARDS.items()
-    if source_spec(source)["stage"] == 0 and source_spec(source).get("tp", 1) > 1
+    if source_spec(source)["stage"] == 0 and source_spec(source).get("tp", 1) > 1 and reshard_target(n)[2]["stage"]
 )
 VIA_UNIVERSAL = {n for n in MOVES if DEGREE_RESHARDS[n][3].get("export_universal")}
 SOURCE = "tp2-s0-bf16-ws2-buffers"
@@ -181,11 +181,11 @@ def test_deepspeeds_own_converter_fails_on_the_same_source(ds):
 @pytest.mark.parametrize(
     ("args", "refusal"),
     [
-        (["--world-size", "2"], "no --stage for an AutoTP stage-0 checkpoint"),
-        (["--world-size", "2", "--stage", "0"], "--stage 0 for an AutoTP stage-0 checkpoint"),
-        (["--world-size", "2", "--stage", "0", "--tensor-parallel", "1"], "--stage 0 for an AutoTP stage-0"),
         (["--world-size", "2", "--stage", "1", "--sub-group-size", "300"], "--sub-group-size 300 with --stage 1"),
+        (["--world-size", "2", "--sub-group-size", "300"], "--sub-group-size 300 with --stage 0"),
         (["--world-size", "3", "--stage", "1"], "--world-size 3 is not a multiple of the target's tensor degree (2)"),
+        (["--world-size", "3"], "--world-size 3 is not a multiple of the target's tensor degree (2)"),
+        (["--world-size", "6", "--tensor-parallel", "4"], "--world-size 6 is not a multiple of the target's tensor"),
     ],
 )
 def test_what_is_not_written_is_refused_by_name(args, refusal, ds, tmp_path):
@@ -196,38 +196,24 @@ def test_what_is_not_written_is_refused_by_name(args, refusal, ds, tmp_path):
     assert not out.exists() or not any(out.iterdir())
 
 
-@pytest.mark.parametrize("command", [["reshard", "--world-size", "2", "--stage", "1"], ["export-universal"]])
-def test_frozen_parameters_are_refused(command, ds, tmp_path):
-    """A frozen weight AutoTP splits and a frozen bias it leaves whole: the stage-0 job's fp32_groups hold 8 masters for
-    the 10 parameters its module lists, so no file names them and the checkpoint is not described (CK202, before
-    anything is written). (An index the save hook recorded names them from the live engine: then reshard_tensor_stage0
-    refuses them by name, CK410.)"""
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["reshard", "--world-size", "2", "--stage", "1"],
+        ["reshard", "--world-size", "4", "--stage", "2"],
+        ["reshard", "--world-size", "2", "--stage", "0", "--tensor-parallel", "1"],
+        ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
+        ["export-universal"],
+    ],
+)
+def test_frozen_parameters_are_refused_by_name(command, ds, tmp_path):
+    """A frozen weight AutoTP splits and a frozen bias it leaves whole (the stage-0 job's fp32_groups hold 8 masters for
+    the 10 parameters its module lists: described, layout/masters.frozen_apart): written for a stage-0 job of its
+    tensor degree only (test_reshard_autotp_stage0_world.py); as ZeRO, merged, split or as a universal folder refused
+    by name (CK410) before anything is written."""
     out = tmp_path / "out"
     source = str(ds.path("tp2-s0-bf16-ws2-frozen"))
     result = CliRunner().invoke(cli, [command[0], source, str(out), *command[1:]])
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
-    assert "CK202" in result.output and "8 masters for 10 trainable parameters (frozen" in result.output, result.output
+    assert "CK410" in result.output and "frozen parameters (blocks.0.up.weight, head.bias)" in result.output
     assert not out.exists() or not any(out.iterdir())
-
-
-def test_frozen_parameters_an_index_names_are_refused_by_name(ds, tmp_path):
-    """One rule: an index that names a frozen parameter in a domain (as one the save hook records from the live
-    engine would; no such real save yet) is refused by name (CK410) before anything is written, at every degree."""
-    from ckptspec.checkpoint.states import StateCache
-    from ckptspec.deepspeed.check.checkpoint_index import validate_index_checkpoint
-    from ckptspec.errors import ReshardUnsupported
-    from ckptspec.export.compose import domain_plan
-    from ckptspec.export.reshard_tensor_stage0 import plan_autotp_stage0
-    from ckptspec.format.models import FrozenParam
-
-    source, states = ds.path(SOURCE), StateCache()
-    index, _ = validate_index_checkpoint(source, None, None, states=states)
-    tag_dir = source / (source / "latest").read_text().strip()
-    plans = {d.id: domain_plan(tag_dir, d, states) for d in index.domains}
-    assert plan_autotp_stage0(index, tag_dir, plans, states, 2, 1, None)  # as recorded: written
-    gain = FrozenParam(name="blocks.0.gain", shape=[16], numel=16, dtype="bfloat16", stored_in="module")
-    index.domains[1].manifest.frozen.append(gain)
-    for degree in (None, 1, 4):
-        with pytest.raises(ReshardUnsupported, match=r"frozen parameters \(blocks\.0\.gain\)") as refused:
-            plan_autotp_stage0(index, tag_dir, plans, states, 4, 1, degree)
-        assert refused.value.code == "CK410"

@@ -130,3 +130,27 @@ def test_deepspeeds_own_converter_fails_on_the_same_source(name, ds):
     ``*_optim_states.pt`` at stage 0; ``param_shapes`` not dictionaries in the BF16_Optimizer pipeline)."""
     outcome = info(ds.path(DEGREE_RESHARDS[name][0]))["universal"]
     assert outcome["ok"] is False and outcome["error"], outcome
+
+
+def test_frozen_parameters_of_a_data_parallel_stage0_source_are_refused_by_name(ds):
+    """One rule (export/reshard_stage0_source.py): a data-parallel stage-0 checkpoint whose index names frozen
+    parameters (``layout/masters.frozen_apart`` names them from the masters' shapes; no real save of that kind in the
+    harness, so the real bf16 source's index with a frozen entry added) is not written as ZeRO (CK410, at every stage,
+    and so not as a universal folder), before anything is written; as recorded it is."""
+    from ckptspec.checkpoint.states import StateCache
+    from ckptspec.deepspeed.check.checkpoint_index import validate_index_checkpoint
+    from ckptspec.export.compose import domain_plan
+    from ckptspec.export.reshard_stage0_source import plan_stage0_source
+    from ckptspec.format.models import FrozenParam
+
+    source, states = ds.path("s0-bf16-ws2"), StateCache()
+    index, _ = validate_index_checkpoint(source, None, None, states=states)
+    tag_dir = source / (source / "latest").read_text().strip()
+    plans = {d.id: domain_plan(tag_dir, d, states) for d in index.domains}
+    assert plan_stage0_source(index, tag_dir, plans, states, 2, 1)  # as recorded: written
+    gain = FrozenParam(name="gain", shape=[16], numel=16, dtype="bfloat16", stored_in="module")
+    index.domains[0].manifest.frozen.append(gain)
+    for stage in (1, 2, 3):
+        with pytest.raises(ckptspec.Unsupported, match=r"frozen parameters \(gain\) of a stage-0") as refused:
+            plan_stage0_source(index, tag_dir, plans, states, 2, stage)
+        assert refused.value.code == "CK410"

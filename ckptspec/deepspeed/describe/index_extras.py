@@ -76,14 +76,18 @@ def with_extras(index: CheckpointIndex, tag_dir: Path | RemotePath, states: Stat
 
 
 def _model_parallel_extras(index: CheckpointIndex, tag_dir: Path | RemotePath, states: StateCache) -> list[IndexExtra]:
-    zero_domains = [d for d in index.domains if d.masters is None]
+    # the ZeRO domains, or an AutoTP stage-0 checkpoint's (masters located apart, one domain per tensor rank): its
+    # frozen parameters only (a buffer is a whole copy in every tensor rank's file: compose_plan.whole_plan's)
+    stage0 = index.topology.degrees.tensor > 1 and all(d.masters is not None for d in index.domains)
+    zero_domains = [d for d in index.domains if d.masters is None or (stage0 and not index.expert_files)]
     out: dict[str, tuple[list[int], Dtype, Role, list[Shard]]] = {}  # name -> (whole shape, dtype, role, shards)
     for domain in zero_domains:
         manifest = domain.manifest
         held: list[tuple[str, list[int], Dtype, Role]] = [
             (f.name, list(f.shape), f.dtype, "frozen") for f in manifest.frozen
         ]
-        held += [(b.name, list(b.shape), b.dtype, "buffer") for b in manifest.buffers]
+        if domain.masters is None:
+            held += [(b.name, list(b.shape), b.dtype, "buffer") for b in manifest.buffers]
         if not held:
             continue
         model_path = next(f.path for f in manifest.files if f.role == "model_states")

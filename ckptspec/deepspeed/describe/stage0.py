@@ -12,9 +12,12 @@ from pathlib import Path
 from ...checkpoint.states import StateCache
 from ...errors import UnsupportedCheckpoint
 from ...format.index_models import CheckpointIndex, Coordinate
-from ..layout.masters import stage0_masters
+from ...format.models import FrozenParam
+from ...format.partition import frozen_params
+from ..layout.masters import MODEL_FILE, stage0_frozen, stage0_masters
 from ..layout.parallel_files import degrees_of, scan_parallel
 from .index_builder import IndexBuilder, LiveMasters, StoredIn, files_of
+from .index_extras import with_extras
 
 
 def describe(
@@ -42,7 +45,17 @@ def describe(
         files_of(b, masters, []),
     )
     domain.manifest.buffers = b.buffers()
+    if live is None:
+        domain.manifest.frozen = _frozen(folder, states, MODEL_FILE if b.model_file is None else b.model_file)
     return b.index("zero", [domain])
+
+
+def _frozen(folder: Path, states: StateCache, model_file: str) -> list[FrozenParam]:
+    """The module's parameters that hold no master (``masters.stage0_frozen``), as saved in the module."""
+    module = states.state(folder / model_file)["module"]
+    names = stage0_frozen(folder, states, model_file)
+    refs = [module[n] for n in names]
+    return frozen_params(names, [tuple(r.shape) for r in refs], [r.dtype for r in refs], "module")
 
 
 def _stored_in(model: dict) -> StoredIn:
@@ -74,6 +87,7 @@ def _tensor_parallel(folder: Path, files, states: StateCache, hash_algorithm: st
         listed = files_of(b, masters, [], model=model)
         domain = b.domain(f"pp0-tp{mp}", coordinate, "data_parallel", masters, stored_in, listed, add_parameters=False)
         domain.manifest.buffers = b.buffers()  # AutoTP leaves buffers whole: every tensor rank saves the same
+        domain.manifest.frozen = _frozen(folder, states, model)  # placed by the affine_map as trainable ones
         domain.manifest.layout.tensor_parallel_size = degrees.tensor
         domains.append(domain)
     index = b.index("zero", domains)
@@ -81,4 +95,4 @@ def _tensor_parallel(folder: Path, files, states: StateCache, hash_algorithm: st
     index.topology.degrees.tensor = degrees.tensor
     index.topology.model_parallel_size = degrees.model_parallel
     index.topology.degrees_source = degrees.source
-    return index
+    return with_extras(index, folder, states)  # frozen parameters placed by the affine_map (a 1.1 index if any)

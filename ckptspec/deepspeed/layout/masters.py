@@ -21,11 +21,14 @@ format 1.x has no locator for:
 The order of ``fp32_groups`` is the optimizer's, which DeepSpeed does not record by name at stage 0
 (``param_shapes`` is None). It is the module's trainable parameters in ``module`` order (buffers
 left out), the dense ones then each expert's: every tensor's shape must match its name's, or the
-checkpoint is refused by name (CK202), never guessed. A flat group has no shapes: each group must end
-where a parameter ends, and the validation compares every master with the saved weight of its name
-(CK235). Weights that are not fp32 are never taken for masters: a stage-0 checkpoint whose model
-states hold no fp32 copy the optimizer kept is refused by name. Metadata only: no tensor bytes, no
-pickle code.
+checkpoint is refused by name (CK202), never guessed. A frozen parameter is in the module but not in
+the optimizer: where ``fp32_groups`` hold fewer masters than the module has parameters (a dense or
+AutoTP model without experts), they are named by the one order-keeping choice of parameters with
+their shapes, the others frozen (``frozen_apart``; a tie, or no such choice or several, is CK202).
+A flat group has no shapes: each group must end where a parameter ends, and the validation compares
+every master with the saved weight of its name (CK235). Weights that are not fp32 are never taken for
+masters: a stage-0 checkpoint whose model states hold no fp32 copy the optimizer kept is refused by
+name. Metadata only: no tensor bytes, no pickle code.
 """
 
 from __future__ import annotations
@@ -151,6 +154,10 @@ def stage0_masters(
         return out
     groups = optimizer["fp32_groups"]
     if not experts:
+        held = [ref for group in groups if isinstance(group, list) for ref in group]
+        trained = frozen_apart(model, dense, held, model_file)
+        if trained is not None:
+            dense = trained  # the masters' parameters; the rest are frozen (stage0_frozen)
         if sum(len(group) for group in groups) != len(dense):
             raise UnsupportedCheckpoint(
                 f"ZeRO stage 0: optimizer/fp32_groups holds {sum(len(g) for g in groups)} masters for {len(dense)} "
@@ -166,6 +173,79 @@ def stage0_masters(
                 out[m.name] = m
         return out
     return _moe_unfused(folder, model, dense, experts, states)
+
+
+def frozen_apart(
+    model: dict, dense: list[tuple[str, tuple[int, ...]]], held: list, model_file: str
+) -> list[tuple[str, tuple[int, ...]]] | None:
+    """The trainable parameters among ``dense`` (the module's parameters, in order) when ``held`` (the
+    ``fp32_groups`` masters, in order) are fewer: the one order-keeping choice of parameters whose shapes are the
+    masters' shapes, the others frozen (a frozen parameter is in the module, not in the optimizer). None when as many
+    masters as parameters are held. Refused by name (CK202), never guessed: two module entries sharing a storage (a
+    tie: the same parameter under two names), or more than one such choice (shapes that repeat around a frozen one)."""
+    if len(held) >= len(dense) or not all(isinstance(ref, TensorRef) for ref in held):
+        return None
+    module = model["module"]
+    storages: dict[object, str] = {}
+    for name, _ in dense:
+        other = storages.setdefault(module[name].storage.key, name)
+        if other != name:
+            raise UnsupportedCheckpoint(
+                f"ZeRO stage 0: {name!r} shares its storage with {other!r} and optimizer/fp32_groups holds "
+                f"{len(held)} masters for {len(dense)} parameters (tied parameters are not told apart at stage 0)",
+                _HINT,
+                model_file,
+            )
+    shapes = [tuple(ref.shape) for ref in held]
+    choices = _embeddings(shapes, [shape for _, shape in dense], limit=2)
+    if len(choices) != 1:
+        raise UnsupportedCheckpoint(
+            f"ZeRO stage 0: optimizer/fp32_groups holds {len(held)} masters for {len(dense)} parameters, and "
+            f"{'no' if not choices else 'more than one'} choice of parameters in module order has their shapes "
+            "(frozen parameters are told apart at stage 0 only when one choice has)",
+            _HINT,
+            model_file,
+        )
+    return [dense[i] for i in choices[0]]
+
+
+def _embeddings(wanted: list[tuple], shapes: list[tuple], limit: int) -> list[tuple[int, ...]]:
+    """Up to ``limit`` increasing index tuples ``ix`` with ``shapes[ix[k]] == wanted[k]`` for every k (the ways to
+    keep ``wanted`` in ``shapes`` in order): counted by dynamic programming, so a long model is no search."""
+    n, m = len(wanted), len(shapes)
+    # ways[k][i]: the ways (capped at limit) to place wanted[k:] in shapes[i:]
+    ways = [[0] * (m + 1) for _ in range(n + 1)]
+    ways[n] = [1] * (m + 1)
+    for k in range(n - 1, -1, -1):
+        for i in range(m - 1, -1, -1):
+            take = ways[k + 1][i + 1] if shapes[i] == wanted[k] else 0
+            ways[k][i] = min(limit, ways[k][i + 1] + take)
+    out: list[tuple[int, ...]] = []
+
+    def walk(k: int, i: int, chosen: tuple[int, ...]) -> None:
+        if len(out) >= limit:
+            return
+        if k == n:
+            out.append(chosen)
+            return
+        for j in range(i, m):
+            if shapes[j] == wanted[k] and ways[k + 1][j + 1]:
+                walk(k + 1, j + 1, (*chosen, j))
+                if len(out) >= limit:
+                    return
+
+    if ways[0][0]:
+        walk(0, 0, ())
+    return out
+
+
+def stage0_frozen(folder: Path, states: StateCache | None = None, model_file: str = MODEL_FILE) -> list[str]:
+    """The frozen parameters of a stage-0 tag directory's ``model_file`` (AutoTP: a tensor rank's): the module's
+    parameters that hold no master (``frozen_apart``), in module order; none where every one does."""
+    states = states if states is not None else StateCache()
+    masters = stage0_masters(folder, states, model_file)
+    model = states.state(folder / model_file)
+    return [name for name, _ in _trainable_names(model) if name not in masters]
 
 
 def _fp32_weight(weight: MasterTensor, optimizer) -> MasterTensor:
