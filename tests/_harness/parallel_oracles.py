@@ -67,6 +67,15 @@ def assert_same(a, b, where: str) -> None:
         assert a == b, where
 
 
+def assert_same_by_name(got: dict, expected: dict, what: str) -> None:
+    """Each kind of state (``master``, ``exp_avg``, ...) of ``expected``, a non-empty dict of tensors by name, is in
+    ``got`` under the same names, bit for bit (in any order: tensors joined whole from the shards of another layout)."""
+    for key, by_name in expected.items():
+        assert sorted(got[key]) == sorted(by_name) and by_name, (what, key)
+        for name, value in by_name.items():
+            assert bits_equal(got[key][name], value), (what, key, name)
+
+
 def assert_universal_folders_equal(ours: Path, theirs: Path, files: int) -> None:
     """ckptspec's universal folder ``ours`` is ds_to_universal's ``theirs``: the same ``files`` files, the model
     states byte for byte, every tensor bit for bit, every other value of the same repr."""

@@ -16,7 +16,13 @@ from __future__ import annotations
 import json
 
 import torch
-from _harness.parallel_oracles import bits_equal, check_same_to_ckptspec, optim_records, rank_oracles
+from _harness.parallel_oracles import (
+    assert_same_by_name,
+    bits_equal,
+    check_same_to_ckptspec,
+    optim_records,
+    rank_oracles,
+)
 from _harness.scenarios import FUSED_RESHARDS, optim_name, reshard_target
 from click.testing import CliRunner
 
@@ -131,13 +137,6 @@ def _held_whole(ds, name: str, prefix: str = "optim") -> dict[str, dict[str, tor
     return out
 
 
-def _assert_same(got: dict, expected: dict, what: str) -> None:
-    for key, by_name in expected.items():
-        assert sorted(got[key]) == sorted(by_name) and by_name, (what, key)
-        for name, value in by_name.items():
-            assert bits_equal(got[key][name], value), (what, key, name)
-
-
 def _steps(records: list[dict]) -> set:
     return {s for r in records for s in r["step"].values()}
 
@@ -152,7 +151,7 @@ def test_merged_and_split_checkpoints_are_resumed_bit_for_bit(ds):
         assert _outcome(ds, name).get("reshard_error") is None, _outcome(ds, name)
         target = optim_records(ds.path(name))
         assert len(target) == world_size and {r["coords"]["tp"] for r in target} == set(range(spec["tp"]))
-        _assert_same(_held_whole(ds, name), expected, name)
+        assert_same_by_name(_held_whole(ds, name), expected, name)
         assert _steps(target) == _steps(before) and len(_steps(before)) == 1
         assert all(r["param_groups"] == before[0]["param_groups"] for r in target)
         # the row-parallel down_proj now sums T partial products where the source summed 2 (test_reshard_tensor.py)
@@ -189,8 +188,8 @@ def test_ckptspecs_universal_folder_beside_deepspeeds(ds):
         outcome = _outcome(ds, name)
         assert outcome.get("reshard_error") is None and outcome["universal_error"] is None, outcome
         if "universal" in name:
-            _assert_same(_held_whole(ds, name), expected, name)
-        _assert_same(_held_whole(ds, name, "universal"), expected, f"{name}: DeepSpeed's folder")
+            assert_same_by_name(_held_whole(ds, name), expected, name)
+        assert_same_by_name(_held_whole(ds, name, "universal"), expected, f"{name}: DeepSpeed's folder")
         theirs = optim_records(ds.path(name), "universal")
         assert _steps(theirs) == _steps(optim_records(ds.path(optim_name(SOURCE))))
 

@@ -28,7 +28,13 @@ import json
 
 import pytest
 import torch
-from _harness.parallel_oracles import bits_equal, check_same_to_ckptspec, optim_records, rank_oracles
+from _harness.parallel_oracles import (
+    assert_same_by_name,
+    bits_equal,
+    check_same_to_ckptspec,
+    optim_records,
+    rank_oracles,
+)
 from _harness.scenarios import FUSED_RESHARDS, optim_name, reshard_target, source_spec
 from click.testing import CliRunner
 
@@ -120,13 +126,6 @@ def _held_whole(ds, source: str, entry: str, prefix: str = "optim") -> dict[str,
     return out
 
 
-def _assert_same(got: dict, expected: dict, what: str) -> None:
-    for key, by_name in expected.items():
-        assert sorted(got[key]) == sorted(by_name) and by_name, (what, key)
-        for name, value in by_name.items():
-            assert bits_equal(got[key][name], value), (what, key, name)
-
-
 def _uc_info(tag, tp: int, stage: int) -> dict:
     """Tensor rank ``tp``'s saved ``universal_checkpoint_info`` (ZeRO-3 names its model states per data rank)."""
     prefix = "zero_pp_rank_0_" if stage == 3 else ""
@@ -196,14 +195,14 @@ def test_merged_and_split_checkpoints_are_resumed_bit_for_bit(name, ds):
     expected, before = _held_whole(ds, source, optim_name(source)), optim_records(ds.path(optim_name(source)))
     target = optim_records(ds.path(name))
     assert len(target) == world_size and {r["coords"].get("tp", 0) for r in target} == set(range(spec["tp"]))
-    _assert_same(_held_whole(ds, source, name), expected, name)
+    assert_same_by_name(_held_whole(ds, source, name), expected, name)
     assert _steps(target) == _steps(before) and len(_steps(before)) == 1
     assert all(r["param_groups"] == before[0]["param_groups"] for r in target)
     out = ds.path(name) / "resharded"
     assert CliRunner().invoke(cli, ["validate", str(out)]).exit_code == 0
     check_same_to_ckptspec(ckptspec.open(ds.path(source)), ckptspec.open(out))
     assert outcome["universal_error"] is None, outcome
-    _assert_same(_held_whole(ds, source, name, "universal"), expected, f"{name}: DeepSpeed's folder")
+    assert_same_by_name(_held_whole(ds, source, name, "universal"), expected, f"{name}: DeepSpeed's folder")
 
 
 @pytest.mark.parametrize("name", MOVES)
