@@ -4,10 +4,10 @@ saves.
 DeepSpeed's PipelineEngine at stage 0 in bf16 runs ``BF16_Optimizer`` (``engine._do_optimizer_sanity_check``). Per
 stage it partitions the stage's trainable parameters like ZeRO-1 (one flat buffer per param group in the module's
 order, padded to 2 x the data degree, split evenly) and saves, per data rank, ``bf16_zero_pp_rank_<d>_mp_rank_<s>_
-optim_states.pt``: ``BF16_Optimizer.state_dict()`` (``BF16_KEYS``; the fp32 partition and moments whole, the tail
-padding kept), with the ``ds_config`` and version. The stage's ``mp_rank_<s>_model_states.pt`` is a ZeRO-1 pipeline
-stage's with ``optimizer`` a copy of data rank 0's state dict (ZeRO off: the engine saves ``optimizer.state_dict()``
-there) and ``param_shapes``/``shared_params`` None; the layer files are as saved.
+optim_states.pt``: ``BF16_Optimizer.state_dict()`` (``reshard_files.BF16_OPTIMIZER_KEYS``; the fp32 partition and
+moments whole, the tail padding kept), with the ``ds_config`` and version. The stage's ``mp_rank_<s>_model_states.pt``
+is a ZeRO-1 pipeline stage's with ``optimizer`` a copy of data rank 0's state dict (ZeRO off: the engine saves
+``optimizer.state_dict()`` there) and ``param_shapes``/``shared_params`` None; the layer files are as saved.
 
 Each stage is written by the ZeRO writer (``reshard_files.write_files``) from the source stage's masters and moments:
 a ZeRO-1 pipeline's partitions, or a stage-0 pipeline's BF16 partitions (``reshard_stage0_source.stage0_optimizer``
@@ -57,7 +57,7 @@ from ..location import RemotePath
 from .masters_state import masters_state_plan
 from .model_plan import ReconstructionPlan
 from .optimizer_state import OptimizerStatePlan, plan_optimizer_state
-from .reshard_files import ModelChanges, write_files
+from .reshard_files import BF16_OPTIMIZER_KEYS, ModelChanges, write_files
 from .reshard_layout import TargetLayout, natural_groups
 from .reshard_pipeline import pipeline_target
 from .reshard_pipeline_stage0_fp32 import Fp32StageWrite
@@ -65,16 +65,6 @@ from .reshard_source import SourceOptimizer, source_optimizer, with_stage
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source, stage0_optimizer
 from .reshard_tp_pipeline_stages import is_tensor_pipeline, plan_tensor_pipeline_stages
 
-# BF16_Optimizer.state_dict()'s keys, in its order
-BF16_KEYS = (
-    "clip_grad",
-    "base_optimizer_state",
-    "single_partition_of_fp32_groups",
-    "group_paddings",
-    "partition_count",
-    "ds_version",
-    "param_slice_mappings",
-)
 # model-states entries a stage-0 engine saves as None (ZeRO off); ``optimizer`` is written by ``write_files``
 _ZERO_OFF = ("param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments")
 # DeepSpeed 0.19.8's load_checkpoint hands BF16_Optimizer the model states' copy of rank 0's state and fails
@@ -253,7 +243,7 @@ def _stage_write(
         mp_rank = domain.coordinate.pipeline * tp + domain.coordinate.tensor  # DeepSpeed's numbering of (stage, tensor)
         return Fp32StageWrite(manifest, plan, state_plan, source, model, data, mp_rank)  # type: ignore[arg-type]
     # BF16_Optimizer's keys: those write_files recomputes for the target, the rest (clip_grad) as saved
-    osd = {key: source.osd.get(key) for key in BF16_KEYS}
+    osd = {key: source.osd.get(key) for key in BF16_OPTIMIZER_KEYS}
     return Bf16StageWrite(
         manifest, plan, state_plan, _bf16_layout(manifest, data), dataclasses.replace(source, osd=osd)
     )
