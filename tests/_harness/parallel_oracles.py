@@ -20,15 +20,17 @@ def rank_oracles(entry: Path) -> list[dict]:
     return [torch.load(entry / f"oracle.rank{r}.pt", weights_only=True) for r in range(info(entry)["world_size"])]
 
 
-def gathered_whole(entry: Path) -> dict:
+def gathered_whole(entry: Path, local_names: bool = False) -> dict:
     """A tensor-parallel pipeline job's whole masters, Adam moments and module, as its ranks gathered them over their
     tensor groups (job/tp_layers.py): "master", "exp_avg", "exp_avg_sq", "module" -> global name -> tensor (every
-    holder's the same, bit for bit)."""
+    holder's the same, bit for bit). ``local_names``: the job recorded them by each stage's local name (the extras
+    models, trainable and frozen), turned into global names by its ``params``."""
     out: dict = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
     for oracle in rank_oracles(entry):
         values = {"master": oracle["whole_masters"], "module": oracle["whole_module"], **oracle["whole_moments"]}
         for key, by_name in values.items():
             for n, v in by_name.items():
+                n = oracle["params"][n]["global_name"] if local_names else n
                 assert n not in out[key] or bits_equal(out[key][n], v), (key, n)
                 out[key][n] = v
     return out

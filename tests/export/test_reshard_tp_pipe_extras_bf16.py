@@ -20,6 +20,7 @@ from _harness import scenarios
 from _harness.parallel_oracles import (
     assert_universal_folders_equal,
     bits_equal,
+    gathered_whole,
     info,
     logits_of,
     optim_records,
@@ -45,17 +46,8 @@ def _tp(name):
 
 
 def _gathered(ds):
-    """Global name -> the source's whole master, moments and module tensor, as its ranks gathered them (every holder's
-    the same, bit for bit)."""
-    out: dict = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
-    for oracle in rank_oracles(ds.path(SOURCE)):
-        values = {"master": oracle["whole_masters"], "module": oracle["whole_module"], **oracle["whole_moments"]}
-        for key, by_local in values.items():
-            for local, value in by_local.items():
-                name = oracle["params"][local]["global_name"]
-                assert name not in out[key] or bits_equal(out[key][name], value), (key, name)
-                out[key][name] = value
-    return out
+    """Global name -> the source's whole master, moments and module tensor, as its ranks gathered them."""
+    return gathered_whole(ds.path(SOURCE), local_names=True)
 
 
 def _source_rank(ds, layer, tp=0):

@@ -20,7 +20,15 @@ import numpy as np
 import pytest
 import torch
 from _harness import scenarios
-from _harness.parallel_oracles import bits_equal, info, logits_of, optim_records, rank_oracles, structure
+from _harness.parallel_oracles import (
+    bits_equal,
+    gathered_whole,
+    info,
+    logits_of,
+    optim_records,
+    rank_oracles,
+    structure,
+)
 from _harness.reconstruction import invoke
 
 SPLITS = {  # move -> DeepSpeed's own save of the same model at the target layout
@@ -47,16 +55,8 @@ def _tp(name):
 
 def _whole(ds, source):
     """Global name -> the source's whole master, moments and module tensor (trainable and frozen), as its ranks
-    gathered them over their tensor groups (every holder's the same, bit for bit)."""
-    out: dict = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
-    for oracle in rank_oracles(ds.path(source)):
-        values = {"master": oracle["whole_masters"], "module": oracle["whole_module"], **oracle["whole_moments"]}
-        for key, by_local in values.items():
-            for local, value in by_local.items():
-                name = oracle["params"][local]["global_name"]
-                assert name not in out[key] or bits_equal(out[key][name], value), (key, name)
-                out[key][name] = value
-    return out
+    gathered them over their tensor groups."""
+    return gathered_whole(ds.path(source), local_names=True)
 
 
 def _source_rank(ds, source, layer, tp):
