@@ -69,6 +69,32 @@ def assert_same(a, b, where: str) -> None:
         assert a == b, where
 
 
+def tensor_piece(whole, shape, tensor: int, tp: int):
+    """Tensor rank ``tensor`` of ``tp``'s piece of ``whole`` for a tensor of ``shape`` (the whole where it is
+    replicated): the one axis the shapes differ on, cut in ``tp`` equal parts."""
+    axes = [i for i, (a, b) in enumerate(zip(shape, whole.shape, strict=True)) if a != b]
+    if not axes:
+        return whole
+    assert len(axes) == 1 and whole.shape[axes[0]] == tp * shape[axes[0]], (shape, whole.shape)
+    return whole.chunk(tp, dim=axes[0])[tensor]
+
+
+def assert_pieces_of_whole(records: list[dict], whole: dict, tp: int) -> None:
+    """Every target rank of ``tp`` tensor ranks holds its piece of each of ``whole``'s masters and Adam moments (as
+    DeepSpeed's getters give them), at step 2 (the sources trained two steps), and together they hold all of them."""
+    held = set()
+    for r in records:
+        tensor = r["coords"]["tp"]
+        for n, master in r["master"].items():
+            held.add((tensor, n))
+            assert bits_equal(master, tensor_piece(whole["master"][n], master.shape, tensor, tp)), (tensor, n)
+            for key in ("exp_avg", "exp_avg_sq"):
+                expected = tensor_piece(whole[key][n], master.shape, tensor, tp)
+                assert bits_equal(r["state"][n][key], expected), (tensor, n, key)
+            assert r["step"][n] == 2.0 and r["source"][n] == "safe_get_full_optimizer_state", (tensor, n)
+    assert held == {(t, n) for t in range(tp) for n in whole["master"]}
+
+
 def assert_same_by_name(got: dict, expected: dict, what: str) -> None:
     """Each kind of state (``master``, ``exp_avg``, ...) of ``expected``, a non-empty dict of tensors by name, is in
     ``got`` under the same names, bit for bit (in any order: tensors joined whole from the shards of another layout)."""

@@ -18,6 +18,7 @@ import pytest
 import torch
 from _harness import scenarios
 from _harness.parallel_oracles import (
+    assert_pieces_of_whole,
     assert_universal_folders_equal,
     bits_equal,
     gathered_whole,
@@ -25,6 +26,7 @@ from _harness.parallel_oracles import (
     logits_of,
     optim_records,
     rank_oracles,
+    tensor_piece,
 )
 
 SOURCE, FP32 = "tp2pp2-s1-bf16-ws4-extras", "tp2pp2-s1-fp32-ws4-extras"
@@ -58,30 +60,6 @@ def _source_rank(ds, layer, tp=0):
     raise AssertionError((layer, tp))
 
 
-def _piece(whole, shape, tensor, tp):
-    """Tensor rank ``tensor`` of ``tp``'s piece of ``whole`` for a tensor of ``shape`` (the whole where it is whole)."""
-    axes = [i for i, (a, b) in enumerate(zip(shape, whole.shape, strict=True)) if a != b]
-    if not axes:
-        return whole
-    assert len(axes) == 1 and whole.shape[axes[0]] == tp * shape[axes[0]], (shape, whole.shape)
-    return whole.chunk(tp, dim=axes[0])[tensor]
-
-
-def _check_trainables(records, whole, tp):
-    """Every target rank's masters and moments (its piece of the whole ones), step 2: all of them, on every tensor
-    rank of ``tp``."""
-    held = set()
-    for r in records:
-        tensor = r["coords"]["tp"]
-        for n, master in r["master"].items():
-            held.add((tensor, n))
-            assert bits_equal(master, _piece(whole["master"][n], master.shape, tensor, tp)), (tensor, n)
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert bits_equal(r["state"][n][key], _piece(whole[key][n], master.shape, tensor, tp)), (n, key)
-            assert r["step"][n] == 2.0 and r["source"][n] == "safe_get_full_optimizer_state", (tensor, n)
-    assert held == {(t, n) for t in range(tp) for n in whole["master"]}
-
-
 def _loaded(ds, name, prefix="optim"):
     outcome = json.loads((ds.path(name) / "optim.json").read_text())
     assert "reshard_error" not in outcome and outcome["load_checkpoint_error"] is None, outcome
@@ -106,7 +84,7 @@ def test_the_target_job_holds_masters_moments_step_frozen_weight_buffers_and_tie
     records = _loaded(ds, name)
     tp = _tp(name)
     whole = _gathered(ds)
-    _check_trainables(records, whole, tp)
+    assert_pieces_of_whole(records, whole, tp)
     for r in records:
         tensor, (start, stop) = r["coords"]["tp"], r["coords"]["stage_layers"]
         last = max(layer for layer in TIED_LAYERS if start <= layer < stop)
@@ -115,7 +93,7 @@ def test_the_target_job_holds_masters_moments_step_frozen_weight_buffers_and_tie
             TIE_BUFFER: _source_rank(ds, last)["buffers"][TIE_BUFFER],
         }
         if start <= 2 < stop:
-            expected[FROZEN] = _piece(whole["module"][FROZEN], r["module"][FROZEN].shape, tensor, tp)
+            expected[FROZEN] = tensor_piece(whole["module"][FROZEN], r["module"][FROZEN].shape, tensor, tp)
             assert r["module"][FROZEN].dtype == torch.bfloat16 and r["module"][FROZEN].shape[0] == 32 // tp
         if start <= 3 < stop:
             expected[BUFFER] = _source_rank(ds, 3)["buffers"][BUFFER]
@@ -135,12 +113,12 @@ def test_the_target_job_holds_masters_moments_step_frozen_weight_buffers_and_tie
 def test_deepspeeds_universal_path_gives_the_same_masters_moments_and_step(ds, name):
     """The same target job loading DeepSpeed's ``ds_to_universal`` folder of the bf16 source (``load_universal``)."""
     assert json.loads((ds.path(name) / "optim.json").read_text())["universal_error"] is None
-    _check_trainables(optim_records(ds.path(name), "universal"), _gathered(ds), _tp(name))
+    assert_pieces_of_whole(optim_records(ds.path(name), "universal"), _gathered(ds), _tp(name))
 
 
 def test_a_job_loading_ckptspecs_universal_folder_holds_the_masters_moments_and_step(ds):
     """ckptspec's folder (export-universal), loaded with load_universal by the tp1 x pp2 job."""
-    _check_trainables(_loaded(ds, UNIVERSAL), _gathered(ds), 1)
+    assert_pieces_of_whole(_loaded(ds, UNIVERSAL), _gathered(ds), 1)
 
 
 def test_ckptspecs_universal_folder_is_ds_to_universals_file_for_file(ds):
@@ -168,7 +146,7 @@ def test_the_split_layer_files_hold_the_pieces_and_each_tie_layer_its_own_stages
                 elif key == "running":
                     expected = _source_rank(ds, layer)["buffers"][f"{layer}.{key}"]
                 else:
-                    expected = _piece(whole[f"{layer}.{key}"], value.shape, tensor, 4)
+                    expected = tensor_piece(whole[f"{layer}.{key}"], value.shape, tensor, 4)
                     assert expected.dtype == torch.bfloat16, (layer, key)
                 assert bits_equal(value, expected), (layer, tensor, key)
     seen = [torch.load(tag / f"layer_{i:02d}-model_00-model_states.pt", weights_only=True)["seen"] for i in TIED_LAYERS]

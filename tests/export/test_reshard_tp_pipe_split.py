@@ -16,6 +16,7 @@ import pytest
 import torch
 from _harness import scenarios
 from _harness.parallel_oracles import (
+    assert_pieces_of_whole,
     bits_equal,
     gathered_whole,
     info,
@@ -23,6 +24,7 @@ from _harness.parallel_oracles import (
     optim_records,
     rank_oracles,
     structure,
+    tensor_piece,
 )
 from _harness.reconstruction import invoke
 
@@ -46,31 +48,6 @@ def _tp(name):
     return scenarios.reshard_target(name)[2]["tp"]
 
 
-def _piece(whole, shape, tensor, tp):
-    """Tensor rank ``tensor`` of ``tp``'s piece of ``whole`` for a parameter of ``shape`` (the whole where it is
-    replicated)."""
-    axes = [i for i, (a, b) in enumerate(zip(shape, whole.shape, strict=True)) if a != b]
-    if not axes:
-        return whole
-    assert len(axes) == 1 and whole.shape[axes[0]] == tp * shape[axes[0]], (shape, whole.shape)
-    return whole.chunk(tp, dim=axes[0])[tensor]
-
-
-def _check_loaded(records, whole, tp):
-    held = set()
-    for r in records:
-        tensor = r["coords"]["tp"]
-        for name, master in r["master"].items():
-            held.add((tensor, name))
-            assert bits_equal(master, _piece(whole["master"][name], master.shape, tensor, tp)), (tensor, name)
-            for key in ("exp_avg", "exp_avg_sq"):
-                expected = _piece(whole[key][name], master.shape, tensor, tp)
-                assert bits_equal(r["state"][name][key], expected), (tensor, name, key)
-            assert r["step"][name] == 2.0, (name, r["step"][name])  # the source trained two steps
-            assert r["source"][name] == "safe_get_full_optimizer_state"
-    assert sorted(held) == sorted((t, n) for t in range(tp) for n in whole["master"])
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_the_target_job_holds_the_sources_masters_moments_and_step(ds, name):
     outcome = json.loads((ds.path(name) / "optim.json").read_text())
@@ -78,7 +55,7 @@ def test_the_target_job_holds_the_sources_masters_moments_and_step(ds, name):
     records = optim_records(ds.path(name))
     assert [(r["coords"]["pp"], r["coords"]["tp"]) for r in records] == [(0, t) for t in range(_tp(name))]
     whole = _whole(ds, _source(name))
-    _check_loaded(records, whole, _tp(name))
+    assert_pieces_of_whole(records, whole, _tp(name))
     split = [n for n, m in records[0]["master"].items() if m.shape != whole["master"][n].shape]
     assert sorted(split) == ["2.down.weight", "2.up.bias", "2.up.weight", "3.down.weight", "3.up.bias", "3.up.weight"]
     dtype = info(ds.path(_source(name)))["spec"]["dtype"]
@@ -92,7 +69,7 @@ def test_deepspeeds_universal_path_gives_the_same(ds, name):
     """The same tp4 job loading DeepSpeed's own ``ds_to_universal`` folder of the tp2 x pp2 source
     (``load_universal``) holds the same bits."""
     assert json.loads((ds.path(name) / "optim.json").read_text())["universal_error"] is None
-    _check_loaded(optim_records(ds.path(name), "universal"), _whole(ds, _source(name)), _tp(name))
+    assert_pieces_of_whole(optim_records(ds.path(name), "universal"), _whole(ds, _source(name)), _tp(name))
 
 
 def _load(path):
@@ -140,7 +117,8 @@ def test_the_layer_files_are_the_gathered_module_cut_and_the_model_states_name_t
             ours, theirs = torch.load(tag / file, weights_only=True), torch.load(saved / file, weights_only=True)
             assert list(ours) == list(theirs), file
             for key, value in ours.items():
-                assert bits_equal(value, _piece(whole[f"{layer}.{key}"], theirs[key].shape, tensor, tp)), (file, key)
+                expected = tensor_piece(whole[f"{layer}.{key}"], theirs[key].shape, tensor, tp)
+                assert bits_equal(value, expected), (file, key)
     for mp in range(tp):
         states = _load(tag / f"mp_rank_{mp:02d}_model_states.pt")
         assert states["mp_world_size"] == tp and states["dp_world_size"] == 1

@@ -21,6 +21,7 @@ import pytest
 import torch
 from _harness import scenarios
 from _harness.parallel_oracles import (
+    assert_pieces_of_whole,
     bits_equal,
     gathered_whole,
     info,
@@ -28,6 +29,7 @@ from _harness.parallel_oracles import (
     optim_records,
     rank_oracles,
     structure,
+    tensor_piece,
 )
 from _harness.reconstruction import invoke
 
@@ -68,16 +70,6 @@ def _source_rank(ds, source, layer, tp):
     raise AssertionError((source, layer, tp))
 
 
-def _piece(whole, shape, tensor, tp):
-    """Tensor rank ``tensor`` of ``tp``'s piece of ``whole`` for a tensor of ``shape`` (the whole where it is
-    replicated)."""
-    axes = [i for i, (a, b) in enumerate(zip(shape, whole.shape, strict=True)) if a != b]
-    if not axes:
-        return whole
-    assert len(axes) == 1 and whole.shape[axes[0]] == tp * shape[axes[0]], (shape, whole.shape)
-    return whole.chunk(tp, dim=axes[0])[tensor]
-
-
 def _loaded(ds, name):
     outcome = json.loads((ds.path(name) / "optim.json").read_text())
     assert "reshard_error" not in outcome and outcome["load_checkpoint_error"] is None, outcome
@@ -101,19 +93,12 @@ def test_the_target_job_holds_masters_moments_step_frozen_shards_buffers_and_the
     source, tp = _source(name), _tp(name)
     assert [(r["coords"]["pp"], r["coords"]["tp"]) for r in records] == [(0, t) for t in range(tp)]
     whole = _whole(ds, source)
-    held = set()
+    assert_pieces_of_whole(records, whole, tp)
     for r in records:
         tensor = r["coords"]["tp"]
-        for n, master in r["master"].items():
-            held.add((tensor, n))
-            assert bits_equal(master, _piece(whole["master"][n], master.shape, tensor, tp)), (tensor, n)
-            for key in ("exp_avg", "exp_avg_sq"):
-                expected = _piece(whole[key][n], master.shape, tensor, tp)
-                assert bits_equal(r["state"][n][key], expected), (tensor, n, key)
-            assert r["step"][n] == 2.0 and r["source"][n] == "safe_get_full_optimizer_state", (tensor, n)
         assert TIE in r["master"] and r["master"][TIE].shape == whole["master"][TIE].shape
         expected = {
-            FROZEN: _piece(whole["module"][FROZEN], r["module"][FROZEN].shape, tensor, tp),
+            FROZEN: tensor_piece(whole["module"][FROZEN], r["module"][FROZEN].shape, tensor, tp),
             BUFFER: _source_rank(ds, source, 3, 0)["buffers"][BUFFER],
             TIE_GAIN: _source_rank(ds, source, 4, 0)["module"][TIE_GAIN],
             TIE_BUFFER: _source_rank(ds, source, 4, 0)["buffers"][TIE_BUFFER],
@@ -122,7 +107,6 @@ def test_the_target_job_holds_masters_moments_step_frozen_shards_buffers_and_the
         assert list(r["module"][FROZEN].shape) == [32 // tp, 16]  # the target's own shard
         for local, value in expected.items():
             assert bits_equal(r["module"][local], value), (tensor, local)
-    assert held == {(t, n) for t in range(tp) for n in whole["master"]}
     source_logits = logits_of(rank_oracles(ds.path(source))).float().numpy()
     off = np.abs(logits_of(records).float().numpy() - source_logits).max()
     assert off <= LOGITS_SHARE * np.abs(source_logits).max(), off
@@ -201,7 +185,7 @@ def test_the_layer_files_hold_the_pieces_and_each_tie_layer_its_own_copy(ds, nam
                 elif key == "running":
                     expected = _source_rank(ds, source, layer, 0)["buffers"][f"{layer}.{key}"]
                 else:
-                    expected = _piece(whole[f"{layer}.{key}"], theirs[key].shape, tensor, tp)
+                    expected = tensor_piece(whole[f"{layer}.{key}"], theirs[key].shape, tensor, tp)
                 assert bits_equal(value, expected), (file, key)
     if source.startswith("tp2pp2"):  # each stage's forward updated its own copy of the tie's buffer
         seen = [torch.load(tag / f"layer_{i:02d}-model_00-model_states.pt", weights_only=True)["seen"] for i in (0, 4)]
