@@ -197,46 +197,41 @@ def frozen_apart(
                 model_file,
             )
     shapes = [tuple(ref.shape) for ref in held]
-    choices = _embeddings(shapes, [shape for _, shape in dense], limit=2)
-    if len(choices) != 1:
+    count, choice = _embeddings(shapes, [shape for _, shape in dense])
+    if count != 1:
         raise UnsupportedCheckpoint(
             f"ZeRO stage 0: optimizer/fp32_groups holds {len(held)} masters for {len(dense)} parameters, and "
-            f"{'no' if not choices else 'more than one'} choice of parameters in module order has their shapes "
+            f"{'no' if not count else 'more than one'} choice of parameters in module order has their shapes "
             "(frozen parameters are told apart at stage 0 only when one choice has)",
             _HINT,
             model_file,
         )
-    return [dense[i] for i in choices[0]]
+    return [dense[i] for i in choice]
 
 
-def _embeddings(wanted: list[tuple], shapes: list[tuple], limit: int) -> list[tuple[int, ...]]:
-    """Up to ``limit`` increasing index tuples ``ix`` with ``shapes[ix[k]] == wanted[k]`` for every k (the ways to
-    keep ``wanted`` in ``shapes`` in order): counted by dynamic programming, so a long model is no search."""
-    n, m = len(wanted), len(shapes)
-    # ways[k][i]: the ways (capped at limit) to place wanted[k:] in shapes[i:]
-    ways = [[0] * (m + 1) for _ in range(n + 1)]
-    ways[n] = [1] * (m + 1)
-    for k in range(n - 1, -1, -1):
-        for i in range(m - 1, -1, -1):
-            take = ways[k + 1][i + 1] if shapes[i] == wanted[k] else 0
-            ways[k][i] = min(limit, ways[k][i + 1] + take)
-    out: list[tuple[int, ...]] = []
+def _greedy(wanted: list[tuple], shapes: list[tuple]) -> tuple[int, ...] | None:
+    """The earliest increasing index tuple ``ix`` with ``shapes[ix[k]] == wanted[k]`` for every k; None: none."""
+    found, i = [], 0
+    for shape in wanted:
+        while i < len(shapes) and shapes[i] != shape:
+            i += 1
+        if i == len(shapes):
+            return None
+        found.append(i)
+        i += 1
+    return tuple(found)
 
-    def walk(k: int, i: int, chosen: tuple[int, ...]) -> None:
-        if len(out) >= limit:
-            return
-        if k == n:
-            out.append(chosen)
-            return
-        for j in range(i, m):
-            if shapes[j] == wanted[k] and ways[k + 1][j + 1]:
-                walk(k + 1, j + 1, (*chosen, j))
-                if len(out) >= limit:
-                    return
 
-    if ways[0][0]:
-        walk(0, 0, ())
-    return out
+def _embeddings(wanted: list[tuple], shapes: list[tuple]) -> tuple[int, tuple[int, ...]]:
+    """How many ways there are to keep ``wanted`` in ``shapes`` in order (0, 1, or 2 for more than one), and the
+    earliest. Every way lies, index by index, between the earliest and the latest (the earliest read backwards), so
+    there is one exactly when those two are the same: linear in the model's length."""
+    first = _greedy(wanted, shapes)
+    if first is None:
+        return 0, ()
+    last = _greedy(wanted[::-1], shapes[::-1])
+    assert last is not None  # the earliest exists, so the latest does
+    return (1 if first == tuple(len(shapes) - 1 - i for i in reversed(last)) else 2), first
 
 
 def stage0_frozen(folder: Path, states: StateCache | None = None, model_file: str = MODEL_FILE) -> list[str]:

@@ -64,3 +64,36 @@ def test_a_tie_is_refused():
     with pytest.raises(UnsupportedCheckpoint, match="'out' shares its storage with 'emb'") as info:
         frozen_apart(model, dense, _masters((8, 4), (4,)), "f")
     assert info.value.code == "CK202"
+
+
+def test_a_model_of_thousands_of_parameters_is_no_deeper_than_a_small_one():
+    """5000 parameters, one frozen in the middle (shapes repeating every 7, so the frozen one is told apart by order
+    alone): one choice, found without recursion (the first version walked it one call per master: RecursionError)."""
+    shapes = {f"p{i}": (i % 7 + 1, 3) for i in range(5000)}
+    model, dense = _module(shapes)
+    held = _masters(*[shape for name, shape in shapes.items() if name != "p2500"])
+    trained = frozen_apart(model, dense, held, "f")
+    assert trained is not None and len(trained) == 4999 and ("p2500", (2500 % 7 + 1, 3)) not in trained
+
+
+def test_the_count_of_choices_is_the_count_of_every_choice_tried():
+    """Small models of three shapes, every increasing choice of parameters tried: the rule finds a choice exactly
+    when one exists, takes the earliest, and tells one from several."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        shapes = [(rng.randint(1, 3),) for _ in range(rng.randint(1, 8))]
+        masters = [(rng.randint(1, 3),) for _ in range(rng.randint(1, len(shapes)))]
+        choices = itertools.combinations(range(len(shapes)), len(masters))
+        ways = [c for c in choices if [shapes[i] for i in c] == masters]
+        model, dense = _module({f"p{i}": shape for i, shape in enumerate(shapes)})
+        held = _masters(*masters)
+        if len(masters) == len(shapes):
+            assert frozen_apart(model, dense, held, "f") is None
+        elif len(ways) == 1:
+            assert frozen_apart(model, dense, held, "f") == [dense[i] for i in ways[0]]
+        else:
+            with pytest.raises(UnsupportedCheckpoint, match="no choice" if not ways else "more than one choice"):
+                frozen_apart(model, dense, held, "f")
