@@ -59,6 +59,18 @@ DONOR_SPECS = {
     "s1-fp32-ws3-rr-seed2": ({"stage": 1, "dtype": "fp32", "round_robin": True, **FEATURES, "seed": 4321}, 3),
 }
 
+# BF16_Optimizer saved by a job whose ds_config asks for round_robin_gradients and parameter_alignment, which
+# BF16_Optimizer ignores (it lays its groups out in natural order, without gaps): described, validated and resharded
+# as what it is, not as a ZeRO optimizer's reordered layout (tests/deepspeed/test_bf16_optimizer_flags.py). Trained
+# with the live engine's manifests recorded in the same launch.
+BF16OPT_FLAGS_SPECS = {
+    "s1-bf16-ws2-bf16opt-rr-align": (
+        {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32", "round_robin": True, "parameter_alignment": True}
+        | FEATURES,
+        2,
+    ),
+}
+
 # Sources of RESUME_CASES only: stage 0 without ties (whose masters its files cannot name, see UNSUPPORTED).
 RESUME_SOURCE_SPECS = {
     "s0-bf16-ws2-untied": ({"stage": 0, "dtype": "bf16"}, 2),
@@ -898,6 +910,8 @@ RESHARD_CASES = {
     "reshard-s1-bf16opt-2to3": ("s1-bf16-ws2-bf16opt", 3, {}),
     "reshard-s1-bf16opt-to-s2-2to3": ("s1-bf16-ws2-bf16opt", 3, {"stage": 2, "grad_accum_dtype": None}),
     "reshard-s1-bf16opt-to-s3-2to2": ("s1-bf16-ws2-bf16opt", 2, {"stage": 3, "grad_accum_dtype": None}),
+    # the same config with the ZeRO flags BF16_Optimizer ignores (BF16OPT_FLAGS_SPECS)
+    "reshard-s1-bf16opt-rr-align-2to3": ("s1-bf16-ws2-bf16opt-rr-align", 3, {}),
 }
 # The same, through tests/_harness/reshard_job.py (launches of their own): loads the
 # exclude_frozen_parameters checkpoints (which DeepSpeed's strict module load refuses) non-strict.
@@ -943,13 +957,13 @@ STAGE0_RESHARD_CASES = {
     "reshard-s2-to-s0-bf16-2to3": ("s2-bf16-ws2-plain", 3, {"stage": 0}),
 }
 EXTRA_STEP = {"global_batch": 12}  # splits evenly over 2, 3 and 4 ranks
-_SAVED_SPECS = {**MATRIX_SPECS, **RESUME_SOURCE_SPECS}
+SAVED_SPECS = {**MATRIX_SPECS, **RESUME_SOURCE_SPECS, **BF16OPT_FLAGS_SPECS}  # every train entry a reshard reads
 NATIVE_RESUMES = {
     f"native-{source}": source
     for source in sorted(
         {c[0] for c in [*RESHARD_CASES.values(), *RESHARD_JOB_CASES.values(), *STAGE0_RESHARD_CASES.values()]}
     )
-    if not _SAVED_SPECS[source][0].get("exclude_frozen")
+    if not SAVED_SPECS[source][0].get("exclude_frozen")
 }
 
 
@@ -1068,6 +1082,8 @@ def _registry() -> dict[str, Task]:
     out: dict[str, Task] = {}
     for specs in (MATRIX_SPECS, UNSUPPORTED_SPECS, EMBED_SPECS, RESUME_SOURCE_SPECS, DONOR_SPECS):
         out.update({name: Task("train", spec, ws) for name, (spec, ws) in specs.items()})
+    for name, (spec, ws) in BF16OPT_FLAGS_SPECS.items():
+        out[name] = Task("train", {**spec, "hooks": ["engine_manifest"]}, ws)
     for name, (spec, ws) in MATRIX_SPECS.items():
         out[engine_name(name)] = Task("train", {**spec, "save": False, "hooks": ["engine_manifest"]}, ws)
     for name, (spec, ws) in DCP_SOURCE_SPECS.items():
@@ -1132,7 +1148,7 @@ def _registry() -> dict[str, Task]:
         spec = {**{**MATRIX_SPECS, **RESUME_SOURCE_SPECS}[source][0], **changes}
         out[name] = Task("resume", {"spec": spec, "change": change}, ws, load=source)
     for name, (source, ws, changes) in {**RESHARD_CASES, **STAGE0_RESHARD_CASES}.items():
-        spec = {**_SAVED_SPECS[source][0], **changes}
+        spec = {**SAVED_SPECS[source][0], **changes}
         reshard = {"world_size": ws, "stage": changes.get("stage"), "sub_group_size": changes.get("sub_group_size")}
         args = {"spec": spec, "change": {}, "reshard": reshard, "extra_step": EXTRA_STEP}
         out[name] = Task("resume", args, ws, load=source)
@@ -1151,7 +1167,7 @@ def _registry() -> dict[str, Task]:
         spec = {**MATRIX_SPECS[source][0], **changes}
         out[name] = Task("reshard", {"spec": spec, "universal": how, "extra_step": EXTRA_STEP}, ws, load=source)
     for name, source in NATIVE_RESUMES.items():
-        spec, ws = _SAVED_SPECS[source]
+        spec, ws = SAVED_SPECS[source]
         out[name] = Task("resume", {"spec": spec, "change": {}, "extra_step": EXTRA_STEP}, ws, load=source)
     from .compat import OLD_DEEPSPEED_VERSION
 

@@ -260,8 +260,9 @@ def _layout(
         model_parallel_size=int(first_model.get("mp_world_size", 1) or 1),
         model_dtype=dtype_of_config(ds_config),
         master_dtype=master_dtype(first_optim, stage),
-        round_robin=bool(zero_cfg.get("round_robin_gradients", False)) and stage in (1, 2),
-        parameter_alignment=bool(zero_cfg.get("parameter_alignment", False)) and stage in (1, 2),
+        # ZeRO-1/2's flags: BF16_Optimizer reads neither (module order, no gaps), whatever the saved ds_config asks
+        round_robin=bool(zero_cfg.get("round_robin_gradients", False)) and stage in (1, 2) and not bf16_optimizer,
+        parameter_alignment=bool(zero_cfg.get("parameter_alignment", False)) and stage in (1, 2) and not bf16_optimizer,
         tail_padding_saved=bf16_optimizer,
         byte_order="little",  # torchfile refuses any other archive
         optimizer="BF16_Optimizer"
