@@ -4,7 +4,6 @@
   Each also has an ``<name>+engine`` entry: the same job re-trained in another launch, with the
   live engine's manifest recorded on every rank and no checkpoint saved (its ``live_fp32.pt``
   must equal the checkpoint's: the job is deterministic, whatever launch it runs in).
-* UNSUPPORTED: refused with a clear message, never described wrongly.
 * EMBED: saved through ``ckptspec.deepspeed.save_checkpoint``, then loaded back in the same job.
 * RESUMES: ``engine.load_checkpoint`` of a MATRIX checkpoint by a job of another layout.
 * RESHARD_CASES: ``ckptspec reshard`` of a MATRIX checkpoint, loaded by a job of the target layout,
@@ -47,10 +46,6 @@ MATRIX_SPECS = {
 }
 MATRIX = sorted(MATRIX_SPECS)
 
-UNSUPPORTED_SPECS = {
-    "s0-bf16-ws1": ({"stage": 0, "dtype": "bf16", "tied": True}, 1),
-}
-UNSUPPORTED = sorted(UNSUPPORTED_SPECS)
 
 # Donors of the fault "module-of-another-run" only: the same model and layout as s1-fp32-ws3-rr, another seed.
 # (Its stage-2 twin is no other run to every rank: fp32 stage 1 and 2 compute the same partitions bit for bit
@@ -71,7 +66,14 @@ BF16OPT_FLAGS_SPECS = {
     ),
 }
 
-# Sources of RESUME_CASES only: stage 0 without ties (whose masters its files cannot name, see UNSUPPORTED).
+# ZeRO stage 0 with a tie (one weight under two names: DeepSpeed records no shared_params at stage 0, the module holds
+# the same tensor twice) and buffers: described, reconstructed and written as ZeRO (tests/export/test_stage0_ties.py).
+# bf16 only: this job's live optimizer oracle reads a wrapped optimizer, which a stage-0 fp32 job has not
+STAGE0_TIED_SPECS = {
+    "s0-bf16-ws2-tied": ({"stage": 0, "dtype": "bf16", "tied": True, "buffers": True}, 2),
+}
+
+# Sources of RESUME_CASES only: stage 0 without ties.
 RESUME_SOURCE_SPECS = {
     "s0-bf16-ws2-untied": ({"stage": 0, "dtype": "bf16"}, 2),
     # ZeRO-2 without ties or frozen parameters: the sources of STAGE0_RESHARD_CASES (a stage-0 checkpoint cannot
@@ -956,12 +958,26 @@ UNIVERSAL_CASES = {
 STAGE0_RESHARD_CASES = {
     "reshard-s2-to-s0-bf16-2to3": ("s2-bf16-ws2-plain", 3, {"stage": 0}),
 }
+# ckptspec reshard of a tied stage-0 source (STAGE0_TIED_SPECS) for a ZeRO job, loaded as RESHARD_JOB_CASES are (its
+# masters, moments, tie and buffers against the source's, one more step against the source resumed at stage 0)
+STAGE0_TIED_RESHARDS = {
+    "reshard-s0-bf16-tied-to-s2-2to3": ("s0-bf16-ws2-tied", 3, {"stage": 2}),
+}
 EXTRA_STEP = {"global_batch": 12}  # splits evenly over 2, 3 and 4 ranks
-SAVED_SPECS = {**MATRIX_SPECS, **RESUME_SOURCE_SPECS, **BF16OPT_FLAGS_SPECS}  # every train entry a reshard reads
+SAVED_SPECS = {
+    **MATRIX_SPECS,
+    **RESUME_SOURCE_SPECS,
+    **BF16OPT_FLAGS_SPECS,
+    **STAGE0_TIED_SPECS,
+}  # every train entry a reshard reads
 NATIVE_RESUMES = {
     f"native-{source}": source
     for source in sorted(
-        {c[0] for c in [*RESHARD_CASES.values(), *RESHARD_JOB_CASES.values(), *STAGE0_RESHARD_CASES.values()]}
+        {
+            c[0]
+            for cases in (RESHARD_CASES, RESHARD_JOB_CASES, STAGE0_RESHARD_CASES, STAGE0_TIED_RESHARDS)
+            for c in cases.values()
+        }
     )
     if not SAVED_SPECS[source][0].get("exclude_frozen")
 }
@@ -1080,7 +1096,7 @@ def engine_name(name: str) -> str:
 
 def _registry() -> dict[str, Task]:
     out: dict[str, Task] = {}
-    for specs in (MATRIX_SPECS, UNSUPPORTED_SPECS, EMBED_SPECS, RESUME_SOURCE_SPECS, DONOR_SPECS):
+    for specs in (MATRIX_SPECS, EMBED_SPECS, RESUME_SOURCE_SPECS, DONOR_SPECS, STAGE0_TIED_SPECS):
         out.update({name: Task("train", spec, ws) for name, (spec, ws) in specs.items()})
     for name, (spec, ws) in BF16OPT_FLAGS_SPECS.items():
         out[name] = Task("train", {**spec, "hooks": ["engine_manifest"]}, ws)
@@ -1159,6 +1175,11 @@ def _registry() -> dict[str, Task]:
             reshard["grad_accum_dtype"] = {"fp32": "float32", "bf16": "bfloat16"}[changes["grad_accum_dtype"]]
         args = {"spec": spec, "reshard": reshard, "extra_step": EXTRA_STEP}
         out[name] = Task("reshard", args, ws, load=source)
+    for name, (source, ws, changes) in STAGE0_TIED_RESHARDS.items():
+        spec = {**SAVED_SPECS[source][0], **changes}
+        # through the public ckptspec.reshard (reshard_job.py: a grad_accum_dtype key, None), which reads every kind
+        reshard = {"world_size": ws, "stage": changes["stage"], "sub_group_size": None, "grad_accum_dtype": None}
+        out[name] = Task("reshard", {"spec": spec, "reshard": reshard, "extra_step": EXTRA_STEP}, ws, load=source)
     for name, (saved, ws, stage, dtype) in DCP_RESHARDS.items():
         spec = {**DCP_SAVE_SPEC, "stage": stage, "dtype": dtype, "config": {"gradient_clipping": 0.0}}
         args = {"spec": spec, "reshard": {"world_size": ws, "stage": stage, "model_dtype": dtype}, "dcp": True}
