@@ -237,13 +237,7 @@ def _plan_tensor_degree(
     as ``reshard_model_parallel`` does it), planned: CK410/CK401 before anything is written. A stage-0 source
     (``stage0``: ``index`` as the ZeRO-1 pipeline it is written as, whose masters and moments are not written yet)
     is asked what the index and its layer files decide only."""
-    degrees = index.topology.degrees
-    if not is_tensor_pipeline(index):
-        raise ReshardUnsupported(
-            f"--tensor-parallel {degree} of a pipeline of tensor degree {degrees.tensor} whose layer files are not per "
-            "tensor rank",
-            "give the checkpoint's tensor degree (or leave it out)",
-        )
+    degrees = index.topology.degrees  # tp > 1 (``refuse_degree_changes``): DeepSpeed's layer files are per tensor rank
     world = world_size
     if stages not in (None, degrees.pipeline):  # merged or split at the source's stages, then moved
         if degree == 1:
