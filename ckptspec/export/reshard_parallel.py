@@ -40,11 +40,12 @@ from .reshard_moe import plan_moe
 from .reshard_moe_stage0 import write_moe_stage0
 from .reshard_pipeline import pipeline_target, write_stages
 from .reshard_pipeline_stage0 import (
+    changes_degrees,
     is_pipeline_stage0_target,
+    moves_stage0_source,
     pipeline_stage0_resume,
     plan_pipeline_stage0,
     plan_restaged,
-    restages_stage0_source,
 )
 from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
@@ -122,10 +123,10 @@ def reshard_model_parallel(
                     reshard_model_parallel,
                     tensor_parallel,
                 )
-                merged_layers = pipeline_parallel not in (None, degrees.pipeline)  # the restage writes them
-            elif restages_stage0_source(found, tensor_parallel, pipeline_parallel):  # written as ZeRO-1, then moved
+                merged_layers = changes_degrees(found, tensor_parallel, pipeline_parallel)  # the chain writes them
+            elif moves_stage0_source(found, tensor_parallel, pipeline_parallel):  # written as ZeRO-1, then moved
                 restaged = (world_size, pipeline_parallel, partition_method, reshard_model_parallel, zero_stage)
-                writes = [plan_restaged(found, src_dir, plans, states, *restaged)]  # type: ignore[arg-type]
+                writes = [plan_restaged(found, src_dir, plans, states, *restaged, tensor_parallel)]  # type: ignore[arg-type]
                 merged_layers = True  # the restage writes them
             elif is_autotp_stage0(found):  # AutoTP at stage 0: as ZeRO or stage 0, at its degree, merged or split
                 stage0_args = (world_size, zero_stage, tensor_parallel, sub_group_size)

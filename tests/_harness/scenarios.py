@@ -778,6 +778,39 @@ TP_PIPE_STAGE0_STAGES = {
         {"pipeline_parallel": 2, "stage": 0},
     ),
 }
+# A tensor x pipeline checkpoint at another tensor degree and ZeRO stage at once (issue #40;
+# tests/export/test_reshard_tp_pipe_stage0_degree.py; reshard_pipeline_stage0.plan_restaged): the stage-0 sources merged
+# for a tp1 x pp2 stage-0 job (written as ZeRO-1, merged, written at stage 0; the fp32 one without --stage: it keeps
+# stage 0) and for a ZeRO-1 one (written as ZeRO-1, merged), DeepSpeed's tp2 x pp2 ZeRO-1 save merged for a stage-0 job
+# (merged, written at stage 0): the plain PipelineModule's optim launch of tp1 x pp2 x dp1; and the stage-0 sources
+# split to tp4 at one stage for a tp4 x pp1 stage-0 job (written as ZeRO-1, split, moved, written at stage 0): the
+# optim launch of tp4 x pp1 x dp1. Compared with what the source job gathered whole over its tensor groups (its
+# oracle) and, after one more step, with its "+optim" entry (the source resumed at its own layout).
+TP_PIPE_STAGE0_DEGREES = {
+    "tp2pp2-s0-bf16-ws4>tp1-s0": ("tp2pp2-s0-bf16-ws4", 2, {"tp": 1}, {"tensor_parallel": 1, "stage": 0}),
+    "tp2pp2-s0-fp32-ws4>tp1": ("tp2pp2-s0-fp32-ws4", 2, {"tp": 1}, {"tensor_parallel": 1}),
+    "tp2pp2-s0-fp32-ws4>tp1-s1": (
+        "tp2pp2-s0-fp32-ws4",
+        2,
+        {"tp": 1, "stage": 1},
+        {"tensor_parallel": 1, "stage": 1},
+    ),
+    "tp2pp2-s1-bf16-ws4>tp1-s0": (
+        "tp2pp2-s1-bf16-ws4",
+        2,
+        {"tp": 1, "stage": 0},
+        {"tensor_parallel": 1, "stage": 0},
+    ),
+    **{
+        f"tp2pp2-s0-{dtype}-ws4>tp4-pp1-s0": (
+            f"tp2pp2-s0-{dtype}-ws4",
+            4,
+            _TP4,
+            {"tensor_parallel": 4, "pipeline_parallel": 1, "stage": 0},
+        )
+        for dtype in ("bf16", "fp32")
+    },
+}
 # The bf16 extras source's moves (tests/export/test_reshard_tp_pipe_extras_bf16.py): every move of the fp32 tp2 x pp2
 # one, each in the optim launch of the fp32 move of the same target degrees.
 TP_PIPE_EXTRAS_RESHARDS.update(
@@ -820,6 +853,7 @@ DEGREE_TARGETS = {
     **TP_PIPE_EXTRAS_RESHARDS,
     **TP_PIPE_STAGE0_RESHARDS,
     **TP_PIPE_STAGE0_STAGES,
+    **TP_PIPE_STAGE0_DEGREES,
     **FUSED_RESHARDS,
 }
 RESHARD_SOURCES = sorted(
