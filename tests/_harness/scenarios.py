@@ -643,6 +643,20 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         {"expert_parallel": 1, "stage": 2},
     ),
     "moe2-ep2-s1-fp16-ws2>s0": ("moe2-ep2-s1-fp16-ws2", 2, _S0, _S0),
+    # a bf16 ZeRO-1 pipeline's stages for a BF16_Optimizer pipeline job (data_types.grad_accum_dtype fp32: Megatron-
+    # DeepSpeed's configuration) and the reverse, pp2 x dp1 -> pp2 x dp2 (--grad-accum-dtype; test_reshard_parallel.py)
+    "pp2-s1-bf16-ws2>bf16opt-ws4": (
+        "pp2-s1-bf16-ws2",
+        4,
+        {"grad_accum_dtype": "fp32"},
+        {"grad_accum_dtype": "float32"},
+    ),
+    "pp2-s1-bf16-ws2-bf16opt>zero-ws4": (
+        "pp2-s1-bf16-ws2-bf16opt",
+        4,
+        {"grad_accum_dtype": None},
+        {"grad_accum_dtype": "bfloat16"},
+    ),
 }
 # Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
 UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}
