@@ -17,7 +17,7 @@ from ..checkpoint.states import StateCache
 from ..location import RemotePath
 from .layout.masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE
 from .layout.names import MODEL_RE, OPTIM_RE, PIPE_LAYER_RE
-from .layout.pipeline_torch_optimizer import is_torch_optimizer_state
+from .layout.pipeline_torch_optimizer import is_torch_optimizer_state, is_unfused_state
 from .layout.tag_dir import UNIVERSAL_FOLDER
 
 if TYPE_CHECKING:  # the models load pydantic: `generate` asks the kind before it needs them
@@ -168,7 +168,7 @@ def is_pipeline_stage0(tag_dir: Path | RemotePath, states: StateCache) -> bool:
     optimizer = state.get("optimizer") if isinstance(state, dict) else None
     if state.get("param_shapes", []) is not None or not isinstance(optimizer, dict):
         return False
-    if is_torch_optimizer_state(optimizer):
+    if is_torch_optimizer_state(optimizer) or is_unfused_state(optimizer):  # fp32, or fp16 (FP16_UnfusedOptimizer)
         return not any(OPTIM_RE.match(p.name) for p in tag_dir.iterdir())
     return "param_slice_mappings" in optimizer
 

@@ -63,7 +63,7 @@ from .optimizer_state import OptimizerStatePlan, plan_optimizer_state
 from .reshard_files import BF16_OPTIMIZER_KEYS, ModelChanges, write_files
 from .reshard_layout import TargetLayout, natural_groups
 from .reshard_pipeline import pipeline_target
-from .reshard_pipeline_stage0_fp32 import Fp32StageWrite
+from .reshard_pipeline_stage0_fp32 import Fp32StageWrite, unfused_loss_scale
 from .reshard_source import SourceOptimizer, source_optimizer, with_stage
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source, stage0_optimizer
 from .reshard_tp_pipeline import plan_tensor_pipeline_merge, refuse_tensor_pipeline_merge
@@ -289,16 +289,18 @@ def _stage_write(
     if domain.masters is not None:  # a stage-0 (BF16_Optimizer) stage: the index locates them
         state_plan = masters_state_plan(src_dir, domain, states)
         moments = sorted({key for names in state_plan.states.values() for key in names})
-        source = stage0_optimizer(src_dir, domain, states, moments, 0)  # type: ignore[arg-type]  # joined, read
+        unfused = domain.masters.stored_in == "model_states"  # fp16: FP16_UnfusedOptimizer keeps its loss scale
+        source = stage0_optimizer(src_dir, domain, states, moments, 0, unfused)  # type: ignore[arg-type]  # joined
     else:
         state_plan = plan_optimizer_state(plan)
         first = next(f.path for f in manifest.files if f.role == "optimizer_states" and 0 in f.ranks)
         source = source_optimizer(manifest, states.state(src_dir / first))
         source.path, source.file_name = src_dir / first, first
-    if manifest.layout.model_dtype == "float32":  # the torch optimizer's state in the model states, no optimizer files
+    if manifest.layout.model_dtype in ("float32", "float16"):  # the torch optimizer's state in the model states
         model = src_dir / next(f.path for f in manifest.files if f.role == "model_states")
         mp_rank = domain.coordinate.pipeline * tp + domain.coordinate.tensor  # DeepSpeed's numbering of (stage, tensor)
-        return Fp32StageWrite(manifest, plan, state_plan, source, model, data, mp_rank)  # type: ignore[arg-type]
+        scale = unfused_loss_scale(states.state(model)) if manifest.layout.model_dtype == "float16" else None
+        return Fp32StageWrite(manifest, plan, state_plan, source, model, data, mp_rank, scale)  # type: ignore[arg-type]
     # BF16_Optimizer's keys: those write_files recomputes for the target, the rest (clip_grad) as saved
     osd = {key: source.osd.get(key) for key in BF16_OPTIMIZER_KEYS}
     return Bf16StageWrite(
@@ -323,13 +325,15 @@ def _refuse(
     stage0 = is_stage0_source(index)
     for d in index.domains:
         layout = d.manifest.layout
-        if layout.model_dtype not in ("bfloat16", "float32"):
+        unfused = stage0 and d.masters is not None and d.masters.stored_in == "model_states"
+        moved = changes_degrees(index, tensor_parallel, pipeline_parallel)
+        if layout.model_dtype not in ("bfloat16", "float32") and not (unfused and not moved):
             raise ReshardUnsupported(
-                f"--stage 0 of a {layout.model_dtype} pipeline (stage {d.id}): DeepSpeed's stage-0 pipeline runs "
-                "FP16_UnfusedOptimizer there (FP16_Optimizer with a FusedAdam), its masters and dynamic loss scale in "
-                "each stage's model states, which are not written yet",
-                "bf16 (BF16_Optimizer) and fp32 (the torch optimizer) pipelines are written at stage 0; keep this one "
-                "at ZeRO-1",
+                f"--stage 0 of a {layout.model_dtype} pipeline (stage {d.id}){' at other degrees' if unfused else ''}: "
+                "DeepSpeed's stage-0 pipeline runs FP16_UnfusedOptimizer there, its masters and dynamic loss scale in "
+                "each stage's model states, written only from such a stage-0 pipeline at its own stages",
+                "bf16 (BF16_Optimizer) and fp32 (the torch optimizer) pipelines are written at stage 0 at any degrees; "
+                "an fp16 stage-0 pipeline at another data degree only",
             )
         if not stage0 and (d.masters is not None or layout.zero_stage != 1):
             raise ReshardUnsupported(

@@ -12,14 +12,22 @@ Each stage is written from the source stage's masters and moments (``reshard_sta
 stage-0 writer's): a ZeRO-1 pipeline's partitions, or a stage-0 fp32 pipeline's own state at another data degree;
 at another number of stages the restage of ``reshard_pipeline_stage0`` runs first (``RestagedStage0Write``).
 ``engine.load_checkpoint`` loads it as it loads DeepSpeed's own save.
+
+An fp16 pipeline's stage-0 job wraps that torch optimizer in ``FP16_UnfusedOptimizer``: ``optimizer`` is then its
+``state_dict()`` (``loss_scale``: the source stage's dynamic loss-scale entries as saved, then the torch state as
+``optimizer_state_dict`` and the fp32 masters as ``fp32_groups``), the layer files' fp16 weights as saved. Only from
+such a source at the same stages (another data degree): its FP16_UnfusedOptimizer saves every loss-scale counter the
+target's holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..checkpoint.states import StateCache
+from ..deepspeed.describe.scalars import plain_value
 from ..format.models import Manifest
 from . import ds_pickle
 from .arrays import ShardReader
@@ -29,6 +37,22 @@ from .reshard_files import lazy_reader, tensor_reader
 from .reshard_layout import natural_groups
 from .reshard_source import SourceOptimizer
 from .reshard_stage0 import stage0_model_states, torch_optimizer
+
+# FP16_UnfusedOptimizer.state_dict()'s loss-scale entries (runtime/fp16/unfused_optimizer.py), in its order
+UNFUSED_SCALE_KEYS = (
+    "dynamic_loss_scale",
+    "cur_scale",
+    "cur_iter",
+    "last_overflow_iter",
+    "scale_factor",
+    "scale_window",
+)
+
+
+def unfused_loss_scale(model_state: dict) -> dict[str, Any]:
+    """A stage's FP16_UnfusedOptimizer loss-scale entries as saved (a static scale saves the first three only)."""
+    wrapper = model_state["optimizer"]
+    return {key: plain_value(wrapper[key]) for key in UNFUSED_SCALE_KEYS if key in wrapper}
 
 
 @dataclass
@@ -42,6 +66,7 @@ class Fp32StageWrite:
     model_file: Path  # the source stage's model states
     data: int  # the target's data-parallel degree
     mp_rank: int  # the stage
+    loss_scale: dict[str, Any] | None = None  # an fp16 stage's FP16_UnfusedOptimizer loss-scale entries, as saved
 
     zero_stage = 0
 
@@ -52,11 +77,14 @@ class Fp32StageWrite:
             read_model = lazy_reader(self.model_file, states, files)
             groups = [(g, [p.name for p in params]) for g, params in natural_groups(self.manifest)]
             sources, moments = self.plan.sources, self.state_plan.sources
-            _, torch_state = torch_optimizer(
+            masters, torch_state = torch_optimizer(
                 groups, sources, self.state_plan.states, moments, self.source, read_optim, files
             )
+            optimizer: Any = torch_state
+            if self.loss_scale is not None:  # FP16_UnfusedOptimizer.state_dict()'s order
+                optimizer = {**self.loss_scale, "optimizer_state_dict": torch_state, "fp32_groups": masters}
             model_state = states.state(self.model_file)
-            doc = stage0_model_states(model_state, model_state.get("module"), torch_state, self.data, read_model)
+            doc = stage0_model_states(model_state, model_state.get("module"), optimizer, self.data, read_model)
             path = tag_dir / f"mp_rank_{self.mp_rank:02d}_model_states.pt"
             ds_pickle.save_streamed(doc, path, shapes_as_tuples=True)
         return [path]

@@ -110,16 +110,17 @@ def stage0_domain_write(
 
 
 def stage0_optimizer(
-    tag_dir: Path, domain: Domain, states: StateCache, moments: list[str], zero_stage: int
+    tag_dir: Path, domain: Domain, states: StateCache, moments: list[str], zero_stage: int, keep_scale: bool = False
 ) -> SourceOptimizer:
     """What the ZeRO ``zero_stage`` optimizer-state files of ``domain`` hold besides the partitions, from the
     stage-0 optimizer its model states save (a MoE's dense domain: expert-parallel rank 0's, whose param groups
     are the dense and the expert group); ``moments``: the per-element states the masters' state plans locate.
-    CK410 for an fp16 dynamic loss scale."""
+    CK410 for an fp16 dynamic loss scale, unless ``keep_scale`` (a writer that keeps FP16_UnfusedOptimizer's own
+    loss-scale entries: an fp16 stage-0 pipeline written at stage 0)."""
     model_file = next(f.path for f in domain.manifest.files if f.role == "model_states")
     saved = states.state(tag_dir / model_file)
     wrapper = saved["optimizer"]
-    if wrapper.get("dynamic_loss_scale"):
+    if wrapper.get("dynamic_loss_scale") and not keep_scale:
         # the wrapper that saved it, told by where its masters are (DeepSpeed's FusedAdam: flat ones)
         name = "FP16_Optimizer" if "fp32_groups_flat" in wrapper else "FP16_UnfusedOptimizer"
         raise ReshardUnsupported(

@@ -250,6 +250,9 @@ PIPE_STAGE0_SPECS = {
     # and at pp2 x dp2: what the pp2 x dp2 fp32 stage-0 targets of DEGREE_RESHARDS are compared with, file for file
     # (tests/export/test_reshard_pipeline_stage0_fp32.py), in the world-size-4 launch
     "pp2dp2-s0-fp32-ws4": ({"pp": 2, "stage": 0, "dtype": "fp32"}, 4),
+    # fp16 at stage 0: FP16_UnfusedOptimizer around the client torch Adam (its fp32 masters, Adam state and dynamic
+    # loss scale in each stage's model states), in the pipeline family's world-size-2 launch
+    "pp2-s0-fp16-ws2": ({"pp": 2, "stage": 0, "dtype": "fp16"}, 2),
 }
 # The tensor x pipeline model (TP_PIPE_SPECS') at ZeRO stage 0 (issue #40): bf16 trains with BF16_Optimizer (its
 # bf16_zero_pp_rank_* files per stage and tensor rank), fp32 with the torch optimizer (its state in each stage and
@@ -501,6 +504,9 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "pp2-s1-fp32-ws2>s0": ("pp2-s1-fp32-ws2", 2, _S0, _S0),
     "pp2dp2-s1-fp32-ws4>s0-ws2": ("pp2dp2-s1-fp32-ws4", 2, _S0, _S0),
     "pp2-s0-fp32-ws2>ws4": ("pp2-s0-fp32-ws2", 4, {}, {}),
+    # an fp16 stage-0 pipeline (FP16_UnfusedOptimizer, dynamic loss scale) for a stage-0 fp16 pipeline job at
+    # pp2 x dp2 (its own stages: the only fp16 stage-0 move written)
+    "pp2-s0-fp16-ws2>ws4": ("pp2-s0-fp16-ws2", 4, {}, {}),
     # and at 3 stages (uniform): restaged at ZeRO-1 first, as the bf16 ones
     "pp2-s1-fp32-ws2>pp3-s0": (
         "pp2-s1-fp32-ws2",

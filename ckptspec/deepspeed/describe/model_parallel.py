@@ -66,9 +66,11 @@ def index_from_files(files: ParallelFiles, states: StateCache, *, hash_algorithm
         if isinstance(model := states.state(model_path), dict) and model.get("param_shapes", []) is None:
             raise UnsupportedCheckpoint(  # DeepSpeed's stage-0 optimizers record no param_shapes
                 "model states have 'param_shapes' None (a ZeRO stage-0 pipeline), and their optimizer is neither "
-                f"BF16_Optimizer's partitions nor the torch optimizer's own state ({_keys(model.get('optimizer'))})",
-                "stage-0 pipelines of bf16 (BF16_Optimizer) and fp32 (the torch optimizer) are described; this "
-                "optimizer's (fp16: FP16_UnfusedOptimizer, or FP16_Optimizer with a FusedAdam) is not yet",
+                "BF16_Optimizer's partitions, the torch optimizer's own state nor FP16_UnfusedOptimizer's "
+                f"({_keys(model.get('optimizer'))})",
+                "stage-0 pipelines of bf16 (BF16_Optimizer), fp32 (the torch optimizer) and fp16 with a client torch "
+                "optimizer (FP16_UnfusedOptimizer) are described; this optimizer's (fp16 FP16_Optimizer with a "
+                "FusedAdam) is not yet",
                 str(model_path),
             )
         manifest = manifest_from_states(

@@ -15,7 +15,9 @@ optimizer files and the model states' copy as ``replicas``; the whole-model view
 
 An fp32 pipeline at stage 0 runs the torch optimizer itself: no optimizer files, its state per parameter in each
 stage's model states, the layer files' fp32 weights its masters (``stored_in: module``), named by
-``layout.pipeline_torch_optimizer``; each stage's domain lists its model states (the moments' file).
+``layout.pipeline_torch_optimizer``; each stage's domain lists its model states (the moments' file). An fp16 pipeline
+at stage 0 (FP16_UnfusedOptimizer) is named the same way, its masters the fp32 tensors ``optimizer/fp32_groups[g][i]``
+of the stage's model states (``stored_in: model_states``), its dynamic loss scale beside them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from ..layout.parallel_files import (
     scan_parallel,
     tensor_rank_files,
 )
-from ..layout.pipeline_torch_optimizer import is_torch_optimizer_state, stage_params
+from ..layout.pipeline_torch_optimizer import StageParam, is_torch_optimizer_state, is_unfused_state, stage_params
 from .index_builder import IndexBuilder
 
 _HINT = "the masters of this stage-0 pipeline cannot be named from its files; it is not described"
@@ -108,6 +110,15 @@ def _weight(folder: Path, rel: str, name: str, key: str, ref: TensorRef, states:
     return MasterTensor(name, tuple(ref.shape), ref.dtype, ((rel, offset, nbytes),), (key,))
 
 
+def _stage_master(folder: Path, param: StageParam, states: StateCache) -> MasterTensor:
+    """A stage parameter's master: FP16_UnfusedOptimizer's fp32 tensor in the model states, else the layer weight."""
+    if param.master is None:
+        return _weight(folder, param.layer_file, param.name, param.key, param.ref, states)
+    offset, nbytes = tensor_byte_range(param.master, states.members(folder / param.model_file))
+    segments = ((param.model_file, offset, nbytes),)
+    return MasterTensor(param.name, tuple(param.master.shape), param.master.dtype, segments, param.master_key)
+
+
 def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None, live=None):
     """``live``: the live engine's masters and copies of each model-parallel rank (live/masters.py)."""
     from .model_parallel import pipeline_view
@@ -130,8 +141,9 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
     b.model_dtypes.update({n: r.dtype for w in weights.values() for n, r in w.items()})
     if live is not None:
         b.model_dtypes.update(live.dtypes)
-    fp32 = None  # the torch optimizer's own state in the model states: the layer files' weights are the masters
-    if live is None and is_torch_optimizer_state(b.model.get("optimizer")):
+    fp32 = None  # the torch optimizer's own state in the model states (FP16_UnfusedOptimizer's: its fp32 masters too)
+    unfused = is_unfused_state(b.model.get("optimizer"))
+    if live is None and (is_torch_optimizer_state(b.model.get("optimizer")) or unfused):
         fp32 = stage_params(files, states)
     domains = []
     for mp, shards in sorted(files.by_mp_rank.items()):
@@ -140,7 +152,7 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
         if live is not None:
             masters, copies = live.by_mp_rank[mp]
         elif fp32 is not None:
-            masters, copies = [_weight(folder, p.layer_file, p.name, p.key, p.ref, states) for p in fp32[mp]], []
+            masters, copies = [_stage_master(folder, p, states) for p in fp32[mp]], []
         else:
             masters = _stage_masters(folder, shards.optim_files, own, states, tensor=tensor)
             copies = (
@@ -159,7 +171,7 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
             Coordinate(pipeline=pipeline, tensor=tensor),
             "data_parallel",
             masters,
-            "optimizer_states" if fp32 is None else "module",
+            "optimizer_states" if fp32 is None else ("model_states" if unfused else "module"),
             listed,
             size=len(shards.optim_files) if fp32 is None else degrees.data,
             replicas=replicas,
