@@ -603,6 +603,24 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         {"tensor_parallel": 4, "stage": 1},
     ),
     "tp2-s0-bf16-ws2-buffers>universal-s1": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 1}, {"export_universal": True}),
+    # with frozen parameters (a weight AutoTP splits, a bias it leaves whole; named by the masters' shapes): at its
+    # tensor degree (tp2 x dp2 ZeRO-2, tp2 x dp1 ZeRO-3), merged (tp1 x dp2 ZeRO-2), split (tp4 x dp1 ZeRO-1) and
+    # through ckptspec's universal folder (tp2 x dp1 ZeRO-1), in the launches of the moves above
+    "tp2-s0-bf16-ws2-frozen>s2-ws4": ("tp2-s0-bf16-ws2-frozen", 4, {"stage": 2}, {"stage": 2}),
+    "tp2-s0-bf16-ws2-frozen>s3": ("tp2-s0-bf16-ws2-frozen", 2, {"stage": 3}, {"stage": 3}),
+    "tp2-s0-bf16-ws2-frozen>tp1-s2": (
+        "tp2-s0-bf16-ws2-frozen",
+        2,
+        {**_TP1, "stage": 2},
+        {"tensor_parallel": 1, "stage": 2},
+    ),
+    "tp2-s0-bf16-ws2-frozen>tp4-s1": (
+        "tp2-s0-bf16-ws2-frozen",
+        4,
+        {"tp": 4, "stage": 1},
+        {"tensor_parallel": 4, "stage": 1},
+    ),
+    "tp2-s0-bf16-ws2-frozen>universal-s1": ("tp2-s0-bf16-ws2-frozen", 2, {"stage": 1}, {"export_universal": True}),
     # ... and for ZeRO-3 jobs: tp2 x dp1, and merged (tp1 x dp2), in the ZeRO-3 launches of those layouts
     "tp2-s0-bf16-ws2-buffers>s3": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 3}, {"stage": 3}),
     "tp2-s0-bf16-ws2-buffers>tp1-s3": (

@@ -89,6 +89,10 @@ AUTOTP_FROM_STAGE0_CLIP = {
     "tp2-s0-bf16-ws2-buffers>s2-ws4",
     "tp2-s0-bf16-ws2-buffers>universal-s1",
     "tp2-s0-bf16-ws2-buffers>s3",
+    # with frozen parameters (a frozen weight AutoTP splits, a frozen bias it leaves whole), the same
+    "tp2-s0-bf16-ws2-frozen>s2-ws4",
+    "tp2-s0-bf16-ws2-frozen>universal-s1",
+    "tp2-s0-bf16-ws2-frozen>s3",
 }
 STAGE0_CLIP_LOGITS, UNIFORM = 0.02, 0.01
 
