@@ -80,6 +80,11 @@ class TensorRef(_SealedRecord):
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def view(self) -> tuple:
+        """What makes two pickled tensors the same tensor (a tie: one parameter under two names)."""
+        return self.storage.member, self.storage_offset, tuple(self.shape), tuple(self.stride)
+
     def is_contiguous(self) -> bool:
         # Asked of every module tensor (CK217); a model has a few distinct (shape, stride) pairs.
         key = (self.shape, self.stride)

@@ -186,10 +186,8 @@ def reshard(
         "expert_parallel": expert_parallel,
     }
     if described_by_index(checkpoint, manifest, tag):
-        from .reshard_bf16 import refuse_grad_accum_dtype_model_parallel
         from .reshard_parallel import reshard_model_parallel
 
-        refuse_grad_accum_dtype_model_parallel(checkpoint, grad_accum_dtype)  # CK410 before anything is read
         return reshard_model_parallel(
             checkpoint,
             output,
@@ -199,6 +197,7 @@ def reshard(
             index=manifest,
             partition_method=partition_method,
             sub_group_size=sub_group_size,
+            grad_accum_dtype=grad_accum_dtype,
             **degrees,
         )
     from .reshard_parallel import refuse_degrees_of_plain_zero

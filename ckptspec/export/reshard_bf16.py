@@ -85,14 +85,41 @@ def target_config(found: Manifest, target: TargetLayout) -> Callable[[Any], Any]
 
 
 def refuse_grad_accum_dtype_model_parallel(checkpoint, grad_accum_dtype: str | None) -> None:
-    """CK410 by name for ``--grad-accum-dtype`` asked of a tensor/pipeline-parallel, MoE or stage-0 checkpoint (a
-    checkpoint index), or with a data-parallel one's ``--tensor-parallel`` split: not written yet."""
+    """CK410 by name for ``--grad-accum-dtype`` with a data-parallel checkpoint's ``--tensor-parallel`` split: not
+    written yet."""
     if grad_accum_dtype is not None:
         raise ReshardUnsupported(
-            "--grad-accum-dtype is written for a data-parallel ZeRO-1/2/3 checkpoint moved along its data axis only so "
-            "far, not for a tensor/pipeline-parallel, MoE or stage-0 checkpoint or a --tensor-parallel split",
-            "leave --grad-accum-dtype out (a pipeline's BF16_Optimizer stages stay BF16_Optimizer's at stage 1)",
+            "--grad-accum-dtype is written for a checkpoint moved along its data axis only so far, not with a "
+            "--tensor-parallel split",
+            "leave --grad-accum-dtype out, or reshard in two commands",
             str(checkpoint),
+        )
+
+
+def refuse_grad_accum_dtype_index(
+    index, grad_accum_dtype: str | None, tensor_parallel, pipeline_parallel, expert_parallel, zero_stage
+) -> None:
+    """CK410 by name for ``--grad-accum-dtype`` asked of a checkpoint index (``index``) but a ZeRO-1/2 pipeline
+    (``PipelineModule``, no tensor parallelism) moved along its data axis, each stage ZeRO-1 of either kind: a
+    tensor-parallel, MoE or stage-0 checkpoint, or another degree or stage together with it, is not written yet."""
+    if grad_accum_dtype is None:
+        return
+    degrees = index.topology.degrees
+    moved = [
+        f"tensor degree {degrees.tensor}" if degrees.tensor != 1 else "",
+        "experts" if index.expert_files else "",
+        "a stage-0 source" if any(d.masters is not None for d in index.domains) else "",
+        f"--stage {zero_stage}" if zero_stage not in (None, 1) else "",
+        f"--pipeline-parallel {pipeline_parallel}" if pipeline_parallel not in (None, degrees.pipeline) else "",
+        f"--tensor-parallel {tensor_parallel}" if tensor_parallel not in (None, degrees.tensor) else "",
+        f"--expert-parallel {expert_parallel}" if expert_parallel is not None else "",
+    ]
+    asked = ", ".join(m for m in moved if m)
+    if asked:
+        raise ReshardUnsupported(
+            f"--grad-accum-dtype of a checkpoint index is written for a ZeRO-1 pipeline moved along its data axis "
+            f"only so far, not with {asked}",
+            "leave --grad-accum-dtype out, or move the degrees first and change the optimizer kind in a second command",
         )
 
 

@@ -33,18 +33,25 @@ from .model_plan import Segment
 from .optimizer_state import plan_optimizer_state
 from .output_dir import build_and_publish, held_new_output
 from .reshard import ReshardResult, commit_and_validate_index, embed_and_validate
-from .reshard_bf16 import refuse_bf16_model_parallel
+from .reshard_bf16 import (
+    is_bf16_optimizer,
+    refuse_bf16_model_parallel,
+    refuse_grad_accum_dtype_index,
+    target_config,
+    zero_source,
+)
 from .reshard_files import write_files
 from .reshard_layout import TargetLayout, target_layout
 from .reshard_moe import plan_moe
 from .reshard_moe_stage0 import write_moe_stage0
 from .reshard_pipeline import pipeline_target, write_stages
 from .reshard_pipeline_stage0 import (
+    changes_degrees,
     is_pipeline_stage0_target,
+    moves_stage0_source,
     pipeline_stage0_resume,
     plan_pipeline_stage0,
     plan_restaged,
-    restages_stage0_source,
 )
 from .reshard_stage0 import module_order, refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
@@ -71,13 +78,15 @@ def reshard_model_parallel(
     partition_method: str | None = None,
     expert_parallel: int | None = None,
     sub_group_size: int | None = None,
+    grad_accum_dtype: str | None = None,
 ) -> ReshardResult:
     """Validate ``checkpoint`` (digests included), then write it for ``world_size`` ranks in all: the same
     tensor and pipeline degrees, ``world_size / (tp x pp)`` data-parallel ranks (and ``zero_stage``).
     ``index``: the checkpoint index to read it by (a model, a validated report or a file), else its files'.
     ``pipeline_parallel`` other than the source's: the stages rebuilt (``reshard_pipeline``, ``partition_method``;
     a tensor-parallel pipeline's tensor ranks each, or merged first: ``reshard_tp_pipeline_stages``).
-    ``sub_group_size``: a ZeRO-3 target's (default: a ZeRO-3 source's, else DeepSpeed's)."""
+    ``sub_group_size``: a ZeRO-3 target's (default: a ZeRO-3 source's, else DeepSpeed's). ``grad_accum_dtype``: a bf16
+    ZeRO-1 pipeline's stages for the other optimizer kind (``reshard_bf16``; the data axis only)."""
     with held_new_output(output, "the resharded checkpoint") as out:
         if isinstance(index, (str, os.PathLike)):
             from ..format.index_validate import validate_index_file
@@ -104,6 +113,9 @@ def reshard_model_parallel(
                 found, None if tensor_parallel == 1 or splitting else tensor_parallel, pipeline_parallel
             )
             refuse_bf16_model_parallel(found, tensor_parallel, pipeline_parallel, zero_stage)
+            refuse_grad_accum_dtype_index(
+                found, grad_accum_dtype, tensor_parallel, pipeline_parallel, expert_parallel, zero_stage
+            )
             if expert_parallel is not None and not found.expert_files:
                 raise ReshardUnsupported(
                     f"--expert-parallel {expert_parallel} of a checkpoint without experts",
@@ -122,10 +134,10 @@ def reshard_model_parallel(
                     reshard_model_parallel,
                     tensor_parallel,
                 )
-                merged_layers = pipeline_parallel not in (None, degrees.pipeline)  # the restage writes them
-            elif restages_stage0_source(found, tensor_parallel, pipeline_parallel):  # written as ZeRO-1, then moved
+                merged_layers = changes_degrees(found, tensor_parallel, pipeline_parallel)  # the chain writes them
+            elif moves_stage0_source(found, tensor_parallel, pipeline_parallel):  # written as ZeRO-1, then moved
                 restaged = (world_size, pipeline_parallel, partition_method, reshard_model_parallel, zero_stage)
-                writes = [plan_restaged(found, src_dir, plans, states, *restaged)]  # type: ignore[arg-type]
+                writes = [plan_restaged(found, src_dir, plans, states, *restaged, tensor_parallel)]  # type: ignore[arg-type]
                 merged_layers = True  # the restage writes them
             elif is_autotp_stage0(found):  # AutoTP at stage 0: as ZeRO or stage 0, at its degree, merged or split
                 stage0_args = (world_size, zero_stage, tensor_parallel, sub_group_size)
@@ -174,7 +186,7 @@ def reshard_model_parallel(
                     found, pipeline_parallel, world_size, zero_stage, partition_method, states, src_dir, plans
                 )
             else:
-                targets = target_layouts(found, world_size, zero_stage, sub_group_size)
+                targets = target_layouts(found, world_size, zero_stage, sub_group_size, grad_accum_dtype)
                 for d in found.domains:  # what a stage-0 checkpoint could not describe (ties, frozen parameters...)
                     if targets[d.id].zero_stage == 0:
                         # an AutoTP tensor rank's module names its frozen parameters' order (a pipeline's: layer files)
@@ -225,8 +237,11 @@ def reshard_model_parallel(
                         files += write_stage3_files(
                             d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir, sub_group_size
                         )
-                    else:
-                        files += write_files(d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir)
+                    else:  # a BF16_Optimizer stage for a ZeRO job, or the reverse: its entries and ds_config so
+                        kind = _kind_changed(d.manifest, plans[d.id], targets[d.id], states)
+                        files += write_files(
+                            d.manifest, plans[d.id], state_plans[d.id], targets[d.id], states, tag_dir, **kind
+                        )
             for layer in [] if merged_layers else found.layer_files:  # a stage's layers, whatever the data degree
                 _copy(src_dir / layer.path, tag_dir / layer.path, layer.size)
                 files.append(tag_dir / layer.path)
@@ -315,8 +330,19 @@ def refuse_degrees_of_plain_zero(
             )
 
 
+def _kind_changed(found, plan, target: TargetLayout, states: StateCache) -> dict:
+    """``write_files``' ``source`` and ``config`` for a domain written for the other optimizer kind (a pipeline
+    stage's, ``--grad-accum-dtype``); none where the kind stays."""
+    zero = zero_source(found, plan, states) if is_bf16_optimizer(found) and not target.bf16_optimizer else None
+    return {"source": zero, "config": target_config(found, target)}
+
+
 def target_layouts(
-    index: CheckpointIndex, world_size: int, zero_stage: int | None, sub_group_size: int | None = None
+    index: CheckpointIndex,
+    world_size: int,
+    zero_stage: int | None,
+    sub_group_size: int | None = None,
+    grad_accum_dtype: str | None = None,
 ) -> dict[str, TargetLayout]:
     """Each domain's target: its data axis at ``world_size / (tp x pp)`` ranks (CK410 where it cannot be); a
     ZeRO-3 domain's at stage 3, cut into sub-groups of ``sub_group_size`` (default: the source's), or at the stage
@@ -351,7 +377,7 @@ def target_layouts(
                 "are written",
                 "give --stage 1 or 2",
             )
-        out[d.id] = target_layout(d.manifest, data, zero_stage, domain=True)
+        out[d.id] = target_layout(d.manifest, data, zero_stage, domain=True, grad_accum_dtype=grad_accum_dtype)
     return out
 
 

@@ -14,7 +14,10 @@ a ZeRO-1 pipeline's partitions, or a stage-0 pipeline's BF16 partitions (``resha
 reads its entries) at another data degree. ``--pipeline-parallel Q``: moved to Q stages at ZeRO-1 first
 (``reshard_pipeline``, a tensor-parallel pipeline's tensor ranks each: ``reshard_tp_pipeline_stages``; into a directory
 beside the output's; a stage-0 source written as a ZeRO-1 pipeline before that), then written at stage 0 here
-(``plan_restaged``). A stage-0 source asked at Q stages and ``--stage 1`` is the same chain without its last step.
+(``plan_restaged``). ``--tensor-parallel T`` of a tensor-parallel pipeline the same way: merged (T 1) or split at
+ZeRO-1 (``reshard_tp_pipeline``, ``reshard_tp_pipeline_split``; with ``--pipeline-parallel Q`` too: then moved), then
+written at stage 0. A stage-0 source asked at Q stages or tensor degree T and ``--stage 1`` is the same chain without
+its last step. Each step is the command that writes it alone, so the output is what those commands write in turn.
 
 DeepSpeed 0.19.8's ``engine.load_checkpoint`` cannot load the optimizer state of such a checkpoint, its own save
 included: it hands ``BF16_Optimizer.load_state_dict`` the model states' copy (a dict) where it indexes every rank's
@@ -31,11 +34,11 @@ A tensor-parallel pipeline (Megatron-style layers, ``PipeModelDataParallelTopolo
 
 Refused by name (CK410) before anything is written: fp16 pipelines (DeepSpeed 0.19.8 saves one at stage 0 on the CPU
 with FP16_UnfusedOptimizer, its fp32 masters, Adam state and dynamic loss scale in each stage's model states: not
-described, CK202, nor written yet), another tensor degree, ``round_robin_gradients`` or
+described, CK202, nor written yet), ``round_robin_gradients`` or
 ``parameter_alignment`` sources (BF16_Optimizer lays out neither), what a step of the chain refuses (each step planned
 first; a stage-0 source's stages planned as the ZeRO-1 pipeline it is written as). What only that written ZeRO-1
-pipeline's values show (its stages' optimizer groups or hyperparameters differing, a tie's copies differing) is
-refused when it is moved, beside the output, not published.
+pipeline's values show (its stages' optimizer groups or hyperparameters differing, a tie's copies or, merged or split,
+its tensor ranks' replicated copies differing) is refused when it is moved, beside the output, not published.
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ from .reshard_pipeline import pipeline_target
 from .reshard_pipeline_stage0_fp32 import Fp32StageWrite
 from .reshard_source import SourceOptimizer, source_optimizer, with_stage
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source, stage0_optimizer
-from .reshard_tp_pipeline_stages import is_tensor_pipeline, plan_tensor_pipeline_stages
+from .reshard_tp_pipeline import plan_tensor_pipeline_merge, refuse_tensor_pipeline_merge
+from .reshard_tp_pipeline_split import plan_tensor_pipeline_split, refuse_split_and_stages, refuse_tensor_pipeline_split
+from .reshard_tp_pipeline_stages import is_tensor_pipeline, plan_tensor_pipeline_stages, refuse_merge_and_stages
 
 # model-states entries a stage-0 engine saves as None (ZeRO off); ``optimizer`` is written by ``write_files``
 _ZERO_OFF = ("param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments")
@@ -80,15 +85,19 @@ def is_pipeline_stage0_target(index: CheckpointIndex, zero_stage: int | None) ->
     return bool(index.layer_files) and (zero_stage == 0 or (zero_stage is None and is_stage0_source(index)))
 
 
-def restages_stage0_source(index: CheckpointIndex, tensor_parallel: int | None, pipeline_parallel: int | None) -> bool:
-    """A stage-0 pipeline (a tensor-parallel one at its tensor degree) asked at another number of stages and a ZeRO
-    stage (``is_pipeline_stage0_target`` otherwise): written as ZeRO-1, then moved (``plan_restaged``)."""
+def changes_degrees(index: CheckpointIndex, tensor_parallel: int | None, pipeline_parallel: int | None) -> bool:
+    """Another number of stages or tensor degree than ``index``'s asked: a chain of moves (``plan_restaged``)."""
     degrees = index.topology.degrees
+    return pipeline_parallel not in (None, degrees.pipeline) or tensor_parallel not in (None, degrees.tensor)
+
+
+def moves_stage0_source(index: CheckpointIndex, tensor_parallel: int | None, pipeline_parallel: int | None) -> bool:
+    """A stage-0 pipeline asked at another number of stages or tensor degree and a ZeRO stage
+    (``is_pipeline_stage0_target`` otherwise): written as ZeRO-1, then moved (``plan_restaged``)."""
     return (
         bool(index.layer_files)
         and is_stage0_source(index)
-        and pipeline_parallel not in (None, degrees.pipeline)
-        and tensor_parallel in (None, degrees.tensor)
+        and changes_degrees(index, tensor_parallel, pipeline_parallel)
     )
 
 
@@ -120,7 +129,8 @@ class Bf16StageWrite:
 
 @dataclass
 class RestagedStage0Write:
-    """A ZeRO-1 pipeline moved to ``stages`` stages (``restage``: ``reshard_model_parallel`` at ZeRO-1) in a directory
+    """A ZeRO-1 pipeline moved to ``stages`` stages and/or merged or split to ``tensor_parallel`` tensor ranks
+    (``restage``: ``reshard_model_parallel`` at ZeRO-1, the command that moves a ZeRO-1 pipeline so) in a directory
     beside the output's, then written at stage 0 (``restage`` again; ``zero_stage`` 1: the moved ZeRO-1 pipeline is
     the output); the files moved into the output's tag. A stage-0 source (``source_ranks``: its stages x tensor
     degree) is written as a ZeRO-1 pipeline of one data rank per (stage, tensor rank) first. Each step was planned,
@@ -130,11 +140,12 @@ class RestagedStage0Write:
     checkpoint: Path | RemotePath
     tag: str
     world_size: int
-    stages: int
+    stages: int | None  # None: the source's
     partition_method: str | None
     restage: Callable[..., object]
     source_ranks: int | None = None  # a stage-0 source's pp x tp
     zero_stage: int = 0  # the output's: 0, or 1 (a stage-0 source's ZeRO-1 pipeline, moved)
+    tensor_parallel: int | None = None  # the target's tensor degree (None: the source's)
 
     def write(self, states: StateCache, tag_dir: Path) -> list[Path]:
         out: list[Path] = []
@@ -156,6 +167,7 @@ class RestagedStage0Write:
                 source = Path(mid) / "zero1"
                 self.restage(self.checkpoint, source, self.source_ranks, zero_stage=1, tag=self.tag)
             options = {"tag": self.tag, "pipeline_parallel": self.stages, "partition_method": self.partition_method}
+            options["tensor_parallel"] = self.tensor_parallel  # merged or split (reshard_tp_pipeline, _split)
             self.restage(source, moved, self.world_size, zero_stage=1, **options)
             if self.zero_stage == 0:
                 self.restage(moved, written, self.world_size, zero_stage=0, tag=self.tag)
@@ -172,18 +184,21 @@ def plan_restaged(
     plans: dict[str, ReconstructionPlan],
     states: StateCache,
     world_size: int,
-    stages: int,
+    stages: int | None,
     partition_method: str | None,
     restage: Callable[..., object],
     zero_stage: int,
+    tensor_parallel: int | None = None,
 ) -> RestagedStage0Write:
-    """``index``'s pipeline (a tensor-parallel one's tensor ranks each) at ``stages`` stages, at ``zero_stage`` 0 (a
-    ZeRO-1 or stage-0 source), or at ZeRO-1 (a stage-0 source): the steps of ``RestagedStage0Write``, each planned
-    here first, so that what one refuses (CK410) is refused before anything is written: a stage-0 source written as
-    ZeRO-1 (``plan_stage0_source``), its stages moved (``reshard_pipeline.pipeline_target``, or each tensor rank's:
-    ``reshard_tp_pipeline_stages``; a stage-0 source's planned as the ZeRO-1 pipeline it is written as). The
-    stages' optimizer groups and hyperparameters, and a tie's copies, of a stage-0 source are compared when its
-    ZeRO-1 pipeline is moved (CK410/CK401 then, the output not published)."""
+    """``index``'s pipeline (a tensor-parallel one's tensor ranks each) at ``stages`` stages and/or (a tensor-parallel
+    one) merged or split to ``tensor_parallel`` tensor ranks, at ``zero_stage`` 0 (a ZeRO-1 or stage-0 source), or at
+    ZeRO-1 (a stage-0 source): the steps of ``RestagedStage0Write``, each planned here first, so that what one refuses
+    (CK410) is refused before anything is written: a stage-0 source written as ZeRO-1 (``plan_stage0_source``), its
+    stages moved (``reshard_pipeline.pipeline_target``, or each tensor rank's: ``reshard_tp_pipeline_stages``; a
+    stage-0 source's planned as the ZeRO-1 pipeline it is written as), its tensor degree changed
+    (``_plan_tensor_degree``). The stages' optimizer groups and hyperparameters, and a tie's copies (and, for another
+    tensor degree, the tensor ranks' replicated copies), of a stage-0 source are compared when its ZeRO-1 pipeline is
+    moved (CK410/CK401 then, the output not published)."""
     degrees = index.topology.degrees
     stage0 = is_stage0_source(index)
     ranks = degrees.pipeline * degrees.tensor
@@ -192,13 +207,55 @@ def plan_restaged(
         zero1 = plan_stage0_source(index, src_dir, plans, states, ranks, zero_stage or 1)  # type: ignore[arg-type]
         domains = [d.model_copy(update={"manifest": zero1[d.id].manifest}) for d in index.domains]
         planned = index.model_copy(update={"domains": domains})  # as that ZeRO-1 pipeline's manifests lay them out
-    if is_tensor_pipeline(index):
-        args = (world_size, 1, stages, partition_method, stage0)
+    if tensor_parallel not in (None, degrees.tensor):
+        args = (world_size, tensor_parallel, stages, partition_method, stage0)
+        _plan_tensor_degree(planned, src_dir, plans, states, *args)
+    elif is_tensor_pipeline(index):  # the stages moved only (``stages`` given)
+        args = (world_size, 1, stages or degrees.pipeline, partition_method, stage0)
         plan_tensor_pipeline_stages(planned, src_dir, plans, states, *args)  # type: ignore[arg-type]
     else:
-        pipeline_target(planned, stages, world_size, 1, partition_method, states, src_dir, plans, stage0)
+        moved = stages or degrees.pipeline
+        pipeline_target(planned, moved, world_size, 1, partition_method, states, src_dir, plans, stage0)
     restaged = (src_dir.parent, src_dir.name, world_size, stages, partition_method, restage)
-    return RestagedStage0Write(*restaged, source_ranks=ranks if stage0 else None, zero_stage=zero_stage)
+    source_ranks = ranks if stage0 else None
+    return RestagedStage0Write(*restaged, source_ranks, zero_stage, tensor_parallel)
+
+
+def _plan_tensor_degree(
+    index: CheckpointIndex,
+    src_dir: Path | RemotePath,
+    plans: dict[str, ReconstructionPlan],
+    states: StateCache,
+    world_size: int,
+    degree: int,
+    stages: int | None,
+    partition_method: str | None,
+    stage0: bool,
+) -> None:
+    """The ZeRO-1 move of a tensor-parallel pipeline to ``degree`` tensor ranks (1: merged, ``reshard_tp_pipeline``;
+    else split, ``reshard_tp_pipeline_split``) at its stages, or at ``stages`` (moved after, at one data rank there,
+    as ``reshard_model_parallel`` does it), planned: CK410/CK401 before anything is written. A stage-0 source
+    (``stage0``: ``index`` as the ZeRO-1 pipeline it is written as, whose masters and moments are not written yet)
+    is asked what the index and its layer files decide only."""
+    degrees = index.topology.degrees  # tp > 1 (``refuse_degree_changes``): DeepSpeed's layer files are per tensor rank
+    world = world_size
+    if stages not in (None, degrees.pipeline):  # merged or split at the source's stages, then moved
+        if degree == 1:
+            refuse_merge_and_stages(index, world_size, stages, partition_method)
+        else:
+            refuse_split_and_stages(index, world_size, degree, stages, partition_method)
+        world = degree * degrees.pipeline
+    if stage0:  # the ZeRO-1 pipeline it is written as: its partitions (no masters located apart)
+        domains = [d.model_copy(update={"masters": None}) for d in index.domains]
+        zero1 = index.model_copy(update={"domains": domains})
+        if degree == 1:
+            refuse_tensor_pipeline_merge(zero1, world, 1)
+        else:
+            refuse_tensor_pipeline_split(zero1, src_dir, states, world, 1, degree)  # type: ignore[arg-type]
+    elif degree == 1:
+        plan_tensor_pipeline_merge(index, src_dir, plans, states, world, 1)  # type: ignore[arg-type]
+    else:
+        plan_tensor_pipeline_split(index, src_dir, plans, states, world, 1, degree)  # type: ignore[arg-type]
 
 
 def plan_pipeline_stage0(
@@ -216,8 +273,8 @@ def plan_pipeline_stage0(
     or the restage then stage 0 (``pipeline_parallel`` other than the source's). CK410 before anything is written."""
     degrees = index.topology.degrees
     _refuse(index, world_size, pipeline_parallel, tensor_parallel)
-    if pipeline_parallel not in (None, degrees.pipeline):  # moved at ZeRO-1 first (a stage-0 source: written so)
-        args = (world_size, pipeline_parallel, partition_method, restage, 0)
+    if changes_degrees(index, tensor_parallel, pipeline_parallel):  # moved at ZeRO-1 first (a stage-0 source: so)
+        args = (world_size, pipeline_parallel, partition_method, restage, 0, tensor_parallel)
         return [plan_restaged(index, src_dir, plans, states, *args)]
     data = world_size // (degrees.pipeline * degrees.tensor)  # a tensor-parallel one: each (stage, tensor rank)
     return [_stage_write(d, src_dir, plans[d.id], states, data, degrees.tensor) for d in index.domains]
@@ -261,15 +318,8 @@ def _bf16_layout(manifest: Manifest, data: int) -> TargetLayout:
 def _refuse(
     index: CheckpointIndex, world_size: int, pipeline_parallel: int | None, tensor_parallel: int | None
 ) -> None:
-    """CK410 for what is not written, by name."""
+    """CK410 for what is not written, by name (a move's steps: ``plan_restaged``)."""
     degrees = index.topology.degrees
-    if tensor_parallel not in (None, degrees.tensor):  # each (stage, tensor rank) is written at its tensor degree
-        raise ReshardUnsupported(
-            f"--tensor-parallel {tensor_parallel} of a pipeline of tensor degree {degrees.tensor} at stage 0 is not "
-            "written yet",
-            f"write it as a ZeRO-1 pipeline (--stage 1), that with --tensor-parallel {tensor_parallel}, then the "
-            "result with --stage 0",
-        )
     stage0 = is_stage0_source(index)
     for d in index.domains:
         layout = d.manifest.layout
@@ -294,7 +344,7 @@ def _refuse(
                 "reshard it without --stage 0",
             )
     kept = degrees.pipeline * degrees.tensor
-    if pipeline_parallel in (None, degrees.pipeline) and (world_size < 1 or world_size % kept):
+    if not changes_degrees(index, tensor_parallel, pipeline_parallel) and (world_size < 1 or world_size % kept):
         which = f"pipeline degree ({kept})" if degrees.tensor == 1 else f"pipeline x tensor degrees ({kept})"
         raise ReshardUnsupported(
             f"--world-size {world_size} is not a multiple of the {which}, which is kept", f"give a multiple of {kept}"

@@ -87,7 +87,7 @@ def plan_tensor_pipeline_merge(
 ) -> TensorPipelineMerge:
     """The merge of ``index``'s tensor ranks, stage by stage (module docstring); CK410/CK401 before writing."""
     stages = index.topology.degrees.pipeline
-    _refuse(index, world_size, zero_stage)
+    refuse_tensor_pipeline_merge(index, world_size, zero_stage)
     whole, state_plan, manifests = whole_stages(index, tag_dir, plans, states)
     changes = ModelChanges(
         module={},  # a stage's module is None: its weights are the layer files'
@@ -179,7 +179,8 @@ def _merged_layers(index: CheckpointIndex, tag_dir: Path, states: StateCache) ->
     return out
 
 
-def _refuse(index: CheckpointIndex, world_size: int, zero_stage: int | None) -> None:
+def refuse_tensor_pipeline_merge(index: CheckpointIndex, world_size: int, zero_stage: int | None) -> None:
+    """CK410 for what the merge does not write, from the index alone (module docstring)."""
     stages = index.topology.degrees.pipeline
     if zero_stage not in (None, 1):
         raise ReshardUnsupported(

@@ -38,7 +38,7 @@ from ..format.index_models import CheckpointIndex
 from .model_plan import ReconstructionPlan, TensorSource
 from .reshard_files import ModelChanges
 from .reshard_tensor_split import _shard, split_axes, split_writes
-from .reshard_tp_pipeline import TensorPipelineMerge, _merged_layers, _refuse, whole_stages
+from .reshard_tp_pipeline import TensorPipelineMerge, _merged_layers, refuse_tensor_pipeline_merge, whole_stages
 from .reshard_tp_pipeline_stages import refuse_merge_and_stages
 from .tensor_cuts import Cut
 
@@ -55,16 +55,7 @@ def plan_tensor_pipeline_split(
     """Every (stage, tensor rank) of ``degree`` and every layer file of the split (module docstring), planned; CK410
     and CK401 before anything is written."""
     stages = index.topology.degrees.pipeline
-    if world_size < stages * degree or world_size % (stages * degree):
-        raise ReshardUnsupported(
-            f"--world-size {world_size} is not a multiple of the pipeline degree {stages} x --tensor-parallel {degree}",
-            f"give a multiple of {stages * degree}: each data-parallel rank holds one copy of the {stages} stages' "
-            f"{degree} tensor ranks",
-        )
-    _refuse(index, world_size, zero_stage)
-    _refuse_unplaced(index, tag_dir, states)
-    extras = {e.name: (list(e.shape), [(s, None) for s in e.shards]) for e in index.extras or ()}
-    axes = split_axes(index, extras, degree)  # the source's placements: CK410 for an axis ``degree`` does not divide
+    axes = refuse_tensor_pipeline_split(index, tag_dir, states, world_size, zero_stage, degree)
     whole, state_plan, manifests = whole_stages(index, tag_dir, plans, states)
     changes = ModelChanges(
         module={},  # a stage's module is None: its weights are the layer files'
@@ -82,6 +73,25 @@ def plan_tensor_pipeline_split(
         for tensor, write in enumerate(cut):
             targets.append(dataclasses.replace(write, changes=changes, mp_rank=stage * degree + tensor))
     return TensorPipelineMerge(targets, _split_layers(index, tag_dir, states, axes, degree))
+
+
+def refuse_tensor_pipeline_split(
+    index: CheckpointIndex, tag_dir: Path, states: StateCache, world_size: int, zero_stage: int | None, degree: int
+) -> dict[str, Cut]:
+    """CK410 for what the split does not write, from the index and the layer files' keys alone (no masters or moments
+    read: ``reshard_pipeline_stage0.plan_restaged`` asks it of a stage-0 source planned as the ZeRO-1 pipeline it is
+    written as first); the split axes (name -> cut) otherwise."""
+    stages = index.topology.degrees.pipeline
+    if world_size < stages * degree or world_size % (stages * degree):
+        raise ReshardUnsupported(
+            f"--world-size {world_size} is not a multiple of the pipeline degree {stages} x --tensor-parallel {degree}",
+            f"give a multiple of {stages * degree}: each data-parallel rank holds one copy of the {stages} stages' "
+            f"{degree} tensor ranks",
+        )
+    refuse_tensor_pipeline_merge(index, world_size, zero_stage)
+    _refuse_unplaced(index, tag_dir, states)
+    extras = {e.name: (list(e.shape), [(s, None) for s in e.shards]) for e in index.extras or ()}
+    return split_axes(index, extras, degree)  # the source's placements: CK410 for an axis ``degree`` does not divide
 
 
 def _split_layers(

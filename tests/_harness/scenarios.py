@@ -4,7 +4,6 @@
   Each also has an ``<name>+engine`` entry: the same job re-trained in another launch, with the
   live engine's manifest recorded on every rank and no checkpoint saved (its ``live_fp32.pt``
   must equal the checkpoint's: the job is deterministic, whatever launch it runs in).
-* UNSUPPORTED: refused with a clear message, never described wrongly.
 * EMBED: saved through ``ckptspec.deepspeed.save_checkpoint``, then loaded back in the same job.
 * RESUMES: ``engine.load_checkpoint`` of a MATRIX checkpoint by a job of another layout.
 * RESHARD_CASES: ``ckptspec reshard`` of a MATRIX checkpoint, loaded by a job of the target layout,
@@ -47,10 +46,6 @@ MATRIX_SPECS = {
 }
 MATRIX = sorted(MATRIX_SPECS)
 
-UNSUPPORTED_SPECS = {
-    "s0-bf16-ws1": ({"stage": 0, "dtype": "bf16", "tied": True}, 1),
-}
-UNSUPPORTED = sorted(UNSUPPORTED_SPECS)
 
 # Donors of the fault "module-of-another-run" only: the same model and layout as s1-fp32-ws3-rr, another seed.
 # (Its stage-2 twin is no other run to every rank: fp32 stage 1 and 2 compute the same partitions bit for bit
@@ -71,7 +66,14 @@ BF16OPT_FLAGS_SPECS = {
     ),
 }
 
-# Sources of RESUME_CASES only: stage 0 without ties (whose masters its files cannot name, see UNSUPPORTED).
+# ZeRO stage 0 with a tie (one weight under two names: DeepSpeed records no shared_params at stage 0, the module holds
+# the same tensor twice) and buffers: described, reconstructed and written as ZeRO (tests/export/test_stage0_ties.py).
+# bf16 only: this job's live optimizer oracle reads a wrapped optimizer, which a stage-0 fp32 job has not
+STAGE0_TIED_SPECS = {
+    "s0-bf16-ws2-tied": ({"stage": 0, "dtype": "bf16", "tied": True, "buffers": True}, 2),
+}
+
+# Sources of RESUME_CASES only: stage 0 without ties.
 RESUME_SOURCE_SPECS = {
     "s0-bf16-ws2-untied": ({"stage": 0, "dtype": "bf16"}, 2),
     # ZeRO-2 without ties or frozen parameters: the sources of STAGE0_RESHARD_CASES (a stage-0 checkpoint cannot
@@ -684,6 +686,20 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         {"expert_parallel": 1, "stage": 2},
     ),
     "moe2-ep2-s1-fp16-ws2>s0": ("moe2-ep2-s1-fp16-ws2", 2, _S0, _S0),
+    # a bf16 ZeRO-1 pipeline's stages for a BF16_Optimizer pipeline job (data_types.grad_accum_dtype fp32: Megatron-
+    # DeepSpeed's configuration) and the reverse, pp2 x dp1 -> pp2 x dp2 (--grad-accum-dtype; test_reshard_parallel.py)
+    "pp2-s1-bf16-ws2>bf16opt-ws4": (
+        "pp2-s1-bf16-ws2",
+        4,
+        {"grad_accum_dtype": "fp32"},
+        {"grad_accum_dtype": "float32"},
+    ),
+    "pp2-s1-bf16-ws2-bf16opt>zero-ws4": (
+        "pp2-s1-bf16-ws2-bf16opt",
+        4,
+        {"grad_accum_dtype": None},
+        {"grad_accum_dtype": "bfloat16"},
+    ),
 }
 # Those DeepSpeed's universal path can make too (AutoTP tp2 -> tp1): the task compares both.
 UNIVERSAL_TOO = {"tp2-s1-fp32-ws2>tp1", "tp2dp2-s2-bf16-ws4>tp1-ws3", "tp2-s1-fp32-ws2>tp1-s2-ws3"}
@@ -819,6 +835,39 @@ TP_PIPE_STAGE0_STAGES = {
         {"pipeline_parallel": 2, "stage": 0},
     ),
 }
+# A tensor x pipeline checkpoint at another tensor degree and ZeRO stage at once (issue #40;
+# tests/export/test_reshard_tp_pipe_stage0_degree.py; reshard_pipeline_stage0.plan_restaged): the stage-0 sources merged
+# for a tp1 x pp2 stage-0 job (written as ZeRO-1, merged, written at stage 0; the fp32 one without --stage: it keeps
+# stage 0) and for a ZeRO-1 one (written as ZeRO-1, merged), DeepSpeed's tp2 x pp2 ZeRO-1 save merged for a stage-0 job
+# (merged, written at stage 0): the plain PipelineModule's optim launch of tp1 x pp2 x dp1; and the stage-0 sources
+# split to tp4 at one stage for a tp4 x pp1 stage-0 job (written as ZeRO-1, split, moved, written at stage 0): the
+# optim launch of tp4 x pp1 x dp1. Compared with what the source job gathered whole over its tensor groups (its
+# oracle) and, after one more step, with its "+optim" entry (the source resumed at its own layout).
+TP_PIPE_STAGE0_DEGREES = {
+    "tp2pp2-s0-bf16-ws4>tp1-s0": ("tp2pp2-s0-bf16-ws4", 2, {"tp": 1}, {"tensor_parallel": 1, "stage": 0}),
+    "tp2pp2-s0-fp32-ws4>tp1": ("tp2pp2-s0-fp32-ws4", 2, {"tp": 1}, {"tensor_parallel": 1}),
+    "tp2pp2-s0-fp32-ws4>tp1-s1": (
+        "tp2pp2-s0-fp32-ws4",
+        2,
+        {"tp": 1, "stage": 1},
+        {"tensor_parallel": 1, "stage": 1},
+    ),
+    "tp2pp2-s1-bf16-ws4>tp1-s0": (
+        "tp2pp2-s1-bf16-ws4",
+        2,
+        {"tp": 1, "stage": 0},
+        {"tensor_parallel": 1, "stage": 0},
+    ),
+    **{
+        f"tp2pp2-s0-{dtype}-ws4>tp4-pp1-s0": (
+            f"tp2pp2-s0-{dtype}-ws4",
+            4,
+            _TP4,
+            {"tensor_parallel": 4, "pipeline_parallel": 1, "stage": 0},
+        )
+        for dtype in ("bf16", "fp32")
+    },
+}
 # The bf16 extras source's moves (tests/export/test_reshard_tp_pipe_extras_bf16.py): every move of the fp32 tp2 x pp2
 # one, each in the optim launch of the fp32 move of the same target degrees.
 TP_PIPE_EXTRAS_RESHARDS.update(
@@ -861,6 +910,7 @@ DEGREE_TARGETS = {
     **TP_PIPE_EXTRAS_RESHARDS,
     **TP_PIPE_STAGE0_RESHARDS,
     **TP_PIPE_STAGE0_STAGES,
+    **TP_PIPE_STAGE0_DEGREES,
     **FUSED_RESHARDS,
 }
 RESHARD_SOURCES = sorted(
@@ -999,12 +1049,26 @@ UNIVERSAL_CASES = {
 STAGE0_RESHARD_CASES = {
     "reshard-s2-to-s0-bf16-2to3": ("s2-bf16-ws2-plain", 3, {"stage": 0}),
 }
+# ckptspec reshard of a tied stage-0 source (STAGE0_TIED_SPECS) for a ZeRO job, loaded as RESHARD_JOB_CASES are (its
+# masters, moments, tie and buffers against the source's, one more step against the source resumed at stage 0)
+STAGE0_TIED_RESHARDS = {
+    "reshard-s0-bf16-tied-to-s2-2to3": ("s0-bf16-ws2-tied", 3, {"stage": 2}),
+}
 EXTRA_STEP = {"global_batch": 12}  # splits evenly over 2, 3 and 4 ranks
-SAVED_SPECS = {**MATRIX_SPECS, **RESUME_SOURCE_SPECS, **BF16OPT_FLAGS_SPECS}  # every train entry a reshard reads
+SAVED_SPECS = {
+    **MATRIX_SPECS,
+    **RESUME_SOURCE_SPECS,
+    **BF16OPT_FLAGS_SPECS,
+    **STAGE0_TIED_SPECS,
+}  # every train entry a reshard reads
 NATIVE_RESUMES = {
     f"native-{source}": source
     for source in sorted(
-        {c[0] for c in [*RESHARD_CASES.values(), *RESHARD_JOB_CASES.values(), *STAGE0_RESHARD_CASES.values()]}
+        {
+            c[0]
+            for cases in (RESHARD_CASES, RESHARD_JOB_CASES, STAGE0_RESHARD_CASES, STAGE0_TIED_RESHARDS)
+            for c in cases.values()
+        }
     )
     if not SAVED_SPECS[source][0].get("exclude_frozen")
 }
@@ -1123,7 +1187,7 @@ def engine_name(name: str) -> str:
 
 def _registry() -> dict[str, Task]:
     out: dict[str, Task] = {}
-    for specs in (MATRIX_SPECS, UNSUPPORTED_SPECS, EMBED_SPECS, RESUME_SOURCE_SPECS, DONOR_SPECS):
+    for specs in (MATRIX_SPECS, EMBED_SPECS, RESUME_SOURCE_SPECS, DONOR_SPECS, STAGE0_TIED_SPECS):
         out.update({name: Task("train", spec, ws) for name, (spec, ws) in specs.items()})
     for name, (spec, ws) in BF16OPT_FLAGS_SPECS.items():
         out[name] = Task("train", {**spec, "hooks": ["engine_manifest"]}, ws)
@@ -1202,6 +1266,11 @@ def _registry() -> dict[str, Task]:
             reshard["grad_accum_dtype"] = {"fp32": "float32", "bf16": "bfloat16"}[changes["grad_accum_dtype"]]
         args = {"spec": spec, "reshard": reshard, "extra_step": EXTRA_STEP}
         out[name] = Task("reshard", args, ws, load=source)
+    for name, (source, ws, changes) in STAGE0_TIED_RESHARDS.items():
+        spec = {**SAVED_SPECS[source][0], **changes}
+        # through the public ckptspec.reshard (reshard_job.py: a grad_accum_dtype key, None), which reads every kind
+        reshard = {"world_size": ws, "stage": changes["stage"], "sub_group_size": None, "grad_accum_dtype": None}
+        out[name] = Task("reshard", {"spec": spec, "reshard": reshard, "extra_step": EXTRA_STEP}, ws, load=source)
     for name, (saved, ws, stage, dtype) in DCP_RESHARDS.items():
         spec = {**DCP_SAVE_SPEC, "stage": stage, "dtype": dtype, "config": {"gradient_clipping": 0.0}}
         args = {"spec": spec, "reshard": {"world_size": ws, "stage": stage, "model_dtype": dtype}, "dcp": True}

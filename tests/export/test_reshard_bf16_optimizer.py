@@ -165,13 +165,25 @@ def test_a_pipeline_moved_otherwise_is_refused_by_name_before_writing(ds, tmp_pa
 ZERO1 = "s1-bf16-ws2"  # the same job config as SOURCE's but data_types
 
 
-@pytest.mark.parametrize(("start", "there", "back"), [(ZERO1, "fp32", "bf16"), (SOURCE, "bf16", "fp32")])
-def test_the_other_kind_and_back_gives_the_source_files(ds, tmp_path, start, there, back):
-    """2 ranks -> 3 of the other kind -> 2 of the source's: every file, key and value of DeepSpeed's own save, its
-    ds_config included, bit for bit; only the manifest is added (embedded, and beside them)."""
+PIPE_ZERO1 = "pp2-s1-bf16-ws2"  # PIPELINE's job config but data_types: a ZeRO-1 pipeline
+
+
+@pytest.mark.parametrize(
+    ("start", "there", "back", "through"),
+    [
+        (ZERO1, "fp32", "bf16", 3),
+        (SOURCE, "bf16", "fp32", 3),
+        (PIPE_ZERO1, "fp32", "bf16", 4),
+        (PIPELINE, "bf16", "fp32", 4),
+    ],
+)
+def test_the_other_kind_and_back_gives_the_source_files(ds, tmp_path, start, there, back, through):
+    """2 ranks -> ``through`` of the other kind -> 2 of the source's (a pipeline's: pp2 x dp1 -> pp2 x dp2 -> pp2 x
+    dp1): every file, key and value of DeepSpeed's own save, its ds_config included, bit for bit; only the manifest
+    is added (embedded, and beside them)."""
     source = tag_dir(ds.path(start))
     other, again = tmp_path / "other", tmp_path / "again"
-    result = _run("reshard", ds.path(start), other, "--world-size", 3, "--grad-accum-dtype", there)
+    result = _run("reshard", ds.path(start), other, "--world-size", through, "--grad-accum-dtype", there)
     assert result.exit_code == 0, result.output
     result = _run("reshard", other, again, "--world-size", 2, "--grad-accum-dtype", back)
     assert result.exit_code == 0, result.output
@@ -204,6 +216,8 @@ _STAGE2_ONLY = ("frozen_param_shapes", "frozen_param_fragments")
         (ZERO1, ["--grad-accum-dtype", "fp32"], SOURCE),
         ("s2-bf16-ws2", ["--stage", 1, "--grad-accum-dtype", "fp32"], SOURCE),
         (SOURCE, ["--grad-accum-dtype", "bf16"], ZERO1),
+        (PIPE_ZERO1, ["--grad-accum-dtype", "fp32"], PIPELINE),
+        (PIPELINE, ["--grad-accum-dtype", "bf16"], PIPE_ZERO1),
     ],
 )
 def test_the_other_kind_is_deepspeeds_own_save_of_it(ds, tmp_path, start, args, native):
@@ -272,8 +286,10 @@ def test_fp32_accumulation_at_stage_2_is_deepspeeds_zero_optimizer(ds, tmp_path)
         ("s1-fp32-ws3-rr", ["--grad-accum-dtype", "fp32"], "--grad-accum-dtype fp32 of a float32 checkpoint"),
         ("s1-fp16-ws2", ["--grad-accum-dtype", "bf16"], "--grad-accum-dtype bf16 of a float16 checkpoint"),
         (ZERO1, ["--stage", 0, "--grad-accum-dtype", "fp32"], "--grad-accum-dtype fp32 with a stage-0 target"),
-        (ZERO1, ["--tensor-parallel", 2, "--grad-accum-dtype", "fp32"], "--grad-accum-dtype is written for a data"),
-        (PIPELINE, ["--grad-accum-dtype", "fp32"], "--grad-accum-dtype is written for a data-parallel"),
+        (ZERO1, ["--tensor-parallel", 2, "--grad-accum-dtype", "fp32"], "not with a --tensor-parallel split"),
+        ("tp2pp2-s1-bf16-ws4", ["--grad-accum-dtype", "fp32"], "only so far, not with tensor degree 2"),
+        ("pp2-s0-bf16-ws2", ["--grad-accum-dtype", "bf16"], "only so far, not with a stage-0 source"),
+        (PIPE_ZERO1, ["--grad-accum-dtype", "fp32", "--pipeline-parallel", 1], "not with --pipeline-parallel 1"),
     ],
 )
 def test_a_grad_accum_dtype_the_target_cannot_express_is_refused_by_name_before_writing(

@@ -39,7 +39,9 @@ STAGE_CHANGES = sorted(
     and set(options) == {"stage"}
     and options["stage"] != 0  # a stage-0 job: test_reshard_stage0.py (DeepSpeed's getters give no masters)
 )
-RESHARDS = sorted(PARALLEL_RESHARDS) + STAGE_CHANGES
+# a bf16 pipeline's stages for the other optimizer kind (--grad-accum-dtype: ZeRO-1 <-> BF16_Optimizer), pp2 x dp2
+KIND_CHANGES = sorted(n for n, (*_, options) in DEGREE_RESHARDS.items() if "grad_accum_dtype" in options)
+RESHARDS = sorted(PARALLEL_RESHARDS) + STAGE_CHANGES + KIND_CHANGES
 
 
 def _by_coordinate(records: list[dict]) -> dict[tuple[int, int, str], dict]:
@@ -127,6 +129,11 @@ def test_the_resharded_checkpoint_is_the_source_to_ckptspec(name, ds):
     for key, array in expected.items():
         assert np.array_equal(got[key].view(np.uint8), array.view(np.uint8)), key
     (states, optimizer), (states_after, optimizer_after) = before.optimizer_state(), after.optimizer_state()
+    if name in KIND_CHANGES:  # the loss scaler a bf16 ZeRO job saves (static, 1.0) and BF16_Optimizer keeps none of
+        scalers = [optimizer.pop("loss_scaler", None), optimizer_after.pop("loss_scaler", None)]
+        assert sorted(scalers, key=repr) == sorted(
+            [None, {"kind": "LossScaler", "state": {"cur_scale": 1.0, "dynamic": False}}], key=repr
+        )
     assert optimizer_after == optimizer and list(states_after) == list(states)
     for key, per_state in states.items():
         for state, array in per_state.items():

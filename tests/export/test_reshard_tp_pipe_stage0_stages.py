@@ -168,16 +168,13 @@ def test_the_command_writes_what_the_job_loaded_and_names_the_load(ds, tmp_path)
         ),
         ("tp2pp2-s0-fp32-ws4", 2, {"zero_stage": 2, "pipeline_parallel": 1}, "--stage 2 for a stage-0 pipeline"),
         ("tp2pp2-s1-bf16-ws4", 3, {"zero_stage": 0, "pipeline_parallel": 1}, "--world-size 3 is not a multiple"),
-        # not a chain: each (stage, tensor rank) is written at its own tensor degree (this wrote tp2, silently)
-        ("tp2pp2-s1-fp32-ws4", 4, {"zero_stage": 0, "tensor_parallel": 1}, "--tensor-parallel 1 of a pipeline of"),
-        ("tp2pp2-s0-bf16-ws4", 4, {"tensor_parallel": 1}, "--tensor-parallel 1 of a pipeline of tensor degree 2"),
     ],
 )
 def test_what_is_not_written_is_refused_before_any_step_runs(
     ds, tmp_path, monkeypatch, source, world_size, options, refusal
 ):
-    """CK410 naming the source while planning: no step of the chain runs, nothing is written. Another tensor degree at
-    stage 0 is refused by name too (it was written at the source's tensor degree)."""
+    """CK410 naming the source while planning: no step of the chain runs, nothing is written (another tensor degree:
+    test_reshard_tp_pipe_stage0_degree.py)."""
     from ckptspec.export import reshard_pipeline_stage0
     from ckptspec.export.reshard_parallel import reshard_model_parallel
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from ...checkpoint.states import StateCache
 from ...errors import UnsupportedCheckpoint
 from ...format.index_models import CheckpointIndex, Coordinate
-from ...format.models import FrozenParam
+from ...format.models import Alias, FrozenParam
 from ...format.partition import frozen_params
-from ..layout.masters import MODEL_FILE, stage0_frozen, stage0_masters
+from ..layout.masters import MODEL_FILE, stage0_frozen, stage0_masters, stage0_ties
 from ..layout.parallel_files import degrees_of, scan_parallel
 from .index_builder import IndexBuilder, LiveMasters, StoredIn, files_of
 from .index_extras import with_extras
@@ -46,8 +46,16 @@ def describe(
     )
     domain.manifest.buffers = b.buffers()
     if live is None:
-        domain.manifest.frozen = _frozen(folder, states, MODEL_FILE if b.model_file is None else b.model_file)
+        model_file = MODEL_FILE if b.model_file is None else b.model_file
+        domain.manifest.frozen = _frozen(folder, states, model_file)
+        domain.manifest.aliases = _aliases(states.state(folder / model_file), masters, domain.manifest.frozen)
     return b.index("zero", [domain])
+
+
+def _aliases(model: dict, masters: list, frozen: list[FrozenParam]) -> list[Alias]:
+    """The ties of the module (``masters.stage0_ties``): each alias its owner's (a trained or a frozen parameter)."""
+    shapes = {m.name: list(m.shape) for m in masters} | {f.name: list(f.shape) for f in frozen}
+    return [Alias(name=alias, owner=owner, shape=shapes[owner]) for alias, owner in stage0_ties(model).items()]
 
 
 def _frozen(folder: Path, states: StateCache, model_file: str) -> list[FrozenParam]:
@@ -81,6 +89,7 @@ def _tensor_parallel(folder: Path, files, states: StateCache, hash_algorithm: st
     domains = []
     for mp, shards in sorted(files.by_mp_rank.items()):
         model = shards.model_files[min(shards.model_files)].name
+        _refuse_ties(states.state(folder / model), model)
         masters = list(stage0_masters(folder, states, model).values())
         stored_in = _stored_in(states.state(folder / model))
         coordinate = Coordinate(pipeline=0, tensor=mp)
@@ -96,3 +105,14 @@ def _tensor_parallel(folder: Path, files, states: StateCache, hash_algorithm: st
     index.topology.model_parallel_size = degrees.model_parallel
     index.topology.degrees_source = degrees.source
     return with_extras(index, folder, states)  # frozen parameters placed by the affine_map (a 1.1 index if any)
+
+
+def _refuse_ties(model: dict, model_file: str) -> None:
+    """CK202 for a tie in an AutoTP stage-0 tensor rank's module: not placed in the whole model yet."""
+    ties = stage0_ties(model)
+    if ties:
+        raise UnsupportedCheckpoint(
+            f"AutoTP at ZeRO stage 0 with tied parameters ({', '.join(f'{a!r} is {o!r}' for a, o in ties.items())})",
+            "a data-parallel stage-0 checkpoint's ties are described; an AutoTP one's are not yet",
+            model_file,
+        )

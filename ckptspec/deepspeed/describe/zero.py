@@ -299,13 +299,9 @@ def proven_ties(recorded: dict[str, str], module: dict) -> dict[str, str]:
     out = {}
     for alias, owner in recorded.items():
         a, o = module.get(alias), module.get(owner)
-        if isinstance(a, TensorRef) and isinstance(o, TensorRef) and a.numel and _view_of(a) == _view_of(o):
+        if isinstance(a, TensorRef) and isinstance(o, TensorRef) and a.numel and a.view == o.view:
             out[alias] = owner
     return out
-
-
-def _view_of(ref: TensorRef) -> tuple:
-    return ref.storage.member, ref.storage_offset, tuple(ref.shape), tuple(ref.stride)
 
 
 def partition_locators(path: Path | RemotePath, rank: int, stage: int, states: States) -> list[Locator]:

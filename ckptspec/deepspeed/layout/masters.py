@@ -24,7 +24,9 @@ left out), the dense ones then each expert's: every tensor's shape must match it
 checkpoint is refused by name (CK202), never guessed. A frozen parameter is in the module but not in
 the optimizer: where ``fp32_groups`` hold fewer masters than the module has parameters (a dense or
 AutoTP model without experts), they are named by the one order-keeping choice of parameters with
-their shapes, the others frozen (``frozen_apart``; a tie, or no such choice or several, is CK202).
+their shapes, the others frozen (``frozen_apart``; no such choice or several is CK202). A tie (one
+parameter under two names: the same tensor twice in ``module``) holds one master, under its first name
+(``stage0_ties``).
 A flat group has no shapes: each group must end where a parameter ends, and the validation compares
 every master with the saved weight of its name (CK235). Weights that are not fp32 are never taken for
 masters: a stage-0 checkpoint whose model states hold no fp32 copy the optimizer kept is refused by
@@ -131,6 +133,15 @@ def stage0_masters(
         raise UnsupportedCheckpoint("model states hold no 'module'", _HINT, model_file)
     dense = _trainable_names(model)
     experts = expert_params(folder, states)
+    ties = stage0_ties(model)
+    if ties and experts:
+        raise UnsupportedCheckpoint(
+            f"ZeRO stage 0 MoE with tied parameters ({', '.join(f'{a!r} is {o!r}' for a, o in ties.items())}): "
+            "not described",
+            _HINT,
+            model_file,
+        )
+    dense = [(name, shape) for name, shape in dense if name not in ties]  # the optimizer holds a tie once
     optimizer: Any = model.get("optimizer")  # decoded, unchecked: each branch below tests what it reads
     unfused = isinstance(optimizer, dict) and "fp32_groups" in optimizer
     out: dict[str, MasterTensor] = {}
@@ -173,6 +184,22 @@ def stage0_masters(
                 out[m.name] = m
         return out
     return _moe_unfused(folder, model, dense, experts, states)
+
+
+def stage0_ties(model: dict) -> dict[str, str]:
+    """alias -> owner: a module entry that is an earlier entry's very tensor (the same storage, offset, shape and
+    strides), one parameter under two names. DeepSpeed records no ``shared_params`` at stage 0 (None), and its
+    optimizer holds a tied parameter once (``module.parameters()`` yields it once, under the first name)."""
+    buffers = set(model.get("buffer_names") or [])
+    first: dict[tuple, str] = {}
+    out = {}
+    for name, ref in (model.get("module") or {}).items():
+        if name in buffers or not isinstance(ref, TensorRef) or not ref.numel:
+            continue
+        owner = first.setdefault(ref.view, name)
+        if owner != name:
+            out[name] = owner
+    return out
 
 
 def frozen_apart(
@@ -248,7 +275,8 @@ def stage0_frozen(folder: Path, states: StateCache | None = None, model_file: st
     states = states if states is not None else StateCache()
     masters = stage0_masters(folder, states, model_file)
     model = states.state(folder / model_file)
-    return [name for name, _ in _trainable_names(model) if name not in masters]
+    ties = stage0_ties(model)
+    return [name for name, _ in _trainable_names(model) if name not in masters and name not in ties]
 
 
 def _fp32_weight(weight: MasterTensor, optimizer) -> MasterTensor:

@@ -36,7 +36,7 @@ from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef, tensor_byte_range
 from ...errors import UnsupportedCheckpoint
 from ...location import RemotePath
-from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, expert_params, list_expert_files, value_at
+from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, expert_params, list_expert_files, stage0_ties, value_at
 from .names import PIPE_LAYER_RE
 from .parallel_files import scan_parallel
 from .pipeline_torch_optimizer import stage_params
@@ -119,7 +119,8 @@ class MomentFinder:
         model = self.states.state(self.folder / MODEL_FILE)
         module = model.get("module") if isinstance(model, dict) else None
         buffers = set(model.get("buffer_names") or []) if isinstance(model, dict) else set()
-        dense = [n for n, r in (module or {}).items() if n not in buffers and isinstance(r, TensorRef)]
+        ties = stage0_ties(model) if isinstance(model, dict) else {}  # the optimizer holds a tie once
+        dense = [n for n, r in (module or {}).items() if n not in buffers | ties.keys() and isinstance(r, TensorRef)]
         expp = sorted((int(m.group(1)), p.name) for p in self.folder.iterdir() if (m := EXPP_RE.match(p.name)))
         out: dict[str | tuple[str, str], tuple[str, int, int]] = {}
         if not expp:
