@@ -41,7 +41,7 @@ from .plan import plan_reconstruction
 from .reshard_bf16 import is_bf16_optimizer, refuse_grad_accum_dtype_model_parallel, target_config, zero_source
 from .reshard_files import write_files
 from .reshard_layout import target_layout
-from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
+from .reshard_stage0 import module_order, refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage3 import write_stage3_files
 
 
@@ -91,7 +91,7 @@ def reshard(
         state_plan = plan_optimizer_state(plan)
         if target.zero_stage == 0:
             try:  # CK410 before anything is written
-                refuse_stage0(found, source_osd(found, plan, states))
+                refuse_stage0(found, source_osd(found, plan, states), module_order(found, plan, states))
             except ReshardUnsupported as exc:
                 raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
 

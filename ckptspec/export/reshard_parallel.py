@@ -53,7 +53,7 @@ from .reshard_pipeline_stage0 import (
     plan_pipeline_stage0,
     plan_restaged,
 )
-from .reshard_stage0 import refuse_stage0, source_osd, write_stage0_files
+from .reshard_stage0 import module_order, refuse_stage0, source_osd, write_stage0_files
 from .reshard_stage0_source import is_stage0_source, plan_stage0_source
 from .reshard_stage0_world import keeps_dense_stage0, plan_stage0_world
 from .reshard_stage3 import write_stage3_files
@@ -189,7 +189,9 @@ def reshard_model_parallel(
                 targets = target_layouts(found, world_size, zero_stage, sub_group_size, grad_accum_dtype)
                 for d in found.domains:  # what a stage-0 checkpoint could not describe (ties, frozen parameters...)
                     if targets[d.id].zero_stage == 0:
-                        refuse_stage0(d.manifest, source_osd(d.manifest, plans[d.id], states))
+                        # an AutoTP tensor rank's module names its frozen parameters' order (a pipeline's: layer files)
+                        order = None if found.layer_files else module_order(d.manifest, plans[d.id], states)
+                        refuse_stage0(d.manifest, source_osd(d.manifest, plans[d.id], states), order)
         except ReshardUnsupported as exc:
             raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
         state_plans = (

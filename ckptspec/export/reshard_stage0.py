@@ -5,7 +5,8 @@ it (``engine._save_checkpoint``: ``optimizer`` is the optimizer's own ``state_di
 
 * ``module``: every tensor its own storage: a trainable parameter's saved low-precision weight (from a
   stage-3 source, whose module holds placeholders, its master cast to the model dtype: what DeepSpeed's step
-  writes into it; in fp32 its master, which the weight is at stage 0), buffers as saved;
+  writes into it; in fp32 its master, which the weight is at stage 0), a frozen one as saved (from a stage-3
+  source: gathered from the ranks' ``frozen_param_fragments``), buffers as saved;
 * ``optimizer``: fp32, the client torch optimizer's ``state_dict()`` (the module's weights are the masters);
   bf16/fp16, ``FP16_UnfusedOptimizer.state_dict()`` (``runtime/fp16/unfused_optimizer.py``): the loss scale
   (``dynamic_loss_scale``, ``cur_scale``, ``cur_iter``, and for a dynamic scale ``last_overflow_iter``,
@@ -22,7 +23,8 @@ An AutoTP job at stage 0 saves this file per tensor rank (``mp_rank_XX``): each 
 shards (``reshard_parallel``), or from an AutoTP merge's or split's (``reshard_tensor.DataParallelTarget``, with its
 ``ModelChanges``: the module and the model-states entries of the target's tensor degree).
 
-What a stage-0 job of the source's settings would keep elsewhere is refused (``refuse_stage0``, CK410). A bf16
+What a stage-0 job of the source's settings would keep elsewhere is refused (``refuse_stage0``, CK410), and so are
+frozen parameters its reader could not tell from the trainable ones by their shapes (``refuse_untold_frozen``). A bf16
 source trained with ``data_types.grad_accum_dtype`` fp32 (ZeRO-2) is written as any bf16 one: DeepSpeed 0.19.8 runs
 no dense stage-0 bf16 job with it (``NotImplementedError: unsupported mix of model_dtype and grad_accum_dtype``;
 ``BF16_Optimizer`` is a stage-0 *pipeline's*), so the target job leaves it out.
@@ -40,6 +42,7 @@ from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.standins import LossScalerState
 from ..checkpoint.states import StateCache
 from ..deepspeed.describe.scalars import plain_values
+from ..deepspeed.layout.masters import named_by_shapes
 from ..errors import ReconstructMismatch, ReshardUnsupported
 from ..format.models import Manifest
 from . import ds_pickle
@@ -64,14 +67,31 @@ def source_osd(found: Manifest, plan, states: StateCache) -> dict:
     return states.state(plan.tag_dir / first)["optimizer_state_dict"]
 
 
-def refuse_stage0(found: Manifest, source_osd: dict) -> None:
-    """CK410, by name, for a stage-0 target this writer does not write, or whose files could not be described."""
-    if found.aliases or found.frozen or found.excluded:
+def module_order(found: Manifest, plan, states: StateCache) -> list[str]:
+    """The module's parameter names in order, as source rank 0's model states save them (buffers left out)."""
+    saved = states.state(plan.tag_dir / _model_file(found))
+    buffers = set(saved.get("buffer_names") or [])
+    return [name for name in saved.get("module") or {} if name not in buffers]
+
+
+def refuse_stage0(found: Manifest, source_osd: dict, module_order: list[str] | None = None) -> None:
+    """CK410, by name, for a stage-0 target this writer does not write, or whose files could not be described.
+    ``module_order``: the module's parameter names in order (a data-parallel source's), which frozen parameters
+    are written by (``refuse_untold_frozen``); without it they are refused."""
+    if found.aliases or found.excluded:
         raise ReshardUnsupported(
-            "a stage-0 target with tied or frozen parameters: a stage-0 checkpoint's fp32_groups name no parameter, "
-            "and its module lists tied and frozen ones among the trainable, so its masters could not be told apart",
+            "a stage-0 target with tied parameters, or frozen ones the source excluded: a stage-0 checkpoint records "
+            "no shared_params and its module must hold every frozen parameter",
             "reshard to stage 1, 2 or 3",
         )
+    if found.frozen and module_order is None:
+        raise ReshardUnsupported(
+            f"frozen parameters ({', '.join(f.name for f in found.frozen)}) of a tensor-, pipeline- or "
+            "expert-parallel checkpoint are not written for a stage-0 job yet",
+            "reshard to stage 1, 2 or 3",
+        )
+    if found.frozen:
+        refuse_untold_frozen(found, module_order or [])
     hyper = found.optimizer.groups[0].hyperparameters if found.optimizer and found.optimizer.groups else {}
     if "bias_correction" in (hyper or {}):
         raise ReshardUnsupported(
@@ -82,6 +102,31 @@ def refuse_stage0(found: Manifest, source_osd: dict) -> None:
         )
     if not isinstance(source_osd.get("loss_scaler"), LossScalerState) and found.layout.model_dtype != "float32":
         raise ReshardUnsupported("the source saved no loss scaler", "regenerate the source's manifest")
+
+
+def refuse_untold_frozen(found: Manifest, module_order: list[str]) -> None:
+    """CK410 for frozen parameters a stage-0 file could not tell from the trainable ones: its ``fp32_groups`` name no
+    parameter, and its reader names them by the one order-keeping choice of module parameters with their shapes
+    (``layout/masters.frozen_apart``); written only where that choice is the trainable parameters in the order the
+    stage-0 optimizer holds them. An fp32 job keeps no masters apart from the module: refused."""
+    frozen = [f.name for f in found.frozen]
+    if found.layout.model_dtype == "float32":
+        raise ReshardUnsupported(
+            f"frozen parameters ({', '.join(frozen)}) for an fp32 stage-0 job: its module is its masters, so the "
+            "written file could not tell the frozen ones apart",
+            "reshard to stage 1, 2 or 3",
+        )
+    shapes = {p.name: tuple(p.shape) for g in found.groups for p in g.params}
+    shapes.update({f.name: tuple(f.shape) for f in found.frozen})
+    trained = [p.name for _, params in natural_groups(found) for p in params]
+    named = named_by_shapes([shapes[n] for n in trained], [(n, shapes[n]) for n in module_order if n in shapes])
+    if named != trained:
+        raise ReshardUnsupported(
+            f"frozen parameters ({', '.join(frozen)}) that a stage-0 file could not tell from the trainable ones: "
+            "its masters name no parameter and are matched to the module's parameters by their shapes, in order, "
+            "which here does not give the trainable ones alone",
+            "reshard to stage 1, 2 or 3",
+        )
 
 
 def write_stage0_files(
@@ -181,6 +226,9 @@ def stage0_module(
         if master is not None and master.role == "trainable" and (found.layout.zero_stage == 3 or dtype == "float32"):
             # stage 3 saves placeholders: the master cast; in fp32 the weights are the masters at stage 0
             out[name] = _lazy(master, dtype, files)
+            continue
+        if master is not None and master.role == "frozen" and found.layout.zero_stage == 3 and whole is None:
+            out[name] = _lazy(master, dtype, files)  # gathered from the ranks' frozen_param_fragments
             continue
         # the saved weight (a view into a flat buffer at stage 1/2), a buffer; merged ones whole
         located = read.located(name, ref) if whole is None else whole[name]

@@ -19,9 +19,11 @@ Its model states are the source's, changed where a ZeRO job saves otherwise: ``o
 
 A data-parallel stage-0 checkpoint for a stage-0 job (``--stage 0``, or none) is ``reshard_stage0_world``'s.
 
+Frozen parameters of a data-parallel stage-0 checkpoint (``layout/masters.frozen_apart`` names them from the masters'
+shapes) go as a ZeRO job saves them: in the module, at ZeRO-2 also ``frozen_param_shapes``/``frozen_param_fragments``
+(``reshard_files``), at ZeRO-3 each rank's share (``reshard_stage3``).
+
 Refused by name (CK410) before anything is written:
-- frozen parameters of a data-parallel stage-0 checkpoint (``layout/masters.frozen_apart`` names them; not written
-  as ZeRO yet);
 - a stage the target cannot run (2 or 3 for a pipeline), ``--sub-group-size`` for a target not at ZeRO-3;
 - fp16 with a dynamic loss scale: FP16_UnfusedOptimizer (FP16_Optimizer of DeepSpeed's FusedAdam) does not save
   the hysteresis state that ZeRO's DynamicLossScaler pickles;
@@ -150,12 +152,6 @@ def _refuse_unwritten(
         raise ReshardUnsupported(
             f"a stage-0 checkpoint of tensor degree {degrees.tensor} is not written as ZeRO yet",
             "stage-0 data-parallel, pipeline, tensor-parallel pipeline, AutoTP and MoE checkpoints are",
-        )
-    frozen = sorted({f.name for d in index.domains for f in d.manifest.frozen})
-    if frozen and degrees.pipeline == degrees.tensor == 1:  # named by layout/masters.frozen_apart
-        raise ReshardUnsupported(
-            f"frozen parameters ({', '.join(frozen)}) of a stage-0 checkpoint are not written as ZeRO yet",
-            "reshard it for a stage-0 job (--stage 0), or resume at the same layout",
         )
     for d in index.domains:
         if d.masters is None or d.masters.stored_in not in STAGE0_MASTERS:

@@ -22,9 +22,12 @@ For an AutoTP stage-0 job (``--stage 0``, or no ``--stage``: the checkpoint's ow
   stage-0 optimizer's entries, the wrapper's loss scale and ``cur_iter`` as saved, the buffers each tensor rank's
   copy (compared first: CK401).
 
-Refused by name (CK410) before anything is written: frozen parameters (``layout/masters.frozen_apart`` names them)
-anywhere but a stage-0 target of the source's tensor degree (not written yet), a world size the target's tensor degree
-does not divide, ``--sub-group-size`` for a target not at ZeRO-3.
+Frozen parameters (``layout/masters.frozen_apart`` names them, the index places them by the ``affine_map``) go as a
+ZeRO job of the target's degree saves them (the module; at ZeRO-2 ``frozen_param_shapes``/``frozen_param_fragments``,
+``reshard_files``; at ZeRO-3 each rank's share), or as saved for a stage-0 job of the source's degree.
+
+Refused by name (CK410) before anything is written: frozen parameters merged or split for a stage-0 job (not written
+yet), a world size the target's tensor degree does not divide, ``--sub-group-size`` for a target not at ZeRO-3.
 """
 
 from __future__ import annotations
@@ -134,15 +137,19 @@ def _with_wrapper_scale(source: SourceOptimizer, wrapper: dict) -> SourceOptimiz
 
 def _as_saved_at(writes: list[DataParallelTarget], stage: int, sub_group_size: int | None) -> list[DataParallelTarget]:
     """``writes`` as a ZeRO ``stage`` job saves them. ZeRO-2: with the two entries a stage-0 one saves None (DeepSpeed
-    0.19.8 records the frozen parameters' shapes and fragments when it partitions gradients; empty without frozen
-    parameters, the only model written here). ZeRO-3: cut into sub-groups of ``sub_group_size`` (the ZeRO-3 writer's
-    model states have their own entries), the size recorded in the saved ``ds_config`` when given."""
+    0.19.8 records the frozen parameters' shapes and fragments when it partitions gradients: empty without frozen
+    parameters; with them the ZeRO writer writes both, ``reshard_files``). ZeRO-3: cut into sub-groups of
+    ``sub_group_size`` (the ZeRO-3 writer's model states have their own entries), the size recorded in the saved
+    ``ds_config`` when given."""
     if stage == 3:
         return [at_stage3(w, sub_group_size) for w in writes]
     if stage != 2:
         return writes
     keys: dict[str, Any] = {"frozen_param_shapes": {}, "frozen_param_fragments": {}}
-    return [replace(w, changes=replace(w.changes, set_keys={**w.changes.set_keys, **keys})) for w in writes]
+    return [
+        w if w.manifest.frozen else replace(w, changes=replace(w.changes, set_keys={**w.changes.set_keys, **keys}))
+        for w in writes
+    ]
 
 
 def _refused_or_stage(
@@ -172,10 +179,10 @@ def _refused_or_stage(
                 "resume at the same layout",
             )
     frozen = sorted({f.name for d in index.domains for f in d.manifest.frozen})
-    if frozen and (zero_stage != 0 or degree != held):
+    if frozen and zero_stage == 0 and degree != held:
         raise ReshardUnsupported(
-            f"frozen parameters ({', '.join(frozen)}) in an AutoTP stage-0 checkpoint are not written as ZeRO, "
-            "merged or split yet",
-            f"reshard it for a stage-0 job of tensor degree {held} (--stage 0), or resume at the same layout",
+            f"frozen parameters ({', '.join(frozen)}) in an AutoTP stage-0 checkpoint are not written merged or "
+            "split for a stage-0 job yet",
+            f"write it as ZeRO (--stage 1, 2 or 3: merged or split there) or for a stage-0 job of tensor degree {held}",
         )
     return zero_stage

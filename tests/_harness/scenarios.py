@@ -153,6 +153,17 @@ ZERO_DENSE_SPECS = {
     # at ZeRO-3: the source of a split for an AutoTP ZeRO-3 job (DEGREE_RESHARDS), in the stage-3 launches
     "dense-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16"}, 2),
 }
+# The dense MLP with frozen parameters and no tie (issue #40: fine-tuning with a frozen layer), blocks.0.up.weight and
+# head.bias frozen: at stage 0 (its masters named by their shapes, layout/masters.frozen_apart) the source of the
+# moves to ZeRO 2 and 3, at ZeRO-2 and 3 the sources of the moves to stage 0; the stage-0 and ZeRO-2 ones are
+# DeepSpeed's own saves at each other's layout, which the written files are compared with. Not in PARALLEL, loaded by
+# their "+optim" entries.
+FROZEN_DENSE_SPECS = {
+    "s0-bf16-ws2-frozen": ({"stage": 0, "dtype": "bf16", "frozen": True}, 2),
+    "dense-s2-bf16-ws2-frozen": ({"stage": 2, "dtype": "bf16", "frozen": True}, 2),
+    # at ZeRO-3 (each frozen parameter a rank share in frozen_param_fragments), in the stage-3 launches
+    "dense-s3-bf16-ws2-frozen": ({"stage": 3, "dtype": "bf16", "frozen": True}, 2),
+}
 # Every tensor of a model-parallel checkpoint (issue #39, item 3): AutoTP runs whose module has frozen
 # parameters (one split by AutoTP, one left whole on every tensor rank) and persistent buffers, at
 # ZeRO-1 (frozen weights in the module) and ZeRO-2 (in frozen_param_fragments). One launch: same world
@@ -313,6 +324,7 @@ SOURCE_SPECS = {
     **PIPE_ONE_SPECS,
     **PIPE_TARGET_SPECS,
     **ZERO_DENSE_SPECS,
+    **FROZEN_DENSE_SPECS,
     **EP_ONE_SPECS,
     **MOE_LAYERS_SPECS,
 }
@@ -561,6 +573,15 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "dense-s2-fp32-ws2>s0-ws3": ("dense-s2-fp32-ws2", 3, _S0, _S0),
     "dense-s1-fp16-ws2>s0": ("dense-s1-fp16-ws2", 2, _S0, _S0),
     "dense-s2-bf16-ws2>s0": ("dense-s2-bf16-ws2", 2, _S0, _S0),
+    # with frozen parameters, stage 0 -> ZeRO-2 (2 -> 3 ranks) and ZeRO-3 (2 ranks), ZeRO-2 -> stage 0 (2 -> 3 ranks):
+    # the frozen parameters in the module, frozen_param_shapes/fragments as DeepSpeed saves them at the target stage
+    "s0-bf16-ws2-frozen>s2-ws3": ("s0-bf16-ws2-frozen", 3, {"stage": 2}, {"stage": 2}),
+    "s0-bf16-ws2-frozen>s3": ("s0-bf16-ws2-frozen", 2, {"stage": 3}, {"stage": 3}),
+    # and through ckptspec's universal folder (export-universal; DeepSpeed's load_universal reads no module: the frozen
+    # parameters stay the job's own, the seeded ones)
+    "s0-bf16-ws2-frozen>universal-s2": ("s0-bf16-ws2-frozen", 2, {"stage": 2}, {"export_universal": True}),
+    "dense-s2-bf16-ws2-frozen>s0-ws3": ("dense-s2-bf16-ws2-frozen", 3, _S0, _S0),
+    "dense-s3-bf16-ws2-frozen>s0-ws3": ("dense-s3-bf16-ws2-frozen", 3, _S0, _S0),
     # from ZeRO-3 (its "+optim" entry is optim_universal_job.py's: the source's record is "source.rank<R>.pt")
     "uc-s3-bf16-ws2>s0-ws3": ("uc-s3-bf16-ws2", 3, _S0, _S0),
     # an AutoTP checkpoint for an AutoTP stage-0 job (each tensor rank's mp_rank_XX_model_states.pt): ZeRO-3 bf16 at
@@ -570,6 +591,10 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s3-bf16-ws2>s0": ("tp2-s3-bf16-ws2", 2, _S0, _S0),
     "tp2-s3-bf16-ws2>s0-ws4": ("tp2-s3-bf16-ws2", 4, _S0, _S0),
     "tp2-s3-bf16-ws2>tp4-s0": ("tp2-s3-bf16-ws2", 4, {"tp": 4, **_S0}, {"tensor_parallel": 4, **_S0}),
+    # with frozen parameters (a weight AutoTP splits, a bias it leaves whole) and buffers, at the same tensor degree:
+    # ZeRO-2 tp2 x dp1 -> tp2 x dp2 and ZeRO-3 tp2 x dp1 -> tp2 x dp1 (merged or split for a stage-0 job: CK410)
+    "tp2-s2-bf16-ws2-extras>s0-ws4": ("tp2-s2-bf16-ws2-extras", 4, _S0, _S0),
+    "tp2-s3-bf16-ws2-extras>s0": ("tp2-s3-bf16-ws2-extras", 2, _S0, _S0),
     "tp2-s3-bf16-ws2>tp1-s0": ("tp2-s3-bf16-ws2", 2, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
     "tp2-s1-fp32-ws2>tp1-s0-ws3": ("tp2-s1-fp32-ws2", 3, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
     # an AutoTP checkpoint saved at stage 0 -> ZeRO-1/2 (reshard_tensor_stage0.py): at its tensor degree (tp2 x dp1
@@ -590,6 +615,24 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
         {"tensor_parallel": 4, "stage": 1},
     ),
     "tp2-s0-bf16-ws2-buffers>universal-s1": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 1}, {"export_universal": True}),
+    # with frozen parameters (a weight AutoTP splits, a bias it leaves whole; named by the masters' shapes): at its
+    # tensor degree (tp2 x dp2 ZeRO-2, tp2 x dp1 ZeRO-3), merged (tp1 x dp2 ZeRO-2), split (tp4 x dp1 ZeRO-1) and
+    # through ckptspec's universal folder (tp2 x dp1 ZeRO-1), in the launches of the moves above
+    "tp2-s0-bf16-ws2-frozen>s2-ws4": ("tp2-s0-bf16-ws2-frozen", 4, {"stage": 2}, {"stage": 2}),
+    "tp2-s0-bf16-ws2-frozen>s3": ("tp2-s0-bf16-ws2-frozen", 2, {"stage": 3}, {"stage": 3}),
+    "tp2-s0-bf16-ws2-frozen>tp1-s2": (
+        "tp2-s0-bf16-ws2-frozen",
+        2,
+        {**_TP1, "stage": 2},
+        {"tensor_parallel": 1, "stage": 2},
+    ),
+    "tp2-s0-bf16-ws2-frozen>tp4-s1": (
+        "tp2-s0-bf16-ws2-frozen",
+        4,
+        {"tp": 4, "stage": 1},
+        {"tensor_parallel": 4, "stage": 1},
+    ),
+    "tp2-s0-bf16-ws2-frozen>universal-s1": ("tp2-s0-bf16-ws2-frozen", 2, {"stage": 1}, {"export_universal": True}),
     # ... and for ZeRO-3 jobs: tp2 x dp1, and merged (tp1 x dp2), in the ZeRO-3 launches of those layouts
     "tp2-s0-bf16-ws2-buffers>s3": ("tp2-s0-bf16-ws2-buffers", 2, {"stage": 3}, {"stage": 3}),
     "tp2-s0-bf16-ws2-buffers>tp1-s3": (

@@ -32,6 +32,7 @@ from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target, sour
 from click.testing import CliRunner
 
 import ckptspec
+from ckptspec.checkpoint.embedded import CLIENT_STATE_KEY
 from ckptspec.cli import cli
 from ckptspec.deepspeed.kinds import Kind
 
@@ -42,6 +43,8 @@ MOVES = sorted(  # to ZeRO (for a stage-0 job: test_reshard_autotp_stage0_world.
 )
 VIA_UNIVERSAL = {n for n in MOVES if DEGREE_RESHARDS[n][3].get("export_universal")}
 SOURCE = "tp2-s0-bf16-ws2-buffers"
+# with a frozen weight AutoTP splits and a frozen bias it leaves whole (named by the masters' shapes), whole shapes
+FROZEN_SOURCE, FROZEN = "tp2-s0-bf16-ws2-frozen", {"blocks.0.up.weight": (32, 16), "head.bias": (5,)}
 KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -54,7 +57,8 @@ def _state(records: list[dict], key: str, shapes) -> dict:
 
 
 def test_the_moves_are_registered():
-    assert len(MOVES) == 7 and len(VIA_UNIVERSAL) == 1 and {DEGREE_RESHARDS[n][0] for n in MOVES} == {SOURCE}
+    assert len(MOVES) == 12 and len(VIA_UNIVERSAL) == 2
+    assert {DEGREE_RESHARDS[n][0] for n in MOVES} == {SOURCE, FROZEN_SOURCE}
 
 
 @pytest.mark.parametrize("name", MOVES)
@@ -66,7 +70,7 @@ def test_the_target_job_holds_the_stage0_masters_moments_and_step_bit_for_bit(na
     target, before = optim_records(entry), optim_records(ds.path(optim_name(source)))
     assert len(target) == world_size and {r["coords"]["tp"] for r in before} == {0, 1}
     assert {r["coords"].get("tp", 0) for r in target} == set(range(spec.get("tp", 1)))
-    shapes = _shapes(ds, source)
+    shapes = {n: s for n, s in _shapes(ds, source).items() if source != FROZEN_SOURCE or n not in FROZEN}  # trained
     masters = merged(target, lambda r: r["master"], shapes)
     # what the stage-0 job held when it saved (the getter answers None at stage 0, after loading too)
     expected = merged(rank_oracles(ds.path(source)), lambda o: o["masters"], shapes)
@@ -91,10 +95,11 @@ def test_buffers_and_logits_carry_over(name, ds):
     rank of the larger degree at the largest logit (the row-parallel partial sums added in another order)."""
     source, _, spec = reshard_target(name)
     target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
-    module, expected = union_of([r["module"] for r in target]), union_of([r["module"] for r in before])
-    assert module.keys() == expected.keys() == {"running", "step_count"}
-    same = [bits_equal(t, expected[n]) for n, t in module.items()]
-    assert all(same) if name not in VIA_UNIVERSAL else not any(same), name
+    if source == SOURCE:  # the frozen source's module: test_frozen_parameters_carry_over
+        module, expected = union_of([r["module"] for r in target]), union_of([r["module"] for r in before])
+        assert module.keys() == expected.keys() == {"running", "step_count"}
+        same = [bits_equal(t, expected[n]) for n, t in module.items()]
+        assert all(same) if name not in VIA_UNIVERSAL else not any(same), name
     logits, reference = logits_of(target), logits_of(before)
     assert logits.abs().max() > 0 and logits.shape == reference.shape
     if spec.get("tp", 1) == source_spec(source)["tp"]:
@@ -102,6 +107,21 @@ def test_buffers_and_logits_carry_over(name, ds):
     else:
         bound = max(spec.get("tp", 1), 2) * torch.finfo(torch.bfloat16).eps * reference.abs().max().item()
         assert (logits - reference).abs().max().item() <= bound, (logits - reference).abs().max()
+
+
+@pytest.mark.parametrize("name", [n for n in MOVES if DEGREE_RESHARDS[n][0] == FROZEN_SOURCE])
+def test_frozen_parameters_carry_over(name, ds):
+    """The target job's frozen parameters (filled with noise before loading), put together over its tensor ranks, are
+    the ones the source's own stage-0 job holds after loading the source, bit for bit: in the module at ZeRO-1/2 (and
+    ``frozen_param_fragments`` at ZeRO-2), each rank's share at ZeRO-3, cut for the split's degree, whole merged.
+    Through the universal folder they are the job's own (``load_universal`` reads no module; the job is seeded as the
+    source's was, so they are the same values)."""
+    source, _, _ = reshard_target(name)
+    target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
+    held, loaded = (merged(records, lambda r: r["module"], FROZEN) for records in (target, before))
+    assert held.keys() == loaded.keys() == FROZEN.keys()
+    for n, value in loaded.items():
+        assert bits_equal(held[n], value), n
 
 
 @pytest.mark.parametrize("name", sorted(set(MOVES) - VIA_UNIVERSAL))
@@ -124,6 +144,8 @@ def test_the_output_is_the_source_to_ckptspec(name, ds):
 # DeepSpeed's own saves of the same AutoTP MLP at a target layout (tp2 x dp2 ZeRO-2 and tp2 x dp1 ZeRO-3, bf16, without
 # the buffers): the files a move to that layout writes are compared with them entry for entry
 NATIVE = {"tp2-s0-bf16-ws2-buffers>s2-ws4": "tp2dp2-s2-bf16-ws4", "tp2-s0-bf16-ws2-buffers>s3": "tp2-s3-bf16-ws2"}
+# merged, the frozen source is the dense MLP at ZeRO-2 (tp1 x dp2) with the same frozen parameters
+NATIVE["tp2-s0-bf16-ws2-frozen>tp1-s2"] = "dense-s2-bf16-ws2-frozen"
 
 
 def _shape_of(value):
@@ -149,11 +171,12 @@ def test_the_files_have_the_shape_of_deepspeeds_own_save(name, ds):
     native_dir = ds.path(NATIVE[name])
     tag = (native_dir / "latest").read_text().strip()
     files = sorted(p.name for p in (native_dir / tag).iterdir())
-    assert sorted(p.name for p in (ours_dir / tag).iterdir()) == files
+    assert sorted(p.name for p in (ours_dir / tag).iterdir() if p.name != "ckptspec.json") == files  # and its sidecar
     for file in files:
         ours, theirs = (
             torch.load(d / tag / file, map_location="cpu", weights_only=False) for d in (ours_dir, native_dir)
         )
+        ours.pop(CLIENT_STATE_KEY, None)  # a data-parallel output's embedded manifest (the merge's)
         assert list(ours) == list(theirs), file
         if file.endswith("_model_states.pt"):
             buffers = set(ours["buffer_names"])
@@ -162,8 +185,10 @@ def test_the_files_have_the_shape_of_deepspeeds_own_save(name, ds):
             zero = ours["ds_config"]["zero_optimization"]
             assert zero.pop("sub_group_size", int(1e9)) == int(1e9)
             assert _shape_of(ours) == _shape_of(theirs), file
-            for key in ("frozen_param_shapes", "frozen_param_fragments"):
-                assert ours[key] == theirs[key], (file, key)
+            for key in ("frozen_param_shapes", "frozen_param_fragments"):  # the frozen values: never trained
+                assert list(ours[key]) == list(theirs[key]), (file, key)
+                for k, v in ours[key].items():
+                    assert bits_equal(torch.as_tensor(v), torch.as_tensor(theirs[key][k])), (file, key, k)
             continue
         osd, native = ours["optimizer_state_dict"], theirs["optimizer_state_dict"]
         assert [k for k in native if k != "clip_grad"] == list(osd), file
@@ -199,21 +224,19 @@ def test_what_is_not_written_is_refused_by_name(args, refusal, ds, tmp_path):
 @pytest.mark.parametrize(
     "command",
     [
-        ["reshard", "--world-size", "2", "--stage", "1"],
-        ["reshard", "--world-size", "4", "--stage", "2"],
         ["reshard", "--world-size", "2", "--stage", "0", "--tensor-parallel", "1"],
         ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
-        ["export-universal"],
     ],
 )
-def test_frozen_parameters_are_refused_by_name(command, ds, tmp_path):
+def test_frozen_parameters_merged_or_split_for_a_stage0_job_are_refused_by_name(command, ds, tmp_path):
     """A frozen weight AutoTP splits and a frozen bias it leaves whole (the stage-0 job's fp32_groups hold 8 masters for
-    the 10 parameters its module lists: described, layout/masters.frozen_apart): written for a stage-0 job of its
-    tensor degree only (test_reshard_autotp_stage0_world.py); as ZeRO, merged, split or as a universal folder refused
-    by name (CK410) before anything is written."""
+    the 10 parameters its module lists: described, layout/masters.frozen_apart): written as ZeRO at any degree (above)
+    and for a stage-0 job of its tensor degree (test_reshard_autotp_stage0_world.py); merged or split for a stage-0 job
+    refused by name (CK410) before anything is written."""
     out = tmp_path / "out"
-    source = str(ds.path("tp2-s0-bf16-ws2-frozen"))
+    source = str(ds.path(FROZEN_SOURCE))
     result = CliRunner().invoke(cli, [command[0], source, str(out), *command[1:]])
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert "CK410" in result.output and "frozen parameters (blocks.0.up.weight, head.bias)" in result.output
+    assert "not written merged or split for a stage-0 job" in result.output
     assert not out.exists() or not any(out.iterdir())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from _harness.parallel_oracles import (
     bits_equal,
     check_same_moments_and_step,
@@ -31,6 +32,7 @@ from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target, sour
 from click.testing import CliRunner
 
 import ckptspec
+from ckptspec.checkpoint.embedded import CLIENT_STATE_KEY
 from ckptspec.cli import cli
 from ckptspec.deepspeed.kinds import Kind
 
@@ -132,25 +134,43 @@ def test_deepspeeds_own_converter_fails_on_the_same_source(name, ds):
     assert outcome["ok"] is False and outcome["error"], outcome
 
 
-def test_frozen_parameters_of_a_data_parallel_stage0_source_are_refused_by_name(ds):
-    """One rule (export/reshard_stage0_source.py): a data-parallel stage-0 checkpoint whose index names frozen
-    parameters (``layout/masters.frozen_apart`` names them from the masters' shapes; no real save of that kind in the
-    harness, so the real bf16 source's index with a frozen entry added) is not written as ZeRO (CK410, at every stage,
-    and so not as a universal folder), before anything is written; as recorded it is."""
-    from ckptspec.checkpoint.states import StateCache
-    from ckptspec.deepspeed.check.checkpoint_index import validate_index_checkpoint
-    from ckptspec.export.compose import domain_plan
-    from ckptspec.export.reshard_stage0_source import plan_stage0_source
-    from ckptspec.format.models import FrozenParam
+def _shape_of(value):
+    """Every entry's type, every tensor's dtype and shape, nested as saved."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape))
+    if isinstance(value, dict):
+        return {k: _shape_of(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_shape_of(v) for v in value]
+    return type(value).__name__
 
-    source, states = ds.path("s0-bf16-ws2"), StateCache()
-    index, _ = validate_index_checkpoint(source, None, None, states=states)
-    tag_dir = source / (source / "latest").read_text().strip()
-    plans = {d.id: domain_plan(tag_dir, d, states) for d in index.domains}
-    assert plan_stage0_source(index, tag_dir, plans, states, 2, 1)  # as recorded: written
-    gain = FrozenParam(name="gain", shape=[16], numel=16, dtype="bfloat16", stored_in="module")
-    index.domains[0].manifest.frozen.append(gain)
-    for stage in (1, 2, 3):
-        with pytest.raises(ckptspec.Unsupported, match=r"frozen parameters \(gain\) of a stage-0") as refused:
-            plan_stage0_source(index, tag_dir, plans, states, 2, stage)
-        assert refused.value.code == "CK410"
+
+def test_frozen_parameters_are_written_as_deepspeeds_own_zero2_save_holds_them(ds, tmp_path):
+    """The stage-0 source with frozen parameters (``s0-bf16-ws2-frozen``: blocks.0.up.weight and head.bias, named by
+    the masters' shapes) written as ZeRO-2 at its world size has the files of DeepSpeed's own ZeRO-2 save of the same
+    model (``dense-s2-bf16-ws2-frozen``): the same names, in each the same keys in the same order, every tensor's dtype
+    and shape, and the frozen parameters where a ZeRO-2 job keeps them: in the module, ``frozen_param_shapes`` and
+    ``frozen_param_fragments`` (whole), bit for bit the saved ones (never trained: both jobs hold their seeded values).
+    What differs by design: ``clip_grad``, which the stage-0 wrapper does not save (the target job's
+    ``gradient_clipping`` applies, as DeepSpeed's loader does), and the embedded manifest and sidecar."""
+    out = tmp_path / "out"
+    ckptspec.reshard(ds.path("s0-bf16-ws2-frozen"), out, world_size=2, zero_stage=2)
+    native_dir = ds.path("dense-s2-bf16-ws2-frozen")
+    tag = (native_dir / "latest").read_text().strip()
+    files = sorted(p.name for p in (native_dir / tag).iterdir())
+    assert sorted(p.name for p in (out / tag).iterdir() if p.name != "ckptspec.json") == files  # and its sidecar
+    for file in files:
+        ours, theirs = (torch.load(d / tag / file, map_location="cpu", weights_only=False) for d in (out, native_dir))
+        ours.pop(CLIENT_STATE_KEY, None)
+        assert list(ours) == list(theirs), file
+        if file.endswith("_model_states.pt"):
+            assert _shape_of(ours) == _shape_of(theirs), file
+            assert list(ours["frozen_param_shapes"].items()) == list(theirs["frozen_param_shapes"].items())
+            assert list(ours["frozen_param_fragments"]) == ["blocks.0.up.weight", "head.bias"]
+            for n, t in theirs["frozen_param_fragments"].items():
+                assert bits_equal(ours["frozen_param_fragments"][n], t) and bits_equal(ours["module"][n], t), n
+            continue
+        osd, native = ours["optimizer_state_dict"], theirs["optimizer_state_dict"]
+        assert [k for k in native if k != "clip_grad"] == list(osd), file
+        for key in osd:
+            assert _shape_of(osd[key]) == _shape_of(native[key]), (file, key)

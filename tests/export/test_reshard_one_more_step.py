@@ -80,7 +80,13 @@ EDGE, NORM_SHARE = 1e-4, 0.1
 # checked to be one factor above 1 of the source job's; the logits after it differ by 2 bf16 ulps at 0.75 (1.04% of
 # the largest), bounded by STAGE0_CLIP_LOGITS. At tp2 x dp2 each data rank also sums another share of the batch in bf16:
 # residual 3e-3 of the gradient's norm there (measured), bounded by UNIFORM.
-AUTOTP_STAGE0_CLIP = {"tp2-s3-bf16-ws2>s0", "tp2-s3-bf16-ws2>s0-ws4"}
+AUTOTP_STAGE0_CLIP = {
+    "tp2-s3-bf16-ws2>s0",
+    "tp2-s3-bf16-ws2>s0-ws4",
+    # with frozen parameters and buffers (ZeRO-3 and ZeRO-2 sources): the same factor
+    "tp2-s3-bf16-ws2-extras>s0",
+    "tp2-s2-bf16-ws2-extras>s0-ws4",
+}
 # The other way (an AutoTP stage-0 source -> ZeRO-1/2/3 at its tensor degree, directly or through the universal folder),
 # measured: the target's gradient is 0.9512 (1 / 1.0513) times the stage-0 job's in every element (tp2 x dp2: 0.9445 to
 # 0.9531, each data rank summing its share in bf16); the logits after the step 0.50% of the largest (one bf16 ulp).
@@ -89,6 +95,10 @@ AUTOTP_FROM_STAGE0_CLIP = {
     "tp2-s0-bf16-ws2-buffers>s2-ws4",
     "tp2-s0-bf16-ws2-buffers>universal-s1",
     "tp2-s0-bf16-ws2-buffers>s3",
+    # with frozen parameters (a frozen weight AutoTP splits, a frozen bias it leaves whole), the same
+    "tp2-s0-bf16-ws2-frozen>s2-ws4",
+    "tp2-s0-bf16-ws2-frozen>universal-s1",
+    "tp2-s0-bf16-ws2-frozen>s3",
 }
 STAGE0_CLIP_LOGITS, UNIFORM = 0.02, 0.01
 

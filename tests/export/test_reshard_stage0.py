@@ -38,7 +38,7 @@ from ckptspec.deepspeed.kinds import Kind
 from ckptspec.errors import ReshardUnsupported
 from ckptspec.export.plan import plan_reconstruction
 from ckptspec.export.reshard import validated_source
-from ckptspec.export.reshard_stage0 import refuse_stage0, source_osd
+from ckptspec.export.reshard_stage0 import module_order, refuse_stage0, source_osd
 
 # dense ones (a MoE's: test_reshard_moe_to_stage0.py)
 TO_STAGE0 = sorted(
@@ -55,10 +55,12 @@ KEYS = ("exp_avg", "exp_avg_sq")
 # What DeepSpeed's stage-0 optimizer wrapper is, per dtype (optim_job.py's record "source")
 HELD_BY = {"fp32": "module (fp32, no masters)", "bf16": "FP16_UnfusedOptimizer.fp32_groups"}
 HELD_BY["fp16"] = HELD_BY["bf16"]
-# A real stage-0 save of the same model, dtype and tensor degree (a client torch Adam): the file's shape is compared
-# with it (an AutoTP one of degree 2 in bf16 only)
-NATIVE = {("fp32", 1): "s0-fp32-ws2", ("bf16", 1): "s0-bf16-ws2", ("fp16", 1): "s0-fp16-ws2"}
-NATIVE[("bf16", 2)] = "tp2-s0-bf16-ws2"
+# A real stage-0 save of the same model, dtype, tensor degree and frozen parameters (a client torch Adam): the file's
+# shape is compared with it (an AutoTP one of degree 2 in bf16 only; with frozen parameters, the dense bf16 one)
+NATIVE = {("fp32", 1, False): "s0-fp32-ws2", ("bf16", 1, False): "s0-bf16-ws2", ("fp16", 1, False): "s0-fp16-ws2"}
+NATIVE[("bf16", 2, False)] = "tp2-s0-bf16-ws2"
+NATIVE[("bf16", 1, True)] = "s0-bf16-ws2-frozen"
+NATIVE[("bf16", 2, True)] = "tp2-s0-bf16-ws2-frozen"
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -121,11 +123,12 @@ def _written(ds, name: str, mp_rank: int = 0) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _file_masters(states: dict, dtype: str) -> dict[str, torch.Tensor]:
+def _file_masters(states: dict, dtype: str, trained) -> dict[str, torch.Tensor]:
     """The fp32 masters the written file holds, by name: the module's weights in fp32, else ``fp32_groups``
-    (the module's trainable parameters in order, buffers left out: DeepSpeed's optimizer order)."""
+    (the module's trainable parameters in order, buffers and frozen parameters left out: DeepSpeed's optimizer
+    order); ``trained``: the names the source job trains."""
     buffers = set(states["buffer_names"])
-    names = [n for n in states["module"] if n not in buffers]
+    names = [n for n in states["module"] if n not in buffers and n in trained]
     if dtype == "fp32":
         return {n: states["module"][n] for n in names}
     flat = [m for group in states["optimizer"]["fp32_groups"] for m in group]
@@ -137,7 +140,7 @@ def _written_masters(ds, name: str, shapes: dict) -> dict[str, torch.Tensor]:
     """The masters of every tensor rank's written file (one without tensor parallelism), put together."""
     spec = reshard_target(name)[2]
     per_rank = [
-        {"coords": {"tp": tp}, "masters": _file_masters(_written(ds, name, tp), spec["dtype"])}
+        {"coords": {"tp": tp}, "masters": _file_masters(_written(ds, name, tp), spec["dtype"], shapes)}
         for tp in range(spec.get("tp", 1))
     ]
     return merged(per_rank, lambda r: r["masters"], shapes)
@@ -183,13 +186,15 @@ def test_buffers_and_logits_carry_over(name, ds):
     target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
     module = target[0]["module"]
     assert module.keys() == before[0]["module"].keys()
-    assert bool(module) == bool(spec.get("buffers"))
-    for record in target:
+    assert bool(module) == bool(spec.get("buffers") or spec.get("frozen"))  # the frozen parameters and buffers
+    degrees = (source_spec(source).get("tp", 1), spec.get("tp", 1))
+    for record in target:  # at the source's tensor degree, each tensor rank's own (a frozen shard AutoTP cut)
+        held = [r for r in before if r["coords"].get("tp", 0) == record["coords"].get("tp", 0)]
+        expected_module = (held[0] if degrees[0] == degrees[1] else before[0])["module"]
         for n, t in record["module"].items():
-            assert _equal(t, before[0]["module"][n]), n
+            assert _equal(t, expected_module[n]), n
     logits, expected = target[0]["logits"], before[0]["logits"]
     assert logits.abs().max() > 0 and all(_equal(r["logits"], logits) for r in target)
-    degrees = (source_spec(source).get("tp", 1), spec.get("tp", 1))
     if degrees[0] == degrees[1]:  # the same sums in the same order
         assert _equal(logits, expected)
         return
@@ -199,7 +204,7 @@ def test_buffers_and_logits_carry_over(name, ds):
 
 def _native(name: str) -> str | None:
     spec = reshard_target(name)[2]
-    return NATIVE.get((spec["dtype"], spec.get("tp", 1)))
+    return NATIVE.get((spec["dtype"], spec.get("tp", 1), bool(spec.get("frozen"))))
 
 
 @pytest.mark.parametrize(
@@ -313,22 +318,51 @@ def _refused(args, tmp_path) -> str:
     return result.output
 
 
-def test_ties_and_frozen_parameters_are_refused_by_name(committed, tmp_path):
-    """A stage-0 checkpoint's fp32_groups name no parameter and its module lists tied and frozen ones with the
-    trainable: the output could not be described, so nothing is written (the committed source has both)."""
+def test_ties_are_refused_by_name(committed, tmp_path):
+    """A stage-0 checkpoint records no shared_params: a tied source is not written for a stage-0 job (the committed
+    source has a tie and a frozen layer), nothing is written."""
     output = _refused([committed("s2-bf16-ws2"), "--world-size", "2", "--stage", "0"], tmp_path)
-    assert "tied or frozen" in output
+    assert "a stage-0 target with tied parameters" in output
 
 
-def test_frozen_parameters_of_an_autotp_source_are_refused_at_stage0(ds, tmp_path):
-    """The AutoTP ZeRO-3 source with a frozen weight AutoTP splits, a frozen bias it leaves whole and buffers: a
-    stage-0 job could load them (its module holds them), but a stage-0 checkpoint's masters could not be told apart
-    from them (the dense refusal above): at its tensor degree, merged and split alike."""
+def test_frozen_parameters_of_an_autotp_source_merged_or_split_for_stage0_are_refused(ds, tmp_path):
+    """The AutoTP ZeRO-3 source with a frozen weight AutoTP splits, a frozen bias it leaves whole and buffers: written
+    for a stage-0 job of its tensor degree (above); merged or split for one, not written yet (CK410)."""
     source = ds.path("tp2-s3-bf16-ws2-extras")
-    for i, degree in enumerate(([], ["--tensor-parallel", "1"], ["--tensor-parallel", "4"])):
+    for i, degree in enumerate((["--tensor-parallel", "1"], ["--tensor-parallel", "4"])):
         (tmp_path / str(i)).mkdir()
         output = _refused([source, "--world-size", "4", "--stage", "0", *degree], tmp_path / str(i))
-        assert "tied or frozen" in output, degree
+        assert "frozen parameters (blocks.0.up.weight, head.bias) of a tensor-" in output, degree
+
+
+def _frozen_source(ds):
+    """The ZeRO-2 bf16 source with frozen parameters: its manifest, rank 0's optimizer state, its module order."""
+    source = ds.path("dense-s2-bf16-ws2-frozen")
+    found, states = validated_source(source, None, None)
+    plan = plan_reconstruction(source, found, states=states)
+    return found, source_osd(found, plan, states), module_order(found, plan, states)
+
+
+def test_frozen_parameters_a_stage0_file_could_not_tell_apart_are_refused_by_name(ds):
+    """One rule (reshard_stage0.refuse_untold_frozen): a stage-0 file's masters name no parameter, and its reader
+    matches them to the module's parameters by shape, in order (layout/masters.frozen_apart). As saved the one such
+    choice is the trainable parameters: written. A module order where a frozen parameter could take a master's place
+    (head.bias first: its shape, [5], is no master's, but blocks.0.up.weight moved after blocks.1.up.weight is [32, 16]
+    as that master is), or an fp32 job (its module is its masters): refused (CK410) before anything is written."""
+    found, osd, order = _frozen_source(ds)
+    refuse_stage0(found, osd, order)  # as saved: written
+    assert [f.name for f in found.frozen] == ["blocks.0.up.weight", "head.bias"]
+    moved = [n for n in order if n != "blocks.0.up.weight"]
+    moved.insert(moved.index("blocks.1.up.weight") + 1, "blocks.0.up.weight")
+    with pytest.raises(ReshardUnsupported, match="could not tell from the trainable ones") as refused:
+        refuse_stage0(found, osd, moved)
+    assert refused.value.code == "CK410"
+    fp32 = found.model_copy(deep=True)
+    fp32.layout.model_dtype = "float32"
+    with pytest.raises(ReshardUnsupported, match="for an fp32 stage-0 job: its module is its masters"):
+        refuse_stage0(fp32, osd, order)
+    with pytest.raises(ReshardUnsupported, match="of a tensor-, pipeline- or expert-parallel checkpoint"):
+        refuse_stage0(found, osd)  # no module order: a model-parallel writer's call
 
 
 def test_fused_adam_is_refused_by_name(ds):

@@ -261,6 +261,14 @@ def _embeddings(wanted: list[tuple], shapes: list[tuple]) -> tuple[int, tuple[in
     return (1 if first == tuple(len(shapes) - 1 - i for i in reversed(last)) else 2), first
 
 
+def named_by_shapes(held: list[tuple[int, ...]], dense: list[tuple[str, tuple[int, ...]]]) -> list[str] | None:
+    """The parameters ``frozen_apart`` names for masters of the shapes ``held`` (in ``fp32_groups`` order) among
+    ``dense`` (the module's parameters, in order, with their shapes): the one order-keeping choice; None when there
+    is none or more than one (what a stage-0 file's reader refuses, CK202)."""
+    count, choice = _embeddings(held, [shape for _, shape in dense])
+    return [dense[i][0] for i in choice] if count == 1 else None
+
+
 def stage0_frozen(folder: Path, states: StateCache | None = None, model_file: str = MODEL_FILE) -> list[str]:
     """The frozen parameters of a stage-0 tag directory's ``model_file`` (AutoTP: a tensor rank's): the module's
     parameters that hold no master (``frozen_apart``), in module order; none where every one does."""
