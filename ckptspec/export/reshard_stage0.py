@@ -80,8 +80,9 @@ def refuse_stage0(found: Manifest, source_osd: dict, module_order: list[str] | N
     are written by (``refuse_untold_frozen``); without it they are refused."""
     if found.aliases or found.excluded:
         raise ReshardUnsupported(
-            "a stage-0 target with tied parameters, or frozen ones the source excluded: a stage-0 checkpoint records "
-            "no shared_params and its module must hold every frozen parameter",
+            "a stage-0 target with tied parameters, or frozen ones the source excluded: not written yet (a stage-0 "
+            "checkpoint records no shared_params: its module holds a tie as one tensor under both names, and every "
+            "frozen parameter)",
             "reshard to stage 1, 2 or 3",
         )
     if found.frozen and module_order is None:
