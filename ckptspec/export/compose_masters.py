@@ -47,7 +47,7 @@ def named_extras(
     tag_dir: Path, domain: Domain, masters: dict[str, TensorSource], states: StateCache
 ) -> tuple[dict[str, TensorSource], dict[str, str]]:
     """(buffer or frozen parameter name -> its bytes, alias -> owner) of a domain whose index locates its masters
-    (a stage-0 one's frozen parameters: its module's weights that hold no master, ``layout/masters.frozen_apart``)."""
+    (a stage-0 one's frozen parameters: its module's weights that hold no master, ``stage0_names.frozen_apart``)."""
     buffers: dict[str, TensorSource] = {}
     if domain.manifest.buffers or domain.manifest.frozen:
         model = next((f.path for f in domain.manifest.files if MODEL_RE.match(Path(f.path).name)), None)

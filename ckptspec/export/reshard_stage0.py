@@ -42,7 +42,7 @@ from ..checkpoint.embedded import CLIENT_STATE_KEY
 from ..checkpoint.standins import LossScalerState
 from ..checkpoint.states import StateCache
 from ..deepspeed.describe.scalars import plain_values
-from ..deepspeed.layout.masters import named_by_shapes
+from ..deepspeed.layout.stage0_names import named_by_shapes
 from ..errors import ReconstructMismatch, ReshardUnsupported
 from ..format.models import Manifest
 from . import ds_pickle
@@ -108,7 +108,7 @@ def refuse_stage0(found: Manifest, source_osd: dict, module_order: list[str] | N
 def refuse_untold_frozen(found: Manifest, module_order: list[str]) -> None:
     """CK410 for frozen parameters a stage-0 file could not tell from the trainable ones: its ``fp32_groups`` name no
     parameter, and its reader names them by the one order-keeping choice of module parameters with their shapes
-    (``layout/masters.frozen_apart``); written only where that choice is the trainable parameters in the order the
+    (``layout/stage0_names.frozen_apart``); written only where that choice is the trainable parameters in the order the
     stage-0 optimizer holds them. An fp32 job keeps no masters apart from the module: refused."""
     frozen = [f.name for f in found.frozen]
     if found.layout.model_dtype == "float32":

@@ -19,7 +19,7 @@ Its model states are the source's, changed where a ZeRO job saves otherwise: ``o
 
 A data-parallel stage-0 checkpoint for a stage-0 job (``--stage 0``, or none) is ``reshard_stage0_world``'s.
 
-Frozen parameters of a data-parallel stage-0 checkpoint (``layout/masters.frozen_apart`` names them from the masters'
+Frozen parameters of a data-parallel stage-0 checkpoint (``stage0_names.frozen_apart`` names them from the masters'
 shapes) go as a ZeRO job saves them: in the module, at ZeRO-2 also ``frozen_param_shapes``/``frozen_param_fragments``
 (``reshard_files``), at ZeRO-3 each rank's share (``reshard_stage3``).
 

@@ -22,7 +22,7 @@ For an AutoTP stage-0 job (``--stage 0``, or no ``--stage``: the checkpoint's ow
   stage-0 optimizer's entries, the wrapper's loss scale and ``cur_iter`` as saved, the buffers each tensor rank's
   copy (compared first: CK401).
 
-Frozen parameters (``layout/masters.frozen_apart`` names them, the index places them by the ``affine_map``) go as a
+Frozen parameters (``layout/stage0_names.frozen_apart`` names them, the index places them by the ``affine_map``) go as a
 ZeRO job of the target's degree saves them (the module; at ZeRO-2 ``frozen_param_shapes``/``frozen_param_fragments``,
 ``reshard_files``; at ZeRO-3 each rank's share), or as saved for a stage-0 job of the source's degree.
 

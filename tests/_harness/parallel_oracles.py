@@ -366,3 +366,36 @@ def saved_entries(doc, prefix=""):
         yield prefix, (type(doc).__name__, vars(doc))
     else:
         yield prefix, doc
+
+
+def shape_of(value):
+    """Every entry's type, every tensor's dtype and shape, nested as saved (two saves of one layout by other runs)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape))
+    if isinstance(value, dict):
+        return {k: shape_of(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [shape_of(v) for v in value]
+    return type(value).__name__
+
+
+def assert_refused_while_planning(source: Path, out: Path, monkeypatch, world_size: int, options: dict, refusal: str):
+    """``reshard_model_parallel(source, out, ...)`` refuses (CK410 naming ``source``, ``refusal`` in its message) while
+    planning: no step of a chained move (``RestagedStage0Write.write``) runs, nothing is written."""
+    import pytest
+
+    import ckptspec
+    from ckptspec.export import reshard_pipeline_stage0
+    from ckptspec.export.reshard_parallel import reshard_model_parallel
+
+    def no_step(*args, **kwargs):
+        raise AssertionError("a step ran")
+
+    monkeypatch.setattr(reshard_pipeline_stage0.RestagedStage0Write, "write", no_step)
+    with pytest.raises(ckptspec.Unsupported) as refused:
+        reshard_model_parallel(source, out, world_size, **options)
+    assert refused.value.code == "CK410" and refusal in refused.value.message, refused.value.message
+    assert refused.value.file == str(source)
+    assert not out.exists() or not any(out.iterdir())

@@ -154,7 +154,7 @@ ZERO_DENSE_SPECS = {
     "dense-s3-bf16-ws2": ({"stage": 3, "dtype": "bf16"}, 2),
 }
 # The dense MLP with frozen parameters and no tie (issue #40: fine-tuning with a frozen layer), blocks.0.up.weight and
-# head.bias frozen: at stage 0 (its masters named by their shapes, layout/masters.frozen_apart) the source of the
+# head.bias frozen: at stage 0 (its masters named by their shapes, layout/stage0_names.frozen_apart) the source of the
 # moves to ZeRO 2 and 3, at ZeRO-2 and 3 the sources of the moves to stage 0; the stage-0 and ZeRO-2 ones are
 # DeepSpeed's own saves at each other's layout, which the written files are compared with. Not in PARALLEL, loaded by
 # their "+optim" entries.

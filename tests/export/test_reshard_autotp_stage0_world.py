@@ -186,7 +186,7 @@ def test_the_stage_left_out_is_the_sources_own(ds, tmp_path):
 
 def test_the_frozen_source_is_described_as_the_job_held_it(ds):
     """The stage-0 job's fp32_groups hold 8 masters for the 10 parameters its module lists: named by their shapes in
-    module order (one choice only: layout/masters.frozen_apart), the other two frozen, placed by the affine_map
+    module order (one choice only: layout/stage0_names.frozen_apart), the other two frozen, placed by the affine_map
     (index extras: the weight split along axis 0, the bias replicated). Read whole, the masters are the ones the job
     held when it saved (its oracle) and every weight, frozen ones too, the one DeepSpeed's job gathered
     (``consolidated.pt``), bit for bit."""

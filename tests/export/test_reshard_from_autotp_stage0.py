@@ -26,6 +26,7 @@ from _harness.parallel_oracles import (
     merged,
     optim_records,
     rank_oracles,
+    shape_of,
     union_of,
 )
 from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target, source_spec
@@ -148,17 +149,6 @@ NATIVE = {"tp2-s0-bf16-ws2-buffers>s2-ws4": "tp2dp2-s2-bf16-ws4", "tp2-s0-bf16-w
 NATIVE["tp2-s0-bf16-ws2-frozen>tp1-s2"] = "dense-s2-bf16-ws2-frozen"
 
 
-def _shape_of(value):
-    """Every entry's type, every tensor's dtype and shape, nested as saved."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, tuple(value.shape))
-    if isinstance(value, dict):
-        return {k: _shape_of(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_shape_of(v) for v in value]
-    return type(value).__name__
-
-
 @pytest.mark.parametrize("name", sorted(NATIVE))
 def test_the_files_have_the_shape_of_deepspeeds_own_save(name, ds):
     """The same files as DeepSpeed's own save at the target layout; in each, the same keys in the same order, every
@@ -184,7 +174,7 @@ def test_the_files_have_the_shape_of_deepspeeds_own_save(name, ds):
             ours["buffer_names"] = []
             zero = ours["ds_config"]["zero_optimization"]
             assert zero.pop("sub_group_size", int(1e9)) == int(1e9)
-            assert _shape_of(ours) == _shape_of(theirs), file
+            assert shape_of(ours) == shape_of(theirs), file
             for key in ("frozen_param_shapes", "frozen_param_fragments"):  # the frozen values: never trained
                 assert list(ours[key]) == list(theirs[key]), (file, key)
                 for k, v in ours[key].items():
@@ -193,7 +183,7 @@ def test_the_files_have_the_shape_of_deepspeeds_own_save(name, ds):
         osd, native = ours["optimizer_state_dict"], theirs["optimizer_state_dict"]
         assert [k for k in native if k != "clip_grad"] == list(osd), file
         for key in osd:  # dicts compared whatever their order (a torch state's keys)
-            assert _shape_of(osd[key]) == _shape_of(native[key]), (file, key)
+            assert shape_of(osd[key]) == shape_of(native[key]), (file, key)
 
 
 def test_deepspeeds_own_converter_fails_on_the_same_source(ds):
@@ -230,7 +220,7 @@ def test_what_is_not_written_is_refused_by_name(args, refusal, ds, tmp_path):
 )
 def test_frozen_parameters_merged_or_split_for_a_stage0_job_are_refused_by_name(command, ds, tmp_path):
     """A frozen weight AutoTP splits and a frozen bias it leaves whole (the stage-0 job's fp32_groups hold 8 masters for
-    the 10 parameters its module lists: described, layout/masters.frozen_apart): written as ZeRO at any degree (above)
+    the 10 parameters its module lists: described, stage0_names.frozen_apart): written as ZeRO at any degree (above)
     and for a stage-0 job of its tensor degree (test_reshard_autotp_stage0_world.py); merged or split for a stage-0 job
     refused by name (CK410) before anything is written."""
     out = tmp_path / "out"

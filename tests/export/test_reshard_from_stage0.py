@@ -26,6 +26,7 @@ from _harness.parallel_oracles import (
     logits_of,
     optim_records,
     rank_oracles,
+    shape_of,
     union_of,
 )
 from _harness.scenarios import DEGREE_RESHARDS, optim_name, reshard_target, source_spec
@@ -134,17 +135,6 @@ def test_deepspeeds_own_converter_fails_on_the_same_source(name, ds):
     assert outcome["ok"] is False and outcome["error"], outcome
 
 
-def _shape_of(value):
-    """Every entry's type, every tensor's dtype and shape, nested as saved."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, tuple(value.shape))
-    if isinstance(value, dict):
-        return {k: _shape_of(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_shape_of(v) for v in value]
-    return type(value).__name__
-
-
 def test_frozen_parameters_are_written_as_deepspeeds_own_zero2_save_holds_them(ds, tmp_path):
     """The stage-0 source with frozen parameters (``s0-bf16-ws2-frozen``: blocks.0.up.weight and head.bias, named by
     the masters' shapes) written as ZeRO-2 at its world size has the files of DeepSpeed's own ZeRO-2 save of the same
@@ -164,7 +154,7 @@ def test_frozen_parameters_are_written_as_deepspeeds_own_zero2_save_holds_them(d
         ours.pop(CLIENT_STATE_KEY, None)
         assert list(ours) == list(theirs), file
         if file.endswith("_model_states.pt"):
-            assert _shape_of(ours) == _shape_of(theirs), file
+            assert shape_of(ours) == shape_of(theirs), file
             assert list(ours["frozen_param_shapes"].items()) == list(theirs["frozen_param_shapes"].items())
             assert list(ours["frozen_param_fragments"]) == ["blocks.0.up.weight", "head.bias"]
             for n, t in theirs["frozen_param_fragments"].items():
@@ -173,4 +163,4 @@ def test_frozen_parameters_are_written_as_deepspeeds_own_zero2_save_holds_them(d
         osd, native = ours["optimizer_state_dict"], theirs["optimizer_state_dict"]
         assert [k for k in native if k != "clip_grad"] == list(osd), file
         for key in osd:
-            assert _shape_of(osd[key]) == _shape_of(native[key]), (file, key)
+            assert shape_of(osd[key]) == shape_of(native[key]), (file, key)

@@ -345,7 +345,7 @@ def _frozen_source(ds):
 
 def test_frozen_parameters_a_stage0_file_could_not_tell_apart_are_refused_by_name(ds):
     """One rule (reshard_stage0.refuse_untold_frozen): a stage-0 file's masters name no parameter, and its reader
-    matches them to the module's parameters by shape, in order (layout/masters.frozen_apart). As saved the one such
+    matches them to the module's parameters by shape, in order (layout/stage0_names.frozen_apart). As saved the one such
     choice is the trainable parameters: written. A module order where a frozen parameter could take a master's place
     (head.bias first: its shape, [5], is no master's, but blocks.0.up.weight moved after blocks.1.up.weight is [32, 16]
     as that master is), or an fp32 job (its module is its masters): refused (CK410) before anything is written."""

@@ -20,11 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 from _harness.faults import tag_dir
-from _harness.parallel_oracles import bits_equal, logits_of, optim_records, rank_oracles, saved_entries
+from _harness.parallel_oracles import (
+    assert_refused_while_planning,
+    bits_equal,
+    logits_of,
+    optim_records,
+    rank_oracles,
+    saved_entries,
+)
 from _harness.reconstruction import invoke
 from _harness.scenarios import TP_PIPE_STAGE0_STAGES, optim_name, reshard_target, source_spec
-
-import ckptspec
 
 CASES = sorted(TP_PIPE_STAGE0_STAGES)
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -175,15 +180,4 @@ def test_what_is_not_written_is_refused_before_any_step_runs(
 ):
     """CK410 naming the source while planning: no step of the chain runs, nothing is written (another tensor degree:
     test_reshard_tp_pipe_stage0_degree.py)."""
-    from ckptspec.export import reshard_pipeline_stage0
-    from ckptspec.export.reshard_parallel import reshard_model_parallel
-
-    def no_step(*args, **kwargs):
-        raise AssertionError("a step ran")
-
-    monkeypatch.setattr(reshard_pipeline_stage0.RestagedStage0Write, "write", no_step)
-    with pytest.raises(ckptspec.Unsupported) as refused:
-        reshard_model_parallel(ds.path(source), tmp_path / "out", world_size, **options)
-    assert refused.value.code == "CK410" and refusal in refused.value.message, refused.value.message
-    assert refused.value.file == str(ds.path(source))
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert_refused_while_planning(ds.path(source), tmp_path / "out", monkeypatch, world_size, options, refusal)

@@ -1,7 +1,7 @@
 """A ZeRO stage-0 checkpoint with a tie (``head.weight`` is ``emb.weight``): DeepSpeed records no ``shared_params`` at
 stage 0, its module holds the same tensor under both names and its optimizer holds the tied parameter once, so the
 masters are one fewer than the module's parameters. ckptspec tells the tie from a frozen parameter by the pickled
-tensor itself (``layout/masters.stage0_ties``: the same storage, offset, shape and strides), where it used to refuse
+tensor itself (``stage0_names.stage0_ties``: the same storage, offset, shape and strides), where it used to refuse
 the checkpoint (CK202).
 
 Ground truth: the real job ``s0-bf16-ws2-tied`` (FP16_UnfusedOptimizer, a tie and buffers; its live fp32 masters

@@ -14,8 +14,9 @@ from ...errors import UnsupportedCheckpoint
 from ...format.index_models import CheckpointIndex, Coordinate
 from ...format.models import Alias, FrozenParam
 from ...format.partition import frozen_params
-from ..layout.masters import MODEL_FILE, stage0_frozen, stage0_masters, stage0_ties
+from ..layout.masters import MODEL_FILE, stage0_frozen, stage0_masters
 from ..layout.parallel_files import degrees_of, scan_parallel
+from ..layout.stage0_names import stage0_ties
 from .index_builder import IndexBuilder, LiveMasters, StoredIn, files_of
 from .index_extras import with_extras
 
@@ -53,7 +54,7 @@ def describe(
 
 
 def _aliases(model: dict, masters: list, frozen: list[FrozenParam]) -> list[Alias]:
-    """The ties of the module (``masters.stage0_ties``): each alias its owner's (a trained or a frozen parameter)."""
+    """The ties of the module (``stage0_names.stage0_ties``): each alias its owner's (trained or frozen)."""
     shapes = {m.name: list(m.shape) for m in masters} | {f.name: list(f.shape) for f in frozen}
     return [Alias(name=alias, owner=owner, shape=shapes[owner]) for alias, owner in stage0_ties(model).items()]
 

@@ -24,9 +24,8 @@ left out), the dense ones then each expert's: every tensor's shape must match it
 checkpoint is refused by name (CK202), never guessed. A frozen parameter is in the module but not in
 the optimizer: where ``fp32_groups`` hold fewer masters than the module has parameters (a dense or
 AutoTP model without experts), they are named by the one order-keeping choice of parameters with
-their shapes, the others frozen (``frozen_apart``; no such choice or several is CK202). A tie (one
-parameter under two names: the same tensor twice in ``module``) holds one master, under its first name
-(``stage0_ties``).
+their shapes, the others frozen; a tie (one parameter under two names: the same tensor twice in
+``module``) holds one master, under its first name (both rules: ``stage0_names``).
 A flat group has no shapes: each group must end where a parameter ends, and the validation compares
 every master with the saved weight of its name (CK235). Weights that are not fp32 are never taken for
 masters: a stage-0 checkpoint whose model states hold no fp32 copy the optimizer kept is refused by
@@ -46,6 +45,8 @@ from ...checkpoint.torchfile import TensorRef, tensor_byte_range
 from ...errors import UnsupportedCheckpoint
 from ...format.dtypes import Dtype
 from ...location import RemotePath
+from .stage0_names import UNNAMED_HINT as _HINT
+from .stage0_names import frozen_apart, stage0_ties
 
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 EXPP_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -70,9 +71,6 @@ def _locate(folder: Path, rel: str, ref: object, name: str, key: tuple, states: 
         raise UnsupportedCheckpoint(f"{'/'.join(map(str, key))} is not a tensor (master of {name!r})", _HINT, rel)
     offset, nbytes = tensor_byte_range(ref, states.members(folder / rel))
     return MasterTensor(name, tuple(ref.shape), ref.dtype, ((rel, offset, nbytes),), key)
-
-
-_HINT = "the masters of this checkpoint cannot be named from its files; it is not described"
 
 
 def _trainable_names(model: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -184,89 +182,6 @@ def stage0_masters(
                 out[m.name] = m
         return out
     return _moe_unfused(folder, model, dense, experts, states)
-
-
-def stage0_ties(model: dict) -> dict[str, str]:
-    """alias -> owner: a module entry that is an earlier entry's very tensor (the same storage, offset, shape and
-    strides), one parameter under two names. DeepSpeed records no ``shared_params`` at stage 0 (None), and its
-    optimizer holds a tied parameter once (``module.parameters()`` yields it once, under the first name)."""
-    buffers = set(model.get("buffer_names") or [])
-    first: dict[tuple, str] = {}
-    out = {}
-    for name, ref in (model.get("module") or {}).items():
-        if name in buffers or not isinstance(ref, TensorRef) or not ref.numel:
-            continue
-        owner = first.setdefault(ref.view, name)
-        if owner != name:
-            out[name] = owner
-    return out
-
-
-def frozen_apart(
-    model: dict, dense: list[tuple[str, tuple[int, ...]]], held: list, model_file: str
-) -> list[tuple[str, tuple[int, ...]]] | None:
-    """The trainable parameters among ``dense`` (the module's parameters, in order) when ``held`` (the
-    ``fp32_groups`` masters, in order) are fewer: the one order-keeping choice of parameters whose shapes are the
-    masters' shapes, the others frozen (a frozen parameter is in the module, not in the optimizer). None when as many
-    masters as parameters are held. Refused by name (CK202), never guessed: two module entries sharing a storage (a
-    tie: the same parameter under two names), or more than one such choice (shapes that repeat around a frozen one)."""
-    if len(held) >= len(dense) or not all(isinstance(ref, TensorRef) for ref in held):
-        return None
-    module = model["module"]
-    storages: dict[object, str] = {}
-    for name, _ in dense:
-        other = storages.setdefault(module[name].storage.key, name)
-        if other != name:
-            raise UnsupportedCheckpoint(
-                f"ZeRO stage 0: {name!r} shares its storage with {other!r} and optimizer/fp32_groups holds "
-                f"{len(held)} masters for {len(dense)} parameters (tied parameters are not told apart at stage 0)",
-                _HINT,
-                model_file,
-            )
-    shapes = [tuple(ref.shape) for ref in held]
-    count, choice = _embeddings(shapes, [shape for _, shape in dense])
-    if count != 1:
-        raise UnsupportedCheckpoint(
-            f"ZeRO stage 0: optimizer/fp32_groups holds {len(held)} masters for {len(dense)} parameters, and "
-            f"{'no' if not count else 'more than one'} choice of parameters in module order has their shapes "
-            "(frozen parameters are told apart at stage 0 only when one choice has)",
-            _HINT,
-            model_file,
-        )
-    return [dense[i] for i in choice]
-
-
-def _greedy(wanted: list[tuple], shapes: list[tuple]) -> tuple[int, ...] | None:
-    """The earliest increasing index tuple ``ix`` with ``shapes[ix[k]] == wanted[k]`` for every k; None: none."""
-    found, i = [], 0
-    for shape in wanted:
-        while i < len(shapes) and shapes[i] != shape:
-            i += 1
-        if i == len(shapes):
-            return None
-        found.append(i)
-        i += 1
-    return tuple(found)
-
-
-def _embeddings(wanted: list[tuple], shapes: list[tuple]) -> tuple[int, tuple[int, ...]]:
-    """How many ways there are to keep ``wanted`` in ``shapes`` in order (0, 1, or 2 for more than one), and the
-    earliest. Every way lies, index by index, between the earliest and the latest (the earliest read backwards), so
-    there is one exactly when those two are the same: linear in the model's length."""
-    first = _greedy(wanted, shapes)
-    if first is None:
-        return 0, ()
-    last = _greedy(wanted[::-1], shapes[::-1])
-    assert last is not None  # the earliest exists, so the latest does
-    return (1 if first == tuple(len(shapes) - 1 - i for i in reversed(last)) else 2), first
-
-
-def named_by_shapes(held: list[tuple[int, ...]], dense: list[tuple[str, tuple[int, ...]]]) -> list[str] | None:
-    """The parameters ``frozen_apart`` names for masters of the shapes ``held`` (in ``fp32_groups`` order) among
-    ``dense`` (the module's parameters, in order, with their shapes): the one order-keeping choice; None when there
-    is none or more than one (what a stage-0 file's reader refuses, CK202)."""
-    count, choice = _embeddings(held, [shape for _, shape in dense])
-    return [dense[i][0] for i in choice] if count == 1 else None
 
 
 def stage0_frozen(folder: Path, states: StateCache | None = None, model_file: str = MODEL_FILE) -> list[str]:

@@ -36,10 +36,11 @@ from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef, tensor_byte_range
 from ...errors import UnsupportedCheckpoint
 from ...location import RemotePath
-from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, expert_params, list_expert_files, stage0_ties, value_at
+from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, expert_params, list_expert_files, value_at
 from .names import PIPE_LAYER_RE
 from .parallel_files import scan_parallel
 from .pipeline_torch_optimizer import stage_params
+from .stage0_names import stage0_ties
 
 _HINT = "the optimizer state of this checkpoint cannot be located from its files; reconstruct without it"
 _FLAT_KEYS = {

@@ -1,4 +1,4 @@
-"""The rule of ``deepspeed/layout/masters.frozen_apart`` (issue #40), on hand-made decoded model states: a stage-0
+"""The rule of ``deepspeed/layout/stage0_names.frozen_apart`` (issue #40), on hand-made decoded model states: a stage-0
 job's ``fp32_groups`` hold a master per parameter its optimizer steps, in module order, and none for a frozen one; the
 masters are named by the one order-keeping choice of module parameters with their shapes, or the checkpoint is refused
 by name (CK202), never guessed. The real checkpoint (AutoTP tp2, a frozen split weight and a frozen whole bias) is in
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ckptspec.checkpoint.torchfile import StorageRef, TensorRef
-from ckptspec.deepspeed.layout.masters import frozen_apart
+from ckptspec.deepspeed.layout.stage0_names import frozen_apart
 from ckptspec.errors import UnsupportedCheckpoint
 
 

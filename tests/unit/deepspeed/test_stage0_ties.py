@@ -1,4 +1,4 @@
-"""The rule of ``deepspeed/layout/masters.stage0_ties`` (issue #40), on hand-made decoded model states: a tie at ZeRO
+"""The rule of ``layout/stage0_names.stage0_ties`` (issue #40), on hand-made decoded model states: a tie at ZeRO
 stage 0 is a module entry that is an earlier entry's very tensor (the same storage, offset, shape and strides); the
 later name is the alias. The real checkpoint is tests/export/test_stage0_ties.py's (``s0-bf16-ws2-tied``)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from ckptspec.checkpoint.torchfile import StorageRef, TensorRef
-from ckptspec.deepspeed.layout.masters import stage0_ties
+from ckptspec.deepspeed.layout.stage0_names import stage0_ties
 
 
 def _ref(key: str, shape: tuple, offset: int = 0, numel: int | None = None) -> TensorRef:
