@@ -104,15 +104,10 @@ def refuse_grad_accum_dtype_index(
     tensor-parallel, MoE or stage-0 checkpoint, or another degree or stage together with it, is not written yet."""
     if grad_accum_dtype is None:
         return
-    degrees = index.topology.degrees
     moved = [
-        f"tensor degree {degrees.tensor}" if degrees.tensor != 1 else "",
-        "experts" if index.expert_files else "",
-        "a stage-0 source" if any(d.masters is not None for d in index.domains) else "",
-        f"--stage {zero_stage}" if zero_stage not in (None, 1) else "",
-        f"--pipeline-parallel {pipeline_parallel}" if pipeline_parallel not in (None, degrees.pipeline) else "",
-        f"--tensor-parallel {tensor_parallel}" if tensor_parallel not in (None, degrees.tensor) else "",
+        _beyond_the_data_axis(index, tensor_parallel, pipeline_parallel, zero_stage),
         f"--expert-parallel {expert_parallel}" if expert_parallel is not None else "",
+        "a stage-0 source" if any(d.masters is not None for d in index.domains) else "",
     ]
     asked = ", ".join(m for m in moved if m)
     if asked:
@@ -129,6 +124,18 @@ def refuse_bf16_model_parallel(index, tensor_parallel: int | None, pipeline_para
     BF16_Optimizer's again). A tensor-parallel one, another stage, a degree change or a MoE is not written yet."""
     if not any(is_bf16_optimizer(d.manifest) for d in index.domains):
         return
+    asked = _beyond_the_data_axis(index, tensor_parallel, pipeline_parallel, zero_stage)
+    if asked:
+        raise ReshardUnsupported(
+            f"a tensor/pipeline-parallel checkpoint of DeepSpeed's BF16_Optimizer (bf16 with grad_accum_dtype fp32 at "
+            f"ZeRO-1) is written only along its data axis at stage 1 so far, not with {asked}",
+            "reshard it with --world-size alone (a pipeline's stages stay BF16_Optimizer's)",
+        )
+
+
+def _beyond_the_data_axis(index, tensor_parallel: int | None, pipeline_parallel: int | None, zero_stage) -> str:
+    """What moves a checkpoint index otherwise than along its data axis at stage 1, as the user asked it ("" if
+    nothing): another stage or degree, or a tensor-parallel or MoE source."""
     degrees = index.topology.degrees
     moved = [
         f"--stage {zero_stage}" if zero_stage not in (None, 1) else "",
@@ -137,10 +144,4 @@ def refuse_bf16_model_parallel(index, tensor_parallel: int | None, pipeline_para
         f"tensor degree {degrees.tensor}" if degrees.tensor != 1 else "",
         "experts" if index.expert_files else "",
     ]
-    asked = ", ".join(m for m in moved if m)
-    if asked:
-        raise ReshardUnsupported(
-            f"a tensor/pipeline-parallel checkpoint of DeepSpeed's BF16_Optimizer (bf16 with grad_accum_dtype fp32 at "
-            f"ZeRO-1) is written only along its data axis at stage 1 so far, not with {asked}",
-            "reshard it with --world-size alone (a pipeline's stages stay BF16_Optimizer's)",
-        )
+    return ", ".join(m for m in moved if m)

@@ -44,8 +44,9 @@ def frozen_apart(
     """The trainable parameters among ``dense`` (the module's parameters, in order) when ``held`` (the
     ``fp32_groups`` masters, in order) are fewer: the one order-keeping choice of parameters whose shapes are the
     masters' shapes, the others frozen (a frozen parameter is in the module, not in the optimizer). None when as many
-    masters as parameters are held. Refused by name (CK202), never guessed: two module entries sharing a storage (a
-    tie: the same parameter under two names), or more than one such choice (shapes that repeat around a frozen one)."""
+    masters as parameters are held (ties, ``stage0_ties``, taken out of ``dense`` first). Refused by name (CK202), never
+    guessed: two module entries sharing a storage otherwise, or more than one such choice (shapes that repeat around
+    a frozen one)."""
     if len(held) >= len(dense) or not all(isinstance(ref, TensorRef) for ref in held):
         return None
     module = model["module"]
@@ -55,7 +56,8 @@ def frozen_apart(
         if other != name:
             raise UnsupportedCheckpoint(
                 f"ZeRO stage 0: {name!r} shares its storage with {other!r} and optimizer/fp32_groups holds "
-                f"{len(held)} masters for {len(dense)} parameters (tied parameters are not told apart at stage 0)",
+                f"{len(held)} masters for {len(dense)} parameters (views of one storage that are not one tensor are "
+                "not told apart at stage 0)",
                 UNNAMED_HINT,
                 model_file,
             )
