@@ -74,6 +74,15 @@ class StateCache:
 
     def __init__(self) -> None:
         self._files: dict[Path | RemotePath, Loaded] = {}
+        self._keys: dict[AnyPath, Path | RemotePath] = {}
+
+    def _key(self, path: AnyPath) -> Path | RemotePath:
+        """The file ``path`` names, resolved once per name: a describer asks for the same file once per
+        parameter (180,000 ``resolve`` calls, 15 s of lstat in the DeepSpeed test tier, before this)."""
+        key = self._keys.get(path)
+        if key is None:
+            key = self._keys[path] = location(path).resolve()
+        return key
 
     def load(self, path: AnyPath, *, members: bool = False) -> Loaded:
         """The file's state, and its zip members when ``members`` (an error in either makes it unreadable).
@@ -81,7 +90,7 @@ class StateCache:
         A file that cannot be read at all raises ``FileUnreadable`` (CK901; a remote one ``RemoteError``),
         exit 2: it is not a damaged file.
         """
-        key = location(path).resolve()
+        key = self._key(path)
         loaded = self._files.get(key)
         if loaded is None:
             try:
@@ -108,7 +117,7 @@ class StateCache:
         other process walks)."""
         raws, keys = [], []
         for path in paths:
-            key = location(path).resolve()
+            key = self._key(path)
             if key in self._files or key in keys:
                 continue
             try:
@@ -140,7 +149,7 @@ class StateCache:
     def forget_members(self, path: str | os.PathLike) -> None:
         """Read the zip directory of ``path`` again when next asked: the file was rewritten with the
         same tensors (an added item moves every member, ``pt_rewrite``), so its decoded state stays."""
-        loaded = self._files.get(Path(path).resolve())
+        loaded = self._files.get(self._key(path))
         if loaded is not None:
             loaded.members = None
 

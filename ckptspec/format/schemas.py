@@ -121,6 +121,18 @@ def fast_validator(filename: str):
     return jsonschema_rs.validator_for(schema(filename))
 
 
+def fast_accepts(filename: str, doc: Any) -> bool:
+    """The compiled validator's verdict on ``doc`` against a shipped schema; False when unsure (no
+    compiled validator, data it cannot take): then the reference decides, and gives the findings."""
+    fast = fast_validator(filename)
+    if fast is None:
+        return False
+    try:
+        return fast.is_valid(doc)
+    except (ValueError, TypeError, OverflowError, RecursionError):  # data it cannot convert
+        return False
+
+
 def _message(error) -> str:
     try:
         message = error.message

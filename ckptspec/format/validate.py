@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..findings import Finding, finding, has_errors, json_path
 from .codec import gc_paused
 from .rules import check_document
-from .schemas import fast_validator, manifest_schema_file, schema_findings, schema_version_of
+from .schemas import fast_accepts, manifest_schema_file, schema_findings, schema_version_of
 from .version import version_findings
 
 if TYPE_CHECKING:
@@ -44,13 +44,7 @@ class Report:
 def fast_schema_accepts(doc: Any) -> bool:
     """The compiled validator's verdict on the schema of the document's version; False when unsure
     (then the reference decides)."""
-    fast = fast_validator(manifest_schema_file(schema_version_of(doc)))
-    if fast is None:
-        return False
-    try:
-        return fast.is_valid(doc)
-    except (ValueError, TypeError, OverflowError, RecursionError):  # data it cannot convert
-        return False
+    return fast_accepts(manifest_schema_file(schema_version_of(doc)), doc)
 
 
 def _build_model(doc: Any, allow_unknown: bool) -> tuple[Manifest | None, Finding | None]:

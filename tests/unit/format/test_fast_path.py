@@ -10,7 +10,11 @@ the models. The reference path is ``jsonschema`` plus the Pydantic models. Check
   hundreds of mutations of a valid manifest (format 1.1 and a newer minor) and on
   generated documents;
 * data the compiled validator cannot take (integers past 64 bits, lone surrogates,
-  integral floats) and a machine without jsonschema-rs fall back to the reference.
+  integral floats) and a machine without jsonschema-rs fall back to the reference;
+* checkpoint indexes take the same fast path (``index_validate.py``): on every file of the index
+  corpora and on mutations of a valid index, the compiled verdict is the reference's (a refused index
+  then gets the reference's findings, which test_index_conformance.py holds to the corpus), and a valid
+  index never waits for the reference.
 """
 
 from __future__ import annotations
@@ -37,11 +41,14 @@ from test_agreement import (
 from ckptspec.format import schemas as schemas_registry
 from ckptspec.format.codec import decode_document, load_document
 from ckptspec.format.documents import validate_file
+from ckptspec.format.index_validate import validate_index_document
 from ckptspec.format.validate import fast_schema_accepts, validate_document
 
 ROOT = Path(__file__).resolve().parents[3]
 CORPUS = ROOT / "tests" / "conformance"
 CORPUS_FILES = sorted(p for p in CORPUS.glob("1.*/*/*") if p.suffix in (".json", ".msgpack"))
+INDEX_FILES = sorted(CORPUS.glob("checkpoint-1.*/*/*.json"))
+VALID_INDEX = "tp2-s1-fp32-ws2-extras.json"  # AutoTP: split and replicated placements, several domains
 
 
 def lines(report) -> list[dict]:
@@ -140,9 +147,7 @@ def test_integral_floats_are_read_like_integers(tmp_path, encoding):
 def test_without_the_compiled_validator_the_reference_decides(monkeypatch):
     bad = copy.deepcopy(BASE)
     bad["layout"]["world_size"] = "2"
-    import ckptspec.format.validate as validate_module
-
-    monkeypatch.setattr(validate_module, "fast_validator", lambda filename: None)
+    monkeypatch.setattr(schemas_registry, "fast_validator", lambda filename: None)
     assert not fast_schema_accepts(BASE)
     assert validate_document(BASE, build_model=False).ok
     assert [f.code for f in validate_document(bad).findings] == ["CK001"]
@@ -178,3 +183,72 @@ def test_only_floats_outside_the_optimizer_settings_need_the_models(tmp_path, en
     assert reference.ok
     assert lines(validate_file(path)) == lines(reference)
     assert lines(validate_file(path, build_model=False)) == lines(reference)
+
+
+def _index_schema_file(doc: dict) -> str:
+    own = ".".join(str(doc["format_version"]).split(".")[:2])
+    return schemas_registry.INDEX_SCHEMAS.get(own, schemas_registry.INDEX_SCHEMAS[schemas_registry.LATEST_INDEX])
+
+
+def _index_mutations() -> list[tuple[str, dict]]:
+    """A valid 1.1 index broken (or not) one field at a time, where the schema draws its lines."""
+    base = load_document(CORPUS / "checkpoint-1.1" / "valid" / VALID_INDEX)
+    edits = {
+        "degree-zero": (("topology", "degrees", "tensor"), 0),
+        "degree-string": (("topology", "degrees", "tensor"), "2"),
+        "unknown-top-field": (("surprise",), 1),
+        "domain-id-empty": (("domains", 0, "id"), ""),
+        "domain-size-float": (("domains", 0, "size"), 2.0),
+        "param-name-number": (("parameters", 0, "name"), 7),
+        "param-shape-negative": (("parameters", 0, "shape"), [-1]),
+        "param-shape-huge": (("parameters", 0, "shape"), [2**70]),
+        "lone-surrogate": (("parameters", 0, "name"), "w\ud800"),
+        "domain-manifest-not-object": (("domains", 0, "manifest"), []),
+    }
+    out = [("as-is", base)]
+    for label, (where, value) in edits.items():
+        doc = copy.deepcopy(base)
+        _set(doc, where, value)
+        out.append((label, doc))
+    return out
+
+
+def test_the_compiled_index_validators_are_installed():
+    assert all(schemas_registry.fast_validator(f) is not None for f in schemas_registry.INDEX_SCHEMAS.values())
+
+
+@pytest.mark.parametrize("path", INDEX_FILES, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.name}")
+def test_index_compiled_verdict_is_the_reference_verdict(path):
+    doc = load_document(path)
+    filename = _index_schema_file(doc)
+    assert schemas_registry.fast_accepts(filename, doc) == schemas_registry.validator(filename).is_valid(doc)
+
+
+@pytest.mark.parametrize("label,doc", _index_mutations(), ids=lambda v: v if isinstance(v, str) else "")
+def test_index_mutation_compiled_verdict_is_the_reference_verdict(label, doc):
+    filename = _index_schema_file(doc)
+    try:
+        reference = schemas_registry.validator(filename).is_valid(doc)
+    except RecursionError:  # pragma: no cover - not among these mutations
+        reference = False
+    assert schemas_registry.fast_accepts(filename, doc) == reference, label
+
+
+def test_the_index_corpus_exercises_both_verdicts():
+    verdicts = set()
+    for path in INDEX_FILES:
+        doc = load_document(path)
+        verdicts.add(schemas_registry.fast_accepts(_index_schema_file(doc), doc))
+    assert verdicts == {True, False}
+
+
+def test_a_valid_index_never_takes_the_reference_path(monkeypatch):
+    """The point of the fast path: the reference validator (23 ms an index) runs only for a refused document."""
+    from ckptspec.format import index_validate
+
+    def reference(*args, **kwargs):
+        raise AssertionError("the reference validator ran on a valid index")
+
+    monkeypatch.setattr(index_validate, "schema_findings", reference)
+    report = validate_index_document(load_document(CORPUS / "checkpoint-1.1" / "valid" / VALID_INDEX))
+    assert report.ok and report.index is not None
