@@ -91,7 +91,8 @@ def reshard(
         state_plan = plan_optimizer_state(plan)
         if target.zero_stage == 0:
             try:  # CK410 before anything is written
-                refuse_stage0(found, source_osd(found, plan, states), module_order(found, plan, states))
+                order = module_order(found, plan, states)
+                refuse_stage0(found, source_osd(found, plan, states), order, ties=True)  # a tie: one tensor
             except ReshardUnsupported as exc:
                 raise ReshardUnsupported(exc.message, exc.hint, str(checkpoint)) from None
 

@@ -3,7 +3,9 @@ it (``engine._save_checkpoint``: ``optimizer`` is the optimizer's own ``state_di
 
 ``mp_rank_00_model_states.pt``, whatever the world size (every rank holds everything at stage 0):
 
-* ``module``: every tensor its own storage: a trainable parameter's saved low-precision weight (from a
+* ``module``: every tensor its own storage (a tie, ``shared_params`` of the source: one tensor under both names, the
+  alias's entry the owner's very storage, offset, shape and strides, as a stage-0 job's ``module.state_dict()`` holds
+  it and ``layout/stage0_names.stage0_ties`` reads it): a trainable parameter's saved low-precision weight (from a
   stage-3 source, whose module holds placeholders, its master cast to the model dtype: what DeepSpeed's step
   writes into it; in fp32 its master, which the weight is at stage 0), a frozen one as saved (from a stage-3
   source: gathered from the ranks' ``frozen_param_fragments``), buffers as saved;
@@ -12,7 +14,8 @@ it (``engine._save_checkpoint``: ``optimizer`` is the optimizer's own ``state_di
   (``dynamic_loss_scale``, ``cur_scale``, ``cur_iter``, and for a dynamic scale ``last_overflow_iter``,
   ``scale_factor``, ``scale_window``: the source's loss scaler's; ``cur_iter`` of a static one, which does not
   count, is ``global_steps``: the unfused optimizer counts every step), the wrapped torch optimizer's
-  ``state_dict()`` and ``fp32_groups`` (one full-shape master per trainable parameter). The torch state is
+  ``state_dict()`` and ``fp32_groups`` (one full-shape master per trainable parameter; a tie's once, as
+  ``module.parameters()`` yields it once). The torch state is
   numbered over the groups' parameters in the model's order, each with its own ``step`` (the source group's),
   ``exp_avg``...; ``param_groups`` as saved, each listing its parameters' numbers;
 * ``param_shapes``, ``frozen_param_shapes``, ``shared_params``, ``frozen_param_fragments`` None (ZeRO off),
@@ -74,15 +77,23 @@ def module_order(found: Manifest, plan, states: StateCache) -> list[str]:
     return [name for name in saved.get("module") or {} if name not in buffers]
 
 
-def refuse_stage0(found: Manifest, source_osd: dict, module_order: list[str] | None = None) -> None:
+def refuse_stage0(found: Manifest, source_osd: dict, module_order: list[str] | None = None, ties: bool = False) -> None:
     """CK410, by name, for a stage-0 target this writer does not write, or whose files could not be described.
     ``module_order``: the module's parameter names in order (a data-parallel source's), which frozen parameters
-    are written by (``refuse_untold_frozen``); without it they are refused."""
-    if found.aliases or found.excluded:
+    are written by (``refuse_untold_frozen``); without it they are refused. ``ties``: the caller writes a tie (a
+    data-parallel source's: ``stage0_module`` pickles it as one tensor under both names, the optimizer holds it once);
+    without it a tie is refused."""
+    if found.excluded:
         raise ReshardUnsupported(
-            "a stage-0 target with tied parameters, or frozen ones the source excluded: not written yet (a stage-0 "
-            "checkpoint records no shared_params: its module holds a tie as one tensor under both names, and every "
-            "frozen parameter)",
+            "a stage-0 target of a checkpoint that records frozen parameters it excluded (exclude_frozen_parameters): "
+            "not written yet (a stage-0 checkpoint's module holds every frozen parameter)",
+            "reshard to stage 1, 2 or 3",
+        )
+    if found.aliases and not ties:
+        tied = ", ".join(f"{a.name} of {a.owner}" for a in found.aliases)
+        raise ReshardUnsupported(
+            f"tied parameters ({tied}) of a tensor-, pipeline- or expert-parallel checkpoint are not written for a "
+            "stage-0 job yet (a data-parallel checkpoint's are: one tensor under both names)",
             "reshard to stage 1, 2 or 3",
         )
     if found.frozen and module_order is None:
@@ -215,8 +226,11 @@ def _lazy(source: TensorSource, dtype: str, files: ShardReader) -> ds_pickle.Laz
 def stage0_module(
     found: Manifest, masters: dict, saved: dict, read, files: ShardReader, whole: dict | None = None
 ) -> collections.OrderedDict:
-    """The module with every tensor in a storage of its own, as a stage-0 job's ``module.state_dict()``; ``whole``:
-    an AutoTP merge's module tensors by name (the saved ones are tensor shards)."""
+    """The module with every tensor in a storage of its own, as a stage-0 job's ``module.state_dict()``: a tie's
+    second name (``found.aliases``) a ``View`` of the owner's ``Lazy`` whole, which ``ds_pickle.save_streamed`` writes
+    once, the two entries the same storage, offset, shape and strides (one tensor under both names, two tensor
+    records, as torch.save pickles the two detached views ``state_dict()`` gives); ``whole``: an AutoTP merge's module
+    tensors by name (the saved ones are tensor shards)."""
     dtype = found.layout.model_dtype
     aliases = {a.name: a.owner for a in found.aliases}
     out: collections.OrderedDict = collections.OrderedDict()
@@ -237,8 +251,9 @@ def stage0_module(
             raise ReconstructMismatch(f"{name}: the saved module tensor is not contiguous")
         out[name] = _lazy(located, located.dtype, files)
     for name in saved:
-        if name in aliases:
-            out[name] = out[aliases[name]]
+        if name in aliases:  # a view of the owner's whole storage: the tie a stage-0 reader finds (stage0_ties)
+            owner = out[aliases[name]]
+            out[name] = ds_pickle.View(owner, owner.shape)
     return collections.OrderedDict((name, out[name]) for name in saved)
 
 

@@ -16,7 +16,15 @@ what resume.py does not do:
   ``ds_to_universal --inject_missing_state``) into OUT/uc, and the job loads it with
   ``checkpoint.load_universal: true``; ``reshard_error`` holds the conversion's error;
 * ``reshard`` with ``grad_accum_dtype`` (the target job's optimizer kind changed: BF16_Optimizer or ZeRO's), passed to
-  the public ``ckptspec.reshard``.
+  the public ``ckptspec.reshard``;
+* a stage-0 target job (``_stage0_checks``): DeepSpeed's getters answer None at stage 0 (no fragment mapping) and
+  model.live_optimizer_state reads ZeRO's flat buffers, so the optimizer state is read from the stage-0 optimizer itself
+  (``FP16_UnfusedOptimizer``: the wrapped torch optimizer's state of each ``fp32_groups`` master; fp32: the client
+  optimizer's of each parameter): ``optim_mismatched`` / ``optim_consistent`` against the source's ``live_optim.pt``
+  (every moment and each group's step), ``masters_held`` (the masters the optimizer holds: a tie's once);
+  ``stage0_logits`` (the logits of a fixed batch, and those of a plain torch model holding the source's saved module:
+  OUT/logits.pt) and, after the extra step, ``tied_after_step_mismatched`` (a tie no longer one parameter, or its
+  weight not the stepped master in the model dtype).
 
 resume.json and after_step.pt are resume.py's (same keys), plus the ones above.
 """
@@ -145,17 +153,122 @@ def run(args, out: Path):
     if loaded:
         worst = {n: (live[n] - t.float()).abs().max().item() for n, t in saved.items() if n in live}
         result["max_abs_diff"] = max(worst.values(), default=0.0)
-        result.update(resume._optimizer_checks(engine, model, spec["stage"], load, saved))
+        if spec["stage"] == 0:  # the stage-0 optimizer's own state (DeepSpeed's getters answer None)
+            result.update(_stage0_checks(engine, model, load))
+        else:
+            result.update(resume._optimizer_checks(engine, model, spec["stage"], load, saved))
         result.update(model_checks(model, spec["stage"], load, saved))
+    logits = _logits_against_source(model, spec, load) if loaded and spec["stage"] == 0 else None
     after = resume._extra_step(engine, model, spec, args["extra_step"]) if loaded and args.get("extra_step") else None
+    if after is not None and spec["stage"] == 0:
+        result["tied_after_step_mismatched"] = _ties_after_step(engine, model, after)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "resume.json").write_text(json.dumps(result, indent=1, sort_keys=True))
         if after is not None:
             torch.save(after, out / "after_step.pt")
+        if logits is not None:
+            torch.save(logits, out / "logits.pt")
     dist.barrier()
     if hasattr(engine, "destroy"):
         engine.destroy()
+
+
+def _stage0_held(engine, model) -> list:
+    """(parameter, the tensor keying its torch optimizer state, its group) for each parameter a stage-0 optimizer
+    holds, in its order: FP16_UnfusedOptimizer's fp32 masters, or (fp32) the client optimizer's parameters."""
+    opt = engine.optimizer
+    if hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):  # FP16_UnfusedOptimizer (bf16, fp16)
+        groups = zip(opt.fp16_groups, opt.fp32_groups)
+        return [(p, m, g) for g, (lp, fp) in enumerate(groups) for p, m in zip(lp, fp)]
+    inner = getattr(opt, "optimizer", opt)
+    return [(p, p, g) for g, group in enumerate(inner.param_groups) for p in group["params"]]
+
+
+def _stage0_checks(engine, model, source: Path) -> dict:
+    """resume._optimizer_checks's keys for a stage-0 job: every moment and each group's step against the source's
+    ``live_optim.pt``, by name (a tie's both names); ``masters_held``: the masters the optimizer holds, the distinct
+    parameters they are of, and the module's trainable parameters (a tie once)."""
+    import torch
+
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    names: dict = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    held, state, steps = _stage0_held(engine, model), {}, {}
+    for p, key, g in held:
+        saved_state = inner.state[key]
+        moments = {k: v.detach().clone().view(p.shape) for k, v in saved_state.items() if k != "step"}
+        state.update({n: moments for n in names[id(p)]})
+        steps.setdefault(g, set()).add(float(saved_state["step"]))
+    saved = torch.load(source / "live_optim.pt", map_location="cpu", weights_only=True)
+    bad = sorted(
+        f"{n}.{k}"
+        for n, states in saved["state"].items()
+        for k, t in states.items()
+        if n not in state or k not in state[n] or not torch.equal(state[n][k], t)
+    )
+    one_step = {g: s.pop() for g, s in steps.items() if len(s) == 1}
+    if one_step != saved["steps"]:
+        bad.append(f"steps {steps} != {saved['steps']}")
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    scaler = getattr(opt, "loss_scale_config", None)
+    return {
+        "optim_mismatched": bad,
+        "optim_consistent": not bad,
+        "masters_held": [len(held), len({id(p) for p, _, _ in held}), len(trainable)],
+        "global_steps": engine.global_steps,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scale": float(scaler.cur_scale) if scaler is not None else None,
+    }
+
+
+def _logits(module, tokens):
+    """The test model's logits (job/model.py's forward up to the head), without its buffer updates."""
+    import torch
+
+    with torch.no_grad():
+        h = module.emb(tokens)
+        if hasattr(module, "frozen"):
+            h = h + module.frozen(h)
+        return module.head(module.l2(torch.relu(module.l1(h)))).float()
+
+
+def _logits_against_source(model, spec, source: Path) -> dict:
+    """The logits of a fixed batch from the loaded job, and from a plain torch model of the same spec holding the
+    source's saved module (its rank-0 model states, as DeepSpeed saved them)."""
+    import torch
+
+    from _harness.job.model import SEQ, VOCAB
+
+    tag = (source / "latest").read_text().strip()
+    saved = torch.load(source / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    dtype = next(p.dtype for p in model.parameters())
+    plain = build_model(spec).to(dtype)
+    plain.load_state_dict(saved["module"])
+    g = torch.Generator().manual_seed(spec["seed"] + 7)
+    tokens = torch.randint(0, VOCAB, (spec["micro_batch"], SEQ), generator=g)
+    return {"job": _logits(model, tokens), "source": _logits(plain, tokens)}
+
+
+def _ties_after_step(engine, model, after: dict) -> list:
+    """After the extra step: the ties no longer one parameter (the alias another object, or held twice by the
+    optimizer), or whose weight is not the stepped master cast to the model dtype."""
+    import torch
+
+    held = [id(p) for p, _, _ in _stage0_held(engine, model)]
+    seen, bad = {}, []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner = seen.setdefault(id(p), name)
+        if owner == name:
+            continue
+        alias = model.get_parameter(name)
+        if alias is not model.get_parameter(owner) or held.count(id(p)) != 1 or name not in after:
+            bad.append(name)
+        elif not torch.equal(alias.detach(), after[owner].to(alias.dtype)):
+            bad.append(name)
+    return sorted(bad)
 
 
 def _dcp_load(engine, model, spec, load: Path, out: Path, reshard: dict, rank: int) -> None:

@@ -73,6 +73,15 @@ STAGE0_TIED_SPECS = {
     "s0-bf16-ws2-tied": ({"stage": 0, "dtype": "bf16", "tied": True, "buffers": True}, 2),
 }
 
+# The same model as s0-bf16-ws2-tied (a tie and buffers, no frozen parameter) saved by ZeRO-2 jobs: the sources of
+# ZERO_TIED_TO_STAGE0 (a ZeRO checkpoint's tie written for a stage-0 job, tests/export/test_reshard_stage0_ties.py).
+# Without the frozen layer of FEATURES: a stage-0 file's masters are named by their shapes, which the MATRIX model's
+# frozen.bias ([16], as l2.bias) leaves ambiguous (reshard_stage0.refuse_untold_frozen refuses those sources).
+TIED_ZERO_SPECS = {
+    "s2-bf16-ws2-tied": ({"stage": 2, "dtype": "bf16", "tied": True, "buffers": True}, 2),
+    "s2-fp32-ws2-tied": ({"stage": 2, "dtype": "fp32", "tied": True, "buffers": True}, 2),
+}
+
 # Sources of RESUME_CASES only: stage 0 without ties.
 RESUME_SOURCE_SPECS = {
     "s0-bf16-ws2-untied": ({"stage": 0, "dtype": "bf16"}, 2),
@@ -1060,19 +1069,33 @@ STAGE0_RESHARD_CASES = {
 STAGE0_TIED_RESHARDS = {
     "reshard-s0-bf16-tied-to-s2-2to3": ("s0-bf16-ws2-tied", 3, {"stage": 2}),
 }
+# ckptspec reshard --stage 0 of a tied ZeRO-2 source (TIED_ZERO_SPECS): the tie written as one tensor under both names,
+# loaded by a stage-0 job through tests/_harness/reshard_job.py (its stage-0 checks: masters and moments as the
+# stage-0 optimizer holds them, the step, the tie after one more step, the logits of a fixed batch)
+ZERO_TIED_TO_STAGE0 = {
+    "reshard-s2-bf16-tied-to-s0-2to3": ("s2-bf16-ws2-tied", 3, {"stage": 0}),
+    "reshard-s2-fp32-tied-to-s0-2to3": ("s2-fp32-ws2-tied", 3, {"stage": 0}),
+}
 EXTRA_STEP = {"global_batch": 12}  # splits evenly over 2, 3 and 4 ranks
 SAVED_SPECS = {
     **MATRIX_SPECS,
     **RESUME_SOURCE_SPECS,
     **BF16OPT_FLAGS_SPECS,
     **STAGE0_TIED_SPECS,
+    **TIED_ZERO_SPECS,
 }  # every train entry a reshard reads
 NATIVE_RESUMES = {
     f"native-{source}": source
     for source in sorted(
         {
             c[0]
-            for cases in (RESHARD_CASES, RESHARD_JOB_CASES, STAGE0_RESHARD_CASES, STAGE0_TIED_RESHARDS)
+            for cases in (
+                RESHARD_CASES,
+                RESHARD_JOB_CASES,
+                STAGE0_RESHARD_CASES,
+                STAGE0_TIED_RESHARDS,
+                ZERO_TIED_TO_STAGE0,
+            )
             for c in cases.values()
         }
     )
@@ -1193,7 +1216,7 @@ def engine_name(name: str) -> str:
 
 def _registry() -> dict[str, Task]:
     out: dict[str, Task] = {}
-    for specs in (MATRIX_SPECS, EMBED_SPECS, RESUME_SOURCE_SPECS, DONOR_SPECS, STAGE0_TIED_SPECS):
+    for specs in (MATRIX_SPECS, EMBED_SPECS, RESUME_SOURCE_SPECS, DONOR_SPECS, STAGE0_TIED_SPECS, TIED_ZERO_SPECS):
         out.update({name: Task("train", spec, ws) for name, (spec, ws) in specs.items()})
     for name, (spec, ws) in BF16OPT_FLAGS_SPECS.items():
         out[name] = Task("train", {**spec, "hooks": ["engine_manifest"]}, ws)
@@ -1272,7 +1295,7 @@ def _registry() -> dict[str, Task]:
             reshard["grad_accum_dtype"] = {"fp32": "float32", "bf16": "bfloat16"}[changes["grad_accum_dtype"]]
         args = {"spec": spec, "reshard": reshard, "extra_step": EXTRA_STEP}
         out[name] = Task("reshard", args, ws, load=source)
-    for name, (source, ws, changes) in STAGE0_TIED_RESHARDS.items():
+    for name, (source, ws, changes) in {**STAGE0_TIED_RESHARDS, **ZERO_TIED_TO_STAGE0}.items():
         spec = {**SAVED_SPECS[source][0], **changes}
         # through the public ckptspec.reshard (reshard_job.py: a grad_accum_dtype key, None), which reads every kind
         reshard = {"world_size": ws, "stage": changes["stage"], "sub_group_size": None, "grad_accum_dtype": None}
