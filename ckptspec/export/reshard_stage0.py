@@ -27,7 +27,9 @@ shards (``reshard_parallel``), or from an AutoTP merge's or split's (``reshard_t
 ``ModelChanges``: the module and the model-states entries of the target's tensor degree).
 
 What a stage-0 job of the source's settings would keep elsewhere is refused (``refuse_stage0``, CK410), and so are
-frozen parameters its reader could not tell from the trainable ones by their shapes (``refuse_untold_frozen``). A bf16
+frozen parameters its reader could not tell from the trainable ones by their shapes (``refuse_untold_frozen``; fp32:
+the shapes of the torch optimizer's per-element state, which lists the trainable parameters only, as a client
+optimizer built over them saves it). A bf16
 source trained with ``data_types.grad_accum_dtype`` fp32 (ZeRO-2) is written as any bf16 one: DeepSpeed 0.19.8 runs
 no dense stage-0 bf16 job with it (``NotImplementedError: unsupported mix of model_dtype and grad_accum_dtype``;
 ``BF16_Optimizer`` is a stage-0 *pipeline's*), so the target job leaves it out.
@@ -120,14 +122,19 @@ def refuse_untold_frozen(found: Manifest, module_order: list[str]) -> None:
     """CK410 for frozen parameters a stage-0 file could not tell from the trainable ones: its ``fp32_groups`` name no
     parameter, and its reader names them by the one order-keeping choice of module parameters with their shapes
     (``layout/stage0_names.frozen_apart``); written only where that choice is the trainable parameters in the order the
-    stage-0 optimizer holds them. An fp32 job keeps no masters apart from the module: refused."""
+    stage-0 optimizer holds them. An fp32 job keeps no masters apart from the module: there the shapes are those of the
+    torch optimizer's per-element state (``stage0_names.client_moments``), so a group without any is refused too."""
     frozen = [f.name for f in found.frozen]
     if found.layout.model_dtype == "float32":
-        raise ReshardUnsupported(
-            f"frozen parameters ({', '.join(frozen)}) for an fp32 stage-0 job: its module is its masters, so the "
-            "written file could not tell the frozen ones apart",
-            "reshard to stage 1, 2 or 3",
-        )
+        stepped = {found.groups[loc.group].optimizer_group for f in found.files for loc in f.state_partitions or ()}
+        bare = [g for g, params in natural_groups(found) if params and g not in stepped]
+        if bare:
+            raise ReshardUnsupported(
+                f"frozen parameters ({', '.join(frozen)}) for an fp32 stage-0 job whose optimizer keeps no "
+                f"per-element state of group {', '.join(map(str, bare))}: its module is its masters, and the written "
+                "file's reader tells the frozen ones apart by the shapes of that state",
+                "reshard to stage 1, 2 or 3",
+            )
     shapes = {p.name: tuple(p.shape) for g in found.groups for p in g.params}
     shapes.update({f.name: tuple(f.shape) for f in found.frozen})
     trained = [p.name for _, params in natural_groups(found) for p in params]

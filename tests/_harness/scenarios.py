@@ -170,6 +170,10 @@ ZERO_DENSE_SPECS = {
 FROZEN_DENSE_SPECS = {
     "s0-bf16-ws2-frozen": ({"stage": 0, "dtype": "bf16", "frozen": True}, 2),
     "dense-s2-bf16-ws2-frozen": ({"stage": 2, "dtype": "bf16", "frozen": True}, 2),
+    # fp32 (no mixed precision: at stage 0 the module's weights are the masters, the client torch Adam's state names
+    # the trainable ones by its moments' shapes, layout/stage0_names.client_moments): the same pair
+    "s0-fp32-ws2-frozen": ({"stage": 0, "dtype": "fp32", "frozen": True}, 2),
+    "dense-s2-fp32-ws2-frozen": ({"stage": 2, "dtype": "fp32", "frozen": True}, 2),
     # at ZeRO-3 (each frozen parameter a rank share in frozen_param_fragments), in the stage-3 launches
     "dense-s3-bf16-ws2-frozen": ({"stage": 3, "dtype": "bf16", "frozen": True}, 2),
 }
@@ -590,6 +594,10 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     # parameters stay the job's own, the seeded ones)
     "s0-bf16-ws2-frozen>universal-s2": ("s0-bf16-ws2-frozen", 2, {"stage": 2}, {"export_universal": True}),
     "dense-s2-bf16-ws2-frozen>s0-ws3": ("dense-s2-bf16-ws2-frozen", 3, _S0, _S0),
+    # fp32 (the module the masters, the torch Adam's state what tells the frozen parameters apart): stage 0 -> ZeRO-2
+    # and ZeRO-2 -> stage 0, 2 -> 3 ranks, in the launches of the bf16 moves
+    "s0-fp32-ws2-frozen>s2-ws3": ("s0-fp32-ws2-frozen", 3, {"stage": 2}, {"stage": 2}),
+    "dense-s2-fp32-ws2-frozen>s0-ws3": ("dense-s2-fp32-ws2-frozen", 3, _S0, _S0),
     "dense-s3-bf16-ws2-frozen>s0-ws3": ("dense-s3-bf16-ws2-frozen", 3, _S0, _S0),
     # from ZeRO-3 (its "+optim" entry is optim_universal_job.py's: the source's record is "source.rank<R>.pt")
     "uc-s3-bf16-ws2>s0-ws3": ("uc-s3-bf16-ws2", 3, _S0, _S0),

@@ -20,6 +20,7 @@ import pytest
 import torch
 from _harness.parallel_oracles import (
     bits_equal,
+    check_exported_optimizer_state,
     check_same_moments_and_step,
     check_same_to_ckptspec,
     info,
@@ -135,17 +136,45 @@ def test_deepspeeds_own_converter_fails_on_the_same_source(name, ds):
     assert outcome["ok"] is False and outcome["error"], outcome
 
 
-def test_frozen_parameters_are_written_as_deepspeeds_own_zero2_save_holds_them(ds, tmp_path):
-    """The stage-0 source with frozen parameters (``s0-bf16-ws2-frozen``: blocks.0.up.weight and head.bias, named by
-    the masters' shapes) written as ZeRO-2 at its world size has the files of DeepSpeed's own ZeRO-2 save of the same
-    model (``dense-s2-bf16-ws2-frozen``): the same names, in each the same keys in the same order, every tensor's dtype
-    and shape, and the frozen parameters where a ZeRO-2 job keeps them: in the module, ``frozen_param_shapes`` and
-    ``frozen_param_fragments`` (whole), bit for bit the saved ones (never trained: both jobs hold their seeded values).
-    What differs by design: ``clip_grad``, which the stage-0 wrapper does not save (the target job's
-    ``gradient_clipping`` applies, as DeepSpeed's loader does), and the embedded manifest and sidecar."""
+FROZEN = ["blocks.0.up.weight", "head.bias"]
+
+
+def test_the_fp32_frozen_source_is_described_as_the_job_held_it(ds, ckptspec_cli, tmp_path):
+    """fp32 at stage 0 keeps no masters apart from the module: the client torch Adam's ``state_dict()`` (the model
+    states' ``optimizer``) lists the 8 parameters it steps of the module's 10, and their moments' shapes name them in
+    module order (layout/stage0_names.client_moments, frozen_apart), the other two frozen. Valid from its files; read
+    whole, the masters are the ones the job held when it saved (its oracle) and the frozen parameters its module's, bit
+    for bit; the optimizer state exported is what DeepSpeed's job holds after loading the checkpoint (``+optim``)."""
+    entry = ds.path("s0-fp32-ws2-frozen")
+    assert CliRunner().invoke(cli, ["validate", str(entry)]).exit_code == 0
+    opened = ckptspec.open(entry)
+    assert opened.kind == Kind.STAGE0 and [f.name for f in opened.domains[0].manifest.frozen] == FROZEN
+    oracles = rank_oracles(entry)
+    masters, module = union_of([o["masters"] for o in oracles]), union_of([o["module"] for o in oracles])
+    read = opened.state_dict()
+    assert read.keys() == module.keys() and masters.keys() == module.keys() - set(FROZEN) and len(masters) == 8
+    for n, weight in module.items():
+        assert bits_equal(read[n], masters.get(n, weight)), n
     out = tmp_path / "out"
-    ckptspec.reshard(ds.path("s0-bf16-ws2-frozen"), out, world_size=2, zero_stage=2)
-    native_dir = ds.path("dense-s2-bf16-ws2-frozen")
+    assert ckptspec_cli("reconstruct", entry, out, "--quiet", "--optimizer-state").output == ""
+    records = optim_records(ds.path(optim_name("s0-fp32-ws2-frozen")))
+    oracle = {k: {n: v for r in records for n, v in r[k].items()} for k in ("state", "step", "group")}
+    check_exported_optimizer_state(out, {**oracle, "param_groups": records[0]["param_groups"]}, entry.name)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_frozen_parameters_are_written_as_deepspeeds_own_zero2_save_holds_them(dtype, ds, tmp_path):
+    """The stage-0 source with frozen parameters (``s0-<dtype>-ws2-frozen``: blocks.0.up.weight and head.bias, named
+    by the masters' shapes; fp32: by its torch Adam's moments' shapes) written as ZeRO-2 at its world size has the files
+    of DeepSpeed's own ZeRO-2 save of the same model (``dense-s2-<dtype>-ws2-frozen``): the same names, in each the same
+    keys in the same order, every tensor's dtype and shape, and the frozen parameters where a ZeRO-2 job keeps them: in
+    the module, ``frozen_param_shapes`` and ``frozen_param_fragments`` (whole), bit for bit the saved ones (never
+    trained: both jobs hold their seeded values). What differs by design: ``clip_grad``, which the stage-0 wrapper (the
+    torch optimizer) does not save (the target job's ``gradient_clipping`` applies, as DeepSpeed's loader does), and
+    the embedded manifest and sidecar."""
+    out = tmp_path / "out"
+    ckptspec.reshard(ds.path(f"s0-{dtype}-ws2-frozen"), out, world_size=2, zero_stage=2)
+    native_dir = ds.path(f"dense-s2-{dtype}-ws2-frozen")
     tag = (native_dir / "latest").read_text().strip()
     files = sorted(p.name for p in (native_dir / tag).iterdir())
     assert sorted(p.name for p in (out / tag).iterdir() if p.name != "ckptspec.json") == files  # and its sidecar
@@ -156,7 +185,7 @@ def test_frozen_parameters_are_written_as_deepspeeds_own_zero2_save_holds_them(d
         if file.endswith("_model_states.pt"):
             assert shape_of(ours) == shape_of(theirs), file
             assert list(ours["frozen_param_shapes"].items()) == list(theirs["frozen_param_shapes"].items())
-            assert list(ours["frozen_param_fragments"]) == ["blocks.0.up.weight", "head.bias"]
+            assert list(ours["frozen_param_fragments"]) == FROZEN
             for n, t in theirs["frozen_param_fragments"].items():
                 assert bits_equal(ours["frozen_param_fragments"][n], t) and bits_equal(ours["module"][n], t), n
             continue

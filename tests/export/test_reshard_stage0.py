@@ -56,10 +56,12 @@ KEYS = ("exp_avg", "exp_avg_sq")
 HELD_BY = {"fp32": "module (fp32, no masters)", "bf16": "FP16_UnfusedOptimizer.fp32_groups"}
 HELD_BY["fp16"] = HELD_BY["bf16"]
 # A real stage-0 save of the same model, dtype, tensor degree and frozen parameters (a client torch Adam): the file's
-# shape is compared with it (an AutoTP one of degree 2 in bf16 only; with frozen parameters, the dense bf16 one)
+# shape is compared with it (an AutoTP one of degree 2 in bf16 only; with frozen parameters, the dense bf16 and fp32
+# ones)
 NATIVE = {("fp32", 1, False): "s0-fp32-ws2", ("bf16", 1, False): "s0-bf16-ws2", ("fp16", 1, False): "s0-fp16-ws2"}
 NATIVE[("bf16", 2, False)] = "tp2-s0-bf16-ws2"
 NATIVE[("bf16", 1, True)] = "s0-bf16-ws2-frozen"
+NATIVE[("fp32", 1, True)] = "s0-fp32-ws2-frozen"
 NATIVE[("bf16", 2, True)] = "tp2-s0-bf16-ws2-frozen"
 
 
@@ -359,7 +361,9 @@ def test_frozen_parameters_a_stage0_file_could_not_tell_apart_are_refused_by_nam
     matches them to the module's parameters by shape, in order (layout/stage0_names.frozen_apart). As saved the one such
     choice is the trainable parameters: written. A module order where a frozen parameter could take a master's place
     (head.bias first: its shape, [5], is no master's, but blocks.0.up.weight moved after blocks.1.up.weight is [32, 16]
-    as that master is), or an fp32 job (its module is its masters): refused (CK410) before anything is written."""
+    as that master is): refused (CK410) before anything is written. An fp32 job's module is its masters: its reader
+    takes the shapes of the torch optimizer's per-element state (layout/stage0_names.client_moments), so written where
+    the source keeps such a state of every group, refused where it keeps none."""
     found, osd, order = _frozen_source(ds)
     refuse_stage0(found, osd, order)  # as saved: written
     assert [f.name for f in found.frozen] == ["blocks.0.up.weight", "head.bias"]
@@ -370,8 +374,12 @@ def test_frozen_parameters_a_stage0_file_could_not_tell_apart_are_refused_by_nam
     assert refused.value.code == "CK410"
     fp32 = found.model_copy(deep=True)
     fp32.layout.model_dtype = "float32"
-    with pytest.raises(ReshardUnsupported, match="for an fp32 stage-0 job: its module is its masters"):
+    refuse_stage0(fp32, osd, order)  # written: the moments' shapes name the trainable parameters
+    for f in fp32.files:
+        f.state_partitions = None  # an optimizer without per-element state (SGD without momentum)
+    with pytest.raises(ReshardUnsupported, match="whose optimizer keeps no per-element state of group 0") as refused:
         refuse_stage0(fp32, osd, order)
+    assert refused.value.code == "CK410"
     with pytest.raises(ReshardUnsupported, match="of a tensor-, pipeline- or expert-parallel checkpoint"):
         refuse_stage0(found, osd)  # no module order: a model-parallel writer's call
 

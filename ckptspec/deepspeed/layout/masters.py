@@ -3,7 +3,8 @@
 These checkpoints keep one tensor per parameter rather than flat ZeRO partitions, in places
 format 1.x has no locator for:
 
-* **stage 0, fp32** (the client optimizer itself): the weights in ``module`` are the masters;
+* **stage 0, fp32** (the client optimizer itself): the weights in ``module`` are the masters, of the parameters its
+  ``state_dict()`` (``optimizer``) lists (``stage0_names.client_moments``: the others are frozen);
 * **stage 0, bf16/fp16 with a client optimizer** (``FP16_UnfusedOptimizer``):
   ``optimizer.fp32_groups[g][i]`` in ``mp_rank_00_model_states.pt``, one full-shape fp32 tensor per
   trainable parameter, in the optimizer's parameter order;
@@ -24,7 +25,8 @@ left out), the dense ones then each expert's: every tensor's shape must match it
 checkpoint is refused by name (CK202), never guessed. A frozen parameter is in the module but not in
 the optimizer: where ``fp32_groups`` hold fewer masters than the module has parameters (a dense or
 AutoTP model without experts), they are named by the one order-keeping choice of parameters with
-their shapes, the others frozen; a tie (one parameter under two names: the same tensor twice in
+their shapes, the others frozen (at fp32, where the client optimizer's ``param_groups`` list fewer parameters: by
+the shapes of their per-element state); a tie (one parameter under two names: the same tensor twice in
 ``module``) holds one master, under its first name (both rules: ``stage0_names``).
 A flat group has no shapes: each group must end where a parameter ends, and the validation compares
 every master with the saved weight of its name (CK235). Weights that are not fp32 are never taken for
@@ -46,7 +48,7 @@ from ...errors import UnsupportedCheckpoint
 from ...format.dtypes import Dtype
 from ...location import RemotePath
 from .stage0_names import UNNAMED_HINT as _HINT
-from .stage0_names import frozen_apart, stage0_ties
+from .stage0_names import client_moments, frozen_apart, stage0_ties
 
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 EXPP_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -66,7 +68,9 @@ class MasterTensor:
     key: tuple
 
 
-def _locate(folder: Path, rel: str, ref: object, name: str, key: tuple, states: StateCache) -> MasterTensor:
+def _locate(
+    folder: Path | RemotePath, rel: str, ref: object, name: str, key: tuple, states: StateCache
+) -> MasterTensor:
     if not isinstance(ref, TensorRef):
         raise UnsupportedCheckpoint(f"{'/'.join(map(str, key))} is not a tensor (master of {name!r})", _HINT, rel)
     offset, nbytes = tensor_byte_range(ref, states.members(folder / rel))
@@ -99,7 +103,7 @@ def expert_params(folder: Path | RemotePath, states: StateCache) -> list[tuple[s
 
 
 def _named_group(
-    folder: Path, rel: str, tensors: list, names: list[tuple[str, tuple]], key: tuple, states: StateCache
+    folder: Path | RemotePath, rel: str, tensors: list, names: list[tuple[str, tuple]], key: tuple, states: StateCache
 ) -> list[MasterTensor]:
     """Pair a ``fp32_groups`` list with the names of its parameters, checking every shape."""
     if len(tensors) != len(names):
@@ -121,7 +125,7 @@ def _named_group(
 
 
 def stage0_masters(
-    folder: Path, states: StateCache | None = None, model_file: str = MODEL_FILE
+    folder: Path | RemotePath, states: StateCache | None = None, model_file: str = MODEL_FILE
 ) -> dict[str, MasterTensor]:
     """Every parameter's master in a stage-0 tag directory (dense or native MoE), by global name; ``model_file``: the
     model states of another tensor rank (AutoTP at stage 0: one file per tensor rank, no experts)."""
@@ -154,6 +158,10 @@ def stage0_masters(
         return _flat_groups(folder, optimizer["fp32_groups_flat"], dense, states, model_file)
     if not unfused:  # no mixed precision: the fp32 weights are the masters
         module = model["module"]
+        held = None if experts else client_moments(optimizer, len(dense), model_file)
+        if held is not None:  # the parameters the client optimizer steps, named by its state's shapes; the rest frozen
+            trained = frozen_apart(model, dense, held, model_file)
+            dense = dense if trained is None else trained
         for name, _ in dense:
             out[name] = _fp32_weight(
                 _locate(folder, model_file, module[name], name, ("module", name), states), optimizer
@@ -184,7 +192,9 @@ def stage0_masters(
     return _moe_unfused(folder, model, dense, experts, states)
 
 
-def stage0_frozen(folder: Path, states: StateCache | None = None, model_file: str = MODEL_FILE) -> list[str]:
+def stage0_frozen(
+    folder: Path | RemotePath, states: StateCache | None = None, model_file: str = MODEL_FILE
+) -> list[str]:
     """The frozen parameters of a stage-0 tag directory's ``model_file`` (AutoTP: a tensor rank's): the module's
     parameters that hold no master (``frozen_apart``), in module order; none where every one does."""
     states = states if states is not None else StateCache()
@@ -207,7 +217,9 @@ def _fp32_weight(weight: MasterTensor, optimizer) -> MasterTensor:
     return weight
 
 
-def _flat_groups(folder: Path, groups, dense, states: StateCache, model_file: str) -> dict[str, MasterTensor]:
+def _flat_groups(
+    folder: Path | RemotePath, groups, dense, states: StateCache, model_file: str
+) -> dict[str, MasterTensor]:
     """FP16_Optimizer: ``fp32_groups_flat[g]`` is its group's trainable parameters' masters back to back.
     The groups take the module's trainable parameters in order; each must end where a parameter ends."""
     if not isinstance(groups, list) or not groups:
@@ -252,7 +264,7 @@ def _flat_groups(folder: Path, groups, dense, states: StateCache, model_file: st
     return out
 
 
-def _moe_unfused(folder: Path, model: dict, dense, experts, states: StateCache) -> dict[str, MasterTensor]:
+def _moe_unfused(folder: Path | RemotePath, model: dict, dense, experts, states: StateCache) -> dict[str, MasterTensor]:
     """FP16_UnfusedOptimizer with MoE: ``expp_rank_R`` holds the dense group and rank R's experts.
     Rank 0's file is authoritative for the dense masters (the copies are compared by the checks)."""
     expp = sorted((int(m.group(1)), p.name) for p in folder.iterdir() if (m := EXPP_RE.match(p.name)))

@@ -16,7 +16,8 @@ the master locator's ``key`` (its place in the pickle), in the same file:
 
 Without mixed precision (stage 0 fp32) a weight is its own master (``module/<name>``, or ``<name>`` in
 an expert file) and the client optimizer's ``state_dict()`` is ``optimizer`` of the model states, its
-groups taking the trainable parameters in module order, or with MoE ``optimizer`` of each
+groups taking the trainable parameters in module order (frozen ones, which it does not step, left out:
+``masters.stage0_frozen``), or with MoE ``optimizer`` of each
 ``expp_rank_<R>`` file: group 0 the dense parameters (rank 0's file is authoritative, as for the
 masters), group 1 expert-parallel rank R's experts (by layer, expert, key: ``masters.expert_params``); in
 an fp32 pipeline at stage 0 each layer file's weight is its own master and its stage's model states hold
@@ -36,7 +37,15 @@ from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef, tensor_byte_range
 from ...errors import UnsupportedCheckpoint
 from ...location import RemotePath
-from .masters import EXPERT_FILE_RE, EXPP_RE, MODEL_FILE, expert_params, list_expert_files, value_at
+from .masters import (
+    EXPERT_FILE_RE,
+    EXPP_RE,
+    MODEL_FILE,
+    expert_params,
+    list_expert_files,
+    stage0_frozen,
+    value_at,
+)
 from .names import PIPE_LAYER_RE
 from .parallel_files import scan_parallel
 from .pipeline_torch_optimizer import stage_params
@@ -124,8 +133,9 @@ class MomentFinder:
         dense = [n for n, r in (module or {}).items() if n not in buffers | ties.keys() and isinstance(r, TensorRef)]
         expp = sorted((int(m.group(1)), p.name) for p in self.folder.iterdir() if (m := EXPP_RE.match(p.name)))
         out: dict[str | tuple[str, str], tuple[str, int, int]] = {}
-        if not expp:
-            self._pair(out, MODEL_FILE, None, dense)
+        if not expp:  # the parameters the optimizer steps: frozen ones are in the module only (masters.stage0_frozen)
+            frozen = set(stage0_frozen(self.folder, self.states))
+            self._pair(out, MODEL_FILE, None, [n for n in dense if n not in frozen])
         else:
             n_experts = len({e for _, e, _ in list_expert_files(self.folder)})
             per_rank = n_experts // len(expp)

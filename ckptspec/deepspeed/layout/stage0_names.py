@@ -6,11 +6,16 @@ trainable parameters in module order, and its module every parameter.
   the first (``stage0_ties``), which the optimizer holds once;
 * a frozen parameter holds no master: where the masters are fewer than the parameters, they are named by the one
   order-keeping choice of parameters with their shapes (``frozen_apart``); none, or several, is CK202, never a guess.
+  Without mixed precision (fp32) the module's weights are the masters, and what tells the trainable ones is the client
+  torch optimizer's ``state_dict()`` (the model states' ``optimizer``): its ``param_groups`` list the parameters it
+  steps, and each one's per-element state (``exp_avg``...) has its shape (``client_moments``).
 
 Metadata only: shapes and storages of the decoded pickles, no tensor bytes.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ...checkpoint.torchfile import TensorRef
 from ...errors import UnsupportedCheckpoint
@@ -36,6 +41,35 @@ def stage0_ties(model: dict) -> dict[str, str]:
         if owner != name:
             out[name] = owner
     return out
+
+
+def client_moments(optimizer: Any, params: int, model_file: str) -> list[TensorRef] | None:
+    """fp32 at stage 0: a per-element state tensor (``exp_avg``...) of each parameter the client torch optimizer's
+    ``state_dict()`` (``optimizer``) lists in its ``param_groups``, in their order: each has its parameter's shape, what
+    ``frozen_apart`` names the trainable ones among the module's ``params`` parameters by. None where it lists as many
+    (nothing frozen) or is no torch state dict. CK202 where a listed parameter has no such state (an optimizer without
+    per-element state, a parameter never stepped): the frozen parameters are not told apart, never guessed."""
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return None
+    listed = [i for g in groups for i in (g.get("params") or [])]
+    if len(listed) >= params:
+        return None
+    state = optimizer.get("state") if isinstance(optimizer.get("state"), dict) else {}
+    held = []
+    for i in listed:
+        entry = state.get(i)
+        tensors = [r for k, r in entry.items() if k != "step" and isinstance(r, TensorRef)] if entry else []
+        if not tensors or len({tuple(r.shape) for r in tensors}) != 1:
+            raise UnsupportedCheckpoint(
+                f"ZeRO stage 0, fp32: the optimizer steps {len(listed)} of the module's {params} parameters and its "
+                f"state of parameter {i} holds {'no' if not tensors else 'more than one'} shape of per-element state "
+                "(the frozen parameters are told apart at fp32 by the shapes of the optimizer's state)",
+                UNNAMED_HINT,
+                model_file,
+            )
+        held.append(tensors[0])
+    return held
 
 
 def frozen_apart(

@@ -74,7 +74,9 @@ def test_a_flat_group_of_two_tensors_is_refused(tmp_path):
 
 def test_fp32_weights_pair_with_the_optimizers_params_in_module_order_or_are_refused(tmp_path):
     """Stage 0 fp32: no master apart from the weight; the client optimizer's entries take the trainable
-    parameters (buffers left out) in module order, or nothing is paired."""
+    parameters (buffers left out) in module order, or nothing is paired. A frozen parameter (one the optimizer does
+    not step) is told apart by the shapes of the stepped ones' state (layout/stage0_names.client_moments), or
+    nothing is paired."""
     model = {
         "module": {"a": _ref("1", 2), "running": _ref("2", 2), "b": _ref("3", 3)},
         "buffer_names": ["running"],
@@ -87,8 +89,14 @@ def test_fp32_weights_pair_with_the_optimizers_params_in_module_order_or_are_ref
     finder = MomentFinder(tmp_path, _States({"mp_rank_00_model_states.pt": model}))
     found = finder.locate("b", "mp_rank_00_model_states.pt", ["module", "b"], 0, 3)
     assert (found.group, found.ranges) == (1, {"exp_avg": (5000, 12, "float32")})
-    model["optimizer"]["param_groups"][1]["params"] = []  # a frozen parameter the optimizer does not step
-    with pytest.raises(UnsupportedCheckpoint, match="holds 1 parameters for 2 trainable ones"):
+    model["optimizer"]["param_groups"][1]["params"] = []  # b frozen: the optimizer does not step it
+    finder = MomentFinder(tmp_path, _States({"mp_rank_00_model_states.pt": model}))
+    found = finder.locate("a", "mp_rank_00_model_states.pt", ["module", "a"], 0, 2)
+    assert (found.group, found.ranges) == (0, {"exp_avg": (4000, 8, "float32")})
+    with pytest.raises(UnsupportedCheckpoint, match="no optimizer state entry of 'b'"):
+        finder.locate("b", "mp_rank_00_model_states.pt", ["module", "b"], 0, 3)
+    model["optimizer"]["state"][5]["exp_avg"] = _ref("4", 4)  # a state of no parameter's shape: which one is frozen?
+    with pytest.raises(UnsupportedCheckpoint, match="no choice of parameters in module order"):
         MomentFinder(tmp_path, _States({"mp_rank_00_model_states.pt": model})).locate(
             "a", "mp_rank_00_model_states.pt", ["module", "a"], 0, 2
         )

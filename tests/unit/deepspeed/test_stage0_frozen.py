@@ -1,15 +1,17 @@
 """The rule of ``deepspeed/layout/stage0_names.frozen_apart`` (issue #40), on hand-made decoded model states: a stage-0
 job's ``fp32_groups`` hold a master per parameter its optimizer steps, in module order, and none for a frozen one; the
 masters are named by the one order-keeping choice of module parameters with their shapes, or the checkpoint is refused
-by name (CK202), never guessed. The real checkpoint (AutoTP tp2, a frozen split weight and a frozen whole bias) is in
-tests/export/test_reshard_autotp_stage0_world.py."""
+by name (CK202), never guessed. At fp32 (no masters apart from the module) the shapes are those of the client torch
+optimizer's per-element state of each parameter its ``param_groups`` list (``client_moments``). The real checkpoints
+(AutoTP tp2 bf16, a frozen split weight and a frozen whole bias; dense fp32) are in
+tests/export/test_reshard_autotp_stage0_world.py and test_reshard_from_stage0.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from ckptspec.checkpoint.torchfile import StorageRef, TensorRef
-from ckptspec.deepspeed.layout.stage0_names import frozen_apart
+from ckptspec.deepspeed.layout.stage0_names import client_moments, frozen_apart
 from ckptspec.errors import UnsupportedCheckpoint
 
 
@@ -97,3 +99,47 @@ def test_the_count_of_choices_is_the_count_of_every_choice_tried():
         else:
             with pytest.raises(UnsupportedCheckpoint, match="no choice" if not ways else "more than one choice"):
                 frozen_apart(model, dense, held, "f")
+
+
+def _scalar(key: str) -> TensorRef:
+    storage = StorageRef(member=f"f/data/{key}", key=key, dtype="float32", itemsize=4, numel=1, location="cpu")
+    return TensorRef(storage=storage, storage_offset=0, shape=(), stride=())
+
+
+def _adam(shapes: dict[int, tuple], groups: list[list[int]]) -> dict:
+    """A torch Adam ``state_dict()``: per listed parameter a 0-d step and two moments of its shape."""
+    state = {
+        i: {"step": _scalar(f"s{i}"), "exp_avg": _ref(f"a{i}", s), "exp_avg_sq": _ref(f"q{i}", s)}
+        for i, s in shapes.items()
+    }
+    return {"state": state, "param_groups": [{"lr": 0.01, "params": params} for params in groups]}
+
+
+def test_fp32_the_optimizers_moments_name_the_trained_parameters():
+    """The dense MLP's shapes, its first up weight and the head's bias frozen: the client Adam steps the other 8, over
+    two param groups, and the shapes of their moments are the masters' shapes frozen_apart names them by."""
+    shapes = {"b0.up.w": (32, 16), "b0.up.b": (32,), "b0.down.w": (16, 32), "b0.down.b": (16,)}
+    shapes |= {n.replace("b0", "b1"): s for n, s in shapes.items()} | {"head.w": (5, 16), "head.b": (5,)}
+    model, dense = _module(shapes)
+    trained = [n for n in shapes if n not in ("b0.up.w", "head.b")]
+    optimizer = _adam({i: shapes[n] for i, n in enumerate(trained)}, [[0, 1, 2], [3, 4, 5, 6, 7]])
+    held = client_moments(optimizer, len(dense), "f")
+    assert held is not None and [tuple(r.shape) for r in held] == [shapes[n] for n in trained]
+    assert [n for n, _ in frozen_apart(model, dense, held, "f")] == trained
+
+
+def test_fp32_as_many_parameters_listed_or_no_torch_state_leave_nothing_frozen():
+    assert client_moments(_adam({0: (2,), 1: (3,)}, [[0, 1]]), 2, "f") is None
+    assert client_moments(None, 2, "f") is None and client_moments({"fp32_groups": []}, 2, "f") is None
+
+
+def test_fp32_a_listed_parameter_without_per_element_state_is_refused():
+    """A parameter never stepped (no state entry), or an optimizer keeping none per element (only ``step``): the
+    shapes are not in the file, so neither are the frozen parameters (CK202, the file named)."""
+    never_stepped = _adam({0: (4,)}, [[0, 1]])
+    with pytest.raises(UnsupportedCheckpoint, match="state of parameter 1 holds no shape") as info:
+        client_moments(never_stepped, 3, "mp_rank_00_model_states.pt")
+    assert info.value.code == "CK202" and "mp_rank_00_model_states.pt" in str(info.value)
+    stepless = {"state": {0: {"step": _scalar("s")}}, "param_groups": [{"params": [0]}]}
+    with pytest.raises(UnsupportedCheckpoint, match="holds no shape"):
+        client_moments(stepless, 2, "f")
