@@ -76,9 +76,8 @@ def validate_index_document(doc: Any) -> IndexReport:
         own = ".".join(str(doc.get("format_version")).split(".")[:2])
         filename = INDEX_SCHEMAS.get(own, INDEX_SCHEMAS[LATEST_INDEX])
         findings = list(gate)
-        # The compiled validator first (the reference took 23 ms on an index of the test tier's tiny models: a
-        # tenth of that tier's time); only a document it refuses, or a newer minor's (whose unknown fields it
-        # refuses), goes to the reference, which gives the findings.
+        # The compiled validator first (docs/performance.md); only a document it refuses, or a newer minor's (whose
+        # unknown fields it refuses), goes to the reference, which gives the findings.
         if allow_unknown or not fast_accepts(filename, doc):
             findings += schema_findings(doc, schema(filename), allow_unknown=allow_unknown, rules_of=RULES_OF)
         if has_errors(findings):
