@@ -233,6 +233,12 @@ def whole_plan(
         if domain_id not in located_apart:
             continue
         for name in plan.order:
+            if name in plan.aliases and name in aliases:  # each tensor rank of an AutoTP stage-0 job names its tie
+                if aliases[name] != plan.aliases[name]:
+                    raise ReconstructMismatch(
+                        f"tie {name!r}: {aliases[name]!r} in one domain, {plan.aliases[name]!r} in {domain_id}", tag_dir
+                    )
+                continue
             if name in plan.aliases:
                 aliases[name] = plan.aliases[name]
             elif plan.sources[name].role == "trainable" or name in (extras or {}):

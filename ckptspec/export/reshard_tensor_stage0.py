@@ -171,6 +171,12 @@ def _refused_or_stage(
             f"--world-size {world_size} is not a multiple of the target's tensor degree ({degree})",
             f"give a multiple of {degree}: each data-parallel rank holds one copy of the {degree} tensor ranks",
         )
+    tied = sorted({f"{a.name} of {a.owner}" for d in index.domains for a in d.manifest.aliases})
+    if tied:  # read since the ties of a stage-0 module are (layout/stage0_names), moved by no job yet
+        raise ReshardUnsupported(
+            f"tied parameters ({', '.join(tied)}) of an AutoTP stage-0 checkpoint are not resharded yet",
+            "reconstruct reads it; resume it at the same layout",
+        )
     for d in index.domains:
         if d.masters is None or d.masters.stored_in not in ("module", "model_states"):
             raise ReshardUnsupported(

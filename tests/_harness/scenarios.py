@@ -261,6 +261,9 @@ AUTOTP_STAGE0_SPECS = {
     # with a frozen weight AutoTP splits and a frozen bias it leaves whole: written for a stage-0 job of its tensor
     # degree (DEGREE_RESHARDS), refused as ZeRO, merged or split (CK410)
     "tp2-s0-bf16-ws2-frozen": ({"tp": 2, "stage": 0, "dtype": "bf16", "frozen": True}, 2),
+    # the AutoTP MLP whose two Linear layers share one weight AutoTP leaves whole (as tp2-s1-fp32-ws2-tied), at stage 0:
+    # the tie one tensor under both names in each tensor rank's module (tests/export/test_autotp_stage0_ties.py)
+    "tp2-s0-bf16-ws2-tied": ({"tp": 2, "stage": 0, "dtype": "bf16", "tied": True}, 2),
 }
 # DeepSpeed's own save of the bf16 pipeline at stage 0 (BF16_Optimizer) at pp2 x dp2 (issue #40): what the pp2 x dp2
 # stage-0 targets of DEGREE_RESHARDS are compared with, file for file (tests/export/test_reshard_pipeline_stage0.py;

@@ -3,7 +3,8 @@ the fp32 copies the optimizer holds (or the module's weights when it holds none)
 
 An AutoTP job at stage 0 saves one such file per tensor rank (``mp_rank_XX_model_states.pt``, every data rank the
 same): one domain per tensor rank (``pp0-tpXX``), each its own file's masters, placed in the whole model by the
-``affine_map`` its model states record, as a ZeRO AutoTP checkpoint's (``model_parallel``)."""
+``affine_map`` its model states record, as a ZeRO AutoTP checkpoint's (``model_parallel``), its ties (one tensor under
+two names) each domain's aliases, as a data-parallel stage-0 checkpoint's."""
 
 from __future__ import annotations
 
@@ -90,7 +91,6 @@ def _tensor_parallel(folder: Path, files, states: StateCache, hash_algorithm: st
     domains = []
     for mp, shards in sorted(files.by_mp_rank.items()):
         model = shards.model_files[min(shards.model_files)].name
-        _refuse_ties(states.state(folder / model), model)
         masters = list(stage0_masters(folder, states, model).values())
         stored_in = _stored_in(states.state(folder / model))
         coordinate = Coordinate(pipeline=0, tensor=mp)
@@ -98,6 +98,8 @@ def _tensor_parallel(folder: Path, files, states: StateCache, hash_algorithm: st
         domain = b.domain(f"pp0-tp{mp}", coordinate, "data_parallel", masters, stored_in, listed, add_parameters=False)
         domain.manifest.buffers = b.buffers()  # AutoTP leaves buffers whole: every tensor rank saves the same
         domain.manifest.frozen = _frozen(folder, states, model)  # placed by the affine_map as trainable ones
+        # a tie as a data-parallel one's; tensor_view takes a weight AutoTP left whole only (model_parallel._check_ties)
+        domain.manifest.aliases = _aliases(states.state(folder / model), masters, domain.manifest.frozen)
         domain.manifest.layout.tensor_parallel_size = degrees.tensor
         domains.append(domain)
     index = b.index("zero", domains)
@@ -106,14 +108,3 @@ def _tensor_parallel(folder: Path, files, states: StateCache, hash_algorithm: st
     index.topology.model_parallel_size = degrees.model_parallel
     index.topology.degrees_source = degrees.source
     return with_extras(index, folder, states)  # frozen parameters placed by the affine_map (a 1.1 index if any)
-
-
-def _refuse_ties(model: dict, model_file: str) -> None:
-    """CK202 for a tie in an AutoTP stage-0 tensor rank's module: not placed in the whole model yet."""
-    ties = stage0_ties(model)
-    if ties:
-        raise UnsupportedCheckpoint(
-            f"AutoTP at ZeRO stage 0 with tied parameters ({', '.join(f'{a!r} is {o!r}' for a, o in ties.items())})",
-            "a data-parallel stage-0 checkpoint's ties are described; an AutoTP one's are not yet",
-            model_file,
-        )
