@@ -224,8 +224,8 @@ ZERO3_EXTRAS_SPECS = {
 # over a PipeModelDataParallelTopology (job/tp_layers.py; AutoTP cannot run in a pipeline), tp2 x pp2 at world
 # size 4, the split rules saved as Megatron-DeepSpeed saves them (``universal_checkpoint_info`` in the client
 # state); each rank records its masters, module and Adam moments gathered whole over its tensor group, rank 0
-# DeepSpeed's ds_to_universal. In the pipeline family's world-size-4 launch. Not in PARALLEL (no +again or hook
-# entries).
+# DeepSpeed's ds_to_universal. In the pipeline family's world-size-4 launch. Not in PARALLEL (no +again entries); saved
+# again through the save hook by HOOKED, later in the same launch.
 TP_PIPE_SPECS = {
     "tp2pp2-s1-fp32-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "fp32", **_UC}, 4),
     "tp2pp2-s1-bf16-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "bf16", **_UC}, 4),
@@ -338,7 +338,8 @@ SOURCE_SPECS = {
     **MOE_LAYERS_SPECS,
 }
 # Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries
-# they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16).
+# they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16), and tensor x
+# pipeline (TP_PIPE_SPECS, issue #40: given the split rules their own save is given).
 HOOKED = [
     "pp2-s1-fp32-ws2",
     "pp2-s1-bf16-ws2",
@@ -351,6 +352,8 @@ HOOKED = [
     "tp2-s2-bf16-ws2-extras",
     "pp2-s1-fp32-ws2-extras",
     "tp2-s1-fp32-ws2-tied",
+    "tp2pp2-s1-fp32-ws4",
+    "tp2pp2-s1-bf16-ws4",
 ]
 
 
@@ -1251,7 +1254,7 @@ def _registry() -> dict[str, Task]:
         if name not in MASTERS_HOOKED:
             out[again_name(name)] = Task("parallel", {**spec, "save": False, "universal": False}, ws)
     for name in HOOKED + MASTERS_HOOKED:
-        spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
+        spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS, **TP_PIPE_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
     for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES, *TP_PIPE_STEP_SOURCES, *TP_PIPE_STAGE0}):
         spec, ws = SOURCE_SPECS[name]

@@ -1,6 +1,6 @@
-"""The save hook of ZeRO stage-0 and MoE engines refuses what it cannot describe before DeepSpeed writes
-anything (engine stand-ins with DeepSpeed 0.19.8's accessors: no job needed), and rank 0 refuses a
-description the saved files contradict (the real hooked checkpoint of ``s0-bf16-ws2``)."""
+"""The save hook of ZeRO stage-0 and MoE engines (and of a tensor x pipeline engine without its split rules) refuses
+what it cannot describe before DeepSpeed writes anything (engine stand-ins with DeepSpeed 0.19.8's accessors: no job
+needed), and rank 0 refuses a description the saved files contradict (the real hooked checkpoint of ``s0-bf16-ws2``)."""
 
 from types import SimpleNamespace
 
@@ -70,6 +70,8 @@ def _frozen():
         (_Engine(optimizer="Adam"), "stage 0 with Adam: only FP16_UnfusedOptimizer and FP16_Optimizer's"),
         (PipelineEngine(optimizer="FP16_UnfusedOptimizer", mp_world_size=2, num_stages=2), "only BF16_Optimizer"),
         (PipelineEngine(optimizer="BF16_Optimizer", mp_world_size=4, num_stages=2), "tensor parallelism inside"),
+        # fp32 (the torch optimizer's own): named by its tensor parallelism too, not by the optimizer
+        (PipelineEngine(optimizer="Adam", bf16=False, mp_world_size=4, num_stages=2), "tensor parallelism inside"),
         (_Engine(module=_Tied()), "tied parameters"),
         (_Engine(module=_frozen(), bf16=False, optimizer="Adam"), "frozen parameter 'bias'"),
     ],
@@ -81,6 +83,7 @@ def _frozen():
         "stage0-bf16-adam",
         "pipeline-unfused",
         "pipeline-tp",
+        "pipeline-tp-fp32",
         "ties",
         "frozen",
     ],
@@ -88,6 +91,21 @@ def _frozen():
 def test_what_the_masters_hook_cannot_describe_is_refused_before_saving(engine, named, tmp_path):
     with pytest.raises(UnsupportedEngine, match=named):
         save_checkpoint(engine, tmp_path)
+    assert engine.saved == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "client_state",
+    [None, {"step": 2}, {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}],
+    ids=["none", "other-keys", "no-patterns"],
+)
+def test_a_tensor_pipeline_saved_without_its_split_rules_is_refused_before_saving(client_state, tmp_path):
+    """A ZeRO-1 tensor x pipeline engine (Megatron-style layers: no rule DeepSpeed knows) is described by the split
+    rules its client state gives (Megatron-DeepSpeed's universal_checkpoint_info), as ``generate`` reads them back;
+    without them nothing is written (before, DeepSpeed wrote its files, then the save failed, with them or without)."""
+    engine = PipelineEngine(stage=1, optimizer="DeepSpeedZeroOptimizer", mp_world_size=4, num_stages=2)
+    with pytest.raises(UnsupportedEngine, match="saved without its split rules: pass them as Megatron-DeepSpeed"):
+        save_checkpoint(engine, tmp_path, client_state=client_state)
     assert engine.saved == [] and list(tmp_path.iterdir()) == []
 
 

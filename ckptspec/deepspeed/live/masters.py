@@ -41,10 +41,13 @@ def _refuse(engine, kind: str) -> None:
     opt, stage = engine.optimizer, engine.zero_optimization_stage()
     cls = type(opt).__name__
     if kind == "pipeline_stage0":
+        if int(engine.mp_world_size) != int(engine.num_stages):  # whatever the optimizer: named first
+            raise UnsupportedEngine(
+                "tensor parallelism inside a stage-0 pipeline is not described by the save hook (a tensor x "
+                "pipeline-parallel engine at ZeRO 1 is; `ckptspec generate` describes the saved directory)"
+            )
         if cls != "BF16_Optimizer":
             raise UnsupportedEngine(f"a ZeRO stage-0 pipeline with {cls}: only BF16_Optimizer's is described")
-        if int(engine.mp_world_size) != int(engine.num_stages):
-            raise UnsupportedEngine("tensor parallelism inside a stage-0 pipeline is not described")
     elif int(getattr(engine, "mp_world_size", 1) or 1) > 1 or type(engine).__name__ == "PipelineEngine":
         raise UnsupportedEngine(f"{kind} combined with tensor or pipeline parallelism is not described")
     if kind == "moe" and stage == 3:
