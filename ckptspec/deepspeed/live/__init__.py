@@ -24,7 +24,7 @@ def index_from_engine(
         UnsupportedEngine: under AutoTP a parameter (frozen ones too) partitioned without an affine map,
             a tie of a weight AutoTP splits; in a pipeline a tie inside one stage, frozen parameters at
             ZeRO-2; a tensor x pipeline-parallel engine without its split rules in ``client_state``; MoE or stage 0
-            combined with tensor parallelism, MoE with FP16_Optimizer's flat masters.
+            combined with tensor parallelism (but a bf16 stage-0 pipeline's), MoE with FP16_Optimizer's flat masters.
         EngineLayoutMismatch: the ranks of one coordinate describe their group differently.
     """
     from ..kinds import kind_of_engine
@@ -35,7 +35,7 @@ def index_from_engine(
 
         from .masters_index import live_index
 
-        return live_index(gather_described(engine, dist))
+        return live_index(gather_described(engine, dist, client_state))
     from .gather import gather
     from .model_parallel import assemble, local_description
 
