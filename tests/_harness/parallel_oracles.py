@@ -166,7 +166,10 @@ def check_masters(entry: Path, whole: dict) -> int:
         tp = oracle["coords"]["tp"]
         for local, master in oracle["masters"].items():
             g = oracle["params"][local]["global_name"]
-            mine = whole[g] if spec["tp"] == 1 else shard_of(whole[g], affine_pieces(entry, tp, g), master.shape)
+            if spec["tp"] > 1 and spec["pp"] > 1:  # Megatron-style layers: the master gathered whole (its tensor group)
+                mine, master = whole[g], oracle["whole_masters"][local]
+            else:
+                mine = whole[g] if spec["tp"] == 1 else shard_of(whole[g], affine_pieces(entry, tp, g), master.shape)
             assert bits_equal(mine, master), (entry.name, oracle["coords"], local)
             checked += 1
     return checked

@@ -228,8 +228,8 @@ ZERO3_EXTRAS_SPECS = {
 # over a PipeModelDataParallelTopology (job/tp_layers.py; AutoTP cannot run in a pipeline), tp2 x pp2 at world
 # size 4, the split rules saved as Megatron-DeepSpeed saves them (``universal_checkpoint_info`` in the client
 # state); each rank records its masters, module and Adam moments gathered whole over its tensor group, rank 0
-# DeepSpeed's ds_to_universal. In the pipeline family's world-size-4 launch. Not in PARALLEL (no +again or hook
-# entries).
+# DeepSpeed's ds_to_universal. In the pipeline family's world-size-4 launch. Not in PARALLEL (no +again entries); saved
+# again through the save hook by HOOKED, later in the same launch.
 TP_PIPE_SPECS = {
     "tp2pp2-s1-fp32-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "fp32", **_UC}, 4),
     "tp2pp2-s1-bf16-ws4": ({"tp": 2, "pp": 2, "stage": 1, "dtype": "bf16", **_UC}, 4),
@@ -285,7 +285,7 @@ PIPE_STAGE0_SPECS = {
 # bf16_zero_pp_rank_* files per stage and tensor rank), fp32 with the torch optimizer (its state in each stage and
 # tensor rank's model states). Sources of the stage-0 tp x pp moves and what ``reshard --stage 0`` of a tp x pp
 # checkpoint is compared with, file for file; in the pipeline family's world-size-4 launch. Converted by ds_to_universal
-# too (its outcome recorded: it fails on them).
+# too (its outcome recorded: it fails on them). The bf16 one saved again through the save hook (MASTERS_HOOKED).
 TP_PIPE_STAGE0_SPECS = {
     "tp2pp2-s0-bf16-ws4": ({"tp": 2, "pp": 2, "stage": 0, "dtype": "bf16", **_UC}, 4),
     "tp2pp2-s0-fp32-ws4": ({"tp": 2, "pp": 2, "stage": 0, "dtype": "fp32", **_UC}, 4),
@@ -345,7 +345,8 @@ SOURCE_SPECS = {
     **MOE_LAYERS_SPECS,
 }
 # Saved through the save hook (ckptspec.deepspeed.save_checkpoint), in the launches of the entries
-# they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16).
+# they copy: the tensor/pipeline-parallel layouts the checkpoint index describes (issue #16), and tensor x
+# pipeline (TP_PIPE_SPECS, issue #40: given the split rules their own save is given).
 HOOKED = [
     "pp2-s1-fp32-ws2",
     "pp2-s1-bf16-ws2",
@@ -358,13 +359,19 @@ HOOKED = [
     "tp2-s2-bf16-ws2-extras",
     "pp2-s1-fp32-ws2-extras",
     "tp2-s1-fp32-ws2-tied",
+    "tp2pp2-s1-fp32-ws4",
+    "tp2pp2-s1-bf16-ws4",
 ]
 
 
 # The same for the kinds whose index locates fp32 masters (issue #17): ZeRO stage 0, MoE, the stage-0
 # pipeline. Their +hook entry is also their "+again" run (the job trained again later in its launch,
-# its oracles recorded before it saves), so the save hook costs these layouts no extra training.
-MASTERS_HOOKED = sorted(n for n in PARALLEL_SPECS if n.startswith(("s0-", "moe-", "pp2-s0-")))
+# its oracles recorded before it saves), so the save hook costs these layouts no extra training. And the bf16 tensor x
+# pipeline model at stage 0 (TP_PIPE_STAGE0_SPECS, issue #40: given the split rules its own save is given), re-trained
+# later in the pipeline family's world-size-4 launch.
+MASTERS_HOOKED = sorted(
+    [*(n for n in PARALLEL_SPECS if n.startswith(("s0-", "moe-", "pp2-s0-"))), "tp2pp2-s0-bf16-ws4"]
+)
 
 
 # The optimizer state DeepSpeed loads from the kinds whose index locates fp32 masters (issue #39): each
@@ -1262,7 +1269,7 @@ def _registry() -> dict[str, Task]:
         if name not in MASTERS_HOOKED:
             out[again_name(name)] = Task("parallel", {**spec, "save": False, "universal": False}, ws)
     for name in HOOKED + MASTERS_HOOKED:
-        spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS}[name]
+        spec, ws = {**PARALLEL_SPECS, **EXTRAS_SPECS, **TP_PIPE_SPECS, **TP_PIPE_STAGE0_SPECS}[name]
         out[hook_name(name)] = Task("parallel", {**spec, "save_with": "ckptspec", "universal": False}, ws)
     for name in sorted({*OPTIM_SOURCES, *DCP_OPTIM_SOURCES, *RESHARD_SOURCES, *TP_PIPE_STEP_SOURCES, *TP_PIPE_STAGE0}):
         spec, ws = SOURCE_SPECS[name]

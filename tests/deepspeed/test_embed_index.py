@@ -211,7 +211,9 @@ def test_a_universal_folder_gets_its_index(ds, tmp_path):
     assert run("validate", copy / tag / "ckptspec.json", "--checkpoint", copy, "--tag", tag).exit_code == 0
 
 
-@pytest.mark.parametrize("name", [hook_name(n) for n in ("pp2-s1-fp32-ws2", "tp2-s1-fp32-ws2", "moe-ep2-s0-bf16-ws2")])
+@pytest.mark.parametrize(
+    "name", [hook_name(n) for n in ("pp2-s1-fp32-ws2", "tp2-s1-fp32-ws2", "moe-ep2-s0-bf16-ws2", "tp2pp2-s1-bf16-ws4")]
+)
 def test_the_save_hooks_index_is_a_record_and_describes_the_layout(ds, name, tmp_path):
     """Saved through ckptspec.deepspeed.save_checkpoint: the hook's sidecar (what only the live engine knows: ranks,
     members, degrees and placement sources, the optimizer's class) is checked as a record and, given as M, agrees

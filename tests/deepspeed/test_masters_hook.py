@@ -1,7 +1,8 @@
 """Issue #17 (and #16's stage-0 pipeline): the live-engine producer and the save hook of the kinds whose
 index locates fp32 masters: ZeRO stage 0 (fp32; bf16 and fp16 with FP16_UnfusedOptimizer and with
 FP16_Optimizer), native MoE ep2 at world size 2 and 4 (stages 0, 1, 2; fp32 and bf16), the stage-0
-BF16_Optimizer pipeline.
+BF16_Optimizer pipeline (and, #40, the tensor x pipeline one: Megatron-style layers, its split rules in the client
+state).
 
 The ``+hook`` entries (tests/_harness/scenarios.py MASTERS_HOOKED) re-train the PARALLEL job in its
 launch and save it through ``ckptspec.deepspeed.save_checkpoint``; every rank also wrote the live
@@ -69,7 +70,7 @@ def test_the_live_engines_index_is_the_layout_the_hook_completed(ds, name):
     assert all(doc == live[0] for doc in live)
     saved = copy.deepcopy(_ranks(entry, "saved_index")[0])
     assert live[0]["layer_files"] == [] and live[0].get("expert_files") in (None, [])
-    assert bool(saved["layer_files"]) == name.startswith("pp2") and bool(saved.get("expert_files")) == (
+    assert bool(saved["layer_files"]) == name.startswith(("pp2", "tp2pp2")) and bool(saved.get("expert_files")) == (
         name.startswith("moe")
     )
     saved["layer_files"] = []
@@ -92,8 +93,9 @@ def test_the_engine_records_deepspeeds_rank_grid_and_expert_groups(ds, name):
     reported = {r["rank"]: r for r in meta["ranks"]}  # what DeepSpeed's groups said in the job
     for coord in index["topology"]["ranks"]:
         ds_rank = reported[coord["rank"]]
-        assert (coord["pipeline"], coord["data"], coord["mp_rank"]) == (
+        assert (coord["pipeline"], coord["tensor"], coord["data"], coord["mp_rank"]) == (
             ds_rank["pp"],
+            ds_rank["tp"],
             ds_rank["dp"],
             ds_rank["checkpoint_mp_rank"],
         )
@@ -107,12 +109,12 @@ def test_the_engine_records_deepspeeds_rank_grid_and_expert_groups(ds, name):
             assert dom["members"] == (list(group) if stage else [group[0]])
         elif dom["id"] == "dense":
             assert dom["members"] == (sorted(reported) if stage else [0])
-        else:  # a pipeline stage: its data-parallel ranks
-            p = dom["coordinate"]["pipeline"]
-            assert dom["members"] == [r for r, c in sorted(reported.items()) if c["pp"] == p]
+        else:  # a pipeline stage (of a tensor rank): its data-parallel ranks
+            p, t = dom["coordinate"]["pipeline"], dom["coordinate"]["tensor"]
+            assert dom["members"] == [r for r, c in sorted(reported.items()) if (c["pp"], c["tp"]) == (p, t)]
 
 
-@pytest.mark.parametrize("name", ["s0-bf16-ws2", "moe-ep2-s1-bf16-ws4", "pp2-s0-bf16-ws2"])
+@pytest.mark.parametrize("name", ["s0-bf16-ws2", "moe-ep2-s1-bf16-ws4", "pp2-s0-bf16-ws2", "tp2pp2-s0-bf16-ws4"])
 def test_validate_dir_checks_the_files_against_the_hooks_sidecar(ds, name, tmp_path):
     entry = ds.path(hook_name(name))
     result = invoke("validate", str(entry), "--format", "json")

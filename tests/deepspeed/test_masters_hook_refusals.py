@@ -1,6 +1,6 @@
-"""The save hook of ZeRO stage-0 and MoE engines refuses what it cannot describe before DeepSpeed writes
-anything (engine stand-ins with DeepSpeed 0.19.8's accessors: no job needed), and rank 0 refuses a
-description the saved files contradict (the real hooked checkpoint of ``s0-bf16-ws2``)."""
+"""The save hook of ZeRO stage-0 and MoE engines (and of a tensor x pipeline engine without its split rules) refuses
+what it cannot describe before DeepSpeed writes anything (engine stand-ins with DeepSpeed 0.19.8's accessors: no job
+needed), and rank 0 refuses a description the saved files contradict (the real hooked checkpoint of ``s0-bf16-ws2``)."""
 
 from types import SimpleNamespace
 
@@ -69,7 +69,9 @@ def _frozen():
         (_Engine(moe=True, optimizer="FP16_Optimizer"), "stage 0 MoE with FP16_Optimizer: only FP16_UnfusedOptimizer'"),
         (_Engine(optimizer="Adam"), "stage 0 with Adam: only FP16_UnfusedOptimizer and FP16_Optimizer's"),
         (PipelineEngine(optimizer="FP16_UnfusedOptimizer", mp_world_size=2, num_stages=2), "only BF16_Optimizer"),
-        (PipelineEngine(optimizer="BF16_Optimizer", mp_world_size=4, num_stages=2), "tensor parallelism inside"),
+        # tensor-parallel stages: described by the split rules the client state gives, none given here
+        (PipelineEngine(optimizer="BF16_Optimizer", mp_world_size=4, num_stages=2), "saved without its split rules"),
+        (PipelineEngine(optimizer="Adam", bf16=False, mp_world_size=4, num_stages=2), "pipeline with Adam: only BF16_"),
         (_Engine(module=_Tied()), "tied parameters"),
         (_Engine(module=_frozen(), bf16=False, optimizer="Adam"), "frozen parameter 'bias'"),
     ],
@@ -81,6 +83,7 @@ def _frozen():
         "stage0-bf16-adam",
         "pipeline-unfused",
         "pipeline-tp",
+        "pipeline-tp-fp32",
         "ties",
         "frozen",
     ],
@@ -88,6 +91,25 @@ def _frozen():
 def test_what_the_masters_hook_cannot_describe_is_refused_before_saving(engine, named, tmp_path):
     with pytest.raises(UnsupportedEngine, match=named):
         save_checkpoint(engine, tmp_path)
+    assert engine.saved == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "client_state",
+    [None, {"step": 2}, {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}],
+    ids=["none", "other-keys", "no-patterns"],
+)
+@pytest.mark.parametrize("stage,optimizer", [(1, "DeepSpeedZeroOptimizer"), (0, "BF16_Optimizer")])
+def test_a_tensor_pipeline_saved_without_its_split_rules_is_refused_before_saving(
+    stage, optimizer, client_state, tmp_path
+):
+    """A tensor x pipeline engine (Megatron-style layers: no rule DeepSpeed knows) at ZeRO 1 or stage 0 is described by
+    the split rules its client state gives (Megatron-DeepSpeed's universal_checkpoint_info), as ``generate`` reads them
+    back; without them nothing is written (before, DeepSpeed wrote its ZeRO-1 files, then the save failed, with them
+    or without; a stage-0 one was refused whatever its client state)."""
+    engine = PipelineEngine(stage=stage, optimizer=optimizer, mp_world_size=4, num_stages=2)
+    with pytest.raises(UnsupportedEngine, match="saved without its split rules: pass them as Megatron-DeepSpeed"):
+        save_checkpoint(engine, tmp_path, client_state=client_state)
     assert engine.saved == [] and list(tmp_path.iterdir()) == []
 
 
@@ -162,7 +184,7 @@ def test_a_refusing_rank_still_joins_the_gather_and_every_rank_raises(monkeypatc
     with pytest.raises(UnsupportedEngine, match="tied parameters"):
         masters.gather_described(_Engine(module=_Tied()), dist)
     assert dist.gathers == 1
-    monkeypatch.setattr(masters, "local_masters", lambda engine: {"kind": "stage0"})
+    monkeypatch.setattr(masters, "local_masters", lambda engine, client_state=None: {"kind": "stage0"})
     dist = _Dist((None, "rank 1: UnsupportedEngine: frozen parameter 'x'"))
     with pytest.raises(UnsupportedEngine, match="another rank refused the engine: rank 1: .*frozen parameter"):
         masters.gather_described(_Engine(), dist)

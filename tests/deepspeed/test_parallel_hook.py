@@ -1,6 +1,6 @@
 """Issue #16, the live-engine producer and the save hook of tensor/pipeline-parallel engines.
 
-The ``+hook`` entries (tests/_harness/scenarios.py HOOKED) re-train a PARALLEL job in its own launch
+The ``+hook`` entries (tests/_harness/scenarios.py HOOKED) re-train a PARALLEL (or TP_PIPE_SPECS) job in its own launch
 and save it through ``ckptspec.deepspeed.save_checkpoint``; every rank also wrote the live engine's
 index without files (``engine_index.index_from_engine``) and the complete index the hook returned.
 Held against: the index generated from the saved directory without DeepSpeed, DeepSpeed's own rank
@@ -52,12 +52,14 @@ def test_the_hooks_index_is_the_one_generated_from_the_directory(ds, name):
     (hooked, live_only), (generated, dir_only) = _engine_only(saved[0]), _engine_only(from_dir)
     assert hooked == generated
     spec = info(entry)["spec"]
+    # AutoTP's placements are the live engine's (its affine map); a tensor x pipeline engine's, like the files', the
+    # split rules of the client state its save was given
     tp_source = ["engine"] if spec["tp"] > 1 else ["pipeline_layer"]
+    dir_source = ["affine_map"] if spec["tp"] > 1 else ["pipeline_layer"]
+    if spec["tp"] > 1 and spec["pp"] > 1:
+        tp_source = dir_source = ["universal_checkpoint_info"]
     assert (live_only["degrees_source"], live_only["placement_source"]) == ("engine", tp_source)
-    assert (dir_only["degrees_source"], dir_only["placement_source"]) == (
-        "checkpoint_parallel_dimensions",
-        ["affine_map"] if spec["tp"] > 1 else ["pipeline_layer"],
-    )
+    assert (dir_only["degrees_source"], dir_only["placement_source"]) == ("checkpoint_parallel_dimensions", dir_source)
     assert set(live_only["class"]) == {"torch.optim.adam.Adam"} and set(dir_only["class"]) == {"unknown"}
     assert dir_only["ranks"] is None and dir_only["members"] == [None] * len(saved[0]["domains"])
 
@@ -70,7 +72,8 @@ def test_the_live_engines_index_is_the_layout_the_hook_completed(ds, name):
     assert all(doc == live[0] for doc in live)
     saved = copy.deepcopy(_ranks(entry, "saved_index")[0])
     spec = info(entry)["spec"]
-    layers = (6 if spec["tied"] else 5) if spec["pp"] > 1 else 0  # parallel_models._pipe_layers
+    # parallel_models._pipe_layers (job/tp_layers.py's: a file per layer and tensor rank)
+    layers = (6 if spec["tied"] else 5) * spec["tp"] if spec["pp"] > 1 else 0
     assert live[0]["layer_files"] == [] and len(saved["layer_files"]) == layers
     saved["layer_files"] = []
     if "extras" in saved:  # index 1.1's extras and ties are placed from the saved files (with_extras)
@@ -104,7 +107,7 @@ def test_the_engine_records_deepspeeds_rank_grid(ds, name):
         assert dom["members"] == [r for r, p, t, d, _ in sorted(reported, key=lambda x: x[3]) if (p, t) == coord]
 
 
-@pytest.mark.parametrize("name", ["pp2dp2-s1-fp32-ws4", "tp2-s3-bf16-ws2"])
+@pytest.mark.parametrize("name", ["pp2dp2-s1-fp32-ws4", "tp2-s3-bf16-ws2", "tp2pp2-s1-bf16-ws4"])
 def test_validate_dir_checks_the_files_against_the_hooks_sidecar(ds, name, tmp_path):
     entry = ds.path(hook_name(name))
     result = invoke("validate", str(entry), "--format", "json")

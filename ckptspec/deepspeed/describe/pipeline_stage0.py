@@ -126,12 +126,6 @@ def describe(folder: Path, states: StateCache, hash_algorithm: str | None = None
 
     files = scan_parallel(folder)
     degrees = degrees_of(files, states)
-    if degrees.tensor != 1 and live is not None:
-        raise UnsupportedCheckpoint(
-            f"tensor degree {degrees.tensor} with a stage-0 pipeline, from the live engine",
-            "save it with engine.save_checkpoint and describe the saved files",
-            str(folder),
-        )
     # Each tensor rank's stages and layer files are a pipeline of their own (its shards' names and shapes)
     views = {t: tensor_rank_files(files, degrees, t) for t in range(degrees.tensor)}
     tensor_of = {mp: degrees.coordinate(mp)[1] for mp in files.by_mp_rank}

@@ -20,6 +20,8 @@ shards whose placements do not give one whole shape. A layer file one tensor ran
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ...checkpoint.hashing import file_digest
 from ...checkpoint.states import StateCache
 from ...checkpoint.torchfile import TensorRef
@@ -36,22 +38,43 @@ def tensor_pipeline_view(
     """The layer files and the whole model's trainable parameters of a tensor-parallel pipeline."""
     where = str(files.tag_dir)
     _missing_layers(files, states, tp)
+    loaded = {
+        tensor: {n: (p.name, _keys(states, p)) for (n, t), p in sorted(files.tensor_layer_files.items()) if t == tensor}
+        for tensor in range(tp)
+    }
+
+    def rules(own: list[Domain], param: IndexParameter) -> tuple:
+        return _rules(files, states, own, param)
+
+    layer_files, parameters = tensor_ranks_view(domains, loaded, tp, where, rules)
+    for entry in layer_files:
+        assert entry.tensor is not None  # tensor_ranks_view names each layer file's tensor rank
+        path = files.tensor_layer_files[entry.layer, entry.tensor]
+        entry.size = path.stat().st_size
+        if hash_algorithm:
+            entry.hash = file_digest(path, hash_algorithm)
+    return layer_files, parameters
+
+
+def tensor_ranks_view(
+    domains: list[Domain],
+    loaded: dict[int, dict[int, tuple[str, dict[str, list[int]]]]],
+    tp: int,
+    where: str,
+    rules_of: Callable[[list[Domain], IndexParameter], tuple],
+) -> tuple[list[LayerFile], list[IndexParameter]]:
+    """The rules the files and the live engine (``live.model_parallel``) share: each tensor rank's stages and layer
+    files (``loaded[tensor]``: layer -> (file name, shapes by key)) a pipeline of their own, its shards placed by
+    ``rules_of(its domains, parameter)`` ((affine map, pattern lists, model-states file) of the parameter's
+    domain). The layer files' sizes are the caller's."""
     layer_files: list[LayerFile] = []
     parameters: dict[str, IndexParameter] = {}
     for tensor in range(tp):
         own = [d for d in domains if d.coordinate.tensor == tensor]
-        loaded = {
-            n: (p.name, _keys(states, p)) for (n, t), p in sorted(files.tensor_layer_files.items()) if t == tensor
-        }
-        found, params = pipeline_parameters(own, loaded, where, tensor)
-        for entry in found:
-            path = files.tensor_layer_files[entry.layer, tensor]
-            entry.size = path.stat().st_size
-            if hash_algorithm:
-                entry.hash = file_digest(path, hash_algorithm)
+        found, params = pipeline_parameters(own, loaded.get(tensor, {}), where, tensor)
         layer_files += found
         for param in params:
-            _place(param, tensor, tp, _rules(files, states, own, param), parameters)
+            _place(param, tensor, tp, rules_of(own, param), parameters)
     tensor_of = {d.id: d.coordinate.tensor for d in domains}
     for param in parameters.values():
         _check_whole(param, tp, where, tensor_of)

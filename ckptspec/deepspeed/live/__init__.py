@@ -9,8 +9,13 @@ if TYPE_CHECKING:
     from ...format.index_models import CheckpointIndex
 
 
-def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> CheckpointIndex:
+def index_from_engine(
+    engine, *, exclude_frozen_parameters: bool = False, client_state: dict | None = None
+) -> CheckpointIndex:
     """The index of ``engine``'s checkpoint layout, without files (collective: call on every rank).
+
+    ``client_state``: the one its save hands DeepSpeed; a tensor x pipeline-parallel engine's split rules are its
+    ``universal_checkpoint_info`` (Megatron-DeepSpeed's pattern lists), as the saved model states hold them.
 
     ZeRO stage 0, MoE and the stage-0 pipeline get their domains and parameters without ``masters``
     (``masters_index.live_index``): a master's locator is a byte range of a saved file.
@@ -18,7 +23,8 @@ def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> Che
     Raises:
         UnsupportedEngine: under AutoTP a parameter (frozen ones too) partitioned without an affine map,
             a tie of a weight AutoTP splits; in a pipeline a tie inside one stage, frozen parameters at
-            ZeRO-2; MoE or stage 0 combined with tensor parallelism, MoE with FP16_Optimizer's flat masters.
+            ZeRO-2; a tensor x pipeline-parallel engine without its split rules in ``client_state``; MoE or stage 0
+            combined with tensor parallelism (but a bf16 stage-0 pipeline's), MoE with FP16_Optimizer's flat masters.
         EngineLayoutMismatch: the ranks of one coordinate describe their group differently.
     """
     from ..kinds import kind_of_engine
@@ -29,8 +35,8 @@ def index_from_engine(engine, *, exclude_frozen_parameters: bool = False) -> Che
 
         from .masters_index import live_index
 
-        return live_index(gather_described(engine, dist))
+        return live_index(gather_described(engine, dist, client_state))
     from .gather import gather
     from .model_parallel import assemble, local_description
 
-    return assemble(gather(local_description(engine, exclude_frozen_parameters)))
+    return assemble(gather(local_description(engine, exclude_frozen_parameters, client_state)))

@@ -1,4 +1,5 @@
-"""The checkpoint index of a live ZeRO stage-0, native MoE or stage-0 pipeline engine (issue #17).
+"""The checkpoint index of a live ZeRO stage-0, native MoE or stage-0 pipeline engine (issue #17; a stage-0 pipeline
+with tensor-parallel stages too: one domain per stage and tensor rank, #40).
 
 The directory producers (``describe.index_builder``, ``describe.moe``, ``describe.pipeline_stage0``) name these
 checkpoints' fp32 masters from the files, by rules (module order, DeepSpeed's expert renaming, the
@@ -30,21 +31,24 @@ from ...format.dtypes import ITEMSIZE, dtype_name
 from ..describe.index_builder import LiveMasters
 from ..kinds import kind_of_engine
 from ..layout.masters import MODEL_FILE, MasterTensor, value_at
+from .model_parallel import split_rules
 from .refusals import refuse_unsaveable
 
 _LOCAL_EXPERT = re.compile(r"(\.deepspeed_experts\.)(\d+)(\.)")
 _FLAT = ("optimizer_state_dict", "single_partition_of_fp32_groups")
 
 
-def _refuse(engine, kind: str) -> None:
+def _refuse(engine, kind: str, client_state: dict | None = None) -> dict | None:
+    """Refuses what is not described; returns a tensor-parallel pipeline's split rules (``split_rules``), else None."""
     refuse_unsaveable(engine)
     opt, stage = engine.optimizer, engine.zero_optimization_stage()
     cls = type(opt).__name__
+    rules = None
     if kind == "pipeline_stage0":
         if cls != "BF16_Optimizer":
             raise UnsupportedEngine(f"a ZeRO stage-0 pipeline with {cls}: only BF16_Optimizer's is described")
-        if int(engine.mp_world_size) != int(engine.num_stages):
-            raise UnsupportedEngine("tensor parallelism inside a stage-0 pipeline is not described")
+        if int(engine.mp_world_size) != int(engine.num_stages):  # tensor-parallel stages: the rules of their shards
+            rules = split_rules(client_state)
     elif int(getattr(engine, "mp_world_size", 1) or 1) > 1 or type(engine).__name__ == "PipelineEngine":
         raise UnsupportedEngine(f"{kind} combined with tensor or pipeline parallelism is not described")
     if kind == "moe" and stage == 3:
@@ -65,20 +69,22 @@ def _refuse(engine, kind: str) -> None:
         seen[id(param)] = name
         if not param.requires_grad:
             raise UnsupportedEngine(f"frozen parameter {name!r} in a {kind} engine: not described yet")
+    return rules
 
 
 def _base(path: str) -> str:
     return os.path.basename(path)
 
 
-def local_masters(engine) -> dict:
-    """What this rank saves of the masters, and its place (JSON-ready, for the gather)."""
+def local_masters(engine, client_state: dict | None = None) -> dict:
+    """What this rank saves of the masters, and its place (JSON-ready, for the gather). ``client_state``: what the
+    save hands DeepSpeed (a tensor-parallel pipeline's split rules)."""
     import torch.distributed as dist
 
     kind = kind_of_engine(engine).masters_kind
     if kind is None:
         raise UnsupportedEngine("not a ZeRO stage-0 or MoE engine")
-    _refuse(engine, kind)
+    rules = _refuse(engine, kind, client_state)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     out = {
         "kind": kind,
@@ -99,6 +105,7 @@ def local_masters(engine) -> dict:
         _moe(engine, names, out)
     else:
         _pipeline(engine, names, out)
+        out["rules"] = rules
     return out
 
 
@@ -114,13 +121,13 @@ def _buffers(engine, kind: str) -> list[dict]:
     return out
 
 
-def gather_described(engine, dist=None) -> list[dict]:
+def gather_described(engine, dist=None, client_state: dict | None = None) -> list[dict]:
     """Every rank's ``local_masters`` (one gather). A rank's refusal is raised on every rank: none is
     left waiting in a collective while another refuses."""
     from .gather import gather
 
     try:
-        mine, error = local_masters(engine), None
+        mine, error = local_masters(engine, client_state), None
     except Exception as exc:
         mine, error = None, exc
     rank = dist.get_rank() if dist is not None and dist.is_available() and dist.is_initialized() else 0
@@ -275,9 +282,11 @@ def _pipeline(engine, names, out) -> None:
 
     from .groups import flat_groups_bf16_optimizer
 
-    stage = engine.grid.get_pipe_parallel_rank()
-    out.update(pipeline=stage, mp_rank=int(engine.checkpoint_mp_rank), pp=int(engine.num_stages))
-    domain = f"pp{stage}-tp0"
+    stage, tensor = engine.grid.get_pipe_parallel_rank(), engine.grid.get_slice_parallel_rank()
+    pp = int(engine.num_stages)
+    out.update(pipeline=stage, tensor=tensor, mp_rank=int(engine.checkpoint_mp_rank), pp=pp)
+    out["tp"] = int(engine.mp_world_size) // pp
+    domain = f"pp{stage}-tp{tensor}"
     out["domains"] = {domain: out["data"]}
     opt = engine.optimizer
     file = _base(engine._get_zero_ckpt_name("", ""))
@@ -293,12 +302,14 @@ def _pipeline(engine, names, out) -> None:
                 copy = {**piece, "file": model, "key": ["optimizer", "single_partition_of_fp32_groups", g]}
                 out["pieces"].append({**copy, "copy": True})
         index += len(group.params)
-    layers = {}
+    layers, shapes = {}, {}
     module = engine.module
     for local, layer in enumerate(module.forward_funcs):
         if hasattr(layer, "state_dict"):
             layers[module._local_start + local] = module.ckpt_layer_path("", local)
+            shapes[str(module._local_start + local)] = {k: list(t.shape) for k, t in sorted(layer.state_dict().items())}
     out["layers"] = {str(k): _base(v) for k, v in layers.items()}
+    out["layer_shapes"] = shapes  # a tensor-parallel pipeline's whole-model view (masters_index.live_index)
 
 
 def _tensor(pieces: list[dict], folder, states: StateCache) -> MasterTensor:
@@ -337,26 +348,30 @@ def resolve(described: list[dict], folder, states: StateCache) -> LiveMasters:
         (p for d in described for p in d["pieces"]),
         key=lambda p: (_domain_order(p["domain"]), p["index"], p["file"] != MODEL_FILE, p["file"], p["order"]),
     )
-    masters: dict[str, list] = {}
+    # by (domain, name): a tensor-parallel pipeline's tensor ranks hold masters of the same local name
+    masters: dict[tuple[str, str], list] = {}
     copies: dict[tuple[str, str], list] = {}
     for p in pieces:
-        (copies.setdefault((p["file"], p["name"]), []) if p["copy"] else masters.setdefault(p["name"], [])).append(p)
+        key = (p["file"], p["name"]) if p["copy"] else (p["domain"], p["name"])
+        (copies if p["copy"] else masters).setdefault(key, []).append(p)
     dtypes = {}
     for d in described:
         dtypes.update(d["dtypes"])
-    found = {name: _tensor(ps, folder, states) for name, ps in masters.items()}
+    found = {key: _tensor(ps, folder, states) for key, ps in masters.items()}
     copy_order = sorted(copies.values(), key=lambda ps: (ps[0]["file"] != MODEL_FILE, ps[0]["file"], ps[0]["key"]))
-    replicas = [(found[ps[0]["name"]], _tensor(ps, folder, states)) for ps in copy_order]
+    replicas = [(found[ps[0]["domain"], ps[0]["name"]], _tensor(ps, folder, states)) for ps in copy_order]
     first = described[0]
-    live = LiveMasters(masters=found, replicas=replicas, dtypes=dtypes, stored_in=first.get("stored_in", "module"))
+    named = {name: master for (_, name), master in found.items()}
+    live = LiveMasters(masters=named, replicas=replicas, dtypes=dtypes, stored_in=first.get("stored_in", "module"))
     if first["kind"] == "moe":
         stage = first["stage"]
         live.moe = (stage, first["world"] if stage else 1, first["edp"] if stage else 1, first["ep"])
     if first["kind"] == "pipeline_stage0":
         live.by_mp_rank = {}
         for d in described:
-            mine = [found[n] for n in masters if masters[n][0]["domain"] == f"pp{d['pipeline']}-tp0"]
-            theirs = [c for _, c in replicas if _domain_of_copy(c, copies) == f"pp{d['pipeline']}-tp0"]
+            domain = f"pp{d['pipeline']}-tp{d['tensor']}"
+            mine = [master for key, master in found.items() if key[0] == domain]
+            theirs = [c for _, c in replicas if _domain_of_copy(c, copies) == domain]
             live.by_mp_rank[d["mp_rank"]] = (mine, theirs)
     return live
 

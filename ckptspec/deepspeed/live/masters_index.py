@@ -29,10 +29,11 @@ def domains_of(described: list[dict]) -> list[tuple]:
     kind, stage = first["kind"], first["stage"]
     if kind == "stage0":
         return [("dense", Coordinate(pipeline=0, tensor=0), "data_parallel", 1, 0, "none")]
-    if kind == "pipeline_stage0":
+    if kind == "pipeline_stage0":  # in mp rank order: stage x tensor degree + tensor rank
         return [
-            (f"pp{p}-tp0", Coordinate(pipeline=p, tensor=0), "data_parallel", first["dp"], 0, "pipeline_layer")
+            (f"pp{p}-tp{t}", Coordinate(pipeline=p, tensor=t), "data_parallel", first["dp"], 0, "pipeline_layer")
             for p in range(first["pp"])
+            for t in range(first.get("tp", 1))
         ]
     ep = first["ep"]
     out = [("dense", Coordinate(pipeline=0, tensor=0), "data_parallel", first["world"] if stage else 1, 0, "none")]
@@ -55,19 +56,23 @@ def members_of(described: list[dict], domain: str, size: int) -> list[int]:
 
 def topology_of(described: list[dict]) -> Topology:
     first = described[0]
-    pp = first.get("pp", 1)
-    degrees = Degrees(pipeline=pp, tensor=1, data=first["dp"])
+    pp, tp = first.get("pp", 1), first.get("tp", 1)
+    degrees = Degrees(pipeline=pp, tensor=tp, data=first["dp"])
     if first["kind"] == "moe":
         degrees.expert = first["ep"]
     ranks = []
     for d in sorted(described, key=lambda d: d["rank"]):
         coord = RankCoordinate(
-            rank=d["rank"], pipeline=d.get("pipeline", 0), tensor=0, data=d["data"], mp_rank=d.get("mp_rank", 0)
+            rank=d["rank"],
+            pipeline=d.get("pipeline", 0),
+            tensor=d.get("tensor", 0),
+            data=d["data"],
+            mp_rank=d.get("mp_rank", 0),
         )
         if first["kind"] == "moe":
             coord.expert = d["expert"]
         ranks.append(coord)
-    return Topology(degrees=degrees, degrees_source="engine", model_parallel_size=pp, ranks=ranks)
+    return Topology(degrees=degrees, degrees_source="engine", model_parallel_size=pp * tp, ranks=ranks)
 
 
 def with_engine_view(index: CheckpointIndex, described: list[dict]) -> CheckpointIndex:
@@ -116,12 +121,15 @@ def live_index(described: list[dict]) -> CheckpointIndex:
             domain.manifest.buffers = [Buffer(**b) for b in first["buffers"]]
         if first["kind"] == "pipeline_stage0":
             domain.manifest.layout.pipeline_parallel_size = first["pp"]
+            domain.manifest.layout.tensor_parallel_size = first.get("tp", 1)
             layers = {k: v for d in described for k, v in d["layers"].items()}
             for param in params:
                 layer, key = param.name.split(".", 1)
                 param.shards[0].layer_file, param.shards[0].layer_key = layers[layer], key
         domains.append(domain)
         parameters += params
+    if first["kind"] == "pipeline_stage0" and first.get("tp", 1) > 1:
+        parameters = _tensor_pipeline_parameters(described, domains)
     index = CheckpointIndex(
         format=INDEX_FORMAT,
         format_version=INDEX_VERSION,
@@ -135,3 +143,21 @@ def live_index(described: list[dict]) -> CheckpointIndex:
     if first["kind"] == "moe":
         index.expert_files = []
     return index
+
+
+def _tensor_pipeline_parameters(described: list[dict], domains: list) -> list:
+    """A tensor-parallel stage-0 pipeline's whole-model parameters: each tensor rank's stages and layer files a
+    pipeline of their own, its shards placed by the split rules of the client state (the directory producer's code)."""
+    from ..describe.tp_pipeline import tensor_ranks_view
+
+    where = "the live engine"
+    loaded: dict[int, dict] = {}
+    rules = {}
+    for d in described:
+        rules[f"pp{d['pipeline']}-tp{d['tensor']}"] = d["rules"]
+        for layer, name in d["layers"].items():
+            loaded.setdefault(d["tensor"], {})[int(layer)] = (name, d["layer_shapes"][layer])
+    _, parameters = tensor_ranks_view(
+        domains, loaded, described[0]["tp"], where, lambda _, p: (None, rules[p.shards[0].domain], where)
+    )
+    return parameters

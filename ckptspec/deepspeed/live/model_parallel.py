@@ -32,7 +32,8 @@ from ...format.index_models import (
 )
 from ...format.models import Manifest
 from ..describe.model_parallel import domain_id, pipeline_parameters
-from ..layout.placements import tp_placement
+from ..describe.tp_pipeline import tensor_ranks_view
+from ..layout.placements import rule_info, tp_placement
 from .refusals import refuse_unsaveable
 from .zero import engine_layout
 
@@ -145,19 +146,42 @@ def as_pipeline_stage(manifest: Manifest) -> None:
     manifest.frozen, manifest.buffers = [], []
 
 
-def local_description(engine, exclude_frozen_parameters: bool = False) -> dict:
-    """What this rank knows (JSON-ready, for the gather)."""
+def _tensor_pipeline(engine) -> bool:
+    """A ``PipelineEngine`` of more model-parallel ranks than stages: tensor-parallel layers in its stages."""
+    return type(engine).__name__ == "PipelineEngine" and int(engine.mp_world_size) > int(engine.num_stages)
+
+
+def split_rules(client_state: dict | None) -> dict:
+    """A tensor-parallel pipeline's split rules: the ``universal_checkpoint_info`` pattern lists of the client state
+    DeepSpeed saves into every model-states file (Megatron-DeepSpeed's), which the directory producer reads back
+    (``describe/tp_pipeline.py``). Megatron-style layers carry no rule DeepSpeed knows: none given is refused."""
+    info = rule_info(client_state or {})
+    if info is None:
+        raise UnsupportedEngine(
+            "a tensor x pipeline-parallel engine (Megatron-style tensor-parallel layers in a PipelineModule) saved "
+            "without its split rules: pass them as Megatron-DeepSpeed does, client_state={'universal_checkpoint_info': "
+            "{'parameter_with_row_parallelism_patterns': [...], 'tp_replicated_parameter_patterns': [...]}}; "
+            "ckptspec never guesses how tensor-parallel shards compose"
+        )
+    return info
+
+
+def local_description(engine, exclude_frozen_parameters: bool = False, client_state: dict | None = None) -> dict:
+    """What this rank knows (JSON-ready, for the gather). ``client_state``: what the save hands DeepSpeed (a
+    tensor-parallel pipeline's split rules, ``split_rules``)."""
     _refuse(engine)
+    rules = split_rules(client_state) if _tensor_pipeline(engine) else None  # refused before anything else is read
     coords = coordinates(engine)
-    manifest = engine_layout(engine, exclude_frozen_parameters)
     pp, tp, _ = coords["degrees"]
+    manifest = engine_layout(engine, exclude_frozen_parameters)
     manifest.layout.tensor_parallel_size, manifest.layout.pipeline_parallel_size = tp, pp
     if pp > 1:
         as_pipeline_stage(manifest)
     return {
         **coords,
         "manifest": manifest.to_dict(),
-        "placements": _tp_placements(engine, manifest, coords["tensor"]) if tp > 1 else None,
+        "placements": _tp_placements(engine, manifest, coords["tensor"]) if tp > 1 and pp == 1 else None,
+        "rules": rules,
         "layers": {str(k): v for k, v in _pipeline_layers(engine).items()} if pp > 1 else None,
     }
 
@@ -179,7 +203,8 @@ def assemble(
         by_coord.setdefault((d["pipeline"], d["tensor"]), []).append(d)
     domains: list[Domain] = []
     parameters: dict[str, IndexParameter] = {}
-    layers: dict[int, Any] = {}  # layer number -> (its file, its tensors' shapes): every rank's "layers"
+    # (tensor rank, layer number) -> (its file, its tensors' shapes): every rank's "layers"
+    layers: dict[tuple[int, int], Any] = {}
     for (pipeline, tensor), members in sorted(by_coord.items(), key=lambda kv: kv[1][0]["mp_rank"]):
         first = members[0]
         if any(m["manifest"] != first["manifest"] for m in members):
@@ -197,7 +222,7 @@ def assemble(
             manifest=manifest,
         )
         domains.append(dom)
-        layers.update({int(k): v for k, v in (first["layers"] or {}).items()})
+        layers.update({(tensor, int(k)): v for k, v in (first["layers"] or {}).items()})
         if first["placements"] is None:  # a pipeline stage: placed below, as the directory producer places it
             continue
         for group in manifest.groups:
@@ -224,7 +249,7 @@ def assemble(
                 s.primary = s is entry.shards[0]
     layer_files: list[LayerFile] = []
     if pp > 1:
-        layer_files, in_layers = pipeline_parameters(domains, layers, "the live engine")
+        layer_files, in_layers = _pipeline_view(described, domains, layers, tp)
         parameters = {p.name: p for p in in_layers}
         layer_files = layer_files_of(layer_files) if layer_files_of is not None else []
     first_manifest = domains[0].manifest
@@ -248,3 +273,19 @@ def assemble(
         layer_files=layer_files,
         parameters=list(parameters.values()),
     )
+
+
+def _pipeline_view(
+    described: list[dict], domains: list[Domain], layers: dict[tuple[int, int], Any], tp: int
+) -> tuple[list[LayerFile], list[IndexParameter]]:
+    """A pipeline's layer files and whole-model parameters, by the directory producer's rules: one pipeline
+    (``pipeline_parameters``), or each tensor rank's (``tensor_ranks_view``), its shards placed by the split rules
+    of its domain (``split_rules``: the client state its model states hold)."""
+    where = "the live engine"
+    if tp == 1:
+        return pipeline_parameters(domains, {layer: v for (_, layer), v in layers.items()}, where)
+    rules = {domain_id(d["pipeline"], d["tensor"]): d["rules"] for d in described}
+    loaded: dict[int, dict] = {}
+    for (tensor, layer), value in layers.items():
+        loaded.setdefault(tensor, {})[layer] = value
+    return tensor_ranks_view(domains, loaded, tp, where, lambda _, p: (None, rules[p.shards[0].domain], where))

@@ -50,7 +50,7 @@ def save_masters_checkpoint(
     """``save_checkpoint`` of a stage-0, MoE or stage-0 pipeline engine; returns the index (every rank)."""
     import torch.distributed as dist
 
-    described = gather_described(engine, dist)  # refusals first, raised on every rank
+    described = gather_described(engine, dist, client_state)  # refusals first, raised on every rank
     state, tag = save_request(engine, client_state, tag)
     staged = save_staged(engine, dist, save_dir, tag, state, exclude_frozen_parameters)
     box: list[Any] = [None]  # the document rank 0 publishes, shared with every rank

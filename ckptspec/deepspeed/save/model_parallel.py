@@ -96,7 +96,7 @@ def save_index_checkpoint(
     """``save_checkpoint`` of a tensor/pipeline-parallel engine; returns the complete index (every rank)."""
     import torch.distributed as dist
 
-    mine = local_description(engine, exclude_frozen_parameters)  # refusals first, on every rank alike
+    mine = local_description(engine, exclude_frozen_parameters, client_state)  # refusals first, on every rank alike
     described = gather(mine, dist)
     assemble(described)  # the whole-model view's refusals too, before anything is written
     state, tag = save_request(engine, client_state, tag)

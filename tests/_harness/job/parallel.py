@@ -31,7 +31,8 @@ and record DeepSpeed's own answers about it (the ground truth of model-parallel 
   universal.log      (rank 0, when asked) ds_to_universal's output
   engine_index.rank<R>.json, saved_index.rank<R>.json  (every rank, ``save_with: ckptspec``) the live
                      engine's checkpoint index without files (ckptspec.deepspeed.live.model_parallel), and
-                     the complete one the save hook (ckptspec.deepspeed.save_checkpoint) returned
+                     the complete one the save hook (ckptspec.deepspeed.save_checkpoint) returned (a
+                     tensor-parallel pipeline's given the split rules DeepSpeed's own save of it is given)
 
 Nothing here re-derives what a reader of the files would compute: every tensor is read from the
 live engine through DeepSpeed's API, and every name mapping is DeepSpeed's own (the pipeline's
@@ -294,14 +295,15 @@ def _convert_universal(out: Path, tag: str, spec) -> dict:
     return result
 
 
-def _save_with_ckptspec(engine, out: Path, rank: int):
+def _save_with_ckptspec(engine, out: Path, rank: int, client_state):
     """The save hook (ckptspec.deepspeed.save_checkpoint), and the live engine's index without files
-    (``engine_index.rank<R>.json``, every rank: they must agree), both as every rank returns them."""
+    (``engine_index.rank<R>.json``, every rank: they must agree), both as every rank returns them;
+    ``client_state`` as DeepSpeed's own save of the job is given it."""
     from ckptspec.deepspeed import save_checkpoint
     from ckptspec.deepspeed.live import index_from_engine
 
-    live = index_from_engine(engine).to_dict()
-    saved = save_checkpoint(engine, str(out)).to_dict()
+    live = index_from_engine(engine, client_state=client_state).to_dict()
+    saved = save_checkpoint(engine, str(out), client_state=client_state).to_dict()
     (out / f"engine_index.rank{rank}.json").write_text(json.dumps(live, sort_keys=True))
     (out / f"saved_index.rank{rank}.json").write_text(json.dumps(saved, sort_keys=True))
 
@@ -347,10 +349,12 @@ def run(args, out: Path):
         oracle["whole_moments"] = whole_moments(engine)
     torch.save(oracle, out / f"oracle.rank{rank}.pt")
     tag = f"global_step{engine.global_steps}"
+    # a tensor-parallel pipeline's split rules, where Megatron-DeepSpeed puts them
+    client_state = {"universal_checkpoint_info": universal_info(spec)} if kind == "pipe" and spec["tp"] > 1 else None
     if spec["save"] and spec["save_with"] == "ckptspec":
-        _save_with_ckptspec(engine, out, rank)
-    elif spec["save"] and kind == "pipe" and spec["tp"] > 1:  # the split rules where Megatron-DeepSpeed puts them
-        engine.save_checkpoint(str(out), client_state={"universal_checkpoint_info": universal_info(spec)})
+        _save_with_ckptspec(engine, out, rank, client_state)
+    elif spec["save"] and client_state is not None:
+        engine.save_checkpoint(str(out), client_state=client_state)
     elif spec["save"]:
         engine.save_checkpoint(str(out))
     dist.barrier()
