@@ -619,9 +619,28 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s3-bf16-ws2>s0-ws4": ("tp2-s3-bf16-ws2", 4, _S0, _S0),
     "tp2-s3-bf16-ws2>tp4-s0": ("tp2-s3-bf16-ws2", 4, {"tp": 4, **_S0}, {"tensor_parallel": 4, **_S0}),
     # with frozen parameters (a weight AutoTP splits, a bias it leaves whole) and buffers, at the same tensor degree:
-    # ZeRO-2 tp2 x dp1 -> tp2 x dp2 and ZeRO-3 tp2 x dp1 -> tp2 x dp1 (merged or split for a stage-0 job: CK410)
+    # ZeRO-2 tp2 x dp1 -> tp2 x dp2 and ZeRO-3 tp2 x dp1 -> tp2 x dp1; ZeRO-2 merged (tp1 x dp2) and split (tp4 x dp1),
+    # ZeRO-3 split (tp4 x dp1), in the launches of the other AutoTP stage-0 loads of those degrees
     "tp2-s2-bf16-ws2-extras>s0-ws4": ("tp2-s2-bf16-ws2-extras", 4, _S0, _S0),
     "tp2-s3-bf16-ws2-extras>s0": ("tp2-s3-bf16-ws2-extras", 2, _S0, _S0),
+    "tp2-s2-bf16-ws2-extras>tp1-s0": (
+        "tp2-s2-bf16-ws2-extras",
+        2,
+        {**_TP1, **_S0},
+        {"tensor_parallel": 1, **_S0},
+    ),
+    "tp2-s2-bf16-ws2-extras>tp4-s0": (
+        "tp2-s2-bf16-ws2-extras",
+        4,
+        {"tp": 4, **_S0},
+        {"tensor_parallel": 4, **_S0},
+    ),
+    "tp2-s3-bf16-ws2-extras>tp4-s0": (
+        "tp2-s3-bf16-ws2-extras",
+        4,
+        {"tp": 4, **_S0},
+        {"tensor_parallel": 4, **_S0},
+    ),
     "tp2-s3-bf16-ws2>tp1-s0": ("tp2-s3-bf16-ws2", 2, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
     "tp2-s1-fp32-ws2>tp1-s0-ws3": ("tp2-s1-fp32-ws2", 3, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
     # an AutoTP checkpoint saved at stage 0 -> ZeRO-1/2 (reshard_tensor_stage0.py): at its tensor degree (tp2 x dp1
