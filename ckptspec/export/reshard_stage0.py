@@ -81,10 +81,10 @@ def module_order(found: Manifest, plan, states: StateCache) -> list[str]:
 
 def refuse_stage0(found: Manifest, source_osd: dict, module_order: list[str] | None = None, ties: bool = False) -> None:
     """CK410, by name, for a stage-0 target this writer does not write, or whose files could not be described.
-    ``module_order``: the module's parameter names in order (a data-parallel source's), which frozen parameters
-    are written by (``refuse_untold_frozen``); without it they are refused. ``ties``: the caller writes a tie (a
-    data-parallel source's: ``stage0_module`` pickles it as one tensor under both names, the optimizer holds it once);
-    without it a tie is refused."""
+    ``module_order``: the module's parameter names in order (a data-parallel source's, an AutoTP source's
+    tensor rank 0's), which frozen parameters are written by (``refuse_untold_frozen``); without it they are refused.
+    ``ties``: the caller writes a tie (a data-parallel source's: ``stage0_module`` pickles it as one tensor under both
+    names, the optimizer holds it once); without it a tie is refused."""
     if found.excluded:
         raise ReshardUnsupported(
             "a stage-0 target of a checkpoint that records frozen parameters it excluded (exclude_frozen_parameters): "

@@ -110,9 +110,10 @@ def plan_tensor_merge(
     manifest, whole, _, module = whole_model(index, tag_dir, plans, states)
     target = target_layout(manifest, world_size, zero_stage, sub_group_size, domain=True, writes_stage0=True)
     if target.zero_stage == 0:  # what a stage-0 checkpoint could not describe (ties, frozen parameters...)
-        from .reshard_stage0 import refuse_stage0, source_osd
+        from .reshard_stage0 import module_order, refuse_stage0, source_osd
 
-        refuse_stage0(manifest, source_osd(manifest, whole, states))
+        # frozen parameters: told from the masters by their whole shapes in tensor rank 0's module order
+        refuse_stage0(manifest, source_osd(manifest, whole, states), module_order(manifest, whole, states))
     changes = ModelChanges(
         module=module,
         set_keys={"mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}},

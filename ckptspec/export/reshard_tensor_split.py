@@ -53,7 +53,7 @@ def plan_tensor_split(
     axes = split_axes(index, extras, degree)
     state_plan = whole.optimizer_state_plan()
     writes = split_writes(manifest, whole, state_plan, module, axes, world_size, zero_stage, degree, sub_group_size)
-    return _refused_at_stage0(writes, whole, states)
+    return _refused_at_stage0(writes, whole, states, autotp=True)
 
 
 def plan_data_parallel_split(
@@ -81,13 +81,20 @@ def plan_data_parallel_split(
     return _refused_at_stage0(writes, plan, states)
 
 
-def _refused_at_stage0(writes: list[DataParallelTarget], plan, states: StateCache) -> list[DataParallelTarget]:
+def _refused_at_stage0(
+    writes: list[DataParallelTarget], plan, states: StateCache, autotp: bool = False
+) -> list[DataParallelTarget]:
     """``writes``, after CK410 for a stage-0 target that a stage-0 checkpoint could not describe (ties, frozen
-    parameters...: ``reshard_stage0.refuse_stage0``, from the source's rank-0 optimizer file)."""
+    parameters...: ``reshard_stage0.refuse_stage0``, from the source's rank-0 optimizer file). ``autotp``: an AutoTP
+    source's split, whose frozen parameters are written (each tensor rank's file checked at its shard shapes, in
+    tensor rank 0's module order: the written one)."""
     if writes[0].zero_stage == 0:
-        from .reshard_stage0 import refuse_stage0, source_osd
+        from .reshard_stage0 import module_order, refuse_stage0, source_osd
 
-        refuse_stage0(writes[0].manifest, source_osd(writes[0].manifest, plan, states))
+        osd = source_osd(writes[0].manifest, plan, states)
+        order = module_order(writes[0].manifest, plan, states) if autotp else None
+        for write in writes if autotp else writes[:1]:
+            refuse_stage0(write.manifest, osd, order)
     return writes
 
 

@@ -20,14 +20,19 @@ For an AutoTP stage-0 job (``--stage 0``, or no ``--stage``: the checkpoint's ow
   data-parallel size and never compares it), frozen parameters included;
 - merged or split, the whole model written by the stage-0 writer (``reshard_stage0.write_stage0_files``) from the
   stage-0 optimizer's entries, the wrapper's loss scale and ``cur_iter`` as saved, the buffers each tensor rank's
-  copy (compared first: CK401).
+  copy (compared first: CK401), frozen parameters merged or cut by the source's AutoTP rules into the module and out
+  of the optimizer groups.
 
 Frozen parameters (``layout/stage0_names.frozen_apart`` names them, the index places them by the ``affine_map``) go as a
 ZeRO job of the target's degree saves them (the module; at ZeRO-2 ``frozen_param_shapes``/``frozen_param_fragments``,
-``reshard_files``; at ZeRO-3 each rank's share), or as saved for a stage-0 job of the source's degree.
+``reshard_files``; at ZeRO-3 each rank's share), or as a stage-0 job saves them (the module): as saved at the source's
+degree, merged or split at another. A written stage-0 file's reader names its masters by their shapes in module order
+(``frozen_apart``), so each file (a split's shards at their shapes) is checked to name the trainable parameters alone
+(``reshard_stage0.refuse_untold_frozen``, in tensor rank 0's module order: the written one).
 
-Refused by name (CK410) before anything is written: frozen parameters merged or split for a stage-0 job (not written
-yet), a world size the target's tensor degree does not divide, ``--sub-group-size`` for a target not at ZeRO-3.
+Refused by name (CK410) before anything is written: frozen parameters a written stage-0 file could not tell from the
+trainable ones, a world size the target's tensor degree does not divide, ``--sub-group-size`` for a target not at
+ZeRO-3.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from .model_plan import ReconstructionPlan
 from .reshard_files import ModelChanges
 from .reshard_layout import located_target_layout
 from .reshard_source import SourceOptimizer, with_stage
-from .reshard_stage0 import refuse_stage0
+from .reshard_stage0 import module_order, refuse_stage0
 from .reshard_stage0_source import at_stage3, stage0_domain_write, stage0_optimizer
 from .reshard_stage0_world import Stage0WorldWrite
 from .reshard_tensor import AUTOTP_ONLY_KEYS, DataParallelTarget, whole_model, without_tensor_parallel
@@ -96,14 +101,17 @@ def plan_autotp_stage0(
     source = stage0_optimizer(tag_dir, first, states, moments, stage)
     # the whole manifest read at the target stage (a merge's target; a split's shards are laid out from it)
     target = located_target_layout(manifest, state_plan.metadata["ckptspec.optimizer"], data, stage, stage == 0)
+    order = None
     if stage == 0:  # FP16_UnfusedOptimizer's loss-scale entries as the source's wrapper saved them (reshard_stage0)
         source = _with_wrapper_scale(source, states.state(source.path)["optimizer"])  # type: ignore[arg-type]
-        refuse_stage0(manifest, source.osd)
+        order = module_order(manifest, whole, states)  # tensor rank 0's module: the written file's order
     stage0_keys: dict[str, Any] = {
         "optimizer": None,
         "shared_params": {},
     }  # no ties: a stage-0 checkpoint's are not described
     if degree == 1:  # merged: what a job without tensor parallelism saves (reshard_tensor)
+        if order is not None:  # frozen parameters: told from the masters by their whole shapes (refuse_untold_frozen)
+            refuse_stage0(manifest, source.osd, order)
         merge = {"mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}}
         changes = ModelChanges(
             module=module,
@@ -124,6 +132,8 @@ def plan_autotp_stage0(
             set_keys={**write.changes.set_keys, **stage0_keys},
             config=lambda saved, config=config: config(with_stage(saved, stage)),  # type: ignore[misc]
         )
+        if order is not None:  # each tensor rank's file: its masters told from its frozen shards by their shapes
+            refuse_stage0(write.manifest, source.osd, order)
         out.append(replace(write, changes=changes, source=source))
     return _as_saved_at(out, stage, sub_group_size)
 
@@ -184,11 +194,4 @@ def _refused_or_stage(
                 "not written as ZeRO yet",
                 "resume at the same layout",
             )
-    frozen = sorted({f.name for d in index.domains for f in d.manifest.frozen})
-    if frozen and zero_stage == 0 and degree != held:
-        raise ReshardUnsupported(
-            f"frozen parameters ({', '.join(frozen)}) in an AutoTP stage-0 checkpoint are not written merged or "
-            "split for a stage-0 job yet",
-            f"write it as ZeRO (--stage 1, 2 or 3: merged or split there) or for a stage-0 job of tensor degree {held}",
-        )
     return zero_stage

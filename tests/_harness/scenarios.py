@@ -258,8 +258,8 @@ AUTOTP_STAGE0_SPECS = {
     # with the MLP's two buffers (each tensor rank's file holds its own copy), converted by ds_to_universal too (which
     # fails on it): the source of the AutoTP stage-0 moves to ZeRO (DEGREE_RESHARDS; test_reshard_from_autotp_stage0.py)
     "tp2-s0-bf16-ws2-buffers": ({"tp": 2, "stage": 0, "dtype": "bf16", "buffers": True, **_UC}, 2),
-    # with a frozen weight AutoTP splits and a frozen bias it leaves whole: written for a stage-0 job of its tensor
-    # degree (DEGREE_RESHARDS), refused as ZeRO, merged or split (CK410)
+    # with a frozen weight AutoTP splits and a frozen bias it leaves whole: written as ZeRO and for a stage-0 job, at
+    # its tensor degree, merged and split (DEGREE_RESHARDS)
     "tp2-s0-bf16-ws2-frozen": ({"tp": 2, "stage": 0, "dtype": "bf16", "frozen": True}, 2),
     # the AutoTP MLP whose two Linear layers share one weight AutoTP leaves whole (as tp2-s1-fp32-ws2-tied), at stage 0:
     # the tie one tensor under both names in each tensor rank's module (tests/export/test_autotp_stage0_ties.py)
@@ -619,9 +619,28 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     "tp2-s3-bf16-ws2>s0-ws4": ("tp2-s3-bf16-ws2", 4, _S0, _S0),
     "tp2-s3-bf16-ws2>tp4-s0": ("tp2-s3-bf16-ws2", 4, {"tp": 4, **_S0}, {"tensor_parallel": 4, **_S0}),
     # with frozen parameters (a weight AutoTP splits, a bias it leaves whole) and buffers, at the same tensor degree:
-    # ZeRO-2 tp2 x dp1 -> tp2 x dp2 and ZeRO-3 tp2 x dp1 -> tp2 x dp1 (merged or split for a stage-0 job: CK410)
+    # ZeRO-2 tp2 x dp1 -> tp2 x dp2 and ZeRO-3 tp2 x dp1 -> tp2 x dp1; ZeRO-2 merged (tp1 x dp2) and split (tp4 x dp1),
+    # ZeRO-3 split (tp4 x dp1), in the launches of the other AutoTP stage-0 loads of those degrees
     "tp2-s2-bf16-ws2-extras>s0-ws4": ("tp2-s2-bf16-ws2-extras", 4, _S0, _S0),
     "tp2-s3-bf16-ws2-extras>s0": ("tp2-s3-bf16-ws2-extras", 2, _S0, _S0),
+    "tp2-s2-bf16-ws2-extras>tp1-s0": (
+        "tp2-s2-bf16-ws2-extras",
+        2,
+        {**_TP1, **_S0},
+        {"tensor_parallel": 1, **_S0},
+    ),
+    "tp2-s2-bf16-ws2-extras>tp4-s0": (
+        "tp2-s2-bf16-ws2-extras",
+        4,
+        {"tp": 4, **_S0},
+        {"tensor_parallel": 4, **_S0},
+    ),
+    "tp2-s3-bf16-ws2-extras>tp4-s0": (
+        "tp2-s3-bf16-ws2-extras",
+        4,
+        {"tp": 4, **_S0},
+        {"tensor_parallel": 4, **_S0},
+    ),
     "tp2-s3-bf16-ws2>tp1-s0": ("tp2-s3-bf16-ws2", 2, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
     "tp2-s1-fp32-ws2>tp1-s0-ws3": ("tp2-s1-fp32-ws2", 3, {**_TP1, **_S0}, {"tensor_parallel": 1, **_S0}),
     # an AutoTP checkpoint saved at stage 0 -> ZeRO-1/2 (reshard_tensor_stage0.py): at its tensor degree (tp2 x dp1
@@ -673,8 +692,20 @@ DEGREE_RESHARDS: dict[str, tuple[str, int, dict, dict]] = {
     # merged (tp1 x dp2) and split (tp4 x dp1), in the launches of the AutoTP stage-0 loads of those degrees and sizes
     "tp2-s0-bf16-ws2-buffers>ws4": ("tp2-s0-bf16-ws2-buffers", 4, {}, {}),
     # with frozen parameters (a weight AutoTP splits, a bias it leaves whole; named by the masters' shapes), at its
-    # tensor degree (its other moves: CK410)
+    # tensor degree, merged (tp1 x dp2) and split (tp4 x dp1): the frozen ones in the module, merged or split
     "tp2-s0-bf16-ws2-frozen>ws4": ("tp2-s0-bf16-ws2-frozen", 4, {}, {}),
+    "tp2-s0-bf16-ws2-frozen>tp1-s0": (
+        "tp2-s0-bf16-ws2-frozen",
+        2,
+        {**_TP1, **_S0},
+        {"tensor_parallel": 1, **_S0},
+    ),
+    "tp2-s0-bf16-ws2-frozen>tp4-s0": (
+        "tp2-s0-bf16-ws2-frozen",
+        4,
+        {"tp": 4, **_S0},
+        {"tensor_parallel": 4, **_S0},
+    ),
     "tp2-s0-bf16-ws2-buffers>tp1-s0": (
         "tp2-s0-bf16-ws2-buffers",
         2,

@@ -2,7 +2,8 @@
 export/reshard_tensor_stage0.py): at its tensor degree for another data-parallel size (tp2 x dp1 -> tp2 x dp2: each
 tensor rank's file as saved, ``dp_world_size`` the target's, as export/reshard_stage0_world.py writes a dense one),
 merged (``--tensor-parallel 1``: tp1 x dp2) and split (``--tensor-parallel 4``: tp4 x dp1), both by the stage-0 writer
-(export/reshard_stage0.py) from the whole model.
+(export/reshard_stage0.py) from the whole model; each with buffers, and with frozen parameters (a weight AutoTP splits,
+a bias it leaves whole: merged or split into the module, out of the optimizer).
 
 Ground truth: a real DeepSpeed stage-0 job of the target layout (``DEGREE_RESHARDS``, tests/_harness/optim_job.py)
 loads the output with ``engine.load_checkpoint`` and records the Adam moments and step its FP16_UnfusedOptimizer then
@@ -45,7 +46,8 @@ MOVES = sorted(
 )
 SOURCE = "tp2-s0-bf16-ws2-buffers"
 SAME_DEGREE = "tp2-s0-bf16-ws2-buffers>ws4"  # no --stage: the source's own
-FROZEN = "tp2-s0-bf16-ws2-frozen>ws4"  # a frozen weight AutoTP splits, a frozen bias it leaves whole
+FROZEN_SOURCE = "tp2-s0-bf16-ws2-frozen"  # a frozen weight AutoTP splits, a frozen bias it leaves whole
+FROZEN = f"{FROZEN_SOURCE}>ws4"
 AT_ITS_DEGREE = (SAME_DEGREE, FROZEN)
 KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -75,9 +77,10 @@ def _file_masters(states: dict, trained: set[str]) -> dict[str, torch.Tensor]:
 
 
 def test_the_moves_are_registered():
-    """The same tensor degree at another data-parallel size (with buffers, and with frozen parameters), merged,
-    split."""
-    assert MOVES == sorted([*AT_ITS_DEGREE, f"{SOURCE}>tp1-s0", f"{SOURCE}>tp4-s0"])
+    """The same tensor degree at another data-parallel size, merged, split: with buffers, and with frozen
+    parameters."""
+    other = [f"{s}>tp{t}-s0" for s in (SOURCE, FROZEN_SOURCE) for t in (1, 4)]
+    assert MOVES == sorted([*AT_ITS_DEGREE, *other])
     assert all(DEGREE_RESHARDS[n][1:] == (4, {}, {}) for n in AT_ITS_DEGREE)
 
 
@@ -96,7 +99,7 @@ def test_a_stage0_job_of_the_target_layout_resumes_bit_for_bit(name, ds):
     shapes = _shapes(ds, source)
     # what the saving job held when it saved: its trained parameters' masters (not the frozen ones)
     expected = merged(rank_oracles(ds.path(source)), lambda o: o["masters"], shapes)
-    assert expected and (expected.keys() < shapes.keys()) == (name == FROZEN)
+    assert expected and (expected.keys() < shapes.keys()) == (source == FROZEN_SOURCE)
     for key in KEYS:
         pick = lambda r, key=key: {n: s[key] for n, s in r["state"].items()}  # noqa: E731
         held, loaded = merged(target, pick, shapes), merged(before, pick, shapes)
@@ -119,26 +122,32 @@ def test_a_stage0_job_of_the_target_layout_resumes_bit_for_bit(name, ds):
 @pytest.mark.parametrize("name", MOVES)
 def test_buffers_frozen_parameters_and_logits_carry_over(name, ds):
     """Every rank's buffers and frozen parameters as loaded (the job filled them with other values first) are the
-    source's (each tensor rank's file held its own copy, or shard). The logits of a fixed batch: bit for bit at the
-    source's tensor degree, else within one bf16 epsilon per tensor rank of the larger degree at the largest logit
+    source's (each tensor rank's file held its own copy, or shard; merged or split, the frozen weight's shards are
+    the target degree's, put together whole by the source job's shapes). The logits of a fixed batch: bit for bit at
+    the source's tensor degree, else within one bf16 epsilon per tensor rank of the larger degree at the largest logit
     (the row-parallel partial sums added in another order)."""
     source, _, spec = reshard_target(name)
-    target, before = optim_records(ds.path(name)), optim_records(ds.path(optim_name(source)))
-    if spec.get("tp", 1) == source_spec(source)["tp"]:  # every tensor rank's own, shards too
+    target, before = _with_tp(optim_records(ds.path(name))), optim_records(ds.path(optim_name(source)))
+    tp, frozen = spec.get("tp", 1), source == FROZEN_SOURCE
+    if tp == source_spec(source)["tp"]:  # every tensor rank's own, shards too
         per_rank = [{(r["coords"]["tp"], n): t for n, t in r["module"].items()} for r in (*target, *before)]
         module, expected = union_of(per_rank[: len(target)]), union_of(per_rank[len(target) :])
+    elif frozen:  # the frozen weight split at the target's degree: each side's shards put together
+        shapes = _shapes(ds, source)
+        assert {tuple(r["module"]["blocks.0.up.weight"].shape) for r in target} == {(32 // tp, 16)}
+        module, expected = (merged(records, lambda r: r["module"], shapes) for records in (target, before))
     else:  # the buffers, whole on every rank
         module, expected = union_of([r["module"] for r in target]), union_of([r["module"] for r in before])
-    kept = {"blocks.0.up.weight", "head.bias"} if name == FROZEN else {"running", "step_count"}
+    kept = {"blocks.0.up.weight", "head.bias"} if frozen else {"running", "step_count"}
     assert {k[1] if isinstance(k, tuple) else k for k in module} == kept and module.keys() == expected.keys()
     for n, t in module.items():
         assert bits_equal(t, expected[n]), n
     logits, reference = logits_of(target), logits_of(before)
     assert logits.abs().max() > 0 and logits.shape == reference.shape
-    if spec.get("tp", 1) == source_spec(source)["tp"]:
+    if tp == source_spec(source)["tp"]:
         assert bits_equal(logits, reference)
     else:
-        bound = max(spec.get("tp", 1), 2) * torch.finfo(torch.bfloat16).eps * reference.abs().max().item()
+        bound = max(tp, 2) * torch.finfo(torch.bfloat16).eps * reference.abs().max().item()
         assert (logits - reference).abs().max().item() <= bound, (logits - reference).abs().max()
 
 
@@ -208,3 +217,19 @@ def test_the_frozen_source_is_described_as_the_job_held_it(ds):
     assert gathered.keys() == shapes.keys()
     for n, weight in gathered.items():
         assert bits_equal(read[n].to(weight.dtype), weight), n
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_frozen_parameters_a_stage0_file_could_not_tell_apart_are_still_refused(tp, ds, tmp_path, monkeypatch):
+    """Merged or split, each written file's masters are named by their shapes in module order
+    (layout/stage0_names.frozen_apart): the writer checks that this names the trainable parameters alone
+    (``reshard_stage0.refuse_untold_frozen``) before anything is written, and refuses by name (CK410) where it would
+    not (here made so: no choice named)."""
+    monkeypatch.setattr("ckptspec.export.reshard_stage0.named_by_shapes", lambda held, dense: None)
+    out = tmp_path / "out"
+    args = ["--tensor-parallel", str(tp), "--world-size", str(max(tp, 2)), "--stage", "0"]
+    result = CliRunner().invoke(cli, ["reshard", str(ds.path(FROZEN_SOURCE)), str(out), *args])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "CK410" in result.output and "frozen parameters (blocks.0.up.weight, head.bias)" in result.output
+    assert "could not tell from the trainable ones" in result.output
+    assert not out.exists() or not any(out.iterdir())

@@ -209,24 +209,3 @@ def test_what_is_not_written_is_refused_by_name(args, refusal, ds, tmp_path):
     assert result.exit_code == 1 and "CK410" in result.output and refusal in result.output, result.output
     assert "Traceback" not in result.output
     assert not out.exists() or not any(out.iterdir())
-
-
-@pytest.mark.parametrize(
-    "command",
-    [
-        ["reshard", "--world-size", "2", "--stage", "0", "--tensor-parallel", "1"],
-        ["reshard", "--world-size", "4", "--tensor-parallel", "4"],
-    ],
-)
-def test_frozen_parameters_merged_or_split_for_a_stage0_job_are_refused_by_name(command, ds, tmp_path):
-    """A frozen weight AutoTP splits and a frozen bias it leaves whole (the stage-0 job's fp32_groups hold 8 masters for
-    the 10 parameters its module lists: described, stage0_names.frozen_apart): written as ZeRO at any degree (above)
-    and for a stage-0 job of its tensor degree (test_reshard_autotp_stage0_world.py); merged or split for a stage-0 job
-    refused by name (CK410) before anything is written."""
-    out = tmp_path / "out"
-    source = str(ds.path(FROZEN_SOURCE))
-    result = CliRunner().invoke(cli, [command[0], source, str(out), *command[1:]])
-    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
-    assert "CK410" in result.output and "frozen parameters (blocks.0.up.weight, head.bias)" in result.output
-    assert "not written merged or split for a stage-0 job" in result.output
-    assert not out.exists() or not any(out.iterdir())
