@@ -22,8 +22,10 @@ are content-keyed, so several checkouts may share one ROOT.
 
 from __future__ import annotations
 
+import bisect
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -81,15 +83,27 @@ def recorded_entry(name: str, task_key: str, modules: list[str]) -> Path:
 
 
 _FOUND: dict[tuple[str, str], Path] = {}  # entries found in this process (complete entries stay)
+_LISTED: list[str] = []  # the cache directory's names, as last listed: looked up for every registered entry
+
+
+def _names(fresh: bool) -> list[str]:
+    if fresh or not _LISTED:
+        _LISTED[:] = sorted(os.listdir(root()))
+    return _LISTED
 
 
 def find_recorded(name: str, task_key: str) -> Path | None:
-    """The complete entry of ``name``/``task_key`` whose recorded ckptspec modules are unchanged, if any."""
+    """The complete entry of ``name``/``task_key`` whose recorded ckptspec modules are unchanged, if any: from the
+    listing this process last read, then, not found there, from a new one (an entry built since)."""
     if (name, task_key) in _FOUND:
         return _FOUND[name, task_key]
     prefix = f"{name}-{task_key}-"
-    for path in sorted(root().iterdir()):
-        if path.name.startswith(prefix) and is_done(path):
+    for fresh in (False, True):
+        names = _names(fresh)
+        for found in itertools.takewhile(lambda n: n.startswith(prefix), names[bisect.bisect_left(names, prefix) :]):
+            path = root() / found
+            if not is_done(path):
+                continue
             try:
                 modules = json.loads((path / MODULES).read_text())
             except (OSError, ValueError):
