@@ -108,7 +108,7 @@ def plan_autotp_stage0(
     stage0_keys: dict[str, Any] = {
         "optimizer": None,
         "shared_params": {},
-    }  # no ties: a stage-0 checkpoint's are not described
+    }  # no ties: an AutoTP stage-0 checkpoint's are read but refused here (_refused_or_stage)
     if degree == 1:  # merged: what a job without tensor parallelism saves (reshard_tensor)
         if order is not None:  # frozen parameters: told from the masters by their whole shapes (refuse_untold_frozen)
             refuse_stage0(manifest, source.osd, order)
